@@ -1,0 +1,1 @@
+"""The user-facing definition API: FusionDefinition, ``fd.ops``, ``fd.sched``."""

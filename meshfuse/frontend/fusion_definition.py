@@ -1,0 +1,200 @@
+"""``FusionDefinition``: define a fusion with global shapes, schedule it, execute it.
+
+Two styles, one semantics (DESIGN.md section 1)::
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.relu(x))
+    out, = fd.execute([torch.randn(4, 8)])
+
+    class Model(FusionDefinition):
+        def definition(self):            # uses self.define_tensor, self.ops.*
+            ...
+        def multidevice_schedule(self):  # optional; uses self.sched.* or tensor methods
+            ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
+from meshfuse.frontend.schedule import Schedule
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import IterDomain, IterType
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+
+
+class FusionDefinition:
+    """A fusion under construction, and the entry point to run it.
+
+    ``execute`` builds on first use (runs ``definition``/``multidevice_schedule`` of a
+    subclass, checks the schedule, derives layouts), then caches one per-rank program per
+    input signature.
+    """
+
+    def __init__(self) -> None:
+        self.fusion = Fusion()
+        self.ops = Ops(self.fusion)
+        self.sched = Schedule()
+        self._defined = False
+        self._runner = None
+
+    # ----- the two styles ----------------------------------------------------------------
+    def __enter__(self) -> FusionDefinition:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._defined = True
+
+    def definition(self) -> None:
+        """Override in a subclass to define the fusion with ``self.define_tensor``, ``self.ops``."""
+
+    def multidevice_schedule(self) -> None:
+        """Override in a subclass to schedule tensors (``self.sched.*`` or tensor methods)."""
+
+    def _ensure_defined(self) -> None:
+        if not self._defined:
+            self.definition()
+            self.multidevice_schedule()
+            self._defined = True
+
+    # ----- definition --------------------------------------------------------------------
+    def define_tensor(
+        self,
+        shape: Sequence[int] = (),
+        contiguity: bool | Sequence[bool | None] | None = None,
+        dtype: DataType = DataType.Float,
+        stride_order: Sequence[int] | None = None,
+        symbolic_sizes: Sequence[int] | None = None,
+    ) -> TensorView:
+        """Declares a tensor input of the fusion with its *global* shape.
+
+        Args:
+            shape: one entry per axis: ``-1`` symbolic (bound at execute), ``1`` a broadcast
+                axis, any other positive value a static global extent.
+            contiguity: ``True`` if a dimension's stride must be dense, ``False``/``None`` if it
+                may be larger; one flag for all, or one per axis *in memory order* (outermost
+                first). Default: any strides that follow ``stride_order``.
+            dtype: the element type.
+            stride_order: ``stride_order[i]`` is the rank of axis ``i`` counted from the
+                innermost (``0`` = smallest stride); default row-major ``[n-1, ..., 0]``.
+                ``[3, 1, 2, 0]`` on ``[b, h, s, e]`` is the BSHE layout.
+            symbolic_sizes: nvFuser's older name for ``shape``.
+
+        Returns:
+            The TensorView, also appended to the fusion's inputs.
+        """
+        shape = list(symbolic_sizes if symbolic_sizes is not None else shape)
+        if not isinstance(dtype, DataType):
+            raise DefinitionError(f"define_tensor: dtype must be a DataType, got {dtype!r}")
+        ids = []
+        for axis, extent in enumerate(shape):
+            if not isinstance(extent, int) or isinstance(extent, bool) or extent == 0 or extent < -1:
+                raise DefinitionError(
+                    f"define_tensor: shape entry {axis} is {extent!r}; use -1 (symbolic), 1 "
+                    "(broadcast) or a positive global extent"
+                )
+            if extent == 1:
+                ids.append(IterDomain(1, IterType.Broadcast))
+            else:
+                ids.append(IterDomain(None if extent == -1 else extent))
+        order = self._memory_order(len(shape), stride_order)
+        contig = self._contiguity(len(shape), contiguity)
+        allocation = Allocation(
+            tuple(ids[a] for a in order),
+            tuple(None if ids[a].is_broadcast else c for a, c in zip(order, contig)),
+        )
+        tv = TensorView(self.fusion, ids, dtype, allocation)
+        self.fusion.add_input(tv)
+        return tv
+
+    def from_pytorch(self, t: torch.Tensor, static_sizes: bool = False) -> TensorView:
+        """A tensor input shaped like ``t`` (symbolic extents unless ``static_sizes``), with
+        its dtype and memory order."""
+        order = sorted(range(t.ndim), key=lambda a: (t.stride(a), -a))
+        stride_order = [order.index(a) for a in range(t.ndim)]
+        shape = [(e if static_sizes or e == 1 else -1) for e in t.shape]
+        return self.define_tensor(shape, dtype=DataType.from_torch(t.dtype),
+                                  stride_order=stride_order)
+
+    @staticmethod
+    def _memory_order(ndim: int, stride_order: Sequence[int] | None) -> list[int]:
+        if stride_order is None:
+            return list(range(ndim))
+        stride_order = list(stride_order)
+        if sorted(stride_order) != list(range(ndim)):
+            raise DefinitionError(
+                f"define_tensor: stride_order {stride_order} must be a permutation of "
+                f"range({ndim}) (one rank per axis, 0 = innermost)"
+            )
+        return sorted(range(ndim), key=lambda a: -stride_order[a])
+
+    @staticmethod
+    def _contiguity(ndim: int, contiguity) -> list[bool]:
+        if contiguity is None or isinstance(contiguity, bool):
+            return [bool(contiguity)] * ndim
+        contiguity = list(contiguity)
+        if len(contiguity) != ndim:
+            raise DefinitionError(
+                f"define_tensor: contiguity has {len(contiguity)} entries for {ndim} axes; give "
+                "one per axis in memory order, or one bool"
+            )
+        return [bool(c) for c in contiguity]
+
+    def define_scalar(self, value: Any = None, dtype: DataType | None = None) -> Scalar:
+        """A scalar: a constant when ``value`` is given, else an input of the fusion (bound
+        from ``execute``'s inputs, in definition order with the tensors)."""
+        if dtype is None:
+            if value is None:
+                raise DefinitionError("define_scalar: a scalar input needs a dtype")
+            dtype = scalar_dtype(value)
+        if not isinstance(dtype, DataType):
+            raise DefinitionError(f"define_scalar: dtype must be a DataType, got {dtype!r}")
+        s = Scalar(dtype, value)
+        return self.fusion.add_constant(s) if value is not None else self.fusion.add_input(s)
+
+    def add_output(self, tv: TensorView) -> None:
+        """Marks ``tv`` as an output; ``execute`` returns outputs in the order added."""
+        if not isinstance(tv, TensorView) or tv.fusion is not self.fusion:
+            raise DefinitionError(
+                f"add_output: {tv!r} is not a tensor of this fusion; pass a value returned by "
+                "define_tensor or fd.ops of this FusionDefinition"
+            )
+        if tv.definition is None and tv not in self.fusion.inputs():
+            raise DefinitionError(f"add_output: {tv.name} is not produced by the fusion")
+        self.fusion.add_output(tv)
+
+    # ----- running -----------------------------------------------------------------------
+    def execute(self, inputs: Sequence[Any], **options) -> list[torch.Tensor]:
+        """Runs the fusion on this rank's local shards of ``inputs``; returns local outputs.
+
+        Args:
+            inputs: tensors (this rank's shards, laid out as the schedule says) and scalar
+                values, in the order they were defined.
+            options: ``check_ranks=True`` compares input dtypes/shapes across ranks before
+                running (raises InputError on every rank instead of hanging); also turned on
+                by the environment variable ``MESHFUSE_CHECK_RANKS=1``.
+        """
+        return self._get_runner().execute(inputs, **options)
+
+    def _get_runner(self):
+        if self._runner is None:
+            from meshfuse.runtime.runner import FusionRunner
+
+            self._ensure_defined()
+            self._runner = FusionRunner(self.fusion)
+        return self._runner
+
+    def explain(self) -> str:
+        """The fusion after the build passes (shardings and layouts), as printed text."""
+        return self._get_runner().explain()
+
+    def __repr__(self) -> str:
+        self._ensure_defined()
+        return str(self.fusion)

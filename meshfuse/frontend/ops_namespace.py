@@ -1,0 +1,138 @@
+"""``fd.ops``: every registered op as a method that adds it to the fusion."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.fusion import Expr
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.tensor_view import Scalar, TensorView, Val
+from meshfuse.ops import registry
+from meshfuse.ops.registry import Kind, OpDef, ScalarMeta, TensorMeta
+
+if TYPE_CHECKING:
+    from meshfuse.ir.fusion import Fusion
+
+_NUMBER = (bool, int, float, complex)
+
+
+def tensor_meta(tv: TensorView) -> TensorMeta:
+    ids = tv.materialized()
+    return TensorMeta(tuple(i.extent for i in ids), tuple(i.iter_type for i in ids), tv.dtype)
+
+
+def arg_meta(arg: Any) -> Any:
+    """What a shape rule sees of one argument."""
+    if isinstance(arg, TensorView):
+        return tensor_meta(arg)
+    if isinstance(arg, Scalar):
+        return ScalarMeta(arg.dtype, arg.value)
+    if isinstance(arg, list | tuple) and arg and all(isinstance(a, TensorView) for a in arg):
+        return [tensor_meta(a) for a in arg]
+    return arg
+
+
+def flat_tensors(args) -> list[TensorView]:
+    """The tensor arguments in signature order, lists flattened (the order of ``sources``)."""
+    flat: list[TensorView] = []
+    for a in args:
+        if isinstance(a, TensorView):
+            flat.append(a)
+        elif isinstance(a, list | tuple):
+            flat.extend(x for x in a if isinstance(x, TensorView))
+    return flat
+
+
+class Ops:
+    """The namespace ``fd.ops``: ``fd.ops.add(a, b)``, ``fd.ops.sdpfa_fwd(q, k, v, ...)``."""
+
+    def __init__(self, fusion: Fusion):
+        self._fusion = fusion
+
+    def __getattr__(self, name: str):
+        op = registry.lookup(name)
+
+        def call(*args, **kwargs):
+            return add_op(self._fusion, op, args, kwargs)
+
+        call.__name__ = name
+        call.__doc__ = f"{op.signature()}: {op.doc}"
+        return call
+
+    def __dir__(self):
+        return sorted(registry.REGISTRY)
+
+
+def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:
+    """Checks the arguments, runs the shape rule, and records the op in ``fusion``."""
+    bound = op.bind(args, kwargs)
+    for param, value in zip(op.params, bound):
+        _check_kind(fusion, op, param, value)
+    specs = op.infer(*[arg_meta(a) for a in bound])
+    inputs = flat_tensors(bound)
+    outputs: list[Val] = []
+    id_map: dict[IterDomain, tuple[IterDomain, ...]] = {}
+    for spec in specs:
+        if spec.axes is None:
+            outputs.append(Scalar(spec.dtype))
+            continue
+        ids = []
+        for axis in spec.axes:
+            new = IterDomain(axis.extent, axis.iter_type)
+            id_map[new] = tuple(inputs[t].materialized()[a] for t, a in axis.sources)
+            ids.append(new)
+        outputs.append(TensorView(fusion, ids, spec.dtype))
+    attrs = {p.name: v for p, v in zip(op.params, bound) if p.kind is Kind.ATTR}
+    fusion.add_expr(Expr(op, tuple(bound), tuple(outputs), attrs, id_map))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _check_kind(fusion: Fusion, op: OpDef, param: registry.Param, value: Any) -> None:
+    def fail(expected: str):
+        raise DefinitionError(
+            f"{op.name}: argument {param.name!r} must be {expected}, got {value!r}; "
+            f"signature: {op.signature()}"
+        )
+
+    vals = [value] if isinstance(value, Val) else []
+    match param.kind:
+        case Kind.TENSOR:
+            if not isinstance(value, TensorView) and not (value is None and param.default is None):
+                fail("a tensor of the fusion")
+        case Kind.TENSORS:
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(v, TensorView) for v in value
+            ):
+                fail("a list of tensors of the fusion")
+            vals = list(value)
+        case Kind.OPERAND:
+            if not isinstance(value, (TensorView, Scalar, *_NUMBER)):
+                fail("a tensor, a scalar or a number")
+        case Kind.SCALAR:
+            if isinstance(value, TensorView):
+                fail("a scalar (define_scalar) or a Python value")
+        case Kind.ATTR:
+            if isinstance(value, Val):
+                fail("a static Python value, not a fusion value")
+    for v in vals:
+        if getattr(v, "fusion", fusion) is not fusion or v.name.endswith("?"):
+            raise DefinitionError(
+                f"{op.name}: argument {param.name!r} ({v!r}) belongs to another fusion"
+            )
+
+
+def scalar_dtype(value: Any) -> DataType:
+    """The DataType of a Python constant given to define_scalar without a dtype."""
+    if isinstance(value, bool):
+        return DataType.Bool
+    if isinstance(value, int):
+        return DataType.Int
+    if isinstance(value, float):
+        return DataType.Double
+    if isinstance(value, complex):
+        return DataType.ComplexDouble
+    raise DefinitionError(
+        f"define_scalar: cannot infer a dtype for {value!r}; pass dtype=DataType...."
+    )

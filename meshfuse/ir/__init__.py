@@ -1,0 +1,1 @@
+"""The fusion IR: IterDomains, TensorViews, the fusion graph, its printer and verifier."""

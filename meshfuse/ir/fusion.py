@@ -1,0 +1,113 @@
+"""The fusion graph: values, expressions, inputs and outputs.
+
+Expressions are kept in definition order, which is a topological order: an op can only use
+values defined before it. Each expression carries its op's *domain map*: which logical ID of an
+input tensor is which logical ID of an output tensor (``Expr.id_map``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from meshfuse.ir.tensor_view import Scalar, TensorView, Val
+
+if TYPE_CHECKING:
+    from meshfuse.ir.iter_domain import IterDomain
+    from meshfuse.ops.registry import OpDef
+
+
+@dataclasses.dataclass(eq=False)
+class Expr:
+    """One op application.
+
+    Attributes:
+        op: the op's declaration.
+        args: the op's arguments in signature order: Vals, or Python constants.
+        outputs: the values it defines.
+        attrs: keyword arguments that are static Python values (dims, shapes, flags).
+        id_map: output logical ID -> the input logical IDs it maps from (the op's domain map,
+            first source first).
+    """
+
+    op: OpDef
+    args: tuple[Any, ...]
+    outputs: tuple[Val, ...]
+    attrs: dict[str, Any]
+    id_map: dict[IterDomain, tuple[IterDomain, ...]]
+
+    @property
+    def inputs(self) -> tuple[Val, ...]:
+        return tuple(a for a in self.args if isinstance(a, Val))
+
+    @property
+    def tensor_inputs(self) -> tuple[TensorView, ...]:
+        return tuple(a for a in self.args if isinstance(a, TensorView))
+
+    @property
+    def tensor_outputs(self) -> tuple[TensorView, ...]:
+        return tuple(o for o in self.outputs if isinstance(o, TensorView))
+
+
+class Fusion:
+    """A graph of ops over TensorViews and Scalars, with declared inputs and outputs."""
+
+    def __init__(self) -> None:
+        self.exprs: list[Expr] = []
+        self._inputs: list[Val] = []
+        self._outputs: list[TensorView] = []
+        self._counts = {"T": 0, "S": 0}
+
+    def inputs(self) -> list[Val]:
+        """Fusion inputs, in the order ``execute`` takes them."""
+        return list(self._inputs)
+
+    def outputs(self) -> list[TensorView]:
+        """Fusion outputs, in the order ``execute`` returns them."""
+        return list(self._outputs)
+
+    def name(self, val: Val) -> Val:
+        prefix = "T" if isinstance(val, TensorView) else "S"
+        val.name = f"{prefix}{self._counts[prefix]}"
+        self._counts[prefix] += 1
+        return val
+
+    def add_input(self, val: Val) -> Val:
+        self._inputs.append(self.name(val))
+        return val
+
+    def add_constant(self, val: Scalar) -> Scalar:
+        return self.name(val)
+
+    def add_output(self, tv: TensorView) -> None:
+        self._outputs.append(tv)
+
+    def add_expr(self, expr: Expr) -> Expr:
+        for out in expr.outputs:
+            self.name(out)
+            out.definition = expr
+        self.exprs.append(expr)
+        return expr
+
+    def tensors(self) -> list[TensorView]:
+        """Every TensorView of the fusion: inputs first, then op outputs in order."""
+        seen = [v for v in self._inputs if isinstance(v, TensorView)]
+        for e in self.exprs:
+            seen.extend(e.tensor_outputs)
+        return seen
+
+    def uses(self) -> dict[Val, list[Expr]]:
+        """Each value's consumer expressions, in order."""
+        result: dict[Val, list[Expr]] = {}
+        for e in self.exprs:
+            for v in e.inputs:
+                result.setdefault(v, []).append(e)
+        return result
+
+    def __str__(self) -> str:
+        from meshfuse.ir.printer import format_fusion
+
+        return format_fusion(self)
+
+    def print_math(self) -> None:
+        print(self)

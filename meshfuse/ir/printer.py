@@ -1,0 +1,111 @@
+"""The one deterministic text form of the IR, used in errors, debug output and golden tests.
+
+IDs print as ``{kind}{parallel}{n}{{extent}}``: ``i3{1024}``, ``iDIDx4{2}``, ``r5{64}``,
+``b6{1}``, ``i7{?}`` (symbolic). ``n`` numbers the IDs of one printout in order of appearance,
+so the text does not depend on how many IDs the process created before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshfuse.ir.iter_domain import IterDomain, Merge, Split
+from meshfuse.ir.parallel_type import ParallelType
+
+if TYPE_CHECKING:
+    from meshfuse.ir.fusion import Expr, Fusion
+    from meshfuse.ir.tensor_view import Allocation, TensorView
+
+
+class Numbering:
+    """Assigns printout-local numbers to IDs in order of first appearance."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[IterDomain, int] = {}
+
+    def __call__(self, id_: IterDomain) -> int:
+        return self._numbers.setdefault(id_, len(self._numbers))
+
+
+def format_id(
+    id_: IterDomain, parallel_type: ParallelType = ParallelType.Serial, number: int | None = None
+) -> str:
+    pt = "" if parallel_type is ParallelType.Serial else parallel_type.value
+    extent = "?" if id_.extent is None else id_.extent
+    n = "" if number is None else number
+    return f"{id_.iter_type.value}{pt}{n}{{{extent}}}"
+
+
+def _ids(tv: TensorView, ids, numbering: Numbering) -> str:
+    return "[" + ", ".join(format_id(i, tv.parallel_type(i), numbering(i)) for i in ids) + "]"
+
+
+def _transform(tv: TensorView, t, numbering: Numbering) -> str:
+    def f(i):
+        return format_id(i, tv.parallel_type(i), numbering(i))
+
+    if isinstance(t, Split):
+        kind = "inner" if t.inner_split else "outer"
+        return f"{kind}_split({f(t.in_id)}, {t.factor}) -> {f(t.outer)}, {f(t.inner)}"
+    assert isinstance(t, Merge)
+    return f"merge({f(t.outer)}, {f(t.inner)}) -> {f(t.out)}"
+
+
+def format_tensor(
+    tv: TensorView,
+    numbering: Numbering | None = None,
+    allocation: Allocation | None = None,
+) -> str:
+    """A tensor's dtype, mesh, and domains, one per line."""
+    numbering = numbering or Numbering()
+    allocation = allocation or tv.allocation
+    mesh = "" if tv.mesh is None else f" mesh={tv.mesh!r}"
+    lines = [f"{tv.name} {tv.dtype.name}{mesh}", f"  logical: {_ids(tv, tv.logical, numbering)}"]
+    for t in tv.transforms:
+        lines.append(f"  {_transform(tv, t, numbering)}")
+    if tv.loop != list(tv.logical):
+        lines.append(f"  loop: {_ids(tv, tv.loop, numbering)}")
+    if allocation is not None:
+        flags = "".join("t" if c else "n" if c is None else "f" for c in allocation.contiguity)
+        lines.append(f"  allocation: {_ids(tv, allocation.ids, numbering)} contiguity: {flags}")
+    return "\n".join(lines)
+
+
+def format_arg(arg) -> str:
+    from meshfuse.ir.tensor_view import Scalar, Val
+
+    if isinstance(arg, Scalar) and arg.is_constant:
+        return repr(arg.value)
+    if isinstance(arg, Val):
+        return arg.name
+    if isinstance(arg, list | tuple) and arg and all(isinstance(a, Val) for a in arg):
+        return "[" + ", ".join(a.name for a in arg) + "]"
+    return repr(arg)
+
+
+def format_expr(expr: Expr) -> str:
+    outs = ", ".join(o.name for o in expr.outputs)
+    args = [
+        format_arg(a) if p.kind.value in ("tensor", "tensors", "operand", "scalar")
+        else f"{p.name}={format_arg(a)}"
+        for p, a in zip(expr.op.params, expr.args)
+    ]
+    return f"{outs} = {expr.op.name}({', '.join(args)})"
+
+
+def format_fusion(fusion: Fusion, allocations: dict | None = None) -> str:
+    """The whole fusion: inputs, ops in order, outputs, then every tensor's domains."""
+    from meshfuse.ir.tensor_view import Scalar
+
+    numbering = Numbering()
+    lines = ["Fusion"]
+    for v in fusion.inputs():
+        kind = f"scalar {v.dtype.name}" if isinstance(v, Scalar) else "tensor"
+        lines.append(f"  input {v.name}: {kind}")
+    for e in fusion.exprs:
+        lines.append(f"  {format_expr(e)}")
+    lines.append("  outputs: " + ", ".join(o.name for o in fusion.outputs()))
+    for tv in fusion.tensors():
+        alloc = (allocations or {}).get(tv)
+        lines.append(format_tensor(tv, numbering, alloc))
+    return "\n".join(lines)

@@ -1,0 +1,311 @@
+"""``TensorView``: a tensor of a fusion, with its domains and its schedule.
+
+A TensorView has:
+
+- a **logical domain**: one IterDomain per axis, with the *global* extent;
+- a **loop domain**: the logical domain after the schedule's splits, merges and reorders;
+  each loop ID is executed serially or over a mesh axis (:class:`ParallelType`);
+- an **allocation domain** (optional here): the memory order and contiguity of the local
+  buffer; when absent, a pass derives it (see ``meshfuse.passes.layout``);
+- a **device mesh**, or none for a single-device tensor.
+
+The scheduling methods check what they can when called and raise :class:`ScheduleError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import ScheduleError
+from meshfuse.ir.iter_domain import IterDomain, Transform, merge_ids, split_ids
+from meshfuse.ir.parallel_type import ParallelType
+
+if TYPE_CHECKING:
+    from meshfuse.ir.fusion import Expr, Fusion
+    from meshfuse.mesh import DeviceMesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The memory order of a local buffer, outermost first, and each ID's contiguity.
+
+    ``contiguity[i]`` is ``True`` when ID ``i``'s stride is the product of the local extents
+    inside it, ``False`` when it may be larger, and ``None`` for broadcast IDs (any stride).
+    """
+
+    ids: tuple[IterDomain, ...]
+    contiguity: tuple[bool | None, ...]
+
+
+class Val:
+    """A value of a fusion: a :class:`TensorView` or a :class:`Scalar`."""
+
+    name: str
+    definition: Expr | None = None
+
+
+class Scalar(Val):
+    """A scalar of a fusion: a constant (``value`` set) or an input bound at execute time."""
+
+    def __init__(self, dtype: DataType, value=None):
+        self.dtype = dtype
+        self.value = value
+        self.name = "S?"
+
+    @property
+    def is_constant(self) -> bool:
+        return self.value is not None
+
+
+class Axis:
+    """A handle on one loop (or logical) IterDomain of a tensor, as returned by ``tv.axis(i)``.
+
+    It reads as an IterDomain (``extent``, ``parallel_type``) and parallelizes it in place.
+    """
+
+    def __init__(self, tv: TensorView, id_: IterDomain):
+        self.tv = tv
+        self.id = id_
+
+    @property
+    def extent(self) -> int | None:
+        return self.id.extent
+
+    @property
+    def parallel_type(self) -> ParallelType:
+        return self.tv.parallel_type(self.id)
+
+    def parallelize(self, parallel_type: ParallelType) -> None:
+        self.tv.parallelize(self.tv.loop.index(self.id), parallel_type)
+
+    def is_reduction(self) -> bool:
+        return self.id.is_reduction
+
+    def is_broadcast(self) -> bool:
+        return self.id.is_broadcast
+
+    def __repr__(self) -> str:
+        from meshfuse.ir.printer import format_id
+
+        return format_id(self.id, self.parallel_type)
+
+
+class TensorView(Val):
+    """A tensor of a fusion. Created by ``define_tensor`` or by an op; see the module doc."""
+
+    def __init__(
+        self,
+        fusion: Fusion,
+        logical: Sequence[IterDomain],
+        dtype: DataType,
+        allocation: Allocation | None = None,
+    ):
+        self.fusion = fusion
+        self.logical: tuple[IterDomain, ...] = tuple(logical)
+        self.dtype = dtype
+        self.loop: list[IterDomain] = list(self.logical)
+        self.transforms: list[Transform] = []
+        self.parallel: dict[IterDomain, ParallelType] = {}
+        self.allocation = allocation
+        self.mesh: DeviceMesh | None = None
+        self.name = "T?"
+
+    # ----- reading -----------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """Number of materialized logical axes (reduction IDs are not materialized)."""
+        return len(self.materialized())
+
+    def materialized(self) -> tuple[IterDomain, ...]:
+        """The logical IDs a local tensor has an axis for: all but reduction IDs."""
+        return tuple(i for i in self.logical if not i.is_reduction)
+
+    def parallel_type(self, id_: IterDomain) -> ParallelType:
+        return self.parallel.get(id_, ParallelType.Serial)
+
+    def axis(self, i: int) -> Axis:
+        """The loop ID at position ``i`` (negative counts from the end)."""
+        return Axis(self, self.loop[self._loop_pos(i)])
+
+    def get_loop_domain(self) -> list[Axis]:
+        return [Axis(self, i) for i in self.loop]
+
+    def get_logical_domain(self) -> list[Axis]:
+        return [Axis(self, i) for i in self.logical]
+
+    def get_allocation_domain(self) -> list[Axis] | None:
+        return None if self.allocation is None else [Axis(self, i) for i in self.allocation.ids]
+
+    @property
+    def is_scheduled(self) -> bool:
+        """True once the user gave this tensor a mesh or any schedule."""
+        return self.mesh is not None or bool(self.transforms) or bool(self.parallel)
+
+    # ----- scheduling --------------------------------------------------------------------
+    def set_device_mesh(self, mesh: DeviceMesh) -> None:
+        """Places this tensor on ``mesh``; without a parallelized axis it is replicated."""
+        from meshfuse.mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise ScheduleError(f"{self.name}.set_device_mesh expects a DeviceMesh, got {mesh!r}")
+        self.mesh = mesh
+
+    def split(self, axis: int, factor: int, inner_split: bool = True) -> TensorView:
+        """Splits loop ID ``axis`` in two.
+
+        With ``inner_split=True`` the inner ID has extent ``factor``; with ``False`` the outer
+        one does. Example, outer split of axis 1 by 2: ``[iB{2}, iH{12}]`` becomes
+        ``[iB{2}, i{2}, i{6}]``. ``factor`` must divide a static extent.
+        """
+        pos = self._loop_pos(axis)
+        old = self.loop[pos]
+        if not isinstance(factor, int) or isinstance(factor, bool) or factor <= 0:
+            raise ScheduleError(
+                f"split of axis {axis} of {self.name}: factor must be a positive int, "
+                f"got {factor!r}"
+            )
+        if old.extent is not None and old.extent % factor != 0:
+            raise ScheduleError(
+                f"split factor {factor} does not divide extent {old.extent} of axis {axis} of "
+                f"{self.name}; choose a divisor of {old.extent} (uneven sharding is not "
+                "supported yet)"
+            )
+        if old in self.parallel:
+            raise ScheduleError(
+                f"axis {axis} of {self.name} is already parallelized on "
+                f"{self.parallel[old].value}; split it before parallelizing"
+            )
+        record = split_ids(old, factor, inner_split)
+        self.transforms.append(record)
+        self.loop[pos : pos + 1] = [record.outer, record.inner]
+        return self
+
+    def outer_split(self, axis: int, factor: int) -> TensorView:
+        """``split(axis, factor, inner_split=False)``: the outer ID has extent ``factor``."""
+        return self.split(axis, factor, inner_split=False)
+
+    def inner_split(self, axis: int, factor: int) -> TensorView:
+        """``split(axis, factor, inner_split=True)``: the inner ID has extent ``factor``."""
+        return self.split(axis, factor, inner_split=True)
+
+    def merge(self, axis_outer: int, axis_inner: int | None = None) -> TensorView:
+        """Merges loop IDs ``axis_outer`` and ``axis_inner`` (default ``axis_outer + 1``),
+        which must be adjacent, into one ID at ``axis_outer``'s position."""
+        outer = self._loop_pos(axis_outer)
+        inner = outer + 1 if axis_inner is None else self._loop_pos(axis_inner)
+        if inner != outer + 1:
+            raise ScheduleError(
+                f"merge of {self.name}: axes {axis_outer} and {axis_inner} are not adjacent; "
+                "reorder them next to each other first"
+            )
+        for pos in (outer, inner):
+            if self.loop[pos] in self.parallel:
+                raise ScheduleError(
+                    f"merge of {self.name}: loop axis {pos} is parallelized; merge before "
+                    "parallelizing"
+                )
+        record = merge_ids(self.loop[outer], self.loop[inner])
+        self.transforms.append(record)
+        self.loop[outer : inner + 1] = [record.out]
+        return self
+
+    def reorder(self, old_to_new: Mapping[int, int]) -> TensorView:
+        """Permutes the loop domain: ``{old: new}`` moves loop ID ``old`` to position ``new``;
+        the IDs not named keep their relative order in the remaining positions.
+
+        Example: ``[iB, iDIDx, iH, iS, iE]`` with ``{2: 3, 3: 2}`` gives ``[iB, iDIDx, iS, iH, iE]``.
+        """
+        n = len(self.loop)
+        moves = {self._loop_pos(o): self._loop_pos(p) for o, p in dict(old_to_new).items()}
+        if len(set(moves.values())) != len(moves):
+            raise ScheduleError(
+                f"reorder of {self.name}: {dict(old_to_new)} sends two axes to one position"
+            )
+        order: list[IterDomain | None] = [None] * n
+        for old, new in moves.items():
+            order[new] = self.loop[old]
+        rest = iter(i for pos, i in enumerate(self.loop) if pos not in moves)
+        self.loop = [slot if slot is not None else next(rest) for slot in order]
+        return self
+
+    def parallelize(self, axis: int, parallel_type: ParallelType) -> TensorView:
+        """Executes loop ID ``axis`` as ``parallel_type`` (``Serial`` undoes it).
+
+        A device type shards the tensor over that mesh axis; each device type can be used
+        once per tensor, and never on a broadcast ID.
+        """
+        pos = self._loop_pos(axis)
+        id_ = self.loop[pos]
+        if not isinstance(parallel_type, ParallelType):
+            raise ScheduleError(
+                f"parallelize of axis {axis} of {self.name}: expected a ParallelType, got "
+                f"{parallel_type!r}"
+            )
+        if parallel_type.is_device:
+            if id_.is_broadcast:
+                raise ScheduleError(
+                    f"axis {axis} of {self.name} is a broadcast axis and cannot be parallelized "
+                    f"on {parallel_type.value}; shard the tensor it is broadcast against"
+                )
+            for other, pt in self.parallel.items():
+                if pt is parallel_type and other is not id_:
+                    raise ScheduleError(
+                        f"{parallel_type.value} is used twice in {self.name} (axes "
+                        f"{self._describe_pos(other)} and {pos}); a device parallel type shards "
+                        "one axis per tensor: use another mesh axis (mesh_y, mesh_z)"
+                    )
+        if parallel_type is ParallelType.Serial:
+            self.parallel.pop(id_, None)
+        else:
+            self.parallel[id_] = parallel_type
+        return self
+
+    def set_allocation_domain(
+        self, ids: Iterable[Axis | IterDomain], contiguity: bool | Sequence[bool | None] = True
+    ) -> TensorView:
+        """Sets the memory order of the local buffer, outermost first.
+
+        ``ids`` are IDs of this tensor (loop, logical, or between them) that together cover
+        each materialized logical axis once. ``contiguity`` is one flag for all or one per ID.
+        """
+        id_list = [i.id if isinstance(i, Axis) else i for i in ids]
+        if isinstance(contiguity, bool):
+            contig = tuple(None if i.is_broadcast else contiguity for i in id_list)
+        else:
+            contig = tuple(contiguity)
+        if len(contig) != len(id_list):
+            raise ScheduleError(
+                f"set_allocation_domain of {self.name}: {len(id_list)} IDs but "
+                f"{len(contig)} contiguity flags; give one per ID"
+            )
+        self.allocation = Allocation(tuple(id_list), contig)
+        from meshfuse.ir.verifier import check_allocation
+
+        check_allocation(self)
+        return self
+
+    def set_allocation_as_loop(self) -> TensorView:
+        """Makes the allocation domain the current loop domain (all contiguous)."""
+        return self.set_allocation_domain(
+            [i for i in self.loop if not i.is_reduction], contiguity=True
+        )
+
+    # ----- helpers -----------------------------------------------------------------------
+    def _loop_pos(self, axis: int) -> int:
+        n = len(self.loop)
+        if not isinstance(axis, int) or not -n <= axis < n:
+            raise ScheduleError(
+                f"axis {axis!r} is out of range for {self.name}, whose loop domain has {n} axes"
+            )
+        return axis % n
+
+    def _describe_pos(self, id_: IterDomain) -> int | str:
+        return self.loop.index(id_) if id_ in self.loop else repr(id_)
+
+    def __repr__(self) -> str:
+        from meshfuse.ir.printer import format_tensor
+
+        return format_tensor(self)

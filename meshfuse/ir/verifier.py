@@ -1,0 +1,106 @@
+"""Checks of a fusion's schedule, run before anything executes (on every rank alike).
+
+Each check raises a typed error that names the tensor and axis and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshfuse.errors import ScheduleError, ShardingError
+from meshfuse.ir.iter_domain import Split
+from meshfuse.ir.layout import logical_root
+
+if TYPE_CHECKING:
+    from meshfuse.ir.fusion import Fusion
+    from meshfuse.ir.tensor_view import TensorView
+
+
+def check_allocation(tv: TensorView) -> None:
+    """The allocation domain covers each materialized logical axis exactly once.
+
+    For one logical axis, the allocation may hold the logical ID itself or any complete set
+    of the IDs it was split into (e.g. ``[DIDx{d}, i{h/d}]``), in any positions.
+    """
+    assert tv.allocation is not None
+    ids = list(tv.allocation.ids)
+    if len(set(ids)) != len(ids):
+        raise ScheduleError(f"the allocation domain of {tv.name} names an ID twice")
+    chosen = set(ids)
+    frontier = {i for i in tv.logical if not i.is_reduction}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in frontier and t.in_id not in chosen:
+            frontier.remove(t.in_id)
+            frontier.update(t.outputs)
+        elif not isinstance(t, Split) and t.outer in frontier and t.inner in frontier and \
+                t.outer not in chosen and t.inner not in chosen:
+            frontier -= {t.outer, t.inner}
+            frontier.add(t.out)
+    if frontier != chosen:
+        missing = [i for i in frontier - chosen]
+        extra = [i for i in chosen - frontier]
+        from meshfuse.ir.printer import format_id
+
+        raise ScheduleError(
+            f"the allocation domain of {tv.name} must cover each logical axis exactly once; "
+            f"missing {[format_id(i) for i in missing]}, not part of {tv.name} or covered twice "
+            f"{[format_id(i) for i in extra]}. Use set_allocation_as_loop() or list IDs of "
+            "this tensor's loop domain"
+        )
+
+
+def check_schedule(fusion: Fusion, world_size: int) -> None:
+    """Meshes, device parallel types and their factors, across all tensors."""
+    for tv in fusion.tensors():
+        _check_tensor(tv, world_size)
+    # 0-d tensors (e.g. attention's RNG seed) are replicated wherever they are used.
+    tensors = [tv for tv in fusion.tensors() if tv.logical]
+    with_mesh = [tv for tv in tensors if tv.mesh is not None]
+    if with_mesh and len(with_mesh) != len(tensors):
+        without = [tv.name for tv in tensors if tv.mesh is None]
+        raise ShardingError(
+            f"{with_mesh[0].name} has a device mesh but {', '.join(without)} "
+            f"{'has' if len(without) == 1 else 'have'} none; give every tensor a mesh "
+            "(set_device_mesh) or none"
+        )
+
+
+def _check_tensor(tv: TensorView, world_size: int) -> None:
+    device_types = {}
+    for id_, pt in tv.parallel.items():
+        if not pt.is_device:
+            continue
+        if id_ not in tv.loop:
+            raise ScheduleError(f"{tv.name}: a parallelized ID is no longer in its loop domain")
+        pos = tv.loop.index(id_)
+        if tv.mesh is None:
+            raise ScheduleError(
+                f"axis {pos} of {tv.name} is parallelized on {pt.value} but {tv.name} has no "
+                "device mesh; call set_device_mesh first"
+            )
+        axis = tv.mesh.axis_of(pt)
+        size = tv.mesh.shape[axis]
+        if id_.extent is not None and id_.extent != size:
+            raise ScheduleError(
+                f"axis {pos} of {tv.name} has extent {id_.extent} but is parallelized on "
+                f"{pt.value}, a mesh axis of size {size}; split by {size} (outer_split(axis, "
+                f"{size})) before parallelizing"
+            )
+        if id_.extent is None:
+            raise ScheduleError(
+                f"axis {pos} of {tv.name} has a symbolic extent and is parallelized on "
+                f"{pt.value}; split it by the mesh axis size {size} and parallelize the part "
+                f"of extent {size}"
+            )
+        logical_root(tv, id_)  # raises for a merged axis
+        device_types[pt] = id_
+    if tv.mesh is not None:
+        too_big = [d for d in tv.mesh.device_ids if d >= world_size]
+        if too_big:
+            raise ScheduleError(
+                f"the mesh of {tv.name}, {tv.mesh!r}, has device {too_big[0]} but the world has "
+                f"{world_size} processes; use a mesh of devices 0..{world_size - 1} or launch "
+                "more processes"
+            )
+    if tv.allocation is not None:
+        check_allocation(tv)

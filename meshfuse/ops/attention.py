@@ -1,0 +1,121 @@
+"""Attention ops: ``sdpfa_fwd`` and ``sdpfa_bwd`` (names, arguments and outputs of the seed).
+
+Both call PyTorch's SDPA kernels directly (see ``attention_kernels``): on CUDA the fastest
+kernel for the inputs (cuDNN on Hopper), overridable with ``MESHFUSE_SDPA_BACKEND``, and the
+same kernel for the forward and the backward; on CPU, PyTorch's CPU flash kernel.
+
+Domain map: B and H map between q, k, v, attn, log_sumexp and the gradients; the query
+sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
+contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn, so a
+sharded key/value sequence or head dim shows up as needing communication.
+"""
+
+from __future__ import annotations
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.iter_domain import IterType
+from meshfuse.ops import attention_kernels
+from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, register, scalar, tensor
+from meshfuse.ops.shape_rules import require_tensor
+
+_RNG = OutSpec(DataType.Int, ())
+
+
+def _bhse(op: str, names: tuple[str, ...], metas) -> None:
+    for name, m in zip(names, metas):
+        m = require_tensor(op, name, m)
+        if m.ndim != 4:
+            raise DefinitionError(
+                f"{op}: {name} must be [batch, heads, sequence, head_dim], got {m.ndim} axes"
+            )
+    first = metas[0]
+    for name, m in zip(names[1:], metas[1:]):
+        for axis, label in ((0, "batch"), (1, "heads")):
+            a, b = first.shape[axis], m.shape[axis]
+            if None not in (a, b) and a != b:
+                raise DefinitionError(
+                    f"{op}: {label} (axis {axis}) of {name} is {b} but {names[0]}'s is {a}"
+                )
+        if m.dtype is not first.dtype:
+            raise DefinitionError(
+                f"{op}: {name} is {m.dtype.name} but {names[0]} is {first.dtype.name}; cast "
+                "them to one dtype"
+            )
+
+
+def _check_kv(op: str, q, k, v) -> None:
+    checks = ((k, 2, v, 2, "sequence (axis 2) of k and v"), (q, 3, k, 3, "head_dim of q and k"))
+    for a, ia, b, ib, what in checks:
+        if None not in (a.shape[ia], b.shape[ib]) and a.shape[ia] != b.shape[ib]:
+            raise DefinitionError(f"{op}: {what} differ: {a.shape[ia]} and {b.shape[ib]}")
+
+
+def _fwd_infer(q, k, v, dropout_p, is_causal, scale):
+    _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
+    _check_kv("sdpfa_fwd", q, k, v)
+    batch = AxisSpec(q.shape[0], IterType.Iteration, ((0, 0), (1, 0), (2, 0)))
+    heads = AxisSpec(q.shape[1], IterType.Iteration, ((0, 1), (1, 1), (2, 1)))
+    seq = AxisSpec(q.shape[2], IterType.Iteration, ((0, 2),))
+    attn = (
+        batch, heads, seq,
+        AxisSpec(v.shape[3], IterType.Iteration, ((2, 3),)),
+        AxisSpec(k.shape[2], IterType.Reduction, ((1, 2), (2, 2))),
+        AxisSpec(q.shape[3], IterType.Reduction, ((0, 3), (1, 3))),
+    )
+    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (batch, heads, seq)), _RNG, _RNG]
+
+
+def _fwd(q, k, v, dropout_p, is_causal, scale):
+    backend = attention_kernels.select_backend(q, k, v, dropout_p, is_causal)
+    return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+
+
+register(OpDef(
+    "sdpfa_fwd",
+    (tensor("q"), tensor("k"), tensor("v"), scalar("dropout_p", 0.0),
+     scalar("is_causal", False), scalar("scale", None)),
+    _fwd_infer, _fwd,
+    doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
+))
+
+
+def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale):
+    _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
+    _check_kv("sdpfa_bwd", q, k, v)
+    for name, m in (("grad_attn", grad_attn), ("attn", attn)):
+        if None not in (m.shape[2], q.shape[2]) and m.shape[2] != q.shape[2]:
+            raise DefinitionError(
+                f"sdpfa_bwd: sequence (axis 2) of {name} is {m.shape[2]} but q's is {q.shape[2]}"
+            )
+    others = ((0, 0), (4, 0), (5, 0)), ((0, 1), (4, 1), (5, 1))
+
+    def grad_of(pos: int, meta):
+        axes = [
+            AxisSpec(meta.shape[0], IterType.Iteration, ((pos, 0),) + others[0]),
+            AxisSpec(meta.shape[1], IterType.Iteration, ((pos, 1),) + others[1]),
+            AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
+            AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
+        ]
+        if pos == 1:  # q_grad's sequence is grad_attn's too
+            axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
+        return OutSpec(meta.dtype, tuple(axes))
+
+    return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
+
+
+def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale):
+    backend = attention_kernels.select_backend(q, k, v, dropout_p, is_causal)
+    return attention_kernels.sdpa_backward(
+        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, backend
+    )
+
+
+register(OpDef(
+    "sdpfa_bwd",
+    (tensor("grad_attn"), tensor("q"), tensor("k"), tensor("v"), tensor("attn"),
+     tensor("log_sumexp"), scalar("dropout_p", 0.0), scalar("is_causal", False),
+     tensor("seed"), tensor("offset"), scalar("scale", None)),
+    _bwd_infer, _bwd,
+    doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
+))

@@ -1,0 +1,180 @@
+"""Pointwise ops: unary math, casts, binary arithmetic and comparisons, ``where``.
+
+Each family is a sorted table of ``name -> torch function``; one helper turns a table row
+into an :class:`OpDef`. Binary ops broadcast like PyTorch (tensors aligned on the right) and
+accept meshfuse Scalars and Python numbers; dtypes promote as in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.ops.registry import OpDef, OutSpec, attr, operand, register, tensor
+from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor, same_axes
+
+# Unary ops whose result is floating point (integer inputs promote to the default float).
+UNARY_FLOAT = {
+    "acos": torch.acos,
+    "asin": torch.asin,
+    "atan": torch.atan,
+    "cos": torch.cos,
+    "cosh": torch.cosh,
+    "erf": torch.erf,
+    "exp": torch.exp,
+    "expm1": torch.expm1,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "log2": torch.log2,
+    "reciprocal": torch.reciprocal,
+    "rsqrt": torch.rsqrt,
+    "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu,
+    "sin": torch.sin,
+    "sinh": torch.sinh,
+    "sqrt": torch.sqrt,
+    "tan": torch.tan,
+    "tanh": torch.tanh,
+}
+
+# Unary ops that keep their input's dtype.
+UNARY_SAME = {
+    "abs": torch.abs,
+    "ceil": torch.ceil,
+    "floor": torch.floor,
+    "neg": torch.neg,
+    "relu": torch.relu,
+    "round": torch.round,
+    "sign": torch.sign,
+}
+
+BINARY_ARITH = {
+    "add": torch.add,
+    "atan2": torch.atan2,
+    "div": torch.div,
+    "fmod": torch.fmod,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "mul": torch.mul,
+    "pow": torch.pow,
+    "remainder": torch.remainder,
+    "sub": torch.sub,
+}
+
+BINARY_COMPARE = {
+    "eq": torch.eq,
+    "ge": torch.ge,
+    "gt": torch.gt,
+    "le": torch.le,
+    "lt": torch.lt,
+    "ne": torch.ne,
+}
+
+BINARY_LOGICAL = {
+    "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or,
+}
+
+
+def _float_of(dtype: DataType) -> DataType:
+    if dtype.is_floating or dtype.torch_dtype.is_complex:
+        return dtype
+    return DataType.from_torch(torch.get_default_dtype())
+
+
+def _unary(name: str, fn, float_result: bool) -> OpDef:
+    def infer(x):
+        x = require_tensor(name, "x", x)
+        return [OutSpec(_float_of(x.dtype) if float_result else x.dtype, same_axes(0, x))]
+
+    kind = "floating-point" if float_result else "dtype-preserving"
+    return OpDef(name, (tensor("x"),), infer, fn, doc=f"{kind} unary {fn.__name__}")
+
+
+def _binary(name: str, fn, result_dtype: DataType | None) -> OpDef:
+    def infer(a, b):
+        axes = broadcast_axes(name, [a, b])
+        return [OutSpec(result_dtype or promote(a, b), axes)]
+
+    return OpDef(name, (operand("a"), operand("b")), infer, _scalar_safe(fn),
+                 doc=f"binary {name} with broadcasting")
+
+
+def _scalar_safe(fn):
+    """torch's binary functions need a tensor first or second; two scalars go through a 0-d
+    tensor so the op still returns a tensor."""
+
+    def call(a, b):
+        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            return fn(torch.tensor(a), b)
+        return fn(a, b)
+
+    call.__name__ = fn.__name__
+    return call
+
+
+for _name, _fn in sorted(UNARY_FLOAT.items()):
+    register(_unary(_name, _fn, float_result=True))
+for _name, _fn in sorted(UNARY_SAME.items()):
+    register(_unary(_name, _fn, float_result=False))
+for _name, _fn in sorted(BINARY_ARITH.items()):
+    register(_binary(_name, _fn, None))
+for _name, _fn in sorted(BINARY_COMPARE.items() | BINARY_LOGICAL.items()):
+    register(_binary(_name, _fn, DataType.Bool))
+
+
+def _gelu_infer(x, approximate):
+    x = require_tensor("gelu", "x", x)
+    if approximate not in ("none", "tanh"):
+        raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return [OutSpec(_float_of(x.dtype), same_axes(0, x))]
+
+
+register(OpDef(
+    "gelu", (tensor("x"), attr("approximate", "none")), _gelu_infer,
+    lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
+    doc="GELU, exact or with the tanh approximation",
+))
+
+
+def _cast_infer(x, dtype):
+    x = require_tensor("cast", "x", x)
+    if not isinstance(dtype, DataType):
+        raise DefinitionError(f"cast: dtype must be a DataType, got {dtype!r}")
+    return [OutSpec(dtype, same_axes(0, x))]
+
+
+register(OpDef(
+    "cast", (tensor("x"), attr("dtype")), _cast_infer,
+    lambda x, dtype: x.to(dtype.torch_dtype),
+    doc="element type conversion",
+))
+
+
+def _set_infer(x):
+    x = require_tensor("set", "x", x)
+    return [OutSpec(x.dtype, same_axes(0, x))]
+
+
+register(OpDef(
+    "set", (tensor("x"),), _set_infer, lambda x: x,
+    doc="a copy of x; with a different schedule on its output, a resharding point",
+))
+
+
+def _where_infer(cond, a, b):
+    axes = broadcast_axes("where", [cond, a, b])
+    return [OutSpec(promote(a, b), axes)]
+
+
+def _where(cond, a, b):
+    if not isinstance(cond, torch.Tensor):
+        cond = torch.tensor(cond)
+    return torch.where(cond, a, b)
+
+
+register(OpDef(
+    "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
+    doc="a where cond else b, with broadcasting",
+))

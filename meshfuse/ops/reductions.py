@@ -1,0 +1,108 @@
+"""Reductions: ``sum``, ``max``, ``min``, ``mean``, ``prod`` and ``var_mean`` over any axes.
+
+Shape rule: each reduced input axis becomes a *reduction* ID of the output (mapped from the
+input axis, not materialized in the local tensor); with ``keepdim=True`` a broadcast ID of
+extent 1 follows it, so the local tensor keeps the axis with extent 1, as in PyTorch.
+A reduction over a sharded axis therefore shows up as a sharded reduction ID (a partial result).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshfuse.dtypes import DataType
+from meshfuse.ir.iter_domain import IterType
+from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, attr, register, tensor
+from meshfuse.ops.shape_rules import normalize_axes, require_tensor
+
+
+def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
+    """Output axes of a reduction of tensor argument 0 over ``dims``."""
+    x = require_tensor(op, "x", x)
+    dims = normalize_axes(op, dims, x.ndim)
+    axes = []
+    for a, (extent, kind) in enumerate(zip(x.shape, x.iter_types)):
+        if a in dims:
+            axes.append(AxisSpec(extent, IterType.Reduction, ((0, a),)))
+            if keepdim:
+                axes.append(AxisSpec(1, IterType.Broadcast))
+        else:
+            axes.append(AxisSpec(extent, kind, ((0, a),)))
+    return tuple(axes)
+
+
+def _reduction(name: str, reduce_fn, doc: str) -> OpDef:
+    def infer(x, dims, keepdim, dtype):
+        out_dtype = dtype if dtype is not None else _default_dtype(name, x.dtype)
+        return [OutSpec(out_dtype, reduced_axes(name, x, dims, keepdim))]
+
+    def impl(x, dims, keepdim, dtype):
+        dims = local_dims(x, dims)
+        out = reduce_fn(x, dims, keepdim) if dims else x.clone()
+        return out if dtype is None else out.to(dtype.torch_dtype)
+
+    params = (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None))
+    return OpDef(name, params, infer, impl, doc=doc)
+
+
+def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
+    """``dims`` as non-negative axes of ``x`` (``None``: all axes)."""
+    if dims is None:
+        return tuple(range(x.ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted(d % x.ndim for d in dims))
+
+
+def _default_dtype(name: str, dtype: DataType) -> DataType:
+    # PyTorch sums integers and bools in int64; the mean of integers is not defined there.
+    if name in ("sum", "prod") and not dtype.is_floating and not dtype.torch_dtype.is_complex:
+        return DataType.Int
+    return dtype
+
+
+def _amax(x, dims, keepdim):
+    return torch.amax(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
+
+
+def _amin(x, dims, keepdim):
+    return torch.amin(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
+
+
+def _prod(x, dims, keepdim):
+    out = x
+    for d in sorted(dims, reverse=True):
+        out = torch.prod(out, dim=d, keepdim=keepdim)
+    return out
+
+
+REDUCTIONS = {
+    "max": (_amax, "maximum over axes"),
+    "mean": (lambda x, d, k: torch.mean(x, dim=d, keepdim=k), "mean over axes"),
+    "min": (_amin, "minimum over axes"),
+    "prod": (_prod, "product over axes"),
+    "sum": (lambda x, d, k: torch.sum(x, dim=d, keepdim=k), "sum over axes"),
+}
+
+for _name, (_fn, _doc) in sorted(REDUCTIONS.items()):
+    register(_reduction(_name, _fn, _doc))
+
+
+def _var_mean_infer(x, dims, correction, keepdim):
+    axes = reduced_axes("var_mean", x, dims, keepdim)
+    return [OutSpec(x.dtype, axes), OutSpec(x.dtype, axes)]
+
+
+def _var_mean(x, dims, correction, keepdim):
+    var, mean = torch.var_mean(
+        x, dim=local_dims(x, dims), correction=correction, keepdim=keepdim
+    )
+    return var, mean
+
+
+register(OpDef(
+    "var_mean",
+    (tensor("x"), attr("dims", None), attr("correction", 1), attr("keepdim", False)),
+    _var_mean_infer, _var_mean,
+    doc="variance (with Bessel's correction by default) and mean over axes",
+))

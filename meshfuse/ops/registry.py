@@ -1,0 +1,190 @@
+"""The op registry: one declaration per op, with all of its rules together.
+
+An :class:`OpDef` holds an op's signature (:class:`Param` list), its *shape rule* (``infer``:
+output dtypes, extents and the domain map, from argument metadata) and its torch
+implementation (``impl``). ``infer`` runs once when the op is added to a fusion (extents may be
+``None`` there: symbolic) and again when execute binds concrete global extents, so a shape
+mismatch with real sizes is caught before anything runs.
+
+Domain map: each output axis lists its *sources*, the ``(tensor input, logical axis)`` pairs
+it maps from (see :class:`AxisSpec`); propagation and sharding rules are derived from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.iter_domain import IterType
+
+
+class Kind(enum.Enum):
+    """What a parameter accepts."""
+
+    TENSOR = "tensor"  # a TensorView
+    TENSORS = "tensors"  # a list of TensorViews
+    OPERAND = "operand"  # a TensorView, a Scalar or a Python number
+    SCALAR = "scalar"  # a Scalar or a Python value, read at run time
+    ATTR = "attr"  # a static Python value (axes, shapes, flags)
+
+
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    name: str
+    kind: Kind
+    default: Any = _REQUIRED
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
+
+
+def tensor(name: str) -> Param:
+    return Param(name, Kind.TENSOR)
+
+
+def tensors(name: str) -> Param:
+    return Param(name, Kind.TENSORS)
+
+
+def operand(name: str) -> Param:
+    return Param(name, Kind.OPERAND)
+
+
+def scalar(name: str, default: Any = _REQUIRED) -> Param:
+    return Param(name, Kind.SCALAR, default)
+
+
+def attr(name: str, default: Any = _REQUIRED) -> Param:
+    return Param(name, Kind.ATTR, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """What a shape rule sees of a tensor argument: global extents (``None`` if symbolic),
+    the kind of each axis, and the dtype."""
+
+    shape: tuple[int | None, ...]
+    iter_types: tuple[IterType, ...]
+    dtype: DataType
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def is_broadcast(self, axis: int) -> bool:
+        return self.iter_types[axis] is IterType.Broadcast
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarMeta:
+    """What a shape rule sees of a scalar argument: its dtype and constant value (or None)."""
+
+    dtype: DataType
+    value: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisSpec:
+    """One output axis: its extent, kind, and the input axes it maps from.
+
+    ``sources`` holds ``(tensor input, axis)`` pairs: the position of the input among the op's
+    tensor arguments (in signature order, lists flattened) and its logical axis.
+    """
+
+    extent: int | None
+    iter_type: IterType = IterType.Iteration
+    sources: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OutSpec:
+    """One output: a tensor (``axes`` given) or a scalar (``axes`` is None)."""
+
+    dtype: DataType
+    axes: tuple[AxisSpec, ...] | None
+
+
+InferFn = Callable[..., Sequence[OutSpec]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    """An op's declaration.
+
+    Attributes:
+        name: the name under ``fd.ops``.
+        params: the signature.
+        infer: the shape rule; called with the arguments in signature order, tensors as
+            :class:`TensorMeta`, scalars as :class:`ScalarMeta`, attrs as given. It raises
+            :class:`DefinitionError` for bad arguments and returns one OutSpec per output.
+        impl: the torch implementation; called with the arguments in signature order, tensors
+            as local ``torch.Tensor``s and scalars as Python values. With ``needs_out_shape``
+            it also gets ``out_shapes=`` (the local output shapes, for ops whose arguments
+            speak of global shapes).
+        doc: one line for the op table.
+    """
+
+    name: str
+    params: tuple[Param, ...]
+    infer: InferFn
+    impl: Callable[..., Any]
+    doc: str = ""
+    needs_out_shape: bool = False
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+        """Matches call arguments to the signature; returns them in signature order."""
+        if len(args) > len(self.params):
+            raise DefinitionError(
+                f"{self.name} takes at most {len(self.params)} arguments "
+                f"({self.signature()}), got {len(args)}"
+            )
+        bound = list(args) + [_REQUIRED] * (len(self.params) - len(args))
+        names = [p.name for p in self.params]
+        for key, value in kwargs.items():
+            if key not in names:
+                raise DefinitionError(
+                    f"{self.name} got an unknown argument {key!r}; its signature is "
+                    f"{self.signature()}"
+                )
+            pos = names.index(key)
+            if pos < len(args):
+                raise DefinitionError(f"{self.name} got argument {key!r} twice")
+            bound[pos] = value
+        for pos, param in enumerate(self.params):
+            if bound[pos] is _REQUIRED:
+                if param.required:
+                    raise DefinitionError(
+                        f"{self.name} is missing argument {param.name!r}; its signature is "
+                        f"{self.signature()}"
+                    )
+                bound[pos] = param.default
+        return bound
+
+    def signature(self) -> str:
+        parts = [p.name if p.required else f"{p.name}={p.default!r}" for p in self.params]
+        return f"{self.name}({', '.join(parts)})"
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    """Adds ``op`` to the registry; each name once."""
+    assert op.name not in REGISTRY, f"op {op.name} registered twice"
+    REGISTRY[op.name] = op
+    return op
+
+
+def lookup(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise AttributeError(f"meshfuse has no op {name!r}") from None

@@ -1,0 +1,251 @@
+"""Shape ops: ``broadcast_in_dim``, ``expand``, ``squeeze``, ``permute``, ``reshape``,
+``slice``, ``cat``.
+
+Arguments that name extents or positions (``shape``, ``new_shape``, slice bounds) are *global*;
+the implementations get the local output shapes from the runtime (``needs_out_shape``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.iter_domain import IterType
+from meshfuse.ops.registry import (
+    AxisSpec, OpDef, OutSpec, TensorMeta, attr, register, tensor, tensors,
+)
+from meshfuse.ops.shape_rules import normalize_axes, normalize_axis, require_tensor
+
+
+def _broadcast_in_dim_infer(x, shape, broadcast_dims):
+    x = require_tensor("broadcast_in_dim", "x", x)
+    shape = list(shape)
+    dims = list(broadcast_dims)
+    if len(dims) != x.ndim:
+        raise DefinitionError(
+            f"broadcast_in_dim: broadcast_dims {dims} must name one output axis for each of the "
+            f"{x.ndim} input axes"
+        )
+    if sorted(dims) != dims or len(set(dims)) != len(dims):
+        raise DefinitionError(f"broadcast_in_dim: broadcast_dims {dims} must be increasing")
+    axes = []
+    for out_axis, extent in enumerate(shape):
+        if out_axis not in dims:
+            kind = IterType.Broadcast if extent == 1 else IterType.Iteration
+            axes.append(AxisSpec(extent, kind))
+            continue
+        a = dims.index(out_axis)
+        normalize_axis("broadcast_in_dim", out_axis, len(shape), "broadcast_dims entry")
+        in_extent = x.shape[a]
+        if x.is_broadcast(a):
+            kind = IterType.Broadcast if extent == 1 else IterType.Iteration
+            axes.append(AxisSpec(extent, kind, ((0, a),) if extent == 1 else ()))
+        else:
+            if in_extent is not None and extent not in (-1, in_extent):
+                raise DefinitionError(
+                    f"broadcast_in_dim: input axis {a} has extent {in_extent} but output axis "
+                    f"{out_axis} asks for {extent}; only broadcast axes (extent 1) can expand"
+                )
+            axes.append(AxisSpec(in_extent, x.iter_types[a], ((0, a),)))
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
+    view = [1] * len(out_shapes[0])
+    for a, out_axis in enumerate(broadcast_dims):
+        view[out_axis] = x.shape[a]
+    return x.reshape(view).expand(out_shapes[0])
+
+
+register(OpDef(
+    "broadcast_in_dim", (tensor("x"), attr("shape"), attr("broadcast_dims")),
+    _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
+    doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
+))
+
+
+def _expand_infer(x, shape):
+    x = require_tensor("expand", "x", x)
+    return _broadcast_in_dim_infer(x, shape, list(range(len(shape) - x.ndim, len(shape))))
+
+
+register(OpDef(
+    "expand", (tensor("x"), attr("shape")), _expand_infer,
+    lambda x, shape, out_shapes: x.expand(out_shapes[0]), needs_out_shape=True,
+    doc="broadcast axes of extent 1 expanded to shape (PyTorch's expand)",
+))
+
+
+def _squeeze_infer(x, dims):
+    x = require_tensor("squeeze", "x", x)
+    dims = normalize_axes("squeeze", dims, x.ndim)
+    for a in dims:
+        if x.shape[a] != 1:
+            raise DefinitionError(
+                f"squeeze: axis {a} has extent {x.shape[a]}; only axes of extent 1 can be "
+                "squeezed"
+            )
+    axes = [AxisSpec(e, k, ((0, a),)) for a, (e, k) in enumerate(zip(x.shape, x.iter_types))
+            if a not in dims]
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _squeeze(x, dims):
+    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
+    return x.squeeze(tuple(d % x.ndim for d in dims))
+
+
+register(OpDef(
+    "squeeze", (tensor("x"), attr("dims", None)), _squeeze_infer, _squeeze,
+    doc="removes axes of extent 1",
+))
+
+
+def _permute_infer(x, dims):
+    x = require_tensor("permute", "x", x)
+    dims = [normalize_axis("permute", d, x.ndim) for d in dims]
+    if sorted(dims) != list(range(x.ndim)):
+        raise DefinitionError(
+            f"permute: dims {list(dims)} must be a permutation of range({x.ndim})"
+        )
+    axes = [AxisSpec(x.shape[d], x.iter_types[d], ((0, d),)) for d in dims]
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+register(OpDef(
+    "permute", (tensor("x"), attr("dims")), _permute_infer,
+    lambda x, dims: x.permute(*dims), doc="reorders axes (a view)",
+))
+
+
+def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs consecutive groups of old and new axes whose extents have equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        gi, gj = [i] if i < len(old) else [], [j] if j < len(new) else []
+        pi = old[i] if gi else 1
+        pj = new[j] if gj else 1
+        i, j = i + len(gi), j + len(gj)
+        while pi != pj:
+            if pi < pj and i < len(old):
+                pi *= old[i]
+                gi.append(i)
+                i += 1
+            elif j < len(new):
+                pj *= new[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _reshape_infer(x, new_shape):
+    x = require_tensor("reshape", "x", x)
+    new = list(new_shape)
+    if None in x.shape:
+        raise DefinitionError(
+            "reshape of a tensor with symbolic extents is not supported yet; declare its "
+            "shape with static extents"
+        )
+    total = math.prod(x.shape)
+    if new.count(-1) > 1 or any(e < -1 or e == 0 for e in new):
+        raise DefinitionError(f"reshape: new_shape {new} may hold one -1 and positive extents")
+    if -1 in new:
+        rest = math.prod(e for e in new if e != -1)
+        new[new.index(-1)] = total // rest if rest and total % rest == 0 else -1
+    if math.prod(new) != total:
+        raise DefinitionError(
+            f"reshape: cannot reshape {list(x.shape)} ({total} elements) to {list(new_shape)}"
+        )
+    axes: list[AxisSpec | None] = [None] * len(new)
+    for gi, gj in reshape_groups(list(x.shape), new):
+        for j in gj:
+            same = len(gi) == 1 and len(gj) == 1
+            kind = IterType.Broadcast if new[j] == 1 else IterType.Iteration
+            axes[j] = AxisSpec(new[j], kind, ((0, gi[0]),) if same else ())
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+register(OpDef(
+    "reshape", (tensor("x"), attr("new_shape")), _reshape_infer,
+    lambda x, new_shape, out_shapes: x.reshape(out_shapes[0]), needs_out_shape=True,
+    doc="a new shape with the same number of elements; unchanged axes keep their identity",
+))
+
+
+def _slice_infer(x, start_indices, end_indices, strides):
+    x = require_tensor("slice", "x", x)
+    n = x.ndim
+    strides = [1] * n if strides is None else list(strides)
+    if not len(start_indices) == len(end_indices) == len(strides) == n:
+        raise DefinitionError(
+            f"slice: start_indices, end_indices and strides need {n} entries each, got "
+            f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
+        )
+    axes = []
+    for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
+        extent = x.shape[a]
+        if step < 1:
+            raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
+        if extent is None:
+            raise DefinitionError(f"slice: axis {a} has a symbolic extent; slicing needs it static")
+        if not 0 <= start <= end <= extent:
+            raise DefinitionError(
+                f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+                f"{extent}"
+            )
+        out = (end - start + step - 1) // step
+        whole = (start, end, step) == (0, extent, 1)
+        axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
+                             ((0, a),) if whole else ()))
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _slice(x, start_indices, end_indices, strides):
+    index = tuple(slice(s, e, st) for s, e, st in
+                  zip(start_indices, end_indices, strides or [1] * x.ndim))
+    return x[index]
+
+
+register(OpDef(
+    "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None)),
+    _slice_infer, _slice, doc="a strided window of x (global bounds)",
+))
+
+
+def _cat_infer(xs, dim):
+    if not xs or not all(isinstance(m, TensorMeta) for m in xs):
+        raise DefinitionError("cat: tensors must be a non-empty list of tensors")
+    first = xs[0]
+    dim = normalize_axis("cat", dim, first.ndim, "dim")
+    for pos, m in enumerate(xs):
+        if m.ndim != first.ndim:
+            raise DefinitionError(
+                f"cat: tensor {pos} has {m.ndim} axes, tensor 0 has {first.ndim}"
+            )
+        for a in range(m.ndim):
+            if a != dim and None not in (m.shape[a], first.shape[a]) and m.shape[a] != first.shape[a]:
+                raise DefinitionError(
+                    f"cat: axis {a} of tensor {pos} has extent {m.shape[a]}, tensor 0 has "
+                    f"{first.shape[a]}; only axis {dim} may differ"
+                )
+    extents = [m.shape[dim] for m in xs]
+    axes = []
+    for a in range(first.ndim):
+        if a == dim:
+            total = None if None in extents else sum(extents)
+            axes.append(AxisSpec(total, IterType.Iteration))
+        else:
+            axes.append(AxisSpec(first.shape[a], first.iter_types[a],
+                                 tuple((pos, a) for pos in range(len(xs)))))
+    return [OutSpec(first.dtype, tuple(axes))]
+
+
+register(OpDef(
+    "cat", (tensors("xs"), attr("dim")), _cat_infer,
+    lambda xs, dim: torch.cat(xs, dim=dim), doc="concatenation along dim",
+))

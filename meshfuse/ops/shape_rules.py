@@ -1,0 +1,122 @@
+"""Helpers shared by the shape rules of the op declarations."""
+
+from __future__ import annotations
+
+import torch
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.iter_domain import IterType
+from meshfuse.ops.registry import AxisSpec, ScalarMeta, TensorMeta
+
+
+def normalize_axis(op: str, axis: int, ndim: int, what: str = "axis") -> int:
+    """``axis`` in ``[-ndim, ndim)`` made non-negative, or a DefinitionError."""
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        raise DefinitionError(
+            f"{op}: {what} {axis!r} is out of range for a tensor of {ndim} axes; use an int "
+            f"in [{-ndim}, {ndim})"
+        )
+    return axis % ndim
+
+
+def normalize_axes(op: str, axes, ndim: int) -> tuple[int, ...]:
+    """A sorted tuple of distinct non-negative axes; ``None`` means all axes."""
+    if axes is None:
+        return tuple(range(ndim))
+    if isinstance(axes, int):
+        axes = [axes]
+    result = sorted({normalize_axis(op, a, ndim) for a in axes})
+    if len(result) != len(list(axes)):
+        raise DefinitionError(f"{op}: axes {list(axes)} name an axis twice")
+    return tuple(result)
+
+
+def require_tensor(op: str, name: str, meta) -> TensorMeta:
+    if not isinstance(meta, TensorMeta):
+        raise DefinitionError(f"{op}: argument {name!r} must be a tensor, got {meta!r}")
+    return meta
+
+
+def _sample(meta) -> torch.Tensor | bool | int | float:
+    """A stand-in for type promotion: a 1-element tensor for a tensor, a Python value for a
+    scalar (so that scalars promote as PyTorch's Python scalars do)."""
+    if isinstance(meta, TensorMeta):
+        return torch.empty(1, dtype=meta.dtype.torch_dtype, device="meta")
+    dtype = meta.dtype if isinstance(meta, ScalarMeta) else _python_dtype(meta)
+    if dtype is DataType.Bool:
+        return True
+    if dtype.is_floating:
+        return 1.0
+    if dtype.torch_dtype.is_complex:
+        return 1j
+    return 1
+
+
+def _python_dtype(value) -> DataType:
+    if isinstance(value, bool):
+        return DataType.Bool
+    if isinstance(value, int):
+        return DataType.Int
+    if isinstance(value, float):
+        return DataType.Double
+    if isinstance(value, complex):
+        return DataType.ComplexDouble
+    raise DefinitionError(f"unsupported operand {value!r}: use a tensor, a Scalar or a number")
+
+
+def promote(*operands) -> DataType:
+    """The result dtype of a pointwise op over ``operands``, by PyTorch's promotion rules
+    (Python numbers and meshfuse Scalars promote like Python scalars)."""
+    samples = [_sample(m) for m in operands]
+    tensors = [s for s in samples if isinstance(s, torch.Tensor)]
+    if not tensors:
+        return DataType.from_torch(torch.tensor(samples[0]).dtype if len(samples) == 1 else
+                                   torch.result_type(torch.tensor(samples[0]), samples[1]))
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    probe = torch.empty(1, dtype=dtype, device="meta")
+    for s in samples:
+        if not isinstance(s, torch.Tensor):
+            dtype = torch.result_type(probe, s)
+            probe = torch.empty(1, dtype=dtype, device="meta")
+    return DataType.from_torch(dtype)
+
+
+def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:
+    """The output axes of a pointwise op: tensor arguments aligned on the right, extents
+    checked equal where neither is a broadcast axis.
+
+    Sources are the non-broadcast input axes (all inputs' axes where every one is broadcast).
+    """
+    tensors = list(enumerate(m for m in args if isinstance(m, TensorMeta)))
+    ndim = max((m.ndim for _, m in tensors), default=0)
+    axes = []
+    for out_axis in range(ndim):
+        real, bcast = [], []
+        for pos, m in tensors:
+            axis = out_axis - (ndim - m.ndim)
+            if axis < 0:
+                continue
+            (bcast if m.is_broadcast(axis) else real).append((pos, axis, m.shape[axis]))
+        static = {e for _, _, e in real if e is not None}
+        if len(static) > 1:
+            detail = ", ".join(f"argument {p} axis {a} has extent {e}" for p, a, e in real)
+            raise DefinitionError(
+                f"{op}: operands do not broadcast on output axis {out_axis}: {detail}; make the "
+                "extents equal or make one of them a broadcast axis (extent 1)"
+            )
+        if real:
+            extent = next(iter(static)) if static else None
+            axes.append(AxisSpec(extent, IterType.Iteration, tuple((p, a) for p, a, _ in real)))
+        else:
+            axes.append(AxisSpec(1, IterType.Broadcast, tuple((p, a) for p, a, _ in bcast)))
+    return tuple(axes)
+
+
+def same_axes(pos: int, meta: TensorMeta) -> tuple[AxisSpec, ...]:
+    """Output axes identical to (and mapped from) tensor argument ``pos``."""
+    return tuple(
+        AxisSpec(e, t, ((pos, a),)) for a, (e, t) in enumerate(zip(meta.shape, meta.iter_types))
+    )

@@ -1,0 +1,60 @@
+"""Derives the allocation domain (memory order) of every tensor that has none.
+
+A tensor keeps an allocation domain the user gave (or ``define_tensor``'s ``stride_order``).
+Any other tensor is laid out like its producer's inputs: each output axis sits where the first
+input axis it maps from sits in that input's memory order (BSHE q/k/v give a BSHE ``attn``); an
+axis that maps from nothing (an expanded broadcast) stays next to the logical axis before it.
+All derived allocations are contiguous.
+"""
+
+from __future__ import annotations
+
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.layout import producers
+from meshfuse.ir.tensor_view import Allocation, TensorView
+from meshfuse.ir.iter_domain import IterDomain
+
+
+def memory_positions(tv: TensorView, allocation: Allocation) -> dict[IterDomain, float]:
+    """Each logical ID's position in ``allocation``: that of the innermost non-device ID
+    split from it (or of the logical ID itself)."""
+    made_by = producers(tv)
+    positions: dict[IterDomain, float] = {}
+    for pos, id_ in enumerate(allocation.ids):
+        root = id_
+        while root in made_by:
+            root = made_by[root].inputs[0]
+        if tv.parallel_type(id_).is_device and root in positions:
+            continue
+        positions[root] = pos
+    return positions
+
+
+def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
+    """The allocation domain of every tensor of ``fusion``: given, or derived."""
+    result: dict[TensorView, Allocation] = {}
+    for tv in fusion.tensors():
+        if tv.allocation is not None:
+            result[tv] = tv.allocation
+    for expr in fusion.exprs:
+        positions: dict[IterDomain, float] = {}
+        for inp in expr.tensor_inputs:
+            for id_, pos in memory_positions(inp, result[inp]).items():
+                positions[id_] = pos / max(len(result[inp].ids), 1)
+        for out in expr.tensor_outputs:
+            if out in result:
+                continue
+            result[out] = _follow(out, expr.id_map, positions)
+    return result
+
+
+def _follow(tv: TensorView, id_map, positions: dict[IterDomain, float]) -> Allocation:
+    keys = []
+    previous = -1.0
+    for axis, id_ in enumerate(tv.materialized()):
+        sources = [s for s in id_map.get(id_, ()) if s in positions]
+        key = positions[sources[0]] if sources else previous + 1e-6
+        keys.append((key, axis))
+        previous = key
+    order = [tv.materialized()[axis] for _, axis in sorted(keys)]
+    return Allocation(tuple(order), tuple(None if i.is_broadcast else True for i in order))

@@ -1,0 +1,97 @@
+"""Finds ops whose inputs and outputs are sharded differently (they need communication).
+
+Until resharding is implemented, such an op is an error raised before anything runs, naming
+the op, the tensors, the axis and both shardings. An axis's sharding is compared as its
+*owner map*: for each device parallel type, the mesh coordinate that holds each global index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from meshfuse.errors import ShardingError
+from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.iter_domain import IterDomain, Split
+from meshfuse.ir.layout import device_ids
+from meshfuse.ir.printer import format_expr
+from meshfuse.ir.tensor_view import TensorView
+
+OwnerMap = dict[str, tuple[int, ...]]
+
+
+def owner_map(tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomain, int]) -> OwnerMap:
+    """For each device parallel type sharding ``logical_id``: the owner of each index."""
+    shards = device_ids(tv).get(logical_id, [])
+    if not shards:
+        return {}
+    index = {logical_id: torch.arange(extents[logical_id])}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in index:
+            inner = extents[t.inner]
+            index[t.outer] = index[t.in_id] // inner
+            index[t.inner] = index[t.in_id] % inner
+    return {pt.value: tuple(index[id_].tolist()) for id_, pt in shards}
+
+
+def describe(owners: OwnerMap) -> str:
+    if not owners:
+        return "replicated"
+    return ", ".join(f"{pt} (owners {list(o[:8])}{'...' if len(o) > 8 else ''})"
+                     for pt, o in sorted(owners.items()))
+
+
+def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> None:
+    """Raises ShardingError for the first op that would need a communication."""
+    for expr in fusion.exprs:
+        _check_expr(expr, extents)
+
+
+def _check_expr(expr: Expr, extents) -> None:
+    inputs = [t for t in expr.tensor_inputs if t.logical]
+    outputs = [t for t in expr.tensor_outputs if t.logical]
+    meshes = {t.mesh for t in inputs + outputs}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"{format_expr(expr)}: its tensors live on different meshes "
+            f"({', '.join(f'{t.name}: {t.mesh!r}' for t in inputs + outputs)}); moving tensors "
+            "between meshes is not supported yet"
+        )
+    mapped_inputs: set[IterDomain] = set()
+    for out in outputs:
+        for axis, out_id in enumerate(out.logical):
+            out_owners = owner_map(out, out_id, extents)
+            sources = expr.id_map.get(out_id, ())
+            mapped_inputs.update(sources)
+            real = [s for s in sources if not s.is_broadcast]
+            if not real and out_owners:
+                raise ShardingError(
+                    f"{format_expr(expr)}: axis {axis} of {out.name} is sharded ({describe(out_owners)}) "
+                    "but is not mapped from any input axis; shard an input instead"
+                )
+            for src in real:
+                tv = _owner_of(src, inputs)
+                src_owners = owner_map(tv, src, extents)
+                if src_owners != out_owners:
+                    what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
+                    raise ShardingError(
+                        f"{format_expr(expr)}: {tv.name} axis {tv.logical.index(src)} is "
+                        f"{describe(src_owners)} but {what} is {describe(out_owners)}; this "
+                        "needs a communication, which is not supported yet: schedule both alike"
+                    )
+    for tv in inputs:
+        for axis, id_ in enumerate(tv.logical):
+            if id_ not in mapped_inputs and owner_map(tv, id_, extents):
+                raise ShardingError(
+                    f"{format_expr(expr)}: axis {axis} of {tv.name} is sharded but the op does "
+                    "not map it to an output axis (a slice, concatenation or reshape of a "
+                    "sharded axis); shard another axis"
+                )
+
+
+def _owner_of(id_: IterDomain, tensors: list[TensorView]) -> TensorView:
+    for tv in tensors:
+        if id_ in tv.logical:
+            return tv
+    raise AssertionError("a source ID belongs to no input")

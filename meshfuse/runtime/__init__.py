@@ -1,0 +1,1 @@
+"""Running a built fusion: binding, the per-rank program, communication."""

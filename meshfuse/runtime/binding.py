@@ -1,0 +1,164 @@
+"""Binding: from this rank's input tensors to concrete global extents and local layouts.
+
+Everything here depends only on the definition, the schedule and the inputs' dtypes and
+shapes, so every rank that got consistent inputs reaches the same decisions (and raises the
+same errors) before any communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from meshfuse.errors import DefinitionError, InputError
+from meshfuse.frontend.ops_namespace import arg_meta
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.layout import LocalLayout, derived_extents, device_ids, local_layout
+from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.ir.printer import format_expr
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.ops.registry import TensorMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """Concrete extents of every ID, and every tensor's local layout on this rank."""
+
+    extents: dict[IterDomain, int]
+    layouts: dict[TensorView, LocalLayout]
+
+
+def device_coords(tv: TensorView, rank: int) -> dict[ParallelType, int]:
+    """This rank's coordinate on the mesh axis of each device parallel type ``tv`` uses."""
+    if tv.mesh is None:
+        return {}
+    coord = tv.mesh.coordinate(rank)
+    return {pt: coord[tv.mesh.axis_of(pt)] for pt in tv.parallel.values() if pt.is_device}
+
+
+def check_input_values(fusion: Fusion, inputs: Sequence) -> None:
+    """Count, kind, dtype and rank of each input."""
+    declared = fusion.inputs()
+    if len(inputs) != len(declared):
+        names = ", ".join(v.name for v in declared)
+        raise InputError(
+            f"execute got {len(inputs)} inputs but the fusion takes {len(declared)} ({names})"
+        )
+    device = None
+    for v, x in zip(declared, inputs):
+        if isinstance(v, Scalar):
+            if isinstance(x, torch.Tensor) and x.ndim > 0:
+                raise InputError(f"input {v.name} is a scalar; got a tensor of shape {list(x.shape)}")
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != v.dtype.torch_dtype:
+            raise InputError(
+                f"input {v.name} must be {v.dtype.name} ({v.dtype.torch_dtype}), got {x.dtype}; "
+                f"cast it with .to({v.dtype.torch_dtype})"
+            )
+        if x.ndim != v.ndim:
+            raise InputError(
+                f"input {v.name} must have {v.ndim} axes (global shape "
+                f"{[i.extent if i.extent is not None else -1 for i in v.materialized()]}), got "
+                f"shape {list(x.shape)}"
+            )
+        if device is None:
+            device = x.device
+        elif x.device != device:
+            raise InputError(
+                f"input {v.name} is on {x.device} but earlier inputs are on {device}; put all "
+                "inputs on one device"
+            )
+
+
+def bind(
+    fusion: Fusion,
+    allocations: Mapping[TensorView, Allocation],
+    inputs: Sequence,
+) -> Binding:
+    """Global extents from local input sizes, checked against the definition; local layouts."""
+    extents: dict[IterDomain, int] = {}
+    for v, x in zip(fusion.inputs(), inputs):
+        if isinstance(v, TensorView):
+            _bind_input(v, x, extents)
+    for expr in fusion.exprs:
+        metas = [_concrete_meta(a, extents) for a in expr.args]
+        try:
+            specs = expr.op.infer(*metas)
+        except DefinitionError as e:
+            raise InputError(f"{format_expr(expr)} with the given input sizes: {e}") from None
+        for out, spec in zip(expr.outputs, specs):
+            if isinstance(out, TensorView):
+                for id_, axis in zip(out.logical, spec.axes):
+                    extents[id_] = axis.extent
+    layouts = {}
+    for tv in fusion.tensors():
+        extents.update(derived_extents(tv, extents))
+        layouts[tv] = local_layout(tv, allocations[tv], extents)
+    return Binding(extents, layouts)
+
+
+def _concrete_meta(arg, extents):
+    meta = arg_meta(arg)
+    if isinstance(meta, TensorMeta):
+        return _concrete(arg, meta, extents)
+    if isinstance(meta, list) and meta and isinstance(meta[0], TensorMeta):
+        return [_concrete(a, m, extents) for a, m in zip(arg, meta)]
+    return meta
+
+
+def _concrete(tv: TensorView, meta: TensorMeta, extents) -> TensorMeta:
+    shape = tuple(extents[i] for i in tv.materialized())
+    return dataclasses.replace(meta, shape=shape)
+
+
+def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int]) -> None:
+    shards = device_ids(tv)
+    for axis, id_ in enumerate(tv.materialized()):
+        # Device-parallel IDs have static extents (the mesh axis sizes), so the shard factor
+        # of an axis is known before its global extent is.
+        factor = math.prod(did.extent for did, _ in shards.get(id_, []))
+        global_extent = x.shape[axis] * factor
+        if id_.is_broadcast and x.shape[axis] != 1:
+            raise InputError(
+                f"input {tv.name} axis {axis} is a broadcast axis (declared extent 1) but has "
+                f"extent {x.shape[axis]}; declare it -1 or pass extent 1"
+            )
+        if id_.extent is not None and id_.extent != global_extent:
+            shard = f" x {factor} shards" if factor > 1 else ""
+            raise InputError(
+                f"input {tv.name} axis {axis}: local extent {x.shape[axis]}{shard} = "
+                f"{global_extent}, but the definition says {id_.extent}; pass this rank's shard "
+                f"of extent {id_.extent // factor if id_.extent % factor == 0 else '?'}"
+            )
+        extents[id_] = global_extent
+
+
+def check_strides(tv: TensorView, x: torch.Tensor, layout: LocalLayout) -> None:
+    """``x`` has ``layout``'s shape and follows its memory order (dense where contiguous)."""
+    if tuple(x.shape) != layout.shape:
+        raise InputError(
+            f"input {tv.name} has local shape {list(x.shape)} but its schedule gives "
+            f"{list(layout.shape)} on this rank; pass this rank's shard (shard_tensor)"
+        )
+    running = 1
+    for axis in reversed(layout.order):
+        n, stride = x.shape[axis], x.stride(axis)
+        if n == 1:
+            continue
+        contiguous = layout.contiguity[axis]
+        if (contiguous and stride != running) or stride < running:
+            raise InputError(
+                f"input {tv.name} has strides {list(x.stride())} (shape {list(x.shape)}), which "
+                f"do not follow its declared memory order (axes outermost first: "
+                f"{list(layout.order)}"
+                f"{', dense' if contiguous else ''}); expected strides like "
+                f"{list(layout.strides)}: lay the tensor out accordingly (e.g. .contiguous() "
+                "for row-major) or declare its stride_order/contiguity"
+            )
+        running = stride * n

@@ -1,0 +1,99 @@
+"""The per-rank program and its interpreter.
+
+A :class:`Program` is data: a list of :class:`Step` records over numbered value slots, built
+once per input signature. ``run`` walks the steps, calls each op's torch implementation,
+frees values after their last use, lays fusion outputs out in their allocation order, and on
+failure re-raises with the step and the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from meshfuse.errors import ExecutionError
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One op call: ``impl(*args, **kwargs)``; ``args`` holds constants where ``slots`` is
+    ``None``, and slot numbers (or lists of them) where it is not."""
+
+    label: str
+    impl: Callable[..., Any]
+    template: tuple[Any, ...]
+    slots: tuple[tuple[int, int | tuple[int, ...]], ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[int, ...]
+    free: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLayout:
+    """Where a fusion output lives and how it must be laid out."""
+
+    slot: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The per-rank program for one input signature."""
+
+    num_slots: int
+    input_slots: tuple[int, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[OutputLayout, ...]
+    rank: int
+
+    def describe(self) -> str:
+        lines = [f"Program (rank {self.rank}): {len(self.steps)} steps"]
+        lines += [f"  {i}: {s.label}" for i, s in enumerate(self.steps)]
+        lines += [
+            f"  output slot {o.slot}: shape {list(o.shape)} strides {list(o.strides)}"
+            for o in self.outputs
+        ]
+        return "\n".join(lines)
+
+    def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        values: list[Any] = [None] * self.num_slots
+        for slot, x in zip(self.input_slots, inputs):
+            values[slot] = x
+        for index, step in enumerate(self.steps):
+            args = list(step.template)
+            for pos, slot in step.slots:
+                args[pos] = values[slot] if isinstance(slot, int) else [values[s] for s in slot]
+            try:
+                result = step.impl(*args, **step.kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised with context
+                raise ExecutionError(
+                    f"rank {self.rank}, step {index} ({step.label}) failed: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if len(step.outputs) == 1:
+                values[step.outputs[0]] = result
+            else:
+                for slot, value in zip(step.outputs, result):
+                    values[slot] = value
+            for slot in step.free:
+                values[slot] = None
+        return [_laid_out(values[o.slot], o) for o in self.outputs]
+
+
+def _laid_out(x: torch.Tensor, out: OutputLayout) -> torch.Tensor:
+    """``x`` itself if it already has the output's strides (axes of extent 1 aside), else a
+    copy with them."""
+    if tuple(x.shape) != out.shape:
+        raise ExecutionError(
+            f"internal error: an output has local shape {list(x.shape)}, expected "
+            f"{list(out.shape)}"
+        )
+    if all(n == 1 or s == e for n, s, e in zip(x.shape, x.stride(), out.strides)):
+        return x
+    y = torch.empty_strided(out.shape, out.strides, dtype=x.dtype, device=x.device)
+    y.copy_(x)
+    return y

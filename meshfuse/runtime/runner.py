@@ -1,0 +1,146 @@
+"""``FusionRunner``: builds a fusion once, then one per-rank program per input signature.
+
+Build: check the schedule (on every rank alike), derive layouts. Per new input signature:
+optionally compare inputs across ranks, bind extents and local layouts, check the inputs
+against them, check that no op needs resharding, and make the :class:`Program`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from meshfuse.errors import InputError
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.printer import format_expr, format_fusion
+from meshfuse.ir.tensor_view import Scalar, TensorView, Val
+from meshfuse.ir.verifier import check_schedule
+from meshfuse.ops.registry import Kind
+from meshfuse.passes.layout import infer_allocations
+from meshfuse.passes.sharding_check import check_no_resharding
+from meshfuse.runtime.binding import Binding, bind, check_input_values, check_strides
+from meshfuse.runtime.executor import OutputLayout, Program, Step
+
+
+class FusionRunner:
+    """Runs one built fusion; see the module doc."""
+
+    def __init__(self, fusion: Fusion):
+        self.fusion = fusion
+        self.multidevice = any(tv.mesh is not None for tv in fusion.tensors())
+        if self.multidevice:
+            from meshfuse.runtime.communicator import Communicator
+
+            self.communicator = Communicator.instance()
+            self.rank, world = self.communicator.rank, self.communicator.size
+        else:
+            self.communicator, self.rank, world = None, 0, 1
+        check_schedule(fusion, world)
+        for tv in fusion.tensors():
+            if tv.mesh is not None and self.rank not in tv.mesh:
+                raise InputError(
+                    f"rank {self.rank} is not in the mesh of {tv.name} ({tv.mesh!r}); ranks "
+                    "outside a fusion's mesh are not supported yet: use a mesh of all ranks"
+                )
+        self.allocations = infer_allocations(fusion)
+        self._programs: dict[tuple, Program] = {}
+        self._bindings: dict[tuple, Binding] = {}
+
+    def explain(self) -> str:
+        return format_fusion(self.fusion, self.allocations)
+
+    def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None) -> list[torch.Tensor]:
+        inputs = list(inputs)
+        key = _signature(inputs)
+        if check_ranks is None:
+            check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
+        if check_ranks and self.communicator is not None:
+            self._check_across_ranks(key)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._make_program(inputs)
+        return program.run(inputs)
+
+    def _check_across_ranks(self, key: tuple) -> None:
+        keys = self.communicator.allgather_object(_comparable(key))
+        if any(k != keys[0] for k in keys):
+            bad = [r for r, k in enumerate(keys) if k != keys[0]]
+            raise InputError(
+                f"ranks disagree on the inputs' dtypes or local shapes: rank 0 has "
+                f"{keys[0]}, rank {bad[0]} has {keys[bad[0]]}; pass every rank its shard of the "
+                "same global tensors"
+            )
+
+    def _make_program(self, inputs: list) -> Program:
+        fusion = self.fusion
+        check_input_values(fusion, inputs)
+        binding = bind(fusion, self.allocations, inputs)
+        for v, x in zip(fusion.inputs(), inputs):
+            if isinstance(v, TensorView):
+                check_strides(v, x, binding.layouts[v])
+        check_no_resharding(fusion, binding.extents)
+        self._bindings[_signature(inputs)] = binding
+        return build_program(fusion, binding, self.rank)
+
+
+def build_program(fusion: Fusion, binding: Binding, rank: int) -> Program:
+    """Numbers the values and turns each expression into a :class:`Step`."""
+    slot_of: dict[Val, int] = {}
+
+    def slot(v: Val) -> int:
+        return slot_of.setdefault(v, len(slot_of))
+
+    input_slots = tuple(slot(v) for v in fusion.inputs())
+    last_use: dict[int, int] = {}
+    for index, expr in enumerate(fusion.exprs):
+        for v in expr.inputs:
+            last_use[slot(v)] = index
+        for arg in expr.args:
+            if isinstance(arg, list | tuple):
+                for v in arg:
+                    if isinstance(v, Val):
+                        last_use[slot(v)] = index
+    keep = {slot(v) for v in fusion.outputs()}
+    steps = []
+    for index, expr in enumerate(fusion.exprs):
+        template, slots = [], []
+        for pos, (param, arg) in enumerate(zip(expr.op.params, expr.args)):
+            if isinstance(arg, Scalar) and arg.is_constant:
+                template.append(arg.value)
+            elif isinstance(arg, Val):
+                template.append(None)
+                slots.append((pos, slot(arg)))
+            elif param.kind is Kind.TENSORS:
+                template.append(None)
+                slots.append((pos, tuple(slot(v) for v in arg)))
+            else:
+                template.append(arg)
+        kwargs = {}
+        if expr.op.needs_out_shape:
+            kwargs["out_shapes"] = [binding.layouts[o].shape for o in expr.tensor_outputs]
+        outs = tuple(slot(o) for o in expr.outputs)
+        free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        steps.append(Step(format_expr(expr), expr.op.impl, tuple(template), tuple(slots),
+                          kwargs, outs, free))
+    outputs = tuple(
+        OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides)
+        for tv in fusion.outputs()
+    )
+    return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def _signature(inputs: list) -> tuple:
+    return tuple(
+        (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
+        else type(x)
+        for x in inputs
+    )
+
+
+def _comparable(key: tuple) -> tuple:
+    return tuple(
+        (str(k[0]), k[1]) if isinstance(k, tuple) else k.__name__ for k in key
+    )

@@ -1,0 +1,125 @@
+"""User helpers: a global tensor's shard for a rank under a tensor's schedule, and back.
+
+``shard_tensor(t, tv, rank)`` returns what ``execute`` expects from ``rank`` for input ``tv``
+(or returns to ``rank`` for output ``tv``): the rank's indices of each sharded axis, laid out
+in ``tv``'s allocation order. ``unshard_tensor`` puts the shards of all ranks back together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from meshfuse.errors import InputError, ShardingError
+from meshfuse.ir.layout import derived_extents, local_indices, local_layout
+from meshfuse.ir.tensor_view import Allocation, TensorView
+from meshfuse.runtime.binding import device_coords
+
+
+def _allocation(tv: TensorView) -> Allocation:
+    if tv.allocation is not None:
+        return tv.allocation
+    from meshfuse.passes.layout import infer_allocations
+
+    return infer_allocations(tv.fusion)[tv]
+
+
+def _extents(tv: TensorView, shape: Sequence[int]):
+    ids = tv.materialized()
+    if len(shape) != len(ids):
+        raise InputError(
+            f"{tv.name} has {len(ids)} axes; a tensor of shape {list(shape)} cannot be sharded "
+            "like it"
+        )
+    for axis, (id_, n) in enumerate(zip(ids, shape)):
+        if id_.extent is not None and id_.extent != n:
+            raise InputError(
+                f"{tv.name} axis {axis} has global extent {id_.extent}; got {n}"
+            )
+    logical = {i: 1 for i in tv.logical}
+    logical.update(zip(ids, shape))
+    return derived_extents(tv, logical)
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> torch.Tensor:
+    """``rank``'s local shard of the global tensor ``t`` under ``tv``'s schedule.
+
+    Args:
+        t: the global tensor (shape = ``tv``'s logical shape, reductions excluded).
+        tv: a scheduled TensorView (any splits, inner or outer, any mesh axes).
+        rank: defaults to this process's rank (0 without torch.distributed).
+
+    Returns:
+        A new tensor with ``tv``'s local shape and the strides of its allocation domain.
+    """
+    rank = _default_rank() if rank is None else rank
+    if tv.mesh is not None and rank not in tv.mesh:
+        raise ShardingError(f"rank {rank} is not in the mesh of {tv.name} ({tv.mesh!r})")
+    extents = _extents(tv, t.shape)
+    coords = device_coords(tv, rank)
+    local = t
+    for axis, id_ in enumerate(tv.materialized()):
+        index = local_indices(tv, id_, extents, coords)
+        if index is not None:
+            local = local.index_select(axis, index.to(t.device))
+    layout = local_layout(tv, _allocation(tv), extents)
+    out = torch.empty_strided(layout.shape, layout.strides, dtype=t.dtype, device=t.device)
+    return out.copy_(local)
+
+
+def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tensor:
+    """The global tensor from the local shards of every device of ``tv``'s mesh.
+
+    Args:
+        shards: one local tensor per device, in the order of ``tv.mesh.device_ids`` (for a
+            1-D mesh ``range(d)``: rank order); without a mesh, one tensor.
+        tv: the TensorView they are shards of.
+    """
+    devices = tv.mesh.device_ids if tv.mesh is not None else (0,)
+    if len(shards) != len(devices):
+        raise InputError(
+            f"unshard_tensor of {tv.name}: got {len(shards)} shards for {len(devices)} devices"
+        )
+    ids = tv.materialized()
+    shape = []
+    for axis, id_ in enumerate(ids):
+        factor = 1
+        for pid, pt in tv.parallel.items():
+            if pt.is_device and id_ in _ancestry(tv, pid):
+                factor *= pid.extent
+        shape.append(shards[0].shape[axis] * factor)
+    extents = _extents(tv, shape)
+    out = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)
+    for device, shard in zip(devices, shards):
+        coords = device_coords(tv, device)
+        index = tuple(
+            _as_column(local_indices(tv, id_, extents, coords), axis, len(ids), extent)
+            for axis, (id_, extent) in enumerate(zip(ids, shape))
+        )
+        out[index] = shard
+    return out
+
+
+def _ancestry(tv: TensorView, id_):
+    from meshfuse.ir.layout import producers
+
+    made_by = producers(tv)
+    chain = [id_]
+    while chain[-1] in made_by:
+        chain.append(made_by[chain[-1]].inputs[0])
+    return chain
+
+
+def _as_column(index, axis: int, ndim: int, extent: int) -> torch.Tensor:
+    """An index tensor for advanced indexing that broadcasts along every other axis."""
+    index = torch.arange(extent) if index is None else index
+    view = [1] * ndim
+    view[axis] = -1
+    return index.reshape(view)

@@ -1,0 +1,344 @@
+"""The parent side of the multi-device test harness: spawn a batch of ranks, judge each test.
+
+For one world size ``n``, :func:`run_batch` starts ``n`` worker processes, each
+``python -m pytest <test files>`` with torchrun's variables set (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), runs all the selected
+tests of that size in them, and turns the ranks' records (see :mod:`meshfuse.testing.worker`)
+into one :class:`Verdict` per test.
+
+A worker that dies without finishing its session is a crash: the others are killed, the test
+the dead rank was in fails with its output tail, and the tests that did not finish are run
+again in a new batch. Past the deadline every worker is killed and the unfinished tests fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from meshfuse.testing.worker import (
+    NODEIDS_ENV,
+    RECORDS_ENV,
+    WORKER_ENV,
+    log_path,
+    read_records,
+    records_path,
+)
+
+TAIL_CHARS = 4000
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The outcome of one test at one world size: ``passed``, ``failed``, ``skipped`` or
+    ``xfailed``, with the failure report or the reason."""
+
+    outcome: str
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """What to run at one world size.
+
+    Attributes:
+        world_size: the number of ranks.
+        nodeids: the node ids of the tests, as the workers will collect them.
+        paths: the test files to collect (absolute).
+        rootdir: the working directory and pytest rootdir of the workers.
+        pytest_args: further pytest arguments of the workers.
+        timeout_s: the time all batches of this world size may take together.
+        env: the base environment of the workers.
+    """
+
+    world_size: int
+    nodeids: tuple[str, ...]
+    paths: tuple[str, ...]
+    rootdir: str
+    pytest_args: tuple[str, ...]
+    timeout_s: float
+    env: Mapping[str, str]
+
+
+@dataclasses.dataclass
+class RankRun:
+    """What one rank of a batch did: the tests it started and ended, and how it exited."""
+
+    rank: int
+    started: list[str]
+    ended: dict[str, tuple[str, str]]
+    done: bool
+    exit_code: int | None
+    tail: str
+
+    @property
+    def crashed(self) -> bool:
+        """True if the rank exited without finishing its pytest session."""
+        return self.exit_code is not None and not self.done
+
+    @property
+    def current(self) -> str | None:
+        """The test the rank was in when it stopped, if any."""
+        last = self.started[-1] if self.started else None
+        return last if last is not None and last not in self.ended else None
+
+    def exit_text(self) -> str:
+        """The exit code in words."""
+        if self.exit_code is None:
+            return "was killed by the harness"
+        if self.exit_code < 0:
+            try:
+                return f"died of {signal.Signals(-self.exit_code).name}"
+            except ValueError:
+                return f"died of signal {-self.exit_code}"
+        return f"exited with code {self.exit_code}"
+
+
+def run_batch(spec: BatchSpec) -> dict[str, Verdict]:
+    """Runs ``spec``'s tests on ``spec.world_size`` ranks; returns a verdict for each node id.
+
+    Never hangs: past ``spec.timeout_s`` the workers are killed and unfinished tests fail.
+    """
+    deadline = time.monotonic() + spec.timeout_s
+    verdicts: dict[str, Verdict] = {}
+    remaining = list(spec.nodeids)
+    fruitless_retries = 0
+    while remaining:
+        ranks, ending = _run_once(spec, remaining, deadline)
+        judged, retry = judge(remaining, ranks, ending, spec)
+        verdicts.update(judged)
+        if retry and len(retry) == len(remaining):
+            # The crash was outside any test (start-up, collection): try once more, then give up.
+            fruitless_retries += 1
+            if fruitless_retries > 1:
+                verdicts.update({n: _not_run(n, ranks, ending, spec) for n in retry})
+                break
+        remaining = retry
+    return verdicts
+
+
+def judge(
+    nodeids: list[str], ranks: list[RankRun], ending: str, spec: BatchSpec
+) -> tuple[dict[str, Verdict], list[str]]:
+    """The verdicts of one batch run and the node ids to run again.
+
+    Args:
+        nodeids: the tests of the run.
+        ranks: what each rank did.
+        ending: ``"normal"`` (every rank finished), ``"crash"`` or ``"timeout"``.
+        spec: the batch.
+    """
+    verdicts: dict[str, Verdict] = {}
+    retry: list[str] = []
+    crashed_in = {r.current for r in ranks if r.crashed}
+    for nodeid in nodeids:
+        outcomes = [r.ended.get(nodeid) for r in ranks]
+        if all(outcomes):
+            verdicts[nodeid] = aggregate(outcomes)
+        elif ending == "crash" and nodeid not in crashed_in:
+            retry.append(nodeid)
+        else:
+            verdicts[nodeid] = _not_run(nodeid, ranks, ending, spec)
+    return verdicts, retry
+
+
+def aggregate(outcomes: list[tuple[str, str]]) -> Verdict:
+    """The verdict of a test from each rank's ``(outcome, text)``, indexed by rank.
+
+    Any failure fails the test with every failing rank's report. Ranks must agree on
+    skipping: a test skipped on some ranks only fails, as its collectives would hang.
+    """
+    failed = [(r, text) for r, (o, text) in enumerate(outcomes) if o == "failed"]
+    if failed:
+        names = ", ".join(str(r) for r, _ in failed)
+        lines = [f"failed on rank{'s' if len(failed) > 1 else ''} {names} of {len(outcomes)}"]
+        seen: dict[str, int] = {}
+        for r, text in failed:
+            if text in seen:
+                lines.append(f"--- rank {r}: the same as rank {seen[text]} ---")
+            else:
+                seen[text] = r
+                lines += [f"--- rank {r} ---", text]
+        return Verdict("failed", "\n".join(lines))
+    kinds = {o for o, _ in outcomes}
+    if "skipped" in kinds:
+        reasons = {text for o, text in outcomes if o == "skipped"}
+        if kinds == {"skipped"}:
+            return Verdict("skipped", reasons.pop() if len(reasons) == 1 else "; ".join(sorted(reasons)))
+        states = ", ".join(
+            f"rank {r} {o}" + (f" ({text})" if o == "skipped" else "")
+            for r, (o, text) in enumerate(outcomes)
+        )
+        return Verdict(
+            "failed",
+            f"ranks disagree on skipping: {states}; skip on every rank or none, on a condition "
+            f"all ranks share, before the first collective",
+        )
+    if "xfailed" in kinds:
+        return Verdict("xfailed", next(text for o, text in outcomes if o == "xfailed"))
+    return Verdict("passed")
+
+
+def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) -> Verdict:
+    """The failure of a test that not every rank finished."""
+    n = spec.world_size
+    states = []
+    for r in ranks:
+        if nodeid in r.ended:
+            states.append(f"rank {r.rank} {r.ended[nodeid][0]}")
+        elif r.current == nodeid:
+            states.append(f"rank {r.rank} was running it")
+        else:
+            states.append(f"rank {r.rank} did not start it")
+    if ending == "timeout":
+        why = f"the batch of world size {n} timed out after {spec.timeout_s:g} s"
+        why += " (set MESHFUSE_TEST_TIMEOUT to change the limit; a hang is often a collective"
+        why += " that not every rank called)"
+        shown = [r for r in ranks if r.current == nodeid] or ranks
+    elif ending == "crash":
+        crashed = [r for r in ranks if r.crashed]
+        why = "; ".join(
+            f"rank {r.rank} {r.exit_text()}" + (f" while running {r.current}" if r.current else "")
+            for r in crashed
+        )
+        shown = crashed
+    else:
+        why = f"the workers of world size {n} ended without running it (a collection error?)"
+        shown = ranks[:1]
+    lines = [f"{why}; {', '.join(states)}"]
+    for r in ranks:
+        if nodeid in r.ended and r.ended[nodeid][0] == "failed":
+            lines += [f"--- rank {r.rank} failed ---", r.ended[nodeid][1]]
+    for r in shown:
+        lines += [f"--- output tail of rank {r.rank} ({r.exit_text()}) ---", r.tail]
+    return Verdict("failed", "\n".join(lines))
+
+
+def _run_once(
+    spec: BatchSpec, nodeids: list[str], deadline: float
+) -> tuple[list[RankRun], str]:
+    """Runs one batch of workers to its end; returns what each rank did and how it ended."""
+    n = spec.world_size
+    tmp = tempfile.mkdtemp(prefix=f"meshfuse-ws{n}-")
+    procs: list[subprocess.Popen] = []
+    try:
+        nodeids_file = Path(tmp) / "nodeids.txt"
+        nodeids_file.write_text("\n".join(nodeids) + "\n")
+        port = free_port()
+        cmd = [sys.executable, "-m", "pytest", *spec.paths, *spec.pytest_args]
+        for rank in range(n):
+            env = worker_env(spec.env, rank, n, port, tmp, nodeids_file)
+            with open(log_path(tmp, rank), "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=spec.rootdir,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group, to kill it whole
+                    )
+                )
+        ending = _wait(procs, tmp, deadline)
+        codes = [p.poll() for p in procs]  # None: still running, to be killed
+        _kill(procs)
+        return [_rank_run(tmp, rank, code) for rank, code in enumerate(codes)], ending
+    finally:
+        _kill(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait(procs: list[subprocess.Popen], tmp: str, deadline: float) -> str:
+    """Waits for the workers; ``"normal"``, ``"crash"`` (one exited unfinished) or ``"timeout"``."""
+    done: dict[int, bool] = {}
+    while True:
+        for rank, p in enumerate(procs):
+            if p.poll() is not None and rank not in done:
+                done[rank] = any(r.get("event") == "done" for r in read_records(records_path(tmp, rank)))
+                if not done[rank]:
+                    return "crash"
+        if len(done) == len(procs):
+            return "normal"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(_POLL_S)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kills every still running worker with its children, and reaps it."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _rank_run(tmp: str, rank: int, exit_code: int | None) -> RankRun:
+    started: list[str] = []
+    ended: dict[str, tuple[str, str]] = {}
+    done = False
+    for rec in read_records(records_path(tmp, rank)):
+        if rec.get("event") == "start":
+            started.append(rec["nodeid"])
+        elif rec.get("event") == "end":
+            ended[rec["nodeid"]] = (rec["outcome"], rec["text"])
+        elif rec.get("event") == "done":
+            done = True
+    try:
+        tail = log_path(tmp, rank).read_bytes()[-TAIL_CHARS:].decode(errors="replace")
+    except FileNotFoundError:
+        tail = ""
+    return RankRun(rank, started, ended, done, exit_code, tail)
+
+
+def worker_env(
+    base: Mapping[str, str], rank: int, size: int, port: int, tmp: str, nodeids_file: Path
+) -> dict[str, str]:
+    """The environment of worker ``rank`` of ``size``: torchrun's variables and the harness's."""
+    env = {
+        k: v
+        for k, v in base.items()
+        if not k.startswith("OMPI_COMM_WORLD_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+    }
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(max(1, cpu_count() // size)),
+    )
+    env[WORKER_ENV] = "1"
+    env[RECORDS_ENV] = str(records_path(tmp, rank))  # the file this rank appends to
+    env[NODEIDS_ENV] = str(nodeids_file)
+    return env
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
