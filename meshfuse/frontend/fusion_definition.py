@@ -58,11 +58,14 @@ class FusionDefinition:
     def multidevice_schedule(self) -> None:
         """Override in a subclass to schedule tensors (``self.sched.*`` or tensor methods)."""
 
-    def _ensure_defined(self) -> None:
+    def define(self) -> FusionDefinition:
+        """Runs ``definition()`` and ``multidevice_schedule()`` of a subclass once (``execute``
+        does it too); call it to get at the tensors (``self.q``...) before executing."""
         if not self._defined:
             self.definition()
             self.multidevice_schedule()
             self._defined = True
+        return self
 
     # ----- definition --------------------------------------------------------------------
     def define_tensor(
@@ -187,7 +190,7 @@ class FusionDefinition:
         if self._runner is None:
             from meshfuse.runtime.runner import FusionRunner
 
-            self._ensure_defined()
+            self.define()
             self._runner = FusionRunner(self.fusion)
         return self._runner
 
@@ -196,5 +199,5 @@ class FusionDefinition:
         return self._get_runner().explain()
 
     def __repr__(self) -> str:
-        self._ensure_defined()
+        self.define()
         return str(self.fusion)

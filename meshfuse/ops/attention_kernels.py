@@ -1,13 +1,13 @@
 """PyTorch's fused SDPA kernels, called directly, behind ``sdpfa_fwd`` and ``sdpfa_bwd``.
 
-The kernels are called through ``torch.ops.aten`` without autograd and without
+The kernels are called through ``torch.ops.aten``, under ``no_grad`` and without
 ``torch.nn.functional.scaled_dot_product_attention``: meshfuse keeps the forward's outputs
-(``attn``, ``log_sumexp`` and the dropout RNG state) itself and hands them to the backward of
-the same kernel. Shapes, with B batch, H heads, S query and Skv key/value sequence, E the q/k
+(``attn``, ``log_sumexp``, the dropout RNG state) and hands them to the same kernel's
+backward. Shapes, with B batch, H heads, S query and Skv key/value sequence, E the q/k
 head dim and Ev the v head dim::
 
     q [B, H, S, E]   k [B, H, Skv, E]   v [B, H, Skv, Ev]   (any strides: BHSE, BSHE, ...)
-    attn [B, H, S, Ev] (dtype of q)   log_sumexp [B, H, S] float32   seed, offset: 0-d int64
+    attn [B, H, S, Ev] (dtype of q)   log_sumexp [B, H, S] float32   seed, offset: RNG state
 
 Backends (:class:`AttentionBackend`) and where their outputs live in memory; the caller lays
 outputs out as it needs, so no backend copies them to a fixed layout:
@@ -23,10 +23,11 @@ MATH       contiguous BHSE         contiguous            contiguous BHSE
 =========  ======================  ====================  ============================
 
 (S32 is S rounded up to a multiple of 32: the efficient kernel pads its log-sum-exp, and its
-backward reads the padding; :func:`sdpa_backward` restores it.) ``seed``/``offset`` are
-zeros on the CPU when ``dropout_p == 0``; otherwise they are the kernel's own RNG state
-(flash and efficient: on the CPU, or on the GPU under CUDA-graph capture; cuDNN: on the GPU)
-and must be passed back unchanged.
+backward reads the padding; :func:`sdpa_backward` restores it.) ``seed`` and ``offset`` are
+0-d int64 zeros on the CPU when ``dropout_p == 0``. Otherwise they are the kernel's own RNG
+state, opaque, to be passed back unchanged: flash gives a ``[2]`` uint64 (seed, offset) and a
+0-d uint64 placeholder, on the GPU; cuDNN ``[1]`` int64 tensors on the GPU; efficient 0-d
+int64 on the CPU (on the GPU under CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -69,31 +70,25 @@ _CUDA_FUSED = (AttentionBackend.CUDNN, AttentionBackend.FLASH, AttentionBackend.
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise :class:`InputError` unless q/k/v are rank-4 tensors that fit together."""
-    names = ("q", "k", "v")
-    for name, t in zip(names, (q, k, v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"sdpa: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise InputError(
-                f"sdpa: {name} must have rank 4 [B, H, S, E], got shape {tuple(t.shape)}"
-            )
-    for name, t in zip(names[1:], (k, v)):
+            raise InputError(f"sdpa: {name} must have rank 4 [B, H, S, E], got shape "
+                             f"{tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise InputError(f"sdpa: {name} is {t.dtype} but q is {q.dtype}; cast to one dtype")
         if t.device != q.device:
             raise InputError(f"sdpa: {name} is on {t.device} but q is on {q.device}")
         for axis, label in ((0, "batch"), (1, "heads")):
             if t.shape[axis] != q.shape[axis]:
-                raise InputError(
-                    f"sdpa: {label} (axis {axis}) of {name} is {t.shape[axis]} but q's is "
-                    f"{q.shape[axis]}"
-                )
+                raise InputError(f"sdpa: {label} (axis {axis}) of {name} is {t.shape[axis]} "
+                                 f"but q's is {q.shape[axis]}")
     if q.dtype not in _DTYPES:
         raise InputError(f"sdpa: q/k/v are {q.dtype}; use float16, bfloat16 or float32")
     if k.shape[2] != v.shape[2]:
-        raise InputError(
-            f"sdpa: key/value sequence (axis 2) of k is {k.shape[2]} but v's is {v.shape[2]}"
-        )
+        raise InputError(f"sdpa: sequence (axis 2) of k is {k.shape[2]} but v's is {v.shape[2]}")
     if k.shape[3] != q.shape[3]:
         raise InputError(f"sdpa: head dim (axis 3) of k is {k.shape[3]} but q's is {q.shape[3]}")
 
@@ -113,10 +108,8 @@ def _check_backward(grad_attn, attn, log_sumexp, q, v) -> None:
     b, h, s, ev = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     for name, t in (("grad_attn", grad_attn), ("attn", attn)):
         if tuple(t.shape) != (b, h, s, ev):
-            raise InputError(
-                f"sdpa backward: {name} must be [B, H, S, Ev] = {[b, h, s, ev]}, got "
-                f"{list(t.shape)}"
-            )
+            raise InputError(f"sdpa backward: {name} must be [B, H, S, Ev] = {[b, h, s, ev]}, "
+                             f"got {list(t.shape)}")
         if t.dtype != q.dtype:
             raise InputError(f"sdpa backward: {name} is {t.dtype} but q is {q.dtype}")
     if tuple(log_sumexp.shape) != (b, h, s) or log_sumexp.dtype != torch.float32:
@@ -225,8 +218,9 @@ def _torch_can_use(backend: AttentionBackend, q, k, v, dropout_p: float, is_caus
     except RuntimeError:  # inference-mode tensors cannot require grad; ask without it
         pass
     params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
-    if check(params, False):
-        return None
+    with torch.cuda.device(q.device):  # the checks read the current device's properties
+        if check(params, False):
+            return None
     return (
         f"is refused by torch.backends.cuda.{names[backend]} (call it with debug=True for the "
         "reason; it may also be switched off by torch.backends.cuda.enable_*_sdp(False))"
@@ -397,23 +391,19 @@ def _cudnn_grad(grad_attn: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
 def _cudnn_fwd(q, k, v, dropout_p, is_causal, scale):
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, dropout_p, is_causal, False, scale=scale)
-    seed, offset = out[6], out[7]
-    if dropout_p > 0.0:  # cuDNN keeps them as [1] on the GPU; the contract is 0-d
-        seed, offset = seed.reshape(()), offset.reshape(())
-    return out[0], _lse_as_bhs(out[1], q.shape[2]), seed, offset
+    return out[0], _lse_as_bhs(out[1], q.shape[2]), out[6], out[7]
 
 
 def _cudnn_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale):
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _cudnn_grad(grad, attn), q, k, v, attn, _cudnn_lse(lse, q, k, v, attn),
-        seed.reshape(1), offset.reshape(1), None, None, None, q.shape[2], k.shape[2],
-        dropout_p, is_causal, scale=scale)
+        _cudnn_grad(grad, attn), q, k, v, attn, _cudnn_lse(lse, q, k, v, attn), seed, offset,
+        None, None, None, q.shape[2], k.shape[2], dropout_p, is_causal, scale=scale)
 
 
 def _flash_fwd(q, k, v, dropout_p, is_causal, scale):
     out = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, dropout_p, is_causal, False, scale=scale)
-    # out[6], out[7] are named rng_state/unused: the philox seed and offset of the backward.
+    # out[6], out[7] (rng_state, unused) are the backward's philox_seed and philox_offset.
     return out[0], _lse_as_bhs(out[1], q.shape[2]), out[6], out[7]
 
 
@@ -501,10 +491,7 @@ def _kernels_for(backend, q, k, v, dropout_p: float, is_causal: bool):
     return _KERNELS[backend]
 
 
-def _zero_rng() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
-
-
+@torch.no_grad()
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                  is_causal: bool, scale: float | None = None,
                  backend: AttentionBackend | str | None = None):
@@ -523,8 +510,8 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     Returns:
         ``(attn, log_sumexp, seed, offset)``: attn ``[B, H, S, Ev]`` of q's dtype and
         log_sumexp float32 ``[B, H, S]`` (layouts per backend in the module docstring);
-        seed and offset 0-d int64, the dropout RNG state the backward replays (CPU zeros when
-        ``dropout_p == 0``).
+        seed and offset, the dropout RNG state the backward replays (0-d int64 CPU zeros
+        when ``dropout_p == 0``; otherwise opaque, see the module docstring).
 
     Raises:
         InputError: bad inputs, dropout on CPU, or a backend for the other device.
@@ -537,11 +524,12 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     scale = None if scale is None else float(scale)
     attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale)
-    if dropout_p == 0.0:
-        seed, offset = _zero_rng()
+    if dropout_p == 0.0:  # the kernels leave them undefined or uninitialized
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
     return attn, lse, seed, offset
 
 
+@torch.no_grad()
 def sdpa_backward(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   attn: torch.Tensor, log_sumexp: torch.Tensor, dropout_p: float,
                   is_causal: bool, seed: torch.Tensor, offset: torch.Tensor,

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from meshfuse.testing.worker import (
@@ -32,10 +33,12 @@ from meshfuse.testing.worker import (
     log_path,
     read_records,
     records_path,
+    stacks_path,
 )
 
 TAIL_CHARS = 4000
 _POLL_S = 0.05
+_STACKS_WAIT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class BatchSpec:
         pytest_args: further pytest arguments of the workers.
         timeout_s: the time all batches of this world size may take together.
         env: the base environment of the workers.
+        threads_per_rank: ``OMP_NUM_THREADS`` of each worker.
     """
 
     world_size: int
@@ -68,6 +72,7 @@ class BatchSpec:
     pytest_args: tuple[str, ...]
     timeout_s: float
     env: Mapping[str, str]
+    threads_per_rank: int = 1
 
 
 @dataclasses.dataclass
@@ -80,6 +85,7 @@ class RankRun:
     done: bool
     exit_code: int | None
     tail: str
+    stacks: str = ""
 
     @property
     def crashed(self) -> bool:
@@ -102,6 +108,19 @@ class RankRun:
             except ValueError:
                 return f"died of signal {-self.exit_code}"
         return f"exited with code {self.exit_code}"
+
+
+def run_batches(specs: list[BatchSpec], parallel: bool) -> dict[int, dict[str, Verdict]]:
+    """Runs :func:`run_batch` for each spec, all at once if ``parallel``; verdicts by world size.
+
+    Running the batches of several world sizes at once overlaps their start-up (importing torch
+    dominates small tests); do it only when ranks do not compete for devices (CPU, gloo).
+    """
+    if not parallel or len(specs) < 2:
+        return {spec.world_size: run_batch(spec) for spec in specs}
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        results = list(pool.map(run_batch, specs))
+    return {spec.world_size: result for spec, result in zip(specs, results)}
 
 
 def run_batch(spec: BatchSpec) -> dict[str, Verdict]:
@@ -201,7 +220,7 @@ def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) ->
         else:
             states.append(f"rank {r.rank} did not start it")
     if ending == "timeout":
-        why = f"the batch of world size {n} timed out after {spec.timeout_s:g} s"
+        why = f"the batch timed out after {spec.timeout_s:g} s"
         why += " (set MESHFUSE_TEST_TIMEOUT to change the limit; a hang is often a collective"
         why += " that not every rank called)"
         shown = [r for r in ranks if r.current == nodeid] or ranks
@@ -213,7 +232,7 @@ def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) ->
         )
         shown = crashed
     else:
-        why = f"the workers of world size {n} ended without running it (a collection error?)"
+        why = f"the {n} workers ended without running it (a collection error?)"
         shown = ranks[:1]
     lines = [f"{why}; {', '.join(states)}"]
     for r in ranks:
@@ -221,6 +240,8 @@ def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) ->
             lines += [f"--- rank {r.rank} failed ---", r.ended[nodeid][1]]
     for r in shown:
         lines += [f"--- output tail of rank {r.rank} ({r.exit_text()}) ---", r.tail]
+        if r.stacks:
+            lines += [f"--- Python stacks of rank {r.rank} when it was stopped ---", r.stacks]
     return Verdict("failed", "\n".join(lines))
 
 
@@ -237,7 +258,7 @@ def _run_once(
         port = free_port()
         cmd = [sys.executable, "-m", "pytest", *spec.paths, *spec.pytest_args]
         for rank in range(n):
-            env = worker_env(spec.env, rank, n, port, tmp, nodeids_file)
+            env = worker_env(spec.env, rank, n, port, tmp, nodeids_file, spec.threads_per_rank)
             with open(log_path(tmp, rank), "wb") as log:
                 procs.append(
                     subprocess.Popen(
@@ -252,6 +273,8 @@ def _run_once(
                 )
         ending = _wait(procs, tmp, deadline)
         codes = [p.poll() for p in procs]  # None: still running, to be killed
+        if ending == "timeout":
+            _dump_stacks(procs, tmp)
         _kill(procs)
         return [_rank_run(tmp, rank, code) for rank, code in enumerate(codes)], ending
     finally:
@@ -273,6 +296,21 @@ def _wait(procs: list[subprocess.Popen], tmp: str, deadline: float) -> str:
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(_POLL_S)
+
+
+def _dump_stacks(procs: list[subprocess.Popen], tmp: str) -> None:
+    """Asks every running worker for its Python stacks (see :mod:`meshfuse.testing.worker`)."""
+    running = [(rank, p) for rank, p in enumerate(procs) if p.poll() is None]
+    for _, p in running:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    files = [stacks_path(records_path(tmp, rank)) for rank, _ in running]
+    end = time.monotonic() + _STACKS_WAIT_S
+    while time.monotonic() < end and not all(f.exists() and f.stat().st_size for f in files):
+        time.sleep(_POLL_S)
+    time.sleep(_POLL_S)  # let the last writes land
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -298,15 +336,28 @@ def _rank_run(tmp: str, rank: int, exit_code: int | None) -> RankRun:
             ended[rec["nodeid"]] = (rec["outcome"], rec["text"])
         elif rec.get("event") == "done":
             done = True
+    tail, stacks = (
+        _tail(log_path(tmp, rank)),
+        _tail(stacks_path(records_path(tmp, rank))),
+    )
+    return RankRun(rank, started, ended, done, exit_code, tail, stacks)
+
+
+def _tail(path: Path) -> str:
     try:
-        tail = log_path(tmp, rank).read_bytes()[-TAIL_CHARS:].decode(errors="replace")
+        return path.read_bytes()[-TAIL_CHARS:].decode(errors="replace")
     except FileNotFoundError:
-        tail = ""
-    return RankRun(rank, started, ended, done, exit_code, tail)
+        return ""
 
 
 def worker_env(
-    base: Mapping[str, str], rank: int, size: int, port: int, tmp: str, nodeids_file: Path
+    base: Mapping[str, str],
+    rank: int,
+    size: int,
+    port: int,
+    tmp: str,
+    nodeids_file: Path,
+    threads: int,
 ) -> dict[str, str]:
     """The environment of worker ``rank`` of ``size``: torchrun's variables and the harness's."""
     env = {
@@ -321,7 +372,7 @@ def worker_env(
         LOCAL_WORLD_SIZE=str(size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        OMP_NUM_THREADS=str(max(1, cpu_count() // size)),
+        OMP_NUM_THREADS=str(threads),
     )
     env[WORKER_ENV] = "1"
     env[RECORDS_ENV] = str(records_path(tmp, rank))  # the file this rank appends to

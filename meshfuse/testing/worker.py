@@ -10,11 +10,15 @@ the tests the parent asked for and appends one JSON line per event to its record
 
 A missing ``done`` means the worker crashed; a ``start`` without ``end`` names the test it was
 in. Lines are appended and flushed one at a time, so a crash loses nothing already recorded.
+On ``SIGUSR1`` a worker writes the Python stacks of all its threads to its stacks file: the
+parent asks for them before it kills a batch that timed out, to show where each rank hung.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,11 @@ def records_path(directory: str | Path, rank: int) -> Path:
 def log_path(directory: str | Path, rank: int) -> Path:
     """The file that receives ``rank``'s stdout and stderr."""
     return Path(directory) / f"rank{rank}.log"
+
+
+def stacks_path(records: Path) -> Path:
+    """The file beside a rank's records file that receives its stacks on ``SIGUSR1``."""
+    return records.with_suffix(".stacks")
 
 
 def read_records(path: Path) -> list[dict]:
@@ -62,6 +71,10 @@ class WorkerRecorder:
         self._path = path
         self._nodeids = nodeids
         self._reports: dict[str, list[pytest.TestReport]] = {}
+        if hasattr(signal, "SIGUSR1"):
+            # Kept open for the life of the process: faulthandler writes to its descriptor.
+            self._stacks = open(stacks_path(path), "w")  # noqa: SIM115
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(

@@ -1,0 +1,1 @@
+"""Example fusions shared by the demo, the tests and the benchmarks."""

@@ -1,0 +1,269 @@
+"""meshfuse's pytest plugin: the ``multidevice_test`` fixture and the runner of multi-device tests.
+
+It is the ``meshfuse`` pytest11 entry point of the package; a project that runs its tests
+without installing meshfuse lists it in a conftest (``pytest_plugins = ["meshfuse.testing.plugin"]``).
+
+A test is *multi-device* if it is marked ``mpi`` or uses the ``multidevice_test`` fixture. Each
+such test gets a ``meshfuse_world_size`` parameter, so its ids read ``test_foo[BHSE-ws2]``, and
+is marked ``mpi``. The plugin runs in one of three modes:
+
+- **under a launcher** (``WORLD_SIZE`` or ``OMPI_COMM_WORLD_SIZE`` set, e.g. by
+  ``torchrun --nproc-per-node 2 -m pytest`` or ``mpirun -np 2 pytest``): every process runs the
+  tests itself, at the launcher's world size;
+- **parent** (a plain ``pytest``): single-process tests run here as usual. Multi-device tests run
+  at the world sizes of ``--world-sizes`` (else ``$MESHFUSE_TEST_WORLD_SIZES``, else 1,2,4). The
+  first time a test of size ``n`` runs, one batch of ``n`` worker processes runs *all* selected
+  tests of size ``n`` (:mod:`meshfuse.testing.launcher`); each test item then reports the
+  ranks' outcome. ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch.
+  On a CUDA host (NCCL), sizes above the GPU count are skipped;
+- **worker** (a process of such a batch): like a launcher, plus it runs only the tests the
+  parent asked for and records their outcomes (:mod:`meshfuse.testing.worker`). Workers never
+  spawn workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from meshfuse.testing.launcher import BatchSpec, Verdict, cpu_count, run_batches
+from meshfuse.testing.worker import NODEIDS_ENV, RECORDS_ENV, WORKER_ENV, WorkerRecorder
+
+WORLD_SIZE_PARAM = "meshfuse_world_size"
+WORLD_SIZES_ENV = "MESHFUSE_TEST_WORLD_SIZES"
+TIMEOUT_ENV = "MESHFUSE_TEST_TIMEOUT"
+DEFAULT_WORLD_SIZES = (1, 2, 4)
+DEFAULT_TIMEOUT_S = 1200.0
+MPI_MARKER = "mpi: a multi-device test; run once per world size by meshfuse's pytest plugin"
+
+_SIZES_KEY = pytest.StashKey[tuple[int, ...]]()
+# The directory above the meshfuse package, put on the workers' PYTHONPATH so that they import
+# the same meshfuse as this process.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("meshfuse").addoption(
+        "--world-sizes",
+        dest="meshfuse_world_sizes",
+        default=None,
+        metavar="N,N,...",
+        help=f"world sizes of multi-device tests without a launcher (default: "
+        f"${WORLD_SIZES_ENV}, else {','.join(map(str, DEFAULT_WORLD_SIZES))})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not any(line.split(":")[0].strip() == "mpi" for line in config.getini("markers")):
+        config.addinivalue_line("markers", MPI_MARKER)
+    mode, size = harness_mode(os.environ)
+    if mode == "parent":
+        sizes = parse_world_sizes(
+            config.getoption("meshfuse_world_sizes") or os.environ.get(WORLD_SIZES_ENV)
+        )
+        config.pluginmanager.register(ParentRunner(config, _timeout_s()), "meshfuse-parent")
+    else:
+        sizes = (size,)
+    if mode == "worker":
+        nodeids = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
+        recorder = WorkerRecorder(Path(os.environ[RECORDS_ENV]), nodeids)
+        config.pluginmanager.register(recorder, "meshfuse-worker")
+    config.stash[_SIZES_KEY] = sizes
+
+
+def harness_mode(env: Mapping[str, str]) -> tuple[str, int]:
+    """``("worker" | "launcher" | "parent", world size)`` for a process with environment ``env``.
+
+    Raises:
+        pytest.UsageError: if a launcher's world size is not a positive integer.
+    """
+    var = "WORLD_SIZE" if "WORLD_SIZE" in env else "OMPI_COMM_WORLD_SIZE"
+    if var not in env:
+        return "parent", 1
+    try:
+        size = int(env[var])
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise pytest.UsageError(f"{var}={env[var]!r} is not a positive integer; fix the launcher")
+    return ("worker" if env.get(WORKER_ENV) == "1" else "launcher"), size
+
+
+def parse_world_sizes(text: str | None) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; ``None`` or empty gives the default sizes.
+
+    Raises:
+        pytest.UsageError: unless ``text`` is comma-separated positive integers.
+    """
+    if not text or not text.strip():
+        return DEFAULT_WORLD_SIZES
+    try:
+        sizes = tuple(dict.fromkeys(int(s) for s in text.split(",")))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(
+            f"world sizes {text!r}: expected comma-separated positive integers such as 1,2,4"
+        )
+    return sizes
+
+
+def _timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        timeout = float(text) if text.strip() else DEFAULT_TIMEOUT_S
+    except ValueError:
+        timeout = -1.0
+    if timeout <= 0:
+        raise pytest.UsageError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
+    return timeout
+
+
+def is_multidevice(node: pytest.Item | pytest.Metafunc, fixturenames: list[str]) -> bool:
+    """True for a test marked ``mpi`` or using the ``multidevice_test`` fixture."""
+    definition = node.definition if isinstance(node, pytest.Metafunc) else node
+    return definition.get_closest_marker("mpi") is not None or "multidevice_test" in fixturenames
+
+
+def world_size_of(item: pytest.Item) -> int | None:
+    """The world size a multi-device test item runs at; None for a single-process test."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get(WORLD_SIZE_PARAM) if callspec is not None else None
+
+
+@pytest.hookimpl(trylast=True)  # after @parametrize marks, so that ids read "BHSE-ws2"
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not is_multidevice(metafunc, metafunc.fixturenames):
+        return
+    if WORLD_SIZE_PARAM not in metafunc.fixturenames:
+        metafunc.fixturenames.append(WORLD_SIZE_PARAM)  # lets parametrize take the name
+    sizes = metafunc.config.stash[_SIZES_KEY]
+    metafunc.parametrize(WORLD_SIZE_PARAM, sizes, ids=[f"ws{n}" for n in sizes])
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects, so that "-m mpi" selects these tests
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if world_size_of(item) is not None and item.get_closest_marker("mpi") is None:
+            item.add_marker("mpi")
+
+
+@pytest.fixture(scope="session")
+def multidevice_test():
+    """This process's :class:`~meshfuse.testing.fixture.MultideviceTest` (rank, size, device,
+    communicator, shard/unshard helpers)."""
+    from meshfuse.runtime.communicator import Communicator
+    from meshfuse.testing.fixture import MultideviceTest
+
+    return MultideviceTest(Communicator.instance())
+
+
+class ParentRunner:
+    """The plugin object of a plain ``pytest``: multi-device items report their batch's verdict.
+
+    A multi-device item sets up no fixture here (the workers do). Its setup runs the batch of
+    its world size if not yet run, and skips if the ranks skipped; its call passes, fails with
+    the failing ranks' reports, or xfails.
+    """
+
+    def __init__(self, config: pytest.Config, timeout_s: float) -> None:
+        self._config = config
+        self._timeout_s = timeout_s
+        self._verdicts: dict[int, dict[str, Verdict]] = {}
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            if world_size_of(item) is not None:
+                item.fixturenames = []
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        n = world_size_of(item)
+        if n is None:
+            return
+        reason = unavailable_reason(n)
+        if reason is None and self._verdict(item, n).outcome == "skipped":
+            reason = self._verdict(item, n).message
+        if reason is not None:
+            raise pytest.skip.Exception(reason, _use_item_location=True)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> bool | None:
+        n = world_size_of(pyfuncitem)
+        if n is None:
+            return None
+        verdict = self._verdict(pyfuncitem, n)
+        if verdict.outcome == "failed":
+            pytest.fail(f"at world size {n}, {verdict.message}", pytrace=False)
+        if verdict.outcome == "xfailed":
+            pytest.xfail(verdict.message)
+        return True
+
+    def _verdict(self, item: pytest.Item, n: int) -> Verdict:
+        if n not in self._verdicts:
+            items = [i for i in item.session.items if world_size_of(i) is not None]
+            sizes = [n]
+            if not uses_gpus():  # CPU ranks may share the host: run every size's batch at once
+                pending = {world_size_of(i) for i in items} - self._verdicts.keys()
+                sizes = sorted(m for m in pending if unavailable_reason(m) is None)
+            threads = max(1, cpu_count() // sum(sizes))
+            specs = [
+                self._spec(m, [i for i in items if world_size_of(i) == m], threads) for m in sizes
+            ]
+            self._verdicts.update(run_batches(specs, parallel=len(specs) > 1))
+        return self._verdicts[n].get(
+            item.nodeid, Verdict("failed", f"meshfuse harness: no verdict for {item.nodeid}")
+        )
+
+    def _spec(self, n: int, items: list[pytest.Item], threads: int) -> BatchSpec:
+        config = self._config
+        option = config.option
+        args = ["-p", "no:cacheprovider", "-q", "--rootdir", str(config.rootpath)]
+        args += ["--import-mode", option.importmode, "--tb", option.tbstyle]
+        if config.inipath is not None:
+            args += ["-c", str(config.inipath)]
+        if option.showlocals:
+            args.append("-l")
+        if option.noconftest:
+            args.append("--noconftest")
+        for flag, values in (("-o", option.override_ini), ("-p", option.plugins),
+                             ("-W", option.pythonwarnings)):
+            for value in values or []:
+                args += [flag, value]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        return BatchSpec(
+            world_size=n,
+            nodeids=tuple(i.nodeid for i in items),
+            paths=tuple(dict.fromkeys(str(i.path) for i in items)),
+            rootdir=str(config.rootpath),
+            pytest_args=tuple(args),
+            timeout_s=self._timeout_s,
+            env=env,
+            threads_per_rank=threads,
+        )
+
+
+def uses_gpus() -> bool:
+    """True when ranks run on GPUs (NCCL): CUDA is available and MESHFUSE_BACKEND allows NCCL."""
+    if os.environ.get("MESHFUSE_BACKEND", "").strip().lower() not in ("", "nccl"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def unavailable_reason(n: int) -> str | None:
+    """Why world size ``n`` cannot run here (NCCL needs a GPU per rank), or None."""
+    if not uses_gpus():
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    return f"world size {n} needs {n} GPUs (one per rank); this host has {count}" if n > count else None
