@@ -258,7 +258,11 @@ def _parse_devices(devices: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
                 f"DeviceMesh needs a tensor of at least 1 dimension, got the 0-D {devices!r}; "
                 f"wrap it, e.g. DeviceMesh([{devices.item()}])"
             )
-        if devices.dtype.is_floating_point or devices.dtype.is_complex or devices.dtype == torch.bool:
+        if (
+            devices.dtype.is_floating_point
+            or devices.dtype.is_complex
+            or devices.dtype == torch.bool
+        ):
             raise ScheduleError(
                 f"DeviceMesh needs an integer tensor of device ids, got dtype {devices.dtype}; "
                 f"convert it with .long()"
@@ -345,4 +349,3 @@ def _copy_keeping_layout(t: torch.Tensor) -> torch.Tensor:
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     inverse = [order.index(i) for i in range(t.dim())]
     return t.permute(order).contiguous().permute(inverse)
-

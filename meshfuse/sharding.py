@@ -25,6 +25,14 @@ def _allocation(tv: TensorView) -> Allocation:
     return infer_allocations(tv.fusion)[tv]
 
 
+def _final(tv: TensorView) -> TensorView:
+    """``tv`` once sharding propagation has run on its fusion (it runs once per fusion)."""
+    from meshfuse.passes.propagation import propagate_shardings
+
+    propagate_shardings(tv.fusion)
+    return tv
+
+
 def _extents(tv: TensorView, shape: Sequence[int]):
     ids = tv.materialized()
     if len(shape) != len(ids):
@@ -58,8 +66,12 @@ def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> to
 
     Returns:
         A new tensor with ``tv``'s local shape and the strides of its allocation domain.
+
+    The schedule is final from the first call on: sharding propagation fills the tensors the
+    user did not schedule (an unscheduled input may come out sharded like its neighbours).
     """
     rank = _default_rank() if rank is None else rank
+    _final(tv)
     if tv.mesh is not None and rank not in tv.mesh:
         raise ShardingError(f"rank {rank} is not in the mesh of {tv.name} ({tv.mesh!r})")
     extents = _extents(tv, t.shape)
@@ -82,6 +94,7 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
             1-D mesh ``range(d)``: rank order); without a mesh, one tensor.
         tv: the TensorView they are shards of.
     """
+    _final(tv)
     devices = tv.mesh.device_ids if tv.mesh is not None else (0,)
     if len(shards) != len(devices):
         raise InputError(

@@ -57,6 +57,9 @@ class Fusion:
         self._inputs: list[Val] = []
         self._outputs: list[TensorView] = []
         self._counts = {"T": 0, "S": 0}
+        # Set once sharding propagation has filled the unscheduled tensors: the schedule is
+        # final from then on.
+        self.propagated = False
 
     def inputs(self) -> list[Val]:
         """Fusion inputs, in the order ``execute`` takes them."""

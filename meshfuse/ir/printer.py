@@ -51,6 +51,27 @@ def _transform(tv: TensorView, t, numbering: Numbering) -> str:
     return f"merge({f(t.outer)}, {f(t.inner)}) -> {f(t.out)}"
 
 
+def format_placements(tv: TensorView) -> str:
+    """One placement per mesh axis, outermost first, as in DTensor: ``S(a)`` sharded on
+    logical axis ``a`` (``S(a)c`` cyclically, from an inner split), ``P`` partial (a reduction
+    over a sharded axis), ``R`` replicated."""
+    from meshfuse.ir.layout import logical_root, producers
+
+    made_by = producers(tv)
+    placements = ["R"] * tv.mesh.ndim
+    for id_, pt in tv.parallel.items():
+        if not pt.is_device:
+            continue
+        axis = tv.mesh.axis_of(pt)
+        if id_.is_reduction:
+            placements[axis] = "P"
+            continue
+        root = logical_root(tv, id_)
+        cyclic = id_ in made_by and made_by[id_].inner is id_ and made_by[id_].inner_split
+        placements[axis] = f"S({tv.materialized().index(root)}){'c' if cyclic else ''}"
+    return "[" + ", ".join(placements) + "]"
+
+
 def format_tensor(
     tv: TensorView,
     numbering: Numbering | None = None,
@@ -65,6 +86,8 @@ def format_tensor(
         lines.append(f"  {_transform(tv, t, numbering)}")
     if tv.loop != list(tv.logical):
         lines.append(f"  loop: {_ids(tv, tv.loop, numbering)}")
+    if tv.mesh is not None:
+        lines.append(f"  sharding: {format_placements(tv)}")
     if allocation is not None:
         flags = "".join("t" if c else "n" if c is None else "f" for c in allocation.contiguity)
         lines.append(f"  allocation: {_ids(tv, allocation.ids, numbering)} contiguity: {flags}")

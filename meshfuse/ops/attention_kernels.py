@@ -9,14 +9,14 @@ head dim and Ev the v head dim::
     q [B, H, S, E]   k [B, H, Skv, E]   v [B, H, Skv, Ev]   (any strides: BHSE, BSHE, ...)
     attn [B, H, S, Ev] (dtype of q)   log_sumexp [B, H, S] float32   seed, offset: RNG state
 
-Backends (:class:`AttentionBackend`) and where their outputs live in memory; the caller lays
-outputs out as it needs, so no backend copies them to a fixed layout:
+Backends (:class:`AttentionBackend`) and where their outputs live in memory, as PyTorch
+allocates them; the caller lays outputs out as it needs, so none is copied to a fixed layout:
 
 =========  ======================  ====================  ============================
 backend    attn                    log_sumexp            q/k/v gradients
 =========  ======================  ====================  ============================
 CUDNN      layout of q             contiguous            layouts of q, k, v
-FLASH      BSHE                    contiguous            BSHE
+FLASH      layout of q             contiguous            layouts of q, k, v
 EFFICIENT  BSHE                    view of [B,H,S32]     BSHE
 CPU_FLASH  layout of q             BSH                   BSHE
 MATH       contiguous BHSE         contiguous            contiguous BHSE

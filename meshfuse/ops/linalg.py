@@ -81,4 +81,5 @@ register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
     lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
     doc="x @ weight.T + bias",
+    prefer_inputs=(1, 2),
 ))

@@ -2,7 +2,9 @@
 
 Each family is a sorted table of ``name -> torch function``; one helper turns a table row
 into an :class:`OpDef`. Binary ops broadcast like PyTorch (tensors aligned on the right) and
-accept meshfuse Scalars and Python numbers; dtypes promote as in PyTorch.
+accept meshfuse Scalars and Python numbers in either position; dtypes promote as in PyTorch.
+A dtype that PyTorch has no kernel for (``neg`` of a bool tensor, ``silu`` of an integer one)
+is a DefinitionError when the op is defined.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
-from meshfuse.ops.registry import OpDef, OutSpec, attr, operand, register, tensor
+from meshfuse.ops.registry import (
+    OpDef, OutSpec, ScalarMeta, TensorMeta, attr, operand, register, tensor,
+)
 from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor, same_axes
 
 # Unary ops whose result is floating point (integer inputs promote to the default float).
@@ -76,6 +80,18 @@ BINARY_LOGICAL = {
     "logical_or": torch.logical_or,
 }
 
+# Ops whose result is floating point even for integer or bool operands (true division).
+FLOAT_RESULT = {"atan2", "div"}
+# Ops PyTorch defines for floating-point tensors only.
+FLOAT_ONLY = {"gelu", "silu"}
+# Ops PyTorch does not define for bool tensors (checked on the promoted dtype).
+NO_BOOL = {"abs", "ceil", "floor", "fmod", "neg", "pow", "relu", "remainder", "round", "sub"}
+# Ops whose torch function takes a Python number as the second or the first operand; the
+# others get a 0-d tensor of the promoted dtype instead (which PyTorch promotes alike).
+NUMBER_SECOND = {"add", "div", "eq", "fmod", "ge", "gt", "le", "lt", "mul", "ne", "pow",
+                 "remainder", "sub"}
+NUMBER_FIRST = {"add", "div", "mul", "pow", "remainder", "sub"}
+
 
 def _float_of(dtype: DataType) -> DataType:
     if dtype.is_floating or dtype.torch_dtype.is_complex:
@@ -83,9 +99,22 @@ def _float_of(dtype: DataType) -> DataType:
     return DataType.from_torch(torch.get_default_dtype())
 
 
+def check_dtype(op: str, dtype: DataType) -> DataType:
+    """``dtype`` if PyTorch implements ``op`` for it, else a DefinitionError."""
+    floating = dtype.is_floating or dtype.torch_dtype.is_complex
+    if (op in FLOAT_ONLY and not floating) or (op in NO_BOOL and dtype is DataType.Bool):
+        need = "floating-point" if op in FLOAT_ONLY else "numeric (not Bool)"
+        raise DefinitionError(
+            f"{op}: PyTorch has no {op} for {dtype.name} operands; it takes {need} ones: "
+            f"cast them first (fd.ops.cast)"
+        )
+    return dtype
+
+
 def _unary(name: str, fn, float_result: bool) -> OpDef:
     def infer(x):
         x = require_tensor(name, "x", x)
+        check_dtype(name, x.dtype)
         return [OutSpec(_float_of(x.dtype) if float_result else x.dtype, same_axes(0, x))]
 
     kind = "floating-point" if float_result else "dtype-preserving"
@@ -95,19 +124,30 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
 def _binary(name: str, fn, result_dtype: DataType | None) -> OpDef:
     def infer(a, b):
         axes = broadcast_axes(name, [a, b])
-        return [OutSpec(result_dtype or promote(a, b), axes)]
+        dtype = check_dtype(name, promote(a, b))
+        if name in FLOAT_RESULT:
+            dtype = _float_of(dtype)
+        return [OutSpec(result_dtype or dtype, axes)]
 
-    return OpDef(name, (operand("a"), operand("b")), infer, _scalar_safe(fn),
+    return OpDef(name, (operand("a"), operand("b")), infer,
+                 _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND),
                  doc=f"binary {name} with broadcasting")
 
 
-def _scalar_safe(fn):
-    """torch's binary functions need a tensor first or second; two scalars go through a 0-d
-    tensor so the op still returns a tensor."""
+def _scalar_safe(fn, number_first: bool, number_second: bool):
+    """``fn`` made to accept a Python number in either position.
+
+    A number where ``fn`` takes none becomes a 0-d tensor of the promoted dtype on the other
+    operand's device; two numbers become a result tensor, as the shape rule says (a 0-d one).
+    """
 
     def call(a, b):
         if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-            return fn(torch.tensor(a), b)
+            a = torch.tensor(a)
+        if not isinstance(a, torch.Tensor) and not number_first:
+            a = torch.tensor(a, dtype=torch.result_type(a, b), device=b.device)
+        if not isinstance(b, torch.Tensor) and not number_second:
+            b = torch.tensor(b, dtype=torch.result_type(a, b), device=a.device)
         return fn(a, b)
 
     call.__name__ = fn.__name__
@@ -126,6 +166,7 @@ for _name, _fn in sorted(BINARY_COMPARE.items() | BINARY_LOGICAL.items()):
 
 def _gelu_infer(x, approximate):
     x = require_tensor("gelu", "x", x)
+    check_dtype("gelu", x.dtype)
     if approximate not in ("none", "tanh"):
         raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return [OutSpec(_float_of(x.dtype), same_axes(0, x))]
@@ -158,13 +199,19 @@ def _set_infer(x):
 
 
 register(OpDef(
-    "set", (tensor("x"),), _set_infer, lambda x: x,
+    "set", (tensor("x"),), _set_infer, lambda x: x.clone(),
     doc="a copy of x; with a different schedule on its output, a resharding point",
 ))
 
 
 def _where_infer(cond, a, b):
     axes = broadcast_axes("where", [cond, a, b])
+    cond_dtype = cond.dtype if isinstance(cond, TensorMeta | ScalarMeta) else type(cond)
+    if cond_dtype not in (DataType.Bool, bool):
+        raise DefinitionError(
+            f"where: cond must be Bool, got {getattr(cond_dtype, 'name', cond_dtype)}; make it "
+            "with a comparison (fd.ops.gt, ...) or fd.ops.cast(cond, DataType.Bool)"
+        )
     return [OutSpec(promote(a, b), axes)]
 
 

@@ -4,6 +4,9 @@ Shape rule: each reduced input axis becomes a *reduction* ID of the output (mapp
 input axis, not materialized in the local tensor); with ``keepdim=True`` a broadcast ID of
 extent 1 follows it, so the local tensor keeps the axis with extent 1, as in PyTorch.
 A reduction over a sharded axis therefore shows up as a sharded reduction ID (a partial result).
+
+``dtype`` (sum, mean, prod, max, min) is PyTorch's: the input is cast to it *before* reducing,
+so ``sum(x_bf16, dtype=DataType.Float)`` accumulates in float32.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, attr, register, tensor
 from meshfuse.ops.shape_rules import normalize_axes, require_tensor
@@ -33,13 +37,16 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
 
 def _reduction(name: str, reduce_fn, doc: str) -> OpDef:
     def infer(x, dims, keepdim, dtype):
-        out_dtype = dtype if dtype is not None else _default_dtype(name, x.dtype)
-        return [OutSpec(out_dtype, reduced_axes(name, x, dims, keepdim))]
+        axes = reduced_axes(name, x, dims, keepdim)
+        if dtype is not None and not isinstance(dtype, DataType):
+            raise DefinitionError(f"{name}: dtype must be a DataType or None, got {dtype!r}")
+        return [OutSpec(_default_dtype(name, dtype or x.dtype), axes)]
 
     def impl(x, dims, keepdim, dtype):
+        if dtype is not None:
+            x = x.to(dtype.torch_dtype)
         dims = local_dims(x, dims)
-        out = reduce_fn(x, dims, keepdim) if dims else x.clone()
-        return out if dtype is None else out.to(dtype.torch_dtype)
+        return reduce_fn(x, dims, keepdim) if dims else x.clone()
 
     params = (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None))
     return OpDef(name, params, infer, impl, doc=doc)
@@ -55,9 +62,16 @@ def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
 
 
 def _default_dtype(name: str, dtype: DataType) -> DataType:
+    """The result dtype of reduction ``name`` of a ``dtype`` tensor, as in PyTorch."""
+    floating = dtype.is_floating or dtype.torch_dtype.is_complex
     # PyTorch sums integers and bools in int64; the mean of integers is not defined there.
-    if name in ("sum", "prod") and not dtype.is_floating and not dtype.torch_dtype.is_complex:
+    if name in ("sum", "prod") and not floating:
         return DataType.Int
+    if name in ("mean", "var_mean") and not floating:
+        raise DefinitionError(
+            f"{name}: PyTorch has no {name} of {dtype.name} tensors; cast the input to a "
+            "floating-point dtype first" + (" or pass dtype=" if name == "mean" else "")
+        )
     return dtype
 
 
@@ -90,7 +104,10 @@ for _name, (_fn, _doc) in sorted(REDUCTIONS.items()):
 
 def _var_mean_infer(x, dims, correction, keepdim):
     axes = reduced_axes("var_mean", x, dims, keepdim)
-    return [OutSpec(x.dtype, axes), OutSpec(x.dtype, axes)]
+    if not isinstance(correction, int | float) or isinstance(correction, bool):
+        raise DefinitionError(f"var_mean: correction must be a number, got {correction!r}")
+    dtype = _default_dtype("var_mean", x.dtype)
+    return [OutSpec(dtype, axes), OutSpec(dtype, axes)]
 
 
 def _var_mean(x, dims, correction, keepdim):

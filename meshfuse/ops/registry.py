@@ -130,6 +130,8 @@ class OpDef:
             it also gets ``out_shapes=`` (the local output shapes, for ops whose arguments
             speak of global shapes).
         doc: one line for the op table.
+        prefer_inputs: tensor inputs whose sharding propagation prefers, in order, when
+            inputs shard equally many axes (``linear`` prefers its weight, so weights stay put).
     """
 
     name: str
@@ -138,6 +140,7 @@ class OpDef:
     impl: Callable[..., Any]
     doc: str = ""
     needs_out_shape: bool = False
+    prefer_inputs: tuple[int, ...] = ()
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -16,7 +16,7 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops.registry import (
     AxisSpec, OpDef, OutSpec, TensorMeta, attr, register, tensor, tensors,
 )
-from meshfuse.ops.shape_rules import normalize_axes, normalize_axis, require_tensor
+from meshfuse.ops.shape_rules import normalize_axes, normalize_axis, promote, require_tensor
 
 
 def _broadcast_in_dim_infer(x, shape, broadcast_dims):
@@ -80,6 +80,8 @@ register(OpDef(
 
 def _squeeze_infer(x, dims):
     x = require_tensor("squeeze", "x", x)
+    if dims is None:  # every axis of (static) extent 1, as PyTorch's squeeze()
+        dims = [a for a, e in enumerate(x.shape) if e == 1]
     dims = normalize_axes("squeeze", dims, x.ndim)
     for a in dims:
         if x.shape[a] != 1:
@@ -92,14 +94,16 @@ def _squeeze_infer(x, dims):
     return [OutSpec(x.dtype, tuple(axes))]
 
 
-def _squeeze(x, dims):
-    dims = range(x.ndim) if dims is None else [dims] if isinstance(dims, int) else dims
-    return x.squeeze(tuple(d % x.ndim for d in dims))
+def _squeeze(x, dims, out_shapes):
+    # A view with the output's local shape: a local extent of 1 need not be a squeezed axis
+    # (a symbolic or sharded one), so dims=None cannot be left to torch's squeeze().
+    return x.view(out_shapes[0])
 
 
 register(OpDef(
     "squeeze", (tensor("x"), attr("dims", None)), _squeeze_infer, _squeeze,
-    doc="removes axes of extent 1",
+    needs_out_shape=True,
+    doc="removes the given axes of extent 1 (dims=None: all axes of static extent 1)",
 ))
 
 
@@ -242,7 +246,7 @@ def _cat_infer(xs, dim):
         else:
             axes.append(AxisSpec(first.shape[a], first.iter_types[a],
                                  tuple((pos, a) for pos in range(len(xs)))))
-    return [OutSpec(first.dtype, tuple(axes))]
+    return [OutSpec(promote(*xs), tuple(axes))]
 
 
 register(OpDef(

@@ -49,12 +49,11 @@ def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
 
 
 def _follow(tv: TensorView, id_map, positions: dict[IterDomain, float]) -> Allocation:
-    keys = []
+    keys: dict[IterDomain, float] = {}
     previous = -1.0
-    for axis, id_ in enumerate(tv.materialized()):
+    # Reduction IDs take part, so that a keepdim axis stays where its reduced axis was.
+    for id_ in tv.logical:
         sources = [s for s in id_map.get(id_, ()) if s in positions]
-        key = positions[sources[0]] if sources else previous + 1e-6
-        keys.append((key, axis))
-        previous = key
-    order = [tv.materialized()[axis] for _, axis in sorted(keys)]
+        keys[id_] = previous = positions[sources[0]] if sources else previous + 1e-6
+    order = sorted(tv.materialized(), key=lambda i: keys[i])
     return Allocation(tuple(order), tuple(None if i.is_broadcast else True for i in order))

@@ -46,6 +46,18 @@ def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> No
     """Raises ShardingError for the first op that would need a communication."""
     for expr in fusion.exprs:
         _check_expr(expr, extents)
+        for out in expr.tensor_outputs:
+            _check_not_partial(expr, out)
+
+
+def _check_not_partial(expr: Expr, tv: TensorView) -> None:
+    for id_, pt in tv.parallel.items():
+        if pt.is_device and id_.is_reduction:
+            raise ShardingError(
+                f"{format_expr(expr)}: {tv.name} is a partial result (it reduces over an axis "
+                f"sharded on {pt.value}) and needs an allreduce or reduce-scatter, which is not "
+                "supported yet; reduce over unsharded axes"
+            )
 
 
 def _check_expr(expr: Expr, extents) -> None:

@@ -147,12 +147,24 @@ class Communicator:
     """
 
     _instance: ClassVar[Communicator | None] = None
+    _failure: ClassVar[CommunicationError | None] = None
 
     @classmethod
     def instance(cls) -> Communicator:
-        """The communicator of this process, created on first call."""
+        """The communicator of this process, created on first call.
+
+        Raises:
+            CommunicationError: if torch.distributed cannot be initialized; later calls raise
+                the same error at once rather than wait for the rendezvous again.
+        """
         if cls._instance is None:
-            cls._instance = cls()
+            if cls._failure is not None:
+                raise cls._failure
+            try:
+                cls._instance = cls()
+            except CommunicationError as e:
+                cls._failure = e
+                raise
         return cls._instance
 
     def __init__(self) -> None:
@@ -198,7 +210,9 @@ class Communicator:
         try:
             if info.launcher == "none":
                 # An in-memory store: a single process needs no port.
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs
+                )
             else:
                 if info.launcher == "mpirun":
                     os.environ.setdefault("MASTER_ADDR", _MPI_DEFAULT_ADDR)

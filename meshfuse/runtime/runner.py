@@ -20,6 +20,7 @@ from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ir.verifier import check_schedule
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.layout import infer_allocations
+from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.binding import Binding, bind, check_input_values, check_strides
 from meshfuse.runtime.executor import OutputLayout, Program, Step
@@ -38,6 +39,7 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
+        propagate_shardings(fusion)
         check_schedule(fusion, world)
         for tv in fusion.tensors():
             if tv.mesh is not None and self.rank not in tv.mesh:

@@ -193,7 +193,9 @@ def aggregate(outcomes: list[tuple[str, str]]) -> Verdict:
     if "skipped" in kinds:
         reasons = {text for o, text in outcomes if o == "skipped"}
         if kinds == {"skipped"}:
-            return Verdict("skipped", reasons.pop() if len(reasons) == 1 else "; ".join(sorted(reasons)))
+            return Verdict(
+                "skipped", reasons.pop() if len(reasons) == 1 else "; ".join(sorted(reasons))
+            )
         states = ", ".join(
             f"rank {r} {o}" + (f" ({text})" if o == "skipped" else "")
             for r, (o, text) in enumerate(outcomes)
@@ -210,31 +212,35 @@ def aggregate(outcomes: list[tuple[str, str]]) -> Verdict:
 
 def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) -> Verdict:
     """The failure of a test that not every rank finished."""
-    n = spec.world_size
-    states = []
-    for r in ranks:
-        if nodeid in r.ended:
-            states.append(f"rank {r.rank} {r.ended[nodeid][0]}")
-        elif r.current == nodeid:
-            states.append(f"rank {r.rank} was running it")
-        else:
-            states.append(f"rank {r.rank} did not start it")
+    states = ", ".join(
+        f"rank {r.rank} {r.ended[nodeid][0]}"
+        if nodeid in r.ended
+        else f"rank {r.rank} was running it"
+        if r.current == nodeid
+        else f"rank {r.rank} did not start it"
+        for r in ranks
+    )
+    shown: list[RankRun] = []
     if ending == "timeout":
         why = f"the batch timed out after {spec.timeout_s:g} s"
-        why += " (set MESHFUSE_TEST_TIMEOUT to change the limit; a hang is often a collective"
-        why += " that not every rank called)"
-        shown = [r for r in ranks if r.current == nodeid] or ranks
+        running = [r for r in ranks if r.current == nodeid]
+        if running:
+            why += " (a hang is often a collective that not every rank called; "
+            why += "MESHFUSE_TEST_TIMEOUT sets the limit)"
+            shown = running
+        else:
+            elsewhere = sorted({r.current for r in ranks if r.current})
+            why += f" in {', '.join(elsewhere) or 'start-up'}, so this test did not run"
     elif ending == "crash":
-        crashed = [r for r in ranks if r.crashed]
+        shown = [r for r in ranks if r.crashed]
         why = "; ".join(
             f"rank {r.rank} {r.exit_text()}" + (f" while running {r.current}" if r.current else "")
-            for r in crashed
+            for r in shown
         )
-        shown = crashed
     else:
-        why = f"the {n} workers ended without running it (a collection error?)"
+        why = f"the {spec.world_size} workers ended without running it (a collection error?)"
         shown = ranks[:1]
-    lines = [f"{why}; {', '.join(states)}"]
+    lines = [f"{why}; {states}"]
     for r in ranks:
         if nodeid in r.ended and r.ended[nodeid][0] == "failed":
             lines += [f"--- rank {r.rank} failed ---", r.ended[nodeid][1]]
@@ -245,9 +251,7 @@ def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) ->
     return Verdict("failed", "\n".join(lines))
 
 
-def _run_once(
-    spec: BatchSpec, nodeids: list[str], deadline: float
-) -> tuple[list[RankRun], str]:
+def _run_once(spec: BatchSpec, nodeids: list[str], deadline: float) -> tuple[list[RankRun], str]:
     """Runs one batch of workers to its end; returns what each rank did and how it ended."""
     n = spec.world_size
     tmp = tempfile.mkdtemp(prefix=f"meshfuse-ws{n}-")
@@ -288,7 +292,9 @@ def _wait(procs: list[subprocess.Popen], tmp: str, deadline: float) -> str:
     while True:
         for rank, p in enumerate(procs):
             if p.poll() is not None and rank not in done:
-                done[rank] = any(r.get("event") == "done" for r in read_records(records_path(tmp, rank)))
+                done[rank] = any(
+                    r.get("event") == "done" for r in read_records(records_path(tmp, rank))
+                )
                 if not done[rank]:
                     return "crash"
         if len(done) == len(procs):
@@ -336,11 +342,16 @@ def _rank_run(tmp: str, rank: int, exit_code: int | None) -> RankRun:
             ended[rec["nodeid"]] = (rec["outcome"], rec["text"])
         elif rec.get("event") == "done":
             done = True
-    tail, stacks = (
-        _tail(log_path(tmp, rank)),
-        _tail(stacks_path(records_path(tmp, rank))),
+    stacks = _tail(stacks_path(records_path(tmp, rank)))
+    # pytest's and pluggy's frames say nothing about where a test hung.
+    stacks = "\n".join(
+        line
+        for line in stacks.splitlines()
+        if not any(
+            s in line for s in ("/_pytest/", "/pluggy/", "<frozen runpy>", "pytest/__main__")
+        )
     )
-    return RankRun(rank, started, ended, done, exit_code, tail, stacks)
+    return RankRun(rank, started, ended, done, exit_code, _tail(log_path(tmp, rank)), stacks)
 
 
 def _tail(path: Path) -> str:
@@ -363,7 +374,8 @@ def worker_env(
     env = {
         k: v
         for k, v in base.items()
-        if not k.startswith("OMPI_COMM_WORLD_") and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+        if not k.startswith("OMPI_COMM_WORLD_")
+        and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
     }
     env.update(
         RANK=str(rank),

@@ -67,6 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ParentRunner(config, _timeout_s()), "meshfuse-parent")
     else:
         sizes = (size,)
+        config.pluginmanager.register(RankRunner(), "meshfuse-rank")
     if mode == "worker":
         nodeids = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
         recorder = WorkerRecorder(Path(os.environ[RECORDS_ENV]), nodeids)
@@ -161,6 +162,21 @@ def multidevice_test():
     return MultideviceTest(Communicator.instance())
 
 
+class RankRunner:
+    """The plugin object of a rank (under a launcher, or a worker): multi-device tests run here.
+
+    torch.distributed is initialized before the first multi-device test, so that a test marked
+    ``mpi`` may use it without the fixture.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if world_size_of(item) is not None:
+            from meshfuse.runtime.communicator import Communicator
+
+            Communicator.instance()
+
+
 class ParentRunner:
     """The plugin object of a plain ``pytest``: multi-device items report their batch's verdict.
 
@@ -230,8 +246,11 @@ class ParentRunner:
             args.append("-l")
         if option.noconftest:
             args.append("--noconftest")
-        for flag, values in (("-o", option.override_ini), ("-p", option.plugins),
-                             ("-W", option.pythonwarnings)):
+        for flag, values in (
+            ("-o", option.override_ini),
+            ("-p", option.plugins),
+            ("-W", option.pythonwarnings),
+        ):
             for value in values or []:
                 args += [flag, value]
         env = dict(os.environ)
@@ -266,4 +285,8 @@ def unavailable_reason(n: int) -> str | None:
     import torch
 
     count = torch.cuda.device_count()
-    return f"world size {n} needs {n} GPUs (one per rank); this host has {count}" if n > count else None
+    return (
+        f"world size {n} needs {n} GPUs (one per rank); this host has {count}"
+        if n > count
+        else None
+    )

@@ -1,0 +1,182 @@
+"""Sharding propagation: every tensor the user did not schedule gets a mesh, DID splits and
+an allocation domain from its neighbours (DESIGN.md section 3.2).
+
+- Tensors the user scheduled (a mesh, a split or a parallelized axis) are never changed.
+- **Forward** (inputs to outputs, in definition order): an unscheduled op output copies the
+  sharding of the input that shards the most of its mapped axes (ties: the op's preferred
+  input, e.g. ``linear``'s weight, then argument order), through the op's domain map: the
+  split chain of each sharded logical ID is replayed on the mapped output ID and its device
+  IDs are parallelized alike. A sharded input axis that maps to a reduction ID makes the
+  output partial. (Ties: the input mapping the most axes, then the op's preference.) Its allocation domain follows that input's, IDs mapped one to one, so BSHE
+  in gives BSHE out with the device ID where the user put it. (A fusion input keeps the
+  memory order it was declared with.)
+- **Backward** (outputs to inputs, in reverse order) fills what forward left without a mesh,
+  for example inputs when only outputs are scheduled.
+- What is left (say, an unscheduled input in a fusion whose pins are all upstream of nothing)
+  is replicated on the mesh.
+Disagreements with pins are kept: the sharding check names the op that would need a
+communication. The result depends only on the fusion, not on the order of scheduling calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from meshfuse.errors import MeshfuseError
+from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.iter_domain import IterDomain, Split
+from meshfuse.ir.tensor_view import Allocation, TensorView
+from meshfuse.ir.verifier import check_allocation
+
+
+def propagate_shardings(fusion: Fusion) -> set[TensorView]:
+    """Fills the schedules of unscheduled tensors in place; returns the tensors it filled.
+
+    Runs once per fusion: later calls return the empty set (see ``ensure_propagated``).
+    """
+    if fusion.propagated:
+        return set()
+    fusion.propagated = True
+    tensors = [tv for tv in fusion.tensors() if tv.logical]
+    pinned = {tv for tv in tensors if tv.is_scheduled}
+    meshes = [tv.mesh for tv in tensors if tv.mesh is not None]
+    if not meshes:
+        return set()
+    filled: set[TensorView] = set()
+
+    def known(tv: TensorView) -> bool:
+        return tv in pinned or tv in filled
+
+    for expr in fusion.exprs:
+        sources = [t for t in expr.tensor_inputs if t.logical and known(t)]
+        for out in expr.tensor_outputs:
+            if out.logical and not known(out) and sources:
+                ref = _best_reference(expr, sources, out, forward=True)
+                _copy_sharding(ref, out, _forward_pairs(expr, ref, out))
+                filled.add(out)
+    for expr in reversed(fusion.exprs):
+        sources = [t for t in expr.tensor_outputs if t.logical and known(t)]
+        for inp in expr.tensor_inputs:
+            if inp.logical and not known(inp) and sources:
+                ref = _best_reference(expr, sources, inp, forward=False)
+                _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp))
+                filled.add(inp)
+    for tv in tensors:
+        if not known(tv):
+            tv.set_device_mesh(meshes[0])
+            filled.add(tv)
+    return filled
+
+
+def _forward_pairs(expr: Expr, ref: TensorView, out: TensorView) -> dict[IterDomain, IterDomain]:
+    """ref logical ID -> out logical ID, through the op's domain map."""
+    pairs = {}
+    for out_id in out.logical:
+        for src in expr.id_map.get(out_id, ()):
+            if src in ref.logical and not src.is_broadcast and src not in pairs:
+                pairs[src] = out_id
+    return pairs
+
+
+def _backward_pairs(expr: Expr, ref: TensorView, inp: TensorView) -> dict[IterDomain, IterDomain]:
+    """ref (an output) logical ID -> inp logical ID, through the op's domain map."""
+    pairs = {}
+    for out_id in ref.logical:
+        for src in expr.id_map.get(out_id, ()):
+            if src in inp.logical and not src.is_broadcast and out_id not in pairs:
+                pairs[out_id] = src
+    return pairs
+
+
+def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView,
+                    forward: bool) -> TensorView:
+    """The neighbour that shards the most axes mapped to ``target``; ties go to the one that
+    maps the most axes (so ``k_grad`` follows ``k``), then to the op's preferred arguments, then
+    to argument order."""
+    order = list(expr.tensor_outputs if not forward else expr.tensor_inputs)
+    preferred = [order[i] for i in expr.op.prefer_inputs if i < len(order)] if forward else []
+
+    def score(tv: TensorView):
+        pairs = _forward_pairs(expr, tv, target) if forward else _backward_pairs(expr, tv, target)
+        sharded = sum(1 for ref_id in pairs if _device_leaves(tv, ref_id))
+        rank = preferred.index(tv) if tv in preferred else len(preferred) + order.index(tv)
+        return (-sharded, -len(pairs), rank)
+
+    return min(candidates, key=score)
+
+
+def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
+    subtree = _subtree(tv, logical_id)
+    return [i for i in subtree if tv.parallel_type(i).is_device]
+
+
+def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
+    ids = [logical_id]
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in ids:
+            ids.extend(t.outputs)
+    return ids
+
+
+def _copy_sharding(ref: TensorView, target: TensorView,
+                   pairs: dict[IterDomain, IterDomain]) -> None:
+    """Gives ``target`` ``ref``'s mesh and, for each paired logical ID, ``ref``'s split chain
+    and device parallelization; then an allocation domain that follows ``ref``'s."""
+    target.set_device_mesh(ref.mesh)
+    replay: dict[IterDomain, IterDomain] = dict(pairs)
+    for ref_id, target_id in pairs.items():
+        if not _device_leaves(ref, ref_id) or target_id.is_broadcast:
+            continue
+        for t in ref.transforms:
+            if isinstance(t, Split) and t.in_id in replay and replay[t.in_id] in target.loop:
+                pos = target.loop.index(replay[t.in_id])
+                target.split(pos, t.factor, t.inner_split)
+                record = target.transforms[-1]
+                replay[t.outer], replay[t.inner] = record.outer, record.inner
+        for leaf in _device_leaves(ref, ref_id):
+            target.parallelize(target.loop.index(replay[leaf]), ref.parallel_type(leaf))
+    if ref.allocation is not None and target.allocation is None:
+        allocation = _follow_allocation(ref, target, replay)
+        if allocation is not None:
+            target.allocation = allocation
+
+
+def _follow_allocation(ref: TensorView, target: TensorView,
+                       replay: dict[IterDomain, IterDomain]) -> Allocation | None:
+    """``ref``'s allocation order carried over to ``target``; IDs of ``target`` it does not
+    cover go right after the logical axis before them. None if that is not a valid cover."""
+    ids = [replay[i] for i in ref.allocation.ids if i in replay]
+    ids = [i for i in ids if i in _domain(target)]
+    for axis, logical_id in enumerate(target.materialized()):
+        pieces = [i for i in _leaves(target, logical_id)]
+        if logical_id in ids or all(p in ids for p in pieces):
+            continue
+        before = _last_position(ids, target, target.materialized()[:axis])
+        for offset, piece in enumerate(p for p in pieces if p not in ids):
+            ids.insert(before + 1 + offset, piece)
+    candidate = Allocation(tuple(ids), tuple(None if i.is_broadcast else True for i in ids))
+    saved = target.allocation
+    target.allocation = candidate
+    try:
+        check_allocation(target)
+    except MeshfuseError:
+        target.allocation = saved
+        return None
+    return candidate
+
+
+def _domain(tv: TensorView) -> set[IterDomain]:
+    ids = set(tv.logical)
+    for t in tv.transforms:
+        ids.update(t.outputs)
+    return ids
+
+
+def _leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
+    return [i for i in tv.loop if i in _subtree(tv, logical_id)]
+
+
+def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDomain]) -> int:
+    positions = [p for p, i in enumerate(ids)
+                 for logical_id in axes if i in _subtree(tv, logical_id)]
+    return max(positions, default=-1)
