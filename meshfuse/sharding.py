@@ -7,6 +7,7 @@ in ``tv``'s allocation order. ``unshard_tensor`` puts the shards of all ranks ba
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -45,7 +46,9 @@ def _extents(tv: TensorView, shape: Sequence[int]):
             raise InputError(
                 f"{tv.name} axis {axis} has global extent {id_.extent}; got {n}"
             )
-    logical = {i: 1 for i in tv.logical}
+    # Reduction IDs are not materialized: any extent their splits divide will do.
+    logical = {i: i.extent or math.prod(t.factor for t in tv.transforms
+                                        if getattr(t, "in_id", None) is i) for i in tv.logical}
     logical.update(zip(ids, shape))
     return derived_extents(tv, logical)
 

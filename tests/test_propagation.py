@@ -116,7 +116,7 @@ def test_golden_attention_bshe_keeps_bshe():
     ])
 
 
-def test_user_pins_are_never_changed_and_conflicts_are_reported():
+def test_user_pins_are_never_changed_and_conflicts_become_resharding_copies():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], dtype=DataType.Float)
         y = fd.ops.neg(x)
@@ -127,8 +127,12 @@ def test_user_pins_are_never_changed_and_conflicts_are_reported():
     before = list(y.loop)
     propagate_shardings(fd.fusion)
     assert y.loop == before
-    with pytest.raises(ShardingError, match=r"neg\(T0\).*T0 axis 0 is DIDx"):
-        fd.execute([torch.randn(4, 6)])
+    x_global = torch.randn(4, 6)
+    out, = fd.execute([x_global])
+    torch.testing.assert_close(out, -x_global)
+    assert y.loop == before
+    sets = [e for e in fd.fusion.exprs if e.op.name == "set"]
+    assert len(sets) == 1, fd.explain()
 
 
 # ----- multi-rank: the seed with partial schedules ------------------------------------------

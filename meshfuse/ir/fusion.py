@@ -36,6 +36,11 @@ class Expr:
     attrs: dict[str, Any]
     id_map: dict[IterDomain, tuple[IterDomain, ...]]
 
+    def __repr__(self) -> str:
+        from meshfuse.ir.printer import format_expr
+
+        return format_expr(self)
+
     @property
     def inputs(self) -> tuple[Val, ...]:
         return tuple(a for a in self.args if isinstance(a, Val))
@@ -60,6 +65,7 @@ class Fusion:
         # Set once sharding propagation has filled the unscheduled tensors: the schedule is
         # final from then on.
         self.propagated = False
+        self.user_scheduled: set[TensorView] = set()
 
     def inputs(self) -> list[Val]:
         """Fusion inputs, in the order ``execute`` takes them."""
@@ -85,11 +91,13 @@ class Fusion:
     def add_output(self, tv: TensorView) -> None:
         self._outputs.append(tv)
 
-    def add_expr(self, expr: Expr) -> Expr:
+    def add_expr(self, expr: Expr, position: int | None = None) -> Expr:
+        """Names the outputs of ``expr`` and inserts it at ``position`` (default: last)."""
         for out in expr.outputs:
-            self.name(out)
+            if out.name.endswith("?"):
+                self.name(out)
             out.definition = expr
-        self.exprs.append(expr)
+        self.exprs.insert(len(self.exprs) if position is None else position, expr)
         return expr
 
     def tensors(self) -> list[TensorView]:

@@ -55,21 +55,9 @@ def format_placements(tv: TensorView) -> str:
     """One placement per mesh axis, outermost first, as in DTensor: ``S(a)`` sharded on
     logical axis ``a`` (``S(a)c`` cyclically, from an inner split), ``P`` partial (a reduction
     over a sharded axis), ``R`` replicated."""
-    from meshfuse.ir.layout import logical_root, producers
+    from meshfuse.ir.placement import placements
 
-    made_by = producers(tv)
-    placements = ["R"] * tv.mesh.ndim
-    for id_, pt in tv.parallel.items():
-        if not pt.is_device:
-            continue
-        axis = tv.mesh.axis_of(pt)
-        if id_.is_reduction:
-            placements[axis] = "P"
-            continue
-        root = logical_root(tv, id_)
-        cyclic = id_ in made_by and made_by[id_].inner is id_ and made_by[id_].inner_split
-        placements[axis] = f"S({tv.materialized().index(root)}){'c' if cyclic else ''}"
-    return "[" + ", ".join(placements) + "]"
+    return "[" + ", ".join(str(p) for p in placements(tv)) + "]"
 
 
 def format_tensor(

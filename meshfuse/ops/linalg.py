@@ -10,9 +10,25 @@ import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, TensorMeta, register, tensor
-from meshfuse.ops.registry import Param, Kind
+from meshfuse.ops.registry import (
+    AxisSpec,
+    Kind,
+    OpDef,
+    OutSpec,
+    Param,
+    TensorMeta,
+    register,
+    tensor,
+)
 from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor
+
+
+def _check_dtypes(op: str, **operands: TensorMeta) -> None:
+    """PyTorch's matrix products do not promote: every operand must have one dtype."""
+    dtypes = {name: m.dtype for name, m in operands.items()}
+    if len(set(dtypes.values())) > 1:
+        shown = ", ".join(f"{name} is {d.name}" for name, d in dtypes.items())
+        raise DefinitionError(f"{op}: operands must have one dtype, but {shown}; cast them")
 
 
 def _check_contraction(op: str, a: TensorMeta, ka: int, b: TensorMeta, kb: int) -> int | None:
@@ -29,6 +45,7 @@ def _matmul_infer(a, b):
     a, b = require_tensor("matmul", "a", a), require_tensor("matmul", "b", b)
     if a.ndim == 0 or b.ndim == 0:
         raise DefinitionError("matmul: operands must have at least one axis")
+    _check_dtypes("matmul", a=a, b=b)
     ka, kb = a.ndim - 1, max(b.ndim - 2, 0)
     k = _check_contraction("matmul", a, ka, b, kb)
     batch_a = TensorMeta(a.shape[:-2], a.iter_types[:-2], a.dtype) if a.ndim > 2 else None
@@ -72,6 +89,7 @@ def _linear_infer(x, weight, bias):
                 f"linear: bias must be [out_features] = [{weight.shape[0]}], got {list(bias.shape)}"
             )
         out_sources = ((1, 0), (2, 0))
+    _check_dtypes("linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     axes.append(AxisSpec(weight.shape[0], IterType.Iteration, out_sources))
     axes.append(AxisSpec(k, IterType.Reduction, ((0, x.ndim - 1), (1, 1))))
     return [OutSpec(promote(x, weight), tuple(axes))]

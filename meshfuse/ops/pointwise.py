@@ -14,7 +14,14 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ops.registry import (
-    OpDef, OutSpec, ScalarMeta, TensorMeta, attr, operand, register, tensor,
+    OpDef,
+    OutSpec,
+    ScalarMeta,
+    TensorMeta,
+    attr,
+    operand,
+    register,
+    tensor,
 )
 from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor, same_axes
 

@@ -35,12 +35,10 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
     return tuple(axes)
 
 
-def _reduction(name: str, reduce_fn, doc: str) -> OpDef:
+def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
     def infer(x, dims, keepdim, dtype):
         axes = reduced_axes(name, x, dims, keepdim)
-        if dtype is not None and not isinstance(dtype, DataType):
-            raise DefinitionError(f"{name}: dtype must be a DataType or None, got {dtype!r}")
-        return [OutSpec(_default_dtype(name, dtype or x.dtype), axes)]
+        return [OutSpec(_default_dtype(name, _dtype_attr(name, dtype) or x.dtype), axes)]
 
     def impl(x, dims, keepdim, dtype):
         if dtype is not None:
@@ -49,7 +47,7 @@ def _reduction(name: str, reduce_fn, doc: str) -> OpDef:
         return reduce_fn(x, dims, keepdim) if dims else x.clone()
 
     params = (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None))
-    return OpDef(name, params, infer, impl, doc=doc)
+    return OpDef(name, params, infer, impl, doc=doc, partial_reduce=partial_reduce)
 
 
 def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
@@ -59,6 +57,12 @@ def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(sorted(d % x.ndim for d in dims))
+
+
+def _dtype_attr(name: str, dtype) -> DataType | None:
+    if dtype is not None and not isinstance(dtype, DataType):
+        raise DefinitionError(f"{name}: dtype must be a DataType or None, got {dtype!r}")
+    return dtype
 
 
 def _default_dtype(name: str, dtype: DataType) -> DataType:
@@ -91,15 +95,38 @@ def _prod(x, dims, keepdim):
 
 
 REDUCTIONS = {
-    "max": (_amax, "maximum over axes"),
-    "mean": (lambda x, d, k: torch.mean(x, dim=d, keepdim=k), "mean over axes"),
-    "min": (_amin, "minimum over axes"),
-    "prod": (_prod, "product over axes"),
-    "sum": (lambda x, d, k: torch.sum(x, dim=d, keepdim=k), "sum over axes"),
+    "max": (_amax, "maximum over axes", "max"),
+    "min": (_amin, "minimum over axes", "min"),
+    "prod": (_prod, "product over axes", "prod"),
+    "sum": (lambda x, d, k: torch.sum(x, dim=d, keepdim=k), "sum over axes", "sum"),
 }
 
-for _name, (_fn, _doc) in sorted(REDUCTIONS.items()):
-    register(_reduction(_name, _fn, _doc))
+for _name, (_fn, _doc, _partial) in sorted(REDUCTIONS.items()):
+    register(_reduction(_name, _fn, _doc, _partial))
+
+
+def _mean_infer(x, dims, keepdim, dtype):
+    axes = reduced_axes("mean", x, dims, keepdim)
+    return [OutSpec(_default_dtype("mean", _dtype_attr("mean", dtype) or x.dtype), axes)]
+
+
+def _mean(x, dims, keepdim, dtype, reduced_count):
+    # The sum over the local elements divided by the *global* count: on a shard of the
+    # reduced axes this is a partial mean that a sum over the shards completes.
+    if dtype is not None:  # as PyTorch: cast, then reduce
+        x = x.to(dtype.torch_dtype)
+    dims = local_dims(x, dims)
+    if not dims:
+        return x.clone()
+    low_precision = x.dtype in (torch.bfloat16, torch.float16)
+    total = torch.sum(x, dim=dims, keepdim=keepdim, dtype=torch.float32 if low_precision else None)
+    return (total / reduced_count).to(x.dtype)
+
+
+register(OpDef(
+    "mean", (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None)),
+    _mean_infer, _mean, doc="mean over axes", needs_reduced_count=True,
+))
 
 
 def _var_mean_infer(x, dims, correction, keepdim):
@@ -122,4 +149,5 @@ register(OpDef(
     (tensor("x"), attr("dims", None), attr("correction", 1), attr("keepdim", False)),
     _var_mean_infer, _var_mean,
     doc="variance (with Bessel's correction by default) and mean over axes",
+    partial_reduce=None,
 ))

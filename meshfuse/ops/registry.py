@@ -132,6 +132,14 @@ class OpDef:
         doc: one line for the op table.
         prefer_inputs: tensor inputs whose sharding propagation prefers, in order, when
             inputs shard equally many axes (``linear`` prefers its weight, so weights stay put).
+        partial_reduce: how partial results of this op combine when it reduces over a sharded
+            axis ("sum", "max", "min", "prod"), or None if it cannot run on a sharded
+            reduction axis (its inputs are gathered there instead).
+        needs_reduced_count: the implementation also gets ``reduced_count=``, the *global*
+            number of elements reduced into each output element (for ``mean`` on shards).
+        check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
+            sharding the implementation cannot handle (e.g. causal attention with a sharded
+            query sequence).
     """
 
     name: str
@@ -141,6 +149,9 @@ class OpDef:
     doc: str = ""
     needs_out_shape: bool = False
     prefer_inputs: tuple[int, ...] = ()
+    partial_reduce: str | None = "sum"
+    needs_reduced_count: bool = False
+    check_sharding: Callable[[Any], None] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

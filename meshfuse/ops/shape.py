@@ -14,41 +14,71 @@ import torch
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops.registry import (
-    AxisSpec, OpDef, OutSpec, TensorMeta, attr, register, tensor, tensors,
+    AxisSpec,
+    OpDef,
+    OutSpec,
+    TensorMeta,
+    attr,
+    register,
+    tensor,
+    tensors,
 )
-from meshfuse.ops.shape_rules import normalize_axes, normalize_axis, promote, require_tensor
+from meshfuse.ops.shape_rules import (
+    int_list,
+    normalize_axes,
+    normalize_axis,
+    promote,
+    require_tensor,
+)
 
 
 def _broadcast_in_dim_infer(x, shape, broadcast_dims):
-    x = require_tensor("broadcast_in_dim", "x", x)
-    shape = list(shape)
-    dims = list(broadcast_dims)
+    return broadcast_to("broadcast_in_dim", x, shape, broadcast_dims)
+
+
+def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
+    """``x``'s axes placed at ``broadcast_dims`` of ``shape``; the other output axes are new.
+
+    A ``shape`` entry is a positive extent, or ``-1`` on an axis of ``x``: its extent. Only
+    broadcast axes of ``x`` (extent 1) can take another extent.
+    """
+    x = require_tensor(op, "x", x)
+    shape = int_list(op, "shape", shape)
+    dims = int_list(op, "broadcast_dims", broadcast_dims)
     if len(dims) != x.ndim:
         raise DefinitionError(
-            f"broadcast_in_dim: broadcast_dims {dims} must name one output axis for each of the "
+            f"{op}: broadcast_dims {dims} must name one output axis for each of the "
             f"{x.ndim} input axes"
         )
-    if sorted(dims) != dims or len(set(dims)) != len(dims):
-        raise DefinitionError(f"broadcast_in_dim: broadcast_dims {dims} must be increasing")
+    if sorted(set(dims)) != dims or any(not 0 <= d < len(shape) for d in dims):
+        raise DefinitionError(
+            f"{op}: broadcast_dims {dims} must be increasing axes of the {len(shape)}-axis "
+            f"output shape {shape}"
+        )
     axes = []
     for out_axis, extent in enumerate(shape):
+        if extent == 0 or extent < -1 or (extent == -1 and out_axis not in dims):
+            raise DefinitionError(
+                f"{op}: output extent {extent} of axis {out_axis} of shape {shape} is invalid; "
+                "use a positive extent (-1, keep the input's extent, only on an input axis)"
+            )
         if out_axis not in dims:
             kind = IterType.Broadcast if extent == 1 else IterType.Iteration
             axes.append(AxisSpec(extent, kind))
             continue
         a = dims.index(out_axis)
-        normalize_axis("broadcast_in_dim", out_axis, len(shape), "broadcast_dims entry")
         in_extent = x.shape[a]
         if x.is_broadcast(a):
-            kind = IterType.Broadcast if extent == 1 else IterType.Iteration
-            axes.append(AxisSpec(extent, kind, ((0, a),) if extent == 1 else ()))
+            kind = IterType.Broadcast if extent in (1, -1) else IterType.Iteration
+            axes.append(AxisSpec(abs(extent), kind, ((0, a),) if extent in (1, -1) else ()))
         else:
             if in_extent is not None and extent not in (-1, in_extent):
                 raise DefinitionError(
-                    f"broadcast_in_dim: input axis {a} has extent {in_extent} but output axis "
+                    f"{op}: input axis {a} has extent {in_extent} but output axis "
                     f"{out_axis} asks for {extent}; only broadcast axes (extent 1) can expand"
                 )
-            axes.append(AxisSpec(in_extent, x.iter_types[a], ((0, a),)))
+            axes.append(AxisSpec(in_extent if extent == -1 else extent, x.iter_types[a],
+                                 ((0, a),)))
     return [OutSpec(x.dtype, tuple(axes))]
 
 
@@ -68,7 +98,13 @@ register(OpDef(
 
 def _expand_infer(x, shape):
     x = require_tensor("expand", "x", x)
-    return _broadcast_in_dim_infer(x, shape, list(range(len(shape) - x.ndim, len(shape))))
+    shape = int_list("expand", "shape", shape)
+    if len(shape) < x.ndim:
+        raise DefinitionError(
+            f"expand: shape {shape} has fewer axes than x ({x.ndim}); give one extent per axis "
+            "(-1 keeps one), new axes first"
+        )
+    return broadcast_to("expand", x, shape, list(range(len(shape) - x.ndim, len(shape))))
 
 
 register(OpDef(
@@ -109,7 +145,7 @@ register(OpDef(
 
 def _permute_infer(x, dims):
     x = require_tensor("permute", "x", x)
-    dims = [normalize_axis("permute", d, x.ndim) for d in dims]
+    dims = [normalize_axis("permute", d, x.ndim) for d in int_list("permute", "dims", dims)]
     if sorted(dims) != list(range(x.ndim)):
         raise DefinitionError(
             f"permute: dims {list(dims)} must be a permutation of range({x.ndim})"
@@ -149,7 +185,7 @@ def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list
 
 def _reshape_infer(x, new_shape):
     x = require_tensor("reshape", "x", x)
-    new = list(new_shape)
+    new = int_list("reshape", "new_shape", new_shape)
     if None in x.shape:
         raise DefinitionError(
             "reshape of a tensor with symbolic extents is not supported yet; declare its "
@@ -184,7 +220,9 @@ register(OpDef(
 def _slice_infer(x, start_indices, end_indices, strides):
     x = require_tensor("slice", "x", x)
     n = x.ndim
-    strides = [1] * n if strides is None else list(strides)
+    start_indices = int_list("slice", "start_indices", start_indices)
+    end_indices = int_list("slice", "end_indices", end_indices)
+    strides = [1] * n if strides is None else int_list("slice", "strides", strides)
     if not len(start_indices) == len(end_indices) == len(strides) == n:
         raise DefinitionError(
             f"slice: start_indices, end_indices and strides need {n} entries each, got "

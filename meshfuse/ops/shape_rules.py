@@ -20,6 +20,14 @@ def normalize_axis(op: str, axis: int, ndim: int, what: str = "axis") -> int:
     return axis % ndim
 
 
+def int_list(op: str, what: str, value) -> list[int]:
+    """``value`` as a list of ints, or a DefinitionError naming the argument."""
+    items = list(value) if isinstance(value, list | tuple) else None
+    if items is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise DefinitionError(f"{op}: {what} must be a list of ints, got {value!r}")
+    return items
+
+
 def normalize_axes(op: str, axes, ndim: int) -> tuple[int, ...]:
     """A sorted tuple of distinct non-negative axes; ``None`` means all axes."""
     if axes is None:

@@ -32,13 +32,15 @@ from meshfuse.ir.verifier import check_allocation
 def propagate_shardings(fusion: Fusion) -> set[TensorView]:
     """Fills the schedules of unscheduled tensors in place; returns the tensors it filled.
 
-    Runs once per fusion: later calls return the empty set (see ``ensure_propagated``).
+    Runs once per fusion: later calls return the empty set. The tensors the user scheduled
+    are kept in ``fusion.user_scheduled``.
     """
     if fusion.propagated:
         return set()
     fusion.propagated = True
     tensors = [tv for tv in fusion.tensors() if tv.logical]
     pinned = {tv for tv in tensors if tv.is_scheduled}
+    fusion.user_scheduled = set(pinned)
     meshes = [tv.mesh for tv in tensors if tv.mesh is not None]
     if not meshes:
         return set()

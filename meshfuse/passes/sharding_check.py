@@ -43,20 +43,26 @@ def describe(owners: OwnerMap) -> str:
 
 
 def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> None:
-    """Raises ShardingError for the first op that would need a communication."""
+    """Raises ShardingError for the first compute op (not a ``set``) that would need a
+    communication, or whose implementation cannot handle its sharding."""
     for expr in fusion.exprs:
+        if expr.op.name == "set":
+            continue
         _check_expr(expr, extents)
-        for out in expr.tensor_outputs:
-            _check_not_partial(expr, out)
+        if expr.op.check_sharding is not None:
+            expr.op.check_sharding(expr)
+        if expr.op.partial_reduce is None:
+            for out in expr.tensor_outputs:
+                _check_not_partial(expr, out)
 
 
 def _check_not_partial(expr: Expr, tv: TensorView) -> None:
     for id_, pt in tv.parallel.items():
         if pt.is_device and id_.is_reduction:
             raise ShardingError(
-                f"{format_expr(expr)}: {tv.name} is a partial result (it reduces over an axis "
-                f"sharded on {pt.value}) and needs an allreduce or reduce-scatter, which is not "
-                "supported yet; reduce over unsharded axes"
+                f"{format_expr(expr)}: {tv.name} would be a partial result (it reduces over an "
+                f"axis sharded on {pt.value}), which {expr.op.name} cannot produce; do not "
+                f"parallelize the reduction axes of {tv.name}"
             )
 
 

@@ -92,6 +92,11 @@ def bind(
             specs = expr.op.infer(*metas)
         except DefinitionError as e:
             raise InputError(f"{format_expr(expr)} with the given input sizes: {e}") from None
+        if expr.op.name == "set":
+            # Resharding copies keep every logical ID, reduction IDs of partials included.
+            for d, s in zip(expr.outputs[0].logical, expr.args[0].logical):
+                extents[d] = extents[s]
+            continue
         for out, spec in zip(expr.outputs, specs):
             if isinstance(out, TensorView):
                 for id_, axis in zip(out.logical, spec.axes):

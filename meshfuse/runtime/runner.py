@@ -21,8 +21,11 @@ from meshfuse.ir.verifier import check_schedule
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
+from meshfuse.passes.resharding import insert_resharding
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.binding import Binding, bind, check_input_values, check_strides
+from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.resharding import lower_step, plan_resharding
 from meshfuse.runtime.executor import OutputLayout, Program, Step
 
 
@@ -40,6 +43,7 @@ class FusionRunner:
         else:
             self.communicator, self.rank, world = None, 0, 1
         propagate_shardings(fusion)
+        insert_resharding(fusion)
         check_schedule(fusion, world)
         for tv in fusion.tensors():
             if tv.mesh is not None and self.rank not in tv.mesh:
@@ -85,10 +89,36 @@ class FusionRunner:
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
         self._bindings[_signature(inputs)] = binding
-        return build_program(fusion, binding, self.rank)
+        return build_program(fusion, binding, self.rank, self._lower_set)
+
+    def _lower_set(self, expr, binding: Binding):
+        """The implementation of a resharding ``set``: its plan, bound to this rank."""
+        src, dst = expr.args[0], expr.outputs[0]
+        if src.mesh is None or not src.logical:
+            return None
+        steps = plan_resharding(src, dst, binding.extents)
+        if not steps:
+            return None
+        lowered = []
+        for step in steps:
+            mesh = src.mesh
+            group = Group(
+                self.communicator.group(mesh, step.mesh_axis),
+                mesh.group_ranks(self.rank, step.mesh_axis),
+                mesh.coordinate(self.rank)[step.mesh_axis],
+                step.mesh_axis,
+            )
+            lowered.append(lower_step(step, group, self.communicator.device))
+
+        def reshard(x):
+            for step in lowered:
+                x = step(x)
+            return x
+
+        return reshard, "; ".join(str(s) for s in steps)
 
 
-def build_program(fusion: Fusion, binding: Binding, rank: int) -> Program:
+def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -> Program:
     """Numbers the values and turns each expression into a :class:`Step`."""
     slot_of: dict[Val, int] = {}
 
@@ -123,15 +153,30 @@ def build_program(fusion: Fusion, binding: Binding, rank: int) -> Program:
         kwargs = {}
         if expr.op.needs_out_shape:
             kwargs["out_shapes"] = [binding.layouts[o].shape for o in expr.tensor_outputs]
+        if expr.op.needs_reduced_count:
+            kwargs["reduced_count"] = _reduced_count(expr, binding)
+        impl, label = expr.op.impl, format_expr(expr)
+        lowered = lower_set(expr, binding) if expr.op.name == "set" and lower_set else None
+        if lowered is not None:
+            impl, plan = lowered
+            label = f"{label}: {plan}"
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
-        steps.append(Step(format_expr(expr), expr.op.impl, tuple(template), tuple(slots),
-                          kwargs, outs, free))
+        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides)
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def _reduced_count(expr, binding: Binding) -> int:
+    """The global number of elements reduced into one element of the op's first output."""
+    count = 1
+    for id_ in expr.tensor_outputs[0].logical:
+        if id_.is_reduction:
+            count *= binding.extents[id_]
+    return count
 
 
 def _signature(inputs: list) -> tuple:

@@ -85,7 +85,8 @@ class MultideviceTest:
             t: this rank's shard; every rank of the mesh must call this.
             dim_or_tensorview: an int: ``t`` is the block shard of that axis along ``mesh_x``
                 of ``mesh`` (ranks that differ only on other mesh axes hold replicas); a
-                meshfuse TensorView: delegates to ``meshfuse.sharding.unshard_tensor``.
+                meshfuse TensorView: the shards of every device of its mesh are gathered and
+                passed to ``meshfuse.sharding.unshard_tensor``. Shards must have one shape.
             mesh: with an int only; defaults to ``DeviceMesh(range(size))``.
         """
         if _is_dim(dim_or_tensorview):
@@ -95,7 +96,12 @@ class MultideviceTest:
         from meshfuse.sharding import unshard_tensor
 
         _no_mesh_with_tensorview(mesh, "unshard_tensor")
-        return unshard_tensor(t, dim_or_tensorview)
+        tv = dim_or_tensorview
+        if tv.mesh is None:
+            return unshard_tensor([t], tv)
+        # Every device's shard, in the order of the mesh's device ids.
+        flat = DeviceMesh(tv.mesh.device_ids)
+        return unshard_tensor(self._communicator.allgather(t.to(self.device), flat, 0), tv)
 
     def _mesh(self, mesh: DeviceMesh | None) -> DeviceMesh:
         return DeviceMesh(range(self.size)) if mesh is None else mesh

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -118,22 +119,30 @@ def run_batches(specs: list[BatchSpec], parallel: bool) -> dict[int, dict[str, V
     """
     if not parallel or len(specs) < 2:
         return {spec.world_size: run_batch(spec) for spec in specs}
-    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        results = list(pool.map(run_batch, specs))
-    return {spec.world_size: result for spec, result in zip(specs, results)}
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=len(specs))
+    try:
+        futures = [pool.submit(run_batch, spec, stop) for spec in specs]
+        return {spec.world_size: f.result() for spec, f in zip(specs, futures)}
+    except BaseException:  # e.g. Ctrl-C: stop the other batches too, then re-raise
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
-def run_batch(spec: BatchSpec) -> dict[str, Verdict]:
+def run_batch(spec: BatchSpec, stop: threading.Event | None = None) -> dict[str, Verdict]:
     """Runs ``spec``'s tests on ``spec.world_size`` ranks; returns a verdict for each node id.
 
-    Never hangs: past ``spec.timeout_s`` the workers are killed and unfinished tests fail.
+    Never hangs: past ``spec.timeout_s``, or once ``stop`` is set, the workers are killed and
+    unfinished tests fail.
     """
     deadline = time.monotonic() + spec.timeout_s
     verdicts: dict[str, Verdict] = {}
     remaining = list(spec.nodeids)
     fruitless_retries = 0
     while remaining:
-        ranks, ending = _run_once(spec, remaining, deadline)
+        ranks, ending = _run_once(spec, remaining, deadline, stop)
         judged, retry = judge(remaining, ranks, ending, spec)
         verdicts.update(judged)
         if retry and len(retry) == len(remaining):
@@ -251,7 +260,9 @@ def _not_run(nodeid: str, ranks: list[RankRun], ending: str, spec: BatchSpec) ->
     return Verdict("failed", "\n".join(lines))
 
 
-def _run_once(spec: BatchSpec, nodeids: list[str], deadline: float) -> tuple[list[RankRun], str]:
+def _run_once(
+    spec: BatchSpec, nodeids: list[str], deadline: float, stop: threading.Event | None
+) -> tuple[list[RankRun], str]:
     """Runs one batch of workers to its end; returns what each rank did and how it ended."""
     n = spec.world_size
     tmp = tempfile.mkdtemp(prefix=f"meshfuse-ws{n}-")
@@ -275,7 +286,7 @@ def _run_once(spec: BatchSpec, nodeids: list[str], deadline: float) -> tuple[lis
                         start_new_session=True,  # its own process group, to kill it whole
                     )
                 )
-        ending = _wait(procs, tmp, deadline)
+        ending = _wait(procs, tmp, deadline, stop)
         codes = [p.poll() for p in procs]  # None: still running, to be killed
         if ending == "timeout":
             _dump_stacks(procs, tmp)
@@ -286,7 +297,9 @@ def _run_once(spec: BatchSpec, nodeids: list[str], deadline: float) -> tuple[lis
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], tmp: str, deadline: float) -> str:
+def _wait(
+    procs: list[subprocess.Popen], tmp: str, deadline: float, stop: threading.Event | None
+) -> str:
     """Waits for the workers; ``"normal"``, ``"crash"`` (one exited unfinished) or ``"timeout"``."""
     done: dict[int, bool] = {}
     while True:
@@ -299,7 +312,7 @@ def _wait(procs: list[subprocess.Popen], tmp: str, deadline: float) -> str:
                     return "crash"
         if len(done) == len(procs):
             return "normal"
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or (stop is not None and stop.is_set()):
             return "timeout"
         time.sleep(_POLL_S)
 

@@ -1,0 +1,94 @@
+"""Placements: how a tensor lies along each axis of its mesh, read from its schedule.
+
+Like DTensor's placements, one per mesh axis: :class:`Replicate`, :class:`Shard` (a logical
+axis split over that mesh axis: a block shard from an outer split, cyclic from an inner one,
+or any split chain), or :class:`Partial` (a reduction over an axis sharded there: each device
+holds a partial result that a collective must reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshfuse.ir.iter_domain import IterDomain, Split
+from meshfuse.ir.layout import logical_root, producers
+from meshfuse.ir.tensor_view import TensorView
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Sharded on materialized logical axis ``axis`` by the device ID ``id``."""
+
+    axis: int
+    id: IterDomain = dataclasses.field(compare=False)
+    cyclic: bool = False
+
+    def __str__(self) -> str:
+        return f"S({self.axis}){'c' if self.cyclic else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """A partial result whose reduction is ``reduce_op`` (sum, max, min, prod)."""
+
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+
+
+Placement = Replicate | Shard | Partial
+
+
+def placements(tv: TensorView, reduce_op: str = "sum") -> tuple[Placement, ...]:
+    """One placement per axis of ``tv``'s mesh (outermost mesh axis first).
+
+    ``reduce_op`` names the reduction of a partial result (the op that produced ``tv``).
+    """
+    assert tv.mesh is not None
+    result: list[Placement] = [Replicate()] * tv.mesh.ndim
+    made_by = producers(tv)
+    for id_, pt in tv.parallel.items():
+        if not pt.is_device:
+            continue
+        axis = tv.mesh.axis_of(pt)
+        if id_.is_reduction:
+            result[axis] = Partial(reduce_op)
+            continue
+        root = logical_root(tv, id_)
+        split = made_by.get(id_)
+        cyclic = isinstance(split, Split) and split.inner is id_ and split.inner_split
+        result[axis] = Shard(tv.materialized().index(root), id_, cyclic)
+    return tuple(result)
+
+
+def shard_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
+    """A structural description of how ``logical_id`` is sharded: for each device ID split
+    from it, the parallel type and the path of splits (factor, inner_split, which side)."""
+    made_by = producers(tv)
+    result = []
+    for id_, pt in tv.parallel.items():
+        if not pt.is_device:
+            continue
+        path, current = [], id_
+        while current in made_by:
+            t = made_by[current]
+            path.append((t.factor, t.inner_split, current is t.inner) if isinstance(t, Split)
+                        else ("merge",))
+            current = t.inputs[0]
+        if current is logical_id:
+            result.append((pt.value, tuple(reversed(path))))
+    return tuple(sorted(result))
+
+
+def same_sharding(a: TensorView, b: TensorView) -> bool:
+    """True if ``a`` and ``b`` (of equal logical rank) lie alike on one mesh."""
+    if a.mesh != b.mesh or len(a.logical) != len(b.logical):
+        return False
+    return all(shard_signature(a, x) == shard_signature(b, y) for x, y in zip(a.logical, b.logical))

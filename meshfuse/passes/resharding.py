@@ -1,0 +1,175 @@
+"""Inserts resharding copies so that every compute op is local (DESIGN.md section 3.3).
+
+After propagation, an op whose tensors disagree on how they lie on the mesh is split into a
+local op plus ``set`` copies, each of which lowers to one communication (see
+``meshfuse.runtime.resharding``):
+
+- the op's *natural* output sharding is the one propagation would give it (from its
+  reference input; partial where it contracts a sharded axis);
+- option A keeps the natural sharding for the op and puts a ``set`` after each output that
+  differs (a partial result is reduced there: allreduce, or reduce-scatter into a shard);
+- option B makes the op produce the outputs as they are and puts a ``set`` before each input
+  that differs from what those outputs need (an allgather, an all-to-all, a local slice, or a
+  reduce-scatter of a partial input);
+- the option that moves fewer elements wins; moving an op's preferred input (a weight) costs
+  a thousandfold, and a local slice costs nothing.
+
+A fusion output that propagation left partial is reduced (the user gets a replicated result),
+unless the user parallelized its reduction axis on purpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.registry import lookup
+from meshfuse.passes.propagation import (
+    _backward_pairs, _best_reference, _copy_sharding, _forward_pairs,
+)
+
+WEIGHT_PENALTY = 1000
+UNKNOWN_EXTENT = 1 << 20
+
+
+def insert_resharding(fusion: Fusion) -> None:
+    """Rewrites ``fusion`` in place; see the module doc."""
+    for expr in list(fusion.exprs):
+        if expr.op.name != "set" and _sharded(expr):
+            _make_local(fusion, expr)
+    for out in fusion.outputs():
+        if out.mesh is not None and out not in fusion.user_scheduled and _is_partial(out):
+            _reduce_output(fusion, out)
+
+
+def _sharded(expr: Expr) -> bool:
+    return any(t.mesh is not None for t in expr.tensor_inputs + expr.tensor_outputs if t.logical)
+
+
+def _is_partial(tv: TensorView) -> bool:
+    return any(isinstance(p, Partial) for p in placements(tv))
+
+
+def _scratch(tv: TensorView) -> TensorView:
+    """An unregistered tensor over ``tv``'s logical IDs, to hold a candidate schedule."""
+    return TensorView(tv.fusion, tv.logical, tv.dtype)
+
+
+def _natural(expr: Expr, out: TensorView) -> TensorView:
+    inputs = [t for t in expr.tensor_inputs if t.logical and t.mesh is not None]
+    scratch = _scratch(out)
+    if inputs:
+        ref = _best_reference(expr, inputs, out, forward=True)
+        _copy_sharding(ref, scratch, _forward_pairs(expr, ref, out))
+    else:
+        scratch.set_device_mesh(out.mesh)
+    if expr.op.partial_reduce is None:
+        # The op cannot make partial results: its inputs are gathered on reduced axes.
+        for id_ in [i for i, pt in scratch.parallel.items() if pt.is_device and i.is_reduction]:
+            del scratch.parallel[id_]
+    return scratch
+
+
+def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> TensorView:
+    """How ``inp`` must lie for ``expr`` to produce ``outs`` (scratch tensors over the
+    outputs' logical IDs) locally."""
+    scratch = _scratch(inp)
+    best, best_pairs = None, {}
+    for out in outs:
+        pairs = _backward_pairs(expr, out, inp)
+        if best is None or len(pairs) > len(best_pairs):
+            best, best_pairs = out, pairs
+    _copy_sharding(best, scratch, best_pairs)
+    return scratch
+
+
+def _numel(tv: TensorView) -> int:
+    return math.prod(i.extent or UNKNOWN_EXTENT for i in tv.materialized())
+
+
+def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -> int:
+    """Elements moved to turn ``current`` into ``wanted`` (0 for none, or a local slice)."""
+    if same_sharding(current, wanted):
+        return 0
+    now, then = placements(current), placements(wanted)
+    if current.mesh == wanted.mesh and all(
+        a == b or (isinstance(a, Replicate) and isinstance(b, Shard)) for a, b in zip(now, then)
+    ):
+        return 0
+    weight = is_input and expr.tensor_inputs.index(current) in expr.op.prefer_inputs
+    return _numel(current) * (WEIGHT_PENALTY if weight else 1)
+
+
+def _make_local(fusion: Fusion, expr: Expr) -> None:
+    outs = [o for o in expr.tensor_outputs if o.logical]
+    ins = list(dict.fromkeys(t for t in expr.tensor_inputs if t.logical))
+    natural = [_natural(expr, o) for o in outs]
+    # Option A: the op makes its natural outputs; sets after the outputs that differ.
+    needed_a = [_needed_input(expr, natural, t) for t in ins]
+    cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
+        _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
+    # Option B: the op makes the outputs as they are; sets before the inputs that differ.
+    needed_b = [_needed_input(expr, outs, t) for t in ins]
+    cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
+    if cost_a < cost_b:
+        for out, nat in zip(outs, natural):
+            if not same_sharding(out, nat):
+                _set_after(fusion, expr, out, nat)
+        needed = needed_a
+    else:
+        needed = needed_b
+    for inp, want in zip(ins, needed):
+        if not same_sharding(inp, want):
+            _set_before(fusion, expr, inp, want)
+
+
+def _new_like(fusion: Fusion, tv: TensorView, schedule: TensorView) -> TensorView:
+    """A new tensor shaped like ``tv`` (new IDs) with ``schedule``'s sharding."""
+    new = TensorView(fusion, [i.like() for i in tv.logical], tv.dtype)
+    fusion.name(new)
+    _copy_sharding(schedule, new, dict(zip(schedule.logical, new.logical)))
+    return new
+
+
+def _set_expr(src: TensorView, dst: TensorView) -> Expr:
+    id_map: dict[IterDomain, tuple[IterDomain, ...]] = {
+        d: (s,) for s, d in zip(src.logical, dst.logical)
+    }
+    return Expr(lookup("set"), (src,), (dst,), {}, id_map)
+
+
+def _set_after(fusion: Fusion, expr: Expr, out: TensorView, natural: TensorView) -> None:
+    """``expr`` now defines a new tensor with the natural sharding; ``out = set(new)``."""
+    new = _new_like(fusion, out, natural)
+    renamed = dict(zip(out.logical, new.logical))
+    expr.outputs = tuple(new if o is out else o for o in expr.outputs)
+    expr.id_map = {renamed.get(k, k): v for k, v in expr.id_map.items()}
+    new.definition = expr
+    fusion.add_expr(_set_expr(new, out), fusion.exprs.index(expr) + 1)
+
+
+def _set_before(fusion: Fusion, expr: Expr, inp: TensorView, wanted: TensorView) -> None:
+    """``expr`` now reads ``set(inp)``, laid out as it needs."""
+    new = _new_like(fusion, inp, wanted)
+    renamed = dict(zip(inp.logical, new.logical))
+    expr.args = tuple(
+        new if a is inp else [new if x is inp else x for x in a] if isinstance(a, list | tuple)
+        else a
+        for a in expr.args
+    )
+    expr.id_map = {k: tuple(renamed.get(s, s) for s in v) for k, v in expr.id_map.items()}
+    fusion.add_expr(_set_expr(inp, new), fusion.exprs.index(expr))
+
+
+def _reduce_output(fusion: Fusion, out: TensorView) -> None:
+    """A partial fusion output: its producer makes the partial value, ``out`` reduces it."""
+    expr = out.definition
+    partial = _scratch(out)
+    _copy_sharding(out, partial, {i: i for i in out.logical})
+    _set_after(fusion, expr, out, partial)
+    for id_, pt in list(out.parallel.items()):
+        if pt.is_device and id_.is_reduction:
+            del out.parallel[id_]

@@ -1,0 +1,160 @@
+"""Every torch.distributed data collective of meshfuse, one function per collective.
+
+Each function takes a local tensor, the axis it communicates, and a :class:`Group` (a process
+group plus the ranks of the mesh slice in *coordinate* order); it moves the communicated axis
+outermost and makes the buffer contiguous only when needed, and returns the result with the
+axis back in place. Results along a gathered or scattered axis are in coordinate order.
+
+Every call is reported to the active :func:`record_communications` recorders (kind, group
+ranks, mesh axis, bytes sent by this rank), which the tests use to assert the traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A mesh slice: its process group, its ranks by coordinate, and this rank's coordinate."""
+
+    process_group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    coordinate: int
+    mesh_axis: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def torch_order(self) -> list[int]:
+        """For each position of torch's group order (sorted ranks), the coordinate there."""
+        return [self.ranks.index(r) for r in sorted(self.ranks)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """One collective that ran: what, over which ranks and mesh axis, how many bytes."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    mesh_axis: int
+    bytes: int
+    reduce_op: str | None = None
+
+
+_recorders: list[list[Communication]] = []
+
+
+@contextlib.contextmanager
+def record_communications() -> Iterator[list[Communication]]:
+    """Collects every collective this process runs inside the block::
+
+        with record_communications() as comms:
+            fd.execute(inputs)
+        assert [c.kind for c in comms] == ["allreduce"]
+    """
+    log: list[Communication] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None) -> None:
+    if _recorders:
+        event = Communication(kind, group.ranks, group.mesh_axis,
+                              x.numel() * x.element_size(), reduce_op)
+        for log in _recorders:
+            log.append(event)
+
+
+def _outermost(x: torch.Tensor, axis: int) -> torch.Tensor:
+    return x.movedim(axis, 0).contiguous()
+
+
+def _to_coordinate_order(chunks: torch.Tensor, group: Group) -> torch.Tensor:
+    """``chunks`` stacked on axis 0 in torch's group order, reordered by coordinate."""
+    order = group.torch_order
+    if order == sorted(order):
+        return chunks
+    positions = [order.index(c) for c in range(group.size)]
+    return chunks[torch.tensor(positions, device=chunks.device)]
+
+
+def allgather(x: torch.Tensor, axis: int, group: Group) -> torch.Tensor:
+    """Concatenation along ``axis`` of every group member's ``x``, by coordinate."""
+    send = _outermost(x, axis)
+    _record("allgather", group, send)
+    out = torch.empty((group.size * send.shape[0], *send.shape[1:]), dtype=send.dtype,
+                      device=send.device)
+    _gather(out, send, group=group.process_group)
+    out = _to_coordinate_order(out.reshape(group.size, *send.shape), group)
+    return out.reshape(group.size * send.shape[0], *send.shape[1:]).movedim(0, axis)
+
+
+def allreduce(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+    """The elementwise reduction of every group member's ``x``."""
+    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    _record("allreduce", group, out, reduce_op)
+    dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str) -> torch.Tensor:
+    """``x`` split along ``axis`` into equal chunks by coordinate; this member gets the
+    reduction over all members of the chunk of its coordinate."""
+    send = _outermost(x, axis)
+    n = send.shape[0] // group.size
+    chunks = send.reshape(group.size, n, *send.shape[1:])
+    order = group.torch_order
+    if order != sorted(order):
+        chunks = chunks[torch.tensor(order, device=send.device)]
+    _record("reduce_scatter", group, send, reduce_op)
+    out = torch.empty((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
+    _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
+                    group=group.process_group)
+    return out.movedim(0, axis)
+
+
+def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group) -> torch.Tensor:
+    """Chunk ``c`` of ``x`` along ``split_axis`` goes to coordinate ``c``; the chunks received
+    are concatenated along ``concat_axis`` by the sender's coordinate."""
+    send = _outermost(x, split_axis)
+    n = send.shape[0] // group.size
+    chunks = send.reshape(group.size, n, *send.shape[1:])
+    order = group.torch_order
+    if order != sorted(order):
+        chunks = chunks[torch.tensor(order, device=send.device)]
+    _record("all_to_all", group, send)
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group)
+    received = _to_coordinate_order(received, group)  # [sender, n, ...] with split axis first
+    # back to x's axis order per chunk, then concatenate the chunks along concat_axis
+    pieces = [received[c].movedim(0, split_axis) for c in range(group.size)]
+    return torch.cat(pieces, dim=concat_axis)
+
+
+def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
+    """``x`` of the member at coordinate ``root`` on every member (``x`` gives the shape)."""
+    out = x.contiguous().clone()
+    _record("broadcast", group, out)
+    dist.broadcast(out, src=group.ranks[root], group=group.process_group)
+    return out
