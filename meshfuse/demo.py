@@ -74,9 +74,9 @@ def run_rank(args) -> int:
             ok &= torch.allclose(out.float(), expected.float(), rtol=RTOL, atol=ATOL)
             layout_ok &= out.stride() == expected.stride() or _same_order(out, expected)
         ok &= layout_ok
-        report = dict(rank=comm.rank, shapes=[list(o.shape) for o in outs],
-                      strides=[list(o.stride()) for o in outs], errors=errors,
-                      first_s=first, cached_s=cached, layout_ok=layout_ok)
+        report = {"rank": comm.rank, "shapes": [list(o.shape) for o in outs],
+                      "strides": [list(o.stride()) for o in outs], "errors": errors,
+                      "first_s": first, "cached_s": cached, "layout_ok": layout_ok}
         reports = comm.allgather_object(report)
         if comm.rank == 0:
             _print_report(fmt, model, reports, d, comm)
@@ -93,7 +93,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _same_order(a: torch.Tensor, b: torch.Tensor) -> bool:
-    key = lambda t: sorted((s, i) for i, (s, n) in enumerate(zip(t.stride(), t.shape)) if n > 1)  # noqa: E731
+    key = lambda t: sorted((s, i) for i, (s, n) in enumerate(zip(t.stride(), t.shape)) if n > 1)
     return [i for _, i in key(a)] == [i for _, i in key(b)]
 
 

@@ -109,7 +109,7 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
         factor = 1
         for pid, pt in tv.parallel.items():
             if pt.is_device and id_ in _ancestry(tv, pid):
-                factor *= pid.extent
+                factor *= tv.mesh.axis_size(pt)
         shape.append(shards[0].shape[axis] * factor)
     extents = _extents(tv, shape)
     out = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)

@@ -46,7 +46,7 @@ def _no_env_override(monkeypatch):
 # Reference
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _case(shape, dtype, causal, scale, device="cpu"):
     """Inputs (BHSE) and float64 reference outputs, cached across layouts of one case."""
     b, h, s, skv, e, ev = shape
@@ -440,11 +440,12 @@ def test_cuda_math_fallback():
 def test_cuda_efficient_lse_padding_round_trip():
     (q, k, v, g), _ = _case(ODD, torch.bfloat16, True, None, "cuda")
     attn, lse, seed, offset = sdpa_forward(q, k, v, 0.0, True, None, "efficient")
+    assert lse.shape == (1, 3, 100) and ak._efficient_lse(lse) is lse._base  # no copy
     args = (0.0, True, seed, offset, None, "efficient")
     direct = sdpa_backward(g, q, k, v, attn, lse, *args)
     relaid = sdpa_backward(g, q, k, v, attn.contiguous(), lse.contiguous(), *args)
-    for a, b in zip(direct, relaid):
-        torch.testing.assert_close(a, b)
+    for name, a, b in zip("qkv", direct, relaid):
+        _assert_close(name, a, b.double(), torch.bfloat16)
 
 
 @needs_cuda

@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfuse import (
-    DataType, DeviceMesh, FusionDefinition, ParallelType, ScheduleError, shard_tensor,
+    DataType,
+    DeviceMesh,
+    FusionDefinition,
+    ParallelType,
+    ScheduleError,
+    shard_tensor,
     unshard_tensor,
 )
 from meshfuse.ir.layout import derived_extents, local_layout

@@ -17,7 +17,7 @@ Two styles, one semantics (DESIGN.md section 1)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -46,7 +46,7 @@ class FusionDefinition:
         self._runner = None
 
     # ----- the two styles ----------------------------------------------------------------
-    def __enter__(self) -> FusionDefinition:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

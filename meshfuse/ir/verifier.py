@@ -86,7 +86,7 @@ def _check_tensor(tv: TensorView, world_size: int) -> None:
                 f"{pt.value}, a mesh axis of size {size}; split by {size} (outer_split(axis, "
                 f"{size})) before parallelizing"
             )
-        if id_.extent is None:
+        if id_.extent is None and id_ not in tv.logical:
             raise ScheduleError(
                 f"axis {pos} of {tv.name} has a symbolic extent and is parallelized on "
                 f"{pt.value}; split it by the mesh axis size {size} and parallelize the part "

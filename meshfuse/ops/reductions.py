@@ -24,6 +24,8 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
     """Output axes of a reduction of tensor argument 0 over ``dims``."""
     x = require_tensor(op, "x", x)
     dims = normalize_axes(op, dims, x.ndim)
+    if not isinstance(keepdim, bool):
+        raise DefinitionError(f"{op}: keepdim must be True or False, got {keepdim!r}")
     axes = []
     for a, (extent, kind) in enumerate(zip(x.shape, x.iter_types)):
         if a in dims:

@@ -270,7 +270,8 @@ def _cat_infer(xs, dim):
                 f"cat: tensor {pos} has {m.ndim} axes, tensor 0 has {first.ndim}"
             )
         for a in range(m.ndim):
-            if a != dim and None not in (m.shape[a], first.shape[a]) and m.shape[a] != first.shape[a]:
+            known = None not in (m.shape[a], first.shape[a])
+            if a != dim and known and m.shape[a] != first.shape[a]:
                 raise DefinitionError(
                     f"cat: axis {a} of tensor {pos} has extent {m.shape[a]}, tensor 0 has "
                     f"{first.shape[a]}; only axis {dim} may differ"

@@ -10,9 +10,9 @@ All derived allocations are contiguous.
 from __future__ import annotations
 
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import producers
 from meshfuse.ir.tensor_view import Allocation, TensorView
-from meshfuse.ir.iter_domain import IterDomain
 
 
 def memory_positions(tv: TensorView, allocation: Allocation) -> dict[IterDomain, float]:

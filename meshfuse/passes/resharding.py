@@ -28,7 +28,10 @@ from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sh
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.registry import lookup
 from meshfuse.passes.propagation import (
-    _backward_pairs, _best_reference, _copy_sharding, _forward_pairs,
+    _backward_pairs,
+    _best_reference,
+    _copy_sharding,
+    _forward_pairs,
 )
 
 WEIGHT_PENALTY = 1000

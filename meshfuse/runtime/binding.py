@@ -127,7 +127,7 @@ def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int])
     for axis, id_ in enumerate(tv.materialized()):
         # Device-parallel IDs have static extents (the mesh axis sizes), so the shard factor
         # of an axis is known before its global extent is.
-        factor = math.prod(did.extent for did, _ in shards.get(id_, []))
+        factor = math.prod(tv.mesh.axis_size(pt) for _, pt in shards.get(id_, []))
         global_extent = x.shape[axis] * factor
         if id_.is_broadcast and x.shape[axis] != 1:
             raise InputError(

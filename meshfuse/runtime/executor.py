@@ -69,7 +69,7 @@ class Program:
                 args[pos] = values[slot] if isinstance(slot, int) else [values[s] for s in slot]
             try:
                 result = step.impl(*args, **step.kwargs)
-            except Exception as e:  # noqa: BLE001 - re-raised with context
+            except Exception as e:
                 raise ExecutionError(
                     f"rank {self.rank}, step {index} ({step.label}) failed: "
                     f"{type(e).__name__}: {e}"

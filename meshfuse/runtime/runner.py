@@ -25,8 +25,8 @@ from meshfuse.passes.resharding import insert_resharding
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.binding import Binding, bind, check_input_values, check_strides
 from meshfuse.runtime.collectives import Group
-from meshfuse.runtime.resharding import lower_step, plan_resharding
 from meshfuse.runtime.executor import OutputLayout, Program, Step
+from meshfuse.runtime.resharding import lower_step, plan_resharding
 
 
 class FusionRunner:
@@ -72,13 +72,27 @@ class FusionRunner:
 
     def _check_across_ranks(self, key: tuple) -> None:
         keys = self.communicator.allgather_object(_comparable(key))
-        if any(k != keys[0] for k in keys):
-            bad = [r for r, k in enumerate(keys) if k != keys[0]]
+        bad = [r for r, k in enumerate(keys) if k != keys[0]]
+        if not bad:
+            return
+        rank, theirs, ours = bad[0], keys[bad[0]], keys[0]
+        for v, a, b in zip(self.fusion.inputs(), ours, theirs):
+            if a == b:
+                continue
+            what = "its kind or count"
+            if isinstance(a, tuple) and isinstance(b, tuple):
+                if a[0] != b[0]:
+                    what = f"dtype {b[0]} (rank 0 has {a[0]})"
+                elif len(a[1]) != len(b[1]):
+                    what = f"{len(b[1])} axes (rank 0 has {len(a[1])})"
+                else:
+                    axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
+                    what = f"local extent {b[1][axis]} on axis {axis} (rank 0 has {a[1][axis]})"
             raise InputError(
-                f"ranks disagree on the inputs' dtypes or local shapes: rank 0 has "
-                f"{keys[0]}, rank {bad[0]} has {keys[bad[0]]}; pass every rank its shard of the "
-                "same global tensors"
+                f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
+                "its shard of the same global tensors"
             )
+        raise InputError(f"ranks disagree on the number of inputs: rank {rank} has {len(theirs)}")
 
     def _make_program(self, inputs: list) -> Program:
         fusion = self.fusion

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
+    PARENT_PID_ENV,
     RECORDS_ENV,
     WORKER_ENV,
     log_path,
@@ -402,6 +403,7 @@ def worker_env(
     env[WORKER_ENV] = "1"
     env[RECORDS_ENV] = str(records_path(tmp, rank))  # the file this rank appends to
     env[NODEIDS_ENV] = str(nodeids_file)
+    env[PARENT_PID_ENV] = str(os.getpid())
     return env
 
 

@@ -30,7 +30,14 @@ from pathlib import Path
 import pytest
 
 from meshfuse.testing.launcher import BatchSpec, Verdict, cpu_count, run_batches
-from meshfuse.testing.worker import NODEIDS_ENV, RECORDS_ENV, WORKER_ENV, WorkerRecorder
+from meshfuse.testing.worker import (
+    NODEIDS_ENV,
+    PARENT_PID_ENV,
+    RECORDS_ENV,
+    WORKER_ENV,
+    WorkerRecorder,
+    exit_with_parent,
+)
 
 WORLD_SIZE_PARAM = "meshfuse_world_size"
 WORLD_SIZES_ENV = "MESHFUSE_TEST_WORLD_SIZES"
@@ -72,6 +79,8 @@ def pytest_configure(config: pytest.Config) -> None:
         nodeids = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
         recorder = WorkerRecorder(Path(os.environ[RECORDS_ENV]), nodeids)
         config.pluginmanager.register(recorder, "meshfuse-worker")
+        if PARENT_PID_ENV in os.environ:
+            exit_with_parent(int(os.environ[PARENT_PID_ENV]))
     config.stash[_SIZES_KEY] = sizes
 
 

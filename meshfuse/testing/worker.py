@@ -10,7 +10,8 @@ the tests the parent asked for and appends one JSON line per event to its record
 
 A missing ``done`` means the worker crashed; a ``start`` without ``end`` names the test it was
 in. Lines are appended and flushed one at a time, so a crash loses nothing already recorded.
-On ``SIGUSR1`` a worker writes the Python stacks of all its threads to its stacks file: the
+A worker ends itself when the parent process is gone (a parent killed by SIGTERM or SIGKILL
+cannot clean up). On ``SIGUSR1`` a worker writes the Python stacks of all its threads to its stacks file: the
 parent asks for them before it kills a batch that timed out, to show where each rank hung.
 """
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,7 @@ import pytest
 WORKER_ENV = "MESHFUSE_TEST_WORKER"
 RECORDS_ENV = "MESHFUSE_TEST_RECORDS"
 NODEIDS_ENV = "MESHFUSE_TEST_NODEIDS"
+PARENT_PID_ENV = "MESHFUSE_TEST_PARENT_PID"
 MAX_TEXT = 20_000
 
 
@@ -57,6 +62,17 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Ends this process as soon as its parent ``parent_pid`` is gone (checked every ``poll_s``)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="meshfuse-parent-watch", daemon=True).start()
 
 
 class WorkerRecorder:

@@ -1,0 +1,46 @@
+"""The benchmark cases, one module per family; each case is ``run(ctx) -> list[Record]``.
+
+``CASES`` lists them in the order they run; ``ALIASES`` names groups for ``--cases``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks.cases import attention, collectives, mlp, overhead
+from benchmarks.context import Context
+from benchmarks.harness import Record
+
+CASES: dict[str, Callable[[Context], list[Record]]] = {
+    "attention_seed": attention.seed_case,
+    "attention_large": attention.large_case,
+    "overhead": overhead.run,
+    "mlp": mlp.run,
+    "collectives": collectives.run,
+}
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "all": tuple(CASES),
+    "attention": ("attention_seed", "attention_large"),
+    # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
+    # ratio, case 3's host overhead)
+    "issue2": ("attention_seed", "overhead"),
+}
+
+
+def resolve(spec: str) -> list[str]:
+    """Case names from a comma-separated list of names and aliases, in ``CASES`` order.
+
+    Raises:
+        ValueError: for a name that is neither a case nor an alias.
+    """
+    wanted: set[str] = set()
+    for name in filter(None, (part.strip() for part in spec.split(","))):
+        if name in ALIASES:
+            wanted.update(ALIASES[name])
+        elif name in CASES:
+            wanted.add(name)
+        else:
+            known = ", ".join([*CASES, *ALIASES])
+            raise ValueError(f"unknown case {name!r}; choose from: {known}")
+    return [name for name in CASES if name in wanted]

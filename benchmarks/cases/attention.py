@@ -1,0 +1,170 @@
+"""Cases 1 and 2: causal bf16 attention forward+backward, heads split over the ranks.
+
+Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gradient, in
+BHSE or BSHE memory order, and runs, as variants:
+
+- ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
+- ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
+  ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
+- ``dtensor`` ((b)): DTensor q/k/v placed ``Shard(1)``, ``F.scaled_dot_product_attention``
+  and autograd (CUDA only: DTensor has no sharding rule for the CPU kernels);
+- ``torch_flash`` ((c)): ``F.scaled_dot_product_attention`` with autograd on the local
+  shards, flash backend forced with ``sdpa_kernel``;
+- ``torch_sdpa``: the same with PyTorch's own kernel choice.
+
+FLOPs: ``4*b*h*s^2*e`` for the forward (e the head dim), halved for causal; the backward is
+2.5 times the forward, so forward+backward is 3.5 times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import meshfuse
+from benchmarks.context import Context
+from benchmarks.fusions import QkvFormat, SeedAttention, as_format
+from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from meshfuse.ops import attention_kernels as kernels
+
+SEED_SIZES = {"b": 2, "h": 12, "s": 1024, "head_dim": 64}  # the seed: e = 768, 12 heads
+LARGE_SIZES = {"b": 4, "h": 32, "s": 4096, "head_dim": 128}
+QUICK_SEED_SIZES = {"b": 2, "h": 4, "s": 128, "head_dim": 16}
+QUICK_LARGE_SIZES = {"b": 1, "h": 4, "s": 256, "head_dim": 32}
+DROPOUT_P, IS_CAUSAL = 0.0, True
+ATTENTION_TOL = 1e-2  # the same kernels; only nondeterministic backward reductions may differ
+
+
+def attention_flops(b: int, h: int, s: int, head_dim: int, causal: bool = True,
+                    backward: bool = True) -> float:
+    """FLOPs of one attention forward (+ backward when ``backward``), all heads."""
+    forward = 4.0 * b * h * s * s * head_dim / (2 if causal else 1)
+    return forward * (3.5 if backward else 1.0)
+
+
+def local_inputs(ctx: Context, sizes: dict[str, int], qkv_format: QkvFormat):
+    """This rank's head shard of q, k, v, out_grad (same global values on every rank)."""
+    b, h, s, e = sizes["b"], sizes["h"], sizes["s"], sizes["head_dim"]
+    if h % ctx.world:
+        raise ValueError(f"{h} heads do not split over {ctx.world} ranks")
+    per = h // ctx.world
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    out = []
+    for _ in range(4):
+        full = torch.randn(b, h, s, e, generator=gen, device=ctx.device, dtype=torch.bfloat16)
+        out.append(as_format(full[:, ctx.rank * per:(ctx.rank + 1) * per], qkv_format))
+        del full
+    return out
+
+
+def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs) -> Variant:
+    """The seed's fusion, ``execute`` on the local shards; checked against the direct kernels
+    once before it is timed."""
+
+    def setup():
+        model = SeedAttention(fmt, meshfuse.DeviceMesh(range(ctx.world)), **sizes)
+        attn, *grads = model.execute(inputs)  # build and cache
+        step, metrics = direct_variant(inputs).setup()
+        ref_attn, ref_grads = step()
+        check_close("meshfuse vs direct kernels", [attn, *grads], [ref_attn, *ref_grads],
+                    ATTENTION_TOL)
+        return (lambda: model.execute(inputs)), metrics
+
+    return Variant("meshfuse", setup)
+
+
+def direct_variant(inputs, requested=None, name="direct"):
+    """The SDPA kernels meshfuse runs, called on the local shards without meshfuse."""
+    q, k, v, g = inputs
+
+    def setup():
+        backend = kernels.select_backend(q, k, v, DROPOUT_P, IS_CAUSAL, requested)
+
+        def step():
+            attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, DROPOUT_P, IS_CAUSAL, None,
+                                                           backend)
+            return attn, kernels.sdpa_backward(g, q, k, v, attn, lse, DROPOUT_P, IS_CAUSAL,
+                                               seed, offset, None, backend)
+
+        return step, {"backend": backend.value}
+
+    return Variant(name, setup)
+
+
+def _autograd_step(q, k, v, g, backends):
+    def step():
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT_P,
+                                                 is_causal=IS_CAUSAL)
+        return out, torch.autograd.grad(out, (q, k, v), g)
+
+    return step
+
+
+_ALL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _torch(inputs, name, backends, note):
+    def setup():
+        q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+        return _autograd_step(q, k, v, inputs[3], backends)
+
+    return Variant(name, setup, note)
+
+
+def _dtensor(ctx, inputs):
+    from torch.distributed.tensor import DTensor, Shard
+
+    def setup():
+        if not ctx.cuda:
+            raise Skip("DTensor has no sharding rule for the CPU flash SDPA kernel (and the "
+                       "math kernel's causal mask mixes Tensor and DTensor); runs on CUDA")
+        mesh = ctx.dtensor_mesh()
+        q, k, v, g = (DTensor.from_local(t, mesh, [Shard(1)], run_check=False) for t in inputs)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        step = _autograd_step(q, k, v, g, _ALL_BACKENDS)
+        try:
+            step()
+            return step, {"kernels": "PyTorch's choice"}
+        except NotImplementedError:  # no DTensor sharding rule for the kernel PyTorch chose
+            fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+            return _autograd_step(q, k, v, g, fused), {"kernels": "flash/efficient"}
+
+    note = "Shard(1), autograd"
+    return Variant("dtensor", setup, note)
+
+
+def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan) -> list[Record]:
+    records = []
+    for fmt in QkvFormat:
+        inputs = local_inputs(ctx, sizes, fmt)
+        variants = [
+            meshfuse_variant(ctx, sizes, fmt, inputs),
+            direct_variant(inputs),
+            _dtensor(ctx, inputs),
+            _torch(inputs, "torch_flash", [SDPBackend.FLASH_ATTENTION], "sdpa_kernel(FLASH)"),
+            _torch(inputs, "torch_sdpa", _ALL_BACKENDS, "PyTorch's kernel choice"),
+        ]
+        params = dict(sizes, causal=IS_CAUSAL, dtype="bf16", layout=fmt.value,
+                      heads_per_rank=sizes["h"] // ctx.world)
+        records += run_variants(ctx, case, fmt.value, variants, plan, "direct", params)
+        del inputs, variants
+    return records
+
+
+def seed_case(ctx: Context) -> list[Record]:
+    """Case 1: the seed's sizes (b=2, h=12, s=1024, head dim 64)."""
+    sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100)
+    plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
+    return run_attention(ctx, "attention_seed", sizes, plan)
+
+
+def large_case(ctx: Context) -> list[Record]:
+    """Case 2: b=4, h=32, s=4096, head dim 128."""
+    sizes = QUICK_LARGE_SIZES if ctx.quick else LARGE_SIZES
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=5, iters=30)
+    plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
+    return run_attention(ctx, "attention_large", sizes, plan)

@@ -1,0 +1,125 @@
+"""Case 4 (issue 6): a Megatron tensor-parallel MLP, forward and backward.
+
+``z = gelu(x @ w1.T) @ w2.T`` with hidden 8192, ffn 32768, 8192 tokens, bf16; the
+gradients of x, w1 and w2 from a given ``dz``. Variants:
+
+- ``torch_1gpu`` (baseline): the whole MLP on one GPU with autograd (every rank runs it);
+- ``torch_manual``: the Megatron calls on the local shards (w1 split on F by rows, w2 by
+  columns) with an NCCL allreduce of z and of dx, no autograd: what meshfuse should lower to;
+- ``dtensor_tp``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``, autograd;
+- ``meshfuse``: :class:`~benchmarks.fusions.MegatronMlp` (unsharded on one rank). Sharded, it
+  needs allreduces: until meshfuse reshards, its ``ShardingError`` makes the variant skipped.
+
+FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import meshfuse
+from benchmarks.context import Context
+from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
+from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+
+SIZES = {"tokens": 8192, "hidden": 8192, "ffn": 32768}
+QUICK_SIZES = {"tokens": 64, "hidden": 32, "ffn": 128}
+MLP_TOL = 3e-2  # bf16; meshfuse computes gelu's derivative with separate bf16 ops
+NEEDS_RESHARDING = "needs resharding (allreduce), not implemented yet"
+
+
+def mlp_flops(tokens: int, hidden: int, ffn: int) -> float:
+    return 12.0 * tokens * hidden * ffn
+
+
+def _weights(ctx: Context, sizes: dict[str, int], dtype: torch.dtype):
+    """Global x, w1, w2, dz (the same on every rank) and this rank's w1/w2 shards."""
+    t, h, f = sizes["tokens"], sizes["hidden"], sizes["ffn"]
+    gen = torch.Generator(ctx.device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=ctx.device, dtype=dtype) * scale
+
+    x, dz = randn(t, h), randn(t, h)
+    w1, w2 = randn(f, h, scale=h ** -0.5), randn(h, f, scale=f ** -0.5)
+    per = f // ctx.world
+    part = slice(ctx.rank * per, (ctx.rank + 1) * per)
+    return x, dz, w1, w2, w1[part].contiguous(), w2[:, part].contiguous()
+
+
+def _model(w1: torch.Tensor, w2: torch.Tensor) -> torch.nn.Sequential:
+    f, h = w1.shape
+    model = torch.nn.Sequential(
+        torch.nn.Linear(h, f, bias=False), torch.nn.GELU(), torch.nn.Linear(f, h, bias=False)
+    ).to(device=w1.device, dtype=w1.dtype)
+    with torch.no_grad():
+        model[0].weight.copy_(w1)
+        model[2].weight.copy_(w2)
+    return model
+
+
+def _autograd_step(model: torch.nn.Module, x: torch.Tensor, dz: torch.Tensor):
+    x = x.detach().requires_grad_()
+    params = list(model.parameters())
+
+    def step():
+        z = model(x)
+        return z, torch.autograd.grad(z, [x, *params], dz)
+
+    return step
+
+
+def _variants(ctx: Context, sizes, dtype: torch.dtype, tensors) -> list[Variant]:
+    x, dz, w1, w2, w1_local, w2_local = tensors
+    group = dist.group.WORLD if ctx.world > 1 else None
+
+    def one_gpu():
+        return _autograd_step(_model(w1, w2), x, dz)
+
+    def manual():
+        return lambda: megatron_mlp_torch(x, w1_local, w2_local, dz, group)
+
+    def dtensor_tp():
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        model = parallelize_module(_model(w1, w2), ctx.dtensor_mesh(),
+                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return _autograd_step(model, x, dz)
+
+    def mesh_fused():
+        mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
+        model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.from_torch(dtype))
+        inputs = [x, w1_local, w2_local, dz]
+        try:
+            outputs = model.execute(inputs)
+        except meshfuse.ShardingError as e:
+            raise Skip(f"{NEEDS_RESHARDING}: {e}") from None
+        check_close("meshfuse vs torch_manual", outputs,
+                    megatron_mlp_torch(x, w1_local, w2_local, dz, group), MLP_TOL)
+        return (lambda: model.execute(inputs)), {"sharded": mesh is not None}
+
+    return [
+        Variant("torch_1gpu", one_gpu, "whole MLP on each GPU, autograd", gpus=1),
+        Variant("torch_manual", manual, "local shards + all_reduce, gelu_backward kernel"),
+        Variant("dtensor_tp", dtensor_tp, "ColwiseParallel/RowwiseParallel, autograd"),
+        Variant("meshfuse", mesh_fused, "unsharded on 1 rank" if ctx.world == 1 else ""),
+    ]
+
+
+def run(ctx: Context) -> list[Record]:
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    if sizes["ffn"] % ctx.world:
+        raise ValueError(f"ffn={sizes['ffn']} does not split over {ctx.world} ranks")
+    # gloo has no bf16 reductions everywhere: fp32 on the CPU
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=3, iters=15)
+    plan = Plan(plan.warmup, plan.iters, flops=mlp_flops(**sizes))
+    tensors = _weights(ctx, sizes, dtype)
+    params = dict(sizes, dtype=str(dtype).removeprefix("torch."), bias=False, gelu="exact")
+    return run_variants(ctx, "mlp", f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
+                        _variants(ctx, sizes, dtype, tensors), plan, "torch_1gpu", params)

@@ -1,0 +1,158 @@
+"""The multi-device test harness: the fixture on every rank, and the parent's bookkeeping."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.mesh import DeviceMesh
+from meshfuse.testing import launcher, plugin, worker
+from meshfuse.testing.launcher import BatchSpec, RankRun, Verdict
+
+# ----- on every rank ---------------------------------------------------------------------------
+
+
+def test_fixture_matches_torch_distributed(multidevice_test, meshfuse_world_size):
+    assert multidevice_test.size == meshfuse_world_size == dist.get_world_size()
+    assert multidevice_test.rank == dist.get_rank()
+    assert multidevice_test.local_rank == multidevice_test.communicator.local_rank
+    assert multidevice_test.local_size == multidevice_test.communicator.local_size
+    assert multidevice_test.device == multidevice_test.communicator.device
+
+
+@pytest.mark.mpi
+def test_marked_test_gets_torch_distributed(meshfuse_world_size):
+    assert dist.is_initialized() and dist.get_world_size() == meshfuse_world_size
+
+
+def test_shard_and_unshard_with_an_int_dim(multidevice_test):
+    d, rank = multidevice_test.size, multidevice_test.rank
+    t = torch.arange(2 * d * 3).reshape(2 * d, 3)
+    local = multidevice_test.shard_tensor(t, 0)
+    assert local.device == multidevice_test.device
+    assert torch.equal(local.cpu(), t[2 * rank : 2 * rank + 2])
+    assert torch.equal(multidevice_test.unshard_tensor(local, 0).cpu(), t)
+
+    u = torch.arange(3 * d).reshape(3, d)
+    assert torch.equal(multidevice_test.shard_tensor(u, -1).cpu(), u[:, rank : rank + 1])
+
+
+def test_shard_with_a_2d_mesh(multidevice_test):
+    if multidevice_test.size != 4:
+        pytest.skip(f"needs 4 ranks, has {multidevice_test.size}")
+    mesh = DeviceMesh([[0, 1], [2, 3]])
+    t = torch.arange(8)
+    local = multidevice_test.shard_tensor(t, 0, mesh)  # along mesh_x: replicated over mesh_y
+    c = mesh.coordinate(multidevice_test.rank)[mesh.axis_of(ParallelType.mesh_x)]
+    assert torch.equal(local.cpu(), t[4 * c : 4 * c + 4])
+    assert torch.equal(multidevice_test.unshard_tensor(local, 0, mesh).cpu(), t)
+
+
+# ----- the parent's bookkeeping (one process) ----------------------------------------------------
+
+
+def test_aggregate():
+    assert launcher.aggregate([("passed", ""), ("passed", "")]) == Verdict("passed")
+    assert launcher.aggregate([("skipped", "no"), ("skipped", "no")]) == Verdict("skipped", "no")
+    assert launcher.aggregate([("xfailed", "bug"), ("passed", "")]) == Verdict("xfailed", "bug")
+
+    failed = launcher.aggregate([("passed", ""), ("failed", "E boom 1"), ("failed", "E boom 1")])
+    assert failed.outcome == "failed"
+    assert failed.message.startswith("failed on ranks 1, 2 of 3")
+    assert "--- rank 1 ---\nE boom 1" in failed.message
+    assert "--- rank 2: the same as rank 1 ---" in failed.message
+
+    disagree = launcher.aggregate([("passed", ""), ("skipped", "odd rank")])
+    assert disagree.outcome == "failed"
+    assert "rank 1 skipped (odd rank)" in disagree.message
+
+
+def _spec():
+    return BatchSpec(
+        world_size=2,
+        nodeids=("t.py::a", "t.py::b", "t.py::c"),
+        paths=("/x/t.py",),
+        rootdir="/x",
+        pytest_args=(),
+        timeout_s=5.0,
+        env={},
+    )
+
+
+def _rank(rank, started, ended, done=True, exit_code=0):
+    return RankRun(rank, started, ended, done, exit_code, tail=f"tail of {rank}")
+
+
+def test_judge_crash_fails_the_crashed_test_and_retries_the_rest():
+    ok = ("passed", "")
+    ranks = [
+        _rank(0, ["t.py::a", "t.py::b"], {"t.py::a": ok}, done=False, exit_code=None),
+        _rank(1, ["t.py::a", "t.py::b"], {"t.py::a": ok}, done=False, exit_code=-11),
+    ]
+    spec = _spec()
+    verdicts, retry = launcher.judge(list(spec.nodeids), ranks, "crash", spec)
+    assert verdicts["t.py::a"] == Verdict("passed")
+    assert verdicts["t.py::b"].outcome == "failed"
+    assert "rank 1 died of SIGSEGV while running t.py::b" in verdicts["t.py::b"].message
+    assert "tail of 1" in verdicts["t.py::b"].message
+    assert retry == ["t.py::c"]
+
+
+def test_judge_timeout_fails_every_unfinished_test():
+    ranks = [_rank(0, ["t.py::a"], {}, False, None), _rank(1, ["t.py::a"], {}, False, None)]
+    spec = _spec()
+    verdicts, retry = launcher.judge(list(spec.nodeids), ranks, "timeout", spec)
+    assert retry == []
+    assert "timed out after 5 s" in verdicts["t.py::a"].message
+    assert "rank 0 was running it" in verdicts["t.py::a"].message
+    assert "did not run" in verdicts["t.py::c"].message
+
+
+def test_worker_records_round_trip(tmp_path):
+    path = worker.records_path(tmp_path, 3)
+    recorder = worker.WorkerRecorder(path, {"t.py::a"})
+    recorder.pytest_runtest_logstart("t.py::a")
+    recorder.pytest_runtest_logfinish("t.py::a")
+    recorder.pytest_sessionfinish(0)
+    with open(path, "a") as f:
+        f.write('{"event": "sta')  # a torn last line, as a crash leaves it
+    assert worker.read_records(path) == [
+        {"event": "start", "nodeid": "t.py::a"},
+        {"event": "end", "nodeid": "t.py::a", "outcome": "passed", "text": ""},
+        {"event": "done", "exitstatus": 0},
+    ]
+    assert json.loads(path.read_text().splitlines()[1])["outcome"] == "passed"
+
+
+def test_worker_env(tmp_path):
+    base = {"PATH": "/bin", "PYTEST_ADDOPTS": "-x", "OMPI_COMM_WORLD_SIZE": "8"}
+    env = launcher.worker_env(base, 1, 2, 1234, str(tmp_path), tmp_path / "ids", 3)
+    assert env["PATH"] == "/bin"
+    assert "PYTEST_ADDOPTS" not in env and "OMPI_COMM_WORLD_SIZE" not in env
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+        "1",
+        "2",
+        "1",
+        "2",
+    )
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]) == (
+        "127.0.0.1",
+        "1234",
+        "3",
+    )
+    assert plugin.harness_mode(env) == ("worker", 2)
+
+
+def test_harness_mode_and_world_sizes():
+    assert plugin.harness_mode({}) == ("parent", 1)
+    assert plugin.harness_mode({"RANK": "0", "WORLD_SIZE": "2"}) == ("launcher", 2)
+    assert plugin.harness_mode({"OMPI_COMM_WORLD_SIZE": "4"}) == ("launcher", 4)
+    with pytest.raises(pytest.UsageError, match="WORLD_SIZE='0'"):
+        plugin.harness_mode({"WORLD_SIZE": "0"})
+    assert plugin.parse_world_sizes(None) == (1, 2, 4)
+    assert plugin.parse_world_sizes("2, 1,2") == (2, 1)
+    for bad in ("0", "two", "1,,2"):
+        with pytest.raises(pytest.UsageError, match="positive integers"):
+            plugin.parse_world_sizes(bad)

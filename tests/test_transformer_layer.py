@@ -1,0 +1,220 @@
+"""A GPT-style transformer layer, forward and backward, as ONE fusion, against PyTorch autograd.
+
+The layer (pre-norm, causal self-attention, tanh-GELU MLP)::
+
+    h = x + out_proj(attention(qkv_proj(layer_norm_1(x))))
+    y = h + fc2(gelu_tanh(fc1(layer_norm_2(h))))
+
+The fusion computes ``y`` and, given the loss gradient ``dy``, the gradients of ``x`` and of
+every parameter, with the backward written out with ops: ``sdpfa_bwd`` for attention,
+matmuls for the linears' transposes, the layer norm and tanh-GELU derivatives from pointwise
+ops and reductions, and the inverse reshape/permute of the head split. The gradient of the
+qkv projection is computed per slice of its weight (q, k, v rows).
+
+The reference is the same layer in plain PyTorch (``F.layer_norm``, ``F.linear``,
+``F.scaled_dot_product_attention``, ``F.gelu``) with autograd, in float64 from the same
+inputs: float32 must match it tightly, bfloat16 loosely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshfuse import DataType, FusionDefinition
+
+B, S, H, HEADS = 2, 64, 64, 4
+D = H // HEADS
+EPS = 1e-5
+PARAMS = {
+    "ln1_w": (H,), "ln1_b": (H,),
+    "w_qkv": (3 * H, H), "b_qkv": (3 * H,),
+    "w_o": (H, H), "b_o": (H,),
+    "ln2_w": (H,), "ln2_b": (H,),
+    "w_fc1": (4 * H, H), "b_fc1": (4 * H,),
+    "w_fc2": (H, 4 * H), "b_fc2": (H,),
+}
+# The fusion's gradients of the qkv projection, per slice of w_qkv/b_qkv rows.
+QKV_GRADS = ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v")
+OUTPUTS = ("y", "x", *(n for n in PARAMS if not n.endswith("qkv")), *QKV_GRADS)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference
+
+
+def torch_layer(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = F.layer_norm(x, (H,), p["ln1_w"], p["ln1_b"], EPS)
+    q, k, v = (t.reshape(B, S, HEADS, D).transpose(1, 2)
+               for t in F.linear(h, p["w_qkv"], p["b_qkv"]).split(H, dim=-1))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + F.linear(a.transpose(1, 2).reshape(B, S, H), p["w_o"], p["b_o"])
+    h = F.layer_norm(x, (H,), p["ln2_w"], p["ln2_b"], EPS)
+    f = F.gelu(F.linear(h, p["w_fc1"], p["b_fc1"]), approximate="tanh")
+    return x + F.linear(f, p["w_fc2"], p["b_fc2"])
+
+
+def reference(x, dy, params) -> dict[str, torch.Tensor]:
+    """``y`` and the gradients of ``sum(y * dy)``, by autograd in float64."""
+    x = x.double().requires_grad_()
+    p = {n: t.double().requires_grad_() for n, t in params.items()}
+    y = torch_layer(x, p)
+    y.backward(dy.double())
+    grads = {"y": y.detach(), "x": x.grad, **{n: t.grad for n, t in p.items()}}
+    for name in ("w", "b"):
+        for part, grad in zip("qkv", grads.pop(f"{name}_qkv").split(H, dim=0)):
+            grads[f"{name}_{part}"] = grad
+    return grads
+
+
+# ----------------------------------------------------------------------------------------------
+# The fusion
+
+
+class TransformerLayer(FusionDefinition):
+    """Inputs: ``x``, ``dy`` (both ``[B, S, H]``), then the parameters in PARAMS order.
+    Outputs: OUTPUTS (``y``, then the gradients)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = DataType.from_torch(dtype)
+
+    def definition(self) -> None:
+        ops = self.ops
+        x = self.define_tensor([B, S, H], dtype=self.dtype, contiguity=True)
+        dy = self.define_tensor([B, S, H], dtype=self.dtype, contiguity=True)
+        p = {n: self.define_tensor(list(shape), dtype=self.dtype, contiguity=True)
+             for n, shape in PARAMS.items()}
+
+        # Forward.
+        ln1, ln1_saved = self.layer_norm(x, p["ln1_w"], p["ln1_b"])
+        qkv = ops.linear(ln1, p["w_qkv"], p["b_qkv"])
+        q, k, v = (self.to_heads(ops.slice(qkv, [0, 0, i * H], [B, S, (i + 1) * H]))
+                   for i in range(3))
+        attn, lse, seed, offset = ops.sdpfa_fwd(q, k, v, 0.0, True)
+        a = self.from_heads(attn)
+        h = ops.add(x, ops.linear(a, p["w_o"], p["b_o"]))
+        ln2, ln2_saved = self.layer_norm(h, p["ln2_w"], p["ln2_b"])
+        f1 = ops.linear(ln2, p["w_fc1"], p["b_fc1"])
+        g = ops.gelu(f1, approximate="tanh")
+        y = ops.add(h, ops.linear(g, p["w_fc2"], p["b_fc2"]))
+
+        # Backward of sum(y * dy).
+        grads = {"y": y}
+        dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(dy, g, p["w_fc2"])
+        df1 = ops.mul(dg, self.gelu_tanh_derivative(f1))
+        dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(df1, ln2, p["w_fc1"])
+        dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
+            dln2, p["ln2_w"], *ln2_saved)
+        dh = ops.add(dy, dh_ln)
+        da, grads["w_o"], grads["b_o"] = self.linear_backward(dh, a, p["w_o"])
+        dq, dk, dv = ops.sdpfa_bwd(self.to_heads(da), q, k, v, attn, lse, 0.0, True, seed,
+                                   offset)
+        dln1 = None
+        for i, (part, d) in enumerate(zip("qkv", (dq, dk, dv))):
+            w = ops.slice(p["w_qkv"], [i * H, 0], [(i + 1) * H, H])
+            dln1_part, grads[f"w_{part}"], grads[f"b_{part}"] = self.linear_backward(
+                self.from_heads(d), ln1, w)
+            dln1 = dln1_part if dln1 is None else ops.add(dln1, dln1_part)
+        dx_ln, grads["ln1_w"], grads["ln1_b"] = self.layer_norm_backward(
+            dln1, p["ln1_w"], *ln1_saved)
+        grads["x"] = ops.add(dh, dx_ln)
+        for name in OUTPUTS:
+            self.add_output(grads[name])
+
+    # ----- building blocks, each with its backward --------------------------------------
+    def layer_norm(self, x, w, b):
+        """Layer norm over the last axis; returns the output and (x_hat, 1/std)."""
+        ops = self.ops
+        var, mean = ops.var_mean(x, dims=[-1], correction=0, keepdim=True)
+        rstd = ops.rsqrt(ops.add(var, EPS))
+        x_hat = ops.mul(ops.sub(x, mean), rstd)
+        return ops.add(ops.mul(x_hat, w), b), (x_hat, rstd)
+
+    def layer_norm_backward(self, dout, w, x_hat, rstd):
+        """dx = rstd * (dx_hat - mean(dx_hat) - x_hat * mean(dx_hat * x_hat)); dw; db."""
+        ops = self.ops
+        dx_hat = ops.mul(dout, w)
+        m1 = ops.mean(dx_hat, dims=[-1], keepdim=True)
+        m2 = ops.mean(ops.mul(dx_hat, x_hat), dims=[-1], keepdim=True)
+        dx = ops.mul(rstd, ops.sub(ops.sub(dx_hat, m1), ops.mul(x_hat, m2)))
+        dw = ops.sum(ops.mul(dout, x_hat), dims=[0, 1])
+        return dx, dw, ops.sum(dout, dims=[0, 1])
+
+    def linear_backward(self, dout, x, w):
+        """For ``out = x @ w.T + b`` over ``[B, S, *]``: dx = dout @ w, dw = dout^T x, db."""
+        ops = self.ops
+        n, k = w.materialized()[0].extent, w.materialized()[1].extent
+        dout_t = ops.permute(ops.reshape(dout, [B * S, n]), [1, 0])
+        dw = ops.matmul(dout_t, ops.reshape(x, [B * S, k]))
+        return ops.matmul(dout, w), dw, ops.sum(dout, dims=[0, 1])
+
+    def gelu_tanh_derivative(self, x):
+        """d/dx of 0.5 x (1 + tanh(u)), u = c (x + a x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) u'."""
+        ops = self.ops
+        c, a = math.sqrt(2 / math.pi), 0.044715
+        x2 = ops.mul(x, x)
+        t = ops.tanh(ops.mul(ops.mul(x, ops.add(ops.mul(x2, a), 1.0)), c))
+        du = ops.mul(ops.add(ops.mul(x2, 3 * a), 1.0), c)
+        dtanh = ops.mul(ops.mul(ops.sub(1.0, ops.mul(t, t)), du), ops.mul(x, 0.5))
+        return ops.add(ops.mul(ops.add(t, 1.0), 0.5), dtanh)
+
+    def to_heads(self, t):
+        """``[B, S, H]`` to ``[B, HEADS, S, D]``."""
+        return self.ops.permute(self.ops.reshape(t, [B, S, HEADS, D]), [0, 2, 1, 3])
+
+    def from_heads(self, t):
+        """``[B, HEADS, S, D]`` to ``[B, S, H]``."""
+        return self.ops.reshape(self.ops.permute(t, [0, 2, 1, 3]), [B, S, H])
+
+
+# ----------------------------------------------------------------------------------------------
+# The test
+
+
+def make_inputs(dtype: torch.dtype, device: str):
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+    params = {}
+    for name, shape in PARAMS.items():
+        if name.startswith("ln") and name.endswith("_w"):
+            params[name] = (1 + rand(*shape, scale=0.1))
+        elif name.startswith("w"):
+            params[name] = rand(*shape, scale=1 / math.sqrt(shape[1]))
+        else:
+            params[name] = rand(*shape, scale=0.1)
+    return rand(B, S, H), rand(B, S, H), params
+
+
+# (rtol, atol relative to each tensor's largest magnitude) against the float64 reference.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 3e-2)}
+# The key bias gets no gradient (softmax is invariant to adding one value to every score of a
+# row): its exact gradient is zero, so its rounding errors are judged at the query bias's scale.
+SCALE_OF = {"b_k": "b_q"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_transformer_layer_forward_and_backward(dtype, device):
+    x, dy, params = make_inputs(dtype, device)
+    fd = TransformerLayer(dtype)
+    outputs = dict(zip(OUTPUTS, fd.execute([x, dy, *params.values()])))
+    expected = reference(x, dy, params)
+    rtol, atol = TOLERANCE[dtype]
+    assert outputs.keys() == expected.keys()
+    for name, out in outputs.items():
+        ref = expected[name]
+        assert out.dtype == dtype and out.device == x.device, name
+        assert out.shape == ref.shape, f"{name}: {list(out.shape)} vs {list(ref.shape)}"
+        scale = expected[SCALE_OF.get(name, name)].abs().max().item()
+        torch.testing.assert_close(
+            out.double(), ref, rtol=rtol, atol=atol * scale,
+            msg=lambda m, name=name: f"{name}: {m}")
