@@ -8,7 +8,7 @@ what=${1:-all}
 shift || true
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MESHFUSE_CHECK_RANKS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 summary=("$(python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch",
@@ -22,7 +22,7 @@ if [[ $what == tests || $what == all ]]; then
   files=$(ls tests/test_attention_kernels.py tests/test_ops.py tests/test_seed_sdpa.py \
     tests/test_propagation.py tests/test_resharding.py tests/test_megatron_layers.py \
     tests/test_multidevice.py tests/test_transformer_layer.py 2>/dev/null)
-  timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout=300 -rf $files "$@" >> "$log" 2>&1
+  MESHFUSE_CHECK_RANKS=1 timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout=300 -rf $files "$@" >> "$log" 2>&1
   summary+=("tests: rc=$? $(tail -1 "$log")")
 fi
 if [[ $what == bench || $what == all ]]; then
