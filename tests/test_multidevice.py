@@ -1,11 +1,12 @@
 """Sharded fusions against their unsharded runs, at world sizes 1, 2 and 4 (real gloo ranks).
 
 Every test defines a fusion twice: once unsharded (the reference, run on the global tensors)
-and once with a mesh and a schedule on *every* tensor (sharding propagation does not exist
-yet), run on each rank's shards. Each rank checks its outputs against the reference sliced
+and once with a mesh and a schedule on *every* tensor (so that nothing depends on sharding
+propagation), run on each rank's shards. Each rank checks its outputs against the reference sliced
 with ``shard_tensor(ref, tv, rank)``, checks that its input shards are the slices the schedule
 means (computed independently of meshfuse), and gathers every rank's output shards to check
-that they put the whole reference back together. No schedule here needs communication.
+that they put the whole reference back together. No schedule here needs communication, and
+each execution asserts that none ran.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _assert_shard(out: torch.Tensor, ref: torch.Tensor, tv, rank: int, **tol) ->
 
 
 def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable,
-         inputs: list, torch_ref: Callable | None = None, check_gather: bool = True):
+         inputs: list, torch_ref: Callable | None = None):
     """Runs the fusion ``build`` defines unsharded on ``inputs`` and sharded by ``schedule``
     on this rank's shards; checks the sharded outputs against the unsharded ones.
 
@@ -129,8 +130,7 @@ def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable
     assert len(outs) == len(ref_outs)
     for out, ref, tv in zip(outs, ref_outs, fd.fusion.outputs()):
         _assert_shard(out, ref, tv, rank)
-        if check_gather:
-            torch.testing.assert_close(_gather(multidevice_test, out, tv), ref)
+        torch.testing.assert_close(_gather(multidevice_test, out, tv), ref)
     return fd, local, outs
 
 

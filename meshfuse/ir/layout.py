@@ -33,9 +33,14 @@ def derived_extents(tv: TensorView, logical: Mapping[IterDomain, int]) -> dict[I
         if isinstance(t, Split):
             n = extents[t.in_id]
             if n % t.factor != 0:
+                root = t.in_id
+                while root in producers(tv):
+                    root = producers(tv)[root].inputs[0]
+                where = (f"axis {tv.logical.index(root)}" if root in tv.logical
+                         else "a merged axis")
                 raise ScheduleError(
-                    f"split factor {t.factor} does not divide extent {n} of {tv.name}; choose "
-                    f"a divisor of {n} or change the input's size"
+                    f"split factor {t.factor} does not divide extent {n} of {where} of "
+                    f"{tv.name}; choose a divisor of {n} or change the input's size"
                 )
             rest = n // t.factor
             extents[t.outer], extents[t.inner] = (

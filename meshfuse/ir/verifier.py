@@ -49,10 +49,16 @@ def check_allocation(tv: TensorView) -> None:
         )
 
 
-def check_schedule(fusion: Fusion, world_size: int) -> None:
-    """Meshes, device parallel types and their factors, across all tensors."""
+def check_tensor_schedules(fusion: Fusion, world_size: int) -> None:
+    """Each tensor's own schedule: device types, factors, mesh, allocation (run before the
+    passes, so that errors name what the user wrote)."""
     for tv in fusion.tensors():
         _check_tensor(tv, world_size)
+
+
+def check_schedule(fusion: Fusion, world_size: int) -> None:
+    """Meshes, device parallel types and their factors, across all tensors."""
+    check_tensor_schedules(fusion, world_size)
     # 0-d tensors (e.g. attention's RNG seed) are replicated wherever they are used.
     tensors = [tv for tv in fusion.tensors() if tv.logical]
     with_mesh = [tv for tv in tensors if tv.mesh is not None]
@@ -78,7 +84,10 @@ def _check_tensor(tv: TensorView, world_size: int) -> None:
                 f"axis {pos} of {tv.name} is parallelized on {pt.value} but {tv.name} has no "
                 "device mesh; call set_device_mesh first"
             )
-        axis = tv.mesh.axis_of(pt)
+        try:
+            axis = tv.mesh.axis_of(pt)
+        except ScheduleError as e:
+            raise ScheduleError(f"axis {pos} of {tv.name} is parallelized on {pt.name}: {e}") from None
         size = tv.mesh.shape[axis]
         if id_.extent is not None and id_.extent != size:
             raise ScheduleError(
@@ -92,7 +101,10 @@ def _check_tensor(tv: TensorView, world_size: int) -> None:
                 f"{pt.value}; split it by the mesh axis size {size} and parallelize the part "
                 f"of extent {size}"
             )
-        logical_root(tv, id_)  # raises for a merged axis
+        try:
+            logical_root(tv, id_)
+        except ScheduleError as e:
+            raise ScheduleError(f"axis {pos} of {tv.name}: {e}") from None
         device_types[pt] = id_
     if tv.mesh is not None:
         too_big = [d for d in tv.mesh.device_ids if d >= world_size]

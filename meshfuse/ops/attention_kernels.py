@@ -24,7 +24,7 @@ MATH       contiguous BHSE         contiguous            contiguous BHSE
 
 (S32 is S rounded up to a multiple of 32: the efficient kernel pads its log-sum-exp, and its
 backward reads the padding; :func:`sdpa_backward` restores it.) ``seed`` and ``offset`` are
-0-d int64 zeros on the CPU when ``dropout_p == 0``. Otherwise they are the kernel's own RNG
+0-d int64 zeros on the CPU for the CPU flash and math kernels. Otherwise they are the kernel's own RNG
 state, opaque, to be passed back unchanged: flash gives a ``[2]`` uint64 (seed, offset) and a
 0-d uint64 placeholder, on the GPU; cuDNN ``[1]`` int64 tensors on the GPU; efficient 0-d
 int64 on the CPU (on the GPU under CUDA-graph capture).
@@ -524,8 +524,10 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     scale = None if scale is None else float(scale)
     attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale)
-    if dropout_p == 0.0:  # the kernels leave them undefined or uninitialized
+    if seed is None:  # kernels without an RNG state (CPU flash, math)
         seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    # Otherwise the kernel's own tensors go back to its backward unchanged, as autograd does
+    # (cuDNN's backward wants them on the GPU even without dropout).
     return attn, lse, seed, offset
 
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 
+from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
+from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.registry import lookup
 from meshfuse.passes.propagation import (
@@ -109,6 +111,12 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
 def _make_local(fusion: Fusion, expr: Expr) -> None:
     outs = [o for o in expr.tensor_outputs if o.logical]
     ins = list(dict.fromkeys(t for t in expr.tensor_inputs if t.logical))
+    if len({t.mesh for t in ins + outs}) > 1:
+        meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in ins + outs)
+        raise ShardingError(
+            f"{format_expr(expr)}: its tensors live on different meshes ({meshes}); moving "
+            "tensors between meshes is not supported yet: put them on one mesh"
+        )
     natural = [_natural(expr, o) for o in outs]
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     needed_a = [_needed_input(expr, natural, t) for t in ins]

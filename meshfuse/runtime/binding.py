@@ -129,6 +129,11 @@ def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int])
         # of an axis is known before its global extent is.
         factor = math.prod(tv.mesh.axis_size(pt) for _, pt in shards.get(id_, []))
         global_extent = x.shape[axis] * factor
+        if id_ in tv.parallel and tv.parallel[id_].is_device and x.shape[axis] != 1:
+            raise InputError(
+                f"input {tv.name} axis {axis} is a device axis (parallelized on "
+                f"{tv.parallel[id_].value}); its local extent must be 1, got {x.shape[axis]}"
+            )
         if id_.is_broadcast and x.shape[axis] != 1:
             raise InputError(
                 f"input {tv.name} axis {axis} is a broadcast axis (declared extent 1) but has "

@@ -17,7 +17,7 @@ from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
-from meshfuse.ir.verifier import check_schedule
+from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
@@ -42,6 +42,7 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
+        check_tensor_schedules(fusion, world)
         propagate_shardings(fusion)
         insert_resharding(fusion)
         check_schedule(fusion, world)
