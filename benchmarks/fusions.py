@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 import torch.distributed as dist
@@ -144,8 +143,6 @@ def pointwise10_torch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.log(t)
 
 
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 class MegatronMlp(_Sharded):
@@ -174,10 +171,7 @@ class MegatronMlp(_Sharded):
         a = on(o.gelu(h), 1)
         z = on(o.set(on(o.linear(a, w2), 2)), None)  # partial over F, then replicated
         da = on(o.matmul(dz, w2), 1)
-        # gelu'(h) = Phi(h) + h * phi(h)
-        cdf = on(o.mul(on(o.add(on(o.erf(on(o.mul(h, _INV_SQRT2), 1)), 1), 1.0), 1), 0.5), 1)
-        pdf = on(o.mul(on(o.exp(on(o.mul(on(o.mul(h, h), 1), -0.5), 1)), 1), _INV_SQRT_2PI), 1)
-        dh = on(o.mul(da, on(o.add(cdf, on(o.mul(h, pdf), 1)), 1)), 1)
+        dh = on(o.gelu_backward(da, h), 1)
         dw2 = on(o.matmul(on(o.permute(dz, [1, 0]), None), a), 1)  # [H, F/d, rT]
         dw1 = on(o.matmul(on(o.permute(dh, [1, 0]), 0), x), 0)  # [F/d, H, rT]
         dx = on(o.set(on(o.matmul(dh, w1), 2)), None)  # partial over F, then replicated

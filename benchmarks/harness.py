@@ -114,17 +114,19 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, tuple[str, str] | None]:
         return None, _outcome(e)
 
 
-def _prepare(variant: Variant, warmup: int):
+def _prepare(ctx: Context, variant: Variant, warmup: int):
     prepared = variant.setup()
     step, metrics = prepared if isinstance(prepared, tuple) else (prepared, {})
+    # The peak counts the inputs and what the steps allocate, not the setup's correctness
+    # check (which holds two sets of outputs at once).
+    ctx.reset_memory()
     for _ in range(warmup):
         step()
     return step, metrics
 
 
 def _run_one(ctx: Context, record: Record, variant: Variant, plan: Plan) -> Record:
-    ctx.reset_memory()
-    prepared, failed = _attempt(lambda: _prepare(variant, plan.warmup))
+    prepared, failed = _attempt(lambda: _prepare(ctx, variant, plan.warmup))
     failed = _agree(ctx, failed)
     if failed is None:
         step, metrics = prepared

@@ -113,6 +113,8 @@ def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable
     Returns:
         the sharded FusionDefinition, this rank's local inputs and its outputs.
     """
+    inputs = [x.to(multidevice_test.device) if isinstance(x, torch.Tensor) else x
+              for x in inputs]
     with FusionDefinition() as ref_fd:
         build(ref_fd)
     ref_outs = ref_fd.execute(inputs)
@@ -130,7 +132,7 @@ def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable
     assert len(outs) == len(ref_outs)
     for out, ref, tv in zip(outs, ref_outs, fd.fusion.outputs()):
         _assert_shard(out, ref, tv, rank)
-        torch.testing.assert_close(_gather(multidevice_test, out, tv), ref)
+        torch.testing.assert_close(_gather(multidevice_test, out, tv), ref.cpu())
     return fd, local, outs
 
 

@@ -239,6 +239,12 @@ GELU = OpInfo("gelu", (
     Sample((T((2, 1, 6)),), lambda x: F.gelu(x, approximate="tanh"),
            kwargs={"approximate": "tanh"}, name="tanh-kwarg"),
 ), rejects=INTS + BOOL)
+GELU_BACKWARD = OpInfo("gelu_backward", (
+    Sample((T((4, 6)), T((4, 6), low=-4, high=4)),
+           lambda g, x: torch.ops.aten.gelu_backward(g, x), name="exact"),
+    Sample((T((4, 6)), T((4, 6), low=-4, high=4), "tanh"),
+           lambda g, x, a: torch.ops.aten.gelu_backward(g, x, approximate=a), name="tanh"),
+), rejects=INTS + BOOL)
 
 
 def cast_sample(to: DataType) -> Sample:
@@ -392,7 +398,6 @@ SLICE = OpInfo("slice", (
 
 # Expr.inputs does not look into list arguments (ir/fusion.py), so the sharding check of any
 # fusion with cat fails; strict, so that the fix turns these into failures to remove the mark.
-CAT_BUG = pytest.mark.xfail(strict=True, reason="Expr.inputs skips the tensors of list arguments")
 CAT = OpInfo("cat", (
     Sample(([T((2, 6)), T((3, 6))], 0), lambda xs, d: torch.cat(xs, d), name="dim0"),
     Sample(([T((4, 2)), T((4, 1)), T((4, 3))], -1), lambda xs, d: torch.cat(xs, d),
@@ -487,7 +492,7 @@ SDPFA_BWD = OpInfo("sdpfa_bwd", tuple(
 OP_TABLE: tuple[OpInfo, ...] = (
     *(unary_info(n) for n in UNARY_FLOAT + UNARY_SAME),
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
-    WHERE, GELU, CAST, SET,
+    WHERE, GELU, GELU_BACKWARD, CAST, SET,
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
     BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, CAT,
     MATMUL, LINEAR, SDPFA_FWD, SDPFA_BWD,
@@ -649,7 +654,7 @@ def _cases():
                         dt = str(dtype).removeprefix("torch.")
                         yield pytest.param(info, sample, dtype, device, mode,
                                            id=f"{info.name}-{sample.name}-{dt}-{device}-{mode}",
-                                           marks=CAT_BUG if info.name == "cat" else ())
+                                           )
 
 
 @pytest.mark.parametrize("info, sample, dtype, device, mode", list(_cases()))

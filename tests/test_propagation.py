@@ -212,7 +212,8 @@ def test_random_fusions_match_the_unsharded_run(multidevice_test):
         reference_fd, _ = _build(*program, schedule=False)
         fd, x = _build(*program, schedule=True)
         gen = torch.Generator().manual_seed(0)
-        gx, gb = torch.randn(4, 4, 8, 8, generator=gen), torch.randn(1, 1, 1, 8, generator=gen)
+        gx, gb = (torch.randn(*shape, generator=gen).to(multidevice_test.device)
+                  for shape in ((4, 4, 8, 8), (1, 1, 1, 8)))
         expected, = reference_fd.execute([gx, gb])
         bias = fd.fusion.inputs()[1]  # unscheduled: propagation may shard it like x
         out, = fd.execute([shard_tensor(gx, x, rank), shard_tensor(gb, bias, rank)])

@@ -43,11 +43,15 @@ class Expr:
 
     @property
     def inputs(self) -> tuple[Val, ...]:
-        return tuple(a for a in self.args if isinstance(a, Val))
+        """The values it reads, in signature order, lists (``cat``'s tensors) flattened."""
+        flat = []
+        for a in self.args:
+            flat.extend(a if isinstance(a, list | tuple) else [a])
+        return tuple(a for a in flat if isinstance(a, Val))
 
     @property
     def tensor_inputs(self) -> tuple[TensorView, ...]:
-        return tuple(a for a in self.args if isinstance(a, TensorView))
+        return tuple(a for a in self.inputs if isinstance(a, TensorView))
 
     @property
     def tensor_outputs(self) -> tuple[TensorView, ...]:

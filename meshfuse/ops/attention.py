@@ -12,6 +12,8 @@ sharded key/value sequence or head dim shows up as needing communication.
 
 from __future__ import annotations
 
+import torch
+
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
@@ -71,6 +73,25 @@ def _fwd(q, k, v, dropout_p, is_causal, scale):
     return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
 
 
+_NO_RNG = torch.zeros((), dtype=torch.int64)
+
+
+class _Forward:
+    """``sdpfa_fwd`` in a program: checks and picks the kernel on the first call (the
+    program's shapes and strides are fixed), then calls it directly."""
+
+    def __init__(self) -> None:
+        self.kernel = None
+
+    def __call__(self, q, k, v, dropout_p, is_causal, scale):
+        if self.kernel is None:
+            _, self.kernel, _ = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
+            return _fwd(q, k, v, dropout_p, is_causal, scale)
+        attn, lse, seed, offset = self.kernel(q, k, v, dropout_p, is_causal,
+                                              None if scale is None else float(scale))
+        return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
+
+
 def _check_sharding(expr) -> None:
     """A sharded query sequence needs a mask offset in causal attention (not supported yet)."""
     from meshfuse.ir.layout import device_ids
@@ -93,7 +114,7 @@ register(OpDef(
      scalar("is_causal", False), scalar("scale", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
-    partial_reduce=None, check_sharding=_check_sharding,
+    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
 ))
 
 
@@ -128,6 +149,25 @@ def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offse
     )
 
 
+class _Backward:
+    """``sdpfa_bwd`` in a program: the kernel of the forward (the same selection), picked on
+    the first call."""
+
+    def __init__(self) -> None:
+        self.kernel = None
+
+    def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
+                 scale):
+        if self.kernel is None:
+            _, _, self.kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
+            return _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
+                        offset, scale)
+        if grad_attn.stride(-1) != 1:
+            grad_attn = grad_attn.contiguous()
+        return self.kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
+                           offset, None if scale is None else float(scale))
+
+
 register(OpDef(
     "sdpfa_bwd",
     (tensor("grad_attn"), tensor("q"), tensor("k"), tensor("v"), tensor("attn"),
@@ -135,5 +175,5 @@ register(OpDef(
      tensor("seed"), tensor("offset"), scalar("scale", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
-    partial_reduce=None, check_sharding=_check_sharding,
+    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Backward,
 ))

@@ -480,6 +480,24 @@ _KERNELS = {
 }
 
 
+def bind_kernels(q, k, v, dropout_p: float, is_causal: bool, backend=None):
+    """Checks q/k/v once and returns ``(backend, forward, backward)``: the raw kernels for
+    these inputs, for callers that run the same shapes many times (the executor).
+
+    ``forward(q, k, v, dropout_p, is_causal, scale)`` returns ``(attn, lse, seed, offset)``
+    with seed/offset None for kernels without an RNG state; ``backward(grad_attn, q, k, v,
+    attn, lse, dropout_p, is_causal, seed, offset, scale)`` returns the gradients. Both expect
+    what :func:`sdpa_forward`/:func:`sdpa_backward` would pass them (unit innermost strides,
+    scale None or a float) and run without the per-call checks.
+    """
+    _check_qkv(q, k, v)
+    _check_dropout(q, dropout_p)
+    if parse_backend(backend) is None:
+        backend = select_backend(q, k, v, dropout_p, is_causal)
+    forward, backward = _kernels_for(backend, q, k, v, dropout_p, is_causal)
+    return parse_backend(backend), forward, backward
+
+
 def _kernels_for(backend, q, k, v, dropout_p: float, is_causal: bool):
     """The (forward, backward) pair of ``backend``, after its cheap per-call limits."""
     backend = parse_backend(backend)

@@ -90,7 +90,7 @@ BINARY_LOGICAL = {
 # Ops whose result is floating point even for integer or bool operands (true division).
 FLOAT_RESULT = {"atan2", "div"}
 # Ops PyTorch defines for floating-point tensors only.
-FLOAT_ONLY = {"gelu", "silu"}
+FLOAT_ONLY = {"gelu", "gelu_backward", "silu"}
 # Ops PyTorch does not define for bool tensors (checked on the promoted dtype).
 NO_BOOL = {"abs", "ceil", "floor", "fmod", "neg", "pow", "relu", "remainder", "round", "sub"}
 # Ops whose torch function takes a Python number as the second or the first operand; the
@@ -171,11 +171,15 @@ for _name, _fn in sorted(BINARY_COMPARE.items() | BINARY_LOGICAL.items()):
     register(_binary(_name, _fn, DataType.Bool))
 
 
-def _gelu_infer(x, approximate):
-    x = require_tensor("gelu", "x", x)
-    check_dtype("gelu", x.dtype)
+def _check_gelu(op: str, x, approximate) -> None:
+    x = require_tensor(op, "x", x)
+    check_dtype(op, x.dtype)
     if approximate not in ("none", "tanh"):
-        raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        raise DefinitionError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _gelu_infer(x, approximate):
+    _check_gelu("gelu", x, approximate)
     return [OutSpec(_float_of(x.dtype), same_axes(0, x))]
 
 
@@ -183,6 +187,20 @@ register(OpDef(
     "gelu", (tensor("x"), attr("approximate", "none")), _gelu_infer,
     lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
     doc="GELU, exact or with the tanh approximation",
+))
+
+
+def _gelu_backward_infer(grad, x, approximate):
+    _check_gelu("gelu_backward", x, approximate)
+    check_dtype("gelu_backward", require_tensor("gelu_backward", "grad", grad).dtype)
+    return [OutSpec(promote(grad, x), broadcast_axes("gelu_backward", [grad, x]))]
+
+
+register(OpDef(
+    "gelu_backward", (tensor("grad"), tensor("x"), attr("approximate", "none")),
+    _gelu_backward_infer,
+    lambda grad, x, approximate: torch.ops.aten.gelu_backward(grad, x, approximate=approximate),
+    doc="grad * gelu'(x), one kernel (the backward of gelu)",
 ))
 
 

@@ -137,6 +137,9 @@ class OpDef:
             reduction axis (its inputs are gathered there instead).
         needs_reduced_count: the implementation also gets ``reduced_count=``, the *global*
             number of elements reduced into each output element (for ``mean`` on shards).
+        make_impl: a factory of a stateful implementation, called once per program step;
+            used instead of ``impl`` when set (attention validates its inputs and picks its
+            kernel on the first call, then calls the kernel directly).
         check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
             sharding the implementation cannot handle (e.g. causal attention with a sharded
             query sequence).
@@ -152,6 +155,7 @@ class OpDef:
     partial_reduce: str | None = "sum"
     needs_reduced_count: bool = False
     check_sharding: Callable[[Any], None] | None = None
+    make_impl: Callable[[], Callable[..., Any]] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

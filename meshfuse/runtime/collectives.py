@@ -110,9 +110,13 @@ def allgather(x: torch.Tensor, axis: int, group: Group) -> torch.Tensor:
     return out.reshape(group.size * send.shape[0], *send.shape[1:]).movedim(0, axis)
 
 
-def allreduce(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
-    """The elementwise reduction of every group member's ``x``."""
-    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = False) -> torch.Tensor:
+    """The elementwise reduction of every group member's ``x``; with ``inplace`` (the caller
+    gives ``x`` up) a contiguous ``x`` is reduced in its own buffer."""
+    if x.is_contiguous():
+        out = x if inplace else x.clone()
+    else:
+        out = x.contiguous()
     _record("allreduce", group, out, reduce_op)
     dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group)
     return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from meshfuse.errors import ExecutionError
+from meshfuse.errors import ExecutionError, MeshfuseError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class OutputLayout:
     slot: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Program:
         ]
         return "\n".join(lines)
 
+    @torch.no_grad()
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         values: list[Any] = [None] * self.num_slots
         for slot, x in zip(self.input_slots, inputs):
@@ -87,10 +89,12 @@ class Program:
 def _laid_out(x: torch.Tensor, out: OutputLayout) -> torch.Tensor:
     """``x`` itself if it already has the output's strides (axes of extent 1 aside), else a
     copy with them."""
-    if tuple(x.shape) != out.shape:
+    if x.stride() == out.strides and x.dtype == out.dtype:
+        return x
+    if tuple(x.shape) != out.shape or x.dtype != out.dtype:
         raise ExecutionError(
-            f"internal error: an output has local shape {list(x.shape)}, expected "
-            f"{list(out.shape)}"
+            f"internal error: an output is {x.dtype} of local shape {list(x.shape)}, expected "
+            f"{out.dtype} of shape {list(out.shape)}"
         )
     if all(n == 1 or s == e for n, s, e in zip(x.shape, x.stride(), out.strides)):
         return x

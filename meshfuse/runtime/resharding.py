@@ -147,11 +147,12 @@ class LoweredStep:
     to_global: torch.Tensor | None  # reorders owner chunks into global order (None: blocks)
     to_by_owner: torch.Tensor | None
     mine: torch.Tensor | tuple[int, int] | None  # a slice's indices, or (start, length)
+    donated: bool = False  # the input is dead after this step: reduce it in place
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         step, group = self.step, self.group
         if step.kind == "allreduce":
-            return collectives.allreduce(x, group, step.reduce_op)
+            return collectives.allreduce(x, group, step.reduce_op, inplace=self.donated)
         if step.kind == "slice":
             if isinstance(self.mine, tuple):
                 return x.narrow(step.axis, *self.mine)
@@ -166,8 +167,10 @@ class LoweredStep:
         return _reorder(moved, step.axis, self.to_global)
 
 
-def lower_step(step: ReshardStep, group: Group, device: torch.device) -> LoweredStep:
-    """Binds ``step`` to this rank's ``group``, with its index tensors on ``device``."""
+def lower_step(step: ReshardStep, group: Group, device: torch.device,
+               donated: bool = False) -> LoweredStep:
+    """Binds ``step`` to this rank's ``group``, with its index tensors on ``device``;
+    ``donated``: the step may overwrite its input (nothing reads it afterwards)."""
     def on(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
@@ -180,7 +183,7 @@ def lower_step(step: ReshardStep, group: Group, device: torch.device) -> Lowered
         start = int(index[0]) if index.numel() else 0
         contiguous = torch.equal(index, torch.arange(start, start + index.numel()))
         mine = (start, index.numel()) if contiguous else index.to(device)
-    return LoweredStep(step, group, on(by_owner), on(to_global), on(to_by_owner), mine)
+    return LoweredStep(step, group, on(by_owner), on(to_global), on(to_by_owner), mine, donated)
 
 
 def _is_blocks(order: tuple[torch.Tensor, ...]) -> bool:

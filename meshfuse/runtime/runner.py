@@ -53,6 +53,7 @@ class FusionRunner:
                     "outside a fusion's mesh are not supported yet: use a mesh of all ranks"
                 )
         self.allocations = infer_allocations(fusion)
+        self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self._programs: dict[tuple, Program] = {}
         self._bindings: dict[tuple, Binding] = {}
 
@@ -60,15 +61,14 @@ class FusionRunner:
         return format_fusion(self.fusion, self.allocations)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None) -> list[torch.Tensor]:
-        inputs = list(inputs)
         key = _signature(inputs)
         if check_ranks is None:
-            check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
+            check_ranks = self.check_ranks
         if check_ranks and self.communicator is not None:
             self._check_across_ranks(key)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._make_program(inputs)
+            program = self._programs[key] = self._make_program(list(inputs))
         return program.run(inputs)
 
     def _check_across_ranks(self, key: tuple) -> None:
@@ -106,8 +106,10 @@ class FusionRunner:
         self._bindings[_signature(inputs)] = binding
         return build_program(fusion, binding, self.rank, self._lower_set)
 
-    def _lower_set(self, expr, binding: Binding):
-        """The implementation of a resharding ``set``: its plan, bound to this rank."""
+    def _lower_set(self, expr, binding: Binding, donated: bool):
+        """The implementation of a resharding ``set``: its plan, bound to this rank.
+        ``donated``: the set's input is dead afterwards (not an input or output of the fusion,
+        no later use), so its first step may reuse the buffer."""
         src, dst = expr.args[0], expr.outputs[0]
         if src.mesh is None or not src.logical:
             return None
@@ -115,7 +117,7 @@ class FusionRunner:
         if not steps:
             return None
         lowered = []
-        for step in steps:
+        for index, step in enumerate(steps):
             mesh = src.mesh
             group = Group(
                 self.communicator.group(mesh, step.mesh_axis),
@@ -123,7 +125,8 @@ class FusionRunner:
                 mesh.coordinate(self.rank)[step.mesh_axis],
                 step.mesh_axis,
             )
-            lowered.append(lower_step(step, group, self.communicator.device))
+            lowered.append(lower_step(step, group, self.communicator.device,
+                                      donated and index == 0))
 
         def reshard(x):
             for step in lowered:
@@ -170,8 +173,13 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
             kwargs["out_shapes"] = [binding.layouts[o].shape for o in expr.tensor_outputs]
         if expr.op.needs_reduced_count:
             kwargs["reduced_count"] = _reduced_count(expr, binding)
-        impl, label = expr.op.impl, format_expr(expr)
-        lowered = lower_set(expr, binding) if expr.op.name == "set" and lower_set else None
+        impl = expr.op.make_impl() if expr.op.make_impl is not None else expr.op.impl
+        label = format_expr(expr)
+        lowered = None
+        if expr.op.name == "set" and lower_set is not None:
+            src = slot(expr.args[0])
+            donated = last_use.get(src) == index and src not in keep and src not in input_slots
+            lowered = lower_set(expr, binding, donated)
         if lowered is not None:
             impl, plan = lowered
             label = f"{label}: {plan}"
@@ -179,7 +187,8 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
         steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
     outputs = tuple(
-        OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides)
+        OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
+                     tv.dtype.torch_dtype)
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
