@@ -1,6 +1,6 @@
 """The meshfuse programs the benchmarks run, next to the torch code each one stands for.
 
-- :class:`SeedAttention`: the seed's fusion (``seed/seed_test_sdpa_loop_split.py``), with its
+- ``SeedAttention`` (from :mod:`meshfuse.examples.seed_sdpa`): the seed's fusion, with its
   sizes as parameters: SDPA forward and backward, heads split over the mesh, BHSE or BSHE.
 - :class:`Pointwise10`: a chain of ten pointwise ops on two ``[n, n]`` tensors, rows split
   over the mesh; :func:`pointwise10_torch` makes the same torch calls.
@@ -12,20 +12,12 @@
 
 from __future__ import annotations
 
-import enum
-
 import torch
 import torch.distributed as dist
 
 import meshfuse
 from meshfuse import DataType, FusionDefinition, ParallelType
-
-
-class QkvFormat(enum.Enum):
-    """The memory order of q/k/v ``[b, h, s, e]``: row-major, or ``b, s, h, e``."""
-
-    BHSE = "BHSE"
-    BSHE = "BSHE"
+from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention  # noqa: F401 (re-exported)
 
 
 def as_format(t: torch.Tensor, qkv_format: QkvFormat) -> torch.Tensor:
@@ -33,55 +25,6 @@ def as_format(t: torch.Tensor, qkv_format: QkvFormat) -> torch.Tensor:
     if qkv_format is QkvFormat.BSHE:
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     return t.contiguous()
-
-
-class SeedAttention(FusionDefinition):
-    """The seed's fusion: ``sdpfa_fwd`` then ``sdpfa_bwd``, every tensor's heads split by d.
-
-    Inputs ``q, k, v, out_grad`` (global ``[b, h, s, head_dim]``, bf16); outputs ``attn,
-    q_grad, k_grad, v_grad``. The body is the seed's, with ``e // h`` as ``head_dim``.
-    """
-
-    def __init__(self, qkv_format: QkvFormat, mesh: meshfuse.DeviceMesh, b: int, h: int, s: int,
-                 head_dim: int):
-        super().__init__()
-        self._qkv_format, self._mesh = qkv_format, mesh
-        self._d, self._shape = mesh.size, [b, h, s, head_dim]
-
-    def definition(self) -> None:
-        match self._qkv_format:
-            case QkvFormat.BHSE:
-                stride_order = [3, 2, 1, 0]
-            case QkvFormat.BSHE:
-                stride_order = [3, 1, 2, 0]
-        self.q, self.k, self.v, self.out_grad = [
-            self.define_tensor(shape=self._shape, dtype=DataType.BFloat16,
-                               stride_order=stride_order)
-            for _ in range(4)
-        ]
-        dropout_p = self.define_scalar(0.0, dtype=DataType.Double)
-        is_causal = self.define_scalar(True, dtype=DataType.Bool)
-        self.attn, self.log_sumexp, seed, offset = self.ops.sdpfa_fwd(
-            self.q, self.k, self.v, dropout_p, is_causal, scale=None
-        )
-        self.q_grad, self.k_grad, self.v_grad = self.ops.sdpfa_bwd(
-            self.out_grad, self.q, self.k, self.v, self.attn, self.log_sumexp, dropout_p,
-            is_causal, seed, offset, scale=None,
-        )
-        self.add_output(self.attn)
-        for grad in [self.q_grad, self.k_grad, self.v_grad]:
-            self.add_output(grad)
-
-    def multidevice_schedule(self) -> None:
-        d = self._d
-        for t in [self.q, self.k, self.v, self.attn, self.log_sumexp, self.out_grad,
-                  self.q_grad, self.k_grad, self.v_grad]:
-            self.sched._set_device_mesh(t, self._mesh)
-            self.sched.split(t, 1, d, False)
-            self.sched.parallelize(t, 1, ParallelType.mesh_x)
-            if self._qkv_format == QkvFormat.BSHE:
-                self.sched.reorder(t, {2: 3, 3: 2})
-            self.sched.set_allocation_as_loop(t)
 
 
 class _Sharded(FusionDefinition):

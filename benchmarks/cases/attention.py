@@ -63,7 +63,8 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
     once before it is timed."""
 
     def setup():
-        model = SeedAttention(fmt, meshfuse.DeviceMesh(range(ctx.world)), **sizes)
+        b, h, s, head_dim = (sizes[k] for k in ("b", "h", "s", "head_dim"))
+        model = SeedAttention(fmt, meshfuse.DeviceMesh(range(ctx.world)), b, h, s, h * head_dim)
         attn, *grads = model.execute(inputs)  # build and cache
         step, metrics = direct_variant(inputs).setup()
         ref_attn, ref_grads = step()

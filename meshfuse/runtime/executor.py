@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from meshfuse.errors import ExecutionError, MeshfuseError
+from meshfuse.errors import ExecutionError
 
 
 @dataclasses.dataclass(frozen=True)

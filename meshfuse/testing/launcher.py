@@ -17,7 +17,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from meshfuse.launch import free_port, rank_env
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
     PARENT_PID_ENV,
@@ -385,38 +385,11 @@ def worker_env(
     threads: int,
 ) -> dict[str, str]:
     """The environment of worker ``rank`` of ``size``: torchrun's variables and the harness's."""
-    env = {
-        k: v
-        for k, v in base.items()
-        if not k.startswith("OMPI_COMM_WORLD_")
-        and k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
-    }
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS=str(threads),
-    )
+    clean = {k: v for k, v in base.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")}
+    env = rank_env(clean, rank, size, port)
+    env["OMP_NUM_THREADS"] = str(threads)
     env[WORKER_ENV] = "1"
     env[RECORDS_ENV] = str(records_path(tmp, rank))  # the file this rank appends to
     env[NODEIDS_ENV] = str(nodeids_file)
     env[PARENT_PID_ENV] = str(os.getpid())
     return env
-
-
-def cpu_count() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

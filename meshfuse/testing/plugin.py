@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from meshfuse.testing.launcher import BatchSpec, Verdict, cpu_count, run_batches
+from meshfuse.launch import cpu_count
+from meshfuse.testing.launcher import BatchSpec, Verdict, run_batches
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
     PARENT_PID_ENV,
