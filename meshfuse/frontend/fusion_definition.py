@@ -194,9 +194,12 @@ class FusionDefinition:
             self._runner = FusionRunner(self.fusion)
         return self._runner
 
-    def explain(self) -> str:
-        """The fusion after the build passes (shardings and layouts), as printed text."""
-        return self._get_runner().explain()
+    def explain(self, inputs: Sequence[Any] | None = None) -> str:
+        """The fusion after the build passes (shardings, layouts, inserted resharding
+        copies), as printed text; runs nothing. With ``inputs`` (this rank's, as for
+        ``execute``), also this rank's program: its steps and each communication with its
+        group of ranks (that builds the program, which ``execute`` then reuses)."""
+        return self._get_runner().explain(inputs)
 
     def __repr__(self) -> str:
         self.define()

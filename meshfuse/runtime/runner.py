@@ -57,8 +57,16 @@ class FusionRunner:
         self._programs: dict[tuple, Program] = {}
         self._bindings: dict[tuple, Binding] = {}
 
-    def explain(self) -> str:
-        return format_fusion(self.fusion, self.allocations)
+    def explain(self, inputs: Sequence[Any] | None = None) -> str:
+        """The fusion after the passes; with ``inputs``, also this rank's program for them
+        (its steps, each communication with its group)."""
+        text = format_fusion(self.fusion, self.allocations)
+        if inputs is None:
+            return text
+        key = _signature(inputs)
+        if key not in self._programs:
+            self._programs[key] = self._make_program(list(inputs))
+        return f"{text}\n{self._programs[key].describe()}"
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None) -> list[torch.Tensor]:
         key = _signature(inputs)
@@ -133,7 +141,7 @@ class FusionRunner:
                 x = step(x)
             return x
 
-        return reshard, "; ".join(str(s) for s in steps)
+        return reshard, "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
 
 
 def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -> Program:
