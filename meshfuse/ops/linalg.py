@@ -100,4 +100,5 @@ register(OpDef(
     lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
     doc="x @ weight.T + bias",
     prefer_inputs=(1, 2),
+    partial_addends=(2,),
 ))

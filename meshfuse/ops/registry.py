@@ -137,6 +137,9 @@ class OpDef:
             reduction axis (its inputs are gathered there instead).
         needs_reduced_count: the implementation also gets ``reduced_count=``, the *global*
             number of elements reduced into each output element (for ``mean`` on shards).
+        partial_addends: arguments added to the result (``linear``'s bias): when the result is
+            partial, only coordinate 0 of the partial mesh axes adds them, so the reduction
+            counts them once.
         make_impl: a factory of a stateful implementation, called once per program step;
             used instead of ``impl`` when set (attention validates its inputs and picks its
             kernel on the first call, then calls the kernel directly).
@@ -154,6 +157,7 @@ class OpDef:
     prefer_inputs: tuple[int, ...] = ()
     partial_reduce: str | None = "sum"
     needs_reduced_count: bool = False
+    partial_addends: tuple[int, ...] = ()
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
 

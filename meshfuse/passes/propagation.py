@@ -55,6 +55,14 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
             if out.logical and not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
                 _copy_sharding(ref, out, _forward_pairs(expr, ref, out))
+                for other in sources:
+                    if other is not ref and other.mesh == ref.mesh:
+                        _add_sharding(other, out, _forward_pairs(expr, other, out))
+                if expr.op.partial_reduce is None:
+                    # It cannot make partial results: its inputs get gathered instead.
+                    for id_ in [i for i, pt in out.parallel.items()
+                                if pt.is_device and i.is_reduction]:
+                        del out.parallel[id_]
                 filled.add(out)
     for expr in reversed(fusion.exprs):
         sources = [t for t in expr.tensor_outputs if t.logical and known(t)]
@@ -101,8 +109,8 @@ def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView
     def score(tv: TensorView):
         pairs = _forward_pairs(expr, tv, target) if forward else _backward_pairs(expr, tv, target)
         sharded = sum(1 for ref_id in pairs if _device_leaves(tv, ref_id))
-        rank = preferred.index(tv) if tv in preferred else len(preferred) + order.index(tv)
-        return (-sharded, -len(pairs), rank)
+        rank = preferred.index(tv) if tv in preferred else len(preferred)
+        return (-sharded, rank, -len(pairs), order.index(tv))
 
     return min(candidates, key=score)
 
@@ -182,3 +190,26 @@ def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDom
     positions = [p for p, i in enumerate(ids)
                  for logical_id in axes if i in _subtree(tv, logical_id)]
     return max(positions, default=-1)
+
+
+def _add_sharding(ref: TensorView, target: TensorView,
+                  pairs: dict[IterDomain, IterDomain]) -> None:
+    """Adds ``ref``'s shardings on mesh axes ``target`` does not use yet, to axes of
+    ``target`` not split yet (data parallel tokens next to tensor parallel weights)."""
+    used = {pt for pt in target.parallel.values() if pt.is_device}
+    for ref_id, target_id in pairs.items():
+        leaves = _device_leaves(ref, ref_id)
+        if not leaves or any(ref.parallel_type(i) in used for i in leaves):
+            continue
+        if target_id.is_broadcast or target_id not in target.loop:
+            continue
+        replay = {ref_id: target_id}
+        for t in ref.transforms:
+            if isinstance(t, Split) and t.in_id in replay and replay[t.in_id] in target.loop:
+                pos = target.loop.index(replay[t.in_id])
+                target.split(pos, t.factor, t.inner_split)
+                record = target.transforms[-1]
+                replay[t.outer], replay[t.inner] = record.outer, record.inner
+        for leaf in leaves:
+            target.parallelize(target.loop.index(replay[leaf]), ref.parallel_type(leaf))
+            used.add(ref.parallel_type(leaf))

@@ -30,6 +30,7 @@ from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.registry import lookup
 from meshfuse.passes.propagation import (
+    _add_sharding,
     _backward_pairs,
     _best_reference,
     _copy_sharding,
@@ -69,6 +70,9 @@ def _natural(expr: Expr, out: TensorView) -> TensorView:
     if inputs:
         ref = _best_reference(expr, inputs, out, forward=True)
         _copy_sharding(ref, scratch, _forward_pairs(expr, ref, out))
+        for other in inputs:
+            if other is not ref and other.mesh == ref.mesh:
+                _add_sharding(other, scratch, _forward_pairs(expr, other, out))
     else:
         scratch.set_device_mesh(out.mesh)
     if expr.op.partial_reduce is None:

@@ -88,7 +88,7 @@ def plan_resharding(
     after = placements(dst)
     steps = []
     for m, (a, b) in enumerate(zip(before, after)):
-        if a == b:
+        if a == b or src.mesh.shape[m] == 1:
             continue
         steps.append(_step(src, dst, m, a, b, extents))
     for step in steps:

@@ -176,6 +176,9 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
                 slots.append((pos, tuple(slot(v) for v in arg)))
             else:
                 template.append(arg)
+        for pos in _dropped_addends(expr, rank):
+            template[pos] = None
+            slots = [(p, s) for p, s in slots if p != pos]
         kwargs = {}
         if expr.op.needs_out_shape:
             kwargs["out_shapes"] = [binding.layouts[o].shape for o in expr.tensor_outputs]
@@ -223,3 +226,18 @@ def _comparable(key: tuple) -> tuple:
     return tuple(
         (str(k[0]), k[1]) if isinstance(k, tuple) else k.__name__ for k in key
     )
+
+
+def _dropped_addends(expr, rank: int) -> tuple[int, ...]:
+    """Arguments added to a result (a bias) that this rank leaves out: a partial result
+    includes them on coordinate 0 of its partial mesh axes only, so the reduction adds them
+    once."""
+    from meshfuse.ir.placement import Partial, placements
+
+    out = expr.tensor_outputs[0] if expr.tensor_outputs else None
+    if not expr.op.partial_addends or out is None or out.mesh is None:
+        return ()
+    coord = out.mesh.coordinate(rank)
+    if all(c == 0 for c, p in zip(coord, placements(out)) if isinstance(p, Partial)):
+        return ()
+    return tuple(p for p in expr.op.partial_addends if expr.args[p] is not None)
