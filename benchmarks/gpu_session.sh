@@ -19,10 +19,8 @@ if [[ $what == tests || $what == all ]]; then
   log=$out/tests.log
   timeout 150 python3 -m meshfuse.demo > "$log" 2>&1
   summary+=("demo (${ngpu} GPUs): rc=$? $(grep RESULT "$log")")
-  files=$(ls tests/test_attention_kernels.py tests/test_ops.py tests/test_seed_sdpa.py \
-    tests/test_propagation.py tests/test_resharding.py tests/test_megatron_layers.py \
-    tests/test_multidevice.py tests/test_transformer_layer.py 2>/dev/null)
-  MESHFUSE_CHECK_RANKS=1 timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout=300 -rf $files "$@" >> "$log" 2>&1
+  MESHFUSE_CHECK_RANKS=1 timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout=300 -rf \
+    tests "$@" >> "$log" 2>&1
   summary+=("tests: rc=$? $(tail -1 "$log")")
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.runtime.collectives import record_communications
+from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi
 
@@ -38,8 +39,9 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 # ----- helpers ---------------------------------------------------------------------------
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
-    """The same global tensor on every rank."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+    """The same global tensor on every rank, on this rank's device (NCCL needs GPU tensors)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return x.to(current_device())
 
 
 def _shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX) -> None:

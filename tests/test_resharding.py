@@ -30,6 +30,7 @@ from meshfuse import (
 )
 from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.runtime.collectives import Communication, record_communications
+from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi
 
@@ -39,8 +40,8 @@ MX, MY = ParallelType.mesh_x, ParallelType.mesh_y
 # ----- helpers ---------------------------------------------------------------------------
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    """The same global tensor on every rank."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    """The same global tensor on every rank, on this rank's device (NCCL needs GPU tensors)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(current_device())
 
 
 def _mesh(multidevice_test) -> DeviceMesh:

@@ -10,3 +10,11 @@ def is_pre_ampere() -> bool:
         return False
     major, _ = torch.cuda.get_device_capability()
     return major < 8
+
+
+def current_device() -> torch.device:
+    """This process's device: its current GPU when there is one (the multi-device fixture
+    selects one GPU per rank), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
