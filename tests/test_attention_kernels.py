@@ -93,8 +93,9 @@ def _run_and_check(shape, dtype, layout, causal, scale, backend=None, device="cp
     b, h, s, _, _, ev = shape
     assert attn.shape == (b, h, s, ev) and attn.dtype == dtype
     assert log_sumexp.shape == (b, h, s) and log_sumexp.dtype == torch.float32
-    for t in (seed, offset):
-        assert t.dim() == 0 and t.dtype == torch.int64
+    if backend in (AttentionBackend.CPU_FLASH, AttentionBackend.MATH):
+        for t in (seed, offset):  # no RNG state: zeros; other kernels pass their own back
+            assert t.dim() == 0 and t.dtype == torch.int64
     for grad, inp in zip(grads, (q, k, v)):
         assert grad.shape == inp.shape and grad.dtype == dtype
     _assert_close("attn", attn, out, dtype)
@@ -438,14 +439,18 @@ def test_cuda_math_fallback():
 
 @needs_cuda
 def test_cuda_efficient_lse_padding_round_trip():
-    (q, k, v, g), _ = _case(ODD, torch.bfloat16, True, None, "cuda")
+    (q, k, v, g), (_, _, dq, dk, dv) = _case(ODD, torch.bfloat16, True, None, "cuda")
     attn, lse, seed, offset = sdpa_forward(q, k, v, 0.0, True, None, "efficient")
     assert lse.shape == (1, 3, 100) and ak._efficient_lse(lse) is lse._base  # no copy
     args = (0.0, True, seed, offset, None, "efficient")
     direct = sdpa_backward(g, q, k, v, attn, lse, *args)
     relaid = sdpa_backward(g, q, k, v, attn.contiguous(), lse.contiguous(), *args)
-    for name, a, b in zip("qkv", direct, relaid):
-        _assert_close(name, a, b.double(), torch.bfloat16)
+    # Both paths (the forward's padded buffer, and the padding rebuilt) against the
+    # reference; the efficient backward accumulates dq with atomics, so the two paths are not
+    # bitwise equal to each other.
+    for grads in (direct, relaid):
+        for name, a, b in zip("qkv", grads, (dq, dk, dv)):
+            _assert_close(name, a, b, torch.bfloat16)
 
 
 @needs_cuda

@@ -26,6 +26,7 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, random_inputs, reference
+from meshfuse.testing.utils import current_device
 
 try:  # the traffic recorder of the collectives (DESIGN.md 6: assert the communication)
     from meshfuse.runtime.collectives import record_communications
@@ -52,9 +53,18 @@ def _execute_locally(fd: FusionDefinition, inputs: list) -> list[torch.Tensor]:
 
 
 def _randn(*shape, seed=0, dtype=torch.float32):
-    """The same global tensor on every rank."""
+    """The same global tensor on every rank, on this rank's device."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=current_device())
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of values, wherever each tensor lives."""
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, **tol) -> None:
+    torch.testing.assert_close(a.cpu(), b.cpu(), **tol)
 
 
 def _tensors(fd: FusionDefinition):
@@ -91,7 +101,7 @@ def _gather(multidevice_test, local: torch.Tensor, tv) -> torch.Tensor:
 def _assert_shard(out: torch.Tensor, ref: torch.Tensor, tv, rank: int, **tol) -> None:
     """``out`` is ``rank``'s shard of ``ref`` under ``tv``: values, shape and memory order."""
     expected = shard_tensor(ref, tv, rank)
-    torch.testing.assert_close(out.cpu(), expected, **tol)
+    _close(out.cpu(), expected, **tol)
     strides = [s for s, n in zip(out.stride(), out.shape) if n > 1]
     expected_strides = [s for s, n in zip(expected.stride(), expected.shape) if n > 1]
     assert strides == expected_strides, f"{tv.name}: strides {out.stride()}, expected " \
@@ -120,7 +130,7 @@ def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable
     ref_outs = ref_fd.execute(inputs)
     if torch_ref is not None:
         for got, want in zip(ref_outs, torch_ref(*inputs)):
-            torch.testing.assert_close(got, want)
+            _close(got, want)
 
     with FusionDefinition() as fd:
         build(fd)
@@ -132,7 +142,7 @@ def _run(multidevice_test, build: Callable, mesh: DeviceMesh, schedule: Callable
     assert len(outs) == len(ref_outs)
     for out, ref, tv in zip(outs, ref_outs, fd.fusion.outputs()):
         _assert_shard(out, ref, tv, rank)
-        torch.testing.assert_close(_gather(multidevice_test, out, tv), ref.cpu())
+        _close(_gather(multidevice_test, out, tv), ref.cpu())
     return fd, local, outs
 
 
@@ -209,7 +219,7 @@ def test_sdpa_direct_style_loop_split(multidevice_test, qkv_format):
              for t, tv in zip(global_inputs, (q, k, v, out_grad))]
     heads = slice(rank * (h // d), (rank + 1) * (h // d))
     for x, t in zip(local, global_inputs):
-        assert torch.equal(x, t[:, heads])
+        assert _equal(x, t[:, heads])
         assert (x if qkv_format is QkvFormat.BHSE else x.transpose(1, 2)).is_contiguous()
     _check_sdpa(multidevice_test, fd, qkv_format, global_inputs, local)
 
@@ -242,7 +252,7 @@ def test_sdpa_batch_as_logical_device_axis(multidevice_test, qkv_format):
              for t, tv in zip(global_inputs, (q, k, v, out_grad))]
     for x, t in zip(local, global_inputs):
         assert x.shape == (1, h, s, e // h)
-        assert torch.equal(x, t[rank:rank + 1])
+        assert _equal(x, t[rank:rank + 1])
     _check_sdpa(multidevice_test, fd, qkv_format, global_inputs, local)
 
 
@@ -277,7 +287,7 @@ def _check_logical_device_axis(multidevice_test, first_extent):
     _, local, outs = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                           torch_ref)
     for x, t in zip(local, inputs):
-        assert torch.equal(x, t[rank:rank + 1])
+        assert _equal(x, t[rank:rank + 1])
     assert [tuple(o.shape) for o in outs] == [(1, 3, 8), (1, 3), (1, 1, 8)]
 
 
@@ -306,8 +316,8 @@ def test_block_shard_outer_split(multidevice_test):
         lambda tv: _did_split(tv, n, ParallelType.mesh_x, d), inputs, torch_ref,
     )
     block = slice(rank * n // d, (rank + 1) * n // d)
-    assert torch.equal(local[0], inputs[0][block])
-    assert torch.equal(local[1], inputs[1][block])
+    assert _equal(local[0], inputs[0][block])
+    assert _equal(local[1], inputs[1][block])
     assert outs[1].shape == (n // d,)
 
 
@@ -332,8 +342,8 @@ def test_cyclic_shard_inner_split(multidevice_test):
         multidevice_test, build_t, DeviceMesh(range(d)),
         lambda tv: _did_split(tv, n, ParallelType.mesh_x, d, inner=True), inputs, torch_ref_t,
     )
-    assert torch.equal(local[0], inputs[0][:, rank::d])
-    torch.testing.assert_close(outs[1].cpu(), torch_ref_t(*inputs)[1][rank::d])
+    assert _equal(local[0], inputs[0][:, rank::d])
+    _close(outs[1].cpu(), torch_ref_t(*inputs)[1][rank::d])
 
 
 def test_two_splits_of_one_axis_on_a_1d_mesh(multidevice_test):
@@ -352,7 +362,7 @@ def test_two_splits_of_one_axis_on_a_1d_mesh(multidevice_test):
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                        torch_ref)
     rows = [i for i in range(16) if (i % 8) // (8 // d) == rank]
-    assert torch.equal(local[0], inputs[0][rows])
+    assert _equal(local[0], inputs[0][rows])
 
 
 def test_mesh_listed_in_reverse_rank_order(multidevice_test):
@@ -367,7 +377,7 @@ def test_mesh_listed_in_reverse_rank_order(multidevice_test):
         lambda tv: _did_split(tv, n, ParallelType.mesh_x, d), inputs, torch_ref,
     )
     c = d - 1 - rank
-    assert torch.equal(local[0], inputs[0][c * n // d:(c + 1) * n // d])
+    assert _equal(local[0], inputs[0][c * n // d:(c + 1) * n // d])
 
 
 def test_non_contiguous_local_view_is_accepted(multidevice_test):
@@ -399,7 +409,7 @@ def test_unscheduled_tensor_next_to_a_sharded_one_is_propagated(multidevice_test
     (out,) = _execute_locally(fd, [multidevice_test.shard_tensor(t, x)])
     assert out.shape == (4, 3)
     _assert_shard(out, torch.relu(t), y, multidevice_test.rank)
-    torch.testing.assert_close(_gather(multidevice_test, out, y), torch.relu(t))
+    _close(_gather(multidevice_test, out, y), torch.relu(t))
 
 
 # ----- 2-D meshes (world size 4 only) -----------------------------------------------------
@@ -429,7 +439,7 @@ def test_2x2_mesh_shards_two_axes(multidevice_test):
     inputs = [_randn(4, 6, 5, seed=10), _randn(4, 6, 5, seed=11)]
     _, local, outs = _run(multidevice_test, build, mesh, schedule, inputs)
     y, x = divmod(rank, 2)
-    assert torch.equal(local[0], inputs[0][2 * y:2 * y + 2, 3 * x:3 * x + 3])
+    assert _equal(local[0], inputs[0][2 * y:2 * y + 2, 3 * x:3 * x + 3])
     assert outs[1].shape == (2, 3)
 
 
@@ -444,9 +454,9 @@ def test_2x2_mesh_only_mesh_y_used_is_replicated_along_mesh_x(multidevice_test):
         inputs, torch_ref,
     )
     y = rank // 2  # ranks 0, 1 hold rows 0..3; ranks 2, 3 rows 4..7
-    assert torch.equal(local[0], inputs[0][4 * y:4 * y + 4])
+    assert _equal(local[0], inputs[0][4 * y:4 * y + 4])
     replicas = multidevice_test.communicator.allgather_object(outs[0].cpu())
-    assert torch.equal(replicas[0], replicas[1]) and torch.equal(replicas[2], replicas[3])
+    assert _equal(replicas[0], replicas[1]) and _equal(replicas[2], replicas[3])
 
 
 def test_2x2_mesh_two_splits_of_one_axis(multidevice_test):
@@ -467,7 +477,7 @@ def test_2x2_mesh_two_splits_of_one_axis(multidevice_test):
     inputs = [_randn(8, 3, seed=14), _randn(8, 3, seed=15)]
     _, local, _ = _run(multidevice_test, build, mesh, schedule, inputs, torch_ref)
     y, x = divmod(rank, 2)
-    assert torch.equal(local[0], inputs[0][4 * y + 2 * x:4 * y + 2 * x + 2])
+    assert _equal(local[0], inputs[0][4 * y + 2 * x:4 * y + 2 * x + 2])
 
 
 # ----- reductions, broadcasts, symbolic extents, scalars ----------------------------------
@@ -497,7 +507,7 @@ def test_reduction_over_unsharded_axis(multidevice_test, op, keepdim):
             [x], lambda x, axis=axis: torch_fns[op](x, axis),
         )
         rank = multidevice_test.rank
-        assert torch.equal(local[0], x[:, rank::d] if inner else x[rank * 8 // d:(rank + 1) * 8 // d])
+        assert _equal(local[0], x[:, rank::d] if inner else x[rank * 8 // d:(rank + 1) * 8 // d])
         expected = [n // d if n == 8 else n for n in shape]
         expected[axis] = 1
         if not keepdim:
@@ -525,8 +535,8 @@ def test_sharded_tensor_against_replicated_broadcast(multidevice_test):
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                        lambda x, b, c: [(x + b) * c])
     block = slice(rank * 8 // d, (rank + 1) * 8 // d)
-    assert torch.equal(local[0], inputs[0][block]) and torch.equal(local[2], inputs[2][block])
-    assert torch.equal(local[1], inputs[1])  # replicated: every rank holds all of b
+    assert _equal(local[0], inputs[0][block]) and _equal(local[2], inputs[2][block])
+    assert _equal(local[1], inputs[1])  # replicated: every rank holds all of b
 
 
 def test_symbolic_extents_bound_from_local_sizes(multidevice_test):
@@ -554,7 +564,7 @@ def test_symbolic_extents_bound_from_local_sizes(multidevice_test):
         _, local, outs = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                               torch_ref)
         assert local[0].shape == (3, 5)
-        assert torch.equal(local[0], inputs[0][rank::d] if inner else inputs[0][3 * rank:3 * rank + 3])
+        assert _equal(local[0], inputs[0][rank::d] if inner else inputs[0][3 * rank:3 * rank + 3])
         assert outs[0].shape == (3, 5) and outs[1].shape == (3,)
 
 
@@ -571,7 +581,7 @@ def test_scalar_input(multidevice_test):
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)),
                        lambda tv: _did_split(tv, 8, ParallelType.mesh_x, d),
                        [x, 2.5], lambda x, a: [x * a + x])
-    assert torch.equal(local[0], x[rank * 8 // d:(rank + 1) * 8 // d]) and local[1] == 2.5
+    assert _equal(local[0], x[rank * 8 // d:(rank + 1) * 8 // d]) and local[1] == 2.5
 
 
 # ----- the program cache ----------------------------------------------------------------------
@@ -596,7 +606,7 @@ def test_program_cache_reused_for_the_same_signature(multidevice_test, monkeypat
     def run(rows, seed):
         t = _randn(rows * d, 4, seed=seed)
         local = multidevice_test.shard_tensor(t, x)
-        assert torch.equal(local, t[rows * rank:rows * (rank + 1)])
+        assert _equal(local, t[rows * rank:rows * (rank + 1)])
         (out,) = _execute_locally(fd, [local])
         _assert_shard(out, t * 3.0, out_tv, multidevice_test.rank)
 
@@ -622,4 +632,4 @@ def test_fixture_unshard_tensor_with_a_tensorview(multidevice_test):
     _schedule_all(fd, DeviceMesh(range(d)), lambda tv: _did_split(tv, 8, ParallelType.mesh_x, d))
     t = _randn(8, 3, seed=28)
     local = multidevice_test.shard_tensor(t, x)
-    torch.testing.assert_close(multidevice_test.unshard_tensor(local, x), t)
+    _close(multidevice_test.unshard_tensor(local, x), t)

@@ -20,6 +20,7 @@ from meshfuse import (
     ScheduleError,
     ShardingError,
 )
+from meshfuse.testing.utils import current_device
 
 try:  # the traffic recorder of the collectives, where resharding exists
     from meshfuse.runtime.collectives import record_communications
@@ -206,7 +207,7 @@ def test_reduction_over_a_sharded_axis(multidevice_test):
     x.outer_split(1, d)
     x.axis(1).parallelize(ParallelType.mesh_x)
     s.set_device_mesh(DeviceMesh(range(d)))
-    t = torch.randn(3, 4 * d, generator=torch.Generator().manual_seed(0))
+    t = torch.randn(3, 4 * d, generator=torch.Generator().manual_seed(0)).to(current_device())
     _refused_or_correct(fd, [t[:, 4 * rank:4 * rank + 4].contiguous()], [t.sum(1)], ["allreduce"],
                         "sum", "T0 axis 1", "T1", "communication")
 
@@ -221,7 +222,7 @@ def test_reduction_over_a_sharded_axis_as_a_partial_result(multidevice_test):
         s = fd.ops.sum(x, dims=[1])
         fd.add_output(s)
     _block_shard((x, s), DeviceMesh(range(d)), 1)
-    t = torch.randn(3, 4 * d, generator=torch.Generator().manual_seed(1))
+    t = torch.randn(3, 4 * d, generator=torch.Generator().manual_seed(1)).to(current_device())
     local = t[:, 4 * rank:4 * rank + 4].contiguous()
     _refused_or_correct(fd, [local], [local.sum(1)], [], "sum", "T1", "partial", "allreduce")
 
@@ -231,7 +232,7 @@ def test_input_and_output_sharded_differently(multidevice_test):
     fd, x, y = _relu_fusion([4 * d, 4 * d])
     _block_shard([x], DeviceMesh(range(d)), 0)
     _block_shard([y], DeviceMesh(range(d)), 1)
-    t = torch.randn(4 * d, 4 * d, generator=torch.Generator().manual_seed(2))
+    t = torch.randn(4 * d, 4 * d, generator=torch.Generator().manual_seed(2)).to(current_device())
     _refused_or_correct(fd, [t[4 * rank:4 * rank + 4]], [t.relu()[:, 4 * rank:4 * rank + 4]],
                         ["all_to_all"], "relu", "T0 axis 0", "T1", "communication")
 
