@@ -64,7 +64,7 @@ def _matmul_infer(a, b):
 
 
 register(OpDef(
-    "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul,
+    "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul, output_layout="contiguous",
     doc="matrix product with PyTorch's batching and broadcasting",
 ))
 
@@ -99,6 +99,6 @@ register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
     lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
     doc="x @ weight.T + bias",
-    prefer_inputs=(1, 2),
+    prefer_inputs=(1, 2), output_layout="contiguous",
     partial_addends=(2,),
 ))

@@ -140,6 +140,9 @@ class OpDef:
         partial_addends: arguments added to the result (``linear``'s bias): when the result is
             partial, only coordinate 0 of the partial mesh axes adds them, so the reduction
             counts them once.
+        output_layout: ``"follow"``: outputs are laid out like the inputs they map from (what
+            PyTorch's pointwise and attention kernels do); ``"contiguous"``: row-major (what
+            its matrix products return, whatever the operands' strides).
         make_impl: a factory of a stateful implementation, called once per program step;
             used instead of ``impl`` when set (attention validates its inputs and picks its
             kernel on the first call, then calls the kernel directly).
@@ -160,6 +163,7 @@ class OpDef:
     partial_addends: tuple[int, ...] = ()
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
+    output_layout: str = "follow"
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -1,6 +1,7 @@
 """Derives the allocation domain (memory order) of every tensor that has none.
 
 A tensor keeps an allocation domain the user gave (or ``define_tensor``'s ``stride_order``).
+The outputs of an op declared ``output_layout="contiguous"`` (matrix products) are row-major.
 Any other tensor is laid out like its producer's inputs: each output axis sits where the first
 input axis it maps from sits in that input's memory order (BSHE q/k/v give a BSHE ``attn``); an
 axis that maps from nothing (an expanded broadcast) stays next to the logical axis before it.
@@ -44,7 +45,11 @@ def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
         for out in expr.tensor_outputs:
             if out in result:
                 continue
-            result[out] = _follow(out, expr.id_map, positions)
+            if expr.op.output_layout == "contiguous":
+                ids = out.materialized()
+                result[out] = Allocation(ids, tuple(None if i.is_broadcast else True for i in ids))
+            else:
+                result[out] = _follow(out, expr.id_map, positions)
     return result
 
 

@@ -54,7 +54,8 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         for out in expr.tensor_outputs:
             if out.logical and not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
-                _copy_sharding(ref, out, _forward_pairs(expr, ref, out))
+                _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
+                               layout=expr.op.output_layout == "follow")
                 for other in sources:
                     if other is not ref and other.mesh == ref.mesh:
                         _add_sharding(other, out, _forward_pairs(expr, other, out))
@@ -69,7 +70,8 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         for inp in expr.tensor_inputs:
             if inp.logical and not known(inp) and sources:
                 ref = _best_reference(expr, sources, inp, forward=False)
-                _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp))
+                follows = inp.definition is None or inp.definition.op.output_layout == "follow"
+                _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
                 filled.add(inp)
     for tv in tensors:
         if not known(tv):
@@ -129,9 +131,9 @@ def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
 
 
 def _copy_sharding(ref: TensorView, target: TensorView,
-                   pairs: dict[IterDomain, IterDomain]) -> None:
+                   pairs: dict[IterDomain, IterDomain], layout: bool = True) -> None:
     """Gives ``target`` ``ref``'s mesh and, for each paired logical ID, ``ref``'s split chain
-    and device parallelization; then an allocation domain that follows ``ref``'s."""
+    and device parallelization; then, with ``layout``, an allocation domain that follows ``ref``'s."""
     target.set_device_mesh(ref.mesh)
     replay: dict[IterDomain, IterDomain] = dict(pairs)
     for ref_id, target_id in pairs.items():
@@ -145,7 +147,7 @@ def _copy_sharding(ref: TensorView, target: TensorView,
                 replay[t.outer], replay[t.inner] = record.outer, record.inner
         for leaf in _device_leaves(ref, ref_id):
             target.parallelize(target.loop.index(replay[leaf]), ref.parallel_type(leaf))
-    if ref.allocation is not None and target.allocation is None:
+    if layout and ref.allocation is not None and target.allocation is None:
         allocation = _follow_allocation(ref, target, replay)
         if allocation is not None:
             target.allocation = allocation
