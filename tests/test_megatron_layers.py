@@ -9,6 +9,10 @@ needs it, the token axis of inputs and outputs. Propagation fills every other te
 intermediates pinned below say why. Each rank checks its outputs against the float32 autograd
 reference sliced with ``shard_tensor`` and asserts the communications Megatron does.
 
+Every test runs in float32 and in bfloat16 (``DTYPES``): the fusions declare tensors of that
+dtype and get the random inputs rounded to it; the reference is the float32 autograd run on those
+rounded values, compared with ``_tolerance``. The communications asserted are the same for both.
+
 Styles: (a) tensor parallel MLP; (b) the same with sequence parallelism; (c) attention with
 head-parallel projections; (d) data x tensor parallel MLP on a 2x2 mesh. Tests named
 ``..._bug_...`` below the layers are minimal reproductions of library bugs.
@@ -28,20 +32,41 @@ from meshfuse.ir.placement import Shard, placements
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
-pytestmark = pytest.mark.mpi
-
 MX, MY = ParallelType.mesh_x, ParallelType.mesh_y
 TOKENS, HIDDEN, FFN = 16, 8, 16
 B, S, HEADS, HEAD_DIM = 2, 8, 4, 2
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+DTYPES = pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16],
+                                 ids=["fp32", "bf16"])
+
+pytestmark = [pytest.mark.mpi, DTYPES]
 
 
 # ----- helpers ---------------------------------------------------------------------------
 
-def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
-    """The same global tensor on every rank, on this rank's device (NCCL needs GPU tensors)."""
+def _randn(*shape: int, seed: int, dtype: DataType, scale: float = 1.0) -> torch.Tensor:
+    """The same global tensor on every rank, on this rank's device (NCCL needs GPU tensors):
+    float32 random values rounded to ``dtype``, so that both dtypes see the same values."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-    return x.to(current_device())
+    return x.to(current_device(), dtype.torch_dtype)
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of an input, for the reference (exact: every bfloat16 is a float32)."""
+    return t.to(torch.float32, copy=True)
+
+
+def _tolerance(dtype: DataType, reference: torch.Tensor) -> dict[str, float]:
+    """``assert_close`` tolerances of a ``dtype`` result against its float32 ``reference``.
+
+    float32 computes what the reference computes, up to summation order. bfloat16 keeps 8
+    significant bits (a relative step of 2**-8 = 0.4%) and rounds after every op, so it gets
+    rtol 1.6e-2 and an atol of 1% of the reference's largest magnitude: an element near zero
+    that is the sum of larger terms carries their rounding error, not its own. On CPU the
+    largest bfloat16 error seen is 0.96% of max|reference| (attention's dwq), 43% of this bound.
+    """
+    if dtype is DataType.Float:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    return {"rtol": 1.6e-2, "atol": 1e-2 * reference.abs().max().item()}
 
 
 def _shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX) -> None:
@@ -58,9 +83,12 @@ def _execute(fd: FusionDefinition, inputs: list) -> tuple[list[torch.Tensor], li
     return outputs, comms
 
 
-def _check(outputs, references, tvs, rank: int) -> None:
+def _check(outputs, references, tvs, rank: int, dtype: DataType) -> None:
+    """Each output is ``dtype`` and close to this rank's shard of its float32 reference."""
     for out, ref, tv in zip(outputs, references, tvs, strict=True):
-        torch.testing.assert_close(out, shard_tensor(ref, tv, rank), **TOL,
+        assert out.dtype == dtype.torch_dtype, f"{tv.name} is {out.dtype}, not {dtype}"
+        torch.testing.assert_close(out.to(ref.dtype), shard_tensor(ref, tv, rank),
+                                   **_tolerance(dtype, ref),
                                    msg=lambda m, tv=tv: f"{tv.name}: {m}")
 
 
@@ -113,17 +141,17 @@ class MlpForward(FusionDefinition):
     reduction, as Megatron's RowParallelLinear does (see also
     ``test_bug_row_parallel_linear_adds_its_bias_once``)."""
 
-    def __init__(self, style: str, mesh: DeviceMesh):
+    def __init__(self, style: str, mesh: DeviceMesh, dtype: DataType):
         super().__init__()
-        self.style, self.mesh = style, mesh
+        self.style, self.mesh, self.dtype = style, mesh, dtype
 
     def definition(self) -> None:
         ops = self.ops
-        self.x = self.define_tensor([TOKENS, HIDDEN], dtype=DataType.Float)
-        self.w1 = self.define_tensor([FFN, HIDDEN], dtype=DataType.Float)
-        self.b1 = self.define_tensor([FFN], dtype=DataType.Float)
-        self.w2 = self.define_tensor([HIDDEN, FFN], dtype=DataType.Float)
-        self.b2 = self.define_tensor([HIDDEN], dtype=DataType.Float)
+        self.x = self.define_tensor([TOKENS, HIDDEN], dtype=self.dtype)
+        self.w1 = self.define_tensor([FFN, HIDDEN], dtype=self.dtype)
+        self.b1 = self.define_tensor([FFN], dtype=self.dtype)
+        self.w2 = self.define_tensor([HIDDEN, FFN], dtype=self.dtype)
+        self.b2 = self.define_tensor([HIDDEN], dtype=self.dtype)
         self.h = ops.linear(self.x, self.w1, self.b1)
         self.y = ops.add(ops.linear(ops.gelu(self.h, approximate="tanh"), self.w2), self.b2)
         self.add_output(self.y)
@@ -149,17 +177,17 @@ class MlpBackward(FusionDefinition):
     """Gradients of ``sum(y * dy)``: inputs ``dy, x, h, w1, w2``; outputs
     ``dx, dw1, db1, dw2, db2``."""
 
-    def __init__(self, style: str, mesh: DeviceMesh):
+    def __init__(self, style: str, mesh: DeviceMesh, dtype: DataType):
         super().__init__()
-        self.style, self.mesh = style, mesh
+        self.style, self.mesh, self.dtype = style, mesh, dtype
 
     def definition(self) -> None:
         ops = self.ops
-        self.dy = self.define_tensor([TOKENS, HIDDEN], dtype=DataType.Float)
-        self.x = self.define_tensor([TOKENS, HIDDEN], dtype=DataType.Float)
-        self.h = self.define_tensor([TOKENS, FFN], dtype=DataType.Float)
-        self.w1 = self.define_tensor([FFN, HIDDEN], dtype=DataType.Float)
-        self.w2 = self.define_tensor([HIDDEN, FFN], dtype=DataType.Float)
+        self.dy = self.define_tensor([TOKENS, HIDDEN], dtype=self.dtype)
+        self.x = self.define_tensor([TOKENS, HIDDEN], dtype=self.dtype)
+        self.h = self.define_tensor([TOKENS, FFN], dtype=self.dtype)
+        self.w1 = self.define_tensor([FFN, HIDDEN], dtype=self.dtype)
+        self.w2 = self.define_tensor([HIDDEN, FFN], dtype=self.dtype)
         dy = self.dy
         if self.style == "sp":
             # Megatron's gather of the sequence in the backward of the reduce-scatter, written
@@ -192,64 +220,68 @@ class MlpBackward(FusionDefinition):
 
 
 def _mlp_reference(x, w1, b1, w2, b2, dy) -> dict[str, torch.Tensor]:
-    params = {n: t.clone().requires_grad_() for n, t in
+    """The unsharded layer in float32, by autograd."""
+    params = {n: _upcast(t).requires_grad_() for n, t in
               {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2}.items()}
     h = F.linear(params["x"], params["w1"], params["b1"])
     y = F.linear(F.gelu(h, approximate="tanh"), params["w2"], params["b2"])
-    y.backward(dy)
+    y.backward(_upcast(dy))
     return {"y": y.detach(), "h": h.detach(), **{n: p.grad for n, p in params.items()}}
 
 
-def _run_mlp(multidevice_test, style: str, mesh: DeviceMesh):
+def _run_mlp(multidevice_test, style: str, mesh: DeviceMesh, dtype: DataType):
     """Runs the forward, then the backward on the forward's local ``h``; checks both against
     autograd; returns the forward's and the backward's communications."""
     rank = multidevice_test.rank
-    x, dy = _randn(TOKENS, HIDDEN, seed=0), _randn(TOKENS, HIDDEN, seed=1)
-    w1, b1 = _randn(FFN, HIDDEN, seed=2, scale=0.3), _randn(FFN, seed=3, scale=0.1)
-    w2, b2 = _randn(HIDDEN, FFN, seed=4, scale=0.25), _randn(HIDDEN, seed=5, scale=0.1)
+    x, dy = _randn(TOKENS, HIDDEN, seed=0, dtype=dtype), _randn(TOKENS, HIDDEN, seed=1, dtype=dtype)
+    w1 = _randn(FFN, HIDDEN, seed=2, dtype=dtype, scale=0.3)
+    b1 = _randn(FFN, seed=3, dtype=dtype, scale=0.1)
+    w2 = _randn(HIDDEN, FFN, seed=4, dtype=dtype, scale=0.25)
+    b2 = _randn(HIDDEN, seed=5, dtype=dtype, scale=0.1)
     ref = _mlp_reference(x, w1, b1, w2, b2, dy)
 
-    fwd = MlpForward(style, mesh).define()
+    fwd = MlpForward(style, mesh, dtype).define()
     (y, h), fwd_comms = _execute(
         fwd, [shard_tensor(t, tv, rank) for t, tv in zip((x, w1, b1, w2, b2), fwd.fusion.inputs())])
-    _check([y, h], [ref["y"], ref["h"]], [fwd.y, fwd.h], rank)
+    _check([y, h], [ref["y"], ref["h"]], [fwd.y, fwd.h], rank, dtype)
 
-    bwd = MlpBackward(style, mesh).define()
+    bwd = MlpBackward(style, mesh, dtype).define()
     # The forward's h is the backward's input as it comes.
-    torch.testing.assert_close(h, shard_tensor(ref["h"], bwd.h, rank), **TOL)
+    _check([h], [ref["h"]], [bwd.h], rank, dtype)
     inputs = [shard_tensor(t, tv, rank) for t, tv in
               zip((dy, x, ref["h"], w1, w2), bwd.fusion.inputs())]
     inputs[2] = h
     grads, bwd_comms = _execute(bwd, inputs)
-    _check(grads, [ref[n] for n in ("x", "w1", "b1", "w2", "b2")], bwd.fusion.outputs(), rank)
+    _check(grads, [ref[n] for n in ("x", "w1", "b1", "w2", "b2")], bwd.fusion.outputs(), rank,
+           dtype)
     return fwd_comms, bwd_comms
 
 
-def test_mlp_tensor_parallel(multidevice_test):
+def test_mlp_tensor_parallel(multidevice_test, dtype):
     """(a) Column-parallel fc1, GELU, row-parallel fc2: one allreduce forward (fc2's partial
     sums), one backward (fc1's input gradient); every weight gradient stays local."""
     mesh = _1d_mesh(multidevice_test)
-    fwd, bwd = _run_mlp(multidevice_test, "tp", mesh)
+    fwd, bwd = _run_mlp(multidevice_test, "tp", mesh, dtype)
     _expect(multidevice_test, fwd, mesh, allreduce_x=1)
     _expect(multidevice_test, bwd, mesh, allreduce_x=1)
 
 
-def test_mlp_sequence_parallel(multidevice_test):
+def test_mlp_sequence_parallel(multidevice_test, dtype):
     """(b) Tokens sharded in and out: forward allgather (x) + reduce-scatter (y); backward
     mirrors it: allgather dy, allgather x (for dw1, as Megatron re-gathers its input), and
     reduce-scatter dx."""
     mesh = _1d_mesh(multidevice_test)
-    fwd, bwd = _run_mlp(multidevice_test, "sp", mesh)
+    fwd, bwd = _run_mlp(multidevice_test, "sp", mesh, dtype)
     _expect(multidevice_test, fwd, mesh, allgather_x=1, reduce_scatter_x=1)
     _expect(multidevice_test, bwd, mesh, allgather_x=2, reduce_scatter_x=1)
 
 
-def test_mlp_data_and_tensor_parallel_on_a_2x2_mesh(multidevice_test):
+def test_mlp_data_and_tensor_parallel_on_a_2x2_mesh(multidevice_test, dtype):
     """(d) Tokens on mesh_y (data parallel), weights on mesh_x (tensor parallel). The forward's
     allreduce and the backward's input-gradient allreduce run over mesh_x groups only; the
     weight and bias gradients are allreduced over mesh_y groups (the data-parallel sync)."""
     mesh = _2x2_mesh(multidevice_test)
-    fwd, bwd = _run_mlp(multidevice_test, "dp_tp", mesh)
+    fwd, bwd = _run_mlp(multidevice_test, "dp_tp", mesh, dtype)
     assert {c.mesh_axis for c in fwd} == {mesh.axis_of(MX)}
     _expect(multidevice_test, fwd, mesh, allreduce_x=1)
     _expect(multidevice_test, bwd, mesh, allreduce_x=1, allreduce_y=4)
@@ -270,16 +302,16 @@ class AttentionForward(FusionDefinition):
     (``test_attention_heads_by_reshape_of_sharded_features``).
     """
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, dtype: DataType):
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.dtype = mesh, dtype
 
     def definition(self) -> None:
-        self.x = self.define_tensor([B, S, HEADS * HEAD_DIM], dtype=DataType.Float)
+        self.x = self.define_tensor([B, S, HEADS * HEAD_DIM], dtype=self.dtype)
         self.wq, self.wk, self.wv, self.wo = (
-            self.define_tensor([HEADS, HEAD_DIM, HEADS * HEAD_DIM], dtype=DataType.Float)
+            self.define_tensor([HEADS, HEAD_DIM, HEADS * HEAD_DIM], dtype=self.dtype)
             for _ in range(4))
-        self.bo = self.define_tensor([HEADS * HEAD_DIM], dtype=DataType.Float)
+        self.bo = self.define_tensor([HEADS * HEAD_DIM], dtype=self.dtype)
         _, (_, _, _, attn, *_) = self.attention(self.x)
         self.y = self.ops.add(self.ops.sum(self.ops.matmul(attn, self.wo), dims=[1]), self.bo)
         self.add_output(self.y)
@@ -305,10 +337,10 @@ class AttentionBackward(AttentionForward):
     def definition(self) -> None:
         ops = self.ops
         hidden = HEADS * HEAD_DIM
-        self.dy = self.define_tensor([B, S, hidden], dtype=DataType.Float)
-        self.x = self.define_tensor([B, S, hidden], dtype=DataType.Float)
+        self.dy = self.define_tensor([B, S, hidden], dtype=self.dtype)
+        self.x = self.define_tensor([B, S, hidden], dtype=self.dtype)
         self.wq, self.wk, self.wv, self.wo = (
-            self.define_tensor([HEADS, HEAD_DIM, hidden], dtype=DataType.Float)
+            self.define_tensor([HEADS, HEAD_DIM, hidden], dtype=self.dtype)
             for _ in range(4))
         x_heads, (q, k, v, attn, lse, seed, offset) = self.attention(self.x)
         dy_heads = ops.reshape(self.dy, [B, 1, S, hidden])
@@ -333,14 +365,14 @@ class AttentionBackward(AttentionForward):
 
 
 def _attention_reference(x, wq, wk, wv, wo, bo, dy) -> dict[str, torch.Tensor]:
-    """The unsharded layer with Megatron's 2-D weights, by autograd."""
-    params = {n: t.clone().requires_grad_() for n, t in
+    """The unsharded layer with Megatron's 2-D weights in float32, by autograd."""
+    params = {n: _upcast(t).requires_grad_() for n, t in
               {"x": x, "wq": wq, "wk": wk, "wv": wv, "wo": wo, "bo": bo}.items()}
     q, k, v = (F.linear(params["x"], params[w]).reshape(B, S, HEADS, HEAD_DIM).transpose(1, 2)
                for w in ("wq", "wk", "wv"))
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = F.linear(a.transpose(1, 2).reshape(B, S, -1), params["wo"], params["bo"])
-    y.backward(dy)
+    y.backward(_upcast(dy))
     return {"y": y.detach(), **{n: p.grad for n, p in params.items()}}
 
 
@@ -354,29 +386,29 @@ def _out_proj_heads_first(w_o: torch.Tensor) -> torch.Tensor:
     return w_o.reshape(-1, HEADS, HEAD_DIM).permute(1, 2, 0)
 
 
-def test_attention_head_parallel(multidevice_test):
+def test_attention_head_parallel(multidevice_test, dtype):
     """(c) Head-parallel Q/K/V projections, attention per local head, row-parallel output
     projection: one allreduce forward (the sum over heads), one backward (dx)."""
     mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank
     hidden = HEADS * HEAD_DIM
-    x, dy = _randn(B, S, hidden, seed=0), _randn(B, S, hidden, seed=1)
-    w = [_randn(hidden, hidden, seed=2 + i, scale=0.3) for i in range(4)]
-    bo = _randn(hidden, seed=6, scale=0.1)
+    x, dy = _randn(B, S, hidden, seed=0, dtype=dtype), _randn(B, S, hidden, seed=1, dtype=dtype)
+    w = [_randn(hidden, hidden, seed=2 + i, dtype=dtype, scale=0.3) for i in range(4)]
+    bo = _randn(hidden, seed=6, dtype=dtype, scale=0.1)
     ref = _attention_reference(x, *w, bo, dy)
     weights = [_heads_first(t) for t in w[:3]] + [_out_proj_heads_first(w[3])]
 
-    fwd = AttentionForward(mesh).define()
+    fwd = AttentionForward(mesh, dtype).define()
     (y,), fwd_comms = _execute(fwd, [shard_tensor(t, tv, rank) for t, tv in
                                      zip((x, *weights, bo), fwd.fusion.inputs())])
-    _check([y], [ref["y"]], [fwd.y], rank)
+    _check([y], [ref["y"]], [fwd.y], rank, dtype)
     _expect(multidevice_test, fwd_comms, mesh, allreduce_x=1)
 
-    bwd = AttentionBackward(mesh).define()
+    bwd = AttentionBackward(mesh, dtype).define()
     grads, bwd_comms = _execute(bwd, [shard_tensor(t, tv, rank) for t, tv in
                                       zip((dy, x, *weights), bwd.fusion.inputs())])
     expected = [ref["x"], *(_heads_first(ref[n]) for n in ("wq", "wk", "wv")),
                 _out_proj_heads_first(ref["wo"]), ref["bo"]]
-    _check(grads, expected, bwd.fusion.outputs(), rank)
+    _check(grads, expected, bwd.fusion.outputs(), rank, dtype)
     _expect(multidevice_test, bwd_comms, mesh, allreduce_x=1)
 
 
@@ -384,7 +416,7 @@ def test_attention_head_parallel(multidevice_test):
     "reshape does not carry a sharding through the split of hidden into (heads, head_dim): "
     "its domain map gives split axes no source, so q, k and v are allgathered before the "
     "reshape and the attention runs replicated (3 allgathers + 1 allreduce)"))
-def test_attention_heads_by_reshape_of_sharded_features(multidevice_test):
+def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype):
     """Megatron's own formulation: 2-D weights sharded on output features, then reshape and
     permute to heads. Numerically right today; the communication is not head parallel."""
     if multidevice_test.size == 1:
@@ -394,10 +426,10 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test):
 
     with FusionDefinition() as fd:
         ops = fd.ops
-        x = fd.define_tensor([B, S, hidden], dtype=DataType.Float)
-        wq, wk, wv, wo = (fd.define_tensor([hidden, hidden], dtype=DataType.Float)
+        x = fd.define_tensor([B, S, hidden], dtype=dtype)
+        wq, wk, wv, wo = (fd.define_tensor([hidden, hidden], dtype=dtype)
                           for _ in range(4))
-        bo = fd.define_tensor([hidden], dtype=DataType.Float)
+        bo = fd.define_tensor([hidden], dtype=dtype)
         q, k, v = (ops.permute(ops.reshape(ops.linear(x, w), [B, S, HEADS, HEAD_DIM]),
                                [0, 2, 1, 3]) for w in (wq, wk, wv))
         attn, _, _, _ = ops.sdpfa_fwd(q, k, v, 0.0, True)
@@ -408,76 +440,79 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test):
         _shard(w, 0, mesh)
     _shard(wo, 1, mesh)
 
-    inputs = [_randn(B, S, hidden, seed=0)] + [
-        _randn(hidden, hidden, seed=2 + i, scale=0.3) for i in range(4)] + [
-        _randn(hidden, seed=6, scale=0.1)]
-    ref = _attention_reference(*inputs, torch.zeros(B, S, hidden))
+    inputs = [_randn(B, S, hidden, seed=0, dtype=dtype)] + [
+        _randn(hidden, hidden, seed=2 + i, dtype=dtype, scale=0.3) for i in range(4)] + [
+        _randn(hidden, seed=6, dtype=dtype, scale=0.1)]
+    ref = _attention_reference(*inputs, torch.zeros(B, S, hidden, device=current_device()))
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
                                   zip(inputs, fd.fusion.inputs())])
-    _check([out], [ref["y"]], [y], rank)
+    _check([out], [ref["y"]], [y], rank, dtype)
     _expect(multidevice_test, comms, mesh, allreduce_x=1)
 
 
 # ----- minimal reproductions of library bugs -----------------------------------------------
 
-def test_bug_row_parallel_linear_adds_its_bias_once(multidevice_test):
+def test_bug_row_parallel_linear_adds_its_bias_once(multidevice_test, dtype):
     """``linear(x, w, b)`` with ``w`` sharded on input features makes a partial result; the
     bias must enter the sum once. Today every rank adds it, so the allreduce adds it d times."""
     mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank
     with FusionDefinition() as fd:
-        x = fd.define_tensor([TOKENS, FFN], dtype=DataType.Float)
-        w = fd.define_tensor([HIDDEN, FFN], dtype=DataType.Float)
-        b = fd.define_tensor([HIDDEN], dtype=DataType.Float)
+        x = fd.define_tensor([TOKENS, FFN], dtype=dtype)
+        w = fd.define_tensor([HIDDEN, FFN], dtype=dtype)
+        b = fd.define_tensor([HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w, b)
         fd.add_output(y)
     _shard(w, 1, mesh)
-    tensors = [_randn(TOKENS, FFN, seed=0), _randn(HIDDEN, FFN, seed=1), _randn(HIDDEN, seed=2)]
+    tensors = [_randn(TOKENS, FFN, seed=0, dtype=dtype), _randn(HIDDEN, FFN, seed=1, dtype=dtype),
+               _randn(HIDDEN, seed=2, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
                                   zip(tensors, fd.fusion.inputs())])
-    _check([out], [F.linear(*tensors)], [y], rank)
+    _check([out], [F.linear(*map(_upcast, tensors))], [y], rank, dtype)
     _expect(multidevice_test, comms, mesh, allreduce_x=1)
 
 
 def test_bug_sequence_parallel_linear_of_3d_activations_gathers_the_activations(
-        multidevice_test):
+        multidevice_test, dtype):
     """``x [B, S, hidden]`` sharded on the sequence, a column-parallel weight: the sequence is
     gathered (Megatron's sequence parallelism) and the output is sharded on features. Today
     propagation prefers x (it maps 3 axes, the weight 2) over the weight linear prefers, so
     the output is sharded on the sequence and the weight is gathered instead."""
     mesh, rank, d = _1d_mesh(multidevice_test), multidevice_test.rank, multidevice_test.size
     with FusionDefinition() as fd:
-        x = fd.define_tensor([B, 2 * S, HIDDEN], dtype=DataType.Float)
-        w = fd.define_tensor([FFN, HIDDEN], dtype=DataType.Float)
+        x = fd.define_tensor([B, 2 * S, HIDDEN], dtype=dtype)
+        w = fd.define_tensor([FFN, HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w)
         fd.add_output(y)
     _shard(x, 1, mesh)
     _shard(w, 0, mesh)
-    tensors = [_randn(B, 2 * S, HIDDEN, seed=0), _randn(FFN, HIDDEN, seed=1)]
+    tensors = [_randn(B, 2 * S, HIDDEN, seed=0, dtype=dtype),
+               _randn(FFN, HIDDEN, seed=1, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
                                   zip(tensors, fd.fusion.inputs())])
-    _check([out], [F.linear(*tensors)], [y], rank)
+    _check([out], [F.linear(*map(_upcast, tensors))], [y], rank, dtype)
     assert placements(y) == (Shard(2, None),)
     _expect(multidevice_test, comms, mesh, allgather_x=1)
     if d > 1:  # this rank's slice of x, not of the weight
-        assert comms[0].bytes == B * 2 * S * HIDDEN // d * 4
+        assert comms[0].bytes == B * 2 * S * HIDDEN // d * dtype.torch_dtype.itemsize
 
 
 def test_bug_data_parallel_tokens_and_tensor_parallel_weight_both_shard_a_linear(
-        multidevice_test):
+        multidevice_test, dtype):
     """Tokens on mesh_y and the weight's output features on mesh_x: the output is sharded on
     both, with no communication. Today propagation copies one input's sharding (the
     weight's), so the tokens are allgathered over mesh_y."""
     mesh, rank = _2x2_mesh(multidevice_test), multidevice_test.rank
     with FusionDefinition() as fd:
-        x = fd.define_tensor([TOKENS, HIDDEN], dtype=DataType.Float)
-        w = fd.define_tensor([FFN, HIDDEN], dtype=DataType.Float)
+        x = fd.define_tensor([TOKENS, HIDDEN], dtype=dtype)
+        w = fd.define_tensor([FFN, HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w)
         fd.add_output(y)
     _shard(x, 0, mesh, MY)
     _shard(w, 0, mesh, MX)
-    tensors = [_randn(TOKENS, HIDDEN, seed=0), _randn(FFN, HIDDEN, seed=1)]
+    tensors = [_randn(TOKENS, HIDDEN, seed=0, dtype=dtype),
+               _randn(FFN, HIDDEN, seed=1, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
                                   zip(tensors, fd.fusion.inputs())])
-    _check([out], [F.linear(*tensors)], [y], rank)
+    _check([out], [F.linear(*map(_upcast, tensors))], [y], rank, dtype)
     assert placements(y) == (Shard(0, None), Shard(1, None))
     assert comms == []
