@@ -421,6 +421,11 @@ def _efficient_fwd(q, k, v, dropout_p, is_causal, scale):
 
 
 def _efficient_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale):
+    # The efficient forward allocates attn BSHE; its backward reads attn as laid out by the
+    # forward (seen on an H200 with torch 2.11: a contiguous BHSE copy of attn gave wrong
+    # gradients), so a re-laid attn goes back to BSHE.
+    if not attn.transpose(1, 2).is_contiguous():
+        attn = attn.transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         grad, q, k, v, None, attn, _efficient_lse(lse), seed, offset, dropout_p,
         [True, True, True, False], is_causal, scale=scale)
