@@ -81,22 +81,26 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
 
 
 def _forward_pairs(expr: Expr, ref: TensorView, out: TensorView) -> dict[IterDomain, IterDomain]:
-    """ref logical ID -> out logical ID, through the op's domain map."""
-    pairs = {}
-    for out_id in out.logical:
-        for src in expr.id_map.get(out_id, ()):
-            if src in ref.logical and not src.is_broadcast and src not in pairs:
-                pairs[src] = out_id
-    return pairs
+    """ref (an input) logical ID -> out logical ID, through the op's domain map."""
+    return {i: o for o, i in _mapped(expr, out, ref)}
 
 
 def _backward_pairs(expr: Expr, ref: TensorView, inp: TensorView) -> dict[IterDomain, IterDomain]:
     """ref (an output) logical ID -> inp logical ID, through the op's domain map."""
-    pairs = {}
-    for out_id in ref.logical:
+    return dict(_mapped(expr, ref, inp))
+
+
+def _mapped(expr: Expr, out: TensorView, inp: TensorView) -> list[tuple[IterDomain, IterDomain]]:
+    """(out ID, inp ID) pairs of the domain map, broadcast inputs left out; each ID of either
+    side in one pair only (the first one)."""
+    pairs, seen_in, seen_out = [], set(), set()
+    for out_id in out.logical:
         for src in expr.id_map.get(out_id, ()):
-            if src in inp.logical and not src.is_broadcast and out_id not in pairs:
-                pairs[out_id] = src
+            if src in inp.logical and not src.is_broadcast and src not in seen_in \
+                    and out_id not in seen_out:
+                pairs.append((out_id, src))
+                seen_in.add(src)
+                seen_out.add(out_id)
     return pairs
 
 

@@ -99,6 +99,16 @@ def _to_coordinate_order(chunks: torch.Tensor, group: Group) -> torch.Tensor:
     return chunks[torch.tensor(positions, device=chunks.device)]
 
 
+def _chunks_in_torch_order(send: torch.Tensor, group: Group) -> torch.Tensor:
+    """``send`` (the communicated axis outermost) as ``[members, chunk, ...]``, chunk ``c``
+    for coordinate ``c``, stacked in torch's group order (sorted ranks)."""
+    chunks = send.reshape(group.size, send.shape[0] // group.size, *send.shape[1:])
+    order = group.torch_order
+    if order != sorted(order):
+        chunks = chunks[torch.tensor(order, device=send.device)]
+    return chunks
+
+
 def allgather(x: torch.Tensor, axis: int, group: Group) -> torch.Tensor:
     """Concatenation along ``axis`` of every group member's ``x``, by coordinate."""
     send = _outermost(x, axis)
@@ -127,10 +137,7 @@ def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str) -> 
     reduction over all members of the chunk of its coordinate."""
     send = _outermost(x, axis)
     n = send.shape[0] // group.size
-    chunks = send.reshape(group.size, n, *send.shape[1:])
-    order = group.torch_order
-    if order != sorted(order):
-        chunks = chunks[torch.tensor(order, device=send.device)]
+    chunks = _chunks_in_torch_order(send, group)
     _record("reduce_scatter", group, send, reduce_op)
     out = torch.empty((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
     _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
@@ -142,11 +149,7 @@ def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group)
     """Chunk ``c`` of ``x`` along ``split_axis`` goes to coordinate ``c``; the chunks received
     are concatenated along ``concat_axis`` by the sender's coordinate."""
     send = _outermost(x, split_axis)
-    n = send.shape[0] // group.size
-    chunks = send.reshape(group.size, n, *send.shape[1:])
-    order = group.torch_order
-    if order != sorted(order):
-        chunks = chunks[torch.tensor(order, device=send.device)]
+    chunks = _chunks_in_torch_order(send, group)
     _record("all_to_all", group, send)
     received = torch.empty_like(chunks)
     dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group)
