@@ -412,13 +412,9 @@ def test_attention_head_parallel(multidevice_test, dtype):
     _expect(multidevice_test, bwd_comms, mesh, allreduce_x=1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reshape does not carry a sharding through the split of hidden into (heads, head_dim): "
-    "its domain map gives split axes no source, so q, k and v are allgathered before the "
-    "reshape and the attention runs replicated (3 allgathers + 1 allreduce)"))
 def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype):
     """Megatron's own formulation: 2-D weights sharded on output features, then reshape and
-    permute to heads. Numerically right today; the communication is not head parallel."""
+    permute to heads: the block shard of the features carries over to the heads."""
     if multidevice_test.size == 1:
         pytest.skip("one rank: nothing is sharded")
     mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank

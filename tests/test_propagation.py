@@ -72,6 +72,28 @@ def test_golden_linear_prefers_the_weight():
     assert _summary(fd) == "T0 [R] order=[0, 1]\nT1 [S(0)] order=[0, 1]\nT2 [S(1)] order=[0, 1]"
 
 
+def test_golden_reshape_carries_block_shards_through_splits_and_merges():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 24], dtype=DataType.Float)    # [tokens, heads * head_dim]
+        heads = fd.ops.reshape(x, [4, 6, 4])                    # [tokens, heads, head_dim]
+        fd.add_output(fd.ops.reshape(fd.ops.relu(heads), [4, 24]))
+    _shard(x, 1)
+    assert _summary(fd) == "\n".join([
+        "T0 [S(1)] order=[0, 1]",
+        "T1 [S(1)] order=[0, 1, 2]",
+        "T2 [S(1)] order=[0, 1, 2]",
+        "T3 [S(1)] order=[0, 1]",
+    ])
+
+
+def test_reshape_of_a_cyclic_shard_is_not_carried_over():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 24], dtype=DataType.Float)
+        fd.add_output(fd.ops.reshape(x, [4, 6, 4]))
+    _shard(x, 1, inner=True)
+    assert _summary(fd).splitlines()[1] == "T1 [R] order=[0, 1, 2]"
+
+
 def test_golden_backward_fills_inputs_from_outputs():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], dtype=DataType.Float)
@@ -199,6 +221,31 @@ def _build(mesh_shape, sharded, steps, unaries, inner, schedule: bool):
             x.split(pos, factor, inner_split=inner)
             x.parallelize(pos + 1 if inner else pos, types[i])
     return fd, x
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
+def test_reshape_of_a_sharded_axis_matches_and_communicates_only_when_cyclic(
+        multidevice_test, inner):
+    from meshfuse.runtime.collectives import record_communications
+
+    d, rank = multidevice_test.size, multidevice_test.rank
+    if 12 % d:
+        pytest.skip(f"12 heads do not split over {d} ranks")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 12 * 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.reshape(fd.ops.exp(fd.ops.reshape(x, [4, 12, 4])), [4, 48]))
+    out_tv = fd.fusion.outputs()[0]
+    _shard(x, 1, DeviceMesh(range(d)), inner=inner)
+    _shard(out_tv, 1, DeviceMesh(range(d)), inner=inner)
+    gx = torch.randn(4, 48).to(multidevice_test.device)
+    with record_communications() as comms:
+        out, = fd.execute([shard_tensor(gx, x, rank)])
+    torch.testing.assert_close(out, shard_tensor(gx.exp(), out_tv, rank))
+    if not inner or d == 1:
+        assert comms == []
+    else:
+        assert comms, "a cyclic shard cannot be reshaped in place"
 
 
 @pytest.mark.mpi

@@ -203,10 +203,14 @@ def _reshape_infer(x, new_shape):
         )
     axes: list[AxisSpec | None] = [None] * len(new)
     for gi, gj in reshape_groups(list(x.shape), new):
+        # Unchanged axes keep their identity. In a pure split ([T, H*E] -> [T, H, E]) or a
+        # pure merge, the outermost axes of the two sides map too: a block shard of one is a
+        # block shard of the other (propagation carries only block shards across them).
+        mapped = len(gi) == 1 or len(gj) == 1
         for j in gj:
-            same = len(gi) == 1 and len(gj) == 1
             kind = IterType.Broadcast if new[j] == 1 else IterType.Iteration
-            axes[j] = AxisSpec(new[j], kind, ((0, gi[0]),) if same else ())
+            outermost = j == gj[0] and gi and mapped
+            axes[j] = AxisSpec(new[j], kind, ((0, gi[0]),) if outermost else ())
     return [OutSpec(x.dtype, tuple(axes))]
 
 

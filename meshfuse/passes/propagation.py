@@ -6,7 +6,9 @@ an allocation domain from its neighbours (DESIGN.md section 3.2).
   sharding of the input that shards the most of its mapped axes (ties: the op's preferred
   input, e.g. ``linear``'s weight, then argument order), through the op's domain map: the
   split chain of each sharded logical ID is replayed on the mapped output ID and its device
-  IDs are parallelized alike. A sharded input axis that maps to a reduction ID makes the
+  IDs are parallelized alike; across a reshape's split or merge (axes of other extents) only
+  a block shard whose factor divides both is carried. A sharded input axis that maps to a
+  reduction ID makes the
   output partial. (Ties: the input mapping the most axes, then the op's preference.) Its allocation domain follows that input's, IDs mapped one to one, so BSHE
   in gives BSHE out with the device ID where the user put it. (A fusion input keeps the
   memory order it was declared with.)
@@ -106,19 +108,32 @@ def _mapped(expr: Expr, out: TensorView, inp: TensorView) -> list[tuple[IterDoma
 
 def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView,
                     forward: bool) -> TensorView:
-    """The neighbour that shards the most axes mapped to ``target``; ties go to the one that
-    maps the most axes (so ``k_grad`` follows ``k``), then to the op's preferred arguments, then
-    to argument order."""
-    order = list(expr.tensor_outputs if not forward else expr.tensor_inputs)
+    """The neighbour that shards the most axes mapped to ``target``; ties go to the op's
+    preferred arguments (weights), then to the one that maps the most axes (so ``k_grad``
+    follows ``k``), then to argument order. A candidate may be a scratch tensor over an
+    argument's logical IDs (the resharding pass weighs schedules that way)."""
+    order = [t.logical for t in (expr.tensor_inputs if forward else expr.tensor_outputs)]
     preferred = [order[i] for i in expr.op.prefer_inputs if i < len(order)] if forward else []
 
     def score(tv: TensorView):
         pairs = _forward_pairs(expr, tv, target) if forward else _backward_pairs(expr, tv, target)
         sharded = sum(1 for ref_id in pairs if _device_leaves(tv, ref_id))
-        rank = preferred.index(tv) if tv in preferred else len(preferred)
-        return (-sharded, rank, -len(pairs), order.index(tv))
+        rank = preferred.index(tv.logical) if tv.logical in preferred else len(preferred)
+        return (-sharded, rank, -len(pairs), order.index(tv.logical))
 
     return min(candidates, key=score)
+
+
+def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) -> bool:
+    """True if ``ref_id`` is block-sharded by one outer split whose factor also divides
+    ``target_id`` (an axis of another extent that a reshape maps to it)."""
+    splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
+              _subtree(ref, ref_id)]
+    if len(splits) != 1 or splits[0].inner_split or splits[0].in_id is not ref_id:
+        return False
+    if not ref.parallel_type(splits[0].outer).is_device:
+        return False
+    return target_id.extent is not None and target_id.extent % splits[0].factor == 0
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
@@ -143,6 +158,8 @@ def _copy_sharding(ref: TensorView, target: TensorView,
     for ref_id, target_id in pairs.items():
         if not _device_leaves(ref, ref_id) or target_id.is_broadcast:
             continue
+        if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
+            continue  # a reshaped axis keeps only a block shard; the rest is resharded
         for t in ref.transforms:
             if isinstance(t, Split) and t.in_id in replay and replay[t.in_id] in target.loop:
                 pos = target.loop.index(replay[t.in_id])

@@ -64,8 +64,12 @@ def _scratch(tv: TensorView) -> TensorView:
     return TensorView(tv.fusion, tv.logical, tv.dtype)
 
 
-def _natural(expr: Expr, out: TensorView) -> TensorView:
-    inputs = [t for t in expr.tensor_inputs if t.logical and t.mesh is not None]
+def _natural(expr: Expr, out: TensorView, inputs: list[TensorView] | None = None) -> TensorView:
+    """How ``expr`` lays out ``out`` computing locally from ``inputs`` (default: its own;
+    scratch tensors over the inputs' logical IDs work too)."""
+    if inputs is None:
+        inputs = list(expr.tensor_inputs)
+    inputs = [t for t in inputs if t.logical and t.mesh is not None]
     scratch = _scratch(out)
     if inputs:
         ref = _best_reference(expr, inputs, out, forward=True)
@@ -129,7 +133,10 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     # Option B: the op makes the outputs as they are; sets before the inputs that differ.
     needed_b = [_needed_input(expr, outs, t) for t in ins]
     cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
-    if cost_a < cost_b:
+    # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
+    # or an axis mapped from no input cannot be).
+    b_works = all(same_sharding(_natural(expr, o, needed_b), o) for o in outs)
+    if cost_a < cost_b or not b_works:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):
                 _set_after(fusion, expr, out, nat)

@@ -35,6 +35,22 @@ def owner_map(tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomai
     return {pt.value: tuple(index[id_].tolist()) for id_, pt in shards}
 
 
+def same_owners(a: OwnerMap, b: OwnerMap) -> bool:
+    """Whether two axes, of equal extents or one a multiple of the other (a reshape's split
+    or merge), are owned alike: index ``i`` of the shorter axis and the ``k`` indices of the
+    longer one it stands for have one owner."""
+    if a.keys() != b.keys():
+        return False
+    for pt in a:
+        short, long_ = sorted((a[pt], b[pt]), key=len)
+        if not short or len(long_) % len(short):
+            return False
+        k = len(long_) // len(short)
+        if any(long_[i] != short[i // k] for i in range(len(long_))):
+            return False
+    return True
+
+
 def describe(owners: OwnerMap) -> str:
     if not owners:
         return "replicated"
@@ -91,7 +107,7 @@ def _check_expr(expr: Expr, extents) -> None:
             for src in real:
                 tv = _owner_of(src, inputs)
                 src_owners = owner_map(tv, src, extents)
-                if src_owners != out_owners:
+                if not same_owners(src_owners, out_owners):
                     what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
                     raise ShardingError(
                         f"{format_expr(expr)}: {tv.name} axis {tv.logical.index(src)} is "
