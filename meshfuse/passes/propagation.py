@@ -4,14 +4,16 @@ an allocation domain from its neighbours (DESIGN.md section 3.2).
 - Tensors the user scheduled (a mesh, a split or a parallelized axis) are never changed.
 - **Forward** (inputs to outputs, in definition order): an unscheduled op output copies the
   sharding of the input that shards the most of its mapped axes (ties: the op's preferred
-  input, e.g. ``linear``'s weight, then argument order), through the op's domain map: the
-  split chain of each sharded logical ID is replayed on the mapped output ID and its device
-  IDs are parallelized alike; across a reshape's split or merge (axes of other extents) only
-  a block shard whose factor divides both is carried. A sharded input axis that maps to a
-  reduction ID makes the
-  output partial. (Ties: the input mapping the most axes, then the op's preference.) Its allocation domain follows that input's, IDs mapped one to one, so BSHE
-  in gives BSHE out with the device ID where the user put it. (A fusion input keeps the
-  memory order it was declared with.)
+  input, e.g. ``linear``'s weight; then the input mapping the most axes; then argument
+  order), through the op's domain map: the split chain of each sharded logical ID is
+  replayed on the mapped output ID and its device IDs are parallelized alike. Shardings of
+  other inputs on mesh axes still free are added (data-parallel tokens next to
+  tensor-parallel weights). Across a reshape's split or merge (axes of other extents) only a
+  block shard whose factor divides both is carried. A sharded input axis that maps to a
+  reduction ID makes the output partial, unless the op cannot make partial results. The
+  output's allocation domain follows the reference input's, IDs mapped one to one, so BSHE in
+  gives BSHE out with the device ID where the user put it (matrix products are row-major; a
+  fusion input keeps the memory order it was declared with).
 - **Backward** (outputs to inputs, in reverse order) fills what forward left without a mesh,
   for example inputs when only outputs are scheduled.
 - What is left (say, an unscheduled input in a fusion whose pins are all upstream of nothing)
