@@ -524,3 +524,12 @@ def test_failing_kernel_is_an_execution_error_naming_the_step():
     with pytest.raises(ExecutionError) as info:
         fd.execute([torch.ones(4, 6, dtype=torch.int64)])
     assert_says(info.value, ("rank 0", "step 0", "fmod(T0, 0)", "ZeroDivisionError"))
+
+
+def test_scalar_input_that_is_not_a_number():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2], dtype=DataType.Float)
+        scale = fd.define_scalar(dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(x, scale))
+    with pytest.raises(InputError, match=r"input S0 is a Double scalar; got str"):
+        fd.execute([torch.ones(2), "two"])

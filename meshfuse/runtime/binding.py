@@ -53,6 +53,11 @@ def check_input_values(fusion: Fusion, inputs: Sequence) -> None:
         if isinstance(v, Scalar):
             if isinstance(x, torch.Tensor) and x.ndim > 0:
                 raise InputError(f"input {v.name} is a scalar; got a tensor of shape {list(x.shape)}")
+            if not isinstance(x, bool | int | float | complex | torch.Tensor):
+                raise InputError(
+                    f"input {v.name} is a {v.dtype.name} scalar; got {type(x).__name__} "
+                    f"{x!r}: pass a number"
+                )
             continue
         if not isinstance(x, torch.Tensor):
             raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
