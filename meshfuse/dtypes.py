@@ -35,8 +35,3 @@ class DataType(enum.Enum):
 
     def __repr__(self) -> str:
         return f"DataType.{self.name}"
-
-
-def to_torch_dtype(dtype: "DataType | torch.dtype") -> torch.dtype:
-    """Accepts a ``DataType`` or a ``torch.dtype`` and returns the ``torch.dtype``."""
-    return dtype.value if isinstance(dtype, DataType) else dtype

@@ -196,3 +196,17 @@ def test_every_rank_shard_has_the_layout_shape():
         layout = _layout(tv, shape)
         for rank, t in itertools.product(mesh.device_ids, [torch.randn(shape)]):
             assert tuple(shard_tensor(t, tv, rank).shape) == layout.shape
+
+
+def test_domain_accessors_and_from_pytorch():
+    fd = FusionDefinition()
+    t = torch.randn(2, 3, 4).transpose(1, 2)  # memory order 0, 2, 1
+    tv = fd.from_pytorch(t)
+    assert [a.extent for a in tv.get_logical_domain()] == [None, None, None]
+    assert tv.get_allocation_domain()[1].id is tv.logical[2]
+    tv.set_device_mesh(DeviceMesh(range(2)))
+    tv.outer_split(0, 2)
+    tv.axis(0).parallelize(ParallelType.mesh_x)
+    loop = tv.get_loop_domain()
+    assert [a.extent for a in loop] == [2, None, None, None]
+    assert loop[0].parallel_type is ParallelType.mesh_x and repr(loop[0]) == "iDIDx{2}"

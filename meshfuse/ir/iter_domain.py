@@ -54,11 +54,6 @@ class IterDomain:
         """A new ID (new identity) of the same kind, with ``extent`` or this one's."""
         return IterDomain(self.extent if extent is None else extent, self.iter_type)
 
-    def as_iteration(self) -> "IterDomain":
-        """A new ID of the same extent whose kind is iteration (reduction IDs stay reductions
-        only in the tensor that reduces them)."""
-        return IterDomain(self.extent, IterType.Iteration)
-
 
 @dataclasses.dataclass(frozen=True)
 class Split:
