@@ -14,6 +14,9 @@ local op plus ``set`` copies, each of which lowers to one communication (see
 - the option that moves fewer elements wins; moving an op's preferred input (a weight) costs
   a thousandfold, and a local slice costs nothing.
 
+An op whose inputs live on another mesh than its outputs runs on its outputs' mesh, its
+inputs copied there (send/recv, broadcast: see ``meshfuse.runtime.resharding``).
+
 A fusion output that propagation left partial is reduced (the user gets a replicated result),
 unless the user parallelized its reduction axis on purpose.
 """
@@ -119,12 +122,26 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
 def _make_local(fusion: Fusion, expr: Expr) -> None:
     outs = [o for o in expr.tensor_outputs if o.logical]
     ins = list(dict.fromkeys(t for t in expr.tensor_inputs if t.logical))
-    if len({t.mesh for t in ins + outs}) > 1:
-        meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in ins + outs)
+    if len({o.mesh for o in outs}) > 1:
+        meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in outs)
         raise ShardingError(
-            f"{format_expr(expr)}: its tensors live on different meshes ({meshes}); moving "
-            "tensors between meshes is not supported yet: put them on one mesh"
+            f"{format_expr(expr)}: its outputs live on different meshes ({meshes}); an op "
+            "runs on one mesh: put its outputs on one mesh and copy them (fd.ops.set) elsewhere"
         )
+    if outs and any(t.mesh != outs[0].mesh for t in ins):
+        # The op runs where its outputs live; inputs from other meshes are moved there.
+        if any(t.mesh.ndim != 1 for t in ins + outs):
+            meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in ins + outs)
+            raise ShardingError(
+                f"{format_expr(expr)}: its tensors live on different meshes ({meshes}); moving "
+                "tensors between meshes is supported for 1-D meshes only: use 1-D meshes or "
+                "one mesh"
+            )
+        for inp in ins:
+            want = _needed_input(expr, outs, inp)
+            if not same_sharding(inp, want):
+                _set_before(fusion, expr, inp, want)
+        return
     natural = [_natural(expr, o) for o in outs]
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     needed_a = [_needed_input(expr, natural, t) for t in ins]

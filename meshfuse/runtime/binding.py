@@ -40,8 +40,14 @@ def device_coords(tv: TensorView, rank: int) -> dict[ParallelType, int]:
     return {pt: coord[tv.mesh.axis_of(pt)] for pt in tv.parallel.values() if pt.is_device}
 
 
-def check_input_values(fusion: Fusion, inputs: Sequence) -> None:
-    """Count, kind, dtype and rank of each input."""
+def held_here(tv: TensorView, rank: int) -> bool:
+    """Whether ``rank`` holds a shard of ``tv`` (it is on no mesh, or on one with ``rank``)."""
+    return tv.mesh is None or rank in tv.mesh
+
+
+def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
+    """Count, kind, dtype and rank of each input. A rank outside an input's mesh passes None
+    (or any tensor, which is ignored) for it."""
     declared = fusion.inputs()
     if len(inputs) != len(declared):
         names = ", ".join(v.name for v in declared)
@@ -57,6 +63,13 @@ def check_input_values(fusion: Fusion, inputs: Sequence) -> None:
                 raise InputError(
                     f"input {v.name} is a {v.dtype.name} scalar; got {type(x).__name__} "
                     f"{x!r}: pass a number"
+                )
+            continue
+        if not held_here(v, rank):
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise InputError(
+                    f"input {v.name} is not on this rank ({rank} is outside {v.mesh!r}): pass "
+                    f"None for it, got {type(x).__name__}"
                 )
             continue
         if not isinstance(x, torch.Tensor):
@@ -85,12 +98,17 @@ def bind(
     fusion: Fusion,
     allocations: Mapping[TensorView, Allocation],
     inputs: Sequence,
+    rank: int = 0,
 ) -> Binding:
-    """Global extents from local input sizes, checked against the definition; local layouts."""
+    """Global extents from local input sizes (static ones for inputs this rank does not
+    hold), checked against the definition; local layouts."""
     extents: dict[IterDomain, int] = {}
     for v, x in zip(fusion.inputs(), inputs):
         if isinstance(v, TensorView):
-            _bind_input(v, x, extents)
+            if held_here(v, rank):
+                _bind_input(v, x, extents)
+            else:
+                extents.update((i, i.extent) for i in v.logical if i.extent is not None)
     for expr in fusion.exprs:
         metas = [_concrete_meta(a, extents) for a in expr.args]
         try:

@@ -159,6 +159,18 @@ def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group)
     return torch.cat(pieces, dim=concat_axis)
 
 
+def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``x`` of coordinate 0 sent to coordinate 1 of a two-member group (one device to
+    another, as between pipeline stages); the receiver's ``x`` gives shape and dtype."""
+    out = x.contiguous()
+    _record("send_recv", group, out)
+    if group.coordinate == 0:
+        dist.send(out, dst=group.ranks[1], group=group.process_group)
+        return x
+    dist.recv(out, src=group.ranks[0], group=group.process_group)
+    return out
+
+
 def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     """``x`` of the member at coordinate ``root`` on every member (``x`` gives the shape)."""
     out = x.contiguous().clone()

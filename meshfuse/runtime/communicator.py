@@ -284,21 +284,35 @@ class Communicator:
             CommunicationError: if the mesh has a device outside the world, or this rank is not
                 in the mesh (after the groups were created, so no other rank hangs).
         """
-        if isinstance(mesh_axis, ParallelType):
-            mesh_axis = mesh.axis_of(mesh_axis)
-        slices = mesh.all_groups(mesh_axis)
-        key = (mesh, mesh_axis % mesh.ndim)
-        if key not in self._slicings:
-            self._check_mesh(mesh)
-            for ranks in slices:
-                if ranks not in self._groups:
-                    self._groups[ranks] = self._new_group(ranks)
-            self._slicings.add(key)
+        key = self._ensure_groups(mesh, mesh_axis)
         if self._rank not in mesh:
             raise CommunicationError(
                 f"rank {self._rank} is not in {mesh!r}, so it has no group along mesh axis "
                 f"{mesh_axis}; only ranks of the mesh may run its collectives"
             )
+        return self._groups[mesh.group_ranks(self._rank, key[1])]
+
+    def _ensure_groups(self, mesh: DeviceMesh, mesh_axis: int | ParallelType) -> tuple:
+        """Creates (once) the process groups of every slice of ``mesh`` along ``mesh_axis``."""
+        if isinstance(mesh_axis, ParallelType):
+            mesh_axis = mesh.axis_of(mesh_axis)
+        key = (mesh, mesh_axis % mesh.ndim)
+        if key not in self._slicings:
+            self._check_mesh(mesh)
+            for ranks in mesh.all_groups(key[1]):
+                if ranks not in self._groups:
+                    self._groups[ranks] = self._new_group(ranks)
+            self._slicings.add(key)
+        return key
+
+    def group_if_member(
+        self, mesh: DeviceMesh, mesh_axis: int | ParallelType
+    ) -> dist.ProcessGroup | None:
+        """Like :meth:`group`, but a rank outside ``mesh`` gets None (after taking part in
+        creating the groups, which every rank must do)."""
+        key = self._ensure_groups(mesh, mesh_axis)
+        if self._rank not in mesh:
+            return None
         return self._groups[mesh.group_ranks(self._rank, key[1])]
 
     def allgather(

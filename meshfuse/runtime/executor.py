@@ -39,6 +39,7 @@ class OutputLayout:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: torch.dtype
+    held: bool = True  # False on a rank outside the tensor's mesh: an empty tensor comes back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,12 @@ class Program:
                     values[slot] = value
             for slot in step.free:
                 values[slot] = None
-        return [_laid_out(values[o.slot], o) for o in self.outputs]
+        return [_laid_out(values[o.slot], o) if o.held else _nothing(o) for o in self.outputs]
+
+
+def _nothing(out: OutputLayout) -> torch.Tensor:
+    """The output of a rank that does not hold it: an empty tensor of its dtype."""
+    return torch.empty(0, dtype=out.dtype)
 
 
 def _laid_out(x: torch.Tensor, out: OutputLayout) -> torch.Tensor:

@@ -22,6 +22,7 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import local_indices
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime import collectives
 from meshfuse.runtime.collectives import Group
 
@@ -45,6 +46,7 @@ class ReshardStep:
     reduce_op: str | None = None
     order: tuple[torch.Tensor, ...] = ()
     to_order: tuple[torch.Tensor, ...] = ()
+    mesh: DeviceMesh | None = None  # the mesh of the group; None: the tensors' own mesh
 
     @property
     def in_blocks(self) -> bool:
@@ -57,6 +59,8 @@ class ReshardStep:
 
     def __str__(self) -> str:
         where = f"mesh axis {self.mesh_axis}"
+        if self.kind in ("broadcast", "send_recv"):
+            return f"{self.kind} from rank {self.mesh.device_ids[0]} to {self.mesh!r}"
         if self.kind == "allreduce":
             return f"allreduce({self.reduce_op}) over {where}"
         if self.kind == "reduce_scatter":
@@ -80,10 +84,7 @@ def plan_resharding(
     """The steps that turn local shards of ``src`` into local shards of ``dst`` (same logical
     shape), on every rank of the mesh alike."""
     if src.mesh != dst.mesh:
-        raise ShardingError(
-            f"set {src.name} -> {dst.name}: moving between meshes ({src.mesh!r} -> "
-            f"{dst.mesh!r}) is not supported yet; put both on one mesh"
-        )
+        return _plan_between_meshes(src, dst, extents)
     before = placements(src, partial_reduce_op(src))
     after = placements(dst)
     steps = []
@@ -96,6 +97,40 @@ def plan_resharding(
             if axis is not None:
                 _check_single_mesh_axis(src, dst, axis)
     return sorted(steps, key=lambda s: PHASES.index(s.kind))
+
+
+def _plan_between_meshes(src: TensorView, dst: TensorView, extents) -> list[ReshardStep]:
+    """From one mesh to another: make ``src`` whole on its mesh (allreduce, allgather), send
+    it from the first device of that mesh to the devices of the other (send/recv for one
+    device to one device, else a broadcast over both meshes' devices; none when every
+    destination device already holds it), then slice it to ``dst``'s sharding there."""
+    for tv in (src, dst):
+        if tv.mesh.ndim != 1:
+            raise ShardingError(
+                f"set {src.name} -> {dst.name}: moving between meshes is supported for 1-D "
+                f"meshes; {tv.name} is on {tv.mesh!r}"
+            )
+    whole_src = _replicated_like(src, src.mesh)
+    whole_dst = _replicated_like(dst, dst.mesh)
+    steps = [dataclasses.replace(t, mesh=src.mesh) for t in plan_resharding(src, whole_src, extents)]
+    root = src.mesh.device_ids[0]
+    if not set(dst.mesh.device_ids) <= set(src.mesh.device_ids):
+        others = sorted((set(src.mesh.device_ids) | set(dst.mesh.device_ids)) - {root})
+        receivers = [d for d in dst.mesh.device_ids if d != root]
+        if src.mesh.size == 1 and len(receivers) == 1:
+            steps.append(ReshardStep("send_recv", 0, mesh=DeviceMesh([root, *receivers])))
+        else:  # root at coordinate 0 of the group's mesh
+            steps.append(ReshardStep("broadcast", 0, mesh=DeviceMesh([root, *others])))
+    return steps + [dataclasses.replace(t, mesh=dst.mesh)
+                    for t in plan_resharding(whole_dst, dst, extents)]
+
+
+def _replicated_like(tv: TensorView, mesh: DeviceMesh) -> TensorView:
+    """An unregistered tensor over ``tv``'s logical IDs, whole on every device of ``mesh``."""
+    whole = TensorView(tv.fusion, tv.logical, tv.dtype)
+    whole.name = f"{tv.name}(whole)"
+    whole.set_device_mesh(mesh)
+    return whole
 
 
 def _step(src, dst, m, a, b, extents) -> ReshardStep:
@@ -148,9 +183,16 @@ class LoweredStep:
     to_by_owner: torch.Tensor | None
     mine: torch.Tensor | tuple[int, int] | None  # a slice's indices, or (start, length)
     donated: bool = False  # the input is dead after this step: reduce it in place
+    whole: torch.Tensor | None = None  # a receiver's buffer shape/dtype/device (empty tensor)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         step, group = self.step, self.group
+        if step.kind in ("broadcast", "send_recv"):
+            if group.coordinate != 0:  # a receiver: nothing of its own to send
+                x = torch.empty_like(self.whole)
+            if step.kind == "send_recv":
+                return collectives.send_recv(x, group)
+            return collectives.broadcast(x, 0, group)
         if step.kind == "allreduce":
             return collectives.allreduce(x, group, step.reduce_op, inplace=self.donated)
         if step.kind == "slice":
@@ -168,9 +210,10 @@ class LoweredStep:
 
 
 def lower_step(step: ReshardStep, group: Group, device: torch.device,
-               donated: bool = False) -> LoweredStep:
+               donated: bool = False, whole: torch.Tensor | None = None) -> LoweredStep:
     """Binds ``step`` to this rank's ``group``, with its index tensors on ``device``;
-    ``donated``: the step may overwrite its input (nothing reads it afterwards)."""
+    ``donated``: the step may overwrite its input (nothing reads it afterwards); ``whole``:
+    an empty tensor of the whole tensor's shape and dtype, for receivers between meshes."""
     def on(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
@@ -183,7 +226,8 @@ def lower_step(step: ReshardStep, group: Group, device: torch.device,
         start = int(index[0]) if index.numel() else 0
         contiguous = torch.equal(index, torch.arange(start, start + index.numel()))
         mine = (start, index.numel()) if contiguous else index.to(device)
-    return LoweredStep(step, group, on(by_owner), on(to_global), on(to_by_owner), mine, donated)
+    return LoweredStep(step, group, on(by_owner), on(to_global), on(to_by_owner), mine, donated,
+                       whole)
 
 
 def _is_blocks(order: tuple[torch.Tensor, ...]) -> bool:

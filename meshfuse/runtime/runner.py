@@ -23,7 +23,13 @@ from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
 from meshfuse.passes.sharding_check import check_no_resharding
-from meshfuse.runtime.binding import Binding, bind, check_input_values, check_strides
+from meshfuse.runtime.binding import (
+    Binding,
+    bind,
+    check_input_values,
+    check_strides,
+    held_here,
+)
 from meshfuse.runtime.collectives import Group
 from meshfuse.runtime.executor import OutputLayout, Program, Step
 from meshfuse.runtime.resharding import lower_step, plan_resharding
@@ -46,11 +52,12 @@ class FusionRunner:
         propagate_shardings(fusion)
         insert_resharding(fusion)
         check_schedule(fusion, world)
-        for tv in fusion.tensors():
-            if tv.mesh is not None and self.rank not in tv.mesh:
+        for v in fusion.inputs():
+            if isinstance(v, TensorView) and v.mesh is not None and v.mesh.size < world and \
+                    any(i.extent is None for i in v.materialized()):
                 raise InputError(
-                    f"rank {self.rank} is not in the mesh of {tv.name} ({tv.mesh!r}); ranks "
-                    "outside a fusion's mesh are not supported yet: use a mesh of all ranks"
+                    f"input {v.name} lives on {v.mesh!r}, not on every rank, and has symbolic "
+                    "extents; ranks outside its mesh cannot learn them: declare them static"
                 )
         self.allocations = infer_allocations(fusion)
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
@@ -105,10 +112,10 @@ class FusionRunner:
 
     def _make_program(self, inputs: list) -> Program:
         fusion = self.fusion
-        check_input_values(fusion, inputs)
-        binding = bind(fusion, self.allocations, inputs)
+        check_input_values(fusion, inputs, self.rank)
+        binding = bind(fusion, self.allocations, inputs, self.rank)
         for v, x in zip(fusion.inputs(), inputs):
-            if isinstance(v, TensorView):
+            if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
         self._bindings[_signature(inputs)] = binding
@@ -124,22 +131,25 @@ class FusionRunner:
         steps = plan_resharding(src, dst, binding.extents)
         if not steps:
             return None
+        whole = torch.empty([binding.extents[i] for i in src.materialized()],
+                            dtype=src.dtype.torch_dtype, device=self.communicator.device)
         lowered = []
         for index, step in enumerate(steps):
-            mesh = src.mesh
-            group = Group(
-                self.communicator.group(mesh, step.mesh_axis),
-                mesh.group_ranks(self.rank, step.mesh_axis),
-                mesh.coordinate(self.rank)[step.mesh_axis],
-                step.mesh_axis,
-            )
+            mesh = step.mesh or src.mesh
+            # Every rank takes part in creating a step's groups; members run the step.
+            process_group = self.communicator.group_if_member(mesh, step.mesh_axis)
+            if self.rank not in mesh:
+                continue
+            group = Group(process_group, mesh.group_ranks(self.rank, step.mesh_axis),
+                          mesh.coordinate(self.rank)[step.mesh_axis], step.mesh_axis)
             lowered.append(lower_step(step, group, self.communicator.device,
-                                      donated and index == 0))
+                                      donated and index == 0, whole))
+        keeps = self.rank in dst.mesh
 
         def reshard(x):
             for step in lowered:
                 x = step(x)
-            return x
+            return x if keeps else None
 
         return reshard, "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
 
@@ -164,6 +174,14 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
     keep = {slot(v) for v in fusion.outputs()}
     steps = []
     for index, expr in enumerate(fusion.exprs):
+        lowered = None
+        if expr.op.name == "set" and lower_set is not None:
+            # Lowered on every rank alike (group creation is collective), run by members.
+            src = slot(expr.args[0])
+            donated = last_use.get(src) == index and src not in keep and src not in input_slots
+            lowered = lower_set(expr, binding, donated)
+        if not _takes_part(expr, rank):
+            continue
         template, slots = [], []
         for pos, (param, arg) in enumerate(zip(expr.op.params, expr.args)):
             if isinstance(arg, Scalar) and arg.is_constant:
@@ -186,11 +204,6 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
             kwargs["reduced_count"] = _reduced_count(expr, binding)
         impl = expr.op.make_impl() if expr.op.make_impl is not None else expr.op.impl
         label = format_expr(expr)
-        lowered = None
-        if expr.op.name == "set" and lower_set is not None:
-            src = slot(expr.args[0])
-            donated = last_use.get(src) == index and src not in keep and src not in input_slots
-            lowered = lower_set(expr, binding, donated)
         if lowered is not None:
             impl, plan = lowered
             label = f"{label}: {plan}"
@@ -199,10 +212,20 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
-                     tv.dtype.torch_dtype)
+                     tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def _takes_part(expr, rank: int) -> bool:
+    """Whether ``rank`` runs ``expr``: it holds one of its outputs, or, for a resharding copy,
+    its input or output (the ranks of both meshes move the data)."""
+    tensors = [t for t in expr.tensor_outputs if t.logical]
+    if expr.op.name == "set":
+        tensors += [t for t in expr.tensor_inputs if t.logical]
+    meshes = [t.mesh for t in tensors]
+    return not meshes or any(m is None or rank in m for m in meshes)
 
 
 def _reduced_count(expr, binding: Binding) -> int:
