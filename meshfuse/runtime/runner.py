@@ -87,28 +87,36 @@ class FusionRunner:
         return program.run(inputs)
 
     def _check_across_ranks(self, key: tuple) -> None:
-        keys = self.communicator.allgather_object(_comparable(key))
-        bad = [r for r, k in enumerate(keys) if k != keys[0]]
-        if not bad:
-            return
-        rank, theirs, ours = bad[0], keys[bad[0]], keys[0]
-        for v, a, b in zip(self.fusion.inputs(), ours, theirs):
-            if a == b:
+        """Every rank's inputs agree in kind, dtype and local shape (an input a rank does not
+        hold, being outside its mesh, is left out); else InputError on every rank."""
+        held = [not isinstance(v, TensorView) or held_here(v, self.rank)
+                for v in self.fusion.inputs()]
+        mine = tuple(k if h else None for k, h in zip(_comparable(key), held))
+        keys = self.communicator.allgather_object(mine)
+        counts = {len(k) for k in keys}
+        if len(counts) > 1:
+            raise InputError(f"ranks disagree on the number of inputs: {sorted(counts)}")
+        for j, v in enumerate(self.fusion.inputs()):
+            seen = [(r, k[j]) for r, k in enumerate(keys) if k[j] is not None]
+            r0, a = seen[0] if seen else (0, None)
+            mismatch = next(((r, b) for r, b in seen if b != a), None)
+            if mismatch is None:
                 continue
-            what = "its kind or count"
+            rank, b = mismatch
+            what = "its kind"
             if isinstance(a, tuple) and isinstance(b, tuple):
                 if a[0] != b[0]:
-                    what = f"dtype {b[0]} (rank 0 has {a[0]})"
+                    what = f"dtype {b[0]} (rank {r0} has {a[0]})"
                 elif len(a[1]) != len(b[1]):
-                    what = f"{len(b[1])} axes (rank 0 has {len(a[1])})"
+                    what = f"{len(b[1])} axes (rank {r0} has {len(a[1])})"
                 else:
                     axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
-                    what = f"local extent {b[1][axis]} on axis {axis} (rank 0 has {a[1][axis]})"
+                    what = (f"local extent {b[1][axis]} on axis {axis} (rank {r0} has "
+                            f"{a[1][axis]})")
             raise InputError(
                 f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
                 "its shard of the same global tensors"
             )
-        raise InputError(f"ranks disagree on the number of inputs: rank {rank} has {len(theirs)}")
 
     def _make_program(self, inputs: list) -> Program:
         fusion = self.fusion
