@@ -158,18 +158,7 @@ def _copy_sharding(ref: TensorView, target: TensorView,
     target.set_device_mesh(ref.mesh)
     replay: dict[IterDomain, IterDomain] = dict(pairs)
     for ref_id, target_id in pairs.items():
-        if not _device_leaves(ref, ref_id) or target_id.is_broadcast:
-            continue
-        if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
-            continue  # a reshaped axis keeps only a block shard; the rest is resharded
-        for t in ref.transforms:
-            if isinstance(t, Split) and t.in_id in replay and replay[t.in_id] in target.loop:
-                pos = target.loop.index(replay[t.in_id])
-                target.split(pos, t.factor, t.inner_split)
-                record = target.transforms[-1]
-                replay[t.outer], replay[t.inner] = record.outer, record.inner
-        for leaf in _device_leaves(ref, ref_id):
-            target.parallelize(target.loop.index(replay[leaf]), ref.parallel_type(leaf))
+        _replay_shard(ref, ref_id, target, target_id, replay)
     if layout and ref.allocation is not None and target.allocation is None:
         allocation = _follow_allocation(ref, target, replay)
         if allocation is not None:
@@ -221,20 +210,28 @@ def _add_sharding(ref: TensorView, target: TensorView,
                   pairs: dict[IterDomain, IterDomain]) -> None:
     """Adds ``ref``'s shardings on mesh axes ``target`` does not use yet, to axes of
     ``target`` not split yet (data parallel tokens next to tensor parallel weights)."""
-    used = {pt for pt in target.parallel.values() if pt.is_device}
     for ref_id, target_id in pairs.items():
-        leaves = _device_leaves(ref, ref_id)
-        if not leaves or any(ref.parallel_type(i) in used for i in leaves):
-            continue
-        if target_id.is_broadcast or target_id not in target.loop:
-            continue
-        replay = {ref_id: target_id}
-        for t in ref.transforms:
-            if isinstance(t, Split) and t.in_id in replay and replay[t.in_id] in target.loop:
-                pos = target.loop.index(replay[t.in_id])
-                target.split(pos, t.factor, t.inner_split)
-                record = target.transforms[-1]
-                replay[t.outer], replay[t.inner] = record.outer, record.inner
-        for leaf in leaves:
-            target.parallelize(target.loop.index(replay[leaf]), ref.parallel_type(leaf))
-            used.add(ref.parallel_type(leaf))
+        used = {pt for pt in target.parallel.values() if pt.is_device}
+        if not any(ref.parallel_type(i) in used for i in _device_leaves(ref, ref_id)):
+            _replay_shard(ref, ref_id, target, target_id, {})
+
+
+def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
+                  target_id: IterDomain, replay: dict[IterDomain, IterDomain]) -> None:
+    """Replays the split chain of ``ref``'s sharded logical ``ref_id`` on ``target_id`` (an
+    unsplit loop ID of ``target``) and parallelizes the device IDs alike. Nothing happens for
+    an unsharded or broadcast axis, or across a reshape (other extents) unless the shard is a
+    block that divides both: the rest is resharded."""
+    if not _device_leaves(ref, ref_id) or target_id.is_broadcast or target_id not in target.loop:
+        return
+    if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
+        return
+    chain = {ref_id: target_id}
+    for t in ref.transforms:
+        if isinstance(t, Split) and t.in_id in chain:
+            target.split(target.loop.index(chain[t.in_id]), t.factor, t.inner_split)
+            record = target.transforms[-1]
+            chain[t.outer], chain[t.inner] = record.outer, record.inner
+    for leaf in _device_leaves(ref, ref_id):
+        target.parallelize(target.loop.index(chain[leaf]), ref.parallel_type(leaf))
+    replay.update(chain)
