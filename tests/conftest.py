@@ -1,3 +1,4 @@
+import os
 import sys
 
 # meshfuse's pytest plugin is the package's pytest11 entry point, which pytest loads before this
@@ -5,3 +6,7 @@ import sys
 # `PYTHONPATH=. pytest`, or plugin autoload disabled). Registering it twice is an error.
 if "meshfuse.testing.plugin" not in sys.modules:
     pytest_plugins = ["meshfuse.testing.plugin"]
+
+# Every multi-rank test checks that the ranks' inputs agree before running (InputError on
+# every rank instead of a hang); the spawned ranks inherit this.
+os.environ.setdefault("MESHFUSE_CHECK_RANKS", "1")
