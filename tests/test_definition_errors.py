@@ -9,6 +9,7 @@ that no bare PyTorch exception escapes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -533,3 +534,16 @@ def test_scalar_input_that_is_not_a_number():
         fd.add_output(fd.ops.mul(x, scale))
     with pytest.raises(InputError, match=r"input S0 is a Double scalar; got str"):
         fd.execute([torch.ones(2), "two"])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"dropout_p": 1.5}, "dropout_p must be a number in [0, 1)"),
+    ({"is_causal": "yes"}, "is_causal must be a bool"),
+    ({"scale": -1.0}, "scale must be a positive number"),
+], ids=["dropout", "causal", "scale"])
+def test_attention_scalar_arguments_are_checked_when_added(kwargs, words):
+    fd = FusionDefinition()
+    q, k, v = (fd.define_tensor([1, 2, 8, 4], dtype=DataType.BFloat16) for _ in range(3))
+    args = {"dropout_p": 0.0, "is_causal": True, "scale": None} | kwargs
+    with pytest.raises(DefinitionError, match=re.escape(f"sdpfa_fwd: {words}")):
+        fd.ops.sdpfa_fwd(q, k, v, **args)

@@ -18,7 +18,15 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops import attention_kernels
-from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, register, scalar, tensor
+from meshfuse.ops.registry import (
+    AxisSpec,
+    OpDef,
+    OutSpec,
+    ScalarMeta,
+    register,
+    scalar,
+    tensor,
+)
 from meshfuse.ops.shape_rules import require_tensor
 
 _RNG = OutSpec(DataType.Int, ())
@@ -53,7 +61,23 @@ def _check_kv(op: str, q, k, v) -> None:
             raise DefinitionError(f"{op}: {what} differ: {a.shape[ia]} and {b.shape[ib]}")
 
 
+def _check_scalars(op: str, dropout_p, is_causal, scale) -> None:
+    """Constant (or Python) dropout_p, is_causal and scale must make sense."""
+    def value(x):
+        return x.value if isinstance(x, ScalarMeta) else x
+
+    p, causal, sc = value(dropout_p), value(is_causal), value(scale)
+    if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or
+                          not 0.0 <= p < 1.0):
+        raise DefinitionError(f"{op}: dropout_p must be a number in [0, 1), got {p!r}")
+    if causal is not None and not isinstance(causal, bool):
+        raise DefinitionError(f"{op}: is_causal must be a bool, got {causal!r}")
+    if sc is not None and (isinstance(sc, bool) or not isinstance(sc, int | float) or sc <= 0):
+        raise DefinitionError(f"{op}: scale must be a positive number or None, got {sc!r}")
+
+
 def _fwd_infer(q, k, v, dropout_p, is_causal, scale):
+    _check_scalars("sdpfa_fwd", dropout_p, is_causal, scale)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
     _check_kv("sdpfa_fwd", q, k, v)
     batch = AxisSpec(q.shape[0], IterType.Iteration, ((0, 0), (1, 0), (2, 0)))
@@ -119,6 +143,7 @@ register(OpDef(
 
 
 def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale):
+    _check_scalars("sdpfa_bwd", dropout_p, is_causal, scale)
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
     _check_kv("sdpfa_bwd", q, k, v)
     for name, m in (("grad_attn", grad_attn), ("attn", attn)):
