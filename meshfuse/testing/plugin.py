@@ -256,6 +256,8 @@ class ParentRunner:
             args.append("-l")
         if option.noconftest:
             args.append("--noconftest")
+        if option.runxfail:  # the workers report xfails; they must run them as the parent asks
+            args.append("--runxfail")
         for flag, values in (
             ("-o", option.override_ini),
             ("-p", option.plugins),
