@@ -6,6 +6,11 @@ shards gathered (allgather), shards moved to another axis (all-to-all), replicat
 (local, no traffic). Each record holds the index order of its axis, so block and cyclic shards
 use the same code.
 
+Between two (1-D) meshes, the plan makes the tensor whole on the source mesh, sends it from
+that mesh's first device (send/recv to one device, a broadcast to several, nothing when the
+destination devices already hold it), and slices it there; each step names the mesh whose
+ranks run it.
+
 A logical axis that changes placement must be sharded by at most one mesh axis on each side
 (composed shards of one axis over two mesh axes are moved only when they stay as they are).
 """
