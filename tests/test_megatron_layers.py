@@ -20,12 +20,12 @@ head-parallel projections; (d) data x tensor parallel MLP on a 2x2 mesh. Tests n
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fusion_math import gelu_tanh_derivative
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor
 from meshfuse.ir.placement import Shard, placements
@@ -117,16 +117,6 @@ def _2x2_mesh(multidevice_test) -> DeviceMesh:
     if multidevice_test.size != 4:
         pytest.skip("a 2x2 mesh needs 4 ranks")
     return DeviceMesh(torch.arange(4).reshape(2, 2))
-
-
-def gelu_tanh_derivative(ops, x):
-    """d/dx of 0.5 x (1 + tanh(u)), u = c (x + a x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) u'."""
-    c, a = math.sqrt(2 / math.pi), 0.044715
-    x2 = ops.mul(x, x)
-    t = ops.tanh(ops.mul(ops.mul(x, ops.add(ops.mul(x2, a), 1.0)), c))
-    du = ops.mul(ops.add(ops.mul(x2, 3 * a), 1.0), c)
-    dtanh = ops.mul(ops.mul(ops.sub(1.0, ops.mul(t, t)), du), ops.mul(x, 0.5))
-    return ops.add(ops.mul(ops.add(t, 1.0), 0.5), dtanh)
 
 
 def _transpose(ops, t):

@@ -23,6 +23,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fusion_math import gelu_tanh_derivative
 
 from meshfuse import DataType, FusionDefinition
 
@@ -107,7 +108,7 @@ class TransformerLayer(FusionDefinition):
         # Backward of sum(y * dy).
         grads = {"y": y}
         dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(dy, g, p["w_fc2"])
-        df1 = ops.mul(dg, self.gelu_tanh_derivative(f1))
+        df1 = ops.mul(dg, gelu_tanh_derivative(ops, f1))
         dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(df1, ln2, p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
             dln2, p["ln2_w"], *ln2_saved)
@@ -153,16 +154,6 @@ class TransformerLayer(FusionDefinition):
         dout_t = ops.permute(ops.reshape(dout, [B * S, n]), [1, 0])
         dw = ops.matmul(dout_t, ops.reshape(x, [B * S, k]))
         return ops.matmul(dout, w), dw, ops.sum(dout, dims=[0, 1])
-
-    def gelu_tanh_derivative(self, x):
-        """d/dx of 0.5 x (1 + tanh(u)), u = c (x + a x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) u'."""
-        ops = self.ops
-        c, a = math.sqrt(2 / math.pi), 0.044715
-        x2 = ops.mul(x, x)
-        t = ops.tanh(ops.mul(ops.mul(x, ops.add(ops.mul(x2, a), 1.0)), c))
-        du = ops.mul(ops.add(ops.mul(x2, 3 * a), 1.0), c)
-        dtanh = ops.mul(ops.mul(ops.sub(1.0, ops.mul(t, t)), du), ops.mul(x, 0.5))
-        return ops.add(ops.mul(ops.add(t, 1.0), 0.5), dtanh)
 
     def to_heads(self, t):
         """``[B, S, H]`` to ``[B, HEADS, S, D]``."""
