@@ -40,8 +40,7 @@ class FusionRunner:
 
     def __init__(self, fusion: Fusion):
         self.fusion = fusion
-        self.multidevice = any(tv.mesh is not None for tv in fusion.tensors())
-        if self.multidevice:
+        if any(tv.mesh is not None for tv in fusion.tensors()):
             from meshfuse.runtime.communicator import Communicator
 
             self.communicator = Communicator.instance()
@@ -62,7 +61,6 @@ class FusionRunner:
         self.allocations = infer_allocations(fusion)
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self._programs: dict[tuple, Program] = {}
-        self._bindings: dict[tuple, Binding] = {}
 
     def explain(self, inputs: Sequence[Any] | None = None) -> str:
         """The fusion after the passes; with ``inputs``, also this rank's program for them
@@ -126,7 +124,6 @@ class FusionRunner:
             if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
-        self._bindings[_signature(inputs)] = binding
         return build_program(fusion, binding, self.rank, self._lower_set)
 
     def _lower_set(self, expr, binding: Binding, donated: bool):
