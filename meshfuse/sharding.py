@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from meshfuse.errors import InputError, ShardingError
-from meshfuse.ir.layout import derived_extents, local_indices, local_layout
+from meshfuse.ir.layout import derived_extents, local_indices, local_layout, shard_factor
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.runtime.binding import device_coords
 
@@ -104,13 +104,7 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
             f"unshard_tensor of {tv.name}: got {len(shards)} shards for {len(devices)} devices"
         )
     ids = tv.materialized()
-    shape = []
-    for axis, id_ in enumerate(ids):
-        factor = 1
-        for pid, pt in tv.parallel.items():
-            if pt.is_device and id_ in _ancestry(tv, pid):
-                factor *= tv.mesh.axis_size(pt)
-        shape.append(shards[0].shape[axis] * factor)
+    shape = [n * shard_factor(tv, id_) for n, id_ in zip(shards[0].shape, ids)]
     extents = _extents(tv, shape)
     out = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)
     for device, shard in zip(devices, shards):
@@ -121,16 +115,6 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
         )
         out[index] = shard
     return out
-
-
-def _ancestry(tv: TensorView, id_):
-    from meshfuse.ir.layout import producers
-
-    made_by = producers(tv)
-    chain = [id_]
-    while chain[-1] in made_by:
-        chain.append(made_by[chain[-1]].inputs[0])
-    return chain
 
 
 def _as_column(index, axis: int, ndim: int, extent: int) -> torch.Tensor:

@@ -84,6 +84,26 @@ def device_ids(tv: TensorView) -> dict[IterDomain, list[tuple[IterDomain, Parall
     return result
 
 
+def split_indices(
+    tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomain, int]
+) -> dict[IterDomain, torch.Tensor]:
+    """For ``logical_id`` and each ID split from it: the index on that ID of every global
+    index of ``logical_id`` (an outer ID gets ``i // inner``, an inner one ``i % inner``)."""
+    index = {logical_id: torch.arange(extents[logical_id])}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in index:
+            inner = extents[t.inner]
+            index[t.outer] = index[t.in_id] // inner
+            index[t.inner] = index[t.in_id] % inner
+    return index
+
+
+def shard_factor(tv: TensorView, logical_id: IterDomain) -> int:
+    """How many shards ``logical_id`` is cut into: the product of the sizes of the mesh axes
+    its device IDs run over (known before the global extent is)."""
+    return math.prod(tv.mesh.axis_size(pt) for _, pt in device_ids(tv).get(logical_id, []))
+
+
 def local_indices(
     tv: TensorView,
     logical_id: IterDomain,
@@ -98,12 +118,7 @@ def local_indices(
     shards = device_ids(tv).get(logical_id)
     if not shards:
         return None
-    index = {logical_id: torch.arange(extents[logical_id])}
-    for t in tv.transforms:
-        if isinstance(t, Split) and t.in_id in index:
-            inner = extents[t.inner]
-            index[t.outer] = index[t.in_id] // inner
-            index[t.inner] = index[t.in_id] % inner
+    index = split_indices(tv, logical_id, extents)
     keep = torch.ones(extents[logical_id], dtype=torch.bool)
     for id_, pt in shards:
         keep &= index[id_] == coords[pt]

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion
-from meshfuse.ir.iter_domain import IterDomain, Split
-from meshfuse.ir.layout import device_ids
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.layout import device_ids, split_indices
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 
@@ -26,12 +24,7 @@ def owner_map(tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomai
     shards = device_ids(tv).get(logical_id, [])
     if not shards:
         return {}
-    index = {logical_id: torch.arange(extents[logical_id])}
-    for t in tv.transforms:
-        if isinstance(t, Split) and t.in_id in index:
-            inner = extents[t.inner]
-            index[t.outer] = index[t.in_id] // inner
-            index[t.inner] = index[t.in_id] % inner
+    index = split_indices(tv, logical_id, extents)
     return {pt.value: tuple(index[id_].tolist()) for id_, pt in shards}
 
 

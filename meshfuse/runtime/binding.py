@@ -8,7 +8,6 @@ same errors) before any communication.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,7 +16,7 @@ from meshfuse.errors import DefinitionError, InputError
 from meshfuse.frontend.ops_namespace import arg_meta
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain
-from meshfuse.ir.layout import LocalLayout, derived_extents, device_ids, local_layout
+from meshfuse.ir.layout import LocalLayout, derived_extents, local_layout, shard_factor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
@@ -146,11 +145,8 @@ def _concrete(tv: TensorView, meta: TensorMeta, extents) -> TensorMeta:
 
 
 def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int]) -> None:
-    shards = device_ids(tv)
     for axis, id_ in enumerate(tv.materialized()):
-        # Device-parallel IDs have static extents (the mesh axis sizes), so the shard factor
-        # of an axis is known before its global extent is.
-        factor = math.prod(tv.mesh.axis_size(pt) for _, pt in shards.get(id_, []))
+        factor = shard_factor(tv, id_)
         global_extent = x.shape[axis] * factor
         if id_ in tv.parallel and tv.parallel[id_].is_device and x.shape[axis] != 1:
             raise InputError(
