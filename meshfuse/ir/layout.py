@@ -33,9 +33,7 @@ def derived_extents(tv: TensorView, logical: Mapping[IterDomain, int]) -> dict[I
         if isinstance(t, Split):
             n = extents[t.in_id]
             if n % t.factor != 0:
-                root = t.in_id
-                while root in producers(tv):
-                    root = producers(tv)[root].inputs[0]
+                root = _split_ancestry(tv, t.in_id)[-1]
                 where = (f"axis {tv.logical.index(root)}" if root in tv.logical
                          else "a merged axis")
                 raise ScheduleError(
