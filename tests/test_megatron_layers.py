@@ -266,6 +266,29 @@ def test_mlp_sequence_parallel(multidevice_test, dtype):
     _expect(multidevice_test, bwd, mesh, allgather_x=2, reduce_scatter_x=1)
 
 
+def test_mlp_backward_launches_the_input_gradient_allreduce_before_the_weight_gradients(
+        multidevice_test, dtype):
+    """dx is defined last, but its allreduce is launched as soon as its partial sums exist,
+    before the weight gradients are computed, so that their matmuls overlap it; its result is
+    waited for only as an output. The values are those of the tensor-parallel test above."""
+    mesh = _1d_mesh(multidevice_test)
+    bwd = MlpBackward("tp", mesh, dtype).define()
+    inputs = [shard_tensor(_randn(*[d.extent for d in tv.logical], seed=i, dtype=dtype), tv,
+                           multidevice_test.rank)
+              for i, tv in enumerate(bwd.fusion.inputs())]
+    _, comms = _execute(bwd, inputs)
+    _expect(multidevice_test, comms, mesh, allreduce_x=1)
+    program, = bwd._runner._programs.values()
+    labels = [step.label for step in program.steps]
+    computes = {tv: next(i for i, lb in enumerate(labels) if lb.startswith(f"{tv.name} = "))
+                for tv in (bwd.dw1, bwd.dw2, bwd.db1, bwd.db2)}
+    reduce = next((i for i, lb in enumerate(labels) if "allreduce" in lb), None)
+    if multidevice_test.size == 1:
+        assert reduce is None, program.describe()
+    else:
+        assert all(reduce < i for i in computes.values()), program.describe()
+
+
 def test_mlp_data_and_tensor_parallel_on_a_2x2_mesh(multidevice_test, dtype):
     """(d) Tokens on mesh_y (data parallel), weights on mesh_x (tensor parallel). The forward's
     allreduce and the backward's input-gradient allreduce run over mesh_x groups only; the

@@ -5,6 +5,10 @@ group plus the ranks of the mesh slice in *coordinate* order); it moves the comm
 outermost and makes the buffer contiguous only when needed, and returns the result with the
 axis back in place. Results along a gathered or scattered axis are in coordinate order.
 
+The data collectives take ``async_op``: True launches the collective and returns a
+:class:`Pending` at once, so that computation the result does not feed overlaps it (NCCL runs
+it on its own stream; gloo on its own thread); its :meth:`~Pending.wait` gives the tensor.
+
 Every call is reported to the active :func:`record_communications` recorders (kind, group
 ranks, mesh axis, bytes sent by this rank), which the tests use to assert the traffic.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,52 @@ class Communication:
     mesh_axis: int
     bytes: int
     reduce_op: str | None = None
+
+
+class Pending:
+    """A collective in flight and what turns its buffer into the result.
+
+    ``wait()`` orders the caller after the collective (on NCCL the current stream waits for
+    the collective's stream; the host does not block) and returns the result; later calls
+    return it again. ``then(fn)`` appends a local step applied to the result on ``wait``.
+    Until ``wait``, the buffer must not be read or freed: the collective may still write it.
+    """
+
+    __slots__ = ("_work", "_value", "_finish")
+
+    def __init__(self, work: dist.Work, buffer: torch.Tensor,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self._work: dist.Work | None = work
+        self._value = buffer
+        self._finish = [finish] if finish is not None else []
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        if self._work is None:
+            self._value = fn(self._value)
+        else:
+            self._finish.append(fn)
+        return self
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            for fn in self._finish:
+                self._value = fn(self._value)
+            self._finish = []
+        return self._value
+
+
+def resolved(x: torch.Tensor | Pending) -> torch.Tensor:
+    """``x`` itself, or the result of the collective ``x`` stands for (waited for)."""
+    return x.wait() if isinstance(x, Pending) else x
+
+
+def _issued(work: dist.Work | None, buffer: torch.Tensor,
+            finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | Pending:
+    """The result of a collective that wrote ``buffer``: at once (``work`` None: it ran
+    synchronously), or a :class:`Pending` of it."""
+    return finish(buffer) if work is None else Pending(work, buffer, finish)
 
 
 _recorders: list[list[Communication]] = []
@@ -109,18 +159,24 @@ def _chunks_in_torch_order(send: torch.Tensor, group: Group) -> torch.Tensor:
     return chunks
 
 
-def allgather(x: torch.Tensor, axis: int, group: Group) -> torch.Tensor:
+def allgather(x: torch.Tensor, axis: int, group: Group,
+              async_op: bool = False) -> torch.Tensor | Pending:
     """Concatenation along ``axis`` of every group member's ``x``, by coordinate."""
     send = _outermost(x, axis)
     _record("allgather", group, send)
     out = torch.empty((group.size * send.shape[0], *send.shape[1:]), dtype=send.dtype,
                       device=send.device)
-    _gather(out, send, group=group.process_group)
-    out = _to_coordinate_order(out.reshape(group.size, *send.shape), group)
-    return out.reshape(group.size * send.shape[0], *send.shape[1:]).movedim(0, axis)
+    work = _gather(out, send, group=group.process_group, async_op=async_op)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        out = _to_coordinate_order(out.reshape(group.size, *send.shape), group)
+        return out.reshape(group.size * send.shape[0], *send.shape[1:]).movedim(0, axis)
+
+    return _issued(work, out, finish)
 
 
-def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = False) -> torch.Tensor:
+def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = False,
+              async_op: bool = False) -> torch.Tensor | Pending:
     """The elementwise reduction of every group member's ``x``; with ``inplace`` (the caller
     gives ``x`` up) a contiguous ``x`` is reduced in its own buffer."""
     if x.is_contiguous():
@@ -128,11 +184,17 @@ def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = Fal
     else:
         out = x.contiguous()
     _record("allreduce", group, out, reduce_op)
-    dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group)
-    return out
+    work = dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group,
+                           async_op=async_op)
+    return _issued(work, out, _same)
 
 
-def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str) -> torch.Tensor:
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str,
+                   async_op: bool = False) -> torch.Tensor | Pending:
     """``x`` split along ``axis`` into equal chunks by coordinate; this member gets the
     reduction over all members of the chunk of its coordinate."""
     send = _outermost(x, axis)
@@ -140,23 +202,29 @@ def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str) -> 
     chunks = _chunks_in_torch_order(send, group)
     _record("reduce_scatter", group, send, reduce_op)
     out = torch.empty((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
-    _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
-                    group=group.process_group)
-    return out.movedim(0, axis)
+    work = _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
+                           group=group.process_group, async_op=async_op)
+    return _issued(work, out, lambda out: out.movedim(0, axis))
 
 
-def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
+               async_op: bool = False) -> torch.Tensor | Pending:
     """Chunk ``c`` of ``x`` along ``split_axis`` goes to coordinate ``c``; the chunks received
     are concatenated along ``concat_axis`` by the sender's coordinate."""
     send = _outermost(x, split_axis)
     chunks = _chunks_in_torch_order(send, group)
     _record("all_to_all", group, send)
     received = torch.empty_like(chunks)
-    dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group)
-    received = _to_coordinate_order(received, group)  # [sender, n, ...] with split axis first
-    # back to x's axis order per chunk, then concatenate the chunks along concat_axis
-    pieces = [received[c].movedim(0, split_axis) for c in range(group.size)]
-    return torch.cat(pieces, dim=concat_axis)
+    work = dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group,
+                                  async_op=async_op)
+
+    def finish(received: torch.Tensor) -> torch.Tensor:
+        received = _to_coordinate_order(received, group)  # [sender, n, ...], split axis first
+        # back to x's axis order per chunk, then concatenate the chunks along concat_axis
+        pieces = [received[c].movedim(0, split_axis) for c in range(group.size)]
+        return torch.cat(pieces, dim=concat_axis)
+
+    return _issued(work, received, finish)
 
 
 def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:

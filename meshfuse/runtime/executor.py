@@ -4,6 +4,10 @@ A :class:`Program` is data: a list of :class:`Step` records over numbered value 
 once per input signature. ``run`` walks the steps, calls each op's torch implementation,
 frees values after their last use, lays fusion outputs out in their allocation order, and on
 failure re-raises with the step and the rank.
+
+A communication step returns a :class:`~meshfuse.runtime.collectives.Pending` result: the
+collective is in flight while the next steps run, and is waited for where its result is first
+read (an argument, a fusion output) or freed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from meshfuse.errors import ExecutionError
+from meshfuse.runtime.collectives import Pending, resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,8 @@ class Program:
         for index, step in enumerate(self.steps):
             args = list(step.template)
             for pos, slot in step.slots:
-                args[pos] = values[slot] if isinstance(slot, int) else [values[s] for s in slot]
+                args[pos] = _read(values, slot) if isinstance(slot, int) else \
+                    [_read(values, s) for s in slot]
             try:
                 result = step.impl(*args, **step.kwargs)
             except Exception as e:
@@ -83,8 +89,18 @@ class Program:
                 for slot, value in zip(step.outputs, result):
                     values[slot] = value
             for slot in step.free:
+                resolved(values[slot])  # a collective still writing the buffer ends first
                 values[slot] = None
-        return [_laid_out(values[o.slot], o) if o.held else _nothing(o) for o in self.outputs]
+        return [_laid_out(_read(values, o.slot), o) if o.held else _nothing(o)
+                for o in self.outputs]
+
+
+def _read(values: list[Any], slot: int) -> Any:
+    """The value of ``slot``; a pending collective's result is waited for (once)."""
+    value = values[slot]
+    if isinstance(value, Pending):
+        value = values[slot] = value.wait()
+    return value
 
 
 def _nothing(out: OutputLayout) -> torch.Tensor:

@@ -11,6 +11,10 @@ that mesh's first device (send/recv to one device, a broadcast to several, nothi
 destination devices already hold it), and slices it there; each step names the mesh whose
 ranks run it.
 
+Collectives of a plan are launched asynchronously: the plan returns a
+:class:`~meshfuse.runtime.collectives.Pending` result, which the executor waits for where it
+is first read, so the computation in between overlaps the communication.
+
 A logical axis that changes placement must be sharded by at most one mesh axis on each side
 (composed shards of one axis over two mesh axes are moved only when they stay as they are).
 """
@@ -18,7 +22,7 @@ A logical axis that changes placement must be sharded by at most one mesh axis o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -29,7 +33,7 @@ from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.collectives import Group, Pending, resolved
 
 PHASES = ("allreduce", "reduce_scatter", "allgather", "all_to_all", "slice")
 
@@ -188,37 +192,45 @@ class LoweredStep:
     to_by_owner: torch.Tensor | None
     mine: torch.Tensor | tuple[int, int] | None  # a slice's indices, or (start, length)
     donated: bool = False  # the input is dead after this step: reduce it in place
-    whole: torch.Tensor | None = None  # a receiver's buffer shape/dtype/device (empty tensor)
+    whole: Callable[[], torch.Tensor] | None = None  # a receiver's buffer: the whole tensor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | Pending) -> torch.Tensor | Pending:
+        """This step on ``x``. A gather, reduction or all-to-all is only launched: it returns
+        a :class:`Pending` that the executor waits for where the result is first read, so
+        that work not depending on it overlaps it. A local slice of a pending result is
+        applied when it arrives."""
         step, group = self.step, self.group
+        if step.kind == "slice":
+            if isinstance(self.mine, tuple):
+                return _then(x, lambda x: x.narrow(step.axis, *self.mine))
+            return _then(x, lambda x: x.index_select(step.axis, self.mine))
+        x = resolved(x)
         if step.kind in ("broadcast", "send_recv"):
             if group.coordinate != 0:  # a receiver: nothing of its own to send
-                x = torch.empty_like(self.whole)
+                x = self.whole()
             if step.kind == "send_recv":
                 return collectives.send_recv(x, group)
             return collectives.broadcast(x, 0, group)
         if step.kind == "allreduce":
-            return collectives.allreduce(x, group, step.reduce_op, inplace=self.donated)
-        if step.kind == "slice":
-            if isinstance(self.mine, tuple):
-                return x.narrow(step.axis, *self.mine)
-            return x.index_select(step.axis, self.mine)
+            return collectives.allreduce(x, group, step.reduce_op, inplace=self.donated,
+                                         async_op=True)
         if step.kind == "allgather":
-            return _reorder(collectives.allgather(x, step.axis, group), step.axis, self.to_global)
+            gathered = collectives.allgather(x, step.axis, group, async_op=True)
+            return _then(gathered, lambda x: _reorder(x, step.axis, self.to_global))
         if step.kind == "reduce_scatter":
             return collectives.reduce_scatter(_reorder(x, step.axis, self.by_owner), step.axis,
-                                              group, step.reduce_op)
+                                              group, step.reduce_op, async_op=True)
         moved = collectives.all_to_all(_reorder(x, step.to_axis, self.to_by_owner), step.to_axis,
-                                       step.axis, group)
-        return _reorder(moved, step.axis, self.to_global)
+                                       step.axis, group, async_op=True)
+        return _then(moved, lambda x: _reorder(x, step.axis, self.to_global))
 
 
 def lower_step(step: ReshardStep, group: Group, device: torch.device,
-               donated: bool = False, whole: torch.Tensor | None = None) -> LoweredStep:
+               donated: bool = False,
+               whole: Callable[[], torch.Tensor] | None = None) -> LoweredStep:
     """Binds ``step`` to this rank's ``group``, with its index tensors on ``device``;
     ``donated``: the step may overwrite its input (nothing reads it afterwards); ``whole``:
-    an empty tensor of the whole tensor's shape and dtype, for receivers between meshes."""
+    makes an empty buffer of the whole tensor, for receivers between meshes."""
     def on(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
@@ -240,6 +252,11 @@ def _is_blocks(order: tuple[torch.Tensor, ...]) -> bool:
         return True
     flat = torch.cat(order)
     return bool(torch.equal(flat, torch.arange(flat.numel())))
+
+
+def _then(x: torch.Tensor | Pending, fn) -> torch.Tensor | Pending:
+    """``fn(x)``, or for a pending ``x`` ``fn`` of its result when it arrives."""
+    return x.then(fn) if isinstance(x, Pending) else fn(x)
 
 
 def _reorder(x: torch.Tensor, axis: int, index: torch.Tensor | None) -> torch.Tensor:

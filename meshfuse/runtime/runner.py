@@ -7,6 +7,7 @@ against them, check that no op needs resharding, and make the :class:`Program`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.placement import same_sharding
 from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
@@ -136,8 +138,8 @@ class FusionRunner:
         steps = plan_resharding(src, dst, binding.extents)
         if not steps:
             return None
-        whole = torch.empty([binding.extents[i] for i in src.materialized()],
-                            dtype=src.dtype.torch_dtype, device=self.communicator.device)
+        whole = functools.partial(torch.empty, [binding.extents[i] for i in src.materialized()],
+                                  dtype=src.dtype.torch_dtype, device=self.communicator.device)
         lowered = []
         for index, step in enumerate(steps):
             mesh = step.mesh or src.mesh
@@ -167,8 +169,9 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         return slot_of.setdefault(v, len(slot_of))
 
     input_slots = tuple(slot(v) for v in fusion.inputs())
+    exprs = communication_first(fusion.exprs)
     last_use: dict[int, int] = {}
-    for index, expr in enumerate(fusion.exprs):
+    for index, expr in enumerate(exprs):
         for v in expr.inputs:
             last_use[slot(v)] = index
         for arg in expr.args:
@@ -178,7 +181,7 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
                         last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
     steps = []
-    for index, expr in enumerate(fusion.exprs):
+    for index, expr in enumerate(exprs):
         lowered = None
         if expr.op.name == "set" and lower_set is not None:
             # Lowered on every rank alike (group creation is collective), run by members.
@@ -221,6 +224,53 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def communication_first(exprs: Sequence) -> list:
+    """``exprs`` (in a valid order) reordered so that each communication is launched as soon
+    as it can be: before any expression it does not depend on.
+
+    Communications are kept in their order (every rank issues them alike); before each, the
+    expressions it depends on that are not yet placed come in their order; the rest follow in
+    theirs. With collectives launched asynchronously, the expressions after a communication
+    overlap it: in a Megatron MLP's backward, the input gradient's allreduce overlaps the
+    weight gradients' matmuls.
+    """
+    producer = {o: e for e in exprs for o in e.outputs}
+    position = {e: i for i, e in enumerate(exprs)}
+    placed: set = set()
+    order = []
+
+    def place_with_dependencies(expr) -> None:
+        needed, stack = {expr}, [expr]
+        while stack:
+            for v in _operands(stack.pop()):
+                dep = producer.get(v)
+                if dep is not None and dep not in needed and dep not in placed:
+                    needed.add(dep)
+                    stack.append(dep)
+        for e in sorted(needed - placed, key=position.__getitem__):
+            placed.add(e)
+            order.append(e)
+
+    for expr in exprs:
+        if _communicates(expr):
+            place_with_dependencies(expr)
+    order += [e for e in exprs if e not in placed]
+    return order
+
+
+def _operands(expr) -> list[Val]:
+    vals = list(expr.inputs)
+    for arg in expr.args:
+        if isinstance(arg, list | tuple):
+            vals += [v for v in arg if isinstance(v, Val)]
+    return vals
+
+
+def _communicates(expr) -> bool:
+    """A ``set`` whose output lies otherwise than its input: a communication (or a slice)."""
+    return expr.op.name == "set" and not same_sharding(expr.args[0], expr.outputs[0])
 
 
 def _takes_part(expr, rank: int) -> bool:
