@@ -72,7 +72,7 @@ class Pending:
     Until ``wait``, the buffer must not be read or freed: the collective may still write it.
     """
 
-    __slots__ = ("_work", "_value", "_finish")
+    __slots__ = ("_finish", "_value", "_work")
 
     def __init__(self, work: dist.Work, buffer: torch.Tensor,
                  finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
