@@ -140,6 +140,10 @@ def _nccl_version() -> str | None:
 
 
 def _git_commit() -> str:
+    """The checkout's commit; ``MESHFUSE_COMMIT`` names it where the tree is a copy without
+    git metadata (as on a lent GPU machine)."""
+    if os.environ.get("MESHFUSE_COMMIT"):
+        return os.environ["MESHFUSE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True, timeout=10, check=True)
