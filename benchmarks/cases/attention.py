@@ -4,6 +4,7 @@ Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gra
 BHSE or BSHE memory order, and runs, as variants:
 
 - ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
+- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed);
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
   ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
 - ``dtensor`` ((b)): DTensor q/k/v placed ``Shard(1)``, ``F.scaled_dot_product_attention``
@@ -58,21 +59,26 @@ def local_inputs(ctx: Context, sizes: dict[str, int], qkv_format: QkvFormat):
     return out
 
 
-def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs) -> Variant:
-    """The seed's fusion, ``execute`` on the local shards; checked against the direct kernels
-    once before it is timed."""
+def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs,
+                     cuda_graph: bool = False) -> Variant:
+    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: captured once,
+    then replayed: variant ``meshfuse_graph``); checked against the direct kernels once
+    before it is timed."""
 
     def setup():
+        if cuda_graph and not ctx.cuda:
+            raise Skip("CUDA graphs need CUDA")
         b, h, s, head_dim = (sizes[k] for k in ("b", "h", "s", "head_dim"))
         model = SeedAttention(fmt, meshfuse.DeviceMesh(range(ctx.world)), b, h, s, h * head_dim)
-        attn, *grads = model.execute(inputs)  # build and cache
+        attn, *grads = model.execute(inputs, cuda_graph=cuda_graph)  # build and cache
         step, metrics = direct_variant(inputs).setup()
         ref_attn, ref_grads = step()
         check_close("meshfuse vs direct kernels", [attn, *grads], [ref_attn, *ref_grads],
                     ATTENTION_TOL)
-        return (lambda: model.execute(inputs)), metrics
+        return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
-    return Variant("meshfuse", setup)
+    return Variant("meshfuse_graph" if cuda_graph else "meshfuse", setup,
+                   "execute(cuda_graph=True)" if cuda_graph else "")
 
 
 def direct_variant(inputs, requested=None, name="direct"):
@@ -143,6 +149,7 @@ def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan) ->
         inputs = local_inputs(ctx, sizes, fmt)
         variants = [
             meshfuse_variant(ctx, sizes, fmt, inputs),
+            meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=True),
             direct_variant(inputs),
             _dtensor(ctx, inputs),
             _torch(inputs, "torch_flash", [SDPBackend.FLASH_ATTENTION], "sdpa_kernel(FLASH)"),

@@ -1,6 +1,7 @@
 """Case 3: what a cached ``execute`` costs on the host, over the same torch calls made directly.
 
-Two programs, each as ``meshfuse`` (``execute``) and ``direct`` (the torch calls):
+Two programs, each as ``meshfuse`` (``execute``), ``meshfuse_graph`` (``execute`` with
+``cuda_graph=True``, seed only) and ``direct`` (the torch calls):
 
 - the seed's attention fusion (BHSE), against the SDPA kernels called directly;
 - :class:`~benchmarks.fusions.Pointwise10` on ``[n, n]`` fp32 (rows split over the ranks),
@@ -34,17 +35,20 @@ QUICK_POINTWISE_SIZES = (64,)
 
 def _add_overhead(records: list[Record]) -> None:
     by_name = {r.variant: r for r in records}
-    mf, direct = by_name.get("meshfuse"), by_name.get("direct")
-    if mf and direct and mf.host_us is not None and direct.host_us is not None:
-        mf.metrics["host_overhead_us"] = mf.host_us - direct.host_us
-        mf.metrics["host_ratio"] = mf.host_us / direct.host_us if direct.host_us else None
+    direct = by_name.get("direct")
+    for mf in (by_name.get("meshfuse"), by_name.get("meshfuse_graph")):
+        if mf and direct and mf.host_us is not None and direct.host_us is not None:
+            mf.metrics["host_overhead_us"] = mf.host_us - direct.host_us
+            mf.metrics["host_ratio"] = mf.host_us / direct.host_us if direct.host_us else None
 
 
 def _seed(ctx: Context, plan: Plan) -> list[Record]:
     sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
     inputs = local_inputs(ctx, sizes, QkvFormat.BHSE)
 
-    variants = [meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs), direct_variant(inputs)]
+    variants = [meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs),
+                meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs, cuda_graph=True),
+                direct_variant(inputs)]
     params = dict(sizes, causal=True, dtype="bf16", layout="BHSE")
     records = run_variants(ctx, "overhead", "seed attention", variants, plan, "direct", params)
     _add_overhead(records)

@@ -183,6 +183,12 @@ class FusionDefinition:
             options: ``check_ranks=True`` compares input dtypes/shapes across ranks before
                 running (raises InputError on every rank instead of hanging); also turned on
                 by the environment variable ``MESHFUSE_CHECK_RANKS=1``.
+                ``cuda_graph=True`` captures this rank's program into a CUDA graph on the first
+                call with these input shapes (and scalar values) and replays it afterwards:
+                one launch instead of one per op, for programs whose time is mostly launch
+                overhead. Inputs are copied in and outputs copied out, so results are never
+                overwritten by a later call; the graph keeps one run's memory while cached.
+                Every rank must pass the same option. CUDA tensors only.
         """
         return self._get_runner().execute(inputs, **options)
 

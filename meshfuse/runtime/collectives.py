@@ -128,6 +128,26 @@ def record_communications() -> Iterator[list[Communication]]:
         _recorders.remove(log)
 
 
+@contextlib.contextmanager
+def captured_communications() -> Iterator[list[Communication]]:
+    """Collects the collectives of the block into a list of its own, not reported to the
+    active recorders: for a CUDA graph capture, which launches nothing; the graph's owner
+    reports them with :func:`report` each time it replays them."""
+    global _recorders
+    outer, log = _recorders, []
+    _recorders = [log]
+    try:
+        yield log
+    finally:
+        _recorders = outer
+
+
+def report(communications: list[Communication]) -> None:
+    """Reports collectives that ran without a Python call (a CUDA graph's replay)."""
+    for log in _recorders:
+        log.extend(communications)
+
+
 def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None) -> None:
     if _recorders:
         event = Communication(kind, group.ranks, group.mesh_axis,

@@ -34,6 +34,7 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group
 from meshfuse.runtime.executor import OutputLayout, Program, Step
+from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.resharding import lower_step, plan_resharding
 
 
@@ -63,6 +64,7 @@ class FusionRunner:
         self.allocations = infer_allocations(fusion)
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self._programs: dict[tuple, Program] = {}
+        self._graphs: dict[tuple, GraphedProgram] = {}
 
     def explain(self, inputs: Sequence[Any] | None = None) -> str:
         """The fusion after the passes; with ``inputs``, also this rank's program for them
@@ -75,7 +77,8 @@ class FusionRunner:
             self._programs[key] = self._make_program(list(inputs))
         return f"{text}\n{self._programs[key].describe()}"
 
-    def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None) -> list[torch.Tensor]:
+    def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
+                cuda_graph: bool = False) -> list[torch.Tensor]:
         key = _signature(inputs)
         if check_ranks is None:
             check_ranks = self.check_ranks
@@ -84,7 +87,14 @@ class FusionRunner:
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs))
-        return program.run(inputs)
+        if not cuda_graph:
+            return program.run(inputs)
+        graph_key = (key, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
+        graphed = self._graphs.get(graph_key)
+        if graphed is None:
+            _check_graphable(self.fusion, inputs)
+            graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
+        return graphed.run(inputs)
 
     def _check_across_ranks(self, key: tuple) -> None:
         """Every rank's inputs agree in kind, dtype and local shape (an input a rank does not
@@ -290,6 +300,19 @@ def _reduced_count(expr, binding: Binding) -> int:
         if id_.is_reduction:
             count *= binding.extents[id_]
     return count
+
+
+def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
+    """``cuda_graph=True`` needs every tensor input on a CUDA device (checked on every rank,
+    before any capture)."""
+    for v, x in zip(fusion.inputs(), inputs):
+        if isinstance(x, torch.Tensor) and not x.is_cuda:
+            raise InputError(
+                f"execute(cuda_graph=True): input {v.name} is on {x.device}; CUDA graphs "
+                "capture GPU work only: pass CUDA tensors, or run without cuda_graph"
+            )
+    if not torch.cuda.is_available():
+        raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
 
 
 def _signature(inputs: list) -> tuple:
