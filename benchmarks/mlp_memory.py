@@ -1,18 +1,18 @@
 """Where the MLP case's peak memory goes (a diagnostic of case 4, not a benchmark).
 
-``torchrun --nproc-per-node 2 -m benchmarks.mlp_memory --out DIR``. For each variant of the
-MLP case, on each rank: the memory held before its steps (inputs), the peak over 5 steps queued
-back to back as the benchmark times them, and the peak over 5 steps with a synchronize after
-each (a difference: buffers held back while the host runs ahead of the GPU). With ``--out``,
-rank 0 also writes a ``torch.cuda.memory`` snapshot (allocation trace with Python stacks) of
-meshfuse's queued steps, for ``torch.cuda.memory._snapshot`` tools.
+``torchrun --nproc-per-node 2 -m benchmarks.mlp_memory``. For each variant of the MLP case,
+on each rank: the memory allocated before its setup, after it, after one step, and a second
+later (when NCCL's watchdog has released what completed collectives held); the peak over 5
+steps queued back to back as the benchmark times them, and over 5 steps with a synchronize
+after each (a difference: buffers held back while the host runs ahead of the GPU). Rank 0 then
+lists the CUDA tensors Python still reaches, besides the case's inputs, and what holds them.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import pickle
+import gc
+import time
 
 import torch
 
@@ -34,39 +34,56 @@ def _peak_of(ctx: context.Context, step, synchronize: bool) -> float:
     return torch.cuda.max_memory_allocated(ctx.device) / MIB
 
 
+def _mib() -> float:
+    return torch.cuda.memory_allocated() / MIB
+
+
+def _python_tensors(known: set[int]) -> list[str]:
+    """CUDA tensors reachable from Python, other than ``known`` ones: shape, MiB, holders."""
+    gc.collect()
+    found = []
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.is_cuda and id(o) not in known:
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(o)})
+            size = o.untyped_storage().nbytes() / MIB
+            found.append(f"{list(o.shape)} {o.dtype} {size:.0f} MiB held by {holders}")
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mlp_memory")
-    parser.add_argument("--out", default=None, help="folder for rank 0's memory snapshot")
-    args = parser.parse_args()
+    parser.parse_args()
     ctx = context.setup(quick=False)
     if not ctx.cuda:
         raise SystemExit("needs CUDA")
     sizes = mlp.SIZES
     tensors = mlp._weights(ctx, sizes, torch.bfloat16)
-    for variant in mlp._variants(ctx, sizes, torch.bfloat16, tensors):
-        if variant.name == "torch_1gpu":
-            continue
-        prepared = variant.setup()
-        step = prepared[0] if isinstance(prepared, tuple) else prepared
-        step()
-        ctx.sync()
-        held = torch.cuda.memory_allocated(ctx.device) / MIB
-        queued = _peak_of(ctx, step, synchronize=False)
-        synced = _peak_of(ctx, step, synchronize=True)
-        line = (f"rank {ctx.rank} {variant.name}: held {held:.0f} MiB, peak queued "
-                f"{queued:.0f} MiB, peak synchronized {synced:.0f} MiB")
-        print(line, flush=True)
-        if variant.name == "meshfuse" and args.out and ctx.rank == 0:
-            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
-            _peak_of(ctx, step, synchronize=False)
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "mlp-meshfuse-memory.pickle"), "wb") as f:
-                pickle.dump(snapshot, f)
-        del prepared, step
+    known = {id(t) for t in tensors}
+    variants = {v.name: v for v in mlp._variants(ctx, sizes, torch.bfloat16, tensors)}
+    for name in ("meshfuse", "torch_manual", "meshfuse", "dtensor_tp"):
+        gc.collect()
         torch.cuda.empty_cache()
         ctx.barrier()
+        start = _mib()
+        prepared = variants[name].setup()
+        step = prepared[0] if isinstance(prepared, tuple) else prepared
+        ctx.sync()
+        after_setup = _mib()
+        step()
+        ctx.sync()
+        after_step = _mib()
+        time.sleep(1.0)
+        gc.collect()
+        later = _mib()
+        queued = _peak_of(ctx, step, synchronize=False)
+        synced = _peak_of(ctx, step, synchronize=True)
+        print(f"rank {ctx.rank} {name}: MiB before {start:.0f}, after setup {after_setup:.0f}, "
+              f"after a step {after_step:.0f}, 1 s later {later:.0f}; peak of {STEPS} queued "
+              f"steps {queued:.0f}, synchronized {synced:.0f}", flush=True)
+        if ctx.rank == 0:
+            for line in _python_tensors(known):
+                print(f"  live: {line}", flush=True)
+        del prepared, step
     context.teardown()
 
 
