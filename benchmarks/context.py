@@ -88,6 +88,12 @@ class Context:
             return None
         return torch.cuda.max_memory_allocated(self.device) / 2**20
 
+    def allocated_mib(self) -> float | None:
+        """The memory of this device's live tensors now."""
+        if not self.cuda:
+            return None
+        return torch.cuda.memory_allocated(self.device) / 2**20
+
     def log(self, message: str) -> None:
         if self.rank == 0:
             print(message, flush=True)

@@ -2,8 +2,9 @@
 
 A case builds :class:`Variant`\\ s (a name and a ``setup`` that returns the step to time) and
 calls :func:`run_variants`. Each variant runs the same phases on every rank: reset the peak
-memory, set up and warm up, time, optionally measure host time. After each phase the ranks
-exchange their outcome, so a variant that fails (or is skipped) on one rank is recorded as
+memory, set up and warm up, time, optionally measure host time. The peak memory counts the
+case's inputs and what the variant allocates, not what earlier variants left allocated.
+After each phase the ranks exchange their outcome, so a variant that fails (or is skipped) on one rank is recorded as
 such on all of them and no rank is left waiting in a later barrier. A failure never stops
 the run: it becomes a record with ``status="error"`` and the message.
 """
@@ -125,7 +126,8 @@ def _prepare(ctx: Context, variant: Variant, warmup: int):
     return step, metrics
 
 
-def _run_one(ctx: Context, record: Record, variant: Variant, plan: Plan) -> Record:
+def _run_one(ctx: Context, record: Record, variant: Variant, plan: Plan,
+             leftover_mib: float) -> Record:
     prepared, failed = _attempt(lambda: _prepare(ctx, variant, plan.warmup))
     failed = _agree(ctx, failed)
     if failed is None:
@@ -140,6 +142,8 @@ def _run_one(ctx: Context, record: Record, variant: Variant, plan: Plan) -> Reco
         record.status, record.message = failed
         return record
     peak = ctx.peak_memory_mib()
+    if peak is not None:
+        peak -= leftover_mib
     per_rank = ctx.gather((summarize(samples), peak, host if plan.host_calls else None))
     stats = combine([p[0] for p in per_rank])
     record.median_ms, record.p10_ms, record.p90_ms = stats.median_ms, stats.p10_ms, stats.p90_ms
@@ -178,12 +182,19 @@ def run_variants(ctx: Context, case: str, config: str, variants: list[Variant], 
         params: sizes and options, copied into every record.
     """
     records = []
+    _release(ctx)
+    inputs_mib = ctx.allocated_mib()  # the case's inputs
     for variant in variants:
         ctx.log(f"  {case} {config} {variant.name} ...")
         record = Record(case, config, variant.name, ctx.world, params=dict(params or {}))
         if variant.note:
             record.metrics["note"] = variant.note
-        records.append(_run_one(ctx, record, variant, plan))
+        # What earlier variants leave allocated (DTensor keeps some tensors alive) is not
+        # this variant's: its peak counts the inputs and its own allocations only.
+        leftover = max(0.0, ctx.allocated_mib() - inputs_mib) if ctx.cuda else 0.0
+        if leftover:
+            record.metrics["leftover_mib"] = round(leftover)
+        records.append(_run_one(ctx, record, variant, plan, leftover))
         _release(ctx)
     set_ratios(records, baseline)
     return records

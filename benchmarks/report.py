@@ -160,7 +160,8 @@ def markdown(records: list[Record], env: dict[str, Any], meta: dict[str, Any]) -
            (f"Command: `{meta['command']}`; suite time {meta['elapsed_s']:.0f} s. Times are "
             "the slowest rank's median per iteration (p10-p90 over iterations); `x base` is "
             "the time over the baseline's (named per case); TFLOP/s are per GPU; peak memory "
-            "is `torch.cuda.max_memory_allocated` (inputs included), max over ranks."), "",
+            "is `torch.cuda.max_memory_allocated` (inputs included, less what earlier variants "
+            "left allocated: `leftover_mib` in the JSON), max over ranks."), "",
            "## meshfuse vs the same torch calls made directly", ""]
     out += [f"- `{line}`" for line in headline(records)] or ["- (none measured)"]
     for case in dict.fromkeys(r.case for r in records):

@@ -4,7 +4,8 @@ Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gra
 BHSE or BSHE memory order, and runs, as variants:
 
 - ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
-- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed);
+- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed),
+  at the seed's sizes only;
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
   ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
 - ``dtensor`` ((b)): DTensor q/k/v placed ``Shard(1)``, ``F.scaled_dot_product_attention``
@@ -143,13 +144,18 @@ def _dtensor(ctx, inputs):
     return Variant("dtensor", setup, note)
 
 
-def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan) -> list[Record]:
+def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
+                  cuda_graph: bool) -> list[Record]:
+    """Every variant per layout; ``cuda_graph``: with ``meshfuse_graph`` (for launch-bound
+    sizes: at large sizes a graph saves nothing and its input/output copies cost time)."""
     records = []
     for fmt in QkvFormat:
         inputs = local_inputs(ctx, sizes, fmt)
+        graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=True)] if cuda_graph \
+            else []
         variants = [
             meshfuse_variant(ctx, sizes, fmt, inputs),
-            meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=True),
+            *graphed,
             direct_variant(inputs),
             _dtensor(ctx, inputs),
             _torch(inputs, "torch_flash", [SDPBackend.FLASH_ATTENTION], "sdpa_kernel(FLASH)"),
@@ -167,7 +173,7 @@ def seed_case(ctx: Context) -> list[Record]:
     sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
     plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100)
     plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
-    return run_attention(ctx, "attention_seed", sizes, plan)
+    return run_attention(ctx, "attention_seed", sizes, plan, cuda_graph=True)
 
 
 def large_case(ctx: Context) -> list[Record]:
@@ -175,4 +181,4 @@ def large_case(ctx: Context) -> list[Record]:
     sizes = QUICK_LARGE_SIZES if ctx.quick else LARGE_SIZES
     plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=5, iters=30)
     plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
-    return run_attention(ctx, "attention_large", sizes, plan)
+    return run_attention(ctx, "attention_large", sizes, plan, cuda_graph=False)

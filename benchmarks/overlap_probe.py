@@ -1,0 +1,101 @@
+"""Does the MLP's allreduce overlap its matmuls? (a diagnostic of case 4, not a benchmark)
+
+``torchrun --nproc-per-node 2 -m benchmarks.overlap_probe``: times the meshfuse MLP (median of
+20 steps, CUDA events) with its collectives on the default group, on a group with a
+high-priority NCCL stream, and each with cuBLASLt matmuls that leave SMs to NCCL; and the
+hand-written calls (no overlap) for reference. Also prints, from a profile of one step, how
+much of the NCCL kernels' time ran while a matmul ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import meshfuse
+from benchmarks import context
+from benchmarks.cases import mlp
+from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
+from meshfuse.runtime.communicator import Communicator
+
+ITERS = 20
+
+
+def _median_ms(ctx, step) -> float:
+    for _ in range(3):
+        step()
+    ctx.barrier()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def _overlap(step) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    other = [e for e in kernels if "nccl" not in e.name.lower()]
+    total = sum(e.time_range.end - e.time_range.start for e in nccl)
+    covered = 0.0
+    for n in nccl:
+        for o in other:
+            lo = max(n.time_range.start, o.time_range.start)
+            hi = min(n.time_range.end, o.time_range.end)
+            covered += max(0.0, hi - lo)
+    return f"nccl kernels {total / 1e3:.2f} ms, {covered / max(total, 1e-9):.0%} under compute"
+
+
+def main() -> None:
+    ctx = context.setup(quick=False)
+    sizes = mlp.SIZES
+    x, dz, _, _, w1, w2 = mlp._weights(ctx, sizes, torch.bfloat16)
+    inputs = [x, w1, w2, dz]
+    world = dist.group.WORLD
+    results = {"manual": _median_ms(ctx, lambda: megatron_mlp_torch(x, w1, w2, dz, world))}
+    comm = Communicator.instance()
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    high = dist.new_group(list(range(ctx.world)), pg_options=options)
+    for group_name, group in (("world", world), ("high-priority", high)):
+        comm._groups[tuple(range(ctx.world))] = group
+        model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.BFloat16)
+        model.execute(inputs)
+        step = lambda model=model: model.execute(inputs)
+        results[group_name] = _median_ms(ctx, step)
+        if ctx.rank == 0:
+            print(f"{group_name}: {_overlap(step)}", flush=True)
+        for carveout in (16, 32):
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(carveout)
+            results[f"{group_name} + cublaslt carveout {carveout}"] = _median_ms(ctx, step)
+            if ctx.rank == 0:
+                print(f"{group_name} carveout {carveout}: {_overlap(step)}", flush=True)
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library("cublas")
+        results[f"{group_name} + cublaslt"] = None
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        results[f"{group_name} + cublaslt"] = _median_ms(ctx, step)
+        torch.backends.cuda.preferred_blas_library("cublas")
+    if ctx.rank == 0:
+        for name, ms in results.items():
+            print(f"{name}: {ms:.3f} ms", flush=True)
+    context.teardown()
+
+
+if __name__ == "__main__":
+    main()
