@@ -1,8 +1,8 @@
 """Does the MLP's allreduce overlap its matmuls? (a diagnostic of case 4, not a benchmark)
 
 ``torchrun --nproc-per-node 2 -m benchmarks.overlap_probe``: times the meshfuse MLP (median of
-20 steps, CUDA events) with its collectives on the default group, on a group with a
-high-priority NCCL stream, and each with cuBLASLt matmuls that leave SMs to NCCL; and the
+20 steps, CUDA events) with its collectives on the default group and on groups with a
+high-priority NCCL stream and/or fewer NCCL CTAs (more SMs left to the matmuls); and the
 hand-written calls (no overlap) for reference. Also prints, from a profile of one step, how
 much of the NCCL kernels' time ran while a matmul ran.
 """
@@ -59,6 +59,14 @@ def _overlap(step) -> str:
     return f"nccl kernels {total / 1e3:.2f} ms, {covered / max(total, 1e-9):.0%} under compute"
 
 
+def _group(ctx, high_priority: bool, max_ctas: int | None):
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = high_priority
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+    return dist.new_group(list(range(ctx.world)), pg_options=options)
+
+
 def main() -> None:
     ctx = context.setup(quick=False)
     sizes = mlp.SIZES
@@ -68,29 +76,20 @@ def main() -> None:
     results = {"manual": _median_ms(ctx, lambda: megatron_mlp_torch(x, w1, w2, dz, world))}
     comm = Communicator.instance()
     mesh = meshfuse.DeviceMesh(range(ctx.world))
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    high = dist.new_group(list(range(ctx.world)), pg_options=options)
-    for group_name, group in (("world", world), ("high-priority", high)):
+    configs = {"world": None}
+    for high in (False, True):
+        for ctas in (None, 32, 16, 8):
+            configs[f"high_priority={high} max_ctas={ctas}"] = (high, ctas)
+    for name, config in configs.items():
+        group = world if config is None else _group(ctx, *config)
         comm._groups[tuple(range(ctx.world))] = group
         model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.BFloat16)
         model.execute(inputs)
         step = lambda model=model: model.execute(inputs)
-        results[group_name] = _median_ms(ctx, step)
+        results[name] = _median_ms(ctx, step)
+        overlap = _overlap(step)  # every rank: the steps communicate
         if ctx.rank == 0:
-            print(f"{group_name}: {_overlap(step)}", flush=True)
-        for carveout in (16, 32):
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            torch._C._set_sm_carveout_experimental(carveout)
-            results[f"{group_name} + cublaslt carveout {carveout}"] = _median_ms(ctx, step)
-            if ctx.rank == 0:
-                print(f"{group_name} carveout {carveout}: {_overlap(step)}", flush=True)
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library("cublas")
-        results[f"{group_name} + cublaslt"] = None
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        results[f"{group_name} + cublaslt"] = _median_ms(ctx, step)
-        torch.backends.cuda.preferred_blas_library("cublas")
+            print(f"{name}: {results[name]:.3f} ms; {overlap}", flush=True)
     if ctx.rank == 0:
         for name, ms in results.items():
             print(f"{name}: {ms:.3f} ms", flush=True)
