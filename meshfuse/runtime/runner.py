@@ -2,7 +2,9 @@
 
 Build: check the schedule (on every rank alike), derive layouts. Per new input signature:
 optionally compare inputs across ranks, bind extents and local layouts, check the inputs
-against them, check that no op needs resharding, and make the :class:`Program`.
+against them, check that no op needs resharding, and make the :class:`Program`, its steps
+ordered so that each communication is launched as early as it can be. With
+``cuda_graph=True``, the program is captured once (:mod:`meshfuse.runtime.graphs`).
 """
 
 from __future__ import annotations
@@ -182,13 +184,8 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
     exprs = communication_first(fusion.exprs)
     last_use: dict[int, int] = {}
     for index, expr in enumerate(exprs):
-        for v in expr.inputs:
+        for v in _operands(expr):
             last_use[slot(v)] = index
-        for arg in expr.args:
-            if isinstance(arg, list | tuple):
-                for v in arg:
-                    if isinstance(v, Val):
-                        last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
     steps = []
     for index, expr in enumerate(exprs):
@@ -271,6 +268,7 @@ def communication_first(exprs: Sequence) -> list:
 
 
 def _operands(expr) -> list[Val]:
+    """The values ``expr`` reads: its inputs and those inside list arguments."""
     vals = list(expr.inputs)
     for arg in expr.args:
         if isinstance(arg, list | tuple):
