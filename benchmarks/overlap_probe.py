@@ -2,8 +2,9 @@
 
 ``torchrun --nproc-per-node 2 -m benchmarks.overlap_probe``: times the meshfuse MLP (median of
 20 steps, CUDA events) with its collectives on the default group and on groups with a
-high-priority NCCL stream and/or fewer NCCL CTAs (more SMs left to the matmuls); and the
-hand-written calls (no overlap) for reference. Also prints, from a profile of one step, how
+high-priority NCCL stream and/or fewer NCCL CTAs (more SMs left to the matmuls), and with
+cuBLASLt matmuls that leave some SMs to NCCL; and the hand-written calls (no overlap) for
+reference. Also prints, from a profile of one step, how
 much of the NCCL kernels' time ran while a matmul ran.
 """
 
@@ -90,6 +91,20 @@ def main() -> None:
         overlap = _overlap(step)  # every rank: the steps communicate
         if ctx.rank == 0:
             print(f"{name}: {results[name]:.3f} ms; {overlap}", flush=True)
+    # matmuls through cuBLASLt told to leave SMs free (a process-wide, experimental setting)
+    comm._groups[tuple(range(ctx.world))] = world
+    model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.BFloat16)
+    step = lambda: model.execute(inputs)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    results["cublaslt"] = _median_ms(ctx, step)
+    for carveout in (8, 16, 24, 32):
+        torch._C._set_sm_carveout_experimental(carveout)
+        results[f"cublaslt, {carveout} SMs left out"] = _median_ms(ctx, step)
+        overlap = _overlap(step)
+        if ctx.rank == 0:
+            print(f"carveout {carveout}: {overlap}", flush=True)
+    torch._C._set_sm_carveout_experimental(None)
+    torch.backends.cuda.preferred_blas_library("cublas")
     if ctx.rank == 0:
         for name, ms in results.items():
             print(f"{name}: {ms:.3f} ms", flush=True)

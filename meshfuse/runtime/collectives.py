@@ -198,9 +198,10 @@ def allgather(x: torch.Tensor, axis: int, group: Group,
 def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = False,
               async_op: bool = False) -> torch.Tensor | Pending:
     """The elementwise reduction of every group member's ``x``; with ``inplace`` (the caller
-    gives ``x`` up) a contiguous ``x`` is reduced in its own buffer."""
+    gives ``x`` up) a contiguous ``x`` that is not a view of another tensor is reduced in its
+    own buffer."""
     if x.is_contiguous():
-        out = x if inplace else x.clone()
+        out = x if inplace and x._base is None else x.clone()
     else:
         out = x.contiguous()
     _record("allreduce", group, out, reduce_op)
