@@ -37,7 +37,6 @@ class GraphedProgram:
     """``program`` captured on CUDA for inputs like ``inputs``; see the module doc."""
 
     def __init__(self, program: Program, inputs: Sequence[Any]):
-        self.program = program
         self._inputs = [_buffer_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         self._copied = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         side = torch.cuda.Stream()
