@@ -301,6 +301,32 @@ def test_explicit_set_reshards_in_the_middle_of_a_fusion(multidevice_test, targe
     _expect(multidevice_test, comms, "allgather" if target == "replicated" else "all_to_all")
 
 
+def test_one_gather_serves_every_consumer_that_needs_it(multidevice_test):
+    """x is sharded on tokens and read by two column-parallel linears that both need it
+    whole: one allgather feeds both (not one per consumer)."""
+    mesh = _mesh(multidevice_test)
+
+    def build(fd):
+        x = fd.define_tensor([8, 12], dtype=DataType.Float)
+        w1, w2 = (fd.define_tensor([n, 12], dtype=DataType.Float) for n in (4, 8))
+        y1, y2 = fd.ops.linear(x, w1), fd.ops.linear(x, w2)
+        fd.add_output(y1)
+        fd.add_output(y2)
+        return SimpleNamespace(x=x, w1=w1, w2=w2, y1=y1, y2=y2)
+
+    def schedule(t):
+        _shard(t.x, 0, mesh)
+        for tv in (t.w1, t.w2):
+            _shard(tv, 0, mesh)
+        for tv in (t.y1, t.y2):
+            _shard(tv, 1, mesh)
+
+    t, comms = _run(multidevice_test, build, schedule,
+                    [_randn(8, 12), _randn(4, 12, seed=1), _randn(8, 12, seed=2)])
+    _expect(multidevice_test, comms, "allgather")
+    assert sum(e.op.name == "set" for e in t.fd.fusion.exprs) == 1, t.fd.explain()
+
+
 # ----- attention -------------------------------------------------------------------------
 
 B, HEADS, S, E = 2, 2, 8, 4

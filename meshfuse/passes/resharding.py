@@ -12,7 +12,8 @@ local op plus ``set`` copies, each of which lowers to one communication (see
   that differs from what those outputs need (an allgather, an all-to-all, a local slice, or a
   reduce-scatter of a partial input);
 - the option that moves fewer elements wins; moving an op's preferred input (a weight) costs
-  a thousandfold, and a local slice costs nothing.
+  a thousandfold, and a local slice costs nothing;
+- consumers that need one input laid out alike share one copy (one communication).
 
 An op whose inputs live on another mesh than its outputs runs on its outputs' mesh, its
 inputs copied there (send/recv, broadcast: see ``meshfuse.runtime.resharding``).
@@ -191,8 +192,12 @@ def _set_after(fusion: Fusion, expr: Expr, out: TensorView, natural: TensorView)
 
 
 def _set_before(fusion: Fusion, expr: Expr, inp: TensorView, wanted: TensorView) -> None:
-    """``expr`` now reads ``set(inp)``, laid out as it needs."""
-    new = _new_like(fusion, inp, wanted)
+    """``expr`` now reads ``set(inp)``, laid out as it needs: a copy made for an earlier
+    consumer when there is one, else a new one."""
+    new = _earlier_copy(fusion, expr, inp, wanted)
+    if new is None:
+        new = _new_like(fusion, inp, wanted)
+        fusion.add_expr(_set_expr(inp, new), fusion.exprs.index(expr))
     renamed = dict(zip(inp.logical, new.logical))
     expr.args = tuple(
         new if a is inp else [new if x is inp else x for x in a] if isinstance(a, list | tuple)
@@ -200,7 +205,16 @@ def _set_before(fusion: Fusion, expr: Expr, inp: TensorView, wanted: TensorView)
         for a in expr.args
     )
     expr.id_map = {k: tuple(renamed.get(s, s) for s in v) for k, v in expr.id_map.items()}
-    fusion.add_expr(_set_expr(inp, new), fusion.exprs.index(expr))
+
+
+def _earlier_copy(fusion: Fusion, expr: Expr, inp: TensorView,
+                  wanted: TensorView) -> TensorView | None:
+    """The output of a ``set`` of ``inp`` laid out as ``wanted`` that comes before ``expr``
+    (so one communication serves every consumer that needs it), or None."""
+    for e in fusion.exprs[:fusion.exprs.index(expr)]:
+        if e.op.name == "set" and e.args[0] is inp and same_sharding(e.outputs[0], wanted):
+            return e.outputs[0]
+    return None
 
 
 def _reduce_output(fusion: Fusion, out: TensorView) -> None:
