@@ -181,7 +181,8 @@ class MlpBackward(FusionDefinition):
         dy = self.dy
         if self.style == "sp":
             # Megatron's gather of the sequence in the backward of the reduce-scatter, written
-            # once and used by dg, dw2 and db2 (meshfuse would otherwise gather dy for each).
+            # once and used by dg, dw2 and db2 (meshfuse would otherwise gather dy for dg and
+            # its transpose for dw2, and allreduce db2's partial sums).
             self.dy_full = dy = ops.set(self.dy)
         self.dg = ops.linear(dy, _transpose(ops, self.w2))  # dy @ w2
         self.dw2 = ops.matmul(_transpose(ops, dy), ops.gelu(self.h, approximate="tanh"))
