@@ -18,14 +18,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshfuse.errors import DefinitionError, InputError
+from meshfuse.ops import attention_backends as ab
 from meshfuse.ops import attention_kernels as ak
-from meshfuse.ops.attention_kernels import (
-    AttentionBackend,
-    cudnn_preferred,
-    sdpa_backward,
-    sdpa_forward,
-    select_backend,
-)
+from meshfuse.ops.attention_backends import AttentionBackend, cudnn_preferred, select_backend
+from meshfuse.ops.attention_kernels import sdpa_backward, sdpa_forward
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -39,7 +35,7 @@ ODD = (1, 3, 100, 77, 40, 40)  # lengths that are not multiples of 32
 
 @pytest.fixture(autouse=True)
 def _no_env_override(monkeypatch):
-    monkeypatch.delenv(ak.ENV_VAR, raising=False)
+    monkeypatch.delenv(ab.ENV_VAR, raising=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +99,7 @@ def _run_and_check(shape, dtype, layout, causal, scale, backend=None, device="cp
     torch.testing.assert_close(log_sumexp.double(), lse, rtol=1e-5, atol=1e-4)
     for name, grad, ref in zip(("q_grad", "k_grad", "v_grad"), grads, (dq, dk, dv)):
         _assert_close(name, grad, ref, dtype)
-    return ak.parse_backend(backend)
+    return ab.parse_backend(backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,12 +180,12 @@ def test_select_backend_cpu():
     ("cpu_flash", AttentionBackend.CPU_FLASH), ("auto", AttentionBackend.CPU_FLASH),
 ])
 def test_env_override(monkeypatch, value, expected):
-    monkeypatch.setenv(ak.ENV_VAR, value)
+    monkeypatch.setenv(ab.ENV_VAR, value)
     assert select_backend(*_qkv(), 0.0, False) is expected
 
 
 def test_explicit_request_beats_env(monkeypatch):
-    monkeypatch.setenv(ak.ENV_VAR, "math")
+    monkeypatch.setenv(ab.ENV_VAR, "math")
     assert select_backend(*_qkv(), 0.0, False, requested="cpu_flash") is AttentionBackend.CPU_FLASH
 
 
@@ -197,7 +193,7 @@ def test_explicit_request_beats_env(monkeypatch):
 def test_cuda_backend_on_cpu_is_refused(monkeypatch, name):
     with pytest.raises(InputError, match=rf"'{name}' needs CUDA tensors"):
         select_backend(*_qkv(), 0.0, False, requested=name)
-    monkeypatch.setenv(ak.ENV_VAR, name)
+    monkeypatch.setenv(ab.ENV_VAR, name)
     with pytest.raises(InputError, match=rf"'{name}' needs CUDA tensors"):
         select_backend(*_qkv(), 0.0, False)
     with pytest.raises(InputError, match=rf"'{name}' needs CUDA tensors"):
@@ -207,8 +203,8 @@ def test_cuda_backend_on_cpu_is_refused(monkeypatch, name):
 def test_unknown_backend_names(monkeypatch):
     with pytest.raises(DefinitionError, match="unknown SDPA backend 'fast'.*cpu_flash"):
         select_backend(*_qkv(), 0.0, False, requested="fast")
-    monkeypatch.setenv(ak.ENV_VAR, "fast")
-    with pytest.raises(DefinitionError, match=f"{ak.ENV_VAR}: unknown SDPA backend"):
+    monkeypatch.setenv(ab.ENV_VAR, "fast")
+    with pytest.raises(DefinitionError, match=f"{ab.ENV_VAR}: unknown SDPA backend"):
         select_backend(*_qkv(), 0.0, False)
 
 
@@ -218,15 +214,15 @@ def test_cpu_flash_refuses_different_head_dims():
 
 
 def test_selection_is_cached(monkeypatch):
-    monkeypatch.setattr(ak, "_SELECTION_CACHE", {})
+    monkeypatch.setattr(ab, "_SELECTION_CACHE", {})
     calls = []
-    choose = ak._choose
-    monkeypatch.setattr(ak, "_choose", lambda *a: calls.append(a) or choose(*a))
+    choose = ab._choose
+    monkeypatch.setattr(ab, "_choose", lambda *a: calls.append(a) or choose(*a))
     q, k, v = _qkv((1, 2, 40, 40, 16, 16))
     for _ in range(3):
         assert select_backend(q, k, v, 0.0, True) is AttentionBackend.CPU_FLASH
     assert select_backend(q, k, v, 0.0, False) is AttentionBackend.CPU_FLASH
-    monkeypatch.setenv(ak.ENV_VAR, "math")
+    monkeypatch.setenv(ab.ENV_VAR, "math")
     assert select_backend(q, k, v, 0.0, False) is AttentionBackend.MATH
     assert len(calls) == 3
 

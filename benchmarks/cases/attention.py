@@ -29,6 +29,7 @@ from benchmarks.context import Context
 from benchmarks.fusions import QkvFormat, SeedAttention, as_format
 from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
 from meshfuse.ops import attention_kernels as kernels
+from meshfuse.ops.attention_backends import select_backend
 
 SEED_SIZES = {"b": 2, "h": 12, "s": 1024, "head_dim": 64}  # the seed: e = 768, 12 heads
 LARGE_SIZES = {"b": 4, "h": 32, "s": 4096, "head_dim": 128}
@@ -87,7 +88,7 @@ def direct_variant(inputs, requested=None, name="direct"):
     q, k, v, g = inputs
 
     def setup():
-        backend = kernels.select_backend(q, k, v, DROPOUT_P, IS_CAUSAL, requested)
+        backend = select_backend(q, k, v, DROPOUT_P, IS_CAUSAL, requested)
 
         def step():
             attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, DROPOUT_P, IS_CAUSAL, None,

@@ -18,6 +18,7 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops import attention_kernels
+from meshfuse.ops.attention_backends import select_backend
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -93,7 +94,7 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale):
 
 
 def _fwd(q, k, v, dropout_p, is_causal, scale):
-    backend = attention_kernels.select_backend(q, k, v, dropout_p, is_causal)
+    backend = select_backend(q, k, v, dropout_p, is_causal)
     return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
 
 
@@ -168,7 +169,7 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
 
 
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale):
-    backend = attention_kernels.select_backend(q, k, v, dropout_p, is_causal)
+    backend = select_backend(q, k, v, dropout_p, is_causal)
     return attention_kernels.sdpa_backward(
         grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, backend
     )
