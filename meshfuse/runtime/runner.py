@@ -34,7 +34,7 @@ from meshfuse.runtime.binding import (
     check_strides,
     held_here,
 )
-from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.executor import OutputLayout, Program, Step
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.resharding import lower_step, plan_resharding
@@ -168,7 +168,10 @@ class FusionRunner:
         def reshard(x):
             for step in lowered:
                 x = step(x)
-            return x if keeps else None
+            if keeps:
+                return x
+            resolved(x)  # a rank that only sends ends its part here
+            return None
 
         return reshard, "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
 
