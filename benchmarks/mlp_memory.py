@@ -57,9 +57,9 @@ def main() -> None:
     if not ctx.cuda:
         raise SystemExit("needs CUDA")
     sizes = mlp.SIZES
-    tensors = mlp._weights(ctx, sizes, torch.bfloat16)
+    tensors = mlp.tensors(ctx, sizes, torch.bfloat16)
     known = {id(t) for t in tensors}
-    variants = {v.name: v for v in mlp._variants(ctx, sizes, torch.bfloat16, tensors)}
+    variants = {v.name: v for v in mlp.variants(ctx, sizes, torch.bfloat16, tensors)}
     for name in ("meshfuse", "torch_manual", "meshfuse", "dtensor_tp"):
         gc.collect()
         torch.cuda.empty_cache()

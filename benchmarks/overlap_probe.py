@@ -71,7 +71,7 @@ def _group(ctx, high_priority: bool, max_ctas: int | None):
 def main() -> None:
     ctx = context.setup(quick=False)
     sizes = mlp.SIZES
-    x, dz, _, _, w1, w2 = mlp._weights(ctx, sizes, torch.bfloat16)
+    x, dz, _, _, w1, w2 = mlp.tensors(ctx, sizes, torch.bfloat16)
     inputs = [x, w1, w2, dz]
     world = dist.group.WORLD
     results = {"manual": _median_ms(ctx, lambda: megatron_mlp_torch(x, w1, w2, dz, world))}

@@ -33,7 +33,7 @@ def mlp_flops(tokens: int, hidden: int, ffn: int) -> float:
     return 12.0 * tokens * hidden * ffn
 
 
-def _weights(ctx: Context, sizes: dict[str, int], dtype: torch.dtype):
+def tensors(ctx: Context, sizes: dict[str, int], dtype: torch.dtype):
     """Global x, w1, w2, dz (the same on every rank) and this rank's w1/w2 shards."""
     t, h, f = sizes["tokens"], sizes["hidden"], sizes["ffn"]
     gen = torch.Generator(ctx.device).manual_seed(0)
@@ -70,8 +70,9 @@ def _autograd_step(model: torch.nn.Module, x: torch.Tensor, dz: torch.Tensor):
     return step
 
 
-def _variants(ctx: Context, sizes, dtype: torch.dtype, tensors) -> list[Variant]:
-    x, dz, w1, w2, w1_local, w2_local = tensors
+def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
+    """The case's variants over :func:`tensors`' ``inputs``."""
+    x, dz, w1, w2, w1_local, w2_local = inputs
     group = dist.group.WORLD if ctx.world > 1 else None
 
     def one_gpu():
@@ -119,7 +120,7 @@ def run(ctx: Context) -> list[Record]:
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=3, iters=15)
     plan = Plan(plan.warmup, plan.iters, flops=mlp_flops(**sizes))
-    tensors = _weights(ctx, sizes, dtype)
+    inputs = tensors(ctx, sizes, dtype)
     params = dict(sizes, dtype=str(dtype).removeprefix("torch."), bias=False, gelu="exact")
     return run_variants(ctx, "mlp", f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
-                        _variants(ctx, sizes, dtype, tensors), plan, "torch_1gpu", params)
+                        variants(ctx, sizes, dtype, inputs), plan, "torch_1gpu", params)
