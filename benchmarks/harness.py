@@ -4,9 +4,10 @@ A case builds :class:`Variant`\\ s (a name and a ``setup`` that returns the step
 calls :func:`run_variants`. Each variant runs the same phases on every rank: reset the peak
 memory, set up and warm up, time, optionally measure host time. The peak memory counts the
 case's inputs and what the variant allocates, not what earlier variants left allocated.
-After each phase the ranks exchange their outcome, so a variant that fails (or is skipped) on one rank is recorded as
-such on all of them and no rank is left waiting in a later barrier. A failure never stops
-the run: it becomes a record with ``status="error"`` and the message.
+After each phase the ranks exchange their outcome, so a variant that fails (or is skipped)
+on one rank is recorded as such on all of them and no rank is left waiting in a later
+barrier. A failure never stops the run: it becomes a record with ``status="error"`` and the
+message.
 """
 
 from __future__ import annotations
