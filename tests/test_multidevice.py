@@ -26,12 +26,8 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, random_inputs, reference
+from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
-
-try:  # the traffic recorder of the collectives (DESIGN.md 6: assert the communication)
-    from meshfuse.runtime.collectives import record_communications
-except ImportError:  # a meshfuse without collectives cannot communicate at all
-    record_communications = None
 
 pytestmark = pytest.mark.mpi
 
@@ -44,8 +40,6 @@ STRIDE_ORDER = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}
 def _execute_locally(fd: FusionDefinition, inputs: list) -> list[torch.Tensor]:
     """``fd.execute(inputs)``, checking that no communication ran: every schedule in this
     file keeps each op local."""
-    if record_communications is None:
-        return fd.execute(inputs)
     with record_communications() as comms:
         outputs = fd.execute(inputs)
     assert comms == [], f"expected no communication, got {comms}"

@@ -7,8 +7,6 @@ messages must name the tensor (and the axis where there is one) and the offendin
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -20,12 +18,8 @@ from meshfuse import (
     ScheduleError,
     ShardingError,
 )
+from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
-
-try:  # the traffic recorder of the collectives, where resharding exists
-    from meshfuse.runtime.collectives import record_communications
-except ImportError:
-    record_communications = None
 
 pytestmark = pytest.mark.mpi
 
@@ -179,9 +173,8 @@ def test_device_axis_from_a_merge(multidevice_test):
 def _refused_or_correct(fd, local_inputs, expected, communications, *words):
     """A ShardingError with ``words`` in its message, or the ``expected`` outputs after
     exactly the ``communications`` (kinds of collectives; at world size 1, any of them)."""
-    recorder = record_communications() if record_communications else contextlib.nullcontext([])
     try:
-        with recorder as comms:
+        with record_communications() as comms:
             outputs = fd.execute(local_inputs)
     except ShardingError as e:
         _words(str(e), *words)
