@@ -187,7 +187,7 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
     exprs = communication_first(fusion.exprs)
     last_use: dict[int, int] = {}
     for index, expr in enumerate(exprs):
-        for v in _operands(expr):
+        for v in expr.inputs:
             last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
     steps = []
@@ -254,7 +254,7 @@ def communication_first(exprs: Sequence) -> list:
     def place_with_dependencies(expr) -> None:
         needed, stack = {expr}, [expr]
         while stack:
-            for v in _operands(stack.pop()):
+            for v in stack.pop().inputs:
                 dep = producer.get(v)
                 if dep is not None and dep not in needed and dep not in placed:
                     needed.add(dep)
@@ -268,15 +268,6 @@ def communication_first(exprs: Sequence) -> list:
             place_with_dependencies(expr)
     order += [e for e in exprs if e not in placed]
     return order
-
-
-def _operands(expr) -> list[Val]:
-    """The values ``expr`` reads: its inputs and those inside list arguments."""
-    vals = list(expr.inputs)
-    for arg in expr.args:
-        if isinstance(arg, list | tuple):
-            vals += [v for v in arg if isinstance(v, Val)]
-    return vals
 
 
 def _communicates(expr) -> bool:
