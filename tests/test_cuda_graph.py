@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mesh_helpers import shard
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, ParallelType, shard_tensor
+from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device, is_pre_ampere
@@ -64,9 +65,7 @@ class _RowParallelLinear(FusionDefinition):
 
     def multidevice_schedule(self) -> None:
         for tv in (self.x, self.w):
-            tv.set_device_mesh(self.mesh)
-            tv.split(1, self.mesh.size, inner_split=False)
-            tv.parallelize(1, ParallelType.mesh_x)
+            shard(tv, 1, self.mesh)
         self.y.set_device_mesh(self.mesh)
 
 

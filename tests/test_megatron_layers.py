@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fusion_math import gelu_tanh_derivative
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
-MX, MY = ParallelType.mesh_x, ParallelType.mesh_y
 TOKENS, HIDDEN, FFN = 16, 8, 16
 B, S, HEADS, HEAD_DIM = 2, 8, 4, 2
 DTYPES = pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16],
@@ -69,14 +69,6 @@ def _tolerance(dtype: DataType, reference: torch.Tensor) -> dict[str, float]:
     return {"rtol": 1.6e-2, "atol": 1e-2 * reference.abs().max().item()}
 
 
-def _shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX) -> None:
-    """Block-shards materialized axis ``axis`` of ``tv`` over the mesh axis of ``pt``."""
-    tv.set_device_mesh(mesh)
-    pos = tv.loop.index(tv.materialized()[axis])
-    tv.split(pos, mesh.axis_size(pt), inner_split=False)
-    tv.parallelize(pos, pt)
-
-
 def _execute(fd: FusionDefinition, inputs: list) -> tuple[list[torch.Tensor], list]:
     with record_communications() as comms:
         outputs = fd.execute(inputs)
@@ -109,16 +101,6 @@ def _expect(multidevice_test, comms, mesh: DeviceMesh, **counts: int) -> None:
     assert _traffic(comms) == want, comms
 
 
-def _1d_mesh(multidevice_test) -> DeviceMesh:
-    return DeviceMesh(range(multidevice_test.size))
-
-
-def _2x2_mesh(multidevice_test) -> DeviceMesh:
-    if multidevice_test.size != 4:
-        pytest.skip("a 2x2 mesh needs 4 ranks")
-    return DeviceMesh(torch.arange(4).reshape(2, 2))
-
-
 def _transpose(ops, t):
     return ops.permute(t, [1, 0])
 
@@ -149,18 +131,18 @@ class MlpForward(FusionDefinition):
 
     def multidevice_schedule(self) -> None:
         mesh = self.mesh
-        _shard(self.w1, 0, mesh)  # column parallel
-        _shard(self.w2, 1, mesh)  # row parallel
+        shard(self.w1, 0, mesh)  # column parallel
+        shard(self.w2, 1, mesh)  # row parallel
         if self.style == "sp":
-            _shard(self.x, 0, mesh)
-            _shard(self.y, 0, mesh)
+            shard(self.x, 0, mesh)
+            shard(self.y, 0, mesh)
         if self.style == "dp_tp":
-            _shard(self.x, 0, mesh, MY)
-            _shard(self.y, 0, mesh, MY)
+            shard(self.x, 0, mesh, MY)
+            shard(self.y, 0, mesh, MY)
             # Forced: propagation gives h the sharding of one input (w1's), so the tokens would
             # be gathered over mesh_y (test_bug_data_parallel_tokens_...).
-            _shard(self.h, 0, mesh, MY)
-            _shard(self.h, 1, mesh)
+            shard(self.h, 0, mesh, MY)
+            shard(self.h, 1, mesh)
 
 
 class MlpBackward(FusionDefinition):
@@ -197,17 +179,17 @@ class MlpBackward(FusionDefinition):
     def multidevice_schedule(self) -> None:
         mesh = self.mesh
         for w, axis in ((self.w1, 0), (self.w2, 1), (self.dw1, 0), (self.dw2, 1)):
-            _shard(w, axis, mesh)
+            shard(w, axis, mesh)
         if self.style == "sp":
             for t in (self.dy, self.x, self.dx):
-                _shard(t, 0, mesh)
+                shard(t, 0, mesh)
             self.dy_full.set_device_mesh(mesh)
         if self.style == "dp_tp":
             for t in (self.dy, self.x, self.dx):
-                _shard(t, 0, mesh, MY)
+                shard(t, 0, mesh, MY)
             for t in (self.h, self.dg):  # h as the forward made it; dg forced, as h forward
-                _shard(t, 0, mesh, MY)
-                _shard(t, 1, mesh)
+                shard(t, 0, mesh, MY)
+                shard(t, 1, mesh)
 
 
 def _mlp_reference(x, w1, b1, w2, b2, dy) -> dict[str, torch.Tensor]:
@@ -251,7 +233,7 @@ def _run_mlp(multidevice_test, style: str, mesh: DeviceMesh, dtype: DataType):
 def test_mlp_tensor_parallel(multidevice_test, dtype):
     """(a) Column-parallel fc1, GELU, row-parallel fc2: one allreduce forward (fc2's partial
     sums), one backward (fc1's input gradient); every weight gradient stays local."""
-    mesh = _1d_mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     fwd, bwd = _run_mlp(multidevice_test, "tp", mesh, dtype)
     _expect(multidevice_test, fwd, mesh, allreduce_x=1)
     _expect(multidevice_test, bwd, mesh, allreduce_x=1)
@@ -261,7 +243,7 @@ def test_mlp_sequence_parallel(multidevice_test, dtype):
     """(b) Tokens sharded in and out: forward allgather (x) + reduce-scatter (y); backward
     mirrors it: allgather dy, allgather x (for dw1, as Megatron re-gathers its input), and
     reduce-scatter dx."""
-    mesh = _1d_mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     fwd, bwd = _run_mlp(multidevice_test, "sp", mesh, dtype)
     _expect(multidevice_test, fwd, mesh, allgather_x=1, reduce_scatter_x=1)
     _expect(multidevice_test, bwd, mesh, allgather_x=2, reduce_scatter_x=1)
@@ -272,7 +254,7 @@ def test_mlp_backward_launches_the_input_gradient_allreduce_before_the_weight_gr
     """dx is defined last, but its allreduce is launched as soon as its partial sums exist,
     before the weight gradients are computed, so that their matmuls overlap it; its result is
     waited for only as an output. The values are those of the tensor-parallel test above."""
-    mesh = _1d_mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     bwd = MlpBackward("tp", mesh, dtype).define()
     inputs = [shard_tensor(_randn(*[d.extent for d in tv.logical], seed=i, dtype=dtype), tv,
                            multidevice_test.rank)
@@ -294,7 +276,7 @@ def test_mlp_data_and_tensor_parallel_on_a_2x2_mesh(multidevice_test, dtype):
     """(d) Tokens on mesh_y (data parallel), weights on mesh_x (tensor parallel). The forward's
     allreduce and the backward's input-gradient allreduce run over mesh_x groups only; the
     weight and bias gradients are allreduced over mesh_y groups (the data-parallel sync)."""
-    mesh = _2x2_mesh(multidevice_test)
+    mesh = mesh_2x2(multidevice_test)
     fwd, bwd = _run_mlp(multidevice_test, "dp_tp", mesh, dtype)
     assert {c.mesh_axis for c in fwd} == {mesh.axis_of(MX)}
     _expect(multidevice_test, fwd, mesh, allreduce_x=1)
@@ -340,7 +322,7 @@ class AttentionForward(FusionDefinition):
 
     def multidevice_schedule(self) -> None:
         for w in (self.wq, self.wk, self.wv, self.wo):
-            _shard(w, 0, self.mesh)
+            shard(w, 0, self.mesh)
 
 
 class AttentionBackward(AttentionForward):
@@ -375,7 +357,7 @@ class AttentionBackward(AttentionForward):
     def multidevice_schedule(self) -> None:
         super().multidevice_schedule()
         for g in (self.dwq, self.dwk, self.dwv, self.dwo):
-            _shard(g, 0, self.mesh)
+            shard(g, 0, self.mesh)
 
 
 def _attention_reference(x, wq, wk, wv, wo, bo, dy) -> dict[str, torch.Tensor]:
@@ -403,7 +385,7 @@ def _out_proj_heads_first(w_o: torch.Tensor) -> torch.Tensor:
 def test_attention_head_parallel(multidevice_test, dtype):
     """(c) Head-parallel Q/K/V projections, attention per local head, row-parallel output
     projection: one allreduce forward (the sum over heads), one backward (dx)."""
-    mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank
+    mesh, rank = mesh_1d(multidevice_test), multidevice_test.rank
     hidden = HEADS * HEAD_DIM
     x, dy = _randn(B, S, hidden, seed=0, dtype=dtype), _randn(B, S, hidden, seed=1, dtype=dtype)
     w = [_randn(hidden, hidden, seed=2 + i, dtype=dtype, scale=0.3) for i in range(4)]
@@ -431,7 +413,7 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype)
     permute to heads: the block shard of the features carries over to the heads."""
     if multidevice_test.size == 1:
         pytest.skip("one rank: nothing is sharded")
-    mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank
+    mesh, rank = mesh_1d(multidevice_test), multidevice_test.rank
     hidden = HEADS * HEAD_DIM
 
     with FusionDefinition() as fd:
@@ -447,8 +429,8 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype)
         y = ops.add(ops.linear(merged, wo), bo)
         fd.add_output(y)
     for w in (wq, wk, wv):
-        _shard(w, 0, mesh)
-    _shard(wo, 1, mesh)
+        shard(w, 0, mesh)
+    shard(wo, 1, mesh)
 
     inputs = [_randn(B, S, hidden, seed=0, dtype=dtype)] + [
         _randn(hidden, hidden, seed=2 + i, dtype=dtype, scale=0.3) for i in range(4)] + [
@@ -465,14 +447,14 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype)
 def test_bug_row_parallel_linear_adds_its_bias_once(multidevice_test, dtype):
     """``linear(x, w, b)`` with ``w`` sharded on input features makes a partial result; the
     bias must enter the sum once. Today every rank adds it, so the allreduce adds it d times."""
-    mesh, rank = _1d_mesh(multidevice_test), multidevice_test.rank
+    mesh, rank = mesh_1d(multidevice_test), multidevice_test.rank
     with FusionDefinition() as fd:
         x = fd.define_tensor([TOKENS, FFN], dtype=dtype)
         w = fd.define_tensor([HIDDEN, FFN], dtype=dtype)
         b = fd.define_tensor([HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w, b)
         fd.add_output(y)
-    _shard(w, 1, mesh)
+    shard(w, 1, mesh)
     tensors = [_randn(TOKENS, FFN, seed=0, dtype=dtype), _randn(HIDDEN, FFN, seed=1, dtype=dtype),
                _randn(HIDDEN, seed=2, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
@@ -487,14 +469,14 @@ def test_bug_sequence_parallel_linear_of_3d_activations_gathers_the_activations(
     gathered (Megatron's sequence parallelism) and the output is sharded on features. Today
     propagation prefers x (it maps 3 axes, the weight 2) over the weight linear prefers, so
     the output is sharded on the sequence and the weight is gathered instead."""
-    mesh, rank, d = _1d_mesh(multidevice_test), multidevice_test.rank, multidevice_test.size
+    mesh, rank, d = mesh_1d(multidevice_test), multidevice_test.rank, multidevice_test.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([B, 2 * S, HIDDEN], dtype=dtype)
         w = fd.define_tensor([FFN, HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w)
         fd.add_output(y)
-    _shard(x, 1, mesh)
-    _shard(w, 0, mesh)
+    shard(x, 1, mesh)
+    shard(w, 0, mesh)
     tensors = [_randn(B, 2 * S, HIDDEN, seed=0, dtype=dtype),
                _randn(FFN, HIDDEN, seed=1, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in
@@ -511,14 +493,14 @@ def test_bug_data_parallel_tokens_and_tensor_parallel_weight_both_shard_a_linear
     """Tokens on mesh_y and the weight's output features on mesh_x: the output is sharded on
     both, with no communication. Today propagation copies one input's sharding (the
     weight's), so the tokens are allgathered over mesh_y."""
-    mesh, rank = _2x2_mesh(multidevice_test), multidevice_test.rank
+    mesh, rank = mesh_2x2(multidevice_test), multidevice_test.rank
     with FusionDefinition() as fd:
         x = fd.define_tensor([TOKENS, HIDDEN], dtype=dtype)
         w = fd.define_tensor([FFN, HIDDEN], dtype=dtype)
         y = fd.ops.linear(x, w)
         fd.add_output(y)
-    _shard(x, 0, mesh, MY)
-    _shard(w, 0, mesh, MX)
+    shard(x, 0, mesh, MY)
+    shard(w, 0, mesh, MX)
     tensors = [_randn(TOKENS, HIDDEN, seed=0, dtype=dtype),
                _randn(FFN, HIDDEN, seed=1, dtype=dtype)]
     (out,), comms = _execute(fd, [shard_tensor(t, tv, rank) for t, tv in

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mesh_helpers import shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
@@ -13,12 +14,6 @@ from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.sharding import shard_tensor
 
 MESH = DeviceMesh(range(2))
-
-
-def _shard(tv, axis, mesh=MESH, pt=ParallelType.mesh_x, inner=False):
-    tv.set_device_mesh(mesh)
-    tv.split(axis, mesh.axis_size(pt), inner_split=inner)
-    tv.parallelize(axis + 1 if inner else axis, pt)
 
 
 def _summary(fd) -> str:
@@ -42,7 +37,7 @@ def test_golden_pointwise_with_broadcast():
         x = fd.define_tensor([4, 6], dtype=DataType.Float)
         bias = fd.define_tensor([1, 6], dtype=DataType.Float)
         fd.add_output(fd.ops.exp(fd.ops.add(x, bias)))
-    _shard(x, 0)
+    shard(x, 0, MESH)
     assert _summary(fd) == "T0 [S(0)] order=[0, 1]\nT1 [R] order=[0, 1]\nT2 [S(0)] order=[0, 1]\nT3 [S(0)] order=[0, 1]"
 
 
@@ -51,7 +46,7 @@ def test_golden_reduction_and_permute():
         x = fd.define_tensor([4, 6, 8], dtype=DataType.Float, stride_order=[2, 0, 1])
         s = fd.ops.sum(x, dims=[2], keepdim=True)
         fd.add_output(fd.ops.permute(s, [2, 0, 1]))
-    _shard(x, 1, inner=True)
+    shard(x, 1, MESH, inner=True)
     assert _summary(fd) == "T0 [S(1)c] order=[0, 2, 1]\nT1 [S(1)c] order=[0, 2, 1]\nT2 [S(2)c] order=[1, 0, 2]"
 
 
@@ -59,7 +54,7 @@ def test_golden_sum_over_sharded_axis_is_partial():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], dtype=DataType.Float)
         fd.add_output(fd.ops.sum(x, dims=[1]))
-    _shard(x, 1)
+    shard(x, 1, MESH)
     assert _summary(fd) == "T0 [S(1)] order=[0, 1]\nT1 [P] order=[0]"
 
 
@@ -68,7 +63,7 @@ def test_golden_linear_prefers_the_weight():
         x = fd.define_tensor([8, 16], dtype=DataType.Float)
         w = fd.define_tensor([12, 16], dtype=DataType.Float)
         fd.add_output(fd.ops.linear(x, w))
-    _shard(w, 0)
+    shard(w, 0, MESH)
     assert _summary(fd) == "T0 [R] order=[0, 1]\nT1 [S(0)] order=[0, 1]\nT2 [S(1)] order=[0, 1]"
 
 
@@ -77,7 +72,7 @@ def test_golden_reshape_carries_block_shards_through_splits_and_merges():
         x = fd.define_tensor([4, 24], dtype=DataType.Float)    # [tokens, heads * head_dim]
         heads = fd.ops.reshape(x, [4, 6, 4])                    # [tokens, heads, head_dim]
         fd.add_output(fd.ops.reshape(fd.ops.relu(heads), [4, 24]))
-    _shard(x, 1)
+    shard(x, 1, MESH)
     assert _summary(fd) == "\n".join([
         "T0 [S(1)] order=[0, 1]",
         "T1 [S(1)] order=[0, 1, 2]",
@@ -90,7 +85,7 @@ def test_reshape_of_a_cyclic_shard_is_not_carried_over():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 24], dtype=DataType.Float)
         fd.add_output(fd.ops.reshape(x, [4, 6, 4]))
-    _shard(x, 1, inner=True)
+    shard(x, 1, MESH, inner=True)
     assert _summary(fd).splitlines()[1] == "T1 [R] order=[0, 1, 2]"
 
 
@@ -99,7 +94,7 @@ def test_golden_backward_fills_inputs_from_outputs():
         x = fd.define_tensor([4, 6], dtype=DataType.Float)
         y = fd.ops.tanh(x)
         fd.add_output(fd.ops.mul(y, 2.0))
-    _shard(fd.fusion.outputs()[0], 1)
+    shard(fd.fusion.outputs()[0], 1, MESH)
     assert _summary(fd) == "T0 [S(1)] order=[0, 1]\nT1 [S(1)] order=[0, 1]\nT2 [S(1)] order=[0, 1]"
 
 
@@ -107,7 +102,7 @@ def test_golden_attention_bshe_keeps_bshe():
     fd = SeedAttention(QkvFormat.BSHE, MESH, 2, 4, 8, 32)
     fd.definition()
     for t in (fd.q, fd.k, fd.v, fd.out_grad):
-        _shard(t, 1)
+        shard(t, 1, MESH)
     assert _summary(fd) == "T0 [S(1)] order=[0, 2, 1, 3]\nT1 [S(1)] order=[0, 2, 1, 3]\nT2 [S(1)] order=[0, 2, 1, 3]\nT3 [S(1)] order=[0, 2, 1, 3]\nT4 [S(1)] order=[0, 2, 1, 3]\nT5 [S(1)] order=[0, 2, 1]\nT8 [S(1)] order=[0, 2, 1, 3]\nT9 [S(1)] order=[0, 2, 1, 3]\nT10 [S(1)] order=[0, 2, 1, 3]"
 
 
@@ -117,8 +112,8 @@ def test_user_pins_are_never_changed_and_conflicts_become_resharding_copies():
         y = fd.ops.neg(x)
         fd.add_output(y)
     one = DeviceMesh([0])  # one rank: the conflict is in the schedule, not in the world size
-    _shard(x, 0, one)
-    _shard(y, 1, one)
+    shard(x, 0, one)
+    shard(y, 1, one)
     before = list(y.loop)
     propagate_shardings(fd.fusion)
     assert y.loop == before
@@ -135,13 +130,13 @@ def test_user_pins_are_never_changed_and_conflicts_become_resharding_copies():
 class InputsOnly(SeedAttention):
     def multidevice_schedule(self):
         for t in (self.q, self.k, self.v, self.out_grad):
-            _shard(t, 1, self.mesh)
+            shard(t, 1, self.mesh)
 
 
 class OutputsOnly(SeedAttention):
     def multidevice_schedule(self):
         for t in (self.attn, self.q_grad, self.k_grad, self.v_grad):
-            _shard(t, 1, self.mesh)
+            shard(t, 1, self.mesh)
 
 
 @pytest.mark.mpi
@@ -236,8 +231,8 @@ def test_reshape_of_a_sharded_axis_matches_and_communicates_only_when_cyclic(
         x = fd.define_tensor([4, 12 * 4], dtype=DataType.Float)
         fd.add_output(fd.ops.reshape(fd.ops.exp(fd.ops.reshape(x, [4, 12, 4])), [4, 48]))
     out_tv = fd.fusion.outputs()[0]
-    _shard(x, 1, DeviceMesh(range(d)), inner=inner)
-    _shard(out_tv, 1, DeviceMesh(range(d)), inner=inner)
+    shard(x, 1, DeviceMesh(range(d)), inner=inner)
+    shard(out_tv, 1, DeviceMesh(range(d)), inner=inner)
     gx = torch.randn(4, 48).to(multidevice_test.device)
     with record_communications() as comms:
         out, = fd.execute([shard_tensor(gx, x, rank)])

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import (
     DataType,
@@ -34,7 +35,6 @@ from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi
 
-MX, MY = ParallelType.mesh_x, ParallelType.mesh_y
 
 
 # ----- helpers ---------------------------------------------------------------------------
@@ -42,25 +42,6 @@ MX, MY = ParallelType.mesh_x, ParallelType.mesh_y
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
     """The same global tensor on every rank, on this rank's device (NCCL needs GPU tensors)."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(current_device())
-
-
-def _mesh(multidevice_test) -> DeviceMesh:
-    return DeviceMesh(range(multidevice_test.size))
-
-
-def _mesh_2x2(multidevice_test) -> DeviceMesh:
-    if multidevice_test.size != 4:
-        pytest.skip("a 2x2 mesh needs 4 ranks")
-    return DeviceMesh(torch.arange(4).reshape(2, 2))
-
-
-def _shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX, inner: bool = False) -> None:
-    """Shards materialized axis ``axis`` of ``tv`` over the mesh axis of ``pt``: a block
-    shard (outer split), or a cyclic one (inner split)."""
-    tv.set_device_mesh(mesh)
-    pos = tv.loop.index(tv.materialized()[axis])
-    tv.split(pos, mesh.axis_size(pt), inner_split=inner)
-    tv.parallelize(pos + 1 if inner else pos, pt)
 
 
 def _run(multidevice_test, build: Callable, schedule: Callable, inputs: list, **tol):
@@ -101,7 +82,7 @@ def _expect(multidevice_test, comms, *kinds: str | tuple[str, str], mesh=None, p
     if multidevice_test.size == 1:
         assert _traffic(comms) == [], comms
         return
-    mesh = mesh or _mesh(multidevice_test)
+    mesh = mesh or mesh_1d(multidevice_test)
     axis = mesh.axis_of(pt)
     group = mesh.group_ranks(multidevice_test.rank, axis)
     want = []
@@ -134,10 +115,10 @@ def _reduction(shape: list[int], op: str, dims):
 @pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_allgather_sharded_to_replicated(multidevice_test, axis, inner):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
-        _shard(t.x, axis, mesh, inner=inner)
+        shard(t.x, axis, mesh, inner=inner)
         t.y.set_device_mesh(mesh)
 
     t, comms = _run(multidevice_test, _pointwise([8, 12]), schedule, [_randn(8, 12)])
@@ -152,10 +133,10 @@ def test_allgather_sharded_to_replicated(multidevice_test, axis, inner):
 def test_allreduce_of_a_reduction_over_a_sharded_axis(multidevice_test, op, output):
     """The output pinned replicated, or left to propagation (a partial fusion output is
     reduced for the user)."""
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
-        _shard(t.x, 1, mesh)
+        shard(t.x, 1, mesh)
         if output == "pinned":
             t.y.set_device_mesh(mesh)
 
@@ -166,12 +147,12 @@ def test_allreduce_of_a_reduction_over_a_sharded_axis(multidevice_test, op, outp
 
 @pytest.mark.parametrize("dims", [[1], None], ids=["sharded_axis", "all_axes"])
 def test_mean_over_a_sharded_axis_is_the_global_mean(multidevice_test, dims):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     x = _randn(8, 12)
     with FusionDefinition() as fd:
         xt = fd.define_tensor([8, 12], dtype=DataType.Float)
         fd.add_output(fd.ops.mean(xt, dims=dims))
-    _shard(xt, 1, mesh)
+    shard(xt, 1, mesh)
     with record_communications() as comms:
         out, = fd.execute([shard_tensor(x, xt, multidevice_test.rank)])
     torch.testing.assert_close(out, x.mean(dim=dims))
@@ -182,7 +163,7 @@ def test_var_mean_over_a_sharded_axis_gathers_its_input(multidevice_test):
     """var_mean cannot make partial results: the input is gathered (one allgather) and the
     variance and mean are computed on the whole axis, replicated. (Today propagation makes
     var_mean's outputs partial anyway, and the sharding check refuses the fusion.)"""
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     x = _randn(8, 12)
 
     def build(fd):
@@ -192,25 +173,25 @@ def test_var_mean_over_a_sharded_axis_gathers_its_input(multidevice_test):
         fd.add_output(mean)
         return SimpleNamespace(x=xt, var=var, mean=mean)
 
-    t, comms = _run(multidevice_test, build, lambda t: _shard(t.x, 1, mesh), [x])
+    t, comms = _run(multidevice_test, build, lambda t: shard(t.x, 1, mesh), [x])
     _expect(multidevice_test, comms, "allgather")
     assert placements(t.var) == placements(t.mean) == (Replicate(),)
 
 
 @pytest.mark.parametrize("dims", [[1, 2], [0, 1]])
 def test_reduction_over_sharded_and_unsharded_axes(multidevice_test, dims):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     _, comms = _run(multidevice_test, _reduction([4, 8, 12], "sum", dims),
-                    lambda t: _shard(t.x, 1, mesh), [_randn(4, 8, 12)])
+                    lambda t: shard(t.x, 1, mesh), [_randn(4, 8, 12)])
     _expect(multidevice_test, comms, ("allreduce", "sum"))
 
 
 def test_reduce_scatter_of_a_partial_sum_into_a_sharded_output(multidevice_test):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
-        _shard(t.x, 1, mesh)
-        _shard(t.y, 0, mesh)
+        shard(t.x, 1, mesh)
+        shard(t.y, 0, mesh)
 
     t, comms = _run(multidevice_test, _reduction([8, 12], "sum", [1]), schedule, [_randn(8, 12)])
     _expect(multidevice_test, comms, "reduce_scatter")
@@ -220,7 +201,7 @@ def test_reduce_scatter_of_a_partial_sum_into_a_sharded_output(multidevice_test)
 def test_reduce_scatter_is_chosen_over_allreduce_and_slice(multidevice_test):
     """A partial sum feeding a pointwise op whose output is pinned sharded: the partial is
     reduce-scattered once (each rank receives its 8/d rows), not allreduced then sliced."""
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def build(fd):
         x = fd.define_tensor([8, 12], dtype=DataType.Float)
@@ -229,8 +210,8 @@ def test_reduce_scatter_is_chosen_over_allreduce_and_slice(multidevice_test):
         return SimpleNamespace(x=x, y=y)
 
     def schedule(t):
-        _shard(t.x, 1, mesh)
-        _shard(t.y, 0, mesh)
+        shard(t.x, 1, mesh)
+        shard(t.y, 0, mesh)
 
     t, comms = _run(multidevice_test, build, schedule, [_randn(8, 12)])
     _expect(multidevice_test, comms, "reduce_scatter")
@@ -240,22 +221,22 @@ def test_reduce_scatter_is_chosen_over_allreduce_and_slice(multidevice_test):
 
 @pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
 def test_all_to_all_moves_a_shard_to_another_axis(multidevice_test, inner):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
-        _shard(t.x, 0, mesh, inner=inner)
-        _shard(t.y, 1, mesh, inner=inner)
+        shard(t.x, 0, mesh, inner=inner)
+        shard(t.y, 1, mesh, inner=inner)
 
     _, comms = _run(multidevice_test, _pointwise([8, 12]), schedule, [_randn(8, 12)])
     _expect(multidevice_test, comms, "all_to_all")
 
 
 def test_replicated_to_sharded_is_a_local_slice(multidevice_test):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
         t.x.set_device_mesh(mesh)
-        _shard(t.y, 1, mesh)
+        shard(t.y, 1, mesh)
 
     t, comms = _run(multidevice_test, _pointwise([8, 12]), schedule, [_randn(8, 12)])
     assert comms == []
@@ -265,7 +246,7 @@ def test_replicated_to_sharded_is_a_local_slice(multidevice_test):
 
 
 def test_no_communication_where_shardings_agree(multidevice_test):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def build(fd):
         x = fd.define_tensor([8, 12], dtype=DataType.Float)
@@ -274,7 +255,7 @@ def test_no_communication_where_shardings_agree(multidevice_test):
         fd.add_output(fd.ops.permute(y, [1, 0]))
         return SimpleNamespace(x=x)
 
-    t, comms = _run(multidevice_test, build, lambda t: _shard(t.x, 0, mesh),
+    t, comms = _run(multidevice_test, build, lambda t: shard(t.x, 0, mesh),
                     [_randn(8, 12), _randn(1, 12, seed=1)])
     assert comms == []
     assert not any(e.op.name == "set" for e in t.fd.fusion.exprs), t.fd.explain()
@@ -282,7 +263,7 @@ def test_no_communication_where_shardings_agree(multidevice_test):
 
 @pytest.mark.parametrize("target", ["replicated", "sharded_axis_0"])
 def test_explicit_set_reshards_in_the_middle_of_a_fusion(multidevice_test, target):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def build(fd):
         x = fd.define_tensor([8, 12], dtype=DataType.Float)
@@ -291,11 +272,11 @@ def test_explicit_set_reshards_in_the_middle_of_a_fusion(multidevice_test, targe
         return SimpleNamespace(x=x, z=z)
 
     def schedule(t):
-        _shard(t.x, 1, mesh)
+        shard(t.x, 1, mesh)
         if target == "replicated":
             t.z.set_device_mesh(mesh)
         else:
-            _shard(t.z, 0, mesh)
+            shard(t.z, 0, mesh)
 
     _, comms = _run(multidevice_test, build, schedule, [_randn(8, 12)])
     _expect(multidevice_test, comms, "allgather" if target == "replicated" else "all_to_all")
@@ -304,7 +285,7 @@ def test_explicit_set_reshards_in_the_middle_of_a_fusion(multidevice_test, targe
 def test_one_gather_serves_every_consumer_that_needs_it(multidevice_test):
     """x is sharded on tokens and read by two column-parallel linears that both need it
     whole: one allgather feeds both (not one per consumer)."""
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def build(fd):
         x = fd.define_tensor([8, 12], dtype=DataType.Float)
@@ -315,11 +296,11 @@ def test_one_gather_serves_every_consumer_that_needs_it(multidevice_test):
         return SimpleNamespace(x=x, w1=w1, w2=w2, y1=y1, y2=y2)
 
     def schedule(t):
-        _shard(t.x, 0, mesh)
+        shard(t.x, 0, mesh)
         for tv in (t.w1, t.w2):
-            _shard(tv, 0, mesh)
+            shard(tv, 0, mesh)
         for tv in (t.y1, t.y2):
-            _shard(tv, 1, mesh)
+            shard(tv, 1, mesh)
 
     t, comms = _run(multidevice_test, build, schedule,
                     [_randn(8, 12), _randn(4, 12, seed=1), _randn(8, 12, seed=2)])
@@ -346,11 +327,11 @@ def _qkv():
 
 
 def test_causal_attention_with_a_sharded_query_sequence_is_refused(multidevice_test):
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
     with FusionDefinition() as fd:
         t = _attention(is_causal=True)(fd)
     for tv in (t.q, t.k, t.v):
-        _shard(tv, 2, mesh)
+        shard(tv, 2, mesh)
     local = [shard_tensor(x, tv, multidevice_test.rank) for x, tv in zip(_qkv(), (t.q, t.k, t.v))]
     with pytest.raises(ShardingError, match=r"query sequence \(axis 2\) of T0 is sharded and the "
                        r"attention is causal.*shard batch or heads"):
@@ -362,13 +343,13 @@ def test_non_causal_attention_gathers_sharded_keys_and_values(multidevice_test, 
     """K and V sharded on the sequence: each is gathered once; the output follows q. (Today
     with q replicated, propagation makes the attention output partial and the sharding check
     refuses the fusion, as for var_mean.)"""
-    mesh = _mesh(multidevice_test)
+    mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
         if q_sharded:
-            _shard(t.q, 2, mesh)
+            shard(t.q, 2, mesh)
         for tv in (t.k, t.v):
-            _shard(tv, 2, mesh)
+            shard(tv, 2, mesh)
 
     t, comms = _run(multidevice_test, _attention(is_causal=False), schedule, _qkv(),
                     rtol=1e-5, atol=1e-5)
@@ -385,15 +366,15 @@ def _other(pt: ParallelType) -> ParallelType:
 def _schedule_2x2(kind: str, mesh: DeviceMesh, pt: ParallelType):
     """Axis 0 of [4, 8, 12] stays sharded on the other mesh axis; ``pt`` does ``kind``."""
     def schedule(t):
-        _shard(t.x, 0, mesh, _other(pt))
+        shard(t.x, 0, mesh, _other(pt))
         if kind != "slice":
-            _shard(t.x, 1 if kind == "all_to_all" else 2, mesh, pt)
+            shard(t.x, 1 if kind == "all_to_all" else 2, mesh, pt)
         if kind in ("allgather", "reduce_scatter", "all_to_all", "slice"):
-            _shard(t.y, 0, mesh, _other(pt))
+            shard(t.y, 0, mesh, _other(pt))
         if kind in ("all_to_all", "slice"):
-            _shard(t.y, 2, mesh, pt)
+            shard(t.y, 2, mesh, pt)
         if kind == "reduce_scatter":
-            _shard(t.y, 1, mesh, pt)
+            shard(t.y, 1, mesh, pt)
     return schedule
 
 
@@ -401,7 +382,7 @@ def _schedule_2x2(kind: str, mesh: DeviceMesh, pt: ParallelType):
 @pytest.mark.parametrize("kind", ["allgather", "allreduce", "reduce_scatter", "all_to_all",
                                   "slice"])
 def test_2x2_mesh_each_kind_along_one_mesh_axis(multidevice_test, kind, pt):
-    mesh = _mesh_2x2(multidevice_test)
+    mesh = mesh_2x2(multidevice_test)
     reduces = kind in ("allreduce", "reduce_scatter")
     build = _reduction([4, 8, 12], "sum", [2]) if reduces else _pointwise([4, 8, 12])
     t, comms = _run(multidevice_test, build, _schedule_2x2(kind, mesh, pt), [_randn(4, 8, 12)])
@@ -422,7 +403,7 @@ def test_a_mesh_axis_of_one_device_communicates_nothing(multidevice_test, kind):
     build = _pointwise([8, 12]) if kind == "allgather" else _reduction([8, 12], "sum", [1])
 
     def schedule(t):
-        _shard(t.x, 1, mesh, MX)
+        shard(t.x, 1, mesh, MX)
         t.y.set_device_mesh(mesh)
 
     _, comms = _run(multidevice_test, build, schedule, [_randn(8, 12)])
