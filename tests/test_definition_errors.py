@@ -45,15 +45,26 @@ def cube(fd) -> TensorView:
 # ----------------------------------------------------------------------------------------------
 # Bad definitions: each case builds inside `with FusionDefinition() as fd` and must raise.
 
-DEFINITION_CASES: dict[str, tuple[Callable, tuple[str, ...]]] = {}
+CUDA = torch.cuda.is_available()
+Cases = dict[str, tuple[Callable, tuple[str, ...], pytest.MarkDecorator]]
 
 
-def definition_case(*words: str):
-    def register(build):
-        DEFINITION_CASES[build.__name__] = (build, words)
-        return build
+def _registrar(cases: Cases) -> Callable:
+    """A decorator factory: ``@case(*words)`` records the decorated build in ``cases`` under
+    its name, with the words its error must contain (``needs_cuda``: skipped without CUDA)."""
+    def case(*words: str, needs_cuda: bool = False):
+        def register(build):
+            marks = pytest.mark.skipif(needs_cuda and not CUDA, reason="needs a CUDA device")
+            cases[build.__name__] = (build, words, marks)
+            return build
 
-    return register
+        return register
+
+    return case
+
+
+DEFINITION_CASES: Cases = {}
+definition_case = _registrar(DEFINITION_CASES)
 
 
 @definition_case("sum", "unknown argument 'dim'", "dims=None")
@@ -309,7 +320,7 @@ def attention_heads_mismatch(fd):
 
 @pytest.mark.parametrize("case", list(DEFINITION_CASES))
 def test_bad_definition(case):
-    build, words = DEFINITION_CASES[case]
+    build, words, _ = DEFINITION_CASES[case]
     with pytest.raises(DefinitionError) as info, FusionDefinition() as fd:
         build(fd)
     assert_says(info.value, words)
@@ -326,15 +337,8 @@ def test_unknown_op_is_an_attribute_error():
 # ----------------------------------------------------------------------------------------------
 # Bad schedules: raised by the scheduling call itself, or by execute before running.
 
-SCHEDULE_CASES: dict[str, tuple[Callable, tuple[str, ...]]] = {}
-
-
-def schedule_case(*words: str):
-    def register(build):
-        SCHEDULE_CASES[build.__name__] = (build, words)
-        return build
-
-    return register
+SCHEDULE_CASES: Cases = {}
+schedule_case = _registrar(SCHEDULE_CASES)
 
 
 @schedule_case("split factor 4", "extent 6", "axis 1", "T0", "divisor")
@@ -389,7 +393,7 @@ def parallelize_without_a_mesh(fd):
 
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
 def test_bad_schedule(case):
-    build, words = SCHEDULE_CASES[case]
+    build, words, _ = SCHEDULE_CASES[case]
     with pytest.raises(ScheduleError) as info, FusionDefinition() as fd:
         build(fd)
     assert_says(info.value, words)
@@ -398,17 +402,8 @@ def test_bad_schedule(case):
 # ----------------------------------------------------------------------------------------------
 # Bad inputs: each case defines a fusion and returns the inputs execute must refuse.
 
-INPUT_CASES: dict[str, tuple[Callable, tuple[str, ...]]] = {}
-CUDA = torch.cuda.is_available()
-
-
-def input_case(*words: str, needs_cuda: bool = False):
-    def register(build):
-        marks = pytest.mark.skipif(needs_cuda and not CUDA, reason="needs a CUDA device")
-        INPUT_CASES[build.__name__] = (build, words, marks)
-        return build
-
-    return register
+INPUT_CASES: Cases = {}
+input_case = _registrar(INPUT_CASES)
 
 
 def relu_of(fd, x: TensorView) -> TensorView:
