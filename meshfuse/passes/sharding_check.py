@@ -1,8 +1,11 @@
-"""Finds ops whose inputs and outputs are sharded differently (they need communication).
+"""Finds compute ops whose inputs and outputs are still sharded differently.
 
-Until resharding is implemented, such an op is an error raised before anything runs, naming
-the op, the tensors, the axis and both shardings. An axis's sharding is compared as its
-*owner map*: for each device parallel type, the mesh coordinate that holds each global index.
+Runs per input signature, after ``insert_resharding`` made every compute op local as far as
+the schedules show, with the bound extents: what the pass could not turn into a ``set`` (an
+op's own sharding limits, owners that differ only with concrete extents) is an error raised
+before anything runs, naming the op, the tensors, the axis and both shardings. An axis's
+sharding is compared as its *owner map*: for each device parallel type, the mesh coordinate
+that holds each global index.
 """
 
 from __future__ import annotations
