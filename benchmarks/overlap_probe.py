@@ -19,6 +19,7 @@ import meshfuse
 from benchmarks import context
 from benchmarks.cases import mlp
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
+from benchmarks.timing import timed_samples
 from meshfuse.runtime.communicator import Communicator
 
 ITERS = 20
@@ -27,16 +28,7 @@ ITERS = 20
 def _median_ms(ctx, step) -> float:
     for _ in range(3):
         step()
-    ctx.barrier()
-    times = []
-    for _ in range(ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
+    return statistics.median(timed_samples(ctx, step, ITERS))
 
 
 def _overlap(step) -> str:
