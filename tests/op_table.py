@@ -128,8 +128,28 @@ def _torch_fn(name: str):
     return getattr(torch, name, None) or getattr(F, name)
 
 
+# nvFuser's promotion: these compute Half and BFloat16 operands in float32 and return float32.
+FLOAT_COMPUTE = {*UNARY_FLOAT, "neg", "add", "atan2", "div", "fmod", "maximum", "minimum",
+                 "mul", "pow", "remainder", "sub"} - {"silu"}
+
+
+def in_float(name: str, fn):
+    """``fn`` as nvFuser computes op ``name``: low-precision float tensors upcast first."""
+    if name not in FLOAT_COMPUTE:
+        return fn
+
+    def ref(*args):
+        return fn(*(a.float() if isinstance(a, torch.Tensor) and a.dtype in LOW_PRECISION
+                    else a for a in args))
+
+    return ref
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def unary_info(name: str) -> OpInfo:
-    fn = _torch_fn(name)
+    fn = in_float(name, _torch_fn(name))
     low, high = UNARY_DOMAINS.get(name, (-2.0, 2.0))
     samples = (
         Sample((T((5, 7), low=low, high=high),), fn, name="2d"),
@@ -173,7 +193,7 @@ def binary_ref(fn):
 
 
 def binary_samples(name: str) -> tuple[Sample, ...]:
-    fn = binary_ref(_torch_fn(name))
+    fn = in_float(name, binary_ref(_torch_fn(name)))
     (alo, ahi), (blo, bhi) = BINARY_DOMAINS.get(name, ((-2.0, 2.0), (-2.0, 2.0)))
 
     def a(shape):

@@ -111,6 +111,8 @@ class TensorView(Val):
         self.parallel: dict[IterDomain, ParallelType] = {}
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
+        # A 0-d fusion input that stays on the CPU beside GPU inputs (define_tensor(is_cpu=True)).
+        self.is_cpu = False
         self.name = "T?"
 
     # ----- reading -----------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
         return [OutSpec(_default_dtype(name, _dtype_attr(name, dtype) or x.dtype), axes)]
 
     def impl(x, dims, keepdim, dtype):
-        if dtype is not None:
+        if dtype is not None and dtype is not DataType.Null:
             x = x.to(dtype.torch_dtype)
         dims = local_dims(x, dims)
         return reduce_fn(x, dims, keepdim) if dims else x.clone()
@@ -62,9 +62,11 @@ def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
 
 
 def _dtype_attr(name: str, dtype) -> DataType | None:
+    """The cast a reduction's ``dtype`` asks for; None and nvFuser's ``DataType.Null`` ask for
+    none."""
     if dtype is not None and not isinstance(dtype, DataType):
         raise DefinitionError(f"{name}: dtype must be a DataType or None, got {dtype!r}")
-    return dtype
+    return None if dtype is DataType.Null else dtype
 
 
 def _default_dtype(name: str, dtype: DataType) -> DataType:
@@ -115,7 +117,7 @@ def _mean_infer(x, dims, keepdim, dtype):
 def _mean(x, dims, keepdim, dtype, reduced_count):
     # The sum over the local elements divided by the *global* count: on a shard of the
     # reduced axes this is a partial mean that a sum over the shards completes.
-    if dtype is not None:  # as PyTorch: cast, then reduce
+    if dtype is not None and dtype is not DataType.Null:  # as PyTorch: cast, then reduce
         x = x.to(dtype.torch_dtype)
     dims = local_dims(x, dims)
     if not dims:

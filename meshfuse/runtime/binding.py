@@ -84,6 +84,13 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
                 f"{[i.extent if i.extent is not None else -1 for i in v.materialized()]}), got "
                 f"shape {list(x.shape)}"
             )
+        if v.is_cpu:
+            if x.device.type != "cpu":
+                raise InputError(
+                    f"input {v.name} is declared is_cpu=True but is on {x.device}; pass a CPU "
+                    "tensor"
+                )
+            continue
         if device is None:
             device = x.device
         elif x.device != device:
