@@ -189,6 +189,9 @@ class DeviceMesh:
     ) -> torch.Tensor:
         """The contiguous block of ``t`` along ``axis`` that ``rank`` holds.
 
+        nvFuser's legacy frontend passed the rank third (``mesh.shard_tensor(t, 0, rank)``);
+        an int in place of ``parallel_type`` is taken as the rank.
+
         With ``d`` devices on the mesh axis of ``parallel_type`` and extent ``n``, the device
         at coordinate ``c`` on that axis holds ``[c*n/d, (c+1)*n/d)`` (an outer split of
         ``axis`` by ``d``; ranks that differ only on other mesh axes get the same block).
@@ -211,6 +214,8 @@ class DeviceMesh:
             >>> DeviceMesh(range(2)).shard_tensor(torch.arange(6).reshape(2, 3), 0, rank=1)
             tensor([[3, 4, 5]])
         """
+        if isinstance(parallel_type, int) and not isinstance(parallel_type, bool):
+            parallel_type, rank = ParallelType.mesh_x, parallel_type
         if rank is None:
             from meshfuse.runtime.communicator import current_rank
 

@@ -10,7 +10,9 @@ from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
-from meshfuse.ops.registry import Kind, OpDef, ScalarMeta, TensorMeta
+from meshfuse.ops.registry import Kind, OpDef, ScalarMeta, SymbolicSize, TensorMeta
+from meshfuse.ops.shape import memory_order
+from meshfuse.ops.shape_rules import normalize_axis
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
@@ -62,7 +64,32 @@ class Ops:
         return call
 
     def __dir__(self):
-        return sorted(registry.REGISTRY)
+        return sorted([*registry.REGISTRY, "shape", "size"])
+
+    def size(self, tv: TensorView, dim: int) -> int | SymbolicSize:
+        """The global extent of axis ``dim`` of ``tv``: an int when static, else a
+        :class:`~meshfuse.ops.registry.SymbolicSize` that shape arguments take
+        (``broadcast_in_dim(w, shape=[fd.ops.size(x, 0), 8], ...)``, a ``slice`` end)."""
+        if not isinstance(tv, TensorView):
+            raise DefinitionError(f"size: expected a tensor of the fusion, got {tv!r}")
+        ids = tv.materialized()
+        id_ = ids[normalize_axis("size", dim, len(ids), "dim")]
+        return id_.extent if id_.extent is not None else SymbolicSize(id_)
+
+    def shape(self, tv: TensorView) -> list[int | SymbolicSize]:
+        """``[fd.ops.size(tv, i) for each axis i]``."""
+        if not isinstance(tv, TensorView):
+            raise DefinitionError(f"shape: expected a tensor of the fusion, got {tv!r}")
+        return [self.size(tv, i) for i in range(tv.ndim)]
+
+    def stride_order(self, x: TensorView, stride_order) -> TensorView:
+        """``x``'s values laid out with ``stride_order`` (rank of each axis, 0 = innermost):
+        the output's allocation domain is that order."""
+        out = add_op(self._fusion, registry.lookup("stride_order"), (x, stride_order), {})
+        order = memory_order(stride_order)
+        ids = out.materialized()
+        out.set_allocation_domain([ids[a] for a in order], True)
+        return out
 
 
 def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:

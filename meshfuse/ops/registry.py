@@ -19,7 +19,7 @@ from typing import Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.iter_domain import IterDomain, IterType
 
 
 class Kind(enum.Enum):
@@ -89,6 +89,18 @@ class ScalarMeta:
 
     dtype: DataType
     value: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolicSize:
+    """The extent of a tensor axis that is symbolic at definition (``fd.ops.size(t, i)`` of a
+    ``-1`` axis), as a shape argument: ``broadcast_in_dim``/``expand`` take it where an input
+    axis of that extent goes (like ``-1``), ``slice`` as the end of that axis."""
+
+    id: IterDomain
+
+    def __repr__(self) -> str:
+        return f"size(i{self.id.uid})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
     OutSpec,
+    SymbolicSize,
     TensorMeta,
     attr,
     register,
@@ -29,6 +30,7 @@ from meshfuse.ops.shape_rules import (
     normalize_axis,
     promote,
     require_tensor,
+    same_axes,
 )
 
 
@@ -39,25 +41,30 @@ def _broadcast_in_dim_infer(x, shape, broadcast_dims):
 def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
     """``x``'s axes placed at ``broadcast_dims`` of ``shape``; the other output axes are new.
 
-    A ``shape`` entry is a positive extent, or ``-1`` on an axis of ``x``: its extent. Only
-    broadcast axes of ``x`` (extent 1) can take another extent.
+    A ``shape`` entry is a positive extent, ``-1`` or a :class:`SymbolicSize` (on an axis of
+    ``x``: its extent; on a new axis, a symbolic size makes a broadcast axis, which the ops
+    it meets expand). Only broadcast axes of ``x`` (extent 1) can take another extent.
+    ``broadcast_dims`` may count from the end (``-1`` is the last output axis).
     """
     x = require_tensor(op, "x", x)
-    shape = int_list(op, "shape", shape)
-    dims = int_list(op, "broadcast_dims", broadcast_dims)
+    shape = int_list(op, "shape", shape, sizes=True)
+    dims = [normalize_axis(op, d, len(shape), "broadcast dim")
+            for d in int_list(op, "broadcast_dims", broadcast_dims)]
     if len(dims) != x.ndim:
         raise DefinitionError(
             f"{op}: broadcast_dims {dims} must name one output axis for each of the "
             f"{x.ndim} input axes"
         )
-    if sorted(set(dims)) != dims or any(not 0 <= d < len(shape) for d in dims):
+    if sorted(set(dims)) != dims:
         raise DefinitionError(
             f"{op}: broadcast_dims {dims} must be increasing axes of the {len(shape)}-axis "
             f"output shape {shape}"
         )
     axes = []
     for out_axis, extent in enumerate(shape):
-        if extent == 0 or extent < -1 or (extent == -1 and out_axis not in dims):
+        if isinstance(extent, SymbolicSize):
+            extent = -1 if out_axis in dims else 1
+        elif extent == 0 or extent < -1 or (extent == -1 and out_axis not in dims):
             raise DefinitionError(
                 f"{op}: output extent {extent} of axis {out_axis} of shape {shape} is invalid; "
                 "use a positive extent (-1, keep the input's extent, only on an input axis)"
@@ -85,7 +92,7 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
 def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
     view = [1] * len(out_shapes[0])
     for a, out_axis in enumerate(broadcast_dims):
-        view[out_axis] = x.shape[a]
+        view[out_axis % len(view)] = x.shape[a]
     return x.reshape(view).expand(out_shapes[0])
 
 
@@ -93,6 +100,64 @@ register(OpDef(
     "broadcast_in_dim", (tensor("x"), attr("shape"), attr("broadcast_dims")),
     _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
     doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
+))
+
+
+def _broadcast_infer(x, is_broadcast_dim):
+    x = require_tensor("broadcast", "x", x)
+    flags = list(is_broadcast_dim) if isinstance(is_broadcast_dim, list | tuple) else None
+    if flags is None or not all(isinstance(f, bool) for f in flags) or \
+            flags.count(False) != x.ndim:
+        raise DefinitionError(
+            f"broadcast: is_broadcast_dim must be a list of bools, one per output axis, with "
+            f"one False for each of the {x.ndim} input axes; got {is_broadcast_dim!r}"
+        )
+    kept = iter(range(x.ndim))
+    axes = []
+    for new in flags:
+        if new:
+            axes.append(AxisSpec(1, IterType.Broadcast))
+        else:
+            a = next(kept)
+            axes.append(AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)))
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _broadcast(x, is_broadcast_dim, out_shapes):
+    return x.reshape(out_shapes[0])
+
+
+register(OpDef(
+    "broadcast", (tensor("x"), attr("is_broadcast_dim")), _broadcast_infer, _broadcast,
+    needs_out_shape=True,
+    doc="new broadcast axes (extent 1) where is_broadcast_dim is True (nvFuser's broadcast)",
+))
+
+
+def _stride_order_infer(x, stride_order):
+    x = require_tensor("stride_order", "x", x)
+    order = int_list("stride_order", "stride_order", stride_order)
+    if sorted(order) != list(range(x.ndim)):
+        raise DefinitionError(
+            f"stride_order: {order} must be a permutation of range({x.ndim}) (one rank per "
+            "axis, 0 = innermost)"
+        )
+    return [OutSpec(x.dtype, same_axes(0, x))]
+
+
+def memory_order(stride_order) -> list[int]:
+    """Axes outermost first, for ``stride_order[i]`` = rank of axis ``i`` from the innermost."""
+    return sorted(range(len(stride_order)), key=lambda a: -stride_order[a])
+
+
+def _stride_order(x, stride_order):
+    order = memory_order(stride_order)
+    return x.permute(order).contiguous().permute([order.index(a) for a in range(x.ndim)])
+
+
+register(OpDef(
+    "stride_order", (tensor("x"), attr("stride_order")), _stride_order_infer, _stride_order,
+    doc="x's values laid out in memory in stride_order (rank of each axis, 0 = innermost)",
 ))
 
 
@@ -221,49 +286,80 @@ register(OpDef(
 ))
 
 
-def _slice_infer(x, start_indices, end_indices, strides):
+def _slice_infer(x, start_indices, end_indices, strides, manual_normalization):
     x = require_tensor("slice", "x", x)
     n = x.ndim
     start_indices = int_list("slice", "start_indices", start_indices)
-    end_indices = int_list("slice", "end_indices", end_indices)
+    end_indices = int_list("slice", "end_indices", end_indices, sizes=True)
     strides = [1] * n if strides is None else int_list("slice", "strides", strides)
     if not len(start_indices) == len(end_indices) == len(strides) == n:
         raise DefinitionError(
             f"slice: start_indices, end_indices and strides need {n} entries each, got "
             f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
         )
+    if manual_normalization not in (0, 1, False, True):
+        raise DefinitionError(
+            f"slice: manual_normalization must be 0 (negative indices count from the end, "
+            f"bounds are clamped) or 1 (indices as given), got {manual_normalization!r}"
+        )
     axes = []
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
-        extent = x.shape[a]
-        if step < 1:
-            raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
-        if extent is None:
-            raise DefinitionError(f"slice: axis {a} has a symbolic extent; slicing needs it static")
-        if not 0 <= start <= end <= extent:
-            raise DefinitionError(
-                f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
-                f"{extent}"
-            )
-        out = (end - start + step - 1) // step
-        whole = (start, end, step) == (0, extent, 1)
+        start, end = _slice_bounds(x, a, start, end, step, not manual_normalization)
+        whole = (start, end, step) == (0, x.shape[a], 1)
+        out = (end - start + step - 1) // step if end is not None else None
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
     return [OutSpec(x.dtype, tuple(axes))]
 
 
-def _slice(x, start_indices, end_indices, strides):
-    index = tuple(slice(s, e, st) for s, e, st in
-                  zip(start_indices, end_indices, strides or [1] * x.ndim))
-    return x[index]
+def _slice_bounds(x: TensorMeta, a: int, start: int, end, step: int, normalize: bool):
+    """``[start, end)`` of axis ``a`` checked (and, with ``normalize``, made non-negative and
+    clamped as Python does). A :class:`SymbolicSize` end is taken as the end of the axis
+    (nvFuser programs slice to ``fd.ops.size`` of the same axis)."""
+    extent = x.shape[a]
+    if step < 1:
+        raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
+    if isinstance(end, SymbolicSize) and extent is not None:
+        end = extent  # the size of this axis, known once execute binds it
+    if isinstance(end, SymbolicSize) or extent is None:
+        if extent is None and (start, step) == (0, 1) and isinstance(end, SymbolicSize):
+            return 0, None  # the whole symbolic axis
+        raise DefinitionError(
+            f"slice: axis {a} has a symbolic extent; slicing it needs a static extent (or "
+            "the whole axis: start 0, end fd.ops.size of that axis)"
+        )
+    if normalize:
+        start, end = (min(max(i + extent if i < 0 else i, 0), extent) for i in (start, end))
+        end = max(end, start)
+    if not 0 <= start <= end <= extent:
+        raise DefinitionError(
+            f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+            f"{extent}"
+        )
+    return start, end
+
+
+def _slice(x, start_indices, end_indices, strides, manual_normalization):
+    index = []
+    for a, (s, e, st) in enumerate(zip(start_indices, end_indices, strides or [1] * x.ndim)):
+        index.append(slice(s, None if isinstance(e, SymbolicSize) else e, st))
+    return x[tuple(index)]
 
 
 register(OpDef(
-    "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None)),
-    _slice_infer, _slice, doc="a strided window of x (global bounds)",
+    "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None),
+              attr("manual_normalization", 0)),
+    _slice_infer, _slice,
+    doc="a strided window of x (global bounds; negative ones count from the end)",
 ))
 
 
-def _cat_infer(xs, dim):
+def _cat_infer(xs, dim, manual_padding):
+    if manual_padding not in (0, False):
+        raise DefinitionError(
+            f"cat: manual_padding={manual_padding!r} (inputs already padded to the output "
+            "extent) is not supported; pass 0 and the unpadded tensors"
+        )
     if not xs or not all(isinstance(m, TensorMeta) for m in xs):
         raise DefinitionError("cat: tensors must be a non-empty list of tensors")
     first = xs[0]
@@ -293,6 +389,6 @@ def _cat_infer(xs, dim):
 
 
 register(OpDef(
-    "cat", (tensors("xs"), attr("dim")), _cat_infer,
-    lambda xs, dim: torch.cat(xs, dim=dim), doc="concatenation along dim",
+    "cat", (tensors("xs"), attr("dim"), attr("manual_padding", 0)), _cat_infer,
+    lambda xs, dim, manual_padding: torch.cat(xs, dim=dim), doc="concatenation along dim",
 ))
