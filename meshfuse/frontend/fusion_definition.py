@@ -28,6 +28,7 @@ from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import as_distributed
 from meshfuse.frontend.schedule import Schedule
+from meshfuse.frontend.tensor import UserTensorView, inherit_meshes
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
@@ -126,7 +127,7 @@ class FusionDefinition:
             tuple(ids[a] for a in order),
             tuple(None if ids[a].is_broadcast else c for a, c in zip(order, contig)),
         )
-        tv = TensorView(self.fusion, ids, dtype, allocation)
+        tv = UserTensorView(self.fusion, ids, dtype, allocation)
         tv.is_cpu = bool(is_cpu)
         self.fusion.add_input(tv)
         return tv
@@ -236,6 +237,7 @@ class FusionDefinition:
             from meshfuse.runtime.runner import FusionRunner
 
             self.define()
+            inherit_meshes(self.fusion)
             self._runner = FusionRunner(self.fusion)
         return self._runner
 

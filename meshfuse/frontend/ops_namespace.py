@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
@@ -110,7 +111,7 @@ def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:
             new = IterDomain(axis.extent, axis.iter_type)
             id_map[new] = tuple(inputs[t].materialized()[a] for t, a in axis.sources)
             ids.append(new)
-        outputs.append(TensorView(fusion, ids, spec.dtype))
+        outputs.append(UserTensorView(fusion, ids, spec.dtype))
     attrs = {p.name: v for p, v in zip(op.params, bound) if p.kind is Kind.ATTR}
     fusion.add_expr(Expr(op, tuple(bound), tuple(outputs), attrs, id_map))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

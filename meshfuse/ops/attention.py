@@ -4,13 +4,18 @@ Both call PyTorch's SDPA kernels directly (see ``attention_kernels``): on CUDA t
 kernel for the inputs (cuDNN on Hopper), overridable with ``MESHFUSE_SDPA_BACKEND``, and the
 same kernel for the forward and the backward; on CPU, PyTorch's CPU flash kernel.
 
-Domain map: B and H map between q, k, v, attn, log_sumexp and the gradients; the query
-sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
+q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
+``[DIDx, b, h, s, e]``) are batch-like and come first in every output too.
+
+Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the
+gradients; the query sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
 contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn, so a
 sharded key/value sequence or head dim shows up as needing communication.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -36,13 +41,16 @@ _RNG = OutSpec(DataType.Int, ())
 def _bhse(op: str, names: tuple[str, ...], metas) -> None:
     for name, m in zip(names, metas):
         m = require_tensor(op, name, m)
-        if m.ndim != 4:
+        if m.ndim < 4 or m.ndim != metas[0].ndim:
             raise DefinitionError(
-                f"{op}: {name} must be [batch, heads, sequence, head_dim], got {m.ndim} axes"
+                f"{op}: {name} must be [..., batch, heads, sequence, head_dim] with as many "
+                f"axes as {names[0]}, got {m.ndim} axes"
             )
     first = metas[0]
+    batch_like = [(a, "batch" if a == first.ndim - 4 else "heads" if a == first.ndim - 3
+                   else f"leading axis {a}") for a in range(first.ndim - 2)]
     for name, m in zip(names[1:], metas[1:]):
-        for axis, label in ((0, "batch"), (1, "heads")):
+        for axis, label in batch_like:
             a, b = first.shape[axis], m.shape[axis]
             if None not in (a, b) and a != b:
                 raise DefinitionError(
@@ -56,10 +64,28 @@ def _bhse(op: str, names: tuple[str, ...], metas) -> None:
 
 
 def _check_kv(op: str, q, k, v) -> None:
-    checks = ((k, 2, v, 2, "sequence (axis 2) of k and v"), (q, 3, k, 3, "head_dim of q and k"))
+    checks = ((k, -2, v, -2, "sequence (axis -2) of k and v"), (q, -1, k, -1, "head_dim of q and k"))
     for a, ia, b, ib, what in checks:
         if None not in (a.shape[ia], b.shape[ib]) and a.shape[ia] != b.shape[ib]:
             raise DefinitionError(f"{op}: {what} differ: {a.shape[ia]} and {b.shape[ib]}")
+
+
+def _batch_axes(meta, sources: tuple[int, ...]) -> list[AxisSpec]:
+    """The leading, batch and head axes of ``meta``, each mapped from the same axis of the
+    tensor arguments at ``sources``."""
+    return [AxisSpec(meta.shape[a], IterType.Iteration, tuple((t, a) for t in sources))
+            for a in range(meta.ndim - 2)]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[..., B, H, S, E]`` as ``[B', H, S, E]`` for the kernels (a view for the leading
+    axes of extent 1 a shard has)."""
+    return t if t.ndim == 4 else t.flatten(0, t.ndim - 4)
+
+
+def _unflat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A kernel output back to the leading axes of ``like`` (a ``[..., B, H, S, E]`` input)."""
+    return t if like.ndim == 4 else t.unflatten(0, like.shape[:like.ndim - 3])
 
 
 def _check_scalars(op: str, dropout_p, is_causal, scale) -> None:
@@ -81,21 +107,22 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale):
     _check_scalars("sdpfa_fwd", dropout_p, is_causal, scale)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
     _check_kv("sdpfa_fwd", q, k, v)
-    batch = AxisSpec(q.shape[0], IterType.Iteration, ((0, 0), (1, 0), (2, 0)))
-    heads = AxisSpec(q.shape[1], IterType.Iteration, ((0, 1), (1, 1), (2, 1)))
-    seq = AxisSpec(q.shape[2], IterType.Iteration, ((0, 2),))
+    batch = _batch_axes(q, (0, 1, 2))
+    seq = AxisSpec(q.shape[-2], IterType.Iteration, ((0, q.ndim - 2),))
     attn = (
-        batch, heads, seq,
-        AxisSpec(v.shape[3], IterType.Iteration, ((2, 3),)),
-        AxisSpec(k.shape[2], IterType.Reduction, ((1, 2), (2, 2))),
-        AxisSpec(q.shape[3], IterType.Reduction, ((0, 3), (1, 3))),
+        *batch, seq,
+        AxisSpec(v.shape[-1], IterType.Iteration, ((2, v.ndim - 1),)),
+        AxisSpec(k.shape[-2], IterType.Reduction, ((1, k.ndim - 2), (2, v.ndim - 2))),
+        AxisSpec(q.shape[-1], IterType.Reduction, ((0, q.ndim - 1), (1, k.ndim - 1))),
     )
-    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (batch, heads, seq)), _RNG, _RNG]
+    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (*batch, seq)), _RNG, _RNG]
 
 
 def _fwd(q, k, v, dropout_p, is_causal, scale):
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+    backend = select_backend(_flat(q), _flat(k), _flat(v), dropout_p, is_causal)
+    attn, lse, seed, offset = attention_kernels.sdpa_forward(
+        _flat(q), _flat(k), _flat(v), dropout_p, is_causal, scale, backend)
+    return _unflat(attn, q), _unflat(lse, q), seed, offset
 
 
 _NO_RNG = torch.zeros((), dtype=torch.int64)
@@ -110,10 +137,12 @@ class _Forward:
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale):
         if self.kernel is None:
-            _, self.kernel, _ = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
+            _, self.kernel, _ = attention_kernels.bind_kernels(
+                _flat(q), _flat(k), _flat(v), dropout_p, is_causal)
             return _fwd(q, k, v, dropout_p, is_causal, scale)
-        attn, lse, seed, offset = self.kernel(q, k, v, dropout_p, is_causal,
-                                              None if scale is None else float(scale))
+        attn, lse, seed, offset = self.kernel(_flat(q), _flat(k), _flat(v), dropout_p,
+                                              is_causal, None if scale is None else float(scale))
+        attn, lse = _unflat(attn, q), _unflat(lse, q)
         return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
 
 
@@ -125,9 +154,9 @@ def _check_sharding(expr) -> None:
     q = expr.args[names.index("q")]
     causal = expr.args[names.index("is_causal")]
     causal = getattr(causal, "value", causal)
-    if causal is not False and device_ids(q).get(q.logical[2]):
+    if causal is not False and device_ids(q).get(q.logical[-2]):
         raise ShardingError(
-            f"{expr.op.name}: the query sequence (axis 2) of {q.name} is sharded and the "
+            f"{expr.op.name}: the query sequence (axis -2) of {q.name} is sharded and the "
             "attention is causal; the causal mask of a sequence shard is not supported yet: "
             "shard batch or heads, or gather the sequence first"
         )
@@ -148,31 +177,37 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
     _check_kv("sdpfa_bwd", q, k, v)
     for name, m in (("grad_attn", grad_attn), ("attn", attn)):
-        if None not in (m.shape[2], q.shape[2]) and m.shape[2] != q.shape[2]:
+        if None not in (m.shape[-2], q.shape[-2]) and m.shape[-2] != q.shape[-2]:
             raise DefinitionError(
-                f"sdpfa_bwd: sequence (axis 2) of {name} is {m.shape[2]} but q's is {q.shape[2]}"
+                f"sdpfa_bwd: sequence (axis -2) of {name} is {m.shape[-2]} but q's is "
+                f"{q.shape[-2]}"
             )
-    others = ((0, 0), (4, 0), (5, 0)), ((0, 1), (4, 1), (5, 1))
+    n = q.ndim
 
     def grad_of(pos: int, meta):
-        axes = [
-            AxisSpec(meta.shape[0], IterType.Iteration, ((pos, 0),) + others[0]),
-            AxisSpec(meta.shape[1], IterType.Iteration, ((pos, 1),) + others[1]),
-            AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
-            AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
-        ]
-        if pos == 1:  # q_grad's sequence is grad_attn's too
-            axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
+        axes = _batch_axes(meta, (pos, 0, 4))
+        # log_sumexp shares the batch-like axes (it has no head dim).
+        axes = [dataclasses.replace(a, sources=(*a.sources, (5, i))) for i, a in enumerate(axes)]
+        seq_sources = ((pos, n - 2),) if pos != 1 else ((1, n - 2), (0, n - 2), (4, n - 2),
+                                                        (5, n - 2))
+        axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, seq_sources))
+        axes.append(AxisSpec(meta.shape[-1], IterType.Iteration, ((pos, n - 1),)))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
 
 
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale):
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_backward(
-        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, backend
+    backend = select_backend(_flat(q), _flat(k), _flat(v), dropout_p, is_causal)
+    grads = attention_kernels.sdpa_backward(
+        _flat(grad_attn), _flat(q), _flat(k), _flat(v), _flat(attn), _flat_lse(log_sumexp, q),
+        dropout_p, is_causal, seed, offset, scale, backend
     )
+    return tuple(_unflat(g, x) for g, x in zip(grads, (q, k, v)))
+
+
+def _flat_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return lse if q.ndim == 4 else lse.flatten(0, q.ndim - 4)
 
 
 class _Backward:
@@ -185,13 +220,16 @@ class _Backward:
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale):
         if self.kernel is None:
-            _, _, self.kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
+            _, _, self.kernel = attention_kernels.bind_kernels(
+                _flat(q), _flat(k), _flat(v), dropout_p, is_causal)
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
                         offset, scale)
         if grad_attn.stride(-1) != 1:
             grad_attn = grad_attn.contiguous()
-        return self.kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
-                           offset, None if scale is None else float(scale))
+        grads = self.kernel(_flat(grad_attn), _flat(q), _flat(k), _flat(v), _flat(attn),
+                            _flat_lse(log_sumexp, q), dropout_p, is_causal, seed, offset,
+                            None if scale is None else float(scale))
+        return grads if q.ndim == 4 else tuple(_unflat(g, x) for g, x in zip(grads, (q, k, v)))
 
 
 register(OpDef(

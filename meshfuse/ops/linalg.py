@@ -6,6 +6,8 @@ both operands' contracted axes, so that a sharded contraction shows up as a part
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from meshfuse.errors import DefinitionError
@@ -70,35 +72,57 @@ register(OpDef(
 
 
 def _linear_infer(x, weight, bias):
+    """``x [..., k]`` times ``weight [*lead, n, k]`` (transposed), plus ``bias [*lead, n]``:
+    ``[*lead, ..., n]``. A weight with leading axes (nvFuser's ``[d, e, e]`` with a logical
+    device axis ``d``) puts them first in the output."""
     x = require_tensor("linear", "x", x)
     weight = require_tensor("linear", "weight", weight)
-    if weight.ndim != 2 or x.ndim < 1:
+    if weight.ndim < 2 or x.ndim < 1:
         raise DefinitionError(
-            f"linear: weight must be [out_features, in_features] (got {weight.ndim} axes) and "
-            f"x must have at least one axis"
+            f"linear: weight must be [..., out_features, in_features] (got {weight.ndim} axes) "
+            "and x must have at least one axis"
         )
-    k = _check_contraction("linear", x, x.ndim - 1, weight, 1)
-    axes = [AxisSpec(e, t, ((0, a),)) for a, (e, t) in
-            enumerate(zip(x.shape[:-1], x.iter_types[:-1]))]
-    out_sources = ((1, 0),)
-    if bias is not None:
+    lead = weight.ndim - 2
+    k = _check_contraction("linear", x, x.ndim - 1, weight, weight.ndim - 1)
+    has_bias = bias is not None
+    if has_bias:
         bias = require_tensor("linear", "bias", bias)
-        if bias.ndim != 1 or None not in (bias.shape[0], weight.shape[0]) and \
-                bias.shape[0] != weight.shape[0]:
+        expected = (*weight.shape[:lead], weight.shape[-2])
+        if bias.ndim != lead + 1 or any(None not in (b, w) and b != w
+                                        for b, w in zip(bias.shape, expected)):
             raise DefinitionError(
-                f"linear: bias must be [out_features] = [{weight.shape[0]}], got {list(bias.shape)}"
+                f"linear: bias must be [..., out_features] = {list(expected)}, got "
+                f"{list(bias.shape)}"
             )
-        out_sources = ((1, 0), (2, 0))
-    _check_dtypes("linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
-    axes.append(AxisSpec(weight.shape[0], IterType.Iteration, out_sources))
-    axes.append(AxisSpec(k, IterType.Reduction, ((0, x.ndim - 1), (1, 1))))
+    _check_dtypes("linear", x=x, weight=weight, **({"bias": bias} if has_bias else {}))
+
+    def from_weight(axis: int, bias_axis: int) -> AxisSpec:
+        sources = ((1, axis), (2, bias_axis)) if has_bias else ((1, axis),)
+        return AxisSpec(weight.shape[axis], weight.iter_types[axis], sources)
+
+    axes = [from_weight(a, a) for a in range(lead)]
+    axes += [AxisSpec(e, t, ((0, a),)) for a, (e, t) in
+             enumerate(zip(x.shape[:-1], x.iter_types[:-1]))]
+    axes.append(dataclasses.replace(from_weight(lead, lead), iter_type=IterType.Iteration))
+    axes.append(AxisSpec(k, IterType.Reduction, ((0, x.ndim - 1), (1, weight.ndim - 1))))
     return [OutSpec(promote(x, weight), tuple(axes))]
+
+
+def _linear(x, weight, bias):
+    if weight.ndim == 2:
+        return torch.nn.functional.linear(x, weight, bias)
+    lead = weight.shape[:-2]
+    rows = x.reshape(1, -1, x.shape[-1])                       # [1, m, k]
+    out = torch.matmul(rows, weight.reshape(-1, *weight.shape[-2:]).transpose(-1, -2))
+    if bias is not None:                                         # [L, m, n] + [L, 1, n]
+        out = out + bias.reshape(-1, 1, bias.shape[-1])
+    return out.reshape(*lead, *x.shape[:-1], weight.shape[-2])
 
 
 register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
-    lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
-    doc="x @ weight.T + bias",
+    _linear,
+    doc="x @ weight.T + bias (weight [..., n, k]: leading axes come first)",
     prefer_inputs=(1, 2), output_layout="contiguous",
     partial_addends=(2,),
 ))
