@@ -10,8 +10,10 @@ import dataclasses
 
 import torch
 
-from meshfuse.errors import DefinitionError
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.layout import device_ids
 from meshfuse.ops.registry import (
     AxisSpec,
     Kind,
@@ -125,4 +127,62 @@ register(OpDef(
     doc="x @ weight.T + bias (weight [..., n, k]: leading axes come first)",
     prefer_inputs=(1, 2), output_layout="contiguous",
     partial_addends=(2,),
+))
+
+
+def _grouped_mm_infer(mat1, mat2, offsets):
+    """``mat1 [m, k]`` by groups of rows: rows ``offsets[g-1]:offsets[g]`` times ``mat2[g]``
+    (``[G, k, n]``) give ``[m, n]`` (PyTorch's ``_grouped_mm``, MoE experts)."""
+    mat1 = require_tensor("grouped_mm", "mat1", mat1)
+    mat2 = require_tensor("grouped_mm", "mat2", mat2)
+    offsets = require_tensor("grouped_mm", "offsets", offsets)
+    if mat1.ndim != 2 or mat2.ndim != 3 or offsets.ndim != 1:
+        raise DefinitionError(
+            f"grouped_mm: supports mat1 [m, k], mat2 [groups, k, n] and offsets [groups]; got "
+            f"{mat1.ndim}, {mat2.ndim} and {offsets.ndim} axes"
+        )
+    if offsets.dtype not in (DataType.Int32, DataType.Int):
+        raise DefinitionError(
+            f"grouped_mm: offsets must be Int32 (cumulative row ends), got {offsets.dtype.name}"
+        )
+    for a, b, what in ((mat2.shape[0], offsets.shape[0], "groups of mat2 and offsets"),):
+        if None not in (a, b) and a != b:
+            raise DefinitionError(f"grouped_mm: {what} differ: {a} and {b}")
+    _check_dtypes("grouped_mm", mat1=mat1, mat2=mat2)
+    k = _check_contraction("grouped_mm", mat1, 1, mat2, 1)
+    axes = (
+        AxisSpec(mat1.shape[0], mat1.iter_types[0], ((0, 0),)),
+        AxisSpec(mat2.shape[2], mat2.iter_types[2], ((1, 2),)),
+        AxisSpec(k, IterType.Reduction, ((0, 1), (1, 1))),
+    )
+    return [OutSpec(mat1.dtype, axes)]
+
+
+def _grouped_mm(mat1, mat2, offsets):
+    out = mat1.new_empty(mat1.shape[0], mat2.shape[2])
+    start = 0
+    for group, end in enumerate(offsets.tolist()):
+        torch.matmul(mat1[start:end], mat2[group], out=out[start:end])
+        start = end
+    return out
+
+
+def _check_grouped_sharding(expr) -> None:
+    """Rows and groups stay whole: offsets count rows of the whole ``mat1``, and a group's
+    rows must meet its expert's weights."""
+    mat1, mat2, offsets = expr.args
+    for tv, axis, what in ((mat1, 0, "the rows (axis 0) of mat1"),
+                           (mat2, 0, "the groups (axis 0) of mat2"),
+                           (offsets, 0, "the offsets")):
+        if device_ids(tv).get(tv.logical[axis]):
+            raise ShardingError(
+                f"grouped_mm: {what} ({tv.name}) are sharded; offsets index the rows of the "
+                "whole mat1, so shard k (row parallel) or n (column parallel) instead"
+            )
+
+
+register(OpDef(
+    "grouped_mm", (tensor("mat1"), tensor("mat2"), tensor("offsets")), _grouped_mm_infer,
+    _grouped_mm, output_layout="contiguous", check_sharding=_check_grouped_sharding,
+    doc="grouped matrix product: row groups of mat1 (ends in offsets) times mat2[group]",
 ))
