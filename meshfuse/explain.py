@@ -43,6 +43,8 @@ from meshfuse.runtime.collectives import Communication
 from meshfuse.runtime.resharding import ReshardStep, partial_reduce_op, plan_resharding
 
 LOCAL_STEPS = ("slice",)  # plan steps that move no data
+LEGEND = ("  placements: S(a) sharded on axis a (c: cyclic), P partial, R replicated; "
+          "memory: axes outermost first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +158,7 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     sizes = Extents(fusion, extents)
     source = "the inputs" if extents is not None else "the definition"
     lines = [f"rank {rank} of {world_size}, extents from {source}",
-             "  placements: S(a) sharded on axis a (c: cyclic), P partial, R replicated; "
-             "memory: axes outermost first"]
+             LEGEND]
     lines += _table(_rows(fusion, allocations, sizes, rank))
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
