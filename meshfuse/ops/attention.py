@@ -43,8 +43,8 @@ def _bhse(op: str, names: tuple[str, ...], metas) -> None:
         m = require_tensor(op, name, m)
         if m.ndim < 4 or m.ndim != metas[0].ndim:
             raise DefinitionError(
-                f"{op}: {name} must be [..., batch, heads, sequence, head_dim] with as many "
-                f"axes as {names[0]}, got {m.ndim} axes"
+                f"{op}: {name} must be [batch, heads, sequence, head_dim], optionally after "
+                f"leading axes ({names[0]} has {metas[0].ndim} axes); got {m.ndim} axes"
             )
     first = metas[0]
     batch_like = [(a, "batch" if a == first.ndim - 4 else "heads" if a == first.ndim - 3

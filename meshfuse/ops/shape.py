@@ -48,8 +48,13 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
     """
     x = require_tensor(op, "x", x)
     shape = int_list(op, "shape", shape, sizes=True)
-    dims = [normalize_axis(op, d, len(shape), "broadcast dim")
-            for d in int_list(op, "broadcast_dims", broadcast_dims)]
+    given = int_list(op, "broadcast_dims", broadcast_dims)
+    if any(not -len(shape) <= d < len(shape) for d in given):
+        raise DefinitionError(
+            f"{op}: broadcast_dims {given} must be axes of the {len(shape)}-axis output shape "
+            f"{shape}, in [{-len(shape)}, {len(shape)})"
+        )
+    dims = [d % len(shape) for d in given]
     if len(dims) != x.ndim:
         raise DefinitionError(
             f"{op}: broadcast_dims {dims} must name one output axis for each of the "
