@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, collectives, mlp, overhead
+from benchmarks.cases import attention, collectives, gpt3, mlp, overhead
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
@@ -17,6 +17,7 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "overhead": overhead.run,
     "mlp": mlp.run,
     "collectives": collectives.run,
+    "gpt3_layer": gpt3.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -25,6 +26,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
+    # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
+    "issue19": ("gpt3_layer",),
 }
 
 
