@@ -284,3 +284,18 @@ def test_symbolic_sizes_as_shape_arguments():
     a, b = fd.execute([gx, gw])
     torch.testing.assert_close(a, (gx * gw)[..., 1:3])
     torch.testing.assert_close(b, (gx * gw)[:, -1:])
+
+
+def test_reshape_of_symbolic_extents():
+    """nvFuser programs flatten [-1, -1, e] to [-1, e] (a linear's backward); a split of one
+    symbolic axis works too; what only execute could resolve is refused when defined."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 4])
+        fd.add_output(fd.ops.reshape(x, [-1, 4]))
+        fd.add_output(fd.ops.reshape(fd.define_tensor([-1, 6]), [2, 3, 6]))
+        with pytest.raises(meshfuse.DefinitionError, match="ambiguous"):
+            fd.ops.reshape(x, [-1, 2, 2])
+    gx, gz = torch.randn(2, 3, 4), torch.randn(6, 6)
+    a, b = fd.execute([gx, gz])
+    torch.testing.assert_close(a, gx.reshape(-1, 4))
+    torch.testing.assert_close(b, gz.reshape(2, 3, 6))

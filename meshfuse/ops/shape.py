@@ -256,14 +256,11 @@ def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list
 def _reshape_infer(x, new_shape):
     x = require_tensor("reshape", "x", x)
     new = int_list("reshape", "new_shape", new_shape)
-    if None in x.shape:
-        raise DefinitionError(
-            "reshape of a tensor with symbolic extents is not supported yet; declare its "
-            "shape with static extents"
-        )
-    total = math.prod(x.shape)
     if new.count(-1) > 1 or any(e < -1 or e == 0 for e in new):
         raise DefinitionError(f"reshape: new_shape {new} may hold one -1 and positive extents")
+    if None in x.shape:
+        return [OutSpec(x.dtype, _symbolic_reshape(x, new))]
+    total = math.prod(x.shape)
     if -1 in new:
         rest = math.prod(e for e in new if e != -1)
         new[new.index(-1)] = total // rest if rest and total % rest == 0 else -1
@@ -282,6 +279,36 @@ def _reshape_infer(x, new_shape):
             outermost = j == gj[0] and gi and mapped
             axes[j] = AxisSpec(new[j], kind, ((0, gi[0]),) if outermost else ())
     return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _symbolic_reshape(x: TensorMeta, new: list[int]) -> tuple[AxisSpec, ...]:
+    """Output axes of a reshape of ``x`` with symbolic extents (bound at execute, when the
+    static rule runs again): equal static axes at both ends keep their identity; the axes
+    between must be a merge into the one ``-1`` (``[-1, -1, e] -> [-1, e]``) or a split of one
+    symbolic axis (its outermost part mapped, as in the static rule)."""
+    lead = 0
+    while lead < min(x.ndim, len(new)) and x.shape[lead] is not None and \
+            x.shape[lead] == new[lead]:
+        lead += 1
+    trail = 0
+    while trail < min(x.ndim, len(new)) - lead and x.shape[-1 - trail] is not None and \
+            x.shape[-1 - trail] == new[-1 - trail]:
+        trail += 1
+    old_mid, new_mid = range(lead, x.ndim - trail), range(lead, len(new) - trail)
+    if not (new_mid and old_mid and (len(old_mid) == 1 or [new[j] for j in new_mid] == [-1])):
+        raise DefinitionError(
+            f"reshape of {list(x.shape)} (symbolic extents: None) to {new} is ambiguous until "
+            "execute; with symbolic extents, merge axes into one -1 or split one axis (equal "
+            "static axes may surround either), or declare static extents"
+        )
+    axes = [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)) for a in range(lead)]
+    for j in new_mid:
+        extent = None if new[j] == -1 else new[j]
+        kind = IterType.Broadcast if extent == 1 else IterType.Iteration
+        axes.append(AxisSpec(extent, kind, ((0, old_mid[0]),) if j == new_mid[0] else ()))
+    axes += [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),))
+             for a in range(x.ndim - trail, x.ndim)]
+    return tuple(axes)
 
 
 register(OpDef(
