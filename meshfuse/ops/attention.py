@@ -24,6 +24,7 @@ from meshfuse.ops.registry import (
     OpDef,
     OutSpec,
     ScalarMeta,
+    Vjp,
     register,
     scalar,
     tensor,
@@ -133,6 +134,28 @@ def _check_sharding(expr) -> None:
         )
 
 
+def _fwd_grads(d, grads):
+    """``sdpfa_bwd`` with the saved attention output, log-sum-exp and RNG state (one call
+    gives the three gradients)."""
+    if grads[1] is not None:
+        raise DefinitionError(
+            f"sdpfa_fwd: a gradient flows into its log_sumexp ({d.expr.outputs[1].name}); only "
+            "the attention output is differentiable: compute what uses log_sumexp from "
+            "values that do not need a gradient"
+        )
+    computed = []
+
+    def gradient(index: int):
+        if not computed:
+            computed.extend(d.ops.sdpfa_bwd(
+                grads[0], *(d.value(n) for n in ("q", "k", "v")), d.out(0), d.out(1),
+                d.value("dropout_p"), d.value("is_causal"), d.out(2), d.out(3),
+                d.value("scale")))
+        return computed[index]
+
+    return {"q": lambda: gradient(0), "k": lambda: gradient(1), "v": lambda: gradient(2)}
+
+
 register(OpDef(
     "sdpfa_fwd",
     (tensor("q"), tensor("k"), tensor("v"), scalar("dropout_p", 0.0),
@@ -140,6 +163,7 @@ register(OpDef(
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
+    vjp=Vjp(_fwd_grads),
 ))
 
 
