@@ -255,7 +255,10 @@ def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
     active = set(wrt)
     for expr in forward.exprs:
         if any(t in active for t in expr.tensor_inputs):
-            active.update(o for o in expr.tensor_outputs if o.dtype.is_floating)
+            vjp = expr.op.vjp
+            active.update(o for i, o in enumerate(expr.outputs) if isinstance(o, TensorView) and
+                          (o.dtype.is_floating if vjp is None else
+                           vjp.is_differentiable(i, o.dtype)))
     return active
 
 

@@ -93,7 +93,8 @@ class _FusionAutograd(torch.autograd.Function):
         ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in residuals]
         ctx.compiled = compiled
         ctx.layouts = [(o.shape, o.stride()) for o in outputs]
-        ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
+        carried = set(d.cotangents)
+        ctx.mark_non_differentiable(*(o for j, o in enumerate(outputs) if j not in carried))
         return tuple(outputs)
 
     @staticmethod

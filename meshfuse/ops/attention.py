@@ -136,13 +136,8 @@ def _check_sharding(expr) -> None:
 
 def _fwd_grads(d, grads):
     """``sdpfa_bwd`` with the saved attention output, log-sum-exp and RNG state (one call
-    gives the three gradients)."""
-    if grads[1] is not None:
-        raise DefinitionError(
-            f"sdpfa_fwd: a gradient flows into its log_sumexp ({d.expr.outputs[1].name}); only "
-            "the attention output is differentiable: compute what uses log_sumexp from "
-            "values that do not need a gradient"
-        )
+    gives the three gradients). Only the attention output is differentiable (as PyTorch's
+    flash attention: its log-sum-exp is a constant to autograd)."""
     computed = []
 
     def gradient(index: int):
@@ -163,7 +158,7 @@ register(OpDef(
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
-    vjp=Vjp(_fwd_grads),
+    vjp=Vjp(_fwd_grads, differentiable=(0,)),
 ))
 
 

@@ -135,10 +135,19 @@ class Vjp:
         recompute: True for ops cheap enough to run again in the backward (pointwise, casts,
             shape ops): the default rematerialization policy recomputes their results from
             saved values instead of saving them.
+        differentiable: the outputs that carry gradients (None: every floating-point one).
+            The others are constants to differentiation, as integer and boolean outputs
+            always are (``sdpfa_fwd``'s log-sum-exp, as in PyTorch).
     """
 
     rule: Callable[..., dict[str, Any]]
     recompute: bool = False
+    differentiable: tuple[int, ...] | None = None
+
+    def is_differentiable(self, index: int, dtype) -> bool:
+        """Whether output ``index`` (of ``dtype``) carries a gradient."""
+        return dtype.is_floating and (self.differentiable is None or
+                                      index in self.differentiable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -267,32 +267,38 @@ register(OpDef(
 
 def _slice_infer(x, start_indices, end_indices, strides):
     x = require_tensor("slice", "x", x)
+    return [OutSpec(x.dtype, window_axes("slice", x, start_indices, end_indices, strides))]
+
+
+def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides) -> tuple:
+    """The axes of the window ``[start, end)`` by ``strides`` of ``x`` (global bounds); a
+    whole axis maps from ``x``'s."""
     n = x.ndim
-    start_indices = int_list("slice", "start_indices", start_indices)
-    end_indices = int_list("slice", "end_indices", end_indices)
-    strides = [1] * n if strides is None else int_list("slice", "strides", strides)
+    start_indices = int_list(op, "start_indices", start_indices)
+    end_indices = int_list(op, "end_indices", end_indices)
+    strides = [1] * n if strides is None else int_list(op, "strides", strides)
     if not len(start_indices) == len(end_indices) == len(strides) == n:
         raise DefinitionError(
-            f"slice: start_indices, end_indices and strides need {n} entries each, got "
+            f"{op}: start_indices, end_indices and strides need {n} entries each, got "
             f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
         )
     axes = []
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
         extent = x.shape[a]
         if step < 1:
-            raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
+            raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
         if extent is None:
-            raise DefinitionError(f"slice: axis {a} has a symbolic extent; slicing needs it static")
+            raise DefinitionError(f"{op}: axis {a} has a symbolic extent; slicing needs it static")
         if not 0 <= start <= end <= extent:
             raise DefinitionError(
-                f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+                f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
                 f"{extent}"
             )
         out = (end - start + step - 1) // step
         whole = (start, end, step) == (0, extent, 1)
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
-    return [OutSpec(x.dtype, tuple(axes))]
+    return tuple(axes)
 
 
 def _slice(x, start_indices, end_indices, strides):
@@ -317,18 +323,18 @@ register(OpDef(
 def _slice_backward_infer(grad, shape, start_indices, end_indices, strides):
     grad = require_tensor("slice_backward", "grad", grad)
     shape = int_list("slice_backward", "shape", shape)
-    window = _slice_infer(TensorMeta(tuple(shape), tuple(
+    window = window_axes("slice_backward", TensorMeta(tuple(shape), tuple(
         IterType.Broadcast if e == 1 else IterType.Iteration for e in shape), grad.dtype),
-        start_indices, end_indices, strides)[0]
-    if [a.extent for a in window.axes] != list(grad.shape):
+        start_indices, end_indices, strides)
+    if grad.ndim != len(shape) or any(
+            n is not None and n != a.extent for n, a in zip(grad.shape, window)):
         raise DefinitionError(
             f"slice_backward: grad has shape {list(grad.shape)}, but the window "
-            f"[{start_indices}, {end_indices}) of {shape} has "
-            f"{[a.extent for a in window.axes]}"
+            f"[{start_indices}, {end_indices}) of {shape} has {[a.extent for a in window]}"
         )
     axes = [AxisSpec(e, grad.iter_types[a] if w.sources else
                      IterType.Broadcast if e == 1 else IterType.Iteration,
-                     w.sources) for a, (e, w) in enumerate(zip(shape, window.axes))]
+                     w.sources) for a, (e, w) in enumerate(zip(shape, window))]
     return [OutSpec(grad.dtype, tuple(axes))]
 
 
