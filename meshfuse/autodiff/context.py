@@ -99,8 +99,8 @@ def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
     lead = len(axes) - len(target)
     if lead > 0:
         grad = ops.sum(grad, dims=list(range(lead)))
-    dims = [a for a, id_ in enumerate(target)
-            if id_.is_broadcast and not grad.materialized()[a].is_broadcast]
+    dims = [a for a, (id_, g) in enumerate(zip(target, grad.materialized()))
+            if id_.is_broadcast and not g.is_broadcast and g.extent != 1]
     if dims:
         grad = ops.sum(grad, dims=dims, keepdim=True)
     if grad.dtype is not like.dtype:

@@ -132,6 +132,16 @@ def _check_sharding(expr) -> None:
             "attention is causal; the causal mask of a sequence shard is not supported yet: "
             "shard batch or heads, or gather the sequence first"
         )
+    # sdpfa_bwd runs on a shard of the keys (its query gradient is then a partial sum), but
+    # neither a causal mask nor a dropout mask knows the shard's offset.
+    k = expr.args[names.index("k")]
+    p = expr.args[names.index("dropout_p")]
+    if device_ids(k).get(k.logical[2]) and (causal is not False or
+                                            getattr(p, "value", p) != 0.0):
+        raise ShardingError(
+            f"{expr.op.name}: the key sequence (axis 2) of {k.name} is sharded and the "
+            "attention is causal or drops out; gather the key/value sequence first"
+        )
 
 
 def _fwd_grads(d, grads):
@@ -180,8 +190,11 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
             AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
         ]
-        if pos == 1:  # q_grad's sequence is grad_attn's too
+        if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
             axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
+            axes.append(AxisSpec(k.shape[2], IterType.Reduction, ((2, 2), (3, 2))))
+        else:  # k_grad and v_grad sum over the queries
+            axes.append(AxisSpec(q.shape[2], IterType.Reduction, ((1, 2), (0, 2), (4, 2), (5, 2))))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
@@ -220,5 +233,7 @@ register(OpDef(
      tensor("seed"), tensor("offset"), scalar("scale", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Backward,
+    # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
+    # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
+    partial_reduce="sum", check_sharding=_check_sharding, make_impl=_Backward,
 ))
