@@ -35,6 +35,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, add_op
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.placement import Partial, placements, same_sharding
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.runtime.runner import FusionRunner
@@ -92,19 +93,22 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
     for v in wrt:
         if not isinstance(v, TensorView) or v not in inputs:
             raise DefinitionError(
-                f"wrt: {v!r} is not a tensor input of the fusion; differentiate with respect "
-                "to tensors made by define_tensor"
+                f"wrt: {getattr(v, 'name', repr(v))} is not a tensor input of the fusion; "
+                "differentiate with respect to tensors made by its define_tensor"
             )
         if not v.dtype.is_floating:
             raise DefinitionError(
                 f"wrt: {v.name} is {v.dtype.name}; only floating-point inputs have gradients"
             )
     forward, primal = clone_fusion(fusion)
+    # The backward is derived from the compiled forward: its communications are explicit
+    # ``set`` s there (whose gradients are the transposed communications), and every tensor
+    # has its final sharding, which the backward's inputs and outputs are pinned to.
+    runner = FusionRunner(forward)
     builder = _BackwardBuilder(forward, {primal[v] for v in wrt}, remat)
     builder.build()
     num_outputs = len(forward.outputs())
     residuals = _add_residual_outputs(forward, builder.residuals)
-    runner = FusionRunner(forward)
     _pin_backward(builder, runner)
     gradients = tuple(builder.gradient_index.get(primal[v]) for v in inputs)
     return Derivation(forward, runner, builder.backward, num_outputs,
@@ -199,15 +203,21 @@ class _BackwardBuilder:
         return self.values[v]
 
     def _recomputable(self, expr: Expr | None) -> bool:
+        """Cheap ops are recomputed, unless they read a partial value (the resolution of a
+        partial sum is saved instead: recomputing it would mean saving the partial)."""
         return (self.remat == "recompute" and expr is not None and expr.op.vjp is not None
-                and expr.op.vjp.recompute)
+                and expr.op.vjp.recompute and not any(_is_partial(t) for t in expr.tensor_inputs))
 
     def _recompute(self, expr: Expr) -> None:
         args = [[self.fetch(x) for x in a] if isinstance(a, list | tuple) and a and
                 isinstance(a[0], Val) else self.fetch(a) if isinstance(a, Val) else a
                 for a in expr.args]
         outs = add_op(self.backward, expr.op, args, {})
-        self.values.update(zip(expr.outputs, outs if isinstance(outs, tuple) else (outs,)))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        self.values.update(zip(expr.outputs, outs))
+        # A recomputation lies as its primal did in the forward (and communicates alike).
+        self.pins.extend((new, old) for new, old in zip(outs, expr.outputs)
+                         if isinstance(new, TensorView) and new.logical)
 
     def _new_input(self, v: Val) -> Val:
         """A backward input shaped like primal ``v`` (its schedule is pinned later)."""
@@ -246,8 +256,21 @@ class _BackwardBuilder:
             for primal, thunk in pairs:
                 if primal in self.active and thunk is not None:
                     grad = thunk()
+                    if grad is not None and expr.op.vjp.communication:
+                        grad = self._transposed_communication(grad, primal, expr.outputs[0])
                     if grad is not None:
                         self._accumulate(primal, grad)
+
+    def _transposed_communication(self, grad: TensorView, src: TensorView,
+                                  dst: TensorView) -> TensorView:
+        """The gradient of ``dst = set(src)``: ``grad`` copied into ``src``'s sharding (a
+        partial ``src`` made replicated), which the backward's resharding lowers to the
+        transposed communication; ``grad`` itself where the set moved nothing."""
+        if src.mesh is None or (same_sharding(src, dst) and not _is_partial(src)):
+            return grad
+        copy = self.ops.set(grad)
+        self.pins.append((copy, src))
+        return copy
 
 
 def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
@@ -262,14 +285,24 @@ def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
     return active
 
 
+def _is_partial(tv: TensorView) -> bool:
+    return tv.mesh is not None and any(isinstance(p, Partial) for p in placements(tv))
+
+
 def _add_residual_outputs(forward: Fusion, residuals: list[Val]) -> tuple[Residual, ...]:
-    """Makes each intermediate residual an output of ``forward``; says where each comes from."""
+    """Makes each intermediate residual an output of the compiled ``forward`` (its program
+    is built at the first execute, from the outputs then); says where each comes from."""
     inputs = forward.inputs()
     result = []
     for v in residuals:
         if v in inputs:
             result.append(Residual("input", inputs.index(v)))
             continue
+        if isinstance(v, TensorView) and _is_partial(v):
+            raise DefinitionError(
+                f"the backward needs {v.name}, a partial sum in the forward (its reduction "
+                "axis is parallelized); resolve it with fd.ops.set before using it"
+            )
         outputs = forward.outputs()
         if v not in outputs:
             forward.add_output(v)
@@ -282,6 +315,8 @@ def _pin_backward(builder: _BackwardBuilder, runner: FusionRunner) -> None:
     """Pins the backward's cotangents, residuals and gradients to their primals' schedules
     in the compiled forward."""
     for tv, primal in builder.pins:
+        if tv.is_scheduled:  # pinned twice to one primal (a gradient that is a copy)
+            continue
         allocation = runner.allocations.get(primal)
         if allocation is not None and tv.definition is not None:
             allocation = Allocation(allocation.ids, tuple(

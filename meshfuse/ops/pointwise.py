@@ -361,9 +361,8 @@ def _set_infer(x):
 register(OpDef(
     "set", (tensor("x"),), _set_infer, lambda x: x.clone(),
     doc="a copy of x; with a different schedule on its output, a resharding point",
-    # The identity: the backward's own pins and propagation put the transposed
-    # communication where it is needed (a gathered input's gradient is reduce-scattered).
-    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),
+    # The identity, resharded back into x's sharding: the transposed communication.
+    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True, communication=True),
 ))
 
 

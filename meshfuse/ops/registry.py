@@ -138,11 +138,17 @@ class Vjp:
         differentiable: the outputs that carry gradients (None: every floating-point one).
             The others are constants to differentiation, as integer and boolean outputs
             always are (``sdpfa_fwd``'s log-sum-exp, as in PyTorch).
+        communication: the op is a resharding point (``set``): where its output lies
+            otherwise than its argument, the derivation copies the gradient back into the
+            argument's sharding, a partial argument's made replicated: the transposed
+            communication (an allgather's gradient is reduce-scattered, a partial sum's
+            resolution gets a replicated cotangent, a local slice's gradient is gathered).
     """
 
     rule: Callable[..., dict[str, Any]]
     recompute: bool = False
     differentiable: tuple[int, ...] | None = None
+    communication: bool = False
 
     def is_differentiable(self, index: int, dtype) -> bool:
         """Whether output ``index`` (of ``dtype``) carries a gradient."""
