@@ -85,6 +85,8 @@ class FusionRunner:
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        if program is not None:
+            text = "\n".join([text, *_random_streams(program)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -236,23 +238,32 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None,
         if expr.op.needs_reduced_count:
             kwargs["reduced_count"] = _reduced_count(expr, binding)
         impl = expr.op.make_impl() if expr.op.make_impl is not None else expr.op.impl
-        label = format_expr(expr)
+        label, note = format_expr(expr), ""
         if expr.op.localize is not None:
             local_kwargs, note = expr.op.localize(expr, here)
             kwargs.update(local_kwargs)
-            label = f"{label}  # {note}" if note else label
         if lowered is not None:
             impl, plan = lowered
             label = f"{label}: {plan}"
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
-        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
+        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free, note))
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def _random_streams(program: Program) -> list[str]:
+    """The explain lines naming the random stream of each step that draws (dropout, RNG)."""
+    notes = []
+    for step in program.steps:
+        if step.note:
+            outputs, _, call = step.label.partition(" = ")
+            notes.append(f"  {call.partition('(')[0]} -> {outputs}: {step.note}")
+    return [f"random streams on rank {program.rank}:", *notes] if notes else []
 
 
 def _local_context(fusion: Fusion, binding: Binding, rank: int, device) -> LocalContext:
