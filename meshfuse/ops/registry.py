@@ -157,6 +157,22 @@ class Vjp:
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalContext:
+    """What an op's ``localize`` rule knows of the rank it runs on.
+
+    Attributes:
+        rank: the global rank.
+        device: where the rank's tensors live (for ops that create tensors).
+        index: ``index(tv)``, the :class:`~meshfuse.ir.global_index.GlobalIndex` of ``tv``'s
+            local shard on this rank (global extents bound).
+    """
+
+    rank: int
+    device: Any
+    index: Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class OpDef:
     """An op's declaration.
 
@@ -192,6 +208,10 @@ class OpDef:
             query sequence).
         vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
             (a gradient flowing into it is a DefinitionError naming it).
+        localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
+            arguments the implementation gets on the rank described by ``here`` (a
+            :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
+            ops get the global positions of their local elements and their RNG stream).
     """
 
     name: str
@@ -208,6 +228,7 @@ class OpDef:
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"
     vjp: Vjp | None = None
+    localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""
