@@ -193,7 +193,11 @@ class _BackwardBuilder:
         recomputation of a cheap op from other primal values."""
         if v in self.values:
             return self.values[v]
-        if isinstance(v, Scalar) and v.is_constant:
+        if isinstance(v, TensorView) and _is_partial(v):
+            # A rule reading an op's own partial result (max's gradient reads the maximum)
+            # reads the copy that resolves it; its global value is the same.
+            self.values[v] = self.fetch(self._resolution(v))
+        elif isinstance(v, Scalar) and v.is_constant:
             self.values[v] = self.backward.add_constant(Scalar(v.dtype, v.value))
         elif isinstance(v, TensorView) and self._recomputable(v.definition):
             self._recompute(v.definition)
@@ -201,6 +205,17 @@ class _BackwardBuilder:
             self.residuals.append(v)
             self.values[v] = self._new_input(v)
         return self.values[v]
+
+    def _resolution(self, v: TensorView) -> TensorView:
+        """The forward's copy of partial ``v`` that reduces it (resharding made one)."""
+        for expr in self.forward.exprs:
+            if expr.op.vjp is not None and expr.op.vjp.communication and expr.args[0] is v \
+                    and not _is_partial(expr.outputs[0]):
+                return expr.outputs[0]
+        raise DefinitionError(
+            f"the backward needs {v.name}, a partial sum in the forward (its reduction axis is "
+            "parallelized and it is never reduced); resolve it with fd.ops.set before using it"
+        )
 
     def _recomputable(self, expr: Expr | None) -> bool:
         """Cheap ops are recomputed, unless they read a partial value (the resolution of a
@@ -298,11 +313,6 @@ def _add_residual_outputs(forward: Fusion, residuals: list[Val]) -> tuple[Residu
         if v in inputs:
             result.append(Residual("input", inputs.index(v)))
             continue
-        if isinstance(v, TensorView) and _is_partial(v):
-            raise DefinitionError(
-                f"the backward needs {v.name}, a partial sum in the forward (its reduction "
-                "axis is parallelized); resolve it with fd.ops.set before using it"
-            )
         outputs = forward.outputs()
         if v not in outputs:
             forward.add_output(v)
