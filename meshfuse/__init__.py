@@ -20,6 +20,7 @@ from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.sharding import shard_tensor, unshard_tensor
+from meshfuse.visualize import visualize
 
 __all__ = [
     "CommunicationError",
@@ -37,4 +38,5 @@ __all__ = [
     "TensorView",
     "shard_tensor",
     "unshard_tensor",
+    "visualize",
 ]
