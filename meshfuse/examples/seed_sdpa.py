@@ -1,10 +1,9 @@
 """The seed program: head-parallel attention forward and backward, in BHSE or BSHE layout.
 
 ``SeedAttention`` is the seed test's ``Model`` (``tests/test_seed_sdpa.py``) with its sizes as
-arguments:
-q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D mesh of
-``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every tensor
-scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
+arguments: q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D
+mesh of ``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every
+tensor scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
 """
 
 from __future__ import annotations
