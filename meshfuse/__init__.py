@@ -22,6 +22,7 @@ from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.sharding import shard_tensor, unshard_tensor
+from meshfuse.visualize import visualize
 
 __all__ = [
     "CommunicationError",
@@ -40,5 +41,6 @@ __all__ = [
     "TensorView",
     "shard_tensor",
     "unshard_tensor",
+    "visualize",
     "vjp",
 ]

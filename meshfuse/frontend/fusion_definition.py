@@ -1,6 +1,6 @@
 """``FusionDefinition``: define a fusion with global shapes, schedule it, execute it.
 
-Two styles, one semantics (DESIGN.md section 1)::
+Two styles, one semantics (docs/design.md, section 2)::
 
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 8], dtype=DataType.Float)
