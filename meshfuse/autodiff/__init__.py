@@ -1,4 +1,4 @@
-"""Automatic differentiation of fusions (DESIGN.md section 7).
+"""Automatic differentiation of fusions.
 
 - :mod:`~meshfuse.autodiff.derivation`: the forward-with-residuals and the backward of a
   fusion, derived at global shapes from each op's ``vjp`` rule;

@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation of a fusion at global shapes (DESIGN.md section 7).
+"""Reverse-mode differentiation of a fusion at global shapes.
 
 ``derive(fusion, wrt, remat)`` reads a user's fusion (never changing it) and builds two new
 fusions:
