@@ -9,6 +9,8 @@ those module names import meshfuse.
 
 from meshfuse import multidevice, pytorch_utils  # noqa: F401  (nvFuser's submodules)
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
+from meshfuse.autodiff.api import vjp
+from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtensor import (
     execute_with_dtensors,
     mesh_from_torch,
@@ -34,6 +36,7 @@ from meshfuse.mesh import DeviceMesh
 from meshfuse.multidevice import Communicator, Sharding
 from meshfuse.profiler import PythonProfiler
 from meshfuse.sharding import shard_tensor, unshard_tensor
+from meshfuse.visualize import visualize
 
 # nvFuser's names for the same things.
 Tensor = TensorView
@@ -47,6 +50,7 @@ __all__ = [
     "DistributedTensor",
     "ExecutionError",
     "FusionDefinition",
+    "FusionModule",
     "InputError",
     "MeshfuseError",
     "ParallelType",
@@ -64,4 +68,6 @@ __all__ = [
     "shard_tensor",
     "to_placements",
     "unshard_tensor",
+    "visualize",
+    "vjp",
 ]

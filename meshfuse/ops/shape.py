@@ -1,5 +1,5 @@
 """Shape ops: ``broadcast_in_dim``, ``expand``, ``squeeze``, ``permute``, ``reshape``,
-``slice``, ``cat``.
+``slice``, ``cat``, and ``slice_backward`` (the transpose of ``slice``, for its gradient).
 
 Arguments that name extents or positions (``shape``, ``new_shape``, slice bounds) are *global*;
 the implementations get the local output shapes from the runtime (``needs_out_shape``).
@@ -19,6 +19,7 @@ from meshfuse.ops.registry import (
     OutSpec,
     SymbolicSize,
     TensorMeta,
+    Vjp,
     attr,
     register,
     tensor,
@@ -101,10 +102,28 @@ def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
     return x.reshape(view).expand(out_shapes[0])
 
 
+def sum_broadcast(d, g, dims: list[int]):
+    """The gradient of a broadcast of ``x`` whose axes went to output axes ``dims``: ``g``
+    summed over the expanded axes (kept, extent 1) and the new axes (dropped)."""
+    o = d.ops
+    expanded = [out for a, out in enumerate(dims)
+                if d.is_broadcast("x", a) and not g.materialized()[out].is_broadcast]
+    if expanded:
+        g = o.sum(g, dims=expanded, keepdim=True)
+    new = [a for a in range(len(g.materialized())) if a not in dims]
+    return o.sum(g, dims=new) if new else g
+
+
+def _broadcast_in_dim_grads(d, grads):
+    n = len(d.attrs["shape"])
+    return {"x": lambda: sum_broadcast(d, grads[0], [b % n for b in d.attrs["broadcast_dims"]])}
+
+
 register(OpDef(
     "broadcast_in_dim", (tensor("x"), attr("shape"), attr("broadcast_dims")),
     _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
     doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
+    vjp=Vjp(_broadcast_in_dim_grads, recompute=True),
 ))
 
 
@@ -136,6 +155,8 @@ register(OpDef(
     "broadcast", (tensor("x"), attr("is_broadcast_dim")), _broadcast_infer, _broadcast,
     needs_out_shape=True,
     doc="new broadcast axes (extent 1) where is_broadcast_dim is True (nvFuser's broadcast)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.squeeze(grads[0], dims=[
+        a for a, new in enumerate(d.attrs["is_broadcast_dim"]) if new])}, recompute=True),
 ))
 
 
@@ -163,6 +184,7 @@ def _stride_order(x, stride_order):
 register(OpDef(
     "stride_order", (tensor("x"), attr("stride_order")), _stride_order_infer, _stride_order,
     doc="x's values laid out in memory in stride_order (rank of each axis, 0 = innermost)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),
 ))
 
 
@@ -181,6 +203,9 @@ register(OpDef(
     "expand", (tensor("x"), attr("shape")), _expand_infer,
     lambda x, shape, out_shapes: x.expand(out_shapes[0]), needs_out_shape=True,
     doc="broadcast axes of extent 1 expanded to shape (PyTorch's expand)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: sum_broadcast(
+        d, grads[0], list(range(len(d.attrs["shape"]) - d.ndim("x"), len(d.attrs["shape"]))))},
+        recompute=True),
 ))
 
 
@@ -206,10 +231,21 @@ def _squeeze(x, dims, out_shapes):
     return x.view(out_shapes[0])
 
 
+def _squeeze_grads(d, grads):
+    ndim, dims = d.ndim("x"), d.attrs["dims"]
+    extents = [i.extent for i in d.arg("x").materialized()]
+    dims = [a for a, e in enumerate(extents) if e == 1] if dims is None else \
+        normalize_axes("squeeze", dims, ndim)
+    shape = [1 if a in dims else -1 for a in range(ndim)]
+    kept = [a for a in range(ndim) if a not in dims]
+    return {"x": lambda: d.ops.broadcast_in_dim(grads[0], shape, kept)}
+
+
 register(OpDef(
     "squeeze", (tensor("x"), attr("dims", None)), _squeeze_infer, _squeeze,
     needs_out_shape=True,
     doc="removes the given axes of extent 1 (dims=None: all axes of static extent 1)",
+    vjp=Vjp(_squeeze_grads, recompute=True),
 ))
 
 
@@ -227,7 +263,17 @@ def _permute_infer(x, dims):
 register(OpDef(
     "permute", (tensor("x"), attr("dims")), _permute_infer,
     lambda x, dims: x.permute(*dims), doc="reorders axes (a view)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.permute(grads[0], inverse_permutation(
+        [normalize_axis("permute", a, d.ndim("x")) for a in d.attrs["dims"]]))},
+        recompute=True),
 ))
+
+
+def inverse_permutation(dims: list[int]) -> list[int]:
+    inverse = [0] * len(dims)
+    for position, axis in enumerate(dims):
+        inverse[axis] = position
+    return inverse
 
 
 def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -315,49 +361,62 @@ register(OpDef(
     "reshape", (tensor("x"), attr("new_shape")), _reshape_infer,
     lambda x, new_shape, out_shapes: x.reshape(out_shapes[0]), needs_out_shape=True,
     doc="a new shape with the same number of elements; unchanged axes keep their identity",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.reshape(grads[0], d.shape("x"))},
+            recompute=True),
 ))
 
 
 def _slice_infer(x, start_indices, end_indices, strides, manual_normalization):
     x = require_tensor("slice", "x", x)
-    n = x.ndim
-    start_indices = int_list("slice", "start_indices", start_indices)
-    end_indices = int_list("slice", "end_indices", end_indices, sizes=True)
-    strides = [1] * n if strides is None else int_list("slice", "strides", strides)
-    if not len(start_indices) == len(end_indices) == len(strides) == n:
-        raise DefinitionError(
-            f"slice: start_indices, end_indices and strides need {n} entries each, got "
-            f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
-        )
     if manual_normalization not in (0, 1, False, True):
         raise DefinitionError(
             f"slice: manual_normalization must be 0 (negative indices count from the end, "
             f"bounds are clamped) or 1 (indices as given), got {manual_normalization!r}"
         )
+    return [OutSpec(x.dtype, window_axes("slice", x, start_indices, end_indices, strides,
+                                         normalize=not manual_normalization))]
+
+
+def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides,
+                normalize: bool = True) -> tuple:
+    """The axes of the window ``[start, end)`` by ``strides`` of ``x`` (global bounds); a
+    whole axis maps from ``x``'s. With ``normalize`` (nvFuser's default), negative bounds
+    count from the end and bounds are clamped, as in Python; a :class:`SymbolicSize` end is
+    the end of the axis."""
+    n = x.ndim
+    start_indices = int_list(op, "start_indices", start_indices)
+    end_indices = int_list(op, "end_indices", end_indices, sizes=True)
+    strides = [1] * n if strides is None else int_list(op, "strides", strides)
+    if not len(start_indices) == len(end_indices) == len(strides) == n:
+        raise DefinitionError(
+            f"{op}: start_indices, end_indices and strides need {n} entries each, got "
+            f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
+        )
     axes = []
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
-        start, end = _slice_bounds(x, a, start, end, step, not manual_normalization)
+        start, end = _slice_bounds(op, x, a, start, end, step, normalize)
         whole = (start, end, step) == (0, x.shape[a], 1)
         out = (end - start + step - 1) // step if end is not None else None
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
-    return [OutSpec(x.dtype, tuple(axes))]
+    return tuple(axes)
 
 
-def _slice_bounds(x: TensorMeta, a: int, start: int, end, step: int, normalize: bool):
+def _slice_bounds(op: str, x: TensorMeta, a: int, start: int, end, step: int,
+                  normalize: bool):
     """``[start, end)`` of axis ``a`` checked (and, with ``normalize``, made non-negative and
     clamped as Python does). A :class:`SymbolicSize` end is taken as the end of the axis
     (nvFuser programs slice to ``fd.ops.size`` of the same axis)."""
     extent = x.shape[a]
     if step < 1:
-        raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
+        raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
     if isinstance(end, SymbolicSize) and extent is not None:
         end = extent  # the size of this axis, known once execute binds it
     if isinstance(end, SymbolicSize) or extent is None:
         if extent is None and (start, step) == (0, 1) and isinstance(end, SymbolicSize):
             return 0, None  # the whole symbolic axis
         raise DefinitionError(
-            f"slice: axis {a} has a symbolic extent; slicing it needs a static extent (or "
+            f"{op}: axis {a} has a symbolic extent; slicing it needs a static extent (or "
             "the whole axis: start 0, end fd.ops.size of that axis)"
         )
     if normalize:
@@ -365,17 +424,26 @@ def _slice_bounds(x: TensorMeta, a: int, start: int, end, step: int, normalize: 
         end = max(end, start)
     if not 0 <= start <= end <= extent:
         raise DefinitionError(
-            f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+            f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
             f"{extent}"
         )
     return start, end
 
 
+def _local_slice(start: int, end, step: int) -> slice:
+    """A Python slice for global bounds (Python's own normalization matches nvFuser's)."""
+    return slice(start, None if isinstance(end, SymbolicSize) else end, step)
+
+
 def _slice(x, start_indices, end_indices, strides, manual_normalization):
-    index = []
-    for a, (s, e, st) in enumerate(zip(start_indices, end_indices, strides or [1] * x.ndim)):
-        index.append(slice(s, None if isinstance(e, SymbolicSize) else e, st))
-    return x[tuple(index)]
+    return x[tuple(_local_slice(s, e, st) for s, e, st in
+                   zip(start_indices, end_indices, strides or [1] * x.ndim))]
+
+
+def _slice_grads(d, grads):
+    return {"x": lambda: d.ops.slice_backward(
+        grads[0], d.shape("x"), d.attrs["start_indices"], d.attrs["end_indices"],
+        d.attrs["strides"])}
 
 
 register(OpDef(
@@ -383,6 +451,47 @@ register(OpDef(
               attr("manual_normalization", 0)),
     _slice_infer, _slice,
     doc="a strided window of x (global bounds; negative ones count from the end)",
+    vjp=Vjp(_slice_grads, recompute=True),
+))
+
+
+def _slice_backward_infer(grad, shape, start_indices, end_indices, strides):
+    grad = require_tensor("slice_backward", "grad", grad)
+    shape = int_list("slice_backward", "shape", shape)
+    window = window_axes("slice_backward", TensorMeta(tuple(shape), tuple(
+        IterType.Broadcast if e == 1 else IterType.Iteration for e in shape), grad.dtype),
+        start_indices, end_indices, strides)
+    if grad.ndim != len(shape) or any(
+            n is not None and n != a.extent for n, a in zip(grad.shape, window)):
+        raise DefinitionError(
+            f"slice_backward: grad has shape {list(grad.shape)}, but the window "
+            f"[{start_indices}, {end_indices}) of {shape} has {[a.extent for a in window]}"
+        )
+    axes = [AxisSpec(e, grad.iter_types[a] if w.sources else
+                     IterType.Broadcast if e == 1 else IterType.Iteration,
+                     w.sources) for a, (e, w) in enumerate(zip(shape, window))]
+    return [OutSpec(grad.dtype, tuple(axes))]
+
+
+def _slice_backward(grad, shape, start_indices, end_indices, strides, out_shapes):
+    # Windowed axes are whole on every rank (they map from no axis of grad, so they are
+    # never sharded here); whole axes take grad's local extent.
+    out = grad.new_zeros(out_shapes[0])
+    bounds = zip(start_indices, end_indices, strides or [1] * grad.ndim, shape)
+    out[tuple(slice(None) if (s, e, st) == (0, n, 1) else
+              _local_slice(s, e, st) for s, e, st, n in bounds)] = grad
+    return out
+
+
+register(OpDef(
+    "slice_backward",
+    (tensor("grad"), attr("shape"), attr("start_indices"), attr("end_indices"),
+     attr("strides", None)),
+    _slice_backward_infer, _slice_backward, needs_out_shape=True,
+    doc="zeros of shape with grad in the window of a slice (the transpose of slice)",
+    vjp=Vjp(lambda d, grads: {"grad": lambda: d.ops.slice(
+        grads[0], d.attrs["start_indices"], d.attrs["end_indices"], d.attrs["strides"])},
+        recompute=True),
 ))
 
 
@@ -420,7 +529,24 @@ def _cat_infer(xs, dim, manual_padding):
     return [OutSpec(promote(*xs), tuple(axes))]
 
 
+def _cat_grads(d, grads):
+    """Each input's gradient is its window of ``g`` along ``dim``."""
+    xs, g = d.arg("xs"), grads[0]
+    ndim = d.ndim(xs[0])
+    dim = normalize_axis("cat", d.attrs["dim"], ndim, "dim")
+    shape = d.shape(g)
+    thunks, offset = [], 0
+    for x in xs:
+        extent = d.shape(x)[dim]
+        starts = [offset if a == dim else 0 for a in range(ndim)]
+        ends = [offset + extent if a == dim else shape[a] for a in range(ndim)]
+        thunks.append(lambda s=starts, e=ends: d.ops.slice(g, s, e))
+        offset += extent
+    return {"xs": thunks}
+
+
 register(OpDef(
     "cat", (tensors("xs"), attr("dim"), attr("manual_padding", 0)), _cat_infer,
     lambda xs, dim, manual_padding: torch.cat(xs, dim=dim), doc="concatenation along dim",
+    vjp=Vjp(_cat_grads, recompute=True),
 ))
