@@ -236,8 +236,9 @@ class FusionDefinition:
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
         """
-        ignored_options(device=device, save_repro_inputs=save_repro_inputs,
-                        _enable_options=_enable_options, _disable_options=_disable_options)
+        if device is not None or save_repro_inputs or _enable_options or _disable_options:
+            ignored_options(device=device, save_repro_inputs=save_repro_inputs,
+                            _enable_options=_enable_options, _disable_options=_disable_options)
         if has_dtensors(inputs):
             return execute_with_dtensors(self, inputs, **options)
         runner = self._get_runner()
