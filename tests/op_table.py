@@ -461,10 +461,6 @@ LINEAR = OpInfo("linear", (
     Sample((T((16,)), T((7, 16)), T((7,))), F.linear, name="1d"),
     Sample((T((5, 16)), T((7, 16))), lambda x, w: F.linear(x, w, None), kwargs={"bias": None},
            name="bias-none"),
-    # nvFuser's weight with a leading (logical device) axis: [d, n, k] -> [d, ..., n].
-    Sample((T((2, 5, 16)), T((3, 7, 16)), T((3, 7))),
-           lambda x, w, b: torch.stack([F.linear(x, w[i], b[i]) for i in range(w.shape[0])]),
-           name="leading-weight-axis"),
 ))
 
 

@@ -275,7 +275,8 @@ def _check_sharding(expr) -> None:
     q = expr.args[1 if expr.op.name == "sdpfa_bwd" else 0]
     if _arg(expr, "is_causal") is not False and device_ids(q).get(q.logical[-2]):
         raise ShardingError(
-            f"{expr.op.name}: the query sequence (axis -2) of {q.name} is sharded and the "
+            f"{expr.op.name}: the query sequence (axis {len(q.logical) - 2}) of {q.name} is "
+            "sharded and the "
             "attention is causal; the causal mask of a sequence shard is not supported yet: "
             "shard batch or heads, or gather the sequence first"
         )
@@ -285,7 +286,8 @@ def _check_sharding(expr) -> None:
     if device_ids(k).get(k.logical[-2]) and (_arg(expr, "is_causal") is not False or
                                              _arg(expr, "dropout_p") != 0.0):
         raise ShardingError(
-            f"{expr.op.name}: the key sequence (axis -2) of {k.name} is sharded and the "
+            f"{expr.op.name}: the key sequence (axis {len(k.logical) - 2}) of {k.name} is "
+            "sharded and the "
             "attention is causal or drops out; gather the key/value sequence first"
         )
     forward = _forward_of(expr)
