@@ -121,7 +121,7 @@ def test_user_pins_are_never_changed_and_conflicts_become_resharding_copies():
     out, = fd.execute([x_global])
     torch.testing.assert_close(out, -x_global)
     assert y.loop == before
-    sets = [e for e in fd.fusion.exprs if e.op.name == "set"]
+    sets = [e for e in fd.compiled().fusion.exprs if e.op.name == "set"]
     assert len(sets) == 1, fd.explain()
 
 

@@ -200,6 +200,14 @@ class FusionDefinition:
             self._runner = FusionRunner(self.fusion)
         return self._runner
 
+    def compiled(self):
+        """The fusion as compiled for this process's world (built on first use, as
+        ``execute`` does): a :class:`~meshfuse.passes.pipeline.CompiledFusion`, whose
+        ``[tv]`` gives the compiled counterpart of a tensor of this definition (its
+        propagated sharding, the communications around it). The definition itself is never
+        changed by compiling."""
+        return self._get_runner().compiled
+
     def explain(self, inputs: Sequence[Any] | None = None) -> str:
         """The fusion after the build passes (shardings, layouts, inserted resharding
         copies), as printed text; runs nothing. With ``inputs`` (this rank's, as for

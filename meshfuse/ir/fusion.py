@@ -119,6 +119,40 @@ class Fusion:
                 result.setdefault(v, []).append(e)
         return result
 
+    def copy(self) -> tuple[Fusion, dict[Val, Val]]:
+        """A private copy for the compiler's passes, and each value's counterpart in it.
+
+        Every value and expression is new: the passes may schedule the copy's tensors and
+        insert expressions without touching this fusion. IterDomains and transform records are
+        immutable and shared; tensors keep their names (the copy prints alike).
+        """
+        counterpart: dict[Val, Val] = {}
+
+        def val(v: Val) -> Val:
+            if v not in counterpart:
+                counterpart[v] = v.copy_into(copy)
+            return counterpart[v]
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, Val):
+                return val(a)
+            if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
+                return type(a)(arg(x) for x in a)
+            return a
+
+        copy = Fusion()
+        copy._counts = dict(self._counts)
+        copy._inputs = [val(v) for v in self._inputs]
+        for e in self.exprs:
+            new = dataclasses.replace(e, args=tuple(arg(a) for a in e.args),
+                                      outputs=tuple(val(o) for o in e.outputs),
+                                      attrs=dict(e.attrs), id_map=dict(e.id_map))
+            for out in new.outputs:
+                out.definition = new
+            copy.exprs.append(new)
+        copy._outputs = [val(o) for o in self._outputs]
+        return copy, counterpart
+
     def __str__(self) -> str:
         from meshfuse.ir.printer import format_fusion
 

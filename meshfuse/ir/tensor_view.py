@@ -46,6 +46,11 @@ class Val:
     name: str
     definition: Expr | None = None
 
+    def copy_into(self, fusion: Fusion) -> Val:
+        """This value for a copy of its fusion: same name, dtype and schedule, no definition
+        (the copied expression sets it)."""
+        raise NotImplementedError
+
 
 class Scalar(Val):
     """A scalar of a fusion: a constant (``value`` set) or an input bound at execute time."""
@@ -58,6 +63,11 @@ class Scalar(Val):
     @property
     def is_constant(self) -> bool:
         return self.value is not None
+
+    def copy_into(self, fusion: Fusion) -> Scalar:
+        new = Scalar(self.dtype, self.value)
+        new.name = self.name
+        return new
 
 
 class Axis:
@@ -112,6 +122,15 @@ class TensorView(Val):
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
         self.name = "T?"
+
+    def copy_into(self, fusion: Fusion) -> TensorView:
+        new = TensorView(fusion, self.logical, self.dtype, self.allocation)
+        new.loop = list(self.loop)
+        new.transforms = list(self.transforms)
+        new.parallel = dict(self.parallel)
+        new.mesh = self.mesh
+        new.name = self.name
+        return new
 
     # ----- reading -----------------------------------------------------------------------
     @property

@@ -1,6 +1,7 @@
 """``FusionRunner``: builds a fusion once, then one per-rank program per input signature.
 
-Build: check the schedule (on every rank alike), derive layouts. Per new input signature:
+Build: compile the fusion (:func:`meshfuse.passes.pipeline.compile`: a private copy checked,
+propagated, resharded, with its memory orders; the user's fusion is not changed). Per new input signature:
 optionally compare inputs across ranks, bind extents and local layouts, check the inputs
 against them, check that no op needs resharding, and make the :class:`Program`, its steps
 ordered so that each communication is launched as early as it can be. With
@@ -19,13 +20,10 @@ import torch
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.placement import same_sharding
-from meshfuse.ir.printer import format_expr, format_fusion
+from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
-from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.ops.registry import Kind
-from meshfuse.passes.layout import infer_allocations
-from meshfuse.passes.propagation import propagate_shardings
-from meshfuse.passes.resharding import insert_resharding
+from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.binding import (
     Binding,
@@ -44,7 +42,6 @@ class FusionRunner:
     """Runs one built fusion; see the module doc."""
 
     def __init__(self, fusion: Fusion):
-        self.fusion = fusion
         if any(tv.mesh is not None for tv in fusion.tensors()):
             from meshfuse.runtime.communicator import Communicator
 
@@ -52,18 +49,9 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
-        check_tensor_schedules(fusion, world)
-        propagate_shardings(fusion)
-        insert_resharding(fusion)
-        check_schedule(fusion, world)
-        for v in fusion.inputs():
-            if isinstance(v, TensorView) and v.mesh is not None and v.mesh.size < world and \
-                    any(i.extent is None for i in v.materialized()):
-                raise InputError(
-                    f"input {v.name} lives on {v.mesh!r}, not on every rank, and has symbolic "
-                    "extents; ranks outside its mesh cannot learn them: declare them static"
-                )
-        self.allocations = infer_allocations(fusion)
+        self.compiled = compile_fusion(fusion, world)
+        self.fusion = self.compiled.fusion
+        self.allocations = self.compiled.allocations
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self._programs: dict[tuple, Program] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
@@ -71,7 +59,7 @@ class FusionRunner:
     def explain(self, inputs: Sequence[Any] | None = None) -> str:
         """The fusion after the passes; with ``inputs``, also this rank's program for them
         (its steps, each communication with its group)."""
-        text = format_fusion(self.fusion, self.allocations)
+        text = self.compiled.explain()
         if inputs is None:
             return text
         key = _signature(inputs)

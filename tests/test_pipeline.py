@@ -1,0 +1,104 @@
+"""The compile pipeline: the user's fusion is never changed, and compiling is repeatable."""
+
+import pytest
+import torch
+from mesh_helpers import mesh_1d, shard
+
+from meshfuse import DataType, DeviceMesh, FusionDefinition
+from meshfuse.errors import ScheduleError
+from meshfuse.ir.placement import Replicate, Shard, placements
+from meshfuse.passes.pipeline import compile
+from meshfuse.sharding import shard_tensor
+
+
+def _snapshot(fusion) -> tuple:
+    """Everything a pass could change in a fusion, by identity."""
+    tensors = [(tv, tuple(tv.loop), tuple(tv.transforms), tuple(tv.parallel.items()),
+                tv.allocation, tv.mesh, tv.definition, tv.name) for tv in fusion.tensors()]
+    exprs = [(e, e.op, tuple(e.args), tuple(e.outputs), dict(e.id_map), dict(e.attrs))
+             for e in fusion.exprs]
+    return tensors, exprs, fusion.inputs(), fusion.outputs()
+
+
+def _partly_scheduled(mesh: DeviceMesh) -> tuple[FusionDefinition, object, object]:
+    """x sharded on rows, the output on columns, the tensors between unscheduled: the
+    passes must fill the middle and insert a resharding."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 12], dtype=DataType.Float)
+        bias = fd.define_tensor([1, 12], dtype=DataType.Float)
+        y = fd.ops.exp(fd.ops.add(x, bias))
+        out = fd.ops.mul(y, 2.0)
+        fd.add_output(out)
+    shard(x, 0, mesh)
+    shard(out, 1, mesh)
+    return fd, x, out
+
+
+def test_compile_leaves_the_fusion_as_the_user_wrote_it():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    before = _snapshot(fd.fusion)
+    compiled = compile(fd.fusion, 2)
+    assert _snapshot(fd.fusion) == before
+    assert len(compiled.fusion.exprs) > len(fd.fusion.exprs)  # the resharding is in the copy
+    assert not set(compiled.fusion.tensors()) & set(fd.fusion.tensors())
+
+
+def test_each_user_tensor_maps_to_its_compiled_counterpart():
+    fd, x, out = _partly_scheduled(DeviceMesh(range(2)))
+    compiled = compile(fd.fusion, 2)
+    for tv in fd.fusion.tensors():
+        assert compiled[tv].name == tv.name and compiled[tv].logical == tv.logical
+    assert placements(compiled[x]) == (Shard(0, None),)
+    assert placements(compiled[out]) == (Shard(1, None),)
+    assert fd.fusion.inputs()[1].mesh is None  # the user's bias stays unscheduled
+    assert placements(compiled[fd.fusion.inputs()[1]]) == (Replicate(),)
+    assert compiled[compiled[x]] is compiled[x]  # a compiled tensor is its own counterpart
+
+
+def test_the_same_definition_compiles_to_the_same_text():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    first, second = compile(fd.fusion, 2), compile(fd.fusion, 2)
+    assert first.explain() == second.explain()
+    assert first.fusion is not second.fusion
+
+
+def test_one_fusion_compiles_for_several_world_sizes():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    two, four = compile(fd.fusion, 2), compile(fd.fusion, 4)
+    assert (two.world_size, four.world_size) == (2, 4)
+    assert two.explain() == four.explain()
+    wide, _, _ = _partly_scheduled(DeviceMesh(range(4)))
+    with pytest.raises(ScheduleError, match="world has 2 processes"):
+        compile(wide.fusion, 2)
+    assert compile(wide.fusion, 4).world_size == 4
+    compile(wide.fusion)  # no world size: only the meshes' consistency is checked
+
+
+def test_shard_tensor_follows_a_schedule_changed_after_an_earlier_call():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], dtype=DataType.Float)
+        fd.add_output(fd.ops.neg(x))
+    t = torch.arange(24.0).reshape(4, 6)
+    x.set_device_mesh(DeviceMesh(range(2)))
+    assert torch.equal(shard_tensor(t, x, rank=1), t)
+    shard(x, 1, DeviceMesh(range(2)))
+    assert torch.equal(shard_tensor(t, x, rank=1), t[:, 3:])
+
+
+def test_execute_explain_and_shard_tensor_leave_the_user_fusion_alone(multidevice_test):
+    mesh, rank = mesh_1d(multidevice_test), multidevice_test.rank
+    fd, x, out = _partly_scheduled(mesh)
+    before = _snapshot(fd.fusion)
+    gen = torch.Generator().manual_seed(0)  # every rank makes the same global tensors
+    gx, gbias = torch.randn(8, 12, generator=gen), torch.randn(1, 12, generator=gen)
+    inputs = [shard_tensor(gx, x, rank), shard_tensor(gbias, fd.fusion.inputs()[1], rank)]
+    assert _snapshot(fd.fusion) == before
+    text = fd.explain(inputs)
+    assert _snapshot(fd.fusion) == before
+    local, = fd.execute(inputs)
+    assert _snapshot(fd.fusion) == before
+    torch.testing.assert_close(local, shard_tensor(torch.exp(gx + gbias) * 2.0, out, rank))
+    whole = multidevice_test.unshard_tensor(local, out)
+    torch.testing.assert_close(whole, torch.exp(gx + gbias) * 2.0)
+    assert _snapshot(fd.fusion) == before
+    assert fd.explain(inputs) == text
