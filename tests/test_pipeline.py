@@ -6,6 +6,7 @@ from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition
 from meshfuse.errors import ScheduleError
+from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.passes.pipeline import compile
 from meshfuse.sharding import shard_tensor
@@ -102,3 +103,52 @@ def test_execute_explain_and_shard_tensor_leave_the_user_fusion_alone(multidevic
     torch.testing.assert_close(whole, torch.exp(gx + gbias) * 2.0)
     assert _snapshot(fd.fusion) == before
     assert fd.explain(inputs) == text
+
+
+def test_golden_resharding_is_a_communication_with_both_placements():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    compiled = compile(fd.fusion, 2)
+    exprs = [repr(e) for e in compiled.fusion.exprs]
+    assert exprs == [
+        "T2 = add(T0, T1)",
+        "T3 = exp(T2)",
+        "T5 = reshard(T3, [S(0)] -> [S(1)])",
+        "T4 = mul(T5, 2.0)",
+    ], compiled.explain()
+    reshard, = [e for e in compiled.fusion.exprs if isinstance(e, Reshard)]
+    assert (reshard.source, reshard.target) == ((Shard(0, None),), (Shard(1, None),))
+    assert reshard.op is None
+
+
+def test_golden_partial_sum_is_reduced_by_a_communication():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], dtype=DataType.Float)
+        fd.add_output(fd.ops.max(x, dims=[1]))
+    shard(x, 1, DeviceMesh(range(2)))
+    exprs = [repr(e) for e in compile(fd.fusion, 2).fusion.exprs]
+    assert exprs == ["T2 = max(T0, dims=[1], keepdim=False, dtype=None)",
+                     "T1 = reshard(T2, [P(max)] -> [R])"]
+
+
+def test_a_user_set_stays_an_op_with_the_communication_beside_it():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], dtype=DataType.Float)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    shard(x, 0, DeviceMesh(range(2)))
+    shard(y, 1, DeviceMesh(range(2)))
+    exprs = [repr(e) for e in compile(fd.fusion, 2).fusion.exprs]
+    assert exprs == ["T2 = reshard(T0, [S(0)] -> [S(1)])", "T1 = set(T2)"]
+    assert [repr(e) for e in fd.fusion.exprs] == ["T1 = set(T0)"]
+
+
+def test_between_meshes_the_communication_names_both_meshes():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], dtype=DataType.Float)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    x.set_device_mesh(DeviceMesh([0]))
+    y.set_device_mesh(DeviceMesh([1]))
+    exprs = [repr(e) for e in compile(fd.fusion, 2).fusion.exprs]
+    assert exprs == ["T2 = reshard(T0, DeviceMesh([0]) [R] -> DeviceMesh([1]) [R])",
+                     "T1 = set(T2)"]

@@ -3,6 +3,9 @@
 Expressions are kept in definition order, which is a topological order: an op can only use
 values defined before it. Each expression carries its op's *domain map*: which logical ID of an
 input tensor is which logical ID of an output tensor (``Expr.id_map``).
+
+An expression is an op application (:class:`Expr`), or a :class:`Reshard` that the
+compiler inserted: one tensor moved from one sharding to another, with no op.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from meshfuse.ir.placement import Placement, placements
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 
 if TYPE_CHECKING:
     from meshfuse.ir.iter_domain import IterDomain
+    from meshfuse.mesh import DeviceMesh
     from meshfuse.ops.registry import OpDef
 
 
@@ -22,7 +27,7 @@ class Expr:
     """One op application.
 
     Attributes:
-        op: the op's declaration.
+        op: the op's declaration (None for a :class:`Reshard`).
         args: the op's arguments in signature order: Vals, or Python constants.
         outputs: the values it defines.
         attrs: keyword arguments that are static Python values (dims, shapes, flags).
@@ -30,7 +35,7 @@ class Expr:
             first source first).
     """
 
-    op: OpDef
+    op: OpDef | None
     args: tuple[Any, ...]
     outputs: tuple[Val, ...]
     attrs: dict[str, Any]
@@ -56,6 +61,39 @@ class Expr:
     @property
     def tensor_outputs(self) -> tuple[TensorView, ...]:
         return tuple(o for o in self.outputs if isinstance(o, TensorView))
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class Reshard(Expr):
+    """``target = source`` laid out otherwise: the data movement between two shardings of one
+    tensor (same logical IDs, possibly another mesh). It has no op (``op`` is None); the
+    runtime plans it from its two tensors and runs the plan.
+
+    Attributes:
+        source_mesh, target_mesh: where the tensor lives before and after.
+        source, target: the placements before (a partial one names its reduction) and after.
+    """
+
+    source_mesh: DeviceMesh | None = None
+    target_mesh: DeviceMesh | None = None
+    source: tuple[Placement, ...] = ()
+    target: tuple[Placement, ...] = ()
+
+    @classmethod
+    def between(cls, src: TensorView, dst: TensorView) -> Reshard:
+        """The communication from ``src`` to ``dst`` (both scheduled, same logical shape)."""
+        id_map = {d: (s,) for s, d in zip(src.logical, dst.logical)}
+        return cls(None, (src,), (dst,), {}, id_map, src.mesh, dst.mesh,
+                   placements(src, partial_reduce_op(src)), placements(dst))
+
+
+def partial_reduce_op(tv: TensorView) -> str:
+    """How partial values of ``tv`` combine: the ``partial_reduce`` of the op that made them
+    (through communications and copies)."""
+    expr = tv.definition
+    while expr is not None and (expr.op is None or expr.op.name == "set"):
+        expr = expr.args[0].definition
+    return "sum" if expr is None else expr.op.partial_reduce or "sum"
 
 
 class Fusion:

@@ -96,6 +96,13 @@ def format_arg(arg) -> str:
 
 def format_expr(expr: Expr) -> str:
     outs = ", ".join(o.name for o in expr.outputs)
+    if expr.op is None:  # a Reshard (a communication): ``T5 = reshard(T4, [S(0)] -> [R])``
+        src, dst = expr.source_mesh, expr.target_mesh
+        before = "[" + ", ".join(map(str, expr.source)) + "]"
+        after = "[" + ", ".join(map(str, expr.target)) + "]"
+        if src != dst:
+            before, after = f"{src!r} {before}", f"{dst!r} {after}"
+        return f"{outs} = reshard({expr.args[0].name}, {before} -> {after})"
     args = [
         format_arg(a) if p.kind.value in ("tensor", "tensors", "operand", "scalar")
         else f"{p.name}={format_arg(a)}"

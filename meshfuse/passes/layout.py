@@ -10,7 +10,7 @@ All derived allocations are contiguous.
 
 from __future__ import annotations
 
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import producers
 from meshfuse.ir.tensor_view import Allocation, TensorView
@@ -45,7 +45,7 @@ def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
         for out in expr.tensor_outputs:
             if out in result:
                 continue
-            if expr.op.output_layout == "contiguous":
+            if not isinstance(expr, Reshard) and expr.op.output_layout == "contiguous":
                 ids = out.materialized()
                 result[out] = Allocation(ids, tuple(None if i.is_broadcast else True for i in ids))
             else:

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.ir.fusion import Fusion
-from meshfuse.ir.placement import same_sharding
+from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
@@ -181,12 +180,20 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
     steps = []
     for index, expr in enumerate(exprs):
         lowered = None
-        if expr.op.name == "set" and lower_set is not None:
+        if isinstance(expr, Reshard) and lower_set is not None:
             # Lowered on every rank alike (group creation is collective), run by members.
             src = slot(expr.args[0])
             donated = last_use.get(src) == index and src not in keep and src not in input_slots
             lowered = lower_set(expr, binding, donated)
         if not _takes_part(expr, rank):
+            continue
+        outs = tuple(slot(o) for o in expr.outputs)
+        free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        if isinstance(expr, Reshard):
+            # With no data to move (meshes of one device), a copy as the user's set would make.
+            impl, plan = lowered if lowered is not None else (torch.clone, "a local copy")
+            steps.append(Step(f"{format_expr(expr)}: {plan}", impl, (None,),
+                              ((0, slot(expr.args[0])),), {}, outs, free))
             continue
         template, slots = [], []
         for pos, (param, arg) in enumerate(zip(expr.op.params, expr.args)):
@@ -209,13 +216,8 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         if expr.op.needs_reduced_count:
             kwargs["reduced_count"] = _reduced_count(expr, binding)
         impl = expr.op.make_impl() if expr.op.make_impl is not None else expr.op.impl
-        label = format_expr(expr)
-        if lowered is not None:
-            impl, plan = lowered
-            label = f"{label}: {plan}"
-        outs = tuple(slot(o) for o in expr.outputs)
-        free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
-        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
+        steps.append(Step(format_expr(expr), impl, tuple(template), tuple(slots), kwargs, outs,
+                          free))
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
@@ -259,15 +261,15 @@ def communication_first(exprs: Sequence) -> list:
 
 
 def _communicates(expr) -> bool:
-    """A ``set`` whose output lies otherwise than its input: a communication (or a slice)."""
-    return expr.op.name == "set" and not same_sharding(expr.args[0], expr.outputs[0])
+    """A communication (or a local slice, launched early too: it costs nothing)."""
+    return isinstance(expr, Reshard)
 
 
 def _takes_part(expr, rank: int) -> bool:
     """Whether ``rank`` runs ``expr``: it holds one of its outputs, or, for a resharding copy,
     its input or output (the ranks of both meshes move the data)."""
     tensors = [t for t in expr.tensor_outputs if t.logical]
-    if expr.op.name == "set":
+    if isinstance(expr, Reshard):
         tensors += [t for t in expr.tensor_inputs if t.logical]
     meshes = [t.mesh for t in tensors]
     return not meshes or any(m is None or rank in m for m in meshes)
