@@ -8,7 +8,12 @@ from meshfuse import DataType, DeviceMesh, FusionDefinition
 from meshfuse.errors import ScheduleError
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.placement import Replicate, Shard, placements
+from meshfuse.ops.registry import REGISTRY
+from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile
+from meshfuse.runtime.binding import bind
+from meshfuse.runtime.executor import Slot
+from meshfuse.runtime.program import build_program
 from meshfuse.sharding import shard_tensor
 
 
@@ -152,3 +157,62 @@ def test_between_meshes_the_communication_names_both_meshes():
     exprs = [repr(e) for e in compile(fd.fusion, 2).fusion.exprs]
     assert exprs == ["T2 = reshard(T0, DeviceMesh([0]) [R] -> DeviceMesh([1]) [R])",
                      "T1 = set(T2)"]
+
+
+# ----- localization and program records -----------------------------------------------------
+
+def _records(rank: int) -> str:
+    """The records of a row-parallel linear with a bias and a mean over a sharded axis, on
+    ``rank`` of 2 (communications left unlowered: a record of their own, no groups)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8], dtype=DataType.Float)
+        w = fd.define_tensor([6, 8], dtype=DataType.Float)
+        b = fd.define_tensor([6], dtype=DataType.Float)
+        fd.add_output(fd.ops.reshape(fd.ops.linear(x, w, b), [24]))
+        fd.add_output(fd.ops.mean(x, dims=[1]))
+    mesh = DeviceMesh(range(2))
+    shard(x, 1, mesh)
+    shard(w, 1, mesh)
+    compiled = compile(fd.fusion, 2)
+    inputs = [shard_tensor(torch.zeros(shape), tv, rank)
+              for shape, tv in zip([(4, 8), (6, 8), (6,)], fd.fusion.inputs())]
+    binding = bind(compiled.fusion, compiled.allocations, inputs, rank)
+    local = localize(compiled.fusion, binding.extents, binding.layouts, rank)
+    return build_program(compiled.fusion, binding, local, rank).records()
+
+
+def test_golden_records_hold_each_ranks_local_attributes():
+    """The mean divides by the global count (8, not the local 4); the reshape gets its local
+    output shape; rank 1 leaves the bias out of the partial linear (rank 0 adds it once)."""
+    assert _records(0) == "\n".join([
+        "Program (rank 0) inputs %0, %1, %2",
+        "  %3 = linear(%0, %1, %2); free %1, %2    # T3 = linear(T0, T1, T2)",
+        "  %5 = reshard(%3); free %3    # T6 = reshard(T3, [P] -> [R]): a local copy",
+        ("  %4 = mean(%0, [1], False, None, reduced_count=8); free %0    "
+         "# T7 = mean(T0, dims=[1], keepdim=False, dtype=None)"),
+        "  %7 = reshard(%4); free %4    # T5 = reshard(T7, [P] -> [R]): a local copy",
+        ("  %6 = reshape(%5, [24], out_shapes=[(24,)]); free %5    "
+         "# T4 = reshape(T6, new_shape=[24])"),
+        "  outputs %6, %7",
+    ])
+    rank1 = _records(1).splitlines()
+    assert rank1[1] == "  %3 = linear(%0, %1, None); free %1, %2    # T3 = linear(T0, T1, T2)"
+    assert rank1[2:] == _records(0).splitlines()[2:]
+
+
+def test_records_are_plain_data_and_dispatch_through_the_registry():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], dtype=DataType.Float)
+        fd.add_output(fd.ops.exp(fd.ops.neg(x)))
+    compiled = compile(fd.fusion, 1)
+    x_local = torch.randn(4, 6)
+    binding = bind(compiled.fusion, compiled.allocations, [x_local], 0)
+    local = localize(compiled.fusion, binding.extents, binding.layouts, 0)
+    program = build_program(compiled.fusion, binding, local, 0)
+    assert [(s.op, s.args, s.outputs, s.free) for s in program.steps] == [
+        ("neg", (Slot(0),), (1,), (0,)), ("exp", (Slot(1),), (2,), (1,))]
+    assert program.calls == (REGISTRY["neg"].impl, REGISTRY["exp"].impl)
+    out, = program.run([x_local])
+    torch.testing.assert_close(out, torch.exp(-x_local))
+    again = build_program(compiled.fusion, binding, local, 0)
+    assert again.steps == program.steps
