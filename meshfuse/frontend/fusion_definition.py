@@ -28,6 +28,7 @@ from meshfuse.frontend.schedule import Schedule
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionDefinition:
@@ -194,8 +195,6 @@ class FusionDefinition:
 
     def _get_runner(self):
         if self._runner is None:
-            from meshfuse.runtime.runner import FusionRunner
-
             self.define()
             self._runner = FusionRunner(self.fusion)
         return self._runner

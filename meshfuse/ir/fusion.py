@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from meshfuse.ir.placement import Placement, placements
+from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ class Expr:
     id_map: dict[IterDomain, tuple[IterDomain, ...]]
 
     def __repr__(self) -> str:
-        from meshfuse.ir.printer import format_expr
-
         return format_expr(self)
 
     @property
@@ -192,8 +191,6 @@ class Fusion:
         return copy, counterpart
 
     def __str__(self) -> str:
-        from meshfuse.ir.printer import format_fusion
-
         return format_fusion(self)
 
     def print_math(self) -> None:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 
 from meshfuse.ir.iter_domain import IterDomain, Merge, Split
 from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.ir.placement import placements
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Expr, Fusion
-    from meshfuse.ir.tensor_view import Allocation, TensorView
 
 
 class Numbering:
@@ -55,8 +56,6 @@ def format_placements(tv: TensorView) -> str:
     """One placement per mesh axis, outermost first, as in DTensor: ``S(a)`` sharded on
     logical axis ``a`` (``S(a)c`` cyclically, from an inner split), ``P`` partial (a reduction
     over a sharded axis), ``R`` replicated."""
-    from meshfuse.ir.placement import placements
-
     return "[" + ", ".join(str(p) for p in placements(tv)) + "]"
 
 
@@ -83,8 +82,6 @@ def format_tensor(
 
 
 def format_arg(arg) -> str:
-    from meshfuse.ir.tensor_view import Scalar, Val
-
     if isinstance(arg, Scalar) and arg.is_constant:
         return repr(arg.value)
     if isinstance(arg, Val):
@@ -113,8 +110,6 @@ def format_expr(expr: Expr) -> str:
 
 def format_fusion(fusion: Fusion, allocations: dict | None = None) -> str:
     """The whole fusion: inputs, ops in order, outputs, then every tensor's domains."""
-    from meshfuse.ir.tensor_view import Scalar
-
     numbering = Numbering()
     lines = ["Fusion"]
     for v in fusion.inputs():

@@ -22,10 +22,10 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import ScheduleError
 from meshfuse.ir.iter_domain import IterDomain, Transform, merge_ids, split_ids
 from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Expr, Fusion
-    from meshfuse.mesh import DeviceMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +166,6 @@ class TensorView(Val):
     # ----- scheduling --------------------------------------------------------------------
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
         """Places this tensor on ``mesh``; without a parallelized axis it is replicated."""
-        from meshfuse.mesh import DeviceMesh
-
         if not isinstance(mesh, DeviceMesh):
             raise ScheduleError(f"{self.name}.set_device_mesh expects a DeviceMesh, got {mesh!r}")
         self.mesh = mesh

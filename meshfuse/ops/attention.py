@@ -17,6 +17,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.layout import device_ids
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import select_backend
 from meshfuse.ops.registry import (
@@ -119,8 +120,6 @@ class _Forward:
 
 def _check_sharding(expr) -> None:
     """A sharded query sequence needs a mask offset in causal attention (not supported yet)."""
-    from meshfuse.ir.layout import device_ids
-
     names = [p.name for p in expr.op.params]
     q = expr.args[names.index("q")]
     causal = expr.args[names.index("is_causal")]

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from meshfuse.errors import DefinitionError, InputError
-from meshfuse.frontend.ops_namespace import arg_meta
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import LocalLayout, derived_extents, local_layout, shard_factor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.ops.meta import arg_meta
 from meshfuse.ops.registry import TensorMeta
 
 

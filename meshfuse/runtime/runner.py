@@ -36,6 +36,7 @@ from meshfuse.runtime.binding import (
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
+from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
@@ -47,8 +48,6 @@ class FusionRunner:
 
     def __init__(self, fusion: Fusion):
         if any(tv.mesh is not None for tv in fusion.tensors()):
-            from meshfuse.runtime.communicator import Communicator
-
             self.communicator = Communicator.instance()
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
