@@ -14,6 +14,7 @@ from meshfuse.passes.pipeline import compile
 from meshfuse.runtime.binding import bind
 from meshfuse.runtime.executor import Slot
 from meshfuse.runtime.program import build_program
+from meshfuse.runtime.runner import local_context
 from meshfuse.sharding import shard_tensor
 
 
@@ -177,7 +178,8 @@ def _records(rank: int) -> str:
     inputs = [shard_tensor(torch.zeros(shape), tv, rank)
               for shape, tv in zip([(4, 8), (6, 8), (6,)], fd.fusion.inputs())]
     binding = bind(compiled.fusion, compiled.allocations, inputs, rank)
-    local = localize(compiled.fusion, binding.extents, binding.layouts, rank)
+    local = localize(compiled.fusion, binding.extents, binding.layouts,
+                     local_context(binding, rank, torch.device("cpu")))
     return build_program(compiled.fusion, binding, local, rank).records()
 
 
@@ -207,7 +209,8 @@ def test_records_are_plain_data_and_dispatch_through_the_registry():
     compiled = compile(fd.fusion, 1)
     x_local = torch.randn(4, 6)
     binding = bind(compiled.fusion, compiled.allocations, [x_local], 0)
-    local = localize(compiled.fusion, binding.extents, binding.layouts, 0)
+    local = localize(compiled.fusion, binding.extents, binding.layouts,
+                     local_context(binding, 0, torch.device("cpu")))
     program = build_program(compiled.fusion, binding, local, 0)
     assert [(s.op, s.args, s.outputs, s.free) for s in program.steps] == [
         ("neg", (Slot(0),), (1,), (0,)), ("exp", (Slot(1),), (2,), (1,))]

@@ -11,7 +11,9 @@ implementation as keyword arguments:
   reduced into one output element, so that a shard's mean is a partial mean;
 - dropped addends (``partial_addends``, ``linear``'s bias): on a partial result, only
   coordinate 0 of the partial mesh axes adds them, so the reduction counts them once; the
-  other ranks pass ``None`` for them.
+  other ranks pass ``None`` for them;
+- whatever the op's own ``localize`` rule returns for the rank (random ops: the global
+  positions of their local elements and their random stream, with a note for explain).
 
 A rank takes part in an op when it holds one of its outputs, and in a communication when it
 holds its source or its target (both meshes move the data).
@@ -28,6 +30,7 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import LocalLayout
 from meshfuse.ir.placement import Partial, placements
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.registry import LocalContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,16 +40,19 @@ class Local:
     Attributes:
         attrs: local attributes, the implementation's keyword arguments.
         dropped: positions of arguments this rank leaves out (passes ``None`` for).
+        note: this rank's part, from the op's ``localize`` rule (for explain).
     """
 
     attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dropped: tuple[int, ...] = ()
+    note: str = ""
 
 
 def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
-             layouts: Mapping[TensorView, LocalLayout], rank: int) -> dict[Expr, Local]:
-    """Each expression ``rank`` runs (absent: it does not take part), with its local
-    attributes under the bound ``extents`` and local ``layouts``."""
+             layouts: Mapping[TensorView, LocalLayout], here: LocalContext) -> dict[Expr, Local]:
+    """Each expression the rank ``here`` describes runs (absent: it does not take part),
+    with its local attributes under the bound ``extents`` and local ``layouts``."""
+    rank = here.rank
     result = {}
     for expr in fusion.exprs:
         if not takes_part(expr, rank):
@@ -59,7 +65,11 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
             attrs["out_shapes"] = [layouts[o].shape for o in expr.tensor_outputs]
         if expr.op.needs_reduced_count:
             attrs["reduced_count"] = reduced_count(expr, extents)
-        result[expr] = Local(attrs, dropped_addends(expr, rank))
+        note = ""
+        if expr.op.localize is not None:
+            own, note = expr.op.localize(expr, here)
+            attrs.update(own)
+        result[expr] = Local(attrs, dropped_addends(expr, rank), note)
     return result
 
 

@@ -56,6 +56,7 @@ class Step:
         free: the slots whose last use it is (not fusion outputs).
         label: the IR expression it runs, printed (with its plan, for a reshard).
         plan: a reshard's plan steps on this rank (empty for an op).
+        note: this rank's part, from the op's ``localize`` rule (a random op's stream).
     """
 
     op: str
@@ -65,6 +66,7 @@ class Step:
     free: tuple[int, ...]
     label: str
     plan: tuple[Any, ...] = ()
+    note: str = ""  # this rank's part, from the op's localize rule (its random stream)
 
     def describe(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)
@@ -118,7 +120,8 @@ class Program:
 
     def describe(self) -> str:
         lines = [f"Program (rank {self.rank}): {len(self.steps)} steps"]
-        lines += [f"  {i}: {s.label}" for i, s in enumerate(self.steps)]
+        lines += [f"  {i}: {s.label}" + (f"  # {s.note}" if s.note else "")
+                  for i, s in enumerate(self.steps)]
         lines += [
             f"  output slot {o.slot}: shape {list(o.shape)} strides {list(o.strides)}"
             for o in self.outputs

@@ -65,8 +65,9 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
                               f"{format_expr(expr)}: {text}", plan))
             calls.append(call)
             continue
-        step = Step(expr.op.name, _args(expr, local[expr], slot), local[expr].attrs, outs, free,
-                    format_expr(expr))
+        mine = local[expr]
+        step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
+                    format_expr(expr), note=mine.note)
         steps.append(step)
         calls.append(dispatch(step))
     outputs = tuple(

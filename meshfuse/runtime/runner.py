@@ -23,8 +23,10 @@ import torch
 from meshfuse.errors import InputError
 from meshfuse.explain import explain
 from meshfuse.ir.fusion import Fusion, Reshard
+from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
@@ -33,6 +35,7 @@ from meshfuse.runtime.binding import (
     bind,
     check_input_values,
     check_strides,
+    device_coords,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
@@ -73,6 +76,8 @@ class FusionRunner:
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        if program is not None:
+            text = "\n".join([text, *_random_streams(program)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -137,7 +142,8 @@ class FusionRunner:
             if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
-        local = localize(fusion, binding.extents, binding.layouts, self.rank)
+        here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
+        local = localize(fusion, binding.extents, binding.layouts, here)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
@@ -175,6 +181,32 @@ class FusionRunner:
 
         text = "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
         return reshard, tuple(s.step for s in lowered), text
+
+
+def _random_streams(program: Program) -> list[str]:
+    """The explain lines naming the random stream of each step that draws (dropout, RNG)."""
+    notes = []
+    for step in program.steps:
+        if step.note:
+            outputs, _, call = step.label.partition(" = ")
+            notes.append(f"  {call.partition('(')[0]} -> {outputs}: {step.note}")
+    return [f"random streams on rank {program.rank}:", *notes] if notes else []
+
+
+def local_context(binding: Binding, rank: int, device) -> LocalContext:
+    """What ``localize`` rules see of this rank: global positions of its shards."""
+    def index(tv: TensorView) -> GlobalIndex:
+        return global_index(tv, binding.extents, device_coords(tv, rank))
+
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index)
+
+
+def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
+    """The device of the tensor inputs (all on one), else the communicator's, else the CPU."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return communicator.device if communicator is not None else torch.device("cpu")
 
 
 def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
