@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshfuse.ir.iter_domain import IterDomain, Merge, Split
-from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.ir.iter_domain import IterDomain, Merge, Split, format_id
 from meshfuse.ir.placement import placements
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 
@@ -26,15 +25,6 @@ class Numbering:
 
     def __call__(self, id_: IterDomain) -> int:
         return self._numbers.setdefault(id_, len(self._numbers))
-
-
-def format_id(
-    id_: IterDomain, parallel_type: ParallelType = ParallelType.Serial, number: int | None = None
-) -> str:
-    pt = "" if parallel_type is ParallelType.Serial else parallel_type.value
-    extent = "?" if id_.extent is None else id_.extent
-    n = "" if number is None else number
-    return f"{id_.iter_type.value}{pt}{n}{{{extent}}}"
 
 
 def _ids(tv: TensorView, ids, numbering: Numbering) -> str:

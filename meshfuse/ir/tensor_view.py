@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import ScheduleError
-from meshfuse.ir.iter_domain import IterDomain, Transform, merge_ids, split_ids
+from meshfuse.ir.iter_domain import IterDomain, Transform, format_id, merge_ids, split_ids
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 
@@ -98,8 +98,6 @@ class Axis:
         return self.id.is_broadcast
 
     def __repr__(self) -> str:
-        from meshfuse.ir.printer import format_id
-
         return format_id(self.id, self.parallel_type)
 
 
