@@ -33,8 +33,8 @@ from meshfuse.ops.attention_dropout import (
     SHARD,
     DropoutSite,
     attention_site,
-    cuda_stream,
     resolve_mode,
+    run_in_stream,
 )
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
@@ -148,8 +148,8 @@ def _dropout_fwd(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
         return attn, lse, torch.tensor(seed), torch.tensor(offset)
-    with cuda_stream(site.stream(seed, offset), q.device):
-        return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+    return run_in_stream(site.stream(seed, offset), q.device, attention_kernels.sdpa_forward,
+                         q, k, v, dropout_p, is_causal, scale, backend)
 
 
 _NO_RNG = torch.zeros((), dtype=torch.int64)
@@ -161,19 +161,35 @@ class _Forward:
     draws from this shard's stream (``site``)."""
 
     def __init__(self) -> None:
-        self.kernel = None
+        self.kernels = {}  # dropout or not -> the bound forward kernel (None: math)
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, site):
-        if float(dropout_p) > 0.0:
-            return _dropout_fwd(q, k, v, float(dropout_p), is_causal, scale, rng_seed,
-                                rng_offset, site)
-        if self.kernel is None:
-            _, self.kernel, _ = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
-            return _fwd(q, k, v, dropout_p, is_causal, scale)
-        attn, lse, seed, offset = self.kernel(q, k, v, dropout_p, is_causal,
-                                              None if scale is None else float(scale))
-        return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
+        p = float(dropout_p)
+        kernel = self.kernels.get(p > 0.0, False)
+        if kernel is False:  # first call: checked, and the kernel bound
+            self.kernels[p > 0.0] = _bound(0, q, k, v, p, is_causal, site)
+            return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
+        scale = None if scale is None else float(scale)
+        if p == 0.0:
+            attn, lse, seed, offset = kernel(q, k, v, p, is_causal, scale)
+            return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
+        if kernel is None:  # the math kernel: the mask dominates, no shortcut
+            return _dropout_fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site)
+        seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
+        return run_in_stream(site.stream(seed, offset), q.device, kernel, q, k, v, p,
+                             is_causal, scale)
+
+
+def _bound(which: int, q, k, v, dropout_p, is_causal, site):
+    """The raw forward (``which`` 0) or backward (1) kernel for these inputs, or None for
+    the math kernel with dropout (which needs its mask)."""
+    if dropout_p > 0.0:
+        backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
+        if backend is AttentionBackend.MATH:
+            return None
+        return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
+    return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)[1 + which]
 
 
 def _raw(expr, name: str):
@@ -316,24 +332,26 @@ def _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, see
 
 class _Backward:
     """``sdpfa_bwd`` in a program: the kernel of the forward (the same selection), picked on
-    the first call."""
+    the first call; a fused kernel replays the RNG state its forward returned."""
 
     def __init__(self) -> None:
-        self.kernel = None
+        self.kernels = {}  # dropout or not -> the bound backward kernel (None: math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, site):
-        if float(dropout_p) > 0.0:
-            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
-                                is_causal, seed, offset, scale, site)
-        if self.kernel is None:
-            _, _, self.kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
-            return _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
-                        offset, scale)
+        p = float(dropout_p)
+        kernel = self.kernels.get(p > 0.0, False)
+        if kernel is False:
+            self.kernels[p > 0.0] = _bound(1, q, k, v, p, is_causal, site)
+            return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
+                        site=site)
+        if kernel is None:
+            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed,
+                                offset, scale, site)
         if grad_attn.stride(-1) != 1:
             grad_attn = grad_attn.contiguous()
-        return self.kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
-                           offset, None if scale is None else float(scale))
+        return kernel(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset,
+                      None if scale is None else float(scale))
 
 
 register(OpDef(
