@@ -218,9 +218,10 @@ def execute_with_dtensors(fd, inputs: Sequence[Any], **options) -> list[DTensor 
             x = x.to_local()
         local.append(x)
     outputs = fd.execute(local, **options)
+    compiled = fd.compiled()
     device_type = next(iter(meshes.values())).device_type if meshes else None
-    return [_wrap(tv, out.local if hasattr(out, "local") else out, meshes, device_type, names)
-            for tv, out in zip(fd.fusion.outputs(), outputs)]
+    return [_wrap(compiled[tv], out.local if hasattr(out, "local") else out, meshes,
+                  device_type, names) for tv, out in zip(fd.fusion.outputs(), outputs)]
 
 
 def _common_dim_names(inputs: Sequence[Any]) -> tuple[str, ...] | None:
@@ -242,9 +243,11 @@ def _reduce_partials(x: DTensor) -> DTensor:
 
 def _bind_schedule(fd, tv: TensorView, x: DTensor) -> None:
     mesh = mesh_from_torch(x.device_mesh)
-    if not tv.is_scheduled and not tv.fusion.propagated:
+    if not tv.is_scheduled and not fd.built:
         schedule_from_placements(tv, mesh, x.placements)
         return
+    if fd.built:
+        tv = fd.compiled()[tv]  # as compiled: propagation may have scheduled it
     if tv.mesh == mesh and to_placements(tv) == tuple(x.placements):
         return
     have = "no schedule" if tv.mesh is None else f"{list(to_placements(tv))} on {tv.mesh!r}"

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from meshfuse.errors import ScheduleError, ShardingError
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
@@ -217,9 +218,7 @@ class DeviceMesh:
         if isinstance(parallel_type, int) and not isinstance(parallel_type, bool):
             parallel_type, rank = ParallelType.mesh_x, parallel_type
         if rank is None:
-            from meshfuse.runtime.communicator import current_rank
-
-            rank = current_rank()
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if rank not in self:
             raise ShardingError(
                 f"cannot shard for device {rank}: it is not in {self!r}; pass a rank of the mesh"

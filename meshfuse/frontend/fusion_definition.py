@@ -34,6 +34,7 @@ from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.multidevice import Sharding
+from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionDefinition:
@@ -243,17 +244,30 @@ class FusionDefinition:
             return execute_with_dtensors(self, inputs, **options)
         runner = self._get_runner()
         if self._shardings is None:
-            self._shardings = [Sharding(tv) for tv in self.fusion.outputs()]
+            compiled = runner.compiled
+            self._shardings = [Sharding(compiled[tv]) for tv in self.fusion.outputs()]
         return as_distributed(runner.execute(inputs, **options), self._shardings)
+
+    @property
+    def built(self) -> bool:
+        """Whether the fusion was compiled (by ``execute``, ``explain`` or ``compiled``):
+        from then on its schedule is fixed."""
+        return self._runner is not None
 
     def _get_runner(self):
         if self._runner is None:
-            from meshfuse.runtime.runner import FusionRunner
-
             self.define()
             inherit_meshes(self.fusion)
             self._runner = FusionRunner(self.fusion)
         return self._runner
+
+    def compiled(self):
+        """The fusion as compiled for this process's world (built on first use, as
+        ``execute`` does): a :class:`~meshfuse.passes.pipeline.CompiledFusion`, whose
+        ``[tv]`` gives the compiled counterpart of a tensor of this definition (its
+        propagated sharding, the communications around it). The definition itself is never
+        changed by compiling."""
+        return self._get_runner().compiled
 
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
                              remat: str = "recompute") -> FusionFunction:

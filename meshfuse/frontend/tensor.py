@@ -32,8 +32,8 @@ class UserTensorView(TensorView):
         loop axes ``axes`` (see the module doc); this tensor becomes its copy.
 
         Raises:
-            ScheduleError: if this tensor is not defined by an op, an axis is not a
-                reduction loop axis, or the fusion already ran.
+            ScheduleError: if this tensor is not defined by an op or an axis is not a
+                reduction loop axis.
         """
         return rfactor(self, [axes] if isinstance(axes, int) else list(axes))
 
@@ -41,10 +41,10 @@ class UserTensorView(TensorView):
 def rfactor(tv: TensorView, axes: list[int]) -> TensorView:
     """See :meth:`UserTensorView.rfactor`."""
     expr = tv.definition
-    if expr is None or tv.fusion.propagated:
+    if expr is None:
         raise ScheduleError(
-            f"rfactor of {tv.name}: it must be the output of an op of a fusion that has not run "
-            "yet; call rfactor while scheduling"
+            f"rfactor of {tv.name}: it is an input of the fusion; rfactor splits the op that "
+            "defines a tensor"
         )
     for axis in axes:
         if not tv.axis(axis).is_reduction():
