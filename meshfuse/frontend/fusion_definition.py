@@ -29,7 +29,7 @@ from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import as_distributed
 from meshfuse.frontend.schedule import Schedule
-from meshfuse.frontend.tensor import UserTensorView, inherit_meshes
+from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
@@ -257,7 +257,6 @@ class FusionDefinition:
     def _get_runner(self):
         if self._runner is None:
             self.define()
-            inherit_meshes(self.fusion)
             self._runner = FusionRunner(self.fusion)
         return self._runner
 

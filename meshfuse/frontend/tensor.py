@@ -10,6 +10,10 @@ allreduce (or reduce-scatter) that nvFuser's decomposition makes explicit::
     out.outer_split(-1, d)                 # out: [i{M}, i{N}, r{d}, r{K/d}]
     local = out.rfactor(axes=[-1])         # local: the same domain, defined by the matmul
     local.axis(-2).parallelize(ParallelType.mesh_x)   # local partial over d; out = set(local)
+
+``out`` loses its reduction axes and its splits (they described the decomposition): its
+loop domain is its logical one again, unscheduled (propagation gives it ``local``'s mesh;
+schedule it after ``rfactor`` to reduce-scatter instead).
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ def rfactor(tv: TensorView, axes: list[int]) -> TensorView:
                 f"rfactor of {tv.name}: loop axis {axis} ({tv.axis(axis)!r}) is not a reduction "
                 "axis; name reduction axes of its loop domain"
             )
+    if any(pt.is_device for pt in tv.parallel.values()):
+        raise ScheduleError(
+            f"rfactor of {tv.name}: it has an axis parallelized on the mesh; rfactor first, "
+            "then schedule the copy (its loop domain is its logical one again)"
+        )
     ids = {i: i.like() for i in tv.logical}
     local = UserTensorView(tv.fusion, [ids[i] for i in tv.logical], tv.dtype)
     local.transforms = [_replay(t, ids) for t in tv.transforms]
@@ -62,8 +71,12 @@ def rfactor(tv: TensorView, axes: list[int]) -> TensorView:
     expr.outputs = tuple(local if o is tv else o for o in expr.outputs)
     expr.id_map = {ids.get(k, k): v for k, v in expr.id_map.items()}
     local.definition = expr
-    copy = Expr(lookup("set"), (local,), (tv,), {},
-                {i: (ids[i],) for i in tv.logical})
+    # tv becomes the reduced copy: its reduction IDs are local's now, and its splits only
+    # described the decomposition (nvFuser's out = [M, N, r{d}]); left unscheduled, it gets
+    # its mesh from local, and the copy of a partial local is its reduction.
+    tv.logical = tv.materialized()
+    tv.transforms, tv.loop, tv.parallel = [], list(tv.logical), {}
+    copy = Expr(lookup("set"), (local,), (tv,), {}, {i: (ids[i],) for i in tv.logical})
     tv.fusion.add_expr(copy, position=tv.fusion.exprs.index(expr) + 1)
     return local
 
@@ -78,16 +91,3 @@ def _replay(t, ids: dict[IterDomain, IterDomain]):
     ids[t.out] = new.out
     return new
 
-
-def inherit_meshes(fusion) -> None:
-    """Gives a tensor that was split but given no mesh (nvFuser's rfactor'd ``out``, whose
-    schedule only splits) the mesh of the first input of its definition that has one, as
-    nvFuser's propagation does; a tensor with a device-parallel axis must name its mesh."""
-    for expr in fusion.exprs:
-        for out in expr.tensor_outputs:
-            if out.mesh is not None or not out.transforms or \
-                    any(pt.is_device for pt in out.parallel.values()):
-                continue
-            mesh = next((t.mesh for t in expr.tensor_inputs if t.mesh is not None), None)
-            if mesh is not None:
-                out.mesh = mesh
