@@ -5,15 +5,17 @@
 #
 #   scripts/nvfuser_tests.sh FUSER_TESTS OUT [pytest args...]
 #
-# FUSER_TESTS: nvFuser's tests/python folder (its multidevice/ subfolder is used);
-# OUT: a folder for the log and the benchmark JSON. Run from the meshfuse repository root.
+# FUSER_TESTS: nvFuser's tests/python folder (its multidevice/ subfolder is copied);
+# OUT: a folder for the log. Run from the meshfuse repository root. The pytest arguments
+# name the tests (paths under the scratch folder, e.g. multidevice/test_transformer.py;
+# default: all of multidevice/).
 # On GPUs (one process per GPU, NCCL) the tests run as written; with MESHFUSE_NVFUSER_CPU=1
 # they run on CPU ranks (gloo): CUDA calls become no-ops and "cuda" devices become "cpu".
 # World sizes: --world-sizes (default 1,2,4; sizes above the GPU count are skipped).
 #
 # Example (GPT-3 layer of test_transformer.py at full size on 2 GPUs):
 #   PYTHONPATH=. scripts/nvfuser_tests.sh ~/Fuser/tests/python results/nvfuser \
-#       multidevice/test_transformer.py --world-sizes 2 -k transformer
+#       multidevice/test_transformer.py --world-sizes 2 -v
 set -euo pipefail
 src=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 repo=$(pwd)
@@ -38,5 +40,5 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 plugin=(-p meshfuse.testing.plugin)
 python -c "import importlib.metadata as m, sys; sys.exit(not any(
   e.value == 'meshfuse.testing.plugin' for e in m.entry_points(group='pytest11')))" && plugin=()
-python -m pytest "${plugin[@]}" -p no:cacheprovider multidevice "$@" 2>&1 \
-  | tee "$out/nvfuser_tests.log"
+[ $# -gt 0 ] || set -- multidevice
+python -m pytest "${plugin[@]}" -p no:cacheprovider "$@" 2>&1 | tee "$out/nvfuser_tests.log"
