@@ -109,8 +109,10 @@ def to_placements(tv: TensorView) -> tuple[dt.Placement, ...]:
 
 
 def _reduce_op(tv: TensorView) -> str:
-    expr = tv.definition
-    return (expr.op.partial_reduce or "sum") if expr is not None else "sum"
+    """How ``tv``'s partial values combine: its op's reduction (a communication or an input
+    has none: a sum)."""
+    op = getattr(tv.definition, "op", None)
+    return getattr(op, "partial_reduce", None) or "sum"
 
 
 def schedule_from_placements(tv: TensorView, mesh: DeviceMesh | TorchDeviceMesh,
