@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, attention_dropout, collectives, gpt3, mlp, overhead
+from benchmarks.cases import (
+    attention,
+    attention_dropout,
+    autodiff,
+    collectives,
+    gpt3,
+    mlp,
+    overhead,
+)
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
@@ -17,6 +25,8 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "attention_dropout": attention_dropout.run,
     "overhead": overhead.run,
     "mlp": mlp.run,
+    "mlp_autodiff": autodiff.mlp_run,
+    "gpt_layer": autodiff.gpt_run,
     "collectives": collectives.run,
     "gpt3_layer": gpt3.run,
 }
@@ -29,6 +39,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
+    # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
+    "autodiff": ("mlp_autodiff", "gpt_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
     "issue19": ("gpt3_layer",),
 }
