@@ -37,7 +37,8 @@ from meshfuse.runtime.binding import (
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.executor import OutputLayout, Program, Step
 from meshfuse.runtime.graphs import GraphedProgram
-from meshfuse.runtime.resharding import lower_step, plan_resharding
+from meshfuse.runtime.reshard_lowering import lower_step
+from meshfuse.runtime.resharding import plan_resharding
 
 
 class FusionRunner:
