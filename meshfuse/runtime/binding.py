@@ -185,7 +185,7 @@ def _check_local_extents(tv: TensorView, x: torch.Tensor, extents: Mapping[IterD
         if x.shape[axis] == want:
             continue
         factor = shard_factor(tv, id_)
-        split = f" split over {factor} devices" if factor > 1 else ""
+        split = f" split into {factor} shards" if factor > 1 else ""
         raise InputError(
             f"input {tv.name} axis {axis} has local extent {x.shape[axis]}, but the definition "
             f"says {extents[id_]} (the global extent){split}, which gives rank {rank} a shard "
