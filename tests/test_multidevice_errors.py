@@ -16,7 +16,6 @@ from meshfuse import (
     InputError,
     ParallelType,
     ScheduleError,
-    ShardingError,
 )
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
