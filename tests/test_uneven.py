@@ -47,9 +47,9 @@ def test_seed_attention_with_heads_the_world_size_does_not_divide(multidevice_te
 
 def test_seed_attention_12_heads_at_5_ranks():
     """The issue's case: 12 heads over 5 CPU ranks (3, 3, 3, 3, 0), each rank checking its
-    shards against the unsharded reference (``python -m meshfuse.examples.seed_sdpa``)."""
-    codes = spawn(5, ["-m", "meshfuse.examples.seed_sdpa", "--heads", "12", "--check"],
-                  timeout_s=300)
+    shards against the unsharded reference (``python -m meshfuse.demo --nproc 5``, small)."""
+    codes = spawn(5, ["-m", "meshfuse.demo", "--heads", "12", "--batch", "1", "--seq", "16",
+                      "--embed", "96"], timeout_s=300)
     assert codes == [0] * 5, codes
 
 
