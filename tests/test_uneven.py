@@ -1,13 +1,15 @@
 """Uneven shards: extents the mesh does not divide, sharded as DTensor's ``Shard`` (blocks of
 ``ceil(n / d)``, shorter or empty at the end), through whole programs, against the unsharded
 reference: the seed attention with heads the world size does not divide (6 heads at 4 ranks
-here; 12 heads at 5 ranks in ``test_seed_attention_12_heads_at_5_ranks``, its own 5 CPU
-processes), Megatron MLPs whose ffn size (and token count) the world size does not divide.
+here; 12 heads at 5 ranks with ``--world-sizes 5``, or in
+``test_seed_attention_12_heads_at_5_ranks``, its own 5 CPU processes, opt-in with
+``MESHFUSE_LONG_TESTS=1`` as 5 more processes cost the suite ~15 CPU seconds), Megatron MLPs
+whose ffn size (and token count) the world size does not divide.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 
 import pytest
 import torch
@@ -31,9 +33,11 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 @pytest.mark.mpi
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
 def test_seed_attention_with_heads_the_world_size_does_not_divide(multidevice_test, qkv_format):
-    """6 heads: at 4 ranks the shards hold 2, 2, 2 and 0 heads."""
+    """12 heads where the world size does not divide 12 (5 ranks: 3, 3, 3, 3, 0), else 6
+    (4 ranks: 2, 2, 2, 0)."""
     d, rank = multidevice_test.size, multidevice_test.rank
-    b, h, s, e = 1, 6, 16, 6 * 4
+    h = 12 if 12 % d else 6
+    b, s, e = 1, 16, h * 4
     model = SeedAttention(qkv_format, mesh_1d(multidevice_test), b, h, s, e,
                           dtype=DataType.Float)
     q, k, v, out_grad = random_inputs(b, h, s, e, dtype=torch.float32, device=current_device())
@@ -45,6 +49,9 @@ def test_seed_attention_with_heads_the_world_size_does_not_divide(multidevice_te
         torch.testing.assert_close(out, shard_tensor(ref, tv, rank), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not os.environ.get("MESHFUSE_LONG_TESTS"),
+                    reason="5 more CPU processes; set MESHFUSE_LONG_TESTS=1 (or run the multi-"
+                    "device tests of this module with --world-sizes 5)")
 def test_seed_attention_12_heads_at_5_ranks():
     """The issue's case: 12 heads over 5 CPU ranks (3, 3, 3, 3, 0), each rank checking its
     shards against the unsharded reference (``python -m meshfuse.demo --nproc 5``, small)."""
@@ -103,5 +110,20 @@ def test_megatron_mlp_with_an_ffn_size_the_world_size_does_not_divide(multidevic
         assert kinds == (["allgather", "reduce_scatter"] if sequence else ["allreduce"]), comms
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean"])
+def test_reduction_over_an_axis_with_empty_shards(multidevice_test, op):
+    """6 columns over 4 ranks (2, 2, 2, 0): the rank holding none contributes the
+    reduction's identity to the partial result."""
+    rank = multidevice_test.rank
+    g = _randn(3, 6, seed=7)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 6])
+        y = getattr(fd.ops, op)(x, dims=[1])
+        fd.add_output(y)
+    shard(x, 1, mesh_1d(multidevice_test))
+    y_ref = getattr(torch, {"max": "amax", "min": "amin"}.get(op, op))(g, dim=1)
+    out, = fd.execute([shard_tensor(g, x, rank)])
+    torch.testing.assert_close(out, y_ref)
