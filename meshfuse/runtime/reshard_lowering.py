@@ -15,7 +15,7 @@ is first read, so the computation in between overlaps the communication.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -243,7 +243,3 @@ def _select(x: torch.Tensor, positions: dict[int, torch.Tensor]) -> torch.Tensor
 def _then(x: torch.Tensor | Pending, fn) -> torch.Tensor | Pending:
     """``fn(x)``, or for a pending ``x`` ``fn`` of its result when it arrives."""
     return x.then(fn) if isinstance(x, Pending) else fn(x)
-
-
-def describe(steps: Sequence[ReshardStep]) -> str:
-    return "; ".join(map(str, steps))

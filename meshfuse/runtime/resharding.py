@@ -144,11 +144,18 @@ class ReshardStep:
             return f"{self.kind} from rank {self.mesh.device_ids[0]} to {self.mesh!r}"
         what = {
             "allreduce": f"allreduce({self.reduce_op})",
-            "reduce_scatter": f"reduce_scatter({self.reduce_op}) into axis {self.axis}",
-            "all_to_all": f"all_to_all axis {self.to_axis} -> {self.axis}",
+            "reduce_scatter": f"reduce_scatter({self.reduce_op}) of axis {self.axis}",
+            "all_to_all": f"all_to_all axis {self.axis} -> {self.to_axis}",
             "to_partial": f"to_partial({self.reduce_op})",
         }.get(self.kind, f"{self.kind} of axis {self.axis}")
-        return f"{what} over mesh axis {self.mesh_axis}: {self.before} -> {self.after}"
+        return f"{what} over mesh axis {self.mesh_axis}"
+
+    def describe(self) -> str:
+        """``str(self)`` and the placements before and after, e.g. ``all_to_all axis 1 ->
+        0 over mesh axis 0: [S(1)c, S(0)] -> [S(0), S(0)]``."""
+        if self.kind in ("broadcast", "send_recv"):
+            return str(self)
+        return f"{self}: {self.before} -> {self.after}"
 
 
 def partial_reduce_op(tv: TensorView) -> str:

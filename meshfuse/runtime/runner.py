@@ -191,7 +191,8 @@ class FusionRunner:
             resolved(x)  # a rank that only sends ends its part here
             return None
 
-        return reshard, "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
+        return reshard, "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})"
+                                  for s in lowered)
 
 
 def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None,
