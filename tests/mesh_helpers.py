@@ -29,7 +29,7 @@ def shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX, inner: bool = 
     tv.parallelize(pos + 1 if inner else pos, pt)
 
 
-TYPES = {1: (MX,), 2: (MY, MX)}
+TYPES = {1: (MX,), 2: (MY, MX), 3: (ParallelType.mesh_z, MY, MX)}
 
 
 def schedule_placements(tv, mesh: DeviceMesh, sharding: tuple, offset: int = 0) -> None:

@@ -137,6 +137,15 @@ def test_shardings_on_a_2x2_mesh(multidevice_test, shape):
         _check(multidevice_test, shape, mesh, src, mesh, dst)
 
 
+def test_shardings_on_a_3d_mesh(multidevice_test):
+    """A [2, 1, 2] mesh (mesh_z, mesh_y, mesh_x): the axis of one device never communicates."""
+    if multidevice_test.size != 4:
+        pytest.skip("a [2, 1, 2] mesh needs 4 ranks")
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 1, 2))
+    for src, dst in _pairs(3, 3, 20, seed=3):
+        _check(multidevice_test, (4, 3, 5), mesh, src, mesh, dst)
+
+
 @pytest.mark.parametrize("meshes", ["1d_to_2x2", "2x2_to_transposed", "2x2_to_1d",
                                     "half_to_2x2"])
 def test_between_meshes(multidevice_test, meshes):

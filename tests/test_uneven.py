@@ -127,3 +127,19 @@ def test_reduction_over_an_axis_with_empty_shards(multidevice_test, op):
     y_ref = getattr(torch, {"max": "amax", "min": "amin"}.get(op, op))(g, dim=1)
     out, = fd.execute([shard_tensor(g, x, rank)])
     torch.testing.assert_close(out, y_ref)
+
+
+@pytest.mark.mpi
+def test_reshape_merging_an_unevenly_sharded_axis(multidevice_test):
+    """[6, 2] -> [12] with axis 0 block-sharded over the ranks: at 4 ranks the rows go 2, 2,
+    2, 0 but the merged axis would go 3, 3, 3, 3, so the shard does not carry through the
+    reshape; the rows are gathered instead (not refused, not wrong)."""
+    rank = multidevice_test.rank
+    g = _randn(6, 2, seed=8)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 2])
+        y = fd.ops.exp(fd.ops.reshape(x, [12]))
+        fd.add_output(y)
+    shard(x, 0, mesh_1d(multidevice_test))
+    out, = fd.execute([shard_tensor(g, x, rank)])
+    torch.testing.assert_close(out, shard_tensor(g.reshape(12).exp(), y, rank))
