@@ -124,8 +124,8 @@ def bind(
         except DefinitionError as e:
             raise InputError(f"{format_expr(expr)} with the given input sizes: {e}") from None
         if expr.op.name == "set":
-            # Resharding copies keep every logical ID, reduction IDs of partials included.
-            # (A user's set of a partial tensor has its materialized IDs only.)
+            # Resharding copies keep every logical ID, reduction IDs of partials included; a
+            # set written with fd.ops.set has the materialized ones.
             dst, src = expr.outputs[0], expr.args[0]
             pairs = zip(dst.logical, src.logical) if len(dst.logical) == len(src.logical) \
                 else zip(dst.materialized(), src.materialized())
