@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from meshfuse.ir.fusion import partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import split_indices
 from meshfuse.ir.placement import Partial, Placement, Replicate, Shard, placements
@@ -156,14 +157,6 @@ class ReshardStep:
         if self.kind in ("broadcast", "send_recv"):
             return str(self)
         return f"{self}: {self.before} -> {self.after}"
-
-
-def partial_reduce_op(tv: TensorView) -> str:
-    """How partial values of ``tv`` combine: the ``partial_reduce`` of the op that made them."""
-    expr = tv.definition
-    while expr is not None and expr.op.name == "set":
-        expr = expr.args[0].definition
-    return "sum" if expr is None else expr.op.partial_reduce or "sum"
 
 
 def plan_resharding(
