@@ -126,8 +126,8 @@ def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
 
 def _whole_site(mode, q, k) -> DropoutSite:
     """The site of an attention run outside a program: the whole (unsharded) tensors."""
-    index = GlobalIndex.whole(tuple(q.shape[:3]))
-    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[2])
+    index = GlobalIndex.whole(tuple(q.shape))
+    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[-2])
 
 
 def _dropout_backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBackend:
@@ -250,11 +250,11 @@ def _seed_arg(expr, name: str):
 
 
 def _localize(expr, here):
-    """This rank's dropout site: its shard's position in the global ``[B, H, S, Skv]``."""
+    """This rank's dropout site: its shard's position in the global ``[..., B, H, S, Skv]``."""
     backward = expr.op.name == "sdpfa_bwd"
     mode = _bwd_mode(expr) if backward else resolve_mode("sdpfa_fwd", _arg(expr, "dropout_mode"))
     k = expr.args[2 if backward else 1]
-    kv_length = here.index(k).extents[2]
+    kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
     p = _arg(expr, "dropout_p")
     if p == 0.0:

@@ -59,9 +59,16 @@ class DropoutSite:
     index: GlobalIndex
 
     @property
-    def position(self) -> tuple[int, int, int]:
-        """The shard's first global batch, head and query index."""
-        return self.index.starts[:3]
+    def position(self) -> tuple[int, ...]:
+        """The shard's first global index on every axis but the keys (batch, head, query,
+        and any leading axes before them)."""
+        return self.index.starts[:-1]
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """``b, h, s, k``, after ``l0, l1, ...`` for leading axes."""
+        leading = len(self.index.extents) - 4
+        return tuple(f"l{a}" for a in range(leading)) + ("b", "h", "s", "k")
 
     def stream(self, seed: int, offset: int) -> int:
         """The key of the stream this rank draws from for ``seed`` and ``offset``."""
@@ -88,18 +95,18 @@ class DropoutSite:
             if isinstance(seed, int) and isinstance(offset, int):
                 source += f" (stream key {self.stream(seed, offset):#018x})"
         if self.mode == GLOBAL:
-            return (f"dropout mask at global {self.index.describe('bhsk')} from "
+            return (f"dropout mask at global {self.index.describe(self.axis_names)} from "
                     f"uniform(seed, offset); {source}")
-        b, h, s = self.position
-        return (f"dropout stream of this shard: hash(seed, offset, b={b}, h={h}, s={s}); "
-                f"{source}")
+        where = ", ".join(f"{n}={i}" for n, i in zip(self.axis_names, self.position))
+        return f"dropout stream of this shard: hash(seed, offset, {where}); {source}"
 
 
 def attention_site(mode: str, out: GlobalIndex, kv_length: int) -> DropoutSite:
     """The site of an attention whose output (or query gradient) has index ``out``
-    (``[B, H, S, ...]``) and whose keys number ``kv_length`` (always held whole)."""
-    return DropoutSite(mode, GlobalIndex(out.extents[:3] + (kv_length,),
-                                         out.indices[:3] + (None,)))
+    (``[..., B, H, S, E]``) and whose keys number ``kv_length`` (always held whole): the mask
+    is ``[..., B, H, S, Skv]``."""
+    return DropoutSite(mode, GlobalIndex(out.extents[:-1] + (kv_length,),
+                                         out.indices[:-1] + (None,)))
 
 
 def run_in_stream(key: int, device: torch.device, kernel, *args):
