@@ -148,10 +148,19 @@ _ZEROS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The state of an attention without dropout: zeros, shared (never written)."""
-    if device not in _ZEROS:
-        _ZEROS[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
-                          torch.zeros((), dtype=torch.uint64, device=device))
-    return _ZEROS[device]
+    zeros = _ZEROS.get(device)
+    if zeros is None:
+        zeros = (torch.zeros(2, dtype=torch.uint64, device=device),
+                 torch.zeros((), dtype=torch.uint64, device=device))
+        _keep(_ZEROS, device, device, zeros)
+    return zeros
+
+
+def _keep(cache: dict, key, device: torch.device, value) -> None:
+    """Caches ``value`` unless it was made inside a CUDA graph capture (its zeros are only
+    written when the graph replays)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        cache[key] = value
 
 
 def rng_state(seed: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,16 +199,17 @@ _KERNEL_ZEROS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _kernel_zeros(backend: AttentionBackend, device: torch.device):
     key = (backend, device)
-    if key not in _KERNEL_ZEROS:
+    zeros = _KERNEL_ZEROS.get(key)
+    if zeros is None:
         if backend is AttentionBackend.FLASH:
-            _KERNEL_ZEROS[key] = no_rng_state(device)
+            zeros = no_rng_state(device)
         elif backend is AttentionBackend.CUDNN:  # its backward wants them on the GPU
-            _KERNEL_ZEROS[key] = (torch.zeros(1, dtype=torch.int64, device=device),
-                                  torch.zeros(1, dtype=torch.int64, device=device))
+            zeros = (torch.zeros(1, dtype=torch.int64, device=device),
+                     torch.zeros(1, dtype=torch.int64, device=device))
         else:
-            _KERNEL_ZEROS[key] = (torch.zeros((), dtype=torch.int64),
-                                  torch.zeros((), dtype=torch.int64))
-    return _KERNEL_ZEROS[key]
+            zeros = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+        _keep(_KERNEL_ZEROS, key, device, zeros)
+    return zeros
 
 
 def seed_and_offset(seed: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]:
