@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.global_index import GlobalIndex
