@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, attention_dropout, collectives, mlp, overhead
+from benchmarks.cases import attention, attention_dropout, collectives, fusion, mlp, overhead
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
@@ -18,6 +18,7 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "overhead": overhead.run,
     "mlp": mlp.run,
     "collectives": collectives.run,
+    "fusion": fusion.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -28,6 +29,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
+    # issue 13: fused segments against torch eager, torch.compile and the memory floor
+    "issue13": ("fusion", "attention_seed", "overhead", "mlp"),
 }
 
 
