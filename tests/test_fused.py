@@ -36,8 +36,8 @@ class _LinearThenSoftmax(FusionDefinition):
         self.mesh = mesh
 
     def definition(self) -> None:
-        self.x = self.define_tensor([6, 10], dtype=DataType.Float)
-        self.w = self.define_tensor([5, 10], dtype=DataType.Float)
+        self.x = self.define_tensor([6, 12], dtype=DataType.Float)
+        self.w = self.define_tensor([5, 12], dtype=DataType.Float)
         x = self.ops.mul(self.ops.exp(self.x), 0.5)  # a segment before the matmul
         y = self.ops.mul(self.ops.linear(x, self.w), 0.5)
         m = self.ops.broadcast_in_dim(self.ops.max(y, [1]), [6, 5], [0])
@@ -59,7 +59,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(6, 10, generator=gen), torch.randn(5, 10, generator=gen)
+    return torch.randn(6, 12, generator=gen), torch.randn(5, 12, generator=gen)
 
 
 def test_runs_of_fusible_steps_become_segments_and_match_the_interpreter():

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, attention_dropout, collectives, fusion, mlp, overhead
+from benchmarks.cases import (
+    attention,
+    attention_dropout,
+    autodiff,
+    collectives,
+    fusion,
+    mlp,
+    overhead,
+)
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
@@ -17,6 +25,8 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "attention_dropout": attention_dropout.run,
     "overhead": overhead.run,
     "mlp": mlp.run,
+    "mlp_autodiff": autodiff.mlp_run,
+    "gpt_layer": autodiff.gpt_run,
     "collectives": collectives.run,
     "fusion": fusion.run,
 }
@@ -31,6 +41,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "issue2": ("attention_seed", "overhead"),
     # issue 13: fused segments against torch eager, torch.compile and the memory floor
     "issue13": ("fusion", "attention_seed", "overhead", "mlp"),
+    # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
+    "autodiff": ("mlp_autodiff", "gpt_layer"),
 }
 
 
