@@ -25,7 +25,7 @@ from meshfuse.explain import explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
-from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
@@ -36,6 +36,7 @@ from meshfuse.runtime.binding import (
     check_input_values,
     check_strides,
     device_coords,
+    global_shape,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
@@ -44,7 +45,8 @@ from meshfuse.runtime.executor import Program
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.resharding import lower_step, plan_resharding
+from meshfuse.runtime.reshard_lowering import lower_step
+from meshfuse.runtime.resharding import plan_resharding
 
 
 class FusionRunner:
@@ -93,7 +95,7 @@ class FusionRunner:
         if check_ranks is None:
             check_ranks = self.check_ranks
         if check_ranks and self.communicator is not None:
-            self._check_across_ranks(key)
+            self._check_across_ranks(inputs)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs))
@@ -129,12 +131,14 @@ class FusionRunner:
                          f"steps; {stats.describe()}")
         return lines
 
-    def _check_across_ranks(self, key: tuple) -> None:
-        """Every rank's inputs agree in kind, dtype and local shape (an input a rank does not
-        hold, being outside its mesh, is left out); else InputError on every rank."""
+    def _check_across_ranks(self, inputs: Sequence[Any]) -> None:
+        """Every rank's inputs agree in kind, dtype and global shape (uneven shards differ in
+        local shape; an input a rank does not hold, being outside its mesh, is left out);
+        else InputError on every rank."""
         held = [not isinstance(v, TensorView) or held_here(v, self.rank)
                 for v in self.fusion.inputs()]
-        mine = tuple(k if h else None for k, h in zip(_comparable(key), held))
+        mine = tuple(_comparable(v, x) if h else None
+                     for v, x, h in zip(self.fusion.inputs(), inputs, held))
         keys = self.communicator.allgather_object(mine)
         counts = {len(k) for k in keys}
         if len(counts) > 1:
@@ -154,8 +158,8 @@ class FusionRunner:
                     what = f"{len(b[1])} axes (rank {r0} has {len(a[1])})"
                 else:
                     axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
-                    what = (f"local extent {b[1][axis]} on axis {axis} (rank {r0} has "
-                            f"{a[1][axis]})")
+                    what = (f"a shard of global extent {b[1][axis]} on axis {axis} (rank "
+                            f"{r0}'s is of {a[1][axis]})")
             raise InputError(
                 f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
                 "its shard of the same global tensors"
@@ -206,7 +210,7 @@ class FusionRunner:
             resolved(x)  # a rank that only sends ends its part here
             return None
 
-        text = "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
+        text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
         return reshard, tuple(s.step for s in lowered), text
 
 
@@ -271,7 +275,14 @@ def _signature(inputs: list) -> tuple:
     )
 
 
-def _comparable(key: tuple) -> tuple:
-    return tuple(
-        (str(k[0]), k[1]) if isinstance(k, tuple) else k.__name__ for k in key
-    )
+def _comparable(v: Val, x: Any) -> tuple | str:
+    """What ranks must agree on about input ``x`` of ``v``: a tensor's dtype and global
+    shape (as this rank's shard implies it), else the kind of value."""
+    if isinstance(x, torch.Tensor) and isinstance(v, TensorView) and x.ndim == v.ndim:
+        try:
+            return (str(x.dtype), global_shape(v, x))
+        except InputError:  # reported with this rank's own check
+            pass
+    if isinstance(x, torch.Tensor):
+        return (str(x.dtype), tuple(x.shape))
+    return type(x).__name__
