@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.frontend.composites import COMPOSITES
 from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
@@ -40,6 +41,9 @@ class Ops:
         self._fusion = fusion
 
     def __getattr__(self, name: str):
+        if name in COMPOSITES:  # written with the ops below (meshfuse.frontend.composites)
+            composite = COMPOSITES[name]
+            return lambda *args, **kwargs: composite(self, *args, **kwargs)
         op = registry.lookup(name)
 
         def call(*args, **kwargs):
@@ -50,7 +54,7 @@ class Ops:
         return call
 
     def __dir__(self):
-        return sorted([*registry.REGISTRY, "shape", "size"])
+        return sorted([*registry.REGISTRY, *COMPOSITES, "shape", "size"])
 
     def size(self, tv: TensorView, dim: int) -> int | SymbolicSize:
         """The global extent of axis ``dim`` of ``tv``: an int when static, else a

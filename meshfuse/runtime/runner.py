@@ -42,6 +42,7 @@ from meshfuse.runtime.binding import (
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
+from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.reshard_lowering import lower_step
@@ -62,7 +63,9 @@ class FusionRunner:
         self.allocations = self.compiled.allocations
         self.world_size = world
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
+        self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
+        self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
@@ -79,14 +82,15 @@ class FusionRunner:
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         if program is not None:
-            text = "\n".join([text, *_random_streams(program)])
+            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
         return "\n".join(parts + ([program.describe()] if program is not None else []))
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False) -> list[torch.Tensor]:
+                cuda_graph: bool = False, compile: bool | str | None = None
+                ) -> list[torch.Tensor]:
         key = _signature(inputs)
         if check_ranks is None:
             check_ranks = self.check_ranks
@@ -95,14 +99,37 @@ class FusionRunner:
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs))
+        backend = self.compile if compile is None else compile_setting(compile)
+        if backend is not None:
+            fused = self._fused.get((key, backend))
+            if fused is None:
+                fused = self._fused[key, backend] = self._fuse(program, backend)
+            program = fused[0]
         if not cuda_graph:
             return program.run(inputs)
-        graph_key = (key, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
+        graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
         if graphed is None:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
+
+    @staticmethod
+    def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
+        stats = CompileStats()
+        return fuse_program(program, backend, stats), stats
+
+    def _fusion_lines(self, key: tuple) -> list[str]:
+        """explain's lines on fused segments (once ``execute`` compiled them for ``key``): how
+        many, and their first-call compile time."""
+        lines = []
+        for (k, backend), (program, stats) in self._fused.items():
+            if k != key:
+                continue
+            segments = [s for s in program.steps if s.op == FUSED]
+            lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
+                         f"steps; {stats.describe()}")
+        return lines
 
     def _check_across_ranks(self, inputs: Sequence[Any]) -> None:
         """Every rank's inputs agree in kind, dtype and global shape (uneven shards differ in
@@ -224,6 +251,20 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
             )
     if not torch.cuda.is_available():
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
+
+
+def compile_setting(value: bool | str | None) -> str | None:
+    """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
+    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1", else the
+    backend it names ("aot_eager" runs the same lowering without generating kernels)."""
+    if value in (None, False, "0", "", "false", "False"):
+        return None
+    if value in (True, "1", "true", "True"):
+        return "inductor"
+    if isinstance(value, str):
+        return value
+    raise InputError(f"execute(compile={value!r}): pass True, False or a torch.compile "
+                     "backend name such as 'inductor'")
 
 
 def _signature(inputs: list) -> tuple:
