@@ -108,9 +108,10 @@ def cross_entropy(o, logits, target, reduction: str = "mean"):
                               "or 'none'")
     loss = o.neg(o.sum(o.mul(target, log_softmax(o, logits, 1 if logits.ndim > 1 else 0)),
                        [1 if logits.ndim > 1 else 0]))
-    if reduction == "none":
-        return loss
-    return o.mean(loss) if reduction == "mean" else o.sum(loss)
+    if reduction != "none":
+        loss = o.mean(loss) if reduction == "mean" else o.sum(loss)
+    # nvFuser's promotion computes bf16 products in float: the loss in the logits' dtype.
+    return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
 
 
 COMPOSITES: dict[str, Callable] = {
