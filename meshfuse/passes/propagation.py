@@ -42,7 +42,7 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
     if fusion.propagated:
         return set()
     fusion.propagated = True
-    tensors = [tv for tv in fusion.tensors() if tv.logical]
+    tensors = fusion.tensors()
     pinned = {tv for tv in tensors if tv.is_scheduled}
     fusion.user_scheduled = set(pinned)
     meshes = [tv.mesh for tv in tensors if tv.mesh is not None]
@@ -54,9 +54,9 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         return tv in pinned or tv in filled
 
     for expr in fusion.exprs:
-        sources = [t for t in expr.tensor_inputs if t.logical and known(t)]
+        sources = [t for t in expr.tensor_inputs if known(t)]
         for out in expr.tensor_outputs:
-            if out.logical and not known(out) and sources:
+            if not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
                 _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
                                layout=expr.op.output_layout == "follow")
@@ -70,9 +70,9 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
                         del out.parallel[id_]
                 filled.add(out)
     for expr in reversed(fusion.exprs):
-        sources = [t for t in expr.tensor_outputs if t.logical and known(t)]
+        sources = [t for t in expr.tensor_outputs if known(t)]
         for inp in expr.tensor_inputs:
-            if inp.logical and not known(inp) and sources:
+            if not known(inp) and sources:
                 ref = _best_reference(expr, sources, inp, forward=False)
                 follows = inp.definition is None or inp.definition.op.output_layout == "follow"
                 _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)

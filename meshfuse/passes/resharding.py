@@ -56,7 +56,7 @@ def insert_resharding(fusion: Fusion) -> None:
 
 
 def _sharded(expr: Expr) -> bool:
-    return any(t.mesh is not None for t in expr.tensor_inputs + expr.tensor_outputs if t.logical)
+    return any(t.mesh is not None for t in expr.tensor_inputs + expr.tensor_outputs)
 
 
 def _is_partial(tv: TensorView) -> bool:
@@ -73,7 +73,7 @@ def _natural(expr: Expr, out: TensorView, inputs: list[TensorView] | None = None
     scratch tensors over the inputs' logical IDs work too)."""
     if inputs is None:
         inputs = list(expr.tensor_inputs)
-    inputs = [t for t in inputs if t.logical and t.mesh is not None]
+    inputs = [t for t in inputs if t.mesh is not None]
     scratch = _scratch(out)
     if inputs:
         ref = _best_reference(expr, inputs, out, forward=True)
@@ -121,8 +121,8 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
 
 
 def _make_local(fusion: Fusion, expr: Expr) -> None:
-    outs = [o for o in expr.tensor_outputs if o.logical]
-    ins = list(dict.fromkeys(t for t in expr.tensor_inputs if t.logical))
+    outs = list(expr.tensor_outputs)
+    ins = list(dict.fromkeys(expr.tensor_inputs))
     if len({o.mesh for o in outs}) > 1:
         meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in outs)
         raise ShardingError(

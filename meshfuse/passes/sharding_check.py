@@ -79,8 +79,8 @@ def _check_not_partial(expr: Expr, tv: TensorView) -> None:
 
 
 def _check_expr(expr: Expr, extents) -> None:
-    inputs = [t for t in expr.tensor_inputs if t.logical]
-    outputs = [t for t in expr.tensor_outputs if t.logical]
+    inputs = list(expr.tensor_inputs)
+    outputs = list(expr.tensor_outputs)
     meshes = {t.mesh for t in inputs + outputs}
     if len(meshes) > 1:
         raise ShardingError(

@@ -278,9 +278,9 @@ def _communicates(expr) -> bool:
 def _takes_part(expr, rank: int) -> bool:
     """Whether ``rank`` runs ``expr``: it holds one of its outputs, or, for a resharding copy,
     its input or output (the ranks of both meshes move the data)."""
-    tensors = [t for t in expr.tensor_outputs if t.logical]
+    tensors = list(expr.tensor_outputs)
     if expr.op.name == "set":
-        tensors += [t for t in expr.tensor_inputs if t.logical]
+        tensors += list(expr.tensor_inputs)
     meshes = [t.mesh for t in tensors]
     return not meshes or any(m is None or rank in m for m in meshes)
 

@@ -1,0 +1,77 @@
+"""Named regressions: each program here once failed (wrong values, an untyped crash or a
+refusal of a valid program), found by the fuzzer (``test_fuzz.py``) or reported in issue 11.
+
+Every test runs at world sizes 1, 2 and 4 and compares each rank's outputs with plain torch
+on the global tensors, sliced by ``shard_tensor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from mesh_helpers import mesh_1d, shard
+
+from meshfuse import DataType, FusionDefinition, shard_tensor
+from meshfuse.testing.utils import current_device
+
+pytestmark = pytest.mark.mpi
+
+
+def _check(multidevice_test, define: Callable, schedule: Callable, reference: Callable,
+           shapes: list[list[int]], **tol) -> FusionDefinition:
+    """Defines the fusion with ``define(fd) -> tensors``, pins them with
+    ``schedule(tensors)``, runs it on this rank's shards and compares every output with
+    ``reference(*global inputs)``."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(s, generator=gen).to(current_device()) for s in shapes]
+    with FusionDefinition() as fd:
+        tensors = define(fd)
+    schedule(tensors)
+    fd.explain()  # builds: every tensor has its mesh
+    rank = multidevice_test.rank
+    local = [shard_tensor(x, tv, rank) if tv.mesh is None or rank in tv.mesh else None
+             for x, tv in zip(inputs, fd.fusion.inputs())]
+    outputs = fd.execute(local)
+    with torch.no_grad():
+        expected = reference(*inputs)
+    for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
+        if tv.mesh is None or rank in tv.mesh:
+            torch.testing.assert_close(out, shard_tensor(ref, tv, rank), **tol)
+    return fd
+
+
+def test_reduction_to_0d_then_pointwise(multidevice_test):
+    """A sharded input reduced to a 0-d tensor, then more ops (was: AttributeError
+    'NoneType' object has no attribute 'mesh' in propagation)."""
+    mesh = mesh_1d(multidevice_test)
+
+    def define(fd):
+        x = fd.define_tensor([mesh.size], dtype=DataType.Float)
+        y = fd.ops.atan(fd.ops.min(x, dims=[0]))
+        fd.add_output(y)
+        return x, y
+
+    def schedule(t):
+        shard(t[0], 0, mesh)
+
+    _check(multidevice_test, define, schedule,
+           lambda x: [torch.atan(torch.amin(x, dim=[0]))], [[mesh.size]])
+
+
+def test_0d_result_on_a_sub_mesh(multidevice_test):
+    """A full reduction on a mesh of some ranks: the ranks outside it do not run it."""
+    mesh = mesh_1d(multidevice_test)
+    half = type(mesh)(range(max(1, mesh.size // 2)))
+
+    def define(fd):
+        x = fd.define_tensor([4, 4], dtype=DataType.Float)
+        y = fd.ops.exp(fd.ops.sum(x))
+        fd.add_output(y)
+        return x, y
+
+    def schedule(t):
+        shard(t[0], 1, half)
+
+    _check(multidevice_test, define, schedule, lambda x: [torch.exp(torch.sum(x))], [[4, 4]])
