@@ -200,12 +200,17 @@ class FusionDefinition:
             self._runner = FusionRunner(self.fusion)
         return self._runner
 
-    def explain(self, inputs: Sequence[Any] | None = None) -> str:
-        """The fusion after the build passes (shardings, layouts, inserted resharding
-        copies), as printed text; runs nothing. With ``inputs`` (this rank's, as for
-        ``execute``), also this rank's program: its steps and each communication with its
-        group of ranks (that builds the program, which ``execute`` then reuses)."""
-        return self._get_runner().explain(inputs)
+    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
+        """What the program does on this rank, as text; runs no kernel.
+
+        One line per tensor in program order (global shape, dtype, mesh, placements such as
+        ``[S(1), R]``, local shape on this rank, memory order), then the communications this
+        rank will run, with their groups and bytes. Extents come from ``inputs`` (this
+        rank's, as for ``execute``; the program is built and reused by ``execute``), else
+        from the definition's static extents, symbolic ones named. ``verbose=True`` adds
+        every tensor's domains and, with ``inputs``, the program's steps.
+        """
+        return self._get_runner().explain(inputs, verbose)
 
     def __repr__(self) -> str:
         self.define()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
+from meshfuse.explain import explain
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.placement import same_sharding
 from meshfuse.ir.printer import format_expr, format_fusion
@@ -52,6 +53,7 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
+        self.world_size = world
         check_tensor_schedules(fusion, world)
         propagate_shardings(fusion)
         insert_resharding(fusion)
@@ -68,16 +70,23 @@ class FusionRunner:
         self._programs: dict[tuple, Program] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
-    def explain(self, inputs: Sequence[Any] | None = None) -> str:
-        """The fusion after the passes; with ``inputs``, also this rank's program for them
-        (its steps, each communication with its group)."""
-        text = format_fusion(self.fusion, self.allocations)
-        if inputs is None:
+    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
+        """This rank's view of the program (:func:`meshfuse.explain.explain`): each tensor's
+        shapes, placements and memory order, then the communications it will run; extents
+        from ``inputs`` when given. ``verbose`` adds the domains of every tensor and, with
+        ``inputs``, the program's steps."""
+        extents = program = None
+        if inputs is not None:
+            key = _signature(inputs)
+            if key not in self._programs:
+                self._programs[key] = self._make_program(list(inputs))
+            program = self._programs[key]
+            extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
+        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        if not verbose:
             return text
-        key = _signature(inputs)
-        if key not in self._programs:
-            self._programs[key] = self._make_program(list(inputs))
-        return f"{text}\n{self._programs[key].describe()}"
+        parts = [text, format_fusion(self.fusion, self.allocations)]
+        return "\n".join(parts + ([program.describe()] if program is not None else []))
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False) -> list[torch.Tensor]:
