@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from mesh_helpers import mesh_1d, shard
+from mesh_helpers import MX, mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, shard_tensor
+from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi
@@ -75,3 +76,60 @@ def test_0d_result_on_a_sub_mesh(multidevice_test):
         shard(t[0], 1, half)
 
     _check(multidevice_test, define, schedule, lambda x: [torch.exp(torch.sum(x))], [[4, 4]])
+
+
+def test_parallelize_broadcast_axis_on_a_mesh_axis_of_one_device(multidevice_test):
+    """nvFuser's reduce-scatter test at world size 1: a static extent d == 1 is a broadcast
+    axis, and parallelizing it over a mesh axis of one device is legal (was: ScheduleError)."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+
+    def define(fd):
+        x = fd.define_tensor([d, 4 * d], dtype=DataType.Float)
+        y = fd.ops.sum(x, [0])
+        fd.add_output(y)
+        return x, y
+
+    def schedule(t):
+        x, y = t
+        for tv in t:
+            tv.set_device_mesh(mesh)
+        x.axis(0).parallelize(MX)
+        y.outer_split(-1, d)
+        y.axis(-2).parallelize(MX)
+
+    with record_communications() as comms:
+        _check(multidevice_test, define, schedule, lambda x: [x.sum(0)], [[d, 4 * d]])
+    kinds = [c.kind for c in comms if len(c.ranks) > 1]
+    assert kinds == ([] if d == 1 else ["reduce_scatter"]), comms
+
+
+def test_reduction_and_iteration_axis_on_one_mesh_axis_is_a_reduce_scatter(multidevice_test):
+    """The reduction axis and an iteration axis of one tensor both on DIDx (nvFuser's way of
+    writing a reduce-scatter; was: "DIDx is used twice")."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+
+    def define(fd):
+        x = fd.define_tensor([2 * d, 3, 4 * d], dtype=DataType.Float)
+        y = fd.ops.sum(x, [0])
+        fd.add_output(y)
+        return x, y
+
+    def schedule(t):
+        x, y = t
+        for tv in t:
+            tv.set_device_mesh(mesh)
+        x.outer_split(0, d)
+        x.axis(0).parallelize(MX)
+        y.outer_split(0, d)  # the reduction axis, as the input's
+        y.axis(0).parallelize(MX)
+        y.outer_split(-1, d)
+        y.axis(-2).parallelize(MX)
+
+    with record_communications() as comms:
+        fd = _check(multidevice_test, define, schedule, lambda x: [x.sum(0)],
+                    [[2 * d, 3, 4 * d]])
+    kinds = [c.kind for c in comms if len(c.ranks) > 1]
+    assert kinds == ([] if d == 1 else ["reduce_scatter"]), comms
+    assert "DIDx" in repr(fd.fusion.outputs()[0])

@@ -233,5 +233,10 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
             record = target.transforms[-1]
             chain[t.outer], chain[t.inner] = record.outer, record.inner
     for leaf in _device_leaves(ref, ref_id):
-        target.parallelize(target.loop.index(chain[leaf]), ref.parallel_type(leaf))
+        # A mesh axis ``target`` already shards another axis of this kind with (say, a
+        # reduce-scatter's output mapped onto one input) is left to resharding.
+        pt, id_ = ref.parallel_type(leaf), chain[leaf]
+        if not any(p is pt and i.is_reduction == id_.is_reduction
+                   for i, p in target.parallel.items()):
+            target.parallelize(target.loop.index(id_), pt)
     replay.update(chain)
