@@ -6,8 +6,11 @@ same kernel for the forward and the backward; on CPU, PyTorch's CPU flash kernel
 
 Domain map: B and H map between q, k, v, attn, log_sumexp and the gradients; the query
 sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
-contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn, so a
-sharded key/value sequence or head dim shows up as needing communication.
+contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn; in the
+backward, q_grad reduces over the key/value sequence and k_grad, v_grad over the query
+sequence. The sharding rule (``_whole_axes``) says which input axes the kernels need whole;
+the engine gathers them, so a sequence-sharded non-causal attention computes its local query
+rows against all keys, and its key/value gradients are partial sums over the query shards.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from meshfuse.dtypes import DataType
-from meshfuse.errors import DefinitionError, ShardingError
+from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import select_backend
@@ -117,20 +120,25 @@ class _Forward:
         return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
 
 
-def _check_sharding(expr) -> None:
-    """A sharded query sequence needs a mask offset in causal attention (not supported yet)."""
-    from meshfuse.ir.layout import device_ids
-
-    names = [p.name for p in expr.op.params]
-    q = expr.args[names.index("q")]
-    causal = expr.args[names.index("is_causal")]
-    causal = getattr(causal, "value", causal)
-    if causal is not False and device_ids(q).get(q.logical[2]):
-        raise ShardingError(
-            f"{expr.op.name}: the query sequence (axis 2) of {q.name} is sharded and the "
-            "attention is causal; the causal mask of a sequence shard is not supported yet: "
-            "shard batch or heads, or gather the sequence first"
-        )
+def _whole_axes(expr) -> set:
+    """The input axes attention computes on whole (its sharding rule): the key/value
+    sequence and the head dims (a softmax over them is not a sum of the shards' results),
+    and with a causal mask, or one not known before execute, the query sequence too (a
+    shard's mask would need its offset). Batch and heads shard freely; so does the query
+    sequence of non-causal attention, whose backward then sums the key/value gradients of
+    the query shards (their reduction over the query sequence is a partial result)."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    q, k, v = args["q"], args["k"], args["v"]
+    whole = {k.logical[2], v.logical[2], q.logical[3], k.logical[3]}
+    rows = [q]
+    if expr.op.name == "sdpfa_bwd":
+        grad, attn = args["grad_attn"], args["attn"]
+        whole |= {v.logical[3], grad.logical[3], attn.logical[3]}
+        rows += [grad, attn, args["log_sumexp"]]
+    causal = getattr(args["is_causal"], "value", args["is_causal"])
+    if causal is not False:
+        whole |= {t.logical[2] for t in rows}
+    return whole
 
 
 register(OpDef(
@@ -139,7 +147,7 @@ register(OpDef(
      scalar("is_causal", False), scalar("scale", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
+    partial_reduce=None, whole_axes=_whole_axes, make_impl=_Forward,
 ))
 
 
@@ -153,6 +161,7 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
                 f"sdpfa_bwd: sequence (axis 2) of {name} is {m.shape[2]} but q's is {q.shape[2]}"
             )
     others = ((0, 0), (4, 0), (5, 0)), ((0, 1), (4, 1), (5, 1))
+    query_rows = ((1, 2), (0, 2), (4, 2), (5, 2))  # q, grad_attn, attn, log_sumexp
 
     def grad_of(pos: int, meta):
         axes = [
@@ -161,8 +170,11 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
             AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
         ]
-        if pos == 1:  # q_grad's sequence is grad_attn's too
-            axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
+        if pos == 1:  # q_grad: rows of the query sequence, a sum over the keys
+            axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, query_rows)
+            axes.append(AxisSpec(k.shape[2], IterType.Reduction, ((2, 2), (3, 2))))
+        else:  # k_grad, v_grad: a sum over the query rows
+            axes.append(AxisSpec(q.shape[2], IterType.Reduction, query_rows))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
@@ -201,5 +213,5 @@ register(OpDef(
      tensor("seed"), tensor("offset"), scalar("scale", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Backward,
+    partial_reduce="sum", whole_axes=_whole_axes, make_impl=_Backward,
 ))

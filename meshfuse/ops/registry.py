@@ -146,9 +146,11 @@ class OpDef:
         make_impl: a factory of a stateful implementation, called once per program step;
             used instead of ``impl`` when set (attention validates its inputs and picks its
             kernel on the first call, then calls the kernel directly).
-        check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
-            sharding the implementation cannot handle (e.g. causal attention with a sharded
-            query sequence).
+        whole_axes: the op's own sharding rule, beyond its domain map:
+            ``whole_axes(expr)`` returns the input logical IDs the implementation must see
+            whole (attention's key/value sequence and head dims, and its query sequence when
+            causal). The engine gathers shards of them before the op (and slices outputs
+            after, where they are pinned sharded), never refuses and never computes on them.
     """
 
     name: str
@@ -161,7 +163,7 @@ class OpDef:
     partial_reduce: str | None = "sum"
     needs_reduced_count: bool = False
     partial_addends: tuple[int, ...] = ()
-    check_sharding: Callable[[Any], None] | None = None
+    whole_axes: Callable[[Any], set] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"
 

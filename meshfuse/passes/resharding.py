@@ -29,6 +29,7 @@ import math
 from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.layout import logical_root
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
@@ -68,12 +69,39 @@ def _scratch(tv: TensorView) -> TensorView:
     return TensorView(tv.fusion, tv.logical, tv.dtype)
 
 
+def _whole(expr: Expr) -> set[IterDomain]:
+    """The input axes ``expr``'s op computes on whole (its own sharding rule)."""
+    return expr.op.whole_axes(expr) if expr.op.whole_axes is not None else set()
+
+
+def _drop_shards(tv: TensorView, ids: set[IterDomain]) -> None:
+    """Makes ``tv`` (a scratch tensor) whole along the logical IDs ``ids``."""
+    for id_ in [i for i, pt in tv.parallel.items() if pt.is_device and
+                logical_root(tv, i) in ids]:
+        del tv.parallel[id_]
+
+
+def _as_computed(expr: Expr, inputs: list[TensorView]) -> list[TensorView]:
+    """``inputs`` as the op computes on them: gathered along the axes it needs whole."""
+    whole = _whole(expr)
+    result = []
+    for tv in inputs:
+        if any(logical_root(tv, i) in whole for i, pt in tv.parallel.items() if pt.is_device):
+            gathered = _scratch(tv)
+            _copy_sharding(tv, gathered, {i: i for i in tv.logical}, layout=False)
+            _drop_shards(gathered, whole)
+            tv = gathered
+        result.append(tv)
+    return result
+
+
 def _natural(expr: Expr, out: TensorView, inputs: list[TensorView] | None = None) -> TensorView:
     """How ``expr`` lays out ``out`` computing locally from ``inputs`` (default: its own;
-    scratch tensors over the inputs' logical IDs work too)."""
+    scratch tensors over the inputs' logical IDs work too), gathered along the axes the op
+    needs whole."""
     if inputs is None:
         inputs = list(expr.tensor_inputs)
-    inputs = [t for t in inputs if t.mesh is not None]
+    inputs = _as_computed(expr, [t for t in inputs if t.mesh is not None])
     scratch = _scratch(out)
     if inputs:
         ref = _best_reference(expr, inputs, out, forward=True)
@@ -100,6 +128,7 @@ def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> Tensor
         if best is None or len(pairs) > len(best_pairs):
             best, best_pairs = out, pairs
     _copy_sharding(best, scratch, best_pairs)
+    _drop_shards(scratch, _whole(expr))
     return scratch
 
 
