@@ -160,13 +160,16 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             raise DefinitionError(
                 f"sdpfa_bwd: sequence (axis 2) of {name} is {m.shape[2]} but q's is {q.shape[2]}"
             )
-    others = ((0, 0), (4, 0), (5, 0)), ((0, 1), (4, 1), (5, 1))
+    # Batch and heads are one axis of all six tensors: a gradient's map lists them all (its
+    # own tensor first), so the outputs agree on how they are sharded.
+    tensors = (1, 2, 3, 0, 4, 5)
     query_rows = ((1, 2), (0, 2), (4, 2), (5, 2))  # q, grad_attn, attn, log_sumexp
 
     def grad_of(pos: int, meta):
         axes = [
-            AxisSpec(meta.shape[0], IterType.Iteration, ((pos, 0),) + others[0]),
-            AxisSpec(meta.shape[1], IterType.Iteration, ((pos, 1),) + others[1]),
+            *(AxisSpec(meta.shape[a], IterType.Iteration,
+                       ((pos, a),) + tuple((t, a) for t in tensors if t != pos))
+              for a in (0, 1)),
             AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
             AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
         ]

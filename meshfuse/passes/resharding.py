@@ -153,11 +153,13 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     outs = list(expr.tensor_outputs)
     ins = list(dict.fromkeys(expr.tensor_inputs))
     if len({o.mesh for o in outs}) > 1:
-        meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in outs)
-        raise ShardingError(
-            f"{format_expr(expr)}: its outputs live on different meshes ({meshes}); an op "
-            "runs on one mesh: put its outputs on one mesh and copy them (fd.ops.set) elsewhere"
-        )
+        # An op runs on one mesh, its first output's; the other outputs are copied to theirs.
+        for out in outs[1:]:
+            if out.mesh != outs[0].mesh:
+                there = _scratch(out)
+                there.set_device_mesh(outs[0].mesh)
+                _set_after(fusion, expr, out, there)
+        outs = list(expr.tensor_outputs)
     if outs and any(t.mesh != outs[0].mesh for t in ins):
         # The op runs where its outputs live; inputs from other meshes are moved there.
         if any(t.mesh.ndim != 1 for t in ins + outs):
@@ -168,10 +170,10 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
                 "one mesh"
             )
         for inp in ins:
-            want = _needed_input(expr, outs, inp)
-            if not same_sharding(inp, want):
-                _set_before(fusion, expr, inp, want)
-        return
+            if inp.mesh != outs[0].mesh:
+                _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
+        # Then as on one mesh (the moved inputs may still disagree with other inputs).
+        ins = list(dict.fromkeys(expr.tensor_inputs))
     natural = [_natural(expr, o) for o in outs]
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     needed_a = [_needed_input(expr, natural, t) for t in ins]

@@ -154,7 +154,7 @@ class FusionRunner:
         ``donated``: the set's input is dead afterwards (not an input or output of the fusion,
         no later use), so its first step may reuse the buffer."""
         src, dst = expr.args[0], expr.outputs[0]
-        if src.mesh is None or not src.logical:
+        if src.mesh is None:
             return None
         steps = plan_resharding(src, dst, binding.extents)
         if not steps:
