@@ -304,7 +304,7 @@ def test_axis_split_twice_then_matmul_split_on_mesh_y(multidevice_test):
         return x, w, out
 
     def schedule(t):
-        x, w, out = t
+        x, _, out = t
         for tv in t:
             tv.set_device_mesh(mesh)
         x.inner_split(0, 2)  # [4, 2]

@@ -116,6 +116,22 @@ InferFn = Callable[..., Sequence[OutSpec]]
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalContext:
+    """What an op's ``localize`` rule knows of the rank it runs on.
+
+    Attributes:
+        rank: the global rank.
+        device: where the rank's tensors live (for ops that create tensors).
+        index: ``index(tv)``, the :class:`~meshfuse.ir.global_index.GlobalIndex` of ``tv``'s
+            local shard on this rank (global extents bound).
+    """
+
+    rank: int
+    device: Any
+    index: Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class OpDef:
     """An op's declaration.
 
@@ -151,6 +167,13 @@ class OpDef:
             whole (attention's key/value sequence and head dims, and its query sequence when
             causal). The engine gathers shards of them before the op (and slices outputs
             after, where they are pinned sharded), never refuses and never computes on them.
+        check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
+            sharding the implementation cannot handle that resharding cannot change (e.g. a
+            backward replaying per-shard dropout streams sharded otherwise than its forward).
+        localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
+            arguments the implementation gets on the rank described by ``here`` (a
+            :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
+            ops get the global positions of their local elements and their RNG stream).
     """
 
     name: str
@@ -164,8 +187,10 @@ class OpDef:
     needs_reduced_count: bool = False
     partial_addends: tuple[int, ...] = ()
     whole_axes: Callable[[Any], set] | None = None
+    check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"
+    localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -63,6 +63,8 @@ def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> No
         _check_expr(expr, extents)
         if expr.op.whole_axes is not None:
             _check_whole(expr, expr.op.whole_axes(expr))
+        if expr.op.check_sharding is not None:
+            expr.op.check_sharding(expr)
         if expr.op.partial_reduce is None:
             for out in expr.tensor_outputs:
                 _check_not_partial(expr, out)
