@@ -36,6 +36,20 @@ UNEVEN_EXTENTS = [3, 5, 6]
 PT = {"x": ParallelType.mesh_x, "y": ParallelType.mesh_y}
 
 
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What the generator may use beyond block shards of divisible extents.
+
+    Attributes:
+        uneven: extents the split factor does not divide (uneven shards).
+        any_to_any: cyclic (inner) splits, an axis split twice, and partial results pinned
+            on intermediates, so that tensors of one op disagree in pattern, not only in axis.
+    """
+
+    uneven: bool = False
+    any_to_any: bool = False
+
+
 @dataclasses.dataclass
 class Value:
     name: str
@@ -470,10 +484,11 @@ STATEMENTS = {  # name: weight
 }
 
 
-def generate(seed: int, world_size: int, uneven: bool = False) -> Program:
+def generate(seed: int, world_size: int, features: Features | None = None) -> Program:
     """A random program (see the module doc), the same on every rank for one seed."""
+    features = Features() if features is None else features
     rng = random.Random(seed * 7919 + world_size)
-    g = _Gen(rng, seed, uneven)
+    g = _Gen(rng, seed, features.uneven)
     names, weights = zip(*sorted(STATEMENTS.items()))
     for _ in range(rng.randint(1, 4)):
         getattr(g, rng.choices(names, weights)[0])()
@@ -491,7 +506,7 @@ def generate(seed: int, world_size: int, uneven: bool = False) -> Program:
                       features=g.features)
     from fuzz_schedules import schedule_program
 
-    schedule_program(program, rng, uneven)
+    schedule_program(program, rng, features)
     return program
 
 
@@ -520,4 +535,4 @@ def reference(program: Program) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return inputs, [env[o] for o in program.outputs]
 
 
-__all__ = ["Program", "ScheduleError", "build", "generate", "reference"]
+__all__ = ["Features", "Program", "ScheduleError", "build", "generate", "reference"]

@@ -14,7 +14,7 @@ import re
 import traceback
 
 import torch
-from fuzz_programs import Program, build, generate, reference
+from fuzz_programs import Features, Program, build, generate, reference
 
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
@@ -103,5 +103,6 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
 
 
 def run_many(seeds, world_size: int, rank: int, device: torch.device,
-             uneven: bool = False) -> list[Outcome]:
-    return [run_program(generate(seed, world_size, uneven), rank, device) for seed in seeds]
+             features: Features | None = None) -> list[Outcome]:
+    features = Features() if features is None else features
+    return [run_program(generate(seed, world_size, features), rank, device) for seed in seeds]

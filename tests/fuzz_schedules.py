@@ -13,7 +13,8 @@ definition of the program, so that loop positions are right. It covers:
   or split once more before the device split on a 1-D mesh), and partial results (the
   reduction axis of an intermediate reduction parallelized).
 
-Extents the split factor does not divide are scheduled only with ``uneven``.
+Extents the split factor does not divide are scheduled only with ``features.uneven``; inner
+splits, second splits and partial results only with ``features.any_to_any``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def meshes_for(world_size: int, rng: random.Random) -> tuple[str, dict[str, list
     return mode, {"mesh": full, "mesh_a": full[:half], "mesh_b": full[half:]}
 
 
-def schedule_program(program, rng: random.Random, uneven: bool) -> None:
+def schedule_program(program, rng: random.Random, features) -> None:
     """Chooses and records ``program.schedule``, ``program.meshes`` and ``program.mode``."""
     mesh_mode, meshes = meshes_for(program.world_size, rng)
     program.meshes = meshes
@@ -82,7 +83,7 @@ def schedule_program(program, rng: random.Random, uneven: bool) -> None:
             for pt_name in ("mesh_y", "mesh_x") if mesh_mode == "2x2" else ("mesh_x",):
                 if rng.random() < 0.75:
                     _shard_one(writer, name, tv, env[mesh_name], PTS[pt_name], pt_name, rng,
-                               uneven, partial_ok=name not in outputs)
+                               features, partial_ok=name not in outputs)
     except ScheduleError:
         program.features.add("schedule refused")
 
@@ -119,7 +120,7 @@ def _serial_pieces(tv: TensorView, logical_id) -> list:
 
 
 def _shard_one(writer: _Writer, name: str, tv: TensorView, mesh: DeviceMesh,
-               pt: ParallelType, pt_name: str, rng: random.Random, uneven: bool,
+               pt: ParallelType, pt_name: str, rng: random.Random, features,
                partial_ok: bool) -> None:
     """Splits one axis of ``tv`` (or a piece of an already split one) and parallelizes the
     part of extent ``d`` on ``pt``."""
@@ -128,21 +129,24 @@ def _shard_one(writer: _Writer, name: str, tv: TensorView, mesh: DeviceMesh,
                   and tv.definition.op.partial_reduce is not None
                   and tv.definition.op.name != "mean"]
     axes = [i for i in tv.materialized() if not i.is_broadcast and (i.extent or 0) >= 2]
-    if partial_ok and reductions and rng.random() < 0.2:
+    if features.any_to_any and partial_ok and reductions and rng.random() < 0.2:
         axes = reductions
     pieces = [p for i in axes for p in _serial_pieces(tv, i) if p.extent and p.extent >= 2]
-    if not uneven:
+    if not features.any_to_any:  # one block split per axis
+        pieces = [p for p in pieces if p in tv.logical]
+    if not features.uneven:
         pieces = [p for p in pieces if p.extent % d == 0]
     if not pieces:
         return
     piece = rng.choice(pieces)
     pos = tv.loop.index(piece)
-    kind = rng.choice(["outer", "outer", "inner", "twice"])
+    kind = rng.choice(["outer", "outer", "inner", "twice"]) if features.any_to_any else "outer"
     if kind == "twice":
         first = [f for f in (2, 3) if piece.extent % f == 0 and piece.extent > f]
         if first:
             writer.call(name, tv, "split", pos, rng.choice(first), rng.random() < 0.5)
-            options = [p for p in (pos, pos + 1) if uneven or tv.loop[p].extent % d == 0]
+            options = [p for p in (pos, pos + 1)
+                       if features.uneven or tv.loop[p].extent % d == 0]
             if not options:
                 return
             pos = rng.choice(options)

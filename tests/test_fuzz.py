@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+from fuzz_programs import Features
 from fuzz_runner import REFUSALS, run_many
 
 pytestmark = pytest.mark.mpi
@@ -23,8 +24,18 @@ DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
 SEED_ENV = "MESHFUSE_FUZZ_SEED"
 REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
-# Extents that the split factor does not divide (uneven shards) are scheduled too.
-UNEVEN = False
+# What the schedules may use beyond block shards of divisible extents (see Features): off
+# until the any-to-any resharding plans and uneven shards land; MESHFUSE_FUZZ_FEATURES=
+# "uneven,any_to_any" turns them on for a run.
+FEATURES = Features(uneven=False, any_to_any=False)
+FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
+
+
+def _features() -> Features:
+    names = os.environ.get(FEATURES_ENV)
+    if names is None:
+        return FEATURES
+    return Features(**{n: True for n in names.split(",") if n})
 
 
 def _summary(outcomes) -> dict[str, int]:
@@ -41,7 +52,7 @@ def test_fuzz_programs_match_torch(multidevice_test):
         count = min(count, DEFAULT_PROGRAMS // 4)  # nothing is sharded: a smoke run
     first = int(os.environ.get(SEED_ENV, "0"))
     outcomes = run_many(range(first, first + count), multidevice_test.size,
-                        multidevice_test.rank, multidevice_test.device, uneven=UNEVEN)
+                        multidevice_test.rank, multidevice_test.device, _features())
     summary = _summary(outcomes)
     report = os.environ.get(REPORT_ENV)
     if report:

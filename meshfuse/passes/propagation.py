@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from meshfuse.errors import MeshfuseError
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
+from meshfuse.ir.layout import logical_root
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.ir.verifier import check_allocation
 
@@ -54,7 +55,8 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         return tv in pinned or tv in filled
 
     for expr in fusion.exprs:
-        sources = [t for t in expr.tensor_inputs if known(t)]
+        # As the op computes: gathered along the axes it needs whole (its sharding rule).
+        sources = _as_computed(expr, [t for t in expr.tensor_inputs if known(t)])
         for out in expr.tensor_outputs:
             if not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
@@ -240,3 +242,31 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
                    for i, p in target.parallel.items()):
             target.parallelize(target.loop.index(id_), pt)
     replay.update(chain)
+
+
+def _whole(expr: Expr) -> set[IterDomain]:
+    """The input axes ``expr``'s op computes on whole (its own sharding rule)."""
+    return expr.op.whole_axes(expr) if expr.op.whole_axes is not None else set()
+
+
+def _drop_shards(tv: TensorView, ids: set[IterDomain]) -> None:
+    """Makes ``tv`` (a scratch tensor) whole along the logical IDs ``ids``."""
+    for id_ in [i for i, pt in tv.parallel.items() if pt.is_device and
+                logical_root(tv, i) in ids]:
+        del tv.parallel[id_]
+
+
+def _as_computed(expr: Expr, inputs: list[TensorView]) -> list[TensorView]:
+    """``inputs`` as the op computes on them: gathered along the axes it needs whole."""
+    whole = _whole(expr)
+    result = []
+    for tv in inputs:
+        if any(logical_root(tv, i) in whole for i, pt in tv.parallel.items() if pt.is_device):
+            gathered = TensorView(tv.fusion, tv.logical, tv.dtype)
+            _copy_sharding(tv, gathered, {i: i for i in tv.logical}, layout=False)
+            if tv.allocation is not None and set(tv.allocation.ids) <= set(tv.logical):
+                gathered.allocation = tv.allocation
+            _drop_shards(gathered, whole)
+            tv = gathered
+        result.append(tv)
+    return result

@@ -29,17 +29,19 @@ import math
 from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain
-from meshfuse.ir.layout import logical_root
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.registry import lookup
 from meshfuse.passes.propagation import (
     _add_sharding,
+    _as_computed,
     _backward_pairs,
     _best_reference,
     _copy_sharding,
+    _drop_shards,
     _forward_pairs,
+    _whole,
 )
 
 WEIGHT_PENALTY = 1000
@@ -69,42 +71,23 @@ def _scratch(tv: TensorView) -> TensorView:
     return TensorView(tv.fusion, tv.logical, tv.dtype)
 
 
-def _whole(expr: Expr) -> set[IterDomain]:
-    """The input axes ``expr``'s op computes on whole (its own sharding rule)."""
-    return expr.op.whole_axes(expr) if expr.op.whole_axes is not None else set()
-
-
-def _drop_shards(tv: TensorView, ids: set[IterDomain]) -> None:
-    """Makes ``tv`` (a scratch tensor) whole along the logical IDs ``ids``."""
-    for id_ in [i for i, pt in tv.parallel.items() if pt.is_device and
-                logical_root(tv, i) in ids]:
-        del tv.parallel[id_]
-
-
-def _as_computed(expr: Expr, inputs: list[TensorView]) -> list[TensorView]:
-    """``inputs`` as the op computes on them: gathered along the axes it needs whole."""
-    whole = _whole(expr)
-    result = []
-    for tv in inputs:
-        if any(logical_root(tv, i) in whole for i, pt in tv.parallel.items() if pt.is_device):
-            gathered = _scratch(tv)
-            _copy_sharding(tv, gathered, {i: i for i in tv.logical}, layout=False)
-            _drop_shards(gathered, whole)
-            tv = gathered
-        result.append(tv)
-    return result
-
-
-def _natural(expr: Expr, out: TensorView, inputs: list[TensorView] | None = None) -> TensorView:
-    """How ``expr`` lays out ``out`` computing locally from ``inputs`` (default: its own;
+def _naturals(expr: Expr, outs: list[TensorView],
+              inputs: list[TensorView] | None = None) -> list[TensorView]:
+    """How ``expr`` lays out ``outs`` computing locally from ``inputs`` (default: its own;
     scratch tensors over the inputs' logical IDs work too), gathered along the axes the op
-    needs whole."""
+    needs whole. Every output follows one reference input (the best for the first output),
+    so that outputs of one op agree on the inputs they need."""
     if inputs is None:
         inputs = list(expr.tensor_inputs)
     inputs = _as_computed(expr, [t for t in inputs if t.mesh is not None])
+    ref = _best_reference(expr, inputs, outs[0], forward=True) if inputs and outs else None
+    return [_natural(expr, out, inputs, ref) for out in outs]
+
+
+def _natural(expr: Expr, out: TensorView, inputs: list[TensorView],
+             ref: TensorView | None) -> TensorView:
     scratch = _scratch(out)
-    if inputs:
-        ref = _best_reference(expr, inputs, out, forward=True)
+    if ref is not None:
         _copy_sharding(ref, scratch, _forward_pairs(expr, ref, out))
         for other in inputs:
             if other is not ref and other.mesh == ref.mesh:
@@ -174,7 +157,7 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
                 _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
         # Then as on one mesh (the moved inputs may still disagree with other inputs).
         ins = list(dict.fromkeys(expr.tensor_inputs))
-    natural = [_natural(expr, o) for o in outs]
+    natural = _naturals(expr, outs)
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     needed_a = [_needed_input(expr, natural, t) for t in ins]
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
@@ -184,7 +167,7 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
     # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
     # or an axis mapped from no input cannot be).
-    b_works = all(same_sharding(_natural(expr, o, needed_b), o) for o in outs)
+    b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs))
     if cost_a < cost_b or not b_works:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):
