@@ -42,8 +42,9 @@ class Features:
 
     Attributes:
         uneven: extents the split factor does not divide (uneven shards).
-        any_to_any: cyclic (inner) splits, an axis split twice, and partial results pinned
-            on intermediates, so that tensors of one op disagree in pattern, not only in axis.
+        any_to_any: cyclic (inner) splits, an axis split twice, partial results pinned on
+            intermediates (tensors of one op disagree in pattern, not only in axis), and the
+            2x2 mesh at 4 ranks (changes over both of its axes at once).
     """
 
     uneven: bool = False

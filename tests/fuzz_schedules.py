@@ -31,11 +31,12 @@ from meshfuse.ir.tensor_view import TensorView
 PTS = {"mesh_x": ParallelType.mesh_x, "mesh_y": ParallelType.mesh_y}
 
 
-def meshes_for(world_size: int, rng: random.Random) -> tuple[str, dict[str, list]]:
+def meshes_for(world_size: int, rng: random.Random,
+               mesh_2d: bool) -> tuple[str, dict[str, list]]:
     """A mesh mode and its meshes (name -> device list, as DeviceMesh takes it)."""
     full = list(range(world_size))
     modes = ["1d"] * 3
-    if world_size == 4:
+    if world_size == 4 and mesh_2d:
         modes += ["2x2"] * 3
     if world_size > 1:
         modes += ["between"]
@@ -50,7 +51,7 @@ def meshes_for(world_size: int, rng: random.Random) -> tuple[str, dict[str, list
 
 def schedule_program(program, rng: random.Random, features) -> None:
     """Chooses and records ``program.schedule``, ``program.meshes`` and ``program.mode``."""
-    mesh_mode, meshes = meshes_for(program.world_size, rng)
+    mesh_mode, meshes = meshes_for(program.world_size, rng, features.any_to_any)
     program.meshes = meshes
     env = {"DataType": DataType, "math": math, "torch": torch}
     for name, devices in meshes.items():

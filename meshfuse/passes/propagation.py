@@ -55,8 +55,7 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         return tv in pinned or tv in filled
 
     for expr in fusion.exprs:
-        # As the op computes: gathered along the axes it needs whole (its sharding rule).
-        sources = _as_computed(expr, [t for t in expr.tensor_inputs if known(t)])
+        sources = [t for t in expr.tensor_inputs if known(t)]
         for out in expr.tensor_outputs:
             if not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
@@ -65,10 +64,13 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
                 for other in sources:
                     if other is not ref and other.mesh == ref.mesh:
                         _add_sharding(other, out, _forward_pairs(expr, other, out))
-                if expr.op.partial_reduce is None:
-                    # It cannot make partial results: its inputs get gathered instead.
-                    for id_ in [i for i, pt in out.parallel.items()
-                                if pt.is_device and i.is_reduction]:
+                whole = _whole(expr)
+                for id_ in [i for i, pt in out.parallel.items() if pt.is_device and
+                            i.is_reduction]:
+                    # A partial result the op cannot make (it cannot at all, or it needs the
+                    # reduced axes whole): its inputs get gathered instead.
+                    if expr.op.partial_reduce is None or \
+                            all(s in whole for s in expr.id_map[logical_root(out, id_)]):
                         del out.parallel[id_]
                 filled.add(out)
     for expr in reversed(fusion.exprs):
