@@ -34,7 +34,7 @@ from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import derived_extents, local_indices, shard_factor
 from meshfuse.ir.placement import placements
-from meshfuse.ir.printer import format_expr
+from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.passes.layout import memory_positions
@@ -216,7 +216,7 @@ def _rows(fusion: Fusion, allocations, sizes: Extents, rank: int) -> list[list[s
     rows = [["tensor", "global", "dtype", "mesh", "placements", "local", "memory", "defined by"]]
     tensors = [(v, "input") for v in fusion.inputs() if isinstance(v, TensorView)]
     for expr in fusion.exprs:
-        call = format_expr(expr).split(" = ", 1)[1]
+        call = format_call(expr, skip_defaults=True)
         tensors += [(tv, call if k == 0 else f"{expr.op.name}(...)[{expr.outputs.index(tv)}]")
                     for k, tv in enumerate(expr.tensor_outputs)]
     for tv, defined_by in tensors:

@@ -1,9 +1,9 @@
 """The seed program: head-parallel attention forward and backward, in BHSE or BSHE layout.
 
-``SeedAttention`` is the seed's ``Model`` (``../shared/seed/``) with its sizes as arguments:
-q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D mesh of
-``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every tensor
-scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
+``SeedAttention`` is the seed test's ``Model`` (``tests/test_seed_sdpa.py``) with its sizes as
+arguments: q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D
+mesh of ``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every
+tensor scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
 ``dropout_p > 0`` replaces the seed's ``TODO(#3123)``: each head shard draws its own dropout
 stream (``dropout_mode="shard"``), or the mask is the unsharded run's (``"global"``).
 """

@@ -35,8 +35,8 @@ from meshfuse.ops.attention_dropout import (
     SHARD,
     DropoutSite,
     attention_site,
-    cuda_stream,
     resolve_mode,
+    run_in_stream,
 )
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
@@ -44,6 +44,7 @@ from meshfuse.ops.registry import (
     OpDef,
     OutSpec,
     ScalarMeta,
+    Vjp,
     attr,
     register,
     scalar,
@@ -150,8 +151,8 @@ def _dropout_fwd(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
         return attn, lse, torch.tensor(seed), torch.tensor(offset)
-    with cuda_stream(site.stream(seed, offset), q.device):
-        return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+    return run_in_stream(site.stream(seed, offset), q.device, attention_kernels.sdpa_forward,
+                         q, k, v, dropout_p, is_causal, scale, backend)
 
 
 _NO_RNG = torch.zeros((), dtype=torch.int64)
@@ -163,37 +164,59 @@ class _Forward:
     draws from this shard's stream (``site``)."""
 
     def __init__(self) -> None:
-        self.kernel = None
+        self.kernels = {}  # dropout or not -> the bound forward kernel (None: math)
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, site):
-        if float(dropout_p) > 0.0:
-            return _dropout_fwd(q, k, v, float(dropout_p), is_causal, scale, rng_seed,
-                                rng_offset, site)
-        if self.kernel is None:
-            _, self.kernel, _ = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
-            return _fwd(q, k, v, dropout_p, is_causal, scale)
-        attn, lse, seed, offset = self.kernel(q, k, v, dropout_p, is_causal,
-                                              None if scale is None else float(scale))
-        return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
+        p = float(dropout_p)
+        kernel = self.kernels.get(p > 0.0, False)
+        if kernel is False:  # first call: checked, and the kernel bound
+            self.kernels[p > 0.0] = _bound(0, q, k, v, p, is_causal, site)
+            return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
+        scale = None if scale is None else float(scale)
+        if p == 0.0:
+            attn, lse, seed, offset = kernel(q, k, v, p, is_causal, scale)
+            return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
+        if kernel is None:  # the math kernel: the mask dominates, no shortcut
+            return _dropout_fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site)
+        seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
+        return run_in_stream(site.stream(seed, offset), q.device, kernel, q, k, v, p,
+                             is_causal, scale)
+
+
+def _bound(which: int, q, k, v, dropout_p, is_causal, site):
+    """The raw forward (``which`` 0) or backward (1) kernel for these inputs, or None for
+    the math kernel with dropout (which needs its mask)."""
+    if dropout_p > 0.0:
+        backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
+        if backend is AttentionBackend.MATH:
+            return None
+        return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
+    return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)[1 + which]
 
 
 def _whole_axes(expr) -> set:
-    """The input axes attention computes on whole (its sharding rule): the key/value
-    sequence and the head dims (a softmax over them is not a sum of the shards' results),
-    and with a causal mask, or one not known before execute, the query sequence too (a
+    """The input axes attention computes on whole (its sharding rule): the head dims and,
+    in the forward, the key/value sequence (a softmax over them is not a sum of the shards'
+    results); with a causal mask, or one not known before execute, the query sequence too (a
     shard's mask would need its offset). Batch and heads shard freely; so does the query
     sequence of non-causal attention, whose backward then sums the key/value gradients of
-    the query shards (their reduction over the query sequence is a partial result)."""
+    the query shards (their reduction over the query sequence is a partial result), and the
+    key sequence of a backward without mask or dropout (q_grad is then the partial sum)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     q, k, v = args["q"], args["k"], args["v"]
     whole = {k.logical[2], v.logical[2], q.logical[3], k.logical[3]}
     rows = [q]
+    causal = _arg(expr, "is_causal") is not False
     if expr.op.name == "sdpfa_bwd":
         grad, attn = args["grad_attn"], args["attn"]
         whole |= {v.logical[3], grad.logical[3], attn.logical[3]}
         rows += [grad, attn, args["log_sumexp"]]
-    if _arg(expr, "is_causal") is not False:
+        if not causal and _arg(expr, "dropout_p") == 0.0:
+            # On a key shard q_grad is a partial sum (the log-sum-exp makes each block's
+            # probabilities exact); neither mask knows a key shard's offset.
+            whole -= {k.logical[2], v.logical[2]}
+    if causal:
         whole |= {t.logical[2] for t in rows}
     return whole
 
@@ -223,6 +246,23 @@ def _check_sharding(expr) -> None:
             "streams of the forward cannot be replayed; schedule both alike, or use "
             "dropout_mode='global'"
         )
+
+
+def _fwd_grads(d, grads):
+    """``sdpfa_bwd`` with the saved attention output, log-sum-exp and RNG state (one call
+    gives the three gradients). Only the attention output is differentiable (as PyTorch's
+    flash attention: its log-sum-exp is a constant to autograd)."""
+    computed = []
+
+    def gradient(index: int):
+        if not computed:
+            computed.extend(d.ops.sdpfa_bwd(
+                grads[0], *(d.value(n) for n in ("q", "k", "v")), d.out(0), d.out(1),
+                d.value("dropout_p"), d.value("is_causal"), d.out(2), d.out(3),
+                d.value("scale"), d.attrs["dropout_mode"]))
+        return computed[index]
+
+    return {"q": lambda: gradient(0), "k": lambda: gradient(1), "v": lambda: gradient(2)}
 
 
 def _forward_of(expr):
@@ -272,7 +312,7 @@ register(OpDef(
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, whole_axes=_whole_axes, check_sharding=_check_sharding,
-    make_impl=_Forward,
+    make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
     localize=_localize,
 ))
 
@@ -302,10 +342,10 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
             AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
         ]
-        if pos == 1:  # q_grad: rows of the query sequence, a sum over the keys
+        if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
             axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, query_rows)
             axes.append(AxisSpec(k.shape[2], IterType.Reduction, ((2, 2), (3, 2))))
-        else:  # k_grad, v_grad: a sum over the query rows
+        else:  # k_grad and v_grad sum over the queries
             axes.append(AxisSpec(q.shape[2], IterType.Reduction, query_rows))
         return OutSpec(meta.dtype, tuple(axes))
 
@@ -338,24 +378,26 @@ def _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, see
 
 class _Backward:
     """``sdpfa_bwd`` in a program: the kernel of the forward (the same selection), picked on
-    the first call."""
+    the first call; a fused kernel replays the RNG state its forward returned."""
 
     def __init__(self) -> None:
-        self.kernel = None
+        self.kernels = {}  # dropout or not -> the bound backward kernel (None: math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, site):
-        if float(dropout_p) > 0.0:
-            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
-                                is_causal, seed, offset, scale, site)
-        if self.kernel is None:
-            _, _, self.kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)
-            return _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
-                        offset, scale)
+        p = float(dropout_p)
+        kernel = self.kernels.get(p > 0.0, False)
+        if kernel is False:
+            self.kernels[p > 0.0] = _bound(1, q, k, v, p, is_causal, site)
+            return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
+                        site=site)
+        if kernel is None:
+            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed,
+                                offset, scale, site)
         if grad_attn.stride(-1) != 1:
             grad_attn = grad_attn.contiguous()
-        return self.kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
-                           offset, None if scale is None else float(scale))
+        return kernel(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset,
+                      None if scale is None else float(scale))
 
 
 register(OpDef(
@@ -365,6 +407,8 @@ register(OpDef(
      tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
+    # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
+    # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
     partial_reduce="sum", whole_axes=_whole_axes, check_sharding=_check_sharding,
     make_impl=_Backward,
     localize=_localize,

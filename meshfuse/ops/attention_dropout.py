@@ -22,7 +22,6 @@ drawn from torch's default generator at each call) decide every mask. Two modes:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -103,13 +102,12 @@ def attention_site(mode: str, out: GlobalIndex, kv_length: int) -> DropoutSite:
                                          out.indices[:3] + (None,)))
 
 
-@contextlib.contextmanager
-def cuda_stream(key: int, device: torch.device):
-    """Runs a fused CUDA kernel with torch's CUDA generator seeded with ``key``; the
-    generator's state is restored afterwards (the kernel returns what its backward needs)."""
+def run_in_stream(key: int, device: torch.device, kernel, *args):
+    """``kernel(*args)`` with torch's CUDA generator seeded with ``key`` (a fused CUDA
+    kernel draws its dropout mask from it, and returns the RNG state its backward replays);
+    the generator's state is restored afterwards. On other devices, just the call."""
     if device.type != "cuda":
-        yield
-        return
+        return kernel(*args)
     if torch.cuda.is_current_stream_capturing():
         raise InputError(
             "sdpfa_fwd: dropout_p > 0 inside a CUDA graph capture is not supported (the graph "
@@ -120,6 +118,6 @@ def cuda_stream(key: int, device: torch.device):
     saved = generator.get_state()
     generator.manual_seed(key & _MAX_SEED)
     try:
-        yield
+        return kernel(*args)
     finally:
         generator.set_state(saved)
