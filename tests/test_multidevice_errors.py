@@ -131,14 +131,15 @@ def test_parallelizing_a_broadcast_axis(multidevice_test):
     """Legal over a mesh axis of one device (as nvFuser at d == 1); an error over more."""
     d = multidevice_test.size
     fd, x, y = _relu_fusion([1, 4])
-    for tv in (x, y):
-        tv.set_device_mesh(DeviceMesh(range(d)))
-        tv.axis(0).parallelize(ParallelType.mesh_x)
     if d == 1:
+        for tv in (x, y):
+            tv.set_device_mesh(DeviceMesh(range(d)))
+            tv.axis(0).parallelize(ParallelType.mesh_x)
         torch.testing.assert_close(fd.execute([torch.ones(1, 4)])[0], torch.ones(1, 4))
         return
+    x.set_device_mesh(DeviceMesh(range(d)))
     with pytest.raises(ScheduleError) as info:
-        fd.execute([torch.randn(1, 4)])
+        x.axis(0).parallelize(ParallelType.mesh_x)
     _words(str(info.value), "T0", "axis 0", "broadcast", "one device")
 
 

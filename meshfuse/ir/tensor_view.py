@@ -248,6 +248,14 @@ class TensorView(Val):
                 f"{parallel_type!r}"
             )
         if parallel_type.is_device:
+            devices = self._devices_along(parallel_type)
+            if id_.is_broadcast and devices not in (None, 1):
+                raise ScheduleError(
+                    f"axis {axis} of {self.name} is a broadcast axis (extent 1) and cannot be "
+                    f"sharded over {parallel_type.value}, a mesh axis of {devices} devices; "
+                    "parallelize it only over a mesh axis of one device, or shard the tensor "
+                    "it is broadcast against"
+                )
             for other, pt in self.parallel.items():
                 # A reduction ID and an iteration ID may share a device type: the reduction
                 # crosses the devices and each keeps its shard of the result (a
@@ -303,6 +311,16 @@ class TensorView(Val):
                 f"axis {axis!r} is out of range for {self.name}, whose loop domain has {n} axes"
             )
         return axis % n
+
+    def _devices_along(self, parallel_type: ParallelType) -> int | None:
+        """The size of the mesh axis of ``parallel_type``, or None while unknown (no mesh
+        yet, or one without that axis: the schedule check reports it)."""
+        if self.mesh is None:
+            return None
+        try:
+            return self.mesh.axis_size(parallel_type)
+        except (ScheduleError, ValueError):
+            return None
 
     def _describe_pos(self, id_: IterDomain) -> int | str:
         return self.loop.index(id_) if id_ in self.loop else repr(id_)
