@@ -96,6 +96,7 @@ import math
 import torch
 import meshfuse
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.communicator import Communicator
 
 
@@ -112,12 +113,13 @@ inputs = [{shapes}]
 with FusionDefinition() as fd:
 {fd_body}
 {self.schedule_code()}
-fd.explain()  # builds the fusion: every tensor has its mesh now
-local = [meshfuse.shard_tensor(x, tv, rank) if tv.mesh is None or rank in tv.mesh else None
-         for x, tv in zip(inputs, fd.fusion.inputs())]
+compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
+held = [compiled[tv].mesh is None or rank in compiled[tv].mesh for tv in fd.fusion.inputs()]
+local = [meshfuse.shard_tensor(x, tv, rank) if h else None
+         for x, tv, h in zip(inputs, fd.fusion.inputs(), held)]
 outs = fd.execute(local)
 for out, ref, tv in zip(outs, reference(*inputs), fd.fusion.outputs()):
-    if tv.mesh is None or rank in tv.mesh:
+    if compiled[tv].mesh is None or rank in compiled[tv].mesh:
         torch.testing.assert_close(out, meshfuse.shard_tensor(ref, tv, rank), rtol=1e-4,
                                    atol=1e-4)
 print("rank", rank, "ok")

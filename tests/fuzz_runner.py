@@ -18,6 +18,7 @@ from fuzz_programs import Features, Program, build, generate, reference
 
 from meshfuse import MeshfuseError, ScheduleError, ShardingError, shard_tensor
 from meshfuse.errors import ExecutionError
+from meshfuse.passes.pipeline import compiled_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +90,16 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
     try:
         fd, _ = build(program)
         inputs, expected = reference(program)
-        fd.explain()  # builds: every tensor has its mesh now, so a rank knows what it holds
-        local = [shard_tensor(x.to(device), tv, rank) if tv.mesh is None or rank in tv.mesh
-                 else None for x, tv in zip(inputs, fd.fusion.inputs())]
+        compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
+
+        def held(tv) -> bool:
+            return compiled[tv].mesh is None or rank in compiled[tv].mesh
+
+        local = [shard_tensor(x.to(device), tv, rank) if held(tv) else None
+                 for x, tv in zip(inputs, fd.fusion.inputs())]
         outputs = fd.execute(local)
         for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
-            if tv.mesh is not None and rank not in tv.mesh:
+            if not held(tv):
                 continue
             want = shard_tensor(ref.to(device), tv, rank)
             try:

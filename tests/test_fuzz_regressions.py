@@ -14,6 +14,7 @@ import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -30,15 +31,19 @@ def _check(multidevice_test, define: Callable, schedule: Callable, reference: Ca
     with FusionDefinition() as fd:
         tensors = define(fd)
     schedule(tensors)
-    fd.explain()  # builds: every tensor has its mesh
+    compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
     rank = multidevice_test.rank
-    local = [shard_tensor(x, tv, rank) if tv.mesh is None or rank in tv.mesh else None
+
+    def held(tv) -> bool:
+        return compiled[tv].mesh is None or rank in compiled[tv].mesh
+
+    local = [shard_tensor(x, tv, rank) if held(tv) else None
              for x, tv in zip(inputs, fd.fusion.inputs())]
     outputs = fd.execute(local)
     with torch.no_grad():
         expected = reference(*inputs)
     for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
-        if tv.mesh is None or rank in tv.mesh:
+        if held(tv):
             torch.testing.assert_close(out, shard_tensor(ref, tv, rank), **tol)
     return fd
 
