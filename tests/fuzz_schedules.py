@@ -77,7 +77,7 @@ def schedule_program(program, rng: random.Random, features) -> None:
     try:
         for name in pinned:
             tv = env[name]
-            if tv.dtype is DataType.Int:  # attention's RNG state: replicated
+            if not tv.dtype.is_floating:  # attention's RNG state: left to propagation
                 continue
             mesh_name = _mesh_of(name, meshes, inputs, rng, mesh_mode)
             writer.call(name, tv, "set_device_mesh", env[mesh_name], arg_code=mesh_name)

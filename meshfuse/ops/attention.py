@@ -269,8 +269,9 @@ def _forward_of(expr):
     """The ``sdpfa_fwd`` whose seed an ``sdpfa_bwd`` reads, or None."""
     seed = _arg(expr, "seed") if expr.op.name == "sdpfa_bwd" else None
     forward = getattr(seed, "definition", None)
+    while forward is not None and (forward.op is None or forward.op.name == "set"):
+        forward = getattr(forward.args[0], "definition", None)  # through copies of the seed
     return forward if forward is not None and forward.op.name == "sdpfa_fwd" else None
-
 
 def _bwd_mode(expr) -> str:
     """The backward's dropout mode: its own, else its forward's, else the default."""
