@@ -267,9 +267,6 @@ def test_attention_backward_with_mixed_shardings(multidevice_test):
            rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="reshard (runtime/resharding.py): per-mesh-axis plans of a "
-                   "2-D change that moves one tensor axis between mesh axes; fixed by owner-map "
-                   "plans")
 def test_2x2_mesh_differently_split_operands(multidevice_test):
     """Issue 11's silent wrong values: on a 2x2 mesh, x with axis 0 block-sharded on mesh_y
     and axis 2 on mesh_x, y with axis 1 cyclic on mesh_y and axis 0 block on mesh_x; add,
@@ -297,8 +294,6 @@ def test_2x2_mesh_differently_split_operands(multidevice_test):
     _check(multidevice_test, define, schedule, reference, [[4, 4, 4]] * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="reshard (runtime/resharding.py): one axis split over two "
-                   "mesh axes raises KeyError in the plan; fixed by owner-map plans")
 def test_axis_split_twice_then_matmul_split_on_mesh_y(multidevice_test):
     """Issue 11: one axis split twice (inner on mesh_y, then the outer part on mesh_x) and a
     matmul output split on mesh_y (was: KeyError: ParallelType.mesh_x in ir/layout.py)."""
