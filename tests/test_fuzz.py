@@ -24,10 +24,9 @@ DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
 SEED_ENV = "MESHFUSE_FUZZ_SEED"
 REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
-# What the schedules may use beyond block shards of divisible extents (see Features): off
-# until the any-to-any resharding plans and uneven shards land; MESHFUSE_FUZZ_FEATURES=
-# "uneven,any_to_any" turns them on for a run.
-FEATURES = Features(uneven=False, any_to_any=False)
+# What the schedules may use beyond block shards of divisible extents (see Features): all
+# of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
+FEATURES = Features(uneven=True, any_to_any=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
 
 
