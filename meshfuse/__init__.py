@@ -5,6 +5,8 @@
 """
 
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
+from meshfuse.autodiff.api import vjp
+from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
 from meshfuse.errors import (
     CommunicationError,
@@ -29,6 +31,7 @@ __all__ = [
     "DeviceMesh",
     "ExecutionError",
     "FusionDefinition",
+    "FusionModule",
     "InputError",
     "MeshfuseError",
     "ParallelType",
@@ -39,4 +42,5 @@ __all__ = [
     "shard_tensor",
     "unshard_tensor",
     "visualize",
+    "vjp",
 ]

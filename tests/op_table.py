@@ -383,6 +383,20 @@ SLICE = OpInfo("slice", (
            name="3d"),
 ), FLOATS + INTS + BOOL)
 
+def _slice_backward_ref(grad, shape, starts, ends, strides=None):
+    out = grad.new_zeros(shape)
+    steps = strides or [1] * grad.ndim
+    out[tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))] = grad
+    return out
+
+
+SLICE_BACKWARD = OpInfo("slice_backward", (
+    Sample((T((6, 6)), [8, 6], [1, 0], [7, 6]), _slice_backward_ref, name="unit-stride"),
+    Sample((T((4, 2)), [8, 6], [1, 0], [8, 5], [2, 3]), _slice_backward_ref, name="strided"),
+    Sample((T((3, 2, 2), static=True), [3, 9, 4], [0, 2, 1], [3, 9, 3], [1, 4, 1]),
+           _slice_backward_ref, name="3d"),
+), FLOATS + INTS + BOOL)
+
 # Expr.inputs does not look into list arguments (ir/fusion.py), so the sharding check of any
 # fusion with cat fails; strict, so that the fix turns these into failures to remove the mark.
 CAT = OpInfo("cat", (
@@ -515,7 +529,7 @@ OP_TABLE: tuple[OpInfo, ...] = (
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
     WHERE, GELU, GELU_BACKWARD, CAST, SET,
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
-    BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, CAT,
+    BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, SLICE_BACKWARD, CAT,
     MATMUL, LINEAR, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
 )

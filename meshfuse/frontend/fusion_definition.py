@@ -21,6 +21,7 @@ from typing import Any, Self
 
 import torch
 
+from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
@@ -44,6 +45,18 @@ class FusionDefinition:
         self.sched = Schedule()
         self._defined = False
         self._runner = None
+
+    @classmethod
+    def from_fusion(cls, fusion: Fusion, runner=None) -> Self:
+        """A definition of an existing fusion (one a transformation built, such as the
+        backward from :func:`meshfuse.vjp`); it prints, explains and executes like any.
+        ``runner``: the fusion's runner, when it was already compiled."""
+        fd = cls()
+        fd.fusion = fusion
+        fd.ops = Ops(fusion)
+        fd._defined = True
+        fd._runner = runner
+        return fd
 
     # ----- the two styles ----------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -199,6 +212,31 @@ class FusionDefinition:
             self.define()
             self._runner = FusionRunner(self.fusion)
         return self._runner
+
+    def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
+                             remat: str = "recompute") -> FusionFunction:
+        """This fusion as a ``torch.autograd.Function``: a callable taking the inputs
+        ``execute`` takes and returning its outputs, whose ``backward`` runs the derived
+        backward fusion (``meshfuse.vjp``).
+
+        Args:
+            wrt: the inputs that may get gradients (default: every floating-point tensor
+                input); one gets a gradient when its tensor requires grad.
+            remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
+                in the backward, matrix products never) or ``"save"`` (every intermediate the
+                backward reads is saved).
+
+        Example:
+            >>> f = fd.as_autograd_function()
+            >>> out, = f([x.requires_grad_(), w.requires_grad_()])
+            >>> out.sum().backward()   # x.grad, w.grad: this rank's shards, laid out alike
+
+        Gradients follow DTensor's semantics of replicas: a replicated output's cotangent is
+        the same on every rank and stands for the one global cotangent; a replicated input's
+        gradient comes back complete on every rank; a sharded input's as this rank's shard.
+        """
+        self.define()
+        return FusionFunction(self.fusion, wrt, remat)
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
         """What the program does on this rank, as text; runs no kernel.

@@ -42,6 +42,7 @@ from meshfuse.ops.registry import (
     OpDef,
     OutSpec,
     ScalarMeta,
+    Vjp,
     attr,
     register,
     scalar,
@@ -213,6 +214,15 @@ def _check_sharding(expr) -> None:
             "attention is causal; the causal mask of a sequence shard is not supported yet: "
             "shard batch or heads, or gather the sequence first"
         )
+    # sdpfa_bwd runs on a shard of the keys (its query gradient is then a partial sum), but
+    # neither a causal mask nor a dropout mask knows the shard's offset.
+    k = expr.args[2 if expr.op.name == "sdpfa_bwd" else 1]
+    if device_ids(k).get(k.logical[2]) and (_arg(expr, "is_causal") is not False or
+                                            _arg(expr, "dropout_p") != 0.0):
+        raise ShardingError(
+            f"{expr.op.name}: the key sequence (axis 2) of {k.name} is sharded and the "
+            "attention is causal or drops out; gather the key/value sequence first"
+        )
     forward = _forward_of(expr)
     if expr.op.name != "sdpfa_bwd" or forward is None or _arg(expr, "dropout_p") == 0.0:
         return
@@ -225,6 +235,23 @@ def _check_sharding(expr) -> None:
             "streams of the forward cannot be replayed; schedule both alike, or use "
             "dropout_mode='global'"
         )
+
+
+def _fwd_grads(d, grads):
+    """``sdpfa_bwd`` with the saved attention output, log-sum-exp and RNG state (one call
+    gives the three gradients). Only the attention output is differentiable (as PyTorch's
+    flash attention: its log-sum-exp is a constant to autograd)."""
+    computed = []
+
+    def gradient(index: int):
+        if not computed:
+            computed.extend(d.ops.sdpfa_bwd(
+                grads[0], *(d.value(n) for n in ("q", "k", "v")), d.out(0), d.out(1),
+                d.value("dropout_p"), d.value("is_causal"), d.out(2), d.out(3),
+                d.value("scale"), d.attrs["dropout_mode"]))
+        return computed[index]
+
+    return {"q": lambda: gradient(0), "k": lambda: gradient(1), "v": lambda: gradient(2)}
 
 
 def _forward_of(expr):
@@ -274,6 +301,7 @@ register(OpDef(
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
+    vjp=Vjp(_fwd_grads, differentiable=(0,)),
     localize=_localize,
 ))
 
@@ -299,8 +327,11 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
             AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
         ]
-        if pos == 1:  # q_grad's sequence is grad_attn's too
+        if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
             axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
+            axes.append(AxisSpec(k.shape[2], IterType.Reduction, ((2, 2), (3, 2))))
+        else:  # k_grad and v_grad sum over the queries
+            axes.append(AxisSpec(q.shape[2], IterType.Reduction, ((1, 2), (0, 2), (4, 2), (5, 2))))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
@@ -361,6 +392,8 @@ register(OpDef(
      tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Backward,
+    # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
+    # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
+    partial_reduce="sum", check_sharding=_check_sharding, make_impl=_Backward,
     localize=_localize,
 ))

@@ -25,6 +25,7 @@ from meshfuse.ops.registry import (
     OpDef,
     OutSpec,
     ScalarMeta,
+    Vjp,
     attr,
     register,
     scalar,
@@ -163,6 +164,10 @@ _LIKE = {
     "randn_like": (rng.normal, 0.0, 1.0, "standard normal values shaped like x"),
 }
 
+# Random draws are constants to differentiation (``rand_like(x)`` does not depend on x's
+# values), and are saved rather than drawn again in a backward.
+RANDOM_VJP = Vjp(lambda d, grads: {}, differentiable=())
+
 for _name, ((_a, _b), _draw, _doc) in sorted(_DISTRIBUTIONS.items()):
     register(OpDef(
         _name,
@@ -170,12 +175,12 @@ for _name, ((_a, _b), _draw, _doc) in sorted(_DISTRIBUTIONS.items()):
          scalar("rng_offset", None), attr("dtype", DataType.Float)),
         _distribution_infer(_name), _sampler(_name, _draw),
         doc=f"{_doc}; the same global values whatever the sharding",
-        localize=_localize_creation,
+        localize=_localize_creation, vjp=RANDOM_VJP,
     ))
 for _name, (_draw, _a, _b, _doc) in sorted(_LIKE.items()):
     register(OpDef(
         _name, (tensor("x"), scalar("rng_seed", None), scalar("rng_offset", None)),
         _like_infer(_name), _like_sampler(_name, _draw, _a, _b),
         doc=f"{_doc}; the same global values whatever the sharding",
-        localize=_localize_like,
+        localize=_localize_like, vjp=RANDOM_VJP,
     ))
