@@ -29,6 +29,7 @@ from meshfuse.frontend.schedule import Schedule
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionDefinition:
@@ -207,11 +208,17 @@ class FusionDefinition:
 
     def _get_runner(self):
         if self._runner is None:
-            from meshfuse.runtime.runner import FusionRunner
-
             self.define()
             self._runner = FusionRunner(self.fusion)
         return self._runner
+
+    def compiled(self):
+        """The fusion as compiled for this process's world (built on first use, as
+        ``execute`` does): a :class:`~meshfuse.passes.pipeline.CompiledFusion`, whose
+        ``[tv]`` gives the compiled counterpart of a tensor of this definition (its
+        propagated sharding, the communications around it). The definition itself is never
+        changed by compiling."""
+        return self._get_runner().compiled
 
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
                              remat: str = "recompute") -> FusionFunction:
