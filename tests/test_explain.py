@@ -10,10 +10,7 @@ from mesh_helpers import MY, shard
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.explain import explain, planned_communications
-from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
-from meshfuse.passes.layout import infer_allocations
-from meshfuse.passes.propagation import propagate_shardings
-from meshfuse.passes.resharding import insert_resharding
+from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -21,11 +18,8 @@ from meshfuse.testing.utils import current_device
 def _explained(fusion, world_size: int, rank: int) -> str:
     """The compact view of ``fusion`` compiled for ``world_size`` ranks, as ``rank`` sees it
     (in this one process: explaining needs no communicator)."""
-    check_tensor_schedules(fusion, world_size)
-    propagate_shardings(fusion)
-    insert_resharding(fusion)
-    check_schedule(fusion, world_size)
-    return explain(fusion, infer_allocations(fusion), rank, world_size)
+    compiled = compile_fusion(fusion, world_size)
+    return explain(compiled.fusion, compiled.allocations, rank, world_size)
 
 
 def _mlp(mesh: DeviceMesh, tokens: int = 8) -> FusionDefinition:
@@ -204,9 +198,12 @@ def test_symbolic_extents_bound_by_the_inputs(multidevice_test):
         [c.bytes for c in ran]
 
 
-def test_verbose_adds_the_domains():
+def test_verbose_adds_the_domains_and_the_program():
     fd = _mlp(DeviceMesh([0]))
     compact, verbose = fd.explain(), fd.explain(verbose=True)
     assert verbose.startswith(compact + "\n")
     assert "outer_split(" in verbose and "outer_split(" not in compact
-    assert "slot" not in verbose
+    inputs = [torch.randn(8, 16), torch.randn(32, 16), torch.randn(16, 32)]
+    text = fd.explain(inputs, verbose=True)
+    assert "slot" not in text
+    assert text.splitlines()[-1] == "  output T5: local shape [8, 16], strides [16, 1]"
