@@ -3,6 +3,8 @@ the definition alone) against those the program runs (``record_communications``)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mesh_helpers import MY, shard
@@ -116,6 +118,13 @@ def test_the_megatron_mlp_on_two_ranks():
         "communications on rank 0:",
         "  T5 = reshard(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B",
     ])
+
+
+def test_the_readme_shows_what_explain_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("`print(fd.explain())` on rank 0 of the quick start's 2 ranks:")[1]
+    shown = shown.split("```\n")[1]
+    assert shown.rstrip("\n") == _explained(_mlp(DeviceMesh(range(2))).fusion, 2, 0)
 
 
 def test_a_2x2_mesh_with_symbolic_tokens():
