@@ -14,6 +14,7 @@ class DataType(enum.Enum):
     BFloat16 = torch.bfloat16
     Int = torch.int64
     Int32 = torch.int32
+    UInt64 = torch.uint64
     Bool = torch.bool
     ComplexFloat = torch.complex64
     ComplexDouble = torch.complex128

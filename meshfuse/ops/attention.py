@@ -17,7 +17,7 @@ sharded key/value sequence or head dim shows up as needing communication.
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
@@ -30,11 +30,18 @@ from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
+    OFFSET_SPEC,
+    SEED_SPEC,
     SHARD,
     DropoutSite,
     attention_site,
+    kernel_state,
+    no_rng_state,
     resolve_mode,
+    rng_state,
     run_in_stream,
+    seed_and_offset,
+    state_of_kernel,
 )
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
@@ -49,8 +56,6 @@ from meshfuse.ops.registry import (
     tensor,
 )
 from meshfuse.ops.shape_rules import require_tensor
-
-_RNG = OutSpec(DataType.Int, ())
 
 
 def _bhse(op: str, names: tuple[str, ...], metas) -> None:
@@ -112,48 +117,51 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
         AxisSpec(k.shape[2], IterType.Reduction, ((1, 2), (2, 2))),
         AxisSpec(q.shape[3], IterType.Reduction, ((0, 3), (1, 3))),
     )
-    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (batch, heads, seq)), _RNG, _RNG]
+    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (batch, heads, seq)), SEED_SPEC,
+            OFFSET_SPEC]
 
 
 def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
          dropout_mode=None, site: DropoutSite | None = None):
-    if float(dropout_p) > 0.0:
-        site = site or _whole_site(dropout_mode, q, k)
-        return _dropout_fwd(q, k, v, float(dropout_p), is_causal, scale, rng_seed, rng_offset,
-                            site)
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+    site = site or _whole_site(dropout_mode, q, k)
+    backend = _backend(site, q, k, v, float(dropout_p), is_causal)
+    return _forward(backend, None, q, k, v, float(dropout_p), is_causal, scale, rng_seed,
+                    rng_offset, site)
 
 
 def _whole_site(mode, q, k) -> DropoutSite:
     """The site of an attention run outside a program: the whole (unsharded) tensors."""
-    index = GlobalIndex.whole(tuple(q.shape[:3]))
-    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[2])
+    index = GlobalIndex.whole(tuple(q.shape))
+    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[-2])
 
 
-def _dropout_backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBackend:
-    if site.mode == GLOBAL:
+def _backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBackend:
+    """The global dropout mask needs the math kernel; otherwise the fastest that runs."""
+    if dropout_p > 0.0 and site.mode == GLOBAL:
         return AttentionBackend.MATH
     return select_backend(q, k, v, dropout_p, is_causal)
 
 
-def _dropout_fwd(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 site: DropoutSite):
-    """The forward with dropout: the math kernel with this shard's mask, or a fused CUDA
-    kernel drawing from this shard's stream. Returns the fused kernel's RNG state, or the
-    seed and offset for the math kernel."""
+def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
+             site: DropoutSite):
+    """One forward with ``backend``: through ``sdpa_forward`` (checked), or ``kernel``, the
+    raw kernel already bound to these inputs. With dropout, the math kernel gets this shard's
+    mask, a fused kernel draws from this shard's stream. Returns attn, log_sumexp and the RNG
+    state in nvFuser's form (see :mod:`meshfuse.ops.attention_dropout`)."""
+    scale = None if scale is None else float(scale)
+    call = kernel or functools.partial(attention_kernels.sdpa_forward, backend=backend)
+    if dropout_p == 0.0:
+        attn, lse, _, _ = call(q, k, v, dropout_p, is_causal, scale)
+        return (attn, lse, *no_rng_state(q.device))
     seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
-    backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
     if backend is AttentionBackend.MATH:
         keep = site.keep_mask(seed, offset, dropout_p, q.device)
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
-        return attn, lse, torch.tensor(seed), torch.tensor(offset)
-    return run_in_stream(site.stream(seed, offset), q.device, attention_kernels.sdpa_forward,
-                         q, k, v, dropout_p, is_causal, scale, backend)
-
-
-_NO_RNG = torch.zeros((), dtype=torch.int64)
+        return (attn, lse, *rng_state(seed, offset))
+    attn, lse, kernel_seed, kernel_offset = run_in_stream(
+        site.stream(seed, offset), q.device, call, q, k, v, dropout_p, is_causal, scale)
+    return (attn, lse, *state_of_kernel(backend, kernel_seed, kernel_offset, q.device))
 
 
 class _Forward:
@@ -162,35 +170,27 @@ class _Forward:
     draws from this shard's stream (``site``)."""
 
     def __init__(self) -> None:
-        self.kernels = {}  # dropout or not -> the bound forward kernel (None: math)
+        self.bound = {}  # dropout or not -> (backend, raw forward kernel or None for math)
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, site):
         p = float(dropout_p)
-        kernel = self.kernels.get(p > 0.0, False)
-        if kernel is False:  # first call: checked, and the kernel bound
-            self.kernels[p > 0.0] = _bound(0, q, k, v, p, is_causal, site)
+        if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
+            self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site)
             return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
-        scale = None if scale is None else float(scale)
-        if p == 0.0:
-            attn, lse, seed, offset = kernel(q, k, v, p, is_causal, scale)
-            return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
-        if kernel is None:  # the math kernel: the mask dominates, no shortcut
-            return _dropout_fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site)
-        seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
-        return run_in_stream(site.stream(seed, offset), q.device, kernel, q, k, v, p,
-                             is_causal, scale)
+        backend, kernel = self.bound[p > 0.0]
+        return _forward(backend, kernel, q, k, v, p, is_causal, scale, rng_seed, rng_offset,
+                        site)
 
 
-def _bound(which: int, q, k, v, dropout_p, is_causal, site):
-    """The raw forward (``which`` 0) or backward (1) kernel for these inputs, or None for
-    the math kernel with dropout (which needs its mask)."""
-    if dropout_p > 0.0:
-        backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
-        if backend is AttentionBackend.MATH:
-            return None
-        return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
-    return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)[1 + which]
+def _bind(which: int, q, k, v, dropout_p, is_causal, site):
+    """``(backend, kernel)``: the raw forward (``which`` 0) or backward (1) kernel for these
+    inputs, None for the math kernel with dropout (it needs its mask: the checked path)."""
+    backend = _backend(site, q, k, v, dropout_p, is_causal)
+    if dropout_p > 0.0 and backend is AttentionBackend.MATH:
+        return backend, None
+    return backend, attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal,
+                                                   backend)[1 + which]
 
 
 def _raw(expr, name: str):
@@ -277,11 +277,11 @@ def _seed_arg(expr, name: str):
 
 
 def _localize(expr, here):
-    """This rank's dropout site: its shard's position in the global ``[B, H, S, Skv]``."""
+    """This rank's dropout site: its shard's position in the global ``[..., B, H, S, Skv]``."""
     backward = expr.op.name == "sdpfa_bwd"
     mode = _bwd_mode(expr) if backward else resolve_mode("sdpfa_fwd", _arg(expr, "dropout_mode"))
     k = expr.args[2 if backward else 1]
-    kv_length = here.index(k).extents[2]
+    kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
     p = _arg(expr, "dropout_p")
     if p == 0.0:
@@ -339,26 +339,32 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
 
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
          dropout_mode=None, site: DropoutSite | None = None):
-    if float(dropout_p) > 0.0:
-        site = site or _whole_site(dropout_mode, q, k)
-        return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, float(dropout_p), is_causal,
-                            seed, offset, scale, site)
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_backward(
-        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, backend
-    )
+    site = site or _whole_site(dropout_mode, q, k)
+    backend = _backend(site, q, k, v, float(dropout_p), is_causal)
+    return _backward(backend, None, grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
+                     is_causal, seed, offset, scale, site)
 
 
-def _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, site: DropoutSite):
-    """The backward with the forward's mask: the math kernel redraws it from the forward's
-    seed and offset; a fused kernel replays the RNG state its forward returned."""
-    backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
-    mask = None
-    if backend is AttentionBackend.MATH:
-        mask = site.keep_mask(int(seed), int(offset), dropout_p, q.device)
-    return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
-                                           is_causal, seed, offset, scale, backend, mask)
+def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal,
+              seed, offset, scale, site: DropoutSite):
+    """One backward with the forward's mask: the math kernel redraws it from the forward's
+    seed and offset (and this shard's site); a fused kernel replays its forward's RNG state.
+    ``kernel``: the raw kernel bound to these inputs, or None for the checked call."""
+    scale = None if scale is None else float(scale)
+    if backend is AttentionBackend.MATH and dropout_p > 0.0:
+        mask = site.keep_mask(*seed_and_offset(seed, offset), dropout_p, q.device)
+        return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
+                                               dropout_p, is_causal, seed, offset, scale,
+                                               backend, mask)
+    seed, offset = kernel_state(backend, seed, offset, dropout_p, q.device)
+    if kernel is None:
+        return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
+                                               dropout_p, is_causal, seed, offset, scale,
+                                               backend)
+    if grad_attn.stride(-1) != 1:
+        grad_attn = grad_attn.contiguous()
+    return kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
+                  scale)
 
 
 class _Backward:
@@ -366,23 +372,18 @@ class _Backward:
     the first call; a fused kernel replays the RNG state its forward returned."""
 
     def __init__(self) -> None:
-        self.kernels = {}  # dropout or not -> the bound backward kernel (None: math)
+        self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, site):
         p = float(dropout_p)
-        kernel = self.kernels.get(p > 0.0, False)
-        if kernel is False:
-            self.kernels[p > 0.0] = _bound(1, q, k, v, p, is_causal, site)
+        if (p > 0.0) not in self.bound:
+            self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
                         site=site)
-        if kernel is None:
-            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed,
-                                offset, scale, site)
-        if grad_attn.stride(-1) != 1:
-            grad_attn = grad_attn.contiguous()
-        return kernel(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset,
-                      None if scale is None else float(scale))
+        backend, kernel = self.bound[p > 0.0]
+        return _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, p, is_causal,
+                         seed, offset, scale, site)
 
 
 register(OpDef(
