@@ -28,13 +28,12 @@ from collections.abc import Sequence
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, partial_reduce_op
 from meshfuse.ir.layout import derived_extents, local_indices
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.binding import device_coords
-from meshfuse.runtime.resharding import partial_reduce_op
 
 MAX_BLOCKS = 16  # blocks drawn along one axis in the text; the rest is elided
 

@@ -341,11 +341,6 @@ SCHEDULE_CASES: Cases = {}
 schedule_case = _registrar(SCHEDULE_CASES)
 
 
-@schedule_case("split factor 4", "extent 6", "axis 1", "T0", "divisor")
-def split_does_not_divide(fd):
-    matrix(fd).split(1, 4)
-
-
 @schedule_case("factor must be a positive int", "0")
 def split_by_zero(fd):
     matrix(fd).outer_split(0, 0)

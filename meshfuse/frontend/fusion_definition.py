@@ -203,6 +203,11 @@ class FusionDefinition:
                 overhead. Inputs are copied in and outputs copied out, so results are never
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
+                ``compile=True`` runs each run of fusible ops (pointwise, reductions, shape
+                ops) as one segment compiled by ``torch.compile`` (Inductor), cached per input
+                signature; a string names another torch.compile backend; ``False`` the
+                interpreter; the default comes from ``MESHFUSE_COMPILE`` (``0``). See
+                docs/fusion.md.
         """
         return self._get_runner().execute(inputs, **options)
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.frontend.composites import COMPOSITES
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
@@ -37,6 +38,9 @@ class Ops:
         self._fusion = fusion
 
     def __getattr__(self, name: str):
+        if name in COMPOSITES:  # written with the ops below (meshfuse.frontend.composites)
+            composite = COMPOSITES[name]
+            return lambda *args, **kwargs: composite(self, *args, **kwargs)
         op = registry.lookup(name)
 
         def call(*args, **kwargs):
@@ -47,7 +51,7 @@ class Ops:
         return call
 
     def __dir__(self):
-        return sorted(registry.REGISTRY)
+        return sorted([*registry.REGISTRY, *COMPOSITES])
 
 
 def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:

@@ -173,7 +173,9 @@ class TensorView(Val):
 
         With ``inner_split=True`` the inner ID has extent ``factor``; with ``False`` the outer
         one does. Example, outer split of axis 1 by 2: ``[iB{2}, iH{12}]`` becomes
-        ``[iB{2}, i{2}, i{6}]``. ``factor`` must divide a static extent.
+        ``[iB{2}, i{2}, i{6}]``. ``factor`` need not divide the extent: the other part gets
+        ``ceil(extent / factor)``, and a device-parallel part shards the axis unevenly as
+        DTensor's ``Shard`` does (12 over 5 devices: 3, 3, 3, 3, 0; see ``ir/layout.py``).
         """
         pos = self._loop_pos(axis)
         old = self.loop[pos]
@@ -181,12 +183,6 @@ class TensorView(Val):
             raise ScheduleError(
                 f"split of axis {axis} of {self.name}: factor must be a positive int, "
                 f"got {factor!r}"
-            )
-        if old.extent is not None and old.extent % factor != 0:
-            raise ScheduleError(
-                f"split factor {factor} does not divide extent {old.extent} of axis {axis} of "
-                f"{self.name}; choose a divisor of {old.extent} (uneven sharding is not "
-                "supported yet)"
             )
         if old in self.parallel:
             raise ScheduleError(

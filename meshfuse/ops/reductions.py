@@ -134,11 +134,30 @@ def _default_dtype(name: str, dtype: DataType) -> DataType:
 
 
 def _amax(x, dims, keepdim):
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        return _identity_of(x, dims, keepdim, largest=False)
     return torch.amax(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
 
 
 def _amin(x, dims, keepdim):
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        return _identity_of(x, dims, keepdim, largest=True)
     return torch.amin(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
+
+
+def _identity_of(x: torch.Tensor, dims, keepdim: bool, largest: bool) -> torch.Tensor:
+    """The max (``largest=False``) or min reduction of a local shard that holds no element
+    of the reduced axes (an uneven shard): the reduction's identity, which the reduction
+    over the shards ignores."""
+    shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    if x.dtype.is_floating_point:
+        fill = float("inf") if largest else float("-inf")
+    elif x.dtype == torch.bool:
+        fill = largest
+    else:
+        info = torch.iinfo(x.dtype)
+        fill = info.max if largest else info.min
+    return torch.full(shape, fill, dtype=x.dtype, device=x.device)
 
 
 def _prod(x, dims, keepdim):

@@ -128,15 +128,19 @@ def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView
 
 
 def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) -> bool:
-    """True if ``ref_id`` is block-sharded by one outer split whose factor also divides
-    ``target_id`` (an axis of another extent that a reshape maps to it)."""
+    """True if ``ref_id`` is block-sharded by one outer split whose factor divides both
+    ``ref_id`` and ``target_id`` (an axis of another extent that a reshape maps to it): only
+    even blocks of both hold the same elements (6 rows over 4 devices go 2, 2, 2, 0, the 12
+    elements they make go 3, 3, 3, 3)."""
     splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
               _subtree(ref, ref_id)]
     if len(splits) != 1 or splits[0].inner_split or splits[0].in_id is not ref_id:
         return False
     if not ref.parallel_type(splits[0].outer).is_device:
         return False
-    return target_id.extent is not None and target_id.extent % splits[0].factor == 0
+    factor = splits[0].factor
+    return target_id.extent is not None and target_id.extent % factor == 0 and \
+        (ref_id.extent is None or ref_id.extent % factor == 0)
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:

@@ -130,13 +130,6 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
         )
     if outs and any(t.mesh != outs[0].mesh for t in ins):
         # The op runs where its outputs live; inputs from other meshes are moved there.
-        if any(t.mesh.ndim != 1 for t in ins + outs):
-            meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in ins + outs)
-            raise ShardingError(
-                f"{format_expr(expr)}: its tensors live on different meshes ({meshes}); moving "
-                "tensors between meshes is supported for 1-D meshes only: use 1-D meshes or "
-                "one mesh"
-            )
         for inp in ins:
             want = _needed_input(expr, outs, inp)
             if not same_sharding(inp, want):

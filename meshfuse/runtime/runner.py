@@ -25,7 +25,7 @@ from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
-from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
@@ -36,14 +36,17 @@ from meshfuse.runtime.binding import (
     check_input_values,
     check_strides,
     device_coords,
+    global_shape,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
+from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.resharding import lower_step, plan_resharding
+from meshfuse.runtime.reshard_lowering import lower_step
+from meshfuse.runtime.resharding import plan_resharding
 
 
 class FusionRunner:
@@ -60,7 +63,9 @@ class FusionRunner:
         self.allocations = self.compiled.allocations
         self.world_size = world
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
+        self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
+        self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
@@ -77,7 +82,7 @@ class FusionRunner:
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         if program is not None:
-            text = "\n".join([text, *_random_streams(program)])
+            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -86,30 +91,56 @@ class FusionRunner:
         return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False) -> list[torch.Tensor]:
+                cuda_graph: bool = False, compile: bool | str | None = None
+                ) -> list[torch.Tensor]:
         key = _signature(inputs)
         if check_ranks is None:
             check_ranks = self.check_ranks
         if check_ranks and self.communicator is not None:
-            self._check_across_ranks(key)
+            self._check_across_ranks(inputs)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs))
+        backend = self.compile if compile is None else compile_setting(compile)
+        if backend is not None:
+            fused = self._fused.get((key, backend))
+            if fused is None:
+                fused = self._fused[key, backend] = self._fuse(program, backend)
+            program = fused[0]
         if not cuda_graph:
             return program.run(inputs)
-        graph_key = (key, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
+        graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
         if graphed is None:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
 
-    def _check_across_ranks(self, key: tuple) -> None:
-        """Every rank's inputs agree in kind, dtype and local shape (an input a rank does not
-        hold, being outside its mesh, is left out); else InputError on every rank."""
+    @staticmethod
+    def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
+        stats = CompileStats()
+        return fuse_program(program, backend, stats), stats
+
+    def _fusion_lines(self, key: tuple) -> list[str]:
+        """explain's lines on fused segments (once ``execute`` compiled them for ``key``): how
+        many, and their first-call compile time."""
+        lines = []
+        for (k, backend), (program, stats) in self._fused.items():
+            if k != key:
+                continue
+            segments = [s for s in program.steps if s.op == FUSED]
+            lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
+                         f"steps; {stats.describe()}")
+        return lines
+
+    def _check_across_ranks(self, inputs: Sequence[Any]) -> None:
+        """Every rank's inputs agree in kind, dtype and global shape (uneven shards differ in
+        local shape; an input a rank does not hold, being outside its mesh, is left out);
+        else InputError on every rank."""
         held = [not isinstance(v, TensorView) or held_here(v, self.rank)
                 for v in self.fusion.inputs()]
-        mine = tuple(k if h else None for k, h in zip(_comparable(key), held))
+        mine = tuple(_comparable(v, x) if h else None
+                     for v, x, h in zip(self.fusion.inputs(), inputs, held))
         keys = self.communicator.allgather_object(mine)
         counts = {len(k) for k in keys}
         if len(counts) > 1:
@@ -129,8 +160,8 @@ class FusionRunner:
                     what = f"{len(b[1])} axes (rank {r0} has {len(a[1])})"
                 else:
                     axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
-                    what = (f"local extent {b[1][axis]} on axis {axis} (rank {r0} has "
-                            f"{a[1][axis]})")
+                    what = (f"a shard of global extent {b[1][axis]} on axis {axis} (rank "
+                            f"{r0}'s is of {a[1][axis]})")
             raise InputError(
                 f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
                 "its shard of the same global tensors"
@@ -181,7 +212,7 @@ class FusionRunner:
             resolved(x)  # a rank that only sends ends its part here
             return None
 
-        text = "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
+        text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
         return reshard, tuple(s.step for s in lowered), text
 
 
@@ -224,6 +255,20 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
 
 
+def compile_setting(value: bool | str | None) -> str | None:
+    """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
+    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1", else the
+    backend it names ("aot_eager" runs the same lowering without generating kernels)."""
+    if value in (None, False, "0", "", "false", "False"):
+        return None
+    if value in (True, "1", "true", "True"):
+        return "inductor"
+    if isinstance(value, str):
+        return value
+    raise InputError(f"execute(compile={value!r}): pass True, False or a torch.compile "
+                     "backend name such as 'inductor'")
+
+
 def _signature(inputs: list) -> tuple:
     return tuple(
         (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
@@ -232,7 +277,14 @@ def _signature(inputs: list) -> tuple:
     )
 
 
-def _comparable(key: tuple) -> tuple:
-    return tuple(
-        (str(k[0]), k[1]) if isinstance(k, tuple) else k.__name__ for k in key
-    )
+def _comparable(v: Val, x: Any) -> tuple | str:
+    """What ranks must agree on about input ``x`` of ``v``: a tensor's dtype and global
+    shape (as this rank's shard implies it), else the kind of value."""
+    if isinstance(x, torch.Tensor) and isinstance(v, TensorView) and x.ndim == v.ndim:
+        try:
+            return (str(x.dtype), global_shape(v, x))
+        except InputError:  # reported with this rank's own check
+            pass
+    if isinstance(x, torch.Tensor):
+        return (str(x.dtype), tuple(x.shape))
+    return type(x).__name__
