@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.explain import explain
+from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
@@ -86,7 +86,9 @@ class FusionRunner:
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
-        return "\n".join(parts + ([program.describe()] if program is not None else []))
+        if program is not None:
+            parts.append(describe_program(program, self.fusion.outputs()))
+        return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False, compile: bool | str | None = None
