@@ -49,8 +49,8 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None,
                launcher_size: int | None = None) -> argparse.Namespace:
-    """The demo's options, checked: every size positive, ``embed`` a multiple of ``heads``,
-    ``heads`` a multiple of the rank count (the heads are split evenly over the ranks).
+    """The demo's options, checked: every size positive, ``embed`` a multiple of ``heads``
+    (any head count splits over any rank count: the shards are uneven where it must be).
 
     ``launcher_size`` is the world size a launcher started (None without one). Exits with
     code 2 and one line on stderr on a bad argument.
@@ -77,10 +77,6 @@ def parse_args(argv: Sequence[str] | None = None,
     if launcher_size is None and gpus and (args.nproc or 0) > gpus:
         p.error(f"--nproc {args.nproc}, but this host has {gpus} GPUs (one rank per GPU); "
                 f"choose --nproc of at most {gpus}")
-    ranks = launcher_size or args.nproc or default_nproc()
-    if args.heads % ranks:
-        p.error(f"--heads {args.heads} cannot be split evenly over {ranks} ranks; choose "
-                f"--heads a multiple of {ranks} or --nproc dividing {args.heads}")
     return args
 
 

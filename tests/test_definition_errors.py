@@ -18,6 +18,7 @@ import torch
 from meshfuse import (
     DataType,
     DefinitionError,
+    DeviceMesh,
     ExecutionError,
     FusionDefinition,
     InputError,
@@ -358,9 +359,14 @@ def merge_axes_not_adjacent(fd):
     cube(fd).merge(0, 2)
 
 
-@schedule_case("axis 0", "T0", "broadcast axis", "DIDx")
+@schedule_case("axis 0", "T0", "broadcast axis", "DIDx", "one device")
 def parallelize_a_broadcast_axis(fd):
-    matrix(fd, (1, 6)).parallelize(0, ParallelType.mesh_x)
+    """Legal over a mesh axis of one device (nvFuser's d == 1), not over two."""
+    x = matrix(fd, (1, 6))
+    x.set_device_mesh(DeviceMesh([0, 1]))
+    x.parallelize(0, ParallelType.mesh_x)
+    fd.add_output(fd.ops.relu(x))
+    fd.execute([torch.randn(1, 6)])
 
 
 @schedule_case("DIDx", "used twice", "T0")

@@ -105,13 +105,14 @@ def test_sharded_compiled_program_matches_interpreter_and_communicates_alike(mul
     fd = _LinearThenSoftmax(mesh)
     fd.define()
     x, w = _inputs()
-    inputs = [shard_tensor(x, fd.x, rank), shard_tensor(w, fd.w, rank)]
+    inputs = [shard_tensor(t, tv, rank).to(multidevice_test.device)
+              for t, tv in ((x, fd.x), (w, fd.w))]
     with record_communications() as eager_comms:
         want, = fd.execute(inputs, compile=False)
     with record_communications() as fused_comms:
         got, = fd.execute(inputs, compile=BACKEND)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.cpu(), _reference(x, w), rtol=1e-5, atol=1e-6)
     assert [c.kind for c in fused_comms] == [c.kind for c in eager_comms] == \
         ["allreduce"] * int(multidevice_test.size > 1)
     (program, stats), = fd._get_runner()._fused.values()

@@ -64,8 +64,8 @@ def _meshfuse_bytes(mesh: DeviceMesh, src: tuple, dst: tuple, rank: int, g: torc
     lead = 1
     for m in partial:
         lead *= mesh.shape[m]
-    full = torch.randn(lead, *SHAPE, generator=torch.Generator().manual_seed(1))
-    full = (full / lead + (g / lead)).to(current_device()) if partial else g
+    full = torch.randn(lead, *SHAPE, generator=torch.Generator().manual_seed(1)).to(g.device)
+    full = full / lead + (g / lead) if partial else g
     with FusionDefinition() as fd:
         x = fd.define_tensor(list(full.shape), dtype=DataType.Float)
         y = fd.ops.set(fd.ops.sum(x, dims=[0]) if partial else x)

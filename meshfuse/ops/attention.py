@@ -12,10 +12,13 @@ position; ``dropout_mode="global"`` makes the mask a function of the global posi
 q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
 ``[DIDx, b, h, s, e]``) are batch-like and come first in every output too (without dropout).
 
-Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the
-gradients; the query sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
-contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn, so a
-sharded key/value sequence or head dim shows up as needing communication.
+Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the gradients; the query
+sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
+contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn; in the
+backward, q_grad reduces over the key/value sequence and k_grad, v_grad over the query
+sequence. The sharding rule (``_whole_axes``) says which input axes the kernels need whole;
+the engine gathers them, so a sequence-sharded non-causal attention computes its local query
+rows against all keys, and its key/value gradients are partial sums over the query shards.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ir.layout import device_ids
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
@@ -260,6 +262,38 @@ def _bind(which: int, q, k, v, dropout_p, is_causal, site):
                                                    backend)[1 + which]
 
 
+def _whole_axes(expr) -> set:
+    """The input axes attention computes on whole (its sharding rule): the head dims and,
+    in the forward, the key/value sequence (a softmax over them is not a sum of the shards'
+    results); with a causal mask, or one not known before execute, the query sequence too (a
+    shard's mask would need its offset). Batch and heads shard freely; so does the query
+    sequence of non-causal attention, whose backward then sums the key/value gradients of
+    the query shards (their reduction over the query sequence is a partial result), and the
+    key sequence of a backward without mask or dropout (q_grad is then the partial sum)."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    q, k, v = args["q"], args["k"], args["v"]
+    lead = len(q.materialized()) - 4  # leading axes before [b, h, s, e]
+    seq, dim = lead + 2, lead + 3
+
+    def axis(t, a):
+        return t.materialized()[a]
+
+    whole = {axis(k, seq), axis(v, seq), axis(q, dim), axis(k, dim)}
+    rows = [q]
+    causal = _arg(expr, "is_causal") is not False
+    if expr.op.name == "sdpfa_bwd":
+        grad, attn = args["grad_attn"], args["attn"]
+        whole |= {axis(v, dim), axis(grad, dim), axis(attn, dim)}
+        rows += [grad, attn, args["log_sumexp"]]
+        if not causal and _arg(expr, "dropout_p") == 0.0:
+            # On a key shard q_grad is a partial sum (the log-sum-exp makes each block's
+            # probabilities exact); neither mask knows a key shard's offset.
+            whole -= {axis(k, seq), axis(v, seq)}
+    if causal:
+        whole |= {axis(t, seq) for t in rows}
+    return whole
+
+
 def _raw(expr, name: str):
     """The argument ``name`` of ``expr`` as given (a Val or a Python value)."""
     return expr.args[[p.name for p in expr.op.params].index(name)]
@@ -272,26 +306,8 @@ def _arg(expr, name: str):
 
 
 def _check_sharding(expr) -> None:
-    """A sharded query sequence needs a mask offset in causal attention (not supported yet);
-    a backward with per-shard dropout streams must be sharded as its forward was."""
+    """A backward with per-shard dropout streams must be sharded as its forward was."""
     q = expr.args[1 if expr.op.name == "sdpfa_bwd" else 0]
-    if _arg(expr, "is_causal") is not False and device_ids(q).get(q.logical[-2]):
-        raise ShardingError(
-            f"{expr.op.name}: the query sequence (axis {len(q.logical) - 2}) of {q.name} is "
-            "sharded and the "
-            "attention is causal; the causal mask of a sequence shard is not supported yet: "
-            "shard batch or heads, or gather the sequence first"
-        )
-    # sdpfa_bwd runs on a shard of the keys (its query gradient is then a partial sum), but
-    # neither a causal mask nor a dropout mask knows the shard's offset.
-    k = expr.args[2 if expr.op.name == "sdpfa_bwd" else 1]
-    if device_ids(k).get(k.logical[-2]) and (_arg(expr, "is_causal") is not False or
-                                             _arg(expr, "dropout_p") != 0.0):
-        raise ShardingError(
-            f"{expr.op.name}: the key sequence (axis {len(k.logical) - 2}) of {k.name} is "
-            "sharded and the "
-            "attention is causal or drops out; gather the key/value sequence first"
-        )
     forward = _forward_of(expr)
     if expr.op.name != "sdpfa_bwd" or forward is None or _arg(expr, "dropout_p") == 0.0:
         return
@@ -328,8 +344,9 @@ def _forward_of(expr):
     """The ``sdpfa_fwd`` whose seed an ``sdpfa_bwd`` reads, or None."""
     seed = _arg(expr, "seed") if expr.op.name == "sdpfa_bwd" else None
     forward = getattr(seed, "definition", None)
+    while forward is not None and (forward.op is None or forward.op.name == "set"):
+        forward = getattr(forward.args[0], "definition", None)  # through copies of the seed
     return forward if forward is not None and forward.op.name == "sdpfa_fwd" else None
-
 
 def _bwd_mode(expr) -> str:
     """The backward's dropout mode: its own, else its forward's, else the default."""
@@ -370,8 +387,8 @@ register(OpDef(
      scalar("rng_offset", None), attr("dropout_mode", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
-    vjp=Vjp(_fwd_grads, differentiable=(0,)),
+    partial_reduce=None, whole_axes=_whole_axes, check_sharding=_check_sharding,
+    make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
     localize=_localize,
 ))
 
@@ -391,19 +408,24 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
                 f"sdpfa_bwd: sequence (axis -2) of {name} is {m.shape[-2]} but q's is "
                 f"{q.shape[-2]}"
             )
-    queries = ((1, n - 2), (0, n - 2), (4, n - 2), (5, n - 2))
+    # Batch-like axes (leading, batch, heads) are one axis of all six tensors: a gradient's
+    # map lists them all (its own tensor first), so the outputs agree on how they are sharded.
+    tensors = (1, 2, 3, 0, 4, 5)
+    query_rows = ((1, n - 2), (0, n - 2), (4, n - 2), (5, n - 2))  # q, grad_attn, attn, lse
 
     def grad_of(pos: int, meta):
-        axes = _batch_axes(meta, (pos, 0, 4, 5))
+        axes = [AxisSpec(meta.shape[a], IterType.Iteration,
+                         ((pos, a),) + tuple((t, a) for t in tensors if t != pos))
+                for a in range(n - 2)]
         if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
-            axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, queries))
+            axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, query_rows))
         else:
             axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, ((pos, n - 2),)))
         axes.append(AxisSpec(meta.shape[-1], IterType.Iteration, ((pos, n - 1),)))
         if pos == 1:
             axes.append(AxisSpec(k.shape[-2], IterType.Reduction, ((2, n - 2), (3, n - 2))))
         else:  # k_grad and v_grad sum over the queries
-            axes.append(AxisSpec(q.shape[-2], IterType.Reduction, queries))
+            axes.append(AxisSpec(q.shape[-2], IterType.Reduction, query_rows))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
@@ -472,6 +494,7 @@ register(OpDef(
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
     # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
-    partial_reduce="sum", check_sharding=_check_sharding, make_impl=_Backward,
+    partial_reduce="sum", whole_axes=_whole_axes, check_sharding=_check_sharding,
+    make_impl=_Backward,
     localize=_localize,
 ))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.explain import explain
+from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
@@ -86,7 +86,9 @@ class FusionRunner:
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
-        return "\n".join(parts + ([program.describe()] if program is not None else []))
+        if program is not None:
+            parts.append(describe_program(program, self.fusion.outputs()))
+        return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False, compile: bool | str | None = None
@@ -182,7 +184,7 @@ class FusionRunner:
         None when no data moves. ``donated``: its input is dead afterwards (not an input or
         output of the fusion, no later use), so its first step may reuse the buffer."""
         src, dst = expr.args[0], expr.outputs[0]
-        if src.mesh is None or not src.logical:
+        if src.mesh is None:
             return None
         steps = plan_resharding(src, dst, binding.extents)
         if not steps:
