@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from fuzz_runner import generate, run_program
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
@@ -349,3 +350,15 @@ def test_var_mean_then_attention_on_its_size_1_axes(multidevice_test):
 
     _check(multidevice_test, define, schedule, reference, [[2, 2, 8, 4], [1, 1, 8, 1]],
            rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", [1054, 1095, 1955])
+def test_attention_rng_state_moved_between_meshes(multidevice_test, seed):
+    """Fuzzer seeds whose attention RNG state (uint64) is broadcast to another mesh: gloo has
+    no uint64, so the bits travel as int64 (an untyped gloo error before)."""
+    if multidevice_test.size != 4:
+        pytest.skip("the programs of these seeds were drawn for 4 ranks")
+    outcome = run_program(generate(seed, 4, None), multidevice_test.rank,
+                          multidevice_test.device)
+    assert outcome.kind == "match", outcome.detail

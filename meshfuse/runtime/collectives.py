@@ -313,5 +313,7 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     """``x`` of the member at coordinate ``root`` on every member (``x`` gives the shape)."""
     out = x.contiguous().clone()
     _record("broadcast", group, out)
-    dist.broadcast(out, src=group.ranks[root], group=group.process_group)
+    # gloo has no unsigned 64-bit type (attention's RNG state is uint64): move the bits as int64.
+    wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
+    dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out
