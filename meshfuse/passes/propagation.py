@@ -31,8 +31,7 @@ from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import logical_root
-from meshfuse.ir.tensor_view import Allocation, TensorView
-from meshfuse.ir.verifier import check_allocation
+from meshfuse.ir.tensor_view import Allocation, TensorView, check_allocation
 
 
 def propagate_shardings(fusion: Fusion) -> set[TensorView]:
