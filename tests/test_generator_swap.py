@@ -87,7 +87,7 @@ def _fake_flash(device):
 def test_fused_dropout_draws_one_stream_per_shard_position(device):
     kernel = _fake_flash(device)
     first, second = (FusedDropout(_site(h), AttentionBackend.FLASH, torch.device(device))
-                     for h in (range(0, 4), range(4, 8)))
+                     for h in (range(4), range(4, 8)))
     a = first.forward(kernel, 99, 3)[0]
     assert torch.equal(first.forward(kernel, 99, 3)[0], a)  # the same seed: the same mask
     assert not torch.equal(second.forward(kernel, 99, 3)[0], a)  # another shard
