@@ -356,6 +356,7 @@ def test_cudnn_lse_layout(monkeypatch):
     assert lse4.shape == (2, 4, 128, 1) and lse4.data_ptr() == lse.data_ptr()
     assert ak._cudnn_lse(lse.transpose(1, 2).contiguous().transpose(1, 2), q, k, v,
                          attn, ragged=False).is_contiguous()
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", raising=False)
     assert not ak._cudnn_ragged()
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
     assert ak._cudnn_ragged()
