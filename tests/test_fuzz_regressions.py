@@ -380,6 +380,7 @@ class Seed:
     seed: int
     world_size: int
     was: str
+    open: bool = False  # still failing: expected to fail (strict) until fixed
 
 
 SEEDS: dict[str, Seed] = {
@@ -392,10 +393,20 @@ SEEDS: dict[str, Seed] = {
         "k whole)"),
     "attention_backward_input_needs-1158": Seed(1158, 4, "as 1558"),
     "attention_backward_input_needs-1506": Seed(1506, 4, "as 1558, on the 2x2 mesh"),
+    # Open: found by the last long run, not fixed yet. Both reshard a tensor out of a cyclic
+    # split of an axis the mesh axis does not divide (3 over 4; 3 over 2) before a where.
+    "open_uneven_cyclic_resharded-2308": Seed(
+        2308, 4, "silent mismatch: where(gt(x), a, b), x cyclic on an axis of 3 over 4 ranks, "
+        "the output split twice", open=True),
+    "open_uneven_cyclic_resharded-4096": Seed(
+        4096, 4, "silent mismatch: where(gt(s), max(x), s), x cyclic on an axis of 3 over the "
+        "2x2 mesh's 2", open=True),
 }
 
 
-@pytest.mark.parametrize("name", list(SEEDS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=s.was)) if s.open else n
+    for n, s in SEEDS.items()])
 def test_fuzz_seed(multidevice_test, name):
     seed = SEEDS[name]
     if multidevice_test.size != seed.world_size:
