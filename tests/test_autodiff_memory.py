@@ -48,7 +48,11 @@ def _mlp_inputs(size: int, rank: int):
 
 
 @pytest.mark.mpi
-def test_derived_mlp_backward_peaks_no_higher_than_the_hand_written_one(multidevice_test):
+def test_derived_mlp_backward_peaks_no_higher_than_the_hand_written_one(multidevice_test,
+                                                                      monkeypatch):
+    # The check that ranks pass agreeing inputs exchanges pickled bytes (tensors of a size
+    # that varies by rank) in each execute: not the program's memory.
+    monkeypatch.setenv("MESHFUSE_CHECK_RANKS", "0")
     size, rank = multidevice_test.size, multidevice_test.rank
     x, dz, w1, w2 = _mlp_inputs(size, rank)
     mesh = meshfuse.DeviceMesh(range(size)) if size > 1 else None
