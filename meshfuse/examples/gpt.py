@@ -273,12 +273,14 @@ def torch_block(x: torch.Tensor, p: dict[str, torch.Tensor], heads: int) -> torc
     return x + F.linear(f, p["w_fc2"], p["b_fc2"])
 
 
-def init_parameters(embed: int, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Global initial values: layer norms near (1, 0), weights scaled by 1/sqrt(fan_in)."""
-    gen = torch.Generator().manual_seed(seed)
+def init_parameters(embed: int, seed: int = 0, dtype=torch.float32,
+                    device=None) -> dict[str, torch.Tensor]:
+    """Global initial values: layer norms near (1, 0), weights scaled by 1/sqrt(fan_in);
+    drawn on ``device`` (default the CPU; the same values on every rank of one device type)."""
+    gen = torch.Generator(device or "cpu").manual_seed(seed)
     result = {}
     for name, shape in parameter_shapes(embed).items():
-        x = torch.randn(shape, generator=gen)
+        x = torch.randn(shape, generator=gen, device=device)
         if name.startswith("ln"):
             x = (1 + 0.1 * x) if name.endswith("_w") else 0.1 * x
         elif name.startswith("w"):
