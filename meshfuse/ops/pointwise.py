@@ -21,6 +21,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ops.registry import (
+    AxisSpec,
     OpDef,
     OutSpec,
     ScalarMeta,
@@ -31,7 +32,13 @@ from meshfuse.ops.registry import (
     register,
     tensor,
 )
-from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor, same_axes
+from meshfuse.ops.shape_rules import (
+    broadcast_axes,
+    carried_partials,
+    promote,
+    require_tensor,
+    same_axes,
+)
 
 # Unary ops whose result is floating point (integer inputs promote to the default float).
 UNARY_FLOAT = {
@@ -290,13 +297,24 @@ def check_dtype(op: str, dtype: DataType) -> DataType:
     return dtype
 
 
+def linear_partials(name: str, args: list) -> tuple[AxisSpec, ...]:
+    """The reduction axes an op carries from its arguments' partial sums, where it is linear
+    in its tensor arguments (see :func:`~meshfuse.ops.shape_rules.carried_partials`):
+    ``add``, ``sub``, ``neg``, and ``mul`` or ``div`` of a tensor by a number or scalar."""
+    tensors = [a for a in args if isinstance(a, TensorMeta)]
+    if name in ("add", "sub", "neg"):
+        return carried_partials(args)
+    scaled = name == "mul" or (name == "div" and isinstance(args[0], TensorMeta))
+    return carried_partials(tensors) if scaled and len(tensors) == 1 else ()
+
+
 def _unary(name: str, fn, float_result: bool) -> OpDef:
     def infer(x):
         if not isinstance(x, TensorMeta):  # a scalar: a 0-d tensor of its dtype
             x = TensorMeta((), (), promote(x))
         check_dtype(name, x.dtype)
         dtype = result_dtype(name, _float_of(x.dtype) if float_result else x.dtype)
-        return [OutSpec(dtype, same_axes(0, x))]
+        return [OutSpec(dtype, same_axes(0, x) + linear_partials(name, [x]))]
 
     impl = _as_tensor(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn)
     kind = "floating-point" if float_result else "dtype-preserving"
@@ -306,7 +324,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
 
 def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
     def infer(a, b):
-        axes = broadcast_axes(name, [a, b])
+        axes = broadcast_axes(name, [a, b]) + linear_partials(name, [a, b])
         dtype = check_dtype(name, promote(a, b))
         if name in FLOAT_RESULT:
             dtype = _float_of(dtype)
