@@ -58,9 +58,10 @@ class Gpt3Block(torch.nn.Module):
     def __init__(self, params: dict[str, torch.Tensor], heads: int) -> None:
         super().__init__()
         e = params["w_q"].shape[1]
-        self.ln1, self.ln2 = torch.nn.LayerNorm(e, eps=EPS), torch.nn.LayerNorm(e, eps=EPS)
-        self.attention, self.mlp = _Attention(e, heads), _Mlp(e)
-        self.to(device=params["w_q"].device, dtype=params["w_q"].dtype)
+        with torch.device(params["w_q"].device):  # not 7 GB of float32 on the host first
+            self.ln1, self.ln2 = torch.nn.LayerNorm(e, eps=EPS), torch.nn.LayerNorm(e, eps=EPS)
+            self.attention, self.mlp = _Attention(e, heads), _Mlp(e)
+        self.to(dtype=params["w_q"].dtype)
         linears = {**{n: getattr(self.attention, n) for n in "qkvo"},
                    "fc1": self.mlp.fc1, "fc2": self.mlp.fc2}
         with torch.no_grad():

@@ -30,17 +30,20 @@ QUICK_SIZES = {"b": 1, "s": 16, "h": 4, "e": 32}
 LAYER_TOL = 5e-2  # bf16 relative error of y and dx against the one-GPU layer
 
 
+def _one_gpu_reference(params, heads: int, x, dy) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` and ``dx`` of the unsharded layer (the parameters' gradients are let go)."""
+    block = Gpt3Block(params, heads)
+    y, grads = autograd_step(block, [x], dy, block.parameters())()
+    return y.detach(), grads[0]
+
+
 def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Variant]:
     """The case's variants; ``x``, ``dy`` and ``params`` are global (the same on every rank)."""
     b, s, e, heads = sizes["b"], sizes["s"], sizes["e"], sizes["h"]
     mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
     mf_dtype = meshfuse.DataType.from_torch(dtype)
-    # The one-GPU layer's y and dx, for the checks (made before any variant: the same
-    # leftover for all of them).
-    block = Gpt3Block(params, heads)
-    ref_y, (ref_dx, *_) = autograd_step(block, [x], dy, block.parameters())()
-    ref_y = ref_y.detach()
-    del block
+    # For the checks, made before any variant: the same leftover for all of them.
+    ref_y, ref_dx = _one_gpu_reference(params, heads, x, dy)
 
     def check(what, tv_y, tv_x, y, dx):
         check_close(f"{what} vs the one-GPU layer", [y, dx],
