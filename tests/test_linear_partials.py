@@ -50,7 +50,7 @@ def _run(fd, inputs, rank):
 
 def test_linear_ops_carry_their_arguments_reduction_axes():
     with FusionDefinition() as fd:
-        inputs, (p, q) = _products(fd)
+        _, (p, q) = _products(fd)
         x = fd.define_tensor([M, N], dtype=DataType.Float)
         carried = [fd.ops.add(p, q), fd.ops.sub(p, q), fd.ops.neg(p), fd.ops.mul(p, 2.0),
                    fd.ops.mul(0.5, p), fd.ops.div(p, 3.0)]
