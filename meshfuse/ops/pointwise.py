@@ -298,14 +298,12 @@ def check_dtype(op: str, dtype: DataType) -> DataType:
 
 
 def linear_partials(name: str, args: list) -> tuple[AxisSpec, ...]:
-    """The reduction axes an op carries from its arguments' partial sums, where it is linear
-    in its tensor arguments (see :func:`~meshfuse.ops.shape_rules.carried_partials`):
-    ``add``, ``sub``, ``neg``, and ``mul`` or ``div`` of a tensor by a number or scalar."""
-    tensors = [a for a in args if isinstance(a, TensorMeta)]
-    if name in ("add", "sub", "neg"):
-        return carried_partials(args)
-    scaled = name == "mul" or (name == "div" and isinstance(args[0], TensorMeta))
-    return carried_partials(tensors) if scaled and len(tensors) == 1 else ()
+    """The reduction axes ``add`` and ``sub`` carry from their arguments' partial sums (see
+    :func:`~meshfuse.ops.shape_rules.carried_partials`): one reduction of the result instead
+    of one per argument. Other linear ops (``neg``, a product with a number) do not carry
+    them: that would save no reduction, only move the op before it, out of the fused chain
+    that follows."""
+    return carried_partials(args) if name in ("add", "sub") else ()
 
 
 def _unary(name: str, fn, float_result: bool) -> OpDef:
@@ -314,7 +312,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
             x = TensorMeta((), (), promote(x))
         check_dtype(name, x.dtype)
         dtype = result_dtype(name, _float_of(x.dtype) if float_result else x.dtype)
-        return [OutSpec(dtype, same_axes(0, x) + linear_partials(name, [x]))]
+        return [OutSpec(dtype, same_axes(0, x))]
 
     impl = _as_tensor(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn)
     kind = "floating-point" if float_result else "dtype-preserving"

@@ -73,8 +73,8 @@ class TensorMeta:
 
     ``partial_axes`` are the extents of the tensor's reduction axes (a matmul's contracted
     axis, a sum's): where one is sharded over a mesh axis, each device holds a partial sum
-    over it, whose reduction is pending. A rule of an op linear in its tensor arguments
-    (``add``, ``sub``, ``neg``, a product with a number) carries them to its output with
+    over it, whose reduction is pending. The rules of ``add`` and ``sub`` (linear in their
+    tensor arguments) carry them to their output with
     :func:`~meshfuse.ops.shape_rules.carried_partials`, so that partial sums combine before
     their one reduction. An :class:`AxisSpec` source names reduction axis ``k`` of an
     argument as axis ``ndim + k``.

@@ -128,7 +128,7 @@ def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:
 
 def carried_partials(args: list) -> tuple[AxisSpec, ...]:
     """The reduction axes of the output of an op linear in its tensor arguments (``add``,
-    ``sub``, ``neg``, a product with a number): reduction axis ``k`` of the output maps to
+    ``sub``): reduction axis ``k`` of the output maps to
     reduction axis ``k`` of each tensor argument, when every one has as many (else none).
 
     So where every argument holds partial sums over one mesh axis, the output holds partial
