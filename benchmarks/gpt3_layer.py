@@ -33,6 +33,11 @@ PARAM_SHAPES = {  # name -> shape as a function of the hidden size e
     "w_fc1": lambda e: (4 * e, e), "b_fc1": lambda e: (4 * e,),
     "w_fc2": lambda e: (e, 4 * e), "b_fc2": lambda e: (e,),
 }
+# PARAM_SHAPES name -> the parameter's name in Gpt3Block
+MODULE_NAMES = {"ln1_w": "ln1.weight", "ln1_b": "ln1.bias", "w_qkv": "qkv.weight",
+                "b_qkv": "qkv.bias", "w_o": "proj.weight", "b_o": "proj.bias",
+                "ln2_w": "ln2.weight", "ln2_b": "ln2.bias", "w_fc1": "fc1.weight",
+                "b_fc1": "fc1.bias", "w_fc2": "fc2.weight", "b_fc2": "fc2.bias"}
 ROW_SHARDED = ("w_qkv", "b_qkv", "w_fc1", "b_fc1")   # column-parallel linears
 COLUMN_SHARDED = ("w_o", "w_fc2")                    # row-parallel linears
 
@@ -47,6 +52,14 @@ class Gpt3Layer(FusionDefinition):
     Outputs: ``y``, ``dx``, then each parameter's gradient (PARAM_SHAPES order).
 
     ``mesh`` None: unsharded. Else TP over the mesh, and with ``sequence_parallel`` SP too.
+    The linears run on ``[b * s, features]`` rows. Besides the inputs, the schedule pins the
+    tensors where Megatron communicates, so that the layer runs its collectives and no
+    others: the layer norm outputs and the two cotangents a row-parallel linear's backward
+    reads (``dy``, ``dh``) replicated (with SP: one allgather each, reused by the weight
+    gradient and the bias gradient), and the input cotangents of the column-parallel linears
+    on the sequence shards (with SP: one reduce-scatter each; else an allreduce). The
+    forward's two row-parallel results are reduce-scattered where they join the residual;
+    the layer norm parameters' gradients are allreduced (four small allreduces).
     """
 
     def __init__(self, b: int, s: int, h: int, e: int, dtype: DataType,
@@ -54,6 +67,8 @@ class Gpt3Layer(FusionDefinition):
         super().__init__()
         self.b, self.s, self.h, self.e, self.dtype = b, s, h, e, dtype
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.replicated: list = []   # tensors pinned replicated (gathered)
+        self.seq_sharded: list = []  # tensors pinned like x (reduce-scattered partial sums)
 
     def definition(self) -> None:
         b, s, e = self.b, self.s, self.e
@@ -70,11 +85,12 @@ class Gpt3Layer(FusionDefinition):
         if self.mesh is None:
             return
         d = self.mesh.size
-        for tv in self.fusion.inputs():
+        pinned = [*self.fusion.inputs(), *self.replicated, *self.seq_sharded]
+        for tv in pinned:
             tv.set_device_mesh(self.mesh)
         sharded = [(self.p[n], 0) for n in ROW_SHARDED] + [(self.p[n], 1) for n in COLUMN_SHARDED]
         if self.sequence_parallel:
-            sharded += [(self.x, 1), (self.dy, 1)]
+            sharded += [(t, 1) for t in (self.x, self.dy, *self.seq_sharded)]
         for tv, axis in sharded:
             tv.outer_split(axis, d)
             tv.axis(axis).parallelize(ParallelType.mesh_x)
@@ -84,37 +100,42 @@ class Gpt3Layer(FusionDefinition):
         ops, p = self.ops, self.p
         x = ops.cast(x, DataType.Float)
         ln1, ln1_saved = self.layer_norm(x, p["ln1_w"], p["ln1_b"])
-        ln1 = self.io(ln1)
-        qkv = ops.linear(ln1, p["w_qkv"], p["b_qkv"])
+        ln1 = self.gathered_rows(self.io(ln1))
+        qkv = self.unrows(ops.linear(ln1, p["w_qkv"], p["b_qkv"]))
         q, k, v = self.split_heads(qkv)
         attn, lse, seed, offset = ops.sdpfa_fwd(q, k, v, 0.0, True)
         a = self.merge_heads(attn)
+        # The row-parallel linears run on [b, s, *]: their partial sums are reduce-scattered
+        # on the sequence where they join the residual.
         h = ops.add(x, ops.linear(a, p["w_o"], p["b_o"]))
         ln2, ln2_saved = self.layer_norm(h, p["ln2_w"], p["ln2_b"])
-        ln2 = self.io(ln2)
+        ln2 = self.gathered_rows(self.io(ln2))
         f1 = ops.linear(ln2, p["w_fc1"], p["b_fc1"])
         g = ops.gelu(f1, approximate="tanh")
-        y = ops.add(h, ops.linear(g, p["w_fc2"], p["b_fc2"]))
-        return y, (ln1, ln1_saved, q, k, v, attn, lse, seed, offset, a, ln2, ln2_saved, f1, g)
+        y = ops.add(h, ops.linear(self.unrows(g), p["w_fc2"], p["b_fc2"]))
+        return y, (ln1, ln1_saved, q, k, v, attn, lse, seed, offset, self.rows(a), ln2,
+                   ln2_saved, f1, g)
 
     def backward(self, dy, saved):
         ops, p = self.ops, self.p
         ln1, ln1_saved, q, k, v, attn, lse, seed, offset, a, ln2, ln2_saved, f1, g = saved
         grads = {}
-        dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(dy, g, p["w_fc2"])
-        df1 = ops.mul(dg, gelu_tanh_derivative(ops, f1))
+        dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(
+            self.gathered_rows(dy), g, p["w_fc2"])
+        df1 = self.io(ops.mul(self.rows(dg), gelu_tanh_derivative(ops, f1)))
         dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(df1, ln2, p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
-            dln2, p["ln2_w"], *ln2_saved)
+            self.sequence_shards(dln2), p["ln2_w"], *ln2_saved)
         dh = ops.add(ops.cast(dy, DataType.Float), dh_ln)
-        da, grads["w_o"], grads["b_o"] = self.linear_backward(dh, a, p["w_o"])
-        dq, dk, dv = ops.sdpfa_bwd(self.to_heads(self.io(da)), q, k, v, attn, lse, 0.0, True,
+        da, grads["w_o"], grads["b_o"] = self.linear_backward(
+            self.gathered_rows(self.io(dh)), a, p["w_o"])
+        dq, dk, dv = ops.sdpfa_bwd(self.to_heads(da), q, k, v, attn, lse, 0.0, True,
                                    seed, offset)
         dqkv = ops.reshape(ops.cat([ops.permute(t, [0, 2, 1, 3]) for t in (dq, dk, dv)], 3),
-                           [self.b, self.s, 3 * self.e])
+                           [self.b * self.s, 3 * self.e])
         dln1, grads["w_qkv"], grads["b_qkv"] = self.linear_backward(dqkv, ln1, p["w_qkv"])
         dx_ln, grads["ln1_w"], grads["ln1_b"] = self.layer_norm_backward(
-            dln1, p["ln1_w"], *ln1_saved)
+            self.sequence_shards(dln1), p["ln1_w"], *ln1_saved)
         grads["x"] = ops.add(dh, dx_ln)
         return grads
 
@@ -122,6 +143,27 @@ class Gpt3Layer(FusionDefinition):
     def io(self, t):
         """``t`` in the layer's I/O dtype (a no-op when it already is)."""
         return t if t.dtype is self.dtype else self.ops.cast(t, self.dtype)
+
+    def rows(self, t):
+        """``[b, s, n]`` as ``[b * s, n]``."""
+        return self.ops.reshape(t, [self.b * self.s, t.materialized()[-1].extent])
+
+    def unrows(self, t):
+        """``[b * s, n]`` as ``[b, s, n]``."""
+        return self.ops.reshape(t, [self.b, self.s, t.materialized()[-1].extent])
+
+    def gathered_rows(self, t):
+        """``t`` (``[b, s, n]``) as rows, pinned replicated: an allgather under SP."""
+        rows = self.rows(t)
+        self.replicated.append(rows)
+        return rows
+
+    def sequence_shards(self, t):
+        """``t`` (``[b, s, n]``, a partial sum) pinned like ``x``: a reduce-scatter under SP,
+        an allreduce under TP only."""
+        out = self.ops.set(t)
+        self.seq_sharded.append(out) if self.sequence_parallel else self.replicated.append(out)
+        return out
 
     def layer_norm(self, x, w, b):
         """Layer norm of the Float ``x`` over the last axis; the output and (x_hat, rstd)."""
@@ -142,15 +184,13 @@ class Gpt3Layer(FusionDefinition):
         return dx, dw, ops.sum(ops.cast(dout, DataType.Float), dims=[0, 1])
 
     def linear_backward(self, dout, x, w):
-        """For ``out = x @ w.T + b`` over ``[b, s, *]``: dx = dout @ w, dw = dout^T x, db."""
+        """For rows ``out = x @ w.T + b`` (``dout``, ``x``: ``[b * s, *]``): dx = dout @ w
+        (``[b, s, *]``: a partial sum of a column-parallel linear is resharded on those axes),
+        dw = dout^T x, db = the column sums of dout."""
         ops = self.ops
-        dout = self.io(dout)
-        n, k = (i.extent for i in w.materialized())
-        rows = self.b * self.s
-        dw = ops.matmul(ops.permute(ops.reshape(dout, [rows, n]), [1, 0]),
-                        ops.reshape(x, [rows, k]))
-        db = ops.sum(dout, dims=[0, 1], dtype=DataType.Float)
-        return ops.matmul(dout, w), dw, db
+        dw = ops.matmul(ops.permute(dout, [1, 0]), x)
+        db = ops.sum(dout, dims=[0], dtype=DataType.Float)
+        return ops.matmul(self.unrows(dout), w), dw, db
 
     def split_heads(self, qkv):
         """``[b, s, 3e]`` grouped by head to q, k, v, each ``[b, h, s, dh]``."""
@@ -204,11 +244,7 @@ class Gpt3Block(torch.nn.Module):
 
     def load(self, params: dict[str, torch.Tensor]) -> Gpt3Block:
         """Copies the parameters (PARAM_SHAPES names) in."""
-        names = {"ln1_w": "ln1.weight", "ln1_b": "ln1.bias", "w_qkv": "qkv.weight",
-                 "b_qkv": "qkv.bias", "w_o": "proj.weight", "b_o": "proj.bias",
-                 "ln2_w": "ln2.weight", "ln2_b": "ln2.bias", "w_fc1": "fc1.weight",
-                 "b_fc1": "fc1.bias", "w_fc2": "fc2.weight", "b_fc2": "fc2.bias"}
-        self.load_state_dict({names[n]: t for n, t in params.items()})
+        self.load_state_dict({MODULE_NAMES[n]: t for n, t in params.items()})
         return self
 
 

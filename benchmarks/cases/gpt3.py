@@ -9,6 +9,12 @@ gradients of ``x`` and of every parameter from a given ``dy``:
 - ``meshfuse``: :class:`~benchmarks.gpt3_layer.Gpt3Layer`, one fusion with the forward and
   backward written out, scheduled TP + SP (unsharded on one rank).
 
+The meshfuse record counts its collectives per step (``collectives``): 12, DTensor's 8 (4
+allgathers, 4 reduce-scatters, counted in ``tests/test_gpt3_layer.py``; DTensor leaves the
+layer norms' and row-parallel biases' gradients Partial, to be reduced later) and an
+allreduce for each layer norm parameter's gradient. ``x_dtensor`` on the meshfuse record is
+its time over DTensor's (target: <= 1.0).
+
 FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counted whole).
 """
 
@@ -20,6 +26,7 @@ import meshfuse
 from benchmarks.context import Context
 from benchmarks.gpt3_layer import Gpt3Block, Gpt3Layer, layer_flops, make_params
 from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from meshfuse.runtime.collectives import record_communications
 
 SIZES = {"b": 1, "s": 2048, "h": 96, "e": 12288}
 QUICK_SIZES = {"b": 1, "s": 16, "h": 4, "e": 32}
@@ -74,12 +81,14 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         fd = Gpt3Layer(**sizes, dtype=meshfuse.DataType.from_torch(dtype), mesh=mesh).define()
         inputs = [meshfuse.shard_tensor(t, tv, ctx.rank) for t, tv in
                   zip((x, dy, *params.values()), fd.fusion.inputs())]
-        y, dx, *_ = fd.execute(inputs)
+        with record_communications() as comms:
+            y, dx, *_ = fd.execute(inputs)
         ref_y, (ref_dx, *_) = _autograd_step(_module(sizes, params, ctx.device), x, dy)()
         check_close("meshfuse vs the one-GPU layer",
                     [y, dx], [ref_y.chunk(ctx.world, 1)[ctx.rank],
                               ref_dx.chunk(ctx.world, 1)[ctx.rank]], LAYER_TOL)
-        return (lambda: fd.execute(inputs)), {"sharded": mesh is not None}
+        return (lambda: fd.execute(inputs)), {"sharded": mesh is not None,
+                                              "collectives": len(comms)}
 
     return [
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
@@ -103,5 +112,10 @@ def run(ctx: Context) -> list[Record]:
     dy = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
     params = make_params(sizes["e"], dtype, ctx.device)
     config = f"b{sizes['b']} s{sizes['s']} h{sizes['h']} e{sizes['e']}"
-    return run_variants(ctx, "gpt3_layer", config, variants(ctx, sizes, dtype, x, dy, params),
-                        plan, "torch_1gpu", dict(sizes, dtype=str(dtype).removeprefix("torch.")))
+    records = run_variants(ctx, "gpt3_layer", config, variants(ctx, sizes, dtype, x, dy, params),
+                           plan, "torch_1gpu", dict(sizes, dtype=str(dtype).removeprefix("torch.")))
+    by_name = {r.variant: r for r in records if r.status == "ok"}
+    if "meshfuse" in by_name and "dtensor_tp_sp" in by_name:
+        ratio = by_name["meshfuse"].median_ms / by_name["dtensor_tp_sp"].median_ms
+        by_name["meshfuse"].metrics["x_dtensor"] = round(ratio, 3)  # target: <= 1.0
+    return records

@@ -15,7 +15,11 @@ an allocation domain from its neighbours (docs/design.md, section 6, step 2).
   gives BSHE out with the device ID where the user put it (matrix products are row-major; a
   fusion input keeps the memory order it was declared with).
 - **Backward** (outputs to inputs, in reverse order) fills what forward left without a mesh,
-  for example inputs when only outputs are scheduled.
+  for example inputs when only outputs are scheduled, and, as nvFuser does, adds to a tensor
+  it filled (used by one op only) the shardings of that op's output on mesh axes the tensor
+  does not shard an iteration axis over: a residual branch joining a sequence-sharded sum is
+  sharded on the sequence from where it starts, and a partial sum feeding it becomes a
+  reduce-scatter.
 - What is left (say, an unscheduled input in a fusion whose pins are all upstream of nothing)
   is replicated on the mesh.
 Disagreements with pins are kept: the sharding check names the op that would need a
@@ -74,14 +78,22 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
                             all(s in whole for s in expr.id_map[logical_root(out, id_)]):
                         del out.parallel[id_]
                 filled.add(out)
+    uses: dict[TensorView, int] = {}
+    for expr in fusion.exprs:
+        for inp in set(expr.tensor_inputs):
+            uses[inp] = uses.get(inp, 0) + 1
     for expr in reversed(fusion.exprs):
         sources = [t for t in expr.tensor_outputs if known(t)]
         for inp in expr.tensor_inputs:
-            if not known(inp) and sources:
-                ref = _best_reference(expr, sources, inp, forward=False)
+            if not sources or inp in pinned:
+                continue
+            ref = _best_reference(expr, sources, inp, forward=False)
+            if inp not in filled:
                 follows = inp.definition is None or inp.definition.op.output_layout == "follow"
                 _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
                 filled.add(inp)
+            elif uses[inp] == 1 and inp.mesh == ref.mesh:
+                _add_sharding(ref, inp, _backward_pairs(expr, ref, inp), iteration_only=True)
     for tv in tensors:
         if not known(tv):
             tv.set_device_mesh(meshes[0])
@@ -100,13 +112,14 @@ def _backward_pairs(expr: Expr, ref: TensorView, inp: TensorView) -> dict[IterDo
 
 
 def _mapped(expr: Expr, out: TensorView, inp: TensorView) -> list[tuple[IterDomain, IterDomain]]:
-    """(out ID, inp ID) pairs of the domain map, broadcast inputs left out; each ID of either
-    side in one pair only (the first one)."""
+    """(out ID, inp ID) pairs of the domain map, broadcast inputs left out unless the output
+    axis is a broadcast too (an axis of extent 1 that nvFuser may parallelize over a mesh
+    axis of one device); each ID of either side in one pair only (the first one)."""
     pairs, seen_in, seen_out = [], set(), set()
     for out_id in out.logical:
         for src in expr.id_map.get(out_id, ()):
-            if src in inp.logical and not src.is_broadcast and src not in seen_in \
-                    and out_id not in seen_out:
+            if src in inp.logical and (not src.is_broadcast or out_id.is_broadcast) \
+                    and src not in seen_in and out_id not in seen_out:
                 pairs.append((out_id, src))
                 seen_in.add(src)
                 seen_out.add(out_id)
@@ -212,11 +225,14 @@ def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDom
 
 
 def _add_sharding(ref: TensorView, target: TensorView,
-                  pairs: dict[IterDomain, IterDomain]) -> None:
+                  pairs: dict[IterDomain, IterDomain], iteration_only: bool = False) -> None:
     """Adds ``ref``'s shardings on mesh axes ``target`` does not use yet, to axes of
-    ``target`` not split yet (data parallel tokens next to tensor parallel weights)."""
+    ``target`` not split yet (data parallel tokens next to tensor parallel weights). With
+    ``iteration_only``, a mesh axis ``target`` uses only for a reduction counts as free: a
+    partial sum whose consumer is sharded there becomes a reduce-scatter (nvFuser's rule)."""
     for ref_id, target_id in pairs.items():
-        used = {pt for pt in target.parallel.values() if pt.is_device}
+        used = {pt for i, pt in target.parallel.items()
+                if pt.is_device and not (iteration_only and i.is_reduction)}
         if not any(ref.parallel_type(i) in used for i in _device_leaves(ref, ref_id)):
             _replay_shard(ref, ref_id, target, target_id, {})
 
@@ -226,8 +242,10 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     """Replays the split chain of ``ref``'s sharded logical ``ref_id`` on ``target_id`` (an
     unsplit loop ID of ``target``) and parallelizes the device IDs alike. Nothing happens for
     an unsharded or broadcast axis, or across a reshape (other extents) unless the shard is a
-    block that divides both: the rest is resharded."""
-    if not _device_leaves(ref, ref_id) or target_id.is_broadcast or target_id not in target.loop:
+    block that divides both: the rest is resharded. A broadcast axis takes the shard of a
+    broadcast axis only."""
+    if not _device_leaves(ref, ref_id) or target_id not in target.loop \
+            or target_id.is_broadcast != ref_id.is_broadcast:
         return
     if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
         return
