@@ -122,7 +122,7 @@ class Gpt3Layer(FusionDefinition):
         grads = {}
         dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(
             self.gathered_rows(dy), g, p["w_fc2"])
-        df1 = self.io(ops.mul(self.rows(dg), gelu_tanh_derivative(ops, f1)))
+        df1 = self.io(ops.gelu_backward(self.rows(dg), f1, approximate="tanh"))
         dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(df1, ln2, p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
             self.sequence_shards(dln2), p["ln2_w"], *ln2_saved)
@@ -209,16 +209,6 @@ class Gpt3Layer(FusionDefinition):
     def merge_heads(self, t):
         """``[b, h, s, dh]`` to ``[b, s, e]``."""
         return self.ops.reshape(self.ops.permute(t, [0, 2, 1, 3]), [self.b, self.s, self.e])
-
-
-def gelu_tanh_derivative(ops, x):
-    """d/dx of 0.5 x (1 + tanh(u)), u = c (x + a x^3), with fusion ops."""
-    c, a = math.sqrt(2 / math.pi), 0.044715
-    x2 = ops.mul(x, x)
-    t = ops.tanh(ops.mul(ops.mul(x, ops.add(ops.mul(x2, a), 1.0)), c))
-    du = ops.mul(ops.add(ops.mul(x2, 3 * a), 1.0), c)
-    dtanh = ops.mul(ops.mul(ops.sub(1.0, ops.mul(t, t)), du), ops.mul(x, 0.5))
-    return ops.add(ops.mul(ops.add(t, 1.0), 0.5), dtanh)
 
 
 # ----- the same layer in torch ----------------------------------------------------------------
