@@ -1,12 +1,11 @@
 """nvFuser semantics that its multi-device tests rely on, written as meshfuse's own tests:
-a device axis of extent 1 stays sharded, a partial sum takes the sharding its consumer
-gives it (a reduce-scatter), attention dropout with a leading device axis, and the RNG state
-form of PyTorch before 2.7 given to ``sdpfa_bwd``."""
+a device axis of extent 1 stays sharded, attention dropout with a leading device axis, and
+the RNG state form of PyTorch before 2.7 given to ``sdpfa_bwd``."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mesh_helpers import mesh_1d, shard
+from mesh_helpers import mesh_1d
 
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.runtime.collectives import record_communications
@@ -41,35 +40,6 @@ def test_a_static_device_axis_stays_sharded_at_every_world_size(multidevice_test
     assert out.axis_sharded_on(MX) == 0 and comms == []
     ref = F.linear(gx, gw.reshape(d * n, k), gb.reshape(-1)).reshape(b, s, d, n)
     torch.testing.assert_close(out.local, ref.permute(2, 0, 1, 3)[multidevice_test.rank:][:1])
-
-
-@pytest.mark.mpi
-def test_a_partial_sum_takes_its_consumers_sequence_sharding(multidevice_test):
-    """A row-parallel linear's partial result joining a sequence-sharded residual is
-    reduce-scattered: the fusion output of the linear is sequence-sharded too (nvFuser's
-    backward propagation), and no allreduce runs."""
-    d = multidevice_test.size
-    s, k, n = 4 * d + 2, 4 * d, 6  # the sequence does not divide: uneven shards
-    mesh = mesh_1d(multidevice_test)
-    with FusionDefinition() as fd:
-        a, w, res = fd.define_tensor([s, k]), fd.define_tensor([n, k]), fd.define_tensor([s, n])
-        partial = fd.ops.linear(a, w)
-        fd.add_output(partial)
-        fd.add_output(fd.ops.add(res, fd.ops.mul(partial, 2.0)))
-        shard(a, 1, mesh)
-        shard(w, 1, mesh)
-        shard(res, 0, mesh)
-    ga, gw, gres = torch.randn(s, k), torch.randn(n, k), torch.randn(s, n)
-    with record_communications() as comms:
-        out, total = fd.execute([multidevice_test.shard_tensor(t, tv)
-                                 for t, tv in ((ga, a), (gw, w), (gres, res))])
-    rows = (ga @ gw.T).chunk(d, 0)[multidevice_test.rank]  # uneven shards as torch.chunk
-    if d > 1:
-        assert out.axis_sharded_on(MX) == 0
-        assert [c.kind for c in comms] == ["reduce_scatter"]
-    torch.testing.assert_close(out.local, rows, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(total.local, gres.chunk(d, 0)[multidevice_test.rank]
-                               + 2 * rows, rtol=1e-5, atol=1e-5)
 
 
 def _attention(d: int, b: int, h: int, s: int, e: int, mesh=None):

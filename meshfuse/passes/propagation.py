@@ -15,11 +15,7 @@ an allocation domain from its neighbours (docs/design.md, section 6, step 2).
   gives BSHE out with the device ID where the user put it (matrix products are row-major; a
   fusion input keeps the memory order it was declared with).
 - **Backward** (outputs to inputs, in reverse order) fills what forward left without a mesh,
-  for example inputs when only outputs are scheduled, and, as nvFuser does, adds to a tensor
-  it filled (used by one op only) the shardings of that op's output on mesh axes the tensor
-  does not shard an iteration axis over: a residual branch joining a sequence-sharded sum is
-  sharded on the sequence from where it starts, and a partial sum feeding it becomes a
-  reduce-scatter.
+  for example inputs when only outputs are scheduled.
 - What is left (say, an unscheduled input in a fusion whose pins are all upstream of nothing)
   is replicated on the mesh.
 Disagreements with pins are kept: the sharding check names the op that would need a
@@ -80,22 +76,14 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
                             not partial_carried(expr, out, id_, sources):
                         del out.parallel[id_]
                 filled.add(out)
-    uses: dict[TensorView, int] = {}
-    for expr in fusion.exprs:
-        for inp in set(expr.tensor_inputs):
-            uses[inp] = uses.get(inp, 0) + 1
     for expr in reversed(fusion.exprs):
         sources = [t for t in expr.tensor_outputs if known(t)]
         for inp in expr.tensor_inputs:
-            if not sources or inp in pinned:
-                continue
-            ref = _best_reference(expr, sources, inp, forward=False)
-            if inp not in filled:
+            if not known(inp) and sources:
+                ref = _best_reference(expr, sources, inp, forward=False)
                 follows = inp.definition is None or inp.definition.op.output_layout == "follow"
                 _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
                 filled.add(inp)
-            elif uses[inp] == 1 and inp.mesh == ref.mesh:
-                _add_sharding(ref, inp, _backward_pairs(expr, ref, inp), iteration_only=True)
     for tv in tensors:
         if not known(tv):
             tv.set_device_mesh(meshes[0])
@@ -247,14 +235,11 @@ def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDom
 
 
 def _add_sharding(ref: TensorView, target: TensorView,
-                  pairs: dict[IterDomain, IterDomain], iteration_only: bool = False) -> None:
+                  pairs: dict[IterDomain, IterDomain]) -> None:
     """Adds ``ref``'s shardings on mesh axes ``target`` does not use yet, to axes of
-    ``target`` not split yet (data parallel tokens next to tensor parallel weights). With
-    ``iteration_only``, a mesh axis ``target`` uses only for a reduction counts as free: a
-    partial sum whose consumer is sharded there becomes a reduce-scatter (nvFuser's rule)."""
+    ``target`` not split yet (data parallel tokens next to tensor parallel weights)."""
     for ref_id, target_id in pairs.items():
-        used = {pt for i, pt in target.parallel.items()
-                if pt.is_device and not (iteration_only and i.is_reduction)}
+        used = {pt for pt in target.parallel.values() if pt.is_device}
         if not any(ref.parallel_type(i) in used for i in _device_leaves(ref, ref_id)):
             _replay_shard(ref, ref_id, target, target_id, {})
 
