@@ -28,6 +28,9 @@ from meshfuse.frontend.schedule import Schedule
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.runtime.agreement import agreed_build
+from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionDefinition:
@@ -43,13 +46,16 @@ class FusionDefinition:
         self.ops = Ops(self.fusion)
         self.sched = Schedule()
         self._defined = False
+        self._open = False  # inside ``with FusionDefinition() as fd:``
         self._runner = None
 
     # ----- the two styles ----------------------------------------------------------------
     def __enter__(self) -> Self:
+        self._open = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._open = False
         self._defined = True
 
     def definition(self) -> None:
@@ -180,9 +186,15 @@ class FusionDefinition:
         Args:
             inputs: tensors (this rank's shards, laid out as the schedule says) and scalar
                 values, in the order they were defined.
-            options: ``check_ranks=True`` compares input dtypes/shapes across ranks before
-                running (raises InputError on every rank instead of hanging); also turned on
-                by the environment variable ``MESHFUSE_CHECK_RANKS=1``.
+            options: ``check_ranks`` (default True, or ``$MESHFUSE_CHECK_RANKS``; ``0``
+                turns it off): when the fusion is built and on the first call with each new
+                input signature, the ranks compare the fusion (ops, meshes, schedules) and
+                the inputs' dtypes and global shapes in one small collective, and an error
+                any rank raises before running is raised on every rank (see
+                ``docs/reliability.md``); cached calls communicate nothing for it.
+                ``timeout`` (seconds; default ``$MESHFUSE_TIMEOUT`` or 300): how long a
+                collective may wait for the other ranks before every rank still running
+                raises CommunicationError naming the step and the missing rank.
                 ``cuda_graph=True`` captures this rank's program into a CUDA graph on the first
                 call with these input shapes (and scalar values) and replays it afterwards:
                 one launch instead of one per op, for programs whose time is mostly launch
@@ -190,14 +202,26 @@ class FusionDefinition:
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
         """
-        return self._get_runner().execute(inputs, **options)
+        self._check_finished("execute")
+        return self._get_runner(options.get("check_ranks")).execute(inputs, **options)
 
-    def _get_runner(self):
+    def _check_finished(self, method: str) -> None:
+        if self._open:
+            raise DefinitionError(
+                f"{method} called inside the `with FusionDefinition() as fd:` block: the "
+                f"definition is not finished yet; call fd.{method}(...) after the block"
+            )
+
+    def _get_runner(self, check_ranks: bool | None = None) -> FusionRunner:
+        """The runner, built on first use on every rank alike (see
+        :func:`~meshfuse.runtime.agreement.agreed_build`)."""
         if self._runner is None:
-            from meshfuse.runtime.runner import FusionRunner
-
             self.define()
-            self._runner = FusionRunner(self.fusion)
+            communicator = None
+            if any(tv.mesh is not None for tv in self.fusion.tensors()):
+                communicator = Communicator.instance()
+            self._runner = agreed_build(communicator, self.fusion,
+                                        lambda: FusionRunner(self.fusion), check_ranks)
         return self._runner
 
     def explain(self, inputs: Sequence[Any] | None = None) -> str:
@@ -205,6 +229,7 @@ class FusionDefinition:
         copies), as printed text; runs nothing. With ``inputs`` (this rank's, as for
         ``execute``), also this rank's program: its steps and each communication with its
         group of ranks (that builds the program, which ``execute`` then reuses)."""
+        self._check_finished("explain")
         return self._get_runner().explain(inputs)
 
     def __repr__(self) -> str:

@@ -7,7 +7,9 @@ failure re-raises with the step and the rank.
 
 A communication step returns a :class:`~meshfuse.runtime.collectives.Pending` result: the
 collective is in flight while the next steps run, and is waited for where its result is first
-read (an argument, a fusion output) or freed.
+read (an argument, a fusion output) or freed. A failed collective is raised as a
+:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the step that launched it; when a
+step fails, the collectives still in flight are waited for before the error propagates.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 
 from meshfuse.errors import ExecutionError
-from meshfuse.runtime.collectives import Pending, resolved
+from meshfuse.runtime.collectives import Pending, resolved, settle_in_flight
+from meshfuse.runtime.failures import CollectiveFailed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,21 +71,32 @@ class Program:
 
     @torch.no_grad()
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        try:
+            return self._run(inputs)
+        except BaseException:
+            settle_in_flight()  # nothing left in flight; the first error is the one to report
+            raise
+
+    def _run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         values: list[Any] = [None] * self.num_slots
         for slot, x in zip(self.input_slots, inputs):
             values[slot] = x
         for index, step in enumerate(self.steps):
-            args = list(step.template)
-            for pos, slot in step.slots:
-                args[pos] = _read(values, slot) if isinstance(slot, int) else \
-                    [_read(values, s) for s in slot]
+            where = f"step {index} ({step.label})"
             try:
+                args = list(step.template)
+                for pos, slot in step.slots:
+                    args[pos] = _read(values, slot) if isinstance(slot, int) else \
+                        [_read(values, s) for s in slot]
                 result = step.impl(*args, **step.kwargs)
+            except CollectiveFailed as e:  # raised here, or by a collective read here
+                raise (e if e.what.startswith("step ") else e.at_step(where)) from e
             except Exception as e:
                 raise ExecutionError(
-                    f"rank {self.rank}, step {index} ({step.label}) failed: "
-                    f"{type(e).__name__}: {e}"
+                    f"rank {self.rank}, {where} failed: {type(e).__name__}: {e}"
                 ) from e
+            if isinstance(result, Pending):
+                result.label = where
             if len(step.outputs) == 1:
                 values[step.outputs[0]] = result
             else:

@@ -1,8 +1,9 @@
 """``FusionRunner``: builds a fusion once, then one per-rank program per input signature.
 
 Build: check the schedule (on every rank alike), derive layouts. Per new input signature:
-optionally compare inputs across ranks, bind extents and local layouts, check the inputs
-against them, check that no op needs resharding, and make the :class:`Program`, its steps
+bind extents and local layouts, check the inputs against them, check that no op needs
+resharding, agree on all that across ranks (:mod:`meshfuse.runtime.agreement`), and make the
+:class:`Program`, its steps
 ordered so that each communication is launched as early as it can be. With
 ``cuda_graph=True``, the program is captured once (:mod:`meshfuse.runtime.graphs`).
 """
@@ -10,7 +11,6 @@ ordered so that each communication is launched as early as it can be. With
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +27,7 @@ from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
 from meshfuse.passes.sharding_check import check_no_resharding
+from meshfuse.runtime.agreement import agreed_inputs
 from meshfuse.runtime.binding import (
     Binding,
     bind,
@@ -36,6 +37,7 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.executor import OutputLayout, Program, Step
+from meshfuse.runtime.failures import checked_timeout
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.resharding import lower_step, plan_resharding
 
@@ -64,7 +66,6 @@ class FusionRunner:
                     "extents; ranks outside its mesh cannot learn them: declare them static"
                 )
         self.allocations = infer_allocations(fusion)
-        self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self._programs: dict[tuple, Program] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
@@ -76,19 +77,17 @@ class FusionRunner:
             return text
         key = _signature(inputs)
         if key not in self._programs:
-            self._programs[key] = self._make_program(list(inputs))
+            self._programs[key] = self._make_program(list(inputs), None)
         return f"{text}\n{self._programs[key].describe()}"
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False) -> list[torch.Tensor]:
+                cuda_graph: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
+        if self.communicator is not None:
+            self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
         key = _signature(inputs)
-        if check_ranks is None:
-            check_ranks = self.check_ranks
-        if check_ranks and self.communicator is not None:
-            self._check_across_ranks(key)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._make_program(list(inputs))
+            program = self._programs[key] = self._make_program(list(inputs), check_ranks)
         if not cuda_graph:
             return program.run(inputs)
         graph_key = (key, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
@@ -98,39 +97,18 @@ class FusionRunner:
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
 
-    def _check_across_ranks(self, key: tuple) -> None:
-        """Every rank's inputs agree in kind, dtype and local shape (an input a rank does not
-        hold, being outside its mesh, is left out); else InputError on every rank."""
-        held = [not isinstance(v, TensorView) or held_here(v, self.rank)
-                for v in self.fusion.inputs()]
-        mine = tuple(k if h else None for k, h in zip(_comparable(key), held))
-        keys = self.communicator.allgather_object(mine)
-        counts = {len(k) for k in keys}
-        if len(counts) > 1:
-            raise InputError(f"ranks disagree on the number of inputs: {sorted(counts)}")
-        for j, v in enumerate(self.fusion.inputs()):
-            seen = [(r, k[j]) for r, k in enumerate(keys) if k[j] is not None]
-            r0, a = seen[0] if seen else (0, None)
-            mismatch = next(((r, b) for r, b in seen if b != a), None)
-            if mismatch is None:
-                continue
-            rank, b = mismatch
-            what = "its kind"
-            if isinstance(a, tuple) and isinstance(b, tuple):
-                if a[0] != b[0]:
-                    what = f"dtype {b[0]} (rank {r0} has {a[0]})"
-                elif len(a[1]) != len(b[1]):
-                    what = f"{len(b[1])} axes (rank {r0} has {len(a[1])})"
-                else:
-                    axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
-                    what = (f"local extent {b[1][axis]} on axis {axis} (rank {r0} has "
-                            f"{a[1][axis]})")
-            raise InputError(
-                f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
-                "its shard of the same global tensors"
-            )
+    def _make_program(self, inputs: list, check_ranks: bool | None) -> Program:
+        """Checks and binds ``inputs`` (on every rank, agreeing across ranks unless
+        ``check_ranks`` is False), then builds the program (which creates process groups)."""
+        binding = agreed_inputs(
+            self.communicator, self.fusion, inputs, lambda: self._bind(inputs),
+            lambda b, tv: tuple(b.extents.get(i) for i in tv.logical),
+            lambda tv: held_here(tv, self.rank), check_ranks,
+        )
+        return build_program(self.fusion, binding, self.rank, self._lower_set)
 
-    def _make_program(self, inputs: list) -> Program:
+    def _bind(self, inputs: list) -> Binding:
+        """This rank's checks of ``inputs`` and their binding; communicates nothing."""
         fusion = self.fusion
         check_input_values(fusion, inputs, self.rank)
         binding = bind(fusion, self.allocations, inputs, self.rank)
@@ -138,7 +116,7 @@ class FusionRunner:
             if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
-        return build_program(fusion, binding, self.rank, self._lower_set)
+        return binding
 
     def _lower_set(self, expr, binding: Binding, donated: bool):
         """The implementation of a resharding ``set``: its plan, bound to this rank.
@@ -312,12 +290,6 @@ def _signature(inputs: list) -> tuple:
         (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
         else type(x)
         for x in inputs
-    )
-
-
-def _comparable(key: tuple) -> tuple:
-    return tuple(
-        (str(k[0]), k[1]) if isinstance(k, tuple) else k.__name__ for k in key
     )
 
 
