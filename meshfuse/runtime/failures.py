@@ -134,8 +134,8 @@ class CollectiveFailed(CommunicationError):
         if self.absent is None:
             return "which rank is missing could not be told (the rendezvous store is gone too)"
         if not self.absent:
-            return "every rank of the group answered afterwards (a rank may have reached a " \
-                   "different collective: do all ranks run the same program?)"
+            return ("every rank of the group answered a roll call afterwards: one was late, "
+                    "or ran another collective (do all ranks run the same program?)")
         names = ", ".join(str(r) for r in self.absent)
         verb = "was" if len(self.absent) == 1 else "were"
         return (f"rank{'s' if len(self.absent) > 1 else ''} {names} {verb} not there (exited, "

@@ -1,0 +1,104 @@
+"""A dead or stuck rank ends in CommunicationError on every survivor, and a clean run exits 0.
+
+Each test launches its own two ranks (gloo, CPU) running ``tests/rank_failures.py`` with a
+short timeout, as a user's ``torchrun`` job would run: the multi-rank test harness cannot
+host a rank that dies on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshfuse.launch import free_port, rank_env
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "rank_failures.py"
+TIMEOUT_S = 3.0
+# How long after the timeout a survivor may take to raise: the roll call, and start-up slack.
+GRACE_S = 10.0
+# The clean-exit check launches this many 2-rank jobs; MESHFUSE_EXIT_RUNS=20 for the full one.
+EXIT_RUNS = int(os.environ.get("MESHFUSE_EXIT_RUNS", "3"))
+
+
+SCENARIOS = ("exit_before", "exit_inside", "sleep")
+
+
+def start(scenario: str, size: int = 2) -> list[subprocess.Popen]:
+    """Starts the script's ``scenario`` on ``size`` ranks."""
+    port = free_port()
+    env = dict(os.environ, MESHFUSE_BACKEND="gloo",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return [
+        subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(TIMEOUT_S)],
+                         env=rank_env(env, rank, size, port), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(size)
+    ]
+
+
+def finish(procs: list[subprocess.Popen]) -> list[tuple[int, dict | None, str]]:
+    """Each rank's exit code, its JSON outcome line (None if it printed none) and output."""
+    results = []
+    for p in procs:
+        try:
+            output, _ = p.communicate(timeout=120)  # the script ends itself after 60 s
+        except subprocess.TimeoutExpired:
+            p.kill()
+            output, _ = p.communicate()
+        lines = [line for line in output.splitlines() if line.startswith("{")]
+        results.append((p.returncode, json.loads(lines[-1]) if lines else None, output))
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    """Every scenario's results, and those of the clean runs: launched all at once (they
+    mostly wait), so that the whole takes about as long as the slowest."""
+    started = {name: start(name) for name in SCENARIOS}
+    started.update({f"clean{i}": start("clean") for i in range(EXIT_RUNS)})
+    return {name: finish(procs) for name, procs in started.items()}
+
+
+@pytest.mark.parametrize("scenario, failure, words", [
+    ("exit_before", "peer", ["closed its connection", "rank 1 was not there"]),
+    ("exit_inside", "peer", ["closed its connection", "rank 1 was not there"]),
+    ("sleep", "timeout", [f"timed out after {TIMEOUT_S:g} s", "rank 1 was not there",
+                          "MESHFUSE_TIMEOUT"]),
+])
+def test_survivor_raises_communication_error(runs, scenario, failure, words):
+    """Rank 1 exits before the allreduce, exits inside it, or sleeps past the timeout: rank 0
+    raises CommunicationError naming the step, the group and rank 1, within the timeout plus
+    a few seconds, then exits normally."""
+    (code, outcome, output), *others = runs[scenario]
+    assert outcome is not None, output
+    assert "CommunicationError" in outcome["bases"], outcome
+    message = outcome["message"]
+    assert re.search(r"rank 0: step \d \(T\d = set\(T\d\): allreduce\(sum\) over mesh axis 0 "
+                     r"\(ranks \[0, 1\]\)\) among ranks \[0, 1\]", message), message
+    for word in words:
+        assert word in message, (word, message)
+    assert outcome["seconds"] < TIMEOUT_S + GRACE_S, outcome
+    assert code == 0, output
+    culprit_code, culprit, culprit_output = others[0]
+    if scenario == "sleep":  # it comes back late and finds rank 0 gone: the same error
+        assert culprit is not None and "CommunicationError" in culprit["bases"], culprit_output
+    else:
+        assert culprit_code == 3, culprit_output
+
+
+def test_clean_exit(runs):
+    """A 2-rank program that runs an allreduce and ends exits 0 on every rank, without
+    torch's warnings about unwaited collectives or an undestroyed process group."""
+    for i in range(EXIT_RUNS):
+        for code, outcome, output in runs[f"clean{i}"]:
+            assert code == 0, output
+            assert outcome is not None and outcome["error"] is None, output
+            for warning in ("unwaited", "destroy_process_group", "terminate called"):
+                assert warning not in output, output
