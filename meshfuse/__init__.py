@@ -5,6 +5,8 @@
 """
 
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
+from meshfuse.autodiff.api import vjp
+from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
 from meshfuse.errors import (
     CommunicationError,
@@ -20,6 +22,7 @@ from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.sharding import shard_tensor, unshard_tensor
+from meshfuse.visualize import visualize
 
 __all__ = [
     "CommunicationError",
@@ -28,6 +31,7 @@ __all__ = [
     "DeviceMesh",
     "ExecutionError",
     "FusionDefinition",
+    "FusionModule",
     "InputError",
     "MeshfuseError",
     "ParallelType",
@@ -37,4 +41,6 @@ __all__ = [
     "TensorView",
     "shard_tensor",
     "unshard_tensor",
+    "visualize",
+    "vjp",
 ]

@@ -11,34 +11,89 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
 from meshfuse import DeviceMesh
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
-from meshfuse.launch import spawn, under_launcher
+from meshfuse.launch import launcher_world_size, spawn
 from meshfuse.sharding import shard_tensor
 
 RTOL, ATOL = 1.6e-2, 1e-2
 NAMES = ("attn", "q_grad", "k_grad", "v_grad")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to start (default: the GPU count, or 4 CPU processes)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--embed", type=int, default=768, help="model width; head dim = embed/heads")
-    return p.parse_args(argv)
+PROG = "python -m meshfuse.demo"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not under_launcher():
-        n = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
-        codes = spawn(n, ["-m", "meshfuse.demo", *(argv if argv is not None else sys.argv[1:])])
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit code 2): a bad argument
+    is reported before any rank starts, with no usage block or traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive; give a value of at least 1")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               launcher_size: int | None = None) -> argparse.Namespace:
+    """The demo's options, checked: every size positive, ``embed`` a multiple of ``heads``,
+    ``heads`` a multiple of the rank count (the heads are split evenly over the ranks).
+
+    ``launcher_size`` is the world size a launcher started (None without one). Exits with
+    code 2 and one line on stderr on a bad argument.
+    """
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=_positive, default=None,
+                   help="ranks to start (default: the GPU count, or 4 CPU processes; under "
+                        "torchrun/mpirun: the launcher's ranks)")
+    p.add_argument("--batch", type=_positive, default=2, help="batch size B (default: %(default)s)")
+    p.add_argument("--heads", type=_positive, default=12,
+                   help="attention heads H, split over the ranks (default: %(default)s)")
+    p.add_argument("--seq", type=_positive, default=1024, help="sequence length S (default: %(default)s)")
+    p.add_argument("--embed", type=_positive, default=768,
+                   help="model width; head dim E = embed / heads (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.embed % args.heads:
+        nearest = max(1, args.embed // args.heads) * args.heads
+        p.error(f"--embed {args.embed} is not a multiple of --heads {args.heads} (the head "
+                f"dim is embed / heads); choose a multiple such as --embed {nearest}")
+    if launcher_size is not None and args.nproc not in (None, launcher_size):
+        p.error(f"--nproc {args.nproc}, but the launcher started {launcher_size} ranks; drop "
+                "--nproc under a launcher")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if launcher_size is None and gpus and (args.nproc or 0) > gpus:
+        p.error(f"--nproc {args.nproc}, but this host has {gpus} GPUs (one rank per GPU); "
+                f"choose --nproc of at most {gpus}")
+    ranks = launcher_size or args.nproc or default_nproc()
+    if args.heads % ranks:
+        p.error(f"--heads {args.heads} cannot be split evenly over {ranks} ranks; choose "
+                f"--heads a multiple of {ranks} or --nproc dividing {args.heads}")
+    return args
+
+
+def default_nproc() -> int:
+    """One rank per GPU, or 4 CPU processes without one."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_size = launcher_world_size()
+    args = parse_args(argv, launcher_size)
+    if launcher_size is None:
+        codes = spawn(args.nproc or default_nproc(), ["-m", "meshfuse.demo", *argv])
         return 0 if all(c == 0 for c in codes) else 1
     return run_rank(args)
 
@@ -48,10 +103,6 @@ def run_rank(args) -> int:
 
     comm = Communicator.instance()
     d, b, h, s, e = comm.size, args.batch, args.heads, args.seq, args.embed
-    if h % d:
-        if comm.rank == 0:
-            print(f"{h} heads cannot be split over {d} ranks; choose --nproc dividing {h}")
-        return 2
     mesh = DeviceMesh(range(d))
     ok = True
     for fmt in QkvFormat:

@@ -21,6 +21,21 @@ def under_launcher(env: Mapping[str, str] | None = None) -> bool:
     return any(v in env for v in LAUNCHER_VARIABLES)
 
 
+def launcher_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """The world size a launcher gave this process (``WORLD_SIZE``, else
+    ``OMPI_COMM_WORLD_SIZE``); ``None`` without a launcher or when the value is not a
+    positive integer (the communicator reports that one when it starts)."""
+    env = os.environ if env is None else env
+    for var in LAUNCHER_VARIABLES:
+        if var in env:
+            try:
+                size = int(env[var])
+            except ValueError:
+                return None
+            return size if size > 0 else None
+    return None
+
+
 def cpu_count() -> int:
     """The CPUs this process may run on."""
     try:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from meshfuse import DataType
+from meshfuse.ops import rng
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = (torch.float32, torch.bfloat16)
@@ -382,6 +383,20 @@ SLICE = OpInfo("slice", (
            name="3d"),
 ), FLOATS + INTS + BOOL)
 
+def _slice_backward_ref(grad, shape, starts, ends, strides=None):
+    out = grad.new_zeros(shape)
+    steps = strides or [1] * grad.ndim
+    out[tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))] = grad
+    return out
+
+
+SLICE_BACKWARD = OpInfo("slice_backward", (
+    Sample((T((6, 6)), [8, 6], [1, 0], [7, 6]), _slice_backward_ref, name="unit-stride"),
+    Sample((T((4, 2)), [8, 6], [1, 0], [8, 5], [2, 3]), _slice_backward_ref, name="strided"),
+    Sample((T((3, 2, 2), static=True), [3, 9, 4], [0, 2, 1], [3, 9, 3], [1, 4, 1]),
+           _slice_backward_ref, name="3d"),
+), FLOATS + INTS + BOOL)
+
 # Expr.inputs does not look into list arguments (ir/fusion.py), so the sharding check of any
 # fusion with cat fails; strict, so that the fix turns these into failures to remove the mark.
 CAT = OpInfo("cat", (
@@ -475,11 +490,46 @@ SDPFA_BWD = OpInfo("sdpfa_bwd", tuple(
 ))
 
 
+# Random ops: the reference draws from meshfuse's generator (ops/rng.py) at each element's
+# row-major index, in float32 (float64 for Double results, whatever the reference's upcast
+# inputs), cast to the result's dtype; what
+# the samples check is the op's plumbing: shape, dtype, positions, seed and offset.
+def _drawn(draw, shape, a, b, seed, offset, dtype, wide=None):
+    wide = wide or (torch.float64 if dtype == torch.float64 else torch.float32)
+    index = torch.arange(math.prod(shape)).view(shape)
+    return draw(rng.stream_key(seed, offset), index, a, b, wide).to(dtype)
+
+
+def distribution_sample(name: str, draw, dtype: DataType, a, b) -> Sample:
+    shape = [3, 1, 5]
+    return Sample((S(a), S(b, "const"), shape, S(11, "input"), S(2**40 + 3, "input"), dtype),
+                  lambda a, b, shape, seed, offset, dtype: _drawn(
+                      draw, shape, a, b, seed, offset, dtype.torch_dtype),
+                  name=dtype.name)
+
+
+def like_sample(draw, a: float, b: float) -> Sample:
+    return Sample((T((4, 6)), S(5, "input"), S(0, "input")),
+                  lambda x, seed, offset: _drawn(draw, list(x.shape), a, b, seed, offset,
+                                                 x.dtype, torch.float32).to(x.device),
+                  name="seeded")
+
+
+RANDOM_DTYPES = (DataType.Float, DataType.BFloat16, DataType.Double)
+UNIFORM = OpInfo("uniform", tuple(distribution_sample("uniform", rng.uniform, d, -1.0, 2.5)
+                                  for d in RANDOM_DTYPES), (torch.float32,))
+NORMAL = OpInfo("normal", tuple(distribution_sample("normal", rng.normal, d, 0.5, 2.0)
+                                for d in RANDOM_DTYPES), (torch.float32,))
+RAND_LIKE = OpInfo("rand_like", (like_sample(rng.uniform, 0.0, 1.0),), rejects=INTS + BOOL)
+RANDN_LIKE = OpInfo("randn_like", (like_sample(rng.normal, 0.0, 1.0),), rejects=INTS + BOOL)
+
+
 OP_TABLE: tuple[OpInfo, ...] = (
     *(unary_info(n) for n in UNARY_FLOAT + UNARY_SAME),
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
     WHERE, GELU, GELU_BACKWARD, CAST, SET,
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
-    BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, CAT,
+    BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, SLICE_BACKWARD, CAT,
     MATMUL, LINEAR, SDPFA_FWD, SDPFA_BWD,
+    UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
 )

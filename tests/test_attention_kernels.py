@@ -276,18 +276,39 @@ def test_bad_backward_inputs():
         sdpa_backward(attn, q, k, v, attn, lse.unsqueeze(-1), *args[5:])
 
 
-DROPOUT_ON_CPU = r"dropout_p > 0 is not supported on CPU yet; .*cannot replay"
-
-
-def test_dropout_on_cpu_is_refused():
+def test_dropout_on_cpu_runs_the_math_kernel():
     q, k, v = _qkv()
-    with pytest.raises(InputError, match=DROPOUT_ON_CPU):
-        select_backend(q, k, v, 0.1, False)
-    with pytest.raises(InputError, match=DROPOUT_ON_CPU):
+    assert select_backend(q, k, v, 0.1, False) is AttentionBackend.MATH
+    with pytest.raises(InputError, match=r"'cpu_flash' has no dropout"):
         sdpa_forward(q, k, v, 0.1, False, None, "cpu_flash")
-    attn, lse, seed, offset = sdpa_forward(q, k, v, 0.0, False)
-    with pytest.raises(InputError, match=DROPOUT_ON_CPU):
-        sdpa_backward(attn, q, k, v, attn, lse, 0.1, False, seed, offset, None, "cpu_flash")
+    with pytest.raises(InputError, match=r"needs dropout_mask, the bool keep mask"):
+        sdpa_forward(q, k, v, 0.1, False, None, "math")
+    with pytest.raises(InputError, match=r"dropout_mask must be a bool \[2, 4, 128, 128\]"):
+        sdpa_forward(q, k, v, 0.1, False, None, "math",
+                     dropout_mask=torch.ones(2, 4, 128, 128))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_kernel_dropout_matches_autograd_with_the_same_mask(causal, dtype):
+    """The math kernel with a keep mask against autograd of softmax(q k^T) * mask / (1 - p)
+    @ v in float64, forward and backward."""
+    p, scale, shape = 0.3, 0.2, (2, 3, 24, 24, 8, 8)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (t.to(dtype) for t in _qkv(shape))
+    g = torch.randn(2, 3, 24, 8, generator=gen).to(dtype)
+    keep = torch.rand(2, 3, 24, 24, generator=gen) >= p
+    attn, lse, _, _ = sdpa_forward(q, k, v, p, causal, scale, "math", dropout_mask=keep)
+    grads = sdpa_backward(g, q, k, v, attn, lse, p, causal, None, None, scale, "math", keep)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), -math.inf)
+    ref = (torch.softmax(scores, -1) * keep / (1 - p)) @ leaves[2]
+    ref.backward(g.double())
+    _assert_close("attn", attn, ref.detach(), dtype)
+    for name, grad, leaf in zip(("q_grad", "k_grad", "v_grad"), grads, leaves):
+        _assert_close(name, grad, leaf.grad, dtype)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0])

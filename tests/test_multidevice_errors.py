@@ -166,7 +166,7 @@ def test_device_axis_from_a_merge(multidevice_test):
 
 # ----- shardings that need communication ------------------------------------------------
 #
-# Resharding (DESIGN.md 3.3) gives these the right values with the communication they need;
+# Resharding (docs/design.md, section 6) gives these the right values with the communication they need;
 # what it cannot do is refused before anything runs, on every rank alike.
 
 def _correct(fd, local_inputs, expected, communications):
@@ -201,7 +201,7 @@ def test_reduction_over_a_sharded_axis(multidevice_test):
 
 def test_reduction_over_a_sharded_axis_as_a_partial_result(multidevice_test):
     """The output's reduction ID is sharded like the input: each rank holds a partial sum
-    (DESIGN.md 2), which is what a user who parallelized the reduction axis gets."""
+    (docs/design.md, section 4), which is what a user who parallelized the reduction axis gets."""
     d, rank = multidevice_test.size, multidevice_test.rank
     with FusionDefinition() as fd:
         x = fd.define_tensor([3, 4 * d])

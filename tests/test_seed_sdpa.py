@@ -1,5 +1,6 @@
-"""The seed test (../shared/seed/seed_test_sdpa_loop_split.py), body unchanged apart from the
-imports, completed with input construction and the comparison with the unsharded reference."""
+"""The seed test (nvFuser's ``test_sdpa_loop_split``, from its DID loop split for SDPA), body
+unchanged apart from the imports, completed with input construction and the comparison with
+the unsharded reference."""
 
 import pytest
 import torch

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, collectives, mlp, overhead
+from benchmarks.cases import attention, attention_dropout, collectives, mlp, overhead
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
 CASES: dict[str, Callable[[Context], list[Record]]] = {
     "attention_seed": attention.seed_case,
     "attention_large": attention.large_case,
+    "attention_dropout": attention_dropout.run,
     "overhead": overhead.run,
     "mlp": mlp.run,
     "collectives": collectives.run,
@@ -21,7 +22,9 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "all": tuple(CASES),
-    "attention": ("attention_seed", "attention_large"),
+    "attention": ("attention_seed", "attention_large", "attention_dropout"),
+    # issue 16: the seed's attention with dropout 0.1 against 0.0
+    "dropout": ("attention_dropout",),
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),

@@ -1,9 +1,11 @@
 """The seed program: head-parallel attention forward and backward, in BHSE or BSHE layout.
 
-``SeedAttention`` is the seed's ``Model`` (``../shared/seed/``) with its sizes as arguments:
-q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D mesh of
-``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every tensor
-scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
+``SeedAttention`` is the seed test's ``Model`` (``tests/test_seed_sdpa.py``) with its sizes as
+arguments: q, k, v and out_grad of global shape ``[b, h, s, e // h]``, heads split over a 1-D
+mesh of ``d`` devices (outer split of axis 1 by ``d``, parallelized on ``mesh_x``), every
+tensor scheduled by hand, BSHE tensors reordered so the allocation is ``[B, DIDx, S, H/d, E]``.
+``dropout_p > 0`` replaces the seed's ``TODO(#3123)``: each head shard draws its own dropout
+stream (``dropout_mode="shard"``), or the mask is the unsharded run's (``"global"``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ class SeedAttention(FusionDefinition):
     """Attention forward+backward with heads sharded over ``mesh`` (see the module doc)."""
 
     def __init__(self, qkv_format: QkvFormat, mesh: DeviceMesh, b: int, h: int, s: int, e: int,
-                 is_causal: bool = True, dtype: DataType = DataType.BFloat16):
+                 is_causal: bool = True, dtype: DataType = DataType.BFloat16,
+                 dropout_p: float = 0.0, dropout_mode: str | None = None):
         super().__init__()
         self.qkv_format, self.mesh = qkv_format, mesh
         self.shape, self.is_causal, self.dtype = [b, h, s, e // h], is_causal, dtype
+        self.dropout_p, self.dropout_mode = dropout_p, dropout_mode
 
     def definition(self) -> None:
         self.q, self.k, self.v, self.out_grad = [
@@ -38,10 +42,11 @@ class SeedAttention(FusionDefinition):
                                stride_order=STRIDE_ORDER[self.qkv_format])
             for _ in range(4)
         ]
-        dropout_p = self.define_scalar(0.0, dtype=DataType.Double)
+        dropout_p = self.define_scalar(self.dropout_p, dtype=DataType.Double)
         is_causal = self.define_scalar(self.is_causal, dtype=DataType.Bool)
         self.attn, self.log_sumexp, seed, offset = self.ops.sdpfa_fwd(
-            self.q, self.k, self.v, dropout_p, is_causal, scale=None
+            self.q, self.k, self.v, dropout_p, is_causal, scale=None,
+            dropout_mode=self.dropout_mode,
         )
         self.q_grad, self.k_grad, self.v_grad = self.ops.sdpfa_bwd(
             self.out_grad, self.q, self.k, self.v, self.attn, self.log_sumexp, dropout_p,

@@ -1,6 +1,6 @@
 """``FusionDefinition``: define a fusion with global shapes, schedule it, execute it.
 
-Two styles, one semantics (DESIGN.md section 1)::
+Two styles, one semantics (docs/design.md, section 2)::
 
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 8], dtype=DataType.Float)
@@ -21,6 +21,7 @@ from typing import Any, Self
 
 import torch
 
+from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
@@ -48,6 +49,18 @@ class FusionDefinition:
         self._defined = False
         self._open = False  # inside ``with FusionDefinition() as fd:``
         self._runner = None
+
+    @classmethod
+    def from_fusion(cls, fusion: Fusion, runner=None) -> Self:
+        """A definition of an existing fusion (one a transformation built, such as the
+        backward from :func:`meshfuse.vjp`); it prints, explains and executes like any.
+        ``runner``: the fusion's runner, when it was already compiled."""
+        fd = cls()
+        fd.fusion = fusion
+        fd.ops = Ops(fusion)
+        fd._defined = True
+        fd._runner = runner
+        return fd
 
     # ----- the two styles ----------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -224,13 +237,43 @@ class FusionDefinition:
                                         lambda: FusionRunner(self.fusion), check_ranks)
         return self._runner
 
-    def explain(self, inputs: Sequence[Any] | None = None) -> str:
-        """The fusion after the build passes (shardings, layouts, inserted resharding
-        copies), as printed text; runs nothing. With ``inputs`` (this rank's, as for
-        ``execute``), also this rank's program: its steps and each communication with its
-        group of ranks (that builds the program, which ``execute`` then reuses)."""
+    def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
+                             remat: str = "recompute") -> FusionFunction:
+        """This fusion as a ``torch.autograd.Function``: a callable taking the inputs
+        ``execute`` takes and returning its outputs, whose ``backward`` runs the derived
+        backward fusion (``meshfuse.vjp``).
+
+        Args:
+            wrt: the inputs that may get gradients (default: every floating-point tensor
+                input); one gets a gradient when its tensor requires grad.
+            remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
+                in the backward, matrix products never) or ``"save"`` (every intermediate the
+                backward reads is saved).
+
+        Example:
+            >>> f = fd.as_autograd_function()
+            >>> out, = f([x.requires_grad_(), w.requires_grad_()])
+            >>> out.sum().backward()   # x.grad, w.grad: this rank's shards, laid out alike
+
+        Gradients follow DTensor's semantics of replicas: a replicated output's cotangent is
+        the same on every rank and stands for the one global cotangent; a replicated input's
+        gradient comes back complete on every rank; a sharded input's as this rank's shard.
+        """
+        self.define()
+        return FusionFunction(self.fusion, wrt, remat)
+
+    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
+        """What the program does on this rank, as text; runs no kernel.
+
+        One line per tensor in program order (global shape, dtype, mesh, placements such as
+        ``[S(1), R]``, local shape on this rank, memory order), then the communications this
+        rank will run, with their groups and bytes. Extents come from ``inputs`` (this
+        rank's, as for ``execute``; the program is built and reused by ``execute``), else
+        from the definition's static extents, symbolic ones named. ``verbose=True`` adds
+        every tensor's domains and, with ``inputs``, the program's steps.
+        """
         self._check_finished("explain")
-        return self._get_runner().explain(inputs)
+        return self._get_runner().explain(inputs, verbose)
 
     def __repr__(self) -> str:
         self.define()

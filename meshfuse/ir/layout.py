@@ -1,6 +1,6 @@
 """Local shards: which part of a global tensor a device holds, and in which memory layout.
 
-This module reads a TensorView's schedule (DESIGN.md section 2):
+This module reads a TensorView's schedule (docs/design.md, sections 4 and 5):
 
 - each *device-parallel* loop ID is reached from exactly one logical ID through splits; the
   device whose coordinate on that mesh axis is ``c`` holds the logical indices whose index on

@@ -96,12 +96,32 @@ def format_arg(arg) -> str:
 
 def format_expr(expr: Expr) -> str:
     outs = ", ".join(o.name for o in expr.outputs)
-    args = [
-        format_arg(a) if p.kind.value in ("tensor", "tensors", "operand", "scalar")
-        else f"{p.name}={format_arg(a)}"
-        for p, a in zip(expr.op.params, expr.args)
-    ]
-    return f"{outs} = {expr.op.name}({', '.join(args)})"
+    return f"{outs} = {format_call(expr)}"
+
+
+def format_call(expr: Expr, skip_defaults: bool = False) -> str:
+    """``op(args)``; with ``skip_defaults``, arguments left at their default are left out
+    (those after one left out are named)."""
+    args, named = [], False
+    for p, a in zip(expr.op.params, expr.args):
+        if skip_defaults and _is_default(p, a):
+            named = True
+            continue
+        positional = p.kind.value in ("tensor", "tensors", "operand", "scalar") and not named
+        args.append(format_arg(a) if positional else f"{p.name}={format_arg(a)}")
+    return f"{expr.op.name}({', '.join(args)})"
+
+
+def _is_default(param, arg) -> bool:
+    from meshfuse.ir.tensor_view import Scalar, Val
+
+    if param.required:
+        return False
+    value = arg.value if isinstance(arg, Scalar) and arg.is_constant else arg
+    if isinstance(value, Val):
+        return False
+    return value is param.default or (type(value) is type(param.default) and
+                                      value == param.default)
 
 
 def format_fusion(fusion: Fusion, allocations: dict | None = None) -> str:

@@ -2,7 +2,8 @@
 
 :func:`select_backend` picks, once per input signature, the fastest kernel that runs the
 inputs: cuDNN on Hopper/Blackwell where PyTorch prefers it, then flash, then
-memory-efficient, then the math kernel; the CPU flash kernel on CPU.
+memory-efficient, then the math kernel; the CPU flash kernel on CPU (the math kernel with
+dropout, which the CPU flash kernel lacks).
 ``MESHFUSE_SDPA_BACKEND`` (or an explicit request) forces one, with a clear error when it
 cannot run the inputs. The kernels themselves are called in
 :mod:`meshfuse.ops.attention_kernels`.
@@ -69,15 +70,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_dropout(q: torch.Tensor, dropout_p: float) -> None:
-    """Raise :class:`InputError` unless ``dropout_p`` is in [0, 1), and 0 on the CPU."""
+    """Raise :class:`InputError` unless ``dropout_p`` is in [0, 1)."""
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"sdpa: dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0 and q.device.type == "cpu":
-        raise InputError(
-            f"sdpa: dropout_p > 0 is not supported on CPU yet; got dropout_p={dropout_p}. The "
-            "CPU flash kernel cannot replay its dropout mask in the backward, so the "
-            "gradients would be wrong. Use dropout_p=0.0 on CPU, or run on CUDA."
-        )
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -143,10 +138,10 @@ def own_limits(backend: AttentionBackend, q, k, v, dropout_p: float, is_causal: 
             return f"needs CPU tensors, got {q.device}"
         if e != ev:
             return f"needs q/k/v with one head dim, got E={e} and Ev={ev}"
+        if dropout_p > 0.0:
+            return "has no dropout (the math kernel runs dropout on CPU)"
         return None
     if backend is AttentionBackend.MATH:
-        if dropout_p > 0.0:
-            return "cannot replay a dropout mask in the backward; use dropout_p=0.0"
         return None
     if device != "cuda":
         return f"needs CUDA tensors, got {q.device}"
@@ -248,7 +243,7 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
                    requested: AttentionBackend | str | None = None) -> AttentionBackend:
     """Pick the SDPA kernel for these inputs; the same inputs always get the same answer.
 
-    On CPU: ``CPU_FLASH`` (``MATH`` if E != Ev). On CUDA: cuDNN on sm90/sm100 when
+    On CPU: ``CPU_FLASH`` (``MATH`` if E != Ev or with dropout). On CUDA: cuDNN on sm90/sm100 when
     :func:`cudnn_preferred` and PyTorch's checks allow it, then flash, then memory-efficient,
     then ``MATH``. ``requested`` (a backend or its lowercase name) overrides the choice, and
     when it is None the environment variable ``MESHFUSE_SDPA_BACKEND`` (auto, cudnn, flash,
@@ -258,7 +253,7 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     Args:
         q: ``[B, H, S, E]``. k: ``[B, H, Skv, E]``. v: ``[B, H, Skv, Ev]``. Same dtype
             (float16, bfloat16 or float32) and device.
-        dropout_p: dropout probability in [0, 1); must be 0 on CPU.
+        dropout_p: dropout probability in [0, 1).
         is_causal: causal mask aligned top-left (query i sees keys 0..i), as in PyTorch.
         requested: backend to use instead of the automatic choice.
 
@@ -266,7 +261,7 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
         The backend to pass to :func:`sdpa_forward` and :func:`sdpa_backward`.
 
     Raises:
-        InputError: bad inputs, dropout on CPU, or a requested backend that cannot run them.
+        InputError: bad inputs, or a requested backend that cannot run them.
         DefinitionError: ``requested`` or ``MESHFUSE_SDPA_BACKEND`` names no backend.
 
     Example:

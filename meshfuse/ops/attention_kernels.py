@@ -25,7 +25,8 @@ MATH       contiguous BHSE         contiguous            contiguous BHSE
 
 (S32 is S rounded up to a multiple of 32: the efficient kernel pads its log-sum-exp, and its
 backward reads the padding; :func:`sdpa_backward` restores it.) ``seed`` and ``offset`` are
-0-d int64 zeros on the CPU for the CPU flash and math kernels. Otherwise they are the kernel's own RNG
+0-d int64 zeros on the CPU for the CPU flash and math kernels (the math kernel takes its
+dropout mask as an argument: ``dropout_mask``). Otherwise they are the kernel's own RNG
 state, opaque, to be passed back unchanged: flash gives a ``[2]`` uint64 (seed, offset) and a
 0-d uint64 placeholder, on the GPU; cuDNN ``[1]`` int64 tensors on the GPU; efficient 0-d
 int64 on the CPU (on the GPU under CUDA-graph capture).
@@ -200,18 +201,31 @@ def _math_probs(q, k, is_causal, scale, lse=None):
     return scores.sub_(lse.unsqueeze(-1)).exp_(), lse
 
 
-def _math_fwd(q, k, v, dropout_p, is_causal, scale):
+def _math_fwd(q, k, v, dropout_p, is_causal, scale, keep=None):
     probs, lse = _math_probs(q, k, is_causal, scale)
+    if keep is not None:
+        probs = _dropped(probs, keep, dropout_p)
     return torch.matmul(probs, v.float()).to(q.dtype), lse, None, None
 
 
-def _math_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale):
+def _dropped(probs: torch.Tensor, keep: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """``probs * keep / (1 - p)``: the dropped-out probabilities, in place."""
+    return probs.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
+
+
+def _math_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale, keep=None):
     probs, _ = _math_probs(q, k, is_causal, scale, lse.float())
     g = grad.float()
-    dv = torch.matmul(probs.transpose(-2, -1), g)
-    # dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O).
+    dropped = probs if keep is None else _dropped(probs.clone(), keep, dropout_p)
+    dv = torch.matmul(dropped.transpose(-2, -1), g)
+    del dropped
+    # dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O) (with dropout too:
+    # dP = (dO V^T) * keep / (1 - p), and O = (P * keep / (1 - p)) V).
     delta = (g * attn.float()).sum(dim=-1, keepdim=True)
-    ds = probs.mul_(torch.matmul(g, v.float().transpose(-2, -1)).sub_(delta))
+    d_probs = torch.matmul(g, v.float().transpose(-2, -1))
+    if keep is not None:
+        d_probs = _dropped(d_probs, keep, dropout_p)
+    ds = probs.mul_(d_probs.sub_(delta))
     ds.mul_(_scale_of(q, scale))
     dq = torch.matmul(ds, k.float())
     dk = torch.matmul(ds.transpose(-2, -1), q.float())
@@ -263,18 +277,22 @@ def _kernels_for(backend, q, k, v, dropout_p: float, is_causal: bool):
 @torch.no_grad()
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                  is_causal: bool, scale: float | None = None,
-                 backend: AttentionBackend | str | None = None):
+                 backend: AttentionBackend | str | None = None,
+                 dropout_mask: torch.Tensor | None = None):
     """Scaled dot-product attention forward with one of PyTorch's SDPA kernels.
 
     Args:
         q: ``[B, H, S, E]``; k: ``[B, H, Skv, E]``; v: ``[B, H, Skv, Ev]``: one dtype
             (float16, bfloat16, float32) and device, any strides (a strided last axis is
             copied; BHSE and BSHE are used as they are).
-        dropout_p: dropout probability in [0, 1); 0 on CPU.
+        dropout_p: dropout probability in [0, 1).
         is_causal: mask key j > query i (top-left aligned, as in PyTorch).
         scale: the factor of ``q @ k^T``; None is ``1 / sqrt(E)``.
         backend: from :func:`select_backend` (the backward must get the same one); None
             selects it here.
+        dropout_mask: the math kernel's keep mask, bool ``[B, H, S, Skv]`` (True: kept),
+            required there when ``dropout_p > 0``; the fused CUDA kernels draw their own from
+            torch's CUDA generator.
 
     Returns:
         ``(attn, log_sumexp, seed, offset)``: attn ``[B, H, S, Ev]`` of q's dtype and
@@ -283,7 +301,7 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
         when ``dropout_p == 0``; otherwise opaque, see the module docstring).
 
     Raises:
-        InputError: bad inputs, dropout on CPU, or a backend for the other device.
+        InputError: bad inputs, a missing dropout mask, or a backend for the other device.
     """
     check_qkv(q, k, v)
     check_dropout(q, dropout_p)
@@ -292,7 +310,11 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     forward, _ = _kernels_for(backend, q, k, v, dropout_p, is_causal)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     scale = None if scale is None else float(scale)
-    attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale)
+    if parse_backend(backend) is AttentionBackend.MATH and dropout_p > 0.0:
+        keep = _checked_mask(dropout_mask, q, k)
+        attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale, keep)
+    else:
+        attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale)
     if seed is None:  # kernels without an RNG state (CPU flash, math)
         seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
     # Otherwise the kernel's own tensors go back to its backward unchanged, as autograd does
@@ -304,7 +326,8 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
 def sdpa_backward(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   attn: torch.Tensor, log_sumexp: torch.Tensor, dropout_p: float,
                   is_causal: bool, seed: torch.Tensor, offset: torch.Tensor,
-                  scale: float | None, backend: AttentionBackend | str):
+                  scale: float | None, backend: AttentionBackend | str,
+                  dropout_mask: torch.Tensor | None = None):
     """Gradients of :func:`sdpa_forward` with the same kernel family.
 
     Args:
@@ -314,6 +337,7 @@ def sdpa_backward(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         attn, log_sumexp, seed, offset: the forward's outputs, in any layout; log_sumexp
             must be float32 ``[B, H, S]``.
         backend: the backend the forward ran with.
+        dropout_mask: the math kernel's keep mask of the forward (with ``dropout_p > 0``).
 
     Returns:
         ``(q_grad, k_grad, v_grad)`` with the shapes and dtypes of q, k and v (layouts per
@@ -328,6 +352,21 @@ def sdpa_backward(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     _, backward = _kernels_for(backend, q, k, v, dropout_p, is_causal)
     grad_attn, q, k, v, attn = (unit_last_stride(t) for t in (grad_attn, q, k, v, attn))
     scale = None if scale is None else float(scale)
+    extra = ()
+    if parse_backend(backend) is AttentionBackend.MATH and dropout_p > 0.0:
+        extra = (_checked_mask(dropout_mask, q, k),)
     dq, dk, dv = backward(
-        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale)
+        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, *extra)
     return dq, dk, dv
+
+
+def _checked_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The math kernel's dropout keep mask, checked against ``[B, H, S, Skv]``."""
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if mask is None:
+        raise InputError("sdpa: the math kernel with dropout_p > 0 needs dropout_mask, the bool "
+                         f"keep mask {list(shape)} (sdpfa_fwd draws it from its RNG stream)")
+    if tuple(mask.shape) != shape or mask.dtype != torch.bool or mask.device != q.device:
+        raise InputError(f"sdpa: dropout_mask must be a bool {list(shape)} tensor on "
+                         f"{q.device}, got {mask.dtype} {list(mask.shape)} on {mask.device}")
+    return mask

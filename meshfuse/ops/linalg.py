@@ -17,6 +17,7 @@ from meshfuse.ops.registry import (
     OutSpec,
     Param,
     TensorMeta,
+    Vjp,
     register,
     tensor,
 )
@@ -63,9 +64,49 @@ def _matmul_infer(a, b):
     return [OutSpec(promote(a, b), tuple(axes))]
 
 
+def transposed(o, x):
+    """``x`` with its last two axes swapped."""
+    n = len(x.materialized())
+    return o.permute(x, list(range(n - 2)) + [n - 1, n - 2])
+
+
+def _matmul_grads(d, grads):
+    """``ga = g @ b^T``, ``gb = a^T @ g``, with 1-D operands made matrices first (a row,
+    a column) and the batch axes summed down to each operand's."""
+    o, g = d.ops, grads[0]
+    na, nb = d.ndim("a"), d.ndim("b")
+    n = len(g.materialized())
+    if na == 1 and nb == 1:
+        g = o.broadcast_in_dim(g, [1, 1], [])
+    elif na == 1:  # g lacks the row axis
+        g = o.broadcast_in_dim(g, [-1] * (n - 1) + [1, -1], list(range(n - 1)) + [n])
+    elif nb == 1:  # g lacks the column axis
+        g = o.broadcast_in_dim(g, [-1] * n + [1], list(range(n)))
+
+    def matrix(name):
+        x = d.value(name)
+        if d.ndim(name) >= 2:
+            return x
+        return o.broadcast_in_dim(x, [1, -1], [1]) if name == "a" else \
+            o.broadcast_in_dim(x, [-1, 1], [0])
+
+    def grad_a():
+        a = matrix("a")
+        ga = d.sum_to(o.matmul(g, transposed(o, matrix("b"))), a)
+        return o.squeeze(ga, [0]) if na == 1 else ga
+
+    def grad_b():
+        b = matrix("b")
+        gb = d.sum_to(o.matmul(transposed(o, matrix("a")), g), b)
+        return o.squeeze(gb, [1]) if nb == 1 else gb
+
+    return {"a": grad_a, "b": grad_b}
+
+
 register(OpDef(
     "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul, output_layout="contiguous",
     doc="matrix product with PyTorch's batching and broadcasting",
+    vjp=Vjp(_matmul_grads),
 ))
 
 
@@ -95,10 +136,36 @@ def _linear_infer(x, weight, bias):
     return [OutSpec(promote(x, weight), tuple(axes))]
 
 
+def _weight_grad(d, g):
+    """``sum over tokens of g^T x``: one matmul of ``[N, T] x [T, K]``. Leading axes of
+    extent 1 are squeezed away; several token axes stay a batch of matmuls, then a sum (a
+    reshape merging them would lose a sequence axis's sharding)."""
+    o, x = d.ops, d.value("x")
+    n = d.ndim("x")
+    if n == 1:
+        return o.mul(o.broadcast_in_dim(g, [-1, 1], [0]), o.broadcast_in_dim(x, [1, -1], [1]))
+    ones = [a for a in range(n - 1) if d.is_broadcast("x", a)]
+    if ones and len(ones) < n - 1:
+        g, x = o.squeeze(g, ones), o.squeeze(x, ones)
+        n -= len(ones)
+    product = o.matmul(transposed(o, g), x)
+    return o.sum(product, dims=list(range(n - 2))) if n > 2 else product
+
+
+def _linear_grads(d, grads):
+    o, g = d.ops, grads[0]
+    return {
+        "x": lambda: o.matmul(g, d.value("weight")),
+        "weight": lambda: _weight_grad(d, g),
+        "bias": lambda: o.sum(g, dims=list(range(len(g.materialized()) - 1)))
+        if len(g.materialized()) > 1 else g,
+    }
+
+
 register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
     lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
     doc="x @ weight.T + bias",
     prefer_inputs=(1, 2), output_layout="contiguous",
-    partial_addends=(2,),
+    partial_addends=(2,), vjp=Vjp(_linear_grads),
 ))

@@ -9,6 +9,8 @@ is a DefinitionError when the op is defined.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshfuse.dtypes import DataType
@@ -18,6 +20,7 @@ from meshfuse.ops.registry import (
     OutSpec,
     ScalarMeta,
     TensorMeta,
+    Vjp,
     attr,
     operand,
     register,
@@ -73,6 +76,58 @@ BINARY_ARITH = {
     "sub": torch.sub,
 }
 
+# The gradient of each differentiable unary op, written with fusion ops ``o`` from the
+# cotangent ``g`` and thunks of the input ``x`` and the result ``y`` (a thunk is called only
+# where read, so a value the gradient does not read is neither saved nor recomputed).
+LN2 = 0.6931471805599453
+TWO_OVER_SQRT_PI = 1.1283791670955126
+UNARY_GRADIENTS = {
+    "abs": lambda o, g, x, y: o.mul(g, o.sign(x())),
+    "acos": lambda o, g, x, y: o.neg(o.mul(g, o.rsqrt(o.sub(1.0, o.mul(x(), x()))))),
+    "asin": lambda o, g, x, y: o.mul(g, o.rsqrt(o.sub(1.0, o.mul(x(), x())))),
+    "atan": lambda o, g, x, y: o.div(g, o.add(o.mul(x(), x()), 1.0)),
+    "cos": lambda o, g, x, y: o.neg(o.mul(g, o.sin(x()))),
+    "cosh": lambda o, g, x, y: o.mul(g, o.sinh(x())),
+    "erf": lambda o, g, x, y: o.mul(g, o.mul(o.exp(o.neg(o.mul(x(), x()))), TWO_OVER_SQRT_PI)),
+    "exp": lambda o, g, x, y: o.mul(g, y()),
+    "expm1": lambda o, g, x, y: o.mul(g, o.add(y(), 1.0)),
+    "log": lambda o, g, x, y: o.div(g, x()),
+    "log1p": lambda o, g, x, y: o.div(g, o.add(x(), 1.0)),
+    "log2": lambda o, g, x, y: o.div(g, o.mul(x(), LN2)),
+    "neg": lambda o, g, x, y: o.neg(g),
+    "reciprocal": lambda o, g, x, y: o.neg(o.mul(g, o.mul(y(), y()))),
+    "relu": lambda o, g, x, y: o.where(o.gt(y(), 0.0), g, 0.0),
+    "rsqrt": lambda o, g, x, y: o.mul(g, o.mul(o.mul(y(), o.mul(y(), y())), -0.5)),
+    "sigmoid": lambda o, g, x, y: o.mul(g, o.mul(y(), o.sub(1.0, y()))),
+    "silu": lambda o, g, x, y: o.mul(g, _silu_derivative(o, x())),
+    "sin": lambda o, g, x, y: o.mul(g, o.cos(x())),
+    "sinh": lambda o, g, x, y: o.mul(g, o.cosh(x())),
+    "sqrt": lambda o, g, x, y: o.div(g, o.mul(y(), 2.0)),
+    "tan": lambda o, g, x, y: o.mul(g, o.add(o.mul(y(), y()), 1.0)),
+    "tanh": lambda o, g, x, y: o.mul(g, o.sub(1.0, o.mul(y(), y()))),
+}
+# Piecewise constant: their gradient is zero wherever it exists (PyTorch's too); the
+# derivation leaves it out.
+ZERO_GRADIENT = {"ceil", "floor", "round", "sign"}
+
+
+def _silu_derivative(o, x):
+    s = o.sigmoid(x)
+    return o.mul(s, o.add(o.mul(x, o.sub(1.0, s)), 1.0))
+
+
+def _unary_vjp(name: str) -> Vjp:
+    gradient = UNARY_GRADIENTS.get(name)
+    assert (gradient is None) == (name in ZERO_GRADIENT), name
+
+    def rule(d, grads):
+        if gradient is None:
+            return {}
+        return {"x": lambda: gradient(d.ops, grads[0], lambda: d.value("x"), d.out)}
+
+    return Vjp(rule, recompute=True)
+
+
 BINARY_COMPARE = {
     "eq": torch.eq,
     "ge": torch.ge,
@@ -86,6 +141,82 @@ BINARY_LOGICAL = {
     "logical_and": torch.logical_and,
     "logical_or": torch.logical_or,
 }
+
+def _trunc(o, x):
+    return o.mul(o.sign(x), o.floor(o.abs(x)))
+
+
+def _minus_one(o, b):
+    return b - 1 if isinstance(b, int | float) else o.sub(b, 1)
+
+
+def _pow_grads(d, g):
+    o = d.ops
+
+    def grad_a():
+        a, b = d.value("a"), d.value("b")
+        if isinstance(b, int | float) and b == 0:
+            return None
+        grad = o.mul(g, o.mul(b, o.pow(a, _minus_one(o, b))))
+        return grad if isinstance(b, int | float) else o.where(o.eq(b, 0), 0.0, grad)
+
+    def grad_b():  # zero where a == 0 and b >= 0 (PyTorch's choice at the singularity)
+        a = d.value("a")
+        if isinstance(a, int | float):
+            return None if a == 0 else o.mul(g, o.mul(d.out(), math.log(a)))
+        zero = o.logical_and(o.eq(a, 0), o.ge(d.value("b"), 0))
+        return o.where(zero, 0.0, o.mul(g, o.mul(d.out(), o.log(a))))
+
+    return {"a": grad_a, "b": grad_b}
+
+
+def _extremum_grads(o, g, a, b, wins):
+    """The gradient of maximum/minimum (``wins``: ``o.gt``/``o.lt``): all of it to the
+    winner, half to each of two equal operands (as PyTorch)."""
+    half = o.mul(g, 0.5)
+    return {"a": lambda: o.where(wins(a(), b()), g, o.where(o.eq(a(), b()), half, 0.0)),
+            "b": lambda: o.where(wins(b(), a()), g, o.where(o.eq(a(), b()), half, 0.0))}
+
+
+# The gradients of the binary ops, as ``(d, g) -> {operand: thunk}``: the thunk of an operand
+# is called only if it needs a gradient. Each may have the broadcast shape (summed down later).
+BINARY_GRADIENTS = {
+    "add": lambda d, g: {"a": lambda: g, "b": lambda: g},
+    "atan2": lambda d, g: {
+        "a": lambda: d.ops.div(d.ops.mul(g, d.value("b")), _squares(d)),
+        "b": lambda: d.ops.neg(d.ops.div(d.ops.mul(g, d.value("a")), _squares(d)))},
+    "div": lambda d, g: {
+        "a": lambda: d.ops.div(g, d.value("b")),
+        "b": lambda: d.ops.neg(d.ops.div(d.ops.mul(g, d.out()), d.value("b")))},
+    "fmod": lambda d, g: {
+        "a": lambda: g,
+        "b": lambda: d.ops.neg(d.ops.mul(g, _trunc(d.ops, d.ops.div(d.value("a"),
+                                                                     d.value("b")))))},
+    "maximum": lambda d, g: _extremum_grads(d.ops, g, lambda: d.value("a"),
+                                            lambda: d.value("b"), d.ops.gt),
+    "minimum": lambda d, g: _extremum_grads(d.ops, g, lambda: d.value("a"),
+                                            lambda: d.value("b"), d.ops.lt),
+    "mul": lambda d, g: {"a": lambda: d.ops.mul(g, d.value("b")),
+                         "b": lambda: d.ops.mul(g, d.value("a"))},
+    "pow": _pow_grads,
+    "remainder": lambda d, g: {
+        "a": lambda: g,
+        "b": lambda: d.ops.neg(d.ops.mul(g, d.ops.floor(d.ops.div(d.value("a"),
+                                                                  d.value("b")))))},
+    "sub": lambda d, g: {"a": lambda: g, "b": lambda: d.ops.neg(g)},
+}
+
+
+def _squares(d):
+    a, b = d.value("a"), d.value("b")
+    return d.ops.add(d.ops.mul(a, a), d.ops.mul(b, b))
+
+
+def _binary_vjp(name: str) -> Vjp:
+    gradients = BINARY_GRADIENTS.get(name)
+    return Vjp(lambda d, grads: gradients(d, grads[0]) if gradients else {}, recompute=True)
+
+
 
 # Ops whose result is floating point even for integer or bool operands (true division).
 FLOAT_RESULT = {"atan2", "div"}
@@ -125,7 +256,8 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
         return [OutSpec(_float_of(x.dtype) if float_result else x.dtype, same_axes(0, x))]
 
     kind = "floating-point" if float_result else "dtype-preserving"
-    return OpDef(name, (tensor("x"),), infer, fn, doc=f"{kind} unary {fn.__name__}")
+    return OpDef(name, (tensor("x"),), infer, fn, doc=f"{kind} unary {fn.__name__}",
+                 vjp=_unary_vjp(name))
 
 
 def _binary(name: str, fn, result_dtype: DataType | None) -> OpDef:
@@ -138,7 +270,7 @@ def _binary(name: str, fn, result_dtype: DataType | None) -> OpDef:
 
     return OpDef(name, (operand("a"), operand("b")), infer,
                  _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND),
-                 doc=f"binary {name} with broadcasting")
+                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
 
 
 def _scalar_safe(fn, number_first: bool, number_second: bool):
@@ -187,6 +319,8 @@ register(OpDef(
     "gelu", (tensor("x"), attr("approximate", "none")), _gelu_infer,
     lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
     doc="GELU, exact or with the tanh approximation",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.gelu_backward(
+        grads[0], d.value("x"), d.attrs["approximate"])}, recompute=True),
 ))
 
 
@@ -215,6 +349,7 @@ register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
     lambda x, dtype: x.to(dtype.torch_dtype),
     doc="element type conversion",
+    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))
 
 
@@ -226,6 +361,8 @@ def _set_infer(x):
 register(OpDef(
     "set", (tensor("x"),), _set_infer, lambda x: x.clone(),
     doc="a copy of x; with a different schedule on its output, a resharding point",
+    # The identity, resharded back into x's sharding: the transposed communication.
+    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True, communication=True),
 ))
 
 
@@ -246,7 +383,13 @@ def _where(cond, a, b):
     return torch.where(cond, a, b)
 
 
+def _where_grads(d, grads):
+    o, g = d.ops, grads[0]
+    return {"a": lambda: o.where(d.value("cond"), g, 0.0),
+            "b": lambda: o.where(d.value("cond"), 0.0, g)}
+
+
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
-    doc="a where cond else b, with broadcasting",
+    doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
 ))

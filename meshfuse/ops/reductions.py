@@ -11,12 +11,14 @@ so ``sum(x_bf16, dtype=DataType.Float)`` accumulates in float32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, attr, register, tensor
+from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, Vjp, attr, register, tensor
 from meshfuse.ops.shape_rules import normalize_axes, require_tensor
 
 
@@ -37,6 +39,55 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
     return tuple(axes)
 
 
+def expand_back(d, g):
+    """``g`` (shaped like a reduction's result) broadcast back to the reduced input's shape."""
+    x, ndim = d.arg("x"), d.ndim("x")
+    dims = normalize_axes(d.expr.op.name, d.attrs["dims"], ndim)
+    shape = [-1] * ndim
+    for a in dims:
+        shape[a] = x.materialized()[a].extent or d.shape("x")[a]
+    kept = range(ndim) if d.attrs["keepdim"] else [a for a in range(ndim) if a not in dims]
+    return d.ops.broadcast_in_dim(g, shape, list(kept))
+
+
+def _sum_grads(d, grads):
+    return {"x": lambda: expand_back(d, grads[0])}
+
+
+def _extremum_grads(d, grads):
+    """All of the gradient to the extremum, shared evenly among equal ones (as PyTorch)."""
+    o, g = d.ops, grads[0]
+
+    def grad():
+        x = d.value("x")
+        winner = o.eq(x, expand_back(d, d.out()))
+        count = o.sum(o.cast(winner, g.dtype), dims=d.attrs["dims"], keepdim=d.attrs["keepdim"])
+        return o.where(winner, expand_back(d, o.div(g, count)), 0.0)
+
+    return {"x": grad}
+
+
+def _prod_grads(d, grads):
+    """``g * prod / x``, and at a zero of x the product of the others (zero if another is)."""
+    o, g = d.ops, grads[0]
+    dims, keepdim = d.attrs["dims"], d.attrs["keepdim"]
+
+    def grad():
+        x = d.value("x")
+        zero = o.eq(x, 0)
+        others = o.prod(o.where(zero, 1, x), dims=dims, keepdim=keepdim, dtype=d.attrs["dtype"])
+        zeros = o.sum(o.cast(zero, g.dtype), dims=dims, keepdim=keepdim)
+        at_zero = o.where(o.eq(zeros, 1), o.mul(g, others), 0.0)
+        elsewhere = o.div(expand_back(d, o.mul(g, d.out())), x)
+        return o.where(zero, expand_back(d, at_zero), elsewhere)
+
+    return {"x": grad}
+
+
+REDUCTION_GRADIENTS = {"max": _extremum_grads, "min": _extremum_grads, "prod": _prod_grads,
+                       "sum": _sum_grads}
+
+
 def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
     def infer(x, dims, keepdim, dtype):
         axes = reduced_axes(name, x, dims, keepdim)
@@ -49,7 +100,8 @@ def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
         return reduce_fn(x, dims, keepdim) if dims else x.clone()
 
     params = (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None))
-    return OpDef(name, params, infer, impl, doc=doc, partial_reduce=partial_reduce)
+    return OpDef(name, params, infer, impl, doc=doc, partial_reduce=partial_reduce,
+                 vjp=Vjp(REDUCTION_GRADIENTS[name]))
 
 
 def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
@@ -125,9 +177,14 @@ def _mean(x, dims, keepdim, dtype, reduced_count):
     return (total / reduced_count).to(x.dtype)
 
 
+def _mean_grads(d, grads):
+    return {"x": lambda: expand_back(d, d.ops.div(grads[0], d.reduced_count()))}
+
+
 register(OpDef(
     "mean", (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None)),
     _mean_infer, _mean, doc="mean over axes", needs_reduced_count=True,
+    vjp=Vjp(_mean_grads),
 ))
 
 
@@ -146,10 +203,30 @@ def _var_mean(x, dims, correction, keepdim):
     return var, mean
 
 
+def _var_mean_grads(d, grads):
+    """d var / dx = 2 (x - mean) / (n - correction); d mean / dx = 1 / n."""
+    o, (g_var, g_mean) = d.ops, grads
+    n = d.reduced_count()
+
+    def grad():
+        result = None
+        if g_var is not None:
+            centered = o.sub(d.value("x"), expand_back(d, d.out(1)))
+            dof = n - d.attrs["correction"]
+            scale = 2.0 / dof if dof > 0 else math.inf  # as PyTorch: no degrees of freedom
+            result = o.mul(expand_back(d, g_var), o.mul(centered, scale))
+        if g_mean is not None:
+            term = expand_back(d, o.div(g_mean, n))
+            result = term if result is None else o.add(result, term)
+        return result
+
+    return {"x": grad}
+
+
 register(OpDef(
     "var_mean",
     (tensor("x"), attr("dims", None), attr("correction", 1), attr("keepdim", False)),
     _var_mean_infer, _var_mean,
     doc="variance (with Bessel's correction by default) and mean over axes",
-    partial_reduce=None,
+    partial_reduce=None, vjp=Vjp(_var_mean_grads),
 ))

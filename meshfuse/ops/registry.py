@@ -116,6 +116,63 @@ InferFn = Callable[..., Sequence[OutSpec]]
 
 
 @dataclasses.dataclass(frozen=True)
+class Vjp:
+    """An op's derivative: its vector-Jacobian product written with fusion ops.
+
+    Attributes:
+        rule: ``rule(d, grads) -> {param name: gradient}``. ``grads`` holds one cotangent per
+            output (a TensorView of the backward fusion, or None where the output gets no
+            gradient: an unused, integer or boolean output); ``d`` is the derivation's view of
+            this application of the op (see ``meshfuse.autodiff.context.VjpContext``):
+            ``d.ops`` adds ops to the backward fusion, ``d.arg(name)`` is the primal argument
+            (for shapes and dtypes), ``d.value(name)`` / ``d.out(i)`` its value in the backward
+            (a saved residual or a recomputation), ``d.attrs`` the static arguments. Each
+            gradient is given as a *thunk* (a function of no arguments returning a TensorView,
+            or None for a gradient that is zero by structure), called only where that
+            gradient is needed; a ``tensors`` parameter takes a list of thunks. A gradient may
+            have the output's broadcast shape and dtype: the derivation sums it down to the
+            argument's shape and casts it to the argument's dtype.
+        recompute: True for ops cheap enough to run again in the backward (pointwise, casts,
+            shape ops): the default rematerialization policy recomputes their results from
+            saved values instead of saving them.
+        differentiable: the outputs that carry gradients (None: every floating-point one).
+            The others are constants to differentiation, as integer and boolean outputs
+            always are (``sdpfa_fwd``'s log-sum-exp, as in PyTorch).
+        communication: the op is a resharding point (``set``): where its output lies
+            otherwise than its argument, the derivation copies the gradient back into the
+            argument's sharding, a partial argument's made replicated: the transposed
+            communication (an allgather's gradient is reduce-scattered, a partial sum's
+            resolution gets a replicated cotangent, a local slice's gradient is gathered).
+    """
+
+    rule: Callable[..., dict[str, Any]]
+    recompute: bool = False
+    differentiable: tuple[int, ...] | None = None
+    communication: bool = False
+
+    def is_differentiable(self, index: int, dtype) -> bool:
+        """Whether output ``index`` (of ``dtype``) carries a gradient."""
+        return dtype.is_floating and (self.differentiable is None or
+                                      index in self.differentiable)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalContext:
+    """What an op's ``localize`` rule knows of the rank it runs on.
+
+    Attributes:
+        rank: the global rank.
+        device: where the rank's tensors live (for ops that create tensors).
+        index: ``index(tv)``, the :class:`~meshfuse.ir.global_index.GlobalIndex` of ``tv``'s
+            local shard on this rank (global extents bound).
+    """
+
+    rank: int
+    device: Any
+    index: Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class OpDef:
     """An op's declaration.
 
@@ -149,6 +206,12 @@ class OpDef:
         check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
             sharding the implementation cannot handle (e.g. causal attention with a sharded
             query sequence).
+        vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
+            (a gradient flowing into it is a DefinitionError naming it).
+        localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
+            arguments the implementation gets on the rank described by ``here`` (a
+            :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
+            ops get the global positions of their local elements and their RNG stream).
     """
 
     name: str
@@ -164,6 +227,8 @@ class OpDef:
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"
+    vjp: Vjp | None = None
+    localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -1,5 +1,5 @@
 """Shape ops: ``broadcast_in_dim``, ``expand``, ``squeeze``, ``permute``, ``reshape``,
-``slice``, ``cat``.
+``slice``, ``cat``, and ``slice_backward`` (the transpose of ``slice``, for its gradient).
 
 Arguments that name extents or positions (``shape``, ``new_shape``, slice bounds) are *global*;
 the implementations get the local output shapes from the runtime (``needs_out_shape``).
@@ -18,6 +18,7 @@ from meshfuse.ops.registry import (
     OpDef,
     OutSpec,
     TensorMeta,
+    Vjp,
     attr,
     register,
     tensor,
@@ -89,10 +90,27 @@ def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
     return x.reshape(view).expand(out_shapes[0])
 
 
+def sum_broadcast(d, g, dims: list[int]):
+    """The gradient of a broadcast of ``x`` whose axes went to output axes ``dims``: ``g``
+    summed over the expanded axes (kept, extent 1) and the new axes (dropped)."""
+    o = d.ops
+    expanded = [out for a, out in enumerate(dims)
+                if d.is_broadcast("x", a) and not g.materialized()[out].is_broadcast]
+    if expanded:
+        g = o.sum(g, dims=expanded, keepdim=True)
+    new = [a for a in range(len(g.materialized())) if a not in dims]
+    return o.sum(g, dims=new) if new else g
+
+
+def _broadcast_in_dim_grads(d, grads):
+    return {"x": lambda: sum_broadcast(d, grads[0], list(d.attrs["broadcast_dims"]))}
+
+
 register(OpDef(
     "broadcast_in_dim", (tensor("x"), attr("shape"), attr("broadcast_dims")),
     _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
     doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
+    vjp=Vjp(_broadcast_in_dim_grads, recompute=True),
 ))
 
 
@@ -111,6 +129,9 @@ register(OpDef(
     "expand", (tensor("x"), attr("shape")), _expand_infer,
     lambda x, shape, out_shapes: x.expand(out_shapes[0]), needs_out_shape=True,
     doc="broadcast axes of extent 1 expanded to shape (PyTorch's expand)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: sum_broadcast(
+        d, grads[0], list(range(len(d.attrs["shape"]) - d.ndim("x"), len(d.attrs["shape"]))))},
+        recompute=True),
 ))
 
 
@@ -136,10 +157,21 @@ def _squeeze(x, dims, out_shapes):
     return x.view(out_shapes[0])
 
 
+def _squeeze_grads(d, grads):
+    ndim, dims = d.ndim("x"), d.attrs["dims"]
+    extents = [i.extent for i in d.arg("x").materialized()]
+    dims = [a for a, e in enumerate(extents) if e == 1] if dims is None else \
+        normalize_axes("squeeze", dims, ndim)
+    shape = [1 if a in dims else -1 for a in range(ndim)]
+    kept = [a for a in range(ndim) if a not in dims]
+    return {"x": lambda: d.ops.broadcast_in_dim(grads[0], shape, kept)}
+
+
 register(OpDef(
     "squeeze", (tensor("x"), attr("dims", None)), _squeeze_infer, _squeeze,
     needs_out_shape=True,
     doc="removes the given axes of extent 1 (dims=None: all axes of static extent 1)",
+    vjp=Vjp(_squeeze_grads, recompute=True),
 ))
 
 
@@ -157,7 +189,17 @@ def _permute_infer(x, dims):
 register(OpDef(
     "permute", (tensor("x"), attr("dims")), _permute_infer,
     lambda x, dims: x.permute(*dims), doc="reorders axes (a view)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.permute(grads[0], inverse_permutation(
+        [normalize_axis("permute", a, d.ndim("x")) for a in d.attrs["dims"]]))},
+        recompute=True),
 ))
+
+
+def inverse_permutation(dims: list[int]) -> list[int]:
+    inverse = [0] * len(dims)
+    for position, axis in enumerate(dims):
+        inverse[axis] = position
+    return inverse
 
 
 def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -218,37 +260,45 @@ register(OpDef(
     "reshape", (tensor("x"), attr("new_shape")), _reshape_infer,
     lambda x, new_shape, out_shapes: x.reshape(out_shapes[0]), needs_out_shape=True,
     doc="a new shape with the same number of elements; unchanged axes keep their identity",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.reshape(grads[0], d.shape("x"))},
+            recompute=True),
 ))
 
 
 def _slice_infer(x, start_indices, end_indices, strides):
     x = require_tensor("slice", "x", x)
+    return [OutSpec(x.dtype, window_axes("slice", x, start_indices, end_indices, strides))]
+
+
+def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides) -> tuple:
+    """The axes of the window ``[start, end)`` by ``strides`` of ``x`` (global bounds); a
+    whole axis maps from ``x``'s."""
     n = x.ndim
-    start_indices = int_list("slice", "start_indices", start_indices)
-    end_indices = int_list("slice", "end_indices", end_indices)
-    strides = [1] * n if strides is None else int_list("slice", "strides", strides)
+    start_indices = int_list(op, "start_indices", start_indices)
+    end_indices = int_list(op, "end_indices", end_indices)
+    strides = [1] * n if strides is None else int_list(op, "strides", strides)
     if not len(start_indices) == len(end_indices) == len(strides) == n:
         raise DefinitionError(
-            f"slice: start_indices, end_indices and strides need {n} entries each, got "
+            f"{op}: start_indices, end_indices and strides need {n} entries each, got "
             f"{len(start_indices)}, {len(end_indices)}, {len(strides)}"
         )
     axes = []
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
         extent = x.shape[a]
         if step < 1:
-            raise DefinitionError(f"slice: stride {step} of axis {a} must be positive")
+            raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
         if extent is None:
-            raise DefinitionError(f"slice: axis {a} has a symbolic extent; slicing needs it static")
+            raise DefinitionError(f"{op}: axis {a} has a symbolic extent; slicing needs it static")
         if not 0 <= start <= end <= extent:
             raise DefinitionError(
-                f"slice: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+                f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
                 f"{extent}"
             )
         out = (end - start + step - 1) // step
         whole = (start, end, step) == (0, extent, 1)
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
-    return [OutSpec(x.dtype, tuple(axes))]
+    return tuple(axes)
 
 
 def _slice(x, start_indices, end_indices, strides):
@@ -257,9 +307,56 @@ def _slice(x, start_indices, end_indices, strides):
     return x[index]
 
 
+def _slice_grads(d, grads):
+    return {"x": lambda: d.ops.slice_backward(
+        grads[0], d.shape("x"), d.attrs["start_indices"], d.attrs["end_indices"],
+        d.attrs["strides"])}
+
+
 register(OpDef(
     "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None)),
     _slice_infer, _slice, doc="a strided window of x (global bounds)",
+    vjp=Vjp(_slice_grads, recompute=True),
+))
+
+
+def _slice_backward_infer(grad, shape, start_indices, end_indices, strides):
+    grad = require_tensor("slice_backward", "grad", grad)
+    shape = int_list("slice_backward", "shape", shape)
+    window = window_axes("slice_backward", TensorMeta(tuple(shape), tuple(
+        IterType.Broadcast if e == 1 else IterType.Iteration for e in shape), grad.dtype),
+        start_indices, end_indices, strides)
+    if grad.ndim != len(shape) or any(
+            n is not None and n != a.extent for n, a in zip(grad.shape, window)):
+        raise DefinitionError(
+            f"slice_backward: grad has shape {list(grad.shape)}, but the window "
+            f"[{start_indices}, {end_indices}) of {shape} has {[a.extent for a in window]}"
+        )
+    axes = [AxisSpec(e, grad.iter_types[a] if w.sources else
+                     IterType.Broadcast if e == 1 else IterType.Iteration,
+                     w.sources) for a, (e, w) in enumerate(zip(shape, window))]
+    return [OutSpec(grad.dtype, tuple(axes))]
+
+
+def _slice_backward(grad, shape, start_indices, end_indices, strides, out_shapes):
+    # Windowed axes are whole on every rank (they map from no axis of grad, so they are
+    # never sharded here); whole axes take grad's local extent.
+    out = grad.new_zeros(out_shapes[0])
+    bounds = zip(start_indices, end_indices, strides or [1] * grad.ndim, shape)
+    out[tuple(slice(None) if (s, e, st) == (0, n, 1) else slice(s, e, st)
+              for s, e, st, n in bounds)] = grad
+    return out
+
+
+register(OpDef(
+    "slice_backward",
+    (tensor("grad"), attr("shape"), attr("start_indices"), attr("end_indices"),
+     attr("strides", None)),
+    _slice_backward_infer, _slice_backward, needs_out_shape=True,
+    doc="zeros of shape with grad in the window of a slice (the transpose of slice)",
+    vjp=Vjp(lambda d, grads: {"grad": lambda: d.ops.slice(
+        grads[0], d.attrs["start_indices"], d.attrs["end_indices"], d.attrs["strides"])},
+        recompute=True),
 ))
 
 
@@ -292,7 +389,24 @@ def _cat_infer(xs, dim):
     return [OutSpec(promote(*xs), tuple(axes))]
 
 
+def _cat_grads(d, grads):
+    """Each input's gradient is its window of ``g`` along ``dim``."""
+    xs, g = d.arg("xs"), grads[0]
+    ndim = d.ndim(xs[0])
+    dim = normalize_axis("cat", d.attrs["dim"], ndim, "dim")
+    shape = d.shape(g)
+    thunks, offset = [], 0
+    for x in xs:
+        extent = d.shape(x)[dim]
+        starts = [offset if a == dim else 0 for a in range(ndim)]
+        ends = [offset + extent if a == dim else shape[a] for a in range(ndim)]
+        thunks.append(lambda s=starts, e=ends: d.ops.slice(g, s, e))
+        offset += extent
+    return {"xs": thunks}
+
+
 register(OpDef(
     "cat", (tensors("xs"), attr("dim")), _cat_infer,
     lambda xs, dim: torch.cat(xs, dim=dim), doc="concatenation along dim",
+    vjp=Vjp(_cat_grads, recompute=True),
 ))

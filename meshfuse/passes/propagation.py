@@ -1,5 +1,5 @@
 """Sharding propagation: every tensor the user did not schedule gets a mesh, DID splits and
-an allocation domain from its neighbours (DESIGN.md section 3.2).
+an allocation domain from its neighbours (docs/design.md, section 6, step 2).
 
 - Tensors the user scheduled (a mesh, a split or a parallelized axis) are never changed.
 - **Forward** (inputs to outputs, in definition order): an unscheduled op output copies the

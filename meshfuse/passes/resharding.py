@@ -1,4 +1,4 @@
-"""Inserts resharding copies so that every compute op is local (DESIGN.md section 3.3).
+"""Inserts resharding copies so that every compute op is local (docs/design.md, section 6, step 3).
 
 After propagation, an op whose tensors disagree on how they lie on the mesh is split into a
 local op plus ``set`` copies, each of which lowers to one communication (see

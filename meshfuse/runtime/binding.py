@@ -115,8 +115,12 @@ def bind(
         except DefinitionError as e:
             raise InputError(f"{format_expr(expr)} with the given input sizes: {e}") from None
         if expr.op.name == "set":
-            # Resharding copies keep every logical ID, reduction IDs of partials included.
-            for d, s in zip(expr.outputs[0].logical, expr.args[0].logical):
+            # Resharding copies keep every logical ID, reduction IDs of partials included; a
+            # set written with fd.ops.set has the materialized ones.
+            dst, src = expr.outputs[0], expr.args[0]
+            pairs = zip(dst.logical, src.logical) if len(dst.logical) == len(src.logical) \
+                else zip(dst.materialized(), src.materialized())
+            for d, s in pairs:
                 extents[d] = extents[s]
             continue
         for out, spec in zip(expr.outputs, specs):

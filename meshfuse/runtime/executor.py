@@ -37,6 +37,7 @@ class Step:
     kwargs: dict[str, Any]
     outputs: tuple[int, ...]
     free: tuple[int, ...]
+    note: str = ""  # this rank's part, from the op's localize rule (its random stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,8 @@ class Program:
 
     def describe(self) -> str:
         lines = [f"Program (rank {self.rank}): {len(self.steps)} steps"]
-        lines += [f"  {i}: {s.label}" for i, s in enumerate(self.steps)]
+        lines += [f"  {i}: {s.label}" + (f"  # {s.note}" if s.note else "")
+                  for i, s in enumerate(self.steps)]
         lines += [
             f"  output slot {o.slot}: shape {list(o.shape)} strides {list(o.strides)}"
             for o in self.outputs

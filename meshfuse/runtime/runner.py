@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
+from meshfuse.explain import explain
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.placement import same_sharding
 from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
-from meshfuse.ops.registry import Kind
+from meshfuse.ops.registry import Kind, LocalContext
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
@@ -33,6 +35,7 @@ from meshfuse.runtime.binding import (
     bind,
     check_input_values,
     check_strides,
+    device_coords,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
@@ -54,6 +57,7 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
+        self.world_size = world
         check_tensor_schedules(fusion, world)
         propagate_shardings(fusion)
         insert_resharding(fusion)
@@ -69,16 +73,25 @@ class FusionRunner:
         self._programs: dict[tuple, Program] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
-    def explain(self, inputs: Sequence[Any] | None = None) -> str:
-        """The fusion after the passes; with ``inputs``, also this rank's program for them
-        (its steps, each communication with its group)."""
-        text = format_fusion(self.fusion, self.allocations)
-        if inputs is None:
+    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
+        """This rank's view of the program (:func:`meshfuse.explain.explain`): each tensor's
+        shapes, placements and memory order, then the communications it will run; extents
+        from ``inputs`` when given. ``verbose`` adds the domains of every tensor and, with
+        ``inputs``, the program's steps."""
+        extents = program = None
+        if inputs is not None:
+            key = _signature(inputs)
+            if key not in self._programs:
+                self._programs[key] = self._make_program(list(inputs), None)
+            program = self._programs[key]
+            extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
+        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        if program is not None:
+            text = "\n".join([text, *_random_streams(program)])
+        if not verbose:
             return text
-        key = _signature(inputs)
-        if key not in self._programs:
-            self._programs[key] = self._make_program(list(inputs), None)
-        return f"{text}\n{self._programs[key].describe()}"
+        parts = [text, format_fusion(self.fusion, self.allocations)]
+        return "\n".join(parts + ([program.describe()] if program is not None else []))
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
@@ -105,7 +118,8 @@ class FusionRunner:
             lambda b, tv: tuple(b.extents.get(i) for i in tv.logical),
             lambda tv: held_here(tv, self.rank), check_ranks,
         )
-        return build_program(self.fusion, binding, self.rank, self._lower_set)
+        return build_program(self.fusion, binding, self.rank, self._lower_set,
+                             _device_of(inputs, self.communicator))
 
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
@@ -154,9 +168,12 @@ class FusionRunner:
         return reshard, "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
 
 
-def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -> Program:
-    """Numbers the values and turns each expression into a :class:`Step`."""
+def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None,
+                  device: torch.device | None = None) -> Program:
+    """Numbers the values and turns each expression into a :class:`Step`; ``device`` is
+    where ops that make tensors from nothing (random ops) put them."""
     slot_of: dict[Val, int] = {}
+    here = _local_context(fusion, binding, rank, device)
 
     def slot(v: Val) -> int:
         return slot_of.setdefault(v, len(slot_of))
@@ -199,19 +216,48 @@ def build_program(fusion: Fusion, binding: Binding, rank: int, lower_set=None) -
         if expr.op.needs_reduced_count:
             kwargs["reduced_count"] = _reduced_count(expr, binding)
         impl = expr.op.make_impl() if expr.op.make_impl is not None else expr.op.impl
-        label = format_expr(expr)
+        label, note = format_expr(expr), ""
+        if expr.op.localize is not None:
+            local_kwargs, note = expr.op.localize(expr, here)
+            kwargs.update(local_kwargs)
         if lowered is not None:
             impl, plan = lowered
             label = f"{label}: {plan}"
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
-        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free))
+        steps.append(Step(label, impl, tuple(template), tuple(slots), kwargs, outs, free, note))
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank)
+
+
+def _random_streams(program: Program) -> list[str]:
+    """The explain lines naming the random stream of each step that draws (dropout, RNG)."""
+    notes = []
+    for step in program.steps:
+        if step.note:
+            outputs, _, call = step.label.partition(" = ")
+            notes.append(f"  {call.partition('(')[0]} -> {outputs}: {step.note}")
+    return [f"random streams on rank {program.rank}:", *notes] if notes else []
+
+
+def _local_context(fusion: Fusion, binding: Binding, rank: int, device) -> LocalContext:
+    """What ``localize`` rules see of this rank: global positions of its shards."""
+    def index(tv: TensorView) -> GlobalIndex:
+        return global_index(tv, binding.extents, device_coords(tv, rank))
+
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index)
+
+
+def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
+    """The device of the tensor inputs (all on one), else the communicator's, else the CPU."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return communicator.device if communicator is not None else torch.device("cpu")
 
 
 def communication_first(exprs: Sequence) -> list:

@@ -1,0 +1,108 @@
+"""``VjpContext``: what an op's derivative rule sees of one application of the op.
+
+A rule (``OpDef.vjp.rule``, declared next to the op) reads the primal expression through this
+object and adds the ops of its gradient to the backward fusion through ``d.ops``. Primal values
+are fetched lazily with ``d.value`` / ``d.out``: the derivation decides whether each comes from
+a saved residual or is recomputed in the backward (see :mod:`meshfuse.autodiff.derivation`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.fusion import Expr
+from meshfuse.ir.tensor_view import TensorView, Val
+
+if TYPE_CHECKING:
+    from meshfuse.frontend.ops_namespace import Ops
+
+
+class VjpContext:
+    """One primal expression, seen from the backward fusion being built.
+
+    Attributes:
+        ops: the ``fd.ops`` namespace of the backward fusion.
+        expr: the primal expression (its arguments, outputs and attributes, global shapes).
+    """
+
+    def __init__(self, expr: Expr, ops: Ops, fetch) -> None:
+        self.expr = expr
+        self.ops = ops
+        self._fetch = fetch
+        self._names = [p.name for p in expr.op.params]
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The op's static arguments (dims, shapes, flags) by name."""
+        return self.expr.attrs
+
+    def arg(self, name: str) -> Any:
+        """The primal argument ``name``: a TensorView or Scalar of the forward, or a constant."""
+        return self.expr.args[self._names.index(name)]
+
+    def value(self, name_or_val: str | Any) -> Any:
+        """The backward fusion's value of primal argument ``name`` (or of a primal value):
+        a residual input, a recomputation, or a constant passed through."""
+        v = self.arg(name_or_val) if isinstance(name_or_val, str) else name_or_val
+        return self._fetch(v) if isinstance(v, Val) else v
+
+    def out(self, index: int = 0) -> TensorView:
+        """The backward fusion's value of primal output ``index``."""
+        return self._fetch(self.expr.outputs[index])
+
+    def is_tensor(self, name: str) -> bool:
+        return isinstance(self.arg(name), TensorView)
+
+    def ndim(self, name_or_tv: str | TensorView) -> int:
+        tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
+        return len(tv.materialized())
+
+    def shape(self, name_or_tv: str | TensorView) -> list[int]:
+        """The static global extents of a primal tensor (its materialized axes).
+
+        Raises DefinitionError for a symbolic extent: the gradient of this op needs it.
+        """
+        tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
+        extents = [i.extent for i in tv.materialized()]
+        if None in extents:
+            raise DefinitionError(
+                f"the gradient of {self.expr.op.name} needs the extents of {tv.name}, which are "
+                f"symbolic ({['?' if e is None else e for e in extents]}); declare the fusion's "
+                "inputs with static extents to differentiate it"
+            )
+        return extents
+
+    def is_broadcast(self, name_or_tv: str | TensorView, axis: int) -> bool:
+        tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
+        return tv.materialized()[axis].is_broadcast
+
+    def sum_to(self, grad: TensorView, like: TensorView) -> TensorView:
+        """``grad`` summed down to ``like``'s shape (see :func:`sum_to`)."""
+        return sum_to(self.ops, grad, like)
+
+    def reduced_count(self) -> int:
+        """The number of elements reduced into one element of the first output."""
+        count = 1
+        for id_ in self.expr.outputs[0].logical:
+            if id_.is_reduction:
+                if id_.extent is None:
+                    self.shape(self.expr.tensor_inputs[0])  # raises, naming the input
+                count *= id_.extent
+        return count
+
+
+def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
+    """``grad`` (the gradient of a result broadcast from ``like``) summed over the leading
+    axes ``like`` lacks and over the axes where ``like`` is broadcast, cast to its dtype."""
+    axes, target = grad.materialized(), like.materialized()
+    lead = len(axes) - len(target)
+    if lead > 0:
+        grad = ops.sum(grad, dims=list(range(lead)))
+    dims = [a for a, (id_, g) in enumerate(zip(target, grad.materialized()))
+            if id_.is_broadcast and not g.is_broadcast and g.extent != 1]
+    if dims:
+        grad = ops.sum(grad, dims=dims, keepdim=True)
+    if grad.dtype is not like.dtype:
+        grad = ops.cast(grad, like.dtype)
+    return grad

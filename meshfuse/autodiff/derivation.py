@@ -1,0 +1,334 @@
+"""Reverse-mode differentiation of a fusion at global shapes.
+
+``derive(fusion, wrt, remat)`` reads a user's fusion (never changing it) and builds two new
+fusions:
+
+- the **forward**: a clone of the user's program (same ops, same pins) whose outputs are the
+  user's outputs followed by the *residuals*, the intermediate values the backward reads;
+- the **backward**: inputs are the cotangents of the differentiable outputs, then the
+  residuals (forward inputs and intermediates, as this rank's local shards); outputs are the
+  gradients of the ``wrt`` inputs that receive one. Each op's derivative is its ``vjp`` rule,
+  applied in reverse definition order; contributions to one value are added.
+
+Shardings: each gradient is pinned to its primal input's sharding, each cotangent to its
+output's, each residual to the sharding the forward gave it (read from the compiled forward);
+every other tensor of the backward is left to propagation, which inserts the communications
+as for any fusion. The transposes of the forward's communications follow from those pins: a
+weight gathered for a matmul in the forward gets its gradient reduce-scattered, a partial sum
+resolved into a replicated output gets a replicated cotangent used locally.
+
+Rematerialization (``remat``): ``"save"`` saves every intermediate the backward reads;
+``"recompute"`` (the default) recomputes the results of cheap ops (``Vjp.recompute``:
+pointwise ops, casts, shape ops) in the backward from saved values, so only inputs and the
+results of expensive ops (matrix products, attention, reductions) are saved, and no matrix
+product runs twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from meshfuse.autodiff.context import VjpContext, sum_to
+from meshfuse.autodiff.schedules import copy_schedule, is_pinned
+from meshfuse.errors import DefinitionError
+from meshfuse.frontend.ops_namespace import Ops, add_op
+from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.placement import Partial, placements, same_sharding
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
+from meshfuse.ops.registry import Kind
+from meshfuse.runtime.runner import FusionRunner
+
+REMAT_POLICIES = ("recompute", "save")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """Where the value of one residual input of the backward comes from: forward input
+    ``index`` (``kind="input"``) or forward output ``index`` (``kind="output"``)."""
+
+    kind: str
+    index: int
+
+
+@dataclasses.dataclass
+class Derivation:
+    """A fusion's forward-with-residuals and backward, and how their values correspond.
+
+    Attributes:
+        forward: the user's program; outputs: the user's ``num_outputs`` outputs, then the
+            residuals it computes. Compiled (its runner is ``forward_runner``).
+        backward: inputs: ``cotangents`` then ``residuals``; outputs: the gradients.
+        num_outputs: how many outputs the user's fusion has.
+        cotangents: for each cotangent input of the backward, the user output it belongs to.
+        residuals: for each residual input of the backward, where its value comes from.
+        gradients: for each input of the user's fusion, the position of its gradient among
+            the backward's outputs, or None (not differentiated, or zero by structure).
+    """
+
+    forward: Fusion
+    forward_runner: FusionRunner
+    backward: Fusion
+    num_outputs: int
+    cotangents: tuple[int, ...]
+    residuals: tuple[Residual, ...]
+    gradients: tuple[int | None, ...]
+
+
+def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
+           remat: str = "recompute") -> Derivation:
+    """The forward and backward of ``fusion``; see the module doc.
+
+    Args:
+        fusion: the user's fusion (read only).
+        wrt: the input TensorViews to differentiate; default every floating-point tensor input.
+        remat: ``"recompute"`` or ``"save"``.
+    """
+    if remat not in REMAT_POLICIES:
+        raise DefinitionError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    inputs = fusion.inputs()
+    if wrt is None:
+        wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating]
+    for v in wrt:
+        if not isinstance(v, TensorView) or v not in inputs:
+            raise DefinitionError(
+                f"wrt: {getattr(v, 'name', repr(v))} is not a tensor input of the fusion; "
+                "differentiate with respect to tensors made by its define_tensor"
+            )
+        if not v.dtype.is_floating:
+            raise DefinitionError(
+                f"wrt: {v.name} is {v.dtype.name}; only floating-point inputs have gradients"
+            )
+    forward, primal = clone_fusion(fusion)
+    # The backward is derived from the compiled forward: its communications are explicit
+    # ``set`` s there (whose gradients are the transposed communications), and every tensor
+    # has its final sharding, which the backward's inputs and outputs are pinned to.
+    runner = FusionRunner(forward)
+    builder = _BackwardBuilder(forward, {primal[v] for v in wrt}, remat)
+    builder.build()
+    num_outputs = len(forward.outputs())
+    residuals = _add_residual_outputs(forward, builder.residuals)
+    _pin_backward(builder, runner)
+    gradients = tuple(builder.gradient_index.get(primal[v]) for v in inputs)
+    return Derivation(forward, runner, builder.backward, num_outputs,
+                      tuple(builder.cotangent_of), residuals, gradients)
+
+
+def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
+    """A new fusion with ``fusion``'s inputs, ops, outputs and user pins; and the map from
+    ``fusion``'s values to the clone's. ``fusion`` is not changed."""
+    clone = Fusion()
+    mapped: dict[Val, Val] = {}
+    for v in fusion.inputs():
+        if isinstance(v, TensorView):
+            new = TensorView(clone, [i.like() for i in v.logical], v.dtype)
+            ids = dict(zip(v.logical, new.logical))
+            if v.allocation is not None and all(i in ids for i in v.allocation.ids):
+                new.allocation = Allocation(tuple(ids[i] for i in v.allocation.ids),
+                                            v.allocation.contiguity)
+        else:
+            new = Scalar(v.dtype)
+        mapped[v] = clone.add_input(new)
+
+    def value(a):
+        if isinstance(a, Scalar) and a.is_constant and a not in mapped:
+            mapped[a] = clone.add_constant(Scalar(a.dtype, a.value))
+        if isinstance(a, Val):
+            return mapped[a]
+        if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
+            return [value(x) for x in a]
+        return a
+
+    for expr in fusion.exprs:
+        outs = add_op(clone, expr.op, [value(a) for a in expr.args], {})
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        mapped.update(zip(expr.outputs, outs))
+    for tv in fusion.tensors():
+        if is_pinned(tv):
+            copy_schedule(tv, mapped[tv])
+    for out in fusion.outputs():
+        clone.add_output(mapped[out])
+    return clone, mapped
+
+
+class _BackwardBuilder:
+    """Builds the backward fusion from the forward clone (see the module doc)."""
+
+    def __init__(self, forward: Fusion, wrt: set[TensorView], remat: str) -> None:
+        self.forward = forward
+        self.wrt = wrt
+        self.remat = remat
+        self.backward = Fusion()
+        self.ops = Ops(self.backward)
+        self.values: dict[Val, Val] = {}  # primal value -> its value in the backward
+        self.residuals: list[Val] = []  # primal values passed in, in input order
+        self.grads: dict[TensorView, TensorView] = {}
+        self.cotangent_of: list[int] = []
+        self.pins: list[tuple[TensorView, TensorView]] = []  # (backward tensor, primal)
+        self.gradient_index: dict[TensorView, int] = {}
+        self.active = _active(forward, wrt)
+
+    def build(self) -> None:
+        for index, out in enumerate(self.forward.outputs()):
+            if out in self.active:
+                self.cotangent_of.append(index)
+                self._accumulate(out, self._new_input(out))
+        for expr in reversed(self.forward.exprs):
+            self._apply_rule(expr)
+        for tv in sorted(self.wrt, key=self.forward.inputs().index):
+            grad = self.grads.get(tv)
+            if grad is None:
+                continue
+            taken = set(self.backward.inputs()) | set(self.backward.outputs())
+            if grad in taken or self.backward.uses().get(grad):
+                grad = self.ops.set(grad)
+            self.gradient_index[tv] = len(self.backward.outputs())
+            self.backward.add_output(grad)
+            self.pins.append((grad, tv))
+
+    # ----- primal values in the backward ---------------------------------------------------
+    def fetch(self, v: Val) -> Val:
+        """The backward's value of primal ``v``: a constant, a residual input, or a
+        recomputation of a cheap op from other primal values."""
+        if v in self.values:
+            return self.values[v]
+        if isinstance(v, TensorView) and _is_partial(v):
+            # A rule reading an op's own partial result (max's gradient reads the maximum)
+            # reads the copy that resolves it; its global value is the same.
+            self.values[v] = self.fetch(self._resolution(v))
+        elif isinstance(v, Scalar) and v.is_constant:
+            self.values[v] = self.backward.add_constant(Scalar(v.dtype, v.value))
+        elif isinstance(v, TensorView) and self._recomputable(v.definition):
+            self._recompute(v.definition)
+        else:
+            self.residuals.append(v)
+            self.values[v] = self._new_input(v)
+        return self.values[v]
+
+    def _resolution(self, v: TensorView) -> TensorView:
+        """The forward's copy of partial ``v`` that reduces it (resharding made one)."""
+        for expr in self.forward.exprs:
+            if expr.op.vjp is not None and expr.op.vjp.communication and expr.args[0] is v \
+                    and not _is_partial(expr.outputs[0]):
+                return expr.outputs[0]
+        raise DefinitionError(
+            f"the backward needs {v.name}, a partial sum in the forward (its reduction axis is "
+            "parallelized and it is never reduced); resolve it with fd.ops.set before using it"
+        )
+
+    def _recomputable(self, expr: Expr | None) -> bool:
+        """Cheap ops are recomputed, unless they read a partial value (the resolution of a
+        partial sum is saved instead: recomputing it would mean saving the partial)."""
+        return (self.remat == "recompute" and expr is not None and expr.op.vjp is not None
+                and expr.op.vjp.recompute and not any(_is_partial(t) for t in expr.tensor_inputs))
+
+    def _recompute(self, expr: Expr) -> None:
+        args = [[self.fetch(x) for x in a] if isinstance(a, list | tuple) and a and
+                isinstance(a[0], Val) else self.fetch(a) if isinstance(a, Val) else a
+                for a in expr.args]
+        outs = add_op(self.backward, expr.op, args, {})
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        self.values.update(zip(expr.outputs, outs))
+        # A recomputation lies as its primal did in the forward (and communicates alike).
+        self.pins.extend((new, old) for new, old in zip(outs, expr.outputs)
+                         if isinstance(new, TensorView) and new.logical)
+
+    def _new_input(self, v: Val) -> Val:
+        """A backward input shaped like primal ``v`` (its schedule is pinned later)."""
+        if isinstance(v, Scalar):
+            return self.backward.add_input(Scalar(v.dtype))
+        new = TensorView(self.backward, [IterDomain(i.extent, i.iter_type)
+                                         for i in v.materialized()], v.dtype)
+        self.pins.append((new, v))
+        return self.backward.add_input(new)
+
+    # ----- gradients -----------------------------------------------------------------------
+    def _accumulate(self, primal: TensorView, grad: TensorView) -> None:
+        grad = sum_to(self.ops, grad, primal)
+        old = self.grads.get(primal)
+        self.grads[primal] = grad if old is None else self.ops.add(old, grad)
+
+    def _apply_rule(self, expr: Expr) -> None:
+        cotangents = tuple(self.grads.get(o) if isinstance(o, TensorView) else None
+                           for o in expr.outputs)
+        wanted = [t for t in expr.tensor_inputs if t in self.active]
+        if not wanted or all(g is None for g in cotangents):
+            return
+        if expr.op.vjp is None:
+            raise DefinitionError(
+                f"{expr.op.name} has no derivative rule, and a gradient flows through it "
+                f"({', '.join(o.name for o, g in zip(expr.outputs, cotangents) if g)}); "
+                "differentiate a fusion that does not use it, or leave its inputs out of wrt"
+            )
+        context = VjpContext(expr, self.ops, self.fetch)
+        thunks = expr.op.vjp.rule(context, cotangents)
+        for param, arg in zip(expr.op.params, expr.args):
+            if param.kind not in (Kind.TENSOR, Kind.TENSORS, Kind.OPERAND):
+                continue
+            pairs = zip(arg, thunks.get(param.name) or [None] * len(arg)) \
+                if param.kind is Kind.TENSORS else [(arg, thunks.get(param.name))]
+            for primal, thunk in pairs:
+                if primal in self.active and thunk is not None:
+                    grad = thunk()
+                    if grad is not None and expr.op.vjp.communication:
+                        grad = self._transposed_communication(grad, primal, expr.outputs[0])
+                    if grad is not None:
+                        self._accumulate(primal, grad)
+
+    def _transposed_communication(self, grad: TensorView, src: TensorView,
+                                  dst: TensorView) -> TensorView:
+        """The gradient of ``dst = set(src)``: ``grad`` copied into ``src``'s sharding (a
+        partial ``src`` made replicated), which the backward's resharding lowers to the
+        transposed communication; ``grad`` itself where the set moved nothing."""
+        if src.mesh is None or (same_sharding(src, dst) and not _is_partial(src)):
+            return grad
+        copy = self.ops.set(grad)
+        self.pins.append((copy, src))
+        return copy
+
+
+def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
+    """The floating-point tensors that depend on a ``wrt`` input."""
+    active = set(wrt)
+    for expr in forward.exprs:
+        if any(t in active for t in expr.tensor_inputs):
+            vjp = expr.op.vjp
+            active.update(o for i, o in enumerate(expr.outputs) if isinstance(o, TensorView) and
+                          (o.dtype.is_floating if vjp is None else
+                           vjp.is_differentiable(i, o.dtype)))
+    return active
+
+
+def _is_partial(tv: TensorView) -> bool:
+    return tv.mesh is not None and any(isinstance(p, Partial) for p in placements(tv))
+
+
+def _add_residual_outputs(forward: Fusion, residuals: list[Val]) -> tuple[Residual, ...]:
+    """Makes each intermediate residual an output of the compiled ``forward`` (its program
+    is built at the first execute, from the outputs then); says where each comes from."""
+    inputs = forward.inputs()
+    result = []
+    for v in residuals:
+        if v in inputs:
+            result.append(Residual("input", inputs.index(v)))
+            continue
+        outputs = forward.outputs()
+        if v not in outputs:
+            forward.add_output(v)
+            outputs = forward.outputs()
+        result.append(Residual("output", outputs.index(v)))
+    return tuple(result)
+
+
+def _pin_backward(builder: _BackwardBuilder, runner: FusionRunner) -> None:
+    """Pins the backward's cotangents, residuals and gradients to their primals' schedules
+    in the compiled forward."""
+    for tv, primal in builder.pins:
+        if tv.is_scheduled:  # pinned twice to one primal (a gradient that is a copy)
+            continue
+        allocation = runner.allocations.get(primal)
+        if allocation is not None and tv.definition is not None:
+            allocation = Allocation(allocation.ids, tuple(
+                None if c is None else True for c in allocation.contiguity))
+        copy_schedule(primal, tv, allocation)

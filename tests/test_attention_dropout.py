@@ -1,0 +1,337 @@
+"""Sharded attention dropout: per-shard streams (default) and the global-mask mode.
+
+The masks are read off the outputs, whatever kernel drew them: with ``v`` the identity
+(``Skv == Ev``), ``attn`` is the dropped-out probability matrix itself, zero exactly where an
+element was dropped. With identical q, k (and v) in every head and batch, the masks are the
+only thing that differs between heads, so two heads with the same pattern would mean two
+shards sharing a stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+
+from meshfuse import (
+    DataType,
+    DefinitionError,
+    DeviceMesh,
+    FusionDefinition,
+    ShardingError,
+    unshard_tensor,
+)
+from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
+from meshfuse.runtime.collectives import record_communications
+from meshfuse.sharding import shard_tensor
+from meshfuse.testing.utils import current_device
+
+P, SEED, OFFSET, SCALE = 0.25, 99, 3, 0.5
+S = 16  # query and key length, and head dim (v is the identity)
+
+
+class Dropout(FusionDefinition):
+    """Attention forward and backward with dropout; outputs attn, q_grad, k_grad, v_grad."""
+
+    def __init__(self, b, h, mode=None, causal=False, seeded=True, p=P):
+        super().__init__()
+        self.shape, self.mode, self.causal, self.seeded, self.p = [b, h, S, S], mode, causal, \
+            seeded, p
+
+    def definition(self):
+        self.q, self.k, self.v, self.g = (self.define_tensor(self.shape, dtype=DataType.BFloat16)
+                                          for _ in range(4))
+        seeds = {}
+        if self.seeded:
+            seeds = {"rng_seed": self.define_scalar(dtype=DataType.Int),
+                     "rng_offset": self.define_scalar(dtype=DataType.Int)}
+        self.attn, lse, seed, offset = self.ops.sdpfa_fwd(
+            self.q, self.k, self.v, self.p, self.causal, SCALE, dropout_mode=self.mode, **seeds)
+        self.grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, self.attn, lse, self.p,
+                                        self.causal, seed, offset, SCALE)
+        for t in (self.attn, *self.grads):
+            self.add_output(t)
+
+    def tensors(self):
+        self.define()
+        return (self.q, self.k, self.v, self.g, self.attn, *self.grads)
+
+
+def _global_inputs(b, h):
+    """q, k alike in every head and batch, v the identity, g random: [b, h, S, S] bf16."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(S, S, generator=gen).expand(b, h, S, S) for _ in range(2))
+    v = torch.eye(S).expand(b, h, S, S)
+    g = torch.randn(b, h, S, S, generator=gen)
+    return [t.to(torch.bfloat16).contiguous().to(current_device()) for t in (q, k, v, g)]
+
+
+def _schedule(fd, mesh, axes):
+    """Shards every tensor of ``fd``: ``axes`` is a list of (logical axis, parallel type)."""
+    for t in fd.tensors():
+        for axis, pt in axes:
+            shard(t, axis, mesh, pt)
+
+
+def _run(multidevice_test, fd, global_inputs, seed=SEED, offset=OFFSET):
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(global_inputs, fd.tensors())]
+    scalars = [seed, offset] if fd.seeded else []
+    with record_communications() as comms:
+        outputs = fd.execute(local + scalars)
+    assert comms == [], f"head, batch and query splits need no communication, got {comms}"
+    return local, outputs
+
+
+def _gather(multidevice_test, local: torch.Tensor, tv) -> torch.Tensor:
+    shards = multidevice_test.communicator.allgather_object(local.cpu())
+    if tv.mesh is None:
+        return shards[0]
+    return unshard_tensor([shards[r] for r in tv.mesh.device_ids], tv)
+
+
+def _reference_grads(q, k, v, g, keep, causal, p=P):
+    """Gradients of softmax(q k^T * scale) * keep / (1 - p) @ v in float64 (autograd)."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].transpose(-2, -1) * SCALE
+    if causal:
+        scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(),
+                                    -math.inf)
+    out = (torch.softmax(scores, -1) * keep / (1 - p)) @ leaves[2]
+    out.backward(g.double())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _assert_close(name, actual, expected):
+    atol = 1e-2 * max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(actual.double(), expected, rtol=1.6e-2, atol=atol, msg=name)
+
+
+def _kept(attn: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The keep mask read off ``attn`` (v = identity): nonzero where kept."""
+    keep = attn != 0
+    if causal:  # above the diagonal nothing is attended: count those as kept (mask-free)
+        keep |= ~torch.ones(S, S, dtype=torch.bool, device=attn.device).tril()
+    return keep
+
+
+SCHEDULES = {
+    "heads": [(1, MX)],
+    "batch": [(0, MX)],
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("split", list(SCHEDULES))
+def test_every_head_has_its_own_mask(multidevice_test, split, causal):
+    """Shard mode: distinct patterns for every (batch, head) on every rank, a kept fraction
+    of about 1 - p, and gradients equal to autograd's with the mask the forward drew."""
+    d = multidevice_test.size
+    b, h = (2, 2 * d) if split == "heads" else (2 * d, 2)
+    fd = Dropout(b, h, causal=causal)
+    _schedule(fd, mesh_1d(multidevice_test), SCHEDULES[split])
+    local, (attn, *grads) = _run(multidevice_test, fd, _global_inputs(b, h))
+
+    keep = _kept(attn, causal)
+    ref_attn, ref_grads = _reference_grads(*local, keep, causal)
+    _assert_close("attn", attn, ref_attn)
+    for name, grad, ref in zip(("q_grad", "k_grad", "v_grad"), grads, ref_grads):
+        _assert_close(name, grad, ref)
+
+    patterns = _gather(multidevice_test, keep, fd.attn).flatten(0, 1).flatten(1)
+    assert len({tuple(p.tolist()) for p in patterns}) == b * h, "two heads share a mask"
+    attended = b * h * (S * (S + 1) // 2 if causal else S * S)
+    kept = patterns.sum().item() - (b * h * S * (S - 1) // 2 if causal else 0)
+    sigma = math.sqrt(P * (1 - P) / attended)
+    assert abs(kept / attended - (1 - P)) < 5 * sigma
+
+
+@pytest.mark.mpi
+def test_2d_mesh_batch_and_heads(multidevice_test):
+    mesh = mesh_2x2(multidevice_test)
+    fd = Dropout(2, 4)
+    _schedule(fd, mesh, [(0, MY), (1, MX)])
+    local, (attn, *grads) = _run(multidevice_test, fd, _global_inputs(2, 4))
+    keep = _kept(attn, False)
+    _, ref_grads = _reference_grads(*local, keep, False)
+    for name, grad, ref in zip(("q_grad", "k_grad", "v_grad"), grads, ref_grads):
+        _assert_close(name, grad, ref)
+    patterns = _gather(multidevice_test, keep, fd.attn).flatten(0, 1).flatten(1)
+    assert len({tuple(p.tolist()) for p in patterns}) == 8
+
+
+@pytest.mark.mpi
+def test_query_sequence_split_forward(multidevice_test):
+    """Non-causal attention with the query sequence split: each query block its stream."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([1, 2, S, S], dtype=DataType.BFloat16) for _ in range(3))
+        attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, P, False, SCALE, rng_seed=SEED, rng_offset=0)
+        fd.add_output(attn)
+    mesh = mesh_1d(multidevice_test)
+    for t in (q, attn):
+        shard(t, 2, mesh)
+    for t in (k, v):
+        t.set_device_mesh(mesh)
+    gq, gk, gv, _ = _global_inputs(1, 2)
+    local = [multidevice_test.shard_tensor(gq, q), gk, gv]
+    out, = fd.execute(local)
+    blocks = _gather(multidevice_test, _kept(out, False), attn)  # [1, 2, S, S]
+    rows = blocks.flatten(0, 2)
+    per_block = rows.view(2, d, S // d * S)  # heads x query blocks
+    assert len({tuple(x.tolist()) for x in per_block.flatten(0, 1)}) == 2 * d
+
+
+@pytest.mark.mpi
+def test_same_seed_same_outputs_twice(multidevice_test):
+    d = multidevice_test.size
+    fd = Dropout(2, 2 * d, seeded=False)
+    _schedule(fd, mesh_1d(multidevice_test), SCHEDULES["heads"])
+    inputs = _global_inputs(2, 2 * d)
+    torch.manual_seed(11)
+    first = _run(multidevice_test, fd, inputs)[1]
+    second = _run(multidevice_test, fd, inputs)[1]
+    torch.manual_seed(11)
+    again = _run(multidevice_test, fd, inputs)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], second[0]), "a new call draws a new seed"
+    fd2 = Dropout(2, 2 * d)
+    _schedule(fd2, mesh_1d(multidevice_test), SCHEDULES["heads"])
+    runs = [_run(multidevice_test, fd2, inputs)[1] for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    other = _run(multidevice_test, fd2, inputs, seed=SEED + 1)[1]
+    assert not torch.equal(runs[0][0], other[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("split", ["heads", "batch", "2d"])
+def test_global_mode_is_the_unsharded_run(multidevice_test, split):
+    """Global mode: every output of a sharded run equals the unsharded run's slice bitwise,
+    and the mask is ``uniform(0, 1, [B, H, S, S], seed, offset) >= p``."""
+    d = multidevice_test.size
+    b, h = (2, 2 * d) if split != "batch" else (2 * d, 2)
+    inputs = _global_inputs(b, h)
+    unsharded = Dropout(b, h, mode="global")
+    expected = unsharded.execute(inputs + [SEED, OFFSET])
+    fd = Dropout(b, h, mode="global")
+    if split == "2d":
+        _schedule(fd, mesh_2x2(multidevice_test), [(0, MY), (1, MX)])
+    else:
+        _schedule(fd, mesh_1d(multidevice_test), SCHEDULES[split])
+    _, outputs = _run(multidevice_test, fd, inputs)
+    for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
+        assert torch.equal(out, shard_tensor(ref.cpu(), tv, multidevice_test.rank).to(out.device))
+
+    with FusionDefinition() as mask_fd:
+        u = mask_fd.ops.uniform(0.0, 1.0, [b, h, S, S], rng_seed=SEED, rng_offset=OFFSET)
+        mask_fd.add_output(mask_fd.ops.ge(u, P))
+    assert torch.equal(_kept(expected[0], False).cpu(), mask_fd.execute([])[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["shard", "global"])
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
+def test_seed_program_with_dropout(multidevice_test, qkv_format, mode):
+    """The seed program with dropout_p = 0.1 (the seed's sizes on GPUs, a shorter sequence on
+    CPU ranks): it runs, a repeat with the same torch seed is bitwise equal, and in global
+    mode it is the unsharded run."""
+    s = 1024 if multidevice_test.device.type == "cuda" else 32
+    d, b, h, e = multidevice_test.size, 2, 12, 768
+    inputs = random_inputs(b, h, s, e, device=multidevice_test.device)
+    if qkv_format is QkvFormat.BSHE:
+        inputs = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in inputs]
+    fd = SeedAttention(qkv_format, DeviceMesh(range(d)), b, h, s, e, dropout_p=0.1,
+                       dropout_mode=mode)
+    local = fd.inputs_for(*inputs, multidevice_test.rank)
+    local = [t.to(multidevice_test.device) for t in local]
+    torch.manual_seed(1)
+    outputs = fd.execute(local)
+    torch.manual_seed(1)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, fd.execute(local)))
+    assert all(o.isfinite().all() for o in outputs)
+    if mode == "global":
+        whole = _Unsharded(qkv_format, DeviceMesh(range(d)), b, h, s, e, dropout_p=0.1,
+                           dropout_mode=mode)
+        torch.manual_seed(1)
+        expected = whole.execute(inputs)
+        for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
+            assert torch.equal(out.cpu(), shard_tensor(ref.cpu(), tv, multidevice_test.rank))
+
+
+class _Unsharded(SeedAttention):
+    """The seed program with no schedule: every rank runs it whole (the reference)."""
+
+    def multidevice_schedule(self) -> None:
+        pass
+
+
+@pytest.mark.mpi
+def test_explain_shows_each_ranks_stream(multidevice_test):
+    d = multidevice_test.size
+    fd = Dropout(1, 2 * d)
+    _schedule(fd, mesh_1d(multidevice_test), SCHEDULES["heads"])
+    local = [multidevice_test.shard_tensor(t, tv)
+             for t, tv in zip(_global_inputs(1, 2 * d), fd.tensors())]
+    text = fd.explain(local + [SEED, OFFSET])
+    h0 = 2 * multidevice_test.rank
+    assert f"dropout stream of this shard: hash(seed, offset, b=0, h={h0}, s=0); " \
+           "seed S0, offset S1" in text
+    assert f"replays the forward's dropout stream of this shard: hash(seed, offset, b=0, " \
+           f"h={h0}, s=0)" in text
+
+
+def test_explain_shows_the_stream_key_of_constant_seeds():
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([1, 2, S, S])
+        fd.add_output(fd.ops.sdpfa_fwd(q, q, q, 0.1, rng_seed=5, rng_offset=0)[0])
+    x = torch.randn(1, 2, S, S)
+    assert "seed 5, offset 0 (stream key 0x" in fd.explain([x])
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([1, 2, S, S])
+        fd.add_output(fd.ops.sdpfa_fwd(q, q, q, 0.1, dropout_mode="global")[0])
+    assert "dropout mask at global b all 1, h all 2, s all 16, k all 16 from uniform(seed, " \
+           "offset); seed drawn from torch's generator at each call" in fd.explain([x])
+
+
+@pytest.mark.mpi
+def test_backward_sharded_otherwise_than_its_forward_is_refused(multidevice_test):
+    """Per-shard streams: a backward running on heads cannot replay a forward that ran on
+    batch (global mode can: its mask does not depend on the sharding)."""
+    if multidevice_test.size == 1:
+        pytest.skip("needs two shards")
+    d, mesh = multidevice_test.size, mesh_1d(multidevice_test)
+    for mode in ("shard", "global"):
+        with FusionDefinition() as fd:
+            q, k, v, g = (fd.define_tensor([d, d, S, S], dtype=DataType.BFloat16)
+                          for _ in range(4))
+            attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, P, False, SCALE, rng_seed=1,
+                                                       rng_offset=0, dropout_mode=mode)
+            moved = [fd.ops.set(t) for t in (q, k, v, attn, lse)]
+            grads = fd.ops.sdpfa_bwd(g, *moved, P, False, seed, offset, SCALE)
+            for t in grads:
+                fd.add_output(t)
+        for t in (q, k, v, attn, lse):
+            shard(t, 0, mesh)
+        for t in (g, *moved, *grads):
+            shard(t, 1, mesh)
+        local = [multidevice_test.shard_tensor(t, tv)
+                 for t, tv in zip(_global_inputs(d, d), (q, k, v, g))]
+        if mode == "global":
+            fd.execute(local)
+            continue
+        with pytest.raises(ShardingError, match="per-shard dropout streams of the forward"):
+            fd.execute(local)
+
+
+def test_mode_errors(monkeypatch):
+    with pytest.raises(DefinitionError, match="dropout_mode='mask' is not a dropout mode"), \
+            FusionDefinition() as fd:
+        q = fd.define_tensor([1, 2, S, S])
+        fd.ops.sdpfa_fwd(q, q, q, 0.1, dropout_mode="mask")
+    monkeypatch.setenv("MESHFUSE_DROPOUT_MODE", "bad")
+    with pytest.raises(DefinitionError, match="MESHFUSE_DROPOUT_MODE='bad'"), \
+            FusionDefinition() as fd:
+        q = fd.define_tensor([1, 2, S, S])
+        fd.ops.sdpfa_fwd(q, q, q, 0.1)

@@ -1,0 +1,124 @@
+"""The demo checks its arguments before starting any rank: one line on stderr, exit code 2.
+
+The cases of the first-contact report run ``python -m meshfuse.demo`` as a user would, all at
+once (each process only imports meshfuse and parses); every case also runs through
+``parse_args`` in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshfuse import demo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMAND_LINES = {
+    "--seq 0": "--seq: 0 is not positive",
+    "--batch -1": "--batch: -1 is not positive",
+    "--embed 100 --heads 12": "--embed 100 is not a multiple of --heads 12",
+    "--nproc 0": "--nproc: 0 is not positive",
+}
+BAD_ARGUMENTS = {
+    **COMMAND_LINES,
+    "--heads 0": "--heads: 0 is not positive",
+    "--embed -768": "--embed: -768 is not positive",
+    "--heads 6 --embed 768": "--heads 6 cannot be split evenly over 4 ranks",  # 4 ranks
+    "--seq many": "--seq: 'many' is not an integer",
+    "--sequence 8": "unrecognized arguments: --sequence 8",
+}
+
+
+@pytest.fixture(scope="module")
+def demo_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Each bad command line's run of ``python -m meshfuse.demo``, started together."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = {
+        args: subprocess.Popen([sys.executable, "-m", "meshfuse.demo", *args.split()], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        for args in COMMAND_LINES
+    }
+    runs = {}
+    for args, p in procs.items():
+        # A guard against a demo that started its ranks after all, not a timing check.
+        out, err = p.communicate(timeout=300)
+        runs[args] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return runs
+
+
+@pytest.mark.parametrize("args", list(COMMAND_LINES))
+def test_bad_command_line_exits_2_with_one_line(demo_runs, args):
+    run = demo_runs[args]
+    assert run.returncode == 2, run.stderr
+    assert run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("python -m meshfuse.demo: error: ")
+    assert COMMAND_LINES[args] in lines[0]
+
+
+@pytest.mark.parametrize("args", list(BAD_ARGUMENTS))
+def test_bad_argument_is_one_line_and_exit_2(capsys, monkeypatch, args):
+    monkeypatch.setattr(demo, "default_nproc", lambda: 4)
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(args.split())
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("python -m meshfuse.demo: error: ")
+    assert BAD_ARGUMENTS[args] in captured.err
+
+
+def test_help_shows_the_command_and_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m meshfuse.demo ")
+    for option, default in (("--batch", 2), ("--heads", 12), ("--seq", 1024), ("--embed", 768)):
+        line = next(line for line in text.splitlines() if line.strip().startswith(option))
+        assert f"(default: {default})" in line
+
+
+def test_good_arguments_pass(capsys):
+    args = demo.parse_args(["--nproc", "2", "--heads", "4", "--embed", "64", "--seq", "8"])
+    assert (args.nproc, args.batch, args.heads, args.seq, args.embed) == (2, 2, 4, 8, 64)
+    assert capsys.readouterr().err == ""
+
+
+def test_under_a_launcher_the_heads_split_over_its_ranks(capsys):
+    assert demo.parse_args(["--heads", "6", "--embed", "96"], launcher_size=3).heads == 6
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--heads", "6", "--embed", "96"], launcher_size=4)
+    assert exit_.value.code == 2
+    assert "over 4 ranks" in capsys.readouterr().err
+
+
+def test_nproc_must_agree_with_a_launcher(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--nproc", "2"], launcher_size=4)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nproc 2, but the launcher started 4 ranks" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_no_rank_starts_on_a_bad_argument(monkeypatch):
+    started = []
+    monkeypatch.setattr(demo, "spawn", lambda *a, **k: started.append(a) or [0])
+    monkeypatch.setattr(demo, "launcher_world_size", lambda: None)
+    with pytest.raises(SystemExit):
+        demo.main(["--seq", "0"])
+    assert started == []
+    assert demo.main(["--nproc", "2", "--heads", "4", "--embed", "64"]) == 0
+    assert started == [(2, ["-m", "meshfuse.demo", "--nproc", "2", "--heads", "4",
+                            "--embed", "64"])]
