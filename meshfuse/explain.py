@@ -17,10 +17,10 @@ Example (the README's Megatron MLP on two ranks; rank 0)::
       tensor  global    dtype  mesh    placements  local     memory  defined by
       T0      [8, 16]   Float  [0, 1]  [R]         [8, 16]   [0, 1]  input
       ...
-      T5      [8, 16]   Float  [0, 1]  [R]         [8, 16]   [0, 1]  set(T6)
+      T5      [8, 16]   Float  [0, 1]  [R]         [8, 16]   [0, 1]  reshard(T6)
     outputs: T5
     communications on rank 0:
-      T5 = set(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B
+      T5 = reshard(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 from collections.abc import Mapping
 from fractions import Fraction
 
-from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.fusion import Expr, Fusion, Reshard, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import derived_extents, local_indices, shard_factor
 from meshfuse.ir.placement import placements
@@ -40,7 +40,7 @@ from meshfuse.mesh import DeviceMesh
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.binding import device_coords, held_here
 from meshfuse.runtime.collectives import Communication
-from meshfuse.runtime.resharding import ReshardStep, partial_reduce_op, plan_resharding
+from meshfuse.runtime.resharding import ReshardStep, plan_resharding
 
 LOCAL_STEPS = ("slice",)  # plan steps that move no data
 LEGEND = ("  placements: S(a) sharded on axis a (c: cyclic), P partial, R replicated; "
@@ -103,7 +103,7 @@ class PlannedCommunication:
                              self.bytes.static, reduce_op)
 
     def __str__(self) -> str:
-        head = f"{format_expr(self.expr)}: {self.step}"
+        head = f"{_short(self.expr)}: {self.step}"
         if not self.moves_data:
             return f"{head} (local, no traffic)"
         return f"{head}, ranks {list(self.ranks)}, {_format_bytes(self.bytes)}"
@@ -172,11 +172,11 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
 def planned_communications(fusion: Fusion, rank: int,
                            sizes: Extents | None = None) -> list[PlannedCommunication]:
     """The resharding steps ``rank`` takes part in, in the order it issues them (the order
-    of the fusion's resharding copies, each plan's steps in order), local slices included."""
+    of the fusion's Reshard expressions, each plan's steps in order), local slices included."""
     sizes = sizes or Extents(fusion)
     planned = []
     for expr in fusion.exprs:
-        if expr.op.name != "set":
+        if not isinstance(expr, Reshard):
             continue
         src, dst = expr.args[0], expr.outputs[0]
         if src.mesh is None or not src.logical:
@@ -212,11 +212,19 @@ def _after(step: ReshardStep, shape: list, src: TensorView, dst: TensorView, siz
     return shape
 
 
+def _short(expr: Expr) -> str:
+    """``expr`` printed, a communication without its placements (the table shows them)."""
+    if isinstance(expr, Reshard):
+        return f"{expr.outputs[0].name} = reshard({expr.args[0].name})"
+    return format_expr(expr)
+
+
 def _rows(fusion: Fusion, allocations, sizes: Extents, rank: int) -> list[list[str]]:
     rows = [["tensor", "global", "dtype", "mesh", "placements", "local", "memory", "defined by"]]
     tensors = [(v, "input") for v in fusion.inputs() if isinstance(v, TensorView)]
     for expr in fusion.exprs:
-        call = format_call(expr, skip_defaults=True)
+        call = (f"reshard({expr.args[0].name})" if isinstance(expr, Reshard)
+                else format_call(expr, skip_defaults=True))
         tensors += [(tv, call if k == 0 else f"{expr.op.name}(...)[{expr.outputs.index(tv)}]")
                     for k, tv in enumerate(expr.tensor_outputs)]
     for tv, defined_by in tensors:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from meshfuse.errors import ScheduleError, ShardingError
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
@@ -212,9 +213,7 @@ class DeviceMesh:
             tensor([[3, 4, 5]])
         """
         if rank is None:
-            from meshfuse.runtime.communicator import current_rank
-
-            rank = current_rank()
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if rank not in self:
             raise ShardingError(
                 f"cannot shard for device {rank}: it is not in {self!r}; pass a rank of the mesh"

@@ -15,23 +15,16 @@ import torch
 from meshfuse.errors import InputError, ShardingError
 from meshfuse.ir.layout import derived_extents, local_indices, local_layout, shard_factor
 from meshfuse.ir.tensor_view import Allocation, TensorView
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.binding import device_coords
 
 
-def _allocation(tv: TensorView) -> Allocation:
-    if tv.allocation is not None:
-        return tv.allocation
-    from meshfuse.passes.layout import infer_allocations
-
-    return infer_allocations(tv.fusion)[tv]
-
-
-def _final(tv: TensorView) -> TensorView:
-    """``tv`` once sharding propagation has run on its fusion (it runs once per fusion)."""
-    from meshfuse.passes.propagation import propagate_shardings
-
-    propagate_shardings(tv.fusion)
-    return tv
+def _compiled(tv: TensorView) -> tuple[TensorView, Allocation]:
+    """``tv``'s counterpart in its compiled fusion (every tensor scheduled), and its memory
+    order; ``tv`` itself is left as the user wrote it."""
+    compiled = compiled_for(tv.fusion)
+    final = compiled[tv]
+    return final, compiled.allocations[final]
 
 
 def _extents(tv: TensorView, shape: Sequence[int]):
@@ -70,11 +63,12 @@ def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> to
     Returns:
         A new tensor with ``tv``'s local shape and the strides of its allocation domain.
 
-    The schedule is final from the first call on: sharding propagation fills the tensors the
-    user did not schedule (an unscheduled input may come out sharded like its neighbours).
+    A tensor the user did not schedule is sharded as the compiled fusion shards it
+    (propagation may shard an unscheduled input like its neighbours); ``tv`` itself is not
+    changed.
     """
     rank = _default_rank() if rank is None else rank
-    _final(tv)
+    tv, allocation = _compiled(tv)
     if tv.mesh is not None and rank not in tv.mesh:
         raise ShardingError(f"rank {rank} is not in the mesh of {tv.name} ({tv.mesh!r})")
     extents = _extents(tv, t.shape)
@@ -84,7 +78,7 @@ def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> to
         index = local_indices(tv, id_, extents, coords)
         if index is not None:
             local = local.index_select(axis, index.to(t.device))
-    layout = local_layout(tv, _allocation(tv), extents)
+    layout = local_layout(tv, allocation, extents)
     out = torch.empty_strided(layout.shape, layout.strides, dtype=t.dtype, device=t.device)
     return out.copy_(local)
 
@@ -97,7 +91,7 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
             1-D mesh ``range(d)``: rank order); without a mesh, one tensor.
         tv: the TensorView they are shards of.
     """
-    _final(tv)
+    tv, _ = _compiled(tv)
     devices = tv.mesh.device_ids if tv.mesh is not None else (0,)
     if len(shards) != len(devices):
         raise InputError(

@@ -32,7 +32,7 @@ from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.layout import derived_extents, local_indices
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.passes.propagation import propagate_shardings
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.binding import device_coords
 from meshfuse.runtime.resharding import partial_reduce_op
 
@@ -241,9 +241,9 @@ def _tensors(obj) -> list[TensorView]:
 
 
 def _final(tv: TensorView) -> TensorView:
-    """``tv`` with the sharding propagation gives it (a no-op for a scheduled tensor)."""
-    propagate_shardings(tv.fusion)
-    return tv
+    """``tv``'s compiled counterpart: sharded as propagation shards it (``tv`` itself is not
+    changed)."""
+    return compiled_for(tv.fusion)[tv]
 
 
 def _extents(tv: TensorView, shape: Sequence[int] | None) -> dict:

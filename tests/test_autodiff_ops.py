@@ -119,7 +119,7 @@ def _shardable_axis(tv, size: int, axes: int | None = None) -> int | None:
 
 def _local(x, tv, rank: int):
     """``rank``'s shard of global ``x`` under ``tv`` (a leaf stays a leaf that requires grad)."""
-    if not isinstance(x, torch.Tensor) or tv is None or tv.mesh is None:
+    if not isinstance(x, torch.Tensor) or tv is None:
         return x
     shard_ = shard_tensor(x.detach(), tv, rank).to(current_device())
     return shard_.requires_grad_() if x.requires_grad else shard_

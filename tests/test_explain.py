@@ -117,10 +117,10 @@ def test_the_megatron_mlp_on_two_ranks():
         "  T3      [8, 32]   Float  [0, 1]  [S(1)]      [8, 16]   [0, 1]  linear(T0, T1)",
         "  T4      [8, 32]   Float  [0, 1]  [S(1)]      [8, 16]   [0, 1]  gelu(T3, approximate='tanh')",
         "  T6      [8, 16]   Float  [0, 1]  [P]         [8, 16]   [0, 1]  linear(T4, T2)",
-        "  T5      [8, 16]   Float  [0, 1]  [R]         [8, 16]   [0, 1]  set(T6)",
+        "  T5      [8, 16]   Float  [0, 1]  [R]         [8, 16]   [0, 1]  reshard(T6)",
         "outputs: T5",
         "communications on rank 0:",
-        "  T5 = set(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B",
+        "  T5 = reshard(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B",
     ])
 
 
@@ -136,12 +136,12 @@ def test_a_2x2_mesh_with_symbolic_tokens():
         "  T3      [s0, 32]  Float  [[0, 1], [2, 3]]  [S(0), S(1)]  [s0/2, 16]  [0, 1]  linear(T0, T1)",
         "  T4      [s0, 32]  Float  [[0, 1], [2, 3]]  [S(0), S(1)]  [s0/2, 16]  [0, 1]  gelu(T3, approximate='tanh')",
         "  T6      [s0, 16]  Float  [[0, 1], [2, 3]]  [S(0), P]     [s0/2, 16]  [0, 1]  linear(T4, T2)",
-        "  T5      [s0, 16]  Float  [[0, 1], [2, 3]]  [R, R]        [s0, 16]    [0, 1]  set(T6)",
+        "  T5      [s0, 16]  Float  [[0, 1], [2, 3]]  [R, R]        [s0, 16]    [0, 1]  reshard(T6)",
         "outputs: T5",
         "  s0 = axis 0 of T0 (symbolic)",
         "communications on rank 3:",
-        "  T5 = set(T6): allreduce(sum) over mesh axis 1, ranks [2, 3], 32*s0 B",
-        "  T5 = set(T6): allgather of axis 0 over mesh axis 0, ranks [1, 3], 32*s0 B",
+        "  T5 = reshard(T6): allreduce(sum) over mesh axis 1, ranks [2, 3], 32*s0 B",
+        "  T5 = reshard(T6): allgather of axis 0 over mesh axis 0, ranks [1, 3], 32*s0 B",
     ])
 
 
@@ -196,7 +196,7 @@ def test_symbolic_extents_bound_by_the_inputs(multidevice_test):
     assert "extents from the inputs" in text.splitlines()[0]
     with record_communications() as ran:
         fd.execute(inputs)
-    listed = [line for line in text.splitlines() if line.startswith("  T5 = set(T6): ")]
+    listed = [line for line in text.splitlines() if line.startswith("  T5 = reshard(T6): ")]
     assert [line.split(": ", 1)[1].split(",")[0] for line in listed] == \
         [f"{c.kind}({c.reduce_op}) over mesh axis {c.mesh_axis}" if c.reduce_op
          else f"{c.kind} of axis 0 over mesh axis {c.mesh_axis}" for c in ran]

@@ -26,6 +26,7 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, random_inputs, reference
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -89,7 +90,8 @@ def _did_split(tv, extent: int, parallel_type: ParallelType, factor: int, inner=
 def _gather(multidevice_test, local: torch.Tensor, tv) -> torch.Tensor:
     """The global tensor from every rank's ``local`` shard of ``tv`` (a collective)."""
     shards = multidevice_test.communicator.allgather_object(local.cpu())
-    return unshard_tensor([shards[d] for d in tv.mesh.device_ids], tv)
+    mesh = compiled_for(tv.fusion)[tv].mesh  # propagation may have given tv its mesh
+    return unshard_tensor([shards[d] for d in mesh.device_ids], tv)
 
 
 def _assert_shard(out: torch.Tensor, ref: torch.Tensor, tv, rank: int, **tol) -> None:

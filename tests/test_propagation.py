@@ -9,6 +9,7 @@ from mesh_helpers import shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
+from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.printer import format_placements
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.sharding import shard_tensor
@@ -121,7 +122,7 @@ def test_user_pins_are_never_changed_and_conflicts_become_resharding_copies():
     out, = fd.execute([x_global])
     torch.testing.assert_close(out, -x_global)
     assert y.loop == before
-    sets = [e for e in fd.fusion.exprs if e.op.name == "set"]
+    sets = [e for e in fd.compiled().fusion.exprs if isinstance(e, Reshard)]
     assert len(sets) == 1, fd.explain()
 
 

@@ -16,6 +16,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, InputError, unshard_tensor
 from meshfuse.errors import ExecutionError
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
@@ -44,7 +45,8 @@ def _unsharded(op: str, shape, dtype=DataType.Float) -> torch.Tensor:
 
 def _gather(multidevice_test, local: torch.Tensor, tv) -> torch.Tensor:
     shards = multidevice_test.communicator.allgather_object(local.cpu())
-    return unshard_tensor([shards[r] for r in tv.mesh.device_ids], tv)
+    mesh = compiled_for(tv.fusion)[tv].mesh  # propagation may have given tv its mesh
+    return unshard_tensor([shards[r] for r in mesh.device_ids], tv)
 
 
 def _check_sharded(multidevice_test, fd, out, expected, inputs):

@@ -11,11 +11,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.fusion import Expr
+from meshfuse.ir.fusion import Expr, Reshard
 from meshfuse.ir.tensor_view import TensorView, Val
+from meshfuse.ops.registry import OpDef, lookup
 
 if TYPE_CHECKING:
     from meshfuse.frontend.ops_namespace import Ops
+
+
+def op_of(expr: Expr) -> OpDef:
+    """The op whose rules differentiate ``expr``: a communication (a :class:`Reshard` of the
+    compiled forward) differentiates as the copy it is, ``set``: its gradient is the
+    transposed communication."""
+    return lookup("set") if isinstance(expr, Reshard) else expr.op
 
 
 class VjpContext:
@@ -30,7 +38,7 @@ class VjpContext:
         self.expr = expr
         self.ops = ops
         self._fetch = fetch
-        self._names = [p.name for p in expr.op.params]
+        self._names = [p.name for p in op_of(expr).params]
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -67,7 +75,7 @@ class VjpContext:
         extents = [i.extent for i in tv.materialized()]
         if None in extents:
             raise DefinitionError(
-                f"the gradient of {self.expr.op.name} needs the extents of {tv.name}, which are "
+                f"the gradient of {op_of(self.expr).name} needs the extents of {tv.name}, which are "
                 f"symbolic ({['?' if e is None else e for e in extents]}); declare the fusion's "
                 "inputs with static extents to differentiate it"
             )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshfuse.autodiff.context import VjpContext, sum_to
+from meshfuse.autodiff.context import VjpContext, op_of, sum_to
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, add_op
@@ -102,9 +102,11 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
             )
     forward, primal = clone_fusion(fusion)
     # The backward is derived from the compiled forward: its communications are explicit
-    # ``set`` s there (whose gradients are the transposed communications), and every tensor
+    # Reshard expressions there (whose gradients are the transposed communications), and every tensor
     # has its final sharding, which the backward's inputs and outputs are pinned to.
     runner = FusionRunner(forward)
+    forward = runner.fusion  # the compiled copy, with its Reshard expressions
+    primal = {v: runner.compiled[p] for v, p in primal.items()}
     builder = _BackwardBuilder(forward, {primal[v] for v in wrt}, remat)
     builder.build()
     num_outputs = len(forward.outputs())
@@ -209,7 +211,8 @@ class _BackwardBuilder:
     def _resolution(self, v: TensorView) -> TensorView:
         """The forward's copy of partial ``v`` that reduces it (resharding made one)."""
         for expr in self.forward.exprs:
-            if expr.op.vjp is not None and expr.op.vjp.communication and expr.args[0] is v \
+            if op_of(expr).vjp is not None and op_of(expr).vjp.communication and \
+                    expr.args[0] is v \
                     and not _is_partial(expr.outputs[0]):
                 return expr.outputs[0]
         raise DefinitionError(
@@ -220,14 +223,14 @@ class _BackwardBuilder:
     def _recomputable(self, expr: Expr | None) -> bool:
         """Cheap ops are recomputed, unless they read a partial value (the resolution of a
         partial sum is saved instead: recomputing it would mean saving the partial)."""
-        return (self.remat == "recompute" and expr is not None and expr.op.vjp is not None
-                and expr.op.vjp.recompute and not any(_is_partial(t) for t in expr.tensor_inputs))
+        return (self.remat == "recompute" and expr is not None and op_of(expr).vjp is not None
+                and op_of(expr).vjp.recompute and not any(_is_partial(t) for t in expr.tensor_inputs))
 
     def _recompute(self, expr: Expr) -> None:
         args = [[self.fetch(x) for x in a] if isinstance(a, list | tuple) and a and
                 isinstance(a[0], Val) else self.fetch(a) if isinstance(a, Val) else a
                 for a in expr.args]
-        outs = add_op(self.backward, expr.op, args, {})
+        outs = add_op(self.backward, op_of(expr), args, {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         self.values.update(zip(expr.outputs, outs))
         # A recomputation lies as its primal did in the forward (and communicates alike).
@@ -255,15 +258,16 @@ class _BackwardBuilder:
         wanted = [t for t in expr.tensor_inputs if t in self.active]
         if not wanted or all(g is None for g in cotangents):
             return
-        if expr.op.vjp is None:
+        op = op_of(expr)
+        if op.vjp is None:
             raise DefinitionError(
-                f"{expr.op.name} has no derivative rule, and a gradient flows through it "
+                f"{op.name} has no derivative rule, and a gradient flows through it "
                 f"({', '.join(o.name for o, g in zip(expr.outputs, cotangents) if g)}); "
                 "differentiate a fusion that does not use it, or leave its inputs out of wrt"
             )
         context = VjpContext(expr, self.ops, self.fetch)
-        thunks = expr.op.vjp.rule(context, cotangents)
-        for param, arg in zip(expr.op.params, expr.args):
+        thunks = op.vjp.rule(context, cotangents)
+        for param, arg in zip(op.params, expr.args):
             if param.kind not in (Kind.TENSOR, Kind.TENSORS, Kind.OPERAND):
                 continue
             pairs = zip(arg, thunks.get(param.name) or [None] * len(arg)) \
@@ -271,7 +275,7 @@ class _BackwardBuilder:
             for primal, thunk in pairs:
                 if primal in self.active and thunk is not None:
                     grad = thunk()
-                    if grad is not None and expr.op.vjp.communication:
+                    if grad is not None and op.vjp.communication:
                         grad = self._transposed_communication(grad, primal, expr.outputs[0])
                     if grad is not None:
                         self._accumulate(primal, grad)
@@ -293,7 +297,7 @@ def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
     active = set(wrt)
     for expr in forward.exprs:
         if any(t in active for t in expr.tensor_inputs):
-            vjp = expr.op.vjp
+            vjp = op_of(expr).vjp
             active.update(o for i, o in enumerate(expr.outputs) if isinstance(o, TensorView) and
                           (o.dtype.is_floating if vjp is None else
                            vjp.is_differentiable(i, o.dtype)))

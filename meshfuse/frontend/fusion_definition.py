@@ -237,6 +237,14 @@ class FusionDefinition:
                                         lambda: FusionRunner(self.fusion), check_ranks)
         return self._runner
 
+    def compiled(self):
+        """The fusion as compiled for this process's world (built on first use, as
+        ``execute`` does): a :class:`~meshfuse.passes.pipeline.CompiledFusion`, whose
+        ``[tv]`` gives the compiled counterpart of a tensor of this definition (its
+        propagated sharding, the communications around it). The definition itself is never
+        changed by compiling."""
+        return self._get_runner().compiled
+
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
                              remat: str = "recompute") -> FusionFunction:
         """This fusion as a ``torch.autograd.Function``: a callable taking the inputs

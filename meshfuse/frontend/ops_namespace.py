@@ -10,28 +10,13 @@ from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
-from meshfuse.ops.registry import Kind, OpDef, ScalarMeta, TensorMeta
+from meshfuse.ops.meta import arg_meta
+from meshfuse.ops.registry import Kind, OpDef
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
 
 _NUMBER = (bool, int, float, complex)
-
-
-def tensor_meta(tv: TensorView) -> TensorMeta:
-    ids = tv.materialized()
-    return TensorMeta(tuple(i.extent for i in ids), tuple(i.iter_type for i in ids), tv.dtype)
-
-
-def arg_meta(arg: Any) -> Any:
-    """What a shape rule sees of one argument."""
-    if isinstance(arg, TensorView):
-        return tensor_meta(arg)
-    if isinstance(arg, Scalar):
-        return ScalarMeta(arg.dtype, arg.value)
-    if isinstance(arg, list | tuple) and arg and all(isinstance(a, TensorView) for a in arg):
-        return [tensor_meta(a) for a in arg]
-    return arg
 
 
 def flat_tensors(args) -> list[TensorView]:

@@ -3,6 +3,9 @@
 Expressions are kept in definition order, which is a topological order: an op can only use
 values defined before it. Each expression carries its op's *domain map*: which logical ID of an
 input tensor is which logical ID of an output tensor (``Expr.id_map``).
+
+An expression is an op application (:class:`Expr`), or a :class:`Reshard` that the
+compiler inserted: one tensor moved from one sharding to another, with no op.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from meshfuse.ir.placement import Placement, placements
+from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 
 if TYPE_CHECKING:
     from meshfuse.ir.iter_domain import IterDomain
+    from meshfuse.mesh import DeviceMesh
     from meshfuse.ops.registry import OpDef
 
 
@@ -22,7 +28,7 @@ class Expr:
     """One op application.
 
     Attributes:
-        op: the op's declaration.
+        op: the op's declaration (None for a :class:`Reshard`).
         args: the op's arguments in signature order: Vals, or Python constants.
         outputs: the values it defines.
         attrs: keyword arguments that are static Python values (dims, shapes, flags).
@@ -30,15 +36,13 @@ class Expr:
             first source first).
     """
 
-    op: OpDef
+    op: OpDef | None
     args: tuple[Any, ...]
     outputs: tuple[Val, ...]
     attrs: dict[str, Any]
     id_map: dict[IterDomain, tuple[IterDomain, ...]]
 
     def __repr__(self) -> str:
-        from meshfuse.ir.printer import format_expr
-
         return format_expr(self)
 
     @property
@@ -56,6 +60,39 @@ class Expr:
     @property
     def tensor_outputs(self) -> tuple[TensorView, ...]:
         return tuple(o for o in self.outputs if isinstance(o, TensorView))
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class Reshard(Expr):
+    """``target = source`` laid out otherwise: the data movement between two shardings of one
+    tensor (same logical IDs, possibly another mesh). It has no op (``op`` is None); the
+    runtime plans it from its two tensors and runs the plan.
+
+    Attributes:
+        source_mesh, target_mesh: where the tensor lives before and after.
+        source, target: the placements before (a partial one names its reduction) and after.
+    """
+
+    source_mesh: DeviceMesh | None = None
+    target_mesh: DeviceMesh | None = None
+    source: tuple[Placement, ...] = ()
+    target: tuple[Placement, ...] = ()
+
+    @classmethod
+    def between(cls, src: TensorView, dst: TensorView) -> Reshard:
+        """The communication from ``src`` to ``dst`` (both scheduled, same logical shape)."""
+        id_map = {d: (s,) for s, d in zip(src.logical, dst.logical)}
+        return cls(None, (src,), (dst,), {}, id_map, src.mesh, dst.mesh,
+                   placements(src, partial_reduce_op(src)), placements(dst))
+
+
+def partial_reduce_op(tv: TensorView) -> str:
+    """How partial values of ``tv`` combine: the ``partial_reduce`` of the op that made them
+    (through communications and copies)."""
+    expr = tv.definition
+    while expr is not None and (expr.op is None or expr.op.name == "set"):
+        expr = expr.args[0].definition
+    return "sum" if expr is None else expr.op.partial_reduce or "sum"
 
 
 class Fusion:
@@ -119,9 +156,41 @@ class Fusion:
                 result.setdefault(v, []).append(e)
         return result
 
-    def __str__(self) -> str:
-        from meshfuse.ir.printer import format_fusion
+    def copy(self) -> tuple[Fusion, dict[Val, Val]]:
+        """A private copy for the compiler's passes, and each value's counterpart in it.
 
+        Every value and expression is new: the passes may schedule the copy's tensors and
+        insert expressions without touching this fusion. IterDomains and transform records are
+        immutable and shared; tensors keep their names (the copy prints alike).
+        """
+        counterpart: dict[Val, Val] = {}
+
+        def val(v: Val) -> Val:
+            if v not in counterpart:
+                counterpart[v] = v.copy_into(copy)
+            return counterpart[v]
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, Val):
+                return val(a)
+            if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
+                return type(a)(arg(x) for x in a)
+            return a
+
+        copy = Fusion()
+        copy._counts = dict(self._counts)
+        copy._inputs = [val(v) for v in self._inputs]
+        for e in self.exprs:
+            new = dataclasses.replace(e, args=tuple(arg(a) for a in e.args),
+                                      outputs=tuple(val(o) for o in e.outputs),
+                                      attrs=dict(e.attrs), id_map=dict(e.id_map))
+            for out in new.outputs:
+                out.definition = new
+            copy.exprs.append(new)
+        copy._outputs = [val(o) for o in self._outputs]
+        return copy, counterpart
+
+    def __str__(self) -> str:
         return format_fusion(self)
 
     def print_math(self) -> None:

@@ -17,6 +17,8 @@ import dataclasses
 import enum
 import itertools
 
+from meshfuse.ir.parallel_type import ParallelType
+
 _uids = itertools.count()
 
 
@@ -119,3 +121,13 @@ def merge_ids(outer: IterDomain, inner: IterDomain) -> Merge:
         extent = outer.extent * inner.extent
     kind = outer.iter_type if outer.iter_type is inner.iter_type else IterType.Iteration
     return Merge(outer, inner, IterDomain(extent, kind))
+
+
+def format_id(
+    id_: IterDomain, parallel_type: ParallelType = ParallelType.Serial, number: int | None = None
+) -> str:
+    """An ID as printed IR shows it (see :mod:`meshfuse.ir.printer`): ``iDIDx4{2}``."""
+    pt = "" if parallel_type is ParallelType.Serial else parallel_type.value
+    extent = "?" if id_.extent is None else id_.extent
+    n = "" if number is None else number
+    return f"{id_.iter_type.value}{pt}{n}{{{extent}}}"

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from meshfuse.errors import ScheduleError
+from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import IterDomain, Merge, Split
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Allocation, TensorView
@@ -51,7 +52,7 @@ def derived_extents(tv: TensorView, logical: Mapping[IterDomain, int]) -> dict[I
 
 def producers(tv: TensorView) -> dict[IterDomain, Split | Merge]:
     """The transform that created each derived ID of ``tv``."""
-    return {out: t for t in tv.transforms for out in t.outputs}
+    return domain(tv).producers
 
 
 def logical_root(tv: TensorView, id_: IterDomain) -> IterDomain:
@@ -60,26 +61,14 @@ def logical_root(tv: TensorView, id_: IterDomain) -> IterDomain:
     Raises:
         ScheduleError: if ``id_`` comes from a merge (a merged axis cannot be sharded).
     """
-    made_by = producers(tv)
-    current = id_
-    while current in made_by:
-        t = made_by[current]
-        if isinstance(t, Merge):
-            raise ScheduleError(
-                f"{tv.name}: a device-parallel axis derived from a merge is not supported; "
-                "split the logical axis itself and parallelize a part of it"
-            )
-        current = t.in_id
-    return current
+    return domain(tv).logical_root(id_)
 
 
 def device_ids(tv: TensorView) -> dict[IterDomain, list[tuple[IterDomain, ParallelType]]]:
     """Logical ID -> the device-parallel IDs derived from it (with their types)."""
-    result: dict[IterDomain, list[tuple[IterDomain, ParallelType]]] = {}
-    for id_, pt in tv.parallel.items():
-        if pt.is_device:
-            result.setdefault(logical_root(tv, id_), []).append((id_, pt))
-    return result
+    d = domain(tv)
+    d.check_device_ids()
+    return d.device_ids
 
 
 def split_indices(
@@ -87,13 +76,7 @@ def split_indices(
 ) -> dict[IterDomain, torch.Tensor]:
     """For ``logical_id`` and each ID split from it: the index on that ID of every global
     index of ``logical_id`` (an outer ID gets ``i // inner``, an inner one ``i % inner``)."""
-    index = {logical_id: torch.arange(extents[logical_id])}
-    for t in tv.transforms:
-        if isinstance(t, Split) and t.in_id in index:
-            inner = extents[t.inner]
-            index[t.outer] = index[t.in_id] // inner
-            index[t.inner] = index[t.in_id] % inner
-    return index
+    return domain(tv).split_indices(logical_id, extents)
 
 
 def shard_factor(tv: TensorView, logical_id: IterDomain) -> int:
@@ -135,14 +118,7 @@ def local_extent(tv: TensorView, id_: IterDomain, extents: Mapping[IterDomain, i
 
 def _split_ancestry(tv: TensorView, id_: IterDomain) -> list[IterDomain]:
     """``id_`` and the IDs it was split from, up to its logical ID."""
-    made_by = producers(tv)
-    chain = [id_]
-    while chain[-1] in made_by:
-        t = made_by[chain[-1]]
-        if isinstance(t, Merge):
-            break
-        chain.append(t.in_id)
-    return chain
+    return domain(tv).ancestry(id_)
 
 
 @dataclasses.dataclass(frozen=True)

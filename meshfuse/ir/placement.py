@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import logical_root, producers
 from meshfuse.ir.tensor_view import TensorView
@@ -71,19 +72,14 @@ def placements(tv: TensorView, reduce_op: str = "sum") -> tuple[Placement, ...]:
 def shard_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
     """A structural description of how ``logical_id`` is sharded: for each device ID split
     from it, the parallel type and the path of splits (factor, inner_split, which side)."""
-    made_by = producers(tv)
+    d = domain(tv)
     result = []
     for id_, pt in tv.parallel.items():
         if not pt.is_device:
             continue
-        path, current = [], id_
-        while current in made_by:
-            t = made_by[current]
-            path.append((t.factor, t.inner_split, current is t.inner) if isinstance(t, Split)
-                        else ("merge",))
-            current = t.inputs[0]
-        if current is logical_id:
-            result.append((pt.value, tuple(reversed(path))))
+        top, path = d.path(id_)
+        if top is logical_id:
+            result.append((pt.value, path))
     return tuple(sorted(result))
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshfuse.ir.iter_domain import IterDomain, Merge, Split
-from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.ir.iter_domain import IterDomain, Merge, Split, format_id
+from meshfuse.ir.placement import placements
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Expr, Fusion
-    from meshfuse.ir.tensor_view import Allocation, TensorView
 
 
 class Numbering:
@@ -25,15 +25,6 @@ class Numbering:
 
     def __call__(self, id_: IterDomain) -> int:
         return self._numbers.setdefault(id_, len(self._numbers))
-
-
-def format_id(
-    id_: IterDomain, parallel_type: ParallelType = ParallelType.Serial, number: int | None = None
-) -> str:
-    pt = "" if parallel_type is ParallelType.Serial else parallel_type.value
-    extent = "?" if id_.extent is None else id_.extent
-    n = "" if number is None else number
-    return f"{id_.iter_type.value}{pt}{n}{{{extent}}}"
 
 
 def _ids(tv: TensorView, ids, numbering: Numbering) -> str:
@@ -55,8 +46,6 @@ def format_placements(tv: TensorView) -> str:
     """One placement per mesh axis, outermost first, as in DTensor: ``S(a)`` sharded on
     logical axis ``a`` (``S(a)c`` cyclically, from an inner split), ``P`` partial (a reduction
     over a sharded axis), ``R`` replicated."""
-    from meshfuse.ir.placement import placements
-
     return "[" + ", ".join(str(p) for p in placements(tv)) + "]"
 
 
@@ -83,8 +72,6 @@ def format_tensor(
 
 
 def format_arg(arg) -> str:
-    from meshfuse.ir.tensor_view import Scalar, Val
-
     if isinstance(arg, Scalar) and arg.is_constant:
         return repr(arg.value)
     if isinstance(arg, Val):
@@ -96,6 +83,13 @@ def format_arg(arg) -> str:
 
 def format_expr(expr: Expr) -> str:
     outs = ", ".join(o.name for o in expr.outputs)
+    if expr.op is None:  # a Reshard (a communication): ``T5 = reshard(T4, [S(0)] -> [R])``
+        src, dst = expr.source_mesh, expr.target_mesh
+        before = "[" + ", ".join(map(str, expr.source)) + "]"
+        after = "[" + ", ".join(map(str, expr.target)) + "]"
+        if src != dst:
+            before, after = f"{src!r} {before}", f"{dst!r} {after}"
+        return f"{outs} = reshard({expr.args[0].name}, {before} -> {after})"
     return f"{outs} = {format_call(expr)}"
 
 
@@ -113,8 +107,6 @@ def format_call(expr: Expr, skip_defaults: bool = False) -> str:
 
 
 def _is_default(param, arg) -> bool:
-    from meshfuse.ir.tensor_view import Scalar, Val
-
     if param.required:
         return False
     value = arg.value if isinstance(arg, Scalar) and arg.is_constant else arg
@@ -126,8 +118,6 @@ def _is_default(param, arg) -> bool:
 
 def format_fusion(fusion: Fusion, allocations: dict | None = None) -> str:
     """The whole fusion: inputs, ops in order, outputs, then every tensor's domains."""
-    from meshfuse.ir.tensor_view import Scalar
-
     numbering = Numbering()
     lines = ["Fusion"]
     for v in fusion.inputs():

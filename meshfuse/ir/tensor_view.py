@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import ScheduleError
-from meshfuse.ir.iter_domain import IterDomain, Transform, merge_ids, split_ids
+from meshfuse.ir.iter_domain import IterDomain, Transform, format_id, merge_ids, split_ids
 from meshfuse.ir.parallel_type import ParallelType
+from meshfuse.mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Expr, Fusion
-    from meshfuse.mesh import DeviceMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,11 @@ class Val:
     name: str
     definition: Expr | None = None
 
+    def copy_into(self, fusion: Fusion) -> Val:
+        """This value for a copy of its fusion: same name, dtype and schedule, no definition
+        (the copied expression sets it)."""
+        raise NotImplementedError
+
 
 class Scalar(Val):
     """A scalar of a fusion: a constant (``value`` set) or an input bound at execute time."""
@@ -58,6 +63,11 @@ class Scalar(Val):
     @property
     def is_constant(self) -> bool:
         return self.value is not None
+
+    def copy_into(self, fusion: Fusion) -> Scalar:
+        new = Scalar(self.dtype, self.value)
+        new.name = self.name
+        return new
 
 
 class Axis:
@@ -88,8 +98,6 @@ class Axis:
         return self.id.is_broadcast
 
     def __repr__(self) -> str:
-        from meshfuse.ir.printer import format_id
-
         return format_id(self.id, self.parallel_type)
 
 
@@ -112,6 +120,15 @@ class TensorView(Val):
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
         self.name = "T?"
+
+    def copy_into(self, fusion: Fusion) -> TensorView:
+        new = TensorView(fusion, self.logical, self.dtype, self.allocation)
+        new.loop = list(self.loop)
+        new.transforms = list(self.transforms)
+        new.parallel = dict(self.parallel)
+        new.mesh = self.mesh
+        new.name = self.name
+        return new
 
     # ----- reading -----------------------------------------------------------------------
     @property
@@ -147,8 +164,6 @@ class TensorView(Val):
     # ----- scheduling --------------------------------------------------------------------
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
         """Places this tensor on ``mesh``; without a parallelized axis it is replicated."""
-        from meshfuse.mesh import DeviceMesh
-
         if not isinstance(mesh, DeviceMesh):
             raise ScheduleError(f"{self.name}.set_device_mesh expects a DeviceMesh, got {mesh!r}")
         self.mesh = mesh

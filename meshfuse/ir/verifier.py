@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from meshfuse.errors import ScheduleError, ShardingError
 from meshfuse.ir.iter_domain import Split
 from meshfuse.ir.layout import logical_root
+from meshfuse.ir.printer import format_id
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
@@ -39,8 +40,6 @@ def check_allocation(tv: TensorView) -> None:
     if frontier != chosen:
         missing = [i for i in frontier - chosen]
         extra = [i for i in chosen - frontier]
-        from meshfuse.ir.printer import format_id
-
         raise ScheduleError(
             f"the allocation domain of {tv.name} must cover each logical axis exactly once; "
             f"missing {[format_id(i) for i in missing]}, not part of {tv.name} or covered twice "

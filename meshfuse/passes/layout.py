@@ -10,21 +10,19 @@ All derived allocations are contiguous.
 
 from __future__ import annotations
 
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.domain import domain
+from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
-from meshfuse.ir.layout import producers
 from meshfuse.ir.tensor_view import Allocation, TensorView
 
 
 def memory_positions(tv: TensorView, allocation: Allocation) -> dict[IterDomain, float]:
     """Each logical ID's position in ``allocation``: that of the innermost non-device ID
     split from it (or of the logical ID itself)."""
-    made_by = producers(tv)
+    d = domain(tv)
     positions: dict[IterDomain, float] = {}
     for pos, id_ in enumerate(allocation.ids):
-        root = id_
-        while root in made_by:
-            root = made_by[root].inputs[0]
+        root, _ = d.path(id_)
         if tv.parallel_type(id_).is_device and root in positions:
             continue
         positions[root] = pos
@@ -45,7 +43,7 @@ def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
         for out in expr.tensor_outputs:
             if out in result:
                 continue
-            if expr.op.output_layout == "contiguous":
+            if not isinstance(expr, Reshard) and expr.op.output_layout == "contiguous":
                 ids = out.materialized()
                 result[out] = Allocation(ids, tuple(None if i.is_broadcast else True for i in ids))
             else:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshfuse.errors import MeshfuseError
+from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.tensor_view import Allocation, TensorView
@@ -144,11 +145,7 @@ def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
 
 
 def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    ids = [logical_id]
-    for t in tv.transforms:
-        if isinstance(t, Split) and t.in_id in ids:
-            ids.extend(t.outputs)
-    return ids
+    return domain(tv).subtree(logical_id)
 
 
 def _copy_sharding(ref: TensorView, target: TensorView,

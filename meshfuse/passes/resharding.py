@@ -1,8 +1,9 @@
-"""Inserts resharding copies so that every compute op is local (docs/design.md, section 6, step 3).
+"""Inserts communications so that every compute op is local (docs/design.md, section 6, step 3).
 
 After propagation, an op whose tensors disagree on how they lie on the mesh is split into a
-local op plus ``set`` copies, each of which lowers to one communication (see
-``meshfuse.runtime.resharding``):
+local op plus :class:`~meshfuse.ir.fusion.Reshard` expressions (written ``set`` below),
+each planned by ``meshfuse.runtime.resharding``. A user's own ``fd.ops.set`` is an op like
+any other (a local copy, with communications around it where its tensors differ):
 
 - the op's *natural* output sharding is the one propagation would give it (from its
   reference input; partial where it contracts a sharded axis);
@@ -27,12 +28,10 @@ from __future__ import annotations
 import math
 
 from meshfuse.errors import ShardingError
-from meshfuse.ir.fusion import Expr, Fusion
-from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.ops.registry import lookup
 from meshfuse.passes.propagation import (
     _add_sharding,
     _backward_pairs,
@@ -48,7 +47,7 @@ UNKNOWN_EXTENT = 1 << 20
 def insert_resharding(fusion: Fusion) -> None:
     """Rewrites ``fusion`` in place; see the module doc."""
     for expr in list(fusion.exprs):
-        if expr.op.name != "set" and _sharded(expr):
+        if not isinstance(expr, Reshard) and _sharded(expr):
             _make_local(fusion, expr)
     for out in fusion.outputs():
         if out.mesh is not None and out not in fusion.user_scheduled and _is_partial(out):
@@ -174,11 +173,8 @@ def _new_like(fusion: Fusion, tv: TensorView, schedule: TensorView) -> TensorVie
     return new
 
 
-def _set_expr(src: TensorView, dst: TensorView) -> Expr:
-    id_map: dict[IterDomain, tuple[IterDomain, ...]] = {
-        d: (s,) for s, d in zip(src.logical, dst.logical)
-    }
-    return Expr(lookup("set"), (src,), (dst,), {}, id_map)
+def _set_expr(src: TensorView, dst: TensorView) -> Reshard:
+    return Reshard.between(src, dst)
 
 
 def _set_after(fusion: Fusion, expr: Expr, out: TensorView, natural: TensorView) -> None:
@@ -212,7 +208,8 @@ def _earlier_copy(fusion: Fusion, expr: Expr, inp: TensorView,
     """The output of a ``set`` of ``inp`` laid out as ``wanted`` that comes before ``expr``
     (so one communication serves every consumer that needs it), or None."""
     for e in fusion.exprs[:fusion.exprs.index(expr)]:
-        if e.op.name == "set" and e.args[0] is inp and same_sharding(e.outputs[0], wanted):
+        if isinstance(e, Reshard) and e.args[0] is inp and \
+                same_sharding(e.outputs[0], wanted):
             return e.outputs[0]
     return None
 
@@ -222,7 +219,7 @@ def _reduce_output(fusion: Fusion, out: TensorView) -> None:
     expr = out.definition
     partial = _scratch(out)
     _copy_sharding(out, partial, {i: i for i in out.logical})
-    _set_after(fusion, expr, out, partial)
     for id_, pt in list(out.parallel.items()):
         if pt.is_device and id_.is_reduction:
             del out.parallel[id_]
+    _set_after(fusion, expr, out, partial)

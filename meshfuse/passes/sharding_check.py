@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshfuse.errors import ShardingError
-from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import device_ids, split_indices
 from meshfuse.ir.printer import format_expr
@@ -55,10 +55,10 @@ def describe(owners: OwnerMap) -> str:
 
 
 def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> None:
-    """Raises ShardingError for the first compute op (not a ``set``) that would need a
+    """Raises ShardingError for the first compute op (not a communication) that would need a
     communication, or whose implementation cannot handle its sharding."""
     for expr in fusion.exprs:
-        if expr.op.name == "set":
+        if isinstance(expr, Reshard):
             continue
         _check_expr(expr, extents)
         if expr.op.check_sharding is not None:

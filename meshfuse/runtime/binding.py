@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from meshfuse.errors import DefinitionError, InputError
-from meshfuse.frontend.ops_namespace import arg_meta
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import LocalLayout, derived_extents, local_layout, shard_factor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.ops.meta import arg_meta
 from meshfuse.ops.registry import TensorMeta
 
 
@@ -109,20 +109,16 @@ def bind(
             else:
                 extents.update((i, i.extent) for i in v.logical if i.extent is not None)
     for expr in fusion.exprs:
+        if isinstance(expr, Reshard):
+            # Communications keep every logical ID, reduction IDs of partials included.
+            for d, s in zip(expr.outputs[0].logical, expr.args[0].logical):
+                extents[d] = extents[s]
+            continue
         metas = [_concrete_meta(a, extents) for a in expr.args]
         try:
             specs = expr.op.infer(*metas)
         except DefinitionError as e:
             raise InputError(f"{format_expr(expr)} with the given input sizes: {e}") from None
-        if expr.op.name == "set":
-            # Resharding copies keep every logical ID, reduction IDs of partials included; a
-            # set written with fd.ops.set has the materialized ones.
-            dst, src = expr.outputs[0], expr.args[0]
-            pairs = zip(dst.logical, src.logical) if len(dst.logical) == len(src.logical) \
-                else zip(dst.materialized(), src.materialized())
-            for d, s in pairs:
-                extents[d] = extents[s]
-            continue
         for out, spec in zip(expr.outputs, specs):
             if isinstance(out, TensorView):
                 for id_, axis in zip(out.logical, spec.axes):

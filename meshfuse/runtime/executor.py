@@ -1,9 +1,17 @@
-"""The per-rank program and its interpreter.
+"""The per-rank program (records) and its interpreter.
 
-A :class:`Program` is data: a list of :class:`Step` records over numbered value slots, built
-once per input signature. ``run`` walks the steps, calls each op's torch implementation,
-frees values after their last use, lays fusion outputs out in their allocation order, and on
-failure re-raises with the step and the rank.
+A :class:`Program` is data: a tuple of :class:`Step` records over numbered value slots, built
+once per input signature and rank. A record names its op (a registry name, or ``reshard``
+for a communication), its arguments (slots, constants, ``None`` where this rank leaves an
+argument out), its local attributes (keyword arguments written by the localization pass),
+its output slots and the slots it frees. A reshard record also holds its plan: the steps of
+:mod:`meshfuse.runtime.resharding`, bound to this rank's groups.
+
+Like torch.fx's ``Interpreter``, ``run`` walks the records and dispatches each to its
+implementation (resolved once, when the program is made: the op's ``impl``, a fresh
+``make_impl()`` for a stateful one, the bound plan for a reshard), frees values after their
+last use, lays fusion outputs out in their allocation order, and on failure re-raises with
+the step and the rank.
 
 A communication step returns a :class:`~meshfuse.runtime.collectives.Pending` result: the
 collective is in flight while the next steps run, and is waited for where its result is first
@@ -15,29 +23,67 @@ step fails, the collectives still in flight are waited for before the error prop
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from meshfuse.errors import ExecutionError
+from meshfuse.ops.registry import lookup
 from meshfuse.runtime.collectives import Pending, resolved, settle_in_flight
 from meshfuse.runtime.failures import CollectiveFailed
+
+RESHARD = "reshard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A reference to a value slot of the program (printed ``%n``)."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One op call: ``impl(*args, **kwargs)``; ``args`` holds constants where ``slots`` is
-    ``None``, and slot numbers (or lists of them) where it is not."""
+    """One record of a per-rank program: ``outputs = op(*args, **attrs)``.
 
-    label: str
-    impl: Callable[..., Any]
-    template: tuple[Any, ...]
-    slots: tuple[tuple[int, int | tuple[int, ...]], ...]
-    kwargs: dict[str, Any]
+    Attributes:
+        op: the op's registry name, or ``"reshard"`` for a communication.
+        args: in signature order: a :class:`Slot`, a list of Slots, a constant, or ``None``
+            for an argument this rank leaves out.
+        attrs: local attributes (keyword arguments), from the localization pass.
+        outputs: the slots it defines.
+        free: the slots whose last use it is (not fusion outputs).
+        label: the IR expression it runs, printed (with its plan, for a reshard).
+        plan: a reshard's plan steps on this rank (empty for an op).
+        note: this rank's part, from the op's ``localize`` rule (a random op's stream).
+    """
+
+    op: str
+    args: tuple[Any, ...]
+    attrs: Mapping[str, Any]
     outputs: tuple[int, ...]
     free: tuple[int, ...]
+    label: str
+    plan: tuple[Any, ...] = ()
     note: str = ""  # this rank's part, from the op's localize rule (its random stream)
+
+    def describe(self) -> str:
+        outs = ", ".join(f"%{o}" for o in self.outputs)
+        args = ", ".join(repr(a) for a in self.args)
+        attrs = "".join(f", {k}={v!r}" for k, v in self.attrs.items())
+        free = f"; free {', '.join(f'%{s}' for s in self.free)}" if self.free else ""
+        return f"{outs} = {self.op}({args}{attrs}){free}    # {self.label}"
+
+
+def dispatch(step: Step) -> Callable[..., Any]:
+    """The implementation of an op record, from the op registry (a reshard's is its bound
+    plan, made by the runtime)."""
+    op = lookup(step.op)
+    return op.make_impl() if op.make_impl is not None else op.impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +99,27 @@ class OutputLayout:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """The per-rank program for one input signature."""
+    """The per-rank program for one input signature: records and their implementations.
+
+    ``calls[i]`` implements ``steps[i]`` (see :func:`dispatch`); the interpreter's loop reads
+    a flat form of both, made once here.
+    """
 
     num_slots: int
     input_slots: tuple[int, ...]
     steps: tuple[Step, ...]
     outputs: tuple[OutputLayout, ...]
     rank: int
+    calls: tuple[Callable[..., Any], ...]
+
+    def __post_init__(self) -> None:
+        flat = []
+        for step, call in zip(self.steps, self.calls, strict=True):
+            template = tuple(None if _reads(a) else a for a in step.args)
+            slots = tuple((pos, a.index if isinstance(a, Slot) else tuple(s.index for s in a))
+                          for pos, a in enumerate(step.args) if _reads(a))
+            flat.append((call, template, slots, dict(step.attrs), step.outputs, step.free))
+        object.__setattr__(self, "_flat", tuple(flat))
 
     def describe(self) -> str:
         lines = [f"Program (rank {self.rank}): {len(self.steps)} steps"]
@@ -69,6 +129,14 @@ class Program:
             f"  output slot {o.slot}: shape {list(o.shape)} strides {list(o.strides)}"
             for o in self.outputs
         ]
+        return "\n".join(lines)
+
+    def records(self) -> str:
+        """Every record in full: slots, constants, local attributes, frees."""
+        inputs = ", ".join(f"%{s}" for s in self.input_slots)
+        lines = [f"Program (rank {self.rank}) inputs {inputs}"]
+        lines += [f"  {s.describe()}" for s in self.steps]
+        lines.append("  outputs " + ", ".join(f"%{o.slot}" for o in self.outputs))
         return "\n".join(lines)
 
     @torch.no_grad()
@@ -83,14 +151,14 @@ class Program:
         values: list[Any] = [None] * self.num_slots
         for slot, x in zip(self.input_slots, inputs):
             values[slot] = x
-        for index, step in enumerate(self.steps):
-            where = f"step {index} ({step.label})"
+        for index, (call, template, slots, attrs, outputs, free) in enumerate(self._flat):
+            where = f"step {index} ({self.steps[index].label})"
             try:
-                args = list(step.template)
-                for pos, slot in step.slots:
+                args = list(template)
+                for pos, slot in slots:
                     args[pos] = _read(values, slot) if isinstance(slot, int) else \
                         [_read(values, s) for s in slot]
-                result = step.impl(*args, **step.kwargs)
+                result = call(*args, **attrs)
             except CollectiveFailed as e:  # raised here, or by a collective read here
                 raise (e if e.what.startswith("step ") else e.at_step(where)) from e
             except Exception as e:
@@ -99,16 +167,22 @@ class Program:
                 ) from e
             if isinstance(result, Pending):
                 result.label = where
-            if len(step.outputs) == 1:
-                values[step.outputs[0]] = result
+            if len(outputs) == 1:
+                values[outputs[0]] = result
             else:
-                for slot, value in zip(step.outputs, result):
+                for slot, value in zip(outputs, result):
                     values[slot] = value
-            for slot in step.free:
+            for slot in free:
                 resolved(values[slot])  # a collective still writing the buffer ends first
                 values[slot] = None
         return [_laid_out(_read(values, o.slot), o) if o.held else _nothing(o)
                 for o in self.outputs]
+
+
+def _reads(arg: Any) -> bool:
+    """Whether an argument of a record is read from slots (a Slot or a list of Slots)."""
+    return isinstance(arg, Slot) or (isinstance(arg, list) and bool(arg)
+                                     and all(isinstance(a, Slot) for a in arg))
 
 
 def _read(values: list[Any], slot: int) -> Any:

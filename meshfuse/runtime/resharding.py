@@ -1,4 +1,4 @@
-"""Lowering of a resharding ``set`` to a plan of communications, and running that plan.
+"""Lowering of a :class:`~meshfuse.ir.fusion.Reshard` to a plan of communications; running it.
 
 A plan is data: a list of :class:`ReshardStep` records, one per mesh axis whose placement
 changes, in the order: partial results reduced (allreduce, or reduce-scatter into a shard),
@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from meshfuse.errors import ShardingError
+from meshfuse.ir.fusion import partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import local_indices
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
@@ -77,14 +78,6 @@ class ReshardStep:
         if self.kind == "all_to_all":
             return f"all_to_all axis {self.axis} -> {self.to_axis} over {where}"
         return f"{self.kind} of axis {self.axis} over {where}"
-
-
-def partial_reduce_op(tv: TensorView) -> str:
-    """How partial values of ``tv`` combine: the ``partial_reduce`` of the op that made them."""
-    expr = tv.definition
-    while expr is not None and expr.op.name == "set":
-        expr = expr.args[0].definition
-    return "sum" if expr is None else expr.op.partial_reduce or "sum"
 
 
 def plan_resharding(

@@ -6,6 +6,7 @@ import torch
 
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.communicator import Communicator
 
 
@@ -96,7 +97,7 @@ class MultideviceTest:
         from meshfuse.sharding import unshard_tensor
 
         _no_mesh_with_tensorview(mesh, "unshard_tensor")
-        tv = dim_or_tensorview
+        tv = compiled_for(dim_or_tensorview.fusion)[dim_or_tensorview]  # its sharding as run
         if tv.mesh is None:
             return unshard_tensor([t], tv)
         # Every device's shard, in the order of the mesh's device ids.

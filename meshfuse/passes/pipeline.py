@@ -1,0 +1,144 @@
+"""``compile(fusion, world_size)``: the build passes, in order, on a private copy of a fusion.
+
+The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.copy`) and runs
+:data:`BUILD_PASSES` on the copy, in this order:
+
+1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
+   what the user wrote, before any pass fills in the rest);
+2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
+3. ``insert_resharding``: communications so that every op is local;
+4. ``check_schedule``: meshes and device types across all tensors;
+5. ``check_inputs_reachable``: inputs off some ranks' meshes must have static extents;
+6. ``infer_allocations``: the memory order of every tensor (a side table).
+
+The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
+signature and the rank (extents, local layouts, the per-rank program) is built from it by
+:mod:`meshfuse.runtime.runner`; see ``docs/pipeline.md`` for the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+from meshfuse.errors import InputError
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.printer import format_fusion
+from meshfuse.ir.tensor_view import Allocation, TensorView, Val
+from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
+from meshfuse.passes.layout import infer_allocations
+from meshfuse.passes.propagation import propagate_shardings
+from meshfuse.passes.resharding import insert_resharding
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledFusion:
+    """A fusion after the build passes.
+
+    Attributes:
+        fusion: the compiled copy: every tensor scheduled, communications inserted.
+        allocations: the memory order of every tensor of ``fusion``.
+        world_size: the number of processes it was checked against (None: any that holds
+            its meshes).
+        counterparts: each value of the user's fusion -> its value in ``fusion``.
+    """
+
+    fusion: Fusion
+    allocations: dict[TensorView, Allocation]
+    world_size: int | None
+    counterparts: dict[Val, Val]
+
+    def __getitem__(self, user_val: Val) -> Val:
+        """The compiled counterpart of a value of the user's fusion (or of the copy)."""
+        if user_val in self.counterparts:
+            return self.counterparts[user_val]
+        if getattr(user_val, "fusion", None) is self.fusion:
+            return user_val
+        raise KeyError(f"{getattr(user_val, 'name', user_val)!r} is not a value of this fusion")
+
+    def explain(self) -> str:
+        """The compiled fusion with its shardings, memory orders and communications."""
+        return format_fusion(self.fusion, self.allocations)
+
+
+def check_inputs_reachable(fusion: Fusion, world_size: int | None) -> None:
+    """An input held by only some ranks must have static extents: the others cannot learn
+    them from their inputs."""
+    for v in fusion.inputs():
+        if isinstance(v, TensorView) and v.mesh is not None and world_size is not None and \
+                v.mesh.size < world_size and any(i.extent is None for i in v.materialized()):
+            raise InputError(
+                f"input {v.name} lives on {v.mesh!r}, not on every rank, and has symbolic "
+                "extents; ranks outside its mesh cannot learn them: declare them static"
+            )
+
+
+def _check_world(fusion: Fusion, world_size: int | None) -> None:
+    check_tensor_schedules(fusion, _world_or_meshes(fusion, world_size))
+
+
+def _check_all(fusion: Fusion, world_size: int | None) -> None:
+    check_schedule(fusion, _world_or_meshes(fusion, world_size))
+
+
+def _world_or_meshes(fusion: Fusion, world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    return 1 + max((max(tv.mesh.device_ids) for tv in fusion.tensors() if tv.mesh is not None),
+                   default=0)
+
+
+# Each pass takes the fusion copy and the world size and edits the copy (never the user's).
+BUILD_PASSES = (
+    _check_world,
+    lambda fusion, world_size: propagate_shardings(fusion),
+    lambda fusion, world_size: insert_resharding(fusion),
+    _check_all,
+    check_inputs_reachable,
+)
+
+
+def compile(fusion: Fusion, world_size: int | None = None) -> CompiledFusion:
+    """Runs the build passes on a copy of ``fusion``; ``fusion`` itself is left as it is.
+
+    Args:
+        fusion: the user's fusion (defined and scheduled).
+        world_size: the number of processes it will run on; ``None`` checks only that the
+            meshes are consistent (what ``shard_tensor`` needs).
+
+    Returns:
+        A :class:`CompiledFusion`; compiling the same fusion again gives an equal one.
+    """
+    copy, counterparts = fusion.copy()
+    for run in BUILD_PASSES:
+        run(copy, world_size)
+    compiled = CompiledFusion(copy, infer_allocations(copy), world_size, counterparts)
+    _compiled_copies[copy] = weakref.ref(compiled)
+    return compiled
+
+
+_cache: weakref.WeakKeyDictionary[Fusion, tuple[tuple, CompiledFusion]] = \
+    weakref.WeakKeyDictionary()
+# A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).
+_compiled_copies: weakref.WeakKeyDictionary[Fusion, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def compiled_for(fusion: Fusion) -> CompiledFusion:
+    """``compile(fusion)`` for helpers that take one tensor (``shard_tensor``), cached until
+    the fusion's definition or schedule changes."""
+    of_copy = _compiled_copies.get(fusion)
+    if of_copy is not None and of_copy() is not None:
+        return of_copy()
+    key = _fingerprint(fusion)
+    cached = _cache.get(fusion)
+    if cached is None or cached[0] != key:
+        cached = _cache[fusion] = (key, compile(fusion))
+    return cached[1]
+
+
+def _fingerprint(fusion: Fusion) -> tuple:
+    """What the build passes read of the user's fusion (identities, not values)."""
+    return (len(fusion.exprs), tuple(fusion.outputs()), tuple(
+        (tv, tv.mesh, tuple(tv.loop), len(tv.transforms), tuple(tv.parallel.items()),
+         tv.allocation)
+        for tv in fusion.tensors()))

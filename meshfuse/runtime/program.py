@@ -1,0 +1,135 @@
+"""Builds the per-rank :class:`~meshfuse.runtime.executor.Program` of a compiled fusion.
+
+From the compiled fusion, its binding (extents, local layouts) and the localization pass's
+result for this rank, :func:`build_program` numbers the values (slots), orders the
+expressions so that each communication is launched as early as it can be
+(:func:`communication_first`), and writes one :class:`~meshfuse.runtime.executor.Step` record
+per expression this rank runs: the op's name, its arguments as slots or constants (``None``
+where localization left one out), its local attributes, and the slots freed after it. A
+communication's record gets its plan and its implementation from ``lower_reshard`` (the
+runner binds plans to this rank's process groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
+from meshfuse.ir.printer import format_expr
+from meshfuse.ir.tensor_view import Scalar, Val
+from meshfuse.ops.registry import Kind
+from meshfuse.passes.localization import Local
+from meshfuse.runtime.binding import Binding
+from meshfuse.runtime.executor import RESHARD, OutputLayout, Program, Slot, Step, dispatch
+
+# lower_reshard(expr, binding, donated) -> (implementation, plan steps, plan text), or None
+# when no data moves on any rank.
+LowerReshard = Callable[[Reshard, Binding, bool], "tuple[Callable, tuple, str] | None"]
+
+
+def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local], rank: int,
+                  lower_reshard: LowerReshard | None = None) -> Program:
+    """This rank's program; ``local`` holds the expressions it runs (see
+    :func:`meshfuse.passes.localization.localize`)."""
+    slot_of: dict[Val, int] = {}
+
+    def slot(v: Val) -> int:
+        return slot_of.setdefault(v, len(slot_of))
+
+    input_slots = tuple(slot(v) for v in fusion.inputs())
+    exprs = communication_first(fusion.exprs)
+    last_use: dict[int, int] = {}
+    for index, expr in enumerate(exprs):
+        for v in expr.inputs:
+            last_use[slot(v)] = index
+    keep = {slot(v) for v in fusion.outputs()}
+    steps, calls = [], []
+    for index, expr in enumerate(exprs):
+        lowered = None
+        if isinstance(expr, Reshard) and lower_reshard is not None:
+            # Lowered on every rank alike (group creation is collective), run by members.
+            src = slot(expr.args[0])
+            donated = last_use.get(src) == index and src not in keep and src not in input_slots
+            lowered = lower_reshard(expr, binding, donated)
+        if expr not in local:
+            continue
+        outs = tuple(slot(o) for o in expr.outputs)
+        free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        if isinstance(expr, Reshard):
+            # With no data to move (meshes of one device), a copy as the user's set would make.
+            call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
+            steps.append(Step(RESHARD, (Slot(slot(expr.args[0])),), {}, outs, free,
+                              f"{format_expr(expr)}: {text}", plan))
+            calls.append(call)
+            continue
+        mine = local[expr]
+        step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
+                    format_expr(expr), note=mine.note)
+        steps.append(step)
+        calls.append(dispatch(step))
+    outputs = tuple(
+        OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
+                     tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
+        for tv in fusion.outputs()
+    )
+    return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
+
+
+def _args(expr: Expr, local: Local, slot: Callable[[Val], int]) -> tuple[Any, ...]:
+    """An op's arguments as a record holds them: slots for values, constants as they are,
+    ``None`` for those this rank leaves out."""
+    args = []
+    for pos, (param, arg) in enumerate(zip(expr.op.params, expr.args)):
+        if pos in local.dropped:
+            args.append(None)
+        elif isinstance(arg, Scalar) and arg.is_constant:
+            args.append(arg.value)
+        elif isinstance(arg, Val):
+            args.append(Slot(slot(arg)))
+        elif param.kind is Kind.TENSORS:
+            args.append([Slot(slot(v)) for v in arg])
+        else:
+            args.append(arg)
+    return tuple(args)
+
+
+def communication_first(exprs: Sequence) -> list:
+    """``exprs`` (in a valid order) reordered so that each communication is launched as soon
+    as it can be: before any expression it does not depend on.
+
+    Communications are kept in their order (every rank issues them alike); before each, the
+    expressions it depends on that are not yet placed come in their order; the rest follow in
+    theirs. With collectives launched asynchronously, the expressions after a communication
+    overlap it: in a Megatron MLP's backward, the input gradient's allreduce overlaps the
+    weight gradients' matmuls.
+    """
+    producer = {o: e for e in exprs for o in e.outputs}
+    position = {e: i for i, e in enumerate(exprs)}
+    placed: set = set()
+    order = []
+
+    def place_with_dependencies(expr) -> None:
+        needed, stack = {expr}, [expr]
+        while stack:
+            for v in stack.pop().inputs:
+                dep = producer.get(v)
+                if dep is not None and dep not in needed and dep not in placed:
+                    needed.add(dep)
+                    stack.append(dep)
+        for e in sorted(needed - placed, key=position.__getitem__):
+            placed.add(e)
+            order.append(e)
+
+    for expr in exprs:
+        if _communicates(expr):
+            place_with_dependencies(expr)
+    order += [e for e in exprs if e not in placed]
+    return order
+
+
+def _communicates(expr) -> bool:
+    """A communication (or a local slice, launched early too: it costs nothing)."""
+    return isinstance(expr, Reshard)
