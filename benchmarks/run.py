@@ -14,9 +14,12 @@ import tempfile
 import time
 import traceback
 
+import torch
+
 from benchmarks import context, report, set_env_defaults
 from benchmarks.cases import ALIASES, CASES, resolve
 from benchmarks.harness import Record
+from meshfuse.runtime import collectives
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join(tempfile.gettempdir(), "meshfuse-benchmarks")
@@ -83,9 +86,21 @@ def main(argv: list[str] | None = None) -> int:
         paths = report.write(out_dir, records, env, meta)
         print(report.console(records, env, elapsed))
         print("wrote " + ", ".join(paths), flush=True)
+    _settle(ctx)
     ctx.barrier()
     context.teardown()
     return 0
+
+
+def _settle(ctx: context.Context) -> None:
+    """Waits for the collectives meshfuse left in flight (none, when every program waited for
+    its own) and logs what torch still counts as unwaited (DTensor's functional collectives
+    register theirs): the number torch's exit warning would give."""
+    left = collectives.in_flight()
+    collectives.settle_in_flight()
+    unwaited = torch._C._distributed_c10d._get_work_registry_size()
+    ctx.log(f"at the end: {left} meshfuse collectives were in flight (now waited); torch "
+            f"counts {unwaited} unwaited collective calls")
 
 
 if __name__ == "__main__":

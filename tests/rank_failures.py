@@ -6,8 +6,8 @@ timeout, then runs it again with ``execute(..., timeout=TIMEOUT)`` while the las
 misbehaves:
 
 - ``exit_before``: it exits before the collective;
-- ``exit_inside``: it launches the collective and exits while waiting inside it for the
-  others, who join a moment later;
+- ``exit_inside``: it launches the collective and exits with it in flight; the others
+  join once it has launched (they learn it through the rendezvous store);
 - ``sleep``: it sleeps past the timeout (and the roll call after it), then joins, late;
 - ``clean``: it behaves; every rank returns normally.
 
@@ -49,10 +49,14 @@ def exit_once_launched() -> None:
 
     def launch_and_exit(*args, **kwargs):
         launch(*args, **kwargs)
-        time.sleep(0.5)  # inside the collective: the other ranks have not joined yet
+        _store().set("launched", b"1")
         os._exit(3)
 
     dist.all_reduce = launch_and_exit
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
 
 
 def main(scenario: str, timeout: float) -> None:
@@ -72,7 +76,7 @@ def main(scenario: str, timeout: float) -> None:
             if culprit:
                 exit_once_launched()
             else:
-                time.sleep(1.0)  # join after the culprit is inside the collective
+                _store().wait(["launched"])  # join once the culprit is inside
         if culprit and scenario == "sleep":
             time.sleep(timeout + ROLL_CALL_S + 2)  # past the others' roll call too
         (out,) = fd.execute([local], timeout=timeout)

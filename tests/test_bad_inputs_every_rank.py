@@ -23,12 +23,14 @@ from meshfuse import (
     DataType,
     DefinitionError,
     DeviceMesh,
+    ExecutionError,
     FusionDefinition,
     InputError,
     ParallelType,
     ScheduleError,
 )
 from meshfuse.errors import MeshfuseError
+from meshfuse.runtime.collectives import in_flight, record_communications
 from meshfuse.runtime.communicator import Communicator
 
 MX = ParallelType.mesh_x
@@ -354,3 +356,36 @@ def test_no_agreement_collective_on_cached_calls_or_when_off(multidevice_test, m
     fd.execute(good)
     assert len(calls) == first
 
+
+
+def test_nothing_in_flight_after_execute_returns_or_raises(multidevice_test):
+    """The sum's allreduce is launched first and runs while ``fmod(x, 0)`` fails: the
+    program waits for it before the ExecutionError leaves ``execute``; a good run leaves
+    nothing in flight either."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([ROWS, COLS * d], dtype=DataType.Int)
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+        fd.add_output(fd.ops.fmod(x, 0))
+    mesh = DeviceMesh(range(d))
+    x.set_device_mesh(mesh)
+    x.outer_split(1, d)
+    x.axis(1).parallelize(MX)
+    s.set_device_mesh(mesh)
+    local = torch.ones(ROWS, COLS, dtype=torch.int64)
+    with record_communications() as comms, pytest.raises(ExecutionError, match="fmod"):
+        fd.execute([local])
+    assert in_flight() == 0
+    assert [c.kind for c in comms] == (["allreduce"] if d > 1 else [])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([ROWS, COLS * d])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+    x.set_device_mesh(mesh)
+    x.outer_split(1, d)
+    x.axis(1).parallelize(MX)
+    s.set_device_mesh(mesh)
+    (out,) = fd.execute([torch.ones(ROWS, COLS)])
+    assert in_flight() == 0
+    assert out.tolist() == [float(COLS * d)] * ROWS

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from meshfuse.errors import CommunicationError, InputError
 from meshfuse.launch import free_port, rank_env
+from meshfuse.runtime.failures import (
+    DEFAULT_TIMEOUT_S,
+    CollectiveFailed,
+    checked_timeout,
+    kind_of_failure,
+    timeout_from_env,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "rank_failures.py"
@@ -102,3 +110,49 @@ def test_clean_exit(runs):
             assert outcome is not None and outcome["error"] is None, output
             for warning in ("unwaited", "destroy_process_group", "terminate called"):
                 assert warning not in output, output
+
+
+# ----- the pieces, in one process ----------------------------------------------------------------
+
+def test_timeout_from_the_environment():
+    assert timeout_from_env({}) == DEFAULT_TIMEOUT_S == 300
+    assert timeout_from_env({"MESHFUSE_TIMEOUT": " 2.5 "}) == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        with pytest.raises(CommunicationError, match="MESHFUSE_TIMEOUT"):
+            timeout_from_env({"MESHFUSE_TIMEOUT": bad})
+
+
+def test_timeout_option_is_checked():
+    assert checked_timeout(3) == 3.0
+    for bad in (0, -2, "5", True, None):
+        with pytest.raises(InputError, match="positive number of seconds"):
+            checked_timeout(bad)
+
+
+@pytest.mark.parametrize("message, kind", [
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation",
+     "timeout"),
+    ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242", "peer"),
+    ("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer",
+     "peer"),
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)",
+     "timeout"),
+    ("NCCL error: remote process exited or there was a network error", "peer"),
+    ("Tensors must be CUDA and dense", "other"),
+])
+def test_failures_are_told_apart(message, kind):
+    assert kind_of_failure(message) == kind
+
+
+def test_collective_failed_names_the_step_and_the_missing_rank():
+    error = CollectiveFailed("allreduce(sum) over mesh axis 0", (0, 1), 0, "timeout", (1,), 5.0,
+                             "[pair.cc:1] Timed out waiting 5000ms")
+    named = error.at_step("step 3 (T7 = set(T5): allreduce(sum) over mesh axis 0)")
+    assert isinstance(named, CommunicationError)
+    text = str(named)
+    for words in ("rank 0: step 3 (T7 = set(T5)", "among ranks [0, 1]", "timed out after 5 s",
+                  "rank 1 was not there", "MESHFUSE_TIMEOUT", "Timed out waiting 5000ms"):
+        assert words in text, text
+    assert named.absent == (1,) and named.failure == "timeout"
+    unknown = CollectiveFailed("broadcast", (0, 1, 2), 2, "peer", None, 5.0, "Broken pipe")
+    assert "could not be told" in str(unknown)

@@ -142,10 +142,12 @@ class Program:
     @torch.no_grad()
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         try:
-            return self._run(inputs)
+            outputs = self._run(inputs)
         except BaseException:
             settle_in_flight()  # nothing left in flight; the first error is the one to report
             raise
+        settle_in_flight()  # a collective whose result no step read (none, normally)
+        return outputs
 
     def _run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         values: list[Any] = [None] * self.num_slots
