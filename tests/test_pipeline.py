@@ -6,7 +6,9 @@ from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition
 from meshfuse.errors import ScheduleError
+from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.ir.fusion import Reshard
+from meshfuse.ir.lint import lint
 from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.ops.registry import REGISTRY
 from meshfuse.passes.localization import localize
@@ -219,3 +221,31 @@ def test_records_are_plain_data_and_dispatch_through_the_registry():
     torch.testing.assert_close(out, torch.exp(-x_local))
     again = build_program(compiled.fusion, binding, local, 0)
     assert again.steps == program.steps
+
+
+# ----- lint between passes ---------------------------------------------------------------------
+
+def test_every_pass_leaves_a_well_formed_graph():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    compile(fd.fusion, 2, lint=True)
+    with FusionDefinition() as between:
+        x = between.define_tensor([4, 6], dtype=DataType.Float)
+        between.add_output(fd_set := between.ops.set(x))
+    x.set_device_mesh(DeviceMesh([0]))
+    fd_set.set_device_mesh(DeviceMesh([1]))
+    compile(between.fusion, 2, lint=True)
+    for layout in QkvFormat:  # the seed's attention, forward and backward, sequence-sharded
+        seed = SeedAttention(layout, DeviceMesh(range(2)), 2, 4, 8, 32)
+        seed.definition()
+        for t in (seed.q, seed.k, seed.v, seed.out_grad):
+            shard(t, 1, DeviceMesh(range(2)))
+        compile(seed.fusion, 2, lint=True)
+
+
+def test_lint_names_the_pass_that_broke_the_graph():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    compiled = compile(fd.fusion, 2)
+    broken = compiled.fusion
+    broken.exprs.reverse()  # a consumer before its producer
+    with pytest.raises(AssertionError, match=r"T4 = mul\(T5, 2.0\) after resharding: reads T5 before it is defined"):
+        lint(broken, "resharding")

@@ -23,6 +23,7 @@ import weakref
 
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
@@ -88,30 +89,44 @@ def _world_or_meshes(fusion: Fusion, world_size: int | None) -> int:
                    default=0)
 
 
+def _propagate(fusion: Fusion, world_size: int | None) -> None:
+    propagate_shardings(fusion)
+
+
+def _reshard(fusion: Fusion, world_size: int | None) -> None:
+    insert_resharding(fusion)
+
+
 # Each pass takes the fusion copy and the world size and edits the copy (never the user's).
 BUILD_PASSES = (
     _check_world,
-    lambda fusion, world_size: propagate_shardings(fusion),
-    lambda fusion, world_size: insert_resharding(fusion),
+    _propagate,
+    _reshard,
     _check_all,
     check_inputs_reachable,
 )
 
 
-def compile(fusion: Fusion, world_size: int | None = None) -> CompiledFusion:
+def compile(fusion: Fusion, world_size: int | None = None,
+            lint: bool = False) -> CompiledFusion:
     """Runs the build passes on a copy of ``fusion``; ``fusion`` itself is left as it is.
 
     Args:
         fusion: the user's fusion (defined and scheduled).
         world_size: the number of processes it will run on; ``None`` checks only that the
             meshes are consistent (what ``shard_tensor`` needs).
+        lint: check the graph's invariants (:func:`meshfuse.ir.lint.lint`) after each pass.
 
     Returns:
         A :class:`CompiledFusion`; compiling the same fusion again gives an equal one.
     """
     copy, counterparts = fusion.copy()
+    if lint:
+        check_graph(copy, "copy")
     for run in BUILD_PASSES:
         run(copy, world_size)
+        if lint:
+            check_graph(copy, run.__name__.strip("_"))
     compiled = CompiledFusion(copy, infer_allocations(copy), world_size, counterparts)
     _compiled_copies[copy] = weakref.ref(compiled)
     return compiled
