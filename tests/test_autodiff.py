@@ -195,6 +195,7 @@ def test_fusion_module_trains_like_torch(multidevice_test):
     fd, (_x, w1, w2), _ = _mlp(mesh)
     init = {"w1": _randn(FFN, H, seed=2), "w2": _randn(H, FFN, seed=3)}
     layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    layer.to(current_device())
     ref = {k: v.clone().requires_grad_() for k, v in init.items()}
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.values(), lr=0.1)

@@ -100,15 +100,17 @@ def test_execute_explain_and_shard_tensor_leave_the_user_fusion_alone(multidevic
     before = _snapshot(fd.fusion)
     gen = torch.Generator().manual_seed(0)  # every rank makes the same global tensors
     gx, gbias = torch.randn(8, 12, generator=gen), torch.randn(1, 12, generator=gen)
-    inputs = [shard_tensor(gx, x, rank), shard_tensor(gbias, fd.fusion.inputs()[1], rank)]
+    inputs = [shard_tensor(gx, x, rank).to(multidevice_test.device),
+              shard_tensor(gbias, fd.fusion.inputs()[1], rank).to(multidevice_test.device)]
     assert _snapshot(fd.fusion) == before
     text = fd.explain(inputs)
     assert _snapshot(fd.fusion) == before
     local, = fd.execute(inputs)
     assert _snapshot(fd.fusion) == before
-    torch.testing.assert_close(local, shard_tensor(torch.exp(gx + gbias) * 2.0, out, rank))
+    torch.testing.assert_close(local.cpu(),
+                               shard_tensor(torch.exp(gx + gbias) * 2.0, out, rank))
     whole = multidevice_test.unshard_tensor(local, out)
-    torch.testing.assert_close(whole, torch.exp(gx + gbias) * 2.0)
+    torch.testing.assert_close(whole.cpu(), torch.exp(gx + gbias) * 2.0)
     assert _snapshot(fd.fusion) == before
     assert fd.explain(inputs) == text
 

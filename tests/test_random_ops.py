@@ -53,8 +53,16 @@ def _check_sharded(multidevice_test, fd, out, expected, inputs):
     with record_communications() as comms:
         local, = fd.execute(inputs)
     assert comms == [], f"random values need no communication, got {comms}"
-    assert torch.equal(local.cpu(), shard_tensor(expected.cpu(), out, multidevice_test.rank))
-    assert torch.equal(_gather(multidevice_test, local, out), expected.cpu())
+    mine = shard_tensor(expected.cpu(), out, multidevice_test.rank)
+    whole = _gather(multidevice_test, local, out)
+    if local.device == expected.device:
+        assert torch.equal(local.cpu(), mine)
+        assert torch.equal(whole, expected.cpu())
+    else:
+        # A fusion without tensor inputs runs unsharded on the CPU: the random bits are the
+        # same on every device, but log/cos/sqrt (normal's transform) may differ by an ulp.
+        torch.testing.assert_close(local.cpu(), mine, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(whole, expected.cpu(), rtol=1e-6, atol=1e-6)
 
 
 # (shape, schedule) on a 1-D mesh; a schedule shards (materialized axis, cyclic) pairs.

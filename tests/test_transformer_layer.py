@@ -19,13 +19,17 @@ inputs: float32 must match it tightly, bfloat16 loosely.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fusion_math import gelu_tanh_derivative
 
-from meshfuse import DataType, FusionDefinition
+from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse.examples.gpt import GptBlock, parameter_shapes
+from meshfuse.runtime.collectives import record_communications
+from meshfuse.testing.utils import current_device
 
 B, S, H, HEADS = 2, 64, 64, 4
 D = H // HEADS
@@ -192,20 +196,71 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 3e-2)}
 SCALE_OF = {"b_k": "b_q"}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_transformer_layer_forward_and_backward(dtype, device):
-    x, dy, params = make_inputs(dtype, device)
-    fd = TransformerLayer(dtype)
-    outputs = dict(zip(OUTPUTS, fd.execute([x, dy, *params.values()])))
-    expected = reference(x, dy, params)
-    rtol, atol = TOLERANCE[dtype]
-    assert outputs.keys() == expected.keys()
-    for name, out in outputs.items():
-        ref = expected[name]
-        assert out.dtype == dtype and out.device == x.device, name
-        assert out.shape == ref.shape, f"{name}: {list(out.shape)} vs {list(ref.shape)}"
+def _split_qkv(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The block's parameters with separate q/k/v projections (GptBlock's)."""
+    split = {n: t for n, t in params.items() if not n.endswith("qkv")}
+    for name in ("w", "b"):
+        for part, t in zip("qkv", params[f"{name}_qkv"].split(H, dim=0)):
+            split[f"{name}_{part}"] = t
+    return {n: split[n] for n in parameter_shapes(H)}
+
+
+def _derived(block: GptBlock, x, dy, params, rank: int = 0):
+    """``y`` and the gradients of ``sum(y * dy)`` through ``block.as_autograd_function()``,
+    on this rank's shards; also the collectives the forward and the backward ran."""
+    block.define()
+    tvs = [block.x, *block.params.values()]
+    leaves = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
+              for t, tv in zip([x, *params.values()], tvs)]
+    with record_communications() as forward:
+        y, = block.as_autograd_function()(leaves)
+    with record_communications() as backward:
+        y.backward(shard_tensor(dy, block.y, rank).to(current_device()))
+    grads = {"y": y.detach(), "x": leaves[0].grad,
+             **{n: leaf.grad for n, leaf in zip(params, leaves[1:])}}
+    counts = [Counter(c.kind for c in comms) for comms in (forward, backward)]
+    return grads, counts
+
+
+@pytest.mark.mpi
+def test_forward_only_layer_tp_sp_gradients_match_autograd(multidevice_test):
+    """The layer written as its forward only, tensor and sequence parallel: every rank's
+    gradients are its shards of PyTorch autograd's. The forward runs two allgathers (the
+    layer norm outputs) and two reduce-scatters (the row-parallel results); the backward
+    their transposes, the layer norm outputs gathered again for the weight gradients, and an
+    allreduce for each layer norm parameter's gradient (a sum over sequence shards; the
+    row-parallel biases' gradients are sums of the gathered cotangent, complete locally). The input gradients of the q, k and v projections are three
+    partial sums: each is allreduced before they are added (an add of partial values is not
+    kept partial yet), where one reduce-scatter of their sum would do."""
+    x, dy, params = make_inputs(torch.float32, "cpu")
+    params = _split_qkv(params)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    block = GptBlock(B, S, H, HEADS, DataType.Float, mesh)
+    got, (forward, backward) = _derived(block, x, dy, params, multidevice_test.rank)
+    expected = reference(x, dy, {**params, "w_qkv": torch.cat([params[f"w_{n}"] for n in "qkv"]),
+                                 "b_qkv": torch.cat([params[f"b_{n}"] for n in "qkv"])})
+    rtol, atol = TOLERANCE[torch.float32]
+    tvs = {"y": block.y, "x": block.x, **block.params}
+    for name, tv in tvs.items():
+        ref = shard_tensor(expected[name].float(), tv, multidevice_test.rank)
         scale = expected[SCALE_OF.get(name, name)].abs().max().item()
-        torch.testing.assert_close(
-            out.double(), ref, rtol=rtol, atol=atol * scale,
-            msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got[name].cpu(), ref, rtol=rtol, atol=atol * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if multidevice_test.size > 1:
+        assert forward == Counter({"allgather": 2, "reduce_scatter": 2})
+        assert backward == Counter({"allgather": 4, "reduce_scatter": 1, "allreduce": 4 + 3})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_derived_backward_equals_the_hand_written_one(dtype):
+    """The hand-written fusion above (forward and backward as one fusion) and the derived
+    backward of the forward-only block give the same gradients."""
+    x, dy, params = make_inputs(dtype, "cpu")
+    written = dict(zip(OUTPUTS, TransformerLayer(dtype).execute([x, dy, *params.values()])))
+    derived, _ = _derived(GptBlock(B, S, H, HEADS, DataType.from_torch(dtype)), x, dy,
+                          _split_qkv(params))
+    rtol, atol = TOLERANCE[dtype]
+    for name, value in written.items():
+        scale = written[SCALE_OF.get(name, name)].abs().max().item()
+        torch.testing.assert_close(derived[name].double(), value.double(), rtol=rtol,
+                                   atol=atol * scale, msg=lambda m, name=name: f"{name}: {m}")

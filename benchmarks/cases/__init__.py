@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.cases import attention, attention_dropout, collectives, mlp, overhead
+from benchmarks.cases import (
+    attention,
+    attention_dropout,
+    autodiff,
+    collectives,
+    mlp,
+    overhead,
+)
 from benchmarks.context import Context
 from benchmarks.harness import Record
 
@@ -17,6 +24,8 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "attention_dropout": attention_dropout.run,
     "overhead": overhead.run,
     "mlp": mlp.run,
+    "mlp_autodiff": autodiff.mlp_run,
+    "gpt_layer": autodiff.gpt_run,
     "collectives": collectives.run,
 }
 
@@ -28,6 +37,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
+    # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
+    "autodiff": ("mlp_autodiff", "gpt_layer"),
 }
 
 
