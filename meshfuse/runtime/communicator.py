@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
 import os
 import pickle
 import time
@@ -473,11 +474,14 @@ class Communicator:
         created (all of them with the default group, when meshfuse created that)."""
         for fn in Communicator._before_shutdown:
             fn()
-        if not dist.is_initialized():
-            return  # the user destroyed the default group, and every group with it
-        if self._owns_default:
-            dist.destroy_process_group()
-            return
-        for group in {id(g): g for g in self._groups.values()}.values():
-            if group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
+        if dist.is_initialized():  # else the user destroyed every group already
+            if self._owns_default:
+                dist.destroy_process_group()
+            else:
+                for group in {id(g): g for g in self._groups.values()}.values():
+                    if group is not dist.group.WORLD:
+                        dist.destroy_process_group(group)
+        # Free the groups now, while torch's threads still run normally, rather than in the
+        # interpreter's last garbage collection (where tearing down gloo can block).
+        self._groups.clear()
+        gc.collect()
