@@ -1,12 +1,23 @@
 """meshfuse: one tensor program, written with global shapes, run across a mesh of devices.
 
-``import meshfuse as nvfuser`` serves programs written for nvFuser's Python frontend:
-``FusionDefinition``, ``DataType``, ``ParallelType``, ``DeviceMesh``.
+Programs written for nvFuser's Python frontends run with ``import meshfuse as nvfuser_direct``
+(the current one: ``nvfuser.multidevice.DeviceMesh``, ``execute_with_dtensors``, ...) or
+``import meshfuse as nvfuser`` (the legacy one: ``fd.sched.*``, ``nvfuser.DeviceMesh``,
+``nvfuser.Communicator``, outputs with ``.local``); ``meshfuse.testing.nvfuser_alias`` makes
+those module names import meshfuse.
 """
 
+from meshfuse import multidevice, pytorch_utils  # noqa: F401  (nvFuser's submodules)
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
 from meshfuse.autodiff.api import vjp
 from meshfuse.autodiff.module import FusionModule
+from meshfuse.dtensor import (
+    execute_with_dtensors,
+    mesh_from_torch,
+    mesh_to_torch,
+    schedule_from_placements,
+    to_placements,
+)
 from meshfuse.dtypes import DataType
 from meshfuse.errors import (
     CommunicationError,
@@ -18,28 +29,44 @@ from meshfuse.errors import (
     ShardingError,
 )
 from meshfuse.frontend.fusion_definition import FusionDefinition
+from meshfuse.frontend.outputs import DistributedTensor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.mesh import DeviceMesh
+from meshfuse.multidevice import Communicator, Sharding
+from meshfuse.profiler import PythonProfiler
 from meshfuse.sharding import shard_tensor, unshard_tensor
 from meshfuse.visualize import visualize
 
+# nvFuser's names for the same things.
+Tensor = TensorView
+
 __all__ = [
     "CommunicationError",
+    "Communicator",
     "DataType",
     "DefinitionError",
     "DeviceMesh",
+    "DistributedTensor",
     "ExecutionError",
     "FusionDefinition",
     "FusionModule",
     "InputError",
     "MeshfuseError",
     "ParallelType",
+    "PythonProfiler",
     "Scalar",
     "ScheduleError",
+    "Sharding",
     "ShardingError",
+    "Tensor",
     "TensorView",
+    "execute_with_dtensors",
+    "mesh_from_torch",
+    "mesh_to_torch",
+    "schedule_from_placements",
     "shard_tensor",
+    "to_placements",
     "unshard_tensor",
     "visualize",
     "vjp",

@@ -1,7 +1,8 @@
 """The main job: the seed's sharded attention, forward and backward, on N ranks.
 
 ``python -m meshfuse.demo`` starts one process per GPU (NCCL), or 4 CPU processes (gloo)
-without a GPU; each rank runs the seed fusion in the BHSE and BSHE layouts on its head shard,
+without a GPU; each rank runs the seed fusion in the BHSE and BSHE layouts on its head shard
+(any rank count: 12 heads over 5 ranks are shards of 3, 3, 3, 3 and 0 heads),
 checks attn and the three gradients against the unsharded PyTorch reference, and rank 0
 prints a short report. Under ``torchrun``/``mpirun`` it runs in the ranks it is given.
 """
@@ -48,8 +49,8 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None,
                launcher_size: int | None = None) -> argparse.Namespace:
-    """The demo's options, checked: every size positive, ``embed`` a multiple of ``heads``,
-    ``heads`` a multiple of the rank count (the heads are split evenly over the ranks).
+    """The demo's options, checked: every size positive, ``embed`` a multiple of ``heads``
+    (any head count splits over any rank count: the shards are uneven where it must be).
 
     ``launcher_size`` is the world size a launcher started (None without one). Exits with
     code 2 and one line on stderr on a bad argument.
@@ -76,10 +77,6 @@ def parse_args(argv: Sequence[str] | None = None,
     if launcher_size is None and gpus and (args.nproc or 0) > gpus:
         p.error(f"--nproc {args.nproc}, but this host has {gpus} GPUs (one rank per GPU); "
                 f"choose --nproc of at most {gpus}")
-    ranks = launcher_size or args.nproc or default_nproc()
-    if args.heads % ranks:
-        p.error(f"--heads {args.heads} cannot be split evenly over {ranks} ranks; choose "
-                f"--heads a multiple of {ranks} or --nproc dividing {args.heads}")
     return args
 
 
@@ -121,7 +118,8 @@ def run_rank(args) -> int:
         errors, layout_ok = {}, True
         for name, out, ref, tv in zip(NAMES, outs, refs, tvs):
             expected = shard_tensor(ref, tv, comm.rank)
-            errors[name] = (out.float() - expected.float()).abs().max().item()
+            diff = (out.float() - expected.float()).abs()
+            errors[name] = diff.max().item() if diff.numel() else 0.0  # an empty shard
             ok &= torch.allclose(out.float(), expected.float(), rtol=RTOL, atol=ATOL)
             layout_ok &= out.stride() == expected.stride() or _same_order(out, expected)
         ok &= layout_ok

@@ -6,7 +6,12 @@ import torch
 
 
 class DataType(enum.Enum):
-    """Element type of a tensor or scalar, named as in nvFuser's Python frontend."""
+    """Element type of a tensor or scalar, named as in nvFuser's Python frontend.
+
+    ``Null`` is nvFuser's "no dtype given" (``fd.ops.sum(x, dtype=DataType.Null)``); it has no
+    torch dtype. A member is callable and returns itself, so that nvFuser's ``tv.dtype()``
+    reads the same as meshfuse's ``tv.dtype``.
+    """
 
     Double = torch.float64
     Float = torch.float32
@@ -14,9 +19,11 @@ class DataType(enum.Enum):
     BFloat16 = torch.bfloat16
     Int = torch.int64
     Int32 = torch.int32
+    UInt64 = torch.uint64
     Bool = torch.bool
     ComplexFloat = torch.complex64
     ComplexDouble = torch.complex128
+    Null = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -25,13 +32,21 @@ class DataType(enum.Enum):
     @staticmethod
     def from_torch(dtype: torch.dtype) -> "DataType":
         for member in DataType:
-            if member.value == dtype:
+            if member.value == dtype and member is not DataType.Null:
                 return member
         raise TypeError(f"torch dtype {dtype} has no meshfuse DataType")
 
     @property
     def is_floating(self) -> bool:
-        return self.value.is_floating_point
+        return self.value is not None and self.value.is_floating_point
+
+    @property
+    def is_low_precision(self) -> bool:
+        """Half and BFloat16: nvFuser computes arithmetic on them in Float."""
+        return self in (DataType.Half, DataType.BFloat16)
+
+    def __call__(self) -> "DataType":
+        return self
 
     def __repr__(self) -> str:
         return f"DataType.{self.name}"

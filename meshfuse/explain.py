@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard, partial_reduce_op
@@ -166,6 +166,17 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append(f"communications on rank {rank}:" if planned
                  else f"communications on rank {rank}: none")
     lines += [f"  {p}" for p in planned]
+    return "\n".join(lines)
+
+
+def describe_program(program, outputs: Sequence[TensorView]) -> str:
+    """This rank's program for one input signature, its outputs named by the fusion's
+    ``outputs`` (``program.outputs`` is in their order) rather than by value slots."""
+    lines = [f"program on rank {program.rank}: {len(program.steps)} steps"]
+    lines += [f"  {i}: {s.label}" + (f"  # {s.note}" if s.note else "")
+              for i, s in enumerate(program.steps)]
+    lines += [f"  output {tv.name}: local shape {list(o.shape)}, strides {list(o.strides)}"
+              for tv, o in zip(outputs, program.outputs, strict=True)]
     return "\n".join(lines)
 
 

@@ -190,9 +190,14 @@ class DeviceMesh:
     ) -> torch.Tensor:
         """The contiguous block of ``t`` along ``axis`` that ``rank`` holds.
 
+        nvFuser's legacy frontend passed the rank third (``mesh.shard_tensor(t, 0, rank)``);
+        an int in place of ``parallel_type`` is taken as the rank.
+
         With ``d`` devices on the mesh axis of ``parallel_type`` and extent ``n``, the device
-        at coordinate ``c`` on that axis holds ``[c*n/d, (c+1)*n/d)`` (an outer split of
-        ``axis`` by ``d``; ranks that differ only on other mesh axes get the same block).
+        at coordinate ``c`` on that axis holds ``[c*q, (c+1)*q)`` with ``q = ceil(n/d)``,
+        cut at ``n`` (an outer split of ``axis`` by ``d``; uneven extents give shorter or
+        empty blocks at the end, as ``torch.chunk``; ranks that differ only on other mesh
+        axes get the same block).
 
         Args:
             t: the global tensor.
@@ -205,13 +210,14 @@ class DeviceMesh:
             A new tensor (not a view of ``t``) with the memory order (stride order) of ``t``.
 
         Raises:
-            ShardingError: if ``axis`` is out of range, its extent is not divisible by the
-                mesh axis size, or ``rank`` is not in the mesh.
+            ShardingError: if ``axis`` is out of range or ``rank`` is not in the mesh.
 
         Example:
             >>> DeviceMesh(range(2)).shard_tensor(torch.arange(6).reshape(2, 3), 0, rank=1)
             tensor([[3, 4, 5]])
         """
+        if isinstance(parallel_type, int) and not isinstance(parallel_type, bool):
+            parallel_type, rank = ParallelType.mesh_x, parallel_type
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if rank not in self:
@@ -226,14 +232,9 @@ class DeviceMesh:
         axis %= t.dim()
         mesh_axis = self.axis_of(parallel_type)
         d, n = self.shape[mesh_axis], t.shape[axis]
-        if n % d != 0:
-            raise ShardingError(
-                f"cannot shard axis {axis} of extent {n} over {parallel_type.name} of size {d} "
-                f"of {self!r}: {d} does not divide {n}; pad axis {axis} to a multiple of {d} "
-                f"or use a mesh whose axis size divides {n}"
-            )
-        c = self.coordinate(rank)[mesh_axis]
-        return _copy_keeping_layout(t.narrow(axis, c * (n // d), n // d))
+        block = -(-n // d)  # uneven extents: blocks of ceil(n / d), as torch.chunk
+        start = min(self.coordinate(rank)[mesh_axis] * block, n)
+        return _copy_keeping_layout(t.narrow(axis, start, min(block, n - start)))
 
     def _check_axis(self, mesh_axis: int) -> int:
         if isinstance(mesh_axis, bool) or not isinstance(mesh_axis, int):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from meshfuse.errors import InputError, ShardingError
-from meshfuse.ir.layout import derived_extents, local_indices, local_layout, shard_factor
+from meshfuse.ir.layout import derived_extents, device_ids, local_indices, local_layout
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.binding import device_coords
@@ -78,7 +78,7 @@ def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> to
         index = local_indices(tv, id_, extents, coords)
         if index is not None:
             local = local.index_select(axis, index.to(t.device))
-    layout = local_layout(tv, allocation, extents)
+    layout = local_layout(tv, allocation, extents, coords)
     out = torch.empty_strided(layout.shape, layout.strides, dtype=t.dtype, device=t.device)
     return out.copy_(local)
 
@@ -88,7 +88,8 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
 
     Args:
         shards: one local tensor per device, in the order of ``tv.mesh.device_ids`` (for a
-            1-D mesh ``range(d)``: rank order); without a mesh, one tensor.
+            1-D mesh ``range(d)``: rank order); without a mesh, one tensor. Shards of an
+            uneven split have different extents (some may be empty).
         tv: the TensorView they are shards of.
     """
     tv, _ = _compiled(tv)
@@ -98,7 +99,7 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
             f"unshard_tensor of {tv.name}: got {len(shards)} shards for {len(devices)} devices"
         )
     ids = tv.materialized()
-    shape = [n * shard_factor(tv, id_) for n, id_ in zip(shards[0].shape, ids)]
+    shape = [_global_extent(tv, axis, shards, devices) for axis in range(len(ids))]
     extents = _extents(tv, shape)
     out = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)
     for device, shard in zip(devices, shards):
@@ -109,6 +110,23 @@ def unshard_tensor(shards: Sequence[torch.Tensor], tv: TensorView) -> torch.Tens
         )
         out[index] = shard
     return out
+
+
+def _global_extent(tv: TensorView, axis: int, shards: Sequence[torch.Tensor],
+                   devices: Sequence[int]) -> int:
+    """The global extent of materialized axis ``axis``: the static one, else the sum of the
+    shards' extents along it over the devices that differ only in the mesh coordinates that
+    shard it (shards may be uneven)."""
+    id_ = tv.materialized()[axis]
+    if id_.extent is not None:
+        return id_.extent
+    if tv.mesh is None:
+        return shards[0].shape[axis]
+    sharding = {tv.mesh.axis_of(pt) for _, pt in device_ids(tv).get(id_, [])}
+    return sum(
+        shard.shape[axis] for device, shard in zip(devices, shards)
+        if all(c == 0 for m, c in enumerate(tv.mesh.coordinate(device)) if m not in sharding)
+    )
 
 
 def _as_column(index, axis: int, ndim: int, extent: int) -> torch.Tensor:

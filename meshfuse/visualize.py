@@ -28,13 +28,12 @@ from collections.abc import Sequence
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, partial_reduce_op
 from meshfuse.ir.layout import derived_extents, local_indices
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.binding import device_coords
-from meshfuse.runtime.resharding import partial_reduce_op
 
 MAX_BLOCKS = 16  # blocks drawn along one axis in the text; the rest is elided
 
@@ -45,7 +44,8 @@ class Blocks:
 
     ``rows`` and ``cols`` are runs of global indices along the drawn axes (one row,
     ``range(1)``, for a 1-D view) over which the owners do not change; ``owners[i][j]`` are
-    the ranks holding block ``(rows[i], cols[j])``, ascending.
+    the ranks holding block ``(rows[i], cols[j])``, ascending; ``empty`` the ranks of the
+    mesh holding none (the short end of an uneven split).
     """
 
     title: str
@@ -53,6 +53,7 @@ class Blocks:
     rows: tuple[range, ...]
     cols: tuple[range, ...]
     owners: tuple[tuple[tuple[int, ...], ...], ...]
+    empty: tuple[int, ...] = ()
 
 
 def visualize(obj, axes: Sequence[int] | None = None, shape: Sequence[int] | None = None,
@@ -115,7 +116,9 @@ def blocks(tv: TensorView, axes: Sequence[int] | None = None,
         tuple(tuple(r for k, r in enumerate(ranks) if holds[0][k, i.start] and holds[1][k, j.start])
               for j in cols)
         for i in rows)
-    return Blocks(_title(tv, ids, extents, drawn), drawn, rows, cols, owners)
+    held = {r for row in owners for o in row for r in o}
+    empty = tuple(r for r in ranks if r not in held)
+    return Blocks(_title(tv, ids, extents, drawn), drawn, rows, cols, owners, empty)
 
 
 def format_blocks(b: Blocks, max_blocks: int = MAX_BLOCKS) -> str:
@@ -141,9 +144,14 @@ def format_blocks(b: Blocks, max_blocks: int = MAX_BLOCKS) -> str:
         lines.append(("  " + " | ".join(cells)).rstrip())
     notes = [f"{len(b.cols)} blocks along axis {b.axes[-1]}" if more_cols else "",
              f"{len(b.rows)} blocks along axis {b.axes[0]}" if len(b.rows) > max_blocks else ""]
+    if b.empty:
+        notes.append(f"ranks {_ranks(b.empty)} hold nothing" if len(b.empty) > 1
+                     else f"rank {b.empty[0]} holds nothing")
     notes = [n for n in notes if n]
     if notes:
-        lines.append(f"  ({', '.join(notes)}; the first {max_blocks} shown)")
+        shown = f"; the first {max_blocks} shown" if len(b.cols) > max_blocks or \
+            len(b.rows) > max_blocks else ""
+        lines.append(f"  ({', '.join(notes)}{shown})")
     return "\n".join(lines)
 
 

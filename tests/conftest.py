@@ -11,3 +11,17 @@ if "meshfuse.testing.plugin" not in sys.modules:
 # running (meshfuse's default is 300 s): a broken test fails in minutes, naming the step and the
 # missing rank, instead of hanging its batch. The spawned ranks inherit it.
 os.environ.setdefault("MESHFUSE_TIMEOUT", "120")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-programs", type=int, default=None, metavar="N",
+        help="programs per world size for tests/test_fuzz.py (default 200; the long mode "
+        "runs 5000 or more); the same as MESHFUSE_FUZZ_PROGRAMS=N",
+    )
+
+
+def pytest_configure(config):
+    # Through the environment, so that the spawned ranks see it too.
+    if config.getoption("--fuzz-programs", default=None) is not None:
+        os.environ["MESHFUSE_FUZZ_PROGRAMS"] = str(config.getoption("--fuzz-programs"))

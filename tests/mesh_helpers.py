@@ -27,3 +27,23 @@ def shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX, inner: bool = 
     pos = tv.loop.index(tv.materialized()[axis])
     tv.split(pos, mesh.axis_size(pt), inner_split=inner)
     tv.parallelize(pos + 1 if inner else pos, pt)
+
+
+TYPES = {1: (MX,), 2: (MY, MX), 3: (ParallelType.mesh_z, MY, MX)}
+
+
+def schedule_placements(tv, mesh: DeviceMesh, sharding: tuple, offset: int = 0) -> None:
+    """Schedules ``tv`` by ``sharding``, one entry per mesh axis (outermost first): ``("R",)``,
+    ``("S", axis)`` a block shard, ``("Sc", axis)`` a cyclic one (axes counted from
+    ``offset``); a later mesh axis sharding the same axis splits what the earlier left."""
+    tv.set_device_mesh(mesh)
+    rest = {}  # logical axis -> the loop ID holding what earlier splits left of it
+    for pt, placement in zip(TYPES[mesh.ndim], sharding):
+        if placement[0] not in ("S", "Sc"):
+            continue
+        axis = placement[1] + offset
+        pos = tv.loop.index(rest.get(axis, tv.logical[axis]))
+        inner = placement[0] == "Sc"
+        tv.split(pos, mesh.axis_size(pt), inner_split=inner)
+        tv.parallelize(pos + 1 if inner else pos, pt)
+        rest[axis] = tv.loop[pos if inner else pos + 1]

@@ -129,8 +129,28 @@ def _torch_fn(name: str):
     return getattr(torch, name, None) or getattr(F, name)
 
 
+# nvFuser's promotion: these compute Half and BFloat16 operands in float32 and return float32.
+FLOAT_COMPUTE = {*UNARY_FLOAT, "neg", "add", "atan2", "div", "fmod", "maximum", "minimum",
+                 "mul", "pow", "remainder", "sub"} - {"silu"}
+
+
+def in_float(name: str, fn):
+    """``fn`` as nvFuser computes op ``name``: low-precision float tensors upcast first."""
+    if name not in FLOAT_COMPUTE:
+        return fn
+
+    def ref(*args):
+        return fn(*(a.float() if isinstance(a, torch.Tensor) and a.dtype in LOW_PRECISION
+                    else a for a in args))
+
+    return ref
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def unary_info(name: str) -> OpInfo:
-    fn = _torch_fn(name)
+    fn = in_float(name, _torch_fn(name))
     low, high = UNARY_DOMAINS.get(name, (-2.0, 2.0))
     samples = (
         Sample((T((5, 7), low=low, high=high),), fn, name="2d"),
@@ -174,7 +194,7 @@ def binary_ref(fn):
 
 
 def binary_samples(name: str) -> tuple[Sample, ...]:
-    fn = binary_ref(_torch_fn(name))
+    fn = in_float(name, binary_ref(_torch_fn(name)))
     (alo, ahi), (blo, bhi) = BINARY_DOMAINS.get(name, ((-2.0, 2.0), (-2.0, 2.0)))
 
     def a(shape):
@@ -339,6 +359,17 @@ BROADCAST_IN_DIM = OpInfo("broadcast_in_dim", (
     bid_sample((3, 5), (2, 3, 1, 5), (1, 3), "middle"),
 ), FLOATS + INTS + BOOL)
 
+BROADCAST = OpInfo("broadcast", (
+    Sample((T((4, 6)), [True, False, False]), lambda x, f: x.unsqueeze(0), name="new-outer"),
+    Sample((T((4, 6)), [False, True, False, True]), lambda x, f: x[:, None, :, None],
+           name="new-middle-and-inner"),
+), FLOATS + INTS + BOOL)
+
+STRIDE_ORDER = OpInfo("stride_order", (
+    Sample((T((2, 3, 4)), [0, 2, 1]), lambda x, o: x, name="permuted"),
+    Sample((T((2, 3)), [1, 0]), lambda x, o: x, name="row-major"),
+), FLOATS + INTS + BOOL)
+
 EXPAND = OpInfo("expand", (
     Sample((T((1, 6)), [4, 6]), lambda x, s: x.expand(s), name="broadcast-axis"),
     Sample((T((4, 1)), [2, -1, 6]), lambda x, s: x.expand(s), name="new-axis-and-minus-one"),
@@ -433,6 +464,20 @@ LINEAR = OpInfo("linear", (
 ))
 
 
+def _grouped_mm_ref(mat1, mat2, offsets):
+    starts = [0, *offsets.tolist()[:-1]]
+    return torch.cat([mat1[s:e] @ mat2[g] for g, (s, e) in enumerate(zip(starts,
+                                                                          offsets.tolist()))])
+
+
+GROUPED_MM = OpInfo("grouped_mm", (
+    Sample((T((5, 16)), T((1, 16, 7)), T((1,), dtype=torch.int32, low=5, high=5)),
+           _grouped_mm_ref, name="one-group"),
+    Sample((T((3, 16)), T((2, 16, 7)), T((2,), dtype=torch.int32, low=3, high=3)),
+           _grouped_mm_ref, name="empty-group"),
+))
+
+
 # Attention: the reference is torch's SDPA (and its autograd) on the math backend.
 def sdpa_ref(q, k, v, is_causal, scale):
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
@@ -473,20 +518,28 @@ ATTENTION_CASES = {
 ATTENTION_TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
-def qkv_specs(shape):
+def qkv_specs(shape, lead=()):
     b, h, s, skv, e = shape
-    return T((b, h, s, e)), T((b, h, skv, e)), T((b, h, skv, e))
+    return T((*lead, b, h, s, e)), T((*lead, b, h, skv, e)), T((*lead, b, h, skv, e))
 
 
 SDPFA_FWD = OpInfo("sdpfa_fwd", tuple(
     Sample((*qkv_specs(shape), 0.0, causal, scale), sdpfa_fwd_ref, name=name, check=(0, 1),
            tol=ATTENTION_TOL, scaled_atol=True)
     for name, (shape, causal, scale) in ATTENTION_CASES.items()
+) + (
+    # nvFuser's [DIDx, b, h, s, e]: a leading axis batches like b.
+    Sample((*qkv_specs((2, 2, 16, 16, 8), lead=(3,)), 0.0, True, None), sdpfa_fwd_ref,
+           name="leading-axis", check=(0, 1), tol=ATTENTION_TOL, scaled_atol=True),
 ))
 SDPFA_BWD = OpInfo("sdpfa_bwd", tuple(
     Sample((T(shape[:3] + shape[4:]), *qkv_specs(shape), causal, scale), sdpfa_bwd_ref,
            define=_fwd_then_bwd, name=name, tol=ATTENTION_TOL, scaled_atol=True)
     for name, (shape, causal, scale) in ATTENTION_CASES.items()
+) + (
+    Sample((T((3, 2, 2, 16, 8)), *qkv_specs((2, 2, 16, 16, 8), lead=(3,)), True, None),
+           sdpfa_bwd_ref, define=_fwd_then_bwd, name="leading-axis", tol=ATTENTION_TOL,
+           scaled_atol=True),
 ))
 
 
@@ -529,7 +582,7 @@ OP_TABLE: tuple[OpInfo, ...] = (
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
     WHERE, GELU, GELU_BACKWARD, CAST, SET,
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
-    BROADCAST_IN_DIM, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE, SLICE_BACKWARD, CAT,
-    MATMUL, LINEAR, SDPFA_FWD, SDPFA_BWD,
+    BROADCAST_IN_DIM, BROADCAST, STRIDE_ORDER, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE,
+    SLICE_BACKWARD, CAT, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
 )

@@ -343,3 +343,34 @@ def test_mode_errors(monkeypatch):
             FusionDefinition() as fd:
         q = fd.define_tensor([1, 2, S, S])
         fd.ops.sdpfa_fwd(q, q, q, 0.1)
+
+
+def test_dropout_p_as_an_input_switches_between_calls():
+    """One program, dropout_p given at execute: 0 (no mask), then 0.5, then 0 again."""
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([1, 2, S, S], dtype=DataType.BFloat16) for _ in range(3))
+        p = fd.define_scalar(dtype=DataType.Double)
+        attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, p, False, SCALE, rng_seed=1, rng_offset=0)
+        fd.add_output(attn)
+    q, k, v, _ = (t.cpu() for t in _global_inputs(1, 2))
+    plain = fd.execute([q, k, v, 0.0])[0]
+    dropped = fd.execute([q, k, v, 0.5])[0]
+    assert (plain != 0).all()
+    assert 0.3 < (dropped == 0).float().mean().item() < 0.7
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept].float(), (plain[kept] / 0.5).float(), rtol=1.6e-2,
+                               atol=1e-3)
+    assert torch.equal(fd.execute([q, k, v, 0.0])[0], plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generator_is_left_as_it_was():
+    """The fused kernel draws from the shard's stream through torch's CUDA generator, which
+    is restored: the user's CUDA random numbers do not depend on meshfuse's dropout."""
+    fd = Dropout(1, 2)
+    inputs = [t.cuda() for t in _global_inputs(1, 2)] + [SEED, OFFSET]
+    torch.cuda.manual_seed(4)
+    expected = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(4)
+    fd.execute(inputs)
+    assert torch.equal(torch.rand(8, device="cuda"), expected)

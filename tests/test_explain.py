@@ -3,6 +3,8 @@ the definition alone) against those the program runs (``record_communications``)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mesh_helpers import MY, shard
@@ -10,10 +12,7 @@ from mesh_helpers import MY, shard
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.explain import explain, planned_communications
-from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
-from meshfuse.passes.layout import infer_allocations
-from meshfuse.passes.propagation import propagate_shardings
-from meshfuse.passes.resharding import insert_resharding
+from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -21,11 +20,8 @@ from meshfuse.testing.utils import current_device
 def _explained(fusion, world_size: int, rank: int) -> str:
     """The compact view of ``fusion`` compiled for ``world_size`` ranks, as ``rank`` sees it
     (in this one process: explaining needs no communicator)."""
-    check_tensor_schedules(fusion, world_size)
-    propagate_shardings(fusion)
-    insert_resharding(fusion)
-    check_schedule(fusion, world_size)
-    return explain(fusion, infer_allocations(fusion), rank, world_size)
+    compiled = compile_fusion(fusion, world_size)
+    return explain(compiled.fusion, compiled.allocations, rank, world_size)
 
 
 def _mlp(mesh: DeviceMesh, tokens: int = 8) -> FusionDefinition:
@@ -95,8 +91,8 @@ def test_the_seed_in_bshe_on_four_ranks():
         "  T3      [2, 12, 1024, 64]  BFloat16  [0, 1, 2, 3]  [S(1)]      [2, 3, 1024, 64]  [0, 2, 1, 3]  input",
         "  T4      [2, 12, 1024, 64]  BFloat16  [0, 1, 2, 3]  [S(1)]      [2, 3, 1024, 64]  [0, 2, 1, 3]  sdpfa_fwd(T0, T1, T2, is_causal=True)",
         "  T5      [2, 12, 1024]      Float     [0, 1, 2, 3]  [S(1)]      [2, 3, 1024]      [0, 2, 1]     sdpfa_fwd(...)[1]",
-        "  T6      []                 Int       -             -           []                []            sdpfa_fwd(...)[2]",
-        "  T7      []                 Int       -             -           []                []            sdpfa_fwd(...)[3]",
+        "  T6      [2]                UInt64    [0, 1, 2, 3]  [R]         [2]               [0]           sdpfa_fwd(...)[2]",
+        "  T7      []                 UInt64    [0, 1, 2, 3]  [R]         []                []            sdpfa_fwd(...)[3]",
         "  T8      [2, 12, 1024, 64]  BFloat16  [0, 1, 2, 3]  [S(1)]      [2, 3, 1024, 64]  [0, 2, 1, 3]  sdpfa_bwd(T3, T0, T1, T2, T4, T5, is_causal=True, seed=T6, offset=T7)",
         "  T9      [2, 12, 1024, 64]  BFloat16  [0, 1, 2, 3]  [S(1)]      [2, 3, 1024, 64]  [0, 2, 1, 3]  sdpfa_bwd(...)[1]",
         "  T10     [2, 12, 1024, 64]  BFloat16  [0, 1, 2, 3]  [S(1)]      [2, 3, 1024, 64]  [0, 2, 1, 3]  sdpfa_bwd(...)[2]",
@@ -122,6 +118,13 @@ def test_the_megatron_mlp_on_two_ranks():
         "communications on rank 0:",
         "  T5 = reshard(T6): allreduce(sum) over mesh axis 0, ranks [0, 1], 512 B",
     ])
+
+
+def test_the_readme_shows_what_explain_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("`print(fd.explain())` on rank 0 of the quick start's 2 ranks:")[1]
+    shown = shown.split("```\n")[1]
+    assert shown.rstrip("\n") == _explained(_mlp(DeviceMesh(range(2))).fusion, 2, 0)
 
 
 def test_a_2x2_mesh_with_symbolic_tokens():
@@ -204,9 +207,12 @@ def test_symbolic_extents_bound_by_the_inputs(multidevice_test):
         [c.bytes for c in ran]
 
 
-def test_verbose_adds_the_domains():
+def test_verbose_adds_the_domains_and_the_program():
     fd = _mlp(DeviceMesh([0]))
     compact, verbose = fd.explain(), fd.explain(verbose=True)
     assert verbose.startswith(compact + "\n")
     assert "outer_split(" in verbose and "outer_split(" not in compact
-    assert "slot" not in verbose
+    inputs = [torch.randn(8, 16), torch.randn(32, 16), torch.randn(16, 32)]
+    text = fd.explain(inputs, verbose=True)
+    assert "slot" not in text
+    assert text.splitlines()[-1] == "  output T5: local shape [8, 16], strides [16, 1]"

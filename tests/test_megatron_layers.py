@@ -125,7 +125,10 @@ class MlpForward(FusionDefinition):
         self.w2 = self.define_tensor([HIDDEN, FFN], dtype=self.dtype)
         self.b2 = self.define_tensor([HIDDEN], dtype=self.dtype)
         self.h = ops.linear(self.x, self.w1, self.b1)
-        self.y = ops.add(ops.linear(ops.gelu(self.h, approximate="tanh"), self.w2), self.b2)
+        # nvFuser's promotion adds bf16 in float: cast back to the layer's dtype (the sum is
+        # scheduled like y, so that the partial sums are reduce-scattered into it).
+        self.y_sum = ops.add(ops.linear(ops.gelu(self.h, approximate="tanh"), self.w2), self.b2)
+        self.y = ops.cast(self.y_sum, self.dtype)
         self.add_output(self.y)
         self.add_output(self.h)
 
@@ -135,9 +138,11 @@ class MlpForward(FusionDefinition):
         shard(self.w2, 1, mesh)  # row parallel
         if self.style == "sp":
             shard(self.x, 0, mesh)
+            shard(self.y_sum, 0, mesh)
             shard(self.y, 0, mesh)
         if self.style == "dp_tp":
             shard(self.x, 0, mesh, MY)
+            shard(self.y_sum, 0, mesh, MY)
             shard(self.y, 0, mesh, MY)
             # Forced: propagation gives h the sharding of one input (w1's), so the tokens would
             # be gathered over mesh_y (test_bug_data_parallel_tokens_...).
@@ -169,7 +174,7 @@ class MlpBackward(FusionDefinition):
         self.dg = ops.linear(dy, _transpose(ops, self.w2))  # dy @ w2
         self.dw2 = ops.matmul(_transpose(ops, dy), ops.gelu(self.h, approximate="tanh"))
         self.db2 = ops.sum(dy, dims=[0])
-        dh = ops.mul(self.dg, gelu_tanh_derivative(ops, self.h))
+        dh = ops.cast(ops.mul(self.dg, gelu_tanh_derivative(ops, self.h)), self.dtype)
         self.dw1 = ops.matmul(_transpose(ops, dh), self.x)
         self.db1 = ops.sum(dh, dims=[0])
         self.dx = ops.linear(dh, _transpose(ops, self.w1))  # dh @ w1
@@ -309,7 +314,9 @@ class AttentionForward(FusionDefinition):
             for _ in range(4))
         self.bo = self.define_tensor([HEADS * HEAD_DIM], dtype=self.dtype)
         _, (_, _, _, attn, *_) = self.attention(self.x)
-        self.y = self.ops.add(self.ops.sum(self.ops.matmul(attn, self.wo), dims=[1]), self.bo)
+        self.y = self.ops.cast(
+            self.ops.add(self.ops.sum(self.ops.matmul(attn, self.wo), dims=[1]), self.bo),
+            self.dtype)
         self.add_output(self.y)
 
     def attention(self, x):
@@ -348,8 +355,8 @@ class AttentionBackward(AttentionForward):
             ops.sum(ops.matmul(ops.permute(g, [0, 1, 3, 2]), x_heads), dims=[0])
             for g in (dq, dk, dv))
         # Summed over q, k and v per head first, so that one reduction over heads remains.
-        dx_heads = ops.add(ops.add(ops.matmul(dq, self.wq), ops.matmul(dk, self.wk)),
-                           ops.matmul(dv, self.wv))
+        dx_heads = ops.cast(ops.add(ops.add(ops.matmul(dq, self.wq), ops.matmul(dk, self.wk)),
+                                    ops.matmul(dv, self.wv)), self.dtype)
         self.dx = ops.sum(dx_heads, dims=[1])
         for t in (self.dx, self.dwq, self.dwk, self.dwv, self.dwo, self.dbo):
             self.add_output(t)
@@ -426,7 +433,7 @@ def test_attention_heads_by_reshape_of_sharded_features(multidevice_test, dtype)
                                [0, 2, 1, 3]) for w in (wq, wk, wv))
         attn, _, _, _ = ops.sdpfa_fwd(q, k, v, 0.0, True)
         merged = ops.reshape(ops.permute(attn, [0, 2, 1, 3]), [B, S, hidden])
-        y = ops.add(ops.linear(merged, wo), bo)
+        y = ops.cast(ops.add(ops.linear(merged, wo), bo), dtype)  # (bf16 adds in float)
         fd.add_output(y)
     for w in (wq, wk, wv):
         shard(w, 0, mesh)

@@ -192,10 +192,16 @@ def test_shard_tensor_default_rank_is_zero_without_distributed():
     assert torch.equal(DeviceMesh(range(2)).shard_tensor(t, 0), t[:2])
 
 
+def test_shard_tensor_of_an_uneven_extent_is_a_chunk():
+    t = torch.arange(5)
+    mesh = DeviceMesh(range(4))
+    assert [mesh.shard_tensor(t, 0, rank=r).tolist() for r in range(4)] == [
+        [0, 1], [2, 3], [4], []]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"axis": 0}, ["axis 0", "extent 5", "mesh_x", "size 2", "does not divide"]),
         ({"axis": 1, "rank": 9}, ["device 9", "not in DeviceMesh"]),
         ({"axis": 2}, ["axis 2 is out of range", "(5, 4)"]),
     ],

@@ -63,8 +63,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, **tol) -> None:
 
 
 def _tensors(fd: FusionDefinition):
-    """The tensors of ``fd`` that need a schedule (0-d tensors are replicated anyway)."""
-    return [tv for tv in fd.fusion.tensors() if tv.logical]
+    """The tensors of ``fd`` that need a schedule (0-d tensors, and attention's RNG state, a
+    uint64 pair, are replicated anyway)."""
+    return [tv for tv in fd.fusion.tensors() if tv.logical and tv.dtype is not DataType.UInt64]
 
 
 def _schedule_all(fd: FusionDefinition, mesh: DeviceMesh, schedule: Callable) -> None:

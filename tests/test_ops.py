@@ -268,16 +268,31 @@ def test_wrong_argument_is_a_definition_error(info: OpInfo, sample: Sample, name
         getattr(fd.ops, info.name)(**call)
 
 
-def test_sdpfa_fwd_rng_state_is_zero_dim_int64():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_sdpfa_fwd_rng_state_has_nvfusers_form(dropout_p):
+    """seed: uint64 [2] (the stream's Philox seed and offset), offset: uint64 0-d; zeros
+    without dropout. A backward in another fusion takes them as inputs."""
     values = concrete(qkv_specs((1, 2, 8, 8, 8)), torch.float32, DEVICES[-1], _generator("rng"))
     with FusionDefinition() as fd:
         q, k, v = (fd.define_tensor([-1] * 4) for _ in range(3))
-        _, _, seed, offset = fd.ops.sdpfa_fwd(q, k, v, 0.0, False)
-        fd.add_output(seed)
-        fd.add_output(offset)
-    for tv, out in zip((seed, offset), fd.execute(values)):
-        assert tv.dtype is DataType.Int and tv.ndim == 0
-        assert out.dtype == torch.int64 and out.ndim == 0
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p, False, rng_seed=5,
+                                                   rng_offset=1)
+        for t in (attn, lse, seed, offset):
+            fd.add_output(t)
+    attn_out, lse_out, *state = fd.execute(values)
+    for tv, out, shape in zip((seed, offset), state, ((2,), ())):
+        assert tv.dtype is DataType.UInt64 and tv.ndim == len(shape)
+        assert out.dtype == torch.uint64 and tuple(out.shape) == shape
+    assert (state[0].view(torch.int64) != 0).any() == (dropout_p > 0)
+    with FusionDefinition() as bwd:
+        g, q, k, v, attn = (bwd.define_tensor([-1] * 4) for _ in range(5))
+        lse = bwd.define_tensor([-1] * 3)
+        seed = bwd.define_tensor([2], dtype=DataType.UInt64)
+        offset = bwd.define_tensor([], dtype=DataType.UInt64)
+        for t in bwd.ops.sdpfa_bwd(g, q, k, v, attn, lse, dropout_p, False, seed, offset):
+            bwd.add_output(t)
+    grads = bwd.execute([torch.ones_like(attn_out), *values, attn_out, lse_out, *state])
+    assert all(t.isfinite().all() for t in grads)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from meshfuse import (
     DeviceMesh,
     FusionDefinition,
     ParallelType,
-    ShardingError,
     shard_tensor,
 )
 from meshfuse.ir.fusion import Reshard
@@ -327,16 +326,18 @@ def _qkv():
     return [_randn(B, HEADS, S, E, seed=i) for i in range(3)]
 
 
-def test_causal_attention_with_a_sharded_query_sequence_is_refused(multidevice_test):
+def test_causal_attention_with_a_sharded_query_sequence_gathers_it(multidevice_test):
+    """Attention's sharding rule: a causal mask needs the whole query sequence, so the engine
+    gathers q, k and v and slices the output back (it used to refuse)."""
     mesh = mesh_1d(multidevice_test)
-    with FusionDefinition() as fd:
-        t = _attention(is_causal=True)(fd)
-    for tv in (t.q, t.k, t.v):
-        shard(tv, 2, mesh)
-    local = [shard_tensor(x, tv, multidevice_test.rank) for x, tv in zip(_qkv(), (t.q, t.k, t.v))]
-    with pytest.raises(ShardingError, match=r"query sequence \(axis 2\) of T0 is sharded and the "
-                       r"attention is causal.*shard batch or heads"):
-        fd.execute(local)
+
+    def schedule(t):
+        for tv in (t.q, t.k, t.v):
+            shard(tv, 2, mesh)
+
+    _, comms = _run(multidevice_test, _attention(is_causal=True), schedule, _qkv(),
+                    rtol=1e-5, atol=1e-5)
+    _expect(multidevice_test, comms, "allgather", "allgather", "allgather")
 
 
 @pytest.mark.parametrize("q_sharded", [True, False], ids=["q_sharded", "q_replicated"])

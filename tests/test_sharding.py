@@ -17,6 +17,7 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.ir.layout import derived_extents, local_layout
+from meshfuse.ir.tensor_view import Allocation
 
 MESH_TYPES = (ParallelType.mesh_x, ParallelType.mesh_y, ParallelType.mesh_z)
 
@@ -90,10 +91,29 @@ def test_two_mesh_axes_shard_two_logical_axes():
     assert torch.equal(shard_tensor(t, tv, 1), t[0:2, 3:6])
 
 
-def test_split_that_does_not_divide_names_axis_and_extent():
+@pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
+def test_uneven_split_gives_chunk_sizes(inner):
+    """12 over 5 devices: blocks as torch.chunk (3, 3, 3, 3, 0), cyclic every 5th index
+    (3, 3, 2, 2, 2); local layouts follow each device's shard, and the shards unshard."""
     tv = _tensor([2, 12])
-    with pytest.raises(ScheduleError, match=r"factor 5 does not divide extent 12 of axis 1"):
-        tv.outer_split(1, 5)
+    mesh = DeviceMesh(range(5))
+    tv.set_device_mesh(mesh)
+    tv.split(1, 5, inner_split=inner)
+    tv.parallelize(2 if inner else 1, ParallelType.mesh_x)
+    t = torch.arange(24.0).reshape(2, 12)
+    shards = [shard_tensor(t, tv, rank) for rank in range(5)]
+    expected = [t[:, r::5] for r in range(5)] if inner else list(t.chunk(5, dim=1)) + [t[:, :0]]
+    for shard, want in zip(shards, expected):
+        assert torch.equal(shard, want)
+    extents = derived_extents(tv, dict(zip(tv.logical, [2, 12])))
+    sizes = [local_layout(tv, tv.allocation or _row_major(tv), extents,
+                          {ParallelType.mesh_x: c}).shape[1] for c in range(5)]
+    assert sizes == ([3, 3, 2, 2, 2] if inner else [3, 3, 3, 3, 0])
+    assert torch.equal(unshard_tensor(shards, tv), t)
+
+
+def _row_major(tv):
+    return Allocation(tuple(tv.logical), (True,) * len(tv.logical))
 
 
 def test_parallel_type_used_twice_is_rejected():

@@ -98,6 +98,8 @@ class TransformerLayer(FusionDefinition):
 
         # Forward.
         ln1, ln1_saved = self.layer_norm(x, p["ln1_w"], p["ln1_b"])
+        # nvFuser's promotion computes bf16 arithmetic in float: cast back before matmuls.
+        ln1 = self.io(ln1)
         qkv = ops.linear(ln1, p["w_qkv"], p["b_qkv"])
         q, k, v = (self.to_heads(ops.slice(qkv, [0, 0, i * H], [B, S, (i + 1) * H]))
                    for i in range(3))
@@ -105,6 +107,7 @@ class TransformerLayer(FusionDefinition):
         a = self.from_heads(attn)
         h = ops.add(x, ops.linear(a, p["w_o"], p["b_o"]))
         ln2, ln2_saved = self.layer_norm(h, p["ln2_w"], p["ln2_b"])
+        ln2 = self.io(ln2)
         f1 = ops.linear(ln2, p["w_fc1"], p["b_fc1"])
         g = ops.gelu(f1, approximate="tanh")
         y = ops.add(h, ops.linear(g, p["w_fc2"], p["b_fc2"]))
@@ -118,7 +121,7 @@ class TransformerLayer(FusionDefinition):
             dln2, p["ln2_w"], *ln2_saved)
         dh = ops.add(dy, dh_ln)
         da, grads["w_o"], grads["b_o"] = self.linear_backward(dh, a, p["w_o"])
-        dq, dk, dv = ops.sdpfa_bwd(self.to_heads(da), q, k, v, attn, lse, 0.0, True, seed,
+        dq, dk, dv = ops.sdpfa_bwd(self.to_heads(self.io(da)), q, k, v, attn, lse, 0.0, True, seed,
                                    offset)
         dln1 = None
         for i, (part, d) in enumerate(zip("qkv", (dq, dk, dv))):
@@ -130,7 +133,11 @@ class TransformerLayer(FusionDefinition):
             dln1, p["ln1_w"], *ln1_saved)
         grads["x"] = ops.add(dh, dx_ln)
         for name in OUTPUTS:
-            self.add_output(grads[name])
+            self.add_output(self.io(grads[name]))
+
+    def io(self, t):
+        """``t`` in the layer's dtype (a no-op when it already is)."""
+        return t if t.dtype is self.dtype else self.ops.cast(t, self.dtype)
 
     # ----- building blocks, each with its backward --------------------------------------
     def layer_norm(self, x, w, b):
@@ -154,6 +161,7 @@ class TransformerLayer(FusionDefinition):
     def linear_backward(self, dout, x, w):
         """For ``out = x @ w.T + b`` over ``[B, S, *]``: dx = dout @ w, dw = dout^T x, db."""
         ops = self.ops
+        dout, x = self.io(dout), self.io(x)
         n, k = w.materialized()[0].extent, w.materialized()[1].extent
         dout_t = ops.permute(ops.reshape(dout, [B * S, n]), [1, 0])
         dw = ops.matmul(dout_t, ops.reshape(x, [B * S, k]))

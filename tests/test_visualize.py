@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from mesh_helpers import MX, MY, shard
@@ -184,3 +186,17 @@ def test_png(tmp_path):
     path = tmp_path / "shards.png"
     meshfuse.visualize(x, png=str(path), print_=False)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rich_colours_the_table_on_a_terminal(monkeypatch, capsys):
+    pytest.importorskip("rich")
+    _, x = _tensor([4, 6])
+    shard(x, 1, DeviceMesh(range(2)))
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "120")
+    text = meshfuse.visualize(x)
+    shown = capsys.readouterr().out
+    assert "\x1b[" in shown  # colours
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    assert plain.strip().splitlines() == text.splitlines()

@@ -12,6 +12,8 @@ from benchmarks.cases import (
     attention_dropout,
     autodiff,
     collectives,
+    fusion,
+    gpt3,
     mlp,
     overhead,
 )
@@ -27,6 +29,8 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "mlp_autodiff": autodiff.mlp_run,
     "gpt_layer": autodiff.gpt_run,
     "collectives": collectives.run,
+    "fusion": fusion.run,
+    "gpt3_layer": gpt3.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -37,8 +41,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
+    # issue 13: fused segments against torch eager, torch.compile and the memory floor
+    "issue13": ("fusion", "attention_seed", "overhead", "mlp"),
     # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
     "autodiff": ("mlp_autodiff", "gpt_layer"),
+    # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
+    "issue19": ("gpt3_layer",),
 }
 
 

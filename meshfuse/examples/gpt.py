@@ -78,10 +78,14 @@ class GptBlock(FusionDefinition):
         ln1 = self.layer_norm(self.x, p["ln1_w"], p["ln1_b"])
         q, k, v = (self.to_heads(o.linear(ln1, p[f"w_{n}"], p[f"b_{n}"])) for n in "qkv")
         attn, _, _, _ = o.sdpfa_fwd(q, k, v, 0.0, True)
-        self.h = o.add(self.x, o.linear(self.from_heads(attn), p["w_o"], p["b_o"]))
+        # nvFuser's promotion adds bf16 in float: the sums are cast back to the block's dtype
+        # (and scheduled like the casts, so that partial sums are reduce-scattered into them).
+        self.h_sum = o.add(self.x, o.linear(self.from_heads(attn), p["w_o"], p["b_o"]))
+        self.h = self._io(self.h_sum)
         ln2 = self.layer_norm(self.h, p["ln2_w"], p["ln2_b"])
         f = o.gelu(o.linear(ln2, p["w_fc1"], p["b_fc1"]), approximate="tanh")
-        self.y = o.add(self.h, o.linear(f, p["w_fc2"], p["b_fc2"]))
+        self.y_sum = o.add(self.h, o.linear(f, p["w_fc2"], p["b_fc2"]))
+        self.y = self._io(self.y_sum)
         self.add_output(self.y)
 
     def multidevice_schedule(self) -> None:
@@ -91,8 +95,10 @@ class GptBlock(FusionDefinition):
             self._place(tv, TP_AXIS.get(name))
         sequence = 1 if self.sequence_parallel else None
         self._place(self.x, sequence)
-        self._place(self.h, sequence)
-        self._place(self.y, None if self.output_replicated else sequence)
+        for tv in dict.fromkeys((self.h_sum, self.h)):  # one tensor in float32
+            self._place(tv, sequence)
+        for tv in dict.fromkeys((self.y_sum, self.y)):
+            self._place(tv, None if self.output_replicated else sequence)
 
     def _place(self, tv, axis: int | None) -> None:
         tv.set_device_mesh(self.mesh)
@@ -104,7 +110,11 @@ class GptBlock(FusionDefinition):
         o = self.ops
         var, mean = o.var_mean(x, dims=[-1], correction=0, keepdim=True)
         x_hat = o.mul(o.sub(x, mean), o.rsqrt(o.add(var, EPS)))
-        return o.add(o.mul(x_hat, w), b)
+        return self._io(o.add(o.mul(x_hat, w), b))
+
+    def _io(self, t):
+        """``t`` in the block's dtype (a no-op when it already is)."""
+        return t if t.dtype is self.dtype else self.ops.cast(t, self.dtype)
 
     def to_heads(self, t):
         """``[B, S, E]`` to ``[B, heads, S, E / heads]``."""

@@ -22,13 +22,18 @@ from typing import Any, Self
 import torch
 
 from meshfuse.autodiff.function import FusionFunction
+from meshfuse.dtensor import execute_with_dtensors, has_dtensors
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
+from meshfuse.frontend.options import ignored_options
+from meshfuse.frontend.outputs import as_distributed
 from meshfuse.frontend.schedule import Schedule
+from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
+from meshfuse.multidevice import Sharding
 from meshfuse.runtime.agreement import agreed_build
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.runner import FusionRunner
@@ -49,6 +54,7 @@ class FusionDefinition:
         self._defined = False
         self._open = False  # inside ``with FusionDefinition() as fd:``
         self._runner = None
+        self._shardings = None
 
     @classmethod
     def from_fusion(cls, fusion: Fusion, runner=None) -> Self:
@@ -94,6 +100,7 @@ class FusionDefinition:
         dtype: DataType = DataType.Float,
         stride_order: Sequence[int] | None = None,
         symbolic_sizes: Sequence[int] | None = None,
+        is_cpu: bool = False,
     ) -> TensorView:
         """Declares a tensor input of the fusion with its *global* shape.
 
@@ -108,6 +115,8 @@ class FusionDefinition:
                 innermost (``0`` = smallest stride); default row-major ``[n-1, ..., 0]``.
                 ``[3, 1, 2, 0]`` on ``[b, h, s, e]`` is the BSHE layout.
             symbolic_sizes: nvFuser's older name for ``shape``.
+            is_cpu: a 0-d tensor that stays on the CPU while the other inputs are on a GPU
+                (a scalar such as an RNG seed, as nvFuser takes it); only 0-d tensors can be.
 
         Returns:
             The TensorView, also appended to the fusion's inputs.
@@ -126,13 +135,19 @@ class FusionDefinition:
                 ids.append(IterDomain(1, IterType.Broadcast))
             else:
                 ids.append(IterDomain(None if extent == -1 else extent))
+        if is_cpu and shape:
+            raise DefinitionError(
+                f"define_tensor: is_cpu=True is for 0-d scalar tensors, got shape {shape}; "
+                "declare a CPU tensor with shape=[]"
+            )
         order = self._memory_order(len(shape), stride_order)
         contig = self._contiguity(len(shape), contiguity)
         allocation = Allocation(
             tuple(ids[a] for a in order),
             tuple(None if ids[a].is_broadcast else c for a, c in zip(order, contig)),
         )
-        tv = TensorView(self.fusion, ids, dtype, allocation)
+        tv = UserTensorView(self.fusion, ids, dtype, allocation)
+        tv.is_cpu = bool(is_cpu)
         self.fusion.add_input(tv)
         return tv
 
@@ -193,12 +208,30 @@ class FusionDefinition:
         self.fusion.add_output(tv)
 
     # ----- running -----------------------------------------------------------------------
-    def execute(self, inputs: Sequence[Any], **options) -> list[torch.Tensor]:
+    def execute(
+        self,
+        inputs: Sequence[Any],
+        *,
+        device: Any = None,
+        save_repro_inputs: bool = False,
+        _enable_options: Sequence[str] = (),
+        _disable_options: Sequence[str] = (),
+        **options,
+    ) -> list[torch.Tensor]:
         """Runs the fusion on this rank's local shards of ``inputs``; returns local outputs.
+
+        Each output is a :class:`~meshfuse.frontend.outputs.DistributedTensor`: this rank's
+        ``torch.Tensor``, which also has nvFuser's legacy ``.local``, ``.mesh`` and
+        ``.axis_sharded_on(pt)``. With DTensor inputs, the outputs are DTensors (see
+        :mod:`meshfuse.dtensor`).
 
         Args:
             inputs: tensors (this rank's shards, laid out as the schedule says) and scalar
-                values, in the order they were defined.
+                values, in the order they were defined; or DTensors, whose placements give
+                the schedule of each unscheduled input.
+            device, save_repro_inputs, _enable_options, _disable_options: nvFuser's options,
+                accepted so that its programs run; they have no meaning here (the inputs'
+                device is the device) and are ignored, with a warning naming them once.
             options: ``check_ranks`` (default True, or ``$MESHFUSE_CHECK_RANKS``; ``0``
                 turns it off): when the fusion is built and on the first call with each new
                 input signature, the ranks compare the fusion (ops, meshes, schedules) and
@@ -214,9 +247,29 @@ class FusionDefinition:
                 overhead. Inputs are copied in and outputs copied out, so results are never
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
+                ``compile=True`` runs each run of fusible ops (pointwise, reductions, shape
+                ops) as one segment compiled by ``torch.compile`` (Inductor), cached per input
+                signature; a string names another torch.compile backend; ``False`` the
+                interpreter; the default comes from ``MESHFUSE_COMPILE`` (``0``). See
+                docs/fusion.md.
         """
         self._check_finished("execute")
-        return self._get_runner(options.get("check_ranks")).execute(inputs, **options)
+        if device is not None or save_repro_inputs or _enable_options or _disable_options:
+            ignored_options(device=device, save_repro_inputs=save_repro_inputs,
+                            _enable_options=_enable_options, _disable_options=_disable_options)
+        if has_dtensors(inputs):
+            return execute_with_dtensors(self, inputs, **options)
+        runner = self._get_runner(options.get("check_ranks"))
+        if self._shardings is None:
+            compiled = runner.compiled
+            self._shardings = [Sharding(compiled[tv]) for tv in self.fusion.outputs()]
+        return as_distributed(runner.execute(inputs, **options), self._shardings)
+
+    @property
+    def built(self) -> bool:
+        """Whether the fusion was compiled (by ``execute``, ``explain`` or ``compiled``):
+        from then on its schedule is fixed."""
+        return self._runner is not None
 
     def _check_finished(self, method: str) -> None:
         if self._open:

@@ -6,12 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.frontend.composites import COMPOSITES
+from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
 from meshfuse.ops.meta import arg_meta
-from meshfuse.ops.registry import Kind, OpDef
+from meshfuse.ops.registry import Kind, OpDef, SymbolicSize
+from meshfuse.ops.shape import memory_order
+from meshfuse.ops.shape_rules import normalize_axis
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
@@ -37,6 +41,9 @@ class Ops:
         self._fusion = fusion
 
     def __getattr__(self, name: str):
+        if name in COMPOSITES:  # written with the ops below (meshfuse.frontend.composites)
+            composite = COMPOSITES[name]
+            return lambda *args, **kwargs: composite(self, *args, **kwargs)
         op = registry.lookup(name)
 
         def call(*args, **kwargs):
@@ -47,7 +54,32 @@ class Ops:
         return call
 
     def __dir__(self):
-        return sorted(registry.REGISTRY)
+        return sorted([*registry.REGISTRY, *COMPOSITES, "shape", "size"])
+
+    def size(self, tv: TensorView, dim: int) -> int | SymbolicSize:
+        """The global extent of axis ``dim`` of ``tv``: an int when static, else a
+        :class:`~meshfuse.ops.registry.SymbolicSize` that shape arguments take
+        (``broadcast_in_dim(w, shape=[fd.ops.size(x, 0), 8], ...)``, a ``slice`` end)."""
+        if not isinstance(tv, TensorView):
+            raise DefinitionError(f"size: expected a tensor of the fusion, got {tv!r}")
+        ids = tv.materialized()
+        id_ = ids[normalize_axis("size", dim, len(ids), "dim")]
+        return id_.extent if id_.extent is not None else SymbolicSize(id_)
+
+    def shape(self, tv: TensorView) -> list[int | SymbolicSize]:
+        """``[fd.ops.size(tv, i) for each axis i]``."""
+        if not isinstance(tv, TensorView):
+            raise DefinitionError(f"shape: expected a tensor of the fusion, got {tv!r}")
+        return [self.size(tv, i) for i in range(tv.ndim)]
+
+    def stride_order(self, x: TensorView, stride_order) -> TensorView:
+        """``x``'s values laid out with ``stride_order`` (rank of each axis, 0 = innermost):
+        the output's allocation domain is that order."""
+        out = add_op(self._fusion, registry.lookup("stride_order"), (x, stride_order), {})
+        order = memory_order(stride_order)
+        ids = out.materialized()
+        out.set_allocation_domain([ids[a] for a in order], True)
+        return out
 
 
 def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:
@@ -68,7 +100,7 @@ def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:
             new = IterDomain(axis.extent, axis.iter_type)
             id_map[new] = tuple(inputs[t].materialized()[a] for t, a in axis.sources)
             ids.append(new)
-        outputs.append(TensorView(fusion, ids, spec.dtype))
+        outputs.append(UserTensorView(fusion, ids, spec.dtype))
     attrs = {p.name: v for p, v in zip(op.params, bound) if p.kind is Kind.ATTR}
     fusion.add_expr(Expr(op, tuple(bound), tuple(outputs), attrs, id_map))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

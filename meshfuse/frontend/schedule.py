@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshfuse.frontend.tensor import rfactor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.mesh import DeviceMesh
@@ -39,3 +40,8 @@ class Schedule:
 
     def set_allocation_domain(self, tv: TensorView, ids, contiguity=True) -> None:
         tv.set_allocation_domain(ids, contiguity)
+
+    def rfactor(self, tv: TensorView, dims) -> TensorView:
+        """``tv.rfactor(dims)``: the new tensor reducing loop axes ``dims`` (see
+        :mod:`meshfuse.frontend.tensor`)."""
+        return rfactor(tv, [dims] if isinstance(dims, int) else list(dims))

@@ -75,9 +75,10 @@ class GlobalIndex:
             result += (self.axis(a, device) * stride).view(view)
         return result
 
-    def describe(self, names: str | None = None) -> str:
-        """``b 0..1, h 2..3, s all``: the held index range of each axis (named by ``names``)."""
-        names = names or "".join(chr(ord("a") + a) for a in range(len(self.extents)))
+    def describe(self, names=None) -> str:
+        """``b 0..1, h 2..3, s all 16``: the held index range of each axis, named by
+        ``names`` (a sequence of strings; default ``a, b, c, ...``)."""
+        names = names or [chr(ord("a") + a) for a in range(len(self.extents))]
         parts = []
         for name, n, held in zip(names, self.extents, self.indices):
             if held is None:

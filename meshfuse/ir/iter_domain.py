@@ -9,7 +9,10 @@ A schedule derives new IDs from old ones through transform records:
 
 - :class:`Split`: ``in_id`` of extent ``n`` becomes ``outer`` and ``inner``. With
   ``inner_split=True`` the inner extent is ``factor``; with ``inner_split=False`` (an *outer
-  split*) the outer extent is ``factor``. Index ``i`` of ``in_id`` is ``o * inner + j``.
+  split*) the outer extent is ``factor``; the other part has extent ``ceil(n / factor)``.
+  Index ``i`` of ``in_id`` is ``o * inner + j``. When ``factor`` does not divide ``n`` the
+  last positions ``(o, j)`` (those with ``o * inner + j >= n``) stand for no index: an outer
+  split of 12 by 5 gives blocks of 3, 3, 3, 3 and 0 indices, as ``torch.chunk`` does.
 - :class:`Merge`: adjacent ``outer`` and ``inner`` become ``out`` of the product extent.
 """
 
@@ -100,11 +103,11 @@ Transform = Split | Merge
 def split_ids(in_id: IterDomain, factor: int, inner_split: bool) -> Split:
     """Creates the two IDs of a split of ``in_id`` and returns the record.
 
-    The caller checks divisibility where the extent is static; a symbolic extent gets a
-    symbolic remainder, checked when execute binds it.
+    ``factor`` need not divide the extent: the other part has extent ``ceil(n / factor)``
+    (see the module doc); a symbolic extent gets a symbolic other part.
     """
     n = in_id.extent
-    rest = None if n is None else n // factor
+    rest = None if n is None else -(-n // factor)
     kind = in_id.iter_type
     if inner_split:
         outer, inner = IterDomain(rest, kind), IterDomain(factor, kind)

@@ -6,10 +6,18 @@ This module reads a TensorView's schedule (docs/design.md, sections 4 and 5):
   device whose coordinate on that mesh axis is ``c`` holds the logical indices whose index on
   that ID is ``c`` (an outer split gives a block shard, an inner split a cyclic one, several
   splits compose);
+- a split need not divide its extent (an *uneven* split): the other part has extent
+  ``ceil(n / factor)`` and its last positions stand for no index. An outer split gives
+  DTensor's ``Shard`` (``torch.chunk`` sizes: 12 over 5 devices holds 3, 3, 3, 3 and 0
+  indices), an inner split takes every ``d``-th index (sizes differ by at most one);
+- the *local extent* of an ID on a device is how many of its positions stand for an index
+  the device holds: a logical axis holds its indices, a device-parallel ID 1 (0 where the
+  device's shard is empty), a split part counts its positions among the held indices. Local
+  shapes therefore depend on the device, and so does everything built from them;
 - a logical ID that is itself device-parallel (the older "logical DID axis") has local extent 1;
 - the local tensor has the logical rank (reduction IDs excluded), each sharded axis holding its
-  indices in increasing order, and strides given by the allocation domain with DID IDs of
-  extent 1.
+  indices in increasing order, and dense strides over the local extents in the memory order
+  of the allocation domain.
 """
 
 from __future__ import annotations
@@ -28,20 +36,15 @@ from meshfuse.ir.tensor_view import Allocation, TensorView
 
 
 def derived_extents(tv: TensorView, logical: Mapping[IterDomain, int]) -> dict[IterDomain, int]:
-    """Extents of every ID of ``tv`` given the logical ones; checks that splits divide."""
+    """Extents of every ID of ``tv`` given the logical ones.
+
+    A split of ``n`` by ``factor`` gives ``factor`` and ``ceil(n / factor)``; the factor
+    need not divide ``n`` (an uneven split, see the module doc).
+    """
     extents = dict(logical)
     for t in tv.transforms:
         if isinstance(t, Split):
-            n = extents[t.in_id]
-            if n % t.factor != 0:
-                root = _split_ancestry(tv, t.in_id)[-1]
-                where = (f"axis {tv.logical.index(root)}" if root in tv.logical
-                         else "a merged axis")
-                raise ScheduleError(
-                    f"split factor {t.factor} does not divide extent {n} of {where} of "
-                    f"{tv.name}; choose a divisor of {n} or change the input's size"
-                )
-            rest = n // t.factor
+            rest = -(-extents[t.in_id] // t.factor)
             extents[t.outer], extents[t.inner] = (
                 (rest, t.factor) if t.inner_split else (t.factor, rest)
             )
@@ -106,14 +109,27 @@ def local_indices(
     return torch.nonzero(keep).flatten()
 
 
-def local_extent(tv: TensorView, id_: IterDomain, extents: Mapping[IterDomain, int]) -> int:
-    """The local extent of any ID of ``tv``: a device-parallel ID has extent 1, and an ID
-    that device-parallel IDs were split from shrinks by their extents."""
-    factor = 1
-    for pt_id, pt in tv.parallel.items():
-        if pt.is_device and id_ in _split_ancestry(tv, pt_id):
-            factor *= extents[pt_id]
-    return extents[id_] // factor
+def local_extent(
+    tv: TensorView,
+    id_: IterDomain,
+    extents: Mapping[IterDomain, int],
+    coords: Mapping[ParallelType, int],
+) -> int:
+    """The local extent of any ID of ``tv`` on the device at ``coords``: how many of its
+    positions stand for a global index that the device holds.
+
+    A logical ID's local extent is the number of its indices held here; a device-parallel
+    ID has local extent 1 (0 on a device whose shard is empty); an ID split from a sharded
+    axis counts its positions among the held indices; an ID of an unsharded axis keeps its
+    global extent.
+    """
+    root = _split_ancestry(tv, id_)[-1]
+    held = local_indices(tv, root, extents, coords) if root in tv.logical else None
+    if held is None:
+        return extents[id_]
+    if id_ is root:
+        return held.numel()
+    return split_indices(tv, root, extents)[id_][held].unique().numel()
 
 
 def _split_ancestry(tv: TensorView, id_: IterDomain) -> list[IterDomain]:
@@ -140,20 +156,27 @@ class LocalLayout:
 
 
 def local_layout(
-    tv: TensorView, allocation: Allocation, extents: Mapping[IterDomain, int]
+    tv: TensorView,
+    allocation: Allocation,
+    extents: Mapping[IterDomain, int],
+    coords: Mapping[ParallelType, int] | None = None,
 ) -> LocalLayout:
-    """Local shape, dense strides and memory order of ``tv`` under ``allocation``.
+    """Local shape, dense strides and memory order of ``tv`` on the device at ``coords``
+    (default: coordinate 0 on every mesh axis) under ``allocation``.
 
-    Each logical axis takes the stride of the innermost allocation ID derived from it whose
-    local extent is above 1 (or, if it has none, of its innermost allocation ID).
+    Each logical axis is placed at the innermost allocation ID derived from it whose local
+    extent is above 1 (or, if it has none, at its innermost allocation ID); the strides are
+    dense over the logical axes' local extents in that order, so the empty positions of an
+    uneven split take no memory.
     """
+    if coords is None:
+        coords = {pt: 0 for pt in tv.parallel.values() if pt.is_device}
     logical = tv.materialized()
-    shape = tuple(local_extent(tv, i, extents) for i in logical)
+    shape = tuple(local_extent(tv, i, extents, coords) for i in logical)
     ids = allocation.ids
-    local = [local_extent(tv, i, extents) for i in ids]
-    dense = [math.prod(local[pos + 1 :]) for pos in range(len(ids))]
+    local = [local_extent(tv, i, extents, coords) for i in ids]
     roots = [_allocation_root(tv, i) for i in ids]
-    strides, positions, contiguity = [], [], []
+    positions, contiguity = [], []
     for id_ in logical:
         mine = [pos for pos, root in enumerate(roots) if root is id_]
         sized = [pos for pos in mine if local[pos] > 1]
@@ -163,10 +186,14 @@ def local_layout(
                 "apart; keep the parts of an axis next to each other in the allocation domain"
             )
         pos = (sized or mine)[-1]
-        strides.append(dense[pos])
         positions.append(pos)
         contiguity.append(allocation.contiguity[pos])
     order = tuple(sorted(range(len(logical)), key=lambda a: positions[a]))
+    strides = [0] * len(logical)
+    running = 1
+    for axis in reversed(order):
+        strides[axis] = running
+        running *= max(shape[axis], 1)
     return LocalLayout(shape, tuple(strides), order, tuple(contiguity))
 
 

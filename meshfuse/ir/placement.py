@@ -60,7 +60,10 @@ def placements(tv: TensorView, reduce_op: str = "sum") -> tuple[Placement, ...]:
             continue
         axis = tv.mesh.axis_of(pt)
         if id_.is_reduction:
-            result[axis] = Partial(reduce_op)
+            # With an iteration ID on the same mesh axis the reduction is complete and
+            # scattered (that ID's Shard): partial only otherwise.
+            if not isinstance(result[axis], Shard):
+                result[axis] = Partial(reduce_op)
             continue
         root = logical_root(tv, id_)
         split = made_by.get(id_)

@@ -119,6 +119,8 @@ class TensorView(Val):
         self.parallel: dict[IterDomain, ParallelType] = {}
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
+        # A 0-d fusion input that stays on the CPU beside GPU inputs (define_tensor(is_cpu=True)).
+        self.is_cpu = False
         self.name = "T?"
 
     def copy_into(self, fusion: Fusion) -> TensorView:
@@ -173,7 +175,9 @@ class TensorView(Val):
 
         With ``inner_split=True`` the inner ID has extent ``factor``; with ``False`` the outer
         one does. Example, outer split of axis 1 by 2: ``[iB{2}, iH{12}]`` becomes
-        ``[iB{2}, i{2}, i{6}]``. ``factor`` must divide a static extent.
+        ``[iB{2}, i{2}, i{6}]``. ``factor`` need not divide the extent: the other part gets
+        ``ceil(extent / factor)``, and a device-parallel part shards the axis unevenly as
+        DTensor's ``Shard`` does (12 over 5 devices: 3, 3, 3, 3, 0; see ``ir/layout.py``).
         """
         pos = self._loop_pos(axis)
         old = self.loop[pos]
@@ -181,12 +185,6 @@ class TensorView(Val):
             raise ScheduleError(
                 f"split of axis {axis} of {self.name}: factor must be a positive int, "
                 f"got {factor!r}"
-            )
-        if old.extent is not None and old.extent % factor != 0:
-            raise ScheduleError(
-                f"split factor {factor} does not divide extent {old.extent} of axis {axis} of "
-                f"{self.name}; choose a divisor of {old.extent} (uneven sharding is not "
-                "supported yet)"
             )
         if old in self.parallel:
             raise ScheduleError(
@@ -250,7 +248,10 @@ class TensorView(Val):
         """Executes loop ID ``axis`` as ``parallel_type`` (``Serial`` undoes it).
 
         A device type shards the tensor over that mesh axis; each device type can be used
-        once per tensor, and never on a broadcast ID.
+        once per tensor among its iteration IDs, and once among its reduction IDs (a
+        reduction over the devices whose result is sharded: a reduce-scatter). A broadcast
+        ID (extent 1) may be parallelized only over a mesh axis of one device (checked with
+        the mesh, as any extent); it holds its one element there.
         """
         pos = self._loop_pos(axis)
         id_ = self.loop[pos]
@@ -260,13 +261,20 @@ class TensorView(Val):
                 f"{parallel_type!r}"
             )
         if parallel_type.is_device:
-            if id_.is_broadcast:
+            devices = self._devices_along(parallel_type)
+            if id_.is_broadcast and devices not in (None, 1):
                 raise ScheduleError(
-                    f"axis {axis} of {self.name} is a broadcast axis and cannot be parallelized "
-                    f"on {parallel_type.value}; shard the tensor it is broadcast against"
+                    f"axis {axis} of {self.name} is a broadcast axis (extent 1) and cannot be "
+                    f"sharded over {parallel_type.value}, a mesh axis of {devices} devices; "
+                    "parallelize it only over a mesh axis of one device, or shard the tensor "
+                    "it is broadcast against"
                 )
             for other, pt in self.parallel.items():
-                if pt is parallel_type and other is not id_:
+                # A reduction ID and an iteration ID may share a device type: the reduction
+                # crosses the devices and each keeps its shard of the result (a
+                # reduce-scatter, written nvFuser's way).
+                if pt is parallel_type and other is not id_ and \
+                        other.is_reduction == id_.is_reduction:
                     raise ScheduleError(
                         f"{parallel_type.value} is used twice in {self.name} (axes "
                         f"{self._describe_pos(other)} and {pos}); a device parallel type shards "
@@ -316,6 +324,16 @@ class TensorView(Val):
                 f"axis {axis!r} is out of range for {self.name}, whose loop domain has {n} axes"
             )
         return axis % n
+
+    def _devices_along(self, parallel_type: ParallelType) -> int | None:
+        """The size of the mesh axis of ``parallel_type``, or None while unknown (no mesh
+        yet, or one without that axis: the schedule check reports it)."""
+        if self.mesh is None:
+            return None
+        try:
+            return self.mesh.axis_size(parallel_type)
+        except (ScheduleError, ValueError):
+            return None
 
     def _describe_pos(self, id_: IterDomain) -> int | str:
         return self.loop.index(id_) if id_ in self.loop else repr(id_)

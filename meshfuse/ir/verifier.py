@@ -88,6 +88,13 @@ def _check_tensor(tv: TensorView, world_size: int) -> None:
         except ScheduleError as e:
             raise ScheduleError(f"axis {pos} of {tv.name} is parallelized on {pt.name}: {e}") from None
         size = tv.mesh.shape[axis]
+        if id_.is_broadcast and size != 1:
+            raise ScheduleError(
+                f"axis {pos} of {tv.name} is a broadcast axis (extent 1) parallelized on "
+                f"{pt.value}, a mesh axis of {size} devices, which cannot share one element; "
+                "parallelize it only over a mesh axis of one device, or shard the tensor it "
+                "is broadcast against"
+            )
         if id_.extent is not None and id_.extent != size:
             raise ScheduleError(
                 f"axis {pos} of {tv.name} has extent {id_.extent} but is parallelized on "

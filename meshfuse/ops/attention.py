@@ -9,13 +9,21 @@ one seed (``rng_seed``/``rng_offset``, or drawn from torch's generator) and the 
 position; ``dropout_mode="global"`` makes the mask a function of the global position instead
 (bitwise the unsharded run). See :mod:`meshfuse.ops.attention_dropout`.
 
-Domain map: B and H map between q, k, v, attn, log_sumexp and the gradients; the query
+q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
+``[DIDx, b, h, s, e]``) are batch-like and come first in every output too (without dropout).
+
+Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the gradients; the query
 sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
-contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn, so a
-sharded key/value sequence or head dim shows up as needing communication.
+contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn; in the
+backward, q_grad reduces over the key/value sequence and k_grad, v_grad over the query
+sequence. The sharding rule (``_whole_axes``) says which input axes the kernels need whole;
+the engine gathers them, so a sequence-sharded non-causal attention computes its local query
+rows against all keys, and its key/value gradients are partial sums over the query shards.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -23,18 +31,24 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ir.layout import device_ids
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
+    OFFSET_SPEC,
+    SEED_SPEC,
     SHARD,
     DropoutSite,
     attention_site,
+    kernel_state,
+    no_rng_state,
     resolve_mode,
+    rng_state,
     run_in_stream,
+    seed_and_offset,
+    state_of_kernel,
 )
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
@@ -50,19 +64,20 @@ from meshfuse.ops.registry import (
 )
 from meshfuse.ops.shape_rules import require_tensor
 
-_RNG = OutSpec(DataType.Int, ())
-
 
 def _bhse(op: str, names: tuple[str, ...], metas) -> None:
     for name, m in zip(names, metas):
         m = require_tensor(op, name, m)
-        if m.ndim != 4:
+        if m.ndim < 4 or m.ndim != metas[0].ndim:
             raise DefinitionError(
-                f"{op}: {name} must be [batch, heads, sequence, head_dim], got {m.ndim} axes"
+                f"{op}: {name} must be [batch, heads, sequence, head_dim], optionally after "
+                f"leading axes ({names[0]} has {metas[0].ndim} axes); got {m.ndim} axes"
             )
     first = metas[0]
+    batch_like = [(a, "batch" if a == first.ndim - 4 else "heads" if a == first.ndim - 3
+                   else f"leading axis {a}") for a in range(first.ndim - 2)]
     for name, m in zip(names[1:], metas[1:]):
-        for axis, label in ((0, "batch"), (1, "heads")):
+        for axis, label in batch_like:
             a, b = first.shape[axis], m.shape[axis]
             if None not in (a, b) and a != b:
                 raise DefinitionError(
@@ -76,10 +91,64 @@ def _bhse(op: str, names: tuple[str, ...], metas) -> None:
 
 
 def _check_kv(op: str, q, k, v) -> None:
-    checks = ((k, 2, v, 2, "sequence (axis 2) of k and v"), (q, 3, k, 3, "head_dim of q and k"))
+    checks = ((k, -2, v, -2, "sequence (axis -2) of k and v"),
+              (q, -1, k, -1, "head_dim of q and k"))
     for a, ia, b, ib, what in checks:
         if None not in (a.shape[ia], b.shape[ib]) and a.shape[ia] != b.shape[ib]:
             raise DefinitionError(f"{op}: {what} differ: {a.shape[ia]} and {b.shape[ib]}")
+
+
+def _batch_axes(meta, sources: tuple[int, ...]) -> list[AxisSpec]:
+    """The leading, batch and head axes of ``meta``, each mapped from the same axis of the
+    tensor arguments at ``sources``."""
+    return [AxisSpec(meta.shape[a], IterType.Iteration, tuple((t, a) for t in sources))
+            for a in range(meta.ndim - 2)]
+
+
+def _no_leading_dropout(op: str, q, dropout_p) -> None:
+    p = dropout_p.value if isinstance(dropout_p, ScalarMeta) else dropout_p
+    if q.ndim > 4 and p not in (None, 0, 0.0):
+        raise DefinitionError(
+            f"{op}: dropout with leading axes before [batch, heads, sequence, head_dim] is not "
+            "supported; fold them into the batch axis (reshape), or use dropout_p=0"
+        )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[..., B, H, S, E]`` as ``[B', H, S, E]`` for the kernels (a view for the leading
+    axes of extent 1 a shard has)."""
+    return t if t.ndim == 4 else t.flatten(0, t.ndim - 4)
+
+
+def _flat_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return lse if q.ndim == 4 else lse.flatten(0, q.ndim - 4)
+
+
+def _unflat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A kernel output back to the leading axes of ``like`` (a ``[..., B, H, S, E]`` input)."""
+    return t if like.ndim == 4 else t.unflatten(0, like.shape[:like.ndim - 3])
+
+
+def _leading_folded(fn):
+    """``fn(q, k, v, ...)`` on inputs with leading axes: run on the folded 4-D tensors, the
+    attention output and log-sum-exp unfolded (dropout is refused with leading axes)."""
+    def call(q, k, v, *args, **kwargs):
+        if q.ndim == 4:
+            return fn(q, k, v, *args, **kwargs)
+        attn, lse, seed, offset = fn(_flat(q), _flat(k), _flat(v), *args, **kwargs)
+        return _unflat(attn, q), _unflat(lse, q), seed, offset
+    return call
+
+
+def _leading_folded_bwd(fn):
+    """``fn(grad_attn, q, k, v, attn, log_sumexp, ...)`` likewise, gradients unfolded."""
+    def call(grad_attn, q, k, v, attn, lse, *args, **kwargs):
+        if q.ndim == 4:
+            return fn(grad_attn, q, k, v, attn, lse, *args, **kwargs)
+        grads = fn(_flat(grad_attn), _flat(q), _flat(k), _flat(v), _flat(attn),
+                   _flat_lse(lse, q), *args, **kwargs)
+        return tuple(_unflat(g, x) for g, x in zip(grads, (q, k, v)))
+    return call
 
 
 def _check_scalars(op: str, dropout_p, is_causal, scale) -> None:
@@ -103,57 +172,61 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
     resolve_mode("sdpfa_fwd", dropout_mode)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
     _check_kv("sdpfa_fwd", q, k, v)
-    batch = AxisSpec(q.shape[0], IterType.Iteration, ((0, 0), (1, 0), (2, 0)))
-    heads = AxisSpec(q.shape[1], IterType.Iteration, ((0, 1), (1, 1), (2, 1)))
-    seq = AxisSpec(q.shape[2], IterType.Iteration, ((0, 2),))
+    _no_leading_dropout("sdpfa_fwd", q, dropout_p)
+    batch = _batch_axes(q, (0, 1, 2))
+    seq = AxisSpec(q.shape[-2], IterType.Iteration, ((0, q.ndim - 2),))
     attn = (
-        batch, heads, seq,
-        AxisSpec(v.shape[3], IterType.Iteration, ((2, 3),)),
-        AxisSpec(k.shape[2], IterType.Reduction, ((1, 2), (2, 2))),
-        AxisSpec(q.shape[3], IterType.Reduction, ((0, 3), (1, 3))),
+        *batch, seq,
+        AxisSpec(v.shape[-1], IterType.Iteration, ((2, v.ndim - 1),)),
+        AxisSpec(k.shape[-2], IterType.Reduction, ((1, k.ndim - 2), (2, v.ndim - 2))),
+        AxisSpec(q.shape[-1], IterType.Reduction, ((0, q.ndim - 1), (1, k.ndim - 1))),
     )
-    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (batch, heads, seq)), _RNG, _RNG]
+    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (*batch, seq)), SEED_SPEC,
+            OFFSET_SPEC]
 
 
+@_leading_folded
 def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
          dropout_mode=None, site: DropoutSite | None = None):
-    if float(dropout_p) > 0.0:
-        site = site or _whole_site(dropout_mode, q, k)
-        return _dropout_fwd(q, k, v, float(dropout_p), is_causal, scale, rng_seed, rng_offset,
-                            site)
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_forward(q, k, v, dropout_p, is_causal, scale, backend)
+    site = site or _whole_site(dropout_mode, q, k)
+    backend = _backend(site, q, k, v, float(dropout_p), is_causal)
+    return _forward(backend, None, q, k, v, float(dropout_p), is_causal, scale, rng_seed,
+                    rng_offset, site)
 
 
 def _whole_site(mode, q, k) -> DropoutSite:
     """The site of an attention run outside a program: the whole (unsharded) tensors."""
-    index = GlobalIndex.whole(tuple(q.shape[:3]))
-    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[2])
+    index = GlobalIndex.whole(tuple(q.shape))
+    return attention_site(resolve_mode("sdpfa_fwd", mode), index, k.shape[-2])
 
 
-def _dropout_backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBackend:
-    if site.mode == GLOBAL:
+def _backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBackend:
+    """The global dropout mask needs the math kernel; otherwise the fastest that runs."""
+    if dropout_p > 0.0 and site.mode == GLOBAL:
         return AttentionBackend.MATH
     return select_backend(q, k, v, dropout_p, is_causal)
 
 
-def _dropout_fwd(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 site: DropoutSite):
-    """The forward with dropout: the math kernel with this shard's mask, or a fused CUDA
-    kernel drawing from this shard's stream. Returns the fused kernel's RNG state, or the
-    seed and offset for the math kernel."""
+def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
+             site: DropoutSite):
+    """One forward with ``backend``: through ``sdpa_forward`` (checked), or ``kernel``, the
+    raw kernel already bound to these inputs. With dropout, the math kernel gets this shard's
+    mask, a fused kernel draws from this shard's stream. Returns attn, log_sumexp and the RNG
+    state in nvFuser's form (see :mod:`meshfuse.ops.attention_dropout`)."""
+    scale = None if scale is None else float(scale)
+    call = kernel or functools.partial(attention_kernels.sdpa_forward, backend=backend)
+    if dropout_p == 0.0:
+        attn, lse, _, _ = call(q, k, v, dropout_p, is_causal, scale)
+        return (attn, lse, *no_rng_state(q.device))
     seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
-    backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
     if backend is AttentionBackend.MATH:
         keep = site.keep_mask(seed, offset, dropout_p, q.device)
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
-        return attn, lse, torch.tensor(seed), torch.tensor(offset)
-    return run_in_stream(site.stream(seed, offset), q.device, attention_kernels.sdpa_forward,
-                         q, k, v, dropout_p, is_causal, scale, backend)
-
-
-_NO_RNG = torch.zeros((), dtype=torch.int64)
+        return (attn, lse, *rng_state(seed, offset))
+    attn, lse, kernel_seed, kernel_offset = run_in_stream(
+        site.stream(seed, offset), q.device, call, q, k, v, dropout_p, is_causal, scale)
+    return (attn, lse, *state_of_kernel(backend, kernel_seed, kernel_offset, q.device))
 
 
 class _Forward:
@@ -162,35 +235,63 @@ class _Forward:
     draws from this shard's stream (``site``)."""
 
     def __init__(self) -> None:
-        self.kernels = {}  # dropout or not -> the bound forward kernel (None: math)
+        self.bound = {}  # dropout or not -> (backend, raw forward kernel or None for math)
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, site):
+        if q.ndim > 4:
+            _no_leading_dropout("sdpfa_fwd", q, dropout_p)
+            return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
+                                         rng_offset, dropout_mode, site)
         p = float(dropout_p)
-        kernel = self.kernels.get(p > 0.0, False)
-        if kernel is False:  # first call: checked, and the kernel bound
-            self.kernels[p > 0.0] = _bound(0, q, k, v, p, is_causal, site)
+        if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
+            self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site)
             return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
-        scale = None if scale is None else float(scale)
-        if p == 0.0:
-            attn, lse, seed, offset = kernel(q, k, v, p, is_causal, scale)
-            return (attn, lse, _NO_RNG, _NO_RNG) if seed is None else (attn, lse, seed, offset)
-        if kernel is None:  # the math kernel: the mask dominates, no shortcut
-            return _dropout_fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site)
-        seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
-        return run_in_stream(site.stream(seed, offset), q.device, kernel, q, k, v, p,
-                             is_causal, scale)
+        backend, kernel = self.bound[p > 0.0]
+        return _forward(backend, kernel, q, k, v, p, is_causal, scale, rng_seed, rng_offset,
+                        site)
 
 
-def _bound(which: int, q, k, v, dropout_p, is_causal, site):
-    """The raw forward (``which`` 0) or backward (1) kernel for these inputs, or None for
-    the math kernel with dropout (which needs its mask)."""
-    if dropout_p > 0.0:
-        backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
-        if backend is AttentionBackend.MATH:
-            return None
-        return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
-    return attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal)[1 + which]
+def _bind(which: int, q, k, v, dropout_p, is_causal, site):
+    """``(backend, kernel)``: the raw forward (``which`` 0) or backward (1) kernel for these
+    inputs, None for the math kernel with dropout (it needs its mask: the checked path)."""
+    backend = _backend(site, q, k, v, dropout_p, is_causal)
+    if dropout_p > 0.0 and backend is AttentionBackend.MATH:
+        return backend, None
+    return backend, attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal,
+                                                   backend)[1 + which]
+
+
+def _whole_axes(expr) -> set:
+    """The input axes attention computes on whole (its sharding rule): the head dims and,
+    in the forward, the key/value sequence (a softmax over them is not a sum of the shards'
+    results); with a causal mask, or one not known before execute, the query sequence too (a
+    shard's mask would need its offset). Batch and heads shard freely; so does the query
+    sequence of non-causal attention, whose backward then sums the key/value gradients of
+    the query shards (their reduction over the query sequence is a partial result), and the
+    key sequence of a backward without mask or dropout (q_grad is then the partial sum)."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    q, k, v = args["q"], args["k"], args["v"]
+    lead = len(q.materialized()) - 4  # leading axes before [b, h, s, e]
+    seq, dim = lead + 2, lead + 3
+
+    def axis(t, a):
+        return t.materialized()[a]
+
+    whole = {axis(k, seq), axis(v, seq), axis(q, dim), axis(k, dim)}
+    rows = [q]
+    causal = _arg(expr, "is_causal") is not False
+    if expr.op.name == "sdpfa_bwd":
+        grad, attn = args["grad_attn"], args["attn"]
+        whole |= {axis(v, dim), axis(grad, dim), axis(attn, dim)}
+        rows += [grad, attn, args["log_sumexp"]]
+        if not causal and _arg(expr, "dropout_p") == 0.0:
+            # On a key shard q_grad is a partial sum (the log-sum-exp makes each block's
+            # probabilities exact); neither mask knows a key shard's offset.
+            whole -= {axis(k, seq), axis(v, seq)}
+    if causal:
+        whole |= {axis(t, seq) for t in rows}
+    return whole
 
 
 def _raw(expr, name: str):
@@ -205,30 +306,15 @@ def _arg(expr, name: str):
 
 
 def _check_sharding(expr) -> None:
-    """A sharded query sequence needs a mask offset in causal attention (not supported yet);
-    a backward with per-shard dropout streams must be sharded as its forward was."""
+    """A backward with per-shard dropout streams must be sharded as its forward was."""
     q = expr.args[1 if expr.op.name == "sdpfa_bwd" else 0]
-    if _arg(expr, "is_causal") is not False and device_ids(q).get(q.logical[2]):
-        raise ShardingError(
-            f"{expr.op.name}: the query sequence (axis 2) of {q.name} is sharded and the "
-            "attention is causal; the causal mask of a sequence shard is not supported yet: "
-            "shard batch or heads, or gather the sequence first"
-        )
-    # sdpfa_bwd runs on a shard of the keys (its query gradient is then a partial sum), but
-    # neither a causal mask nor a dropout mask knows the shard's offset.
-    k = expr.args[2 if expr.op.name == "sdpfa_bwd" else 1]
-    if device_ids(k).get(k.logical[2]) and (_arg(expr, "is_causal") is not False or
-                                            _arg(expr, "dropout_p") != 0.0):
-        raise ShardingError(
-            f"{expr.op.name}: the key sequence (axis 2) of {k.name} is sharded and the "
-            "attention is causal or drops out; gather the key/value sequence first"
-        )
     forward = _forward_of(expr)
     if expr.op.name != "sdpfa_bwd" or forward is None or _arg(expr, "dropout_p") == 0.0:
         return
     if _bwd_mode(expr) == SHARD and any(
             shard_signature(a, a.logical[axis]) != shard_signature(b, b.logical[axis])
-            for a, b in ((forward.outputs[0], expr.outputs[0]),) for axis in range(3)):
+            for a, b in ((forward.outputs[0], expr.outputs[0]),)
+            for axis in range(len(q.logical) - 1)):
         raise ShardingError(
             f"sdpfa_bwd: {expr.outputs[0].name} is sharded otherwise than "
             f"{forward.outputs[0].name} on batch, heads or sequence, so the per-shard dropout "
@@ -258,8 +344,9 @@ def _forward_of(expr):
     """The ``sdpfa_fwd`` whose seed an ``sdpfa_bwd`` reads, or None."""
     seed = _arg(expr, "seed") if expr.op.name == "sdpfa_bwd" else None
     forward = getattr(seed, "definition", None)
+    while forward is not None and (forward.op is None or forward.op.name == "set"):
+        forward = getattr(forward.args[0], "definition", None)  # through copies of the seed
     return forward if forward is not None and forward.op.name == "sdpfa_fwd" else None
-
 
 def _bwd_mode(expr) -> str:
     """The backward's dropout mode: its own, else its forward's, else the default."""
@@ -277,11 +364,11 @@ def _seed_arg(expr, name: str):
 
 
 def _localize(expr, here):
-    """This rank's dropout site: its shard's position in the global ``[B, H, S, Skv]``."""
+    """This rank's dropout site: its shard's position in the global ``[..., B, H, S, Skv]``."""
     backward = expr.op.name == "sdpfa_bwd"
     mode = _bwd_mode(expr) if backward else resolve_mode("sdpfa_fwd", _arg(expr, "dropout_mode"))
     k = expr.args[2 if backward else 1]
-    kv_length = here.index(k).extents[2]
+    kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
     p = _arg(expr, "dropout_p")
     if p == 0.0:
@@ -300,8 +387,8 @@ register(OpDef(
      scalar("rng_offset", None), attr("dropout_mode", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
-    partial_reduce=None, check_sharding=_check_sharding, make_impl=_Forward,
-    vjp=Vjp(_fwd_grads, differentiable=(0,)),
+    partial_reduce=None, whole_axes=_whole_axes, check_sharding=_check_sharding,
+    make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
     localize=_localize,
 ))
 
@@ -313,52 +400,66 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
         resolve_mode("sdpfa_bwd", dropout_mode)
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
     _check_kv("sdpfa_bwd", q, k, v)
+    _no_leading_dropout("sdpfa_bwd", q, dropout_p)
+    n = q.ndim
     for name, m in (("grad_attn", grad_attn), ("attn", attn)):
-        if None not in (m.shape[2], q.shape[2]) and m.shape[2] != q.shape[2]:
+        if None not in (m.shape[-2], q.shape[-2]) and m.shape[-2] != q.shape[-2]:
             raise DefinitionError(
-                f"sdpfa_bwd: sequence (axis 2) of {name} is {m.shape[2]} but q's is {q.shape[2]}"
+                f"sdpfa_bwd: sequence (axis -2) of {name} is {m.shape[-2]} but q's is "
+                f"{q.shape[-2]}"
             )
-    others = ((0, 0), (4, 0), (5, 0)), ((0, 1), (4, 1), (5, 1))
+    # Batch-like axes (leading, batch, heads) are one axis of all six tensors: a gradient's
+    # map lists them all (its own tensor first), so the outputs agree on how they are sharded.
+    tensors = (1, 2, 3, 0, 4, 5)
+    query_rows = ((1, n - 2), (0, n - 2), (4, n - 2), (5, n - 2))  # q, grad_attn, attn, lse
 
     def grad_of(pos: int, meta):
-        axes = [
-            AxisSpec(meta.shape[0], IterType.Iteration, ((pos, 0),) + others[0]),
-            AxisSpec(meta.shape[1], IterType.Iteration, ((pos, 1),) + others[1]),
-            AxisSpec(meta.shape[2], IterType.Iteration, ((pos, 2),)),
-            AxisSpec(meta.shape[3], IterType.Iteration, ((pos, 3),)),
-        ]
+        axes = [AxisSpec(meta.shape[a], IterType.Iteration,
+                         ((pos, a),) + tuple((t, a) for t in tensors if t != pos))
+                for a in range(n - 2)]
         if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
-            axes[2] = AxisSpec(meta.shape[2], IterType.Iteration, ((1, 2), (0, 2), (4, 2), (5, 2)))
-            axes.append(AxisSpec(k.shape[2], IterType.Reduction, ((2, 2), (3, 2))))
+            axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, query_rows))
+        else:
+            axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, ((pos, n - 2),)))
+        axes.append(AxisSpec(meta.shape[-1], IterType.Iteration, ((pos, n - 1),)))
+        if pos == 1:
+            axes.append(AxisSpec(k.shape[-2], IterType.Reduction, ((2, n - 2), (3, n - 2))))
         else:  # k_grad and v_grad sum over the queries
-            axes.append(AxisSpec(q.shape[2], IterType.Reduction, ((1, 2), (0, 2), (4, 2), (5, 2))))
+            axes.append(AxisSpec(q.shape[-2], IterType.Reduction, query_rows))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
 
 
+@_leading_folded_bwd
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
          dropout_mode=None, site: DropoutSite | None = None):
-    if float(dropout_p) > 0.0:
-        site = site or _whole_site(dropout_mode, q, k)
-        return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, float(dropout_p), is_causal,
-                            seed, offset, scale, site)
-    backend = select_backend(q, k, v, dropout_p, is_causal)
-    return attention_kernels.sdpa_backward(
-        grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale, backend
-    )
+    site = site or _whole_site(dropout_mode, q, k)
+    backend = _backend(site, q, k, v, float(dropout_p), is_causal)
+    return _backward(backend, None, grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
+                     is_causal, seed, offset, scale, site)
 
 
-def _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, site: DropoutSite):
-    """The backward with the forward's mask: the math kernel redraws it from the forward's
-    seed and offset; a fused kernel replays the RNG state its forward returned."""
-    backend = _dropout_backend(site, q, k, v, dropout_p, is_causal)
-    mask = None
-    if backend is AttentionBackend.MATH:
-        mask = site.keep_mask(int(seed), int(offset), dropout_p, q.device)
-    return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
-                                           is_causal, seed, offset, scale, backend, mask)
+def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal,
+              seed, offset, scale, site: DropoutSite):
+    """One backward with the forward's mask: the math kernel redraws it from the forward's
+    seed and offset (and this shard's site); a fused kernel replays its forward's RNG state.
+    ``kernel``: the raw kernel bound to these inputs, or None for the checked call."""
+    scale = None if scale is None else float(scale)
+    if backend is AttentionBackend.MATH and dropout_p > 0.0:
+        mask = site.keep_mask(*seed_and_offset(seed, offset), dropout_p, q.device)
+        return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
+                                               dropout_p, is_causal, seed, offset, scale,
+                                               backend, mask)
+    seed, offset = kernel_state(backend, seed, offset, dropout_p, q.device)
+    if kernel is None:
+        return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
+                                               dropout_p, is_causal, seed, offset, scale,
+                                               backend)
+    if grad_attn.stride(-1) != 1:
+        grad_attn = grad_attn.contiguous()
+    return kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
+                  scale)
 
 
 class _Backward:
@@ -366,23 +467,22 @@ class _Backward:
     the first call; a fused kernel replays the RNG state its forward returned."""
 
     def __init__(self) -> None:
-        self.kernels = {}  # dropout or not -> the bound backward kernel (None: math)
+        self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, site):
+        if q.ndim > 4:
+            _no_leading_dropout("sdpfa_bwd", q, dropout_p)
+            return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
+                                             is_causal, seed, offset, scale, dropout_mode, site)
         p = float(dropout_p)
-        kernel = self.kernels.get(p > 0.0, False)
-        if kernel is False:
-            self.kernels[p > 0.0] = _bound(1, q, k, v, p, is_causal, site)
+        if (p > 0.0) not in self.bound:
+            self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
                         site=site)
-        if kernel is None:
-            return _dropout_bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed,
-                                offset, scale, site)
-        if grad_attn.stride(-1) != 1:
-            grad_attn = grad_attn.contiguous()
-        return kernel(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset,
-                      None if scale is None else float(scale))
+        backend, kernel = self.bound[p > 0.0]
+        return _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, p, is_causal,
+                         seed, offset, scale, site)
 
 
 register(OpDef(
@@ -394,6 +494,7 @@ register(OpDef(
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
     # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
-    partial_reduce="sum", check_sharding=_check_sharding, make_impl=_Backward,
+    partial_reduce="sum", whole_axes=_whole_axes, check_sharding=_check_sharding,
+    make_impl=_Backward,
     localize=_localize,
 ))

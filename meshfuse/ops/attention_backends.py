@@ -243,7 +243,8 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
                    requested: AttentionBackend | str | None = None) -> AttentionBackend:
     """Pick the SDPA kernel for these inputs; the same inputs always get the same answer.
 
-    On CPU: ``CPU_FLASH`` (``MATH`` if E != Ev or with dropout). On CUDA: cuDNN on sm90/sm100 when
+    On CPU: ``CPU_FLASH`` (``MATH`` if E != Ev or with dropout). Empty inputs (an empty
+    shard) get ``MATH``. On CUDA: cuDNN on sm90/sm100 when
     :func:`cudnn_preferred` and PyTorch's checks allow it, then flash, then memory-efficient,
     then ``MATH``. ``requested`` (a backend or its lowercase name) overrides the choice, and
     when it is None the environment variable ``MESHFUSE_SDPA_BACKEND`` (auto, cudnn, flash,
@@ -271,6 +272,10 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     """
     check_qkv(q, k, v)
     check_dropout(q, dropout_p)
+    if requested is None and min(q.numel(), k.numel(), v.numel()) == 0:
+        # An empty shard (uneven sharding: a device with no heads): the fused kernels
+        # divide by the extents, the math one computes an empty result.
+        return AttentionBackend.MATH
     wanted = _requested(requested)
     key = _selection_key(q, k, v, dropout_p, is_causal, wanted)
     backend = _SELECTION_CACHE.get(key)

@@ -16,6 +16,11 @@ drawn from torch's default generator at each call) decide every mask. Two modes:
   rng_offset=offset)`` gives, so a sharded run is bitwise the unsharded one at any world
   size. It always runs the math kernel (the probability matrix is materialized).
 
+The RNG state ``sdpfa_fwd`` returns for its backward has nvFuser's form whatever the kernel:
+``seed`` a ``[2]`` uint64 tensor holding the stream's (Philox seed, offset), ``offset`` a 0-d
+uint64 zero; zeros without dropout. :func:`rng_state` and :func:`kernel_state` convert
+between it and each kernel's own tensors.
+
 ``MESHFUSE_DROPOUT_MODE=global|shard`` sets the mode of attention calls that do not pass
 ``dropout_mode``. A backward that does not pass it uses its forward's.
 """
@@ -27,9 +32,12 @@ import os
 
 import torch
 
+from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ops import rng
+from meshfuse.ops.attention_backends import AttentionBackend
+from meshfuse.ops.registry import AxisSpec, OutSpec
 
 ENV_VAR = "MESHFUSE_DROPOUT_MODE"
 SHARD, GLOBAL = "shard", "global"
@@ -59,9 +67,16 @@ class DropoutSite:
     index: GlobalIndex
 
     @property
-    def position(self) -> tuple[int, int, int]:
-        """The shard's first global batch, head and query index."""
-        return self.index.starts[:3]
+    def position(self) -> tuple[int, ...]:
+        """The shard's first global index on every axis but the keys (batch, head, query,
+        and any leading axes before them)."""
+        return self.index.starts[:-1]
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """``b, h, s, k``, after ``l0, l1, ...`` for leading axes."""
+        leading = len(self.index.extents) - 4
+        return tuple(f"l{a}" for a in range(leading)) + ("b", "h", "s", "k")
 
     def stream(self, seed: int, offset: int) -> int:
         """The key of the stream this rank draws from for ``seed`` and ``offset``."""
@@ -88,18 +103,18 @@ class DropoutSite:
             if isinstance(seed, int) and isinstance(offset, int):
                 source += f" (stream key {self.stream(seed, offset):#018x})"
         if self.mode == GLOBAL:
-            return (f"dropout mask at global {self.index.describe('bhsk')} from "
+            return (f"dropout mask at global {self.index.describe(self.axis_names)} from "
                     f"uniform(seed, offset); {source}")
-        b, h, s = self.position
-        return (f"dropout stream of this shard: hash(seed, offset, b={b}, h={h}, s={s}); "
-                f"{source}")
+        where = ", ".join(f"{n}={i}" for n, i in zip(self.axis_names, self.position))
+        return f"dropout stream of this shard: hash(seed, offset, {where}); {source}"
 
 
 def attention_site(mode: str, out: GlobalIndex, kv_length: int) -> DropoutSite:
     """The site of an attention whose output (or query gradient) has index ``out``
-    (``[B, H, S, ...]``) and whose keys number ``kv_length`` (always held whole)."""
-    return DropoutSite(mode, GlobalIndex(out.extents[:3] + (kv_length,),
-                                         out.indices[:3] + (None,)))
+    (``[..., B, H, S, E]``) and whose keys number ``kv_length`` (always held whole): the mask
+    is ``[..., B, H, S, Skv]``."""
+    return DropoutSite(mode, GlobalIndex(out.extents[:-1] + (kv_length,),
+                                         out.indices[:-1] + (None,)))
 
 
 def run_in_stream(key: int, device: torch.device, kernel, *args):
@@ -121,3 +136,93 @@ def run_in_stream(key: int, device: torch.device, kernel, *args):
         return kernel(*args)
     finally:
         generator.set_state(saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# The RNG state a forward hands to its backward
+
+SEED_SPEC = OutSpec(DataType.UInt64, (AxisSpec(2),))
+OFFSET_SPEC = OutSpec(DataType.UInt64, ())
+_ZEROS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state of an attention without dropout: zeros, shared (never written)."""
+    zeros = _ZEROS.get(device)
+    if zeros is None:
+        zeros = (torch.zeros(2, dtype=torch.uint64, device=device),
+                 torch.zeros((), dtype=torch.uint64, device=device))
+        _keep(_ZEROS, device, device, zeros)
+    return zeros
+
+
+def _keep(cache: dict, key, device: torch.device, value) -> None:
+    """Caches ``value`` unless it was made inside a CUDA graph capture (its zeros are only
+    written when the graph replays)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        cache[key] = value
+
+
+def rng_state(seed: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state of the math kernel's mask: the seed and offset it was drawn with."""
+    pair = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint64)
+    return pair, no_rng_state(pair.device)[1]
+
+
+def state_of_kernel(backend: AttentionBackend, seed, offset, device: torch.device):
+    """nvFuser's form of a fused kernel's RNG state (``seed``/``offset`` as it returned
+    them): flash's already is; cuDNN's ``[1]`` int64 pair and the memory-efficient kernel's
+    0-d int64 pair are joined into one ``[2]`` tensor (no copy back to the host)."""
+    if backend is AttentionBackend.FLASH:
+        return seed, offset
+    pair = torch.cat([seed.reshape(1), offset.reshape(1)]).view(torch.uint64)
+    return pair, no_rng_state(pair.device)[1]
+
+
+def kernel_state(backend: AttentionBackend, seed: torch.Tensor, offset: torch.Tensor,
+                 dropout_p: float, device: torch.device):
+    """The fused kernel's own ``(seed, offset)`` tensors back from nvFuser's form (without
+    dropout: zeros of the kernel's form, which it does not read)."""
+    if dropout_p == 0.0:
+        return _kernel_zeros(backend, device)
+    if backend is AttentionBackend.FLASH:
+        return seed, offset
+    _check_state(seed, offset)
+    pair = seed.view(torch.int64)
+    if backend is AttentionBackend.CUDNN:
+        return pair[0:1], pair[1:2]
+    return pair[0], pair[1]  # memory-efficient: 0-d int64 (on the CPU, as it returned them)
+
+
+_KERNEL_ZEROS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _kernel_zeros(backend: AttentionBackend, device: torch.device):
+    key = (backend, device)
+    zeros = _KERNEL_ZEROS.get(key)
+    if zeros is None:
+        if backend is AttentionBackend.FLASH:
+            zeros = no_rng_state(device)
+        elif backend is AttentionBackend.CUDNN:  # its backward wants them on the GPU
+            zeros = (torch.zeros(1, dtype=torch.int64, device=device),
+                     torch.zeros(1, dtype=torch.int64, device=device))
+        else:
+            zeros = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+        _keep(_KERNEL_ZEROS, key, device, zeros)
+    return zeros
+
+
+def seed_and_offset(seed: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]:
+    """The seed and offset of the math kernel's mask, from its state."""
+    _check_state(seed, offset)
+    first, second = seed.view(torch.int64).tolist()
+    return first, second
+
+
+def _check_state(seed, offset) -> None:
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.uint64 or \
+            tuple(seed.shape) != (2,):
+        got = f"{seed.dtype} {list(seed.shape)}" if isinstance(seed, torch.Tensor) else \
+            type(seed).__name__
+        raise InputError(f"sdpfa_bwd: seed must be the forward's RNG state, a uint64 [2] "
+                         f"tensor, got {got}; pass sdpfa_fwd's seed and offset outputs")

@@ -26,7 +26,8 @@ MATH       contiguous BHSE         contiguous            contiguous BHSE
 (S32 is S rounded up to a multiple of 32: the efficient kernel pads its log-sum-exp, and its
 backward reads the padding; :func:`sdpa_backward` restores it.) ``seed`` and ``offset`` are
 0-d int64 zeros on the CPU for the CPU flash and math kernels (the math kernel takes its
-dropout mask as an argument: ``dropout_mask``). Otherwise they are the kernel's own RNG
+dropout mask as an argument: ``dropout_mask``). ``sdpfa_fwd`` hands them to its backward in
+nvFuser's form (:mod:`meshfuse.ops.attention_dropout`). Otherwise they are the kernel's own RNG
 state, opaque, to be passed back unchanged: flash gives a ``[2]`` uint64 (seed, offset) and a
 0-d uint64 placeholder, on the GPU; cuDNN ``[1]`` int64 tensors on the GPU; efficient 0-d
 int64 on the CPU (on the GPU under CUDA-graph capture).

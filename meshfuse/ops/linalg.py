@@ -6,10 +6,14 @@ both operands' contracted axes, so that a sharded contraction shows up as a part
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from meshfuse.errors import DefinitionError
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError, ShardingError
 from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.layout import device_ids
 from meshfuse.ops.registry import (
     AxisSpec,
     Kind,
@@ -111,29 +115,51 @@ register(OpDef(
 
 
 def _linear_infer(x, weight, bias):
+    """``x [..., k]`` times ``weight [*lead, n, k]`` (transposed), plus ``bias [*lead, n]``:
+    ``[*lead, ..., n]``. A weight with leading axes (nvFuser's ``[d, e, e]`` with a logical
+    device axis ``d``) puts them first in the output."""
     x = require_tensor("linear", "x", x)
     weight = require_tensor("linear", "weight", weight)
-    if weight.ndim != 2 or x.ndim < 1:
+    if weight.ndim < 2 or x.ndim < 1:
         raise DefinitionError(
-            f"linear: weight must be [out_features, in_features] (got {weight.ndim} axes) and "
-            f"x must have at least one axis"
+            f"linear: weight must be [..., out_features, in_features] (got {weight.ndim} axes) "
+            "and x must have at least one axis"
         )
-    k = _check_contraction("linear", x, x.ndim - 1, weight, 1)
-    axes = [AxisSpec(e, t, ((0, a),)) for a, (e, t) in
-            enumerate(zip(x.shape[:-1], x.iter_types[:-1]))]
-    out_sources = ((1, 0),)
-    if bias is not None:
+    lead = weight.ndim - 2
+    k = _check_contraction("linear", x, x.ndim - 1, weight, weight.ndim - 1)
+    has_bias = bias is not None
+    if has_bias:
         bias = require_tensor("linear", "bias", bias)
-        if bias.ndim != 1 or None not in (bias.shape[0], weight.shape[0]) and \
-                bias.shape[0] != weight.shape[0]:
+        expected = (*weight.shape[:lead], weight.shape[-2])
+        if bias.ndim != lead + 1 or any(None not in (b, w) and b != w
+                                        for b, w in zip(bias.shape, expected)):
             raise DefinitionError(
-                f"linear: bias must be [out_features] = [{weight.shape[0]}], got {list(bias.shape)}"
+                f"linear: bias must be [..., out_features] = {list(expected)}, got "
+                f"{list(bias.shape)}"
             )
-        out_sources = ((1, 0), (2, 0))
-    _check_dtypes("linear", x=x, weight=weight, **({} if bias is None else {"bias": bias}))
-    axes.append(AxisSpec(weight.shape[0], IterType.Iteration, out_sources))
-    axes.append(AxisSpec(k, IterType.Reduction, ((0, x.ndim - 1), (1, 1))))
+    _check_dtypes("linear", x=x, weight=weight, **({"bias": bias} if has_bias else {}))
+
+    def from_weight(axis: int, bias_axis: int) -> AxisSpec:
+        sources = ((1, axis), (2, bias_axis)) if has_bias else ((1, axis),)
+        return AxisSpec(weight.shape[axis], weight.iter_types[axis], sources)
+
+    axes = [from_weight(a, a) for a in range(lead)]
+    axes += [AxisSpec(e, t, ((0, a),)) for a, (e, t) in
+             enumerate(zip(x.shape[:-1], x.iter_types[:-1]))]
+    axes.append(dataclasses.replace(from_weight(lead, lead), iter_type=IterType.Iteration))
+    axes.append(AxisSpec(k, IterType.Reduction, ((0, x.ndim - 1), (1, weight.ndim - 1))))
     return [OutSpec(promote(x, weight), tuple(axes))]
+
+
+def _linear(x, weight, bias):
+    if weight.ndim == 2:
+        return torch.nn.functional.linear(x, weight, bias)
+    lead = weight.shape[:-2]
+    rows = x.reshape(1, -1, x.shape[-1])                       # [1, m, k]
+    out = torch.matmul(rows, weight.reshape(-1, *weight.shape[-2:]).transpose(-1, -2))
+    if bias is not None:                                         # [L, m, n] + [L, 1, n]
+        out = out + bias.reshape(-1, 1, bias.shape[-1])
+    return out.reshape(*lead, *x.shape[:-1], weight.shape[-2])
 
 
 def _weight_grad(d, g):
@@ -154,6 +180,11 @@ def _weight_grad(d, g):
 
 def _linear_grads(d, grads):
     o, g = d.ops, grads[0]
+    if d.ndim("weight") > 2:
+        raise DefinitionError(
+            "linear: the gradient of a linear whose weight has leading axes (nvFuser's "
+            "[d, n, k]) is not derived; write it with matmul, or use a 2-D weight"
+        )
     return {
         "x": lambda: o.matmul(g, d.value("weight")),
         "weight": lambda: _weight_grad(d, g),
@@ -164,8 +195,66 @@ def _linear_grads(d, grads):
 
 register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
-    lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
-    doc="x @ weight.T + bias",
+    _linear,
+    doc="x @ weight.T + bias (weight [..., n, k]: leading axes come first)",
     prefer_inputs=(1, 2), output_layout="contiguous",
     partial_addends=(2,), vjp=Vjp(_linear_grads),
+))
+
+
+def _grouped_mm_infer(mat1, mat2, offsets):
+    """``mat1 [m, k]`` by groups of rows: rows ``offsets[g-1]:offsets[g]`` times ``mat2[g]``
+    (``[G, k, n]``) give ``[m, n]`` (PyTorch's ``_grouped_mm``, MoE experts)."""
+    mat1 = require_tensor("grouped_mm", "mat1", mat1)
+    mat2 = require_tensor("grouped_mm", "mat2", mat2)
+    offsets = require_tensor("grouped_mm", "offsets", offsets)
+    if mat1.ndim != 2 or mat2.ndim != 3 or offsets.ndim != 1:
+        raise DefinitionError(
+            f"grouped_mm: supports mat1 [m, k], mat2 [groups, k, n] and offsets [groups]; got "
+            f"{mat1.ndim}, {mat2.ndim} and {offsets.ndim} axes"
+        )
+    if offsets.dtype not in (DataType.Int32, DataType.Int):
+        raise DefinitionError(
+            f"grouped_mm: offsets must be Int32 (cumulative row ends), got {offsets.dtype.name}"
+        )
+    for a, b, what in ((mat2.shape[0], offsets.shape[0], "groups of mat2 and offsets"),):
+        if None not in (a, b) and a != b:
+            raise DefinitionError(f"grouped_mm: {what} differ: {a} and {b}")
+    _check_dtypes("grouped_mm", mat1=mat1, mat2=mat2)
+    k = _check_contraction("grouped_mm", mat1, 1, mat2, 1)
+    axes = (
+        AxisSpec(mat1.shape[0], mat1.iter_types[0], ((0, 0),)),
+        AxisSpec(mat2.shape[2], mat2.iter_types[2], ((1, 2),)),
+        AxisSpec(k, IterType.Reduction, ((0, 1), (1, 1))),
+    )
+    return [OutSpec(mat1.dtype, axes)]
+
+
+def _grouped_mm(mat1, mat2, offsets):
+    out = mat1.new_empty(mat1.shape[0], mat2.shape[2])
+    start = 0
+    for group, end in enumerate(offsets.tolist()):
+        torch.matmul(mat1[start:end], mat2[group], out=out[start:end])
+        start = end
+    return out
+
+
+def _check_grouped_sharding(expr) -> None:
+    """Rows and groups stay whole: offsets count rows of the whole ``mat1``, and a group's
+    rows must meet its expert's weights."""
+    mat1, mat2, offsets = expr.args
+    for tv, axis, what in ((mat1, 0, "the rows (axis 0) of mat1"),
+                           (mat2, 0, "the groups (axis 0) of mat2"),
+                           (offsets, 0, "the offsets")):
+        if device_ids(tv).get(tv.logical[axis]):
+            raise ShardingError(
+                f"grouped_mm: {what} ({tv.name}) are sharded; offsets index the rows of the "
+                "whole mat1, so shard k (row parallel) or n (column parallel) instead"
+            )
+
+
+register(OpDef(
+    "grouped_mm", (tensor("mat1"), tensor("mat2"), tensor("offsets")), _grouped_mm_infer,
+    _grouped_mm, output_layout="contiguous", check_sharding=_check_grouped_sharding,
+    doc="grouped matrix product: row groups of mat1 (ends in offsets) times mat2[group]",
 ))

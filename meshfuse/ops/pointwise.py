@@ -2,9 +2,14 @@
 
 Each family is a sorted table of ``name -> torch function``; one helper turns a table row
 into an :class:`OpDef`. Binary ops broadcast like PyTorch (tensors aligned on the right) and
-accept meshfuse Scalars and Python numbers in either position; dtypes promote as in PyTorch.
-A dtype that PyTorch has no kernel for (``neg`` of a bool tensor, ``silu`` of an integer one)
-is a DefinitionError when the op is defined.
+accept meshfuse Scalars and Python numbers in either position. Unary ops accept them too (a
+0-d result). A dtype that PyTorch has no kernel for (``neg`` of a bool tensor, ``silu`` of an
+integer one) is a DefinitionError when the op is defined.
+
+Result dtypes are nvFuser's: PyTorch's promotion of the operands, except that arithmetic on
+Half or BFloat16 (binary arithmetic, the floating-point unary functions and ``neg``) computes
+and returns Float, as nvFuser does; comparisons return Bool; ``abs``, ``ceil``, ``floor``,
+``relu``, ``round``, ``sign``, ``silu`` and ``where`` keep the operands' dtype.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ UNARY_FLOAT = {
     "reciprocal": torch.reciprocal,
     "rsqrt": torch.rsqrt,
     "sigmoid": torch.sigmoid,
-    "silu": torch.nn.functional.silu,
     "sin": torch.sin,
     "sinh": torch.sinh,
     "sqrt": torch.sqrt,
@@ -61,7 +65,12 @@ UNARY_SAME = {
     "relu": torch.relu,
     "round": torch.round,
     "sign": torch.sign,
+    "silu": torch.nn.functional.silu,
 }
+
+# Ops that compute Half and BFloat16 operands in Float and return Float (nvFuser's rule).
+LOW_PRECISION_TO_FLOAT = set(UNARY_FLOAT) | {"neg", "add", "atan2", "div", "fmod", "maximum",
+                                            "minimum", "mul", "pow", "remainder", "sub"}
 
 BINARY_ARITH = {
     "add": torch.add,
@@ -237,6 +246,38 @@ def _float_of(dtype: DataType) -> DataType:
     return DataType.from_torch(torch.get_default_dtype())
 
 
+def result_dtype(op: str, dtype: DataType) -> DataType:
+    """The dtype ``op`` returns for operands promoted to ``dtype`` (nvFuser's rule)."""
+    if op in LOW_PRECISION_TO_FLOAT and dtype.is_low_precision:
+        return DataType.Float
+    return dtype
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _in_float(fn):
+    """``fn`` with Half and BFloat16 tensor operands computed in float32 (the result is then
+    float32, as the shape rule says)."""
+
+    def call(*operands):
+        return fn(*(x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW_PRECISION
+                    else x for x in operands))
+
+    call.__name__ = fn.__name__
+    return call
+
+
+def _as_tensor(fn):
+    """``fn`` applied to a Python number as a 0-d tensor (a unary op of a scalar)."""
+
+    def call(x):
+        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x))
+
+    call.__name__ = fn.__name__
+    return call
+
+
 def check_dtype(op: str, dtype: DataType) -> DataType:
     """``dtype`` if PyTorch implements ``op`` for it, else a DefinitionError."""
     floating = dtype.is_floating or dtype.torch_dtype.is_complex
@@ -251,25 +292,30 @@ def check_dtype(op: str, dtype: DataType) -> DataType:
 
 def _unary(name: str, fn, float_result: bool) -> OpDef:
     def infer(x):
-        x = require_tensor(name, "x", x)
+        if not isinstance(x, TensorMeta):  # a scalar: a 0-d tensor of its dtype
+            x = TensorMeta((), (), promote(x))
         check_dtype(name, x.dtype)
-        return [OutSpec(_float_of(x.dtype) if float_result else x.dtype, same_axes(0, x))]
+        dtype = result_dtype(name, _float_of(x.dtype) if float_result else x.dtype)
+        return [OutSpec(dtype, same_axes(0, x))]
 
+    impl = _as_tensor(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn)
     kind = "floating-point" if float_result else "dtype-preserving"
-    return OpDef(name, (tensor("x"),), infer, fn, doc=f"{kind} unary {fn.__name__}",
+    return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
                  vjp=_unary_vjp(name))
 
 
-def _binary(name: str, fn, result_dtype: DataType | None) -> OpDef:
+def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
     def infer(a, b):
         axes = broadcast_axes(name, [a, b])
         dtype = check_dtype(name, promote(a, b))
         if name in FLOAT_RESULT:
             dtype = _float_of(dtype)
-        return [OutSpec(result_dtype or dtype, axes)]
+        return [OutSpec(fixed_dtype or result_dtype(name, dtype), axes)]
 
-    return OpDef(name, (operand("a"), operand("b")), infer,
-                 _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND),
+    impl = _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND)
+    if name in LOW_PRECISION_TO_FLOAT:
+        impl = _in_float(impl)
+    return OpDef(name, (operand("a"), operand("b")), infer, impl,
                  doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
 
 

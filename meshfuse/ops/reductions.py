@@ -94,7 +94,7 @@ def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
         return [OutSpec(_default_dtype(name, _dtype_attr(name, dtype) or x.dtype), axes)]
 
     def impl(x, dims, keepdim, dtype):
-        if dtype is not None:
+        if dtype is not None and dtype is not DataType.Null:
             x = x.to(dtype.torch_dtype)
         dims = local_dims(x, dims)
         return reduce_fn(x, dims, keepdim) if dims else x.clone()
@@ -114,9 +114,11 @@ def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
 
 
 def _dtype_attr(name: str, dtype) -> DataType | None:
+    """The cast a reduction's ``dtype`` asks for; None and nvFuser's ``DataType.Null`` ask for
+    none."""
     if dtype is not None and not isinstance(dtype, DataType):
         raise DefinitionError(f"{name}: dtype must be a DataType or None, got {dtype!r}")
-    return dtype
+    return None if dtype is DataType.Null else dtype
 
 
 def _default_dtype(name: str, dtype: DataType) -> DataType:
@@ -134,11 +136,30 @@ def _default_dtype(name: str, dtype: DataType) -> DataType:
 
 
 def _amax(x, dims, keepdim):
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        return _identity_of(x, dims, keepdim, largest=False)
     return torch.amax(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
 
 
 def _amin(x, dims, keepdim):
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        return _identity_of(x, dims, keepdim, largest=True)
     return torch.amin(x, dim=dims, keepdim=keepdim) if x.ndim else x.clone()
+
+
+def _identity_of(x: torch.Tensor, dims, keepdim: bool, largest: bool) -> torch.Tensor:
+    """The max (``largest=False``) or min reduction of a local shard that holds no element
+    of the reduced axes (an uneven shard): the reduction's identity, which the reduction
+    over the shards ignores."""
+    shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    if x.dtype.is_floating_point:
+        fill = float("inf") if largest else float("-inf")
+    elif x.dtype == torch.bool:
+        fill = largest
+    else:
+        info = torch.iinfo(x.dtype)
+        fill = info.max if largest else info.min
+    return torch.full(shape, fill, dtype=x.dtype, device=x.device)
 
 
 def _prod(x, dims, keepdim):
@@ -167,7 +188,7 @@ def _mean_infer(x, dims, keepdim, dtype):
 def _mean(x, dims, keepdim, dtype, reduced_count):
     # The sum over the local elements divided by the *global* count: on a shard of the
     # reduced axes this is a partial mean that a sum over the shards completes.
-    if dtype is not None:  # as PyTorch: cast, then reduce
+    if dtype is not None and dtype is not DataType.Null:  # as PyTorch: cast, then reduce
         x = x.to(dtype.torch_dtype)
     dims = local_dims(x, dims)
     if not dims:

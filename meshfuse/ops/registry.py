@@ -19,7 +19,7 @@ from typing import Any
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.iter_domain import IterDomain, IterType
 
 
 class Kind(enum.Enum):
@@ -89,6 +89,18 @@ class ScalarMeta:
 
     dtype: DataType
     value: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolicSize:
+    """The extent of a tensor axis that is symbolic at definition (``fd.ops.size(t, i)`` of a
+    ``-1`` axis), as a shape argument: ``broadcast_in_dim``/``expand`` take it where an input
+    axis of that extent goes (like ``-1``), ``slice`` as the end of that axis."""
+
+    id: IterDomain
+
+    def __repr__(self) -> str:
+        return f"size(i{self.id.uid})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +215,14 @@ class OpDef:
         make_impl: a factory of a stateful implementation, called once per program step;
             used instead of ``impl`` when set (attention validates its inputs and picks its
             kernel on the first call, then calls the kernel directly).
+        whole_axes: the op's own sharding rule, beyond its domain map:
+            ``whole_axes(expr)`` returns the input logical IDs the implementation must see
+            whole (attention's key/value sequence and head dims, and its query sequence when
+            causal). The engine gathers shards of them before the op (and slices outputs
+            after, where they are pinned sharded), never refuses and never computes on them.
         check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
-            sharding the implementation cannot handle (e.g. causal attention with a sharded
-            query sequence).
+            sharding the implementation cannot handle that resharding cannot change (e.g. a
+            backward replaying per-shard dropout streams sharded otherwise than its forward).
         vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
             (a gradient flowing into it is a DefinitionError naming it).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
@@ -224,6 +241,7 @@ class OpDef:
     partial_reduce: str | None = "sum"
     needs_reduced_count: bool = False
     partial_addends: tuple[int, ...] = ()
+    whole_axes: Callable[[Any], set] | None = None
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"

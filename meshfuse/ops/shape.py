@@ -17,6 +17,7 @@ from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
     OutSpec,
+    SymbolicSize,
     TensorMeta,
     Vjp,
     attr,
@@ -30,6 +31,7 @@ from meshfuse.ops.shape_rules import (
     normalize_axis,
     promote,
     require_tensor,
+    same_axes,
 )
 
 
@@ -40,25 +42,35 @@ def _broadcast_in_dim_infer(x, shape, broadcast_dims):
 def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
     """``x``'s axes placed at ``broadcast_dims`` of ``shape``; the other output axes are new.
 
-    A ``shape`` entry is a positive extent, or ``-1`` on an axis of ``x``: its extent. Only
-    broadcast axes of ``x`` (extent 1) can take another extent.
+    A ``shape`` entry is a positive extent, ``-1`` or a :class:`SymbolicSize` (on an axis of
+    ``x``: its extent; on a new axis, a symbolic size makes a broadcast axis, which the ops
+    it meets expand). Only broadcast axes of ``x`` (extent 1) can take another extent.
+    ``broadcast_dims`` may count from the end (``-1`` is the last output axis).
     """
     x = require_tensor(op, "x", x)
-    shape = int_list(op, "shape", shape)
-    dims = int_list(op, "broadcast_dims", broadcast_dims)
+    shape = int_list(op, "shape", shape, sizes=True)
+    given = int_list(op, "broadcast_dims", broadcast_dims)
+    if any(not -len(shape) <= d < len(shape) for d in given):
+        raise DefinitionError(
+            f"{op}: broadcast_dims {given} must be axes of the {len(shape)}-axis output shape "
+            f"{shape}, in [{-len(shape)}, {len(shape)})"
+        )
+    dims = [d % len(shape) for d in given]
     if len(dims) != x.ndim:
         raise DefinitionError(
             f"{op}: broadcast_dims {dims} must name one output axis for each of the "
             f"{x.ndim} input axes"
         )
-    if sorted(set(dims)) != dims or any(not 0 <= d < len(shape) for d in dims):
+    if sorted(set(dims)) != dims:
         raise DefinitionError(
             f"{op}: broadcast_dims {dims} must be increasing axes of the {len(shape)}-axis "
             f"output shape {shape}"
         )
     axes = []
     for out_axis, extent in enumerate(shape):
-        if extent == 0 or extent < -1 or (extent == -1 and out_axis not in dims):
+        if isinstance(extent, SymbolicSize):
+            extent = -1 if out_axis in dims else 1
+        elif extent == 0 or extent < -1 or (extent == -1 and out_axis not in dims):
             raise DefinitionError(
                 f"{op}: output extent {extent} of axis {out_axis} of shape {shape} is invalid; "
                 "use a positive extent (-1, keep the input's extent, only on an input axis)"
@@ -86,7 +98,7 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
 def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
     view = [1] * len(out_shapes[0])
     for a, out_axis in enumerate(broadcast_dims):
-        view[out_axis] = x.shape[a]
+        view[out_axis % len(view)] = x.shape[a]
     return x.reshape(view).expand(out_shapes[0])
 
 
@@ -103,7 +115,8 @@ def sum_broadcast(d, g, dims: list[int]):
 
 
 def _broadcast_in_dim_grads(d, grads):
-    return {"x": lambda: sum_broadcast(d, grads[0], list(d.attrs["broadcast_dims"]))}
+    n = len(d.attrs["shape"])
+    return {"x": lambda: sum_broadcast(d, grads[0], [b % n for b in d.attrs["broadcast_dims"]])}
 
 
 register(OpDef(
@@ -111,6 +124,67 @@ register(OpDef(
     _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
     doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
     vjp=Vjp(_broadcast_in_dim_grads, recompute=True),
+))
+
+
+def _broadcast_infer(x, is_broadcast_dim):
+    x = require_tensor("broadcast", "x", x)
+    flags = list(is_broadcast_dim) if isinstance(is_broadcast_dim, list | tuple) else None
+    if flags is None or not all(isinstance(f, bool) for f in flags) or \
+            flags.count(False) != x.ndim:
+        raise DefinitionError(
+            f"broadcast: is_broadcast_dim must be a list of bools, one per output axis, with "
+            f"one False for each of the {x.ndim} input axes; got {is_broadcast_dim!r}"
+        )
+    kept = iter(range(x.ndim))
+    axes = []
+    for new in flags:
+        if new:
+            axes.append(AxisSpec(1, IterType.Broadcast))
+        else:
+            a = next(kept)
+            axes.append(AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)))
+    return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _broadcast(x, is_broadcast_dim, out_shapes):
+    return x.reshape(out_shapes[0])
+
+
+register(OpDef(
+    "broadcast", (tensor("x"), attr("is_broadcast_dim")), _broadcast_infer, _broadcast,
+    needs_out_shape=True,
+    doc="new broadcast axes (extent 1) where is_broadcast_dim is True (nvFuser's broadcast)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.squeeze(grads[0], dims=[
+        a for a, new in enumerate(d.attrs["is_broadcast_dim"]) if new])}, recompute=True),
+))
+
+
+def _stride_order_infer(x, stride_order):
+    x = require_tensor("stride_order", "x", x)
+    order = int_list("stride_order", "stride_order", stride_order)
+    if sorted(order) != list(range(x.ndim)):
+        raise DefinitionError(
+            f"stride_order: {order} must be a permutation of range({x.ndim}) (one rank per "
+            "axis, 0 = innermost)"
+        )
+    return [OutSpec(x.dtype, same_axes(0, x))]
+
+
+def memory_order(stride_order) -> list[int]:
+    """Axes outermost first, for ``stride_order[i]`` = rank of axis ``i`` from the innermost."""
+    return sorted(range(len(stride_order)), key=lambda a: -stride_order[a])
+
+
+def _stride_order(x, stride_order):
+    order = memory_order(stride_order)
+    return x.permute(order).contiguous().permute([order.index(a) for a in range(x.ndim)])
+
+
+register(OpDef(
+    "stride_order", (tensor("x"), attr("stride_order")), _stride_order_infer, _stride_order,
+    doc="x's values laid out in memory in stride_order (rank of each axis, 0 = innermost)",
+    vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),
 ))
 
 
@@ -228,14 +302,11 @@ def reshape_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list
 def _reshape_infer(x, new_shape):
     x = require_tensor("reshape", "x", x)
     new = int_list("reshape", "new_shape", new_shape)
-    if None in x.shape:
-        raise DefinitionError(
-            "reshape of a tensor with symbolic extents is not supported yet; declare its "
-            "shape with static extents"
-        )
-    total = math.prod(x.shape)
     if new.count(-1) > 1 or any(e < -1 or e == 0 for e in new):
         raise DefinitionError(f"reshape: new_shape {new} may hold one -1 and positive extents")
+    if None in x.shape:
+        return [OutSpec(x.dtype, _symbolic_reshape(x, new))]
+    total = math.prod(x.shape)
     if -1 in new:
         rest = math.prod(e for e in new if e != -1)
         new[new.index(-1)] = total // rest if rest and total % rest == 0 else -1
@@ -256,6 +327,36 @@ def _reshape_infer(x, new_shape):
     return [OutSpec(x.dtype, tuple(axes))]
 
 
+def _symbolic_reshape(x: TensorMeta, new: list[int]) -> tuple[AxisSpec, ...]:
+    """Output axes of a reshape of ``x`` with symbolic extents (bound at execute, when the
+    static rule runs again): equal static axes at both ends keep their identity; the axes
+    between must be a merge into the one ``-1`` (``[-1, -1, e] -> [-1, e]``) or a split of one
+    symbolic axis (its outermost part mapped, as in the static rule)."""
+    lead = 0
+    while lead < min(x.ndim, len(new)) and x.shape[lead] is not None and \
+            x.shape[lead] == new[lead]:
+        lead += 1
+    trail = 0
+    while trail < min(x.ndim, len(new)) - lead and x.shape[-1 - trail] is not None and \
+            x.shape[-1 - trail] == new[-1 - trail]:
+        trail += 1
+    old_mid, new_mid = range(lead, x.ndim - trail), range(lead, len(new) - trail)
+    if not (new_mid and old_mid and (len(old_mid) == 1 or [new[j] for j in new_mid] == [-1])):
+        raise DefinitionError(
+            f"reshape of {list(x.shape)} (symbolic extents: None) to {new} is ambiguous until "
+            "execute; with symbolic extents, merge axes into one -1 or split one axis (equal "
+            "static axes may surround either), or declare static extents"
+        )
+    axes = [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)) for a in range(lead)]
+    for j in new_mid:
+        extent = None if new[j] == -1 else new[j]
+        kind = IterType.Broadcast if extent == 1 else IterType.Iteration
+        axes.append(AxisSpec(extent, kind, ((0, old_mid[0]),) if j == new_mid[0] else ()))
+    axes += [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),))
+             for a in range(x.ndim - trail, x.ndim)]
+    return tuple(axes)
+
+
 register(OpDef(
     "reshape", (tensor("x"), attr("new_shape")), _reshape_infer,
     lambda x, new_shape, out_shapes: x.reshape(out_shapes[0]), needs_out_shape=True,
@@ -265,17 +366,26 @@ register(OpDef(
 ))
 
 
-def _slice_infer(x, start_indices, end_indices, strides):
+def _slice_infer(x, start_indices, end_indices, strides, manual_normalization):
     x = require_tensor("slice", "x", x)
-    return [OutSpec(x.dtype, window_axes("slice", x, start_indices, end_indices, strides))]
+    if manual_normalization not in (0, 1, False, True):
+        raise DefinitionError(
+            f"slice: manual_normalization must be 0 (negative indices count from the end, "
+            f"bounds are clamped) or 1 (indices as given), got {manual_normalization!r}"
+        )
+    return [OutSpec(x.dtype, window_axes("slice", x, start_indices, end_indices, strides,
+                                         normalize=not manual_normalization))]
 
 
-def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides) -> tuple:
+def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides,
+                normalize: bool = True) -> tuple:
     """The axes of the window ``[start, end)`` by ``strides`` of ``x`` (global bounds); a
-    whole axis maps from ``x``'s."""
+    whole axis maps from ``x``'s. With ``normalize`` (nvFuser's default), negative bounds
+    count from the end and bounds are clamped, as in Python; a :class:`SymbolicSize` end is
+    the end of the axis."""
     n = x.ndim
     start_indices = int_list(op, "start_indices", start_indices)
-    end_indices = int_list(op, "end_indices", end_indices)
+    end_indices = int_list(op, "end_indices", end_indices, sizes=True)
     strides = [1] * n if strides is None else int_list(op, "strides", strides)
     if not len(start_indices) == len(end_indices) == len(strides) == n:
         raise DefinitionError(
@@ -284,27 +394,50 @@ def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides) -> 
         )
     axes = []
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
-        extent = x.shape[a]
-        if step < 1:
-            raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
-        if extent is None:
-            raise DefinitionError(f"{op}: axis {a} has a symbolic extent; slicing needs it static")
-        if not 0 <= start <= end <= extent:
-            raise DefinitionError(
-                f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
-                f"{extent}"
-            )
-        out = (end - start + step - 1) // step
-        whole = (start, end, step) == (0, extent, 1)
+        start, end = _slice_bounds(op, x, a, start, end, step, normalize)
+        whole = (start, end, step) == (0, x.shape[a], 1)
+        out = (end - start + step - 1) // step if end is not None else None
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
     return tuple(axes)
 
 
-def _slice(x, start_indices, end_indices, strides):
-    index = tuple(slice(s, e, st) for s, e, st in
-                  zip(start_indices, end_indices, strides or [1] * x.ndim))
-    return x[index]
+def _slice_bounds(op: str, x: TensorMeta, a: int, start: int, end, step: int,
+                  normalize: bool):
+    """``[start, end)`` of axis ``a`` checked (and, with ``normalize``, made non-negative and
+    clamped as Python does). A :class:`SymbolicSize` end is taken as the end of the axis
+    (nvFuser programs slice to ``fd.ops.size`` of the same axis)."""
+    extent = x.shape[a]
+    if step < 1:
+        raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
+    if isinstance(end, SymbolicSize) and extent is not None:
+        end = extent  # the size of this axis, known once execute binds it
+    if isinstance(end, SymbolicSize) or extent is None:
+        if extent is None and (start, step) == (0, 1) and isinstance(end, SymbolicSize):
+            return 0, None  # the whole symbolic axis
+        raise DefinitionError(
+            f"{op}: axis {a} has a symbolic extent; slicing it needs a static extent (or "
+            "the whole axis: start 0, end fd.ops.size of that axis)"
+        )
+    if normalize:
+        start, end = (min(max(i + extent if i < 0 else i, 0), extent) for i in (start, end))
+        end = max(end, start)
+    if not 0 <= start <= end <= extent:
+        raise DefinitionError(
+            f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end <= "
+            f"{extent}"
+        )
+    return start, end
+
+
+def _local_slice(start: int, end, step: int) -> slice:
+    """A Python slice for global bounds (Python's own normalization matches nvFuser's)."""
+    return slice(start, None if isinstance(end, SymbolicSize) else end, step)
+
+
+def _slice(x, start_indices, end_indices, strides, manual_normalization):
+    return x[tuple(_local_slice(s, e, st) for s, e, st in
+                   zip(start_indices, end_indices, strides or [1] * x.ndim))]
 
 
 def _slice_grads(d, grads):
@@ -314,8 +447,10 @@ def _slice_grads(d, grads):
 
 
 register(OpDef(
-    "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None)),
-    _slice_infer, _slice, doc="a strided window of x (global bounds)",
+    "slice", (tensor("x"), attr("start_indices"), attr("end_indices"), attr("strides", None),
+              attr("manual_normalization", 0)),
+    _slice_infer, _slice,
+    doc="a strided window of x (global bounds; negative ones count from the end)",
     vjp=Vjp(_slice_grads, recompute=True),
 ))
 
@@ -343,8 +478,8 @@ def _slice_backward(grad, shape, start_indices, end_indices, strides, out_shapes
     # never sharded here); whole axes take grad's local extent.
     out = grad.new_zeros(out_shapes[0])
     bounds = zip(start_indices, end_indices, strides or [1] * grad.ndim, shape)
-    out[tuple(slice(None) if (s, e, st) == (0, n, 1) else slice(s, e, st)
-              for s, e, st, n in bounds)] = grad
+    out[tuple(slice(None) if (s, e, st) == (0, n, 1) else
+              _local_slice(s, e, st) for s, e, st, n in bounds)] = grad
     return out
 
 
@@ -360,7 +495,12 @@ register(OpDef(
 ))
 
 
-def _cat_infer(xs, dim):
+def _cat_infer(xs, dim, manual_padding):
+    if manual_padding not in (0, False):
+        raise DefinitionError(
+            f"cat: manual_padding={manual_padding!r} (inputs already padded to the output "
+            "extent) is not supported; pass 0 and the unpadded tensors"
+        )
     if not xs or not all(isinstance(m, TensorMeta) for m in xs):
         raise DefinitionError("cat: tensors must be a non-empty list of tensors")
     first = xs[0]
@@ -406,7 +546,7 @@ def _cat_grads(d, grads):
 
 
 register(OpDef(
-    "cat", (tensors("xs"), attr("dim")), _cat_infer,
-    lambda xs, dim: torch.cat(xs, dim=dim), doc="concatenation along dim",
+    "cat", (tensors("xs"), attr("dim"), attr("manual_padding", 0)), _cat_infer,
+    lambda xs, dim, manual_padding: torch.cat(xs, dim=dim), doc="concatenation along dim",
     vjp=Vjp(_cat_grads, recompute=True),
 ))

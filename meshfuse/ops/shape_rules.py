@@ -7,7 +7,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops.registry import AxisSpec, ScalarMeta, TensorMeta
+from meshfuse.ops.registry import AxisSpec, ScalarMeta, SymbolicSize, TensorMeta
 
 
 def normalize_axis(op: str, axis: int, ndim: int, what: str = "axis") -> int:
@@ -20,10 +20,13 @@ def normalize_axis(op: str, axis: int, ndim: int, what: str = "axis") -> int:
     return axis % ndim
 
 
-def int_list(op: str, what: str, value) -> list[int]:
-    """``value`` as a list of ints, or a DefinitionError naming the argument."""
+def int_list(op: str, what: str, value, sizes: bool = False) -> list:
+    """``value`` as a list of ints, or a DefinitionError naming the argument. With ``sizes``,
+    entries may also be :class:`SymbolicSize` s (symbolic extents given as shape entries)."""
     items = list(value) if isinstance(value, list | tuple) else None
-    if items is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+    allowed = (int, SymbolicSize) if sizes else int
+    if items is None or not all(isinstance(v, allowed) and not isinstance(v, bool)
+                                for v in items):
         raise DefinitionError(f"{op}: {what} must be a list of ints, got {value!r}")
     return items
 

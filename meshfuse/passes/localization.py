@@ -76,9 +76,9 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
 def takes_part(expr: Expr, rank: int) -> bool:
     """Whether ``rank`` runs ``expr``: it holds one of its outputs, or, for a communication,
     its input or output."""
-    tensors = [t for t in expr.tensor_outputs if t.logical]
+    tensors = list(expr.tensor_outputs)
     if isinstance(expr, Reshard):
-        tensors += [t for t in expr.tensor_inputs if t.logical]
+        tensors += list(expr.tensor_inputs)
     meshes = [t.mesh for t in tensors]
     return not meshes or any(m is None or rank in m for m in meshes)
 

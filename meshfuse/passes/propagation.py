@@ -30,6 +30,7 @@ from meshfuse.errors import MeshfuseError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
+from meshfuse.ir.layout import logical_root
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.ir.verifier import check_allocation
 
@@ -43,7 +44,7 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
     if fusion.propagated:
         return set()
     fusion.propagated = True
-    tensors = [tv for tv in fusion.tensors() if tv.logical]
+    tensors = fusion.tensors()
     pinned = {tv for tv in tensors if tv.is_scheduled}
     fusion.user_scheduled = set(pinned)
     meshes = [tv.mesh for tv in tensors if tv.mesh is not None]
@@ -55,25 +56,28 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         return tv in pinned or tv in filled
 
     for expr in fusion.exprs:
-        sources = [t for t in expr.tensor_inputs if t.logical and known(t)]
+        sources = [t for t in expr.tensor_inputs if known(t)]
         for out in expr.tensor_outputs:
-            if out.logical and not known(out) and sources:
+            if not known(out) and sources:
                 ref = _best_reference(expr, sources, out, forward=True)
                 _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
                                layout=expr.op.output_layout == "follow")
                 for other in sources:
                     if other is not ref and other.mesh == ref.mesh:
                         _add_sharding(other, out, _forward_pairs(expr, other, out))
-                if expr.op.partial_reduce is None:
-                    # It cannot make partial results: its inputs get gathered instead.
-                    for id_ in [i for i, pt in out.parallel.items()
-                                if pt.is_device and i.is_reduction]:
+                whole = _whole(expr)
+                for id_ in [i for i, pt in out.parallel.items() if pt.is_device and
+                            i.is_reduction]:
+                    # A partial result the op cannot make (it cannot at all, or it needs the
+                    # reduced axes whole): its inputs get gathered instead.
+                    if expr.op.partial_reduce is None or \
+                            all(s in whole for s in expr.id_map[logical_root(out, id_)]):
                         del out.parallel[id_]
                 filled.add(out)
     for expr in reversed(fusion.exprs):
-        sources = [t for t in expr.tensor_outputs if t.logical and known(t)]
+        sources = [t for t in expr.tensor_outputs if known(t)]
         for inp in expr.tensor_inputs:
-            if inp.logical and not known(inp) and sources:
+            if not known(inp) and sources:
                 ref = _best_reference(expr, sources, inp, forward=False)
                 follows = inp.definition is None or inp.definition.op.output_layout == "follow"
                 _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
@@ -128,15 +132,19 @@ def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView
 
 
 def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) -> bool:
-    """True if ``ref_id`` is block-sharded by one outer split whose factor also divides
-    ``target_id`` (an axis of another extent that a reshape maps to it)."""
+    """True if ``ref_id`` is block-sharded by one outer split whose factor divides both
+    ``ref_id`` and ``target_id`` (an axis of another extent that a reshape maps to it): only
+    even blocks of both hold the same elements (6 rows over 4 devices go 2, 2, 2, 0, the 12
+    elements they make go 3, 3, 3, 3)."""
     splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
               _subtree(ref, ref_id)]
     if len(splits) != 1 or splits[0].inner_split or splits[0].in_id is not ref_id:
         return False
     if not ref.parallel_type(splits[0].outer).is_device:
         return False
-    return target_id.extent is not None and target_id.extent % splits[0].factor == 0
+    factor = splits[0].factor
+    return target_id.extent is not None and target_id.extent % factor == 0 and \
+        (ref_id.extent is None or ref_id.extent % factor == 0)
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
@@ -230,5 +238,38 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
             record = target.transforms[-1]
             chain[t.outer], chain[t.inner] = record.outer, record.inner
     for leaf in _device_leaves(ref, ref_id):
-        target.parallelize(target.loop.index(chain[leaf]), ref.parallel_type(leaf))
+        # A mesh axis ``target`` already shards another axis of this kind with (say, a
+        # reduce-scatter's output mapped onto one input) is left to resharding.
+        pt, id_ = ref.parallel_type(leaf), chain[leaf]
+        if not any(p is pt and i.is_reduction == id_.is_reduction
+                   for i, p in target.parallel.items()):
+            target.parallelize(target.loop.index(id_), pt)
     replay.update(chain)
+
+
+def _whole(expr: Expr) -> set[IterDomain]:
+    """The input axes ``expr``'s op computes on whole (its own sharding rule)."""
+    return expr.op.whole_axes(expr) if expr.op.whole_axes is not None else set()
+
+
+def _drop_shards(tv: TensorView, ids: set[IterDomain]) -> None:
+    """Makes ``tv`` (a scratch tensor) whole along the logical IDs ``ids``."""
+    for id_ in [i for i, pt in tv.parallel.items() if pt.is_device and
+                logical_root(tv, i) in ids]:
+        del tv.parallel[id_]
+
+
+def _as_computed(expr: Expr, inputs: list[TensorView]) -> list[TensorView]:
+    """``inputs`` as the op computes on them: gathered along the axes it needs whole."""
+    whole = _whole(expr)
+    result = []
+    for tv in inputs:
+        if any(logical_root(tv, i) in whole for i, pt in tv.parallel.items() if pt.is_device):
+            gathered = TensorView(tv.fusion, tv.logical, tv.dtype)
+            _copy_sharding(tv, gathered, {i: i for i in tv.logical}, layout=False)
+            if tv.allocation is not None and set(tv.allocation.ids) <= set(tv.logical):
+                gathered.allocation = tv.allocation
+            _drop_shards(gathered, whole)
+            tv = gathered
+        result.append(tv)
+    return result

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import math
 
-from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
-from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.propagation import (
     _add_sharding,
+    _as_computed,
     _backward_pairs,
     _best_reference,
     _copy_sharding,
+    _drop_shards,
     _forward_pairs,
+    _whole,
 )
 
 WEIGHT_PENALTY = 1000
@@ -55,7 +56,7 @@ def insert_resharding(fusion: Fusion) -> None:
 
 
 def _sharded(expr: Expr) -> bool:
-    return any(t.mesh is not None for t in expr.tensor_inputs + expr.tensor_outputs if t.logical)
+    return any(t.mesh is not None for t in expr.tensor_inputs + expr.tensor_outputs)
 
 
 def _is_partial(tv: TensorView) -> bool:
@@ -67,15 +68,23 @@ def _scratch(tv: TensorView) -> TensorView:
     return TensorView(tv.fusion, tv.logical, tv.dtype)
 
 
-def _natural(expr: Expr, out: TensorView, inputs: list[TensorView] | None = None) -> TensorView:
-    """How ``expr`` lays out ``out`` computing locally from ``inputs`` (default: its own;
-    scratch tensors over the inputs' logical IDs work too)."""
+def _naturals(expr: Expr, outs: list[TensorView],
+              inputs: list[TensorView] | None = None) -> list[TensorView]:
+    """How ``expr`` lays out ``outs`` computing locally from ``inputs`` (default: its own;
+    scratch tensors over the inputs' logical IDs work too), gathered along the axes the op
+    needs whole. Every output follows one reference input (the best for the first output),
+    so that outputs of one op agree on the inputs they need."""
     if inputs is None:
         inputs = list(expr.tensor_inputs)
-    inputs = [t for t in inputs if t.logical and t.mesh is not None]
+    inputs = _as_computed(expr, [t for t in inputs if t.mesh is not None])
+    ref = _best_reference(expr, inputs, outs[0], forward=True) if inputs and outs else None
+    return [_natural(expr, out, inputs, ref) for out in outs]
+
+
+def _natural(expr: Expr, out: TensorView, inputs: list[TensorView],
+             ref: TensorView | None) -> TensorView:
     scratch = _scratch(out)
-    if inputs:
-        ref = _best_reference(expr, inputs, out, forward=True)
+    if ref is not None:
         _copy_sharding(ref, scratch, _forward_pairs(expr, ref, out))
         for other in inputs:
             if other is not ref and other.mesh == ref.mesh:
@@ -99,6 +108,7 @@ def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> Tensor
         if best is None or len(pairs) > len(best_pairs):
             best, best_pairs = out, pairs
     _copy_sharding(best, scratch, best_pairs)
+    _drop_shards(scratch, _whole(expr))
     return scratch
 
 
@@ -120,29 +130,24 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
 
 
 def _make_local(fusion: Fusion, expr: Expr) -> None:
-    outs = [o for o in expr.tensor_outputs if o.logical]
-    ins = list(dict.fromkeys(t for t in expr.tensor_inputs if t.logical))
+    outs = list(expr.tensor_outputs)
+    ins = list(dict.fromkeys(expr.tensor_inputs))
     if len({o.mesh for o in outs}) > 1:
-        meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in outs)
-        raise ShardingError(
-            f"{format_expr(expr)}: its outputs live on different meshes ({meshes}); an op "
-            "runs on one mesh: put its outputs on one mesh and copy them (fd.ops.set) elsewhere"
-        )
+        # An op runs on one mesh, its first output's; the other outputs are copied to theirs.
+        for out in outs[1:]:
+            if out.mesh != outs[0].mesh:
+                there = _scratch(out)
+                there.set_device_mesh(outs[0].mesh)
+                _set_after(fusion, expr, out, there)
+        outs = list(expr.tensor_outputs)
     if outs and any(t.mesh != outs[0].mesh for t in ins):
         # The op runs where its outputs live; inputs from other meshes are moved there.
-        if any(t.mesh.ndim != 1 for t in ins + outs):
-            meshes = ", ".join(f"{t.name}: {t.mesh!r}" for t in ins + outs)
-            raise ShardingError(
-                f"{format_expr(expr)}: its tensors live on different meshes ({meshes}); moving "
-                "tensors between meshes is supported for 1-D meshes only: use 1-D meshes or "
-                "one mesh"
-            )
         for inp in ins:
-            want = _needed_input(expr, outs, inp)
-            if not same_sharding(inp, want):
-                _set_before(fusion, expr, inp, want)
-        return
-    natural = [_natural(expr, o) for o in outs]
+            if inp.mesh != outs[0].mesh:
+                _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
+        # Then as on one mesh (the moved inputs may still disagree with other inputs).
+        ins = list(dict.fromkeys(expr.tensor_inputs))
+    natural = _naturals(expr, outs)
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     needed_a = [_needed_input(expr, natural, t) for t in ins]
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
@@ -152,7 +157,7 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
     # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
     # or an axis mapped from no input cannot be).
-    b_works = all(same_sharding(_natural(expr, o, needed_b), o) for o in outs)
+    b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs))
     if cost_a < cost_b or not b_works:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):

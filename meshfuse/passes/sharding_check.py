@@ -61,11 +61,25 @@ def check_no_resharding(fusion: Fusion, extents: Mapping[IterDomain, int]) -> No
         if isinstance(expr, Reshard):
             continue
         _check_expr(expr, extents)
+        if expr.op.whole_axes is not None:
+            _check_whole(expr, expr.op.whole_axes(expr))
         if expr.op.check_sharding is not None:
             expr.op.check_sharding(expr)
         if expr.op.partial_reduce is None:
             for out in expr.tensor_outputs:
                 _check_not_partial(expr, out)
+
+
+def _check_whole(expr: Expr, whole: set[IterDomain]) -> None:
+    """The axes the op computes on whole are whole (resharding gathers them)."""
+    for tv in expr.tensor_inputs:
+        for axis, id_ in enumerate(tv.logical):
+            if id_ in whole and device_ids(tv).get(id_):
+                raise ShardingError(
+                    f"{format_expr(expr)}: axis {axis} of {tv.name} is sharded but "
+                    f"{expr.op.name} needs it whole; gather it first (fd.ops.set to a tensor "
+                    "without that split)"
+                )
 
 
 def _check_not_partial(expr: Expr, tv: TensorView) -> None:
@@ -79,8 +93,8 @@ def _check_not_partial(expr: Expr, tv: TensorView) -> None:
 
 
 def _check_expr(expr: Expr, extents) -> None:
-    inputs = [t for t in expr.tensor_inputs if t.logical]
-    outputs = [t for t in expr.tensor_outputs if t.logical]
+    inputs = list(expr.tensor_inputs)
+    outputs = list(expr.tensor_outputs)
     meshes = {t.mesh for t in inputs + outputs}
     if len(meshes) > 1:
         raise ShardingError(

@@ -15,7 +15,13 @@ import torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
-from meshfuse.ir.layout import LocalLayout, derived_extents, local_layout, shard_factor
+from meshfuse.ir.layout import (
+    LocalLayout,
+    derived_extents,
+    local_extent,
+    local_layout,
+    shard_factor,
+)
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
@@ -32,10 +38,12 @@ class Binding:
 
 
 def device_coords(tv: TensorView, rank: int) -> dict[ParallelType, int]:
-    """This rank's coordinate on the mesh axis of each device parallel type ``tv`` uses."""
+    """This rank's coordinate on the mesh axis of each device parallel type ``tv`` uses
+    (coordinate 0 for a rank outside ``tv``'s mesh: what it would hold there is never
+    read)."""
     if tv.mesh is None:
         return {}
-    coord = tv.mesh.coordinate(rank)
+    coord = tv.mesh.coordinate(rank) if rank in tv.mesh else (0,) * tv.mesh.ndim
     return {pt: coord[tv.mesh.axis_of(pt)] for pt in tv.parallel.values() if pt.is_device}
 
 
@@ -84,6 +92,13 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
                 f"{[i.extent if i.extent is not None else -1 for i in v.materialized()]}), got "
                 f"shape {list(x.shape)}"
             )
+        if v.is_cpu:
+            if x.device.type != "cpu":
+                raise InputError(
+                    f"input {v.name} is declared is_cpu=True but is on {x.device}; pass a CPU "
+                    "tensor"
+                )
+            continue
         if device is None:
             device = x.device
         elif x.device != device:
@@ -105,7 +120,8 @@ def bind(
     for v, x in zip(fusion.inputs(), inputs):
         if isinstance(v, TensorView):
             if held_here(v, rank):
-                _bind_input(v, x, extents)
+                extents.update(zip(v.materialized(), global_shape(v, x)))
+                _check_local_extents(v, x, extents, rank)
             else:
                 extents.update((i, i.extent) for i in v.logical if i.extent is not None)
     for expr in fusion.exprs:
@@ -126,7 +142,7 @@ def bind(
     layouts = {}
     for tv in fusion.tensors():
         extents.update(derived_extents(tv, extents))
-        layouts[tv] = local_layout(tv, allocations[tv], extents)
+        layouts[tv] = local_layout(tv, allocations[tv], extents, device_coords(tv, rank))
     return Binding(extents, layouts)
 
 
@@ -144,10 +160,13 @@ def _concrete(tv: TensorView, meta: TensorMeta, extents) -> TensorMeta:
     return dataclasses.replace(meta, shape=shape)
 
 
-def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int]) -> None:
+def global_shape(tv: TensorView, x: torch.Tensor) -> tuple[int, ...]:
+    """The global shape of input ``tv`` given this rank's local shard ``x``: each axis's
+    static extent, else its local extent times the number of shards (a symbolic extent is
+    learnt assuming even shards; an uneven split of a symbolic extent gives ranks different
+    answers, which ``check_ranks`` reports: declare such an extent static)."""
+    shape = []
     for axis, id_ in enumerate(tv.materialized()):
-        factor = shard_factor(tv, id_)
-        global_extent = x.shape[axis] * factor
         if id_ in tv.parallel and tv.parallel[id_].is_device and x.shape[axis] != 1:
             raise InputError(
                 f"input {tv.name} axis {axis} is a device axis (parallelized on "
@@ -158,14 +177,27 @@ def _bind_input(tv: TensorView, x: torch.Tensor, extents: dict[IterDomain, int])
                 f"input {tv.name} axis {axis} is a broadcast axis (declared extent 1) but has "
                 f"extent {x.shape[axis]}; declare it -1 or pass extent 1"
             )
-        if id_.extent is not None and id_.extent != global_extent:
-            shard = f" x {factor} shards" if factor > 1 else ""
-            raise InputError(
-                f"input {tv.name} axis {axis}: local extent {x.shape[axis]}{shard} = "
-                f"{global_extent}, but the definition says {id_.extent}; pass this rank's shard "
-                f"of extent {id_.extent // factor if id_.extent % factor == 0 else '?'}"
-            )
-        extents[id_] = global_extent
+        factor = shard_factor(tv, id_)
+        shape.append(id_.extent if id_.extent is not None else x.shape[axis] * factor)
+    return tuple(shape)
+
+
+def _check_local_extents(tv: TensorView, x: torch.Tensor, extents: Mapping[IterDomain, int],
+                         rank: int) -> None:
+    """Each axis of ``x`` has the extent of this rank's shard of the global extent."""
+    derived = derived_extents(tv, extents)
+    coords = device_coords(tv, rank)
+    for axis, id_ in enumerate(tv.materialized()):
+        want = local_extent(tv, id_, derived, coords)
+        if x.shape[axis] == want:
+            continue
+        factor = shard_factor(tv, id_)
+        split = f" split into {factor} shards" if factor > 1 else ""
+        raise InputError(
+            f"input {tv.name} axis {axis} has local extent {x.shape[axis]}, but the definition "
+            f"says {extents[id_]} (the global extent){split}, which gives rank {rank} a shard "
+            f"of extent {want}; pass this rank's shard (shard_tensor) or fix the definition"
+        )
 
 
 def check_strides(tv: TensorView, x: torch.Tensor, layout: LocalLayout) -> None:
@@ -175,6 +207,8 @@ def check_strides(tv: TensorView, x: torch.Tensor, layout: LocalLayout) -> None:
             f"input {tv.name} has local shape {list(x.shape)} but its schedule gives "
             f"{list(layout.shape)} on this rank; pass this rank's shard (shard_tensor)"
         )
+    if x.numel() == 0:
+        return  # an empty shard: any strides will do
     running = 1
     for axis in reversed(layout.order):
         n, stride = x.shape[axis], x.stride(axis)

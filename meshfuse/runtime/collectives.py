@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -248,12 +248,19 @@ def _chunks_in_torch_order(send: torch.Tensor, group: Group) -> torch.Tensor:
     return chunks
 
 
-def allgather(x: torch.Tensor, axis: int, group: Group,
-              async_op: bool = False) -> torch.Tensor | Pending:
-    """Concatenation along ``axis`` of every group member's ``x``, by coordinate."""
+def allgather(x: torch.Tensor, axis: int, group: Group, async_op: bool = False,
+              sizes: Sequence[int] | None = None) -> torch.Tensor | Pending:
+    """Concatenation along ``axis`` of every group member's ``x``, by coordinate.
+
+    ``sizes`` (uneven shards): member ``c``'s extent along ``axis``; each member's part is
+    padded to the largest, gathered, and the padding dropped.
+    """
     send = _outermost(x, axis)
+    longest = send.shape[0] if sizes is None else max(sizes)
+    if send.shape[0] < longest:
+        send = torch.cat([send, send.new_zeros(longest - send.shape[0], *send.shape[1:])])
     _record("allgather", group, send)
-    out = torch.empty((group.size * send.shape[0], *send.shape[1:]), dtype=send.dtype,
+    out = torch.empty((group.size * longest, *send.shape[1:]), dtype=send.dtype,
                       device=send.device)
     label = _label("allgather", group)
     with translated(label, group.ranks):
@@ -261,7 +268,9 @@ def allgather(x: torch.Tensor, axis: int, group: Group,
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = _to_coordinate_order(out.reshape(group.size, *send.shape), group)
-        return out.reshape(group.size * send.shape[0], *send.shape[1:]).movedim(0, axis)
+        if sizes is not None and min(sizes) < longest:
+            return torch.cat([out[c, :n] for c, n in enumerate(sizes)]).movedim(0, axis)
+        return out.reshape(group.size * longest, *send.shape[1:]).movedim(0, axis)
 
     return _issued(work, out, finish, label, group)
 
@@ -288,10 +297,17 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str,
-                   async_op: bool = False) -> torch.Tensor | Pending:
-    """``x`` split along ``axis`` into equal chunks by coordinate; this member gets the
-    reduction over all members of the chunk of its coordinate."""
+                   async_op: bool = False,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor | Pending:
+    """``x`` split along ``axis`` into chunks by coordinate (equal ones, or of extents
+    ``sizes``: uneven shards, each padded to the largest); this member gets the reduction over
+    all members of the chunk of its coordinate."""
     send = _outermost(x, axis)
+    if sizes is not None and min(sizes) < max(sizes):
+        longest = max(sizes)
+        parts = send.split(list(sizes))
+        send = torch.cat([torch.cat([p, p.new_zeros(longest - p.shape[0], *p.shape[1:])])
+                          for p in parts])
     n = send.shape[0] // group.size
     chunks = _chunks_in_torch_order(send, group)
     _record("reduce_scatter", group, send, reduce_op)
@@ -300,7 +316,8 @@ def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str,
     with translated(label, group.ranks):
         work = _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
                                group=group.process_group, async_op=async_op)
-    return _issued(work, out, lambda out: out.movedim(0, axis), label, group)
+    mine = n if sizes is None else sizes[group.coordinate]
+    return _issued(work, out, lambda out: out[:mine].movedim(0, axis), label, group)
 
 
 def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
@@ -325,6 +342,40 @@ def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
     return _issued(work, received, finish, label, group)
 
 
+def all_to_all_pieces(pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
+                      group: Group, async_op: bool = False) -> list[torch.Tensor] | Pending:
+    """``pieces[c]`` goes to coordinate ``c``; returns the pieces received, by sender's
+    coordinate, of shapes ``shapes`` (pieces of any shapes: uneven shards, or a shard whose
+    owners change)."""
+    order = group.torch_order
+    send = [pieces[c].contiguous().flatten() for c in order]
+    sizes = [p.numel() for p in send]
+    recv_sizes = [_numel(shapes[c]) for c in order]
+    send_buffer = torch.cat(send) if send else pieces[0].new_empty(0)
+    _record("all_to_all", group, send_buffer)
+    received = send_buffer.new_empty(sum(recv_sizes))
+    label = _label("all_to_all", group)
+    with translated(label, group.ranks):
+        work = dist.all_to_all_single(received, send_buffer, recv_sizes, sizes,
+                                      group=group.process_group, async_op=async_op)
+
+    def finish(received: torch.Tensor) -> list[torch.Tensor]:
+        by_torch_rank = received.split(recv_sizes)
+        result: list[torch.Tensor] = [torch.empty(0)] * group.size
+        for part, c in zip(by_torch_rank, order):
+            result[c] = part.reshape(shapes[c])
+        return result
+
+    return _issued(work, received, finish, label, group)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for e in shape:
+        n *= e
+    return n
+
+
 def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``x`` of coordinate 0 sent to coordinate 1 of a two-member group (one device to
     another, as between pipeline stages); the receiver's ``x`` gives shape and dtype."""
@@ -343,6 +394,8 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     """``x`` of the member at coordinate ``root`` on every member (``x`` gives the shape)."""
     out = x.contiguous().clone()
     _record("broadcast", group, out)
+    # gloo has no unsigned 64-bit type (attention's RNG state is uint64): move the bits as int64.
+    wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
     with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
-        dist.broadcast(out, src=group.ranks[root], group=group.process_group)
+        dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out

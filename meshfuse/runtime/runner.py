@@ -15,13 +15,14 @@ rank's groups. With ``cuda_graph=True``, the program is captured once
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.explain import explain
+from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
@@ -43,9 +44,11 @@ from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.failures import checked_timeout
+from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.resharding import lower_step, plan_resharding
+from meshfuse.runtime.reshard_lowering import lower_step
+from meshfuse.runtime.resharding import plan_resharding
 
 
 class FusionRunner:
@@ -61,7 +64,9 @@ class FusionRunner:
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
+        self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
+        self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
@@ -78,23 +83,32 @@ class FusionRunner:
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         if program is not None:
-            text = "\n".join([text, *_random_streams(program)])
+            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
-        return "\n".join(parts + ([program.describe()] if program is not None else []))
+        if program is not None:
+            parts.append(describe_program(program, self.fusion.outputs()))
+        return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
+                cuda_graph: bool = False, compile: bool | str | None = None,
+                timeout: float | None = None) -> list[torch.Tensor]:
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
         key = _signature(inputs)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs), check_ranks)
+        backend = self.compile if compile is None else compile_setting(compile)
+        if backend is not None:
+            fused = self._fused.get((key, backend))
+            if fused is None:
+                fused = self._fused[key, backend] = self._fuse(program, backend)
+            program = fused[0]
         if not cuda_graph:
             return program.run(inputs)
-        graph_key = (key, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
+        graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
         if graphed is None:
             _check_graphable(self.fusion, inputs)
@@ -114,6 +128,23 @@ class FusionRunner:
         local = localize(fusion, binding.extents, binding.layouts, here)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard)
 
+    @staticmethod
+    def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
+        stats = CompileStats()
+        return fuse_program(program, backend, stats), stats
+
+    def _fusion_lines(self, key: tuple) -> list[str]:
+        """explain's lines on fused segments (once ``execute`` compiled them for ``key``): how
+        many, and their first-call compile time."""
+        lines = []
+        for (k, backend), (program, stats) in self._fused.items():
+            if k != key:
+                continue
+            segments = [s for s in program.steps if s.op == FUSED]
+            lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
+                         f"steps; {stats.describe()}")
+        return lines
+
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
         fusion = self.fusion
@@ -130,7 +161,7 @@ class FusionRunner:
         None when no data moves. ``donated``: its input is dead afterwards (not an input or
         output of the fusion, no later use), so its first step may reuse the buffer."""
         src, dst = expr.args[0], expr.outputs[0]
-        if src.mesh is None or not src.logical:
+        if src.mesh is None:
             return None
         steps = plan_resharding(src, dst, binding.extents)
         if not steps:
@@ -158,7 +189,7 @@ class FusionRunner:
             resolved(x)  # a rank that only sends ends its part here
             return None
 
-        text = "; ".join(f"{s.step} (ranks {list(s.group.ranks)})" for s in lowered)
+        text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
         return reshard, tuple(s.step for s in lowered), text
 
 
@@ -199,6 +230,20 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
             )
     if not torch.cuda.is_available():
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
+
+
+def compile_setting(value: bool | str | None) -> str | None:
+    """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
+    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1", else the
+    backend it names ("aot_eager" runs the same lowering without generating kernels)."""
+    if value in (None, False, "0", "", "false", "False"):
+        return None
+    if value in (True, "1", "true", "True"):
+        return "inductor"
+    if isinstance(value, str):
+        return value
+    raise InputError(f"execute(compile={value!r}): pass True, False or a torch.compile "
+                     "backend name such as 'inductor'")
 
 
 def _signature(inputs: list) -> tuple:

@@ -1,0 +1,274 @@
+"""DTensor interop: DTensors in, DTensors out, and conversions between DTensor placements and
+meshfuse schedules.
+
+PyTorch users meet meshfuse here. ``fd.execute([...DTensors...])`` (or
+``execute_with_dtensors(fd, dtensors)``, nvFuser's name) takes each DTensor's local shard, gives
+every unscheduled fusion input the schedule its placements say (:func:`schedule_from_placements`),
+runs the fusion, and wraps each output as a DTensor with the mesh and placements its schedule
+implies (:func:`to_placements`) and the inputs' mesh dimension names.
+
+The correspondence, per mesh axis (outermost first, as DTensor lists placements):
+
+- ``Shard(d)``: an outer split of tensor axis ``d`` by the mesh axis size, its outer part
+  parallelized on that mesh axis (``mesh_x`` is the last mesh axis). Several mesh axes on one
+  tensor axis nest in mesh order, as DTensor's ``[Shard(0), Shard(0)]`` does;
+- ``Replicate()``: nothing parallelized on that mesh axis;
+- ``Partial(op)``: an output holding partial results of a reduction sharded on that mesh
+  axis. A partial *input* is reduced by DTensor (``redistribute`` to ``Replicate``) before the
+  fusion runs, since a fusion input cannot be partial.
+
+A schedule DTensor cannot express (a cyclic shard from an inner split, mesh axes nested
+against mesh order) is refused with a ShardingError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import placement_types as dt
+
+from meshfuse.errors import InputError, ShardingError
+from meshfuse.ir import placement as mf
+from meshfuse.ir.iter_domain import Split
+from meshfuse.ir.layout import device_ids, local_indices, shard_factor
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.mesh import DeviceMesh
+from meshfuse.multidevice import device_parallel_type
+from meshfuse.runtime.binding import device_coords
+
+__all__ = [
+    "execute_with_dtensors",
+    "has_dtensors",
+    "mesh_from_torch",
+    "mesh_to_torch",
+    "schedule_from_placements",
+    "to_placements",
+]
+
+
+# ----- meshes ------------------------------------------------------------------------------
+def mesh_from_torch(mesh: TorchDeviceMesh) -> DeviceMesh:
+    """meshfuse's DeviceMesh with the ranks and shape of torch's ``mesh``."""
+    return DeviceMesh(mesh.mesh)
+
+
+def mesh_to_torch(mesh: DeviceMesh, device_type: str | None = None,
+                  mesh_dim_names: Sequence[str] | None = None) -> TorchDeviceMesh:
+    """torch's DeviceMesh with the ranks and shape of ``mesh`` (one object per mesh, device
+    type and names; creating it is collective: every rank must call it alike).
+
+    Args:
+        mesh: a meshfuse DeviceMesh.
+        device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when the default process group is
+            NCCL, else CPU.
+        mesh_dim_names: a name per mesh axis, as torch's ``init_device_mesh`` takes them.
+    """
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    return _torch_mesh(mesh, device_type, names)
+
+
+@functools.cache
+def _torch_mesh(mesh: DeviceMesh, device_type: str, names: tuple[str, ...] | None):
+    return TorchDeviceMesh(device_type, mesh.devices, mesh_dim_names=names)
+
+
+# ----- placements <-> schedules --------------------------------------------------------------
+def to_placements(tv: TensorView) -> tuple[dt.Placement, ...]:
+    """The DTensor placements of ``tv``'s schedule, one per axis of its mesh.
+
+    Raises:
+        ShardingError: if ``tv`` has no mesh, or a sharding DTensor has no placement for.
+    """
+    if tv.mesh is None:
+        raise ShardingError(
+            f"{tv.name} has no device mesh, so it has no DTensor placements; give it one "
+            "(set_device_mesh) or let sharding propagation do so (execute first)"
+        )
+    result: list[dt.Placement] = []
+    for mesh_axis, p in enumerate(mf.placements(tv, _reduce_op(tv))):
+        if isinstance(p, mf.Shard):
+            if p.cyclic:
+                raise ShardingError(
+                    f"{tv.name} axis {p.axis} is sharded cyclically (an inner split) on mesh "
+                    f"axis {mesh_axis}; DTensor has no placement for that: use an outer split"
+                )
+            result.append(dt.Shard(p.axis))
+        elif isinstance(p, mf.Partial):
+            result.append(dt.Partial(p.reduce_op))
+        else:
+            result.append(dt.Replicate())
+    return tuple(result)
+
+
+def _reduce_op(tv: TensorView) -> str:
+    """How ``tv``'s partial values combine: its op's reduction (a communication or an input
+    has none: a sum)."""
+    op = getattr(tv.definition, "op", None)
+    return getattr(op, "partial_reduce", None) or "sum"
+
+
+def schedule_from_placements(tv: TensorView, mesh: DeviceMesh | TorchDeviceMesh,
+                             placements: Sequence[dt.Placement]) -> TensorView:
+    """Schedules the unscheduled ``tv`` as a DTensor with ``placements`` on ``mesh`` lies.
+
+    Each ``Shard(d)`` on mesh axis ``i`` outer-splits what is left of tensor axis ``d`` by
+    ``mesh.shape[i]`` and parallelizes the outer part on mesh axis ``i``. Example, a 2-D mesh
+    of shape (2, 2) and ``[Shard(0), Replicate()]`` on ``[i{8}, i{4}]`` gives
+    ``[iDIDy{2}, i{4}, i{4}]``.
+
+    Raises:
+        ScheduleError: if ``tv`` is already scheduled, or a split does not divide.
+        ShardingError: for a placement meshfuse cannot take (a partial input, a strided shard).
+    """
+    if isinstance(mesh, TorchDeviceMesh):
+        mesh = mesh_from_torch(mesh)
+    if len(placements) != mesh.ndim:
+        raise ShardingError(
+            f"{tv.name}: {len(placements)} placements for a {mesh.ndim}-D mesh {mesh!r}; give "
+            "one per mesh axis"
+        )
+    tv.set_device_mesh(mesh)
+    remainder = {a: a for a in range(tv.ndim)}  # tensor axis -> loop position left to split
+    for mesh_axis, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        if not p.is_shard() or type(p) is not dt.Shard:
+            raise ShardingError(
+                f"{tv.name}: placement {p} on mesh axis {mesh_axis} has no meshfuse schedule; "
+                "an input can be Shard(d) or Replicate() (reduce a Partial one first)"
+            )
+        axis = p.dim % tv.ndim
+        pos = remainder[axis]
+        tv.outer_split(pos, mesh.shape[mesh_axis])
+        tv.parallelize(pos, device_parallel_type(mesh_axis, mesh.ndim))
+        remainder = {a: q + 1 if q > pos else q for a, q in remainder.items()}
+        remainder[axis] = pos + 1
+    return tv
+
+
+def _check_like_dtensor(tv: TensorView, local: torch.Tensor, rank: int) -> None:
+    """Where several mesh axes shard one axis of ``tv``, its local shard on ``rank`` holds the
+    indices a DTensor with its placements holds (DTensor nests mesh axes in mesh order)."""
+    sharded = [id_ for id_, ids in device_ids(tv).items() if len(ids) > 1]
+    if not sharded or rank not in tv.mesh:
+        return
+    coords = device_coords(tv, rank)
+    coordinate = tv.mesh.coordinate(rank)
+    wanted = to_placements(tv)
+    for id_ in sharded:
+        axis = tv.materialized().index(id_)
+        n = local.shape[axis] * shard_factor(tv, id_)
+        held = local_indices(tv, id_, _chain_extents(tv, id_, n), coords)
+        expected = torch.arange(n)
+        for mesh_axis, p in enumerate(wanted):
+            if isinstance(p, dt.Shard) and p.dim == axis:
+                expected = expected.chunk(tv.mesh.shape[mesh_axis])[coordinate[mesh_axis]]
+        if not torch.equal(held, expected):
+            raise ShardingError(
+                f"{tv.name} axis {axis} is sharded over several mesh axes in an order DTensor "
+                f"cannot express ({[str(p) for p in wanted]} nest in mesh order); split it by "
+                "the outermost mesh axis first"
+            )
+
+
+def _chain_extents(tv: TensorView, id_, n: int) -> dict:
+    """Extents of ``id_`` (global extent ``n``) and of the IDs split from it."""
+    extents = {id_: n}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in extents:
+            rest = extents[t.in_id] // t.factor
+            extents[t.outer], extents[t.inner] = (
+                (rest, t.factor) if t.inner_split else (t.factor, rest))
+    return extents
+
+
+# ----- execution ---------------------------------------------------------------------------
+def has_dtensors(inputs: Sequence[Any]) -> bool:
+    """Whether any of ``inputs`` is a DTensor."""
+    return any(isinstance(x, DTensor) for x in inputs)
+
+
+def execute_with_dtensors(fd, inputs: Sequence[Any], **options) -> list[DTensor | torch.Tensor]:
+    """Runs ``fd`` on DTensors (and plain tensors or scalars); returns DTensors.
+
+    Each unscheduled fusion input gets the schedule of its DTensor's placements (before the
+    fusion is built, that is, on the first call); a scheduled one must lie as its DTensor
+    does. Each output comes back as a DTensor on the torch mesh of the input with the same
+    ranks (the same object), or on a new one with the inputs' mesh dimension names.
+
+    Raises:
+        InputError: if an input DTensor lies otherwise than its scheduled fusion input, or the
+            inputs' meshes name their dimensions differently.
+    """
+    fd.define()
+    names = _common_dim_names(inputs)
+    meshes: dict[DeviceMesh, TorchDeviceMesh] = {}
+    local = []
+    for tv, x in zip(fd.fusion.inputs(), inputs):
+        if isinstance(x, DTensor) and isinstance(tv, TensorView):
+            x = _reduce_partials(x)
+            meshes.setdefault(mesh_from_torch(x.device_mesh), x.device_mesh)
+            _bind_schedule(fd, tv, x)
+            x = x.to_local()
+        local.append(x)
+    outputs = fd.execute(local, **options)
+    compiled = fd.compiled()
+    device_type = next(iter(meshes.values())).device_type if meshes else None
+    return [_wrap(compiled[tv], out.local if hasattr(out, "local") else out, meshes,
+                  device_type, names) for tv, out in zip(fd.fusion.outputs(), outputs)]
+
+
+def _common_dim_names(inputs: Sequence[Any]) -> tuple[str, ...] | None:
+    names = {x.device_mesh.mesh_dim_names for x in inputs if isinstance(x, DTensor)}
+    if len(names) > 1:
+        raise InputError(
+            f"the input DTensors' meshes name their dimensions differently ({sorted(map(str, names))}); "
+            "use one naming, as the outputs get one"
+        )
+    return next(iter(names), None)
+
+
+def _reduce_partials(x: DTensor) -> DTensor:
+    if not any(p.is_partial() for p in x.placements):
+        return x
+    replicated = [dt.Replicate() if p.is_partial() else p for p in x.placements]
+    return x.redistribute(x.device_mesh, replicated)
+
+
+def _bind_schedule(fd, tv: TensorView, x: DTensor) -> None:
+    mesh = mesh_from_torch(x.device_mesh)
+    if not tv.is_scheduled and not fd.built:
+        schedule_from_placements(tv, mesh, x.placements)
+        return
+    if fd.built:
+        tv = fd.compiled()[tv]  # as compiled: propagation may have scheduled it
+    if tv.mesh == mesh and to_placements(tv) == tuple(x.placements):
+        return
+    have = "no schedule" if tv.mesh is None else f"{list(to_placements(tv))} on {tv.mesh!r}"
+    raise InputError(
+        f"input {tv.name} is scheduled as {have}, but its DTensor is {list(x.placements)} on "
+        f"{mesh!r}; pass DTensors laid out like the first ones, or define a new fusion for "
+        "this layout"
+    )
+
+
+def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDeviceMesh],
+          device_type: str | None, names: tuple[str, ...] | None) -> DTensor | torch.Tensor:
+    if tv.mesh is None:
+        return local
+    placements = to_placements(tv)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _check_like_dtensor(tv, local, rank)
+    torch_mesh = meshes.get(tv.mesh)
+    if torch_mesh is None:
+        dim_names = names if names is not None and len(names) == tv.mesh.ndim else None
+        torch_mesh = mesh_to_torch(tv.mesh, device_type, dim_names)
+    return DTensor.from_local(local, torch_mesh, placements, run_check=False)

@@ -1,0 +1,106 @@
+"""``meshfuse.multidevice``: nvFuser's ``nvfuser_direct.multidevice`` names over meshfuse.
+
+Programs written for nvFuser's current frontend (``import nvfuser_direct as nvfuser``) reach
+the multi-device API here: ``nvfuser.multidevice.DeviceMesh``, ``nvfuser.multidevice.Communicator``
+(with nvFuser's *methods* ``size()``, ``rank()``, ``local_size()``, ``local_rank()`` and
+``barrier()``) and ``nvfuser.multidevice.shard_tensor(t, tv)``. ``Sharding`` is what nvFuser's
+legacy frontend returned beside each output: a mesh and the axis sharded on each parallel
+type.
+
+meshfuse's own :class:`~meshfuse.runtime.communicator.Communicator` has the same information
+as properties (``comm.rank``); the class here only adapts the spelling.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
+from meshfuse.ir.placement import Shard, placements
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.mesh import DeviceMesh
+from meshfuse.runtime import communicator as _runtime
+from meshfuse.sharding import shard_tensor
+
+__all__ = ["Communicator", "DeviceMesh", "Sharding", "shard_tensor"]
+
+
+class Communicator:
+    """This process's rank and world, with nvFuser's method names.
+
+    Example:
+        >>> comm = Communicator.instance()
+        >>> comm.rank(), comm.size()
+        (0, 1)
+    """
+
+    _instance: ClassVar[Communicator | None] = None
+
+    def __init__(self, runtime: _runtime.Communicator) -> None:
+        self._runtime = runtime
+
+    @classmethod
+    def instance(cls) -> Communicator:
+        """The communicator of this process (initializes torch.distributed on first use, see
+        :meth:`meshfuse.runtime.communicator.Communicator.instance`)."""
+        runtime = _runtime.Communicator.instance()
+        if cls._instance is None or cls._instance._runtime is not runtime:
+            cls._instance = cls(runtime)
+        return cls._instance
+
+    def size(self) -> int:
+        """The number of processes (the world size)."""
+        return self._runtime.size
+
+    def rank(self) -> int:
+        """The global rank of this process (nvFuser calls it the device id)."""
+        return self._runtime.rank
+
+    def local_size(self) -> int:
+        """The number of processes on this host."""
+        return self._runtime.local_size
+
+    def local_rank(self) -> int:
+        """The rank of this process among those of its host (the index of its GPU)."""
+        return self._runtime.local_rank
+
+    def barrier(self) -> None:
+        """Blocks until every rank reaches the barrier."""
+        self._runtime.barrier()
+
+    @property
+    def runtime(self) -> _runtime.Communicator:
+        """meshfuse's communicator (process groups, device, backend)."""
+        return self._runtime
+
+
+class Sharding:
+    """How a fusion output lies on its mesh: nvFuser's ``Sharding`` (legacy frontend).
+
+    ``axis_sharded_on(pt)`` is the output axis sharded on parallel type ``pt``, or -1 where
+    the output is replicated (or partial) along that mesh axis.
+    """
+
+    def __init__(self, tv: TensorView) -> None:
+        self.mesh: DeviceMesh | None = tv.mesh
+        self._axes: dict[ParallelType, int] = {}
+        if tv.mesh is None:
+            return
+        for mesh_axis, placement in enumerate(placements(tv)):
+            if isinstance(placement, Shard):
+                pt = device_parallel_type(mesh_axis, tv.mesh.ndim)
+                self._axes[pt] = placement.axis
+
+    def axis_sharded_on(self, parallel_type: ParallelType) -> int:
+        return self._axes.get(parallel_type, -1)
+
+    def __repr__(self) -> str:
+        shards = ", ".join(f"{pt.value}: axis {a}" for pt, a in sorted(
+            self._axes.items(), key=lambda item: item[0].value))
+        return f"Sharding(mesh={self.mesh!r}, {shards or 'replicated'})"
+
+
+def device_parallel_type(mesh_axis: int, mesh_ndim: int) -> ParallelType:
+    """The device parallel type that runs over ``mesh_axis`` of a ``mesh_ndim``-D mesh
+    (``mesh_x`` the last axis, ``mesh_y`` the one before, ``mesh_z`` the one before that)."""
+    return DEVICE_PARALLEL_TYPES[mesh_ndim - 1 - mesh_axis]

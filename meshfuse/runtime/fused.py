@@ -1,0 +1,173 @@
+"""Fused segments: a per-rank program whose runs of fusible steps are compiled by torch.compile.
+
+:func:`fuse_program` reads a :class:`~meshfuse.runtime.executor.Program`'s records and groups
+each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes and
+permutes) into one *segment*. A segment is lowered to a ``torch.fx`` graph that calls the ops'
+own torch implementations in the records' order, on local tensors, and that graph is given to
+``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
+meshfuse generates no kernel code itself.
+
+What stays outside segments, as in the interpreter: matrix products (``output_layout
+"contiguous"``: cuBLAS), stateful ops (``make_impl``: attention picks its cuDNN/flash kernel),
+per-rank ops (``localize``: random ops draw from the rank's stream) and communications, which
+stay asynchronous and are waited for where first read. A segment also ends before a step that
+reads a communication's result, so the wait happens where the interpreter's would: the steps
+placed between a communication's launch and its first reader (``communication_first``) still
+overlap it.
+
+The fused program is an ordinary :class:`Program`: a segment is one record (op ``"fused"``,
+its inputs as slots, its live outputs, its label listing the steps it runs), so the same
+interpreter loop runs it. Each segment is compiled on its first call, for the signature of the
+program it belongs to (``dynamic=False``); the runner caches the fused program per input
+signature, so cached calls never recompile. :class:`CompileStats` counts compilations and
+records their time (what ``explain`` and the benchmarks report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from meshfuse.ops.registry import lookup
+from meshfuse.runtime.executor import RESHARD, Program, Slot, Step
+
+FUSED = "fused"
+
+
+def fusible(step: Step) -> bool:
+    """Whether a record may go into a segment: an op (not a communication) whose torch
+    implementation is a pure, stateless function of its local arguments laid out as PyTorch's
+    pointwise kernels lay them out. Matrix products, attention and random ops are not."""
+    if step.op == RESHARD:
+        return False
+    op = lookup(step.op)
+    return op.make_impl is None and op.localize is None and op.output_layout == "follow"
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """Compilations of a fused program's segments: how many, and how long the first calls
+    took (tracing, Inductor and its C++/Triton compiler together)."""
+
+    compiles: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        return f"{self.compiles} segment compilations, first-call compile time {self.seconds:.2f} s"
+
+
+def fuse_program(program: Program, backend: str = "inductor",
+                 stats: CompileStats | None = None) -> Program:
+    """``program`` with each maximal run of two or more fusible steps replaced by one
+    compiled segment record; see the module doc. ``backend`` is torch.compile's."""
+    stats = stats if stats is not None else CompileStats()
+    keep = {o.slot for o in program.outputs}
+    communicated = {s for step in program.steps if step.op == RESHARD for s in step.outputs}
+    steps, calls = [], []
+    for run in _runs(program.steps, communicated):
+        if len(run) < 2 or not fusible(program.steps[run[0]]):
+            for i in run:
+                steps.append(program.steps[i])
+                calls.append(program.calls[i])
+            continue
+        body = [program.steps[i] for i in run]
+        later = {s for step in program.steps[run[-1] + 1:] for s in _slots(step.args)}
+        step, graph = _segment(body, [program.calls[i] for i in run], later | keep)
+        steps.append(step)
+        calls.append(_Compiled(graph, backend, stats))
+    return Program(program.num_slots, program.input_slots, tuple(steps), program.outputs,
+                   program.rank, tuple(calls))
+
+
+def _runs(steps: Sequence[Step], communicated: set[int]) -> list[list[int]]:
+    """The steps' indices cut into runs: maximal stretches of fusible steps, each other step
+    alone; a stretch is also cut before a step reading a communication's result."""
+    runs: list[list[int]] = []
+    for i, step in enumerate(steps):
+        joins = (fusible(step) and runs and fusible(steps[runs[-1][-1]])
+                 and not communicated & set(_slots(step.args)))
+        if joins:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _slots(args: Sequence[Any]) -> list[int]:
+    """The slots a record's arguments read."""
+    out = []
+    for a in args:
+        if isinstance(a, Slot):
+            out.append(a.index)
+        elif isinstance(a, list):
+            out.extend(s.index for s in a if isinstance(s, Slot))
+    return out
+
+
+def _segment(body: list[Step], calls: list[Callable], live: set[int]
+             ) -> tuple[Step, fx.GraphModule]:
+    """One segment's record and its fx graph: the body's calls in order, reading the slots
+    defined before the segment (placeholders), returning those read after it (``live``)."""
+    graph = fx.Graph()
+    defined = [s for step in body for s in step.outputs]
+    inputs = list(dict.fromkeys(s for step in body for s in _slots(step.args)
+                                if s not in defined))
+    nodes = {slot: graph.placeholder(f"in{slot}") for slot in inputs}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Slot):
+            return nodes[a.index]
+        if isinstance(a, list) and a and all(isinstance(s, Slot) for s in a):
+            return [nodes[s.index] for s in a]
+        return a
+
+    for step, call in zip(body, calls):
+        node = graph.call_function(call, tuple(arg(a) for a in step.args), dict(step.attrs))
+        if len(step.outputs) == 1:
+            nodes[step.outputs[0]] = node
+        else:
+            for k, slot in enumerate(step.outputs):
+                nodes[slot] = graph.call_function(operator.getitem, (node, k))
+    outputs = tuple(s for s in defined if s in live)
+    graph.output(tuple(nodes[s] for s in outputs))
+    graph.lint()
+    freed = tuple(s for step in body for s in step.free if s not in defined)
+    label = f"fused segment of {len(body)} steps: " + "; ".join(s.label for s in body)
+    record = Step(FUSED, tuple(Slot(s) for s in inputs), {}, outputs, freed, label)
+    return record, fx.GraphModule(torch.nn.Module(), graph)
+
+
+class _Compiled:
+    """A segment's graph under torch.compile; the first call (the compilation) is timed."""
+
+    def __init__(self, graph: fx.GraphModule, backend: str, stats: CompileStats):
+        self.graph = graph
+        self._stats = stats
+        self._backend = backend
+        self._compiled = None
+
+    def __call__(self, *args):
+        if self._compiled is not None:
+            return _unpacked(self._compiled(*args))
+        start = time.perf_counter()
+        self._compiled = torch.compile(self.graph, backend=self._counted, dynamic=False)
+        result = self._compiled(*args)
+        self._stats.seconds += time.perf_counter() - start
+        return _unpacked(result)
+
+    def _counted(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        """The backend, counting each compilation (a recompilation would count again)."""
+        self._stats.compiles += 1
+        # torch._dynamo is imported lazily by torch: only a program that compiles pays for it.
+        return torch._dynamo.lookup_backend(self._backend)(gm, example_inputs)
+
+
+def _unpacked(result: tuple) -> Any:
+    """A segment's outputs as the interpreter stores a record's: one value, or a tuple."""
+    return result[0] if len(result) == 1 else result

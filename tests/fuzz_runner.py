@@ -1,0 +1,118 @@
+"""Runs fuzz programs sharded and compares them with plain torch (see ``test_fuzz.py``).
+
+Each program ends in one outcome: ``match``; ``mismatch`` (wrong values: a failure);
+``untyped`` (an exception that is not a :class:`meshfuse.MeshfuseError`, or an
+``ExecutionError`` wrapping a kernel's failure: a failure); or a typed ``refusal``, which is
+allowed only when its message matches a class of :data:`REFUSALS`, each of which names the
+fix in its message (an unknown refusal is a failure: the generator writes valid programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import traceback
+
+import torch
+from fuzz_programs import Features, Program, build, generate, reference
+
+from meshfuse import MeshfuseError, ScheduleError, ShardingError, shard_tensor
+from meshfuse.errors import ExecutionError
+from meshfuse.passes.pipeline import compiled_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A class of typed refusals the fuzzer accepts.
+
+    Attributes:
+        name: a short name, used in the counts.
+        error: the error type.
+        pattern: a regex that the message matches.
+        fix: a regex that the message must also match: the part that says what to do.
+        why: why such a program is refused (invalid, or waiting for a named feature).
+    """
+
+    name: str
+    error: type
+    pattern: str
+    fix: str
+    why: str
+
+
+# Refusals of valid programs that need a feature not there yet (met only with Features
+# that CI leaves off). Each message names the user's way around it; the list only shrinks.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("uneven split", ScheduleError, r"does not divide extent", r"choose a divisor",
+            "valid; waits for uneven shards"),
+    Refusal("shard pattern change", ShardingError, r"changing the shard pattern",
+            r"use one pattern for both tensors", "valid; waits for any-to-any plans"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    kind: str  # "match", "mismatch", "untyped", "refusal", "unknown refusal"
+    detail: str = ""  # the refusal class, or the error
+    program: Program | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in ("mismatch", "untyped", "unknown refusal")
+
+    def report(self) -> str:
+        """The failure with its reproduction (the seed and the program as code)."""
+        return (f"{self.kind}: {self.detail}\n--- reproduction (seed {self.program.seed}, "
+                f"world size {self.program.world_size}) ---\n{self.program.repro()}")
+
+
+def classify(error: BaseException) -> tuple[str, str]:
+    """(outcome kind, detail) of an exception raised by a program."""
+    if not isinstance(error, MeshfuseError) or isinstance(error, ExecutionError):
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        return "untyped", f"{type(error).__name__}: {error} (at {last.filename}:{last.lineno})"
+    message = str(error)
+    for refusal in REFUSALS:
+        if isinstance(error, refusal.error) and re.search(refusal.pattern, message):
+            assert re.search(refusal.fix, message), f"{refusal.name} without its fix: {message}"
+            return "refusal", refusal.name
+    return "unknown refusal", f"{type(error).__name__}: {message}"
+
+
+def tolerance(program: Program, expected: torch.Tensor) -> dict:
+    finite = expected[torch.isfinite(expected)] if expected.dtype.is_floating_point else None
+    scale = float(finite.abs().max()) if finite is not None and finite.numel() else 1.0
+    return {"rtol": 1e-4, "atol": 1e-4 * max(1.0, scale), "equal_nan": True}
+
+
+def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
+    """Runs ``program`` on this rank's shards and compares with torch on the global tensors."""
+    try:
+        fd, _ = build(program)
+        inputs, expected = reference(program)
+        compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
+
+        def held(tv) -> bool:
+            return compiled[tv].mesh is None or rank in compiled[tv].mesh
+
+        local = [shard_tensor(x.to(device), tv, rank) if held(tv) else None
+                 for x, tv in zip(inputs, fd.fusion.inputs())]
+        outputs = fd.execute(local)
+        for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
+            if not held(tv):
+                continue
+            want = shard_tensor(ref.to(device), tv, rank)
+            try:
+                torch.testing.assert_close(out, want, **tolerance(program, ref))
+            except AssertionError as e:
+                return Outcome("mismatch", f"{tv.name}: {e}", program)
+    except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
+        kind, detail = classify(e)
+        return Outcome(kind, detail, program)
+    return Outcome("match", "", program)
+
+
+def run_many(seeds, world_size: int, rank: int, device: torch.device,
+             features: Features | None = None) -> list[Outcome]:
+    features = Features() if features is None else features
+    return [run_program(generate(seed, world_size, features), rank, device) for seed in seeds]

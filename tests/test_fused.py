@@ -1,0 +1,137 @@
+"""Fused segments (``execute(..., compile=...)``): the compiled program gives the interpreter's
+results and runs the same communications.
+
+Checked: which records a program's runs of fusible steps become (a matrix product and a
+communication stay outside, a segment ends before a step reading a communication's result);
+values against the interpreter and against plain PyTorch, on one process and sharded at every
+world size the suite runs (a row-parallel linear whose partial sums are allreduced, then a
+softmax-like chain); the communications recorded; no recompilation on cached calls (the
+compile counter); explain's line. The suite compiles with ``aot_eager`` (the same lowering,
+through torch.compile's tracing, without generating kernels: Inductor's C++ compiler takes
+tens of seconds on a loaded CPU); ``MESHFUSE_TEST_INDUCTOR=1`` adds the Inductor run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mesh_helpers import mesh_1d, shard
+
+from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
+from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.fused import FUSED
+from meshfuse.runtime.runner import compile_setting
+
+BACKEND = "aot_eager"
+
+
+class _LinearThenSoftmax(FusionDefinition):
+    """``softmax(x @ w.T * 0.5, dim=1)`` written with ops; ``x`` and ``w`` optionally split on
+    the reduced axis (partial sums, allreduced before the chain)."""
+
+    def __init__(self, mesh=None):
+        super().__init__()
+        self.mesh = mesh
+
+    def definition(self) -> None:
+        self.x = self.define_tensor([6, 12], dtype=DataType.Float)
+        self.w = self.define_tensor([5, 12], dtype=DataType.Float)
+        x = self.ops.mul(self.ops.exp(self.x), 0.5)  # a segment before the matmul
+        y = self.ops.mul(self.ops.linear(x, self.w), 0.5)
+        m = self.ops.broadcast_in_dim(self.ops.max(y, [1]), [6, 5], [0])
+        e = self.ops.exp(self.ops.sub(y, m))
+        s = self.ops.broadcast_in_dim(self.ops.sum(e, [1]), [6, 5], [0])
+        self.y = self.ops.div(e, s)
+        self.add_output(self.y)
+
+    def multidevice_schedule(self) -> None:
+        if self.mesh is not None:
+            for tv in (self.x, self.w):
+                shard(tv, 1, self.mesh)
+            self.y.set_device_mesh(self.mesh)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(torch.nn.functional.linear(x.exp() * 0.5, w) * 0.5, dim=1)
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 12, generator=gen), torch.randn(5, 12, generator=gen)
+
+
+def test_runs_of_fusible_steps_become_segments_and_match_the_interpreter():
+    fd = _LinearThenSoftmax()
+    x, w = _inputs()
+    want, = fd.execute([x, w], compile=False)
+    got, = fd.execute([x, w], compile=BACKEND)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, _reference(x, w))
+    runner = fd._get_runner()
+    (program, stats), = runner._fused.values()
+    assert [s.op for s in program.steps] == [FUSED, "linear", FUSED]
+    assert "fused segment of 2 steps" in program.steps[0].label
+    assert stats.compiles == 2
+    for seed in (1, 2):  # cached calls, new values: no recompilation
+        x, w = _inputs(seed)
+        got, = fd.execute([x, w], compile=BACKEND)
+        torch.testing.assert_close(got, _reference(x, w))
+    assert stats.compiles == 2
+    assert f"fused segments ({BACKEND}): 2 of 3 steps; 2 segment compilations" in \
+        fd.explain([x, w])
+
+
+def test_environment_and_option_select_the_compiler(monkeypatch):
+    assert compile_setting("0") is None and compile_setting(False) is None
+    assert compile_setting("1") == "inductor" and compile_setting(True) == "inductor"
+    assert compile_setting("aot_eager") == "aot_eager"
+    with pytest.raises(InputError, match=r"compile=3.*backend name"):
+        compile_setting(3)
+    monkeypatch.setenv("MESHFUSE_COMPILE", BACKEND)
+    fd = _LinearThenSoftmax()
+    x, w = _inputs()
+    got, = fd.execute([x, w])
+    torch.testing.assert_close(got, _reference(x, w))
+    assert len(fd._get_runner()._fused) == 1
+    fd.execute([x, w], compile=False)  # the option wins over the environment
+    assert len(fd._get_runner()._fused) == 1
+
+
+@pytest.mark.mpi
+def test_sharded_compiled_program_matches_interpreter_and_communicates_alike(multidevice_test):
+    rank, mesh = multidevice_test.rank, mesh_1d(multidevice_test)
+    fd = _LinearThenSoftmax(mesh)
+    fd.define()
+    x, w = _inputs()
+    inputs = [shard_tensor(t, tv, rank).to(multidevice_test.device)
+              for t, tv in ((x, fd.x), (w, fd.w))]
+    with record_communications() as eager_comms:
+        want, = fd.execute(inputs, compile=False)
+    with record_communications() as fused_comms:
+        got, = fd.execute(inputs, compile=BACKEND)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got.cpu(), _reference(x, w), rtol=1e-5, atol=1e-6)
+    assert [c.kind for c in fused_comms] == [c.kind for c in eager_comms] == \
+        ["allreduce"] * int(multidevice_test.size > 1)
+    (program, stats), = fd._get_runner()._fused.values()
+    ops = [s.op for s in program.steps]
+    if multidevice_test.size > 1:  # the chain after the allreduce starts its own segment
+        assert ops == [FUSED, "linear", "reshard", FUSED]
+    fd.execute(inputs, compile=BACKEND)
+    assert stats.compiles == ops.count(FUSED)
+
+
+@pytest.mark.skipif(os.environ.get("MESHFUSE_TEST_INDUCTOR", "0") == "0",
+                    reason="Inductor's C++ compile takes tens of seconds on a loaded CPU; "
+                           "MESHFUSE_TEST_INDUCTOR=1 runs it")
+def test_inductor_compiles_the_segments():
+    torch._inductor.config.compile_threads = 1
+    fd = _LinearThenSoftmax()
+    x, w = _inputs()
+    got, = fd.execute([x, w], compile=True)
+    torch.testing.assert_close(got, _reference(x, w))
+    fd.execute([x, w], compile=True)
+    (_, stats), = fd._get_runner()._fused.values()
+    assert stats.compiles == 2 and stats.seconds > 0

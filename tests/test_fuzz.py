@@ -1,0 +1,70 @@
+"""The differential fuzzer: random programs run sharded at world sizes 1, 2 and 4 and compared
+with plain torch on the global tensors (programs: ``fuzz_programs.py``, schedules:
+``fuzz_schedules.py``, outcomes: ``fuzz_runner.py``).
+
+CI runs ``DEFAULT_PROGRAMS`` programs per world size, all in one test per size. The long mode
+runs more: ``MESHFUSE_FUZZ_PROGRAMS=5000 python -m pytest tests/test_fuzz.py`` (or
+``--fuzz-programs 5000``), from seed ``MESHFUSE_FUZZ_SEED`` (default 0) on. A failure prints
+the outcome counts and, for the first failures, a runnable reproduction.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+from fuzz_programs import Features
+from fuzz_runner import run_many
+
+pytestmark = pytest.mark.mpi
+
+DEFAULT_PROGRAMS = 200
+PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
+SEED_ENV = "MESHFUSE_FUZZ_SEED"
+REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
+# What the schedules may use beyond block shards of divisible extents (see Features): all
+# of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
+FEATURES = Features(uneven=True, any_to_any=True)
+FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
+
+
+def _features() -> Features:
+    names = os.environ.get(FEATURES_ENV)
+    if names is None:
+        return FEATURES
+    return Features(**{n: True for n in names.split(",") if n})
+
+
+def _summary(outcomes) -> dict[str, int]:
+    counts = collections.Counter(
+        o.kind if o.kind in ("match", "mismatch", "untyped") else f"{o.kind}: {o.detail[:60]}"
+        for o in outcomes
+    )
+    return dict(sorted(counts.items()))
+
+
+def test_fuzz_programs_match_torch(multidevice_test):
+    count = int(os.environ.get(PROGRAMS_ENV, DEFAULT_PROGRAMS))
+    if multidevice_test.size == 1:
+        count = min(count, DEFAULT_PROGRAMS // 4)  # nothing is sharded: a smoke run
+    first = int(os.environ.get(SEED_ENV, "0"))
+    outcomes = run_many(range(first, first + count), multidevice_test.size,
+                        multidevice_test.rank, multidevice_test.device, _features())
+    summary = _summary(outcomes)
+    report = os.environ.get(REPORT_ENV)
+    if report:
+        os.makedirs(report, exist_ok=True)
+        name = f"ws{multidevice_test.size}-rank{multidevice_test.rank}.json"
+        with open(os.path.join(report, name), "w") as f:
+            json.dump({"programs": count, "first_seed": first, "outcomes": summary,
+                       "failures": [o.report() for o in outcomes if o.failed][:20]}, f,
+                      indent=1)
+    failures = [o for o in outcomes if o.failed]
+    assert len(outcomes) == count
+    assert not failures, (
+        f"{len(failures)} of {count} programs failed at world size {multidevice_test.size}: "
+        f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3])
+    )
+
