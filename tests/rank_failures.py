@@ -6,8 +6,9 @@ timeout, then runs it again with ``execute(..., timeout=TIMEOUT)`` while the las
 misbehaves:
 
 - ``exit_before``: it exits before the collective;
-- ``exit_inside``: it launches the collective and exits with it in flight; the others
-  join once it has launched (they learn it through the rendezvous store);
+- ``exit_inside``: the others launch the collective and wait in it; it gets to the same
+  step and exits where it would launch its part (it learns that they are inside through the
+  rendezvous store), so the survivors are waiting on a collective their peer will never join;
 - ``sleep``: it sleeps past the timeout (and the roll call after it), then joins, late;
 - ``clean``: it behaves; every rank returns normally.
 
@@ -43,16 +44,27 @@ def sharded_sum(size: int) -> FusionDefinition:
     return fd
 
 
-def exit_once_launched() -> None:
-    """Makes the next allreduce this process launches its last act."""
-    launch = dist.all_reduce
+def exit_when_others_inside() -> None:
+    """Makes this process exit where it would launch its next allreduce, once the other
+    ranks have launched theirs."""
 
-    def launch_and_exit(*args, **kwargs):
-        launch(*args, **kwargs)
-        _store().set("launched", b"1")
+    def exit_instead(*args, **kwargs):
+        _store().wait(["inside"])
         os._exit(3)
 
-    dist.all_reduce = launch_and_exit
+    dist.all_reduce = exit_instead
+
+
+def tell_once_inside() -> None:
+    """Makes this process say, through the store, that it launched its next allreduce."""
+    launch = dist.all_reduce
+
+    def launch_and_tell(*args, **kwargs):
+        work = launch(*args, **kwargs)
+        _store().set("inside", b"1")
+        return work
+
+    dist.all_reduce = launch_and_tell
 
 
 def _store() -> dist.Store:
@@ -73,10 +85,7 @@ def main(scenario: str, timeout: float) -> None:
         if culprit and scenario == "exit_before":
             os._exit(3)
         if scenario == "exit_inside":
-            if culprit:
-                exit_once_launched()
-            else:
-                _store().wait(["launched"])  # join once the culprit is inside
+            exit_when_others_inside() if culprit else tell_once_inside()
         if culprit and scenario == "sleep":
             time.sleep(timeout + ROLL_CALL_S + 2)  # past the others' roll call too
         (out,) = fd.execute([local], timeout=timeout)
@@ -86,6 +95,10 @@ def main(scenario: str, timeout: float) -> None:
                        bases=[c.__name__ for c in type(e).__mro__])
     outcome["seconds"] = time.monotonic() - start
     print(json.dumps(outcome), flush=True)
+    # From here on, only the interpreter's exit: it gets a minute of its own (a loaded machine
+    # can take most of the first minute to get here).
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(60, exit=True)
 
 
 if __name__ == "__main__":

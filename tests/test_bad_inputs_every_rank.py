@@ -358,6 +358,43 @@ def test_no_agreement_collective_on_cached_calls_or_when_off(multidevice_test, m
 
 
 
+_TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                      "reduce_scatter_tensor", "all_to_all_single", "broadcast", "barrier",
+                      "send", "recv")
+
+
+def test_a_cached_call_runs_only_the_programs_collectives(multidevice_test, monkeypatch):
+    """Every torch.distributed call of a cached call is one the communication recorder
+    reports (the program's allreduce): the agreement adds nothing; the first call of a new
+    signature adds exactly its one small allgather."""
+    d = multidevice_test.size
+    calls = []
+    for name in _TORCH_COLLECTIVES:
+        real = getattr(torch.distributed, name)
+        monkeypatch.setattr(torch.distributed, name,
+                            lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, COLS * d])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+    _shard_columns(x, DeviceMesh(range(d)))
+    local = torch.ones(ROWS, COLS)
+    fd.execute([local])  # the build and the first signature agree
+    for shape in ((ROWS, COLS), (ROWS, COLS), (2 * ROWS, COLS)):
+        calls.clear()
+        with record_communications() as comms:
+            (out,) = fd.execute([torch.ones(*shape)])
+        assert out.tolist() == [float(COLS * d)] * shape[0]
+        assert [c.kind for c in comms] == (["allreduce"] if d > 1 else [])
+        agreement = ["all_gather"] if d > 1 and shape[0] == 2 * ROWS else []  # new signature
+        assert calls == agreement + ["all_reduce"] * (d > 1), calls
+
+
+def _shard_columns(x, mesh: DeviceMesh) -> None:
+    x.set_device_mesh(mesh)
+    x.outer_split(1, mesh.size)
+    x.axis(1).parallelize(MX)
+
+
 def test_nothing_in_flight_after_execute_returns_or_raises(multidevice_test):
     """The sum's allreduce is launched first and runs while ``fmod(x, 0)`` fails: the
     program waits for it before the ExecutionError leaves ``execute``; a good run leaves
