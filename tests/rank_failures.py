@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -72,8 +73,10 @@ def _store() -> dist.Store:
 
 
 def main(scenario: str, timeout: float) -> None:
-    # A rank still running after a minute hangs: show where, and end it.
-    faulthandler.dump_traceback_later(60, exit=True)
+    # The launcher asks a hung rank for its stacks with SIGUSR1 (tests/rank_jobs.py); run by
+    # hand, a rank still running after ten minutes shows where it is, and ends.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.dump_traceback_later(600, exit=True)
     comm = Communicator.instance()
     fd = sharded_sum(comm.size)
     local = torch.ones(2, EXTENT)
@@ -95,10 +98,6 @@ def main(scenario: str, timeout: float) -> None:
                        bases=[c.__name__ for c in type(e).__mro__])
     outcome["seconds"] = time.monotonic() - start
     print(json.dumps(outcome), flush=True)
-    # From here on, only the interpreter's exit: it gets a minute of its own (a loaded machine
-    # can take most of the first minute to get here).
-    faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(60, exit=True)
 
 
 if __name__ == "__main__":
