@@ -126,10 +126,10 @@ def test_failures_are_told_apart(message, kind):
 def test_collective_failed_names_the_step_and_the_missing_rank():
     error = CollectiveFailed("allreduce(sum) over mesh axis 0", (0, 1), 0, "timeout", (1,), 5.0,
                              "[pair.cc:1] Timed out waiting 5000ms")
-    named = error.at_step("step 3 (T7 = set(T5): allreduce(sum) over mesh axis 0)")
+    named = error.at_step("step 3 (T7 = reshard(T5, [P] -> [R]): allreduce(sum) over mesh axis 0)")
     assert isinstance(named, CommunicationError)
     text = str(named)
-    for words in ("rank 0: step 3 (T7 = set(T5)", "among ranks [0, 1]", "timed out after 5 s",
+    for words in ("rank 0: step 3 (T7 = reshard(T5, [P] -> [R])", "among ranks [0, 1]", "timed out after 5 s",
                   "rank 1 was not there", "MESHFUSE_TIMEOUT", "Timed out waiting 5000ms"):
         assert words in text, text
     assert named.absent == (1,) and named.failure == "timeout"

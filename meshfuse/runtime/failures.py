@@ -8,9 +8,9 @@ NCCL's watchdog aborts it).
 
 When torch reports a collective as failed (timed out, or a peer's connection closed or reset
 because its process exited), meshfuse raises a :class:`CollectiveFailed`, a
-:class:`~meshfuse.errors.CommunicationError` that says which collective (the program step, e.g.
-``T7 = set(T5): allreduce(sum) over mesh axis 0``), among which ranks, what happened, and which
-ranks did not answer a roll call taken right after the failure (see
+:class:`~meshfuse.errors.CommunicationError` that says which collective (the program step,
+e.g. ``T7 = reshard(T5, [P] -> [R]): allreduce(sum) over mesh axis 0``), among which ranks,
+what happened, and which ranks did not answer a roll call taken right after the failure (see
 :meth:`~meshfuse.runtime.communicator.Communicator.absent_ranks`): the dead or stuck ones.
 """
 
@@ -92,7 +92,7 @@ class CollectiveFailed(CommunicationError):
 
     Attributes:
         what: the collective, e.g. ``"allreduce(sum) over mesh axis 0"``; once the program
-            step is known, the step (``"step 3 (T7 = set(T5): allreduce(sum) ...)"``).
+            step is known, the step (``"step 3 (T7 = reshard(T5, [P] -> [R]): allreduce(sum) ...)"``).
         ranks: the ranks of its group.
         rank: the rank that raises.
         failure: ``"timeout"``, ``"peer"`` or ``"other"``.
