@@ -107,7 +107,7 @@ def agreed(communicator: Communicator, attempt: Callable[[], T],
     if all(d == digests[0] for d in digests) and not digests[0][2]:
         return result
     claims = communicator.allgather_object(claim)
-    _raise_failure(claims, own)
+    _raise_failure(claims, own, communicator.rank)
     _raise_difference(claims, advice)
     return result  # digests differed but the facts agree: a hash collision; nothing to say
 
@@ -183,12 +183,14 @@ def input_facts(fusion: Fusion, inputs: Sequence[Any],
     return facts
 
 
-def _raise_failure(claims: list[Claim], own: Exception | None) -> None:
-    """Raises the error of the first rank that failed, naming it, on every rank (chained to
-    this rank's own error, if it failed)."""
+def _raise_failure(claims: list[Claim], own: Exception | None, me: int) -> None:
+    """Raises, on every rank, the error of a rank that failed, naming it and the others that
+    failed: a rank that failed raises its own (chained to it), the others the first one's."""
     failed = [(r, c.error) for r, c in enumerate(claims) if c.error is not None]
     if not failed:
         return
+    if own is not None:  # its own message fits its own inputs (the extent of its shard)
+        failed.sort(key=lambda f: f[0] != me)
     rank, (name, text) = failed[0]
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, MeshfuseError)) or \
