@@ -93,7 +93,11 @@ class FusionRunner:
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False, compile: bool | str | None = None,
-                timeout: float | None = None) -> list[torch.Tensor]:
+                donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
+        """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
+        read so that each input is freed after its last use (see :meth:`Program.run`; not
+        with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
+        :meth:`~meshfuse.runtime.communicator.Communicator.set_timeout`."""
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
         key = _signature(inputs)
@@ -109,7 +113,7 @@ class FusionRunner:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
         if not cuda_graph:
-            return program.run(inputs)
+            return program.run(inputs, donate)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
         if graphed is None:
