@@ -217,6 +217,7 @@ def execute_with_dtensors(fd, inputs: Sequence[Any], **options) -> list[DTensor 
             x = _reduce_partials(x)
             meshes.setdefault(mesh_from_torch(x.device_mesh), x.device_mesh)
             _bind_schedule(fd, tv, x)
+            _check_learnable_extents(tv, x)
             x = x.to_local()
         local.append(x)
     outputs = fd.execute(local, **options)
@@ -260,6 +261,23 @@ def _bind_schedule(fd, tv: TensorView, x: DTensor) -> None:
     )
 
 
+def _check_learnable_extents(tv: TensorView, x: DTensor) -> None:
+    """A symbolic axis is learnt from this rank's shard as if shards were even: an uneven
+    Shard of one must be declared static (InputError on every rank, before any runs)."""
+    for mesh_axis, p in enumerate(x.placements):
+        if not isinstance(p, dt.Shard):
+            continue
+        id_ = tv.materialized()[p.dim]
+        parts = x.device_mesh.size(mesh_axis)
+        if id_.extent is None and x.shape[p.dim] % parts:
+            raise InputError(
+                f"input {tv.name} axis {p.dim} is declared symbolic (-1) but its DTensor "
+                f"shards {x.shape[p.dim]} over {parts} ranks unevenly, which a shard alone "
+                f"does not tell; declare that axis with its extent {x.shape[p.dim]} in "
+                "define_tensor"
+            )
+
+
 def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDeviceMesh],
           device_type: str | None, names: tuple[str, ...] | None) -> DTensor | torch.Tensor:
     if tv.mesh is None:
@@ -271,4 +289,9 @@ def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDev
     if torch_mesh is None:
         dim_names = names if names is not None and len(names) == tv.mesh.ndim else None
         torch_mesh = mesh_to_torch(tv.mesh, device_type, dim_names)
-    return DTensor.from_local(local, torch_mesh, placements, run_check=False)
+    # The global shape: a static extent as defined (uneven shards), else the even shards'.
+    shape = tuple(id_.extent if id_.extent is not None else n * shard_factor(tv, id_)
+                  for id_, n in zip(tv.materialized(), local.shape))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, torch_mesh, placements, run_check=False, shape=shape,
+                              stride=stride)

@@ -82,11 +82,13 @@ def _mesh(multidevice_test, two_d: bool):
     return init_device_mesh("cpu", (d // 2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _mlp_fusion(e: int) -> FusionDefinition:
+def _mlp_fusion(e: int, hidden: int | None = None, tokens: int | None = None) -> FusionDefinition:
+    """x [-1, -1, e], or [tokens, e] (a static extent: uneven shards need one)."""
+    hidden = hidden or 4 * e
     with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1, e])
-        w1 = fd.define_tensor([4 * e, e])
-        w2 = fd.define_tensor([e, 4 * e])
+        x = fd.define_tensor([-1, -1, e] if tokens is None else [tokens, e])
+        w1 = fd.define_tensor([hidden, e])
+        w2 = fd.define_tensor([e, hidden])
         h = fd.ops.gelu(fd.ops.linear(x, w1), approximate="tanh")
         fd.add_output(fd.ops.linear(h, w2))
     return fd
@@ -131,6 +133,43 @@ def test_megatron_mlp_on_dtensors_matches_dtensor(multidevice_test, two_d):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
+@pytest.mark.parametrize("tokens", ["uneven", "partial"])
+def test_megatron_mlp_with_uneven_weights_and_partial_tokens(multidevice_test, two_d, tokens):
+    """The MLP's hidden size (4e + 1) does not divide over tp, so parallelize_module shards
+    its weights unevenly; the tokens are unevenly sharded over dp (2-D) or a Partial sum over
+    tp. meshfuse's output equals DTensor's own computation of the same DTensors (tokens as
+    rows: DTensor cannot flatten an uneven [b, s, e])."""
+    mesh = _mesh(multidevice_test, two_d)
+    tp = mesh["tp"] if two_d else mesh
+    e = 8
+    b = 2 * (mesh.size() // tp.size()) + 1  # token rows, uneven over dp
+    mlp = torch.nn.Sequential(torch.nn.Linear(e, 4 * e + 1, bias=False),
+                              torch.nn.GELU(approximate="tanh"),
+                              torch.nn.Linear(4 * e + 1, e, bias=False))
+    parallelize_module(mlp, tp, {"0": ColwiseParallel(use_local_output=False),
+                                 "2": RowwiseParallel(use_local_output=False)})
+    w1, w2 = mlp[0].weight, mlp[2].weight
+    if two_d:
+        w1, w2 = (distribute_tensor(w.full_tensor().detach(), mesh, [Replicate(), w.placements[0]])
+                  for w in (w1, w2))
+    x = torch.randn(b, e)
+    dp = [Shard(0)] if two_d else []
+    if tokens == "uneven":
+        x_dt = distribute_tensor(x, mesh, [*dp, Replicate()])
+    else:  # each tp rank holds a share; their sum is x
+        whole = distribute_tensor(x, mesh, [*dp, Replicate()]).to_local()
+        share = whole * (tp.get_local_rank() + 1) * 2 / (tp.size() * (tp.size() + 1))
+        x_dt = DTensor.from_local(share, mesh, [*dp, Partial()], shape=x.shape, stride=x.stride())
+    expected = F.linear(F.gelu(F.linear(x_dt, w1), approximate="tanh"), w2)
+    (out,) = _mlp_fusion(e, 4 * e + 1, tokens=b).execute([x_dt, w1, w2])
+    assert isinstance(out, DTensor) and out.device_mesh is x_dt.device_mesh
+    torch.testing.assert_close(out.full_tensor(), expected.full_tensor(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.full_tensor(), mlp(distribute_tensor(x, tp)).full_tensor(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi
 def test_sharded_output_keeps_input_mesh_and_names(multidevice_test):
     mesh = _mesh(multidevice_test, two_d=False)
     with FusionDefinition() as fd:
@@ -140,6 +179,18 @@ def test_sharded_output_keeps_input_mesh_and_names(multidevice_test):
     (out,) = fd.execute([x_dt])
     assert out.device_mesh == x_dt.device_mesh and out.placements == x_dt.placements
     torch.testing.assert_close(out.to_local(), x_dt.to_local() + 1)
+
+
+@pytest.mark.mpi
+def test_uneven_shard_of_a_symbolic_axis_is_an_input_error(multidevice_test):
+    d = multidevice_test.size
+    if d == 1:
+        pytest.skip("one rank holds everything")
+    x_dt = distribute_tensor(torch.randn(2 * d + 1, 4), _mesh(multidevice_test, False), [Shard(0)])
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.relu(fd.define_tensor([-1, 4])))
+    with pytest.raises(InputError, match=f"T0 axis 0 .* its extent {2 * d + 1}"):
+        fd.execute([x_dt])
 
 
 @pytest.mark.mpi

@@ -10,7 +10,7 @@ position; ``dropout_mode="global"`` makes the mask a function of the global posi
 (bitwise the unsharded run). See :mod:`meshfuse.ops.attention_dropout`.
 
 q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
-``[DIDx, b, h, s, e]``) are batch-like and come first in every output too (without dropout).
+``[DIDx, b, h, s, e]``) are batch-like and come first in every output too.
 
 Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the gradients; the query
 sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
@@ -44,6 +44,7 @@ from meshfuse.ops.attention_dropout import (
     FusedDropout,
     attention_site,
     check_kernel_form,
+    from_legacy_state,
     kernel_state,
     no_rng_state,
     resolve_mode,
@@ -107,15 +108,6 @@ def _batch_axes(meta, sources: tuple[int, ...]) -> list[AxisSpec]:
             for a in range(meta.ndim - 2)]
 
 
-def _no_leading_dropout(op: str, q, dropout_p) -> None:
-    p = dropout_p.value if isinstance(dropout_p, ScalarMeta) else dropout_p
-    if q.ndim > 4 and p not in (None, 0, 0.0):
-        raise DefinitionError(
-            f"{op}: dropout with leading axes before [batch, heads, sequence, head_dim] is not "
-            "supported; fold them into the batch axis (reshape), or use dropout_p=0"
-        )
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``[..., B, H, S, E]`` as ``[B', H, S, E]`` for the kernels (a view for the leading
     axes of extent 1 a shard has)."""
@@ -133,7 +125,8 @@ def _unflat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _leading_folded(fn):
     """``fn(q, k, v, ...)`` on inputs with leading axes: run on the folded 4-D tensors, the
-    attention output and log-sum-exp unfolded (dropout is refused with leading axes)."""
+    attention output and log-sum-exp unfolded. The dropout site keeps the leading axes: a
+    shard's stream and a global mask are keyed by the position on them too."""
     def call(q, k, v, *args, **kwargs):
         if q.ndim == 4:
             return fn(q, k, v, *args, **kwargs)
@@ -174,7 +167,6 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
     resolve_mode("sdpfa_fwd", dropout_mode)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
     _check_kv("sdpfa_fwd", q, k, v)
-    _no_leading_dropout("sdpfa_fwd", q, dropout_p)
     batch = _batch_axes(q, (0, 1, 2))
     seq = AxisSpec(q.shape[-2], IterType.Iteration, ((0, q.ndim - 2),))
     attn = (
@@ -223,7 +215,7 @@ def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rn
         return (attn, lse, *no_rng_state(q.device))
     seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
     if backend is AttentionBackend.MATH:
-        keep = site.keep_mask(seed, offset, dropout_p, q.device)
+        keep = _flat(site.keep_mask(seed, offset, dropout_p, q.device))
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
         return (attn, lse, *rng_state(seed, offset))
@@ -246,7 +238,6 @@ class _Forward:
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, site, kernel_form=False):
         if q.ndim > 4:
-            _no_leading_dropout("sdpfa_fwd", q, dropout_p)
             return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
                                          rng_offset, dropout_mode, site)
         p = float(dropout_p)
@@ -446,7 +437,6 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
         resolve_mode("sdpfa_bwd", dropout_mode)
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
     _check_kv("sdpfa_bwd", q, k, v)
-    _no_leading_dropout("sdpfa_bwd", q, dropout_p)
     n = q.ndim
     for name, m in (("grad_attn", grad_attn), ("attn", attn)):
         if None not in (m.shape[-2], q.shape[-2]) and m.shape[-2] != q.shape[-2]:
@@ -493,8 +483,10 @@ def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, 
     (its own tensors in ``kernel_form``, checked on the checked call only).
     ``kernel``: the raw kernel bound to these inputs, or None for the checked call."""
     scale = None if scale is None else float(scale)
+    if not kernel_form:  # (a kernel's own form may look like PyTorch's before 2.7)
+        seed, offset = from_legacy_state(seed, offset, q.device)
     if backend is AttentionBackend.MATH and dropout_p > 0.0:
-        mask = site.keep_mask(*seed_and_offset(seed, offset), dropout_p, q.device)
+        mask = _flat(site.keep_mask(*seed_and_offset(seed, offset), dropout_p, q.device))
         return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
                                                dropout_p, is_causal, seed, offset, scale,
                                                backend, mask)
@@ -521,7 +513,6 @@ class _Backward:
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, site, kernel_form=False):
         if q.ndim > 4:
-            _no_leading_dropout("sdpfa_bwd", q, dropout_p)
             return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
                                              is_causal, seed, offset, scale, dropout_mode, site)
         p = float(dropout_p)

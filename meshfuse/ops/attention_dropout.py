@@ -213,6 +213,18 @@ def _kernel_zeros(backend: AttentionBackend, device: torch.device):
     return zeros
 
 
+def from_legacy_state(seed, offset, device: torch.device):
+    """The RNG state in nvFuser's form, also from the form of PyTorch before 2.7 (and of
+    nvFuser programs of that time): a 0-d int64 Philox seed and a 0-d int64 offset, often on
+    the CPU. Any other form is returned as it is (and checked where it is read)."""
+    if isinstance(seed, torch.Tensor) and isinstance(offset, torch.Tensor) and \
+            seed.ndim == 0 and offset.ndim == 0 and seed.dtype == torch.int64 and \
+            offset.dtype == torch.int64:
+        pair = torch.stack([seed, offset]).view(torch.uint64).to(device)
+        return pair, no_rng_state(device)[1]
+    return seed, offset
+
+
 def seed_and_offset(seed: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]:
     """The seed and offset of the math kernel's mask, from its state."""
     _check_state(seed, offset)
@@ -233,7 +245,9 @@ def _check_state(seed, offset) -> None:
         got = f"{seed.dtype} {list(seed.shape)}" if isinstance(seed, torch.Tensor) else \
             type(seed).__name__
         raise InputError(f"sdpfa_bwd: seed must be the forward's RNG state, a uint64 [2] "
-                         f"tensor, got {got}; pass sdpfa_fwd's seed and offset outputs")
+                         f"tensor (or, PyTorch's form before 2.7, a 0-d int64 seed with a "
+                         f"0-d int64 offset), got {got}; pass sdpfa_fwd's seed and offset "
+                         "outputs")
 
 
 class FusedDropout:

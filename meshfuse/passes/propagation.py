@@ -119,13 +119,14 @@ def _backward_pairs(expr: Expr, ref: TensorView, inp: TensorView) -> dict[IterDo
 
 
 def _mapped(expr: Expr, out: TensorView, inp: TensorView) -> list[tuple[IterDomain, IterDomain]]:
-    """(out ID, inp ID) pairs of the domain map, broadcast inputs left out; each ID of either
-    side in one pair only (the first one)."""
+    """(out ID, inp ID) pairs of the domain map, broadcast inputs left out unless the output
+    axis is a broadcast too (an axis of extent 1 that nvFuser may parallelize over a mesh
+    axis of one device); each ID of either side in one pair only (the first one)."""
     pairs, seen_in, seen_out = [], set(), set()
     for out_id in out.logical:
         for src in expr.id_map.get(out_id, ()):
-            if src in inp.logical and not src.is_broadcast and src not in seen_in \
-                    and out_id not in seen_out:
+            if src in inp.logical and (not src.is_broadcast or out_id.is_broadcast) \
+                    and src not in seen_in and out_id not in seen_out:
                 pairs.append((out_id, src))
                 seen_in.add(src)
                 seen_out.add(out_id)
@@ -204,8 +205,10 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     """Replays the split chain of ``ref``'s sharded logical ``ref_id`` on ``target_id`` (an
     unsplit loop ID of ``target``) and parallelizes the device IDs alike. Nothing happens for
     an unsharded or broadcast axis, or across a reshape (other extents) unless the shard is a
-    block that divides both: the rest is resharded."""
-    if not _device_leaves(ref, ref_id) or target_id.is_broadcast or target_id not in target.loop:
+    block that divides both: the rest is resharded. A broadcast axis takes the shard of a
+    broadcast axis only."""
+    if not _device_leaves(ref, ref_id) or target_id not in target.loop \
+            or target_id.is_broadcast != ref_id.is_broadcast:
         return
     if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
         return

@@ -108,7 +108,9 @@ def _check_expr(expr: Expr, extents) -> None:
             out_owners = owner_map(out, out_id, extents)
             sources = expr.id_map.get(out_id, ())
             mapped_inputs.update(sources)
-            real = [s for s in sources if not s.is_broadcast]
+            # A broadcast output axis comes from broadcast input axes (nvFuser parallelizes
+            # them over a mesh axis of one device); any other axis from real ones.
+            real = [s for s in sources if not s.is_broadcast or out_id.is_broadcast]
             if not real and out_owners:
                 raise ShardingError(
                     f"{format_expr(expr)}: axis {axis} of {out.name} is sharded ({describe(out_owners)}) "
