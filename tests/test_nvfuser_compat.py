@@ -132,29 +132,6 @@ def test_legacy_device_mesh_shard_tensor_takes_the_rank_third():
 
 # ----- ops nvFuser programs use ----------------------------------------------------------------
 @pytest.mark.mpi
-def test_linear_with_a_logical_device_axis_in_the_weight(multidevice_test):
-    """weight [d, n, k] sharded on its leading axis (local [1, n, k]): out [d, b, s, n]."""
-    d, b, s, k, n = multidevice_test.size, 2, 3, 8, 5
-    mesh = mesh_1d(multidevice_test)
-    with FusionDefinition() as fd:
-        # -1: the device axis stays an iteration axis at world size 1 as well.
-        x, w, bias = fd.define_tensor([b, s, k]), fd.define_tensor([-1, n, k]), \
-            fd.define_tensor([-1, n])
-        fd.add_output(fd.ops.linear(x, w, bias))
-        for t in (x, w, bias):
-            t.set_device_mesh(mesh)
-        for t in (w, bias):
-            t.axis(0).parallelize(MX)
-    gx, gw, gb = torch.randn(b, s, k), torch.randn(d, n, k), torch.randn(d, n)
-    with record_communications() as comms:
-        (out,) = fd.execute([gx, multidevice_test.shard_tensor(gw, w),
-                             multidevice_test.shard_tensor(gb, bias)])
-    ref = F.linear(gx, gw.reshape(d * n, k), gb.reshape(-1)).reshape(b, s, d, n)
-    torch.testing.assert_close(out, ref.permute(2, 0, 1, 3)[multidevice_test.rank:][:1])
-    assert comms == []
-
-
-@pytest.mark.mpi
 @pytest.mark.parametrize("bshe", [False, True], ids=["BHSE", "BSHE"])
 def test_attention_with_a_logical_device_axis(multidevice_test, bshe):
     """q/k/v [d, b, h/d, s, e] with the device axis leading: head-parallel attention."""

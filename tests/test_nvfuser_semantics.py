@@ -19,15 +19,18 @@ def same_random_tensors_on_every_rank():
 
 
 @pytest.mark.mpi
-def test_a_static_device_axis_stays_sharded_at_every_world_size(multidevice_test):
-    """weight [d, n, k] declared with a static d: at world size 1 that axis is a broadcast
-    (extent 1) parallelized over a mesh axis of one device, and the output's leading axis is
-    still the one sharded on DIDx, as in nvFuser."""
+@pytest.mark.parametrize("static", [True, False], ids=["static_d", "symbolic_d"])
+def test_a_device_axis_stays_sharded_at_every_world_size(multidevice_test, static):
+    """weight [d, n, k] (a logical device axis, local [1, n, k]) gives out [d, b, s, n] with
+    its leading axis sharded on DIDx, as in nvFuser. Declared with a static d, at world size 1
+    that axis is a broadcast (extent 1) parallelized over a mesh axis of one device; declared
+    -1 it stays an iteration axis."""
     d, b, s, k, n = multidevice_test.size, 2, 3, 8, 5
+    lead = d if static else -1
     mesh = mesh_1d(multidevice_test)
     with FusionDefinition() as fd:
-        x, w, bias = fd.define_tensor([b, s, k]), fd.define_tensor([d, n, k]), \
-            fd.define_tensor([d, n])
+        x, w, bias = fd.define_tensor([b, s, k]), fd.define_tensor([lead, n, k]), \
+            fd.define_tensor([lead, n])
         fd.add_output(fd.ops.linear(x, w, bias))
         for t in (x, w, bias):
             t.set_device_mesh(mesh)
