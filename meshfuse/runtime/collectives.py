@@ -317,3 +317,21 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
     dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out
+
+
+def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
+                       shape: Sequence[int], group: Group) -> torch.Tensor:
+    """``x`` sent to coordinate ``send_to`` while a tensor of ``shape`` (``x``'s dtype) comes
+    from coordinate ``recv_from``: one step of a collective permute (every member sends one
+    block and receives one), as one ``batch_isend_irecv``. Returns the received tensor; with
+    ``send_to == recv_from == group.coordinate``, ``x`` itself."""
+    if send_to == group.coordinate and recv_from == group.coordinate:
+        return x
+    out = x.contiguous()
+    received = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
+    _record("collective_permute", group, out)
+    ops = [dist.P2POp(dist.isend, out, group.ranks[send_to], group=group.process_group),
+           dist.P2POp(dist.irecv, received, group.ranks[recv_from], group=group.process_group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received

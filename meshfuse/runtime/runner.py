@@ -30,6 +30,7 @@ from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
+from meshfuse.passes.stream_parallel import plan_stream_loops
 from meshfuse.runtime.binding import (
     Binding,
     bind,
@@ -47,6 +48,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
+from meshfuse.runtime.stream_loop import group_stream_loops, stream_loop_lines
 
 
 class FusionRunner:
@@ -62,6 +64,9 @@ class FusionRunner:
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
+        self.stream_loops = plan_stream_loops(self.fusion)
+        # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
+        self.ring_order = False
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
@@ -81,6 +86,8 @@ class FusionRunner:
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        if self.stream_loops:
+            text = "\n".join([text, "stream-parallel loops:", *stream_loop_lines(self.stream_loops)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
@@ -177,7 +184,22 @@ class FusionRunner:
         check_no_resharding(fusion, binding.extents)
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
-        return build_program(fusion, binding, local, self.rank, self._lower_reshard)
+        group_loops = None
+        if self.stream_loops:
+            group_loops = functools.partial(
+                _group_loops, self.stream_loops, binding=binding, rank=self.rank,
+                group_of=self._group, ring_all=self.ring_order)
+        return build_program(fusion, binding, local, self.rank, self._lower_reshard,
+                             group_loops)
+
+    def _group(self, mesh, mesh_axis: int) -> Group | None:
+        """This rank's Group along ``mesh_axis`` of ``mesh`` (every rank takes part in
+        creating it); None outside the mesh."""
+        process_group = self.communicator.group_if_member(mesh, mesh_axis)
+        if self.rank not in mesh:
+            return None
+        return Group(process_group, mesh.group_ranks(self.rank, mesh_axis),
+                     mesh.coordinate(self.rank)[mesh_axis], mesh_axis)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank: (implementation, plan steps, text), or
@@ -214,6 +236,10 @@ class FusionRunner:
 
         text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
         return reshard, tuple(s.step for s in lowered), text
+
+
+def _group_loops(plans, exprs, steps, calls, slot_of, keep, **context):
+    return group_stream_loops(plans, exprs, steps, calls, slot_of, keep, **context)
 
 
 def _random_streams(program: Program) -> list[str]:

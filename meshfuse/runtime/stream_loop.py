@@ -1,0 +1,385 @@
+"""Stream-parallel loops in the per-rank program: a loop record and its interpreter.
+
+:func:`group_stream_loops` replaces the steps of each loop's body (planned by
+:func:`meshfuse.passes.stream_parallel.plan_stream_loops`) by one ``stream_loop`` step. Its
+record, a :class:`StreamLoop`, is data: the chunk count, the body's own step records, the
+chunk axis of every value slot it touches, the communications decomposed per chunk
+(:class:`ChunkGather`), the results it writes chunk by chunk, and the size of its stream
+pool. ``explain`` and ``Program.records()`` print it.
+
+Running it (:class:`StreamLoopCall`): the loop's results are allocated whole; then for each
+chunk ``i`` (on CUDA on stream ``i mod pool`` of a per-device pool, after the current stream;
+on the CPU in order) every chunked input is narrowed to the chunk, the body steps run on the
+chunk, and each result is written into its block of the whole result; at the end the current
+stream waits for the pool's streams. A chunk's communication and its GEMM are thus ordered on
+one stream while the neighbouring chunks' run on others, and NCCL transfers overlap GEMMs.
+
+Chunk ``i`` covers indices ``[i*q, (i+1)*q)`` of this rank's extent ``n`` along the chunk
+axis, ``q = ceil(n / chunks)`` (as an outer split: later chunks may be short or empty). With
+a ring order (``swizzle1d``, or ``offset_stream_indexing_by_rank``), chunk ``i`` on the
+device at coordinate ``c`` works on block ``(i + c) mod d``.
+
+A communication in the body whose source is sharded along the chunk axis and whose target
+is not (an allgather feeding the loop: nvFuser's DID -> Stream) runs per chunk as a
+broadcast of block ``i`` from its owner, or, in ring order, as a collective permute (each
+device sends its own block to the device that needs it next and receives the block it works
+on): ``d - 1`` transfers under ``d`` GEMMs. Any other communication in the body runs its
+bound plan on each chunk (an allreduce per chunk after a row-parallel GEMM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from meshfuse.errors import ScheduleError
+from meshfuse.ir.domain import domain
+from meshfuse.ir.fusion import Expr, Reshard
+from meshfuse.ir.placement import Replicate, Shard, placements
+from meshfuse.ir.printer import format_expr
+from meshfuse.ir.tensor_view import Val
+from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
+from meshfuse.runtime.binding import Binding
+from meshfuse.runtime.collectives import Group, broadcast, collective_permute, resolved
+from meshfuse.runtime.executor import Slot, Step
+
+STREAM_LOOP = "stream_loop"
+MAX_STREAMS = 8  # chunks beyond this reuse the pool's streams round-robin
+
+# group_of(mesh, mesh_axis) -> this rank's Group along that mesh axis (every rank calls it
+# alike: creating groups is collective).
+GroupOf = Callable[[Any, int], "Group | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGather:
+    """An allgather decomposed per chunk: block ``b`` of the source's sharded axis, owned by
+    coordinate ``b`` of ``group``'s mesh axis, comes to every member.
+
+    Attributes:
+        shape: the whole target's local shape (block ``b`` is its chunk ``b``).
+        axis: the gathered axis.
+        ring: True: a collective permute (ring order); False: a broadcast from the owner.
+    """
+
+    group: Group
+    shape: tuple[int, ...]
+    axis: int
+    ring: bool
+
+    def describe(self) -> str:
+        how = "collective permute" if self.ring else "broadcast from the block's owner"
+        return (f"axis {self.axis} gathered per chunk by {how} over mesh axis "
+                f"{self.group.mesh_axis} (ranks {list(self.group.ranks)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLoop:
+    """The record of one stream-parallel loop on this rank.
+
+    Attributes:
+        chunks: the number of chunks (iterations).
+        body: the body's step records, in order, over the program's slots.
+        dims: each chunked slot -> its chunk axis (slots absent are read whole).
+        gathers: body step index -> the :class:`ChunkGather` it runs instead of its plan.
+        reads: the slots read from outside the loop (the loop step's arguments).
+        results: the slots the loop defines for later steps, with their whole local shapes
+            and dtypes.
+        streams: the size of the CUDA stream pool (chunk ``i`` on stream ``i mod streams``).
+        ring: ``(coordinate, size)`` of this rank on the ring's mesh axis, or None (chunk
+            ``i`` works on block ``i``).
+    """
+
+    chunks: int
+    body: tuple[Step, ...]
+    dims: Mapping[int, int]
+    gathers: Mapping[int, ChunkGather]
+    reads: tuple[int, ...]
+    results: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
+    streams: int
+    ring: tuple[int, int] | None
+
+    def block(self, i: int) -> int:
+        """The block chunk ``i`` works on here."""
+        return i if self.ring is None else (i + self.ring[0]) % self.ring[1]
+
+    def describe(self) -> list[str]:
+        order = "in order" if self.ring is None else \
+            f"ring order (chunk i -> block (i + {self.ring[0]}) mod {self.ring[1]})"
+        lines = [f"stream loop: {self.chunks} chunks, {order}, on {self.streams} streams"]
+        for index, step in enumerate(self.body):
+            gather = self.gathers.get(index)
+            label = step.label.partition(":")[0] + f": {gather.describe()}" if gather else \
+                step.label
+            lines.append(f"  chunk: {label}")
+        dims = ", ".join(f"%{s} axis {d}" for s, d in sorted(self.dims.items()))
+        lines.append(f"  chunked: {dims}")
+        return lines
+
+
+def group_stream_loops(plans: Sequence[StreamLoopPlan], exprs: Sequence[Expr],
+                       steps: Sequence[Step], calls: Sequence[Callable],
+                       slot_of: Mapping[Val, int], keep: set[int], binding: Binding,
+                       rank: int, group_of: GroupOf, ring_all: bool = False
+                       ) -> tuple[list[Step], list[Callable]]:
+    """``steps`` (those of ``exprs``, this rank's) with each loop's body replaced by one
+    ``stream_loop`` step, placed after what the body needs and before what needs it, and
+    every step's ``free`` recomputed. ``keep``: slots never freed (fusion outputs).
+    ``ring_all``: every decomposed allgather in ring order (``offset_stream_indexing_by_rank``).
+    """
+    steps, calls = list(steps), list(calls)
+    exprs = list(exprs)
+    for plan in plans:
+        members = [k for k, e in enumerate(exprs) if e in plan.exprs]
+        if not members:
+            continue
+        loop = _loop_record(plan, [exprs[k] for k in members], [steps[k] for k in members],
+                            slot_of, keep, steps, members, binding, rank, group_of, ring_all)
+        call = StreamLoopCall(loop, tuple(calls[k] for k in members))
+        label = "; ".join(loop.describe())
+        step = Step(STREAM_LOOP, tuple(Slot(s) for s in loop.reads), {},
+                    tuple(s for s, _, _ in loop.results), (), label, plan=(loop,))
+        steps, calls, exprs = _splice(steps, calls, exprs, members, step, call)
+    return _with_frees(steps, keep), calls
+
+
+def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
+                 slot_of: Mapping[Val, int], keep: set[int], steps: Sequence[Step],
+                 members: list[int], binding: Binding, rank: int, group_of: GroupOf,
+                 ring_all: bool) -> StreamLoop:
+    chunks = _chunk_count(plan, binding)
+    dims = {slot_of[tv]: plan.axis(tv) for tv in plan.chunk_ids if tv in slot_of}
+    gathers, ring = {}, None
+    for index, expr in enumerate(exprs):
+        if not isinstance(expr, Reshard):
+            continue
+        gather = _decomposed_gather(plan, expr, binding, chunks, group_of,
+                                    ring_all or plan.stream.swizzle is not None)
+        if gather is not None:
+            gathers[index] = gather
+            dims.pop(slot_of[expr.args[0]], None)  # the owner's block is its whole shard
+            ring = (gather.group.coordinate, gather.group.size) if gather.ring else ring
+    defined = {s for step in body for s in step.outputs}
+    read = [s for step in body for s in _slots(step.args) if s not in defined]
+    later = {s for k, step in enumerate(steps) if k not in members for s in _slots(step.args)}
+    by_slot = {slot_of[tv]: tv for tv in plan.chunk_ids if tv in slot_of}
+    results = []
+    for s in sorted(defined):
+        if s in later or s in keep:
+            tv = by_slot[s]
+            results.append((s, tuple(binding.layouts[tv].shape), tv.dtype.torch_dtype))
+    streams = max(1, min(chunks, MAX_STREAMS))
+    return StreamLoop(chunks, tuple(body), dims, gathers, tuple(dict.fromkeys(read)),
+                      tuple(results), streams, ring)
+
+
+def _chunk_count(plan: StreamLoopPlan, binding: Binding) -> int:
+    s = plan.stream
+    count = s.stream_id.extent if s.chunk_id is not None else binding.extents[s.logical]
+    if count is None or count < 1:
+        raise ScheduleError(f"the stream-parallel axis of {plan.seed.name} has no static "
+                            "positive chunk count; split it by a number (outer_split)")
+    return count
+
+
+def _decomposed_gather(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: int,
+                       group_of: GroupOf, ring: bool) -> ChunkGather | None:
+    """The per-chunk form of a body communication that gathers the chunk axis, or None when
+    the chunk axis lies alike on both sides (the plan then runs per chunk)."""
+    src, dst = expr.args[0], expr.outputs[0]
+    chunk = plan.chunk_ids.get(src)
+    same = src.mesh == dst.mesh and chunk is not None and \
+        chunk_sharding(src, chunk) == chunk_sharding(dst, plan.chunk_ids.get(dst))
+    if same:
+        return None
+    before, after = placements(src), placements(dst)
+    changed = [m for m, (a, b) in enumerate(zip(before, after)) if a != b]
+    axis = plan.axis(src)
+    if src.definition in plan.exprs:
+        raise ScheduleError(
+            f"{format_expr(expr)} gathers the stream axis of {src.name} per chunk, but "
+            f"{src.name} is computed in the loop; compute it before the loop (do not "
+            "parallelize it on stream)")
+    if src.mesh != dst.mesh or len(changed) != 1 or len(domain(src).device_ids.get(chunk, [])) != 1 \
+            or not isinstance(after[changed[0]], Replicate) \
+            or before[changed[0]] != Shard(axis, None):
+        raise ScheduleError(
+            f"{format_expr(expr)} is in the stream loop of {plan.seed.name} and changes how its "
+            "stream axis is sharded in a way that cannot run per chunk (only an allgather of "
+            "that axis can: DID -> Stream); keep the communication out of the loop")
+    mesh_axis = changed[0]
+    d = src.mesh.shape[mesh_axis]
+    if chunks != d:
+        raise ScheduleError(
+            f"{format_expr(expr)} gathers axis {axis} of {src.name} per chunk of the stream "
+            f"loop of {plan.seed.name}: the loop needs one chunk per device ({d}), not "
+            f"{chunks}; outer_split that axis by {d}")
+    group = group_of(src.mesh, mesh_axis)
+    return ChunkGather(group, tuple(binding.layouts[dst].shape), axis, ring)
+
+
+def _slots(args: Sequence[Any]) -> list[int]:
+    found = []
+    for a in args:
+        if isinstance(a, Slot):
+            found.append(a.index)
+        elif isinstance(a, list):
+            found += [x.index for x in a if isinstance(x, Slot)]
+    return found
+
+
+def _splice(steps, calls, exprs, members, step, call):
+    """The loop step in place of its body: the steps between the body's first and last
+    that the body needs go before it, the others after."""
+    first, last = members[0], members[-1]
+    body = set(members)
+    needed: set[int] = set()
+    wanted = {s for k in members for s in _slots(steps[k].args)}
+    for k in range(last, first - 1, -1):
+        if k not in body and wanted & set(steps[k].outputs):
+            needed.add(k)
+            wanted |= set(_slots(steps[k].args))
+    between = [k for k in range(first, last + 1) if k not in body]
+    order = list(range(first)) + [k for k in between if k in needed] + [None] + \
+        [k for k in between if k not in needed] + list(range(last + 1, len(steps)))
+    pick = (lambda seq, new: [new if k is None else seq[k] for k in order])
+    return pick(steps, step), pick(calls, call), pick(exprs, None)
+
+
+def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
+    """``steps`` with each slot freed after its last reader (fusion outputs kept)."""
+    last: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        reads = _slots(step.args)
+        if step.op == STREAM_LOOP:
+            reads = list(step.plan[0].reads)
+        for s in reads:
+            last[s] = k
+    frees: dict[int, list[int]] = {}
+    for s, k in last.items():
+        if s not in keep:
+            frees.setdefault(k, []).append(s)
+    return [dataclasses.replace(step, free=tuple(sorted(frees.get(k, []))))
+            for k, step in enumerate(steps)]
+
+
+class StreamLoopCall:
+    """Runs a :class:`StreamLoop` record with the body's implementations (``calls[k]`` for
+    ``loop.body[k]``; a decomposed gather's is replaced by its per-chunk transfer)."""
+
+    def __init__(self, loop: StreamLoop, calls: tuple[Callable, ...]):
+        self.loop = loop
+        self.calls = calls
+
+    def __call__(self, *values: Any) -> Any:
+        loop = self.loop
+        outside = {s: resolved(v) for s, v in zip(loop.reads, values)}
+        device = next((v.device for v in outside.values() if isinstance(v, torch.Tensor)),
+                      torch.device("cpu"))
+        results = {s: torch.empty(shape, dtype=dtype, device=device)
+                   for s, shape, dtype in loop.results}
+        with _streams(device, loop.streams) as on_stream:
+            for i in range(loop.chunks):
+                with on_stream(i):
+                    self._chunk(loop.block(i), outside, results)
+        out = tuple(results[s] for s, _, _ in loop.results)
+        return out[0] if len(out) == 1 else out
+
+    def _chunk(self, block: int, outside: Mapping[int, Any], results: Mapping[int, Any]) -> None:
+        loop = self.loop
+        env = {s: _narrow(v, loop.dims.get(s), block, loop.chunks) for s, v in outside.items()}
+        for index, (step, call) in enumerate(zip(loop.body, self.calls)):
+            args = [_arg(a, env) for a in step.args]
+            gather = loop.gathers.get(index)
+            result = _gather(gather, args[0], block, loop.chunks) if gather else \
+                call(*args, **step.attrs)
+            if len(step.outputs) == 1:
+                env[step.outputs[0]] = result
+            else:
+                env.update(zip(step.outputs, result))
+        for s, whole in results.items():
+            part = resolved(env[s])
+            target = _narrow(whole, loop.dims.get(s), block, loop.chunks)
+            if part.data_ptr() != target.data_ptr() or part.stride() != target.stride():
+                target.copy_(part)
+
+
+def _arg(a: Any, env: Mapping[int, Any]) -> Any:
+    if isinstance(a, Slot):
+        return resolved(env[a.index])
+    if isinstance(a, list) and a and all(isinstance(x, Slot) for x in a):
+        return [resolved(env[x.index]) for x in a]
+    return a
+
+
+def _narrow(x: Any, dim: int | None, block: int, chunks: int) -> Any:
+    """Block ``block`` of ``chunks`` of ``x`` along ``dim`` (``x`` itself when ``dim`` is
+    None): ``ceil(n / chunks)`` indices each, the last ones short or empty."""
+    if dim is None or not isinstance(x, torch.Tensor):
+        return x
+    start, length = _block(x.shape[dim], block, chunks)
+    return x.narrow(dim, start, length)
+
+
+def _block(n: int, block: int, chunks: int) -> tuple[int, int]:
+    q = -(-n // chunks)
+    start = min(block * q, n)
+    return start, max(0, min(q, n - start))
+
+
+def _gather(gather: ChunkGather, x: torch.Tensor, block: int, chunks: int) -> torch.Tensor:
+    """Block ``block`` of the gathered tensor, from the member that owns it."""
+    shape = list(gather.shape)
+    shape[gather.axis] = _block(shape[gather.axis], block, chunks)[1]
+    group = gather.group
+    if group.size == 1:
+        return x
+    if gather.ring:
+        me, d = group.coordinate, group.size
+        # This member needs block `block`; the member that needs this one's block now is
+        # the one `block - me` positions before it on the ring.
+        return collective_permute(x, (me - (block - me)) % d, block, shape, group)
+    if group.coordinate == block:
+        return broadcast(x, block, group)
+    return broadcast(torch.empty(shape, dtype=x.dtype, device=x.device), block, group)
+
+
+_pool: dict[tuple[str, int | None, int], Any] = {}
+
+
+@contextlib.contextmanager
+def _streams(device: torch.device, size: int):
+    """Yields ``on_stream(i)``: a context running chunk ``i``'s work on stream ``i mod size``
+    of this device's pool, after the current stream's work; on exit the current stream waits
+    for every pool stream used. On the CPU, ``on_stream`` does nothing."""
+    if device.type != "cuda":
+        yield lambda i: contextlib.nullcontext()
+        return
+    main = torch.cuda.current_stream(device)
+    used = []
+
+    def on_stream(i: int):
+        key = (device.type, device.index, i % size)
+        stream = _pool.get(key)
+        if stream is None:
+            stream = _pool[key] = torch.cuda.Stream(device)
+        stream.wait_stream(main)
+        used.append(stream)
+        return torch.cuda.stream(stream)
+
+    try:
+        yield on_stream
+    finally:
+        for stream in used:
+            main.wait_stream(stream)
+
+
+def stream_loop_lines(plans: Sequence[StreamLoopPlan]) -> list[str]:
+    """explain's lines on the stream-parallel loops (what runs per chunk)."""
+    return [f"  {p.describe()}" for p in plans]
+
+
