@@ -71,11 +71,12 @@ def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunk
         assert sum(c.bytes for c in comms) == tokens * 3 * 4
 
 
-def _column_parallel(hidden: int, mesh, ring: bool) -> FusionDefinition:
+def _column_parallel(tokens: int, hidden: int, mesh, ring: bool) -> FusionDefinition:
     """linear(allgather(x), w) with x and w sharded on their rows; the gathered x on stream
-    with one chunk per device (the allgather decomposed per block)."""
+    with one chunk per device (the allgather decomposed per block). Static extents: an
+    uneven symbolic extent cannot be inferred from the last, short shard."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, hidden], dtype=DataType.Float)
+        x = fd.define_tensor([tokens, hidden], dtype=DataType.Float)
         w = fd.define_tensor([4 * hidden, hidden], dtype=DataType.Float)
         gathered = fd.ops.set(x)
         fd.add_output(fd.ops.linear(gathered, w))
@@ -95,7 +96,7 @@ def _column_parallel(hidden: int, mesh, ring: bool) -> FusionDefinition:
 def test_column_parallel_linear_gathers_per_chunk(multidevice_test, ring, tokens):
     d = multidevice_test.size
     mesh = mesh_1d(multidevice_test)
-    fd = _column_parallel(2, mesh, ring)
+    fd = _column_parallel(tokens, 2, mesh, ring)
     x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
     with record_communications() as comms:
