@@ -335,3 +335,11 @@ def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return received
+
+
+def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+    """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
+    reduced over the group in its own buffer; returns ``x``."""
+    _record("allreduce", group, x, reduce_op)
+    dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return x

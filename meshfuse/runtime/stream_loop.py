@@ -44,8 +44,14 @@ from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
 from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
 from meshfuse.runtime.binding import Binding
-from meshfuse.runtime.collectives import Group, broadcast, collective_permute, resolved
-from meshfuse.runtime.executor import Slot, Step
+from meshfuse.runtime.collectives import (
+    Group,
+    allreduce_in_place,
+    broadcast,
+    collective_permute,
+    resolved,
+)
+from meshfuse.runtime.executor import RESHARD, Slot, Step
 
 STREAM_LOOP = "stream_loop"
 MAX_STREAMS = 8  # chunks beyond this reuse the pool's streams round-robin
@@ -92,6 +98,10 @@ class StreamLoop:
         streams: the size of the CUDA stream pool (chunk ``i`` on stream ``i mod streams``).
         ring: ``(coordinate, size)`` of this rank on the ring's mesh axis, or None (chunk
             ``i`` works on block ``i``).
+        into: body step index of a GEMM (``linear`` without bias, ``matmul``) -> the result
+            slot whose block it writes directly (``out=``), with no copy.
+        reduce_in_place: body step index of an allreduce -> its group and reduction, run in
+            place on the block its GEMM wrote.
     """
 
     chunks: int
@@ -102,6 +112,8 @@ class StreamLoop:
     results: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
     streams: int
     ring: tuple[int, int] | None
+    into: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    reduce_in_place: Mapping[int, tuple[Group, str]] = dataclasses.field(default_factory=dict)
 
     def block(self, i: int) -> int:
         """The block chunk ``i`` works on here."""
@@ -115,6 +127,10 @@ class StreamLoop:
             gather = self.gathers.get(index)
             label = step.label.partition(":")[0] + f": {gather.describe()}" if gather else \
                 step.label
+            if index in self.into:
+                label += f" (into the block of %{self.into[index]})"
+            if index in self.reduce_in_place:
+                label += " (in place)"
             lines.append(f"  chunk: {label}")
         dims = ", ".join(f"%{s} axis {d}" for s, d in sorted(self.dims.items()))
         lines.append(f"  chunked: {dims}")
@@ -173,8 +189,44 @@ def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
             tv = by_slot[s]
             results.append((s, tuple(binding.layouts[tv].shape), tv.dtype.torch_dtype))
     streams = max(1, min(chunks, MAX_STREAMS))
+    into, reduce_in_place = _destinations(body, {s for s, _, _ in results}, gathers, group_of)
     return StreamLoop(chunks, tuple(body), dims, gathers, tuple(dict.fromkeys(read)),
-                      tuple(results), streams, ring)
+                      tuple(results), streams, ring, into, reduce_in_place)
+
+
+def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, ChunkGather],
+                  group_of: GroupOf) -> tuple[dict[int, int], dict[int, tuple[Group, str]]]:
+    """GEMMs that can write their result's block directly: those whose output is a loop
+    result, and those whose output only feeds an allreduce (one step, same mesh) whose
+    output is one (the allreduce then runs in place on that block)."""
+    readers: dict[int, list[int]] = {}
+    for k, step in enumerate(body):
+        for s in _slots(step.args):
+            readers.setdefault(s, []).append(k)
+    into, reduce_in_place = {}, {}
+    for k, step in enumerate(body):
+        if not _plain_gemm(step) or len(step.outputs) != 1:
+            continue
+        (out,) = step.outputs
+        if out in results:
+            into[k] = out
+            continue
+        users = readers.get(out, [])
+        if len(users) != 1 or users[0] in gathers:
+            continue
+        reshard = body[users[0]]
+        if reshard.op != RESHARD or len(reshard.plan) != 1 or \
+                reshard.plan[0].kind != "allreduce" or reshard.outputs[0] not in results:
+            continue
+        plan = reshard.plan[0]
+        into[k] = reshard.outputs[0]
+        reduce_in_place[users[0]] = (group_of(plan.mesh, plan.mesh_axis), plan.reduce_op)
+    return into, reduce_in_place
+
+
+def _plain_gemm(step: Step) -> bool:
+    return (step.op == "linear" and len(step.args) == 3 and step.args[2] is None) or \
+        step.op == "matmul"
 
 
 def _chunk_count(plan: StreamLoopPlan, binding: Binding) -> int:
@@ -295,8 +347,18 @@ class StreamLoopCall:
         for index, (step, call) in enumerate(zip(loop.body, self.calls)):
             args = [_arg(a, env) for a in step.args]
             gather = loop.gathers.get(index)
-            result = _gather(gather, args[0], block, loop.chunks) if gather else \
-                call(*args, **step.attrs)
+            if gather is not None:
+                result = _gather(gather, args[0], block, loop.chunks)
+            elif index in loop.reduce_in_place:
+                result = allreduce_in_place(args[0], *loop.reduce_in_place[index])
+            elif index in loop.into:
+                target = _narrow(results[loop.into[index]], loop.dims.get(loop.into[index]),
+                                 block, loop.chunks)
+                result = _gemm_into(step.op, args, target)
+                if result is None:
+                    result = call(*args, **step.attrs)
+            else:
+                result = call(*args, **step.attrs)
             if len(step.outputs) == 1:
                 env[step.outputs[0]] = result
             else:
@@ -306,6 +368,20 @@ class StreamLoopCall:
             target = _narrow(whole, loop.dims.get(s), block, loop.chunks)
             if part.data_ptr() != target.data_ptr() or part.stride() != target.stride():
                 target.copy_(part)
+
+
+def _gemm_into(op: str, args: list, target: torch.Tensor) -> torch.Tensor | None:
+    """The GEMM of ``args`` written into ``target`` (``out=``), or None where ``out=`` does
+    not apply (a batched weight, dtypes or shapes that differ)."""
+    a, b = args[0], args[1]
+    if op == "linear":
+        if b.ndim != 2:
+            return None
+        b = b.t()
+    if a.dtype != b.dtype or a.dtype != target.dtype or not target.is_contiguous() or \
+            a.ndim < 2 or b.ndim != 2 or (*a.shape[:-1], b.shape[-1]) != tuple(target.shape):
+        return None
+    return torch.matmul(a, b, out=target)
 
 
 def _arg(a: Any, env: Mapping[int, Any]) -> Any:
