@@ -75,14 +75,27 @@ class StreamLoopPlan:
         logical = self.chunk_ids.get(tv)
         return None if logical is None else tv.materialized().index(logical)
 
-    def describe(self) -> str:
-        """One line: the seed's stream axis, its chunking and the body."""
+    def describe(self, ring: bool = False) -> str:
+        """One line: the seed's stream axis, its chunking and the body, each communication
+        with how it runs per chunk. ``ring``: gathers in ring order even without a
+        ``swizzle1d`` (``offset_stream_indexing_by_rank``)."""
         s = self.stream
         count = s.stream_id.extent if s.stream_id.extent is not None else "?"
-        ring = f", ring order over {s.swizzle.name}" if s.swizzle is not None else ""
-        body = "; ".join(format_expr(e) for e in self.exprs)
+        ring = ring or s.swizzle is not None
+        order = ", ring order" if ring else ""
+        body = "; ".join(format_expr(e) + self._per_chunk(e, ring) for e in self.exprs)
         return (f"stream loop: {count} chunks of axis {self.axis(self.seed)} of "
-                f"{self.seed.name}{ring}: {body}")
+                f"{self.seed.name}{order}: {body}")
+
+    def _per_chunk(self, e: Expr, ring: bool) -> str:
+        if not isinstance(e, Reshard):
+            return ""
+        src, dst = e.args[0], e.outputs[0]
+        if src in self.chunk_ids and dst in self.chunk_ids and \
+                chunk_sharding(src, self.chunk_ids[src]) != chunk_sharding(dst, self.chunk_ids[dst]):
+            return " (per chunk: " + ("a collective permute, none for the own block)" if ring
+                                      else "a broadcast from the block's owner)")
+        return " (per chunk)"
 
 
 def stream_axis(tv: TensorView) -> StreamAxis | None:

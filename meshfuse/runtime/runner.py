@@ -87,7 +87,7 @@ class FusionRunner:
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         if self.stream_loops:
-            text = "\n".join([text, "stream-parallel loops:", *stream_loop_lines(self.stream_loops)])
+            text = "\n".join([text, "stream-parallel loops:", *stream_loop_lines(self.stream_loops, self.ring_order)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:

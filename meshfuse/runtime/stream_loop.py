@@ -454,8 +454,9 @@ def _streams(device: torch.device, size: int):
             main.wait_stream(stream)
 
 
-def stream_loop_lines(plans: Sequence[StreamLoopPlan]) -> list[str]:
-    """explain's lines on the stream-parallel loops (what runs per chunk)."""
-    return [f"  {p.describe()}" for p in plans]
+def stream_loop_lines(plans: Sequence[StreamLoopPlan], ring: bool = False) -> list[str]:
+    """explain's lines on the stream-parallel loops (what runs per chunk); the
+    communications listed above them run decomposed this way."""
+    return [f"  {p.describe(ring)}" for p in plans]
 
 
