@@ -224,3 +224,31 @@ def test_gather_needs_one_chunk_per_device(multidevice_test):
     gathered.axis(0).parallelize(STREAM)
     with pytest.raises(ScheduleError, match="one chunk per device"):
         fd.execute([multidevice_test.shard_tensor(torch.ones(4 * d, 2), x)])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
+    """Sequence-parallel row linear: the partial product reduce-scattered onto the tokens,
+    decomposed into one reduce per block onto its owner."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    x.set_device_mesh(mesh)
+    x.outer_split(0, d)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, d)
+    x.axis(2).parallelize(MX)
+    shard(w, 1, mesh)
+    shard(out, 0, mesh)
+    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(F.linear(gx, gw), out))
+    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
+    assert "(per chunk: a reduce onto the block's owner)" in fd.explain()

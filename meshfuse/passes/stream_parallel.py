@@ -91,11 +91,13 @@ class StreamLoopPlan:
         if not isinstance(e, Reshard):
             return ""
         src, dst = e.args[0], e.outputs[0]
-        if src in self.chunk_ids and dst in self.chunk_ids and \
-                chunk_sharding(src, self.chunk_ids[src]) != chunk_sharding(dst, self.chunk_ids[dst]):
-            return " (per chunk: " + ("a collective permute, none for the own block)" if ring
-                                      else "a broadcast from the block's owner)")
-        return " (per chunk)"
+        if src not in self.chunk_ids or dst not in self.chunk_ids or \
+                chunk_sharding(src, self.chunk_ids[src]) == chunk_sharding(dst, self.chunk_ids[dst]):
+            return " (per chunk)"
+        if not chunk_sharding(src, self.chunk_ids[src]):
+            return " (per chunk: a reduce onto the block's owner)"
+        return " (per chunk: " + ("a collective permute, none for the own block)" if ring
+                                  else "a broadcast from the block's owner)")
 
 
 def stream_axis(tv: TensorView) -> StreamAxis | None:

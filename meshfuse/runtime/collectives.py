@@ -343,3 +343,12 @@ def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.T
     _record("allreduce", group, x, reduce_op)
     dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group)
     return x
+
+
+def reduce_to(x: torch.Tensor, root: int, group: Group, reduce_op: str) -> torch.Tensor | None:
+    """The reduction over the group of every member's ``x`` (a buffer the caller gives up),
+    on the member at coordinate ``root``; None on the others."""
+    out = x.contiguous()
+    _record("reduce", group, out, reduce_op)
+    dist.reduce(out, dst=group.ranks[root], op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return out if group.coordinate == root else None

@@ -39,7 +39,7 @@ import torch
 from meshfuse.errors import ScheduleError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Reshard
-from meshfuse.ir.placement import Replicate, Shard, placements
+from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
 from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
@@ -49,6 +49,7 @@ from meshfuse.runtime.collectives import (
     allreduce_in_place,
     broadcast,
     collective_permute,
+    reduce_to,
     resolved,
 )
 from meshfuse.runtime.executor import RESHARD, Slot, Step
@@ -84,6 +85,19 @@ class ChunkGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkReduce:
+    """A reduce-scatter decomposed per chunk: the partial results of block ``b`` (this
+    chunk) reduced onto coordinate ``b`` of ``group``'s mesh axis, which owns that block."""
+
+    group: Group
+    reduce_op: str
+
+    def describe(self) -> str:
+        return (f"reduced per chunk ({self.reduce_op}) onto the block's owner over mesh axis "
+                f"{self.group.mesh_axis} (ranks {list(self.group.ranks)})")
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamLoop:
     """The record of one stream-parallel loop on this rank.
 
@@ -102,6 +116,8 @@ class StreamLoop:
             slot whose block it writes directly (``out=``), with no copy.
         reduce_in_place: body step index of an allreduce -> its group and reduction, run in
             place on the block its GEMM wrote.
+        reduces: body step index -> the :class:`ChunkReduce` it runs instead of its plan;
+            its result is this rank's whole shard, written at the chunk of its own block.
     """
 
     chunks: int
@@ -114,6 +130,7 @@ class StreamLoop:
     ring: tuple[int, int] | None
     into: Mapping[int, int] = dataclasses.field(default_factory=dict)
     reduce_in_place: Mapping[int, tuple[Group, str]] = dataclasses.field(default_factory=dict)
+    reduces: Mapping[int, ChunkReduce] = dataclasses.field(default_factory=dict)
 
     def block(self, i: int) -> int:
         """The block chunk ``i`` works on here."""
@@ -124,9 +141,9 @@ class StreamLoop:
             f"ring order (chunk i -> block (i + {self.ring[0]}) mod {self.ring[1]})"
         lines = [f"stream loop: {self.chunks} chunks, {order}, on {self.streams} streams"]
         for index, step in enumerate(self.body):
-            gather = self.gathers.get(index)
-            label = step.label.partition(":")[0] + f": {gather.describe()}" if gather else \
-                step.label
+            decomposed = self.gathers.get(index) or self.reduces.get(index)
+            label = step.label.partition(":")[0] + f": {decomposed.describe()}" \
+                if decomposed else step.label
             if index in self.into:
                 label += f" (into the block of %{self.into[index]})"
             if index in self.reduce_in_place:
@@ -169,16 +186,19 @@ def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
                  ring_all: bool) -> StreamLoop:
     chunks = _chunk_count(plan, binding)
     dims = {slot_of[tv]: plan.axis(tv) for tv in plan.chunk_ids if tv in slot_of}
-    gathers, ring = {}, None
+    gathers, reduces, ring = {}, {}, None
     for index, expr in enumerate(exprs):
         if not isinstance(expr, Reshard):
             continue
-        gather = _decomposed_gather(plan, expr, binding, chunks, group_of,
-                                    ring_all or plan.stream.swizzle is not None)
-        if gather is not None:
-            gathers[index] = gather
+        found = _decomposed(plan, expr, binding, chunks, group_of,
+                            ring_all or plan.stream.swizzle is not None)
+        if isinstance(found, ChunkGather):
+            gathers[index] = found
             dims.pop(slot_of[expr.args[0]], None)  # the owner's block is its whole shard
-            ring = (gather.group.coordinate, gather.group.size) if gather.ring else ring
+            ring = (found.group.coordinate, found.group.size) if found.ring else ring
+        elif isinstance(found, ChunkReduce):
+            reduces[index] = found
+            dims.pop(slot_of[expr.outputs[0]], None)  # its own block is its whole shard
     defined = {s for step in body for s in step.outputs}
     read = [s for step in body for s in _slots(step.args) if s not in defined]
     later = {s for k, step in enumerate(steps) if k not in members for s in _slots(step.args)}
@@ -191,7 +211,7 @@ def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
     streams = max(1, min(chunks, MAX_STREAMS))
     into, reduce_in_place = _destinations(body, {s for s, _, _ in results}, gathers, group_of)
     return StreamLoop(chunks, tuple(body), dims, gathers, tuple(dict.fromkeys(read)),
-                      tuple(results), streams, ring, into, reduce_in_place)
+                      tuple(results), streams, ring, into, reduce_in_place, reduces)
 
 
 def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, ChunkGather],
@@ -238,40 +258,45 @@ def _chunk_count(plan: StreamLoopPlan, binding: Binding) -> int:
     return count
 
 
-def _decomposed_gather(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: int,
-                       group_of: GroupOf, ring: bool) -> ChunkGather | None:
-    """The per-chunk form of a body communication that gathers the chunk axis, or None when
-    the chunk axis lies alike on both sides (the plan then runs per chunk)."""
+def _decomposed(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: int,
+                group_of: GroupOf, ring: bool) -> ChunkGather | ChunkReduce | None:
+    """The per-chunk form of a body communication that gathers the chunk axis (DID ->
+    Stream) or reduce-scatters onto it (Stream -> DID), or None when the chunk axis lies
+    alike on both sides (the plan then runs per chunk)."""
     src, dst = expr.args[0], expr.outputs[0]
     chunk = plan.chunk_ids.get(src)
-    same = src.mesh == dst.mesh and chunk is not None and \
-        chunk_sharding(src, chunk) == chunk_sharding(dst, plan.chunk_ids.get(dst))
-    if same:
+    if src.mesh == dst.mesh and chunk is not None and \
+            chunk_sharding(src, chunk) == chunk_sharding(dst, plan.chunk_ids.get(dst)):
         return None
     before, after = placements(src), placements(dst)
     changed = [m for m, (a, b) in enumerate(zip(before, after)) if a != b]
-    axis = plan.axis(src)
-    if src.definition in plan.exprs:
+    gathers = len(changed) == 1 and isinstance(after[changed[0]], Replicate) and \
+        before[changed[0]] == Shard(plan.axis(src), None) and \
+        len(domain(src).device_ids.get(chunk, [])) == 1
+    reduces = len(changed) == 1 and isinstance(before[changed[0]], Partial) and \
+        after[changed[0]] == Shard(plan.axis(dst), None) and \
+        len(domain(dst).device_ids.get(plan.chunk_ids[dst], [])) == 1
+    if src.mesh != dst.mesh or not (gathers or reduces):
+        raise ScheduleError(
+            f"{format_expr(expr)} is in the stream loop of {plan.seed.name} and changes how its "
+            "stream axis is sharded in a way that cannot run per chunk (an allgather of that "
+            "axis or a reduce-scatter onto it can); keep the communication out of the loop")
+    if gathers and src.definition in plan.exprs:
         raise ScheduleError(
             f"{format_expr(expr)} gathers the stream axis of {src.name} per chunk, but "
             f"{src.name} is computed in the loop; compute it before the loop (do not "
             "parallelize it on stream)")
-    if src.mesh != dst.mesh or len(changed) != 1 or len(domain(src).device_ids.get(chunk, [])) != 1 \
-            or not isinstance(after[changed[0]], Replicate) \
-            or before[changed[0]] != Shard(axis, None):
-        raise ScheduleError(
-            f"{format_expr(expr)} is in the stream loop of {plan.seed.name} and changes how its "
-            "stream axis is sharded in a way that cannot run per chunk (only an allgather of "
-            "that axis can: DID -> Stream); keep the communication out of the loop")
-    mesh_axis = changed[0]
-    d = src.mesh.shape[mesh_axis]
+    d = src.mesh.shape[changed[0]]
     if chunks != d:
+        what = "gathers" if gathers else "reduce-scatters onto"
         raise ScheduleError(
-            f"{format_expr(expr)} gathers axis {axis} of {src.name} per chunk of the stream "
-            f"loop of {plan.seed.name}: the loop needs one chunk per device ({d}), not "
-            f"{chunks}; outer_split that axis by {d}")
-    group = group_of(src.mesh, mesh_axis)
-    return ChunkGather(group, tuple(binding.layouts[dst].shape), axis, ring)
+            f"{format_expr(expr)} {what} axis {plan.axis(dst)} per chunk of the stream loop "
+            f"of {plan.seed.name}: the loop needs one chunk per device ({d}), not {chunks}; "
+            f"outer_split that axis by {d}")
+    group = group_of(src.mesh, changed[0])
+    if reduces:
+        return ChunkReduce(group, before[changed[0]].reduce_op)
+    return ChunkGather(group, tuple(binding.layouts[dst].shape), plan.axis(src), ring)
 
 
 def _slots(args: Sequence[Any]) -> list[int]:
@@ -349,6 +374,8 @@ class StreamLoopCall:
             gather = loop.gathers.get(index)
             if gather is not None:
                 result = _gather(gather, args[0], block, loop.chunks)
+            elif index in loop.reduces:
+                result = _reduce(loop.reduces[index], args[0], block)
             elif index in loop.reduce_in_place:
                 result = allreduce_in_place(args[0], *loop.reduce_in_place[index])
             elif index in loop.into:
@@ -364,6 +391,8 @@ class StreamLoopCall:
             else:
                 env.update(zip(step.outputs, result))
         for s, whole in results.items():
+            if env[s] is None:  # a block reduced onto another rank
+                continue
             part = resolved(env[s])
             target = _narrow(whole, loop.dims.get(s), block, loop.chunks)
             if part.data_ptr() != target.data_ptr() or part.stride() != target.stride():
@@ -422,6 +451,14 @@ def _gather(gather: ChunkGather, x: torch.Tensor, block: int, chunks: int) -> to
     if group.coordinate == block:
         return broadcast(x, block, group)
     return broadcast(torch.empty(shape, dtype=x.dtype, device=x.device), block, group)
+
+
+def _reduce(reduce: ChunkReduce, x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Block ``block`` reduced over the group onto its owner: the result there, None on
+    the other members."""
+    if reduce.group.size == 1:
+        return x
+    return reduce_to(x, block, reduce.group, reduce.reduce_op)
 
 
 _pool: dict[tuple[str, int | None, int], Any] = {}
