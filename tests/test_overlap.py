@@ -252,3 +252,64 @@ def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
     torch.testing.assert_close(result, multidevice_test.shard_tensor(F.linear(gx, gw), out))
     assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
     assert "(per chunk: a reduce onto the block's owner)" in fd.explain()
+
+
+def _sequence_parallel_mlp(mesh, tokens: int, overlap: bool | None) -> FusionDefinition:
+    """A sequence-parallel MLP: tokens sharded in and out, an allgather before the first
+    linear and a reduce-scatter after the second."""
+    d = mesh.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 4], dtype=DataType.Float)
+        w1 = fd.define_tensor([4 * d, 4], dtype=DataType.Float)
+        w2 = fd.define_tensor([4, 4 * d], dtype=DataType.Float)
+        h = fd.ops.relu(fd.ops.linear(x, w1))
+        out = fd.ops.linear(h, w2)
+        fd.add_output(out)
+    shard(x, 0, mesh)
+    shard(w1, 0, mesh)
+    shard(w2, 1, mesh)
+    shard(out, 0, mesh)
+    if overlap is not None:
+        x.set_overlap(overlap)
+        out.set_overlap(overlap)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False, None], ids=["forced", "forbidden", "auto"])
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_sequence_parallel_overlap_choice(multidevice_test, overlap, tokens):
+    """set_overlap forces or forbids the decomposition of the allgather -> GEMM and the
+    GEMM -> reduce-scatter; left to the cost estimate, tiny CPU GEMMs run as a whole."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    fd = _sequence_parallel_mlp(mesh, tokens, overlap)
+    gx, g1, g2 = _ints(tokens, 4), _ints(4 * d, 4, seed=1), _ints(4, 4 * d, seed=2)
+    tvs = fd.fusion.inputs()
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, g1, g2), tvs)]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    expected = F.linear(F.linear(gx, g1).relu(), g2)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(expected,
+                                                                       fd.fusion.outputs()[0]))
+    text = fd.explain(inputs)
+    if d == 1:
+        assert _kinds(comms) == Counter()
+    elif overlap:
+        assert _kinds(comms) == Counter(collective_permute=d - 1, reduce=d)
+        assert "allgather -> GEMM: est." not in text and "set_overlap(True)" in text
+        assert text.count("stream loop: ") == 2
+    else:
+        assert _kinds(comms) == Counter(allgather=1, reduce_scatter=1)
+        assert "as a whole" in text and "stream loop: " not in text
+
+
+def test_cost_estimate_prefers_the_loop_for_large_gemms():
+    from meshfuse.runtime.overlap_cost import DEFAULT_COSTS
+
+    cost = DEFAULT_COSTS["cuda"]
+    # nvFuser's column-parallel linear on 2 GPUs: 8192 x 16384 x 8192 per device, 64 MiB
+    plain, looped = cost.estimate_ms(2 * 8192 * 16384 * 8192, 8192 * 8192 * 2 / 2, 2)
+    assert looped < 0.95 * plain
+    plain, looped = cost.estimate_ms(2 * 64 * 64 * 64, 64 * 64 * 2, 2)  # launch-bound
+    assert looped > plain

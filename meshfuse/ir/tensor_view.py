@@ -122,6 +122,9 @@ class TensorView(Val):
         # coordinate c of that axis is block (i + c) mod d.
         self.swizzles: dict[IterDomain, ParallelType] = {}
         self.memory_type = MemoryType.global_
+        # Decompose the communication next to this tensor's GEMM into a stream loop: True
+        # forces it, False forbids it, None leaves it to the cost estimate.
+        self.overlap: bool | None = None
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
         # A 0-d fusion input that stays on the CPU beside GPU inputs (define_tensor(is_cpu=True)).
@@ -135,6 +138,7 @@ class TensorView(Val):
         new.parallel = dict(self.parallel)
         new.swizzles = dict(self.swizzles)
         new.memory_type = self.memory_type
+        new.overlap = self.overlap
         new.mesh = self.mesh
         new.name = self.name
         return new
@@ -308,6 +312,17 @@ class TensorView(Val):
                 f"(ParallelType.mesh_x, mesh_y or mesh_z), got {parallel_type!r}"
             )
         self.swizzles[self.loop[self._loop_pos(axis)]] = parallel_type
+        return self
+
+    def set_overlap(self, enabled: bool | None) -> TensorView:
+        """Whether the allgather feeding, or the reduce-scatter following, a GEMM that
+        reads or writes this tensor runs decomposed as a stream-parallel loop (one chunk per
+        device, see ``docs/overlap.md``): ``True`` always, ``False`` never, ``None`` (the
+        default) when the cost estimate says it is faster."""
+        if enabled not in (True, False, None):
+            raise ScheduleError(f"set_overlap of {self.name}: expected True, False or None, "
+                                f"got {enabled!r}")
+        self.overlap = enabled
         return self
 
     def set_memory_type(self, memory_type: MemoryType) -> TensorView:

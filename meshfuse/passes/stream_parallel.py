@@ -63,12 +63,16 @@ class StreamLoopPlan:
             read whole are absent).
         seed: a tensor whose stream ID defines the number of chunks.
         stream: that tensor's :class:`StreamAxis`.
+        chunks: the chunk count of a loop the engine chose (None: from the stream ID).
+        reason: why the engine chose it (its cost estimate), for explain.
     """
 
     exprs: tuple[Expr, ...]
     chunk_ids: Mapping[TensorView, IterDomain]
     seed: TensorView
     stream: StreamAxis
+    chunks: int | None = None
+    reason: str = ""
 
     def axis(self, tv: TensorView) -> int | None:
         """The materialized axis of ``tv`` that is chunked, or None if read whole."""
@@ -80,12 +84,13 @@ class StreamLoopPlan:
         with how it runs per chunk. ``ring``: gathers in ring order even without a
         ``swizzle1d`` (``offset_stream_indexing_by_rank``)."""
         s = self.stream
-        count = s.stream_id.extent if s.stream_id.extent is not None else "?"
+        count = self.chunks or s.stream_id.extent or "?"
         ring = ring or s.swizzle is not None
         order = ", ring order" if ring else ""
         body = "; ".join(format_expr(e) + self._per_chunk(e, ring) for e in self.exprs)
+        why = f" [{self.reason}]" if self.reason else ""
         return (f"stream loop: {count} chunks of axis {self.axis(self.seed)} of "
-                f"{self.seed.name}{order}: {body}")
+                f"{self.seed.name}{order}: {body}{why}")
 
     def _per_chunk(self, e: Expr, ring: bool) -> str:
         if not isinstance(e, Reshard):
@@ -201,6 +206,24 @@ def chunk_sharding(tv: TensorView, logical: IterDomain) -> tuple:
     path of splits (empty when not sharded)."""
     d = domain(tv)
     return tuple(sorted((pt.value, d.path(i)[1]) for i, pt in d.device_ids.get(logical, [])))
+
+
+def chunk_ids_of(body: set[Expr], seeds: Mapping[TensorView, IterDomain]
+                 ) -> dict[TensorView, IterDomain] | None:
+    """The chunk IDs of a body grown by the engine, or None where it cannot run per chunk."""
+    try:
+        return _chunk_ids(body, seeds)
+    except ScheduleError:
+        return None
+
+
+def convex(fusion: Fusion, body: set[Expr]) -> bool:
+    """Whether ``body`` can run as one step (nothing outside it between two of its parts)."""
+    try:
+        _check_convex(fusion, body, next(iter(body)).tensor_outputs[0])
+    except ScheduleError:
+        return False
+    return True
 
 
 def _chunk_ids(body: set[Expr], seeds: Mapping[TensorView, IterDomain]

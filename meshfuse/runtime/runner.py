@@ -28,6 +28,7 @@ from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
+from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
@@ -45,6 +46,7 @@ from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
+from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
@@ -65,6 +67,9 @@ class FusionRunner:
         self.allocations = self.compiled.allocations
         self.world_size = world
         self.stream_loops = plan_stream_loops(self.fusion)
+        # Communications next to GEMMs the engine may run as stream loops (docs/overlap.md).
+        self.overlap_candidates = overlap_candidates(self.fusion, self.stream_loops)
+        self._overlap_lines: dict[tuple, list[str]] = {}
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
         self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
@@ -86,8 +91,7 @@ class FusionRunner:
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
-        if self.stream_loops:
-            text = "\n".join([text, "stream-parallel loops:", *stream_loop_lines(self.stream_loops, self.ring_order)])
+        text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
@@ -184,13 +188,30 @@ class FusionRunner:
         check_no_resharding(fusion, binding.extents)
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
+        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
+                                    _device_of(inputs, self.communicator).type)
+        self._overlap_lines[_signature(inputs)] = lines
+        plans = [*self.stream_loops, *plans]
         group_loops = None
-        if self.stream_loops:
+        if plans:
             group_loops = functools.partial(
-                _group_loops, self.stream_loops, binding=binding, rank=self.rank,
+                _group_loops, plans, binding=binding, rank=self.rank,
                 group_of=self._group, ring_all=self.ring_order)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              group_loops)
+
+    def _loop_lines(self, key: tuple | None) -> list[str]:
+        """explain's lines on stream-parallel loops: the user's, then the engine's choice
+        for each communication next to a GEMM (for ``key``'s signature, when given)."""
+        lines = []
+        if self.stream_loops:
+            lines += ["stream-parallel loops:",
+                      *stream_loop_lines(self.stream_loops, self.ring_order)]
+        if self.overlap_candidates:
+            decided = self._overlap_lines.get(key) if key is not None else None
+            lines += ["communications next to GEMMs (overlap):",
+                      *(decided or candidate_lines(self.overlap_candidates))]
+        return lines
 
     def _group(self, mesh, mesh_axis: int) -> Group | None:
         """This rank's Group along ``mesh_axis`` of ``mesh`` (every rank takes part in

@@ -251,7 +251,8 @@ def _plain_gemm(step: Step) -> bool:
 
 def _chunk_count(plan: StreamLoopPlan, binding: Binding) -> int:
     s = plan.stream
-    count = s.stream_id.extent if s.chunk_id is not None else binding.extents[s.logical]
+    count = plan.chunks or (s.stream_id.extent if s.chunk_id is not None
+                            else binding.extents[s.logical])
     if count is None or count < 1:
         raise ScheduleError(f"the stream-parallel axis of {plan.seed.name} has no static "
                             "positive chunk count; split it by a number (outer_split)")
