@@ -63,10 +63,15 @@ def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunk
     fd = _row_parallel(tokens, 3, chunks, mesh)
     x, w = _ints(tokens, 12), _ints(3, 12, seed=1)
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
-    with record_communications() as comms:
+    with record_communications() as comms, torch.profiler.profile(record_shapes=True) as prof:
         out, = fd.execute(inputs)
     torch.testing.assert_close(out, F.linear(x, w))
     assert _kinds(comms) == (Counter(allreduce=chunks) if d > 1 else Counter())
+    # one GEMM per chunk, written into its block of the output (out=: three operands)
+    gemms = [e.input_shapes for e in prof.events() if e.name == "aten::mm"]
+    k, rows = 12 // d, -(-tokens // chunks)
+    blocks = [max(0, min(rows, tokens - c * rows)) for c in range(chunks)]
+    assert gemms == [[[m, k], [k, 3], [m, 3]] for m in blocks]
     if d > 1:  # each chunk reduces its own rows only
         assert sum(c.bytes for c in comms) == tokens * 3 * 4
 

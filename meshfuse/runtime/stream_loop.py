@@ -115,7 +115,8 @@ class StreamLoop:
         into: body step index of a GEMM (``linear`` without bias, ``matmul``) -> the result
             slot whose block it writes directly (``out=``), with no copy.
         reduce_in_place: body step index of an allreduce -> its group and reduction, run in
-            place on the block its GEMM wrote.
+            place on the block its GEMM wrote (None: a communication that moves nothing, on
+            a mesh of one device).
         reduces: body step index -> the :class:`ChunkReduce` it runs instead of its plan;
             its result is this rank's whole shard, written at the chunk of its own block.
     """
@@ -129,7 +130,8 @@ class StreamLoop:
     streams: int
     ring: tuple[int, int] | None
     into: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    reduce_in_place: Mapping[int, tuple[Group, str]] = dataclasses.field(default_factory=dict)
+    reduce_in_place: Mapping[int, tuple[Group, str] | None] = \
+        dataclasses.field(default_factory=dict)
     reduces: Mapping[int, ChunkReduce] = dataclasses.field(default_factory=dict)
 
     def block(self, i: int) -> int:
@@ -215,7 +217,7 @@ def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
 
 
 def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, ChunkGather],
-                  group_of: GroupOf) -> tuple[dict[int, int], dict[int, tuple[Group, str]]]:
+                  group_of: GroupOf) -> tuple[dict[int, int], dict]:
     """GEMMs that can write their result's block directly: those whose output is a loop
     result, and those whose output only feeds an allreduce (one step, same mesh) whose
     output is one (the allreduce then runs in place on that block)."""
@@ -235,12 +237,15 @@ def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, Chu
         if len(users) != 1 or users[0] in gathers:
             continue
         reshard = body[users[0]]
-        if reshard.op != RESHARD or len(reshard.plan) != 1 or \
-                reshard.plan[0].kind != "allreduce" or reshard.outputs[0] not in results:
+        if reshard.op != RESHARD or reshard.outputs[0] not in results:
             continue
-        plan = reshard.plan[0]
-        into[k] = reshard.outputs[0]
-        reduce_in_place[users[0]] = (group_of(plan.mesh, plan.mesh_axis), plan.reduce_op)
+        if not reshard.plan:  # no data moves (a mesh of one device): the block as it is
+            into[k] = reshard.outputs[0]
+            reduce_in_place[users[0]] = None
+        elif len(reshard.plan) == 1 and reshard.plan[0].kind == "allreduce":
+            plan = reshard.plan[0]
+            into[k] = reshard.outputs[0]
+            reduce_in_place[users[0]] = (group_of(plan.mesh, plan.mesh_axis), plan.reduce_op)
     return into, reduce_in_place
 
 
@@ -378,7 +383,8 @@ class StreamLoopCall:
             elif index in loop.reduces:
                 result = _reduce(loop.reduces[index], args[0], block)
             elif index in loop.reduce_in_place:
-                result = allreduce_in_place(args[0], *loop.reduce_in_place[index])
+                reduction = loop.reduce_in_place[index]
+                result = args[0] if reduction is None else allreduce_in_place(args[0], *reduction)
             elif index in loop.into:
                 target = _narrow(results[loop.into[index]], loop.dims.get(loop.into[index]),
                                  block, loop.chunks)
