@@ -50,7 +50,7 @@ from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
-from meshfuse.runtime.stream_loop import group_stream_loops, stream_loop_lines
+from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
 
 
 class FusionRunner:
