@@ -64,6 +64,8 @@ def _extra(r: Record) -> str:
         parts.append(f"{m['host_overhead_us']:+.1f} us/call ({m['host_ratio']:.2f}x host)")
     if "host_note" in m:
         parts.append(m["host_note"])
+    if "summary" in m:  # a case's own one-line finding (e.g. an interleaved ratio)
+        parts.append(m["summary"])
     return ", ".join(parts)
 
 
