@@ -11,9 +11,15 @@ Two configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
   (nvFuser's hand-written reference: the same chunks on a stream pool, direct calls), and
   ``torch_async_tp`` (recorded as skipped: ``_micro_pipeline_tp`` decomposes
   allgather->matmul and matmul->reduce-scatter, not an allreduce).
+- ``row_sp``: the same GEMM in a sequence-parallel layer: its output reduce-scattered onto
+  the tokens. Variants: ``torch`` (baseline: ``mm`` then ``reduce_scatter_tensor``),
+  ``meshfuse`` (``set_overlap(False)``), ``meshfuse_auto`` (the engine's cost estimate
+  decides), ``meshfuse_overlap`` (``set_overlap(True)``: d chunks, each reduced onto its
+  owner), ``torch_async_tp`` (micro-pipeline TP over matmul + reduce-scatter).
 - ``column``: sequence-parallel column linear ``out[t, 4h/d] = allgather(x[t/d, h]) @
   w[4h/d, h].T``. Variants: ``torch`` (baseline: ``all_gather_into_tensor`` then ``mm``),
-  ``meshfuse`` (no stream axis), ``meshfuse_permute`` (the gathered x on stream with
+  ``meshfuse`` (no stream axis, ``set_overlap(False)``), ``meshfuse_auto`` (no stream
+  axis: the engine's cost estimate decides; metric ``loops``), ``meshfuse_permute`` (the gathered x on stream with
   ``swizzle1d``: d GEMMs, d-1 point-to-point transfers under them), ``meshfuse_broadcast``
   (the same with one broadcast per block), and ``torch_async_tp`` (``torch.compile`` with
   ``torch._inductor.config._micro_pipeline_tp = True`` over a functional allgather and a
@@ -67,9 +73,28 @@ def row_fusion(ctx: Context, tokens: int, hidden: int, chunks: int | None, dtype
     return fd
 
 
+def row_sp_fusion(ctx: Context, tokens: int, hidden: int, overlap: bool | None,
+                  dtype: DataType):
+    """The row-parallel linear of a sequence-parallel layer: its output sharded on the
+    tokens (a reduce-scatter); ``overlap`` is ``set_overlap``'s choice."""
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 4 * hidden], dtype=dtype)
+        w = fd.define_tensor([hidden, 4 * hidden], dtype=dtype)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    for tv, axis in ((x, 1), (w, 1), (out, 0)):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(axis, ctx.world)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    x.set_overlap(overlap)
+    return fd
+
+
 def column_fusion(ctx: Context, tokens: int, hidden: int, order: str | None, dtype: DataType):
     """nvFuser's column-parallel linear after a sequence-parallel allgather; ``order``:
-    None (no stream axis), ``"permute"`` (ring order) or ``"broadcast"``."""
+    None (no stream axis, no loop), ``"auto"`` (no stream axis: the engine's cost estimate
+    decides), ``"permute"`` (ring order) or ``"broadcast"``."""
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     with FusionDefinition() as fd:
         x = fd.define_tensor([tokens, hidden], dtype=dtype)
@@ -81,7 +106,9 @@ def column_fusion(ctx: Context, tokens: int, hidden: int, order: str | None, dty
         tv.outer_split(0, ctx.world)
         tv.axis(0).parallelize(ParallelType.mesh_x)
     gathered.set_device_mesh(mesh)
-    if order is not None:
+    if order is None:
+        x.set_overlap(False)
+    elif order != "auto":
         gathered.outer_split(0, ctx.world)
         if order == "permute":
             gathered.swizzle1d(0, ParallelType.mesh_x)
@@ -93,7 +120,7 @@ def _meshfuse(fd: FusionDefinition, inputs: list, expected: torch.Tensor, what: 
     def setup():
         out = fd.execute(inputs)
         check_close(what, out, [expected], TOL)
-        return lambda: fd.execute(inputs), {"loops": fd.explain().count("stream loop:")}
+        return lambda: fd.execute(inputs), {"loops": fd.explain(inputs).count("stream loop:")}
     return setup
 
 
@@ -121,8 +148,9 @@ def _torch_streams(x: torch.Tensor, w: torch.Tensor, chunks: int, group):
     return step
 
 
-def _async_tp_column(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor):
-    """``torch.compile`` with micro-pipeline TP over allgather + matmul (symmetric memory)."""
+def _async_tp(kind: str, x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor):
+    """``torch.compile`` with micro-pipeline TP (symmetric memory) over a functional
+    allgather + matmul (``kind`` "column") or matmul + reduce-scatter ("row_sp")."""
     def setup():
         if not x.is_cuda or dist.get_world_size() < 2:
             raise Skip("async TP needs CUDA and at least 2 ranks")
@@ -142,11 +170,16 @@ def _async_tp_column(x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor):
             full = funcol.all_gather_tensor(x_local, gather_dim=0, group=group)
             return torch.matmul(full, weight.t())
 
+        def row_sp(x_local, weight):
+            partial = torch.matmul(x_local, weight.t())
+            return funcol.reduce_scatter_tensor(partial, "sum", scatter_dim=0, group=group)
+
         with inductor_config.patch(_micro_pipeline_tp=True):
-            compiled = torch.compile(column, fullgraph=True)
+            compiled = torch.compile(column if kind == "column" else row_sp, fullgraph=True)
             out, code = run_and_get_code(compiled, x, w)
         check_close("torch_async_tp vs torch", [out], [expected], TOL)
-        fused = any("fused_all_gather_matmul" in c for c in code)
+        fused = any("fused_all_gather_matmul" in c or "fused_matmul_reduce_scatter" in c
+                    for c in code)
         return (lambda: compiled(x, w)), {"fused": fused}
     return setup
 
@@ -184,6 +217,34 @@ def _row(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     return records
 
 
+def _row_sp(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
+    t, h = sizes["tokens"], sizes["hidden"]
+    x = _block(_randn(ctx, t, 4 * h, dtype=dtype, seed=0), 1, ctx)
+    w = _block(_randn(ctx, h, 4 * h, dtype=dtype, seed=1), 1, ctx)
+    out = torch.empty(t // ctx.world, h, dtype=dtype, device=ctx.device)
+
+    def direct():
+        def step():
+            partial = torch.matmul(x, w.t())
+            if ctx.world == 1:
+                return partial
+            dist.reduce_scatter_tensor(out, partial)
+            return out
+        return step
+
+    expected = direct()().clone()
+    mf = DataType.from_torch(dtype)
+    variants = [Variant("torch", direct, "mm then reduce_scatter_tensor (no overlap)")]
+    for name, overlap, note in (("meshfuse", False, "set_overlap(False)"),
+                                ("meshfuse_auto", None, "the engine decides"),
+                                ("meshfuse_overlap", True, "set_overlap(True): d chunks")):
+        fd = row_sp_fusion(ctx, t, h, overlap, mf)
+        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name), note))
+    variants.append(Variant("torch_async_tp", _async_tp("row_sp", x, w, expected),
+                            "torch.compile, _micro_pipeline_tp, symmetric memory"))
+    return run_variants(ctx, "overlap", f"row_sp T{t} H{h}", variants, plan, "torch", params)
+
+
 def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     t, h = sizes["tokens"], sizes["hidden"]
     x_global = _randn(ctx, t, h, dtype=dtype, seed=0)
@@ -202,12 +263,13 @@ def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     expected = torch.matmul(x_global, w.t())
     mf = DataType.from_torch(dtype)
     variants = [Variant("torch", direct, "all_gather_into_tensor then mm (no overlap)")]
-    for name, order, note in (("meshfuse", None, "no stream axis"),
+    for name, order, note in (("meshfuse", None, "no stream axis, set_overlap(False)"),
+                              ("meshfuse_auto", "auto", "no stream axis: the engine decides"),
                               ("meshfuse_permute", "permute", "swizzle1d: d-1 transfers"),
                               ("meshfuse_broadcast", "broadcast", "one broadcast per block")):
         fd = column_fusion(ctx, t, h, order, mf)
         variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name), note))
-    variants.append(Variant("torch_async_tp", _async_tp_column(x, w, expected),
+    variants.append(Variant("torch_async_tp", _async_tp("column", x, w, expected),
                             "torch.compile, _micro_pipeline_tp, symmetric memory"))
     return run_variants(ctx, "overlap", f"column T{t} H{h}", variants, plan, "torch", params)
 
@@ -222,4 +284,5 @@ def run(ctx: Context) -> list[Record]:
     flops = 2.0 * sizes["tokens"] * 4 * sizes["hidden"] * sizes["hidden"]
     plan = Plan(plan.warmup, plan.iters, flops=flops)
     params = dict(sizes, dtype=str(dtype).removeprefix("torch."))
-    return _row(ctx, sizes, dtype, plan, params) + _column(ctx, sizes, dtype, plan, params)
+    return _row(ctx, sizes, dtype, plan, params) + _row_sp(ctx, sizes, dtype, plan, params) + \
+        _column(ctx, sizes, dtype, plan, params)
