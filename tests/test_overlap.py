@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from mesh_helpers import MX, mesh_1d, shard
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.errors import ScheduleError
@@ -318,3 +318,31 @@ def test_cost_estimate_prefers_the_loop_for_large_gemms():
     assert looped < 0.95 * plain
     plain, looped = cost.estimate_ms(2 * 64 * 64 * 64, 64 * 64 * 2, 2)  # launch-bound
     assert looped > plain
+
+
+@pytest.mark.mpi
+def test_row_parallel_loop_on_a_2x2_mesh(multidevice_test):
+    """Data x tensor parallel: tokens over mesh_y, the contracted axis over mesh_x; the
+    loop runs over chunks of this rank's tokens, one allreduce over mesh_x per chunk."""
+    mesh = mesh_2x2(multidevice_test)
+    tokens, chunks = 10, 2
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.linear(x, w))
+    x.set_device_mesh(mesh)
+    x.outer_split(0, 2)
+    x.axis(0).parallelize(MY)
+    x.outer_split(1, chunks)
+    x.axis(1).parallelize(STREAM)
+    x.outer_split(3, 2)
+    x.axis(3).parallelize(MX)
+    shard(w, 1, mesh)
+    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        out, = fd.execute(inputs)
+    out_tv = fd.fusion.outputs()[0]
+    torch.testing.assert_close(out, multidevice_test.shard_tensor(F.linear(gx, gw), out_tv))
+    assert _kinds(comms) == Counter(allreduce=chunks)
+    assert {c.mesh_axis for c in comms} == {mesh.axis_of(MX)}

@@ -3,7 +3,8 @@ each tensor.
 
 A tensor with a loop ID parallelized on ``ParallelType.stream`` asks for a host loop over the
 chunks of one of its logical axes: the ID is either that logical axis itself (one chunk per
-index) or the *outer* part of a split of it (as many chunks as the outer extent). The loop's
+index) or the *outer* part of a split of it or of a part of it (as many chunks as the outer
+extent; after a device split, the chunks cut this rank's shard). The loop's
 body is
 
 - the expression that defines a stream-parallel tensor and every expression that reads one,
@@ -124,12 +125,13 @@ def stream_axis(tv: TensorView) -> StreamAxis | None:
     if producer is None:
         return StreamAxis(stream_id, stream_id, None, tv.swizzles.get(stream_id))
     if not isinstance(producer, Split) or producer.outer is not stream_id or \
-            d.roots.get(producer.in_id) is not producer.in_id:
+            producer.in_id not in d.roots:
         raise ScheduleError(
             f"the stream-parallel axis of {tv.name} must be a logical axis or the outer part "
-            "of one split of it (outer_split(axis, chunks)); chunks are contiguous blocks"
+            "of a split of it (outer_split(axis, chunks)); chunks are contiguous blocks"
         )
-    return StreamAxis(stream_id, producer.in_id, producer.inner, tv.swizzles.get(stream_id))
+    return StreamAxis(stream_id, d.roots[producer.in_id], producer.inner,
+                      tv.swizzles.get(stream_id))
 
 
 def plan_stream_loops(fusion: Fusion) -> list[StreamLoopPlan]:
