@@ -199,8 +199,10 @@ def test_stream_on_an_inner_split_is_refused():
         fd.execute([torch.ones(6, 4)])
 
 
-def test_single_device_loop_matches():
-    """Without a mesh, a stream loop is a chunked local computation."""
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_single_device_loop_matches(compile):
+    """Without a mesh, a stream loop is a chunked local computation (also beside fused
+    segments: the loop step is not fused)."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 4], dtype=DataType.Float)
         w = fd.define_tensor([3, 4], dtype=DataType.Float)
@@ -209,7 +211,7 @@ def test_single_device_loop_matches():
     y.outer_split(0, 4)
     y.axis(0).parallelize(STREAM)
     x_, w_ = _ints(9, 4), _ints(3, 4, seed=1)
-    out, = fd.execute([x_, w_])
+    out, = fd.execute([x_, w_], compile=compile)
     torch.testing.assert_close(out, F.linear(x_, w_).relu())
 
 
