@@ -65,7 +65,7 @@ def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunk
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
     with record_communications() as comms, torch.profiler.profile(record_shapes=True) as prof:
         out, = fd.execute(inputs)
-    torch.testing.assert_close(out, F.linear(x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
     assert _kinds(comms) == (Counter(allreduce=chunks) if d > 1 else Counter())
     # one GEMM per chunk, written into its block of the output (out=: three operands)
     gemms = [e.input_shapes for e in prof.events() if e.name == "aten::mm"]
@@ -106,7 +106,7 @@ def test_column_parallel_linear_gathers_per_chunk(multidevice_test, ring, tokens
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
     with record_communications() as comms:
         out, = fd.execute(inputs)
-    torch.testing.assert_close(out, F.linear(x, inputs[1]))
+    torch.testing.assert_close(out.cpu(), F.linear(x, inputs[1].cpu()))
     expected = Counter(collective_permute=d - 1) if ring else Counter(broadcast=d)
     assert _kinds(comms) == (expected if d > 1 else Counter())
 
@@ -129,10 +129,11 @@ def test_allgather_matmul_stream_outermost(multidevice_test, chunks):
     x.axis(1).parallelize(MX)
     out.axis(0).parallelize(STREAM)
     gx, gw, gb = _ints(chunks, d, 3, 4), _ints(5, 4, seed=1), _ints(5, seed=2)
-    inputs = [multidevice_test.shard_tensor(gx, x), gw, gb]
+    device = multidevice_test.device
+    inputs = [multidevice_test.shard_tensor(gx, x), gw.to(device), gb.to(device)]
     with record_communications() as comms:
         result, = MultiDeviceExecutor(fd.fusion).run(inputs)
-    torch.testing.assert_close(result, F.linear(gx, gw, gb))
+    torch.testing.assert_close(result.cpu(), F.linear(gx, gw, gb))
     assert _kinds(comms) == (Counter(allgather=chunks) if d > 1 else Counter())
 
 
@@ -159,8 +160,9 @@ def test_allgather_matmul_shard_outermost(multidevice_test, ring, backend):
     params.offset_stream_indexing_by_rank = ring
     executor = MultiDeviceExecutor(fd.fusion, params)
     with record_communications() as comms:
-        result, = executor.run([multidevice_test.shard_tensor(gx, x), gw])
-    torch.testing.assert_close(result, F.linear(gx, gw))
+        result, = executor.run([multidevice_test.shard_tensor(gx, x),
+                                gw.to(multidevice_test.device)])
+    torch.testing.assert_close(result.cpu(), F.linear(gx, gw))
     expected = Counter(collective_permute=d - 1) if ring else Counter(broadcast=d)
     assert _kinds(comms) == (expected if d > 1 else Counter())
     assert "stream loop: " in executor.explain()
