@@ -13,6 +13,7 @@ message.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import traceback
@@ -20,6 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from benchmarks.context import Context
 from benchmarks.timing import combine, host_us_per_call, summarize, timed_samples
@@ -116,9 +120,22 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, tuple[str, str] | None]:
         return None, _outcome(e)
 
 
+def waited(result: Any) -> Any:
+    """``result`` once every functional collective in it (DTensor's outputs and gradients
+    are AsyncCollectiveTensors) is waited for: a step's time includes its communication,
+    and nothing is left for torch to count as unwaited at exit."""
+    for leaf in tree_leaves(result):
+        if isinstance(leaf, DTensor):
+            leaf = leaf._local_tensor
+        if isinstance(leaf, AsyncCollectiveTensor):
+            leaf.wait()
+    return result
+
+
 def _prepare(ctx: Context, variant: Variant, warmup: int):
     prepared = variant.setup()
     step, metrics = prepared if isinstance(prepared, tuple) else (prepared, {})
+    step = functools.partial(_waited_step, step)
     # The peak counts the inputs and what the steps allocate, not the setup's correctness
     # check (which holds two sets of outputs at once).
     ctx.reset_memory()
@@ -127,7 +144,28 @@ def _prepare(ctx: Context, variant: Variant, warmup: int):
     return step, metrics
 
 
+def _waited_step(step: Callable[[], Any]) -> Any:
+    return waited(step())
+
+
 def _run_one(ctx: Context, record: Record, variant: Variant, plan: Plan,
+             leftover_mib: float) -> Record:
+    unwaited = _unwaited()
+    try:
+        return _measure(ctx, record, variant, plan, leftover_mib)
+    finally:
+        # Collectives whose result nobody waited for (DTensor's functional collectives, when
+        # a step drops its output): what torch's exit warning would count, by variant.
+        left = _unwaited() - unwaited
+        if left:
+            record.metrics["unwaited_collectives"] = left
+
+
+def _unwaited() -> int:
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+def _measure(ctx: Context, record: Record, variant: Variant, plan: Plan,
              leftover_mib: float) -> Record:
     prepared, failed = _attempt(lambda: _prepare(ctx, variant, plan.warmup))
     failed = _agree(ctx, failed)

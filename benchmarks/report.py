@@ -157,6 +157,19 @@ def console(records: list[Record], env: dict[str, Any], elapsed_s: float) -> str
     return "\n".join(lines)
 
 
+def _unwaited_lines(records: list[Record], meta: dict[str, Any]) -> list[str]:
+    """A line saying whether the run ended with collectives nobody waited for (torch's exit
+    warning "there are still N unwaited collective calls"), and which variants left them."""
+    if "torch_unwaited_collectives" not in meta:
+        return []
+    count = meta["torch_unwaited_collectives"]
+    if not count:
+        return ["Unwaited collectives at the end: none.", ""]
+    by = [f"{r.case} {r.config} {r.variant} ({r.metrics['unwaited_collectives']})"
+          for r in records if r.metrics.get("unwaited_collectives")]
+    return [f"Unwaited collectives at the end: {count}, left by " + ", ".join(by) + ".", ""]
+
+
 def markdown(records: list[Record], env: dict[str, Any], meta: dict[str, Any]) -> str:
     out = [f"# meshfuse benchmarks: {meta['stem']}", "", _env_line(env), "",
            (f"Command: `{meta['command']}`; suite time {meta['elapsed_s']:.0f} s. Times are "
@@ -164,6 +177,7 @@ def markdown(records: list[Record], env: dict[str, Any], meta: dict[str, Any]) -
             "the time over the baseline's (named per case); TFLOP/s are per GPU; peak memory "
             "is `torch.cuda.max_memory_allocated` (inputs included, less what earlier variants "
             "left allocated: `leftover_mib` in the JSON), max over ranks."), "",
+           *_unwaited_lines(records, meta),
            "## meshfuse vs the same torch calls made directly", ""]
     out += [f"- `{line}`" for line in headline(records)] or ["- (none measured)"]
     for case in dict.fromkeys(r.case for r in records):

@@ -14,9 +14,12 @@ import tempfile
 import time
 import traceback
 
+import torch
+
 from benchmarks import context, report, set_env_defaults
 from benchmarks.cases import ALIASES, CASES, resolve
 from benchmarks.harness import Record
+from meshfuse.runtime import collectives
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join(tempfile.gettempdir(), "meshfuse-benchmarks")
@@ -73,19 +76,37 @@ def main(argv: list[str] | None = None) -> int:
         records += _run_case(ctx, name)
         ctx.log(f"== {name}: {time.perf_counter() - t0:.1f} s")
     elapsed = time.time() - started
+    settled = _settle(ctx)
     if ctx.rank == 0:
         out_dir = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
         stem = report.file_stem(env, args.quick, started)
         meta = {"stem": stem, "command": _command(ctx.world, argv), "cases": names,
                 "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S",
                                                               time.localtime(started)),
-                "elapsed_s": elapsed}
+                "elapsed_s": elapsed, **settled}
         paths = report.write(out_dir, records, env, meta)
         print(report.console(records, env, elapsed))
         print("wrote " + ", ".join(paths), flush=True)
     ctx.barrier()
     context.teardown()
     return 0
+
+
+def _settle(ctx: context.Context) -> dict[str, int]:
+    """Waits for the collectives meshfuse left in flight (none, when every program waited for
+    its own) and returns, for the report's meta, how many there were and how many collectives
+    torch still counts as unwaited (the most of any rank; functional collectives whose result nobody
+    waited for: the number torch's exit warning, "there are still N unwaited collective
+    calls", would give; each record's ``metrics["unwaited_collectives"]`` says which variant
+    left them)."""
+    left = collectives.in_flight()
+    collectives.settle_in_flight()
+    unwaited = torch._C._distributed_c10d._get_work_registry_size()
+    ctx.log(f"at the end: {left} meshfuse collectives were in flight (now waited); torch "
+            f"counts {unwaited} unwaited collective calls")
+    per_rank = ctx.gather((left, unwaited))
+    return {"meshfuse_in_flight_at_end": max(p[0] for p in per_rank),
+            "torch_unwaited_collectives": max(p[1] for p in per_rank)}
 
 
 if __name__ == "__main__":

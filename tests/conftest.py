@@ -7,9 +7,10 @@ import sys
 if "meshfuse.testing.plugin" not in sys.modules:
     pytest_plugins = ["meshfuse.testing.plugin"]
 
-# Every multi-rank test checks that the ranks' inputs agree before running (InputError on
-# every rank instead of a hang); the spawned ranks inherit this.
-os.environ.setdefault("MESHFUSE_CHECK_RANKS", "1")
+# A collective that waits this long for a rank ends in CommunicationError on every rank still
+# running (meshfuse's default is 300 s): a broken test fails in minutes, naming the step and the
+# missing rank, instead of hanging its batch. The spawned ranks inherit it.
+os.environ.setdefault("MESHFUSE_TIMEOUT", "120")
 
 
 def pytest_addoption(parser):

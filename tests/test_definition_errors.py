@@ -387,10 +387,11 @@ def parallelize_with_a_string(fd):
 
 
 @schedule_case("axis 1", "T0", "DIDx", "no device mesh", "set_device_mesh")
-def parallelize_without_a_mesh(fd):
-    x = matrix(fd).outer_split(1, 2)
-    x.parallelize(1, ParallelType.mesh_x)
-    fd.add_output(fd.ops.relu(x))
+def parallelize_without_a_mesh(_):
+    with FusionDefinition() as fd:  # finished before execute
+        x = matrix(fd).outer_split(1, 2)
+        x.parallelize(1, ParallelType.mesh_x)
+        fd.add_output(fd.ops.relu(x))
     fd.execute([torch.randn(4, 6)])
 
 

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import meshfuse
 from benchmarks.context import Context
 from benchmarks.fusions import QkvFormat, SeedAttention, as_format
-from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants, waited
 from meshfuse.ops import attention_kernels as kernels
 from meshfuse.ops.attention_backends import select_backend
 
@@ -135,7 +135,7 @@ def _dtensor(ctx, inputs):
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         step = _autograd_step(q, k, v, g, _ALL_BACKENDS)
         try:
-            step()
+            waited(step())  # its collectives too: none left unwaited at exit
             return step, {"kernels": "PyTorch's choice"}
         except NotImplementedError:  # no DTensor sharding rule for the kernel PyTorch chose
             fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]

@@ -34,6 +34,8 @@ from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.multidevice import Sharding
+from meshfuse.runtime.agreement import agreed_build
+from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.runner import FusionRunner
 
 
@@ -50,6 +52,7 @@ class FusionDefinition:
         self.ops = Ops(self.fusion)
         self.sched = Schedule()
         self._defined = False
+        self._open = False  # inside ``with FusionDefinition() as fd:``
         self._runner = None
         self._shardings = None
 
@@ -67,9 +70,11 @@ class FusionDefinition:
 
     # ----- the two styles ----------------------------------------------------------------
     def __enter__(self) -> Self:
+        self._open = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._open = False
         self._defined = True
 
     def definition(self) -> None:
@@ -227,9 +232,15 @@ class FusionDefinition:
             device, save_repro_inputs, _enable_options, _disable_options: nvFuser's options,
                 accepted so that its programs run; they have no meaning here (the inputs'
                 device is the device) and are ignored, with a warning naming them once.
-            options: ``check_ranks=True`` compares input dtypes/shapes across ranks before
-                running (raises InputError on every rank instead of hanging); also turned on
-                by the environment variable ``MESHFUSE_CHECK_RANKS=1``.
+            options: ``check_ranks`` (default True, or ``$MESHFUSE_CHECK_RANKS``; ``0``
+                turns it off): when the fusion is built and on the first call with each new
+                input signature, the ranks compare the fusion (ops, meshes, schedules) and
+                the inputs' dtypes and global shapes in one small collective, and an error
+                any rank raises before running is raised on every rank (see
+                ``docs/reliability.md``); cached calls communicate nothing for it.
+                ``timeout`` (seconds; default ``$MESHFUSE_TIMEOUT`` or 300): how long a
+                collective may wait for the other ranks before every rank still running
+                raises CommunicationError naming the step and the missing rank.
                 ``cuda_graph=True`` captures this rank's program into a CUDA graph on the first
                 call with these input shapes (and scalar values) and replays it afterwards:
                 one launch instead of one per op, for programs whose time is mostly launch
@@ -242,12 +253,13 @@ class FusionDefinition:
                 interpreter; the default comes from ``MESHFUSE_COMPILE`` (``0``). See
                 docs/fusion.md.
         """
+        self._check_finished("execute")
         if device is not None or save_repro_inputs or _enable_options or _disable_options:
             ignored_options(device=device, save_repro_inputs=save_repro_inputs,
                             _enable_options=_enable_options, _disable_options=_disable_options)
         if has_dtensors(inputs):
             return execute_with_dtensors(self, inputs, **options)
-        runner = self._get_runner()
+        runner = self._get_runner(options.get("check_ranks"))
         if self._shardings is None:
             compiled = runner.compiled
             self._shardings = [Sharding(compiled[tv]) for tv in self.fusion.outputs()]
@@ -259,10 +271,23 @@ class FusionDefinition:
         from then on its schedule is fixed."""
         return self._runner is not None
 
-    def _get_runner(self):
+    def _check_finished(self, method: str) -> None:
+        if self._open:
+            raise DefinitionError(
+                f"{method} called inside the `with FusionDefinition() as fd:` block: the "
+                f"definition is not finished yet; call fd.{method}(...) after the block"
+            )
+
+    def _get_runner(self, check_ranks: bool | None = None) -> FusionRunner:
+        """The runner, built on first use on every rank alike (see
+        :func:`~meshfuse.runtime.agreement.agreed_build`)."""
         if self._runner is None:
             self.define()
-            self._runner = FusionRunner(self.fusion)
+            communicator = None
+            if any(tv.mesh is not None for tv in self.fusion.tensors()):
+                communicator = Communicator.instance()
+            self._runner = agreed_build(communicator, self.fusion,
+                                        lambda: FusionRunner(self.fusion), check_ranks)
         return self._runner
 
     def compiled(self):
@@ -312,6 +337,7 @@ class FusionDefinition:
         from the definition's static extents, symbolic ones named. ``verbose=True`` adds
         every tensor's domains and, with ``inputs``, the program's steps.
         """
+        self._check_finished("explain")
         return self._get_runner().explain(inputs, verbose)
 
     def __repr__(self) -> str:

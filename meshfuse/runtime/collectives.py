@@ -11,6 +11,12 @@ it on its own stream; gloo on its own thread); its :meth:`~Pending.wait` gives t
 
 Every call is reported to the active :func:`record_communications` recorders (kind, group
 ranks, mesh axis, bytes sent by this rank), which the tests use to assert the traffic.
+
+Every collective launched is waited for: a :class:`Pending` stays in :func:`in_flight` until
+its ``wait``; the executor waits for those of a program that fails, and
+:func:`settle_in_flight` runs at exit before the process groups are destroyed. A collective
+that fails (timed out, or a peer went away) raises
+:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the collective and its group.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from meshfuse.runtime.communicator import Communicator
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -70,15 +78,32 @@ class Pending:
     the collective's stream; the host does not block) and returns the result; later calls
     return it again. ``then(fn)`` appends a local step applied to the result on ``wait``.
     Until ``wait``, the buffer must not be read or freed: the collective may still write it.
+    ``label`` names the collective in errors; the executor sets it to the program step.
     """
 
-    __slots__ = ("_finish", "_value", "_work")
+    __slots__ = ("_finish", "_ranks", "_value", "_work", "label")
 
     def __init__(self, work: dist.Work, buffer: torch.Tensor,
-                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 label: str = "a collective", ranks: tuple[int, ...] = ()):
         self._work: dist.Work | None = work
         self._value = buffer
         self._finish = [finish] if finish is not None else []
+        self.label, self._ranks = label, ranks
+        _in_flight[id(self)] = self
+
+    def abandon(self) -> bool:
+        """Waits for the collective and drops its result; False if it failed (not raised:
+        another error is being reported)."""
+        work, self._work = self._work, None
+        _in_flight.pop(id(self), None)
+        if work is None:
+            return True
+        try:
+            work.wait()
+            return True
+        except (RuntimeError, ValueError):
+            return False
 
     def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
         if self._work is None:
@@ -88,9 +113,16 @@ class Pending:
         return self
 
     def wait(self) -> torch.Tensor:
+        """The result, once the collective is done.
+
+        Raises:
+            CollectiveFailed: if the collective timed out or a peer went away.
+        """
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None
+            _in_flight.pop(id(self), None)
+            with translated(self.label, self._ranks):
+                work.wait()
             for fn in self._finish:
                 self._value = fn(self._value)
             self._finish = []
@@ -102,11 +134,48 @@ def resolved(x: torch.Tensor | Pending) -> torch.Tensor:
     return x.wait() if isinstance(x, Pending) else x
 
 
+# The collectives launched and not yet waited for, by id: every one is waited for before the
+# process groups go away (an unwaited collective is torch's "unwaited collective calls").
+_in_flight: dict[int, Pending] = {}
+
+
+def in_flight() -> int:
+    """The number of collectives launched and not yet waited for."""
+    return len(_in_flight)
+
+
+def settle_in_flight() -> int:
+    """Waits for every collective still in flight, ignoring their failures: for the error
+    path and exit, where an earlier error is the one to report. Returns how many failed."""
+    failed = 0
+    while _in_flight:
+        _, pending = _in_flight.popitem()
+        failed += not pending.abandon()
+    return failed
+
+
+Communicator.before_shutdown(settle_in_flight)
+
+
+def translated(what: str, ranks: tuple[int, ...]) -> contextlib.AbstractContextManager:
+    """Raises a failure of the torch.distributed calls of the block as
+    :class:`~meshfuse.runtime.failures.CollectiveFailed` (``what`` among ``ranks``)."""
+    return Communicator.instance().translated(what, ranks)
+
+
+def _label(kind: str, group: Group, reduce_op: str | None = None) -> str:
+    op = f"({reduce_op})" if reduce_op else ""
+    return f"{kind}{op} over mesh axis {group.mesh_axis}"
+
+
 def _issued(work: dist.Work | None, buffer: torch.Tensor,
-            finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | Pending:
+            finish: Callable[[torch.Tensor], torch.Tensor], label: str = "a collective",
+            group: Group | None = None) -> torch.Tensor | Pending:
     """The result of a collective that wrote ``buffer``: at once (``work`` None: it ran
     synchronously), or a :class:`Pending` of it."""
-    return finish(buffer) if work is None else Pending(work, buffer, finish)
+    if work is None:
+        return finish(buffer)
+    return Pending(work, buffer, finish, label, group.ranks if group is not None else ())
 
 
 _recorders: list[list[Communication]] = []
@@ -193,7 +262,9 @@ def allgather(x: torch.Tensor, axis: int, group: Group, async_op: bool = False,
     _record("allgather", group, send)
     out = torch.empty((group.size * longest, *send.shape[1:]), dtype=send.dtype,
                       device=send.device)
-    work = _gather(out, send, group=group.process_group, async_op=async_op)
+    label = _label("allgather", group)
+    with translated(label, group.ranks):
+        work = _gather(out, send, group=group.process_group, async_op=async_op)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = _to_coordinate_order(out.reshape(group.size, *send.shape), group)
@@ -201,7 +272,7 @@ def allgather(x: torch.Tensor, axis: int, group: Group, async_op: bool = False,
             return torch.cat([out[c, :n] for c, n in enumerate(sizes)]).movedim(0, axis)
         return out.reshape(group.size * longest, *send.shape[1:]).movedim(0, axis)
 
-    return _issued(work, out, finish)
+    return _issued(work, out, finish, label, group)
 
 
 def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = False,
@@ -214,9 +285,11 @@ def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = Fal
     else:
         out = x.contiguous()
     _record("allreduce", group, out, reduce_op)
-    work = dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group,
-                           async_op=async_op)
-    return _issued(work, out, _same)
+    label = _label("allreduce", group, reduce_op)
+    with translated(label, group.ranks):
+        work = dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group,
+                               async_op=async_op)
+    return _issued(work, out, _same, label, group)
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -239,10 +312,12 @@ def reduce_scatter(x: torch.Tensor, axis: int, group: Group, reduce_op: str,
     chunks = _chunks_in_torch_order(send, group)
     _record("reduce_scatter", group, send, reduce_op)
     out = torch.empty((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
-    work = _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
-                           group=group.process_group, async_op=async_op)
+    label = _label("reduce_scatter", group, reduce_op)
+    with translated(label, group.ranks):
+        work = _reduce_scatter(out, chunks.reshape(send.shape), op=REDUCE_OPS[reduce_op],
+                               group=group.process_group, async_op=async_op)
     mine = n if sizes is None else sizes[group.coordinate]
-    return _issued(work, out, lambda out: out[:mine].movedim(0, axis))
+    return _issued(work, out, lambda out: out[:mine].movedim(0, axis), label, group)
 
 
 def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
@@ -253,8 +328,10 @@ def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
     chunks = _chunks_in_torch_order(send, group)
     _record("all_to_all", group, send)
     received = torch.empty_like(chunks)
-    work = dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group,
-                                  async_op=async_op)
+    label = _label("all_to_all", group)
+    with translated(label, group.ranks):
+        work = dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group,
+                                      async_op=async_op)
 
     def finish(received: torch.Tensor) -> torch.Tensor:
         received = _to_coordinate_order(received, group)  # [sender, n, ...], split axis first
@@ -262,7 +339,7 @@ def all_to_all(x: torch.Tensor, split_axis: int, concat_axis: int, group: Group,
         pieces = [received[c].movedim(0, split_axis) for c in range(group.size)]
         return torch.cat(pieces, dim=concat_axis)
 
-    return _issued(work, received, finish)
+    return _issued(work, received, finish, label, group)
 
 
 def all_to_all_pieces(pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
@@ -277,8 +354,10 @@ def all_to_all_pieces(pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[
     send_buffer = torch.cat(send) if send else pieces[0].new_empty(0)
     _record("all_to_all", group, send_buffer)
     received = send_buffer.new_empty(sum(recv_sizes))
-    work = dist.all_to_all_single(received, send_buffer, recv_sizes, sizes,
-                                  group=group.process_group, async_op=async_op)
+    label = _label("all_to_all", group)
+    with translated(label, group.ranks):
+        work = dist.all_to_all_single(received, send_buffer, recv_sizes, sizes,
+                                      group=group.process_group, async_op=async_op)
 
     def finish(received: torch.Tensor) -> list[torch.Tensor]:
         by_torch_rank = received.split(recv_sizes)
@@ -287,7 +366,7 @@ def all_to_all_pieces(pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[
             result[c] = part.reshape(shapes[c])
         return result
 
-    return _issued(work, received, finish)
+    return _issued(work, received, finish, label, group)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -302,10 +381,12 @@ def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
     another, as between pipeline stages); the receiver's ``x`` gives shape and dtype."""
     out = x.contiguous()
     _record("send_recv", group, out)
-    if group.coordinate == 0:
-        dist.send(out, dst=group.ranks[1], group=group.process_group)
-        return x
-    dist.recv(out, src=group.ranks[0], group=group.process_group)
+    with translated(f"send_recv from rank {group.ranks[0]} to rank {group.ranks[1]}",
+                    group.ranks):
+        if group.coordinate == 0:
+            dist.send(out, dst=group.ranks[1], group=group.process_group)
+            return x
+        dist.recv(out, src=group.ranks[0], group=group.process_group)
     return out
 
 
@@ -315,7 +396,8 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     _record("broadcast", group, out)
     # gloo has no unsigned 64-bit type (attention's RNG state is uint64): move the bits as int64.
     wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
-    dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
+    with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
+        dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out
 
 

@@ -6,6 +6,11 @@ group someone already initialized, torchrun's variables (``RANK``, ``WORLD_SIZE`
 process (rank 0 of 1). The backend is NCCL (one GPU per process) when CUDA is available and gloo
 otherwise; the environment variable ``MESHFUSE_BACKEND`` overrides the choice.
 
+Every process group meshfuse uses has meshfuse's timeout (:mod:`meshfuse.runtime.failures`):
+the default group when meshfuse initializes torch.distributed, else a copy of the world of its
+own, so that a group the user owns keeps the user's settings. At exit, meshfuse waits for the
+collectives it launched and destroys what it created, never a group the user owns.
+
 Together with ``collectives.py`` beside it, this is the only module of meshfuse that calls
 torch.distributed.
 """
@@ -13,10 +18,14 @@ torch.distributed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import datetime
+import gc
 import os
 import pickle
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar
 
 import torch
@@ -25,10 +34,14 @@ import torch.distributed as dist
 from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
+from meshfuse.runtime.failures import CollectiveFailed, kind_of_failure, timeout_from_env
 
 BACKEND_ENV = "MESHFUSE_BACKEND"
 _MPI_DEFAULT_ADDR = "127.0.0.1"
 _MPI_DEFAULT_PORT = "29500"
+# How long a survivor of a failed collective waits for the other survivors to answer the roll
+# call: they detect the same failure within about the same time.
+ROLL_CALL_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +161,14 @@ class Communicator:
 
     _instance: ClassVar[Communicator | None] = None
     _failure: ClassVar[CommunicationError | None] = None
+    # Run at exit before the groups are destroyed (the collectives module settles the
+    # collectives still in flight); see :meth:`before_shutdown`.
+    _before_shutdown: ClassVar[list[Callable[[], None]]] = []
+
+    @classmethod
+    def before_shutdown(cls, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` at exit, before the process groups meshfuse created are destroyed."""
+        cls._before_shutdown.append(fn)
 
     @classmethod
     def instance(cls) -> Communicator:
@@ -176,10 +197,16 @@ class Communicator:
         # Process groups by their ranks, and the (mesh, axis) slicings already created.
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._slicings: set[tuple[DeviceMesh, int]] = set()
-        if dist.is_initialized():
-            self._adopt_default_group()
-        else:
+        self._default_timeout = timeout_from_env()
+        self._timeout = self._default_timeout
+        self._roll_calls = 0
+        # Whether meshfuse initialized the default group (and may use and destroy it).
+        self._owns_default = not dist.is_initialized()
+        if self._owns_default:
             self._init_default_group()
+        else:
+            self._adopt_default_group()
+        atexit.register(self._shutdown)
 
     def _adopt_default_group(self) -> None:
         self._rank, self._size = dist.get_rank(), dist.get_world_size()
@@ -211,14 +238,16 @@ class Communicator:
             if info.launcher == "none":
                 # An in-memory store: a single process needs no port.
                 dist.init_process_group(
-                    backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs
+                    backend, store=dist.HashStore(), rank=0, world_size=1,
+                    timeout=self._timedelta(), **kwargs
                 )
             else:
                 if info.launcher == "mpirun":
                     os.environ.setdefault("MASTER_ADDR", _MPI_DEFAULT_ADDR)
                     os.environ.setdefault("MASTER_PORT", _MPI_DEFAULT_PORT)
                 dist.init_process_group(
-                    backend, init_method="env://", rank=info.rank, world_size=info.size, **kwargs
+                    backend, init_method="env://", rank=info.rank, world_size=info.size,
+                    timeout=self._timedelta(), **kwargs
                 )
         except Exception as e:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -227,7 +256,6 @@ class Communicator:
                 f"torch.distributed with {backend} at {where}: {e}; check that every rank was "
                 f"launched with the same MASTER_ADDR/MASTER_PORT and world size"
             ) from e
-        atexit.register(_destroy_default_group)
 
     @property
     def rank(self) -> int:
@@ -261,9 +289,28 @@ class Communicator:
             return torch.device("cuda", self._local_rank)
         return torch.device("cpu")
 
+    @property
+    def timeout(self) -> float:
+        """The timeout of meshfuse's collectives now, in seconds."""
+        return self._timeout
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Makes ``seconds`` (None: ``$MESHFUSE_TIMEOUT`` or its default) the timeout of every
+        process group meshfuse uses, now and later. Costs nothing when it does not change."""
+        seconds = self._default_timeout if seconds is None else seconds
+        if seconds == self._timeout:
+            return
+        self._timeout = seconds
+        for group in {id(g): g for g in self._groups.values()}.values():
+            dist.distributed_c10d._set_pg_timeout(self._timedelta(), group)
+
+    def _timedelta(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self._timeout)
+
     def barrier(self) -> None:
         """Blocks until every rank of the world reaches the barrier."""
-        dist.barrier()
+        with self.translated("barrier", range(self._size)):
+            dist.barrier(group=self._world_group())
 
     def group(self, mesh: DeviceMesh, mesh_axis: int | ParallelType) -> dist.ProcessGroup:
         """The process group of the slice of ``mesh`` along ``mesh_axis`` that holds this rank.
@@ -329,7 +376,8 @@ class Communicator:
         ranks = mesh.group_ranks(self._rank, mesh_axis)
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in ranks]
-        dist.all_gather(out, tensor, group=group)
+        with self.translated(f"allgather over mesh axis {mesh_axis} of {mesh!r}", ranks):
+            dist.all_gather(out, tensor, group=group)
         by_rank = dict(zip(sorted(ranks), out))  # torch orders a group by global rank
         return [by_rank[r] for r in ranks]
 
@@ -347,7 +395,8 @@ class Communicator:
         except Exception as e:  # noqa: BLE001 - pickling runs user code; tell every rank
             payload = (False, f"{type(e).__name__}: {e}")
         gathered: list = [None] * self._size
-        dist.all_gather_object(gathered, payload)
+        with self.translated("allgather_object", range(self._size)):
+            dist.all_gather_object(gathered, payload, group=self._world_group())
         bad = [(r, msg) for r, (ok, msg) in enumerate(gathered) if not ok]
         if bad:
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
@@ -366,11 +415,73 @@ class Communicator:
             )
 
     def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        if ranks == tuple(range(self._size)):
+        if ranks == tuple(range(self._size)) and self._owns_default:
             return dist.group.WORLD
-        return dist.new_group(list(ranks))
+        with self.translated("creating a process group", ranks):
+            return dist.new_group(list(ranks), timeout=self._timedelta())
 
+    def _world_group(self) -> dist.ProcessGroup:
+        """The group of the whole world with meshfuse's timeout."""
+        world = tuple(range(self._size))
+        if world not in self._groups:
+            self._groups[world] = self._new_group(world)
+        return self._groups[world]
 
-def _destroy_default_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    @contextlib.contextmanager
+    def translated(self, what: str, ranks) -> Iterator[None]:
+        """Turns a failure of the torch.distributed calls of the block into a
+        :class:`~meshfuse.runtime.failures.CollectiveFailed` naming ``what`` and ``ranks``."""
+        try:
+            yield
+        except CommunicationError:
+            raise
+        except (RuntimeError, ValueError) as e:  # torch's DistError family, and gloo's
+            raise self.failure(what, tuple(ranks), e) from e
+
+    def failure(self, what: str, ranks: tuple[int, ...], error: BaseException) -> CollectiveFailed:
+        """The error of a failed collective (``what`` among ``ranks``), after a roll call that
+        tells which of ``ranks`` are missing."""
+        return CollectiveFailed(what, ranks, self._rank, kind_of_failure(str(error)),
+                                self.absent_ranks(ranks), self._timeout, str(error))
+
+    def absent_ranks(self, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The ranks among ``ranks`` that do not answer a roll call within a few seconds.
+
+        Called by every survivor of a failed collective: each writes its rank under the
+        failure's key into the rendezvous store and waits for the others' (at most
+        :data:`ROLL_CALL_S`, or the timeout if shorter). A rank that exited, crashed or is stuck
+        elsewhere does not answer. None when the store cannot be reached (it lives in rank 0's
+        process, which may be the one that went away).
+        """
+        key = f"meshfuse/roll_call/{self._roll_calls}"
+        self._roll_calls += 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{key}/{self._rank}", b"here")
+            missing = [r for r in ranks if r != self._rank]
+            deadline = time.monotonic() + min(ROLL_CALL_S, self._timeout)
+            while missing:
+                missing = [r for r in missing if not store.check([f"{key}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            return tuple(missing)
+        except (RuntimeError, ValueError):
+            return None
+
+    def _shutdown(self) -> None:
+        """At exit: waits for the collectives meshfuse launched, then destroys the groups it
+        created (all of them with the default group, when meshfuse created that)."""
+        for fn in Communicator._before_shutdown:
+            fn()
+        if dist.is_initialized():  # else the user destroyed every group already
+            if self._owns_default:
+                dist.destroy_process_group()
+            else:
+                for group in {id(g): g for g in self._groups.values()}.values():
+                    if group is not dist.group.WORLD:
+                        dist.destroy_process_group(group)
+        # Free the groups now, while torch's threads still run normally, rather than in the
+        # interpreter's last garbage collection (where tearing down gloo can block).
+        self._groups.clear()
+        gc.collect()

@@ -15,7 +15,9 @@ the step and the rank.
 
 A communication step returns a :class:`~meshfuse.runtime.collectives.Pending` result: the
 collective is in flight while the next steps run, and is waited for where its result is first
-read (an argument, a fusion output) or freed.
+read (an argument, a fusion output) or freed. A failed collective is raised as a
+:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the step that launched it; when a
+step fails, the collectives still in flight are waited for before the error propagates.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.collectives import Pending, resolved
+from meshfuse.runtime.collectives import Pending, resolved, settle_in_flight
+from meshfuse.runtime.failures import CollectiveFailed
 
 RESHARD = "reshard"
 
@@ -144,23 +147,36 @@ class Program:
         read), so that each input is freed after its last use, as an intermediate is (JAX's
         donated arguments): a backward frees each saved residual once it is read.
         """
+        try:
+            outputs = self._run(inputs, donate)
+        except BaseException:
+            settle_in_flight()  # nothing left in flight; the first error is the one to report
+            raise
+        settle_in_flight()  # a collective whose result no step read (none, normally)
+        return outputs
+
+    def _run(self, inputs: Sequence[Any], donate: bool) -> list[torch.Tensor]:
         values: list[Any] = [None] * self.num_slots
         for slot, index in zip(self.input_slots, range(len(inputs))):
             values[slot] = inputs[index]
         if donate:
             inputs.clear()
         for index, (call, template, slots, attrs, outputs, free) in enumerate(self._flat):
-            args = list(template)
-            for pos, slot in slots:
-                args[pos] = _read(values, slot) if isinstance(slot, int) else \
-                    [_read(values, s) for s in slot]
+            where = f"step {index} ({self.steps[index].label})"
             try:
+                args = list(template)
+                for pos, slot in slots:
+                    args[pos] = _read(values, slot) if isinstance(slot, int) else \
+                        [_read(values, s) for s in slot]
                 result = call(*args, **attrs)
+            except CollectiveFailed as e:  # raised here, or by a collective read here
+                raise (e if e.what.startswith("step ") else e.at_step(where)) from e
             except Exception as e:
                 raise ExecutionError(
-                    f"rank {self.rank}, step {index} ({self.steps[index].label}) failed: "
-                    f"{type(e).__name__}: {e}"
+                    f"rank {self.rank}, {where} failed: {type(e).__name__}: {e}"
                 ) from e
+            if isinstance(result, Pending):
+                result.label = where
             if len(outputs) == 1:
                 values[outputs[0]] = result
             else:

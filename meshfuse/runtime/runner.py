@@ -2,9 +2,10 @@
 
 Build: compile the fusion (:func:`meshfuse.passes.pipeline.compile`: a private copy checked,
 propagated, resharded, with its memory orders; the user's fusion is not changed). Per new
-input signature, once: optionally compare inputs across ranks, bind extents and local layouts
-(:func:`~meshfuse.runtime.binding.bind`), check the inputs against them, check that every op
-is local (:func:`~meshfuse.passes.sharding_check.check_no_resharding`), localize
+input signature, once: bind extents and local layouts (:func:`~meshfuse.runtime.binding.bind`),
+check the inputs against them, check that every op is local
+(:func:`~meshfuse.passes.sharding_check.check_no_resharding`), agree on all that across ranks
+(:func:`~meshfuse.runtime.agreement.agreed_inputs`), localize
 (:func:`~meshfuse.passes.localization.localize`), and build the :class:`Program` records
 (:func:`~meshfuse.runtime.program.build_program`), each communication's plan bound to this
 rank's groups. With ``cuda_graph=True``, the program is captured once
@@ -25,25 +26,26 @@ from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
-from meshfuse.ir.tensor_view import TensorView, Val
+from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
+from meshfuse.runtime.agreement import agreed_inputs
 from meshfuse.runtime.binding import (
     Binding,
     bind,
     check_input_values,
     check_strides,
     device_coords,
-    global_shape,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.executor import Program
+from meshfuse.runtime.failures import checked_timeout
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
@@ -72,7 +74,6 @@ class FusionRunner:
         self._overlap_lines: dict[tuple, list[str]] = {}
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
-        self.check_ranks = os.environ.get("MESHFUSE_CHECK_RANKS", "0") not in ("", "0")
         self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
@@ -87,7 +88,7 @@ class FusionRunner:
         if inputs is not None:
             key = _signature(inputs)
             if key not in self._programs:
-                self._programs[key] = self._make_program(list(inputs))
+                self._programs[key] = self._make_program(list(inputs), None)
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
@@ -103,18 +104,17 @@ class FusionRunner:
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool = False, compile: bool | str | None = None,
-                donate: bool = False) -> list[torch.Tensor]:
+                donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; not
-        with ``cuda_graph``, whose graph keeps copies of its inputs anyway)."""
+        with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
+        :meth:`~meshfuse.runtime.communicator.Communicator.set_timeout`."""
+        if self.communicator is not None:
+            self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
         key = _signature(inputs)
-        if check_ranks is None:
-            check_ranks = self.check_ranks
-        if check_ranks and self.communicator is not None:
-            self._check_across_ranks(inputs)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._make_program(list(inputs))
+            program = self._programs[key] = self._make_program(list(inputs), check_ranks)
         backend = self.compile if compile is None else compile_setting(compile)
         if backend == AUTO:
             backend = "inductor" if _device_of(inputs, self.communicator).type == "cuda" else None
@@ -131,6 +131,29 @@ class FusionRunner:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
+
+    def _make_program(self, inputs: list, check_ranks: bool | None) -> Program:
+        """Checks and binds ``inputs`` (agreeing across ranks unless ``check_ranks`` is
+        False), then builds the program (which creates process groups)."""
+        fusion = self.fusion
+        binding = agreed_inputs(
+            self.communicator, fusion, inputs, lambda: self._bind(inputs),
+            lambda b, tv: tuple(b.extents.get(i) for i in tv.logical),
+            lambda tv: held_here(tv, self.rank), check_ranks,
+        )
+        here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
+        local = localize(fusion, binding.extents, binding.layouts, here)
+        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
+                                    _device_of(inputs, self.communicator).type)
+        self._overlap_lines[_signature(inputs)] = lines
+        plans = [*self.stream_loops, *plans]
+        group_loops = None
+        if plans:
+            group_loops = functools.partial(
+                _group_loops, plans, binding=binding, rank=self.rank,
+                group_of=self._group, ring_all=self.ring_order)
+        return build_program(fusion, binding, local, self.rank, self._lower_reshard,
+                             group_loops)
 
     @staticmethod
     def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
@@ -149,41 +172,8 @@ class FusionRunner:
                          f"steps; {stats.describe()}")
         return lines
 
-    def _check_across_ranks(self, inputs: Sequence[Any]) -> None:
-        """Every rank's inputs agree in kind, dtype and global shape (uneven shards differ in
-        local shape; an input a rank does not hold, being outside its mesh, is left out);
-        else InputError on every rank."""
-        held = [not isinstance(v, TensorView) or held_here(v, self.rank)
-                for v in self.fusion.inputs()]
-        mine = tuple(_comparable(v, x) if h else None
-                     for v, x, h in zip(self.fusion.inputs(), inputs, held))
-        keys = self.communicator.allgather_object(mine)
-        counts = {len(k) for k in keys}
-        if len(counts) > 1:
-            raise InputError(f"ranks disagree on the number of inputs: {sorted(counts)}")
-        for j, v in enumerate(self.fusion.inputs()):
-            seen = [(r, k[j]) for r, k in enumerate(keys) if k[j] is not None]
-            r0, a = seen[0] if seen else (0, None)
-            mismatch = next(((r, b) for r, b in seen if b != a), None)
-            if mismatch is None:
-                continue
-            rank, b = mismatch
-            what = "its kind"
-            if isinstance(a, tuple) and isinstance(b, tuple):
-                if a[0] != b[0]:
-                    what = f"dtype {b[0]} (rank {r0} has {a[0]})"
-                elif len(a[1]) != len(b[1]):
-                    what = f"{len(b[1])} axes (rank {r0} has {len(a[1])})"
-                else:
-                    axis = next(i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
-                    what = (f"a shard of global extent {b[1][axis]} on axis {axis} (rank "
-                            f"{r0}'s is of {a[1][axis]})")
-            raise InputError(
-                f"ranks disagree on input {v.name}: rank {rank} passes {what}; pass every rank "
-                "its shard of the same global tensors"
-            )
-
-    def _make_program(self, inputs: list) -> Program:
+    def _bind(self, inputs: list) -> Binding:
+        """This rank's checks of ``inputs`` and their binding; communicates nothing."""
         fusion = self.fusion
         check_input_values(fusion, inputs, self.rank)
         binding = bind(fusion, self.allocations, inputs, self.rank)
@@ -191,19 +181,7 @@ class FusionRunner:
             if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
-        here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
-        local = localize(fusion, binding.extents, binding.layouts, here)
-        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
-                                    _device_of(inputs, self.communicator).type)
-        self._overlap_lines[_signature(inputs)] = lines
-        plans = [*self.stream_loops, *plans]
-        group_loops = None
-        if plans:
-            group_loops = functools.partial(
-                _group_loops, plans, binding=binding, rank=self.rank,
-                group_of=self._group, ring_all=self.ring_order)
-        return build_program(fusion, binding, local, self.rank, self._lower_reshard,
-                             group_loops)
+        return binding
 
     def _loop_lines(self, key: tuple | None) -> list[str]:
         """explain's lines on stream-parallel loops: the user's, then the engine's choice
@@ -342,16 +320,3 @@ def _signature(inputs: list) -> tuple:
         else type(x)
         for x in inputs
     )
-
-
-def _comparable(v: Val, x: Any) -> tuple | str:
-    """What ranks must agree on about input ``x`` of ``v``: a tensor's dtype and global
-    shape (as this rank's shard implies it), else the kind of value."""
-    if isinstance(x, torch.Tensor) and isinstance(v, TensorView) and x.ndim == v.ndim:
-        try:
-            return (str(x.dtype), global_shape(v, x))
-        except InputError:  # reported with this rank's own check
-            pass
-    if isinstance(x, torch.Tensor):
-        return (str(x.dtype), tuple(x.shape))
-    return type(x).__name__

@@ -1,0 +1,105 @@
+"""A small meshfuse program that one rank breaks on purpose; run by tests/test_rank_failures.py.
+
+``python tests/rank_failures.py SCENARIO TIMEOUT`` as one rank of a 2-rank launch (torchrun's
+variables set). Every rank builds and runs a sharded sum once (an allreduce) with the default
+timeout, then runs it again with ``execute(..., timeout=TIMEOUT)`` while the last rank
+misbehaves:
+
+- ``exit_before``: it exits before the collective;
+- ``exit_inside``: the others launch the collective and wait in it; it gets to the same
+  step and exits where it would launch its part (it learns that they are inside through the
+  rendezvous store), so the survivors are waiting on a collective their peer will never join;
+- ``sleep``: it sleeps past the timeout (and the roll call after it), then joins, late;
+- ``clean``: it behaves; every rank returns normally.
+
+Each rank that gets to the end prints one JSON line: its rank, the error type it raised (or
+None), the message, and the seconds from the start of the second call to the error.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.runtime.communicator import ROLL_CALL_S, Communicator
+
+EXTENT = 1 << 20  # large enough that an allreduce is still running when a rank exits
+
+
+def sharded_sum(size: int) -> FusionDefinition:
+    """``T1 = sum(T0, dims=[1])`` with T0's axis 1 sharded: one allreduce."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, EXTENT * size], dtype=DataType.Float)
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+    x.set_device_mesh(DeviceMesh(range(size)))
+    x.outer_split(1, size)
+    x.axis(1).parallelize(ParallelType.mesh_x)
+    return fd
+
+
+def exit_when_others_inside() -> None:
+    """Makes this process exit where it would launch its next allreduce, once the other
+    ranks have launched theirs."""
+
+    def exit_instead(*args, **kwargs):
+        _store().wait(["inside"])
+        os._exit(3)
+
+    dist.all_reduce = exit_instead
+
+
+def tell_once_inside() -> None:
+    """Makes this process say, through the store, that it launched its next allreduce."""
+    launch = dist.all_reduce
+
+    def launch_and_tell(*args, **kwargs):
+        work = launch(*args, **kwargs)
+        _store().set("inside", b"1")
+        return work
+
+    dist.all_reduce = launch_and_tell
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def main(scenario: str, timeout: float) -> None:
+    # The launcher asks a hung rank for its stacks with SIGUSR1 (tests/rank_jobs.py); run by
+    # hand, a rank still running after ten minutes shows where it is, and ends.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.dump_traceback_later(600, exit=True)
+    comm = Communicator.instance()
+    fd = sharded_sum(comm.size)
+    local = torch.ones(2, EXTENT)
+    fd.execute([local])
+    culprit = comm.rank == comm.size - 1
+    start = time.monotonic()
+    outcome = {"rank": comm.rank, "error": None, "message": ""}
+    try:
+        if culprit and scenario == "exit_before":
+            os._exit(3)
+        if scenario == "exit_inside":
+            exit_when_others_inside() if culprit else tell_once_inside()
+        if culprit and scenario == "sleep":
+            time.sleep(timeout + ROLL_CALL_S + 2)  # past the others' roll call too
+        (out,) = fd.execute([local], timeout=timeout)
+        assert out.tolist() == [float(EXTENT * comm.size)] * 2
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome.update(error=type(e).__name__, message=str(e),
+                       bases=[c.__name__ for c in type(e).__mro__])
+    outcome["seconds"] = time.monotonic() - start
+    outcome["cpu"] = time.process_time()  # so that a launcher can tell what the exit costs
+    print(json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
