@@ -16,6 +16,7 @@ from benchmarks.cases import (
     gpt3,
     mlp,
     overhead,
+    overlap,
 )
 from benchmarks.context import Context
 from benchmarks.harness import Record
@@ -30,6 +31,7 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "collectives": collectives.run,
     "fusion": fusion.run,
     "gpt3_layer": gpt3.run,
+    "overlap": overlap.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -46,6 +48,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "autodiff": ("mlp_autodiff", "gpt3_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
     "issue19": ("gpt3_layer",),
+    # issue 18: row/column-parallel linears with stream-parallel loops against no overlap
+    # and PyTorch's async TP
+    "issue18": ("overlap",),
 }
 
 

@@ -28,6 +28,7 @@ from meshfuse.ir.iter_domain import (
     merge_ids,
     split_ids,
 )
+from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 
@@ -124,6 +125,13 @@ class TensorView(Val):
         self.loop: list[IterDomain] = list(self.logical)
         self.transforms: list[Transform] = []
         self.parallel: dict[IterDomain, ParallelType] = {}
+        # Loop IDs in ring order over a mesh axis (swizzle1d): stream chunk i on the device at
+        # coordinate c of that axis is block (i + c) mod d.
+        self.swizzles: dict[IterDomain, ParallelType] = {}
+        self.memory_type = MemoryType.global_
+        # Decompose the communication next to this tensor's GEMM into a stream loop: True
+        # forces it, False forbids it, None leaves it to the cost estimate.
+        self.overlap: bool | None = None
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
         # A 0-d fusion input that stays on the CPU beside GPU inputs (define_tensor(is_cpu=True)).
@@ -135,6 +143,9 @@ class TensorView(Val):
         new.loop = list(self.loop)
         new.transforms = list(self.transforms)
         new.parallel = dict(self.parallel)
+        new.swizzles = dict(self.swizzles)
+        new.memory_type = self.memory_type
+        new.overlap = self.overlap
         new.mesh = self.mesh
         new.name = self.name
         return new
@@ -291,6 +302,43 @@ class TensorView(Val):
             self.parallel.pop(id_, None)
         else:
             self.parallel[id_] = parallel_type
+        return self
+
+    def swizzle1d(self, axis: int, parallel_type: ParallelType) -> TensorView:
+        """Visits loop ID ``axis`` in ring order over the mesh axis of ``parallel_type``
+        (nvFuser's ``swizzle1d``): once ``axis`` is parallelized on ``ParallelType.stream``,
+        chunk ``i`` on the device at coordinate ``c`` of that mesh axis works on block
+        ``(i + c) mod d``, so an allgather feeding the loop becomes point-to-point transfers
+        (a collective permute) instead of one broadcast per chunk. The domain is unchanged:
+        ``[iDIDx{d}, i{n/d}]`` -> ``outer_split(0, d)`` -> ``swizzle1d(0, mesh_x)`` ->
+        ``[iStream{d}, i{n/d}]`` once parallelized, with the chunk order swizzled.
+        """
+        if not isinstance(parallel_type, ParallelType) or not parallel_type.is_device:
+            raise ScheduleError(
+                f"swizzle1d of axis {axis} of {self.name}: expected a device parallel type "
+                f"(ParallelType.mesh_x, mesh_y or mesh_z), got {parallel_type!r}"
+            )
+        self.swizzles[self.loop[self._loop_pos(axis)]] = parallel_type
+        return self
+
+    def set_overlap(self, enabled: bool | None) -> TensorView:
+        """Whether the allgather feeding, or the reduce-scatter following, a GEMM that
+        reads or writes this tensor runs decomposed as a stream-parallel loop (one chunk per
+        device, see ``docs/overlap.md``): ``True`` always, ``False`` never, ``None`` (the
+        default) when the cost estimate says it is faster."""
+        if enabled not in (True, False, None):
+            raise ScheduleError(f"set_overlap of {self.name}: expected True, False or None, "
+                                f"got {enabled!r}")
+        self.overlap = enabled
+        return self
+
+    def set_memory_type(self, memory_type: MemoryType) -> TensorView:
+        """Allocates this tensor in ``memory_type`` (nvFuser's ``set_memory_type``); see
+        :mod:`meshfuse.ir.memory_type` for what ``MemoryType.symmetric`` does here."""
+        if not isinstance(memory_type, MemoryType):
+            raise ScheduleError(f"set_memory_type of {self.name}: expected a MemoryType, got "
+                                f"{memory_type!r}")
+        self.memory_type = memory_type
         return self
 
     def set_allocation_domain(

@@ -399,3 +399,38 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
         dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out
+
+
+def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
+                       shape: Sequence[int], group: Group) -> torch.Tensor:
+    """``x`` sent to coordinate ``send_to`` while a tensor of ``shape`` (``x``'s dtype) comes
+    from coordinate ``recv_from``: one step of a collective permute (every member sends one
+    block and receives one), as one ``batch_isend_irecv``. Returns the received tensor; with
+    ``send_to == recv_from == group.coordinate``, ``x`` itself."""
+    if send_to == group.coordinate and recv_from == group.coordinate:
+        return x
+    out = x.contiguous()
+    received = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
+    _record("collective_permute", group, out)
+    ops = [dist.P2POp(dist.isend, out, group.ranks[send_to], group=group.process_group),
+           dist.P2POp(dist.irecv, received, group.ranks[recv_from], group=group.process_group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+    """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
+    reduced over the group in its own buffer; returns ``x``."""
+    _record("allreduce", group, x, reduce_op)
+    dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return x
+
+
+def reduce_to(x: torch.Tensor, root: int, group: Group, reduce_op: str) -> torch.Tensor | None:
+    """The reduction over the group of every member's ``x`` (a buffer the caller gives up),
+    on the member at coordinate ``root``; None on the others."""
+    out = x.contiguous()
+    _record("reduce", group, out, reduce_op)
+    dist.reduce(out, dst=group.ranks[root], op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return out if group.coordinate == root else None
