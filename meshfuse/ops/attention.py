@@ -35,6 +35,7 @@ from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
+from meshfuse.ops.context_parallel import RING, requested_strategy, ring_record
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
     OFFSET_SPEC,
@@ -166,8 +167,10 @@ def _check_scalars(op: str, dropout_p, is_causal, scale) -> None:
         raise DefinitionError(f"{op}: scale must be a positive number or None, got {sc!r}")
 
 
-def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropout_mode):
+def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropout_mode,
+               context_parallel=None):
     _check_scalars("sdpfa_fwd", dropout_p, is_causal, scale)
+    requested_strategy("sdpfa_fwd", context_parallel)
     check_rng_args("sdpfa_fwd", rng_seed, rng_offset)
     resolve_mode("sdpfa_fwd", dropout_mode)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
@@ -187,7 +190,7 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
 
 @_leading_folded
 def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
-         dropout_mode=None, site: DropoutSite | None = None):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _forward(backend, None, q, k, v, float(dropout_p), is_causal, scale, rng_seed,
@@ -238,11 +241,11 @@ class _Forward:
         self.bound = {}  # dropout or not -> (backend, raw forward kernel or None for math)
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 dropout_mode, site):
+                 dropout_mode, context_parallel, site):
         if q.ndim > 4:
             _no_leading_dropout("sdpfa_fwd", q, dropout_p)
             return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
-                                         rng_offset, dropout_mode, site)
+                                         rng_offset, dropout_mode, context_parallel, site)
         p = float(dropout_p)
         if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
             self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site)
@@ -279,6 +282,9 @@ def _whole_axes(expr) -> set:
         return t.materialized()[a]
 
     whole = {axis(k, seq), axis(v, seq), axis(q, dim), axis(k, dim)}
+    ring = _arg(expr, "context_parallel") == RING
+    if ring:  # the ring passes the sequence shards around itself
+        whole = {axis(q, dim), axis(k, dim)}
     rows = [q]
     causal = _arg(expr, "is_causal") is not False
     if expr.op.name == "sdpfa_bwd":
@@ -289,7 +295,9 @@ def _whole_axes(expr) -> set:
             # On a key shard q_grad is a partial sum (the log-sum-exp makes each block's
             # probabilities exact); neither mask knows a key shard's offset.
             whole -= {axis(k, seq), axis(v, seq)}
-    if causal:
+    if ring:
+        whole -= {axis(k, seq), axis(v, seq)}
+    elif causal:
         whole |= {axis(t, seq) for t in rows}
     return whole
 
@@ -334,7 +342,7 @@ def _fwd_grads(d, grads):
             computed.extend(d.ops.sdpfa_bwd(
                 grads[0], *(d.value(n) for n in ("q", "k", "v")), d.out(0), d.out(1),
                 d.value("dropout_p"), d.value("is_causal"), d.out(2), d.out(3),
-                d.value("scale"), d.attrs["dropout_mode"]))
+                d.value("scale"), d.attrs["dropout_mode"], d.attrs.get("context_parallel")))
         return computed[index]
 
     return {"q": lambda: gradient(0), "k": lambda: gradient(1), "v": lambda: gradient(2)}
@@ -370,6 +378,9 @@ def _localize(expr, here):
     k = expr.args[2 if backward else 1]
     kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
+    if _arg(expr, "context_parallel") == RING:
+        record = ring_record(expr, here, backward)
+        return {"site": site, "context": record}, record.describe()
     p = _arg(expr, "dropout_p")
     if p == 0.0:
         return {"site": site}, ""
@@ -384,7 +395,7 @@ register(OpDef(
     "sdpfa_fwd",
     (tensor("q"), tensor("k"), tensor("v"), scalar("dropout_p", 0.0),
      scalar("is_causal", False), scalar("scale", None), scalar("rng_seed", None),
-     scalar("rng_offset", None), attr("dropout_mode", None)),
+     scalar("rng_offset", None), attr("dropout_mode", None), attr("context_parallel", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, whole_axes=_whole_axes, check_sharding=_check_sharding,
@@ -394,8 +405,9 @@ register(OpDef(
 
 
 def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
-               dropout_mode):
+               dropout_mode, context_parallel=None):
     _check_scalars("sdpfa_bwd", dropout_p, is_causal, scale)
+    requested_strategy("sdpfa_bwd", context_parallel)
     if dropout_mode is not None:
         resolve_mode("sdpfa_bwd", dropout_mode)
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
@@ -433,7 +445,7 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
 
 @_leading_folded_bwd
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
-         dropout_mode=None, site: DropoutSite | None = None):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _backward(backend, None, grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
@@ -470,11 +482,12 @@ class _Backward:
         self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, dropout_mode, site):
+                 scale, dropout_mode, context_parallel, site):
         if q.ndim > 4:
             _no_leading_dropout("sdpfa_bwd", q, dropout_p)
             return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
-                                             is_causal, seed, offset, scale, dropout_mode, site)
+                                             is_causal, seed, offset, scale, dropout_mode,
+                                             context_parallel, site)
         p = float(dropout_p)
         if (p > 0.0) not in self.bound:
             self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
@@ -489,7 +502,8 @@ register(OpDef(
     "sdpfa_bwd",
     (tensor("grad_attn"), tensor("q"), tensor("k"), tensor("v"), tensor("attn"),
      tensor("log_sumexp"), scalar("dropout_p", 0.0), scalar("is_causal", False),
-     tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None)),
+     tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None),
+     attr("context_parallel", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard

@@ -27,6 +27,8 @@ from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import LocalContext
+from meshfuse.ops.context_parallel import RING
+from meshfuse.passes.context_parallel import sequence_axis, strategy_of
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
@@ -41,6 +43,7 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
@@ -177,7 +180,22 @@ class FusionRunner:
         check_no_resharding(fusion, binding.extents)
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
-        return build_program(fusion, binding, local, self.rank, self._lower_reshard)
+        return build_program(fusion, binding, local, self.rank, self._lower_reshard,
+                             self._lower_op)
+
+    def _lower_op(self, expr):
+        """A ring attention's implementation bound to its group on this rank (every rank
+        creates the group; None on a rank outside it), or None for any other op."""
+        if strategy_of(expr) != RING:
+            return None
+        mesh, axis = sequence_axis(expr)
+        process_group = self.communicator.group_if_member(mesh, axis)
+        if self.rank not in mesh:
+            return None
+        group = Group(process_group, mesh.group_ranks(self.rank, axis),
+                      mesh.coordinate(self.rank)[axis], axis)
+        step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
+        return step(group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank: (implementation, plan steps, text), or
@@ -231,7 +249,8 @@ def local_context(binding: Binding, rank: int, device) -> LocalContext:
     def index(tv: TensorView) -> GlobalIndex:
         return global_index(tv, binding.extents, device_coords(tv, rank))
 
-    return LocalContext(rank, torch.device("cpu") if device is None else device, index)
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index,
+                        binding.extents)
 
 
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:

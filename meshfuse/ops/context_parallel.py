@@ -1,0 +1,272 @@
+"""Context parallelism for ``sdpfa_fwd``/``sdpfa_bwd``: the record of a sequence-sharded
+attention and the per-block arithmetic its strategies share.
+
+When q, k and v are sharded on their sequence axis over one mesh axis, each rank holds some
+query rows and the key/value rows of the same positions. Attention then runs with one of
+three *strategies* (:data:`STRATEGIES`), chosen at compile time by
+:mod:`meshfuse.passes.context_parallel` and forceable with the op's ``context_parallel``
+argument:
+
+- ``"ring"``: key/value blocks travel around the ranks of the mesh axis by point-to-point
+  send/recv; at each step a rank computes its query rows against the block it holds (the
+  machine's fastest kernel, one call per pair of contiguous row runs) and merges the partial
+  outputs by their log-sum-exp. The backward passes k/v and their gradient accumulators the
+  same way and sends the accumulators home at the end.
+- ``"allgather"``: k and v are gathered (a communication in the fusion, as for any axis an op
+  needs whole); each rank computes its own query rows against all keys.
+- ``"alltoall"`` (DeepSpeed Ulysses): q, k and v go from sequence-sharded to head-sharded
+  by all-to-all, attention runs on whole sequences, and the output comes back.
+
+A ring attention's step carries a :class:`ContextParallel` record (its strategy, mesh axis,
+ranks, this rank's position and which global rows every position holds), printed in the
+program and in ``explain``. Causal attention is masked per pair of runs: a key run wholly
+before the query run is *full*, the same run is the *diagonal* (a causal kernel call), a run
+after it is *skipped*. A split's layout decides the runs: a block split gives one run per
+position; the head-tail (zig-zag) layout gives two, chunk ``r`` and chunk ``2n - 1 - r``,
+which balances causal work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+import torch
+
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.layout import device_ids, split_indices
+from meshfuse.ops import attention_kernels
+from meshfuse.ops.attention_backends import select_backend
+from meshfuse.ops.attention_dropout import kernel_state
+
+ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
+RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
+STRATEGIES = (RING, ALLGATHER, ALLTOALL)
+
+
+def requested_strategy(op: str, value: str | None) -> str:
+    """The strategy asked for: ``value`` (the op's ``context_parallel`` argument), else
+    ``MESHFUSE_CONTEXT_PARALLEL``, else ``"auto"`` (the cost estimate picks)."""
+    where = f"context_parallel={value!r}"
+    if value is None:
+        value = os.environ.get(ENV_VAR, "").strip().lower() or AUTO
+        where = f"{ENV_VAR}={value!r}"
+    if value not in STRATEGIES + (AUTO,):
+        raise DefinitionError(
+            f"{op}: {where} is not a context-parallel strategy; use one of "
+            f"{', '.join(repr(s) for s in STRATEGIES + (AUTO,))}")
+    return value
+
+
+class Block(enum.Enum):
+    """How one query run meets one key run under a causal mask (top-left aligned)."""
+
+    FULL = "full"
+    DIAGONAL = "diagonal"
+    SKIPPED = "skipped"
+
+
+Run = tuple[int, int]  # global rows [start, stop) of one contiguous piece of a shard
+
+
+def block_kind(query: Run, key: Run, causal: bool) -> Block:
+    """Full, diagonal or skipped. Runs of one split are equal or disjoint: a key run that
+    starts after the query run ends is skipped, the same run is the diagonal."""
+    if not causal or key[1] <= query[0]:
+        return Block.FULL
+    if key[0] >= query[1]:
+        return Block.SKIPPED
+    assert key == query, f"runs {query} and {key} overlap without being equal"
+    return Block.DIAGONAL
+
+
+def runs_of(rows: torch.Tensor) -> tuple[Run, ...]:
+    """The maximal contiguous runs ``[start, stop)`` of ascending global row indices."""
+    runs: list[list[int]] = []
+    for i in rows.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """One rank's part of a ring attention (a local attribute of its program step).
+
+    Attributes:
+        strategy: ``"ring"``.
+        mesh_axis: the mesh axis the sequence is sharded over.
+        ranks: the ranks along it, by coordinate (the ring's order).
+        position: this rank's coordinate on it.
+        rows: for each position, the runs of global sequence rows it holds (queries and
+            keys alike).
+        backward: the record of an ``sdpfa_bwd`` (k/v and their gradients travel).
+    """
+
+    strategy: str
+    mesh_axis: int
+    ranks: tuple[int, ...]
+    position: int
+    rows: tuple[tuple[Run, ...], ...]
+    backward: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def holder(self, step: int) -> int:
+        """The position whose key/value block this rank computes with at ``step``: its own
+        first, then the previous position's, and so on around the ring."""
+        return (self.position - step) % self.size
+
+    def local_runs(self, position: int) -> tuple[tuple[Run, Run], ...]:
+        """Each run of ``position``'s rows, paired with where it sits in that position's
+        local tensor: ``((global start, stop), (local start, stop))``."""
+        result, at = [], 0
+        for a, b in self.rows[position]:
+            result.append(((a, b), (at, at + b - a)))
+            at += b - a
+        return tuple(result)
+
+    def length(self, position: int) -> int:
+        return sum(b - a for a, b in self.rows[position])
+
+    def describe(self) -> str:
+        runs = "; ".join(f"{c}: " + ", ".join(f"{a}..{b - 1}" if b > a else "none"
+                                             for a, b in r)
+                         for c, r in enumerate(self.rows))
+        order = ", ".join(str(self.holder(s)) for s in range(self.size))
+        moves = "k/v and dk/dv accumulators" if self.backward else "k/v"
+        return (f"ring attention over mesh axis {self.mesh_axis}, ranks {list(self.ranks)}, "
+                f"position {self.position}: {self.size} steps, key/value blocks of positions "
+                f"{order}, {moves} sent to rank {self.ranks[(self.position + 1) % self.size]}; "
+                f"sequence rows by position {runs}")
+
+    def communications(self, block_bytes, accumulator_bytes=None) -> list[tuple[str, int]]:
+        """The point-to-point transfers this rank makes, in order: ``(kind, bytes)``.
+        ``block_bytes(position)``: bytes of k and v of that position's block;
+        ``accumulator_bytes(position)``: of its dk/dv accumulators (backward)."""
+        sent = []
+        for step in range(self.size):
+            if step < self.size - 1:
+                sent.append(("send", block_bytes(self.holder(step))))
+                sent.append(("recv", block_bytes(self.holder(step + 1))))
+            if self.backward:
+                sent.append(("send", accumulator_bytes(self.holder(step))))
+                sent.append(("recv", accumulator_bytes(self.holder(step + 1))))
+        return sent
+
+
+def ring_record(expr, here, backward: bool) -> ContextParallel:
+    """The :class:`ContextParallel` record of a ring attention ``expr`` on the rank ``here``
+    (a :class:`~meshfuse.ops.registry.LocalContext`): the owners of q's sequence rows."""
+    q = expr.args[[p.name for p in expr.op.params].index("q")]
+    sequence = q.logical[-2]
+    (leaf, pt), = device_ids(q)[sequence]
+    owners = split_indices(q, sequence, here.extents)[leaf]
+    axis = q.mesh.axis_of(pt)
+    ranks = q.mesh.group_ranks(here.rank, axis)
+    rows = tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
+                 for c in range(len(ranks)))
+    return ContextParallel(RING, axis, ranks, q.mesh.coordinate(here.rank)[axis], rows,
+                           backward)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-block kernels and the log-sum-exp merge
+
+
+def _sequence(t: torch.Tensor, run: Run) -> torch.Tensor:
+    return t[..., run[0]:run[1], :]
+
+
+def block_forward(q, k, v, scale, kind: Block):
+    """One query run against one key run: ``(attn, log_sumexp)`` of the machine's fastest
+    kernel (cuDNN on Hopper, flash elsewhere, the CPU kernels on CPU)."""
+    causal = kind is Block.DIAGONAL
+    backend = select_backend(q, k, v, 0.0, causal)
+    attn, lse, _, _ = attention_kernels.sdpa_forward(q, k, v, 0.0, causal, scale, backend)
+    return attn, lse
+
+
+def block_backward(grad, q, k, v, attn, lse, scale, kind: Block):
+    """The gradients of one query run against one key run, from the *merged* output and
+    log-sum-exp (so each block's probabilities are exact): ``(dq, dk, dv)``."""
+    causal = kind is Block.DIAGONAL
+    backend = select_backend(q, k, v, 0.0, causal)
+    seed, offset = kernel_state(backend, None, None, 0.0, q.device)
+    return attention_kernels.sdpa_backward(grad, q, k, v, attn, lse, 0.0, causal, seed, offset,
+                                           scale, backend)
+
+
+class Merged:
+    """The output and log-sum-exp of some query rows, merged over key blocks in float32.
+
+    ``add(attn, lse)`` folds in one block's result: with ``m = logaddexp(L, lse)``, the
+    output becomes ``O * exp(L - m) + attn * exp(lse - m)`` and the log-sum-exp ``m``.
+    """
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, attn: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None:
+            self.out, self.lse = attn.float(), lse.float().clone()
+            return
+        merged = torch.logaddexp(self.lse, lse)
+        self.out.mul_(torch.exp(self.lse - merged).unsqueeze(-1))
+        self.out.add_(attn.float() * torch.exp(lse - merged).unsqueeze(-1))
+        self.lse = merged
+
+
+def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, position: int,
+                   merged: list[Merged]) -> None:
+    """Every run of this rank's queries against every run of ``position``'s key/value block
+    (``k``, ``v``: that block, local), merged into ``merged`` (one per query run)."""
+    for (q_rows, q_at), into in zip(record.local_runs(record.position), merged):
+        for kv_rows, kv_at in record.local_runs(position):
+            kind = block_kind(q_rows, kv_rows, causal)
+            if kind is Block.SKIPPED or q_at[1] == q_at[0] or kv_at[1] == kv_at[0]:
+                continue
+            into.add(*block_forward(_sequence(q, q_at), _sequence(k, kv_at),
+                                    _sequence(v, kv_at), scale, kind))
+
+
+def finish_forward(q, v, merged: list[Merged]):
+    """The merged runs as ``(attn, log_sumexp)`` of this rank's queries (attn in q's dtype)."""
+    shape = (*q.shape[:-2], 0)
+    outs = [m.out if m.out is not None else q.new_zeros(*shape, v.shape[-1], dtype=torch.float)
+            for m in merged]
+    lses = [m.lse if m.lse is not None else q.new_zeros(shape, dtype=torch.float)
+            for m in merged]
+    attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1)
+    return attn.to(q.dtype), lse
+
+
+def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
+                    position: int, dq: torch.Tensor):
+    """The gradients of this rank's queries against ``position``'s key/value block: adds
+    into ``dq`` (float32, this rank's queries) and returns the block's ``(dk, dv)`` partial
+    sums (float32), or None when every pair is skipped."""
+    dk = dv = None
+    for q_rows, q_at in record.local_runs(record.position):
+        for kv_rows, kv_at in record.local_runs(position):
+            kind = block_kind(q_rows, kv_rows, causal)
+            if kind is Block.SKIPPED or q_at[1] == q_at[0] or kv_at[1] == kv_at[0]:
+                continue
+            rows = (_sequence(t, q_at) for t in (grad, q))
+            gq, gk, gv = block_backward(*rows, _sequence(k, kv_at), _sequence(v, kv_at),
+                                        _sequence(attn, q_at), lse[..., q_at[0]:q_at[1]],
+                                        scale, kind)
+            _sequence(dq, q_at).add_(gq)
+            if dk is None:
+                dk = k.new_zeros(k.shape, dtype=torch.float)
+                dv = v.new_zeros(v.shape, dtype=torch.float)
+            _sequence(dk, kv_at).add_(gk)
+            _sequence(dv, kv_at).add_(gv)
+    return None if dk is None else (dk, dv)
