@@ -35,7 +35,6 @@ from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
-from meshfuse.ops.context_parallel import RING, requested_strategy, ring_record
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
     OFFSET_SPEC,
@@ -51,6 +50,7 @@ from meshfuse.ops.attention_dropout import (
     seed_and_offset,
     state_of_kernel,
 )
+from meshfuse.ops.context_parallel import RING, requested_strategy, ring_record
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
     AxisSpec,

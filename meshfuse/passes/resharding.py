@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import math
 
-from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
-from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.propagation import (
     _add_sharding,

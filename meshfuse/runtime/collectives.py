@@ -325,7 +325,7 @@ class _Works:
     """Several point-to-point operations waited for as one (the tensors they read and write
     are kept alive until then)."""
 
-    __slots__ = ("_works", "_tensors")
+    __slots__ = ("_tensors", "_works")
 
     def __init__(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor]):
         self._works, self._tensors = list(works), list(tensors)

@@ -26,8 +26,8 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView, Val
-from meshfuse.ops.registry import LocalContext
 from meshfuse.ops.context_parallel import RING
+from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.context_parallel import sequence_axis, strategy_of
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
