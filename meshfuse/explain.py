@@ -37,6 +37,9 @@ from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
+from meshfuse.ops.context_parallel import RING, ContextParallel, ring_record
+from meshfuse.ops.registry import LocalContext
+from meshfuse.passes.context_parallel import strategy_of
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.binding import device_coords, held_here
 from meshfuse.runtime.collectives import Communication
@@ -163,9 +166,10 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
     planned = planned_communications(fusion, rank, sizes)
-    lines.append(f"communications on rank {rank}:" if planned
+    rings = planned_rings(fusion, rank, sizes)
+    lines.append(f"communications on rank {rank}:" if planned or rings
                  else f"communications on rank {rank}: none")
-    lines += [f"  {p}" for p in planned]
+    lines += [f"  {p}" for p in planned + rings]
     return "\n".join(lines)
 
 
@@ -205,6 +209,61 @@ def planned_communications(fusion: Fusion, rank: int,
             planned.append(PlannedCommunication(expr, step, mesh.group_ranks(rank, step.mesh_axis),
                                                 count))
     return planned
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRing:
+    """A ring attention's point-to-point transfers on this rank (see
+    :mod:`meshfuse.ops.context_parallel`); ``row_bytes``: one sequence row of each tensor
+    that travels (k, v, and the backward's float32 dk, dv accumulators)."""
+
+    expr: Expr
+    record: ContextParallel
+    row_bytes: Mapping[str, Size]
+
+    def transfers(self) -> list[tuple[str, int, Size]]:
+        return [(kind, peer, self.row_bytes[t] * Size.of(rows))
+                for kind, peer, t, rows in self.record.transfers()]
+
+    def communications(self) -> list[Communication]:
+        """The records the transfers will leave (static extents only)."""
+        assert all(b.static is not None for _, _, b in self.transfers()), "symbolic extents"
+        return [Communication(kind, self.record.ranks, self.record.mesh_axis, b.static,
+                              None, peer) for kind, peer, b in self.transfers()]
+
+    def __str__(self) -> str:
+        sends = [b for kind, _, b in self.transfers() if kind == "send"]
+        static = all(b.static is not None for b in sends)
+        amount = f", {_format_bytes(Size.of(sum(b.static for b in sends)))} sent" if static \
+            else ""
+        peer = self.record.ranks[(self.record.position + 1) % self.record.size]
+        moved = "k/v and dk/dv" if self.record.backward else "k/v"
+        order = ", ".join(str(self.record.holder(s)) for s in range(self.record.size))
+        return (f"{_short(self.expr)}: ring over mesh axis {self.record.mesh_axis}, ranks "
+                f"{list(self.record.ranks)}, blocks of positions {order}: {len(sends)} sends "
+                f"of {moved} to rank {peer} (and as many receives){amount}")
+
+
+def planned_rings(fusion: Fusion, rank: int, sizes: Extents | None = None) -> list[PlannedRing]:
+    """The ring attentions ``rank`` takes part in (with another rank), in program order."""
+    sizes = sizes or Extents(fusion)
+    rings = []
+    for expr in fusion.exprs:
+        if strategy_of(expr) != RING or rank not in expr.outputs[0].mesh:
+            continue
+        here = LocalContext(rank, None, None, sizes.planning)
+        record = ring_record(expr, here, expr.op.name == "sdpfa_bwd")
+        if record.size == 1:
+            continue  # a ring of one: no transfer
+        k, v = (expr.args[[p.name for p in expr.op.params].index(n)] for n in ("k", "v"))
+        row = {}
+        for name, tv in (("k", k), ("v", v)):
+            ids = [i for a, i in enumerate(tv.materialized()) if a != 2]
+            count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
+            row[name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
+            row["d" + name] = count * Size.of(4)
+        rings.append(PlannedRing(expr, record, row))
+    return rings
 
 
 def _after(step: ReshardStep, shape: list, src: TensorView, dst: TensorView, sizes: Extents,

@@ -379,8 +379,8 @@ def _localize(expr, here):
     kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
     if _arg(expr, "context_parallel") == RING:
-        record = ring_record(expr, here, backward)
-        return {"site": site, "context": record}, record.describe()
+        # The ring's transfers are listed with explain's communications.
+        return {"site": site, "context": ring_record(expr, here, backward)}, ""
     p = _arg(expr, "dropout_p")
     if p == 0.0:
         return {"site": site}, ""

@@ -145,19 +145,22 @@ class ContextParallel:
                 f"{order}, {moves} sent to rank {self.ranks[(self.position + 1) % self.size]}; "
                 f"sequence rows by position {runs}")
 
-    def communications(self, block_bytes, accumulator_bytes=None) -> list[tuple[str, int]]:
-        """The point-to-point transfers this rank makes, in order: ``(kind, bytes)``.
-        ``block_bytes(position)``: bytes of k and v of that position's block;
-        ``accumulator_bytes(position)``: of its dk/dv accumulators (backward)."""
-        sent = []
+    def transfers(self) -> list[tuple[str, int, str, int]]:
+        """The point-to-point transfers this rank makes, in the order it launches them:
+        ``(kind, peer rank, tensor, sequence rows)``, kind ``send`` or ``recv``, tensor
+        ``k``, ``v`` or (backward) ``dk``, ``dv``: the float32 accumulators."""
+        if self.size == 1:
+            return []
+        after = self.ranks[(self.position + 1) % self.size]
+        before = self.ranks[(self.position - 1) % self.size]
+        result = []
         for step in range(self.size):
-            if step < self.size - 1:
-                sent.append(("send", block_bytes(self.holder(step))))
-                sent.append(("recv", block_bytes(self.holder(step + 1))))
-            if self.backward:
-                sent.append(("send", accumulator_bytes(self.holder(step))))
-                sent.append(("recv", accumulator_bytes(self.holder(step + 1))))
-        return sent
+            sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
+            moved = ("k", "v") if step < self.size - 1 else ()
+            moved += ("dk", "dv") if self.backward else ()
+            for tensor in moved:
+                result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
+        return result
 
 
 def ring_record(expr, here, backward: bool) -> ContextParallel:

@@ -74,6 +74,9 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
         if partial is not None:
             own[0].add_(partial[0])
             own[1].add_(partial[1])
+        if record.size == 1:
+            return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+        # The accumulators follow their block to the next rank (the last step: home).
         rows = record.length(record.holder(step + 1))
         sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
         if pending is not None:
