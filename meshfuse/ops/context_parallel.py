@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 
 import torch
@@ -206,49 +207,79 @@ def block_backward(grad, q, k, v, attn, lse, scale, kind: Block):
 
 
 class Merged:
-    """The output and log-sum-exp of some query rows, merged over key blocks in float32.
+    """The output and log-sum-exp of this rank's query rows, merged over key blocks in
+    float32 (rows not reached yet hold 0 and -inf).
 
-    ``add(attn, lse)`` folds in one block's result: with ``m = logaddexp(L, lse)``, the
-    output becomes ``O * exp(L - m) + attn * exp(lse - m)`` and the log-sum-exp ``m``.
+    ``add(rows, attn, lse)`` folds in one block's result for local rows ``rows``: with
+    ``m = logaddexp(L, lse)``, the output becomes ``O * exp(L - m) + attn * exp(lse - m)`` and
+    the log-sum-exp ``m``. Every row a kernel returns has met at least one key (a causal
+    diagonal block holds its own), so ``m`` is finite.
     """
 
-    def __init__(self) -> None:
-        self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
+    def __init__(self, q: torch.Tensor, v: torch.Tensor) -> None:
+        shape = (*q.shape[:-1], v.shape[-1])
+        self.out = torch.zeros(shape, dtype=torch.float, device=q.device)
+        self.lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float, device=q.device)
+        self._fresh = [(0, q.shape[-2])]  # local row ranges no block has reached
 
-    def add(self, attn: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.out is None:
-            self.out, self.lse = attn.float(), lse.float().clone()
+    def add(self, rows: Run, attn: torch.Tensor, lse: torch.Tensor) -> None:
+        out, old = _sequence(self.out, rows), self.lse[..., rows[0]:rows[1]]
+        if rows in self._fresh:
+            out.copy_(attn)
+            old.copy_(lse)
+            self._fresh.remove(rows)
             return
-        merged = torch.logaddexp(self.lse, lse)
-        self.out.mul_(torch.exp(self.lse - merged).unsqueeze(-1))
-        self.out.add_(attn.float() * torch.exp(lse - merged).unsqueeze(-1))
-        self.lse = merged
+        merged = torch.logaddexp(old, lse)
+        out.mul_(torch.exp(old - merged).unsqueeze(-1))
+        out.add_(attn.float() * torch.exp(lse - merged).unsqueeze(-1))
+        old.copy_(merged)
+        self._fresh = [r for r in self._fresh if r[1] <= rows[0] or r[0] >= rows[1]]
+
+    def result(self, dtype: torch.dtype):
+        """``(attn, log_sumexp)``: attn in ``dtype``."""
+        return self.out.to(dtype), self.lse
+
+
+def kernel_calls(record: ContextParallel, position: int, causal: bool):
+    """The kernel calls of this rank's queries against ``position``'s key/value block:
+    ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
+    whole join is computed in full (a zig-zag rank's two query chunks against a key chunk
+    before both: one call, not two)."""
+    queries = [(g, at) for g, at in record.local_runs(record.position) if at[1] > at[0]]
+    keys = [(g, at) for g, at in record.local_runs(position) if at[1] > at[0]]
+    kinds = {(qa, ka): block_kind(qg, kg, causal) for qg, qa in queries for kg, ka in keys}
+
+    def joined(runs):
+        return (runs[0][1][0], runs[-1][1][1])
+
+    if not queries or not keys:
+        return []
+    if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
+        return [(joined(queries), joined(keys), Block.FULL)]
+    calls = []
+    if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
+        for kg, ka in keys:
+            column = [kinds[qa, ka] for _, qa in queries]
+            others = [kinds[qa, kb] for _, qa in queries for _, kb in keys if kb != ka]
+            if all(k is Block.FULL for k in column) and \
+                    all(k is Block.SKIPPED for k in others):
+                return [(joined(queries), ka, Block.FULL)]
+    for qg, qa in queries:
+        row = [kinds[qa, ka] for _, ka in keys]
+        if len(keys) > 1 and all(k is Block.FULL for k in row):
+            calls.append((qa, joined(keys), Block.FULL))
+            continue
+        calls += [(qa, ka, kinds[qa, ka]) for _, ka in keys if kinds[qa, ka] is not Block.SKIPPED]
+    return calls
 
 
 def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, position: int,
-                   merged: list[Merged]) -> None:
-    """Every run of this rank's queries against every run of ``position``'s key/value block
-    (``k``, ``v``: that block, local), merged into ``merged`` (one per query run)."""
-    for (q_rows, q_at), into in zip(record.local_runs(record.position), merged):
-        for kv_rows, kv_at in record.local_runs(position):
-            kind = block_kind(q_rows, kv_rows, causal)
-            if kind is Block.SKIPPED or q_at[1] == q_at[0] or kv_at[1] == kv_at[0]:
-                continue
-            into.add(*block_forward(_sequence(q, q_at), _sequence(k, kv_at),
-                                    _sequence(v, kv_at), scale, kind))
-
-
-def finish_forward(q, v, merged: list[Merged]):
-    """The merged runs as ``(attn, log_sumexp)`` of this rank's queries (attn in q's dtype)."""
-    shape = (*q.shape[:-2], 0)
-    outs = [m.out if m.out is not None else q.new_zeros(*shape, v.shape[-1], dtype=torch.float)
-            for m in merged]
-    lses = [m.lse if m.lse is not None else q.new_zeros(shape, dtype=torch.float)
-            for m in merged]
-    attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1)
-    return attn.to(q.dtype), lse
+                   merged: Merged) -> None:
+    """This rank's queries against ``position``'s key/value block (``k``, ``v``: that
+    block, local), merged into ``merged``."""
+    for rows, keys, kind in kernel_calls(record, position, causal):
+        merged.add(rows, *block_forward(_sequence(q, rows), _sequence(k, keys),
+                                        _sequence(v, keys), scale, kind))
 
 
 def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
@@ -257,19 +288,15 @@ def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: Conte
     into ``dq`` (float32, this rank's queries) and returns the block's ``(dk, dv)`` partial
     sums (float32), or None when every pair is skipped."""
     dk = dv = None
-    for q_rows, q_at in record.local_runs(record.position):
-        for kv_rows, kv_at in record.local_runs(position):
-            kind = block_kind(q_rows, kv_rows, causal)
-            if kind is Block.SKIPPED or q_at[1] == q_at[0] or kv_at[1] == kv_at[0]:
-                continue
-            rows = (_sequence(t, q_at) for t in (grad, q))
-            gq, gk, gv = block_backward(*rows, _sequence(k, kv_at), _sequence(v, kv_at),
-                                        _sequence(attn, q_at), lse[..., q_at[0]:q_at[1]],
-                                        scale, kind)
-            _sequence(dq, q_at).add_(gq)
-            if dk is None:
-                dk = k.new_zeros(k.shape, dtype=torch.float)
-                dv = v.new_zeros(v.shape, dtype=torch.float)
-            _sequence(dk, kv_at).add_(gk)
-            _sequence(dv, kv_at).add_(gv)
+    for rows, keys, kind in kernel_calls(record, position, causal):
+        gq, gk, gv = block_backward(_sequence(grad, rows), _sequence(q, rows),
+                                    _sequence(k, keys), _sequence(v, keys),
+                                    _sequence(attn, rows), lse[..., rows[0]:rows[1]], scale,
+                                    kind)
+        _sequence(dq, rows).add_(gq)
+        if dk is None:
+            dk = k.new_zeros(k.shape, dtype=torch.float)
+            dv = v.new_zeros(v.shape, dtype=torch.float)
+        _sequence(dk, keys).add_(gk)
+        _sequence(dv, keys).add_(gv)
     return None if dk is None else (dk, dv)

@@ -23,7 +23,6 @@ from meshfuse.ops.context_parallel import (
     ContextParallel,
     Merged,
     backward_blocks,
-    finish_forward,
     forward_blocks,
 )
 from meshfuse.runtime.collectives import Group, ring_shift
@@ -43,7 +42,7 @@ def _check_local(record: ContextParallel, op: str, **tensors: torch.Tensor) -> N
 def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group):
     """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
-    merged = [Merged() for _ in record.rows[record.position]]
+    merged = Merged(q, v)
     block = (k, v)
     for step in range(record.size):
         pending = None
@@ -53,7 +52,7 @@ def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: G
         forward_blocks(q, *block, scale, causal, record, record.holder(step), merged)
         if pending is not None:
             block = pending.wait()
-    return finish_forward(q, v, merged)
+    return merged.result(q.dtype)
 
 
 def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
