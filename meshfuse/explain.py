@@ -37,9 +37,8 @@ from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
-from meshfuse.ops.context_parallel import RING, ContextParallel, ring_record
+from meshfuse.ops.context_parallel import RING, ContextParallel, context_record, sequence_parallel
 from meshfuse.ops.registry import LocalContext
-from meshfuse.passes.context_parallel import strategy_of
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.binding import device_coords, held_here
 from meshfuse.runtime.collectives import Communication
@@ -166,7 +165,7 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
     planned = planned_communications(fusion, rank, sizes)
-    rings = planned_rings(fusion, rank, sizes)
+    rings = planned_context_parallel(fusion, rank, sizes)
     lines.append(f"communications on rank {rank}:" if planned or rings
                  else f"communications on rank {rank}: none")
     lines += [f"  {p}" for p in planned + rings]
@@ -212,58 +211,72 @@ def planned_communications(fusion: Fusion, rank: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedRing:
-    """A ring attention's point-to-point transfers on this rank (see
+class PlannedContextParallel:
+    """A context-parallel attention's communications on this rank (see
     :mod:`meshfuse.ops.context_parallel`); ``row_bytes``: one sequence row of each tensor
-    that travels (k, v, and the backward's float32 dk, dv accumulators)."""
+    that moves (named as :meth:`~meshfuse.ops.context_parallel.ContextParallel.transfers`
+    names them)."""
 
     expr: Expr
     record: ContextParallel
     row_bytes: Mapping[str, Size]
 
-    def transfers(self) -> list[tuple[str, int, Size]]:
+    def transfers(self) -> list[tuple[str, int | None, Size]]:
         return [(kind, peer, self.row_bytes[t] * Size.of(rows))
                 for kind, peer, t, rows in self.record.transfers()]
 
     def communications(self) -> list[Communication]:
-        """The records the transfers will leave (static extents only)."""
+        """The records the communications will leave (static extents only)."""
         assert all(b.static is not None for _, _, b in self.transfers()), "symbolic extents"
         return [Communication(kind, self.record.ranks, self.record.mesh_axis, b.static,
-                              None, peer) for kind, peer, b in self.transfers()]
+                              "sum" if kind == "reduce_scatter" else None, peer)
+                for kind, peer, b in self.transfers()]
 
     def __str__(self) -> str:
-        sends = [b for kind, _, b in self.transfers() if kind == "send"]
-        static = all(b.static is not None for b in sends)
-        amount = f", {_format_bytes(Size.of(sum(b.static for b in sends)))} sent" if static \
-            else ""
-        peer = self.record.ranks[(self.record.position + 1) % self.record.size]
-        moved = "k/v and dk/dv" if self.record.backward else "k/v"
-        order = ", ".join(str(self.record.holder(s)) for s in range(self.record.size))
-        return (f"{_short(self.expr)}: ring over mesh axis {self.record.mesh_axis}, ranks "
-                f"{list(self.record.ranks)}, blocks of positions {order}: {len(sends)} sends "
-                f"of {moved} to rank {peer} (and as many receives){amount}")
+        record = self.record
+        sent = [b for kind, _, b in self.transfers() if kind != "recv"]
+        amount = ""
+        if all(b.static is not None for b in sent):
+            amount = f", {_format_bytes(Size.of(sum(b.static for b in sent)))} sent"
+        head = (f"{_short(self.expr)}: {record.strategy} over mesh axis {record.mesh_axis}, "
+                f"ranks {list(record.ranks)}")
+        if record.strategy != RING:
+            kinds = sorted({kind for kind, _, _ in self.transfers()})
+            return f"{head}: {len(sent)} x {'/'.join(kinds)}{amount}"
+        peer = record.ranks[(record.position + 1) % record.size]
+        moved = "k/v and dk/dv" if record.backward else "k/v"
+        order = ", ".join(str(record.holder(s)) for s in range(record.size))
+        return (f"{head}, blocks of positions {order}: {len(sent)} sends of {moved} to rank "
+                f"{peer} (and as many receives){amount}")
 
 
-def planned_rings(fusion: Fusion, rank: int, sizes: Extents | None = None) -> list[PlannedRing]:
-    """The ring attentions ``rank`` takes part in (with another rank), in program order."""
+def planned_context_parallel(fusion: Fusion, rank: int,
+                             sizes: Extents | None = None) -> list[PlannedContextParallel]:
+    """The context-parallel attentions ``rank`` communicates in, in program order."""
     sizes = sizes or Extents(fusion)
-    rings = []
+    planned = []
     for expr in fusion.exprs:
-        if strategy_of(expr) != RING or rank not in expr.outputs[0].mesh:
+        if sequence_parallel(expr) is None or rank not in expr.outputs[0].mesh:
             continue
-        here = LocalContext(rank, None, None, sizes.planning)
-        record = ring_record(expr, here, expr.op.name == "sdpfa_bwd")
-        if record.size == 1:
-            continue  # a ring of one: no transfer
-        k, v = (expr.args[[p.name for p in expr.op.params].index(n)] for n in ("k", "v"))
-        row = {}
-        for name, tv in (("k", k), ("v", v)):
-            ids = [i for a, i in enumerate(tv.materialized()) if a != 2]
-            count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
-            row[name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
-            row["d" + name] = count * Size.of(4)
-        rings.append(PlannedRing(expr, record, row))
-    return rings
+        record = context_record(expr, LocalContext(rank, None, None, sizes.planning))
+        if record.size > 1:
+            planned.append(PlannedContextParallel(expr, record, _row_bytes(expr, sizes, rank)))
+    return planned
+
+
+def _row_bytes(expr: Expr, sizes: Extents, rank: int) -> dict[str, Size]:
+    """Bytes of one local sequence row of each tensor a context-parallel attention moves."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    row = {}
+    for name, tv in (("q", args["q"]), ("k", args["k"]), ("v", args["v"])):
+        ids = [i for a, i in enumerate(tv.materialized()) if a != 2]
+        count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
+        row[name] = row["d" + name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
+        row[name + "32"] = row["d" + name + "32"] = count * Size.of(4)
+    row["grad"] = row["attn"] = row["v"]  # [.., Ev] in q's dtype, as v
+    heads = [sizes.local_size(args["q"], i, rank) for i in args["q"].materialized()[:2]]
+    row["lse"] = math.prod(heads, start=Size.of(4))
+    return row
 
 
 def _after(step: ReshardStep, shape: list, src: TensorView, dst: TensorView, sizes: Extents,

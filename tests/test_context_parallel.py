@@ -8,13 +8,17 @@ float32 dk/dv accumulators ``n`` times (the last transfer brings them home).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
-from meshfuse import DataType, DefinitionError, FusionDefinition, ShardingError
+from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.explain import planned_rings
+from meshfuse.explain import planned_context_parallel
+from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
+from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 
@@ -81,20 +85,31 @@ def _assert_equal(outputs, expected, tol=1e-5):
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol, msg=name)
 
 
-def _sequence_sharded(fd, mesh, pt=MX):
+def _sequence_sharded(fd, mesh, layout="block", pt=MX):
     for tv in fd.tensors():
-        shard(tv, 2, mesh, pt)
+        if layout == "zigzag":
+            tv.set_device_mesh(mesh)
+            pos = tv.loop.index(tv.logical[2])
+            tv.zigzag_split(pos, mesh.axis_size(pt))
+            tv.parallelize(pos, pt)
+        else:
+            shard(tv, 2, mesh, pt)
 
 
-def _rows(s, d):
-    """torch.chunk's rows per position (uneven shards follow it)."""
-    return [len(c) for c in torch.arange(s).chunk(d)] + [0] * (d - len(torch.arange(s).chunk(d)))
+def _rows(s, d, layout):
+    """The global rows each position holds: torch.chunk's blocks, or head-tail pairs."""
+    if layout == "zigzag":
+        chunks = torch.arange(s).chunk(2 * d)
+        return [torch.cat([chunks[r], chunks[2 * d - 1 - r]]) for r in range(d)]
+    blocks = list(torch.arange(s).chunk(d))
+    return blocks + [torch.arange(0)] * (d - len(blocks))
 
 
-def _expected_transfers(s, d, h_local, itemsize, position):
-    """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order."""
-    rows = _rows(s, d)
-    block = [r * h_local * E for r in rows]
+def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
+    """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
+    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the float32
+    dk/dv accumulators n times."""
+    block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
     for step in range(d):
@@ -106,21 +121,51 @@ def _expected_transfers(s, d, h_local, itemsize, position):
     return (forward + backward) if d > 1 else []
 
 
+LAYOUTS = [("block", 16), ("uneven", 10), ("zigzag", 16)]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
-@pytest.mark.parametrize("s", [16, 10], ids=["even", "uneven"])
-def test_ring_equals_unsharded(multidevice_test, causal, qkv_format, s):
+@pytest.mark.parametrize("layout,s", LAYOUTS, ids=[lay for lay, _ in LAYOUTS])
+def test_ring_equals_unsharded(multidevice_test, causal, qkv_format, layout, s):
+    """Ring attention, forward and backward, against PyTorch's unsharded attention; the
+    transfers that ran are the ring's theory."""
     d = multidevice_test.size
-    fd = Attention(2, s, causal, qkv_format)
-    _sequence_sharded(fd, mesh_1d(multidevice_test))
-    inputs = _global_inputs(2, s, qkv_format)
-    outputs, expected, comms = _run(multidevice_test, fd, inputs)
+    fd = Attention(2, s, causal, qkv_format, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag" if layout == "zigzag" else "block")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(2, s, qkv_format))
     _assert_equal(outputs, expected)
     assert "context_parallel='ring'" in fd.explain()
-    p2p = [(c.kind, c.bytes) for c in comms]
-    assert p2p == _expected_transfers(s, d, 2, 4, multidevice_test.rank)
-    assert all(c.kind in ("send", "recv") for c in comms), "a ring gathers nothing"
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        s, d, 2, 4, multidevice_test.rank, "zigzag" if layout == "zigzag" else "block")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["allgather", "alltoall"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["block", "zigzag"])
+def test_other_strategies_equal_unsharded(multidevice_test, strategy, causal, layout):
+    """All-gather of k/v and all-to-all (heads for sequence and back), forced; what ran is
+    what explain plans (the query sequence stays sharded: nothing else moves)."""
+    d = multidevice_test.size
+    fd = Attention(4, 16, causal, QkvFormat.BSHE, strategy=strategy)
+    _sequence_sharded(fd, mesh_1d(multidevice_test), layout)
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BSHE))
+    _assert_equal(outputs, expected)
+    assert f"context_parallel='{strategy}'" in fd.explain()
+    planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
+    assert comms == [c for p in planned for c in p.communications()]
+    kinds = {"allgather": {"allgather", "reduce_scatter"}, "alltoall": {"all_to_all"}}
+    assert {c.kind for c in comms} == (kinds[strategy] if d > 1 else set())
+
+
+@pytest.mark.mpi
+def test_uneven_allgather(multidevice_test):
+    fd = Attention(2, 10, True, strategy="allgather")
+    _sequence_sharded(fd, mesh_1d(multidevice_test))
+    outputs, expected, _ = _run(multidevice_test, fd, _global_inputs(2, 10, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
 
 
 @pytest.mark.mpi
@@ -128,75 +173,121 @@ def test_ring_peers_and_explain_match_what_ran(multidevice_test):
     """Each send goes to the next rank and each recv comes from the previous; explain's
     planned transfers, without inputs, are the records that ran."""
     d, rank = multidevice_test.size, multidevice_test.rank
-    fd = Attention(2, 12, True)
+    fd = Attention(2, 12, True, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test))
     _, _, comms = _run(multidevice_test, fd, _global_inputs(2, 12, QkvFormat.BHSE))
     assert {c.peer for c in comms if c.kind == "send"} <= {(rank + 1) % d}
     assert {c.peer for c in comms if c.kind == "recv"} <= {(rank - 1) % d}
-    runner = fd._get_runner()
-    planned = [c for ring in planned_rings(runner.fusion, rank) for c in ring.communications()]
-    assert planned == comms
-    text = fd.explain()
-    assert ("ring over mesh axis 0" in text) == (d > 1)
+    planned = planned_context_parallel(fd.compiled().fusion, rank)
+    assert [c for p in planned for c in p.communications()] == comms
+    assert ("ring over mesh axis 0" in fd.explain()) == (d > 1)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_forced_allgather(multidevice_test, causal):
-    """``context_parallel="allgather"``: k and v are gathered, no point-to-point transfer."""
-    d = multidevice_test.size
-    fd = Attention(2, 8, causal, strategy="allgather")
-    _sequence_sharded(fd, mesh_1d(multidevice_test))
-    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(2, 8, QkvFormat.BHSE))
-    _assert_equal(outputs, expected)
-    assert not any(c.kind in ("send", "recv") for c in comms)
-    assert any(c.kind == "allgather" for c in comms) == (d > 1)
-    assert "context_parallel='allgather'" in fd.explain()
+def test_zigzag_layout_is_in_the_schedule(multidevice_test):
+    """shard_tensor gives each rank chunk r and chunk 2d - 1 - r of the sequence; explain
+    prints the placement S(2)z; unshard_tensor puts the rows back."""
+    d, rank = multidevice_test.size, multidevice_test.rank
+    fd = Attention(2, 16, True)
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    x = torch.arange(B * 2 * 16 * E, dtype=torch.float).reshape(B, 2, 16, E)
+    local = shard_tensor(x, fd.q, rank)
+    assert torch.equal(local, x[:, :, _rows(16, d, "zigzag")[rank]])
+    assert "[S(2)z]" in fd.explain()
+    assert torch.equal(multidevice_test.unshard_tensor(local, fd.q).cpu(), x)
 
 
 @pytest.mark.mpi
 def test_bfloat16_ring(multidevice_test):
-    fd = Attention(2, 32, True, dtype=DataType.BFloat16)
-    _sequence_sharded(fd, mesh_1d(multidevice_test))
+    fd = Attention(2, 32, True, dtype=DataType.BFloat16, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     inputs = _global_inputs(2, 32, QkvFormat.BHSE, torch.bfloat16)
     outputs, expected, _ = _run(multidevice_test, fd, inputs)
     _assert_equal(outputs, expected, tol=3e-2)
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_heads_by_sequence_2x2(multidevice_test, causal):
-    """Heads on one mesh axis, the sequence on the other: a ring of 2 in each head group."""
+def test_heads_by_sequence_2x2(multidevice_test, strategy, causal):
+    """Heads on one mesh axis, the sequence on the other: a group of 2 per head block."""
     mesh = mesh_2x2(multidevice_test)
-    fd = Attention(4, 12, causal, QkvFormat.BSHE)
+    fd = Attention(4, 12, causal, QkvFormat.BSHE, strategy=strategy)
     for tv in fd.tensors():
         shard(tv, 1, mesh, MY)
         shard(tv, 2, mesh, MX)
     outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 12, QkvFormat.BSHE))
     _assert_equal(outputs, expected)
     rank = multidevice_test.rank
-    partner = rank ^ 1  # the other rank of this rank's row of [[0, 1], [2, 3]]
-    assert {c.peer for c in comms} == {partner}
-    assert [(c.kind, c.bytes) for c in comms] == _expected_transfers(12, 2, 2, 4, rank % 2)
+    assert all(c.ranks == (rank & 2, (rank & 2) + 1) for c in comms)  # this rank's row
+    if strategy == "ring":
+        assert {c.peer for c in comms} == {rank ^ 1}
+        assert [(c.kind, c.bytes) for c in comms] == _expected_ring(12, 2, 2, 4, rank % 2)
 
 
 @pytest.mark.mpi
-def test_ring_refused_when_keys_are_not_sharded_alike(multidevice_test):
-    """Asking for a ring whose k is replicated is a ShardingError naming k, on every rank;
-    left to the cost estimate, the same program gathers nothing and is right."""
-    if multidevice_test.size == 1:
-        pytest.skip("one rank holds the whole sequence")
+def test_auto_takes_the_estimates_choice(multidevice_test, monkeypatch):
+    """Without a request the cost estimate picks, forward and backward alike: with a slow
+    kernel and a fast link the ring (its transfers hide under compute), with a slow start of
+    every message the backward's all-gather (4 messages, the ring's 2 per step and 2 more)."""
+    d = multidevice_test.size
+    if d == 1:
+        pytest.skip("one rank: nothing to choose")
+    allowed = ("ring", "allgather", "alltoall") if 2 % d == 0 else ("ring", "allgather")
+    picks = {}
+    for name, kernel, link, latency in (("compute_bound", "0.00001", "1000", "0"),
+                                        ("slow_start", "1000", "1000", "1e7")):
+        monkeypatch.setenv("MESHFUSE_CP_KERNEL_TFLOPS", kernel)
+        monkeypatch.setenv("MESHFUSE_CP_LINK_GBPS", link)
+        monkeypatch.setenv("MESHFUSE_CP_LATENCY_US", latency)
+        fd = Attention(2, 16, True)
+        _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+        outputs, expected, _ = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
+        _assert_equal(outputs, expected)
+        for expr in fd.compiled().fusion.exprs:
+            if getattr(expr.op, "name", None) in ("sdpfa_fwd", "sdpfa_bwd"):
+                chosen, estimates = choose(problem(expr), machine("cpu"), allowed)
+                assert expr.args[-1] == chosen, estimates
+                picks[name, expr.op.name] = chosen
+    assert picks["compute_bound", "sdpfa_fwd"] == picks["compute_bound", "sdpfa_bwd"] == "ring"
+    assert picks["slow_start", "sdpfa_bwd"] == "allgather"
+
+
+def test_cost_estimate():
+    """The estimate's arithmetic: the ring hides its transfer under compute, the all-gather
+    adds it; a zig-zag layout removes the causal skew; all-to-all needs no skew either."""
+    m = Machine(kernel_flops=1e12, link_bytes=1e9, latency=0.0)
+    p = Problem(1, 8, 4096, 64, 64, 2, 2, causal=True, backward=False, balanced=True)
+    compute = 4 * 8 * 4096 ** 2 * 64 / 2 / 2 / 1e12
+    block = 8 * 2048 * 128 * 2 / 1e9
+    assert estimate("ring", p, m) == pytest.approx(max(compute / 2, block) + compute / 2)
+    assert estimate("allgather", p, m) == pytest.approx(compute + block)
+    skewed = dataclasses.replace(p, balanced=False)
+    assert estimate("allgather", skewed, m) == pytest.approx(compute * 1.5 + block)
+    assert estimate("alltoall", skewed, m) == pytest.approx(compute + 4 * block / 2 / 2)
+
+
+@pytest.mark.mpi
+def test_refused_strategies_say_why(multidevice_test):
+    """A ring whose k is replicated, an all-to-all whose heads do not divide, a zig-zag split
+    of a length it does not fit: typed errors naming the tensor and the fix, on every rank."""
+    d = multidevice_test.size
     mesh = mesh_1d(multidevice_test)
-    fd = Attention(2, 8, False, strategy="ring")
-    for tv in fd.tensors():
-        if tv is fd.k:
-            tv.set_device_mesh(mesh)
-        else:
-            shard(tv, 2, mesh)
-    inputs = _global_inputs(2, 8, QkvFormat.BHSE)
-    with pytest.raises(ShardingError, match=r"context_parallel='ring' cannot run: T1 \(k\)"):
-        fd.execute([shard_tensor(t, tv, multidevice_test.rank) for t, tv in
-                    zip(inputs, fd.tensors())])
+    if d > 1:
+        fd = Attention(2, 8, False, strategy="ring")
+        for tv in fd.tensors():
+            tv.set_device_mesh(mesh) if tv is fd.k else shard(tv, 2, mesh)
+        inputs = _global_inputs(2, 8, QkvFormat.BHSE)
+        with pytest.raises(ShardingError, match=r"'ring' cannot run: T1 \(k\) is not sharded"):
+            fd.execute([shard_tensor(t, tv, multidevice_test.rank) for t, tv in
+                        zip(inputs, fd.tensors())])
+        fd = Attention(d + 1, 8, False, strategy="alltoall")
+        _sequence_sharded(fd, mesh)
+        with pytest.raises(ShardingError, match="local heads of T0 do not divide"):
+            fd.compiled()
+    fd = Attention(2, 6, True)
+    with pytest.raises(ScheduleError, match="not a multiple of 2 \\* 2"):
+        fd.tensors()[0].zigzag_split(2, 2)
 
 
 def test_unknown_strategy_is_a_definition_error():

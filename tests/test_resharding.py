@@ -327,8 +327,9 @@ def _qkv():
 
 
 def test_causal_attention_with_a_sharded_query_sequence_gathers_it(multidevice_test):
-    """Attention's sharding rule: a causal mask needs the whole query sequence, so the engine
-    gathers q, k and v and slices the output back (it used to refuse)."""
+    """q, k and v sharded alike on the sequence: causal attention runs context-parallel (it
+    used to refuse, then gathered q too); at these tiny sizes the cost estimate picks the
+    all-gather of k and v, and q stays sharded (docs/context_parallel.md)."""
     mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
@@ -337,7 +338,7 @@ def test_causal_attention_with_a_sharded_query_sequence_gathers_it(multidevice_t
 
     _, comms = _run(multidevice_test, _attention(is_causal=True), schedule, _qkv(),
                     rtol=1e-5, atol=1e-5)
-    _expect(multidevice_test, comms, "allgather", "allgather", "allgather")
+    _expect(multidevice_test, comms, "allgather", "allgather")
 
 
 @pytest.mark.parametrize("q_sharded", [True, False], ids=["q_sharded", "q_replicated"])

@@ -50,7 +50,7 @@ from meshfuse.ops.attention_dropout import (
     seed_and_offset,
     state_of_kernel,
 )
-from meshfuse.ops.context_parallel import RING, requested_strategy, ring_record
+from meshfuse.ops.context_parallel import context_record, requested_strategy, sequence_parallel
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
     AxisSpec,
@@ -282,8 +282,8 @@ def _whole_axes(expr) -> set:
         return t.materialized()[a]
 
     whole = {axis(k, seq), axis(v, seq), axis(q, dim), axis(k, dim)}
-    ring = _arg(expr, "context_parallel") == RING
-    if ring:  # the ring passes the sequence shards around itself
+    ring = sequence_parallel(expr) is not None
+    if ring:  # a context-parallel strategy moves the sequence shards itself
         whole = {axis(q, dim), axis(k, dim)}
     rows = [q]
     causal = _arg(expr, "is_causal") is not False
@@ -378,9 +378,9 @@ def _localize(expr, here):
     k = expr.args[2 if backward else 1]
     kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
-    if _arg(expr, "context_parallel") == RING:
-        # The ring's transfers are listed with explain's communications.
-        return {"site": site, "context": ring_record(expr, here, backward)}, ""
+    if sequence_parallel(expr) is not None:
+        # The strategy's transfers are listed with explain's communications.
+        return {"site": site, "context": context_record(expr, here)}, ""
     p = _arg(expr, "dropout_p")
     if p == 0.0:
         return {"site": site}, ""

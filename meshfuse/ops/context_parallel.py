@@ -136,38 +136,84 @@ class ContextParallel:
         return sum(b - a for a, b in self.rows[position])
 
     def describe(self) -> str:
+        """One line: the strategy, group, block order and the rows of every position."""
         runs = "; ".join(f"{c}: " + ", ".join(f"{a}..{b - 1}" if b > a else "none"
                                              for a, b in r)
                          for c, r in enumerate(self.rows))
         order = ", ".join(str(self.holder(s)) for s in range(self.size))
-        moves = "k/v and dk/dv accumulators" if self.backward else "k/v"
-        return (f"ring attention over mesh axis {self.mesh_axis}, ranks {list(self.ranks)}, "
-                f"position {self.position}: {self.size} steps, key/value blocks of positions "
-                f"{order}, {moves} sent to rank {self.ranks[(self.position + 1) % self.size]}; "
-                f"sequence rows by position {runs}")
+        return (f"{self.strategy} attention over mesh axis {self.mesh_axis}, ranks "
+                f"{list(self.ranks)}, position {self.position}, key/value blocks of positions "
+                f"{order}; sequence rows by position {runs}")
 
-    def transfers(self) -> list[tuple[str, int, str, int]]:
-        """The point-to-point transfers this rank makes, in the order it launches them:
-        ``(kind, peer rank, tensor, sequence rows)``, kind ``send`` or ``recv``, tensor
-        ``k``, ``v`` or (backward) ``dk``, ``dv``: the float32 accumulators."""
+    def transfers(self) -> list[tuple[str, int | None, str, int]]:
+        """The communications this rank makes, in the order it launches them: ``(kind, peer
+        rank or None for a collective, tensor, sequence rows)``. Tensors: ``q``, ``k``,
+        ``v``, ``grad``, ``attn``, ``dq``, ``dk``, ``dv`` in the inputs' dtype, ``lse``, and
+        ``dk32``, ``dv32``: float32 gradient sums. Rows are those the recorder counts (an
+        uneven all-gather pads each block to the longest)."""
         if self.size == 1:
             return []
+        if self.strategy == RING:
+            return self._ring_transfers()
+        lengths = [self.length(c) for c in range(self.size)]
+        if self.strategy == ALLGATHER:
+            result = [("allgather", None, t, max(lengths)) for t in ("k", "v")]
+            if self.backward:
+                result += [("reduce_scatter", None, t, self.size * max(lengths))
+                           for t in ("dk32", "dv32")]
+            return result
+        tensors = ("grad", "q", "k", "v", "attn", "lse", "dq", "dk", "dv") if self.backward \
+            else ("q", "k", "v", "lse", "attn")
+        return [("all_to_all", None, t, lengths[self.position]) for t in tensors]
+
+    def _ring_transfers(self) -> list[tuple[str, int, str, int]]:
         after = self.ranks[(self.position + 1) % self.size]
         before = self.ranks[(self.position - 1) % self.size]
         result = []
         for step in range(self.size):
             sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
-            moved += ("dk", "dv") if self.backward else ()
+            moved += ("dk32", "dv32") if self.backward else ()
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
         return result
 
 
-def ring_record(expr, here, backward: bool) -> ContextParallel:
-    """The :class:`ContextParallel` record of a ring attention ``expr`` on the rank ``here``
-    (a :class:`~meshfuse.ops.registry.LocalContext`): the owners of q's sequence rows."""
-    q = expr.args[[p.name for p in expr.op.params].index("q")]
+ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
+
+
+def _arg(expr, name: str):
+    return expr.args[[p.name for p in expr.op.params].index(name)]
+
+
+def sequence_parallel(expr) -> str | None:
+    """The strategy of an attention that runs context-parallel itself (its sequences mapped
+    together by :mod:`meshfuse.passes.context_parallel`), else None (an attention whose
+    key/value sequence, if sharded, the engine gathers)."""
+    if getattr(expr, "op", None) is None or expr.op.name not in ATTENTION:
+        return None
+    q, k = _arg(expr, "q"), _arg(expr, "k")
+    if len(q.materialized()) != 4:
+        return None
+    out = expr.outputs[0]
+    if k.logical[2] not in expr.id_map.get(out.logical[2], ()):
+        return None
+    return _arg(expr, "context_parallel")
+
+
+def sequence_mesh_axis(expr) -> tuple:
+    """``(mesh, mesh axis)`` the query sequence of a context-parallel attention is sharded
+    over."""
+    q = _arg(expr, "q")
+    (_, pt), = device_ids(q)[q.logical[-2]]
+    return q.mesh, q.mesh.axis_of(pt)
+
+
+def context_record(expr, here) -> ContextParallel:
+    """The :class:`ContextParallel` record of a context-parallel attention ``expr`` on the
+    rank ``here`` (a :class:`~meshfuse.ops.registry.LocalContext`): the owners of q's
+    sequence rows."""
+    q = _arg(expr, "q")
     sequence = q.logical[-2]
     (leaf, pt), = device_ids(q)[sequence]
     owners = split_indices(q, sequence, here.extents)[leaf]
@@ -175,8 +221,9 @@ def ring_record(expr, here, backward: bool) -> ContextParallel:
     ranks = q.mesh.group_ranks(here.rank, axis)
     rows = tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
                  for c in range(len(ranks)))
-    return ContextParallel(RING, axis, ranks, q.mesh.coordinate(here.rank)[axis], rows,
-                           backward)
+    return ContextParallel(sequence_parallel(expr), axis, ranks,
+                           q.mesh.coordinate(here.rank)[axis], rows,
+                           expr.op.name == "sdpfa_bwd")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,34 +1,47 @@
 """Context parallelism: picks the strategy of every sequence-sharded attention (a build pass).
 
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
-whose query sequence is sharded it decides a strategy
-(:mod:`meshfuse.ops.context_parallel`) and writes it into the expression's
-``context_parallel`` argument, so the compiled fusion prints it:
+whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.context_parallel`)
+and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
+prints it.
 
-- ``"ring"``, when q, k and v (and in the backward the output gradient, the output and the
-  log-sum-exp) are all sharded alike on their sequence axis by one block split over one
-  mesh axis, the two sequences are of one static extent, and there is no dropout. The
-  expression's domain map is then rewritten: the key/value sequence maps onto the query
-  sequence (a rank's keys are the rows of its queries' positions), and the reductions over
-  the sequences are no longer partial on that mesh axis (the ring completes them). Resharding
-  thus keeps k and v where they are; the runtime passes them around.
-- ``"allgather"`` otherwise, or when asked for: k and v are gathered by the resharding pass
-  (the op's sharding rule needs their sequence whole).
+When q, k and v (and in the backward the output gradient, the output and the log-sum-exp)
+are all sharded alike on their sequence axis by one block or zig-zag split over one mesh
+axis, with one static sequence extent and no dropout, the attention runs context-parallel
+itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide over the ranks
+and the ranks hold equal blocks), the one of least estimated time
+(:mod:`meshfuse.ops.context_parallel_cost`) unless one is asked for. Its domain map is then
+rewritten: the key/value sequence maps onto the query sequence (a rank's keys are the rows of
+its queries' positions) and no reduction maps from a sequence (the strategy completes it).
+Resharding thus keeps every tensor where it is; the runtime moves the blocks.
 
-A strategy asked for that cannot run (``context_parallel="ring"`` on a layout the ring does
-not take) is a :class:`~meshfuse.errors.ShardingError` saying why.
+Otherwise the strategy is ``allgather`` done by the engine: the op's sharding rule needs the
+key/value sequence whole, and resharding gathers it (causal attention: the query sequence
+too). Asking for ``ring`` or ``alltoall`` where it cannot run is a
+:class:`~meshfuse.errors.ShardingError` saying why.
 """
 
 from __future__ import annotations
 
+import torch
+
 from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
+from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.ops.context_parallel import ALLGATHER, AUTO, RING, requested_strategy
+from meshfuse.ops.context_parallel import (
+    ALLGATHER,
+    ALLTOALL,
+    ATTENTION,
+    AUTO,
+    RING,
+    STRATEGIES,
+    requested_strategy,
+)
+from meshfuse.ops.context_parallel_cost import Problem, choose, machine
 
-ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
 _ROWS = {"sdpfa_fwd": ("q",), "sdpfa_bwd": ("grad_attn", "q", "attn", "log_sumexp")}
 _KEYS = ("k", "v")
 
@@ -42,49 +55,62 @@ def plan_context_parallel(fusion: Fusion) -> None:
         if not _sequence_sharded(_tensor(expr, "q")):
             continue
         wanted = requested_strategy(expr.op.name, _value(expr, "context_parallel"))
-        why_not = _why_not_ring(expr)
-        if wanted == RING and why_not is not None:
-            raise ShardingError(f"{format_expr(expr)}: context_parallel='ring' cannot run: "
-                                f"{why_not}; shard them alike or use 'allgather'")
-        strategy = RING if wanted in (RING, AUTO) and why_not is None else ALLGATHER
-        _set_arg(expr, "context_parallel", strategy)
-        if strategy == RING:
+        why_not = _why_not_sequence_parallel(expr)
+        if why_not is None:
+            strategy = _strategy(expr, wanted)
             _map_sequences_together(expr)
+        elif wanted in (RING, ALLTOALL):
+            raise ShardingError(f"{format_expr(expr)}: context_parallel={wanted!r} cannot run: "
+                                f"{why_not}; shard them alike or use 'allgather'")
+        else:
+            strategy = ALLGATHER  # the engine gathers k and v
+        _set_arg(expr, "context_parallel", strategy)
 
 
-def strategy_of(expr: Expr) -> str | None:
-    """The strategy the pass chose for ``expr`` (None: not a sequence-sharded attention)."""
-    if isinstance(expr, Reshard) or expr.op is None or expr.op.name not in ATTENTION:
-        return None
-    value = _value(expr, "context_parallel")
-    return value if value in (RING, ALLGATHER) else None
+def _strategy(expr: Expr, wanted: str) -> str:
+    """The strategy asked for, or the estimate's choice among those that can run."""
+    why_not_alltoall = _why_not_alltoall(expr)
+    if wanted == ALLTOALL and why_not_alltoall is not None:
+        raise ShardingError(f"{format_expr(expr)}: context_parallel='alltoall' cannot run: "
+                            f"{why_not_alltoall}; use 'ring' or 'allgather'")
+    if wanted != AUTO:
+        return wanted
+    allowed = STRATEGIES if why_not_alltoall is None else (RING, ALLGATHER)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return choose(problem(expr), machine(device), allowed)[0]
 
 
-def sequence_axis(expr: Expr) -> tuple:
-    """``(mesh, mesh axis)`` the query sequence of a ring attention is sharded over."""
+def problem(expr: Expr) -> Problem:
+    """What the cost estimate needs to know of a sequence-sharded attention (symbolic batch
+    or head extents count as 1)."""
+    q, v = _tensor(expr, "q"), _tensor(expr, "v")
+    b, h, s, e = (i.extent or 1 for i in q.materialized())
+    causal = _value(expr, "is_causal") is not False
+    zigzag = any(step[1] == "zigzag" for _, path in shard_signature(q, q.logical[2])
+                 for step in path)
+    return Problem(b // shard_factor(q, q.logical[0]), h // shard_factor(q, q.logical[1]), s,
+                   e, v.logical[3].extent or e, q.dtype.torch_dtype.itemsize,
+                   _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag)
+
+
+def _axis_size(q: TensorView) -> int:
+    return shard_factor(q, q.logical[2])
+
+
+def _why_not_sequence_parallel(expr: Expr) -> str | None:
+    """Why the attention cannot run context-parallel itself, or None."""
     q = _tensor(expr, "q")
-    (pt, _), = shard_signature(q, q.logical[-2])
-    return q.mesh, q.mesh.axis_of(_parallel_type(q, pt))
-
-
-def _parallel_type(tv: TensorView, value: str):
-    return next(pt for pt in tv.parallel.values() if pt.value == value)
-
-
-def _why_not_ring(expr: Expr) -> str | None:
-    """Why a ring cannot run ``expr``, or None."""
-    q = _tensor(expr, "q")
-    names = _ROWS[expr.op.name] + _KEYS
-    if len(q.logical) != 4:
+    if len(q.materialized()) != 4:
         return "q has leading axes before [batch, heads, sequence, head_dim]"
-    signature = shard_signature(q, q.logical[-2])
+    signature = shard_signature(q, q.logical[2])
     if len(signature) != 1 or len(signature[0][1]) != 1 or signature[0][1][0][2]:
-        return "the query sequence is not sharded by one block split over one mesh axis"
-    for name in names:
+        return ("the query sequence is not sharded by one block or zig-zag split over one "
+                "mesh axis")
+    for name in _ROWS[expr.op.name] + _KEYS:
         tv = _tensor(expr, name)
         if tv.mesh != q.mesh or shard_signature(tv, tv.logical[2]) != signature:
             return f"{tv.name} ({name}) is not sharded on its sequence as q ({q.name}) is"
-    s_q, s_kv = q.logical[-2].extent, _tensor(expr, "k").logical[-2].extent
+    s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").logical[2].extent
     if s_q is None or s_q != s_kv:
         return f"the query and key sequences are not of one static extent ({s_q}, {s_kv})"
     if _value(expr, "dropout_p") != 0.0:
@@ -92,9 +118,23 @@ def _why_not_ring(expr: Expr) -> str | None:
     return None
 
 
+def _why_not_alltoall(expr: Expr) -> str | None:
+    q = _tensor(expr, "q")
+    n, s = _axis_size(q), q.logical[2].extent
+    heads = q.logical[1].extent
+    if heads is None:
+        return "the head count is symbolic"
+    local = heads // shard_factor(q, q.logical[1])
+    if heads % shard_factor(q, q.logical[1]) or local % n:
+        return f"the {local} local heads of {q.name} do not divide over {n} ranks"
+    if s % n:
+        return f"the sequence of {s} does not divide over {n} ranks (blocks must be equal)"
+    return None
+
+
 def _map_sequences_together(expr: Expr) -> None:
-    """The domain map of a ring attention: each output's sequence maps from the query and
-    the key sequences both, and no reduction maps from a sequence (the ring completes it)."""
+    """The domain map of a context-parallel attention: each output's sequence maps from the
+    query and the key sequences both, and no reduction maps from a sequence."""
     rows = {_tensor(expr, n).logical[2] for n in _ROWS[expr.op.name]}  # lse is [b, h, s]
     keys = {_tensor(expr, n).logical[2] for n in _KEYS}
     sequences = rows | keys
@@ -135,3 +175,5 @@ def _set_arg(expr: Expr, name: str, value) -> None:
     args = list(expr.args)
     args[_position(expr, name)] = value
     expr.args = tuple(args)
+    if name in expr.attrs:
+        expr.attrs[name] = value

@@ -26,9 +26,8 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView, Val
-from meshfuse.ops.context_parallel import RING
+from meshfuse.ops.context_parallel import sequence_mesh_axis, sequence_parallel
 from meshfuse.ops.registry import LocalContext
-from meshfuse.passes.context_parallel import sequence_axis, strategy_of
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
@@ -184,11 +183,11 @@ class FusionRunner:
                              self._lower_op)
 
     def _lower_op(self, expr):
-        """A ring attention's implementation bound to its group on this rank (every rank
-        creates the group; None on a rank outside it), or None for any other op."""
-        if strategy_of(expr) != RING:
+        """A context-parallel attention's implementation bound to its group on this rank
+        (every rank creates the group; None on a rank outside it), or None for any other op."""
+        if sequence_parallel(expr) is None:
             return None
-        mesh, axis = sequence_axis(expr)
+        mesh, axis = sequence_mesh_axis(expr)
         process_group = self.communicator.group_if_member(mesh, axis)
         if self.rank not in mesh:
             return None
