@@ -12,6 +12,7 @@ from benchmarks.cases import (
     attention_dropout,
     autodiff,
     collectives,
+    context_parallel,
     fusion,
     gpt3,
     mlp,
@@ -31,6 +32,7 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "collectives": collectives.run,
     "fusion": fusion.run,
     "gpt3_layer": gpt3.run,
+    "context_parallel": context_parallel.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -47,6 +49,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "autodiff": ("mlp_autodiff", "gpt_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
     "issue19": ("gpt3_layer",),
+    # issue 14: ring / all-gather / all-to-all attention on a sharded sequence, torch's
+    # context_parallel, one GPU
+    "issue14": ("context_parallel",),
 }
 
 
