@@ -293,3 +293,82 @@ def test_refused_strategies_say_why(multidevice_test):
 def test_unknown_strategy_is_a_definition_error():
     with pytest.raises(DefinitionError, match="'spiral' is not a context-parallel strategy"):
         Attention(2, 8, False, strategy="spiral").tensors()
+
+
+class DropoutAttention(FusionDefinition):
+    """Causal attention with dropout, forward and backward, q/k of head dim S and v the
+    identity (so ``attn`` is the dropped-out probability matrix: its zeros are the mask)."""
+
+    def __init__(self, mode, strategy, p=0.3):
+        super().__init__()
+        self.mode, self.strategy, self.p = mode, strategy, p
+
+    def definition(self):
+        self.q, self.k, self.v, self.g = (self.define_tensor([B, 2, 16, 16], dtype=DataType.Float)
+                                          for _ in range(4))
+        self.attn, self.lse, seed, offset = self.ops.sdpfa_fwd(
+            self.q, self.k, self.v, self.p, True, None, rng_seed=5, rng_offset=2,
+            dropout_mode=self.mode, context_parallel=self.strategy)
+        self.grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, self.attn, self.lse,
+                                        self.p, True, seed, offset, None,
+                                        context_parallel=self.strategy)
+        for t in (self.attn, *self.grads):
+            self.add_output(t)
+
+    def tensors(self):
+        self.define()
+        return (self.q, self.k, self.v, self.g, self.attn, self.lse, *self.grads)
+
+
+def _dropout_inputs():
+    torch.manual_seed(3)
+    q, k, g = (torch.randn(B, 2, 16, 16) for _ in range(3))
+    return [q, k, torch.eye(16).expand(B, 2, 16, 16).contiguous(), g]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["block", "zigzag"])
+def test_dropout_global_mode_equals_unsharded(multidevice_test, strategy, layout):
+    """Global-mask dropout: each block's mask is the unsharded run's at its global position,
+    so the sharded forward and gradients equal the unsharded run's."""
+    inputs = _dropout_inputs()
+    expected = DropoutAttention("global", None).execute(inputs)
+    fd = DropoutAttention("global", strategy)
+    _sequence_sharded(fd, mesh_1d(multidevice_test), layout)
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, fd.tensors())]
+    outputs = fd.execute(local)
+    assert f"context_parallel='{strategy}'" in fd.explain()
+    for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
+        torch.testing.assert_close(out, multidevice_test.shard_tensor(ref, tv), atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_dropout_shard_mode_gradients_use_the_forwards_masks(multidevice_test):
+    """Per-block streams: the backward redraws every block's mask from the forward's seed
+    and offset. The mask is read off the output (v is the identity) and a reference with
+    that mask, differentiated by autograd, gives the same gradients; the same seed gives the
+    same bits twice, and the masks are not the global mode's."""
+    inputs = _dropout_inputs()
+    fd = DropoutAttention("shard", "ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, fd.tensors())]
+    outputs = fd.execute(local)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, fd.execute(local)))
+    attn = multidevice_test.unshard_tensor(outputs[0], fd.fusion.outputs()[0]).cpu()
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    keep = (attn != 0) | ~causal
+    q, k, v = (t.double().requires_grad_() for t in inputs[:3])
+    scores = (q @ k.transpose(-2, -1) / 4.0).masked_fill(~causal, float("-inf"))
+    out = (scores.softmax(-1) * keep / 0.7) @ v
+    out.backward(inputs[3].double())
+    for got, ref, tv in zip(outputs, (out.detach(), q.grad, k.grad, v.grad),
+                            fd.fusion.outputs()):
+        torch.testing.assert_close(got, multidevice_test.shard_tensor(ref.float(), tv),
+                                   atol=1e-5, rtol=1e-5)
+    dropped = ((~keep & causal).sum() / (causal.sum() * 2 * B)).item()
+    assert 0.2 < dropped < 0.4, dropped  # about p = 0.3 of the entries the causal mask keeps
+    global_attn = DropoutAttention("global", None).execute(inputs)[0]
+    if multidevice_test.size > 1:
+        assert not torch.equal((global_attn != 0), (attn != 0))

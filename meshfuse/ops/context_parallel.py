@@ -36,10 +36,11 @@ import os
 import torch
 
 from meshfuse.errors import DefinitionError
+from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ir.layout import device_ids, split_indices
-from meshfuse.ops import attention_kernels
-from meshfuse.ops.attention_backends import select_backend
-from meshfuse.ops.attention_dropout import kernel_state
+from meshfuse.ops import attention_kernels, rng
+from meshfuse.ops.attention_backends import AttentionBackend, select_backend
+from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
 
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
@@ -131,6 +132,11 @@ class ContextParallel:
             result.append(((a, b), (at, at + b - a)))
             at += b - a
         return tuple(result)
+
+    def global_rows(self, position: int, local: Run) -> torch.Tensor:
+        """The global row indices of local rows ``local`` of ``position``'s shard."""
+        rows = torch.cat([torch.arange(a, b) for a, b in self.rows[position]])
+        return rows[local[0]:local[1]]
 
     def length(self, position: int) -> int:
         return sum(b - a for a, b in self.rows[position])
@@ -234,23 +240,64 @@ def _sequence(t: torch.Tensor, run: Run) -> torch.Tensor:
     return t[..., run[0]:run[1], :]
 
 
-def block_forward(q, k, v, scale, kind: Block):
+@dataclasses.dataclass(frozen=True)
+class BlockDropout:
+    """The dropout of one context-parallel attention call: each kernel call's keep mask,
+    drawn from ``seed``/``offset`` and the call's global position (``site``: the rank's
+    batch and head indices, the global extents and the mode).
+
+    - ``global`` mode: the unsharded run's mask, ``uniform(seed, offset) >= p`` at each
+      element's global (batch, head, query, key) position, whatever the strategy;
+    - ``shard`` mode: a stream per block, keyed by the seed, the offset and the block's first
+      global batch, head, query and key index; the backward redraws it from the same key.
+    """
+
+    p: float
+    seed: int
+    offset: int
+    site: DropoutSite
+
+    def keep(self, query_rows: torch.Tensor, key_rows: torch.Tensor,
+             device: torch.device) -> torch.Tensor:
+        """The bool keep mask ``[b, h, len(query_rows), len(key_rows)]`` (True: kept)."""
+        index = self.site.index
+        if self.site.mode == GLOBAL:
+            block = GlobalIndex(index.extents, index.indices[:-2] + (query_rows, key_rows))
+            return rng.unit_uniform(rng.stream_key(self.seed, self.offset),
+                                    block.linear(device), torch.float32) >= self.p
+        shape = (*index.local_shape[:-2], len(query_rows), len(key_rows))
+        key = rng.stream_key(self.seed, self.offset, *index.starts[:-2], int(query_rows[0]),
+                             int(key_rows[0]))
+        counters = torch.arange(math.prod(shape), device=device).view(shape)
+        return rng.unit_uniform(key, counters, torch.float32) >= self.p
+
+
+def block_forward(q, k, v, scale, kind: Block, keep: torch.Tensor | None = None,
+                  p: float = 0.0):
     """One query run against one key run: ``(attn, log_sumexp)`` of the machine's fastest
-    kernel (cuDNN on Hopper, flash elsewhere, the CPU kernels on CPU)."""
+    kernel (cuDNN on Hopper, flash elsewhere, the CPU kernels on CPU); with a dropout keep
+    mask, the math kernel."""
     causal = kind is Block.DIAGONAL
+    if keep is not None:
+        attn, lse, _, _ = attention_kernels.sdpa_forward(q, k, v, p, causal, scale,
+                                                         AttentionBackend.MATH, keep)
+        return attn, lse
     backend = select_backend(q, k, v, 0.0, causal)
     attn, lse, _, _ = attention_kernels.sdpa_forward(q, k, v, 0.0, causal, scale, backend)
     return attn, lse
 
 
-def block_backward(grad, q, k, v, attn, lse, scale, kind: Block):
+def block_backward(grad, q, k, v, attn, lse, scale, kind: Block,
+                   keep: torch.Tensor | None = None, p: float = 0.0):
     """The gradients of one query run against one key run, from the *merged* output and
     log-sum-exp (so each block's probabilities are exact): ``(dq, dk, dv)``."""
     causal = kind is Block.DIAGONAL
-    backend = select_backend(q, k, v, 0.0, causal)
+    backend = AttentionBackend.MATH if keep is not None else select_backend(q, k, v, 0.0,
+                                                                            causal)
     seed, offset = kernel_state(backend, None, None, 0.0, q.device)
-    return attention_kernels.sdpa_backward(grad, q, k, v, attn, lse, 0.0, causal, seed, offset,
-                                           scale, backend)
+    return attention_kernels.sdpa_backward(grad, q, k, v, attn, lse, p if keep is not None
+                                           else 0.0, causal, seed, offset, scale, backend,
+                                           keep)
 
 
 class Merged:
@@ -320,17 +367,29 @@ def kernel_calls(record: ContextParallel, position: int, causal: bool):
     return calls
 
 
+def _keep(dropout: BlockDropout | None, record: ContextParallel, position: int, rows: Run,
+          keys: Run, device) -> dict:
+    """The keyword arguments of a block kernel: its dropout mask, or none."""
+    if dropout is None:
+        return {}
+    mask = dropout.keep(record.global_rows(record.position, rows),
+                        record.global_rows(position, keys), device)
+    return {"keep": mask, "p": dropout.p}
+
+
 def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, position: int,
-                   merged: Merged) -> None:
+                   merged: Merged, dropout: BlockDropout | None = None) -> None:
     """This rank's queries against ``position``'s key/value block (``k``, ``v``: that
     block, local), merged into ``merged``."""
     for rows, keys, kind in kernel_calls(record, position, causal):
         merged.add(rows, *block_forward(_sequence(q, rows), _sequence(k, keys),
-                                        _sequence(v, keys), scale, kind))
+                                        _sequence(v, keys), scale, kind,
+                                        **_keep(dropout, record, position, rows, keys,
+                                                q.device)))
 
 
 def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                    position: int, dq: torch.Tensor):
+                    position: int, dq: torch.Tensor, dropout: BlockDropout | None = None):
     """The gradients of this rank's queries against ``position``'s key/value block: adds
     into ``dq`` (float32, this rank's queries) and returns the block's ``(dk, dv)`` partial
     sums (float32), or None when every pair is skipped."""
@@ -339,7 +398,8 @@ def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: Conte
         gq, gk, gv = block_backward(_sequence(grad, rows), _sequence(q, rows),
                                     _sequence(k, keys), _sequence(v, keys),
                                     _sequence(attn, rows), lse[..., rows[0]:rows[1]], scale,
-                                    kind)
+                                    kind, **_keep(dropout, record, position, rows, keys,
+                                                  q.device))
         _sequence(dq, rows).add_(gq)
         if dk is None:
             dk = k.new_zeros(k.shape, dtype=torch.float)

@@ -7,9 +7,10 @@ prints it.
 
 When q, k and v (and in the backward the output gradient, the output and the log-sum-exp)
 are all sharded alike on their sequence axis by one block or zig-zag split over one mesh
-axis, with one static sequence extent and no dropout, the attention runs context-parallel
-itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide over the ranks
-and the ranks hold equal blocks), the one of least estimated time
+axis, with one static sequence extent and a constant dropout_p, the attention runs
+context-parallel itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide
+over the ranks, the ranks hold equal blocks and there is no dropout), the one of least
+estimated time
 (:mod:`meshfuse.ops.context_parallel_cost`) unless one is asked for. Its domain map is then
 rewritten: the key/value sequence maps onto the query sequence (a rank's keys are the rows of
 its queries' positions) and no reduction maps from a sequence (the strategy completes it).
@@ -113,8 +114,8 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
     s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").logical[2].extent
     if s_q is None or s_q != s_kv:
         return f"the query and key sequences are not of one static extent ({s_q}, {s_kv})"
-    if _value(expr, "dropout_p") != 0.0:
-        return "dropout_p is not a constant 0"
+    if _value(expr, "dropout_p") is None:
+        return "dropout_p is not a constant"
     return None
 
 
@@ -129,6 +130,8 @@ def _why_not_alltoall(expr: Expr) -> str | None:
         return f"the {local} local heads of {q.name} do not divide over {n} ranks"
     if s % n:
         return f"the sequence of {s} does not divide over {n} ranks (blocks must be equal)"
+    if _value(expr, "dropout_p") != 0.0:
+        return "it has no dropout (the ring and the all-gather have)"
     return None
 
 

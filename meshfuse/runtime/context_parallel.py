@@ -13,6 +13,11 @@ dk/dv partial sums are added to the block's accumulators, which then go to the n
 the last transfer brings each accumulator home: ``n - 1`` transfers of k and v and ``n`` of
 dk and dv.
 
+**Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
+of its block (:class:`~meshfuse.ops.context_parallel.BlockDropout`), drawn from the forward's
+seed and offset and the block's global position; the forward returns that seed and offset,
+and the backward draws each block's mask again from them.
+
 **All-gather**: k and v gathered (both in flight at once), this rank's queries against every
 position's block; the backward reduce-scatters dk and dv (float32).
 
@@ -25,12 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from meshfuse.ops.attention_dropout import no_rng_state
+from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
 from meshfuse.ops.context_parallel import (
     ALLGATHER,
     ALLTOALL,
     RING,
     Block,
+    BlockDropout,
     ContextParallel,
     Merged,
     backward_blocks,
@@ -38,6 +44,7 @@ from meshfuse.ops.context_parallel import (
     block_forward,
     forward_blocks,
 )
+from meshfuse.ops.random import resolve_seed
 from meshfuse.runtime.collectives import (
     Group,
     all_to_all,
@@ -59,7 +66,8 @@ def _check_local(record: ContextParallel, op: str, **tensors: torch.Tensor) -> N
             f"{op}: {name} holds {t.shape[-2]} sequence rows, its ring record {rows}")
 
 
-def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group):
+def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                 dropout: BlockDropout | None = None):
     """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
     merged = Merged(q, v)
@@ -69,14 +77,14 @@ def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: G
         if step < record.size - 1:
             rows = record.length(record.holder(step + 1))
             pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
-        forward_blocks(q, *block, scale, causal, record, record.holder(step), merged)
+        forward_blocks(q, *block, scale, causal, record, record.holder(step), merged, dropout)
         if pending is not None:
             block = pending.wait()
     return merged.result(q.dtype)
 
 
 def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                  group: Group):
+                  group: Group, dropout: BlockDropout | None = None):
     """This rank's ``(dq, dk, dv)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
     dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
@@ -87,7 +95,7 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
             rows = record.length(record.holder(step + 1))
             pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
         partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
-                                  record.holder(step), dq)
+                                  record.holder(step), dq, dropout)
         own = sums.wait() if sums is not None else \
             [torch.zeros(t.shape, dtype=torch.float, device=t.device) for t in block]
         if partial is not None:
@@ -113,19 +121,20 @@ def _positions(record: ContextParallel, t: torch.Tensor):
     return t.split([record.length(c) for c in range(record.size)], dim=-2)
 
 
-def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group):
+def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                      dropout: BlockDropout | None = None):
     """``(attn, log_sumexp)`` with k and v gathered (both gathers in flight at once)."""
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
     merged = Merged(q, v)
     for c in range(record.size):
-        forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged)
+        forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged, dropout)
     return merged.result(q.dtype)
 
 
 def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                       group: Group):
+                       group: Group, dropout: BlockDropout | None = None):
     """``(dq, dk, dv)`` with k and v gathered and dk, dv reduce-scattered (float32)."""
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
@@ -134,7 +143,7 @@ def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Co
     sums = []
     for c in range(record.size):
         partial = backward_blocks(grad, q, keys[c], values[c], attn, lse, scale, causal,
-                                  record, c, dq)
+                                  record, c, dq, dropout)
         sums.append(partial or [torch.zeros(t.shape, dtype=torch.float, device=t.device)
                                 for t in (keys[c], values[c])])
     dk, dv = (reduce_scatter(torch.cat([s[i] for s in sums], dim=-2), k.ndim - 2, group,
@@ -169,7 +178,8 @@ def _row_order(record: ContextParallel, device):
     return order, rows.to(device)
 
 
-def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group):
+def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                     dropout: None = None):
     """``(attn, log_sumexp)`` computed on whole sequences of ``1/n`` of the heads."""
     order, inverse = _row_order(record, q.device)
     qh, kh, vh = (_to_heads(t, record, group, order) for t in (q, k, v))
@@ -179,7 +189,7 @@ def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, grou
 
 
 def alltoall_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                      group: Group):
+                      group: Group, dropout: None = None):
     """``(dq, dk, dv)`` on whole sequences of ``1/n`` of the heads."""
     order, inverse = _row_order(record, q.device)
     heads = [_to_heads(t, record, group, order) for t in (grad, q, k, v, attn)]
@@ -198,9 +208,14 @@ def forward_step(group: Group):
     signature; the record, ``context``, says which strategy)."""
     def run(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
             dropout_mode=None, context_parallel=None, *, site=None, context=None):
+        dropout, state = None, no_rng_state(q.device)
+        if float(dropout_p) > 0.0:
+            seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
+            dropout, state = BlockDropout(float(dropout_p), seed, offset, site), \
+                rng_state(seed, offset)
         attn, lse = _FORWARD[_strategy(context)](q, k, v, _scale(scale), bool(is_causal),
-                                                  context, group)
-        return (attn, lse, *no_rng_state(q.device))
+                                                  context, group, dropout)
+        return (attn, lse, *state)
     return run
 
 
@@ -208,8 +223,12 @@ def backward_step(group: Group):
     """The implementation of a context-parallel ``sdpfa_bwd`` record on this rank."""
     def run(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
             scale=None, dropout_mode=None, context_parallel=None, *, site=None, context=None):
+        dropout = None
+        if float(dropout_p) > 0.0:  # the forward's seed and offset: every block's mask again
+            dropout = BlockDropout(float(dropout_p), *seed_and_offset(seed, offset), site)
         return _BACKWARD[_strategy(context)](grad_attn, q, k, v, attn, log_sumexp,
-                                             _scale(scale), bool(is_causal), context, group)
+                                             _scale(scale), bool(is_causal), context, group,
+                                             dropout)
     return run
 
 
