@@ -72,6 +72,8 @@ def _extra(r: Record) -> str:
         picks = "/".join(m["estimate_picks_measured"].values())
         parts.append(f"{m['kernel_tflops']} TFLOP/s, {m['link_gbps']} GB/s: estimate picks "
                      f"{picks}, fastest {m['fastest']}")
+    if "summary" in m:  # a case's own one-line finding (e.g. an interleaved ratio)
+        parts.append(m["summary"])
     return ", ".join(parts)
 
 

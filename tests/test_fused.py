@@ -5,8 +5,9 @@ Checked: which records a program's runs of fusible steps become (a matrix produc
 communication stay outside, a segment ends before a step reading a communication's result);
 values against the interpreter and against plain PyTorch, on one process and sharded at every
 world size the suite runs (a row-parallel linear whose partial sums are allreduced, then a
-softmax-like chain); the communications recorded; no recompilation on cached calls (the
-compile counter); explain's line. The suite compiles with ``aot_eager`` (the same lowering,
+softmax-like chain; the fusion benchmark's programs); the communications recorded; no
+recompilation on cached calls (meshfuse's compile counter and torch's); a scalar input
+compiled once per value; explain's line. The suite compiles with ``aot_eager`` (the same lowering,
 through torch.compile's tracing, without generating kernels: Inductor's C++ compiler takes
 tens of seconds on a loaded CPU); ``MESHFUSE_TEST_INDUCTOR=1`` adds the Inductor run.
 """
@@ -18,7 +19,10 @@ import os
 import pytest
 import torch
 from mesh_helpers import mesh_1d, shard
+from torch._dynamo.utils import counters
 
+from benchmarks.cases.fusion import NormFwdBwd, SoftmaxRows
+from benchmarks.fusions import Pointwise10
 from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.runtime.fused import FUSED
@@ -135,3 +139,74 @@ def test_inductor_compiles_the_segments():
     fd.execute([x, w], compile=True)
     (_, stats), = fd._get_runner()._fused.values()
     assert stats.compiles == 2 and stats.seconds > 0
+
+
+def _compile_counters() -> dict:
+    """torch's compile counters (Dynamo frames and graphs, AOTAutograd compilations)."""
+    return {name: dict(counter) for name, counter in counters.items()}
+
+
+def test_cached_calls_never_recompile():
+    fd = _LinearThenSoftmax()
+    fd.execute(list(_inputs()), compile=BACKEND)
+    first = _compile_counters()
+    assert first["aot_autograd"]["total"] >= 2  # the counter counts segment compilations
+    for seed in (1, 2, 3):
+        x, w = _inputs(seed)
+        got, = fd.execute([x, w], compile=BACKEND)
+        torch.testing.assert_close(got, _reference(x, w))
+    assert _compile_counters() == first
+    (_, stats), = fd._get_runner()._fused.values()
+    assert stats.compiles == 2
+
+
+class _ScaledChain(FusionDefinition):
+    """``exp(x * a) + a`` with ``a`` a Double scalar input: a segment reading a Python number."""
+
+    def definition(self) -> None:
+        self.x = self.define_tensor([3, 4], dtype=DataType.Float)
+        self.a = self.define_scalar(dtype=DataType.Double)
+        self.add_output(self.ops.add(self.ops.exp(self.ops.mul(self.x, self.a)), self.a))
+
+
+def test_a_scalar_input_compiles_once_per_value():
+    fd = _ScaledChain()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    for a, compiles in ((0.5, 1), (2.0, 2), (0.5, 2), (2.0, 2)):
+        got, = fd.execute([x, a], compile=BACKEND)
+        want, = fd.execute([x, a], compile=False)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, torch.exp(x * a) + a)
+        (program, stats), = fd._get_runner()._fused.values()
+        assert [s.op for s in program.steps] == [FUSED]
+        assert stats.compiles == compiles
+
+
+def _benchmark_programs():
+    """The fusion benchmark's programs at small sizes: (fusion, inputs)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    bf16 = torch.bfloat16
+    return {
+        "pointwise10": (Pointwise10(8, None), [randn(8, 8), randn(8, 8)]),
+        "softmax": (SoftmaxRows(8, 16, None), [randn(8, 16, dtype=bf16)]),
+        "layer_norm": (NormFwdBwd(8, 16, None, rms=False),
+                       [randn(8, 16, dtype=bf16), randn(16, dtype=bf16), randn(8, 16, dtype=bf16)]),
+        "rms_norm": (NormFwdBwd(8, 16, None, rms=True),
+                     [randn(8, 16, dtype=bf16), randn(16, dtype=bf16), randn(8, 16, dtype=bf16)]),
+    }
+
+
+@pytest.mark.parametrize("name", ["pointwise10", "softmax", "layer_norm", "rms_norm"])
+def test_benchmark_programs_compiled_match_the_interpreter(name):
+    fd, inputs = _benchmark_programs()[name]
+    want = fd.execute(inputs, compile=False)
+    got = fd.execute(inputs, compile=BACKEND)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.stride() == w.stride()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    (program, _), = fd._get_runner()._fused.values()
+    assert [s.op for s in program.steps] == [FUSED]  # the whole program is one segment

@@ -15,12 +15,26 @@ BHSE, as variants:
 - ``meshfuse_global_p0.1``: ``dropout_mode="global"`` (the math kernel with the global
   mask: the validation mode, for its cost).
 
+- ``meshfuse_<backend>_p0.1``: meshfuse with dropout on each other fused kernel
+  (``MESHFUSE_SDPA_BACKEND`` at the first call, when the kernel is bound), to see which
+  fused kernel is fastest with dropout here.
+
+Every variant also records its host time per call (``host_us``, the GPU kept busy) and its
+GPU time (``gpu_us``): a call is host-bound here, and a slow iteration is either host work or
+a wait for the GPU (``host_note``). Timings of a host-bound program drift with the host's
+load, so the dropout cost is also measured *interleaved*: ``meshfuse_p0`` and
+``meshfuse_p0.1`` timed in alternating blocks, the median of the per-round ratios
+(``interleaved_ratio`` on the ``meshfuse_p0.1`` record; the target is <= 1.3).
+
 Before timing, the meshfuse dropout variants are checked to be reproducible (two calls with
 the same seed give the same bits) and finite; their correctness is the test suite's
 (``tests/test_attention_dropout.py``, which runs on the GPUs too).
 """
 
 from __future__ import annotations
+
+import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -35,21 +49,32 @@ from benchmarks.cases.attention import (
 from benchmarks.context import Context
 from benchmarks.fusions import QkvFormat, SeedAttention
 from benchmarks.harness import Plan, Record, Skip, Variant, run_variants
+from benchmarks.timing import percentile, timed_samples
 from meshfuse.errors import InputError
 from meshfuse.ops import attention_kernels as kernels
+from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
 from meshfuse.ops.attention_backends import select_backend
 
 P, IS_CAUSAL = 0.1, True
 FUSED = ("cudnn", "flash", "efficient")
 
 
-def meshfuse_variant(ctx: Context, sizes, inputs, p: float, mode: str | None = None) -> Variant:
-    """The seed's fusion with ``dropout_p = p`` (and ``dropout_mode``), run on the shards."""
+def meshfuse_variant(ctx: Context, sizes, inputs, p: float, mode: str | None = None,
+                     backend: str | None = None, steps: dict | None = None) -> Variant:
+    """The seed's fusion with ``dropout_p = p`` (and ``dropout_mode``), run on the shards;
+    ``backend`` forces the attention kernel; ``steps`` collects the timed step by name."""
+    name = f"meshfuse_p{p:g}" if mode is None else f"meshfuse_{mode}_p{p:g}"
+    if backend is not None:
+        name = f"meshfuse_{backend}_p{p:g}"
 
     def setup():
         b, h, s, head_dim = (sizes[k] for k in ("b", "h", "s", "head_dim"))
         model = SeedAttention(QkvFormat.BHSE, meshfuse.DeviceMesh(range(ctx.world)), b, h, s,
                               h * head_dim, dropout_p=p, dropout_mode=mode)
+        if backend is not None:
+            if not ctx.cuda:
+                raise Skip("the fused dropout kernels are CUDA kernels")
+            _bind_with(model, inputs, backend)
         if p > 0:
             runs = []
             for _ in range(2):
@@ -60,10 +85,37 @@ def meshfuse_variant(ctx: Context, sizes, inputs, p: float, mode: str | None = N
             if not all(t.isfinite().all() for t in runs[0]):
                 raise ValueError("non-finite outputs")
         model.execute(inputs)
+        if steps is not None:
+            steps[name] = lambda: model.execute(inputs)
         return lambda: model.execute(inputs)
 
-    name = f"meshfuse_p{p:g}" if mode is None else f"meshfuse_{mode}_p{p:g}"
     return Variant(name, setup, f"dropout_mode={mode}" if mode else "")
+
+
+def _bind_with(model, inputs, backend: str) -> None:
+    """The first call of ``model`` (where its kernels are chosen) with ``backend`` forced."""
+    saved = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = backend
+    try:
+        model.execute(inputs)
+    except InputError as err:
+        raise Skip(str(err)) from None
+    finally:
+        if saved is None:
+            del os.environ[BACKEND_ENV]
+        else:
+            os.environ[BACKEND_ENV] = saved
+
+
+def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:
+    """The median over ``rounds`` of (median time of ``step``) / (median of ``base``), the
+    two timed in alternating blocks of ``iters`` calls, so that a drift of the host's speed
+    hits both alike; the largest over ranks."""
+    ratios = []
+    for _ in range(rounds):
+        base_ms = percentile(timed_samples(ctx, base, iters), 50)
+        ratios.append(percentile(timed_samples(ctx, step, iters), 50) / base_ms)
+    return max(ctx.gather(statistics.median(ratios)))
 
 
 def direct_variant(ctx: Context, inputs, requested: str | None) -> Variant:
@@ -105,18 +157,28 @@ def torch_variant(inputs) -> Variant:
 def run(ctx: Context) -> list[Record]:
     """The seed's attention with and without dropout, in one run."""
     sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
-    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100)
-    plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100, host_calls=50)
+    plan = Plan(plan.warmup, plan.iters, plan.host_calls, flops=attention_flops(**sizes))
     inputs = local_inputs(ctx, sizes, QkvFormat.BHSE)
+    steps: dict = {}
     variants = [
-        meshfuse_variant(ctx, sizes, inputs, 0.0),
-        meshfuse_variant(ctx, sizes, inputs, P),
+        meshfuse_variant(ctx, sizes, inputs, 0.0, steps=steps),
+        meshfuse_variant(ctx, sizes, inputs, P, steps=steps),
         direct_variant(ctx, inputs, None),
         *(direct_variant(ctx, inputs, name) for name in FUSED),
+        *(meshfuse_variant(ctx, sizes, inputs, P, backend=name) for name in FUSED),
         torch_variant(inputs),
         meshfuse_variant(ctx, sizes, inputs, P, "global"),
     ]
     params = dict(sizes, causal=IS_CAUSAL, dtype="bf16", layout="BHSE", dropout_p=P,
                   heads_per_rank=sizes["h"] // ctx.world)
-    return run_variants(ctx, "attention_dropout", "BHSE", variants, plan, "meshfuse_p0",
-                        params)
+    records = run_variants(ctx, "attention_dropout", "BHSE", variants, plan, "meshfuse_p0",
+                           params)
+    base, dropped = steps.get("meshfuse_p0"), steps.get(f"meshfuse_p{P:g}")
+    record = next((r for r in records if r.variant == f"meshfuse_p{P:g}"), None)
+    if base is not None and dropped is not None and record is not None:
+        rounds, iters = (2, 3) if ctx.quick else (7, 50)
+        ratio = interleaved_ratio(ctx, base, dropped, rounds, iters)
+        record.metrics["interleaved_ratio"] = round(ratio, 3)
+        record.metrics["summary"] = f"interleaved with p0: {ratio:.2f}x"
+    return records

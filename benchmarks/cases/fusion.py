@@ -13,7 +13,9 @@ Programs, rows split over the ranks (timings per rank):
 Variants: ``meshfuse`` (interpreter), ``meshfuse_compiled`` (``execute(compile=True)``),
 ``torch_eager`` and ``torch_compile`` (the same torch calls), ``memory_floor`` (a copy of as
 many bytes as the program reads and writes, so its time is those bytes at the copy bandwidth
-of this run); ratios are against ``memory_floor``. The compiled variants record their
+of this run); ratios are against ``memory_floor``. Each variant's host time per call
+(``host_us``, the GPU kept busy) and GPU time (``gpu_us``) say whether it is host- or
+GPU-bound. The compiled variants record their
 first-call compile time (``compile_s``) and, for meshfuse, the number of compilations
 (``compiles``; a later call that recompiled would change it). Without CUDA (``--quick``) the
 compiled variants use torch.compile's ``aot_eager`` backend: Inductor's C++ build on a CPU
@@ -158,7 +160,7 @@ def _randn(ctx: Context, *shape, dtype=torch.float32, seed=0) -> torch.Tensor:
 
 def run(ctx: Context) -> list[Record]:
     """Every program of the module doc, at quick sizes with ``--quick``."""
-    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=10, iters=50)
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=10, iters=50, host_calls=50)
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     records = []
     for n in ((64,) if ctx.quick else (4096, 8192)):

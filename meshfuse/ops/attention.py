@@ -41,6 +41,7 @@ from meshfuse.ops.attention_dropout import (
     SEED_SPEC,
     SHARD,
     DropoutSite,
+    FusedDropout,
     attention_site,
     kernel_state,
     no_rng_state,
@@ -235,10 +236,11 @@ def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rn
 class _Forward:
     """``sdpfa_fwd`` in a program: checks and picks the kernel on the first call (the
     program's shapes and strides are fixed), then calls it directly. With dropout, each call
-    draws from this shard's stream (``site``)."""
+    draws from this shard's stream (``site``), through a :class:`FusedDropout` made once."""
 
     def __init__(self) -> None:
-        self.bound = {}  # dropout or not -> (backend, raw forward kernel or None for math)
+        # dropout or not -> (backend, raw forward kernel or None for math, FusedDropout or None)
+        self.bound = {}
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, context_parallel, site):
@@ -250,19 +252,25 @@ class _Forward:
         if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
             self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site)
             return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
-        backend, kernel = self.bound[p > 0.0]
+        backend, kernel, dropout = self.bound[p > 0.0]
+        if dropout is not None:
+            seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
+            return dropout.forward(kernel, seed, offset, q, k, v, p, is_causal,
+                                   None if scale is None else float(scale))
         return _forward(backend, kernel, q, k, v, p, is_causal, scale, rng_seed, rng_offset,
                         site)
 
 
 def _bind(which: int, q, k, v, dropout_p, is_causal, site):
-    """``(backend, kernel)``: the raw forward (``which`` 0) or backward (1) kernel for these
-    inputs, None for the math kernel with dropout (it needs its mask: the checked path)."""
+    """``(backend, kernel, dropout)``: the raw forward (``which`` 0) or backward (1) kernel
+    for these inputs, None for the math kernel with dropout (it needs its mask: the checked
+    path); a forward's :class:`FusedDropout` when a fused CUDA kernel draws the mask."""
     backend = _backend(site, q, k, v, dropout_p, is_causal)
     if dropout_p > 0.0 and backend is AttentionBackend.MATH:
-        return backend, None
-    return backend, attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal,
-                                                   backend)[1 + which]
+        return backend, None, None
+    kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
+    fused = dropout_p > 0.0 and which == 0 and q.device.type == "cuda"
+    return backend, kernel, FusedDropout(site, backend, q.device) if fused else None
 
 
 def _whole_axes(expr) -> set:
@@ -493,7 +501,7 @@ class _Backward:
             self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
                         site=site)
-        backend, kernel = self.bound[p > 0.0]
+        backend, kernel, _ = self.bound[p > 0.0]
         return _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, p, is_causal,
                          seed, offset, scale, site)
 

@@ -7,10 +7,13 @@ drawn from torch's default generator at each call) decide every mask. Two modes:
   seed, the offset and the shard's position in the global tensor (the first global batch,
   head and query index it holds). Streams are independent across shards, so no two heads
   anywhere share a mask, and the same seed and schedule give the same masks. On CUDA the
-  fused kernel (cuDNN, flash, memory-efficient) runs with torch's CUDA generator seeded with
-  the stream's key for the call (and restored after); its backward replays the RNG state the
-  forward returned. On CPU, and wherever the math kernel runs, the mask is drawn with
-  meshfuse's generator from the stream key and the element's local position.
+  fused kernel (cuDNN, flash, memory-efficient) runs with torch's CUDA generator pointed at
+  a private generator seeded with the stream's key for the call
+  (:mod:`meshfuse.ops.generator_swap`); its backward replays the RNG state the forward
+  returned. In a program, what depends on the signature only (the key's words, the
+  generators, the state's form) is decided once (:class:`FusedDropout`). On CPU, and
+  wherever the math kernel runs, the mask is drawn with meshfuse's generator from the stream
+  key and the element's local position.
 - ``"global"`` (for validation): the keep mask is ``uniform(seed, offset)[b, h, i, j] >= p``
   at the *global* position, exactly what ``fd.ops.uniform(0, 1, [B, H, S, Skv], rng_seed=seed,
   rng_offset=offset)`` gives, so a sharded run is bitwise the unsharded one at any world
@@ -28,6 +31,7 @@ between it and each kernel's own tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -37,12 +41,12 @@ from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ops import rng
 from meshfuse.ops.attention_backends import AttentionBackend
+from meshfuse.ops.generator_swap import generator_swap
 from meshfuse.ops.registry import AxisSpec, OutSpec
 
 ENV_VAR = "MESHFUSE_DROPOUT_MODE"
 SHARD, GLOBAL = "shard", "global"
 MODES = (SHARD, GLOBAL)
-_MAX_SEED = 2**63 - 1
 
 
 def resolve_mode(op: str, mode: str | None) -> str:
@@ -61,16 +65,23 @@ def resolve_mode(op: str, mode: str | None) -> str:
 @dataclasses.dataclass(frozen=True)
 class DropoutSite:
     """One rank's part of an attention call's dropout: the mode, and where the rank's
-    ``[B, H, S, Skv]`` mask block sits in the global mask (all keys are held)."""
+    ``[B, H, S, Skv]`` mask block sits in the global mask (all keys are held). Made once per
+    program signature (by localization); what it derives is computed on first use."""
 
     mode: str
     index: GlobalIndex
 
-    @property
+    @functools.cached_property
     def position(self) -> tuple[int, ...]:
         """The shard's first global index on every axis but the keys (batch, head, query,
         and any leading axes before them)."""
         return self.index.starts[:-1]
+
+    @functools.cached_property
+    def words(self) -> tuple[int, ...]:
+        """What the stream key hashes besides the seed and offset: the shard's position in
+        ``"shard"`` mode, nothing in ``"global"`` mode (one stream, indexed globally)."""
+        return () if self.mode == GLOBAL else self.position
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -80,9 +91,7 @@ class DropoutSite:
 
     def stream(self, seed: int, offset: int) -> int:
         """The key of the stream this rank draws from for ``seed`` and ``offset``."""
-        if self.mode == GLOBAL:
-            return rng.stream_key(seed, offset)
-        return rng.stream_key(seed, offset, *self.position)
+        return rng.stream_key(seed, offset, *self.words)
 
     def keep_mask(self, seed: int, offset: int, dropout_p: float,
                   device: torch.device) -> torch.Tensor:
@@ -118,24 +127,12 @@ def attention_site(mode: str, out: GlobalIndex, kv_length: int) -> DropoutSite:
 
 
 def run_in_stream(key: int, device: torch.device, kernel, *args):
-    """``kernel(*args)`` with torch's CUDA generator seeded with ``key`` (a fused CUDA
-    kernel draws its dropout mask from it, and returns the RNG state its backward replays);
-    the generator's state is restored afterwards. On other devices, just the call."""
+    """``kernel(*args)`` with torch's CUDA generator drawing from the stream ``key`` (a
+    fused CUDA kernel draws its dropout mask from it, and returns the RNG state its backward
+    replays); the generator is left as it was. On other devices, just the call."""
     if device.type != "cuda":
         return kernel(*args)
-    if torch.cuda.is_current_stream_capturing():
-        raise InputError(
-            "sdpfa_fwd: dropout_p > 0 inside a CUDA graph capture is not supported (the graph "
-            "would replay one mask forever); run without cuda_graph=True"
-        )
-    generator = torch.cuda.default_generators[
-        device.index if device.index is not None else torch.cuda.current_device()]
-    saved = generator.get_state()
-    generator.manual_seed(key & _MAX_SEED)
-    try:
-        return kernel(*args)
-    finally:
-        generator.set_state(saved)
+    return generator_swap(device).run(key, kernel, *args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,3 +223,38 @@ def _check_state(seed, offset) -> None:
             type(seed).__name__
         raise InputError(f"sdpfa_bwd: seed must be the forward's RNG state, a uint64 [2] "
                          f"tensor, got {got}; pass sdpfa_fwd's seed and offset outputs")
+
+
+class FusedDropout:
+    """Per-shard dropout with a fused CUDA kernel in a program, for one input signature.
+
+    Everything that depends on the signature only is decided once, when the program's kernel
+    is bound: the words the stream key hashes (the shard's position), the device's
+    :class:`~meshfuse.ops.generator_swap.GeneratorSwap` and the form of the kernel's RNG
+    state. A call hashes the seed and offset into the stream key (only when they changed
+    since the last call: a constant seed is hashed once), swaps generators around the kernel
+    and joins the kernel's RNG state into nvFuser's form.
+    """
+
+    def __init__(self, site: DropoutSite, backend: AttentionBackend, device: torch.device):
+        self.backend = backend
+        self._words = site.words
+        self._device = device
+        self._swap = generator_swap(device)
+        self._last: tuple[int | None, int | None, int] = (None, None, 0)
+
+    def key(self, seed: int, offset: int) -> int:
+        """The stream key of ``seed`` and ``offset`` (``DropoutSite.stream``), cached."""
+        last_seed, last_offset, key = self._last
+        if seed != last_seed or offset != last_offset:
+            key = rng.stream_key(seed, offset, *self._words)
+            self._last = (seed, offset, key)
+        return key
+
+    def forward(self, kernel, seed: int, offset: int, *args):
+        """``kernel(*args)`` (a bound fused forward) drawing from this shard's stream:
+        ``(attn, log_sumexp, seed, offset)``, the RNG state in nvFuser's form."""
+        attn, lse, kernel_seed, kernel_offset = self._swap.run(self.key(seed, offset), kernel,
+                                                               *args)
+        return (attn, lse,
+                *state_of_kernel(self.backend, kernel_seed, kernel_offset, self._device))

@@ -18,9 +18,10 @@ overlap it.
 The fused program is an ordinary :class:`Program`: a segment is one record (op ``"fused"``,
 its inputs as slots, its live outputs, its label listing the steps it runs), so the same
 interpreter loop runs it. Each segment is compiled on its first call, for the signature of the
-program it belongs to (``dynamic=False``); the runner caches the fused program per input
-signature, so cached calls never recompile. :class:`CompileStats` counts compilations and
-records their time (what ``explain`` and the benchmarks report).
+program it belongs to, by handing its graph to the torch.compile backend directly (no Dynamo:
+the call path of a compiled segment runs no guards); the runner caches the fused program per
+input signature, so cached calls never recompile. :class:`CompileStats` counts compilations
+and records their time (what ``explain`` and the benchmarks report).
 """
 
 from __future__ import annotations
@@ -143,29 +144,74 @@ def _segment(body: list[Step], calls: list[Callable], live: set[int]
     return record, fx.GraphModule(torch.nn.Module(), graph)
 
 
+_MAX_SPECIALIZATIONS = 8  # distinct scalar values a segment compiles for (torch.compile's limit)
+
+
 class _Compiled:
-    """A segment's graph under torch.compile; the first call (the compilation) is timed."""
+    """A segment's graph compiled by a torch.compile backend, and called directly.
+
+    The graph is already a ``torch.fx`` graph of torch calls on local tensors whose shapes,
+    strides and dtypes the program's input signature fixes, so the backend (Inductor's
+    ``compile_fx``, ``aot_eager``, ...) gets it as it is on the first call, without Dynamo:
+    no bytecode tracing, and a call evaluates no guards (Dynamo's guards and frame handling
+    cost tens of microseconds per call, more than a small fused kernel runs). What the guards
+    would check is what the signature fixes; Inductor's generated code still asserts its
+    inputs' sizes and strides.
+
+    Python scalars among the segment's inputs (scalar inputs of the fusion) are baked into
+    the graph: each distinct tuple of their values is compiled once (as ``torch.compile``
+    with ``dynamic=False`` specializes on them), up to ``_MAX_SPECIALIZATIONS``, after which
+    the graph runs uncompiled. Each compilation is counted and its first call timed in the
+    :class:`CompileStats`.
+    """
 
     def __init__(self, graph: fx.GraphModule, backend: str, stats: CompileStats):
         self.graph = graph
         self._stats = stats
         self._backend = backend
-        self._compiled = None
+        self._tensors_only: Callable | None = None  # compiled for all-tensor inputs
+        self._specialized: dict[tuple, Callable] = {}
 
     def __call__(self, *args):
-        if self._compiled is not None:
-            return _unpacked(self._compiled(*args))
-        start = time.perf_counter()
-        self._compiled = torch.compile(self.graph, backend=self._counted, dynamic=False)
-        result = self._compiled(*args)
-        self._stats.seconds += time.perf_counter() - start
-        return _unpacked(result)
+        compiled = self._tensors_only
+        if compiled is not None:
+            return _unpacked(compiled(*args))
+        return _unpacked(self._call_specialized(args))
 
-    def _counted(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
-        """The backend, counting each compilation (a recompilation would count again)."""
+    def _call_specialized(self, args: tuple) -> Any:
+        scalars = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        key = tuple(scalars.items())
+        compiled = self._specialized.get(key)
+        if compiled is not None:
+            return compiled(*tensors)
+        if len(self._specialized) >= _MAX_SPECIALIZATIONS:
+            return self.graph(*args)
+        start = time.perf_counter()
+        graph = _with_constants(self.graph, scalars)
+        compiled = torch._dynamo.lookup_backend(self._backend)(graph, tensors)
+        result = compiled(*tensors)
         self._stats.compiles += 1
-        # torch._dynamo is imported lazily by torch: only a program that compiles pays for it.
-        return torch._dynamo.lookup_backend(self._backend)(gm, example_inputs)
+        self._stats.seconds += time.perf_counter() - start
+        self._specialized[key] = compiled
+        if not scalars:
+            self._tensors_only = compiled
+        return result
+
+
+def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphModule:
+    """A copy of ``gm`` whose placeholders at the positions in ``constants`` are replaced by
+    those values (a backend may change the graph it is given: the segment's stays as is)."""
+    graph = fx.Graph()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = {placeholders[i]: value for i, value in constants.items()}
+    copied: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node in fixed:
+            continue
+        copied[node] = graph.node_copy(node, lambda n: fixed[n] if n in fixed else copied[n])
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _unpacked(result: tuple) -> Any:
