@@ -391,9 +391,10 @@ def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, positi
 def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
                     position: int, dq: torch.Tensor, dropout: BlockDropout | None = None):
     """The gradients of this rank's queries against ``position``'s key/value block: adds
-    into ``dq`` (float32, this rank's queries) and returns the block's ``(dk, dv)`` partial
-    sums (float32), or None when every pair is skipped."""
-    dk = dv = None
+    into ``dq`` (float32, this rank's queries) and returns the block's key/value gradients
+    as ``[(local key rows, dk, dv)]``, one per kernel call (none when every pair is
+    skipped), for :func:`add_key_gradients`."""
+    parts = []
     for rows, keys, kind in kernel_calls(record, position, causal):
         gq, gk, gv = block_backward(_sequence(grad, rows), _sequence(q, rows),
                                     _sequence(k, keys), _sequence(v, keys),
@@ -401,9 +402,12 @@ def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: Conte
                                     kind, **_keep(dropout, record, position, rows, keys,
                                                   q.device))
         _sequence(dq, rows).add_(gq)
-        if dk is None:
-            dk = k.new_zeros(k.shape, dtype=torch.float)
-            dv = v.new_zeros(v.shape, dtype=torch.float)
+        parts.append((keys, gk, gv))
+    return parts
+
+
+def add_key_gradients(parts, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Adds :func:`backward_blocks`' key/value gradients into the block's float32 sums."""
+    for keys, gk, gv in parts:
         _sequence(dk, keys).add_(gk)
         _sequence(dv, keys).add_(gv)
-    return None if dk is None else (dk, dv)

@@ -39,6 +39,7 @@ from meshfuse.ops.context_parallel import (
     BlockDropout,
     ContextParallel,
     Merged,
+    add_key_gradients,
     backward_blocks,
     block_backward,
     block_forward,
@@ -98,9 +99,7 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
                                   record.holder(step), dq, dropout)
         own = sums.wait() if sums is not None else \
             [torch.zeros(t.shape, dtype=torch.float, device=t.device) for t in block]
-        if partial is not None:
-            own[0].add_(partial[0])
-            own[1].add_(partial[1])
+        add_key_gradients(partial, *own)  # the sums arrived while the kernels ran
         if record.size == 1:
             return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
         # The accumulators follow their block to the next rank (the last step: home).
@@ -142,10 +141,10 @@ def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Co
     dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
     sums = []
     for c in range(record.size):
-        partial = backward_blocks(grad, q, keys[c], values[c], attn, lse, scale, causal,
-                                  record, c, dq, dropout)
-        sums.append(partial or [torch.zeros(t.shape, dtype=torch.float, device=t.device)
-                                for t in (keys[c], values[c])])
+        sums.append([torch.zeros(t.shape, dtype=torch.float, device=t.device)
+                     for t in (keys[c], values[c])])
+        add_key_gradients(backward_blocks(grad, q, keys[c], values[c], attn, lse, scale,
+                                          causal, record, c, dq, dropout), *sums[-1])
     dk, dv = (reduce_scatter(torch.cat([s[i] for s in sums], dim=-2), k.ndim - 2, group,
                              "sum", sizes=sizes) for i in (0, 1))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
