@@ -338,7 +338,7 @@ def kernel_calls(record: ContextParallel, position: int, causal: bool):
     """The kernel calls of this rank's queries against ``position``'s key/value block:
     ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
     whole join is computed in full (a zig-zag rank's two query chunks against a key chunk
-    before both: one call, not two)."""
+    before both: one call, not two) or is the rank's own block (one causal call)."""
     queries = [(g, at) for g, at in record.local_runs(record.position) if at[1] > at[0]]
     keys = [(g, at) for g, at in record.local_runs(position) if at[1] > at[0]]
     kinds = {(qa, ka): block_kind(qg, kg, causal) for qg, qa in queries for kg, ka in keys}
@@ -350,6 +350,10 @@ def kernel_calls(record: ContextParallel, position: int, causal: bool):
         return []
     if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
         return [(joined(queries), joined(keys), Block.FULL)]
+    if position == record.position:
+        # This rank's own block: its rows, in ascending global order, are the queries and the
+        # keys, so the causal mask of the local rows is the global one: one causal call.
+        return [(joined(queries), joined(keys), Block.DIAGONAL)]
     calls = []
     if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
         for kg, ka in keys:
