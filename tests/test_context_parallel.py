@@ -108,7 +108,7 @@ def _rows(s, d, layout):
 def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
     forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the float32
-    dk/dv accumulators n times."""
+    dk/dv accumulators n - 1 times, then the finished sums home in the inputs' dtype."""
     block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
@@ -117,7 +117,8 @@ def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
         kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2 \
             if step < d - 1 else []
         forward += kv
-        backward += kv + [("send", sent * 4), ("recv", received * 4)] * 2
+        sums = 4 if step < d - 1 else itemsize  # the finished sums go home cast
+        backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
     return (forward + backward) if d > 1 else []
 
 

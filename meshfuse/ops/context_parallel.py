@@ -179,7 +179,8 @@ class ContextParallel:
         for step in range(self.size):
             sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
-            moved += ("dk32", "dv32") if self.backward else ()
+            if self.backward:  # the last transfer takes the finished sums home, cast
+                moved += ("dk32", "dv32") if step < self.size - 1 else ("dk", "dv")
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
         return result

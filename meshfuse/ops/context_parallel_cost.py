@@ -97,8 +97,9 @@ def estimate(strategy: str, p: Problem, m: Machine) -> float:
         step = compute * skew / p.n
         blocks = p.block_bytes() / m.link_bytes + 2 * m.latency
         sums = p.block_bytes(4) / m.link_bytes + 2 * m.latency if p.backward else 0.0
-        # n - 1 steps move k/v (and the dk/dv sums); the last moves only the sums home
-        return (p.n - 1) * max(step, blocks + sums) + max(step, sums)
+        home = blocks if p.backward else 0.0  # the finished sums, in the inputs' dtype
+        # n - 1 steps move k/v (and the dk/dv sums) under their kernels; then the sums go home
+        return (p.n - 1) * max(step, blocks + sums) + step + home
     if strategy == ALLGATHER:
         moved = (p.n - 1) * p.block_bytes()
         if p.backward:

@@ -10,8 +10,8 @@ query has met every key; the blocks' outputs are merged by their log-sum-exp. Ba
 and v travel the same way, each with float32 accumulators of its dk and dv. At each step a
 rank computes its queries' gradients against the block it holds (dq stays, the block's
 dk/dv partial sums are added to the block's accumulators, which then go to the next rank);
-the last transfer brings each accumulator home: ``n - 1`` transfers of k and v and ``n`` of
-dk and dv.
+the last transfer brings each finished sum home, in the inputs' dtype: ``n - 1`` transfers
+of k and v and ``n`` of dk and dv.
 
 **Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
 of its block (:class:`~meshfuse.ops.context_parallel.BlockDropout`), drawn from the forward's
@@ -104,6 +104,8 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
             return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
         # The accumulators follow their block to the next rank (the last step: home).
         rows = record.length(record.holder(step + 1))
+        if step == record.size - 1:  # finished: home in the inputs' dtype (half the bytes)
+            own = [own[0].to(k.dtype), own[1].to(v.dtype)]
         sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
         if pending is not None:
             block = pending.wait()
