@@ -352,12 +352,15 @@ def test_cudnn_lse_layout(monkeypatch):
     q, k, v = (_layout(t, "BSHE") for t in _qkv())
     attn = torch.empty_like(q)
     lse = torch.randn(2, 4, 128)
-    lse4 = ak._cudnn_lse(lse, q, k, v, attn)
+    lse4 = ak._cudnn_lse(lse, q, k, v, attn, ragged=False)
     assert lse4.shape == (2, 4, 128, 1) and lse4.data_ptr() == lse.data_ptr()
     assert ak._cudnn_lse(lse.transpose(1, 2).contiguous().transpose(1, 2), q, k, v,
-                         attn).is_contiguous()
+                         attn, ragged=False).is_contiguous()
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", raising=False)
+    assert not ak._cudnn_ragged()
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
-    ragged = ak._cudnn_lse(lse, q, k, v, attn)
+    assert ak._cudnn_ragged()
+    ragged = ak._cudnn_lse(lse, q, k, v, attn, ragged=True)
     assert ragged.stride() == (4 * 128, 1, 4, 1)
     torch.testing.assert_close(ragged, lse.unsqueeze(-1))
 

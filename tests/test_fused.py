@@ -91,8 +91,11 @@ def test_environment_and_option_select_the_compiler(monkeypatch):
     assert compile_setting("0") is None and compile_setting(False) is None
     assert compile_setting("1") == "inductor" and compile_setting(True) == "inductor"
     assert compile_setting("aot_eager") == "aot_eager"
+    assert compile_setting("auto") == "auto"
     with pytest.raises(InputError, match=r"compile=3.*backend name"):
         compile_setting(3)
+    with pytest.raises(InputError, match=r"compile='inductr'.*no torch.compile backend"):
+        compile_setting("inductr")
     monkeypatch.setenv("MESHFUSE_COMPILE", BACKEND)
     fd = _LinearThenSoftmax()
     x, w = _inputs()
@@ -210,3 +213,15 @@ def test_benchmark_programs_compiled_match_the_interpreter(name):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     (program, _), = fd._get_runner()._fused.values()
     assert [s.op for s in program.steps] == [FUSED]  # the whole program is one segment
+
+
+def test_auto_compiles_on_cuda_only():
+    fd = _LinearThenSoftmax()
+    x, w = _inputs()
+    fd.execute([x, w], compile="auto")  # CPU tensors: the interpreter
+    assert not fd._get_runner()._fused
+    if torch.cuda.is_available():
+        got, = fd.execute([x.cuda(), w.cuda()], compile="auto")
+        torch.testing.assert_close(got.cpu(), _reference(x, w))
+        (_, backend), = fd._get_runner()._fused
+        assert backend == "inductor"

@@ -35,6 +35,7 @@ int64 on the CPU (on the GPU under CUDA-graph capture).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -103,15 +104,20 @@ def _efficient_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lse, (0, padded - s_q), value=math.inf)
 
 
-def _cudnn_lse(lse: torch.Tensor, q, k, v, attn) -> torch.Tensor:
+def _cudnn_ragged() -> bool:
+    """Whether PyTorch's cuDNN attention may use ragged offsets
+    (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE``)."""
+    return os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "").lower() in ("1", "true", "on")
+
+
+def _cudnn_lse(lse: torch.Tensor, q, k, v, attn, ragged: bool) -> torch.Tensor:
     """``[B, H, S, 1]`` in the layout cuDNN's forward allocates, copied only if it differs.
 
     cuDNN reads the statistics with the strides it was given, and its dense path wants them
-    BHS; with ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` and all of q/k/v/attn BSHE it uses
-    ragged offsets computed from the S stride, and allocates them BSH.
+    BHS; with ``ragged`` (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) and all of q/k/v/attn BSHE
+    it uses ragged offsets computed from the S stride, and allocates them BSH.
     """
     lse4 = lse.unsqueeze(-1)
-    ragged = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "").lower() in ("1", "true", "on")
     if ragged and all(t.transpose(1, 2).is_contiguous() for t in (q, k, v, attn)):
         if lse4.transpose(1, 2).is_contiguous():
             return lse4
@@ -142,10 +148,13 @@ def _cudnn_fwd(q, k, v, dropout_p, is_causal, scale):
     return out[0], _lse_as_bhs(out[1], q.shape[2]), out[6], out[7]
 
 
-def _cudnn_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale):
+def _cudnn_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale,
+               ragged: bool | None = None):
+    # ``ragged``: read from the environment per call unless bound once (bind_kernels).
+    ragged = _cudnn_ragged() if ragged is None else ragged
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _cudnn_grad(grad, attn), q, k, v, attn, _cudnn_lse(lse, q, k, v, attn), seed, offset,
-        None, None, None, q.shape[2], k.shape[2], dropout_p, is_causal, scale=scale)
+        _cudnn_grad(grad, attn), q, k, v, attn, _cudnn_lse(lse, q, k, v, attn, ragged), seed,
+        offset, None, None, None, q.shape[2], k.shape[2], dropout_p, is_causal, scale=scale)
 
 
 def _flash_fwd(q, k, v, dropout_p, is_causal, scale):
@@ -261,6 +270,8 @@ def bind_kernels(q, k, v, dropout_p: float, is_causal: bool, backend=None):
     if parse_backend(backend) is None:
         backend = select_backend(q, k, v, dropout_p, is_causal)
     forward, backward = _kernels_for(backend, q, k, v, dropout_p, is_causal)
+    if backward is _cudnn_bwd:  # decided once, not read from the environment per call
+        backward = functools.partial(_cudnn_bwd, ragged=_cudnn_ragged())
     return parse_backend(backend), forward, backward
 
 

@@ -104,6 +104,8 @@ class FusionRunner:
         if program is None:
             program = self._programs[key] = self._make_program(list(inputs))
         backend = self.compile if compile is None else compile_setting(compile)
+        if backend == AUTO:
+            backend = "inductor" if _device_of(inputs, self.communicator).type == "cuda" else None
         if backend is not None:
             fused = self._fused.get((key, backend))
             if fused is None:
@@ -273,18 +275,33 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
 
 
+AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpreter on CPU
+
+
 def compile_setting(value: bool | str | None) -> str | None:
     """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
-    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1", else the
-    backend it names ("aot_eager" runs the same lowering without generating kernels)."""
+    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1",
+    ``"auto"`` (Inductor on CUDA, the interpreter on CPU), else the backend it names
+    ("aot_eager" runs the same lowering without generating kernels)."""
     if value in (None, False, "0", "", "false", "False"):
         return None
     if value in (True, "1", "true", "True"):
         return "inductor"
+    if value in ("inductor", AUTO) or value in _BACKENDS_SEEN:
+        return value
     if isinstance(value, str):
+        # torch._dynamo is imported here, by a program that asks for a compiler by name.
+        if value not in torch._dynamo.list_backends(exclude_tags=()):
+            raise InputError(f"execute(compile={value!r}): no torch.compile backend of that "
+                             "name; pass True (Inductor), 'auto', False or one of "
+                             f"{sorted(torch._dynamo.list_backends(exclude_tags=()))}")
+        _BACKENDS_SEEN.add(value)
         return value
     raise InputError(f"execute(compile={value!r}): pass True, False or a torch.compile "
                      "backend name such as 'inductor'")
+
+
+_BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backends
 
 
 def _signature(inputs: list) -> tuple:
