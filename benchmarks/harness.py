@@ -201,6 +201,24 @@ def run_variants(ctx: Context, case: str, config: str, variants: list[Variant], 
     return records
 
 
+def autograd_step(run: Callable[..., torch.Tensor], inputs, cotangent: torch.Tensor,
+                  params=()) -> Callable[[], tuple]:
+    """The step of a variant timed forward and backward through torch autograd.
+
+    ``inputs`` are made leaves that require grad (detached copies); ``params`` are leaves
+    already (a module's parameters). The step runs ``run(*inputs)`` and returns its output
+    and the gradients of the inputs, then of the params, for ``cotangent``.
+    """
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    wrt = [*leaves, *params]
+
+    def step():
+        out = run(*leaves)
+        return out, torch.autograd.grad(out, wrt, cotangent)
+
+    return step
+
+
 def check_close(what: str, got, expected, tol: float) -> None:
     """Raises ``ValueError`` unless each tensor of ``got`` is within ``tol`` of ``expected``,
     as relative error ``||got - expected|| / ||expected||`` (a benchmark of wrong results

@@ -25,10 +25,10 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from fusion_math import gelu_tanh_derivative
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse.examples.gpt import gelu_tanh_derivative
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device

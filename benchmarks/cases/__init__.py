@@ -28,7 +28,6 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "overhead": overhead.run,
     "mlp": mlp.run,
     "mlp_autodiff": autodiff.mlp_run,
-    "gpt_layer": autodiff.gpt_run,
     "collectives": collectives.run,
     "fusion": fusion.run,
     "gpt3_layer": gpt3.run,
@@ -46,7 +45,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 13: fused segments against torch eager, torch.compile and the memory floor
     "issue13": ("fusion", "attention_seed", "overhead", "mlp"),
     # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
-    "autodiff": ("mlp_autodiff", "gpt_layer"),
+    "autodiff": ("mlp_autodiff", "gpt3_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
     "issue19": ("gpt3_layer",),
     # issue 14: ring / all-gather / all-to-all attention on a sharded sequence, torch's

@@ -1,13 +1,16 @@
-"""Case: the GPT-3 layer of nvFuser's transformer test, forward and backward, TP + SP.
+"""Case: the GPT-3 layer of nvFuser's transformer test, forward and backward, TP + SP
+(issues 17 and 19).
 
 e=12288, s=2048, h=96, b=1, bf16 (nvFuser's sizes). Variants, each computing ``y`` and the
 gradients of ``x`` and of every parameter from a given ``dy``:
 
-- ``torch_1gpu`` (baseline): the unsharded layer on one GPU with autograd (every rank runs it);
-- ``dtensor_tp_sp``: ``parallelize_module`` of the same module with ``ColwiseParallel`` (qkv,
-  fc1) / ``RowwiseParallel`` (proj, fc2) and ``SequenceParallel`` (the layer norms), autograd;
-- ``meshfuse``: :class:`~benchmarks.gpt3_layer.Gpt3Layer`, one fusion with the forward and
-  backward written out, scheduled TP + SP (unsharded on one rank).
+- ``torch_1gpu``: the unsharded layer on one GPU with autograd (every rank runs it);
+- ``dtensor_tp_sp`` (the baseline with 2 or more ranks): ``parallelize_module`` of the same
+  module, Megatron TP + SP (:func:`~benchmarks.gpt3_layer.parallelize`), autograd;
+- ``meshfuse``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion with the
+  forward and the backward written out, TP + SP (unsharded on one rank);
+- ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock`, the forward only, its
+  backward derived, through torch autograd (``as_autograd_function``), TP + SP.
 
 FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counted whole).
 """
@@ -18,73 +21,78 @@ import torch
 
 import meshfuse
 from benchmarks.context import Context
-from benchmarks.gpt3_layer import Gpt3Block, Gpt3Layer, layer_flops, make_params
-from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from benchmarks.gpt3_layer import Gpt3Block, layer_flops, parallelize
+from benchmarks.harness import Plan, Record, Skip, Variant, autograd_step, check_close, run_variants
+from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 
 SIZES = {"b": 1, "s": 2048, "h": 96, "e": 12288}
 QUICK_SIZES = {"b": 1, "s": 16, "h": 4, "e": 32}
 LAYER_TOL = 5e-2  # bf16 relative error of y and dx against the one-GPU layer
 
 
-def _module(sizes, params, device) -> Gpt3Block:
-    block = Gpt3Block(sizes["e"], sizes["h"]).to(device=device, dtype=params["w_o"].dtype)
-    return block.load(params)
-
-
-def _autograd_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
-    x = x.detach().requires_grad_()
-    params = list(block.parameters())
-
-    def step():
-        y = block(x)
-        return y, torch.autograd.grad(y, [x, *params], dy)
-
-    return step
+def _one_gpu_reference(params, heads: int, x, dy) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` and ``dx`` of the unsharded layer (the parameters' gradients are let go)."""
+    block = Gpt3Block(params, heads)
+    y, grads = autograd_step(block, [x], dy, block.parameters())()
+    return y.detach(), grads[0]
 
 
 def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Variant]:
     """The case's variants; ``x``, ``dy`` and ``params`` are global (the same on every rank)."""
-    seq_part = x.chunk(ctx.world, 1)[ctx.rank]
+    b, s, e, heads = sizes["b"], sizes["s"], sizes["e"], sizes["h"]
+    mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
+    mf_dtype = meshfuse.DataType.from_torch(dtype)
+    # For the checks, made before any variant: the same leftover for all of them.
+    ref_y, ref_dx = _one_gpu_reference(params, heads, x, dy)
+
+    def check(what, tv_y, tv_x, y, dx):
+        check_close(f"{what} vs the one-GPU layer", [y, dx],
+                    [meshfuse.shard_tensor(ref_y, tv_y), meshfuse.shard_tensor(ref_dx, tv_x)],
+                    LAYER_TOL)
 
     def one_gpu():
-        return _autograd_step(_module(sizes, params, ctx.device), x, dy)
+        block = Gpt3Block(params, heads)
+        return autograd_step(block, [x], dy, block.parameters())
 
     def dtensor_tp_sp():
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            SequenceParallel,
-            parallelize_module,
-        )
-        from torch.distributed.tensor.placement_types import Shard
-
         if ctx.world == 1:
-            raise Skip("one rank: nothing to parallelize")
-        plan = {"ln1": SequenceParallel(use_local_output=True),
-                "qkv": ColwiseParallel(input_layouts=Shard(1)),
-                "proj": RowwiseParallel(output_layouts=Shard(1)),
-                "ln2": SequenceParallel(use_local_output=True),
-                "fc1": ColwiseParallel(input_layouts=Shard(1)),
-                "fc2": RowwiseParallel(output_layouts=Shard(1))}
-        block = parallelize_module(_module(sizes, params, ctx.device), ctx.dtensor_mesh(), plan)
-        return _autograd_step(block, seq_part, dy.chunk(ctx.world, 1)[ctx.rank])
+            raise Skip("tensor parallelism needs 2 or more ranks")
+        from torch.distributed.tensor import DTensor, Shard
 
-    def mesh_fused():
-        mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
-        fd = Gpt3Layer(**sizes, dtype=meshfuse.DataType.from_torch(dtype), mesh=mesh).define()
-        inputs = [meshfuse.shard_tensor(t, tv, ctx.rank) for t, tv in
-                  zip((x, dy, *params.values()), fd.fusion.inputs())]
+        dmesh = ctx.dtensor_mesh()
+        block = parallelize(Gpt3Block(params, heads), dmesh)
+
+        def run(local_x):
+            y = block(DTensor.from_local(local_x, dmesh, [Shard(1)]))
+            return y.to_local() if isinstance(y, DTensor) else y
+
+        return autograd_step(run, [x.chunk(ctx.world, 1)[ctx.rank]],
+                             dy.chunk(ctx.world, 1)[ctx.rank].contiguous(), block.parameters())
+
+    def hand_written():
+        fd = GptBlockWithBackward(b, s, e, heads, mf_dtype, mesh).define()
+        inputs = [meshfuse.shard_tensor(t, tv) for t, tv in
+                  zip((x, dy, *params.values()), (fd.x, fd.dy, *fd.params.values()))]
         y, dx, *_ = fd.execute(inputs)
-        ref_y, (ref_dx, *_) = _autograd_step(_module(sizes, params, ctx.device), x, dy)()
-        check_close("meshfuse vs the one-GPU layer",
-                    [y, dx], [ref_y.chunk(ctx.world, 1)[ctx.rank],
-                              ref_dx.chunk(ctx.world, 1)[ctx.rank]], LAYER_TOL)
+        check("meshfuse", fd.y, fd.x, y, dx)
         return (lambda: fd.execute(inputs)), {"sharded": mesh is not None}
+
+    def derived():
+        block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
+        function = block.as_autograd_function()
+        local = [meshfuse.shard_tensor(t, tv)
+                 for t, tv in zip((x, *params.values()), (block.x, *block.params.values()))]
+        step = autograd_step(lambda *leaves: function(leaves)[0], local,
+                             meshfuse.shard_tensor(dy, block.y))
+        y, (dx, *_) = step()
+        check("meshfuse_autograd", block.y, block.x, y.detach(), dx)
+        return step
 
     return [
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
-        Variant("dtensor_tp_sp", dtensor_tp_sp, "Colwise/Rowwise + SequenceParallel, autograd"),
-        Variant("meshfuse", mesh_fused, "one fusion, forward + backward, TP + SP"),
+        Variant("dtensor_tp_sp", dtensor_tp_sp, "parallelize_module, Megatron TP + SP"),
+        Variant("meshfuse", hand_written, "one fusion, forward + hand-written backward"),
+        Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
     ]
 
 
@@ -101,7 +109,8 @@ def run(ctx: Context) -> list[Record]:
     shape = (sizes["b"], sizes["s"], sizes["e"])
     x = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
     dy = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
-    params = make_params(sizes["e"], dtype, ctx.device)
+    params = init_parameters(sizes["e"], dtype=dtype, device=ctx.device)
     config = f"b{sizes['b']} s{sizes['s']} h{sizes['h']} e{sizes['e']}"
     return run_variants(ctx, "gpt3_layer", config, variants(ctx, sizes, dtype, x, dy, params),
-                        plan, "torch_1gpu", dict(sizes, dtype=str(dtype).removeprefix("torch.")))
+                        plan, "dtensor_tp_sp" if ctx.world > 1 else "torch_1gpu",
+                        dict(sizes, dtype=str(dtype).removeprefix("torch.")))

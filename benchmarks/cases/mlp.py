@@ -21,7 +21,7 @@ import torch.distributed as dist
 import meshfuse
 from benchmarks.context import Context
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
-from benchmarks.harness import Plan, Record, Variant, check_close, run_variants
+from benchmarks.harness import Plan, Record, Variant, autograd_step, check_close, run_variants
 
 SIZES = {"tokens": 8192, "hidden": 8192, "ffn": 32768}
 QUICK_SIZES = {"tokens": 64, "hidden": 32, "ffn": 128}
@@ -58,24 +58,14 @@ def _model(w1: torch.Tensor, w2: torch.Tensor) -> torch.nn.Sequential:
     return model
 
 
-def _autograd_step(model: torch.nn.Module, x: torch.Tensor, dz: torch.Tensor):
-    x = x.detach().requires_grad_()
-    params = list(model.parameters())
-
-    def step():
-        z = model(x)
-        return z, torch.autograd.grad(z, [x, *params], dz)
-
-    return step
-
-
 def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
     """The case's variants over :func:`tensors`' ``inputs``."""
     x, dz, w1, w2, w1_local, w2_local = inputs
     group = dist.group.WORLD if ctx.world > 1 else None
 
     def one_gpu():
-        return _autograd_step(_model(w1, w2), x, dz)
+        model = _model(w1, w2)
+        return autograd_step(model, [x], dz, model.parameters())
 
     def manual():
         return lambda: megatron_mlp_torch(x, w1_local, w2_local, dz, group)
@@ -89,7 +79,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
 
         model = parallelize_module(_model(w1, w2), ctx.dtensor_mesh(),
                                    {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        return _autograd_step(model, x, dz)
+        return autograd_step(model, [x], dz, model.parameters())
 
     def mesh_fused():
         mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None

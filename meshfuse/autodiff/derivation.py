@@ -35,7 +35,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, add_op
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain
-from meshfuse.ir.placement import Partial, placements, same_sharding
+from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.runtime.runner import FusionRunner
@@ -285,8 +285,8 @@ class _BackwardBuilder:
         """The gradient of ``dst = set(src)``: ``grad`` copied into ``src``'s sharding (a
         partial ``src`` made replicated), which the backward's resharding lowers to the
         transposed communication; ``grad`` itself where the set moved nothing."""
-        if src.mesh is None or (same_sharding(src, dst) and not _is_partial(src)):
-            return grad
+        if src.mesh is None or (_alike_resolved(src, dst) and not _is_partial(dst)):
+            return grad  # a replicated cotangent of a resolved partial sum is used as it is
         copy = self.ops.set(grad)
         self.pins.append((copy, src))
         return copy
@@ -302,6 +302,14 @@ def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:
                           (o.dtype.is_floating if vjp is None else
                            vjp.is_differentiable(i, o.dtype)))
     return active
+
+
+def _alike_resolved(src: TensorView, dst: TensorView) -> bool:
+    """Whether ``dst`` lies as ``src`` would once its partial sums (if any) were resolved:
+    the same mesh, and each materialized axis sharded alike."""
+    return src.mesh == dst.mesh and all(
+        shard_signature(src, a) == shard_signature(dst, b)
+        for a, b in zip(src.materialized(), dst.materialized(), strict=True))
 
 
 def _is_partial(tv: TensorView) -> bool:

@@ -7,6 +7,12 @@ like the input (replicated inputs get complete gradients on every rank).
 
 The backward is derived for the floating-point inputs that require grad in a call (and are in
 ``wrt``), once per such set, then cached.
+
+Memory: the backward frees each residual after its last use, as the hand-written backward
+fused with its forward would (``torch.autograd.Function.save_for_backward`` would hold them
+all until the backward ends). So a node's backward runs once, unless ``keep_residuals=True``
+keeps them for the node's lifetime (``backward(retain_graph=True)`` twice). An input saved
+as a residual and modified in place before the backward is an error, as in PyTorch.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ class FusionFunction:
             an input gets one when it is in ``wrt`` and its tensor requires grad.
         remat: the rematerialization policy (``"recompute"`` or ``"save"``, see
             :mod:`meshfuse.autodiff.derivation`).
+        keep_residuals: keep the residuals until the autograd node dies, so that its
+            backward may run more than once (default: each is freed after its last use in
+            the one backward).
     """
 
     def __init__(self, fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-                 remat: str = "recompute") -> None:
+                 remat: str = "recompute", keep_residuals: bool = False) -> None:
         self.fusion = fusion
         self.remat = remat
+        self.keep_residuals = keep_residuals
         inputs = fusion.inputs()
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
@@ -62,7 +72,7 @@ class FusionFunction:
             )
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
         compiled = self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
-        return list(_FusionAutograd.apply(compiled, *inputs))
+        return list(_FusionAutograd.apply(compiled, self.keep_residuals, *inputs))
 
 
 class _Compiled:
@@ -73,24 +83,35 @@ class _Compiled:
         self._backward: FusionRunner | None = None
 
     def run_backward(self, inputs: list) -> list[torch.Tensor]:
+        """The backward on ``inputs``, a list it empties (each value is freed after its
+        last use)."""
         if self._backward is None:
             self._backward = FusionRunner(self.derivation.backward)
-        return self._backward.execute(inputs)
+        return self._backward.execute(inputs, donate=True)
 
 
 class _FusionAutograd(torch.autograd.Function):
-    """One node per call; see the module doc."""
+    """One node per call; see the module doc.
+
+    The residuals are held in ``ctx.residuals``, a :class:`_Residuals`, except those that
+    are outputs of the node: saved with ``save_for_backward`` (held directly, an output
+    would hold its own node: a reference cycle).
+    """
 
     @staticmethod
-    def forward(ctx, compiled: _Compiled, *inputs):
+    def forward(ctx, compiled: _Compiled, keep: bool, *inputs):
         d = compiled.derivation
         results = d.forward_runner.execute(list(inputs))
         outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
-        tensors = [x for x in residuals if isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in residuals]
+        # Residuals that are outputs of the node (positions among the residuals).
+        ctx.returned = [i for i, r in enumerate(d.residuals)
+                        if r.kind == "output" and r.index < d.num_outputs]
+        ctx.save_for_backward(*(residuals[i] for i in ctx.returned))
+        for i in ctx.returned:
+            residuals[i] = None
+        ctx.residuals = _Residuals(residuals, keep)
         ctx.compiled = compiled
         ctx.layouts = [(o.shape, o.stride()) for o in outputs]
         carried = set(d.cotangents)
@@ -100,12 +121,47 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         d = ctx.compiled.derivation
-        saved = iter(ctx.saved_tensors)
-        residuals = [next(saved) if x is None else x for x in ctx.scalars]
+        residuals = ctx.residuals.take()
+        for i, x in zip(ctx.returned, ctx.saved_tensors):
+            residuals[i] = x
         laid_out = [_laid_out(cotangents[j], *ctx.layouts[j]) for j in d.cotangents]
         needed = any(i is not None for i in d.gradients)
-        grads = ctx.compiled.run_backward(laid_out + residuals) if needed else []
-        return (None, *(None if i is None else grads[i] for i in d.gradients))
+        inputs = laid_out + residuals
+        del residuals, laid_out  # the backward's program holds the only references
+        grads = ctx.compiled.run_backward(inputs) if needed else []
+        return (None, None, *(None if i is None else grads[i] for i in d.gradients))
+
+
+class _Residuals:
+    """The residuals of one autograd node (None where ``save_for_backward`` holds one): taken
+    by its backward, once unless ``keep``; each tensor's version is checked as
+    ``save_for_backward`` checks it (an input modified in place after the forward)."""
+
+    def __init__(self, values: list, keep: bool) -> None:
+        self.values = values
+        self.versions = [x._version if isinstance(x, torch.Tensor) else None for x in values]
+        self.keep = keep
+
+    def take(self) -> list:
+        if self.values is None:
+            raise RuntimeError(
+                "Trying to backward through a fusion's autograd node a second time: its "
+                "residuals were freed as its first backward ran. Run the fusion again, or "
+                "create it with as_autograd_function(keep_residuals=True) to backward through "
+                "it more than once (with retain_graph=True)"
+            )
+        for i, (x, version) in enumerate(zip(self.values, self.versions)):
+            if isinstance(x, torch.Tensor) and x._version != version:
+                raise RuntimeError(
+                    f"one of the tensors a fusion's backward needs (residual {i}, of shape "
+                    f"{list(x.shape)}) has been modified by an inplace operation: it is at "
+                    f"version {x._version}, expected version {version}. Modify it out of "
+                    "place, or after the backward"
+                )
+        values = list(self.values) if self.keep else self.values
+        if not self.keep:
+            self.values = None
+        return values
 
 
 def _laid_out(x: torch.Tensor, shape, strides) -> torch.Tensor:

@@ -274,7 +274,8 @@ class FusionDefinition:
         return self._get_runner().compiled
 
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
-                             remat: str = "recompute") -> FusionFunction:
+                             remat: str = "recompute",
+                             keep_residuals: bool = False) -> FusionFunction:
         """This fusion as a ``torch.autograd.Function``: a callable taking the inputs
         ``execute`` takes and returning its outputs, whose ``backward`` runs the derived
         backward fusion (``meshfuse.vjp``).
@@ -285,6 +286,9 @@ class FusionDefinition:
             remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
                 in the backward, matrix products never) or ``"save"`` (every intermediate the
                 backward reads is saved).
+            keep_residuals: keep what the backward reads until the autograd node dies, so
+                that it may backward more than once (``retain_graph=True``); by default the
+                backward frees each saved value after its last use, and runs once.
 
         Example:
             >>> f = fd.as_autograd_function()
@@ -296,7 +300,7 @@ class FusionDefinition:
         gradient comes back complete on every rank; a sharded input's as this rank's shard.
         """
         self.define()
-        return FusionFunction(self.fusion, wrt, remat)
+        return FusionFunction(self.fusion, wrt, remat, keep_residuals)
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
         """What the program does on this rank, as text; runs no kernel.

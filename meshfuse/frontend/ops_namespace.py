@@ -12,7 +12,7 @@ from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
-from meshfuse.ops.meta import arg_meta
+from meshfuse.ops.meta import arg_meta, source_ids
 from meshfuse.ops.registry import Kind, OpDef, SymbolicSize
 from meshfuse.ops.shape import memory_order
 from meshfuse.ops.shape_rules import normalize_axis
@@ -98,7 +98,7 @@ def add_op(fusion: Fusion, op: OpDef, args, kwargs) -> Any:
         ids = []
         for axis in spec.axes:
             new = IterDomain(axis.extent, axis.iter_type)
-            id_map[new] = tuple(inputs[t].materialized()[a] for t, a in axis.sources)
+            id_map[new] = tuple(source_ids(inputs[t])[a] for t, a in axis.sources)
             ids.append(new)
         outputs.append(UserTensorView(fusion, ids, spec.dtype))
     attrs = {p.name: v for p, v in zip(op.params, bound) if p.kind is Kind.ATTR}

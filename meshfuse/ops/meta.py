@@ -8,14 +8,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.ops.registry import ScalarMeta, TensorMeta
 
 
 def tensor_meta(tv: TensorView) -> TensorMeta:
-    """A tensor's materialized axes (global extents, kinds) and dtype."""
+    """A tensor's materialized axes (global extents, kinds), dtype and reduction axes."""
     ids = tv.materialized()
-    return TensorMeta(tuple(i.extent for i in ids), tuple(i.iter_type for i in ids), tv.dtype)
+    return TensorMeta(tuple(i.extent for i in ids), tuple(i.iter_type for i in ids), tv.dtype,
+                      tuple(i.extent for i in reduction_ids(tv)))
+
+
+def reduction_ids(tv: TensorView) -> tuple[IterDomain, ...]:
+    """The reduction IDs of ``tv``'s logical domain, in order (``TensorMeta.partial_axes``)."""
+    return tuple(i for i in tv.logical if i.is_reduction)
+
+
+def source_ids(tv: TensorView) -> tuple[IterDomain, ...]:
+    """``tv``'s IDs as shape rules number their axes: the materialized ones, then the
+    reduction ones."""
+    return tv.materialized() + reduction_ids(tv)
 
 
 def arg_meta(arg: Any) -> Any:

@@ -21,6 +21,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ops.registry import (
+    AxisSpec,
     OpDef,
     OutSpec,
     ScalarMeta,
@@ -31,7 +32,13 @@ from meshfuse.ops.registry import (
     register,
     tensor,
 )
-from meshfuse.ops.shape_rules import broadcast_axes, promote, require_tensor, same_axes
+from meshfuse.ops.shape_rules import (
+    broadcast_axes,
+    carried_partials,
+    promote,
+    require_tensor,
+    same_axes,
+)
 
 # Unary ops whose result is floating point (integer inputs promote to the default float).
 UNARY_FLOAT = {
@@ -290,6 +297,15 @@ def check_dtype(op: str, dtype: DataType) -> DataType:
     return dtype
 
 
+def linear_partials(name: str, args: list) -> tuple[AxisSpec, ...]:
+    """The reduction axes ``add`` and ``sub`` carry from their arguments' partial sums (see
+    :func:`~meshfuse.ops.shape_rules.carried_partials`): one reduction of the result instead
+    of one per argument. Other linear ops (``neg``, a product with a number) do not carry
+    them: that would save no reduction, only move the op before it, out of the fused chain
+    that follows."""
+    return carried_partials(args) if name in ("add", "sub") else ()
+
+
 def _unary(name: str, fn, float_result: bool) -> OpDef:
     def infer(x):
         if not isinstance(x, TensorMeta):  # a scalar: a 0-d tensor of its dtype
@@ -306,7 +322,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
 
 def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
     def infer(a, b):
-        axes = broadcast_axes(name, [a, b])
+        axes = broadcast_axes(name, [a, b]) + linear_partials(name, [a, b])
         dtype = check_dtype(name, promote(a, b))
         if name in FLOAT_RESULT:
             dtype = _float_of(dtype)

@@ -69,11 +69,21 @@ def attr(name: str, default: Any = _REQUIRED) -> Param:
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
     """What a shape rule sees of a tensor argument: global extents (``None`` if symbolic),
-    the kind of each axis, and the dtype."""
+    the kind of each axis, and the dtype.
+
+    ``partial_axes`` are the extents of the tensor's reduction axes (a matmul's contracted
+    axis, a sum's): where one is sharded over a mesh axis, each device holds a partial sum
+    over it, whose reduction is pending. The rules of ``add`` and ``sub`` (linear in their
+    tensor arguments) carry them to their output with
+    :func:`~meshfuse.ops.shape_rules.carried_partials`, so that partial sums combine before
+    their one reduction. An :class:`AxisSpec` source names reduction axis ``k`` of an
+    argument as axis ``ndim + k``.
+    """
 
     shape: tuple[int | None, ...]
     iter_types: tuple[IterType, ...]
     dtype: DataType
+    partial_axes: tuple[int | None, ...] = ()
 
     @property
     def ndim(self) -> int:

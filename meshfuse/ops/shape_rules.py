@@ -126,6 +126,24 @@ def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:
     return tuple(axes)
 
 
+def carried_partials(args: list) -> tuple[AxisSpec, ...]:
+    """The reduction axes of the output of an op linear in its tensor arguments (``add``,
+    ``sub``): reduction axis ``k`` of the output maps to
+    reduction axis ``k`` of each tensor argument, when every one has as many (else none).
+
+    So where every argument holds partial sums over one mesh axis, the output holds partial
+    sums too (their sum is the sum of the reductions) and one reduction follows instead of
+    one per argument; sharding propagation keeps the output partial only then.
+    """
+    tensors = [(pos, m) for pos, m in enumerate(a for a in args if isinstance(a, TensorMeta))]
+    counts = {len(m.partial_axes) for _, m in tensors}
+    if len(counts) != 1 or len(tensors) < len(args):
+        return ()  # a number or scalar added to partial sums would be counted on every device
+    return tuple(AxisSpec(tensors[0][1].partial_axes[k], IterType.Reduction,
+                          tuple((pos, m.ndim + k) for pos, m in tensors))
+                 for k in range(counts.pop()))
+
+
 def same_axes(pos: int, meta: TensorMeta) -> tuple[AxisSpec, ...]:
     """Output axes identical to (and mapped from) tensor argument ``pos``."""
     return tuple(

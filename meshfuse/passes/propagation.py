@@ -69,9 +69,11 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
                 for id_ in [i for i, pt in out.parallel.items() if pt.is_device and
                             i.is_reduction]:
                     # A partial result the op cannot make (it cannot at all, or it needs the
-                    # reduced axes whole): its inputs get gathered instead.
+                    # reduced axes whole, or not all its arguments are partial alike): its
+                    # inputs get gathered or reduced instead.
                     if expr.op.partial_reduce is None or \
-                            all(s in whole for s in expr.id_map[logical_root(out, id_)]):
+                            all(s in whole for s in expr.id_map[logical_root(out, id_)]) or \
+                            not partial_carried(expr, out, id_, sources):
                         del out.parallel[id_]
                 filled.add(out)
     for expr in reversed(fusion.exprs):
@@ -87,6 +89,26 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
             tv.set_device_mesh(meshes[0])
             filled.add(tv)
     return filled
+
+
+def partial_carried(expr: Expr, out: TensorView, id_: IterDomain,
+                    inputs: list[TensorView]) -> bool:
+    """Whether ``out``'s device ID ``id_``, parallelizing a reduction ID, may stay: ``False``
+    for a reduction ID that carries its arguments' partial sums (its sources are reduction
+    IDs: ``add`` of two matmul results, see ``TensorMeta.partial_axes``) unless every
+    argument (among ``inputs``, which may be scratch schedules) holds partial sums over it
+    on the same mesh axis. Adding a partial sum and a complete value, or partial sums over
+    two mesh axes, needs the partial sums reduced first."""
+    sources = expr.id_map.get(logical_root(out, id_), ())
+    if not sources or not all(s.is_reduction for s in sources):
+        return True  # a reduction of the op's own (a matmul's contraction)
+    pt = out.parallel[id_]
+    for src in sources:
+        tv = next((t for t in inputs if src in t.logical), None)
+        if tv is None or not any(p == pt and logical_root(tv, d) is src
+                                 for d, p in tv.parallel.items()):
+            return False
+    return True
 
 
 def _forward_pairs(expr: Expr, ref: TensorView, out: TensorView) -> dict[IterDomain, IterDomain]:

@@ -39,6 +39,7 @@ from meshfuse.passes.propagation import (
     _drop_shards,
     _forward_pairs,
     _whole,
+    partial_carried,
 )
 
 WEIGHT_PENALTY = 1000
@@ -91,9 +92,10 @@ def _natural(expr: Expr, out: TensorView, inputs: list[TensorView],
                 _add_sharding(other, scratch, _forward_pairs(expr, other, out))
     else:
         scratch.set_device_mesh(out.mesh)
-    if expr.op.partial_reduce is None:
-        # The op cannot make partial results: its inputs are gathered on reduced axes.
-        for id_ in [i for i, pt in scratch.parallel.items() if pt.is_device and i.is_reduction]:
+    for id_ in [i for i, pt in scratch.parallel.items() if pt.is_device and i.is_reduction]:
+        # The op cannot make partial results (its inputs are gathered on reduced axes), or
+        # cannot carry its arguments' (those are reduced first).
+        if expr.op.partial_reduce is None or not partial_carried(expr, scratch, id_, inputs):
             del scratch.parallel[id_]
     return scratch
 

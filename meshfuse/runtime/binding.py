@@ -157,7 +157,8 @@ def _concrete_meta(arg, extents):
 
 def _concrete(tv: TensorView, meta: TensorMeta, extents) -> TensorMeta:
     shape = tuple(extents[i] for i in tv.materialized())
-    return dataclasses.replace(meta, shape=shape)
+    partial = tuple(extents.get(i, i.extent) for i in tv.logical if i.is_reduction)
+    return dataclasses.replace(meta, shape=shape, partial_axes=partial)
 
 
 def global_shape(tv: TensorView, x: torch.Tensor) -> tuple[int, ...]:

@@ -137,10 +137,18 @@ class Program:
         return "\n".join(lines)
 
     @torch.no_grad()
-    def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    def run(self, inputs: Sequence[Any], donate: bool = False) -> list[torch.Tensor]:
+        """The outputs of the program on ``inputs`` (this rank's local values).
+
+        ``donate``: the caller gives its references up (``inputs``, a list, is emptied once
+        read), so that each input is freed after its last use, as an intermediate is (JAX's
+        donated arguments): a backward frees each saved residual once it is read.
+        """
         values: list[Any] = [None] * self.num_slots
-        for slot, x in zip(self.input_slots, inputs):
-            values[slot] = x
+        for slot, index in zip(self.input_slots, range(len(inputs))):
+            values[slot] = inputs[index]
+        if donate:
+            inputs.clear()
         for index, (call, template, slots, attrs, outputs, free) in enumerate(self._flat):
             args = list(template)
             for pos, slot in slots:

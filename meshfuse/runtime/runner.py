@@ -93,8 +93,11 @@ class FusionRunner:
         return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False, compile: bool | str | None = None
-                ) -> list[torch.Tensor]:
+                cuda_graph: bool = False, compile: bool | str | None = None,
+                donate: bool = False) -> list[torch.Tensor]:
+        """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
+        read so that each input is freed after its last use (see :meth:`Program.run`; not
+        with ``cuda_graph``, whose graph keeps copies of its inputs anyway)."""
         key = _signature(inputs)
         if check_ranks is None:
             check_ranks = self.check_ranks
@@ -112,7 +115,7 @@ class FusionRunner:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
         if not cuda_graph:
-            return program.run(inputs)
+            return program.run(inputs, donate)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
         if graphed is None:
