@@ -19,6 +19,7 @@ import torch
 
 from meshfuse import DeviceMesh
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
+from meshfuse.ir.printer import format_tensor
 from meshfuse.launch import launcher_world_size, spawn
 from meshfuse.sharding import shard_tensor
 
@@ -150,7 +151,7 @@ def _print_report(fmt, model, reports, d, comm) -> None:
     print(f"=== seed attention, {fmt.value}, {d} rank(s), backend {comm.backend}, "
           f"device {comm.device.type} ===")
     print("scheduled q:")
-    print("  " + repr(model.q).replace("\n", "\n  "))
+    print("  " + format_tensor(model.q).replace("\n", "\n  "))
     for r in reports:
         shapes = ", ".join(f"{n}{s}/{st}" for n, s, st in zip(NAMES, r["shapes"], r["strides"]))
         worst = max(r["errors"].values())

@@ -203,7 +203,8 @@ def planned_communications(fusion: Fusion, rank: int,
                 continue
             shape_before = shape
             shape = _after(step, shape, src, dst, sizes, rank)
-            sent = shape if step.kind in ("broadcast", "send_recv") else shape_before
+            sent = shape if step.kind in ("broadcast", "send_recv") else \
+                _padded(step, shape_before, rank)
             count = math.prod(sent, start=Size.of(src.dtype.torch_dtype.itemsize))
             planned.append(PlannedCommunication(expr, step, mesh.group_ranks(rank, step.mesh_axis),
                                                 count))
@@ -277,6 +278,23 @@ def _row_bytes(expr: Expr, sizes: Extents, rank: int) -> dict[str, Size]:
     heads = [sizes.local_size(args["q"], i, rank) for i in args["q"].materialized()[:2]]
     row["lse"] = math.prod(heads, start=Size.of(4))
     return row
+
+
+def _padded(step: ReshardStep, shape: list[Size], rank: int) -> list[Size]:
+    """The shape of what this rank sends in ``step``: its shape before, except that an
+    uneven gather sends its part padded to the group's longest, and a reduce-scatter sends
+    one such padded part per member (as the collectives pad uneven shards)."""
+    if step.kind not in ("allgather", "reduce_scatter") or \
+            any(s is None or s.static is None for s in shape):
+        return shape
+    coords, m = step.before.mesh.coordinate(rank), step.mesh_axis
+    spec = step.before if step.kind == "allgather" else step.after
+    parts = []
+    for c in range(step.before.mesh.shape[m]):
+        index = spec.held(coords[:m] + (c,) + coords[m + 1:])[step.axis]
+        parts.append(step.before.shape[step.axis] if index is None else index.numel())
+    longest = max(parts) * (len(parts) if step.kind == "reduce_scatter" else 1)
+    return [Size.of(longest) if a == step.axis else s for a, s in enumerate(shape)]
 
 
 def _after(step: ReshardStep, shape: list, src: TensorView, dst: TensorView, sizes: Extents,

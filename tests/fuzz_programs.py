@@ -257,7 +257,8 @@ class _Gen:
         c = self.pick(lambda v: v.exact and _broadcasts(v, a, b)) or \
             self.new_input(tuple(a.tensor.shape))
         cond, y = self.fresh(2)
-        d = self.pick(lambda v: v.exact and v.tensor.shape == c.tensor.shape)
+        d = self.pick(lambda v: v.exact and v.tensor.shape == c.tensor.shape
+                      and v.broadcast == c.broadcast)  # else cond may not broadcast
         if d is not None and self.rng.random() < 0.3:
             self.emit(f"{cond} = fd.ops.logical_and(fd.ops.gt({c.name}, 0.0), "
                       f"fd.ops.lt({d.name}, 0.5))",

@@ -5,6 +5,8 @@ Each program ends in one outcome: ``match``; ``mismatch`` (wrong values: a failu
 ``ExecutionError`` wrapping a kernel's failure: a failure); or a typed ``refusal``, which is
 allowed only when its message matches a class of :data:`REFUSALS`, each of which names the
 fix in its message (an unknown refusal is a failure: the generator writes valid programs).
+Two more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work on
+a copy) and ``invalid program`` (the generator itself failed on a seed; the run goes on).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import re
 import traceback
 
 import torch
+from fusion_snapshot import snapshot
 from fuzz_programs import Features, Program, build, generate, reference
 
-from meshfuse import MeshfuseError, ScheduleError, ShardingError, shard_tensor
+from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
 from meshfuse.passes.pipeline import compiled_for
 
@@ -40,28 +43,30 @@ class Refusal:
     why: str
 
 
-# Refusals of valid programs that need a feature not there yet (met only with Features
-# that CI leaves off). Each message names the user's way around it; the list only shrinks.
-REFUSALS: tuple[Refusal, ...] = (
-    Refusal("uneven split", ScheduleError, r"does not divide extent", r"choose a divisor",
-            "valid; waits for uneven shards"),
-    Refusal("shard pattern change", ShardingError, r"changing the shard pattern",
-            r"use one pattern for both tensors", "valid; waits for any-to-any plans"),
-)
+# Typed refusals the fuzzer accepts. The generator writes valid programs only, and meshfuse
+# runs every valid program it can write: none is accepted (a refusal is a failure). A class
+# goes here only for a program the generator cannot tell is invalid, with the fix its
+# message names.
+REFUSALS: tuple[Refusal, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    kind: str  # "match", "mismatch", "untyped", "refusal", "unknown refusal"
+    # "match", "mismatch", "untyped", "refusal", "unknown refusal", "invalid program" (the
+    # generator failed), "mutated" (execute changed the user's fusion)
+    kind: str
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
 
     @property
     def failed(self) -> bool:
-        return self.kind in ("mismatch", "untyped", "unknown refusal")
+        return self.kind in ("mismatch", "untyped", "unknown refusal", "invalid program",
+                             "mutated")
 
     def report(self) -> str:
         """The failure with its reproduction (the seed and the program as code)."""
+        if self.program is None:  # the generator failed: its seed is in the detail
+            return f"{self.kind}: {self.detail}"
         return (f"{self.kind}: {self.detail}\n--- reproduction (seed {self.program.seed}, "
                 f"world size {self.program.world_size}) ---\n{self.program.repro()}")
 
@@ -97,7 +102,10 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
 
         local = [shard_tensor(x.to(device), tv, rank) if held(tv) else None
                  for x, tv in zip(inputs, fd.fusion.inputs())]
+        before = snapshot(fd.fusion)
         outputs = fd.execute(local)
+        if snapshot(fd.fusion) != before:
+            return Outcome("mutated", "execute changed the user's fusion", program)
         for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
             if not held(tv):
                 continue
@@ -115,4 +123,12 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
 def run_many(seeds, world_size: int, rank: int, device: torch.device,
              features: Features | None = None) -> list[Outcome]:
     features = Features() if features is None else features
-    return [run_program(generate(seed, world_size, features), rank, device) for seed in seeds]
+    outcomes = []
+    for seed in seeds:
+        try:
+            program = generate(seed, world_size, features)
+        except Exception as e:  # noqa: BLE001 (the generator's own bug: counted, run goes on)
+            outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
+            continue
+        outcomes.append(run_program(program, rank, device))
+    return outcomes

@@ -24,6 +24,7 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
+from meshfuse.ops.attention import _state_stays_inside
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
@@ -374,3 +375,39 @@ def test_cuda_generator_is_left_as_it_was():
     torch.cuda.manual_seed(4)
     fd.execute(inputs)
     assert torch.equal(torch.rand(8, device="cuda"), expected)
+
+
+def _forward_expr(fd):
+    return next(e for e in fd.fusion.exprs if getattr(e.op, "name", None) == "sdpfa_fwd")
+
+
+class _StateOut(Dropout):
+    """Dropout whose forward's RNG state is also a fusion output (it leaves the program)."""
+
+    def definition(self):
+        super().definition()
+        seed = _forward_expr(self).outputs[2]
+        self.add_output(seed)
+
+
+class _OtherCausal(Dropout):
+    """A backward that is not causal while its forward is: it may pick another kernel."""
+
+    def definition(self):
+        self.q, self.k, self.v, self.g = (self.define_tensor(self.shape, dtype=DataType.BFloat16)
+                                          for _ in range(4))
+        self.attn, lse, seed, offset = self.ops.sdpfa_fwd(self.q, self.k, self.v, P, True)
+        self.grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, self.attn, lse, P,
+                                        False, seed, offset)
+        for t in (self.attn, *self.grads):
+            self.add_output(t)
+
+
+@pytest.mark.parametrize("fd_class, expected", [(Dropout, True), (_StateOut, False),
+                                                (_OtherCausal, False)])
+def test_rng_state_stays_in_kernel_form_only_inside_the_program(fd_class, expected):
+    """The forward hands its kernel's own RNG state to its backward (no join per call) only
+    when the state is no fusion output and every reader replays the forward's kernel."""
+    fd = fd_class(1, 2)
+    fd.define()
+    assert _state_stays_inside(_forward_expr(fd)) is expected

@@ -54,14 +54,36 @@ def _sequence_parallel(mesh: DeviceMesh) -> FusionDefinition:
     return fd
 
 
-def _transpose_shards(mesh: DeviceMesh) -> FusionDefinition:
+def _transpose_shards(mesh: DeviceMesh, shape: list[int] | None = None) -> FusionDefinition:
     """An input split by rows, its negation split by columns (an all-to-all)."""
     with FusionDefinition() as fd:
-        fd.x = fd.define_tensor([8, 12], dtype=DataType.Float)
+        fd.x = fd.define_tensor(shape or [8, 12], dtype=DataType.Float)
         fd.y = fd.ops.neg(fd.x)
         fd.add_output(fd.y)
     shard(fd.x, 0, mesh)
     shard(fd.y, 1, mesh)
+    return fd
+
+
+def _uneven_gather(mesh: DeviceMesh) -> FusionDefinition:
+    """5 rows split over the ranks (3, 2 on two ranks; 2, 2, 1, 0 on four), gathered."""
+    with FusionDefinition() as fd:
+        fd.x = fd.define_tensor([5, 4], dtype=DataType.Float)
+        fd.y = fd.ops.neg(fd.x)
+        fd.add_output(fd.y)
+    shard(fd.x, 0, mesh)
+    fd.y.set_device_mesh(mesh)
+    return fd
+
+
+def _uneven_reduce_scatter(mesh: DeviceMesh) -> FusionDefinition:
+    """A sum over 6 split columns, reduce-scattered into 5 split rows."""
+    with FusionDefinition() as fd:
+        fd.x = fd.define_tensor([5, 6], dtype=DataType.Float)
+        fd.y = fd.ops.sum(fd.x, [1])
+        fd.add_output(fd.y)
+    shard(fd.x, 1, mesh)
+    shard(fd.y, 0, mesh)
     return fd
 
 
@@ -160,6 +182,10 @@ PROGRAMS = {
     "sequence_parallel": lambda size: _sequence_parallel(DeviceMesh(range(size))),
     "transpose_shards": lambda size: _transpose_shards(DeviceMesh(range(size))),
     "from_one_device": lambda size: _from_one_device(DeviceMesh(range(size))),
+    # Extents the ranks do not divide: the collectives pad the shards, and explain says so.
+    "uneven_gather": lambda size: _uneven_gather(DeviceMesh(range(size))),
+    "uneven_reduce_scatter": lambda size: _uneven_reduce_scatter(DeviceMesh(range(size))),
+    "uneven_all_to_all": lambda size: _transpose_shards(DeviceMesh(range(size)), [5, 7]),
 }
 
 

@@ -14,7 +14,12 @@ import torch
 from meshfuse.errors import InputError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ops.attention_backends import AttentionBackend
-from meshfuse.ops.attention_dropout import FusedDropout, attention_site
+from meshfuse.ops.attention_dropout import (
+    FusedDropout,
+    attention_site,
+    check_kernel_form,
+    kernel_state,
+)
 from meshfuse.ops.generator_swap import GeneratorSwap, generator_swap
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -102,3 +107,27 @@ def test_fused_dropout_key_is_the_sites_stream():
         assert dropout.key(seed, offset) == site.stream(seed, offset)
     assert site.words == (0, 4, 0)
     assert attention_site("global", site.index, 16).words == ()
+
+
+def _fake_cudnn(device):
+    """A stand-in for cuDNN attention's forward: its RNG state is two ``[1]`` int64 tensors."""
+    def kernel(*args):
+        return (_draw(device), None, torch.tensor([7], device=device),
+                torch.tensor([0], device=device))
+    return kernel
+
+
+def test_kernel_form_passes_the_kernels_state_through():
+    """In kernel form the forward's RNG state is the kernel's own tensors (no join), and the
+    backward takes them as they are; otherwise it is joined into nvFuser's [2] uint64 form,
+    which the backward splits back."""
+    site, cpu, cudnn = _site(range(4)), torch.device("cpu"), AttentionBackend.CUDNN
+    kernel = _fake_cudnn("cpu")
+    _, _, seed, offset = FusedDropout(site, cudnn, cpu, kernel_form=True).forward(kernel, 1, 0)
+    assert (seed.dtype, seed.tolist(), offset.tolist()) == (torch.int64, [7], [0])
+    assert kernel_state(cudnn, seed, offset, 0.1, cpu, kernel_form=True) == (seed, offset)
+    check_kernel_form(cudnn, seed, offset)
+    _, _, pair, zero = FusedDropout(site, cudnn, cpu).forward(kernel, 1, 0)
+    assert (pair.dtype, pair.view(torch.int64).tolist(), zero.ndim) == (torch.uint64, [7, 0], 0)
+    back = kernel_state(cudnn, pair, zero, 0.1, cpu)
+    assert [t.tolist() for t in back] == [[7], [0]]

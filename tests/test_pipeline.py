@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from fusion_snapshot import snapshot
+from fuzz_programs import Features, build, generate
 from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition
-from meshfuse.errors import ScheduleError
+from meshfuse.errors import MeshfuseError, ScheduleError
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.lint import lint
@@ -18,15 +20,6 @@ from meshfuse.runtime.executor import Slot
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.runner import local_context
 from meshfuse.sharding import shard_tensor
-
-
-def _snapshot(fusion) -> tuple:
-    """Everything a pass could change in a fusion, by identity."""
-    tensors = [(tv, tuple(tv.loop), tuple(tv.transforms), tuple(tv.parallel.items()),
-                tv.allocation, tv.mesh, tv.definition, tv.name) for tv in fusion.tensors()]
-    exprs = [(e, e.op, tuple(e.args), tuple(e.outputs), dict(e.id_map), dict(e.attrs))
-             for e in fusion.exprs]
-    return tensors, exprs, fusion.inputs(), fusion.outputs()
 
 
 def _partly_scheduled(mesh: DeviceMesh) -> tuple[FusionDefinition, object, object]:
@@ -45,11 +38,26 @@ def _partly_scheduled(mesh: DeviceMesh) -> tuple[FusionDefinition, object, objec
 
 def test_compile_leaves_the_fusion_as_the_user_wrote_it():
     fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
-    before = _snapshot(fd.fusion)
+    before = snapshot(fd.fusion)
     compiled = compile(fd.fusion, 2)
-    assert _snapshot(fd.fusion) == before
+    assert snapshot(fd.fusion) == before
     assert len(compiled.fusion.exprs) > len(fd.fusion.exprs)  # the resharding is in the copy
     assert not set(compiled.fusion.tensors()) & set(fd.fusion.tensors())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compile_leaves_fuzzer_programs_as_written(world_size):
+    """Random programs and schedules (the fuzzer's, every feature): compiling one changes
+    nothing of the user's fusion: structure, schedules, split chains, flags, printed form."""
+    features = Features(uneven=True, any_to_any=True)
+    for seed in range(150):
+        fd, _ = build(generate(seed, world_size, features))
+        before = snapshot(fd.fusion)
+        try:
+            compile(fd.fusion, world_size, lint=True)
+        except MeshfuseError:
+            pass  # a refusal must leave the fusion alone too
+        assert snapshot(fd.fusion) == before, f"seed {seed}"
 
 
 def test_each_user_tensor_maps_to_its_compiled_counterpart():
@@ -97,21 +105,21 @@ def test_shard_tensor_follows_a_schedule_changed_after_an_earlier_call():
 def test_execute_explain_and_shard_tensor_leave_the_user_fusion_alone(multidevice_test):
     mesh, rank = mesh_1d(multidevice_test), multidevice_test.rank
     fd, x, out = _partly_scheduled(mesh)
-    before = _snapshot(fd.fusion)
+    before = snapshot(fd.fusion)
     gen = torch.Generator().manual_seed(0)  # every rank makes the same global tensors
     gx, gbias = torch.randn(8, 12, generator=gen), torch.randn(1, 12, generator=gen)
     inputs = [shard_tensor(gx, x, rank).to(multidevice_test.device),
               shard_tensor(gbias, fd.fusion.inputs()[1], rank).to(multidevice_test.device)]
-    assert _snapshot(fd.fusion) == before
+    assert snapshot(fd.fusion) == before
     text = fd.explain(inputs)
-    assert _snapshot(fd.fusion) == before
+    assert snapshot(fd.fusion) == before
     local, = fd.execute(inputs)
-    assert _snapshot(fd.fusion) == before
+    assert snapshot(fd.fusion) == before
     torch.testing.assert_close(local.cpu(),
                                shard_tensor(torch.exp(gx + gbias) * 2.0, out, rank))
     whole = multidevice_test.unshard_tensor(local, out)
     torch.testing.assert_close(whole.cpu(), torch.exp(gx + gbias) * 2.0)
-    assert _snapshot(fd.fusion) == before
+    assert snapshot(fd.fusion) == before
     assert fd.explain(inputs) == text
 
 

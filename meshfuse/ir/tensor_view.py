@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import ScheduleError
-from meshfuse.ir.iter_domain import IterDomain, Transform, format_id, merge_ids, split_ids
+from meshfuse.ir.iter_domain import (
+    IterDomain,
+    Split,
+    Transform,
+    format_id,
+    merge_ids,
+    split_ids,
+)
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 
@@ -326,8 +333,6 @@ class TensorView(Val):
                 f"{len(contig)} contiguity flags; give one per ID"
             )
         self.allocation = Allocation(tuple(id_list), contig)
-        from meshfuse.ir.verifier import check_allocation
-
         check_allocation(self)
         return self
 
@@ -360,6 +365,39 @@ class TensorView(Val):
         return self.loop.index(id_) if id_ in self.loop else repr(id_)
 
     def __repr__(self) -> str:
-        from meshfuse.ir.printer import format_tensor
+        """One line: ``T3[iS{2}, iDIDx{2}, iS{4}] Float mesh=DeviceMesh([0, 1])``, the loop
+        domain; ``meshfuse.ir.printer.format_tensor`` prints every domain."""
+        ids = ", ".join(format_id(i, self.parallel_type(i)) for i in self.loop)
+        mesh = "" if self.mesh is None else f" mesh={self.mesh!r}"
+        return f"{self.name}[{ids}] {self.dtype.name}{mesh}"
 
-        return format_tensor(self)
+
+def check_allocation(tv: TensorView) -> None:
+    """The allocation domain covers each materialized logical axis exactly once.
+
+    For one logical axis, the allocation may hold the logical ID itself or any complete set
+    of the IDs it was split into (e.g. ``[DIDx{d}, i{h/d}]``), in any positions.
+    """
+    assert tv.allocation is not None
+    ids = list(tv.allocation.ids)
+    if len(set(ids)) != len(ids):
+        raise ScheduleError(f"the allocation domain of {tv.name} names an ID twice")
+    chosen = set(ids)
+    frontier = {i for i in tv.logical if not i.is_reduction}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in frontier and t.in_id not in chosen:
+            frontier.remove(t.in_id)
+            frontier.update(t.outputs)
+        elif not isinstance(t, Split) and t.outer in frontier and t.inner in frontier and \
+                t.outer not in chosen and t.inner not in chosen:
+            frontier -= {t.outer, t.inner}
+            frontier.add(t.out)
+    if frontier != chosen:
+        missing = [i for i in frontier - chosen]
+        extra = [i for i in chosen - frontier]
+        raise ScheduleError(
+            f"the allocation domain of {tv.name} must cover each logical axis exactly once; "
+            f"missing {[format_id(i) for i in missing]}, not part of {tv.name} or covered twice "
+            f"{[format_id(i) for i in extra]}. Use set_allocation_as_loop() or list IDs of "
+            "this tensor's loop domain"
+        )

@@ -8,44 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfuse.errors import ScheduleError, ShardingError
-from meshfuse.ir.iter_domain import Split
 from meshfuse.ir.layout import logical_root
-from meshfuse.ir.printer import format_id
+from meshfuse.ir.tensor_view import check_allocation
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
     from meshfuse.ir.tensor_view import TensorView
-
-
-def check_allocation(tv: TensorView) -> None:
-    """The allocation domain covers each materialized logical axis exactly once.
-
-    For one logical axis, the allocation may hold the logical ID itself or any complete set
-    of the IDs it was split into (e.g. ``[DIDx{d}, i{h/d}]``), in any positions.
-    """
-    assert tv.allocation is not None
-    ids = list(tv.allocation.ids)
-    if len(set(ids)) != len(ids):
-        raise ScheduleError(f"the allocation domain of {tv.name} names an ID twice")
-    chosen = set(ids)
-    frontier = {i for i in tv.logical if not i.is_reduction}
-    for t in tv.transforms:
-        if isinstance(t, Split) and t.in_id in frontier and t.in_id not in chosen:
-            frontier.remove(t.in_id)
-            frontier.update(t.outputs)
-        elif not isinstance(t, Split) and t.outer in frontier and t.inner in frontier and \
-                t.outer not in chosen and t.inner not in chosen:
-            frontier -= {t.outer, t.inner}
-            frontier.add(t.out)
-    if frontier != chosen:
-        missing = [i for i in frontier - chosen]
-        extra = [i for i in chosen - frontier]
-        raise ScheduleError(
-            f"the allocation domain of {tv.name} must cover each logical axis exactly once; "
-            f"missing {[format_id(i) for i in missing]}, not part of {tv.name} or covered twice "
-            f"{[format_id(i) for i in extra]}. Use set_allocation_as_loop() or list IDs of "
-            "this tensor's loop domain"
-        )
 
 
 def check_tensor_schedules(fusion: Fusion, world_size: int) -> None:

@@ -43,6 +43,7 @@ from meshfuse.ops.attention_dropout import (
     DropoutSite,
     FusedDropout,
     attention_site,
+    check_kernel_form,
     kernel_state,
     no_rng_state,
     resolve_mode,
@@ -191,11 +192,12 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
 
 @_leading_folded
 def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
-         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None,
+         kernel_form: bool = False):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _forward(backend, None, q, k, v, float(dropout_p), is_causal, scale, rng_seed,
-                    rng_offset, site)
+                    rng_offset, site, kernel_form)
 
 
 def _whole_site(mode, q, k) -> DropoutSite:
@@ -212,11 +214,12 @@ def _backend(site: DropoutSite, q, k, v, dropout_p, is_causal) -> AttentionBacke
 
 
 def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-             site: DropoutSite):
+             site: DropoutSite, kernel_form: bool = False):
     """One forward with ``backend``: through ``sdpa_forward`` (checked), or ``kernel``, the
     raw kernel already bound to these inputs. With dropout, the math kernel gets this shard's
     mask, a fused kernel draws from this shard's stream. Returns attn, log_sumexp and the RNG
-    state in nvFuser's form (see :mod:`meshfuse.ops.attention_dropout`)."""
+    state in nvFuser's form (a fused kernel's own in ``kernel_form``; see
+    :mod:`meshfuse.ops.attention_dropout`)."""
     scale = None if scale is None else float(scale)
     call = kernel or functools.partial(attention_kernels.sdpa_forward, backend=backend)
     if dropout_p == 0.0:
@@ -230,6 +233,8 @@ def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rn
         return (attn, lse, *rng_state(seed, offset))
     attn, lse, kernel_seed, kernel_offset = run_in_stream(
         site.stream(seed, offset), q.device, call, q, k, v, dropout_p, is_causal, scale)
+    if kernel_form:
+        return attn, lse, kernel_seed, kernel_offset
     return (attn, lse, *state_of_kernel(backend, kernel_seed, kernel_offset, q.device))
 
 
@@ -243,34 +248,36 @@ class _Forward:
         self.bound = {}
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 dropout_mode, context_parallel, site):
+                 dropout_mode, context_parallel, site, kernel_form=False):
         if q.ndim > 4:
             _no_leading_dropout("sdpfa_fwd", q, dropout_p)
             return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
                                          rng_offset, dropout_mode, context_parallel, site)
         p = float(dropout_p)
         if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
-            self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site)
-            return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site)
+            self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site, kernel_form)
+            return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site,
+                        kernel_form=kernel_form)
         backend, kernel, dropout = self.bound[p > 0.0]
         if dropout is not None:
             seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
             return dropout.forward(kernel, seed, offset, q, k, v, p, is_causal,
                                    None if scale is None else float(scale))
         return _forward(backend, kernel, q, k, v, p, is_causal, scale, rng_seed, rng_offset,
-                        site)
+                        site, kernel_form)
 
 
-def _bind(which: int, q, k, v, dropout_p, is_causal, site):
+def _bind(which: int, q, k, v, dropout_p, is_causal, site, kernel_form: bool = False):
     """``(backend, kernel, dropout)``: the raw forward (``which`` 0) or backward (1) kernel
     for these inputs, None for the math kernel with dropout (it needs its mask: the checked
-    path); a forward's :class:`FusedDropout` when a fused CUDA kernel draws the mask."""
+    path); a forward's :class:`FusedDropout` when a fused CUDA kernel draws the mask (its
+    RNG state in ``kernel_form`` or not)."""
     backend = _backend(site, q, k, v, dropout_p, is_causal)
     if dropout_p > 0.0 and backend is AttentionBackend.MATH:
         return backend, None, None
     kernel = attention_kernels.bind_kernels(q, k, v, dropout_p, is_causal, backend)[1 + which]
     fused = dropout_p > 0.0 and which == 0 and q.device.type == "cuda"
-    return backend, kernel, FusedDropout(site, backend, q.device) if fused else None
+    return backend, kernel, FusedDropout(site, backend, q.device, kernel_form) if fused else None
 
 
 def _whole_axes(expr) -> set:
@@ -396,7 +403,41 @@ def _localize(expr, here):
     if forward is None:
         return {"site": site}, f"dropout {mode} mode, the seed and offset given as inputs"
     note = site.describe(*(_seed_arg(forward, name) for name in ("rng_seed", "rng_offset")))
-    return {"site": site}, note if not backward else f"replays the forward's {note}"
+    # A context-parallel forward returns its seed and offset in nvFuser's form.
+    attrs = {"site": site, "kernel_form": sequence_parallel(forward) is None and
+             _state_stays_inside(forward)}
+    return attrs, note if not backward else f"replays the forward's {note}"
+
+
+_REPLAYED_SCALARS = ("dropout_p", "is_causal")  # equal in a backward that replays a forward
+
+
+def _state_stays_inside(forward) -> bool:
+    """Whether ``forward``'s RNG state may travel in its kernel's own form: it is no fusion
+    output, and every reader is an ``sdpfa_bwd`` taking it directly, with the forward's q,
+    k, v, dropout_p, is_causal and mode (so it binds the forward's kernel). Decided once per
+    signature, alike for the forward and its backwards."""
+    seed, offset = forward.outputs[2], forward.outputs[3]
+    fusion = seed.fusion
+    if any(t in fusion.outputs() for t in (seed, offset)):
+        return False
+    uses = fusion.uses()
+    readers = uses.get(seed, []) + uses.get(offset, [])
+    return bool(readers) and all(_replays(forward, e) for e in readers)
+
+
+def _replays(forward, expr) -> bool:
+    if getattr(getattr(expr, "op", None), "name", None) != "sdpfa_bwd":
+        return False
+    expected = {n: _raw(forward, n) for n in ("q", "k", "v")}
+    expected.update(seed=forward.outputs[2], offset=forward.outputs[3])
+    if any(_raw(expr, n) is not t for n, t in expected.items()):
+        return False
+    if not all(_raw(expr, n) is _raw(forward, n) or
+               (_arg(forward, n) is not None and _arg(expr, n) == _arg(forward, n))
+               for n in _REPLAYED_SCALARS):
+        return False
+    return _bwd_mode(expr) == resolve_mode("sdpfa_fwd", _arg(forward, "dropout_mode"))
 
 
 register(OpDef(
@@ -453,17 +494,19 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
 
 @_leading_folded_bwd
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
-         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None,
+         kernel_form: bool = False):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _backward(backend, None, grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
-                     is_causal, seed, offset, scale, site)
+                     is_causal, seed, offset, scale, site, kernel_form)
 
 
 def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal,
-              seed, offset, scale, site: DropoutSite):
+              seed, offset, scale, site: DropoutSite, kernel_form: bool = False):
     """One backward with the forward's mask: the math kernel redraws it from the forward's
-    seed and offset (and this shard's site); a fused kernel replays its forward's RNG state.
+    seed and offset (and this shard's site); a fused kernel replays its forward's RNG state
+    (its own tensors in ``kernel_form``, checked on the checked call only).
     ``kernel``: the raw kernel bound to these inputs, or None for the checked call."""
     scale = None if scale is None else float(scale)
     if backend is AttentionBackend.MATH and dropout_p > 0.0:
@@ -471,7 +514,9 @@ def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, 
         return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
                                                dropout_p, is_causal, seed, offset, scale,
                                                backend, mask)
-    seed, offset = kernel_state(backend, seed, offset, dropout_p, q.device)
+    if kernel is None and kernel_form and dropout_p > 0.0:
+        check_kernel_form(backend, seed, offset)
+    seed, offset = kernel_state(backend, seed, offset, dropout_p, q.device, kernel_form)
     if kernel is None:
         return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
                                                dropout_p, is_causal, seed, offset, scale,
@@ -490,7 +535,7 @@ class _Backward:
         self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, dropout_mode, context_parallel, site):
+                 scale, dropout_mode, context_parallel, site, kernel_form=False):
         if q.ndim > 4:
             _no_leading_dropout("sdpfa_bwd", q, dropout_p)
             return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
@@ -500,10 +545,10 @@ class _Backward:
         if (p > 0.0) not in self.bound:
             self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
-                        site=site)
+                        site=site, kernel_form=kernel_form)
         backend, kernel, _ = self.bound[p > 0.0]
         return _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, p, is_causal,
-                         seed, offset, scale, site)
+                         seed, offset, scale, site, kernel_form)
 
 
 register(OpDef(

@@ -22,7 +22,10 @@ drawn from torch's default generator at each call) decide every mask. Two modes:
 The RNG state ``sdpfa_fwd`` returns for its backward has nvFuser's form whatever the kernel:
 ``seed`` a ``[2]`` uint64 tensor holding the stream's (Philox seed, offset), ``offset`` a 0-d
 uint64 zero; zeros without dropout. :func:`rng_state` and :func:`kernel_state` convert
-between it and each kernel's own tensors.
+between it and each kernel's own tensors. Where the state never leaves a program (not a
+fusion output, read only by backwards of that program that run the forward's kernel), it
+travels in the kernel's own form instead (*kernel form*, decided once per signature): joining
+cuDNN's two tensors into nvFuser's one costs a GPU launch per call.
 
 ``MESHFUSE_DROPOUT_MODE=global|shard`` sets the mode of attention calls that do not pass
 ``dropout_mode``. A backward that does not pass it uses its forward's.
@@ -177,12 +180,13 @@ def state_of_kernel(backend: AttentionBackend, seed, offset, device: torch.devic
 
 
 def kernel_state(backend: AttentionBackend, seed: torch.Tensor, offset: torch.Tensor,
-                 dropout_p: float, device: torch.device):
-    """The fused kernel's own ``(seed, offset)`` tensors back from nvFuser's form (without
-    dropout: zeros of the kernel's form, which it does not read)."""
+                 dropout_p: float, device: torch.device, kernel_form: bool = False):
+    """The fused kernel's own ``(seed, offset)`` tensors back from nvFuser's form, or as
+    they are in ``kernel_form`` (the forward passed its kernel's tensors through); without
+    dropout: zeros of the kernel's form, which it does not read."""
     if dropout_p == 0.0:
         return _kernel_zeros(backend, device)
-    if backend is AttentionBackend.FLASH:
+    if kernel_form or backend is AttentionBackend.FLASH:
         return seed, offset
     _check_state(seed, offset)
     pair = seed.view(torch.int64)
@@ -216,6 +220,13 @@ def seed_and_offset(seed: torch.Tensor, offset: torch.Tensor) -> tuple[int, int]
     return first, second
 
 
+def check_kernel_form(backend: AttentionBackend, seed, offset) -> None:
+    """The internal invariant of *kernel form*: the state is a fused kernel's own tensors
+    (checked on a program's first backward; its later calls read the same forward)."""
+    assert isinstance(seed, torch.Tensor) and isinstance(offset, torch.Tensor) and (
+        backend is AttentionBackend.FLASH or seed.dtype == torch.int64), (backend, seed)
+
+
 def _check_state(seed, offset) -> None:
     if not isinstance(seed, torch.Tensor) or seed.dtype != torch.uint64 or \
             tuple(seed.shape) != (2,):
@@ -233,11 +244,14 @@ class FusedDropout:
     :class:`~meshfuse.ops.generator_swap.GeneratorSwap` and the form of the kernel's RNG
     state. A call hashes the seed and offset into the stream key (only when they changed
     since the last call: a constant seed is hashed once), swaps generators around the kernel
-    and joins the kernel's RNG state into nvFuser's form.
+    and joins the kernel's RNG state into nvFuser's form, or, in ``kernel_form`` (the state
+    only feeds this program's backwards), returns the kernel's own tensors unchanged.
     """
 
-    def __init__(self, site: DropoutSite, backend: AttentionBackend, device: torch.device):
+    def __init__(self, site: DropoutSite, backend: AttentionBackend, device: torch.device,
+                 kernel_form: bool = False):
         self.backend = backend
+        self.kernel_form = kernel_form
         self._words = site.words
         self._device = device
         self._swap = generator_swap(device)
@@ -253,8 +267,11 @@ class FusedDropout:
 
     def forward(self, kernel, seed: int, offset: int, *args):
         """``kernel(*args)`` (a bound fused forward) drawing from this shard's stream:
-        ``(attn, log_sumexp, seed, offset)``, the RNG state in nvFuser's form."""
+        ``(attn, log_sumexp, seed, offset)``, the RNG state in nvFuser's form (or the
+        kernel's, in ``kernel_form``)."""
         attn, lse, kernel_seed, kernel_offset = self._swap.run(self.key(seed, offset), kernel,
                                                                *args)
+        if self.kernel_form:
+            return attn, lse, kernel_seed, kernel_offset
         return (attn, lse,
                 *state_of_kernel(self.backend, kernel_seed, kernel_offset, self._device))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import threading
 
 import torch
 
@@ -56,10 +57,18 @@ def check_seed(name: str, value) -> int:
     return value
 
 
+_DRAWS = threading.local()  # each thread's 0-d int64 tensor that draw_seed fills
+
+
 def draw_seed() -> int:
     """A fresh seed from torch's default CPU generator (so ``torch.manual_seed`` decides it,
-    and ranks seeded alike draw alike)."""
-    return int(torch.randint(0, _SEED_LIMIT - 1, (), dtype=torch.int64))
+    and ranks seeded alike draw alike): the value ``torch.randint(0, 2**63 - 1, ())`` gives,
+    drawn into a kept tensor (no tensor made per call: this runs on every dropout call)."""
+    buffer = getattr(_DRAWS, "buffer", None)
+    if buffer is None:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+            buffer = _DRAWS.buffer = torch.empty((), dtype=torch.int64, device="cpu")
+    return buffer.random_(0, _SEED_LIMIT - 1).item()
 
 
 def stream_key(seed: int, offset: int, *words: int) -> int:

@@ -24,15 +24,12 @@ communication. The result depends only on the fusion, not on the order of schedu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from meshfuse.errors import MeshfuseError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import logical_root
-from meshfuse.ir.tensor_view import Allocation, TensorView
-from meshfuse.ir.verifier import check_allocation
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.layout import follow_allocation
 
 
 def propagate_shardings(fusion: Fusion) -> set[TensorView]:
@@ -188,50 +185,9 @@ def _copy_sharding(ref: TensorView, target: TensorView,
     for ref_id, target_id in pairs.items():
         _replay_shard(ref, ref_id, target, target_id, replay)
     if layout and ref.allocation is not None and target.allocation is None:
-        allocation = _follow_allocation(ref, target, replay)
+        allocation = follow_allocation(ref, target, replay)
         if allocation is not None:
             target.allocation = allocation
-
-
-def _follow_allocation(ref: TensorView, target: TensorView,
-                       replay: dict[IterDomain, IterDomain]) -> Allocation | None:
-    """``ref``'s allocation order carried over to ``target``; IDs of ``target`` it does not
-    cover go right after the logical axis before them. None if that is not a valid cover."""
-    ids = [replay[i] for i in ref.allocation.ids if i in replay]
-    ids = [i for i in ids if i in _domain(target)]
-    for axis, logical_id in enumerate(target.materialized()):
-        pieces = [i for i in _leaves(target, logical_id)]
-        if logical_id in ids or all(p in ids for p in pieces):
-            continue
-        before = _last_position(ids, target, target.materialized()[:axis])
-        for offset, piece in enumerate(p for p in pieces if p not in ids):
-            ids.insert(before + 1 + offset, piece)
-    candidate = Allocation(tuple(ids), tuple(None if i.is_broadcast else True for i in ids))
-    saved = target.allocation
-    target.allocation = candidate
-    try:
-        check_allocation(target)
-    except MeshfuseError:
-        target.allocation = saved
-        return None
-    return candidate
-
-
-def _domain(tv: TensorView) -> set[IterDomain]:
-    ids = set(tv.logical)
-    for t in tv.transforms:
-        ids.update(t.outputs)
-    return ids
-
-
-def _leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    return [i for i in tv.loop if i in _subtree(tv, logical_id)]
-
-
-def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDomain]) -> int:
-    positions = [p for p, i in enumerate(ids)
-                 for logical_id in axes if i in _subtree(tv, logical_id)]
-    return max(positions, default=-1)
 
 
 def _add_sharding(ref: TensorView, target: TensorView,

@@ -28,7 +28,16 @@ from __future__ import annotations
 import math
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
-from meshfuse.ir.placement import Partial, Replicate, Shard, placements, same_sharding
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    placements,
+    same_sharding,
+    shard_signature,
+)
+from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.propagation import (
     _add_sharding,
@@ -114,6 +123,62 @@ def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> Tensor
     return scratch
 
 
+def _agreeing(expr: Expr, natural: list[TensorView],
+              ins: list[TensorView]) -> tuple[list[TensorView], list[TensorView]]:
+    """``natural`` outputs made whole where the inputs they need could not agree, and those
+    inputs: ``(outputs, needed inputs)``.
+
+    Each input's need is read from one output (the one mapping most of its axes), so the
+    needs of an op whose outputs map one input axis to several output axes can contradict
+    another output (attention's backward: ``q_grad`` sums over the key sequence that ``v``
+    is sharded on, while ``k_grad``'s sequence is whole). Every axis connected to such a
+    contradiction through the op's domain map is made whole on the outputs, and the needs
+    are read again, until they agree: the op is then local."""
+    groups = _axis_groups(expr)
+    budget = 1 + sum(len(o.parallel) for o in natural)
+    for _ in range(budget):
+        needed = [_needed_input(expr, natural, t) for t in ins]
+        bad = {groups[i] for i in _disagreements(expr, needed, natural)}
+        if not bad:
+            return natural, needed
+        for out in natural:
+            _drop_shards(out, {i for i in out.logical if groups.get(i) in bad})
+    raise AssertionError(f"{format_expr(expr)}: the shardings of its tensors do not converge")
+
+
+def _axis_groups(expr: Expr) -> dict[IterDomain, int]:
+    """Each logical ID of ``expr``'s tensors -> its group: IDs the domain map connects (an
+    output ID and its sources, transitively) are in one group."""
+    parent: dict[IterDomain, IterDomain] = {}
+
+    def find(i: IterDomain) -> IterDomain:
+        while parent.setdefault(i, i) is not i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for out_id, sources in expr.id_map.items():
+        for src in sources:
+            parent[find(src)] = find(out_id)
+    roots = {}
+    return {i: roots.setdefault(find(i), len(roots)) for i in list(parent)}
+
+
+def _disagreements(expr: Expr, ins: list[TensorView], outs: list[TensorView]) -> set[IterDomain]:
+    """The output logical IDs sharded otherwise than an input axis they map from (of the same
+    extent: a reshape's split or merge is checked with the extents bound)."""
+    bad = set()
+    for out in outs:
+        for out_id in out.logical:
+            for src in expr.id_map.get(out_id, ()):
+                inp = next((t for t in ins if src in t.logical), None)
+                if inp is None or src.is_broadcast or src.extent != out_id.extent:
+                    continue
+                if shard_signature(inp, src) != shard_signature(out, out_id):
+                    bad.add(out_id)
+    return bad
+
+
 def _numel(tv: TensorView) -> int:
     return math.prod(i.extent or UNKNOWN_EXTENT for i in tv.materialized())
 
@@ -149,9 +214,8 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
                 _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
         # Then as on one mesh (the moved inputs may still disagree with other inputs).
         ins = list(dict.fromkeys(expr.tensor_inputs))
-    natural = _naturals(expr, outs)
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
-    needed_a = [_needed_input(expr, natural, t) for t in ins]
+    natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
         _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
     # Option B: the op makes the outputs as they are; sets before the inputs that differ.
@@ -159,7 +223,8 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
     # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
     # or an axis mapped from no input cannot be).
-    b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs))
+    b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs)) \
+        and not _disagreements(expr, needed_b, outs)
     if cost_a < cost_b or not b_works:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):
