@@ -12,6 +12,7 @@ from benchmarks.cases import (
     attention_dropout,
     autodiff,
     collectives,
+    context_parallel,
     fusion,
     gpt3,
     mlp,
@@ -32,6 +33,7 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "fusion": fusion.run,
     "gpt3_layer": gpt3.run,
     "overlap": overlap.run,
+    "context_parallel": context_parallel.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -51,6 +53,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 18: row/column-parallel linears with stream-parallel loops against no overlap
     # and PyTorch's async TP
     "issue18": ("overlap",),
+    # issue 14: ring / all-gather / all-to-all attention on a sharded sequence, torch's
+    # context_parallel, one GPU
+    "issue14": ("context_parallel",),
 }
 
 

@@ -188,7 +188,8 @@ class TensorView(Val):
             raise ScheduleError(f"{self.name}.set_device_mesh expects a DeviceMesh, got {mesh!r}")
         self.mesh = mesh
 
-    def split(self, axis: int, factor: int, inner_split: bool = True) -> TensorView:
+    def split(self, axis: int, factor: int, inner_split: bool = True,
+              zigzag: bool = False) -> TensorView:
         """Splits loop ID ``axis`` in two.
 
         With ``inner_split=True`` the inner ID has extent ``factor``; with ``False`` the outer
@@ -209,7 +210,9 @@ class TensorView(Val):
                 f"axis {axis} of {self.name} is already parallelized on "
                 f"{self.parallel[old].value}; split it before parallelizing"
             )
-        record = split_ids(old, factor, inner_split)
+        if zigzag:
+            self._check_zigzag(axis, old, factor, inner_split)
+        record = split_ids(old, factor, inner_split, zigzag)
         self.transforms.append(record)
         self.loop[pos : pos + 1] = [record.outer, record.inner]
         return self
@@ -217,6 +220,24 @@ class TensorView(Val):
     def outer_split(self, axis: int, factor: int) -> TensorView:
         """``split(axis, factor, inner_split=False)``: the outer ID has extent ``factor``."""
         return self.split(axis, factor, inner_split=False)
+
+    def zigzag_split(self, axis: int, factor: int) -> TensorView:
+        """An outer split into ``factor`` head-tail pairs of ``2 * factor`` equal chunks:
+        outer index ``o`` holds chunks ``o`` and ``2 * factor - 1 - o`` (the load-balanced
+        layout of a causal attention's sequence). Example, ``zigzag_split(2, 2)`` of a
+        sequence of 8: outer 0 holds rows 0, 1, 6, 7 and outer 1 rows 2, 3, 4, 5. The extent
+        must be a multiple of ``2 * factor``."""
+        return self.split(axis, factor, inner_split=False, zigzag=True)
+
+    def _check_zigzag(self, axis: int, old, factor: int, inner_split: bool) -> None:
+        if inner_split:
+            raise ScheduleError(f"split of axis {axis} of {self.name}: a zig-zag split is an "
+                                "outer split; pass inner_split=False (or use zigzag_split)")
+        if old.extent is not None and old.extent % (2 * factor):
+            raise ScheduleError(
+                f"zig-zag split of axis {axis} of {self.name}: extent {old.extent} is not a "
+                f"multiple of 2 * {factor} (the head-tail chunks must be equal); choose a "
+                f"length divisible by {2 * factor} or use outer_split")
 
     def inner_split(self, axis: int, factor: int) -> TensorView:
         """``split(axis, factor, inner_split=True)``: the inner ID has extent ``factor``."""

@@ -31,10 +31,14 @@ LowerReshard = Callable[[Reshard, Binding, bool], "tuple[Callable, tuple, str] |
 # group_loops(exprs, steps, calls, slot_of, kept slots) -> (steps, calls): the steps of each
 # stream-parallel loop's body made one loop step (see meshfuse.runtime.stream_loop).
 GroupLoops = Callable[..., "tuple[list[Step], list[Callable]]"]
+# lower_op(expr) -> the implementation of an op that communicates itself (ring attention),
+# or None for the op's own; called on every rank alike (group creation is collective).
+LowerOp = Callable[[Expr], "Callable | None"]
 
 
 def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local], rank: int,
                   lower_reshard: LowerReshard | None = None,
+                  lower_op: LowerOp | None = None,
                   group_loops: GroupLoops | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
     :func:`meshfuse.passes.localization.localize`)."""
@@ -58,6 +62,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             src = slot(expr.args[0])
             donated = last_use.get(src) == index and src not in keep and src not in input_slots
             lowered = lower_reshard(expr, binding, donated)
+        elif not isinstance(expr, Reshard) and lower_op is not None:
+            lowered = lower_op(expr)
         if expr not in local:
             continue
         outs = tuple(slot(o) for o in expr.outputs)
@@ -74,7 +80,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
                     format_expr(expr), note=mine.note)
         steps.append(step)
-        calls.append(dispatch(step))
+        calls.append(lowered or dispatch(step))
         ran.append(expr)
     if group_loops is not None:
         steps, calls = group_loops(ran, steps, calls, slot_of, keep)

@@ -27,6 +27,7 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.context_parallel import sequence_mesh_axis, sequence_parallel
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.overlap_candidates import overlap_candidates
@@ -44,6 +45,7 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.failures import checked_timeout
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
@@ -153,7 +155,7 @@ class FusionRunner:
                 _group_loops, plans, binding=binding, rank=self.rank,
                 group_of=self._group, ring_all=self.ring_order)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
-                             group_loops)
+                             lower_op=self._lower_op, group_loops=group_loops)
 
     @staticmethod
     def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
@@ -204,6 +206,17 @@ class FusionRunner:
             return None
         return Group(process_group, mesh.group_ranks(self.rank, mesh_axis),
                      mesh.coordinate(self.rank)[mesh_axis], mesh_axis)
+
+    def _lower_op(self, expr):
+        """A context-parallel attention's implementation bound to its group on this rank
+        (every rank creates the group; None on a rank outside it), or None for any other op."""
+        if sequence_parallel(expr) is None:
+            return None
+        group = self._group(*sequence_mesh_axis(expr))
+        if group is None:
+            return None
+        step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
+        return step(group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank: (implementation, plan steps, text), or
@@ -261,7 +274,8 @@ def local_context(binding: Binding, rank: int, device) -> LocalContext:
     def index(tv: TensorView) -> GlobalIndex:
         return global_index(tv, binding.extents, device_coords(tv, rank))
 
-    return LocalContext(rank, torch.device("cpu") if device is None else device, index)
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index,
+                        binding.extents)
 
 
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
