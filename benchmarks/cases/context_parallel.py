@@ -140,12 +140,17 @@ def _torch_cp(ctx, full, causal, rotate):
 
         set_rotate_method(rotate)
         mesh = ctx.dtensor_mesh()
-        q, k, v = (t.clone().requires_grad_() for t in full[:3])
-        g = full[3].clone()
 
         def step():
+            # context_parallel shards its buffers in place (resize_), which tensors that
+            # require grad refuse: shard fresh copies, then ask for their gradients. The
+            # copies (about 1 GB at s=32k) are part of torch's per-step cost.
+            q, k, v, g = buffers = [t.detach().clone() for t in full[:4]]
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
-                    context_parallel(mesh, buffers=[q, k, v, g], buffer_seq_dims=[2, 2, 2, 2]):
+                    context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2],
+                                     no_restore_buffers=set(buffers)):
+                for t in (q, k, v):
+                    t.requires_grad_()
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 return out, torch.autograd.grad(out, (q, k, v), g)
 
