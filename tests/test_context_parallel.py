@@ -17,6 +17,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
+from meshfuse.ops.context_parallel import ContextParallel, most_terms, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications
@@ -107,8 +108,9 @@ def _rows(s, d, layout):
 
 def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
-    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the float32
-    dk/dv accumulators n - 1 times, then the finished sums home in the inputs' dtype."""
+    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the dk/dv
+    accumulators n - 1 times (float32, but in the inputs' dtype on a ring of two, where each
+    sum has two terms), then the finished sums home in the inputs' dtype."""
     block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
@@ -117,7 +119,7 @@ def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
         kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2 \
             if step < d - 1 else []
         forward += kv
-        sums = 4 if step < d - 1 else itemsize  # the finished sums go home cast
+        sums = 4 if step < d - 1 and d > 2 else itemsize  # the finished sums go home cast
         backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
     return (forward + backward) if d > 1 else []
 
@@ -203,8 +205,24 @@ def test_bfloat16_ring(multidevice_test):
     fd = Attention(2, 32, True, dtype=DataType.BFloat16, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     inputs = _global_inputs(2, 32, QkvFormat.BHSE, torch.bfloat16)
-    outputs, expected, _ = _run(multidevice_test, fd, inputs)
+    outputs, expected, comms = _run(multidevice_test, fd, inputs)
     _assert_equal(outputs, expected, tol=3e-2)
+    d = multidevice_test.size
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        32, d, 2, 2, multidevice_test.rank, "zigzag")
+
+
+@pytest.mark.parametrize("layout,s", LAYOUTS, ids=[lay for lay, _ in LAYOUTS])
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_sums_in_the_inputs_dtype_only_with_two_terms(layout, s, d):
+    """A ring of two adds at most two kernel results into any sum (so the inputs' dtype
+    rounds as a float32 sum would); longer rings add more, in float32."""
+    rows = tuple(runs_of(r) or ((0, 0),) for r in _rows(s, d, "zigzag" if layout == "zigzag"
+                                                          else "block"))
+    for position in range(d):
+        record = ContextParallel("ring", 0, tuple(range(d)), position, rows, True)
+        assert record.sums_in_input_dtype == (d <= 2)
+        assert most_terms(record, False) == d
 
 
 @pytest.mark.mpi

@@ -44,6 +44,7 @@ from meshfuse.ops.context_parallel import (
     block_backward,
     block_forward,
     forward_blocks,
+    sums_dtype,
 )
 from meshfuse.ops.random import resolve_seed
 from meshfuse.runtime.collectives import (
@@ -71,7 +72,7 @@ def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: G
                  dropout: BlockDropout | None = None):
     """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
-    merged = Merged(q, v)
+    merged = Merged(q, v, sums_dtype(record, q))
     block = (k, v)
     for step in range(record.size):
         pending = None
@@ -88,29 +89,34 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
                   group: Group, dropout: BlockDropout | None = None):
     """This rank's ``(dq, dk, dv)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
-    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
-    block, sums = (k, v), None
+    dq, block, sums = None, (k, v), None
+    dtype = sums_dtype(record, q)  # the inputs' on a ring of two: no float32 sums at all
     for step in range(record.size):
         pending = None
         if step < record.size - 1:
             rows = record.length(record.holder(step + 1))
             pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
-        partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
-                                  record.holder(step), dq, dropout)
-        own = sums.wait() if sums is not None else \
-            [torch.zeros(t.shape, dtype=torch.float, device=t.device) for t in block]
-        add_key_gradients(partial, *own)  # the sums arrived while the kernels ran
+        dq, partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
+                                      record.holder(step), dq, dropout)
+        # The sums arrived while the kernels ran.
+        own = add_key_gradients(partial, sums.wait() if sums is not None else (None, None),
+                                block, dtype)
         if record.size == 1:
-            return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+            return _finished(dq, q), own[0].to(k.dtype), own[1].to(v.dtype)
         # The accumulators follow their block to the next rank (the last step: home).
         rows = record.length(record.holder(step + 1))
-        if step == record.size - 1:  # finished: home in the inputs' dtype (half the bytes)
+        if step == record.size - 1:  # finished: home in the inputs' dtype
             own = [own[0].to(k.dtype), own[1].to(v.dtype)]
         sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
         if pending is not None:
             block = pending.wait()
     dk, dv = sums.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _finished(dq, q), dk, dv
+
+
+def _finished(dq: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The query gradient in q's dtype (zeros when no kernel reached a row: no rows)."""
+    return torch.zeros_like(q) if dq is None else dq.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +134,7 @@ def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, gro
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
-    merged = Merged(q, v)
+    merged = Merged(q, v, sums_dtype(record, q))
     for c in range(record.size):
         forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged, dropout)
     return merged.result(q.dtype)
@@ -140,16 +146,14 @@ def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Co
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
-    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
-    sums = []
+    dq, sums, dtype = None, [], torch.float  # a reduce-scatter sums in float32 again
     for c in range(record.size):
-        sums.append([torch.zeros(t.shape, dtype=torch.float, device=t.device)
-                     for t in (keys[c], values[c])])
-        add_key_gradients(backward_blocks(grad, q, keys[c], values[c], attn, lse, scale,
-                                          causal, record, c, dq, dropout), *sums[-1])
+        dq, parts = backward_blocks(grad, q, keys[c], values[c], attn, lse, scale, causal,
+                                    record, c, dq, dropout)
+        sums.append(add_key_gradients(parts, (None, None), (keys[c], values[c]), dtype))
     dk, dv = (reduce_scatter(torch.cat([s[i] for s in sums], dim=-2), k.ndim - 2, group,
                              "sum", sizes=sizes) for i in (0, 1))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _finished(dq, q), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
