@@ -5,7 +5,8 @@ kernels' time no compute kernel hid.
 Compute is every GPU kernel, memset and memcpy that is not NCCL's; communication is NCCL's
 kernels (whose time includes waiting for the peer to reach the same transfer). A window is
 one ``gpu_user_annotation`` named ``window`` (one timed call wrapped in
-``torch.profiler.record_function(window)``), or the whole trace when there is none.
+``torch.profiler.record_function(window)``), or the whole trace when there is none; with a
+window, the summary also gives the host time from the call to its first GPU work.
 
     python -m benchmarks.trace_summary TRACE.json [window]
 """
@@ -98,12 +99,20 @@ def summarize(trace: dict, window: str | None = None) -> list[dict]:
     events = trace.get("traceEvents", [])
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in
            ("kernel", "gpu_memcpy", "gpu_memset")]
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
-               if e.get("cat") == "gpu_user_annotation" and e.get("name") == window]
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "gpu_user_annotation" and e.get("name") == window)
     if not windows:
         windows = [(min((e["ts"] for e in gpu), default=0.0),
                     max((e["ts"] + e["dur"] for e in gpu), default=0.0))]
-    return [summarize_window(gpu, w) for w in sorted(windows)]
+    calls = sorted(e["ts"] for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name") == window)
+    summaries = [summarize_window(gpu, w) for w in windows]
+    for summary, w, called in zip(summaries, windows, calls):
+        # The host's time from the call to its first GPU work (exposed when the device
+        # was idle, as after a synchronization).
+        first = min((e["ts"] for e in _clip(gpu, w)), default=called)
+        summary["host_to_first_kernel_ms"] = round((first - called) / 1e3, 3)
+    return summaries
 
 
 def main(argv: list[str]) -> None:

@@ -2,8 +2,9 @@
 
 Every sharded run is checked against PyTorch's unsharded attention (forward and the three
 gradients), and the point-to-point transfers that ran are checked against the ring's theory:
-a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times and the
-float32 dk/dv accumulators ``n`` times (the last transfer brings them home).
+a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times, the dk/dv
+accumulators ``n - 1`` times, and the finished sums home (in two halves of the heads when the
+local heads are even).
 """
 
 from __future__ import annotations
@@ -114,13 +115,16 @@ def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
     block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
-    for step in range(d):
+    for step in range(d - 1):
         sent, received = block[order[step]], block[order[step + 1]]
-        kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2 \
-            if step < d - 1 else []
+        kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2
         forward += kv
-        sums = 4 if step < d - 1 and d > 2 else itemsize  # the finished sums go home cast
+        sums = 4 if d > 2 else itemsize
         backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
+    # The finished sums go home cast, in two halves of the (even) local heads.
+    parts = 2 if h_local % 2 == 0 else 1
+    sent, received = block[order[d - 1]] // parts, block[position] // parts
+    backward += [("send", sent * itemsize), ("recv", received * itemsize)] * 2 * parts
     return (forward + backward) if d > 1 else []
 
 
@@ -184,6 +188,20 @@ def test_ring_peers_and_explain_match_what_ran(multidevice_test):
     planned = planned_context_parallel(fd.compiled().fusion, rank)
     assert [c for p in planned for c in p.communications()] == comms
     assert ("ring over mesh axis 0" in fd.explain()) == (d > 1)
+
+
+@pytest.mark.mpi
+def test_odd_heads_send_the_sums_home_whole(multidevice_test):
+    """Three heads do not halve: the finished sums go home in one transfer each."""
+    d = multidevice_test.size
+    fd = Attention(3, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(3, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 3, 4, multidevice_test.rank, "zigzag")
+    planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
+    assert [c for p in planned for c in p.communications()] == comms
 
 
 @pytest.mark.mpi

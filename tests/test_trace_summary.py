@@ -16,6 +16,8 @@ def test_busy_idle_and_exposed_transfer_per_window():
         {"ph": "X", "cat": "gpu_user_annotation", "name": "step", "ts": 0, "dur": 400},
         {"ph": "X", "cat": "gpu_user_annotation", "name": "step", "ts": 1000, "dur": 100},
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 999},
+        {"ph": "X", "cat": "user_annotation", "name": "step", "ts": -30, "dur": 400},
+        {"ph": "X", "cat": "user_annotation", "name": "step", "ts": 990, "dur": 100},
         _kernel("fprop", 0, 100), _kernel("ncclDevKernel_SendRecv", 50, 70),
         {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 150, "dur": 50},
         _kernel("bprop", 200, 100), _kernel("ncclDevKernel_SendRecv", 280, 120),
@@ -31,5 +33,6 @@ def test_busy_idle_and_exposed_transfer_per_window():
     assert [(g["at_ms"], g["ms"], g["after"], g["nccl_running"]) for g in gaps] == [
         (0.3, 0.1, "bprop", True), (0.1, 0.05, "fprop", True)]
     assert second["compute_busy_ms"] == 0.1 and second["nccl_ms"] == 0.0
+    assert (first["host_to_first_kernel_ms"], second["host_to_first_kernel_ms"]) == (0.03, 0.01)
     whole, = summarize(trace)
     assert whole["span_ms"] == 1.1

@@ -33,12 +33,13 @@ import enum
 import functools
 import math
 import os
+from fractions import Fraction
 
 import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.global_index import GlobalIndex
-from meshfuse.ir.layout import device_ids, split_indices
+from meshfuse.ir.layout import device_ids, local_extent, split_indices
 from meshfuse.ops import attention_kernels, rng
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
 from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
@@ -107,6 +108,9 @@ class ContextParallel:
         rows: for each position, the runs of global sequence rows it holds (queries and
             keys alike).
         backward: the record of an ``sdpfa_bwd`` (k/v and their gradients travel).
+        home_parts: in how many equal parts of the batch axis (of the heads when the batch
+            is 1) the ring's last step computes and sends the finished dk/dv sums home: each
+            part goes as soon as its kernels finish, so only the last one's transfer waits.
     """
 
     strategy: str
@@ -115,6 +119,7 @@ class ContextParallel:
     position: int
     rows: tuple[tuple[Run, ...], ...]
     backward: bool = False
+    home_parts: int = 1
 
     @property
     def size(self) -> int:
@@ -162,9 +167,10 @@ class ContextParallel:
         of two ranks. Longer rings sum in float32."""
         return max(most_terms(self, causal) for causal in (False, True)) <= 2
 
-    def transfers(self) -> list[tuple[str, int | None, str, int]]:
+    def transfers(self) -> list[tuple[str, int | None, str, int | Fraction]]:
         """The communications this rank makes, in the order it launches them: ``(kind, peer
-        rank or None for a collective, tensor, sequence rows)``. Tensors: ``q``, ``k``,
+        rank or None for a collective, tensor, sequence rows)`` (a part of the finished sums
+        counts the fraction of the rows' bytes it carries: rows over :attr:`home_parts`). Tensors: ``q``, ``k``,
         ``v``, ``grad``, ``attn``, ``dq``, ``dk``, ``dv`` in the inputs' dtype, ``lse``, and
         ``dk32``, ``dv32``: float32 gradient sums (:attr:`sums_in_input_dtype`: ``dk``, ``dv``). Rows are those the recorder counts (an
         uneven all-gather pads each block to the longest)."""
@@ -191,10 +197,17 @@ class ContextParallel:
         for step in range(self.size):
             sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
-            if self.backward:  # the last transfer takes the finished sums home, cast
-                moved += travelling if step < self.size - 1 else ("dk", "dv")
+            if self.backward and step < self.size - 1:
+                moved += travelling
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
+        if self.backward:  # the finished sums go home, cast, in parts
+            sent = Fraction(self.length(self.holder(self.size - 1)), self.home_parts)
+            received = Fraction(self.length(self.position), self.home_parts)
+            for _ in range(self.home_parts):
+                for tensor in ("dk", "dv"):
+                    result += [("send", after, tensor, sent),
+                               ("recv", before, tensor, received)]
         return result
 
 
@@ -240,9 +253,31 @@ def context_record(expr, here) -> ContextParallel:
     ranks = q.mesh.group_ranks(here.rank, axis)
     rows = tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
                  for c in range(len(ranks)))
+    backward = expr.op.name == "sdpfa_bwd"
     return ContextParallel(sequence_parallel(expr), axis, ranks,
-                           q.mesh.coordinate(here.rank)[axis], rows,
-                           expr.op.name == "sdpfa_bwd")
+                           q.mesh.coordinate(here.rank)[axis], rows, backward,
+                           home_parts(expr, here) if backward and len(ranks) > 1 else 1)
+
+
+def home_parts(expr, here) -> int:
+    """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
+    local batch (of the heads when the batch is 1) when that extent is even and there is no
+    dropout (a block's mask is drawn whole), else one. The halves are contiguous slices of
+    the sums, sent and received in place."""
+    q = _arg(expr, "q")
+    dropout = _arg(expr, "dropout_p")
+    if getattr(dropout, "value", dropout) != 0.0:
+        return 1
+    coordinate = q.mesh.coordinate(here.rank)
+    coords = {pt: coordinate[q.mesh.axis_of(pt)] for shards in device_ids(q).values()
+              for _, pt in shards}
+    for axis in q.logical[:2]:
+        if axis not in here.extents:  # a symbolic extent
+            return 1
+        extent = local_extent(q, axis, here.extents, coords)
+        if extent > 1:
+            return 2 if extent % 2 == 0 else 1
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------
