@@ -309,8 +309,9 @@ class FusionDefinition:
             wrt: the inputs that may get gradients (default: every floating-point tensor
                 input); one gets a gradient when its tensor requires grad.
             remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
-                in the backward, matrix products never) or ``"save"`` (every intermediate the
-                backward reads is saved).
+                in the backward, matrix products and collectives never),
+                ``"recompute_gathers"`` (the forward's collectives too) or ``"save"`` (every
+                intermediate the backward reads is saved).
             keep_residuals: keep what the backward reads until the autograd node dies, so
                 that it may backward more than once (``retain_graph=True``); by default the
                 backward frees each saved value after its last use, and runs once.
