@@ -8,6 +8,11 @@ like the input (replicated inputs get complete gradients on every rank).
 The backward is derived for the floating-point inputs that require grad in a call (and are in
 ``wrt``), once per such set, then cached.
 
+DTensors in, DTensors out: called with DTensors, it takes their local shards (an unscheduled
+input gets its DTensor's placements, as ``execute`` does) and returns DTensors; gradients
+reach the input DTensors through DTensor's own differentiable conversions, each with its
+input's placements.
+
 Memory: the backward frees each residual after its last use, as the hand-written backward
 fused with its forward would (``torch.autograd.Function.save_for_backward`` would hold them
 all until the backward ends). So a node's backward runs once, unless ``keep_residuals=True``
@@ -21,8 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshfuse.autodiff.derivation import Derivation, derive
+from meshfuse.dtensor import (
+    check_dtensor_input,
+    has_dtensors,
+    run_on_dtensors,
+    schedule_like_dtensor,
+)
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.tensor_view import TensorView
@@ -65,14 +77,49 @@ class FusionFunction:
         return self._derivations[wrt]
 
     def __call__(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """This rank's outputs on ``inputs``, recorded for autograd. With DTensors among
+        ``inputs``, outputs are DTensors and gradients flow to the input DTensors (see
+        :meth:`_on_dtensors`)."""
         inputs = list(inputs)
         if len(inputs) != len(self.fusion.inputs()):
             raise InputError(
                 f"the fusion takes {len(self.fusion.inputs())} inputs, got {len(inputs)}"
             )
+        if has_dtensors(inputs):
+            return self._on_dtensors(inputs)
+        return list(_FusionAutograd.apply(self._compiled_for(inputs), self.keep_residuals,
+                                          *inputs))
+
+    def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        compiled = self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
-        return list(_FusionAutograd.apply(compiled, self.keep_residuals, *inputs))
+        return self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
+
+    def _on_dtensors(self, inputs: list) -> list:
+        """As ``execute`` on DTensors (:mod:`meshfuse.dtensor`): an unscheduled input takes
+        its DTensor's placements (until the first derivation fixes the schedules; later
+        DTensors must lie alike), the fusion runs on the local shards, and its outputs come
+        back as DTensors. The local shards and the outputs pass through DTensor's
+        differentiable ``to_local``/``from_local``, so each input DTensor's gradient is a
+        DTensor with its placements (a replicated one's complete on every rank)."""
+        fusion_inputs = self.fusion.inputs()
+        bound: dict[int, DTensor] = {}
+
+        def bind(position: int, x: DTensor) -> None:
+            tv = fusion_inputs[position]
+            if isinstance(tv, TensorView):
+                bound[position] = x
+                if not self._derivations and not tv.is_scheduled:
+                    schedule_like_dtensor(tv, x)
+
+        def run(local: list):
+            compiled = self._compiled_for(local)
+            forward = compiled.derivation.forward
+            for position, x in bound.items():
+                check_dtensor_input(forward.inputs()[position], x)
+            outputs = _FusionAutograd.apply(compiled, self.keep_residuals, *local)
+            return outputs, forward.outputs()[:compiled.derivation.num_outputs]
+
+        return run_on_dtensors(inputs, bind, run)
 
 
 class _Compiled:
