@@ -217,3 +217,23 @@ def test_derived_backward_equals_the_hand_written_one(dtype):
     written, _ = hand_written(GptBlockWithBackward(B, S, E, HEADS, mf_dtype), x, dy, params)
     got, _ = derived(GptBlock(B, S, E, HEADS, mf_dtype), x, dy, params)
     assert_matches(got, written, dtype)
+
+
+def test_compiled_derived_backward_equals_the_interpreted_one():
+    """``as_autograd_function(compile=...)`` runs the forward and the derived backward as
+    fused segments (``aot_eager`` here: the same lowering as Inductor, no kernel build):
+    the same output and gradients as the interpreter's."""
+    x, dy, params = make_inputs(torch.float32)
+    results = []
+    for compile in (False, "aot_eager"):
+        block = GptBlock(B, S // 4, E, HEADS).define()
+        leaves = [t.clone().requires_grad_() for t in [x[:, :S // 4], *params.values()]]
+        function = block.as_autograd_function(compile=compile)
+        y, = function(leaves)
+        y.backward(dy[:, :S // 4])
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+        compiled, = function._derivations.values()
+        runners = (compiled.derivation.forward_runner, compiled._backward)
+        assert all(bool(runner._fused) == bool(compile) for runner in runners)
+    for interpreted, compiled in zip(*results):
+        torch.testing.assert_close(compiled, interpreted)

@@ -54,13 +54,18 @@ class FusionFunction:
         keep_residuals: keep the residuals until the autograd node dies, so that its
             backward may run more than once (default: each is freed after its last use in
             the one backward).
+        compile: how the forward and backward programs run, as ``execute(compile=...)``
+            takes it (None: ``MESHFUSE_COMPILE``; True or a torch.compile backend: fused
+            segments, see docs/fusion.md).
     """
 
     def __init__(self, fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-                 remat: str = "recompute", keep_residuals: bool = False) -> None:
+                 remat: str = "recompute", keep_residuals: bool = False,
+                 compile: bool | str | None = None) -> None:
         self.fusion = fusion
         self.remat = remat
         self.keep_residuals = keep_residuals
+        self.compile = compile
         inputs = fusion.inputs()
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
@@ -73,7 +78,7 @@ class FusionFunction:
         wrt = tuple(i for i, v in enumerate(inputs) if v in self.wrt and requires_grad[i])
         if wrt not in self._derivations:
             derivation = derive(self.fusion, [inputs[i] for i in wrt], self.remat)
-            self._derivations[wrt] = _Compiled(derivation)
+            self._derivations[wrt] = _Compiled(derivation, self.compile)
         return self._derivations[wrt]
 
     def __call__(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -125,16 +130,21 @@ class FusionFunction:
 class _Compiled:
     """A derivation and the runner of its backward (built on the first backward)."""
 
-    def __init__(self, derivation: Derivation) -> None:
+    def __init__(self, derivation: Derivation, compile: bool | str | None = None) -> None:
         self.derivation = derivation
+        self.compile = compile
         self._backward: FusionRunner | None = None
+
+    def run_forward(self, inputs: list) -> list[torch.Tensor]:
+        """The forward (the user's outputs, then the residuals) on ``inputs``."""
+        return self.derivation.forward_runner.execute(inputs, compile=self.compile)
 
     def run_backward(self, inputs: list) -> list[torch.Tensor]:
         """The backward on ``inputs``, a list it empties (each value is freed after its
         last use)."""
         if self._backward is None:
             self._backward = FusionRunner(self.derivation.backward)
-        return self._backward.execute(inputs, donate=True)
+        return self._backward.execute(inputs, donate=True, compile=self.compile)
 
 
 class _FusionAutograd(torch.autograd.Function):
@@ -148,7 +158,7 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, *inputs):
         d = compiled.derivation
-        results = d.forward_runner.execute(list(inputs))
+        results = compiled.run_forward(list(inputs))
         outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
