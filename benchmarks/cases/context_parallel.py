@@ -137,6 +137,9 @@ def _torch_cp(ctx, full, causal, rotate):
             raise Skip("torch's context_parallel runs on 2+ CUDA ranks")
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _cp_options,
+        )
 
         set_rotate_method(rotate)
         mesh = ctx.dtensor_mesh()
@@ -146,6 +149,9 @@ def _torch_cp(ctx, full, causal, rotate):
             # require grad refuse: shard fresh copies, then ask for their gradients. The
             # copies (about 1 GB at s=32k) are part of torch's per-step cost.
             q, k, v, g = buffers = [t.detach().clone() for t in full[:4]]
+            # torch balances the load (head-tail chunks) only for causal attention; without
+            # a mask it refuses the option, so it is set per step (torch restores it on exit).
+            _cp_options.enable_load_balance = causal
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
                     context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2],
                                      no_restore_buffers=set(buffers)):
