@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from meshfuse.errors import MeshfuseError
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.lone_failures import Abandoned
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -93,16 +95,17 @@ class Pending:
         _in_flight[id(self)] = self
 
     def abandon(self) -> bool:
-        """Waits for the collective and drops its result; False if it failed (not raised:
-        another error is being reported)."""
+        """Waits for the collective and drops its result; False if it failed, or cannot
+        complete because another rank failed without launching it (not raised: another error
+        is being reported)."""
         work, self._work = self._work, None
         _in_flight.pop(id(self), None)
         if work is None:
             return True
         try:
-            work.wait()
+            Communicator.instance().wait(work, self.label, self._ranks, settling=True)
             return True
-        except (RuntimeError, ValueError):
+        except (MeshfuseError, Abandoned):
             return False
 
     def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
@@ -121,8 +124,7 @@ class Pending:
         if self._work is not None:
             work, self._work = self._work, None
             _in_flight.pop(id(self), None)
-            with translated(self.label, self._ranks):
-                work.wait()
+            Communicator.instance().wait(work, self.label, self._ranks)
             for fn in self._finish:
                 self._value = fn(self._value)
             self._finish = []
@@ -381,13 +383,14 @@ def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
     another, as between pipeline stages); the receiver's ``x`` gives shape and dtype."""
     out = x.contiguous()
     _record("send_recv", group, out)
-    with translated(f"send_recv from rank {group.ranks[0]} to rank {group.ranks[1]}",
-                    group.ranks):
+    label = f"send_recv from rank {group.ranks[0]} to rank {group.ranks[1]}"
+    with translated(label, group.ranks):
         if group.coordinate == 0:
-            dist.send(out, dst=group.ranks[1], group=group.process_group)
-            return x
-        dist.recv(out, src=group.ranks[0], group=group.process_group)
-    return out
+            work = dist.isend(out, dst=group.ranks[1], group=group.process_group)
+        else:
+            work = dist.irecv(out, src=group.ranks[0], group=group.process_group)
+    Communicator.instance().wait(work, label, group.ranks)
+    return x if group.coordinate == 0 else out
 
 
 def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
@@ -396,6 +399,9 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     _record("broadcast", group, out)
     # gloo has no unsigned 64-bit type (attention's RNG state is uint64): move the bits as int64.
     wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
-    with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
-        dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
+    label = f"broadcast from rank {group.ranks[root]}"
+    with translated(label, group.ranks):
+        work = dist.broadcast(wire, src=group.ranks[root], group=group.process_group,
+                              async_op=True)
+    Communicator.instance().wait(work, label, group.ranks)
     return out

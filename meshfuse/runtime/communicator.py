@@ -35,6 +35,7 @@ from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime.failures import CollectiveFailed, kind_of_failure, timeout_from_env
+from meshfuse.runtime.lone_failures import LoneFailures
 
 BACKEND_ENV = "MESHFUSE_BACKEND"
 _MPI_DEFAULT_ADDR = "127.0.0.1"
@@ -200,12 +201,15 @@ class Communicator:
         self._default_timeout = timeout_from_env()
         self._timeout = self._default_timeout
         self._roll_calls = 0
+        self._agreement_group: dist.ProcessGroup | None = None
         # Whether meshfuse initialized the default group (and may use and destroy it).
         self._owns_default = not dist.is_initialized()
         if self._owns_default:
             self._init_default_group()
         else:
             self._adopt_default_group()
+        self.lone = LoneFailures(self._rank, self._size, _default_store(),
+                                 lambda: min(ROLL_CALL_S, self._timeout))
         atexit.register(self._shutdown)
 
     def _adopt_default_group(self) -> None:
@@ -396,7 +400,7 @@ class Communicator:
             payload = (False, f"{type(e).__name__}: {e}")
         gathered: list = [None] * self._size
         with self.translated("allgather_object", range(self._size)):
-            dist.all_gather_object(gathered, payload, group=self._world_group())
+            dist.all_gather_object(gathered, payload, group=self._agreement())
         bad = [(r, msg) for r, (ok, msg) in enumerate(gathered) if not ok]
         if bad:
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
@@ -405,6 +409,87 @@ class Communicator:
                 f"pickled ({detail}); pass picklable values such as tuples of ints and strings"
             )
         return [pickle.loads(data) for _, data in gathered]
+
+    def agreement_allgather(self, tensor: torch.Tensor,
+                            late: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """The ``tensor`` (same shape and dtype on every rank) of every rank of the world, by
+        rank, over a group of its own (so that it never pairs with a program's collective
+        on a rank out of step); ``late`` runs once if the others are late."""
+        out = [torch.empty_like(tensor) for _ in range(self._size)]
+        world = tuple(range(self._size))
+        with self.translated("the cross-rank agreement's allgather", world):
+            work = dist.all_gather(out, tensor.contiguous(), group=self._agreement(),
+                                   async_op=True)
+        self.wait(work, "the cross-rank agreement's allgather", world, late, agreeing=True)
+        return out
+
+    def _agreement(self) -> dist.ProcessGroup:
+        if self._agreement_group is None:
+            self._agreement_group = self._new_group_of(tuple(range(self._size)))
+        return self._agreement_group
+
+    def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
+             late: Callable[[], None] | None = None, agreeing: bool = False,
+             settling: bool = False) -> None:
+        """Waits for a collective meshfuse launched (``what`` among ``ranks``). On gloo, while
+        it is late, reads what a failing rank told (:meth:`LoneFailures.wait
+        <meshfuse.runtime.lone_failures.LoneFailures.wait>`, whose arguments these are); on
+        NCCL the host does not wait.
+
+        Raises:
+            CollectiveFailed: if the collective failed.
+            MeshfuseError: the error of another rank that failed without joining it.
+        """
+        with self.translated(what, ranks):
+            if self._backend == "nccl" or self._size == 1 or \
+                    not hasattr(work, "is_completed"):
+                work.wait()
+            else:
+                self.lone.wait(work, late, agreeing, settling)
+
+    @property
+    def generation(self) -> int:
+        """How many times :meth:`recover` started the process groups over."""
+        return self.lone.generation
+
+    def recover(self) -> None:
+        """Starts meshfuse's process groups over, on every rank (each must call it), after a
+        failure left the ranks out of step (see ``docs/reliability.md``): the collectives
+        still pending are dropped, the groups meshfuse created are destroyed (never the
+        default group: from now on meshfuse uses a world group of its own), and fusions build
+        their programs again on their next call.
+
+        Raises:
+            CommunicationError: if the other ranks do not call it within the timeout.
+        """
+        for fn in Communicator._before_shutdown:  # drops what cannot complete any more
+            fn()
+        self._meet(f"meshfuse/recover/{self.lone.generation}")
+        for group in {id(g): g for g in [*self._groups.values(), self._agreement_group]
+                      if g is not None}.values():
+            if group is not dist.group.WORLD:
+                with contextlib.suppress(RuntimeError, ValueError):
+                    dist.destroy_process_group(group)
+        self._groups.clear()
+        self._slicings.clear()
+        self._agreement_group = None
+        self.lone.restart(self.lone.generation + 1)
+
+    def _meet(self, key: str) -> None:
+        """Waits (through the rendezvous store, no process group) until every rank of the
+        world got here."""
+        store = _default_store()
+        if store is None:
+            return
+        store.add(key, 1)
+        deadline = time.monotonic() + self._timeout
+        while int(store.add(key, 0)) < self._size:
+            if time.monotonic() > deadline:
+                raise CommunicationError(
+                    f"rank {self._rank}: recover() waited {self._timeout:g} s for the other "
+                    "ranks; every rank must call it"
+                )
+            time.sleep(0.01)
 
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         outside = [d for d in mesh.device_ids if d >= self._size]
@@ -415,8 +500,13 @@ class Communicator:
             )
 
     def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        if ranks == tuple(range(self._size)) and self._owns_default:
+        # After a recovery, the default group may still hold collectives that never completed.
+        if ranks == tuple(range(self._size)) and self._owns_default and \
+                not self.lone.generation:
             return dist.group.WORLD
+        return self._new_group_of(ranks)
+
+    def _new_group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         with self.translated("creating a process group", ranks):
             return dist.new_group(list(ranks), timeout=self._timedelta())
 
@@ -453,21 +543,9 @@ class Communicator:
         elsewhere does not answer. None when the store cannot be reached (it lives in rank 0's
         process, which may be the one that went away).
         """
-        key = f"meshfuse/roll_call/{self._roll_calls}"
         self._roll_calls += 1
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"{key}/{self._rank}", b"here")
-            missing = [r for r in ranks if r != self._rank]
-            deadline = time.monotonic() + min(ROLL_CALL_S, self._timeout)
-            while missing:
-                missing = [r for r in missing if not store.check([f"{key}/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            return tuple(missing)
-        except (RuntimeError, ValueError):
-            return None
+        return self.lone.board.roll_call(str(self._roll_calls), self._rank, ranks,
+                                         min(ROLL_CALL_S, self._timeout))
 
     def _shutdown(self) -> None:
         """At exit: waits for the collectives meshfuse launched, then destroys the groups it
@@ -478,10 +556,20 @@ class Communicator:
             if self._owns_default:
                 dist.destroy_process_group()
             else:
-                for group in {id(g): g for g in self._groups.values()}.values():
+                for group in {id(g): g for g in [*self._groups.values(),
+                                                 self._agreement_group] if g is not None
+                              }.values():
                     if group is not dist.group.WORLD:
                         dist.destroy_process_group(group)
         # Free the groups now, while torch's threads still run normally, rather than in the
         # interpreter's last garbage collection (where tearing down gloo can block).
         self._groups.clear()
         gc.collect()
+
+
+def _default_store() -> dist.Store | None:
+    """torch.distributed's rendezvous store, or None (one process, or none reachable)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
