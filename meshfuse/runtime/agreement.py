@@ -103,7 +103,7 @@ def agreed(communicator: Communicator, attempt: Callable[[], T],
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, then it is raised
         result, own = None, e
         claim = Claim((), (type(e).__name__, str(e)))
-    digest = torch.tensor(claim.digest(), dtype=torch.int64, device=communicator.device)
+    digest = torch.tensor(claim.digest(), dtype=torch.int64)
     late = communicator.lone.agreeing(claim) if in_call else None
     digests = [d.tolist() for d in communicator.agreement_allgather(digest, late)]
     if all(d == digests[0] for d in digests) and not digests[0][2]:

@@ -325,9 +325,9 @@ class Communicator:
 
     def agreement_allgather(self, tensor: torch.Tensor,
                             late: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        """The ``tensor`` (same shape and dtype on every rank) of every rank of the world, by
-        rank, over a group of its own (so that it never pairs with a program's collective
-        on a rank out of step); ``late`` runs once if the others are late."""
+        """The ``tensor`` (same shape and dtype on every rank, on the CPU) of every rank of the
+        world, by rank, over a gloo group of its own (so that it never pairs with a program's
+        collective on a rank out of step); ``late`` runs once if the others are late."""
         out = [torch.empty_like(tensor) for _ in range(self._size)]
         world = tuple(range(self._size))
         with self.translated("the cross-rank agreement's allgather", world):
@@ -338,7 +338,10 @@ class Communicator:
 
     def _agreement(self) -> dist.ProcessGroup:
         if self._agreement_group is None:
-            self._agreement_group = self._new_group_of(tuple(range(self._size)))
+            # gloo even beside NCCL: a few bytes, waited for on the host (where a rank can
+            # read the notice board), and no GPU memory for another NCCL communicator.
+            backend = "gloo" if dist.is_gloo_available() else None
+            self._agreement_group = self._new_group_of(tuple(range(self._size)), backend)
         return self._agreement_group
 
     def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
@@ -354,8 +357,8 @@ class Communicator:
             MeshfuseError: the error of another rank that failed without joining it.
         """
         with self.translated(what, ranks):
-            if self._backend == "nccl" or self._size == 1 or \
-                    not hasattr(work, "is_completed"):
+            if self._size == 1 or not hasattr(work, "is_completed") or \
+                    (self._backend == "nccl" and not agreeing):
                 work.wait()
             else:
                 self.lone.wait(work, late, agreeing, settling)
@@ -419,9 +422,10 @@ class Communicator:
             return dist.group.WORLD
         return self._new_group_of(ranks)
 
-    def _new_group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    def _new_group_of(self, ranks: tuple[int, ...], backend: str | None = None
+                      ) -> dist.ProcessGroup:
         with self.translated("creating a process group", ranks):
-            return dist.new_group(list(ranks), timeout=self._timedelta())
+            return dist.new_group(list(ranks), timeout=self._timedelta(), backend=backend)
 
     def _world_group(self) -> dist.ProcessGroup:
         """The group of the whole world with meshfuse's timeout."""
