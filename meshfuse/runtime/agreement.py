@@ -152,7 +152,8 @@ def out_of_step(notice: Notice, rank: int, facts: Sequence[Fact]) -> MeshfuseErr
     if theirs.error is not None:
         return remote_error(notice.rank, *theirs.error)
     try:
-        _raise_difference([(notice.rank, theirs), (rank, Claim(tuple(facts)))], _INPUT_ADVICE)
+        _raise_difference(sorted([(notice.rank, theirs), (rank, Claim(tuple(facts)))],
+                                 key=lambda c: c[0]), _INPUT_ADVICE)
     except InputError as e:
         return e
     return InputError(

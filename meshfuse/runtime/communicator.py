@@ -416,9 +416,12 @@ class Communicator:
             )
 
     def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        # After a recovery, the default group may still hold collectives that never completed.
+        # The world's slice is the default group only on NCCL (where another communicator
+        # costs GPU memory) before any recovery: an error on one rank only can leave a
+        # collective pending for ever in meshfuse's group, and recover() must be able to
+        # destroy that group without touching the one torch code (DTensor) shares.
         if ranks == tuple(range(self._size)) and self._owns_default and \
-                not self.lone.generation:
+                self._backend == "nccl" and not self.lone.generation:
             return dist.group.WORLD
         return self._new_group_of(ranks)
 
