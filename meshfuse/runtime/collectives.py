@@ -391,7 +391,7 @@ def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
             work = dist.isend(out, dst=group.ranks[1], group=group.process_group)
         else:
             work = dist.irecv(out, src=group.ranks[0], group=group.process_group)
-    Communicator.instance().wait(work, label, group.ranks)
+    Communicator.instance().wait(work, label, group.ranks, point_to_point=True)
     return x if group.coordinate == 0 else out
 
 
@@ -467,7 +467,7 @@ class _Works:
 
     def wait(self) -> None:
         for work in self._works:
-            Communicator.instance().wait(work, self.what, self._ranks)
+            Communicator.instance().wait(work, self.what, self._ranks, point_to_point=True)
         self._works, self._tensors = [], []
 
 

@@ -346,18 +346,20 @@ class Communicator:
 
     def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
              late: Callable[[], None] | None = None, agreeing: bool = False,
-             settling: bool = False) -> None:
+             settling: bool = False, point_to_point: bool = False) -> None:
         """Waits for a collective meshfuse launched (``what`` among ``ranks``). On gloo, while
         it is late, reads what a failing rank told (:meth:`LoneFailures.wait
         <meshfuse.runtime.lone_failures.LoneFailures.wait>`, whose arguments these are); on
-        NCCL the host does not wait.
+        NCCL the host does not wait. Not for ``point_to_point`` sends and receives: gloo
+        gives up one that a wait with a time limit outlasts (and closes the connection), so
+        they are waited for whole.
 
         Raises:
             CollectiveFailed: if the collective failed.
             MeshfuseError: the error of another rank that failed without joining it.
         """
         with self.translated(what, ranks):
-            if self._size == 1 or not hasattr(work, "is_completed") or \
+            if self._size == 1 or not hasattr(work, "is_completed") or point_to_point or \
                     (self._backend == "nccl" and not agreeing):
                 work.wait()
             else:
