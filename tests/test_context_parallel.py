@@ -107,7 +107,7 @@ def _rows(s, d, layout):
     return blocks + [torch.arange(0)] * (d - len(blocks))
 
 
-def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
+def _expected_ring(s, d, h_local, itemsize, position, layout="block", parts=None):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
     forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the dk/dv
     accumulators n - 1 times (float32, but in the inputs' dtype on a ring of two, where each
@@ -122,7 +122,7 @@ def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
         sums = 4 if d > 2 else itemsize
         backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
     # The finished sums go home cast, in two halves of the (even) local heads.
-    parts = 2 if h_local % 2 == 0 else 1
+    parts = parts or (2 if h_local % 2 == 0 else 1)
     sent, received = block[order[d - 1]] // parts, block[position] // parts
     backward += [("send", sent * itemsize), ("recv", received * itemsize)] * 2 * parts
     return (forward + backward) if d > 1 else []
@@ -202,6 +202,19 @@ def test_odd_heads_send_the_sums_home_whole(multidevice_test):
         16, d, 3, 4, multidevice_test.rank, "zigzag")
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
     assert [c for p in planned for c in p.communications()] == comms
+
+
+@pytest.mark.mpi
+def test_sums_go_home_whole_when_asked(multidevice_test, monkeypatch):
+    """MESHFUSE_CP_HOME_PARTS=1 (read when the program is built): one transfer each."""
+    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "1")
+    d = multidevice_test.size
+    fd = Attention(2, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 2, 4, multidevice_test.rank, "zigzag", parts=1)
 
 
 @pytest.mark.mpi
