@@ -64,6 +64,14 @@ def _extra(r: Record) -> str:
         parts.append(f"{m['host_overhead_us']:+.1f} us/call ({m['host_ratio']:.2f}x host)")
     if "host_note" in m:
         parts.append(m["host_note"])
+    if "pct_of_ideal" in m:  # context parallel: ideal = one GPU's time / ranks
+        parts.append(f"{m['pct_of_ideal']:.1f}% of ideal")
+    if "strategies" in m:
+        parts.append("fwd/bwd " + "/".join(v["strategy"] for v in m["strategies"].values()))
+    if "fastest" in m:
+        picks = "/".join(m["estimate_picks_measured"].values())
+        parts.append(f"{m['kernel_tflops']} TFLOP/s, {m['link_gbps']} GB/s: estimate picks "
+                     f"{picks}, fastest {m['fastest']}")
     if "summary" in m:  # a case's own one-line finding (e.g. an interleaved ratio)
         parts.append(m["summary"])
     return ", ".join(parts)

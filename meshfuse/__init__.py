@@ -29,7 +29,9 @@ from meshfuse.errors import (
     ShardingError,
 )
 from meshfuse.frontend.fusion_definition import FusionDefinition
+from meshfuse.frontend.multidevice_executor import CommunicatorBackend
 from meshfuse.frontend.outputs import DistributedTensor
+from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.mesh import DeviceMesh
@@ -44,6 +46,7 @@ Tensor = TensorView
 __all__ = [
     "CommunicationError",
     "Communicator",
+    "CommunicatorBackend",
     "DataType",
     "DefinitionError",
     "DeviceMesh",
@@ -52,6 +55,7 @@ __all__ = [
     "FusionDefinition",
     "FusionModule",
     "InputError",
+    "MemoryType",
     "MeshfuseError",
     "ParallelType",
     "PythonProfiler",

@@ -100,6 +100,11 @@ def to_placements(tv: TensorView) -> tuple[dt.Placement, ...]:
                     f"{tv.name} axis {p.axis} is sharded cyclically (an inner split) on mesh "
                     f"axis {mesh_axis}; DTensor has no placement for that: use an outer split"
                 )
+            if p.zigzag:
+                raise ShardingError(
+                    f"{tv.name} axis {p.axis} is sharded in head-tail pairs (a zig-zag split) "
+                    f"on mesh axis {mesh_axis}; DTensor has no placement for that: use an "
+                    "outer split")
             result.append(dt.Shard(p.axis))
         elif isinstance(p, mf.Partial):
             result.append(dt.Partial(p.reduce_op))

@@ -37,6 +37,8 @@ from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
+from meshfuse.ops.context_parallel import RING, ContextParallel, context_record, sequence_parallel
+from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.binding import device_coords, held_here
 from meshfuse.runtime.collectives import Communication
@@ -163,9 +165,10 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
     planned = planned_communications(fusion, rank, sizes)
-    lines.append(f"communications on rank {rank}:" if planned
+    rings = planned_context_parallel(fusion, rank, sizes)
+    lines.append(f"communications on rank {rank}:" if planned or rings
                  else f"communications on rank {rank}: none")
-    lines += [f"  {p}" for p in planned]
+    lines += [f"  {p}" for p in planned + rings]
     return "\n".join(lines)
 
 
@@ -206,6 +209,75 @@ def planned_communications(fusion: Fusion, rank: int,
             planned.append(PlannedCommunication(expr, step, mesh.group_ranks(rank, step.mesh_axis),
                                                 count))
     return planned
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedContextParallel:
+    """A context-parallel attention's communications on this rank (see
+    :mod:`meshfuse.ops.context_parallel`); ``row_bytes``: one sequence row of each tensor
+    that moves (named as :meth:`~meshfuse.ops.context_parallel.ContextParallel.transfers`
+    names them)."""
+
+    expr: Expr
+    record: ContextParallel
+    row_bytes: Mapping[str, Size]
+
+    def transfers(self) -> list[tuple[str, int | None, Size]]:
+        return [(kind, peer, self.row_bytes[t] * Size.of(rows))
+                for kind, peer, t, rows in self.record.transfers()]
+
+    def communications(self) -> list[Communication]:
+        """The records the communications will leave (static extents only)."""
+        assert all(b.static is not None for _, _, b in self.transfers()), "symbolic extents"
+        return [Communication(kind, self.record.ranks, self.record.mesh_axis, b.static,
+                              "sum" if kind == "reduce_scatter" else None, peer)
+                for kind, peer, b in self.transfers()]
+
+    def __str__(self) -> str:
+        record = self.record
+        sent = [b for kind, _, b in self.transfers() if kind != "recv"]
+        amount = ""
+        if all(b.static is not None for b in sent):
+            amount = f", {_format_bytes(Size.of(sum(b.static for b in sent)))} sent"
+        head = (f"{_short(self.expr)}: {record.strategy} over mesh axis {record.mesh_axis}, "
+                f"ranks {list(record.ranks)}")
+        if record.strategy != RING:
+            kinds = sorted({kind for kind, _, _ in self.transfers()})
+            return f"{head}: {len(sent)} x {'/'.join(kinds)}{amount}"
+        peer = record.ranks[(record.position + 1) % record.size]
+        moved = "k/v and dk/dv" if record.backward else "k/v"
+        order = ", ".join(str(record.holder(s)) for s in range(record.size))
+        return (f"{head}, blocks of positions {order}: {len(sent)} sends of {moved} to rank "
+                f"{peer} (and as many receives){amount}")
+
+
+def planned_context_parallel(fusion: Fusion, rank: int,
+                             sizes: Extents | None = None) -> list[PlannedContextParallel]:
+    """The context-parallel attentions ``rank`` communicates in, in program order."""
+    sizes = sizes or Extents(fusion)
+    planned = []
+    for expr in fusion.exprs:
+        if sequence_parallel(expr) is None or rank not in expr.outputs[0].mesh:
+            continue
+        record = context_record(expr, LocalContext(rank, None, None, sizes.planning))
+        if record.size > 1:
+            planned.append(PlannedContextParallel(expr, record, _row_bytes(expr, sizes, rank)))
+    return planned
+
+
+def _row_bytes(expr: Expr, sizes: Extents, rank: int) -> dict[str, Size]:
+    """Bytes of one local sequence row of each tensor a context-parallel attention moves."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    row = {}
+    for name, tv in (("q", args["q"]), ("k", args["k"]), ("v", args["v"])):
+        ids = [i for a, i in enumerate(tv.materialized()) if a != 2]
+        count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
+        row[name] = row["d" + name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
+        row[name + "32"] = row["d" + name + "32"] = count * Size.of(4)
+    row["grad"] = row["attn"] = row["v"]  # [.., Ev] in q's dtype, as v
+    heads = [sizes.local_size(args["q"], i, rank) for i in args["q"].materialized()[:2]]
+    row["lse"] = math.prod(heads, start=Size.of(4))
+    return row
 
 
 def _padded(step: ReshardStep, shape: list[Size], rank: int) -> list[Size]:

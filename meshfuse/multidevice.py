@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from meshfuse.frontend.multidevice_executor import (
+    CommunicatorBackend,
+    MultiDeviceExecutor,
+    MultiDeviceExecutorParams,
+)
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
@@ -22,7 +27,8 @@ from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime import communicator as _runtime
 from meshfuse.sharding import shard_tensor
 
-__all__ = ["Communicator", "DeviceMesh", "Sharding", "shard_tensor"]
+__all__ = ["Communicator", "CommunicatorBackend", "DeviceMesh", "MultiDeviceExecutor",
+           "MultiDeviceExecutorParams", "Sharding", "shard_tensor"]
 
 
 class Communicator:

@@ -28,6 +28,7 @@ from meshfuse import (
     ParallelType,
     shard_tensor,
 )
+from meshfuse.explain import planned_context_parallel
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.runtime.collectives import Communication, record_communications
@@ -327,24 +328,27 @@ def _qkv():
 
 
 def test_causal_attention_with_a_sharded_query_sequence_gathers_it(multidevice_test):
-    """Attention's sharding rule: a causal mask needs the whole query sequence, so the engine
-    gathers q, k and v and slices the output back (it used to refuse)."""
+    """q, k and v sharded alike on the sequence: causal attention runs context-parallel (it
+    used to refuse, then gathered q too): q stays sharded, and the communications are those
+    of the strategy the cost estimate picks, as explain plans them (docs/context_parallel.md)."""
     mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
         for tv in (t.q, t.k, t.v):
             shard(tv, 2, mesh)
 
-    _, comms = _run(multidevice_test, _attention(is_causal=True), schedule, _qkv(),
+    t, comms = _run(multidevice_test, _attention(is_causal=True), schedule, _qkv(),
                     rtol=1e-5, atol=1e-5)
-    _expect(multidevice_test, comms, "allgather", "allgather", "allgather")
+    planned = planned_context_parallel(t.fd.compiled().fusion, multidevice_test.rank)
+    assert comms == [c for p in planned for c in p.communications()], comms
+    assert len(planned) == (multidevice_test.size > 1)
 
 
 @pytest.mark.parametrize("q_sharded", [True, False], ids=["q_sharded", "q_replicated"])
 def test_non_causal_attention_gathers_sharded_keys_and_values(multidevice_test, q_sharded):
-    """K and V sharded on the sequence: each is gathered once; the output follows q. (Today
-    with q replicated, propagation makes the attention output partial and the sharding check
-    refuses the fusion, as for var_mean.)"""
+    """K and V sharded on the sequence: with q replicated each is gathered once; with q
+    sharded alike the attention runs context-parallel (the communications of the strategy
+    the estimate picks, as explain plans them). The output follows q."""
     mesh = mesh_1d(multidevice_test)
 
     def schedule(t):
@@ -355,7 +359,13 @@ def test_non_causal_attention_gathers_sharded_keys_and_values(multidevice_test, 
 
     t, comms = _run(multidevice_test, _attention(is_causal=False), schedule, _qkv(),
                     rtol=1e-5, atol=1e-5)
-    _expect(multidevice_test, comms, "allgather", "allgather")
+    planned = planned_context_parallel(t.fd.compiled().fusion, multidevice_test.rank)
+    if q_sharded:
+        assert comms == [c for p in planned for c in p.communications()], comms
+        assert len(planned) == (multidevice_test.size > 1)
+    else:
+        assert not planned
+        _expect(multidevice_test, comms, "allgather", "allgather")
     assert isinstance(placements(t.fd.compiled()[t.attn])[0], Shard if q_sharded else Replicate)
 
 

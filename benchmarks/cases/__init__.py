@@ -12,10 +12,12 @@ from benchmarks.cases import (
     attention_dropout,
     autodiff,
     collectives,
+    context_parallel,
     fusion,
     gpt3,
     mlp,
     overhead,
+    overlap,
 )
 from benchmarks.context import Context
 from benchmarks.harness import Record
@@ -30,6 +32,8 @@ CASES: dict[str, Callable[[Context], list[Record]]] = {
     "collectives": collectives.run,
     "fusion": fusion.run,
     "gpt3_layer": gpt3.run,
+    "overlap": overlap.run,
+    "context_parallel": context_parallel.run,
 }
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -46,6 +50,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "autodiff": ("mlp_autodiff", "gpt3_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU
     "issue19": ("gpt3_layer",),
+    # issue 18: row/column-parallel linears with stream-parallel loops against no overlap
+    # and PyTorch's async TP
+    "issue18": ("overlap",),
+    # issue 14: ring / all-gather / all-to-all attention on a sharded sequence, torch's
+    # context_parallel, one GPU
+    "issue14": ("context_parallel",),
 }
 
 

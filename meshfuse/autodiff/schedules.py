@@ -28,7 +28,7 @@ def copy_schedule(src: TensorView, dst: TensorView, allocation: Allocation | Non
         if isinstance(t, Split):
             if t.in_id not in ids:
                 continue
-            dst.split(dst.loop.index(ids[t.in_id]), t.factor, t.inner_split)
+            dst.split(dst.loop.index(ids[t.in_id]), t.factor, t.inner_split, t.zigzag)
             record = dst.transforms[-1]
             ids[t.outer], ids[t.inner] = record.outer, record.inner
         elif t.outer in ids and t.inner in ids:

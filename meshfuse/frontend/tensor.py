@@ -84,7 +84,7 @@ def rfactor(tv: TensorView, axes: list[int]) -> TensorView:
 def _replay(t, ids: dict[IterDomain, IterDomain]):
     """Transform ``t`` applied to the images of its inputs; records the new IDs in ``ids``."""
     if isinstance(t, Split):
-        new = split_ids(ids[t.in_id], t.factor, t.inner_split)
+        new = split_ids(ids[t.in_id], t.factor, t.inner_split, t.zigzag)
         ids[t.outer], ids[t.inner] = new.outer, new.inner
         return new
     new = merge_ids(ids[t.outer], ids[t.inner])

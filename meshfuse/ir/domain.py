@@ -96,22 +96,39 @@ class TensorDomain:
         steps, current = [], id_
         while current in self.producers:
             t = self.producers[current]
-            steps.append((t.factor, t.inner_split, current is t.inner) if isinstance(t, Split)
-                         else ("merge",))
+            steps.append((t.factor, "zigzag" if t.zigzag else t.inner_split,
+                          current is t.inner) if isinstance(t, Split) else ("merge",))
             current = t.inputs[0]
         return current, tuple(reversed(steps))
 
     def split_indices(self, logical_id: IterDomain,
                       extents: Mapping[IterDomain, int]) -> dict[IterDomain, torch.Tensor]:
         """For ``logical_id`` and each ID split from it: the index on that ID of every global
-        index of ``logical_id`` (an outer ID gets ``i // inner``, an inner one ``i % inner``)."""
+        index of ``logical_id`` (an outer ID gets ``i // inner``, an inner one ``i % inner``;
+        a zig-zag split's outer ID the head-tail pair of ``i``'s chunk)."""
         index = {logical_id: torch.arange(extents[logical_id])}
         for t in self.transforms:
             if isinstance(t, Split) and t.in_id in index:
+                if t.zigzag:
+                    index[t.outer], index[t.inner] = _zigzag(index[t.in_id], t.factor,
+                                                             extents[t.in_id], self.name)
+                    continue
                 inner = extents[t.inner]
                 index[t.outer] = index[t.in_id] // inner
                 index[t.inner] = index[t.in_id] % inner
         return index
+
+
+def _zigzag(i: torch.Tensor, factor: int, extent: int, name: str):
+    """The outer and inner indices of a zig-zag split of ``extent`` into ``factor`` pairs."""
+    if extent % (2 * factor):
+        raise ScheduleError(f"{name}: a zig-zag split of an axis of extent {extent} into "
+                            f"{factor} head-tail pairs needs a multiple of {2 * factor}")
+    chunk = extent // (2 * factor)
+    which = i // chunk
+    back = which >= factor
+    outer = torch.where(back, 2 * factor - 1 - which, which)
+    return outer, i % chunk + back * chunk
 
 
 _cache: weakref.WeakKeyDictionary[TensorView, tuple[tuple, TensorDomain]] = \

@@ -13,6 +13,10 @@ A schedule derives new IDs from old ones through transform records:
   Index ``i`` of ``in_id`` is ``o * inner + j``. When ``factor`` does not divide ``n`` the
   last positions ``(o, j)`` (those with ``o * inner + j >= n``) stand for no index: an outer
   split of 12 by 5 gives blocks of 3, 3, 3, 3 and 0 indices, as ``torch.chunk`` does.
+  A *zig-zag* (head-tail) outer split (``zigzag=True``) cuts ``in_id`` into ``2 * factor``
+  equal chunks and gives outer index ``o`` chunks ``o`` and ``2 * factor - 1 - o``, the
+  inner index running over both in order: sharded over ranks, each rank holds one chunk from
+  the front and the matching one from the back, which balances causal attention.
 - :class:`Merge`: adjacent ``outer`` and ``inner`` become ``out`` of the product extent.
 """
 
@@ -63,13 +67,15 @@ class IterDomain:
 @dataclasses.dataclass(frozen=True)
 class Split:
     """``in_id`` split into ``outer`` and ``inner``; ``factor`` is the inner extent when
-    ``inner_split`` else the outer extent."""
+    ``inner_split`` else the outer extent; ``zigzag``: an outer split into head-tail chunk
+    pairs (see the module doc)."""
 
     in_id: IterDomain
     outer: IterDomain
     inner: IterDomain
     factor: int
     inner_split: bool
+    zigzag: bool = False
 
     @property
     def inputs(self) -> tuple[IterDomain, ...]:
@@ -100,7 +106,7 @@ class Merge:
 Transform = Split | Merge
 
 
-def split_ids(in_id: IterDomain, factor: int, inner_split: bool) -> Split:
+def split_ids(in_id: IterDomain, factor: int, inner_split: bool, zigzag: bool = False) -> Split:
     """Creates the two IDs of a split of ``in_id`` and returns the record.
 
     ``factor`` need not divide the extent: the other part has extent ``ceil(n / factor)``
@@ -113,7 +119,7 @@ def split_ids(in_id: IterDomain, factor: int, inner_split: bool) -> Split:
         outer, inner = IterDomain(rest, kind), IterDomain(factor, kind)
     else:
         outer, inner = IterDomain(factor, kind), IterDomain(rest, kind)
-    return Split(in_id, outer, inner, factor, inner_split)
+    return Split(in_id, outer, inner, factor, inner_split, zigzag)
 
 
 def merge_ids(outer: IterDomain, inner: IterDomain) -> Merge:

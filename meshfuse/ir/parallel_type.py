@@ -8,6 +8,8 @@ class ParallelType(enum.Enum):
 
     ``mesh_x`` is the *last* axis of the device mesh, ``mesh_y`` the second to last and
     ``mesh_z`` the third to last. ``DIDx``/``DIDy``/``DIDz`` are nvFuser's names for them.
+    ``Stream`` (nvFuser's ``stream``) runs a loop axis as a host loop over chunks, each on
+    its own CUDA stream (see ``docs/overlap.md``).
     """
 
     Serial = "S"
@@ -20,6 +22,7 @@ class ParallelType(enum.Enum):
     DIDx = "DIDx"  # noqa: PIE796 (an alias of mesh_x)
     DIDy = "DIDy"  # noqa: PIE796
     DIDz = "DIDz"  # noqa: PIE796
+    stream = "Stream"  # noqa: PIE796 (nvFuser's name of Stream)
 
     @property
     def is_device(self) -> bool:

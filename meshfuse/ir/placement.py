@@ -29,9 +29,10 @@ class Shard:
     axis: int
     id: IterDomain = dataclasses.field(compare=False)
     cyclic: bool = False
+    zigzag: bool = False  # head-tail chunk pairs (a zig-zag split)
 
     def __str__(self) -> str:
-        return f"S({self.axis}){'c' if self.cyclic else ''}"
+        return f"S({self.axis}){'c' if self.cyclic else 'z' if self.zigzag else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,8 @@ def placements(tv: TensorView, reduce_op: str = "sum") -> tuple[Placement, ...]:
         root = logical_root(tv, id_)
         split = made_by.get(id_)
         cyclic = isinstance(split, Split) and split.inner is id_ and split.inner_split
-        result[axis] = Shard(tv.materialized().index(root), id_, cyclic)
+        zigzag = isinstance(split, Split) and split.outer is id_ and split.zigzag
+        result[axis] = Shard(tv.materialized().index(root), id_, cyclic, zigzag)
     return tuple(result)
 
 

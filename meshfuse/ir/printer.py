@@ -36,7 +36,7 @@ def _transform(tv: TensorView, t, numbering: Numbering) -> str:
         return format_id(i, tv.parallel_type(i), numbering(i))
 
     if isinstance(t, Split):
-        kind = "inner" if t.inner_split else "outer"
+        kind = "inner" if t.inner_split else "zigzag" if t.zigzag else "outer"
         return f"{kind}_split({f(t.in_id)}, {t.factor}) -> {f(t.outer)}, {f(t.inner)}"
     assert isinstance(t, Merge)
     return f"merge({f(t.outer)}, {f(t.inner)}) -> {f(t.out)}"
@@ -44,7 +44,8 @@ def _transform(tv: TensorView, t, numbering: Numbering) -> str:
 
 def format_placements(tv: TensorView) -> str:
     """One placement per mesh axis, outermost first, as in DTensor: ``S(a)`` sharded on
-    logical axis ``a`` (``S(a)c`` cyclically, from an inner split), ``P`` partial (a reduction
+    logical axis ``a`` (``S(a)c`` cyclically, from an inner split; ``S(a)z`` in head-tail
+    chunk pairs, from a zig-zag split), ``P`` partial (a reduction
     over a sharded axis), ``R`` replicated."""
     return "[" + ", ".join(str(p) for p in placements(tv)) + "]"
 

@@ -28,6 +28,7 @@ from meshfuse.ir.iter_domain import (
     merge_ids,
     split_ids,
 )
+from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 
@@ -124,6 +125,13 @@ class TensorView(Val):
         self.loop: list[IterDomain] = list(self.logical)
         self.transforms: list[Transform] = []
         self.parallel: dict[IterDomain, ParallelType] = {}
+        # Loop IDs in ring order over a mesh axis (swizzle1d): stream chunk i on the device at
+        # coordinate c of that axis is block (i + c) mod d.
+        self.swizzles: dict[IterDomain, ParallelType] = {}
+        self.memory_type = MemoryType.global_
+        # Decompose the communication next to this tensor's GEMM into a stream loop: True
+        # forces it, False forbids it, None leaves it to the cost estimate.
+        self.overlap: bool | None = None
         self.allocation = allocation
         self.mesh: DeviceMesh | None = None
         # A 0-d fusion input that stays on the CPU beside GPU inputs (define_tensor(is_cpu=True)).
@@ -135,6 +143,9 @@ class TensorView(Val):
         new.loop = list(self.loop)
         new.transforms = list(self.transforms)
         new.parallel = dict(self.parallel)
+        new.swizzles = dict(self.swizzles)
+        new.memory_type = self.memory_type
+        new.overlap = self.overlap
         new.mesh = self.mesh
         new.name = self.name
         return new
@@ -177,7 +188,8 @@ class TensorView(Val):
             raise ScheduleError(f"{self.name}.set_device_mesh expects a DeviceMesh, got {mesh!r}")
         self.mesh = mesh
 
-    def split(self, axis: int, factor: int, inner_split: bool = True) -> TensorView:
+    def split(self, axis: int, factor: int, inner_split: bool = True,
+              zigzag: bool = False) -> TensorView:
         """Splits loop ID ``axis`` in two.
 
         With ``inner_split=True`` the inner ID has extent ``factor``; with ``False`` the outer
@@ -198,7 +210,9 @@ class TensorView(Val):
                 f"axis {axis} of {self.name} is already parallelized on "
                 f"{self.parallel[old].value}; split it before parallelizing"
             )
-        record = split_ids(old, factor, inner_split)
+        if zigzag:
+            self._check_zigzag(axis, old, factor, inner_split)
+        record = split_ids(old, factor, inner_split, zigzag)
         self.transforms.append(record)
         self.loop[pos : pos + 1] = [record.outer, record.inner]
         return self
@@ -206,6 +220,24 @@ class TensorView(Val):
     def outer_split(self, axis: int, factor: int) -> TensorView:
         """``split(axis, factor, inner_split=False)``: the outer ID has extent ``factor``."""
         return self.split(axis, factor, inner_split=False)
+
+    def zigzag_split(self, axis: int, factor: int) -> TensorView:
+        """An outer split into ``factor`` head-tail pairs of ``2 * factor`` equal chunks:
+        outer index ``o`` holds chunks ``o`` and ``2 * factor - 1 - o`` (the load-balanced
+        layout of a causal attention's sequence). Example, ``zigzag_split(2, 2)`` of a
+        sequence of 8: outer 0 holds rows 0, 1, 6, 7 and outer 1 rows 2, 3, 4, 5. The extent
+        must be a multiple of ``2 * factor``."""
+        return self.split(axis, factor, inner_split=False, zigzag=True)
+
+    def _check_zigzag(self, axis: int, old, factor: int, inner_split: bool) -> None:
+        if inner_split:
+            raise ScheduleError(f"split of axis {axis} of {self.name}: a zig-zag split is an "
+                                "outer split; pass inner_split=False (or use zigzag_split)")
+        if old.extent is not None and old.extent % (2 * factor):
+            raise ScheduleError(
+                f"zig-zag split of axis {axis} of {self.name}: extent {old.extent} is not a "
+                f"multiple of 2 * {factor} (the head-tail chunks must be equal); choose a "
+                f"length divisible by {2 * factor} or use outer_split")
 
     def inner_split(self, axis: int, factor: int) -> TensorView:
         """``split(axis, factor, inner_split=True)``: the inner ID has extent ``factor``."""
@@ -291,6 +323,43 @@ class TensorView(Val):
             self.parallel.pop(id_, None)
         else:
             self.parallel[id_] = parallel_type
+        return self
+
+    def swizzle1d(self, axis: int, parallel_type: ParallelType) -> TensorView:
+        """Visits loop ID ``axis`` in ring order over the mesh axis of ``parallel_type``
+        (nvFuser's ``swizzle1d``): once ``axis`` is parallelized on ``ParallelType.stream``,
+        chunk ``i`` on the device at coordinate ``c`` of that mesh axis works on block
+        ``(i + c) mod d``, so an allgather feeding the loop becomes point-to-point transfers
+        (a collective permute) instead of one broadcast per chunk. The domain is unchanged:
+        ``[iDIDx{d}, i{n/d}]`` -> ``outer_split(0, d)`` -> ``swizzle1d(0, mesh_x)`` ->
+        ``[iStream{d}, i{n/d}]`` once parallelized, with the chunk order swizzled.
+        """
+        if not isinstance(parallel_type, ParallelType) or not parallel_type.is_device:
+            raise ScheduleError(
+                f"swizzle1d of axis {axis} of {self.name}: expected a device parallel type "
+                f"(ParallelType.mesh_x, mesh_y or mesh_z), got {parallel_type!r}"
+            )
+        self.swizzles[self.loop[self._loop_pos(axis)]] = parallel_type
+        return self
+
+    def set_overlap(self, enabled: bool | None) -> TensorView:
+        """Whether the allgather feeding, or the reduce-scatter following, a GEMM that
+        reads or writes this tensor runs decomposed as a stream-parallel loop (one chunk per
+        device, see ``docs/overlap.md``): ``True`` always, ``False`` never, ``None`` (the
+        default) when the cost estimate says it is faster."""
+        if enabled not in (True, False, None):
+            raise ScheduleError(f"set_overlap of {self.name}: expected True, False or None, "
+                                f"got {enabled!r}")
+        self.overlap = enabled
+        return self
+
+    def set_memory_type(self, memory_type: MemoryType) -> TensorView:
+        """Allocates this tensor in ``memory_type`` (nvFuser's ``set_memory_type``); see
+        :mod:`meshfuse.ir.memory_type` for what ``MemoryType.symmetric`` does here."""
+        if not isinstance(memory_type, MemoryType):
+            raise ScheduleError(f"set_memory_type of {self.name}: expected a MemoryType, got "
+                                f"{memory_type!r}")
+        self.memory_type = memory_type
         return self
 
     def set_allocation_domain(

@@ -53,6 +53,7 @@ from meshfuse.ops.attention_dropout import (
     seed_and_offset,
     state_of_kernel,
 )
+from meshfuse.ops.context_parallel import context_record, requested_strategy, sequence_parallel
 from meshfuse.ops.random import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
     AxisSpec,
@@ -161,8 +162,10 @@ def _check_scalars(op: str, dropout_p, is_causal, scale) -> None:
         raise DefinitionError(f"{op}: scale must be a positive number or None, got {sc!r}")
 
 
-def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropout_mode):
+def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropout_mode,
+               context_parallel=None):
     _check_scalars("sdpfa_fwd", dropout_p, is_causal, scale)
+    requested_strategy("sdpfa_fwd", context_parallel)
     check_rng_args("sdpfa_fwd", rng_seed, rng_offset)
     resolve_mode("sdpfa_fwd", dropout_mode)
     _bhse("sdpfa_fwd", ("q", "k", "v"), (q, k, v))
@@ -181,7 +184,8 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
 
 @_leading_folded
 def _fwd(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
-         dropout_mode=None, site: DropoutSite | None = None, kernel_form: bool = False):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None,
+         kernel_form: bool = False):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _forward(backend, None, q, k, v, float(dropout_p), is_causal, scale, rng_seed,
@@ -236,10 +240,10 @@ class _Forward:
         self.bound = {}
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 dropout_mode, site, kernel_form=False):
+                 dropout_mode, context_parallel, site, kernel_form=False):
         if q.ndim > 4:
             return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
-                                         rng_offset, dropout_mode, site)
+                                         rng_offset, dropout_mode, context_parallel, site)
         p = float(dropout_p)
         if (p > 0.0) not in self.bound:  # first call: checked, and the kernel bound
             self.bound[p > 0.0] = _bind(0, q, k, v, p, is_causal, site, kernel_form)
@@ -284,6 +288,9 @@ def _whole_axes(expr) -> set:
         return t.materialized()[a]
 
     whole = {axis(k, seq), axis(v, seq), axis(q, dim), axis(k, dim)}
+    ring = sequence_parallel(expr) is not None
+    if ring:  # a context-parallel strategy moves the sequence shards itself
+        whole = {axis(q, dim), axis(k, dim)}
     rows = [q]
     causal = _arg(expr, "is_causal") is not False
     if expr.op.name == "sdpfa_bwd":
@@ -294,7 +301,9 @@ def _whole_axes(expr) -> set:
             # On a key shard q_grad is a partial sum (the log-sum-exp makes each block's
             # probabilities exact); neither mask knows a key shard's offset.
             whole -= {axis(k, seq), axis(v, seq)}
-    if causal:
+    if ring:
+        whole -= {axis(k, seq), axis(v, seq)}
+    elif causal:
         whole |= {axis(t, seq) for t in rows}
     return whole
 
@@ -339,7 +348,7 @@ def _fwd_grads(d, grads):
             computed.extend(d.ops.sdpfa_bwd(
                 grads[0], *(d.value(n) for n in ("q", "k", "v")), d.out(0), d.out(1),
                 d.value("dropout_p"), d.value("is_causal"), d.out(2), d.out(3),
-                d.value("scale"), d.attrs["dropout_mode"]))
+                d.value("scale"), d.attrs["dropout_mode"], d.attrs.get("context_parallel")))
         return computed[index]
 
     return {"q": lambda: gradient(0), "k": lambda: gradient(1), "v": lambda: gradient(2)}
@@ -375,6 +384,9 @@ def _localize(expr, here):
     k = expr.args[2 if backward else 1]
     kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
+    if sequence_parallel(expr) is not None:
+        # The strategy's transfers are listed with explain's communications.
+        return {"site": site, "context": context_record(expr, here)}, ""
     p = _arg(expr, "dropout_p")
     if p == 0.0:
         return {"site": site}, ""
@@ -382,7 +394,9 @@ def _localize(expr, here):
     if forward is None:
         return {"site": site}, f"dropout {mode} mode, the seed and offset given as inputs"
     note = site.describe(*(_seed_arg(forward, name) for name in ("rng_seed", "rng_offset")))
-    attrs = {"site": site, "kernel_form": _state_stays_inside(forward)}
+    # A context-parallel forward returns its seed and offset in nvFuser's form.
+    attrs = {"site": site, "kernel_form": sequence_parallel(forward) is None and
+             _state_stays_inside(forward)}
     return attrs, note if not backward else f"replays the forward's {note}"
 
 
@@ -421,7 +435,7 @@ register(OpDef(
     "sdpfa_fwd",
     (tensor("q"), tensor("k"), tensor("v"), scalar("dropout_p", 0.0),
      scalar("is_causal", False), scalar("scale", None), scalar("rng_seed", None),
-     scalar("rng_offset", None), attr("dropout_mode", None)),
+     scalar("rng_offset", None), attr("dropout_mode", None), attr("context_parallel", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
     partial_reduce=None, whole_axes=_whole_axes, check_sharding=_check_sharding,
@@ -431,8 +445,9 @@ register(OpDef(
 
 
 def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
-               dropout_mode):
+               dropout_mode, context_parallel=None):
     _check_scalars("sdpfa_bwd", dropout_p, is_causal, scale)
+    requested_strategy("sdpfa_bwd", context_parallel)
     if dropout_mode is not None:
         resolve_mode("sdpfa_bwd", dropout_mode)
     _bhse("sdpfa_bwd", ("grad_attn", "q", "k", "v", "attn"), (grad_attn, q, k, v, attn))
@@ -469,7 +484,8 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
 
 @_leading_folded_bwd
 def _bwd(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset, scale,
-         dropout_mode=None, site: DropoutSite | None = None, kernel_form: bool = False):
+         dropout_mode=None, context_parallel=None, site: DropoutSite | None = None,
+         kernel_form: bool = False):
     site = site or _whole_site(dropout_mode, q, k)
     backend = _backend(site, q, k, v, float(dropout_p), is_causal)
     return _backward(backend, None, grad_attn, q, k, v, attn, log_sumexp, float(dropout_p),
@@ -511,10 +527,11 @@ class _Backward:
         self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, dropout_mode, site, kernel_form=False):
+                 scale, dropout_mode, context_parallel, site, kernel_form=False):
         if q.ndim > 4:
             return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
-                                             is_causal, seed, offset, scale, dropout_mode, site)
+                                             is_causal, seed, offset, scale, dropout_mode,
+                                             context_parallel, site)
         p = float(dropout_p)
         if (p > 0.0) not in self.bound:
             self.bound[p > 0.0] = _bind(1, q, k, v, p, is_causal, site)
@@ -529,7 +546,8 @@ register(OpDef(
     "sdpfa_bwd",
     (tensor("grad_attn"), tensor("q"), tensor("k"), tensor("v"), tensor("attn"),
      tensor("log_sumexp"), scalar("dropout_p", 0.0), scalar("is_causal", False),
-     tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None)),
+     tensor("seed"), tensor("offset"), scalar("scale", None), attr("dropout_mode", None),
+     attr("context_parallel", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard

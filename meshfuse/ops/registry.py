@@ -187,11 +187,13 @@ class LocalContext:
         device: where the rank's tensors live (for ops that create tensors).
         index: ``index(tv)``, the :class:`~meshfuse.ir.global_index.GlobalIndex` of ``tv``'s
             local shard on this rank (global extents bound).
+        extents: every ID's bound global extent (for rules that need other ranks' shards).
     """
 
     rank: int
     device: Any
     index: Callable[[Any], Any]
+    extents: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,12 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
-3. ``insert_resharding``: communications so that every op is local;
-4. ``check_schedule``: meshes and device types across all tensors;
-5. ``check_inputs_reachable``: inputs off some ranks' meshes must have static extents;
-6. ``infer_allocations``: the memory order of every tensor (a side table).
+3. ``plan_context_parallel``: the strategy of each sequence-sharded attention (a ring keeps
+   k and v sharded: see ``docs/context_parallel.md``);
+4. ``insert_resharding``: communications so that every op is local;
+5. ``check_schedule``: meshes and device types across all tensors;
+6. ``check_inputs_reachable``: inputs off some ranks' meshes must have static extents;
+7. ``infer_allocations``: the memory order of every tensor (a side table).
 
 The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
 signature and the rank (extents, local layouts, the per-rank program) is built from it by
@@ -27,6 +29,7 @@ from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
+from meshfuse.passes.context_parallel import plan_context_parallel
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
@@ -97,10 +100,15 @@ def _reshard(fusion: Fusion, world_size: int | None) -> None:
     insert_resharding(fusion)
 
 
+def _context_parallel(fusion: Fusion, world_size: int | None) -> None:
+    plan_context_parallel(fusion)
+
+
 # Each pass takes the fusion copy and the world size and edits the copy (never the user's).
 BUILD_PASSES = (
     _check_world,
     _propagate,
+    _context_parallel,
     _reshard,
     _check_all,
     check_inputs_reachable,

@@ -158,7 +158,8 @@ def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) 
     elements they make go 3, 3, 3, 3)."""
     splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
               _subtree(ref, ref_id)]
-    if len(splits) != 1 or splits[0].inner_split or splits[0].in_id is not ref_id:
+    if len(splits) != 1 or splits[0].inner_split or splits[0].zigzag or \
+            splits[0].in_id is not ref_id:
         return False
     if not ref.parallel_type(splits[0].outer).is_device:
         return False
@@ -215,7 +216,7 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     chain = {ref_id: target_id}
     for t in ref.transforms:
         if isinstance(t, Split) and t.in_id in chain:
-            target.split(target.loop.index(chain[t.in_id]), t.factor, t.inner_split)
+            target.split(target.loop.index(chain[t.in_id]), t.factor, t.inner_split, t.zigzag)
             record = target.transforms[-1]
             chain[t.outer], chain[t.inner] = record.outer, record.inner
     for leaf in _device_leaves(ref, ref_id):

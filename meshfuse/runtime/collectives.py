@@ -69,6 +69,7 @@ class Communication:
     mesh_axis: int
     bytes: int
     reduce_op: str | None = None
+    peer: int | None = None  # the other rank of a point-to-point send or recv
 
 
 class Pending:
@@ -217,10 +218,11 @@ def report(communications: list[Communication]) -> None:
         log.extend(communications)
 
 
-def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None) -> None:
+def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None,
+            peer: int | None = None) -> None:
     if _recorders:
         event = Communication(kind, group.ranks, group.mesh_axis,
-                              x.numel() * x.element_size(), reduce_op)
+                              x.numel() * x.element_size(), reduce_op, peer)
         for log in _recorders:
             log.append(event)
 
@@ -399,3 +401,74 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
         dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
     return out
+
+
+def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
+                       shape: Sequence[int], group: Group) -> torch.Tensor:
+    """``x`` sent to coordinate ``send_to`` while a tensor of ``shape`` (``x``'s dtype) comes
+    from coordinate ``recv_from``: one step of a collective permute (every member sends one
+    block and receives one), as one ``batch_isend_irecv``. Returns the received tensor; with
+    ``send_to == recv_from == group.coordinate``, ``x`` itself."""
+    if send_to == group.coordinate and recv_from == group.coordinate:
+        return x
+    out = x.contiguous()
+    received = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
+    _record("collective_permute", group, out)
+    ops = [dist.P2POp(dist.isend, out, group.ranks[send_to], group=group.process_group),
+           dist.P2POp(dist.irecv, received, group.ranks[recv_from], group=group.process_group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+    """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
+    reduced over the group in its own buffer; returns ``x``."""
+    _record("allreduce", group, x, reduce_op)
+    dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return x
+
+
+def reduce_to(x: torch.Tensor, root: int, group: Group, reduce_op: str) -> torch.Tensor | None:
+    """The reduction over the group of every member's ``x`` (a buffer the caller gives up),
+    on the member at coordinate ``root``; None on the others."""
+    out = x.contiguous()
+    _record("reduce", group, out, reduce_op)
+    dist.reduce(out, dst=group.ranks[root], op=REDUCE_OPS[reduce_op], group=group.process_group)
+    return out if group.coordinate == root else None
+
+
+class _Works:
+    """Several point-to-point operations waited for as one (the tensors they read and write
+    are kept alive until then)."""
+
+    __slots__ = ("_tensors", "_works")
+
+    def __init__(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor]):
+        self._works, self._tensors = list(works), list(tensors)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._tensors = [], []
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Group,
+               ) -> Pending:
+    """Each of ``tensors`` sent to the next coordinate of the group (``c + 1``, around), and
+    as many received from the previous one, of ``shapes`` (the dtypes of ``tensors``): one
+    ``batch_isend_irecv``, launched at once. Returns a :class:`Pending` of the received
+    list. Recorded as one ``send`` and one ``recv`` per tensor, naming the peer."""
+    n, c = group.size, group.coordinate
+    after, before = group.ranks[(c + 1) % n], group.ranks[(c - 1) % n]
+    sends = [t.contiguous() for t in tensors]
+    received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device)
+                for t, s in zip(sends, shapes)]
+    ops = []
+    for out, into in zip(sends, received):
+        _record("send", group, out, peer=after)
+        _record("recv", group, into, peer=before)
+        ops.append(dist.P2POp(dist.isend, out, after, group=group.process_group))
+        ops.append(dist.P2POp(dist.irecv, into, before, group=group.process_group))
+    works = dist.batch_isend_irecv(ops)
+    return Pending(_Works(works, sends + received), received)

@@ -28,10 +28,18 @@ from meshfuse.runtime.executor import RESHARD, OutputLayout, Program, Slot, Step
 # lower_reshard(expr, binding, donated) -> (implementation, plan steps, plan text), or None
 # when no data moves on any rank.
 LowerReshard = Callable[[Reshard, Binding, bool], "tuple[Callable, tuple, str] | None"]
+# group_loops(exprs, steps, calls, slot_of, kept slots) -> (steps, calls): the steps of each
+# stream-parallel loop's body made one loop step (see meshfuse.runtime.stream_loop).
+GroupLoops = Callable[..., "tuple[list[Step], list[Callable]]"]
+# lower_op(expr) -> the implementation of an op that communicates itself (ring attention),
+# or None for the op's own; called on every rank alike (group creation is collective).
+LowerOp = Callable[[Expr], "Callable | None"]
 
 
 def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local], rank: int,
-                  lower_reshard: LowerReshard | None = None) -> Program:
+                  lower_reshard: LowerReshard | None = None,
+                  lower_op: LowerOp | None = None,
+                  group_loops: GroupLoops | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
     :func:`meshfuse.passes.localization.localize`)."""
     slot_of: dict[Val, int] = {}
@@ -46,7 +54,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for v in expr.inputs:
             last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
-    steps, calls = [], []
+    steps, calls, ran = [], [], []
     for index, expr in enumerate(exprs):
         lowered = None
         if isinstance(expr, Reshard) and lower_reshard is not None:
@@ -54,6 +62,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             src = slot(expr.args[0])
             donated = last_use.get(src) == index and src not in keep and src not in input_slots
             lowered = lower_reshard(expr, binding, donated)
+        elif not isinstance(expr, Reshard) and lower_op is not None:
+            lowered = lower_op(expr)
         if expr not in local:
             continue
         outs = tuple(slot(o) for o in expr.outputs)
@@ -64,12 +74,16 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             steps.append(Step(RESHARD, (Slot(slot(expr.args[0])),), {}, outs, free,
                               f"{format_expr(expr)}: {text}", plan))
             calls.append(call)
+            ran.append(expr)
             continue
         mine = local[expr]
         step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
                     format_expr(expr), note=mine.note)
         steps.append(step)
-        calls.append(dispatch(step))
+        calls.append(lowered or dispatch(step))
+        ran.append(expr)
+    if group_loops is not None:
+        steps, calls = group_loops(ran, steps, calls, slot_of, keep)
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)

@@ -27,10 +27,13 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.context_parallel import sequence_mesh_axis, sequence_parallel
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
+from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
+from meshfuse.passes.stream_parallel import plan_stream_loops
 from meshfuse.runtime.agreement import agreed_inputs
 from meshfuse.runtime.binding import (
     Binding,
@@ -42,13 +45,16 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.failures import checked_timeout
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
+from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
+from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
 
 
 class FusionRunner:
@@ -64,6 +70,12 @@ class FusionRunner:
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
+        self.stream_loops = plan_stream_loops(self.fusion)
+        # Communications next to GEMMs the engine may run as stream loops (docs/overlap.md).
+        self.overlap_candidates = overlap_candidates(self.fusion, self.stream_loops)
+        self._overlap_lines: dict[tuple, list[str]] = {}
+        # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
+        self.ring_order = False
         self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
@@ -82,6 +94,7 @@ class FusionRunner:
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+        text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
         if not verbose:
@@ -132,7 +145,17 @@ class FusionRunner:
         )
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
-        return build_program(fusion, binding, local, self.rank, self._lower_reshard)
+        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
+                                    _device_of(inputs, self.communicator).type)
+        self._overlap_lines[_signature(inputs)] = lines
+        plans = [*self.stream_loops, *plans]
+        group_loops = None
+        if plans:
+            group_loops = functools.partial(
+                _group_loops, plans, binding=binding, rank=self.rank,
+                group_of=self._group, ring_all=self.ring_order)
+        return build_program(fusion, binding, local, self.rank, self._lower_reshard,
+                             lower_op=self._lower_op, group_loops=group_loops)
 
     @staticmethod
     def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
@@ -161,6 +184,39 @@ class FusionRunner:
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
         return binding
+
+    def _loop_lines(self, key: tuple | None) -> list[str]:
+        """explain's lines on stream-parallel loops: the user's, then the engine's choice
+        for each communication next to a GEMM (for ``key``'s signature, when given)."""
+        lines = []
+        if self.stream_loops:
+            lines += ["stream-parallel loops:",
+                      *stream_loop_lines(self.stream_loops, self.ring_order)]
+        if self.overlap_candidates:
+            decided = self._overlap_lines.get(key) if key is not None else None
+            lines += ["communications next to GEMMs (overlap):",
+                      *(decided or candidate_lines(self.overlap_candidates))]
+        return lines
+
+    def _group(self, mesh, mesh_axis: int) -> Group | None:
+        """This rank's Group along ``mesh_axis`` of ``mesh`` (every rank takes part in
+        creating it); None outside the mesh."""
+        process_group = self.communicator.group_if_member(mesh, mesh_axis)
+        if self.rank not in mesh:
+            return None
+        return Group(process_group, mesh.group_ranks(self.rank, mesh_axis),
+                     mesh.coordinate(self.rank)[mesh_axis], mesh_axis)
+
+    def _lower_op(self, expr):
+        """A context-parallel attention's implementation bound to its group on this rank
+        (every rank creates the group; None on a rank outside it), or None for any other op."""
+        if sequence_parallel(expr) is None:
+            return None
+        group = self._group(*sequence_mesh_axis(expr))
+        if group is None:
+            return None
+        step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
+        return step(group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank: (implementation, plan steps, text), or
@@ -199,6 +255,10 @@ class FusionRunner:
         return reshard, tuple(s.step for s in lowered), text
 
 
+def _group_loops(plans, exprs, steps, calls, slot_of, keep, **context):
+    return group_stream_loops(plans, exprs, steps, calls, slot_of, keep, **context)
+
+
 def _random_streams(program: Program) -> list[str]:
     """The explain lines naming the random stream of each step that draws (dropout, RNG)."""
     notes = []
@@ -214,7 +274,8 @@ def local_context(binding: Binding, rank: int, device) -> LocalContext:
     def index(tv: TensorView) -> GlobalIndex:
         return global_index(tv, binding.extents, device_coords(tv, rank))
 
-    return LocalContext(rank, torch.device("cpu") if device is None else device, index)
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index,
+                        binding.extents)
 
 
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:

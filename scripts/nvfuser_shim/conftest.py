@@ -1,6 +1,7 @@
 """Root conftest of a scratch copy of nvFuser's tests (see ``scripts/nvfuser_tests.sh``):
 nvFuser's module names import meshfuse; on CPU ranks, CUDA calls become no-ops."""
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -27,6 +28,28 @@ if os.environ.get("MESHFUSE_NVFUSER_CPU") == "1":
     torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
     torch.cuda.cudart = lambda: types.SimpleNamespace(cudaProfilerStart=lambda: None,
                                                      cudaProfilerStop=lambda: None)
+
+    class _InOrderStream:
+        """``torch.cuda.Stream`` on a CPU rank: work runs in order, so waits do nothing."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+    torch.cuda.Stream = _InOrderStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _InOrderStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
 try:
     import pytest_benchmark  # noqa: F401

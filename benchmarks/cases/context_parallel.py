@@ -1,0 +1,271 @@
+"""Case ``context_parallel`` (issue 14): attention with the sequence sharded over the ranks.
+
+Causal bf16 attention, forward and backward, b=1, h=32, head dim 128, at s=32768 and
+s=131072, and non-causal at s=32768. Variants, in one run:
+
+- ``one_gpu`` (baseline): the whole problem on one device with the kernel meshfuse selects
+  (cuDNN on Hopper), called directly; every rank runs it on its own GPU. The ideal time on
+  ``n`` GPUs is this time over ``n``; each record's ``pct_of_ideal`` is ideal / its time.
+- ``ring_zigzag``: meshfuse, the sequence zig-zag split (load balanced), forced ring;
+- ``ring_block``: the same on a block split (unbalanced under a causal mask);
+- ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
+- ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
+- ``torch_cp_allgather``, ``torch_cp_alltoall``: ``torch.distributed.tensor.experimental.
+  context_parallel`` (load balanced) with cuDNN forced, k/v rotated by all-gather or
+  all-to-all; its buffers are sharded and restored inside each timed call, as its API does.
+
+Each meshfuse variant is checked against ``one_gpu`` (sharded alike) before it is timed. A
+``constants`` record gives the speeds the estimate can use, measured here (one kernel's
+TFLOP/s, one k/v block transfer's GB/s) and which strategy the estimate picks with them, and
+which was fastest. With ``MESHFUSE_CP_PROFILE=<dir>``, rank 0 also writes a torch.profiler
+trace of two ``ring_zigzag`` calls at s=32768 (transfers overlapping kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import meshfuse
+from benchmarks.cases.attention import attention_flops
+from benchmarks.context import Context
+from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from meshfuse import DataType, FusionDefinition, ParallelType
+from meshfuse.ops import attention_kernels as kernels
+from meshfuse.ops.attention_backends import select_backend
+from meshfuse.ops.context_parallel_cost import Machine, choose, machine
+from meshfuse.passes.context_parallel import problem
+from meshfuse.runtime.collectives import Group, ring_shift
+from meshfuse.runtime.communicator import Communicator
+
+CONFIGS = (("causal_s32k", 32768, True), ("causal_s128k", 131072, True),
+           ("full_s32k", 32768, False))
+QUICK_CONFIGS = (("causal_quick", 256, True),)
+SIZES = {"b": 1, "h": 32, "head_dim": 128}
+QUICK_SIZES = {"b": 1, "h": 4, "head_dim": 16}
+TOL = 2e-2
+
+
+class CausalAttention(FusionDefinition):
+    """sdpfa_fwd + sdpfa_bwd on ``[b, h, s, e]`` bf16, every tensor's sequence split over
+    ``mesh`` (``zigzag``: head-tail pairs), the strategy ``strategy`` (None: the estimate)."""
+
+    def __init__(self, sizes, s, causal, mesh, zigzag, strategy):
+        super().__init__()
+        self.shape = [sizes["b"], sizes["h"], s, sizes["head_dim"]]
+        self.causal, self.mesh, self.zigzag, self.strategy = causal, mesh, zigzag, strategy
+
+    def definition(self):
+        self.q, self.k, self.v, self.g = (self.define_tensor(self.shape, dtype=DataType.BFloat16)
+                                          for _ in range(4))
+        attn, lse, seed, offset = self.ops.sdpfa_fwd(self.q, self.k, self.v, 0.0, self.causal,
+                                                     None, context_parallel=self.strategy)
+        grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, attn, lse, 0.0, self.causal,
+                                   seed, offset, None, context_parallel=self.strategy)
+        self.tensors = [self.q, self.k, self.v, self.g, attn, lse, *grads]
+        for t in (attn, *grads):
+            self.add_output(t)
+
+    def multidevice_schedule(self):
+        for tv in self.tensors:
+            tv.set_device_mesh(self.mesh)
+            pos = tv.loop.index(tv.logical[2])
+            tv.split(pos, self.mesh.size, inner_split=False, zigzag=self.zigzag)
+            tv.parallelize(pos, ParallelType.mesh_x)
+
+
+def _global_inputs(ctx: Context, sizes, s):
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
+    return [torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.bfloat16)
+            for _ in range(4)]
+
+
+def _one_gpu(full, causal):
+    q, k, v, g = full
+
+    def setup():
+        backend = select_backend(q, k, v, 0.0, causal)
+
+        def step():
+            attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, 0.0, causal, None, backend)
+            return attn, kernels.sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset,
+                                               None, backend)
+
+        return step, {"backend": backend.value}
+
+    return Variant("one_gpu", setup, "whole problem on one GPU, direct kernel", gpus=1)
+
+
+def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy):
+    def setup():
+        mesh = meshfuse.DeviceMesh(range(ctx.world))
+        fd = CausalAttention(sizes, s, causal, mesh, zigzag, strategy)
+        fd.define()
+        local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
+        got = fd.execute(local)
+        want = [meshfuse.shard_tensor(t, tv) for t, tv in zip(expected, fd.fusion.outputs())]
+        check_close(f"{name} vs one GPU", got, want, TOL)
+        del got, want
+        return (lambda: fd.execute(local)), {"strategies": _strategies(fd)}
+
+    note = f"{'zig-zag' if zigzag else 'block'} split, {strategy or 'estimate'}"
+    return Variant(name, setup, note)
+
+
+def _strategies(fd) -> dict:
+    """The strategy of the forward and of the backward, with the estimates behind them."""
+    chosen = {}
+    for expr in fd.compiled().fusion.exprs:
+        if getattr(expr.op, "name", None) in ("sdpfa_fwd", "sdpfa_bwd"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            _, estimates = choose(problem(expr), machine(device), ("ring", "allgather",
+                                                                   "alltoall"))
+            chosen[expr.op.name] = {"strategy": expr.args[-1],
+                                    "estimates_ms": {k: round(v * 1e3, 3)
+                                                     for k, v in estimates.items()}}
+    return chosen
+
+
+def _torch_cp(ctx, full, causal, rotate):
+    def setup():
+        if not ctx.cuda or ctx.world == 1:
+            raise Skip("torch's context_parallel runs on 2+ CUDA ranks")
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _cp_options,
+        )
+
+        set_rotate_method(rotate)
+        mesh = ctx.dtensor_mesh()
+
+        def step():
+            # context_parallel shards its buffers in place (resize_), which tensors that
+            # require grad refuse: shard fresh copies, then ask for their gradients. The
+            # copies (about 1 GB at s=32k) are part of torch's per-step cost.
+            q, k, v, g = buffers = [t.detach().clone() for t in full[:4]]
+            # torch balances the load (head-tail chunks) only for causal attention; without
+            # a mask it refuses the option, so it is set per step (torch restores it on exit).
+            _cp_options.enable_load_balance = causal
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), \
+                    context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2],
+                                     no_restore_buffers=set(buffers)):
+                for t in (q, k, v):
+                    t.requires_grad_()
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return out, torch.autograd.grad(out, (q, k, v), g)
+
+        return step, {"rotate": rotate}
+
+    return Variant(f"torch_cp_{rotate}", setup, "torch context_parallel, cuDNN, load balanced")
+
+
+def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
+    full = _global_inputs(ctx, sizes, s)
+    step, _ = _one_gpu(full, causal).setup()
+    attn, grads = step()
+    expected = [attn, *grads]
+    del attn, grads
+    variants = [
+        _one_gpu(full, causal),
+        _meshfuse(ctx, "ring_zigzag", sizes, s, causal, full, expected, True, "ring"),
+        _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
+        _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
+        _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),
+        _meshfuse(ctx, "auto", sizes, s, causal, full, expected, True, None),
+        _torch_cp(ctx, full, causal, "allgather"),
+        _torch_cp(ctx, full, causal, "alltoall"),
+    ]
+    flops = attention_flops(sizes["b"], sizes["h"], s, sizes["head_dim"], causal)
+    params = dict(sizes, s=s, causal=causal, dtype="bf16")
+    records = run_variants(ctx, "context_parallel", name, variants,
+                           Plan(plan.warmup, plan.iters, flops=flops), "one_gpu", params)
+    del expected
+    base = next((r for r in records if r.variant == "one_gpu" and r.status == "ok"), None)
+    for r in records:
+        if base is not None and r.status == "ok" and r.variant != "one_gpu":
+            r.metrics["pct_of_ideal"] = round(100 * base.median_ms / ctx.world / r.median_ms, 1)
+    records.append(_constants(ctx, name, full, causal, records, params))
+    if name.startswith("causal_s32k") and os.environ.get("MESHFUSE_CP_PROFILE"):
+        _profile(ctx, sizes, s, causal, full, os.environ["MESHFUSE_CP_PROFILE"])
+    return records
+
+
+def _constants(ctx, name, full, causal, records, params) -> Record:
+    """Measured speeds, what the estimate picks with them, and what was fastest."""
+    record = Record("context_parallel", name, "constants", ctx.world, params=dict(params))
+    one = next((r for r in records if r.variant == "one_gpu" and r.status == "ok"), None)
+    timed = {r.variant: r.median_ms for r in records
+             if r.status == "ok" and r.variant in ("ring_zigzag", "allgather", "alltoall")}
+    if one is None or ctx.world == 1 or not timed:
+        record.status, record.message = "skipped", "needs 2+ ranks and the timed variants"
+        return record
+    link = _link_bytes_per_s(ctx, full)
+    kernel = one.tflops_per_gpu * 1e12
+    measured = Machine(kernel_flops=kernel, link_bytes=link, latency=machine("cuda").latency)
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    fd = CausalAttention({"b": full[0].shape[0], "h": full[0].shape[1],
+                          "head_dim": full[0].shape[3]}, full[0].shape[2], causal, mesh, True,
+                         None)
+    fd.define()
+    picks = {}
+    for expr in fd.compiled().fusion.exprs:
+        if getattr(expr.op, "name", None) in ("sdpfa_fwd", "sdpfa_bwd"):
+            picks[expr.op.name] = choose(problem(expr), measured,
+                                         ("ring", "allgather", "alltoall"))[0]
+    record.metrics = {"kernel_tflops": round(kernel / 1e12, 3), "link_gbps": round(link / 1e9, 3),
+                      "estimate_picks_measured": picks,
+                      "estimate_picks_default": _strategies(fd),
+                      "fastest": min(timed, key=timed.get).replace("ring_zigzag", "ring")}
+    return record
+
+
+def _link_bytes_per_s(ctx, full) -> float:
+    """Bytes/s of one rank's k/v block sent to the next rank (and one received)."""
+    communicator = Communicator.instance()
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    group = Group(communicator.group(mesh, 0), tuple(range(ctx.world)), ctx.rank, 0)
+    block = [t.chunk(ctx.world, dim=2)[0].contiguous() for t in full[1:3]]
+    shapes = [b.shape for b in block]
+    for _ in range(2):
+        ring_shift(block, shapes, group).wait()
+    ctx.barrier()
+    start, iters = time.perf_counter(), 5
+    for _ in range(iters):
+        ring_shift(block, shapes, group).wait()
+    ctx.sync()
+    seconds = (time.perf_counter() - start) / iters
+    return sum(b.numel() * b.element_size() for b in block) / seconds
+
+
+def _profile(ctx, sizes, s, causal, full, out_dir):
+    """A torch.profiler trace (rank 0) of two ring calls: transfers beside the kernels."""
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    fd = CausalAttention(sizes, s, causal, mesh, True, "ring")
+    fd.define()
+    local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
+    fd.execute(local)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            fd.execute(local)
+        ctx.sync()
+    if ctx.rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out_dir, f"ring_zigzag_s{s}_rank0.json"))
+
+
+def run(ctx: Context) -> list[Record]:
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=3, iters=10)
+    records = []
+    for name, s, causal in (QUICK_CONFIGS if ctx.quick else CONFIGS):
+        slow = s > 65536
+        config_plan = Plan(1, 3) if slow and not ctx.quick else plan
+        records += _config(ctx, name, s, causal, sizes, config_plan)
+    return records

@@ -1,0 +1,118 @@
+"""The cost estimate that picks a context-parallel strategy (``context_parallel="auto"``).
+
+Each strategy's time for one attention call (forward or backward) on ``n`` ranks is estimated
+from the message sizes and three speed constants of the machine (:class:`Machine`): the
+attention kernel's FLOP/s on one device, the link's bytes/s between two devices, and a fixed
+cost per message (launch and latency). The constants default per device type and can be set
+with ``MESHFUSE_CP_KERNEL_TFLOPS``, ``MESHFUSE_CP_LINK_GBPS`` and ``MESHFUSE_CP_LATENCY_US``
+(the ``context_parallel`` benchmark measures them: a kernel's time and a block transfer's).
+
+- ``ring``: ``n`` steps; a step's transfer (k/v, and in the backward the float32 dk/dv
+  accumulators) overlaps its compute, so it costs ``max(compute, transfer)``; the last
+  step moves no k/v.
+- ``allgather``: the gathers (and the backward's reduce-scatters) first, then all of the
+  compute: their sum.
+- ``alltoall``: four all-to-alls in the forward (q, k, v in, the output back), nine in the
+  backward, none overlapped; the compute is balanced whatever the layout.
+
+Causal work on a block layout is uneven: the rank with the last block does ``(2n - 1) / n``
+times the mean; a zig-zag layout is balanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from meshfuse.ops.context_parallel import ALLGATHER, ALLTOALL, RING
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Speeds the estimate uses: attention FLOP/s of one device, link bytes/s, seconds per
+    message."""
+
+    kernel_flops: float
+    link_bytes: float
+    latency: float
+
+
+DEFAULTS = {
+    "cuda": Machine(kernel_flops=4.5e14, link_bytes=3.0e11, latency=3e-5),  # H100/H200
+    "cpu": Machine(kernel_flops=2e10, link_bytes=2e9, latency=5e-5),  # gloo on one host
+}
+
+
+def machine(device_type: str) -> Machine:
+    """The constants for ``device_type`` ("cuda" or "cpu"), with the environment's
+    overrides."""
+    base = DEFAULTS.get(device_type, DEFAULTS["cpu"])
+
+    def env(name: str, scale: float, default: float) -> float:
+        value = os.environ.get(name)
+        return float(value) * scale if value else default
+
+    return Machine(env("MESHFUSE_CP_KERNEL_TFLOPS", 1e12, base.kernel_flops),
+                   env("MESHFUSE_CP_LINK_GBPS", 1e9, base.link_bytes),
+                   env("MESHFUSE_CP_LATENCY_US", 1e-6, base.latency))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call as a rank of the mesh axis sees it: ``heads`` local heads (after
+    any head sharding), ``batch``, global sequence ``seq``, head dims, element size, ``n``
+    ranks on the sequence axis."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    value_dim: int
+    itemsize: int
+    n: int
+    causal: bool
+    backward: bool
+    balanced: bool  # the layout balances causal work (zig-zag)
+
+    @property
+    def flops(self) -> float:
+        """The call's FLOPs over all ranks (the backward costs 2.5 forwards)."""
+        forward = 2.0 * self.batch * self.heads * self.seq ** 2 * (self.head_dim + self.value_dim)
+        forward /= 2 if self.causal else 1
+        return forward * (2.5 if self.backward else 1.0)
+
+    def block_bytes(self, itemsize: int | None = None) -> float:
+        """k and v of one rank's sequence block."""
+        rows = self.batch * self.heads * self.seq / self.n
+        return rows * (self.head_dim + self.value_dim) * (itemsize or self.itemsize)
+
+
+def estimate(strategy: str, p: Problem, m: Machine) -> float:
+    """Seconds ``strategy`` takes for the call ``p`` on machine ``m``."""
+    skew = 1.0 if p.balanced or not p.causal else (2 * p.n - 1) / p.n
+    compute = p.flops / p.n / m.kernel_flops
+    if p.n == 1:
+        return compute
+    if strategy == RING:
+        step = compute * skew / p.n
+        blocks = p.block_bytes() / m.link_bytes + 2 * m.latency
+        sums = p.block_bytes(4) / m.link_bytes + 2 * m.latency if p.backward else 0.0
+        home = blocks if p.backward else 0.0  # the finished sums, in the inputs' dtype
+        # n - 1 steps move k/v (and the dk/dv sums) under their kernels; then the sums go home
+        return (p.n - 1) * max(step, blocks + sums) + step + home
+    if strategy == ALLGATHER:
+        moved = (p.n - 1) * p.block_bytes()
+        if p.backward:
+            moved += (p.n - 1) * p.block_bytes(4)
+        messages = 4 if p.backward else 2
+        return compute * skew + moved / m.link_bytes + messages * m.latency
+    assert strategy == ALLTOALL
+    per_tensor = p.block_bytes() / 2 * (p.n - 1) / p.n  # one [b, h, s/n, e] tensor
+    count = 9 if p.backward else 4
+    return compute + count * (per_tensor / m.link_bytes + m.latency)
+
+
+def choose(p: Problem, m: Machine, allowed: tuple[str, ...]) -> tuple[str, dict[str, float]]:
+    """The allowed strategy of least estimated time, and every allowed one's estimate."""
+    estimates = {s: estimate(s, p, m) for s in allowed}
+    return min(estimates, key=estimates.get), estimates

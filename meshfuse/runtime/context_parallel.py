@@ -1,0 +1,243 @@
+"""Context-parallel attention: the runtime of an ``sdpfa_fwd``/``sdpfa_bwd`` step whose record
+carries a :class:`~meshfuse.ops.context_parallel.ContextParallel` (that module describes the
+strategies); every collective goes through :mod:`meshfuse.runtime.collectives`.
+
+**Ring**, forward, on each rank: at step ``s`` it holds the key/value block of position
+``p - s``; it launches that block's transfer to the next rank (``ring_shift``) *before*
+computing its queries against it, so the transfer runs under the kernels, then waits for
+the block of the previous rank. After ``n`` steps (``n - 1`` transfers of k and v) every
+query has met every key; the blocks' outputs are merged by their log-sum-exp. Backward: k
+and v travel the same way, each with float32 accumulators of its dk and dv. At each step a
+rank computes its queries' gradients against the block it holds (dq stays, the block's
+dk/dv partial sums are added to the block's accumulators, which then go to the next rank);
+the last transfer brings each finished sum home, in the inputs' dtype: ``n - 1`` transfers
+of k and v and ``n`` of dk and dv.
+
+**Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
+of its block (:class:`~meshfuse.ops.context_parallel.BlockDropout`), drawn from the forward's
+seed and offset and the block's global position; the forward returns that seed and offset,
+and the backward draws each block's mask again from them.
+
+**All-gather**: k and v gathered (both in flight at once), this rank's queries against every
+position's block; the backward reduce-scatters dk and dv (float32).
+
+**All-to-all** (Ulysses): q, k, v (and in the backward the output gradient, output and
+log-sum-exp) go from sequence-sharded to head-sharded, the kernel runs on whole sequences
+(rows put in global order when the layout is a zig-zag), and the results come back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
+from meshfuse.ops.context_parallel import (
+    ALLGATHER,
+    ALLTOALL,
+    RING,
+    Block,
+    BlockDropout,
+    ContextParallel,
+    Merged,
+    add_key_gradients,
+    backward_blocks,
+    block_backward,
+    block_forward,
+    forward_blocks,
+)
+from meshfuse.ops.random import resolve_seed
+from meshfuse.runtime.collectives import (
+    Group,
+    all_to_all,
+    allgather,
+    reduce_scatter,
+    resolved,
+    ring_shift,
+)
+
+
+def _shape(t: torch.Tensor, rows: int) -> tuple[int, ...]:
+    return (*t.shape[:-2], rows, t.shape[-1])
+
+
+def _check_local(record: ContextParallel, op: str, **tensors: torch.Tensor) -> None:
+    rows = record.length(record.position)
+    for name, t in tensors.items():
+        assert t.shape[-2] == rows, (
+            f"{op}: {name} holds {t.shape[-2]} sequence rows, its ring record {rows}")
+
+
+def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                 dropout: BlockDropout | None = None):
+    """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
+    _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
+    merged = Merged(q, v)
+    block = (k, v)
+    for step in range(record.size):
+        pending = None
+        if step < record.size - 1:
+            rows = record.length(record.holder(step + 1))
+            pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
+        forward_blocks(q, *block, scale, causal, record, record.holder(step), merged, dropout)
+        if pending is not None:
+            block = pending.wait()
+    return merged.result(q.dtype)
+
+
+def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
+                  group: Group, dropout: BlockDropout | None = None):
+    """This rank's ``(dq, dk, dv)`` of ring attention (see the module doc)."""
+    _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
+    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
+    block, sums = (k, v), None
+    for step in range(record.size):
+        pending = None
+        if step < record.size - 1:
+            rows = record.length(record.holder(step + 1))
+            pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
+        partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
+                                  record.holder(step), dq, dropout)
+        own = sums.wait() if sums is not None else \
+            [torch.zeros(t.shape, dtype=torch.float, device=t.device) for t in block]
+        add_key_gradients(partial, *own)  # the sums arrived while the kernels ran
+        if record.size == 1:
+            return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+        # The accumulators follow their block to the next rank (the last step: home).
+        rows = record.length(record.holder(step + 1))
+        if step == record.size - 1:  # finished: home in the inputs' dtype (half the bytes)
+            own = [own[0].to(k.dtype), own[1].to(v.dtype)]
+        sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
+        if pending is not None:
+            block = pending.wait()
+    dk, dv = sums.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# All-gather: k and v gathered, this rank's queries against every position's block
+
+
+def _positions(record: ContextParallel, t: torch.Tensor):
+    """The gathered ``t`` (positions' blocks concatenated by coordinate) cut per position."""
+    return t.split([record.length(c) for c in range(record.size)], dim=-2)
+
+
+def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                      dropout: BlockDropout | None = None):
+    """``(attn, log_sumexp)`` with k and v gathered (both gathers in flight at once)."""
+    sizes = [record.length(c) for c in range(record.size)]
+    pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
+    keys, values = (_positions(record, resolved(p)) for p in pending)
+    merged = Merged(q, v)
+    for c in range(record.size):
+        forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged, dropout)
+    return merged.result(q.dtype)
+
+
+def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
+                       group: Group, dropout: BlockDropout | None = None):
+    """``(dq, dk, dv)`` with k and v gathered and dk, dv reduce-scattered (float32)."""
+    sizes = [record.length(c) for c in range(record.size)]
+    pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
+    keys, values = (_positions(record, resolved(p)) for p in pending)
+    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
+    sums = []
+    for c in range(record.size):
+        sums.append([torch.zeros(t.shape, dtype=torch.float, device=t.device)
+                     for t in (keys[c], values[c])])
+        add_key_gradients(backward_blocks(grad, q, keys[c], values[c], attn, lse, scale,
+                                          causal, record, c, dq, dropout), *sums[-1])
+    dk, dv = (reduce_scatter(torch.cat([s[i] for s in sums], dim=-2), k.ndim - 2, group,
+                             "sum", sizes=sizes) for i in (0, 1))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# All-to-all (Ulysses): sequence-sharded to head-sharded, whole sequences, and back
+
+
+def _to_heads(t: torch.Tensor, record: ContextParallel, group: Group, order) -> torch.Tensor:
+    """``[B, H, S_p, E]`` (or ``[B, H, S_p]``) sharded on the sequence -> ``[B, H/n, S, E]``
+    whole sequences in global row order."""
+    full = resolved(all_to_all(t, 1, 2, group))
+    return full if order is None else full.index_select(2, order)
+
+
+def _to_sequence(t: torch.Tensor, record: ContextParallel, group: Group, inverse):
+    if inverse is not None:
+        t = t.index_select(2, inverse)
+    return resolved(all_to_all(t, 2, 1, group))
+
+
+def _row_order(record: ContextParallel, device):
+    """Global row order of the positions' rows concatenated by coordinate (None: already in
+    order), and its inverse."""
+    rows = torch.cat([torch.arange(a, b) for position in record.rows for a, b in position])
+    if torch.equal(rows, torch.arange(len(rows))):
+        return None, None
+    order = torch.argsort(rows).to(device)
+    return order, rows.to(device)
+
+
+def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
+                     dropout: None = None):
+    """``(attn, log_sumexp)`` computed on whole sequences of ``1/n`` of the heads."""
+    order, inverse = _row_order(record, q.device)
+    qh, kh, vh = (_to_heads(t, record, group, order) for t in (q, k, v))
+    attn, lse = block_forward(qh, kh, vh, scale, Block.DIAGONAL if causal else Block.FULL)
+    lse = _to_sequence(lse.unsqueeze(-1), record, group, inverse).squeeze(-1)
+    return _to_sequence(attn, record, group, inverse), lse
+
+
+def alltoall_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
+                      group: Group, dropout: None = None):
+    """``(dq, dk, dv)`` on whole sequences of ``1/n`` of the heads."""
+    order, inverse = _row_order(record, q.device)
+    heads = [_to_heads(t, record, group, order) for t in (grad, q, k, v, attn)]
+    lse_h = _to_heads(lse.unsqueeze(-1), record, group, order).squeeze(-1)
+    grads = block_backward(*heads[:4], heads[4], lse_h, scale,
+                           Block.DIAGONAL if causal else Block.FULL)
+    return tuple(_to_sequence(g, record, group, inverse) for g in grads)
+
+
+_FORWARD = {RING: ring_forward, ALLGATHER: allgather_forward, ALLTOALL: alltoall_forward}
+_BACKWARD = {RING: ring_backward, ALLGATHER: allgather_backward, ALLTOALL: alltoall_backward}
+
+
+def forward_step(group: Group):
+    """The implementation of a context-parallel ``sdpfa_fwd`` record on this rank (the op's
+    signature; the record, ``context``, says which strategy)."""
+    def run(q, k, v, dropout_p, is_causal, scale, rng_seed=None, rng_offset=None,
+            dropout_mode=None, context_parallel=None, *, site=None, context=None):
+        dropout, state = None, no_rng_state(q.device)
+        if float(dropout_p) > 0.0:
+            seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
+            dropout, state = BlockDropout(float(dropout_p), seed, offset, site), \
+                rng_state(seed, offset)
+        attn, lse = _FORWARD[_strategy(context)](q, k, v, _scale(scale), bool(is_causal),
+                                                  context, group, dropout)
+        return (attn, lse, *state)
+    return run
+
+
+def backward_step(group: Group):
+    """The implementation of a context-parallel ``sdpfa_bwd`` record on this rank."""
+    def run(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
+            scale=None, dropout_mode=None, context_parallel=None, *, site=None, context=None):
+        dropout = None
+        if float(dropout_p) > 0.0:  # the forward's seed and offset: every block's mask again
+            dropout = BlockDropout(float(dropout_p), *seed_and_offset(seed, offset), site)
+        return _BACKWARD[_strategy(context)](grad_attn, q, k, v, attn, log_sumexp,
+                                             _scale(scale), bool(is_causal), context, group,
+                                             dropout)
+    return run
+
+
+def _strategy(record: ContextParallel) -> str:
+    """The record's strategy; on a mesh axis of one device, the ring of one step (no
+    communication at all)."""
+    return record.strategy if record.size > 1 else RING
+
+
+def _scale(scale) -> float | None:
+    return None if scale is None else float(scale)

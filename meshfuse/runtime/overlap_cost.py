@@ -1,0 +1,131 @@
+"""Whether decomposing a communication next to a GEMM into a stream loop pays.
+
+For a candidate (:mod:`meshfuse.passes.overlap_candidates`) of ``d`` chunks, a GEMM of
+``t_g`` and a communication of ``t_c`` on this device (from the GEMM's FLOPs, the bytes
+moved, and the device's GEMM throughput and link bandwidth):
+
+- without the loop: ``t_g + t_c``;
+- with it: ``max(t_g, t_c + t_g / d)`` (the first or last chunk's GEMM cannot hide) plus
+  ``0.1 * min(t_g, t_c)`` (the transfers take some of the GEMMs' SMs) plus ``d`` times the
+  loop's host cost per chunk.
+
+The loop is used when it is estimated at least 5% faster. Every rank decides alike: the
+estimate reads global extents and shardings only. The figures come from measurements of
+this repository's benchmarks (2 H200s: ~250 GB/s allgather and reduce-scatter bus
+bandwidth, ~600 TFLOP/s bf16 GEMMs) and of a gloo CPU run; ``MESHFUSE_OVERLAP_COST=
+"GB/s,TFLOP/s,us"`` replaces them with one's own, and ``MESHFUSE_OVERLAP=off`` turns the
+automatic choice off (``set_overlap(True)`` still forces a loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+
+from meshfuse.errors import InputError
+from meshfuse.ir.domain import domain
+from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.overlap_candidates import OverlapCandidate
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapCost:
+    """A device's GEMM throughput, link bandwidth and host cost of one loop chunk."""
+
+    link_gb_per_s: float
+    gemm_tflops: float
+    chunk_overhead_us: float
+
+    def estimate_ms(self, flops: float, comm_bytes: float, chunks: int) -> tuple[float, float]:
+        """(milliseconds without the loop, with it); see the module doc."""
+        t_g = flops / (self.gemm_tflops * 1e12) * 1e3
+        t_c = comm_bytes / (self.link_gb_per_s * 1e9) * 1e3
+        looped = max(t_g, t_c + t_g / chunks) + 0.1 * min(t_g, t_c) + \
+            chunks * self.chunk_overhead_us * 1e-3
+        return t_g + t_c, looped
+
+
+DEFAULT_COSTS = {
+    "cuda": OverlapCost(link_gb_per_s=250.0, gemm_tflops=600.0, chunk_overhead_us=20.0),
+    "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0),
+}
+
+
+def cost_for(device_type: str) -> OverlapCost:
+    """The cost figures of a device type, or those of ``MESHFUSE_OVERLAP_COST``."""
+    spec = os.environ.get("MESHFUSE_OVERLAP_COST", "")
+    if not spec:
+        return DEFAULT_COSTS.get(device_type, DEFAULT_COSTS["cpu"])
+    try:
+        gbps, tflops, us = (float(v) for v in spec.split(","))
+    except ValueError:
+        raise InputError(f"MESHFUSE_OVERLAP_COST={spec!r}: give 'GB/s,TFLOP/s,us', for "
+                         "example '250,600,20'") from None
+    return OverlapCost(gbps, tflops, us)
+
+
+def automatic() -> bool:
+    """False when ``MESHFUSE_OVERLAP=off`` (only forced loops are used)."""
+    return os.environ.get("MESHFUSE_OVERLAP", "auto").lower() not in ("off", "0", "false")
+
+
+def decide(candidate: OverlapCandidate, extents: Mapping[IterDomain, int],
+           device_type: str) -> tuple[bool, str]:
+    """Whether to run ``candidate`` as a loop, and why (a line for explain)."""
+    if candidate.forced is not None:
+        return candidate.forced, f"set_overlap({candidate.forced})"
+    if not automatic():
+        return False, "MESHFUSE_OVERLAP=off"
+    gemm_out = candidate.gemm.tensor_outputs[0]
+    x = candidate.gemm.tensor_inputs[0]
+    contracted = _largest_shard(x, extents)[-1] if x.ndim else 1
+    flops = 2.0 * math.prod(_largest_shard(gemm_out, extents)) * contracted
+    moved = candidate.reshard.outputs[0] if candidate.kind.startswith("allgather") else \
+        candidate.reshard.args[0]
+    d = candidate.devices
+    comm = math.prod(_largest_shard(moved, extents)) * moved.dtype.torch_dtype.itemsize * \
+        (d - 1) / d
+    plain, looped = cost_for(device_type).estimate_ms(flops, comm, d)
+    verdict = looped < 0.95 * plain
+    return verdict, (f"{candidate.kind}: est. {looped:.3f} ms in {d} chunks vs {plain:.3f} ms "
+                     f"without")
+
+
+def _largest_shard(tv: TensorView, extents: Mapping[IterDomain, int]) -> list[int]:
+    """The largest local extent of each materialized axis of ``tv`` over the ranks."""
+    devices = domain(tv).device_ids
+    shape = []
+    for logical in tv.materialized():
+        n = extents.get(logical, 1)
+        for _, pt in devices.get(logical, []):
+            n = -(-n // tv.mesh.axis_size(pt))
+        shape.append(n)
+    return shape
+
+
+def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain, int],
+                 device_type: str) -> tuple[list, list[str]]:
+    """The loops to add for ``candidates`` (their plans) and explain's lines on each
+    decision."""
+    plans, lines = [], []
+    for candidate in candidates:
+        use, why = decide(candidate, extents, device_type)
+        plan = candidate.plan(why) if use else None
+        if plan is not None:
+            plans.append(plan)
+        verdict = plan.describe() if plan is not None else f"as a whole ({why})"
+        lines.append(f"  {candidate.reshard.outputs[0].name} = reshard("
+                     f"{candidate.reshard.args[0].name}) next to "
+                     f"{candidate.gemm.op.name} -> {candidate.gemm.outputs[0].name}: {verdict}")
+    return plans, lines
+
+
+def candidate_lines(candidates: list[OverlapCandidate]) -> list[str]:
+    """explain's lines on the candidates before extents are known."""
+    return [f"  {c.kind}: {c.reshard.outputs[0].name} = reshard({c.reshard.args[0].name}) "
+            f"next to {c.gemm.op.name} -> {c.gemm.outputs[0].name}: "
+            + (f"set_overlap({c.forced})" if c.forced is not None else
+               "decided per input signature by a cost estimate") for c in candidates]

@@ -1,0 +1,352 @@
+"""Stream-parallel loops (``ParallelType.stream``, ``swizzle1d``): values against the
+unsharded computation and the communications each chunk runs, at every world size.
+
+Each test defines a layer with global shapes, parallelizes one axis on stream, runs it on
+this rank's shards and compares with plain PyTorch on the global tensors (sliced to this
+rank's shard); it then asserts the communications that ran: one per chunk for a collective
+on another axis (allreduce, allgather), ``d`` broadcasts or ``d - 1`` collective permutes for
+an allgather of the stream axis itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+
+from meshfuse import DataType, FusionDefinition, ParallelType
+from meshfuse.errors import ScheduleError
+from meshfuse.multidevice import (
+    CommunicatorBackend,
+    MultiDeviceExecutor,
+    MultiDeviceExecutorParams,
+)
+from meshfuse.runtime.collectives import record_communications
+
+STREAM = ParallelType.stream
+
+
+def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Small integers as floats: sums of products are exact in any order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).float()
+
+
+def _kinds(comms) -> Counter:
+    return Counter(c.kind for c in comms)
+
+
+def _row_parallel(tokens: int, hidden: int, chunks: int, mesh) -> FusionDefinition:
+    """linear(x, w) with the contracted axis sharded and the tokens of x on stream."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4 * hidden], dtype=DataType.Float)
+        w = fd.define_tensor([hidden, 4 * hidden], dtype=DataType.Float)
+        fd.add_output(fd.ops.linear(x, w))
+    x.set_device_mesh(mesh)
+    x.outer_split(0, chunks)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, mesh.size)
+    x.axis(2).parallelize(MX)
+    shard(w, 1, mesh)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens, chunks", [(6, 3), (7, 3), (2, 4)],
+                         ids=["even", "uneven", "empty_chunks"])
+def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunks):
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    fd = _row_parallel(tokens, 3, chunks, mesh)
+    x, w = _ints(tokens, 12), _ints(3, 12, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
+    with record_communications() as comms, torch.profiler.profile(record_shapes=True) as prof:
+        out, = fd.execute(inputs)
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    assert _kinds(comms) == (Counter(allreduce=chunks) if d > 1 else Counter())
+    # one GEMM per chunk, written into its block of the output (out=: three operands)
+    gemms = [e.input_shapes for e in prof.events() if e.name == "aten::mm"]
+    k, rows = 12 // d, -(-tokens // chunks)
+    blocks = [max(0, min(rows, tokens - c * rows)) for c in range(chunks)]
+    assert gemms == [[[m, k], [k, 3], [m, 3]] for m in blocks]
+    if d > 1:  # each chunk reduces its own rows only
+        assert sum(c.bytes for c in comms) == tokens * 3 * 4
+
+
+def _column_parallel(tokens: int, hidden: int, mesh, ring: bool) -> FusionDefinition:
+    """linear(allgather(x), w) with x and w sharded on their rows; the gathered x on stream
+    with one chunk per device (the allgather decomposed per block). Static extents: an
+    uneven symbolic extent cannot be inferred from the last, short shard."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, hidden], dtype=DataType.Float)
+        w = fd.define_tensor([4 * hidden, hidden], dtype=DataType.Float)
+        gathered = fd.ops.set(x)
+        fd.add_output(fd.ops.linear(gathered, w))
+    shard(x, 0, mesh)
+    shard(w, 0, mesh)
+    gathered.set_device_mesh(mesh)
+    gathered.outer_split(0, mesh.size)
+    if ring:
+        gathered.swizzle1d(0, MX)
+    gathered.axis(0).parallelize(STREAM)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ring", [True, False], ids=["collective_permute", "broadcast"])
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_column_parallel_linear_gathers_per_chunk(multidevice_test, ring, tokens):
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    fd = _column_parallel(tokens, 2, mesh, ring)
+    x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
+    with record_communications() as comms:
+        out, = fd.execute(inputs)
+    torch.testing.assert_close(out.cpu(), F.linear(x, inputs[1].cpu()))
+    expected = Counter(collective_permute=d - 1) if ring else Counter(broadcast=d)
+    assert _kinds(comms) == (expected if d > 1 else Counter())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_allgather_matmul_stream_outermost(multidevice_test, chunks):
+    """x [s, d, m, k] with its device axis logical; the output's stream axis 0: an allgather
+    and a linear per chunk."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([chunks, d, 3, 4], dtype=DataType.Float)
+        w = fd.define_tensor([5, 4], dtype=DataType.Float)
+        b = fd.define_tensor([5], dtype=DataType.Float)
+        out = fd.ops.linear(x, w, b)
+        fd.add_output(out)
+    for tv in (x, w, b, out):
+        tv.set_device_mesh(mesh)
+    x.axis(1).parallelize(MX)
+    out.axis(0).parallelize(STREAM)
+    gx, gw, gb = _ints(chunks, d, 3, 4), _ints(5, 4, seed=1), _ints(5, seed=2)
+    device = multidevice_test.device
+    inputs = [multidevice_test.shard_tensor(gx, x), gw.to(device), gb.to(device)]
+    with record_communications() as comms:
+        result, = MultiDeviceExecutor(fd.fusion).run(inputs)
+    torch.testing.assert_close(result.cpu(), F.linear(gx, gw, gb))
+    assert _kinds(comms) == (Counter(allgather=chunks) if d > 1 else Counter())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ring", [False, True], ids=["broadcast", "offset_by_rank"])
+@pytest.mark.parametrize("backend", [CommunicatorBackend.nccl, CommunicatorBackend.cuda])
+def test_allgather_matmul_shard_outermost(multidevice_test, ring, backend):
+    """x [d, m, k] sharded on its device axis 0, the output's stream axis 0 the same axis:
+    the allgather decomposed into one block per chunk."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([d, 3, 4], dtype=DataType.Float)
+        w = fd.define_tensor([5, 4], dtype=DataType.Float)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    for tv in (x, w, out):
+        tv.set_device_mesh(mesh)
+    x.axis(0).parallelize(MX)
+    out.axis(0).parallelize(STREAM)
+    gx, gw = _ints(d, 3, 4), _ints(5, 4, seed=1)
+    params = MultiDeviceExecutorParams()
+    params.backend_type = backend
+    params.offset_stream_indexing_by_rank = ring
+    executor = MultiDeviceExecutor(fd.fusion, params)
+    with record_communications() as comms:
+        result, = executor.run([multidevice_test.shard_tensor(gx, x),
+                                gw.to(multidevice_test.device)])
+    torch.testing.assert_close(result.cpu(), F.linear(gx, gw))
+    expected = Counter(collective_permute=d - 1) if ring else Counter(broadcast=d)
+    assert _kinds(comms) == (expected if d > 1 else Counter())
+    assert "stream loop: " in executor.explain()
+
+
+@pytest.mark.mpi
+def test_explain_shows_the_loop(multidevice_test):
+    mesh = mesh_1d(multidevice_test)
+    fd = _row_parallel(6, 3, 3, mesh)
+    x, w = _ints(6, 12), _ints(3, 12, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
+    text = fd.explain(inputs, verbose=True)
+    assert "stream loop: 3 chunks of axis 0 of T0: T3 = linear(T0, T1, None); " \
+        "T2 = reshard(T3, [P] -> [R])" in text
+    assert "= stream_loop(" not in text  # explain lists the steps by label
+    assert "chunk: T3 = linear(T0, T1, None)" in text
+
+
+def test_stream_axis_reduced_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.sum(x, [0]))
+    x.outer_split(0, 3)
+    x.axis(0).parallelize(STREAM)
+    with pytest.raises(ScheduleError, match="cannot run per chunk"):
+        fd.execute([torch.ones(6, 4)])
+
+
+def test_stream_on_an_inner_split_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.neg(x))
+    x.split(0, 3)
+    x.axis(1).parallelize(STREAM)
+    with pytest.raises(ScheduleError, match="outer part"):
+        fd.execute([torch.ones(6, 4)])
+
+
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_single_device_loop_matches(compile):
+    """Without a mesh, a stream loop is a chunked local computation (also beside fused
+    segments: the loop step is not fused)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4], dtype=DataType.Float)
+        w = fd.define_tensor([3, 4], dtype=DataType.Float)
+        y = fd.ops.relu(fd.ops.linear(x, w))
+        fd.add_output(y)
+    y.outer_split(0, 4)
+    y.axis(0).parallelize(STREAM)
+    x_, w_ = _ints(9, 4), _ints(3, 4, seed=1)
+    out, = fd.execute([x_, w_], compile=compile)
+    torch.testing.assert_close(out, F.linear(x_, w_).relu())
+
+
+@pytest.mark.mpi
+def test_gather_needs_one_chunk_per_device(multidevice_test):
+    d = multidevice_test.size
+    if d == 1:
+        pytest.skip("one device: nothing is gathered")
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4 * d, 2], dtype=DataType.Float)
+        gathered = fd.ops.set(x)
+        fd.add_output(fd.ops.neg(gathered))
+    shard(x, 0, mesh)
+    gathered.set_device_mesh(mesh)
+    gathered.outer_split(0, 2 * d)
+    gathered.axis(0).parallelize(STREAM)
+    with pytest.raises(ScheduleError, match="one chunk per device"):
+        fd.execute([multidevice_test.shard_tensor(torch.ones(4 * d, 2), x)])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
+    """Sequence-parallel row linear: the partial product reduce-scattered onto the tokens,
+    decomposed into one reduce per block onto its owner."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    x.set_device_mesh(mesh)
+    x.outer_split(0, d)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, d)
+    x.axis(2).parallelize(MX)
+    shard(w, 1, mesh)
+    shard(out, 0, mesh)
+    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(F.linear(gx, gw), out))
+    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
+    assert "(per chunk: a reduce onto the block's owner)" in fd.explain()
+
+
+def _sequence_parallel_mlp(mesh, tokens: int, overlap: bool | None) -> FusionDefinition:
+    """A sequence-parallel MLP: tokens sharded in and out, an allgather before the first
+    linear and a reduce-scatter after the second."""
+    d = mesh.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 4], dtype=DataType.Float)
+        w1 = fd.define_tensor([4 * d, 4], dtype=DataType.Float)
+        w2 = fd.define_tensor([4, 4 * d], dtype=DataType.Float)
+        h = fd.ops.relu(fd.ops.linear(x, w1))
+        out = fd.ops.linear(h, w2)
+        fd.add_output(out)
+    shard(x, 0, mesh)
+    shard(w1, 0, mesh)
+    shard(w2, 1, mesh)
+    shard(out, 0, mesh)
+    if overlap is not None:
+        x.set_overlap(overlap)
+        out.set_overlap(overlap)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False, None], ids=["forced", "forbidden", "auto"])
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_sequence_parallel_overlap_choice(multidevice_test, overlap, tokens):
+    """set_overlap forces or forbids the decomposition of the allgather -> GEMM and the
+    GEMM -> reduce-scatter; left to the cost estimate, tiny CPU GEMMs run as a whole."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    fd = _sequence_parallel_mlp(mesh, tokens, overlap)
+    gx, g1, g2 = _ints(tokens, 4), _ints(4 * d, 4, seed=1), _ints(4, 4 * d, seed=2)
+    tvs = fd.fusion.inputs()
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, g1, g2), tvs)]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    expected = F.linear(F.linear(gx, g1).relu(), g2)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(expected,
+                                                                       fd.fusion.outputs()[0]))
+    text = fd.explain(inputs)
+    if d == 1:
+        assert _kinds(comms) == Counter()
+    elif overlap:
+        assert _kinds(comms) == Counter(collective_permute=d - 1, reduce=d)
+        assert "allgather -> GEMM: est." not in text and "set_overlap(True)" in text
+        assert text.count("stream loop: ") == 2
+    else:
+        assert _kinds(comms) == Counter(allgather=1, reduce_scatter=1)
+        assert "as a whole" in text and "stream loop: " not in text
+
+
+def test_cost_estimate_prefers_the_loop_for_large_gemms():
+    from meshfuse.runtime.overlap_cost import DEFAULT_COSTS
+
+    cost = DEFAULT_COSTS["cuda"]
+    # nvFuser's column-parallel linear on 2 GPUs: 8192 x 16384 x 8192 per device, 64 MiB
+    plain, looped = cost.estimate_ms(2 * 8192 * 16384 * 8192, 8192 * 8192 * 2 / 2, 2)
+    assert looped < 0.95 * plain
+    plain, looped = cost.estimate_ms(2 * 64 * 64 * 64, 64 * 64 * 2, 2)  # launch-bound
+    assert looped > plain
+
+
+@pytest.mark.mpi
+def test_row_parallel_loop_on_a_2x2_mesh(multidevice_test):
+    """Data x tensor parallel: tokens over mesh_y, the contracted axis over mesh_x; the
+    loop runs over chunks of this rank's tokens, one allreduce over mesh_x per chunk."""
+    mesh = mesh_2x2(multidevice_test)
+    tokens, chunks = 10, 2
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.linear(x, w))
+    x.set_device_mesh(mesh)
+    x.outer_split(0, 2)
+    x.axis(0).parallelize(MY)
+    x.outer_split(1, chunks)
+    x.axis(1).parallelize(STREAM)
+    x.outer_split(3, 2)
+    x.axis(3).parallelize(MX)
+    shard(w, 1, mesh)
+    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        out, = fd.execute(inputs)
+    out_tv = fd.fusion.outputs()[0]
+    torch.testing.assert_close(out, multidevice_test.shard_tensor(F.linear(gx, gw), out_tv))
+    assert _kinds(comms) == Counter(allreduce=chunks)
+    assert {c.mesh_axis for c in comms} == {mesh.axis_of(MX)}
