@@ -4,8 +4,10 @@ Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gra
 BHSE or BSHE memory order, and runs, as variants:
 
 - ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
-- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed),
-  at the seed's sizes only;
+- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed,
+  inputs and outputs copied), at the seed's sizes only;
+- ``meshfuse_auto_graph``: ``execute(cuda_graph="auto")`` (replayed where safe, nothing
+  copied: ``meshfuse.runtime.replay``), at the seed's sizes only;
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
   ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
 - ``dtensor`` ((b)): DTensor q/k/v placed ``Shard(1)``, ``F.scaled_dot_product_attention``
@@ -61,11 +63,19 @@ def local_inputs(ctx: Context, sizes: dict[str, int], qkv_format: QkvFormat):
     return out
 
 
+_GRAPH_VARIANTS = {
+    False: ("meshfuse", ""),
+    True: ("meshfuse_graph", "execute(cuda_graph=True)"),
+    "auto": ("meshfuse_auto_graph", "execute(cuda_graph='auto'): replayed, nothing copied"),
+}
+
+
 def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs,
-                     cuda_graph: bool = False) -> Variant:
-    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: captured once,
-    then replayed: variant ``meshfuse_graph``); checked against the direct kernels once
-    before it is timed."""
+                     cuda_graph: bool | str = False) -> Variant:
+    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: True, captured
+    once and replayed with copies: variant ``meshfuse_graph``; ``"auto"``, the automatic
+    replay: ``meshfuse_auto_graph``); checked against the direct kernels once before it is
+    timed."""
 
     def setup():
         if cuda_graph and not ctx.cuda:
@@ -79,8 +89,8 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
                     ATTENTION_TOL)
         return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
-    return Variant("meshfuse_graph" if cuda_graph else "meshfuse", setup,
-                   "execute(cuda_graph=True)" if cuda_graph else "")
+    name, note = _GRAPH_VARIANTS[cuda_graph]
+    return Variant(name, setup, note)
 
 
 def direct_variant(inputs, requested=None, name="direct"):
@@ -152,8 +162,8 @@ def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
     records = []
     for fmt in QkvFormat:
         inputs = local_inputs(ctx, sizes, fmt)
-        graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=True)] if cuda_graph \
-            else []
+        graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=mode)
+                   for mode in (True, "auto")] if cuda_graph else []
         variants = [
             meshfuse_variant(ctx, sizes, fmt, inputs),
             *graphed,
