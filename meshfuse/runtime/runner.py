@@ -372,7 +372,7 @@ _BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backen
 
 def _signature(inputs: list) -> tuple:
     return tuple(
-        (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
+        (x.dtype, x.shape, x.stride(), x.device) if isinstance(x, torch.Tensor)
         else type(x)
         for x in inputs
     )
