@@ -24,7 +24,7 @@ against mesh order) is refused with a ShardingError naming the tensor.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,11 +43,15 @@ from meshfuse.multidevice import device_parallel_type
 from meshfuse.runtime.binding import device_coords
 
 __all__ = [
+    "bind_dtensor",
+    "check_dtensor_input",
     "execute_with_dtensors",
     "has_dtensors",
     "mesh_from_torch",
     "mesh_to_torch",
+    "run_on_dtensors",
     "schedule_from_placements",
+    "schedule_like_dtensor",
     "to_placements",
 ]
 
@@ -214,22 +218,70 @@ def execute_with_dtensors(fd, inputs: Sequence[Any], **options) -> list[DTensor 
             inputs' meshes name their dimensions differently.
     """
     fd.define()
+
+    def run(local: list) -> tuple[list, list[TensorView]]:
+        outputs = fd.execute(local, **options)
+        compiled = fd.compiled()
+        return outputs, [compiled[tv] for tv in fd.fusion.outputs()]
+
+    return run_on_dtensors(inputs, lambda i, x: bind_dtensor(fd, i, x), run)
+
+
+def run_on_dtensors(inputs: Sequence[Any], bind: Callable[[int, DTensor], None],
+                    run: Callable[[list], tuple[Sequence[torch.Tensor], Sequence[TensorView]]]
+                    ) -> list[DTensor | torch.Tensor]:
+    """``run`` on the local shards of ``inputs``, its outputs wrapped as DTensors.
+
+    Each DTensor input (a ``Partial`` one reduced first, by DTensor) is passed to
+    ``bind(position, dtensor)`` (which schedules or checks the fusion input), then replaced
+    by its local shard, through DTensor's differentiable ``to_local``; ``run(local)`` returns
+    this rank's outputs and the compiled output TensorViews whose schedules give the
+    outputs' placements. Outputs are made DTensors with the differentiable ``from_local``,
+    so gradients flow between DTensors and a fusion run under torch autograd.
+    """
     names = _common_dim_names(inputs)
     meshes: dict[DeviceMesh, TorchDeviceMesh] = {}
     local = []
-    for tv, x in zip(fd.fusion.inputs(), inputs):
-        if isinstance(x, DTensor) and isinstance(tv, TensorView):
+    for i, x in enumerate(inputs):
+        if isinstance(x, DTensor):
             x = _reduce_partials(x)
             meshes.setdefault(mesh_from_torch(x.device_mesh), x.device_mesh)
-            _bind_schedule(fd, tv, x)
-            _check_learnable_extents(tv, x)
+            bind(i, x)
             x = x.to_local()
         local.append(x)
-    outputs = fd.execute(local, **options)
-    compiled = fd.compiled()
+    outputs, tvs = run(local)
     device_type = next(iter(meshes.values())).device_type if meshes else None
-    return [_wrap(compiled[tv], out.local if hasattr(out, "local") else out, meshes,
-                  device_type, names) for tv, out in zip(fd.fusion.outputs(), outputs)]
+    return [_wrap(tv, out.local if hasattr(out, "local") else out, meshes, device_type, names)
+            for tv, out in zip(tvs, outputs)]
+
+
+def bind_dtensor(fd, position: int, x: DTensor) -> None:
+    """Schedules input ``position`` of ``fd`` as ``x`` lies (unscheduled and not yet built),
+    or checks that it lies so."""
+    tv = fd.fusion.inputs()[position]
+    if isinstance(tv, TensorView):
+        _bind_schedule(fd, tv, x)
+        _check_learnable_extents(tv, x)
+
+
+def schedule_like_dtensor(tv: TensorView, x: DTensor) -> None:
+    """Schedules the unscheduled input ``tv`` as ``x`` lies (see
+    :func:`schedule_from_placements`), refusing an uneven shard of a symbolic axis."""
+    schedule_from_placements(tv, mesh_from_torch(x.device_mesh), x.placements)
+    _check_learnable_extents(tv, x)
+
+
+def check_dtensor_input(tv: TensorView, x: DTensor) -> None:
+    """Raises an InputError unless ``tv`` (a compiled fusion input) lies as ``x`` does."""
+    mesh = mesh_from_torch(x.device_mesh)
+    if tv.mesh == mesh and to_placements(tv) == tuple(x.placements):
+        return
+    have = "no schedule" if tv.mesh is None else f"{list(to_placements(tv))} on {tv.mesh!r}"
+    raise InputError(
+        f"input {tv.name} is scheduled as {have}, but its DTensor is {list(x.placements)} on "
+        f"{mesh!r}; pass DTensors laid out like the first ones, or define a new fusion for "
+        "this layout"
+    )
 
 
 def _common_dim_names(inputs: Sequence[Any]) -> tuple[str, ...] | None:
@@ -256,14 +308,7 @@ def _bind_schedule(fd, tv: TensorView, x: DTensor) -> None:
         return
     if fd.built:
         tv = fd.compiled()[tv]  # as compiled: propagation may have scheduled it
-    if tv.mesh == mesh and to_placements(tv) == tuple(x.placements):
-        return
-    have = "no schedule" if tv.mesh is None else f"{list(to_placements(tv))} on {tv.mesh!r}"
-    raise InputError(
-        f"input {tv.name} is scheduled as {have}, but its DTensor is {list(x.placements)} on "
-        f"{mesh!r}; pass DTensors laid out like the first ones, or define a new fusion for "
-        "this layout"
-    )
+    check_dtensor_input(tv, x)
 
 
 def _check_learnable_extents(tv: TensorView, x: DTensor) -> None:

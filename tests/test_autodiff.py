@@ -89,15 +89,16 @@ def test_megatron_mlp_gradients_and_communications(multidevice_test):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("remat", ["recompute", "save"])
+@pytest.mark.parametrize("remat", ["recompute", "recompute_gathers", "save"])
 def test_sequence_parallel_allgather_transposes_to_reduce_scatter(multidevice_test, remat):
     """Sequence parallel: x's allgather in the forward is a reduce-scatter of its gradient
-    in the backward, and y's reduce-scatter an allgather of its cotangent. Recomputing, the
-    backward gathers x again for w1's gradient (as Megatron does); saving, it keeps the
-    gathered x from the forward."""
+    in the backward, and y's reduce-scatter an allgather of its cotangent. The backward
+    keeps the gathered x from the forward for w1's gradient (no collective runs twice, as
+    with DTensor), except with ``recompute_gathers``, which gathers x again (Megatron-LM's
+    schedule: less memory)."""
     _, (forward, backward), size = _run_mlp(multidevice_test, True, remat)
     sharded = size > 1
-    gathers = 2 if remat == "recompute" else 1
+    gathers = 2 if remat == "recompute_gathers" else 1
     assert forward == Counter({"allgather": 1, "reduce_scatter": 1} if sharded else {})
     assert backward == Counter({"allgather": gathers, "reduce_scatter": 1} if sharded else {})
 

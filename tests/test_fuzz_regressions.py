@@ -303,6 +303,29 @@ _SEQ_SHAPE = [2, 4, 128, 32]  # issue 11's b=2, h=4, s=128, head dim 32
 _SMALL = [2, 4, 8, 4]
 _TIGHT = {"rtol": 1e-4, "atol": 1e-4}
 
+def _combined_extrema(fd, d):
+    """add and sub of two maxima and of two minima over axis 0, and of two products."""
+    x, y = (fd.define_tensor([2 * d + 1, 3], dtype=DataType.Float) for _ in range(2))
+    for op in ("max", "min", "prod"):
+        a, b = getattr(fd.ops, op)(x, dims=[0]), getattr(fd.ops, op)(y, dims=[0])
+        fd.add_output(fd.ops.add(a, b))
+        fd.add_output(fd.ops.sub(a, b))
+    return x, y
+
+
+def _combined_extrema_reference(x, y):
+    out = []
+    for reduce in (torch.amax, torch.amin, lambda t, dim: torch.prod(t, dim)):
+        a, b = reduce(x, dim=0), reduce(y, dim=0)
+        out += [a + b, a - b]
+    return out
+
+
+def _both_on_the_reduced_axis(t, mesh):
+    for tv in t:
+        shard(tv, 0, mesh)
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -360,6 +383,12 @@ CASES: dict[str, Case] = {
         "issue 11: KeyError: ParallelType.mesh_x in ir/layout.py",
         _matmul, _split_twice_then_mesh_y, lambda x, w: [x @ w], lambda d: [[8, 4], [4, 8]],
         meshes="2x2"),
+    "partial_extrema_added_as_partial_sums": Case(
+        "silent wrong values: add/sub of two partial maxima (minima, products) kept "
+        "the result partial and summed it (found while fixing seeds 2308 and 4096)",
+        _combined_extrema, _both_on_the_reduced_axis, _combined_extrema_reference,
+        lambda d: [[2 * d + 1, 3]] * 2,
+        comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 6)),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),
@@ -396,14 +425,14 @@ SEEDS: dict[str, Seed] = {
         "k whole)"),
     "attention_backward_input_needs-1158": Seed(1158, 4, "as 1558"),
     "attention_backward_input_needs-1506": Seed(1506, 4, "as 1558, on the 2x2 mesh"),
-    # Open: found by the last long run, not fixed yet. Both reshard a tensor out of a cyclic
-    # split of an axis the mesh axis does not divide (3 over 4; 3 over 2) before a where.
-    "open_uneven_cyclic_resharded-2308": Seed(
-        2308, 4, "silent mismatch: where(gt(x), a, b), x cyclic on an axis of 3 over 4 ranks, "
-        "the output split twice", open=True),
-    "open_uneven_cyclic_resharded-4096": Seed(
-        4096, 4, "silent mismatch: where(gt(s), max(x), s), x cyclic on an axis of 3 over the "
-        "2x2 mesh's 2", open=True),
+    "partial_max_resharded_as_a_sum-2308": Seed(
+        2308, 4, "silent mismatch: max(x, dims=[1], keepdim=True) pinned partial on another "
+        "split of its reduction axis; the reshard between the two partial states took the "
+        "target for a partial sum (to_partial filled 0, not -inf, and the allreduce(max) that "
+        "followed clipped negative maxima to 0)"),
+    "partial_max_resharded_as_a_sum-4096": Seed(
+        4096, 4, "as 2308, on the 2x2 mesh: max over an axis on mesh_y, its result pinned "
+        "partial on mesh_x"),
 }
 
 

@@ -11,6 +11,8 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfuse import DataType, DeviceMesh, shard_tensor
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters, torch_block
@@ -43,7 +45,7 @@ def reference(x, dy, params) -> dict[str, torch.Tensor]:
 
 def derived(block: GptBlock, x, dy, params, rank: int = 0):
     """``y`` and the gradients through ``block.as_autograd_function()`` on this rank's
-    shards; and the kinds of the collectives the forward and the backward ran."""
+    shards; and the collectives the forward and the backward ran."""
     block.define()
     leaves = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
               for t, tv in zip([x, *params.values()], [block.x, *block.params.values()])]
@@ -53,18 +55,18 @@ def derived(block: GptBlock, x, dy, params, rank: int = 0):
         y.backward(shard_tensor(dy, block.y, rank).to(current_device()))
     grads = {"y": y.detach(), "x": leaves[0].grad,
              **{n: leaf.grad for n, leaf in zip(params, leaves[1:])}}
-    return grads, [Counter(c.kind for c in comms) for comms in (forward, backward)]
+    return grads, (forward, backward)
 
 
 def hand_written(block: GptBlockWithBackward, x, dy, params, rank: int = 0):
-    """The same through the hand-written fusion; and the kinds of its collectives."""
+    """The same through the hand-written fusion; and the collectives it ran."""
     block.define()
     tvs = [block.x, block.dy, *block.params.values()]
     inputs = [shard_tensor(t, tv, rank).to(current_device())
               for t, tv in zip([x, dy, *params.values()], tvs)]
     with record_communications() as comms:
         outputs = block.execute(inputs)
-    return dict(zip(["y", "x", *params], outputs)), Counter(c.kind for c in comms)
+    return dict(zip(["y", "x", *params], outputs)), comms
 
 
 def assert_matches(got, expected, dtype, tvs=None, rank: int = 0):
@@ -78,16 +80,35 @@ def assert_matches(got, expected, dtype, tvs=None, rank: int = 0):
                                    atol=atol * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def sp_plan(size: int, seq: int = S, embed: int = E) -> tuple[list, list]:
+    """The collectives of Megatron's (and DTensor's) sequence-parallel plan for the block in
+    float32, per forward and backward, as ``(kind, bytes sent by this rank)``: forward, an
+    allgather of each layer norm's output before the column-parallel projections (this
+    rank's ``[B, S/d, E]``) and a reduce-scatter of each row-parallel result (``[B, S, E]``);
+    backward, their transposes (an allgather of the cotangent into the row-parallel
+    projection, a reduce-scatter of the input gradient out of the column-parallel ones),
+    and the allreduce of each layer norm parameter's gradient (``[E]``: a sum over the
+    sequence shards; DTensor leaves it pending as a ``Partial`` gradient). Uneven sequence
+    shards are padded to the longest."""
+    longest = -(-seq // size)
+    ag = ("allgather", B * longest * embed * 4)
+    rs = ("reduce_scatter", B * longest * size * embed * 4)
+    ar = ("allreduce", embed * 4)
+    return [ag, rs] * 2, [ag, rs, ar, ar] * 2
+
+
+def kinds_and_bytes(comms) -> list[tuple[str, int]]:
+    return [(c.kind, c.bytes) for c in comms]
+
+
 @pytest.mark.mpi
 def test_forward_only_block_tp_sp_gradients_match_hand_written_and_autograd(multidevice_test):
     """Tensor and sequence parallel: every rank's gradients, derived and hand-written, are
-    its shards of PyTorch autograd's. The forward runs two allgathers (the layer norm
-    outputs) and two reduce-scatters (the row-parallel results); the derived backward their
-    transposes, the layer norm outputs gathered again for the weight gradients, and an
-    allreduce for each layer norm parameter's gradient (a sum over sequence shards; the
-    row-parallel biases' gradients are sums of the gathered cotangent, complete locally).
-    The input gradients of the q, k and v projections are three partial sums, added while
-    partial and reduce-scattered once."""
+    its shards of PyTorch autograd's, and both run exactly the collectives of the
+    sequence-parallel plan (:func:`sp_plan`): the layer norms' gathered outputs are saved
+    for the weight gradients, not gathered again; the row-parallel biases' gradients are
+    sums of the gathered cotangent, complete locally; the input gradients of the q, k and v
+    projections are three partial sums, added while partial and reduce-scattered once."""
     size, rank = multidevice_test.size, multidevice_test.rank
     x, dy, params = make_inputs(torch.float32)
     mesh = DeviceMesh(range(size))
@@ -100,11 +121,91 @@ def test_forward_only_block_tp_sp_gradients_match_hand_written_and_autograd(mult
     by_hand, comms = hand_written(written, x, dy, params, rank)
     assert_matches(by_hand, expected, torch.float32, tvs, rank)
     if size > 1:
-        assert forward == Counter({"allgather": 2, "reduce_scatter": 2})
-        assert backward == Counter({"allgather": 4, "reduce_scatter": 2, "allreduce": 4})
-        assert comms == forward + backward  # by hand: the same communications
+        plan_forward, plan_backward = sp_plan(size)
+        assert kinds_and_bytes(forward) == plan_forward
+        assert kinds_and_bytes(backward) == plan_backward
+        # by hand, one fusion: the same communications (in the order its program issues them)
+        assert Counter(kinds_and_bytes(comms)) == Counter(plan_forward + plan_backward)
     else:
         assert not forward and not backward and not comms
+
+
+@pytest.mark.mpi
+def test_uneven_sequence_shards_match_autograd_with_the_same_collectives(multidevice_test):
+    """A sequence that no world size of 2 or 4 divides (31 = 16 + 15, 8 + 8 + 8 + 7): the
+    derived gradients still equal autograd's and the collectives are the plan's, each
+    uneven shard padded to the longest."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    seq = 31
+    gen = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(1, seq, 32, generator=gen) for _ in range(2))
+    params = init_parameters(32)
+    block = GptBlock(1, seq, 32, 4, DataType.Float, DeviceMesh(range(size)))
+    got, (forward, backward) = derived(block, x, dy, params, rank)
+    xr = x.double().requires_grad_()
+    pr = {n: t.double().requires_grad_() for n, t in params.items()}
+    y = torch_block(xr, pr, 4)
+    y.backward(dy.double())
+    expected = {"y": y.detach(), "x": xr.grad, **{n: t.grad for n, t in pr.items()}}
+    assert_matches(got, expected, torch.float32, {"y": block.y, "x": block.x, **block.params},
+                   rank)
+    if size > 1:
+        plan_forward, plan_backward = sp_plan(size, seq, 32)
+        plan_forward = [(k, n // B) for k, n in plan_forward]  # batch 1 here
+        plan_backward = [(k, n if k == "allreduce" else n // B) for k, n in plan_backward]
+        assert kinds_and_bytes(forward) == plan_forward
+        assert kinds_and_bytes(backward) == plan_backward
+
+
+DTENSOR_KINDS = {"all_gather_into_tensor": "allgather",
+                 "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "allreduce"}
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Records DTensor's collectives (torch's functional collectives) as ``(kind, bytes
+    sent by this rank)``, named as meshfuse's recorder names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname in DTENSOR_KINDS:
+            self.log.append((DTENSOR_KINDS[func._opname],
+                             args[0].numel() * args[0].element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.mpi
+def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test):
+    """DTensor's ``parallelize_module`` of the same block (Colwise/Rowwise + SequenceParallel,
+    the benchmark's baseline) runs the same allgathers and reduce-scatters, of the same
+    sizes, forward and backward; meshfuse adds one allreduce per layer norm parameter,
+    whose gradient DTensor leaves ``Partial`` (reduced later, when the optimizer reads it)
+    while meshfuse returns it complete, as a replicated input's gradient."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from benchmarks.gpt3_layer import Gpt3Block, parallelize
+
+    size, rank = multidevice_test.size, multidevice_test.rank
+    if size == 1:
+        pytest.skip("tensor parallelism needs 2 or more ranks")
+    x, dy, params = make_inputs(torch.float32)
+    _, (forward, backward) = derived(GptBlock(B, S, E, HEADS, DataType.Float,
+                                              DeviceMesh(range(size))), x, dy, params, rank)
+    mesh = init_device_mesh("cpu", (size,))
+    block = parallelize(Gpt3Block(params, HEADS), mesh)
+    local_x = x.chunk(size, 1)[rank].requires_grad_()
+    with _FunctionalCollectives() as dtensor_forward:
+        y = block(DTensor.from_local(local_x, mesh, [Shard(1)]))
+    with _FunctionalCollectives() as dtensor_backward:
+        y.to_local().backward(dy.chunk(size, 1)[rank])
+    norms = [p for n, p in block.named_parameters() if n.startswith("ln")]
+    assert all(p.grad.placements == (Partial(),) for p in norms)
+    assert kinds_and_bytes(forward) == dtensor_forward.log
+    reduced = [c for c in kinds_and_bytes(backward) if c[0] == "allreduce"]
+    assert reduced == [("allreduce", E * 4)] * len(norms)
+    assert Counter(kinds_and_bytes(backward)) - Counter(reduced) == Counter(dtensor_backward.log)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -116,3 +217,23 @@ def test_derived_backward_equals_the_hand_written_one(dtype):
     written, _ = hand_written(GptBlockWithBackward(B, S, E, HEADS, mf_dtype), x, dy, params)
     got, _ = derived(GptBlock(B, S, E, HEADS, mf_dtype), x, dy, params)
     assert_matches(got, written, dtype)
+
+
+def test_compiled_derived_backward_equals_the_interpreted_one():
+    """``as_autograd_function(compile=...)`` runs the forward and the derived backward as
+    fused segments (``aot_eager`` here: the same lowering as Inductor, no kernel build):
+    the same output and gradients as the interpreter's."""
+    x, dy, params = make_inputs(torch.float32)
+    results = []
+    for compile in (False, "aot_eager"):
+        block = GptBlock(B, S // 4, E, HEADS).define()
+        leaves = [t.clone().requires_grad_() for t in [x[:, :S // 4], *params.values()]]
+        function = block.as_autograd_function(compile=compile)
+        y, = function(leaves)
+        y.backward(dy[:, :S // 4])
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+        compiled, = function._derivations.values()
+        runners = (compiled.derivation.forward_runner, compiled._backward)
+        assert all(bool(runner._fused) == bool(compile) for runner in runners)
+    for interpreted, compiled in zip(*results):
+        torch.testing.assert_close(compiled, interpreted)

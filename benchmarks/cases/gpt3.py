@@ -10,7 +10,9 @@ gradients of ``x`` and of every parameter from a given ``dy``:
 - ``meshfuse``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion with the
   forward and the backward written out, TP + SP (unsharded on one rank);
 - ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock`, the forward only, its
-  backward derived, through torch autograd (``as_autograd_function``), TP + SP.
+  backward derived, through torch autograd (``as_autograd_function``), TP + SP;
+- ``meshfuse_autograd_compiled``: the same with ``compile=True`` (each run of pointwise,
+  reduction and shape ops fused by Inductor; GPUs only).
 
 FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counted whole).
 """
@@ -77,9 +79,9 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         check("meshfuse", fd.y, fd.x, y, dx)
         return (lambda: fd.execute(inputs)), {"sharded": mesh is not None}
 
-    def derived():
+    def derived(compile=None):
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
-        function = block.as_autograd_function()
+        function = block.as_autograd_function(compile=compile)
         local = [meshfuse.shard_tensor(t, tv)
                  for t, tv in zip((x, *params.values()), (block.x, *block.params.values()))]
         step = autograd_step(lambda *leaves: function(leaves)[0], local,
@@ -88,11 +90,18 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         check("meshfuse_autograd", block.y, block.x, y.detach(), dx)
         return step
 
+    def derived_compiled():
+        if not ctx.cuda:
+            raise Skip("Inductor's fused segments are measured on GPUs")
+        return derived(compile=True)
+
     return [
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
         Variant("dtensor_tp_sp", dtensor_tp_sp, "parallelize_module, Megatron TP + SP"),
         Variant("meshfuse", hand_written, "one fusion, forward + hand-written backward"),
         Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
+        Variant("meshfuse_autograd_compiled", derived_compiled,
+                "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),
     ]
 
 

@@ -51,7 +51,8 @@ def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
         fd: a defined fusion (its ``definition`` and schedule are read).
         wrt: the input TensorViews to differentiate (default: every floating-point tensor
             input).
-        remat: ``"recompute"`` (default) or ``"save"``; see :mod:`meshfuse.autodiff.derivation`.
+        remat: ``"recompute"`` (default), ``"recompute_gathers"`` or ``"save"``; see
+            :mod:`meshfuse.autodiff.derivation`.
 
     Returns:
         The backward definition; ``bwd.forward`` computes the outputs and residuals.

@@ -19,9 +19,13 @@ resolved into a replicated output gets a replicated cotangent used locally.
 
 Rematerialization (``remat``): ``"save"`` saves every intermediate the backward reads;
 ``"recompute"`` (the default) recomputes the results of cheap ops (``Vjp.recompute``:
-pointwise ops, casts, shape ops) in the backward from saved values, so only inputs and the
-results of expensive ops (matrix products, attention, reductions) are saved, and no matrix
-product runs twice.
+pointwise ops, casts, shape ops, local slices) in the backward from saved values, so only
+inputs and the results of expensive ops (matrix products, attention, reductions) and of
+communications are saved: no matrix product and no collective runs twice (DTensor's
+schedule: a sequence-parallel layer's gathered input is saved for its weight gradient).
+``"recompute_gathers"`` also recomputes the forward's communications (Megatron-LM's
+sequence-parallel schedule: the input is gathered again in the backward), which saves the
+gathered copies' memory at the cost of running those collectives again.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.runtime.runner import FusionRunner
 
-REMAT_POLICIES = ("recompute", "save")
+REMAT_POLICIES = ("recompute", "recompute_gathers", "save")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +87,7 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
     Args:
         fusion: the user's fusion (read only).
         wrt: the input TensorViews to differentiate; default every floating-point tensor input.
-        remat: ``"recompute"`` or ``"save"``.
+        remat: ``"recompute"``, ``"recompute_gathers"`` or ``"save"``.
     """
     if remat not in REMAT_POLICIES:
         raise DefinitionError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
@@ -222,9 +226,15 @@ class _BackwardBuilder:
 
     def _recomputable(self, expr: Expr | None) -> bool:
         """Cheap ops are recomputed, unless they read a partial value (the resolution of a
-        partial sum is saved instead: recomputing it would mean saving the partial)."""
-        return (self.remat == "recompute" and expr is not None and op_of(expr).vjp is not None
-                and op_of(expr).vjp.recompute and not any(_is_partial(t) for t in expr.tensor_inputs))
+        partial sum is saved instead: recomputing it would mean saving the partial), or
+        they communicate and the policy saves communications' results."""
+        if self.remat == "save" or expr is None or op_of(expr).vjp is None:
+            return False
+        vjp = op_of(expr).vjp
+        if not vjp.recompute or any(_is_partial(t) for t in expr.tensor_inputs):
+            return False
+        return not (vjp.communication and self.remat == "recompute"
+                    and _moves_data(expr.tensor_inputs[0], expr.outputs[0]))
 
     def _recompute(self, expr: Expr) -> None:
         args = [[self.fetch(x) for x in a] if isinstance(a, list | tuple) and a and
@@ -310,6 +320,18 @@ def _alike_resolved(src: TensorView, dst: TensorView) -> bool:
     return src.mesh == dst.mesh and all(
         shard_signature(src, a) == shard_signature(dst, b)
         for a, b in zip(src.materialized(), dst.materialized(), strict=True))
+
+
+def _moves_data(src: TensorView, dst: TensorView) -> bool:
+    """Whether ``dst = set(src)`` runs a collective: ``dst`` lies on another mesh, or an
+    axis sharded in ``src`` lies otherwise in ``dst`` (a local slice of a replicated axis
+    moves nothing)."""
+    if src.mesh is None or dst.mesh is None:
+        return src.mesh != dst.mesh
+    if src.mesh != dst.mesh:
+        return True
+    return any(shard_signature(src, a) and shard_signature(src, a) != shard_signature(dst, b)
+               for a, b in zip(src.materialized(), dst.materialized(), strict=True))
 
 
 def _is_partial(tv: TensorView) -> bool:

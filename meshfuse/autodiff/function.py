@@ -8,6 +8,11 @@ like the input (replicated inputs get complete gradients on every rank).
 The backward is derived for the floating-point inputs that require grad in a call (and are in
 ``wrt``), once per such set, then cached.
 
+DTensors in, DTensors out: called with DTensors, it takes their local shards (an unscheduled
+input gets its DTensor's placements, as ``execute`` does) and returns DTensors; gradients
+reach the input DTensors through DTensor's own differentiable conversions, each with its
+input's placements.
+
 Memory: the backward frees each residual after its last use, as the hand-written backward
 fused with its forward would (``torch.autograd.Function.save_for_backward`` would hold them
 all until the backward ends). So a node's backward runs once, unless ``keep_residuals=True``
@@ -21,8 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshfuse.autodiff.derivation import Derivation, derive
+from meshfuse.dtensor import (
+    check_dtensor_input,
+    has_dtensors,
+    run_on_dtensors,
+    schedule_like_dtensor,
+)
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.tensor_view import TensorView
@@ -37,18 +49,23 @@ class FusionFunction:
         fusion: the user's fusion (read, never changed).
         wrt: the inputs that may get gradients (default: every floating-point tensor input);
             an input gets one when it is in ``wrt`` and its tensor requires grad.
-        remat: the rematerialization policy (``"recompute"`` or ``"save"``, see
-            :mod:`meshfuse.autodiff.derivation`).
+        remat: the rematerialization policy (``"recompute"``, ``"recompute_gathers"`` or
+            ``"save"``, see :mod:`meshfuse.autodiff.derivation`).
         keep_residuals: keep the residuals until the autograd node dies, so that its
             backward may run more than once (default: each is freed after its last use in
             the one backward).
+        compile: how the forward and backward programs run, as ``execute(compile=...)``
+            takes it (None: ``MESHFUSE_COMPILE``; True or a torch.compile backend: fused
+            segments, see docs/fusion.md).
     """
 
     def __init__(self, fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-                 remat: str = "recompute", keep_residuals: bool = False) -> None:
+                 remat: str = "recompute", keep_residuals: bool = False,
+                 compile: bool | str | None = None) -> None:
         self.fusion = fusion
         self.remat = remat
         self.keep_residuals = keep_residuals
+        self.compile = compile
         inputs = fusion.inputs()
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
@@ -61,33 +78,73 @@ class FusionFunction:
         wrt = tuple(i for i, v in enumerate(inputs) if v in self.wrt and requires_grad[i])
         if wrt not in self._derivations:
             derivation = derive(self.fusion, [inputs[i] for i in wrt], self.remat)
-            self._derivations[wrt] = _Compiled(derivation)
+            self._derivations[wrt] = _Compiled(derivation, self.compile)
         return self._derivations[wrt]
 
     def __call__(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """This rank's outputs on ``inputs``, recorded for autograd. With DTensors among
+        ``inputs``, outputs are DTensors and gradients flow to the input DTensors (see
+        :meth:`_on_dtensors`)."""
         inputs = list(inputs)
         if len(inputs) != len(self.fusion.inputs()):
             raise InputError(
                 f"the fusion takes {len(self.fusion.inputs())} inputs, got {len(inputs)}"
             )
+        if has_dtensors(inputs):
+            return self._on_dtensors(inputs)
+        return list(_FusionAutograd.apply(self._compiled_for(inputs), self.keep_residuals,
+                                          *inputs))
+
+    def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        compiled = self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
-        return list(_FusionAutograd.apply(compiled, self.keep_residuals, *inputs))
+        return self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
+
+    def _on_dtensors(self, inputs: list) -> list:
+        """As ``execute`` on DTensors (:mod:`meshfuse.dtensor`): an unscheduled input takes
+        its DTensor's placements (until the first derivation fixes the schedules; later
+        DTensors must lie alike), the fusion runs on the local shards, and its outputs come
+        back as DTensors. The local shards and the outputs pass through DTensor's
+        differentiable ``to_local``/``from_local``, so each input DTensor's gradient is a
+        DTensor with its placements (a replicated one's complete on every rank)."""
+        fusion_inputs = self.fusion.inputs()
+        bound: dict[int, DTensor] = {}
+
+        def bind(position: int, x: DTensor) -> None:
+            tv = fusion_inputs[position]
+            if isinstance(tv, TensorView):
+                bound[position] = x
+                if not self._derivations and not tv.is_scheduled:
+                    schedule_like_dtensor(tv, x)
+
+        def run(local: list):
+            compiled = self._compiled_for(local)
+            forward = compiled.derivation.forward
+            for position, x in bound.items():
+                check_dtensor_input(forward.inputs()[position], x)
+            outputs = _FusionAutograd.apply(compiled, self.keep_residuals, *local)
+            return outputs, forward.outputs()[:compiled.derivation.num_outputs]
+
+        return run_on_dtensors(inputs, bind, run)
 
 
 class _Compiled:
     """A derivation and the runner of its backward (built on the first backward)."""
 
-    def __init__(self, derivation: Derivation) -> None:
+    def __init__(self, derivation: Derivation, compile: bool | str | None = None) -> None:
         self.derivation = derivation
+        self.compile = compile
         self._backward: FusionRunner | None = None
+
+    def run_forward(self, inputs: list) -> list[torch.Tensor]:
+        """The forward (the user's outputs, then the residuals) on ``inputs``."""
+        return self.derivation.forward_runner.execute(inputs, compile=self.compile)
 
     def run_backward(self, inputs: list) -> list[torch.Tensor]:
         """The backward on ``inputs``, a list it empties (each value is freed after its
         last use)."""
         if self._backward is None:
             self._backward = FusionRunner(self.derivation.backward)
-        return self._backward.execute(inputs, donate=True)
+        return self._backward.execute(inputs, donate=True, compile=self.compile)
 
 
 class _FusionAutograd(torch.autograd.Function):
@@ -101,7 +158,7 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, *inputs):
         d = compiled.derivation
-        results = d.forward_runner.execute(list(inputs))
+        results = compiled.run_forward(list(inputs))
         outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]

@@ -90,7 +90,8 @@ class GptBlock(FusionDefinition):
         kept in ``self.saved`` by name."""
         o, p = self.ops, self.params
         ln1, x_hat1, rstd1 = self.layer_norm(self.x, p["ln1_w"], p["ln1_b"])
-        q, k, v = (self.to_heads(o.linear(ln1, p[f"w_{n}"], p[f"b_{n}"])) for n in "qkv")
+        ln1_in = self.tp_input(ln1)
+        q, k, v = (self.to_heads(o.linear(ln1_in, p[f"w_{n}"], p[f"b_{n}"])) for n in "qkv")
         attn, lse, seed, offset = o.sdpfa_fwd(q, k, v, 0.0, True)
         a = self.from_heads(attn)
         # nvFuser's promotion adds bf16 in float: the sums are cast back to the block's dtype
@@ -98,14 +99,20 @@ class GptBlock(FusionDefinition):
         self.h_sum = o.add(self.x, o.linear(a, p["w_o"], p["b_o"]))
         self.h = self._io(self.h_sum)
         ln2, x_hat2, rstd2 = self.layer_norm(self.h, p["ln2_w"], p["ln2_b"])
-        f1 = o.linear(ln2, p["w_fc1"], p["b_fc1"])
+        ln2_in = self.tp_input(ln2)
+        f1 = o.linear(ln2_in, p["w_fc1"], p["b_fc1"])
         g = o.gelu(f1, approximate="tanh")
         self.y_sum = o.add(self.h, o.linear(g, p["w_fc2"], p["b_fc2"]))
         self.y = self._io(self.y_sum)
-        self.saved = {"ln1": ln1, "x_hat1": x_hat1, "rstd1": rstd1, "q": q, "k": k, "v": v,
-                      "attn": attn, "lse": lse, "seed": seed, "offset": offset, "a": a,
-                      "ln2": ln2, "x_hat2": x_hat2, "rstd2": rstd2, "f1": f1, "g": g}
+        self.saved = {"ln1_in": ln1_in, "x_hat1": x_hat1, "rstd1": rstd1, "q": q, "k": k,
+                      "v": v, "attn": attn, "lse": lse, "seed": seed, "offset": offset, "a": a,
+                      "ln2_in": ln2_in, "x_hat2": x_hat2, "rstd2": rstd2, "f1": f1, "g": g}
         return self.y
+
+    def tp_input(self, t):
+        """The input of a tensor-parallel region (a layer norm's output, read by the
+        column-parallel projections): ``t`` itself; propagation gathers it."""
+        return t
 
     def multidevice_schedule(self) -> None:
         if self.mesh is None:
@@ -167,6 +174,7 @@ class GptBlockWithBackward(GptBlock):
         b, s, e, _ = self.sizes
         self.x = self.define_tensor([b, s, e], dtype=self.dtype, contiguity=True)
         self.dy = self.define_tensor([b, s, e], dtype=self.dtype, contiguity=True)
+        self._gathers = []
         for name, shape in parameter_shapes(e).items():
             self.params[name] = self.define_tensor(list(shape), dtype=self.dtype,
                                                    contiguity=True)
@@ -192,13 +200,12 @@ class GptBlockWithBackward(GptBlock):
     def backward(self, dy) -> dict:
         """The gradients of ``sum(y * dy)``, by name (``"x"`` and the parameters')."""
         o, p, sv = self.ops, self.params, self.saved
-        self._gathers = []
         grads = {}
         dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(
             self._gathered(dy), sv["g"], p["w_fc2"])
         df1 = o.mul(dg, gelu_tanh_derivative(o, sv["f1"]))
         dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(
-            df1, self._gathered(sv["ln2"]), p["w_fc1"])
+            df1, sv["ln2_in"], p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
             dln2, p["ln2_w"], sv["x_hat2"], sv["rstd2"])
         dh = o.add(dy, dh_ln)
@@ -206,7 +213,7 @@ class GptBlockWithBackward(GptBlock):
             self._gathered(dh), sv["a"], p["w_o"])
         dq, dk, dv = o.sdpfa_bwd(self.to_heads(self._io(da)), sv["q"], sv["k"], sv["v"],
                                  sv["attn"], sv["lse"], 0.0, True, sv["seed"], sv["offset"])
-        ln1 = self._gathered(sv["ln1"])
+        ln1 = sv["ln1_in"]
         dln1 = None
         for n, d in zip("qkv", (dq, dk, dv)):
             part, grads[f"w_{n}"], grads[f"b_{n}"] = self.linear_backward(
@@ -221,9 +228,14 @@ class GptBlockWithBackward(GptBlock):
                                   (dx_ln, "sequence"), (grads["x"], "sequence")]
         return grads
 
+    def tp_input(self, t):
+        """The layer norm's output gathered once, in the forward, and read again by the
+        weight gradients (as DTensor's autograd saves it)."""
+        return self._gathered(t)
+
     def _gathered(self, t):
         """``t`` (sequence parallel) gathered whole on every rank, for a matmul of the
-        tensor-parallel region, as the forward gathers the layer norms' outputs."""
+        tensor-parallel region."""
         if self.mesh is None or not self.sequence_parallel:
             return t
         gathered = self.ops.set(t)

@@ -306,7 +306,8 @@ class FusionDefinition:
 
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
                              remat: str = "recompute",
-                             keep_residuals: bool = False) -> FusionFunction:
+                             keep_residuals: bool = False,
+                             compile: bool | str | None = None) -> FusionFunction:
         """This fusion as a ``torch.autograd.Function``: a callable taking the inputs
         ``execute`` takes and returning its outputs, whose ``backward`` runs the derived
         backward fusion (``meshfuse.vjp``).
@@ -315,11 +316,15 @@ class FusionDefinition:
             wrt: the inputs that may get gradients (default: every floating-point tensor
                 input); one gets a gradient when its tensor requires grad.
             remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
-                in the backward, matrix products never) or ``"save"`` (every intermediate the
-                backward reads is saved).
+                in the backward, matrix products and collectives never),
+                ``"recompute_gathers"`` (the forward's collectives too) or ``"save"`` (every
+                intermediate the backward reads is saved).
             keep_residuals: keep what the backward reads until the autograd node dies, so
                 that it may backward more than once (``retain_graph=True``); by default the
                 backward frees each saved value after its last use, and runs once.
+            compile: how the forward and backward programs run, as ``execute``'s
+                ``compile`` (default ``MESHFUSE_COMPILE``; True: fused segments through
+                Inductor).
 
         Example:
             >>> f = fd.as_autograd_function()
@@ -331,7 +336,7 @@ class FusionDefinition:
         gradient comes back complete on every rank; a sharded input's as this rank's shard.
         """
         self.define()
-        return FusionFunction(self.fusion, wrt, remat, keep_residuals)
+        return FusionFunction(self.fusion, wrt, remat, keep_residuals, compile)
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
         """What the program does on this rank, as text; runs no kernel.

@@ -82,8 +82,9 @@ class Reshard(Expr):
     def between(cls, src: TensorView, dst: TensorView) -> Reshard:
         """The communication from ``src`` to ``dst`` (both scheduled, same logical shape)."""
         id_map = {d: (s,) for s, d in zip(src.logical, dst.logical)}
+        reduce_op = partial_reduce_op(src)  # a partial dst combines as src does
         return cls(None, (src,), (dst,), {}, id_map, src.mesh, dst.mesh,
-                   placements(src, partial_reduce_op(src)), placements(dst))
+                   placements(src, reduce_op), placements(dst, reduce_op))
 
 
 def partial_reduce_op(tv: TensorView) -> str:

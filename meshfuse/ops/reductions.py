@@ -152,14 +152,22 @@ def _identity_of(x: torch.Tensor, dims, keepdim: bool, largest: bool) -> torch.T
     of the reduced axes (an uneven shard): the reduction's identity, which the reduction
     over the shards ignores."""
     shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
-    if x.dtype.is_floating_point:
-        fill = float("inf") if largest else float("-inf")
-    elif x.dtype == torch.bool:
-        fill = largest
-    else:
-        info = torch.iinfo(x.dtype)
-        fill = info.max if largest else info.min
+    fill = reduction_identity("min" if largest else "max", x.dtype)
     return torch.full(shape, fill, dtype=x.dtype, device=x.device)
+
+
+def reduction_identity(reduce_op: str, dtype: torch.dtype) -> float | int | bool:
+    """The value that reduction ``reduce_op`` (sum, prod, max, min) of ``dtype`` values
+    ignores: what a device holding no part of a partial result contributes."""
+    if reduce_op in ("sum", "prod"):
+        return 0 if reduce_op == "sum" else 1
+    largest = reduce_op == "min"  # min ignores the largest value
+    if dtype.is_floating_point:
+        return float("inf") if largest else float("-inf")
+    if dtype == torch.bool:
+        return largest
+    info = torch.iinfo(dtype)
+    return info.max if largest else info.min
 
 
 def _prod(x, dims, keepdim):

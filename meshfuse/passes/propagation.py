@@ -25,7 +25,7 @@ communication. The result depends only on the fusion, not on the order of schedu
 from __future__ import annotations
 
 from meshfuse.ir.domain import domain
-from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.fusion import Expr, Fusion, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import logical_root
 from meshfuse.ir.tensor_view import TensorView
@@ -95,11 +95,15 @@ def partial_carried(expr: Expr, out: TensorView, id_: IterDomain,
     IDs: ``add`` of two matmul results, see ``TensorMeta.partial_axes``) unless every
     argument (among ``inputs``, which may be scratch schedules) holds partial sums over it
     on the same mesh axis. Adding a partial sum and a complete value, or partial sums over
-    two mesh axes, needs the partial sums reduced first."""
+    two mesh axes, needs the partial sums reduced first. Only partial *sums* carry: the sum
+    of partial maxima (or products) is not the maximum of the sums."""
     sources = expr.id_map.get(logical_root(out, id_), ())
     if not sources or not all(s.is_reduction for s in sources):
         return True  # a reduction of the op's own (a matmul's contraction)
     pt = out.parallel[id_]
+    made_by = {i: t for t in expr.tensor_inputs for i in t.logical}
+    if any(partial_reduce_op(made_by[s]) != "sum" for s in sources if s in made_by):
+        return False
     for src in sources:
         tv = next((t for t in inputs if src in t.logical), None)
         if tv is None or not any(p == pt and logical_root(tv, d) is src

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from meshfuse.ops.reductions import reduction_identity
 from meshfuse.runtime import collectives
 from meshfuse.runtime.collectives import Group, Pending, resolved
 from meshfuse.runtime.resharding import ReshardStep
@@ -26,8 +27,6 @@ from meshfuse.runtime.resharding import ReshardStep
 Index = torch.Tensor | None  # global indices held along an axis, ascending; None: all
 Runner = Callable[[torch.Tensor | Pending], torch.Tensor | Pending]
 Select = Callable[[torch.Tensor, int], torch.Tensor]
-
-IDENTITY = {"sum": 0.0, "prod": 1.0, "max": float("-inf"), "min": float("inf")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +161,8 @@ def _to_partial(step: ReshardStep, group: Group, member: _Members) -> Runner:
     """Coordinate 0 keeps the values; the others hold the reduction's identity."""
     if group.coordinate == 0:
         return lambda x: x
-    fill = IDENTITY[step.reduce_op]
-    return lambda x: _then(x, lambda x: torch.full_like(x, fill))
+    return lambda x: _then(
+        x, lambda x: torch.full_like(x, reduction_identity(step.reduce_op, x.dtype)))
 
 
 def _transfer(step: ReshardStep, group: Group, whole: Callable[[], torch.Tensor]) -> Runner:

@@ -163,9 +163,11 @@ def plan_resharding(
     src: TensorView, dst: TensorView, extents: Mapping[IterDomain, int]
 ) -> list[ReshardStep]:
     """The steps that turn local shards of ``src`` into local shards of ``dst`` (same logical
-    shape), on every rank alike; see the module doc."""
-    return plan(ShardingSpec.of(src, extents, partial_reduce_op(src)),
-                ShardingSpec.of(dst, extents))
+    shape), on every rank alike; see the module doc. A partial ``dst`` combines as ``src``
+    does (a ``max`` stays a pending ``max``)."""
+    reduce_op = partial_reduce_op(src)
+    return plan(ShardingSpec.of(src, extents, reduce_op),
+                ShardingSpec.of(dst, extents, reduce_op))
 
 
 def plan(before: ShardingSpec, after: ShardingSpec) -> list[ReshardStep]:

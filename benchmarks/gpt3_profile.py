@@ -1,0 +1,113 @@
+"""Where the GPT-3 layer's time goes: a profile of one forward + backward step of each
+variant of the ``gpt3_layer`` case (a diagnostic, not a benchmark).
+
+``torchrun --nproc-per-node 2 -m benchmarks.gpt3_profile --out DIR`` (``--quick``: the
+case's tiny sizes, runs on CPU ranks). For each variant, rank 0 writes
+``DIR/gpt3_profile_<variant>.txt``: the kernels (CUDA; on the CPU, the aten ops) grouped by
+name with their count and total time, largest first, then the aten ops with their input
+shapes; and a summary of every variant's step time, kernel time, communication kernels and
+collectives in ``DIR/gpt3_profile.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import context
+from benchmarks.cases import gpt3
+from benchmarks.timing import timed_samples
+from meshfuse.examples.gpt import init_parameters
+
+WARMUP, ITERS, ROWS = 3, 10, 60
+
+
+def _step_of(variant):
+    made = variant.setup()
+    return made[0] if isinstance(made, tuple) else made
+
+
+def _kernels(prof, cuda: bool) -> list[tuple[str, int, float]]:
+    """(name, count, total ms) of the device kernels (CUDA) or aten ops (CPU)."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if cuda and e.device_type.name != "CUDA":
+            continue
+        if not cuda and not e.name.startswith(("aten::", "c10d")):
+            continue
+        spent = (e.time_range.end - e.time_range.start) / 1e3
+        totals[e.name][0] += 1
+        totals[e.name][1] += spent
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+
+
+def _shapes(prof) -> list[str]:
+    """The aten ops with their input shapes, by total host time (self)."""
+    table = prof.key_averages(group_by_input_shape=True)
+    return table.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=50,
+                       max_shapes_column_width=80).splitlines()
+
+
+def profile_variant(ctx, name: str, step) -> str:
+    """Profiles ``step``; returns a summary line; writes the tables on rank 0."""
+    for _ in range(WARMUP):
+        step()
+    ctx.sync()
+    median = statistics.median(timed_samples(ctx, step, ITERS))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        ctx.sync()
+    kernels = _kernels(prof, ctx.cuda)
+    comm = [k for k in kernels if "nccl" in k[0].lower() or k[0].startswith("c10d")]
+    total = sum(t for _, _, t in kernels)
+    comm_ms = sum(t for _, _, t in comm)
+    summary = (f"{name}: step {median:.3f} ms; kernels {total:.3f} ms in "
+               f"{sum(c for _, c, _ in kernels)} launches; communication {comm_ms:.3f} ms in "
+               f"{sum(c for _, c, _ in comm)}")
+    if ctx.rank == 0:
+        lines = [summary, "", f"{'count':>6} {'total ms':>10}  name"]
+        lines += [f"{c:6d} {t:10.3f}  {n[:150]}" for n, c, t in kernels[:ROWS]]
+        lines += ["", "aten ops by input shapes:", *_shapes(prof)]
+        with open(os.path.join(ctx.out, f"gpt3_profile_{name}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where rank 0 writes the tables")
+    parser.add_argument("--quick", action="store_true", help="the case's tiny sizes")
+    parser.add_argument("--variants", default="dtensor_tp_sp,meshfuse_autograd,meshfuse",
+                        help="comma-separated variants of the gpt3_layer case")
+    args = parser.parse_args(argv)
+    ctx = context.setup(args.quick)
+    ctx.out = args.out
+    os.makedirs(args.out, exist_ok=True)
+    sizes = gpt3.QUICK_SIZES if args.quick else gpt3.SIZES
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    gen = torch.Generator(ctx.device).manual_seed(1)
+    shape = (sizes["b"], sizes["s"], sizes["e"])
+    x = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
+    dy = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
+    params = init_parameters(sizes["e"], dtype=dtype, device=ctx.device)
+    wanted = args.variants.split(",")
+    summaries = []
+    for variant in gpt3.variants(ctx, sizes, dtype, x, dy, params):
+        if variant.name in wanted:
+            summaries.append(profile_variant(ctx, variant.name, _step_of(variant)))
+            torch.cuda.empty_cache() if ctx.cuda else None
+    if ctx.rank == 0:
+        with open(os.path.join(args.out, "gpt3_profile.txt"), "w") as f:
+            f.write("\n".join(summaries) + "\n")
+        print("\n".join(summaries))
+    context.teardown()
+
+
+if __name__ == "__main__":
+    main()
