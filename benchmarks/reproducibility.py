@@ -73,11 +73,15 @@ def compare(first, second, names: Sequence[str]) -> dict[str, dict]:
 
 
 def check_same_seed(call: Callable[[], Sequence[torch.Tensor]], names: Sequence[str],
-                    forward: int = 1, deterministic_check: bool = True) -> dict:
+                    forward: int = 1, deterministic_check: bool = True,
+                    strict: bool = True) -> dict:
     """Runs ``call`` twice with one torch seed, then twice more under
     ``torch.use_deterministic_algorithms(True)`` (if ``deterministic_check``), and checks the
     contract in the module doc: the first ``forward`` outputs bitwise equal in both modes, the
-    others (gradients) bitwise equal in deterministic mode and close otherwise.
+    others (gradients) bitwise equal in deterministic mode and close otherwise. Not
+    ``strict``: gradients need only be close in deterministic mode too (the benchmarks time
+    the program and report the bits; ``benchmarks.dropout_check`` and the tests hold the
+    contract).
 
     Returns:
         ``{"default": compare(...), "deterministic": compare(...)}``; ``"deterministic"`` is
@@ -97,7 +101,7 @@ def check_same_seed(call: Callable[[], Sequence[torch.Tensor]], names: Sequence[
         if not isinstance(outputs, dict):
             continue
         for i, (name, result) in enumerate(outputs.items()):
-            exact = i < forward or mode == "deterministic"
+            exact = i < forward or (strict and mode == "deterministic")
             close = result["max_diff"] <= GRAD_ATOL + GRAD_RTOL * result["scale"]
             if result["bitwise"] or (not exact and close):
                 continue

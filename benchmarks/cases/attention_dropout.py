@@ -27,11 +27,11 @@ load, so the dropout cost is also measured *interleaved*: ``meshfuse_p0`` and
 (``interleaved_ratio`` on the ``meshfuse_p0.1`` record; the target is <= 1.3).
 
 Before timing, the meshfuse dropout variants are checked to be reproducible and finite: two
-calls with the same seed give the same attention output bits (the same masks), and the same
-gradient bits under ``torch.use_deterministic_algorithms(True)``; by default a fused backward
-may add ``q_grad`` in another order (flash does, with atomics), so the gradients are then
-only required to agree to rounding, and the record names those that were not bitwise
-(``not_bitwise_by_default``). See ``benchmarks/reproducibility.py``. Their correctness is the
+calls with the same seed give the same attention output bits (the same masks) and gradients
+that agree to rounding (a fused backward may add ``q_grad`` in another order: flash does,
+with atomics); the record names the outputs that were not bitwise equal by default and
+under ``torch.use_deterministic_algorithms(True)`` (``not_bitwise_default``,
+``not_bitwise_deterministic``; ``benchmarks.dropout_check`` holds the full contract). See ``benchmarks/reproducibility.py``. Their correctness is the
 test suite's (``tests/test_attention_dropout.py``, which runs on the GPUs too).
 """
 
@@ -101,13 +101,16 @@ def reproducible(model, inputs, deterministic_check: bool = True) -> dict:
     outputs; returns the gradients that are not bitwise reproducible by default, as a
     metric."""
     found = check_same_seed(lambda: model.execute(inputs), OUTPUTS,
-                            deterministic_check=deterministic_check)
+                            deterministic_check=deterministic_check, strict=False)
     if not all(t.isfinite().all() for t in model.execute(inputs)):
         raise ValueError("non-finite outputs")
-    loose = [n for n, r in found["default"].items() if not r["bitwise"]]
-    metrics = {"not_bitwise_by_default": ", ".join(loose) or "none"}
-    if isinstance(found["deterministic"], str):
-        metrics["deterministic_check"] = found["deterministic"]
+    metrics = {}
+    for mode, outputs in found.items():
+        if isinstance(outputs, dict):
+            loose = [n for n, r in outputs.items() if not r["bitwise"]]
+            metrics[f"not_bitwise_{mode}"] = ", ".join(loose) or "none"
+        elif outputs is not None:
+            metrics[f"not_bitwise_{mode}"] = outputs
     return metrics
 
 
