@@ -56,12 +56,14 @@ class GraphedProgram:
         return outputs
 
 
-def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True):
+def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
+            error_mode: str = "global"):
     """``(graph, outputs, communications)``: ``program`` on ``inputs`` captured into a CUDA
     graph (nothing runs until it is replayed). ``outputs`` live in the graph's private memory
     pool and are rewritten by each replay; the graph reads ``inputs`` at their addresses.
     ``warm_up``: run the program once on a side stream first, as CUDA requires for library
-    handles and workspaces (a program that already ran on this device can skip it)."""
+    handles and workspaces. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode``
+    (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile)."""
     if warm_up:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -69,7 +71,8 @@ def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True):
             program.run(inputs)
         torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with captured_communications() as communications, torch.cuda.graph(graph):
+    with captured_communications() as communications, \
+            torch.cuda.graph(graph, capture_error_mode=error_mode):
         outputs = program.run(inputs)
     return graph, outputs, communications
 

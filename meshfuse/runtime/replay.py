@@ -75,7 +75,9 @@ def cuda_capture(program: Program, inputs: Sequence[Any]):
     CUDA tensors only (ValueError otherwise)."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")
-    graph, outputs, communications = capture(program, inputs)
+    # Thread-local capture: the program has no collective, and other threads (NCCL's
+    # watchdog) may keep using CUDA while it is captured.
+    graph, outputs, communications = capture(program, inputs, error_mode="thread_local")
     if not all(o.is_cuda for o in outputs):
         raise ValueError("an output is not a CUDA tensor")
     return graph, outputs, communications
