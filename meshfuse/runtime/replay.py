@@ -45,6 +45,8 @@ MAX_GRAPHS = 4  # sets of input addresses captured per program signature
 
 def why_not_replayed(program: Program) -> str | None:
     """Why ``program`` is never replayed from a graph automatically, or None."""
+    if not program.steps:
+        return "it launches nothing"
     for step, call in zip(program.steps, program.calls):
         if step.note:
             return f"it draws random numbers ({step.label}: {step.note})"
