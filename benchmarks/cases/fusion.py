@@ -13,9 +13,7 @@ Programs, rows split over the ranks (timings per rank):
 Variants: ``meshfuse`` (interpreter), ``meshfuse_compiled`` (``execute(compile=True)``: the
 compiled segments, replayed from a CUDA graph from the second call on, where safe: see
 ``meshfuse.runtime.replay``), ``meshfuse_compiled_no_graph`` (the same launched from Python,
-``cuda_graph=False``), ``meshfuse_compiled_multi_kernel`` (compiled with Inductor's
-``triton.multi_kernel=1``: a persistent and a looped kernel per reduction, the faster picked
-at the first call; CUDA only), ``torch_eager`` and ``torch_compile`` (the same torch calls),
+``cuda_graph=False``), ``torch_eager`` and ``torch_compile`` (the same torch calls),
 ``memory_floor`` (a copy of as many bytes as the program reads and writes, so its time is
 those bytes at the copy bandwidth of this run); ratios are against ``memory_floor``, and
 ``vs_torch_compile`` on the meshfuse records is the ratio to ``torch_compile``. ``graph``
@@ -31,7 +29,6 @@ would dominate a smoke test.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -39,7 +36,7 @@ import torch
 import meshfuse
 from benchmarks.context import Context
 from benchmarks.fusions import Pointwise10, _Sharded, pointwise10_torch
-from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
+from benchmarks.harness import Plan, Record, Variant, check_close, run_variants
 from meshfuse import DataType
 
 EPS = 1e-5
@@ -120,40 +117,28 @@ def _first_call(fn, inputs) -> tuple[list, float]:
     return out, time.perf_counter() - start
 
 
-# Inductor with both a persistent and a looped kernel per reduction, the faster picked at the
-# first call (a row of 4096 is past its persistent-reduction limit otherwise): measured as a
-# variant before it could become meshfuse's default.
-MULTI_KERNEL = {"triton.multi_kernel": 1}
-
-
-def _variants(ctx: Context, make_model, torch_fn, inputs: list, tol: float) -> list[Variant]:
+def _variants(ctx: Context, model, torch_fn, inputs: list, tol: float) -> list[Variant]:
     backend = "inductor" if ctx.cuda else "aot_eager"
-    model = make_model()
     expected = torch_fn(*inputs)
     expected = list(expected) if isinstance(expected, tuple) else [expected]
     moved = sum(x.numel() * x.element_size() for x in [*inputs, *expected])
     src = torch.empty(moved // 2, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
 
-    def mf(compile, cuda_graph=None, inductor=None):
+    def mf(compile, cuda_graph=None):
+        def run(*args):
+            return model.execute(list(args), compile=compile, cuda_graph=cuda_graph)
+
         def setup():
-            if inductor is not None and not ctx.cuda:
-                raise Skip("Inductor's multi-kernel reductions are Triton kernels")
-            fd = model if inductor is None else make_model()
-
-            def run(*args):
-                return fd.execute(list(args), compile=compile, cuda_graph=cuda_graph)
-
-            with torch._inductor.config.patch(inductor or {}):
-                out, seconds = _first_call(run, inputs)  # compiles, and picks kernels
+            out, seconds = _first_call(run, inputs)  # compiles, and picks kernels
             check_close("meshfuse vs torch", out, expected, tol)
             if not compile:
                 return lambda: run(*inputs)
             check_close("meshfuse replayed vs torch", run(*inputs), expected, tol)
-            (_, stats), = fd._get_runner()._fused.values()
+            (_, stats), = model._get_runner()._fused.values()
             return (lambda: run(*inputs),
                     {"compile_s": round(seconds, 3), "compiles": stats.compiles,
-                     "graph": _replay_line(fd, inputs) if cuda_graph is None else
+                     "graph": _replay_line(model, inputs) if cuda_graph is None else
                      f"cuda_graph={cuda_graph}", "_stats": stats})
         return setup
 
@@ -171,8 +156,6 @@ def _variants(ctx: Context, make_model, torch_fn, inputs: list, tol: float) -> l
             Variant("meshfuse_compiled_no_graph", mf(backend, False),
                     "execute(compile=True, cuda_graph=False): the compiled segments launched "
                     "from Python"),
-            Variant("meshfuse_compiled_multi_kernel", mf(backend, None, MULTI_KERNEL),
-                    "compiled with Inductor's triton.multi_kernel=1, replayed"),
             Variant("torch_eager", lambda: (lambda: torch_fn(*inputs))),
             Variant("torch_compile", compiled_torch),
             Variant("memory_floor", lambda: (lambda: dst.copy_(src)),
@@ -222,19 +205,19 @@ def run(ctx: Context) -> list[Record]:
     records = []
     for n in ((64,) if ctx.quick else (4096, 8192)):
         x, y = (_randn(ctx, _rows(ctx, n), n, seed=s) for s in (0, 1))
-        variants = _variants(ctx, functools.partial(Pointwise10, n, mesh), pointwise10_torch, [x, y],
+        variants = _variants(ctx, Pointwise10(n, mesh), pointwise10_torch, [x, y],
                              1e-5)
         records += _finish(run_variants(ctx, "fusion", f"pointwise10 {n}x{n}", variants, plan,
                                         "memory_floor", {"n": n, "dtype": "fp32"}))
     n, m = (64, 32) if ctx.quick else (16384, 4096)
     x = _randn(ctx, _rows(ctx, n), m, dtype=torch.bfloat16)
-    variants = _variants(ctx, functools.partial(SoftmaxRows, n, m, mesh), softmax_torch, [x], 1e-2)
+    variants = _variants(ctx, SoftmaxRows(n, m, mesh), softmax_torch, [x], 1e-2)
     records += _finish(run_variants(ctx, "fusion", f"softmax {n}x{m}", variants, plan,
                                     "memory_floor", {"n": n, "m": m, "dtype": "bf16"}))
     w, dy = _randn(ctx, m, dtype=torch.bfloat16, seed=1), \
         _randn(ctx, _rows(ctx, n), m, dtype=torch.bfloat16, seed=2)
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
-        variants = _variants(ctx, functools.partial(NormFwdBwd, n, m, mesh, rms), norm_torch(rms),
+        variants = _variants(ctx, NormFwdBwd(n, m, mesh, rms), norm_torch(rms),
                              [x, w, dy], 1e-2)
         records += _finish(run_variants(ctx, "fusion", f"{name} fwd+bwd {n}x{m}", variants,
                                         plan, "memory_floor", {"n": n, "m": m, "dtype": "bf16"}))
