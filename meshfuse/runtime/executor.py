@@ -31,7 +31,7 @@ import torch
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
 from meshfuse.runtime.collectives import Pending, resolved, settle_in_flight
-from meshfuse.runtime.failures import CollectiveFailed
+from meshfuse.runtime.failures import CollectiveFailed, is_shared
 
 RESHARD = "reshard"
 
@@ -172,9 +172,11 @@ class Program:
             except CollectiveFailed as e:  # raised here, or by a collective read here
                 raise (e if e.what.startswith("step ") else e.at_step(where)) from e
             except Exception as e:
-                raise ExecutionError(
-                    f"rank {self.rank}, {where} failed: {type(e).__name__}: {e}"
-                ) from e
+                if is_shared(e):  # another rank's error, read while waiting for a collective
+                    raise
+                error = ExecutionError(f"rank {self.rank}, {where} failed: {type(e).__name__}: {e}")
+                error.where = f"step {index}"  # other ranks failing alike fail at the same step
+                raise error from e
             if isinstance(result, Pending):
                 result.label = where
             if len(outputs) == 1:
