@@ -76,6 +76,32 @@ def test_low_precision_arithmetic_computes_and_returns_float(dtype):
     assert [o.dtype.torch_dtype for o in outs] == [o.dtype for o in got]
 
 
+@pytest.mark.parametrize("op", ["add", "mul", "sub", "div", "atan2", "maximum", "pow"])
+@pytest.mark.parametrize("a_shape, b_shape", [([2, 3], [2, 3]), ([2, 3], [2, 1]), ([2, 3], []),
+                                              ([], [2, 3]), ([], [])])
+@pytest.mark.parametrize("b_dtype", [DataType.BFloat16, DataType.Half, DataType.Float,
+                                     DataType.Double, DataType.Int32])
+def test_mixed_operands_compute_in_float_as_if_each_were_converted(op, a_shape, b_shape,
+                                                                   b_dtype):
+    """A BFloat16 operand with another of any dtype and rank (0-d ones too, which PyTorch's
+    promotion treats apart): the result is the op on the operands converted to float32
+    each, bit for bit (meshfuse converts at most one and lets promotion read the others)."""
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(a_shape, dtype=DataType.BFloat16)
+        b = fd.define_tensor(b_shape, dtype=b_dtype)
+        fd.add_output(getattr(fd.ops, op)(a, b))
+    x = (torch.randn(a_shape) * 3).bfloat16()
+    y = (torch.rand(b_shape) * 3 + 1).to(b_dtype.torch_dtype)
+    out, = fd.execute([x, y])
+
+    def widened(t):
+        return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+    expected = getattr(torch, op)(widened(x), widened(y))
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
 # ----- execute: options, outputs, CPU scalars --------------------------------------------------
 def _relu_fusion():
     with FusionDefinition() as fd:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.fusion import Expr, Reshard
 from meshfuse.ir.tensor_view import TensorView, Val
@@ -111,6 +113,37 @@ def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
             if id_.is_broadcast and not g.is_broadcast and g.extent != 1]
     if dims:
         grad = ops.sum(grad, dims=dims, keepdim=True)
-    if grad.dtype is not like.dtype:
-        grad = ops.cast(grad, like.dtype)
-    return grad
+    return cast_to(ops, grad, like.dtype)
+
+
+def cast_to(ops: Ops, grad: TensorView, dtype) -> TensorView:
+    """``grad`` as ``dtype``, without a new cast where one is not needed: a gradient that is
+    an exact widening of a ``dtype`` value (bf16 -> float32, as the gradient of a float32
+    sum of bf16 values is) is that value, and a cast of ``grad`` to ``dtype`` already in the
+    backward is reused (several consumers of one value in the forward)."""
+    if grad.dtype is dtype:
+        return grad
+    source = _widened_from(grad)
+    if source is not None and source.dtype is dtype:
+        return source
+    for use in grad.fusion.uses().get(grad, ()):
+        if getattr(use.op, "name", None) == "cast" and use.outputs[0].dtype is dtype:
+            return use.outputs[0]
+    return ops.cast(grad, dtype)
+
+
+def _widened_from(tv: TensorView) -> TensorView | None:
+    """The argument of the cast defining ``tv`` when that cast is an exact floating-point
+    widening (every value of the argument's dtype is one of ``tv``'s), else None."""
+    expr = tv.definition
+    if expr is None or getattr(expr.op, "name", None) != "cast":
+        return None
+    source = expr.args[0]
+    if not isinstance(source, TensorView):
+        return None
+    narrow, wide = source.dtype.torch_dtype, tv.dtype.torch_dtype
+    if not (narrow.is_floating_point and wide.is_floating_point) or narrow.is_complex:
+        return None
+    a, b = torch.finfo(narrow), torch.finfo(wide)
+    exact = b.bits > a.bits and b.eps <= a.eps and b.max >= a.max and b.tiny <= a.tiny
+    return source if exact else None

@@ -192,6 +192,7 @@ class _BackwardBuilder:
             self.gradient_index[tv] = len(self.backward.outputs())
             self.backward.add_output(grad)
             self.pins.append((grad, tv))
+        _remove_unused(self.backward)
 
     # ----- primal values in the backward ---------------------------------------------------
     def fetch(self, v: Val) -> Val:
@@ -300,6 +301,18 @@ class _BackwardBuilder:
         copy = self.ops.set(grad)
         self.pins.append((copy, src))
         return copy
+
+
+def _remove_unused(fusion: Fusion) -> None:
+    """Drops the expressions whose results nothing reads (a rule's intermediate that a
+    simplification made unnecessary, such as a cast undone by the next rule)."""
+    needed: set[Val] = set(fusion.outputs())
+    kept = []
+    for expr in reversed(fusion.exprs):
+        if any(o in needed for o in expr.outputs):
+            kept.append(expr)
+            needed.update(expr.inputs)
+    fusion.exprs[:] = reversed(kept)
 
 
 def _active(forward: Fusion, wrt: set[TensorView]) -> set[TensorView]:

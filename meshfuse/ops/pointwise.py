@@ -265,14 +265,34 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def _in_float(fn):
     """``fn`` with Half and BFloat16 tensor operands computed in float32 (the result is then
-    float32, as the shape rule says)."""
+    float32, as the shape rule says).
+
+    At most one operand is converted (none where a float32 one decides the promotion
+    already): PyTorch's type promotion then computes in float32, reading the other
+    half-precision operands as they are (an exact conversion inside the kernel), so the
+    result is the one of converting each, without a conversion pass per operand."""
 
     def call(*operands):
-        return fn(*(x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW_PRECISION
-                    else x for x in operands))
+        return fn(*_promoted_once(operands))
 
     call.__name__ = fn.__name__
     return call
+
+
+def _promoted_once(operands: tuple) -> list:
+    """``operands`` with at most one tensor converted to float32, so that PyTorch's
+    promotion computes the op in float32 (see :func:`_in_float`)."""
+    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
+    if not any(x.dtype in _LOW_PRECISION for x in tensors):
+        return list(operands)
+    # A 0-d tensor does not promote a tensor with axes of the same kind: the operand that
+    # decides must have axes, unless none has.
+    deciding = [x for x in tensors if x.ndim] or tensors
+    if any(x.dtype == torch.float32 for x in deciding):
+        return list(operands)
+    chosen = [x for x in deciding if x.dtype in _LOW_PRECISION][:1] or \
+        [x for x in tensors if x.dtype in _LOW_PRECISION]
+    return [x.float() if any(x is c for c in chosen) else x for x in operands]
 
 
 def _as_tensor(fn):

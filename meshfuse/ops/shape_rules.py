@@ -53,7 +53,8 @@ def _sample(meta) -> torch.Tensor | bool | int | float:
     """A stand-in for type promotion: a 1-element tensor for a tensor, a Python value for a
     scalar (so that scalars promote as PyTorch's Python scalars do)."""
     if isinstance(meta, TensorMeta):
-        return torch.empty(1, dtype=meta.dtype.torch_dtype, device="meta")
+        return torch.empty((1,) * min(meta.ndim, 1), dtype=meta.dtype.torch_dtype,
+                           device="meta")
     dtype = meta.dtype if isinstance(meta, ScalarMeta) else _python_dtype(meta)
     if dtype is DataType.Bool:
         return True
@@ -84,15 +85,30 @@ def promote(*operands) -> DataType:
     if not tensors:
         return DataType.from_torch(torch.tensor(samples[0]).dtype if len(samples) == 1 else
                                    torch.result_type(torch.tensor(samples[0]), samples[1]))
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    probe = torch.empty(1, dtype=dtype, device="meta")
+    # PyTorch's (and nvFuser's) categories: tensors with axes decide over 0-d tensors,
+    # which decide over Python scalars, unless a lower one is of a higher kind (float over
+    # integer).
+    dimensioned = _promoted([t.dtype for t in tensors if t.ndim])
+    zero_dim = _promoted([t.dtype for t in tensors if not t.ndim])
+    lower = None
+    if zero_dim is not None:
+        lower = torch.empty((), dtype=zero_dim, device="meta")
     for s in samples:
         if not isinstance(s, torch.Tensor):
-            dtype = torch.result_type(probe, s)
-            probe = torch.empty(1, dtype=dtype, device="meta")
-    return DataType.from_torch(dtype)
+            lower = torch.tensor(s).to("meta") if lower is None else \
+                torch.empty((), dtype=torch.result_type(lower, s), device="meta")
+    if dimensioned is None:
+        return DataType.from_torch(lower.dtype)
+    higher = torch.empty(1, dtype=dimensioned, device="meta")
+    return DataType.from_torch(higher.dtype if lower is None else
+                               torch.result_type(higher, lower))
+
+
+def _promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    result = None
+    for d in dtypes:
+        result = d if result is None else torch.promote_types(result, d)
+    return result
 
 
 def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:

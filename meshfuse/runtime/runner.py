@@ -53,6 +53,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
+from meshfuse.runtime.replay import AutoReplay
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -81,6 +82,8 @@ class FusionRunner:
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
+        self._replays: dict[tuple, AutoReplay] = {}
+        self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
@@ -107,7 +110,7 @@ class FusionRunner:
         return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False, compile: bool | str | None = None,
+                cuda_graph: bool | str | None = None, compile: bool | str | None = None,
                 donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; not
@@ -124,6 +127,7 @@ class FusionRunner:
             self._programs.clear()
             self._fused.clear()
             self._graphs.clear()
+            self._replays.clear()
             self._generation = communicator.generation
         try:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
@@ -134,7 +138,8 @@ class FusionRunner:
                 raise
             raise told from e
 
-    def _execute(self, inputs: Sequence[Any], check_ranks: bool | None, cuda_graph: bool,
+    def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
+                 cuda_graph: bool | str | None,
                  compile: bool | str | None, donate: bool, timeout: float | None
                  ) -> list[torch.Tensor]:
         key = _signature(inputs)
@@ -154,7 +159,14 @@ class FusionRunner:
             if fused is None:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
-        if not cuda_graph:
+        if cuda_graph is not True:
+            if not donate and self._auto_replay(cuda_graph, backend):
+                replay = self._replays.get((key, backend))
+                if replay is None:
+                    replay = self._replays[key, backend] = AutoReplay(program)
+                outputs = replay.run(inputs)
+                if outputs is not None:
+                    return outputs
             return program.run(inputs, donate)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
@@ -162,6 +174,20 @@ class FusionRunner:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
+
+    def _auto_replay(self, option: bool | str | None, backend: str | None) -> bool:
+        """Whether this call may replay a CUDA graph automatically (:mod:`replay`):
+        ``cuda_graph="auto"``, or by default (``None``) compiled programs, unless
+        ``MESHFUSE_CUDA_GRAPH=0``; ``MESHFUSE_CUDA_GRAPH=auto`` makes it the default of every
+        program."""
+        if option is None:
+            return self.cuda_graph == AUTO or (self.cuda_graph is None and backend is not None)
+        if option == AUTO:
+            return True
+        if option is False:
+            return False
+        raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
+                         "and outputs), 'auto' (replay where safe, copying nothing) or False")
 
     def _make_program(self, inputs: list, check_ranks: bool | None,
                       check_options=lambda: None, in_call: bool = False) -> Program:
@@ -215,6 +241,7 @@ class FusionRunner:
             segments = [s for s in program.steps if s.op == FUSED]
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
+        lines += [replay.describe() for (k, _), replay in self._replays.items() if k == key]
         return lines
 
     def _bind(self, inputs: list) -> Binding:
@@ -359,6 +386,23 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
 AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpreter on CPU
 
 
+CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
+
+
+def cuda_graph_setting(value: str | None) -> str | bool | None:
+    """The default of ``execute(cuda_graph=None)`` from ``MESHFUSE_CUDA_GRAPH``: None (unset:
+    compiled programs replay automatically), ``"auto"`` (every program), False (``0``)."""
+    text = (value or "").strip().lower()
+    if text == "":
+        return None
+    if text == AUTO:
+        return AUTO
+    if text in ("0", "false", "off"):
+        return False
+    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use 'auto' (replay every program where "
+                     "safe), '0' (never automatically) or leave it unset (compiled programs)")
+
+
 def compile_setting(value: bool | str | None) -> str | None:
     """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
     value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1",
@@ -387,7 +431,7 @@ _BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backen
 
 def _signature(inputs: list) -> tuple:
     return tuple(
-        (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
+        (x.dtype, x.shape, x.stride(), x.device) if isinstance(x, torch.Tensor)
         else type(x)
         for x in inputs
     )
