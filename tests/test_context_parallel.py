@@ -2,8 +2,9 @@
 
 Every sharded run is checked against PyTorch's unsharded attention (forward and the three
 gradients), and the point-to-point transfers that ran are checked against the ring's theory:
-a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times and the
-float32 dk/dv accumulators ``n`` times (the last transfer brings them home).
+a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times, the dk/dv
+accumulators ``n - 1`` times, and the finished sums home (in two halves of the heads when the
+local heads are even).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
+from meshfuse.ops.context_parallel import ContextParallel, most_terms, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications
@@ -107,18 +109,22 @@ def _rows(s, d, layout):
 
 def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
-    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the float32
-    dk/dv accumulators n - 1 times, then the finished sums home in the inputs' dtype."""
+    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the dk/dv
+    accumulators n - 1 times (float32, but in the inputs' dtype on a ring of two, where each
+    sum has two terms), then the finished sums home in the inputs' dtype."""
     block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
-    for step in range(d):
+    for step in range(d - 1):
         sent, received = block[order[step]], block[order[step + 1]]
-        kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2 \
-            if step < d - 1 else []
+        kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2
         forward += kv
-        sums = 4 if step < d - 1 else itemsize  # the finished sums go home cast
+        sums = 4 if d > 2 else itemsize
         backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
+    # The finished sums go home cast, in two halves of the (even) local heads.
+    parts = 2 if h_local % 2 == 0 else 1
+    sent, received = block[order[d - 1]] // parts, block[position] // parts
+    backward += [("send", sent * itemsize), ("recv", received * itemsize)] * 2 * parts
     return (forward + backward) if d > 1 else []
 
 
@@ -185,6 +191,20 @@ def test_ring_peers_and_explain_match_what_ran(multidevice_test):
 
 
 @pytest.mark.mpi
+def test_odd_heads_send_the_sums_home_whole(multidevice_test):
+    """Three heads do not halve: the finished sums go home in one transfer each."""
+    d = multidevice_test.size
+    fd = Attention(3, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(3, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 3, 4, multidevice_test.rank, "zigzag")
+    planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
+    assert [c for p in planned for c in p.communications()] == comms
+
+
+@pytest.mark.mpi
 def test_zigzag_layout_is_in_the_schedule(multidevice_test):
     """shard_tensor gives each rank chunk r and chunk 2d - 1 - r of the sequence; explain
     prints the placement S(2)z; unshard_tensor puts the rows back."""
@@ -203,8 +223,24 @@ def test_bfloat16_ring(multidevice_test):
     fd = Attention(2, 32, True, dtype=DataType.BFloat16, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     inputs = _global_inputs(2, 32, QkvFormat.BHSE, torch.bfloat16)
-    outputs, expected, _ = _run(multidevice_test, fd, inputs)
+    outputs, expected, comms = _run(multidevice_test, fd, inputs)
     _assert_equal(outputs, expected, tol=3e-2)
+    d = multidevice_test.size
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        32, d, 2, 2, multidevice_test.rank, "zigzag")
+
+
+@pytest.mark.parametrize("layout,s", LAYOUTS, ids=[lay for lay, _ in LAYOUTS])
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_sums_in_the_inputs_dtype_only_with_two_terms(layout, s, d):
+    """A ring of two adds at most two kernel results into any sum (so the inputs' dtype
+    rounds as a float32 sum would); longer rings add more, in float32."""
+    rows = tuple(runs_of(r) or ((0, 0),) for r in _rows(s, d, "zigzag" if layout == "zigzag"
+                                                          else "block"))
+    for position in range(d):
+        record = ContextParallel("ring", 0, tuple(range(d)), position, rows, True)
+        assert record.sums_in_input_dtype == (d <= 2)
+        assert most_terms(record, False) == d
 
 
 @pytest.mark.mpi

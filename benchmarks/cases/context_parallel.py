@@ -17,12 +17,14 @@ s=131072, and non-causal at s=32768. Variants, in one run:
 Each meshfuse variant is checked against ``one_gpu`` (sharded alike) before it is timed. A
 ``constants`` record gives the speeds the estimate can use, measured here (one kernel's
 TFLOP/s, one k/v block transfer's GB/s) and which strategy the estimate picks with them, and
-which was fastest. With ``MESHFUSE_CP_PROFILE=<dir>``, rank 0 also writes a torch.profiler
-trace of two ``ring_zigzag`` calls at s=32768 (transfers overlapping kernels).
+which was fastest. With ``MESHFUSE_CP_PROFILE=<dir>``, every rank also writes a
+torch.profiler trace of two ``ring_zigzag`` calls at s=32768 and its summary (compute busy
+time, idle gaps, NCCL time that no kernel hid), also recorded as ``profile_ring_zigzag``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import meshfuse
+from benchmarks import trace_summary
 from benchmarks.cases.attention import attention_flops
 from benchmarks.context import Context
 from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
@@ -191,8 +194,9 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
         if base is not None and r.status == "ok" and r.variant != "one_gpu":
             r.metrics["pct_of_ideal"] = round(100 * base.median_ms / ctx.world / r.median_ms, 1)
     records.append(_constants(ctx, name, full, causal, records, params))
-    if name.startswith("causal_s32k") and os.environ.get("MESHFUSE_CP_PROFILE"):
-        _profile(ctx, sizes, s, causal, full, os.environ["MESHFUSE_CP_PROFILE"])
+    if name in ("causal_s32k", "causal_quick") and os.environ.get("MESHFUSE_CP_PROFILE"):
+        records.append(_profile(ctx, name, sizes, s, causal, full,
+                                os.environ["MESHFUSE_CP_PROFILE"], params))
     return records
 
 
@@ -243,21 +247,36 @@ def _link_bytes_per_s(ctx, full) -> float:
     return sum(b.numel() * b.element_size() for b in block) / seconds
 
 
-def _profile(ctx, sizes, s, causal, full, out_dir):
-    """A torch.profiler trace (rank 0) of two ring calls: transfers beside the kernels."""
+def _profile(ctx, name, sizes, s, causal, full, out_dir, params) -> Record:
+    """A torch.profiler trace of every rank over two ring calls (each in a ``ring_zigzag``
+    window), written as ``ring_zigzag_s<s>_rank<r>.json`` with its summary
+    (:mod:`benchmarks.trace_summary`: compute busy time, idle gaps, NCCL time no kernel
+    hid) beside it; the record holds every rank's summary of the second call."""
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     fd = CausalAttention(sizes, s, causal, mesh, True, "ring")
     fd.define()
     local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
     fd.execute(local)
+    ctx.sync()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(2):
-            fd.execute(local)
-        ctx.sync()
-    if ctx.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(out_dir, f"ring_zigzag_s{s}_rank0.json"))
+            with torch.profiler.record_function("ring_zigzag"):
+                fd.execute(local)
+            ctx.sync()  # as the timed loop does: host time before the first kernel shows
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ring_zigzag_s{s}_rank{ctx.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        summary = trace_summary.summarize(json.load(f), "ring_zigzag")
+    with open(path.replace(".json", "_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    record = Record("context_parallel", name, "profile_ring_zigzag", ctx.world,
+                    params=dict(params))
+    record.metrics = {f"rank{r}": summaries[-1]
+                      for r, summaries in enumerate(ctx.gather(summary))}
+    record.message = f"traces and summaries in {out_dir}"
+    return record
 
 
 def run(ctx: Context) -> list[Record]:

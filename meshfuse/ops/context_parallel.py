@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import os
+from fractions import Fraction
 
 import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.global_index import GlobalIndex
-from meshfuse.ir.layout import device_ids, split_indices
+from meshfuse.ir.layout import device_ids, local_extent, split_indices
 from meshfuse.ops import attention_kernels, rng
 from meshfuse.ops.attention_backends import AttentionBackend, select_backend
 from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
@@ -106,6 +108,9 @@ class ContextParallel:
         rows: for each position, the runs of global sequence rows it holds (queries and
             keys alike).
         backward: the record of an ``sdpfa_bwd`` (k/v and their gradients travel).
+        home_parts: in how many equal parts of the batch axis (of the heads when the batch
+            is 1) the ring's last step computes and sends the finished dk/dv sums home: each
+            part goes as soon as its kernels finish, so only the last one's transfer waits.
     """
 
     strategy: str
@@ -114,6 +119,7 @@ class ContextParallel:
     position: int
     rows: tuple[tuple[Run, ...], ...]
     backward: bool = False
+    home_parts: int = 1
 
     @property
     def size(self) -> int:
@@ -151,11 +157,22 @@ class ContextParallel:
                 f"{list(self.ranks)}, position {self.position}, key/value blocks of positions "
                 f"{order}; sequence rows by position {runs}")
 
-    def transfers(self) -> list[tuple[str, int | None, str, int]]:
+    @functools.cached_property
+    def sums_in_input_dtype(self) -> bool:
+        """Whether every sum of partial results (a query row's merged output and its dq over
+        the steps, a key row's dk/dv over the ring) has at most two terms, causal or not.
+        Then summing in the inputs' dtype rounds once, exactly as a float32 sum cast at the
+        end does (the kernels return the terms in that dtype and an add of two of them rounds
+        its float32 result once), so the sums are kept and sent in the inputs' dtype: a ring
+        of two ranks. Longer rings sum in float32."""
+        return max(most_terms(self, causal) for causal in (False, True)) <= 2
+
+    def transfers(self) -> list[tuple[str, int | None, str, int | Fraction]]:
         """The communications this rank makes, in the order it launches them: ``(kind, peer
-        rank or None for a collective, tensor, sequence rows)``. Tensors: ``q``, ``k``,
+        rank or None for a collective, tensor, sequence rows)`` (a part of the finished sums
+        counts the fraction of the rows' bytes it carries: rows over :attr:`home_parts`). Tensors: ``q``, ``k``,
         ``v``, ``grad``, ``attn``, ``dq``, ``dk``, ``dv`` in the inputs' dtype, ``lse``, and
-        ``dk32``, ``dv32``: float32 gradient sums. Rows are those the recorder counts (an
+        ``dk32``, ``dv32``: float32 gradient sums (:attr:`sums_in_input_dtype`: ``dk``, ``dv``). Rows are those the recorder counts (an
         uneven all-gather pads each block to the longest)."""
         if self.size == 1:
             return []
@@ -176,13 +193,21 @@ class ContextParallel:
         after = self.ranks[(self.position + 1) % self.size]
         before = self.ranks[(self.position - 1) % self.size]
         result = []
+        travelling = ("dk", "dv") if self.sums_in_input_dtype else ("dk32", "dv32")
         for step in range(self.size):
             sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
-            if self.backward:  # the last transfer takes the finished sums home, cast
-                moved += ("dk32", "dv32") if step < self.size - 1 else ("dk", "dv")
+            if self.backward and step < self.size - 1:
+                moved += travelling
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
+        if self.backward:  # the finished sums go home, cast, in parts
+            sent = Fraction(self.length(self.holder(self.size - 1)), self.home_parts)
+            received = Fraction(self.length(self.position), self.home_parts)
+            for _ in range(self.home_parts):
+                for tensor in ("dk", "dv"):
+                    result += [("send", after, tensor, sent),
+                               ("recv", before, tensor, received)]
         return result
 
 
@@ -228,9 +253,31 @@ def context_record(expr, here) -> ContextParallel:
     ranks = q.mesh.group_ranks(here.rank, axis)
     rows = tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
                  for c in range(len(ranks)))
+    backward = expr.op.name == "sdpfa_bwd"
     return ContextParallel(sequence_parallel(expr), axis, ranks,
-                           q.mesh.coordinate(here.rank)[axis], rows,
-                           expr.op.name == "sdpfa_bwd")
+                           q.mesh.coordinate(here.rank)[axis], rows, backward,
+                           home_parts(expr, here) if backward and len(ranks) > 1 else 1)
+
+
+def home_parts(expr, here) -> int:
+    """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
+    local batch (of the heads when the batch is 1) when that extent is even and there is no
+    dropout (a block's mask is drawn whole), else one. The halves are contiguous slices of
+    the sums, sent and received in place."""
+    q = _arg(expr, "q")
+    dropout = _arg(expr, "dropout_p")
+    if getattr(dropout, "value", dropout) != 0.0:
+        return 1
+    coordinate = q.mesh.coordinate(here.rank)
+    coords = {pt: coordinate[q.mesh.axis_of(pt)] for shards in device_ids(q).values()
+              for _, pt in shards}
+    for axis in q.logical[:2]:
+        if axis not in here.extents:  # a symbolic extent
+            return 1
+        extent = local_extent(q, axis, here.extents, coords)
+        if extent > 1:
+            return 2 if extent % 2 == 0 else 1
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,22 +349,32 @@ def block_backward(grad, q, k, v, attn, lse, scale, kind: Block,
 
 
 class Merged:
-    """The output and log-sum-exp of this rank's query rows, merged over key blocks in
-    float32 (rows not reached yet hold 0 and -inf).
+    """The output and log-sum-exp of this rank's query rows, merged over key blocks.
 
     ``add(rows, attn, lse)`` folds in one block's result for local rows ``rows``: with
-    ``m = logaddexp(L, lse)``, the output becomes ``O * exp(L - m) + attn * exp(lse - m)`` and
-    the log-sum-exp ``m``. Every row a kernel returns has met at least one key (a causal
-    diagonal block holds its own), so ``m`` is finite.
+    ``w = exp(lse - m)``, ``m = logaddexp(L, lse)``, the output becomes ``lerp(O, attn, w)``
+    (``O * (1 - w) + attn * w``) computed in float32, and the log-sum-exp ``m``. Every row a
+    kernel returns has met at least one key (a causal diagonal block holds its own), so ``m``
+    is finite. The first result that covers every row is kept as it is (no copy); the output
+    is kept in ``dtype``: the inputs' dtype where every row merges at most two results
+    (:attr:`ContextParallel.sums_in_input_dtype`, one rounding either way), else float32.
     """
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor) -> None:
-        shape = (*q.shape[:-1], v.shape[-1])
-        self.out = torch.zeros(shape, dtype=torch.float, device=q.device)
-        self.lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float, device=q.device)
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+        self._shape = (*q.shape[:-1], v.shape[-1])
+        self._dtype, self._device = dtype, q.device
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
         self._fresh = [(0, q.shape[-2])]  # local row ranges no block has reached
 
     def add(self, rows: Run, attn: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None and rows == (0, self._shape[-2]) and attn.dtype == self._dtype:
+            self.out, self.lse, self._fresh = attn, lse, []
+            return
+        if self.out is None:
+            self.out = torch.zeros(self._shape, dtype=self._dtype, device=self._device)
+            self.lse = torch.full(self._shape[:-1], -math.inf, dtype=torch.float,
+                                  device=self._device)
         out, old = _sequence(self.out, rows), self.lse[..., rows[0]:rows[1]]
         if rows in self._fresh:
             out.copy_(attn)
@@ -325,16 +382,38 @@ class Merged:
             self._fresh.remove(rows)
             return
         merged = torch.logaddexp(old, lse)
-        out.mul_(torch.exp(old - merged).unsqueeze(-1))
-        out.add_(attn.float() * torch.exp(lse - merged).unsqueeze(-1))
+        weight = torch.exp(lse - merged).unsqueeze(-1)
+        total = out.float()  # out itself when it is float32
+        total.lerp_(attn.float(), weight)
+        if total is not out:
+            out.copy_(total)
         old.copy_(merged)
         self._fresh = [r for r in self._fresh if r[1] <= rows[0] or r[0] >= rows[1]]
 
     def result(self, dtype: torch.dtype):
         """``(attn, log_sumexp)``: attn in ``dtype``."""
+        if self.out is None:  # no block reached this rank's rows: it holds none
+            self.out = torch.zeros(self._shape, dtype=dtype, device=self._device)
+            self.lse = torch.full(self._shape[:-1], -math.inf, device=self._device)
         return self.out.to(dtype), self.lse
 
 
+def add_rows(total: torch.Tensor | None, rows: Run, part: torch.Tensor, like: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``total`` (None: zeros shaped as ``like``, in ``dtype``) with ``part`` added to its
+    local rows ``rows``. A part that covers every row of a total not started yet becomes the
+    total (no zero fill, no copy); a part of another dtype is cast first (one vectorized
+    cast and a same-dtype add are far faster than PyTorch's mixed-dtype add)."""
+    part = part.to(dtype)
+    if total is None:
+        if rows == (0, like.shape[-2]):
+            return part
+        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    _sequence(total, rows).add_(part)
+    return total
+
+
+@functools.lru_cache(maxsize=1024)
 def kernel_calls(record: ContextParallel, position: int, causal: bool):
     """The kernel calls of this rank's queries against ``position``'s key/value block:
     ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
@@ -348,13 +427,13 @@ def kernel_calls(record: ContextParallel, position: int, causal: bool):
         return (runs[0][1][0], runs[-1][1][1])
 
     if not queries or not keys:
-        return []
+        return ()
     if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
-        return [(joined(queries), joined(keys), Block.FULL)]
+        return ((joined(queries), joined(keys), Block.FULL),)
     if position == record.position:
         # This rank's own block: its rows, in ascending global order, are the queries and the
         # keys, so the causal mask of the local rows is the global one: one causal call.
-        return [(joined(queries), joined(keys), Block.DIAGONAL)]
+        return ((joined(queries), joined(keys), Block.DIAGONAL),)
     calls = []
     if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
         for kg, ka in keys:
@@ -362,14 +441,36 @@ def kernel_calls(record: ContextParallel, position: int, causal: bool):
             others = [kinds[qa, kb] for _, qa in queries for _, kb in keys if kb != ka]
             if all(k is Block.FULL for k in column) and \
                     all(k is Block.SKIPPED for k in others):
-                return [(joined(queries), ka, Block.FULL)]
+                return ((joined(queries), ka, Block.FULL),)
     for qg, qa in queries:
         row = [kinds[qa, ka] for _, ka in keys]
         if len(keys) > 1 and all(k is Block.FULL for k in row):
             calls.append((qa, joined(keys), Block.FULL))
             continue
         calls += [(qa, ka, kinds[qa, ka]) for _, ka in keys if kinds[qa, ka] is not Block.SKIPPED]
-    return calls
+    return tuple(calls)
+
+
+def most_terms(record: ContextParallel, causal: bool) -> int:
+    """The most kernel results that any one sum of the ring adds: a query row's over the
+    blocks (its merged output, its dq), a key row's dk/dv over the ranks."""
+    at = [dataclasses.replace(record, position=c) for c in range(record.size)]
+    counts = [0]
+    for c in range(record.size):
+        queries = [rows for p in range(record.size) for rows, _, _ in kernel_calls(at[c], p, causal)]
+        keys = [k for r in at for _, k, _ in kernel_calls(r, c, causal)]
+        counts += [_deepest(queries), _deepest(keys)]
+    return max(counts)
+
+
+def _deepest(runs: list[Run]) -> int:
+    """The most runs that overlap at one row."""
+    edges = sorted([(a, 1) for a, b in runs if b > a] + [(b, -1) for a, b in runs if b > a])
+    depth = deepest = 0
+    for _, step in edges:  # a run's end sorts before another's start at the same row
+        depth += step
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _keep(dropout: BlockDropout | None, record: ContextParallel, position: int, rows: Run,
@@ -394,11 +495,12 @@ def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, positi
 
 
 def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                    position: int, dq: torch.Tensor, dropout: BlockDropout | None = None):
-    """The gradients of this rank's queries against ``position``'s key/value block: adds
-    into ``dq`` (float32, this rank's queries) and returns the block's key/value gradients
-    as ``[(local key rows, dk, dv)]``, one per kernel call (none when every pair is
-    skipped), for :func:`add_key_gradients`."""
+                    position: int, dq: torch.Tensor | None, dropout: BlockDropout | None = None):
+    """The gradients of this rank's queries against ``position``'s key/value block: returns
+    ``(dq, parts)``: ``dq`` with the block's query gradients added (see :func:`add_rows`; the
+    sums' dtype is :func:`sums_dtype`), and the block's key/value gradients as ``[(local key
+    rows, dk, dv)]``, one per kernel call (none when every pair is skipped), for
+    :func:`add_key_gradients`."""
     parts = []
     for rows, keys, kind in kernel_calls(record, position, causal):
         gq, gk, gv = block_backward(_sequence(grad, rows), _sequence(q, rows),
@@ -406,13 +508,22 @@ def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: Conte
                                     _sequence(attn, rows), lse[..., rows[0]:rows[1]], scale,
                                     kind, **_keep(dropout, record, position, rows, keys,
                                                   q.device))
-        _sequence(dq, rows).add_(gq)
+        dq = add_rows(dq, rows, gq, q, sums_dtype(record, q))
         parts.append((keys, gk, gv))
-    return parts
+    return dq, parts
 
 
-def add_key_gradients(parts, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Adds :func:`backward_blocks`' key/value gradients into the block's float32 sums."""
-    for keys, gk, gv in parts:
-        _sequence(dk, keys).add_(gk)
-        _sequence(dv, keys).add_(gv)
+def add_key_gradients(parts, sums, block, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The block's ``[dk, dv]`` sums (None where not started; new ones in ``dtype``) with
+    :func:`backward_blocks`' key/value gradients added; ``block``: the block's k and v."""
+    sums = list(sums)
+    for keys, *grads in parts:
+        sums = [add_rows(s, keys, g, t, dtype) for s, g, t in zip(sums, grads, block)]
+    return [s if s is not None else torch.zeros(t.shape, dtype=dtype, device=t.device)
+            for s, t in zip(sums, block)]
+
+
+def sums_dtype(record: ContextParallel, like: torch.Tensor) -> torch.dtype:
+    """The dtype of this record's sums of partial results: ``like``'s when every sum has at
+    most two terms (:attr:`ContextParallel.sums_in_input_dtype`), else float32."""
+    return like.dtype if record.sums_in_input_dtype else torch.float

@@ -7,9 +7,10 @@ cost per message (launch and latency). The constants default per device type and
 with ``MESHFUSE_CP_KERNEL_TFLOPS``, ``MESHFUSE_CP_LINK_GBPS`` and ``MESHFUSE_CP_LATENCY_US``
 (the ``context_parallel`` benchmark measures them: a kernel's time and a block transfer's).
 
-- ``ring``: ``n`` steps; a step's transfer (k/v, and in the backward the float32 dk/dv
-  accumulators) overlaps its compute, so it costs ``max(compute, transfer)``; the last
-  step moves no k/v.
+- ``ring``: ``n`` steps; a step's transfer (k/v, and in the backward the dk/dv
+  accumulators: float32 beyond two ranks) overlaps its compute, so it costs
+  ``max(compute, transfer)``; the last step moves no k/v, and the second half of the
+  finished sums goes home after it.
 - ``allgather``: the gathers (and the backward's reduce-scatters) first, then all of the
   compute: their sum.
 - ``alltoall``: four all-to-alls in the forward (q, k, v in, the output back), nine in the
@@ -96,8 +97,11 @@ def estimate(strategy: str, p: Problem, m: Machine) -> float:
     if strategy == RING:
         step = compute * skew / p.n
         blocks = p.block_bytes() / m.link_bytes + 2 * m.latency
-        sums = p.block_bytes(4) / m.link_bytes + 2 * m.latency if p.backward else 0.0
-        home = blocks if p.backward else 0.0  # the finished sums, in the inputs' dtype
+        # The sums travel in the inputs' dtype on a ring of two (two terms each), else float32.
+        sums = p.block_bytes(None if p.n <= 2 else 4) / m.link_bytes + 2 * m.latency \
+            if p.backward else 0.0
+        # The finished sums go home in halves: the second one waits after the last kernels.
+        home = blocks / 2 if p.backward else 0.0
         # n - 1 steps move k/v (and the dk/dv sums) under their kernels; then the sums go home
         return (p.n - 1) * max(step, blocks + sums) + step + home
     if strategy == ALLGATHER:

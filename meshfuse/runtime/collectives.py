@@ -454,21 +454,27 @@ class _Works:
 
 
 def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Group,
-               ) -> Pending:
+               into: Sequence[torch.Tensor] | None = None) -> Pending:
     """Each of ``tensors`` sent to the next coordinate of the group (``c + 1``, around), and
     as many received from the previous one, of ``shapes`` (the dtypes of ``tensors``): one
     ``batch_isend_irecv``, launched at once. Returns a :class:`Pending` of the received
-    list. Recorded as one ``send`` and one ``recv`` per tensor, naming the peer."""
+    list: new tensors, or ``into`` (contiguous tensors of those shapes and dtypes, written in
+    place). Recorded as one ``send`` and one ``recv`` per tensor, naming the peer."""
     n, c = group.size, group.coordinate
     after, before = group.ranks[(c + 1) % n], group.ranks[(c - 1) % n]
     sends = [t.contiguous() for t in tensors]
-    received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device)
-                for t, s in zip(sends, shapes)]
+    if into is None:
+        received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device)
+                    for t, s in zip(sends, shapes)]
+    else:
+        received = list(into)
+        assert all(r.is_contiguous() and tuple(r.shape) == tuple(s) and r.dtype == t.dtype
+                   for r, s, t in zip(received, shapes, sends)), "ring_shift: bad buffers"
     ops = []
-    for out, into in zip(sends, received):
+    for out, buffer in zip(sends, received):
         _record("send", group, out, peer=after)
-        _record("recv", group, into, peer=before)
+        _record("recv", group, buffer, peer=before)
         ops.append(dist.P2POp(dist.isend, out, after, group=group.process_group))
-        ops.append(dist.P2POp(dist.irecv, into, before, group=group.process_group))
+        ops.append(dist.P2POp(dist.irecv, buffer, before, group=group.process_group))
     works = dist.batch_isend_irecv(ops)
     return Pending(_Works(works, sends + received), received)

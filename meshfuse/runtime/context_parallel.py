@@ -7,11 +7,13 @@ strategies); every collective goes through :mod:`meshfuse.runtime.collectives`.
 computing its queries against it, so the transfer runs under the kernels, then waits for
 the block of the previous rank. After ``n`` steps (``n - 1`` transfers of k and v) every
 query has met every key; the blocks' outputs are merged by their log-sum-exp. Backward: k
-and v travel the same way, each with float32 accumulators of its dk and dv. At each step a
+and v travel the same way, each with accumulators of its dk and dv (in the inputs' dtype on
+a ring of two, where each sum has two terms, else float32:
+:attr:`~meshfuse.ops.context_parallel.ContextParallel.sums_in_input_dtype`). At each step a
 rank computes its queries' gradients against the block it holds (dq stays, the block's
 dk/dv partial sums are added to the block's accumulators, which then go to the next rank);
-the last transfer brings each finished sum home, in the inputs' dtype: ``n - 1`` transfers
-of k and v and ``n`` of dk and dv.
+the last step finishes the sums of the next position's block and sends them home, in the
+inputs' dtype and in ``home_parts`` parts, each as soon as its kernels finish.
 
 **Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
 of its block (:class:`~meshfuse.ops.context_parallel.BlockDropout`), drawn from the forward's
@@ -44,6 +46,7 @@ from meshfuse.ops.context_parallel import (
     block_backward,
     block_forward,
     forward_blocks,
+    sums_dtype,
 )
 from meshfuse.ops.random import resolve_seed
 from meshfuse.runtime.collectives import (
@@ -71,7 +74,7 @@ def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: G
                  dropout: BlockDropout | None = None):
     """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
-    merged = Merged(q, v)
+    merged = Merged(q, v, sums_dtype(record, q))
     block = (k, v)
     for step in range(record.size):
         pending = None
@@ -88,29 +91,67 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
                   group: Group, dropout: BlockDropout | None = None):
     """This rank's ``(dq, dk, dv)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
-    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
-    block, sums = (k, v), None
-    for step in range(record.size):
-        pending = None
-        if step < record.size - 1:
-            rows = record.length(record.holder(step + 1))
-            pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
-        partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
-                                  record.holder(step), dq, dropout)
-        own = sums.wait() if sums is not None else \
-            [torch.zeros(t.shape, dtype=torch.float, device=t.device) for t in block]
-        add_key_gradients(partial, *own)  # the sums arrived while the kernels ran
-        if record.size == 1:
-            return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
-        # The accumulators follow their block to the next rank (the last step: home).
+    dq, block, sums = None, (k, v), None
+    dtype = sums_dtype(record, q)  # the inputs' on a ring of two: no float32 sums at all
+    for step in range(record.size - 1):
         rows = record.length(record.holder(step + 1))
-        if step == record.size - 1:  # finished: home in the inputs' dtype (half the bytes)
-            own = [own[0].to(k.dtype), own[1].to(v.dtype)]
+        pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
+        dq, partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
+                                      record.holder(step), dq, dropout)
+        # The sums arrived while the kernels ran; they follow their block to the next rank.
+        own = add_key_gradients(partial, sums.wait() if sums is not None else (None, None),
+                                block, dtype)
         sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
-        if pending is not None:
-            block = pending.wait()
-    dk, dv = sums.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        block = pending.wait()
+    if record.size == 1:
+        dq, partial = backward_blocks(grad, q, k, v, attn, lse, scale, causal, record,
+                                      record.position, dq, dropout)
+        dk, dv = add_key_gradients(partial, (None, None), block, dtype)
+        return _finished(dq, q), dk.to(k.dtype), dv.to(v.dtype)
+    return _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block,
+                      sums, dtype)
+
+
+def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block, sums,
+               dtype):
+    """The ring backward's last step: this rank's queries against the block of the next
+    position, whose dk/dv sums are then finished and go home, cast to the inputs' dtype. The
+    step runs in ``record.home_parts`` parts (halves of the batch, or of the heads), each
+    part's sums sent as soon as its kernels finish, so only the last part's transfer is not
+    hidden under compute. Returns ``(dq, dk, dv)``."""
+    k, v = block
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    home = [torch.empty(_shape(t, record.length(record.position)), dtype=t.dtype,
+                        device=t.device) for t in block]
+    axis = 0 if q.shape[0] > 1 else 1
+    assert q.shape[axis] % record.home_parts == 0, (q.shape, record.home_parts)
+    incoming, sent = None, []
+    for part in _parts(q.shape[axis], record.home_parts, axis):
+        _, partial = backward_blocks(grad[part], q[part], k[part], v[part], attn[part],
+                                     lse[part], scale, causal, record,
+                                     record.holder(record.size - 1), dq[part], dropout)
+        if incoming is None:  # (after the first kernels are launched: they need no sums)
+            incoming = sums.wait()
+        own = add_key_gradients(partial, [s[part] for s in incoming],
+                                [t[part] for t in block], dtype)
+        sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
+                               [h[part].shape for h in home], group,
+                               into=[h[part] for h in home]))
+    for pending in sent:
+        pending.wait()
+    return _finished(dq, q), *home
+
+
+def _parts(extent: int, count: int, axis: int) -> list[tuple[slice, ...]]:
+    """``count`` equal slices of ``extent`` on ``axis``, as indices of a tensor."""
+    size = extent // count
+    return [(slice(None),) * axis + (slice(i * size, (i + 1) * size),) for i in range(count)]
+
+
+def _finished(dq: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The query gradient in q's dtype (zeros when no kernel reached a row: no rows)."""
+    return torch.zeros_like(q) if dq is None else dq.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +169,7 @@ def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, gro
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
-    merged = Merged(q, v)
+    merged = Merged(q, v, sums_dtype(record, q))
     for c in range(record.size):
         forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged, dropout)
     return merged.result(q.dtype)
@@ -140,16 +181,14 @@ def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Co
     sizes = [record.length(c) for c in range(record.size)]
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
-    dq = torch.zeros(q.shape, dtype=torch.float, device=q.device)
-    sums = []
+    dq, sums, dtype = None, [], torch.float  # a reduce-scatter sums in float32 again
     for c in range(record.size):
-        sums.append([torch.zeros(t.shape, dtype=torch.float, device=t.device)
-                     for t in (keys[c], values[c])])
-        add_key_gradients(backward_blocks(grad, q, keys[c], values[c], attn, lse, scale,
-                                          causal, record, c, dq, dropout), *sums[-1])
+        dq, parts = backward_blocks(grad, q, keys[c], values[c], attn, lse, scale, causal,
+                                    record, c, dq, dropout)
+        sums.append(add_key_gradients(parts, (None, None), (keys[c], values[c]), dtype))
     dk, dv = (reduce_scatter(torch.cat([s[i] for s in sums], dim=-2), k.ndim - 2, group,
                              "sum", sizes=sizes) for i in (0, 1))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _finished(dq, q), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

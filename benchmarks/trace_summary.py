@@ -1,0 +1,125 @@
+"""A summary of one rank's GPU timeline from a torch.profiler Chrome trace: how busy the
+compute kernels kept the device, where it sat idle, and how much of the communication
+kernels' time no compute kernel hid.
+
+Compute is every GPU kernel, memset and memcpy that is not NCCL's; communication is NCCL's
+kernels (whose time includes waiting for the peer to reach the same transfer). A window is
+one ``gpu_user_annotation`` named ``window`` (one timed call wrapped in
+``torch.profiler.record_function(window)``), or the whole trace when there is none; with a
+window, the summary also gives the host time from the call to its first GPU work.
+
+    python -m benchmarks.trace_summary TRACE.json [window]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+Interval = tuple[float, float]  # microseconds [start, end)
+
+
+def _union(intervals: list[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(intervals: list[Interval], cover: list[Interval]) -> list[Interval]:
+    """The parts of (disjoint, sorted) ``intervals`` outside (disjoint, sorted) ``cover``."""
+    result = []
+    for a, b in intervals:
+        for c, d in cover:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                result.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            result.append((a, b))
+    return result
+
+
+def _clip(events: list[dict], window: Interval) -> list[dict]:
+    return [e for e in events if e["ts"] < window[1] and e["ts"] + e["dur"] > window[0]]
+
+
+def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dict:
+    """Busy, idle and exposed-communication milliseconds of ``events`` (GPU events) in
+    ``window``, with the longest idle gaps between compute kernels."""
+    events = _clip(events, window)
+    comm = [e for e in events if "nccl" in e["name"].lower()]
+    compute = [e for e in events if "nccl" not in e["name"].lower()]
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
+    sent = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    start = min((a for a, _ in busy + sent), default=window[0])
+    end = max((b for _, b in busy + sent), default=window[0])
+    idle = _minus([(start, end)], busy)
+    ordered = sorted(compute, key=lambda e: e["ts"])
+    longest = sorted(idle, key=lambda g: g[0] - g[1])[:gaps]
+    return {
+        "span_ms": round((end - start) / 1e3, 3),
+        "compute_busy_ms": round(_length(busy) / 1e3, 3),
+        "idle_ms": round(_length(idle) / 1e3, 3),
+        "nccl_ms": round(_length(sent) / 1e3, 3),
+        "nccl_exposed_ms": round(_length(_minus(sent, busy)) / 1e3, 3),
+        "longest_idle_gaps": [{"at_ms": round((a - start) / 1e3, 3),
+                               "ms": round((b - a) / 1e3, 3),
+                               "after": _name_before(ordered, a),
+                               "nccl_running": any(c < b and d > a for c, d in sent)}
+                              for a, b in longest],
+        "top_kernels_ms": _top(compute + comm),
+    }
+
+
+def _name_before(ordered: list[dict], at: float) -> str | None:
+    before = [e for e in ordered if e["ts"] + e["dur"] <= at]
+    return before[-1]["name"][:80] if before else None
+
+
+def _top(events: list[dict], count: int = 10) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for e in events:
+        totals[e["name"][:80]] = totals.get(e["name"][:80], 0.0) + e["dur"] / 1e3
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:count]}
+
+
+def summarize(trace: dict, window: str | None = None) -> list[dict]:
+    """One summary (:func:`summarize_window`) per annotated ``window`` of the trace."""
+    events = trace.get("traceEvents", [])
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in
+           ("kernel", "gpu_memcpy", "gpu_memset")]
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "gpu_user_annotation" and e.get("name") == window)
+    if not windows:
+        windows = [(min((e["ts"] for e in gpu), default=0.0),
+                    max((e["ts"] + e["dur"] for e in gpu), default=0.0))]
+    calls = sorted(e["ts"] for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name") == window)
+    summaries = [summarize_window(gpu, w) for w in windows]
+    for summary, w, called in zip(summaries, windows, calls):
+        # The host's time from the call to its first GPU work (exposed when the device
+        # was idle, as after a synchronization).
+        first = min((e["ts"] for e in _clip(gpu, w)), default=called)
+        summary["host_to_first_kernel_ms"] = round((first - called) / 1e3, 3)
+    return summaries
+
+
+def main(argv: list[str]) -> None:
+    with open(argv[0]) as f:
+        trace = json.load(f)
+    print(json.dumps(summarize(trace, argv[1] if len(argv) > 1 else None), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
