@@ -7,17 +7,12 @@ Programs written for nvFuser's Python frontends run with ``import meshfuse as nv
 those module names import meshfuse.
 """
 
+import importlib
+
 from meshfuse import multidevice, pytorch_utils  # noqa: F401  (nvFuser's submodules)
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
 from meshfuse.autodiff.api import vjp
 from meshfuse.autodiff.module import FusionModule
-from meshfuse.dtensor import (
-    execute_with_dtensors,
-    mesh_from_torch,
-    mesh_to_torch,
-    schedule_from_placements,
-    to_placements,
-)
 from meshfuse.dtypes import DataType
 from meshfuse.errors import (
     CommunicationError,
@@ -42,6 +37,17 @@ from meshfuse.visualize import visualize
 
 # nvFuser's names for the same things.
 Tensor = TensorView
+
+# DTensor interop (meshfuse.dtensor) is imported on first use: torch.distributed.tensor
+# costs about a third of `import meshfuse`, and a program without DTensors never needs it.
+_DTENSOR_NAMES = ("execute_with_dtensors", "mesh_from_torch", "mesh_to_torch",
+                  "schedule_from_placements", "to_placements")
+
+
+def __getattr__(name: str):
+    if name in _DTENSOR_NAMES:
+        return getattr(importlib.import_module("meshfuse.dtensor"), name)
+    raise AttributeError(f"module 'meshfuse' has no attribute {name!r}")
 
 __all__ = [
     "CommunicationError",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.launch import rank_env
 from meshfuse.runtime.communicator import ROLL_CALL_S, Communicator
 
 EXTENT = 1 << 20  # large enough that an allreduce is still running when a rank exits
@@ -95,11 +97,64 @@ def main(scenario: str, timeout: float) -> None:
         assert out.tolist() == [float(EXTENT * comm.size)] * 2
     except Exception as e:  # noqa: BLE001 - reported to the test
         outcome.update(error=type(e).__name__, message=str(e),
-                       bases=[c.__name__ for c in type(e).__mro__])
+                       bases=[c.__name__ for c in type(e).__mro__],
+                       failure=getattr(e, "failure", None))
     outcome["seconds"] = time.monotonic() - start
     outcome["cpu"] = time.process_time()  # so that a launcher can tell what the exit costs
     print(json.dumps(outcome), flush=True)
 
 
+def serve() -> None:
+    """Forks ranks on request, so that a test launches many jobs without paying the import of
+    torch and meshfuse for each process (tests/rank_jobs.py): each line of stdin,
+    ``TAG SCENARIO TIMEOUT RANK SIZE PORT LOG``, starts one rank running ``main`` with its
+    output to the file LOG, and stdout says ``started TAG PID``, then ``ended PID CODE`` once
+    it has exited (through the interpreter's normal exit: atexit, torch's teardown). Ends at
+    the end of stdin. Single-threaded, so that a fork copies nothing half-done."""
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+        _reap()
+        if not ready:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            return
+        tag, scenario, timeout, rank, size, port, log = line.split()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(int(rank), int(size), int(port), log)
+            main(scenario, float(timeout))
+            sys.exit(0)  # unwinds serve() in this child: the interpreter's normal exit
+        print(f"started {tag} {pid}", flush=True)
+
+
+def _become_rank(rank: int, size: int, port: int, log: str) -> None:
+    """In a forked child: its output to ``log``, torchrun's variables for ``rank``."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.update(rank_env(os.environ, rank, size, port))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        print(f"ended {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        main(sys.argv[1], float(sys.argv[2]))

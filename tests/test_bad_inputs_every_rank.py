@@ -339,8 +339,8 @@ def test_no_agreement_collective_on_cached_calls_or_when_off(multidevice_test, m
     on a cached call, none with ``check_ranks=False``."""
     d = multidevice_test.size
     calls = []
-    gather = Communicator.allgather
-    monkeypatch.setattr(Communicator, "allgather",
+    gather = Communicator.agreement_allgather
+    monkeypatch.setattr(Communicator, "agreement_allgather",
                         lambda self, *a, **k: calls.append(1) or gather(self, *a, **k))
     fd, good = relu(d)
     fd.execute(good)

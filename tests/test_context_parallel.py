@@ -32,15 +32,15 @@ class Attention(FusionDefinition):
     """Attention forward and backward; outputs attn, q_grad, k_grad, v_grad."""
 
     def __init__(self, h, s, causal, qkv_format=QkvFormat.BHSE, strategy=None,
-                 dtype=DataType.Float):
+                 dtype=DataType.Float, batch=B):
         super().__init__()
         self.h, self.s, self.causal, self.format, self.strategy = h, s, causal, qkv_format, \
             strategy
-        self.dtype = dtype
+        self.dtype, self.batch = dtype, batch
 
     def definition(self):
         self.q, self.k, self.v, self.g = (
-            self.define_tensor([B, self.h, self.s, E], dtype=self.dtype,
+            self.define_tensor([self.batch, self.h, self.s, E], dtype=self.dtype,
                                stride_order=STRIDES[self.format]) for _ in range(4))
         self.attn, self.lse, seed, offset = self.ops.sdpfa_fwd(
             self.q, self.k, self.v, 0.0, self.causal, None, context_parallel=self.strategy)
@@ -55,9 +55,9 @@ class Attention(FusionDefinition):
         return (self.q, self.k, self.v, self.g, self.attn, self.lse, *self.grads)
 
 
-def _global_inputs(h, s, qkv_format, dtype=torch.float32):
+def _global_inputs(h, s, qkv_format, dtype=torch.float32, batch=B):
     torch.manual_seed(7)
-    shape = [B, s, h, E] if qkv_format is QkvFormat.BSHE else [B, h, s, E]
+    shape = [batch, s, h, E] if qkv_format is QkvFormat.BSHE else [batch, h, s, E]
     tensors = [torch.randn(shape, dtype=dtype) for _ in range(4)]
     return [t.transpose(1, 2) if qkv_format is QkvFormat.BSHE else t for t in tensors]
 
@@ -107,7 +107,7 @@ def _rows(s, d, layout):
     return blocks + [torch.arange(0)] * (d - len(blocks))
 
 
-def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
+def _expected_ring(s, d, h_local, itemsize, position, layout="block", parts=None):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
     forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the dk/dv
     accumulators n - 1 times (float32, but in the inputs' dtype on a ring of two, where each
@@ -122,7 +122,7 @@ def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
         sums = 4 if d > 2 else itemsize
         backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
     # The finished sums go home cast, in two halves of the (even) local heads.
-    parts = 2 if h_local % 2 == 0 else 1
+    parts = parts or (2 if h_local % 2 == 0 else 1)
     sent, received = block[order[d - 1]] // parts, block[position] // parts
     backward += [("send", sent * itemsize), ("recv", received * itemsize)] * 2 * parts
     return (forward + backward) if d > 1 else []
@@ -201,6 +201,37 @@ def test_odd_heads_send_the_sums_home_whole(multidevice_test):
     assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
         16, d, 3, 4, multidevice_test.rank, "zigzag")
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
+    assert [c for p in planned for c in p.communications()] == comms
+
+
+@pytest.mark.mpi
+def test_sums_go_home_whole_when_asked(multidevice_test, monkeypatch):
+    """MESHFUSE_CP_HOME_PARTS=1 (read when the program is built): one transfer each."""
+    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "1")
+    d = multidevice_test.size
+    fd = Attention(2, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 2, 4, multidevice_test.rank, "zigzag", parts=1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
+def test_batch_of_two_sends_the_sums_home_in_batch_halves(multidevice_test, qkv_format):
+    """With a batch of 2 the last step runs (and sends its sums home) per batch element,
+    3 heads and all: each half carries half the bytes."""
+    d, rank = multidevice_test.size, multidevice_test.rank
+    fd = Attention(3, 16, True, qkv_format, strategy="ring", batch=2)
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    inputs = _global_inputs(3, 16, qkv_format, batch=2)
+    outputs, expected, comms = _run(multidevice_test, fd, inputs)
+    _assert_equal(outputs, expected)
+    home = [(c.kind, c.bytes) for c in comms][-8:]
+    block = len(_rows(16, d, "zigzag")[rank]) * 3 * E * 4  # bytes of a whole batch element
+    assert home == ([("send", block), ("recv", block)] * 4 if d > 1 else home)
+    planned = planned_context_parallel(fd.compiled().fusion, rank)
     assert [c for p in planned for c in p.communications()] == comms
 
 

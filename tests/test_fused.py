@@ -25,7 +25,7 @@ from benchmarks.cases.fusion import NormFwdBwd, SoftmaxRows
 from benchmarks.fusions import Pointwise10
 from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
 from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.fused import FUSED
+from meshfuse.runtime.fused import FUSED, INDUCTOR_ON_CUDA, inductor_patches
 from meshfuse.runtime.runner import compile_setting
 
 BACKEND = "aot_eager"
@@ -225,3 +225,19 @@ def test_auto_compiles_on_cuda_only():
         torch.testing.assert_close(got.cpu(), _reference(x, w))
         (_, backend), = fd._get_runner()._fused
         assert backend == "inductor"
+
+
+class _Like:
+    """A stand-in for a tensor of a device (only ``is_cuda`` is read)."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
+
+
+def test_inductor_segments_on_gpus_get_persistent_and_looped_reductions():
+    """Inductor on CUDA tensors compiles each reduction both ways (triton.multi_kernel) and
+    keeps the faster; other backends, and Inductor's C++ on CPUs, get no settings."""
+    assert inductor_patches("inductor", [_Like(False), _Like(True)]) == INDUCTOR_ON_CUDA
+    assert INDUCTOR_ON_CUDA["triton.multi_kernel"] == 1
+    assert inductor_patches("inductor", [_Like(False)]) == {}
+    assert inductor_patches("aot_eager", [_Like(True)]) == {}

@@ -1,8 +1,9 @@
 """A dead or stuck rank ends in CommunicationError on every survivor, and a clean run exits 0.
 
-Each test launches its own two ranks (gloo, CPU) running ``tests/rank_failures.py`` with a
-short timeout, as a user's ``torchrun`` job would run: the multi-rank test harness cannot
-host a rank that dies on purpose.
+Each job runs ``tests/rank_failures.py`` on its own ranks (gloo, CPU) with a short timeout, as
+a user's ``torchrun`` job would run: the multi-rank test harness cannot host a rank that dies
+on purpose. The ranks are forked by one process that imported torch and meshfuse once
+(``rank_jobs.Forker``); two of the clean jobs start fresh interpreters, as a launcher does.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import re
 
 import pytest
-from rank_jobs import Job, finish, start
+from rank_jobs import Forker, Job, finish, start
 
 from meshfuse.errors import CommunicationError, InputError
 from meshfuse.runtime.failures import (
@@ -27,49 +28,67 @@ TIMEOUT_S = 3.0
 GRACE_S = 10.0
 # The issue's bar: a 2-rank program that ends normally exits 0 in 20 runs out of 20.
 EXIT_RUNS = int(os.environ.get("MESHFUSE_EXIT_RUNS", "20"))
-CLEAN_AT_ONCE = 4  # clean jobs running at a time (each is two processes importing torch)
+FRESH_RUNS = 2  # of them, launched as fresh interpreters (the others forked)
+CLEAN_AT_ONCE = 4  # clean jobs running at a time
+SIZES = (2, 4)
 
 SCENARIOS = ("exit_before", "exit_inside", "sleep")
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Job]:
-    """Every scenario's job, and the clean ones: the failure scenarios are started first and
-    mostly wait, the clean jobs run a few at a time meanwhile."""
-    started = {name: start(name, TIMEOUT_S) for name in SCENARIOS}
-    jobs = {}
-    for first in range(0, EXIT_RUNS, CLEAN_AT_ONCE):
-        batch = {f"clean{i}": start("clean", TIMEOUT_S)
-                 for i in range(first, min(first + CLEAN_AT_ONCE, EXIT_RUNS))}
-        jobs.update({name: finish(job) for name, job in batch.items()})
-    jobs.update({name: finish(job) for name, job in started.items()})
+    """Every scenario's job at each size, and the clean ones: the failure scenarios are
+    started first and mostly wait, the clean jobs run a few at a time meanwhile."""
+    forker = Forker()
+    try:
+        started = {f"{name}{size}": start(name, TIMEOUT_S, size, forker)
+                   for name in SCENARIOS for size in SIZES}
+        jobs = {}
+        for first in range(0, EXIT_RUNS, CLEAN_AT_ONCE):
+            batch = {f"clean{i}": start("clean", TIMEOUT_S, 2, None if i < FRESH_RUNS else forker)
+                     for i in range(first, min(first + CLEAN_AT_ONCE, EXIT_RUNS))}
+            jobs.update({name: finish(job) for name, job in batch.items()})
+        jobs.update({name: finish(job) for name, job in started.items()})
+    finally:
+        forker.close()
     return jobs
 
 
-@pytest.mark.parametrize("scenario, failure, words", [
-    ("exit_before", "peer", ["closed its connection", "rank 1 was not there"]),
-    ("exit_inside", "peer", ["closed its connection", "rank 1 was not there"]),
-    ("sleep", "timeout", [f"timed out after {TIMEOUT_S:g} s", "rank 1 was not there",
-                          "MESHFUSE_TIMEOUT"]),
-])
-def test_survivor_raises_communication_error(runs, scenario, failure, words):
-    """Rank 1 exits before the allreduce, exits while rank 0 waits inside it, or sleeps past
-    the timeout: rank 0 raises CommunicationError naming the step, the group and rank 1,
-    within the timeout plus a few seconds, and exits 0 once it has handled it."""
-    job = runs[scenario]
-    survivor, culprit = job.ranks
-    assert not job.hung, survivor.output + culprit.output
-    outcome = survivor.outcome
-    assert outcome is not None, survivor.output
-    assert "CommunicationError" in outcome["bases"], outcome
-    message = outcome["message"]
-    assert re.search(r"rank 0: step \d \(T\d = \w+\(T\d.*\): allreduce\(sum\) over mesh axis 0"
-                     r".* \(ranks \[0, 1\]\)\) among ranks \[0, 1\]", message), message
-    for word in words:
-        assert word in message, (word, message)
-    assert outcome["seconds"] < TIMEOUT_S + GRACE_S, outcome
-    assert survivor.code == 0, survivor.output
-    if scenario == "sleep":  # it comes back late and finds rank 0 gone: the same error
+# What a survivor's message says for each kind of failure; every message names the culprit.
+WORDS = {
+    "peer": ["closed its connection"],
+    "timeout": [f"timed out after {TIMEOUT_S:g} s", "MESHFUSE_TIMEOUT"],
+}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("scenario, failure", [
+    ("exit_before", "peer"), ("exit_inside", "peer"), ("sleep", "timeout")])
+def test_survivors_raise_communication_error(runs, scenario, failure, size):
+    """The last rank exits before the allreduce, exits while the others wait inside it, or
+    sleeps past the timeout: every other rank raises CommunicationError naming the step, the
+    group and the culprit, within the timeout plus a few seconds, and exits 0 once it has
+    handled it. (At 4 ranks, a survivor that is not the dead rank's neighbour in gloo's ring
+    sees no connection close: it times out, and the roll call names the culprit all the
+    same.)"""
+    job = runs[f"{scenario}{size}"]
+    *survivors, culprit = job.ranks
+    assert not job.hung, "\n".join(r.output for r in job.ranks)
+    group = re.escape(str(list(range(size))))
+    for rank, survivor in enumerate(survivors):
+        outcome = survivor.outcome
+        assert outcome is not None, survivor.output
+        assert "CommunicationError" in outcome["bases"], outcome
+        assert outcome["failure"] in (failure, "timeout"), outcome
+        message = outcome["message"]
+        assert re.search(rf"rank {rank}: step \d \(T\d = \w+\(T\d.*\): allreduce\(sum\) over "
+                         rf"mesh axis 0.* \(ranks {group}\)\) among ranks {group}", message), message
+        for word in [*WORDS[outcome["failure"]], f"rank {size - 1} was not there"]:
+            assert word in message, (word, message)
+        assert outcome["seconds"] < TIMEOUT_S + GRACE_S, outcome
+        assert survivor.code == 0, survivor.output
+    assert any(s.outcome["failure"] == failure for s in survivors), [s.outcome for s in survivors]
+    if scenario == "sleep":  # it comes back late and finds the others gone: the same error
         assert culprit.outcome is not None, culprit.output
         assert "CommunicationError" in culprit.outcome["bases"], culprit.output
     else:

@@ -4,10 +4,15 @@ Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gra
 BHSE or BSHE memory order, and runs, as variants:
 
 - ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
-- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed),
-  at the seed's sizes only;
+- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed,
+  inputs and outputs copied), at the seed's sizes only;
+- ``meshfuse_auto_graph``: ``execute(cuda_graph="auto")`` (replayed where safe, nothing
+  copied: ``meshfuse.runtime.replay``), at the seed's sizes only;
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
   ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
+- ``direct_aten``: the same kernels as bare ``torch.ops.aten`` calls (no wrapper, no check);
+  each meshfuse record's ``vs_direct_aten`` is its time over this one's (issue 13: a plain
+  ``execute`` within 1.1x);
 - ``dtensor`` ((b)): DTensor q/k/v placed ``Shard(1)``, ``F.scaled_dot_product_attention``
   and autograd (CUDA only: DTensor has no sharding rule for the CPU kernels);
 - ``torch_flash`` ((c)): ``F.scaled_dot_product_attention`` with autograd on the local
@@ -61,11 +66,19 @@ def local_inputs(ctx: Context, sizes: dict[str, int], qkv_format: QkvFormat):
     return out
 
 
+_GRAPH_VARIANTS = {
+    False: ("meshfuse", ""),
+    True: ("meshfuse_graph", "execute(cuda_graph=True)"),
+    "auto": ("meshfuse_auto_graph", "execute(cuda_graph='auto'): replayed, nothing copied"),
+}
+
+
 def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs,
-                     cuda_graph: bool = False) -> Variant:
-    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: captured once,
-    then replayed: variant ``meshfuse_graph``); checked against the direct kernels once
-    before it is timed."""
+                     cuda_graph: bool | str = False) -> Variant:
+    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: True, captured
+    once and replayed with copies: variant ``meshfuse_graph``; ``"auto"``, the automatic
+    replay: ``meshfuse_auto_graph``); checked against the direct kernels once before it is
+    timed."""
 
     def setup():
         if cuda_graph and not ctx.cuda:
@@ -79,8 +92,8 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
                     ATTENTION_TOL)
         return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
-    return Variant("meshfuse_graph" if cuda_graph else "meshfuse", setup,
-                   "execute(cuda_graph=True)" if cuda_graph else "")
+    name, note = _GRAPH_VARIANTS[cuda_graph]
+    return Variant(name, setup, note)
 
 
 def direct_variant(inputs, requested=None, name="direct"):
@@ -99,6 +112,41 @@ def direct_variant(inputs, requested=None, name="direct"):
         return step, {"backend": backend.value}
 
     return Variant(name, setup)
+
+
+def _raw_aten(backend, q, k, v, g):
+    """One forward and backward of ``backend`` as bare ``torch.ops.aten`` calls (no meshfuse
+    wrapper, no check, no layout work): the issue's "same kernels called directly"."""
+    aten, s, causal = torch.ops.aten, q.shape[2], IS_CAUSAL
+    if backend.value == "cudnn":
+        out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+        return out[0], aten._scaled_dot_product_cudnn_attention_backward(
+            g, q, k, v, out[0], out[1], out[6], out[7], None, None, None, s, s, 0.0, causal)
+    if backend.value == "flash":
+        out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+        return out[0], aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out[0], out[1], None, None, s, s, 0.0, causal, out[6], out[7])
+    if backend.value == "efficient":
+        out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out[0], aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out[0], out[1], out[2], out[3], 0.0, [True, True, True, False],
+            causal)
+    out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out[0], aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out[0], out[1], 0.0, causal)
+
+
+def raw_variant(inputs) -> Variant:
+    """``direct_aten``: the kernels meshfuse selects as bare aten calls (see _raw_aten)."""
+    q, k, v, g = inputs
+
+    def setup():
+        backend = select_backend(q, k, v, DROPOUT_P, IS_CAUSAL)
+        if backend.value not in ("cudnn", "flash", "efficient", "cpu_flash"):
+            raise Skip(f"no bare aten form for the {backend.value} kernel")
+        return (lambda: _raw_aten(backend, q, k, v, g)), {"backend": backend.value}
+
+    return Variant("direct_aten", setup, "bare torch.ops.aten calls")
 
 
 def _autograd_step(q, k, v, g, backends):
@@ -152,28 +200,40 @@ def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
     records = []
     for fmt in QkvFormat:
         inputs = local_inputs(ctx, sizes, fmt)
-        graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=True)] if cuda_graph \
-            else []
+        graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=mode)
+                   for mode in (True, "auto")] if cuda_graph else []
         variants = [
             meshfuse_variant(ctx, sizes, fmt, inputs),
             *graphed,
             direct_variant(inputs),
+            raw_variant(inputs),
             _dtensor(ctx, inputs),
             _torch(inputs, "torch_flash", [SDPBackend.FLASH_ATTENTION], "sdpa_kernel(FLASH)"),
             _torch(inputs, "torch_sdpa", _ALL_BACKENDS, "PyTorch's kernel choice"),
         ]
         params = dict(sizes, causal=IS_CAUSAL, dtype="bf16", layout=fmt.value,
                       heads_per_rank=sizes["h"] // ctx.world)
-        records += run_variants(ctx, case, fmt.value, variants, plan, "direct", params)
+        records += _vs_raw(run_variants(ctx, case, fmt.value, variants, plan, "direct",
+                                        params))
         del inputs, variants
+    return records
+
+
+def _vs_raw(records: list[Record]) -> list[Record]:
+    """``vs_direct_aten`` on the meshfuse records: the median over ``direct_aten``'s (issue
+    13's target for a plain ``execute``: at most 1.1)."""
+    raw = next((r for r in records if r.variant == "direct_aten" and r.median_ms), None)
+    for record in records:
+        if raw is not None and record.variant.startswith("meshfuse") and record.median_ms:
+            record.metrics["vs_direct_aten"] = round(record.median_ms / raw.median_ms, 3)
     return records
 
 
 def seed_case(ctx: Context) -> list[Record]:
     """Case 1: the seed's sizes (b=2, h=12, s=1024, head dim 64)."""
     sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
-    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100)
-    plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=20, iters=100, host_calls=50)
+    plan = Plan(plan.warmup, plan.iters, plan.host_calls, flops=attention_flops(**sizes))
     return run_attention(ctx, "attention_seed", sizes, plan, cuda_graph=True)
 
 

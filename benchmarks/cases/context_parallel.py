@@ -7,6 +7,12 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   (cuDNN on Hopper), called directly; every rank runs it on its own GPU. The ideal time on
   ``n`` GPUs is this time over ``n``; each record's ``pct_of_ideal`` is ideal / its time.
 - ``ring_zigzag``: meshfuse, the sequence zig-zag split (load balanced), forced ring;
+- ``ring_zigzag_synced``: the same, each call waiting for its kernels (the harness times
+  calls back to back; this one shows the host time before the first kernel instead of
+  hiding it, and whether calls that overlap their neighbours run slower);
+- ``ring_zigzag_home_whole``: the same with the backward's finished dk/dv sums sent home
+  whole (``MESHFUSE_CP_HOME_PARTS=1``) instead of in two halves, each sent as soon as its
+  kernels finish: what the halves gain;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -19,11 +25,13 @@ Each meshfuse variant is checked against ``one_gpu`` (sharded alike) before it i
 TFLOP/s, one k/v block transfer's GB/s) and which strategy the estimate picks with them, and
 which was fastest. With ``MESHFUSE_CP_PROFILE=<dir>``, every rank also writes a
 torch.profiler trace of two ``ring_zigzag`` calls at s=32768 and its summary (compute busy
-time, idle gaps, NCCL time that no kernel hid), also recorded as ``profile_ring_zigzag``.
+time, idle gaps, NCCL time that no kernel hid, each call's wall time), also recorded as
+``profile_ring_zigzag``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -104,20 +112,38 @@ def _one_gpu(full, causal):
     return Variant("one_gpu", setup, "whole problem on one GPU, direct kernel", gpus=1)
 
 
-def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy):
+def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env=None,
+              synced=False):
     def setup():
         mesh = meshfuse.DeviceMesh(range(ctx.world))
         fd = CausalAttention(sizes, s, causal, mesh, zigzag, strategy)
         fd.define()
         local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
-        got = fd.execute(local)
+        with _environment(env or {}):  # read when the program is built (the first call)
+            got = fd.execute(local)
         want = [meshfuse.shard_tensor(t, tv) for t, tv in zip(expected, fd.fusion.outputs())]
         check_close(f"{name} vs one GPU", got, want, TOL)
         del got, want
+        if synced:  # each call waits for its kernels: the next starts from an idle device
+            return (lambda: (fd.execute(local), ctx.sync())), {"strategies": _strategies(fd)}
         return (lambda: fd.execute(local)), {"strategies": _strategies(fd)}
 
     note = f"{'zig-zag' if zigzag else 'block'} split, {strategy or 'estimate'}"
     return Variant(name, setup, note)
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def _strategies(fd) -> dict:
@@ -177,6 +203,10 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
     variants = [
         _one_gpu(full, causal),
         _meshfuse(ctx, "ring_zigzag", sizes, s, causal, full, expected, True, "ring"),
+        _meshfuse(ctx, "ring_zigzag_synced", sizes, s, causal, full, expected, True, "ring",
+                  synced=True),
+        _meshfuse(ctx, "ring_zigzag_home_whole", sizes, s, causal, full, expected, True, "ring",
+                  {"MESHFUSE_CP_HOME_PARTS": "1"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),
@@ -259,16 +289,21 @@ def _profile(ctx, name, sizes, s, causal, full, out_dir, params) -> Record:
     fd.execute(local)
     ctx.sync()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    walls = []
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(2):
+            start = time.perf_counter()
             with torch.profiler.record_function("ring_zigzag"):
                 fd.execute(local)
-            ctx.sync()  # as the timed loop does: host time before the first kernel shows
+            ctx.sync()  # each call from an idle device: its host time before the first kernel
+            walls.append(round((time.perf_counter() - start) * 1e3, 3))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ring_zigzag_s{s}_rank{ctx.rank}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         summary = trace_summary.summarize(json.load(f), "ring_zigzag")
+    for window, wall in zip(summary, walls):
+        window["wall_ms"] = wall  # the call and its synchronization, by the host's clock
     with open(path.replace(".json", "_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     record = Record("context_parallel", name, "profile_ring_zigzag", ctx.world,

@@ -10,10 +10,15 @@ Programs, rows split over the ranks (timings per rank):
   bf16, 16384x4096: outputs ``y`` and ``dx`` (the weight's gradient, a sum over the split
   rows, is left out: it would add an allreduce).
 
-Variants: ``meshfuse`` (interpreter), ``meshfuse_compiled`` (``execute(compile=True)``),
-``torch_eager`` and ``torch_compile`` (the same torch calls), ``memory_floor`` (a copy of as
-many bytes as the program reads and writes, so its time is those bytes at the copy bandwidth
-of this run); ratios are against ``memory_floor``. Each variant's host time per call
+Variants: ``meshfuse`` (interpreter), ``meshfuse_compiled`` (``execute(compile=True)``: the
+compiled segments, replayed from a CUDA graph from the second call on, where safe: see
+``meshfuse.runtime.replay``), ``meshfuse_compiled_no_graph`` (the same launched from Python,
+``cuda_graph=False``), ``torch_eager`` and ``torch_compile`` (the same torch calls),
+``memory_floor`` (a copy of as many bytes as the program reads and writes, so its time is
+those bytes at the copy bandwidth of this run); ratios are against ``memory_floor``, and
+``vs_torch_compile`` on the meshfuse records is the ratio to ``torch_compile``. ``graph``
+says whether the program is replayed (explain's line). A compiled variant whose timed calls
+compiled again is an error record (cached calls never recompile). Each variant's host time per call
 (``host_us``, the GPU kept busy) and GPU time (``gpu_us``) say whether it is host- or
 GPU-bound. The compiled variants record their
 first-call compile time (``compile_s``) and, for meshfuse, the number of compilations
@@ -120,16 +125,21 @@ def _variants(ctx: Context, model, torch_fn, inputs: list, tol: float) -> list[V
     src = torch.empty(moved // 2, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
 
-    def mf(compile):
+    def mf(compile, cuda_graph=None):
+        def run(*args):
+            return model.execute(list(args), compile=compile, cuda_graph=cuda_graph)
+
         def setup():
-            out, seconds = _first_call(lambda *a: model.execute(list(a), compile=compile),
-                                       inputs)
+            out, seconds = _first_call(run, inputs)  # compiles, and picks kernels
             check_close("meshfuse vs torch", out, expected, tol)
             if not compile:
-                return lambda: model.execute(inputs, compile=False)
+                return lambda: run(*inputs)
+            check_close("meshfuse replayed vs torch", run(*inputs), expected, tol)
             (_, stats), = model._get_runner()._fused.values()
-            return (lambda: model.execute(inputs, compile=compile),
-                    {"compile_s": round(seconds, 3), "compiles": stats.compiles})
+            return (lambda: run(*inputs),
+                    {"compile_s": round(seconds, 3), "compiles": stats.compiles,
+                     "graph": _replay_line(model, inputs) if cuda_graph is None else
+                     f"cuda_graph={cuda_graph}", "_stats": stats})
         return setup
 
     def compiled_torch():
@@ -140,11 +150,41 @@ def _variants(ctx: Context, model, torch_fn, inputs: list, tol: float) -> list[V
         return (lambda: fn(*inputs)), {"compile_s": round(seconds, 3)}
 
     return [Variant("meshfuse", mf(False)),
-            Variant("meshfuse_compiled", mf(backend)),
+            Variant("meshfuse_compiled", mf(backend),
+                    "execute(compile=True): segments compiled, replayed from a CUDA graph "
+                    "where safe"),
+            Variant("meshfuse_compiled_no_graph", mf(backend, False),
+                    "execute(compile=True, cuda_graph=False): the compiled segments launched "
+                    "from Python"),
             Variant("torch_eager", lambda: (lambda: torch_fn(*inputs))),
             Variant("torch_compile", compiled_torch),
             Variant("memory_floor", lambda: (lambda: dst.copy_(src)),
                     note=f"copy of {moved} bytes: the program's reads and writes")]
+
+
+def _replay_line(model, inputs) -> str:
+    """explain's line on the automatic CUDA-graph replay of ``inputs``' signature."""
+    lines = model.explain(inputs).splitlines()
+    return next((line for line in lines if line.startswith("CUDA graph replay")), "none")
+
+
+def _finish(records: list[Record]) -> list[Record]:
+    """Adds ``vs_torch_compile`` (median over ``torch_compile``'s) to the meshfuse records,
+    and marks a compiled variant whose timed calls recompiled as an error (cached calls must
+    never recompile)."""
+    by_name = {r.variant: r for r in records}
+    reference = by_name.get("torch_compile")
+    for record in records:
+        stats = record.metrics.pop("_stats", None)
+        if not record.variant.startswith("meshfuse") or record.median_ms is None:
+            continue
+        if reference is not None and reference.median_ms:
+            record.metrics["vs_torch_compile"] = round(record.median_ms / reference.median_ms, 3)
+        if stats is not None and stats.compiles != record.metrics.get("compiles"):
+            record.status = "error"
+            record.message = (f"cached calls recompiled: {record.metrics.get('compiles')} "
+                              f"compilations after the first call, {stats.compiles} after timing")
+    return records
 
 
 def _rows(ctx: Context, n: int) -> int:
@@ -165,19 +205,20 @@ def run(ctx: Context) -> list[Record]:
     records = []
     for n in ((64,) if ctx.quick else (4096, 8192)):
         x, y = (_randn(ctx, _rows(ctx, n), n, seed=s) for s in (0, 1))
-        variants = _variants(ctx, Pointwise10(n, mesh), pointwise10_torch, [x, y], 1e-5)
-        records += run_variants(ctx, "fusion", f"pointwise10 {n}x{n}", variants, plan,
-                                "memory_floor", {"n": n, "dtype": "fp32"})
+        variants = _variants(ctx, Pointwise10(n, mesh), pointwise10_torch, [x, y],
+                             1e-5)
+        records += _finish(run_variants(ctx, "fusion", f"pointwise10 {n}x{n}", variants, plan,
+                                        "memory_floor", {"n": n, "dtype": "fp32"}))
     n, m = (64, 32) if ctx.quick else (16384, 4096)
     x = _randn(ctx, _rows(ctx, n), m, dtype=torch.bfloat16)
     variants = _variants(ctx, SoftmaxRows(n, m, mesh), softmax_torch, [x], 1e-2)
-    records += run_variants(ctx, "fusion", f"softmax {n}x{m}", variants, plan, "memory_floor",
-                            {"n": n, "m": m, "dtype": "bf16"})
+    records += _finish(run_variants(ctx, "fusion", f"softmax {n}x{m}", variants, plan,
+                                    "memory_floor", {"n": n, "m": m, "dtype": "bf16"}))
     w, dy = _randn(ctx, m, dtype=torch.bfloat16, seed=1), \
         _randn(ctx, _rows(ctx, n), m, dtype=torch.bfloat16, seed=2)
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
-        variants = _variants(ctx, NormFwdBwd(n, m, mesh, rms), norm_torch(rms), [x, w, dy],
-                             1e-2)
-        records += run_variants(ctx, "fusion", f"{name} fwd+bwd {n}x{m}", variants, plan,
-                                "memory_floor", {"n": n, "m": m, "dtype": "bf16"})
+        variants = _variants(ctx, NormFwdBwd(n, m, mesh, rms), norm_torch(rms),
+                             [x, w, dy], 1e-2)
+        records += _finish(run_variants(ctx, "fusion", f"{name} fwd+bwd {n}x{m}", variants,
+                                        plan, "memory_floor", {"n": n, "m": m, "dtype": "bf16"}))
     return records

@@ -16,13 +16,14 @@ Two styles, one semantics (docs/design.md, section 2)::
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Sequence
 from typing import Any, Self
 
 import torch
 
 from meshfuse.autodiff.function import FusionFunction
-from meshfuse.dtensor import execute_with_dtensors, has_dtensors
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
@@ -247,6 +248,12 @@ class FusionDefinition:
                 overhead. Inputs are copied in and outputs copied out, so results are never
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
+                ``cuda_graph="auto"`` replays the program from a CUDA graph without copies
+                where that is safe (no communication, no random numbers, inputs where a
+                captured call had them, no earlier result still held; otherwise the
+                interpreter runs): the default for compiled programs, ``False`` turns it off,
+                ``MESHFUSE_CUDA_GRAPH=auto|0`` sets the default for every program or none.
+                See docs/fusion.md.
                 ``compile=True`` runs each run of fusible ops (pointwise, reductions, shape
                 ops) as one segment compiled by ``torch.compile`` (Inductor), cached per input
                 signature; a string names another torch.compile backend; ``False`` the
@@ -257,8 +264,10 @@ class FusionDefinition:
         if device is not None or save_repro_inputs or _enable_options or _disable_options:
             ignored_options(device=device, save_repro_inputs=save_repro_inputs,
                             _enable_options=_enable_options, _disable_options=_disable_options)
-        if has_dtensors(inputs):
-            return execute_with_dtensors(self, inputs, **options)
+        if _may_hold_dtensors():
+            dtensor = importlib.import_module("meshfuse.dtensor")  # deferred: see below
+            if dtensor.has_dtensors(inputs):
+                return dtensor.execute_with_dtensors(self, inputs, **options)
         runner = self._get_runner(options.get("check_ranks"))
         if self._shardings is None:
             compiled = runner.compiled
@@ -348,3 +357,10 @@ class FusionDefinition:
     def __repr__(self) -> str:
         self.define()
         return str(self.fusion)
+
+
+def _may_hold_dtensors() -> bool:
+    """Whether the inputs may hold a DTensor: not unless torch.distributed.tensor was
+    imported (by whoever made one). meshfuse.dtensor, which imports it, is imported only then:
+    it costs about a third of ``import meshfuse``."""
+    return "torch.distributed.tensor" in sys.modules

@@ -45,6 +45,7 @@ from meshfuse.ops.attention_backends import AttentionBackend, select_backend
 from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
 
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
+HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # "1": the ring's finished sums go home whole
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
@@ -262,11 +263,12 @@ def context_record(expr, here) -> ContextParallel:
 def home_parts(expr, here) -> int:
     """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
     local batch (of the heads when the batch is 1) when that extent is even and there is no
-    dropout (a block's mask is drawn whole), else one. The halves are contiguous slices of
-    the sums, sent and received in place."""
+    dropout (a block's mask is drawn whole), else one; ``MESHFUSE_CP_HOME_PARTS=1`` asks for
+    one (to measure what the halves gain). The halves are contiguous slices of the sums,
+    sent and received in place."""
     q = _arg(expr, "q")
     dropout = _arg(expr, "dropout_p")
-    if getattr(dropout, "value", dropout) != 0.0:
+    if getattr(dropout, "value", dropout) != 0.0 or os.environ.get(HOME_PARTS_VAR) == "1":
         return 1
     coordinate = q.mesh.coordinate(here.rank)
     coords = {pt: coordinate[q.mesh.axis_of(pt)] for shards in device_ids(q).values()

@@ -30,13 +30,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from meshfuse import errors
-from meshfuse.errors import ExecutionError, InputError, MeshfuseError
+from meshfuse.errors import InputError, MeshfuseError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.printer import format_expr, format_tensor
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.mesh import DeviceMesh
+from meshfuse.runtime.board import Notice
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.failures import remote_error, shared
 
 CHECK_RANKS_ENV = "MESHFUSE_CHECK_RANKS"
 T = TypeVar("T")
@@ -86,9 +86,11 @@ def enabled(option: bool | None) -> bool:
 
 
 def agreed(communicator: Communicator, attempt: Callable[[], T],
-           facts: Callable[[T], Sequence[Fact]], advice: str) -> T:
+           facts: Callable[[T], Sequence[Fact]], advice: str, in_call: bool = False) -> T:
     """``attempt()``'s result, once every rank of the world has run its own attempt and all
-    agree; see the module doc.
+    agree; see the module doc. ``in_call``: it checks the inputs of an ``execute`` call (a
+    rank running a cached program meanwhile is told this rank's claim, see
+    :mod:`meshfuse.runtime.lone_failures`).
 
     Raises:
         MeshfuseError: the error some rank's attempt raised, on every rank (this rank's own
@@ -101,14 +103,17 @@ def agreed(communicator: Communicator, attempt: Callable[[], T],
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, then it is raised
         result, own = None, e
         claim = Claim((), (type(e).__name__, str(e)))
-    digest = torch.tensor(claim.digest(), dtype=torch.int64, device=communicator.device)
-    world = DeviceMesh(range(communicator.size))
-    digests = [d.tolist() for d in communicator.allgather(digest, world, 0)]
+    digest = torch.tensor(claim.digest(), dtype=torch.int64)
+    late = communicator.lone.agreeing(claim) if in_call else None
+    digests = [d.tolist() for d in communicator.agreement_allgather(digest, late)]
     if all(d == digests[0] for d in digests) and not digests[0][2]:
         return result
     claims = communicator.allgather_object(claim)
-    _raise_failure(claims, own, communicator.rank)
-    _raise_difference(claims, advice)
+    try:
+        _raise_failure(claims, own, communicator.rank)
+        _raise_difference(list(enumerate(claims)), advice)
+    except MeshfuseError as e:
+        raise shared(e) from e.__cause__
     return result  # digests differed but the facts agree: a hash collision; nothing to say
 
 
@@ -125,17 +130,37 @@ def agreed_build(communicator: Communicator | None, fusion: Fusion, build: Calla
 
 def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Sequence[Any],
                   prepare: Callable[[], T], extents_of: Callable[[T, TensorView], tuple],
-                  held: Callable[[TensorView], bool], check_ranks: bool | None = None) -> T:
+                  held: Callable[[TensorView], bool], check_ranks: bool | None = None,
+                  in_call: bool = False) -> T:
     """``prepare()`` (this rank's checks and binding of ``inputs``), once every rank agrees
     on the inputs' kinds, dtypes and global shapes (``extents_of(result, tv)``); inputs a rank
-    does not hold (``held``) are left out of its facts."""
+    does not hold (``held``) are left out of its facts. ``in_call``: see :func:`agreed`."""
     if communicator is None or communicator.size == 1 or not enabled(check_ranks):
         return prepare()
 
     def facts(prepared: T) -> list[Fact]:
         return input_facts(fusion, inputs, lambda tv: extents_of(prepared, tv), held)
 
-    return agreed(communicator, prepare, facts, _INPUT_ADVICE)
+    return agreed(communicator, prepare, facts, _INPUT_ADVICE, in_call)
+
+
+def out_of_step(notice: Notice, rank: int, facts: Sequence[Fact]) -> MeshfuseError:
+    """The error of a rank that runs a cached program (its inputs' ``facts``) while the rank
+    of ``notice`` checks a new signature in the same call: the InputError naming the first
+    input they differ on, or that rank's own error if its check failed."""
+    theirs: Claim = notice.claim
+    if theirs.error is not None:
+        return remote_error(notice.rank, *theirs.error)
+    try:
+        _raise_difference(sorted([(notice.rank, theirs), (rank, Claim(tuple(facts)))],
+                                 key=lambda c: c[0]), _INPUT_ADVICE)
+    except InputError as e:
+        return e
+    return InputError(
+        f"ranks are out of step: rank {notice.rank} passed inputs of a new signature (dtypes, "
+        f"shapes, strides or device) while rank {rank} passed ones it ran before, of the same "
+        f"dtypes and global shapes; {_INPUT_ADVICE}, laid out alike"
+    )
 
 
 def fusion_facts(fusion: Fusion) -> list[Fact]:
@@ -192,22 +217,16 @@ def _raise_failure(claims: list[Claim], own: Exception | None, me: int) -> None:
     if own is not None:  # its own message fits its own inputs (the extent of its shard)
         failed.sort(key=lambda f: f[0] != me)
     rank, (name, text) = failed[0]
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, MeshfuseError)) or \
-            cls.__init__ is not Exception.__init__:
-        cls, text = ExecutionError, f"{name}: {text}"
-    also = [r for r, _ in failed[1:]]
-    more = f" (and {'ranks' if len(also) > 1 else 'rank'} {', '.join(map(str, also))})" \
-        if also else ""
-    raise cls(f"rank {rank}{more}: {text}") from own
+    raise remote_error(rank, name, text, [r for r, _ in failed[1:]]) from own
 
 
-def _raise_difference(claims: list[Claim], advice: str) -> None:
-    """Raises InputError naming the first subject the ranks' facts differ on."""
-    by_rank = [{f.subject: f for f in c.facts} for c in claims]
-    subjects = list(dict.fromkeys(f.subject for c in claims for f in c.facts))
+def _raise_difference(claims: list[tuple[int, Claim]], advice: str) -> None:
+    """Raises InputError naming the first subject the ranks' facts differ on (``claims``:
+    each rank's, in rank order)."""
+    by_rank = [(r, {f.subject: f for f in c.facts}) for r, c in claims]
+    subjects = list(dict.fromkeys(f.subject for _, c in claims for f in c.facts))
     for subject in subjects:
-        holders = [(r, facts[subject]) for r, facts in enumerate(by_rank) if subject in facts]
+        holders = [(r, facts[subject]) for r, facts in by_rank if subject in facts]
         first_rank, first = holders[0]
         other = next(((r, f) for r, f in holders if f.value != first.value), None)
         if other is None:

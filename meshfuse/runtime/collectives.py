@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from meshfuse.errors import MeshfuseError
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.lone_failures import Abandoned
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -94,16 +96,17 @@ class Pending:
         _in_flight[id(self)] = self
 
     def abandon(self) -> bool:
-        """Waits for the collective and drops its result; False if it failed (not raised:
-        another error is being reported)."""
+        """Waits for the collective and drops its result; False if it failed, or cannot
+        complete because another rank failed without launching it (not raised: another error
+        is being reported)."""
         work, self._work = self._work, None
         _in_flight.pop(id(self), None)
         if work is None:
             return True
         try:
-            work.wait()
+            Communicator.instance().wait(work, self.label, self._ranks, settling=True)
             return True
-        except (RuntimeError, ValueError):
+        except (MeshfuseError, Abandoned):
             return False
 
     def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
@@ -122,8 +125,7 @@ class Pending:
         if self._work is not None:
             work, self._work = self._work, None
             _in_flight.pop(id(self), None)
-            with translated(self.label, self._ranks):
-                work.wait()
+            Communicator.instance().wait(work, self.label, self._ranks)
             for fn in self._finish:
                 self._value = fn(self._value)
             self._finish = []
@@ -383,13 +385,14 @@ def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
     another, as between pipeline stages); the receiver's ``x`` gives shape and dtype."""
     out = x.contiguous()
     _record("send_recv", group, out)
-    with translated(f"send_recv from rank {group.ranks[0]} to rank {group.ranks[1]}",
-                    group.ranks):
+    label = f"send_recv from rank {group.ranks[0]} to rank {group.ranks[1]}"
+    with translated(label, group.ranks):
         if group.coordinate == 0:
-            dist.send(out, dst=group.ranks[1], group=group.process_group)
-            return x
-        dist.recv(out, src=group.ranks[0], group=group.process_group)
-    return out
+            work = dist.isend(out, dst=group.ranks[1], group=group.process_group)
+        else:
+            work = dist.irecv(out, src=group.ranks[0], group=group.process_group)
+    Communicator.instance().wait(work, label, group.ranks, point_to_point=True)
+    return x if group.coordinate == 0 else out
 
 
 def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
@@ -398,8 +401,11 @@ def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     _record("broadcast", group, out)
     # gloo has no unsigned 64-bit type (attention's RNG state is uint64): move the bits as int64.
     wire = out.view(torch.int64) if out.dtype == torch.uint64 else out
-    with translated(f"broadcast from rank {group.ranks[root]}", group.ranks):
-        dist.broadcast(wire, src=group.ranks[root], group=group.process_group)
+    label = f"broadcast from rank {group.ranks[root]}"
+    with translated(label, group.ranks):
+        work = dist.broadcast(wire, src=group.ranks[root], group=group.process_group,
+                              async_op=True)
+    Communicator.instance().wait(work, label, group.ranks)
     return out
 
 
@@ -416,8 +422,10 @@ def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
     _record("collective_permute", group, out)
     ops = [dist.P2POp(dist.isend, out, group.ranks[send_to], group=group.process_group),
            dist.P2POp(dist.irecv, received, group.ranks[recv_from], group=group.process_group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    label = _label("collective_permute", group)
+    with translated(label, group.ranks):
+        works = dist.batch_isend_irecv(ops)
+    _Works(works, (), label, group.ranks).wait()
     return received
 
 
@@ -425,7 +433,11 @@ def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.T
     """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
     reduced over the group in its own buffer; returns ``x``."""
     _record("allreduce", group, x, reduce_op)
-    dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group)
+    label = _label("allreduce", group, reduce_op)
+    with translated(label, group.ranks):
+        work = dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group,
+                               async_op=True)
+    Communicator.instance().wait(work, label, group.ranks)
     return x
 
 
@@ -434,22 +446,28 @@ def reduce_to(x: torch.Tensor, root: int, group: Group, reduce_op: str) -> torch
     on the member at coordinate ``root``; None on the others."""
     out = x.contiguous()
     _record("reduce", group, out, reduce_op)
-    dist.reduce(out, dst=group.ranks[root], op=REDUCE_OPS[reduce_op], group=group.process_group)
+    label = _label("reduce", group, reduce_op)
+    with translated(label, group.ranks):
+        work = dist.reduce(out, dst=group.ranks[root], op=REDUCE_OPS[reduce_op],
+                           group=group.process_group, async_op=True)
+    Communicator.instance().wait(work, label, group.ranks)
     return out if group.coordinate == root else None
 
 
 class _Works:
-    """Several point-to-point operations waited for as one (the tensors they read and write
-    are kept alive until then)."""
+    """Several point-to-point operations (``what`` among ``ranks``) waited for as one (the
+    tensors they read and write are kept alive until then)."""
 
-    __slots__ = ("_tensors", "_works")
+    __slots__ = ("_ranks", "_tensors", "_works", "what")
 
-    def __init__(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor]):
+    def __init__(self, works: Sequence[dist.Work], tensors: Sequence[torch.Tensor],
+                 what: str, ranks: tuple[int, ...]):
         self._works, self._tensors = list(works), list(tensors)
+        self.what, self._ranks = what, ranks
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            Communicator.instance().wait(work, self.what, self._ranks, point_to_point=True)
         self._works, self._tensors = [], []
 
 
@@ -476,5 +494,8 @@ def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
         _record("recv", group, buffer, peer=before)
         ops.append(dist.P2POp(dist.isend, out, after, group=group.process_group))
         ops.append(dist.P2POp(dist.irecv, buffer, before, group=group.process_group))
-    works = dist.batch_isend_irecv(ops)
-    return Pending(_Works(works, sends + received), received)
+    label = _label("ring_shift", group)
+    with translated(label, group.ranks):
+        works = dist.batch_isend_irecv(ops)
+    return Pending(_Works(works, sends + received, label, group.ranks), received, label=label,
+                   ranks=group.ranks)

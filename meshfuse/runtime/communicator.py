@@ -1,31 +1,32 @@
 """``Communicator``: this process's place in the world, and the process groups of mesh slices.
 
 One process runs per device. The communicator finds its rank from, in order: a default process
-group someone already initialized, torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), Open MPI's (``OMPI_COMM_WORLD_*``), or else it is the only
-process (rank 0 of 1). The backend is NCCL (one GPU per process) when CUDA is available and gloo
-otherwise; the environment variable ``MESHFUSE_BACKEND`` overrides the choice.
+group someone already initialized, or the launcher's variables
+(:mod:`meshfuse.runtime.launch_env`; one process when there are none), and picks the backend
+there (NCCL with CUDA, else gloo).
 
 Every process group meshfuse uses has meshfuse's timeout (:mod:`meshfuse.runtime.failures`):
 the default group when meshfuse initializes torch.distributed, else a copy of the world of its
-own, so that a group the user owns keeps the user's settings. At exit, meshfuse waits for the
-collectives it launched and destroys what it created, never a group the user owns.
+own, so that a group the user owns keeps the user's settings. Every wait for a collective goes
+through :meth:`Communicator.wait`, which on gloo also learns of an error raised on one rank only
+(:mod:`meshfuse.runtime.lone_failures`). After such an error, :meth:`Communicator.recover` starts
+the groups over. At exit, meshfuse waits for the collectives it launched and destroys what it
+created, never a group the user owns.
 
-Together with ``collectives.py`` beside it, this is the only module of meshfuse that calls
-torch.distributed.
+Together with ``collectives.py`` beside it (and the rendezvous store, read by ``board.py``),
+this is the only module of meshfuse that calls torch.distributed.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import gc
 import os
 import pickle
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -35,106 +36,19 @@ from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime.failures import CollectiveFailed, kind_of_failure, timeout_from_env
+from meshfuse.runtime.launch_env import (  # noqa: F401 (re-exported: where they were)
+    BACKEND_ENV,
+    LaunchInfo,
+    choose_backend,
+    launch_info_from_env,
+)
+from meshfuse.runtime.lone_failures import LoneFailures
 
-BACKEND_ENV = "MESHFUSE_BACKEND"
 _MPI_DEFAULT_ADDR = "127.0.0.1"
 _MPI_DEFAULT_PORT = "29500"
 # How long a survivor of a failed collective waits for the other survivors to answer the roll
 # call: they detect the same failure within about the same time.
 ROLL_CALL_S = 3.0
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchInfo:
-    """Where a process sits among the processes a launcher started.
-
-    Attributes:
-        rank: the global rank, in ``[0, size)``.
-        size: the number of processes (the world size).
-        local_rank: the rank among the processes of this host; it picks the GPU.
-        local_size: the number of processes on this host.
-        launcher: ``"torchrun"``, ``"mpirun"`` or ``"none"`` (a single process).
-    """
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    launcher: str
-
-
-def launch_info_from_env(env: Mapping[str, str] | None = None) -> LaunchInfo:
-    """Reads the launcher's variables from ``env`` (default ``os.environ``).
-
-    torchrun's ``RANK``/``WORLD_SIZE`` win over Open MPI's ``OMPI_COMM_WORLD_RANK``/``_SIZE``;
-    without either, the process is rank 0 of 1. A missing local rank/size defaults to the global
-    one (a single host).
-
-    Raises:
-        CommunicationError: if only one of rank/size is set, a value is not an integer, or the
-            values are inconsistent (e.g. rank >= size).
-
-    Example:
-        >>> launch_info_from_env({"RANK": "1", "WORLD_SIZE": "2"})
-        LaunchInfo(rank=1, size=2, local_rank=1, local_size=2, launcher='torchrun')
-    """
-    env = os.environ if env is None else env
-    for launcher, prefix, rank_var, size_var, local_rank_var, local_size_var in (
-        ("torchrun", "", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-        ("mpirun", "OMPI_COMM_WORLD_", "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"),
-    ):
-        names = [prefix + v for v in (rank_var, size_var, local_rank_var, local_size_var)]
-        if names[0] not in env and names[1] not in env:
-            continue
-        for name in names[:2]:
-            if name not in env:
-                other = names[1] if name == names[0] else names[0]
-                raise CommunicationError(
-                    f"{other} is set but {name} is not; launch with {launcher}, which sets both, "
-                    f"or set both"
-                )
-        rank, size = _int_var(env, names[0]), _int_var(env, names[1])
-        local_rank = _int_var(env, names[2]) if names[2] in env else rank
-        local_size = _int_var(env, names[3]) if names[3] in env else size
-        if not (0 <= rank < size and 0 <= local_rank < local_size <= size):
-            raise CommunicationError(
-                f"inconsistent {launcher} variables: {names[0]}={rank}, {names[1]}={size}, "
-                f"{names[2]}={local_rank}, {names[3]}={local_size}; need 0 <= rank < size and "
-                f"0 <= local rank < local size <= size"
-            )
-        return LaunchInfo(rank, size, local_rank, local_size, launcher)
-    return LaunchInfo(0, 1, 0, 1, "none")
-
-
-def _int_var(env: Mapping[str, str], name: str) -> int:
-    try:
-        return int(env[name])
-    except ValueError:
-        raise CommunicationError(
-            f"{name}={env[name]!r} is not an integer; unset it or let the launcher set it"
-        ) from None
-
-
-def choose_backend(env: Mapping[str, str] | None = None, cuda_available: bool | None = None) -> str:
-    """The torch.distributed backend: ``$MESHFUSE_BACKEND``, else NCCL with CUDA, else gloo.
-
-    Raises:
-        CommunicationError: if ``MESHFUSE_BACKEND`` names an unknown backend, or NCCL without CUDA.
-    """
-    env = os.environ if env is None else env
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    backend = env.get(BACKEND_ENV, "").strip().lower()
-    if not backend:
-        return "nccl" if cuda_available else "gloo"
-    known = [b for b in dist.Backend.backend_list if b != "undefined"]
-    if backend not in known:
-        raise CommunicationError(f"{BACKEND_ENV}={backend!r} is not a backend; use one of {known}")
-    if backend == "nccl" and not cuda_available:
-        raise CommunicationError(
-            f"{BACKEND_ENV}=nccl but CUDA is not available; unset {BACKEND_ENV} or set it to gloo"
-        )
-    return backend
 
 
 def current_rank() -> int:
@@ -200,12 +114,15 @@ class Communicator:
         self._default_timeout = timeout_from_env()
         self._timeout = self._default_timeout
         self._roll_calls = 0
+        self._agreement_group: dist.ProcessGroup | None = None
         # Whether meshfuse initialized the default group (and may use and destroy it).
         self._owns_default = not dist.is_initialized()
         if self._owns_default:
             self._init_default_group()
         else:
             self._adopt_default_group()
+        self.lone = LoneFailures(self._rank, self._size, _default_store(),
+                                 lambda: min(ROLL_CALL_S, self._timeout))
         atexit.register(self._shutdown)
 
     def _adopt_default_group(self) -> None:
@@ -396,7 +313,7 @@ class Communicator:
             payload = (False, f"{type(e).__name__}: {e}")
         gathered: list = [None] * self._size
         with self.translated("allgather_object", range(self._size)):
-            dist.all_gather_object(gathered, payload, group=self._world_group())
+            dist.all_gather_object(gathered, payload, group=self._agreement())
         bad = [(r, msg) for r, (ok, msg) in enumerate(gathered) if not ok]
         if bad:
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
@@ -405,6 +322,92 @@ class Communicator:
                 f"pickled ({detail}); pass picklable values such as tuples of ints and strings"
             )
         return [pickle.loads(data) for _, data in gathered]
+
+    def agreement_allgather(self, tensor: torch.Tensor,
+                            late: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """The ``tensor`` (same shape and dtype on every rank, on the CPU) of every rank of the
+        world, by rank, over a gloo group of its own (so that it never pairs with a program's
+        collective on a rank out of step); ``late`` runs once if the others are late."""
+        out = [torch.empty_like(tensor) for _ in range(self._size)]
+        world = tuple(range(self._size))
+        with self.translated("the cross-rank agreement's allgather", world):
+            work = dist.all_gather(out, tensor.contiguous(), group=self._agreement(),
+                                   async_op=True)
+        self.wait(work, "the cross-rank agreement's allgather", world, late, agreeing=True)
+        return out
+
+    def _agreement(self) -> dist.ProcessGroup:
+        if self._agreement_group is None:
+            # gloo even beside NCCL: a few bytes, waited for on the host (where a rank can
+            # read the notice board), and no GPU memory for another NCCL communicator.
+            backend = "gloo" if dist.is_gloo_available() else None
+            self._agreement_group = self._new_group_of(tuple(range(self._size)), backend)
+        return self._agreement_group
+
+    def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
+             late: Callable[[], None] | None = None, agreeing: bool = False,
+             settling: bool = False, point_to_point: bool = False) -> None:
+        """Waits for a collective meshfuse launched (``what`` among ``ranks``). On gloo, while
+        it is late, reads what a failing rank told (:meth:`LoneFailures.wait
+        <meshfuse.runtime.lone_failures.LoneFailures.wait>`, whose arguments these are); on
+        NCCL the host does not wait. Not for ``point_to_point`` sends and receives: gloo
+        gives up one that a wait with a time limit outlasts (and closes the connection), so
+        they are waited for whole.
+
+        Raises:
+            CollectiveFailed: if the collective failed.
+            MeshfuseError: the error of another rank that failed without joining it.
+        """
+        with self.translated(what, ranks):
+            if self._size == 1 or not hasattr(work, "is_completed") or point_to_point or \
+                    (self._backend == "nccl" and not agreeing):
+                work.wait()
+            else:
+                self.lone.wait(work, late, agreeing, settling)
+
+    @property
+    def generation(self) -> int:
+        """How many times :meth:`recover` started the process groups over."""
+        return self.lone.generation
+
+    def recover(self) -> None:
+        """Starts meshfuse's process groups over, on every rank (each must call it), after a
+        failure left the ranks out of step (see ``docs/reliability.md``): the collectives
+        still pending are dropped, the groups meshfuse created are destroyed (never the
+        default group: from now on meshfuse uses a world group of its own), and fusions build
+        their programs again on their next call.
+
+        Raises:
+            CommunicationError: if the other ranks do not call it within the timeout.
+        """
+        for fn in Communicator._before_shutdown:  # drops what cannot complete any more
+            fn()
+        self._meet(f"meshfuse/recover/{self.lone.generation}")
+        for group in {id(g): g for g in [*self._groups.values(), self._agreement_group]
+                      if g is not None}.values():
+            if group is not dist.group.WORLD:
+                with contextlib.suppress(RuntimeError, ValueError):
+                    dist.destroy_process_group(group)
+        self._groups.clear()
+        self._slicings.clear()
+        self._agreement_group = None
+        self.lone.restart(self.lone.generation + 1)
+
+    def _meet(self, key: str) -> None:
+        """Waits (through the rendezvous store, no process group) until every rank of the
+        world got here."""
+        store = _default_store()
+        if store is None:
+            return
+        store.add(key, 1)
+        deadline = time.monotonic() + self._timeout
+        while int(store.add(key, 0)) < self._size:
+            if time.monotonic() > deadline:
+                raise CommunicationError(
+                    f"rank {self._rank}: recover() waited {self._timeout:g} s for the other "
+                    "ranks; every rank must call it"
+                )
+            time.sleep(0.01)
 
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         outside = [d for d in mesh.device_ids if d >= self._size]
@@ -415,10 +418,19 @@ class Communicator:
             )
 
     def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        if ranks == tuple(range(self._size)) and self._owns_default:
+        # The world's slice is the default group only on NCCL (where another communicator
+        # costs GPU memory) before any recovery: an error on one rank only can leave a
+        # collective pending for ever in meshfuse's group, and recover() must be able to
+        # destroy that group without touching the one torch code (DTensor) shares.
+        if ranks == tuple(range(self._size)) and self._owns_default and \
+                self._backend == "nccl" and not self.lone.generation:
             return dist.group.WORLD
+        return self._new_group_of(ranks)
+
+    def _new_group_of(self, ranks: tuple[int, ...], backend: str | None = None
+                      ) -> dist.ProcessGroup:
         with self.translated("creating a process group", ranks):
-            return dist.new_group(list(ranks), timeout=self._timedelta())
+            return dist.new_group(list(ranks), timeout=self._timedelta(), backend=backend)
 
     def _world_group(self) -> dist.ProcessGroup:
         """The group of the whole world with meshfuse's timeout."""
@@ -453,21 +465,9 @@ class Communicator:
         elsewhere does not answer. None when the store cannot be reached (it lives in rank 0's
         process, which may be the one that went away).
         """
-        key = f"meshfuse/roll_call/{self._roll_calls}"
         self._roll_calls += 1
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"{key}/{self._rank}", b"here")
-            missing = [r for r in ranks if r != self._rank]
-            deadline = time.monotonic() + min(ROLL_CALL_S, self._timeout)
-            while missing:
-                missing = [r for r in missing if not store.check([f"{key}/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            return tuple(missing)
-        except (RuntimeError, ValueError):
-            return None
+        return self.lone.board.roll_call(str(self._roll_calls), self._rank, ranks,
+                                         min(ROLL_CALL_S, self._timeout))
 
     def _shutdown(self) -> None:
         """At exit: waits for the collectives meshfuse launched, then destroys the groups it
@@ -478,10 +478,20 @@ class Communicator:
             if self._owns_default:
                 dist.destroy_process_group()
             else:
-                for group in {id(g): g for g in self._groups.values()}.values():
+                for group in {id(g): g for g in [*self._groups.values(),
+                                                 self._agreement_group] if g is not None
+                              }.values():
                     if group is not dist.group.WORLD:
                         dist.destroy_process_group(group)
         # Free the groups now, while torch's threads still run normally, rather than in the
         # interpreter's last garbage collection (where tearing down gloo can block).
         self._groups.clear()
         gc.collect()
+
+
+def _default_store() -> dist.Store | None:
+    """torch.distributed's rendezvous store, or None (one process, or none reachable)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None

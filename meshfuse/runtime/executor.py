@@ -30,8 +30,8 @@ import torch
 
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.collectives import Pending, resolved, settle_in_flight
-from meshfuse.runtime.failures import CollectiveFailed
+from meshfuse.runtime.collectives import Pending, in_flight, resolved, settle_in_flight
+from meshfuse.runtime.failures import CollectiveFailed, is_shared
 
 RESHARD = "reshard"
 
@@ -139,21 +139,32 @@ class Program:
         lines.append("  outputs " + ", ".join(f"%{o.slot}" for o in self.outputs))
         return "\n".join(lines)
 
-    @torch.no_grad()
     def run(self, inputs: Sequence[Any], donate: bool = False) -> list[torch.Tensor]:
-        """The outputs of the program on ``inputs`` (this rank's local values).
+        """The outputs of the program on ``inputs`` (this rank's local values), computed
+        without autograd (as under ``torch.no_grad()``).
 
         ``donate``: the caller gives its references up (``inputs``, a list, is emptied once
         read), so that each input is freed after its last use, as an intermediate is (JAX's
         donated arguments): a backward frees each saved residual once it is read.
         """
+        # The grad mode is switched directly: torch.no_grad()'s context object costs more
+        # host time than a small program's kernels (this is every cached execute's path).
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:
             outputs = self._run(inputs, donate)
         except BaseException:
             settle_in_flight()  # nothing left in flight; the first error is the one to report
             raise
-        settle_in_flight()  # a collective whose result no step read (none, normally)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        if in_flight():
+            settle_in_flight()  # a collective whose result no step read (none, normally)
         return outputs
+
+    def _where(self, index: int) -> str:
+        """How errors and collectives name step ``index`` (made only when needed)."""
+        return f"step {index} ({self.steps[index].label})"
 
     def _run(self, inputs: Sequence[Any], donate: bool) -> list[torch.Tensor]:
         values: list[Any] = [None] * self.num_slots
@@ -162,28 +173,36 @@ class Program:
         if donate:
             inputs.clear()
         for index, (call, template, slots, attrs, outputs, free) in enumerate(self._flat):
-            where = f"step {index} ({self.steps[index].label})"
             try:
                 args = list(template)
                 for pos, slot in slots:
-                    args[pos] = _read(values, slot) if isinstance(slot, int) else \
-                        [_read(values, s) for s in slot]
+                    if isinstance(slot, int):  # _read, inlined: this loop is the hot path
+                        value = values[slot]
+                        if isinstance(value, Pending):
+                            value = values[slot] = value.wait()
+                        args[pos] = value
+                    else:
+                        args[pos] = [_read(values, s) for s in slot]
                 result = call(*args, **attrs)
             except CollectiveFailed as e:  # raised here, or by a collective read here
-                raise (e if e.what.startswith("step ") else e.at_step(where)) from e
+                raise (e if e.what.startswith("step ") else e.at_step(self._where(index))) from e
             except Exception as e:
-                raise ExecutionError(
-                    f"rank {self.rank}, {where} failed: {type(e).__name__}: {e}"
-                ) from e
+                if is_shared(e):  # another rank's error, read while waiting for a collective
+                    raise
+                error = ExecutionError(
+                    f"rank {self.rank}, {self._where(index)} failed: {type(e).__name__}: {e}")
+                error.where = f"step {index}"  # other ranks failing alike fail at the same step
+                raise error from e
             if isinstance(result, Pending):
-                result.label = where
+                result.label = self._where(index)
             if len(outputs) == 1:
                 values[outputs[0]] = result
             else:
                 for slot, value in zip(outputs, result):
                     values[slot] = value
             for slot in free:
-                resolved(values[slot])  # a collective still writing the buffer ends first
+                if isinstance(values[slot], Pending):
+                    resolved(values[slot])  # a collective still writing the buffer ends first
                 values[slot] = None
         return [_laid_out(_read(values, o.slot), o) if o.held else _nothing(o)
                 for o in self.outputs]

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from meshfuse.errors import CommunicationError, InputError
+from meshfuse import errors
+from meshfuse.errors import CommunicationError, ExecutionError, InputError, MeshfuseError
 
 TIMEOUT_ENV = "MESHFUSE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -148,3 +149,58 @@ def _short(message: str, limit: int = 300) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ----- an error raised on one rank, told to the others ---------------------------------------
+
+_SHARED = "_meshfuse_every_rank"  # set on an error every rank raises alike (see shared())
+
+
+def shared(error: BaseException) -> BaseException:
+    """Marks ``error`` as raised on every rank alike (by the cross-rank agreement): nothing
+    more to tell the others. Returns it."""
+    setattr(error, _SHARED, True)
+    return error
+
+
+def is_shared(error: BaseException) -> bool:
+    """Whether every rank raises ``error`` (or its own copy of it) without being told: marked
+    :func:`shared`, or a communication error (every rank of a failed collective sees it)."""
+    return getattr(error, _SHARED, False) or isinstance(error, CommunicationError)
+
+
+def remote_error(rank: int, name: str, text: str, also: Sequence[int] = ()) -> MeshfuseError:
+    """The error ``rank`` raised (type ``name``, message ``text``), to raise on another rank:
+    the same meshfuse error type, its message prefixed with the rank (and ``also``, other
+    ranks that failed too); an error of another type is an ExecutionError naming it. The
+    result is marked :func:`shared` and has ``failed_rank``."""
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, MeshfuseError)) or \
+            cls.__init__ is not Exception.__init__:
+        cls, text = ExecutionError, f"{name}: {text}"
+    more = f" (and {'ranks' if len(also) > 1 else 'rank'} {', '.join(map(str, also))})" \
+        if also else ""
+    own = f"rank {rank}, "
+    text = text[len(own):] if text.startswith(own) and not more else text
+    error = cls(f"rank {rank}{more}: {text}")
+    error.failed_rank = rank
+    return shared(error)
+
+
+class OutOfStep(CommunicationError):
+    """Raised while this rank waits in a collective of a cached program, when another rank is
+    waiting in the cross-rank agreement of the same call: their inputs differ (a new signature
+    there, a cached one here). The runner turns it into the InputError naming the difference.
+
+    Attributes:
+        notice: the other rank's ``agreeing`` notice (:class:`~meshfuse.runtime.board.Notice`),
+            with its claim.
+    """
+
+    def __init__(self, notice):
+        self.notice = notice
+        super().__init__(
+            f"rank {notice.rank} is checking a new input signature (call {notice.call}) while "
+            "this rank runs the program of a signature it has seen: the ranks passed inputs of "
+            "different shapes"
+        )

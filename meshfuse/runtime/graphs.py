@@ -39,14 +39,7 @@ class GraphedProgram:
     def __init__(self, program: Program, inputs: Sequence[Any]):
         self._inputs = [_buffer_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         self._copied = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            program.run(self._inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with captured_communications() as self._communications, torch.cuda.graph(self._graph):
-            self._outputs = program.run(self._inputs)
+        self._graph, self._outputs, self._communications = capture(program, self._inputs)
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The program's outputs for ``inputs`` (of the signature it was captured for)."""
@@ -61,6 +54,27 @@ class GraphedProgram:
             torch._foreach_copy_([outputs[i] for i in on_device],
                                  [self._outputs[i] for i in on_device])
         return outputs
+
+
+def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
+            error_mode: str = "global"):
+    """``(graph, outputs, communications)``: ``program`` on ``inputs`` captured into a CUDA
+    graph (nothing runs until it is replayed). ``outputs`` live in the graph's private memory
+    pool and are rewritten by each replay; the graph reads ``inputs`` at their addresses.
+    ``warm_up``: run the program once on a side stream first, as CUDA requires for library
+    handles and workspaces. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode``
+    (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile)."""
+    if warm_up:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            program.run(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with captured_communications() as communications, \
+            torch.cuda.graph(graph, capture_error_mode=error_mode):
+        outputs = program.run(inputs)
+    return graph, outputs, communications
 
 
 def _buffer_like(x: torch.Tensor) -> torch.Tensor:

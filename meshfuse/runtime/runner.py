@@ -34,7 +34,7 @@ from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
-from meshfuse.runtime.agreement import agreed_inputs
+from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
 from meshfuse.runtime.binding import (
     Binding,
     bind,
@@ -47,11 +47,13 @@ from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.executor import Program
-from meshfuse.runtime.failures import checked_timeout
+from meshfuse.runtime.failures import OutOfStep, checked_timeout
 from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
+from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
+from meshfuse.runtime.replay import AutoReplay
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -80,6 +82,9 @@ class FusionRunner:
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
+        self._replays: dict[tuple, AutoReplay] = {}
+        self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
+        self._generation = 0  # of the communicator's groups, which the programs are bound to
 
     def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
         """This rank's view of the program (:func:`meshfuse.explain.explain`): each tensor's
@@ -105,18 +110,47 @@ class FusionRunner:
         return "\n".join(parts)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
-                cuda_graph: bool = False, compile: bool | str | None = None,
+                cuda_graph: bool | str | None = None, compile: bool | str | None = None,
                 donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; not
         with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
-        :meth:`~meshfuse.runtime.communicator.Communicator.set_timeout`."""
-        if self.communicator is not None:
-            self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
+        :meth:`~meshfuse.runtime.communicator.Communicator.set_timeout`.
+
+        An error raised on this rank only reaches the others (see
+        :mod:`meshfuse.runtime.lone_failures`)."""
+        communicator = self.communicator
+        if communicator is None or communicator.size == 1:
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+        call = communicator.lone.begin_call()
+        if self._generation != communicator.generation:  # recover() made new groups
+            self._programs.clear()
+            self._fused.clear()
+            self._graphs.clear()
+            self._replays.clear()
+            self._generation = communicator.generation
+        try:
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+        except Exception as e:
+            error = self._out_of_step(e, inputs) if isinstance(e, OutOfStep) else e
+            told = communicator.lone.told(error, call, getattr(error, "where", BEFORE_RUNNING))
+            if told is e:
+                raise
+            raise told from e
+
+    def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
+                 cuda_graph: bool | str | None,
+                 compile: bool | str | None, donate: bool, timeout: float | None
+                 ) -> list[torch.Tensor]:
         key = _signature(inputs)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._make_program(list(inputs), check_ranks)
+            program = self._programs[key] = self._make_program(
+                list(inputs), check_ranks, lambda: _checked_options(timeout, compile), True)
+        else:
+            _checked_options(timeout, compile)
+        if self.communicator is not None:
+            self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
         backend = self.compile if compile is None else compile_setting(compile)
         if backend == AUTO:
             backend = "inductor" if _device_of(inputs, self.communicator).type == "cuda" else None
@@ -125,7 +159,14 @@ class FusionRunner:
             if fused is None:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
-        if not cuda_graph:
+        if cuda_graph is not True:
+            if not donate and self._auto_replay(cuda_graph, backend):
+                replay = self._replays.get((key, backend))
+                if replay is None:
+                    replay = self._replays[key, backend] = AutoReplay(program)
+                outputs = replay.run(inputs)
+                if outputs is not None:
+                    return outputs
             return program.run(inputs, donate)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
         graphed = self._graphs.get(graph_key)
@@ -134,14 +175,34 @@ class FusionRunner:
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
 
-    def _make_program(self, inputs: list, check_ranks: bool | None) -> Program:
-        """Checks and binds ``inputs`` (agreeing across ranks unless ``check_ranks`` is
-        False), then builds the program (which creates process groups)."""
+    def _auto_replay(self, option: bool | str | None, backend: str | None) -> bool:
+        """Whether this call may replay a CUDA graph automatically (:mod:`replay`):
+        ``cuda_graph="auto"``, or by default (``None``) compiled programs, unless
+        ``MESHFUSE_CUDA_GRAPH=0``; ``MESHFUSE_CUDA_GRAPH=auto`` makes it the default of every
+        program."""
+        if option is None:
+            return self.cuda_graph == AUTO or (self.cuda_graph is None and backend is not None)
+        if option == AUTO:
+            return True
+        if option is False:
+            return False
+        raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
+                         "and outputs), 'auto' (replay where safe, copying nothing) or False")
+
+    def _make_program(self, inputs: list, check_ranks: bool | None,
+                      check_options=lambda: None, in_call: bool = False) -> Program:
+        """Checks ``check_options()`` and binds ``inputs`` (agreeing across ranks unless
+        ``check_ranks`` is False; ``in_call``: for ``execute``), then builds the program
+        (which creates process groups)."""
         fusion = self.fusion
+
+        def prepare() -> Binding:
+            check_options()
+            return self._bind(inputs)
+
         binding = agreed_inputs(
-            self.communicator, fusion, inputs, lambda: self._bind(inputs),
-            lambda b, tv: tuple(b.extents.get(i) for i in tv.logical),
-            lambda tv: held_here(tv, self.rank), check_ranks,
+            self.communicator, fusion, inputs, prepare, _extents_of,
+            lambda tv: held_here(tv, self.rank), check_ranks, in_call,
         )
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
@@ -156,6 +217,14 @@ class FusionRunner:
                 group_of=self._group, ring_all=self.ring_order)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              lower_op=self._lower_op, group_loops=group_loops)
+
+    def _out_of_step(self, error: OutOfStep, inputs: Sequence[Any]) -> Exception:
+        """The error of this rank, running a cached program, when another rank checks a new
+        signature in the same call: the difference of their inputs."""
+        binding = self._bind(list(inputs))
+        facts = input_facts(self.fusion, inputs, lambda tv: _extents_of(binding, tv),
+                            lambda tv: held_here(tv, self.rank))
+        return out_of_step(error.notice, self.rank, facts)
 
     @staticmethod
     def _fuse(program: Program, backend: str) -> tuple[Program, CompileStats]:
@@ -172,6 +241,7 @@ class FusionRunner:
             segments = [s for s in program.steps if s.op == FUSED]
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
+        lines += [replay.describe() for (k, _), replay in self._replays.items() if k == key]
         return lines
 
     def _bind(self, inputs: list) -> Binding:
@@ -255,6 +325,20 @@ class FusionRunner:
         return reshard, tuple(s.step for s in lowered), text
 
 
+def _extents_of(binding: Binding, tv: TensorView) -> tuple:
+    """The global extents of ``tv``'s logical axes, as bound."""
+    return tuple(binding.extents.get(i) for i in tv.logical)
+
+
+def _checked_options(timeout: object, compile: object) -> None:
+    """Checks ``execute``'s options that have a value to check (on a new signature, inside
+    the cross-rank agreement, so that one rank's bad option is an error on every rank)."""
+    if timeout is not None:
+        checked_timeout(timeout)
+    if compile is not None:
+        compile_setting(compile)
+
+
 def _group_loops(plans, exprs, steps, calls, slot_of, keep, **context):
     return group_stream_loops(plans, exprs, steps, calls, slot_of, keep, **context)
 
@@ -302,6 +386,23 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
 AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpreter on CPU
 
 
+CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
+
+
+def cuda_graph_setting(value: str | None) -> str | bool | None:
+    """The default of ``execute(cuda_graph=None)`` from ``MESHFUSE_CUDA_GRAPH``: None (unset:
+    compiled programs replay automatically), ``"auto"`` (every program), False (``0``)."""
+    text = (value or "").strip().lower()
+    if text == "":
+        return None
+    if text == AUTO:
+        return AUTO
+    if text in ("0", "false", "off"):
+        return False
+    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use 'auto' (replay every program where "
+                     "safe), '0' (never automatically) or leave it unset (compiled programs)")
+
+
 def compile_setting(value: bool | str | None) -> str | None:
     """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
     value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1",
@@ -330,7 +431,7 @@ _BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backen
 
 def _signature(inputs: list) -> tuple:
     return tuple(
-        (x.dtype, tuple(x.shape), x.stride(), x.device) if isinstance(x, torch.Tensor)
+        (x.dtype, x.shape, x.stride(), x.device) if isinstance(x, torch.Tensor)
         else type(x)
         for x in inputs
     )

@@ -1,0 +1,160 @@
+"""An error raised on one rank only, told to every rank: who waits, who tells, who is out of step.
+
+The cross-rank agreement (:mod:`meshfuse.runtime.agreement`) shares every error raised before
+a new input signature's program runs. Errors raised later, or on a call whose signature is
+cached, are raised on one rank while the others go on into the program's collectives and wait
+for it. :class:`LoneFailures` tells them, through the notice board
+(:mod:`meshfuse.runtime.board`):
+
+- the failing rank posts a ``failed`` notice for its call, then waits a few seconds at most for
+  every other rank's word about that call: if each of them failed too, at the same place, the
+  ranks are still in step (a mistake every rank made alike); otherwise they are *out of step*
+  (some rank waits in, or finished, collectives the failing rank never joined);
+- a rank waiting for a collective that is late reads the board every
+  :data:`~meshfuse.runtime.board.POLL_S`: on a ``failed`` notice it posts ``blocked`` and
+  raises the failing rank's error (same type, its message prefixed with that rank);
+- a rank out of step raises at once on every later call; after a failure,
+  :meth:`~meshfuse.runtime.communicator.Communicator.recover` (on every rank) starts over with
+  fresh process groups.
+
+No collective and no store access is added to a call that succeeds without waiting: the board
+is read only while a collective is already late, and written only on failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from meshfuse.errors import CommunicationError
+from meshfuse.runtime.board import AGREEING, BLOCKED, FAILED, POLL_S, Board, Notice
+from meshfuse.runtime.failures import OutOfStep, is_shared, remote_error
+
+BEFORE_RUNNING = "before running"
+_SLICE = datetime.timedelta(seconds=POLL_S)  # how long a wait runs before it reads the board
+
+
+class Abandoned(Exception):
+    """Raised by :meth:`LoneFailures.wait` in settling mode: stop waiting for a collective
+    that cannot complete (another rank failed without launching it, or the ranks are out of
+    step); not an error to report."""
+
+
+class LoneFailures:
+    """The failure state of this process's ranks-in-step; one per communicator.
+
+    Args:
+        rank, size: this process's rank and the world size.
+        store: the rendezvous store (None on one process).
+        answer_s: how long a failing rank waits for the others' word (a callable: it follows
+            the timeout).
+    """
+
+    def __init__(self, rank: int, size: int, store: dist.Store | None,
+                 answer_s: Callable[[], float]):
+        self._rank, self._size, self._store = rank, size, store
+        self._answer_s = answer_s
+        self.generation = 0
+        self.calls = 0
+        self.board = Board(store if size > 1 else None, 0)
+        self._reason: str | None = None  # why the ranks are out of step, once they are
+        self._settled: set[int] = set()  # calls where every rank failed alike, in step
+        self.agreed_in = 0  # the last call in which this rank ran the inputs' agreement
+
+    @property
+    def out_of_step(self) -> str | None:
+        """Why this rank's process groups are out of step with the others', or None."""
+        return self._reason
+
+    def begin_call(self) -> int:
+        """Counts one ``execute`` call and returns its number.
+
+        Raises:
+            CommunicationError: at once, when the ranks are out of step.
+        """
+        if self._reason is not None:
+            raise CommunicationError(
+                f"rank {self._rank}: the ranks are out of step since {self._reason}; end the "
+                "job, or call Communicator.instance().recover() on every rank to start over"
+            )
+        self.calls += 1
+        return self.calls
+
+    def restart(self, generation: int) -> None:
+        """Forgets every failure: a fresh board for the groups of ``generation``."""
+        self.generation, self.calls = generation, 0
+        self.board = Board(self._store if self._size > 1 else None, generation)
+        self._reason, self._settled, self.agreed_in = None, set(), 0
+
+    def wait(self, work: Any, late: Callable[[], None] | None = None,
+             agreeing: bool = False, settling: bool = False) -> None:
+        """Waits for ``work`` (a torch.distributed Work of a gloo group), reading the board
+        while it is late; see the module doc. ``late`` runs once when it first is;
+        ``agreeing``: the work is the agreement's (other ranks' ``agreeing`` notices are
+        expected); ``settling``: this rank is on its own error path (stop waiting, raising
+        :class:`Abandoned`, for a collective that cannot complete).
+
+        Raises:
+            MeshfuseError: the error a failed rank posted (marking this rank out of step).
+            OutOfStep: another rank waits in the agreement of this call.
+            RuntimeError: torch's, when the collective itself failed.
+        """
+        if settling and self._reason is not None:
+            raise Abandoned
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed by itself: torch's error
+                    work.wait()
+                    return
+            if late is not None:
+                late()
+                late = None
+            self._read_board(agreeing, settling)
+
+    def _read_board(self, agreeing: bool, settling: bool) -> None:
+        for notice in self.board.news():
+            if notice.rank == self._rank:
+                continue
+            if notice.kind == FAILED and notice.call not in self._settled:
+                if settling and notice.call == self.calls:
+                    raise Abandoned  # it failed too, before launching this one
+                error = remote_error(notice.rank, *notice.error)
+                self.board.post(Notice(self._rank, notice.call, BLOCKED))
+                self._reason = f"rank {notice.rank}'s error in call {notice.call}: {error}"
+                raise error
+            if notice.kind == AGREEING and notice.call == self.calls and not agreeing \
+                    and self.agreed_in != self.calls:  # it agrees, this rank did not
+                if settling:
+                    raise Abandoned
+                raise OutOfStep(notice)
+
+    def told(self, error: Exception, call: int, where: str) -> Exception:
+        """What this rank raises for ``error``, which it raised itself in ``call`` at
+        ``where``: ``error``, once the others are told (nothing to tell for an error every
+        rank raises anyway). Marks the ranks out of step unless every other rank failed in
+        the same call at the same place."""
+        if self._size == 1 or is_shared(error):
+            return error
+        self.board.post(Notice(self._rank, call, FAILED, (type(error).__name__, str(error)),
+                               where))
+        others = [r for r in range(self._size) if r != self._rank]
+        answers = self.board.answers(call, others, self._answer_s())
+        if len(answers) == len(others) and all(
+                n.kind == FAILED and n.where == where for n in answers.values()):
+            self._settled.add(call)
+        elif self._reason is None:
+            self._reason = f"its own error in call {call}: {type(error).__name__}: {error}"
+        return error
+
+    def agreeing(self, claim: Any) -> Callable[[], None]:
+        """Notes that the inputs' agreement runs in this call; returns what it runs when its
+        collective is late: post ``claim`` for a rank running a cached program to compare
+        with."""
+        self.agreed_in = self.calls
+        return lambda: self.board.post(Notice(self._rank, self.calls, AGREEING, claim=claim))

@@ -1,0 +1,180 @@
+"""An error raised on one rank only, after the cross-rank agreement, reaches every rank promptly.
+
+Each test runs at 2 and 4 ranks (the harness's 1-rank run is skipped: nothing to tell). The
+*culprit* (the last rank) fails while the others are inside, or on their way to, the program's
+allreduce: every rank must raise the culprit's error type, the others with a message naming
+the culprit, well before the collective timeout (the harness's is 120 s; a test that waits for
+it fails by the clock of the harness, not by an assert here). Afterwards the ranks are out of
+step: every rank calls ``Communicator.recover()`` and runs the fusion again, with good inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.errors import CommunicationError, ExecutionError, InputError
+from meshfuse.runtime.collectives import in_flight, record_communications
+from meshfuse.runtime.communicator import Communicator
+
+ROWS, COLS = 4, 6  # the local shard of a [ROWS, COLS * d] input sharded on axis 1
+
+
+def _columns(tvs, d: int) -> None:
+    mesh = DeviceMesh(range(d))
+    for tv in tvs:
+        tv.set_device_mesh(mesh)
+        tv.outer_split(1, d)
+        tv.axis(1).parallelize(ParallelType.mesh_x)
+
+
+def row_sums(d: int, rows: int = ROWS) -> FusionDefinition:
+    """``T1 = sum(T0, dims=[1])``, T0 ``[rows, COLS * d]`` (``rows`` -1: symbolic) sharded
+    on its columns: one allreduce."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([rows, COLS * d])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+    _columns([x], d)
+    return fd
+
+
+def remainder_sums(d: int) -> FusionDefinition:
+    """``T3 = sum(fmod(T0, T1), dims=[1])`` on Int tensors sharded on their columns: the
+    fmod of a rank whose T1 shard holds a zero fails (a kernel error on that rank only),
+    before the allreduce."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([ROWS, COLS * d], dtype=DataType.Int)
+        y = fd.define_tensor([ROWS, COLS * d], dtype=DataType.Int)
+        fd.add_output(fd.ops.sum(fd.ops.fmod(x, y), dims=[1]))
+    _columns([x, y], d)
+    return fd
+
+
+def _ranks(multidevice_test) -> tuple[int, int, bool]:
+    d = multidevice_test.size
+    if d < 2:
+        pytest.skip("one rank has no one to tell")
+    return d, d - 1, multidevice_test.rank == d - 1
+
+
+def _start_over(fd: FusionDefinition, inputs: list, expected: list[float]) -> None:
+    """Every rank recovers, and the fusion runs again with good inputs."""
+    assert in_flight() == 0
+    Communicator.instance().recover()
+    with record_communications() as comms:
+        (out,) = fd.execute(inputs)
+    assert out.tolist() == expected
+    assert [c.kind for c in comms] == ["allreduce"]
+
+
+def test_kernel_error_on_one_rank(multidevice_test):
+    """The culprit's fmod divides by zero (its own data) on the first call, after the
+    agreement passed: every rank raises ExecutionError naming the culprit, its step and
+    torch's error."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    fd = remainder_sums(d)
+    x = torch.full((ROWS, COLS), 7, dtype=torch.int64)
+    y = torch.full((ROWS, COLS), 2, dtype=torch.int64)
+    with pytest.raises(ExecutionError) as info:
+        fd.execute([x, y.clone().fill_(0) if guilty else y])
+    message = str(info.value)
+    assert f"rank {culprit}" in message and "fmod" in message, message
+    assert "ZeroDivisionError" in message, message
+    if not guilty:
+        assert message.startswith(f"rank {culprit}: step "), message
+        assert info.value.failed_rank == culprit
+    _start_over(fd, [x, y], [float(COLS * d)] * ROWS)
+
+
+def test_bad_option_on_one_rank_on_a_cached_call(multidevice_test):
+    """The signature is cached (no agreement runs): the culprit's ``timeout=-1`` is refused
+    before its program starts, while the others wait in the allreduce: every rank raises the
+    same InputError."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    fd = row_sums(d)
+    x = torch.ones(ROWS, COLS)
+    fd.execute([x])
+    with pytest.raises(InputError) as info:
+        fd.execute([x], timeout=-1 if guilty else 60)
+    message = str(info.value)
+    assert "execute(timeout=-1)" in message and "positive number" in message, message
+    if not guilty:
+        assert message.startswith(f"rank {culprit}: "), message
+    # out of step: a later call raises at once, on every rank, until recover()
+    with pytest.raises(CommunicationError, match="out of step"):
+        fd.execute([x])
+    _start_over(fd, [x], [float(COLS * d)] * ROWS)
+
+
+def test_bad_option_on_one_rank_on_a_first_call(multidevice_test):
+    """On a new signature the options are checked inside the agreement: every rank raises
+    the culprit's InputError and the ranks stay in step (no recover needed)."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    fd = row_sums(d)
+    x = torch.ones(ROWS, COLS)
+    with pytest.raises(InputError) as info:
+        fd.execute([x], compile="no-such-backend" if guilty else False)
+    assert f"rank {culprit}: execute(compile='no-such-backend')" in str(info.value)
+    (out,) = fd.execute([x])
+    assert out.tolist() == [float(COLS * d)] * ROWS
+
+
+def test_symbolic_extent_out_of_step(multidevice_test):
+    """Every rank ran ``[ROWS, ...]``; now the culprit passes one row more for the symbolic
+    extent (a new signature: it checks it with the others) while the others run their cached
+    program: every rank raises InputError naming input T0, axis 0 and both shapes."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    fd = row_sums(d, rows=-1)
+    x = torch.ones(ROWS, COLS)
+    fd.execute([x])
+    with pytest.raises(InputError) as info:
+        fd.execute([torch.ones(ROWS + 1, COLS) if guilty else x])
+    message = str(info.value)
+    for words in ("ranks disagree on input T0 (on axis 0)", f"rank {culprit} has",
+                  f"local shape [{ROWS + 1}, {COLS}]", f"local shape [{ROWS}, {COLS}]"):
+        assert words in message, message
+    _start_over(fd, [x], [float(COLS * d)] * ROWS)
+
+
+def test_every_rank_failing_alike_stays_in_step(multidevice_test):
+    """Every rank's fmod divides by zero on a cached call: each raises its own error (no rank
+    was left waiting), and the ranks are still in step: the next call runs, no recover."""
+    d, _, _ = _ranks(multidevice_test)
+    fd = remainder_sums(d)
+    x = torch.full((ROWS, COLS), 7, dtype=torch.int64)
+    y = torch.full((ROWS, COLS), 2, dtype=torch.int64)
+    fd.execute([x, y])
+    with pytest.raises(ExecutionError, match=f"rank {multidevice_test.rank}, step"):
+        fd.execute([x, torch.zeros_like(y)])
+    (out,) = fd.execute([x, y])
+    assert out.tolist() == [float(COLS * d)] * ROWS
+
+
+def test_error_after_the_last_collective(multidevice_test):
+    """The culprit fails after the allreduce (its output's layout check), the others return:
+    the culprit's next call raises at once, the others' next call raises the culprit's error
+    when they wait for it: no rank waits for the timeout."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([ROWS, COLS * d], dtype=DataType.Int)
+        y = fd.define_tensor([ROWS], dtype=DataType.Int)
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(fd.ops.fmod(s, y))
+    _columns([x], d)
+    for tv in (y,):
+        tv.set_device_mesh(DeviceMesh(range(d)))
+    x_local = torch.ones(ROWS, COLS, dtype=torch.int64)
+    y_good = torch.full((ROWS,), 5, dtype=torch.int64)
+    fd.execute([x_local, y_good])
+    if guilty:
+        with pytest.raises(ExecutionError, match="fmod"):
+            fd.execute([x_local, torch.zeros_like(y_good)])
+        with pytest.raises(CommunicationError, match="out of step since its own error"):
+            fd.execute([x_local, y_good])
+    else:
+        fd.execute([x_local, y_good])  # returns: this rank did not wait for the culprit
+        with pytest.raises(ExecutionError) as info:
+            fd.execute([x_local, y_good])
+        assert str(info.value).startswith(f"rank {culprit}: step"), str(info.value)
+    _start_over(fd, [x_local, y_good], [float(COLS * d % 5)] * ROWS)
