@@ -1,11 +1,13 @@
 """nvFuser semantics that its multi-device tests rely on, written as meshfuse's own tests:
-a device axis of extent 1 stays sharded, attention dropout with a leading device axis, and
-the RNG state form of PyTorch before 2.7 given to ``sdpfa_bwd``."""
+a device axis of extent 1 stays sharded, attention dropout with a leading device axis, the
+RNG state form of PyTorch before 2.7 given to ``sdpfa_bwd``, and consumers' shardings taken
+by the unscheduled tensors that feed them (a row-parallel result joining a sequence-sharded
+residual is reduce-scattered)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mesh_helpers import mesh_1d
+from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.runtime.collectives import record_communications
@@ -107,3 +109,47 @@ def test_sdpfa_bwd_takes_the_rng_state_of_pytorch_before_2_7():
     ref = same.execute([dy, x, attn, lse, pair, torch.zeros((), dtype=torch.uint64)])
     for a, r in zip(got, ref):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def _residual_block(tokens: int, e: int, f: int, mesh=None):
+    """Tokens ``x``, a column- then row-parallel projection ``proj`` (an output), a mask
+    drawn in the fusion (an output), ``y = x + where(keep, proj, 0) / 0.9``; with ``mesh``,
+    x sharded on the sequence, the weights Megatron's way, nothing else scheduled."""
+    with FusionDefinition() as fd:
+        x, w1, w2 = fd.define_tensor([tokens, e]), fd.define_tensor([f, e]), \
+            fd.define_tensor([e, f])
+        proj = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1)), w2)
+        keep = fd.ops.lt(fd.ops.rand_like(proj, rng_seed=3, rng_offset=0), 0.9)
+        y = fd.ops.add(x, fd.ops.mul(fd.ops.where(keep, proj, 0.0), 1 / 0.9))
+        for out in (proj, keep, y):
+            fd.add_output(out)
+        if mesh is not None:
+            for tv, axis in ((x, 0), (w1, 0), (w2, 1)):
+                shard(tv, axis, mesh)
+    return fd, (x, w1, w2), (proj, keep, y)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 7], ids=["even", "uneven"])
+def test_row_parallel_result_joining_a_sequence_sharded_residual_is_reduce_scattered(
+        multidevice_test, tokens):
+    """Sequence-parallel tokens; a row-parallel projection's result (a fusion output too) is
+    masked by a draw of the fusion and added to the tokens. As nvFuser propagates shardings
+    backward from consumers, every unscheduled tensor between the partial sum and the
+    residual (the mask and its draw too) is sequence sharded: the partial sum is
+    reduce-scattered, never allreduced, and every output comes back sharded on the
+    sequence, equal to the unsharded program's."""
+    e, f = 4, 8
+    gx, gw1, gw2 = torch.randn(tokens, e), torch.randn(f, e), torch.randn(e, f)
+    plain, _, _ = _residual_block(tokens, e, f)
+    expected = plain.execute([gx, gw1, gw2])
+    torch.testing.assert_close(expected[0], F.linear(F.gelu(F.linear(gx, gw1)), gw2))
+    fd, inputs, outputs = _residual_block(tokens, e, f, mesh_1d(multidevice_test))
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw1, gw2), inputs)]
+    with record_communications() as comms:
+        got = fd.execute(local)
+    for out, tv, ref in zip(got, outputs, expected):
+        assert out.axis_sharded_on(MX) == 0 or multidevice_test.size == 1
+        torch.testing.assert_close(out.local, multidevice_test.shard_tensor(ref, tv))
+    assert [c.kind for c in comms] == (
+        ["allgather", "reduce_scatter"] if multidevice_test.size > 1 else [])

@@ -18,6 +18,11 @@ an allocation domain from its neighbours (docs/design.md, section 6, step 2).
   for example inputs when only outputs are scheduled.
 - What is left (say, an unscheduled input in a fusion whose pins are all upstream of nothing)
   is replicated on the mesh.
+- **Consumers** (nvFuser's backward propagation), last: a filled tensor (not a fusion
+  input) replicated on a mesh axis on which every consumer shards an axis mapped to one of
+  its own takes that sharding, so it is computed sharded rather than whole and sliced; a
+  partial sum so sharded is reduce-scattered (unless a consumer carries its partial sums,
+  as an ``add`` of partial sums does: the sum is reduced once).
 Disagreements with pins are kept: the sharding check names the op that would need a
 communication. The result depends only on the fusion, not on the order of scheduling calls.
 """
@@ -85,7 +90,60 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         if not known(tv):
             tv.set_device_mesh(meshes[0])
             filled.add(tv)
+    inputs = set(fusion.inputs())
+    uses = fusion.uses()
+    for tv in reversed(tensors):
+        if tv in filled and tv not in inputs:
+            _take_consumers_sharding(tv, uses.get(tv, []))
     return filled
+
+
+def _take_consumers_sharding(tv: TensorView, consumers: list[Expr]) -> None:
+    """nvFuser's backward propagation: a filled tensor replicated on a mesh axis that every
+    consumer shards (on an iteration axis mapped to one axis of ``tv``) is sharded there too,
+    so that it is computed sharded instead of whole and sliced (a partial sum is then
+    reduce-scattered: the row-parallel projection whose result joins a sequence-sharded
+    residual). A partial tensor whose consumer carries its partial sums (an ``add`` of
+    partial sums) is left partial: the sum is reduced once, after the last addend."""
+    if not consumers or tv.mesh is None:
+        return
+    partial = any(pt.is_device and i.is_reduction for i, pt in tv.parallel.items())
+    used = {pt for i, pt in tv.parallel.items() if pt.is_device and not i.is_reduction}
+    wanted = None  # parallel type -> (consumer output, its ID, tv's logical ID)
+    for expr in consumers:
+        outs = [o for o in expr.tensor_outputs if o.mesh == tv.mesh]
+        if not outs or (partial and _carries_partials(expr, outs, tv)):
+            return
+        found = _consumer_shards(expr, outs, tv, used)
+        wanted = found if wanted is None else {
+            pt: ref for pt, ref in wanted.items() if pt in found and found[pt][2] is ref[2]}
+        if not wanted:
+            return
+    for out, out_id, tv_id in wanted.values():
+        if tv_id in tv.loop:
+            _replay_shard(out, out_id, tv, tv_id, {})
+
+
+def _carries_partials(expr: Expr, outs: list[TensorView], tv: TensorView) -> bool:
+    """Whether ``expr`` maps a reduction axis of ``tv`` to a reduction axis of an output (an
+    ``add`` of partial sums, whose result is reduced once for all its addends)."""
+    return any(src in tv.logical for o in outs for i in o.logical if i.is_reduction
+               for src in expr.id_map.get(i, ()))
+
+
+def _consumer_shards(expr: Expr, outs: list[TensorView], tv: TensorView, used: set) -> dict:
+    """The mesh axes (not in ``used``) on which ``expr``'s outputs ``outs`` shard an
+    iteration axis mapped to an unsplit axis of ``tv`` that the op does not need whole:
+    parallel type -> (output, its logical ID, ``tv``'s logical ID)."""
+    whole = _whole(expr)
+    found: dict = {}
+    for out in outs:
+        for out_id, tv_id in _mapped(expr, out, tv):
+            if out_id.is_reduction or tv_id not in tv.loop or tv_id in whole:
+                continue
+            for leaf in _device_leaves(out, out_id):
+                found.setdefault(out.parallel_type(leaf), (out, out_id, tv_id))
+    return {pt: ref for pt, ref in found.items() if pt not in used}
 
 
 def partial_carried(expr: Expr, out: TensorView, id_: IterDomain,
