@@ -53,7 +53,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.replay import AutoReplay
+from meshfuse.runtime.replay import AutoReplay, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -160,10 +160,11 @@ class FusionRunner:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
         if cuda_graph is not True:
-            if not donate and self._auto_replay(cuda_graph, backend):
+            if replay_wanted(cuda_graph, self.cuda_graph, donate):
                 replay = self._replays.get((key, backend))
                 if replay is None:
-                    replay = self._replays[key, backend] = AutoReplay(program)
+                    replay = self._replays[key, backend] = AutoReplay(
+                        program, _device_of(inputs, self.communicator))
                 outputs = replay.run(inputs)
                 if outputs is not None:
                     return outputs
@@ -174,20 +175,6 @@ class FusionRunner:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
-
-    def _auto_replay(self, option: bool | str | None, backend: str | None) -> bool:
-        """Whether this call may replay a CUDA graph automatically (:mod:`replay`):
-        ``cuda_graph="auto"``, or by default (``None``) compiled programs, unless
-        ``MESHFUSE_CUDA_GRAPH=0``; ``MESHFUSE_CUDA_GRAPH=auto`` makes it the default of every
-        program."""
-        if option is None:
-            return self.cuda_graph == AUTO or (self.cuda_graph is None and backend is not None)
-        if option == AUTO:
-            return True
-        if option is False:
-            return False
-        raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
-                         "and outputs), 'auto' (replay where safe, copying nothing) or False")
 
     def _make_program(self, inputs: list, check_ranks: bool | None,
                       check_options=lambda: None, in_call: bool = False) -> Program:
@@ -389,18 +376,16 @@ AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpr
 CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
 
 
-def cuda_graph_setting(value: str | None) -> str | bool | None:
-    """The default of ``execute(cuda_graph=None)`` from ``MESHFUSE_CUDA_GRAPH``: None (unset:
-    compiled programs replay automatically), ``"auto"`` (every program), False (``0``)."""
+def cuda_graph_setting(value: str | None) -> bool:
+    """Whether ``execute(cuda_graph=None)`` replays automatically (:mod:`replay`), from
+    ``MESHFUSE_CUDA_GRAPH``: yes when unset or ``auto``, no for ``0``."""
     text = (value or "").strip().lower()
-    if text == "":
-        return None
-    if text == AUTO:
-        return AUTO
+    if text in ("", AUTO):
+        return True
     if text in ("0", "false", "off"):
         return False
-    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use 'auto' (replay every program where "
-                     "safe), '0' (never automatically) or leave it unset (compiled programs)")
+    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use '0' (never replay automatically) or "
+                     "leave it unset (or 'auto': replay every program where it is safe)")
 
 
 def compile_setting(value: bool | str | None) -> str | None:
