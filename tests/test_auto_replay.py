@@ -26,6 +26,7 @@ from meshfuse.runtime.replay import (
     BUFFERS,
     MAX_GRAPHS,
     AutoReplay,
+    GraphBudget,
     _local,
     replay_wanted,
     why_not_replayed,
@@ -62,8 +63,8 @@ def _program(fd, inputs):
     return program
 
 
-def _replay(fd, inputs):
-    return AutoReplay(_program(fd, inputs), CUDA, fake_capture)
+def _replay(fd, inputs, budget=None):
+    return AutoReplay(_program(fd, inputs), CUDA, budget, capture_fn=fake_capture)
 
 
 def _chain():
@@ -149,6 +150,19 @@ def test_new_addresses_are_captured_up_to_the_limit():
     _assert_outputs(replay.run([a, b]), a, b)  # captured addresses still replay
 
 
+def test_the_signatures_of_a_fusion_share_a_graph_budget():
+    budget = GraphBudget(3)
+    replays = [_replay(_chain(), [torch.randn(8, 8)] * 2, budget) for _ in range(2)]
+    for replay in replays:
+        pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+        for a, b in pairs:
+            replay.run([a, b])
+    assert [r.graphs for r in replays] == [2, 1] and budget.left == 0
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    assert replays[1].run([a, b]) is None  # its own limit is not reached; the fusion's is
+    assert "graph budget is spent" in replays[1].describe()
+
+
 def test_scalar_values_are_part_of_the_key():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 4], dtype=DataType.Float)
@@ -185,7 +199,7 @@ def test_a_failed_capture_leaves_the_program_to_the_interpreter():
     def failing(program, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, failing)
+    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, capture_fn=failing)
     assert replay.run([x, y]) is None and replay.run([x, y]) is None
     assert "no capture: RuntimeError" in replay.describe()
 

@@ -17,7 +17,8 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
   graphs are kept per set of input addresses (and Python scalar values): a call whose inputs
   sit where a captured call's did replays; a new set of addresses is captured (up to
-  :data:`MAX_GRAPHS` graphs per signature; beyond, the interpreter runs). The first call of a
+  :data:`MAX_GRAPHS` graphs per signature and :data:`MAX_FUSION_GRAPHS` per fusion, over
+  all its signatures; beyond, the interpreter runs). The first call of a
   signature always runs the interpreter: it binds kernels and compiles segments, which a
   capture must not do; so does a graph's warm-up run on a side stream before its capture.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
@@ -48,7 +49,16 @@ from meshfuse.runtime.graphs import capture, pool_bytes
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
+MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
 AUTO = "auto"
+
+
+class GraphBudget:
+    """How many more graphs the signatures of one fusion may capture: a fusion called with
+    many input shapes keeps at most :data:`MAX_FUSION_GRAPHS` graphs (and their memory)."""
+
+    def __init__(self, graphs: int = MAX_FUSION_GRAPHS):
+        self.left = graphs
 
 
 def replay_wanted(option: bool | str | None, default: bool, donate: bool) -> bool:
@@ -121,13 +131,14 @@ def cuda_capture(program: Program, inputs: Sequence[Any]):
 class AutoReplay:
     """The graphs of one program signature, keyed by input addresses; see the module doc.
 
-    ``reason``: why the program is never replayed (None: it may be). ``capture_fn(program,
-    inputs)`` returns ``(graph, outputs, pool_bytes)`` like :func:`cuda_capture` (tests pass
-    a stand-in)."""
+    ``reason``: why the program is never replayed (None: it may be). ``budget``: the
+    fusion's, shared by its signatures. ``capture_fn(program, inputs)`` returns ``(graph,
+    outputs, pool_bytes)`` like :func:`cuda_capture` (tests pass a stand-in)."""
 
     def __init__(self, program: Program, device: torch.device,
-                 capture_fn: Callable | None = None):
+                 budget: GraphBudget | None = None, capture_fn: Callable | None = None):
         self._program = program
+        self._budget = budget or GraphBudget()
         self._capture = capture_fn or cuda_capture
         self.reason = why_not_replayed(program, device)
         self._graphs: dict[tuple, list[_Graph]] = {}
@@ -150,7 +161,7 @@ class AutoReplay:
         for graph in graphs:
             if graph.free():
                 return graph.replay()
-        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS:
+        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
             return None
         graph = self._captured(inputs)
         if graph is None:
@@ -162,9 +173,10 @@ class AutoReplay:
         """explain's line: whether and how this signature is replayed."""
         if self.reason is not None:
             return f"CUDA graph replay: off ({self.reason})"
+        spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
-                f"{self.pool_bytes / 2**20:.1f} MiB")
+                f"{self.pool_bytes / 2**20:.1f} MiB{spent}")
 
     def _captured(self, inputs: Sequence[Any]) -> _Graph | None:
         try:
@@ -173,6 +185,7 @@ class AutoReplay:
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
         self.graphs += 1
+        self._budget.left -= 1
         self.pool_bytes += pool_bytes
         return _Graph(graph, outputs, inputs)
 

@@ -53,7 +53,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.replay import AutoReplay, replay_wanted
+from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -83,6 +83,7 @@ class FusionRunner:
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
+        self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
 
@@ -128,6 +129,7 @@ class FusionRunner:
             self._fused.clear()
             self._graphs.clear()
             self._replays.clear()
+            self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
@@ -164,7 +166,7 @@ class FusionRunner:
                 replay = self._replays.get((key, backend))
                 if replay is None:
                     replay = self._replays[key, backend] = AutoReplay(
-                        program, _device_of(inputs, self.communicator))
+                        program, _device_of(inputs, self.communicator), self._graph_budget)
                 outputs = replay.run(inputs)
                 if outputs is not None:
                     return outputs
