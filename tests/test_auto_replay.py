@@ -32,6 +32,7 @@ from meshfuse.runtime.replay import (
     why_not_replayed,
 )
 from meshfuse.runtime.runner import cuda_graph_setting
+from meshfuse.testing.utils import current_device
 
 CUDA = torch.device("cuda")  # what the decision is told; the stand-in graph runs on the CPU
 
@@ -317,12 +318,14 @@ def test_cuda_replay_equals_the_interpreter(compile, option):
 
 
 @cuda_only
+@pytest.mark.mpi
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
-def test_cuda_plain_execute_of_the_seed_attention_replays(qkv_format):
-    b, h, s, e = 2, 4, 128, 256
-    model = SeedAttention(qkv_format, DeviceMesh(range(1)), b, h, s, e)
-    sets = [model.inputs_for(*random_inputs(b, h, s, e, device="cuda", seed=seed), 0)
-            for seed in (0, 1)]
+def test_cuda_plain_execute_of_the_seed_attention_replays(multidevice_test, qkv_format):
+    d, rank = multidevice_test.size, multidevice_test.rank
+    b, h, s, e = 2, 4 * d, 128, 64 * 4 * d  # heads split over the ranks: no communication
+    model = SeedAttention(qkv_format, DeviceMesh(range(d)), b, h, s, e)
+    sets = [model.inputs_for(*random_inputs(b, h, s, e, device=current_device(), seed=seed),
+                             rank) for seed in (0, 1)]
     expected = [model.execute(inputs, cuda_graph=False) for inputs in sets]
     out = None
     for step in range(6):  # out = execute(...): the previous result is held during a call
