@@ -221,12 +221,22 @@ def test_attention_with_dropout_is_not_replayed():
     assert reason is not None and "draws random numbers" in reason and "sdpfa_fwd" in reason
 
 
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
+def test_the_seed_attention_on_one_device_is_replayable(qkv_format):
+    b, h, s, e = 1, 2, 8, 16  # on a mesh of one device its reshards are local copies
+    model = SeedAttention(qkv_format, DeviceMesh(range(1)), b, h, s, e)
+    inputs = model.inputs_for(*random_inputs(b, h, s, e), 0)
+    assert why_not_replayed(_program(model, inputs), CUDA) is None
+
+
 def test_only_registry_implementations_and_segments_count_as_local():
     step = Step("exp", (), {}, (0,), (), "T1 = exp(T0)")
     assert _local(step, torch.exp) is False  # not the registry's implementation
     from meshfuse.ops.registry import lookup
     assert _local(step, lookup("exp").impl)
-    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather"), torch.clone)
+    assert _local(Step(RESHARD, (), {}, (0,), (), "a local copy"), torch.clone)
+    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather"), lambda x: x)
+    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather", plan=("step",)), torch.clone)
 
 
 def test_cpu_programs_are_interpreted_and_explain_says_why():

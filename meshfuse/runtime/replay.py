@@ -43,7 +43,7 @@ import torch
 
 from meshfuse.errors import InputError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.executor import Program
+from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
 from meshfuse.runtime.graphs import capture, pool_bytes
 
@@ -100,11 +100,14 @@ def why_not_replayed(program: Program, device: torch.device) -> str | None:
 
 
 def _local(step, call) -> bool:
-    """Whether a record runs on this rank's tensors only: a compiled segment, or an op run
-    by its registry implementation (a communication, a stream-parallel loop and a
-    context-parallel attention run something else)."""
+    """Whether a record runs on this rank's tensors only: a compiled segment, a reshard that
+    moves no data (a local copy, on a mesh of one device), or an op run by its registry
+    implementation (a communication, a stream-parallel loop and a context-parallel attention
+    run something else)."""
     if step.op == FUSED:
         return True
+    if step.op == RESHARD:
+        return not step.plan and call is torch.clone
     try:
         op = lookup(step.op)
     except AttributeError:  # a reshard, a stream-parallel loop: no registry op
