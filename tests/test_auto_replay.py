@@ -57,6 +57,17 @@ def fake_capture(program, inputs):
     return FakeGraph(program, inputs, outputs), outputs, 1024
 
 
+class FakeCuda:
+    """CUDA graphs on the CPU: the stand-in graph above; ``capturing``: set by a test."""
+
+    capture = staticmethod(fake_capture)
+    capturing_now = False
+
+    @classmethod
+    def capturing(cls):
+        return cls.capturing_now
+
+
 def _program(fd, inputs):
     fd.execute(inputs, cuda_graph=False)
     runner = fd._get_runner()
@@ -65,7 +76,7 @@ def _program(fd, inputs):
 
 
 def _replay(fd, inputs, budget=None):
-    return AutoReplay(_program(fd, inputs), CUDA, budget, capture_fn=fake_capture)
+    return AutoReplay(_program(fd, inputs), CUDA, budget, FakeCuda)
 
 
 def _chain():
@@ -135,6 +146,18 @@ def test_a_loop_holding_the_previous_result_replays_every_call():
     assert replay.graphs == BUFFERS
 
 
+def test_inside_the_callers_own_capture_the_interpreter_runs(monkeypatch):
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    replay = _replay(_chain(), [x, y])
+    replay.run([x, y])
+    monkeypatch.setattr(FakeCuda, "capturing_now", True)
+    assert replay.run([x, y]) is None and replay.graphs == 0  # neither captured nor replayed
+    monkeypatch.setattr(FakeCuda, "capturing_now", False)
+    _assert_outputs(replay.run([x, y]), x, y)
+    monkeypatch.setattr(FakeCuda, "capturing_now", True)
+    assert replay.run([x, y]) is None and replay.graphs == 1
+
+
 def test_new_addresses_are_captured_up_to_the_limit():
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     replay = _replay(_chain(), [x, y])
@@ -200,7 +223,10 @@ def test_a_failed_capture_leaves_the_program_to_the_interpreter():
     def failing(program, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, capture_fn=failing)
+    class Failing(FakeCuda):
+        capture = staticmethod(failing)
+
+    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, cuda=Failing)
     assert replay.run([x, y]) is None and replay.run([x, y]) is None
     assert "no capture: RuntimeError" in replay.describe()
 
@@ -389,6 +415,26 @@ def test_cuda_autograd_through_a_replayed_forward():
         ((torch.exp(ref_x) * ref_y).sum() + ref_x.sum(1).sum()).backward()
         torch.testing.assert_close(x.grad, ref_x.grad * (step + 1))
         torch.testing.assert_close(y.grad, ref_y.grad * (step + 1))
+
+
+@cuda_only
+def test_cuda_execute_inside_the_callers_own_graph():
+    fd = _chain()
+    x, y = (torch.randn(8, 8, device="cuda") for _ in range(2))
+    for _ in range(3):
+        fd.execute([x, y])  # captured at the second call, replayed at the third
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the caller's own warm-up, as CUDA asks
+        fd.execute([x, y])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the interpreter's kernels go into the caller's graph
+        out = fd.execute([x, y])
+    x.add_(1)
+    graph.replay()
+    _assert_outputs(out, x, y)
+    assert "1 graphs captured" in _replay_line(fd, [x, y])
 
 
 @cuda_only

@@ -36,7 +36,7 @@ long as the program is cached; ``explain`` says how much.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -131,18 +131,26 @@ def cuda_capture(program: Program, inputs: Sequence[Any]):
     return graph, outputs, pool_bytes(graph)
 
 
+class CudaGraphs:
+    """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs)`` (see
+    :func:`cuda_capture`) and ``capturing()``, whether the current stream is being captured
+    already (by the caller's own graph). Tests pass a stand-in."""
+
+    capture = staticmethod(cuda_capture)
+    capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+
+
 class AutoReplay:
     """The graphs of one program signature, keyed by input addresses; see the module doc.
 
     ``reason``: why the program is never replayed (None: it may be). ``budget``: the
-    fusion's, shared by its signatures. ``capture_fn(program, inputs)`` returns ``(graph,
-    outputs, pool_bytes)`` like :func:`cuda_capture` (tests pass a stand-in)."""
+    fusion's, shared by its signatures. ``cuda``: :class:`CudaGraphs` or a stand-in."""
 
     def __init__(self, program: Program, device: torch.device,
-                 budget: GraphBudget | None = None, capture_fn: Callable | None = None):
+                 budget: GraphBudget | None = None, cuda=CudaGraphs):
         self._program = program
         self._budget = budget or GraphBudget()
-        self._capture = capture_fn or cuda_capture
+        self._cuda = cuda
         self.reason = why_not_replayed(program, device)
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._ran_once = False
@@ -151,8 +159,9 @@ class AutoReplay:
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
-        interpreter must run this call."""
-        if self.reason is not None:
+        interpreter must run this call (also inside the caller's own CUDA graph capture,
+        which then captures the interpreter's kernels)."""
+        if self.reason is not None or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
         graphs = self._graphs.get(key)
@@ -183,7 +192,7 @@ class AutoReplay:
 
     def _captured(self, inputs: Sequence[Any]) -> _Graph | None:
         try:
-            graph, outputs, pool_bytes = self._capture(self._program, inputs)
+            graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
