@@ -28,6 +28,7 @@ from meshfuse.runtime.replay import (
     AutoReplay,
     GraphBudget,
     _local,
+    replay_lines,
     replay_wanted,
     why_not_replayed,
 )
@@ -265,13 +266,25 @@ def test_only_registry_implementations_and_segments_count_as_local():
     assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather", plan=("step",)), torch.clone)
 
 
-def test_cpu_programs_are_interpreted_and_explain_says_why():
+def test_cpu_programs_are_interpreted_and_explain_is_silent_on_replay():
     fd = _chain()
     x, y = torch.randn(8, 8), torch.randn(8, 8)
+    before = fd.explain([x, y])
     for _ in range(3):
         _assert_outputs(fd.execute([x, y]), x, y)
-    assert "CUDA graph replay: off (its inputs are on cpu, not on a CUDA device)" \
-        in fd.explain([x, y])
+    (replay,) = fd._get_runner()._replays.values()
+    assert replay.reason == "its inputs are on cpu, not on a CUDA device"
+    assert "CUDA graph replay" not in before and fd.explain([x, y]) == before
+
+
+def test_explain_states_the_decision_before_the_first_call():
+    program = _program(_chain(), [torch.randn(8, 8)] * 2)
+    assert replay_lines(program, torch.device("cpu"), [], True) == []
+    assert replay_lines(program, CUDA, [], False) == []
+    (line,) = replay_lines(program, CUDA, [], True)
+    assert line.startswith("CUDA graph replay: on (nothing captured yet")
+    replay = AutoReplay(program, CUDA, cuda=FakeCuda)
+    assert replay_lines(program, CUDA, [replay], True) == [line]  # after one call: the same
 
 
 def test_which_calls_may_replay():

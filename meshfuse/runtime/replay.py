@@ -99,6 +99,22 @@ def why_not_replayed(program: Program, device: torch.device) -> str | None:
     return None
 
 
+def replay_lines(program: Program, device: torch.device, replays: Sequence[AutoReplay],
+                 wanted: bool) -> list[str]:
+    """explain's lines on the automatic replay of one signature: none for a program on the
+    CPU (never replayed) or with the replay turned off (``wanted`` False); else the state of
+    each of ``replays`` (one per compiled form), or before any call, the decision alone."""
+    if device.type != "cuda" or not wanted:
+        return []
+    if not replays:
+        reason = why_not_replayed(program, device)
+        return [f"CUDA graph replay: off ({reason})" if reason else _NOT_YET]
+    return [replay.describe() for replay in replays]
+
+
+_NOT_YET = "CUDA graph replay: on (nothing captured yet: a program is captured at its second call)"
+
+
 def _local(step, call) -> bool:
     """Whether a record runs on this rank's tensors only: a compiled segment, a reshard that
     moves no data (a local copy, on a mesh of one device), or an op run by its registry
@@ -185,6 +201,8 @@ class AutoReplay:
         """explain's line: whether and how this signature is replayed."""
         if self.reason is not None:
             return f"CUDA graph replay: off ({self.reason})"
+        if not self.graphs:
+            return _NOT_YET
         spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "

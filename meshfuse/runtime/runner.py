@@ -53,7 +53,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_wanted
+from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -102,7 +102,7 @@ class FusionRunner:
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
-            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
+            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key, _device_of(inputs, self.communicator))])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -220,9 +220,9 @@ class FusionRunner:
         stats = CompileStats()
         return fuse_program(program, backend, stats), stats
 
-    def _fusion_lines(self, key: tuple) -> list[str]:
+    def _fusion_lines(self, key: tuple, device: torch.device) -> list[str]:
         """explain's lines on fused segments (once ``execute`` compiled them for ``key``): how
-        many, and their first-call compile time."""
+        many, and their first-call compile time; then on the automatic replay."""
         lines = []
         for (k, backend), (program, stats) in self._fused.items():
             if k != key:
@@ -230,8 +230,8 @@ class FusionRunner:
             segments = [s for s in program.steps if s.op == FUSED]
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
-        lines += [replay.describe() for (k, _), replay in self._replays.items() if k == key]
-        return lines
+        replays = [replay for (k, _), replay in self._replays.items() if k == key]
+        return lines + replay_lines(self._programs[key], device, replays, self.cuda_graph)
 
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
