@@ -256,6 +256,13 @@ def test_the_seed_attention_on_one_device_is_replayable(qkv_format):
     assert why_not_replayed(_program(model, inputs), CUDA) is None
 
 
+def test_a_set_inside_the_program_is_replayable():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.exp(fd.ops.set(x)))  # the set runs as a view of x
+    assert why_not_replayed(_program(fd, [torch.randn(4, 4)]), CUDA) is None
+
+
 def test_only_registry_implementations_and_segments_count_as_local():
     step = Step("exp", (), {}, (0,), (), "T1 = exp(T0)")
     assert _local(step, torch.exp) is False  # not the registry's implementation

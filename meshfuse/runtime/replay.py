@@ -46,6 +46,7 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
 from meshfuse.runtime.graphs import capture, pool_bytes
+from meshfuse.runtime.program import unchanged_view
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
@@ -117,10 +118,10 @@ _NOT_YET = "CUDA graph replay: on (nothing captured yet: a program is captured a
 
 def _local(step, call) -> bool:
     """Whether a record runs on this rank's tensors only: a compiled segment, a reshard that
-    moves no data (a local copy, on a mesh of one device), or an op run by its registry
-    implementation (a communication, a stream-parallel loop and a context-parallel attention
-    run something else)."""
-    if step.op == FUSED:
+    moves no data (a local copy, on a mesh of one device), a ``set`` run as a view, or an op
+    run by its registry implementation (a communication, a stream-parallel loop and a
+    context-parallel attention run something else)."""
+    if step.op == FUSED or call is unchanged_view:
         return True
     if step.op == RESHARD:
         return not step.plan and call is torch.clone
