@@ -84,7 +84,7 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
     and replayed with copies: ``meshfuse_graph``); checked against the direct kernels (on its
     first call and on a cached one) before it is timed. Metrics: ``first_call_s`` (building
     the program: meshfuse compiles no kernel for attention), ``graph`` (explain's line on the
-    automatic replay)."""
+    automatic replay, for plain ``execute``)."""
 
     def setup():
         if cuda_graph and not ctx.cuda:
@@ -104,6 +104,8 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
         del got
         line = next((x for x in model.explain(inputs).splitlines()
                      if x.startswith("CUDA graph replay")), "no automatic replay")
+        if cuda_graph is not None:  # explain states the default; this variant overrides it
+            line = f"cuda_graph={cuda_graph}"
         metrics = dict(metrics, first_call_s=round(seconds, 4), graph=line)
         return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
