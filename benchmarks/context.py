@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import NCCL_ENV_DEFAULTS
+from benchmarks import CPU_BLAS_ENV_DEFAULTS, NCCL_ENV_DEFAULTS
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=180)
 
@@ -176,6 +176,7 @@ def environment(ctx: Context) -> dict[str, Any]:
         "meshfuse_commit": _optional(_git_commit),
         "sdpa_backend_env": os.environ.get("MESHFUSE_SDPA_BACKEND", "auto"),
         "nccl_env": {k: os.environ.get(k) for k in NCCL_ENV_DEFAULTS},
+        "cpu_blas_env": {k: os.environ.get(k) for k in CPU_BLAS_ENV_DEFAULTS},
     }
 
 
