@@ -115,7 +115,8 @@ def replay_lines(program: Program, device: torch.device, replays: Sequence[AutoR
     return [replay.describe() for replay in replays]
 
 
-_NOT_YET = "CUDA graph replay: on (nothing captured yet: a program is captured at its second call)"
+_NOT_YET = ("CUDA graph replay: on (nothing captured yet: a set of input addresses is "
+            "captured at its second call)")
 
 
 def _local(step, call) -> bool:
