@@ -58,8 +58,13 @@ UNKNOWN_EXTENT = 1 << 20
 def insert_resharding(fusion: Fusion) -> None:
     """Rewrites ``fusion`` in place; see the module doc."""
     for expr in list(fusion.exprs):
-        if not isinstance(expr, Reshard) and _sharded(expr):
+        if isinstance(expr, Reshard) or not _sharded(expr):
+            continue
+        replayed = expr.op.replays(expr) if expr.op.replays is not None else None
+        if replayed is None:
             _make_local(fusion, expr)
+        else:
+            _make_local_replaying(fusion, expr, *replayed)
     for out in fusion.outputs():
         if out.mesh is not None and out not in fusion.user_scheduled and _is_partial(out):
             _reduce_output(fusion, out)
@@ -232,6 +237,29 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
         needed = needed_a
     else:
         needed = needed_b
+    for inp, want in zip(ins, needed):
+        if not same_sharding(inp, want):
+            _set_before(fusion, expr, inp, want)
+
+
+def _make_local_replaying(fusion: Fusion, expr: Expr, source: TensorView,
+                          axes: tuple[int, ...]) -> None:
+    """``expr`` replays per-shard state made by ``source``'s producer (``OpDef.replays``): it
+    computes its first output laid out on ``axes`` as ``source`` is (whatever was pinned),
+    from inputs laid out as that output needs, and its outputs are moved to where they were
+    pinned afterwards."""
+    outs = list(expr.tensor_outputs)
+    ins = list(dict.fromkeys(expr.tensor_inputs))
+    first = _scratch(outs[0])
+    _copy_sharding(source, first, {source.logical[a]: outs[0].logical[a] for a in axes})
+    needed = [_needed_input(expr, [first], t) for t in ins]
+    natural = _naturals(expr, outs, needed)
+    assert all(shard_signature(natural[0], natural[0].logical[a]) ==
+               shard_signature(source, source.logical[a]) for a in axes), \
+        f"{format_expr(expr)}: its inputs do not make its first output as {source.name} lies"
+    for out, nat in zip(outs, natural):
+        if not same_sharding(out, nat):
+            _set_after(fusion, expr, out, nat)
     for inp, want in zip(ins, needed):
         if not same_sharding(inp, want):
             _set_before(fusion, expr, inp, want)
