@@ -326,6 +326,47 @@ def _both_on_the_reduced_axis(t, mesh):
         shard(tv, 0, mesh)
 
 
+def _partial_on(tv, logical_axis: int, mesh) -> None:
+    """Pins ``tv`` partial: its reduction axis ``logical_axis`` block-split over the mesh."""
+    tv.set_device_mesh(mesh)
+    pos = tv.loop.index(tv.logical[logical_axis])
+    tv.outer_split(pos, mesh.size)
+    tv.parallelize(pos, MX)
+
+
+def _var_mean_then_exp(fd, d):
+    x = fd.define_tensor([2 * d + 1, 3], dtype=DataType.Float)
+    var, mean = fd.ops.var_mean(x, dims=[0], correction=1)
+    fd.add_output(fd.ops.exp(var))
+    fd.add_output(mean)
+    return x, var
+
+
+def _var_pinned_partial(t, mesh):
+    x, var = t
+    shard(x, 0, mesh)
+    _partial_on(var, 0, mesh)
+
+
+def _attention_then_exp(fd, d):
+    q, k, v = (fd.define_tensor([1, 2, 2 * d + 1, 4], dtype=DataType.Float) for _ in range(3))
+    attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, 0.0, False, None)
+    fd.add_output(fd.ops.exp(attn))
+    return q, k, v, attn
+
+
+def _attention_pinned_partial_on_the_keys(t, mesh):
+    shard(t[1], 2, mesh)
+    shard(t[2], 2, mesh)
+    _partial_on(t[3], 4, mesh)  # attn's reduction over the key sequence
+
+
+def _gathered_then_reduced(d, kinds):
+    """The op runs on whole inputs; the result pinned partial (each device a part of the
+    sum, local) is reduced again for its consumer."""
+    return kinds == [] if d == 1 else kinds[-1] == "allreduce" and "allgather" in kinds
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -389,6 +430,16 @@ CASES: dict[str, Case] = {
         _combined_extrema, _both_on_the_reduced_axis, _combined_extrema_reference,
         lambda d: [[2 * d + 1, 3]] * 2,
         comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 6)),
+    "var_mean_result_pinned_partial": Case(
+        "refused: 'would be a partial result ..., which var_mean cannot produce'",
+        _var_mean_then_exp, _var_pinned_partial,
+        lambda x: [torch.var(x, dim=0).exp(), x.mean(0)], lambda d: [[2 * d + 1, 3]],
+        comms=_gathered_then_reduced),
+    "attention_forward_result_pinned_partial_on_the_keys": Case(
+        "refused: 'would be a partial result ..., which sdpfa_fwd cannot produce'",
+        _attention_then_exp, _attention_pinned_partial_on_the_keys,
+        lambda q, k, v: [torch.nn.functional.scaled_dot_product_attention(q, k, v).exp()],
+        lambda d: [[1, 2, 2 * d + 1, 4]] * 3, comms=_gathered_then_reduced, tol=_TIGHT),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),

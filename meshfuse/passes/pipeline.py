@@ -3,6 +3,8 @@
 The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.copy`) and runs
 :data:`BUILD_PASSES` on the copy, in this order:
 
+0. ``unmerge_device_axes``: a device axis split from merged axes becomes the equivalent split
+   of one logical axis (``passes/merged_axes.py``);
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
@@ -31,6 +33,7 @@ from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.passes.context_parallel import plan_context_parallel
 from meshfuse.passes.layout import infer_allocations
+from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
 
@@ -92,6 +95,10 @@ def _world_or_meshes(fusion: Fusion, world_size: int | None) -> int:
                    default=0)
 
 
+def _unmerge(fusion: Fusion, world_size: int | None) -> None:
+    unmerge_device_axes(fusion)
+
+
 def _propagate(fusion: Fusion, world_size: int | None) -> None:
     propagate_shardings(fusion)
 
@@ -106,6 +113,7 @@ def _context_parallel(fusion: Fusion, world_size: int | None) -> None:
 
 # Each pass takes the fusion copy and the world size and edits the copy (never the user's).
 BUILD_PASSES = (
+    _unmerge,
     _check_world,
     _propagate,
     _context_parallel,
