@@ -12,8 +12,7 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
    k and v sharded: see ``docs/context_parallel.md``);
 4. ``insert_resharding``: communications so that every op is local;
 5. ``check_schedule``: meshes and device types across all tensors;
-6. ``check_inputs_reachable``: inputs off some ranks' meshes must have static extents;
-7. ``infer_allocations``: the memory order of every tensor (a side table).
+6. ``infer_allocations``: the memory order of every tensor (a side table).
 
 The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
 signature and the rank (extents, local layouts, the per-rank program) is built from it by
@@ -25,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
@@ -68,18 +66,6 @@ class CompiledFusion:
         return format_fusion(self.fusion, self.allocations)
 
 
-def check_inputs_reachable(fusion: Fusion, world_size: int | None) -> None:
-    """An input held by only some ranks must have static extents: the others cannot learn
-    them from their inputs."""
-    for v in fusion.inputs():
-        if isinstance(v, TensorView) and v.mesh is not None and world_size is not None and \
-                v.mesh.size < world_size and any(i.extent is None for i in v.materialized()):
-            raise InputError(
-                f"input {v.name} lives on {v.mesh!r}, not on every rank, and has symbolic "
-                "extents; ranks outside its mesh cannot learn them: declare them static"
-            )
-
-
 def _check_world(fusion: Fusion, world_size: int | None) -> None:
     check_tensor_schedules(fusion, _world_or_meshes(fusion, world_size))
 
@@ -119,7 +105,6 @@ BUILD_PASSES = (
     _context_parallel,
     _reshard,
     _check_all,
-    check_inputs_reachable,
 )
 
 
