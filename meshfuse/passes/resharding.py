@@ -294,9 +294,14 @@ def _set_before(fusion: Fusion, expr: Expr, inp: TensorView, wanted: TensorView)
     if new is None:
         new = _new_like(fusion, inp, wanted)
         fusion.add_expr(_set_expr(inp, new), fusion.exprs.index(expr))
-    renamed = dict(zip(inp.logical, new.logical))
+    _read_instead(expr, inp, new)
+
+
+def _read_instead(expr: Expr, old: TensorView, new: TensorView) -> None:
+    """``expr`` reads ``new`` (the same logical axes, other IDs) where it read ``old``."""
+    renamed = dict(zip(old.logical, new.logical))
     expr.args = tuple(
-        new if a is inp else [new if x is inp else x for x in a] if isinstance(a, list | tuple)
+        new if a is old else [new if x is old else x for x in a] if isinstance(a, list | tuple)
         else a
         for a in expr.args
     )
@@ -315,11 +320,18 @@ def _earlier_copy(fusion: Fusion, expr: Expr, inp: TensorView,
 
 
 def _reduce_output(fusion: Fusion, out: TensorView) -> None:
-    """A partial fusion output: its producer makes the partial value, ``out`` reduces it."""
+    """A partial fusion output: its producer makes the partial value, ``out`` reduces it;
+    the ops that read ``out`` were made local with it partial, so they read the partial
+    value (an ``add`` of partial sums keeps carrying them)."""
     expr = out.definition
     partial = _scratch(out)
     _copy_sharding(out, partial, {i: i for i in out.logical})
     for id_, pt in list(out.parallel.items()):
         if pt.is_device and id_.is_reduction:
             del out.parallel[id_]
+    position = expr.outputs.index(out)
     _set_after(fusion, expr, out, partial)
+    made = expr.outputs[position]
+    for consumer in fusion.exprs:
+        if consumer is not out.definition and out in consumer.tensor_inputs:
+            _read_instead(consumer, out, made)
