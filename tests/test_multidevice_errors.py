@@ -161,17 +161,17 @@ def test_device_parallel_type_beyond_the_mesh_rank(multidevice_test):
 
 
 def test_device_axis_from_a_merge_whose_parts_are_no_blocks(multidevice_test):
-    """3 x (2d + 1) elements merged, in blocks of ceil(3 (2d + 1) / d): at 2 and 4 ranks a
+    """5 x (d + 1) elements merged, in blocks of ceil(5 (d + 1) / d): at 2, 3 and 4 ranks a
     block cuts rows apart (a ScheduleError naming the tensor and the merged axes); at 1 the
     one block is the tensor (tests/test_merged_axes.py runs the merges that are blocks)."""
     d = multidevice_test.size
-    fd, x, y = _relu_fusion([3, 2 * d + 1])
+    fd, x, y = _relu_fusion([5, d + 1])
     for tv in (x, y):
         tv.set_device_mesh(DeviceMesh(range(d)))
         tv.merge(0)
         tv.outer_split(0, d)
         tv.axis(0).parallelize(ParallelType.mesh_x)
-    gx = torch.randn(3, 2 * d + 1, device=current_device())
+    gx = torch.randn(5, d + 1, device=current_device())
     if d == 1:
         torch.testing.assert_close(fd.execute([gx])[0], gx.relu())
         return
