@@ -81,7 +81,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
                     format_expr(expr), note=mine.note)
         steps.append(step)
         if lowered is None and expr.op.name == "set" and not keep.intersection(outs):
-            lowered = _unchanged_view
+            lowered = unchanged_view
         calls.append(lowered or dispatch(step))
         ran.append(expr)
     if group_loops is not None:
@@ -94,7 +94,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
 
 
-def _unchanged_view(x: torch.Tensor) -> torch.Tensor:
+def unchanged_view(x: torch.Tensor) -> torch.Tensor:
     """A ``set`` whose result is no fusion output: a view of ``x``, not a copy. The values
     of a program are never written in place (an allreduce reuses a buffer only when it is
     no view, see :func:`meshfuse.runtime.collectives.allreduce`), so no step can tell the
