@@ -32,7 +32,7 @@ timeout 200 "${launch[@]}" -m benchmarks.run --cases gpt3_layer,mlp_autodiff --o
   > "$out/bench.log" 2>&1
 summary+=("gpt3_layer, mlp_autodiff: rc=$?" "$(grep -h -A8 '^| config' "$out"/*.md 2>/dev/null)")
 timeout 150 "${launch[@]}" -m benchmarks.gpt3_profile --out "$out/profile" \
-  --variants $baseline,meshfuse_autograd_compiled,meshfuse_compiled > "$out/profile.log" 2>&1
+  --variants $baseline,meshfuse_autograd_compiled_no_overlap,meshfuse_autograd_compiled > "$out/profile.log" 2>&1
 summary+=("profile: rc=$?" "$(cat "$out/profile/gpt3_profile.txt" 2>/dev/null)")
 if [ -d build/nvfuser/multidevice ]; then
   scratch=$(mktemp -d)
