@@ -1,0 +1,233 @@
+"""GPU probe of the context-parallel ring's time per call (issue 14): where the milliseconds
+between a profiled call's GPU span and the timed median of back-to-back calls go.
+
+    torchrun --nproc-per-node 2 -m benchmarks.cp_probe OUT [--seq 32768] [--calls 20]
+        [--full] [--strategy ring] [--quick]
+
+Runs the benchmark's attention (bf16 forward+backward, b=1, h=32, head dim 128, sequence
+zig-zag split, causal unless ``--full``, the ring unless ``--strategy``) and writes under
+``OUT``: ``probe.json`` (every rank's numbers), ``probe.md`` (a summary), and per rank
+``trace_rank<r>.json`` (a torch.profiler trace of three back-to-back calls, ``call0`` to
+``call2``) with its analysis ``timeline_rank<r>.json`` (:mod:`benchmarks.call_timeline`).
+
+Phases, each after a barrier of every rank with idle devices:
+
+1. ``back_to_back``: ``--calls`` calls, each between two CUDA events: each call's GPU time
+   (start to end event), the gap to the next call's start event, its host time, and whether
+   the previous call's GPU work had already finished when the call began (``drained``: the
+   GPU waited for the host). Host start times (the monotonic clock, shared by the processes
+   of a host) give the ranks' skew.
+2. ``synced``: the same, the device synchronized before each call.
+3. ``host_ahead``: :func:`benchmarks.timing.host_us_per_call`, calls queued behind a sleep
+   kernel: the pure host time of a call, and ``gpu_busy`` False if a call waited for the GPU
+   anyway (something in it synchronizes).
+4. ``sync_debug``: one call under ``torch.cuda.set_sync_debug_mode("warn")``: every
+   synchronizing torch operation, with its Python stack.
+5. ``allocator``: the caching allocator's counters across the back-to-back calls (device
+   allocations and retries made per call).
+6. ``profile``: three back-to-back calls under torch.profiler (CPU and CUDA, Python stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+import warnings
+
+import torch
+
+import meshfuse
+from benchmarks import call_timeline, context
+from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention
+from benchmarks.timing import host_us_per_call
+
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                      "segment.all.allocated", "num_sync_all_streams")
+
+
+def _setup(ctx, sizes, s: int, causal: bool, strategy: str):
+    """The attention program and this rank's inputs; returns ``call()``."""
+    mesh = meshfuse.DeviceMesh(range(ctx.world))
+    fd = CausalAttention(sizes, s, causal, mesh, True, strategy)
+    fd.define()
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
+    full = [torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.bfloat16)
+            for _ in range(4)]
+    local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
+    return lambda: fd.execute(local)
+
+
+def _events_phase(ctx, call, calls: int, synced: bool) -> dict:
+    """Phases 1 and 2: per call GPU ms, gap to the next call, host ms, drained, host start."""
+    ctx.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    host, begun, drained = [], [], []
+    for i in range(calls):
+        if synced:
+            ctx.sync()
+        drained.append(bool(i and ends[i - 1].query()))
+        begun.append(time.perf_counter())
+        starts[i].record()
+        call()
+        ends[i].record()
+        host.append((time.perf_counter() - begun[-1]) * 1e3)
+    ctx.sync()
+    gpu = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    gaps = [e.elapsed_time(s) for e, s in zip(ends, starts[1:])]
+    return {"gpu_ms": _rounded(gpu), "gap_to_next_ms": _rounded(gaps),
+            "host_ms": _rounded(host), "drained": drained, "host_start_s": begun,
+            "median_gpu_ms": round(statistics.median(gpu), 3),
+            "median_host_ms": round(statistics.median(host), 3),
+            "median_gap_ms": round(statistics.median(gaps), 3) if gaps else None,
+            "per_call_ms": round(starts[0].elapsed_time(ends[-1]) / calls, 3)}
+
+
+def _rounded(values) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+def _sync_debug(ctx, call) -> list[dict]:
+    """Phase 4: the synchronizing operations of one call, each with its Python stack."""
+    found: list[dict] = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        found.append({"message": str(message)[:300],
+                      "stack": [s.strip() for s in traceback.format_stack(limit=14)[:-1]]})
+
+    ctx.sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        saved, warnings.showwarning = warnings.showwarning, show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = saved
+    ctx.sync()
+    return found
+
+
+def _allocator(ctx, call, calls: int) -> dict:
+    """Phase 5: allocator counters before and after ``calls`` back-to-back calls."""
+    ctx.barrier()
+    before = torch.cuda.memory_stats(ctx.device)
+    for _ in range(calls):
+        call()
+    ctx.sync()
+    after = torch.cuda.memory_stats(ctx.device)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS}
+
+
+def _profile(ctx, call, out: str) -> dict:
+    """Phase 6: a trace of three back-to-back calls and its analysis."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ctx.barrier()
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for i in range(3):
+            with torch.profiler.record_function(f"call{i}"):
+                call()
+        ctx.sync()
+    path = os.path.join(out, f"trace_rank{ctx.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        timeline = call_timeline.analyze(json.load(f), "call")
+    with open(os.path.join(out, f"timeline_rank{ctx.rank}.json"), "w") as f:
+        json.dump(timeline, f, indent=1)
+    return timeline
+
+
+def probe(ctx, args) -> dict:
+    """Every phase on this rank (see the module doc)."""
+    sizes = QUICK_SIZES if args.quick else SIZES
+    call = _setup(ctx, sizes, args.seq, not args.full, args.strategy)
+    for _ in range(3):  # build, first kernels, cuDNN plans
+        call()
+    ctx.sync()
+    result: dict = {"rank": ctx.rank}
+    if ctx.cuda:
+        result["back_to_back"] = _events_phase(ctx, call, args.calls, synced=False)
+        result["synced"] = _events_phase(ctx, call, args.calls, synced=True)
+        result["host_ahead"] = host_us_per_call(ctx, call, calls=3, rounds=3)
+        result["sync_debug"] = _sync_debug(ctx, call)
+        result["allocator"] = _allocator(ctx, call, args.calls)
+    result["profile"] = _profile(ctx, call, args.out)
+    return result
+
+
+def _skew(results: list[dict], phase: str) -> list[float]:
+    """Per call, how much later the last rank began it than the first (ms)."""
+    starts = [r[phase]["host_start_s"] for r in results if phase in r]
+    if len(starts) < 2:
+        return []
+    return [round((max(s) - min(s)) * 1e3, 3) for s in zip(*starts)]
+
+
+def summary(results: list[dict], args) -> str:
+    """probe.md: the numbers that say where a call's time goes, per rank."""
+    lines = [(f"# context-parallel probe: s={args.seq}, {'full' if args.full else 'causal'}, "
+             f"{args.strategy}, {len(results)} ranks"), ""]
+    for phase in ("back_to_back", "synced"):
+        if phase not in results[0]:
+            continue
+        lines.append(f"## {phase}")
+        for r in results:
+            p = r[phase]
+            lines.append(f"- rank {r['rank']}: GPU per call median {p['median_gpu_ms']} ms, "
+                         f"gap to next median {p['median_gap_ms']} ms, host per call median "
+                         f"{p['median_host_ms']} ms, calls that found the GPU drained "
+                         f"{sum(p['drained'])}/{len(p['drained'])}")
+        skew = _skew(results, phase)
+        if skew:
+            lines.append(f"- host start skew between ranks, median {statistics.median(skew)} "
+                         f"ms, max {max(skew)} ms")
+        lines.append("")
+    for r in results:
+        if "host_ahead" in r:
+            lines.append(f"- rank {r['rank']} host ahead: {r['host_ahead']}; synchronizing "
+                         f"ops in one call: {len(r['sync_debug'])}; allocator per "
+                         f"{args.calls} calls: {r['allocator']}")
+    lines.append("")
+    for r in results:
+        t = r["profile"]
+        lines += [f"## profile, rank {r['rank']}", "", "```", "calls:",
+                  *(json.dumps(c) for c in t["calls"]), "idle gaps, longest first:",
+                  *(json.dumps(g) for g in t["idle_gaps"][:8]), "blocking host calls:",
+                  *(json.dumps(b) for b in t["blocking_host_calls"][:8]), "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="directory for probe.json, probe.md and the traces")
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--full", action="store_true", help="no causal mask")
+    parser.add_argument("--strategy", default="ring", choices=("ring", "allgather", "alltoall"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    args = parser.parse_args()
+    ctx = context.setup(args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        results = ctx.gather(probe(ctx, args))
+        if ctx.rank == 0:
+            with open(os.path.join(args.out, "probe.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            text = summary(results, args)
+            with open(os.path.join(args.out, "probe.md"), "w") as f:
+                f.write(text)
+            print(text)
+    finally:
+        context.teardown()
+
+
+if __name__ == "__main__":
+    main()
