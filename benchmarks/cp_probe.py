@@ -25,7 +25,8 @@ Phases, each after a barrier of every rank with idle devices:
    synchronizing torch operation, with its Python stack.
 5. ``allocator``: the caching allocator's counters across the back-to-back calls (device
    allocations and retries made per call).
-6. ``profile``: three back-to-back calls under torch.profiler (CPU and CUDA, Python stacks).
+6. ``profile``: three back-to-back calls under torch.profiler (CPU and CUDA; no Python
+   stacks, whose host cost would change the timeline being measured).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _profile(ctx, call, out: str) -> dict:
     if ctx.cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     ctx.barrier()
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    with torch.profiler.profile(activities=activities) as prof:
         for i in range(3):
             with torch.profiler.record_function(f"call{i}"):
                 call()
