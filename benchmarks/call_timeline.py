@@ -153,3 +153,39 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def marked_calls(trace: dict, marker: str = "spin_kernel", gaps: int = 6) -> list[dict]:
+    """Calls told apart by a marker kernel queued between them (for a trace of GPU activity
+    only, whose host cost is nearly nil): per call, from the end of the marker before it to
+    the start of the marker after it, the time, the compute kernels' busy time, the idle
+    time (no GPU work at all) and its longest gaps with the kernels around them."""
+    gpu = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                  and e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    markers = [e for e in gpu if marker in e["name"]]
+    result = []
+    for before, after in itertools.pairwise(markers):
+        start, stop = _end(before), after["ts"]
+        inside = [e for e in gpu if e["ts"] >= start and _end(e) <= stop
+                  and marker not in e["name"]]
+        busy = _union([(e["ts"], _end(e)) for e in inside])
+        compute = _union([(e["ts"], _end(e)) for e in inside if not _is_nccl(e)])
+        edges = [start, *(x for pair in busy for x in pair), stop]
+        idle = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]
+        longest = sorted(idle, key=lambda g: g[0] - g[1])[:gaps]
+        result.append({
+            "ms": round((stop - start) / 1e3, 3),
+            "compute_busy_ms": round(sum(b - a for a, b in compute) / 1e3, 3),
+            "idle_ms": round(sum(b - a for a, b in idle) / 1e3, 3),
+            "longest_idle": [{"at_ms": round((a - start) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
+                              "previous": _name_at(inside, a, ending=True),
+                              "next": _name_at(inside, b, ending=False)}
+                             for a, b in longest],
+        })
+    return result
+
+
+def _name_at(events: list[dict], at: float, ending: bool) -> str | None:
+    """The name of the GPU event that ends at ``at`` (``ending``) or starts there."""
+    found = [e for e in events if (_end(e) if ending else e["ts"]) == at]
+    return found[0]["name"][:90] if found else None

@@ -27,6 +27,9 @@ Phases, each after a barrier of every rank with idle devices:
    allocations and retries made per call).
 6. ``profile``: three back-to-back calls under torch.profiler (CPU and CUDA; no Python
    stacks, whose host cost would change the timeline being measured).
+7. ``gpu_only``: five back-to-back calls under torch.profiler recording GPU activity only
+   (nearly no host cost), a marker kernel queued between calls
+   (:func:`benchmarks.call_timeline.marked_calls`): each call's GPU time, busy and idle.
 """
 
 from __future__ import annotations
@@ -146,6 +149,21 @@ def _profile(ctx, call, out: str) -> dict:
     return timeline
 
 
+def _gpu_only(ctx, call, out: str, calls: int = 5) -> list[dict]:
+    """Phase 7: GPU activity only, calls told apart by a marker kernel."""
+    ctx.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(1000)
+        for _ in range(calls):
+            call()
+            torch.cuda._sleep(1000)
+        ctx.sync()
+    path = os.path.join(out, f"gpu_only_rank{ctx.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return call_timeline.marked_calls(json.load(f))
+
+
 def probe(ctx, args) -> dict:
     """Every phase on this rank (see the module doc)."""
     sizes = QUICK_SIZES if args.quick else SIZES
@@ -160,6 +178,7 @@ def probe(ctx, args) -> dict:
         result["host_ahead"] = host_us_per_call(ctx, call, calls=3, rounds=3)
         result["sync_debug"] = _sync_debug(ctx, call)
         result["allocator"] = _allocator(ctx, call, args.calls)
+        result["gpu_only"] = _gpu_only(ctx, call, args.out)
     result["profile"] = _profile(ctx, call, args.out)
     return result
 
@@ -197,6 +216,10 @@ def summary(results: list[dict], args) -> str:
                          f"ops in one call: {len(r['sync_debug'])}; allocator per "
                          f"{args.calls} calls: {r['allocator']}")
     lines.append("")
+    for r in results:
+        if "gpu_only" in r:
+            lines += [f"## GPU-only profile, rank {r['rank']}", "", "```",
+                      *(json.dumps(c) for c in r["gpu_only"]), "```", ""]
     for r in results:
         t = r["profile"]
         lines += [f"## profile, rank {r['rank']}", "", "```", "calls:",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.call_timeline import analyze
+from benchmarks.call_timeline import analyze, marked_calls
 
 
 def _x(cat, name, ts, dur, **args):
@@ -51,3 +51,19 @@ def test_calls_gaps_and_blocking_host_calls():
 
 def test_a_gap_shorter_than_the_threshold_is_left_out():
     assert analyze(_trace(), "call", min_gap_us=100)["idle_gaps"] == []
+
+
+def test_calls_told_apart_by_marker_kernels():
+    """Markers at 0-10, 80-85, 100-101; the first call runs a (12-32), NCCL (20-50), b
+    (60-70): idle 10-12, 50-60 and 70-80; the second runs c (85-95), idle 95-100."""
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [k("spin_kernel", 0, 10), k("a", 12, 20), k("ncclDevKernel", 20, 30),
+                             k("b", 60, 10), k("spin_kernel", 80, 5), k("c", 85, 10),
+                             k("spin_kernel", 100, 1)]}
+    first, second = marked_calls(trace)
+    assert (first["ms"], first["compute_busy_ms"], first["idle_ms"]) == (0.07, 0.03, 0.022)
+    assert [(g["at_ms"], g["ms"], g["previous"], g["next"]) for g in first["longest_idle"]] == [
+        (0.04, 0.01, "ncclDevKernel", "b"), (0.06, 0.01, "b", None), (0.0, 0.002, None, "a")]
+    assert (second["ms"], second["idle_ms"]) == (0.015, 0.005)
