@@ -262,24 +262,31 @@ def context_record(expr, here) -> ContextParallel:
 
 def home_parts(expr, here) -> int:
     """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
-    local batch (of the heads when the batch is 1) when that extent is even and there is no
-    dropout (a block's mask is drawn whole), else one; ``MESHFUSE_CP_HOME_PARTS=1`` asks for
-    one (to measure what the halves gain). The halves are contiguous slices of the sums,
-    sent and received in place."""
-    q = _arg(expr, "q")
+    local batch (of the heads when the batch is 1: of the query heads and of the key/value
+    heads alike) when that extent is even and there is no dropout (a block's mask is drawn
+    whole), else one; ``MESHFUSE_CP_HOME_PARTS=1`` asks for one (to measure what the halves
+    gain). The halves are contiguous slices of the sums, sent and received in place."""
+    q, k = _arg(expr, "q"), _arg(expr, "k")
     dropout = _arg(expr, "dropout_p")
     if getattr(dropout, "value", dropout) != 0.0 or os.environ.get(HOME_PARTS_VAR) == "1":
         return 1
-    coordinate = q.mesh.coordinate(here.rank)
-    coords = {pt: coordinate[q.mesh.axis_of(pt)] for shards in device_ids(q).values()
-              for _, pt in shards}
-    for axis in q.logical[:2]:
-        if axis not in here.extents:  # a symbolic extent
+    for position in range(2):  # batch, then heads
+        extents = [_local(t, t.logical[position], here) for t in (q, k)]
+        if None in extents:  # a symbolic extent
             return 1
-        extent = local_extent(q, axis, here.extents, coords)
-        if extent > 1:
-            return 2 if extent % 2 == 0 else 1
+        if extents[0] > 1:
+            return 2 if all(e % 2 == 0 for e in extents) else 1
     return 1
+
+
+def _local(tv, axis, here) -> int | None:
+    """This rank's extent of ``tv``'s ``axis`` (None: symbolic)."""
+    if axis not in here.extents:
+        return None
+    coordinate = tv.mesh.coordinate(here.rank)
+    coords = {pt: coordinate[tv.mesh.axis_of(pt)] for shards in device_ids(tv).values()
+              for _, pt in shards}
+    return local_extent(tv, axis, here.extents, coords)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Context parallelism: picks the strategy of every sequence-sharded attention (a build pass).
 
+It first checks, for every attention, that grouped-query heads are sharded by groups (each
+rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention_groups`).
+
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
 whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.context_parallel`)
 and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
@@ -32,6 +35,7 @@ from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
+from meshfuse.ops.attention_groups import check_grouped_heads
 from meshfuse.ops.context_parallel import (
     ALLGATHER,
     ALLTOALL,
@@ -53,6 +57,7 @@ def plan_context_parallel(fusion: Fusion) -> None:
     for expr in fusion.exprs:
         if isinstance(expr, Reshard) or expr.op.name not in ATTENTION:
             continue
+        check_grouped_heads(expr, _tensor(expr, "q"), {n: _tensor(expr, n) for n in _KEYS})
         if not _sequence_sharded(_tensor(expr, "q")):
             continue
         wanted = requested_strategy(expr.op.name, _value(expr, "context_parallel"))
@@ -89,9 +94,10 @@ def problem(expr: Expr) -> Problem:
     causal = _value(expr, "is_causal") is not False
     zigzag = any(step[1] == "zigzag" for _, path in shard_signature(q, q.logical[2])
                  for step in path)
+    kv_heads = (v.logical[1].extent or h) // shard_factor(v, v.logical[1])
     return Problem(b // shard_factor(q, q.logical[0]), h // shard_factor(q, q.logical[1]), s,
                    e, v.logical[3].extent or e, q.dtype.torch_dtype.itemsize,
-                   _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag)
+                   _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag, kv_heads)
 
 
 def _axis_size(q: TensorView) -> int:
@@ -122,12 +128,13 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
 def _why_not_alltoall(expr: Expr) -> str | None:
     q = _tensor(expr, "q")
     n, s = _axis_size(q), q.logical[2].extent
-    heads = q.logical[1].extent
-    if heads is None:
-        return "the head count is symbolic"
-    local = heads // shard_factor(q, q.logical[1])
-    if heads % shard_factor(q, q.logical[1]) or local % n:
-        return f"the {local} local heads of {q.name} do not divide over {n} ranks"
+    for tv in (q, _tensor(expr, "k")):  # query heads, and key/value heads (GQA: fewer)
+        heads = tv.logical[1].extent
+        if heads is None:
+            return "the head count is symbolic"
+        local = heads // shard_factor(tv, tv.logical[1])
+        if heads % shard_factor(tv, tv.logical[1]) or local % n:
+            return f"the {local} local heads of {tv.name} do not divide over {n} ranks"
     if s % n:
         return f"the sequence of {s} does not divide over {n} ranks (blocks must be equal)"
     if _value(expr, "dropout_p") != 0.0:

@@ -125,19 +125,22 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
     home = [torch.empty(_shape(t, record.length(record.position)), dtype=t.dtype,
                         device=t.device) for t in block]
     axis = 0 if q.shape[0] > 1 else 1
-    assert q.shape[axis] % record.home_parts == 0, (q.shape, record.home_parts)
+    # The query heads' part and the part of the key/value heads that serve them (a group of
+    # query heads per key/value head in grouped-query attention).
+    parts = zip(_parts(q.shape[axis], record.home_parts, axis),
+                _parts(k.shape[axis], record.home_parts, axis))
     incoming, sent = None, []
-    for part in _parts(q.shape[axis], record.home_parts, axis):
-        _, partial = backward_blocks(grad[part], q[part], k[part], v[part], attn[part],
-                                     lse[part], scale, causal, record,
-                                     record.holder(record.size - 1), dq[part], dropout)
+    for rows, keys in parts:
+        _, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
+                                     lse[rows], scale, causal, record,
+                                     record.holder(record.size - 1), dq[rows], dropout)
         if incoming is None:  # (after the first kernels are launched: they need no sums)
             incoming = sums.wait()
-        own = add_key_gradients(partial, [s[part] for s in incoming],
-                                [t[part] for t in block], dtype)
+        own = add_key_gradients(partial, [s[keys] for s in incoming],
+                                [t[keys] for t in block], dtype)
         sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
-                               [h[part].shape for h in home], group,
-                               into=[h[part] for h in home]))
+                               [h[keys].shape for h in home], group,
+                               into=[h[keys] for h in home]))
     for pending in sent:
         pending.wait()
     return _finished(dq, q), *home
@@ -145,6 +148,7 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
 
 def _parts(extent: int, count: int, axis: int) -> list[tuple[slice, ...]]:
     """``count`` equal slices of ``extent`` on ``axis``, as indices of a tensor."""
+    assert extent % count == 0, (extent, count)
     size = extent // count
     return [(slice(None),) * axis + (slice(i * size, (i + 1) * size),) for i in range(count)]
 
