@@ -30,11 +30,15 @@ Phases, each after a barrier of every rank with idle devices:
 7. ``gpu_only``: five back-to-back calls under torch.profiler recording GPU activity only
    (nearly no host cost), a marker kernel queued between calls
    (:func:`benchmarks.call_timeline.marked_calls`): each call's GPU time, busy and idle.
+8. ``compute_only``: this rank's kernels of a ring call (both steps' blocks, forward and
+   backward, merges and sums) on its local tensors with no communication and no program,
+   back to back between CUDA events: the compute floor of a call, timed as phase 1 is.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -48,6 +52,15 @@ import meshfuse
 from benchmarks import call_timeline, context
 from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention
 from benchmarks.timing import host_us_per_call
+from meshfuse.ops.context_parallel import (
+    ContextParallel,
+    Merged,
+    add_key_gradients,
+    backward_blocks,
+    forward_blocks,
+    runs_of,
+    sums_dtype,
+)
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
                       "segment.all.allocated", "num_sync_all_streams")
@@ -164,6 +177,40 @@ def _gpu_only(ctx, call, out: str, calls: int = 5) -> list[dict]:
         return call_timeline.marked_calls(json.load(f))
 
 
+def _compute_call(ctx, sizes, s: int, causal: bool):
+    """Phase 8's call: the ring's per-block work of this rank, without transfers (the block
+    of another position is stood in for by this rank's own, of the same shape)."""
+    n, rank = ctx.world, ctx.rank
+    chunks = torch.arange(s).chunk(2 * n)
+    rows = tuple(runs_of(torch.cat([chunks[r], chunks[2 * n - 1 - r]])) for r in range(n))
+    shape = (sizes["b"], sizes["h"], s // n, sizes["head_dim"])
+    q, k, v, g = (torch.randn(shape, device=ctx.device, dtype=torch.bfloat16) for _ in range(4))
+    forward = ContextParallel("ring", 0, tuple(range(n)), rank, rows, False)
+    backward = dataclasses.replace(forward, backward=True)
+
+    def call():
+        merged = Merged(q, v, sums_dtype(forward, q))
+        for step in range(n):
+            forward_blocks(q, k, v, None, causal, forward, forward.holder(step), merged)
+        attn, lse = merged.result(q.dtype)
+        dq, sums = None, (None, None)
+        for step in range(n):
+            dq, parts = backward_blocks(g, q, k, v, attn, lse, None, causal, backward,
+                                        backward.holder(step), dq, None)
+            sums = add_key_gradients(parts, sums, (k, v), sums_dtype(backward, q))
+        return dq, sums
+
+    return call
+
+
+def _compute_only(ctx, sizes, s: int, causal: bool, calls: int) -> dict:
+    """Phase 8: :func:`_compute_call` timed as phase 1 times the program."""
+    call = _compute_call(ctx, sizes, s, causal)
+    for _ in range(3):
+        call()
+    return _events_phase(ctx, call, calls, synced=False)
+
+
 def probe(ctx, args) -> dict:
     """Every phase on this rank (see the module doc)."""
     sizes = QUICK_SIZES if args.quick else SIZES
@@ -179,13 +226,15 @@ def probe(ctx, args) -> dict:
         result["sync_debug"] = _sync_debug(ctx, call)
         result["allocator"] = _allocator(ctx, call, args.calls)
         result["gpu_only"] = _gpu_only(ctx, call, args.out)
+        compute = _compute_only(ctx, sizes, args.seq, not args.full, args.calls)
+        result["compute_only"] = {k: v for k, v in compute.items() if k != "host_start_s"}
     result["profile"] = _profile(ctx, call, args.out)
     return result
 
 
 def _skew(results: list[dict], phase: str) -> list[float]:
     """Per call, how much later the last rank began it than the first (ms)."""
-    starts = [r[phase]["host_start_s"] for r in results if phase in r]
+    starts = [r[phase]["host_start_s"] for r in results if "host_start_s" in r.get(phase, {})]
     if len(starts) < 2:
         return []
     return [round((max(s) - min(s)) * 1e3, 3) for s in zip(*starts)]
@@ -195,7 +244,7 @@ def summary(results: list[dict], args) -> str:
     """probe.md: the numbers that say where a call's time goes, per rank."""
     lines = [(f"# context-parallel probe: s={args.seq}, {'full' if args.full else 'causal'}, "
              f"{args.strategy}, {len(results)} ranks"), ""]
-    for phase in ("back_to_back", "synced"):
+    for phase in ("back_to_back", "synced", "compute_only"):
         if phase not in results[0]:
             continue
         lines.append(f"## {phase}")
