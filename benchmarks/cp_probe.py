@@ -52,15 +52,14 @@ import meshfuse
 from benchmarks import call_timeline, context
 from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention
 from benchmarks.timing import host_us_per_call
-from meshfuse.ops.context_parallel import (
-    ContextParallel,
+from meshfuse.ops.context_blocks import (
     Merged,
     add_key_gradients,
     backward_blocks,
     forward_blocks,
-    runs_of,
     sums_dtype,
 )
+from meshfuse.ops.context_parallel import ContextParallel, runs_of
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
                       "segment.all.allocated", "num_sync_all_streams")

@@ -18,7 +18,8 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
-from meshfuse.ops.context_parallel import ContextParallel, most_terms, runs_of
+from meshfuse.ops.context_blocks import most_terms
+from meshfuse.ops.context_parallel import ContextParallel, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications

@@ -16,6 +16,7 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import device_ids, split_indices
+from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 
@@ -45,6 +46,12 @@ def same_owners(a: OwnerMap, b: OwnerMap) -> bool:
         if any(long_[i] != short[i // k] for i in range(len(long_))):
             return False
     return True
+
+
+def _unrelated(a: OwnerMap, b: OwnerMap) -> bool:
+    """Whether two sharded axes have extents neither of which is a multiple of the other."""
+    lengths = {len(o) for o in (*a.values(), *b.values())}
+    return len(lengths) == 2 and max(lengths) % min(lengths) != 0
 
 
 def describe(owners: OwnerMap) -> str:
@@ -119,6 +126,12 @@ def _check_expr(expr: Expr, extents) -> None:
             for src in real:
                 tv = _owner_of(src, inputs)
                 src_owners = owner_map(tv, src, extents)
+                # Axes of unrelated extents mapped together (a context-parallel attention's
+                # key sequence onto its query sequence: the rows of one position) must be
+                # split alike.
+                if _unrelated(src_owners, out_owners) and \
+                        shard_signature(tv, src) == shard_signature(out, out_id):
+                    continue
                 if not same_owners(src_owners, out_owners):
                     what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
                     raise ShardingError(
