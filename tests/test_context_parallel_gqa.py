@@ -130,7 +130,7 @@ def test_unsharded_grouped_query_attention_equals_pytorch():
 
 
 def test_key_value_heads_must_divide_the_query_heads():
-    with pytest.raises(DefinitionError, match="k and v is 3, which does not divide q's 8"):
+    with pytest.raises(DefinitionError, match="k is 3 but q's is 8, not a multiple of it"):
         GroupedAttention(8, 3, 8, False).tensors()
 
 

@@ -77,9 +77,9 @@ def check_heads(op: str, q_heads, k_heads, v_heads, error=InputError) -> None:
         raise error(f"{op}: heads (axis 1) of k is {k_heads} but v's is {v_heads}; k and v "
                     "need one head count")
     if None not in (q_heads, k_heads) and (k_heads == 0 or q_heads % k_heads):
-        raise error(f"{op}: heads (axis 1) of k and v is {k_heads}, which does not divide q's "
-                    f"{q_heads}; grouped-query attention needs a key/value head count that "
-                    "divides the query heads (or as many heads as q)")
+        raise error(f"{op}: heads (axis 1) of k is {k_heads} but q's is {q_heads}, not a "
+                    "multiple of it; k and v need as many heads as q, or a divisor of q's "
+                    "(grouped-query attention)")
 
 
 def is_grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
