@@ -19,6 +19,7 @@ from meshfuse.ir.layout import device_ids, split_indices
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.context_parallel import sequence_parallel
 
 OwnerMap = dict[str, tuple[int, ...]]
 
@@ -126,10 +127,11 @@ def _check_expr(expr: Expr, extents) -> None:
             for src in real:
                 tv = _owner_of(src, inputs)
                 src_owners = owner_map(tv, src, extents)
-                # Axes of unrelated extents mapped together (a context-parallel attention's
-                # key sequence onto its query sequence: the rows of one position) must be
-                # split alike.
-                if _unrelated(src_owners, out_owners) and \
+                # A context-parallel attention maps its key sequence onto its query sequence
+                # (the rows of one position), of another length in cross attention: those
+                # must be split alike, index by index they cannot be compared.
+                if sequence_parallel(expr) is not None and \
+                        _unrelated(src_owners, out_owners) and \
                         shard_signature(tv, src) == shard_signature(out, out_id):
                     continue
                 if not same_owners(src_owners, out_owners):
