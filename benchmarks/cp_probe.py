@@ -52,6 +52,8 @@ import meshfuse
 from benchmarks import call_timeline, context
 from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention
 from benchmarks.timing import host_us_per_call
+from meshfuse.ops import attention_kernels as kernels
+from meshfuse.ops.attention_backends import select_backend
 from meshfuse.ops.context_blocks import (
     Merged,
     add_key_gradients,
@@ -176,10 +178,11 @@ def _gpu_only(ctx, call, out: str, calls: int = 5) -> list[dict]:
         return call_timeline.marked_calls(json.load(f))
 
 
-def _compute_call(ctx, sizes, s: int, causal: bool):
-    """Phase 8's call: the ring's per-block work of this rank, without transfers (the block
-    of another position is stood in for by this rank's own, of the same shape)."""
-    n, rank = ctx.world, ctx.rank
+def _compute_call(ctx, sizes, s: int, causal: bool, n: int):
+    """Phase 8's call: the per-block work of this rank of a ring of ``n`` (on one GPU:
+    position 0's), without transfers (the block of another position is stood in for by
+    this rank's own, of the same shape)."""
+    rank = ctx.rank if ctx.world == n else 0
     chunks = torch.arange(s).chunk(2 * n)
     rows = tuple(runs_of(torch.cat([chunks[r], chunks[2 * n - 1 - r]])) for r in range(n))
     shape = (sizes["b"], sizes["h"], s // n, sizes["head_dim"])
@@ -202,32 +205,65 @@ def _compute_call(ctx, sizes, s: int, causal: bool):
     return call
 
 
-def _compute_only(ctx, sizes, s: int, causal: bool, calls: int) -> dict:
+def _compute_only(ctx, sizes, s: int, causal: bool, calls: int, n: int) -> dict:
     """Phase 8: :func:`_compute_call` timed as phase 1 times the program."""
-    call = _compute_call(ctx, sizes, s, causal)
+    call = _compute_call(ctx, sizes, s, causal, n)
     for _ in range(3):
         call()
-    return _events_phase(ctx, call, calls, synced=False)
+    result = _events_phase(ctx, call, calls, synced=False)
+    result.pop("host_start_s")
+    return dict(result, ranks=n)
+
+
+def _one_gpu(ctx, sizes, s: int, causal: bool, calls: int) -> dict:
+    """Phase 0: the whole problem on this GPU, the selected kernel called directly (the
+    benchmark's baseline: the ideal time on ``n`` GPUs is this over ``n``)."""
+    shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
+    q, k, v, g = (torch.randn(shape, device=ctx.device, dtype=torch.bfloat16) for _ in range(4))
+    backend = select_backend(q, k, v, 0.0, causal)
+
+    def call():
+        attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, 0.0, causal, None, backend)
+        return kernels.sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset, None,
+                                     backend)
+
+    for _ in range(3):
+        call()
+    result = _events_phase(ctx, call, calls, synced=False)
+    result.pop("host_start_s")
+    return dict(result, backend=backend.value)
 
 
 def probe(ctx, args) -> dict:
-    """Every phase on this rank (see the module doc)."""
+    """Every phase on this rank (see the module doc); a phase that fails records its error
+    (under ``errors``) and the others still run."""
     sizes = QUICK_SIZES if args.quick else SIZES
-    call = _setup(ctx, sizes, args.seq, not args.full, args.strategy)
+    causal = not args.full
+    call = _setup(ctx, sizes, args.seq, causal, args.strategy)
     for _ in range(3):  # build, first kernels, cuDNN plans
         call()
     ctx.sync()
-    result: dict = {"rank": ctx.rank}
+    phases = {"profile": lambda: _profile(ctx, call, args.out)}
     if ctx.cuda:
-        result["back_to_back"] = _events_phase(ctx, call, args.calls, synced=False)
-        result["synced"] = _events_phase(ctx, call, args.calls, synced=True)
-        result["host_ahead"] = host_us_per_call(ctx, call, calls=3, rounds=3)
-        result["sync_debug"] = _sync_debug(ctx, call)
-        result["allocator"] = _allocator(ctx, call, args.calls)
-        result["gpu_only"] = _gpu_only(ctx, call, args.out)
-        compute = _compute_only(ctx, sizes, args.seq, not args.full, args.calls)
-        result["compute_only"] = {k: v for k, v in compute.items() if k != "host_start_s"}
-    result["profile"] = _profile(ctx, call, args.out)
+        n = max(ctx.world, args.ranks)
+        phases = {
+            "back_to_back": lambda: _events_phase(ctx, call, args.calls, synced=False),
+            "synced": lambda: _events_phase(ctx, call, args.calls, synced=True),
+            "host_ahead": lambda: host_us_per_call(ctx, call, calls=3, rounds=3),
+            "sync_debug": lambda: _sync_debug(ctx, call),
+            "allocator": lambda: _allocator(ctx, call, args.calls),
+            "gpu_only": lambda: _gpu_only(ctx, call, args.out),
+            **phases,
+            "compute_only": lambda: _compute_only(ctx, sizes, args.seq, causal, args.calls, n),
+            "one_gpu": lambda: _one_gpu(ctx, sizes, args.seq, causal, max(args.calls // 2, 3)),
+        }
+    result: dict = {"rank": ctx.rank, "errors": {}}
+    for name, phase in phases.items():
+        try:
+            result[name] = phase()
+        except Exception as e:  # noqa: BLE001 - one broken phase must not lose the others
+            result["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+            ctx.log(f"phase {name} failed: {result['errors'][name]}")
     return result
 
 
@@ -243,8 +279,10 @@ def summary(results: list[dict], args) -> str:
     """probe.md: the numbers that say where a call's time goes, per rank."""
     lines = [(f"# context-parallel probe: s={args.seq}, {'full' if args.full else 'causal'}, "
              f"{args.strategy}, {len(results)} ranks"), ""]
-    for phase in ("back_to_back", "synced", "compute_only"):
-        if phase not in results[0]:
+    lines += [f"- rank {r['rank']}: phase {name} failed: {error}"
+              for r in results for name, error in r["errors"].items()]
+    for phase in ("one_gpu", "back_to_back", "synced", "compute_only"):
+        if any(phase not in r for r in results):
             continue
         lines.append(f"## {phase}")
         for r in results:
@@ -259,16 +297,22 @@ def summary(results: list[dict], args) -> str:
                          f"ms, max {max(skew)} ms")
         lines.append("")
     for r in results:
-        if "host_ahead" in r:
+        if all(p in r for p in ("host_ahead", "sync_debug", "allocator")):
             lines.append(f"- rank {r['rank']} host ahead: {r['host_ahead']}; synchronizing "
                          f"ops in one call: {len(r['sync_debug'])}; allocator per "
                          f"{args.calls} calls: {r['allocator']}")
+    for r in results:
+        for sync in r.get("sync_debug", [])[:6]:
+            lines += [f"- rank {r['rank']} synchronizes: {sync['message'][:120]}",
+                      *(f"    {frame}" for frame in sync["stack"][-4:])]
     lines.append("")
     for r in results:
         if "gpu_only" in r:
             lines += [f"## GPU-only profile, rank {r['rank']}", "", "```",
                       *(json.dumps(c) for c in r["gpu_only"]), "```", ""]
     for r in results:
+        if "profile" not in r:
+            continue
         t = r["profile"]
         lines += [f"## profile, rank {r['rank']}", "", "```", "calls:",
                   *(json.dumps(c) for c in t["calls"]), "idle gaps, longest first:",
@@ -285,6 +329,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="no causal mask")
     parser.add_argument("--strategy", default="ring", choices=("ring", "allgather", "alltoall"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="on one GPU: the ring whose per-rank compute phase 8 times")
     args = parser.parse_args()
     ctx = context.setup(args.quick)
     os.makedirs(args.out, exist_ok=True)

@@ -319,24 +319,38 @@ def _kernel_cases():
     return [("cpu", b) for b in ("cpu_flash", "math")]
 
 
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||got - ref|| / ||ref||`` in float64."""
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm()).item()
+
+
 @pytest.mark.parametrize("device,backend", _kernel_cases())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernels_run_grouped_query_attention(device, backend, causal):
-    """Each kernel, forward and backward, against PyTorch's enable_gqa=True reference (4
-    query heads per key/value head); the memory-efficient kernel is refused with a reason."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v, g = (t.to(device, dtype) for t in _inputs(8, 2, 128))
-    if backend in ("cudnn", "flash"):  # fused CUDA kernels: head dim 64
-        q, k, v, g = (torch.cat([t] * 8, dim=-1) for t in (q, k, v, g))
+    """Each kernel, forward and backward, on 8 query and 2 key/value heads: close to
+    PyTorch's enable_gqa=True reference (float64), and to the same kernel run with each
+    key/value head repeated over its group (its dk, dv summed over the group); the
+    memory-efficient kernel is refused with a reason."""
+    dtype, e = (torch.bfloat16, 64) if device == "cuda" else (torch.float32, E)
+    torch.manual_seed(2)
+    q, g = (torch.randn(B, 8, 128, e, device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, 2, 128, e, device=device, dtype=dtype) for _ in range(2))
     if (reason := own_limits(AttentionBackend(backend), q, k, v, 0.0, causal)) is not None:
         pytest.skip(f"{backend} {reason}")
     attn, lse, seed, offset = sdpa_forward(q, k, v, 0.0, causal, None, backend)
-    grads = sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset, None, backend)
+    got = (attn, *sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset, None, backend))
+    kr, vr = (t.repeat_interleave(4, dim=1) for t in (k, v))
+    attn_r, lse_r, seed, offset = sdpa_forward(q, kr, vr, 0.0, causal, None, backend)
+    dq_r, dk_r, dv_r = sdpa_backward(g, q, kr, vr, attn_r, lse_r, 0.0, causal, seed, offset,
+                                     None, backend)
+    repeated = (attn_r, dq_r, *(t.unflatten(1, (2, 4)).sum(2) for t in (dk_r, dv_r)))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    for name, got, ref in zip(("attn", "dq", "dk", "dv"), (attn, *grads),
-                              _reference(q.float(), k.float(), v.float(), g.float(), causal)):
-        assert got.shape == ref.shape, name
-        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol, msg=name)
+    for name, out, ref, same in zip(("attn", "dq", "dk", "dv"), got, _reference(q, k, v, g,
+                                                                              causal), repeated):
+        assert out.shape == ref.shape, name
+        assert _relative_error(out, ref) < tol, (name, _relative_error(out, ref))
+        assert _relative_error(out, same) < tol, (name, _relative_error(out, same))
     if device == "cuda":
         assert own_limits(AttentionBackend.EFFICIENT, q, k, v, 0.0, causal) == \
             "has no grouped-query attention"
