@@ -219,6 +219,26 @@ def test_sums_go_home_whole_when_asked(multidevice_test, monkeypatch):
 
 
 @pytest.mark.mpi
+def test_sums_go_home_in_quarters_when_asked(multidevice_test, monkeypatch):
+    """MESHFUSE_CP_HOME_PARTS=4 with 4 heads: four transfers each, a head apiece; a value
+    that is no count of parts is a DefinitionError naming the variable."""
+    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "4")
+    d = multidevice_test.size
+    fd = Attention(4, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 4, 4, multidevice_test.rank, "zigzag", parts=4)
+    if d > 1:
+        monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "half")
+        fd = Attention(4, 16, True, strategy="ring")
+        _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+        with pytest.raises(DefinitionError, match="MESHFUSE_CP_HOME_PARTS='half'"):
+            _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
 def test_batch_of_two_sends_the_sums_home_in_batch_halves(multidevice_test, qkv_format):
     """With a batch of 2 the last step runs (and sends its sums home) per batch element,

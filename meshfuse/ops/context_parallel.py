@@ -40,7 +40,7 @@ from meshfuse.ir.layout import device_ids, local_extent, split_indices
 from meshfuse.ops.context_blocks import Run, most_terms
 
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
-HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # "1": the ring's finished sums go home whole
+HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # parts the ring's finished sums go home in (2)
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
@@ -270,22 +270,37 @@ def _position_rows(tv, here, size: int) -> tuple[tuple[Run, ...], ...]:
 
 
 def home_parts(expr, here) -> int:
-    """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
-    local batch (of the heads when the batch is 1: of the query heads and of the key/value
-    heads alike) when that extent is even and there is no dropout (a block's mask is drawn
-    whole), else one; ``MESHFUSE_CP_HOME_PARTS=1`` asks for one (to measure what the halves
-    gain). The halves are contiguous slices of the sums, sent and received in place."""
+    """The parts a ring backward sends its finished dk/dv sums home in: ``parts`` equal
+    slices of the local batch (of the heads when the batch is 1: of the query heads and of
+    the key/value heads alike) when that extent divides by it and there is no dropout (a
+    block's mask is drawn whole), else one. ``parts`` is 2, or ``MESHFUSE_CP_HOME_PARTS``
+    (1 sends them whole, to measure what the parts gain; 4 hides more of the transfer under
+    smaller kernels). The parts are contiguous slices of the sums, sent and received in
+    place.
+
+    Raises:
+        DefinitionError: ``MESHFUSE_CP_HOME_PARTS`` is not a positive integer.
+    """
     q, k = _arg(expr, "q"), _arg(expr, "k")
     dropout = _arg(expr, "dropout_p")
-    if getattr(dropout, "value", dropout) != 0.0 or os.environ.get(HOME_PARTS_VAR) == "1":
+    parts = _requested_parts()
+    if getattr(dropout, "value", dropout) != 0.0 or parts == 1:
         return 1
     for position in range(2):  # batch, then heads
         extents = [_local(t, t.logical[position], here) for t in (q, k)]
         if None in extents:  # a symbolic extent
             return 1
         if extents[0] > 1:
-            return 2 if all(e % 2 == 0 for e in extents) else 1
+            return parts if all(e % parts == 0 for e in extents) else 1
     return 1
+
+
+def _requested_parts() -> int:
+    value = os.environ.get(HOME_PARTS_VAR, "").strip() or "2"
+    if not value.isdigit() or int(value) < 1:
+        raise DefinitionError(f"{HOME_PARTS_VAR}={value!r}: give the number of parts the ring's "
+                              "finished dk/dv sums go home in, a positive integer (default 2)")
+    return int(value)
 
 
 def _local(tv, axis, here) -> int | None:
