@@ -22,11 +22,12 @@ from meshfuse.ir.tensor_view import TensorView
 
 
 def head_owners(tv: TensorView) -> dict[str, torch.Tensor] | None:
-    """For each device parallel type that shards ``tv``'s heads (axis -3), the coordinate
-    owning each global head; None when an extent is not known before execute."""
+    """For each device parallel type that shards ``tv``'s heads (axis -3 of its
+    materialized axes), the coordinate owning each global head; None when an extent is not
+    known before execute."""
     if any(i.extent is None for i in tv.logical):
         return None
-    heads = tv.logical[-3]
+    heads = tv.materialized()[-3]
     extents = derived_extents(tv, {i: i.extent for i in tv.logical})
     indices = split_indices(tv, heads, extents)
     return {pt.value: indices[leaf] for leaf, pt in device_ids(tv).get(heads, [])}
@@ -41,7 +42,7 @@ def check_grouped_heads(expr, q: TensorView, kv: dict[str, TensorView]) -> None:
         kv_owners = head_owners(tv)
         if q_owners is None or kv_owners is None:
             return
-        heads, kv_heads = q.logical[-3].extent, tv.logical[-3].extent
+        heads, kv_heads = q.materialized()[-3].extent, tv.materialized()[-3].extent
         if heads == kv_heads:
             continue
         group = heads // kv_heads

@@ -252,7 +252,7 @@ def context_record(expr, here) -> ContextParallel:
     ranks = q.mesh.group_ranks(here.rank, axis)
     rows = _position_rows(q, here, len(ranks))
     keys = None
-    if here.extents.get(k.logical[-2]) != here.extents.get(q.logical[-2]):
+    if here.extents.get(k.materialized()[-2]) != here.extents.get(q.materialized()[-2]):
         keys = _position_rows(k, here, len(ranks))
     backward = expr.op.name == "sdpfa_bwd"
     return ContextParallel(sequence_parallel(expr), axis, ranks,
@@ -262,7 +262,7 @@ def context_record(expr, here) -> ContextParallel:
 
 def _position_rows(tv, here, size: int) -> tuple[tuple[Run, ...], ...]:
     """For each position of the mesh axis sharding ``tv``'s sequence, its runs of rows."""
-    sequence = tv.logical[-2]
+    sequence = tv.materialized()[-2]
     (leaf, _), = device_ids(tv)[sequence]
     owners = split_indices(tv, sequence, here.extents)[leaf]
     return tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)

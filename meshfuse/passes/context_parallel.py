@@ -92,11 +92,11 @@ def problem(expr: Expr) -> Problem:
     or head extents count as 1)."""
     q, v = _tensor(expr, "q"), _tensor(expr, "v")
     b, h, s, e = (i.extent or 1 for i in q.materialized())
-    s_kv = _tensor(expr, "k").logical[2].extent or s
+    s_kv = _tensor(expr, "k").materialized()[2].extent or s
     causal = _value(expr, "is_causal") is not False
     zigzag = any(step[1] == "zigzag" for _, path in shard_signature(q, q.logical[2])
                  for step in path)
-    kv_heads = (v.logical[1].extent or h) // shard_factor(v, v.logical[1])
+    kv_heads = (v.materialized()[1].extent or h) // shard_factor(v, v.materialized()[1])
     return Problem(b // shard_factor(q, q.logical[0]), h // shard_factor(q, q.logical[1]), s,
                    e, v.logical[3].extent or e, q.dtype.torch_dtype.itemsize,
                    _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag, kv_heads, s_kv)
@@ -119,7 +119,7 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
         tv = _tensor(expr, name)
         if tv.mesh != q.mesh or shard_signature(tv, tv.logical[2]) != signature:
             return f"{tv.name} ({name}) is not sharded on its sequence as q ({q.name}) is"
-    s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").logical[2].extent
+    s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").materialized()[2].extent
     if s_q is None or s_kv is None:
         return f"the query and key sequence extents are not static ({s_q}, {s_kv})"
     if s_q != s_kv:
@@ -149,13 +149,13 @@ def _why_not_alltoall(expr: Expr) -> str | None:
     q = _tensor(expr, "q")
     n, s = _axis_size(q), q.logical[2].extent
     for tv in (q, _tensor(expr, "k")):  # query heads, and key/value heads (GQA: fewer)
-        heads = tv.logical[1].extent
-        if heads is None:
+        axis = tv.materialized()[1]
+        if axis.extent is None:
             return "the head count is symbolic"
-        local = heads // shard_factor(tv, tv.logical[1])
-        if heads % shard_factor(tv, tv.logical[1]) or local % n:
+        local = axis.extent // shard_factor(tv, axis)
+        if axis.extent % shard_factor(tv, axis) or local % n:
             return f"the {local} local heads of {tv.name} do not divide over {n} ranks"
-    for extent in {s, _tensor(expr, "k").logical[2].extent}:
+    for extent in {s, _tensor(expr, "k").materialized()[2].extent}:
         if extent % n:
             return f"the sequence of {extent} does not divide over {n} ranks (blocks must be equal)"
     if _value(expr, "dropout_p") != 0.0:
