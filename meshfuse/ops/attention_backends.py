@@ -76,7 +76,7 @@ def check_heads(op: str, q_heads, k_heads, v_heads, error=InputError) -> None:
     if None not in (k_heads, v_heads) and k_heads != v_heads:
         raise error(f"{op}: heads (axis 1) of k is {k_heads} but v's is {v_heads}; k and v "
                     "need one head count")
-    if None not in (q_heads, k_heads) and (k_heads == 0 or q_heads % k_heads):
+    if None not in (q_heads, k_heads) and (q_heads % k_heads if k_heads else q_heads):
         raise error(f"{op}: heads (axis 1) of k is {k_heads} but q's is {q_heads}, not a "
                     "multiple of it; k and v need as many heads as q, or a divisor of q's "
                     "(grouped-query attention)")
