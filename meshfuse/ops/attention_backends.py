@@ -72,7 +72,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_heads(op: str, q_heads, k_heads, v_heads, error=InputError) -> None:
     """Raise ``error`` unless k and v have one head count that divides q's (grouped-query
     attention, as PyTorch's SDPA with ``enable_gqa=True``: query head ``h`` attends with
-    key/value head ``h // (q_heads // k_heads)``); None is a count not known yet."""
+    key/value head ``h // (q_heads // k_heads)``); None is a count not known yet; an empty
+    shard (no heads of either) fits."""
     if None not in (k_heads, v_heads) and k_heads != v_heads:
         raise error(f"{op}: heads (axis 1) of k is {k_heads} but v's is {v_heads}; k and v "
                     "need one head count")
