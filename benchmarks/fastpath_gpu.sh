@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# Issues 16 and 13 on 1-2 GPUs, one command from the repository root:
+# Issue 13 (and the CUDA tests of issue 16) on 1-2 GPUs, one command from the repository root:
 #   bash benchmarks/fastpath_gpu.sh OUT
-# 1. dropout check per kernel (math, cuDNN, flash, memory-efficient, global mode): same seed,
-#    same forward bits; gradients bitwise under deterministic algorithms; masks read off the
-#    output; the user's generator untouched (benchmarks/dropout_check.py), on 1 GPU and on 2;
-# 2. the dropout, replay and fusion tests on the GPUs;
-# 3. benchmarks on 2 GPUs (1 without a second): attention_dropout, fusion, attention_seed.
-# Everything goes to OUT (logs, JSON, reports); a summary is printed last.
+# 1. the CUDA tests of the automatic replay, CUDA graphs, fused segments and dropout;
+# 2. the issue-13 benchmarks on 2 GPUs (1 without a second): `--cases issue13` (fusion,
+#    attention_seed, attention_large, overhead, mlp), ratios to baselines of the same run.
+# Everything goes to OUT (logs, JSON, reports); a summary is printed last. About 4 minutes.
 set -u
 out=${1:-gpu-out}
 mkdir -p "$out"
@@ -15,20 +13,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TORCH_NCCL_ENABLE_MONITORING=0
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 summary=()
-timeout 300 python3 -m benchmarks.dropout_check "$out/dropout-1gpu" > "$out/dropout-1gpu.log" 2>&1
-summary+=("dropout_check 1 GPU: rc=$? $(grep RESULT "$out/dropout-1gpu.log")")
-if (( ngpu >= 2 )); then
-  timeout 300 torchrun --nproc-per-node 2 -m benchmarks.dropout_check "$out/dropout-2gpu" \
-    > "$out/dropout-2gpu.log" 2>&1
-  summary+=("dropout_check 2 GPUs: rc=$? $(grep RESULT "$out/dropout-2gpu.log")")
-fi
-timeout 500 python3 -m pytest -q -p no:cacheprovider -rf tests/test_dropout_reproducible.py \
-  tests/test_attention_dropout.py tests/test_auto_replay.py tests/test_cuda_graph.py \
-  tests/test_fused.py tests/test_reproducibility_check.py > "$out/tests.log" 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_auto_replay.py \
+  tests/test_cuda_graph.py tests/test_fused.py tests/test_dropout_reproducible.py \
+  tests/test_attention_dropout.py > "$out/tests.log" 2>&1
 summary+=("tests: rc=$? $(tail -1 "$out/tests.log")")
 launcher=(python3)
 (( ngpu >= 2 )) && launcher=(torchrun --nproc-per-node 2)
-timeout 420 "${launcher[@]}" -m benchmarks.run --cases attention_dropout,fusion,attention_seed \
-  --out "$out" > "$out/bench.log" 2>&1
-summary+=("bench (${ngpu} GPUs): rc=$?")
-printf '%s\n' "${summary[@]}"
+timeout 330 "${launcher[@]}" -m benchmarks.run --cases issue13 --out "$out" \
+  > "$out/bench.log" 2>&1
+summary+=("bench issue13 (${ngpu} GPUs): rc=$?")
+grep -h -A12 "meshfuse vs the same torch calls" "$out"/*.md >> "$out/summary.txt" 2>/dev/null
+printf '%s\n' "${summary[@]}" | tee -a "$out/summary.txt"

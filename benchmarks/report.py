@@ -20,7 +20,8 @@ from benchmarks.harness import Record
 
 ATTENTION_CASES = ("attention_seed", "attention_large")
 # the meshfuse variants of the headline, and what each is named there
-MESHFUSE_VARIANTS = {"meshfuse": "execute", "meshfuse_graph": "execute(cuda_graph)"}
+MESHFUSE_VARIANTS = {"meshfuse": "execute", "meshfuse_interpreter": "execute(cuda_graph=False)",
+                     "meshfuse_graph": "execute(cuda_graph=True)"}
 # what "meshfuse" is compared with in the headline: the same calls made directly
 DIRECT_COUNTERPARTS = ("direct", "torch_manual")
 
@@ -100,6 +101,8 @@ def headline(records: list[Record]) -> list[str]:
                 line += (f"; host {mf.host_us:.1f} vs {other.host_us:.1f} us/call: "
                          f"{mf.host_us - other.host_us:+.1f} us "
                          f"({mf.host_us / other.host_us:.2f}x)")
+            if "vs_direct_aten" in mf.metrics:
+                line += f"; {mf.metrics['vs_direct_aten']:.2f}x bare aten calls"
             lines.append(line)
     return lines
 

@@ -1,23 +1,41 @@
-"""Automatic CUDA-graph replay (``meshfuse.runtime.replay``, ``execute(cuda_graph="auto")``).
+"""Automatic CUDA-graph replay (``meshfuse.runtime.replay``): ``execute``'s default on CUDA.
 
 The policy runs on CPU with a stand-in for the CUDA graph that re-runs the program into the
 captured outputs, reading the inputs where they were at capture (as a graph does): the first
 call of a signature runs the interpreter, later calls with inputs at the same addresses
 replay, new addresses are captured up to a limit, a caller still holding an earlier result
-(or a view of it) gets the interpreter, and programs that draw random numbers or
-communicate are never replayed. On a CUDA device the real graphs are checked against the
-interpreter.
+(or a view of it) gets a second graph and then the interpreter, and programs that draw
+random numbers, communicate or run on the CPU are never replayed. On a CUDA device the real
+graphs are checked against the interpreter: plain ``execute`` of the seed attention, a
+dropout attention (never replayed: each call draws a new mask), an autograd function, new
+shapes and scalar values, and the opt-outs.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from mesh_helpers import shard
 
-from meshfuse import DataType, FusionDefinition, InputError
+from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
+from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.executor import RESHARD, Step
-from meshfuse.runtime.replay import MAX_GRAPHS, AutoReplay, _local, why_not_replayed
+from meshfuse.runtime.replay import (
+    BUFFERS,
+    MAX_GRAPHS,
+    AutoReplay,
+    GraphBudget,
+    _local,
+    replay_lines,
+    replay_wanted,
+    why_not_replayed,
+)
 from meshfuse.runtime.runner import cuda_graph_setting
+from meshfuse.testing.utils import current_device
+
+CUDA = torch.device("cuda")  # what the decision is told; the stand-in graph runs on the CPU
 
 
 class FakeGraph:
@@ -31,12 +49,24 @@ class FakeGraph:
     def replay(self):
         FakeGraph.replays += 1
         for out, new in zip(self.outputs, self.program.run(self.inputs)):
-            out.copy_(new)
+            if out.data_ptr() != new.data_ptr():  # an output that is an input stays itself
+                out.copy_(new)
 
 
 def fake_capture(program, inputs):
-    outputs = [t.clone() for t in program.run(inputs)]
-    return FakeGraph(program, inputs, outputs), outputs, []
+    outputs = program.run(inputs)
+    return FakeGraph(program, inputs, outputs), outputs, 1024
+
+
+class FakeCuda:
+    """CUDA graphs on the CPU: the stand-in graph above; ``capturing``: set by a test."""
+
+    capture = staticmethod(fake_capture)
+    capturing_now = False
+
+    @classmethod
+    def capturing(cls):
+        return cls.capturing_now
 
 
 def _program(fd, inputs):
@@ -44,6 +74,10 @@ def _program(fd, inputs):
     runner = fd._get_runner()
     (program,) = runner._programs.values()
     return program
+
+
+def _replay(fd, inputs, budget=None):
+    return AutoReplay(_program(fd, inputs), CUDA, budget, FakeCuda)
 
 
 def _chain():
@@ -66,37 +100,68 @@ def _assert_outputs(got, x, y):
 
 def test_first_call_interprets_then_replays_at_the_same_addresses():
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    fd = _chain()
-    replay = AutoReplay(_program(fd, [x, y]), fake_capture)
+    replay = _replay(_chain(), [x, y])
     assert replay.run([x, y]) is None  # the signature's first call: the interpreter
     before = FakeGraph.replays
     _assert_outputs(replay.run([x, y]), x, y)  # captured, replayed
     x.mul_(2)  # new values at the same address: the graph reads them
     _assert_outputs(replay.run([x, y]), x, y)
     assert FakeGraph.replays == before + 2 and replay.graphs == 1
-    assert "1 graphs captured" in replay.describe()
+    assert "1 graphs captured for 1 sets of input addresses" in replay.describe()
+    assert "holding 0.0 MiB" in replay.describe()
 
 
 def test_an_earlier_result_still_held_is_never_overwritten():
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    replay = AutoReplay(_program(_chain(), [x, y]), fake_capture)
+    replay = _replay(_chain(), [x, y])
     replay.run([x, y])
     first = replay.run([x, y])
     kept = first[0].clone()
     x.add_(1)
-    assert replay.run([x, y]) is None  # `first` is alive: the interpreter runs
+    second = replay.run([x, y])  # `first` is alive: a second graph, its own memory
+    assert second is not None and replay.graphs == BUFFERS
+    assert second[0].data_ptr() != first[0].data_ptr()
+    _assert_outputs(second, x, y)
+    assert replay.run([x, y]) is None  # both held: the interpreter
     assert torch.equal(first[0], kept)
     view = first[1][:2]
     del first
     assert replay.run([x, y]) is None  # a view of it is alive too
     del view
     _assert_outputs(replay.run([x, y]), x, y)
+    assert replay.graphs == BUFFERS
+
+
+def test_a_loop_holding_the_previous_result_replays_every_call():
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    replay = _replay(_chain(), [x, y])
+    out = replay.run([x, y])  # the first call (the interpreter's)
+    for step in range(6):
+        x.add_(step)
+        previous = out
+        out = replay.run([x, y])  # while `out` still holds the previous result
+        assert out is not None
+        _assert_outputs(out, x, y)
+        if previous is not None:
+            assert out[0].data_ptr() != previous[0].data_ptr()
+    assert replay.graphs == BUFFERS
+
+
+def test_inside_the_callers_own_capture_the_interpreter_runs(monkeypatch):
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    replay = _replay(_chain(), [x, y])
+    replay.run([x, y])
+    monkeypatch.setattr(FakeCuda, "capturing_now", True)
+    assert replay.run([x, y]) is None and replay.graphs == 0  # neither captured nor replayed
+    monkeypatch.setattr(FakeCuda, "capturing_now", False)
+    _assert_outputs(replay.run([x, y]), x, y)
+    monkeypatch.setattr(FakeCuda, "capturing_now", True)
+    assert replay.run([x, y]) is None and replay.graphs == 1
 
 
 def test_new_addresses_are_captured_up_to_the_limit():
-    fd = _chain()
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    replay = AutoReplay(_program(fd, [x, y]), fake_capture)
+    replay = _replay(_chain(), [x, y])
     replay.run([x, y])
     pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(MAX_GRAPHS + 1)]
     for i, (a, b) in enumerate(pairs):
@@ -106,6 +171,51 @@ def test_new_addresses_are_captured_up_to_the_limit():
         else:
             assert got is None  # beyond the limit: the interpreter
     assert replay.graphs == MAX_GRAPHS
+    a, b = pairs[0]
+    _assert_outputs(replay.run([a, b]), a, b)  # captured addresses still replay
+
+
+def test_the_signatures_of_a_fusion_share_a_graph_budget():
+    budget = GraphBudget(3)
+    replays = [_replay(_chain(), [torch.randn(8, 8)] * 2, budget) for _ in range(2)]
+    for replay in replays:
+        pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+        for a, b in pairs:
+            replay.run([a, b])
+    assert [r.graphs for r in replays] == [2, 1] and budget.left == 0
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    assert replays[1].run([a, b]) is None  # its own limit is not reached; the fusion's is
+    assert "graph budget is spent" in replays[1].describe()
+
+
+def test_scalar_values_are_part_of_the_key():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 4], dtype=DataType.Float)
+        a = fd.define_scalar(None, dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(x, a))
+    x = torch.randn(4, 4)
+    replay = _replay(fd, [x, 2.0])
+    replay.run([x, 2.0])
+    for value in (2.0, 3.0, 2.0, 3.0):
+        torch.testing.assert_close(replay.run([x, value])[0], x * value)
+    assert replay.graphs == 2
+
+
+def test_an_output_that_is_an_input_does_not_block_replay():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 4], dtype=DataType.Float)
+        fd.add_output(x)
+        fd.add_output(fd.ops.neg(x))
+    x = torch.randn(4, 4)
+    replay = _replay(fd, [x])
+    replay.run([x])
+    held, neg = replay.run([x])
+    assert held.data_ptr() == x.data_ptr()
+    del neg  # the caller keeps the input (and the output that is it): the graph is free
+    same, neg = replay.run([x])
+    assert same.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(neg, -x)
+    assert replay.graphs == 1
 
 
 def test_a_failed_capture_leaves_the_program_to_the_interpreter():
@@ -114,7 +224,10 @@ def test_a_failed_capture_leaves_the_program_to_the_interpreter():
     def failing(program, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    replay = AutoReplay(_program(_chain(), [x, y]), failing)
+    class Failing(FakeCuda):
+        capture = staticmethod(failing)
+
+    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, cuda=Failing)
     assert replay.run([x, y]) is None and replay.run([x, y]) is None
     assert "no capture: RuntimeError" in replay.describe()
 
@@ -123,9 +236,31 @@ def test_programs_that_draw_random_numbers_are_not_replayed():
     with FusionDefinition() as fd:
         x = fd.define_tensor([8, 8], dtype=DataType.Float)
         fd.add_output(fd.ops.add(x, fd.ops.rand_like(x)))
-    x = torch.randn(8, 8)
-    reason = why_not_replayed(_program(fd, [x]))
+    reason = why_not_replayed(_program(fd, [torch.randn(8, 8)]), CUDA)
     assert reason is not None and "random" in reason
+
+
+def test_attention_with_dropout_is_not_replayed():
+    b, h, s, e = 1, 2, 8, 16
+    model = SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), b, h, s, e, dropout_p=0.1)
+    inputs = model.inputs_for(*random_inputs(b, h, s, e), 0)
+    reason = why_not_replayed(_program(model, inputs), CUDA)
+    assert reason is not None and "draws random numbers" in reason and "sdpfa_fwd" in reason
+
+
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
+def test_the_seed_attention_on_one_device_is_replayable(qkv_format):
+    b, h, s, e = 1, 2, 8, 16  # on a mesh of one device its reshards are local copies
+    model = SeedAttention(qkv_format, DeviceMesh(range(1)), b, h, s, e)
+    inputs = model.inputs_for(*random_inputs(b, h, s, e), 0)
+    assert why_not_replayed(_program(model, inputs), CUDA) is None
+
+
+def test_a_set_inside_the_program_is_replayable():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.exp(fd.ops.set(x)))  # the set runs as a view of x
+    assert why_not_replayed(_program(fd, [torch.randn(4, 4)]), CUDA) is None
 
 
 def test_only_registry_implementations_and_segments_count_as_local():
@@ -133,16 +268,42 @@ def test_only_registry_implementations_and_segments_count_as_local():
     assert _local(step, torch.exp) is False  # not the registry's implementation
     from meshfuse.ops.registry import lookup
     assert _local(step, lookup("exp").impl)
-    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather"), torch.clone)
+    assert _local(Step(RESHARD, (), {}, (0,), (), "a local copy"), torch.clone)
+    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather"), lambda x: x)
+    assert not _local(Step(RESHARD, (), {}, (0,), (), "allgather", plan=("step",)), torch.clone)
 
 
-def test_cpu_programs_are_interpreted_and_explain_says_why():
+def test_cpu_programs_are_interpreted_and_explain_is_silent_on_replay():
     fd = _chain()
     x, y = torch.randn(8, 8), torch.randn(8, 8)
+    before = fd.explain([x, y])
     for _ in range(3):
-        _assert_outputs(fd.execute([x, y], cuda_graph="auto"), x, y)
-    assert "CUDA graph replay: off (no capture: ValueError: an input is not a CUDA tensor)" \
-        in fd.explain([x, y])
+        _assert_outputs(fd.execute([x, y]), x, y)
+    (replay,) = fd._get_runner()._replays.values()
+    assert replay.reason == "its inputs are on cpu, not on a CUDA device"
+    assert "CUDA graph replay" not in before and fd.explain([x, y]) == before
+
+
+def test_explain_states_the_decision_before_the_first_call():
+    program = _program(_chain(), [torch.randn(8, 8)] * 2)
+    assert replay_lines(program, torch.device("cpu"), [], True) == []
+    assert replay_lines(program, CUDA, [], False) == []
+    (line,) = replay_lines(program, CUDA, [], True)
+    assert line.startswith("CUDA graph replay: on (nothing captured yet")
+    replay = AutoReplay(program, CUDA, cuda=FakeCuda)
+    assert replay_lines(program, CUDA, [replay], True) == [line]  # after one call: the same
+
+
+def test_which_calls_may_replay():
+    assert replay_wanted(None, True, False) and not replay_wanted(None, False, False)
+    assert replay_wanted("auto", False, False) and not replay_wanted(False, True, False)
+    assert not replay_wanted(None, True, True)  # a call that donates its inputs
+    with pytest.raises(InputError, match="cuda_graph='always'"):
+        replay_wanted("always", True, False)
+    assert cuda_graph_setting(None) is True and cuda_graph_setting("auto") is True
+    assert cuda_graph_setting("0") is False and cuda_graph_setting("off") is False
+    with pytest.raises(InputError, match="MESHFUSE_CUDA_GRAPH='yes'"):
+        cuda_graph_setting("yes")
 
 
 def test_bad_options_are_named():
@@ -150,31 +311,160 @@ def test_bad_options_are_named():
     x = torch.randn(8, 8)
     with pytest.raises(InputError, match="cuda_graph='always'"):
         fd.execute([x, x], cuda_graph="always")
-    assert cuda_graph_setting(None) is None and cuda_graph_setting("auto") == "auto"
-    assert cuda_graph_setting("0") is False
-    with pytest.raises(InputError, match="MESHFUSE_CUDA_GRAPH='yes'"):
-        cuda_graph_setting("yes")
+
+
+class _RowParallelLinear(FusionDefinition):
+    """``y = x @ w.T`` with the reduced axis split over the mesh: partial sums allreduced."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def definition(self) -> None:
+        self.x = self.define_tensor([8, 16], dtype=DataType.Float)
+        self.w = self.define_tensor([4, 16], dtype=DataType.Float)
+        self.y = self.ops.linear(self.x, self.w)
+        self.add_output(self.y)
+
+    def multidevice_schedule(self) -> None:
+        for tv in (self.x, self.w):
+            shard(tv, 1, self.mesh)
+        self.y.set_device_mesh(self.mesh)
+
+
+@pytest.mark.mpi
+def test_programs_that_communicate_are_not_replayed(multidevice_test):
+    rank, mesh = multidevice_test.rank, DeviceMesh(range(multidevice_test.size))
+    fd = _RowParallelLinear(mesh)
+    fd.define()
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    inputs = [shard_tensor(x, fd.x, rank), shard_tensor(w, fd.w, rank)]
+    reason = why_not_replayed(_program(fd, inputs), CUDA)
+    if multidevice_test.size == 1:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith("it communicates")
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _replay_line(fd, inputs) -> str:
+    return next(s for s in fd.explain(inputs).splitlines() if "CUDA graph replay" in s)
+
+
 @cuda_only
 @pytest.mark.parametrize("compile", [False, "inductor"])
-def test_cuda_replay_equals_the_interpreter(compile):
+@pytest.mark.parametrize("option", [{}, {"cuda_graph": "auto"}])
+def test_cuda_replay_equals_the_interpreter(compile, option):
     fd = _chain()
     x, y = (torch.randn(8, 8, device="cuda") for _ in range(2))
     results = []
     for step in range(4):
         x.add_(step)
-        got = fd.execute([x, y], cuda_graph="auto", compile=compile)
+        got = fd.execute([x, y], compile=compile, **option)
         _assert_outputs(got, x, y)
         results.append((got, [t.clone() for t in got]))
     for got, copy in results:  # held results were never overwritten
         assert all(torch.equal(a, b) for a, b in zip(got, copy))
-    del results
+    del results, got
     for _ in range(2):
-        _assert_outputs(fd.execute([x, y], cuda_graph="auto", compile=compile), x, y)
-    line = next(s for s in fd.explain([x, y]).splitlines() if "CUDA graph replay" in s)
-    assert "1 graphs captured" in line, line
+        _assert_outputs(fd.execute([x, y], compile=compile, **option), x, y)
+    assert "2 graphs captured for 1 sets of input addresses" in _replay_line(fd, [x, y])
 
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
+def test_cuda_plain_execute_of_the_seed_attention_replays(multidevice_test, qkv_format):
+    d, rank = multidevice_test.size, multidevice_test.rank
+    b, h, s, e = 2, 4 * d, 128, 64 * 4 * d  # heads split over the ranks: no communication
+    model = SeedAttention(qkv_format, DeviceMesh(range(d)), b, h, s, e)
+    sets = [model.inputs_for(*random_inputs(b, h, s, e, device=current_device(), seed=seed),
+                             rank) for seed in (0, 1)]
+    expected = [model.execute(inputs, cuda_graph=False) for inputs in sets]
+    out = None
+    for step in range(6):  # out = execute(...): the previous result is held during a call
+        inputs = sets[step % 2]
+        out = model.execute(inputs)
+        for got, want in zip(out, expected[step % 2]):
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    line = _replay_line(model, sets[0])
+    assert "graphs captured for 2 sets of input addresses" in line, line
+    for inputs, want in zip(sets, expected):  # results held across calls stay as they were
+        first = model.execute(inputs)
+        model.execute(inputs)
+        torch.testing.assert_close(first[0], want[0], rtol=1e-2, atol=1e-2)
+
+
+@cuda_only
+def test_cuda_new_shapes_and_scalars_get_their_own_graphs():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8], dtype=DataType.Float)
+        a = fd.define_scalar(None, dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(fd.ops.exp(x), a))
+    for rows in (4, 16):
+        x = torch.randn(rows, 8, device="cuda")
+        for value in (2.0, 3.0, 2.0, 3.0, 2.0):
+            torch.testing.assert_close(fd.execute([x, value])[0], torch.exp(x) * value)
+        assert "2 graphs captured for 2 sets" in _replay_line(fd, [x, 2.0])
+
+
+@cuda_only
+def test_cuda_dropout_draws_a_new_mask_each_call():
+    b, h, s, e = 2, 4, 128, 256
+    model = SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), b, h, s, e, dropout_p=0.2)
+    inputs = model.inputs_for(*random_inputs(b, h, s, e, device="cuda"), 0)
+    attns = [model.execute(inputs)[0] for _ in range(4)]
+    for earlier, later in itertools.pairwise(attns):
+        assert not torch.equal(earlier, later)
+    assert "off (it draws random numbers" in _replay_line(model, inputs)
+
+
+@cuda_only
+def test_cuda_autograd_through_a_replayed_forward():
+    fd = _chain()
+    function = fd.as_autograd_function()
+    x0, y0 = (torch.randn(8, 8, device="cuda") for _ in range(2))
+    x, y = (t.clone().requires_grad_() for t in (x0, y0))
+    for step in range(4):
+        prod, total = function([x, y])
+        (prod.sum() + total.sum()).backward()
+        ref_x, ref_y = (t.clone().requires_grad_() for t in (x0, y0))
+        ((torch.exp(ref_x) * ref_y).sum() + ref_x.sum(1).sum()).backward()
+        torch.testing.assert_close(x.grad, ref_x.grad * (step + 1))
+        torch.testing.assert_close(y.grad, ref_y.grad * (step + 1))
+
+
+@cuda_only
+def test_cuda_execute_inside_the_callers_own_graph():
+    fd = _chain()
+    x, y = (torch.randn(8, 8, device="cuda") for _ in range(2))
+    for _ in range(3):
+        fd.execute([x, y])  # captured at the second call, replayed at the third
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the caller's own warm-up, as CUDA asks
+        fd.execute([x, y])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the interpreter's kernels go into the caller's graph
+        out = fd.execute([x, y])
+    x.add_(1)
+    graph.replay()
+    _assert_outputs(out, x, y)
+    assert "1 graphs captured" in _replay_line(fd, [x, y])
+
+
+@cuda_only
+@pytest.mark.parametrize("how", ["env", "option"])
+def test_cuda_replay_can_be_turned_off(how, monkeypatch):
+    if how == "env":
+        monkeypatch.setenv("MESHFUSE_CUDA_GRAPH", "0")
+    option = {"cuda_graph": False} if how == "option" else {}
+    fd = _chain()
+    x, y = (torch.randn(8, 8, device="cuda") for _ in range(2))
+    for _ in range(3):
+        _assert_outputs(fd.execute([x, y], **option), x, y)
+    assert not fd._get_runner()._replays

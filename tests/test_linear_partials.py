@@ -159,3 +159,49 @@ def test_gradient_of_a_replicated_input_used_by_column_parallel_matmuls(multidev
                                .expand(M, K))
     assert Counter(c.kind for c in comms) == (Counter({"allreduce": 1}) if size > 1
                                               else Counter())
+
+
+def _bf16_products_summed(mesh, narrow: bool):
+    """``cast(a0 @ b0 + a1 @ b1)``, bf16 operands, contraction sharded: the sum of the two
+    bf16 partial products is float (nvFuser's promotion); cast back to bf16 (``narrow``) or
+    kept float and the products cast up first. The result is pinned sharded on rows."""
+    with FusionDefinition() as fd:
+        inputs = [fd.define_tensor(shape, dtype=DataType.BFloat16)
+                  for shape in ([M, K], [K, N]) * 2]
+        p, q = (fd.ops.matmul(inputs[i], inputs[i + 1]) for i in (0, 2))
+        if narrow:
+            out = fd.ops.cast(fd.ops.add(p, q), DataType.BFloat16)
+        else:
+            out = fd.ops.add(fd.ops.cast(p, DataType.Float), fd.ops.cast(q, DataType.Float))
+        fd.add_output(out)
+    _contract_sharded(inputs, mesh)
+    shard(out, 0, mesh)
+    return fd, inputs, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("narrow", [True, False], ids=["cast_down", "cast_up"])
+def test_partial_sums_are_reduced_in_the_narrower_float_type(multidevice_test, narrow):
+    """A cast to a narrower float carries partial sums (as DTensor's ``to`` keeps a Partial
+    placement): bf16 products added in float, cast to bf16, are reduce-scattered in bf16
+    (half the bytes of float); a cast up (bf16 to float) does not carry them: the products
+    are reduced in bf16, before it. Values as the unsharded program's (bf16 tolerance)."""
+    mesh = mesh_1d(multidevice_test)
+    fd, inputs, out = _bf16_products_summed(mesh, narrow)
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(t.shape, generator=gen).to(torch.bfloat16) for t in
+              (torch.empty(M, K), torch.empty(K, N)) * 2]
+    rank = multidevice_test.rank
+    with record_communications() as comms:
+        got, = fd.execute([shard_tensor(v, tv, rank) for v, tv in zip(values, inputs)])
+    products = [values[i].float() @ values[i + 1].float() for i in (0, 2)]
+    expected = products[0] + products[1]
+    assert got.dtype == (torch.bfloat16 if narrow else torch.float32)
+    torch.testing.assert_close(got.float(), shard_tensor(expected, out, rank), rtol=5e-2,
+                               atol=5e-2)
+    size = multidevice_test.size
+    bf16_sum = ("reduce_scatter", -(-M // size) * size * N * 2)  # rows padded to even shards
+    # cast down: one reduce-scatter of the bf16 sum; cast up: one per bf16 product, before
+    # its cast (float partial sums would send twice the bytes)
+    plan = [bf16_sum] if narrow else [bf16_sum] * 2
+    assert [(c.kind, c.bytes) for c in comms] == (plan if size > 1 else [])

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, ParallelType
+from meshfuse.ir.fusion import Reshard
 from meshfuse.runtime.collectives import record_communications
 
 MX = ParallelType.mesh_x
@@ -153,3 +154,8 @@ def test_row_parallel_result_joining_a_sequence_sharded_residual_is_reduce_scatt
         torch.testing.assert_close(out.local, multidevice_test.shard_tensor(ref, tv))
     assert [c.kind for c in comms] == (
         ["allgather", "reduce_scatter"] if multidevice_test.size > 1 else [])
+    # The reduce-scattered result (nvFuser's form: its reduction axis and its sequence axis
+    # on one mesh axis) is complete and sequence sharded as the residual: read as it is, with
+    # no copy into a tensor that lies alike.
+    reshards = [e for e in fd.compiled().fusion.exprs if isinstance(e, Reshard)]
+    assert len(reshards) == 2  # the allgather and the reduce-scatter (moving nothing at 1)

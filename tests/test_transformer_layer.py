@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import meshfuse
 from meshfuse import DataType, DeviceMesh, shard_tensor
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters, torch_block
 from meshfuse.runtime.collectives import record_communications
@@ -80,9 +81,9 @@ def assert_matches(got, expected, dtype, tvs=None, rank: int = 0):
                                    atol=atol * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def sp_plan(size: int, seq: int = S, embed: int = E) -> tuple[list, list]:
-    """The collectives of Megatron's (and DTensor's) sequence-parallel plan for the block in
-    float32, per forward and backward, as ``(kind, bytes sent by this rank)``: forward, an
+def sp_plan(size: int, seq: int = S, embed: int = E, itemsize: int = 4) -> tuple[list, list]:
+    """The collectives of Megatron's (and DTensor's) sequence-parallel plan for the block
+    (elements of ``itemsize`` bytes: float32 by default), per forward and backward, as ``(kind, bytes sent by this rank)``: forward, an
     allgather of each layer norm's output before the column-parallel projections (this
     rank's ``[B, S/d, E]``) and a reduce-scatter of each row-parallel result (``[B, S, E]``);
     backward, their transposes (an allgather of the cotangent into the row-parallel
@@ -91,9 +92,9 @@ def sp_plan(size: int, seq: int = S, embed: int = E) -> tuple[list, list]:
     sequence shards; DTensor leaves it pending as a ``Partial`` gradient). Uneven sequence
     shards are padded to the longest."""
     longest = -(-seq // size)
-    ag = ("allgather", B * longest * embed * 4)
-    rs = ("reduce_scatter", B * longest * size * embed * 4)
-    ar = ("allreduce", embed * 4)
+    ag = ("allgather", B * longest * embed * itemsize)
+    rs = ("reduce_scatter", B * longest * size * embed * itemsize)
+    ar = ("allreduce", embed * itemsize)
     return [ag, rs] * 2, [ag, rs, ar, ar] * 2
 
 
@@ -128,6 +129,27 @@ def test_forward_only_block_tp_sp_gradients_match_hand_written_and_autograd(mult
         assert Counter(kinds_and_bytes(comms)) == Counter(plan_forward + plan_backward)
     else:
         assert not forward and not backward and not comms
+
+
+@pytest.mark.mpi
+def test_bf16_block_communicates_bf16_and_derives_bf16_gradients(multidevice_test):
+    """In bf16 (nvFuser's promotion: float arithmetic, bf16 tensors) every gradient the
+    derived backward returns is bf16, as its input (contributions summed in float, rounded
+    once), so every collective of the plan moves bf16: none in float (the q, k and v input
+    gradients' sum is rounded before its reduce-scatter, the layer norm parameters' partial
+    gradients before their allreduces). The gradients match float64 autograd's (bf16
+    tolerance)."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    x, dy, params = make_inputs(torch.bfloat16)
+    block = GptBlock(B, S, E, HEADS, DataType.BFloat16, DeviceMesh(range(size)))
+    bwd = meshfuse.vjp(block.define())
+    assert {tv.dtype for tv in bwd.fusion.outputs()} == {DataType.BFloat16}
+    got, (forward, backward) = derived(block, x, dy, params, rank)
+    assert_matches(got, reference(x, dy, params), torch.bfloat16,
+                   {"y": block.y, "x": block.x, **block.params}, rank)
+    plan_forward, plan_backward = sp_plan(size, itemsize=2) if size > 1 else ([], [])
+    assert kinds_and_bytes(forward) == plan_forward
+    assert kinds_and_bytes(backward) == plan_backward
 
 
 @pytest.mark.mpi

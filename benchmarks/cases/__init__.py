@@ -44,8 +44,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # issue 2: execute against the same torch calls made directly (case 1's meshfuse/direct
     # ratio, case 3's host overhead)
     "issue2": ("attention_seed", "overhead"),
-    # issue 13: fused segments against torch eager, torch.compile and the memory floor
-    "issue13": ("fusion", "attention_seed", "overhead", "mlp"),
+    # issue 13's "done when", in one run: fused segments against torch eager, torch.compile
+    # and the memory floor; the seed attention's plain execute against bare aten calls; the
+    # large attention against direct cuDNN; the Megatron MLP against DTensor and one GPU;
+    # host time per call
+    "issue13": ("fusion", "attention_seed", "attention_large", "overhead", "mlp"),
     # issue 17: fwd+bwd through derived backwards against hand-written ones and DTensor
     "autodiff": ("mlp_autodiff", "gpt3_layer"),
     # issue 19: nvFuser's GPT-3 layer, TP + SP, against DTensor and one GPU

@@ -3,11 +3,13 @@
 Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gradient, in
 BHSE or BSHE memory order, and runs, as variants:
 
-- ``meshfuse``: the seed's fusion, ``execute`` (cached after the first call);
-- ``meshfuse_graph``: the same with ``execute(cuda_graph=True)`` (captured once, replayed,
-  inputs and outputs copied), at the seed's sizes only;
-- ``meshfuse_auto_graph``: ``execute(cuda_graph="auto")`` (replayed where safe, nothing
-  copied: ``meshfuse.runtime.replay``), at the seed's sizes only;
+- ``meshfuse``: the seed's fusion, plain ``execute`` (cached after the first call; on CUDA
+  replayed from a CUDA graph by default, nothing copied: ``meshfuse.runtime.replay``; the
+  record's ``graph`` says whether it was);
+- ``meshfuse_interpreter``: ``execute(cuda_graph=False)``, the interpreter launching each
+  kernel from Python (what a program that cannot replay costs), at the seed's sizes only;
+- ``meshfuse_graph``: ``execute(cuda_graph=True)`` (captured once, replayed, inputs and
+  outputs copied), at the seed's sizes only;
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
   ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
 - ``direct_aten``: the same kernels as bare ``torch.ops.aten`` calls (no wrapper, no check);
@@ -24,6 +26,8 @@ FLOPs: ``4*b*h*s^2*e`` for the forward (e the head dim), halved for causal; the 
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -67,29 +71,42 @@ def local_inputs(ctx: Context, sizes: dict[str, int], qkv_format: QkvFormat):
 
 
 _GRAPH_VARIANTS = {
-    False: ("meshfuse", ""),
-    True: ("meshfuse_graph", "execute(cuda_graph=True)"),
-    "auto": ("meshfuse_auto_graph", "execute(cuda_graph='auto'): replayed, nothing copied"),
+    None: ("meshfuse", "plain execute (replayed from a CUDA graph where safe)"),
+    False: ("meshfuse_interpreter", "execute(cuda_graph=False): kernels launched from Python"),
+    True: ("meshfuse_graph", "execute(cuda_graph=True): inputs and outputs copied"),
 }
 
 
 def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs,
-                     cuda_graph: bool | str = False) -> Variant:
-    """The seed's fusion, ``execute`` on the local shards (``cuda_graph``: True, captured
-    once and replayed with copies: variant ``meshfuse_graph``; ``"auto"``, the automatic
-    replay: ``meshfuse_auto_graph``); checked against the direct kernels once before it is
-    timed."""
+                     cuda_graph: bool | None = None) -> Variant:
+    """The seed's fusion, ``execute`` on the local shards with ``cuda_graph`` (None: plain
+    ``execute``, variant ``meshfuse``; False: ``meshfuse_interpreter``; True, captured once
+    and replayed with copies: ``meshfuse_graph``); checked against the direct kernels (on its
+    first call and on a cached one) before it is timed. Metrics: ``first_call_s`` (building
+    the program: meshfuse compiles no kernel for attention), ``graph`` (explain's line on the
+    automatic replay, for plain ``execute``)."""
 
     def setup():
         if cuda_graph and not ctx.cuda:
             raise Skip("CUDA graphs need CUDA")
         b, h, s, head_dim = (sizes[k] for k in ("b", "h", "s", "head_dim"))
         model = SeedAttention(fmt, meshfuse.DeviceMesh(range(ctx.world)), b, h, s, h * head_dim)
-        attn, *grads = model.execute(inputs, cuda_graph=cuda_graph)  # build and cache
+        start = time.perf_counter()
+        got = model.execute(inputs, cuda_graph=cuda_graph)  # build and cache
+        ctx.sync()
+        seconds = time.perf_counter() - start
         step, metrics = direct_variant(inputs).setup()
         ref_attn, ref_grads = step()
-        check_close("meshfuse vs direct kernels", [attn, *grads], [ref_attn, *ref_grads],
-                    ATTENTION_TOL)
+        for _ in range(2):  # the first call, then a cached one (captured, where it replays)
+            check_close("meshfuse vs direct kernels", got, [ref_attn, *ref_grads],
+                        ATTENTION_TOL)
+            got = model.execute(inputs, cuda_graph=cuda_graph)
+        del got
+        line = next((x for x in model.explain(inputs).splitlines()
+                     if x.startswith("CUDA graph replay")), "no automatic replay")
+        if cuda_graph is not None:  # explain states the default; this variant overrides it
+            line = f"cuda_graph={cuda_graph}"
+        metrics = dict(metrics, first_call_s=round(seconds, 4), graph=line)
         return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
     name, note = _GRAPH_VARIANTS[cuda_graph]
@@ -195,13 +212,14 @@ def _dtensor(ctx, inputs):
 
 def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
                   cuda_graph: bool) -> list[Record]:
-    """Every variant per layout; ``cuda_graph``: with ``meshfuse_graph`` (for launch-bound
-    sizes: at large sizes a graph saves nothing and its input/output copies cost time)."""
+    """Every variant per layout; ``cuda_graph``: with ``meshfuse_interpreter`` and
+    ``meshfuse_graph`` (for launch-bound sizes: at large sizes a graph saves nothing and its
+    input/output copies cost time)."""
     records = []
     for fmt in QkvFormat:
         inputs = local_inputs(ctx, sizes, fmt)
         graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=mode)
-                   for mode in (True, "auto")] if cuda_graph else []
+                   for mode in (False, True)] if cuda_graph else []
         variants = [
             meshfuse_variant(ctx, sizes, fmt, inputs),
             *graphed,

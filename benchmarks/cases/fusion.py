@@ -10,9 +10,9 @@ Programs, rows split over the ranks (timings per rank):
   bf16, 16384x4096: outputs ``y`` and ``dx`` (the weight's gradient, a sum over the split
   rows, is left out: it would add an allreduce).
 
-Variants: ``meshfuse`` (interpreter), ``meshfuse_compiled`` (``execute(compile=True)``: the
-compiled segments, replayed from a CUDA graph from the second call on, where safe: see
-``meshfuse.runtime.replay``), ``meshfuse_compiled_no_graph`` (the same launched from Python,
+Variants: ``meshfuse`` (plain ``execute``: the interpreter's program, replayed from a CUDA
+graph from the second call on, where safe: see ``meshfuse.runtime.replay``),
+``meshfuse_compiled`` (``execute(compile=True)``: the compiled segments, replayed alike), ``meshfuse_compiled_no_graph`` (the same launched from Python,
 ``cuda_graph=False``), ``torch_eager`` and ``torch_compile`` (the same torch calls),
 ``memory_floor`` (a copy of as many bytes as the program reads and writes, so its time is
 those bytes at the copy bandwidth of this run); ratios are against ``memory_floor``, and
@@ -132,9 +132,9 @@ def _variants(ctx: Context, model, torch_fn, inputs: list, tol: float) -> list[V
         def setup():
             out, seconds = _first_call(run, inputs)  # compiles, and picks kernels
             check_close("meshfuse vs torch", out, expected, tol)
-            if not compile:
-                return lambda: run(*inputs)
             check_close("meshfuse replayed vs torch", run(*inputs), expected, tol)
+            if not compile:
+                return (lambda: run(*inputs)), {"graph": _replay_line(model, inputs)}
             (_, stats), = model._get_runner()._fused.values()
             return (lambda: run(*inputs),
                     {"compile_s": round(seconds, 3), "compiles": stats.compiles,

@@ -9,6 +9,8 @@ gradients of ``x`` and of every parameter from a given ``dy``:
   module, Megatron TP + SP (:func:`~benchmarks.gpt3_layer.parallelize`), autograd;
 - ``meshfuse``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion with the
   forward and the backward written out, TP + SP (unsharded on one rank);
+- ``meshfuse_compiled``: the same with ``compile=True`` (GPUs only): the reference of the
+  derived backward's compiled variant;
 - ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock`, the forward only, its
   backward derived, through torch autograd (``as_autograd_function``), TP + SP;
 - ``meshfuse_autograd_compiled``: the same with ``compile=True`` (each run of pointwise,
@@ -71,13 +73,18 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         return autograd_step(run, [x.chunk(ctx.world, 1)[ctx.rank]],
                              dy.chunk(ctx.world, 1)[ctx.rank].contiguous(), block.parameters())
 
-    def hand_written():
+    def hand_written(compile=None):
         fd = GptBlockWithBackward(b, s, e, heads, mf_dtype, mesh).define()
         inputs = [meshfuse.shard_tensor(t, tv) for t, tv in
                   zip((x, dy, *params.values()), (fd.x, fd.dy, *fd.params.values()))]
-        y, dx, *_ = fd.execute(inputs)
+        y, dx, *_ = fd.execute(inputs, compile=compile)
         check("meshfuse", fd.y, fd.x, y, dx)
-        return (lambda: fd.execute(inputs)), {"sharded": mesh is not None}
+        return (lambda: fd.execute(inputs, compile=compile)), {"sharded": mesh is not None}
+
+    def hand_written_compiled():
+        if not ctx.cuda:
+            raise Skip("Inductor's fused segments are measured on GPUs")
+        return hand_written(compile=True)
 
     def derived(compile=None):
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
@@ -99,6 +106,8 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
         Variant("dtensor_tp_sp", dtensor_tp_sp, "parallelize_module, Megatron TP + SP"),
         Variant("meshfuse", hand_written, "one fusion, forward + hand-written backward"),
+        Variant("meshfuse_compiled", hand_written_compiled,
+                "as meshfuse, pointwise runs fused by Inductor (compile=True)"),
         Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
         Variant("meshfuse_autograd_compiled", derived_compiled,
                 "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),

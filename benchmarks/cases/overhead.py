@@ -1,7 +1,9 @@
 """Case 3: what a cached ``execute`` costs on the host, over the same torch calls made directly.
 
-Two programs, each as ``meshfuse`` (``execute``), ``meshfuse_graph`` (``execute`` with
-``cuda_graph=True``, seed only) and ``direct`` (the torch calls):
+Two programs, each as ``meshfuse`` (plain ``execute``: on CUDA replayed from a CUDA graph
+where safe), ``meshfuse_interpreter`` (``execute(cuda_graph=False)``: each kernel launched
+from Python), ``meshfuse_graph`` (``execute`` with ``cuda_graph=True``, seed only) and
+``direct`` (the torch calls):
 
 - the seed's attention fusion (BHSE), against the SDPA kernels called directly;
 - :class:`~benchmarks.fusions.Pointwise10` on ``[n, n]`` fp32 (rows split over the ranks),
@@ -9,8 +11,8 @@ Two programs, each as ``meshfuse`` (``execute``), ``meshfuse_graph`` (``execute`
 
 Reported per variant: ``host_us``, the CPU time of one call while the GPU is kept busy (so
 no call waits for it), ``gpu_us``, the GPU time of the same calls run back to back, and the
-per-iteration time of the usual timed loop. The ``meshfuse`` record carries
-``host_overhead_us`` (its host time minus direct's) and ``host_ratio``.
+per-iteration time of the usual timed loop. The meshfuse records carry ``host_overhead_us``
+(their host time minus direct's) and ``host_ratio``.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from benchmarks.fusions import Pointwise10, QkvFormat, pointwise10_torch
 from benchmarks.harness import Plan, Record, Variant, check_close, run_variants
 
 POINTWISE_SIZES = (1024, 4096)
+MESHFUSE = ("meshfuse", "meshfuse_interpreter", "meshfuse_graph")
 QUICK_POINTWISE_SIZES = (64,)
 
 
 def _add_overhead(records: list[Record]) -> None:
     by_name = {r.variant: r for r in records}
     direct = by_name.get("direct")
-    for mf in (by_name.get("meshfuse"), by_name.get("meshfuse_graph")):
+    for mf in (by_name.get(name) for name in MESHFUSE):
         if mf and direct and mf.host_us is not None and direct.host_us is not None:
             mf.metrics["host_overhead_us"] = mf.host_us - direct.host_us
             mf.metrics["host_ratio"] = mf.host_us / direct.host_us if direct.host_us else None
@@ -46,8 +49,8 @@ def _seed(ctx: Context, plan: Plan) -> list[Record]:
     sizes = QUICK_SEED_SIZES if ctx.quick else SEED_SIZES
     inputs = local_inputs(ctx, sizes, QkvFormat.BHSE)
 
-    variants = [meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs),
-                meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs, cuda_graph=True),
+    variants = [*(meshfuse_variant(ctx, sizes, QkvFormat.BHSE, inputs, cuda_graph=mode)
+                  for mode in (None, False, True)),
                 direct_variant(inputs)]
     params = dict(sizes, causal=True, dtype="bf16", layout="BHSE")
     records = run_variants(ctx, "overhead", "seed attention", variants, plan, "direct", params)
@@ -61,12 +64,15 @@ def _pointwise(ctx: Context, n: int, plan: Plan) -> list[Record]:
     gen = torch.Generator(ctx.device).manual_seed(0)
     x, y = (torch.randn(n // ctx.world, n, generator=gen, device=ctx.device) for _ in range(2))
 
-    def setup():
+    def setup(cuda_graph):
         model = Pointwise10(n, meshfuse.DeviceMesh(range(ctx.world)))
-        check_close("meshfuse vs torch", model.execute([x, y]), [pointwise10_torch(x, y)], 1e-5)
-        return lambda: model.execute([x, y])
+        for _ in range(2):  # the first call, then a cached one (captured, where it replays)
+            check_close("meshfuse vs torch", model.execute([x, y], cuda_graph=cuda_graph),
+                        [pointwise10_torch(x, y)], 1e-5)
+        return lambda: model.execute([x, y], cuda_graph=cuda_graph)
 
-    variants = [Variant("meshfuse", setup),
+    variants = [Variant("meshfuse", lambda: setup(None)),
+                Variant("meshfuse_interpreter", lambda: setup(False)),
                 Variant("direct", lambda: (lambda: pointwise10_torch(x, y)))]
     params = {"n": n, "ops": 10, "dtype": "fp32", "rows_per_rank": n // ctx.world}
     records = run_variants(ctx, "overhead", f"pointwise10 {n}x{n}", variants, plan, "direct",

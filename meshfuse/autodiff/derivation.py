@@ -183,7 +183,7 @@ class _BackwardBuilder:
         for expr in reversed(self.forward.exprs):
             self._apply_rule(expr)
         for tv in sorted(self.wrt, key=self.forward.inputs().index):
-            grad = self.grads.get(tv)
+            grad = self.gradient(tv)
             if grad is None:
                 continue
             taken = set(self.backward.inputs()) | set(self.backward.outputs())
@@ -258,13 +258,23 @@ class _BackwardBuilder:
         return self.backward.add_input(new)
 
     # ----- gradients -----------------------------------------------------------------------
+    def gradient(self, primal: TensorView) -> TensorView | None:
+        """The complete gradient of ``primal`` (its contributions all added), in
+        ``primal``'s dtype, as torch's autograd gives it: contributions are added in the
+        promoted type (nvFuser adds bf16 in float), and the sum is rounded once, so that
+        the collectives and matmuls it feeds run in the primal's dtype."""
+        grad = self.grads.get(primal)
+        if grad is not None and grad.dtype != primal.dtype:
+            grad = self.grads[primal] = self.ops.cast(grad, primal.dtype)
+        return grad
+
     def _accumulate(self, primal: TensorView, grad: TensorView) -> None:
         grad = sum_to(self.ops, grad, primal)
         old = self.grads.get(primal)
         self.grads[primal] = grad if old is None else self.ops.add(old, grad)
 
     def _apply_rule(self, expr: Expr) -> None:
-        cotangents = tuple(self.grads.get(o) if isinstance(o, TensorView) else None
+        cotangents = tuple(self.gradient(o) if isinstance(o, TensorView) else None
                            for o in expr.outputs)
         wanted = [t for t in expr.tensor_inputs if t in self.active]
         if not wanted or all(g is None for g in cotangents):

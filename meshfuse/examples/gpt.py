@@ -203,7 +203,7 @@ class GptBlockWithBackward(GptBlock):
         grads = {}
         dg, grads["w_fc2"], grads["b_fc2"] = self.linear_backward(
             self._gathered(dy), sv["g"], p["w_fc2"])
-        df1 = o.mul(dg, gelu_tanh_derivative(o, sv["f1"]))
+        df1 = o.gelu_backward(dg, sv["f1"], "tanh")
         dln2, grads["w_fc1"], grads["b_fc1"] = self.linear_backward(
             df1, sv["ln2_in"], p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
@@ -219,6 +219,7 @@ class GptBlockWithBackward(GptBlock):
             part, grads[f"w_{n}"], grads[f"b_{n}"] = self.linear_backward(
                 self.from_heads(d), ln1, p[f"w_{n}"])
             dln1 = part if dln1 is None else o.add(dln1, part)
+        dln1 = self._io(dln1)  # rounded once, then reduce-scattered in the block's dtype
         dx_ln, grads["ln1_w"], grads["ln1_b"] = self.layer_norm_backward(
             dln1, p["ln1_w"], sv["x_hat1"], sv["rstd1"])
         grads["x"] = o.add(dh, dx_ln)
@@ -252,13 +253,20 @@ class GptBlockWithBackward(GptBlock):
         return dx, o.sum(o.mul(dout, x_hat), dims=[0, 1]), o.sum(dout, dims=[0, 1])
 
     def linear_backward(self, dout, x, w):
-        """For ``out = x @ w.T + b`` over ``[batch, seq, *]``: dx = dout @ w, dw (a batch of
-        ``dout^T x``, summed: merging batch and sequence would lose the sequence's
-        sharding), db."""
+        """For ``out = x @ w.T + b`` over ``[batch, seq, *]``: dx = dout @ w, dw, db. The
+        weight gradient is one matrix product over all tokens, ``dout^T x`` with batch and
+        sequence merged (both whole here: the tensor-parallel region's inputs are gathered),
+        in the layouts torch's autograd uses (no copy of a transposed operand, no sum of a
+        batch of weight-sized products)."""
         o = self.ops
         dout, x = self._io(dout), self._io(x)
-        dw = o.sum(o.matmul(o.permute(dout, [0, 2, 1]), x), dims=[0])
+        dw = o.matmul(o.permute(self._tokens(dout), [1, 0]), self._tokens(x))
         return o.matmul(dout, w), dw, o.sum(dout, dims=[0, 1])
+
+    def _tokens(self, t):
+        """``[batch, seq, features]`` as ``[batch * seq, features]``."""
+        b, s = self.sizes[:2]
+        return self.ops.reshape(t, [b * s, t.materialized()[-1].extent])
 
 
 def gelu_tanh_derivative(ops, x):

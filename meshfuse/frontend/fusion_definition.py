@@ -248,12 +248,12 @@ class FusionDefinition:
                 overhead. Inputs are copied in and outputs copied out, so results are never
                 overwritten by a later call; the graph keeps one run's memory while cached.
                 Every rank must pass the same option. CUDA tensors only.
-                ``cuda_graph="auto"`` replays the program from a CUDA graph without copies
-                where that is safe (no communication, no random numbers, inputs where a
-                captured call had them, no earlier result still held; otherwise the
-                interpreter runs): the default for compiled programs, ``False`` turns it off,
-                ``MESHFUSE_CUDA_GRAPH=auto|0`` sets the default for every program or none.
-                See docs/fusion.md.
+                By default (``cuda_graph=None`` or ``"auto"``), a cached call on CUDA
+                replays the program from a CUDA graph without copies where that is safe (no
+                communication, no random numbers, inputs where a captured call had them, no
+                earlier result still held; otherwise the interpreter runs); ``False`` (or
+                ``MESHFUSE_CUDA_GRAPH=0`` for every program) turns it off. See
+                docs/fusion.md.
                 ``compile=True`` runs each run of fusible ops (pointwise, reductions, shape
                 ops) as one segment compiled by ``torch.compile`` (Inductor), cached per input
                 signature; a string names another torch.compile backend; ``False`` the

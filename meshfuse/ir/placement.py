@@ -89,7 +89,32 @@ def shard_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
 
 
 def same_sharding(a: TensorView, b: TensorView) -> bool:
-    """True if ``a`` and ``b`` (of equal logical rank) lie alike on one mesh."""
+    """True if ``a`` and ``b`` (of equal logical rank) lie alike on one mesh. A reduction
+    axis parallelized on a mesh axis that also shards an iteration axis (nvFuser's form of
+    a reduce-scatter's result, see :func:`placements`) is complete: it lies as an
+    unparallelized one."""
     if a.mesh != b.mesh or len(a.logical) != len(b.logical):
         return False
-    return all(shard_signature(a, x) == shard_signature(b, y) for x, y in zip(a.logical, b.logical))
+    return all(_held_signature(a, x) == _held_signature(b, y)
+               for x, y in zip(a.logical, b.logical))
+
+
+def _held_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
+    """``shard_signature`` less a scattered reduction's entries (complete on every rank)."""
+    signature = shard_signature(tv, logical_id)
+    if not signature or not logical_id.is_reduction:
+        return signature
+    scattering = _scattering(tv)
+    return tuple(entry for entry in signature if entry[0] not in scattering)
+
+
+def _scattering(tv: TensorView) -> set[str]:
+    """The parallel types (by value) that shard an iteration axis of ``tv``."""
+    return {pt.value for id_, pt in tv.parallel.items() if pt.is_device and not id_.is_reduction}
+
+
+def reduction_complete(tv: TensorView, logical_id: IterDomain) -> bool:
+    """Whether reduction axis ``logical_id`` of ``tv`` is reduced on every rank: none of
+    its device splits is parallelized on a mesh axis that leaves it partial (each one's
+    mesh axis also shards an iteration axis: a reduce-scatter's result)."""
+    return logical_id.is_reduction and not _held_signature(tv, logical_id)

@@ -12,7 +12,7 @@ any other (a local copy, with communications around it where its tensors differ)
 - option B makes the op produce the outputs as they are and puts a ``set`` before each input
   that differs from what those outputs need (an allgather, an all-to-all, a local slice, or a
   reduce-scatter of a partial input);
-- the option that moves fewer elements wins; moving an op's preferred input (a weight) costs
+- the option that moves fewer bytes wins; moving an op's preferred input (a weight) costs
   a thousandfold, and a local slice costs nothing;
 - consumers that need one input laid out alike share one copy (one communication).
 
@@ -184,7 +184,9 @@ def _numel(tv: TensorView) -> int:
 
 
 def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -> int:
-    """Elements moved to turn ``current`` into ``wanted`` (0 for none, or a local slice)."""
+    """Bytes moved to turn ``current`` into ``wanted`` (0 for none, or a local slice): of
+    two options moving as many elements, the one moving the narrower type wins (a cast to
+    bf16 before a reduce-scatter, not after it)."""
     if same_sharding(current, wanted):
         return 0
     now, then = placements(current), placements(wanted)
@@ -193,7 +195,8 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
     ):
         return 0
     weight = is_input and expr.tensor_inputs.index(current) in expr.op.prefer_inputs
-    return _numel(current) * (WEIGHT_PENALTY if weight else 1)
+    size = current.dtype.torch_dtype.itemsize if current.dtype.torch_dtype is not None else 1
+    return _numel(current) * size * (WEIGHT_PENALTY if weight else 1)
 
 
 def _make_local(fusion: Fusion, expr: Expr) -> None:

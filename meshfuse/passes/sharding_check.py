@@ -16,7 +16,11 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import device_ids, split_indices
+<<<<<<< HEAD
 from meshfuse.ir.placement import shard_signature
+=======
+from meshfuse.ir.placement import reduction_complete
+>>>>>>> main
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.context_parallel import sequence_parallel
@@ -143,7 +147,8 @@ def _check_expr(expr: Expr, extents) -> None:
                     )
     for tv in inputs:
         for axis, id_ in enumerate(tv.logical):
-            if id_ not in mapped_inputs and owner_map(tv, id_, extents):
+            if id_ not in mapped_inputs and not reduction_complete(tv, id_) and \
+                    owner_map(tv, id_, extents):
                 raise ShardingError(
                     f"{format_expr(expr)}: axis {axis} of {tv.name} is sharded but the op does "
                     "not map it to an output axis (a slice, concatenation or reshape of a "

@@ -65,16 +65,30 @@ def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
     handles and workspaces. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode``
     (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile)."""
     if warm_up:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            program.run(inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_run(program, inputs)
     graph = torch.cuda.CUDAGraph()
     with captured_communications() as communications, \
             torch.cuda.graph(graph, capture_error_mode=error_mode):
         outputs = program.run(inputs)
     return graph, outputs, communications
+
+
+def warm_up_run(program: Program, inputs: Sequence[Any]) -> None:
+    """One run of ``program`` on a side stream, as CUDA requires before a capture (library
+    handles, workspaces); the current stream waits for it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        program.run(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def pool_bytes(graph: torch.cuda.CUDAGraph) -> int:
+    """The device memory held by ``graph``'s private pool (its segments, as Inductor's CUDA
+    graph trees count them)."""
+    pool = graph.pool()
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if s.get("segment_pool_id") == pool)
 
 
 def _buffer_like(x: torch.Tensor) -> torch.Tensor:

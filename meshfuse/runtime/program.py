@@ -80,6 +80,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
                     format_expr(expr), note=mine.note)
         steps.append(step)
+        if lowered is None and expr.op.name == "set" and not keep.intersection(outs):
+            lowered = unchanged_view
         calls.append(lowered or dispatch(step))
         ran.append(expr)
     if group_loops is not None:
@@ -90,6 +92,14 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
+
+
+def unchanged_view(x: torch.Tensor) -> torch.Tensor:
+    """A ``set`` whose result is no fusion output: a view of ``x``, not a copy. The values
+    of a program are never written in place (an allreduce reuses a buffer only when it is
+    no view, see :func:`meshfuse.runtime.collectives.allreduce`), so no step can tell the
+    view from a copy, and none is made (the copy's time and memory are saved)."""
+    return x.view_as(x)
 
 
 def _args(expr: Expr, local: Local, slot: Callable[[Val], int]) -> tuple[Any, ...]:

@@ -1,50 +1,93 @@
-"""Automatic CUDA-graph replay of a cached program, where it is safe (``cuda_graph="auto"``).
+"""Automatic CUDA-graph replay of a cached program where it is safe: ``execute``'s default.
 
 A cached ``execute`` of a small program is host-bound: Python launches each kernel (or each
 compiled segment) in more time than the GPU takes to run it. Replaying a CUDA graph launches
 the whole program at once. ``cuda_graph=True`` does that with copies of the inputs and the
 outputs; the automatic replay here copies nothing, and so replays only where that is safe:
 
-- **Which programs.** On CUDA, a program that communicates nothing (collectives stay
-  launched from Python, overlapped as the interpreter schedules them), draws no random
-  numbers (a graph would replay one dropout mask or one random tensor forever: a step with
-  a random stream, see ``explain``), has only CUDA tensor inputs and outputs, and whose
-  capture succeeds (an op that reads a value back to the host cannot be captured: the
-  program then stays with the interpreter). :func:`why_not_replayed` says why not.
-- **Inputs in place.** A graph reads its inputs where they were when it was captured, so a
-  graph is kept per set of input addresses (and Python scalar values): a call whose inputs
-  sit where a captured call's did replays that graph; a new set of addresses is captured
-  (up to :data:`MAX_GRAPHS` per signature; beyond, the interpreter runs). The first call of
-  a signature always runs the interpreter: it binds kernels and compiles segments, which a
-  capture must not do.
+- **Which programs** (:func:`why_not_replayed`). A program on CUDA tensors that communicates
+  nothing (collectives stay launched from Python, overlapped as the interpreter schedules
+  them, with their timeouts and error reports), draws no random numbers (a graph would replay
+  one dropout mask or one random tensor forever: a step with a random stream, see
+  ``explain``), holds every output on this rank, and whose capture succeeds (an op that reads
+  a value back to the host cannot be captured: the program then stays with the interpreter).
+- **Which calls** (:func:`replay_wanted`). By default every call, unless
+  ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
+  its inputs (an autograd backward: its inputs are to be freed as it runs).
+- **Inputs in place.** A graph reads its inputs where they were when it was captured, so
+  graphs are kept per set of input addresses (and Python scalar values): a call whose inputs
+  sit where a captured call's did replays; a new set of addresses is captured (up to
+  :data:`MAX_GRAPHS` graphs per signature and :data:`MAX_FUSION_GRAPHS` per fusion, over
+  all its signatures; beyond, the interpreter runs). The first call of a
+  signature always runs the interpreter: it binds kernels and compiles segments, which a
+  capture must not do; so does a graph's warm-up run on a side stream before its capture.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
-  tensors, whose memory the next replay of the same graph rewrites. So a graph replays only
-  when nothing outside holds that memory any more (the storages' use counts are back to what
-  the graph itself holds: a result, or any view of it, that the caller still holds counts);
-  while a caller keeps an earlier result, the call runs the interpreter instead, and the
-  earlier result stays as it was.
+  tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
+  nothing outside holds that memory any more (the storages' use counts are back to what the
+  graph itself holds: a result, or any view of it, that the caller still holds counts). A
+  loop ``out = execute(...)`` still holds the previous result during the next call: when every
+  graph of a set of addresses is busy, a second one (its own output memory) is captured for
+  it, up to :data:`BUFFERS`; when those are busy too, the interpreter runs and what the
+  caller holds stays as it was.
 
-Each graph keeps its private memory pool (one run's intermediates and outputs) for as long
-as the program is cached.
+Memory: each graph keeps its private memory pool (one run's outputs and intermediates) for as
+long as the program is cached; ``explain`` says how much.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from meshfuse.errors import InputError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.executor import Program
+from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
-from meshfuse.runtime.graphs import capture
+from meshfuse.runtime.graphs import capture, pool_bytes
+from meshfuse.runtime.program import unchanged_view
 
-MAX_GRAPHS = 4  # sets of input addresses captured per program signature
+MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
+BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
+MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
+AUTO = "auto"
 
 
-def why_not_replayed(program: Program) -> str | None:
-    """Why ``program`` is never replayed from a graph automatically, or None."""
+class GraphBudget:
+    """How many more graphs the signatures of one fusion may capture: a fusion called with
+    many input shapes keeps at most :data:`MAX_FUSION_GRAPHS` graphs (and their memory)."""
+
+    def __init__(self, graphs: int = MAX_FUSION_GRAPHS):
+        self.left = graphs
+
+
+def replay_wanted(option: bool | str | None, default: bool, donate: bool) -> bool:
+    """Whether a call may replay automatically: ``option`` is ``execute``'s ``cuda_graph``
+    (None: ``default``, from ``MESHFUSE_CUDA_GRAPH``; ``"auto"``: yes; False: no);
+    ``donate``: never (the call's inputs are to be freed as the program runs).
+
+    Raises:
+        InputError: for an option other than True (handled by the caller), "auto", False
+            and None.
+    """
+    if option is None:
+        wanted = default
+    elif option == AUTO:
+        wanted = True
+    elif option is False:
+        wanted = False
+    else:
+        raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
+                         "and outputs), 'auto' (replay where safe, copying nothing: the "
+                         "default) or False (never)")
+    return wanted and not donate
+
+
+def why_not_replayed(program: Program, device: torch.device) -> str | None:
+    """Why ``program``, run on tensors of ``device``, is never replayed, or None."""
+    if device.type != "cuda":
+        return f"its inputs are on {device.type}, not on a CUDA device"
     if not program.steps:
         return "it launches nothing"
     for step, call in zip(program.steps, program.calls):
@@ -57,12 +100,31 @@ def why_not_replayed(program: Program) -> str | None:
     return None
 
 
+def replay_lines(program: Program, device: torch.device, replays: Sequence[AutoReplay],
+                 wanted: bool) -> list[str]:
+    """explain's lines on the automatic replay of one signature: none for a program on the
+    CPU (never replayed) or with the replay turned off (``wanted`` False); else the state of
+    each of ``replays`` (one per compiled form), or before any call, the decision alone."""
+    if device.type != "cuda" or not wanted:
+        return []
+    if not replays:
+        reason = why_not_replayed(program, device)
+        return [f"CUDA graph replay: off ({reason})" if reason else _NOT_YET]
+    return [replay.describe() for replay in replays]
+
+
+_NOT_YET = "CUDA graph replay: on (nothing captured yet: a program is captured at its second call)"
+
+
 def _local(step, call) -> bool:
-    """Whether a record runs on this rank's tensors only: a compiled segment, or an op run
-    by its registry implementation (a communication, a stream-parallel loop and a
+    """Whether a record runs on this rank's tensors only: a compiled segment, a reshard that
+    moves no data (a local copy, on a mesh of one device), a ``set`` run as a view, or an op
+    run by its registry implementation (a communication, a stream-parallel loop and a
     context-parallel attention run something else)."""
-    if step.op == FUSED:
+    if step.op == FUSED or call is unchanged_view:
         return True
+    if step.op == RESHARD:
+        return not step.plan and call is torch.clone
     try:
         op = lookup(step.op)
     except AttributeError:  # a reshard, a stream-parallel loop: no registry op
@@ -73,79 +135,105 @@ def _local(step, call) -> bool:
 
 
 def cuda_capture(program: Program, inputs: Sequence[Any]):
-    """:func:`~meshfuse.runtime.graphs.capture` (with its warm-up run on a side stream), on
-    CUDA tensors only (ValueError otherwise)."""
+    """``(graph, outputs, pool_bytes)``: ``program`` captured (with its warm-up run:
+    :func:`~meshfuse.runtime.graphs.capture`) and the device memory its private pool holds.
+    ValueError unless every tensor is on CUDA."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")
     # Thread-local capture: the program has no collective, and other threads (NCCL's
     # watchdog) may keep using CUDA while it is captured.
-    graph, outputs, communications = capture(program, inputs, error_mode="thread_local")
+    graph, outputs, _ = capture(program, inputs, error_mode="thread_local")
     if not all(o.is_cuda for o in outputs):
         raise ValueError("an output is not a CUDA tensor")
-    return graph, outputs, communications
+    return graph, outputs, pool_bytes(graph)
+
+
+class CudaGraphs:
+    """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs)`` (see
+    :func:`cuda_capture`) and ``capturing()``, whether the current stream is being captured
+    already (by the caller's own graph). Tests pass a stand-in."""
+
+    capture = staticmethod(cuda_capture)
+    capturing = staticmethod(torch.cuda.is_current_stream_capturing)
 
 
 class AutoReplay:
     """The graphs of one program signature, keyed by input addresses; see the module doc.
 
-    ``capture_fn(program, inputs)`` returns ``(graph, outputs, communications)`` like
-    :func:`meshfuse.runtime.graphs.capture` (tests pass a stand-in)."""
+    ``reason``: why the program is never replayed (None: it may be). ``budget``: the
+    fusion's, shared by its signatures. ``cuda``: :class:`CudaGraphs` or a stand-in."""
 
-    def __init__(self, program: Program, capture_fn: Callable | None = None):
+    def __init__(self, program: Program, device: torch.device,
+                 budget: GraphBudget | None = None, cuda=CudaGraphs):
         self._program = program
-        self._capture = capture_fn or cuda_capture
-        self.reason = why_not_replayed(program)
-        self._graphs: dict[tuple, _Graph] = {}
+        self._budget = budget or GraphBudget()
+        self._cuda = cuda
+        self.reason = why_not_replayed(program, device)
+        self._graphs: dict[tuple, list[_Graph]] = {}
         self._ran_once = False
+        self.graphs = 0  # captured, over all sets of input addresses
+        self.pool_bytes = 0  # the device memory they hold
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
-        interpreter must run this call."""
-        if self.reason is not None:
+        interpreter must run this call (also inside the caller's own CUDA graph capture,
+        which then captures the interpreter's kernels)."""
+        if self.reason is not None or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            return graph.replay() if graph.free() else None
-        if not self._ran_once or len(self._graphs) >= MAX_GRAPHS:
-            self._ran_once = True
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            if not self._ran_once:  # the signature's first call: the interpreter
+                self._ran_once = True
+                return None
+            graphs = []
+        for graph in graphs:
+            if graph.free():
+                return graph.replay()
+        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
             return None
         graph = self._captured(inputs)
         if graph is None:
             return None
-        self._graphs[key] = graph
+        self._graphs[key] = [*graphs, graph]
         return graph.replay()
 
     def describe(self) -> str:
         """explain's line: whether and how this signature is replayed."""
         if self.reason is not None:
             return f"CUDA graph replay: off ({self.reason})"
-        return (f"CUDA graph replay: {len(self._graphs)} graphs captured (one per set of "
-                f"input addresses, at most {MAX_GRAPHS})")
+        if not self.graphs:
+            return _NOT_YET
+        spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
+        return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
+                f"sets of input addresses (at most {MAX_GRAPHS}), holding "
+                f"{self.pool_bytes / 2**20:.1f} MiB{spent}")
 
     def _captured(self, inputs: Sequence[Any]) -> _Graph | None:
         try:
-            graph, outputs, _ = self._capture(self._program, inputs)
+            graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
-        return _Graph(graph, outputs)
-
-    @property
-    def graphs(self) -> int:
-        """How many input-address sets are captured."""
-        return len(self._graphs)
+        self.graphs += 1
+        self._budget.left -= 1
+        self.pool_bytes += pool_bytes
+        return _Graph(graph, outputs, inputs)
 
 
 class _Graph:
     """One captured graph and its output tensors. The caller gets aliases of the outputs
     (new tensors on the same memory), so anything the caller still holds of a result (the
-    tensors, views of them) shows in the outputs' storage use counts."""
+    tensors, views of them) shows in the outputs' storage use counts. An output that is an
+    input (or a view of one) is not the graph's memory (no replay writes it): the caller's
+    references to it do not count."""
 
-    def __init__(self, graph, outputs: list[torch.Tensor]):
+    def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any]):
         self._graph = graph
         self._outputs = outputs
-        handles = {t.untyped_storage()._cdata for t in outputs}  # kept alive by the outputs
+        given = {x.untyped_storage()._cdata for x in inputs if isinstance(x, torch.Tensor)}
+        # kept alive by the outputs
+        handles = {t.untyped_storage()._cdata for t in outputs} - given
         self._storages = sorted(handles)
         self._baseline = [torch._C._storage_Use_Count(s) for s in self._storages]
 

@@ -53,7 +53,7 @@ from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.program import build_program
-from meshfuse.runtime.replay import AutoReplay
+from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
@@ -83,6 +83,7 @@ class FusionRunner:
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
+        self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
 
@@ -101,7 +102,7 @@ class FusionRunner:
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
-            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key)])
+            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key, _device_of(inputs, self.communicator))])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -128,6 +129,7 @@ class FusionRunner:
             self._fused.clear()
             self._graphs.clear()
             self._replays.clear()
+            self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
@@ -160,10 +162,11 @@ class FusionRunner:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
         if cuda_graph is not True:
-            if not donate and self._auto_replay(cuda_graph, backend):
+            if replay_wanted(cuda_graph, self.cuda_graph, donate):
                 replay = self._replays.get((key, backend))
                 if replay is None:
-                    replay = self._replays[key, backend] = AutoReplay(program)
+                    replay = self._replays[key, backend] = AutoReplay(
+                        program, _device_of(inputs, self.communicator), self._graph_budget)
                 outputs = replay.run(inputs)
                 if outputs is not None:
                     return outputs
@@ -174,20 +177,6 @@ class FusionRunner:
             _check_graphable(self.fusion, inputs)
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
-
-    def _auto_replay(self, option: bool | str | None, backend: str | None) -> bool:
-        """Whether this call may replay a CUDA graph automatically (:mod:`replay`):
-        ``cuda_graph="auto"``, or by default (``None``) compiled programs, unless
-        ``MESHFUSE_CUDA_GRAPH=0``; ``MESHFUSE_CUDA_GRAPH=auto`` makes it the default of every
-        program."""
-        if option is None:
-            return self.cuda_graph == AUTO or (self.cuda_graph is None and backend is not None)
-        if option == AUTO:
-            return True
-        if option is False:
-            return False
-        raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
-                         "and outputs), 'auto' (replay where safe, copying nothing) or False")
 
     def _make_program(self, inputs: list, check_ranks: bool | None,
                       check_options=lambda: None, in_call: bool = False) -> Program:
@@ -231,9 +220,9 @@ class FusionRunner:
         stats = CompileStats()
         return fuse_program(program, backend, stats), stats
 
-    def _fusion_lines(self, key: tuple) -> list[str]:
+    def _fusion_lines(self, key: tuple, device: torch.device) -> list[str]:
         """explain's lines on fused segments (once ``execute`` compiled them for ``key``): how
-        many, and their first-call compile time."""
+        many, and their first-call compile time; then on the automatic replay."""
         lines = []
         for (k, backend), (program, stats) in self._fused.items():
             if k != key:
@@ -241,8 +230,8 @@ class FusionRunner:
             segments = [s for s in program.steps if s.op == FUSED]
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
-        lines += [replay.describe() for (k, _), replay in self._replays.items() if k == key]
-        return lines
+        replays = [replay for (k, _), replay in self._replays.items() if k == key]
+        return lines + replay_lines(self._programs[key], device, replays, self.cuda_graph)
 
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
@@ -389,18 +378,16 @@ AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpr
 CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
 
 
-def cuda_graph_setting(value: str | None) -> str | bool | None:
-    """The default of ``execute(cuda_graph=None)`` from ``MESHFUSE_CUDA_GRAPH``: None (unset:
-    compiled programs replay automatically), ``"auto"`` (every program), False (``0``)."""
+def cuda_graph_setting(value: str | None) -> bool:
+    """Whether ``execute(cuda_graph=None)`` replays automatically (:mod:`replay`), from
+    ``MESHFUSE_CUDA_GRAPH``: yes when unset or ``auto``, no for ``0``."""
     text = (value or "").strip().lower()
-    if text == "":
-        return None
-    if text == AUTO:
-        return AUTO
+    if text in ("", AUTO):
+        return True
     if text in ("0", "false", "off"):
         return False
-    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use 'auto' (replay every program where "
-                     "safe), '0' (never automatically) or leave it unset (compiled programs)")
+    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use '0' (never replay automatically) or "
+                     "leave it unset (or 'auto': replay every program where it is safe)")
 
 
 def compile_setting(value: bool | str | None) -> str | None:
