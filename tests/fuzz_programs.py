@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_typed
 import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType, ScheduleError
@@ -45,10 +46,21 @@ class Features:
         any_to_any: cyclic (inner) splits, an axis split twice, partial results pinned on
             intermediates (tensors of one op disagree in pattern, not only in axis), and the
             2x2 mesh at 4 ranks (changes over both of its axes at once).
+        integers: integer (int64, int32) and boolean inputs, with integer arithmetic,
+            reductions (partial integer maxima), comparisons, logical ops, ``where`` on
+            them, and casts into the floating-point part of the program.
+        extrema: ``add``/``sub`` of two reductions of one kind over the same axes (partial
+            maxima, minima or products where the reduced axes are sharded: only partial
+            sums may be added before their reduction).
+
+    Each adds statements to the generator only when on, so that programs drawn without it
+    (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
     """
 
     uneven: bool = False
     any_to_any: bool = False
+    integers: bool = False
+    extrema: bool = False
 
 
 @dataclasses.dataclass
@@ -74,9 +86,15 @@ class Program:
     meshes: dict[str, list] = dataclasses.field(default_factory=dict)
     mode: str = ""
     features: set[str] = dataclasses.field(default_factory=set)
+    dtypes: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> DataType name
+
+    def dtype(self, name: str) -> str:
+        """The DataType name of input ``name`` (Float unless the generator chose another)."""
+        return self.dtypes.get(name, "Float")
 
     def definition_code(self) -> str:
-        lines = [f"{n} = fd.define_tensor({list(s)}, dtype=DataType.Float)" for n, s in self.inputs]
+        lines = [f"{n} = fd.define_tensor({list(s)}, dtype=DataType.{self.dtype(n)})"
+                 for n, s in self.inputs]
         lines += self.fd_lines
         lines += [f"fd.add_output({o})" for o in self.outputs]
         return "\n".join(lines)
@@ -90,7 +108,7 @@ class Program:
         body = "\n".join("    " + line for line in self.torch_lines)
         fd_body = "\n".join("    " + line for line in self.definition_code().split("\n"))
         names = ", ".join(n for n, _ in self.inputs)
-        shapes = ", ".join(f"torch.randn({list(s)}, generator=gen)" for _, s in self.inputs)
+        shapes = ", ".join(input_code(list(s), self.dtype(n)) for n, s in self.inputs)
         return f"""# meshfuse fuzz program: seed {self.seed}, world size {self.world_size}, {self.mode}
 import math
 import torch
@@ -129,6 +147,23 @@ print("rank", rank, "ok")
         return "\n".join(self.schedule)
 
 
+INPUT_CODE = {
+    "Float": "torch.randn({shape}, generator=gen)",
+    "Int": "torch.randint(-4, 5, {shape}, generator=gen)",
+    "Int32": "torch.randint(-4, 5, {shape}, generator=gen, dtype=torch.int32)",
+    "Bool": "torch.rand({shape}, generator=gen) > 0.5",
+}
+
+
+def input_code(shape: list[int], dtype: str) -> str:
+    """The torch expression drawing a global input of ``shape`` and ``dtype`` from ``gen``."""
+    return INPUT_CODE[dtype].format(shape=shape)
+
+
+def draw_input(shape: list[int], dtype: str, gen: torch.Generator) -> torch.Tensor:
+    return eval(input_code(shape, dtype), {"torch": torch, "gen": gen})
+
+
 class _Gen:
     """Builds one program statement by statement (see the module doc)."""
 
@@ -136,6 +171,7 @@ class _Gen:
         self.rng = rng
         self.gen = torch.Generator().manual_seed(seed)
         self.uneven = uneven
+        self.dtypes: dict[str, str] = {}
         self.values: list[Value] = []
         self.inputs: list[tuple[str, tuple[int, ...]]] = []
         self.fd_lines: list[str] = []
@@ -156,12 +192,15 @@ class _Gen:
         pool = EXTENTS + (UNEVEN_EXTENTS if self.uneven else [])
         return self.rng.choice(pool)
 
-    def new_input(self, shape: tuple[int, ...]) -> Value:
+    def new_input(self, shape: tuple[int, ...], dtype: str = "Float") -> Value:
         name = self._name()
-        t = torch.randn(list(shape), generator=self.gen)
+        t = draw_input(list(shape), dtype, self.gen)
         self.env[name] = t
         self.inputs.append((name, tuple(shape)))
-        self.probe_env[name] = self.probe.define_tensor(list(shape), dtype=DataType.Float)
+        if dtype != "Float":
+            self.dtypes[name] = dtype
+        self.probe_env[name] = self.probe.define_tensor(list(shape),
+                                                        dtype=getattr(DataType, dtype))
         v = Value(name, t, exact=True, is_input=True, broadcast=tuple(e == 1 for e in shape))
         self.values.append(v)
         return v
@@ -193,8 +232,8 @@ class _Gen:
             names.append(name)
         return names
 
-    def pick(self, pred=lambda v: True) -> Value | None:
-        choices = [v for v in self.values if v.tensor.dtype == torch.float32 and pred(v)]
+    def pick(self, pred=lambda v: True, dtypes=(torch.float32,)) -> Value | None:
+        choices = [v for v in self.values if v.tensor.dtype in dtypes and pred(v)]
         if not choices:
             return None
         # Prefer recent values, so that programs are chains rather than piles of inputs.
@@ -294,16 +333,8 @@ class _Gen:
             return self._var_mean(x, dims, keep)
         op = self.rng.choice(REDUCTIONS)
         (y,) = self.fresh()
-        all_dims = list(range(n)) if dims is None else dims
-        if op == "prod":
-            code = x.name
-            for d in sorted(all_dims, reverse=True):
-                code = f"torch.prod({code}, {d}, keepdim={keep})"
-            torch_code = f"{y} = {code}"
-        else:
-            torch_code = f"{y} = {TORCH_REDUCTION[op]}({x.name}, dim={all_dims}, keepdim={keep})"
-        self.emit(f"{y} = fd.ops.{op}({x.name}, dims={dims}, keepdim={keep})", torch_code, [y],
-                  False)
+        self.emit(f"{y} = fd.ops.{op}({x.name}, dims={dims}, keepdim={keep})",
+                  f"{y} = {_reduce_code(op, x, dims, keep)}", [y], False)
 
     def _var_mean(self, x: Value, dims, keep: bool) -> None:
         var, mean = self.fresh(2)
@@ -468,6 +499,23 @@ class _Gen:
         self.unused_outputs.extend([gk, gv])
         self.features.add("sdpa_bwd")
 
+    def integers(self) -> None:
+        fuzz_typed.integers(self)
+
+    def extrema(self) -> None:
+        fuzz_typed.extrema(self, _reduce_code)
+
+
+def _reduce_code(op: str, x: Value, dims, keep: bool) -> str:
+    """torch's ``op`` reduction of ``x`` over ``dims`` (None: all)."""
+    all_dims = list(range(x.tensor.ndim)) if dims is None else dims
+    if op != "prod":
+        return f"{TORCH_REDUCTION[op]}({x.name}, dim={all_dims}, keepdim={keep})"
+    code = x.name
+    for d in sorted(all_dims, reverse=True):
+        code = f"torch.prod({code}, {d}, keepdim={keep})"
+    return code
+
 
 def _broadcasts(*values: Value) -> bool:
     """Whether meshfuse broadcasts ``values`` together: aligned on the right, the axes that
@@ -488,12 +536,20 @@ STATEMENTS = {  # name: weight
 }
 
 
+# Statements of the optional features (Features.integers, Features.extrema).
+FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2}}
+
+
 def generate(seed: int, world_size: int, features: Features | None = None) -> Program:
     """A random program (see the module doc), the same on every rank for one seed."""
     features = Features() if features is None else features
     rng = random.Random(seed * 7919 + world_size)
     g = _Gen(rng, seed, features.uneven)
-    names, weights = zip(*sorted(STATEMENTS.items()))
+    statements = dict(STATEMENTS)
+    for feature, extra in FEATURE_STATEMENTS.items():
+        if getattr(features, feature):
+            statements.update(extra)
+    names, weights = zip(*sorted(statements.items()))
     for _ in range(rng.randint(1, 4)):
         getattr(g, rng.choices(names, weights)[0])()
     computed = [v for v in g.values if not v.is_input]
@@ -507,7 +563,7 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
         outputs.append(rng.choice(extra))
     outputs = list(dict.fromkeys(outputs))
     program = Program(seed, world_size, g.inputs, g.fd_lines, g.torch_lines, outputs,
-                      features=g.features)
+                      features=g.features, dtypes=g.dtypes)
     from fuzz_schedules import schedule_program
 
     schedule_program(program, rng, features)
@@ -532,7 +588,7 @@ def reference(program: Program) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
-        env[name] = torch.randn(list(shape), generator=gen)
+        env[name] = draw_input(list(shape), program.dtype(name), gen)
         inputs.append(env[name])
     with torch.no_grad():
         exec("\n".join(program.torch_lines), env)

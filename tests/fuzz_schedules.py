@@ -77,8 +77,9 @@ def schedule_program(program, rng: random.Random, features) -> None:
     try:
         for name in pinned:
             tv = env[name]
-            if not tv.dtype.is_floating:  # attention's RNG state: left to propagation
-                continue
+            if tv.dtype is DataType.UInt64 or (not tv.dtype.is_floating and
+                                                not features.integers):
+                continue  # attention's RNG state: left to propagation
             mesh_name = _mesh_of(name, meshes, inputs, rng, mesh_mode)
             writer.call(name, tv, "set_device_mesh", env[mesh_name], arg_code=mesh_name)
             for pt_name in ("mesh_y", "mesh_x") if mesh_mode == "2x2" else ("mesh_x",):

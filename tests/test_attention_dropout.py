@@ -20,7 +20,6 @@ from meshfuse import (
     DefinitionError,
     DeviceMesh,
     FusionDefinition,
-    ShardingError,
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
@@ -180,9 +179,9 @@ def test_query_sequence_split_forward(multidevice_test):
     local = [multidevice_test.shard_tensor(gq, q), gk, gv]
     out, = fd.execute(local)
     blocks = _gather(multidevice_test, _kept(out, False), attn)  # [1, 2, S, S]
-    rows = blocks.flatten(0, 2)
-    per_block = rows.view(2, d, S // d * S)  # heads x query blocks
-    assert len({tuple(x.tolist()) for x in per_block.flatten(0, 1)}) == 2 * d
+    queries = [r for r in torch.arange(S).chunk(d) if len(r)]  # the ranks' query blocks
+    per_block = [blocks[0, head, r].flatten() for head in range(2) for r in queries]
+    assert len({tuple(x.tolist()) for x in per_block}) == 2 * len(queries)
 
 
 @pytest.mark.mpi
@@ -304,34 +303,58 @@ def test_explain_shows_the_stream_key_of_constant_seeds():
            "offset); seed drawn from torch's generator at each call" in fd.explain([x])
 
 
+def _forward_on_batch_backward_on_heads(b, h, mode, moved_inputs):
+    """Attention with dropout: the forward (q, k, v, attn, lse) sharded on batch, the
+    backward's gradients (and, with ``moved_inputs``, copies of its inputs) on heads."""
+    with FusionDefinition() as fd:
+        q, k, v, g = (fd.define_tensor([b, h, S, S], dtype=DataType.BFloat16)
+                      for _ in range(4))
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, P, False, SCALE, rng_seed=1,
+                                                   rng_offset=0, dropout_mode=mode)
+        args = [q, k, v, attn, lse]
+        moved = [fd.ops.set(t) for t in args] if moved_inputs else []
+        grads = fd.ops.sdpfa_bwd(g, *(moved or args), P, False, seed, offset, SCALE)
+        for t in (attn, *grads):
+            fd.add_output(t)
+    return fd, (q, k, v, g), (q, k, v, attn, lse), (*moved, *grads)
+
+
 @pytest.mark.mpi
-def test_backward_sharded_otherwise_than_its_forward_is_refused(multidevice_test):
-    """Per-shard streams: a backward running on heads cannot replay a forward that ran on
-    batch (global mode can: its mask does not depend on the sharding)."""
-    if multidevice_test.size == 1:
-        pytest.skip("needs two shards")
+@pytest.mark.parametrize("moved_inputs", [False, True], ids=["grads_pinned", "inputs_moved"])
+@pytest.mark.parametrize("mode", ["shard", "global"])
+def test_backward_sharded_otherwise_than_its_forward(multidevice_test, mode, moved_inputs):
+    """Per-shard streams: a backward pinned on heads whose forward ran on batch is computed
+    on batch, as its forward was (so each rank redraws the masks its forward drew), and its
+    gradients are moved to heads afterwards; in global mode the mask does not depend on the
+    sharding, and the backward runs on heads. Batch and heads ``d + 1``: uneven shards."""
     d, mesh = multidevice_test.size, mesh_1d(multidevice_test)
-    for mode in ("shard", "global"):
-        with FusionDefinition() as fd:
-            q, k, v, g = (fd.define_tensor([d, d, S, S], dtype=DataType.BFloat16)
-                          for _ in range(4))
-            attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, P, False, SCALE, rng_seed=1,
-                                                       rng_offset=0, dropout_mode=mode)
-            moved = [fd.ops.set(t) for t in (q, k, v, attn, lse)]
-            grads = fd.ops.sdpfa_bwd(g, *moved, P, False, seed, offset, SCALE)
-            for t in grads:
-                fd.add_output(t)
-        for t in (q, k, v, attn, lse):
-            shard(t, 0, mesh)
-        for t in (g, *moved, *grads):
-            shard(t, 1, mesh)
-        local = [multidevice_test.shard_tensor(t, tv)
-                 for t, tv in zip(_global_inputs(d, d), (q, k, v, g))]
-        if mode == "global":
-            fd.execute(local)
-            continue
-        with pytest.raises(ShardingError, match="per-shard dropout streams of the forward"):
-            fd.execute(local)
+    b = h = d + 1
+    fd, inputs, on_batch, on_heads = _forward_on_batch_backward_on_heads(b, h, mode,
+                                                                         moved_inputs)
+    for t in on_batch:
+        shard(t, 0, mesh)
+    for t in on_heads:
+        shard(t, 1, mesh)
+    shard(inputs[3], 1 if moved_inputs else 0, mesh)
+    global_inputs = _global_inputs(b, h)
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(global_inputs, inputs)]
+    with record_communications() as comms:
+        attn, *grads = fd.execute(local)
+    outputs = fd.fusion.outputs()
+    keep = _kept(_gather(multidevice_test, attn, outputs[0]), False)
+    _, ref_grads = _reference_grads(*(t.cpu() for t in global_inputs), keep.cpu(), False)
+    for name, grad, ref, tv in zip(("q_grad", "k_grad", "v_grad"), grads, ref_grads,
+                                   outputs[1:]):
+        _assert_close(name, _gather(multidevice_test, grad, tv), ref)
+    moves = [c for c in comms if len(c.ranks) > 1]
+    if d == 1:
+        assert moves == []
+    elif not moved_inputs:  # the three gradients: batch -> heads
+        assert [c.kind for c in moves] == ["all_to_all"] * 3, moves
+    elif mode == "shard":  # the user's five copies to heads, back to batch with g, the
+        assert len(moves) == 5 + 6 + 3, moves  # gradients to heads
+    else:  # the user's five copies to heads; the backward runs there
+        assert len(moves) == 5, moves
 
 
 def test_mode_errors(monkeypatch):

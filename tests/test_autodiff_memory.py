@@ -43,7 +43,8 @@ def _mlp_inputs(size: int, rank: int):
     gen = torch.Generator().manual_seed(0)
     x, dz = torch.randn(t, h, generator=gen), torch.randn(t, h, generator=gen)
     w1, w2 = torch.randn(f, h, generator=gen) / h ** 0.5, torch.randn(h, f, generator=gen) / f ** 0.5
-    part = slice(rank * f // size, (rank + 1) * f // size)
+    rows = -(-f // size)  # torch.chunk's blocks: uneven where size does not divide f
+    part = slice(min(rank * rows, f), min((rank + 1) * rows, f))
     return x, dz, w1[part].contiguous(), w2[:, part].contiguous()
 
 

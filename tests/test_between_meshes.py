@@ -89,7 +89,9 @@ def test_shards_to_one_device_gather_there(multidevice_test):
 
 
 @pytest.mark.mpi
-def test_symbolic_input_on_part_of_the_world_is_refused_on_every_rank(multidevice_test):
+def test_symbolic_input_on_part_of_the_world_needs_its_shape_off_its_mesh(multidevice_test):
+    """Ranks outside x's mesh need its symbolic extents too (they receive from it): passing
+    None there is an InputError, on every rank, that says what to pass."""
     _need(multidevice_test, 2)
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 3], dtype=DataType.Float)
@@ -97,5 +99,35 @@ def test_symbolic_input_on_part_of_the_world_is_refused_on_every_rank(multidevic
         fd.add_output(y)
     x.set_device_mesh(DeviceMesh([0]))
     y.set_device_mesh(DeviceMesh([1]))
-    with pytest.raises(InputError, match="declare them static"):
+    with pytest.raises(InputError, match="pass a tensor of its global shape there"):
         fd.execute([torch.ones(2, 3) if multidevice_test.rank == 0 else None])
+
+
+@pytest.mark.mpi
+def test_symbolic_input_on_a_sub_mesh_learns_its_extents_from_a_shape_off_its_mesh(
+        multidevice_test):
+    """x (symbolic extents [d, 3]) sharded on rows over the first half of the ranks, y =
+    exp(x) on its 3 columns over the second half (uneven at 4 ranks): the ranks outside x's
+    mesh pass a meta tensor of x's global shape; every rank gets torch's values. (A symbolic
+    extent is learnt from local shards as if even: x's rows divide its mesh.)"""
+    _need(multidevice_test, 2)
+    d, rank = multidevice_test.size, multidevice_test.rank
+    first, second = DeviceMesh(range(d // 2)), DeviceMesh(range(d // 2, d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    for tv, mesh, axis in ((x, first, 0), (y, second, 1)):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(axis, mesh.size)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
+    gx = _global(d, 3)
+    local = shard_tensor(gx, x, rank) if rank in first else \
+        torch.empty(gx.shape, dtype=gx.dtype, device="meta")
+    with record_communications() as comms:
+        out, = fd.execute([local])
+    if rank in second:
+        torch.testing.assert_close(out, shard_tensor(gx.exp(), y, rank))
+    else:
+        assert out.numel() == 0
+    assert [c.kind for c in comms] != [] and all(c.ranks for c in comms)

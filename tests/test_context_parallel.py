@@ -89,6 +89,11 @@ def _assert_equal(outputs, expected, tol=1e-5):
 
 
 def _sequence_sharded(fd, mesh, layout="block", pt=MX):
+    devices = mesh.axis_size(pt)
+    if layout == "zigzag" and fd.tensors()[0].logical[2].extent % (2 * devices):
+        # Inherently even: a zig-zag split is a ScheduleError unless its 2d chunks are equal.
+        pytest.skip(f"a zig-zag layout over {devices} devices needs a sequence that "
+                    f"{2 * devices} divides")
     for tv in fd.tensors():
         if layout == "zigzag":
             tv.set_device_mesh(mesh)
@@ -157,6 +162,9 @@ def test_other_strategies_equal_unsharded(multidevice_test, strategy, causal, la
     """All-gather of k/v and all-to-all (heads for sequence and back), forced; what ran is
     what explain plans (the query sequence stays sharded: nothing else moves)."""
     d = multidevice_test.size
+    if strategy == "alltoall" and 4 % d:
+        pytest.skip(f"all-to-all trades the sequence for the 4 heads: {d} ranks must divide "
+                    "them (else a ShardingError names the fix)")
     fd = Attention(4, 16, causal, QkvFormat.BSHE, strategy=strategy)
     _sequence_sharded(fd, mesh_1d(multidevice_test), layout)
     outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BSHE))

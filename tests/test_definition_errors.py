@@ -177,12 +177,6 @@ def reshape_two_inferred_extents(fd):
     fd.ops.reshape(matrix(fd), [-1, -1])
 
 
-@definition_case("reshape", "symbolic", "static extents")
-def reshape_symbolic_input(fd):
-    # (a merge into -1 or a split of one axis is resolved at execute; this one is not)
-    fd.ops.reshape(matrix(fd, (-1, 6)), [-1, 2, 3])
-
-
 @definition_case("reshape", "new_shape", "list of ints", "None")
 def reshape_shape_not_ints(fd):
     fd.ops.reshape(matrix(fd), [None, 4])

@@ -26,7 +26,7 @@ SEED_ENV = "MESHFUSE_FUZZ_SEED"
 REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
-FEATURES = Features(uneven=True, any_to_any=True)
+FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
 
 

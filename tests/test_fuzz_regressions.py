@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from fuzz_programs import Features
 from fuzz_runner import generate, run_program
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
-from test_fuzz import FEATURES
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.passes.pipeline import compiled_for
@@ -326,6 +326,63 @@ def _both_on_the_reduced_axis(t, mesh):
         shard(tv, 0, mesh)
 
 
+def _partial_on(tv, logical_axis: int, mesh) -> None:
+    """Pins ``tv`` partial: its reduction axis ``logical_axis`` block-split over the mesh."""
+    tv.set_device_mesh(mesh)
+    pos = tv.loop.index(tv.logical[logical_axis])
+    tv.outer_split(pos, mesh.size)
+    tv.parallelize(pos, MX)
+
+
+def _var_mean_then_exp(fd, d):
+    x = fd.define_tensor([2 * d + 1, 3], dtype=DataType.Float)
+    var, mean = fd.ops.var_mean(x, dims=[0], correction=1)
+    fd.add_output(fd.ops.exp(var))
+    fd.add_output(mean)
+    return x, var
+
+
+def _var_pinned_partial(t, mesh):
+    x, var = t
+    shard(x, 0, mesh)
+    _partial_on(var, 0, mesh)
+
+
+def _attention_then_exp(fd, d):
+    q, k, v = (fd.define_tensor([1, 2, 2 * d + 1, 4], dtype=DataType.Float) for _ in range(3))
+    attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, 0.0, False, None)
+    fd.add_output(fd.ops.exp(attn))
+    return q, k, v, attn
+
+
+def _attention_pinned_partial_on_the_keys(t, mesh):
+    shard(t[1], 2, mesh)
+    shard(t[2], 2, mesh)
+    _partial_on(t[3], 4, mesh)  # attn's reduction over the key sequence
+
+
+def _gathered_then_reduced(d, kinds):
+    """The op runs on whole inputs; the result pinned partial (each device a part of the
+    sum, local) is reduced again for its consumer."""
+    return kinds == [] if d == 1 else kinds[-1] == "allreduce" and "allgather" in kinds
+
+
+def _partial_sums_added(fd, d):
+    """add of two sums over a sharded axis (partial sums, added before their reduction), and
+    the first sum alone."""
+    x, y = (fd.define_tensor([2 * d - 1], dtype=DataType.Float) for _ in range(2))
+    a = fd.ops.sum(x, dims=[0], keepdim=True)
+    b = fd.ops.sum(y, dims=[0], keepdim=True)
+    fd.add_output(fd.ops.add(a, b))
+    fd.add_output(a)
+    return x, y
+
+
+def _cyclic_on_the_reduced_axis(t, mesh):
+    for tv in t:
+        shard(tv, 0, mesh, inner=True)
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -389,6 +446,23 @@ CASES: dict[str, Case] = {
         _combined_extrema, _both_on_the_reduced_axis, _combined_extrema_reference,
         lambda d: [[2 * d + 1, 3]] * 2,
         comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 6)),
+    "var_mean_result_pinned_partial": Case(
+        "refused: 'would be a partial result ..., which var_mean cannot produce'",
+        _var_mean_then_exp, _var_pinned_partial,
+        lambda x: [torch.var(x, dim=0).exp(), x.mean(0)], lambda d: [[2 * d + 1, 3]],
+        comms=_gathered_then_reduced),
+    "attention_forward_result_pinned_partial_on_the_keys": Case(
+        "refused: 'would be a partial result ..., which sdpfa_fwd cannot produce'",
+        _attention_then_exp, _attention_pinned_partial_on_the_keys,
+        lambda q, k, v: [torch.nn.functional.scaled_dot_product_attention(q, k, v).exp()],
+        lambda d: [[1, 2, 2 * d + 1, 4]] * 3, comms=_gathered_then_reduced, tol=_TIGHT),
+    "partial_sums_of_cyclic_shards_added": Case(
+        "refused: 'add(T4, T5): T5 axis 0 is replicated but reduced is DIDx ... needs a "
+        "communication' (fuzzer seed 3 at 2 ranks, with Features.extrema)",
+        _partial_sums_added, _cyclic_on_the_reduced_axis,
+        lambda x, y: [x.sum(0, keepdim=True) + y.sum(0, keepdim=True), x.sum(0, keepdim=True)],
+        lambda d: [[2 * d - 1]] * 2,
+        comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 2)),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),
@@ -405,14 +479,19 @@ def test_regression(multidevice_test, name):
         assert case.comms(multidevice_test.size, kinds), kinds
 
 
+# The features the seeds below were drawn with (later features draw other programs).
+DRAWN_WITH = Features(uneven=True, any_to_any=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Seed:
-    """A fuzzer program (``generate(seed, world_size, FEATURES)``) that once failed."""
+    """A fuzzer program (``generate(seed, world_size, features)``) that once failed."""
 
     seed: int
     world_size: int
     was: str
     open: bool = False  # still failing: expected to fail (strict) until fixed
+    features: Features = DRAWN_WITH
 
 
 SEEDS: dict[str, Seed] = {
@@ -443,6 +522,6 @@ def test_fuzz_seed(multidevice_test, name):
     seed = SEEDS[name]
     if multidevice_test.size != seed.world_size:
         pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
-    outcome = run_program(generate(seed.seed, seed.world_size, FEATURES),
+    outcome = run_program(generate(seed.seed, seed.world_size, seed.features),
                           multidevice_test.rank, multidevice_test.device)
     assert outcome.kind == "match", outcome.report()

@@ -58,6 +58,13 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.cpu(), b.cpu())
 
 
+def _block(n: int, d: int, c: int) -> slice:
+    """Block ``c`` of ``n`` indices split into ``d`` blocks as ``torch.chunk`` splits them
+    (``ceil(n / d)`` each, shorter or empty at the end), computed independently of meshfuse."""
+    size = -(-n // d)
+    return slice(min(c * size, n), min((c + 1) * size, n))
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, **tol) -> None:
     torch.testing.assert_close(a.cpu(), b.cpu(), **tol)
 
@@ -214,7 +221,7 @@ def test_sdpa_direct_style_loop_split(multidevice_test, qkv_format):
         global_inputs = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in global_inputs]
     local = [multidevice_test.shard_tensor(t, tv)
              for t, tv in zip(global_inputs, (q, k, v, out_grad))]
-    heads = slice(rank * (h // d), (rank + 1) * (h // d))
+    heads = _block(h, d, rank)
     for x, t in zip(local, global_inputs):
         assert _equal(x, t[:, heads])
         assert (x if qkv_format is QkvFormat.BHSE else x.transpose(1, 2)).is_contiguous()
@@ -312,10 +319,10 @@ def test_block_shard_outer_split(multidevice_test):
         multidevice_test, build, DeviceMesh(range(d)),
         lambda tv: _did_split(tv, n, ParallelType.mesh_x, d), inputs, torch_ref,
     )
-    block = slice(rank * n // d, (rank + 1) * n // d)
+    block = _block(n, d, rank)
     assert _equal(local[0], inputs[0][block])
     assert _equal(local[1], inputs[1][block])
-    assert outs[1].shape == (n // d,)
+    assert outs[1].shape == (len(range(n)[block]),)
 
 
 def test_cyclic_shard_inner_split(multidevice_test):
@@ -345,7 +352,7 @@ def test_cyclic_shard_inner_split(multidevice_test):
 
 def test_two_splits_of_one_axis_on_a_1d_mesh(multidevice_test):
     """``[16]`` split by 2 (serial outer), then the inner ``8`` split by d on mesh_x: rank c
-    holds ``{i : (i % 8) // (8 / d) == c}``, two blocks."""
+    holds ``{i : (i % 8) // ceil(8 / d) == c}``, two blocks (empty at 3 ranks' last)."""
     d, rank = multidevice_test.size, multidevice_test.rank
 
     def schedule(tv):
@@ -358,7 +365,7 @@ def test_two_splits_of_one_axis_on_a_1d_mesh(multidevice_test):
     inputs = [_randn(16, 3, seed=8), _randn(16, 3, seed=9)]
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                        torch_ref)
-    rows = [i for i in range(16) if (i % 8) // (8 // d) == rank]
+    rows = [i for i in range(16) if (i % 8) // -(-8 // d) == rank]
     assert _equal(local[0], inputs[0][rows])
 
 
@@ -374,7 +381,7 @@ def test_mesh_listed_in_reverse_rank_order(multidevice_test):
         lambda tv: _did_split(tv, n, ParallelType.mesh_x, d), inputs, torch_ref,
     )
     c = d - 1 - rank
-    assert _equal(local[0], inputs[0][c * n // d:(c + 1) * n // d])
+    assert _equal(local[0], inputs[0][_block(n, d, c)])
 
 
 def test_non_contiguous_local_view_is_accepted(multidevice_test):
@@ -504,8 +511,9 @@ def test_reduction_over_unsharded_axis(multidevice_test, op, keepdim):
             [x], lambda x, axis=axis: torch_fns[op](x, axis),
         )
         rank = multidevice_test.rank
-        assert _equal(local[0], x[:, rank::d] if inner else x[rank * 8 // d:(rank + 1) * 8 // d])
-        expected = [n // d if n == 8 else n for n in shape]
+        assert _equal(local[0], x[:, rank::d] if inner else x[_block(8, d, rank)])
+        held = len(range(rank, 8, d)) if inner else len(range(8)[_block(8, d, rank)])
+        expected = [held if n == 8 else n for n in shape]
         expected[axis] = 1
         if not keepdim:
             del expected[axis]
@@ -531,7 +539,7 @@ def test_sharded_tensor_against_replicated_broadcast(multidevice_test):
     inputs = [_randn(8, 6, seed=17), _randn(1, 6, seed=18), _randn(8, 1, seed=19)]
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)), schedule, inputs,
                        lambda x, b, c: [(x + b) * c])
-    block = slice(rank * 8 // d, (rank + 1) * 8 // d)
+    block = _block(8, d, rank)
     assert _equal(local[0], inputs[0][block]) and _equal(local[2], inputs[2][block])
     assert _equal(local[1], inputs[1])  # replicated: every rank holds all of b
 
@@ -578,7 +586,7 @@ def test_scalar_input(multidevice_test):
     _, local, _ = _run(multidevice_test, build, DeviceMesh(range(d)),
                        lambda tv: _did_split(tv, 8, ParallelType.mesh_x, d),
                        [x, 2.5], lambda x, a: [x * a + x])
-    assert _equal(local[0], x[rank * 8 // d:(rank + 1) * 8 // d]) and local[1] == 2.5
+    assert _equal(local[0], x[_block(8, d, rank)]) and local[1] == 2.5
 
 
 # ----- the program cache ----------------------------------------------------------------------

@@ -160,17 +160,24 @@ def test_device_parallel_type_beyond_the_mesh_rank(multidevice_test):
     _words(str(info.value), "T0", "axis 0", "mesh_y", "2 axes")
 
 
-def test_device_axis_from_a_merge(multidevice_test):
+def test_device_axis_from_a_merge_whose_parts_are_no_blocks(multidevice_test):
+    """5 x (d + 1) elements merged, in blocks of ceil(5 (d + 1) / d): at 2, 3 and 4 ranks a
+    block cuts rows apart (a ScheduleError naming the tensor and the merged axes); at 1 the
+    one block is the tensor (tests/test_merged_axes.py runs the merges that are blocks)."""
     d = multidevice_test.size
-    fd, x, y = _relu_fusion([2, 4 * d])
+    fd, x, y = _relu_fusion([5, d + 1])
     for tv in (x, y):
         tv.set_device_mesh(DeviceMesh(range(d)))
         tv.merge(0)
         tv.outer_split(0, d)
         tv.axis(0).parallelize(ParallelType.mesh_x)
+    gx = torch.randn(5, d + 1, device=current_device())
+    if d == 1:
+        torch.testing.assert_close(fd.execute([gx])[0], gx.relu())
+        return
     with pytest.raises(ScheduleError, match=r"T[01]\b") as info:
-        fd.execute([torch.randn(2, 4)])
-    _words(str(info.value), "axis 0", "merge")
+        fd.execute([gx[:1]])
+    _words(str(info.value), "merge of axes 0 and 1", "split one logical axis")
 
 
 # ----- shardings that need communication ------------------------------------------------

@@ -291,14 +291,15 @@ def test_symbolic_sizes_as_shape_arguments():
 
 def test_reshape_of_symbolic_extents():
     """nvFuser programs flatten [-1, -1, e] to [-1, e] (a linear's backward); a split of one
-    symbolic axis works too; what only execute could resolve is refused when defined."""
+    symbolic axis works too, and a merge with a split of a static axis beside it (resolved
+    when defined: tests/test_symbolic_reshape.py)."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1, 4])
         fd.add_output(fd.ops.reshape(x, [-1, 4]))
         fd.add_output(fd.ops.reshape(fd.define_tensor([-1, 6]), [2, 3, 6]))
-        with pytest.raises(meshfuse.DefinitionError, match="ambiguous"):
-            fd.ops.reshape(x, [-1, 2, 2])
+        fd.add_output(fd.ops.reshape(x, [-1, 2, 2]))
     gx, gz = torch.randn(2, 3, 4), torch.randn(6, 6)
-    a, b = fd.execute([gx, gz])
+    a, b, c = fd.execute([gx, gz])
     torch.testing.assert_close(a, gx.reshape(-1, 4))
     torch.testing.assert_close(b, gz.reshape(2, 3, 6))
+    torch.testing.assert_close(c, gx.reshape(-1, 2, 2))

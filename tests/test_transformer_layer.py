@@ -20,7 +20,9 @@ from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameter
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
-B, S, E, HEADS = 2, 64, 64, 4
+# 12 heads: every world size the suite runs at (1 to 4) divides them, so the tensor-parallel
+# plan is Megatron's at each; the sequence (64) is uneven at 3 ranks.
+B, S, E, HEADS = 2, 64, 96, 12
 
 # (rtol, atol relative to each tensor's largest magnitude) against the float64 reference.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 3e-2)}
@@ -154,25 +156,26 @@ def test_bf16_block_communicates_bf16_and_derives_bf16_gradients(multidevice_tes
 
 @pytest.mark.mpi
 def test_uneven_sequence_shards_match_autograd_with_the_same_collectives(multidevice_test):
-    """A sequence that no world size of 2 or 4 divides (31 = 16 + 15, 8 + 8 + 8 + 7): the
+    """A sequence that no world size of 2, 3 or 4 divides (31 = 16 + 15, 11 + 11 + 9,
+    8 + 8 + 8 + 7; 12 heads, which they all divide): the
     derived gradients still equal autograd's and the collectives are the plan's, each
     uneven shard padded to the longest."""
     size, rank = multidevice_test.size, multidevice_test.rank
     seq = 31
     gen = torch.Generator().manual_seed(1)
-    x, dy = (torch.randn(1, seq, 32, generator=gen) for _ in range(2))
-    params = init_parameters(32)
-    block = GptBlock(1, seq, 32, 4, DataType.Float, DeviceMesh(range(size)))
+    x, dy = (torch.randn(1, seq, 48, generator=gen) for _ in range(2))
+    params = init_parameters(48)
+    block = GptBlock(1, seq, 48, 12, DataType.Float, DeviceMesh(range(size)))
     got, (forward, backward) = derived(block, x, dy, params, rank)
     xr = x.double().requires_grad_()
     pr = {n: t.double().requires_grad_() for n, t in params.items()}
-    y = torch_block(xr, pr, 4)
+    y = torch_block(xr, pr, 12)
     y.backward(dy.double())
     expected = {"y": y.detach(), "x": xr.grad, **{n: t.grad for n, t in pr.items()}}
     assert_matches(got, expected, torch.float32, {"y": block.y, "x": block.x, **block.params},
                    rank)
     if size > 1:
-        plan_forward, plan_backward = sp_plan(size, seq, 32)
+        plan_forward, plan_backward = sp_plan(size, seq, 48)
         plan_forward = [(k, n // B) for k, n in plan_forward]  # batch 1 here
         plan_backward = [(k, n if k == "allreduce" else n // B) for k, n in plan_backward]
         assert kinds_and_bytes(forward) == plan_forward
@@ -219,7 +222,8 @@ def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test
     block = parallelize(Gpt3Block(params, HEADS), mesh)
     local_x = x.chunk(size, 1)[rank].requires_grad_()
     with _FunctionalCollectives() as dtensor_forward:
-        y = block(DTensor.from_local(local_x, mesh, [Shard(1)]))
+        y = block(DTensor.from_local(local_x, mesh, [Shard(1)], shape=x.shape,
+                                     stride=x.stride()))  # uneven at 3 ranks
     with _FunctionalCollectives() as dtensor_backward:
         y.to_local().backward(dy.chunk(size, 1)[rank])
     norms = [p for n, p in block.named_parameters() if n.startswith("ln")]

@@ -106,7 +106,14 @@ def meshfuse_variant(ctx: Context, sizes: dict[str, int], fmt: QkvFormat, inputs
                      if x.startswith("CUDA graph replay")), "no automatic replay")
         if cuda_graph is not None:  # explain states the default; this variant overrides it
             line = f"cuda_graph={cuda_graph}"
-        metrics = dict(metrics, first_call_s=round(seconds, 4), graph=line)
+        runner = model._get_runner()
+
+        def cached():  # what a cached call must leave alone: programs built, graphs captured
+            return len(runner._programs), len(runner._replays), sum(
+                replay.graphs for replay in runner._replays.values())
+
+        metrics = dict(metrics, first_call_s=round(seconds, 4), graph=line,
+                       _cached=(cached, cached()))
         return (lambda: model.execute(inputs, cuda_graph=cuda_graph)), metrics
 
     name, note = _GRAPH_VARIANTS[cuda_graph]
@@ -239,11 +246,17 @@ def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
 
 def _vs_raw(records: list[Record]) -> list[Record]:
     """``vs_direct_aten`` on the meshfuse records: the median over ``direct_aten``'s (issue
-    13's target for a plain ``execute``: at most 1.1)."""
+    13's target for a plain ``execute``: at most 1.1); a meshfuse variant whose timed calls
+    built a program or captured a graph again is an error record (cached calls must not)."""
     raw = next((r for r in records if r.variant == "direct_aten" and r.median_ms), None)
     for record in records:
+        cached, before = record.metrics.pop("_cached", (None, None))
         if raw is not None and record.variant.startswith("meshfuse") and record.median_ms:
             record.metrics["vs_direct_aten"] = round(record.median_ms / raw.median_ms, 3)
+        if cached is not None and record.status == "ok" and cached() != before:
+            record.status = "error"
+            record.message = (f"cached calls built or captured again: (programs, replays, "
+                              f"graphs) {before} after the setup, {cached()} after timing")
     return records
 
 

@@ -331,19 +331,29 @@ def _arg(expr, name: str):
     return value.value if isinstance(value, Scalar) else value
 
 
-def _check_sharding(expr) -> None:
-    """A backward with per-shard dropout streams must be sharded as its forward was."""
-    q = expr.args[1 if expr.op.name == "sdpfa_bwd" else 0]
+def _replayed_sharding(expr):
+    """A backward with per-shard dropout streams replays its forward's: ``q_grad`` must lie
+    on batch, heads and query sequence (every axis but the head dim) as the forward's
+    attention output did, for each rank to redraw the masks its forward drew."""
     forward = _forward_of(expr)
-    if expr.op.name != "sdpfa_bwd" or forward is None or _arg(expr, "dropout_p") == 0.0:
+    if expr.op.name != "sdpfa_bwd" or forward is None or _arg(expr, "dropout_p") == 0.0 \
+            or _bwd_mode(expr) != SHARD:
+        return None
+    return forward.outputs[0], tuple(range(len(_raw(expr, "q").logical) - 1))
+
+
+def _check_sharding(expr) -> None:
+    """A backward with per-shard dropout streams must be sharded as its forward was (the
+    engine makes it so: see ``_replayed_sharding``)."""
+    replayed = _replayed_sharding(expr)
+    if replayed is None:
         return
-    if _bwd_mode(expr) == SHARD and any(
-            shard_signature(a, a.logical[axis]) != shard_signature(b, b.logical[axis])
-            for a, b in ((forward.outputs[0], expr.outputs[0]),)
-            for axis in range(len(q.logical) - 1)):
+    source, axes = replayed
+    if any(shard_signature(source, source.logical[a]) !=
+           shard_signature(expr.outputs[0], expr.outputs[0].logical[a]) for a in axes):
         raise ShardingError(
             f"sdpfa_bwd: {expr.outputs[0].name} is sharded otherwise than "
-            f"{forward.outputs[0].name} on batch, heads or sequence, so the per-shard dropout "
+            f"{source.name} on batch, heads or sequence, so the per-shard dropout "
             "streams of the forward cannot be replayed; schedule both alike, or use "
             "dropout_mode='global'"
         )
@@ -564,7 +574,7 @@ register(OpDef(
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
     # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
-    partial_reduce="sum", whole_axes=_whole_axes, check_sharding=_check_sharding,
-    make_impl=_Backward,
+    partial_reduce="sum", whole_axes=_whole_axes, replays=_replayed_sharding,
+    check_sharding=_check_sharding, make_impl=_Backward,
     localize=_localize,
 ))

@@ -232,9 +232,15 @@ class OpDef:
             whole (attention's key/value sequence and head dims, and its query sequence when
             causal). The engine gathers shards of them before the op (and slices outputs
             after, where they are pinned sharded), never refuses and never computes on them.
+        replays: ``replays(expr) -> (source, axes)`` or None: the op replays per-shard state
+            that an earlier op made (attention's backward redraws its forward's per-shard
+            dropout streams), so its first output must lie on the logical ``axes`` exactly as
+            ``source`` (that earlier op's output, as it was computed) does. The engine
+            computes the op that way, resharding its inputs before and its outputs after,
+            whatever the user pinned.
         check_sharding: an extra rule, ``check_sharding(expr)``, raising ShardingError for a
-            sharding the implementation cannot handle that resharding cannot change (e.g. a
-            backward replaying per-shard dropout streams sharded otherwise than its forward).
+            sharding the implementation cannot handle (checked after resharding, as a
+            safety net: e.g. a backward sharded otherwise than the forward it replays).
         vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
             (a gradient flowing into it is a DefinitionError naming it).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
@@ -254,6 +260,7 @@ class OpDef:
     needs_reduced_count: bool = False
     partial_addends: tuple[int, ...] = ()
     whole_axes: Callable[[Any], set] | None = None
+    replays: Callable[[Any], tuple[Any, tuple[int, ...]] | None] | None = None
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"

@@ -329,32 +329,60 @@ def _reshape_infer(x, new_shape):
 
 def _symbolic_reshape(x: TensorMeta, new: list[int]) -> tuple[AxisSpec, ...]:
     """Output axes of a reshape of ``x`` with symbolic extents (bound at execute, when the
-    static rule runs again): equal static axes at both ends keep their identity; the axes
-    between must be a merge into the one ``-1`` (``[-1, -1, e] -> [-1, e]``) or a split of one
-    symbolic axis (its outermost part mapped, as in the static rule)."""
-    lead = 0
-    while lead < min(x.ndim, len(new)) and x.shape[lead] is not None and \
-            x.shape[lead] == new[lead]:
-        lead += 1
-    trail = 0
-    while trail < min(x.ndim, len(new)) - lead and x.shape[-1 - trail] is not None and \
-            x.shape[-1 - trail] == new[-1 - trail]:
-        trail += 1
-    old_mid, new_mid = range(lead, x.ndim - trail), range(lead, len(new) - trail)
-    if not (new_mid and old_mid and (len(old_mid) == 1 or [new[j] for j in new_mid] == [-1])):
-        raise DefinitionError(
-            f"reshape of {list(x.shape)} (symbolic extents: None) to {new} is ambiguous until "
-            "execute; with symbolic extents, merge axes into one -1 or split one axis (equal "
-            "static axes may surround either), or declare static extents"
-        )
-    axes = [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)) for a in range(lead)]
-    for j in new_mid:
-        extent = None if new[j] == -1 else new[j]
+    static rule runs again and checks the element counts). Groups of static axes of equal
+    products at either end map as in the static rule (an equal axis keeps its identity, a
+    pure split or merge maps its outermost axes); the axes between map as a merge into the
+    one ``-1`` (``[-1, -1, e] -> [-1, e]``) or a split of one symbolic axis (its outermost
+    part mapped), and otherwise to no input axis (a sharded input axis there is gathered
+    first, as for any reshape that mixes axes)."""
+    lead, i, j = _static_groups(list(x.shape), new)
+    rear, ri, rj = _static_groups(list(reversed(x.shape[i:])), list(reversed(new[j:])))
+    old_end, new_end = x.ndim - ri, len(new) - rj
+    trail = [([old_end + ri - 1 - a for a in reversed(ga)],
+              [new_end + rj - 1 - b for b in reversed(gb)]) for ga, gb in reversed(rear)]
+    axes = [spec for group in lead for spec in _group_specs(x, new, *group)]
+    old_mid, new_mid = range(i, old_end), range(j, new_end)
+    mapped = old_mid and (len(old_mid) == 1 or [new[b] for b in new_mid] == [-1])
+    for b in new_mid:
+        extent = None if new[b] == -1 else new[b]
         kind = IterType.Broadcast if extent == 1 else IterType.Iteration
-        axes.append(AxisSpec(extent, kind, ((0, old_mid[0]),) if j == new_mid[0] else ()))
-    axes += [AxisSpec(x.shape[a], x.iter_types[a], ((0, a),))
-             for a in range(x.ndim - trail, x.ndim)]
+        outermost = mapped and b == new_mid[0]
+        axes.append(AxisSpec(extent, kind, ((0, old_mid[0]),) if outermost else ()))
+    axes += [spec for group in trail for spec in _group_specs(x, new, *group)]
     return tuple(axes)
+
+
+def _static_groups(old: list, new: list[int]) -> tuple[list, int, int]:
+    """The leading groups of static axes of ``old`` and ``new`` whose extents have equal
+    products, as ``(old axes, new axes)`` pairs, and the numbers of old and new axes they
+    take; the first symbolic extent (None, -1) stops them."""
+    groups, i, j = [], 0, 0
+    while i < len(old) and j < len(new) and old[i] is not None and new[j] != -1:
+        gi, gj, pi, pj = [i], [j], old[i], new[j]
+        while pi != pj:
+            a, b = gi[-1] + 1, gj[-1] + 1
+            if pi < pj and a < len(old) and old[a] is not None:
+                pi *= old[a]
+                gi.append(a)
+            elif pj < pi and b < len(new) and new[b] != -1:
+                pj *= new[b]
+                gj.append(b)
+            else:
+                return groups, i, j
+        groups.append((gi, gj))
+        i, j = gi[-1] + 1, gj[-1] + 1
+    return groups, i, j
+
+
+def _group_specs(x: TensorMeta, new: list[int], gi: list[int],
+                 gj: list[int]) -> list[AxisSpec]:
+    """The output axes of one group of equal static products: an unchanged axis keeps its
+    identity and kind; in a pure split or merge the outermost axes map."""
+    if len(gi) == 1 and len(gj) == 1:
+        return [AxisSpec(x.shape[gi[0]], x.iter_types[gi[0]], ((0, gi[0]),))]
+    mapped = len(gi) == 1 or len(gj) == 1
+    return [AxisSpec(new[b], IterType.Broadcast if new[b] == 1 else IterType.Iteration,
+                     ((0, gi[0]),) if mapped and b == gj[0] else ()) for b in gj]
 
 
 register(OpDef(

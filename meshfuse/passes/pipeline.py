@@ -3,6 +3,8 @@
 The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.copy`) and runs
 :data:`BUILD_PASSES` on the copy, in this order:
 
+0. ``unmerge_device_axes``: a device axis split from merged axes becomes the equivalent split
+   of one logical axis (``passes/merged_axes.py``);
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
@@ -10,8 +12,7 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
    k and v sharded: see ``docs/context_parallel.md``);
 4. ``insert_resharding``: communications so that every op is local;
 5. ``check_schedule``: meshes and device types across all tensors;
-6. ``check_inputs_reachable``: inputs off some ranks' meshes must have static extents;
-7. ``infer_allocations``: the memory order of every tensor (a side table).
+6. ``infer_allocations``: the memory order of every tensor (a side table).
 
 The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
 signature and the rank (extents, local layouts, the per-rank program) is built from it by
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
@@ -31,6 +31,7 @@ from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.passes.context_parallel import plan_context_parallel
 from meshfuse.passes.layout import infer_allocations
+from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
 from meshfuse.passes.resharding import insert_resharding
 
@@ -65,18 +66,6 @@ class CompiledFusion:
         return format_fusion(self.fusion, self.allocations)
 
 
-def check_inputs_reachable(fusion: Fusion, world_size: int | None) -> None:
-    """An input held by only some ranks must have static extents: the others cannot learn
-    them from their inputs."""
-    for v in fusion.inputs():
-        if isinstance(v, TensorView) and v.mesh is not None and world_size is not None and \
-                v.mesh.size < world_size and any(i.extent is None for i in v.materialized()):
-            raise InputError(
-                f"input {v.name} lives on {v.mesh!r}, not on every rank, and has symbolic "
-                "extents; ranks outside its mesh cannot learn them: declare them static"
-            )
-
-
 def _check_world(fusion: Fusion, world_size: int | None) -> None:
     check_tensor_schedules(fusion, _world_or_meshes(fusion, world_size))
 
@@ -90,6 +79,10 @@ def _world_or_meshes(fusion: Fusion, world_size: int | None) -> int:
         return world_size
     return 1 + max((max(tv.mesh.device_ids) for tv in fusion.tensors() if tv.mesh is not None),
                    default=0)
+
+
+def _unmerge(fusion: Fusion, world_size: int | None) -> None:
+    unmerge_device_axes(fusion)
 
 
 def _propagate(fusion: Fusion, world_size: int | None) -> None:
@@ -106,12 +99,12 @@ def _context_parallel(fusion: Fusion, world_size: int | None) -> None:
 
 # Each pass takes the fusion copy and the world size and edits the copy (never the user's).
 BUILD_PASSES = (
+    _unmerge,
     _check_world,
     _propagate,
     _context_parallel,
     _reshard,
     _check_all,
-    check_inputs_reachable,
 )
 
 

@@ -58,8 +58,13 @@ UNKNOWN_EXTENT = 1 << 20
 def insert_resharding(fusion: Fusion) -> None:
     """Rewrites ``fusion`` in place; see the module doc."""
     for expr in list(fusion.exprs):
-        if not isinstance(expr, Reshard) and _sharded(expr):
+        if isinstance(expr, Reshard) or not _sharded(expr):
+            continue
+        replayed = expr.op.replays(expr) if expr.op.replays is not None else None
+        if replayed is None:
             _make_local(fusion, expr)
+        else:
+            _make_local_replaying(fusion, expr, *replayed)
     for out in fusion.outputs():
         if out.mesh is not None and out not in fusion.user_scheduled and _is_partial(out):
             _reduce_output(fusion, out)
@@ -240,6 +245,29 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
             _set_before(fusion, expr, inp, want)
 
 
+def _make_local_replaying(fusion: Fusion, expr: Expr, source: TensorView,
+                          axes: tuple[int, ...]) -> None:
+    """``expr`` replays per-shard state made by ``source``'s producer (``OpDef.replays``): it
+    computes its first output laid out on ``axes`` as ``source`` is (whatever was pinned),
+    from inputs laid out as that output needs, and its outputs are moved to where they were
+    pinned afterwards."""
+    outs = list(expr.tensor_outputs)
+    ins = list(dict.fromkeys(expr.tensor_inputs))
+    first = _scratch(outs[0])
+    _copy_sharding(source, first, {source.logical[a]: outs[0].logical[a] for a in axes})
+    needed = [_needed_input(expr, [first], t) for t in ins]
+    natural = _naturals(expr, outs, needed)
+    assert all(shard_signature(natural[0], natural[0].logical[a]) ==
+               shard_signature(source, source.logical[a]) for a in axes), \
+        f"{format_expr(expr)}: its inputs do not make its first output as {source.name} lies"
+    for out, nat in zip(outs, natural):
+        if not same_sharding(out, nat):
+            _set_after(fusion, expr, out, nat)
+    for inp, want in zip(ins, needed):
+        if not same_sharding(inp, want):
+            _set_before(fusion, expr, inp, want)
+
+
 def _new_like(fusion: Fusion, tv: TensorView, schedule: TensorView) -> TensorView:
     """A new tensor shaped like ``tv`` (new IDs) with ``schedule``'s sharding."""
     new = TensorView(fusion, [i.like() for i in tv.logical], tv.dtype)
@@ -269,9 +297,14 @@ def _set_before(fusion: Fusion, expr: Expr, inp: TensorView, wanted: TensorView)
     if new is None:
         new = _new_like(fusion, inp, wanted)
         fusion.add_expr(_set_expr(inp, new), fusion.exprs.index(expr))
-    renamed = dict(zip(inp.logical, new.logical))
+    _read_instead(expr, inp, new)
+
+
+def _read_instead(expr: Expr, old: TensorView, new: TensorView) -> None:
+    """``expr`` reads ``new`` (the same logical axes, other IDs) where it read ``old``."""
+    renamed = dict(zip(old.logical, new.logical))
     expr.args = tuple(
-        new if a is inp else [new if x is inp else x for x in a] if isinstance(a, list | tuple)
+        new if a is old else [new if x is old else x for x in a] if isinstance(a, list | tuple)
         else a
         for a in expr.args
     )
@@ -290,11 +323,18 @@ def _earlier_copy(fusion: Fusion, expr: Expr, inp: TensorView,
 
 
 def _reduce_output(fusion: Fusion, out: TensorView) -> None:
-    """A partial fusion output: its producer makes the partial value, ``out`` reduces it."""
+    """A partial fusion output: its producer makes the partial value, ``out`` reduces it;
+    the ops that read ``out`` were made local with it partial, so they read the partial
+    value (an ``add`` of partial sums keeps carrying them)."""
     expr = out.definition
     partial = _scratch(out)
     _copy_sharding(out, partial, {i: i for i in out.logical})
     for id_, pt in list(out.parallel.items()):
         if pt.is_device and id_.is_reduction:
             del out.parallel[id_]
+    position = expr.outputs.index(out)
     _set_after(fusion, expr, out, partial)
+    made = expr.outputs[position]
+    for consumer in fusion.exprs:
+        if consumer is not out.definition and out in consumer.tensor_inputs:
+            _read_instead(consumer, out, made)

@@ -54,7 +54,9 @@ def held_here(tv: TensorView, rank: int) -> bool:
 
 def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
     """Count, kind, dtype and rank of each input. A rank outside an input's mesh passes None
-    (or any tensor, which is ignored) for it."""
+    (or any tensor, which is ignored) for it; for an input with symbolic extents, a tensor of
+    its global shape and dtype (values not read: on the meta device), from which it learns
+    them."""
     declared = fusion.inputs()
     if len(inputs) != len(declared):
         names = ", ".join(v.name for v in declared)
@@ -78,20 +80,12 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
                     f"input {v.name} is not on this rank ({rank} is outside {v.mesh!r}): pass "
                     f"None for it, got {type(x).__name__}"
                 )
+            if x is not None and has_symbolic_extents(v):
+                _check_kind(v, x)  # its shape stands for the global one: see bind
             continue
         if not isinstance(x, torch.Tensor):
             raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != v.dtype.torch_dtype:
-            raise InputError(
-                f"input {v.name} must be {v.dtype.name} ({v.dtype.torch_dtype}), got {x.dtype}; "
-                f"cast it with .to({v.dtype.torch_dtype})"
-            )
-        if x.ndim != v.ndim:
-            raise InputError(
-                f"input {v.name} must have {v.ndim} axes (global shape "
-                f"{[i.extent if i.extent is not None else -1 for i in v.materialized()]}), got "
-                f"shape {list(x.shape)}"
-            )
+        _check_kind(v, x)
         if v.is_cpu:
             if x.device.type != "cpu":
                 raise InputError(
@@ -106,6 +100,49 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
                 f"input {v.name} is on {x.device} but earlier inputs are on {device}; put all "
                 "inputs on one device"
             )
+
+
+def has_symbolic_extents(tv: TensorView) -> bool:
+    """Whether some axis of ``tv`` has an extent that is symbolic until execute."""
+    return any(i.extent is None for i in tv.materialized())
+
+
+def _check_kind(v: TensorView, x: torch.Tensor) -> None:
+    """``x`` has ``v``'s dtype and number of axes."""
+    if x.dtype != v.dtype.torch_dtype:
+        raise InputError(
+            f"input {v.name} must be {v.dtype.name} ({v.dtype.torch_dtype}), got {x.dtype}; "
+            f"cast it with .to({v.dtype.torch_dtype})"
+        )
+    if x.ndim != v.ndim:
+        raise InputError(
+            f"input {v.name} must have {v.ndim} axes (global shape "
+            f"{[i.extent if i.extent is not None else -1 for i in v.materialized()]}), got "
+            f"shape {list(x.shape)}"
+        )
+
+
+def _unheld_extents(v: TensorView, x, rank: int) -> dict[IterDomain, int]:
+    """The global extents of input ``v`` on a rank outside its mesh: the static ones, and
+    for symbolic ones the shape of the tensor that rank passed for it, which stands for the
+    global tensor (its values are never read: ``torch.empty(shape, device="meta")``)."""
+    static = {i: i.extent for i in v.logical if i.extent is not None}
+    if not has_symbolic_extents(v):
+        return static
+    if not isinstance(x, torch.Tensor):
+        raise InputError(
+            f"input {v.name} lives on {v.mesh!r}, not on rank {rank}, and has symbolic "
+            f"extents, which rank {rank} needs too: pass a tensor of its global shape there "
+            f"(its values are not read: torch.empty(shape, dtype={v.dtype.torch_dtype}, "
+            "device='meta')), or declare the extents static"
+        )
+    for axis, (id_, n) in enumerate(zip(v.materialized(), x.shape)):
+        if id_.extent is not None and id_.extent != n:
+            raise InputError(
+                f"input {v.name} axis {axis} has global extent {id_.extent}; rank {rank} "
+                f"(outside its mesh) passed a tensor of global shape {list(x.shape)} for it"
+            )
+    return {**static, **dict(zip(v.materialized(), x.shape))}
 
 
 def bind(
@@ -123,7 +160,7 @@ def bind(
                 extents.update(zip(v.materialized(), global_shape(v, x)))
                 _check_local_extents(v, x, extents, rank)
             else:
-                extents.update((i, i.extent) for i in v.logical if i.extent is not None)
+                extents.update(_unheld_extents(v, x, rank))
     for expr in fusion.exprs:
         if isinstance(expr, Reshard):
             # Communications keep every logical ID, reduction IDs of partials included.

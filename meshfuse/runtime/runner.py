@@ -41,6 +41,7 @@ from meshfuse.runtime.binding import (
     check_input_values,
     check_strides,
     device_coords,
+    has_symbolic_extents,
     held_here,
 )
 from meshfuse.runtime.collectives import Group, resolved
@@ -191,7 +192,7 @@ class FusionRunner:
 
         binding = agreed_inputs(
             self.communicator, fusion, inputs, prepare, _extents_of,
-            lambda tv: held_here(tv, self.rank), check_ranks, in_call,
+            self._shape_known, check_ranks, in_call,
         )
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
@@ -207,12 +208,17 @@ class FusionRunner:
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              lower_op=self._lower_op, group_loops=group_loops)
 
+    def _shape_known(self, tv: TensorView) -> bool:
+        """Whether this rank's input for ``tv`` tells its global shape, to agree on: a shard
+        it holds, or the stand-in of a symbolic input off its mesh (see ``bind``)."""
+        return held_here(tv, self.rank) or has_symbolic_extents(tv)
+
     def _out_of_step(self, error: OutOfStep, inputs: Sequence[Any]) -> Exception:
         """The error of this rank, running a cached program, when another rank checks a new
         signature in the same call: the difference of their inputs."""
         binding = self._bind(list(inputs))
         facts = input_facts(self.fusion, inputs, lambda tv: _extents_of(binding, tv),
-                            lambda tv: held_here(tv, self.rank))
+                            self._shape_known)
         return out_of_step(error.notice, self.rank, facts)
 
     @staticmethod
@@ -354,7 +360,7 @@ def local_context(binding: Binding, rank: int, device) -> LocalContext:
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
     """The device of the tensor inputs (all on one), else the communicator's, else the CPU."""
     for x in inputs:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":  # meta: a shape only
             return x.device
     return communicator.device if communicator is not None else torch.device("cpu")
 

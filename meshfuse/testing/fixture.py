@@ -87,7 +87,8 @@ class MultideviceTest:
             dim_or_tensorview: an int: ``t`` is the block shard of that axis along ``mesh_x``
                 of ``mesh`` (ranks that differ only on other mesh axes hold replicas); a
                 meshfuse TensorView: the shards of every device of its mesh are gathered and
-                passed to ``meshfuse.sharding.unshard_tensor``. Shards must have one shape.
+                passed to ``meshfuse.sharding.unshard_tensor`` (shards of an uneven split may
+                have different shapes).
             mesh: with an int only; defaults to ``DeviceMesh(range(size))``.
         """
         if _is_dim(dim_or_tensorview):
@@ -102,7 +103,18 @@ class MultideviceTest:
             return unshard_tensor([t], tv)
         # Every device's shard, in the order of the mesh's device ids.
         flat = DeviceMesh(tv.mesh.device_ids)
-        return unshard_tensor(self._communicator.allgather(t.to(self.device), flat, 0), tv)
+        return unshard_tensor(self._allgather_shapes(t.to(self.device), flat), tv)
+
+    def _allgather_shapes(self, t: torch.Tensor, mesh: DeviceMesh) -> list[torch.Tensor]:
+        """Every device's ``t`` over a 1-D ``mesh``, shapes allowed to differ: the shapes are
+        gathered first, then the tensors padded to the largest."""
+        shape = torch.tensor(t.shape, dtype=torch.int64, device=self.device)
+        shapes = [s.tolist() for s in self._communicator.allgather(shape, mesh, 0)]
+        largest = [max(s[a] for s in shapes) for a in range(t.ndim)]
+        padded = t.new_zeros(largest)
+        padded[tuple(slice(0, n) for n in t.shape)] = t
+        gathered = self._communicator.allgather(padded, mesh, 0)
+        return [g[tuple(slice(0, n) for n in s)] for g, s in zip(gathered, shapes)]
 
     def _mesh(self, mesh: DeviceMesh | None) -> DeviceMesh:
         return DeviceMesh(range(self.size)) if mesh is None else mesh
