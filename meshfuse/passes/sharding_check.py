@@ -16,11 +16,7 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import device_ids, split_indices
-<<<<<<< HEAD
-from meshfuse.ir.placement import shard_signature
-=======
-from meshfuse.ir.placement import reduction_complete
->>>>>>> main
+from meshfuse.ir.placement import reduction_complete, shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.context_parallel import sequence_parallel
