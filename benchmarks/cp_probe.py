@@ -33,6 +33,10 @@ Phases, each after a barrier of every rank with idle devices:
 8. ``compute_only``: this rank's kernels of a ring call (both steps' blocks, forward and
    backward, merges and sums) on its local tensors with no communication and no program,
    back to back between CUDA events: the compute floor of a call, timed as phase 1 is.
+9. ``one_gpu``: the whole problem on this GPU, the selected kernel called directly (the
+   benchmark's baseline: the ideal is its time over the ranks).
+
+Phases 1, 8 and 9 also sample the GPU's SM clock and power draw (NVML) as they run.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ import dataclasses
 import json
 import os
 import statistics
+import threading
 import time
 import traceback
 import warnings
+from typing import Self
 
 import torch
 
@@ -110,11 +116,60 @@ def _rounded(values) -> list[float]:
     return [round(v, 3) for v in values]
 
 
+class Clocks:
+    """Samples this GPU's SM clock (MHz) and power draw (W) through NVML
+    (``torch.cuda.clock_rate``, ``torch.cuda.power_draw``) every 10 ms while a phase runs:
+    a kernel that slows down as the GPU stays busy shows here as a falling clock."""
+
+    def __init__(self, device):
+        self.device, self.samples, self.error = device, [], None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append((torch.cuda.clock_rate(self.device),
+                                     torch.cuda.power_draw(self.device) / 1e3))
+            except Exception as e:  # noqa: BLE001 - NVML may be missing: say so, measure on
+                self.error = f"{type(e).__name__}: {e}"[:200]
+                return
+            time.sleep(0.01)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"error": self.error or "no samples"}
+        clocks, power = zip(*self.samples)
+        return {"samples": len(clocks), "clock_mhz": _spread(clocks), "power_w": _spread(power)}
+
+
+def _spread(values) -> dict:
+    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
+            "max": round(max(values), 1)}
+
+
+def _clocked(ctx, phase):
+    """``phase()``'s result with the GPU's clocks and power while it ran."""
+    with Clocks(ctx.device) as clocks:
+        result = phase()
+    return dict(result, clocks=clocks.summary())
+
+
 def _sync_debug(ctx, call) -> list[dict]:
     """Phase 4: the synchronizing operations of one call, each with its Python stack."""
     found: list[dict] = []
 
     def show(message, category, filename, lineno, file=None, line=None):
+        if "prototype feature" in str(message):  # set_sync_debug_mode's own notice
+            return
         found.append({"message": str(message)[:300],
                       "stack": [s.strip() for s in traceback.format_stack(limit=14)[:-1]]})
 
@@ -216,7 +271,7 @@ def _compute_only(ctx, sizes, s: int, causal: bool, calls: int, n: int) -> dict:
 
 
 def _one_gpu(ctx, sizes, s: int, causal: bool, calls: int) -> dict:
-    """Phase 0: the whole problem on this GPU, the selected kernel called directly (the
+    """Phase 9: the whole problem on this GPU, the selected kernel called directly (the
     benchmark's baseline: the ideal time on ``n`` GPUs is this over ``n``)."""
     shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
     q, k, v, g = (torch.randn(shape, device=ctx.device, dtype=torch.bfloat16) for _ in range(4))
@@ -247,15 +302,18 @@ def probe(ctx, args) -> dict:
     if ctx.cuda:
         n = max(ctx.world, args.ranks)
         phases = {
-            "back_to_back": lambda: _events_phase(ctx, call, args.calls, synced=False),
+            "back_to_back": lambda: _clocked(
+                ctx, lambda: _events_phase(ctx, call, args.calls, synced=False)),
             "synced": lambda: _events_phase(ctx, call, args.calls, synced=True),
             "host_ahead": lambda: host_us_per_call(ctx, call, calls=3, rounds=3),
             "sync_debug": lambda: _sync_debug(ctx, call),
             "allocator": lambda: _allocator(ctx, call, args.calls),
             "gpu_only": lambda: _gpu_only(ctx, call, args.out),
             **phases,
-            "compute_only": lambda: _compute_only(ctx, sizes, args.seq, causal, args.calls, n),
-            "one_gpu": lambda: _one_gpu(ctx, sizes, args.seq, causal, max(args.calls // 2, 3)),
+            "compute_only": lambda: _clocked(
+                ctx, lambda: _compute_only(ctx, sizes, args.seq, causal, args.calls, n)),
+            "one_gpu": lambda: _clocked(
+                ctx, lambda: _one_gpu(ctx, sizes, args.seq, causal, max(args.calls // 2, 3))),
         }
     result: dict = {"rank": ctx.rank, "errors": {}}
     for name, phase in phases.items():
@@ -290,7 +348,7 @@ def summary(results: list[dict], args) -> str:
             lines.append(f"- rank {r['rank']}: GPU per call median {p['median_gpu_ms']} ms, "
                          f"gap to next median {p['median_gap_ms']} ms, host per call median "
                          f"{p['median_host_ms']} ms, calls that found the GPU drained "
-                         f"{sum(p['drained'])}/{len(p['drained'])}")
+                         f"{sum(p['drained'])}/{len(p['drained'])}; clocks {p.get('clocks')}")
         skew = _skew(results, phase)
         if skew:
             lines.append(f"- host start skew between ranks, median {statistics.median(skew)} "
