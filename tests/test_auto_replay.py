@@ -159,12 +159,13 @@ def test_inside_the_callers_own_capture_the_interpreter_runs(monkeypatch):
     assert replay.run([x, y]) is None and replay.graphs == 1
 
 
-def test_new_addresses_are_captured_up_to_the_limit():
+def test_new_addresses_are_captured_at_their_second_call_up_to_the_limit():
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     replay = _replay(_chain(), [x, y])
     replay.run([x, y])
     pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(MAX_GRAPHS + 1)]
     for i, (a, b) in enumerate(pairs):
+        assert replay.run([a, b]) is None  # their first call: the interpreter
         got = replay.run([a, b])
         if i < MAX_GRAPHS:
             _assert_outputs(got, a, b)
@@ -173,17 +174,27 @@ def test_new_addresses_are_captured_up_to_the_limit():
     assert replay.graphs == MAX_GRAPHS
     a, b = pairs[0]
     _assert_outputs(replay.run([a, b]), a, b)  # captured addresses still replay
+    assert replay.run([x, y]) is None  # seen once, and the limit is reached
+
+
+def test_inputs_that_move_every_call_are_never_captured():
+    x = torch.randn(8, 8)
+    replay = _replay(_chain(), [x, x])
+    for _ in range(10):
+        assert replay.run([torch.randn(8, 8), torch.randn(8, 8)]) is None
+    assert replay.graphs == 0
 
 
 def test_the_signatures_of_a_fusion_share_a_graph_budget():
     budget = GraphBudget(3)
     replays = [_replay(_chain(), [torch.randn(8, 8)] * 2, budget) for _ in range(2)]
     for replay in replays:
-        pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
-        for a, b in pairs:
+        for a, b in [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(2)]:
+            replay.run([a, b])
             replay.run([a, b])
     assert [r.graphs for r in replays] == [2, 1] and budget.left == 0
     a, b = torch.randn(8, 8), torch.randn(8, 8)
+    replays[1].run([a, b])
     assert replays[1].run([a, b]) is None  # its own limit is not reached; the fusion's is
     assert "graph budget is spent" in replays[1].describe()
 
@@ -196,6 +207,7 @@ def test_scalar_values_are_part_of_the_key():
     x = torch.randn(4, 4)
     replay = _replay(fd, [x, 2.0])
     replay.run([x, 2.0])
+    assert replay.run([x, 3.0]) is None  # a new value: a new key, seen once
     for value in (2.0, 3.0, 2.0, 3.0):
         torch.testing.assert_close(replay.run([x, value])[0], x * value)
     assert replay.graphs == 2

@@ -16,11 +16,12 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   its inputs (an autograd backward: its inputs are to be freed as it runs).
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
   graphs are kept per set of input addresses (and Python scalar values): a call whose inputs
-  sit where a captured call's did replays; a new set of addresses is captured (up to
-  :data:`MAX_GRAPHS` graphs per signature and :data:`MAX_FUSION_GRAPHS` per fusion, over
-  all its signatures; beyond, the interpreter runs). The first call of a
-  signature always runs the interpreter: it binds kernels and compiles segments, which a
-  capture must not do; so does a graph's warm-up run on a side stream before its capture.
+  sit where a captured call's did replays. A set of addresses is captured at its second
+  call (the first runs the interpreter: a loop whose inputs move every call never pays for
+  captures it would not replay; the signature's first call also binds kernels and compiles
+  segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
+  :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures; beyond, the interpreter
+  runs. A graph's capture follows a warm-up run on a side stream.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -50,6 +51,7 @@ from meshfuse.runtime.program import unchanged_view
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
+MAX_SEEN = 64  # sets of input addresses remembered until their second call
 MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
 AUTO = "auto"
 
@@ -113,7 +115,8 @@ def replay_lines(program: Program, device: torch.device, replays: Sequence[AutoR
     return [replay.describe() for replay in replays]
 
 
-_NOT_YET = "CUDA graph replay: on (nothing captured yet: a program is captured at its second call)"
+_NOT_YET = ("CUDA graph replay: on (nothing captured yet: a set of input addresses is "
+            "captured at its second call)")
 
 
 def _local(step, call) -> bool:
@@ -170,7 +173,7 @@ class AutoReplay:
         self._cuda = cuda
         self.reason = why_not_replayed(program, device)
         self._graphs: dict[tuple, list[_Graph]] = {}
-        self._ran_once = False
+        self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
 
@@ -183,8 +186,10 @@ class AutoReplay:
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
         graphs = self._graphs.get(key)
         if graphs is None:
-            if not self._ran_once:  # the signature's first call: the interpreter
-                self._ran_once = True
+            if key not in self._seen:  # addresses not seen before: the interpreter
+                if len(self._seen) >= MAX_SEEN:
+                    self._seen.clear()
+                self._seen.add(key)
                 return None
             graphs = []
         for graph in graphs:
