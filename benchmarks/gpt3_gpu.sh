@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Issues 17 and 19 on 2 GPUs, one command from the repository root (about 5 minutes, 7.5 at most):
+# Issues 17 and 19 on 2 GPUs (or 1), one command from the repository root (about 5 minutes,
+# 7.5 at most):
 #   bash benchmarks/gpt3_gpu.sh OUT
 # 1. the gpt3_layer case (one GPU, DTensor TP+SP, meshfuse hand-written and derived backward,
 #    interpreted and compiled) and mlp_autodiff (the Megatron MLP, derived vs hand-written
 #    backward): times, TFLOP/s, peak memory (benchmarks.run);
-# 2. a profile of one step of DTensor and of the compiled derived variant: kernels by
-#    name with counts and times, communication kernels (benchmarks.gpt3_profile);
-# 3. nvFuser's test_transformer.py at full size (e=12288, s=2048) on 2 GPUs with NCCL, if
-#    build/nvfuser is there (scripts/nvfuser_fetch.sh): stops at the first failure; each test's
-#    start and outcome are written as it ends, to OUT/nvfuser/rank*.jsonl (kept when the run
-#    is cut short), its summary to OUT/nvfuser/nvfuser_tests.log.
+# 2. a profile of one step of DTensor (one GPU: the unsharded torch layer) and of the
+#    compiled derived and hand-written variants: kernels by name with counts and times,
+#    communication kernels (benchmarks.gpt3_profile);
+# 3. nvFuser's test_transformer.py at full size (e=12288, s=2048) with NCCL, if build/nvfuser
+#    is there (scripts/nvfuser_fetch.sh): stops at the first failure; each test's start and
+#    outcome are written as it ends, to OUT/nvfuser/rank*.jsonl (kept when the run is cut
+#    short), its summary to OUT/nvfuser/nvfuser_tests.log.
+# With one GPU everything runs at world size 1 (meshfuse unsharded against torch's layer).
 # A summary is printed last and written to OUT/summary.txt.
 set -u
 out=${1:-gpu-out}
@@ -18,12 +21,18 @@ out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_NCCL_ENABLE_MONITORING=0
-summary=()
-timeout 200 torchrun --nproc-per-node 2 -m benchmarks.run --cases gpt3_layer,mlp_autodiff --out "$out" \
+ngpu=$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')
+summary=("GPUs used: $ngpu")
+if (( ngpu >= 2 )); then
+  launch=(torchrun --nproc-per-node 2) baseline=dtensor_tp_sp
+else
+  launch=(python3) baseline=torch_1gpu
+fi
+timeout 200 "${launch[@]}" -m benchmarks.run --cases gpt3_layer,mlp_autodiff --out "$out" \
   > "$out/bench.log" 2>&1
 summary+=("gpt3_layer, mlp_autodiff: rc=$?" "$(grep -h -A8 '^| config' "$out"/*.md 2>/dev/null)")
-timeout 120 torchrun --nproc-per-node 2 -m benchmarks.gpt3_profile --out "$out/profile" \
-  --variants dtensor_tp_sp,meshfuse_autograd_compiled > "$out/profile.log" 2>&1
+timeout 150 "${launch[@]}" -m benchmarks.gpt3_profile --out "$out/profile" \
+  --variants $baseline,meshfuse_autograd_compiled_no_overlap,meshfuse_autograd_compiled > "$out/profile.log" 2>&1
 summary+=("profile: rc=$?" "$(cat "$out/profile/gpt3_profile.txt" 2>/dev/null)")
 if [ -d build/nvfuser/multidevice ]; then
   scratch=$(mktemp -d)
@@ -33,12 +42,12 @@ if [ -d build/nvfuser/multidevice ]; then
   (while sleep 3; do cp "$scratch"/meshfuse-ws*/rank* "$out/nvfuser/" 2>/dev/null; done) &
   copier=$!
   TMPDIR=$scratch MESHFUSE_TEST_TIMEOUT=110 timeout 130 scripts/nvfuser_tests.sh build/nvfuser \
-    "$out/nvfuser" multidevice/test_transformer.py --world-sizes 2 -v -x -rA \
+    "$out/nvfuser" multidevice/test_transformer.py --world-sizes "$ngpu" -v -x -rA \
     > "$out/nvfuser/stdout.log" 2>&1
   rc=$?
   kill $copier
   rm -rf "$scratch"
-  summary+=("nvFuser test_transformer.py (2 GPUs, full size): rc=$rc" \
+  summary+=("nvFuser test_transformer.py ($ngpu GPUs, full size): rc=$rc" \
     "$(grep -h '"event": "end"' "$out"/nvfuser/rank0.jsonl 2>/dev/null \
       | python3 -c 'import json, sys; [print(" ", r["outcome"], r["nodeid"]) for r in map(json.loads, sys.stdin)]')" \
     "$(tail -3 "$out/nvfuser/nvfuser_tests.log" 2>/dev/null)")

@@ -274,8 +274,11 @@ def _row_bytes(expr: Expr, sizes: Extents, rank: int) -> dict[str, Size]:
         count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
         row[name] = row["d" + name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
         row[name + "32"] = row["d" + name + "32"] = count * Size.of(4)
-    row["grad"] = row["attn"] = row["v"]  # [.., Ev] in q's dtype, as v
     heads = [sizes.local_size(args["q"], i, rank) for i in args["q"].materialized()[:2]]
+    # [.., Ev] in q's dtype with q's heads (v may have fewer: grouped-query attention)
+    value_dim = sizes.local_size(args["v"], args["v"].materialized()[3], rank)
+    row["grad"] = row["attn"] = math.prod(heads, start=value_dim) * \
+        Size.of(args["q"].dtype.torch_dtype.itemsize)
     row["lse"] = math.prod(heads, start=Size.of(4))
     return row
 

@@ -247,7 +247,7 @@ def test_cudnn_preferred_policy(capability, version, s_q, s_kv, expected):
 @pytest.mark.parametrize("make, match", [
     (lambda q, k, v: (q[0], k, v), r"q must have rank 4 \[B, H, S, E\], got shape \(4, 128, 64\)"),
     (lambda q, k, v: (q, k[:1], v), r"batch \(axis 0\) of k is 1 but q's is 2"),
-    (lambda q, k, v: (q, k, v[:, :3]), r"heads \(axis 1\) of v is 3 but q's is 4"),
+    (lambda q, k, v: (q, k, v[:, :3]), r"heads \(axis 1\) of k is 4 but v's is 3"),
     (lambda q, k, v: (q, k.half(), v), r"k is torch.float16 but q is torch.float32"),
     (lambda q, k, v: (q, k, v[:, :, :64]), r"sequence \(axis 2\) of k is 128 but v's is 64"),
     (lambda q, k, v: (q, k[..., :32], v), r"head dim \(axis 3\) of k is 32 but q's is 64"),

@@ -18,7 +18,8 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
-from meshfuse.ops.context_parallel import ContextParallel, most_terms, runs_of
+from meshfuse.ops.context_blocks import most_terms
+from meshfuse.ops.context_parallel import ContextParallel, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications
@@ -223,6 +224,26 @@ def test_sums_go_home_whole_when_asked(multidevice_test, monkeypatch):
     _assert_equal(outputs, expected)
     assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
         16, d, 2, 4, multidevice_test.rank, "zigzag", parts=1)
+
+
+@pytest.mark.mpi
+def test_sums_go_home_in_quarters_when_asked(multidevice_test, monkeypatch):
+    """MESHFUSE_CP_HOME_PARTS=4 with 4 heads: four transfers each, a head apiece; a value
+    that is no count of parts is a DefinitionError naming the variable."""
+    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "4")
+    d = multidevice_test.size
+    fd = Attention(4, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
+        16, d, 4, 4, multidevice_test.rank, "zigzag", parts=4)
+    if d > 1:
+        monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "half")
+        fd = Attention(4, 16, True, strategy="ring")
+        _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+        with pytest.raises(DefinitionError, match="MESHFUSE_CP_HOME_PARTS='half'"):
+            _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
 
 
 @pytest.mark.mpi

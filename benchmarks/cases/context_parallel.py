@@ -12,7 +12,7 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   hiding it, and whether calls that overlap their neighbours run slower);
 - ``ring_zigzag_home_whole``: the same with the backward's finished dk/dv sums sent home
   whole (``MESHFUSE_CP_HOME_PARTS=1``) instead of in two halves, each sent as soon as its
-  kernels finish: what the halves gain;
+  kernels finish: what the halves gain; ``ring_zigzag_home_quarters``: in four parts;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -207,6 +207,8 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
                   synced=True),
         _meshfuse(ctx, "ring_zigzag_home_whole", sizes, s, causal, full, expected, True, "ring",
                   {"MESHFUSE_CP_HOME_PARTS": "1"}),
+        _meshfuse(ctx, "ring_zigzag_home_quarters", sizes, s, causal, full, expected, True,
+                  "ring", {"MESHFUSE_CP_HOME_PARTS": "4"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),

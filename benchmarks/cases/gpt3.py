@@ -14,12 +14,16 @@ gradients of ``x`` and of every parameter from a given ``dy``:
 - ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock`, the forward only, its
   backward derived, through torch autograd (``as_autograd_function``), TP + SP;
 - ``meshfuse_autograd_compiled``: the same with ``compile=True`` (each run of pointwise,
-  reduction and shape ops fused by Inductor; GPUs only).
+  reduction and shape ops fused by Inductor; GPUs only);
+- ``meshfuse_autograd_compiled_no_overlap``: the same built with ``MESHFUSE_OVERLAP=off`` (no
+  allgather or reduce-scatter decomposed to overlap its GEMM).
 
 FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counted whole).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -102,6 +106,19 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return derived(compile=True)
 
+    def derived_compiled_no_overlap():
+        # The programs are built by the setup's first step: with MESHFUSE_OVERLAP=off then,
+        # no collective is decomposed to overlap a GEMM (DTensor's kernels, in its order).
+        previous = os.environ.get("MESHFUSE_OVERLAP")
+        os.environ["MESHFUSE_OVERLAP"] = "off"
+        try:
+            return derived_compiled()
+        finally:
+            if previous is None:
+                del os.environ["MESHFUSE_OVERLAP"]
+            else:
+                os.environ["MESHFUSE_OVERLAP"] = previous
+
     return [
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
         Variant("dtensor_tp_sp", dtensor_tp_sp, "parallelize_module, Megatron TP + SP"),
@@ -111,6 +128,9 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
         Variant("meshfuse_autograd_compiled", derived_compiled,
                 "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),
+        Variant("meshfuse_autograd_compiled_no_overlap", derived_compiled_no_overlap,
+                "as meshfuse_autograd_compiled, MESHFUSE_OVERLAP=off (no decomposed "
+                "collective overlapping a GEMM)"),
     ]
 
 

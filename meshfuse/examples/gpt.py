@@ -208,7 +208,7 @@ class GptBlockWithBackward(GptBlock):
             df1, sv["ln2_in"], p["w_fc1"])
         dh_ln, grads["ln2_w"], grads["ln2_b"] = self.layer_norm_backward(
             dln2, p["ln2_w"], sv["x_hat2"], sv["rstd2"])
-        dh = o.add(dy, dh_ln)
+        dh = self._io(o.add(dy, dh_ln))  # gathered next: in the block's dtype, not float
         da, grads["w_o"], grads["b_o"] = self.linear_backward(
             self._gathered(dh), sv["a"], p["w_o"])
         dq, dk, dv = o.sdpfa_bwd(self.to_heads(self._io(da)), sv["q"], sv["k"], sv["v"],

@@ -12,6 +12,11 @@ position; ``dropout_mode="global"`` makes the mask a function of the global posi
 q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
 ``[DIDx, b, h, s, e]``) are batch-like and come first in every output too.
 
+Grouped-query attention: k and v may have fewer heads than q, a divisor of them (PyTorch's
+``enable_gqa=True``: query head ``h`` attends with key/value head ``h // (H / Hkv)``); their
+head axes still map together, and sharding planning checks that each rank holds the
+key/value heads of its query heads (:mod:`meshfuse.ops.attention_groups`).
+
 Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the gradients; the query
 sequence axis maps from q to attn and log_sumexp; the head dim of attn comes from v. The
 contracted axes (the key/value sequence, the q/k head dim) are reduction IDs of attn; in the
@@ -34,7 +39,7 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
-from meshfuse.ops.attention_backends import AttentionBackend, select_backend
+from meshfuse.ops.attention_backends import AttentionBackend, check_heads, select_backend
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
     OFFSET_SPEC,
@@ -70,6 +75,9 @@ from meshfuse.ops.shape_rules import require_tensor
 
 
 def _bhse(op: str, names: tuple[str, ...], metas) -> None:
+    """Every tensor ``[..., batch, heads, sequence, head_dim]`` of one dtype, the leading,
+    batch and head extents equal, except that k and v may have fewer heads than q, a
+    divisor of them (grouped-query attention)."""
     for name, m in zip(names, metas):
         m = require_tensor(op, name, m)
         if m.ndim < 4 or m.ndim != metas[0].ndim:
@@ -78,10 +86,14 @@ def _bhse(op: str, names: tuple[str, ...], metas) -> None:
                 f"leading axes ({names[0]} has {metas[0].ndim} axes); got {m.ndim} axes"
             )
     first = metas[0]
+    heads = {n: m.shape[first.ndim - 3] for n, m in zip(names, metas)}
+    check_heads(op, heads["q"], heads["k"], heads["v"], DefinitionError)
     batch_like = [(a, "batch" if a == first.ndim - 4 else "heads" if a == first.ndim - 3
                    else f"leading axis {a}") for a in range(first.ndim - 2)]
     for name, m in zip(names[1:], metas[1:]):
         for axis, label in batch_like:
+            if label == "heads" and name in ("k", "v"):
+                continue  # checked against q's above
             a, b = first.shape[axis], m.shape[axis]
             if None not in (a, b) and a != b:
                 raise DefinitionError(

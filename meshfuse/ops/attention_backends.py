@@ -57,16 +57,35 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise InputError(f"sdpa: {name} is {t.dtype} but q is {q.dtype}; cast to one dtype")
         if t.device != q.device:
             raise InputError(f"sdpa: {name} is on {t.device} but q is on {q.device}")
-        for axis, label in ((0, "batch"), (1, "heads")):
-            if t.shape[axis] != q.shape[axis]:
-                raise InputError(f"sdpa: {label} (axis {axis}) of {name} is {t.shape[axis]} "
-                                 f"but q's is {q.shape[axis]}")
+        if t.shape[0] != q.shape[0]:
+            raise InputError(f"sdpa: batch (axis 0) of {name} is {t.shape[0]} but q's is "
+                             f"{q.shape[0]}")
+    check_heads("sdpa", q.shape[1], k.shape[1], v.shape[1], InputError)
     if q.dtype not in _DTYPES:
         raise InputError(f"sdpa: q/k/v are {q.dtype}; use float16, bfloat16 or float32")
     if k.shape[2] != v.shape[2]:
         raise InputError(f"sdpa: sequence (axis 2) of k is {k.shape[2]} but v's is {v.shape[2]}")
     if k.shape[3] != q.shape[3]:
         raise InputError(f"sdpa: head dim (axis 3) of k is {k.shape[3]} but q's is {q.shape[3]}")
+
+
+def check_heads(op: str, q_heads, k_heads, v_heads, error=InputError) -> None:
+    """Raise ``error`` unless k and v have one head count that divides q's (grouped-query
+    attention, as PyTorch's SDPA with ``enable_gqa=True``: query head ``h`` attends with
+    key/value head ``h // (q_heads // k_heads)``); None is a count not known yet; an empty
+    shard (no heads of either) fits."""
+    if None not in (k_heads, v_heads) and k_heads != v_heads:
+        raise error(f"{op}: heads (axis 1) of k is {k_heads} but v's is {v_heads}; k and v "
+                    "need one head count")
+    if None not in (q_heads, k_heads) and (q_heads % k_heads if k_heads else q_heads):
+        raise error(f"{op}: heads (axis 1) of k is {k_heads} but q's is {q_heads}, not a "
+                    "multiple of it; k and v need as many heads as q, or a divisor of q's "
+                    "(grouped-query attention)")
+
+
+def is_grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q has more heads than k (grouped-query attention)."""
+    return q.shape[1] != k.shape[1]
 
 
 def check_dropout(q: torch.Tensor, dropout_p: float) -> None:
@@ -146,7 +165,7 @@ def own_limits(backend: AttentionBackend, q, k, v, dropout_p: float, is_causal: 
     if device != "cuda":
         return f"needs CUDA tensors, got {q.device}"
     if backend is AttentionBackend.EFFICIENT:
-        return None
+        return "has no grouped-query attention" if is_grouped(q, k) else None
     if e % 8 or ev % 8:
         return f"needs head dims that are multiples of 8, got E={e} and Ev={ev}"
     if is_causal and s_q != s_kv:
@@ -173,7 +192,8 @@ def _torch_can_use(backend: AttentionBackend, q, k, v, dropout_p: float, is_caus
         q, k, v = (t.requires_grad_() for t in (q, k, v))
     except RuntimeError:  # inference-mode tensors cannot require grad; ask without it
         pass
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal,
+                                            is_grouped(q, k))
     with torch.cuda.device(q.device):  # the checks read the current device's properties
         if check(params, False):
             return None
@@ -252,8 +272,9 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     causality, dropout, request and PyTorch's SDPA switches, so repeated calls are cheap.
 
     Args:
-        q: ``[B, H, S, E]``. k: ``[B, H, Skv, E]``. v: ``[B, H, Skv, Ev]``. Same dtype
-            (float16, bfloat16 or float32) and device.
+        q: ``[B, H, S, E]``. k: ``[B, Hkv, Skv, E]``. v: ``[B, Hkv, Skv, Ev]``, with
+            ``Hkv`` dividing ``H`` (grouped-query attention). Same dtype (float16, bfloat16
+            or float32) and device.
         dropout_p: dropout probability in [0, 1).
         is_causal: causal mask aligned top-left (query i sees keys 0..i), as in PyTorch.
         requested: backend to use instead of the automatic choice.

@@ -5,9 +5,12 @@ through ``torch.ops.aten``, under ``no_grad`` and without
 ``torch.nn.functional.scaled_dot_product_attention``: meshfuse keeps the forward's outputs
 (``attn``, ``log_sumexp``, the dropout RNG state) and hands them to the same kernel's
 backward. Shapes, with B batch, H heads, S query and Skv key/value sequence, E the q/k
-head dim and Ev the v head dim::
+head dim and Ev the v head dim; ``Hkv`` divides ``H`` (grouped-query attention, PyTorch's
+``enable_gqa=True``: query head ``h`` attends with key/value head ``h // (H / Hkv)``; the
+CPU flash, flash and cuDNN kernels take it as it is, the math kernel broadcasts each
+key/value head over its group, the memory-efficient kernel is not used)::
 
-    q [B, H, S, E]   k [B, H, Skv, E]   v [B, H, Skv, Ev]   (any strides: BHSE, BSHE, ...)
+    q [B, H, S, E]   k [B, Hkv, Skv, E]   v [B, Hkv, Skv, Ev]   (any strides: BHSE, BSHE, ...)
     attn [B, H, S, Ev] (dtype of q)   log_sumexp [B, H, S] float32   seed, offset: RNG state
 
 Backends (:class:`AttentionBackend`) and where their outputs live in memory, as PyTorch
@@ -200,9 +203,24 @@ def _cpu_flash_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset,
         grad, q, k, v, attn, lse, dropout_p, is_causal, scale=scale)
 
 
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``a @ b`` where ``a`` has ``G`` times as many heads (axis 1) as ``b``'s ``kv_heads``:
+    head ``h`` of ``a`` with head ``h // G`` of ``b`` (grouped-query attention), by
+    broadcasting, without copying ``b`` per group. Equal heads: a plain matmul."""
+    if a.shape[1] == kv_heads:
+        return torch.matmul(a, b)
+    return torch.matmul(a.unflatten(1, (kv_heads, -1)), b.unsqueeze(2)).flatten(1, 2)
+
+
+def _group_sum(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The sum over each group of ``t``'s heads (axis 1): ``[B, kv_heads, ...]``."""
+    return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
+
+
 def _math_probs(q, k, is_causal, scale, lse=None):
     """float32 ``softmax(q k^T * scale)``, and the log-sum-exp it used."""
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(_scale_of(q, scale))
+    scores = _grouped_matmul(q.float(), k.float().transpose(-2, -1), k.shape[1])
+    scores.mul_(_scale_of(q, scale))
     if is_causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores.masked_fill_(~keep, -math.inf)
@@ -215,7 +233,7 @@ def _math_fwd(q, k, v, dropout_p, is_causal, scale, keep=None):
     probs, lse = _math_probs(q, k, is_causal, scale)
     if keep is not None:
         probs = _dropped(probs, keep, dropout_p)
-    return torch.matmul(probs, v.float()).to(q.dtype), lse, None, None
+    return _grouped_matmul(probs, v.float(), v.shape[1]).to(q.dtype), lse, None, None
 
 
 def _dropped(probs: torch.Tensor, keep: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -227,18 +245,19 @@ def _math_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scal
     probs, _ = _math_probs(q, k, is_causal, scale, lse.float())
     g = grad.float()
     dropped = probs if keep is None else _dropped(probs.clone(), keep, dropout_p)
-    dv = torch.matmul(dropped.transpose(-2, -1), g)
+    heads = k.shape[1]  # fewer than q's in grouped-query attention: sums over each group
+    dv = _group_sum(torch.matmul(dropped.transpose(-2, -1), g), heads)
     del dropped
     # dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O) (with dropout too:
     # dP = (dO V^T) * keep / (1 - p), and O = (P * keep / (1 - p)) V).
     delta = (g * attn.float()).sum(dim=-1, keepdim=True)
-    d_probs = torch.matmul(g, v.float().transpose(-2, -1))
+    d_probs = _grouped_matmul(g, v.float().transpose(-2, -1), heads)
     if keep is not None:
         d_probs = _dropped(d_probs, keep, dropout_p)
     ds = probs.mul_(d_probs.sub_(delta))
     ds.mul_(_scale_of(q, scale))
-    dq = torch.matmul(ds, k.float())
-    dk = torch.matmul(ds.transpose(-2, -1), q.float())
+    dq = _grouped_matmul(ds, k.float(), heads)
+    dk = _group_sum(torch.matmul(ds.transpose(-2, -1), q.float()), heads)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -294,7 +313,8 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     """Scaled dot-product attention forward with one of PyTorch's SDPA kernels.
 
     Args:
-        q: ``[B, H, S, E]``; k: ``[B, H, Skv, E]``; v: ``[B, H, Skv, Ev]``: one dtype
+        q: ``[B, H, S, E]``; k: ``[B, Hkv, Skv, E]``; v: ``[B, Hkv, Skv, Ev]`` (``Hkv``
+            divides ``H``: grouped-query attention): one dtype
             (float16, bfloat16, float32) and device, any strides (a strided last axis is
             copied; BHSE and BSHE are used as they are).
         dropout_p: dropout probability in [0, 1).

@@ -1,8 +1,10 @@
 """Context parallelism for ``sdpfa_fwd``/``sdpfa_bwd``: the record of a sequence-sharded
-attention and the per-block arithmetic its strategies share.
+attention (the per-block arithmetic its strategies share is in
+:mod:`meshfuse.ops.context_blocks`).
 
 When q, k and v are sharded on their sequence axis over one mesh axis, each rank holds some
-query rows and the key/value rows of the same positions. Attention then runs with one of
+query rows and the key/value rows of the same positions (of another length in cross
+attention: the same split of the key sequence). Attention then runs with one of
 three *strategies* (:data:`STRATEGIES`), chosen at compile time by
 :mod:`meshfuse.passes.context_parallel` and forceable with the op's ``context_parallel``
 argument:
@@ -18,34 +20,27 @@ argument:
   by all-to-all, attention runs on whole sequences, and the output comes back.
 
 A ring attention's step carries a :class:`ContextParallel` record (its strategy, mesh axis,
-ranks, this rank's position and which global rows every position holds), printed in the
-program and in ``explain``. Causal attention is masked per pair of runs: a key run wholly
-before the query run is *full*, the same run is the *diagonal* (a causal kernel call), a run
-after it is *skipped*. A split's layout decides the runs: a block split gives one run per
-position; the head-tail (zig-zag) layout gives two, chunk ``r`` and chunk ``2n - 1 - r``,
-which balances causal work.
+ranks, this rank's position and which global query and key rows every position holds),
+printed in the program and in ``explain``. A split's layout decides the rows: a block split
+gives one run per position; the head-tail (zig-zag) layout gives two, chunk ``r`` and chunk
+``2n - 1 - r``, which balances causal work.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-import math
 import os
 from fractions import Fraction
 
 import torch
 
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ir.layout import device_ids, local_extent, split_indices
-from meshfuse.ops import attention_kernels, rng
-from meshfuse.ops.attention_backends import AttentionBackend, select_backend
-from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
+from meshfuse.ops.context_blocks import Run, most_terms
 
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
-HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # "1": the ring's finished sums go home whole
+HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # parts the ring's finished sums go home in (2)
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
@@ -62,28 +57,6 @@ def requested_strategy(op: str, value: str | None) -> str:
             f"{op}: {where} is not a context-parallel strategy; use one of "
             f"{', '.join(repr(s) for s in STRATEGIES + (AUTO,))}")
     return value
-
-
-class Block(enum.Enum):
-    """How one query run meets one key run under a causal mask (top-left aligned)."""
-
-    FULL = "full"
-    DIAGONAL = "diagonal"
-    SKIPPED = "skipped"
-
-
-Run = tuple[int, int]  # global rows [start, stop) of one contiguous piece of a shard
-
-
-def block_kind(query: Run, key: Run, causal: bool) -> Block:
-    """Full, diagonal or skipped. Runs of one split are equal or disjoint: a key run that
-    starts after the query run ends is skipped, the same run is the diagonal."""
-    if not causal or key[1] <= query[0]:
-        return Block.FULL
-    if key[0] >= query[1]:
-        return Block.SKIPPED
-    assert key == query, f"runs {query} and {key} overlap without being equal"
-    return Block.DIAGONAL
 
 
 def runs_of(rows: torch.Tensor) -> tuple[Run, ...]:
@@ -106,12 +79,15 @@ class ContextParallel:
         mesh_axis: the mesh axis the sequence is sharded over.
         ranks: the ranks along it, by coordinate (the ring's order).
         position: this rank's coordinate on it.
-        rows: for each position, the runs of global sequence rows it holds (queries and
-            keys alike).
+        rows: for each position, the runs of global sequence rows it holds (queries, and
+            keys too unless ``key_rows`` is given).
         backward: the record of an ``sdpfa_bwd`` (k/v and their gradients travel).
         home_parts: in how many equal parts of the batch axis (of the heads when the batch
             is 1) the ring's last step computes and sends the finished dk/dv sums home: each
             part goes as soon as its kernels finish, so only the last one's transfer waits.
+        key_rows: for each position, the runs of global key/value rows it holds when the key
+            sequence has another length than the query sequence (cross attention); None:
+            ``rows``.
     """
 
     strategy: str
@@ -121,6 +97,7 @@ class ContextParallel:
     rows: tuple[tuple[Run, ...], ...]
     backward: bool = False
     home_parts: int = 1
+    key_rows: tuple[tuple[Run, ...], ...] | None = None  # cross attention: keys' own rows
 
     @property
     def size(self) -> int:
@@ -131,32 +108,48 @@ class ContextParallel:
         first, then the previous position's, and so on around the ring."""
         return (self.position - step) % self.size
 
-    def local_runs(self, position: int) -> tuple[tuple[Run, Run], ...]:
-        """Each run of ``position``'s rows, paired with where it sits in that position's
-        local tensor: ``((global start, stop), (local start, stop))``."""
+    @property
+    def keys(self) -> tuple[tuple[Run, ...], ...]:
+        """For each position, the runs of global key/value rows it holds."""
+        return self.rows if self.key_rows is None else self.key_rows
+
+    def local_runs(self, position: int, keys: bool = False) -> tuple[tuple[Run, Run], ...]:
+        """Each run of ``position``'s query rows (``keys``: key rows), paired with where it
+        sits in that position's local tensor: ``((global start, stop), (local start,
+        stop))``."""
         result, at = [], 0
-        for a, b in self.rows[position]:
+        for a, b in (self.keys if keys else self.rows)[position]:
             result.append(((a, b), (at, at + b - a)))
             at += b - a
         return tuple(result)
 
-    def global_rows(self, position: int, local: Run) -> torch.Tensor:
-        """The global row indices of local rows ``local`` of ``position``'s shard."""
-        rows = torch.cat([torch.arange(a, b) for a, b in self.rows[position]])
+    def global_rows(self, position: int, local: Run, keys: bool = False) -> torch.Tensor:
+        """The global row indices of local rows ``local`` of ``position``'s shard of the
+        queries (``keys``: of the keys)."""
+        runs = (self.keys if keys else self.rows)[position]
+        rows = torch.cat([torch.arange(a, b) for a, b in runs])
         return rows[local[0]:local[1]]
 
     def length(self, position: int) -> int:
+        """How many query rows ``position`` holds."""
         return sum(b - a for a, b in self.rows[position])
+
+    def key_length(self, position: int) -> int:
+        """How many key/value rows ``position`` holds."""
+        return sum(b - a for a, b in self.keys[position])
 
     def describe(self) -> str:
         """One line: the strategy, group, block order and the rows of every position."""
-        runs = "; ".join(f"{c}: " + ", ".join(f"{a}..{b - 1}" if b > a else "none"
-                                             for a, b in r)
-                         for c, r in enumerate(self.rows))
+        def runs(rows):
+            return "; ".join(f"{c}: " + ", ".join(f"{a}..{b - 1}" if b > a else "none"
+                                                  for a, b in r)
+                             for c, r in enumerate(rows))
+
         order = ", ".join(str(self.holder(s)) for s in range(self.size))
+        keys = "" if self.key_rows is None else f"; key rows by position {runs(self.key_rows)}"
         return (f"{self.strategy} attention over mesh axis {self.mesh_axis}, ranks "
                 f"{list(self.ranks)}, position {self.position}, key/value blocks of positions "
-                f"{order}; sequence rows by position {runs}")
+                f"{order}; sequence rows by position {runs(self.rows)}{keys}")
 
     @functools.cached_property
     def sums_in_input_dtype(self) -> bool:
@@ -173,22 +166,28 @@ class ContextParallel:
         rank or None for a collective, tensor, sequence rows)`` (a part of the finished sums
         counts the fraction of the rows' bytes it carries: rows over :attr:`home_parts`). Tensors: ``q``, ``k``,
         ``v``, ``grad``, ``attn``, ``dq``, ``dk``, ``dv`` in the inputs' dtype, ``lse``, and
-        ``dk32``, ``dv32``: float32 gradient sums (:attr:`sums_in_input_dtype`: ``dk``, ``dv``). Rows are those the recorder counts (an
-        uneven all-gather pads each block to the longest)."""
+        ``dk32``, ``dv32``: float32 gradient sums (:attr:`sums_in_input_dtype`: ``dk``,
+        ``dv``). Rows are those the recorder counts (an uneven all-gather pads each block to
+        the longest): query rows for the query-shaped tensors, key rows for the others."""
         if self.size == 1:
             return []
         if self.strategy == RING:
             return self._ring_transfers()
-        lengths = [self.length(c) for c in range(self.size)]
+        keys = [self.key_length(c) for c in range(self.size)]
         if self.strategy == ALLGATHER:
-            result = [("allgather", None, t, max(lengths)) for t in ("k", "v")]
+            result = [("allgather", None, t, max(keys)) for t in ("k", "v")]
             if self.backward:
-                result += [("reduce_scatter", None, t, self.size * max(lengths))
+                result += [("reduce_scatter", None, t, self.size * max(keys))
                            for t in ("dk32", "dv32")]
             return result
         tensors = ("grad", "q", "k", "v", "attn", "lse", "dq", "dk", "dv") if self.backward \
             else ("q", "k", "v", "lse", "attn")
-        return [("all_to_all", None, t, lengths[self.position]) for t in tensors]
+        return [("all_to_all", None, t, self._rows_of(t, self.position)) for t in tensors]
+
+    def _rows_of(self, tensor: str, position: int) -> int:
+        """The sequence rows of ``tensor`` (a name of :meth:`transfers`) at ``position``."""
+        keyed = tensor in ("k", "v", "dk", "dv", "dk32", "dv32")
+        return self.key_length(position) if keyed else self.length(position)
 
     def _ring_transfers(self) -> list[tuple[str, int, str, int]]:
         after = self.ranks[(self.position + 1) % self.size]
@@ -196,15 +195,16 @@ class ContextParallel:
         result = []
         travelling = ("dk", "dv") if self.sums_in_input_dtype else ("dk32", "dv32")
         for step in range(self.size):
-            sent, received = self.length(self.holder(step)), self.length(self.holder(step + 1))
+            sent = self.key_length(self.holder(step))
+            received = self.key_length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
             if self.backward and step < self.size - 1:
                 moved += travelling
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
         if self.backward:  # the finished sums go home, cast, in parts
-            sent = Fraction(self.length(self.holder(self.size - 1)), self.home_parts)
-            received = Fraction(self.length(self.position), self.home_parts)
+            sent = Fraction(self.key_length(self.holder(self.size - 1)), self.home_parts)
+            received = Fraction(self.key_length(self.position), self.home_parts)
             for _ in range(self.home_parts):
                 for tensor in ("dk", "dv"):
                     result += [("send", after, tensor, sent),
@@ -245,287 +245,69 @@ def sequence_mesh_axis(expr) -> tuple:
 def context_record(expr, here) -> ContextParallel:
     """The :class:`ContextParallel` record of a context-parallel attention ``expr`` on the
     rank ``here`` (a :class:`~meshfuse.ops.registry.LocalContext`): the owners of q's
-    sequence rows."""
-    q = _arg(expr, "q")
-    sequence = q.logical[-2]
-    (leaf, pt), = device_ids(q)[sequence]
-    owners = split_indices(q, sequence, here.extents)[leaf]
+    sequence rows (and of k's, when its sequence has another length)."""
+    q, k = _arg(expr, "q"), _arg(expr, "k")
+    (_, pt), = device_ids(q)[q.logical[-2]]
     axis = q.mesh.axis_of(pt)
     ranks = q.mesh.group_ranks(here.rank, axis)
-    rows = tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
-                 for c in range(len(ranks)))
+    rows = _position_rows(q, here, len(ranks))
+    keys = None
+    if here.extents.get(k.materialized()[-2]) != here.extents.get(q.materialized()[-2]):
+        keys = _position_rows(k, here, len(ranks))
     backward = expr.op.name == "sdpfa_bwd"
     return ContextParallel(sequence_parallel(expr), axis, ranks,
                            q.mesh.coordinate(here.rank)[axis], rows, backward,
-                           home_parts(expr, here) if backward and len(ranks) > 1 else 1)
+                           home_parts(expr, here) if backward and len(ranks) > 1 else 1, keys)
+
+
+def _position_rows(tv, here, size: int) -> tuple[tuple[Run, ...], ...]:
+    """For each position of the mesh axis sharding ``tv``'s sequence, its runs of rows."""
+    sequence = tv.materialized()[-2]
+    (leaf, _), = device_ids(tv)[sequence]
+    owners = split_indices(tv, sequence, here.extents)[leaf]
+    return tuple(runs_of(torch.nonzero(owners == c).flatten()) or ((0, 0),)
+                 for c in range(size))
 
 
 def home_parts(expr, here) -> int:
-    """The parts a ring backward sends its finished dk/dv sums home in: two halves of the
-    local batch (of the heads when the batch is 1) when that extent is even and there is no
-    dropout (a block's mask is drawn whole), else one; ``MESHFUSE_CP_HOME_PARTS=1`` asks for
-    one (to measure what the halves gain). The halves are contiguous slices of the sums,
-    sent and received in place."""
-    q = _arg(expr, "q")
+    """The parts a ring backward sends its finished dk/dv sums home in: ``parts`` equal
+    slices of the local batch (of the heads when the batch is 1: of the query heads and of
+    the key/value heads alike) when that extent divides by it and there is no dropout (a
+    block's mask is drawn whole), else one. ``parts`` is 2, or ``MESHFUSE_CP_HOME_PARTS``
+    (1 sends them whole, to measure what the parts gain; 4 hides more of the transfer under
+    smaller kernels). The parts are contiguous slices of the sums, sent and received in
+    place.
+
+    Raises:
+        DefinitionError: ``MESHFUSE_CP_HOME_PARTS`` is not a positive integer.
+    """
+    q, k = _arg(expr, "q"), _arg(expr, "k")
     dropout = _arg(expr, "dropout_p")
-    if getattr(dropout, "value", dropout) != 0.0 or os.environ.get(HOME_PARTS_VAR) == "1":
+    parts = _requested_parts()
+    if getattr(dropout, "value", dropout) != 0.0 or parts == 1:
         return 1
-    coordinate = q.mesh.coordinate(here.rank)
-    coords = {pt: coordinate[q.mesh.axis_of(pt)] for shards in device_ids(q).values()
-              for _, pt in shards}
-    for axis in q.logical[:2]:
-        if axis not in here.extents:  # a symbolic extent
+    for position in range(2):  # batch, then heads
+        extents = [_local(t, t.logical[position], here) for t in (q, k)]
+        if None in extents:  # a symbolic extent
             return 1
-        extent = local_extent(q, axis, here.extents, coords)
-        if extent > 1:
-            return 2 if extent % 2 == 0 else 1
+        if extents[0] > 1:
+            return parts if all(e % parts == 0 for e in extents) else 1
     return 1
 
 
-# ----------------------------------------------------------------------------------------------
-# Per-block kernels and the log-sum-exp merge
+def _requested_parts() -> int:
+    value = os.environ.get(HOME_PARTS_VAR, "").strip() or "2"
+    if not value.isdigit() or int(value) < 1:
+        raise DefinitionError(f"{HOME_PARTS_VAR}={value!r}: give the number of parts the ring's "
+                              "finished dk/dv sums go home in, a positive integer (default 2)")
+    return int(value)
 
 
-def _sequence(t: torch.Tensor, run: Run) -> torch.Tensor:
-    return t[..., run[0]:run[1], :]
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockDropout:
-    """The dropout of one context-parallel attention call: each kernel call's keep mask,
-    drawn from ``seed``/``offset`` and the call's global position (``site``: the rank's
-    batch and head indices, the global extents and the mode).
-
-    - ``global`` mode: the unsharded run's mask, ``uniform(seed, offset) >= p`` at each
-      element's global (batch, head, query, key) position, whatever the strategy;
-    - ``shard`` mode: a stream per block, keyed by the seed, the offset and the block's first
-      global batch, head, query and key index; the backward redraws it from the same key.
-    """
-
-    p: float
-    seed: int
-    offset: int
-    site: DropoutSite
-
-    def keep(self, query_rows: torch.Tensor, key_rows: torch.Tensor,
-             device: torch.device) -> torch.Tensor:
-        """The bool keep mask ``[b, h, len(query_rows), len(key_rows)]`` (True: kept)."""
-        index = self.site.index
-        if self.site.mode == GLOBAL:
-            block = GlobalIndex(index.extents, index.indices[:-2] + (query_rows, key_rows))
-            return rng.unit_uniform(rng.stream_key(self.seed, self.offset),
-                                    block.linear(device), torch.float32) >= self.p
-        shape = (*index.local_shape[:-2], len(query_rows), len(key_rows))
-        key = rng.stream_key(self.seed, self.offset, *index.starts[:-2], int(query_rows[0]),
-                             int(key_rows[0]))
-        counters = torch.arange(math.prod(shape), device=device).view(shape)
-        return rng.unit_uniform(key, counters, torch.float32) >= self.p
-
-
-def block_forward(q, k, v, scale, kind: Block, keep: torch.Tensor | None = None,
-                  p: float = 0.0):
-    """One query run against one key run: ``(attn, log_sumexp)`` of the machine's fastest
-    kernel (cuDNN on Hopper, flash elsewhere, the CPU kernels on CPU); with a dropout keep
-    mask, the math kernel."""
-    causal = kind is Block.DIAGONAL
-    if keep is not None:
-        attn, lse, _, _ = attention_kernels.sdpa_forward(q, k, v, p, causal, scale,
-                                                         AttentionBackend.MATH, keep)
-        return attn, lse
-    backend = select_backend(q, k, v, 0.0, causal)
-    attn, lse, _, _ = attention_kernels.sdpa_forward(q, k, v, 0.0, causal, scale, backend)
-    return attn, lse
-
-
-def block_backward(grad, q, k, v, attn, lse, scale, kind: Block,
-                   keep: torch.Tensor | None = None, p: float = 0.0):
-    """The gradients of one query run against one key run, from the *merged* output and
-    log-sum-exp (so each block's probabilities are exact): ``(dq, dk, dv)``."""
-    causal = kind is Block.DIAGONAL
-    backend = AttentionBackend.MATH if keep is not None else select_backend(q, k, v, 0.0,
-                                                                            causal)
-    seed, offset = kernel_state(backend, None, None, 0.0, q.device)
-    return attention_kernels.sdpa_backward(grad, q, k, v, attn, lse, p if keep is not None
-                                           else 0.0, causal, seed, offset, scale, backend,
-                                           keep)
-
-
-class Merged:
-    """The output and log-sum-exp of this rank's query rows, merged over key blocks.
-
-    ``add(rows, attn, lse)`` folds in one block's result for local rows ``rows``: with
-    ``w = exp(lse - m)``, ``m = logaddexp(L, lse)``, the output becomes ``lerp(O, attn, w)``
-    (``O * (1 - w) + attn * w``) computed in float32, and the log-sum-exp ``m``. Every row a
-    kernel returns has met at least one key (a causal diagonal block holds its own), so ``m``
-    is finite. The first result that covers every row is kept as it is (no copy); the output
-    is kept in ``dtype``: the inputs' dtype where every row merges at most two results
-    (:attr:`ContextParallel.sums_in_input_dtype`, one rounding either way), else float32.
-    """
-
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
-        self._shape = (*q.shape[:-1], v.shape[-1])
-        self._dtype, self._device = dtype, q.device
-        self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
-        self._fresh = [(0, q.shape[-2])]  # local row ranges no block has reached
-
-    def add(self, rows: Run, attn: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.out is None and rows == (0, self._shape[-2]) and attn.dtype == self._dtype:
-            self.out, self.lse, self._fresh = attn, lse, []
-            return
-        if self.out is None:
-            self.out = torch.zeros(self._shape, dtype=self._dtype, device=self._device)
-            self.lse = torch.full(self._shape[:-1], -math.inf, dtype=torch.float,
-                                  device=self._device)
-        out, old = _sequence(self.out, rows), self.lse[..., rows[0]:rows[1]]
-        if rows in self._fresh:
-            out.copy_(attn)
-            old.copy_(lse)
-            self._fresh.remove(rows)
-            return
-        merged = torch.logaddexp(old, lse)
-        weight = torch.exp(lse - merged).unsqueeze(-1)
-        total = out.float()  # out itself when it is float32
-        total.lerp_(attn.float(), weight)
-        if total is not out:
-            out.copy_(total)
-        old.copy_(merged)
-        self._fresh = [r for r in self._fresh if r[1] <= rows[0] or r[0] >= rows[1]]
-
-    def result(self, dtype: torch.dtype):
-        """``(attn, log_sumexp)``: attn in ``dtype``."""
-        if self.out is None:  # no block reached this rank's rows: it holds none
-            self.out = torch.zeros(self._shape, dtype=dtype, device=self._device)
-            self.lse = torch.full(self._shape[:-1], -math.inf, device=self._device)
-        return self.out.to(dtype), self.lse
-
-
-def add_rows(total: torch.Tensor | None, rows: Run, part: torch.Tensor, like: torch.Tensor,
-             dtype: torch.dtype) -> torch.Tensor:
-    """``total`` (None: zeros shaped as ``like``, in ``dtype``) with ``part`` added to its
-    local rows ``rows``. A part that covers every row of a total not started yet becomes the
-    total (no zero fill, no copy); a part of another dtype is cast first (one vectorized
-    cast and a same-dtype add are far faster than PyTorch's mixed-dtype add)."""
-    part = part.to(dtype)
-    if total is None:
-        if rows == (0, like.shape[-2]):
-            return part
-        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    _sequence(total, rows).add_(part)
-    return total
-
-
-@functools.lru_cache(maxsize=1024)
-def kernel_calls(record: ContextParallel, position: int, causal: bool):
-    """The kernel calls of this rank's queries against ``position``'s key/value block:
-    ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
-    whole join is computed in full (a zig-zag rank's two query chunks against a key chunk
-    before both: one call, not two) or is the rank's own block (one causal call)."""
-    queries = [(g, at) for g, at in record.local_runs(record.position) if at[1] > at[0]]
-    keys = [(g, at) for g, at in record.local_runs(position) if at[1] > at[0]]
-    kinds = {(qa, ka): block_kind(qg, kg, causal) for qg, qa in queries for kg, ka in keys}
-
-    def joined(runs):
-        return (runs[0][1][0], runs[-1][1][1])
-
-    if not queries or not keys:
-        return ()
-    if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
-        return ((joined(queries), joined(keys), Block.FULL),)
-    if position == record.position:
-        # This rank's own block: its rows, in ascending global order, are the queries and the
-        # keys, so the causal mask of the local rows is the global one: one causal call.
-        return ((joined(queries), joined(keys), Block.DIAGONAL),)
-    calls = []
-    if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
-        for kg, ka in keys:
-            column = [kinds[qa, ka] for _, qa in queries]
-            others = [kinds[qa, kb] for _, qa in queries for _, kb in keys if kb != ka]
-            if all(k is Block.FULL for k in column) and \
-                    all(k is Block.SKIPPED for k in others):
-                return ((joined(queries), ka, Block.FULL),)
-    for qg, qa in queries:
-        row = [kinds[qa, ka] for _, ka in keys]
-        if len(keys) > 1 and all(k is Block.FULL for k in row):
-            calls.append((qa, joined(keys), Block.FULL))
-            continue
-        calls += [(qa, ka, kinds[qa, ka]) for _, ka in keys if kinds[qa, ka] is not Block.SKIPPED]
-    return tuple(calls)
-
-
-def most_terms(record: ContextParallel, causal: bool) -> int:
-    """The most kernel results that any one sum of the ring adds: a query row's over the
-    blocks (its merged output, its dq), a key row's dk/dv over the ranks."""
-    at = [dataclasses.replace(record, position=c) for c in range(record.size)]
-    counts = [0]
-    for c in range(record.size):
-        queries = [rows for p in range(record.size) for rows, _, _ in kernel_calls(at[c], p, causal)]
-        keys = [k for r in at for _, k, _ in kernel_calls(r, c, causal)]
-        counts += [_deepest(queries), _deepest(keys)]
-    return max(counts)
-
-
-def _deepest(runs: list[Run]) -> int:
-    """The most runs that overlap at one row."""
-    edges = sorted([(a, 1) for a, b in runs if b > a] + [(b, -1) for a, b in runs if b > a])
-    depth = deepest = 0
-    for _, step in edges:  # a run's end sorts before another's start at the same row
-        depth += step
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def _keep(dropout: BlockDropout | None, record: ContextParallel, position: int, rows: Run,
-          keys: Run, device) -> dict:
-    """The keyword arguments of a block kernel: its dropout mask, or none."""
-    if dropout is None:
-        return {}
-    mask = dropout.keep(record.global_rows(record.position, rows),
-                        record.global_rows(position, keys), device)
-    return {"keep": mask, "p": dropout.p}
-
-
-def forward_blocks(q, k, v, scale, causal: bool, record: ContextParallel, position: int,
-                   merged: Merged, dropout: BlockDropout | None = None) -> None:
-    """This rank's queries against ``position``'s key/value block (``k``, ``v``: that
-    block, local), merged into ``merged``."""
-    for rows, keys, kind in kernel_calls(record, position, causal):
-        merged.add(rows, *block_forward(_sequence(q, rows), _sequence(k, keys),
-                                        _sequence(v, keys), scale, kind,
-                                        **_keep(dropout, record, position, rows, keys,
-                                                q.device)))
-
-
-def backward_blocks(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
-                    position: int, dq: torch.Tensor | None, dropout: BlockDropout | None = None):
-    """The gradients of this rank's queries against ``position``'s key/value block: returns
-    ``(dq, parts)``: ``dq`` with the block's query gradients added (see :func:`add_rows`; the
-    sums' dtype is :func:`sums_dtype`), and the block's key/value gradients as ``[(local key
-    rows, dk, dv)]``, one per kernel call (none when every pair is skipped), for
-    :func:`add_key_gradients`."""
-    parts = []
-    for rows, keys, kind in kernel_calls(record, position, causal):
-        gq, gk, gv = block_backward(_sequence(grad, rows), _sequence(q, rows),
-                                    _sequence(k, keys), _sequence(v, keys),
-                                    _sequence(attn, rows), lse[..., rows[0]:rows[1]], scale,
-                                    kind, **_keep(dropout, record, position, rows, keys,
-                                                  q.device))
-        dq = add_rows(dq, rows, gq, q, sums_dtype(record, q))
-        parts.append((keys, gk, gv))
-    return dq, parts
-
-
-def add_key_gradients(parts, sums, block, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The block's ``[dk, dv]`` sums (None where not started; new ones in ``dtype``) with
-    :func:`backward_blocks`' key/value gradients added; ``block``: the block's k and v."""
-    sums = list(sums)
-    for keys, *grads in parts:
-        sums = [add_rows(s, keys, g, t, dtype) for s, g, t in zip(sums, grads, block)]
-    return [s if s is not None else torch.zeros(t.shape, dtype=dtype, device=t.device)
-            for s, t in zip(sums, block)]
-
-
-def sums_dtype(record: ContextParallel, like: torch.Tensor) -> torch.dtype:
-    """The dtype of this record's sums of partial results: ``like``'s when every sum has at
-    most two terms (:attr:`ContextParallel.sums_in_input_dtype`), else float32."""
-    return like.dtype if record.sums_in_input_dtype else torch.float
+def _local(tv, axis, here) -> int | None:
+    """This rank's extent of ``tv``'s ``axis`` (None: symbolic)."""
+    if axis not in here.extents:
+        return None
+    coordinate = tv.mesh.coordinate(here.rank)
+    coords = {pt: coordinate[tv.mesh.axis_of(pt)] for shards in device_ids(tv).values()
+              for _, pt in shards}
+    return local_extent(tv, axis, here.extents, coords)

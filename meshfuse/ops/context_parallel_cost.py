@@ -60,9 +60,11 @@ def machine(device_type: str) -> Machine:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One attention call as a rank of the mesh axis sees it: ``heads`` local heads (after
-    any head sharding), ``batch``, global sequence ``seq``, head dims, element size, ``n``
-    ranks on the sequence axis."""
+    """One attention call as a rank of the mesh axis sees it: ``heads`` local query heads
+    (after any head sharding) and ``kv_heads`` key/value heads (fewer in grouped-query
+    attention; None: as many), ``batch``, global sequence ``seq``, head dims, element size,
+    ``n`` ranks on the sequence axis; ``kv_seq``: the key sequence when it is of another
+    length (cross attention)."""
 
     batch: int
     heads: int
@@ -74,18 +76,30 @@ class Problem:
     causal: bool
     backward: bool
     balanced: bool  # the layout balances causal work (zig-zag)
+    kv_heads: int | None = None
+    kv_seq: int | None = None  # the key sequence (cross attention; None: ``seq``)
 
     @property
     def flops(self) -> float:
-        """The call's FLOPs over all ranks (the backward costs 2.5 forwards)."""
-        forward = 2.0 * self.batch * self.heads * self.seq ** 2 * (self.head_dim + self.value_dim)
-        forward /= 2 if self.causal else 1
+        """The call's FLOPs over all ranks (the backward costs 2.5 forwards); causal: the
+        query/key pairs the top-left aligned mask keeps."""
+        keys = self.kv_seq or self.seq
+        pairs = float(self.seq * keys)
+        if self.causal:
+            seen = min(self.seq, keys)  # a triangle, then rows that see every key
+            pairs = seen * seen / 2 + max(self.seq - keys, 0) * keys
+        forward = 2.0 * self.batch * self.heads * pairs * (self.head_dim + self.value_dim)
         return forward * (2.5 if self.backward else 1.0)
 
     def block_bytes(self, itemsize: int | None = None) -> float:
         """k and v of one rank's sequence block."""
-        rows = self.batch * self.heads * self.seq / self.n
+        rows = self.batch * (self.kv_heads or self.heads) * (self.kv_seq or self.seq) / self.n
         return rows * (self.head_dim + self.value_dim) * (itemsize or self.itemsize)
+
+    def query_bytes(self) -> float:
+        """q and the output (of v's head dim: as k and v) of one rank's sequence block."""
+        rows = self.batch * self.heads * self.seq / self.n
+        return rows * (self.head_dim + self.value_dim) * self.itemsize
 
 
 def estimate(strategy: str, p: Problem, m: Machine) -> float:
@@ -111,9 +125,13 @@ def estimate(strategy: str, p: Problem, m: Machine) -> float:
         messages = 4 if p.backward else 2
         return compute * skew + moved / m.link_bytes + messages * m.latency
     assert strategy == ALLTOALL
-    per_tensor = p.block_bytes() / 2 * (p.n - 1) / p.n  # one [b, h, s/n, e] tensor
-    count = 9 if p.backward else 4
-    return compute + count * (per_tensor / m.link_bytes + m.latency)
+    # One [b, h, s/n, e] tensor with q's heads and one with k's; all but 1/n of it moves.
+    query, key = (x / 2 * (p.n - 1) / p.n for x in (p.query_bytes(), p.block_bytes()))
+    # Forward: q and the output, k and v; backward: the output gradient, q, the output, the
+    # log-sum-exp (counted as one) and dq, and k, v, dk, dv.
+    queries, keys = (5, 4) if p.backward else (2, 2)
+    moved = queries * query + keys * key
+    return compute + moved / m.link_bytes + (queries + keys) * m.latency
 
 
 def choose(p: Problem, m: Machine, allowed: tuple[str, ...]) -> tuple[str, dict[str, float]]:

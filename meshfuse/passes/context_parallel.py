@@ -1,5 +1,8 @@
 """Context parallelism: picks the strategy of every sequence-sharded attention (a build pass).
 
+It first checks, for every attention, that grouped-query heads are sharded by groups (each
+rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention_groups`).
+
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
 whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.context_parallel`)
 and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
@@ -7,8 +10,9 @@ prints it.
 
 When q, k and v (and in the backward the output gradient, the output and the log-sum-exp)
 are all sharded alike on their sequence axis by one block or zig-zag split over one mesh
-axis, with one static sequence extent and a constant dropout_p, the attention runs
-context-parallel itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide
+axis, with static sequence extents (the key sequence may be of another length, cross
+attention, on a block split) and a constant dropout_p, the attention runs context-parallel
+itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide
 over the ranks, the ranks hold equal blocks and there is no dropout), the one of least
 estimated time
 (:mod:`meshfuse.ops.context_parallel_cost`) unless one is asked for. Its domain map is then
@@ -32,6 +36,7 @@ from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
+from meshfuse.ops.attention_groups import check_grouped_heads
 from meshfuse.ops.context_parallel import (
     ALLGATHER,
     ALLTOALL,
@@ -53,6 +58,7 @@ def plan_context_parallel(fusion: Fusion) -> None:
     for expr in fusion.exprs:
         if isinstance(expr, Reshard) or expr.op.name not in ATTENTION:
             continue
+        check_grouped_heads(expr, _tensor(expr, "q"), {n: _tensor(expr, n) for n in _KEYS})
         if not _sequence_sharded(_tensor(expr, "q")):
             continue
         wanted = requested_strategy(expr.op.name, _value(expr, "context_parallel"))
@@ -86,12 +92,14 @@ def problem(expr: Expr) -> Problem:
     or head extents count as 1)."""
     q, v = _tensor(expr, "q"), _tensor(expr, "v")
     b, h, s, e = (i.extent or 1 for i in q.materialized())
+    s_kv = _tensor(expr, "k").materialized()[2].extent or s
     causal = _value(expr, "is_causal") is not False
     zigzag = any(step[1] == "zigzag" for _, path in shard_signature(q, q.logical[2])
                  for step in path)
+    kv_heads = (v.materialized()[1].extent or h) // shard_factor(v, v.materialized()[1])
     return Problem(b // shard_factor(q, q.logical[0]), h // shard_factor(q, q.logical[1]), s,
                    e, v.logical[3].extent or e, q.dtype.torch_dtype.itemsize,
-                   _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag)
+                   _axis_size(q), causal, expr.op.name == "sdpfa_bwd", zigzag, kv_heads, s_kv)
 
 
 def _axis_size(q: TensorView) -> int:
@@ -111,25 +119,45 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
         tv = _tensor(expr, name)
         if tv.mesh != q.mesh or shard_signature(tv, tv.logical[2]) != signature:
             return f"{tv.name} ({name}) is not sharded on its sequence as q ({q.name}) is"
-    s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").logical[2].extent
-    if s_q is None or s_q != s_kv:
-        return f"the query and key sequences are not of one static extent ({s_q}, {s_kv})"
+    s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").materialized()[2].extent
+    if s_q is None or s_kv is None:
+        return f"the query and key sequence extents are not static ({s_q}, {s_kv})"
+    if s_q != s_kv:
+        return _why_not_cross(signature, s_q, s_kv, _axis_size(q))
     if _value(expr, "dropout_p") is None:
         return "dropout_p is not a constant"
+    return None
+
+
+def _why_not_cross(signature, s_q: int, s_kv: int, n: int) -> str | None:
+    """Why cross attention (sequences of lengths ``s_q`` and ``s_kv``, split alike over ``n``
+    ranks by ``signature``) cannot run context-parallel, or None: it needs a block split
+    into ``n`` blocks of each sequence (a zig-zag split balances causal work of equal
+    lengths only; the split of one sequence is carried to the other only as equal blocks)."""
+    if any(step[1] == "zigzag" for _, path in signature for step in path):
+        return (f"the query and key sequences have different lengths ({s_q}, {s_kv}) and a "
+                "zig-zag split, which balances causal work of equal lengths only; cross "
+                "attention runs context-parallel on a block split")
+    if s_q % n or s_kv % n:
+        return (f"the query and key sequences have different lengths ({s_q}, {s_kv}) that do "
+                f"not both divide over {n} ranks; cross attention runs context-parallel on "
+                "equal blocks of each")
     return None
 
 
 def _why_not_alltoall(expr: Expr) -> str | None:
     q = _tensor(expr, "q")
     n, s = _axis_size(q), q.logical[2].extent
-    heads = q.logical[1].extent
-    if heads is None:
-        return "the head count is symbolic"
-    local = heads // shard_factor(q, q.logical[1])
-    if heads % shard_factor(q, q.logical[1]) or local % n:
-        return f"the {local} local heads of {q.name} do not divide over {n} ranks"
-    if s % n:
-        return f"the sequence of {s} does not divide over {n} ranks (blocks must be equal)"
+    for tv in (q, _tensor(expr, "k")):  # query heads, and key/value heads (GQA: fewer)
+        axis = tv.materialized()[1]
+        if axis.extent is None:
+            return "the head count is symbolic"
+        local = axis.extent // shard_factor(tv, axis)
+        if axis.extent % shard_factor(tv, axis) or local % n:
+            return f"the {local} local heads of {tv.name} do not divide over {n} ranks"
+    for extent in {s, _tensor(expr, "k").materialized()[2].extent}:
+        if extent % n:
+            return f"the sequence of {extent} does not divide over {n} ranks (blocks must be equal)"
     if _value(expr, "dropout_p") != 0.0:
         return "it has no dropout (the ring and the all-gather have)"
     return None

@@ -16,9 +16,10 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import device_ids, split_indices
-from meshfuse.ir.placement import reduction_complete
+from meshfuse.ir.placement import reduction_complete, shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.context_parallel import sequence_parallel
 
 OwnerMap = dict[str, tuple[int, ...]]
 
@@ -46,6 +47,12 @@ def same_owners(a: OwnerMap, b: OwnerMap) -> bool:
         if any(long_[i] != short[i // k] for i in range(len(long_))):
             return False
     return True
+
+
+def _unrelated(a: OwnerMap, b: OwnerMap) -> bool:
+    """Whether two sharded axes have extents neither of which is a multiple of the other."""
+    lengths = {len(o) for o in (*a.values(), *b.values())}
+    return len(lengths) == 2 and max(lengths) % min(lengths) != 0
 
 
 def describe(owners: OwnerMap) -> str:
@@ -120,6 +127,13 @@ def _check_expr(expr: Expr, extents) -> None:
             for src in real:
                 tv = _owner_of(src, inputs)
                 src_owners = owner_map(tv, src, extents)
+                # A context-parallel attention maps its key sequence onto its query sequence
+                # (the rows of one position), of another length in cross attention: those
+                # must be split alike, index by index they cannot be compared.
+                if sequence_parallel(expr) is not None and \
+                        _unrelated(src_owners, out_owners) and \
+                        shard_signature(tv, src) == shard_signature(out, out_id):
+                    continue
                 if not same_owners(src_owners, out_owners):
                     what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
                     raise ShardingError(

@@ -16,7 +16,7 @@ the last step finishes the sums of the next position's block and sends them home
 inputs' dtype and in ``home_parts`` parts, each as soon as its kernels finish.
 
 **Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
-of its block (:class:`~meshfuse.ops.context_parallel.BlockDropout`), drawn from the forward's
+of its block (:class:`~meshfuse.ops.context_blocks.BlockDropout`), drawn from the forward's
 seed and offset and the block's global position; the forward returns that seed and offset,
 and the backward draws each block's mask again from them.
 
@@ -33,13 +33,9 @@ from __future__ import annotations
 import torch
 
 from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
-from meshfuse.ops.context_parallel import (
-    ALLGATHER,
-    ALLTOALL,
-    RING,
+from meshfuse.ops.context_blocks import (
     Block,
     BlockDropout,
-    ContextParallel,
     Merged,
     add_key_gradients,
     backward_blocks,
@@ -48,6 +44,7 @@ from meshfuse.ops.context_parallel import (
     forward_blocks,
     sums_dtype,
 )
+from meshfuse.ops.context_parallel import ALLGATHER, ALLTOALL, RING, ContextParallel
 from meshfuse.ops.random import resolve_seed
 from meshfuse.runtime.collectives import (
     Group,
@@ -64,8 +61,9 @@ def _shape(t: torch.Tensor, rows: int) -> tuple[int, ...]:
 
 
 def _check_local(record: ContextParallel, op: str, **tensors: torch.Tensor) -> None:
-    rows = record.length(record.position)
     for name, t in tensors.items():
+        keyed = name in ("k", "v")
+        rows = (record.key_length if keyed else record.length)(record.position)
         assert t.shape[-2] == rows, (
             f"{op}: {name} holds {t.shape[-2]} sequence rows, its ring record {rows}")
 
@@ -79,7 +77,7 @@ def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: G
     for step in range(record.size):
         pending = None
         if step < record.size - 1:
-            rows = record.length(record.holder(step + 1))
+            rows = record.key_length(record.holder(step + 1))
             pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
         forward_blocks(q, *block, scale, causal, record, record.holder(step), merged, dropout)
         if pending is not None:
@@ -94,7 +92,7 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
     dq, block, sums = None, (k, v), None
     dtype = sums_dtype(record, q)  # the inputs' on a ring of two: no float32 sums at all
     for step in range(record.size - 1):
-        rows = record.length(record.holder(step + 1))
+        rows = record.key_length(record.holder(step + 1))
         pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
         dq, partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
                                       record.holder(step), dq, dropout)
@@ -122,22 +120,25 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
     k, v = block
     if dq is None:
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    home = [torch.empty(_shape(t, record.length(record.position)), dtype=t.dtype,
+    home = [torch.empty(_shape(t, record.key_length(record.position)), dtype=t.dtype,
                         device=t.device) for t in block]
     axis = 0 if q.shape[0] > 1 else 1
-    assert q.shape[axis] % record.home_parts == 0, (q.shape, record.home_parts)
+    # The query heads' part and the part of the key/value heads that serve them (a group of
+    # query heads per key/value head in grouped-query attention).
+    parts = zip(_parts(q.shape[axis], record.home_parts, axis),
+                _parts(k.shape[axis], record.home_parts, axis))
     incoming, sent = None, []
-    for part in _parts(q.shape[axis], record.home_parts, axis):
-        _, partial = backward_blocks(grad[part], q[part], k[part], v[part], attn[part],
-                                     lse[part], scale, causal, record,
-                                     record.holder(record.size - 1), dq[part], dropout)
+    for rows, keys in parts:
+        _, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
+                                     lse[rows], scale, causal, record,
+                                     record.holder(record.size - 1), dq[rows], dropout)
         if incoming is None:  # (after the first kernels are launched: they need no sums)
             incoming = sums.wait()
-        own = add_key_gradients(partial, [s[part] for s in incoming],
-                                [t[part] for t in block], dtype)
+        own = add_key_gradients(partial, [s[keys] for s in incoming],
+                                [t[keys] for t in block], dtype)
         sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
-                               [h[part].shape for h in home], group,
-                               into=[h[part] for h in home]))
+                               [h[keys].shape for h in home], group,
+                               into=[h[keys] for h in home]))
     for pending in sent:
         pending.wait()
     return _finished(dq, q), *home
@@ -145,6 +146,7 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
 
 def _parts(extent: int, count: int, axis: int) -> list[tuple[slice, ...]]:
     """``count`` equal slices of ``extent`` on ``axis``, as indices of a tensor."""
+    assert extent % count == 0, (extent, count)
     size = extent // count
     return [(slice(None),) * axis + (slice(i * size, (i + 1) * size),) for i in range(count)]
 
@@ -159,14 +161,19 @@ def _finished(dq: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 def _positions(record: ContextParallel, t: torch.Tensor):
-    """The gathered ``t`` (positions' blocks concatenated by coordinate) cut per position."""
-    return t.split([record.length(c) for c in range(record.size)], dim=-2)
+    """The gathered k or v ``t`` (positions' blocks concatenated by coordinate) cut per
+    position."""
+    return t.split(_key_sizes(record), dim=-2)
+
+
+def _key_sizes(record: ContextParallel) -> list[int]:
+    return [record.key_length(c) for c in range(record.size)]
 
 
 def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
                       dropout: BlockDropout | None = None):
     """``(attn, log_sumexp)`` with k and v gathered (both gathers in flight at once)."""
-    sizes = [record.length(c) for c in range(record.size)]
+    sizes = _key_sizes(record)
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
     merged = Merged(q, v, sums_dtype(record, q))
@@ -178,7 +185,7 @@ def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, gro
 def allgather_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
                        group: Group, dropout: BlockDropout | None = None):
     """``(dq, dk, dv)`` with k and v gathered and dk, dv reduce-scattered (float32)."""
-    sizes = [record.length(c) for c in range(record.size)]
+    sizes = _key_sizes(record)
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
     dq, sums, dtype = None, [], torch.float  # a reduce-scatter sums in float32 again
@@ -208,10 +215,10 @@ def _to_sequence(t: torch.Tensor, record: ContextParallel, group: Group, inverse
     return resolved(all_to_all(t, 2, 1, group))
 
 
-def _row_order(record: ContextParallel, device):
-    """Global row order of the positions' rows concatenated by coordinate (None: already in
-    order), and its inverse."""
-    rows = torch.cat([torch.arange(a, b) for position in record.rows for a, b in position])
+def _row_order(rows, device):
+    """Global row order of the positions' ``rows`` (the record's query or key rows)
+    concatenated by coordinate (None: already in order), and its inverse."""
+    rows = torch.cat([torch.arange(a, b) for position in rows for a, b in position])
     if torch.equal(rows, torch.arange(len(rows))):
         return None, None
     order = torch.argsort(rows).to(device)
@@ -221,8 +228,10 @@ def _row_order(record: ContextParallel, device):
 def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
                      dropout: None = None):
     """``(attn, log_sumexp)`` computed on whole sequences of ``1/n`` of the heads."""
-    order, inverse = _row_order(record, q.device)
-    qh, kh, vh = (_to_heads(t, record, group, order) for t in (q, k, v))
+    order, inverse = _row_order(record.rows, q.device)
+    key_order, _ = _row_order(record.keys, q.device)
+    qh = _to_heads(q, record, group, order)
+    kh, vh = (_to_heads(t, record, group, key_order) for t in (k, v))
     attn, lse = block_forward(qh, kh, vh, scale, Block.DIAGONAL if causal else Block.FULL)
     lse = _to_sequence(lse.unsqueeze(-1), record, group, inverse).squeeze(-1)
     return _to_sequence(attn, record, group, inverse), lse
@@ -231,12 +240,15 @@ def alltoall_forward(q, k, v, scale, causal: bool, record: ContextParallel, grou
 def alltoall_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: ContextParallel,
                       group: Group, dropout: None = None):
     """``(dq, dk, dv)`` on whole sequences of ``1/n`` of the heads."""
-    order, inverse = _row_order(record, q.device)
-    heads = [_to_heads(t, record, group, order) for t in (grad, q, k, v, attn)]
+    order, inverse = _row_order(record.rows, q.device)
+    key_order, key_inverse = _row_order(record.keys, q.device)
+    gh, qh, kh, vh, ah = (_to_heads(t, record, group, key_order if t is k or t is v else order)
+                          for t in (grad, q, k, v, attn))  # in the order explain plans
     lse_h = _to_heads(lse.unsqueeze(-1), record, group, order).squeeze(-1)
-    grads = block_backward(*heads[:4], heads[4], lse_h, scale,
-                           Block.DIAGONAL if causal else Block.FULL)
-    return tuple(_to_sequence(g, record, group, inverse) for g in grads)
+    dq, dk, dv = block_backward(gh, qh, kh, vh, ah, lse_h, scale,
+                                Block.DIAGONAL if causal else Block.FULL)
+    return (_to_sequence(dq, record, group, inverse),
+            *(_to_sequence(g, record, group, key_inverse) for g in (dk, dv)))
 
 
 _FORWARD = {RING: ring_forward, ALLGATHER: allgather_forward, ALLTOALL: alltoall_forward}
