@@ -39,7 +39,12 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops import attention_kernels
-from meshfuse.ops.attention_backends import AttentionBackend, check_heads, select_backend
+from meshfuse.ops.attention_backends import (
+    AttentionBackend,
+    check_heads,
+    select_backend,
+    unit_last_stride,
+)
 from meshfuse.ops.attention_dropout import (
     GLOBAL,
     OFFSET_SPEC,
@@ -262,6 +267,9 @@ class _Forward:
             return _fwd(q, k, v, p, is_causal, scale, rng_seed, rng_offset, site=site,
                         kernel_form=kernel_form)
         backend, kernel, dropout = self.bound[p > 0.0]
+        # The bound kernels take what the checked call passes them: unit innermost strides
+        # (a tensor laid out otherwise, e.g. gathered from uneven shards, would be misread).
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))
         if dropout is not None:
             seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
             return dropout.forward(kernel, seed, offset, q, k, v, p, is_causal,
@@ -535,8 +543,8 @@ def _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, dropout_p, 
         return attention_kernels.sdpa_backward(grad_attn, q, k, v, attn, log_sumexp,
                                                dropout_p, is_causal, seed, offset, scale,
                                                backend)
-    if grad_attn.stride(-1) != 1:
-        grad_attn = grad_attn.contiguous()
+    # the bound kernel takes unit innermost strides, as the checked call passes them
+    grad_attn, q, k, v, attn = (unit_last_stride(t) for t in (grad_attn, q, k, v, attn))
     return kernel(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                   scale)
 
