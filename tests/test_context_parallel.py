@@ -30,19 +30,22 @@ STRIDES = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}
 
 
 class Attention(FusionDefinition):
-    """Attention forward and backward; outputs attn, q_grad, k_grad, v_grad."""
+    """Attention forward and backward; outputs attn, q_grad, k_grad, v_grad. ``kv_heads``:
+    fewer key/value heads than ``h`` (grouped-query attention); by default ``h``."""
 
     def __init__(self, h, s, causal, qkv_format=QkvFormat.BHSE, strategy=None,
-                 dtype=DataType.Float, batch=B):
+                 dtype=DataType.Float, batch=B, kv_heads=None):
         super().__init__()
         self.h, self.s, self.causal, self.format, self.strategy = h, s, causal, qkv_format, \
             strategy
         self.dtype, self.batch = dtype, batch
+        self.hkv = h if kv_heads is None else kv_heads
 
     def definition(self):
         self.q, self.k, self.v, self.g = (
-            self.define_tensor([self.batch, self.h, self.s, E], dtype=self.dtype,
-                               stride_order=STRIDES[self.format]) for _ in range(4))
+            self.define_tensor([self.batch, heads, self.s, E], dtype=self.dtype,
+                               stride_order=STRIDES[self.format])
+            for heads in (self.h, self.hkv, self.hkv, self.h))
         self.attn, self.lse, seed, offset = self.ops.sdpfa_fwd(
             self.q, self.k, self.v, 0.0, self.causal, None, context_parallel=self.strategy)
         self.grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, self.attn, self.lse,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+from test_context_parallel import Attention, B, E
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
@@ -20,35 +21,13 @@ from meshfuse.ops.attention_kernels import sdpa_backward, sdpa_forward
 from meshfuse.ops.context_parallel_cost import Machine, Problem, estimate
 from meshfuse.runtime.collectives import record_communications
 
-B, E = 1, 8
-STRIDES = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}
 
-
-class GroupedAttention(FusionDefinition):
+class GroupedAttention(Attention):
     """Attention forward and backward with ``h`` query and ``hkv`` key/value heads; outputs
     attn, q_grad, k_grad, v_grad."""
 
     def __init__(self, h, hkv, s, causal, qkv_format=QkvFormat.BHSE, strategy=None, batch=B):
-        super().__init__()
-        self.h, self.hkv, self.s, self.causal = h, hkv, s, causal
-        self.format, self.strategy, self.batch = qkv_format, strategy, batch
-
-    def definition(self):
-        self.q, self.k, self.v, self.g = (
-            self.define_tensor([self.batch, heads, self.s, E], stride_order=STRIDES[self.format],
-                               dtype=DataType.Float)
-            for heads in (self.h, self.hkv, self.hkv, self.h))
-        self.attn, self.lse, seed, offset = self.ops.sdpfa_fwd(
-            self.q, self.k, self.v, 0.0, self.causal, None, context_parallel=self.strategy)
-        self.grads = self.ops.sdpfa_bwd(self.g, self.q, self.k, self.v, self.attn, self.lse,
-                                        0.0, self.causal, seed, offset, None,
-                                        context_parallel=self.strategy)
-        for t in (self.attn, *self.grads):
-            self.add_output(t)
-
-    def tensors(self):
-        self.define()
-        return (self.q, self.k, self.v, self.g, self.attn, self.lse, *self.grads)
+        super().__init__(h, s, causal, qkv_format, strategy, batch=batch, kv_heads=hkv)
 
 
 def _inputs(h, hkv, s, qkv_format=QkvFormat.BHSE, batch=B):
