@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 import torch
-from mesh_helpers import shard
+from test_cuda_graph import _RowParallelLinear
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
@@ -325,25 +325,6 @@ def test_bad_options_are_named():
     x = torch.randn(8, 8)
     with pytest.raises(InputError, match="cuda_graph='always'"):
         fd.execute([x, x], cuda_graph="always")
-
-
-class _RowParallelLinear(FusionDefinition):
-    """``y = x @ w.T`` with the reduced axis split over the mesh: partial sums allreduced."""
-
-    def __init__(self, mesh: DeviceMesh):
-        super().__init__()
-        self.mesh = mesh
-
-    def definition(self) -> None:
-        self.x = self.define_tensor([8, 16], dtype=DataType.Float)
-        self.w = self.define_tensor([4, 16], dtype=DataType.Float)
-        self.y = self.ops.linear(self.x, self.w)
-        self.add_output(self.y)
-
-    def multidevice_schedule(self) -> None:
-        for tv in (self.x, self.w):
-            shard(tv, 1, self.mesh)
-        self.y.set_device_mesh(self.mesh)
 
 
 @pytest.mark.mpi
