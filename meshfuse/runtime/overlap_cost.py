@@ -6,15 +6,26 @@ moved, and the device's GEMM throughput and link bandwidth):
 
 - without the loop: ``t_g + t_c``;
 - with it: ``max(t_g, t_c + t_g / d)`` (the first or last chunk's GEMM cannot hide) plus
-  ``0.1 * min(t_g, t_c)`` (the transfers take some of the GEMMs' SMs) plus ``d`` times the
-  loop's host cost per chunk.
+  ``contention * min(t_g, t_c)`` (what the GEMMs lose to the transfers running beside them)
+  plus ``d`` times the loop's host cost per chunk.
 
 The loop is used when it is estimated at least 5% faster. Every rank decides alike: the
-estimate reads global extents and shardings only. The figures come from measurements of
-this repository's benchmarks (2 H200s: ~250 GB/s allgather and reduce-scatter bus
-bandwidth, ~600 TFLOP/s bf16 GEMMs) and of a gloo CPU run; ``MESHFUSE_OVERLAP_COST=
-"GB/s,TFLOP/s,us"`` replaces them with one's own, and ``MESHFUSE_OVERLAP=off`` turns the
-automatic choice off (``set_overlap(True)`` still forces a loop).
+estimate reads global extents and shardings only.
+
+The contention is what decides on GPUs. NCCL moves data with kernels that need SMs, and
+cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they end: a transfer
+launched beside a GEMM waits for the GEMM's blocks to retire, so it hides nothing (and the
+GEMM cut in chunks runs less efficiently). Measured on 2 H200s with NCCL, no decomposition
+was faster than the whole communication: the column-parallel linear of nvFuser's overlap
+test (t = h = 8192) 3.19 ms as a loop and as a whole, the sequence-parallel row linear
+3.22 ms looped against 3.11 ms whole, the GPT-3 layer's forward and backward (e = 12288)
+18.53 ms against 18.10 ms. So the CUDA figures have a contention of 1.0 (the transfer's time
+comes back in full), with which a loop is never estimated faster; so have the CPU's (a loop
+runs its chunks in order there). A transport that copies without SMs (copy engines), or
+GEMMs that leave SMs free, make a lower contention true: ``MESHFUSE_OVERLAP_COST=
+"GB/s,TFLOP/s,us,contention"`` gives one's own figures (``"160,700,20,0.1"``: the loop pays
+for large GEMMs), ``MESHFUSE_OVERLAP=off`` turns the automatic choice off, and
+``set_overlap(True)`` forces a loop whatever the estimate.
 """
 
 from __future__ import annotations
@@ -33,24 +44,30 @@ from meshfuse.passes.overlap_candidates import OverlapCandidate
 
 @dataclasses.dataclass(frozen=True)
 class OverlapCost:
-    """A device's GEMM throughput, link bandwidth and host cost of one loop chunk."""
+    """A device's GEMM throughput, link bandwidth, host cost of one loop chunk, and the
+    fraction of an overlapped transfer's time that the GEMM beside it loses (module doc)."""
 
     link_gb_per_s: float
     gemm_tflops: float
     chunk_overhead_us: float
+    contention: float = 1.0
 
     def estimate_ms(self, flops: float, comm_bytes: float, chunks: int) -> tuple[float, float]:
         """(milliseconds without the loop, with it); see the module doc."""
         t_g = flops / (self.gemm_tflops * 1e12) * 1e3
         t_c = comm_bytes / (self.link_gb_per_s * 1e9) * 1e3
-        looped = max(t_g, t_c + t_g / chunks) + 0.1 * min(t_g, t_c) + \
+        looped = max(t_g, t_c + t_g / chunks) + self.contention * min(t_g, t_c) + \
             chunks * self.chunk_overhead_us * 1e-3
         return t_g + t_c, looped
 
 
 DEFAULT_COSTS = {
-    "cuda": OverlapCost(link_gb_per_s=250.0, gemm_tflops=600.0, chunk_overhead_us=20.0),
-    "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0),
+    # 2 H200s, NCCL: a 25 MB allgather or reduce-scatter per rank in 0.16 ms, bf16 GEMMs of
+    # the GPT-3 layer at ~700 TFLOP/s (benchmarks/results/2026-11-30-1848-*).
+    "cuda": OverlapCost(link_gb_per_s=160.0, gemm_tflops=700.0, chunk_overhead_us=20.0,
+                        contention=1.0),
+    "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0,
+                       contention=1.0),
 }
 
 
@@ -60,11 +77,15 @@ def cost_for(device_type: str) -> OverlapCost:
     if not spec:
         return DEFAULT_COSTS.get(device_type, DEFAULT_COSTS["cpu"])
     try:
-        gbps, tflops, us = (float(v) for v in spec.split(","))
+        figures = [float(v) for v in spec.split(",")]
+        if len(figures) not in (3, 4) or min(figures) < 0 or 0 in figures[:2]:
+            raise ValueError(spec)
     except ValueError:
-        raise InputError(f"MESHFUSE_OVERLAP_COST={spec!r}: give 'GB/s,TFLOP/s,us', for "
-                         "example '250,600,20'") from None
-    return OverlapCost(gbps, tflops, us)
+        raise InputError(f"MESHFUSE_OVERLAP_COST={spec!r}: give 'GB/s,TFLOP/s,us' or "
+                         "'GB/s,TFLOP/s,us,contention' (positive bandwidth and throughput, a "
+                         "contention from 0: transfers beside GEMMs cost them nothing, to 1: "
+                         "they cost their whole time), for example '160,700,20,0.1'") from None
+    return OverlapCost(*figures)
 
 
 def automatic() -> bool:
