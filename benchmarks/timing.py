@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -83,6 +84,17 @@ def timed_samples(ctx: Context, fn: Callable[[], object], iters: int) -> list[fl
         end.record()
     torch.cuda.synchronize(ctx.device)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:
+    """The median over ``rounds`` of (median time of ``step``) / (median of ``base``), the
+    two timed in alternating blocks of ``iters`` calls, so that a drift of the host's speed
+    hits both alike; the largest over ranks."""
+    ratios = []
+    for _ in range(rounds):
+        base_ms = percentile(timed_samples(ctx, base, iters), 50)
+        ratios.append(percentile(timed_samples(ctx, step, iters), 50) / base_ms)
+    return max(ctx.gather(statistics.median(ratios)))
 
 
 def _sleep_cycles_per_ms(ctx: Context) -> float:

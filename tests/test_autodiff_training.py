@@ -10,17 +10,34 @@ from __future__ import annotations
 
 import pytest
 
-from meshfuse.examples.train_gpt import main, train
+from meshfuse.examples.train_gpt import BF16_PRECISION, StepLosses, main, train, verdict
 
 
 @pytest.mark.mpi
 def test_two_block_stack_trains_like_pytorch(multidevice_test):
     losses = train(steps=20)
     assert len(losses) == 20
-    for step, (loss, ref_loss) in enumerate(losses):
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (step, loss, ref_loss)
+    for step, s in enumerate(losses):
+        assert abs(s.meshfuse - s.pytorch) <= 1e-5 * abs(s.pytorch), (step, s)
+        assert s.dtensor is None  # no twin in float32
     # the losses move: the comparison is of a training, not of twenty initial losses
-    assert losses[-1][1] < losses[0][1]
+    assert losses[-1].pytorch < losses[0].pytorch
+    assert verdict(losses) == {"ok": True, "bound": 1e-5, "direct": pytest.approx(
+        max(abs(s.meshfuse - s.pytorch) / abs(s.pytorch) for s in losses))}
+
+
+def test_bf16_bound_is_twice_dtensors_difference_at_least_bf16_precision():
+    """In bf16 the bound is read off DTensor's twin: twice its largest relative difference
+    from PyTorch, never below bf16's relative precision."""
+    wide = [StepLosses(1.0, 1.0, 1.02), StepLosses(2.0 * 1.03, 2.0, 2.0)]
+    check = verdict(wide)
+    assert check["bound"] == pytest.approx(0.04) and check["dtensor"] == pytest.approx(0.02)
+    assert check["direct"] == pytest.approx(0.03) and check["ok"]
+    assert not verdict([StepLosses(1.05, 1.0, 1.02)])["ok"]
+    close = [StepLosses(1.003, 1.0, 1.0)]
+    assert verdict(close) == {"ok": True, "bound": BF16_PRECISION,
+                              "direct": pytest.approx(0.003), "dtensor": 0.0}
+    assert not verdict(close, rtol=1e-3)["ok"]
 
 
 def test_script_reports_and_fails_above_its_tolerance(tmp_path, capsys):

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import meshfuse
 from meshfuse import DataType, DeviceMesh, shard_tensor
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters, torch_block
+from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -209,8 +210,6 @@ def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test
     whose gradient DTensor leaves ``Partial`` (reduced later, when the optimizer reads it)
     while meshfuse returns it complete, as a replicated input's gradient."""
     from torch.distributed.tensor import DTensor, Partial, Shard
-
-    from benchmarks.gpt3_layer import Gpt3Block, parallelize
 
     size, rank = multidevice_test.size, multidevice_test.rank
     if size == 1:

@@ -38,7 +38,6 @@ test suite's (``tests/test_attention_dropout.py``, which runs on the GPUs too).
 from __future__ import annotations
 
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ from benchmarks.context import Context
 from benchmarks.fusions import QkvFormat, SeedAttention
 from benchmarks.harness import Plan, Record, Skip, Variant, run_variants
 from benchmarks.reproducibility import check_same_seed
-from benchmarks.timing import percentile, timed_samples
+from benchmarks.timing import interleaved_ratio
 from meshfuse.errors import InputError
 from meshfuse.ops import attention_kernels as kernels
 from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
@@ -127,17 +126,6 @@ def _bind_with(model, inputs, backend: str) -> None:
             del os.environ[BACKEND_ENV]
         else:
             os.environ[BACKEND_ENV] = saved
-
-
-def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:
-    """The median over ``rounds`` of (median time of ``step``) / (median of ``base``), the
-    two timed in alternating blocks of ``iters`` calls, so that a drift of the host's speed
-    hits both alike; the largest over ranks."""
-    ratios = []
-    for _ in range(rounds):
-        base_ms = percentile(timed_samples(ctx, base, iters), 50)
-        ratios.append(percentile(timed_samples(ctx, step, iters), 50) / base_ms)
-    return max(ctx.gather(statistics.median(ratios)))
 
 
 def direct_variant(ctx: Context, inputs, requested: str | None) -> Variant:

@@ -6,7 +6,7 @@ gradients of ``x`` and of every parameter from a given ``dy``:
 
 - ``torch_1gpu``: the unsharded layer on one GPU with autograd (every rank runs it);
 - ``dtensor_tp_sp`` (the baseline with 2 or more ranks): ``parallelize_module`` of the same
-  module, Megatron TP + SP (:func:`~benchmarks.gpt3_layer.parallelize`), autograd;
+  module, Megatron TP + SP (:func:`~meshfuse.examples.gpt_torch.parallelize`), autograd;
 - ``meshfuse``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion with the
   forward and the backward written out, TP + SP (unsharded on one rank);
 - ``meshfuse_compiled``: the same with ``compile=True`` (GPUs only): the reference of the
@@ -15,23 +15,47 @@ gradients of ``x`` and of every parameter from a given ``dy``:
   backward derived, through torch autograd (``as_autograd_function``), TP + SP;
 - ``meshfuse_autograd_compiled``: the same with ``compile=True`` (each run of pointwise,
   reduction and shape ops fused by Inductor; GPUs only);
-- ``meshfuse_autograd_compiled_no_overlap``: the same built with ``MESHFUSE_OVERLAP=off`` (no
-  allgather or reduce-scatter decomposed to overlap its GEMM).
+- ``meshfuse_autograd_compiled_save``: the same with ``remat="save"`` (the backward reads
+  saved GELU and layer-norm results instead of recomputing them: more memory, fewer
+  kernels);
+- ``meshfuse_autograd_compiled_overlap``: the same built with
+  ``MESHFUSE_OVERLAP_COST="250,600,20,0.1"``, the overlap estimate's earlier figures, with
+  which it decomposes three of the layer's collectives into stream loops (by default it
+  keeps them whole: docs/overlap.md).
+
+Ratios are medians over the baseline's; drift of the GPUs' clocks between variants (power
+limits, heat) can move those by a few percent, so each meshfuse variant is also timed
+*interleaved* with the baseline (alternating blocks of steps, the median of the per-round
+ratios: ``interleaved_ratio`` in its record's metrics).
 
 FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counted whole).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import os
 
 import torch
 
 import meshfuse
 from benchmarks.context import Context
-from benchmarks.gpt3_layer import Gpt3Block, layer_flops, parallelize
-from benchmarks.harness import Plan, Record, Skip, Variant, autograd_step, check_close, run_variants
+from benchmarks.gpt3_layer import layer_flops
+from benchmarks.harness import (
+    Plan,
+    Record,
+    Skip,
+    Variant,
+    autograd_step,
+    check_close,
+    run_variants,
+    waited,
+)
+from benchmarks.timing import interleaved_ratio
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
+from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
 
 SIZES = {"b": 1, "s": 2048, "h": 96, "e": 12288}
 QUICK_SIZES = {"b": 1, "s": 16, "h": 4, "e": 32}
@@ -43,6 +67,50 @@ def _one_gpu_reference(params, heads: int, x, dy) -> tuple[torch.Tensor, torch.T
     block = Gpt3Block(params, heads)
     y, grads = autograd_step(block, [x], dy, block.parameters())()
     return y.detach(), grads[0]
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` inside the block."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def _kept(variant: Variant, steps: dict) -> Variant:
+    """``variant`` whose step is also kept in ``steps`` by name (for the interleaved
+    timing, after every variant ran alone)."""
+    def setup():
+        made = variant.setup()
+        steps[variant.name] = made[0] if isinstance(made, tuple) else made
+        return made
+
+    return dataclasses.replace(variant, setup=setup)
+
+
+def _waited(step):
+    return waited(step())
+
+
+def interleave(ctx: Context, records: list[Record], steps: dict, baseline: str,
+               rounds: int, iters: int) -> None:
+    """Each meshfuse variant's time over ``baseline``'s, timed interleaved with it
+    (:func:`~benchmarks.timing.interleaved_ratio`), into its record's metrics."""
+    base = steps.get(baseline)
+    for record in records:
+        step = steps.get(record.variant)
+        if base is None or step is None or not record.variant.startswith("meshfuse"):
+            continue
+        ratio = interleaved_ratio(ctx, functools.partial(_waited, base),
+                                  functools.partial(_waited, step), rounds, iters)
+        record.metrics["interleaved_ratio"] = round(ratio, 3)
+        record.metrics["summary"] = f"interleaved with {baseline}: {ratio:.3f}x"
 
 
 def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Variant]:
@@ -90,9 +158,9 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return hand_written(compile=True)
 
-    def derived(compile=None):
+    def derived(compile=None, remat="recompute"):
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
-        function = block.as_autograd_function(compile=compile)
+        function = block.as_autograd_function(compile=compile, remat=remat)
         local = [meshfuse.shard_tensor(t, tv)
                  for t, tv in zip((x, *params.values()), (block.x, *block.params.values()))]
         step = autograd_step(lambda *leaves: function(leaves)[0], local,
@@ -101,23 +169,17 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         check("meshfuse_autograd", block.y, block.x, y.detach(), dx)
         return step
 
-    def derived_compiled():
+    def derived_compiled(remat="recompute"):
         if not ctx.cuda:
             raise Skip("Inductor's fused segments are measured on GPUs")
-        return derived(compile=True)
+        return derived(compile=True, remat=remat)
 
-    def derived_compiled_no_overlap():
-        # The programs are built by the setup's first step: with MESHFUSE_OVERLAP=off then,
-        # no collective is decomposed to overlap a GEMM (DTensor's kernels, in its order).
-        previous = os.environ.get("MESHFUSE_OVERLAP")
-        os.environ["MESHFUSE_OVERLAP"] = "off"
-        try:
+    def derived_compiled_overlap():
+        # The programs are built by the setup's first step: with these figures then, the
+        # estimate decomposes the q and out projections' collectives (and one of the
+        # backward's) into stream loops, as it did before its contention was measured.
+        with _environment("MESHFUSE_OVERLAP_COST", "250,600,20,0.1"):
             return derived_compiled()
-        finally:
-            if previous is None:
-                del os.environ["MESHFUSE_OVERLAP"]
-            else:
-                os.environ["MESHFUSE_OVERLAP"] = previous
 
     return [
         Variant("torch_1gpu", one_gpu, "unsharded layer on each GPU, autograd", gpus=1),
@@ -128,9 +190,11 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
         Variant("meshfuse_autograd_compiled", derived_compiled,
                 "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),
-        Variant("meshfuse_autograd_compiled_no_overlap", derived_compiled_no_overlap,
-                "as meshfuse_autograd_compiled, MESHFUSE_OVERLAP=off (no decomposed "
-                "collective overlapping a GEMM)"),
+        Variant("meshfuse_autograd_compiled_save", lambda: derived_compiled("save"),
+                "as meshfuse_autograd_compiled, remat='save' (no recomputation)"),
+        Variant("meshfuse_autograd_compiled_overlap", derived_compiled_overlap,
+                "as meshfuse_autograd_compiled, collectives decomposed into stream loops "
+                "(MESHFUSE_OVERLAP_COST=250,600,20,0.1)"),
     ]
 
 
@@ -141,7 +205,7 @@ def run(ctx: Context) -> list[Record]:
                          f"{ctx.world} ranks")
     # gloo has no bf16 reductions everywhere: fp32 on the CPU
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=3, iters=10)
+    plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=5, iters=30)
     plan = Plan(plan.warmup, plan.iters, flops=layer_flops(sizes["b"], sizes["s"], sizes["e"]))
     gen = torch.Generator(ctx.device).manual_seed(1)
     shape = (sizes["b"], sizes["s"], sizes["e"])
@@ -149,6 +213,11 @@ def run(ctx: Context) -> list[Record]:
     dy = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
     params = init_parameters(sizes["e"], dtype=dtype, device=ctx.device)
     config = f"b{sizes['b']} s{sizes['s']} h{sizes['h']} e{sizes['e']}"
-    return run_variants(ctx, "gpt3_layer", config, variants(ctx, sizes, dtype, x, dy, params),
-                        plan, "dtensor_tp_sp" if ctx.world > 1 else "torch_1gpu",
-                        dict(sizes, dtype=str(dtype).removeprefix("torch.")))
+    baseline = "dtensor_tp_sp" if ctx.world > 1 else "torch_1gpu"
+    steps: dict = {}
+    cases = [_kept(v, steps) for v in variants(ctx, sizes, dtype, x, dy, params)]
+    records = run_variants(ctx, "gpt3_layer", config, cases, plan, baseline,
+                           dict(sizes, dtype=str(dtype).removeprefix("torch.")))
+    rounds, iters = (2, 2) if ctx.quick else (7, 10)
+    interleave(ctx, records, steps, baseline, rounds, iters)
+    return records
