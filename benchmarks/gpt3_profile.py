@@ -3,29 +3,37 @@ variant of the ``gpt3_layer`` case (a diagnostic, not a benchmark).
 
 ``torchrun --nproc-per-node 2 -m benchmarks.gpt3_profile --out DIR`` (``--quick``: the
 case's tiny sizes, runs on CPU ranks). For each variant, rank 0 writes
-``DIR/gpt3_profile_<variant>.txt``: the kernels (CUDA; on the CPU, the aten ops) grouped by
-name with their count and total time, largest first, then the aten ops with their input
-shapes; and a summary of every variant's step time, kernel time, communication kernels and
-collectives in ``DIR/gpt3_profile.txt``.
+``DIR/gpt3_profile_<variant>.txt``: the kernels (CUDA; on the CPU, the aten ops) of
+``STEPS`` back-to-back steps grouped by name with their count and total time per step,
+largest first, then the aten ops with their input shapes; and a summary of every variant's
+step time, kernel time, communication kernels and collectives in ``DIR/gpt3_profile.txt``.
+On GPUs the summary also gives, per step, how long the compute kernels kept the device busy,
+how long it sat idle and how much NCCL time no compute kernel hid (from the trace:
+:mod:`benchmarks.trace_summary`), and the SM clock and power while the steps were timed
+(a GPU that draws more power runs its GEMMs at a lower clock).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
+import tempfile
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import context
+from benchmarks import context, trace_summary
 from benchmarks.cases import gpt3
-from benchmarks.harness import Skip
+from benchmarks.cp_probe import Clocks
+from benchmarks.harness import Skip, waited
 from benchmarks.timing import timed_samples
 from meshfuse.examples.gpt import init_parameters
 
-WARMUP, ITERS, ROWS = 3, 10, 60
+WARMUP, ITERS, ROWS, STEPS = 3, 20, 60, 3
 
 
 def _step_of(variant):
@@ -54,26 +62,42 @@ def _shapes(prof) -> list[str]:
                        max_shapes_column_width=80).splitlines()
 
 
+def _timeline(prof, steps: int) -> str:
+    """Busy, idle and exposed-NCCL milliseconds per step from the profile's GPU trace."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            whole = trace_summary.summarize(json.load(trace))[0]
+    return (f"per step on the GPU: busy {whole['compute_busy_ms'] / steps:.3f} ms, idle "
+            f"{whole['idle_ms'] / steps:.3f} ms, NCCL {whole['nccl_ms'] / steps:.3f} ms of which "
+            f"{whole['nccl_exposed_ms'] / steps:.3f} ms not hidden")
+
+
 def profile_variant(ctx, name: str, step) -> str:
     """Profiles ``step``; returns a summary line; writes the tables on rank 0."""
     for _ in range(WARMUP):
-        step()
+        waited(step())
     ctx.sync()
-    median = statistics.median(timed_samples(ctx, step, ITERS))
+    clocks = Clocks(ctx.device) if ctx.cuda else None
+    with clocks or contextlib.nullcontext():
+        median = statistics.median(timed_samples(ctx, lambda: waited(step()), ITERS))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        step()
+        for _ in range(STEPS):
+            waited(step())
         ctx.sync()
-    kernels = _kernels(prof, ctx.cuda)
+    kernels = [(n, c / STEPS, t / STEPS) for n, c, t in _kernels(prof, ctx.cuda)]
     comm = [k for k in kernels if "nccl" in k[0].lower() or k[0].startswith("c10d")]
     total = sum(t for _, _, t in kernels)
     comm_ms = sum(t for _, _, t in comm)
     summary = (f"{name}: step {median:.3f} ms; kernels {total:.3f} ms in "
-               f"{sum(c for _, c, _ in kernels)} launches; communication {comm_ms:.3f} ms in "
-               f"{sum(c for _, c, _ in comm)}")
+               f"{sum(c for _, c, _ in kernels):g} launches; communication {comm_ms:.3f} ms in "
+               f"{sum(c for _, c, _ in comm):g}")
+    if ctx.cuda:
+        summary += f"; {_timeline(prof, STEPS)}; clocks {clocks.summary()}"
     if ctx.rank == 0:
-        lines = [summary, "", f"{'count':>6} {'total ms':>10}  name"]
-        lines += [f"{c:6d} {t:10.3f}  {n[:150]}" for n, c, t in kernels[:ROWS]]
+        lines = [summary, "", f"per step (of {STEPS}):", f"{'count':>6} {'total ms':>10}  name"]
+        lines += [f"{c:6g} {t:10.3f}  {n[:150]}" for n, c, t in kernels[:ROWS]]
         lines += ["", "aten ops by input shapes:", *_shapes(prof)]
         with open(os.path.join(ctx.out, f"gpt3_profile_{name}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -84,7 +108,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where rank 0 writes the tables")
     parser.add_argument("--quick", action="store_true", help="the case's tiny sizes")
-    parser.add_argument("--variants", default="dtensor_tp_sp,meshfuse_autograd,meshfuse",
+    parser.add_argument("--variants", default="dtensor_tp_sp,meshfuse_autograd_compiled,"
+                        "meshfuse_compiled",
                         help="comma-separated variants of the gpt3_layer case")
     args = parser.parse_args(argv)
     ctx = context.setup(args.quick)
