@@ -174,7 +174,10 @@ def assert_declared(tv, like: torch.Tensor, symbolic: bool, what: str) -> None:
     for axis, (id_, n) in enumerate(zip(ids, like.shape)):
         assert id_.extent in ((None, n) if symbolic else (n,)), \
             f"{what}: declared extents {extents}, reference shape {list(like.shape)}"
-        assert not id_.is_broadcast or n == 1, f"{what}: axis {axis} is declared broadcast"
+        # a broadcast axis of extent above 1 is an expanded one: its values repeat (the
+        # reference's too: a stride-0 axis)
+        assert not id_.is_broadcast or n == 1 or like.stride(axis) == 0, \
+            f"{what}: axis {axis} is declared broadcast but the reference varies along it"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, add_op
 from meshfuse.ir.fusion import Expr, Fusion
-from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
@@ -179,7 +179,7 @@ class _BackwardBuilder:
         for index, out in enumerate(self.forward.outputs()):
             if out in self.active:
                 self.cotangent_of.append(index)
-                self._accumulate(out, self._new_input(out))
+                self._accumulate(out, self._new_input(out, cotangent=True))
         for expr in reversed(self.forward.exprs):
             self._apply_rule(expr)
         for tv in sorted(self.wrt, key=self.forward.inputs().index):
@@ -248,12 +248,16 @@ class _BackwardBuilder:
         self.pins.extend((new, old) for new, old in zip(outs, expr.outputs)
                          if isinstance(new, TensorView) and new.logical)
 
-    def _new_input(self, v: Val) -> Val:
-        """A backward input shaped like primal ``v`` (its schedule is pinned later)."""
+    def _new_input(self, v: Val, cotangent: bool = False) -> Val:
+        """A backward input shaped like primal ``v`` (its schedule is pinned later). A
+        cotangent varies along ``v``'s expanded broadcast axes (extent above 1): those are
+        iteration axes of it."""
         if isinstance(v, Scalar):
             return self.backward.add_input(Scalar(v.dtype))
-        new = TensorView(self.backward, [IterDomain(i.extent, i.iter_type)
-                                         for i in v.materialized()], v.dtype)
+        new = TensorView(self.backward, [
+            IterDomain(i.extent, IterType.Iteration if cotangent and i.is_broadcast and
+                       i.extent not in (1, None) else i.iter_type)
+            for i in v.materialized()], v.dtype)
         self.pins.append((new, v))
         return self.backward.add_input(new)
 

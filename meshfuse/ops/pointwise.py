@@ -348,7 +348,7 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
             dtype = _float_of(dtype)
         return [OutSpec(fixed_dtype or result_dtype(name, dtype), axes)]
 
-    impl = _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND)
+    impl = _broadcasting(_scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND))
     if name in LOW_PRECISION_TO_FLOAT:
         impl = _in_float(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
@@ -372,6 +372,46 @@ def _scalar_safe(fn, number_first: bool, number_second: bool):
         return fn(a, b)
 
     call.__name__ = fn.__name__
+    return call
+
+
+def broadcastable(*operands):
+    """``operands`` with each *expanded* axis that another operand disagrees with cut to one
+    element, so that PyTorch broadcasts it like extent 1.
+
+    A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis
+    (nvFuser's): its tensor holds that extent as a stride-0 view (every element the same),
+    and a pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1,
+    so a stride-0 axis whose extent differs from another operand's (not 1) is narrowed to
+    its first element; other operands are passed as they are.
+    """
+    tensors = [x for x in operands if isinstance(x, torch.Tensor) and x.ndim]
+    if len(tensors) < 2 or all(x.shape == tensors[0].shape for x in tensors):
+        return operands
+    ndim = max(x.ndim for x in tensors)
+    result = list(operands)
+    for i, x in enumerate(operands):
+        if not isinstance(x, torch.Tensor) or not x.ndim:
+            continue
+        for axis in range(x.ndim):
+            size = x.shape[axis]
+            if size == 1 or x.stride(axis) != 0:
+                continue
+            aligned = axis - x.ndim + ndim
+            others = {y.shape[aligned - ndim + y.ndim] for y in tensors
+                      if y is not x and aligned - ndim + y.ndim >= 0}
+            if others - {1, size}:
+                result[i] = result[i].narrow(axis, 0, 1)
+    return result
+
+
+def _broadcasting(fn):
+    """``fn`` taking its operands through :func:`broadcastable`."""
+
+    def call(*operands, **kwargs):
+        return fn(*broadcastable(*operands), **kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "call")
     return call
 
 
@@ -415,7 +455,8 @@ def _gelu_backward_infer(grad, x, approximate):
 register(OpDef(
     "gelu_backward", (tensor("grad"), tensor("x"), attr("approximate", "none")),
     _gelu_backward_infer,
-    lambda grad, x, approximate: torch.ops.aten.gelu_backward(grad, x, approximate=approximate),
+    _broadcasting(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
+        grad, x, approximate=approximate)),
     doc="grad * gelu'(x), one kernel (the backward of gelu)",
 ))
 
@@ -468,7 +509,7 @@ def _where_infer(cond, a, b):
 def _where(cond, a, b):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return torch.where(cond, a, b)
+    return torch.where(*broadcastable(cond, a, b))
 
 
 def _where_grads(d, grads):

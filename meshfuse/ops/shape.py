@@ -76,8 +76,10 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
                 "use a positive extent (-1, keep the input's extent, only on an input axis)"
             )
         if out_axis not in dims:
-            kind = IterType.Broadcast if extent == 1 else IterType.Iteration
-            axes.append(AxisSpec(extent, kind))
+            # A new axis is a broadcast axis; of an extent above 1, an *expanded* one (as in
+            # nvFuser): it has that extent where it is an output or reduced, and broadcasts
+            # like extent 1 against the other operands of a pointwise op.
+            axes.append(AxisSpec(extent, IterType.Broadcast))
             continue
         a = dims.index(out_axis)
         in_extent = x.shape[a]

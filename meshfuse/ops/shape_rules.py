@@ -113,7 +113,9 @@ def _promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
 
 def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:
     """The output axes of a pointwise op: tensor arguments aligned on the right, extents
-    checked equal where neither is a broadcast axis.
+    checked equal where neither is a broadcast axis. A broadcast axis broadcasts against any
+    extent, expanded ones (extent above 1) included; where all are broadcast axes the
+    output's is one too, of their expanded extent.
 
     Sources are the non-broadcast input axes (all inputs' axes where every one is broadcast).
     """
@@ -138,8 +140,22 @@ def broadcast_axes(op: str, args: list) -> tuple[AxisSpec, ...]:
             extent = next(iter(static)) if static else None
             axes.append(AxisSpec(extent, IterType.Iteration, tuple((p, a) for p, a, _ in real)))
         else:
-            axes.append(AxisSpec(1, IterType.Broadcast, tuple((p, a) for p, a, _ in bcast)))
+            axes.append(AxisSpec(_expanded_extent(op, out_axis, bcast), IterType.Broadcast,
+                                 tuple((p, a) for p, a, _ in bcast)))
     return tuple(axes)
+
+
+def _expanded_extent(op: str, out_axis: int, bcast: list) -> int:
+    """The extent of an output axis where every operand's is a broadcast axis: 1, or the
+    expanded extent the expanded ones (``broadcast_in_dim``'s new axes) agree on."""
+    expanded = {e for _, _, e in bcast if e not in (1, None)}
+    if len(expanded) > 1:
+        detail = ", ".join(f"argument {p} axis {a} is expanded to {e}" for p, a, e in bcast)
+        raise DefinitionError(
+            f"{op}: broadcast axes expanded to different extents meet on output axis "
+            f"{out_axis}: {detail}; expand them alike"
+        )
+    return expanded.pop() if expanded else 1
 
 
 def carried_partials(args: list) -> tuple[AxisSpec, ...]:

@@ -210,7 +210,8 @@ def global_shape(tv: TensorView, x: torch.Tensor) -> tuple[int, ...]:
                 f"input {tv.name} axis {axis} is a device axis (parallelized on "
                 f"{tv.parallel[id_].value}); its local extent must be 1, got {x.shape[axis]}"
             )
-        if id_.is_broadcast and x.shape[axis] != 1:
+        if id_.is_broadcast and x.shape[axis] not in (1, id_.extent):
+            # (an expanded broadcast axis, a residual of a backward, has its extent)
             raise InputError(
                 f"input {tv.name} axis {axis} is a broadcast axis (declared extent 1) but has "
                 f"extent {x.shape[axis]}; declare it -1 or pass extent 1"
