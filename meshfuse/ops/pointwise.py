@@ -334,7 +334,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
         dtype = result_dtype(name, _float_of(x.dtype) if float_result else x.dtype)
         return [OutSpec(dtype, same_axes(0, x))]
 
-    impl = _as_tensor(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn)
+    impl = _as_tensor(_keeps_repeats(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
     kind = "floating-point" if float_result else "dtype-preserving"
     return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
                  vjp=_unary_vjp(name))
@@ -348,9 +348,10 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
             dtype = _float_of(dtype)
         return [OutSpec(fixed_dtype or result_dtype(name, dtype), axes)]
 
-    impl = _broadcasting(_scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND))
+    impl = _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND)
     if name in LOW_PRECISION_TO_FLOAT:
         impl = _in_float(impl)
+    impl = _keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
                  doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
 
@@ -375,41 +376,50 @@ def _scalar_safe(fn, number_first: bool, number_second: bool):
     return call
 
 
-def broadcastable(*operands):
-    """``operands`` with each *expanded* axis that another operand disagrees with cut to one
-    element, so that PyTorch broadcasts it like extent 1.
+def _repeated(x) -> bool:
+    """Whether tensor ``x`` has a stride-0 axis of extent above 1 (its values repeat)."""
+    return isinstance(x, torch.Tensor) and 0 in x.stride() and \
+        any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
 
-    A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis
-    (nvFuser's): its tensor holds that extent as a stride-0 view (every element the same),
-    and a pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1,
-    so a stride-0 axis whose extent differs from another operand's (not 1) is narrowed to
-    its first element; other operands are passed as they are.
+
+def pointwise_call(fn, *operands, **kwargs):
+    """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
+
+    A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
+    its tensor holds that extent as a stride-0 view (every element the same), and a
+    pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1, so each
+    stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
+    its result is expanded back: along an axis where some operand's values vary, to that
+    operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
     """
-    tensors = [x for x in operands if isinstance(x, torch.Tensor) and x.ndim]
-    if len(tensors) < 2 or all(x.shape == tensors[0].shape for x in tensors):
-        return operands
+    if not any(_repeated(x) for x in operands):
+        return fn(*operands, **kwargs)
+    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     ndim = max(x.ndim for x in tensors)
-    result = list(operands)
-    for i, x in enumerate(operands):
-        if not isinstance(x, torch.Tensor) or not x.ndim:
+    shape = [1] * ndim
+    varying = [False] * ndim
+    cut = []
+    for x in operands:
+        if not isinstance(x, torch.Tensor):
+            cut.append(x)
             continue
-        for axis in range(x.ndim):
-            size = x.shape[axis]
-            if size == 1 or x.stride(axis) != 0:
-                continue
-            aligned = axis - x.ndim + ndim
-            others = {y.shape[aligned - ndim + y.ndim] for y in tensors
-                      if y is not x and aligned - ndim + y.ndim >= 0}
-            if others - {1, size}:
-                result[i] = result[i].narrow(axis, 0, 1)
-    return result
+        for axis, (n, stride) in enumerate(zip(x.shape, x.stride())):
+            out = axis + ndim - x.ndim
+            repeats = stride == 0 and n > 1
+            if n > 1 and not varying[out]:
+                shape[out], varying[out] = n, not repeats
+            if repeats:
+                x = x.narrow(axis, 0, 1)
+        cut.append(x)
+    result = fn(*cut, **kwargs)
+    return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
 
 
-def _broadcasting(fn):
-    """``fn`` taking its operands through :func:`broadcastable`."""
+def _keeps_repeats(fn):
+    """``fn`` run through :func:`pointwise_call`."""
 
     def call(*operands, **kwargs):
-        return fn(*broadcastable(*operands), **kwargs)
+        return pointwise_call(fn, *operands, **kwargs)
 
     call.__name__ = getattr(fn, "__name__", "call")
     return call
@@ -455,7 +465,7 @@ def _gelu_backward_infer(grad, x, approximate):
 register(OpDef(
     "gelu_backward", (tensor("grad"), tensor("x"), attr("approximate", "none")),
     _gelu_backward_infer,
-    _broadcasting(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
+    _keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
     doc="grad * gelu'(x), one kernel (the backward of gelu)",
 ))
@@ -476,7 +486,7 @@ def _cast_infer(x, dtype):
 
 register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
-    lambda x, dtype: x.to(dtype.torch_dtype),
+    _keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
     doc="element type conversion",
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))
@@ -509,7 +519,7 @@ def _where_infer(cond, a, b):
 def _where(cond, a, b):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return torch.where(*broadcastable(cond, a, b))
+    return pointwise_call(torch.where, cond, a, b)
 
 
 def _where_grads(d, grads):
