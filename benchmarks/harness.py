@@ -26,7 +26,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.context import Context
-from benchmarks.timing import combine, host_us_per_call, summarize, timed_samples
+from benchmarks.timing import (
+    combine,
+    host_us_per_call,
+    interleaved_ratio,
+    summarize,
+    timed_samples,
+)
 
 
 class Skip(Exception):
@@ -237,6 +243,33 @@ def run_variants(ctx: Context, case: str, config: str, variants: list[Variant], 
         _release(ctx)
     set_ratios(records, baseline)
     return records
+
+
+def kept(variant: Variant, steps: dict) -> Variant:
+    """``variant`` whose step is also kept in ``steps`` by name (for :func:`interleave`,
+    after every variant ran alone)."""
+    def setup():
+        made = variant.setup()
+        steps[variant.name] = made[0] if isinstance(made, tuple) else made
+        return made
+
+    return dataclasses.replace(variant, setup=setup)
+
+
+def interleave(ctx: Context, records: list[Record], steps: dict, baseline: str,
+               rounds: int, iters: int, names: list[str]) -> None:
+    """The time of each variant of ``names`` over ``baseline``'s, timed interleaved with it
+    (:func:`~benchmarks.timing.interleaved_ratio`: alternating blocks, so that a drift of the
+    devices' clocks hits both alike), into its record's metrics (``interleaved_ratio``)."""
+    base = steps.get(baseline)
+    for record in records:
+        step = steps.get(record.variant)
+        if base is None or step is None or record.variant not in names:
+            continue
+        ratio = interleaved_ratio(ctx, functools.partial(_waited_step, base),
+                                  functools.partial(_waited_step, step), rounds, iters)
+        record.metrics["interleaved_ratio"] = round(ratio, 3)
+        record.metrics["summary"] = f"interleaved with {baseline}: {ratio:.3f}x"
 
 
 def autograd_step(run: Callable[..., torch.Tensor], inputs, cotangent: torch.Tensor,

@@ -3,8 +3,9 @@
 ``mlp_autodiff``: the Megatron MLP of the ``mlp`` case (T8192 H8192 F32768, bf16), forward
 and backward: ``hand_written`` (baseline: :class:`~benchmarks.fusions.MegatronMlp`, the
 backward written out in the same fusion) against ``derived`` (the forward only, its backward
-derived, run through torch autograd). Time and peak memory. The GPT-3 layer through autograd
-is a variant of the ``gpt3_layer`` case.
+derived, run through torch autograd). Time and peak memory; ``derived`` is also timed
+interleaved with ``hand_written`` (metric ``interleaved_ratio``). The GPT-3 layer through
+autograd is a variant of the ``gpt3_layer`` case.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import meshfuse
 from benchmarks.cases.mlp import QUICK_SIZES, SIZES, mlp_flops, tensors
 from benchmarks.context import Context
 from benchmarks.fusions import MegatronMlp
-from benchmarks.harness import Plan, Record, Variant, autograd_step, check_close, run_variants
+from benchmarks.harness import (
+    Plan,
+    Record,
+    Variant,
+    autograd_step,
+    check_close,
+    interleave,
+    kept,
+    run_variants,
+)
 from meshfuse import DataType, FusionDefinition, ParallelType
 
 TOL = 3e-2  # bf16, relative
@@ -68,6 +78,10 @@ def mlp_run(ctx: Context) -> list[Record]:
         Variant("derived", derived, "forward only; backward derived, through torch autograd"),
     ]
     params = dict(sizes, dtype=str(dtype).removeprefix("torch."))
-    return run_variants(ctx, "mlp_autodiff",
-                        f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
-                        variants, plan, "hand_written", params)
+    steps: dict = {}
+    records = run_variants(ctx, "mlp_autodiff",
+                           f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
+                           [kept(v, steps) for v in variants], plan, "hand_written", params)
+    rounds, iters = (2, 2) if ctx.quick else (7, 10)
+    interleave(ctx, records, steps, "hand_written", rounds, iters, ["derived"])
+    return records

@@ -34,8 +34,6 @@ FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counte
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 
 import torch
@@ -50,10 +48,10 @@ from benchmarks.harness import (
     Variant,
     autograd_step,
     check_close,
+    interleave,
+    kept,
     run_variants,
-    waited,
 )
-from benchmarks.timing import interleaved_ratio
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
 
@@ -81,36 +79,6 @@ def _environment(name: str, value: str):
             del os.environ[name]
         else:
             os.environ[name] = previous
-
-
-def _kept(variant: Variant, steps: dict) -> Variant:
-    """``variant`` whose step is also kept in ``steps`` by name (for the interleaved
-    timing, after every variant ran alone)."""
-    def setup():
-        made = variant.setup()
-        steps[variant.name] = made[0] if isinstance(made, tuple) else made
-        return made
-
-    return dataclasses.replace(variant, setup=setup)
-
-
-def _waited(step):
-    return waited(step())
-
-
-def interleave(ctx: Context, records: list[Record], steps: dict, baseline: str,
-               rounds: int, iters: int) -> None:
-    """Each meshfuse variant's time over ``baseline``'s, timed interleaved with it
-    (:func:`~benchmarks.timing.interleaved_ratio`), into its record's metrics."""
-    base = steps.get(baseline)
-    for record in records:
-        step = steps.get(record.variant)
-        if base is None or step is None or not record.variant.startswith("meshfuse"):
-            continue
-        ratio = interleaved_ratio(ctx, functools.partial(_waited, base),
-                                  functools.partial(_waited, step), rounds, iters)
-        record.metrics["interleaved_ratio"] = round(ratio, 3)
-        record.metrics["summary"] = f"interleaved with {baseline}: {ratio:.3f}x"
 
 
 def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Variant]:
@@ -215,9 +183,10 @@ def run(ctx: Context) -> list[Record]:
     config = f"b{sizes['b']} s{sizes['s']} h{sizes['h']} e{sizes['e']}"
     baseline = "dtensor_tp_sp" if ctx.world > 1 else "torch_1gpu"
     steps: dict = {}
-    cases = [_kept(v, steps) for v in variants(ctx, sizes, dtype, x, dy, params)]
+    cases = [kept(v, steps) for v in variants(ctx, sizes, dtype, x, dy, params)]
     records = run_variants(ctx, "gpt3_layer", config, cases, plan, baseline,
                            dict(sizes, dtype=str(dtype).removeprefix("torch.")))
     rounds, iters = (2, 2) if ctx.quick else (7, 10)
-    interleave(ctx, records, steps, baseline, rounds, iters)
+    interleave(ctx, records, steps, baseline, rounds, iters,
+               [r.variant for r in records if r.variant.startswith("meshfuse")])
     return records
