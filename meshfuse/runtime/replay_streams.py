@@ -118,8 +118,10 @@ class StreamPlan:
         """explain's words for what each replay seeds, or "" when nothing."""
         if not self.streams:
             return ""
-        steps = ", ".join(f"step {s.step} (seed {s.seed.describe()}, offset "
-                          f"{s.offset.describe()})" for s in self.streams)
+        steps = ", ".join(f"step {s.step} (" + ("seed drawn at each call" if s.draws else
+                                                f"seed {s.seed.describe()}, offset "
+                                                f"{s.offset.describe()}") + ")"
+                          for s in self.streams)
         return f"each replay seeds the dropout streams of {steps}"
 
 
