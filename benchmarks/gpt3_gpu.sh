@@ -28,7 +28,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_NCCL_ENABLE_MONITORING=0
 ngpu=$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')
-summary=("GPUs used: $ngpu" "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)")
+# The commit: $MESHFUSE_COMMIT where the caller sets it (a copied tree without .git would
+# read the enclosing repository's), else this tree's own .git, else unknown.
+commit=${MESHFUSE_COMMIT:-$([ -e .git ] && git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+summary=("GPUs used: $ngpu" "commit: $commit")
 if (( ngpu >= 2 )); then
   launch=(torchrun --nproc-per-node 2) baseline=dtensor_tp_sp
 else
