@@ -24,7 +24,7 @@ from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
 from meshfuse.ops.attention_backends import AttentionBackend
 from meshfuse.ops.attention_dropout import FusedDropout
 from meshfuse.runtime.replay import AutoReplay, why_not_replayed
-from meshfuse.runtime.replay_streams import Source, plan_streams
+from meshfuse.runtime.replay_streams import Source, plan_streams, seed_inputs
 from meshfuse.testing.utils import current_device
 
 CUDA = torch.device("cuda")  # what the decision is told; the programs run on the CPU
@@ -218,6 +218,20 @@ def test_a_capture_gives_its_draws_back_and_allows_only_its_generators():
     assert rng.draw_seed() == expected
 
 
+def test_inputs_read_only_as_dropout_seeds_are_not_part_of_a_graphs_key():
+    """A replay reads such inputs itself: a new seed at every call still replays."""
+    tensors = _tensors([B, H, S, S])
+    program = _program(TwoAttentions([B, H, S, S], seeds="input"), tensors + [5, 0, 6, 1])
+    assert seed_inputs(program) == {4, 5, 6, 7}
+    with FusionDefinition() as fd:  # an offset also read by a kernel is keyed
+        q, k, v = (fd.define_tensor([B, H, S, S], dtype=DataType.BFloat16) for _ in range(3))
+        seed, offset = (fd.define_scalar(dtype=DataType.Int) for _ in range(2))
+        fd.add_output(fd.ops.sdpfa_fwd(q, k, v, 0.2, True, None, rng_seed=seed,
+                                       rng_offset=offset)[0])
+        fd.add_output(fd.ops.mul(q, offset))
+    assert seed_inputs(_program(fd, tensors[:3] + [5, 0])) == {3}
+
+
 def test_dropout_p_zero_at_this_call_draws_nothing():
     """``dropout_p`` as an input: a graph captured for ``dropout_p = 0`` has no stream (the
     interpreter draws no seed then either)."""
@@ -316,20 +330,19 @@ def test_cuda_replayed_seed_attention_is_the_interpreter(multidevice_test, backe
 def test_cuda_two_dropout_steps_in_one_graph(multidevice_test, seeds):
     """Each attention step keeps its own generator: two dropout forwards in one graph draw
     their own streams, as in the interpreter; constant seeds give one mask at every call,
-    input seeds the mask of the call's seeds (alternated, so that each is replayed)."""
+    input seeds the mask of the call's seeds (new ones at every call: a replay reads them)."""
     shape = [2, 4, 128, 64]
     tensors = _tensors(shape, current_device())
-    values = [[5, 0, 6, 1], [7, 2, 8, 3]]
 
     def inputs_of(call):
-        return tensors + (values[call % 2] if seeds == "input" else [])
+        return tensors + ([5 + call, call, 6 + call, 1 + call] if seeds == "input" else [])
 
     def make():
         return TwoAttentions(shape, seeds=seeds)
 
     replayed, line = _calls(make, inputs_of, "cudnn", calls=6)
     interpreted, _ = _calls(make, inputs_of, "cudnn", calls=6, replay=False)
-    assert "graphs captured" in line and "seeds the dropout streams" in line, line
+    assert "graphs captured for 1 sets" in line and "seeds the dropout streams" in line, line
     _assert_bitwise(replayed, interpreted)
     last = replayed[5]
     assert not torch.equal(last[0], last[4])  # the two steps' masks differ

@@ -17,8 +17,9 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
   its inputs (an autograd backward: its inputs are to be freed as it runs).
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
-  graphs are kept per set of input addresses (and Python scalar values): a call whose inputs
-  sit where a captured call's did replays. A set of addresses is captured at its second
+  graphs are kept per set of input addresses (and Python scalar values, but for the seeds
+  of dropout, which each replay reads itself): a call whose inputs sit where a captured
+  call's did replays. A set of addresses is captured at its second
   call (the first runs the interpreter: a loop whose inputs move every call never pays for
   captures it would not replay; the signature's first call also binds kernels and compiles
   segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
@@ -50,7 +51,12 @@ from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
 from meshfuse.runtime.graphs import capture, pool_bytes
 from meshfuse.runtime.program import unchanged_view
-from meshfuse.runtime.replay_streams import StreamPlan, plan_streams, static_reason
+from meshfuse.runtime.replay_streams import (
+    StreamPlan,
+    plan_streams,
+    seed_inputs,
+    static_reason,
+)
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
@@ -177,6 +183,8 @@ class AutoReplay:
         self._budget = budget or GraphBudget()
         self._cuda = cuda
         self.reason = why_not_replayed(program, device)
+        # inputs a replay reads on the host, not part of a graph's key
+        self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         self.graphs = 0  # captured, over all sets of input addresses
@@ -190,6 +198,8 @@ class AutoReplay:
         if self.reason is not None or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
+        if self._unkeyed:
+            key = tuple(None if i in self._unkeyed else k for i, k in enumerate(key))
         graphs = self._graphs.get(key)
         if graphs is None:
             if key not in self._seen:  # addresses not seen before: the interpreter

@@ -144,6 +144,25 @@ def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
     return None
 
 
+def seed_inputs(program: Program) -> frozenset[int]:
+    """Positions of the program's inputs that it reads only as the ``rng_seed`` or
+    ``rng_offset`` of dropout forwards. A replayed program's forwards all draw through fused
+    kernels (:func:`plan_streams` refuses the others), so such an input is read on the host
+    by each replay (:meth:`StreamPlan.prepare`), never by the graph: a graph need not be
+    captured per value of it."""
+    seeds, other = set(), set()
+    for step in program.steps:
+        names = [p.name for p in lookup(step.op).params] if step.op in ATTENTION else ()
+        for position, arg in enumerate(step.args):
+            slots = arg if isinstance(arg, list) else [arg]
+            for slot in (s for s in slots if isinstance(s, Slot)):
+                is_seed = step.op == "sdpfa_fwd" and names[position] in ("rng_seed",
+                                                                         "rng_offset")
+                (seeds if is_seed else other).add(slot.index)
+    slots = list(program.input_slots)
+    return frozenset(slots.index(s) for s in seeds - other if s in slots)
+
+
 def plan_streams(program: Program, inputs: Sequence[Any]) -> StreamPlan | str:
     """The :class:`StreamPlan` of ``program`` captured for ``inputs`` (its kernels bound by
     an earlier call with the same scalar values), or why it cannot be captured."""
