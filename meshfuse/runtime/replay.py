@@ -18,8 +18,10 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   its inputs (an autograd backward: its inputs are to be freed as it runs).
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
   graphs are kept per set of input addresses (and Python scalar values, but for the seeds
-  of dropout, which each replay reads itself): a call whose inputs sit where a captured
-  call's did replays. A set of addresses is captured at its second
+  of dropout, which each replay reads itself), and per state of
+  ``torch.use_deterministic_algorithms`` (kernels such as flash attention's backward are
+  chosen by it at each call; a graph keeps those it captured): a call whose inputs sit
+  where a captured call's did, in the same mode, replays. A set of addresses is captured at its second
   call (the first runs the interpreter: a loop whose inputs move every call never pays for
   captures it would not replay; the signature's first call also binds kernels and compiles
   segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
@@ -200,6 +202,9 @@ class AutoReplay:
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
         if self._unkeyed:
             key = tuple(None if i in self._unkeyed else k for i, k in enumerate(key))
+        # A graph keeps the kernels of its capture; the interpreter picks a deterministic
+        # backward (flash's) whenever torch's switch is on at the call.
+        key += (torch.are_deterministic_algorithms_enabled(),)
         graphs = self._graphs.get(key)
         if graphs is None:
             if key not in self._seen:  # addresses not seen before: the interpreter

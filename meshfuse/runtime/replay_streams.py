@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -79,6 +80,14 @@ class GraphStream:
         """Whether a call draws its seed from torch's generator."""
         return self.seed.position is None and self.seed.constant is None
 
+    @functools.cached_property
+    def fixed_key(self) -> int | None:
+        """The stream key when the seed and offset are constants (hashed once), else None."""
+        if self.draws or self.seed.position is not None or self.offset.position is not None:
+            return None
+        return self.dropout.key(*resolve_seed("sdpfa_fwd", self.seed.constant,
+                                              self.offset.constant))
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
@@ -97,9 +106,14 @@ class StreamPlan:
         interpreter would at this call; returns the stream keys."""
         keys = []
         for stream in self.streams:
-            seed, offset = resolve_seed("sdpfa_fwd", stream.seed.value(inputs),
-                                        stream.offset.value(inputs))
-            keys.append(stream.dropout.seed_stream(seed, offset))
+            key = stream.fixed_key
+            if key is not None:
+                stream.dropout.swap.seed(key)
+            else:
+                seed, offset = resolve_seed("sdpfa_fwd", stream.seed.value(inputs),
+                                            stream.offset.value(inputs))
+                key = stream.dropout.seed_stream(seed, offset)
+            keys.append(key)
         return keys
 
     @contextlib.contextmanager
