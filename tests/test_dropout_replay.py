@@ -23,7 +23,7 @@ from meshfuse.ops import rng
 from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
 from meshfuse.ops.attention_backends import AttentionBackend
 from meshfuse.ops.attention_dropout import FusedDropout
-from meshfuse.runtime.replay import AutoReplay, why_not_replayed
+from meshfuse.runtime.replay import AutoReplay, _Graph, why_not_replayed
 from meshfuse.runtime.replay_streams import Source, plan_streams, seed_inputs
 from meshfuse.testing.utils import current_device
 
@@ -402,3 +402,59 @@ def test_cuda_replays_leave_the_users_generator_alone():
     assert torch.equal(torch.rand(8, device="cuda"), expected)
     line = next(s for s in model.explain(inputs).splitlines() if "CUDA graph replay" in s)
     assert "graphs captured" in line, line
+
+
+class _AttentionOnly(FusionDefinition):
+    """An attention forward with dropout 0.1 (its backward derived by autodiff)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def definition(self):
+        q, k, v = (self.define_tensor(self.shape, dtype=DataType.BFloat16) for _ in range(3))
+        self.add_output(self.ops.sdpfa_fwd(q, k, v, 0.1, True, None)[0])
+
+
+@cuda_only
+def test_cuda_autograd_through_a_replayed_dropout_forward(monkeypatch):
+    """``as_autograd_function``: the forward replays (the backward donates its inputs, so
+    the interpreter runs it, replaying the RNG state the replayed forward wrote); outputs and
+    gradients are an interpreted run's, call for call."""
+    shape = [2, 4, 128, 64]
+    base = _tensors(shape, "cuda")
+    replays = []
+    original = _Graph.replay
+
+    def counted(graph, inputs):
+        replays.append(1)
+        return original(graph, inputs)
+
+    monkeypatch.setattr(_Graph, "replay", counted)
+
+    def run(replayed: bool):
+        if replayed:
+            monkeypatch.delenv("MESHFUSE_CUDA_GRAPH", raising=False)
+        else:  # read when a fusion is first built
+            monkeypatch.setenv("MESHFUSE_CUDA_GRAPH", "0")
+        function = _AttentionOnly(shape).as_autograd_function()
+        leaves = [t.clone().requires_grad_() for t in base[:3]]
+        torch.manual_seed(77)
+        results = []
+        for call in range(4):
+            with _backend("cudnn") if call == 0 else contextlib.nullcontext():
+                (attn,) = function(leaves)
+                attn.backward(base[3])
+            results.append([attn.detach().clone(), *(t.grad.clone() for t in leaves)])
+            for t in leaves:
+                t.grad = None
+            del attn
+        return results
+
+    replayed = run(True)
+    assert len(replays) >= 2, "the forward was not replayed"
+    count = len(replays)
+    interpreted = run(False)
+    assert len(replays) == count
+    _assert_bitwise(replayed, interpreted)
+    assert not torch.equal(replayed[2][0], replayed[3][0])
