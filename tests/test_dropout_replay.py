@@ -6,7 +6,8 @@ interpreter's draws, in its order), the stream keys and the generators it seeds,
 generator given back after a capture. A fused kernel stands in where the CPU binds the math
 kernel. On a CUDA device: the replayed program's outputs are bitwise the interpreter's at every
 call index (forward and backward, cuDNN and flash, drawn, constant and input seeds, two
-dropout steps in one graph, 1 and 2 ranks), and the user's CUDA generator is left alone.
+dropout steps in one graph, 1 and 2 ranks, an autograd function whose forward replays), and
+the user's CUDA generator is left alone.
 """
 
 from __future__ import annotations
