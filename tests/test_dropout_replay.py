@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition
+from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.ops import rng
 from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
@@ -93,17 +93,46 @@ def test_dropout_with_a_fused_kernel_may_replay_from_its_records():
     assert why_not_replayed(_program(model, inputs), CUDA) is None
 
 
-def test_the_global_mask_and_random_ops_are_never_replayed():
+def test_the_global_mask_is_never_replayed():
     model = SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), B, H, S, E, dropout_p=0.1,
                           dropout_mode="global")
     inputs = model.inputs_for(*random_inputs(B, H, S, E), 0)
     reason = why_not_replayed(_program(model, inputs), CUDA)
     assert reason is not None and "global dropout mask" in reason and "sdpfa_fwd" in reason
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([8, 8], dtype=DataType.Float)
-        fd.add_output(fd.ops.add(x, fd.ops.rand_like(x, rng_seed=1, rng_offset=0)))
-    reason = why_not_replayed(_program(fd, [torch.randn(8, 8)]), CUDA)
-    assert reason is not None and "draws random numbers" in reason and "rand_like" in reason
+
+
+class _Noisy(FusionDefinition):
+    """x + rand_like(x): the seed drawn at each call, constant, or an input."""
+
+    def __init__(self, seeds=None):
+        super().__init__()
+        self.seeds = seeds
+
+    def definition(self):
+        x = self.define_tensor([8, 8], dtype=DataType.Float)
+        kwargs = {}
+        if self.seeds == "constant":
+            kwargs = {"rng_seed": 1, "rng_offset": 0}
+        elif self.seeds == "input":
+            kwargs = {"rng_seed": self.define_scalar(dtype=DataType.Int),
+                      "rng_offset": self.define_scalar(dtype=DataType.Int)}
+        self.add_output(self.ops.add(x, self.ops.rand_like(x, **kwargs)))
+
+
+@pytest.mark.parametrize("seeds", [None, "constant", "input"])
+def test_random_ops_replay_only_with_their_seed_given(seeds):
+    """A random op computes its values from the seed on the host: a graph replays them only
+    where the seed is fixed for it (a constant, or an input: a graph per value)."""
+    inputs = [torch.randn(8, 8)] + ([5, 2] if seeds == "input" else [])
+    program = _program(_Noisy(seeds), inputs)
+    reason = why_not_replayed(program, CUDA)
+    if seeds is None:
+        assert reason is not None and "draws random numbers" in reason and "rand_like" in reason
+        return
+    assert reason is None and plan_streams(program, inputs).streams == ()
+    if seeds == "input":
+        assert seed_inputs(program) == frozenset()  # keyed: a graph per seed value
+        assert "seed is a tensor" in plan_streams(program, [inputs[0], torch.tensor(5), 2])
 
 
 class _FakeCuda:
@@ -459,3 +488,34 @@ def test_cuda_autograd_through_a_replayed_dropout_forward(monkeypatch):
     assert len(replays) == count
     _assert_bitwise(replayed, interpreted)
     assert not torch.equal(replayed[2][0], replayed[3][0])
+
+
+@cuda_only
+def test_cuda_graph_true_draws_the_interpreters_masks():
+    """``execute(cuda_graph=True)`` (captured at the first call, inputs and outputs copied)
+    seeds the dropout streams before each replay as the automatic replay does."""
+    b, h, s, e = 2, 4, 128, 256
+
+    def make():
+        return SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), b, h, s, e, dropout_p=0.1)
+
+    inputs = make().inputs_for(*random_inputs(b, h, s, e, device="cuda"), 0)
+    results = {}
+    for option in (True, False):
+        model = make()
+        torch.manual_seed(3)
+        with _backend("cudnn"):
+            results[option] = [model.execute(inputs, cuda_graph=option) for _ in range(4)]
+    _assert_bitwise(results[True], results[False])
+    assert not torch.equal(results[True][2][0], results[True][3][0])
+
+
+@cuda_only
+def test_cuda_graph_true_refuses_random_values_drawn_on_the_host():
+    x = torch.randn(8, 8, device="cuda")
+    with pytest.raises(InputError, match=r"cuda_graph=True.*draws random numbers.*rand_like"):
+        _Noisy().execute([x], cuda_graph=True)
+    for seeds, extra in (("constant", []), ("input", [5, 2])):
+        fd = _Noisy(seeds)
+        first = fd.execute([x] + extra, cuda_graph=True)[0]
+        torch.testing.assert_close(fd.execute([x] + extra, cuda_graph=False)[0], first)

@@ -46,6 +46,7 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.executor import Program, Slot, Step
 
 ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
+SEED_ARGS = ("rng_seed", "rng_offset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +143,15 @@ class StreamPlan:
 def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
     """Why a step that draws random numbers (a step with a random stream, see ``explain``)
     keeps its program from replaying, judged from its record alone; None when it may
-    replay (confirmed at the capture by :func:`plan_streams`)."""
+    replay (confirmed at the capture by :func:`plan_streams`). A random op replays when its
+    seed and offset are given (constants, or inputs: a graph is captured per value of them)."""
     if not step.note:
         return None
     if step.op not in ATTENTION:
-        return f"it draws random numbers ({step.label}: {step.note})"
+        if any(_arg(step, n) is None or _source(step, n, input_slots) is None
+               for n in SEED_ARGS):
+            return f"it draws random numbers ({step.label}: {step.note})"
+        return None
     site = step.attrs.get("site")
     if site is not None and site.mode == GLOBAL:
         return (f"it draws the global dropout mask on the host ({step.label}: the math "
@@ -185,6 +190,12 @@ def plan_streams(program: Program, inputs: Sequence[Any]) -> StreamPlan | str:
         reason = static_reason(step, program.input_slots)
         if reason is not None:
             return reason
+        if step.note and step.op not in ATTENTION:  # a random op with its seed given
+            if any(isinstance(_source(step, n, program.input_slots).value(inputs),
+                              torch.Tensor) for n in SEED_ARGS):
+                return (f"its seed is a tensor, read on the host by the capture only "
+                        f"({step.label})")
+            continue
         if not step.note or not _drops(step, program.input_slots, inputs):
             continue
         bound = getattr(call, "dropout_kernel", lambda: None)()
