@@ -8,9 +8,10 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
 - **Which programs** (:func:`why_not_replayed`). A program on CUDA tensors that communicates
   nothing (collectives stay launched from Python, overlapped as the interpreter schedules
   them, with their timeouts and error reports), draws no random numbers on the host (a graph
-  would replay one random tensor forever: a step with a random stream, see ``explain``;
-  attention dropout with a fused kernel replays, each replay seeding its streams as the
-  interpreter would: :mod:`meshfuse.runtime.replay_streams`), holds every output on this
+  would replay one random tensor forever: a step with a random stream, see ``explain``,
+  unless its seed is given; attention dropout with a fused kernel replays, each replay
+  seeding its streams as the interpreter would: :mod:`meshfuse.runtime.replay_streams`),
+  holds every output on this
   rank, and whose capture succeeds (an op that reads a value back to the host cannot be
   captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless

@@ -22,8 +22,10 @@ device memory, inside the graph or from the graph's outputs.
 
 What may replay is decided twice, from the program's records: before any call
 (:func:`static_reason`: a random op drawing with meshfuse's own generator, or the global
-dropout mask, computes its values from a seed on the host, which a graph would freeze; a seed
-computed inside the program cannot be read before the replay) and at each capture, once the
+dropout mask, computes its values from a seed on the host, which a graph would freeze, so a
+random op replays only with its seed given, a constant or an input, which a graph is
+captured for, and the global mask never; a seed computed inside the program cannot be read
+before the replay) and at each capture, once the
 first call bound the kernels (:func:`plan_streams`: a fused kernel whose RNG state is
 graph-safe, cuDNN or flash, with a private generator; the math kernel reads its seed on the
 host). The capture itself runs under :meth:`StreamPlan.capturing`: the warm-up and the capture
