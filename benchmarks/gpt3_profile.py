@@ -10,15 +10,18 @@ step time, kernel time, communication kernels and collectives in ``DIR/gpt3_prof
 On GPUs the summary also gives, per step, how long the compute kernels kept the device busy,
 how long it sat idle and how much NCCL time no compute kernel hid (from the trace:
 :mod:`benchmarks.trace_summary`), and the SM clock and power while the steps were timed
-(a GPU that draws more power runs its GEMMs at a lower clock).
+(a GPU that draws more power runs its GEMMs at a lower clock); each rank's trace of the
+profiled steps is kept as ``DIR/gpt3_trace_<variant>_rank<r>.json.gz``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
+import shutil
 import statistics
 import tempfile
 from collections import defaultdict
@@ -62,10 +65,13 @@ def _shapes(prof) -> list[str]:
                        max_shapes_column_width=80).splitlines()
 
 
-def _timeline(prof, steps: int) -> str:
-    """Busy, idle and exposed-NCCL milliseconds per step from the profile's GPU trace."""
+def _timeline(prof, steps: int, keep: str) -> str:
+    """Busy, idle and exposed-NCCL milliseconds per step from the profile's GPU trace; the
+    trace is kept, gzipped, at ``keep`` (for a timeline viewer)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
+        with open(f.name, "rb") as trace, gzip.open(keep, "wb") as kept:
+            shutil.copyfileobj(trace, kept)
         with open(f.name) as trace:
             whole = trace_summary.summarize(json.load(trace))[0]
     return (f"per step on the GPU: busy {whole['compute_busy_ms'] / steps:.3f} ms, idle "
@@ -94,7 +100,8 @@ def profile_variant(ctx, name: str, step) -> str:
                f"{sum(c for _, c, _ in kernels):g} launches; communication {comm_ms:.3f} ms in "
                f"{sum(c for _, c, _ in comm):g}")
     if ctx.cuda:
-        summary += f"; {_timeline(prof, STEPS)}; clocks {clocks.summary()}"
+        trace = os.path.join(ctx.out, f"gpt3_trace_{name}_rank{ctx.rank}.json.gz")
+        summary += f"; {_timeline(prof, STEPS, trace)}; clocks {clocks.summary()}"
     if ctx.rank == 0:
         lines = [summary, "", f"per step (of {STEPS}):", f"{'count':>6} {'total ms':>10}  name"]
         lines += [f"{c:6g} {t:10.3f}  {n[:150]}" for n, c, t in kernels[:ROWS]]
