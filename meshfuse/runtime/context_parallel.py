@@ -142,6 +142,9 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
     parts = zip(_parts(q.shape[axis], record.home_parts, axis),
                 _parts(k.shape[axis], record.home_parts, axis))
     incoming, sent = None, []
+    # The sums added in place into the buffers they arrived in, not cast: with the copy
+    # engines the next rank reads them there.
+    pull = dtype == k.dtype
     for rows, keys in parts:
         _, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
                                      lse[rows], scale, causal, record,
@@ -153,7 +156,7 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
         sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
                                [h[keys].shape for h in home], group,
                                into=[h[keys] for h in home], transport=transport,
-                               slot="home"))
+                               slot="home", pull=pull))
     for pending in sent:
         pending.wait()
     return _finished(dq, q), *home

@@ -22,7 +22,14 @@ two names by step).
 3. each tensor copied into the next rank's slot (a copy engine);
 4. a barrier: every copy into this rank's slot has landed;
 5. with ``into``, the slot copied into those tensors (a local copy, a copy engine too);
-6. :meth:`wait` makes the current stream wait for the copy stream; the host never waits.
+6. :meth:`Shifted.wait` makes the current stream wait for the copy stream; the host never
+   waits.
+
+**A pull** (:func:`pull`) moves tensors that already lie in a slot of every rank (a
+ring's sums, added in place into the slot they arrived in) into tensors of the caller's:
+after one barrier each rank copies the previous rank's tensors, at the same places of its
+slot, into its own. No slot is written, so neither the second barrier nor a copy out of a
+slot is needed.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
-BARRIER_TIMEOUT_MS = 300_000  # a peer that never comes is a device error, not a hang
+BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the tensors of one slot
 
 
@@ -46,8 +53,14 @@ class _Slot:
     next rank's, mapped here."""
 
     handle: object  # torch's _SymmetricMemory
+    buffer: torch.Tensor  # this rank's allocation (bytes)
     local: list[torch.Tensor]
     remote: list[torch.Tensor]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.buffer.data_ptr()
+        return start <= t.data_ptr() and \
+            t.data_ptr() + t.numel() * t.element_size() <= start + self.buffer.numel()
 
 
 _slots: dict[tuple, _Slot] = {}
@@ -73,7 +86,7 @@ def _offsets(shapes, dtypes) -> tuple[list[int], int]:
 
 def _slot(process_group, after: int, name: str, shapes, dtypes, device) -> _Slot:
     """The slot ``name`` of these shapes and dtypes (made on first use, collectively)."""
-    key = (process_group.group_name, name, tuple(map(tuple, shapes)), tuple(dtypes))
+    key = (process_group.group_name, after, name, tuple(map(tuple, shapes)), tuple(dtypes))
     if key in _slots:
         return _slots[key]
     offsets, size = _offsets(shapes, dtypes)
@@ -90,7 +103,7 @@ def _slot(process_group, after: int, name: str, shapes, dtypes, device) -> _Slot
         count = math.prod(shape)
         local.append(buffer[at:at + count * dtype.itemsize].view(dtype).view(tuple(shape)))
         remote.append(handle.get_buffer(peer, tuple(shape), dtype, at // dtype.itemsize))
-    _slots[key] = _Slot(handle, local, remote)
+    _slots[key] = _Slot(handle, buffer, local, remote)
     return _slots[key]
 
 
@@ -133,3 +146,29 @@ def shift(tensors: Sequence[torch.Tensor], process_group, after: int, name: str,
         done = torch.cuda.Event()
         done.record(copier)
     return Shifted(done, list(received), device)
+
+
+def pull(tensors: Sequence[torch.Tensor], process_group, before: int,
+         into: Sequence[torch.Tensor]) -> Shifted:
+    """The tensors of rank ``before`` (a global rank) at the places of ``tensors`` (contiguous
+    views inside this rank's slots, as they are inside that rank's) copied into ``into``
+    (contiguous, of the same shapes and dtypes); the next rank reads this rank's alike."""
+    device = tensors[0].device
+    peer = dist.get_group_rank(process_group, before)
+    sources = []
+    for t in tensors:
+        slot = next((s for s in _slots.values() if s.holds(t)), None)
+        assert slot is not None and t.is_contiguous(), "pull: a tensor outside the slots"
+        offset = t.data_ptr() - slot.buffer.data_ptr()
+        sources.append((slot, slot.handle.get_buffer(peer, tuple(t.shape), t.dtype,
+                                                     offset // t.element_size())))
+    current, copier = torch.cuda.current_stream(device), _stream(device)
+    copier.wait_stream(current)
+    with torch.cuda.stream(copier):
+        sources[0][0].handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        for out, (_, remote) in zip(into, sources):
+            out.copy_(remote)  # the previous rank's memory, read by a copy engine
+            out.record_stream(copier)
+        done = torch.cuda.Event()
+        done.record(copier)
+    return Shifted(done, list(into), device)
