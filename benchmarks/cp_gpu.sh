@@ -6,7 +6,8 @@
 #    send/recv bit for bit, the compiled merge, both on auto; against unsharded attention);
 # 2. OUT/cp/*.md, *.json (log OUT/cp.log): the context_parallel case, every configuration
 #    (causal s=32k and 128k, non-causal 32k): one GPU, the ring with NCCL (ring_zigzag),
-#    with the copy engines, with the compiled merge, with both, block split, all-gather,
+#    with the copy engines, with the compiled merge, with both (and the sums sent home in
+#    quarters), block split, all-gather,
 #    all-to-all, the estimate's choice, torch's context_parallel;
 # 3. OUT/nccl_memcpy/*.md (log OUT/nccl_memcpy.log): causal s=32k, the NCCL ring with
 #    NCCL_P2P_USE_CUDA_MEMCPY=1 (NCCL's own copy-engine mode for send/recv);
@@ -27,7 +28,8 @@ timeout 240 python -m pytest tests/test_context_parallel_transport.py -q -x -p n
   > "$out/tests.txt" 2>&1
 summary+=("transport tests: rc=$? $(tail -1 "$out/tests.txt")")
 variants=ring_zigzag,ring_zigzag_copy_engine,ring_zigzag_compiled_merge
-variants+=,ring_zigzag_copy_engine_compiled,ring_block,allgather,alltoall,auto
+variants+=,ring_zigzag_copy_engine_compiled,ring_zigzag_copy_engine_compiled_quarters
+variants+=,ring_block,allgather,alltoall,auto
 variants+=,torch_cp_allgather,torch_cp_alltoall
 MESHFUSE_CP_BENCH_VARIANTS=$variants timeout 300 "${launch[@]}" --out "$out/cp" \
   > "$out/cp.log" 2>&1

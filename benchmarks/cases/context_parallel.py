@@ -17,6 +17,7 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels);
   ``ring_zigzag_compiled_merge``: the forward's merge compiled into one pass
   (``MESHFUSE_CP_MERGE=compiled``); ``ring_zigzag_copy_engine_compiled``: both;
+  ``..._quarters``: both, the finished sums sent home in quarters;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -224,6 +225,9 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
                   "ring", {TRANSPORT_VAR: "nccl", MERGE_VAR: "compiled"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine_compiled", sizes, s, causal, full, expected,
                   True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled"}),
+        _meshfuse(ctx, "ring_zigzag_copy_engine_compiled_quarters", sizes, s, causal, full,
+                  expected, True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled",
+                                           "MESHFUSE_CP_HOME_PARTS": "4"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),
