@@ -15,8 +15,15 @@
 #    compiled merge, timed, and a torch.profiler trace of two calls per rank with its
 #    summary (ring_zigzag_s32768_rank<r>{.json,_summary.json}).
 # A summary is printed last and written to OUT/summary.txt.
+#
+#   bash benchmarks/cp_gpu.sh OUT short     (about 2.5 minutes)
+# runs instead: OUT/cp: causal s=32k, one GPU, the default ring, the ring with the compiled
+# merge, the estimate's choice, torch's context_parallel (all-to-all); then, last (a stuck
+# barrier cannot cost the numbers), OUT/tests.txt: the copy-engine CUDA tests, the
+# back-to-back one at 4096 rows among them.
 set -u
 out=${1:-gpu-out}
+mode=${2:-full}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -24,6 +31,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TORCH_NCCL_ENABLE_MONITORING=0
 launch=(torchrun --nproc-per-node 2 -m benchmarks.run --cases context_parallel)
 summary=()
+if [ "$mode" = short ]; then
+  MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_compiled_merge,auto,torch_cp_alltoall \
+    timeout 150 "${launch[@]}" --out "$out/cp" > "$out/cp.log" 2>&1
+  summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
+  timeout 100 python -m pytest tests/test_context_parallel_transport.py -q -p no:cacheprovider \
+    -k "back_to_back or equals_nccl" > "$out/tests.txt" 2>&1
+  summary+=("copy-engine tests: rc=$? $(tail -1 "$out/tests.txt")")
+  printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+  exit 0
+fi
 timeout 240 python -m pytest tests/test_context_parallel_transport.py -q -x -p no:cacheprovider \
   > "$out/tests.txt" 2>&1
 summary+=("transport tests: rc=$? $(tail -1 "$out/tests.txt")")

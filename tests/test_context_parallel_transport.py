@@ -23,7 +23,7 @@ from test_context_parallel import (
     _sequence_sharded,
 )
 
-from meshfuse import DataType, DefinitionError
+from meshfuse import DataType, DefinitionError, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.ops import context_blocks
 from meshfuse.ops.context_blocks import Merged, merge_into
@@ -171,3 +171,51 @@ def test_copy_engine_ring_equals_nccl_ring(multidevice_test, monkeypatch, causal
     assert runs["nccl", "eager", "comms"] == runs["copy_engine", "eager", "comms"]
     for a, b in zip(runs["copy_engine", "compiled"], runs["auto", "auto"]):
         assert torch.equal(a, b)
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_copy_engine_ring_back_to_back_at_size(multidevice_test, monkeypatch):
+    """On CUDA, at a size where the kernels take milliseconds (bf16, 8 heads of 64, 4096
+    rows, cuDNN or flash): five calls with the copy engines back to back, the host never
+    waiting, each close to one call of the NCCL ring. (The benchmark's first run with the
+    copy engines, at 32768 rows, stopped in a barrier that timed out: this test asks
+    whether size and back-to-back calls are what it takes.)"""
+    if multidevice_test.size < 2:
+        pytest.skip("moves nothing on one rank")
+
+    class Big(FusionDefinition):
+        def definition(self):
+            shape = [1, 8, 4096, 64]
+            self.ins = [self.define_tensor(shape, dtype=DataType.BFloat16) for _ in range(4)]
+            q, k, v, g = self.ins
+            attn, lse, seed, offset = self.ops.sdpfa_fwd(q, k, v, 0.0, True, None,
+                                                         context_parallel="ring")
+            grads = self.ops.sdpfa_bwd(g, q, k, v, attn, lse, 0.0, True, seed, offset, None,
+                                       context_parallel="ring")
+            self.all = [*self.ins, attn, lse, *grads]
+            for t in (attn, *grads):
+                self.add_output(t)
+
+        def multidevice_schedule(self):
+            mesh = mesh_1d(multidevice_test)
+            for tv in self.all:
+                tv.set_device_mesh(mesh)
+                tv.zigzag_split(2, mesh.size)
+                tv.parallelize(2, ParallelType.mesh_x)
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 8, 4096, 64, dtype=torch.bfloat16) for _ in range(4)]
+    results = {}
+    for transport in ("nccl", "copy_engine"):
+        monkeypatch.setenv("MESHFUSE_CP_TRANSPORT", transport)
+        fd = Big()
+        fd.define()
+        local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, fd.ins)]
+        results[transport] = [fd.execute(local) for _ in range(1 if transport == "nccl"
+                                                                else 5)]
+    torch.cuda.synchronize()
+    for outputs in results["copy_engine"]:
+        for got, want in zip(outputs, results["nccl"][0]):
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert err < 1e-2, err
