@@ -131,3 +131,30 @@ def test_kernel_form_passes_the_kernels_state_through():
     assert (pair.dtype, pair.view(torch.int64).tolist(), zero.ndim) == (torch.uint64, [7, 0], 0)
     back = kernel_state(cudnn, pair, zero, 0.1, cpu)
     assert [t.tolist() for t in back] == [[7], [0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_captured_draw_replays_the_seed_set_before_each_replay():
+    """PyTorch's graph-safe RNG, as the automatic replay uses it: a kernel captured through a
+    swap whose generator is registered with the graph draws, at each replay, from the seed
+    given to the swap before it, exactly as an eager run with that key; the user's generator
+    is left alone."""
+    swap = GeneratorSwap(torch.device("cuda"))
+    expected = {key: swap.run(key, _draw, "cuda") for key in (3, 4)}
+    torch.cuda.manual_seed(9)
+    user = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(9)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(swap.generator)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        swap.run(0, _draw, "cuda")  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    with swap.capturing(), torch.cuda.graph(graph):
+        out = swap.run(0, _draw, "cuda")  # the key is the replay's to set
+    for key in (3, 4, 3):
+        swap.seed(key)
+        graph.replay()
+        assert torch.equal(out, expected[key])
+    assert torch.equal(torch.rand(8, device="cuda"), user)

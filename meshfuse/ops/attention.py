@@ -256,6 +256,13 @@ class _Forward:
         # dropout or not -> (backend, raw forward kernel or None for math, FusedDropout or None)
         self.bound = {}
 
+    def dropout_kernel(self) -> tuple[AttentionBackend, FusedDropout | None] | None:
+        """The kernel bound for calls with dropout and its :class:`FusedDropout` (None for
+        the math kernel, which draws its mask on the host's seed), or None before the first
+        such call."""
+        bound = self.bound.get(True)
+        return None if bound is None else (bound[0], bound[2])
+
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
                  dropout_mode, context_parallel, site, kernel_form=False):
         if q.ndim > 4:
@@ -555,6 +562,12 @@ class _Backward:
 
     def __init__(self) -> None:
         self.bound = {}  # dropout or not -> (backend, raw backward kernel or None for math)
+
+    def dropout_kernel(self) -> tuple[AttentionBackend, None] | None:
+        """The kernel bound for calls with dropout (with None: a backward draws nothing, it
+        replays its forward's RNG state), or None before the first such call."""
+        bound = self.bound.get(True)
+        return None if bound is None else (bound[0], None)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
                  scale, dropout_mode, context_parallel, site, kernel_form=False):

@@ -44,7 +44,7 @@ from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ops import rng
 from meshfuse.ops.attention_backends import AttentionBackend
-from meshfuse.ops.generator_swap import generator_swap
+from meshfuse.ops.generator_swap import GeneratorSwap, generator_swap
 from meshfuse.ops.registry import AxisSpec, OutSpec
 
 ENV_VAR = "MESHFUSE_DROPOUT_MODE"
@@ -250,16 +250,27 @@ def _check_state(seed, offset) -> None:
                          "outputs")
 
 
+# Fused kernels whose RNG state is in device memory, captured or not: a backward in the same
+# graph or one after it reads the state its forward's replay wrote.
+GRAPH_SAFE_KERNELS = (AttentionBackend.CUDNN, AttentionBackend.FLASH)
+
+
 class FusedDropout:
     """Per-shard dropout with a fused CUDA kernel in a program, for one input signature.
 
     Everything that depends on the signature only is decided once, when the program's kernel
-    is bound: the words the stream key hashes (the shard's position), the device's
-    :class:`~meshfuse.ops.generator_swap.GeneratorSwap` and the form of the kernel's RNG
-    state. A call hashes the seed and offset into the stream key (only when they changed
-    since the last call: a constant seed is hashed once), swaps generators around the kernel
-    and joins the kernel's RNG state into nvFuser's form, or, in ``kernel_form`` (the state
-    only feeds this program's backwards), returns the kernel's own tensors unchanged.
+    is bound: the words the stream key hashes (the shard's position), the step's own
+    :class:`~meshfuse.ops.generator_swap.GeneratorSwap` (a private generator per step, so that
+    a CUDA graph holding several dropout steps can seed each for its replay) and the form of
+    the kernel's RNG state. A call hashes the seed and offset into the stream key (only when
+    they changed since the last call: a constant seed is hashed once), swaps generators
+    around the kernel and joins the kernel's RNG state into nvFuser's form, or, in
+    ``kernel_form`` (the state only feeds this program's backwards), returns the kernel's own
+    tensors unchanged.
+
+    In a program replayed from a CUDA graph, the kernel runs inside the graph and the call's
+    host work is :meth:`seed_stream`, done by the replay before it (see
+    :mod:`meshfuse.runtime.replay_streams`).
     """
 
     def __init__(self, site: DropoutSite, backend: AttentionBackend, device: torch.device,
@@ -268,7 +279,7 @@ class FusedDropout:
         self.kernel_form = kernel_form
         self._words = site.words
         self._device = device
-        self._swap = generator_swap(device)
+        self.swap = GeneratorSwap(device)
         self._last: tuple[int | None, int | None, int] = (None, None, 0)
 
     def key(self, seed: int, offset: int) -> int:
@@ -279,12 +290,30 @@ class FusedDropout:
             self._last = (seed, offset, key)
         return key
 
+    def seed_stream(self, seed: int, offset: int) -> int:
+        """Seeds this step's generator with the stream of ``seed`` and ``offset``, as a call
+        does before its kernel (a replayed graph's kernel draws from it); returns the key."""
+        key = self.key(seed, offset)
+        self.swap.seed(key)
+        return key
+
+    def graph_unsafe(self) -> str | None:
+        """Why this kernel's dropout cannot be replayed from a CUDA graph, or None: cuDNN and
+        flash return their RNG state in device memory whether captured or not; the
+        memory-efficient kernel returns it on the host outside a graph (a replay would hand
+        its backward another form)."""
+        if self.backend not in GRAPH_SAFE_KERNELS:
+            return f"the {self.backend.value} kernel's RNG state is not graph-safe"
+        if not self.swap.exchanges_states:
+            return "this torch cannot exchange CUDA generator states"
+        return None
+
     def forward(self, kernel, seed: int, offset: int, *args):
         """``kernel(*args)`` (a bound fused forward) drawing from this shard's stream:
         ``(attn, log_sumexp, seed, offset)``, the RNG state in nvFuser's form (or the
         kernel's, in ``kernel_form``)."""
-        attn, lse, kernel_seed, kernel_offset = self._swap.run(self.key(seed, offset), kernel,
-                                                               *args)
+        attn, lse, kernel_seed, kernel_offset = self.swap.run(self.key(seed, offset), kernel,
+                                                              *args)
         if self.kernel_form:
             return attn, lse, kernel_seed, kernel_offset
         return (attn, lse,

@@ -57,16 +57,21 @@ class GraphedProgram:
 
 
 def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
-            error_mode: str = "global"):
+            error_mode: str = "global", generators: Sequence[torch.Generator] = ()):
     """``(graph, outputs, communications)``: ``program`` on ``inputs`` captured into a CUDA
     graph (nothing runs until it is replayed). ``outputs`` live in the graph's private memory
     pool and are rewritten by each replay; the graph reads ``inputs`` at their addresses.
     ``warm_up``: run the program once on a side stream first, as CUDA requires for library
     handles and workspaces. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode``
-    (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile)."""
+    (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile).
+    ``generators``: registered with the graph before its capture (PyTorch's graph-safe RNG:
+    each replay reads their seed and offset of that moment; see
+    :mod:`~meshfuse.runtime.replay_streams`)."""
     if warm_up:
         warm_up_run(program, inputs)
     graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
     with captured_communications() as communications, \
             torch.cuda.graph(graph, capture_error_mode=error_mode):
         outputs = program.run(inputs)

@@ -7,10 +7,12 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
 
 - **Which programs** (:func:`why_not_replayed`). A program on CUDA tensors that communicates
   nothing (collectives stay launched from Python, overlapped as the interpreter schedules
-  them, with their timeouts and error reports), draws no random numbers (a graph would replay
-  one dropout mask or one random tensor forever: a step with a random stream, see
-  ``explain``), holds every output on this rank, and whose capture succeeds (an op that reads
-  a value back to the host cannot be captured: the program then stays with the interpreter).
+  them, with their timeouts and error reports), draws no random numbers on the host (a graph
+  would replay one random tensor forever: a step with a random stream, see ``explain``;
+  attention dropout with a fused kernel replays, each replay seeding its streams as the
+  interpreter would: :mod:`meshfuse.runtime.replay_streams`), holds every output on this
+  rank, and whose capture succeeds (an op that reads a value back to the host cannot be
+  captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless
   ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
   its inputs (an autograd backward: its inputs are to be freed as it runs).
@@ -48,6 +50,7 @@ from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
 from meshfuse.runtime.graphs import capture, pool_bytes
 from meshfuse.runtime.program import unchanged_view
+from meshfuse.runtime.replay_streams import StreamPlan, plan_streams, static_reason
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
@@ -93,8 +96,9 @@ def why_not_replayed(program: Program, device: torch.device) -> str | None:
     if not program.steps:
         return "it launches nothing"
     for step, call in zip(program.steps, program.calls):
-        if step.note:
-            return f"it draws random numbers ({step.label}: {step.note})"
+        random = static_reason(step, program.input_slots)
+        if random is not None:
+            return random
         if not _local(step, call):
             return f"it communicates ({step.label})"
     if not all(o.held for o in program.outputs):
@@ -137,22 +141,23 @@ def _local(step, call) -> bool:
     return call is op.impl
 
 
-def cuda_capture(program: Program, inputs: Sequence[Any]):
+def cuda_capture(program: Program, inputs: Sequence[Any], generators=()):
     """``(graph, outputs, pool_bytes)``: ``program`` captured (with its warm-up run:
-    :func:`~meshfuse.runtime.graphs.capture`) and the device memory its private pool holds.
-    ValueError unless every tensor is on CUDA."""
+    :func:`~meshfuse.runtime.graphs.capture`; ``generators`` registered with the graph) and
+    the device memory its private pool holds. ValueError unless every tensor is on CUDA."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")
     # Thread-local capture: the program has no collective, and other threads (NCCL's
     # watchdog) may keep using CUDA while it is captured.
-    graph, outputs, _ = capture(program, inputs, error_mode="thread_local")
+    graph, outputs, _ = capture(program, inputs, error_mode="thread_local",
+                                generators=generators)
     if not all(o.is_cuda for o in outputs):
         raise ValueError("an output is not a CUDA tensor")
     return graph, outputs, pool_bytes(graph)
 
 
 class CudaGraphs:
-    """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs)`` (see
+    """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs, generators)`` (see
     :func:`cuda_capture`) and ``capturing()``, whether the current stream is being captured
     already (by the caller's own graph). Tests pass a stand-in."""
 
@@ -176,6 +181,7 @@ class AutoReplay:
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
+        self._streams = ""  # explain's words on the dropout streams a replay seeds
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
@@ -194,14 +200,14 @@ class AutoReplay:
             graphs = []
         for graph in graphs:
             if graph.free():
-                return graph.replay()
+                return graph.replay(inputs)
         if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
             return None
         graph = self._captured(inputs)
         if graph is None:
             return None
         self._graphs[key] = [*graphs, graph]
-        return graph.replay()
+        return graph.replay(inputs)
 
     def describe(self) -> str:
         """explain's line: whether and how this signature is replayed."""
@@ -210,20 +216,28 @@ class AutoReplay:
         if not self.graphs:
             return _NOT_YET
         spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
+        streams = f"; {self._streams}" if self._streams else ""
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
-                f"{self.pool_bytes / 2**20:.1f} MiB{spent}")
+                f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
 
     def _captured(self, inputs: Sequence[Any]) -> _Graph | None:
+        streams = plan_streams(self._program, inputs)
+        if isinstance(streams, str):
+            self.reason = streams
+            return None
         try:
-            graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs)
+            with streams.capturing():
+                graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs,
+                                                                streams.generators)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
         self.graphs += 1
         self._budget.left -= 1
         self.pool_bytes += pool_bytes
-        return _Graph(graph, outputs, inputs)
+        self._streams = self._streams or streams.describe()
+        return _Graph(graph, outputs, inputs, streams)
 
 
 class _Graph:
@@ -233,9 +247,11 @@ class _Graph:
     input (or a view of one) is not the graph's memory (no replay writes it): the caller's
     references to it do not count."""
 
-    def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any]):
+    def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any],
+                 streams: StreamPlan):
         self._graph = graph
         self._outputs = outputs
+        self._streams = streams
         given = {x.untyped_storage()._cdata for x in inputs if isinstance(x, torch.Tensor)}
         # kept alive by the outputs
         handles = {t.untyped_storage()._cdata for t in outputs} - given
@@ -247,6 +263,10 @@ class _Graph:
         return all(torch._C._storage_Use_Count(s) == n
                    for s, n in zip(self._storages, self._baseline))
 
-    def replay(self) -> list[torch.Tensor]:
+    def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout
+        streams seeded as the interpreter's call would seed them."""
+        if self._streams.streams:
+            self._streams.prepare(inputs)
         self._graph.replay()
         return [t.detach() for t in self._outputs]
