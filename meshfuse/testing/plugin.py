@@ -18,7 +18,9 @@ is marked ``mpi``. The plugin runs in one of three modes:
   starts when the test loop starts, in the background, so that the ranks' work overlaps the
   single-process tests (which use one core of the host); on a CUDA host (NCCL) a size's batch
   runs when its first item does, one size at a time, and sizes above the GPU count are
-  skipped. ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch;
+  skipped. A single-process test marked ``exclusive`` (one that starts ranks of its own and
+  times their collectives in seconds) runs last, once every batch has ended.
+  ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch;
 - **worker** (a process of such a batch): like a launcher, plus it runs only the tests the
   parent asked for and records their outcomes (:mod:`meshfuse.testing.worker`). Workers never
   spawn workers.
@@ -51,6 +53,10 @@ TIMEOUT_ENV = "MESHFUSE_TEST_TIMEOUT"
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 DEFAULT_TIMEOUT_S = 1200.0
 MPI_MARKER = "mpi: a multi-device test; run once per world size by meshfuse's pytest plugin"
+EXCLUSIVE_MARKER = (
+    "exclusive: a single-process test that runs last, when no multi-device batch runs (it "
+    "starts ranks of its own and times their collectives)"
+)
 
 _SIZES_KEY = pytest.StashKey[tuple[int, ...]]()
 # The directory above the meshfuse package, put on the workers' PYTHONPATH so that they import
@@ -70,8 +76,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not any(line.split(":")[0].strip() == "mpi" for line in config.getini("markers")):
-        config.addinivalue_line("markers", MPI_MARKER)
+    declared = {line.split(":")[0].strip() for line in config.getini("markers")}
+    for marker in (MPI_MARKER, EXCLUSIVE_MARKER):
+        if marker.split(":")[0] not in declared:
+            config.addinivalue_line("markers", marker)
     mode, size = harness_mode(os.environ)
     if mode == "parent":
         sizes = parse_world_sizes(
@@ -214,8 +222,9 @@ class ParentRunner:
         for item in items:
             if world_size_of(item) is not None:
                 item.fixturenames = []
-        # Single-process tests first: they run while the batches work in the background.
-        items.sort(key=lambda item: world_size_of(item) is not None)
+        # Single-process tests first: they run while the batches work in the background;
+        # then the multi-device ones, then the exclusive ones.
+        items.sort(key=run_order)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> None:
@@ -243,6 +252,9 @@ class ParentRunner:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         n = world_size_of(item)
         if n is None:
+            if item.get_closest_marker("exclusive") is not None:
+                for m in list(self._running):  # none left, unless a plugin reordered items
+                    self._verdicts[m] = self._running.pop(m).result()
             return
         reason = unavailable_reason(n)
         if reason is None and self._verdict(item, n).outcome == "skipped":
@@ -319,6 +331,13 @@ class ParentRunner:
             env=env,
             threads_per_rank=threads,
         )
+
+
+def run_order(item: pytest.Item) -> int:
+    """Where ``item`` runs in a parent: 0 single-process, 1 multi-device, 2 exclusive."""
+    if world_size_of(item) is not None:
+        return 1
+    return 2 if item.get_closest_marker("exclusive") is not None else 0
 
 
 def uses_gpus() -> bool:
