@@ -6,7 +6,8 @@ interpreter's draws, in its order), the stream keys and the generators it seeds,
 generator given back after a capture. A fused kernel stands in where the CPU binds the math
 kernel. On a CUDA device: the replayed program's outputs are bitwise the interpreter's at every
 call index (forward and backward, cuDNN and flash, drawn, constant and input seeds, two
-dropout steps in one graph, 1 and 2 ranks), and the user's CUDA generator is left alone.
+dropout steps in one graph, 1 and 2 ranks, an autograd function whose forward replays), and
+the user's CUDA generator is left alone.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import os
 import pytest
 import torch
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition
+from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.ops import rng
 from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
 from meshfuse.ops.attention_backends import AttentionBackend
 from meshfuse.ops.attention_dropout import FusedDropout
-from meshfuse.runtime.replay import AutoReplay, why_not_replayed
-from meshfuse.runtime.replay_streams import Source, plan_streams
+from meshfuse.runtime.replay import AutoReplay, _Graph, why_not_replayed
+from meshfuse.runtime.replay_streams import Source, plan_streams, seed_inputs
 from meshfuse.testing.utils import current_device
 
 CUDA = torch.device("cuda")  # what the decision is told; the programs run on the CPU
@@ -92,17 +93,46 @@ def test_dropout_with_a_fused_kernel_may_replay_from_its_records():
     assert why_not_replayed(_program(model, inputs), CUDA) is None
 
 
-def test_the_global_mask_and_random_ops_are_never_replayed():
+def test_the_global_mask_is_never_replayed():
     model = SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), B, H, S, E, dropout_p=0.1,
                           dropout_mode="global")
     inputs = model.inputs_for(*random_inputs(B, H, S, E), 0)
     reason = why_not_replayed(_program(model, inputs), CUDA)
     assert reason is not None and "global dropout mask" in reason and "sdpfa_fwd" in reason
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([8, 8], dtype=DataType.Float)
-        fd.add_output(fd.ops.add(x, fd.ops.rand_like(x, rng_seed=1, rng_offset=0)))
-    reason = why_not_replayed(_program(fd, [torch.randn(8, 8)]), CUDA)
-    assert reason is not None and "draws random numbers" in reason and "rand_like" in reason
+
+
+class _Noisy(FusionDefinition):
+    """x + rand_like(x): the seed drawn at each call, constant, or an input."""
+
+    def __init__(self, seeds=None):
+        super().__init__()
+        self.seeds = seeds
+
+    def definition(self):
+        x = self.define_tensor([8, 8], dtype=DataType.Float)
+        kwargs = {}
+        if self.seeds == "constant":
+            kwargs = {"rng_seed": 1, "rng_offset": 0}
+        elif self.seeds == "input":
+            kwargs = {"rng_seed": self.define_scalar(dtype=DataType.Int),
+                      "rng_offset": self.define_scalar(dtype=DataType.Int)}
+        self.add_output(self.ops.add(x, self.ops.rand_like(x, **kwargs)))
+
+
+@pytest.mark.parametrize("seeds", [None, "constant", "input"])
+def test_random_ops_replay_only_with_their_seed_given(seeds):
+    """A random op computes its values from the seed on the host: a graph replays them only
+    where the seed is fixed for it (a constant, or an input: a graph per value)."""
+    inputs = [torch.randn(8, 8)] + ([5, 2] if seeds == "input" else [])
+    program = _program(_Noisy(seeds), inputs)
+    reason = why_not_replayed(program, CUDA)
+    if seeds is None:
+        assert reason is not None and "draws random numbers" in reason and "rand_like" in reason
+        return
+    assert reason is None and plan_streams(program, inputs).streams == ()
+    if seeds == "input":
+        assert seed_inputs(program) == frozenset()  # keyed: a graph per seed value
+        assert "seed is a tensor" in plan_streams(program, [inputs[0], torch.tensor(5), 2])
 
 
 class _FakeCuda:
@@ -218,6 +248,56 @@ def test_a_capture_gives_its_draws_back_and_allows_only_its_generators():
     assert rng.draw_seed() == expected
 
 
+def test_inputs_read_only_as_dropout_seeds_are_not_part_of_a_graphs_key():
+    """A replay reads such inputs itself: a new seed at every call still replays."""
+    tensors = _tensors([B, H, S, S])
+    program = _program(TwoAttentions([B, H, S, S], seeds="input"), tensors + [5, 0, 6, 1])
+    assert seed_inputs(program) == {4, 5, 6, 7}
+    with FusionDefinition() as fd:  # an offset also read by a kernel is keyed
+        q, k, v = (fd.define_tensor([B, H, S, S], dtype=DataType.BFloat16) for _ in range(3))
+        seed, offset = (fd.define_scalar(dtype=DataType.Int) for _ in range(2))
+        fd.add_output(fd.ops.sdpfa_fwd(q, k, v, 0.2, True, None, rng_seed=seed,
+                                       rng_offset=offset)[0])
+        fd.add_output(fd.ops.mul(q, offset))
+    assert seed_inputs(_program(fd, tensors[:3] + [5, 0])) == {3}
+
+
+class _RerunCuda:
+    """A stand-in capture whose graph re-runs the program on the captured inputs."""
+
+    class Graph:
+        def __init__(self, program, inputs, outputs):
+            self.program, self.inputs, self.outputs = program, list(inputs), outputs
+
+        def replay(self):
+            for out, new in zip(self.outputs, self.program.run(self.inputs)):
+                out.copy_(new)
+
+    @classmethod
+    def capture(cls, program, inputs, generators=()):
+        outputs = program.run(inputs)
+        return cls.Graph(program, inputs, outputs), outputs, 0
+
+    @staticmethod
+    def capturing():
+        return False
+
+
+def test_a_graph_is_kept_per_deterministic_mode():
+    """A graph keeps the kernels it captured, and ``torch.use_deterministic_algorithms``
+    picks some of them at each call (flash's backward): a call in the other mode runs the
+    interpreter, then gets a graph of its own."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4], dtype=DataType.Float)
+        fd.add_output(fd.ops.exp(x))
+    x = torch.randn(4)
+    replay = AutoReplay(_program(fd, [x]), CUDA, cuda=_RerunCuda)
+    assert replay.run([x]) is None and replay.run([x]) is not None
+    with _deterministic():
+        assert replay.run([x]) is None and replay.run([x]) is not None
+    assert replay.graphs == 2 and replay.run([x]) is not None
+
+
 def test_dropout_p_zero_at_this_call_draws_nothing():
     """``dropout_p`` as an input: a graph captured for ``dropout_p = 0`` has no stream (the
     interpreter draws no seed then either)."""
@@ -266,11 +346,13 @@ def _deterministic():
 
 def _calls(make, inputs_of, backend, calls=5, replay=True):
     """Outputs (cloned) of ``calls`` calls of a fresh ``make()`` after ``torch.manual_seed``;
-    its explain line on the replay."""
+    its explain line on the replay. Flash runs under deterministic algorithms (its default
+    backward adds q_grad with atomics); cuDNN's backward is bitwise reproducible as it is
+    (and torch refuses cuDNN attention under deterministic algorithms)."""
     fd = make()
     torch.manual_seed(1234)
     results = []
-    with _deterministic():
+    with _deterministic() if backend == "flash" else contextlib.nullcontext():
         for call in range(calls):
             inputs = inputs_of(call)
             with _backend(backend) if call == 0 else contextlib.nullcontext():
@@ -316,20 +398,19 @@ def test_cuda_replayed_seed_attention_is_the_interpreter(multidevice_test, backe
 def test_cuda_two_dropout_steps_in_one_graph(multidevice_test, seeds):
     """Each attention step keeps its own generator: two dropout forwards in one graph draw
     their own streams, as in the interpreter; constant seeds give one mask at every call,
-    input seeds the mask of the call's seeds (alternated, so that each is replayed)."""
+    input seeds the mask of the call's seeds (new ones at every call: a replay reads them)."""
     shape = [2, 4, 128, 64]
     tensors = _tensors(shape, current_device())
-    values = [[5, 0, 6, 1], [7, 2, 8, 3]]
 
     def inputs_of(call):
-        return tensors + (values[call % 2] if seeds == "input" else [])
+        return tensors + ([5 + call, call, 6 + call, 1 + call] if seeds == "input" else [])
 
     def make():
         return TwoAttentions(shape, seeds=seeds)
 
     replayed, line = _calls(make, inputs_of, "cudnn", calls=6)
     interpreted, _ = _calls(make, inputs_of, "cudnn", calls=6, replay=False)
-    assert "graphs captured" in line and "seeds the dropout streams" in line, line
+    assert "graphs captured for 1 sets" in line and "seeds the dropout streams" in line, line
     _assert_bitwise(replayed, interpreted)
     last = replayed[5]
     assert not torch.equal(last[0], last[4])  # the two steps' masks differ
@@ -351,3 +432,90 @@ def test_cuda_replays_leave_the_users_generator_alone():
     assert torch.equal(torch.rand(8, device="cuda"), expected)
     line = next(s for s in model.explain(inputs).splitlines() if "CUDA graph replay" in s)
     assert "graphs captured" in line, line
+
+
+class _AttentionOnly(FusionDefinition):
+    """An attention forward with dropout 0.1 (its backward derived by autodiff)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def definition(self):
+        q, k, v = (self.define_tensor(self.shape, dtype=DataType.BFloat16) for _ in range(3))
+        self.add_output(self.ops.sdpfa_fwd(q, k, v, 0.1, True, None)[0])
+
+
+@cuda_only
+def test_cuda_autograd_through_a_replayed_dropout_forward(monkeypatch):
+    """``as_autograd_function``: the forward replays (the backward donates its inputs, so
+    the interpreter runs it, replaying the RNG state the replayed forward wrote); outputs and
+    gradients are an interpreted run's, call for call."""
+    shape = [2, 4, 128, 64]
+    base = _tensors(shape, "cuda")
+    replays = []
+    original = _Graph.replay
+
+    def counted(graph, inputs):
+        replays.append(1)
+        return original(graph, inputs)
+
+    monkeypatch.setattr(_Graph, "replay", counted)
+
+    def run(replayed: bool):
+        if replayed:
+            monkeypatch.delenv("MESHFUSE_CUDA_GRAPH", raising=False)
+        else:  # read when a fusion is first built
+            monkeypatch.setenv("MESHFUSE_CUDA_GRAPH", "0")
+        function = _AttentionOnly(shape).as_autograd_function()
+        leaves = [t.clone().requires_grad_() for t in base[:3]]
+        torch.manual_seed(77)
+        results = []
+        for call in range(4):
+            with _backend("cudnn") if call == 0 else contextlib.nullcontext():
+                (attn,) = function(leaves)
+                attn.backward(base[3])
+            results.append([attn.detach().clone(), *(t.grad.clone() for t in leaves)])
+            for t in leaves:
+                t.grad = None
+            del attn
+        return results
+
+    replayed = run(True)
+    assert len(replays) >= 2, "the forward was not replayed"
+    count = len(replays)
+    interpreted = run(False)
+    assert len(replays) == count
+    _assert_bitwise(replayed, interpreted)
+    assert not torch.equal(replayed[2][0], replayed[3][0])
+
+
+@cuda_only
+def test_cuda_graph_true_draws_the_interpreters_masks():
+    """``execute(cuda_graph=True)`` (captured at the first call, inputs and outputs copied)
+    seeds the dropout streams before each replay as the automatic replay does."""
+    b, h, s, e = 2, 4, 128, 256
+
+    def make():
+        return SeedAttention(QkvFormat.BHSE, DeviceMesh(range(1)), b, h, s, e, dropout_p=0.1)
+
+    inputs = make().inputs_for(*random_inputs(b, h, s, e, device="cuda"), 0)
+    results = {}
+    for option in (True, False):
+        model = make()
+        torch.manual_seed(3)
+        with _backend("cudnn"):
+            results[option] = [model.execute(inputs, cuda_graph=option) for _ in range(4)]
+    _assert_bitwise(results[True], results[False])
+    assert not torch.equal(results[True][2][0], results[True][3][0])
+
+
+@cuda_only
+def test_cuda_graph_true_refuses_random_values_drawn_on_the_host():
+    x = torch.randn(8, 8, device="cuda")
+    with pytest.raises(InputError, match=r"cuda_graph=True.*draws random numbers.*rand_like"):
+        _Noisy().execute([x], cuda_graph=True)
+    for seeds, extra in (("constant", []), ("input", [5, 2])):
+        fd = _Noisy(seeds)
+        first = fd.execute([x] + extra, cuda_graph=True)[0]
+        torch.testing.assert_close(fd.execute([x] + extra, cuda_graph=False)[0], first)

@@ -17,6 +17,12 @@ Contract of a :class:`GraphedProgram`:
 - The first call runs the program eagerly once (a warm-up on a side stream, as CUDA requires
   for library handles and workspaces), captures it, and replays it. Every rank captures alike,
   so NCCL captures the program's collectives on every rank.
+- Random numbers: attention dropout drawn by a fused kernel is replayed as the interpreter
+  draws it (each replay seeds the step's generator: :mod:`~meshfuse.runtime.replay_streams`;
+  the warm-up's and the capture's seed draws are given back to torch's generator); a program
+  whose random values are decided on the host at each call otherwise (a random op or the
+  global dropout mask without a given seed) is refused with an InputError, as its graph would
+  replay one draw forever.
 - :func:`~meshfuse.runtime.collectives.record_communications` sees the warm-up's collectives
   and, at each replay, the captured ones (the capture itself communicates nothing).
 """
@@ -28,9 +34,11 @@ from typing import Any
 
 import torch
 
+from meshfuse.errors import InputError
 from meshfuse.runtime import collectives
 from meshfuse.runtime.collectives import captured_communications
 from meshfuse.runtime.executor import Program
+from meshfuse.runtime.replay_streams import plan_streams
 
 
 class GraphedProgram:
@@ -39,13 +47,23 @@ class GraphedProgram:
     def __init__(self, program: Program, inputs: Sequence[Any]):
         self._inputs = [_buffer_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         self._copied = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
-        self._graph, self._outputs, self._communications = capture(program, self._inputs)
+        with torch.random.fork_rng(devices=[]):  # its seed draws are not a call's
+            warm_up_run(program, self._inputs)
+        self._streams = plan_streams(program, self._inputs)  # the kernels are bound now
+        if isinstance(self._streams, str):
+            raise InputError(f"execute(cuda_graph=True): the program cannot be captured: "
+                             f"{self._streams}; run it without cuda_graph=True")
+        with self._streams.capturing():
+            self._graph, self._outputs, self._communications = capture(
+                program, self._inputs, warm_up=False, generators=self._streams.generators)
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The program's outputs for ``inputs`` (of the signature it was captured for)."""
         if self._copied:
             torch._foreach_copy_([self._inputs[i] for i in self._copied],
                                  [inputs[i] for i in self._copied])
+        if self._streams.streams:
+            self._streams.prepare(inputs)
         self._graph.replay()
         collectives.report(self._communications)
         outputs = [torch.empty_like(o) for o in self._outputs]

@@ -8,17 +8,21 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
 - **Which programs** (:func:`why_not_replayed`). A program on CUDA tensors that communicates
   nothing (collectives stay launched from Python, overlapped as the interpreter schedules
   them, with their timeouts and error reports), draws no random numbers on the host (a graph
-  would replay one random tensor forever: a step with a random stream, see ``explain``;
-  attention dropout with a fused kernel replays, each replay seeding its streams as the
-  interpreter would: :mod:`meshfuse.runtime.replay_streams`), holds every output on this
+  would replay one random tensor forever: a step with a random stream, see ``explain``,
+  unless its seed is given; attention dropout with a fused kernel replays, each replay
+  seeding its streams as the interpreter would: :mod:`meshfuse.runtime.replay_streams`),
+  holds every output on this
   rank, and whose capture succeeds (an op that reads a value back to the host cannot be
   captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless
   ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
   its inputs (an autograd backward: its inputs are to be freed as it runs).
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
-  graphs are kept per set of input addresses (and Python scalar values): a call whose inputs
-  sit where a captured call's did replays. A set of addresses is captured at its second
+  graphs are kept per set of input addresses (and Python scalar values, but for the seeds
+  of dropout, which each replay reads itself), and per state of
+  ``torch.use_deterministic_algorithms`` (kernels such as flash attention's backward are
+  chosen by it at each call; a graph keeps those it captured): a call whose inputs sit
+  where a captured call's did, in the same mode, replays. A set of addresses is captured at its second
   call (the first runs the interpreter: a loop whose inputs move every call never pays for
   captures it would not replay; the signature's first call also binds kernels and compiles
   segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
@@ -50,7 +54,12 @@ from meshfuse.runtime.executor import RESHARD, Program
 from meshfuse.runtime.fused import FUSED
 from meshfuse.runtime.graphs import capture, pool_bytes
 from meshfuse.runtime.program import unchanged_view
-from meshfuse.runtime.replay_streams import StreamPlan, plan_streams, static_reason
+from meshfuse.runtime.replay_streams import (
+    StreamPlan,
+    plan_streams,
+    seed_inputs,
+    static_reason,
+)
 
 MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
@@ -177,6 +186,8 @@ class AutoReplay:
         self._budget = budget or GraphBudget()
         self._cuda = cuda
         self.reason = why_not_replayed(program, device)
+        # inputs a replay reads on the host, not part of a graph's key
+        self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         self.graphs = 0  # captured, over all sets of input addresses
@@ -190,6 +201,11 @@ class AutoReplay:
         if self.reason is not None or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
+        if self._unkeyed:
+            key = tuple(None if i in self._unkeyed else k for i, k in enumerate(key))
+        # A graph keeps the kernels of its capture; the interpreter picks a deterministic
+        # backward (flash's) whenever torch's switch is on at the call.
+        key += (torch.are_deterministic_algorithms_enabled(),)
         graphs = self._graphs.get(key)
         if graphs is None:
             if key not in self._seen:  # addresses not seen before: the interpreter

@@ -22,8 +22,10 @@ device memory, inside the graph or from the graph's outputs.
 
 What may replay is decided twice, from the program's records: before any call
 (:func:`static_reason`: a random op drawing with meshfuse's own generator, or the global
-dropout mask, computes its values from a seed on the host, which a graph would freeze; a seed
-computed inside the program cannot be read before the replay) and at each capture, once the
+dropout mask, computes its values from a seed on the host, which a graph would freeze, so a
+random op replays only with its seed given, a constant or an input, which a graph is
+captured for, and the global mask never; a seed computed inside the program cannot be read
+before the replay) and at each capture, once the
 first call bound the kernels (:func:`plan_streams`: a fused kernel whose RNG state is
 graph-safe, cuDNN or flash, with a private generator; the math kernel reads its seed on the
 host). The capture itself runs under :meth:`StreamPlan.capturing`: the warm-up and the capture
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,6 +48,7 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.executor import Program, Slot, Step
 
 ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
+SEED_ARGS = ("rng_seed", "rng_offset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,14 @@ class GraphStream:
         """Whether a call draws its seed from torch's generator."""
         return self.seed.position is None and self.seed.constant is None
 
+    @functools.cached_property
+    def fixed_key(self) -> int | None:
+        """The stream key when the seed and offset are constants (hashed once), else None."""
+        if self.draws or self.seed.position is not None or self.offset.position is not None:
+            return None
+        return self.dropout.key(*resolve_seed("sdpfa_fwd", self.seed.constant,
+                                              self.offset.constant))
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
@@ -97,9 +109,14 @@ class StreamPlan:
         interpreter would at this call; returns the stream keys."""
         keys = []
         for stream in self.streams:
-            seed, offset = resolve_seed("sdpfa_fwd", stream.seed.value(inputs),
-                                        stream.offset.value(inputs))
-            keys.append(stream.dropout.seed_stream(seed, offset))
+            key = stream.fixed_key
+            if key is not None:
+                stream.dropout.swap.seed(key)
+            else:
+                seed, offset = resolve_seed("sdpfa_fwd", stream.seed.value(inputs),
+                                            stream.offset.value(inputs))
+                key = stream.dropout.seed_stream(seed, offset)
+            keys.append(key)
         return keys
 
     @contextlib.contextmanager
@@ -128,11 +145,15 @@ class StreamPlan:
 def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
     """Why a step that draws random numbers (a step with a random stream, see ``explain``)
     keeps its program from replaying, judged from its record alone; None when it may
-    replay (confirmed at the capture by :func:`plan_streams`)."""
+    replay (confirmed at the capture by :func:`plan_streams`). A random op replays when its
+    seed and offset are given (constants, or inputs: a graph is captured per value of them)."""
     if not step.note:
         return None
     if step.op not in ATTENTION:
-        return f"it draws random numbers ({step.label}: {step.note})"
+        if any(_arg(step, n) is None or _source(step, n, input_slots) is None
+               for n in SEED_ARGS):
+            return f"it draws random numbers ({step.label}: {step.note})"
+        return None
     site = step.attrs.get("site")
     if site is not None and site.mode == GLOBAL:
         return (f"it draws the global dropout mask on the host ({step.label}: the math "
@@ -144,6 +165,25 @@ def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
     return None
 
 
+def seed_inputs(program: Program) -> frozenset[int]:
+    """Positions of the program's inputs that it reads only as the ``rng_seed`` or
+    ``rng_offset`` of dropout forwards. A replayed program's forwards all draw through fused
+    kernels (:func:`plan_streams` refuses the others), so such an input is read on the host
+    by each replay (:meth:`StreamPlan.prepare`), never by the graph: a graph need not be
+    captured per value of it."""
+    seeds, other = set(), set()
+    for step in program.steps:
+        names = [p.name for p in lookup(step.op).params] if step.op in ATTENTION else ()
+        for position, arg in enumerate(step.args):
+            slots = arg if isinstance(arg, list) else [arg]
+            for slot in (s for s in slots if isinstance(s, Slot)):
+                is_seed = step.op == "sdpfa_fwd" and names[position] in ("rng_seed",
+                                                                         "rng_offset")
+                (seeds if is_seed else other).add(slot.index)
+    slots = list(program.input_slots)
+    return frozenset(slots.index(s) for s in seeds - other if s in slots)
+
+
 def plan_streams(program: Program, inputs: Sequence[Any]) -> StreamPlan | str:
     """The :class:`StreamPlan` of ``program`` captured for ``inputs`` (its kernels bound by
     an earlier call with the same scalar values), or why it cannot be captured."""
@@ -152,6 +192,12 @@ def plan_streams(program: Program, inputs: Sequence[Any]) -> StreamPlan | str:
         reason = static_reason(step, program.input_slots)
         if reason is not None:
             return reason
+        if step.note and step.op not in ATTENTION:  # a random op with its seed given
+            if any(isinstance(_source(step, n, program.input_slots).value(inputs),
+                              torch.Tensor) for n in SEED_ARGS):
+                return (f"its seed is a tensor, read on the host by the capture only "
+                        f"({step.label})")
+            continue
         if not step.note or not _drops(step, program.input_slots, inputs):
             continue
         bound = getattr(call, "dropout_kernel", lambda: None)()

@@ -172,7 +172,9 @@ class FusionRunner:
                 if outputs is not None:
                     return outputs
             return program.run(inputs, donate)
-        graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)))
+        # scalar values, and torch's deterministic switch (it picks kernels a graph keeps)
+        graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)),
+                     torch.are_deterministic_algorithms_enabled())
         graphed = self._graphs.get(graph_key)
         if graphed is None:
             _check_graphable(self.fusion, inputs)
