@@ -32,3 +32,27 @@ def test_quick_benchmark_run_has_no_errors(tmp_path):
     measured = [r for r in records if r["variant"] in ("meshfuse", "direct")
                 and r["status"] == "ok"]
     assert measured and all(r["median_ms"] > 0 for r in measured)
+
+
+def test_mlp_case_reads_its_bar_from_records_of_the_same_run():
+    """Issue 13's MLP bar (0.97x DTensor, 1.96x over one GPU) as two metrics of the sharded
+    records, both against the run's own torch_1gpu and dtensor_tp records; one rank has no
+    speedup to speak of."""
+    from benchmarks.cases.mlp import speedups
+    from benchmarks.harness import Record
+    from benchmarks.report import headline
+
+    def run(world, **ms):
+        return speedups([Record("mlp", "T8", name, world, median_ms=t) for name, t in ms.items()])
+
+    one, manual, dtensor, mesh = run(2, torch_1gpu=40.0, torch_manual=20.0, dtensor_tp=20.5,
+                                     meshfuse=20.0)
+    assert one.metrics == {}
+    assert (manual.metrics["speedup_over_1gpu"], dtensor.metrics["speedup_over_1gpu"]) == (2.0, 1.951)
+    assert mesh.metrics["speedup_over_1gpu"] == 2.0
+    assert mesh.metrics["vs_dtensor_tp"] == 1.025
+    assert "vs_dtensor_tp" not in dtensor.metrics
+    assert headline([one, manual, dtensor, mesh]) == [
+        "mlp T8: execute 20.00 ms vs torch_manual 20.00 ms = 1.00x; 2.00x over one GPU, "
+        "1.02x dtensor_tp's speed"]
+    assert all(not r.metrics for r in run(1, torch_1gpu=4.0, dtensor_tp=4.1, meshfuse=4.0))

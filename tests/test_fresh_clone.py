@@ -94,6 +94,7 @@ def test_the_readme_quick_start_runs_from_the_clone(clone):
     assert "communications on rank 0: none" in lines
 
 
+@pytest.mark.exclusive  # its pytest starts ranks of its own: not beside this run's batches
 def test_the_seed_test_and_the_readme_test_example_run_from_the_clone(clone):
     (clone / "tests" / "test_readme_example.py").write_text(
         _readme_block("## Testing your own multi-rank code", "python"))

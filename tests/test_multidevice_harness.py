@@ -156,3 +156,23 @@ def test_harness_mode_and_world_sizes():
     for bad in ("0", "two", "1,,2"):
         with pytest.raises(pytest.UsageError, match="positive integers"):
             plugin.parse_world_sizes(bad)
+
+
+def test_parent_runs_single_process_then_multidevice_then_exclusive_items(request):
+    """The parent's order: single-process items (while the batches run in the background),
+    the multi-device items, then the exclusive ones (when no batch runs); stable within each."""
+
+    class Item:
+        def __init__(self, name, size=None, exclusive=False):
+            self.name, self._exclusive = name, exclusive
+            if size is not None:
+                self.callspec = type("CallSpec", (), {"params": {plugin.WORLD_SIZE_PARAM: size}})
+
+        def get_closest_marker(self, name):
+            return object() if name == "exclusive" and self._exclusive else None
+
+    items = [Item("a"), Item("b", 2), Item("c", exclusive=True), Item("d", 1), Item("e")]
+    assert [i.name for i in sorted(items, key=plugin.run_order)] == ["a", "e", "b", "d", "c"]
+    # This very test is a single-process one; a marked rank-failure job is exclusive.
+    assert plugin.run_order(request.node) == 0
+    assert "exclusive" in {m.split(":")[0] for m in request.config.getini("markers")}

@@ -11,6 +11,11 @@ gradients of x, w1 and w2 from a given ``dz``. Variants:
   calls, its two allreduces launched asynchronously as early as their inputs exist.
 
 FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
+
+Issue 13's bar (no worse than 0.97x DTensor and 1.96x over one GPU) is read from two metrics
+of the sharded variants, both against records of the same run: ``speedup_over_1gpu``
+(``torch_1gpu``'s time over the variant's) and, on ``meshfuse``, ``vs_dtensor_tp``
+(``dtensor_tp``'s time over meshfuse's: above 1, meshfuse is faster).
 """
 
 from __future__ import annotations
@@ -108,5 +113,24 @@ def run(ctx: Context) -> list[Record]:
     plan = Plan(plan.warmup, plan.iters, flops=mlp_flops(**sizes))
     inputs = tensors(ctx, sizes, dtype)
     params = dict(sizes, dtype=str(dtype).removeprefix("torch."), bias=False, gelu="exact")
-    return run_variants(ctx, "mlp", f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
-                        variants(ctx, sizes, dtype, inputs), plan, "torch_1gpu", params)
+    return speedups(run_variants(
+        ctx, "mlp", f"T{sizes['tokens']} H{sizes['hidden']} F{sizes['ffn']}",
+        variants(ctx, sizes, dtype, inputs), plan, "torch_1gpu", params))
+
+
+def speedups(records: list[Record]) -> list[Record]:
+    """Each sharded variant's ``speedup_over_1gpu``, meshfuse's ``vs_dtensor_tp`` too (see
+    the module doc), as numbers and as the record's one-line ``summary``."""
+    ok = {r.variant: r for r in records if r.status == "ok" and r.median_ms}
+    one, dtensor = ok.get("torch_1gpu"), ok.get("dtensor_tp")
+    for name in ("torch_manual", "dtensor_tp", "meshfuse"):
+        record = ok.get(name)
+        if record is None or one is None or record.world < 2:
+            continue
+        record.metrics["speedup_over_1gpu"] = round(one.median_ms / record.median_ms, 3)
+        summary = f"{record.metrics['speedup_over_1gpu']:.2f}x over one GPU"
+        if name == "meshfuse" and dtensor is not None:
+            record.metrics["vs_dtensor_tp"] = round(dtensor.median_ms / record.median_ms, 3)
+            summary += f", {record.metrics['vs_dtensor_tp']:.2f}x dtensor_tp's speed"
+        record.metrics["summary"] = summary
+    return records

@@ -289,8 +289,8 @@ def _run_once(
                 )
         ending = _wait(procs, tmp, deadline, stop)
         codes = [p.poll() for p in procs]  # None: still running, to be killed
-        if ending == "timeout":
-            _dump_stacks(procs, tmp)
+        if ending == "timeout" and not (stop is not None and stop.is_set()):
+            _dump_stacks(procs, tmp)  # not when stopped: nobody will read them
         _kill(procs)
         return [_rank_run(tmp, rank, code) for rank, code in enumerate(codes)], ending
     finally:

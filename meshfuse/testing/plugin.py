@@ -11,11 +11,16 @@ is marked ``mpi``. The plugin runs in one of three modes:
   ``torchrun --nproc-per-node 2 -m pytest`` or ``mpirun -np 2 pytest``): every process runs the
   tests itself, at the launcher's world size;
 - **parent** (a plain ``pytest``): single-process tests run here as usual. Multi-device tests run
-  at the world sizes of ``--world-sizes`` (else ``$MESHFUSE_TEST_WORLD_SIZES``, else 1,2,4). The
-  first time a test of size ``n`` runs, one batch of ``n`` worker processes runs *all* selected
-  tests of size ``n`` (:mod:`meshfuse.testing.launcher`); each test item then reports the
-  ranks' outcome. ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch.
-  On a CUDA host (NCCL), sizes above the GPU count are skipped;
+  at the world sizes of ``--world-sizes`` (else ``$MESHFUSE_TEST_WORLD_SIZES``, else 1,2,4): one
+  batch of ``n`` worker processes runs *all* selected tests of size ``n``
+  (:mod:`meshfuse.testing.launcher`), and each test item reports the ranks' outcome. The
+  multi-device items run after the single-process ones. On CPUs (gloo) every size's batch
+  starts when the test loop starts, in the background, so that the ranks' work overlaps the
+  single-process tests (which use one core of the host); on a CUDA host (NCCL) a size's batch
+  runs when its first item does, one size at a time, and sizes above the GPU count are
+  skipped. A single-process test marked ``exclusive`` (one that starts ranks of its own and
+  times their collectives in seconds) runs last, once every batch has ended.
+  ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch;
 - **worker** (a process of such a batch): like a launcher, plus it runs only the tests the
   parent asked for and records their outcomes (:mod:`meshfuse.testing.worker`). Workers never
   spawn workers.
@@ -24,13 +29,15 @@ is marked ``mpi``. The plugin runs in one of three modes:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from meshfuse.launch import cpu_count
-from meshfuse.testing.launcher import BatchSpec, Verdict, run_batches
+from meshfuse.testing.launcher import BatchSpec, Verdict, run_batch, run_batches
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
     PARENT_PID_ENV,
@@ -46,6 +53,10 @@ TIMEOUT_ENV = "MESHFUSE_TEST_TIMEOUT"
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 DEFAULT_TIMEOUT_S = 1200.0
 MPI_MARKER = "mpi: a multi-device test; run once per world size by meshfuse's pytest plugin"
+EXCLUSIVE_MARKER = (
+    "exclusive: a single-process test that runs last, when no multi-device batch runs (it "
+    "starts ranks of its own and times their collectives)"
+)
 
 _SIZES_KEY = pytest.StashKey[tuple[int, ...]]()
 # The directory above the meshfuse package, put on the workers' PYTHONPATH so that they import
@@ -65,8 +76,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not any(line.split(":")[0].strip() == "mpi" for line in config.getini("markers")):
-        config.addinivalue_line("markers", MPI_MARKER)
+    declared = {line.split(":")[0].strip() for line in config.getini("markers")}
+    for marker in (MPI_MARKER, EXCLUSIVE_MARKER):
+        if marker.split(":")[0] not in declared:
+            config.addinivalue_line("markers", marker)
     mode, size = harness_mode(os.environ)
     if mode == "parent":
         sizes = parse_world_sizes(
@@ -190,26 +203,58 @@ class RankRunner:
 class ParentRunner:
     """The plugin object of a plain ``pytest``: multi-device items report their batch's verdict.
 
-    A multi-device item sets up no fixture here (the workers do). Its setup runs the batch of
-    its world size if not yet run, and skips if the ranks skipped; its call passes, fails with
-    the failing ranks' reports, or xfails.
+    A multi-device item sets up no fixture here (the workers do). Its setup waits for the
+    batch of its world size (running it first if it was not started in the background), and
+    skips if the ranks skipped; its call passes, fails with the failing ranks' reports, or
+    xfails.
     """
 
     def __init__(self, config: pytest.Config, timeout_s: float) -> None:
         self._config = config
         self._timeout_s = timeout_s
         self._verdicts: dict[int, dict[str, Verdict]] = {}
+        self._running: dict[int, Future[dict[str, Verdict]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             if world_size_of(item) is not None:
                 item.fixturenames = []
+        # Single-process tests first: they run while the batches work in the background;
+        # then the multi-device ones, then the exclusive ones.
+        items.sort(key=run_order)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> None:
+        """Starts every size's batch in the background on CPU ranks; pytest's own loop then
+        runs the items."""
+        option = session.config.option
+        if option.collectonly or uses_gpus() or (
+            session.testsfailed and not option.continue_on_collection_errors
+        ):
+            return
+        items = [i for i in session.items if world_size_of(i) is not None]
+        specs = self._specs(items, {world_size_of(i) for i in items})
+        if specs:
+            self._pool = ThreadPoolExecutor(len(specs), thread_name_prefix="meshfuse-batch")
+            for spec in specs:
+                self._running[spec.world_size] = self._pool.submit(run_batch, spec, self._stop)
+
+    def pytest_sessionfinish(self) -> None:
+        """Stops the batches still running (after ``-x``, Ctrl-C or a collection error)."""
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         n = world_size_of(item)
         if n is None:
+            if item.get_closest_marker("exclusive") is not None:
+                for m in list(self._running):  # none left, unless a plugin reordered items
+                    self._verdicts[m] = self._running.pop(m).result()
             return
         reason = unavailable_reason(n)
         if reason is None and self._verdict(item, n).outcome == "skipped":
@@ -230,20 +275,27 @@ class ParentRunner:
         return True
 
     def _verdict(self, item: pytest.Item, n: int) -> Verdict:
+        if n in self._running:
+            self._verdicts[n] = self._running.pop(n).result()
         if n not in self._verdicts:
             items = [i for i in item.session.items if world_size_of(i) is not None]
-            sizes = [n]
+            sizes = {n}
             if not uses_gpus():  # CPU ranks may share the host: run every size's batch at once
-                pending = {world_size_of(i) for i in items} - self._verdicts.keys()
-                sizes = sorted(m for m in pending if unavailable_reason(m) is None)
-            threads = max(1, cpu_count() // sum(sizes))
-            specs = [
-                self._spec(m, [i for i in items if world_size_of(i) == m], threads) for m in sizes
-            ]
+                sizes = {world_size_of(i) for i in items} - self._verdicts.keys()
+            specs = self._specs(items, sizes)
             self._verdicts.update(run_batches(specs, parallel=len(specs) > 1))
         return self._verdicts[n].get(
             item.nodeid, Verdict("failed", f"meshfuse harness: no verdict for {item.nodeid}")
         )
+
+    def _specs(self, items: list[pytest.Item], sizes: set[int]) -> list[BatchSpec]:
+        """The batches of the world sizes among ``sizes`` that can run here, smallest first;
+        the CPUs are shared out among all their ranks."""
+        sizes = sorted(m for m in sizes if unavailable_reason(m) is None)
+        threads = max(1, cpu_count() // max(1, sum(sizes)))
+        return [
+            self._spec(m, [i for i in items if world_size_of(i) == m], threads) for m in sizes
+        ]
 
     def _spec(self, n: int, items: list[pytest.Item], threads: int) -> BatchSpec:
         config = self._config
@@ -279,6 +331,13 @@ class ParentRunner:
             env=env,
             threads_per_rank=threads,
         )
+
+
+def run_order(item: pytest.Item) -> int:
+    """Where ``item`` runs in a parent: 0 single-process, 1 multi-device, 2 exclusive."""
+    if world_size_of(item) is not None:
+        return 1
+    return 2 if item.get_closest_marker("exclusive") is not None else 0
 
 
 def uses_gpus() -> bool:
