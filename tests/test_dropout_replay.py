@@ -518,4 +518,18 @@ def test_cuda_graph_true_refuses_random_values_drawn_on_the_host():
     for seeds, extra in (("constant", []), ("input", [5, 2])):
         fd = _Noisy(seeds)
         first = fd.execute([x] + extra, cuda_graph=True)[0]
-        torch.testing.assert_close(fd.execute([x] + extra, cuda_graph=False)[0], first)
+        assert torch.equal(fd.execute([x] + extra, cuda_graph=False)[0], first)
+
+
+@cuda_only
+def test_cuda_random_ops_with_their_seed_given_replay():
+    """Their values come from the seed on the host, with no read back from the device: the
+    automatic replay captures them (a graph per seed value) and gives the interpreter's."""
+    x = torch.randn(8, 8, device="cuda")
+    for seeds, extra in (("constant", []), ("input", [5, 2])):
+        fd = _Noisy(seeds)
+        got = [fd.execute([x] + extra)[0].clone() for _ in range(3)]
+        want = fd.execute([x] + extra, cuda_graph=False)[0]
+        assert all(torch.equal(g, want) for g in got)
+        line = next(s for s in fd.explain([x] + extra).splitlines() if "CUDA graph replay" in s)
+        assert "graphs captured" in line, line

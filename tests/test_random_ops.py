@@ -16,6 +16,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, InputError, unshard_tensor
 from meshfuse.errors import ExecutionError
+from meshfuse.ops import rng
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor
@@ -245,3 +246,20 @@ def test_explain_names_the_positions_and_the_seed():
     fd, _ = _distribution("uniform", (4, 6))
     text = fd.explain([SEED, OFFSET])
     assert "values at global a all 4, b all 6; seed S0, offset S1" in text
+
+
+def test_a_known_bound_gives_the_same_bits_without_reading_the_counters():
+    """Below 2**32 counters the high word's mix is one number; it is taken so only when the
+    caller says so (``bound``), never by reading the counters back to the host (which a CUDA
+    graph cannot capture). Both ways give the same bits, and counters past 2**32 mix their
+    high word."""
+    index = torch.arange(1000, dtype=torch.int64) * 7919
+    for key in (0, 12345, 2**63 + 5):
+        for lane in (0, 3):
+            assert torch.equal(rng.random_words(key, index, lane, bound=2**32),
+                               rng.random_words(key, index, lane))
+    big = torch.tensor([2**32 - 1, 2**32, 2**40 + 3])
+    k0 = rng.mix32((77 & rng.MASK32) ^ rng._mul32(1, rng._GOLDEN))
+    k1 = rng.mix32(((77 >> 32) & rng.MASK32) ^ rng._mul32(7, rng._GOLDEN))
+    expected = rng.mix32(rng.mix32((big & rng.MASK32) ^ k0) ^ rng.mix32((big >> 32) ^ k1))
+    assert torch.equal(rng.random_words(77, big), expected)

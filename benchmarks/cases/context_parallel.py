@@ -13,6 +13,11 @@ s=131072, and non-causal at s=32768. Variants, in one run:
 - ``ring_zigzag_home_whole``: the same with the backward's finished dk/dv sums sent home
   whole (``MESHFUSE_CP_HOME_PARTS=1``) instead of in two halves, each sent as soon as its
   kernels finish: what the halves gain; ``ring_zigzag_home_quarters``: in four parts;
+- ``ring_zigzag_copy_engine``: the ring's blocks moved by the GPUs' copy engines
+  (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels);
+  ``ring_zigzag_compiled_merge``: the forward's merge compiled into one pass
+  (``MESHFUSE_CP_MERGE=compiled``); ``ring_zigzag_copy_engine_compiled``: both;
+  ``..._quarters``: both, the finished sums sent home in quarters;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -20,6 +25,8 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   context_parallel`` (load balanced) with cuDNN forced, k/v rotated by all-gather or
   all-to-all; its buffers are sharded and restored inside each timed call, as its API does.
 
+``MESHFUSE_CP_BENCH_CONFIGS`` and ``MESHFUSE_CP_BENCH_VARIANTS`` (comma-separated names)
+run only those configurations and variants (``one_gpu`` is always run: the baseline).
 Each meshfuse variant is checked against ``one_gpu`` (sharded alike) before it is timed. A
 ``constants`` record gives the speeds the estimate can use, measured here (one kernel's
 TFLOP/s, one k/v block transfer's GB/s) and which strategy the estimate picks with them, and
@@ -48,6 +55,7 @@ from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_var
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.ops import attention_kernels as kernels
 from meshfuse.ops.attention_backends import select_backend
+from meshfuse.ops.context_parallel import MERGE_VAR, TRANSPORT_VAR
 from meshfuse.ops.context_parallel_cost import Machine, choose, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import Group, ring_shift
@@ -115,6 +123,8 @@ def _one_gpu(full, causal):
 def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env=None,
               synced=False):
     def setup():
+        if not ctx.cuda and {"copy_engine", "compiled"} & set((env or {}).values()):
+            raise Skip("the copy engines and the compiled merge are for CUDA")
         mesh = meshfuse.DeviceMesh(range(ctx.world))
         fd = CausalAttention(sizes, s, causal, mesh, zigzag, strategy)
         fd.define()
@@ -209,6 +219,15 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
                   {"MESHFUSE_CP_HOME_PARTS": "1"}),
         _meshfuse(ctx, "ring_zigzag_home_quarters", sizes, s, causal, full, expected, True,
                   "ring", {"MESHFUSE_CP_HOME_PARTS": "4"}),
+        _meshfuse(ctx, "ring_zigzag_copy_engine", sizes, s, causal, full, expected, True,
+                  "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "eager"}),
+        _meshfuse(ctx, "ring_zigzag_compiled_merge", sizes, s, causal, full, expected, True,
+                  "ring", {TRANSPORT_VAR: "nccl", MERGE_VAR: "compiled"}),
+        _meshfuse(ctx, "ring_zigzag_copy_engine_compiled", sizes, s, causal, full, expected,
+                  True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled"}),
+        _meshfuse(ctx, "ring_zigzag_copy_engine_compiled_quarters", sizes, s, causal, full,
+                  expected, True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled",
+                                           "MESHFUSE_CP_HOME_PARTS": "4"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),
@@ -216,6 +235,8 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
         _torch_cp(ctx, full, causal, "allgather"),
         _torch_cp(ctx, full, causal, "alltoall"),
     ]
+    wanted = _selected("MESHFUSE_CP_BENCH_VARIANTS")
+    variants = [v for v in variants if wanted is None or v.name in wanted or v.name == "one_gpu"]
     flops = attention_flops(sizes["b"], sizes["h"], s, sizes["head_dim"], causal)
     params = dict(sizes, s=s, causal=causal, dtype="bf16")
     records = run_variants(ctx, "context_parallel", name, variants,
@@ -316,11 +337,20 @@ def _profile(ctx, name, sizes, s, causal, full, out_dir, params) -> Record:
     return record
 
 
+def _selected(variable: str) -> set[str] | None:
+    """The names listed in the environment ``variable`` (None: unset, everything)."""
+    value = os.environ.get(variable, "").strip()
+    return {n.strip() for n in value.split(",") if n.strip()} if value else None
+
+
 def run(ctx: Context) -> list[Record]:
     sizes = QUICK_SIZES if ctx.quick else SIZES
     plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=3, iters=10)
     records = []
+    wanted = _selected("MESHFUSE_CP_BENCH_CONFIGS")
     for name, s, causal in (QUICK_CONFIGS if ctx.quick else CONFIGS):
+        if wanted is not None and name not in wanted:
+            continue
         slow = s > 65536
         config_plan = Plan(1, 3) if slow and not ctx.quick else plan
         records += _config(ctx, name, s, causal, sizes, config_plan)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import torch
@@ -100,11 +101,13 @@ class DropoutSite:
                   device: torch.device) -> torch.Tensor:
         """The local boolean keep mask ``[b, h, s, Skv]`` (True: kept)."""
         if self.mode == GLOBAL:
-            counters = self.index.linear(device)
+            counters, bound = self.index.linear(device), math.prod(self.index.extents)
         else:
             shape = self.index.local_shape
-            counters = torch.arange(int(torch.Size(shape).numel()), device=device).view(shape)
-        return rng.unit_uniform(self.stream(seed, offset), counters, torch.float32) >= dropout_p
+            bound = math.prod(shape)
+            counters = torch.arange(bound, device=device).view(shape)
+        return rng.unit_uniform(self.stream(seed, offset), counters, torch.float32,
+                                bound=bound) >= dropout_p
 
     def describe(self, seed, offset) -> str:
         """A line for ``explain``: the stream (symbolic when the seed is a run-time value)."""

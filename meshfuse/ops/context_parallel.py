@@ -42,6 +42,13 @@ from meshfuse.ops.context_blocks import Run, most_terms
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
 HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # parts the ring's finished sums go home in (2)
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
+TRANSPORT_VAR = "MESHFUSE_CP_TRANSPORT"  # how the ring's blocks travel (TRANSPORTS)
+MERGE_VAR = "MESHFUSE_CP_MERGE"  # how the forward merges its blocks' outputs (MERGES)
+NCCL, COPY_ENGINE = "nccl", "copy_engine"
+EAGER, COMPILED = "eager", "compiled"
+TRANSPORTS = (NCCL, COPY_ENGINE, AUTO)
+MERGES = (EAGER, COMPILED, AUTO)
+DEFAULT_TRANSPORT, DEFAULT_MERGE = NCCL, EAGER
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
 
@@ -88,6 +95,14 @@ class ContextParallel:
         key_rows: for each position, the runs of global key/value rows it holds when the key
             sequence has another length than the query sequence (cross attention); None:
             ``rows``.
+        transport: how the ring's blocks travel: ``"nccl"`` (send/recv: NCCL's kernels on
+            GPUs, gloo on CPUs) or ``"copy_engine"`` (copies by the GPUs' copy engines into
+            symmetric memory, no SM taken from the attention kernels: CUDA, blocks of one
+            size). ``MESHFUSE_CP_TRANSPORT`` sets it (``auto``: the copy engines on CUDA
+            where the blocks are of one size, else send/recv).
+        merge: how the forward merges the blocks' outputs: ``"eager"`` (torch operations)
+            or ``"compiled"`` (one ``torch.compile``'d pass over each merged output).
+            ``MESHFUSE_CP_MERGE`` sets it (``auto``: compiled on CUDA, else eager).
     """
 
     strategy: str
@@ -98,6 +113,8 @@ class ContextParallel:
     backward: bool = False
     home_parts: int = 1
     key_rows: tuple[tuple[Run, ...], ...] | None = None  # cross attention: keys' own rows
+    transport: str = DEFAULT_TRANSPORT
+    merge: str = DEFAULT_MERGE
 
     @property
     def size(self) -> int:
@@ -129,6 +146,12 @@ class ContextParallel:
         runs = (self.keys if keys else self.rows)[position]
         rows = torch.cat([torch.arange(a, b) for a, b in runs])
         return rows[local[0]:local[1]]
+
+    @property
+    def equal_blocks(self) -> bool:
+        """Whether every position holds as many query rows, and as many key rows."""
+        return len({self.length(c) for c in range(self.size)}) == 1 and \
+            len({self.key_length(c) for c in range(self.size)}) == 1
 
     def length(self, position: int) -> int:
         """How many query rows ``position`` holds."""
@@ -255,9 +278,55 @@ def context_record(expr, here) -> ContextParallel:
     if here.extents.get(k.materialized()[-2]) != here.extents.get(q.materialized()[-2]):
         keys = _position_rows(k, here, len(ranks))
     backward = expr.op.name == "sdpfa_bwd"
-    return ContextParallel(sequence_parallel(expr), axis, ranks,
-                           q.mesh.coordinate(here.rank)[axis], rows, backward,
-                           home_parts(expr, here) if backward and len(ranks) > 1 else 1, keys)
+    record = ContextParallel(sequence_parallel(expr), axis, ranks,
+                             q.mesh.coordinate(here.rank)[axis], rows, backward,
+                             home_parts(expr, here) if backward and len(ranks) > 1 else 1, keys)
+    return dataclasses.replace(record, **_options(record, expr, here))
+
+
+def _options(record: ContextParallel, expr, here) -> dict[str, str]:
+    """The record's ``transport`` and ``merge`` from the environment, ``auto`` resolved for
+    this rank's device (the transport of a ring of two ranks or more: the others move
+    nothing, or by collectives).
+
+    Raises:
+        DefinitionError: a value that is no option; the copy engines asked for tensors off
+            CUDA, or for blocks of different sizes.
+    """
+    transport = _option(TRANSPORT_VAR, TRANSPORTS, DEFAULT_TRANSPORT)
+    merge = _option(MERGE_VAR, MERGES, DEFAULT_MERGE)
+    cuda = here.device is not None and torch.device(here.device).type == "cuda"
+    if record.strategy != RING or record.size == 1:
+        transport = NCCL
+    if transport == COPY_ENGINE and not record.equal_blocks:
+        q, k = _arg(expr, "q"), _arg(expr, "k")
+        raise DefinitionError(
+            f"{expr.op.name}: {TRANSPORT_VAR}=copy_engine moves blocks of one size, and the "
+            f"sequence rows of {q.name} (or of {k.name}) over {record.size} ranks are of "
+            f"different sizes; use a zig-zag split, an extent that divides, or "
+            f"{TRANSPORT_VAR}=auto")
+    if transport == COPY_ENGINE and not cuda:
+        raise DefinitionError(f"{expr.op.name}: {TRANSPORT_VAR}=copy_engine copies blocks "
+                              f"between CUDA devices, and this rank's tensors are on "
+                              f"{here.device}: use nccl or auto")
+    if transport == AUTO:
+        transport = COPY_ENGINE if cuda and record.equal_blocks else NCCL
+    if merge == AUTO:
+        merge = COMPILED if cuda else EAGER
+    return {"transport": transport, "merge": merge}
+
+
+def _option(variable: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of the environment ``variable``, one of ``choices`` (unset: ``default``).
+
+    Raises:
+        DefinitionError: any other value.
+    """
+    value = os.environ.get(variable, "").strip().lower() or default
+    if value not in choices:
+        raise DefinitionError(f"{variable}={value!r}: use one of "
+                              f"{', '.join(repr(c) for c in choices)}")
+    return value
 
 
 def _position_rows(tv, here, size: int) -> tuple[tuple[Run, ...], ...]:

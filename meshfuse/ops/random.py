@@ -14,6 +14,8 @@ values and ranks seeded alike agree. Distinct offsets under one seed give indepe
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshfuse.dtypes import DataType
@@ -122,7 +124,7 @@ def _sampler(op: str, draw):
         seed, offset = resolve_seed(op, rng_seed, rng_offset)
         return draw(rng.stream_key(seed, offset), global_index.linear(device),
                     _number(op, "first parameter", a), _number(op, "second parameter", b),
-                    dtype.torch_dtype)
+                    dtype.torch_dtype, bound=math.prod(global_index.extents))
 
     return impl
 
@@ -130,7 +132,8 @@ def _sampler(op: str, draw):
 def _like_sampler(op: str, draw, a: float, b: float):
     def impl(x, rng_seed, rng_offset, global_index):
         seed, offset = resolve_seed(op, rng_seed, rng_offset)
-        return draw(rng.stream_key(seed, offset), global_index.linear(x.device), a, b, x.dtype)
+        return draw(rng.stream_key(seed, offset), global_index.linear(x.device), a, b, x.dtype,
+                    bound=math.prod(global_index.extents))
 
     return impl
 

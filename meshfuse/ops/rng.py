@@ -78,49 +78,55 @@ def stream_key(seed: int, offset: int, *words: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def random_words(key: int, index: torch.Tensor, lane: int = 0) -> torch.Tensor:
+def random_words(key: int, index: torch.Tensor, lane: int = 0,
+                 bound: int | None = None) -> torch.Tensor:
     """32 random bits (int64 values in [0, 2**32)) for each counter in ``index`` (int64,
-    non-negative), under ``key``; ``lane`` picks one of several independent words."""
+    non-negative), under ``key``; ``lane`` picks one of several independent words.
+    ``bound``: an exclusive upper bound of the counters, when the caller knows one: at most
+    ``2**32`` counters have no high word, whose mix is then one number for all (the same
+    bits; the counters are never read back to the host, so a CUDA graph can capture this)."""
     k0 = mix32((key & MASK32) ^ _mul32(lane + 1, _GOLDEN))
     k1 = mix32(((key >> 32) & MASK32) ^ _mul32(lane + 7, _GOLDEN))
-    high = index >> 32
-    if index.numel() and int(high.max()) == 0:  # below 2**32 counters: one word per key
+    if bound is not None and bound <= 2**32:
         high = mix32(k1)
     else:
-        high = mix32(high ^ k1)
+        high = mix32((index >> 32) ^ k1)
     return mix32(mix32((index & MASK32) ^ k0) ^ high)
 
 
-def unit_uniform(key: int, index: torch.Tensor, dtype: torch.dtype, lane: int = 0):
+def unit_uniform(key: int, index: torch.Tensor, dtype: torch.dtype, lane: int = 0,
+                 bound: int | None = None):
     """Uniform values in ``[0, 1)``: float64 for ``dtype`` float64 (53 bits), float32
-    otherwise (24 bits); uses lanes ``lane`` (and ``lane + 1`` for float64)."""
+    otherwise (24 bits); uses lanes ``lane`` (and ``lane + 1`` for float64); ``bound`` as
+    :func:`random_words` takes it."""
     if dtype == torch.float64:
-        bits = (random_words(key, index, lane) >> 5 << 26) | (random_words(key, index, lane + 1) >> 6)
+        bits = ((random_words(key, index, lane, bound) >> 5 << 26)
+                | (random_words(key, index, lane + 1, bound) >> 6))
         return bits.to(torch.float64) * 2.0 ** -53
-    return (random_words(key, index, lane) >> 8).to(torch.float32) * 2.0 ** -24
+    return (random_words(key, index, lane, bound) >> 8).to(torch.float32) * 2.0 ** -24
 
 
 def uniform(key: int, index: torch.Tensor, low: float, high: float,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, bound: int | None = None) -> torch.Tensor:
     """Values uniform in ``[low, high)`` of ``dtype`` at counters ``index``.
 
     Low-precision results that round up to ``high`` are set to the largest value below it, so
     the interval stays half-open in every dtype.
     """
-    u = unit_uniform(key, index, dtype)
+    u = unit_uniform(key, index, dtype, bound=bound)
     values = (u * (high - low) + low).to(dtype)
-    if high > low:
-        top = torch.tensor(high, dtype=dtype, device=values.device)
-        below = torch.nextafter(top, torch.tensor(low, dtype=dtype, device=values.device))
+    if high > low:  # (filled on the device: no copy from the host to capture)
+        top = torch.full((), high, dtype=dtype, device=values.device)
+        below = torch.nextafter(top, torch.full((), low, dtype=dtype, device=values.device))
         values = torch.where(values >= top, below, values)
     return values
 
 
 def normal(key: int, index: torch.Tensor, mean: float, std: float,
-           dtype: torch.dtype) -> torch.Tensor:
+           dtype: torch.dtype, bound: int | None = None) -> torch.Tensor:
     """Normal values with ``mean`` and ``std`` of ``dtype`` at counters ``index``."""
     lanes = 2 if dtype == torch.float64 else 1
-    u1 = 1.0 - unit_uniform(key, index, dtype, 0)  # in (0, 1]: log is finite
-    u2 = unit_uniform(key, index, dtype, lanes)
+    u1 = 1.0 - unit_uniform(key, index, dtype, 0, bound)  # in (0, 1]: log is finite
+    u2 = unit_uniform(key, index, dtype, lanes, bound)
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return (z * std + mean).to(dtype)

@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 
 from meshfuse.errors import MeshfuseError
+from meshfuse.runtime import peer_copy
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.lone_failures import Abandoned
 
+NCCL, COPY_ENGINE = "nccl", "copy_engine"  # how ring_shift moves its blocks
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -472,15 +474,36 @@ class _Works:
 
 
 def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Group,
-               into: Sequence[torch.Tensor] | None = None) -> Pending:
+               into: Sequence[torch.Tensor] | None = None, transport: str = NCCL,
+               slot: str = "", pull: bool = False) -> Pending:
     """Each of ``tensors`` sent to the next coordinate of the group (``c + 1``, around), and
     as many received from the previous one, of ``shapes`` (the dtypes of ``tensors``): one
     ``batch_isend_irecv``, launched at once. Returns a :class:`Pending` of the received
     list: new tensors, or ``into`` (contiguous tensors of those shapes and dtypes, written in
-    place). Recorded as one ``send`` and one ``recv`` per tensor, naming the peer."""
+    place). Recorded as one ``send`` and one ``recv`` per tensor, naming the peer.
+
+    ``transport=COPY_ENGINE`` (CUDA; every shape equal on every rank) copies the tensors
+    with the copy engines into the next rank's symmetric buffer ``slot`` instead
+    (:mod:`meshfuse.runtime.peer_copy`): no SM is taken from the kernels it overlaps.
+    Without ``into`` the result is that slot, overwritten by the next shift into ``slot``.
+    ``pull`` (with ``into``): the tensors lie in this rank's slots, as the previous rank's in
+    its own, and each rank reads the previous rank's (one barrier, no copy out of a slot)."""
     n, c = group.size, group.coordinate
     after, before = group.ranks[(c + 1) % n], group.ranks[(c - 1) % n]
     sends = [t.contiguous() for t in tensors]
+    if transport == COPY_ENGINE:
+        assert all(tuple(s) == tuple(t.shape) for s, t in zip(shapes, sends)), \
+            "ring_shift: a copy-engine shift moves blocks of one shape"
+        for out in sends:
+            _record("send", group, out, peer=after)
+            _record("recv", group, out, peer=before)
+        label = _label("ring_shift", group)
+        with translated(label, group.ranks):
+            if pull:
+                shifted = peer_copy.pull(sends, group.process_group, before, into)
+            else:
+                shifted = peer_copy.shift(sends, group.process_group, after, slot, into)
+        return Pending(shifted, shifted.received, label=label, ranks=group.ranks)
     if into is None:
         received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device)
                     for t, s in zip(sends, shapes)]

@@ -44,7 +44,13 @@ from meshfuse.ops.context_blocks import (
     forward_blocks,
     sums_dtype,
 )
-from meshfuse.ops.context_parallel import ALLGATHER, ALLTOALL, RING, ContextParallel
+from meshfuse.ops.context_parallel import (
+    ALLGATHER,
+    ALLTOALL,
+    COMPILED,
+    RING,
+    ContextParallel,
+)
 from meshfuse.ops.random import resolve_seed
 from meshfuse.runtime.collectives import (
     Group,
@@ -68,17 +74,22 @@ def _check_local(record: ContextParallel, op: str, **tensors: torch.Tensor) -> N
             f"{op}: {name} holds {t.shape[-2]} sequence rows, its ring record {rows}")
 
 
+def _merged(record: ContextParallel, q, v) -> Merged:
+    return Merged(q, v, sums_dtype(record, q), record.merge == COMPILED)
+
+
 def ring_forward(q, k, v, scale, causal: bool, record: ContextParallel, group: Group,
                  dropout: BlockDropout | None = None):
     """This rank's ``(attn, log_sumexp)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_fwd", q=q, k=k, v=v)
-    merged = Merged(q, v, sums_dtype(record, q))
+    merged, transport = _merged(record, q, v), record.transport
     block = (k, v)
     for step in range(record.size):
         pending = None
         if step < record.size - 1:
             rows = record.key_length(record.holder(step + 1))
-            pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
+            pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group,
+                                 transport=transport, slot=f"forward{step % 2}")
         forward_blocks(q, *block, scale, causal, record, record.holder(step), merged, dropout)
         if pending is not None:
             block = pending.wait()
@@ -91,15 +102,18 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
     _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
     dq, block, sums = None, (k, v), None
     dtype = sums_dtype(record, q)  # the inputs' on a ring of two: no float32 sums at all
+    transport = record.transport
     for step in range(record.size - 1):
         rows = record.key_length(record.holder(step + 1))
-        pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group)
+        pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group,
+                             transport=transport, slot=f"backward{step % 2}")
         dq, partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
                                       record.holder(step), dq, dropout)
         # The sums arrived while the kernels ran; they follow their block to the next rank.
         own = add_key_gradients(partial, sums.wait() if sums is not None else (None, None),
                                 block, dtype)
-        sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group)
+        sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group,
+                          transport=transport, slot=f"sums{step % 2}")
         block = pending.wait()
     if record.size == 1:
         dq, partial = backward_blocks(grad, q, k, v, attn, lse, scale, causal, record,
@@ -107,11 +121,11 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
         dk, dv = add_key_gradients(partial, (None, None), block, dtype)
         return _finished(dq, q), dk.to(k.dtype), dv.to(v.dtype)
     return _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block,
-                      sums, dtype)
+                      sums, dtype, transport)
 
 
 def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block, sums,
-               dtype):
+               dtype, transport):
     """The ring backward's last step: this rank's queries against the block of the next
     position, whose dk/dv sums are then finished and go home, cast to the inputs' dtype. The
     step runs in ``record.home_parts`` parts (halves of the batch, or of the heads), each
@@ -128,6 +142,9 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
     parts = zip(_parts(q.shape[axis], record.home_parts, axis),
                 _parts(k.shape[axis], record.home_parts, axis))
     incoming, sent = None, []
+    # The sums added in place into the buffers they arrived in, not cast: with the copy
+    # engines the next rank reads them there.
+    pull = dtype == k.dtype
     for rows, keys in parts:
         _, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
                                      lse[rows], scale, causal, record,
@@ -138,7 +155,8 @@ def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, bl
                                 [t[keys] for t in block], dtype)
         sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
                                [h[keys].shape for h in home], group,
-                               into=[h[keys] for h in home]))
+                               into=[h[keys] for h in home], transport=transport,
+                               slot="home", pull=pull))
     for pending in sent:
         pending.wait()
     return _finished(dq, q), *home
@@ -176,7 +194,7 @@ def allgather_forward(q, k, v, scale, causal: bool, record: ContextParallel, gro
     sizes = _key_sizes(record)
     pending = [allgather(t, t.ndim - 2, group, async_op=True, sizes=sizes) for t in (k, v)]
     keys, values = (_positions(record, resolved(p)) for p in pending)
-    merged = Merged(q, v, sums_dtype(record, q))
+    merged = _merged(record, q, v)
     for c in range(record.size):
         forward_blocks(q, keys[c], values[c], scale, causal, record, c, merged, dropout)
     return merged.result(q.dtype)
