@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -64,6 +65,13 @@ def _program(fd, inputs):
     fd.execute(inputs, cuda_graph=False)
     (program,) = fd._get_runner()._programs.values()
     return program
+
+
+def _planned(fd, inputs):
+    """The fused stand-ins of ``fd``'s program for ``inputs`` and its replay plan."""
+    program = _program(fd, inputs)
+    fused = _fused_stand_ins(program)
+    return fused, plan_streams(program, inputs)
 
 
 def _fused_stand_ins(program):
@@ -178,9 +186,7 @@ def test_a_kernel_whose_rng_state_is_on_the_host_is_refused(backend):
 def test_the_plan_lists_each_forward_in_step_order(seeds):
     fd = TwoAttentions([B, H, S, S], seeds=seeds)
     inputs = _tensors([B, H, S, S]) + ([5, 0, 6, 1] if seeds == "input" else [])
-    program = _program(fd, inputs)
-    fused = _fused_stand_ins(program)
-    plan = plan_streams(program, inputs)
+    fused, plan = _planned(fd, inputs)
     assert [s.dropout for s in plan.streams] == fused
     assert [s.step for s in plan.streams] == sorted(s.step for s in plan.streams)
     expected = {None: [(Source(), Source())] * 2,
@@ -197,9 +203,7 @@ def test_a_replay_draws_the_interpreters_seeds_in_its_order():
     and seeds each step's generator; the calls after it draw what they would have drawn."""
     fd = TwoAttentions([B, H, S, S])
     inputs = _tensors([B, H, S, S])
-    program = _program(fd, inputs)
-    fused = _fused_stand_ins(program)
-    plan = plan_streams(program, inputs)
+    fused, plan = _planned(fd, inputs)
     torch.manual_seed(21)
     drawn = [[rng.draw_seed() for _ in fused] for _ in range(3)]
     after = torch.rand(4)
@@ -216,18 +220,14 @@ def test_a_replay_draws_the_interpreters_seeds_in_its_order():
 def test_constant_and_input_seeds_are_read_at_each_replay():
     fd = TwoAttentions([B, H, S, S], seeds="input")
     tensors = _tensors([B, H, S, S])
-    program = _program(fd, tensors + [5, 0, 6, 1])
-    fused = _fused_stand_ins(program)
-    plan = plan_streams(program, tensors + [5, 0, 6, 1])
+    fused, plan = _planned(fd, tensors + [5, 0, 6, 1])
     state = torch.get_rng_state()
     for seeds in ([5, 0, 6, 1], [7, 2, 6, 1], [5, 0, 6, 1]):
         keys = plan.prepare(tensors + seeds)
         assert keys == [fused[0].key(*seeds[:2]), fused[1].key(*seeds[2:])]
     assert torch.equal(torch.get_rng_state(), state)  # given seeds: nothing drawn
     const = TwoAttentions([B, H, S, S], seeds="constant")
-    program = _program(const, tensors)
-    fused = _fused_stand_ins(program)
-    plan = plan_streams(program, tensors)
+    fused, plan = _planned(const, tensors)
     assert plan.prepare(tensors) == plan.prepare(tensors) == [fused[0].key(40, 0),
                                                                 fused[1].key(41, 1)]
 
@@ -235,9 +235,7 @@ def test_constant_and_input_seeds_are_read_at_each_replay():
 def test_a_capture_gives_its_draws_back_and_allows_only_its_generators():
     fd = TwoAttentions([B, H, S, S])
     inputs = _tensors([B, H, S, S])
-    program = _program(fd, inputs)
-    fused = _fused_stand_ins(program)
-    plan = plan_streams(program, inputs)
+    fused, plan = _planned(fd, inputs)
     torch.manual_seed(8)
     expected = rng.draw_seed()
     torch.manual_seed(8)
@@ -319,18 +317,9 @@ def test_dropout_p_zero_at_this_call_draws_nothing():
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@contextlib.contextmanager
 def _backend(name):
     """``MESHFUSE_SDPA_BACKEND=name`` for the first call (where the kernels are bound)."""
-    saved = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[BACKEND_ENV]
-        else:
-            os.environ[BACKEND_ENV] = saved
+    return mock.patch.dict(os.environ, {BACKEND_ENV: name})
 
 
 @contextlib.contextmanager

@@ -38,10 +38,10 @@ time, idle gaps, NCCL time that no kernel hid, each call's wall time), also reco
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,8 @@ def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env
         fd = CausalAttention(sizes, s, causal, mesh, zigzag, strategy)
         fd.define()
         local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
-        with _environment(env or {}):  # read when the program is built (the first call)
+        # the settings are read when the program is built (the first call)
+        with mock.patch.dict(os.environ, env or {}):
             got = fd.execute(local)
         want = [meshfuse.shard_tensor(t, tv) for t, tv in zip(expected, fd.fusion.outputs())]
         check_close(f"{name} vs one GPU", got, want, TOL)
@@ -140,20 +141,6 @@ def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env
 
     note = f"{'zig-zag' if zigzag else 'block'} split, {strategy or 'estimate'}"
     return Variant(name, setup, note)
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def _strategies(fd) -> dict:

@@ -33,8 +33,8 @@ FLOPs: :func:`~benchmarks.gpt3_layer.layer_flops` (3 x forward, attention counte
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import torch
 
@@ -65,20 +65,6 @@ def _one_gpu_reference(params, heads: int, x, dy) -> tuple[torch.Tensor, torch.T
     block = Gpt3Block(params, heads)
     y, grads = autograd_step(block, [x], dy, block.parameters())()
     return y.detach(), grads[0]
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    """``os.environ[name] = value`` inside the block."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
 
 
 def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Variant]:
@@ -146,7 +132,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         # The programs are built by the setup's first step: with these figures then, the
         # estimate decomposes the q and out projections' collectives (and one of the
         # backward's) into stream loops, as it did before its contention was measured.
-        with _environment("MESHFUSE_OVERLAP_COST", "250,600,20,0.1"):
+        with mock.patch.dict(os.environ, {"MESHFUSE_OVERLAP_COST": "250,600,20,0.1"}):
             return derived_compiled()
 
     return [
