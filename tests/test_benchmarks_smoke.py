@@ -52,7 +52,7 @@ def test_mlp_case_reads_its_bar_from_records_of_the_same_run():
     assert mesh.metrics["speedup_over_1gpu"] == 2.0
     assert mesh.metrics["vs_dtensor_tp"] == 1.025
     assert "vs_dtensor_tp" not in dtensor.metrics
-    assert headline([one, manual, dtensor, mesh]) == [
+    assert headline([one, manual, dtensor, mesh]) == [(
         "mlp T8: execute 20.00 ms vs torch_manual 20.00 ms = 1.00x; 2.00x over one GPU, "
-        "1.02x dtensor_tp's speed"]
+        "1.02x dtensor_tp's speed")]
     assert all(not r.metrics for r in run(1, torch_1gpu=4.0, dtensor_tp=4.1, meshfuse=4.0))
