@@ -11,9 +11,8 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   would replay one random tensor forever: a step with a random stream, see ``explain``,
   unless its seed is given; attention dropout with a fused kernel replays, each replay
   seeding its streams as the interpreter would: :mod:`meshfuse.runtime.replay_streams`),
-  holds every output on this
-  rank, and whose capture succeeds (an op that reads a value back to the host cannot be
-  captured: the program then stays with the interpreter).
+  holds every output on this rank, and whose capture succeeds (an op that reads a value back
+  to the host cannot be captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless
   ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
   its inputs (an autograd backward: its inputs are to be freed as it runs).
@@ -22,10 +21,10 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   of dropout, which each replay reads itself), and per state of
   ``torch.use_deterministic_algorithms`` (kernels such as flash attention's backward are
   chosen by it at each call; a graph keeps those it captured): a call whose inputs sit
-  where a captured call's did, in the same mode, replays. A set of addresses is captured at its second
-  call (the first runs the interpreter: a loop whose inputs move every call never pays for
-  captures it would not replay; the signature's first call also binds kernels and compiles
-  segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
+  where a captured call's did, in the same mode, replays. A set of addresses is captured at
+  its second call (the first runs the interpreter: a loop whose inputs move every call never
+  pays for captures it would not replay; the signature's first call also binds kernels and
+  compiles segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
   :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures; beyond, the interpreter
   runs. A graph's capture follows a warm-up run on a side stream.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
