@@ -9,7 +9,8 @@ thread block each.
 
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
-same shifts in the same order) at the first shift that needs it. A shift into slot ``name``
+same shifts in the same order) at the first shift that needs it, the device synchronized
+between the allocation and the rendezvous (see :func:`_slot`: the first call pays it once). A shift into slot ``name``
 overwrites what the previous shift into it received, so its caller must have queued every
 use of that result before it launches the next shift of the same name (the ring alternates
 two names by step).
@@ -91,6 +92,13 @@ def _slot(process_group, after: int, name: str, shapes, dtypes, device) -> _Slot
         return _slots[key]
     offsets, size = _offsets(shapes, dtypes)
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    # The allocation zeroes its signal pad on the device without waiting for it (torch
+    # 2.11: cudaMemset, queued behind this rank's pending kernels). A peer may signal into
+    # the pad as soon as the rendezvous below has handed it over; a zeroing that lands after
+    # that signal erases it, and both ranks then wait for a signal that never comes (the
+    # barrier's two-minute limit, then a device error). Waiting here orders the zeroing
+    # before the rendezvous, which no rank leaves before every rank has entered it.
+    torch.cuda.synchronize(device)
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:  # needed by older torch, a deprecated no-op in newer
         with warnings.catch_warnings():
