@@ -83,21 +83,16 @@ def raw(ctx, out: str, synced: bool, delay_ms: int, barrier_ms: int) -> dict:
 
 
 def _logged_shifts(log):
-    """Wraps peer_copy.shift and pull to log each launch (host side, no synchronization)."""
-    shift, pull = peer_copy.shift, peer_copy.pull
+    """Wraps peer_copy.shift to log each launch (host side, no synchronization)."""
+    shift = peer_copy.shift
 
-    def logged_shift(tensors, process_group, after, name, into=None):
+    def logged(tensors, process_group, after, name, into=None):
         log.write(f"{time.perf_counter():.6f} shift {name} "
                   f"{[tuple(t.shape) for t in tensors]}\n")
         log.flush()
         return shift(tensors, process_group, after, name, into)
 
-    def logged_pull(tensors, process_group, before, into):
-        log.write(f"{time.perf_counter():.6f} pull {[tuple(t.shape) for t in tensors]}\n")
-        log.flush()
-        return pull(tensors, process_group, before, into)
-
-    peer_copy.shift, peer_copy.pull = logged_shift, logged_pull
+    peer_copy.shift = logged
 
 
 def _program(ctx, s: int, transport: str):

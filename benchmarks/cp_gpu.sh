@@ -7,7 +7,7 @@
 # 2. OUT/cp/*.md, *.json (log OUT/cp.log): the context_parallel case, every configuration
 #    (causal s=32k and 128k, non-causal 32k): one GPU, the ring with NCCL (ring_zigzag),
 #    with the copy engines, with the eager merge, with the copy engines and the compiled
-#    merge (and the sums sent home in quarters), block split, all-gather,
+#    merge (and the own block in quarters), block split, all-gather,
 #    all-to-all, the estimate's choice, torch's context_parallel;
 # 3. OUT/nccl_memcpy/*.md (log OUT/nccl_memcpy.log): causal s=32k, the NCCL ring with
 #    NCCL_P2P_USE_CUDA_MEMCPY=1 (NCCL's own copy-engine mode for send/recv);
@@ -24,7 +24,8 @@
 #
 #   bash benchmarks/cp_gpu.sh OUT repro     (about 5 minutes)
 # runs: OUT/cp: causal s=32k, one GPU, the default ring (the compiled merge on CUDA), the
-# ring with the eager merge, the estimate's choice, torch's context_parallel (all-to-all);
+# ring with the eager merge, with the own block whole (MESHFUSE_CP_OWN_PARTS=1), the
+# estimate's choice, torch's context_parallel (all-to-all);
 # OUT/repro: benchmarks/cp_copy_engine_repro.py, the signal-pad race with torch's API alone
 # (raw_unsynced, raw_synced) and the copy-engine ring at s=32k against the NCCL ring
 # (ring_rank<r>.json, .log); last, OUT/cp_copy: the case's copy-engine variant.
@@ -54,7 +55,7 @@ if [ "$mode" = short ]; then
 fi
 if [ "$mode" = repro ]; then
   MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
-    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_eager_merge,auto,torch_cp_alltoall \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_eager_merge,ring_zigzag_own_whole,auto,torch_cp_alltoall \
     timeout 150 "${launch[@]}" --out "$out/cp" > "$out/cp.log" 2>&1
   summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
   repro=(torchrun --nproc-per-node 2 -m benchmarks.cp_copy_engine_repro "$out/repro")

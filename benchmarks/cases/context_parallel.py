@@ -10,15 +10,16 @@ s=131072, and non-causal at s=32768. Variants, in one run:
 - ``ring_zigzag_synced``: the same, each call waiting for its kernels (the harness times
   calls back to back; this one shows the host time before the first kernel instead of
   hiding it, and whether calls that overlap their neighbours run slower);
-- ``ring_zigzag_home_whole``: the same with the backward's finished dk/dv sums sent home
-  whole (``MESHFUSE_CP_HOME_PARTS=1``) instead of in two halves, each sent as soon as its
-  kernels finish: what the halves gain; ``ring_zigzag_home_quarters``: in four parts;
+- ``ring_zigzag_own_whole``: the same with the backward's own block computed whole at the
+  first step (``MESHFUSE_CP_OWN_PARTS=1``) instead of in two halves, the second after the
+  last step, under the finished dk/dv sums' trip home: what the halves gain (the trip home
+  then waits after the last kernels); ``ring_zigzag_own_quarters``: in four parts;
 - ``ring_zigzag_copy_engine``: the ring's blocks moved by the GPUs' copy engines
   (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels), the
   forward's merge eager; ``ring_zigzag_eager_merge``: send/recv, the merge in torch
   operations (``MESHFUSE_CP_MERGE=eager``; the default on CUDA compiles it into one pass);
   ``ring_zigzag_copy_engine_compiled``: the copy engines and the compiled merge;
-  ``..._quarters``: both, the finished sums sent home in quarters;
+  ``..._quarters``: both, the own block in quarters;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -214,10 +215,10 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
         _meshfuse(ctx, "ring_zigzag", sizes, s, causal, full, expected, True, "ring"),
         _meshfuse(ctx, "ring_zigzag_synced", sizes, s, causal, full, expected, True, "ring",
                   synced=True),
-        _meshfuse(ctx, "ring_zigzag_home_whole", sizes, s, causal, full, expected, True, "ring",
-                  {"MESHFUSE_CP_HOME_PARTS": "1"}),
-        _meshfuse(ctx, "ring_zigzag_home_quarters", sizes, s, causal, full, expected, True,
-                  "ring", {"MESHFUSE_CP_HOME_PARTS": "4"}),
+        _meshfuse(ctx, "ring_zigzag_own_whole", sizes, s, causal, full, expected, True, "ring",
+                  {"MESHFUSE_CP_OWN_PARTS": "1"}),
+        _meshfuse(ctx, "ring_zigzag_own_quarters", sizes, s, causal, full, expected, True,
+                  "ring", {"MESHFUSE_CP_OWN_PARTS": "4"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine", sizes, s, causal, full, expected, True,
                   "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "eager"}),
         _meshfuse(ctx, "ring_zigzag_eager_merge", sizes, s, causal, full, expected, True,
@@ -226,7 +227,7 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
                   True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine_compiled_quarters", sizes, s, causal, full,
                   expected, True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled",
-                                           "MESHFUSE_CP_HOME_PARTS": "4"}),
+                                           "MESHFUSE_CP_OWN_PARTS": "4"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),

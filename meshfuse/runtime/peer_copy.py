@@ -10,10 +10,10 @@ thread block each.
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
 same shifts in the same order) at the first shift that needs it, the device synchronized
-between the allocation and the rendezvous (see :func:`_slot`: the first call pays it once). A shift into slot ``name``
-overwrites what the previous shift into it received, so its caller must have queued every
-use of that result before it launches the next shift of the same name (the ring alternates
-two names by step).
+between the allocation and the rendezvous (see :func:`_slot`: the first call pays it once).
+A shift into slot ``name`` overwrites what the previous shift into it received, so its
+caller must have queued every use of that result before it launches the next shift of the
+same name (the ring alternates two names by step).
 
 **One shift**, on a side stream of the device (the *copy stream*):
 
@@ -25,12 +25,6 @@ two names by step).
 5. with ``into``, the slot copied into those tensors (a local copy, a copy engine too);
 6. :meth:`Shifted.wait` makes the current stream wait for the copy stream; the host never
    waits.
-
-**A pull** (:func:`pull`) moves tensors that already lie in a slot of every rank (a
-ring's sums, added in place into the slot they arrived in) into tensors of the caller's:
-after one barrier each rank copies the previous rank's tensors, at the same places of its
-slot, into its own. No slot is written, so neither the second barrier nor a copy out of a
-slot is needed.
 """
 
 from __future__ import annotations
@@ -57,11 +51,6 @@ class _Slot:
     buffer: torch.Tensor  # this rank's allocation (bytes)
     local: list[torch.Tensor]
     remote: list[torch.Tensor]
-
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.buffer.data_ptr()
-        return start <= t.data_ptr() and \
-            t.data_ptr() + t.numel() * t.element_size() <= start + self.buffer.numel()
 
 
 _slots: dict[tuple, _Slot] = {}
@@ -154,29 +143,3 @@ def shift(tensors: Sequence[torch.Tensor], process_group, after: int, name: str,
         done = torch.cuda.Event()
         done.record(copier)
     return Shifted(done, list(received), device)
-
-
-def pull(tensors: Sequence[torch.Tensor], process_group, before: int,
-         into: Sequence[torch.Tensor]) -> Shifted:
-    """The tensors of rank ``before`` (a global rank) at the places of ``tensors`` (contiguous
-    views inside this rank's slots, as they are inside that rank's) copied into ``into``
-    (contiguous, of the same shapes and dtypes); the next rank reads this rank's alike."""
-    device = tensors[0].device
-    peer = dist.get_group_rank(process_group, before)
-    sources = []
-    for t in tensors:
-        slot = next((s for s in _slots.values() if s.holds(t)), None)
-        assert slot is not None and t.is_contiguous(), "pull: a tensor outside the slots"
-        offset = t.data_ptr() - slot.buffer.data_ptr()
-        sources.append((slot, slot.handle.get_buffer(peer, tuple(t.shape), t.dtype,
-                                                     offset // t.element_size())))
-    current, copier = torch.cuda.current_stream(device), _stream(device)
-    copier.wait_stream(current)
-    with torch.cuda.stream(copier):
-        sources[0][0].handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        for out, (_, remote) in zip(into, sources):
-            out.copy_(remote)  # the previous rank's memory, read by a copy engine
-            out.record_stream(copier)
-        done = torch.cuda.Event()
-        done.record(copier)
-    return Shifted(done, list(into), device)
