@@ -60,7 +60,7 @@ if [ "$mode" = repro ]; then
   summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
   repro=(torchrun --nproc-per-node 2 -m benchmarks.cp_copy_engine_repro "$out/repro")
   for m in raw_unsynced raw_synced ring; do
-    timeout 150 "${repro[@]}" "$m" > "$out/repro_$m.log" 2>&1
+    timeout "$([ "$m" = ring ] && echo 150 || echo 60)" "${repro[@]}" "$m" > "$out/repro_$m.log" 2>&1
     summary+=("repro $m: rc=$? $(cat "$out"/repro/"$m"_rank*.json 2>/dev/null | tr -d ' \n' | cut -c1-900)")
   done
   MESHFUSE_CP_BENCH_CONFIGS=causal_s32k MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag_copy_engine_compiled \
