@@ -25,8 +25,9 @@
 #   bash benchmarks/cp_gpu.sh OUT repro     (about 5 minutes)
 # runs: OUT/cp: causal s=32k, one GPU, the default ring (the compiled merge on CUDA), the
 # ring with the eager merge, with the own block whole (MESHFUSE_CP_OWN_PARTS=1), the
-# estimate's choice, torch's context_parallel (all-to-all);
-# OUT/repro: benchmarks/cp_copy_engine_repro.py, the signal-pad race with torch's API alone
+# estimate's choice, torch's context_parallel (all-to-all); OUT/cp_nccl_high: the default
+# ring with NCCL's streams of high priority (TORCH_NCCL_HIGH_PRIORITY=1); OUT/repro:
+# benchmarks/cp_copy_engine_repro.py, the signal-pad race with torch's API alone
 # (raw_unsynced, raw_synced) and the copy-engine ring at s=32k against the NCCL ring
 # (ring_rank<r>.json, .log); last, OUT/cp_copy: the case's copy-engine variant.
 set -u
@@ -58,6 +59,10 @@ if [ "$mode" = repro ]; then
     MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_eager_merge,ring_zigzag_own_whole,auto,torch_cp_alltoall \
     timeout 150 "${launch[@]}" --out "$out/cp" > "$out/cp.log" 2>&1
   summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
+  TORCH_NCCL_HIGH_PRIORITY=1 MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag timeout 90 "${launch[@]}" --out "$out/cp_nccl_high" \
+    > "$out/cp_nccl_high.log" 2>&1
+  summary+=("TORCH_NCCL_HIGH_PRIORITY=1: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp_nccl_high/*.md 2>/dev/null)")
   repro=(torchrun --nproc-per-node 2 -m benchmarks.cp_copy_engine_repro "$out/repro")
   for m in raw_unsynced raw_synced ring; do
     timeout "$([ "$m" = ring ] && echo 150 || echo 60)" "${repro[@]}" "$m" > "$out/repro_$m.log" 2>&1

@@ -58,9 +58,13 @@ _streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's copy stream, of high priority: its one-block barrier kernels become ready
+    with the attention kernels they must run beside, and the block scheduler then gives
+    them an SM first (else they may wait for a whole kernel to end, and the copies with
+    them)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=index)
+        _streams[index] = torch.cuda.Stream(device=index, priority=-1)
     return _streams[index]
 
 
