@@ -69,9 +69,7 @@ def logical_root(tv: TensorView, id_: IterDomain) -> IterDomain:
 
 def device_ids(tv: TensorView) -> dict[IterDomain, list[tuple[IterDomain, ParallelType]]]:
     """Logical ID -> the device-parallel IDs derived from it (with their types)."""
-    d = domain(tv)
-    d.check_device_ids()
-    return d.device_ids
+    return domain(tv).checked_device_ids()
 
 
 def split_indices(
