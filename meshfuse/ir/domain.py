@@ -44,7 +44,10 @@ class TensorDomain:
         self.name = tv.name
         self.transforms = tuple(tv.transforms)
         self._tensor = weakref.ref(tv)
-        self._source = tv.transforms  # the list these were read from (see ``domain``)
+        # The list these were read from: the schedule methods only append to a tensor's
+        # transform list, and a pass that rewrites it assigns a new one (held here, so that
+        # no other list can take this one's identity).
+        self._source = tv.transforms
         self.producers: dict[IterDomain, Split | Merge] = {
             out: t for t in self.transforms for out in t.outputs}
         self.roots: dict[IterDomain, IterDomain] = {i: i for i in tv.logical}
@@ -60,13 +63,6 @@ class TensorDomain:
         self._signatures: dict[IterDomain, tuple] | None = None
         self._leaves: dict[IterDomain, list[IterDomain]] = {}
         self._read_parallel()
-
-    def _is_current(self, tv: TensorView) -> bool:
-        """Whether ``tv``'s transforms are still those this was made from: the schedule
-        methods only append to a tensor's transform list (a pass that rewrites it assigns a
-        new list, which this holds on to, so that no other list can take its identity)."""
-        return self._source is tv.transforms and len(self.transforms) == len(tv.transforms) \
-            and self.name == tv.name
 
     @property
     def device_ids(self) -> DeviceIds:
@@ -204,9 +200,10 @@ _cache: weakref.WeakKeyDictionary[TensorView, TensorDomain] = weakref.WeakKeyDic
 
 
 def domain(tv: TensorView) -> TensorDomain:
-    """``tv``'s :class:`TensorDomain`, made once per list of transforms (splits and merges
-    since make another; parallel types are read as they are when asked)."""
+    """``tv``'s :class:`TensorDomain`, made again when its transforms change (a split or a
+    merge since, or a new list; parallel types are read as they are when asked)."""
     cached = _cache.get(tv)
-    if cached is None or not cached._is_current(tv):
+    if cached is None or cached._source is not tv.transforms or \
+            len(cached.transforms) != len(tv.transforms) or cached.name != tv.name:
         cached = _cache[tv] = TensorDomain(tv)
     return cached
