@@ -59,6 +59,7 @@ class TensorDomain:
                     self.roots[out] = root
                 self.subtrees[root].extend(t.outputs)
         self._paths: dict[IterDomain, tuple[IterDomain, tuple[PathStep, ...]]] = {}
+        self._split_roots: dict[IterDomain, IterDomain] = {}
         self._parallel: tuple | None = None
         self._signatures: dict[IterDomain, tuple] | None = None
         self._leaves: dict[IterDomain, list[IterDomain]] = {}
@@ -149,6 +150,14 @@ class TensorDomain:
                 break
             chain.append(t.in_id)
         return chain
+
+    def split_root(self, id_: IterDomain) -> IterDomain:
+        """The last of :meth:`ancestry` (``id_``'s logical ID, or the merged ID it was split
+        from)."""
+        root = self._split_roots.get(id_)
+        if root is None:
+            root = self._split_roots[id_] = self.ancestry(id_)[-1]
+        return root
 
     def path(self, id_: IterDomain) -> tuple[IterDomain, tuple[PathStep, ...]]:
         """The ID at the top of ``id_``'s chain and the steps from it down to ``id_``."""

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from meshfuse.errors import ScheduleError
-from meshfuse.ir.domain import domain
+from meshfuse.ir.domain import TensorDomain, domain
 from meshfuse.ir.iter_domain import IterDomain, Merge, Split
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Allocation, TensorView
@@ -97,17 +97,17 @@ def local_indices(
     ``None`` when the axis is not sharded. ``coords`` maps each device parallel type to the
     device's coordinate on that type's mesh axis.
     """
-    return _held(tv, logical_id, extents, coords)[0]
+    return _held(domain(tv), logical_id, extents, coords)[0]
 
 
-def _held(tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomain, int],
+def _held(d: TensorDomain, logical_id: IterDomain, extents: Mapping[IterDomain, int],
           coords: Mapping[ParallelType, int]) -> tuple[torch.Tensor | None, dict]:
-    """:func:`local_indices` of ``logical_id``, with the :func:`split_indices` it read
-    (empty when the axis is not sharded)."""
-    shards = device_ids(tv).get(logical_id)
+    """:func:`local_indices` of ``logical_id`` (of the tensor whose domain is ``d``), with
+    the :func:`split_indices` it read (empty when the axis is not sharded)."""
+    shards = d.checked_device_ids().get(logical_id)
     if not shards:
         return None, {}
-    index = split_indices(tv, logical_id, extents)
+    index = d.split_indices(logical_id, extents)
     keep = torch.ones(extents[logical_id], dtype=torch.bool)
     for id_, pt in shards:
         keep &= index[id_] == coords[pt]
@@ -135,12 +135,13 @@ def local_extents(tv: TensorView, ids: Sequence[IterDomain], extents: Mapping[It
                   coords: Mapping[ParallelType, int]) -> list[int]:
     """:func:`local_extent` of each of ``ids``, the held indices of each logical axis read
     once."""
+    d = domain(tv)
     held: dict[IterDomain, tuple[torch.Tensor | None, dict]] = {}
     result = []
     for id_ in ids:
-        root = _split_ancestry(tv, id_)[-1]
+        root = d.split_root(id_)
         if root not in held:
-            held[root] = _held(tv, root, extents, coords) if root in tv.logical else (None, {})
+            held[root] = _held(d, root, extents, coords) if root in tv.logical else (None, {})
         indices, index = held[root]
         if indices is None:
             result.append(extents[id_])
@@ -149,11 +150,6 @@ def local_extents(tv: TensorView, ids: Sequence[IterDomain], extents: Mapping[It
         else:
             result.append(index[id_][indices].unique().numel())
     return result
-
-
-def _split_ancestry(tv: TensorView, id_: IterDomain) -> list[IterDomain]:
-    """``id_`` and the IDs it was split from, up to its logical ID."""
-    return domain(tv).ancestry(id_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +213,9 @@ def local_layout(
 
 
 def _allocation_root(tv: TensorView, id_: IterDomain) -> IterDomain:
-    root = _split_ancestry(tv, id_)[-1]
-    if root in producers(tv):
+    d = domain(tv)
+    root = d.split_root(id_)
+    if root in d.producers:
         raise ScheduleError(
             f"the allocation domain of {tv.name} holds a merged ID; allocate the merged axes "
             "separately (merged allocation IDs are not supported yet)"
