@@ -42,20 +42,17 @@ PROGRAMS = {
     "megatron_mlp": lambda mesh: MegatronMlp(64, 32, 128, mesh),
     "pointwise10": lambda mesh: Pointwise10(64, mesh),
     "gpt_block_with_backward": lambda mesh: GptBlockWithBackward(2, 16, 32, 4, mesh=mesh),
+    # GPT-3-like sizes: what depends on the extents (owner maps, shard indices) shows here.
+    "megatron_mlp_large": lambda mesh: MegatronMlp(8192, 12288, 49152, mesh),
 }
 
 
 def _global_inputs(fusion) -> list:
-    """A global tensor for each tensor input (its dtype and logical shape), a scalar's value."""
-    gen = torch.Generator().manual_seed(0)
-    inputs = []
-    for v in fusion.inputs():
-        if isinstance(v, TensorView):
-            shape = [i.extent for i in v.materialized()]
-            inputs.append(torch.randn(shape, generator=gen).to(v.dtype.torch_dtype))
-        else:
-            inputs.append(v.value)
-    return inputs
+    """A global tensor for each tensor input (its dtype and logical shape; on the meta
+    device: planning reads shapes and strides only), a scalar's value."""
+    return [torch.empty([i.extent for i in v.materialized()], dtype=v.dtype.torch_dtype,
+                        device="meta") if isinstance(v, TensorView) else v.value
+            for v in fusion.inputs()]
 
 
 def _plan_rank(fd, inputs: list, world_size: int, rank: int) -> tuple[float, float]:
@@ -70,7 +67,7 @@ def _plan_rank(fd, inputs: list, world_size: int, rank: int) -> tuple[float, flo
     start_signature = time.process_time()
     binding = bind(compiled.fusion, compiled.allocations, local, rank)
     check_no_resharding(compiled.fusion, binding.extents)
-    here = local_context(binding, rank, torch.device("cpu"))
+    here = local_context(binding, rank, torch.device("meta"))
     ran = localize(compiled.fusion, binding.extents, binding.layouts, here)
 
     def lower(expr, binding, donated):
