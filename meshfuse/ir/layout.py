@@ -137,9 +137,15 @@ def local_extents(tv: TensorView, ids: Sequence[IterDomain], extents: Mapping[It
     once."""
     d = domain(tv)
     held: dict[IterDomain, tuple[torch.Tensor | None, dict]] = {}
+    counted: dict[IterDomain, dict[IterDomain, int] | None] = {}
     result = []
     for id_ in ids:
         root = d.split_root(id_)
+        if root not in counted:
+            counted[root] = _one_split_extents(d, root, extents, coords)
+        if counted[root] is not None:
+            result.append(counted[root][id_])
+            continue
         if root not in held:
             held[root] = _held(d, root, extents, coords) if root in tv.logical else (None, {})
         indices, index = held[root]
@@ -210,6 +216,27 @@ def local_layout(
         strides[axis] = running
         running *= max(shape[axis], 1)
     return LocalLayout(shape, tuple(strides), order, tuple(contiguity))
+
+
+def _one_split_extents(d: TensorDomain, root: IterDomain, extents: Mapping[IterDomain, int],
+                       coords: Mapping[ParallelType, int]) -> dict[IterDomain, int] | None:
+    """The local extents of ``root`` and its two parts when one split (not a zig-zag) of
+    logical ``root`` made them and one part is device-parallel (a block or a cyclic shard),
+    counted without index tensors (the common case, whose indices are as long as the axis);
+    None otherwise, or for an axis that is no logical one of the tensor."""
+    if root not in d.subtrees or len(d.subtrees[root]) != 3:
+        return None
+    shards = d.checked_device_ids().get(root)
+    t = d.producers[d.subtrees[root][1]]
+    if t.zigzag or shards is None or len(shards) != 1:
+        return None
+    (device_id, pt), = shards
+    n, inner, c = extents[root], extents[t.inner], coords[pt]
+    if device_id is t.outer:  # indices [c * inner, (c + 1) * inner) of n
+        held = max(0, min(n, (c + 1) * inner) - c * inner)
+        return {root: held, t.outer: min(held, 1), t.inner: held}
+    held = len(range(c, n, inner))  # indices c, c + inner, ... of n
+    return {root: held, t.outer: held, t.inner: min(held, 1)}
 
 
 def _allocation_root(tv: TensorView, id_: IterDomain) -> IterDomain:
