@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -69,9 +69,7 @@ def logical_root(tv: TensorView, id_: IterDomain) -> IterDomain:
 
 def device_ids(tv: TensorView) -> dict[IterDomain, list[tuple[IterDomain, ParallelType]]]:
     """Logical ID -> the device-parallel IDs derived from it (with their types)."""
-    d = domain(tv)
-    d.check_device_ids()
-    return d.device_ids
+    return domain(tv).checked_device_ids()
 
 
 def split_indices(
@@ -99,14 +97,21 @@ def local_indices(
     ``None`` when the axis is not sharded. ``coords`` maps each device parallel type to the
     device's coordinate on that type's mesh axis.
     """
+    return _held(tv, logical_id, extents, coords)[0]
+
+
+def _held(tv: TensorView, logical_id: IterDomain, extents: Mapping[IterDomain, int],
+          coords: Mapping[ParallelType, int]) -> tuple[torch.Tensor | None, dict]:
+    """:func:`local_indices` of ``logical_id``, with the :func:`split_indices` it read
+    (empty when the axis is not sharded)."""
     shards = device_ids(tv).get(logical_id)
     if not shards:
-        return None
+        return None, {}
     index = split_indices(tv, logical_id, extents)
     keep = torch.ones(extents[logical_id], dtype=torch.bool)
     for id_, pt in shards:
         keep &= index[id_] == coords[pt]
-    return torch.nonzero(keep).flatten()
+    return torch.nonzero(keep).flatten(), index
 
 
 def local_extent(
@@ -123,13 +128,27 @@ def local_extent(
     axis counts its positions among the held indices; an ID of an unsharded axis keeps its
     global extent.
     """
-    root = _split_ancestry(tv, id_)[-1]
-    held = local_indices(tv, root, extents, coords) if root in tv.logical else None
-    if held is None:
-        return extents[id_]
-    if id_ is root:
-        return held.numel()
-    return split_indices(tv, root, extents)[id_][held].unique().numel()
+    return local_extents(tv, [id_], extents, coords)[0]
+
+
+def local_extents(tv: TensorView, ids: Sequence[IterDomain], extents: Mapping[IterDomain, int],
+                  coords: Mapping[ParallelType, int]) -> list[int]:
+    """:func:`local_extent` of each of ``ids``, the held indices of each logical axis read
+    once."""
+    held: dict[IterDomain, tuple[torch.Tensor | None, dict]] = {}
+    result = []
+    for id_ in ids:
+        root = _split_ancestry(tv, id_)[-1]
+        if root not in held:
+            held[root] = _held(tv, root, extents, coords) if root in tv.logical else (None, {})
+        indices, index = held[root]
+        if indices is None:
+            result.append(extents[id_])
+        elif id_ is root:
+            result.append(indices.numel())
+        else:
+            result.append(index[id_][indices].unique().numel())
+    return result
 
 
 def _split_ancestry(tv: TensorView, id_: IterDomain) -> list[IterDomain]:
@@ -172,9 +191,9 @@ def local_layout(
     if coords is None:
         coords = {pt: 0 for pt in tv.parallel.values() if pt.is_device}
     logical = tv.materialized()
-    shape = tuple(local_extent(tv, i, extents, coords) for i in logical)
     ids = allocation.ids
-    local = [local_extent(tv, i, extents, coords) for i in ids]
+    known = local_extents(tv, [*logical, *ids], extents, coords)
+    shape, local = tuple(known[:len(logical)]), known[len(logical):]
     roots = [_allocation_root(tv, i) for i in ids]
     positions, contiguity = [], []
     for id_ in logical:

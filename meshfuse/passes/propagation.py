@@ -231,8 +231,7 @@ def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) 
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    subtree = _subtree(tv, logical_id)
-    return [i for i in subtree if tv.parallel_type(i).is_device]
+    return domain(tv).device_leaves(logical_id)
 
 
 def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
