@@ -47,7 +47,7 @@ NCCL, COPY_ENGINE = "nccl", "copy_engine"
 EAGER, COMPILED = "eager", "compiled"
 TRANSPORTS = (NCCL, COPY_ENGINE, AUTO)
 MERGES = (EAGER, COMPILED, AUTO)
-DEFAULT_TRANSPORT, DEFAULT_MERGE = NCCL, AUTO  # AUTO: the merge compiled on CUDA only
+DEFAULT_TRANSPORT, DEFAULT_MERGE = AUTO, AUTO  # CUDA: copy engines (equal blocks), compiled
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
 
@@ -114,7 +114,7 @@ class ContextParallel:
     backward: bool = False
     own_parts: int = 1
     key_rows: tuple[tuple[Run, ...], ...] | None = None  # cross attention: keys' own rows
-    transport: str = DEFAULT_TRANSPORT
+    transport: str = NCCL  # resolved: _options turns auto into copy_engine or nccl
     merge: str = EAGER  # resolved: _options turns auto into compiled or eager
 
     @property
