@@ -228,6 +228,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--layers", default="column,row_sp,row")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to run (default: all)")
     args = parser.parse_args()
     ctx = context.setup(quick=False)
     os.makedirs(args.out, exist_ok=True)
@@ -242,6 +244,8 @@ def main() -> None:
             variants, reference = column_variants(ctx, t, h, dtype)
         else:
             variants, reference = row_variants(ctx, t, h, dtype, layer)
+        if args.variants:
+            variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
         probe_layer(ctx, layer, variants, reference, lines, profile_lines)
     if ctx.rank == 0:
         with open(os.path.join(args.out, "probe.txt"), "w") as f:

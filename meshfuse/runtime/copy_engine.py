@@ -52,17 +52,19 @@ _ALIGN = 256  # bytes between the regions of a workspace
 _COMBINE = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
 
 
-def unavailable(device: torch.device, group: Group) -> str | None:
-    """Why the copy-engine transport cannot carry a communication of ``group`` on
-    ``device``, or None when it can."""
+def unavailable(device: torch.device, group: Group | None = None) -> str | None:
+    """Why the copy-engine transport cannot carry a communication of ``group`` (None: of
+    any group) on ``device``, or None when it can."""
     if device.type != "cuda":
         return "copy engines are CUDA's (a CPU device uses the process group)"
-    if group.process_group is None or not dist.is_initialized():
-        return "no process group"
-    if dist.get_backend(group.process_group) != "nccl":
-        return "the process group is not NCCL's"
     if not hasattr(symm_mem, "rendezvous") or not hasattr(symm_mem, "empty"):
         return f"torch {torch.__version__} has no symmetric memory"
+    if group is None:
+        return None
+    if group.process_group is None or not dist.is_initialized():
+        return "no process group"
+    if "nccl" not in str(dist.get_backend(group.process_group)):
+        return "the process group is not NCCL's"
     return None
 
 
@@ -156,6 +158,9 @@ class Gathering:
         staged.record()
         self.blocks = {}
         for b in others:
+            if outs[b].numel() == 0:  # an empty last block (uneven shards): nothing to move
+                self.blocks[b] = (outs[b], None)
+                continue
             source = self.workspace.remote(_peer(group, b), 0, shapes[b], x.dtype)
             self.blocks[b] = (outs[b], _pull(source, outs[b], staged))
             record_transfer("copy_engine_pull", group, outs[b], peer=group.ranks[b])
@@ -166,7 +171,8 @@ class Gathering:
         if b == self.group.coordinate:
             return self.x
         out, done = self.blocks[b]
-        torch.cuda.current_stream(out.device).wait_event(done)
+        if done is not None:
+            torch.cuda.current_stream(out.device).wait_event(done)
         return out
 
     def finish(self) -> None:
@@ -213,6 +219,8 @@ class Reducing:
             if slot.data_ptr() != x.data_ptr() or slot.stride() != x.stride():
                 slot.copy_(x)
             self.workspace.barrier()
+            if self.received[s].numel() == 0:  # an empty own block: nothing to pull
+                return None
             written = torch.cuda.Event()
             written.record()
             source = self.workspace.remote(_peer(self.group, (me - s - 1) % d), s * self.slot,

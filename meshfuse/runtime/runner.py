@@ -58,7 +58,11 @@ from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, repla
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
 from meshfuse.runtime.stream_loop import STREAM_LOOP
-from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
+from meshfuse.runtime.stream_loop_lowering import (
+    choose_transport,
+    group_stream_loops,
+    stream_loop_lines,
+)
 
 
 class FusionRunner:
@@ -201,8 +205,10 @@ class FusionRunner:
         )
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
-        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
-                                    _device_of(inputs, self.communicator).type)
+        device = _device_of(inputs, self.communicator)
+        transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
+        plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
+                                    transport)
         self._overlap_lines[_signature(inputs)] = lines
         plans = [*self.stream_loops, *plans]
         group_loops = None

@@ -202,8 +202,8 @@ def _decomposed(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: i
 
 def choose_transport(requested: str, device: torch.device | None, groups: Sequence[Group],
                      symmetric: bool) -> tuple[str, str]:
-    """The transport of a loop's decomposed communications over ``groups`` on ``device``,
-    and why (a phrase for explain). ``requested``: ``"copy_engine"``
+    """The transport of a loop's decomposed communications over ``groups`` (none: any) on
+    ``device``, and why (a phrase for explain). ``requested``: ``"copy_engine"``
     (``CommunicatorBackend.cuda``), ``"process_group"`` (``CommunicatorBackend.nccl``) or
     ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``, by default the copy engines where they can
     run); ``symmetric``: a tensor of the loop has ``MemoryType.symmetric`` (asks for them)."""
@@ -218,7 +218,8 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
         return PROCESS_GROUP, "asked for the process group"
     if len({(g.ranks, g.mesh_axis) for g in groups}) > 1:
         return PROCESS_GROUP, "its communications span several mesh axes"
-    why_not = copy_engine.unavailable(device or torch.device("cpu"), groups[0])
+    why_not = copy_engine.unavailable(device or torch.device("cpu"),
+                                      groups[0] if groups else None)
     if why_not is not None:
         return PROCESS_GROUP, f"copy engines unavailable: {why_not}"
     return COPY_ENGINE, "asked for" if requested == COPY_ENGINE else "available (auto)"
