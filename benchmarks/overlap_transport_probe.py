@@ -30,9 +30,11 @@ import argparse
 import os
 import statistics
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm_mem
 
 from benchmarks import context
 from benchmarks.timing import timed_samples
@@ -44,8 +46,6 @@ ITERS, WARMUP = 20, 5
 
 def api_lines() -> list[str]:
     """What this torch offers for async TP."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     lines = [f"torch {torch.__version__}, cuda {torch.version.cuda}, nccl {nccl}"]
     for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
@@ -236,6 +236,11 @@ def main() -> None:
     if ctx.rank == 0:
         with open(os.path.join(args.out, "api.txt"), "w") as f:
             f.write("\n".join(api_lines()) + "\n")
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed by older torch (the fused ops), deprecated in newer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(dist.group.WORLD.group_name)
     t, h, dtype = args.tokens, args.hidden, torch.bfloat16
     lines = [f"t={t} h={h} bf16, {ctx.world} ranks; median of {ITERS} steps, slowest rank"]
     profile_lines: list[str] = []
