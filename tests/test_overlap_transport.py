@@ -56,6 +56,8 @@ def test_transport_choice_on_a_cpu():
         assert transport == PROCESS_GROUP and "copy engines are CUDA's" in why
     assert choose_transport("process_group", cpu, [_group()], False) == \
         (PROCESS_GROUP, "asked for the process group")
+    transport, why = choose_transport("auto", cpu, [_group()], symmetric=False)
+    assert transport == PROCESS_GROUP and "MESHFUSE_OVERLAP_TRANSPORT=copy_engine" in why
     two_axes = [_group(axis=0), _group(axis=1)]
     assert "several mesh axes" in choose_transport("copy_engine", cpu, two_axes, False)[1]
 
@@ -242,10 +244,9 @@ def test_copy_engine_reduce_scatter_loop_equals_nccl_loop(multidevice_test, monk
 @cuda_only
 @pytest.mark.mpi
 def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
-    """On CUDA: a sequence-parallel MLP with both loops on the copy engines (the automatic
-    transport), bf16 at a size where the GEMMs take a while, five calls back to back with
+    """On CUDA: a sequence-parallel MLP with both loops on the copy engines, bf16 at a size where the GEMMs take a while, five calls back to back with
     the host never waiting, each close to the unsharded MLP."""
-    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "auto")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
     d = multidevice_test.size
     mesh = mesh_1d(multidevice_test)
     t, h = 1024, 512

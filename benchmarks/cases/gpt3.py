@@ -20,7 +20,7 @@ gradients of ``x`` and of every parameter from a given ``dy``:
   kernels);
 - ``meshfuse_autograd_compiled_whole``: the same with ``MESHFUSE_OVERLAP=off``: every
   collective whole (``meshfuse_autograd_compiled`` leaves the choice to the estimate, which
-  on GPUs with symmetric memory loops the large GEMMs' collectives over the copy engines);
+  with NCCL's figures keeps them whole too);
 - ``meshfuse_autograd_compiled_overlap``: the same built with
   ``MESHFUSE_OVERLAP_COST="300,700,0,0"`` (no contention, no host cost per chunk), with which
   the estimate decomposes every allgather -> GEMM and GEMM -> reduce-scatter it finds into a

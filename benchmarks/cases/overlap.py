@@ -20,8 +20,8 @@ Three configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
   ``torch_fused`` (``torch.ops.symm_mem.fused_matmul_reduce_scatter`` called directly) and
   ``torch_async_tp`` (micro-pipeline TP over matmul + reduce-scatter).
 Each meshfuse variant fixes its loops' transport (``MESHFUSE_OVERLAP_TRANSPORT``) while its
-program is built: ``process_group`` (NCCL) but where named ``copy_engine``, and ``auto`` for
-``meshfuse_auto``.
+program is built: ``process_group`` (NCCL) but where named ``copy_engine``, and for
+``meshfuse_auto`` (the estimate then uses the copy engines' figures).
 
 - ``column``: sequence-parallel column linear ``out[t, 4h/d] = allgather(x[t/d, h]) @
   w[4h/d, h].T``. Variants: ``torch`` (baseline: ``all_gather_into_tensor`` then ``mm``),
@@ -282,7 +282,7 @@ def _row_sp(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     variants = [Variant("torch", direct, "mm then reduce_scatter_tensor (no overlap)")]
     for name, overlap, transport, note in (
             ("meshfuse", False, "process_group", "set_overlap(False)"),
-            ("meshfuse_auto", None, "auto", "the engine decides (loop and transport)"),
+            ("meshfuse_auto", None, "copy_engine", "the engine decides, copy engines"),
             ("meshfuse_overlap", True, "process_group", "set_overlap(True): d chunks, NCCL"),
             ("meshfuse_overlap_copy_engine", True, "copy_engine",
              "set_overlap(True): d chunks, copy engines")):
@@ -315,7 +315,8 @@ def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     variants = [Variant("torch", direct, "all_gather_into_tensor then mm (no overlap)")]
     for name, order, transport, note in (
             ("meshfuse", None, "process_group", "no stream axis, set_overlap(False)"),
-            ("meshfuse_auto", "auto", "auto", "no stream axis: the engine decides"),
+            ("meshfuse_auto", "auto", "copy_engine",
+             "no stream axis: the engine decides, copy engines"),
             ("meshfuse_permute", "permute", "process_group", "swizzle1d: d-1 NCCL transfers"),
             ("meshfuse_broadcast", "broadcast", "process_group", "one broadcast per block"),
             ("meshfuse_copy_engine", "permute", "copy_engine",

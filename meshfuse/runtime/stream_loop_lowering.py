@@ -205,8 +205,9 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
     """The transport of a loop's decomposed communications over ``groups`` (none: any) on
     ``device``, and why (a phrase for explain). ``requested``: ``"copy_engine"``
     (``CommunicatorBackend.cuda``), ``"process_group"`` (``CommunicatorBackend.nccl``) or
-    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``, by default the copy engines where they can
-    run); ``symmetric``: a tensor of the loop has ``MemoryType.symmetric`` (asks for them)."""
+    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: the process group, the
+    copy engines being opt-in until measured on GPUs); ``symmetric``: a tensor of the loop
+    has ``MemoryType.symmetric`` (asks for the copy engines)."""
     if requested == AUTO:
         requested = os.environ.get(TRANSPORT_ENV, AUTO).lower().replace("nccl", PROCESS_GROUP)
         if requested not in (AUTO, COPY_ENGINE, PROCESS_GROUP):
@@ -216,13 +217,16 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
         requested = COPY_ENGINE
     if requested == PROCESS_GROUP:
         return PROCESS_GROUP, "asked for the process group"
+    if requested == AUTO:
+        return PROCESS_GROUP, (f"the default ({TRANSPORT_ENV}=copy_engine or "
+                               "CommunicatorBackend.cuda asks for the copy engines)")
     if len({(g.ranks, g.mesh_axis) for g in groups}) > 1:
         return PROCESS_GROUP, "its communications span several mesh axes"
     why_not = copy_engine.unavailable(device or torch.device("cpu"),
                                       groups[0] if groups else None)
     if why_not is not None:
         return PROCESS_GROUP, f"copy engines unavailable: {why_not}"
-    return COPY_ENGINE, "asked for" if requested == COPY_ENGINE else "available (auto)"
+    return COPY_ENGINE, "asked for"
 
 
 def _with_transport(loop: StreamLoop, requested: str, device: torch.device | None,
