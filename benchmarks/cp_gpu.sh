@@ -6,8 +6,8 @@
 #    send/recv bit for bit, the compiled merge, both on auto; against unsharded attention);
 # 2. OUT/cp/*.md, *.json (log OUT/cp.log): the context_parallel case, every configuration
 #    (causal s=32k and 128k, non-causal 32k): one GPU, the ring with NCCL (ring_zigzag),
-#    with the copy engines, with the compiled merge, with both (and the sums sent home in
-#    quarters), block split, all-gather,
+#    with the copy engines, with the eager merge, with the copy engines and the compiled
+#    merge (and the own block in quarters), block split, all-gather,
 #    all-to-all, the estimate's choice, torch's context_parallel;
 # 3. OUT/nccl_memcpy/*.md (log OUT/nccl_memcpy.log): causal s=32k, the NCCL ring with
 #    NCCL_P2P_USE_CUDA_MEMCPY=1 (NCCL's own copy-engine mode for send/recv);
@@ -17,10 +17,19 @@
 # A summary is printed last and written to OUT/summary.txt.
 #
 #   bash benchmarks/cp_gpu.sh OUT short     (about 2.5 minutes)
-# runs instead: OUT/cp: causal s=32k, one GPU, the default ring, the ring with the compiled
+# runs instead: OUT/cp: causal s=32k, one GPU, the default ring, the ring with the eager
 # merge, the estimate's choice, torch's context_parallel (all-to-all); then, last (a stuck
 # barrier cannot cost the numbers), OUT/tests.txt: the copy-engine CUDA tests at 64 rows, and
 # OUT/tests_back_to_back.txt: the back-to-back one at 4096 rows (rc=124: it hung).
+#
+#   bash benchmarks/cp_gpu.sh OUT repro     (about 5 minutes)
+# runs: OUT/cp: causal s=32k, one GPU, the default ring (the compiled merge on CUDA), the
+# ring with the eager merge, with the own block whole (MESHFUSE_CP_OWN_PARTS=1), the
+# estimate's choice, torch's context_parallel (all-to-all); OUT/cp_nccl_high: the default
+# ring with NCCL's streams of high priority (TORCH_NCCL_HIGH_PRIORITY=1); OUT/repro:
+# benchmarks/cp_copy_engine_repro.py, the signal-pad race with torch's API alone
+# (raw_unsynced, raw_synced) and the copy-engine ring at s=32k against the NCCL ring
+# (ring_rank<r>.json, .log); last, OUT/cp_copy: the case's copy-engine variant.
 set -u
 out=${1:-gpu-out}
 mode=${2:-full}
@@ -33,7 +42,7 @@ launch=(torchrun --nproc-per-node 2 -m benchmarks.run --cases context_parallel)
 summary=()
 if [ "$mode" = short ]; then
   MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
-    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_compiled_merge,auto,torch_cp_alltoall \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_eager_merge,auto,torch_cp_alltoall \
     timeout 150 "${launch[@]}" --out "$out/cp" > "$out/cp.log" 2>&1
   summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
   timeout 60 python -m pytest tests/test_context_parallel_transport.py -q -p no:cacheprovider \
@@ -45,10 +54,30 @@ if [ "$mode" = short ]; then
   printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
   exit 0
 fi
+if [ "$mode" = repro ]; then
+  MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag,ring_zigzag_eager_merge,ring_zigzag_own_whole,auto,torch_cp_alltoall \
+    timeout 150 "${launch[@]}" --out "$out/cp" > "$out/cp.log" 2>&1
+  summary+=("context_parallel: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
+  TORCH_NCCL_HIGH_PRIORITY=1 MESHFUSE_CP_BENCH_CONFIGS=causal_s32k \
+    MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag timeout 90 "${launch[@]}" --out "$out/cp_nccl_high" \
+    > "$out/cp_nccl_high.log" 2>&1
+  summary+=("TORCH_NCCL_HIGH_PRIORITY=1: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp_nccl_high/*.md 2>/dev/null)")
+  repro=(torchrun --nproc-per-node 2 -m benchmarks.cp_copy_engine_repro "$out/repro")
+  for m in raw_unsynced raw_synced ring; do
+    timeout "$([ "$m" = ring ] && echo 150 || echo 60)" "${repro[@]}" "$m" > "$out/repro_$m.log" 2>&1
+    summary+=("repro $m: rc=$? $(cat "$out"/repro/"$m"_rank*.json 2>/dev/null | tr -d ' \n' | cut -c1-900)")
+  done
+  MESHFUSE_CP_BENCH_CONFIGS=causal_s32k MESHFUSE_CP_BENCH_VARIANTS=ring_zigzag_copy_engine_compiled \
+    timeout 120 "${launch[@]}" --out "$out/cp_copy" > "$out/cp_copy.log" 2>&1
+  summary+=("copy engines: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp_copy/*.md 2>/dev/null)")
+  printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+  exit 0
+fi
 timeout 240 python -m pytest tests/test_context_parallel_transport.py -q -x -p no:cacheprovider \
   > "$out/tests.txt" 2>&1
 summary+=("transport tests: rc=$? $(tail -1 "$out/tests.txt")")
-variants=ring_zigzag,ring_zigzag_copy_engine,ring_zigzag_compiled_merge
+variants=ring_zigzag,ring_zigzag_copy_engine,ring_zigzag_eager_merge
 variants+=,ring_zigzag_copy_engine_compiled,ring_zigzag_copy_engine_compiled_quarters
 variants+=,ring_block,allgather,alltoall,auto
 variants+=,torch_cp_allgather,torch_cp_alltoall

@@ -9,11 +9,17 @@ misbehaves:
 - ``exit_inside``: the others launch the collective and wait in it; it gets to the same
   step and exits where it would launch its part (it learns that they are inside through the
   rendezvous store), so the survivors are waiting on a collective their peer will never join;
-- ``sleep``: it sleeps past the timeout (and the roll call after it), then joins, late;
+- ``sleep``: it stays away until every other rank has raised (past the timeout and the roll
+  call after it), then joins, late;
 - ``clean``: it behaves; every rank returns normally.
 
 Each rank that gets to the end prints one JSON line: its rank, the error type it raised (or
-None), the message, and the seconds from the start of the second call to the error.
+None), the message, and the seconds from the start of the second call to the error. In the
+failure scenarios a survivor exits only once every survivor has raised (they meet through the
+store): a survivor that timed out first and left would otherwise close its connections under
+a slower one still waiting in the collective, which then sees a peer close instead of its own
+timeout, or finds the store gone at its roll call. Nothing waits on the clock, so a loaded
+machine changes only how long a job takes.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ import torch.distributed as dist
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.launch import rank_env
-from meshfuse.runtime.communicator import ROLL_CALL_S, Communicator
+from meshfuse.runtime.communicator import Communicator
 
-EXTENT = 1 << 20  # large enough that an allreduce is still running when a rank exits
+# Each rank's share of the summed axis. An allreduce waits for every rank whatever its size,
+# so the scenarios need no large tensor; and planning a sharded program costs time that grows
+# with the extent, paid by each of the test's ~60 ranks.
+EXTENT = 1 << 12
 
 
 def sharded_sum(size: int) -> FusionDefinition:
@@ -74,6 +83,26 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def _raised_key(rank: int) -> str:
+    return f"raised{rank}"
+
+
+def say_raised_and_meet(rank: int, size: int) -> None:
+    """A survivor: says through the store that it has raised, then waits until every survivor
+    (ranks ``0 .. size - 2``) has."""
+    _store().set(_raised_key(rank), b"1")
+    _store().wait([_raised_key(r) for r in range(size - 1)])
+
+
+def stay_away_until_survivors_raised(size: int) -> None:
+    """The sleeping culprit: waits until every survivor has raised (so it has missed their
+    timeout and their roll call), then returns to join its collective late."""
+    try:
+        _store().wait([_raised_key(r) for r in range(size - 1)])
+    except (RuntimeError, ValueError):  # the store's host, rank 0, left: they all raised
+        pass
+
+
 def main(scenario: str, timeout: float) -> None:
     # The launcher asks a hung rank for its stacks with SIGUSR1 (tests/rank_jobs.py); run by
     # hand, a rank still running after ten minutes shows where it is, and ends.
@@ -92,7 +121,7 @@ def main(scenario: str, timeout: float) -> None:
         if scenario == "exit_inside":
             exit_when_others_inside() if culprit else tell_once_inside()
         if culprit and scenario == "sleep":
-            time.sleep(timeout + ROLL_CALL_S + 2)  # past the others' roll call too
+            stay_away_until_survivors_raised(comm.size)
         (out,) = fd.execute([local], timeout=timeout)
         assert out.tolist() == [float(EXTENT * comm.size)] * 2
     except Exception as e:  # noqa: BLE001 - reported to the test
@@ -102,6 +131,8 @@ def main(scenario: str, timeout: float) -> None:
     outcome["seconds"] = time.monotonic() - start
     outcome["cpu"] = time.process_time()  # so that a launcher can tell what the exit costs
     print(json.dumps(outcome), flush=True)
+    if scenario != "clean" and not culprit:
+        say_raised_and_meet(comm.rank, comm.size)
 
 
 def serve() -> None:

@@ -32,7 +32,7 @@ from meshfuse.launch import free_port, rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "rank_failures.py"
-STALL_S = 30.0  # longer than any wait of the scenarios (the sleeping culprit's: about 8 s)
+STALL_S = 30.0  # longer than any wait of the scenarios (a survivor's timeout and roll call: 6 s)
 LIMIT_S = 900.0  # a job still busy after this long is killed too
 _POLL_S = 0.2
 _PROC = Path("/proc")

@@ -2,9 +2,8 @@
 
 Every sharded run is checked against PyTorch's unsharded attention (forward and the three
 gradients), and the point-to-point transfers that ran are checked against the ring's theory:
-a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times, the dk/dv
-accumulators ``n - 1`` times, and the finished sums home (in two halves of the heads when the
-local heads are even).
+a forward sends its k/v block ``n - 1`` times; a backward sends k/v ``n - 1`` times and the dk/dv
+accumulators ``n - 1`` times, the last time home (the own block's gradients stay).
 """
 
 from __future__ import annotations
@@ -116,24 +115,24 @@ def _rows(s, d, layout):
     return blocks + [torch.arange(0)] * (d - len(blocks))
 
 
-def _expected_ring(s, d, h_local, itemsize, position, layout="block", parts=None):
+def _expected_ring(s, d, h_local, itemsize, position, layout="block"):
     """The ring's theory for one rank: (kind, bytes) of each transfer, in launch order: the
-    forward sends its k/v block n - 1 times, the backward k/v n - 1 times and the dk/dv
-    accumulators n - 1 times (float32, but in the inputs' dtype on a ring of two, where each
-    sum has two terms), then the finished sums home in the inputs' dtype."""
+    forward sends its k/v block n - 1 times (steps 0 to n - 2); the backward sends k/v at the
+    same steps and the dk/dv accumulators of the block it holds at steps 1 to n - 1 (the last
+    time to the block's home), float32 but in the inputs' dtype on a ring of two, where each
+    sum has two terms."""
     block = [len(r) * h_local * E for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
     forward, backward = [], []
-    for step in range(d - 1):
+    sums = 4 if d > 2 else itemsize
+    for step in range(d):
         sent, received = block[order[step]], block[order[step + 1]]
-        kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2
-        forward += kv
-        sums = 4 if d > 2 else itemsize
-        backward += kv + [("send", sent * sums), ("recv", received * sums)] * 2
-    # The finished sums go home cast, in two halves of the (even) local heads.
-    parts = parts or (2 if h_local % 2 == 0 else 1)
-    sent, received = block[order[d - 1]] // parts, block[position] // parts
-    backward += [("send", sent * itemsize), ("recv", received * itemsize)] * 2 * parts
+        if step < d - 1:
+            kv = [("send", sent * itemsize), ("recv", received * itemsize)] * 2
+            forward += kv
+            backward += kv
+        if step >= 1:
+            backward += [("send", sent * sums), ("recv", received * sums)] * 2
     return (forward + backward) if d > 1 else []
 
 
@@ -202,9 +201,16 @@ def test_ring_peers_and_explain_match_what_ran(multidevice_test):
     assert ("ring over mesh axis 0" in fd.explain()) == (d > 1)
 
 
+def _own_parts(fd, rank):
+    """The own-block parts of the backward's ring record on ``rank``."""
+    planned = planned_context_parallel(fd.compiled().fusion, rank)
+    return [p.record.own_parts for p in planned if p.record.backward]
+
+
 @pytest.mark.mpi
-def test_odd_heads_send_the_sums_home_whole(multidevice_test):
-    """Three heads do not halve: the finished sums go home in one transfer each."""
+def test_odd_heads_compute_the_own_block_whole(multidevice_test):
+    """Three heads do not halve: the own block's kernels run whole, the transfers are the
+    ring's theory either way."""
     d = multidevice_test.size
     fd = Attention(3, 16, True, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
@@ -214,57 +220,55 @@ def test_odd_heads_send_the_sums_home_whole(multidevice_test):
         16, d, 3, 4, multidevice_test.rank, "zigzag")
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
     assert [c for p in planned for c in p.communications()] == comms
+    assert _own_parts(fd, multidevice_test.rank) == ([1] if d > 1 else [])
 
 
 @pytest.mark.mpi
-def test_sums_go_home_whole_when_asked(multidevice_test, monkeypatch):
-    """MESHFUSE_CP_HOME_PARTS=1 (read when the program is built): one transfer each."""
-    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "1")
-    d = multidevice_test.size
-    fd = Attention(2, 16, True, strategy="ring")
-    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
-    outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
-    _assert_equal(outputs, expected)
-    assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
-        16, d, 2, 4, multidevice_test.rank, "zigzag", parts=1)
-
-
-@pytest.mark.mpi
-def test_sums_go_home_in_quarters_when_asked(multidevice_test, monkeypatch):
-    """MESHFUSE_CP_HOME_PARTS=4 with 4 heads: four transfers each, a head apiece; a value
-    that is no count of parts is a DefinitionError naming the variable."""
-    monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "4")
+@pytest.mark.parametrize("parts", [1, 4])
+def test_own_block_parts_when_asked(multidevice_test, monkeypatch, parts):
+    """MESHFUSE_CP_OWN_PARTS (read when the program is built): 1 computes the own block
+    whole, 4 in quarters of the 4 heads; the results and the transfers do not change."""
+    monkeypatch.setenv("MESHFUSE_CP_OWN_PARTS", str(parts))
     d = multidevice_test.size
     fd = Attention(4, 16, True, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     outputs, expected, comms = _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
     _assert_equal(outputs, expected)
     assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
-        16, d, 4, 4, multidevice_test.rank, "zigzag", parts=4)
-    if d > 1:
-        monkeypatch.setenv("MESHFUSE_CP_HOME_PARTS", "half")
-        fd = Attention(4, 16, True, strategy="ring")
-        _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
-        with pytest.raises(DefinitionError, match="MESHFUSE_CP_HOME_PARTS='half'"):
-            _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
+        16, d, 4, 4, multidevice_test.rank, "zigzag")
+    assert _own_parts(fd, multidevice_test.rank) == ([parts] if d > 1 else [])
+
+
+@pytest.mark.mpi
+def test_own_parts_must_be_a_count(multidevice_test, monkeypatch):
+    """A value of MESHFUSE_CP_OWN_PARTS that is no count of parts is a DefinitionError
+    naming the variable, on every rank."""
+    if multidevice_test.size == 1:
+        pytest.skip("one rank: no ring backward")
+    monkeypatch.setenv("MESHFUSE_CP_OWN_PARTS", "half")
+    fd = Attention(4, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    with pytest.raises(DefinitionError, match="MESHFUSE_CP_OWN_PARTS='half'"):
+        _run(multidevice_test, fd, _global_inputs(4, 16, QkvFormat.BHSE))
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
-def test_batch_of_two_sends_the_sums_home_in_batch_halves(multidevice_test, qkv_format):
-    """With a batch of 2 the last step runs (and sends its sums home) per batch element,
-    3 heads and all: each half carries half the bytes."""
+def test_batch_of_two_computes_the_own_block_per_batch_element(multidevice_test, qkv_format):
+    """With a batch of 2 the own block's kernels run per batch element (3 heads and all):
+    the values equal the unsharded attention's, the transfers are the ring's theory."""
     d, rank = multidevice_test.size, multidevice_test.rank
     fd = Attention(3, 16, True, qkv_format, strategy="ring", batch=2)
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     inputs = _global_inputs(3, 16, qkv_format, batch=2)
     outputs, expected, comms = _run(multidevice_test, fd, inputs)
     _assert_equal(outputs, expected)
-    home = [(c.kind, c.bytes) for c in comms][-8:]
-    block = len(_rows(16, d, "zigzag")[rank]) * 3 * E * 4  # bytes of a whole batch element
-    assert home == ([("send", block), ("recv", block)] * 4 if d > 1 else home)
+    kinds = [(c.kind, c.bytes) for c in comms]
+    whole = _expected_ring(16, d, 3, 4, rank, "zigzag")
+    assert kinds == [(kind, 2 * size) for kind, size in whole]  # each block: both elements
     planned = planned_context_parallel(fd.compiled().fusion, rank)
     assert [c for p in planned for c in p.communications()] == comms
+    assert _own_parts(fd, rank) == ([2] if d > 1 else [])
 
 
 @pytest.mark.mpi
@@ -328,8 +332,9 @@ def test_heads_by_sequence_2x2(multidevice_test, strategy, causal):
 @pytest.mark.mpi
 def test_auto_takes_the_estimates_choice(multidevice_test, monkeypatch):
     """Without a request the cost estimate picks, forward and backward alike: with a slow
-    kernel and a fast link the ring (its transfers hide under compute), with a slow start of
-    every message the backward's all-gather (4 messages, the ring's 2 per step and 2 more)."""
+    kernel and a fast link the ring (its transfers hide under compute); with a slow start of
+    every message, on 4 ranks the backward's all-gather (4 messages against the ring's 12),
+    on 2 the ring (4 messages as well, and fewer bytes)."""
     d = multidevice_test.size
     if d == 1:
         pytest.skip("one rank: nothing to choose")
@@ -350,7 +355,7 @@ def test_auto_takes_the_estimates_choice(multidevice_test, monkeypatch):
                 assert expr.args[-1] == chosen, estimates
                 picks[name, expr.op.name] = chosen
     assert picks["compute_bound", "sdpfa_fwd"] == picks["compute_bound", "sdpfa_bwd"] == "ring"
-    assert picks["slow_start", "sdpfa_bwd"] == "allgather"
+    assert picks["slow_start", "sdpfa_bwd"] == ("allgather" if d > 2 else "ring")
 
 
 def test_cost_estimate():

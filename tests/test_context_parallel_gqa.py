@@ -82,18 +82,18 @@ def _rows(s, d, layout):
     return blocks + [torch.arange(0)] * (d - len(blocks))
 
 
-def _ring_bytes(s, d, kv_heads, position, layout, parts):
-    """The ring's theory (float32 inputs) with ``kv_heads`` local key/value heads: k/v and
-    the dk/dv sums move ``n - 1`` times, the finished sums go home in ``parts``."""
+def _ring_bytes(s, d, kv_heads, position, layout):
+    """The ring's theory (float32 inputs) with ``kv_heads`` local key/value heads: k/v move
+    ``n - 1`` times in the forward and in the backward, the backward's dk/dv sums ``n - 1``
+    times (the last time home)."""
     block = [len(r) * kv_heads * E * 4 for r in _rows(s, d, layout)]
     order = [(position - step) % d for step in range(d + 1)]
-    forward, backward = [], []
-    for step in range(d - 1):
-        kv = [("send", block[order[step]]), ("recv", block[order[step + 1]])] * 2
-        forward += kv
-        backward += kv * 2  # k/v, then the dk/dv sums (float32 here: the inputs' dtype)
-    home = [("send", block[order[d - 1]] // parts), ("recv", block[position] // parts)]
-    return forward + backward + home * 2 * parts if d > 1 else []
+    moves = [[("send", block[order[step]]), ("recv", block[order[step + 1]])] * 2
+             for step in range(d)]
+    forward = [t for step in range(d - 1) for t in moves[step]]
+    backward = [t for step in range(d) for t in (moves[step] if step < d - 1 else [])
+                + (moves[step] if step >= 1 else [])]
+    return forward + backward if d > 1 else []
 
 
 def test_unsharded_grouped_query_attention_equals_pytorch():
@@ -131,7 +131,7 @@ def test_ring_moves_the_smaller_key_value_blocks(multidevice_test, layout, s, ca
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag" if layout == "zigzag" else "block")
     comms = _check(multidevice_test, fd, _inputs(8, 2, s, qkv_format))
     assert [(c.kind, c.bytes) for c in comms] == _ring_bytes(
-        s, d, 2, multidevice_test.rank, "zigzag" if layout == "zigzag" else "block", 2)
+        s, d, 2, multidevice_test.rank, "zigzag" if layout == "zigzag" else "block")
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
     assert [c for p in planned for c in p.communications()] == comms
 
@@ -177,7 +177,7 @@ def test_heads_by_sequence_2x2(multidevice_test, strategy, causal):
     rank = multidevice_test.rank
     assert all(c.ranks == (rank & 2, (rank & 2) + 1) for c in comms)
     if strategy == "ring":
-        assert [(c.kind, c.bytes) for c in comms] == _ring_bytes(12, 2, 2, rank % 2, "block", 2)
+        assert [(c.kind, c.bytes) for c in comms] == _ring_bytes(12, 2, 2, rank % 2, "block")
 
 
 @pytest.mark.mpi

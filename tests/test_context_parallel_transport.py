@@ -25,6 +25,7 @@ from test_context_parallel import (
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat
+from meshfuse.explain import planned_context_parallel
 from meshfuse.ops import context_blocks
 from meshfuse.ops.context_blocks import Merged, merge_into
 from meshfuse.runtime.collectives import record_communications
@@ -101,6 +102,23 @@ def test_auto_transport_on_cpu_is_the_ring_over_gloo(multidevice_test, monkeypat
     _assert_equal(outputs, expected, tol=3e-2)
     assert [(c.kind, c.bytes) for c in comms] == _expected_ring(
         16, d, 2, 2, multidevice_test.rank, "zigzag")
+
+
+@pytest.mark.mpi
+def test_default_merge_is_eager_on_cpu_and_compiled_on_cuda(multidevice_test, monkeypatch):
+    """Without MESHFUSE_CP_MERGE the merge is ``auto``: the records say compiled on CUDA
+    (where it measured faster) and eager on CPU, where nothing is compiled."""
+    monkeypatch.delenv("MESHFUSE_CP_MERGE", raising=False)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        monkeypatch.setattr(context_blocks, "compiled_merge", lambda: pytest.fail("compiled"))
+    fd = Attention(2, 16, True, strategy="ring")
+    _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    outputs, expected, _ = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
+    _assert_equal(outputs, expected)
+    records = [p.record for p in planned_context_parallel(fd.compiled().fusion,
+                                                          multidevice_test.rank)]
+    assert {r.merge for r in records} <= {"compiled" if cuda else "eager"}
 
 
 @pytest.mark.mpi

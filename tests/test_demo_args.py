@@ -1,8 +1,9 @@
 """The demo checks its arguments before starting any rank: one line on stderr, exit code 2.
 
-The cases of the first-contact report run ``python -m meshfuse.demo`` as a user would, all at
-once (each process only imports meshfuse and parses); every case also runs through
-``parse_args`` in this process.
+One bad command line runs ``python -m meshfuse.demo`` as a user would (the process imports
+torch and meshfuse, parses, and exits: the entry point's exit code and output); every case of
+the first-contact report, and more, runs through ``parse_args`` and ``main`` in this process,
+the code that process runs (a process per case would pay the imports of torch each time).
 """
 
 from __future__ import annotations
@@ -33,35 +34,35 @@ BAD_ARGUMENTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def demo_runs() -> dict[str, subprocess.CompletedProcess]:
-    """Each bad command line's run of ``python -m meshfuse.demo``, started together."""
+def test_bad_command_line_exits_2_with_one_line():
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "RANK")}
     env["PYTHONPATH"] = str(ROOT)
-    procs = {
-        args: subprocess.Popen([sys.executable, "-m", "meshfuse.demo", *args.split()], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-        for args in COMMAND_LINES
-    }
-    runs = {}
-    for args, p in procs.items():
-        # A guard against a demo that started its ranks after all, not a timing check.
-        out, err = p.communicate(timeout=300)
-        runs[args] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    return runs
-
-
-@pytest.mark.parametrize("args", list(COMMAND_LINES))
-def test_bad_command_line_exits_2_with_one_line(demo_runs, args):
-    run = demo_runs[args]
+    args = "--embed 100 --heads 12"
+    # A guard against a demo that started its ranks after all, not a timing check.
+    run = subprocess.run([sys.executable, "-m", "meshfuse.demo", *args.split()], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 2, run.stderr
     assert run.stdout == ""
     lines = run.stderr.splitlines()
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("python -m meshfuse.demo: error: ")
     assert COMMAND_LINES[args] in lines[0]
+
+
+@pytest.mark.parametrize("args", list(COMMAND_LINES))
+def test_main_exits_2_with_one_line_before_any_rank(capsys, monkeypatch, args):
+    started = []
+    monkeypatch.setattr(demo, "spawn", lambda *a, **k: started.append(a) or [0])
+    monkeypatch.setattr(demo, "launcher_world_size", lambda: None)
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(args.split())
+    assert exit_.value.code == 2 and started == []
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("python -m meshfuse.demo: error: ")
+    assert COMMAND_LINES[args] in captured.err
 
 
 @pytest.mark.parametrize("args", list(BAD_ARGUMENTS))

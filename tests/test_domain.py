@@ -9,6 +9,7 @@ from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import ScheduleError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import Split
+from meshfuse.ir.layout import derived_extents, local_extents, local_indices, split_indices
 
 
 def _walk_root(tv, id_):
@@ -74,3 +75,24 @@ def test_a_device_axis_from_a_merge_is_a_schedule_error():
     tv.parallelize(0, ParallelType.mesh_x)
     with pytest.raises(ScheduleError, match="derived from a merge"):
         domain(tv).check_device_ids()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 40), st.integers(1, 6), st.booleans(), st.booleans(), st.data())
+def test_local_extents_of_one_split_match_the_index_walk(n, factor, inner_split, outer_part,
+                                                         data):
+    """local_extents counts a block or cyclic shard of one split without index tensors: the
+    same counts as the held indices give."""
+    with FusionDefinition() as fd:
+        tv = fd.define_tensor([n, 3], dtype=DataType.Float)
+    tv.split(0, factor, inner_split=inner_split)
+    part = tv.loop[0] if outer_part else tv.loop[1]
+    tv.set_device_mesh(DeviceMesh(range(part.extent)))
+    tv.parallelize(tv.loop.index(part), ParallelType.mesh_x)
+    coords = {ParallelType.mesh_x: data.draw(st.integers(0, part.extent - 1))}
+    extents = derived_extents(tv, {i: i.extent for i in tv.logical})
+    ids = [tv.logical[0], *tv.loop[:2], tv.logical[1]]
+    held = local_indices(tv, tv.logical[0], extents, coords)
+    index = split_indices(tv, tv.logical[0], extents)
+    expected = [held.numel(), *(index[i][held].unique().numel() for i in tv.loop[:2]), 3]
+    assert local_extents(tv, ids, extents, coords) == expected

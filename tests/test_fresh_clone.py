@@ -85,13 +85,16 @@ def _run(clone: Path, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_quick_start_runs_from_the_clone(clone):
-    (clone / "quickstart.py").write_text(_readme_block("## Quick start", "python"))
+    # The quick start, then where its meshfuse came from (one process for both).
+    (clone / "quickstart.py").write_text(
+        _readme_block("## Quick start", "python") + "\nprint(__import__('meshfuse').__file__)\n")
     run = _run(clone, "quickstart.py")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0] == "[]"  # one rank: the allreduce has nobody to talk to
     assert lines[1] == "rank 0 of 1, extents from the definition"
     assert "communications on rank 0: none" in lines
+    assert lines[-1] == str(clone / "meshfuse" / "__init__.py")  # the copy's, not this checkout's
 
 
 @pytest.mark.exclusive  # its pytest starts ranks of its own: not beside this run's batches
@@ -102,5 +105,3 @@ def test_the_seed_test_and_the_readme_test_example_run_from_the_clone(clone):
                "-k", "BSHE or readme", "tests/test_seed_sdpa.py", "tests/test_readme_example.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 passed" in run.stdout
-    imported = _run(clone, "-c", "import meshfuse; print(meshfuse.__file__)")
-    assert imported.stdout.strip() == str(clone / "meshfuse" / "__init__.py")

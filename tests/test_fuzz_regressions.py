@@ -179,14 +179,20 @@ def _sequence_sharded(t, mesh):
 
 def _sequence_comms(causal: bool):
     """Every tensor of the attention is sequence-sharded alike, so it runs context-parallel
-    (docs/context_parallel.md), causal or not: the strategy the cost estimate picks moves
-    only k/v blocks (ring: send/recv), or gathers k/v in the forward and in the backward and
-    reduce-scatters dk/dv, or all-to-alls; the query sequence is never gathered."""
+    (docs/context_parallel.md), causal or not: the strategy the cost estimate picks for each
+    of the forward and the backward moves only k/v blocks (ring: send/recv), or gathers k/v
+    (and the backward reduce-scatters dk/dv), or all-to-alls; the query sequence is never
+    gathered. (The kinds come sorted.)"""
+    gathered = {(): 0, ("allgather",) * 2: 1, ("allgather",) * 2 + ("reduce_scatter",) * 2: 1,
+                ("allgather",) * 4 + ("reduce_scatter",) * 2: 2}  # calls that gathered
+
     def check(d, kinds):
         if d == 1:
             return kinds == []
-        return set(kinds) in ({"send", "recv"}, {"all_to_all"}) or \
-            kinds == ["allgather"] * 4 + ["reduce_scatter"] * 2
+        gathers = tuple(k for k in kinds if k in ("allgather", "reduce_scatter"))
+        rest = {k for k in kinds if k not in ("allgather", "reduce_scatter")}
+        return gathers in gathered and rest <= {"send", "recv", "all_to_all"} and \
+            bool(rest) == (gathered[gathers] < 2)
 
     return check
 

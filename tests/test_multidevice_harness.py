@@ -1,6 +1,9 @@
 """The multi-device test harness: the fixture on every rank, and the parent's bookkeeping."""
 
 import json
+import os
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,6 +146,42 @@ def test_worker_env(tmp_path):
         "3",
     )
     assert plugin.harness_mode(env) == ("worker", 2)
+
+
+CRASHING_TESTS = """
+import os
+
+def test_dies_on_rank_1():
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+
+def test_lives():
+    assert os.environ["WORLD_SIZE"] == "2"
+    assert os.getppid() == int(os.environ["MESHFUSE_TEST_PARENT_PID"])  # its watch on its parent
+"""
+
+
+def test_batch_judges_a_crashed_rank_and_runs_the_rest_again(tmp_path):
+    """A real batch of 2 workers (forked from the zygote on Linux): rank 1 dies inside a test,
+    which fails naming the exit; the test that did not finish runs again and passes."""
+    (tmp_path / "test_crash.py").write_text(CRASHING_TESTS)
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import sys
+        if "meshfuse.testing.plugin" not in sys.modules:
+            pytest_plugins = ["meshfuse.testing.plugin"]
+    """))
+    root = str(Path(launcher.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")])))
+    nodeids = ("test_crash.py::test_dies_on_rank_1", "test_crash.py::test_lives")
+    spec = BatchSpec(2, nodeids, (str(tmp_path / "test_crash.py"),), str(tmp_path),
+                     ("-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)), 600.0, env)
+    verdicts = launcher.run_batch(spec)
+    assert verdicts[nodeids[1]] == Verdict("passed"), verdicts[nodeids[1]].message
+    died = verdicts[nodeids[0]]
+    assert died.outcome == "failed", died
+    assert "rank 1 exited with code 7 while running test_crash.py::test_dies_on_rank_1" in (
+        died.message), died.message
 
 
 def test_harness_mode_and_world_sizes():

@@ -1,5 +1,8 @@
 """The compile pipeline: the user's fusion is never changed, and compiling is repeatable."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from fusion_snapshot import snapshot
@@ -14,7 +17,7 @@ from meshfuse.ir.lint import lint
 from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.ops.registry import REGISTRY
 from meshfuse.passes.localization import localize
-from meshfuse.passes.pipeline import compile
+from meshfuse.passes.pipeline import compile, compiled_for
 from meshfuse.runtime.binding import bind
 from meshfuse.runtime.executor import Slot
 from meshfuse.runtime.program import build_program
@@ -89,6 +92,34 @@ def test_one_fusion_compiles_for_several_world_sizes():
         compile(wide.fusion, 2)
     assert compile(wide.fusion, 4).world_size == 4
     compile(wide.fusion)  # no world size: only the meshes' consistency is checked
+
+
+def test_one_build_serves_every_world_that_holds_its_meshes():
+    fd, _, _ = _partly_scheduled(DeviceMesh(range(2)))
+    any_world = compiled_for(fd.fusion)
+    two, four = compiled_for(fd.fusion, 2), compiled_for(fd.fusion, 4)
+    assert (any_world.world_size, two.world_size, four.world_size) == (None, 2, 4)
+    assert two.fusion is any_world.fusion is four.fusion  # built once
+    assert compiled_for(fd.fusion, 2) is two
+    assert two.explain() == compile(fd.fusion, 2).explain()
+    wide, _, _ = _partly_scheduled(DeviceMesh(range(4)))
+    compiled_for(wide.fusion)
+    with pytest.raises(ScheduleError, match="world has 2 processes"):
+        compiled_for(wide.fusion, 2)  # too small for the build's meshes: the checks' error
+    bias = fd.fusion.inputs()[1]
+    shard(bias, 1, DeviceMesh(range(2)))  # a new schedule: a new build
+    rebuilt = compiled_for(fd.fusion, 2)
+    assert rebuilt.fusion is not two.fusion
+    assert placements(rebuilt[bias]) == (Shard(1, None),)
+
+
+def test_a_build_goes_with_its_fusion():
+    fd = _partly_scheduled(DeviceMesh(range(2)))[0]
+    compiled_for(fd.fusion, 2)
+    gone = weakref.ref(fd.fusion)
+    del fd
+    gc.collect()
+    assert gone() is None
 
 
 def test_shard_tensor_follows_a_schedule_changed_after_an_earlier_call():

@@ -24,8 +24,10 @@ from meshfuse.runtime.failures import (
 )
 
 TIMEOUT_S = 3.0
-# How long after the timeout a survivor may take to raise: the roll call, and start-up slack.
-GRACE_S = 10.0
+# How long after the timeout a survivor may take to raise: the roll call, and slack for a
+# loaded machine. Far below the 120 s the jobs' environment gives (MESHFUSE_TIMEOUT, from
+# tests/conftest.py): a survivor under it honoured the call's timeout.
+GRACE_S = 60.0
 # The issue's bar: a 2-rank program that ends normally exits 0 in 20 runs out of 20.
 EXIT_RUNS = int(os.environ.get("MESHFUSE_EXIT_RUNS", "20"))
 FRESH_RUNS = 2  # of them, launched as fresh interpreters (the others forked)
@@ -33,11 +35,6 @@ CLEAN_AT_ONCE = 4  # clean jobs running at a time
 SIZES = (2, 4)
 
 SCENARIOS = ("exit_before", "exit_inside", "sleep")
-
-# The jobs time their collectives in seconds: they run when the multi-device test batches do
-# not (at a load of 25, a survivor of the 4-rank sleep saw a peer close before its own
-# timeout).
-pytestmark = pytest.mark.exclusive
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,16 @@ s=131072, and non-causal at s=32768. Variants, in one run:
 - ``ring_zigzag_synced``: the same, each call waiting for its kernels (the harness times
   calls back to back; this one shows the host time before the first kernel instead of
   hiding it, and whether calls that overlap their neighbours run slower);
-- ``ring_zigzag_home_whole``: the same with the backward's finished dk/dv sums sent home
-  whole (``MESHFUSE_CP_HOME_PARTS=1``) instead of in two halves, each sent as soon as its
-  kernels finish: what the halves gain; ``ring_zigzag_home_quarters``: in four parts;
+- ``ring_zigzag_own_whole``: the same with the backward's own block computed whole at the
+  first step (``MESHFUSE_CP_OWN_PARTS=1``) instead of in two halves, the second after the
+  last step, under the finished dk/dv sums' trip home: what the halves gain (the trip home
+  then waits after the last kernels); ``ring_zigzag_own_quarters``: in four parts;
 - ``ring_zigzag_copy_engine``: the ring's blocks moved by the GPUs' copy engines
-  (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels);
-  ``ring_zigzag_compiled_merge``: the forward's merge compiled into one pass
-  (``MESHFUSE_CP_MERGE=compiled``); ``ring_zigzag_copy_engine_compiled``: both;
-  ``..._quarters``: both, the finished sums sent home in quarters;
+  (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels), the
+  forward's merge eager; ``ring_zigzag_eager_merge``: send/recv, the merge in torch
+  operations (``MESHFUSE_CP_MERGE=eager``; the default on CUDA compiles it into one pass);
+  ``ring_zigzag_copy_engine_compiled``: the copy engines and the compiled merge;
+  ``..._quarters``: both, the own block in quarters;
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -130,17 +132,28 @@ def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env
         fd.define()
         local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
         # the settings are read when the program is built (the first call)
+        graphs, start = _compiled_graphs(), time.perf_counter()
         with mock.patch.dict(os.environ, env or {}):
             got = fd.execute(local)
+        ctx.sync()
+        first = {"first_call_s": round(time.perf_counter() - start, 2),
+                 "graphs_compiled_by_first_call": _compiled_graphs() - graphs}
         want = [meshfuse.shard_tensor(t, tv) for t, tv in zip(expected, fd.fusion.outputs())]
         check_close(f"{name} vs one GPU", got, want, TOL)
         del got, want
+        metrics = {"strategies": _strategies(fd), **first}
         if synced:  # each call waits for its kernels: the next starts from an idle device
-            return (lambda: (fd.execute(local), ctx.sync())), {"strategies": _strategies(fd)}
-        return (lambda: fd.execute(local)), {"strategies": _strategies(fd)}
+            return (lambda: (fd.execute(local), ctx.sync())), metrics
+        return (lambda: fd.execute(local)), metrics
 
     note = f"{'zig-zag' if zigzag else 'block'} split, {strategy or 'estimate'}"
     return Variant(name, setup, note)
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process (the compiled merge's
+    among them): a count that grows in timed calls means recompiles."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _strategies(fd) -> dict:
@@ -202,19 +215,19 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
         _meshfuse(ctx, "ring_zigzag", sizes, s, causal, full, expected, True, "ring"),
         _meshfuse(ctx, "ring_zigzag_synced", sizes, s, causal, full, expected, True, "ring",
                   synced=True),
-        _meshfuse(ctx, "ring_zigzag_home_whole", sizes, s, causal, full, expected, True, "ring",
-                  {"MESHFUSE_CP_HOME_PARTS": "1"}),
-        _meshfuse(ctx, "ring_zigzag_home_quarters", sizes, s, causal, full, expected, True,
-                  "ring", {"MESHFUSE_CP_HOME_PARTS": "4"}),
+        _meshfuse(ctx, "ring_zigzag_own_whole", sizes, s, causal, full, expected, True, "ring",
+                  {"MESHFUSE_CP_OWN_PARTS": "1"}),
+        _meshfuse(ctx, "ring_zigzag_own_quarters", sizes, s, causal, full, expected, True,
+                  "ring", {"MESHFUSE_CP_OWN_PARTS": "4"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine", sizes, s, causal, full, expected, True,
                   "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "eager"}),
-        _meshfuse(ctx, "ring_zigzag_compiled_merge", sizes, s, causal, full, expected, True,
-                  "ring", {TRANSPORT_VAR: "nccl", MERGE_VAR: "compiled"}),
+        _meshfuse(ctx, "ring_zigzag_eager_merge", sizes, s, causal, full, expected, True,
+                  "ring", {TRANSPORT_VAR: "nccl", MERGE_VAR: "eager"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine_compiled", sizes, s, causal, full, expected,
                   True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine_compiled_quarters", sizes, s, causal, full,
                   expected, True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled",
-                                           "MESHFUSE_CP_HOME_PARTS": "4"}),
+                                           "MESHFUSE_CP_OWN_PARTS": "4"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),
@@ -265,7 +278,8 @@ def _constants(ctx, name, full, causal, records, params) -> Record:
     record.metrics = {"kernel_tflops": round(kernel / 1e12, 3), "link_gbps": round(link / 1e9, 3),
                       "estimate_picks_measured": picks,
                       "estimate_picks_default": _strategies(fd),
-                      "fastest": min(timed, key=timed.get).replace("ring_zigzag", "ring")}
+                      "fastest": min(timed, key=timed.get).replace("ring_zigzag", "ring"),
+                      "graphs_compiled_in_process": _compiled_graphs()}
     return record
 
 

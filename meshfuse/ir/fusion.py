@@ -45,21 +45,38 @@ class Expr:
     def __repr__(self) -> str:
         return format_expr(self)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The passes read an expression's values far more often than they rewire it: what
+        # the properties below derive from ``args`` and ``outputs`` is kept until either is
+        # assigned (neither is changed in place).
+        if name in ("args", "outputs"):
+            self.__dict__.pop("_derived", None)
+        object.__setattr__(self, name, value)
+
+    def _values(self) -> tuple[tuple[Val, ...], tuple[TensorView, ...], tuple[TensorView, ...]]:
+        derived = self.__dict__.get("_derived")
+        if derived is None:
+            flat = []
+            for a in self.args:
+                flat.extend(a if isinstance(a, list | tuple) else [a])
+            inputs = tuple(a for a in flat if isinstance(a, Val))
+            derived = self.__dict__["_derived"] = (
+                inputs, tuple(a for a in inputs if isinstance(a, TensorView)),
+                tuple(o for o in self.outputs if isinstance(o, TensorView)))
+        return derived
+
     @property
     def inputs(self) -> tuple[Val, ...]:
         """The values it reads, in signature order, lists (``cat``'s tensors) flattened."""
-        flat = []
-        for a in self.args:
-            flat.extend(a if isinstance(a, list | tuple) else [a])
-        return tuple(a for a in flat if isinstance(a, Val))
+        return self._values()[0]
 
     @property
     def tensor_inputs(self) -> tuple[TensorView, ...]:
-        return tuple(a for a in self.inputs if isinstance(a, TensorView))
+        return self._values()[1]
 
     @property
     def tensor_outputs(self) -> tuple[TensorView, ...]:
-        return tuple(o for o in self.outputs if isinstance(o, TensorView))
+        return self._values()[2]
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -108,6 +125,10 @@ class Fusion:
         # final from then on.
         self.propagated = False
         self.user_scheduled: set[TensorView] = set()
+        # What ``meshfuse.passes.pipeline.compiled_for`` built of this fusion, kept here so
+        # that it goes when the fusion does: (the fingerprint of the definition and schedule
+        # it was built from, {world size: compiled fusion}).
+        self.builds: tuple[tuple, dict] = ((), {})
 
     def inputs(self) -> list[Val]:
         """Fusion inputs, in the order ``execute`` takes them."""

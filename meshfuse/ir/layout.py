@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from meshfuse.errors import ScheduleError
-from meshfuse.ir.domain import domain
+from meshfuse.ir.domain import TensorDomain, domain
 from meshfuse.ir.iter_domain import IterDomain, Merge, Split
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Allocation, TensorView
@@ -69,9 +69,7 @@ def logical_root(tv: TensorView, id_: IterDomain) -> IterDomain:
 
 def device_ids(tv: TensorView) -> dict[IterDomain, list[tuple[IterDomain, ParallelType]]]:
     """Logical ID -> the device-parallel IDs derived from it (with their types)."""
-    d = domain(tv)
-    d.check_device_ids()
-    return d.device_ids
+    return domain(tv).checked_device_ids()
 
 
 def split_indices(
@@ -99,14 +97,21 @@ def local_indices(
     ``None`` when the axis is not sharded. ``coords`` maps each device parallel type to the
     device's coordinate on that type's mesh axis.
     """
-    shards = device_ids(tv).get(logical_id)
+    return _held(domain(tv), logical_id, extents, coords)[0]
+
+
+def _held(d: TensorDomain, logical_id: IterDomain, extents: Mapping[IterDomain, int],
+          coords: Mapping[ParallelType, int]) -> tuple[torch.Tensor | None, dict]:
+    """:func:`local_indices` of ``logical_id`` (of the tensor whose domain is ``d``), with
+    the :func:`split_indices` it read (empty when the axis is not sharded)."""
+    shards = d.checked_device_ids().get(logical_id)
     if not shards:
-        return None
-    index = split_indices(tv, logical_id, extents)
+        return None, {}
+    index = d.split_indices(logical_id, extents)
     keep = torch.ones(extents[logical_id], dtype=torch.bool)
     for id_, pt in shards:
         keep &= index[id_] == coords[pt]
-    return torch.nonzero(keep).flatten()
+    return torch.nonzero(keep).flatten(), index
 
 
 def local_extent(
@@ -123,18 +128,34 @@ def local_extent(
     axis counts its positions among the held indices; an ID of an unsharded axis keeps its
     global extent.
     """
-    root = _split_ancestry(tv, id_)[-1]
-    held = local_indices(tv, root, extents, coords) if root in tv.logical else None
-    if held is None:
-        return extents[id_]
-    if id_ is root:
-        return held.numel()
-    return split_indices(tv, root, extents)[id_][held].unique().numel()
+    return local_extents(tv, [id_], extents, coords)[0]
 
 
-def _split_ancestry(tv: TensorView, id_: IterDomain) -> list[IterDomain]:
-    """``id_`` and the IDs it was split from, up to its logical ID."""
-    return domain(tv).ancestry(id_)
+def local_extents(tv: TensorView, ids: Sequence[IterDomain], extents: Mapping[IterDomain, int],
+                  coords: Mapping[ParallelType, int]) -> list[int]:
+    """:func:`local_extent` of each of ``ids``, the held indices of each logical axis read
+    once."""
+    d = domain(tv)
+    held: dict[IterDomain, tuple[torch.Tensor | None, dict]] = {}
+    counted: dict[IterDomain, dict[IterDomain, int] | None] = {}
+    result = []
+    for id_ in ids:
+        root = d.split_root(id_)
+        if root not in counted:
+            counted[root] = _one_split_extents(d, root, extents, coords)
+        if counted[root] is not None:
+            result.append(counted[root][id_])
+            continue
+        if root not in held:
+            held[root] = _held(d, root, extents, coords) if root in tv.logical else (None, {})
+        indices, index = held[root]
+        if indices is None:
+            result.append(extents[id_])
+        elif id_ is root:
+            result.append(indices.numel())
+        else:
+            result.append(index[id_][indices].unique().numel())
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +193,9 @@ def local_layout(
     if coords is None:
         coords = {pt: 0 for pt in tv.parallel.values() if pt.is_device}
     logical = tv.materialized()
-    shape = tuple(local_extent(tv, i, extents, coords) for i in logical)
     ids = allocation.ids
-    local = [local_extent(tv, i, extents, coords) for i in ids]
+    known = local_extents(tv, [*logical, *ids], extents, coords)
+    shape, local = tuple(known[:len(logical)]), known[len(logical):]
     roots = [_allocation_root(tv, i) for i in ids]
     positions, contiguity = [], []
     for id_ in logical:
@@ -197,9 +218,31 @@ def local_layout(
     return LocalLayout(shape, tuple(strides), order, tuple(contiguity))
 
 
+def _one_split_extents(d: TensorDomain, root: IterDomain, extents: Mapping[IterDomain, int],
+                       coords: Mapping[ParallelType, int]) -> dict[IterDomain, int] | None:
+    """The local extents of ``root`` and its two parts when one split (not a zig-zag) of
+    logical ``root`` made them and one part is device-parallel (a block or a cyclic shard),
+    counted without index tensors (the common case, whose indices are as long as the axis);
+    None otherwise, or for an axis that is no logical one of the tensor."""
+    if root not in d.subtrees or len(d.subtrees[root]) != 3:
+        return None
+    shards = d.checked_device_ids().get(root)
+    t = d.producers[d.subtrees[root][1]]
+    if t.zigzag or shards is None or len(shards) != 1:
+        return None
+    (device_id, pt), = shards
+    n, inner, c = extents[root], extents[t.inner], coords[pt]
+    if device_id is t.outer:  # indices [c * inner, (c + 1) * inner) of n
+        held = max(0, min(n, (c + 1) * inner) - c * inner)
+        return {root: held, t.outer: min(held, 1), t.inner: held}
+    held = len(range(c, n, inner))  # indices c, c + inner, ... of n
+    return {root: held, t.outer: held, t.inner: min(held, 1)}
+
+
 def _allocation_root(tv: TensorView, id_: IterDomain) -> IterDomain:
-    root = _split_ancestry(tv, id_)[-1]
-    if root in producers(tv):
+    d = domain(tv)
+    root = d.split_root(id_)
+    if root in d.producers:
         raise ScheduleError(
             f"the allocation domain of {tv.name} holds a merged ID; allocate the merged axes "
             "separately (merged allocation IDs are not supported yet)"

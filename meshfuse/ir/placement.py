@@ -77,15 +77,7 @@ def placements(tv: TensorView, reduce_op: str = "sum") -> tuple[Placement, ...]:
 def shard_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
     """A structural description of how ``logical_id`` is sharded: for each device ID split
     from it, the parallel type and the path of splits (factor, inner_split, which side)."""
-    d = domain(tv)
-    result = []
-    for id_, pt in tv.parallel.items():
-        if not pt.is_device:
-            continue
-        top, path = d.path(id_)
-        if top is logical_id:
-            result.append((pt.value, path))
-    return tuple(sorted(result))
+    return domain(tv).shard_signatures().get(logical_id, ())
 
 
 def same_sharding(a: TensorView, b: TensorView) -> bool:
@@ -95,13 +87,20 @@ def same_sharding(a: TensorView, b: TensorView) -> bool:
     unparallelized one."""
     if a.mesh != b.mesh or len(a.logical) != len(b.logical):
         return False
-    return all(_held_signature(a, x) == _held_signature(b, y)
+    of_a, of_b = domain(a).shard_signatures(), domain(b).shard_signatures()
+    if not of_a and not of_b:
+        return True
+    return all(_held(a, x, of_a.get(x, ())) == _held(b, y, of_b.get(y, ()))
                for x, y in zip(a.logical, b.logical))
 
 
 def _held_signature(tv: TensorView, logical_id: IterDomain) -> tuple:
     """``shard_signature`` less a scattered reduction's entries (complete on every rank)."""
-    signature = shard_signature(tv, logical_id)
+    return _held(tv, logical_id, shard_signature(tv, logical_id))
+
+
+def _held(tv: TensorView, logical_id: IterDomain, signature: tuple) -> tuple:
+    """``signature`` (``logical_id``'s) less a scattered reduction's entries."""
     if not signature or not logical_id.is_reduction:
         return signature
     scattering = _scattering(tv)

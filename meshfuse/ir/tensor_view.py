@@ -121,6 +121,8 @@ class TensorView(Val):
     ):
         self.fusion = fusion
         self.logical: tuple[IterDomain, ...] = tuple(logical)
+        # materialized()'s answer, with the logical domain it was read from (asked often).
+        self._materialized: tuple[tuple | None, tuple[IterDomain, ...]] = (None, ())
         self.dtype = dtype
         self.loop: list[IterDomain] = list(self.logical)
         self.transforms: list[Transform] = []
@@ -158,7 +160,11 @@ class TensorView(Val):
 
     def materialized(self) -> tuple[IterDomain, ...]:
         """The logical IDs a local tensor has an axis for: all but reduction IDs."""
-        return tuple(i for i in self.logical if not i.is_reduction)
+        logical, materialized = self._materialized
+        if logical is not self.logical:  # read again for a new logical domain (rfactor)
+            materialized = tuple(i for i in self.logical if not i.is_reduction)
+            self._materialized = (self.logical, materialized)
+        return materialized
 
     def parallel_type(self, id_: IterDomain) -> ParallelType:
         return self.parallel.get(id_, ParallelType.Serial)

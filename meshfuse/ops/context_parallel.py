@@ -13,7 +13,7 @@ argument:
   send/recv; at each step a rank computes its query rows against the block it holds (the
   machine's fastest kernel, one call per pair of contiguous row runs) and merges the partial
   outputs by their log-sum-exp. The backward passes k/v and their gradient accumulators the
-  same way and sends the accumulators home at the end.
+  same way, with accumulators of their dk/dv that go home at the end.
 - ``"allgather"``: k and v are gathered (a communication in the fusion, as for any axis an op
   needs whole); each rank computes its own query rows against all keys.
 - ``"alltoall"`` (DeepSpeed Ulysses): q, k and v go from sequence-sharded to head-sharded
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from fractions import Fraction
 
 import torch
 
@@ -40,7 +39,7 @@ from meshfuse.ir.layout import device_ids, local_extent, split_indices
 from meshfuse.ops.context_blocks import Run, most_terms
 
 ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
-HOME_PARTS_VAR = "MESHFUSE_CP_HOME_PARTS"  # parts the ring's finished sums go home in (2)
+OWN_PARTS_VAR = "MESHFUSE_CP_OWN_PARTS"  # parts of a ring backward's own block (2)
 RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
 TRANSPORT_VAR = "MESHFUSE_CP_TRANSPORT"  # how the ring's blocks travel (TRANSPORTS)
 MERGE_VAR = "MESHFUSE_CP_MERGE"  # how the forward merges its blocks' outputs (MERGES)
@@ -48,7 +47,7 @@ NCCL, COPY_ENGINE = "nccl", "copy_engine"
 EAGER, COMPILED = "eager", "compiled"
 TRANSPORTS = (NCCL, COPY_ENGINE, AUTO)
 MERGES = (EAGER, COMPILED, AUTO)
-DEFAULT_TRANSPORT, DEFAULT_MERGE = NCCL, EAGER
+DEFAULT_TRANSPORT, DEFAULT_MERGE = NCCL, AUTO  # AUTO: the merge compiled on CUDA only
 STRATEGIES = (RING, ALLGATHER, ALLTOALL)
 
 
@@ -89,9 +88,10 @@ class ContextParallel:
         rows: for each position, the runs of global sequence rows it holds (queries, and
             keys too unless ``key_rows`` is given).
         backward: the record of an ``sdpfa_bwd`` (k/v and their gradients travel).
-        home_parts: in how many equal parts of the batch axis (of the heads when the batch
-            is 1) the ring's last step computes and sends the finished dk/dv sums home: each
-            part goes as soon as its kernels finish, so only the last one's transfer waits.
+        own_parts: in how many equal parts of the batch axis (of the heads when the batch
+            is 1) a ring backward computes its queries against its own key/value block: the
+            first part while the first k/v transfer runs, the others after the last step,
+            while the finished dk/dv sums travel home.
         key_rows: for each position, the runs of global key/value rows it holds when the key
             sequence has another length than the query sequence (cross attention); None:
             ``rows``.
@@ -102,7 +102,8 @@ class ContextParallel:
             where the blocks are of one size, else send/recv).
         merge: how the forward merges the blocks' outputs: ``"eager"`` (torch operations)
             or ``"compiled"`` (one ``torch.compile``'d pass over each merged output).
-            ``MESHFUSE_CP_MERGE`` sets it (``auto``: compiled on CUDA, else eager).
+            ``MESHFUSE_CP_MERGE`` sets it (``auto``, the default: compiled on CUDA, where
+            it measured faster, else eager).
     """
 
     strategy: str
@@ -111,10 +112,10 @@ class ContextParallel:
     position: int
     rows: tuple[tuple[Run, ...], ...]
     backward: bool = False
-    home_parts: int = 1
+    own_parts: int = 1
     key_rows: tuple[tuple[Run, ...], ...] | None = None  # cross attention: keys' own rows
     transport: str = DEFAULT_TRANSPORT
-    merge: str = DEFAULT_MERGE
+    merge: str = EAGER  # resolved: _options turns auto into compiled or eager
 
     @property
     def size(self) -> int:
@@ -184,10 +185,9 @@ class ContextParallel:
         of two ranks. Longer rings sum in float32."""
         return max(most_terms(self, causal) for causal in (False, True)) <= 2
 
-    def transfers(self) -> list[tuple[str, int | None, str, int | Fraction]]:
+    def transfers(self) -> list[tuple[str, int | None, str, int]]:
         """The communications this rank makes, in the order it launches them: ``(kind, peer
-        rank or None for a collective, tensor, sequence rows)`` (a part of the finished sums
-        counts the fraction of the rows' bytes it carries: rows over :attr:`home_parts`). Tensors: ``q``, ``k``,
+        rank or None for a collective, tensor, sequence rows)``. Tensors: ``q``, ``k``,
         ``v``, ``grad``, ``attn``, ``dq``, ``dk``, ``dv`` in the inputs' dtype, ``lse``, and
         ``dk32``, ``dv32``: float32 gradient sums (:attr:`sums_in_input_dtype`: ``dk``,
         ``dv``). Rows are those the recorder counts (an uneven all-gather pads each block to
@@ -213,6 +213,9 @@ class ContextParallel:
         return self.key_length(position) if keyed else self.length(position)
 
     def _ring_transfers(self) -> list[tuple[str, int, str, int]]:
+        """Step ``s < n - 1`` moves on the k/v block it holds; in a backward, step ``s >= 1``
+        then moves on that block's dk/dv sums (begun at step 1: the own block's stay home),
+        the last step's to the block's home."""
         after = self.ranks[(self.position + 1) % self.size]
         before = self.ranks[(self.position - 1) % self.size]
         result = []
@@ -221,17 +224,10 @@ class ContextParallel:
             sent = self.key_length(self.holder(step))
             received = self.key_length(self.holder(step + 1))
             moved = ("k", "v") if step < self.size - 1 else ()
-            if self.backward and step < self.size - 1:
+            if self.backward and step >= 1:
                 moved += travelling
             for tensor in moved:
                 result += [("send", after, tensor, sent), ("recv", before, tensor, received)]
-        if self.backward:  # the finished sums go home, cast, in parts
-            sent = Fraction(self.key_length(self.holder(self.size - 1)), self.home_parts)
-            received = Fraction(self.key_length(self.position), self.home_parts)
-            for _ in range(self.home_parts):
-                for tensor in ("dk", "dv"):
-                    result += [("send", after, tensor, sent),
-                               ("recv", before, tensor, received)]
         return result
 
 
@@ -280,7 +276,7 @@ def context_record(expr, here) -> ContextParallel:
     backward = expr.op.name == "sdpfa_bwd"
     record = ContextParallel(sequence_parallel(expr), axis, ranks,
                              q.mesh.coordinate(here.rank)[axis], rows, backward,
-                             home_parts(expr, here) if backward and len(ranks) > 1 else 1, keys)
+                             own_parts(expr, here) if backward and len(ranks) > 1 else 1, keys)
     return dataclasses.replace(record, **_options(record, expr, here))
 
 
@@ -338,17 +334,16 @@ def _position_rows(tv, here, size: int) -> tuple[tuple[Run, ...], ...]:
                  for c in range(size))
 
 
-def home_parts(expr, here) -> int:
-    """The parts a ring backward sends its finished dk/dv sums home in: ``parts`` equal
-    slices of the local batch (of the heads when the batch is 1: of the query heads and of
-    the key/value heads alike) when that extent divides by it and there is no dropout (a
-    block's mask is drawn whole), else one. ``parts`` is 2, or ``MESHFUSE_CP_HOME_PARTS``
-    (1 sends them whole, to measure what the parts gain; 4 hides more of the transfer under
-    smaller kernels). The parts are contiguous slices of the sums, sent and received in
-    place.
+def own_parts(expr, here) -> int:
+    """The parts a ring backward computes its own block in (:attr:`ContextParallel.own_parts`):
+    ``parts`` equal slices of the local batch (of the heads when the batch is 1: of the
+    query heads and of the key/value heads alike) when that extent divides by it and there is
+    no dropout (a block's mask is drawn whole), else one. ``parts`` is 2, or
+    ``MESHFUSE_CP_OWN_PARTS`` (1: the whole own block first, to measure what the parts gain;
+    the finished sums' trip home then waits after the last kernels).
 
     Raises:
-        DefinitionError: ``MESHFUSE_CP_HOME_PARTS`` is not a positive integer.
+        DefinitionError: ``MESHFUSE_CP_OWN_PARTS`` is not a positive integer.
     """
     q, k = _arg(expr, "q"), _arg(expr, "k")
     dropout = _arg(expr, "dropout_p")
@@ -365,10 +360,11 @@ def home_parts(expr, here) -> int:
 
 
 def _requested_parts() -> int:
-    value = os.environ.get(HOME_PARTS_VAR, "").strip() or "2"
+    value = os.environ.get(OWN_PARTS_VAR, "").strip() or "2"
     if not value.isdigit() or int(value) < 1:
-        raise DefinitionError(f"{HOME_PARTS_VAR}={value!r}: give the number of parts the ring's "
-                              "finished dk/dv sums go home in, a positive integer (default 2)")
+        raise DefinitionError(f"{OWN_PARTS_VAR}={value!r}: give the number of parts a ring "
+                              "backward computes its own block in, a positive integer "
+                              "(default 2)")
     return int(value)
 
 

@@ -7,10 +7,11 @@ cost per message (launch and latency). The constants default per device type and
 with ``MESHFUSE_CP_KERNEL_TFLOPS``, ``MESHFUSE_CP_LINK_GBPS`` and ``MESHFUSE_CP_LATENCY_US``
 (the ``context_parallel`` benchmark measures them: a kernel's time and a block transfer's).
 
-- ``ring``: ``n`` steps; a step's transfer (k/v, and in the backward the dk/dv
-  accumulators: float32 beyond two ranks) overlaps its compute, so it costs
-  ``max(compute, transfer)``; the last step moves no k/v, and the second half of the
-  finished sums goes home after it.
+- ``ring``: ``n`` steps; a step's transfer overlaps its compute, so it costs
+  ``max(compute, transfer)``. The forward moves k/v at every step but the last. The backward
+  moves k/v at step 0 (under the first part of the own block), k/v and the dk/dv
+  accumulators (float32 beyond two ranks) at the steps between, and the accumulators home
+  at the last (under the rest of the own block).
 - ``allgather``: the gathers (and the backward's reduce-scatters) first, then all of the
   compute: their sum.
 - ``alltoall``: four all-to-alls in the forward (q, k, v in, the output back), nine in the
@@ -111,13 +112,11 @@ def estimate(strategy: str, p: Problem, m: Machine) -> float:
     if strategy == RING:
         step = compute * skew / p.n
         blocks = p.block_bytes() / m.link_bytes + 2 * m.latency
+        if not p.backward:  # n - 1 steps move k/v under their kernels
+            return (p.n - 1) * max(step, blocks) + step
         # The sums travel in the inputs' dtype on a ring of two (two terms each), else float32.
-        sums = p.block_bytes(None if p.n <= 2 else 4) / m.link_bytes + 2 * m.latency \
-            if p.backward else 0.0
-        # The finished sums go home in halves: the second one waits after the last kernels.
-        home = blocks / 2 if p.backward else 0.0
-        # n - 1 steps move k/v (and the dk/dv sums) under their kernels; then the sums go home
-        return (p.n - 1) * max(step, blocks + sums) + step + home
+        sums = p.block_bytes(None if p.n <= 2 else 4) / m.link_bytes + 2 * m.latency
+        return max(step, blocks) + (p.n - 2) * max(step, blocks + sums) + max(step, sums)
     if strategy == ALLGATHER:
         moved = (p.n - 1) * p.block_bytes()
         if p.backward:

@@ -101,10 +101,11 @@ def _domain(tv: TensorView) -> set[IterDomain]:
 
 
 def _leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    return [i for i in tv.loop if i in domain(tv).subtree(logical_id)]
+    subtree = set(domain(tv).subtree(logical_id))
+    return [i for i in tv.loop if i in subtree]
 
 
 def _last_position(ids: list[IterDomain], tv: TensorView, axes: Iterable[IterDomain]) -> int:
-    positions = [p for p, i in enumerate(ids)
-                 for logical_id in axes if i in domain(tv).subtree(logical_id)]
-    return max(positions, default=-1)
+    d = domain(tv)
+    below = {i for logical_id in axes for i in d.subtree(logical_id)}
+    return max((p for p, i in enumerate(ids) if i in below), default=-1)

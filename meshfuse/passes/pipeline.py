@@ -133,28 +133,44 @@ def compile(fusion: Fusion, world_size: int | None = None,
     return compiled
 
 
-_cache: weakref.WeakKeyDictionary[Fusion, tuple[tuple, CompiledFusion]] = \
-    weakref.WeakKeyDictionary()
 # A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).
 _compiled_copies: weakref.WeakKeyDictionary[Fusion, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-def compiled_for(fusion: Fusion) -> CompiledFusion:
-    """``compile(fusion)`` for helpers that take one tensor (``shard_tensor``), cached until
-    the fusion's definition or schedule changes."""
+def compiled_for(fusion: Fusion, world_size: int | None = None) -> CompiledFusion:
+    """``compile(fusion, world_size)``, kept until the fusion's definition or schedule
+    changes: what ``execute`` runs and what helpers that take one tensor (``shard_tensor``)
+    read. A compiled copy is its own compiled fusion.
+
+    One build serves every world size: the build passes do not read it, only the checks
+    do, and those pass for any world that holds the devices of the build's meshes. For a
+    smaller world, or without a build yet, this compiles (and raises the checks' error).
+    """
     of_copy = _compiled_copies.get(fusion)
     if of_copy is not None and of_copy() is not None:
         return of_copy()
     key = _fingerprint(fusion)
-    cached = _cache.get(fusion)
-    if cached is None or cached[0] != key:
-        cached = _cache[fusion] = (key, compile(fusion))
-    return cached[1]
+    if fusion.builds[0] != key:
+        fusion.builds = (key, {})
+    builds = fusion.builds[1]
+    if world_size not in builds:
+        done = next(iter(builds.values()), None)
+        if done is not None and (world_size is None or _devices(done.fusion) <= world_size):
+            builds[world_size] = dataclasses.replace(done, world_size=world_size)
+        else:
+            builds[world_size] = compile(fusion, world_size)
+    return builds[world_size]
+
+
+def _devices(fusion: Fusion) -> int:
+    """The number of processes the meshes of ``fusion`` need (devices 0..n-1)."""
+    return _world_or_meshes(fusion, None)
 
 
 def _fingerprint(fusion: Fusion) -> tuple:
-    """What the build passes read of the user's fusion (identities, not values)."""
-    return (len(fusion.exprs), tuple(fusion.outputs()), tuple(
+    """What the build passes, and the runner's planning of a compiled fusion, read of the
+    user's fusion (identities, not values)."""
+    return (len(fusion.exprs), tuple(fusion.inputs()), tuple(fusion.outputs()), tuple(
         (tv, tv.mesh, tuple(tv.loop), len(tv.transforms), tuple(tv.parallel.items()),
-         tv.allocation)
+         tv.allocation, tuple(tv.swizzles.items()), tv.memory_type, tv.overlap, tv.is_cpu)
         for tv in fusion.tensors()))

@@ -231,8 +231,7 @@ def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) 
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    subtree = _subtree(tv, logical_id)
-    return [i for i in subtree if tv.parallel_type(i).is_device]
+    return domain(tv).device_leaves(logical_id)
 
 
 def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
@@ -270,7 +269,8 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     an unsharded or broadcast axis, or across a reshape (other extents) unless the shard is a
     block that divides both: the rest is resharded. A broadcast axis takes the shard of a
     broadcast axis only."""
-    if not _device_leaves(ref, ref_id) or target_id not in target.loop \
+    leaves = _device_leaves(ref, ref_id)
+    if not leaves or target_id not in target.loop \
             or target_id.is_broadcast != ref_id.is_broadcast:
         return
     if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
@@ -281,7 +281,7 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
             target.split(target.loop.index(chain[t.in_id]), t.factor, t.inner_split, t.zigzag)
             record = target.transforms[-1]
             chain[t.outer], chain[t.inner] = record.outer, record.inner
-    for leaf in _device_leaves(ref, ref_id):
+    for leaf in leaves:
         # A mesh axis ``target`` already shards another axis of this kind with (say, a
         # reduce-scatter's output mapped onto one input) is left to resharding.
         pt, id_ = ref.parallel_type(leaf), chain[leaf]

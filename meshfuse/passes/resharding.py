@@ -205,34 +205,20 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
 
 
 def _make_local(fusion: Fusion, expr: Expr) -> None:
-    outs = list(expr.tensor_outputs)
-    ins = list(dict.fromkeys(expr.tensor_inputs))
-    if len({o.mesh for o in outs}) > 1:
-        # An op runs on one mesh, its first output's; the other outputs are copied to theirs.
-        for out in outs[1:]:
-            if out.mesh != outs[0].mesh:
-                there = _scratch(out)
-                there.set_device_mesh(outs[0].mesh)
-                _set_after(fusion, expr, out, there)
-        outs = list(expr.tensor_outputs)
-    if outs and any(t.mesh != outs[0].mesh for t in ins):
-        # The op runs where its outputs live; inputs from other meshes are moved there.
-        for inp in ins:
-            if inp.mesh != outs[0].mesh:
-                _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
-        # Then as on one mesh (the moved inputs may still disagree with other inputs).
-        ins = list(dict.fromkeys(expr.tensor_inputs))
-    # Option A: the op makes its natural outputs; sets after the outputs that differ.
-    natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
-    cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
-        _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
+    outs, ins = _on_one_mesh(fusion, expr)
     # Option B: the op makes the outputs as they are; sets before the inputs that differ.
     needed_b = [_needed_input(expr, outs, t) for t in ins]
-    cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
     # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
     # or an axis mapped from no input cannot be).
     b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs)) \
         and not _disagreements(expr, needed_b, outs)
+    if b_works and all(same_sharding(t, n) for t, n in zip(ins, needed_b)):
+        return  # the op is local as it is: B moves nothing, which option A cannot beat
+    cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
+    # Option A: the op makes its natural outputs; sets after the outputs that differ.
+    natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
+    cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
+        _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
     if cost_a < cost_b or not b_works:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):
@@ -243,6 +229,27 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     for inp, want in zip(ins, needed):
         if not same_sharding(inp, want):
             _set_before(fusion, expr, inp, want)
+
+
+def _on_one_mesh(fusion: Fusion, expr: Expr) -> tuple[list[TensorView], list[TensorView]]:
+    """``expr``'s outputs and inputs once it runs on one mesh: its first output's. Outputs
+    on other meshes are copied to theirs afterwards, inputs from other meshes copied there
+    before (laid out as the outputs need them; they may still disagree with other inputs)."""
+    outs = list(expr.tensor_outputs)
+    ins = list(dict.fromkeys(expr.tensor_inputs))
+    if len({o.mesh for o in outs}) > 1:
+        for out in outs[1:]:
+            if out.mesh != outs[0].mesh:
+                there = _scratch(out)
+                there.set_device_mesh(outs[0].mesh)
+                _set_after(fusion, expr, out, there)
+        outs = list(expr.tensor_outputs)
+    if outs and any(t.mesh != outs[0].mesh for t in ins):
+        for inp in ins:
+            if inp.mesh != outs[0].mesh:
+                _set_before(fusion, expr, inp, _needed_input(expr, outs, inp))
+        ins = list(dict.fromkeys(expr.tensor_inputs))
+    return outs, ins
 
 
 def _make_local_replaying(fusion: Fusion, expr: Expr, source: TensorView,

@@ -113,43 +113,52 @@ def _check_expr(expr: Expr, extents) -> None:
     mapped_inputs: set[IterDomain] = set()
     for out in outputs:
         for axis, out_id in enumerate(out.logical):
-            out_owners = owner_map(out, out_id, extents)
             sources = expr.id_map.get(out_id, ())
             mapped_inputs.update(sources)
             # A broadcast output axis comes from broadcast input axes (nvFuser parallelizes
             # them over a mesh axis of one device); any other axis from real ones.
             real = [s for s in sources if not s.is_broadcast or out_id.is_broadcast]
-            if not real and out_owners:
+            if not real and device_ids(out).get(out_id):
                 raise ShardingError(
-                    f"{format_expr(expr)}: axis {axis} of {out.name} is sharded ({describe(out_owners)}) "
-                    "but is not mapped from any input axis; shard an input instead"
+                    f"{format_expr(expr)}: axis {axis} of {out.name} is sharded "
+                    f"({describe(owner_map(out, out_id, extents))}) but is not mapped from any "
+                    "input axis; shard an input instead"
                 )
             for src in real:
-                tv = _owner_of(src, inputs)
-                src_owners = owner_map(tv, src, extents)
-                # A context-parallel attention maps its key sequence onto its query sequence
-                # (the rows of one position), of another length in cross attention: those
-                # must be split alike, index by index they cannot be compared.
-                if sequence_parallel(expr) is not None and \
-                        _unrelated(src_owners, out_owners) and \
-                        shard_signature(tv, src) == shard_signature(out, out_id):
-                    continue
-                if not same_owners(src_owners, out_owners):
-                    what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
-                    raise ShardingError(
-                        f"{format_expr(expr)}: {tv.name} axis {tv.logical.index(src)} is "
-                        f"{describe(src_owners)} but {what} is {describe(out_owners)}; this "
-                        "needs a communication, which is not supported yet: schedule both alike"
-                    )
+                _check_mapped(expr, _owner_of(src, inputs), src, out, out_id, axis, extents)
     for tv in inputs:
         for axis, id_ in enumerate(tv.logical):
             if id_ not in mapped_inputs and not reduction_complete(tv, id_) and \
-                    owner_map(tv, id_, extents):
+                    device_ids(tv).get(id_):
                 raise ShardingError(
                     f"{format_expr(expr)}: axis {axis} of {tv.name} is sharded but the op does "
                     "not map it to an output axis (a slice, concatenation or reshape of a "
                     "sharded axis); shard another axis"
                 )
+
+
+def _check_mapped(expr: Expr, tv: TensorView, src: IterDomain, out: TensorView,
+                  out_id: IterDomain, axis: int, extents) -> None:
+    """Input axis ``src`` of ``tv`` and the output axis ``out_id`` it maps to are owned
+    alike (index by index: an owner map is as long as the axis, so two axes of one extent
+    split alike are taken as owned alike without one)."""
+    device_ids(out), device_ids(tv)  # a device axis from a merge is an error, as owner_map's
+    alike = shard_signature(tv, src) == shard_signature(out, out_id)
+    if alike and extents.get(src) == extents.get(out_id) and extents.get(src):
+        return  # (same_owners finds two empty axes unlike)
+    src_owners, out_owners = owner_map(tv, src, extents), owner_map(out, out_id, extents)
+    # A context-parallel attention maps its key sequence onto its query sequence (the rows
+    # of one position), of another length in cross attention: those must be split alike,
+    # index by index they cannot be compared.
+    if sequence_parallel(expr) is not None and _unrelated(src_owners, out_owners) and alike:
+        return
+    if not same_owners(src_owners, out_owners):
+        what = "reduced" if out_id.is_reduction else f"axis {axis} of {out.name}"
+        raise ShardingError(
+            f"{format_expr(expr)}: {tv.name} axis {tv.logical.index(src)} is "
+            f"{describe(src_owners)} but {what} is {describe(out_owners)}; this needs a "
+            "communication, which is not supported yet: schedule both alike"
+        )
 
 
 def _owner_of(id_: IterDomain, tensors: list[TensorView]) -> TensorView:

@@ -482,7 +482,7 @@ class _Works:
 
 def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Group,
                into: Sequence[torch.Tensor] | None = None, transport: str = NCCL,
-               slot: str = "", pull: bool = False) -> Pending:
+               slot: str = "") -> Pending:
     """Each of ``tensors`` sent to the next coordinate of the group (``c + 1``, around), and
     as many received from the previous one, of ``shapes`` (the dtypes of ``tensors``): one
     ``batch_isend_irecv``, launched at once. Returns a :class:`Pending` of the received
@@ -492,9 +492,7 @@ def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
     ``transport=COPY_ENGINE`` (CUDA; every shape equal on every rank) copies the tensors
     with the copy engines into the next rank's symmetric buffer ``slot`` instead
     (:mod:`meshfuse.runtime.peer_copy`): no SM is taken from the kernels it overlaps.
-    Without ``into`` the result is that slot, overwritten by the next shift into ``slot``.
-    ``pull`` (with ``into``): the tensors lie in this rank's slots, as the previous rank's in
-    its own, and each rank reads the previous rank's (one barrier, no copy out of a slot)."""
+    Without ``into`` the result is that slot, overwritten by the next shift into ``slot``."""
     n, c = group.size, group.coordinate
     after, before = group.ranks[(c + 1) % n], group.ranks[(c - 1) % n]
     sends = [t.contiguous() for t in tensors]
@@ -506,10 +504,7 @@ def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
             _record("recv", group, out, peer=before)
         label = _label("ring_shift", group)
         with translated(label, group.ranks):
-            if pull:
-                shifted = peer_copy.pull(sends, group.process_group, before, into)
-            else:
-                shifted = peer_copy.shift(sends, group.process_group, after, slot, into)
+            shifted = peer_copy.shift(sends, group.process_group, after, slot, into)
         return Pending(shifted, shifted.received, label=label, ranks=group.ranks)
     if into is None:
         received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device)

@@ -7,13 +7,16 @@ strategies); every collective goes through :mod:`meshfuse.runtime.collectives`.
 computing its queries against it, so the transfer runs under the kernels, then waits for
 the block of the previous rank. After ``n`` steps (``n - 1`` transfers of k and v) every
 query has met every key; the blocks' outputs are merged by their log-sum-exp. Backward: k
-and v travel the same way, each with accumulators of its dk and dv (in the inputs' dtype on
-a ring of two, where each sum has two terms, else float32:
-:attr:`~meshfuse.ops.context_parallel.ContextParallel.sums_in_input_dtype`). At each step a
-rank computes its queries' gradients against the block it holds (dq stays, the block's
-dk/dv partial sums are added to the block's accumulators, which then go to the next rank);
-the last step finishes the sums of the next position's block and sends them home, in the
-inputs' dtype and in ``home_parts`` parts, each as soon as its kernels finish.
+and v travel the same way; at step ``s >= 1`` a rank computes its queries' gradients against
+the block it holds (dq stays) and adds the block's dk/dv to the block's accumulators, which
+then go to the next rank: after the last step that is the block's home. The accumulators
+begin at step 1 (in the inputs' dtype on a ring of two, where each sum has two terms, else
+float32: :attr:`~meshfuse.ops.context_parallel.ContextParallel.sums_in_input_dtype`); the
+gradients of a rank's own block never travel. That block's kernels run in
+``own_parts`` parts (of the batch, or of the heads): the first at step 0, under the first k/v
+transfer, the others after the last step, under the accumulators' trip home; the own parts
+and the arriving sums are then added, rounded once to the inputs' dtype. On a ring of two a
+backward thus moves k/v once and the sums once, and no transfer waits after the kernels.
 
 **Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
 of its block (:class:`~meshfuse.ops.context_blocks.BlockDropout`), drawn from the forward's
@@ -100,66 +103,88 @@ def ring_backward(grad, q, k, v, attn, lse, scale, causal: bool, record: Context
                   group: Group, dropout: BlockDropout | None = None):
     """This rank's ``(dq, dk, dv)`` of ring attention (see the module doc)."""
     _check_local(record, "sdpfa_bwd", grad_attn=grad, q=q, k=k, v=v, attn=attn)
-    dq, block, sums = None, (k, v), None
     dtype = sums_dtype(record, q)  # the inputs' on a ring of two: no float32 sums at all
+    own = _OwnBlock(grad, q, k, v, attn, lse, scale, causal, record, dropout, dtype)
+    if record.size == 1:
+        own.compute(0, record.own_parts)
+        return own.joined(None, (None, None))
     transport = record.transport
-    for step in range(record.size - 1):
-        rows = record.key_length(record.holder(step + 1))
-        pending = ring_shift(block, [_shape(k, rows), _shape(v, rows)], group,
-                             transport=transport, slot=f"backward{step % 2}")
+    pending = ring_shift((k, v), _block_shapes(k, v, record, 1), group, transport=transport,
+                         slot="backward0")
+    own.compute(0, 1)  # the first part of this rank's own block hides the first transfer
+    dq, sums, block = None, None, pending.wait()
+    for step in range(1, record.size):
+        last = step == record.size - 1
+        if not last:
+            pending = ring_shift(block, _block_shapes(k, v, record, step + 1), group,
+                                 transport=transport, slot=f"backward{step % 2}")
         dq, partial = backward_blocks(grad, q, *block, attn, lse, scale, causal, record,
                                       record.holder(step), dq, dropout)
-        # The sums arrived while the kernels ran; they follow their block to the next rank.
-        own = add_key_gradients(partial, sums.wait() if sums is not None else (None, None),
-                                block, dtype)
-        sums = ring_shift(own, [_shape(k, rows), _shape(v, rows)], group,
-                          transport=transport, slot=f"sums{step % 2}")
-        block = pending.wait()
-    if record.size == 1:
-        dq, partial = backward_blocks(grad, q, k, v, attn, lse, scale, causal, record,
-                                      record.position, dq, dropout)
-        dk, dv = add_key_gradients(partial, (None, None), block, dtype)
-        return _finished(dq, q), dk.to(k.dtype), dv.to(v.dtype)
-    return _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block,
-                      sums, dtype, transport)
+        # The block's sums arrived while the kernels ran; they go on to the next rank, which
+        # is the block's home after the last step.
+        travelling = add_key_gradients(partial, sums.wait() if sums is not None
+                                       else (None, None), block, dtype)
+        sums = ring_shift(travelling, _block_shapes(k, v, record, step + 1), group,
+                          transport=transport, slot="home" if last else f"sums{step % 2}")
+        if not last:
+            block = pending.wait()
+    own.compute(1, record.own_parts)  # the rest of the own block hides the trip home
+    return own.joined(dq, sums.wait())
 
 
-def _last_step(grad, q, attn, lse, scale, causal, record, group, dropout, dq, block, sums,
-               dtype, transport):
-    """The ring backward's last step: this rank's queries against the block of the next
-    position, whose dk/dv sums are then finished and go home, cast to the inputs' dtype. The
-    step runs in ``record.home_parts`` parts (halves of the batch, or of the heads), each
-    part's sums sent as soon as its kernels finish, so only the last part's transfer is not
-    hidden under compute. Returns ``(dq, dk, dv)``."""
-    k, v = block
-    if dq is None:
-        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    home = [torch.empty(_shape(t, record.key_length(record.position)), dtype=t.dtype,
-                        device=t.device) for t in block]
-    axis = 0 if q.shape[0] > 1 else 1
-    # The query heads' part and the part of the key/value heads that serve them (a group of
-    # query heads per key/value head in grouped-query attention).
-    parts = zip(_parts(q.shape[axis], record.home_parts, axis),
-                _parts(k.shape[axis], record.home_parts, axis))
-    incoming, sent = None, []
-    # The sums added in place into the buffers they arrived in, not cast: with the copy
-    # engines the next rank reads them there.
-    pull = dtype == k.dtype
-    for rows, keys in parts:
-        _, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
-                                     lse[rows], scale, causal, record,
-                                     record.holder(record.size - 1), dq[rows], dropout)
-        if incoming is None:  # (after the first kernels are launched: they need no sums)
-            incoming = sums.wait()
-        own = add_key_gradients(partial, [s[keys] for s in incoming],
-                                [t[keys] for t in block], dtype)
-        sent.append(ring_shift([own[0].to(k.dtype), own[1].to(v.dtype)],
-                               [h[keys].shape for h in home], group,
-                               into=[h[keys] for h in home], transport=transport,
-                               slot="home", pull=pull))
-    for pending in sent:
-        pending.wait()
-    return _finished(dq, q), *home
+def _block_shapes(k, v, record: ContextParallel, step: int) -> list[tuple[int, ...]]:
+    """The shapes of k and v (or of their sums) of the block this rank holds at ``step``
+    (``step == size``: its own)."""
+    rows = record.key_length(record.holder(step))
+    return [_shape(k, rows), _shape(v, rows)]
+
+
+class _OwnBlock:
+    """The gradients of this rank's queries against its own key/value block, computed in
+    ``record.own_parts`` equal parts of the batch (of the heads when the batch is 1; of the
+    query heads and of the key/value heads that serve them alike), and joined at the end with
+    the sums of the other blocks: :meth:`joined`. The dk/dv of the own block never travel."""
+
+    def __init__(self, grad, q, k, v, attn, lse, scale, causal, record, dropout, dtype):
+        self._args = (grad, q, k, v, attn, lse)
+        self._call = (scale, causal, record)
+        self._dropout, self._dtype = dropout, dtype
+        axis = 0 if q.shape[0] > 1 else 1
+        self._parts = list(zip(_parts(q.shape[axis], record.own_parts, axis),
+                               _parts(k.shape[axis], record.own_parts, axis)))
+        self._results: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def compute(self, first: int, stop: int) -> None:
+        """Launches the kernels of parts ``first`` to ``stop - 1``."""
+        grad, q, k, v, attn, lse = self._args
+        scale, causal, record = self._call
+        for rows, keys in self._parts[first:stop]:
+            dq, partial = backward_blocks(grad[rows], q[rows], k[keys], v[keys], attn[rows],
+                                          lse[rows], scale, causal, record, record.position,
+                                          None, self._dropout)
+            if dq is None:  # no kernel reached these rows (cross attention: they see no key)
+                dq = torch.zeros(q[rows].shape, dtype=self._dtype, device=q.device)
+            sums = add_key_gradients(partial, (None, None), (k[keys], v[keys]), self._dtype)
+            self._results.append((dq, sums))
+
+    def joined(self, dq: torch.Tensor | None, sums) -> tuple[torch.Tensor, ...]:
+        """``(dq, dk, dv)`` in the inputs' dtypes: the own block's part results plus ``dq``,
+        the other blocks' query gradients, and ``sums``, the dk/dv sums of this rank's block
+        from the other ranks (None where there are none)."""
+        _, q, k, v, _, _ = self._args
+        if len(self._results) == 1 and dq is None and sums[0] is None:
+            own_dq, own_sums = self._results[0]
+            return own_dq.to(q.dtype), *(s.to(t.dtype) for s, t in zip(own_sums, (k, v)))
+        out = [torch.empty_like(t) for t in (q, k, v)]
+        for (rows, keys), (own_dq, own_sums) in zip(self._parts, self._results):
+            for total, index, part, other in ((out[0], rows, own_dq, dq),
+                                              (out[1], keys, own_sums[0], sums[0]),
+                                              (out[2], keys, own_sums[1], sums[1])):
+                if other is None:
+                    total[index].copy_(part)
+                else:  # one rounding to the output's dtype
+                    torch.add(other[index], part, out=total[index])
+        return tuple(out)
 
 
 def _parts(extent: int, count: int, axis: int) -> list[tuple[slice, ...]]:

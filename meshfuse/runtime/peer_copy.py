@@ -9,10 +9,11 @@ thread block each.
 
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
-same shifts in the same order) at the first shift that needs it. A shift into slot ``name``
-overwrites what the previous shift into it received, so its caller must have queued every
-use of that result before it launches the next shift of the same name (the ring alternates
-two names by step).
+same shifts in the same order) at the first shift that needs it, the device synchronized
+between the allocation and the rendezvous (see :func:`_slot`: the first call pays it once).
+A shift into slot ``name`` overwrites what the previous shift into it received, so its
+caller must have queued every use of that result before it launches the next shift of the
+same name (the ring alternates two names by step).
 
 **One shift**, on a side stream of the device (the *copy stream*):
 
@@ -24,12 +25,6 @@ two names by step).
 5. with ``into``, the slot copied into those tensors (a local copy, a copy engine too);
 6. :meth:`Shifted.wait` makes the current stream wait for the copy stream; the host never
    waits.
-
-**A pull** (:func:`pull`) moves tensors that already lie in a slot of every rank (a
-ring's sums, added in place into the slot they arrived in) into tensors of the caller's:
-after one barrier each rank copies the previous rank's tensors, at the same places of its
-slot, into its own. No slot is written, so neither the second barrier nor a copy out of a
-slot is needed.
 """
 
 from __future__ import annotations
@@ -57,20 +52,19 @@ class _Slot:
     local: list[torch.Tensor]
     remote: list[torch.Tensor]
 
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.buffer.data_ptr()
-        return start <= t.data_ptr() and \
-            t.data_ptr() + t.numel() * t.element_size() <= start + self.buffer.numel()
-
 
 _slots: dict[tuple, _Slot] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's copy stream, of high priority: its one-block barrier kernels become ready
+    with the attention kernels they must run beside, and the block scheduler then gives
+    them an SM first (else they may wait for a whole kernel to end, and the copies with
+    them)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=index)
+        _streams[index] = torch.cuda.Stream(device=index, priority=-1)
     return _streams[index]
 
 
@@ -91,6 +85,13 @@ def _slot(process_group, after: int, name: str, shapes, dtypes, device) -> _Slot
         return _slots[key]
     offsets, size = _offsets(shapes, dtypes)
     buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    # The allocation zeroes its signal pad on the device without waiting for it (torch
+    # 2.11: cudaMemset, queued behind this rank's pending kernels). A peer may signal into
+    # the pad as soon as the rendezvous below has handed it over; a zeroing that lands after
+    # that signal erases it, and both ranks then wait for a signal that never comes (the
+    # barrier's two-minute limit, then a device error). Waiting here orders the zeroing
+    # before the rendezvous, which no rank leaves before every rank has entered it.
+    torch.cuda.synchronize(device)
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:  # needed by older torch, a deprecated no-op in newer
         with warnings.catch_warnings():
@@ -146,29 +147,3 @@ def shift(tensors: Sequence[torch.Tensor], process_group, after: int, name: str,
         done = torch.cuda.Event()
         done.record(copier)
     return Shifted(done, list(received), device)
-
-
-def pull(tensors: Sequence[torch.Tensor], process_group, before: int,
-         into: Sequence[torch.Tensor]) -> Shifted:
-    """The tensors of rank ``before`` (a global rank) at the places of ``tensors`` (contiguous
-    views inside this rank's slots, as they are inside that rank's) copied into ``into``
-    (contiguous, of the same shapes and dtypes); the next rank reads this rank's alike."""
-    device = tensors[0].device
-    peer = dist.get_group_rank(process_group, before)
-    sources = []
-    for t in tensors:
-        slot = next((s for s in _slots.values() if s.holds(t)), None)
-        assert slot is not None and t.is_contiguous(), "pull: a tensor outside the slots"
-        offset = t.data_ptr() - slot.buffer.data_ptr()
-        sources.append((slot, slot.handle.get_buffer(peer, tuple(t.shape), t.dtype,
-                                                     offset // t.element_size())))
-    current, copier = torch.cuda.current_stream(device), _stream(device)
-    copier.wait_stream(current)
-    with torch.cuda.stream(copier):
-        sources[0][0].handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        for out, (_, remote) in zip(into, sources):
-            out.copy_(remote)  # the previous rank's memory, read by a copy engine
-            out.record_stream(copier)
-        done = torch.cuda.Event()
-        done.record(copier)
-    return Shifted(done, list(into), device)

@@ -1,11 +1,11 @@
 """``FusionRunner``: builds a fusion once, then one per-rank program per input signature.
 
-Build: compile the fusion (:func:`meshfuse.passes.pipeline.compile`: a private copy checked,
-propagated, resharded, with its memory orders; the user's fusion is not changed). Per new
-input signature, once: bind extents and local layouts (:func:`~meshfuse.runtime.binding.bind`),
-check the inputs against them, check that every op is local
-(:func:`~meshfuse.passes.sharding_check.check_no_resharding`), agree on all that across ranks
-(:func:`~meshfuse.runtime.agreement.agreed_inputs`), localize
+Build: compile the fusion (:func:`meshfuse.passes.pipeline.compiled_for`: a private copy
+checked, propagated, resharded, with its memory orders, built once per definition and
+schedule; the user's fusion is not changed). Per new input signature, once: bind extents
+and local layouts (:func:`~meshfuse.runtime.binding.bind`), check the inputs against them,
+check that every op is local (:func:`~meshfuse.passes.sharding_check.check_no_resharding`),
+agree on all that across ranks (:func:`~meshfuse.runtime.agreement.agreed_inputs`), localize
 (:func:`~meshfuse.passes.localization.localize`), and build the :class:`Program` records
 (:func:`~meshfuse.runtime.program.build_program`), each communication's plan bound to this
 rank's groups. With ``cuda_graph=True``, the program is captured once
@@ -31,7 +31,7 @@ from meshfuse.ops.context_parallel import sequence_mesh_axis, sequence_parallel
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.localization import localize
 from meshfuse.passes.overlap_candidates import overlap_candidates
-from meshfuse.passes.pipeline import compile as compile_fusion
+from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
 from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
@@ -74,7 +74,7 @@ class FusionRunner:
             self.rank, world = self.communicator.rank, self.communicator.size
         else:
             self.communicator, self.rank, world = None, 0, 1
-        self.compiled = compile_fusion(fusion, world)
+        self.compiled = compiled_for(fusion, world)
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world

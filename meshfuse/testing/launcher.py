@@ -1,7 +1,8 @@
 """The parent side of the multi-device test harness: spawn a batch of ranks, judge each test.
 
 For one world size ``n``, :func:`run_batch` starts ``n`` worker processes, each
-``python -m pytest <test files>`` with torchrun's variables set (``RANK``, ``WORLD_SIZE``,
+``python -m pytest <test files>`` (forked from one process that imported torch and pytest
+once, on Linux: :mod:`meshfuse.testing.zygote`) with torchrun's variables set (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), runs all the selected
 tests of that size in them, and turns the ranks' records (see :mod:`meshfuse.testing.worker`)
 into one :class:`Verdict` per test.
@@ -37,6 +38,7 @@ from meshfuse.testing.worker import (
     records_path,
     stacks_path,
 )
+from meshfuse.testing.zygote import ForkedRank, ForkedRanks, fork_available
 
 TAIL_CHARS = 4000
 _POLL_S = 0.05
@@ -267,26 +269,22 @@ def _run_once(
     """Runs one batch of workers to its end; returns what each rank did and how it ended."""
     n = spec.world_size
     tmp = tempfile.mkdtemp(prefix=f"meshfuse-ws{n}-")
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedRank] = []
+    zygote: ForkedRanks | None = None
     try:
         nodeids_file = Path(tmp) / "nodeids.txt"
         nodeids_file.write_text("\n".join(nodeids) + "\n")
         port = free_port()
-        cmd = [sys.executable, "-m", "pytest", *spec.paths, *spec.pytest_args]
-        for rank in range(n):
-            env = worker_env(spec.env, rank, n, port, tmp, nodeids_file, spec.threads_per_rank)
-            with open(log_path(tmp, rank), "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        cwd=spec.rootdir,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # its own process group, to kill it whole
-                    )
-                )
+        argv = ["-m", "pytest", *spec.paths, *spec.pytest_args]
+        envs = [worker_env(spec.env, rank, n, port, tmp, nodeids_file, spec.threads_per_rank)
+                for rank in range(n)]
+        logs = [str(log_path(tmp, rank)) for rank in range(n)]
+        if fork_available():
+            zygote = ForkedRanks(argv, spec.rootdir, envs, logs, spec.threads_per_rank)
+            procs = list(zygote.ranks)
+        else:
+            procs = [_popen([sys.executable, *argv], spec.rootdir, env, log)
+                     for env, log in zip(envs, logs)]
         ending = _wait(procs, tmp, deadline, stop)
         codes = [p.poll() for p in procs]  # None: still running, to be killed
         if ending == "timeout" and not (stop is not None and stop.is_set()):
@@ -295,11 +293,27 @@ def _run_once(
         return [_rank_run(tmp, rank, code) for rank, code in enumerate(codes)], ending
     finally:
         _kill(procs)
+        if zygote is not None:
+            zygote.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _popen(cmd: list[str], cwd: str, env: dict[str, str], log: str) -> subprocess.Popen:
+    """A worker as a fresh interpreter (where ranks cannot be forked), output to ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, to kill it whole
+        )
+
+
 def _wait(
-    procs: list[subprocess.Popen], tmp: str, deadline: float, stop: threading.Event | None
+    procs: list[subprocess.Popen | ForkedRank], tmp: str, deadline: float, stop: threading.Event | None
 ) -> str:
     """Waits for the workers; ``"normal"``, ``"crash"`` (one exited unfinished) or ``"timeout"``."""
     done: dict[int, bool] = {}
@@ -318,7 +332,7 @@ def _wait(
         time.sleep(_POLL_S)
 
 
-def _dump_stacks(procs: list[subprocess.Popen], tmp: str) -> None:
+def _dump_stacks(procs: list[subprocess.Popen | ForkedRank], tmp: str) -> None:
     """Asks every running worker for its Python stacks (see :mod:`meshfuse.testing.worker`)."""
     running = [(rank, p) for rank, p in enumerate(procs) if p.poll() is None]
     for _, p in running:
@@ -333,7 +347,7 @@ def _dump_stacks(procs: list[subprocess.Popen], tmp: str) -> None:
     time.sleep(_POLL_S)  # let the last writes land
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[subprocess.Popen | ForkedRank]) -> None:
     """Kills every still running worker with its children, and reaps it."""
     for p in procs:
         if p.poll() is None:
