@@ -2,8 +2,10 @@
 compute kernels kept the device, where it sat idle, and how much of the communication
 kernels' time no compute kernel hid.
 
-Compute is every GPU kernel, memset and memcpy that is not NCCL's; communication is NCCL's
-kernels (whose time includes waiting for the peer to reach the same transfer). A window is
+Compute is every GPU kernel, memset and memcpy that is not communication; communication is
+NCCL's kernels (whose time includes waiting for the peer to reach the same transfer) and
+the copy-engine transport's work (its symmetric-memory barrier kernels and the peer-to-peer
+copies), counted as ``nccl_ms`` alike. A window is
 one ``gpu_user_annotation`` named ``window`` (one timed call wrapped in
 ``torch.profiler.record_function(window)``), or the whole trace when there is none; with a
 window, the summary also gives the host time from the call to its first GPU work.
@@ -58,13 +60,18 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
     """Busy, idle and exposed-communication milliseconds of ``events`` (GPU events) in
     ``window``, with the longest idle gaps between compute kernels."""
     events = _clip(events, window)
-    comm = [e for e in events if "nccl" in e["name"].lower()]
-    compute = [e for e in events if "nccl" not in e["name"].lower()]
+    comm = [e for e in events if _is_transfer(e)]
+    compute = [e for e in events if not _is_transfer(e)]
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
     sent = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
     start = min((a for a, _ in busy + sent), default=window[0])
     end = max((b for _, b in busy + sent), default=window[0])
     idle = _minus([(start, end)], busy)
+    # copies (a copy engine's, or a local one) and how much of them ran beside a kernel
+    copies = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute
+                     if e.get("cat") == "gpu_memcpy"])
+    kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute
+                      if e.get("cat", "kernel") == "kernel"])
     ordered = sorted(compute, key=lambda e: e["ts"])
     longest = sorted(idle, key=lambda g: g[0] - g[1])[:gaps]
     return {
@@ -73,6 +80,9 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
         "idle_ms": round(_length(idle) / 1e3, 3),
         "nccl_ms": round(_length(sent) / 1e3, 3),
         "nccl_exposed_ms": round(_length(_minus(sent, busy)) / 1e3, 3),
+        "memcpy_ms": round(_length(copies) / 1e3, 3),
+        "memcpy_beside_kernels_ms": round(
+            (_length(copies) - _length(_minus(copies, kernels))) / 1e3, 3),
         "longest_idle_gaps": [{"at_ms": round((a - start) / 1e3, 3),
                                "ms": round((b - a) / 1e3, 3),
                                "after": _name_before(ordered, a),
@@ -80,6 +90,12 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
                               for a, b in longest],
         "top_kernels_ms": _top(compute + comm),
     }
+
+
+def _is_transfer(event: dict) -> bool:
+    """An NCCL kernel, a symmetric-memory barrier kernel, or a copy between two GPUs."""
+    name = event["name"].lower()
+    return "nccl" in name or "barrier_kernel" in name or "ptop" in name
 
 
 def _name_before(ordered: list[dict], at: float) -> str | None:

@@ -28,7 +28,9 @@ from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
 from meshfuse.ops import context_blocks
 from meshfuse.ops.context_blocks import Merged, merge_into
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime import peer_copy
+from meshfuse.runtime.collectives import Group, record_communications, ring_shift
+from meshfuse.runtime.communicator import Communicator
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
 
@@ -189,6 +191,30 @@ def test_copy_engine_ring_equals_nccl_ring(multidevice_test, monkeypatch, causal
     assert runs["nccl", "eager", "comms"] == runs["copy_engine", "eager", "comms"]
     for a, b in zip(runs["copy_engine", "compiled"], runs["auto", "auto"]):
         assert torch.equal(a, b)
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_copy_engine_slot_made_while_a_peer_is_busy(multidevice_test, monkeypatch):
+    """A copy-engine slot made while one rank's device is still busy (rank 1 queues a sleep
+    kernel of about 0.3 s first): torch zeroes the new buffer's signal pad behind that work,
+    so the slot must not reach the peers before the zeroing has run (else the peer's barrier
+    signal is erased, and the barrier waits out its limit, here 10 s: a device error). One
+    shift moves each rank's tensor to the next rank."""
+    d, rank = multidevice_test.size, multidevice_test.rank
+    if d < 2:
+        pytest.skip("moves nothing on one rank")
+    monkeypatch.setattr(peer_copy, "BARRIER_TIMEOUT_MS", 10_000)
+    mesh = mesh_1d(multidevice_test)
+    group = Group(Communicator.instance().group(mesh, 0), tuple(mesh.device_ids), rank, 0)
+    device = multidevice_test.device
+    sent = torch.full((3, 1000), float(rank), device=device)
+    if rank == 1:
+        torch.cuda._sleep(600_000_000)  # cycles: about 0.3 s
+    shifted = ring_shift([sent], [sent.shape], group, transport="copy_engine",
+                         slot=f"busy_peer_{d}")
+    received, = shifted.wait()
+    assert torch.equal(received.cpu(), torch.full((3, 1000), float((rank - 1) % d)))
 
 
 @cuda_only

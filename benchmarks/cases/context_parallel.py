@@ -14,12 +14,12 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   first step (``MESHFUSE_CP_OWN_PARTS=1``) instead of in two halves, the second after the
   last step, under the finished dk/dv sums' trip home: what the halves gain (the trip home
   then waits after the last kernels); ``ring_zigzag_own_quarters``: in four parts;
-- ``ring_zigzag_copy_engine``: the ring's blocks moved by the GPUs' copy engines
-  (``MESHFUSE_CP_TRANSPORT=copy_engine``: no SM taken from the attention kernels), the
-  forward's merge eager; ``ring_zigzag_eager_merge``: send/recv, the merge in torch
-  operations (``MESHFUSE_CP_MERGE=eager``; the default on CUDA compiles it into one pass);
-  ``ring_zigzag_copy_engine_compiled``: the copy engines and the compiled merge;
-  ``..._quarters``: both, the own block in quarters;
+- ``ring_zigzag_nccl``, ``ring_zigzag_copy_engine``: the ring's blocks moved by NCCL's
+  send/recv or by the GPUs' copy engines (``MESHFUSE_CP_TRANSPORT``; copy engines: no SM
+  taken from the attention kernels); ``ring_zigzag_copy_engine_quarters``: the copy
+  engines, the own block in quarters; ``ring_zigzag_eager_merge``: the forward's merge in
+  torch operations (``MESHFUSE_CP_MERGE=eager``; the default on CUDA compiles it into one
+  pass);
 - ``ring_block``: the same on a block split (unbalanced under a causal mask);
 - ``allgather``, ``alltoall``: meshfuse's other strategies, zig-zag split;
 - ``auto``: the cost estimate's choice (``metrics["strategies"]``, with its estimates);
@@ -219,15 +219,14 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
                   {"MESHFUSE_CP_OWN_PARTS": "1"}),
         _meshfuse(ctx, "ring_zigzag_own_quarters", sizes, s, causal, full, expected, True,
                   "ring", {"MESHFUSE_CP_OWN_PARTS": "4"}),
+        _meshfuse(ctx, "ring_zigzag_nccl", sizes, s, causal, full, expected, True, "ring",
+                  {TRANSPORT_VAR: "nccl"}),
         _meshfuse(ctx, "ring_zigzag_copy_engine", sizes, s, causal, full, expected, True,
-                  "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "eager"}),
+                  "ring", {TRANSPORT_VAR: "copy_engine"}),
+        _meshfuse(ctx, "ring_zigzag_copy_engine_quarters", sizes, s, causal, full, expected,
+                  True, "ring", {TRANSPORT_VAR: "copy_engine", "MESHFUSE_CP_OWN_PARTS": "4"}),
         _meshfuse(ctx, "ring_zigzag_eager_merge", sizes, s, causal, full, expected, True,
-                  "ring", {TRANSPORT_VAR: "nccl", MERGE_VAR: "eager"}),
-        _meshfuse(ctx, "ring_zigzag_copy_engine_compiled", sizes, s, causal, full, expected,
-                  True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled"}),
-        _meshfuse(ctx, "ring_zigzag_copy_engine_compiled_quarters", sizes, s, causal, full,
-                  expected, True, "ring", {TRANSPORT_VAR: "copy_engine", MERGE_VAR: "compiled",
-                                           "MESHFUSE_CP_OWN_PARTS": "4"}),
+                  "ring", {MERGE_VAR: "eager"}),
         _meshfuse(ctx, "ring_block", sizes, s, causal, full, expected, False, "ring"),
         _meshfuse(ctx, "allgather", sizes, s, causal, full, expected, True, "allgather"),
         _meshfuse(ctx, "alltoall", sizes, s, causal, full, expected, True, "alltoall"),

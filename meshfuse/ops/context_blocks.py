@@ -204,7 +204,13 @@ def add_rows(total: torch.Tensor | None, rows: Run, part: torch.Tensor, like: to
     if total is None:
         if rows == (0, like.shape[-2]):
             return part
-        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        # Zeros around the part and the part copied in: a write and a copy where a zero fill
+        # and an add would read the zeros again.
+        total = torch.empty(like.shape, dtype=dtype, device=like.device)
+        _sequence(total, (0, rows[0])).zero_()
+        _sequence(total, (rows[1], like.shape[-2])).zero_()
+        _sequence(total, rows).copy_(part)
+        return total
     _sequence(total, rows).add_(part)
     return total
 
