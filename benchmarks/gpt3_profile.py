@@ -76,7 +76,9 @@ def _timeline(prof, steps: int, keep: str) -> str:
             whole = trace_summary.summarize(json.load(trace))[0]
     return (f"per step on the GPU: busy {whole['compute_busy_ms'] / steps:.3f} ms, idle "
             f"{whole['idle_ms'] / steps:.3f} ms, NCCL {whole['nccl_ms'] / steps:.3f} ms of which "
-            f"{whole['nccl_exposed_ms'] / steps:.3f} ms not hidden")
+            f"{whole['nccl_exposed_ms'] / steps:.3f} ms not hidden; copies "
+            f"{whole['memcpy_ms'] / steps:.3f} ms of which "
+            f"{whole['memcpy_beside_kernels_ms'] / steps:.3f} ms beside kernels")
 
 
 def profile_variant(ctx, name: str, step) -> str:

@@ -67,6 +67,11 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
     start = min((a for a, _ in busy + sent), default=window[0])
     end = max((b for _, b in busy + sent), default=window[0])
     idle = _minus([(start, end)], busy)
+    # copies (a copy engine's, or a local one) and how much of them ran beside a kernel
+    copies = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute
+                     if e.get("cat") == "gpu_memcpy"])
+    kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute
+                      if e.get("cat", "kernel") == "kernel"])
     ordered = sorted(compute, key=lambda e: e["ts"])
     longest = sorted(idle, key=lambda g: g[0] - g[1])[:gaps]
     return {
@@ -75,6 +80,9 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
         "idle_ms": round(_length(idle) / 1e3, 3),
         "nccl_ms": round(_length(sent) / 1e3, 3),
         "nccl_exposed_ms": round(_length(_minus(sent, busy)) / 1e3, 3),
+        "memcpy_ms": round(_length(copies) / 1e3, 3),
+        "memcpy_beside_kernels_ms": round(
+            (_length(copies) - _length(_minus(copies, kernels))) / 1e3, 3),
         "longest_idle_gaps": [{"at_ms": round((a - start) / 1e3, 3),
                                "ms": round((b - a) / 1e3, 3),
                                "after": _name_before(ordered, a),

@@ -23,7 +23,7 @@ from meshfuse import (
     unshard_tensor,
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
-from meshfuse.ops.attention import _state_stays_inside
+from meshfuse.ops.attention_rules import state_stays_inside
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
@@ -433,4 +433,4 @@ def test_rng_state_stays_in_kernel_form_only_inside_the_program(fd_class, expect
     when the state is no fusion output and every reader replays the forward's kernel."""
     fd = fd_class(1, 2)
     fd.define()
-    assert _state_stays_inside(_forward_expr(fd)) is expected
+    assert state_stays_inside(_forward_expr(fd)) is expected

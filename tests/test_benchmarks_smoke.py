@@ -56,3 +56,27 @@ def test_mlp_case_reads_its_bar_from_records_of_the_same_run():
         "mlp T8: execute 20.00 ms vs torch_manual 20.00 ms = 1.00x; 2.00x over one GPU, "
         "1.02x dtensor_tp's speed")]
     assert all(not r.metrics for r in run(1, torch_1gpu=4.0, dtensor_tp=4.1, meshfuse=4.0))
+
+
+def test_dropout_cost_compares_each_kernel_with_itself():
+    """Issue 16's bar read from one run's records: meshfuse's p0.1/p0, the cuDNN kernel's
+    own ratio (the floor), and each fused kernel's p0.1 over its own p0."""
+    from benchmarks.cases.attention_dropout import cost_summary, dropout_cost
+    from benchmarks.harness import Record
+
+    def record(variant, ms, gpu_us=None):
+        return Record("attention_dropout", "BHSE", variant, 2, median_ms=ms,
+                      metrics={} if gpu_us is None else {"gpu_us": gpu_us})
+
+    records = [record("meshfuse_p0", 0.08, 53.0), record("meshfuse_p0.1", 0.124, 81.0),
+               record("aten_cudnn_p0", 0.1, 53.0), record("aten_cudnn_p0.1", 0.15, 81.0),
+               record("direct_cudnn_p0", 0.1, 53.0), record("direct_cudnn_p0.1", 0.15, 81.0),
+               record("direct_flash_p0", 0.12, 88.0), record("direct_flash_p0.1", 0.13, 97.0),
+               record("meshfuse_flash_p0", 0.1), record("meshfuse_flash_p0.1", 0.11)]
+    cost = dropout_cost(records)
+    assert cost["fastest_dropout_kernel"] == "cudnn"
+    assert cost["same_kernel_gpu"] == {"cudnn": 1.528, "flash": 1.102}
+    assert cost["same_kernel_meshfuse"] == {"flash": 1.1}
+    assert cost["target_1.3x"].startswith("not reachable: the cuDNN kernel alone costs 1.53x")
+    assert "each kernel against itself: GPU cudnn 1.53x, flash 1.10x, meshfuse flash 1.10x" in (
+        cost_summary(cost))

@@ -84,3 +84,21 @@ def test_cost_from_the_environment(monkeypatch):
         monkeypatch.setenv("MESHFUSE_OVERLAP_COST", bad)
         with pytest.raises(InputError, match="MESHFUSE_OVERLAP_COST.*GB/s,TFLOP/s,us"):
             cost_for("cuda")
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_gpt3_layer_loops_over_copy_engines(d, monkeypatch):
+    """With the copy engines' figures (transfers beside the GEMMs cost them little) every
+    GPT-3 candidate runs as a loop, and explain's line says the transport it assumed; the
+    GEMMs of a tiny layer stay whole (host cost per chunk)."""
+    monkeypatch.delenv("MESHFUSE_OVERLAP", raising=False)
+    monkeypatch.delenv("MESHFUSE_OVERLAP_COST", raising=False)
+    assert cost_for("cuda", "copy_engine") == DEFAULT_COSTS["cuda_copy_engine"]
+    assert cost_for("cpu", "copy_engine") == DEFAULT_COSTS["cpu"]
+    candidates, extents = _gpt3_candidates(d)
+    plans, lines = choose_loops(candidates, extents, "cuda", "copy_engine")
+    assert len(plans) == len(candidates) == 4
+    assert all("by copy engines vs" in line for line in lines)
+    cost = DEFAULT_COSTS["cuda_copy_engine"]
+    plain, looped = cost.estimate_ms(2 * 64 * 64 * 64, 64 * 64 * 2, d)
+    assert looped > plain

@@ -19,15 +19,17 @@ BHSE, as variants:
   wall time, without host time;
 - ``direct_p0.1``: the kernel meshfuse selects for dropout, called directly on the local
   shards (no per-shard stream): what meshfuse adds to it;
-- ``direct_<backend>_p0.1``: each fused CUDA kernel with dropout, called directly (which
-  is fastest here);
+- ``direct_<backend>_p0.1``, ``direct_<backend>_p0``: each fused CUDA kernel with and
+  without dropout, called directly (which is fastest with dropout here, and what dropout
+  costs each kernel itself);
 - ``torch_sdpa_p0.1``: ``F.scaled_dot_product_attention(dropout_p=0.1)`` with autograd;
 - ``meshfuse_global_p0.1``: ``dropout_mode="global"`` (the math kernel with the global
   mask: the validation mode, for its cost).
 
-- ``meshfuse_<backend>_p0.1``: meshfuse with dropout on each other fused kernel
-  (``MESHFUSE_SDPA_BACKEND`` at the first call, when the kernel is bound), to see which
-  fused kernel is fastest with dropout here.
+- ``meshfuse_<backend>_p0.1``, ``meshfuse_<backend>_p0``: meshfuse on each fused kernel
+  with and without dropout (``MESHFUSE_SDPA_BACKEND`` at the first call, when the kernel is
+  bound): which fused kernel is fastest with dropout here, and dropout's cost when both
+  runs use the same kernel.
 
 Every variant also records its host time per call (``host_us``, the GPU kept busy) and its
 GPU time (``gpu_us``): a call is host-bound here, and a slow iteration is either host work or
@@ -39,8 +41,10 @@ load, so the dropout cost is also measured *interleaved*: ``meshfuse_p0`` and
 The ``meshfuse_p0.1`` record ends with ``dropout_cost`` (and its one-line ``summary``): the
 ratios of meshfuse (replayed, interleaved, interpreted; GPU time), of the cuDNN aten kernel
 alone (GPU time, and graphed wall time), the fastest fused kernel with dropout here (by GPU
-time of ``direct_<backend>_p0.1``), and whether the 1.3x target is met, or, when the kernel
-alone costs more than 1.3x, that it cannot be.
+time of ``direct_<backend>_p0.1``), each kernel's p0.1/p0 ratio against itself (GPU time
+of the direct calls, ``same_kernel_gpu``; meshfuse's wall time, ``same_kernel_meshfuse``),
+and whether the 1.3x target is met, or, when the kernel alone costs more than 1.3x, that it
+cannot be.
 
 Before timing, the meshfuse dropout variants are checked to be reproducible and finite: two
 calls with the same seed give the same attention output bits (the same masks) and gradients
@@ -175,26 +179,26 @@ def _bind_with(model, inputs, backend: str) -> None:
             os.environ[BACKEND_ENV] = saved
 
 
-def direct_variant(ctx: Context, inputs, requested: str | None) -> Variant:
-    """A fused dropout kernel called directly on the local shards (CUDA only)."""
+def direct_variant(ctx: Context, inputs, requested: str | None, p: float = P) -> Variant:
+    """A fused kernel called directly on the local shards with dropout ``p`` (CUDA only)."""
     q, k, v, g = inputs
 
     def setup():
         if not ctx.cuda:
             raise Skip("the fused dropout kernels are CUDA kernels")
         try:
-            backend = select_backend(q, k, v, P, IS_CAUSAL, requested)
+            backend = select_backend(q, k, v, p, IS_CAUSAL, requested)
         except InputError as err:
             raise Skip(str(err)) from None
 
         def step():
-            attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, P, IS_CAUSAL, None, backend)
-            return attn, kernels.sdpa_backward(g, q, k, v, attn, lse, P, IS_CAUSAL, seed,
+            attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, p, IS_CAUSAL, None, backend)
+            return attn, kernels.sdpa_backward(g, q, k, v, attn, lse, p, IS_CAUSAL, seed,
                                                offset, None, backend)
 
         return step, {"backend": backend.value}
 
-    name = f"direct_{requested}_p{P:g}" if requested else f"direct_p{P:g}"
+    name = f"direct_{requested}_p{p:g}" if requested else f"direct_p{p:g}"
     return Variant(name, setup)
 
 
@@ -272,8 +276,9 @@ def run(ctx: Context) -> list[Record]:
         *(aten_variant(ctx, inputs, p, graphed) for graphed in (False, True)
           for p in (0.0, P)),
         direct_variant(ctx, inputs, None),
-        *(direct_variant(ctx, inputs, name) for name in FUSED),
-        *(meshfuse_variant(ctx, sizes, inputs, P, backend=name) for name in FUSED),
+        *(direct_variant(ctx, inputs, name, p) for name in FUSED for p in (0.0, P)),
+        *(meshfuse_variant(ctx, sizes, inputs, p, backend=name) for name in FUSED
+          for p in (0.0, P)),
         torch_variant(inputs),
         meshfuse_variant(ctx, sizes, inputs, P, "global"),
     ]
@@ -327,8 +332,19 @@ def dropout_cost(records: list[Record]) -> dict:
     if fused:
         cost["dropout_kernels_gpu_us"] = {n: round(us, 1) for n, us in fused.items()}
         cost["fastest_dropout_kernel"] = min(fused, key=fused.get)
+    # Each kernel against itself without dropout: the kernel's own cost of dropout, and
+    # meshfuse's p0.1 over p0 when both run that kernel.
+    cost["same_kernel_gpu"] = _per_kernel(by, "direct_{}_" + p, "direct_{}_p0", gpu=True)
+    cost["same_kernel_meshfuse"] = _per_kernel(by, "meshfuse_{}_" + p, "meshfuse_{}_p0")
     cost["target_1.3x"] = _verdict(cost)
     return cost
+
+
+def _per_kernel(by: dict[str, Record], variant: str, base: str, gpu: bool = False) -> dict:
+    """``_ratio`` of ``variant`` over ``base`` for each fused kernel (names formatted with
+    the kernel's), for the kernels measured both ways."""
+    ratios = {name: _ratio(by, variant.format(name), base.format(name), gpu) for name in FUSED}
+    return {name: r for name, r in ratios.items() if r is not None}
 
 
 def _verdict(cost: dict) -> str:
@@ -357,4 +373,10 @@ def cost_summary(cost: dict) -> str:
             f"{x(cost['meshfuse_interleaved'])}, GPU {x(cost['meshfuse_gpu'])}, interpreted "
             f"{x(cost['meshfuse_interpreted'])}; cuDNN kernel alone: GPU "
             f"{x(cost['kernel_gpu'])}, graphed {x(cost['kernel_graphed'])}; fastest with "
-            f"dropout: {fastest}; 1.3x target: {cost['target_1.3x']}")
+            f"dropout: {fastest}; each kernel against itself: GPU "
+            f"{_listed(cost['same_kernel_gpu'])}, meshfuse {_listed(cost['same_kernel_meshfuse'])}"
+            f"; 1.3x target: {cost['target_1.3x']}")
+
+
+def _listed(ratios: dict) -> str:
+    return ", ".join(f"{name} {r:.2f}x" for name, r in ratios.items()) or "-"

@@ -18,10 +18,15 @@ gradients of ``x`` and of every parameter from a given ``dy``:
 - ``meshfuse_autograd_compiled_save``: the same with ``remat="save"`` (the backward reads
   saved GELU and layer-norm results instead of recomputing them: more memory, fewer
   kernels);
+- ``meshfuse_autograd_compiled_whole``: the same with ``MESHFUSE_OVERLAP=off``: every
+  collective whole (``meshfuse_autograd_compiled`` leaves the choice to the estimate, which
+  with NCCL's figures keeps them whole too);
 - ``meshfuse_autograd_compiled_overlap``: the same built with
-  ``MESHFUSE_OVERLAP_COST="250,600,20,0.1"``, the overlap estimate's earlier figures, with
-  which it decomposes three of the layer's collectives into stream loops (by default it
-  keeps them whole: docs/overlap.md).
+  ``MESHFUSE_OVERLAP_COST="300,700,0,0"`` (no contention, no host cost per chunk), with which
+  the estimate decomposes every allgather -> GEMM and GEMM -> reduce-scatter it finds into a
+  stream loop, and ``MESHFUSE_OVERLAP_TRANSPORT=copy_engine``: their blocks move by the
+  copy engines through symmetric memory (docs/overlap.md);
+- ``meshfuse_autograd_compiled_overlap_nccl``: the same loops, their blocks moved by NCCL.
 
 Ratios are medians over the baseline's; drift of the GPUs' clocks between variants (power
 limits, heat) can move those by a few percent, so each meshfuse variant is also timed
@@ -128,11 +133,17 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return derived(compile=True, remat=remat)
 
-    def derived_compiled_overlap():
-        # The programs are built by the setup's first step: with these figures then, the
-        # estimate decomposes the q and out projections' collectives (and one of the
-        # backward's) into stream loops, as it did before its contention was measured.
-        with mock.patch.dict(os.environ, {"MESHFUSE_OVERLAP_COST": "250,600,20,0.1"}):
+    def derived_compiled_overlap(transport: str):
+        # The programs are built by the setup's first step: with these figures then (no
+        # contention, no host cost per chunk), the estimate decomposes every allgather ->
+        # GEMM and GEMM -> reduce-scatter it finds into a stream loop, whose blocks move by
+        # ``transport``.
+        with mock.patch.dict(os.environ, {"MESHFUSE_OVERLAP_COST": "300,700,0,0",
+                                          "MESHFUSE_OVERLAP_TRANSPORT": transport}):
+            return derived_compiled()
+
+    def derived_compiled_whole():
+        with mock.patch.dict(os.environ, {"MESHFUSE_OVERLAP": "off"}):
             return derived_compiled()
 
     return [
@@ -146,9 +157,15 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
                 "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),
         Variant("meshfuse_autograd_compiled_save", lambda: derived_compiled("save"),
                 "as meshfuse_autograd_compiled, remat='save' (no recomputation)"),
-        Variant("meshfuse_autograd_compiled_overlap", derived_compiled_overlap,
-                "as meshfuse_autograd_compiled, collectives decomposed into stream loops "
-                "(MESHFUSE_OVERLAP_COST=250,600,20,0.1)"),
+        Variant("meshfuse_autograd_compiled_whole", derived_compiled_whole,
+                "as meshfuse_autograd_compiled, no stream loop (MESHFUSE_OVERLAP=off)"),
+        Variant("meshfuse_autograd_compiled_overlap",
+                lambda: derived_compiled_overlap("copy_engine"),
+                "as meshfuse_autograd_compiled, every candidate collective decomposed into a "
+                "stream loop, blocks moved by the copy engines"),
+        Variant("meshfuse_autograd_compiled_overlap_nccl",
+                lambda: derived_compiled_overlap("process_group"),
+                "as meshfuse_autograd_compiled_overlap, blocks moved by NCCL"),
     ]
 
 

@@ -1,7 +1,7 @@
 """Issue 18: communication hidden under GEMMs by stream-parallel loops (nvFuser's overlap
 benchmarks: ``tests/python/multidevice/test_overlap.py``), forward only, bf16.
 
-Two configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
+Three configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
 
 - ``row``: row-parallel linear ``out[t, h] = x[t, 4h] @ w[h, 4h].T`` with the contracted
   ``4h`` sharded: a partial product allreduced. Variants: ``torch`` (baseline: ``mm`` then
@@ -15,13 +15,23 @@ Two configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
   the tokens. Variants: ``torch`` (baseline: ``mm`` then ``reduce_scatter_tensor``),
   ``meshfuse`` (``set_overlap(False)``), ``meshfuse_auto`` (the engine's cost estimate
   decides), ``meshfuse_overlap`` (``set_overlap(True)``: d chunks, each reduced onto its
-  owner), ``torch_async_tp`` (micro-pipeline TP over matmul + reduce-scatter).
+  owner, over NCCL), ``meshfuse_overlap_copy_engine`` (the same loop, its partial blocks
+  pulled by the copy engines through symmetric memory: :mod:`meshfuse.runtime.copy_engine`),
+  ``torch_fused`` (``torch.ops.symm_mem.fused_matmul_reduce_scatter`` called directly) and
+  ``torch_async_tp`` (micro-pipeline TP over matmul + reduce-scatter).
+Each meshfuse variant fixes its loops' transport (``MESHFUSE_OVERLAP_TRANSPORT``) while its
+program is built: ``process_group`` (NCCL) but where named ``copy_engine``, and for
+``meshfuse_auto`` (the estimate then uses the copy engines' figures).
+
 - ``column``: sequence-parallel column linear ``out[t, 4h/d] = allgather(x[t/d, h]) @
   w[4h/d, h].T``. Variants: ``torch`` (baseline: ``all_gather_into_tensor`` then ``mm``),
   ``meshfuse`` (no stream axis, ``set_overlap(False)``), ``meshfuse_auto`` (no stream
   axis: the engine's cost estimate decides; metric ``loops``), ``meshfuse_permute`` (the gathered x on stream with
   ``swizzle1d``: d GEMMs, d-1 point-to-point transfers under them), ``meshfuse_broadcast``
-  (the same with one broadcast per block), and ``torch_async_tp`` (``torch.compile`` with
+  (the same with one broadcast per block), ``meshfuse_copy_engine`` (the ring-order loop
+  with its blocks pulled by the copy engines), ``torch_fused``
+  (``torch.ops.symm_mem.fused_all_gather_matmul`` called directly) and ``torch_async_tp``
+  (``torch.compile`` with
   ``torch._inductor.config._micro_pipeline_tp = True`` over a functional allgather and a
   matmul; symmetric memory enabled for the group; its metric ``fused`` says whether
   Inductor emitted ``fused_all_gather_matmul``).
@@ -30,6 +40,10 @@ Ratios are median times over ``torch``'s (below 1: faster than no overlap).
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -116,12 +130,48 @@ def column_fusion(ctx: Context, tokens: int, hidden: int, order: str | None, dty
     return fd
 
 
-def _meshfuse(fd: FusionDefinition, inputs: list, expected: torch.Tensor, what: str):
+def _meshfuse(fd: FusionDefinition, inputs: list, expected: torch.Tensor, what: str,
+              transport: str = "process_group"):
+    """A variant running ``fd``; its program (built by the first call) moves the blocks of
+    its stream loops by ``transport`` (``MESHFUSE_OVERLAP_TRANSPORT``)."""
     def setup():
-        out = fd.execute(inputs)
+        with mock.patch.dict(os.environ, {"MESHFUSE_OVERLAP_TRANSPORT": transport}):
+            out = fd.execute(inputs)
+            text = fd.explain(inputs)
         check_close(what, out, [expected], TOL)
-        return lambda: fd.execute(inputs), {"loops": fd.explain(inputs).count("stream loop:")}
+        return lambda: fd.execute(inputs), {"loops": text.count("stream loop:"),
+                                            "copy_engine": "by copy engines" in text}
     return setup
+
+
+def _torch_fused(kind: str, x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor):
+    """torch's async-TP op called directly (copy-engine pulls under GEMM chunks):
+    ``fused_all_gather_matmul`` ("column") or ``fused_matmul_reduce_scatter`` ("row_sp")."""
+    def setup():
+        if not x.is_cuda or dist.get_world_size() < 2:
+            raise Skip("torch's fused ops need CUDA and at least 2 ranks")
+        name = dist.group.WORLD.group_name
+        _enable_symmetric_memory(dist.group.WORLD)
+        if kind == "column":
+            def step():
+                return torch.ops.symm_mem.fused_all_gather_matmul(
+                    x, [w.t()], 0, name, return_A=False)[1][0]
+        else:
+            def step():
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, name)
+        check_close("torch_fused vs torch", [step()], [expected], TOL)
+        return step
+    return setup
+
+
+def _enable_symmetric_memory(group) -> None:
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    except ImportError:  # newer torch: enabled on demand
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(group.group_name)
 
 
 def _torch_streams(x: torch.Tensor, w: torch.Tensor, chunks: int, group):
@@ -159,12 +209,7 @@ def _async_tp(kind: str, x: torch.Tensor, w: torch.Tensor, expected: torch.Tenso
         from torch._inductor.utils import run_and_get_code
 
         group = dist.group.WORLD
-        try:
-            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-            enable_symm_mem_for_group(group.group_name)
-        except (ImportError, AttributeError):
-            pass  # newer torch: enabled on demand
+        _enable_symmetric_memory(group)
 
         def column(x_local, weight):
             full = funcol.all_gather_tensor(x_local, gather_dim=0, group=group)
@@ -235,11 +280,16 @@ def _row_sp(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     expected = direct()().clone()
     mf = DataType.from_torch(dtype)
     variants = [Variant("torch", direct, "mm then reduce_scatter_tensor (no overlap)")]
-    for name, overlap, note in (("meshfuse", False, "set_overlap(False)"),
-                                ("meshfuse_auto", None, "the engine decides"),
-                                ("meshfuse_overlap", True, "set_overlap(True): d chunks")):
+    for name, overlap, transport, note in (
+            ("meshfuse", False, "process_group", "set_overlap(False)"),
+            ("meshfuse_auto", None, "copy_engine", "the engine decides, copy engines"),
+            ("meshfuse_overlap", True, "process_group", "set_overlap(True): d chunks, NCCL"),
+            ("meshfuse_overlap_copy_engine", True, "copy_engine",
+             "set_overlap(True): d chunks, copy engines")):
         fd = row_sp_fusion(ctx, t, h, overlap, mf)
-        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name), note))
+        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name, transport), note))
+    variants.append(Variant("torch_fused", _torch_fused("row_sp", x, w, expected),
+                            "torch.ops.symm_mem.fused_matmul_reduce_scatter, direct"))
     variants.append(Variant("torch_async_tp", _async_tp("row_sp", x, w, expected),
                             "torch.compile, _micro_pipeline_tp, symmetric memory"))
     return run_variants(ctx, "overlap", f"row_sp T{t} H{h}", variants, plan, "torch", params)
@@ -263,12 +313,18 @@ def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
     expected = torch.matmul(x_global, w.t())
     mf = DataType.from_torch(dtype)
     variants = [Variant("torch", direct, "all_gather_into_tensor then mm (no overlap)")]
-    for name, order, note in (("meshfuse", None, "no stream axis, set_overlap(False)"),
-                              ("meshfuse_auto", "auto", "no stream axis: the engine decides"),
-                              ("meshfuse_permute", "permute", "swizzle1d: d-1 transfers"),
-                              ("meshfuse_broadcast", "broadcast", "one broadcast per block")):
+    for name, order, transport, note in (
+            ("meshfuse", None, "process_group", "no stream axis, set_overlap(False)"),
+            ("meshfuse_auto", "auto", "copy_engine",
+             "no stream axis: the engine decides, copy engines"),
+            ("meshfuse_permute", "permute", "process_group", "swizzle1d: d-1 NCCL transfers"),
+            ("meshfuse_broadcast", "broadcast", "process_group", "one broadcast per block"),
+            ("meshfuse_copy_engine", "permute", "copy_engine",
+             "stream axis, blocks pulled by copy engines")):
         fd = column_fusion(ctx, t, h, order, mf)
-        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name), note))
+        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name, transport), note))
+    variants.append(Variant("torch_fused", _torch_fused("column", x, w, expected),
+                            "torch.ops.symm_mem.fused_all_gather_matmul, direct"))
     variants.append(Variant("torch_async_tp", _async_tp("column", x, w, expected),
                             "torch.compile, _micro_pipeline_tp, symmetric memory"))
     return run_variants(ctx, "overlap", f"column T{t} H{h}", variants, plan, "torch", params)

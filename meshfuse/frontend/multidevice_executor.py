@@ -5,9 +5,11 @@
 nvFuser's parameters:
 
 - ``backend_type``: a :class:`CommunicatorBackend`. ``nccl`` is torch.distributed's process
-  group (NCCL on GPUs, gloo on CPUs). ``cuda`` (nvFuser's copy-engine transfers through
-  symmetric memory) runs the same communications over the process group: the results are
-  the same; the transport is NCCL's (see ``docs/overlap.md``). ``ucc`` is refused.
+  group (NCCL on GPUs, gloo on CPUs). ``cuda`` moves the blocks of stream loops' decomposed
+  allgathers and reduce-scatters with the GPUs' copy engines through symmetric memory
+  (:mod:`meshfuse.runtime.copy_engine`); where that cannot run (a CPU, a torch without
+  symmetric memory) and for every other communication, the process group: the results are
+  the same (see ``docs/overlap.md``). ``ucc`` is refused.
 - ``offset_stream_indexing_by_rank``: stream-parallel loops that gather their stream axis
   visit the blocks in ring order (chunk ``i`` on the device at coordinate ``c`` works on
   block ``(i + c) mod d``), with point-to-point transfers instead of broadcasts.
@@ -64,6 +66,8 @@ class MultiDeviceExecutor:
         self.params = params
         self._runner = FusionRunner(fusion)
         self._runner.ring_order = params.offset_stream_indexing_by_rank
+        self._runner.loop_transport = "copy_engine" \
+            if params.backend_type is CommunicatorBackend.cuda else "process_group"
 
     def run(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """This rank's outputs for this rank's ``inputs`` (local shards)."""

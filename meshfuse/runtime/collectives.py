@@ -222,6 +222,13 @@ def report(communications: list[Communication]) -> None:
         log.extend(communications)
 
 
+def record_transfer(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None,
+                    peer: int | None = None) -> None:
+    """Records a transfer made outside this module (a copy engine's) for
+    :func:`record_communications`: ``x`` gives its bytes."""
+    _record(kind, group, x, reduce_op, peer)
+
+
 def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None,
             peer: int | None = None) -> None:
     if _recorders:

@@ -41,6 +41,8 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.overlap_candidates import OverlapCandidate
 
+MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)
+
 
 @dataclasses.dataclass(frozen=True)
 class OverlapCost:
@@ -66,16 +68,23 @@ DEFAULT_COSTS = {
     # the GPT-3 layer at ~700 TFLOP/s (benchmarks/results/2026-11-30-1848-*).
     "cuda": OverlapCost(link_gb_per_s=160.0, gemm_tflops=700.0, chunk_overhead_us=20.0,
                         contention=1.0),
+    # The same with the copy engines (stream loops over symmetric memory): the blocks move
+    # beside the GEMMs, which lose little to them; two barriers and a local staging copy
+    # per loop.
+    "cuda_copy_engine": OverlapCost(link_gb_per_s=250.0, gemm_tflops=700.0,
+                                    chunk_overhead_us=15.0, contention=0.1),
     "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0,
                        contention=1.0),
 }
 
 
-def cost_for(device_type: str) -> OverlapCost:
-    """The cost figures of a device type, or those of ``MESHFUSE_OVERLAP_COST``."""
+def cost_for(device_type: str, transport: str = "process_group") -> OverlapCost:
+    """The cost figures of a device type and a loop transport (``"process_group"``,
+    ``"copy_engine"``), or those of ``MESHFUSE_OVERLAP_COST``."""
     spec = os.environ.get("MESHFUSE_OVERLAP_COST", "")
     if not spec:
-        return DEFAULT_COSTS.get(device_type, DEFAULT_COSTS["cpu"])
+        key = f"{device_type}_{transport}"
+        return DEFAULT_COSTS.get(key) or DEFAULT_COSTS.get(device_type, DEFAULT_COSTS["cpu"])
     try:
         figures = [float(v) for v in spec.split(",")]
         if len(figures) not in (3, 4) or min(figures) < 0 or 0 in figures[:2]:
@@ -94,8 +103,9 @@ def automatic() -> bool:
 
 
 def decide(candidate: OverlapCandidate, extents: Mapping[IterDomain, int],
-           device_type: str) -> tuple[bool, str]:
-    """Whether to run ``candidate`` as a loop, and why (a line for explain)."""
+           device_type: str, transport: str = "process_group") -> tuple[bool, str]:
+    """Whether to run ``candidate`` as a loop whose blocks move by ``transport``, and why
+    (a line for explain)."""
     if candidate.forced is not None:
         return candidate.forced, f"set_overlap({candidate.forced})"
     if not automatic():
@@ -109,10 +119,11 @@ def decide(candidate: OverlapCandidate, extents: Mapping[IterDomain, int],
     d = candidate.devices
     comm = math.prod(_largest_shard(moved, extents)) * moved.dtype.torch_dtype.itemsize * \
         (d - 1) / d
-    plain, looped = cost_for(device_type).estimate_ms(flops, comm, d)
-    verdict = looped < 0.95 * plain
-    return verdict, (f"{candidate.kind}: est. {looped:.3f} ms in {d} chunks vs {plain:.3f} ms "
-                     f"without")
+    plain, looped = cost_for(device_type, transport).estimate_ms(flops, comm, d)
+    verdict = looped < (1 - MARGIN) * plain
+    by = " by copy engines" if transport == "copy_engine" else ""
+    return verdict, (f"{candidate.kind}: est. {looped:.3f} ms in {d} chunks{by} vs "
+                     f"{plain:.3f} ms without")
 
 
 def _largest_shard(tv: TensorView, extents: Mapping[IterDomain, int]) -> list[int]:
@@ -128,12 +139,12 @@ def _largest_shard(tv: TensorView, extents: Mapping[IterDomain, int]) -> list[in
 
 
 def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain, int],
-                 device_type: str) -> tuple[list, list[str]]:
+                 device_type: str, transport: str = "process_group") -> tuple[list, list[str]]:
     """The loops to add for ``candidates`` (their plans) and explain's lines on each
-    decision."""
+    decision; ``transport``: how the loops would move their blocks."""
     plans, lines = [], []
     for candidate in candidates:
-        use, why = decide(candidate, extents, device_type)
+        use, why = decide(candidate, extents, device_type, transport)
         plan = candidate.plan(why) if use else None
         if plan is not None:
             plans.append(plan)

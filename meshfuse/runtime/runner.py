@@ -57,7 +57,12 @@ from meshfuse.runtime.program import build_program
 from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step
 from meshfuse.runtime.resharding import plan_resharding
-from meshfuse.runtime.stream_loop_lowering import group_stream_loops, stream_loop_lines
+from meshfuse.runtime.stream_loop import STREAM_LOOP
+from meshfuse.runtime.stream_loop_lowering import (
+    choose_transport,
+    group_stream_loops,
+    stream_loop_lines,
+)
 
 
 class FusionRunner:
@@ -79,6 +84,8 @@ class FusionRunner:
         self._overlap_lines: dict[tuple, list[str]] = {}
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
+        # How stream loops' decomposed communications move data (CommunicatorBackend).
+        self.loop_transport = "auto"
         self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
@@ -198,15 +205,18 @@ class FusionRunner:
         )
         here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
         local = localize(fusion, binding.extents, binding.layouts, here)
-        plans, lines = choose_loops(self.overlap_candidates, binding.extents,
-                                    _device_of(inputs, self.communicator).type)
+        device = _device_of(inputs, self.communicator)
+        transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
+        plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
+                                    transport)
         self._overlap_lines[_signature(inputs)] = lines
         plans = [*self.stream_loops, *plans]
         group_loops = None
         if plans:
             group_loops = functools.partial(
                 _group_loops, plans, binding=binding, rank=self.rank,
-                group_of=self._group, ring_all=self.ring_order)
+                group_of=self._group, ring_all=self.ring_order,
+                transport=self.loop_transport, device=_device_of(inputs, self.communicator))
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              lower_op=self._lower_op, group_loops=group_loops)
 
@@ -263,6 +273,12 @@ class FusionRunner:
             decided = self._overlap_lines.get(key) if key is not None else None
             lines += ["communications next to GEMMs (overlap):",
                       *(decided or candidate_lines(self.overlap_candidates))]
+        program = self._programs.get(key) if key is not None else None
+        transports = [step.plan[0].transport_line() for step in program.steps
+                      if step.op == STREAM_LOOP] if program is not None else []
+        if any(transports):
+            lines += ["stream loop transports on this rank:",
+                      *(f"  {line}" for line in transports if line)]
         return lines
 
     def _group(self, mesh, mesh_axis: int) -> Group | None:

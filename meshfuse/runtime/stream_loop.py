@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from meshfuse.runtime import copy_engine
 from meshfuse.runtime.collectives import (
     Group,
     allreduce_in_place,
@@ -48,6 +49,8 @@ from meshfuse.runtime.executor import Slot, Step
 
 STREAM_LOOP = "stream_loop"
 MAX_STREAMS = 8  # chunks beyond this reuse the pool's streams round-robin
+PROCESS_GROUP = "process_group"  # decomposed communications over torch.distributed
+COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (meshfuse.runtime.copy_engine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +78,19 @@ class ChunkGather:
 @dataclasses.dataclass(frozen=True)
 class ChunkReduce:
     """A reduce-scatter decomposed per chunk: the partial results of block ``b`` (this
-    chunk) reduced onto coordinate ``b`` of ``group``'s mesh axis, which owns that block."""
+    chunk) reduced onto coordinate ``b`` of ``group``'s mesh axis, which owns that block.
+
+    Attributes:
+        shape: the whole partial's local shape (block ``b`` is its chunk ``b``).
+        axis: the scattered axis.
+        dtype: the partial's.
+    """
 
     group: Group
     reduce_op: str
+    shape: tuple[int, ...] = ()
+    axis: int = 0
+    dtype: torch.dtype = torch.float32
 
     def describe(self) -> str:
         return (f"reduced per chunk ({self.reduce_op}) onto the block's owner over mesh axis "
@@ -107,6 +119,11 @@ class StreamLoop:
             a mesh of one device).
         reduces: body step index -> the :class:`ChunkReduce` it runs instead of its plan;
             its result is this rank's whole shard, written at the chunk of its own block.
+        transport: how the decomposed communications move data: ``"process_group"``
+            (torch.distributed's collectives) or ``"copy_engine"`` (pulls from symmetric
+            memory, :mod:`meshfuse.runtime.copy_engine`: the chunks then run on one stream,
+            in ring order, this rank's own block last when the loop reduces).
+        transport_note: why that transport (for explain).
     """
 
     chunks: int
@@ -121,15 +138,38 @@ class StreamLoop:
     reduce_in_place: Mapping[int, tuple[Group, str] | None] = \
         dataclasses.field(default_factory=dict)
     reduces: Mapping[int, ChunkReduce] = dataclasses.field(default_factory=dict)
+    transport: str = PROCESS_GROUP
+    transport_note: str = ""
+
+    @property
+    def own_last(self) -> bool:
+        """Whether this rank's own block comes last (a copy-engine loop that reduces)."""
+        return self.transport == COPY_ENGINE and bool(self.reduces)
 
     def block(self, i: int) -> int:
         """The block chunk ``i`` works on here."""
-        return i if self.ring is None else (i + self.ring[0]) % self.ring[1]
+        if self.ring is None:
+            return i
+        return (i + self.ring[0] + self.own_last) % self.ring[1]
+
+    def transport_line(self) -> str | None:
+        """One line for explain: how this loop's decomposed communications move data, and
+        why; None when it has none (its communications run their plans per chunk)."""
+        if not self.gathers and not self.reduces:
+            return None
+        kinds = [*("allgather" for _ in self.gathers), *("reduce-scatter" for _ in self.reduces)]
+        by = "copy engines (symmetric memory)" if self.transport == COPY_ENGINE else \
+            "the process group"
+        note = f": {self.transport_note}" if self.transport_note else ""
+        return (f"stream loop of {self.chunks} chunks ({', '.join(kinds)} decomposed): "
+                f"transfers by {by}{note}")
 
     def describe(self) -> list[str]:
+        shift = self.ring[0] + self.own_last if self.ring is not None else 0
         order = "in order" if self.ring is None else \
-            f"ring order (chunk i -> block (i + {self.ring[0]}) mod {self.ring[1]})"
-        lines = [f"stream loop: {self.chunks} chunks, {order}, on {self.streams} streams"]
+            f"ring order (chunk i -> block (i + {shift}) mod {self.ring[1]})"
+        by = ", transfers by copy engines" if self.transport == COPY_ENGINE else ""
+        lines = [f"stream loop: {self.chunks} chunks, {order}, on {self.streams} streams{by}"]
         for index, step in enumerate(self.body):
             decomposed = self.gathers.get(index) or self.reduces.get(index)
             label = step.label.partition(":")[0] + f": {decomposed.describe()}" \
@@ -158,23 +198,35 @@ class StreamLoopCall:
                       torch.device("cpu"))
         results = {s: torch.empty(shape, dtype=dtype, device=device)
                    for s, shape, dtype in loop.results}
+        moves = _copy_engine_moves(loop, outside, device) if loop.transport == COPY_ENGINE \
+            else {}
         with _streams(device, loop.streams) as on_stream:
             for i in range(loop.chunks):
                 with on_stream(i):
-                    self._chunk(loop.block(i), outside, results)
+                    self._chunk(loop.block(i), outside, results, moves)
+        for move in moves.values():
+            move.finish()
         out = tuple(results[s] for s, _, _ in loop.results)
         return out[0] if len(out) == 1 else out
 
-    def _chunk(self, block: int, outside: Mapping[int, Any], results: Mapping[int, Any]) -> None:
+    def _chunk(self, block: int, outside: Mapping[int, Any], results: Mapping[int, Any],
+               moves: Mapping[int, Any]) -> None:
         loop = self.loop
         env = {s: _narrow(v, loop.dims.get(s), block, loop.chunks) for s, v in outside.items()}
+        targets = _reduce_targets(loop, moves, block)
         for index, (step, call) in enumerate(zip(loop.body, self.calls)):
             args = [_arg(a, env) for a in step.args]
             gather = loop.gathers.get(index)
-            if gather is not None:
+            if index in moves:
+                move = moves[index]
+                result = move.block(block) if gather is not None else \
+                    move.partial(block, args[0])
+            elif gather is not None:
                 result = _gather(gather, args[0], block, loop.chunks)
             elif index in loop.reduces:
                 result = _reduce(loop.reduces[index], args[0], block)
+            elif index in targets and _gemm_into(step.op, args, targets[index]) is not None:
+                result = targets[index]
             elif index in loop.reduce_in_place:
                 reduction = loop.reduce_in_place[index]
                 result = args[0] if reduction is None else allreduce_in_place(args[0], *reduction)
@@ -197,6 +249,56 @@ class StreamLoopCall:
             target = _narrow(whole, loop.dims.get(s), block, loop.chunks)
             if part.data_ptr() != target.data_ptr() or part.stride() != target.stride():
                 target.copy_(part)
+
+
+def _copy_engine_moves(loop: StreamLoop, outside: Mapping[int, Any],
+                       device: torch.device) -> dict[int, Any]:
+    """Body step index -> the :class:`~meshfuse.runtime.copy_engine.Gathering` or
+    :class:`~meshfuse.runtime.copy_engine.Reducing` of each decomposed communication of one
+    run of the loop, made (in body order, every rank alike) on the current stream."""
+    moves: dict[int, Any] = {}
+    for index, step in enumerate(loop.body):
+        gather, reduce = loop.gathers.get(index), loop.reduces.get(index)
+        if gather is not None:
+            source = outside[step.args[0].index]
+            moves[index] = copy_engine.Gathering(
+                source, gather.group, _block_shapes(gather.shape, gather.axis, loop.chunks),
+                index)
+        elif reduce is not None:
+            moves[index] = copy_engine.Reducing(
+                reduce.group, _block_shapes(reduce.shape, reduce.axis, loop.chunks),
+                reduce.dtype, reduce.reduce_op, index, device)
+    return moves
+
+
+def _block_shapes(shape: tuple[int, ...], axis: int, chunks: int) -> list[tuple[int, ...]]:
+    """The shape of each of ``chunks`` blocks of ``shape`` along ``axis``."""
+    return [(*shape[:axis], _block(shape[axis], b, chunks)[1], *shape[axis + 1:])
+            for b in range(chunks)]
+
+
+def _reduce_targets(loop: StreamLoop, moves: Mapping[int, Any], block: int) -> dict[int, Any]:
+    """Body GEMM index -> the workspace slot its partial of ``block`` is written into: a
+    plain GEMM whose result only a copy-engine reduce reads."""
+    targets = {}
+    for index, move in moves.items():
+        if index not in loop.reduces:
+            continue
+        (source,) = [a.index for a in loop.body[index].args[:1] if isinstance(a, Slot)]
+        producers = [k for k, step in enumerate(loop.body) if source in step.outputs]
+        readers = [k for k, step in enumerate(loop.body)
+                   if any(isinstance(a, Slot) and a.index == source for a in step.args)]
+        if len(producers) == 1 and readers == [index] and \
+                plain_gemm(loop.body[producers[0]]) and (target := move.target(block)) is not None:
+            targets[producers[0]] = target
+    return targets
+
+
+def plain_gemm(step: Step) -> bool:
+    """Whether ``step`` is a GEMM that can write into a given tensor (``out=``): a
+    ``linear`` without bias or a ``matmul``."""
+    return (step.op == "linear" and len(step.args) == 3 and step.args[2] is None) or \
+        step.op == "matmul"
 
 
 def _gemm_into(op: str, args: list, target: torch.Tensor) -> torch.Tensor | None:

@@ -14,27 +14,38 @@ it; every step's ``free`` is recomputed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from meshfuse.errors import ScheduleError
+import torch
+
+from meshfuse.errors import InputError, ScheduleError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Reshard
+from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
 from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
+from meshfuse.runtime import copy_engine
 from meshfuse.runtime.binding import Binding
 from meshfuse.runtime.collectives import Group
 from meshfuse.runtime.executor import RESHARD, Slot, Step
 from meshfuse.runtime.stream_loop import (
+    COPY_ENGINE,
     MAX_STREAMS,
+    PROCESS_GROUP,
     STREAM_LOOP,
     ChunkGather,
     ChunkReduce,
     StreamLoop,
     StreamLoopCall,
+    plain_gemm,
 )
+
+AUTO = "auto"
+TRANSPORT_ENV = "MESHFUSE_OVERLAP_TRANSPORT"
 
 # group_of(mesh, mesh_axis) -> this rank's Group along that mesh axis (every rank calls it
 # alike: creating groups is collective).
@@ -44,12 +55,14 @@ GroupOf = Callable[[Any, int], "Group | None"]
 def group_stream_loops(plans: Sequence[StreamLoopPlan], exprs: Sequence[Expr],
                        steps: Sequence[Step], calls: Sequence[Callable],
                        slot_of: Mapping[Val, int], keep: set[int], binding: Binding,
-                       rank: int, group_of: GroupOf, ring_all: bool = False
+                       rank: int, group_of: GroupOf, ring_all: bool = False,
+                       transport: str = AUTO, device: torch.device | None = None
                        ) -> tuple[list[Step], list[Callable]]:
     """``steps`` (those of ``exprs``, this rank's) with each loop's body replaced by one
     ``stream_loop`` step, placed after what the body needs and before what needs it, and
     every step's ``free`` recomputed. ``keep``: slots never freed (fusion outputs).
     ``ring_all``: every decomposed allgather in ring order (``offset_stream_indexing_by_rank``).
+    ``transport``: the decomposed communications' (:func:`choose_transport`) on ``device``.
     """
     steps, calls = list(steps), list(calls)
     exprs = list(exprs)
@@ -59,6 +72,7 @@ def group_stream_loops(plans: Sequence[StreamLoopPlan], exprs: Sequence[Expr],
             continue
         loop = _loop_record(plan, [exprs[k] for k in members], [steps[k] for k in members],
                             slot_of, keep, steps, members, binding, rank, group_of, ring_all)
+        loop = _with_transport(loop, transport, device, plan)
         call = StreamLoopCall(loop, tuple(calls[k] for k in members))
         label = "; ".join(loop.describe())
         step = Step(STREAM_LOOP, tuple(Slot(s) for s in loop.reads), {},
@@ -112,7 +126,7 @@ def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, Chu
             readers.setdefault(s, []).append(k)
     into, reduce_in_place = {}, {}
     for k, step in enumerate(body):
-        if not _plain_gemm(step) or len(step.outputs) != 1:
+        if not plain_gemm(step) or len(step.outputs) != 1:
             continue
         (out,) = step.outputs
         if out in results:
@@ -132,11 +146,6 @@ def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, Chu
             into[k] = reshard.outputs[0]
             reduce_in_place[users[0]] = (group_of(plan.mesh, plan.mesh_axis), plan.reduce_op)
     return into, reduce_in_place
-
-
-def _plain_gemm(step: Step) -> bool:
-    return (step.op == "linear" and len(step.args) == 3 and step.args[2] is None) or \
-        step.op == "matmul"
 
 
 def _chunk_count(plan: StreamLoopPlan, binding: Binding) -> int:
@@ -186,8 +195,54 @@ def _decomposed(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: i
             f"outer_split that axis by {d}")
     group = group_of(src.mesh, changed[0])
     if reduces:
-        return ChunkReduce(group, before[changed[0]].reduce_op)
+        return ChunkReduce(group, before[changed[0]].reduce_op, tuple(binding.layouts[src].shape),
+                           plan.axis(src), src.dtype.torch_dtype)
     return ChunkGather(group, tuple(binding.layouts[dst].shape), plan.axis(src), ring)
+
+
+def choose_transport(requested: str, device: torch.device | None, groups: Sequence[Group],
+                     symmetric: bool) -> tuple[str, str]:
+    """The transport of a loop's decomposed communications over ``groups`` (none: any) on
+    ``device``, and why (a phrase for explain). ``requested``: ``"copy_engine"``
+    (``CommunicatorBackend.cuda``), ``"process_group"`` (``CommunicatorBackend.nccl``) or
+    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: the process group, the
+    copy engines being opt-in until measured on GPUs); ``symmetric``: a tensor of the loop
+    has ``MemoryType.symmetric`` (asks for the copy engines)."""
+    if requested == AUTO:
+        requested = os.environ.get(TRANSPORT_ENV, AUTO).lower().replace("nccl", PROCESS_GROUP)
+        if requested not in (AUTO, COPY_ENGINE, PROCESS_GROUP):
+            raise InputError(f"{TRANSPORT_ENV}={requested!r}: give 'auto', 'copy_engine' or "
+                             "'process_group' (or 'nccl')")
+    if symmetric and requested == AUTO:
+        requested = COPY_ENGINE
+    if requested == PROCESS_GROUP:
+        return PROCESS_GROUP, "asked for the process group"
+    if requested == AUTO:
+        return PROCESS_GROUP, (f"the default ({TRANSPORT_ENV}=copy_engine or "
+                               "CommunicatorBackend.cuda asks for the copy engines)")
+    if len({(g.ranks, g.mesh_axis) for g in groups}) > 1:
+        return PROCESS_GROUP, "its communications span several mesh axes"
+    why_not = copy_engine.unavailable(device or torch.device("cpu"),
+                                      groups[0] if groups else None)
+    if why_not is not None:
+        return PROCESS_GROUP, f"copy engines unavailable: {why_not}"
+    return COPY_ENGINE, "asked for"
+
+
+def _with_transport(loop: StreamLoop, requested: str, device: torch.device | None,
+                    plan: StreamLoopPlan) -> StreamLoop:
+    """``loop`` with its transport chosen: with the copy engines, one stream and ring order
+    (its own block first for a gather, last for a reduce)."""
+    groups = [c.group for c in (*loop.gathers.values(), *loop.reduces.values())]
+    if not groups or any(g.size == 1 for g in groups):
+        return loop
+    symmetric = any(tv.memory_type is MemoryType.symmetric for tv in plan.chunk_ids)
+    transport, why = choose_transport(requested, device, groups, symmetric)
+    if transport != COPY_ENGINE:
+        return dataclasses.replace(loop, transport_note=why)
+    gathers = {k: dataclasses.replace(g, ring=True) for k, g in loop.gathers.items()}
+    return dataclasses.replace(loop, transport=COPY_ENGINE, transport_note=why, streams=1,
+                               ring=(groups[0].coordinate, groups[0].size), gathers=gathers)
 
 
 def _slots(args: Sequence[Any]) -> list[int]:

@@ -1,0 +1,264 @@
+"""Does a copy-engine transport hide the linear layers' communications under their GEMMs?
+(issue 18; a diagnostic with direct calls, not a benchmark case)
+
+``torchrun --nproc-per-node 2 -m benchmarks.overlap_transport_probe --out DIR``: at nvFuser's
+overlap sizes (t = h = 8192, bf16), per layer, the median time of 20 steps (CUDA events,
+the slowest rank's) of:
+
+- ``gemm_only``: the layer's GEMM alone (the floor: no communication);
+- ``nccl``: the communication whole then the GEMM (or the GEMM then it), NCCL;
+- ``torch_fused``: torch's async-TP op (``torch.ops.symm_mem.fused_all_gather_matmul``,
+  ``fused_matmul_reduce_scatter``): copy-engine pulls under GEMM chunks;
+- ``copy_engine_loop``: meshfuse's copy-engine transport
+  (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
+- ``async_tp_compiled``: ``torch.compile`` with ``_micro_pipeline_tp`` over the functional
+  collective and the matmul.
+
+Layers: ``column`` (allgather of the tokens, then ``x @ w.T`` with ``w`` split on its rows),
+``row_sp`` (``x @ w.T`` with the contracted axis split, then a reduce-scatter of the tokens)
+and ``row`` (the same GEMM, then an allreduce: as ``nccl``, and as ``fused_rs_then_ag``:
+torch's fused reduce-scatter, then a NCCL allgather).
+
+Writes ``DIR/api.txt`` (what torch offers), ``DIR/probe.txt`` (the times and checks) and
+``DIR/overlap_profile.txt`` (per variant, from a profile of one step: the copies' and NCCL
+kernels' time, and how much of it ran while a GEMM ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm_mem
+
+from benchmarks import context
+from benchmarks.timing import timed_samples
+from meshfuse.runtime import copy_engine
+from meshfuse.runtime.collectives import Group
+
+ITERS, WARMUP = 20, 5
+
+
+def api_lines() -> list[str]:
+    """What this torch offers for async TP."""
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    lines = [f"torch {torch.__version__}, cuda {torch.version.cuda}, nccl {nccl}"]
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter",
+                 "_low_contention_all_gather", "_low_contention_reduce_scatter",
+                 "get_remote_tensors"):
+        lines.append(f"torch.ops.symm_mem.{name}: {hasattr(torch.ops.symm_mem, name)}")
+    for name in ("enable_symm_mem_for_group", "get_symm_mem_workspace", "empty", "rendezvous",
+                 "_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all",
+                 "is_nvshmem_available", "get_backend", "set_backend"):
+        lines.append(f"symm_mem.{name}: {hasattr(symm_mem, name)}")
+    for call in ("is_nvshmem_available()", "get_backend(torch.device('cuda'))"):
+        try:
+            lines.append(f"symm_mem.{call} = {eval('symm_mem.' + call)}")
+        except Exception as error:  # noqa: BLE001 (a probe reports whatever fails)
+            lines.append(f"symm_mem.{call}: {type(error).__name__}: {error}")
+    from torch._C._distributed_c10d import _SymmetricMemory
+    lines.append("_SymmetricMemory: " + ", ".join(m for m in dir(_SymmetricMemory)
+                                                   if not m.startswith("__")))
+    from torch._inductor import config
+    lines.append(f"inductor config _micro_pipeline_tp: {hasattr(config, '_micro_pipeline_tp')}")
+    return lines
+
+
+def _median_ms(ctx, step) -> float:
+    for _ in range(WARMUP):
+        step()
+    mine = statistics.median(timed_samples(ctx, step, ITERS))
+    return max(ctx.gather(mine))
+
+
+def _overlap_line(step) -> str:
+    """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    moving = [e for e in events if "nccl" in e.name.lower() or "memcpy" in e.name.lower()]
+    gemms = [e for e in events if any(k in e.name.lower() for k in ("gemm", "sm90", "cutlass",
+                                                                     "nvjet"))]
+    total = sum(e.time_range.end - e.time_range.start for e in moving)
+    covered = sum(max(0.0, min(m.time_range.end, g.time_range.end) -
+                      max(m.time_range.start, g.time_range.start))
+                  for m in moving for g in gemms)
+    names = sorted({e.name[:60] for e in moving})
+    return (f"transfers {total / 1e3:.3f} ms, {covered / max(total, 1e-9):.0%} under GEMMs "
+            f"({len(gemms)} GEMM kernels); {names}")
+
+
+def _group(ctx) -> Group:
+    world = dist.group.WORLD
+    return Group(world, tuple(range(ctx.world)), ctx.rank, 0)
+
+
+def _compiled(kind, x, w, group_name):
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor import config as inductor_config
+
+    def column(x_local, weight):
+        return torch.matmul(funcol.all_gather_tensor(x_local, 0, group_name), weight.t())
+
+    def row_sp(x_local, weight):
+        return funcol.reduce_scatter_tensor(torch.matmul(x_local, weight.t()), "sum", 0,
+                                            group_name)
+
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        compiled = torch.compile(column if kind == "column" else row_sp, fullgraph=True)
+        compiled(x, w)
+    return lambda: compiled(x, w)
+
+
+def column_variants(ctx, t, h, dtype):
+    d, group = ctx.world, _group(ctx)
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    x = torch.randn(t // d, h, generator=gen, device=ctx.device, dtype=dtype) * h ** -0.5
+    w = torch.randn(4 * h // d, h, generator=gen, device=ctx.device, dtype=dtype) * h ** -0.5
+    full = torch.empty(t, h, device=ctx.device, dtype=dtype)
+    out = torch.empty(t, 4 * h // d, device=ctx.device, dtype=dtype)
+    shapes = [tuple(x.shape)] * d
+
+    def nccl():
+        dist.all_gather_into_tensor(full, x)
+        return torch.matmul(full, w.t(), out=out)
+
+    def loop():
+        gathering = copy_engine.Gathering(x, group, shapes, place=0)
+        for i in range(d):
+            b = (ctx.rank + i) % d
+            torch.matmul(gathering.block(b), w.t(), out=out[b * (t // d):(b + 1) * (t // d)])
+        gathering.finish()
+        return out
+
+    return {
+        "gemm_only": lambda: torch.matmul(full, w.t(), out=out),
+        "nccl": nccl,
+        "torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+            x, [w.t()], 0, name, return_A=False)[1][0],
+        "copy_engine_loop": loop,
+        "async_tp_compiled": lambda: _compiled("column", x, w, name),
+    }, nccl
+
+
+def row_variants(ctx, t, h, dtype, kind):
+    d, group = ctx.world, _group(ctx)
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator(ctx.device).manual_seed(1)
+    x = torch.randn(t, 4 * h // d, generator=gen, device=ctx.device, dtype=dtype) * h ** -0.5
+    w = torch.randn(h, 4 * h // d, generator=gen, device=ctx.device, dtype=dtype) * h ** -0.5
+    scattered = torch.empty(t // d, h, device=ctx.device, dtype=dtype)
+    gathered = torch.empty(t, h, device=ctx.device, dtype=dtype)
+    shapes = [(t // d, h)] * d
+
+    def gemm():
+        return torch.matmul(x, w.t())
+
+    def nccl():
+        partial = torch.matmul(x, w.t())
+        if kind == "row":
+            dist.all_reduce(partial)
+            return partial
+        dist.reduce_scatter_tensor(scattered, partial)
+        return scattered
+
+    def fused():
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, name)
+
+    def fused_then_ag():
+        dist.all_gather_into_tensor(gathered, fused())
+        return gathered
+
+    def loop():
+        reducing = copy_engine.Reducing(group, shapes, dtype, "sum", 1, ctx.device)
+        mine = None
+        for b in reducing.order(ctx.rank, d):
+            xb = x[b * (t // d):(b + 1) * (t // d)]
+            target = reducing.target(b)
+            partial = torch.matmul(xb, w.t()) if target is None else \
+                torch.matmul(xb, w.t(), out=target)
+            result = reducing.partial(b, partial)
+            if b == ctx.rank:
+                mine = result
+        reducing.finish()
+        return mine
+
+    if kind == "row":
+        return {"gemm_only": gemm, "nccl": nccl, "fused_rs_then_ag": fused_then_ag}, nccl
+    return {"gemm_only": gemm, "nccl": nccl, "torch_fused": fused, "copy_engine_loop": loop,
+            "async_tp_compiled": lambda: _compiled("row_sp", x, w, name)}, nccl
+
+
+def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines) -> None:
+    expected = reference().clone()
+    times = {}
+    for variant, make in variants.items():
+        try:
+            step = make() if variant == "async_tp_compiled" else make
+            got = step()
+            err = (got.float() - expected.float()).abs().max().item() \
+                if variant != "gemm_only" else 0.0
+            ms = _median_ms(ctx, step)
+            times[variant] = ms
+            base = times.get("nccl")
+            ratio = f", {base / ms:.3f}x faster than nccl" if base else ""
+            lines.append(f"{layer} {variant}: {ms:.3f} ms{ratio}; max abs err vs nccl {err:.2e}")
+            profile_lines.append(f"{layer} {variant}: {_overlap_line(step)}")
+        except Exception as error:  # noqa: BLE001 (a probe reports each failure, goes on)
+            lines.append(f"{layer} {variant}: FAILED {type(error).__name__}: {error}")
+            traceback.print_exc()
+        if ctx.rank == 0:
+            print(lines[-1], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--layers", default="column,row_sp,row")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to run (default: all)")
+    args = parser.parse_args()
+    ctx = context.setup(quick=False)
+    os.makedirs(args.out, exist_ok=True)
+    if ctx.rank == 0:
+        with open(os.path.join(args.out, "api.txt"), "w") as f:
+            f.write("\n".join(api_lines()) + "\n")
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed by older torch (the fused ops), deprecated in newer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(dist.group.WORLD.group_name)
+    t, h, dtype = args.tokens, args.hidden, torch.bfloat16
+    lines = [f"t={t} h={h} bf16, {ctx.world} ranks; median of {ITERS} steps, slowest rank"]
+    profile_lines: list[str] = []
+    for layer in args.layers.split(","):
+        if layer == "column":
+            variants, reference = column_variants(ctx, t, h, dtype)
+        else:
+            variants, reference = row_variants(ctx, t, h, dtype, layer)
+        if args.variants:
+            variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+        probe_layer(ctx, layer, variants, reference, lines, profile_lines)
+    if ctx.rank == 0:
+        with open(os.path.join(args.out, "probe.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(args.out, "overlap_profile.txt"), "w") as f:
+            f.write("\n".join(profile_lines) + "\n")
+    context.teardown()
+
+
+if __name__ == "__main__":
+    main()

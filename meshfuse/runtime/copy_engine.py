@@ -1,0 +1,242 @@
+"""The copy-engine transport of stream loops' decomposed communications (CUDA only).
+
+NCCL moves data with kernels, and cuBLAS's Hopper GEMMs are persistent kernels that hold
+every streaming multiprocessor until they end: a NCCL transfer launched beside a GEMM waits
+for it, so a stream loop over NCCL hides nothing. Here a block moves by one
+``cudaMemcpyAsync`` out of (or into) a buffer that torch's symmetric memory maps into every
+rank of the group: a copy engine moves it over NVLink while the GEMMs hold the SMs. Only
+the barriers (a one-block kernel each) need an SM; they are queued on the GEMMs' stream,
+between GEMMs, so none waits for a GEMM it does not follow.
+
+**Workspace.** One symmetric allocation per ``(group, device, place)`` (``place``: the
+communication's position in its loop), made or grown at the first loop that needs it (a
+collective: every rank computes the same size from global extents, so every rank makes the
+same ones in the same order) and reused by later loops: each loop ends with a barrier, after
+which no rank reads another's workspace any more.
+
+**An allgather of the stream axis** (:class:`Gathering`, chunk ``i`` working on block ``b``):
+
+1. at the loop's start, on the current stream: this rank's shard copied into its workspace,
+   then a barrier (every rank's shard is staged);
+2. per chunk of another rank's block: a side stream (the *copy stream*, after the barrier)
+   copies block ``b`` out of rank ``b``'s workspace (a copy engine, no SM), and the chunk's
+   stream waits for that copy only, so the copies run under the GEMMs of earlier chunks; the
+   own block is the shard itself;
+3. at the loop's end: a barrier (no rank still reads this rank's workspace).
+
+**A reduce-scatter onto the stream axis** (:class:`Reducing`): the chunks visit the other
+ranks' blocks first and this rank's own last. Step ``s`` (the ``s``-th other block, ``(c + s
++ 1) mod d`` at coordinate ``c``): this rank's partial of that block is copied into slot ``s``
+of its workspace, then a barrier (every rank's slot ``s`` is written); the copy stream then
+pulls slot ``s`` of rank ``(c - s - 1) mod d``, which holds that rank's partial of this
+rank's block, under the next GEMM. The own block's chunk adds the pulled partials to this
+rank's own. At the loop's end, a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm_mem
+
+from meshfuse.runtime.collectives import Group, record_transfer
+
+BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
+_ALIGN = 256  # bytes between the regions of a workspace
+_COMBINE = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+
+
+def unavailable(device: torch.device, group: Group | None = None) -> str | None:
+    """Why the copy-engine transport cannot carry a communication of ``group`` (None: of
+    any group) on ``device``, or None when it can."""
+    if device.type != "cuda":
+        return "copy engines are CUDA's (a CPU device uses the process group)"
+    if not hasattr(symm_mem, "rendezvous") or not hasattr(symm_mem, "empty"):
+        return f"torch {torch.__version__} has no symmetric memory"
+    if group is None:
+        return None
+    if group.process_group is None or not dist.is_initialized():
+        return "no process group"
+    if "nccl" not in str(dist.get_backend(group.process_group)):
+        return "the process group is not NCCL's"
+    return None
+
+
+@dataclasses.dataclass
+class _Workspace:
+    handle: Any  # torch's _SymmetricMemory
+    buffer: torch.Tensor  # this rank's allocation (bytes)
+
+    def local(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        return self.buffer[offset:offset + count * dtype.itemsize].view(dtype).view(tuple(shape))
+
+    def remote(self, peer: int, offset: int, shape: Sequence[int],
+               dtype: torch.dtype) -> torch.Tensor:
+        """The region of ``peer`` (a rank of the group's torch order), mapped here."""
+        return self.handle.get_buffer(peer, tuple(shape), dtype, offset // dtype.itemsize)
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+
+
+_workspaces: dict[tuple, _Workspace] = {}
+_copy_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
+def _workspace(group: Group, place: int, nbytes: int, device: torch.device) -> _Workspace:
+    """The workspace of ``group`` at ``place`` holding at least ``nbytes`` (collective when
+    made or grown)."""
+    key = (group.process_group.group_name, device.index, place)
+    found = _workspaces.get(key)
+    if found is not None and found.buffer.numel() >= nbytes:
+        return found
+    if found is not None:  # copies of the last loop may still read the old one
+        torch.cuda.synchronize(device)
+    size = max(_aligned(nbytes), 2 * found.buffer.numel() if found is not None else 0)
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed by older torch, a deprecated no-op in newer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.process_group.group_name)
+    handle = symm_mem.rendezvous(buffer, group.process_group.group_name)
+    _workspaces[key] = _Workspace(handle, buffer)
+    return _workspaces[key]
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index not in _copy_streams:
+        _copy_streams[device.index] = torch.cuda.Stream(device)
+    return _copy_streams[device.index]
+
+
+def _peer(group: Group, coordinate: int) -> int:
+    """The rank of torch's group order (symmetric memory's) at mesh ``coordinate``."""
+    return dist.get_group_rank(group.process_group, group.ranks[coordinate])
+
+
+def _pull(source: torch.Tensor, out: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
+    """``source`` (another rank's memory) copied into ``out`` by a copy engine on the copy
+    stream once ``after`` has happened; the event of the copy's end."""
+    copier = _copy_stream(out.device)
+    copier.wait_event(after)
+    with torch.cuda.stream(copier):
+        out.copy_(source)  # same dtype, contiguous: cudaMemcpyAsync on a copy engine
+        done = torch.cuda.Event()
+        done.record(copier)
+    return done
+
+
+class Gathering:
+    """An allgather of one loop run, as copy-engine pulls (module doc), issued at once:
+    ``shapes[b]`` is the shape of block ``b`` (the shard of coordinate ``b``), ``x`` this
+    rank's shard. The blocks' buffers are allocated on the current stream before the copies
+    are ordered after it, so no copy writes memory that stream still uses."""
+
+    def __init__(self, x: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]],
+                 place: int):
+        self.x, self.group = x.contiguous(), group
+        me, d, device = group.coordinate, group.size, x.device
+        nbytes = max(math.prod(s) for s in shapes) * x.dtype.itemsize
+        self.workspace = _workspace(group, place, nbytes, device)
+        others = [(me + s) % d for s in range(1, d)]
+        outs = {b: torch.empty(tuple(shapes[b]), dtype=x.dtype, device=device) for b in others}
+        self.workspace.local(0, x.shape, x.dtype).copy_(self.x)
+        self.workspace.barrier()
+        staged = torch.cuda.Event()
+        staged.record()
+        self.blocks = {}
+        for b in others:
+            if outs[b].numel() == 0:  # an empty last block (uneven shards): nothing to move
+                self.blocks[b] = (outs[b], None)
+                continue
+            source = self.workspace.remote(_peer(group, b), 0, shapes[b], x.dtype)
+            self.blocks[b] = (outs[b], _pull(source, outs[b], staged))
+            record_transfer("copy_engine_pull", group, outs[b], peer=group.ranks[b])
+
+    def block(self, b: int) -> torch.Tensor:
+        """Block ``b`` of the gathered tensor, once its copy has landed (the current stream
+        waits for it; the host does not)."""
+        if b == self.group.coordinate:
+            return self.x
+        out, done = self.blocks[b]
+        if done is not None:
+            torch.cuda.current_stream(out.device).wait_event(done)
+        return out
+
+    def finish(self) -> None:
+        """The loop's last barrier (on the current stream, after its chunks)."""
+        self.workspace.barrier()
+        self.blocks.clear()
+
+
+class Reducing:
+    """A reduce-scatter of one loop run, as copy-engine pulls of partial blocks (module
+    doc). ``shapes[b]``: the shape of block ``b``; ``dtype``: the partials'."""
+
+    def __init__(self, group: Group, shapes: Sequence[Sequence[int]], dtype: torch.dtype,
+                 reduce_op: str, place: int, device: torch.device):
+        self.group, self.shapes, self.dtype = group, [tuple(s) for s in shapes], dtype
+        self.combine, self.reduce_op = _COMBINE[reduce_op], reduce_op
+        self.slot = _aligned(max(math.prod(s) for s in self.shapes) * dtype.itemsize)
+        self.workspace = _workspace(group, place, self.slot * max(1, group.size - 1), device)
+        self.device, self.step, self.pulled = device, 0, []
+        # allocated now, on the stream the loop starts from (see Gathering)
+        self.received = [torch.empty(self.shapes[group.coordinate], dtype=dtype, device=device)
+                         for _ in range(group.size - 1)]
+
+    @staticmethod
+    def order(coordinate: int, size: int) -> list[int]:
+        """The blocks in the order the loop must visit them: the others', then its own."""
+        return [(coordinate + s + 1) % size for s in range(size)]
+
+    def target(self, b: int) -> torch.Tensor | None:
+        """Where the partial of block ``b`` is best written (its workspace slot, which
+        :meth:`partial` then need not copy), or None for this rank's own block."""
+        if b == self.group.coordinate:
+            return None
+        return self.workspace.local(self.step * self.slot, self.shapes[b], self.dtype)
+
+    def partial(self, b: int, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial ``x`` of block ``b`` given; the reduced block when ``b`` is
+        this rank's own (visited last), else None."""
+        me, d = self.group.coordinate, self.group.size
+        if b != me:
+            s = self.step
+            self.step += 1
+            slot = self.workspace.local(s * self.slot, x.shape, x.dtype)
+            if slot.data_ptr() != x.data_ptr() or slot.stride() != x.stride():
+                slot.copy_(x)
+            self.workspace.barrier()
+            if self.received[s].numel() == 0:  # an empty own block: nothing to pull
+                return None
+            written = torch.cuda.Event()
+            written.record()
+            source = self.workspace.remote(_peer(self.group, (me - s - 1) % d), s * self.slot,
+                                           self.shapes[me], self.dtype)
+            self.pulled.append((self.received[s], _pull(source, self.received[s], written)))
+            record_transfer("copy_engine_pull", self.group, x,
+                            peer=self.group.ranks[(me - s - 1) % d], reduce_op=self.reduce_op)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        out = x
+        for part, done in self.pulled:
+            current.wait_event(done)
+            out = self.combine(out, part)
+        return out
+
+    def finish(self) -> None:
+        """The loop's last barrier (on the current stream, after its chunks)."""
+        self.workspace.barrier()
+        self.pulled.clear()

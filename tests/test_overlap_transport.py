@@ -1,0 +1,279 @@
+"""The transport of stream loops' decomposed communications: the process group (NCCL,
+gloo) or the GPUs' copy engines through symmetric memory (:mod:`meshfuse.runtime.copy_engine`).
+
+On CPU ranks the copy engines cannot run: the tests check the choice (``CommunicatorBackend``,
+``MemoryType.symmetric``, ``MESHFUSE_OVERLAP_TRANSPORT``), its fallback and what ``explain``
+says, the block order of a copy-engine loop, and the values against the unsharded layer.
+On CUDA (the tests marked ``cuda_only`` skip elsewhere) the copy-engine loops are compared
+with the unsharded layer and with the NCCL loops, their transfers recorded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+
+from meshfuse import DataType, FusionDefinition, MemoryType, ParallelType
+from meshfuse.errors import InputError
+from meshfuse.multidevice import (
+    CommunicatorBackend,
+    MultiDeviceExecutor,
+    MultiDeviceExecutorParams,
+)
+from meshfuse.runtime.collectives import Group, record_communications
+from meshfuse.runtime.copy_engine import Reducing
+from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
+from meshfuse.runtime.stream_loop_lowering import choose_transport
+
+STREAM = ParallelType.stream
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
+
+
+def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Small integers as floats: sums of products are exact in any order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).float()
+
+
+def _kinds(comms) -> Counter:
+    return Counter(c.kind for c in comms)
+
+
+def _group(coordinate: int = 0, size: int = 2, axis: int = 0) -> Group:
+    return Group(None, tuple(range(size)), coordinate, axis)
+
+
+def test_transport_choice_on_a_cpu():
+    """Asked for or not, the copy engines fall back to the process group on a CPU, saying
+    why; the process group asked for is kept; a bad MESHFUSE_OVERLAP_TRANSPORT is refused."""
+    cpu = torch.device("cpu")
+    for requested in ("auto", "copy_engine"):
+        transport, why = choose_transport(requested, cpu, [_group()], symmetric=True)
+        assert transport == PROCESS_GROUP and "copy engines are CUDA's" in why
+    assert choose_transport("process_group", cpu, [_group()], False) == \
+        (PROCESS_GROUP, "asked for the process group")
+    transport, why = choose_transport("auto", cpu, [_group()], symmetric=False)
+    assert transport == PROCESS_GROUP and "MESHFUSE_OVERLAP_TRANSPORT=copy_engine" in why
+    two_axes = [_group(axis=0), _group(axis=1)]
+    assert "several mesh axes" in choose_transport("copy_engine", cpu, two_axes, False)[1]
+
+
+def test_transport_environment(monkeypatch):
+    """MESHFUSE_OVERLAP_TRANSPORT=nccl means the process group; a typo is an InputError
+    naming the variable and the choices."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "nccl")
+    assert choose_transport("auto", cpu, [_group()], symmetric=True)[0] == PROCESS_GROUP
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy-engines")
+    with pytest.raises(InputError, match="MESHFUSE_OVERLAP_TRANSPORT.*'copy_engine'"):
+        choose_transport("auto", cpu, [_group()], symmetric=False)
+
+
+@pytest.mark.parametrize("coordinate", [0, 1, 2])
+def test_copy_engine_reduce_visits_its_own_block_last(coordinate):
+    """A copy-engine loop that reduces visits the other ranks' blocks first, in ring order
+    from the next one, and its own last (the pulls of its partials run under the GEMMs of
+    the other blocks); every block once."""
+    reduce = ChunkReduce(_group(coordinate, 3), "sum", (9, 2), 0, torch.float32)
+    loop = StreamLoop(3, (), {}, {}, (), (), 1, (coordinate, 3), reduces={0: reduce},
+                      transport=COPY_ENGINE)
+    order = [loop.block(i) for i in range(3)]
+    assert order == Reducing.order(coordinate, 3) == \
+        [(coordinate + 1) % 3, (coordinate + 2) % 3, coordinate]
+    gathering = StreamLoop(3, (), {}, {}, (), (), 1, (coordinate, 3), transport=COPY_ENGINE)
+    assert gathering.block(0) == coordinate  # own block first
+
+
+def _column_parallel(tokens: int, mesh, symmetric: bool = False) -> FusionDefinition:
+    """linear(allgather(x), w), the gathered x on stream in ring order (one chunk per
+    device)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 2], dtype=DataType.Float)
+        w = fd.define_tensor([8, 2], dtype=DataType.Float)
+        gathered = fd.ops.set(x)
+        fd.add_output(fd.ops.linear(gathered, w))
+    shard(x, 0, mesh)
+    shard(w, 0, mesh)
+    gathered.set_device_mesh(mesh)
+    gathered.outer_split(0, mesh.size)
+    gathered.swizzle1d(0, MX)
+    gathered.axis(0).parallelize(STREAM)
+    if symmetric:
+        gathered.set_memory_type(MemoryType.symmetric)
+    return fd
+
+
+def _row_sp(tokens: int, mesh) -> FusionDefinition:
+    """The sequence-parallel row linear: x's tokens on stream (one chunk per device), its
+    contracted axis sharded, the output reduce-scattered onto the tokens."""
+    d = mesh.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    x.set_device_mesh(mesh)
+    x.outer_split(0, d)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, d)
+    x.axis(2).parallelize(MX)
+    shard(w, 1, mesh)
+    shard(out, 0, mesh)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_cuda_backend_falls_back_on_cpu_ranks(multidevice_test, tokens):
+    """CommunicatorBackend.cuda and MemoryType.symmetric on CPU ranks: the loop runs over
+    the process group (its collective permutes), the values are the unsharded layer's, and
+    explain(inputs) says which transport carried the loop and why. (On CUDA ranks the copy
+    engines run: the CUDA tests below.)"""
+    if multidevice_test.device.type == "cuda":
+        pytest.skip("CPU ranks only: on CUDA the copy engines carry the loop")
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
+    for symmetric, backend in ((False, CommunicatorBackend.cuda),
+                               (True, CommunicatorBackend.nccl)):
+        fd = _column_parallel(tokens, mesh, symmetric)
+        params = MultiDeviceExecutorParams()
+        params.backend_type = backend
+        executor = MultiDeviceExecutor(fd.fusion, params)
+        inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
+        with record_communications() as comms:
+            out, = executor.run(inputs)
+        torch.testing.assert_close(out.cpu(), F.linear(x, inputs[1].cpu()))
+        assert _kinds(comms) == (Counter(collective_permute=d - 1) if d > 1 else Counter())
+        text = executor.explain(inputs)
+        if d > 1 and backend is CommunicatorBackend.cuda:
+            assert "stream loop transports on this rank:" in text
+            assert "transfers by the process group: copy engines unavailable: copy engines " \
+                "are CUDA's" in text
+        elif d > 1:  # the nccl backend asks for the process group, whatever the memory
+            assert "transfers by the process group: asked for the process group" in text
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_sequence_parallel_loops_on_a_2x2_mesh(multidevice_test, tokens):
+    """Data x tensor parallel with the sequence-parallel loops: x's tokens over mesh_y (data)
+    and, within, over mesh_x (sequence); the allgather of the tokens over mesh_x before the
+    first linear and the reduce-scatter onto them after the second, both forced into
+    loops (set_overlap): d - 1 collective permutes and d reduces, all over mesh_x."""
+    mesh = mesh_2x2(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, tokens, 4], dtype=DataType.Float)
+        w1 = fd.define_tensor([8, 4], dtype=DataType.Float)
+        w2 = fd.define_tensor([4, 8], dtype=DataType.Float)
+        hidden = fd.ops.linear(x, w1)
+        out = fd.ops.linear(fd.ops.relu(hidden), w2)
+        fd.add_output(out)
+    for tv, axis in ((x, 1), (w1, 0), (w2, 1), (out, 1), (hidden, 2)):
+        shard(tv, axis, mesh, MX)
+    for tv in (x, out, hidden):
+        shard(tv, 0, mesh, MY)
+    x.set_overlap(True)
+    out.set_overlap(True)
+    gx, g1, g2 = _ints(2, tokens, 4), _ints(8, 4, seed=1), _ints(4, 8, seed=2)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, g1, g2), (x, w1, w2))]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    expected = F.linear(F.linear(gx, g1).relu(), g2)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(expected, out))
+    assert _kinds(comms) == Counter(collective_permute=1, reduce=2)
+    assert {c.mesh_axis for c in comms} == {mesh.axis_of(MX)}
+    assert fd.explain(inputs).count("stream loop: ") == 2
+
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_copy_engine_column_loop_equals_nccl_loop(multidevice_test, monkeypatch, tokens):
+    """On CUDA: the ring-order allgather -> GEMM loop with its blocks pulled by the copy
+    engines gives the NCCL loop's result and the unsharded layer's, at three calls in a row
+    (the workspace reused), with d - 1 pulls recorded per call."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
+    results = {}
+    for transport in ("process_group", "copy_engine"):
+        monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", transport)
+        fd = _column_parallel(tokens, mesh)
+        inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
+        for _ in range(3):
+            with record_communications() as comms:
+                out, = fd.execute(inputs)
+            torch.testing.assert_close(out.cpu(), F.linear(x, inputs[1].cpu()))
+        results[transport] = out.cpu()
+        pulls = Counter(copy_engine_pull=d - 1) if transport == "copy_engine" else \
+            Counter(collective_permute=d - 1)
+        assert _kinds(comms) == (pulls if d > 1 else Counter())
+        if d > 1:
+            assert ("by copy engines" in fd.explain(inputs)) == (transport == "copy_engine")
+    assert torch.equal(results["process_group"], results["copy_engine"])
+
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_copy_engine_reduce_scatter_loop_equals_nccl_loop(multidevice_test, monkeypatch,
+                                                          tokens):
+    """On CUDA: the GEMM -> reduce-scatter loop with each partial block pulled by its owner
+    through the copy engines equals the unsharded layer (and the NCCL loop), three calls in
+    a row, d - 1 pulls recorded per call."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
+    for transport in ("process_group", "copy_engine"):
+        monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", transport)
+        fd = _row_sp(tokens, mesh)
+        x, w, out_tv = *fd.fusion.inputs(), fd.fusion.outputs()[0]
+        inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+        for _ in range(3):
+            with record_communications() as comms:
+                result, = fd.execute(inputs)
+            torch.testing.assert_close(
+                result, multidevice_test.shard_tensor(F.linear(gx, gw), out_tv))
+        expected = Counter(copy_engine_pull=d - 1) if transport == "copy_engine" else \
+            Counter(reduce=d)
+        assert _kinds(comms) == (expected if d > 1 else Counter())
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
+    """On CUDA: a sequence-parallel MLP with both loops on the copy engines, bf16 at a size where the GEMMs take a while, five calls back to back with
+    the host never waiting, each close to the unsharded MLP."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    t, h = 1024, 512
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([t, h], dtype=DataType.BFloat16)
+        w1 = fd.define_tensor([4 * h, h], dtype=DataType.BFloat16)
+        w2 = fd.define_tensor([h, 4 * h], dtype=DataType.BFloat16)
+        out = fd.ops.linear(fd.ops.relu(fd.ops.linear(x, w1)), w2)
+        fd.add_output(out)
+    for tv, axis in ((x, 0), (w1, 0), (w2, 1), (out, 0)):
+        shard(tv, axis, mesh)
+    x.set_overlap(True)
+    out.set_overlap(True)
+    gen = torch.Generator().manual_seed(0)
+    gx, g1, g2 = (torch.randn(*s, generator=gen).bfloat16() * s[-1] ** -0.5
+                  for s in ((t, h), (4 * h, h), (h, 4 * h)))
+    inputs = [multidevice_test.shard_tensor(a, tv) for a, tv in zip((gx, g1, g2), (x, w1, w2))]
+    outs = [fd.execute(inputs)[0] for _ in range(5)]
+    expected = multidevice_test.shard_tensor(F.linear(F.linear(gx, g1).relu(), g2), out)
+    for result in outs:
+        torch.testing.assert_close(result.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    if d > 1:
+        loops = [line for line in fd.explain(inputs).splitlines()
+                 if "decomposed): transfers by" in line]
+        assert loops and all("copy engines" in line for line in loops), loops
+        assert any("(allgather decomposed)" in line for line in loops), loops
+        assert any("(reduce-scatter decomposed)" in line for line in loops), loops
