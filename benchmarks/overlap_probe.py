@@ -19,7 +19,7 @@ import meshfuse
 from benchmarks import context
 from benchmarks.cases import mlp
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
-from benchmarks.timing import timed_samples
+from benchmarks.timing import cuda_kernel_events, timed_samples
 from meshfuse.runtime.communicator import Communicator
 
 ITERS = 20
@@ -32,14 +32,7 @@ def _median_ms(ctx, step) -> float:
 
 
 def _overlap(step) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = cuda_kernel_events(step)
     nccl = [e for e in kernels if "nccl" in e.name.lower()]
     other = [e for e in kernels if "nccl" not in e.name.lower()]
     total = sum(e.time_range.end - e.time_range.start for e in nccl)

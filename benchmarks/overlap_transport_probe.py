@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
 from benchmarks import context
-from benchmarks.timing import timed_samples
+from benchmarks.timing import cuda_kernel_events, timed_samples
 from meshfuse.runtime import copy_engine
 from meshfuse.runtime.collectives import Group
 
@@ -78,14 +78,7 @@ def _median_ms(ctx, step) -> float:
 
 def _overlap_line(step) -> str:
     """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events = cuda_kernel_events(step)
     moving = [e for e in events if "nccl" in e.name.lower() or "memcpy" in e.name.lower()]
     gemms = [e for e in events if any(k in e.name.lower() for k in ("gemm", "sm90", "cutlass",
                                                                      "nvjet"))]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.context import Context
 
@@ -165,3 +166,14 @@ def _host_round(ctx: Context, fn: Callable[[], object], calls: int, sleep_ms: fl
     # The calls were all queued behind the sleep, so sleeping -> done is their GPU time alone.
     gpu_us = sleeping.elapsed_time(done) / calls * 1e3
     return elapsed / calls * 1e6, gpu_us, busy, sleep_ms
+
+
+def cuda_kernel_events(step: Callable[[], object]) -> list:
+    """The CUDA events (kernels and copies) of one call of ``step``, profiled after a warm
+    call, each side synchronized."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type.name == "CUDA"]
