@@ -235,13 +235,10 @@ def test_gather_needs_one_chunk_per_device(multidevice_test):
         fd.execute([multidevice_test.shard_tensor(torch.ones(4 * d, 2), x)])
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
-def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
-    """Sequence-parallel row linear: the partial product reduce-scattered onto the tokens,
-    decomposed into one reduce per block onto its owner."""
-    d = multidevice_test.size
-    mesh = mesh_1d(multidevice_test)
+def row_sp_linear(tokens: int, mesh) -> FusionDefinition:
+    """The sequence-parallel row linear: x's tokens on stream (one chunk per device), its
+    contracted axis sharded, the output reduce-scattered onto the tokens."""
+    d = mesh.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
         w = fd.define_tensor([3, 8], dtype=DataType.Float)
@@ -254,6 +251,17 @@ def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
     x.axis(2).parallelize(MX)
     shard(w, 1, mesh)
     shard(out, 0, mesh)
+    return fd
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
+def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
+    """Sequence-parallel row linear: the partial product reduce-scattered onto the tokens,
+    decomposed into one reduce per block onto its owner."""
+    d = multidevice_test.size
+    fd = row_sp_linear(tokens, mesh_1d(multidevice_test))
+    x, w, out = *fd.fusion.inputs(), fd.fusion.outputs()[0]
     gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
     with record_communications() as comms:

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+from test_overlap import STREAM, _ints, _kinds, row_sp_linear
 
-from meshfuse import DataType, FusionDefinition, MemoryType, ParallelType
+from meshfuse import DataType, FusionDefinition, MemoryType
 from meshfuse.errors import InputError
 from meshfuse.multidevice import (
     CommunicatorBackend,
@@ -29,18 +30,7 @@ from meshfuse.runtime.copy_engine import Reducing
 from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 
-STREAM = ParallelType.stream
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
-
-
-def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
-    """Small integers as floats: sums of products are exact in any order."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-3, 4, shape, generator=g).float()
-
-
-def _kinds(comms) -> Counter:
-    return Counter(c.kind for c in comms)
 
 
 def _group(coordinate: int = 0, size: int = 2, axis: int = 0) -> Group:
@@ -104,25 +94,6 @@ def _column_parallel(tokens: int, mesh, symmetric: bool = False) -> FusionDefini
     gathered.axis(0).parallelize(STREAM)
     if symmetric:
         gathered.set_memory_type(MemoryType.symmetric)
-    return fd
-
-
-def _row_sp(tokens: int, mesh) -> FusionDefinition:
-    """The sequence-parallel row linear: x's tokens on stream (one chunk per device), its
-    contracted axis sharded, the output reduce-scattered onto the tokens."""
-    d = mesh.size
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
-        w = fd.define_tensor([3, 8], dtype=DataType.Float)
-        out = fd.ops.linear(x, w)
-        fd.add_output(out)
-    x.set_device_mesh(mesh)
-    x.outer_split(0, d)
-    x.axis(0).parallelize(STREAM)
-    x.outer_split(2, d)
-    x.axis(2).parallelize(MX)
-    shard(w, 1, mesh)
-    shard(out, 0, mesh)
     return fd
 
 
@@ -231,7 +202,7 @@ def test_copy_engine_reduce_scatter_loop_equals_nccl_loop(multidevice_test, monk
     gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
     for transport in ("process_group", "copy_engine"):
         monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", transport)
-        fd = _row_sp(tokens, mesh)
+        fd = row_sp_linear(tokens, mesh)
         x, w, out_tv = *fd.fusion.inputs(), fd.fusion.outputs()[0]
         inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
         for _ in range(3):
