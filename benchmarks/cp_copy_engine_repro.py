@@ -41,7 +41,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 
 import meshfuse
 from benchmarks import context
-from benchmarks.cases.context_parallel import SIZES, CausalAttention
+from benchmarks.cases.context_parallel import SIZES, CausalAttention, global_inputs
 from meshfuse.runtime import peer_copy
 
 SLEEP_CYCLES_PER_MS = 2_000_000  # an H200's SM clock is below 2 GHz: at least a millisecond
@@ -100,10 +100,7 @@ def _program(ctx, s: int, transport: str):
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     fd = CausalAttention(SIZES, s, True, mesh, True, "ring")
     fd.define()
-    gen = torch.Generator(ctx.device).manual_seed(0)
-    shape = (SIZES["b"], SIZES["h"], s, SIZES["head_dim"])
-    full = [torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.bfloat16)
-            for _ in range(4)]
+    full = global_inputs(ctx, SIZES, s)
     local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
     return fd, local
 

@@ -56,7 +56,7 @@ import torch
 
 import meshfuse
 from benchmarks import call_timeline, context
-from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention
+from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention, global_inputs
 from benchmarks.timing import host_us_per_call
 from meshfuse.ops import attention_kernels as kernels
 from meshfuse.ops.attention_backends import select_backend
@@ -78,10 +78,7 @@ def _setup(ctx, sizes, s: int, causal: bool, strategy: str):
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     fd = CausalAttention(sizes, s, causal, mesh, True, strategy)
     fd.define()
-    gen = torch.Generator(ctx.device).manual_seed(0)
-    shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
-    full = [torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.bfloat16)
-            for _ in range(4)]
+    full = global_inputs(ctx, sizes, s)
     local = [meshfuse.shard_tensor(t, tv) for t, tv in zip(full, fd.tensors[:4])]
     return lambda: fd.execute(local)
 

@@ -99,7 +99,8 @@ class CausalAttention(FusionDefinition):
             tv.parallelize(pos, ParallelType.mesh_x)
 
 
-def _global_inputs(ctx: Context, sizes, s):
+def global_inputs(ctx: Context, sizes, s) -> list[torch.Tensor]:
+    """q, k, v and the output gradient at global sizes, bf16, the same on every rank."""
     gen = torch.Generator(ctx.device).manual_seed(0)
     shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
     return [torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.bfloat16)
@@ -205,7 +206,7 @@ def _torch_cp(ctx, full, causal, rotate):
 
 
 def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
-    full = _global_inputs(ctx, sizes, s)
+    full = global_inputs(ctx, sizes, s)
     step, _ = _one_gpu(full, causal).setup()
     attn, grads = step()
     expected = [attn, *grads]
