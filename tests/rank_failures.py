@@ -38,6 +38,7 @@ import torch.distributed as dist
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.launch import rank_env
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.testing.zygote import redirect_stdio
 
 # Each rank's share of the summed axis. An allreduce waits for every rank whatever its size,
 # so the scenarios need no large tensor; and planning a sharded program costs time that grows
@@ -162,13 +163,7 @@ def serve() -> None:
 
 def _become_rank(rank: int, size: int, port: int, log: str) -> None:
     """In a forked child: its output to ``log``, torchrun's variables for ``rank``."""
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    redirect_stdio(log)
     os.environ.update(rank_env(os.environ, rank, size, port))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

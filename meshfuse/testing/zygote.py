@@ -163,19 +163,25 @@ def _exit_without(parent: int) -> None:
     os._exit(1)
 
 
+def redirect_stdio(log: str) -> None:
+    """This process's stdout and stderr into the file ``log`` (made anew), stdin from
+    /dev/null: how a forked rank starts."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+
+
 def _rank_runner(pytest_main: Callable, set_num_threads: Callable) -> Callable:
     """The function a forked child runs to become a rank: it runs pytest and never returns."""
 
     def run(argv: Sequence[str], cwd: str, env: Mapping[str, str], log: str,
             threads: int) -> None:
         os.setsid()
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        redirect_stdio(log)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
