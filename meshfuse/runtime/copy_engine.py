@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
+from meshfuse.runtime import symmetric_memory
 from meshfuse.runtime.collectives import Group, record_transfer
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
@@ -104,14 +104,7 @@ def _workspace(group: Group, place: int, nbytes: int, device: torch.device) -> _
     if found is not None:  # copies of the last loop may still read the old one
         torch.cuda.synchronize(device)
     size = max(_aligned(nbytes), 2 * found.buffer.numel() if found is not None else 0)
-    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed by older torch, a deprecated no-op in newer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(group.process_group.group_name)
-    handle = symm_mem.rendezvous(buffer, group.process_group.group_name)
-    _workspaces[key] = _Workspace(handle, buffer)
+    _workspaces[key] = _Workspace(*symmetric_memory.allocate(group.process_group, size, device))
     return _workspaces[key]
 
 

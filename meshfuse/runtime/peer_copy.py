@@ -10,7 +10,7 @@ thread block each.
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
 same shifts in the same order) at the first shift that needs it, the device synchronized
-between the allocation and the rendezvous (see :func:`_slot`: the first call pays it once).
+between the allocation and the rendezvous (:func:`meshfuse.runtime.symmetric_memory.allocate`: the first call pays it once).
 A shift into slot ``name`` overwrites what the previous shift into it received, so its
 caller must have queued every use of that result before it launches the next shift of the
 same name (the ring alternates two names by step).
@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _symmetric_memory as symm_mem
+
+from meshfuse.runtime import symmetric_memory
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the tensors of one slot
@@ -84,20 +84,7 @@ def _slot(process_group, after: int, name: str, shapes, dtypes, device) -> _Slot
     if key in _slots:
         return _slots[key]
     offsets, size = _offsets(shapes, dtypes)
-    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-    # The allocation zeroes its signal pad on the device without waiting for it (torch
-    # 2.11: cudaMemset, queued behind this rank's pending kernels). A peer may signal into
-    # the pad as soon as the rendezvous below has handed it over; a zeroing that lands after
-    # that signal erases it, and both ranks then wait for a signal that never comes (the
-    # barrier's two-minute limit, then a device error). Waiting here orders the zeroing
-    # before the rendezvous, which no rank leaves before every rank has entered it.
-    torch.cuda.synchronize(device)
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed by older torch, a deprecated no-op in newer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(process_group.group_name)
-    handle = symm_mem.rendezvous(buffer, process_group.group_name)
+    handle, buffer = symmetric_memory.allocate(process_group, size, device)
     peer = dist.get_group_rank(process_group, after)
     local, remote = [], []
     for at, shape, dtype in zip(offsets, shapes, dtypes):
