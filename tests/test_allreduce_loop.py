@@ -161,6 +161,17 @@ def test_loop_on_a_2x2_mesh(multidevice_test, monkeypatch):
     assert [(c.kind, c.mesh_axis) for c in comms] == [("allreduce", 1)] * 2
 
 
+def _mlp_inputs(multidevice_test, tokens: int) -> list[torch.Tensor]:
+    """x, this rank's w1 rows and w2 columns (8 of the ffn axis each), dz: MegatronMlp's
+    inputs (hidden 8), on the rank's device."""
+    d, r = multidevice_test.size, multidevice_test.rank
+    x, dz = _ints(tokens, 8), _ints(tokens, 8, seed=1)
+    w1, w2 = _ints(8 * d, 8, seed=2), _ints(8, 8 * d, seed=3)
+    part = slice(r * 8, (r + 1) * 8)
+    local = [x, w1[part].contiguous(), w2[:, part].contiguous(), dz]
+    return [t.to(multidevice_test.device) for t in local]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("tokens", [16, 13], ids=["even", "uneven"])
 def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypatch, tokens):
@@ -172,15 +183,11 @@ def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypa
     d = multidevice_test.size
     mesh = DeviceMesh(range(d)) if d > 1 else None
     model = MegatronMlp(tokens, 8, 8 * d, mesh, dtype=DataType.Float)
-    x, dz = _ints(tokens, 8), _ints(tokens, 8, seed=1)
-    w1, w2 = _ints(8 * d, 8, seed=2), _ints(8, 8 * d, seed=3)
-    r = multidevice_test.rank
-    part = slice(r * 8, (r + 1) * 8)
-    inputs = [x, w1[part].contiguous(), w2[:, part].contiguous(), dz]
+    inputs = _mlp_inputs(multidevice_test, tokens)
     with record_communications() as comms:
         got = model.execute(inputs)
     group = torch.distributed.group.WORLD if d > 1 else None
-    for a, b in zip(got, megatron_mlp_torch(*inputs[:3], dz, group)):
+    for a, b in zip(got, megatron_mlp_torch(*inputs, group)):
         torch.testing.assert_close(a, b)
     if d == 1:
         return
@@ -212,3 +219,67 @@ def test_chunk_count_from_the_environment(monkeypatch):
         monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", bad)
         with pytest.raises(InputError, match="MESHFUSE_OVERLAP_CHUNKS.*positive number"):
             allreduce_loop.fixed_chunks()
+
+
+@pytest.mark.mpi
+def test_copy_engines_asked_for_on_a_cpu_fall_back(multidevice_test, monkeypatch):
+    """MESHFUSE_OVERLAP_TRANSPORT=copy_engine on CPU ranks: the process group carries the
+    chunks' allreduces, and explain says why."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU ranks only (on CUDA the copy engines run)")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
+    fd = _row_linear(mesh_1d(multidevice_test), [5, 8], 3, overlap=True)
+    x, w = _ints(5, 8), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    if multidevice_test.size > 1:
+        assert _kinds(comms) == Counter(allreduce=2)
+        assert "transfers by the process group" in text and "copy engines are CUDA's" in text
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
+
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("rows, chunks", [(8, 1), (8, 2), (7, 4)],
+                         ids=["whole", "even", "uneven"])
+def test_copy_engine_loop_equals_the_unsharded_gemm(multidevice_test, monkeypatch, rows,
+                                                    chunks):
+    """On CUDA: the peers' rows pulled by the copy engines and summed where the result is
+    read, three calls in a row (the workspace reused), d - 1 pulls per chunk recorded."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", str(chunks))
+    d = multidevice_test.size
+    fd = _row_linear(mesh_1d(multidevice_test), [rows, 8], 3, overlap=True)
+    x, w = _ints(rows, 8), _ints(3, 8, seed=1)
+    for _ in range(3):
+        out, comms, text = _run(multidevice_test, fd, (x, w))
+        torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    if d > 1:
+        nonempty = -(-rows // -(-rows // chunks))
+        assert _kinds(comms) == Counter(copy_engine_pull=nonempty * (d - 1))
+        assert sum(c.bytes for c in comms) == rows * 3 * 4 * (d - 1)
+        assert "transfers by copy engines" in text
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_megatron_mlp_with_copy_engine_loops(multidevice_test, monkeypatch):
+    """On CUDA: the MLP's two allreduces by the copy engines (one chunk each) give the
+    Megatron calls' values, twice in a row."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "1")
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d)) if d > 1 else None
+    model = MegatronMlp(12, 8, 8 * d, mesh, dtype=DataType.Float, overlap=True)
+    inputs = _mlp_inputs(multidevice_test, 12)
+    group = torch.distributed.group.WORLD if d > 1 else None
+    for _ in range(2):
+        with record_communications() as comms:
+            got = model.execute(inputs)
+        for a, b in zip(got, megatron_mlp_torch(*inputs, group)):
+            torch.testing.assert_close(a, b)
+    if d > 1:
+        assert _kinds(comms) == Counter(copy_engine_pull=2 * (d - 1))
