@@ -177,7 +177,8 @@ def _mlp_inputs(multidevice_test, tokens: int) -> list[torch.Tensor]:
 def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypatch, tokens):
     """The MLP's two allreduces (z forward, dx backward) as loops of 4 chunks: values as
     the Megatron calls; the forward loop runs before the backward's GEMMs, and z is read
-    only after them (the loop's result is waited for where read, not at the loop's end)."""
+    only after them (the loop's result is waited for where read, not at the loop's end);
+    the backward's loop runs before the weight gradients' GEMMs, as its allreduce did."""
     monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "4")
     d = multidevice_test.size
@@ -196,7 +197,10 @@ def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypa
     loops = [k for k, line in enumerate(program) if "stream loop: 4 row chunks" in line]
     first_backward_gemm = next(k for k, line in enumerate(program) if "= matmul(T3, T2)" in line)
     z_read = next(k for k, line in enumerate(program) if "T7 = set(T16)" in line)
+    weight_gradients = [k for k, line in enumerate(program)
+                        if "= matmul(T10, T5)" in line or "= matmul(T12, T0)" in line]
     assert len(loops) == 2 and loops[0] < first_backward_gemm < z_read
+    assert loops[1] < min(weight_gradients)  # dx's chunks move under dw1's and dw2's GEMMs
 
 
 def test_estimate_with_nccl_never_pays_and_with_copy_engines_does():
