@@ -287,3 +287,42 @@ def test_megatron_mlp_with_copy_engine_loops(multidevice_test, monkeypatch):
             torch.testing.assert_close(a, b)
     if d > 1:
         assert _kinds(comms) == Counter(copy_engine_pull=2 * (d - 1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("forced", [False, True], ids=["whole", "loop"])
+def test_output_set_of_an_allreduce_is_not_copied(multidevice_test, monkeypatch, forced):
+    """``out = set(partial)``: the allreduce's (or the loop's) result becomes the output
+    without a copy (on one device the communication is a local copy, and the set none);
+    a second output reading the same result keeps its own buffer."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        partial = fd.ops.linear(x, w)
+        z = fd.ops.set(partial)
+        fd.add_output(z)
+    shard(x, 1, mesh)
+    shard(w, 1, mesh)
+    partial.set_overlap(forced)
+    gx, gw = _ints(6, 8), _ints(3, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    fd.execute(inputs)  # the first call also agrees on the inputs across ranks
+    with torch.profiler.profile() as prof:
+        out, = fd.execute(inputs)
+    torch.testing.assert_close(out.cpu(), F.linear(gx, gw))
+    copies = [e.name for e in prof.events() if e.name in ("aten::clone", "aten::copy_")]
+    assert copies == ([] if multidevice_test.size > 1 else ["aten::clone", "aten::copy_"])
+
+    with FusionDefinition() as twice:
+        x = twice.define_tensor([6, 8], dtype=DataType.Float)
+        w = twice.define_tensor([3, 8], dtype=DataType.Float)
+        reduced = twice.ops.set(twice.ops.linear(x, w))
+        twice.add_output(reduced)
+        twice.add_output(twice.ops.set(reduced))
+    shard(x, 1, mesh)
+    shard(w, 1, mesh)
+    a, b = twice.execute(inputs)
+    torch.testing.assert_close(a, b)
+    assert a.data_ptr() != b.data_ptr()
