@@ -9,8 +9,9 @@ gradients of x, w1 and w2 from a given ``dz``. Variants:
 - ``dtensor_tp``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``, autograd;
 - ``meshfuse``: :class:`~benchmarks.fusions.MegatronMlp` (unsharded on one rank): the same
   calls, its two allreduces launched asynchronously as early as their inputs exist;
-- ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``: the same
-  with both allreduces run as GEMM -> allreduce loops (:data:`LOOP_VARIANTS`).
+- ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``,
+  ``meshfuse_copy_engine_8``: the same with both allreduces run as GEMM -> allreduce loops
+  (:data:`LOOP_VARIANTS`).
 
 FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
 
@@ -118,7 +119,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
 
 
 # GEMM -> allreduce loops (docs/overlap.md) forced on both allreduces of the MLP: over NCCL
-# in 4 row chunks, and by the copy engines whole or in 4 chunks.
+# in 4 row chunks, and by the copy engines whole or in 4 or 8 chunks.
 LOOP_VARIANTS = {
     "meshfuse_loops_nccl": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
                              "MESHFUSE_OVERLAP_TRANSPORT": "process_group"},
@@ -129,6 +130,9 @@ LOOP_VARIANTS = {
     "meshfuse_copy_engine_4": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
                                 "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
                                "allreduces by copy engines, 4 row chunks"),
+    "meshfuse_copy_engine_8": ({"MESHFUSE_OVERLAP_CHUNKS": "8",
+                                "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
+                               "allreduces by copy engines, 8 row chunks"),
 }
 
 
