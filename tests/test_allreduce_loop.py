@@ -122,6 +122,10 @@ def test_whole_allreduce_unless_it_pays(multidevice_test, monkeypatch, overlap):
         why = "set_overlap(False)" if overlap is False else "GEMM -> allreduce: est."
         line = next(s for s in text.splitlines() if "next to linear -> " in s)
         assert f": as a whole ({why}" in line
+        before = "set_overlap(False)" if overlap is False else \
+            "decided per input signature by a cost estimate"
+        assert any(s.startswith("  GEMM -> allreduce: ") and s.endswith(before)
+                   for s in fd.explain().splitlines())  # without inputs: the candidate
         assert "stream loop" not in text
 
 
