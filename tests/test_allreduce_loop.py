@@ -20,8 +20,9 @@ from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import InputError
 from meshfuse.runtime import allreduce_loop
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.collectives import Group, record_communications
 from meshfuse.runtime.overlap_cost import DEFAULT_COSTS
+from meshfuse.runtime.stream_loop_lowering import choose_transport
 
 FREE = "100,1,0,0"  # GB/s, TFLOP/s, us per chunk, contention: a loop always pays
 MX = ParallelType.mesh_x
@@ -330,3 +331,18 @@ def test_output_set_of_an_allreduce_is_not_copied(multidevice_test, monkeypatch,
     a, b = twice.execute(inputs)
     torch.testing.assert_close(a, b)
     assert a.data_ptr() != b.data_ptr()
+
+
+def test_transport_default_of_allreduce_loops(monkeypatch):
+    """``auto`` means the default given (the copy engines where they can run: not on a
+    CPU, which says why); the process group asked for is kept."""
+    monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
+    cpu, group = torch.device("cpu"), [Group(None, (0, 1), 0, 0)]
+    ce, pg = allreduce_loop.COPY_ENGINE, allreduce_loop.PROCESS_GROUP
+    transport, why = choose_transport("auto", cpu, group, False, default=ce)
+    assert transport == pg and why.startswith("copy engines unavailable: copy engines are CUDA")
+    assert choose_transport("auto", cpu, group, False)[0] == pg
+    assert choose_transport("process_group", cpu, group, False, default=ce) == \
+        (pg, "asked for the process group")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "nccl")
+    assert choose_transport("auto", cpu, group, False, default=ce)[0] == pg
