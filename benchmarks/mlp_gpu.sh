@@ -7,7 +7,8 @@
 #    GEMM and the Megatron calls, transfers recorded);
 # 2. OUT/case/*.md, *.json (log OUT/case.log): the mlp case (T=H=8192, F=32768, bf16, forward
 #    and backward): one GPU, torch_manual, DTensor, meshfuse as estimated, and with both
-#    allreduces forced into loops: NCCL in 4 row chunks, copy engines whole, in 4 and 8 chunks;
+#    allreduces forced into loops: NCCL in 4 row chunks, copy engines whole, in 4 and 8 chunks,
+#    and the copy engines asked for with the loops left to the estimate;
 #    each with its speed over one GPU and over DTensor;
 # 3. OUT/profile/mlp_profile*.txt (log OUT/profile.log): a profile of 3 steps of each variant
 #    (kernels by name with counts and times per step; GPU busy/idle time, NCCL or copy-engine
