@@ -1,5 +1,7 @@
 """GEMM -> allreduce loops (tensor parallelism without sequence parallelism): a row-parallel
 GEMM and the allreduce of its partial result cut into row chunks, chosen by the engine.
+The tests of the process group's loops ask for it (on CUDA ranks the copy engines may be
+the default); those of the copy engines run on CUDA only.
 
 Values against the unsharded computation at every world size (rows that do not divide by
 the chunk count, rows of a 3-D operand, a ``matmul``, the Megatron MLP's forward and
@@ -69,6 +71,7 @@ def _run(multidevice_test, fd, globals_):
                                              ([3, 8], 8), ([9, 8], 8)],
                          ids=["even", "uneven", "rows_of_3d", "more_chunks_than_rows", "empty_chunks"])
 def test_forced_loop_values_and_allreduces(multidevice_test, monkeypatch, x_shape, chunks):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", str(chunks))
     d = multidevice_test.size
     fd = _row_linear(mesh_1d(multidevice_test), x_shape, 3, overlap=True)
@@ -91,6 +94,7 @@ def test_forced_loop_values_and_allreduces(multidevice_test, monkeypatch, x_shap
 
 @pytest.mark.mpi
 def test_matmul_by_a_sharded_matrix(multidevice_test, monkeypatch):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.delenv("MESHFUSE_OVERLAP_CHUNKS", raising=False)
     d = multidevice_test.size
@@ -109,6 +113,7 @@ def test_matmul_by_a_sharded_matrix(multidevice_test, monkeypatch):
 def test_whole_allreduce_unless_it_pays(multidevice_test, monkeypatch, overlap):
     """Forbidden, or estimated on the device's own figures (tiny CPU GEMMs, a contention of
     1): one allreduce of the whole result."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     if overlap is False:
         monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)  # would pay, but forbidden
     else:
@@ -132,6 +137,7 @@ def test_whole_allreduce_unless_it_pays(multidevice_test, monkeypatch, overlap):
 
 @pytest.mark.mpi
 def test_overlap_off_keeps_the_allreduce_whole(multidevice_test, monkeypatch):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.setenv("MESHFUSE_OVERLAP", "off")
     fd = _row_linear(mesh_1d(multidevice_test), [6, 8], 3, overlap=None)
@@ -147,6 +153,7 @@ def test_overlap_off_keeps_the_allreduce_whole(multidevice_test, monkeypatch):
 def test_loop_on_a_2x2_mesh(multidevice_test, monkeypatch):
     """Tokens over mesh_y, the contracted axis over mesh_x: each rank chunks its own
     tokens (5 rows, 2 chunks), one allreduce over mesh_x per chunk."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
     mesh = mesh_2x2(multidevice_test)
     with FusionDefinition() as fd:
@@ -184,6 +191,7 @@ def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypa
     the Megatron calls; the forward loop runs before the backward's GEMMs, and z is read
     only after them (the loop's result is waited for where read, not at the loop's end);
     the backward's loop runs before the weight gradients' GEMMs, as its allreduce did."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "4")
     d = multidevice_test.size
@@ -300,6 +308,7 @@ def test_output_set_of_an_allreduce_is_not_copied(multidevice_test, monkeypatch,
     """``out = set(partial)``: the allreduce's (or the loop's) result becomes the output
     without a copy (on one device the communication is a local copy, and the set none);
     a second output reading the same result keeps its own buffer."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
     mesh = mesh_1d(multidevice_test)
     with FusionDefinition() as fd:
