@@ -101,13 +101,18 @@ class FusionRunner:
         from ``inputs`` when given. ``verbose`` adds the domains of every tensor and, with
         ``inputs``, the program's steps."""
         extents = program = None
+        # Without inputs, the device is the communicator's (where a multi-rank program's
+        # tensors live); a lone process does not know it yet.
+        device = self.communicator.device if self.communicator is not None else None
         if inputs is not None:
             key = _signature(inputs)
             if key not in self._programs:
                 self._programs[key] = self._make_program(list(inputs), None)
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
-        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+            device = _device_of(inputs, self.communicator)
+        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents,
+                       device)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key, _device_of(inputs, self.communicator))])
