@@ -91,12 +91,12 @@ def test_bad_input_on_one_rank_is_an_error_on_every_rank(multidevice_test, monke
         pytest.skip("needs two ranks: one wrong, the others right")
     if case.cuda is not None and case.cuda != torch.cuda.is_available():
         pytest.skip(f"a mistake {'only CUDA' if case.cuda else 'only a CPU'} can make")
-    for variable in ("MESHFUSE_CONTEXT_PARALLEL", "MESHFUSE_CP_TRANSPORT"):
-        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("MESHFUSE_CONTEXT_PARALLEL", "ring")  # the others' strategy
+    monkeypatch.delenv("MESHFUSE_CP_TRANSPORT", raising=False)
     if rank == culprit:  # read when the fusion is defined and built
         for variable, value in case.env.items():
             monkeypatch.setenv(variable, value)
-    fd = Attention(H, S, False, strategy=None if case.env else "ring")
+    fd = Attention(H, S, False)
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     good = [multidevice_test.shard_tensor(t, tv)
             for t, tv in zip(_global_inputs(H, S, QkvFormat.BHSE), fd.tensors())]
