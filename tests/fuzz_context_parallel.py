@@ -8,7 +8,8 @@ seed draws, independently:
 
 - sizes: batch 1-2, query heads 1-4 and a divisor of them as key/value heads (grouped-query
   attention when fewer), head dim 4 or 8, a sequence length that the ranks often do not
-  divide (a zig-zag split takes a multiple of twice the ranks);
+  divide (a zig-zag split takes a multiple of twice the ranks), sometimes a key sequence of
+  another length (cross attention; causal masks aligned top-left, as PyTorch's);
 - causal or not, a scale or the default, BHSE or BSHE memory order;
 - the split of the sequence: block (``outer_split``, uneven where the length does not
   divide) or zig-zag (``zigzag_split``, load balanced);
@@ -52,15 +53,18 @@ def generate(seed: int, world_size: int) -> Program:
         s = 2 * sequence_ranks * rng.choice([1, 2, 3])
     else:
         s = rng.choice(SEQUENCE_LENGTHS)
+    lengths = [2 * sequence_ranks * k for k in (1, 2, 3)] if zigzag else SEQUENCE_LENGTHS
+    s_kv = rng.choice([x for x in lengths if x != s]) if rng.random() < 0.25 else s
     causal, backward = rng.random() < 0.6, rng.random() < 0.7
     scale = rng.choice([None, None, 0.5])
     layout = rng.choice([B_HSE, B_SHE])
-    strategy = rng.choice(_strategies(heads, kv_heads, s, sequence_ranks, mesh_2d, zigzag))
+    strategy = rng.choice(_strategies(heads, kv_heads, (s, s_kv), sequence_ranks, mesh_2d,
+                                      zigzag))
     with_lse = rng.random() < 0.3
     gathered = rng.random() < 0.2
 
-    shapes = {"t0": (batch, heads, s, e), "t1": (batch, kv_heads, s, e),
-              "t2": (batch, kv_heads, s, e)}
+    shapes = {"t0": (batch, heads, s, e), "t1": (batch, kv_heads, s_kv, e),
+              "t2": (batch, kv_heads, s_kv, e)}
     if backward:
         shapes["t3"] = (batch, heads, s, e)
     cp = f", context_parallel={strategy!r}" if strategy is not None else ""
@@ -76,6 +80,7 @@ def generate(seed: int, world_size: int) -> Program:
     program.meshes = {"mesh": [[0, 1], [2, 3]] if mesh_2d else list(range(d))}
     program.mode = (f"{'2x2' if mesh_2d else '1d'}, {'zig-zag' if zigzag else 'block'}, "
                     f"strategy {strategy}, {'BSHE' if layout == B_SHE else 'BHSE'}"
+                    + (f", {s_kv} keys" if s_kv != s else "")
                     + (", output gathered" if gathered else ""))
     program.schedule = _schedule(list(shapes), sequence_ranks, mesh_2d, zigzag)
     if gathered:
@@ -83,11 +88,16 @@ def generate(seed: int, world_size: int) -> Program:
     return program
 
 
-def _strategies(heads, kv_heads, s, n, mesh_2d, zigzag) -> list[str | None]:
-    """The strategies that can run: all-to-all needs each rank's query and key/value heads
-    to divide over the ``n`` ranks of the sequence, in blocks of one size."""
+def _strategies(heads, kv_heads, lengths, n, mesh_2d, zigzag) -> list[str | None]:
+    """The strategies that can be asked for: all-to-all needs each rank's query and
+    key/value heads to divide over the ``n`` ranks of the sequence, in blocks of one size;
+    cross attention (query and key ``lengths`` differ) runs context-parallel on a block
+    split into equal blocks of both, else the engine gathers (``allgather`` or the
+    estimate's choice only)."""
     local = (heads // 2, kv_heads // 2) if mesh_2d else (heads, kv_heads)
-    equal = zigzag or s % n == 0
+    equal = zigzag or all(s % n == 0 for s in lengths)
+    if lengths[0] != lengths[1] and (zigzag or not equal):
+        return [None, "allgather"]
     alltoall = equal and all(h % n == 0 for h in local)
     return [None, "ring", "ring", "allgather"] + (["alltoall"] if alltoall else [])
 

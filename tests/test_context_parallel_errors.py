@@ -65,10 +65,10 @@ CASES = {
     "other_strategy_variable": Case(InputError, ("context parallelism of sdpfa_fwd",
                                                  "allgather", "ring"),
                                     env={"MESHFUSE_CONTEXT_PARALLEL": "allgather"}),
+    # on CUDA the others' auto is the copy engines (blocks of one size)
     "other_transport_variable": Case(InputError, ("context parallelism of sdpfa_fwd",
-                                                  "copy_engine", "nccl"),
-                                     env={"MESHFUSE_CP_TRANSPORT": "copy_engine",
-                                          "MESHFUSE_CP_MERGE": "eager"}, cuda=True),
+                                                  "'nccl'", "'copy_engine'"),
+                                     env={"MESHFUSE_CP_TRANSPORT": "nccl"}, cuda=True),
     "copy_engines_on_a_cpu_rank": Case(DefinitionError, ("MESHFUSE_CP_TRANSPORT=copy_engine",
                                                          "use nccl or auto"),
                                        env={"MESHFUSE_CP_TRANSPORT": "copy_engine"}, cuda=False),
