@@ -23,6 +23,7 @@ from meshfuse.ir.tensor_view import Scalar, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.localization import Local
 from meshfuse.runtime.binding import Binding
+from meshfuse.runtime.bucketing import Candidate, bucketable, plan_buckets, run_in_buckets
 from meshfuse.runtime.executor import RESHARD, OutputLayout, Program, Slot, Step, dispatch
 
 # lower_reshard(expr, binding, donated) -> (implementation, plan steps, plan text), or None
@@ -41,7 +42,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
                   lower_op: LowerOp | None = None,
                   group_loops: GroupLoops | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
-    :func:`meshfuse.passes.localization.localize`)."""
+    :func:`meshfuse.passes.localization.localize`). Small allreduces whose results no step
+    reads run in buckets (:mod:`meshfuse.runtime.bucketing`)."""
     slot_of: dict[Val, int] = {}
 
     def slot(v: Val) -> int:
@@ -54,7 +56,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for v in expr.inputs:
             last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
-    steps, calls, ran = [], [], []
+    read = {v for e in exprs for v in e.inputs}
+    steps, calls, ran, candidates = [], [], [], []
     for index, expr in enumerate(exprs):
         lowered = None
         if isinstance(expr, Reshard) and lower_reshard is not None:
@@ -68,6 +71,11 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             continue
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        if lowered is not None and isinstance(expr, Reshard) and bucketable(
+                lowered[1], expr.outputs[0] in read, donated):
+            candidates.append(Candidate(outs[0], expr.outputs[0].name, lowered[1][0],
+                                        binding.layouts[expr.args[0]].shape,
+                                        expr.args[0].dtype.torch_dtype))
         if isinstance(expr, Reshard):
             # With no data to move (meshes of one device), a copy as the user's set would make.
             call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
@@ -86,6 +94,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         ran.append(expr)
     if group_loops is not None:
         steps, calls = group_loops(ran, steps, calls, slot_of, keep)
+    steps, calls = run_in_buckets(steps, calls, plan_buckets(candidates), rank)
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
