@@ -45,10 +45,14 @@ def _step_of(variant):
 
 
 def _kernels(prof, cuda: bool) -> list[tuple[str, int, float]]:
-    """(name, count, total ms) of the device kernels (CUDA) or aten ops (CPU)."""
+    """(name, count, total ms) of the device kernels (CUDA) or aten ops (CPU). On CUDA the
+    GPU spans of ``record_function`` ranges (user annotations: ``nccl:all_reduce`` around
+    each NCCL kernel, ``## Call CompiledFxGraph ##`` around each compiled segment's kernels)
+    are not kernels: counting them would count each collective twice and each compiled
+    segment once more than its kernels."""
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
-        if cuda and e.device_type.name != "CUDA":
+        if cuda and (e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False)):
             continue
         if not cuda and not e.name.startswith(("aten::", "c10d")):
             continue

@@ -262,3 +262,36 @@ def test_compiled_derived_backward_equals_the_interpreted_one():
         assert all(bool(runner._fused) == bool(compile) for runner in runners)
     for interpreted, compiled in zip(*results):
         torch.testing.assert_close(compiled, interpreted)
+
+
+@pytest.mark.mpi
+def test_backward_collectives_run_under_weight_gradients(multidevice_test):
+    """The derived backward's program places a matrix product between each collective's
+    launch and the first step that reads its result, wherever one does not need it: the
+    reduce-scatter of the MLP's input gradient runs under fc2's weight gradient, the
+    allgather of ``dh`` under fc1's, the reduce-scatter of the attention's input gradient
+    under out_proj's (the first allgather, of ``dy``, feeds the first matmul: nothing can
+    hide it; the bucketed allreduce is read by no step)."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    if size == 1:
+        pytest.skip("no collective on one rank")
+    x, dy, params = make_inputs(torch.float32)
+    block = GptBlock(B, S, E, HEADS, DataType.Float, DeviceMesh(range(size))).define()
+    leaves = [shard_tensor(t, tv, rank).requires_grad_()
+              for t, tv in zip([x, *params.values()], [block.x, *block.params.values()])]
+    function = block.as_autograd_function()
+    y, = function(leaves)
+    y.backward(shard_tensor(dy, block.y, rank))
+    compiled, = function._derivations.values()
+    steps = next(iter(compiled._backward._programs.values())).steps
+    hidden = []
+    for k, step in enumerate(steps):
+        if step.op != "reshard" or not step.plan:
+            continue
+        readers = [j for j in range(k + 1, len(steps))
+                   if any(getattr(a, "index", None) in step.outputs for a in steps[j].args)]
+        if readers:
+            between = [s.op for s in steps[k + 1:readers[0]]]
+            hidden.append((step.plan[0].kind, "matmul" in between))
+    assert hidden == [("allgather", False), ("reduce_scatter", True), ("allgather", True),
+                      ("reduce_scatter", True)]
