@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from meshfuse.runtime.collectives import Pending
-from meshfuse.runtime.executor import RESHARD, Step
+from meshfuse.runtime.executor import RESHARD, Program, Step
 from meshfuse.runtime.resharding import ReshardStep
 
 # The most bytes one bucket reduces. Under about a megabyte an allreduce on NVLink or a
@@ -125,6 +125,13 @@ def _bucket_step(bucket: Bucket, member_steps: list[Step], head: Callable, rank:
                 tuple(dict.fromkeys(f for s in member_steps for f in s.free)), label,
                 tuple(m.plan for m in bucket.members))
     return step, bucket_call(head, [m.shape for m in bucket.members])
+
+
+def bucket_lines(program: Program) -> list[str]:
+    """``explain``'s lines on the buckets of ``program`` (the allreduces listed above that
+    run as one)."""
+    lines = [f"  {s.label}" for s in program.steps if s.op == RESHARD and len(s.outputs) > 1]
+    return [f"allreduces run as one bucket on rank {program.rank}:", *lines] if lines else []
 
 
 def bucket_call(reduce: Callable[[torch.Tensor], torch.Tensor | Pending],
