@@ -148,19 +148,20 @@ def direct_variant(inputs, requested=None, name="direct"):
     return Variant(name, setup)
 
 
-def _raw_aten(backend, q, k, v, g):
+def raw_aten(backend, q, k, v, g, causal=IS_CAUSAL):
     """One forward and backward of ``backend`` as bare ``torch.ops.aten`` calls (no meshfuse
     wrapper, no check, no layout work): the issue's "same kernels called directly"."""
-    aten, s, causal = torch.ops.aten, q.shape[2], IS_CAUSAL
-    if backend.value == "cudnn":
+    aten, s = torch.ops.aten, q.shape[2]
+    backend = getattr(backend, "value", backend)  # an AttentionBackend or its name
+    if backend == "cudnn":
         out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
         return out[0], aten._scaled_dot_product_cudnn_attention_backward(
             g, q, k, v, out[0], out[1], out[6], out[7], None, None, None, s, s, 0.0, causal)
-    if backend.value == "flash":
+    if backend == "flash":
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
         return out[0], aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out[0], out[1], None, None, s, s, 0.0, causal, out[6], out[7])
-    if backend.value == "efficient":
+    if backend == "efficient":
         out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
         return out[0], aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, None, out[0], out[1], out[2], out[3], 0.0, [True, True, True, False],
@@ -171,14 +172,14 @@ def _raw_aten(backend, q, k, v, g):
 
 
 def raw_variant(inputs) -> Variant:
-    """``direct_aten``: the kernels meshfuse selects as bare aten calls (see _raw_aten)."""
+    """``direct_aten``: the kernels meshfuse selects as bare aten calls (see raw_aten)."""
     q, k, v, g = inputs
 
     def setup():
         backend = select_backend(q, k, v, DROPOUT_P, IS_CAUSAL)
         if backend.value not in ("cudnn", "flash", "efficient", "cpu_flash"):
             raise Skip(f"no bare aten form for the {backend.value} kernel")
-        return (lambda: _raw_aten(backend, q, k, v, g)), {"backend": backend.value}
+        return (lambda: raw_aten(backend, q, k, v, g)), {"backend": backend.value}
 
     return Variant("direct_aten", setup, "bare torch.ops.aten calls")
 
