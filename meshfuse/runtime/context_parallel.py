@@ -361,6 +361,6 @@ def agreed_facts(exprs: Sequence[Expr], local: Mapping[Expr, Local]) -> list[Fac
         shown = f"strategy {record.strategy!r}" + (
             f" with transport {record.transport!r}" if record.strategy == RING else "")
         facts.append(Fact(
-            f"the context parallelism of {expr.op.name} (expression {index}; set by {ENV_VAR} "
-            f"and {TRANSPORT_VAR}, alike on every rank)", value, shown))
+            f"the context parallelism of {expr.op.name} (op {index}), which {ENV_VAR} and "
+            f"{TRANSPORT_VAR} must set alike on every rank", value, shown))
     return facts
