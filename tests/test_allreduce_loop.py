@@ -21,9 +21,13 @@ from mesh_helpers import mesh_1d, mesh_2x2, shard
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import InputError
-from meshfuse.runtime import allreduce_loop
+from meshfuse.passes.allreduce_loop import GEMM_ALLREDUCE
+from meshfuse.passes.overlap_candidates import overlap_candidates
+from meshfuse.passes.pipeline import compile as compile_fusion
+from meshfuse.runtime import allreduce_loop_cost
+from meshfuse.runtime.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
 from meshfuse.runtime.collectives import Group, record_communications
-from meshfuse.runtime.overlap_cost import DEFAULT_COSTS
+from meshfuse.runtime.overlap_cost import DEFAULT_COSTS, _largest_shard
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 
 FREE = "100,1,0,0"  # GB/s, TFLOP/s, us per chunk, contention: a loop always pays
@@ -104,7 +108,7 @@ def test_matmul_by_a_sharded_matrix(multidevice_test, monkeypatch):
     torch.testing.assert_close(out.cpu(), x @ w)
     if d > 1:
         chunks = int(text.split("stream loop: ")[1].split()[0])
-        assert chunks in allreduce_loop.CHUNK_CHOICES
+        assert chunks in (2, 4, 8)
         assert _kinds(comms) == Counter(allreduce=-(-9 // -(-9 // chunks)))
 
 
@@ -192,11 +196,10 @@ def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypa
     only after them (the loop's result is waited for where read, not at the loop's end);
     the backward's loop runs before the weight gradients' GEMMs, as its allreduce did."""
     monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
-    monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "4")
     d = multidevice_test.size
     mesh = DeviceMesh(range(d)) if d > 1 else None
-    model = MegatronMlp(tokens, 8, 8 * d, mesh, dtype=DataType.Float)
+    model = MegatronMlp(tokens, 8, 8 * d, mesh, dtype=DataType.Float, overlap=True)
     inputs = _mlp_inputs(multidevice_test, tokens)
     with record_communications() as comms:
         got = model.execute(inputs)
@@ -216,26 +219,65 @@ def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypa
     assert loops[1] < min(weight_gradients)  # dx's chunks move under dw1's and dw2's GEMMs
 
 
-def test_estimate_with_nccl_never_pays_and_with_copy_engines_does():
-    """With NCCL's measured contention (1) a loop is never estimated faster; with the copy
-    engines' figures the Megatron MLP's forward GEMM (8192 tokens, 16384 of 32768 ffn per
-    device, 8192 hidden, bf16) is cut."""
-    flops, nbytes = 2.0 * 8192 * 8192 * 16384, 8192 * 8192 * 2
+MLP = (2.0 * 8192 * 8192 * 16384, 8192 * 8192 * 2)  # the MLP's GEMM per device, its result
+NCCL, CE = DEFAULT_COSTS["cuda"], DEFAULT_COSTS["cuda_copy_engine"]
+
+
+def test_estimate_with_nccl_never_pays():
+    """With NCCL's measured contention (1) a loop is never estimated faster, whatever work
+    runs beside it."""
     for k in (2, 4, 8):
-        plain, looped = allreduce_loop.estimate_ms(DEFAULT_COSTS["cuda"], flops, nbytes, 2, k)
-        assert looped > plain
-    plain, looped = allreduce_loop.estimate_ms(DEFAULT_COSTS["cuda_copy_engine"], flops,
-                                               nbytes, 2, 4, allreduce_loop.COPY_ENGINE)
-    assert looped < 0.95 * plain
+        for beside in (0.0, 4 * MLP[0]):
+            whole, looped = allreduce_loop_cost.estimate_ms(NCCL, NCCL, *MLP, 2, k,
+                                                            beside_flops=beside)
+            assert looped > whole
+
+
+def test_estimate_with_copy_engines_chunks_only_what_nothing_hides():
+    """By the copy engines: with GEMMs beside the allreduce (the MLP's backward) one chunk
+    is best, the transfer then costing no SM; with none (a forward alone) several are."""
+    def best(beside):
+        times = {k: allreduce_loop_cost.estimate_ms(NCCL, CE, *MLP, 2, k, COPY_ENGINE, beside)
+                 for k in (1, 2, 4, 8)}
+        k = min(times, key=lambda k: times[k][1])
+        return k, times[k]
+
+    k, (whole, looped) = best(4 * MLP[0])
+    assert k == 1 and looped < 0.85 * whole
+    k, (whole, looped) = best(0.0)
+    assert k > 1 and looped < 0.95 * whole
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_megatron_mlp_choice_reads_the_gemms_beside(d, monkeypatch):
+    """The compiled MLP at the benchmark's sizes: both allreduces are candidates; z's has
+    the four backward GEMMs beside it, dx's the two weight gradients'; with the NCCL figures
+    both run whole, with the copy engines' each as one chunk."""
+    for name in ("MESHFUSE_OVERLAP", "MESHFUSE_OVERLAP_COST", "MESHFUSE_OVERLAP_CHUNKS"):
+        monkeypatch.delenv(name, raising=False)
+    model = MegatronMlp(8192, 8192, 32768, DeviceMesh(range(d))).define()
+    fusion = compile_fusion(model.fusion, d).fusion
+    extents = {i: i.extent for tv in fusion.tensors() for i in tv.logical}
+    candidates = overlap_candidates(fusion, [])
+    assert [c.kind for c in candidates] == [GEMM_ALLREDUCE] * 2
+    per_gemm = 2.0 * 8192 * 8192 * 32768 / d
+    for c, beside in zip(candidates, (4, 2)):
+        plan, why = allreduce_loop_cost.choose(c, extents, _largest_shard, NCCL, NCCL,
+                                               PROCESS_GROUP, True)
+        beside_ms = beside * per_gemm / (NCCL.gemm_tflops * 1e12) * 1e3
+        assert plan is None and f"{beside_ms:.3f} ms of GEMMs beside" in why
+        plan, why = allreduce_loop_cost.choose(c, extents, _largest_shard, NCCL, CE,
+                                               COPY_ENGINE, True)
+        assert plan is not None and plan.chunks == 1 and "in 1 chunks by copy engines" in why
 
 
 def test_chunk_count_from_the_environment(monkeypatch):
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "3")
-    assert allreduce_loop.fixed_chunks() == 3
+    assert allreduce_loop_cost.fixed_chunks() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", bad)
         with pytest.raises(InputError, match="MESHFUSE_OVERLAP_CHUNKS.*positive number"):
-            allreduce_loop.fixed_chunks()
+            allreduce_loop_cost.fixed_chunks()
 
 
 @pytest.mark.mpi
@@ -347,7 +389,7 @@ def test_transport_default_of_allreduce_loops(monkeypatch):
     CPU, which says why); the process group asked for is kept."""
     monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
     cpu, group = torch.device("cpu"), [Group(None, (0, 1), 0, 0)]
-    ce, pg = allreduce_loop.COPY_ENGINE, allreduce_loop.PROCESS_GROUP
+    ce, pg = COPY_ENGINE, PROCESS_GROUP
     transport, why = choose_transport("auto", cpu, group, False, default=ce)
     assert transport == pg and why.startswith("copy engines unavailable: copy engines are CUDA")
     assert choose_transport("auto", cpu, group, False)[0] == pg

@@ -14,36 +14,23 @@ beside the next chunk's. The step's result is a
 first read, as a plain allreduce's is: work after the loop that does not read it is not
 held back by the last chunk's allreduce.
 
-**Whether it pays** (:func:`choose`), for a GEMM of ``t_g`` and an allreduce of ``t_c``
-(moving ``2 (d - 1) / d`` of the result per device) on one device's figures
-(:class:`~meshfuse.runtime.overlap_cost.OverlapCost`), in ``k`` chunks:
-
-- as a whole: ``t_g + t_c``;
-- as a loop: ``max(t_g + t_c / k, t_g / k + t_c)`` (a pipeline of two stages) plus
-  ``contention * min(t_g, t_c) * (k - 1) / k`` (what the GEMMs lose to the allreduces
-  beside them) plus ``k`` times the host cost of a chunk.
-
-``k`` is the best of 2, 4 and 8 (at most the row count), or ``MESHFUSE_OVERLAP_CHUNKS``
-(at most the row count).
-With NCCL on Hopper GPUs the contention is 1 (an allreduce launched beside a persistent
-cuBLAS GEMM waits for its SMs: see :mod:`meshfuse.runtime.overlap_cost`), so the loop is
-then never estimated faster and runs only when forced (``set_overlap(True)``) or with other
-figures (``MESHFUSE_OVERLAP_COST``).
+Whether it pays, by which transport and in how many chunks:
+:mod:`meshfuse.runtime.allreduce_loop_cost`. By the copy engines (:class:`CopyEngineReduce`)
+the peers' rows are pulled from symmetric memory without SMs and summed where the result is
+read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from meshfuse.errors import InputError
 from meshfuse.ir.memory_type import MemoryType
-from meshfuse.passes.allreduce_loop import AllreduceCandidate, AllreduceLoopPlan
+from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
 from meshfuse.runtime import copy_engine
 from meshfuse.runtime.binding import Binding
 from meshfuse.runtime.collectives import (
@@ -59,61 +46,6 @@ PROCESS_GROUP = "process_group"  # the chunks' allreduces over torch.distributed
 COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (CopyEngineReduce)
 # What MESHFUSE_OVERLAP_TRANSPORT unset (or auto) means for these loops.
 DEFAULT_TRANSPORT = PROCESS_GROUP
-CHUNKS_ENV = "MESHFUSE_OVERLAP_CHUNKS"
-CHUNK_CHOICES = (2, 4, 8)
-MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)
-
-
-def estimate_ms(cost, flops: float, result_bytes: float, devices: int, chunks: int,
-                transport: str = PROCESS_GROUP) -> tuple[float, float]:
-    """(milliseconds as a whole, as a loop of ``chunks``) on ``cost``'s figures (an
-    :class:`~meshfuse.runtime.overlap_cost.OverlapCost`); see the module doc."""
-    t_g = flops / (cost.gemm_tflops * 1e12) * 1e3
-    moved = (devices - 1) * result_bytes if transport == COPY_ENGINE else \
-        2 * result_bytes * (devices - 1) / devices
-    t_c = moved / (cost.link_gb_per_s * 1e9) * 1e3
-    k = chunks
-    looped = max(t_g + t_c / k, t_g / k + t_c) + cost.contention * min(t_g, t_c) * (k - 1) / k \
-        + k * cost.chunk_overhead_us * 1e-3
-    return t_g + t_c, looped
-
-
-def fixed_chunks() -> int | None:
-    """The chunk count ``MESHFUSE_OVERLAP_CHUNKS`` asks for, or None (the estimate's)."""
-    spec = os.environ.get(CHUNKS_ENV, "")
-    if not spec:
-        return None
-    if not spec.isdigit() or int(spec) < 1:
-        raise InputError(f"{CHUNKS_ENV}={spec!r}: give a positive number of row chunks for "
-                         "GEMM -> allreduce loops (or leave it unset: the estimate's)")
-    return int(spec)
-
-
-def choose(candidate: AllreduceCandidate, flops: float, result_bytes: float, rows: int,
-           cost, automatic: bool, transport: str = PROCESS_GROUP
-           ) -> tuple[AllreduceLoopPlan | None, str]:
-    """The loop for ``candidate`` (None: the pair runs as a whole) and why, from the
-    GEMM's ``flops``, the bytes of its (largest) result and its row count on one device,
-    the figures ``cost`` of ``transport``; ``automatic``: whether the estimate may choose
-    it (``MESHFUSE_OVERLAP`` is not off)."""
-    d = candidate.devices
-    fixed = fixed_chunks()
-    choices = [min(fixed, rows)] if fixed else [k for k in CHUNK_CHOICES if k <= rows]
-    if d < 2 or rows < 2:
-        return None, f"{candidate.kind}: one device or one row"
-    estimates = {k: estimate_ms(cost, flops, result_bytes, d, k, transport) for k in choices}
-    best = min(choices, key=lambda k: estimates[k][1])
-    plain, looped = estimates[best]
-    by = " by copy engines" if transport == COPY_ENGINE else ""
-    why = (f"{candidate.kind}: est. {looped:.3f} ms in {best} chunks{by} vs {plain:.3f} ms "
-           "without")
-    if candidate.forced is not None:
-        use, why = candidate.forced, f"set_overlap({candidate.forced}); {why}"
-    elif not automatic:
-        use, why = False, "MESHFUSE_OVERLAP=off"
-    else:
-        use = looped < (1 - MARGIN) * plain
-    return (candidate.plan(why, best) if use else None), why
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.allreduce_loop import AllreduceCandidate
 from meshfuse.passes.overlap_candidates import OverlapCandidate
-from meshfuse.runtime import allreduce_loop
+from meshfuse.runtime import allreduce_loop_cost
 
 MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)
 
@@ -165,14 +165,11 @@ def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain
 
 def _allreduce_loop(candidate: AllreduceCandidate, extents: Mapping[IterDomain, int],
                     device_type: str, transport: str):
-    """(the loop or None, why) for a GEMM -> allreduce candidate: its figures on one device
-    given to :func:`meshfuse.runtime.allreduce_loop.choose`."""
-    out, x = candidate.gemm.tensor_outputs[0], candidate.gemm.tensor_inputs[0]
-    shape = _largest_shard(out, extents)
-    flops = 2.0 * math.prod(shape) * _largest_shard(x, extents)[-1]
-    nbytes = math.prod(shape) * out.dtype.torch_dtype.itemsize
-    return allreduce_loop.choose(candidate, flops, nbytes, math.prod(shape[:-1]),
-                                 cost_for(device_type, transport), automatic(), transport)
+    """(the loop or None, why) for a GEMM -> allreduce candidate
+    (:func:`meshfuse.runtime.allreduce_loop_cost.choose`)."""
+    return allreduce_loop_cost.choose(candidate, extents, _largest_shard,
+                                      cost_for(device_type), cost_for(device_type, transport),
+                                      transport, automatic())
 
 
 def candidate_lines(candidates: list[OverlapCandidate]) -> list[str]:
