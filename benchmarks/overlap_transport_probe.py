@@ -11,6 +11,9 @@ the slowest rank's) of:
   ``fused_matmul_reduce_scatter``): copy-engine pulls under GEMM chunks;
 - ``copy_engine_loop``: meshfuse's copy-engine transport
   (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
+  for the column layer also ``copy_engine_loop_early`` (the pulls issued before the own
+  block's GEMM, not after it) and ``copy_engine_two_streams`` (every other block's GEMM on a
+  side stream, as torch's fused op runs them);
 - ``async_tp_compiled``: ``torch.compile`` with ``_micro_pipeline_tp`` over the functional
   collective and the matmul.
 
@@ -88,7 +91,23 @@ def _overlap_line(step) -> str:
                   for m in moving for g in gemms)
     names = sorted({e.name[:60] for e in moving})
     return (f"transfers {total / 1e3:.3f} ms, {covered / max(total, 1e-9):.0%} under GEMMs "
-            f"({len(gemms)} GEMM kernels); {names}")
+            f"({len(gemms)} GEMM kernels); {names}\n    timeline (us from the first): "
+            + _timeline(moving + gemms + [e for e in events if "barrier" in e.name.lower()]))
+
+
+def _timeline(events) -> str:
+    """``name start-end`` of ``events`` in start order, in microseconds from the first."""
+    if not events:
+        return "-"
+    events = sorted(events, key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start
+    short = {"memcpy ptop": "PtoP", "memcpy dtod": "DtoD", "barrier": "barrier",
+             "nccl": "nccl"}
+    parts = []
+    for e in events:
+        name = next((v for k, v in short.items() if k in e.name.lower()), "gemm")
+        parts.append(f"{name} {e.time_range.start - t0:.0f}-{e.time_range.end - t0:.0f}")
+    return ", ".join(parts)
 
 
 def _group(ctx) -> Group:
@@ -127,13 +146,24 @@ def column_variants(ctx, t, h, dtype):
         dist.all_gather_into_tensor(full, x)
         return torch.matmul(full, w.t(), out=out)
 
-    def loop():
+    def loop(early: bool = False, side: torch.cuda.Stream | None = None):
         gathering = copy_engine.Gathering(x, group, shapes, place=0)
+        if early:  # the pulls issued before the own block's GEMM (session 8's order)
+            gathering.issue()
+        main = torch.cuda.current_stream()
         for i in range(d):
             b = (ctx.rank + i) % d
-            torch.matmul(gathering.block(b), w.t(), out=out[b * (t // d):(b + 1) * (t // d)])
+            stream = side if side is not None and i % 2 else main
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                torch.matmul(gathering.block(b), w.t(),
+                             out=out[b * (t // d):(b + 1) * (t // d)])
+        if side is not None:
+            main.wait_stream(side)
         gathering.finish()
         return out
+
+    side = torch.cuda.Stream(ctx.device)
 
     return {
         "gemm_only": lambda: torch.matmul(full, w.t(), out=out),
@@ -141,6 +171,8 @@ def column_variants(ctx, t, h, dtype):
         "torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w.t()], 0, name, return_A=False)[1][0],
         "copy_engine_loop": loop,
+        "copy_engine_loop_early": lambda: loop(early=True),
+        "copy_engine_two_streams": lambda: loop(side=side),
         "async_tp_compiled": lambda: _compiled("column", x, w, name),
     }, nccl
 
