@@ -37,7 +37,7 @@ summary=("commit: ${MESHFUSE_COMMIT:-$([ -e .git ] && git rev-parse --short HEAD
 want() { [[ $steps == *",$1,"* ]]; }
 if want probe; then
   SECONDS=0
-  timeout 75 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
+  timeout 60 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
     --layers column,row_sp \
     --variants gemm_only,nccl,torch_fused,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams \
     > "$out/probe.log" 2>&1
@@ -45,7 +45,7 @@ if want probe; then
 fi
 if want tests; then
   SECONDS=0
-  timeout 50 python -m pytest tests/test_overlap_transport.py -q -x -p no:cacheprovider \
+  timeout 45 python -m pytest tests/test_overlap_transport.py -q -x -p no:cacheprovider \
     --world-sizes 1,2 > "$out/tests.txt" 2>&1
   summary+=("copy-engine tests: rc=$? (${SECONDS}s) $(tail -1 "$out/tests.txt")")
 fi
@@ -57,7 +57,7 @@ if want nvfuser; then
     # each rank's per-test records, copied while it runs (the harness deletes them at the end)
     (while sleep 3; do cp "$scratch"/meshfuse-ws*/rank* "$out/nvfuser/" 2>/dev/null; done) &
     copier=$!
-    TMPDIR=$scratch MESHFUSE_TEST_TIMEOUT=80 timeout 90 scripts/nvfuser_tests.sh build/nvfuser \
+    TMPDIR=$scratch MESHFUSE_TEST_TIMEOUT=65 timeout 75 scripts/nvfuser_tests.sh build/nvfuser \
       "$out/nvfuser" multidevice/test_overlap.py --world-sizes 2 -v -rA \
       > "$out/nvfuser/stdout.log" 2>&1
     rc=$?
