@@ -79,9 +79,13 @@ def _median_ms(ctx, step) -> float:
     return max(ctx.gather(mine))
 
 
-def _overlap_line(step) -> str:
-    """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs."""
+def _overlap_line(step, pulls: list | None = None) -> str:
+    """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs;
+    the peer copies' durations (us) are appended to ``pulls``."""
     events = cuda_kernel_events(step)
+    if pulls is not None:
+        pulls += [e.time_range.end - e.time_range.start for e in events
+                  if "memcpy ptop" in e.name.lower()]
     moving = [e for e in events if "nccl" in e.name.lower() or "memcpy" in e.name.lower()]
     gemms = [e for e in events if any(k in e.name.lower() for k in ("gemm", "sm90", "cutlass",
                                                                      "nvjet"))]
@@ -225,9 +229,30 @@ def row_variants(ctx, t, h, dtype, kind):
             "async_tp_compiled": lambda: _compiled("row_sp", x, w, name)}, nccl
 
 
-def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines) -> None:
+def calibration_line(layer: str, times: dict, pulls: list, flops: float, block_bytes: float,
+                     d: int) -> str:
+    """The copy-engine figures of :mod:`meshfuse.runtime.overlap_cost` that this layer's
+    times give: GEMM TFLOP/s (``gemm_only``), the pulls' GB/s (the profile's peer copies), and
+    what the loop took beyond the model's overlap ``max(t_g, t_c + t_g / d)``, as a cost per
+    chunk (contention 0) and as a contention (no cost per chunk)."""
+    if "gemm_only" not in times or "copy_engine_loop" not in times or not pulls:
+        return f"{layer} calibration: needs gemm_only, copy_engine_loop and a profiled pull"
+    t_g = times["gemm_only"]
+    pull_ms = statistics.median(pulls) / 1e3
+    t_c = pull_ms * (d - 1)
+    extra = times["copy_engine_loop"] - max(t_g, t_c + t_g / d)
+    return (f"{layer} calibration: GEMM {flops / t_g / 1e9:.0f} TFLOP/s, pulls "
+            f"{block_bytes / pull_ms / 1e6:.0f} GB/s ({pull_ms:.3f} ms per block), loop "
+            f"{extra * 1e3:+.0f} us beyond the model's overlap: {extra * 1e3 / d:+.0f} us per "
+            f"chunk, or a contention of {extra / min(t_g, t_c):+.2f}")
+
+
+def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines,
+                size: tuple[float, float] | None = None) -> None:
+    """Times and profiles each variant; ``size``: (GEMM FLOPs, bytes of one block) of the
+    layer, for a calibration line."""
     expected = reference().clone()
-    times = {}
+    times, pulls = {}, []
     for variant, make in variants.items():
         try:
             step = make() if variant == "async_tp_compiled" else make
@@ -239,12 +264,15 @@ def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines) -> N
             base = times.get("nccl")
             ratio = f", {base / ms:.3f}x faster than nccl" if base else ""
             lines.append(f"{layer} {variant}: {ms:.3f} ms{ratio}; max abs err vs nccl {err:.2e}")
-            profile_lines.append(f"{layer} {variant}: {_overlap_line(step)}")
+            profile_lines.append(f"{layer} {variant}: " + _overlap_line(
+                step, pulls if variant == "copy_engine_loop" else None))
         except Exception as error:  # noqa: BLE001 (a probe reports each failure, goes on)
             lines.append(f"{layer} {variant}: FAILED {type(error).__name__}: {error}")
             traceback.print_exc()
         if ctx.rank == 0:
             print(lines[-1], flush=True)
+    if size is not None:
+        lines.append(calibration_line(layer, times, pulls, *size, ctx.world))
 
 
 def main() -> None:
@@ -276,7 +304,10 @@ def main() -> None:
             variants, reference = row_variants(ctx, t, h, dtype, layer)
         if args.variants:
             variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
-        probe_layer(ctx, layer, variants, reference, lines, profile_lines)
+        # both layers: a GEMM of 2 t h (4h / d) FLOPs, blocks of t / d rows of h
+        size = (2.0 * t * h * 4 * h / ctx.world, t // ctx.world * h * dtype.itemsize)
+        probe_layer(ctx, layer, variants, reference, lines, profile_lines,
+                    size if layer != "row" else None)
     if ctx.rank == 0:
         with open(os.path.join(args.out, "probe.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
