@@ -39,7 +39,7 @@ if want probe; then
   SECONDS=0
   timeout 60 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
     --layers column,row_sp \
-    --variants gemm_only,nccl,torch_fused,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams \
+    --variants gemm_only,nccl,torch_fused,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams,copy_engine_barrier_aside \
     > "$out/probe.log" 2>&1
   summary+=("probe: rc=$? (${SECONDS}s)" "$(cat "$out/probe/probe.txt" 2>/dev/null)")
 fi

@@ -12,8 +12,9 @@ the slowest rank's) of:
 - ``copy_engine_loop``: meshfuse's copy-engine transport
   (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
   for the column layer also ``copy_engine_loop_early`` (the pulls issued before the own
-  block's GEMM, not after it) and ``copy_engine_two_streams`` (every other block's GEMM on a
-  side stream, as torch's fused op runs them);
+  block's GEMM, not after it), ``copy_engine_two_streams`` (every other block's GEMM on a
+  side stream, as torch's fused op runs them) and ``copy_engine_barrier_aside`` (the staging
+  barrier on the copy stream: the own block's GEMM does not wait for the other ranks);
 - ``async_tp_compiled``: ``torch.compile`` with ``_micro_pipeline_tp`` over the functional
   collective and the matmul.
 
@@ -150,8 +151,8 @@ def column_variants(ctx, t, h, dtype):
         dist.all_gather_into_tensor(full, x)
         return torch.matmul(full, w.t(), out=out)
 
-    def loop(early: bool = False, side: torch.cuda.Stream | None = None):
-        gathering = copy_engine.Gathering(x, group, shapes, place=0)
+    def loop(early: bool = False, side: torch.cuda.Stream | None = None, aside: bool = False):
+        gathering = copy_engine.Gathering(x, group, shapes, place=0, barrier_aside=aside)
         if early:  # the pulls issued before the own block's GEMM (session 8's order)
             gathering.issue()
         main = torch.cuda.current_stream()
@@ -177,6 +178,7 @@ def column_variants(ctx, t, h, dtype):
         "copy_engine_loop": loop,
         "copy_engine_loop_early": lambda: loop(early=True),
         "copy_engine_two_streams": lambda: loop(side=side),
+        "copy_engine_barrier_aside": lambda: loop(aside=True),
         "async_tp_compiled": lambda: _compiled("column", x, w, name),
     }, nccl
 

@@ -144,7 +144,10 @@ class Gathering:
     :meth:`block` is first asked for another rank's block."""
 
     def __init__(self, x: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]],
-                 place: int):
+                 place: int, barrier_aside: bool = False):
+        """``barrier_aside``: the staging barrier runs on the copy stream, so the own block's
+        GEMM need not wait for the other ranks to have staged (it is launched before the
+        GEMM, whose persistent blocks would otherwise hold every SM it needs)."""
         self.x, self.group = x.contiguous(), group
         me, d, device = group.coordinate, group.size, x.device
         self.shapes = [tuple(s) for s in shapes]
@@ -154,9 +157,16 @@ class Gathering:
         self.outs = {b: torch.empty(self.shapes[b], dtype=x.dtype, device=device)
                      for b in self.order}
         self.workspace.local(0, x.shape, x.dtype).copy_(self.x)
-        self.workspace.barrier()
         self.staged = torch.cuda.Event()
-        self.staged.record()
+        if barrier_aside:
+            copier = _copy_stream(device)
+            copier.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(copier):
+                self.workspace.barrier()
+                self.staged.record()
+        else:
+            self.workspace.barrier()
+            self.staged.record()
         self.blocks: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     def issue(self) -> None:
