@@ -98,9 +98,9 @@ class MegatronMlp(_Sharded):
     """
 
     def __init__(self, tokens: int, hidden: int, ffn: int, mesh: meshfuse.DeviceMesh | None,
-                 dtype: DataType = DataType.BFloat16):
+                 dtype: DataType = DataType.BFloat16, overlap: bool | None = None):
         super().__init__(mesh)
-        self._sizes, self._dtype = (tokens, hidden, ffn), dtype
+        self._sizes, self._dtype, self._overlap = (tokens, hidden, ffn), dtype, overlap
 
     def definition(self) -> None:
         o, on = self.ops, self._on
@@ -112,12 +112,16 @@ class MegatronMlp(_Sharded):
         dz = on(self.define_tensor([t, hd], dtype=dt), None)
         h = on(o.linear(x, w1), 1)  # [T, F/d, rH]
         a = on(o.gelu(h), 1)
-        z = on(o.set(on(o.linear(a, w2), 2)), None)  # partial over F, then replicated
+        z_partial = on(o.linear(a, w2), 2)
+        z = on(o.set(z_partial), None)  # partial over F, then replicated
         da = on(o.matmul(dz, w2), 1)
         dh = on(o.gelu_backward(da, h), 1)
         dw2 = on(o.matmul(on(o.permute(dz, [1, 0]), None), a), 1)  # [H, F/d, rT]
         dw1 = on(o.matmul(on(o.permute(dh, [1, 0]), 0), x), 0)  # [F/d, H, rT]
-        dx = on(o.set(on(o.matmul(dh, w1), 2)), None)  # partial over F, then replicated
+        dx_partial = on(o.matmul(dh, w1), 2)
+        dx = on(o.set(dx_partial), None)  # partial over F, then replicated
+        for partial in (z_partial, dx_partial):  # their allreduces as loops, or not
+            partial.set_overlap(self._overlap)
         for out in (z, dx, dw1, dw2):
             self.add_output(out)
 

@@ -81,8 +81,9 @@ def _timeline(prof, steps: int, keep: str) -> str:
             f"{whole['memcpy_beside_kernels_ms'] / steps:.3f} ms beside kernels")
 
 
-def profile_variant(ctx, name: str, step) -> str:
-    """Profiles ``step``; returns a summary line; writes the tables on rank 0."""
+def profile_variant(ctx, name: str, step, prefix: str = "gpt3") -> str:
+    """Profiles ``step``; returns a summary line; writes the tables on rank 0 (files named
+    ``<prefix>_profile_<name>.txt``, traces ``<prefix>_trace_<name>_rank<r>.json.gz``)."""
     for _ in range(WARMUP):
         waited(step())
     ctx.sync()
@@ -102,13 +103,13 @@ def profile_variant(ctx, name: str, step) -> str:
                f"{sum(c for _, c, _ in kernels):g} launches; communication {comm_ms:.3f} ms in "
                f"{sum(c for _, c, _ in comm):g}")
     if ctx.cuda:
-        trace = os.path.join(ctx.out, f"gpt3_trace_{name}_rank{ctx.rank}.json.gz")
+        trace = os.path.join(ctx.out, f"{prefix}_trace_{name}_rank{ctx.rank}.json.gz")
         summary += f"; {_timeline(prof, STEPS, trace)}; clocks {clocks.summary()}"
     if ctx.rank == 0:
         lines = [summary, "", f"per step (of {STEPS}):", f"{'count':>6} {'total ms':>10}  name"]
         lines += [f"{c:6g} {t:10.3f}  {n[:150]}" for n, c, t in kernels[:ROWS]]
         lines += ["", "aten ops by input shapes:", *_shapes(prof)]
-        with open(os.path.join(ctx.out, f"gpt3_profile_{name}.txt"), "w") as f:
+        with open(os.path.join(ctx.out, f"{prefix}_profile_{name}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
     return summary
 

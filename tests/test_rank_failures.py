@@ -22,6 +22,7 @@ from meshfuse.runtime.failures import (
     kind_of_failure,
     timeout_from_env,
 )
+from meshfuse.runtime.lone_failures import Abandoned, GroupBroken, LoneFailures
 
 TIMEOUT_S = 3.0
 # How long after the timeout a survivor may take to raise: the roll call, and slack for a
@@ -156,3 +157,63 @@ def test_collective_failed_names_the_step_and_the_missing_rank():
     assert named.absent == (1,) and named.failure == "timeout"
     unknown = CollectiveFailed("broadcast", (0, 1, 2), 2, "peer", None, 5.0, "Broken pipe")
     assert "could not be told" in str(unknown)
+
+
+class _LateWork:
+    """A torch.distributed Work stand-in that completes on its ``waits``-th timed wait."""
+
+    def __init__(self, waits: int):
+        self.left = waits
+
+    def wait(self, timeout=None):
+        self.left -= 1
+        if self.left > 0:
+            raise RuntimeError("Timed out waiting")
+
+    def is_completed(self) -> bool:
+        return self.left <= 0
+
+
+def _two_ranks_of_three() -> tuple[LoneFailures, LoneFailures]:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ranks = [LoneFailures(rank, 3, store, lambda: 0.1) for rank in (0, 1)]
+    for lone in ranks:
+        lone.begin_call()
+    return ranks[0], ranks[1]
+
+
+def test_a_rank_told_its_group_broke_stops_waiting():
+    """Rank 1's collective of group (0, 1) failed: rank 0, waiting for that group's
+    collective in the same call, raises GroupBroken with rank 1's notice at once; a wait for
+    another group's collective, or one in another call, goes on."""
+    waiting, failing = _two_ranks_of_three()
+    failing.tell_broken("allreduce(sum) over mesh axis 0", (1, 0), "peer", "Connection closed")
+    with pytest.raises(GroupBroken) as told:
+        waiting.wait(_LateWork(waits=1000), (0, 1))
+    notice = told.value.notice
+    assert (notice.rank, notice.error, notice.group) == (1, ("peer", "Connection closed"), (1, 0))
+    waiting, failing = _two_ranks_of_three()
+    failing.tell_broken("allreduce(sum) over mesh axis 1", (1, 2), "peer", "Connection closed")
+    work = _LateWork(waits=5)
+    waiting.wait(work, (0, 2))
+    assert work.is_completed()
+    waiting, failing = _two_ranks_of_three()
+    failing.begin_call()  # one call ahead: its notice is not about the collective waited for
+    failing.tell_broken("allreduce(sum) over mesh axis 0", (0, 1), "timeout", "Timed out")
+    waiting.wait(_LateWork(waits=5), (0, 1))
+    waiting, failing = _two_ranks_of_three()
+    failing.tell_broken("allreduce(sum) over mesh axis 0", (0, 1), "timeout", "Timed out")
+    with pytest.raises(Abandoned):  # on a rank's own error path: stop waiting, no report
+        waiting.wait(_LateWork(waits=1000), (0, 1), settling=True)
+
+
+def test_a_peer_close_caused_by_a_timeout_is_reported_as_the_timeout():
+    """When a rank times out, gloo closes its connections: a rank of the same group seeing
+    the peer close learns from the board that the cause was the timeout."""
+    seeing, timed_out = _two_ranks_of_three()
+    assert seeing.reported_timeout((0, 1)) is None
+    timed_out.tell_broken("allreduce(sum) over mesh axis 0", (0, 1), "timeout", "Timed out 3000ms")
+    assert seeing.reported_timeout((0, 2)) is None
+    assert seeing.reported_timeout((1, 0)).rank == 1

@@ -8,7 +8,9 @@ gradients of x, w1 and w2 from a given ``dz``. Variants:
   columns) with an NCCL allreduce of z and of dx, no autograd: what meshfuse should lower to;
 - ``dtensor_tp``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``, autograd;
 - ``meshfuse``: :class:`~benchmarks.fusions.MegatronMlp` (unsharded on one rank): the same
-  calls, its two allreduces launched asynchronously as early as their inputs exist.
+  calls, its two allreduces launched asynchronously as early as their inputs exist;
+- ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``: the same
+  with both allreduces run as GEMM -> allreduce loops (:data:`LOOP_VARIANTS`).
 
 FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
 
@@ -19,6 +21,10 @@ of the sharded variants, both against records of the same run: ``speedup_over_1g
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -86,21 +92,59 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
                                    {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return autograd_step(model, [x], dz, model.parameters())
 
-    def mesh_fused():
+    def mesh_fused(env: dict[str, str] | None = None):
+        """meshfuse's MegatronMlp, its program made (at the first call) under ``env``; with
+        an ``env``, both allreduces forced into loops."""
         mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
-        model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.from_torch(dtype))
+        model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.from_torch(dtype),
+                            overlap=True if env else None)
         inputs = [x, w1_local, w2_local, dz]
-        outputs = model.execute(inputs)
+        with _environment(env or {}):
+            outputs = model.execute(inputs)
         check_close("meshfuse vs torch_manual", outputs,
                     megatron_mlp_torch(x, w1_local, w2_local, dz, group), MLP_TOL)
-        return (lambda: model.execute(inputs)), {"sharded": mesh is not None}
+        loops = [line.strip() for line in model.explain(inputs).splitlines()
+                 if "allreduce decomposed" in line]
+        return (lambda: model.execute(inputs)), {"sharded": mesh is not None, "loops": loops}
 
     return [
         Variant("torch_1gpu", one_gpu, "whole MLP on each GPU, autograd", gpus=1),
         Variant("torch_manual", manual, "local shards + all_reduce, gelu_backward kernel"),
         Variant("dtensor_tp", dtensor_tp, "ColwiseParallel/RowwiseParallel, autograd"),
         Variant("meshfuse", mesh_fused, "unsharded on 1 rank" if ctx.world == 1 else ""),
+        *(Variant(name, functools.partial(mesh_fused, env), note)
+          for name, (env, note) in LOOP_VARIANTS.items()),
     ]
+
+
+# GEMM -> allreduce loops (docs/overlap.md) forced on both allreduces of the MLP: over NCCL
+# in 4 row chunks, and by the copy engines whole or in 4 chunks.
+LOOP_VARIANTS = {
+    "meshfuse_loops_nccl": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
+                             "MESHFUSE_OVERLAP_TRANSPORT": "process_group"},
+                            "allreduce loops of 4 row chunks, NCCL"),
+    "meshfuse_copy_engine": ({"MESHFUSE_OVERLAP_CHUNKS": "1",
+                              "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
+                             "allreduces by copy engines, whole"),
+    "meshfuse_copy_engine_4": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
+                                "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
+                               "allreduces by copy engines, 4 row chunks"),
+}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``os.environ`` with ``env`` set inside the block, as it was after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(ctx: Context) -> list[Record]:
@@ -123,13 +167,13 @@ def speedups(records: list[Record]) -> list[Record]:
     the module doc), as numbers and as the record's one-line ``summary``."""
     ok = {r.variant: r for r in records if r.status == "ok" and r.median_ms}
     one, dtensor = ok.get("torch_1gpu"), ok.get("dtensor_tp")
-    for name in ("torch_manual", "dtensor_tp", "meshfuse"):
+    for name in ("torch_manual", "dtensor_tp", "meshfuse", *LOOP_VARIANTS):
         record = ok.get(name)
         if record is None or one is None or record.world < 2:
             continue
         record.metrics["speedup_over_1gpu"] = round(one.median_ms / record.median_ms, 3)
         summary = f"{record.metrics['speedup_over_1gpu']:.2f}x over one GPU"
-        if name == "meshfuse" and dtensor is not None:
+        if name.startswith("meshfuse") and dtensor is not None:
             record.metrics["vs_dtensor_tp"] = round(dtensor.median_ms / record.median_ms, 3)
             summary += f", {record.metrics['vs_dtensor_tp']:.2f}x dtensor_tp's speed"
         record.metrics["summary"] = summary

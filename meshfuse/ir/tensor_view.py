@@ -349,10 +349,11 @@ class TensorView(Val):
         return self
 
     def set_overlap(self, enabled: bool | None) -> TensorView:
-        """Whether the allgather feeding, or the reduce-scatter following, a GEMM that
-        reads or writes this tensor runs decomposed as a stream-parallel loop (one chunk per
-        device, see ``docs/overlap.md``): ``True`` always, ``False`` never, ``None`` (the
-        default) when the cost estimate says it is faster."""
+        """Whether the allgather feeding, or the reduce-scatter or allreduce following, a
+        GEMM that reads or writes this tensor runs decomposed as a stream-parallel loop (one
+        chunk per device, or row chunks for an allreduce; see ``docs/overlap.md``): ``True``
+        always, ``False`` never, ``None`` (the default) when the cost estimate says it is
+        faster."""
         if enabled not in (True, False, None):
             raise ScheduleError(f"set_overlap of {self.name}: expected True, False or None, "
                                 f"got {enabled!r}")

@@ -8,7 +8,9 @@ of ``d`` devices, when no user stream loop covers them already:
   loop runs ``d`` chunks of it, the blocks coming in ring order (a collective permute each);
 - **GEMM -> reduce-scatter**: a ``linear`` or ``matmul`` whose partial result is only
   reduce-scattered onto one of its axes (``P -> S(a)``); the loop computes each block's
-  partial product and reduces it onto the block's owner.
+  partial product and reduces it onto the block's owner;
+- **GEMM -> allreduce** (tensor parallelism without sequence parallelism): a row-parallel
+  GEMM's partial result allreduced, cut into row chunks (:mod:`meshfuse.passes.allreduce_loop`).
 
 :func:`overlap_candidates` lists them with the user's choice (``tv.set_overlap``: ``True``
 forces, ``False`` forbids, read from the GEMM's tensors and the communication's); the
@@ -28,6 +30,7 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.allreduce_loop import AllreduceCandidate, gemm_allreduce, overlap_choice
 from meshfuse.passes.stream_parallel import (
     StreamAxis,
     StreamLoopPlan,
@@ -77,7 +80,7 @@ class OverlapCandidate:
 
 
 def overlap_candidates(fusion: Fusion, plans: Sequence[StreamLoopPlan]
-                       ) -> list[OverlapCandidate]:
+                       ) -> list[OverlapCandidate | AllreduceCandidate]:
     """The candidates of ``fusion`` outside the user's loops ``plans``, in order."""
     taken = {e for p in plans for e in p.exprs}
     uses = fusion.uses()
@@ -85,7 +88,8 @@ def overlap_candidates(fusion: Fusion, plans: Sequence[StreamLoopPlan]
     for e in fusion.exprs:
         if not isinstance(e, Reshard) or e in taken:
             continue
-        candidate = _allgather_gemm(e, uses) or _gemm_reduce_scatter(e, uses)
+        candidate = _allgather_gemm(e, uses) or _gemm_reduce_scatter(e, uses) or \
+            gemm_allreduce(e, uses)
         if candidate is not None and candidate.gemm not in taken and \
                 convex(fusion, {e, candidate.gemm}):
             taken |= {e, candidate.gemm}
@@ -150,6 +154,4 @@ def _gemm_reduce_scatter(e: Reshard, uses) -> OverlapCandidate | None:
 
 def _forced(e: Reshard, gemm: Expr) -> bool | None:
     """The user's choice on any tensor of the pair: False wins over True."""
-    flags = {t.overlap for t in (*e.tensor_inputs, *e.tensor_outputs, *gemm.tensor_inputs,
-                                 *gemm.tensor_outputs)} - {None}
-    return False if False in flags else (True if flags else None)
+    return overlap_choice(e, gemm)

@@ -9,7 +9,7 @@ collective). A rank waiting for a collective reads the board now and then
 only happens while a collective is already late: a call whose collectives complete at once
 never touches the store.
 
-Three kinds of notice, each about one *call* (the per-process count of ``execute`` calls, the
+Four kinds of notice, each about one *call* (the per-process count of ``execute`` calls, the
 same on every rank of a job in step):
 
 - ``failed``: the poster raised ``error`` (type name, text) in that call, at ``where`` (a step
@@ -19,7 +19,11 @@ same on every rank of a job in step):
 - ``agreeing``: the poster has been waiting in the cross-rank agreement of a new input
   signature (:mod:`meshfuse.runtime.agreement`) for longer than a poll, with ``claim`` (what it
   holds): a rank that reads it while running a cached program is out of step with it, and
-  can name the difference.
+  can name the difference;
+- ``broken``: a collective of the poster's ``group`` failed under it (``error``: the kind of
+  failure, ``"timeout"`` or ``"peer"``, and torch's text; ``where``: the collective). The
+  other ranks of that group waiting for it need not wait for their own timeout: it cannot
+  complete (at 4 gloo ranks, only the dead rank's neighbours see its connection close).
 
 The board of a *generation* of process groups (see
 :meth:`~meshfuse.runtime.communicator.Communicator.recover`) has its own keys.
@@ -36,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 POLL_S = 0.05  # how often a rank waiting for a late collective, or for answers, reads the board
-FAILED, BLOCKED, AGREEING = "failed", "blocked", "agreeing"
+FAILED, BLOCKED, AGREEING, BROKEN = "failed", "blocked", "agreeing", "broken"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +50,13 @@ class Notice:
     Attributes:
         rank: the poster.
         call: the call it is about.
-        kind: ``"failed"``, ``"blocked"`` or ``"agreeing"``.
-        error: for ``failed``, the error raised: (type name, text).
-        where: for ``failed``, where in the call: ``"before running"`` or ``"step N"``.
+        kind: ``"failed"``, ``"blocked"``, ``"agreeing"`` or ``"broken"``.
+        error: for ``failed``, the error raised: (type name, text); for ``broken``, (kind of
+            failure, torch's text).
+        where: for ``failed``, where in the call: ``"before running"`` or ``"step N"``; for
+            ``broken``, the collective.
         claim: for ``agreeing``, the poster's facts (an ``agreement.Claim``).
+        group: for ``broken``, the ranks of the collective's group.
     """
 
     rank: int
@@ -58,6 +65,7 @@ class Notice:
     error: tuple[str, str] | None = None
     where: str = ""
     claim: Any = None
+    group: tuple[int, ...] = ()
 
 
 class Board:

@@ -438,14 +438,18 @@ def collective_permute(x: torch.Tensor, send_to: int, recv_from: int,
     return received
 
 
-def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str) -> torch.Tensor:
+def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str,
+                       async_op: bool = False) -> torch.Tensor | Pending:
     """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
-    reduced over the group in its own buffer; returns ``x``."""
+    reduced over the group in its own buffer; returns ``x``, or with ``async_op`` a
+    :class:`Pending` of it (the collective runs while the caller goes on)."""
     _record("allreduce", group, x, reduce_op)
     label = _label("allreduce", group, reduce_op)
     with translated(label, group.ranks):
         work = dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group,
                                async_op=True)
+    if async_op:
+        return Pending(work, x, label=label, ranks=group.ranks)
     Communicator.instance().wait(work, label, group.ranks)
     return x
 

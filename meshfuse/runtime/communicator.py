@@ -42,7 +42,7 @@ from meshfuse.runtime.launch_env import (  # noqa: F401 (re-exported: where they
     choose_backend,
     launch_info_from_env,
 )
-from meshfuse.runtime.lone_failures import LoneFailures
+from meshfuse.runtime.lone_failures import GroupBroken, LoneFailures
 
 _MPI_DEFAULT_ADDR = "127.0.0.1"
 _MPI_DEFAULT_PORT = "29500"
@@ -363,7 +363,10 @@ class Communicator:
                     (self._backend == "nccl" and not agreeing):
                 work.wait()
             else:
-                self.lone.wait(work, late, agreeing, settling)
+                try:
+                    self.lone.wait(work, ranks, late, agreeing, settling)
+                except GroupBroken as told:
+                    raise self.failure(what, ranks, told) from None
 
     @property
     def generation(self) -> int:
@@ -451,10 +454,22 @@ class Communicator:
             raise self.failure(what, tuple(ranks), e) from e
 
     def failure(self, what: str, ranks: tuple[int, ...], error: BaseException) -> CollectiveFailed:
-        """The error of a failed collective (``what`` among ``ranks``), after a roll call that
-        tells which of ``ranks`` are missing."""
-        return CollectiveFailed(what, ranks, self._rank, kind_of_failure(str(error)),
-                                self.absent_ranks(ranks), self._timeout, str(error))
+        """The error of a failed collective (``what`` among ``ranks``): ``error`` is torch's
+        (this rank then tells the group's other ranks, who may still be waiting), or the
+        :class:`~meshfuse.runtime.lone_failures.GroupBroken` of another rank that told first.
+        A roll call then tells which of ``ranks`` are missing."""
+        if isinstance(error, GroupBroken):
+            kind, text = error.notice.error
+            cause = f"rank {error.notice.rank} saw it fail first: {text}"
+        else:
+            kind, cause = kind_of_failure(str(error)), str(error)
+            self.lone.tell_broken(what, ranks, kind, cause)
+        absent = self.absent_ranks(ranks)
+        timed_out = self.lone.reported_timeout(ranks) if kind == "peer" else None
+        if timed_out is not None:  # the peer closed its connection when it timed out
+            kind, cause = "timeout", f"rank {timed_out.rank} timed out first: {timed_out.error[1]}"
+        return CollectiveFailed(what, tuple(ranks), self._rank, kind, absent, self._timeout,
+                                cause)
 
     def absent_ranks(self, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
         """The ranks among ``ranks`` that do not answer a roll call within a few seconds.

@@ -53,7 +53,7 @@ from meshfuse.runtime.collectives import Group, record_transfer
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the regions of a workspace
-_COMBINE = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+COMBINE = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
 
 
 def unavailable(device: torch.device, group: Group | None = None) -> str | None:
@@ -98,7 +98,7 @@ def _aligned(nbytes: int) -> int:
     return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
 
 
-def _workspace(group: Group, place: int, nbytes: int, device: torch.device) -> _Workspace:
+def workspace(group: Group, place: object, nbytes: int, device: torch.device) -> _Workspace:
     """The workspace of ``group`` at ``place`` holding at least ``nbytes`` (collective when
     made or grown)."""
     key = (group.process_group.group_name, device.index, place)
@@ -118,12 +118,12 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device.index]
 
 
-def _peer(group: Group, coordinate: int) -> int:
+def peer(group: Group, coordinate: int) -> int:
     """The rank of torch's group order (symmetric memory's) at mesh ``coordinate``."""
     return dist.get_group_rank(group.process_group, group.ranks[coordinate])
 
 
-def _pull(source: torch.Tensor, out: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
+def pull(source: torch.Tensor, out: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
     """``source`` (another rank's memory) copied into ``out`` by a copy engine on the copy
     stream once ``after`` has happened; the event of the copy's end."""
     copier = _copy_stream(out.device)
@@ -152,7 +152,7 @@ class Gathering:
         me, d, device = group.coordinate, group.size, x.device
         self.shapes = [tuple(s) for s in shapes]
         nbytes = max(math.prod(s) for s in shapes) * x.dtype.itemsize
-        self.workspace = _workspace(group, place, nbytes, device)
+        self.workspace = workspace(group, place, nbytes, device)
         self.order = [(me + s) % d for s in range(1, d)]
         self.outs = {b: torch.empty(self.shapes[b], dtype=x.dtype, device=device)
                      for b in self.order}
@@ -180,8 +180,8 @@ class Gathering:
             if out.numel() == 0:  # an empty last block (uneven shards): nothing to move
                 self.blocks[b] = (out, None)
                 continue
-            source = self.workspace.remote(_peer(group, b), 0, self.shapes[b], x.dtype)
-            self.blocks[b] = (out, _pull(source, out, self.staged))
+            source = self.workspace.remote(peer(group, b), 0, self.shapes[b], x.dtype)
+            self.blocks[b] = (out, pull(source, out, self.staged))
             record_transfer("copy_engine_pull", group, out, peer=group.ranks[b])
 
     def block(self, b: int) -> torch.Tensor:
@@ -214,9 +214,9 @@ class Reducing:
     def __init__(self, group: Group, shapes: Sequence[Sequence[int]], dtype: torch.dtype,
                  reduce_op: str, place: int, device: torch.device):
         self.group, self.shapes, self.dtype = group, [tuple(s) for s in shapes], dtype
-        self.combine, self.reduce_op = _COMBINE[reduce_op], reduce_op
+        self.combine, self.reduce_op = COMBINE[reduce_op], reduce_op
         self.slot = _aligned(max(math.prod(s) for s in self.shapes) * dtype.itemsize)
-        self.workspace = _workspace(group, place, self.slot * max(1, group.size - 1), device)
+        self.workspace = workspace(group, place, self.slot * max(1, group.size - 1), device)
         self.device, self.step, self.pulled = device, 0, []
         # allocated now, on the stream the loop starts from (see Gathering)
         self.received = [torch.empty(self.shapes[group.coordinate], dtype=dtype, device=device)
@@ -249,9 +249,9 @@ class Reducing:
                 return None
             written = torch.cuda.Event()
             written.record()
-            source = self.workspace.remote(_peer(self.group, (me - s - 1) % d), s * self.slot,
+            source = self.workspace.remote(peer(self.group, (me - s - 1) % d), s * self.slot,
                                            self.shapes[me], self.dtype)
-            self.pulled.append((self.received[s], _pull(source, self.received[s], written)))
+            self.pulled.append((self.received[s], pull(source, self.received[s], written)))
             record_transfer("copy_engine_pull", self.group, x,
                             peer=self.group.ranks[(me - s - 1) % d], reduce_op=self.reduce_op)
             return None

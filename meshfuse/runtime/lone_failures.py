@@ -13,6 +13,9 @@ for it. :class:`LoneFailures` tells them, through the notice board
 - a rank waiting for a collective that is late reads the board every
   :data:`~meshfuse.runtime.board.POLL_S`: on a ``failed`` notice it posts ``blocked`` and
   raises the failing rank's error (same type, its message prefixed with that rank);
+- a rank whose collective fails (a timeout, a peer gone) posts a ``broken`` notice for the
+  collective's group; a rank of that group waiting for that group's collective in the same
+  call raises the same failure at once (:class:`GroupBroken`) rather than at its own timeout;
 - a rank out of step raises at once on every later call; after a failure,
   :meth:`~meshfuse.runtime.communicator.Communicator.recover` (on every rank) starts over with
   fresh process groups.
@@ -24,13 +27,13 @@ is read only while a collective is already late, and written only on failure.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
-from meshfuse.runtime.board import AGREEING, BLOCKED, FAILED, POLL_S, Board, Notice
+from meshfuse.runtime.board import AGREEING, BLOCKED, BROKEN, FAILED, POLL_S, Board, Notice
 from meshfuse.runtime.failures import OutOfStep, is_shared, remote_error
 
 BEFORE_RUNNING = "before running"
@@ -41,6 +44,16 @@ class Abandoned(Exception):
     """Raised by :meth:`LoneFailures.wait` in settling mode: stop waiting for a collective
     that cannot complete (another rank failed without launching it, or the ranks are out of
     step); not an error to report."""
+
+
+class GroupBroken(Exception):
+    """Raised by :meth:`LoneFailures.wait`: another rank of the group saw the collective being
+    waited for fail (its ``broken`` :class:`~meshfuse.runtime.board.Notice`), so it cannot
+    complete; the waiting rank reports the same failure."""
+
+    def __init__(self, notice: Notice):
+        super().__init__(f"rank {notice.rank}: {notice.where}: {notice.error}")
+        self.notice = notice
 
 
 class LoneFailures:
@@ -60,6 +73,7 @@ class LoneFailures:
         self.generation = 0
         self.calls = 0
         self.board = Board(store if size > 1 else None, 0)
+        self._acted_on = 0  # how many of the board's notices this rank has acted on
         self._reason: str | None = None  # why the ranks are out of step, once they are
         self._settled: set[int] = set()  # calls where every rank failed alike, in step
         self.agreed_in = 0  # the last call in which this rank ran the inputs' agreement
@@ -87,12 +101,14 @@ class LoneFailures:
         """Forgets every failure: a fresh board for the groups of ``generation``."""
         self.generation, self.calls = generation, 0
         self.board = Board(self._store if self._size > 1 else None, generation)
+        self._acted_on = 0
         self._reason, self._settled, self.agreed_in = None, set(), 0
 
-    def wait(self, work: Any, late: Callable[[], None] | None = None,
+    def wait(self, work: Any, group: Sequence[int], late: Callable[[], None] | None = None,
              agreeing: bool = False, settling: bool = False) -> None:
-        """Waits for ``work`` (a torch.distributed Work of a gloo group), reading the board
-        while it is late; see the module doc. ``late`` runs once when it first is;
+        """Waits for ``work`` (a torch.distributed Work of the gloo group of the ranks
+        ``group``), reading the board while it is late; see the module doc. ``late`` runs once
+        when it first is;
         ``agreeing``: the work is the agreement's (other ranks' ``agreeing`` notices are
         expected); ``settling``: this rank is on its own error path (stop waiting, raising
         :class:`Abandoned`, for a collective that cannot complete).
@@ -100,6 +116,7 @@ class LoneFailures:
         Raises:
             MeshfuseError: the error a failed rank posted (marking this rank out of step).
             OutOfStep: another rank waits in the agreement of this call.
+            GroupBroken: another rank of ``group`` saw its collective in this call fail.
             RuntimeError: torch's, when the collective itself failed.
         """
         if settling and self._reason is not None:
@@ -115,12 +132,25 @@ class LoneFailures:
             if late is not None:
                 late()
                 late = None
-            self._read_board(agreeing, settling)
+            self._read_board(frozenset(group), agreeing, settling)
 
-    def _read_board(self, agreeing: bool, settling: bool) -> None:
-        for notice in self.board.news():
+    def _unread(self) -> list[Notice]:
+        """The notices this rank has not acted on yet (others may have been read by
+        :meth:`~meshfuse.runtime.board.Board.answers` or :meth:`reported_timeout`)."""
+        self.board.news()
+        fresh = self.board.notices[self._acted_on:]
+        self._acted_on = len(self.board.notices)
+        return fresh
+
+    def _read_board(self, group: frozenset[int], agreeing: bool, settling: bool) -> None:
+        for notice in self._unread():
             if notice.rank == self._rank:
                 continue
+            if notice.kind == BROKEN and notice.call == self.calls and \
+                    frozenset(notice.group) == group:
+                if settling:
+                    raise Abandoned
+                raise GroupBroken(notice)
             if notice.kind == FAILED and notice.call not in self._settled:
                 if settling and notice.call == self.calls:
                     raise Abandoned  # it failed too, before launching this one
@@ -133,6 +163,22 @@ class LoneFailures:
                 if settling:
                     raise Abandoned
                 raise OutOfStep(notice)
+
+    def tell_broken(self, what: str, group: Sequence[int], failure: str, cause: str) -> None:
+        """Tells the other ranks of ``group`` that its collective ``what`` failed here
+        (``failure``: ``"timeout"`` or ``"peer"``; ``cause``: torch's text)."""
+        self.board.post(Notice(self._rank, self.calls, BROKEN, (failure, cause), what,
+                               group=tuple(group)))
+
+    def reported_timeout(self, group: Sequence[int]) -> Notice | None:
+        """Another rank's ``broken`` notice of a timeout of ``group``'s collective in this
+        call, if one was posted: when a rank times out, gloo closes its connections, so the
+        others of its group may see a peer close where the cause was that timeout."""
+        self.board.news()
+        return next((n for n in self.board.notices
+                     if n.kind == BROKEN and n.rank != self._rank and n.call == self.calls
+                     and frozenset(n.group) == frozenset(group) and n.error[0] == "timeout"),
+                    None)
 
     def told(self, error: Exception, call: int, where: str) -> Exception:
         """What this rank raises for ``error``, which it raised itself in ``call`` at

@@ -39,7 +39,9 @@ from meshfuse.errors import InputError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.allreduce_loop import AllreduceCandidate
 from meshfuse.passes.overlap_candidates import OverlapCandidate
+from meshfuse.runtime import allreduce_loop
 
 MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)
 
@@ -147,8 +149,11 @@ def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain
     decision; ``transport``: how the loops would move their blocks."""
     plans, lines = [], []
     for candidate in candidates:
-        use, why = decide(candidate, extents, device_type, transport)
-        plan = candidate.plan(why) if use else None
+        if isinstance(candidate, AllreduceCandidate):
+            plan, why = _allreduce_loop(candidate, extents, device_type, transport)
+        else:
+            use, why = decide(candidate, extents, device_type, transport)
+            plan = candidate.plan(why) if use else None
         if plan is not None:
             plans.append(plan)
         verdict = plan.describe() if plan is not None else f"as a whole ({why})"
@@ -156,6 +161,18 @@ def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain
                      f"{candidate.reshard.args[0].name}) next to "
                      f"{candidate.gemm.op.name} -> {candidate.gemm.outputs[0].name}: {verdict}")
     return plans, lines
+
+
+def _allreduce_loop(candidate: AllreduceCandidate, extents: Mapping[IterDomain, int],
+                    device_type: str, transport: str):
+    """(the loop or None, why) for a GEMM -> allreduce candidate: its figures on one device
+    given to :func:`meshfuse.runtime.allreduce_loop.choose`."""
+    out, x = candidate.gemm.tensor_outputs[0], candidate.gemm.tensor_inputs[0]
+    shape = _largest_shard(out, extents)
+    flops = 2.0 * math.prod(shape) * _largest_shard(x, extents)[-1]
+    nbytes = math.prod(shape) * out.dtype.torch_dtype.itemsize
+    return allreduce_loop.choose(candidate, flops, nbytes, math.prod(shape[:-1]),
+                                 cost_for(device_type, transport), automatic(), transport)
 
 
 def candidate_lines(candidates: list[OverlapCandidate]) -> list[str]:

@@ -14,6 +14,7 @@ it; every step's ``free`` is recomputed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,8 +28,9 @@ from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
+from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
 from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
-from meshfuse.runtime import copy_engine
+from meshfuse.runtime import allreduce_loop, copy_engine
 from meshfuse.runtime.binding import Binding
 from meshfuse.runtime.collectives import Group
 from meshfuse.runtime.executor import RESHARD, Slot, Step
@@ -52,7 +54,7 @@ TRANSPORT_ENV = "MESHFUSE_OVERLAP_TRANSPORT"
 GroupOf = Callable[[Any, int], "Group | None"]
 
 
-def group_stream_loops(plans: Sequence[StreamLoopPlan], exprs: Sequence[Expr],
+def group_stream_loops(plans: Sequence[StreamLoopPlan | AllreduceLoopPlan], exprs: Sequence[Expr],
                        steps: Sequence[Step], calls: Sequence[Callable],
                        slot_of: Mapping[Val, int], keep: set[int], binding: Binding,
                        rank: int, group_of: GroupOf, ring_all: bool = False,
@@ -69,6 +71,16 @@ def group_stream_loops(plans: Sequence[StreamLoopPlan], exprs: Sequence[Expr],
     for plan in plans:
         members = [k for k, e in enumerate(exprs) if e in plan.exprs]
         if not members:
+            continue
+        if isinstance(plan, AllreduceLoopPlan):  # meshfuse.runtime.allreduce_loop's own
+            made = allreduce_loop.lowered(
+                plan, [steps[k] for k in members], [calls[k] for k in members], binding,
+                group_of, STREAM_LOOP, functools.partial(choose_transport, transport, device)
+            ) if len(members) == 2 else None
+            if made is None:
+                continue
+            step, call = made
+            steps, calls, exprs = _splice(steps, calls, exprs, members, step, call)
             continue
         loop = _loop_record(plan, [exprs[k] for k in members], [steps[k] for k in members],
                             slot_of, keep, steps, members, binding, rank, group_of, ring_all)

@@ -1,0 +1,289 @@
+"""GEMM -> allreduce loops (tensor parallelism without sequence parallelism): a row-parallel
+GEMM and the allreduce of its partial result cut into row chunks, chosen by the engine.
+
+Values against the unsharded computation at every world size (rows that do not divide by
+the chunk count, rows of a 3-D operand, a ``matmul``, the Megatron MLP's forward and
+backward), the communications that ran (one allreduce per non-empty chunk, the result's
+bytes in all), the user's ``set_overlap`` choice, the estimate, and explain's lines.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mesh_helpers import mesh_1d, mesh_2x2, shard
+
+from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
+from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.errors import InputError
+from meshfuse.runtime import allreduce_loop
+from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.overlap_cost import DEFAULT_COSTS
+
+FREE = "100,1,0,0"  # GB/s, TFLOP/s, us per chunk, contention: a loop always pays
+MX = ParallelType.mesh_x
+
+
+def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Small integers as floats: sums of products are exact in any order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).float()
+
+
+def _kinds(comms) -> Counter:
+    return Counter(c.kind for c in comms)
+
+
+def _row_linear(mesh, x_shape: list[int], hidden: int, overlap: bool | None,
+                op: str = "linear") -> FusionDefinition:
+    """``linear(x, w)`` (or ``matmul(x, w.T)``), the contracted (last) axis of x and of w
+    split over the mesh: a partial result, allreduced into the replicated output."""
+    k = x_shape[-1]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(x_shape, dtype=DataType.Float)
+        w = fd.define_tensor([hidden, k] if op == "linear" else [k, hidden],
+                             dtype=DataType.Float)
+        out = fd.ops.linear(x, w) if op == "linear" else fd.ops.matmul(x, w)
+        fd.add_output(out)
+    shard(x, len(x_shape) - 1, mesh)
+    shard(w, 1 if op == "linear" else 0, mesh)
+    if overlap is not None:
+        out.set_overlap(overlap)
+    return fd
+
+
+def _run(multidevice_test, fd, globals_):
+    inputs = [multidevice_test.shard_tensor(t, tv)
+              for t, tv in zip(globals_, fd.fusion.inputs())]
+    with record_communications() as comms:
+        out, = fd.execute(inputs)
+    return out, comms, fd.explain(inputs)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("x_shape, chunks", [([8, 8], 2), ([7, 8], 4), ([2, 3, 8], 4),
+                                             ([3, 8], 8), ([9, 8], 8)],
+                         ids=["even", "uneven", "rows_of_3d", "more_chunks_than_rows", "empty_chunks"])
+def test_forced_loop_values_and_allreduces(multidevice_test, monkeypatch, x_shape, chunks):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", str(chunks))
+    d = multidevice_test.size
+    fd = _row_linear(mesh_1d(multidevice_test), x_shape, 3, overlap=True)
+    x, w = _ints(*x_shape), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    rows = x.numel() // 8
+    if d == 1:
+        assert _kinds(comms) == Counter()
+        return
+    chunks = min(chunks, rows)
+    q = -(-rows // chunks)
+    assert _kinds(comms) == Counter(allreduce=-(-rows // q))  # the non-empty chunks
+    assert sum(c.bytes for c in comms) == rows * 3 * 4  # each row reduced once
+    assert f"stream loop: {chunks} chunks of the rows of" in text
+    assert "set_overlap(True); GEMM -> allreduce: est." in text
+    assert f"stream loop of {chunks} row chunks (allreduce decomposed): transfers by the " \
+        "process group" in text
+
+
+@pytest.mark.mpi
+def test_matmul_by_a_sharded_matrix(multidevice_test, monkeypatch):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
+    monkeypatch.delenv("MESHFUSE_OVERLAP_CHUNKS", raising=False)
+    d = multidevice_test.size
+    fd = _row_linear(mesh_1d(multidevice_test), [9, 8], 4, overlap=None, op="matmul")
+    x, w = _ints(9, 8), _ints(8, 4, seed=2)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), x @ w)
+    if d > 1:
+        chunks = int(text.split("stream loop: ")[1].split()[0])
+        assert chunks in allreduce_loop.CHUNK_CHOICES
+        assert _kinds(comms) == Counter(allreduce=-(-9 // -(-9 // chunks)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [False, None], ids=["forbidden", "estimated"])
+def test_whole_allreduce_unless_it_pays(multidevice_test, monkeypatch, overlap):
+    """Forbidden, or estimated on the device's own figures (tiny CPU GEMMs, a contention of
+    1): one allreduce of the whole result."""
+    if overlap is False:
+        monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)  # would pay, but forbidden
+    else:
+        monkeypatch.delenv("MESHFUSE_OVERLAP_COST", raising=False)
+    d = multidevice_test.size
+    fd = _row_linear(mesh_1d(multidevice_test), [6, 8], 3, overlap=overlap)
+    x, w = _ints(6, 8), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    assert _kinds(comms) == (Counter(allreduce=1) if d > 1 else Counter())
+    if d > 1:
+        why = "set_overlap(False)" if overlap is False else "GEMM -> allreduce: est."
+        line = next(s for s in text.splitlines() if "next to linear -> " in s)
+        assert f": as a whole ({why}" in line
+        assert "stream loop" not in text
+
+
+@pytest.mark.mpi
+def test_overlap_off_keeps_the_allreduce_whole(multidevice_test, monkeypatch):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
+    monkeypatch.setenv("MESHFUSE_OVERLAP", "off")
+    fd = _row_linear(mesh_1d(multidevice_test), [6, 8], 3, overlap=None)
+    x, w = _ints(6, 8), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    if multidevice_test.size > 1:
+        assert _kinds(comms) == Counter(allreduce=1)
+        assert "as a whole (MESHFUSE_OVERLAP=off)" in text
+
+
+@pytest.mark.mpi
+def test_loop_on_a_2x2_mesh(multidevice_test, monkeypatch):
+    """Tokens over mesh_y, the contracted axis over mesh_x: each rank chunks its own
+    tokens (5 rows, 2 chunks), one allreduce over mesh_x per chunk."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
+    mesh = mesh_2x2(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([10, 8], dtype=DataType.Float)
+        w = fd.define_tensor([3, 8], dtype=DataType.Float)
+        out = fd.ops.linear(x, w)
+        fd.add_output(out)
+    shard(x, 0, mesh, ParallelType.mesh_y)
+    shard(x, 1, mesh)
+    shard(w, 1, mesh)
+    shard(out, 0, mesh, ParallelType.mesh_y)
+    out.set_overlap(True)
+    gx, gw = _ints(10, 8), _ints(3, 8, seed=1)
+    got, comms, _ = _run(multidevice_test, fd, (gx, gw))
+    expected = multidevice_test.shard_tensor(F.linear(gx, gw), fd.fusion.outputs()[0])
+    torch.testing.assert_close(got, expected)
+    assert [(c.kind, c.mesh_axis) for c in comms] == [("allreduce", 1)] * 2
+
+
+def _mlp_inputs(multidevice_test, tokens: int) -> list[torch.Tensor]:
+    """x, this rank's w1 rows and w2 columns (8 of the ffn axis each), dz: MegatronMlp's
+    inputs (hidden 8), on the rank's device."""
+    d, r = multidevice_test.size, multidevice_test.rank
+    x, dz = _ints(tokens, 8), _ints(tokens, 8, seed=1)
+    w1, w2 = _ints(8 * d, 8, seed=2), _ints(8, 8 * d, seed=3)
+    part = slice(r * 8, (r + 1) * 8)
+    local = [x, w1[part].contiguous(), w2[:, part].contiguous(), dz]
+    return [t.to(multidevice_test.device) for t in local]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [16, 13], ids=["even", "uneven"])
+def test_megatron_mlp_loops_keep_the_backward_overlap(multidevice_test, monkeypatch, tokens):
+    """The MLP's two allreduces (z forward, dx backward) as loops of 4 chunks: values as
+    the Megatron calls; the forward loop runs before the backward's GEMMs, and z is read
+    only after them (the loop's result is waited for where read, not at the loop's end);
+    the backward's loop runs before the weight gradients' GEMMs, as its allreduce did."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "4")
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d)) if d > 1 else None
+    model = MegatronMlp(tokens, 8, 8 * d, mesh, dtype=DataType.Float)
+    inputs = _mlp_inputs(multidevice_test, tokens)
+    with record_communications() as comms:
+        got = model.execute(inputs)
+    group = torch.distributed.group.WORLD if d > 1 else None
+    for a, b in zip(got, megatron_mlp_torch(*inputs, group)):
+        torch.testing.assert_close(a, b)
+    if d == 1:
+        return
+    assert _kinds(comms) == Counter(allreduce=8)
+    program = model.explain(inputs, verbose=True).split("program on rank")[1].splitlines()
+    loops = [k for k, line in enumerate(program) if "stream loop: 4 row chunks" in line]
+    first_backward_gemm = next(k for k, line in enumerate(program) if "= matmul(T3, T2)" in line)
+    z_read = next(k for k, line in enumerate(program) if "T7 = set(T16)" in line)
+    weight_gradients = [k for k, line in enumerate(program)
+                        if "= matmul(T10, T5)" in line or "= matmul(T12, T0)" in line]
+    assert len(loops) == 2 and loops[0] < first_backward_gemm < z_read
+    assert loops[1] < min(weight_gradients)  # dx's chunks move under dw1's and dw2's GEMMs
+
+
+def test_estimate_with_nccl_never_pays_and_with_copy_engines_does():
+    """With NCCL's measured contention (1) a loop is never estimated faster; with the copy
+    engines' figures the Megatron MLP's forward GEMM (8192 tokens, 16384 of 32768 ffn per
+    device, 8192 hidden, bf16) is cut."""
+    flops, nbytes = 2.0 * 8192 * 8192 * 16384, 8192 * 8192 * 2
+    for k in (2, 4, 8):
+        plain, looped = allreduce_loop.estimate_ms(DEFAULT_COSTS["cuda"], flops, nbytes, 2, k)
+        assert looped > plain
+    plain, looped = allreduce_loop.estimate_ms(DEFAULT_COSTS["cuda_copy_engine"], flops,
+                                               nbytes, 2, 4, allreduce_loop.COPY_ENGINE)
+    assert looped < 0.95 * plain
+
+
+def test_chunk_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "3")
+    assert allreduce_loop.fixed_chunks() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", bad)
+        with pytest.raises(InputError, match="MESHFUSE_OVERLAP_CHUNKS.*positive number"):
+            allreduce_loop.fixed_chunks()
+
+
+@pytest.mark.mpi
+def test_copy_engines_asked_for_on_a_cpu_fall_back(multidevice_test, monkeypatch):
+    """MESHFUSE_OVERLAP_TRANSPORT=copy_engine on CPU ranks: the process group carries the
+    chunks' allreduces, and explain says why."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU ranks only (on CUDA the copy engines run)")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
+    fd = _row_linear(mesh_1d(multidevice_test), [5, 8], 3, overlap=True)
+    x, w = _ints(5, 8), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    if multidevice_test.size > 1:
+        assert _kinds(comms) == Counter(allreduce=2)
+        assert "transfers by the process group" in text and "copy engines are CUDA's" in text
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
+
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("rows, chunks", [(8, 1), (8, 2), (7, 4)],
+                         ids=["whole", "even", "uneven"])
+def test_copy_engine_loop_equals_the_unsharded_gemm(multidevice_test, monkeypatch, rows,
+                                                    chunks):
+    """On CUDA: the peers' rows pulled by the copy engines and summed where the result is
+    read, three calls in a row (the workspace reused), d - 1 pulls per chunk recorded."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", str(chunks))
+    d = multidevice_test.size
+    fd = _row_linear(mesh_1d(multidevice_test), [rows, 8], 3, overlap=True)
+    x, w = _ints(rows, 8), _ints(3, 8, seed=1)
+    for _ in range(3):
+        out, comms, text = _run(multidevice_test, fd, (x, w))
+        torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    if d > 1:
+        nonempty = -(-rows // -(-rows // chunks))
+        assert _kinds(comms) == Counter(copy_engine_pull=nonempty * (d - 1))
+        assert sum(c.bytes for c in comms) == rows * 3 * 4 * (d - 1)
+        assert "transfers by copy engines" in text
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_megatron_mlp_with_copy_engine_loops(multidevice_test, monkeypatch):
+    """On CUDA: the MLP's two allreduces by the copy engines (one chunk each) give the
+    Megatron calls' values, twice in a row."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "1")
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d)) if d > 1 else None
+    model = MegatronMlp(12, 8, 8 * d, mesh, dtype=DataType.Float, overlap=True)
+    inputs = _mlp_inputs(multidevice_test, 12)
+    group = torch.distributed.group.WORLD if d > 1 else None
+    for _ in range(2):
+        with record_communications() as comms:
+            got = model.execute(inputs)
+        for a, b in zip(got, megatron_mlp_torch(*inputs, group)):
+            torch.testing.assert_close(a, b)
+    if d > 1:
+        assert _kinds(comms) == Counter(copy_engine_pull=2 * (d - 1))
