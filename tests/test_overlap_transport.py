@@ -258,17 +258,20 @@ def test_copy_engine_gathering_pulls_after_the_own_block(multidevice_test, barri
     """On CUDA: a Gathering of uneven shards (the last one short) issues no pull until a
     block of another rank is asked for, then gives every other rank's shard, its own being
     the shard itself; three runs back to back reuse the workspace; d - 1 pulls recorded per
-    run, with the staging barrier on the current stream or on the copy stream."""
+    run, with the staging barrier on the current stream or on the copy stream; successive
+    runs take the two workspaces of their place in turn."""
     d, me = multidevice_test.size, multidevice_test.rank
     if d == 1:
         pytest.skip("the copy engines move blocks between ranks")
     group = Group(dist.group.WORLD, tuple(range(d)), me, 0)
     shapes = [(5, 4)] * (d - 1) + [(3, 4)]
+    workspaces = []
     for run in range(3):
         shard = torch.arange(20, device=multidevice_test.device, dtype=torch.float32)
         shard = (shard[:shapes[me][0] * 4].view(shapes[me]) + 100 * me + run).contiguous()
         with record_communications() as comms:
             gathering = Gathering(shard, group, shapes, place=0, barrier_aside=barrier_aside)
+            workspaces.append(gathering.workspace)
             assert gathering.block(me) is gathering.x and not gathering.blocks
             blocks = {b: gathering.block(b).clone() for b in Reducing.order(me, d)}
             gathering.finish()
@@ -276,3 +279,5 @@ def test_copy_engine_gathering_pulls_after_the_own_block(multidevice_test, barri
             expected = torch.arange(shapes[b][0] * 4, dtype=torch.float32).view(shapes[b])
             torch.testing.assert_close(got.cpu(), expected + 100 * b + run)
         assert _kinds(comms) == Counter(copy_engine_pull=d - 1)
+    # two workspaces taken in turn: no barrier needed at a run's end
+    assert workspaces[0] is workspaces[2] and workspaces[0] is not workspaces[1]

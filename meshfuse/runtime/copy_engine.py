@@ -8,11 +8,13 @@ rank of the group: a copy engine moves it over NVLink while the GEMMs hold the S
 the barriers (a one-block kernel each) need an SM; they are queued on the GEMMs' stream,
 between GEMMs, so none waits for a GEMM it does not follow.
 
-**Workspace.** One symmetric allocation per ``(group, device, place)`` (``place``: the
-communication's position in its loop), made or grown at the first loop that needs it (a
+**Workspace.** Two symmetric allocations per ``(group, device, place)`` (``place``: the
+communication's position in its loop), made or grown at the first loop that needs them (a
 collective: every rank computes the same size from global extents, so every rank makes the
-same ones in the same order) and reused by later loops: each loop ends with a barrier, after
-which no rank reads another's workspace any more.
+same ones in the same order) and taken in turn by later loops (:func:`next_workspace`). A
+loop needs no barrier at its end: a peer's reads of a workspace (its pulls) end before that
+peer's next loop at the same place reaches its first barrier, and this rank writes that
+workspace again only in the loop after, past that barrier.
 
 **An allgather of the stream axis** (:class:`Gathering`, chunk ``i`` working on block ``b``):
 
@@ -26,7 +28,7 @@ which no rank reads another's workspace any more.
    earlier chunks, the first under the own block's. The copies are issued after the own
    block's GEMM, as torch's fused all-gather-matmul does (issued before it, the copies ran
    beside the GEMMs 9% of their time on 2 H200s, torch's 85%);
-3. at the loop's end: a barrier (no rank still reads this rank's workspace).
+3. at the loop's end, the current stream waits for every pull (and the barrier).
 
 **A reduce-scatter onto the stream axis** (:class:`Reducing`): the chunks visit the other
 ranks' blocks first and this rank's own last. Step ``s`` (the ``s``-th other block, ``(c + s
@@ -34,7 +36,7 @@ ranks' blocks first and this rank's own last. Step ``s`` (the ``s``-th other blo
 of its workspace, then a barrier (every rank's slot ``s`` is written); the copy stream then
 pulls slot ``s`` of rank ``(c - s - 1) mod d``, which holds that rank's partial of this
 rank's block, under the next GEMM. The own block's chunk adds the pulled partials to this
-rank's own. At the loop's end, a barrier.
+rank's own.
 """
 
 from __future__ import annotations
@@ -105,11 +107,25 @@ def workspace(group: Group, place: object, nbytes: int, device: torch.device) ->
     found = _workspaces.get(key)
     if found is not None and found.buffer.numel() >= nbytes:
         return found
-    if found is not None:  # copies of the last loop may still read the old one
+    if found is not None:  # no copy, here or on a peer, may still read the old one
+        found.barrier()
         torch.cuda.synchronize(device)
     size = max(_aligned(nbytes), 2 * found.buffer.numel() if found is not None else 0)
     _workspaces[key] = _Workspace(*symmetric_memory.allocate(group.process_group, size, device))
     return _workspaces[key]
+
+
+_turns: dict[tuple, int] = {}
+
+
+def next_workspace(group: Group, place: object, nbytes: int,
+                   device: torch.device) -> _Workspace:
+    """The workspace of the next loop run at ``place``: the two of ``place`` in turn
+    (module doc), each holding at least ``nbytes``."""
+    key = (group.process_group.group_name, device.index, place)
+    turn = _turns.get(key, 0)
+    _turns[key] = 1 - turn
+    return workspace(group, (place, turn), nbytes, device)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -152,7 +168,7 @@ class Gathering:
         me, d, device = group.coordinate, group.size, x.device
         self.shapes = [tuple(s) for s in shapes]
         nbytes = max(math.prod(s) for s in shapes) * x.dtype.itemsize
-        self.workspace = workspace(group, place, nbytes, device)
+        self.workspace = next_workspace(group, place, nbytes, device)
         self.order = [(me + s) % d for s in range(1, d)]
         self.outs = {b: torch.empty(self.shapes[b], dtype=x.dtype, device=device)
                      for b in self.order}
@@ -197,12 +213,14 @@ class Gathering:
         return out
 
     def finish(self) -> None:
-        """The loop's last barrier (on the current stream, after its chunks)."""
+        """The current stream (after the loop's chunks) waits for the staging barrier and
+        every pull: what this rank does next comes after its reads of the peers' workspaces
+        (module doc)."""
         current = torch.cuda.current_stream(self.x.device)
-        for _, done in self.blocks.values():  # no pull still reads a peer past the barrier
+        current.wait_event(self.staged)
+        for _, done in self.blocks.values():
             if done is not None:
                 current.wait_event(done)
-        self.workspace.barrier()
         self.blocks.clear()
         self.outs.clear()
 
@@ -216,7 +234,8 @@ class Reducing:
         self.group, self.shapes, self.dtype = group, [tuple(s) for s in shapes], dtype
         self.combine, self.reduce_op = COMBINE[reduce_op], reduce_op
         self.slot = _aligned(max(math.prod(s) for s in self.shapes) * dtype.itemsize)
-        self.workspace = workspace(group, place, self.slot * max(1, group.size - 1), device)
+        self.workspace = next_workspace(group, place, self.slot * max(1, group.size - 1),
+                                        device)
         self.device, self.step, self.pulled = device, 0, []
         # allocated now, on the stream the loop starts from (see Gathering)
         self.received = [torch.empty(self.shapes[group.coordinate], dtype=dtype, device=device)
@@ -263,6 +282,8 @@ class Reducing:
         return out
 
     def finish(self) -> None:
-        """The loop's last barrier (on the current stream, after its chunks)."""
-        self.workspace.barrier()
+        """The current stream (after the loop's chunks) waits for every pull (module doc)."""
+        current = torch.cuda.current_stream(self.device)
+        for _, done in self.pulled:
+            current.wait_event(done)
         self.pulled.clear()
