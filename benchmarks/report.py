@@ -103,6 +103,8 @@ def headline(records: list[Record]) -> list[str]:
                          f"({mf.host_us / other.host_us:.2f}x)")
             if "vs_direct_aten" in mf.metrics:
                 line += f"; {mf.metrics['vs_direct_aten']:.2f}x bare aten calls"
+                if "interleaved_ratio" in mf.metrics:
+                    line += f" ({mf.metrics['interleaved_ratio']:.3f}x timed interleaved)"
             if "summary" in mf.metrics and "speedup_over_1gpu" in mf.metrics:
                 line += f"; {mf.metrics['summary']}"
             lines.append(line)

@@ -50,3 +50,14 @@ class DataType(enum.Enum):
 
     def __repr__(self) -> str:
         return f"DataType.{self.name}"
+
+
+def dtype_of_number(value: object) -> DataType | None:
+    """The DataType of a Python number as a scalar operand (bool, int, float, complex map to
+    Bool, Int, Double, ComplexDouble, as PyTorch treats Python scalars); None for anything
+    else."""
+    for kind, dtype in ((bool, DataType.Bool), (int, DataType.Int), (float, DataType.Double),
+                        (complex, DataType.ComplexDouble)):
+        if isinstance(value, kind):
+            return dtype
+    return None

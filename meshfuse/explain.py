@@ -30,6 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
+import torch
+
 from meshfuse.ir.fusion import Expr, Fusion, Reshard, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import derived_extents, local_indices, shard_factor
@@ -37,7 +39,18 @@ from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
-from meshfuse.ops.context_parallel import RING, ContextParallel, context_record, sequence_parallel
+from meshfuse.ops.context_parallel import (
+    ALLTOALL,
+    AUTO,
+    COMPILED,
+    COPY_ENGINE,
+    EAGER,
+    NCCL,
+    RING,
+    ContextParallel,
+    context_record,
+    sequence_parallel,
+)
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.binding import device_coords, held_here
@@ -147,7 +160,8 @@ class Extents:
 
 
 def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: int,
-            world_size: int, extents: Mapping[IterDomain, int] | None = None) -> str:
+            world_size: int, extents: Mapping[IterDomain, int] | None = None,
+            device: torch.device | None = None) -> str:
     """The compact view of a compiled ``fusion`` on ``rank`` (see the module doc).
 
     Args:
@@ -156,6 +170,9 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
         rank: the rank whose local shapes and communications are shown.
         world_size: the number of ranks the program runs on.
         extents: bound global extents of every ID (from inputs); None: the definition's.
+        device: where the rank's tensors live, which decides how a context-parallel
+            attention moves and merges its blocks; None: not known (the lines say what each
+            kind of device runs).
     """
     sizes = Extents(fusion, extents)
     source = "the inputs" if extents is not None else "the definition"
@@ -165,7 +182,7 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
     planned = planned_communications(fusion, rank, sizes)
-    rings = planned_context_parallel(fusion, rank, sizes)
+    rings = planned_context_parallel(fusion, rank, sizes, device)
     lines.append(f"communications on rank {rank}:" if planned or rings
                  else f"communications on rank {rank}: none")
     lines += [f"  {p}" for p in planned + rings]
@@ -243,23 +260,42 @@ class PlannedContextParallel:
                 f"ranks {list(record.ranks)}")
         if record.strategy != RING:
             kinds = sorted({kind for kind, _, _ in self.transfers()})
-            return f"{head}: {len(sent)} x {'/'.join(kinds)}{amount}"
+            return f"{head}: {len(sent)} x {'/'.join(kinds)}{amount}{_merge_words(record)}"
         peer = record.ranks[(record.position + 1) % record.size]
         moved = "k/v and dk/dv" if record.backward else "k/v"
         order = ", ".join(str(record.holder(s)) for s in range(record.size))
         return (f"{head}, blocks of positions {order}: {len(sent)} sends of {moved} to rank "
-                f"{peer} (and as many receives){amount}")
+                f"{peer} (and as many receives){amount}; "
+                f"transport: {TRANSPORT_WORDS[record.transport]}{_merge_words(record)}")
 
 
-def planned_context_parallel(fusion: Fusion, rank: int,
-                             sizes: Extents | None = None) -> list[PlannedContextParallel]:
-    """The context-parallel attentions ``rank`` communicates in, in program order."""
+UNKNOWN = " (device not known yet)"
+TRANSPORT_WORDS = {NCCL: "send/recv", COPY_ENGINE: "copy engines",
+                   AUTO: f"copy engines on CUDA, send/recv elsewhere{UNKNOWN}"}
+MERGE_WORDS = {EAGER: "eager (torch operations)", COMPILED: "compiled (one torch.compile'd pass)",
+               AUTO: f"compiled on CUDA, eager elsewhere{UNKNOWN}"}
+
+
+def _merge_words(record: ContextParallel) -> str:
+    """How a forward that merges blocks by their log-sum-exp (the ring's, the all-gather's)
+    merges them; nothing for the others."""
+    if record.backward or record.strategy == ALLTOALL:
+        return ""
+    return f"; merge: {MERGE_WORDS[record.merge]}"
+
+
+def planned_context_parallel(fusion: Fusion, rank: int, sizes: Extents | None = None,
+                             device: torch.device | None = None
+                             ) -> list[PlannedContextParallel]:
+    """The context-parallel attentions ``rank`` communicates in, in program order; their
+    records' ``transport`` and ``merge`` are those ``device`` runs (None: ``"auto"`` where
+    the device decides)."""
     sizes = sizes or Extents(fusion)
     planned = []
     for expr in fusion.exprs:
         if sequence_parallel(expr) is None or rank not in expr.outputs[0].mesh:
             continue
-        record = context_record(expr, LocalContext(rank, None, None, sizes.planning))
+        record = context_record(expr, LocalContext(rank, device, None, sizes.planning))
         if record.size > 1:
             planned.append(PlannedContextParallel(expr, record, _row_bytes(expr, sizes, rank)))
     return planned

@@ -87,13 +87,17 @@ class Program:
     mode: str = ""
     features: set[str] = dataclasses.field(default_factory=set)
     dtypes: dict[str, str] = dataclasses.field(default_factory=dict)  # input -> DataType name
+    # input -> its stride_order (nvFuser's: axis i's rank, the outermost highest); absent:
+    # contiguous in logical order
+    layouts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def dtype(self, name: str) -> str:
         """The DataType name of input ``name`` (Float unless the generator chose another)."""
         return self.dtypes.get(name, "Float")
 
     def definition_code(self) -> str:
-        lines = [f"{n} = fd.define_tensor({list(s)}, dtype=DataType.{self.dtype(n)})"
+        lines = [f"{n} = fd.define_tensor({list(s)}, dtype=DataType.{self.dtype(n)}"
+                 + (f", stride_order={self.layouts[n]})" if n in self.layouts else ")")
                  for n, s in self.inputs]
         lines += self.fd_lines
         lines += [f"fd.add_output({o})" for o in self.outputs]
@@ -108,7 +112,8 @@ class Program:
         body = "\n".join("    " + line for line in self.torch_lines)
         fd_body = "\n".join("    " + line for line in self.definition_code().split("\n"))
         names = ", ".join(n for n, _ in self.inputs)
-        shapes = ", ".join(input_code(list(s), self.dtype(n)) for n, s in self.inputs)
+        shapes = ", ".join(input_code(list(s), self.dtype(n), self.layouts.get(n))
+                           for n, s in self.inputs)
         return f"""# meshfuse fuzz program: seed {self.seed}, world size {self.world_size}, {self.mode}
 import math
 import torch
@@ -155,13 +160,19 @@ INPUT_CODE = {
 }
 
 
-def input_code(shape: list[int], dtype: str) -> str:
-    """The torch expression drawing a global input of ``shape`` and ``dtype`` from ``gen``."""
-    return INPUT_CODE[dtype].format(shape=shape)
+def input_code(shape: list[int], dtype: str, stride_order: list[int] | None = None) -> str:
+    """The torch expression drawing a global input of ``shape`` and ``dtype`` from ``gen``,
+    laid out by ``stride_order`` (drawn in memory order, then permuted to logical order)."""
+    if stride_order is None:
+        return INPUT_CODE[dtype].format(shape=shape)
+    memory = sorted(range(len(shape)), key=lambda a: -stride_order[a])  # outermost first
+    drawn = INPUT_CODE[dtype].format(shape=[shape[a] for a in memory])
+    return f"{drawn}.permute({', '.join(str(memory.index(a)) for a in range(len(shape)))})"
 
 
-def draw_input(shape: list[int], dtype: str, gen: torch.Generator) -> torch.Tensor:
-    return eval(input_code(shape, dtype), {"torch": torch, "gen": gen})
+def draw_input(shape: list[int], dtype: str, gen: torch.Generator,
+               stride_order: list[int] | None = None) -> torch.Tensor:
+    return eval(input_code(shape, dtype, stride_order), {"torch": torch, "gen": gen})
 
 
 class _Gen:
@@ -588,7 +599,7 @@ def reference(program: Program) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
-        env[name] = draw_input(list(shape), program.dtype(name), gen)
+        env[name] = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
         inputs.append(env[name])
     with torch.no_grad():
         exec("\n".join(program.torch_lines), env)

@@ -17,10 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.reproducibility import deterministic_algorithms
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ops import attention_backends as ab
 from meshfuse.ops import attention_kernels as ak
-from meshfuse.ops.attention_backends import AttentionBackend, cudnn_preferred, select_backend
+from meshfuse.ops.attention_backends import (
+    AttentionBackend,
+    check_deterministic_backward,
+    cudnn_preferred,
+    deterministic_only,
+    select_backend,
+)
 from meshfuse.ops.attention_kernels import sdpa_backward, sdpa_forward
 
 CUDA = torch.cuda.is_available()
@@ -521,3 +528,25 @@ def test_cuda_dropout_forward_backward_consistency(name):
             dropped.transpose(-2, -1) @ go)
     for grad_name, grad, ref in zip(("q_grad", "k_grad", "v_grad"), (dq, dk, dv), refs):
         _assert_close(grad_name, grad, ref, torch.bfloat16)
+
+
+def test_cudnn_backward_is_refused_under_deterministic_algorithms():
+    """cuDNN's attention backward has no deterministic mode: with
+    ``torch.use_deterministic_algorithms(True)`` it is refused with a typed error that says
+    what to do (``warn_only``: a warning), and automatic selection leaves cuDNN out; other
+    kernels, and every kernel outside the switch, pass."""
+    check_deterministic_backward(AttentionBackend.CUDNN)
+    with deterministic_algorithms(True):
+        assert deterministic_only()
+        with pytest.raises(InputError, match="cuDNN attention backward is not deterministic.*auto"):
+            check_deterministic_backward(AttentionBackend.CUDNN)
+        for backend in (AttentionBackend.FLASH, AttentionBackend.EFFICIENT, AttentionBackend.MATH):
+            check_deterministic_backward(backend)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not deterministic_only()
+        with pytest.warns(UserWarning, match="not deterministic"):
+            check_deterministic_backward(AttentionBackend.CUDNN)
+    finally:
+        torch.use_deterministic_algorithms(saved)

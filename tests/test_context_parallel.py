@@ -477,3 +477,44 @@ def test_dropout_shard_mode_gradients_use_the_forwards_masks(multidevice_test):
     global_attn = DropoutAttention("global", None).execute(inputs)[0]
     if multidevice_test.size > 1:
         assert not torch.equal((global_attn != 0), (attn != 0))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["ring", None], ids=["ring", "estimate"])
+@pytest.mark.parametrize("layout,s", [("zigzag", 16), ("uneven", 10)], ids=["zigzag", "uneven"])
+def test_backward_of_a_gathered_output_runs_context_parallel(multidevice_test, strategy,
+                                                             layout, s):
+    """Regression (found by tests/test_fuzz_context_parallel.py): the forward's output
+    pinned whole (a gather after it) and a whole output gradient, fed to the backward. The
+    backward's query-row inputs (output gradient, output) had to be sharded as q: a forced
+    ring was a ShardingError, the estimate fell back to the engine's gather of k and v. They
+    are resharded as q now (from whole: a slice, no traffic) and the backward runs
+    context-parallel; with the ring, its transfers are the ring's theory and the only other
+    communication is the gather of the output."""
+    d, rank = multidevice_test.size, multidevice_test.rank
+    if layout == "zigzag" and s % (2 * d):
+        pytest.skip("a zig-zag split needs 2d to divide the sequence")
+    fd = Attention(2, s, True, strategy=strategy)
+    mesh = mesh_1d(multidevice_test)
+    q, k, v, g, attn = fd.tensors()[:5]
+    for tv in (q, k, v):
+        tv.set_device_mesh(mesh)
+        tv.split(2, d, inner_split=False, zigzag=layout == "zigzag")
+        tv.parallelize(2, MX)
+    for tv in (g, attn):  # whole, pinned
+        tv.set_device_mesh(mesh)
+    inputs = _global_inputs(2, s, QkvFormat.BHSE)
+    local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, (q, k, v, g))]
+    with record_communications() as comms:
+        outputs = fd.execute(local)
+    want = [multidevice_test.shard_tensor(r.float(), tv)
+            for r, tv in zip(_reference(*inputs, True), fd.fusion.outputs())]
+    _assert_equal(outputs, want)
+    assert outputs[0].shape == (B, 2, s, E)  # the output whole on every rank
+    records = [p.record for p in planned_context_parallel(fd.compiled().fusion, rank)]
+    assert [r.backward for r in records] == ([False, True] if d > 1 else [])
+    if strategy == "ring":
+        ring = [(c.kind, c.bytes) for c in comms if c.kind in ("send", "recv")]
+        assert ring == _expected_ring(s, d, 2, 4, rank, layout)
+        others = sorted({c.kind for c in comms if c.kind not in ("send", "recv")})
+        assert others == (["allgather"] if d > 1 else []), others

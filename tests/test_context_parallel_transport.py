@@ -23,10 +23,12 @@ from test_context_parallel import (
     _sequence_sharded,
 )
 
-from meshfuse import DataType, DefinitionError, FusionDefinition, ParallelType
+from meshfuse import DataType, DefinitionError, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat
+from meshfuse.explain import explain, planned_context_parallel
 from meshfuse.ops import context_blocks
 from meshfuse.ops.context_blocks import Merged, merge_into
+from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.runtime import peer_copy
 from meshfuse.runtime.collectives import Group, record_communications, ring_shift
 from meshfuse.runtime.communicator import Communicator
@@ -108,8 +110,9 @@ def test_auto_transport_on_cpu_is_the_ring_over_gloo(multidevice_test, monkeypat
 @pytest.mark.mpi
 def test_default_merge_is_eager_on_cpu_and_compiled_on_cuda(multidevice_test, monkeypatch):
     """Without MESHFUSE_CP_MERGE the merge is ``auto``: the ring's forward merges with the
-    compiled merge on CUDA (where it measured faster) and never compiles on CPU. (The
-    records that explain plans, without a device, do not resolve it.)"""
+    compiled merge on CUDA (where it measured faster) and never compiles on CPU; explain,
+    before anything ran, names the merge of the communicator's device, and the records
+    planned for the outputs' device name the merge that ran."""
     monkeypatch.delenv("MESHFUSE_CP_MERGE", raising=False)
     cuda = torch.cuda.is_available()
     compiled = context_blocks.compiled_merge
@@ -119,9 +122,68 @@ def test_default_merge_is_eager_on_cpu_and_compiled_on_cuda(multidevice_test, mo
                         else pytest.fail("compiled on CPU"))
     fd = Attention(2, 16, True, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    explained = fd.explain()  # before anything runs: the communicator's device decides
     outputs, expected, _ = _run(multidevice_test, fd, _global_inputs(2, 16, QkvFormat.BHSE))
     _assert_equal(outputs, expected)
-    assert (len(calls) > 0) == (cuda and multidevice_test.size > 1)
+    ring = multidevice_test.size > 1
+    assert (len(calls) > 0) == (cuda and ring)
+    merge = "merge: compiled" if cuda else "merge: eager"
+    assert (merge in explained) == ring and "device not known" not in explained
+    records = [p.record for p in planned_context_parallel(
+        fd.compiled().fusion, multidevice_test.rank, device=outputs[0].device)]
+    assert {r.merge for r in records} == ({"compiled" if cuda else "eager"} if ring else set())
+
+
+def _planned_ring(world_size, device):
+    """The forward's and the backward's explained lines and records on rank 0 of a ring of
+    ``world_size`` (zig-zag, causal), planned in this process for ``device``."""
+    fd = Attention(2, 16, True, strategy="ring")
+    _sequence_sharded(fd, DeviceMesh(range(world_size)), "zigzag")
+    compiled = compile_fusion(fd.fusion, world_size)
+    text = explain(compiled.fusion, compiled.allocations, 0, world_size, device=device)
+    lines = [line for line in text.splitlines() if "ring over mesh axis" in line]
+    records = [p.record for p in planned_context_parallel(compiled.fusion, 0, device=device)]
+    return lines, records
+
+
+@pytest.mark.parametrize("device,transport,merge", [
+    (None, "copy engines on CUDA, send/recv elsewhere (device not known yet)",
+     "compiled on CUDA, eager elsewhere (device not known yet)"),
+    (torch.device("cpu"), "send/recv", "eager (torch operations)"),
+    (torch.device("cuda", 1), "copy engines", "compiled (one torch.compile'd pass)"),
+], ids=["no_device", "cpu", "cuda"])
+def test_explain_names_the_transport_and_merge_the_device_runs(device, transport, merge):
+    """explain names how the ring moves its blocks and how its forward merges them: what the
+    device runs (auto resolved: the copy engines and the compiled merge on CUDA, send/recv
+    and the eager merge elsewhere), or, planned without a device, both choices; only the
+    forward merges. (A CUDA device is only named here: nothing runs.)"""
+    (forward, backward), records = _planned_ring(2, device)
+    assert forward.endswith(f"; transport: {transport}; merge: {merge}")
+    assert backward.endswith(f"; transport: {transport}")
+    auto = device is None
+    assert {(r.transport, r.merge) for r in records} == (
+        {("auto", "auto")} if auto else
+        {("copy_engine", "compiled")} if device.type == "cuda" else {("nccl", "eager")})
+
+
+def test_explain_names_forced_options_and_send_recv_for_uneven_blocks(monkeypatch):
+    """A forced merge or transport is named as forced, with or without a device; blocks of
+    different sizes (10 rows over 4 ranks) travel by send/recv even on CUDA, and the copy
+    engines forced there are refused when explained too, with the fix."""
+    monkeypatch.setenv("MESHFUSE_CP_MERGE", "eager")
+    monkeypatch.setenv("MESHFUSE_CP_TRANSPORT", "copy_engine")
+    (forward, _), _ = _planned_ring(2, None)
+    assert forward.endswith("; transport: copy engines; merge: eager (torch operations)")
+    monkeypatch.setenv("MESHFUSE_CP_TRANSPORT", "auto")
+    fd = Attention(2, 10, True, strategy="ring")
+    _sequence_sharded(fd, DeviceMesh(range(4)), "block")
+    compiled = compile_fusion(fd.fusion, 4)
+    for device in (None, torch.device("cuda", 0)):
+        text = explain(compiled.fusion, compiled.allocations, 0, 4, device=device)
+        assert text.count("; transport: send/recv") == 2
+    monkeypatch.setenv("MESHFUSE_CP_TRANSPORT", "copy_engine")
+    with pytest.raises(DefinitionError, match="blocks of one size.*zig-zag split"):
+        explain(compiled.fusion, compiled.allocations, 0, 4)
 
 
 @pytest.mark.mpi

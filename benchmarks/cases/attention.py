@@ -36,7 +36,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import meshfuse
 from benchmarks.context import Context
 from benchmarks.fusions import QkvFormat, SeedAttention, as_format
-from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants, waited
+from benchmarks.harness import (
+    Plan,
+    Record,
+    Skip,
+    Variant,
+    check_close,
+    interleave,
+    kept,
+    run_variants,
+    waited,
+)
 from meshfuse.ops import attention_kernels as kernels
 from meshfuse.ops.attention_backends import select_backend
 
@@ -138,19 +148,20 @@ def direct_variant(inputs, requested=None, name="direct"):
     return Variant(name, setup)
 
 
-def _raw_aten(backend, q, k, v, g):
+def raw_aten(backend, q, k, v, g, causal=IS_CAUSAL):
     """One forward and backward of ``backend`` as bare ``torch.ops.aten`` calls (no meshfuse
     wrapper, no check, no layout work): the issue's "same kernels called directly"."""
-    aten, s, causal = torch.ops.aten, q.shape[2], IS_CAUSAL
-    if backend.value == "cudnn":
+    aten, s = torch.ops.aten, q.shape[2]
+    backend = getattr(backend, "value", backend)  # an AttentionBackend or its name
+    if backend == "cudnn":
         out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
         return out[0], aten._scaled_dot_product_cudnn_attention_backward(
             g, q, k, v, out[0], out[1], out[6], out[7], None, None, None, s, s, 0.0, causal)
-    if backend.value == "flash":
+    if backend == "flash":
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
         return out[0], aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out[0], out[1], None, None, s, s, 0.0, causal, out[6], out[7])
-    if backend.value == "efficient":
+    if backend == "efficient":
         out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
         return out[0], aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, None, out[0], out[1], out[2], out[3], 0.0, [True, True, True, False],
@@ -161,14 +172,14 @@ def _raw_aten(backend, q, k, v, g):
 
 
 def raw_variant(inputs) -> Variant:
-    """``direct_aten``: the kernels meshfuse selects as bare aten calls (see _raw_aten)."""
+    """``direct_aten``: the kernels meshfuse selects as bare aten calls (see raw_aten)."""
     q, k, v, g = inputs
 
     def setup():
         backend = select_backend(q, k, v, DROPOUT_P, IS_CAUSAL)
         if backend.value not in ("cudnn", "flash", "efficient", "cpu_flash"):
             raise Skip(f"no bare aten form for the {backend.value} kernel")
-        return (lambda: _raw_aten(backend, q, k, v, g)), {"backend": backend.value}
+        return (lambda: raw_aten(backend, q, k, v, g)), {"backend": backend.value}
 
     return Variant("direct_aten", setup, "bare torch.ops.aten calls")
 
@@ -218,29 +229,35 @@ def _dtensor(ctx, inputs):
 
 
 def run_attention(ctx: Context, case: str, sizes: dict[str, int], plan: Plan,
-                  cuda_graph: bool) -> list[Record]:
+                  cuda_graph: bool, interleaved: tuple[int, int] | None = None
+                  ) -> list[Record]:
     """Every variant per layout; ``cuda_graph``: with ``meshfuse_interpreter`` and
     ``meshfuse_graph`` (for launch-bound sizes: at large sizes a graph saves nothing and its
-    input/output copies cost time)."""
+    input/output copies cost time). ``interleaved`` (rounds, iterations): ``meshfuse`` is
+    also timed alternating with ``direct_aten`` (the H200's clock moves between two levels
+    over seconds, and medians taken one after the other can land on different ones)."""
     records = []
     for fmt in QkvFormat:
         inputs = local_inputs(ctx, sizes, fmt)
         graphed = [meshfuse_variant(ctx, sizes, fmt, inputs, cuda_graph=mode)
                    for mode in (False, True)] if cuda_graph else []
+        steps: dict = {}
         variants = [
-            meshfuse_variant(ctx, sizes, fmt, inputs),
+            kept(meshfuse_variant(ctx, sizes, fmt, inputs), steps),
             *graphed,
             direct_variant(inputs),
-            raw_variant(inputs),
+            kept(raw_variant(inputs), steps),
             _dtensor(ctx, inputs),
             _torch(inputs, "torch_flash", [SDPBackend.FLASH_ATTENTION], "sdpa_kernel(FLASH)"),
             _torch(inputs, "torch_sdpa", _ALL_BACKENDS, "PyTorch's kernel choice"),
         ]
         params = dict(sizes, causal=IS_CAUSAL, dtype="bf16", layout=fmt.value,
                       heads_per_rank=sizes["h"] // ctx.world)
-        records += _vs_raw(run_variants(ctx, case, fmt.value, variants, plan, "direct",
-                                        params))
-        del inputs, variants
+        timed = run_variants(ctx, case, fmt.value, variants, plan, "direct", params)
+        if interleaved is not None:
+            interleave(ctx, timed, steps, "direct_aten", *interleaved, ["meshfuse"])
+        records += _vs_raw(timed)
+        del inputs, variants, steps
     return records
 
 
@@ -273,4 +290,5 @@ def large_case(ctx: Context) -> list[Record]:
     sizes = QUICK_LARGE_SIZES if ctx.quick else LARGE_SIZES
     plan = Plan(warmup=1, iters=3) if ctx.quick else Plan(warmup=5, iters=30)
     plan = Plan(plan.warmup, plan.iters, flops=attention_flops(**sizes))
-    return run_attention(ctx, "attention_large", sizes, plan, cuda_graph=False)
+    return run_attention(ctx, "attention_large", sizes, plan, cuda_graph=False,
+                         interleaved=(2, 2) if ctx.quick else (10, 5))

@@ -3,9 +3,14 @@
 Causal bf16 attention, forward and backward, b=1, h=32, head dim 128, at s=32768 and
 s=131072, and non-causal at s=32768. Variants, in one run:
 
-- ``one_gpu`` (baseline): the whole problem on one device with the kernel meshfuse selects
-  (cuDNN on Hopper), called directly; every rank runs it on its own GPU. The ideal time on
-  ``n`` GPUs is this time over ``n``; each record's ``pct_of_ideal`` is ideal / its time.
+- ``one_gpu`` (baseline): the whole problem on one device as bare ``torch.ops.aten`` calls
+  of cuDNN's attention forward and backward (Hopper, Blackwell; flash on other GPUs, the CPU
+  flash kernel on CPUs); every rank runs it on its own GPU. ``one_gpu_flash``: the same with
+  the flash kernel (CUDA). The ideal time on ``n`` GPUs is the faster of the two over
+  ``n``; each record's ``pct_of_ideal`` is ideal / its time (``ideal_from`` names it).
+- ``one_gpu_meshfuse``: the whole problem through meshfuse's kernel layer
+  (``meshfuse.ops.attention_kernels``, the kernel it selects), checked against ``one_gpu``:
+  what meshfuse's own one-device path costs beside the bare kernels;
 - ``ring_zigzag``: meshfuse, the sequence zig-zag split (load balanced), forced ring;
 - ``ring_zigzag_synced``: the same, each call waiting for its kernels (the harness times
   calls back to back; this one shows the host time before the first kernel instead of
@@ -28,8 +33,9 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   all-to-all; its buffers are sharded and restored inside each timed call, as its API does.
 
 ``MESHFUSE_CP_BENCH_CONFIGS`` and ``MESHFUSE_CP_BENCH_VARIANTS`` (comma-separated names)
-run only those configurations and variants (``one_gpu`` is always run: the baseline).
-Each meshfuse variant is checked against ``one_gpu`` (sharded alike) before it is timed. A
+run only those configurations and variants (``one_gpu`` and ``one_gpu_flash`` are always
+run: the baselines). Each meshfuse variant is checked against ``one_gpu`` (sharded alike)
+before it is timed. A
 ``constants`` record gives the speeds the estimate can use, measured here (one kernel's
 TFLOP/s, one k/v block transfer's GB/s) and which strategy the estimate picks with them, and
 which was fastest. With ``MESHFUSE_CP_PROFILE=<dir>``, every rank also writes a
@@ -51,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import meshfuse
 from benchmarks import trace_summary
-from benchmarks.cases.attention import attention_flops
+from benchmarks.cases.attention import attention_flops, raw_aten
 from benchmarks.context import Context
 from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
 from meshfuse import DataType, FusionDefinition, ParallelType
@@ -69,6 +75,7 @@ QUICK_CONFIGS = (("causal_quick", 256, True),)
 SIZES = {"b": 1, "h": 32, "head_dim": 128}
 QUICK_SIZES = {"b": 1, "h": 4, "head_dim": 16}
 TOL = 2e-2
+ONE_GPU_ATEN = ("one_gpu", "one_gpu_flash")  # the baselines, always run
 
 
 class CausalAttention(FusionDefinition):
@@ -107,7 +114,30 @@ def global_inputs(ctx: Context, sizes, s) -> list[torch.Tensor]:
             for _ in range(4)]
 
 
-def _one_gpu(full, causal):
+def one_gpu_kernel(device: torch.device) -> str:
+    """The one-GPU baseline's kernel: cuDNN on Hopper and Blackwell (the issue's baseline, the
+    fastest there), flash on other GPUs, PyTorch's CPU flash kernel on CPUs."""
+    if device.type != "cuda":
+        return "cpu_flash"
+    return "cudnn" if torch.cuda.get_device_capability(device)[0] in (9, 10) else "flash"
+
+
+def _one_gpu_aten(full, causal, kernel, name="one_gpu"):
+    """The whole problem on one device as bare ``torch.ops.aten`` calls of ``kernel`` (no
+    meshfuse code between the timer and the kernels)."""
+    q, k, v, g = full
+
+    def setup():
+        if kernel == "flash" and not q.is_cuda:
+            raise Skip("the flash kernel is CUDA's")
+        return (lambda: raw_aten(kernel, q, k, v, g, causal)), {"backend": kernel}
+
+    return Variant(name, setup, f"whole problem on one GPU, torch.ops.aten {kernel}", gpus=1)
+
+
+def _one_gpu_meshfuse(full, causal, expected):
+    """The whole problem on one device through meshfuse's kernel layer (the kernel it
+    selects, with its checks and layout handling), checked against the aten baseline."""
     q, k, v, g = full
 
     def setup():
@@ -118,9 +148,12 @@ def _one_gpu(full, causal):
             return attn, kernels.sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset,
                                                None, backend)
 
+        attn, grads = step()
+        check_close("one_gpu_meshfuse vs one_gpu", [attn, *grads], expected, TOL)
         return step, {"backend": backend.value}
 
-    return Variant("one_gpu", setup, "whole problem on one GPU, direct kernel", gpus=1)
+    return Variant("one_gpu_meshfuse", setup, "whole problem on one GPU, meshfuse's kernel "
+                   "layer", gpus=1)
 
 
 def _meshfuse(ctx, name, sizes, s, causal, full, expected, zigzag, strategy, env=None,
@@ -207,12 +240,14 @@ def _torch_cp(ctx, full, causal, rotate):
 
 def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
     full = global_inputs(ctx, sizes, s)
-    step, _ = _one_gpu(full, causal).setup()
-    attn, grads = step()
+    kernel = one_gpu_kernel(full[0].device)
+    attn, grads = raw_aten(kernel, *full, causal)
     expected = [attn, *grads]
     del attn, grads
     variants = [
-        _one_gpu(full, causal),
+        _one_gpu_aten(full, causal, kernel),
+        *([_one_gpu_aten(full, causal, "flash", "one_gpu_flash")] if kernel != "flash" else []),
+        _one_gpu_meshfuse(full, causal, expected),
         _meshfuse(ctx, "ring_zigzag", sizes, s, causal, full, expected, True, "ring"),
         _meshfuse(ctx, "ring_zigzag_synced", sizes, s, causal, full, expected, True, "ring",
                   synced=True),
@@ -236,21 +271,33 @@ def _config(ctx: Context, name: str, s: int, causal: bool, sizes, plan: Plan):
         _torch_cp(ctx, full, causal, "alltoall"),
     ]
     wanted = _selected("MESHFUSE_CP_BENCH_VARIANTS")
-    variants = [v for v in variants if wanted is None or v.name in wanted or v.name == "one_gpu"]
+    variants = [v for v in variants
+                if wanted is None or v.name in wanted or v.name in ONE_GPU_ATEN]
     flops = attention_flops(sizes["b"], sizes["h"], s, sizes["head_dim"], causal)
     params = dict(sizes, s=s, causal=causal, dtype="bf16")
     records = run_variants(ctx, "context_parallel", name, variants,
                            Plan(plan.warmup, plan.iters, flops=flops), "one_gpu", params)
     del expected
-    base = next((r for r in records if r.variant == "one_gpu" and r.status == "ok"), None)
-    for r in records:
-        if base is not None and r.status == "ok" and r.variant != "one_gpu":
-            r.metrics["pct_of_ideal"] = round(100 * base.median_ms / ctx.world / r.median_ms, 1)
+    _set_pct_of_ideal(records, ctx.world)
     records.append(_constants(ctx, name, full, causal, records, params))
     if name in ("causal_s32k", "causal_quick") and os.environ.get("MESHFUSE_CP_PROFILE"):
         records.append(_profile(ctx, name, sizes, s, causal, full,
                                 os.environ["MESHFUSE_CP_PROFILE"], params))
     return records
+
+
+def _set_pct_of_ideal(records: list[Record], world: int) -> None:
+    """Each record's ``pct_of_ideal``: the ideal time on ``world`` GPUs, the fastest bare
+    aten one-GPU time over ``world`` (named in ``ideal_from``), over its time (the one-GPU
+    records have none: their time over the baseline's is their ratio)."""
+    bases = [r for r in records if r.variant in ONE_GPU_ATEN and r.status == "ok"]
+    if not bases:
+        return
+    base = min(bases, key=lambda r: r.median_ms)
+    for r in records:
+        if r.status == "ok" and not r.variant.startswith("one_gpu"):
+            r.metrics["pct_of_ideal"] = round(100 * base.median_ms / world / r.median_ms, 1)
+            r.metrics["ideal_from"] = base.variant
 
 
 def _constants(ctx, name, full, causal, records, params) -> Record:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshfuse.dtypes import DataType
+from meshfuse.dtypes import DataType, dtype_of_number
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.composites import COMPOSITES
 from meshfuse.frontend.tensor import UserTensorView
@@ -142,14 +142,9 @@ def _check_kind(fusion: Fusion, op: OpDef, param: registry.Param, value: Any) ->
 
 def scalar_dtype(value: Any) -> DataType:
     """The DataType of a Python constant given to define_scalar without a dtype."""
-    if isinstance(value, bool):
-        return DataType.Bool
-    if isinstance(value, int):
-        return DataType.Int
-    if isinstance(value, float):
-        return DataType.Double
-    if isinstance(value, complex):
-        return DataType.ComplexDouble
-    raise DefinitionError(
-        f"define_scalar: cannot infer a dtype for {value!r}; pass dtype=DataType...."
-    )
+    dtype = dtype_of_number(value)
+    if dtype is None:
+        raise DefinitionError(
+            f"define_scalar: cannot infer a dtype for {value!r}; pass dtype=DataType...."
+        )
+    return dtype

@@ -40,6 +40,7 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops import attention_kernels
 from meshfuse.ops.attention_backends import (
     AttentionBackend,
+    check_deterministic_backward,
     check_heads,
     select_backend,
     unit_last_stride,
@@ -427,6 +428,7 @@ class _Backward:
             return _bwd(grad_attn, q, k, v, attn, log_sumexp, p, is_causal, seed, offset, scale,
                         site=site, kernel_form=kernel_form)
         backend, kernel, _ = self.bound[p > 0.0]
+        check_deterministic_backward(backend)  # the switch may have been turned on since
         return _backward(backend, kernel, grad_attn, q, k, v, attn, log_sumexp, p, is_causal,
                          seed, offset, scale, site, kernel_form)
 

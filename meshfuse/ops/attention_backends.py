@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
+import warnings
 
 import torch
 
@@ -210,10 +211,40 @@ def _unusable_reason(backend: AttentionBackend, q, k, v, dropout_p: float, is_ca
     return reason
 
 
+def deterministic_only() -> bool:
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on without ``warn_only``: a
+    kernel that may sum in a different order from call to call must not run."""
+    return torch.are_deterministic_algorithms_enabled() and \
+        not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def check_deterministic_backward(backend: AttentionBackend) -> None:
+    """Refuses cuDNN's attention backward under :func:`deterministic_only` (it has no
+    deterministic mode here: two same-seed calls gave ``q_grad`` bits differing by 3e-8 on
+    H200 with cuDNN 9.19), as PyTorch refuses an op without a deterministic implementation;
+    with ``warn_only``, warns as PyTorch does.
+
+    Raises:
+        InputError: cuDNN's backward with deterministic algorithms required.
+    """
+    if backend is not AttentionBackend.CUDNN or not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        "the cuDNN attention backward is not deterministic, and "
+        "torch.use_deterministic_algorithms(True) is set; let meshfuse choose the kernel "
+        f"({ENV_VAR}=auto picks a deterministic one) or request flash, efficient or math"
+    )
+    if deterministic_only():
+        raise InputError(message)
+    warnings.warn(message, stacklevel=3)
+
+
 def _auto_order(q: torch.Tensor, k: torch.Tensor) -> tuple[AttentionBackend, ...]:
     if q.device.type != "cuda":
         return (AttentionBackend.CPU_FLASH, AttentionBackend.MATH)
     capability = torch.cuda.get_device_capability(q.device)
+    if deterministic_only():  # cuDNN's backward is not (check_deterministic_backward)
+        return (AttentionBackend.FLASH, AttentionBackend.EFFICIENT, AttentionBackend.MATH)
     if cudnn_preferred(capability, torch.backends.cudnn.version(), q.shape[2], k.shape[2]):
         return _CUDA_FUSED + (AttentionBackend.MATH,)
     # Not cuDNN at all here: where it is not preferred it is slower or has known bugs.

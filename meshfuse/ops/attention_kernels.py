@@ -47,6 +47,7 @@ import torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ops.attention_backends import (
     AttentionBackend,
+    check_deterministic_backward,
     check_dropout,
     check_qkv,
     own_limits,
@@ -382,6 +383,7 @@ def sdpa_backward(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     check_dropout(q, dropout_p)
     _check_backward(grad_attn, attn, log_sumexp, q, v)
     _, backward = _kernels_for(backend, q, k, v, dropout_p, is_causal)
+    check_deterministic_backward(parse_backend(backend))
     grad_attn, q, k, v, attn = (unit_last_stride(t) for t in (grad_attn, q, k, v, attn))
     scale = None if scale is None else float(scale)
     extra = ()

@@ -99,11 +99,13 @@ class ContextParallel:
             GPUs, gloo on CPUs) or ``"copy_engine"`` (copies by the GPUs' copy engines into
             symmetric memory, no SM taken from the attention kernels: CUDA, blocks of one
             size). ``MESHFUSE_CP_TRANSPORT`` sets it (``auto``: the copy engines on CUDA
-            where the blocks are of one size, else send/recv).
+            where the blocks are of one size, else send/recv). A record planned without a
+            device keeps ``"auto"`` where the device decides.
         merge: how the forward merges the blocks' outputs: ``"eager"`` (torch operations)
             or ``"compiled"`` (one ``torch.compile``'d pass over each merged output).
             ``MESHFUSE_CP_MERGE`` sets it (``auto``, the default: compiled on CUDA, where
-            it measured faster, else eager).
+            it measured faster, else eager; kept ``"auto"`` in a record planned without a
+            device).
     """
 
     strategy: str
@@ -114,8 +116,8 @@ class ContextParallel:
     backward: bool = False
     own_parts: int = 1
     key_rows: tuple[tuple[Run, ...], ...] | None = None  # cross attention: keys' own rows
-    transport: str = NCCL  # resolved: _options turns auto into copy_engine or nccl
-    merge: str = EAGER  # resolved: _options turns auto into compiled or eager
+    transport: str = NCCL  # _options resolves auto for a known device (copy_engine or nccl)
+    merge: str = EAGER  # _options resolves auto for a known device (compiled or eager)
 
     @property
     def size(self) -> int:
@@ -283,15 +285,15 @@ def context_record(expr, here) -> ContextParallel:
 def _options(record: ContextParallel, expr, here) -> dict[str, str]:
     """The record's ``transport`` and ``merge`` from the environment, ``auto`` resolved for
     this rank's device (the transport of a ring of two ranks or more: the others move
-    nothing, or by collectives).
+    nothing, or by collectives). Planned without a device (``here.device`` None, as
+    ``explain`` without inputs may be), an ``auto`` that the device decides stays ``auto``.
 
     Raises:
         DefinitionError: a value that is no option; the copy engines asked for tensors off
-            CUDA, or for blocks of different sizes.
+            CUDA (on a known device), or for blocks of different sizes.
     """
     transport = _option(TRANSPORT_VAR, TRANSPORTS, DEFAULT_TRANSPORT)
     merge = _option(MERGE_VAR, MERGES, DEFAULT_MERGE)
-    cuda = here.device is not None and torch.device(here.device).type == "cuda"
     if record.strategy != RING or record.size == 1:
         transport = NCCL
     if transport == COPY_ENGINE and not record.equal_blocks:
@@ -301,12 +303,17 @@ def _options(record: ContextParallel, expr, here) -> dict[str, str]:
             f"sequence rows of {q.name} (or of {k.name}) over {record.size} ranks are of "
             f"different sizes; use a zig-zag split, an extent that divides, or "
             f"{TRANSPORT_VAR}=auto")
+    if transport == AUTO and not record.equal_blocks:
+        transport = NCCL
+    if here.device is None:  # planned without a device: what the device decides stays auto
+        return {"transport": transport, "merge": merge}
+    cuda = torch.device(here.device).type == "cuda"
     if transport == COPY_ENGINE and not cuda:
         raise DefinitionError(f"{expr.op.name}: {TRANSPORT_VAR}=copy_engine copies blocks "
                               f"between CUDA devices, and this rank's tensors are on "
                               f"{here.device}: use nccl or auto")
     if transport == AUTO:
-        transport = COPY_ENGINE if cuda and record.equal_blocks else NCCL
+        transport = COPY_ENGINE if cuda else NCCL
     if merge == AUTO:
         merge = COMPILED if cuda else EAGER
     return {"transport": transport, "merge": merge}

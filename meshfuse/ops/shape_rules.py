@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshfuse.dtypes import DataType
+from meshfuse.dtypes import DataType, dtype_of_number
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ops.registry import AxisSpec, ScalarMeta, SymbolicSize, TensorMeta
@@ -55,7 +55,9 @@ def _sample(meta) -> torch.Tensor | bool | int | float:
     if isinstance(meta, TensorMeta):
         return torch.empty((1,) * min(meta.ndim, 1), dtype=meta.dtype.torch_dtype,
                            device="meta")
-    dtype = meta.dtype if isinstance(meta, ScalarMeta) else _python_dtype(meta)
+    dtype = meta.dtype if isinstance(meta, ScalarMeta) else dtype_of_number(meta)
+    if dtype is None:
+        raise DefinitionError(f"unsupported operand {meta!r}: use a tensor, a Scalar or a number")
     if dtype is DataType.Bool:
         return True
     if dtype.is_floating:
@@ -63,18 +65,6 @@ def _sample(meta) -> torch.Tensor | bool | int | float:
     if dtype.torch_dtype.is_complex:
         return 1j
     return 1
-
-
-def _python_dtype(value) -> DataType:
-    if isinstance(value, bool):
-        return DataType.Bool
-    if isinstance(value, int):
-        return DataType.Int
-    if isinstance(value, float):
-        return DataType.Double
-    if isinstance(value, complex):
-        return DataType.ComplexDouble
-    raise DefinitionError(f"unsupported operand {value!r}: use a tensor, a Scalar or a number")
 
 
 def promote(*operands) -> DataType:

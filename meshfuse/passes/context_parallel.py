@@ -8,9 +8,10 @@ whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.contex
 and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
 prints it.
 
-When q, k and v (and in the backward the output gradient, the output and the log-sum-exp)
-are all sharded alike on their sequence axis by one block or zig-zag split over one mesh
-axis, with static sequence extents (the key sequence may be of another length, cross
+When q, k and v are all sharded alike on their sequence axis by one block or zig-zag split
+over one mesh axis (in the backward the output gradient, the output and the log-sum-exp
+may be sharded otherwise: their sequences are mapped onto q's like k's, so resharding puts
+them as q is), with static sequence extents (the key sequence may be of another length, cross
 attention, on a block split) and a constant dropout_p, the attention runs context-parallel
 itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide
 over the ranks, the ranks hold equal blocks and there is no dropout), the one of least
@@ -18,7 +19,7 @@ estimated time
 (:mod:`meshfuse.ops.context_parallel_cost`) unless one is asked for. Its domain map is then
 rewritten: the key/value sequence maps onto the query sequence (a rank's keys are the rows of
 its queries' positions) and no reduction maps from a sequence (the strategy completes it).
-Resharding thus keeps every tensor where it is; the runtime moves the blocks.
+Resharding thus keeps q, k and v where they are; the runtime moves the blocks.
 
 Otherwise the strategy is ``allgather`` done by the engine: the op's sharding rule needs the
 key/value sequence whole, and resharding gathers it (causal attention: the query sequence
@@ -115,7 +116,7 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
     if len(signature) != 1 or len(signature[0][1]) != 1 or signature[0][1][0][2]:
         return ("the query sequence is not sharded by one block or zig-zag split over one "
                 "mesh axis")
-    for name in _ROWS[expr.op.name] + _KEYS:
+    for name in _KEYS:  # the other query rows (a backward's) are resharded as q if need be
         tv = _tensor(expr, name)
         if tv.mesh != q.mesh or shard_signature(tv, tv.logical[2]) != signature:
             return f"{tv.name} ({name}) is not sharded on its sequence as q ({q.name}) is"

@@ -131,15 +131,18 @@ def agreed_build(communicator: Communicator | None, fusion: Fusion, build: Calla
 def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Sequence[Any],
                   prepare: Callable[[], T], extents_of: Callable[[T, TensorView], tuple],
                   held: Callable[[TensorView], bool], check_ranks: bool | None = None,
-                  in_call: bool = False) -> T:
+                  in_call: bool = False,
+                  more_facts: Callable[[T], Sequence[Fact]] = lambda _: ()) -> T:
     """``prepare()`` (this rank's checks and binding of ``inputs``), once every rank agrees
-    on the inputs' kinds, dtypes and global shapes (``extents_of(result, tv)``); inputs a rank
-    does not hold (``held``) are left out of its facts. ``in_call``: see :func:`agreed`."""
+    on the inputs' kinds, dtypes and global shapes (``extents_of(result, tv)``) and on
+    ``more_facts(result)``; inputs a rank does not hold (``held``) are left out of its facts.
+    ``in_call``: see :func:`agreed`."""
     if communicator is None or communicator.size == 1 or not enabled(check_ranks):
         return prepare()
 
     def facts(prepared: T) -> list[Fact]:
-        return input_facts(fusion, inputs, lambda tv: extents_of(prepared, tv), held)
+        return [*input_facts(fusion, inputs, lambda tv: extents_of(prepared, tv), held),
+                *more_facts(prepared)]
 
     return agreed(communicator, prepare, facts, _INPUT_ADVICE, in_call)
 

@@ -33,6 +33,9 @@ log-sum-exp) go from sequence-sharded to head-sharded, the kernel runs on whole 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 
 from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
@@ -51,10 +54,13 @@ from meshfuse.ops.context_parallel import (
     ALLGATHER,
     ALLTOALL,
     COMPILED,
+    ENV_VAR,
     RING,
+    TRANSPORT_VAR,
     ContextParallel,
 )
 from meshfuse.ops.random import resolve_seed
+from meshfuse.runtime.agreement import Fact
 from meshfuse.runtime.collectives import (
     Group,
     all_to_all,
@@ -335,3 +341,26 @@ def _strategy(record: ContextParallel) -> str:
 
 def _scale(scale) -> float | None:
     return None if scale is None else float(scale)
+
+
+def agreed_facts(exprs: Sequence[Any], local: Mapping[Any, Any]) -> list[Fact]:
+    """What the ranks of each context-parallel attention among ``exprs`` (a fusion's, in
+    order) that this rank runs (``local``, its localized program: expression ->
+    :class:`~meshfuse.passes.localization.Local`) must hold alike
+    before its first transfer: the strategy and how the ring's blocks travel. Both come from
+    the environment (``MESHFUSE_CONTEXT_PARALLEL`` when the fusion is built,
+    ``MESHFUSE_CP_TRANSPORT`` when its program is), which one rank may set otherwise; ranks
+    that differ would wait for each other's transfers forever. (The merge and the parts of
+    the own block are the rank's own business: they change no transfer.)"""
+    facts = []
+    for index, expr in enumerate(exprs):
+        record = local[expr].attrs.get("context") if expr in local else None
+        if not isinstance(record, ContextParallel) or record.size == 1:
+            continue
+        value = (record.strategy, record.transport if record.strategy == RING else None)
+        shown = f"strategy {record.strategy!r}" + (
+            f" with transport {record.transport!r}" if record.strategy == RING else "")
+        facts.append(Fact(
+            f"the context parallelism of {expr.op.name} (expression {index}; set by {ENV_VAR} "
+            f"and {TRANSPORT_VAR}, alike on every rank)", value, shown))
+    return facts

@@ -46,6 +46,7 @@ from meshfuse.runtime.binding import (
 )
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.context_parallel import agreed_facts as context_facts
 from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.executor import Program
 from meshfuse.runtime.failures import OutOfStep, checked_timeout
@@ -101,13 +102,18 @@ class FusionRunner:
         from ``inputs`` when given. ``verbose`` adds the domains of every tensor and, with
         ``inputs``, the program's steps."""
         extents = program = None
+        # Without inputs, the device is the communicator's (where a multi-rank program's
+        # tensors live); a lone process does not know it yet.
+        device = self.communicator.device if self.communicator is not None else None
         if inputs is not None:
             key = _signature(inputs)
             if key not in self._programs:
                 self._programs[key] = self._make_program(list(inputs), None)
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
-        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents)
+            device = _device_of(inputs, self.communicator)
+        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents,
+                       device)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key, _device_of(inputs, self.communicator))])
@@ -194,18 +200,21 @@ class FusionRunner:
         ``check_ranks`` is False; ``in_call``: for ``execute``), then builds the program
         (which creates process groups)."""
         fusion = self.fusion
-
-        def prepare() -> Binding:
-            check_options()
-            return self._bind(inputs)
-
-        binding = agreed_inputs(
-            self.communicator, fusion, inputs, prepare, _extents_of,
-            self._shape_known, check_ranks, in_call,
-        )
-        here = local_context(binding, self.rank, _device_of(inputs, self.communicator))
-        local = localize(fusion, binding.extents, binding.layouts, here)
         device = _device_of(inputs, self.communicator)
+
+        def prepare() -> tuple[Binding, dict]:
+            # Localizing reads the environment (context parallelism's options): a rank
+            # whose value is bad or differs fails in the agreement, not in a transfer.
+            check_options()
+            binding = self._bind(inputs)
+            here = local_context(binding, self.rank, device)
+            return binding, localize(fusion, binding.extents, binding.layouts, here)
+
+        binding, local = agreed_inputs(
+            self.communicator, fusion, inputs, prepare,
+            lambda prepared, tv: _extents_of(prepared[0], tv), self._shape_known,
+            check_ranks, in_call, lambda prepared: context_facts(fusion.exprs, prepared[1]),
+        )
         transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
         plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
                                     transport)
