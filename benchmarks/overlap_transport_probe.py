@@ -156,10 +156,11 @@ def column_variants(ctx, t, h, dtype):
         if early:  # the pulls issued before the own block's GEMM (session 8's order)
             gathering.issue()
         main = torch.cuda.current_stream()
+        if side is not None:  # after the staging, before the own block's GEMM (as torch)
+            side.wait_stream(main)
         for i in range(d):
             b = (ctx.rank + i) % d
             stream = side if side is not None and i % 2 else main
-            stream.wait_stream(main)
             with torch.cuda.stream(stream):
                 torch.matmul(gathering.block(b), w.t(),
                              out=out[b * (t // d):(b + 1) * (t // d)])
