@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on 2 GPUs, one command from the repository root (about 4 minutes for every step):
+# Issue 18 on 2 GPUs, one command from the repository root (about 4.5 minutes for every step):
 #   bash benchmarks/overlap_gpu.sh OUT [STEPS]
 # STEPS: a comma-separated subset of probe,tests,nvfuser,case,gpt3 (default: all), run in
 # that order:
@@ -19,9 +19,10 @@
 #   linear; meshfuse without loops, with NCCL loops, with copy-engine loops, the estimate's
 #   choice; torch's fused ops called directly; torch.compile with _micro_pipeline_tp);
 # - gpt3: OUT/gpt3/gpt3_profile*.txt (log OUT/gpt3.log): the GPT-3 layer (e=12288, s=2048),
-#   forward and backward: DTensor, meshfuse's compiled derived backward as the estimate
-#   chooses, and with every candidate collective in a copy-engine loop: step times and a
-#   profile (busy/idle GPU time, NCCL time not hidden, copies beside kernels).
+#   forward and backward: DTensor, and meshfuse's compiled derived backward with the copy
+#   engines asked for: without loops, where the estimate chooses them, and with every
+#   candidate collective in a loop: step times and a profile (busy/idle GPU time, NCCL time
+#   not hidden, peer copies beside kernels, barriers).
 # Each step has its own time limit; one that fails or times out does not stop the others.
 # A summary (with each step's seconds) is printed last and written to OUT/summary.txt.
 set -u
@@ -86,8 +87,11 @@ if want case; then
 fi
 if want gpt3; then
   SECONDS=0
-  timeout 100 "${launch[@]}" -m benchmarks.gpt3_profile --out "$out/gpt3" \
-    --variants dtensor_tp_sp,meshfuse_autograd_compiled,meshfuse_autograd_compiled_overlap \
+  # the copy engines asked for: meshfuse_autograd_compiled loops where the estimate says
+  # they pay, _whole never, _overlap always
+  MESHFUSE_OVERLAP_TRANSPORT=copy_engine timeout 120 "${launch[@]}" -m benchmarks.gpt3_profile \
+    --out "$out/gpt3" --variants \
+    dtensor_tp_sp,meshfuse_autograd_compiled_whole,meshfuse_autograd_compiled,meshfuse_autograd_compiled_overlap \
     > "$out/gpt3.log" 2>&1
   summary+=("gpt3 profile: rc=$? (${SECONDS}s)" "$(cat "$out/gpt3/gpt3_profile.txt" 2>/dev/null)")
 fi
