@@ -2,7 +2,8 @@
 variant of the ``gpt3_layer`` case (a diagnostic, not a benchmark).
 
 ``torchrun --nproc-per-node 2 -m benchmarks.gpt3_profile --out DIR`` (``--quick``: the
-case's tiny sizes, runs on CPU ranks). For each variant, rank 0 writes
+case's tiny sizes, runs on CPU ranks; ``--interleave``: each variant also timed interleaved
+with the first, the ratio in the summary). For each variant, rank 0 writes
 ``DIR/gpt3_profile_<variant>.txt``: the kernels (CUDA; on the CPU, the aten ops) of
 ``STEPS`` back-to-back steps grouped by name with their count and total time per step,
 largest first, then the aten ops with their input shapes; and a summary of every variant's
@@ -33,7 +34,7 @@ from benchmarks import context, trace_summary
 from benchmarks.cases import gpt3
 from benchmarks.cp_probe import Clocks
 from benchmarks.harness import Skip, waited
-from benchmarks.timing import timed_samples
+from benchmarks.timing import interleaved_ratio, timed_samples
 from meshfuse.examples.gpt import init_parameters
 
 WARMUP, ITERS, ROWS, STEPS = 3, 20, 60, 3
@@ -45,10 +46,14 @@ def _step_of(variant):
 
 
 def _kernels(prof, cuda: bool) -> list[tuple[str, int, float]]:
-    """(name, count, total ms) of the device kernels (CUDA) or aten ops (CPU)."""
+    """(name, count, total ms) of the device kernels (CUDA) or aten ops (CPU). On CUDA the
+    GPU spans of ``record_function`` ranges (user annotations: ``nccl:all_reduce`` around
+    each NCCL kernel, ``## Call CompiledFxGraph ##`` around each compiled segment's kernels)
+    are not kernels: counting them would count each collective twice and each compiled
+    segment once more than its kernels."""
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
-        if cuda and e.device_type.name != "CUDA":
+        if cuda and (e.device_type.name != "CUDA" or getattr(e, "is_user_annotation", False)):
             continue
         if not cuda and not e.name.startswith(("aten::", "c10d")):
             continue
@@ -118,6 +123,19 @@ def profile_variant(ctx, name: str, step, prefix: str = "gpt3") -> str:
     return summary
 
 
+def _interleaved(ctx, steps: dict, rounds: int, iters: int) -> list[str]:
+    """Each step's time over the first one's, timed interleaved with it (alternating blocks,
+    so that a drift of the GPUs' clocks hits both alike)."""
+    (base_name, base), *others = steps.items()
+    lines = []
+    for name, step in others:
+        ratio = interleaved_ratio(ctx, lambda: waited(base()), lambda s=step: waited(s()),
+                                  rounds, iters)
+        lines.append(f"{name}: interleaved with {base_name} ({rounds} rounds of {iters} steps "
+                     f"each): {ratio:.3f}x")
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where rank 0 writes the tables")
@@ -125,6 +143,9 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", default="dtensor_tp_sp,meshfuse_autograd_compiled,"
                         "meshfuse_compiled",
                         help="comma-separated variants of the gpt3_layer case")
+    parser.add_argument("--interleave", action="store_true",
+                        help="also time each variant interleaved with the first one "
+                        "(alternating blocks of steps: the median of the per-round ratios)")
     args = parser.parse_args(argv)
     ctx = context.setup(args.quick)
     ctx.out = args.out
@@ -137,7 +158,7 @@ def main(argv=None) -> None:
     dy = torch.randn(shape, generator=gen, device=ctx.device).to(dtype)
     params = init_parameters(sizes["e"], dtype=dtype, device=ctx.device)
     wanted = args.variants.split(",")
-    summaries = []
+    summaries, steps = [], {}
     for variant in gpt3.variants(ctx, sizes, dtype, x, dy, params):
         if variant.name not in wanted:
             continue
@@ -147,7 +168,13 @@ def main(argv=None) -> None:
             summaries.append(f"{variant.name}: skipped ({why})")
             continue
         summaries.append(profile_variant(ctx, variant.name, step))
+        if args.interleave:
+            steps[variant.name] = step
+        else:
+            del step
         torch.cuda.empty_cache() if ctx.cuda else None
+    if steps:
+        summaries += _interleaved(ctx, steps, *((3, 3) if args.quick else (7, 10)))
     if ctx.rank == 0:
         with open(os.path.join(args.out, "gpt3_profile.txt"), "w") as f:
             f.write("\n".join(summaries) + "\n")

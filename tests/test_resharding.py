@@ -422,3 +422,24 @@ def test_a_mesh_axis_of_one_device_communicates_nothing(multidevice_test, kind):
 
     _, comms = _run(multidevice_test, build, schedule, [_randn(8, 12)])
     assert comms == []
+
+
+def test_a_reduced_output_read_by_later_ops_is_reduced_once(multidevice_test):
+    """A column sum over sharded rows that is both a fusion output and read by a later op
+    (``x - sum``): one allreduce serves both (the later op reads the output), where the
+    engine used to reduce the same partial value twice. 11 rows: uneven shards."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([11, 6], dtype=DataType.Float)
+        total = fd.ops.sum(x, dims=[0])
+        centered = fd.ops.sub(x, fd.ops.broadcast_in_dim(total, [11, 6], [1]))
+        fd.add_output(total)
+        fd.add_output(centered)
+    shard(x, 0, mesh_1d(multidevice_test))
+    gx = torch.randn(11, 6, generator=torch.Generator().manual_seed(0))
+    with record_communications() as comms:
+        got_total, got_centered = fd.execute([shard_tensor(gx, x, rank).to(current_device())])
+    torch.testing.assert_close(got_total.cpu(), gx.sum(0))
+    torch.testing.assert_close(got_centered.cpu(), shard_tensor(gx - gx.sum(0), centered, rank))
+    assert [(c.kind, c.reduce_op, c.bytes) for c in comms] == \
+        ([("allreduce", "sum", 6 * 4)] if size > 1 else [])

@@ -91,14 +91,13 @@ def sp_plan(size: int, seq: int = S, embed: int = E, itemsize: int = 4) -> tuple
     rank's ``[B, S/d, E]``) and a reduce-scatter of each row-parallel result (``[B, S, E]``);
     backward, their transposes (an allgather of the cotangent into the row-parallel
     projection, a reduce-scatter of the input gradient out of the column-parallel ones),
-    and the allreduce of each layer norm parameter's gradient (``[E]``: a sum over the
-    sequence shards; DTensor leaves it pending as a ``Partial`` gradient). Uneven sequence
-    shards are padded to the longest."""
+    then one allreduce of the four layer norm parameters' gradients (``4 x [E]``: sums over
+    the sequence shards, bucketed; DTensor leaves them pending as ``Partial`` gradients).
+    Uneven sequence shards are padded to the longest."""
     longest = -(-seq // size)
     ag = ("allgather", B * longest * embed * itemsize)
     rs = ("reduce_scatter", B * longest * size * embed * itemsize)
-    ar = ("allreduce", embed * itemsize)
-    return [ag, rs] * 2, [ag, rs, ar, ar] * 2
+    return [ag, rs] * 2, [ag, rs] * 2 + [("allreduce", 4 * embed * itemsize)]
 
 
 def kinds_and_bytes(comms) -> list[tuple[str, int]]:
@@ -206,9 +205,10 @@ class _FunctionalCollectives(TorchDispatchMode):
 def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test):
     """DTensor's ``parallelize_module`` of the same block (Colwise/Rowwise + SequenceParallel,
     the benchmark's baseline) runs the same allgathers and reduce-scatters, of the same
-    sizes, forward and backward; meshfuse adds one allreduce per layer norm parameter,
-    whose gradient DTensor leaves ``Partial`` (reduced later, when the optimizer reads it)
-    while meshfuse returns it complete, as a replicated input's gradient."""
+    sizes, forward and backward; meshfuse adds one allreduce, of the four layer norm
+    parameters' gradients together, which DTensor leaves ``Partial`` (reduced later, one
+    allreduce each, when the optimizer reads them) while meshfuse returns them complete, as
+    a replicated input's gradient."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     size, rank = multidevice_test.size, multidevice_test.rank
@@ -229,7 +229,7 @@ def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test
     assert all(p.grad.placements == (Partial(),) for p in norms)
     assert kinds_and_bytes(forward) == dtensor_forward.log
     reduced = [c for c in kinds_and_bytes(backward) if c[0] == "allreduce"]
-    assert reduced == [("allreduce", E * 4)] * len(norms)
+    assert reduced == [("allreduce", len(norms) * E * 4)]
     assert Counter(kinds_and_bytes(backward)) - Counter(reduced) == Counter(dtensor_backward.log)
 
 
@@ -262,3 +262,36 @@ def test_compiled_derived_backward_equals_the_interpreted_one():
         assert all(bool(runner._fused) == bool(compile) for runner in runners)
     for interpreted, compiled in zip(*results):
         torch.testing.assert_close(compiled, interpreted)
+
+
+@pytest.mark.mpi
+def test_backward_collectives_run_under_weight_gradients(multidevice_test):
+    """The derived backward's program places a matrix product between each collective's
+    launch and the first step that reads its result, wherever one does not need it: the
+    reduce-scatter of the MLP's input gradient runs under fc2's weight gradient, the
+    allgather of ``dh`` under fc1's, the reduce-scatter of the attention's input gradient
+    under out_proj's (the first allgather, of ``dy``, feeds the first matmul: nothing can
+    hide it; the bucketed allreduce is read by no step)."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    if size == 1:
+        pytest.skip("no collective on one rank")
+    x, dy, params = make_inputs(torch.float32)
+    block = GptBlock(B, S, E, HEADS, DataType.Float, DeviceMesh(range(size))).define()
+    leaves = [shard_tensor(t, tv, rank).requires_grad_()
+              for t, tv in zip([x, *params.values()], [block.x, *block.params.values()])]
+    function = block.as_autograd_function()
+    y, = function(leaves)
+    y.backward(shard_tensor(dy, block.y, rank))
+    compiled, = function._derivations.values()
+    steps = next(iter(compiled._backward._programs.values())).steps
+    hidden = []
+    for k, step in enumerate(steps):
+        if step.op != "reshard" or not step.plan:
+            continue
+        readers = [j for j in range(k + 1, len(steps))
+                   if any(getattr(a, "index", None) in step.outputs for a in steps[j].args)]
+        if readers:
+            between = [s.op for s in steps[k + 1:readers[0]]]
+            hidden.append((step.plan[0].kind, "matmul" in between))
+    assert hidden == [("allgather", False), ("reduce_scatter", True), ("allgather", True),
+                      ("reduce_scatter", True)]

@@ -345,3 +345,18 @@ def _reduce_output(fusion: Fusion, out: TensorView) -> None:
     for consumer in fusion.exprs:
         if consumer is not out.definition and out in consumer.tensor_inputs:
             _read_instead(consumer, out, made)
+    _share_the_output(fusion, out)
+
+
+def _share_the_output(fusion: Fusion, out: TensorView) -> None:
+    """Consumers of a reduced output's partial value that had it reduced alike for
+    themselves (a ``set`` made when they were made local) read ``out`` instead: one
+    communication, not two of the same value."""
+    made = out.definition.args[0]
+    for e in list(fusion.exprs):
+        if isinstance(e, Reshard) and e is not out.definition and e.args[0] is made \
+                and same_sharding(e.outputs[0], out):
+            for consumer in fusion.exprs:
+                if e.outputs[0] in consumer.tensor_inputs:
+                    _read_instead(consumer, e.outputs[0], out)
+            fusion.exprs.remove(e)

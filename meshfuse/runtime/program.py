@@ -23,6 +23,7 @@ from meshfuse.ir.tensor_view import Scalar, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.localization import Local
 from meshfuse.runtime.binding import Binding
+from meshfuse.runtime.bucketing import Candidate, bucketable, plan_buckets, run_in_buckets
 from meshfuse.runtime.executor import RESHARD, OutputLayout, Program, Slot, Step, dispatch
 
 # lower_reshard(expr, binding, donated) -> (implementation, plan steps, plan text), or None
@@ -41,7 +42,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
                   lower_op: LowerOp | None = None,
                   group_loops: GroupLoops | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
-    :func:`meshfuse.passes.localization.localize`)."""
+    :func:`meshfuse.passes.localization.localize`). Small allreduces whose results no step
+    reads run in buckets (:mod:`meshfuse.runtime.bucketing`)."""
     slot_of: dict[Val, int] = {}
 
     def slot(v: Val) -> int:
@@ -54,7 +56,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for v in expr.inputs:
             last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
-    steps, calls, ran = [], [], []
+    read = {v for e in exprs for v in e.inputs}
+    steps, calls, ran, candidates = [], [], [], []
     for index, expr in enumerate(exprs):
         lowered = None
         if isinstance(expr, Reshard) and lower_reshard is not None:
@@ -68,6 +71,11 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             continue
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        if lowered is not None and isinstance(expr, Reshard) and bucketable(
+                lowered[1], expr.outputs[0] in read, donated):
+            candidates.append(Candidate(outs[0], expr.outputs[0].name, lowered[1][0],
+                                        binding.layouts[expr.args[0]].shape,
+                                        expr.args[0].dtype.torch_dtype))
         if isinstance(expr, Reshard):
             # With no data to move (meshes of one device), a copy as the user's set would make.
             call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
@@ -86,6 +94,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         ran.append(expr)
     if group_loops is not None:
         steps, calls = group_loops(ran, steps, calls, slot_of, keep)
+    steps, calls = run_in_buckets(steps, calls, plan_buckets(candidates), rank)
     outputs = tuple(
         OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
                      tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
@@ -122,20 +131,26 @@ def _args(expr: Expr, local: Local, slot: Callable[[Val], int]) -> tuple[Any, ..
 
 def communication_first(exprs: Sequence) -> list:
     """``exprs`` (in a valid order) reordered so that each communication is launched as soon
-    as it can be: before any expression it does not depend on.
+    as it can be, and has work to hide under.
 
     Communications are kept in their order (every rank issues them alike); before each, the
     expressions it depends on that are not yet placed come in their order; the rest follow in
     theirs. With collectives launched asynchronously, the expressions after a communication
     overlap it: in a Megatron MLP's backward, the input gradient's allreduce overlaps the
     weight gradients' matmuls.
+
+    Where what the next communication needs reads this one's result at once (a chain: in a
+    sequence-parallel backward, the reduce-scatter of a layer's input gradient feeds the
+    layer norm's backward, whose result is gathered next), one library call that does not
+    need it (a weight gradient's matmul, with what it needs) is placed right after the
+    launch, as Megatron orders them, so that the communication runs under it.
     """
     producer = {o: e for e in exprs for o in e.outputs}
     position = {e: i for i, e in enumerate(exprs)}
     placed: set = set()
     order = []
 
-    def place_with_dependencies(expr) -> None:
+    def unplaced_closure(expr) -> set:
         needed, stack = {expr}, [expr]
         while stack:
             for v in stack.pop().inputs:
@@ -143,15 +158,43 @@ def communication_first(exprs: Sequence) -> list:
                 if dep is not None and dep not in needed and dep not in placed:
                     needed.add(dep)
                     stack.append(dep)
+        return needed
+
+    def place(needed: set) -> None:
         for e in sorted(needed - placed, key=position.__getitem__):
             placed.add(e)
             order.append(e)
 
-    for expr in exprs:
-        if _communicates(expr):
-            place_with_dependencies(expr)
+    communications = [e for e in exprs if _communicates(e)]
+    for k, comm in enumerate(communications):
+        place(unplaced_closure(comm))
+        following = communications[k + 1:k + 2]
+        if following and _reads_any(unplaced_closure(following[0]), comm.outputs):
+            place(_independent_library_call(exprs, comm, placed, unplaced_closure))
     order += [e for e in exprs if e not in placed]
     return order
+
+
+def _independent_library_call(exprs: Sequence, comm, placed: set, unplaced_closure) -> set:
+    """The first library call of ``exprs`` not yet placed that needs neither ``comm``'s
+    result nor any communication not yet placed, with what it needs; empty if none."""
+    for expr in exprs:
+        if expr in placed or _communicates(expr) or not _library_call(expr):
+            continue
+        needed = unplaced_closure(expr)
+        if not any(_communicates(e) for e in needed) and not _reads_any(needed, comm.outputs):
+            return needed
+    return set()
+
+
+def _reads_any(exprs, values) -> bool:
+    return any(v in values for e in exprs for v in e.inputs)
+
+
+def _library_call(expr) -> bool:
+    """An op that runs as a library kernel (a matrix product, attention): the work worth
+    placing under a communication. Pointwise ops and reductions are not."""
+    return expr.op.output_layout == "contiguous" or expr.op.make_impl is not None
 
 
 def _communicates(expr) -> bool:

@@ -44,6 +44,7 @@ from meshfuse.runtime.binding import (
     has_symbolic_extents,
     held_here,
 )
+from meshfuse.runtime.bucketing import bucket_lines
 from meshfuse.runtime.collectives import Group, resolved
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.context_parallel import agreed_facts as context_facts
@@ -116,7 +117,8 @@ class FusionRunner:
                        device)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
-            text = "\n".join([text, *_random_streams(program), *self._fusion_lines(key, _device_of(inputs, self.communicator))])
+            text = "\n".join([text, *_random_streams(program), *bucket_lines(program),
+                              *self._fusion_lines(key, _device_of(inputs, self.communicator))])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
