@@ -90,7 +90,7 @@ if want gpt3; then
   # the copy engines asked for: meshfuse_autograd_compiled loops where the estimate says
   # they pay, _whole never, _overlap always
   MESHFUSE_OVERLAP_TRANSPORT=copy_engine timeout 120 "${launch[@]}" -m benchmarks.gpt3_profile \
-    --out "$out/gpt3" --variants \
+    --out "$out/gpt3" --interleave --variants \
     dtensor_tp_sp,meshfuse_autograd_compiled_whole,meshfuse_autograd_compiled,meshfuse_autograd_compiled_overlap \
     > "$out/gpt3.log" 2>&1
   summary+=("gpt3 profile: rc=$? (${SECONDS}s)" "$(cat "$out/gpt3/gpt3_profile.txt" 2>/dev/null)")
