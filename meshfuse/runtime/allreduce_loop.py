@@ -1,5 +1,5 @@
-"""The GEMM -> allreduce loop: its cost estimate, its record in the per-rank program, and
-its interpreter.
+"""The GEMM -> allreduce loop: its record in the per-rank program, its lowering and its
+interpreter.
 
 A row-parallel GEMM and the allreduce of its partial result
 (:class:`~meshfuse.passes.allreduce_loop.AllreduceLoopPlan`) become one ``stream_loop``
