@@ -22,6 +22,11 @@
 # default merge, explain's transport and merge; tests/test_context_parallel_errors.py: a
 # transport set otherwise on one rank; the context-parallel programs of the fuzzer).
 #
+#   bash benchmarks/cp_gpu.sh OUT one       (1 GPU, about 1.5 minutes)
+# when only one GPU is lent: OUT/cp: causal s=32k on one GPU, the bare aten baselines against
+# meshfuse's one-GPU kernel layer; OUT/tests.txt: the same CUDA tests at world size 1 (no
+# ring: the explain, error and fuzz tests that need one rank).
+#
 #   bash benchmarks/cp_gpu.sh OUT repro     (about 5 minutes)
 # runs: OUT/cp: causal s=32k, one GPU, the default ring (the compiled merge on CUDA), the
 # ring with the eager merge, with the own block whole (MESHFUSE_CP_OWN_PARTS=1), the
@@ -49,6 +54,18 @@ if [ "$mode" = short ]; then
     tests/test_context_parallel_errors.py tests/test_fuzz_context_parallel.py -q \
     -p no:cacheprovider > "$out/tests.txt" 2>&1
   summary+=("CUDA context-parallel tests: rc=$? $(tail -1 "$out/tests.txt")")
+  printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+  exit 0
+fi
+if [ "$mode" = one ]; then
+  MESHFUSE_CP_BENCH_CONFIGS=causal_s32k MESHFUSE_CP_BENCH_VARIANTS=one_gpu_meshfuse \
+    timeout 90 torchrun --nproc-per-node 1 -m benchmarks.run --cases context_parallel \
+    --out "$out/cp" > "$out/cp.log" 2>&1
+  summary+=("context_parallel, 1 GPU: rc=$?" "$(grep -h '^| causal_s32k' "$out"/cp/*.md 2>/dev/null)")
+  timeout 60 python -m pytest tests/test_context_parallel_transport.py \
+    tests/test_context_parallel_errors.py tests/test_fuzz_context_parallel.py -q \
+    -p no:cacheprovider --world-sizes 1 > "$out/tests.txt" 2>&1
+  summary+=("CUDA context-parallel tests, 1 rank: rc=$? $(tail -1 "$out/tests.txt")")
   printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
   exit 0
 fi

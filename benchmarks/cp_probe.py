@@ -33,8 +33,8 @@ Phases, each after a barrier of every rank with idle devices:
 8. ``compute_only``: this rank's kernels of a ring call (both steps' blocks, forward and
    backward, merges and sums) on its local tensors with no communication and no program,
    back to back between CUDA events: the compute floor of a call, timed as phase 1 is.
-9. ``one_gpu``: the whole problem on this GPU, the selected kernel called directly (the
-   benchmark's baseline: the ideal is its time over the ranks).
+9. ``one_gpu``: the whole problem on this GPU as bare ``torch.ops.aten`` calls of the
+   benchmark's baseline kernel (cuDNN on Hopper; the ideal is its time over the ranks).
 
 Phases 1, 8 and 9 also sample the GPU's SM clock and power draw (NVML) as they run.
 """
@@ -56,10 +56,15 @@ import torch
 
 import meshfuse
 from benchmarks import call_timeline, context
-from benchmarks.cases.context_parallel import QUICK_SIZES, SIZES, CausalAttention, global_inputs
+from benchmarks.cases.attention import raw_aten
+from benchmarks.cases.context_parallel import (
+    QUICK_SIZES,
+    SIZES,
+    CausalAttention,
+    global_inputs,
+    one_gpu_kernel,
+)
 from benchmarks.timing import host_us_per_call
-from meshfuse.ops import attention_kernels as kernels
-from meshfuse.ops.attention_backends import select_backend
 from meshfuse.ops.context_blocks import (
     Merged,
     add_key_gradients,
@@ -268,22 +273,20 @@ def _compute_only(ctx, sizes, s: int, causal: bool, calls: int, n: int) -> dict:
 
 
 def _one_gpu(ctx, sizes, s: int, causal: bool, calls: int) -> dict:
-    """Phase 9: the whole problem on this GPU, the selected kernel called directly (the
-    benchmark's baseline: the ideal time on ``n`` GPUs is this over ``n``)."""
+    """Phase 9: the whole problem on this GPU as bare ``torch.ops.aten`` calls of the
+    benchmark's baseline kernel (the ideal time on ``n`` GPUs is this over ``n``)."""
     shape = (sizes["b"], sizes["h"], s, sizes["head_dim"])
     q, k, v, g = (torch.randn(shape, device=ctx.device, dtype=torch.bfloat16) for _ in range(4))
-    backend = select_backend(q, k, v, 0.0, causal)
+    kernel = one_gpu_kernel(q.device)
 
     def call():
-        attn, lse, seed, offset = kernels.sdpa_forward(q, k, v, 0.0, causal, None, backend)
-        return kernels.sdpa_backward(g, q, k, v, attn, lse, 0.0, causal, seed, offset, None,
-                                     backend)
+        return raw_aten(kernel, q, k, v, g, causal)
 
     for _ in range(3):
         call()
     result = _events_phase(ctx, call, calls, synced=False)
     result.pop("host_start_s")
-    return dict(result, backend=backend.value)
+    return dict(result, backend=kernel)
 
 
 def probe(ctx, args) -> dict:

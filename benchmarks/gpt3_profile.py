@@ -71,7 +71,8 @@ def _shapes(prof) -> list[str]:
 
 
 def _timeline(prof, steps: int, keep: str) -> str:
-    """Busy, idle and exposed-NCCL milliseconds per step from the profile's GPU trace; the
+    """Busy, idle and exposed-NCCL milliseconds per step from the profile's GPU trace (NCCL
+    counting the copy engines' peer copies and barriers, also given apart); the
     trace is kept, gzipped, at ``keep`` (for a timeline viewer)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -83,7 +84,10 @@ def _timeline(prof, steps: int, keep: str) -> str:
             f"{whole['idle_ms'] / steps:.3f} ms, NCCL {whole['nccl_ms'] / steps:.3f} ms of which "
             f"{whole['nccl_exposed_ms'] / steps:.3f} ms not hidden; copies "
             f"{whole['memcpy_ms'] / steps:.3f} ms of which "
-            f"{whole['memcpy_beside_kernels_ms'] / steps:.3f} ms beside kernels")
+            f"{whole['memcpy_beside_kernels_ms'] / steps:.3f} ms beside kernels; peer copies "
+            f"{whole['peer_copy_ms'] / steps:.3f} ms of which "
+            f"{whole['peer_copy_beside_kernels_ms'] / steps:.3f} ms beside kernels; barriers "
+            f"{whole['barrier_ms'] / steps:.3f} ms")
 
 
 def profile_variant(ctx, name: str, step, prefix: str = "gpt3") -> str:

@@ -11,6 +11,10 @@ the slowest rank's) of:
   ``fused_matmul_reduce_scatter``): copy-engine pulls under GEMM chunks;
 - ``copy_engine_loop``: meshfuse's copy-engine transport
   (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
+  for the column layer also ``copy_engine_loop_early`` (the pulls issued before the own
+  block's GEMM, not after it), ``copy_engine_two_streams`` (every other block's GEMM on a
+  side stream, as torch's fused op runs them) and ``copy_engine_barrier_aside`` (the staging
+  barrier on the copy stream: the own block's GEMM does not wait for the other ranks);
 - ``async_tp_compiled``: ``torch.compile`` with ``_micro_pipeline_tp`` over the functional
   collective and the matmul.
 
@@ -76,9 +80,13 @@ def _median_ms(ctx, step) -> float:
     return max(ctx.gather(mine))
 
 
-def _overlap_line(step) -> str:
-    """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs."""
+def _overlap_line(step, pulls: list | None = None) -> str:
+    """From a profile of one step: copies' and NCCL kernels' time, and the share under GEMMs;
+    the peer copies' durations (us) are appended to ``pulls``."""
     events = cuda_kernel_events(step)
+    if pulls is not None:
+        pulls += [e.time_range.end - e.time_range.start for e in events
+                  if "memcpy ptop" in e.name.lower()]
     moving = [e for e in events if "nccl" in e.name.lower() or "memcpy" in e.name.lower()]
     gemms = [e for e in events if any(k in e.name.lower() for k in ("gemm", "sm90", "cutlass",
                                                                      "nvjet"))]
@@ -88,7 +96,23 @@ def _overlap_line(step) -> str:
                   for m in moving for g in gemms)
     names = sorted({e.name[:60] for e in moving})
     return (f"transfers {total / 1e3:.3f} ms, {covered / max(total, 1e-9):.0%} under GEMMs "
-            f"({len(gemms)} GEMM kernels); {names}")
+            f"({len(gemms)} GEMM kernels); {names}\n    timeline (us from the first): "
+            + _timeline(moving + gemms + [e for e in events if "barrier" in e.name.lower()]))
+
+
+def _timeline(events) -> str:
+    """``name start-end`` of ``events`` in start order, in microseconds from the first."""
+    if not events:
+        return "-"
+    events = sorted(events, key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start
+    short = {"memcpy ptop": "PtoP", "memcpy dtod": "DtoD", "barrier": "barrier",
+             "nccl": "nccl"}
+    parts = []
+    for e in events:
+        name = next((v for k, v in short.items() if k in e.name.lower()), "gemm")
+        parts.append(f"{name} {e.time_range.start - t0:.0f}-{e.time_range.end - t0:.0f}")
+    return ", ".join(parts)
 
 
 def _group(ctx) -> Group:
@@ -127,13 +151,25 @@ def column_variants(ctx, t, h, dtype):
         dist.all_gather_into_tensor(full, x)
         return torch.matmul(full, w.t(), out=out)
 
-    def loop():
-        gathering = copy_engine.Gathering(x, group, shapes, place=0)
+    def loop(early: bool = False, side: torch.cuda.Stream | None = None, aside: bool = False):
+        gathering = copy_engine.Gathering(x, group, shapes, place=0, barrier_aside=aside)
+        if early:  # the pulls issued before the own block's GEMM (session 8's order)
+            gathering.issue()
+        main = torch.cuda.current_stream()
+        if side is not None:  # after the staging, before the own block's GEMM (as torch)
+            side.wait_stream(main)
         for i in range(d):
             b = (ctx.rank + i) % d
-            torch.matmul(gathering.block(b), w.t(), out=out[b * (t // d):(b + 1) * (t // d)])
+            stream = side if side is not None and i % 2 else main
+            with torch.cuda.stream(stream):
+                torch.matmul(gathering.block(b), w.t(),
+                             out=out[b * (t // d):(b + 1) * (t // d)])
+        if side is not None:
+            main.wait_stream(side)
         gathering.finish()
         return out
+
+    side = torch.cuda.Stream(ctx.device)
 
     return {
         "gemm_only": lambda: torch.matmul(full, w.t(), out=out),
@@ -141,6 +177,9 @@ def column_variants(ctx, t, h, dtype):
         "torch_fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w.t()], 0, name, return_A=False)[1][0],
         "copy_engine_loop": loop,
+        "copy_engine_loop_early": lambda: loop(early=True),
+        "copy_engine_two_streams": lambda: loop(side=side),
+        "copy_engine_barrier_aside": lambda: loop(aside=True),
         "async_tp_compiled": lambda: _compiled("column", x, w, name),
     }, nccl
 
@@ -193,9 +232,30 @@ def row_variants(ctx, t, h, dtype, kind):
             "async_tp_compiled": lambda: _compiled("row_sp", x, w, name)}, nccl
 
 
-def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines) -> None:
+def calibration_line(layer: str, times: dict, pulls: list, flops: float, block_bytes: float,
+                     d: int) -> str:
+    """The copy-engine figures of :mod:`meshfuse.runtime.overlap_cost` that this layer's
+    times give: GEMM TFLOP/s (``gemm_only``), the pulls' GB/s (the profile's peer copies), and
+    what the loop took beyond the model's overlap ``max(t_g, t_c + t_g / d)``, as a cost per
+    chunk (contention 0) and as a contention (no cost per chunk)."""
+    if "gemm_only" not in times or "copy_engine_loop" not in times or not pulls:
+        return f"{layer} calibration: needs gemm_only, copy_engine_loop and a profiled pull"
+    t_g = times["gemm_only"]
+    pull_ms = statistics.median(pulls) / 1e3
+    t_c = pull_ms * (d - 1)
+    extra = times["copy_engine_loop"] - max(t_g, t_c + t_g / d)
+    return (f"{layer} calibration: GEMM {flops / t_g / 1e9:.0f} TFLOP/s, pulls "
+            f"{block_bytes / pull_ms / 1e6:.0f} GB/s ({pull_ms:.3f} ms per block), loop "
+            f"{extra * 1e3:+.0f} us beyond the model's overlap: {extra * 1e3 / d:+.0f} us per "
+            f"chunk, or a contention of {extra / min(t_g, t_c):+.2f}")
+
+
+def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines,
+                size: tuple[float, float] | None = None) -> None:
+    """Times and profiles each variant; ``size``: (GEMM FLOPs, bytes of one block) of the
+    layer, for a calibration line."""
     expected = reference().clone()
-    times = {}
+    times, pulls = {}, []
     for variant, make in variants.items():
         try:
             step = make() if variant == "async_tp_compiled" else make
@@ -207,12 +267,15 @@ def probe_layer(ctx, layer: str, variants, reference, lines, profile_lines) -> N
             base = times.get("nccl")
             ratio = f", {base / ms:.3f}x faster than nccl" if base else ""
             lines.append(f"{layer} {variant}: {ms:.3f} ms{ratio}; max abs err vs nccl {err:.2e}")
-            profile_lines.append(f"{layer} {variant}: {_overlap_line(step)}")
+            profile_lines.append(f"{layer} {variant}: " + _overlap_line(
+                step, pulls if variant == "copy_engine_loop" else None))
         except Exception as error:  # noqa: BLE001 (a probe reports each failure, goes on)
             lines.append(f"{layer} {variant}: FAILED {type(error).__name__}: {error}")
             traceback.print_exc()
         if ctx.rank == 0:
             print(lines[-1], flush=True)
+    if size is not None:
+        lines.append(calibration_line(layer, times, pulls, *size, ctx.world))
 
 
 def main() -> None:
@@ -244,7 +307,10 @@ def main() -> None:
             variants, reference = row_variants(ctx, t, h, dtype, layer)
         if args.variants:
             variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
-        probe_layer(ctx, layer, variants, reference, lines, profile_lines)
+        # both layers: a GEMM of 2 t h (4h / d) FLOPs, blocks of t / d rows of h
+        size = (2.0 * t * h * 4 * h / ctx.world, t // ctx.world * h * dtype.itemsize)
+        probe_layer(ctx, layer, variants, reference, lines, profile_lines,
+                    size if layer != "row" else None)
     if ctx.rank == 0:
         with open(os.path.join(args.out, "probe.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -72,6 +72,10 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
                      if e.get("cat") == "gpu_memcpy"])
     kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute
                       if e.get("cat", "kernel") == "kernel"])
+    # the copy-engine transport's pulls (peer copies) and barriers, apart
+    pulls = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm if "ptop" in e["name"].lower()])
+    barriers = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm
+                       if "barrier_kernel" in e["name"].lower()])
     ordered = sorted(compute, key=lambda e: e["ts"])
     longest = sorted(idle, key=lambda g: g[0] - g[1])[:gaps]
     return {
@@ -83,6 +87,10 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
         "memcpy_ms": round(_length(copies) / 1e3, 3),
         "memcpy_beside_kernels_ms": round(
             (_length(copies) - _length(_minus(copies, kernels))) / 1e3, 3),
+        "peer_copy_ms": round(_length(pulls) / 1e3, 3),
+        "peer_copy_beside_kernels_ms": round(
+            (_length(pulls) - _length(_minus(pulls, kernels))) / 1e3, 3),
+        "barrier_ms": round(_length(barriers) / 1e3, 3),
         "longest_idle_gaps": [{"at_ms": round((a - start) / 1e3, 3),
                                "ms": round((b - a) / 1e3, 3),
                                "after": _name_before(ordered, a),

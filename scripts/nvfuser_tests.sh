@@ -13,8 +13,8 @@
 # default: multidevice/ and legacy/ without test_overlap.py, which needs stream parallelism).
 # On GPUs (one process per GPU, NCCL) the tests run as written; with MESHFUSE_NVFUSER_CPU=1
 # they run on CPU ranks (gloo): CUDA calls become no-ops, "cuda" devices become "cpu", and
-# the GPT-3 layer (e=12288, s=2048, h=96) shrinks to e=64, s=64, h=4 unless
-# MESHFUSE_NVFUSER_FULL_SIZE=1. Files whose optional dependency (transformers,
+# the GPT-3 layer (e=12288, s=2048, h=96) shrinks to e=64, s=64, h=4 and test_overlap.py's
+# benchmark items to t = h = 64 unless MESHFUSE_NVFUSER_FULL_SIZE=1. Files whose optional dependency (transformers,
 # transformer_engine) is missing are not collected.
 # World sizes: --world-sizes (default 1,2,4; sizes above the GPU count are skipped).
 #
@@ -40,7 +40,11 @@ copy() {
     cp "$f" "$to"
     if [ "$cpu" = 1 ]; then sed -i -e 's/"cuda"/"cpu"/g' -e "s/'cuda'/'cpu'/g" "$to"; fi
     if [ "$small" = 1 ]; then
-      sed -i 's/b, s, h, e = 1, 2048, 96, 12288/b, s, h, e = 1, 64, 4, 64/' "$to"
+      # the GPT-3 layer, and test_overlap.py's benchmark sizes (t = h = 8192: minutes per
+      # GEMM on a CPU core)
+      sed -i -e 's/b, s, h, e = 1, 2048, 96, 12288/b, s, h, e = 1, 64, 4, 64/' \
+        -e 's/h, t = 8192, 8192/h, t = 64, 64/' -e 's/h, s, t = 8192, 2, 8192/h, s, t = 64, 2, 64/' \
+        "$to"
     fi
   done
 }
@@ -64,6 +68,9 @@ fi
 cp "$repo/scripts/nvfuser_shim/conftest.py" "$work/conftest.py"
 cd "$work"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# pytest's output reaches the log as it is written: block-buffered into the pipe, a run cut
+# short by a time limit left an empty log.
+export PYTHONUNBUFFERED=1
 # meshfuse's pytest plugin: loaded by its entry point when meshfuse is installed, else here.
 plugin=(-p meshfuse.testing.plugin)
 python -c "import importlib.metadata as m, sys; sys.exit(not any(

@@ -18,7 +18,9 @@ seed draws, independently:
 - at 4 ranks, sometimes a 2x2 mesh: heads over ``mesh_y`` (both head counts even), the
   sequence over ``mesh_x``;
 - the outputs: attn, sometimes the log-sum-exp; with the backward dq, dk, dv; sometimes
-  the output pinned replicated (a gather after the attention).
+  the output pinned whole (a gather after the attention) or the output gradient given
+  whole (both resharded as q for the backward); sometimes q computed in the fusion
+  (``neg``), its sharding propagated from the input's.
 
 The reference is PyTorch's ``scaled_dot_product_attention`` in float64 (``enable_gqa``),
 its log-sum-exp computed from the scores, and its gradients by autograd.
@@ -26,6 +28,7 @@ its log-sum-exp computed from the scores, and its gradients by autograd.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from fuzz_programs import Program
@@ -38,53 +41,81 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def generate(seed: int, world_size: int) -> Program:
-    """A random context-parallel attention program (see the module doc), the same on every
-    rank for one seed."""
-    rng = random.Random(seed * 104729 + world_size)
-    d = world_size
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One program's choices (see the module doc); ``n``: the ranks of the sequence."""
+
+    mesh_2d: bool
+    n: int
+    heads: int
+    kv_heads: int
+    batch: int
+    e: int
+    zigzag: bool
+    s: int
+    s_kv: int
+    causal: bool
+    backward: bool
+    scale: float | None
+    layout: list[int]
+    strategy: str | None
+    with_lse: bool
+    gathered: bool  # the output pinned whole
+    whole_grad: bool  # the output gradient given whole
+    negated_q: bool  # q computed (negated) in the fusion, its sharding propagated
+
+
+def _draw(rng: random.Random, d: int) -> Draw:
     mesh_2d = d == 4 and rng.random() < 0.3
-    sequence_ranks = 2 if mesh_2d else d
+    n = 2 if mesh_2d else d
     heads = rng.choice([2, 4]) if mesh_2d else rng.choice([1, 2, 3, 4])
     kv_heads = rng.choice([k for k in _divisors(heads) if not mesh_2d or k % 2 == 0])
     batch, e = rng.choice([1, 1, 2]), rng.choice([4, 8])
     zigzag = rng.random() < 0.4
-    if zigzag:
-        s = 2 * sequence_ranks * rng.choice([1, 2, 3])
-    else:
-        s = rng.choice(SEQUENCE_LENGTHS)
-    lengths = [2 * sequence_ranks * k for k in (1, 2, 3)] if zigzag else SEQUENCE_LENGTHS
+    lengths = [2 * n * k for k in (1, 2, 3)] if zigzag else SEQUENCE_LENGTHS
+    s = rng.choice(lengths)
     s_kv = rng.choice([x for x in lengths if x != s]) if rng.random() < 0.25 else s
     causal, backward = rng.random() < 0.6, rng.random() < 0.7
-    scale = rng.choice([None, None, 0.5])
-    layout = rng.choice([B_HSE, B_SHE])
-    strategy = rng.choice(_strategies(heads, kv_heads, (s, s_kv), sequence_ranks, mesh_2d,
-                                      zigzag))
-    with_lse = rng.random() < 0.3
-    gathered = rng.random() < 0.2
+    scale, layout = rng.choice([None, None, 0.5]), rng.choice([B_HSE, B_SHE])
+    strategy = rng.choice(_strategies(heads, kv_heads, (s, s_kv), n, mesh_2d, zigzag))
+    return Draw(mesh_2d, n, heads, kv_heads, batch, e, zigzag, s, s_kv, causal, backward,
+                scale, layout, strategy, with_lse=rng.random() < 0.3,
+                gathered=rng.random() < 0.2, whole_grad=backward and rng.random() < 0.2,
+                negated_q=rng.random() < 0.25)
 
-    shapes = {"t0": (batch, heads, s, e), "t1": (batch, kv_heads, s_kv, e),
-              "t2": (batch, kv_heads, s_kv, e)}
-    if backward:
-        shapes["t3"] = (batch, heads, s, e)
-    cp = f", context_parallel={strategy!r}" if strategy is not None else ""
-    fd_lines = [f"t4, t5, t6, t7 = fd.ops.sdpfa_fwd(t0, t1, t2, 0.0, {causal}, {scale}{cp})"]
-    outputs = ["t4"] + (["t5"] if with_lse else [])
-    if backward:
-        fd_lines.append(f"t8, t9, t10 = fd.ops.sdpfa_bwd(t3, t0, t1, t2, t4, t5, 0.0, "
-                        f"{causal}, t6, t7, {scale}{cp})")
+
+def generate(seed: int, world_size: int) -> Program:
+    """A random context-parallel attention program (see the module doc), the same on every
+    rank for one seed."""
+    x = _draw(random.Random(seed * 104729 + world_size), world_size)
+    shapes = {"t0": (x.batch, x.heads, x.s, x.e), "t1": (x.batch, x.kv_heads, x.s_kv, x.e),
+              "t2": (x.batch, x.kv_heads, x.s_kv, x.e)}
+    if x.backward:
+        shapes["t3"] = (x.batch, x.heads, x.s, x.e)
+    q = "t11" if x.negated_q else "t0"
+    cp = f", context_parallel={x.strategy!r}" if x.strategy is not None else ""
+    fd_lines = ["t11 = fd.ops.neg(t0)"] if x.negated_q else []
+    fd_lines.append(f"t4, t5, t6, t7 = fd.ops.sdpfa_fwd({q}, t1, t2, 0.0, {x.causal}, "
+                    f"{x.scale}{cp})")
+    outputs = ["t4"] + (["t5"] if x.with_lse else [])
+    if x.backward:
+        fd_lines.append(f"t8, t9, t10 = fd.ops.sdpfa_bwd(t3, {q}, t1, t2, t4, t5, 0.0, "
+                        f"{x.causal}, t6, t7, {x.scale}{cp})")
         outputs += ["t8", "t9", "t10"]
-    program = Program(seed, world_size, list(shapes.items()), fd_lines,
-                      _reference_lines(heads // kv_heads, causal, scale, e, backward),
-                      outputs, layouts={n: layout for n in shapes})
-    program.meshes = {"mesh": [[0, 1], [2, 3]] if mesh_2d else list(range(d))}
-    program.mode = (f"{'2x2' if mesh_2d else '1d'}, {'zig-zag' if zigzag else 'block'}, "
-                    f"strategy {strategy}, {'BSHE' if layout == B_SHE else 'BHSE'}"
-                    + (f", {s_kv} keys" if s_kv != s else "")
-                    + (", output gathered" if gathered else ""))
-    program.schedule = _schedule(list(shapes), sequence_ranks, mesh_2d, zigzag)
-    if gathered:
-        program.schedule.append("t4.set_device_mesh(mesh)")
+    program = Program(seed, world_size, list(shapes.items()), fd_lines, _reference_lines(x),
+                      outputs, layouts={name: B_SHE for name in shapes if x.layout == B_SHE})
+    program.meshes = {"mesh": [[0, 1], [2, 3]] if x.mesh_2d else list(range(world_size))}
+    program.mode = ", ".join(
+        [f"{'2x2' if x.mesh_2d else '1d'}", "zig-zag" if x.zigzag else "block",
+         f"strategy {x.strategy}", "BSHE" if x.layout == B_SHE else "BHSE"]
+        + [words for words, drawn in ((f"{x.s_kv} keys", x.s_kv != x.s),
+                                      ("output gathered", x.gathered),
+                                      ("gradient whole", x.whole_grad),
+                                      ("q negated", x.negated_q)) if drawn])
+    sharded = [name for name in shapes if not (name == "t3" and x.whole_grad)]
+    program.schedule = _schedule(sharded, x.n, x.mesh_2d, x.zigzag)
+    program.schedule += [f"{name}.set_device_mesh(mesh)" for name, whole in
+                         (("t3", x.whole_grad), ("t4", x.gathered)) if whole]
     return program
 
 
@@ -119,22 +150,24 @@ def _schedule(names: list[str], n: int, mesh_2d: bool, zigzag: bool) -> list[str
     return lines
 
 
-def _reference_lines(group: int, causal: bool, scale, e: int, backward: bool) -> list[str]:
+def _reference_lines(x: Draw) -> list[str]:
     """Plain torch for the program's outputs, in float64, from t0..t3 (q, k, v, grad)."""
-    value = scale if scale is not None else f"1 / math.sqrt({e})"
+    group = x.heads // x.kv_heads
+    value = x.scale if x.scale is not None else f"1 / math.sqrt({x.e})"
+    q = "-t0" if x.negated_q else "t0"
     lines = [
         "with torch.enable_grad():",
-        "    q_, k_, v_ = (x.double().requires_grad_() for x in (t0, t1, t2))",
+        f"    q_, k_, v_ = (x.double().requires_grad_() for x in ({q}, t1, t2))",
         "    o_ = torch.nn.functional.scaled_dot_product_attention(",
-        f"        q_, k_, v_, is_causal={causal}, scale={scale}, enable_gqa={group > 1})",
+        f"        q_, k_, v_, is_causal={x.causal}, scale={x.scale}, enable_gqa={group > 1})",
         "    t4 = o_.detach().float()",
         f"    s_ = (q_ @ k_.repeat_interleave({group}, 1).transpose(-1, -2)).detach() * {value}",
     ]
-    if causal:
+    if x.causal:
         lines.append("    s_ = s_.masked_fill(torch.ones(s_.shape[-2:], dtype=torch.bool)"
                      ".triu(1), -math.inf)")
     lines.append("    t5 = torch.logsumexp(s_, -1).float()")
-    if backward:
+    if x.backward:  # the gradients with respect to the attention's q (t11 when negated)
         lines.append("    t8, t9, t10 = (g.float() for g in torch.autograd.grad("
                      "o_, (q_, k_, v_), t3.double()))")
     return lines

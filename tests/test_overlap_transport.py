@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from test_overlap import STREAM, _ints, _kinds, row_sp_linear
@@ -26,7 +27,7 @@ from meshfuse.multidevice import (
     MultiDeviceExecutorParams,
 )
 from meshfuse.runtime.collectives import Group, record_communications
-from meshfuse.runtime.copy_engine import Reducing
+from meshfuse.runtime.copy_engine import Gathering, Reducing
 from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 
@@ -248,3 +249,35 @@ def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
         assert loops and all("copy engines" in line for line in loops), loops
         assert any("(allgather decomposed)" in line for line in loops), loops
         assert any("(reduce-scatter decomposed)" in line for line in loops), loops
+
+
+@cuda_only
+@pytest.mark.mpi
+@pytest.mark.parametrize("barrier_aside", [False, True], ids=["barrier_inline", "barrier_aside"])
+def test_copy_engine_gathering_pulls_after_the_own_block(multidevice_test, barrier_aside):
+    """On CUDA: a Gathering of uneven shards (the last one short) issues no pull until a
+    block of another rank is asked for, then gives every other rank's shard, its own being
+    the shard itself; three runs back to back reuse the workspace; d - 1 pulls recorded per
+    run, with the staging barrier on the current stream or on the copy stream; successive
+    runs take the two workspaces of their place in turn."""
+    d, me = multidevice_test.size, multidevice_test.rank
+    if d == 1:
+        pytest.skip("the copy engines move blocks between ranks")
+    group = Group(dist.group.WORLD, tuple(range(d)), me, 0)
+    shapes = [(5, 4)] * (d - 1) + [(3, 4)]
+    workspaces = []
+    for run in range(3):
+        shard = torch.arange(20, device=multidevice_test.device, dtype=torch.float32)
+        shard = (shard[:shapes[me][0] * 4].view(shapes[me]) + 100 * me + run).contiguous()
+        with record_communications() as comms:
+            gathering = Gathering(shard, group, shapes, place=0, barrier_aside=barrier_aside)
+            workspaces.append(gathering.workspace)
+            assert gathering.block(me) is gathering.x and not gathering.blocks
+            blocks = {b: gathering.block(b).clone() for b in Reducing.order(me, d)}
+            gathering.finish()
+        for b, got in blocks.items():
+            expected = torch.arange(shapes[b][0] * 4, dtype=torch.float32).view(shapes[b])
+            torch.testing.assert_close(got.cpu(), expected + 100 * b + run)
+        assert _kinds(comms) == Counter(copy_engine_pull=d - 1)
+    # two workspaces taken in turn: no barrier needed at a run's end
+    assert workspaces[0] is workspaces[2] and workspaces[0] is not workspaces[1]

@@ -36,3 +36,23 @@ def test_busy_idle_and_exposed_transfer_per_window():
     assert (first["host_to_first_kernel_ms"], second["host_to_first_kernel_ms"]) == (0.03, 0.01)
     whole, = summarize(trace)
     assert whole["span_ms"] == 1.1
+
+
+def test_copy_engine_pulls_and_barriers_apart():
+    """A GEMM 0-100, a barrier 100-110, a peer copy 105-155 (45 us beside the second GEMM
+    at 110-200), a local copy 200-220: the pulls and barriers count as communication and are
+    also given apart, with the pulls' time beside compute kernels."""
+    trace = {"traceEvents": [
+        _kernel("nvjet_gemm", 0, 100),
+        _kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**)", 100, 10),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 105,
+         "dur": 50},
+        _kernel("nvjet_gemm", 110, 90),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 200,
+         "dur": 20},
+    ]}
+    whole, = summarize(trace)
+    assert (whole["peer_copy_ms"], whole["peer_copy_beside_kernels_ms"]) == (0.05, 0.045)
+    assert whole["barrier_ms"] == 0.01
+    assert whole["nccl_ms"] == 0.055  # barrier and pull, merged where they overlap
+    assert (whole["memcpy_ms"], whole["memcpy_beside_kernels_ms"]) == (0.02, 0.0)

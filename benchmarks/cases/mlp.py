@@ -9,8 +9,9 @@ gradients of x, w1 and w2 from a given ``dz``. Variants:
 - ``dtensor_tp``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``, autograd;
 - ``meshfuse``: :class:`~benchmarks.fusions.MegatronMlp` (unsharded on one rank): the same
   calls, its two allreduces launched asynchronously as early as their inputs exist;
-- ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``: the same
-  with both allreduces run as GEMM -> allreduce loops (:data:`LOOP_VARIANTS`).
+- ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``,
+  ``meshfuse_copy_engine_8``, ``meshfuse_copy_engine_auto``: the same with both allreduces
+  run as GEMM -> allreduce loops (:data:`LOOP_VARIANTS`).
 
 FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
 
@@ -92,12 +93,12 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
                                    {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return autograd_step(model, [x], dz, model.parameters())
 
-    def mesh_fused(env: dict[str, str] | None = None):
-        """meshfuse's MegatronMlp, its program made (at the first call) under ``env``; with
-        an ``env``, both allreduces forced into loops."""
+    def mesh_fused(env: dict[str, str] | None = None, overlap: bool | None = None):
+        """meshfuse's MegatronMlp, its program made (at the first call) under ``env``;
+        ``overlap``: the set_overlap of its two partial sums."""
         mesh = meshfuse.DeviceMesh(range(ctx.world)) if ctx.world > 1 else None
         model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.from_torch(dtype),
-                            overlap=True if env else None)
+                            overlap=overlap)
         inputs = [x, w1_local, w2_local, dz]
         with _environment(env or {}):
             outputs = model.execute(inputs)
@@ -112,23 +113,27 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
         Variant("torch_manual", manual, "local shards + all_reduce, gelu_backward kernel"),
         Variant("dtensor_tp", dtensor_tp, "ColwiseParallel/RowwiseParallel, autograd"),
         Variant("meshfuse", mesh_fused, "unsharded on 1 rank" if ctx.world == 1 else ""),
-        *(Variant(name, functools.partial(mesh_fused, env), note)
-          for name, (env, note) in LOOP_VARIANTS.items()),
+        *(Variant(name, functools.partial(mesh_fused, env, overlap), note)
+          for name, (env, overlap, note) in LOOP_VARIANTS.items()),
     ]
 
 
-# GEMM -> allreduce loops (docs/overlap.md) forced on both allreduces of the MLP: over NCCL
-# in 4 row chunks, and by the copy engines whole or in 4 chunks.
+# GEMM -> allreduce loops (docs/overlap.md) on both allreduces of the MLP: name -> (the
+# environment its program is made in, set_overlap of the partial sums, note). Forced: over
+# NCCL in 4 row chunks, by the copy engines whole or in 4 or 8 chunks; and the copy engines
+# asked for with the loops left to the estimate.
+_CE = {"MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"}
 LOOP_VARIANTS = {
     "meshfuse_loops_nccl": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
-                             "MESHFUSE_OVERLAP_TRANSPORT": "process_group"},
+                             "MESHFUSE_OVERLAP_TRANSPORT": "process_group"}, True,
                             "allreduce loops of 4 row chunks, NCCL"),
-    "meshfuse_copy_engine": ({"MESHFUSE_OVERLAP_CHUNKS": "1",
-                              "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
+    "meshfuse_copy_engine": (dict(_CE, MESHFUSE_OVERLAP_CHUNKS="1"), True,
                              "allreduces by copy engines, whole"),
-    "meshfuse_copy_engine_4": ({"MESHFUSE_OVERLAP_CHUNKS": "4",
-                                "MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"},
+    "meshfuse_copy_engine_4": (dict(_CE, MESHFUSE_OVERLAP_CHUNKS="4"), True,
                                "allreduces by copy engines, 4 row chunks"),
+    "meshfuse_copy_engine_8": (dict(_CE, MESHFUSE_OVERLAP_CHUNKS="8"), True,
+                               "allreduces by copy engines, 8 row chunks"),
+    "meshfuse_copy_engine_auto": (_CE, None, "copy engines, loops as estimated"),
 }
 
 

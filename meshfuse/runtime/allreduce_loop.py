@@ -57,6 +57,8 @@ from meshfuse.runtime.executor import Slot, Step
 
 PROCESS_GROUP = "process_group"  # the chunks' allreduces over torch.distributed
 COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (CopyEngineReduce)
+# What MESHFUSE_OVERLAP_TRANSPORT unset (or auto) means for these loops.
+DEFAULT_TRANSPORT = PROCESS_GROUP
 CHUNKS_ENV = "MESHFUSE_OVERLAP_CHUNKS"
 CHUNK_CHOICES = (2, 4, 8)
 MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)

@@ -34,10 +34,10 @@ log-sum-exp) go from sequence-sharded to head-sharded, the kernel runs on whole 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
+from meshfuse.ir.fusion import Expr
 from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
 from meshfuse.ops.context_blocks import (
     Block,
@@ -60,6 +60,7 @@ from meshfuse.ops.context_parallel import (
     ContextParallel,
 )
 from meshfuse.ops.random import resolve_seed
+from meshfuse.passes.localization import Local
 from meshfuse.runtime.agreement import Fact
 from meshfuse.runtime.collectives import (
     Group,
@@ -343,10 +344,9 @@ def _scale(scale) -> float | None:
     return None if scale is None else float(scale)
 
 
-def agreed_facts(exprs: Sequence[Any], local: Mapping[Any, Any]) -> list[Fact]:
+def agreed_facts(exprs: Sequence[Expr], local: Mapping[Expr, Local]) -> list[Fact]:
     """What the ranks of each context-parallel attention among ``exprs`` (a fusion's, in
-    order) that this rank runs (``local``, its localized program: expression ->
-    :class:`~meshfuse.passes.localization.Local`) must hold alike
+    order) that this rank runs (``local``, its localized program) must hold alike
     before its first transfer: the strategy and how the ring's blocks travel. Both come from
     the environment (``MESHFUSE_CONTEXT_PARALLEL`` when the fusion is built,
     ``MESHFUSE_CP_TRANSPORT`` when its program is), which one rank may set otherwise; ranks
@@ -361,6 +361,6 @@ def agreed_facts(exprs: Sequence[Any], local: Mapping[Any, Any]) -> list[Fact]:
         shown = f"strategy {record.strategy!r}" + (
             f" with transport {record.transport!r}" if record.strategy == RING else "")
         facts.append(Fact(
-            f"the context parallelism of {expr.op.name} (expression {index}; set by {ENV_VAR} "
-            f"and {TRANSPORT_VAR}, alike on every rank)", value, shown))
+            f"the context parallelism of {expr.op.name} (op {index}), which {ENV_VAR} and "
+            f"{TRANSPORT_VAR} must set alike on every rank", value, shown))
     return facts

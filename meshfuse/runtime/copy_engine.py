@@ -8,21 +8,27 @@ rank of the group: a copy engine moves it over NVLink while the GEMMs hold the S
 the barriers (a one-block kernel each) need an SM; they are queued on the GEMMs' stream,
 between GEMMs, so none waits for a GEMM it does not follow.
 
-**Workspace.** One symmetric allocation per ``(group, device, place)`` (``place``: the
-communication's position in its loop), made or grown at the first loop that needs it (a
+**Workspace.** Two symmetric allocations per ``(group, device, place)`` (``place``: the
+communication's position in its loop), made or grown at the first loop that needs them (a
 collective: every rank computes the same size from global extents, so every rank makes the
-same ones in the same order) and reused by later loops: each loop ends with a barrier, after
-which no rank reads another's workspace any more.
+same ones in the same order) and taken in turn by later loops (:func:`next_workspace`). A
+loop needs no barrier at its end: a peer's reads of a workspace (its pulls) end before that
+peer's next loop at the same place reaches its first barrier, and this rank writes that
+workspace again only in the loop after, past that barrier.
 
 **An allgather of the stream axis** (:class:`Gathering`, chunk ``i`` working on block ``b``):
 
 1. at the loop's start, on the current stream: this rank's shard copied into its workspace,
    then a barrier (every rank's shard is staged);
-2. per chunk of another rank's block: a side stream (the *copy stream*, after the barrier)
-   copies block ``b`` out of rank ``b``'s workspace (a copy engine, no SM), and the chunk's
-   stream waits for that copy only, so the copies run under the GEMMs of earlier chunks; the
-   own block is the shard itself;
-3. at the loop's end: a barrier (no rank still reads this rank's workspace).
+2. the own block's chunk (the loop's first) runs on the shard itself; once it is issued,
+   when the loop first asks for another rank's block, a side stream (the *copy stream*,
+   after the barrier) is given the copies of every other block at once, in the loop's order,
+   each out of its owner's workspace (a copy engine, no SM) with an event of its own; a
+   chunk's stream waits for its block's copy only, so the copies run under the GEMMs of the
+   earlier chunks, the first under the own block's. The copies are issued after the own
+   block's GEMM, as torch's fused all-gather-matmul does (issued before it, the copies ran
+   beside the GEMMs 9% of their time on 2 H200s, torch's 85%);
+3. at the loop's end, the current stream waits for every pull (and the barrier).
 
 **A reduce-scatter onto the stream axis** (:class:`Reducing`): the chunks visit the other
 ranks' blocks first and this rank's own last. Step ``s`` (the ``s``-th other block, ``(c + s
@@ -30,7 +36,7 @@ ranks' blocks first and this rank's own last. Step ``s`` (the ``s``-th other blo
 of its workspace, then a barrier (every rank's slot ``s`` is written); the copy stream then
 pulls slot ``s`` of rank ``(c - s - 1) mod d``, which holds that rank's partial of this
 rank's block, under the next GEMM. The own block's chunk adds the pulled partials to this
-rank's own. At the loop's end, a barrier.
+rank's own.
 """
 
 from __future__ import annotations
@@ -101,11 +107,25 @@ def workspace(group: Group, place: object, nbytes: int, device: torch.device) ->
     found = _workspaces.get(key)
     if found is not None and found.buffer.numel() >= nbytes:
         return found
-    if found is not None:  # copies of the last loop may still read the old one
+    if found is not None:  # no copy, here or on a peer, may still read the old one
+        found.barrier()
         torch.cuda.synchronize(device)
     size = max(_aligned(nbytes), 2 * found.buffer.numel() if found is not None else 0)
     _workspaces[key] = _Workspace(*symmetric_memory.allocate(group.process_group, size, device))
     return _workspaces[key]
+
+
+_turns: dict[tuple, int] = {}
+
+
+def next_workspace(group: Group, place: object, nbytes: int,
+                   device: torch.device) -> _Workspace:
+    """The workspace of the next loop run at ``place``: the two of ``place`` in turn
+    (module doc), each holding at least ``nbytes``."""
+    key = (group.process_group.group_name, device.index, place)
+    turn = _turns.get(key, 0)
+    _turns[key] = 1 - turn
+    return workspace(group, (place, turn), nbytes, device)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -132,46 +152,77 @@ def pull(source: torch.Tensor, out: torch.Tensor, after: torch.cuda.Event) -> to
 
 
 class Gathering:
-    """An allgather of one loop run, as copy-engine pulls (module doc), issued at once:
-    ``shapes[b]`` is the shape of block ``b`` (the shard of coordinate ``b``), ``x`` this
-    rank's shard. The blocks' buffers are allocated on the current stream before the copies
-    are ordered after it, so no copy writes memory that stream still uses."""
+    """An allgather of one loop run, as copy-engine pulls (module doc): ``shapes[b]`` is the
+    shape of block ``b`` (the shard of coordinate ``b``), ``x`` this rank's shard. Made on
+    the stream the loop starts from: this rank's shard is staged, a barrier, and the blocks'
+    buffers are allocated there (before the copies are ordered after it, so no copy writes
+    memory that stream still uses); the pulls are issued by :meth:`issue`, at the latest when
+    :meth:`block` is first asked for another rank's block."""
 
     def __init__(self, x: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]],
-                 place: int):
+                 place: int, barrier_aside: bool = False):
+        """``barrier_aside``: the staging barrier runs on the copy stream, so the own block's
+        GEMM need not wait for the other ranks to have staged (it is launched before the
+        GEMM, whose persistent blocks would otherwise hold every SM it needs)."""
         self.x, self.group = x.contiguous(), group
         me, d, device = group.coordinate, group.size, x.device
+        self.shapes = [tuple(s) for s in shapes]
         nbytes = max(math.prod(s) for s in shapes) * x.dtype.itemsize
-        self.workspace = workspace(group, place, nbytes, device)
-        others = [(me + s) % d for s in range(1, d)]
-        outs = {b: torch.empty(tuple(shapes[b]), dtype=x.dtype, device=device) for b in others}
+        self.workspace = next_workspace(group, place, nbytes, device)
+        self.order = [(me + s) % d for s in range(1, d)]
+        self.outs = {b: torch.empty(self.shapes[b], dtype=x.dtype, device=device)
+                     for b in self.order}
         self.workspace.local(0, x.shape, x.dtype).copy_(self.x)
-        self.workspace.barrier()
-        staged = torch.cuda.Event()
-        staged.record()
-        self.blocks = {}
-        for b in others:
-            if outs[b].numel() == 0:  # an empty last block (uneven shards): nothing to move
-                self.blocks[b] = (outs[b], None)
+        self.staged = torch.cuda.Event()
+        if barrier_aside:
+            copier = _copy_stream(device)
+            copier.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(copier):
+                self.workspace.barrier()
+                self.staged.record()
+        else:
+            self.workspace.barrier()
+            self.staged.record()
+        self.blocks: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def issue(self) -> None:
+        """Gives the copy stream the pulls of every other rank's block, in ring order, each
+        with its own end event (once per run; later calls do nothing)."""
+        if self.blocks or not self.outs:
+            return
+        x, group = self.x, self.group
+        for b in self.order:
+            out = self.outs[b]
+            if out.numel() == 0:  # an empty last block (uneven shards): nothing to move
+                self.blocks[b] = (out, None)
                 continue
-            source = self.workspace.remote(peer(group, b), 0, shapes[b], x.dtype)
-            self.blocks[b] = (outs[b], pull(source, outs[b], staged))
-            record_transfer("copy_engine_pull", group, outs[b], peer=group.ranks[b])
+            source = self.workspace.remote(peer(group, b), 0, self.shapes[b], x.dtype)
+            self.blocks[b] = (out, pull(source, out, self.staged))
+            record_transfer("copy_engine_pull", group, out, peer=group.ranks[b])
 
     def block(self, b: int) -> torch.Tensor:
         """Block ``b`` of the gathered tensor, once its copy has landed (the current stream
-        waits for it; the host does not)."""
+        waits for it; the host does not). The first call for another rank's block issues
+        the pulls (:meth:`issue`), after whatever the own block's chunk has issued."""
         if b == self.group.coordinate:
             return self.x
+        self.issue()
         out, done = self.blocks[b]
         if done is not None:
             torch.cuda.current_stream(out.device).wait_event(done)
         return out
 
     def finish(self) -> None:
-        """The loop's last barrier (on the current stream, after its chunks)."""
-        self.workspace.barrier()
+        """The current stream (after the loop's chunks) waits for the staging barrier and
+        every pull: what this rank does next comes after its reads of the peers' workspaces
+        (module doc)."""
+        current = torch.cuda.current_stream(self.x.device)
+        current.wait_event(self.staged)
+        for _, done in self.blocks.values():
+            if done is not None:
+                current.wait_event(done)
         self.blocks.clear()
+        self.outs.clear()
 
 
 class Reducing:
@@ -183,7 +234,8 @@ class Reducing:
         self.group, self.shapes, self.dtype = group, [tuple(s) for s in shapes], dtype
         self.combine, self.reduce_op = COMBINE[reduce_op], reduce_op
         self.slot = _aligned(max(math.prod(s) for s in self.shapes) * dtype.itemsize)
-        self.workspace = workspace(group, place, self.slot * max(1, group.size - 1), device)
+        self.workspace = next_workspace(group, place, self.slot * max(1, group.size - 1),
+                                        device)
         self.device, self.step, self.pulled = device, 0, []
         # allocated now, on the stream the loop starts from (see Gathering)
         self.received = [torch.empty(self.shapes[group.coordinate], dtype=dtype, device=device)
@@ -230,6 +282,8 @@ class Reducing:
         return out
 
     def finish(self) -> None:
-        """The loop's last barrier (on the current stream, after its chunks)."""
-        self.workspace.barrier()
+        """The current stream (after the loop's chunks) waits for every pull (module doc)."""
+        current = torch.cuda.current_stream(self.device)
+        for _, done in self.pulled:
+            current.wait_event(done)
         self.pulled.clear()

@@ -70,11 +70,14 @@ DEFAULT_COSTS = {
     # the GPT-3 layer at ~700 TFLOP/s (benchmarks/results/2026-11-30-1848-*).
     "cuda": OverlapCost(link_gb_per_s=160.0, gemm_tflops=700.0, chunk_overhead_us=20.0,
                         contention=1.0),
-    # The same with the copy engines (stream loops over symmetric memory): the blocks move
-    # beside the GEMMs, which lose little to them; two barriers and a local staging copy
-    # per loop.
-    "cuda_copy_engine": OverlapCost(link_gb_per_s=250.0, gemm_tflops=700.0,
-                                    chunk_overhead_us=15.0, contention=0.1),
+    # The same with the copy engines (stream loops over symmetric memory), measured on 2
+    # H200s (benchmarks/results/2026-12-01-0211-*): a 64 MiB block pulled in 0.184 ms (365
+    # GB/s); the sequence-parallel row linear at t = h = 8192 looped in 3.225 ms, its GEMM
+    # alone 3.240 ms (what the GEMMs lose to the pulls is within the noise: a contention of
+    # 0.05 keeps a margin); the GPT-3 layer's 7 loops (14 chunks) gained 0.165 ms of the
+    # 0.49 ms their pulls take, about 23 us lost per chunk (barriers, staging, host).
+    "cuda_copy_engine": OverlapCost(link_gb_per_s=360.0, gemm_tflops=700.0,
+                                    chunk_overhead_us=25.0, contention=0.05),
     "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0,
                        contention=1.0),
 }
@@ -141,13 +144,16 @@ def _largest_shard(tv: TensorView, extents: Mapping[IterDomain, int]) -> list[in
 
 
 def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain, int],
-                 device_type: str, transport: str = "process_group") -> tuple[list, list[str]]:
+                 device_type: str, transport: str = "process_group",
+                 allreduce_transport: str | None = None) -> tuple[list, list[str]]:
     """The loops to add for ``candidates`` (their plans) and explain's lines on each
-    decision; ``transport``: how the loops would move their blocks."""
+    decision; ``transport``: how the loops would move their blocks (GEMM -> allreduce
+    loops: ``allreduce_transport``, when given)."""
     plans, lines = [], []
     for candidate in candidates:
         if isinstance(candidate, AllreduceCandidate):
-            plan, why = _allreduce_loop(candidate, extents, device_type, transport)
+            plan, why = _allreduce_loop(candidate, extents, device_type,
+                                        allreduce_transport or transport)
         else:
             use, why = decide(candidate, extents, device_type, transport)
             plan = candidate.plan(why) if use else None

@@ -12,6 +12,7 @@ runner binds plans to this rank's process groups).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for v in expr.inputs:
             last_use[slot(v)] = index
     keep = {slot(v) for v in fusion.outputs()}
+    readers = Counter(slot(v) for expr in exprs for v in expr.inputs)
+    fresh: set[int] = set()  # slots of allreduce results (or local copies): buffers of their own
     read = {v for e in exprs for v in e.inputs}
     steps, calls, ran, candidates = [], [], [], []
     for index, expr in enumerate(exprs):
@@ -65,6 +68,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             src = slot(expr.args[0])
             donated = last_use.get(src) == index and src not in keep and src not in input_slots
             lowered = lower_reshard(expr, binding, donated)
+            if lowered is None or [s.kind for s in lowered[1]] == ["allreduce"]:
+                fresh.add(slot(expr.outputs[0]))  # a new buffer: the local copy, the sum
         elif not isinstance(expr, Reshard) and lower_op is not None:
             lowered = lower_op(expr)
         if expr not in local:
@@ -85,7 +90,8 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
                     format_expr(expr), note=mine.note)
         steps.append(step)
-        if lowered is None and expr.op.name == "set" and not keep.intersection(outs):
+        if lowered is None and expr.op.name == "set" and \
+                (not keep.intersection(outs) or _owned(slot(expr.args[0]), fresh, readers, keep)):
             lowered = unchanged_view
         calls.append(lowered or dispatch(step))
         ran.append(expr)
@@ -107,8 +113,17 @@ def _candidate(expr: Reshard, out: int, step, binding: Binding) -> Candidate:
                      src.dtype.torch_dtype)
 
 
+def _owned(src: int, fresh: set[int], readers: Counter, keep: set[int]) -> bool:
+    """Whether slot ``src`` is an allreduce's result (or, on a mesh of one device, its local
+    copy) that only one expression reads and that is no fusion output: a ``set`` of it into
+    a fusion output may return it (the Megatron MLP's ``z`` and ``dx``), as no other value
+    shares its buffer."""
+    return src in fresh and readers[src] == 1 and src not in keep
+
+
 def unchanged_view(x: torch.Tensor) -> torch.Tensor:
-    """A ``set`` whose result is no fusion output: a view of ``x``, not a copy. The values
+    """A ``set`` whose result is no fusion output (or whose source is a buffer only it
+    reads, see :func:`_owned`): a view of ``x``, not a copy. The values
     of a program are never written in place (an allreduce reuses a buffer only when it is
     no view, see :func:`meshfuse.runtime.collectives.allreduce`), so no step can tell the
     view from a copy, and none is made (the copy's time and memory are saved)."""

@@ -75,7 +75,9 @@ def group_stream_loops(plans: Sequence[StreamLoopPlan | AllreduceLoopPlan], expr
         if isinstance(plan, AllreduceLoopPlan):  # meshfuse.runtime.allreduce_loop's own
             made = allreduce_loop.lowered(
                 plan, [steps[k] for k in members], [calls[k] for k in members], binding,
-                group_of, STREAM_LOOP, functools.partial(choose_transport, transport, device)
+                group_of, STREAM_LOOP, functools.partial(
+                    choose_transport, transport, device,
+                    default=allreduce_loop.DEFAULT_TRANSPORT)
             ) if len(members) == 2 else None
             if made is None:
                 continue
@@ -213,13 +215,14 @@ def _decomposed(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: i
 
 
 def choose_transport(requested: str, device: torch.device | None, groups: Sequence[Group],
-                     symmetric: bool) -> tuple[str, str]:
+                     symmetric: bool, default: str = PROCESS_GROUP) -> tuple[str, str]:
     """The transport of a loop's decomposed communications over ``groups`` (none: any) on
     ``device``, and why (a phrase for explain). ``requested``: ``"copy_engine"``
     (``CommunicatorBackend.cuda``), ``"process_group"`` (``CommunicatorBackend.nccl``) or
-    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: the process group, the
-    copy engines being opt-in until measured on GPUs); ``symmetric``: a tensor of the loop
-    has ``MemoryType.symmetric`` (asks for the copy engines)."""
+    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: ``default``, the process
+    group for the allgather and reduce-scatter loops, the copy engines being opt-in until
+    measured on GPUs); ``symmetric``: a tensor of the loop has ``MemoryType.symmetric``
+    (asks for the copy engines)."""
     if requested == AUTO:
         requested = os.environ.get(TRANSPORT_ENV, AUTO).lower().replace("nccl", PROCESS_GROUP)
         if requested not in (AUTO, COPY_ENGINE, PROCESS_GROUP):
@@ -229,7 +232,7 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
         requested = COPY_ENGINE
     if requested == PROCESS_GROUP:
         return PROCESS_GROUP, "asked for the process group"
-    if requested == AUTO:
+    if requested == AUTO and default == PROCESS_GROUP:
         return PROCESS_GROUP, (f"the default ({TRANSPORT_ENV}=copy_engine or "
                                "CommunicatorBackend.cuda asks for the copy engines)")
     if len({(g.ranks, g.mesh_axis) for g in groups}) > 1:
@@ -238,7 +241,7 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
                                       groups[0] if groups else None)
     if why_not is not None:
         return PROCESS_GROUP, f"copy engines unavailable: {why_not}"
-    return COPY_ENGINE, "asked for"
+    return COPY_ENGINE, "asked for" if requested == COPY_ENGINE else "the default"
 
 
 def _with_transport(loop: StreamLoop, requested: str, device: torch.device | None,
