@@ -76,12 +76,9 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
             continue
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
-        if lowered is not None and isinstance(expr, Reshard) and bucketable(
-                lowered[1], expr.outputs[0] in read, donated):
-            candidates.append(Candidate(outs[0], expr.outputs[0].name, lowered[1][0],
-                                        binding.layouts[expr.args[0]].shape,
-                                        expr.args[0].dtype.torch_dtype))
         if isinstance(expr, Reshard):
+            if lowered is not None and bucketable(lowered[1], expr.outputs[0] in read, donated):
+                candidates.append(_candidate(expr, outs[0], lowered[1][0], binding))
             # With no data to move (meshes of one device), a copy as the user's set would make.
             call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
             steps.append(Step(RESHARD, (Slot(slot(expr.args[0])),), {}, outs, free,
@@ -107,6 +104,13 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         for tv in fusion.outputs()
     )
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
+
+
+def _candidate(expr: Reshard, out: int, step, binding: Binding) -> Candidate:
+    """A bucketable allreduce (its result in slot ``out``) as the bucket planner reads it."""
+    src = expr.args[0]
+    return Candidate(out, expr.outputs[0].name, step, binding.layouts[src].shape,
+                     src.dtype.torch_dtype)
 
 
 def _owned(src: int, fresh: set[int], readers: Counter, keep: set[int]) -> bool:
