@@ -5,7 +5,8 @@
 # that order:
 # - probe: OUT/probe/{api.txt,probe.txt,overlap_profile.txt} (log OUT/probe.log): what torch
 #   offers for async TP, then direct calls at nvFuser's overlap sizes (t = h = 8192, bf16): the
-#   GEMM alone, NCCL whole, torch's fused async-TP ops, meshfuse's copy-engine transport
+#   GEMM alone, NCCL whole, torch's fused async-TP ops and torch.compile's _micro_pipeline_tp,
+#   meshfuse's copy-engine transport
 #   driving one GEMM per block (the column layer also with the pulls issued before the own
 #   block's GEMM, and with torch's two streams); how much of the transfers ran under GEMMs,
 #   with a timeline (benchmarks.overlap_transport_probe);
@@ -23,6 +24,7 @@
 #   engines asked for: without loops, where the estimate chooses them, and with every
 #   candidate collective in a loop: step times and a profile (busy/idle GPU time, NCCL time
 #   not hidden, peer copies beside kernels, barriers).
+# With one GPU only the tests and nvfuser steps run (at world size 1).
 # Each step has its own time limit; one that fails or times out does not stop the others.
 # A summary (with each step's seconds) is printed last and written to OUT/summary.txt.
 set -u
@@ -34,20 +36,26 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_NCCL_ENABLE_MONITORING=0
 launch=(torchrun --nproc-per-node 2)
-summary=("commit: ${MESHFUSE_COMMIT:-$([ -e .git ] && git rev-parse --short HEAD 2>/dev/null || echo unknown)}")
+ngpu=$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')
+summary=("commit: ${MESHFUSE_COMMIT:-$([ -e .git ] && git rev-parse --short HEAD 2>/dev/null || echo unknown)}" "GPUs used: $ngpu")
+if (( ngpu < 2 )); then  # one GPU: the tests at world size 1; the timings need two
+  summary+=("one GPU: probe, case and gpt3 need 2 GPUs, not run")
+  steps=${steps//,probe,/,}; steps=${steps//,case,/,}; steps=${steps//,gpt3,/,}
+fi
+sizes=$( (( ngpu >= 2 )) && echo 1,2 || echo 1)
 want() { [[ $steps == *",$1,"* ]]; }
 if want probe; then
   SECONDS=0
-  timeout 60 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
+  timeout 90 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
     --layers column,row_sp \
-    --variants gemm_only,nccl,torch_fused,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams,copy_engine_barrier_aside \
+    --variants gemm_only,nccl,torch_fused,async_tp_compiled,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams,copy_engine_barrier_aside \
     > "$out/probe.log" 2>&1
   summary+=("probe: rc=$? (${SECONDS}s)" "$(cat "$out/probe/probe.txt" 2>/dev/null)")
 fi
 if want tests; then
   SECONDS=0
   timeout 45 python -m pytest tests/test_overlap_transport.py -q -x -p no:cacheprovider \
-    --world-sizes 1,2 > "$out/tests.txt" 2>&1
+    --world-sizes "$sizes" > "$out/tests.txt" 2>&1
   summary+=("copy-engine tests: rc=$? (${SECONDS}s) $(tail -1 "$out/tests.txt")")
 fi
 if want nvfuser; then
@@ -59,13 +67,13 @@ if want nvfuser; then
     (while sleep 3; do cp "$scratch"/meshfuse-ws*/rank* "$out/nvfuser/" 2>/dev/null; done) &
     copier=$!
     TMPDIR=$scratch MESHFUSE_TEST_TIMEOUT=65 timeout 75 scripts/nvfuser_tests.sh build/nvfuser \
-      "$out/nvfuser" multidevice/test_overlap.py --world-sizes 2 -v -rA \
+      "$out/nvfuser" multidevice/test_overlap.py --world-sizes "${sizes##*,}" -v -rA \
       > "$out/nvfuser/stdout.log" 2>&1
     rc=$?
     kill $copier
     cp "$scratch"/meshfuse-ws*/rank* "$out/nvfuser/" 2>/dev/null
     rm -rf "$scratch"
-    summary+=("nvFuser test_overlap.py (2 GPUs): rc=$rc (${SECONDS}s)" \
+    summary+=("nvFuser test_overlap.py (world size ${sizes##*,}): rc=$rc (${SECONDS}s)" \
       "$(grep -h '"event": "end"' "$out"/nvfuser/rank0.jsonl 2>/dev/null | python3 -c '
 import collections, json, sys
 ends = [json.loads(line) for line in sys.stdin]

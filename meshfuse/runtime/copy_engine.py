@@ -78,15 +78,25 @@ def unavailable(device: torch.device, group: Group | None = None) -> str | None:
 class _Workspace:
     handle: Any  # torch's _SymmetricMemory
     buffer: torch.Tensor  # this rank's allocation (bytes)
+    # the views handed out, made once: a loop asks for the same regions at every call
+    views: dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def local(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        count = math.prod(shape)
-        return self.buffer[offset:offset + count * dtype.itemsize].view(dtype).view(tuple(shape))
+        key = (None, offset, tuple(shape), dtype)
+        if key not in self.views:
+            count = math.prod(shape)
+            self.views[key] = self.buffer[offset:offset + count * dtype.itemsize] \
+                .view(dtype).view(tuple(shape))
+        return self.views[key]
 
     def remote(self, peer: int, offset: int, shape: Sequence[int],
                dtype: torch.dtype) -> torch.Tensor:
         """The region of ``peer`` (a rank of the group's torch order), mapped here."""
-        return self.handle.get_buffer(peer, tuple(shape), dtype, offset // dtype.itemsize)
+        key = (peer, offset, tuple(shape), dtype)
+        if key not in self.views:
+            self.views[key] = self.handle.get_buffer(peer, tuple(shape), dtype,
+                                                     offset // dtype.itemsize)
+        return self.views[key]
 
     def barrier(self) -> None:
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
