@@ -80,7 +80,7 @@ def assert_matches(got, expected, dtype, tvs=None, rank: int = 0):
     for name, value in expected.items():
         ref = value if tvs is None else shard_tensor(value, tvs[name], rank)
         scale = expected[SCALE_OF.get(name, name)].abs().max().item()
-        torch.testing.assert_close(got[name].cpu().double(), ref.double(), rtol=rtol,
+        torch.testing.assert_close(got[name].cpu().double(), ref.cpu().double(), rtol=rtol,
                                    atol=atol * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
