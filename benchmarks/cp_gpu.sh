@@ -38,11 +38,7 @@
 set -u
 out=${1:-gpu-out}
 mode=${2:-full}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_NCCL_ENABLE_MONITORING=0
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 launch=(torchrun --nproc-per-node 2 -m benchmarks.run --cases context_parallel)
 summary=()
 if [ "$mode" = short ]; then

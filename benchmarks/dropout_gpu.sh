@@ -11,10 +11,7 @@
 # summary is printed last (and kept in OUT/summary.txt). About 6 minutes.
 set -u
 out=${1:-gpu-out}
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_NCCL_ENABLE_MONITORING=0
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 sizes=1
 (( ngpu >= 2 )) && sizes=1,2

@@ -7,10 +7,7 @@
 # Everything goes to OUT (logs, JSON, reports); a summary is printed last. About 4 minutes.
 set -u
 out=${1:-gpu-out}
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_NCCL_ENABLE_MONITORING=0
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 summary=()
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_auto_replay.py \

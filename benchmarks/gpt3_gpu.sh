@@ -22,11 +22,7 @@
 # A summary is printed last and written to OUT/summary.txt.
 set -u
 out=${1:-gpu-out}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_NCCL_ENABLE_MONITORING=0
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ngpu=$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')
 # The commit: $MESHFUSE_COMMIT where the caller sets it (a copied tree without .git would
 # read the enclosing repository's), else this tree's own .git, else unknown.

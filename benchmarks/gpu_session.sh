@@ -7,9 +7,7 @@ set -u
 what=${1:-all}
 shift || true
 out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 summary=("$(python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch",
   torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),

@@ -17,11 +17,7 @@
 # A summary is printed last and written to OUT/summary.txt.
 set -u
 out=${1:-gpu-out}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export TORCH_NCCL_ENABLE_MONITORING=0
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 launch=(torchrun --nproc-per-node 2)
 summary=("commit: ${MESHFUSE_COMMIT:-$([ -e .git ] && git rev-parse --short HEAD 2>/dev/null || echo unknown)}")
 timeout 70 python -m pytest tests/test_allreduce_loop.py -q -p no:cacheprovider \
