@@ -25,6 +25,7 @@ import datetime
 import gc
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -386,11 +387,12 @@ class Communicator:
         for fn in Communicator._before_shutdown:  # drops what cannot complete any more
             fn()
         self._meet(f"meshfuse/recover/{self.lone.generation}")
-        for group in {id(g): g for g in [*self._groups.values(), self._agreement_group]
-                      if g is not None}.values():
-            if group is not dist.group.WORLD:
-                with contextlib.suppress(RuntimeError, ValueError):
-                    dist.destroy_process_group(group)
+        retired = [g for g in {id(g): g for g in [*self._groups.values(), self._agreement_group]
+                               if g is not None}.values() if g is not dist.group.WORLD]
+        for group in retired:
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group(group)
+        _keep_until_timed_out(retired, self._timeout)
         self._groups.clear()
         self._slicings.clear()
         self._agreement_group = None
@@ -502,6 +504,27 @@ class Communicator:
         # interpreter's last garbage collection (where tearing down gloo can block).
         self._groups.clear()
         gc.collect()
+
+
+def _keep_until_timed_out(groups: list[dist.ProcessGroup], timeout_s: float) -> None:
+    """Keeps the destroyed ``groups`` alive until a collective left pending in them has
+    timed out, then frees them on a daemon thread.
+
+    A failure can leave a collective pending for ever in a group (a rank never launched its
+    part). Freeing a gloo group joins its worker threads, so whatever call happened to drop
+    the group's last reference (a garbage collection, at any later step) would block until
+    that collective times out: the whole timeout, with the other ranks waiting for it. A
+    process that exits first never frees them (daemon threads hold on to their references).
+    """
+    if not groups:
+        return
+    held = list(groups)  # the thread's own references
+
+    def hold() -> None:
+        time.sleep(timeout_s + ROLL_CALL_S)
+        held.clear()
+
+    threading.Thread(target=hold, name="meshfuse-retired-groups", daemon=True).start()
 
 
 def _default_store() -> dist.Store | None:
