@@ -8,8 +8,10 @@ on purpose. The ranks are forked by one process that imported torch and meshfuse
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import weakref
 
 import pytest
 from rank_jobs import Forker, Job, finish, start
@@ -23,6 +25,7 @@ from meshfuse.runtime.failures import (
     timeout_from_env,
 )
 from meshfuse.runtime.lone_failures import Abandoned, GroupBroken, LoneFailures
+from meshfuse.runtime.retired_groups import keep_until_timed_out
 
 TIMEOUT_S = 3.0
 # How long after the timeout a survivor may take to raise: the roll call, and slack for a
@@ -217,3 +220,20 @@ def test_a_peer_close_caused_by_a_timeout_is_reported_as_the_timeout():
     timed_out.tell_broken("allreduce(sum) over mesh axis 0", (0, 1), "timeout", "Timed out 3000ms")
     assert seeing.reported_timeout((0, 2)) is None
     assert seeing.reported_timeout((1, 0)).rank == 1
+
+
+def test_retired_groups_outlive_a_garbage_collection():
+    """A group ``recover()`` destroyed is not freed by a later garbage collection (freeing a
+    gloo group with a collective pending would block until that collective times out): it
+    is held until then by a thread of its own."""
+
+    class Group:  # stands in for a ProcessGroup in a reference cycle
+        def __init__(self):
+            self.cycle = self
+
+    group = Group()
+    alive = weakref.ref(group)
+    keep_until_timed_out([group], 60.0)
+    del group
+    gc.collect()
+    assert alive() is not None

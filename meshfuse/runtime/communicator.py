@@ -25,7 +25,6 @@ import datetime
 import gc
 import os
 import pickle
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -44,6 +43,7 @@ from meshfuse.runtime.launch_env import (  # noqa: F401 (re-exported: where they
     launch_info_from_env,
 )
 from meshfuse.runtime.lone_failures import GroupBroken, LoneFailures
+from meshfuse.runtime.retired_groups import keep_until_timed_out
 
 _MPI_DEFAULT_ADDR = "127.0.0.1"
 _MPI_DEFAULT_PORT = "29500"
@@ -392,7 +392,7 @@ class Communicator:
         for group in retired:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(group)
-        _keep_until_timed_out(retired, self._timeout)
+        keep_until_timed_out(retired, self._timeout + ROLL_CALL_S)
         self._groups.clear()
         self._slicings.clear()
         self._agreement_group = None
@@ -504,27 +504,6 @@ class Communicator:
         # interpreter's last garbage collection (where tearing down gloo can block).
         self._groups.clear()
         gc.collect()
-
-
-def _keep_until_timed_out(groups: list[dist.ProcessGroup], timeout_s: float) -> None:
-    """Keeps the destroyed ``groups`` alive until a collective left pending in them has
-    timed out, then frees them on a daemon thread.
-
-    A failure can leave a collective pending for ever in a group (a rank never launched its
-    part). Freeing a gloo group joins its worker threads, so whatever call happened to drop
-    the group's last reference (a garbage collection, at any later step) would block until
-    that collective times out: the whole timeout, with the other ranks waiting for it. A
-    process that exits first never frees them (daemon threads hold on to their references).
-    """
-    if not groups:
-        return
-    held = list(groups)  # the thread's own references
-
-    def hold() -> None:
-        time.sleep(timeout_s + ROLL_CALL_S)
-        held.clear()
-
-    threading.Thread(target=hold, name="meshfuse-retired-groups", daemon=True).start()
 
 
 def _default_store() -> dist.Store | None:
