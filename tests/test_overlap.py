@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
-from meshfuse import DataType, FusionDefinition, ParallelType
+from meshfuse import DataType, FusionDefinition, MemoryType, ParallelType
 from meshfuse.errors import ScheduleError
 from meshfuse.multidevice import (
     CommunicatorBackend,
@@ -76,10 +76,12 @@ def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunk
         assert sum(c.bytes for c in comms) == tokens * 3 * 4
 
 
-def _column_parallel(tokens: int, hidden: int, mesh, ring: bool) -> FusionDefinition:
+def column_parallel(tokens: int, hidden: int, mesh, ring: bool,
+                    symmetric: bool = False) -> FusionDefinition:
     """linear(allgather(x), w) with x and w sharded on their rows; the gathered x on stream
-    with one chunk per device (the allgather decomposed per block). Static extents: an
-    uneven symbolic extent cannot be inferred from the last, short shard."""
+    with one chunk per device (the allgather decomposed per block), in symmetric memory if
+    ``symmetric``. Static extents: an uneven symbolic extent cannot be inferred from the
+    last, short shard."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([tokens, hidden], dtype=DataType.Float)
         w = fd.define_tensor([4 * hidden, hidden], dtype=DataType.Float)
@@ -92,6 +94,8 @@ def _column_parallel(tokens: int, hidden: int, mesh, ring: bool) -> FusionDefini
     if ring:
         gathered.swizzle1d(0, MX)
     gathered.axis(0).parallelize(STREAM)
+    if symmetric:
+        gathered.set_memory_type(MemoryType.symmetric)
     return fd
 
 
@@ -101,7 +105,7 @@ def _column_parallel(tokens: int, hidden: int, mesh, ring: bool) -> FusionDefini
 def test_column_parallel_linear_gathers_per_chunk(multidevice_test, ring, tokens):
     d = multidevice_test.size
     mesh = mesh_1d(multidevice_test)
-    fd = _column_parallel(tokens, 2, mesh, ring)
+    fd = column_parallel(tokens, 2, mesh, ring)
     x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
     inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
     with record_communications() as comms:

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
-from test_overlap import STREAM, _ints, _kinds, row_sp_linear
+from test_overlap import _ints, _kinds, column_parallel, row_sp_linear
 
-from meshfuse import DataType, FusionDefinition, MemoryType
+from meshfuse import DataType, FusionDefinition
 from meshfuse.errors import InputError
 from meshfuse.multidevice import (
     CommunicatorBackend,
@@ -79,25 +79,6 @@ def test_copy_engine_reduce_visits_its_own_block_last(coordinate):
     assert gathering.block(0) == coordinate  # own block first
 
 
-def _column_parallel(tokens: int, mesh, symmetric: bool = False) -> FusionDefinition:
-    """linear(allgather(x), w), the gathered x on stream in ring order (one chunk per
-    device)."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([tokens, 2], dtype=DataType.Float)
-        w = fd.define_tensor([8, 2], dtype=DataType.Float)
-        gathered = fd.ops.set(x)
-        fd.add_output(fd.ops.linear(gathered, w))
-    shard(x, 0, mesh)
-    shard(w, 0, mesh)
-    gathered.set_device_mesh(mesh)
-    gathered.outer_split(0, mesh.size)
-    gathered.swizzle1d(0, MX)
-    gathered.axis(0).parallelize(STREAM)
-    if symmetric:
-        gathered.set_memory_type(MemoryType.symmetric)
-    return fd
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("tokens", [8, 10], ids=["even", "uneven"])
 def test_cuda_backend_falls_back_on_cpu_ranks(multidevice_test, tokens):
@@ -112,7 +93,7 @@ def test_cuda_backend_falls_back_on_cpu_ranks(multidevice_test, tokens):
     x, w = _ints(tokens, 2), _ints(8, 2, seed=1)
     for symmetric, backend in ((False, CommunicatorBackend.cuda),
                                (True, CommunicatorBackend.nccl)):
-        fd = _column_parallel(tokens, mesh, symmetric)
+        fd = column_parallel(tokens, 2, mesh, ring=True, symmetric=symmetric)
         params = MultiDeviceExecutorParams()
         params.backend_type = backend
         executor = MultiDeviceExecutor(fd.fusion, params)
@@ -175,7 +156,7 @@ def test_copy_engine_column_loop_equals_nccl_loop(multidevice_test, monkeypatch,
     results = {}
     for transport in ("process_group", "copy_engine"):
         monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", transport)
-        fd = _column_parallel(tokens, mesh)
+        fd = column_parallel(tokens, 2, mesh, ring=True)
         inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((x, w), fd.fusion.inputs())]
         for _ in range(3):
             with record_communications() as comms:
