@@ -12,12 +12,14 @@ a copy) and ``invalid program`` (the generator itself failed on a seed; the run 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import traceback
+from collections.abc import Callable, Iterable
 
 import torch
 from fusion_snapshot import snapshot
-from fuzz_programs import Features, Program, build, generate, reference
+from fuzz_programs import Program, build, reference
 
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
@@ -123,13 +125,28 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
     return Outcome("match", "", program)
 
 
-def run_many(seeds, world_size: int, rank: int, device: torch.device,
-             features: Features | None = None) -> list[Outcome]:
-    features = Features() if features is None else features
+SEED_ENV = "MESHFUSE_FUZZ_SEED"  # the first seed of a run (default 0)
+
+
+def seeds(world_size: int, programs_env: str, default: int) -> range:
+    """The seeds of one fuzz test at ``world_size``: ``$programs_env`` programs (``default``;
+    a quarter of it at world size 1, where nothing is sharded: a smoke run) from
+    ``$MESHFUSE_FUZZ_SEED`` on."""
+    count = int(os.environ.get(programs_env, default))
+    if world_size == 1:
+        count = min(count, default // 4)
+    first = int(os.environ.get(SEED_ENV, "0"))
+    return range(first, first + count)
+
+
+def run_many(seeds: Iterable[int], rank: int, device: torch.device,
+             make: Callable[[int], Program]) -> list[Outcome]:
+    """The outcome of each seed's program ``make(seed)``; a seed whose program cannot be
+    made is an ``invalid program`` outcome, and the run goes on."""
     outcomes = []
     for seed in seeds:
         try:
-            program = generate(seed, world_size, features)
+            program = make(seed)
         except Exception as e:  # noqa: BLE001 (the generator's own bug: counted, run goes on)
             outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
             continue

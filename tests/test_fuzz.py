@@ -15,14 +15,13 @@ import json
 import os
 
 import pytest
-from fuzz_programs import Features
-from fuzz_runner import run_many
+from fuzz_programs import Features, generate
+from fuzz_runner import run_many, seeds
 
 pytestmark = pytest.mark.mpi
 
 DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
-SEED_ENV = "MESHFUSE_FUZZ_SEED"
 REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
@@ -46,12 +45,11 @@ def _summary(outcomes) -> dict[str, int]:
 
 
 def test_fuzz_programs_match_torch(multidevice_test):
-    count = int(os.environ.get(PROGRAMS_ENV, DEFAULT_PROGRAMS))
-    if multidevice_test.size == 1:
-        count = min(count, DEFAULT_PROGRAMS // 4)  # nothing is sharded: a smoke run
-    first = int(os.environ.get(SEED_ENV, "0"))
-    outcomes = run_many(range(first, first + count), multidevice_test.size,
-                        multidevice_test.rank, multidevice_test.device, _features())
+    size, features = multidevice_test.size, _features()
+    run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
+    count, first = len(run), run.start
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
+                        lambda seed: generate(seed, size, features))
     summary = _summary(outcomes)
     report = os.environ.get(REPORT_ENV)
     if report:

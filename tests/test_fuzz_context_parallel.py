@@ -12,38 +12,23 @@ runnable reproduction.
 from __future__ import annotations
 
 import collections
-import os
 
 import pytest
 from fuzz_context_parallel import generate
-from fuzz_runner import Outcome, run_program
+from fuzz_runner import run_many, seeds
 
 pytestmark = pytest.mark.mpi
 
 DEFAULT_PROGRAMS = 16
 PROGRAMS_ENV = "MESHFUSE_FUZZ_CP_PROGRAMS"
-SEED_ENV = "MESHFUSE_FUZZ_SEED"
-
-
-def run_many(seeds, world_size: int, rank: int, device) -> list[Outcome]:
-    outcomes = []
-    for seed in seeds:
-        try:
-            program = generate(seed, world_size)
-        except Exception as e:  # noqa: BLE001 (the generator's own bug: counted, run goes on)
-            outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
-            continue
-        outcomes.append(run_program(program, rank, device))
-    return outcomes
 
 
 def test_fuzz_context_parallel_programs_match_torch(multidevice_test):
-    count = int(os.environ.get(PROGRAMS_ENV, DEFAULT_PROGRAMS))
-    if multidevice_test.size == 1:
-        count = min(count, DEFAULT_PROGRAMS // 4)  # nothing is sharded: a smoke run
-    first = int(os.environ.get(SEED_ENV, "0"))
-    outcomes = run_many(range(first, first + count), multidevice_test.size,
-                        multidevice_test.rank, multidevice_test.device)
+    size = multidevice_test.size
+    run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
+    count = len(run)
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
+                        lambda seed: generate(seed, size))
     counts = collections.Counter(o.kind for o in outcomes)
     modes = collections.Counter(o.program.mode.split(",")[1].strip() for o in outcomes
                                 if o.program is not None)

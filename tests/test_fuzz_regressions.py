@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from fuzz_programs import Features
-from fuzz_runner import generate, run_program
+from fuzz_programs import Features, generate
+from fuzz_runner import run_program
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
