@@ -175,11 +175,16 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache() if ctx.cuda else None
     if steps:
         summaries += _interleaved(ctx, steps, *((3, 3) if args.quick else (7, 10)))
+    write_summaries(ctx, os.path.join(args.out, "gpt3_profile.txt"), summaries)
+    context.teardown()
+
+
+def write_summaries(ctx, path: str, summaries: list[str]) -> None:
+    """On rank 0: the variants' summary lines to ``path``, and printed."""
     if ctx.rank == 0:
-        with open(os.path.join(args.out, "gpt3_profile.txt"), "w") as f:
+        with open(path, "w") as f:
             f.write("\n".join(summaries) + "\n")
         print("\n".join(summaries))
-    context.teardown()
 
 
 if __name__ == "__main__":

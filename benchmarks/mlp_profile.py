@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import context
 from benchmarks.cases import mlp
-from benchmarks.gpt3_profile import profile_variant
+from benchmarks.gpt3_profile import profile_variant, write_summaries
 from benchmarks.harness import Skip
 
 DEFAULT_VARIANTS = "torch_1gpu,torch_manual,dtensor_tp,meshfuse," + ",".join(mlp.LOOP_VARIANTS)
@@ -55,10 +55,7 @@ def main(argv=None) -> None:
         del step, made
         if ctx.cuda:
             torch.cuda.empty_cache()
-    if ctx.rank == 0:
-        with open(os.path.join(args.out, "mlp_profile.txt"), "w") as f:
-            f.write("\n".join(summaries) + "\n")
-        print("\n".join(summaries))
+    write_summaries(ctx, os.path.join(args.out, "mlp_profile.txt"), summaries)
     context.teardown()
 
 
