@@ -59,7 +59,6 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
     keep = {slot(v) for v in fusion.outputs()}
     readers = Counter(slot(v) for expr in exprs for v in expr.inputs)
     fresh: set[int] = set()  # slots of allreduce results (or local copies): buffers of their own
-    read = {v for e in exprs for v in e.inputs}
     steps, calls, ran, candidates = [], [], [], []
     for index, expr in enumerate(exprs):
         lowered = None
@@ -77,7 +76,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         outs = tuple(slot(o) for o in expr.outputs)
         free = tuple(s for s, last in last_use.items() if last == index and s not in keep)
         if isinstance(expr, Reshard):
-            if lowered is not None and bucketable(lowered[1], expr.outputs[0] in read, donated):
+            if lowered is not None and bucketable(lowered[1], readers[outs[0]] > 0, donated):
                 candidates.append(_candidate(expr, outs[0], lowered[1][0], binding))
             # With no data to move (meshes of one device), a copy as the user's set would make.
             call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")

@@ -119,7 +119,7 @@ class FusionRunner:
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
             text = "\n".join([text, *_random_streams(program), *bucket_lines(program),
-                              *self._fusion_lines(key, _device_of(inputs, self.communicator))])
+                              *self._fusion_lines(key, device)])
         if not verbose:
             return text
         parts = [text, format_fusion(self.fusion, self.allocations)]
@@ -230,7 +230,7 @@ class FusionRunner:
             group_loops = functools.partial(
                 _group_loops, plans, binding=binding, rank=self.rank,
                 group_of=self._group, ring_all=self.ring_order,
-                transport=self.loop_transport, device=_device_of(inputs, self.communicator))
+                transport=self.loop_transport, device=device)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              lower_op=self._lower_op, group_loops=group_loops)
 
