@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -160,14 +161,31 @@ def settle(outcome: Outcome) -> None:
     """After one program at several ranks: when it raised on some rank (the others may
     have finished, or failed only in their next collective), every rank starts meshfuse's
     process groups over (``Communicator.recover``), so that one failure does not fail every
-    later program. The ranks say whether they raised over torch's default group, which
-    meshfuse's failures do not touch on CPU ranks."""
+    later program. The ranks say whether they raised through the rendezvous store (no
+    process group, and no timeout shorter than a failing collective's)."""
+    global _settled
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    raised: list = [None] * dist.get_world_size()
-    dist.all_gather_object(raised, outcome.kind not in ("match", "mismatch"))
-    if any(raised):
-        Communicator.instance().recover()
+    store, size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    # A rank still in a collective that failed on another waits out meshfuse's timeout.
+    store.set_timeout(datetime.timedelta(seconds=3 * Communicator.instance().timeout + 60))
+    _settled += 1
+    key = f"meshfuse-fuzz/settle/{_settled}"
+    store.set(f"{key}/{dist.get_rank()}", "1" if outcome.kind not in ("match", "mismatch")
+              else "0")
+    if any(store.get(f"{key}/{r}") == b"1" for r in range(size)):
+        # A rank first waits out its collectives still in flight (up to the timeout): the
+        # others wait for it in recover() longer than that.
+        comm = Communicator.instance()
+        timeout = comm.timeout
+        comm.set_timeout(3 * timeout + 60)
+        try:
+            comm.recover()
+        finally:
+            comm.set_timeout(timeout)
+
+
+_settled = 0  # programs settled so far (the same count on every rank)
 
 
 def run_many(seeds: Iterable[int], rank: int, device: torch.device,

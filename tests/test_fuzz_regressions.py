@@ -389,6 +389,15 @@ def _cyclic_on_the_reduced_axis(t, mesh):
         shard(tv, 0, mesh, inner=True)
 
 
+def _where_of_an_expanded_scalar(fd, d):
+    x = fd.define_tensor([2 * d - 1], dtype=DataType.Float)
+    s = fd.define_tensor([], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(s, shape=[2 * d - 1], broadcast_dims=[])
+    fd.add_output(fd.ops.where(fd.ops.gt(x, 0.0), b, 0.0))
+    fd.add_output(fd.ops.mul(x, b))
+    return x, s
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -469,6 +478,13 @@ CASES: dict[str, Case] = {
         lambda x, y: [x.sum(0, keepdim=True) + y.sum(0, keepdim=True), x.sum(0, keepdim=True)],
         lambda d: [[2 * d - 1]] * 2,
         comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 2)),
+    "expanded_broadcast_operand_beside_a_one_element_shard": Case(
+        "ExecutionError 'an output is of local shape [3], expected [1]': a pointwise op took "
+        "a rank's one-element shard of an uneven split for a broadcast axis and expanded its "
+        "result to the expanded operand's extent (found by the gradient fuzzer, seed 6 at "
+        "2 ranks: the backward of max reads such a broadcast)",
+        _where_of_an_expanded_scalar, lambda t, mesh: shard(t[0], 0, mesh),
+        lambda x, s: [torch.where(x > 0, s, 0.0), x * s], lambda d: [[2 * d - 1], []]),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),

@@ -298,8 +298,8 @@ def _promoted_once(operands: tuple) -> list:
 def _as_tensor(fn):
     """``fn`` applied to a Python number as a 0-d tensor (a unary op of a scalar)."""
 
-    def call(x):
-        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x))
+    def call(x, **kwargs):
+        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x), **kwargs)
 
     call.__name__ = fn.__name__
     return call
@@ -337,7 +337,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
     impl = _as_tensor(_keeps_repeats(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
     kind = "floating-point" if float_result else "dtype-preserving"
     return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
-                 vjp=_unary_vjp(name))
+                 vjp=_unary_vjp(name), needs_out_shape=True)
 
 
 def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
@@ -353,7 +353,8 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
         impl = _in_float(impl)
     impl = _keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
-                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
+                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
+                 needs_out_shape=True)
 
 
 def _scalar_safe(fn, number_first: bool, number_second: bool):
@@ -382,15 +383,18 @@ def _repeated(x) -> bool:
         any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
 
 
-def pointwise_call(fn, *operands, **kwargs):
+def pointwise_call(fn, *operands, out_shape=None, **kwargs):
     """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
 
     A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
     its tensor holds that extent as a stride-0 view (every element the same), and a
     pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1, so each
     stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
-    its result is expanded back: along an axis where some operand's values vary, to that
-    operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
+    its result is expanded back to ``out_shape``, the output's local shape where the
+    runtime gives it; else along an axis where some operand's values vary, to that
+    operand's extent, and where all repeat, to their (expanded) extent, as a stride-0 view
+    again. (An operand's extent 1 does not tell a broadcast axis from a shard of one
+    element of an unevenly split axis: there the output's local shape decides.)
     """
     if not any(_repeated(x) for x in operands):
         return fn(*operands, **kwargs)
@@ -412,14 +416,16 @@ def pointwise_call(fn, *operands, **kwargs):
                 x = x.narrow(axis, 0, 1)
         cut.append(x)
     result = fn(*cut, **kwargs)
+    shape = shape if out_shape is None else out_shape
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
 
 
 def _keeps_repeats(fn):
-    """``fn`` run through :func:`pointwise_call`."""
+    """``fn`` run through :func:`pointwise_call`, given the output's local shape (its op is
+    declared ``needs_out_shape``)."""
 
-    def call(*operands, **kwargs):
-        return pointwise_call(fn, *operands, **kwargs)
+    def call(*operands, out_shapes, **kwargs):
+        return pointwise_call(fn, *operands, out_shape=out_shapes[0], **kwargs)
 
     call.__name__ = getattr(fn, "__name__", "call")
     return call
@@ -467,7 +473,7 @@ register(OpDef(
     _gelu_backward_infer,
     _keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
-    doc="grad * gelu'(x), one kernel (the backward of gelu)",
+    doc="grad * gelu'(x), one kernel (the backward of gelu)", needs_out_shape=True,
 ))
 
 
@@ -487,7 +493,7 @@ def _cast_infer(x, dtype):
 register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
     _keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
-    doc="element type conversion",
+    doc="element type conversion", needs_out_shape=True,
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))
 
@@ -516,10 +522,10 @@ def _where_infer(cond, a, b):
     return [OutSpec(promote(a, b), axes)]
 
 
-def _where(cond, a, b):
+def _where(cond, a, b, out_shapes):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return pointwise_call(torch.where, cond, a, b)
+    return pointwise_call(torch.where, cond, a, b, out_shape=out_shapes[0])
 
 
 def _where_grads(d, grads):
@@ -531,4 +537,5 @@ def _where_grads(d, grads):
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
     doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
+    needs_out_shape=True,
 ))
