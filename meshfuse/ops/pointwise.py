@@ -394,10 +394,17 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
     runtime gives it; else along an axis where some operand's values vary, to that
     operand's extent, and where all repeat, to their (expanded) extent, as a stride-0 view
     again. (An operand's extent 1 does not tell a broadcast axis from a shard of one
-    element of an unevenly split axis: there the output's local shape decides.)
+    element of an unevenly split axis: there the output's local shape decides.) An operand
+    whose extent differs from ``out_shape``'s along an axis, other than 1, is an expanded
+    broadcast axis made contiguous (a communication's result): it is cut to one element too.
     """
+    if out_shape is not None:
+        operands = tuple(_fitted(x, out_shape) for x in operands)
     if not any(_repeated(x) for x in operands):
-        return fn(*operands, **kwargs)
+        result = fn(*operands, **kwargs)
+        if out_shape is None or tuple(result.shape) == tuple(out_shape):
+            return result
+        return result.expand(out_shape)
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     ndim = max(x.ndim for x in tensors)
     shape = [1] * ndim
@@ -418,6 +425,19 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
     result = fn(*cut, **kwargs)
     shape = shape if out_shape is None else out_shape
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
+
+
+def _fitted(x, shape):
+    """Operand ``x`` cut to one element along each axis whose extent is neither 1 nor the
+    output's (``shape``, aligned on the right): an expanded broadcast axis, whose values
+    repeat."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    offset = len(shape) - x.ndim
+    for axis, n in enumerate(x.shape):
+        if n not in (1, shape[axis + offset]):
+            x = x.narrow(axis, 0, 1)
+    return x
 
 
 def _keeps_repeats(fn):
