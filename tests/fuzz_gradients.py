@@ -18,6 +18,8 @@ call derives the backward, the second runs the cached one), both compared.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from fuzz_programs import Program, build, reference
 from fuzz_runner import Outcome, classify, holder, local_inputs, settle, tolerance
@@ -87,6 +89,21 @@ def _run(program: Program, rank: int, device: torch.device) -> Outcome:
 def _check_call(program: Program, fd, function, rank: int, device: torch.device) -> str:
     """One forward and backward of ``function``; what differs from torch ("" if nothing)."""
     inputs, expected = reference(program, grad=True)
+    gen = torch.Generator().manual_seed(cotangent_seed(program))
+    cotangents = [torch.randn(e.shape, generator=gen) if e.requires_grad else None
+                  for e in expected]
+    return check_gradients(fd, function, inputs, expected, cotangents, rank, device,
+                           lambda ref: tolerance(program, ref))
+
+
+def check_gradients(fd, function, inputs: list, expected: list, cotangents: list, rank: int,
+                    device: torch.device, tol: Callable[[torch.Tensor], dict]) -> str:
+    """Runs ``function`` (``fd``'s autograd function) on this rank's shards of global
+    ``inputs`` (its floating-point ones leaves that require grad), then backward with this
+    rank's shards of ``cotangents`` (global, one per output, None where torch's output
+    ``expected`` does not require grad); compares the outputs with ``expected`` and each
+    held input's gradient with ``torch.autograd.grad`` of ``expected``, within
+    ``tol(reference)``. Returns what differs ("" if nothing)."""
     held = holder(fd.fusion, rank)
     local = local_inputs(fd.fusion, inputs, rank, device)
     for x in local:
@@ -96,41 +113,40 @@ def _check_call(program: Program, fd, function, rank: int, device: torch.device)
     outs = fd.fusion.outputs()
     for out, ref, tv in zip(outputs, expected, outs):
         if held(tv):
-            failure = _compare(out, ref, tv, rank, program)
+            failure = _compare(out, ref, tv, rank, tol)
             if failure:
                 return f"output {tv.name}: {failure}"
-    carried = [j for j, ref in enumerate(expected) if ref.requires_grad]
-    gen = torch.Generator().manual_seed(cotangent_seed(program))
-    cotangents = [torch.randn(expected[j].shape, generator=gen) for j in carried]
+    carried = [j for j, ct in enumerate(cotangents) if ct is not None]
     holds_a_leaf = any(x is not None and x.requires_grad for x in local)
     for j in carried:
         if holds_a_leaf and held(outs[j]) and not outputs[j].requires_grad:
             return f"output {outs[j].name} is not differentiable; torch differentiates it"
-    mine = [(outputs[j], shard_tensor(ct.to(device), outs[j], rank) if held(outs[j])
-             else torch.zeros_like(outputs[j])) for j, ct in zip(carried, cotangents)]
+    mine = [(outputs[j], shard_tensor(cotangents[j].to(device), outs[j], rank)
+             if held(outs[j]) else torch.zeros_like(outputs[j])) for j in carried]
     mine = [(out, ct) for out, ct in mine if out.requires_grad]
     if mine:
         torch.autograd.backward([out for out, _ in mine], [ct for _, ct in mine])
     wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
     grads = torch.autograd.grad([expected[j] for j in carried], [inputs[i] for i in wanted],
-                                cotangents, allow_unused=True) if carried else [None] * len(wanted)
+                                [cotangents[j] for j in carried], allow_unused=True) \
+        if carried else [None] * len(wanted)
     for i, ref in zip(wanted, grads):
         tv = fd.fusion.inputs()[i]
         if not held(tv):
             continue
         ref = torch.zeros_like(inputs[i]) if ref is None else ref
         got = local[i].grad if local[i].grad is not None else torch.zeros_like(local[i])
-        failure = _compare(got, ref, tv, rank, program)
+        failure = _compare(got, ref, tv, rank, tol)
         if failure:
             return f"gradient of input {tv.name}: {failure}"
     return ""
 
 
-def _compare(got: torch.Tensor, ref: torch.Tensor, tv, rank: int, program: Program) -> str:
+def _compare(got: torch.Tensor, ref: torch.Tensor, tv, rank: int, tol) -> str:
     """How ``got`` differs from this rank's shard of global ``ref`` ("" if it does not)."""
     want = shard_tensor(ref.detach().to(got.device), tv, rank)
     try:
-        torch.testing.assert_close(got.detach(), want, **tolerance(program, ref.detach()))
+        torch.testing.assert_close(got.detach(), want, **tol(ref.detach()))
     except AssertionError as e:
         return str(e)
     return ""

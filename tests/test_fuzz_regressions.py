@@ -17,9 +17,9 @@ import pytest
 import torch
 from fuzz_programs import Features, generate
 from fuzz_runner import run_program
-from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+from mesh_helpers import MX, MY, meshes_of_kind, shard
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
@@ -54,22 +54,11 @@ class Case:
     tol: dict = dataclasses.field(default_factory=dict)
 
 
-def _meshes(multidevice_test, kind: str) -> tuple[DeviceMesh, ...]:
-    if kind == "2x2":
-        return (mesh_2x2(multidevice_test),)
-    d = multidevice_test.size
-    if kind == "two":
-        if d == 1:
-            pytest.skip("two meshes of different devices need 2 ranks")
-        return DeviceMesh(range(d // 2)), DeviceMesh(range(d // 2, d))
-    return (mesh_1d(multidevice_test),)
-
-
 def _run(multidevice_test, case: Case) -> list[str]:
     """Runs ``case`` on this rank's shards, compares with torch; returns the kinds of the
     collectives that ran over more than one rank, sorted."""
     d, rank = multidevice_test.size, multidevice_test.rank
-    meshes = _meshes(multidevice_test, case.meshes)
+    meshes = meshes_of_kind(multidevice_test, case.meshes)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(s, generator=gen).to(current_device()) for s in case.shapes(d)]
     with FusionDefinition() as fd:

@@ -116,6 +116,19 @@ def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
     return cast_to(ops, grad, like.dtype)
 
 
+def materialized_like(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
+    """``grad`` with an iteration axis wherever ``like`` has one: a gradient that is an
+    expanded broadcast along an axis of ``like`` (the gradient of a sum or a mean over it)
+    becomes an iteration axis there (a stride-0 view still), so that it can be pinned to
+    ``like``'s sharding (a broadcast axis cannot be sharded over several devices)."""
+    axes, target = grad.materialized(), like.materialized()
+    if not any(g.is_broadcast and not t.is_broadcast for g, t in zip(axes, target)):
+        return grad
+    shape = [t.extent if g.is_broadcast and not t.is_broadcast else -1
+             for g, t in zip(axes, target)]
+    return ops.broadcast_in_dim(grad, shape, list(range(len(shape))))
+
+
 def cast_to(ops: Ops, grad: TensorView, dtype) -> TensorView:
     """``grad`` as ``dtype``, without a new cast where one is not needed: a gradient that is
     an exact widening of a ``dtype`` value (bf16 -> float32, as the gradient of a float32

@@ -1,0 +1,162 @@
+"""Named regressions of derived backwards: each program here once failed (wrong gradients, an
+untyped crash, a refusal of a valid program, or a hang), found by the gradient fuzzer
+(``test_fuzz_autodiff.py``).
+
+Two tables, as in ``test_fuzz_regressions.py``: :data:`CASES`, programs written by hand (the
+smallest form of a failure), and :data:`SEEDS`, fuzzer programs kept as drawn (seed and world
+size). Every case runs at world sizes 1, 2 and 4 (two meshes from 2 ranks) through
+``fd.as_autograd_function()`` with random cotangents, and compares each rank's outputs and
+input gradient shards with ``torch.autograd`` on the global tensors, sliced by
+``shard_tensor`` (``fuzz_gradients.check_gradients``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+from fuzz_gradients import check_gradients, run_gradients
+from fuzz_programs import generate
+from mesh_helpers import meshes_of_kind, shard
+from test_fuzz_autodiff import FEATURES
+
+from meshfuse import DataType, FusionDefinition
+
+pytestmark = pytest.mark.mpi
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A hand-written program whose derived backward once failed.
+
+    Attributes:
+        was: what went wrong before the fix.
+        define: ``define(fd, d) -> tensors`` defines the fusion for ``d`` ranks.
+        schedule: ``schedule(tensors, *meshes)`` pins some of them.
+        reference: the same computation in torch: global inputs -> outputs.
+        shapes: ``shapes(d)``: the global input shapes.
+        meshes: ``"1d"``, ``"2x2"`` or ``"two"`` (see ``mesh_helpers.meshes_of_kind``).
+    """
+
+    was: str
+    define: Callable
+    schedule: Callable
+    reference: Callable
+    shapes: Callable[[int], list[list[int]]]
+    meshes: str = "1d"
+
+
+def _run(multidevice_test, case: Case) -> str:
+    """``case`` forward and backward on this rank's shards against torch; what differs."""
+    d, rank, device = multidevice_test.size, multidevice_test.rank, multidevice_test.device
+    meshes = meshes_of_kind(multidevice_test, case.meshes)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(s, generator=gen).requires_grad_() for s in case.shapes(d)]
+    with FusionDefinition() as fd:
+        tensors = case.define(fd, d)
+    case.schedule(tensors, *meshes)
+    expected = case.reference(*inputs)
+    cotangents = [torch.randn(e.shape, generator=gen) for e in expected]
+    return check_gradients(fd, fd.as_autograd_function(), inputs, expected, cotangents, rank,
+                           device, lambda ref: TOLERANCE)
+
+
+# --- the programs -------------------------------------------------------------------------
+
+def _minimum_on_the_other_mesh(fd, d):
+    x = fd.define_tensor([2 * d + 1], dtype=DataType.Float)
+    s = fd.define_tensor([], dtype=DataType.Float)
+    y = fd.ops.minimum(x, s)
+    fd.add_output(y)
+    return x, s, y
+
+
+def _inputs_on_b_output_on_a(t, mesh_a, mesh_b):
+    shard(t[0], 0, mesh_b)
+    t[1].set_device_mesh(mesh_b)
+    t[2].set_device_mesh(mesh_a)
+
+
+def _full_reductions(fd, d):
+    x = fd.define_tensor([2 * d + 1, 3], dtype=DataType.Float)
+    _var, mean = fd.ops.var_mean(x, dims=None, correction=0, keepdim=False)
+    fd.add_output(mean)
+    fd.add_output(fd.ops.sum(x, dims=[0], keepdim=True))
+    return (x,)
+
+
+def _full_reductions_reference(x):
+    return [x.mean(), x.sum(0, keepdim=True)]
+
+
+def _minimum_over_cyclic_rows(fd, d):
+    x = fd.define_tensor([4 * d, 2 * d + 1], dtype=DataType.Float)
+    m = fd.ops.min(x, dims=[0], keepdim=False)
+    fd.add_output(m)
+    return x, m
+
+
+def _cyclic_rows_block_result(t, mesh):
+    shard(t[0], 0, mesh, inner=True)
+    shard(t[1], 0, mesh)
+
+
+CASES: dict[str, Case] = {
+    "inputs_on_other_ranks_meshes": Case(
+        "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
+        "no backward and never ran the one the others ran (gradient fuzzer seed 0 at 2 "
+        "ranks)",
+        _minimum_on_the_other_mesh, _inputs_on_b_output_on_a,
+        lambda x, s: [torch.minimum(x, s)], lambda d: [[2 * d + 1], []], meshes="two"),
+    "gradient_of_a_full_reduction_pinned_to_a_sharded_input": Case(
+        "refused, ScheduleError 'axis 0 of T3 is a broadcast axis ... cannot be sharded': "
+        "the gradient of a mean over every axis is an expanded broadcast, pinned to the "
+        "input's sharded axis (gradient fuzzer seeds 33, 146 and 337 at 2 ranks)",
+        _full_reductions, lambda t, mesh: shard(t[0], 0, mesh), _full_reductions_reference,
+        lambda d: [[2 * d + 1, 3]]),
+    "extremum_gradient_reads_a_resharded_expanded_broadcast": Case(
+        "ExecutionError 'The size of tensor a (4) must match the size of tensor b (8)': min's "
+        "gradient compares the input with its result broadcast back, resharded (so made "
+        "contiguous); the pointwise op took the expanded axis for an iteration axis "
+        "(gradient fuzzer seeds 262 and 329 at 2 ranks)",
+        _minimum_over_cyclic_rows, _cyclic_rows_block_result,
+        lambda x: [torch.amin(x, dim=0)], lambda d: [[4 * d, 2 * d + 1]]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradient_regression(multidevice_test, name):
+    failure = _run(multidevice_test, CASES[name])
+    assert not failure, failure
+
+
+@dataclasses.dataclass(frozen=True)
+class Seed:
+    """A gradient fuzzer program (``generate(seed, world_size, FEATURES)``) that once
+    failed."""
+
+    seed: int
+    world_size: int
+    was: str
+
+
+SEEDS: dict[str, Seed] = {
+    "inputs_on_other_ranks_meshes-0": Seed(0, 2, "a hang: see the case of that name"),
+    "gradient_of_a_full_reduction-33": Seed(33, 2, "refused: see the case of that name"),
+    "extremum_gradient_reads_a_resharded_expanded_broadcast-329": Seed(
+        329, 2, "untyped: see the case of that name"),
+}
+
+
+@pytest.mark.parametrize("name", list(SEEDS))
+def test_gradient_fuzz_seed(multidevice_test, name):
+    seed = SEEDS[name]
+    if multidevice_test.size != seed.world_size:
+        pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
+    outcome = run_gradients(generate(seed.seed, seed.world_size, FEATURES),
+                            multidevice_test.rank, multidevice_test.device)
+    assert outcome.kind == "match", outcome.report()
