@@ -19,7 +19,7 @@ import pytest
 import torch
 from fuzz_gradients import check_gradients, run_gradients
 from fuzz_programs import generate
-from mesh_helpers import meshes_of_kind, shard
+from mesh_helpers import MX, meshes_of_kind, shard
 from test_fuzz_autodiff import FEATURES
 
 from meshfuse import DataType, FusionDefinition
@@ -105,6 +105,20 @@ def _cyclic_rows_block_result(t, mesh):
     shard(t[1], 0, mesh)
 
 
+def _sum_then_scale(fd, d):
+    x = fd.define_tensor([2 * d + 1, 4], dtype=DataType.Float)
+    s = fd.ops.sum(x, dims=[0], keepdim=True)
+    fd.add_output(fd.ops.mul(s, 0.5))
+    return x, s
+
+
+def _sum_pinned_partial(t, mesh):
+    """The sum's reduction axis (loop axis 0) split over the mesh: a partial result."""
+    t[1].set_device_mesh(mesh)
+    t[1].outer_split(0, mesh.size)
+    t[1].axis(0).parallelize(MX)
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -125,6 +139,13 @@ CASES: dict[str, Case] = {
         "(gradient fuzzer seeds 262 and 329 at 2 ranks)",
         _minimum_over_cyclic_rows, _cyclic_rows_block_result,
         lambda x: [torch.amin(x, dim=0)], lambda d: [[4 * d, 2 * d + 1]]),
+    "result_pinned_partial_keeps_its_pin_in_the_derivation": Case(
+        "refused, InputError 'input T0 axis 0 has local extent 4, but the definition says "
+        "6': the derivation's copy of the fusion dropped the pin of a reduction's partial "
+        "result (the schedule of its reduction axis), so its input was sharded otherwise "
+        "than shard_tensor shards it (gradient fuzzer seed 339 at 2 ranks)",
+        _sum_then_scale, _sum_pinned_partial,
+        lambda x: [x.sum(0, keepdim=True) * 0.5], lambda d: [[2 * d + 1, 4]]),
 }
 
 
@@ -149,6 +170,7 @@ SEEDS: dict[str, Seed] = {
     "gradient_of_a_full_reduction-33": Seed(33, 2, "refused: see the case of that name"),
     "extremum_gradient_reads_a_resharded_expanded_broadcast-329": Seed(
         329, 2, "untyped: see the case of that name"),
+    "result_pinned_partial_keeps_its_pin-339": Seed(339, 2, "refused: see the case"),
 }
 
 
