@@ -119,6 +119,18 @@ def _sum_pinned_partial(t, mesh):
     t[1].axis(0).parallelize(MX)
 
 
+def _cat_of_an_expanded_broadcast(fd, d):
+    x = fd.define_tensor([3, 8], dtype=DataType.Float)
+    y = fd.define_tensor([3, 2 * d + 1, 4], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(x, shape=[3, 2 * d + 1, 8], broadcast_dims=[0, 2])
+    fd.add_output(fd.ops.cat([b, y], dim=2))
+    return x, y
+
+
+def _cat_of_an_expanded_broadcast_reference(x, y):
+    return [torch.cat([x[:, None, :].expand(3, y.shape[1], 8), y], 2)]
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -146,6 +158,12 @@ CASES: dict[str, Case] = {
         "than shard_tensor shards it (gradient fuzzer seed 339 at 2 ranks)",
         _sum_then_scale, _sum_pinned_partial,
         lambda x: [x.sum(0, keepdim=True) * 0.5], lambda d: [[2 * d + 1, 4]]),
+    "cat_of_an_expanded_broadcast_and_an_iteration_axis": Case(
+        "silently wrong gradient of the second input (off by up to 4.4): cat's result took "
+        "the first input's expanded broadcast axis for its own, so the backward summed the "
+        "whole cotangent over it (gradient fuzzer seed 359 at 2 ranks)",
+        _cat_of_an_expanded_broadcast, lambda t, mesh: shard(t[1], 1, mesh, inner=True),
+        _cat_of_an_expanded_broadcast_reference, lambda d: [[3, 8], [3, 2 * d + 1, 4]]),
 }
 
 
@@ -171,6 +189,7 @@ SEEDS: dict[str, Seed] = {
     "extremum_gradient_reads_a_resharded_expanded_broadcast-329": Seed(
         329, 2, "untyped: see the case of that name"),
     "result_pinned_partial_keeps_its_pin-339": Seed(339, 2, "refused: see the case"),
+    "cat_of_an_expanded_broadcast-359": Seed(359, 2, "wrong gradient: see the case"),
 }
 
 
