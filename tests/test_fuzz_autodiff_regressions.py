@@ -131,6 +131,14 @@ def _cat_of_an_expanded_broadcast_reference(x, y):
     return [torch.cat([x[:, None, :].expand(3, y.shape[1], 8), y], 2)]
 
 
+def _minimum_of_an_expanded_broadcast(fd, d):
+    x = fd.define_tensor([2 * d + 2], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(x, shape=[2 * d + 2, 4], broadcast_dims=[0])
+    y = fd.ops.minimum(b, 0.5)
+    fd.add_output(y)
+    return x, y
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -164,6 +172,14 @@ CASES: dict[str, Case] = {
         "whole cotangent over it (gradient fuzzer seed 359 at 2 ranks)",
         _cat_of_an_expanded_broadcast, lambda t, mesh: shard(t[1], 1, mesh, inner=True),
         _cat_of_an_expanded_broadcast_reference, lambda d: [[3, 8], [3, 2 * d + 1, 4]]),
+    "pointwise_gradient_of_an_expanded_broadcast_summed_once": Case(
+        "silently wrong gradient, 4 times too large: the gradient of an op's result whose "
+        "axis is an expanded broadcast (extent 4) was summed over that axis, then expanded "
+        "again by the next rule's mask and summed once more by broadcast_in_dim's rule "
+        "(gradient fuzzer seed 875 at 2 ranks)",
+        _minimum_of_an_expanded_broadcast, lambda t, mesh: shard(t[1], 0, mesh),
+        lambda x: [torch.minimum(x[:, None].expand(x.shape[0], 4), torch.tensor(0.5))],
+        lambda d: [[2 * d + 2]]),
 }
 
 
@@ -190,6 +206,8 @@ SEEDS: dict[str, Seed] = {
         329, 2, "untyped: see the case of that name"),
     "result_pinned_partial_keeps_its_pin-339": Seed(339, 2, "refused: see the case"),
     "cat_of_an_expanded_broadcast-359": Seed(359, 2, "wrong gradient: see the case"),
+    "pointwise_gradient_of_an_expanded_broadcast-875": Seed(
+        875, 2, "wrong gradient: see the case"),
 }
 
 
