@@ -22,7 +22,8 @@ from fuzz_programs import generate
 from mesh_helpers import MX, meshes_of_kind, shard
 from test_fuzz_autodiff import FEATURES
 
-from meshfuse import DataType, FusionDefinition
+from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse.runtime.communicator import Communicator
 
 pytestmark = pytest.mark.mpi
 
@@ -219,3 +220,22 @@ def test_gradient_fuzz_seed(multidevice_test, name):
     outcome = run_gradients(generate(seed.seed, seed.world_size, FEATURES),
                             multidevice_test.rank, multidevice_test.device)
     assert outcome.kind == "match", outcome.report()
+
+
+def test_set_timeout_after_a_mesh_without_this_rank(multidevice_test):
+    """``Communicator.set_timeout`` once a mesh of some ranks has run: the ranks outside it
+    hold a non-member entry for its group (the gradient fuzzer's recovery raised
+    ``ValueError: Invalid process group specified`` there, at 4 ranks)."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2 * d], dtype=DataType.Float)
+        fd.add_output(fd.ops.sum(x, dims=[0]))  # an allreduce among the sub-mesh's ranks
+    shard(x, 0, DeviceMesh(range(max(1, d // 2))))
+    full = torch.arange(2.0 * d)
+    local = shard_tensor(full, x) if multidevice_test.rank < max(1, d // 2) else None
+    fd.execute([local])
+    comm = Communicator.instance()
+    timeout = comm.timeout
+    comm.set_timeout(timeout + 1)
+    assert comm.timeout == timeout + 1
+    comm.set_timeout(timeout)

@@ -220,7 +220,8 @@ class Communicator:
             return
         self._timeout = seconds
         for group in {id(g): g for g in self._groups.values()}.values():
-            dist.distributed_c10d._set_pg_timeout(self._timedelta(), group)
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a slice without this rank
+                dist.distributed_c10d._set_pg_timeout(self._timedelta(), group)
 
     def _timedelta(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self._timeout)
