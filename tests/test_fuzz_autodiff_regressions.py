@@ -140,6 +140,20 @@ def _minimum_of_an_expanded_broadcast(fd, d):
     return x, y
 
 
+def _minimum_then_exp(fd, d):
+    x = fd.define_tensor([2 * d + 1, 2 * d], dtype=DataType.Float)
+    m = fd.ops.min(x, dims=[0], keepdim=True)
+    y = fd.ops.exp(m)
+    fd.add_output(y)
+    return x, m, y
+
+
+def _cyclic_rows_minimum_pinned_partial_on_blocks(t, mesh):
+    shard(t[0], 0, mesh, inner=True)
+    _sum_pinned_partial(t, mesh)
+    shard(t[2], 1, mesh)
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -181,6 +195,14 @@ CASES: dict[str, Case] = {
         _minimum_of_an_expanded_broadcast, lambda t, mesh: shard(t[1], 0, mesh),
         lambda x: [torch.minimum(x[:, None].expand(x.shape[0], 4), torch.tensor(0.5))],
         lambda d: [[2 * d + 2]]),
+    "extremum_gradient_reads_a_partial_result_resharded_twice": Case(
+        "refused, DefinitionError 'the backward needs T9, a partial sum in the forward ... "
+        "never reduced': a minimum computed partial over cyclic shards was resharded to the "
+        "block-partial pin, then reduced; the rule reading it looked one copy far (gradient "
+        "fuzzer seed 797 at 2 ranks)",
+        _minimum_then_exp, _cyclic_rows_minimum_pinned_partial_on_blocks,
+        lambda x: [torch.exp(torch.amin(x, dim=0, keepdim=True))],
+        lambda d: [[2 * d + 1, 2 * d]]),
 }
 
 
@@ -209,6 +231,8 @@ SEEDS: dict[str, Seed] = {
     "cat_of_an_expanded_broadcast-359": Seed(359, 2, "wrong gradient: see the case"),
     "pointwise_gradient_of_an_expanded_broadcast-875": Seed(
         875, 2, "wrong gradient: see the case"),
+    "extremum_gradient_reads_a_partial_result_resharded_twice-797": Seed(
+        797, 2, "refused: see the case"),
 }
 
 

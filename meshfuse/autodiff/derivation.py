@@ -215,12 +215,16 @@ class _BackwardBuilder:
         return self.values[v]
 
     def _resolution(self, v: TensorView) -> TensorView:
-        """The forward's copy of partial ``v`` that reduces it (resharding made one)."""
+        """The forward's copy of partial ``v`` that reduces it (resharding made one),
+        possibly through copies that are partial still (a partial result resharded to
+        the partial sharding the user pinned, then reduced)."""
+        copies = [v]
         for expr in self.forward.exprs:
             if op_of(expr).vjp is not None and op_of(expr).vjp.communication and \
-                    expr.args[0] is v \
-                    and not _is_partial(expr.outputs[0]):
-                return expr.outputs[0]
+                    expr.args[0] in copies:
+                if not _is_partial(expr.outputs[0]):
+                    return expr.outputs[0]
+                copies.append(expr.outputs[0])
         raise DefinitionError(
             f"the backward needs {v.name}, a partial sum in the forward (its reduction axis is "
             "parallelized and it is never reduced); resolve it with fd.ops.set before using it"
