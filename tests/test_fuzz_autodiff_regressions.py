@@ -154,6 +154,15 @@ def _cyclic_rows_minimum_pinned_partial_on_blocks(t, mesh):
     shard(t[2], 1, mesh)
 
 
+def _sum_of_an_expanded_product(fd, d):
+    v = fd.define_tensor([2 * d + 2], dtype=DataType.Float)
+    w = fd.define_tensor([2 * d + 2, 2], dtype=DataType.Float)
+    m = fd.ops.sum(w, dims=[1], keepdim=True)  # extent 1 along axis 1
+    b = fd.ops.broadcast_in_dim(v, shape=[2 * d + 2, 3], broadcast_dims=[0])
+    fd.add_output(fd.ops.sum(fd.ops.mul(b, m), dims=[1]))
+    return v, w
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -203,6 +212,15 @@ CASES: dict[str, Case] = {
         _minimum_then_exp, _cyclic_rows_minimum_pinned_partial_on_blocks,
         lambda x: [torch.exp(torch.amin(x, dim=0, keepdim=True))],
         lambda d: [[2 * d + 1, 2 * d]]),
+    "gradient_expanded_along_a_broadcast_axis_of_extent_1_is_summed": Case(
+        "silently wrong gradient (3 times too small, or of the wrong shape): a gradient "
+        "that is an expanded broadcast (3 equal gradients) was taken as one where it flows "
+        "to a value of extent 1 there (layer norm's mean, gradient fuzzer seed 174 at 4 "
+        "ranks)",
+        _sum_of_an_expanded_product, lambda t, mesh: shard(t[0], 0, mesh),
+        lambda v, w: [torch.sum(v[:, None].expand(v.shape[0], 3) * w.sum(1, keepdim=True),
+                                1)],
+        lambda d: [[2 * d + 2], [2 * d + 2, 2]]),
 }
 
 
@@ -233,6 +251,8 @@ SEEDS: dict[str, Seed] = {
         875, 2, "wrong gradient: see the case"),
     "extremum_gradient_reads_a_partial_result_resharded_twice-797": Seed(
         797, 2, "refused: see the case"),
+    "gradient_expanded_along_a_broadcast_axis_of_extent_1-174": Seed(
+        174, 4, "wrong gradient: see the case"),
 }
 
 

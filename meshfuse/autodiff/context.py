@@ -108,14 +108,15 @@ def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
 
     Not over an expanded broadcast axis of ``like`` (extent above 1): as a tensor, ``like``
     has that many elements there (a stride-0 view in PyTorch), each with its own gradient;
-    they are summed where the axis was made (``broadcast_in_dim``'s rule), once."""
+    they are summed where the axis was made (``broadcast_in_dim``'s rule), once. Likewise
+    an expanded broadcast axis of ``grad`` holds that many gradients (equal ones), summed
+    like an iteration axis's."""
     axes, target = grad.materialized(), like.materialized()
     lead = len(axes) - len(target)
     if lead > 0:
         grad = ops.sum(grad, dims=list(range(lead)))
     dims = [a for a, (id_, g) in enumerate(zip(target, grad.materialized()))
-            if id_.is_broadcast and id_.extent in (1, None) and not g.is_broadcast
-            and g.extent != 1]
+            if id_.is_broadcast and id_.extent in (1, None) and g.extent != 1]
     if dims:
         grad = ops.sum(grad, dims=dims, keepdim=True)
     return cast_to(ops, grad, like.dtype)

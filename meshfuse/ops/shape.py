@@ -107,10 +107,12 @@ def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
 
 def sum_broadcast(d, g, dims: list[int]):
     """The gradient of a broadcast of ``x`` whose axes went to output axes ``dims``: ``g``
-    summed over the expanded axes (kept, extent 1) and the new axes (dropped)."""
+    summed over the expanded axes (kept, extent 1) and the new axes (dropped). An axis of
+    ``g`` that is an expanded broadcast itself holds that many (equal) gradients: summed
+    too."""
     o = d.ops
     expanded = [out for a, out in enumerate(dims)
-                if d.is_broadcast("x", a) and not g.materialized()[out].is_broadcast]
+                if d.is_broadcast("x", a) and g.materialized()[out].extent != 1]
     if expanded:
         g = o.sum(g, dims=expanded, keepdim=True)
     new = [a for a in range(len(g.materialized())) if a not in dims]
