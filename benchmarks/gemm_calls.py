@@ -70,7 +70,7 @@ def extents(small: dict, real: dict, world: int = WORLD) -> dict[int, int]:
     return mapping
 
 
-def _steps(ctx, sizes: dict, compile: bool) -> dict:
+def layer_steps(ctx, sizes: dict, compile: bool) -> dict:
     """This rank's forward + backward step of DTensor's TP + SP layer and of meshfuse's
     derived-backward layer (as the gpt3_layer case builds them)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -106,11 +106,11 @@ def record_rank(path: str, sizes: dict = RECORD_SIZES) -> None:
     ctx = context.setup(quick=True)
     how = "compiled segments (Inductor, C++)"
     try:
-        steps = _steps(ctx, sizes, compile=True)
+        steps = layer_steps(ctx, sizes, compile=True)
         steps["meshfuse"]()
     except Exception as e:  # noqa: BLE001 - no C++ compiler: the interpreter, said so
         how = f"interpreter (compiling failed: {type(e).__name__}: {str(e)[:200]})"
-        steps = _steps(ctx, sizes, compile=False)
+        steps = layer_steps(ctx, sizes, compile=False)
     lists = {}
     for name in VARIANTS:
         steps[name]()
