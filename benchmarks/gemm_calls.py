@@ -28,6 +28,8 @@ recorded sizes, for a CPU):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -43,8 +45,10 @@ import torch
 import meshfuse
 from benchmarks import context
 from benchmarks.cases.gpt3 import SIZES
+from benchmarks.cp_probe import Clocks
 from benchmarks.gemm_record import Event, GemmRecorder, gemms, replay, scaled
 from benchmarks.harness import autograd_step
+from benchmarks.timing import _sleep_cycles_per_ms
 from meshfuse import launch
 from meshfuse.examples.gpt import GptBlock, init_parameters
 from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
@@ -237,8 +241,6 @@ def _replays(events: list[Event], mapping, device) -> list:
 
 def contention(ctx, events: list[Event], mapping, reps: int = 5) -> list[str]:
     """Each distinct GEMM alone and beside ``k`` one-block spinning kernels (CUDA)."""
-    from benchmarks.timing import _sleep_cycles_per_ms
-
     lines = [("GEMM alone and beside k one-block spinning kernels on side streams (ms; "
              f"median of {reps}): each spin lasts the GEMM's time alone")]
     streams = [torch.cuda.Stream(ctx.device) for _ in range(max(PROBE_BLOCKS))]
@@ -264,6 +266,26 @@ def contention(ctx, events: list[Event], mapping, reps: int = 5) -> list[str]:
         ctx.sync()
         shown = scaled(event, mapping).describe() if mapping else event.describe()
         lines.append(f"  alone {alone:.3f}; {'; '.join(beside)}  {shown}")
+    return lines
+
+
+def bias_probe(ctx, events: list[Event], mapping, rounds: int) -> list[str]:
+    """Each distinct ``addmm`` of ``events`` against the ``mm`` of its operands without the
+    bias (what a rank whose partial result leaves the bias out called before it added a
+    zero bias), timed interleaved."""
+    with_bias, seen = [], set()
+    for event in gemms(events):
+        if event.op == "addmm.default" and event.describe() not in seen:
+            seen.add(event.describe())
+            with_bias.append(scaled(event, mapping) if mapping else event)
+    without = [dataclasses.replace(e, op="mm.default", args=e.args[1:3]) for e in with_bias]
+    calls = {"addmm": _replays(with_bias, None, ctx.device),
+             "mm": _replays(without, None, ctx.device)}
+    samples = time_lists(calls, rounds, 2, ctx.cuda)
+    lines = ["addmm with its bias against mm without it (ms, median; mm/addmm):"]
+    for i, event in enumerate(with_bias):
+        a, m = (statistics.median(t[i] for t in samples[n]) for n in ("addmm", "mm"))
+        lines.append(f"  {a:8.3f} {m:8.3f} {m / a:7.4f}  {event.describe()}")
     return lines
 
 
@@ -309,7 +331,12 @@ def main(argv=None) -> None:
     ctx = context.setup(quick=args.quick)
     mapping = None if args.quick else extents(RECORD_SIZES, SIZES)
     rounds = args.rounds or (3 if args.quick else 15)
-    lines, data = time_ranks(ctx, per_rank, mapping, rounds, warmup=1 if args.quick else 3)
+    clocks = Clocks(ctx.device) if ctx.cuda else None
+    with clocks or contextlib.nullcontext():
+        lines, data = time_ranks(ctx, per_rank, mapping, rounds, warmup=1 if args.quick else 3)
+    if clocks:
+        lines.append(f"SM clock and power while the lists ran: {clocks.summary()}")
+    lines += ["", *bias_probe(ctx, per_rank[0]["dtensor"], mapping, rounds)]
     if ctx.cuda:
         lines += ["", *contention(ctx, per_rank[0]["meshfuse"], mapping)]
     with open(os.path.join(args.out, "gemm_timing.txt"), "w") as f:
