@@ -41,6 +41,7 @@ from collections import Counter
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 import meshfuse
 from benchmarks import context
@@ -104,17 +105,27 @@ def layer_steps(ctx, sizes: dict, compile: bool) -> dict:
     }
 
 
+def _inductor_compiles() -> str | None:
+    """None where Inductor compiles for the CPU here (a C++ compiler is at hand), else why
+    not; every rank learns whether all of them can."""
+    try:
+        torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.ones(4))
+        why = None
+    except Exception as e:  # noqa: BLE001 - no compiler: the interpreter, said so
+        why = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ")
+    able = torch.tensor([0 if why else 1])
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    return why or (None if able.item() else "another rank cannot compile")
+
+
 def record_rank(path: str, sizes: dict = RECORD_SIZES) -> None:
     """On each rank of a launched job: records both variants' calls (their third step: the
     first compiles, the second runs from the caches) into ``path.rank<r>`` (a pickle)."""
     ctx = context.setup(quick=True)
-    how = "compiled segments (Inductor, C++)"
-    try:
-        steps = layer_steps(ctx, sizes, compile=True)
-        steps["meshfuse"]()
-    except Exception as e:  # noqa: BLE001 - no C++ compiler: the interpreter, said so
-        how = f"interpreter (compiling failed: {type(e).__name__}: {str(e)[:200]})"
-        steps = layer_steps(ctx, sizes, compile=False)
+    why_not = _inductor_compiles()
+    how = ("compiled segments (Inductor, C++)" if why_not is None else
+           f"interpreter (Inductor could not compile: {why_not})")
+    steps = layer_steps(ctx, sizes, compile=why_not is None)
     lists = {}
     for name in VARIANTS:
         steps[name]()
