@@ -71,6 +71,17 @@ class Step:
     plan: tuple[Any, ...] = ()
     note: str = ""  # this rank's part, from the op's localize rule (its random stream)
 
+    @property
+    def reads(self) -> list[int]:
+        """The slots its arguments read, in order (those of a list of Slots included)."""
+        found = []
+        for a in self.args:
+            if isinstance(a, Slot):
+                found.append(a.index)
+            elif isinstance(a, list):
+                found.extend(s.index for s in a if isinstance(s, Slot))
+        return found
+
     def describe(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)
         args = ", ".join(repr(a) for a in self.args)
