@@ -94,21 +94,21 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
     its tensor holds that extent as a stride-0 view (every element the same), and a
     pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1, so each
     stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
-    its result is expanded back to ``out_shape``, the output's local shape where the
-    runtime gives it; else along an axis where some operand's values vary, to that
-    operand's extent, and where all repeat, to their (expanded) extent, as a stride-0 view
-    again. (An operand's extent 1 does not tell a broadcast axis from a shard of one
-    element of an unevenly split axis: there the output's local shape decides.) An operand
-    whose extent differs from ``out_shape``'s along an axis, other than 1, is an expanded
-    broadcast axis made contiguous (a communication's result): it is cut to one element too.
+    its result is expanded back: along an axis where some operand's values vary, to that
+    operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
+
+    ``out_shape`` (the output's local shape, where the runtime gives it) settles two cases
+    the operands cannot: an operand's extent 1 may be a rank's one-element shard of an
+    unevenly split axis rather than a broadcast (the output has extent 1 there, not the
+    expanded operand's; or 0, an empty shard); and operands whose extents above 1 differ along an axis are an
+    expanded broadcast made contiguous (a communication's result) beside this rank's shard
+    (the operands of another extent than the output's are cut to one element). Only those
+    cases read it: a stream loop runs the op on chunks of the shape it gives.
     """
     if out_shape is not None:
-        operands = tuple(_fitted(x, out_shape) for x in operands)
+        operands = _fitted(operands, out_shape)
     if not any(_repeated(x) for x in operands):
-        result = fn(*operands, **kwargs)
-        if out_shape is None or tuple(result.shape) == tuple(out_shape):
-            return result
-        return result.expand(out_shape)
+        return fn(*operands, **kwargs)
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     ndim = max(x.ndim for x in tensors)
     shape = [1] * ndim
@@ -126,22 +126,31 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
             if repeats:
                 x = x.narrow(axis, 0, 1)
         cut.append(x)
+    if out_shape is not None and len(out_shape) == ndim:
+        shape = [m if m in (0, 1) else n for n, m in zip(shape, out_shape)]
     result = fn(*cut, **kwargs)
-    shape = shape if out_shape is None else out_shape
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
 
 
-def _fitted(x, shape):
-    """Operand ``x`` cut to one element along each axis whose extent is neither 1 nor the
-    output's (``shape``, aligned on the right): an expanded broadcast axis, whose values
-    repeat."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    offset = len(shape) - x.ndim
-    for axis, n in enumerate(x.shape):
-        if n not in (1, shape[axis + offset]):
-            x = x.narrow(axis, 0, 1)
-    return x
+def _fitted(operands: tuple, shape) -> tuple:
+    """``operands``, each cut to one element along an axis where the operands' extents
+    above 1 differ and its own is not the output's (``shape``, aligned on the right): an
+    expanded broadcast axis made contiguous, whose values repeat."""
+    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
+    if len(tensors) < 2 or not all(x.ndim <= len(shape) for x in tensors):
+        return operands
+    fitted = []
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            offset = len(shape) - x.ndim
+            for axis, n in enumerate(x.shape):
+                out = axis + offset
+                others = {t.shape[out - len(shape) + t.ndim] for t in tensors
+                          if out - len(shape) + t.ndim >= 0} - {1}
+                if len(others) > 1 and n not in (1, shape[out]):
+                    x = x.narrow(axis, 0, 1)
+        fitted.append(x)
+    return tuple(fitted)
 
 
 def keeps_repeats(fn):
