@@ -21,6 +21,8 @@ to exist, with the options they pass, without running them.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import inspect
 import io
 import re
@@ -295,8 +297,6 @@ def test_each_named_command_exists_with_its_options(doc, kind, name, options):
         return
     source = _repository_module(name)
     if source is None:
-        import importlib.util
-
         assert importlib.util.find_spec(name) is not None, (
             f"{doc} runs `-m {name}`: no such module in the repository or installed")
         return  # another project's module (pytest): its options are its own
@@ -313,3 +313,41 @@ def test_the_world_sizes_of_the_examples_are_those_the_run_is_given():
     # The default world sizes are the examples' (an example for N ranks runs at a default one).
     sizes = {_world_size(e) for e in RUNNABLE} - {None}
     assert sizes <= {1, 2, 4}, sizes
+
+
+# --- The names and files the documents mention -----------------------------------------------
+
+DOTTED = re.compile(r"\bmeshfuse(?:\.\w+)+")
+REPOSITORY_PATH = re.compile(r"(?<![\w/.])((?:meshfuse|tests|benchmarks|scripts|docs)/[\w./-]*\w)")
+# nvFuser's own test files, which docs/nvfuser-compat.md and docs/overlap.md name.
+NVFUSER_TREE = "tests/python/"
+
+
+def _resolves(dotted: str) -> bool:
+    """True if ``dotted`` is a module of meshfuse, or an attribute reached from one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(value, name):
+                return False
+            value = getattr(value, name)
+        return True
+    return False
+
+
+def test_every_meshfuse_name_the_documents_mention_exists():
+    stale = sorted({f"{doc}: {name}" for doc in DOCUMENTS
+                    for name in DOTTED.findall((ROOT / doc).read_text())
+                    if not _resolves(name)})
+    assert stale == []
+
+
+def test_every_repository_file_the_documents_mention_exists():
+    missing = sorted({f"{doc}: {path}" for doc in DOCUMENTS
+                      for path in REPOSITORY_PATH.findall((ROOT / doc).read_text())
+                      if not path.startswith(NVFUSER_TREE) and not (ROOT / path).exists()})
+    assert missing == []
