@@ -12,7 +12,9 @@ number of ranks; its clauses, separated by commas:
 - ``runs at N ranks``: written for N ranks (other world sizes skip it);
 - ``continues example K``: runs after example K of the same file, with its names.
 
-Tracebacks name the markdown file and its line. The commands the documents name
+A block of output marked ``<!-- output of example K at N ranks -->`` is what example K prints
+on rank 0 at N ranks (``...`` stands for any text): it is compared with what the example
+prints. Tracebacks name the markdown file and its line. The commands the documents name
 (``python -m X``, ``torchrun ... -m X``, ``bash benchmarks/x.sh``, ``scripts/x.sh``) are checked
 to exist, with the options they pass, without running them.
 """
@@ -220,7 +222,7 @@ def run_example(example: Example, multidevice_test) -> str:
                 _call_tests(namespace, multidevice_test)
         except pytest.skip.Exception:
             raise
-        except BaseException as error:
+        except Exception as error:
             raise AssertionError(f"{part.name} (line {part.line}) failed on rank "
                                  f"{multidevice_test.rank} of {multidevice_test.size}: "
                                  f"{type(error).__name__}: {error}") from error
