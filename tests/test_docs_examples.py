@@ -359,3 +359,11 @@ def test_every_repository_file_the_documents_mention_exists():
                       for path in REPOSITORY_PATH.findall((ROOT / doc).read_text())
                       if not path.startswith(NVFUSER_TREE) and not (ROOT / path).exists()})
     assert missing == []
+
+
+def test_the_documentation_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    unlisted = [doc for doc in DOCUMENTS
+                if doc.startswith("docs/") and doc != "docs/README.md"
+                and f"]({Path(doc).name})" not in index]
+    assert unlisted == []
