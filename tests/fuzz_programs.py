@@ -52,6 +52,10 @@ class Features:
         extrema: ``add``/``sub`` of two reductions of one kind over the same axes (partial
             maxima, minima or products where the reduced axes are sharded: only partial
             sums may be added before their reduction).
+        differentiable: programs to differentiate (``test_fuzz_autodiff.py``): no attention
+            backward statement (``sdpfa_bwd`` has no derivative), and the torch code detaches
+            attention's log-sum-exp, which meshfuse, as PyTorch's attention kernels, does not
+            differentiate.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -61,6 +65,7 @@ class Features:
     any_to_any: bool = False
     integers: bool = False
     extrema: bool = False
+    differentiable: bool = False
 
 
 @dataclasses.dataclass
@@ -106,9 +111,11 @@ class Program:
     def mesh_code(self) -> str:
         return "\n".join(f"{n} = DeviceMesh({m})" for n, m in self.meshes.items())
 
-    def repro(self) -> str:
+    def repro(self, check: str | None = None) -> str:
         """A runnable script: ``torchrun --nproc-per-node N repro.py`` (or ``python repro.py``
-        at world size 1)."""
+        at world size 1). ``check`` is its end, run with ``reference``, ``inputs``, ``fd``,
+        ``compiled``, ``held`` and ``local`` (this rank's shards) defined; default
+        :data:`FORWARD_CHECK`, which executes the fusion and compares its outputs."""
         body = "\n".join("    " + line for line in self.torch_lines)
         fd_body = "\n".join("    " + line for line in self.definition_code().split("\n"))
         names = ", ".join(n for n, _ in self.inputs)
@@ -140,16 +147,19 @@ compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
 held = [compiled[tv].mesh is None or rank in compiled[tv].mesh for tv in fd.fusion.inputs()]
 local = [meshfuse.shard_tensor(x, tv, rank) if h else None
          for x, tv, h in zip(inputs, fd.fusion.inputs(), held)]
-outs = fd.execute(local)
+{FORWARD_CHECK if check is None else check}"""
+
+    def schedule_code(self) -> str:
+        return "\n".join(self.schedule)
+
+
+FORWARD_CHECK = """outs = fd.execute(local)
 for out, ref, tv in zip(outs, reference(*inputs), fd.fusion.outputs()):
     if compiled[tv].mesh is None or rank in compiled[tv].mesh:
         torch.testing.assert_close(out, meshfuse.shard_tensor(ref, tv, rank), rtol=1e-4,
                                    atol=1e-4)
 print("rank", rank, "ok")
 """
-
-    def schedule_code(self) -> str:
-        return "\n".join(self.schedule)
 
 
 INPUT_CODE = {
@@ -178,10 +188,11 @@ def draw_input(shape: list[int], dtype: str, gen: torch.Generator,
 class _Gen:
     """Builds one program statement by statement (see the module doc)."""
 
-    def __init__(self, rng: random.Random, seed: int, uneven: bool):
+    def __init__(self, rng: random.Random, seed: int, features: Features):
         self.rng = rng
         self.gen = torch.Generator().manual_seed(seed)
-        self.uneven = uneven
+        self.uneven = features.uneven
+        self.differentiable = features.differentiable
         self.dtypes: dict[str, str] = {}
         self.values: list[Value] = []
         self.inputs: list[tuple[str, tuple[int, ...]]] = []
@@ -487,15 +498,16 @@ class _Gen:
         scores = f"({q.name} @ {k.name}.transpose(-2, -1)) / math.sqrt({e})"
         if causal:
             scores += f" + torch.full(({s}, {s}), float('-inf')).triu(1)"
+        detached = ".detach()" if self.differentiable else ""
         self.emit(f"{attn}, {lse}, {seed}, {off} = fd.ops.sdpfa_fwd({q.name}, {k.name}, "
                   f"{v.name}, 0.0, {causal}, None)",
                   f"{attn} = torch.nn.functional.scaled_dot_product_attention({q.name}, "
                   f"{k.name}, {v.name}, is_causal={causal})\n"
-                  f"{lse} = torch.logsumexp({scores}, -1)\n{seed} = {off} = None",
+                  f"{lse} = torch.logsumexp({scores}, -1){detached}\n{seed} = {off} = None",
                   [attn, lse], False)
         self.values = [x for x in self.values if x.name not in (seed, off)]
         self.features.add("sdpa_causal" if causal else "sdpa")
-        if self.rng.random() < 0.5:
+        if self.rng.random() < 0.5 or self.differentiable:
             return
         go = self.new_input((b, h, s, e))
         gq, gk, gv = self.fresh(3)
@@ -555,7 +567,7 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
     """A random program (see the module doc), the same on every rank for one seed."""
     features = Features() if features is None else features
     rng = random.Random(seed * 7919 + world_size)
-    g = _Gen(rng, seed, features.uneven)
+    g = _Gen(rng, seed, features)
     statements = dict(STATEMENTS)
     for feature, extra in FEATURE_STATEMENTS.items():
         if getattr(features, feature):
@@ -593,15 +605,19 @@ def build(program: Program) -> tuple[FusionDefinition, dict]:
     return fd, env
 
 
-def reference(program: Program) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The global inputs and the outputs computed by plain torch."""
+def reference(program: Program, grad: bool = False
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The global inputs and the outputs computed by plain torch; with ``grad``, the
+    floating-point inputs are leaves that require grad and the outputs are recorded by
+    autograd (to differentiate with ``torch.autograd.grad``)."""
     gen = torch.Generator().manual_seed(program.seed)
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
-        env[name] = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
+        x = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
+        env[name] = x.requires_grad_() if grad and x.is_floating_point() else x
         inputs.append(env[name])
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         exec("\n".join(program.torch_lines), env)
     return inputs, [env[o] for o in program.outputs]
 

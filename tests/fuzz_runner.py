@@ -11,7 +11,9 @@ a copy) and ``invalid program`` (the generator itself failed on a seed; the run 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import os
 import re
 import traceback
@@ -59,6 +61,7 @@ class Outcome:
     kind: str
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
+    check: str | None = None  # the end of the reproduction (see Program.repro)
 
     @property
     def failed(self) -> bool:
@@ -70,7 +73,7 @@ class Outcome:
         if self.program is None:  # the generator failed: its seed is in the detail
             return f"{self.kind}: {self.detail}"
         return (f"{self.kind}: {self.detail}\n--- reproduction (seed {self.program.seed}, "
-                f"world size {self.program.world_size}) ---\n{self.program.repro()}")
+                f"world size {self.program.world_size}) ---\n{self.program.repro(self.check)}")
 
 
 def classify(error: BaseException) -> tuple[str, str]:
@@ -92,18 +95,29 @@ def tolerance(program: Program, expected: torch.Tensor) -> dict:
     return {"rtol": 1e-4, "atol": 1e-4 * max(1.0, scale), "equal_nan": True}
 
 
+def holder(fusion, rank: int) -> Callable[[object], bool]:
+    """``held(tv)``: whether ``rank`` holds a shard of ``fusion``'s tensor ``tv`` (is in its
+    mesh, as compiling gives it: every tensor has one there)."""
+    compiled = compiled_for(fusion)
+    return lambda tv: compiled[tv].mesh is None or rank in compiled[tv].mesh
+
+
+def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
+                 device: torch.device) -> list[torch.Tensor | None]:
+    """This rank's shards of global ``inputs`` (None where it holds none), as ``execute``
+    takes them."""
+    held = holder(fusion, rank)
+    return [shard_tensor(x.detach().to(device), tv, rank) if held(tv) else None
+            for x, tv in zip(inputs, fusion.inputs())]
+
+
 def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
     """Runs ``program`` on this rank's shards and compares with torch on the global tensors."""
     try:
         fd, _ = build(program)
         inputs, expected = reference(program)
-        compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
-
-        def held(tv) -> bool:
-            return compiled[tv].mesh is None or rank in compiled[tv].mesh
-
-        local = [shard_tensor(x.to(device), tv, rank) if held(tv) else None
-                 for x, tv in zip(inputs, fd.fusion.inputs())]
+        held = holder(fd.fusion, rank)
+        local = local_inputs(fd.fusion, inputs, rank, device)
         before = snapshot(fd.fusion)
         # Twice: the first call builds and checks, the second runs the cached program (bound
         # kernels, reused plans), which must give the same values.
@@ -126,6 +140,7 @@ def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
 
 
 SEED_ENV = "MESHFUSE_FUZZ_SEED"  # the first seed of a run (default 0)
+REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 
 
 def seeds(world_size: int, programs_env: str, default: int) -> range:
@@ -140,9 +155,12 @@ def seeds(world_size: int, programs_env: str, default: int) -> range:
 
 
 def run_many(seeds: Iterable[int], rank: int, device: torch.device,
-             make: Callable[[int], Program]) -> list[Outcome]:
-    """The outcome of each seed's program ``make(seed)``; a seed whose program cannot be
-    made is an ``invalid program`` outcome, and the run goes on."""
+             make: Callable[[int], Program],
+             run: Callable[[Program, int, torch.device], Outcome] = run_program,
+             ) -> list[Outcome]:
+    """The outcome of each seed's program ``make(seed)`` by ``run`` (default: its outputs
+    against torch's); a seed whose program cannot be made is an ``invalid program``
+    outcome, and the run goes on."""
     outcomes = []
     for seed in seeds:
         try:
@@ -150,5 +168,27 @@ def run_many(seeds: Iterable[int], rank: int, device: torch.device,
         except Exception as e:  # noqa: BLE001 (the generator's own bug: counted, run goes on)
             outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
             continue
-        outcomes.append(run_program(program, rank, device))
+        outcomes.append(run(program, rank, device))
     return outcomes
+
+
+def summarize(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """How many programs ended in each outcome (refusals and errors by their first words)."""
+    counts = collections.Counter(
+        o.kind if o.kind in ("match", "mismatch", "untyped") else f"{o.kind}: {o.detail[:60]}"
+        for o in outcomes
+    )
+    return dict(sorted(counts.items()))
+
+
+def write_report(run: range, world_size: int, rank: int, outcomes: list[Outcome]) -> None:
+    """With ``$MESHFUSE_FUZZ_REPORT`` set (a directory), writes this rank's counts and its
+    first failures there as ``ws{world_size}-rank{rank}.json`` (a long run's record)."""
+    report = os.environ.get(REPORT_ENV)
+    if not report:
+        return
+    os.makedirs(report, exist_ok=True)
+    with open(os.path.join(report, f"ws{world_size}-rank{rank}.json"), "w") as f:
+        json.dump({"programs": len(run), "first_seed": run.start,
+                   "outcomes": summarize(outcomes),
+                   "failures": [o.report() for o in outcomes if o.failed][:20]}, f, indent=1)

@@ -10,19 +10,16 @@ the outcome counts and, for the first failures, a runnable reproduction.
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import run_many, seeds
+from fuzz_runner import run_many, seeds, summarize, write_report
 
 pytestmark = pytest.mark.mpi
 
 DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
-REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
@@ -36,29 +33,14 @@ def _features() -> Features:
     return Features(**{n: True for n in names.split(",") if n})
 
 
-def _summary(outcomes) -> dict[str, int]:
-    counts = collections.Counter(
-        o.kind if o.kind in ("match", "mismatch", "untyped") else f"{o.kind}: {o.detail[:60]}"
-        for o in outcomes
-    )
-    return dict(sorted(counts.items()))
-
-
 def test_fuzz_programs_match_torch(multidevice_test):
     size, features = multidevice_test.size, _features()
     run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
-    count, first = len(run), run.start
+    count = len(run)
     outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
                         lambda seed: generate(seed, size, features))
-    summary = _summary(outcomes)
-    report = os.environ.get(REPORT_ENV)
-    if report:
-        os.makedirs(report, exist_ok=True)
-        name = f"ws{multidevice_test.size}-rank{multidevice_test.rank}.json"
-        with open(os.path.join(report, name), "w") as f:
-            json.dump({"programs": count, "first_seed": first, "outcomes": summary,
-                       "failures": [o.report() for o in outcomes if o.failed][:20]}, f,
-                      indent=1)
+    summary = summarize(outcomes)
+    write_report(run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == count
     assert not failures, (
