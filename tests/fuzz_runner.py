@@ -5,8 +5,9 @@ Each program ends in one outcome: ``match``; ``mismatch`` (wrong values: a failu
 ``ExecutionError`` wrapping a kernel's failure: a failure); or a typed ``refusal``, which is
 allowed only when its message matches a class of :data:`REFUSALS`, each of which names the
 fix in its message (an unknown refusal is a failure: the generator writes valid programs).
-Two more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work on
-a copy) and ``invalid program`` (the generator itself failed on a seed; the run goes on).
+Three more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work
+on a copy), ``recompiled`` (a cached call of the compiled path compiled again) and ``invalid
+program`` (the generator itself failed on a seed; the run goes on).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import re
 import traceback
 from collections.abc import Callable, Iterable
 
+import fuzz_precision
 import torch
 from fusion_snapshot import snapshot
 from fuzz_programs import Program, build, reference
+from torch._dynamo.utils import counters
 
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
@@ -57,7 +60,8 @@ REFUSALS: tuple[Refusal, ...] = ()
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     # "match", "mismatch", "untyped", "refusal", "unknown refusal", "invalid program" (the
-    # generator failed), "mutated" (execute changed the user's fusion)
+    # generator failed), "mutated" (execute changed the user's fusion), "recompiled" (a
+    # cached compiled call compiled again)
     kind: str
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
@@ -66,7 +70,7 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.kind in ("mismatch", "untyped", "unknown refusal", "invalid program",
-                             "mutated")
+                             "mutated", "recompiled")
 
     def report(self) -> str:
         """The failure with its reproduction (the seed and the program as code)."""
@@ -111,32 +115,101 @@ def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
             for x, tv in zip(inputs, fusion.inputs())]
 
 
-def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
-    """Runs ``program`` on this rank's shards and compares with torch on the global tensors."""
+def run_program(program: Program, rank: int, device: torch.device,
+                compile: str | None = None) -> Outcome:
+    """Runs ``program`` on this rank's shards and compares with torch on the global tensors.
+
+    Without ``compile``, ``execute`` runs twice (as ``MESHFUSE_COMPILE`` says: the
+    interpreter by default): the first call builds and checks, the second runs the cached
+    program (bound kernels, reused plans), which must give the same values. With ``compile``
+    (a torch.compile backend: ``"inductor"``...), the interpreter runs first, then the
+    compiled program twice; each compiled call is compared with torch and with the
+    interpreter, and the cached one must compile nothing (outcome ``recompiled``).
+    """
     try:
         fd, _ = build(program)
-        inputs, expected = reference(program)
+        inputs, outputs = reference(program)
         held = holder(fd.fusion, rank)
         local = local_inputs(fd.fusion, inputs, rank, device)
+        wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv) else None
+                  for (want, dtype, tol), tv in zip(expected(program, inputs, outputs),
+                                                    fd.fusion.outputs())]
         before = snapshot(fd.fusion)
-        # Twice: the first call builds and checks, the second runs the cached program (bound
-        # kernels, reused plans), which must give the same values.
-        for call in ("first call", "cached call"):
-            outputs = fd.execute(local)
+        interpreted, failure = None, None
+        # Every call runs even after a failure: another rank, which holds other outputs, may
+        # have found none, and it makes these calls (their collectives) too.
+        for call, option in _calls(compile):
+            counts = _compile_counts(fd) if call == "compiled cached call" else None
+            got = fd.execute(local) if option is None else fd.execute(local, compile=option)
             if snapshot(fd.fusion) != before:
-                return Outcome("mutated", "execute changed the user's fusion", program)
-            for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
-                if not held(tv):
-                    continue
-                want = shard_tensor(ref.to(device), tv, rank)
-                try:
-                    torch.testing.assert_close(out, want, **tolerance(program, ref))
-                except AssertionError as e:
-                    return Outcome("mismatch", f"{call}, {tv.name}: {e}", program)
+                failure = failure or Outcome("mutated", "execute changed the user's fusion",
+                                             program)
+            if counts is not None and _compile_counts(fd) != counts:
+                failure = failure or Outcome(
+                    "recompiled", f"{call}: {counts} -> {_compile_counts(fd)}", program)
+            against = [("torch", wanted)]
+            if option and interpreted is not None:  # the interpreter, with torch's dtypes
+                against.append(("the interpreter", [
+                    None if w is None else (x, w[1], w[2]) for x, w in zip(interpreted, wanted)]))
+            for name, references in against:
+                difference = _difference(got, references, fd.fusion.outputs())
+                if difference and failure is None:
+                    failure = Outcome("mismatch", f"{call}, {difference} (against {name})",
+                                      program)
+            if option is False:
+                interpreted = got
+        if failure is not None:
+            return failure
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
         return Outcome(kind, detail, program)
     return Outcome("match", "", program)
+
+
+def expected(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+             ) -> list[tuple[torch.Tensor, torch.dtype, dict]]:
+    """For each of torch's ``outputs`` (global): the value an output is compared with, the
+    dtype it must have, and the tolerances; a low-precision program's values are exact
+    (float64) with tolerances of its dtype (``fuzz_precision.expectations``)."""
+    if not program.low:
+        return [(out, out.dtype, tolerance(program, out)) for out in outputs]
+    return [(want, out.dtype, tol) for out, (want, tol) in
+            zip(outputs, fuzz_precision.expectations(program, inputs, outputs))]
+
+
+def _difference(outputs, references, tvs) -> str:
+    """The first output that differs from its ``(value, dtype, tolerances)`` reference
+    (None: not held here), or ``""``."""
+    for out, ref, tv in zip(outputs, references, tvs):
+        if ref is None:
+            continue
+        want, dtype, tol = ref
+        if out.dtype != dtype:
+            return f"{tv.name}: dtype {out.dtype}, torch's {dtype}"
+        try:
+            torch.testing.assert_close(out.to(want.dtype), want, **tol)
+        except AssertionError as e:
+            return f"{tv.name}: {e}"
+    return ""
+
+
+def _calls(compile: str | None) -> list[tuple[str, str | bool | None]]:
+    """The calls of one program: (name, ``execute``'s ``compile`` option; None: not given)."""
+    if compile is None:
+        return [("first call", None), ("cached call", None)]
+    return [("interpreter", False), ("compiled first call", compile),
+            ("compiled cached call", compile)]
+
+
+def _compile_counts(fd) -> tuple:
+    """The segment compilations of each fused program of ``fd`` (meshfuse's count) and
+    torch's compile counters (AOTAutograd's, Inductor's): a call that compiles changes one
+    of them."""
+    fused = fd._get_runner()._fused  # the tests of fused segments read it too
+    mine = tuple(sorted((str(key), stats.compiles) for key, (_, stats) in fused.items()))
+    theirs = tuple(sorted((name, tuple(sorted(c.items()))) for name, c in counters.items()
+                          if name in ("aot_autograd", "inductor")))
+    return mine, theirs
 
 
 SEED_ENV = "MESHFUSE_FUZZ_SEED"  # the first seed of a run (default 0)
