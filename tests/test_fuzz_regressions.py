@@ -487,6 +487,8 @@ def test_regression(multidevice_test, name):
 
 # The features the seeds below were drawn with (later features draw other programs).
 DRAWN_WITH = Features(uneven=True, any_to_any=True)
+CI_FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
+LOW_PRECISION = dataclasses.replace(CI_FEATURES, low_precision=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,6 +500,7 @@ class Seed:
     was: str
     open: bool = False  # still failing: expected to fail (strict) until fixed
     features: Features = DRAWN_WITH
+    compile: str | None = None  # run compiled by this torch.compile backend (fuzz_runner)
 
 
 SEEDS: dict[str, Seed] = {
@@ -518,6 +521,9 @@ SEEDS: dict[str, Seed] = {
     "partial_max_resharded_as_a_sum-4096": Seed(
         4096, 4, "as 2308, on the 2x2 mesh: max over an axis on mesh_y, its result pinned "
         "partial on mesh_x"),
+    "compiled_cast_to_bfloat16_and_back-8": Seed(
+        8, 2, "compiled (Inductor): cast(cast(x, BFloat16), Float) fused into nothing, x "
+        "unrounded, 0.0074 off the interpreter", features=CI_FEATURES, compile="inductor"),
 }
 
 
@@ -529,5 +535,5 @@ def test_fuzz_seed(multidevice_test, name):
     if multidevice_test.size != seed.world_size:
         pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
     outcome = run_program(generate(seed.seed, seed.world_size, seed.features),
-                          multidevice_test.rank, multidevice_test.device)
+                          multidevice_test.rank, multidevice_test.device, seed.compile)
     assert outcome.kind == "match", outcome.report()
