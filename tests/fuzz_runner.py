@@ -13,6 +13,7 @@ program`` (the generator itself failed on a seed; the run goes on).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from torch._dynamo.utils import counters
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
 from meshfuse.passes.pipeline import compiled_for
+from meshfuse.runtime.communicator import Communicator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +164,18 @@ def run_program(program: Program, rank: int, device: torch.device,
             return failure
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
+        _recover()
         return Outcome(kind, detail, program)
     return Outcome("match", "", program)
+
+
+def _recover() -> None:
+    """After an error, which meshfuse raises on every rank: starts the process groups over,
+    so that the next programs of a long run do not fail as "out of step" (best effort)."""
+    communicator = Communicator.instance()
+    if communicator.size > 1:
+        with contextlib.suppress(MeshfuseError):
+            communicator.recover()
 
 
 def expected(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]

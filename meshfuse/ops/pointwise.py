@@ -353,7 +353,8 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
         impl = _in_float(impl)
     impl = _keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
-                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
+                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
+                 expands_broadcasts=True)
 
 
 def _scalar_safe(fn, number_first: bool, number_second: bool):
@@ -382,7 +383,7 @@ def _repeated(x) -> bool:
         any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
 
 
-def pointwise_call(fn, *operands, **kwargs):
+def pointwise_call(fn, *operands, out_shapes=None, **kwargs):
     """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
 
     A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
@@ -391,7 +392,14 @@ def pointwise_call(fn, *operands, **kwargs):
     stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
     its result is expanded back: along an axis where some operand's values vary, to that
     operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
+
+    With ``out_shapes`` (the op's local output shape, given where an operand has an expanded
+    broadcast axis: ``OpDef.expands_broadcasts``), that shape decides instead of strides: an
+    expanded axis may have been materialized (by a communication), and next to a shard its
+    local extent (the global one) differs from the output's, which may be 1.
     """
+    if out_shapes is not None:
+        return _to_shape(fn, operands, tuple(out_shapes[0]), kwargs)
     if not any(_repeated(x) for x in operands):
         return fn(*operands, **kwargs)
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
@@ -406,13 +414,28 @@ def pointwise_call(fn, *operands, **kwargs):
         for axis, (n, stride) in enumerate(zip(x.shape, x.stride())):
             out = axis + ndim - x.ndim
             repeats = stride == 0 and n > 1
-            if n > 1 and not varying[out]:
+            if n != 1 and not varying[out]:  # an empty shard (0) varies too
                 shape[out], varying[out] = n, not repeats
             if repeats:
                 x = x.narrow(axis, 0, 1)
         cut.append(x)
     result = fn(*cut, **kwargs)
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
+
+
+def _to_shape(fn, operands: tuple, shape: tuple[int, ...], kwargs: dict):
+    """``fn(*operands)`` computed for a result of local ``shape``: an operand's axis of
+    another extent than the result's, and not 1, is an expanded broadcast axis (every
+    element the same), cut to one element; the result is expanded to ``shape``."""
+    cut = []
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            for axis, n in enumerate(x.shape):
+                if n not in (1, shape[axis + len(shape) - x.ndim]):
+                    x = x.narrow(axis, 0, 1)
+        cut.append(x)
+    result = fn(*cut, **kwargs)
+    return result.expand(shape) if tuple(result.shape) != shape else result
 
 
 def _keeps_repeats(fn):
@@ -467,7 +490,7 @@ register(OpDef(
     _gelu_backward_infer,
     _keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
-    doc="grad * gelu'(x), one kernel (the backward of gelu)",
+    doc="grad * gelu'(x), one kernel (the backward of gelu)", expands_broadcasts=True,
 ))
 
 
@@ -516,10 +539,10 @@ def _where_infer(cond, a, b):
     return [OutSpec(promote(a, b), axes)]
 
 
-def _where(cond, a, b):
+def _where(cond, a, b, out_shapes=None):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return pointwise_call(torch.where, cond, a, b)
+    return pointwise_call(torch.where, cond, a, b, out_shapes=out_shapes)
 
 
 def _where_grads(d, grads):
@@ -531,4 +554,5 @@ def _where_grads(d, grads):
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
     doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
+    expands_broadcasts=True,
 ))
