@@ -68,7 +68,7 @@ def main() -> None:
             configs[f"high_priority={high} max_ctas={ctas}"] = (high, ctas)
     for name, config in configs.items():
         group = world if config is None else _group(ctx, *config)
-        comm._groups[tuple(range(ctx.world))] = group
+        comm.process_groups.by_ranks[tuple(range(ctx.world))] = group
         model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.BFloat16)
         model.execute(inputs)
         step = lambda model=model: model.execute(inputs)
@@ -77,7 +77,7 @@ def main() -> None:
         if ctx.rank == 0:
             print(f"{name}: {results[name]:.3f} ms; {overlap}", flush=True)
     # matmuls through cuBLASLt told to leave SMs free (a process-wide, experimental setting)
-    comm._groups[tuple(range(ctx.world))] = world
+    comm.process_groups.by_ranks[tuple(range(ctx.world))] = world
     model = MegatronMlp(**sizes, mesh=mesh, dtype=meshfuse.DataType.BFloat16)
     step = lambda: model.execute(inputs)
     torch.backends.cuda.preferred_blas_library("cublaslt")

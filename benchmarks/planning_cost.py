@@ -4,7 +4,7 @@ every rank in turn, in one process and without communicating (CPU only, no GPU n
 For each program (the seed attention BHSE and BSHE, the Megatron MLP with its gradients,
 ten pointwise ops, a GPT block with its backward written out) and world size (2 and 4),
 each rank does what ``execute``'s first call does before it runs anything:
-``compiled_for`` (the build passes, once per rank as on a machine of its own), then
+``compile`` (the build passes, once per rank as on a machine of its own), then
 ``bind``, ``check_no_resharding``, ``localize``, each communication's ``plan_resharding``
 and ``build_program``. Reported per program and world size: the CPU milliseconds of one
 rank (best of ``--repeat`` runs), for the build and for the per-signature stages.
@@ -28,7 +28,7 @@ from meshfuse.examples.gpt import GptBlockWithBackward
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.localization import localize
-from meshfuse.passes.pipeline import compiled_for
+from meshfuse.passes.pipeline import compile
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.binding import bind, held_here
 from meshfuse.runtime.program import build_program
@@ -58,9 +58,8 @@ def _global_inputs(fusion) -> list:
 def _plan_rank(fd, inputs: list, world_size: int, rank: int) -> tuple[float, float]:
     """CPU seconds of rank ``rank``'s build and of its per-signature stages."""
     fusion = fd.fusion
-    fusion.builds = ((), {})  # a rank of its own: nothing built yet
     start = time.process_time()
-    compiled = compiled_for(fusion, world_size)
+    compiled = compile(fusion, world_size)  # a rank of its own: built anew, not memoized
     built = time.process_time()
     local = [shard_tensor(x, tv, rank) if isinstance(tv, TensorView) and held_here(
         compiled[tv], rank) else x for x, tv in zip(inputs, fusion.inputs())]

@@ -19,7 +19,7 @@ import torch
 from benchmarks import context, report, set_env_defaults
 from benchmarks.cases import ALIASES, CASES, resolve
 from benchmarks.harness import Record
-from meshfuse.runtime import collectives
+from meshfuse.runtime import pending
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join(tempfile.gettempdir(), "meshfuse-benchmarks")
@@ -99,8 +99,8 @@ def _settle(ctx: context.Context) -> dict[str, int]:
     waited for: the number torch's exit warning, "there are still N unwaited collective
     calls", would give; each record's ``metrics["unwaited_collectives"]`` says which variant
     left them)."""
-    left = collectives.in_flight()
-    collectives.settle_in_flight()
+    left = pending.in_flight()
+    pending.settle_in_flight()
     unwaited = torch._C._distributed_c10d._get_work_registry_size()
     ctx.log(f"at the end: {left} meshfuse collectives were in flight (now waited); torch "
             f"counts {unwaited} unwaited collective calls")

@@ -30,8 +30,9 @@ from meshfuse import (
     ScheduleError,
 )
 from meshfuse.errors import MeshfuseError
-from meshfuse.runtime.collectives import in_flight, record_communications
+from meshfuse.runtime.collectives import record_communications
 from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.pending import in_flight
 
 MX = ParallelType.mesh_x
 ROWS, COLS = 4, 6  # the local shard of the sharded input: [ROWS, COLS] of a [ROWS * d, COLS]

@@ -12,7 +12,8 @@ import torch
 
 from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import Group, Pending, resolved
+from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.pending import Pending, resolved
 from meshfuse.testing.utils import current_device
 
 

@@ -122,6 +122,30 @@ def test_a_build_goes_with_its_fusion():
     assert gone() is None
 
 
+def _attributes(fusion) -> list:
+    """Every attribute of ``fusion`` and of its tensors: plain values, other objects by
+    identity."""
+    return [(name, value if isinstance(value, int | bool | str | type(None)) else id(value))
+            for obj in (fusion, *fusion.tensors()) for name, value in vars(obj).items()]
+
+
+def test_memoized_builds_leave_the_fusions_attributes_alone():
+    """``compiled_for`` keeps its builds off the fusion: no attribute of the fusion (nor of
+    its tensors) is added, replaced or changed, and the fusion and its build are freed
+    together (the memo holds the fusion weakly, and its build nothing of it)."""
+    fd = _partly_scheduled(DeviceMesh(range(2)))[0]
+    before = _attributes(fd.fusion)
+    compiled = compiled_for(fd.fusion, 2)
+    assert compiled_for(fd.fusion, 4).fusion is compiled.fusion  # still memoized
+    assert _attributes(fd.fusion) == before
+    shard(fd.fusion.inputs()[1], 1, DeviceMesh(range(2)))  # a schedule change: a new build
+    assert compiled_for(fd.fusion, 2).fusion is not compiled.fusion
+    gone, built = weakref.ref(fd.fusion), weakref.ref(compiled.fusion)
+    del fd, compiled
+    gc.collect()
+    assert gone() is None and built() is None
+
+
 def test_shard_tensor_follows_a_schedule_changed_after_an_earlier_call():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], dtype=DataType.Float)

@@ -125,10 +125,6 @@ class Fusion:
         # final from then on.
         self.propagated = False
         self.user_scheduled: set[TensorView] = set()
-        # What ``meshfuse.passes.pipeline.compiled_for`` built of this fusion, kept here so
-        # that it goes when the fusion does: (the fingerprint of the definition and schedule
-        # it was built from, {world size: compiled fusion}).
-        self.builds: tuple[tuple, dict] = ((), {})
 
     def inputs(self) -> list[Val]:
         """Fusion inputs, in the order ``execute`` takes them."""

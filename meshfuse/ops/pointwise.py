@@ -1,7 +1,8 @@
 """Pointwise ops: unary math, casts, binary arithmetic and comparisons, ``where``.
 
 Each family is a sorted table of ``name -> torch function``; one helper turns a table row
-into an :class:`OpDef`. Binary ops broadcast like PyTorch (tensors aligned on the right) and
+into an :class:`OpDef` (its torch function wrapped by :mod:`meshfuse.ops.pointwise_calls`
+for nvFuser's expanded broadcast axes, low-precision arithmetic and Python numbers). Binary ops broadcast like PyTorch (tensors aligned on the right) and
 accept meshfuse Scalars and Python numbers in either position. Unary ops accept them too (a
 0-d result). A dtype that PyTorch has no kernel for (``neg`` of a bool tensor, ``silu`` of an
 integer one) is a DefinitionError when the op is defined.
@@ -20,6 +21,13 @@ import torch
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.ops.pointwise_calls import (
+    in_float,
+    keeps_repeats,
+    number_as_tensor,
+    numbers_accepted,
+    pointwise_call,
+)
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -260,51 +268,6 @@ def result_dtype(op: str, dtype: DataType) -> DataType:
     return dtype
 
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _in_float(fn):
-    """``fn`` with Half and BFloat16 tensor operands computed in float32 (the result is then
-    float32, as the shape rule says).
-
-    At most one operand is converted (none where a float32 one decides the promotion
-    already): PyTorch's type promotion then computes in float32, reading the other
-    half-precision operands as they are (an exact conversion inside the kernel), so the
-    result is the one of converting each, without a conversion pass per operand."""
-
-    def call(*operands):
-        return fn(*_promoted_once(operands))
-
-    call.__name__ = fn.__name__
-    return call
-
-
-def _promoted_once(operands: tuple) -> list:
-    """``operands`` with at most one tensor converted to float32, so that PyTorch's
-    promotion computes the op in float32 (see :func:`_in_float`)."""
-    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
-    if not any(x.dtype in _LOW_PRECISION for x in tensors):
-        return list(operands)
-    # A 0-d tensor does not promote a tensor with axes of the same kind: the operand that
-    # decides must have axes, unless none has.
-    deciding = [x for x in tensors if x.ndim] or tensors
-    if any(x.dtype == torch.float32 for x in deciding):
-        return list(operands)
-    chosen = [x for x in deciding if x.dtype in _LOW_PRECISION][:1] or \
-        [x for x in tensors if x.dtype in _LOW_PRECISION]
-    return [x.float() if any(x is c for c in chosen) else x for x in operands]
-
-
-def _as_tensor(fn):
-    """``fn`` applied to a Python number as a 0-d tensor (a unary op of a scalar)."""
-
-    def call(x):
-        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x))
-
-    call.__name__ = fn.__name__
-    return call
-
-
 def check_dtype(op: str, dtype: DataType) -> DataType:
     """``dtype`` if PyTorch implements ``op`` for it, else a DefinitionError."""
     floating = dtype.is_floating or dtype.torch_dtype.is_complex
@@ -334,7 +297,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
         dtype = result_dtype(name, _float_of(x.dtype) if float_result else x.dtype)
         return [OutSpec(dtype, same_axes(0, x))]
 
-    impl = _as_tensor(_keeps_repeats(_in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
+    impl = number_as_tensor(keeps_repeats(in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
     kind = "floating-point" if float_result else "dtype-preserving"
     return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
                  vjp=_unary_vjp(name))
@@ -348,104 +311,13 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
             dtype = _float_of(dtype)
         return [OutSpec(fixed_dtype or result_dtype(name, dtype), axes)]
 
-    impl = _scalar_safe(fn, name in NUMBER_FIRST, name in NUMBER_SECOND)
+    impl = numbers_accepted(fn, name in NUMBER_FIRST, name in NUMBER_SECOND)
     if name in LOW_PRECISION_TO_FLOAT:
-        impl = _in_float(impl)
-    impl = _keeps_repeats(impl)
+        impl = in_float(impl)
+    impl = keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
                  doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
                  expands_broadcasts=True)
-
-
-def _scalar_safe(fn, number_first: bool, number_second: bool):
-    """``fn`` made to accept a Python number in either position.
-
-    A number where ``fn`` takes none becomes a 0-d tensor of the promoted dtype on the other
-    operand's device; two numbers become a result tensor, as the shape rule says (a 0-d one).
-    """
-
-    def call(a, b):
-        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-            a = torch.tensor(a)
-        if not isinstance(a, torch.Tensor) and not number_first:
-            a = torch.tensor(a, dtype=torch.result_type(a, b), device=b.device)
-        if not isinstance(b, torch.Tensor) and not number_second:
-            b = torch.tensor(b, dtype=torch.result_type(a, b), device=a.device)
-        return fn(a, b)
-
-    call.__name__ = fn.__name__
-    return call
-
-
-def _repeated(x) -> bool:
-    """Whether tensor ``x`` has a stride-0 axis of extent above 1 (its values repeat)."""
-    return isinstance(x, torch.Tensor) and 0 in x.stride() and \
-        any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
-
-
-def pointwise_call(fn, *operands, out_shapes=None, **kwargs):
-    """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
-
-    A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
-    its tensor holds that extent as a stride-0 view (every element the same), and a
-    pointwise op broadcasts it against any extent. PyTorch broadcasts only extent 1, so each
-    stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
-    its result is expanded back: along an axis where some operand's values vary, to that
-    operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
-
-    With ``out_shapes`` (the op's local output shape, given where an operand has an expanded
-    broadcast axis: ``OpDef.expands_broadcasts``), that shape decides instead of strides: an
-    expanded axis may have been materialized (by a communication), and next to a shard its
-    local extent (the global one) differs from the output's, which may be 1.
-    """
-    if out_shapes is not None:
-        return _to_shape(fn, operands, tuple(out_shapes[0]), kwargs)
-    if not any(_repeated(x) for x in operands):
-        return fn(*operands, **kwargs)
-    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
-    ndim = max(x.ndim for x in tensors)
-    shape = [1] * ndim
-    varying = [False] * ndim
-    cut = []
-    for x in operands:
-        if not isinstance(x, torch.Tensor):
-            cut.append(x)
-            continue
-        for axis, (n, stride) in enumerate(zip(x.shape, x.stride())):
-            out = axis + ndim - x.ndim
-            repeats = stride == 0 and n > 1
-            if n != 1 and not varying[out]:  # an empty shard (0) varies too
-                shape[out], varying[out] = n, not repeats
-            if repeats:
-                x = x.narrow(axis, 0, 1)
-        cut.append(x)
-    result = fn(*cut, **kwargs)
-    return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
-
-
-def _to_shape(fn, operands: tuple, shape: tuple[int, ...], kwargs: dict):
-    """``fn(*operands)`` computed for a result of local ``shape``: an operand's axis of
-    another extent than the result's, and not 1, is an expanded broadcast axis (every
-    element the same), cut to one element; the result is expanded to ``shape``."""
-    cut = []
-    for x in operands:
-        if isinstance(x, torch.Tensor):
-            for axis, n in enumerate(x.shape):
-                if n not in (1, shape[axis + len(shape) - x.ndim]):
-                    x = x.narrow(axis, 0, 1)
-        cut.append(x)
-    result = fn(*cut, **kwargs)
-    return result.expand(shape) if tuple(result.shape) != shape else result
-
-
-def _keeps_repeats(fn):
-    """``fn`` run through :func:`pointwise_call`."""
-
-    def call(*operands, **kwargs):
-        return pointwise_call(fn, *operands, **kwargs)
-
-    call.__name__ = getattr(fn, "__name__", "call")
-    return call
 
 
 for _name, _fn in sorted(UNARY_FLOAT.items()):
@@ -488,7 +360,7 @@ def _gelu_backward_infer(grad, x, approximate):
 register(OpDef(
     "gelu_backward", (tensor("grad"), tensor("x"), attr("approximate", "none")),
     _gelu_backward_infer,
-    _keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
+    keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
     doc="grad * gelu'(x), one kernel (the backward of gelu)", expands_broadcasts=True,
 ))
@@ -509,7 +381,7 @@ def _cast_infer(x, dtype):
 
 register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
-    _keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
+    keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
     doc="element type conversion",
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))

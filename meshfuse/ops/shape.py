@@ -45,23 +45,7 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
     """
     x = require_tensor(op, "x", x)
     shape = int_list(op, "shape", shape, sizes=True)
-    given = int_list(op, "broadcast_dims", broadcast_dims)
-    if any(not -len(shape) <= d < len(shape) for d in given):
-        raise DefinitionError(
-            f"{op}: broadcast_dims {given} must be axes of the {len(shape)}-axis output shape "
-            f"{shape}, in [{-len(shape)}, {len(shape)})"
-        )
-    dims = [d % len(shape) for d in given]
-    if len(dims) != x.ndim:
-        raise DefinitionError(
-            f"{op}: broadcast_dims {dims} must name one output axis for each of the "
-            f"{x.ndim} input axes"
-        )
-    if sorted(set(dims)) != dims:
-        raise DefinitionError(
-            f"{op}: broadcast_dims {dims} must be increasing axes of the {len(shape)}-axis "
-            f"output shape {shape}"
-        )
+    dims = _broadcast_dims(op, int_list(op, "broadcast_dims", broadcast_dims), shape, x.ndim)
     axes = []
     for out_axis, extent in enumerate(shape):
         if isinstance(extent, SymbolicSize):
@@ -91,6 +75,28 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
             axes.append(AxisSpec(in_extent if extent == -1 else extent, x.iter_types[a],
                                  ((0, a),)))
     return [OutSpec(x.dtype, tuple(axes))]
+
+
+def _broadcast_dims(op: str, given: list[int], shape: list, ndim: int) -> list[int]:
+    """``given`` (axes of the output ``shape``, from the end where negative) as increasing
+    output axes, one for each of the ``ndim`` input axes; else a DefinitionError."""
+    if any(not -len(shape) <= d < len(shape) for d in given):
+        raise DefinitionError(
+            f"{op}: broadcast_dims {given} must be axes of the {len(shape)}-axis output shape "
+            f"{shape}, in [{-len(shape)}, {len(shape)})"
+        )
+    dims = [d % len(shape) for d in given]
+    if len(dims) != ndim:
+        raise DefinitionError(
+            f"{op}: broadcast_dims {dims} must name one output axis for each of the "
+            f"{ndim} input axes"
+        )
+    if sorted(set(dims)) != dims:
+        raise DefinitionError(
+            f"{op}: broadcast_dims {dims} must be increasing axes of the {len(shape)}-axis "
+            f"output shape {shape}"
+        )
+    return dims
 
 
 def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):

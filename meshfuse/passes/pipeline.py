@@ -45,13 +45,14 @@ class CompiledFusion:
         allocations: the memory order of every tensor of ``fusion``.
         world_size: the number of processes it was checked against (None: any that holds
             its meshes).
-        counterparts: each value of the user's fusion -> its value in ``fusion``.
+        counterparts: each value of the user's fusion -> its value in ``fusion`` (weak in
+            the user's values, so that a build kept for a fusion does not keep it alive).
     """
 
     fusion: Fusion
     allocations: dict[TensorView, Allocation]
     world_size: int | None
-    counterparts: dict[Val, Val]
+    counterparts: weakref.WeakKeyDictionary[Val, Val]
 
     def __getitem__(self, user_val: Val) -> Val:
         """The compiled counterpart of a value of the user's fusion (or of the copy)."""
@@ -128,13 +129,30 @@ def compile(fusion: Fusion, world_size: int | None = None,
         run(copy, world_size)
         if lint:
             check_graph(copy, run.__name__.strip("_"))
-    compiled = CompiledFusion(copy, infer_allocations(copy), world_size, counterparts)
+    compiled = CompiledFusion(copy, infer_allocations(copy), world_size,
+                              weakref.WeakKeyDictionary(counterparts))
     _compiled_copies[copy] = weakref.ref(compiled)
     return compiled
 
 
 # A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).
 _compiled_copies: weakref.WeakKeyDictionary[Fusion, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class _Builds:
+    """What :func:`compiled_for` built of one user fusion: the fingerprint of the definition
+    and schedule it was built from, and the build for each world size asked for."""
+
+    fingerprint: tuple
+    by_world: dict[int | None, CompiledFusion]
+
+
+# The builds of each user fusion, held weakly by the fusion so that they go when it does
+# (nothing in a build refers back to the user's fusion: its counterparts are weak, its
+# fingerprint names tensors), and kept here rather than on the fusion, which stays as the
+# user wrote it.
+_builds: weakref.WeakKeyDictionary[Fusion, _Builds] = weakref.WeakKeyDictionary()
 
 
 def compiled_for(fusion: Fusion, world_size: int | None = None) -> CompiledFusion:
@@ -150,16 +168,16 @@ def compiled_for(fusion: Fusion, world_size: int | None = None) -> CompiledFusio
     if of_copy is not None and of_copy() is not None:
         return of_copy()
     key = _fingerprint(fusion)
-    if fusion.builds[0] != key:
-        fusion.builds = (key, {})
-    builds = fusion.builds[1]
-    if world_size not in builds:
-        done = next(iter(builds.values()), None)
+    builds = _builds.get(fusion)
+    if builds is None or builds.fingerprint != key:
+        builds = _builds[fusion] = _Builds(key, {})
+    if world_size not in builds.by_world:
+        done = next(iter(builds.by_world.values()), None)
         if done is not None and (world_size is None or _devices(done.fusion) <= world_size):
-            builds[world_size] = dataclasses.replace(done, world_size=world_size)
+            builds.by_world[world_size] = dataclasses.replace(done, world_size=world_size)
         else:
-            builds[world_size] = compile(fusion, world_size)
-    return builds[world_size]
+            builds.by_world[world_size] = compile(fusion, world_size)
+    return builds.by_world[world_size]
 
 
 def _devices(fusion: Fusion) -> int:
@@ -169,8 +187,10 @@ def _devices(fusion: Fusion) -> int:
 
 def _fingerprint(fusion: Fusion) -> tuple:
     """What the build passes, and the runner's planning of a compiled fusion, read of the
-    user's fusion (identities, not values)."""
-    return (len(fusion.exprs), tuple(fusion.inputs()), tuple(fusion.outputs()), tuple(
-        (tv, tv.mesh, tuple(tv.loop), len(tv.transforms), tuple(tv.parallel.items()),
+    user's fusion: its values by name (unique in a fusion, and no reference that would keep
+    the fusion alive), IterDomains by identity."""
+    return (len(fusion.exprs), tuple(v.name for v in fusion.inputs()),
+            tuple(tv.name for tv in fusion.outputs()), tuple(
+        (tv.name, tv.mesh, tuple(tv.loop), len(tv.transforms), tuple(tv.parallel.items()),
          tv.allocation, tuple(tv.swizzles.items()), tv.memory_type, tv.overlap, tv.is_cpu)
         for tv in fusion.tensors()))

@@ -53,41 +53,10 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
     if not meshes:
         return set()
     filled: set[TensorView] = set()
-
-    def known(tv: TensorView) -> bool:
-        return tv in pinned or tv in filled
-
-    for expr in fusion.exprs:
-        sources = [t for t in expr.tensor_inputs if known(t)]
-        for out in expr.tensor_outputs:
-            if not known(out) and sources:
-                ref = _best_reference(expr, sources, out, forward=True)
-                _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
-                               layout=expr.op.output_layout == "follow")
-                for other in sources:
-                    if other is not ref and other.mesh == ref.mesh:
-                        _add_sharding(other, out, _forward_pairs(expr, other, out))
-                whole = _whole(expr)
-                for id_ in [i for i, pt in out.parallel.items() if pt.is_device and
-                            i.is_reduction]:
-                    # A partial result the op cannot make (it cannot at all, or it needs the
-                    # reduced axes whole, or not all its arguments are partial alike): its
-                    # inputs get gathered or reduced instead.
-                    if expr.op.partial_reduce is None or \
-                            all(s in whole for s in expr.id_map[logical_root(out, id_)]) or \
-                            not partial_carried(expr, out, id_, sources):
-                        del out.parallel[id_]
-                filled.add(out)
-    for expr in reversed(fusion.exprs):
-        sources = [t for t in expr.tensor_outputs if known(t)]
-        for inp in expr.tensor_inputs:
-            if not known(inp) and sources:
-                ref = _best_reference(expr, sources, inp, forward=False)
-                follows = inp.definition is None or inp.definition.op.output_layout == "follow"
-                _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
-                filled.add(inp)
+    _propagate_forward(fusion, pinned, filled)
+    _propagate_backward(fusion, pinned, filled)
     for tv in tensors:
-        if not known(tv):
+        if tv not in pinned and tv not in filled:
             tv.set_device_mesh(meshes[0])
             filled.add(tv)
     inputs = set(fusion.inputs())
@@ -96,6 +65,50 @@ def propagate_shardings(fusion: Fusion) -> set[TensorView]:
         if tv in filled and tv not in inputs:
             _take_consumers_sharding(tv, uses.get(tv, []))
     return filled
+
+
+def _propagate_forward(fusion: Fusion, pinned: set[TensorView],
+                       filled: set[TensorView]) -> None:
+    """From inputs to outputs: each output no one scheduled takes the sharding of its best
+    known input (and the device splits of the others on its mesh); a partial result the op
+    cannot make is left replicated. Adds the tensors it fills to ``filled``."""
+    for expr in fusion.exprs:
+        sources = [t for t in expr.tensor_inputs if t in pinned or t in filled]
+        for out in expr.tensor_outputs:
+            if out in pinned or out in filled or not sources:
+                continue
+            ref = _best_reference(expr, sources, out, forward=True)
+            _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
+                           layout=expr.op.output_layout == "follow")
+            for other in sources:
+                if other is not ref and other.mesh == ref.mesh:
+                    _add_sharding(other, out, _forward_pairs(expr, other, out))
+            whole = _whole(expr)
+            for id_ in [i for i, pt in out.parallel.items() if pt.is_device and
+                        i.is_reduction]:
+                # A partial result the op cannot make (it cannot at all, or it needs the
+                # reduced axes whole, or not all its arguments are partial alike): its
+                # inputs get gathered or reduced instead.
+                if expr.op.partial_reduce is None or \
+                        all(s in whole for s in expr.id_map[logical_root(out, id_)]) or \
+                        not partial_carried(expr, out, id_, sources):
+                    del out.parallel[id_]
+            filled.add(out)
+
+
+def _propagate_backward(fusion: Fusion, pinned: set[TensorView],
+                        filled: set[TensorView]) -> None:
+    """From outputs to inputs: each input still unknown takes the sharding of its best known
+    consumer output. Adds the tensors it fills to ``filled``."""
+    for expr in reversed(fusion.exprs):
+        sources = [t for t in expr.tensor_outputs if t in pinned or t in filled]
+        for inp in expr.tensor_inputs:
+            if inp in pinned or inp in filled or not sources:
+                continue
+            ref = _best_reference(expr, sources, inp, forward=False)
+            follows = inp.definition is None or inp.definition.op.output_layout == "follow"
+            _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
+            filled.add(inp)
 
 
 def _take_consumers_sharding(tv: TensorView, consumers: list[Expr]) -> None:

@@ -10,7 +10,7 @@ ceil(rows / chunks)`` (the last chunks short or empty); its GEMM writes its bloc
 result (``out=``) on the current stream, then its allreduce is launched in place on that
 block, asynchronously: on NCCL it runs on the communicator's stream, after that GEMM and
 beside the next chunk's. The step's result is a
-:class:`~meshfuse.runtime.collectives.Pending` of the whole result, waited for where it is
+:class:`~meshfuse.runtime.pending.Pending` of the whole result, waited for where it is
 first read, as a plain allreduce's is: work after the loop that does not read it is not
 held back by the last chunk's allreduce.
 
@@ -35,12 +35,11 @@ from meshfuse.runtime import copy_engine
 from meshfuse.runtime.binding import Binding
 from meshfuse.runtime.collectives import (
     Group,
-    Pending,
     allreduce_in_place,
     record_transfer,
-    resolved,
 )
 from meshfuse.runtime.executor import Slot, Step
+from meshfuse.runtime.pending import Pending, resolved
 
 PROCESS_GROUP = "process_group"  # the chunks' allreduces over torch.distributed
 COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (CopyEngineReduce)

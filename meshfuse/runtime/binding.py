@@ -66,22 +66,10 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
     device = None
     for v, x in zip(declared, inputs):
         if isinstance(v, Scalar):
-            if isinstance(x, torch.Tensor) and x.ndim > 0:
-                raise InputError(f"input {v.name} is a scalar; got a tensor of shape {list(x.shape)}")
-            if not isinstance(x, bool | int | float | complex | torch.Tensor):
-                raise InputError(
-                    f"input {v.name} is a {v.dtype.name} scalar; got {type(x).__name__} "
-                    f"{x!r}: pass a number"
-                )
+            _check_scalar(v, x)
             continue
         if not held_here(v, rank):
-            if x is not None and not isinstance(x, torch.Tensor):
-                raise InputError(
-                    f"input {v.name} is not on this rank ({rank} is outside {v.mesh!r}): pass "
-                    f"None for it, got {type(x).__name__}"
-                )
-            if x is not None and has_symbolic_extents(v):
-                _check_kind(v, x)  # its shape stands for the global one: see bind
+            _check_not_held(v, x, rank)
             continue
         if not isinstance(x, torch.Tensor):
             raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
@@ -100,6 +88,29 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
                 f"input {v.name} is on {x.device} but earlier inputs are on {device}; put all "
                 "inputs on one device"
             )
+
+
+def _check_scalar(v: Scalar, x) -> None:
+    """Scalar input ``v`` is given a number (or a 0-d tensor)."""
+    if isinstance(x, torch.Tensor) and x.ndim > 0:
+        raise InputError(f"input {v.name} is a scalar; got a tensor of shape {list(x.shape)}")
+    if not isinstance(x, bool | int | float | complex | torch.Tensor):
+        raise InputError(
+            f"input {v.name} is a {v.dtype.name} scalar; got {type(x).__name__} "
+            f"{x!r}: pass a number"
+        )
+
+
+def _check_not_held(v: TensorView, x, rank: int) -> None:
+    """Input ``v``, which ``rank`` holds no shard of, is given None or a tensor (one that
+    stands for its global shape, when ``v`` has symbolic extents)."""
+    if x is not None and not isinstance(x, torch.Tensor):
+        raise InputError(
+            f"input {v.name} is not on this rank ({rank} is outside {v.mesh!r}): pass "
+            f"None for it, got {type(x).__name__}"
+        )
+    if x is not None and has_symbolic_extents(v):
+        _check_kind(v, x)  # its shape stands for the global one: see bind
 
 
 def has_symbolic_extents(tv: TensorView) -> bool:

@@ -1,20 +1,21 @@
-"""``Communicator``: this process's place in the world, and the process groups of mesh slices.
+"""``Communicator``: this process's place in the world, and waiting for its collectives.
 
 One process runs per device. The communicator finds its rank from, in order: a default process
 group someone already initialized, or the launcher's variables
 (:mod:`meshfuse.runtime.launch_env`; one process when there are none), and picks the backend
 there (NCCL with CUDA, else gloo).
 
-Every process group meshfuse uses has meshfuse's timeout (:mod:`meshfuse.runtime.failures`):
-the default group when meshfuse initializes torch.distributed, else a copy of the world of its
+Every process group meshfuse uses (:mod:`meshfuse.runtime.process_groups`: one per mesh
+slice, created on first use) has meshfuse's timeout (:mod:`meshfuse.runtime.failures`): the
+default group when meshfuse initializes torch.distributed, else a copy of the world of its
 own, so that a group the user owns keeps the user's settings. Every wait for a collective goes
 through :meth:`Communicator.wait`, which on gloo also learns of an error raised on one rank only
 (:mod:`meshfuse.runtime.lone_failures`). After such an error, :meth:`Communicator.recover` starts
 the groups over. At exit, meshfuse waits for the collectives it launched and destroys what it
 created, never a group the user owns.
 
-Together with ``collectives.py`` beside it (and the rendezvous store, read by ``board.py``),
-this is the only module of meshfuse that calls torch.distributed.
+Together with ``process_groups.py`` and ``collectives.py`` beside it (and the rendezvous
+store, read by ``board.py``), these are the only modules of meshfuse that call torch.distributed.
 """
 
 from __future__ import annotations
@@ -36,13 +37,9 @@ from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime.failures import CollectiveFailed, kind_of_failure, timeout_from_env
-from meshfuse.runtime.launch_env import (  # noqa: F401 (re-exported: where they were)
-    BACKEND_ENV,
-    LaunchInfo,
-    choose_backend,
-    launch_info_from_env,
-)
+from meshfuse.runtime.launch_env import choose_backend, launch_info_from_env
 from meshfuse.runtime.lone_failures import GroupBroken, LoneFailures
+from meshfuse.runtime.process_groups import ProcessGroups
 from meshfuse.runtime.retired_groups import keep_until_timed_out
 
 _MPI_DEFAULT_ADDR = "127.0.0.1"
@@ -109,19 +106,18 @@ class Communicator:
                 "torch.distributed is not available in this build of torch; install a torch "
                 "built with distributed support"
             )
-        # Process groups by their ranks, and the (mesh, axis) slicings already created.
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        self._slicings: set[tuple[DeviceMesh, int]] = set()
         self._default_timeout = timeout_from_env()
         self._timeout = self._default_timeout
         self._roll_calls = 0
-        self._agreement_group: dist.ProcessGroup | None = None
         # Whether meshfuse initialized the default group (and may use and destroy it).
         self._owns_default = not dist.is_initialized()
         if self._owns_default:
             self._init_default_group()
         else:
             self._adopt_default_group()
+        self.process_groups = ProcessGroups(
+            self._rank, self._size, self._timedelta(), self.translated,
+            world_is_default=self._owns_default and self._backend == "nccl")
         self.lone = LoneFailures(self._rank, self._size, _default_store(),
                                  lambda: min(ROLL_CALL_S, self._timeout))
         atexit.register(self._shutdown)
@@ -219,8 +215,7 @@ class Communicator:
         if seconds == self._timeout:
             return
         self._timeout = seconds
-        for group in {id(g): g for g in self._groups.values()}.values():
-            dist.distributed_c10d._set_pg_timeout(self._timedelta(), group)
+        self.process_groups.set_timeout(self._timedelta())
 
     def _timedelta(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self._timeout)
@@ -228,7 +223,7 @@ class Communicator:
     def barrier(self) -> None:
         """Blocks until every rank of the world reaches the barrier."""
         with self.translated("barrier", range(self._size)):
-            dist.barrier(group=self._world_group())
+            dist.barrier(group=self.process_groups.world())
 
     def group(self, mesh: DeviceMesh, mesh_axis: int | ParallelType) -> dist.ProcessGroup:
         """The process group of the slice of ``mesh`` along ``mesh_axis`` that holds this rank.
@@ -249,36 +244,20 @@ class Communicator:
             CommunicationError: if the mesh has a device outside the world, or this rank is not
                 in the mesh (after the groups were created, so no other rank hangs).
         """
-        key = self._ensure_groups(mesh, mesh_axis)
-        if self._rank not in mesh:
+        group = self.process_groups.of_slice(mesh, mesh_axis)
+        if group is None:
             raise CommunicationError(
                 f"rank {self._rank} is not in {mesh!r}, so it has no group along mesh axis "
                 f"{mesh_axis}; only ranks of the mesh may run its collectives"
             )
-        return self._groups[mesh.group_ranks(self._rank, key[1])]
-
-    def _ensure_groups(self, mesh: DeviceMesh, mesh_axis: int | ParallelType) -> tuple:
-        """Creates (once) the process groups of every slice of ``mesh`` along ``mesh_axis``."""
-        if isinstance(mesh_axis, ParallelType):
-            mesh_axis = mesh.axis_of(mesh_axis)
-        key = (mesh, mesh_axis % mesh.ndim)
-        if key not in self._slicings:
-            self._check_mesh(mesh)
-            for ranks in mesh.all_groups(key[1]):
-                if ranks not in self._groups:
-                    self._groups[ranks] = self._new_group(ranks)
-            self._slicings.add(key)
-        return key
+        return group
 
     def group_if_member(
         self, mesh: DeviceMesh, mesh_axis: int | ParallelType
     ) -> dist.ProcessGroup | None:
         """Like :meth:`group`, but a rank outside ``mesh`` gets None (after taking part in
         creating the groups, which every rank must do)."""
-        key = self._ensure_groups(mesh, mesh_axis)
-        if self._rank not in mesh:
-            return None
-        return self._groups[mesh.group_ranks(self._rank, key[1])]
+        return self.process_groups.of_slice(mesh, mesh_axis)
 
     def allgather(
         self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_axis: int | ParallelType
@@ -314,7 +293,7 @@ class Communicator:
             payload = (False, f"{type(e).__name__}: {e}")
         gathered: list = [None] * self._size
         with self.translated("allgather_object", range(self._size)):
-            dist.all_gather_object(gathered, payload, group=self._agreement())
+            dist.all_gather_object(gathered, payload, group=self.process_groups.agreement())
         bad = [(r, msg) for r, (ok, msg) in enumerate(gathered) if not ok]
         if bad:
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
@@ -332,18 +311,10 @@ class Communicator:
         out = [torch.empty_like(tensor) for _ in range(self._size)]
         world = tuple(range(self._size))
         with self.translated("the cross-rank agreement's allgather", world):
-            work = dist.all_gather(out, tensor.contiguous(), group=self._agreement(),
-                                   async_op=True)
+            work = dist.all_gather(out, tensor.contiguous(),
+                                   group=self.process_groups.agreement(), async_op=True)
         self.wait(work, "the cross-rank agreement's allgather", world, late, agreeing=True)
         return out
-
-    def _agreement(self) -> dist.ProcessGroup:
-        if self._agreement_group is None:
-            # gloo even beside NCCL: a few bytes, waited for on the host (where a rank can
-            # read the notice board), and no GPU memory for another NCCL communicator.
-            backend = "gloo" if dist.is_gloo_available() else None
-            self._agreement_group = self._new_group_of(tuple(range(self._size)), backend)
-        return self._agreement_group
 
     def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
              late: Callable[[], None] | None = None, agreeing: bool = False,
@@ -387,15 +358,8 @@ class Communicator:
         for fn in Communicator._before_shutdown:  # drops what cannot complete any more
             fn()
         self._meet(f"meshfuse/recover/{self.lone.generation}")
-        retired = [g for g in {id(g): g for g in [*self._groups.values(), self._agreement_group]
-                               if g is not None}.values() if g is not dist.group.WORLD]
-        for group in retired:
-            with contextlib.suppress(RuntimeError, ValueError):
-                dist.destroy_process_group(group)
+        retired = self.process_groups.retire()
         keep_until_timed_out(retired, self._timeout + ROLL_CALL_S)
-        self._groups.clear()
-        self._slicings.clear()
-        self._agreement_group = None
         self.lone.restart(self.lone.generation + 1)
 
     def _meet(self, key: str) -> None:
@@ -413,36 +377,6 @@ class Communicator:
                     "ranks; every rank must call it"
                 )
             time.sleep(0.01)
-
-    def _check_mesh(self, mesh: DeviceMesh) -> None:
-        outside = [d for d in mesh.device_ids if d >= self._size]
-        if outside:
-            raise CommunicationError(
-                f"{mesh!r} has device {outside[0]} but the world has {self._size} processes; "
-                f"use devices below {self._size} or launch {max(mesh.device_ids) + 1} processes"
-            )
-
-    def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        # The world's slice is the default group only on NCCL (where another communicator
-        # costs GPU memory) before any recovery: an error on one rank only can leave a
-        # collective pending for ever in meshfuse's group, and recover() must be able to
-        # destroy that group without touching the one torch code (DTensor) shares.
-        if ranks == tuple(range(self._size)) and self._owns_default and \
-                self._backend == "nccl" and not self.lone.generation:
-            return dist.group.WORLD
-        return self._new_group_of(ranks)
-
-    def _new_group_of(self, ranks: tuple[int, ...], backend: str | None = None
-                      ) -> dist.ProcessGroup:
-        with self.translated("creating a process group", ranks):
-            return dist.new_group(list(ranks), timeout=self._timedelta(), backend=backend)
-
-    def _world_group(self) -> dist.ProcessGroup:
-        """The group of the whole world with meshfuse's timeout."""
-        world = tuple(range(self._size))
-        if world not in self._groups:
-            self._groups[world] = self._new_group(world)
-        return self._groups[world]
 
     @contextlib.contextmanager
     def translated(self, what: str, ranks) -> Iterator[None]:
@@ -495,14 +429,11 @@ class Communicator:
             if self._owns_default:
                 dist.destroy_process_group()
             else:
-                for group in {id(g): g for g in [*self._groups.values(),
-                                                 self._agreement_group] if g is not None
-                              }.values():
-                    if group is not dist.group.WORLD:
-                        dist.destroy_process_group(group)
+                for group in self.process_groups.own():
+                    dist.destroy_process_group(group)
         # Free the groups now, while torch's threads still run normally, rather than in the
         # interpreter's last garbage collection (where tearing down gloo can block).
-        self._groups.clear()
+        self.process_groups.by_ranks.clear()
         gc.collect()
 
 

@@ -67,9 +67,9 @@ from meshfuse.runtime.collectives import (
     all_to_all,
     allgather,
     reduce_scatter,
-    resolved,
     ring_shift,
 )
+from meshfuse.runtime.pending import resolved
 
 
 def _shape(t: torch.Tensor, rows: int) -> tuple[int, ...]:

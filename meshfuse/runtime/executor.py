@@ -13,7 +13,7 @@ implementation (resolved once, when the program is made: the op's ``impl``, a fr
 last use, lays fusion outputs out in their allocation order, and on failure re-raises with
 the step and the rank.
 
-A communication step returns a :class:`~meshfuse.runtime.collectives.Pending` result: the
+A communication step returns a :class:`~meshfuse.runtime.pending.Pending` result: the
 collective is in flight while the next steps run, and is waited for where its result is first
 read (an argument, a fusion output) or freed. A failed collective is raised as a
 :class:`~meshfuse.runtime.failures.CollectiveFailed` naming the step that launched it; when a
@@ -30,8 +30,8 @@ import torch
 
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.collectives import Pending, in_flight, resolved, settle_in_flight
 from meshfuse.runtime.failures import CollectiveFailed, is_shared
+from meshfuse.runtime.pending import Pending, in_flight, resolved, settle_in_flight
 
 RESHARD = "reshard"
 
@@ -70,6 +70,17 @@ class Step:
     label: str
     plan: tuple[Any, ...] = ()
     note: str = ""  # this rank's part, from the op's localize rule (its random stream)
+
+    @property
+    def reads(self) -> list[int]:
+        """The slots its arguments read, in order (those of a list of Slots included)."""
+        found = []
+        for a in self.args:
+            if isinstance(a, Slot):
+                found.append(a.index)
+            elif isinstance(a, list):
+                found.extend(s.index for s in a if isinstance(s, Slot))
+        return found
 
     def describe(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)

@@ -80,7 +80,7 @@ def fuse_program(program: Program, backend: str = "inductor",
                 calls.append(program.calls[i])
             continue
         body = [program.steps[i] for i in run]
-        later = {s for step in program.steps[run[-1] + 1:] for s in _slots(step.args)}
+        later = {s for step in program.steps[run[-1] + 1:] for s in step.reads}
         step, graph = _segment(body, [program.calls[i] for i in run], later | keep)
         steps.append(step)
         calls.append(_Compiled(graph, backend, stats))
@@ -94,23 +94,12 @@ def _runs(steps: Sequence[Step], communicated: set[int]) -> list[list[int]]:
     runs: list[list[int]] = []
     for i, step in enumerate(steps):
         joins = (fusible(step) and runs and fusible(steps[runs[-1][-1]])
-                 and not communicated & set(_slots(step.args)))
+                 and not communicated & set(step.reads))
         if joins:
             runs[-1].append(i)
         else:
             runs.append([i])
     return runs
-
-
-def _slots(args: Sequence[Any]) -> list[int]:
-    """The slots a record's arguments read."""
-    out = []
-    for a in args:
-        if isinstance(a, Slot):
-            out.append(a.index)
-        elif isinstance(a, list):
-            out.extend(s.index for s in a if isinstance(s, Slot))
-    return out
 
 
 def _segment(body: list[Step], calls: list[Callable], live: set[int]
@@ -119,7 +108,7 @@ def _segment(body: list[Step], calls: list[Callable], live: set[int]
     defined before the segment (placeholders), returning those read after it (``live``)."""
     graph = fx.Graph()
     defined = [s for step in body for s in step.outputs]
-    inputs = list(dict.fromkeys(s for step in body for s in _slots(step.args)
+    inputs = list(dict.fromkeys(s for step in body for s in step.reads
                                 if s not in defined))
     nodes = {slot: graph.placeholder(f"in{slot}") for slot in inputs}
 

@@ -20,7 +20,7 @@ import torch
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.printer import format_expr
-from meshfuse.ir.tensor_view import Scalar, Val
+from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.localization import Local
 from meshfuse.runtime.binding import Binding
@@ -52,10 +52,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
 
     input_slots = tuple(slot(v) for v in fusion.inputs())
     exprs = communication_first(fusion.exprs)
-    last_use: dict[int, int] = {}
-    for index, expr in enumerate(exprs):
-        for v in expr.inputs:
-            last_use[slot(v)] = index
+    last_use = {slot(v): index for index, expr in enumerate(exprs) for v in expr.inputs}
     keep = {slot(v) for v in fusion.outputs()}
     readers = Counter(slot(v) for expr in exprs for v in expr.inputs)
     fresh: set[int] = set()  # slots of allreduce results (or local copies): buffers of their own
@@ -78,31 +75,39 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         if isinstance(expr, Reshard):
             if lowered is not None and bucketable(lowered[1], readers[outs[0]] > 0, donated):
                 candidates.append(_candidate(expr, outs[0], lowered[1][0], binding))
-            # With no data to move (meshes of one device), a copy as the user's set would make.
-            call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
-            steps.append(Step(RESHARD, (Slot(slot(expr.args[0])),), {}, outs, free,
-                              f"{format_expr(expr)}: {text}", plan))
-            calls.append(call)
-            ran.append(expr)
-            continue
-        mine = local[expr]
-        step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
-                    format_expr(expr), note=mine.note)
+            step, call = _reshard_step(expr, lowered, Slot(slot(expr.args[0])), outs, free)
+        else:
+            mine = local[expr]
+            step = Step(expr.op.name, _args(expr, mine, slot), mine.attrs, outs, free,
+                        format_expr(expr), note=mine.note)
+            if lowered is None and expr.op.name == "set" and (
+                    not keep.intersection(outs) or
+                    _owned(slot(expr.args[0]), fresh, readers, keep)):
+                lowered = unchanged_view
+            call = lowered or dispatch(step)
         steps.append(step)
-        if lowered is None and expr.op.name == "set" and \
-                (not keep.intersection(outs) or _owned(slot(expr.args[0]), fresh, readers, keep)):
-            lowered = unchanged_view
-        calls.append(lowered or dispatch(step))
+        calls.append(call)
         ran.append(expr)
     if group_loops is not None:
         steps, calls = group_loops(ran, steps, calls, slot_of, keep)
     steps, calls = run_in_buckets(steps, calls, plan_buckets(candidates), rank)
-    outputs = tuple(
-        OutputLayout(slot(tv), binding.layouts[tv].shape, binding.layouts[tv].strides,
-                     tv.dtype.torch_dtype, held=tv.mesh is None or rank in tv.mesh)
-        for tv in fusion.outputs()
-    )
+    outputs = tuple(_output_layout(tv, slot(tv), binding, rank) for tv in fusion.outputs())
     return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
+
+
+def _reshard_step(expr: Reshard, lowered: tuple[Callable, tuple, str] | None, src: Slot,
+                  outs: tuple[int, ...], free: tuple[int, ...]) -> tuple[Step, Callable]:
+    """The step of a communication and its implementation: as lowered, or, with no data to
+    move (meshes of one device), a copy as the user's ``set`` would make."""
+    call, plan, text = lowered if lowered is not None else (torch.clone, (), "a local copy")
+    return Step(RESHARD, (src,), {}, outs, free, f"{format_expr(expr)}: {text}", plan), call
+
+
+def _output_layout(tv: TensorView, slot: int, binding: Binding, rank: int) -> OutputLayout:
+    """How fusion output ``tv`` (in ``slot``) is returned: its local shape and strides."""
+    layout = binding.layouts[tv]
+    return OutputLayout(slot, layout.shape, layout.strides, tv.dtype.torch_dtype,
+                        held=tv.mesh is None or rank in tv.mesh)
 
 
 def _candidate(expr: Reshard, out: int, step, binding: Binding) -> Candidate:

@@ -8,7 +8,7 @@ them, and uneven shards pass their per-member extents (padded gathers and reduce
 all-to-all with per-member counts).
 
 Collectives are launched asynchronously: a step returns a
-:class:`~meshfuse.runtime.collectives.Pending` result, which the executor waits for where it
+:class:`~meshfuse.runtime.pending.Pending` result, which the executor waits for where it
 is first read, so the computation in between overlaps the communication.
 """
 
@@ -21,7 +21,8 @@ import torch
 
 from meshfuse.ops.reductions import reduction_identity
 from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import Group, Pending, resolved
+from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.pending import Pending, resolved
 from meshfuse.runtime.resharding import ReshardStep
 
 Index = torch.Tensor | None  # global indices held along an axis, ascending; None: all

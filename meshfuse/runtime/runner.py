@@ -46,7 +46,7 @@ from meshfuse.runtime.binding import (
     held_here,
 )
 from meshfuse.runtime.bucketing import bucket_lines
-from meshfuse.runtime.collectives import Group, resolved
+from meshfuse.runtime.collectives import Group
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.context_parallel import agreed_facts as context_facts
 from meshfuse.runtime.context_parallel import backward_step, forward_step
@@ -56,6 +56,7 @@ from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.graphs import GraphedProgram
 from meshfuse.runtime.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
+from meshfuse.runtime.pending import resolved
 from meshfuse.runtime.program import build_program
 from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.reshard_lowering import lower_step

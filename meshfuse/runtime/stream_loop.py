@@ -43,9 +43,9 @@ from meshfuse.runtime.collectives import (
     broadcast,
     collective_permute,
     reduce_to,
-    resolved,
 )
 from meshfuse.runtime.executor import Slot, Step
+from meshfuse.runtime.pending import resolved
 
 STREAM_LOOP = "stream_loop"
 MAX_STREAMS = 8  # chunks beyond this reuse the pool's streams round-robin

@@ -115,8 +115,8 @@ def _loop_record(plan: StreamLoopPlan, exprs: list[Expr], body: list[Step],
             reduces[index] = found
             dims.pop(slot_of[expr.outputs[0]], None)  # its own block is its whole shard
     defined = {s for step in body for s in step.outputs}
-    read = [s for step in body for s in _slots(step.args) if s not in defined]
-    later = {s for k, step in enumerate(steps) if k not in members for s in _slots(step.args)}
+    read = [s for step in body for s in step.reads if s not in defined]
+    later = {s for k, step in enumerate(steps) if k not in members for s in step.reads}
     by_slot = {slot_of[tv]: tv for tv in plan.chunk_ids if tv in slot_of}
     results = []
     for s in sorted(defined):
@@ -136,7 +136,7 @@ def _destinations(body: list[Step], results: set[int], gathers: Mapping[int, Chu
     output is one (the allreduce then runs in place on that block)."""
     readers: dict[int, list[int]] = {}
     for k, step in enumerate(body):
-        for s in _slots(step.args):
+        for s in step.reads:
             readers.setdefault(s, []).append(k)
     into, reduce_in_place = {}, {}
     for k, step in enumerate(body):
@@ -260,27 +260,17 @@ def _with_transport(loop: StreamLoop, requested: str, device: torch.device | Non
                                ring=(groups[0].coordinate, groups[0].size), gathers=gathers)
 
 
-def _slots(args: Sequence[Any]) -> list[int]:
-    found = []
-    for a in args:
-        if isinstance(a, Slot):
-            found.append(a.index)
-        elif isinstance(a, list):
-            found += [x.index for x in a if isinstance(x, Slot)]
-    return found
-
-
 def _splice(steps, calls, exprs, members, step, call):
     """The loop step in place of its body: the steps between the body's first and last
     that the body needs go before it, the others after."""
     first, last = members[0], members[-1]
     body = set(members)
     needed: set[int] = set()
-    wanted = {s for k in members for s in _slots(steps[k].args)}
+    wanted = {s for k in members for s in steps[k].reads}
     for k in range(last, first - 1, -1):
         if k not in body and wanted & set(steps[k].outputs):
             needed.add(k)
-            wanted |= set(_slots(steps[k].args))
+            wanted |= set(steps[k].reads)
     between = [k for k in range(first, last + 1) if k not in body]
     order = list(range(first)) + [k for k in between if k in needed] + [None] + \
         [k for k in between if k not in needed] + list(range(last + 1, len(steps)))
@@ -292,7 +282,7 @@ def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
     """``steps`` with each slot freed after its last reader (fusion outputs kept)."""
     last: dict[int, int] = {}
     for k, step in enumerate(steps):
-        reads = _slots(step.args)
+        reads = step.reads
         if step.op == STREAM_LOOP:
             reads = list(step.plan[0].reads)
         for s in reads:
