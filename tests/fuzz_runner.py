@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import fuzz_precision
 import torch
 from fusion_snapshot import snapshot
-from fuzz_programs import Program, build, reference
+from fuzz_programs import FORWARD_CHECK, Program, build, reference
 from torch._dynamo.utils import counters
 
 from meshfuse import MeshfuseError, shard_tensor
@@ -126,7 +126,8 @@ def run_program(program: Program, rank: int, device: torch.device,
     program (bound kernels, reused plans), which must give the same values. With ``compile``
     (a torch.compile backend: ``"inductor"``...), the interpreter runs first, then the
     compiled program twice; each compiled call is compared with torch and with the
-    interpreter, and the cached one must compile nothing (outcome ``recompiled``).
+    interpreter, and the cached one must compile nothing (outcome ``recompiled``). A
+    failure's reproduction runs the program as the failing call did (:func:`repro_check`).
     """
     try:
         fd, _ = build(program)
@@ -136,37 +137,52 @@ def run_program(program: Program, rank: int, device: torch.device,
         wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv) else None
                   for (want, dtype, tol), tv in zip(expected(program, inputs, outputs),
                                                     fd.fusion.outputs())]
-        before = snapshot(fd.fusion)
-        interpreted, failure = None, None
-        # Every call runs even after a failure: another rank, which holds other outputs, may
-        # have found none, and it makes these calls (their collectives) too.
-        for call, option in _calls(compile):
-            counts = _compile_counts(fd) if call == "compiled cached call" else None
-            got = fd.execute(local) if option is None else fd.execute(local, compile=option)
-            if snapshot(fd.fusion) != before:
-                failure = failure or Outcome("mutated", "execute changed the user's fusion",
-                                             program)
-            if counts is not None and _compile_counts(fd) != counts:
-                failure = failure or Outcome(
-                    "recompiled", f"{call}: {counts} -> {_compile_counts(fd)}", program)
-            against = [("torch", wanted)]
-            if option and interpreted is not None:  # the interpreter, with torch's dtypes
-                against.append(("the interpreter", [
-                    None if w is None else (x, w[1], w[2]) for x, w in zip(interpreted, wanted)]))
-            for name, references in against:
-                difference = _difference(got, references, fd.fusion.outputs())
-                if difference and failure is None:
-                    failure = Outcome("mismatch", f"{call}, {difference} (against {name})",
-                                      program)
-            if option is False:
-                interpreted = got
-        if failure is not None:
-            return failure
+        kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
         _recover()
-        return Outcome(kind, detail, program)
-    return Outcome("match", "", program)
+    return Outcome(kind, detail, program, repro_check(program, compile))
+
+
+def _calls_outcome(fd, local: list, wanted: list, compile: str | None) -> tuple[str, str]:
+    """(kind, detail) of the calls of :func:`run_program` on this rank's inputs ``local``,
+    compared with ``wanted`` (``(value, dtype, tolerances)``, None where not held). Every
+    call runs even after a failure: another rank, which holds other outputs, may have found
+    none, and it makes these calls (their collectives) too."""
+    before = snapshot(fd.fusion)
+    interpreted, failure = None, None
+    for call, option in _calls(compile):
+        counts = _compile_counts(fd) if call == "compiled cached call" else None
+        got = fd.execute(local) if option is None else fd.execute(local, compile=option)
+        if snapshot(fd.fusion) != before:
+            failure = failure or ("mutated", "execute changed the user's fusion")
+        if counts is not None and _compile_counts(fd) != counts:
+            failure = failure or ("recompiled", f"{call}: {counts} -> {_compile_counts(fd)}")
+        against = [("torch", wanted)]
+        if option and interpreted is not None:  # the interpreter, with torch's dtypes
+            against.append(("the interpreter", [
+                None if w is None else (x, w[1], w[2]) for x, w in zip(interpreted, wanted)]))
+        for name, references in against:
+            difference = _difference(got, references, fd.fusion.outputs())
+            if difference and failure is None:
+                failure = ("mismatch", f"{call}, {difference} (against {name})")
+        if option is False:
+            interpreted = got
+    return failure or ("match", "")
+
+
+def repro_check(program: Program, compile: str | None) -> str | None:
+    """The end of ``program``'s reproduction (``Program.repro``): the forward check, with
+    ``compile`` passed to ``execute``, and for a low-precision program the tolerances of its
+    dtype (a bound for the script's reader, wider than the run's: ``fuzz_precision``)."""
+    if compile is None and not program.low:
+        return None
+    check = FORWARD_CHECK
+    if compile is not None:
+        check = check.replace("fd.execute(local)", f"fd.execute(local, compile={compile!r})")
+    if program.low:
+        check = check.replace("rtol=1e-4", "rtol=2e-2").replace("atol=1e-4", "atol=2e-2")
+    return check
 
 
 def _recover() -> None:
