@@ -421,6 +421,16 @@ def _rows_sharded_outputs_on_the_expanded_axis(t, mesh):
         shard(tv, 1, mesh)
 
 
+def _linear_of_expanded(fd, d):
+    """``linear`` contracting ``broadcast_in_dim``'s expanded axis with a weight sharded on
+    its contracted axis (extent 2d + 1)."""
+    x = fd.define_tensor([4, 3], dtype=DataType.Float)
+    w = fd.define_tensor([6, 2 * d + 1], dtype=DataType.Float)
+    expanded = fd.ops.broadcast_in_dim(x, shape=[4, 3, 2 * d + 1], broadcast_dims=[0, 1])
+    fd.add_output(fd.ops.linear(expanded, w))
+    return x, w
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -508,6 +518,13 @@ CASES: dict[str, Case] = {
         "output's shard had 1 element (fuzzer seed 802 at 2 ranks, low precision)",
         _expanded_against_shards, _rows_sharded_outputs_on_the_expanded_axis,
         _expanded_reference, lambda d: [[3], [3], [3, _odd(d)]]),
+    "linear_contracting_an_expanded_broadcast_axis": Case(
+        "ExecutionError 'mat1 and mat2 shapes cannot be multiplied (24x5 and 3x3)': the "
+        "weight's contracted axis stayed sharded against the expanded axis, whole on every "
+        "rank (low-precision fuzzer seed 875 at 4 ranks, a float32 bug)",
+        _linear_of_expanded, lambda t, mesh: shard(t[1], 1, mesh),
+        lambda x, w: [torch.nn.functional.linear(x[:, :, None].expand(4, 3, w.shape[1]), w)],
+        lambda d: [[4, 3], [6, 2 * d + 1]]),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),
@@ -563,6 +580,10 @@ SEEDS: dict[str, Seed] = {
     "expanded_broadcast_axis_against_a_shard-802": Seed(
         802, 2, "ExecutionError: where(cond, broadcast_in_dim's expanded axis gathered, a "
         "shard): 'The size of tensor a (2) must match the size of tensor b (3)'",
+        features=LOW_PRECISION),
+    "linear_contracting_an_expanded_broadcast_axis-875": Seed(
+        875, 4, "ExecutionError: linear(broadcast_in_dim(x), w) with w's contracted axis "
+        "sharded on the 2x2 mesh: 'mat1 and mat2 shapes cannot be multiplied'",
         features=LOW_PRECISION),
     "compiled_cast_to_bfloat16_and_back-8": Seed(
         8, 2, "compiled (Inductor): cast(cast(x, BFloat16), Float) fused into nothing, x "
