@@ -585,6 +585,11 @@ SEEDS: dict[str, Seed] = {
         875, 4, "ExecutionError: linear(broadcast_in_dim(x), w) with w's contracted axis "
         "sharded on the 2x2 mesh: 'mat1 and mat2 shapes cannot be multiplied'",
         features=LOW_PRECISION),
+    "empty_shard_next_to_a_repeated_axis-82": Seed(
+        82, 4, "ExecutionError in rsqrt: a pointwise op on a stride-0 operand took an empty "
+        "shard's axis (extent 0) for a broadcast one: 'The expanded size of the tensor (1) "
+        "must match the existing size (0)' (also seed 314 at 3 ranks)",
+        features=LOW_PRECISION),
     "compiled_cast_to_bfloat16_and_back-8": Seed(
         8, 2, "compiled (Inductor): cast(cast(x, BFloat16), Float) fused into nothing, x "
         "unrounded, 0.0074 off the interpreter", features=CI_FEATURES, compile="inductor"),
