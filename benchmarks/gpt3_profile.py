@@ -87,7 +87,20 @@ def _timeline(prof, steps: int, keep: str) -> str:
             f"{whole['memcpy_beside_kernels_ms'] / steps:.3f} ms beside kernels; peer copies "
             f"{whole['peer_copy_ms'] / steps:.3f} ms of which "
             f"{whole['peer_copy_beside_kernels_ms'] / steps:.3f} ms beside kernels; barriers "
-            f"{whole['barrier_ms'] / steps:.3f} ms")
+            f"{whole['barrier_ms'] / steps:.3f} ms; {_gemms(whole['gemms'], steps)}")
+
+
+def _gemms(split: dict, steps: int) -> str:
+    """The GEMM kernels' time per step, how much of it ran beside a transfer, and per
+    kernel name the mean time of one alone and of one beside a transfer (NCCL's kernels
+    take SMs from a GEMM that runs beside them)."""
+    means = []
+    for name, by in split["by_name"].items():
+        shown = [f"{where} {ms / n:.3f} ms x{n / steps:g}" for where, (n, ms) in by.items() if n]
+        means.append(f"{name[-36:]}: {', '.join(shown)}")
+    return (f"GEMMs {split['ms'] / steps:.3f} ms in {split['count'] / steps:g}, of which "
+            f"{split['beside_ms'] / steps:.3f} ms in {split['beside_count'] / steps:g} beside a "
+            f"transfer (per kernel: {'; '.join(means)})")
 
 
 def profile_variant(ctx, name: str, step, prefix: str = "gpt3") -> str:

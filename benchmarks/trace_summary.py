@@ -97,7 +97,37 @@ def summarize_window(events: list[dict], window: Interval, gaps: int = 6) -> dic
                                "nccl_running": any(c < b and d > a for c, d in sent)}
                               for a, b in longest],
         "top_kernels_ms": _top(compute + comm),
+        "gemms": gemm_split(compute, sent),
     }
+
+
+GEMM_KERNEL_MARKS = ("nvjet", "gemm", "xmma", "cutlass")
+
+
+def gemm_split(compute: list[dict], transfers: list[Interval]) -> dict:
+    """The matrix-product kernels (cuBLAS's ``nvjet``/``gemm``/``xmma``, CUTLASS) split by
+    whether a transfer ran at any point beside them: their milliseconds and counts, in all
+    and per kernel name (a GEMM that shares the device with NCCL's kernels loses SMs to
+    them, so its instances beside a transfer are the ones to compare)."""
+    split: dict = {"ms": 0.0, "beside_ms": 0.0, "count": 0, "beside_count": 0, "by_name": {}}
+    for e in compute:
+        if e.get("cat", "kernel") != "kernel" or \
+                not any(m in e["name"].lower() for m in GEMM_KERNEL_MARKS):
+            continue
+        a, b, ms = e["ts"], e["ts"] + e["dur"], e["dur"] / 1e3
+        beside = any(c < b and d > a for c, d in transfers)
+        split["ms"] += ms
+        split["count"] += 1
+        if beside:
+            split["beside_ms"] += ms
+            split["beside_count"] += 1
+        by_name = split["by_name"].setdefault(e["name"][:80], {"alone": [0, 0.0],
+                                                               "beside": [0, 0.0]})
+        entry = by_name["beside" if beside else "alone"]
+        entry[0] += 1
+        entry[1] = round(entry[1] + ms, 3)
+    split["ms"], split["beside_ms"] = round(split["ms"], 3), round(split["beside_ms"], 3)
+    return split
 
 
 def _is_transfer(event: dict) -> bool:

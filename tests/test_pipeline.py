@@ -252,7 +252,8 @@ def _records(rank: int) -> str:
 
 def test_golden_records_hold_each_ranks_local_attributes():
     """The mean divides by the global count (8, not the local 4); the reshape gets its local
-    output shape; rank 1 leaves the bias out of the partial linear (rank 0 adds it once)."""
+    output shape; rank 1 leaves the bias out of the partial linear (rank 0 adds it once) and
+    tells the implementation so (it adds a zero bias, to run rank 0's kernel)."""
     assert _records(0) == "\n".join([
         "Program (rank 0) inputs %0, %1, %2",
         "  %3 = linear(%0, %1, %2); free %1, %2    # T3 = linear(T0, T1, T2)",
@@ -265,7 +266,8 @@ def test_golden_records_hold_each_ranks_local_attributes():
         "  outputs %6, %7",
     ])
     rank1 = _records(1).splitlines()
-    assert rank1[1] == "  %3 = linear(%0, %1, None); free %1, %2    # T3 = linear(T0, T1, T2)"
+    assert rank1[1] == ("  %3 = linear(%0, %1, None, dropped_addends=(2,)); free %1, %2    "
+                        "# T3 = linear(T0, T1, T2)")
     assert rank1[2:] == _records(0).splitlines()[2:]
 
 

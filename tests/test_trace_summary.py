@@ -56,3 +56,19 @@ def test_copy_engine_pulls_and_barriers_apart():
     assert whole["barrier_ms"] == 0.01
     assert whole["nccl_ms"] == 0.055  # barrier and pull, merged where they overlap
     assert (whole["memcpy_ms"], whole["memcpy_beside_kernels_ms"]) == (0.02, 0.0)
+
+
+def test_gemm_kernels_split_by_whether_a_transfer_ran_beside_them():
+    """Two GEMMs of one name, one alone (0-100) and one (200-300) beside NCCL (250-400);
+    a pointwise kernel beside NCCL is no GEMM."""
+    trace = {"traceEvents": [
+        _kernel("nvjet_sm90_tst_256x128_NNT", 0, 100), _kernel("nvjet_sm90_tst_256x128_NNT",
+                                                               200, 100),
+        _kernel("triton_poi_fused_add_0", 260, 10),
+        _kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 250, 150),
+    ]}
+    gemms = summarize(trace)[0]["gemms"]
+    assert (gemms["ms"], gemms["count"], gemms["beside_ms"], gemms["beside_count"]) == \
+        (0.2, 2, 0.1, 1)
+    assert gemms["by_name"] == {"nvjet_sm90_tst_256x128_NNT": {"alone": [1, 0.1],
+                                                               "beside": [1, 0.1]}}

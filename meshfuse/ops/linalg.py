@@ -151,8 +151,15 @@ def _linear_infer(x, weight, bias):
     return [OutSpec(promote(x, weight), tuple(axes))]
 
 
-def _linear(x, weight, bias):
+def _linear(x, weight, bias, dropped_addends=()):
+    """``x @ weight.T + bias``. On a rank that leaves the bias of a partial result out
+    (``dropped_addends``: coordinate 0 adds it), a zero bias is added instead, so that every
+    rank runs one kernel: PyTorch's ``addmm``, cuBLAS's GEMM with a bias epilogue (DTensor's
+    row-parallel linear calls it on every rank too, with its share of the bias), not a
+    plain ``mm`` beside coordinate 0's ``addmm``."""
     if weight.ndim == 2:
+        if dropped_addends:
+            bias = weight.new_zeros(weight.shape[0])
         return torch.nn.functional.linear(x, weight, bias)
     lead = weight.shape[:-2]
     rows = x.reshape(1, -1, x.shape[-1])                       # [1, m, k]

@@ -220,7 +220,8 @@ class OpDef:
             number of elements reduced into each output element (for ``mean`` on shards).
         partial_addends: arguments added to the result (``linear``'s bias): when the result is
             partial, only coordinate 0 of the partial mesh axes adds them, so the reduction
-            counts them once.
+            counts them once. The other ranks pass ``None`` for them and the implementation
+            also gets ``dropped_addends=`` (their positions).
         output_layout: ``"follow"``: outputs are laid out like the inputs they map from (what
             PyTorch's pointwise and attention kernels do); ``"contiguous"``: row-major (what
             its matrix products return, whatever the operands' strides).

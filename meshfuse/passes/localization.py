@@ -12,7 +12,8 @@ implementation as keyword arguments:
   reduced into one output element, so that a shard's mean is a partial mean;
 - dropped addends (``partial_addends``, ``linear``'s bias): on a partial result, only
   coordinate 0 of the partial mesh axes adds them, so the reduction counts them once; the
-  other ranks pass ``None`` for them;
+  other ranks pass ``None`` for them and tell the implementation their positions
+  (``dropped_addends=``), so that it may run the kernel it runs with them;
 - whatever the op's own ``localize`` rule returns for the rank (random ops: the global
   positions of their local elements and their random stream, with a note for explain).
 
@@ -70,7 +71,10 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
         if expr.op.localize is not None:
             own, note = expr.op.localize(expr, here)
             attrs.update(own)
-        result[expr] = Local(attrs, dropped_addends(expr, rank), note)
+        dropped = dropped_addends(expr, rank)
+        if dropped:
+            attrs["dropped_addends"] = dropped
+        result[expr] = Local(attrs, dropped, note)
     return result
 
 
