@@ -5,13 +5,15 @@ Each program ends in one outcome: ``match``; ``mismatch`` (wrong values: a failu
 ``ExecutionError`` wrapping a kernel's failure: a failure); or a typed ``refusal``, which is
 allowed only when its message matches a class of :data:`REFUSALS`, each of which names the
 fix in its message (an unknown refusal is a failure: the generator writes valid programs).
-Two more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work on
-a copy) and ``invalid program`` (the generator itself failed on a seed; the run goes on).
+Three more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work
+on a copy), ``recompiled`` (a cached call of the compiled path compiled again) and ``invalid
+program`` (the generator itself failed on a seed; the run goes on).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -20,10 +22,12 @@ import re
 import traceback
 from collections.abc import Callable, Iterable
 
+import fuzz_precision
 import torch
 import torch.distributed as dist
 from fusion_snapshot import snapshot
-from fuzz_programs import Program, build, reference
+from fuzz_programs import FORWARD_CHECK, Program, build, reference
+from torch._dynamo.utils import counters
 
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
@@ -60,7 +64,8 @@ REFUSALS: tuple[Refusal, ...] = ()
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     # "match", "mismatch", "untyped", "refusal", "unknown refusal", "invalid program" (the
-    # generator failed), "mutated" (execute changed the user's fusion)
+    # generator failed), "mutated" (execute changed the user's fusion), "recompiled" (a
+    # cached compiled call compiled again)
     kind: str
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
@@ -69,7 +74,7 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.kind in ("mismatch", "untyped", "unknown refusal", "invalid program",
-                             "mutated")
+                             "mutated", "recompiled")
 
     def report(self) -> str:
         """The failure with its reproduction (the seed and the program as code)."""
@@ -114,32 +119,127 @@ def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
             for x, tv in zip(inputs, fusion.inputs())]
 
 
-def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
-    """Runs ``program`` on this rank's shards and compares with torch on the global tensors."""
+def run_program(program: Program, rank: int, device: torch.device,
+                compile: str | None = None) -> Outcome:
+    """Runs ``program`` on this rank's shards and compares with torch on the global tensors.
+
+    Without ``compile``, ``execute`` runs twice (as ``MESHFUSE_COMPILE`` says: the
+    interpreter by default): the first call builds and checks, the second runs the cached
+    program (bound kernels, reused plans), which must give the same values. With ``compile``
+    (a torch.compile backend: ``"inductor"``...), the interpreter runs first, then the
+    compiled program twice; each compiled call is compared with torch and with the
+    interpreter, and the cached one must compile nothing (outcome ``recompiled``). A
+    failure's reproduction runs the program as the failing call did (:func:`repro_check`).
+    """
     try:
         fd, _ = build(program)
-        inputs, expected = reference(program)
+        inputs, outputs = reference(program)
         held = holder(fd.fusion, rank)
         local = local_inputs(fd.fusion, inputs, rank, device)
-        before = snapshot(fd.fusion)
-        # Twice: the first call builds and checks, the second runs the cached program (bound
-        # kernels, reused plans), which must give the same values.
-        for call in ("first call", "cached call"):
-            outputs = fd.execute(local)
-            if snapshot(fd.fusion) != before:
-                return Outcome("mutated", "execute changed the user's fusion", program)
-            for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
-                if not held(tv):
-                    continue
-                want = shard_tensor(ref.to(device), tv, rank)
-                try:
-                    torch.testing.assert_close(out, want, **tolerance(program, ref))
-                except AssertionError as e:
-                    return Outcome("mismatch", f"{call}, {tv.name}: {e}", program)
+        wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv) else None
+                  for (want, dtype, tol), tv in zip(expected(program, inputs, outputs),
+                                                    fd.fusion.outputs())]
+        kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
-        return Outcome(kind, detail, program)
-    return Outcome("match", "", program)
+        _recover()
+    return Outcome(kind, detail, program, repro_check(program, compile))
+
+
+def _calls_outcome(fd, local: list, wanted: list, compile: str | None) -> tuple[str, str]:
+    """(kind, detail) of the calls of :func:`run_program` on this rank's inputs ``local``,
+    compared with ``wanted`` (``(value, dtype, tolerances)``, None where not held). Every
+    call runs even after a failure: another rank, which holds other outputs, may have found
+    none, and it makes these calls (their collectives) too."""
+    before = snapshot(fd.fusion)
+    interpreted, failure = None, None
+    for call, option in _calls(compile):
+        counts = _compile_counts(fd) if call == "compiled cached call" else None
+        got = fd.execute(local) if option is None else fd.execute(local, compile=option)
+        if snapshot(fd.fusion) != before:
+            failure = failure or ("mutated", "execute changed the user's fusion")
+        if counts is not None and _compile_counts(fd) != counts:
+            failure = failure or ("recompiled", f"{call}: {counts} -> {_compile_counts(fd)}")
+        against = [("torch", wanted)]
+        if option and interpreted is not None:  # the interpreter, with torch's dtypes
+            against.append(("the interpreter", [
+                None if w is None else (x, w[1], w[2]) for x, w in zip(interpreted, wanted)]))
+        for name, references in against:
+            difference = _difference(got, references, fd.fusion.outputs())
+            if difference and failure is None:
+                failure = ("mismatch", f"{call}, {difference} (against {name})")
+        if option is False:
+            interpreted = got
+    return failure or ("match", "")
+
+
+def repro_check(program: Program, compile: str | None) -> str | None:
+    """The end of ``program``'s reproduction (``Program.repro``): the forward check, with
+    ``compile`` passed to ``execute``, and for a low-precision program the tolerances of its
+    dtype (a bound for the script's reader, wider than the run's: ``fuzz_precision``)."""
+    if compile is None and not program.low:
+        return None
+    check = FORWARD_CHECK
+    if compile is not None:
+        check = check.replace("fd.execute(local)", f"fd.execute(local, compile={compile!r})")
+    if program.low:
+        check = check.replace("rtol=1e-4", "rtol=2e-2").replace("atol=1e-4", "atol=2e-2")
+    return check
+
+
+def _recover() -> None:
+    """After an error, which meshfuse raises on every rank: starts the process groups over,
+    so that the next programs of a long run do not fail as "out of step" (best effort)."""
+    communicator = Communicator.instance()
+    if communicator.size > 1:
+        with contextlib.suppress(MeshfuseError):
+            communicator.recover()
+
+
+def expected(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+             ) -> list[tuple[torch.Tensor, torch.dtype, dict]]:
+    """For each of torch's ``outputs`` (global): the value an output is compared with, the
+    dtype it must have, and the tolerances; a low-precision program's values are exact
+    (float64) with tolerances of its dtype (``fuzz_precision.expectations``)."""
+    if not program.low:
+        return [(out, out.dtype, tolerance(program, out)) for out in outputs]
+    return [(want, out.dtype, tol) for out, (want, tol) in
+            zip(outputs, fuzz_precision.expectations(program, inputs, outputs))]
+
+
+def _difference(outputs, references, tvs) -> str:
+    """The first output that differs from its ``(value, dtype, tolerances)`` reference
+    (None: not held here), or ``""``."""
+    for out, ref, tv in zip(outputs, references, tvs):
+        if ref is None:
+            continue
+        want, dtype, tol = ref
+        if out.dtype != dtype:
+            return f"{tv.name}: dtype {out.dtype}, torch's {dtype}"
+        try:
+            torch.testing.assert_close(out.to(want.dtype), want, **tol)
+        except AssertionError as e:
+            return f"{tv.name}: {e}"
+    return ""
+
+
+def _calls(compile: str | None) -> list[tuple[str, str | bool | None]]:
+    """The calls of one program: (name, ``execute``'s ``compile`` option; None: not given)."""
+    if compile is None:
+        return [("first call", None), ("cached call", None)]
+    return [("interpreter", False), ("compiled first call", compile),
+            ("compiled cached call", compile)]
+
+
+def _compile_counts(fd) -> tuple:
+    """The segment compilations of each fused program of ``fd`` (meshfuse's count) and
+    torch's compile counters (AOTAutograd's, Inductor's): a call that compiles changes one
+    of them."""
+    fused = fd._get_runner()._fused  # the tests of fused segments read it too
+    mine = tuple(sorted((str(key), stats.compiles) for key, (_, stats) in fused.items()))
+    theirs = tuple(sorted((name, tuple(sorted(c.items()))) for name, c in counters.items()
+                          if name in ("aot_autograd", "inductor")))
+    return mine, theirs
 
 
 SEED_ENV = "MESHFUSE_FUZZ_SEED"  # the first seed of a run (default 0)

@@ -10,11 +10,13 @@ the outcome counts and, for the first failures, a runnable reproduction.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import run_many, seeds, summarize, write_report
+from fuzz_runner import run_many, run_program, seeds, summarize, write_report
 
 pytestmark = pytest.mark.mpi
 
@@ -24,6 +26,15 @@ PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
+# Low-precision programs (Features.low_precision): their own count, the same long mode.
+DEFAULT_LOW_PRECISION_PROGRAMS = 60
+LOW_PRECISION_PROGRAMS_ENV = "MESHFUSE_FUZZ_LOW_PRECISION_PROGRAMS"
+# The compiled path: a few programs in CI (Inductor's C++ compiler takes seconds for each new
+# segment); MESHFUSE_FUZZ_COMPILED_PROGRAMS=500 is its long mode, MESHFUSE_FUZZ_COMPILE the
+# torch.compile backend (default inductor).
+DEFAULT_COMPILED_PROGRAMS = 4
+COMPILED_PROGRAMS_ENV = "MESHFUSE_FUZZ_COMPILED_PROGRAMS"
+COMPILE_ENV = "MESHFUSE_FUZZ_COMPILE"
 
 
 def _features() -> Features:
@@ -34,11 +45,42 @@ def _features() -> Features:
 
 
 def test_fuzz_programs_match_torch(multidevice_test):
-    size, features = multidevice_test.size, _features()
-    run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
+    _fuzz(multidevice_test, PROGRAMS_ENV, DEFAULT_PROGRAMS, _features())
+
+
+def test_fuzz_low_precision_programs_match_torch(multidevice_test):
+    """BFloat16 and Half programs (``fuzz_precision.py``), against their exact values with
+    the tolerances of their dtype."""
+    features = dataclasses.replace(_features(), low_precision=True)
+    _fuzz(multidevice_test, LOW_PRECISION_PROGRAMS_ENV, DEFAULT_LOW_PRECISION_PROGRAMS,
+          features)
+
+
+def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test):
+    """The programs through the compiled path (fused segments; Inductor's C++ on CPU),
+    float32 ones at even seeds, low-precision ones at odd seeds: compared with torch and with
+    the interpreter, the cached call compiling nothing."""
+    backend = os.environ.get(COMPILE_ENV, "inductor")
+    low = dataclasses.replace(_features(), low_precision=True)
+    _fuzz(multidevice_test, COMPILED_PROGRAMS_ENV, DEFAULT_COMPILED_PROGRAMS, _features(),
+          compile=backend, odd_seeds=low)
+
+
+def _fuzz(multidevice_test, programs_env: str, default: int, features: Features,
+          compile: str | None = None, odd_seeds: Features | None = None) -> None:
+    """Runs the seeds of ``programs_env`` (``seeds``) at this world size, drawn with
+    ``features`` (``odd_seeds`` at odd seeds, when given), compiled by ``compile``; fails
+    with the counts and the first reproductions if a program failed."""
+    size = multidevice_test.size
+    run = seeds(size, programs_env, default)
     count = len(run)
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
-                        lambda seed: generate(seed, size, features))
+
+    def make(seed: int):
+        drawn_with = odd_seeds if odd_seeds is not None and seed % 2 else features
+        return generate(seed, size, drawn_with)
+
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device, make,
+                        functools.partial(run_program, compile=compile))
     summary = summarize(outcomes)
     write_report(run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
@@ -47,4 +89,3 @@ def test_fuzz_programs_match_torch(multidevice_test):
         f"{len(failures)} of {count} programs failed at world size {multidevice_test.size}: "
         f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3])
     )
-

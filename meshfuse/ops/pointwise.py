@@ -300,7 +300,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
     impl = number_as_tensor(keeps_repeats(in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
     kind = "floating-point" if float_result else "dtype-preserving"
     return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
-                 vjp=_unary_vjp(name), needs_out_shape=True)
+                 vjp=_unary_vjp(name))
 
 
 def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
@@ -317,7 +317,7 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
     impl = keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
                  doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
-                 needs_out_shape=True)
+                 expands_broadcasts=True)
 
 
 for _name, _fn in sorted(UNARY_FLOAT.items()):
@@ -362,7 +362,7 @@ register(OpDef(
     _gelu_backward_infer,
     keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
-    doc="grad * gelu'(x), one kernel (the backward of gelu)", needs_out_shape=True,
+    doc="grad * gelu'(x), one kernel (the backward of gelu)", expands_broadcasts=True,
 ))
 
 
@@ -382,7 +382,7 @@ def _cast_infer(x, dtype):
 register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
     keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
-    doc="element type conversion", needs_out_shape=True,
+    doc="element type conversion",
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))
 
@@ -411,10 +411,10 @@ def _where_infer(cond, a, b):
     return [OutSpec(promote(a, b), axes)]
 
 
-def _where(cond, a, b, out_shapes):
+def _where(cond, a, b, out_shapes=None):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return pointwise_call(torch.where, cond, a, b, out_shape=out_shapes[0])
+    return pointwise_call(torch.where, cond, a, b, out_shapes=out_shapes)
 
 
 def _where_grads(d, grads):
@@ -426,5 +426,5 @@ def _where_grads(d, grads):
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
     doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
-    needs_out_shape=True,
+    expands_broadcasts=True,
 ))

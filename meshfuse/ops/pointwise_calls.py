@@ -54,8 +54,8 @@ def _promoted_once(operands: tuple) -> list:
 def number_as_tensor(fn):
     """``fn`` applied to a Python number as a 0-d tensor (a unary op of a scalar)."""
 
-    def call(x, **kwargs):
-        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x), **kwargs)
+    def call(x):
+        return fn(x if isinstance(x, torch.Tensor) else torch.tensor(x))
 
     call.__name__ = fn.__name__
     return call
@@ -87,7 +87,7 @@ def _repeated(x) -> bool:
         any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
 
 
-def pointwise_call(fn, *operands, out_shape=None, **kwargs):
+def pointwise_call(fn, *operands, out_shapes=None, **kwargs):
     """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
 
     A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
@@ -97,16 +97,13 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
     its result is expanded back: along an axis where some operand's values vary, to that
     operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
 
-    ``out_shape`` (the output's local shape, where the runtime gives it) settles two cases
-    the operands cannot: an operand's extent 1 may be a rank's one-element shard of an
-    unevenly split axis rather than a broadcast (the output has extent 1 there, not the
-    expanded operand's; or 0, an empty shard); and operands whose extents above 1 differ along an axis are an
-    expanded broadcast made contiguous (a communication's result) beside this rank's shard
-    (the operands of another extent than the output's are cut to one element). Only those
-    cases read it: a stream loop runs the op on chunks of the shape it gives.
+    With ``out_shapes`` (the op's local output shape, given where an operand has an expanded
+    broadcast axis: ``OpDef.expands_broadcasts``), that shape decides instead of strides: an
+    expanded axis may have been materialized (by a communication), and next to a shard its
+    local extent (the global one) differs from the output's, which may be 1.
     """
-    if out_shape is not None:
-        operands = _fitted(operands, out_shape)
+    if out_shapes is not None:
+        return _to_shape(fn, operands, tuple(out_shapes[0]), kwargs)
     if not any(_repeated(x) for x in operands):
         return fn(*operands, **kwargs)
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
@@ -121,44 +118,35 @@ def pointwise_call(fn, *operands, out_shape=None, **kwargs):
         for axis, (n, stride) in enumerate(zip(x.shape, x.stride())):
             out = axis + ndim - x.ndim
             repeats = stride == 0 and n > 1
-            if n > 1 and not varying[out]:
+            if n != 1 and not varying[out]:  # an empty shard (0) varies too
                 shape[out], varying[out] = n, not repeats
             if repeats:
                 x = x.narrow(axis, 0, 1)
         cut.append(x)
-    if out_shape is not None and len(out_shape) == ndim:
-        shape = [m if m in (0, 1) else n for n, m in zip(shape, out_shape)]
     result = fn(*cut, **kwargs)
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
 
 
-def _fitted(operands: tuple, shape) -> tuple:
-    """``operands``, each cut to one element along an axis where the operands' extents
-    above 1 differ and its own is not the output's (``shape``, aligned on the right): an
-    expanded broadcast axis made contiguous, whose values repeat."""
-    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
-    if len(tensors) < 2 or not all(x.ndim <= len(shape) for x in tensors):
-        return operands
-    fitted = []
+def _to_shape(fn, operands: tuple, shape: tuple[int, ...], kwargs: dict):
+    """``fn(*operands)`` computed for a result of local ``shape``: an operand's axis of
+    another extent than the result's, and not 1, is an expanded broadcast axis (every
+    element the same), cut to one element; the result is expanded to ``shape``."""
+    cut = []
     for x in operands:
         if isinstance(x, torch.Tensor):
-            offset = len(shape) - x.ndim
             for axis, n in enumerate(x.shape):
-                out = axis + offset
-                others = {t.shape[out - len(shape) + t.ndim] for t in tensors
-                          if out - len(shape) + t.ndim >= 0} - {1}
-                if len(others) > 1 and n not in (1, shape[out]):
+                if n not in (1, shape[axis + len(shape) - x.ndim]):
                     x = x.narrow(axis, 0, 1)
-        fitted.append(x)
-    return tuple(fitted)
+        cut.append(x)
+    result = fn(*cut, **kwargs)
+    return result.expand(shape) if tuple(result.shape) != shape else result
 
 
 def keeps_repeats(fn):
-    """``fn`` run through :func:`pointwise_call`, given the output's local shape (its op is
-    declared ``needs_out_shape``)."""
+    """``fn`` run through :func:`pointwise_call`."""
 
-    def call(*operands, out_shapes, **kwargs):
-        return pointwise_call(fn, *operands, out_shape=out_shapes[0], **kwargs)
+    def call(*operands, **kwargs):
+        return pointwise_call(fn, *operands, **kwargs)
 
     call.__name__ = getattr(fn, "__name__", "call")
     return call
