@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_precision
 import fuzz_typed
 import torch
 
@@ -52,6 +53,14 @@ class Features:
         extrema: ``add``/``sub`` of two reductions of one kind over the same axes (partial
             maxima, minima or products where the reduced axes are sharded: only partial
             sums may be added before their reduction).
+        low_precision: the floating-point inputs in one half-precision dtype (BFloat16 or
+            Half, per program; some stay Float), casts down to it, and the torch code
+            computing in float32 where meshfuse does (nvFuser's promotion); compared with
+            dtype-appropriate tolerances (``fuzz_precision.py``).
+        differentiable: programs to differentiate (``test_fuzz_autodiff.py``): no attention
+            backward statement (``sdpfa_bwd`` has no derivative), and the torch code detaches
+            attention's log-sum-exp, which meshfuse, as PyTorch's attention kernels, does not
+            differentiate.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -61,6 +70,8 @@ class Features:
     any_to_any: bool = False
     integers: bool = False
     extrema: bool = False
+    differentiable: bool = False
+    low_precision: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +101,7 @@ class Program:
     # input -> its stride_order (nvFuser's: axis i's rank, the outermost highest); absent:
     # contiguous in logical order
     layouts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    low: str = ""  # Features.low_precision: the program's half-precision DataType name
 
     def dtype(self, name: str) -> str:
         """The DataType name of input ``name`` (Float unless the generator chose another)."""
@@ -106,9 +118,11 @@ class Program:
     def mesh_code(self) -> str:
         return "\n".join(f"{n} = DeviceMesh({m})" for n, m in self.meshes.items())
 
-    def repro(self) -> str:
+    def repro(self, check: str | None = None) -> str:
         """A runnable script: ``torchrun --nproc-per-node N repro.py`` (or ``python repro.py``
-        at world size 1)."""
+        at world size 1). ``check`` is its end, run with ``reference``, ``inputs``, ``fd``,
+        ``compiled``, ``held`` and ``local`` (this rank's shards) defined; default
+        :data:`FORWARD_CHECK`, which executes the fusion and compares its outputs."""
         body = "\n".join("    " + line for line in self.torch_lines)
         fd_body = "\n".join("    " + line for line in self.definition_code().split("\n"))
         names = ", ".join(n for n, _ in self.inputs)
@@ -140,7 +154,13 @@ compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
 held = [compiled[tv].mesh is None or rank in compiled[tv].mesh for tv in fd.fusion.inputs()]
 local = [meshfuse.shard_tensor(x, tv, rank) if h else None
          for x, tv, h in zip(inputs, fd.fusion.inputs(), held)]
-outs = fd.execute(local)
+{FORWARD_CHECK if check is None else check}"""
+
+    def schedule_code(self) -> str:
+        return "\n".join(self.schedule)
+
+
+FORWARD_CHECK = """outs = fd.execute(local)
 for out, ref, tv in zip(outs, reference(*inputs), fd.fusion.outputs()):
     if compiled[tv].mesh is None or rank in compiled[tv].mesh:
         torch.testing.assert_close(out, meshfuse.shard_tensor(ref, tv, rank), rtol=1e-4,
@@ -148,15 +168,14 @@ for out, ref, tv in zip(outs, reference(*inputs), fd.fusion.outputs()):
 print("rank", rank, "ok")
 """
 
-    def schedule_code(self) -> str:
-        return "\n".join(self.schedule)
-
 
 INPUT_CODE = {
     "Float": "torch.randn({shape}, generator=gen)",
     "Int": "torch.randint(-4, 5, {shape}, generator=gen)",
     "Int32": "torch.randint(-4, 5, {shape}, generator=gen, dtype=torch.int32)",
     "Bool": "torch.rand({shape}, generator=gen) > 0.5",
+    "BFloat16": "torch.randn({shape}, generator=gen).bfloat16()",
+    "Half": "torch.randn({shape}, generator=gen).half()",
 }
 
 
@@ -178,10 +197,11 @@ def draw_input(shape: list[int], dtype: str, gen: torch.Generator,
 class _Gen:
     """Builds one program statement by statement (see the module doc)."""
 
-    def __init__(self, rng: random.Random, seed: int, uneven: bool):
+    def __init__(self, rng: random.Random, seed: int, features: Features):
         self.rng = rng
         self.gen = torch.Generator().manual_seed(seed)
-        self.uneven = uneven
+        self.uneven = features.uneven
+        self.differentiable = features.differentiable
         self.dtypes: dict[str, str] = {}
         self.values: list[Value] = []
         self.inputs: list[tuple[str, tuple[int, ...]]] = []
@@ -193,6 +213,7 @@ class _Gen:
         self.count = 0
         self.probe = FusionDefinition()  # the definition so far, for meshfuse's axis kinds
         self.probe_env = {"fd": self.probe, "DataType": DataType}
+        self.low = ""  # the half-precision dtype of Features.low_precision (fuzz_precision)
 
     # ----- values --------------------------------------------------------------------
     def _name(self) -> str:
@@ -203,7 +224,8 @@ class _Gen:
         pool = EXTENTS + (UNEVEN_EXTENTS if self.uneven else [])
         return self.rng.choice(pool)
 
-    def new_input(self, shape: tuple[int, ...], dtype: str = "Float") -> Value:
+    def new_input(self, shape: tuple[int, ...], dtype: str | None = None) -> Value:
+        dtype = dtype or (fuzz_precision.input_dtype(self) if self.low else "Float")
         name = self._name()
         t = draw_input(list(shape), dtype, self.gen)
         self.env[name] = t
@@ -222,15 +244,18 @@ class _Gen:
 
     def emit(self, fd: str, torch_code: str, outs: list[str], exact: bool) -> list[Value]:
         """Adds a statement whose outputs are ``outs`` (names), runs its torch code."""
-        self.fd_lines.append(fd)
-        self.torch_lines.extend(torch_code.split("\n"))
         with torch.no_grad():
             exec(torch_code, self.env)
         exec(fd, self.probe_env)
+        if self.low:  # torch's dtypes made meshfuse's; rounding makes floats inexact
+            torch_code = fuzz_precision.matched(self, torch_code, outs)
+        self.fd_lines.append(fd)
+        self.torch_lines.extend(torch_code.split("\n"))
         made = []
         for name in outs:
             kinds = tuple(i.is_broadcast for i in self.probe_env[name].materialized())
-            v = Value(name, self.env[name], exact, broadcast=kinds)
+            inexact = self.low and self.env[name].is_floating_point()
+            v = Value(name, self.env[name], exact and not inexact, broadcast=kinds)
             self.values.append(v)
             made.append(v)
         return made
@@ -243,7 +268,9 @@ class _Gen:
             names.append(name)
         return names
 
-    def pick(self, pred=lambda v: True, dtypes=(torch.float32,)) -> Value | None:
+    def pick(self, pred=lambda v: True, dtypes=None) -> Value | None:
+        dtypes = dtypes or ((torch.float32, fuzz_precision.LOW[self.low]) if self.low
+                            else (torch.float32,))
         choices = [v for v in self.values if v.tensor.dtype in dtypes and pred(v)]
         if not choices:
             return None
@@ -413,7 +440,7 @@ class _Gen:
             other = [1 if e == 1 else o for e, o in zip(shape, other)]
             if shape[a] == 1:
                 return
-        b = self.new_input(tuple(other))
+        b = self.new_input(tuple(other), _dtype_name(x))
         (y,) = self.fresh()
         self.emit(f"{y} = fd.ops.cat([{x.name}, {b.name}], dim={a})",
                   f"{y} = torch.cat([{x.name}, {b.name}], {a})", [y], x.exact)
@@ -425,13 +452,14 @@ class _Gen:
         k = x.tensor.shape[-1]
         (y,) = self.fresh()
         if self.rng.random() < 0.5:
-            w = self.new_input((self.extent(), k))
-            bias = self.new_input((w.tensor.shape[0],)) if self.rng.random() < 0.5 else None
+            w = self.new_input((self.extent(), k), _dtype_name(x))
+            bias = self.new_input((w.tensor.shape[0],), _dtype_name(x)) \
+                if self.rng.random() < 0.5 else None
             b = "None" if bias is None else bias.name
             self.emit(f"{y} = fd.ops.linear({x.name}, {w.name}, {b})",
                       f"{y} = torch.nn.functional.linear({x.name}, {w.name}, {b})", [y], False)
         else:
-            w = self.new_input((k, self.extent()))
+            w = self.new_input((k, self.extent()), _dtype_name(x))
             self.emit(f"{y} = fd.ops.matmul({x.name}, {w.name})",
                       f"{y} = torch.matmul({x.name}, {w.name})", [y], False)
 
@@ -482,22 +510,23 @@ class _Gen:
         causal = s == skv and self.rng.random() < 0.4
         q = self.pick(lambda v: tuple(v.tensor.shape) == (b, h, s, e)) or \
             self.new_input((b, h, s, e))
-        k, v = self.new_input((b, h, skv, e)), self.new_input((b, h, skv, e))
+        k, v = (self.new_input((b, h, skv, e), _dtype_name(q)) for _ in range(2))
         attn, lse, seed, off = self.fresh(4)
         scores = f"({q.name} @ {k.name}.transpose(-2, -1)) / math.sqrt({e})"
         if causal:
             scores += f" + torch.full(({s}, {s}), float('-inf')).triu(1)"
+        detached = ".detach()" if self.differentiable else ""
         self.emit(f"{attn}, {lse}, {seed}, {off} = fd.ops.sdpfa_fwd({q.name}, {k.name}, "
                   f"{v.name}, 0.0, {causal}, None)",
                   f"{attn} = torch.nn.functional.scaled_dot_product_attention({q.name}, "
                   f"{k.name}, {v.name}, is_causal={causal})\n"
-                  f"{lse} = torch.logsumexp({scores}, -1)\n{seed} = {off} = None",
+                  f"{lse} = torch.logsumexp({scores}, -1){detached}\n{seed} = {off} = None",
                   [attn, lse], False)
         self.values = [x for x in self.values if x.name not in (seed, off)]
         self.features.add("sdpa_causal" if causal else "sdpa")
-        if self.rng.random() < 0.5:
+        if self.rng.random() < 0.5 or self.differentiable:
             return
-        go = self.new_input((b, h, s, e))
+        go = self.new_input((b, h, s, e), _dtype_name(q))
         gq, gk, gv = self.fresh(3)
         leaves = f"_q, _k, _v = ({q.name}.detach().requires_grad_(), " \
                  f"{k.name}.detach().requires_grad_(), {v.name}.detach().requires_grad_())"
@@ -515,6 +544,14 @@ class _Gen:
 
     def extrema(self) -> None:
         fuzz_typed.extrema(self, _reduce_code)
+
+    def downcast(self) -> None:
+        fuzz_precision.downcast(self)
+
+
+def _dtype_name(v: Value) -> str:
+    """The DataType name of ``v``'s dtype (a new operand of an op that does not promote)."""
+    return DataType.from_torch(v.tensor.dtype).name
 
 
 def _reduce_code(op: str, x: Value, dims, keep: bool) -> str:
@@ -548,14 +585,17 @@ STATEMENTS = {  # name: weight
 
 
 # Statements of the optional features (Features.integers, Features.extrema).
-FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2}}
+FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2},
+                      "low_precision": {"downcast": 4}}
 
 
 def generate(seed: int, world_size: int, features: Features | None = None) -> Program:
     """A random program (see the module doc), the same on every rank for one seed."""
     features = Features() if features is None else features
     rng = random.Random(seed * 7919 + world_size)
-    g = _Gen(rng, seed, features.uneven)
+    g = _Gen(rng, seed, features)
+    if features.low_precision:
+        g.low = rng.choice(list(fuzz_precision.LOW))
     statements = dict(STATEMENTS)
     for feature, extra in FEATURE_STATEMENTS.items():
         if getattr(features, feature):
@@ -568,13 +608,14 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
         g.unary()
         computed = [v for v in g.values if not v.is_input]
     outputs = [computed[-1].name]
-    extra = [v.name for v in computed[:-1] if v.tensor.dtype == torch.float32]
+    extra = [v.name for v in computed[:-1] if v.tensor.dtype == torch.float32
+             or v.tensor.dtype == fuzz_precision.LOW.get(g.low)]
     extra += [n for n in g.unused_outputs if n not in outputs]
     if extra and rng.random() < 0.5:
         outputs.append(rng.choice(extra))
     outputs = list(dict.fromkeys(outputs))
     program = Program(seed, world_size, g.inputs, g.fd_lines, g.torch_lines, outputs,
-                      features=g.features, dtypes=g.dtypes)
+                      features=g.features, dtypes=g.dtypes, low=g.low)
     from fuzz_schedules import schedule_program
 
     schedule_program(program, rng, features)
@@ -593,15 +634,19 @@ def build(program: Program) -> tuple[FusionDefinition, dict]:
     return fd, env
 
 
-def reference(program: Program) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The global inputs and the outputs computed by plain torch."""
+def reference(program: Program, grad: bool = False
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The global inputs and the outputs computed by plain torch; with ``grad``, the
+    floating-point inputs are leaves that require grad and the outputs are recorded by
+    autograd (to differentiate with ``torch.autograd.grad``)."""
     gen = torch.Generator().manual_seed(program.seed)
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
-        env[name] = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
+        x = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
+        env[name] = x.requires_grad_() if grad and x.is_floating_point() else x
         inputs.append(env[name])
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         exec("\n".join(program.torch_lines), env)
     return inputs, [env[o] for o in program.outputs]
 

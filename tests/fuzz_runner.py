@@ -5,25 +5,32 @@ Each program ends in one outcome: ``match``; ``mismatch`` (wrong values: a failu
 ``ExecutionError`` wrapping a kernel's failure: a failure); or a typed ``refusal``, which is
 allowed only when its message matches a class of :data:`REFUSALS`, each of which names the
 fix in its message (an unknown refusal is a failure: the generator writes valid programs).
-Two more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work on
-a copy) and ``invalid program`` (the generator itself failed on a seed; the run goes on).
+Three more failures: ``mutated`` (``execute`` changed the user's fusion: compiling must work
+on a copy), ``recompiled`` (a cached call of the compiled path compiled again) and ``invalid
+program`` (the generator itself failed on a seed; the run goes on).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import json
 import os
 import re
 import traceback
 from collections.abc import Callable, Iterable
 
+import fuzz_precision
 import torch
 from fusion_snapshot import snapshot
-from fuzz_programs import Program, build, reference
+from fuzz_programs import FORWARD_CHECK, Program, build, reference
+from torch._dynamo.utils import counters
 
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
 from meshfuse.passes.pipeline import compiled_for
+from meshfuse.runtime.communicator import Communicator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +62,24 @@ REFUSALS: tuple[Refusal, ...] = ()
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     # "match", "mismatch", "untyped", "refusal", "unknown refusal", "invalid program" (the
-    # generator failed), "mutated" (execute changed the user's fusion)
+    # generator failed), "mutated" (execute changed the user's fusion), "recompiled" (a
+    # cached compiled call compiled again)
     kind: str
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
+    check: str | None = None  # the end of the reproduction (see Program.repro)
 
     @property
     def failed(self) -> bool:
         return self.kind in ("mismatch", "untyped", "unknown refusal", "invalid program",
-                             "mutated")
+                             "mutated", "recompiled")
 
     def report(self) -> str:
         """The failure with its reproduction (the seed and the program as code)."""
         if self.program is None:  # the generator failed: its seed is in the detail
             return f"{self.kind}: {self.detail}"
         return (f"{self.kind}: {self.detail}\n--- reproduction (seed {self.program.seed}, "
-                f"world size {self.program.world_size}) ---\n{self.program.repro()}")
+                f"world size {self.program.world_size}) ---\n{self.program.repro(self.check)}")
 
 
 def classify(error: BaseException) -> tuple[str, str]:
@@ -92,40 +101,147 @@ def tolerance(program: Program, expected: torch.Tensor) -> dict:
     return {"rtol": 1e-4, "atol": 1e-4 * max(1.0, scale), "equal_nan": True}
 
 
-def run_program(program: Program, rank: int, device: torch.device) -> Outcome:
-    """Runs ``program`` on this rank's shards and compares with torch on the global tensors."""
+def holder(fusion, rank: int) -> Callable[[object], bool]:
+    """``held(tv)``: whether ``rank`` holds a shard of ``fusion``'s tensor ``tv`` (is in its
+    mesh, as compiling gives it: every tensor has one there)."""
+    compiled = compiled_for(fusion)
+    return lambda tv: compiled[tv].mesh is None or rank in compiled[tv].mesh
+
+
+def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
+                 device: torch.device) -> list[torch.Tensor | None]:
+    """This rank's shards of global ``inputs`` (None where it holds none), as ``execute``
+    takes them."""
+    held = holder(fusion, rank)
+    return [shard_tensor(x.detach().to(device), tv, rank) if held(tv) else None
+            for x, tv in zip(inputs, fusion.inputs())]
+
+
+def run_program(program: Program, rank: int, device: torch.device,
+                compile: str | None = None) -> Outcome:
+    """Runs ``program`` on this rank's shards and compares with torch on the global tensors.
+
+    Without ``compile``, ``execute`` runs twice (as ``MESHFUSE_COMPILE`` says: the
+    interpreter by default): the first call builds and checks, the second runs the cached
+    program (bound kernels, reused plans), which must give the same values. With ``compile``
+    (a torch.compile backend: ``"inductor"``...), the interpreter runs first, then the
+    compiled program twice; each compiled call is compared with torch and with the
+    interpreter, and the cached one must compile nothing (outcome ``recompiled``). A
+    failure's reproduction runs the program as the failing call did (:func:`repro_check`).
+    """
     try:
         fd, _ = build(program)
-        inputs, expected = reference(program)
-        compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
-
-        def held(tv) -> bool:
-            return compiled[tv].mesh is None or rank in compiled[tv].mesh
-
-        local = [shard_tensor(x.to(device), tv, rank) if held(tv) else None
-                 for x, tv in zip(inputs, fd.fusion.inputs())]
-        before = snapshot(fd.fusion)
-        # Twice: the first call builds and checks, the second runs the cached program (bound
-        # kernels, reused plans), which must give the same values.
-        for call in ("first call", "cached call"):
-            outputs = fd.execute(local)
-            if snapshot(fd.fusion) != before:
-                return Outcome("mutated", "execute changed the user's fusion", program)
-            for out, ref, tv in zip(outputs, expected, fd.fusion.outputs()):
-                if not held(tv):
-                    continue
-                want = shard_tensor(ref.to(device), tv, rank)
-                try:
-                    torch.testing.assert_close(out, want, **tolerance(program, ref))
-                except AssertionError as e:
-                    return Outcome("mismatch", f"{call}, {tv.name}: {e}", program)
+        inputs, outputs = reference(program)
+        held = holder(fd.fusion, rank)
+        local = local_inputs(fd.fusion, inputs, rank, device)
+        wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv) else None
+                  for (want, dtype, tol), tv in zip(expected(program, inputs, outputs),
+                                                    fd.fusion.outputs())]
+        kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
-        return Outcome(kind, detail, program)
-    return Outcome("match", "", program)
+        _recover()
+    return Outcome(kind, detail, program, repro_check(program, compile))
+
+
+def _calls_outcome(fd, local: list, wanted: list, compile: str | None) -> tuple[str, str]:
+    """(kind, detail) of the calls of :func:`run_program` on this rank's inputs ``local``,
+    compared with ``wanted`` (``(value, dtype, tolerances)``, None where not held). Every
+    call runs even after a failure: another rank, which holds other outputs, may have found
+    none, and it makes these calls (their collectives) too."""
+    before = snapshot(fd.fusion)
+    interpreted, failure = None, None
+    for call, option in _calls(compile):
+        counts = _compile_counts(fd) if call == "compiled cached call" else None
+        got = fd.execute(local) if option is None else fd.execute(local, compile=option)
+        if snapshot(fd.fusion) != before:
+            failure = failure or ("mutated", "execute changed the user's fusion")
+        if counts is not None and _compile_counts(fd) != counts:
+            failure = failure or ("recompiled", f"{call}: {counts} -> {_compile_counts(fd)}")
+        against = [("torch", wanted)]
+        if option and interpreted is not None:  # the interpreter, with torch's dtypes
+            against.append(("the interpreter", [
+                None if w is None else (x, w[1], w[2]) for x, w in zip(interpreted, wanted)]))
+        for name, references in against:
+            difference = _difference(got, references, fd.fusion.outputs())
+            if difference and failure is None:
+                failure = ("mismatch", f"{call}, {difference} (against {name})")
+        if option is False:
+            interpreted = got
+    return failure or ("match", "")
+
+
+def repro_check(program: Program, compile: str | None) -> str | None:
+    """The end of ``program``'s reproduction (``Program.repro``): the forward check, with
+    ``compile`` passed to ``execute``, and for a low-precision program the tolerances of its
+    dtype (a bound for the script's reader, wider than the run's: ``fuzz_precision``)."""
+    if compile is None and not program.low:
+        return None
+    check = FORWARD_CHECK
+    if compile is not None:
+        check = check.replace("fd.execute(local)", f"fd.execute(local, compile={compile!r})")
+    if program.low:
+        check = check.replace("rtol=1e-4", "rtol=2e-2").replace("atol=1e-4", "atol=2e-2")
+    return check
+
+
+def _recover() -> None:
+    """After an error, which meshfuse raises on every rank: starts the process groups over,
+    so that the next programs of a long run do not fail as "out of step" (best effort)."""
+    communicator = Communicator.instance()
+    if communicator.size > 1:
+        with contextlib.suppress(MeshfuseError):
+            communicator.recover()
+
+
+def expected(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+             ) -> list[tuple[torch.Tensor, torch.dtype, dict]]:
+    """For each of torch's ``outputs`` (global): the value an output is compared with, the
+    dtype it must have, and the tolerances; a low-precision program's values are exact
+    (float64) with tolerances of its dtype (``fuzz_precision.expectations``)."""
+    if not program.low:
+        return [(out, out.dtype, tolerance(program, out)) for out in outputs]
+    return [(want, out.dtype, tol) for out, (want, tol) in
+            zip(outputs, fuzz_precision.expectations(program, inputs, outputs))]
+
+
+def _difference(outputs, references, tvs) -> str:
+    """The first output that differs from its ``(value, dtype, tolerances)`` reference
+    (None: not held here), or ``""``."""
+    for out, ref, tv in zip(outputs, references, tvs):
+        if ref is None:
+            continue
+        want, dtype, tol = ref
+        if out.dtype != dtype:
+            return f"{tv.name}: dtype {out.dtype}, torch's {dtype}"
+        try:
+            torch.testing.assert_close(out.to(want.dtype), want, **tol)
+        except AssertionError as e:
+            return f"{tv.name}: {e}"
+    return ""
+
+
+def _calls(compile: str | None) -> list[tuple[str, str | bool | None]]:
+    """The calls of one program: (name, ``execute``'s ``compile`` option; None: not given)."""
+    if compile is None:
+        return [("first call", None), ("cached call", None)]
+    return [("interpreter", False), ("compiled first call", compile),
+            ("compiled cached call", compile)]
+
+
+def _compile_counts(fd) -> tuple:
+    """The segment compilations of each fused program of ``fd`` (meshfuse's count) and
+    torch's compile counters (AOTAutograd's, Inductor's): a call that compiles changes one
+    of them."""
+    fused = fd._get_runner()._fused  # the tests of fused segments read it too
+    mine = tuple(sorted((str(key), stats.compiles) for key, (_, stats) in fused.items()))
+    theirs = tuple(sorted((name, tuple(sorted(c.items()))) for name, c in counters.items()
+                          if name in ("aot_autograd", "inductor")))
+    return mine, theirs
 
 
 SEED_ENV = "MESHFUSE_FUZZ_SEED"  # the first seed of a run (default 0)
+REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 
 
 def seeds(world_size: int, programs_env: str, default: int) -> range:
@@ -140,9 +256,12 @@ def seeds(world_size: int, programs_env: str, default: int) -> range:
 
 
 def run_many(seeds: Iterable[int], rank: int, device: torch.device,
-             make: Callable[[int], Program]) -> list[Outcome]:
-    """The outcome of each seed's program ``make(seed)``; a seed whose program cannot be
-    made is an ``invalid program`` outcome, and the run goes on."""
+             make: Callable[[int], Program],
+             run: Callable[[Program, int, torch.device], Outcome] = run_program,
+             ) -> list[Outcome]:
+    """The outcome of each seed's program ``make(seed)`` by ``run`` (default: its outputs
+    against torch's); a seed whose program cannot be made is an ``invalid program``
+    outcome, and the run goes on."""
     outcomes = []
     for seed in seeds:
         try:
@@ -150,5 +269,27 @@ def run_many(seeds: Iterable[int], rank: int, device: torch.device,
         except Exception as e:  # noqa: BLE001 (the generator's own bug: counted, run goes on)
             outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
             continue
-        outcomes.append(run_program(program, rank, device))
+        outcomes.append(run(program, rank, device))
     return outcomes
+
+
+def summarize(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """How many programs ended in each outcome (refusals and errors by their first words)."""
+    counts = collections.Counter(
+        o.kind if o.kind in ("match", "mismatch", "untyped") else f"{o.kind}: {o.detail[:60]}"
+        for o in outcomes
+    )
+    return dict(sorted(counts.items()))
+
+
+def write_report(run: range, world_size: int, rank: int, outcomes: list[Outcome]) -> None:
+    """With ``$MESHFUSE_FUZZ_REPORT`` set (a directory), writes this rank's counts and its
+    first failures there as ``ws{world_size}-rank{rank}.json`` (a long run's record)."""
+    report = os.environ.get(REPORT_ENV)
+    if not report:
+        return
+    os.makedirs(report, exist_ok=True)
+    with open(os.path.join(report, f"ws{world_size}-rank{rank}.json"), "w") as f:
+        json.dump({"programs": len(run), "first_seed": run.start,
+                   "outcomes": summarize(outcomes),
+                   "failures": [o.report() for o in outcomes if o.failed][:20]}, f, indent=1)

@@ -25,7 +25,7 @@ from benchmarks.cases.fusion import NormFwdBwd, SoftmaxRows
 from benchmarks.fusions import Pointwise10
 from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
 from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.fused import FUSED, INDUCTOR_ON_CUDA, inductor_patches
+from meshfuse.runtime.fused import FUSED, INDUCTOR, INDUCTOR_ON_CUDA, inductor_patches
 from meshfuse.runtime.runner import compile_setting
 
 BACKEND = "aot_eager"
@@ -236,8 +236,11 @@ class _Like:
 
 def test_inductor_segments_on_gpus_get_persistent_and_looped_reductions():
     """Inductor on CUDA tensors compiles each reduction both ways (triton.multi_kernel) and
-    keeps the faster; other backends, and Inductor's C++ on CPUs, get no settings."""
-    assert inductor_patches("inductor", [_Like(False), _Like(True)]) == INDUCTOR_ON_CUDA
+    keeps the faster; Inductor everywhere rounds at casts to half precision; other backends
+    get no settings."""
+    assert inductor_patches("inductor", [_Like(False), _Like(True)]) == \
+        {**INDUCTOR, **INDUCTOR_ON_CUDA}
     assert INDUCTOR_ON_CUDA["triton.multi_kernel"] == 1
-    assert inductor_patches("inductor", [_Like(False)]) == {}
+    assert inductor_patches("inductor", [_Like(False)]) == INDUCTOR == \
+        {"emulate_precision_casts": True}
     assert inductor_patches("aot_eager", [_Like(True)]) == {}

@@ -6,27 +6,42 @@ CI runs ``DEFAULT_PROGRAMS`` programs per world size, all in one test per size. 
 runs more: ``MESHFUSE_FUZZ_PROGRAMS=5000 python -m pytest tests/test_fuzz.py`` (or
 ``--fuzz-programs 5000``), from seed ``MESHFUSE_FUZZ_SEED`` (default 0) on. A failure prints
 the outcome counts and, for the first failures, a runnable reproduction.
+
+Two more tests draw from the same generator: low-precision programs (BFloat16/Half,
+``fuzz_precision.py``; ``MESHFUSE_FUZZ_LOW_PRECISION_PROGRAMS``) and programs run through
+the compiled path (fused segments by Inductor, against torch and the interpreter, at one
+world size in CI; ``MESHFUSE_FUZZ_COMPILED_PROGRAMS`` runs more, at every world size).
 """
 
 from __future__ import annotations
 
-import collections
-import json
+import dataclasses
+import functools
 import os
 
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import run_many, seeds
+from fuzz_runner import run_many, run_program, seeds, summarize, write_report
 
 pytestmark = pytest.mark.mpi
 
 DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
-REPORT_ENV = "MESHFUSE_FUZZ_REPORT"  # a directory: each rank writes its counts there
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
+# Low-precision programs (Features.low_precision): their own count, the same long mode.
+DEFAULT_LOW_PRECISION_PROGRAMS = 40
+LOW_PRECISION_PROGRAMS_ENV = "MESHFUSE_FUZZ_LOW_PRECISION_PROGRAMS"
+# The compiled path: a few programs at one world size in CI (Inductor's C++ compiler takes
+# seconds for each new segment, on every rank); MESHFUSE_FUZZ_COMPILED_PROGRAMS=500 is its
+# long mode, at every world size; MESHFUSE_FUZZ_COMPILE the torch.compile backend (default
+# inductor).
+DEFAULT_COMPILED_PROGRAMS = 3
+COMPILED_WORLD_SIZE = 2  # CI's one world size of the compiled programs
+COMPILED_PROGRAMS_ENV = "MESHFUSE_FUZZ_COMPILED_PROGRAMS"
+COMPILE_ENV = "MESHFUSE_FUZZ_COMPILE"
 
 
 def _features() -> Features:
@@ -36,33 +51,51 @@ def _features() -> Features:
     return Features(**{n: True for n in names.split(",") if n})
 
 
-def _summary(outcomes) -> dict[str, int]:
-    counts = collections.Counter(
-        o.kind if o.kind in ("match", "mismatch", "untyped") else f"{o.kind}: {o.detail[:60]}"
-        for o in outcomes
-    )
-    return dict(sorted(counts.items()))
-
-
 def test_fuzz_programs_match_torch(multidevice_test):
-    size, features = multidevice_test.size, _features()
-    run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
-    count, first = len(run), run.start
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
-                        lambda seed: generate(seed, size, features))
-    summary = _summary(outcomes)
-    report = os.environ.get(REPORT_ENV)
-    if report:
-        os.makedirs(report, exist_ok=True)
-        name = f"ws{multidevice_test.size}-rank{multidevice_test.rank}.json"
-        with open(os.path.join(report, name), "w") as f:
-            json.dump({"programs": count, "first_seed": first, "outcomes": summary,
-                       "failures": [o.report() for o in outcomes if o.failed][:20]}, f,
-                      indent=1)
+    _fuzz(multidevice_test, PROGRAMS_ENV, DEFAULT_PROGRAMS, _features())
+
+
+def test_fuzz_low_precision_programs_match_torch(multidevice_test):
+    """BFloat16 and Half programs (``fuzz_precision.py``), against their exact values with
+    the tolerances of their dtype."""
+    features = dataclasses.replace(_features(), low_precision=True)
+    _fuzz(multidevice_test, LOW_PRECISION_PROGRAMS_ENV, DEFAULT_LOW_PRECISION_PROGRAMS,
+          features)
+
+
+def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test):
+    """The programs through the compiled path (fused segments; Inductor's C++ on CPU),
+    float32 ones at even seeds, low-precision ones at odd seeds: compared with torch and with
+    the interpreter, the cached call compiling nothing."""
+    if COMPILED_PROGRAMS_ENV not in os.environ and multidevice_test.size != COMPILED_WORLD_SIZE:
+        pytest.skip(f"CI compiles at {COMPILED_WORLD_SIZE} ranks only (Inductor's C++ build "
+                    f"per rank); {COMPILED_PROGRAMS_ENV}=N runs every world size")
+    backend = os.environ.get(COMPILE_ENV, "inductor")
+    low = dataclasses.replace(_features(), low_precision=True)
+    _fuzz(multidevice_test, COMPILED_PROGRAMS_ENV, DEFAULT_COMPILED_PROGRAMS, _features(),
+          compile=backend, odd_seeds=low)
+
+
+def _fuzz(multidevice_test, programs_env: str, default: int, features: Features,
+          compile: str | None = None, odd_seeds: Features | None = None) -> None:
+    """Runs the seeds of ``programs_env`` (``seeds``) at this world size, drawn with
+    ``features`` (``odd_seeds`` at odd seeds, when given), compiled by ``compile``; fails
+    with the counts and the first reproductions if a program failed."""
+    size = multidevice_test.size
+    run = seeds(size, programs_env, default)
+    count = len(run)
+
+    def make(seed: int):
+        drawn_with = odd_seeds if odd_seeds is not None and seed % 2 else features
+        return generate(seed, size, drawn_with)
+
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device, make,
+                        functools.partial(run_program, compile=compile))
+    summary = summarize(outcomes)
+    write_report(run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == count
     assert not failures, (
         f"{len(failures)} of {count} programs failed at world size {multidevice_test.size}: "
         f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3])
     )
-

@@ -389,6 +389,48 @@ def _cyclic_on_the_reduced_axis(t, mesh):
         shard(tv, 0, mesh, inner=True)
 
 
+def _expanded_against_shards(fd, d):
+    """Pointwise ops between ``broadcast_in_dim``'s expanded axis and a tensor sharded on it
+    (of extent 2d - 1: the last shard has 1 element): the expanded operand gathered first
+    (materialized by the allgather), or replicated all along (a stride-0 view)."""
+    n = _odd(d)
+    x, z = (fd.define_tensor([3], dtype=DataType.Float) for _ in range(2))
+    y = fd.define_tensor([3, n], dtype=DataType.Float)
+    gathered = fd.ops.exp(fd.ops.broadcast_in_dim(x, shape=[3, n], broadcast_dims=[0]))
+    replicated = fd.ops.broadcast_in_dim(z, shape=[3, n], broadcast_dims=[0])
+    added = fd.ops.add(gathered, y)
+    chosen = fd.ops.where(fd.ops.gt(y, 0.0), replicated, y)
+    fd.add_output(added)
+    fd.add_output(chosen)
+    return x, y, z, added, chosen
+
+
+def _odd(d: int) -> int:
+    return max(3, 2 * d - 1)
+
+
+def _expanded_reference(x, z, y):
+    return [x.exp()[:, None] + y, torch.where(y > 0, z[:, None].expand_as(y), y)]
+
+
+def _rows_sharded_outputs_on_the_expanded_axis(t, mesh):
+    x, y, z, added, chosen = t
+    shard(x, 0, mesh)
+    z.set_device_mesh(mesh)
+    for tv in (y, added, chosen):
+        shard(tv, 1, mesh)
+
+
+def _linear_of_expanded(fd, d):
+    """``linear`` contracting ``broadcast_in_dim``'s expanded axis with a weight sharded on
+    its contracted axis (extent 2d + 1)."""
+    x = fd.define_tensor([4, 3], dtype=DataType.Float)
+    w = fd.define_tensor([6, 2 * d + 1], dtype=DataType.Float)
+    expanded = fd.ops.broadcast_in_dim(x, shape=[4, 3, 2 * d + 1], broadcast_dims=[0, 1])
+    fd.add_output(fd.ops.linear(expanded, w))
+    return x, w
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -469,6 +511,20 @@ CASES: dict[str, Case] = {
         lambda x, y: [x.sum(0, keepdim=True) + y.sum(0, keepdim=True), x.sum(0, keepdim=True)],
         lambda d: [[2 * d - 1]] * 2,
         comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 2)),
+    "expanded_broadcast_axis_against_a_shard": Case(
+        "ExecutionError 'The size of tensor a (4) must match the size of tensor b (2)': the "
+        "allgathered expanded axis (materialized) kept its global extent next to the "
+        "output's shard; and a stride-0 one was expanded back to its global extent where the "
+        "output's shard had 1 element (fuzzer seed 802 at 2 ranks, low precision)",
+        _expanded_against_shards, _rows_sharded_outputs_on_the_expanded_axis,
+        _expanded_reference, lambda d: [[3], [3], [3, _odd(d)]]),
+    "linear_contracting_an_expanded_broadcast_axis": Case(
+        "ExecutionError 'mat1 and mat2 shapes cannot be multiplied (24x5 and 3x3)': the "
+        "weight's contracted axis stayed sharded against the expanded axis, whole on every "
+        "rank (low-precision fuzzer seed 875 at 4 ranks, a float32 bug)",
+        _linear_of_expanded, lambda t, mesh: shard(t[1], 1, mesh),
+        lambda x, w: [torch.nn.functional.linear(x[:, :, None].expand(4, 3, w.shape[1]), w)],
+        lambda d: [[4, 3], [6, 2 * d + 1]]),
     "var_mean_then_attention_on_its_size_1_axes": Case(
         "issue 11: off by 0.03-0.08 at 2 ranks",
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),
@@ -487,6 +543,8 @@ def test_regression(multidevice_test, name):
 
 # The features the seeds below were drawn with (later features draw other programs).
 DRAWN_WITH = Features(uneven=True, any_to_any=True)
+CI_FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
+LOW_PRECISION = dataclasses.replace(CI_FEATURES, low_precision=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,6 +556,7 @@ class Seed:
     was: str
     open: bool = False  # still failing: expected to fail (strict) until fixed
     features: Features = DRAWN_WITH
+    compile: str | None = None  # run compiled by this torch.compile backend (fuzz_runner)
 
 
 SEEDS: dict[str, Seed] = {
@@ -518,6 +577,22 @@ SEEDS: dict[str, Seed] = {
     "partial_max_resharded_as_a_sum-4096": Seed(
         4096, 4, "as 2308, on the 2x2 mesh: max over an axis on mesh_y, its result pinned "
         "partial on mesh_x"),
+    "expanded_broadcast_axis_against_a_shard-802": Seed(
+        802, 2, "ExecutionError: where(cond, broadcast_in_dim's expanded axis gathered, a "
+        "shard): 'The size of tensor a (2) must match the size of tensor b (3)'",
+        features=LOW_PRECISION),
+    "linear_contracting_an_expanded_broadcast_axis-875": Seed(
+        875, 4, "ExecutionError: linear(broadcast_in_dim(x), w) with w's contracted axis "
+        "sharded on the 2x2 mesh: 'mat1 and mat2 shapes cannot be multiplied'",
+        features=LOW_PRECISION),
+    "empty_shard_next_to_a_repeated_axis-82": Seed(
+        82, 4, "ExecutionError in rsqrt: a pointwise op on a stride-0 operand took an empty "
+        "shard's axis (extent 0) for a broadcast one: 'The expanded size of the tensor (1) "
+        "must match the existing size (0)' (also seed 314 at 3 ranks)",
+        features=LOW_PRECISION),
+    "compiled_cast_to_bfloat16_and_back-8": Seed(
+        8, 2, "compiled (Inductor): cast(cast(x, BFloat16), Float) fused into nothing, x "
+        "unrounded, 0.0074 off the interpreter", features=CI_FEATURES, compile="inductor"),
 }
 
 
@@ -529,5 +604,5 @@ def test_fuzz_seed(multidevice_test, name):
     if multidevice_test.size != seed.world_size:
         pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
     outcome = run_program(generate(seed.seed, seed.world_size, seed.features),
-                          multidevice_test.rank, multidevice_test.device)
+                          multidevice_test.rank, multidevice_test.device, seed.compile)
     assert outcome.kind == "match", outcome.report()

@@ -316,7 +316,8 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
         impl = in_float(impl)
     impl = keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
-                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name))
+                 doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
+                 expands_broadcasts=True)
 
 
 for _name, _fn in sorted(UNARY_FLOAT.items()):
@@ -361,7 +362,7 @@ register(OpDef(
     _gelu_backward_infer,
     keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
-    doc="grad * gelu'(x), one kernel (the backward of gelu)",
+    doc="grad * gelu'(x), one kernel (the backward of gelu)", expands_broadcasts=True,
 ))
 
 
@@ -410,10 +411,10 @@ def _where_infer(cond, a, b):
     return [OutSpec(promote(a, b), axes)]
 
 
-def _where(cond, a, b):
+def _where(cond, a, b, out_shapes=None):
     if not isinstance(cond, torch.Tensor):
         cond = torch.tensor(cond)
-    return pointwise_call(torch.where, cond, a, b)
+    return pointwise_call(torch.where, cond, a, b, out_shapes=out_shapes)
 
 
 def _where_grads(d, grads):
@@ -425,4 +426,5 @@ def _where_grads(d, grads):
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
     doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
+    expands_broadcasts=True,
 ))

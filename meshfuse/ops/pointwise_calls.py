@@ -87,7 +87,7 @@ def _repeated(x) -> bool:
         any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape))
 
 
-def pointwise_call(fn, *operands, **kwargs):
+def pointwise_call(fn, *operands, out_shapes=None, **kwargs):
     """``fn(*operands)`` for a pointwise ``fn``, with nvFuser's expanded broadcast axes.
 
     A new axis of ``broadcast_in_dim`` with an extent above 1 is an expanded broadcast axis:
@@ -96,7 +96,14 @@ def pointwise_call(fn, *operands, **kwargs):
     stride-0 axis is cut to one element, ``fn`` runs on what is left (each value once), and
     its result is expanded back: along an axis where some operand's values vary, to that
     operand's extent; where all repeat, to their (expanded) extent, as a stride-0 view again.
+
+    With ``out_shapes`` (the op's local output shape, given where an operand has an expanded
+    broadcast axis: ``OpDef.expands_broadcasts``), that shape decides instead of strides: an
+    expanded axis may have been materialized (by a communication), and next to a shard its
+    local extent (the global one) differs from the output's, which may be 1.
     """
+    if out_shapes is not None:
+        return _to_shape(fn, operands, tuple(out_shapes[0]), kwargs)
     if not any(_repeated(x) for x in operands):
         return fn(*operands, **kwargs)
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
@@ -111,13 +118,28 @@ def pointwise_call(fn, *operands, **kwargs):
         for axis, (n, stride) in enumerate(zip(x.shape, x.stride())):
             out = axis + ndim - x.ndim
             repeats = stride == 0 and n > 1
-            if n > 1 and not varying[out]:
+            if n != 1 and not varying[out]:  # an empty shard (0) varies too
                 shape[out], varying[out] = n, not repeats
             if repeats:
                 x = x.narrow(axis, 0, 1)
         cut.append(x)
     result = fn(*cut, **kwargs)
     return result.expand(shape) if tuple(result.shape) != tuple(shape) else result
+
+
+def _to_shape(fn, operands: tuple, shape: tuple[int, ...], kwargs: dict):
+    """``fn(*operands)`` computed for a result of local ``shape``: an operand's axis of
+    another extent than the result's, and not 1, is an expanded broadcast axis (every
+    element the same), cut to one element; the result is expanded to ``shape``."""
+    cut = []
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            for axis, n in enumerate(x.shape):
+                if n not in (1, shape[axis + len(shape) - x.ndim]):
+                    x = x.narrow(axis, 0, 1)
+        cut.append(x)
+    result = fn(*cut, **kwargs)
+    return result.expand(shape) if tuple(result.shape) != shape else result
 
 
 def keeps_repeats(fn):

@@ -6,7 +6,8 @@ nothing more (their implementation reads the local shapes of its inputs). The re
 implementation as keyword arguments:
 
 - ``out_shapes`` (ops declared ``needs_out_shape``, e.g. ``reshape``, ``expand``): the local
-  shape of each output, whose global shape the op's arguments speak of;
+  shape of each output, whose global shape the op's arguments speak of; also for ops
+  declared ``expands_broadcasts`` reading an expanded broadcast axis (see ``OpDef``);
 - ``reduced_count`` (``needs_reduced_count``, ``mean``): the *global* number of elements
   reduced into one output element, so that a shard's mean is a partial mean;
 - dropped addends (``partial_addends``, ``linear``'s bias): on a partial result, only
@@ -62,7 +63,7 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
             result[expr] = Local()
             continue
         attrs: dict[str, Any] = {}
-        if expr.op.needs_out_shape:
+        if expr.op.needs_out_shape or (expr.op.expands_broadcasts and _reads_expanded(expr)):
             attrs["out_shapes"] = [layouts[o].shape for o in expr.tensor_outputs]
         if expr.op.needs_reduced_count:
             attrs["reduced_count"] = reduced_count(expr, extents)
@@ -75,6 +76,12 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
             attrs["dropped_addends"] = dropped
         result[expr] = Local(attrs, dropped, note)
     return result
+
+
+def _reads_expanded(expr: Expr) -> bool:
+    """Whether an operand of ``expr`` has an expanded broadcast axis (an extent above 1)."""
+    return any(i.is_broadcast and i.extent != 1 for t in expr.tensor_inputs
+               for i in t.materialized())
 
 
 def takes_part(expr: Expr, rank: int) -> bool:

@@ -171,15 +171,21 @@ def _axis_groups(expr: Expr) -> dict[IterDomain, int]:
 
 def _disagreements(expr: Expr, ins: list[TensorView], outs: list[TensorView]) -> set[IterDomain]:
     """The output logical IDs sharded otherwise than an input axis they map from (of the same
-    extent: a reshape's split or merge is checked with the extents bound)."""
+    extent: a reshape's split or merge is checked with the extents bound). A broadcast axis
+    expanded to the output axis's extent (``broadcast_in_dim`` to a shape: a matmul's
+    contracted axis, say) disagrees with a sharded output axis: it is never sharded, and
+    its local extent (the global one) is not the output's shard's."""
     bad = set()
     for out in outs:
         for out_id in out.logical:
             for src in expr.id_map.get(out_id, ()):
                 inp = next((t for t in ins if src in t.logical), None)
-                if inp is None or src.is_broadcast or src.extent != out_id.extent:
+                if inp is None or src.extent != out_id.extent:
                     continue
-                if shard_signature(inp, src) != shard_signature(out, out_id):
+                if src.is_broadcast:
+                    if src.extent != 1 and shard_signature(out, out_id):
+                        bad.add(out_id)
+                elif shard_signature(inp, src) != shard_signature(out, out_id):
                     bad.add(out_id)
     return bad
 

@@ -192,20 +192,28 @@ class _Compiled:
         return result
 
 
-# Inductor's settings for meshfuse's segments on GPUs. ``triton.multi_kernel``: each reduction
-# is generated both as a persistent kernel (a row held whole, read once) and as a looped one,
-# and the faster is picked when the segment first runs (before any CUDA-graph capture).
-# Inductor keeps rows longer than 1024 looped otherwise; softmax over rows of 4096 (bf16,
-# 8192 rows per H200) ran in 80.5 us looped, 38.7 us persistent (a copy of its bytes: 34.9).
+# Inductor's settings for every meshfuse segment. ``emulate_precision_casts``: a cast to a
+# half-precision dtype rounds, as the interpreter's ``x.to(torch.bfloat16)`` does; without it
+# Inductor keeps the value in float32 through a fused cast and its way back (a program's
+# ``cast(cast(x, BFloat16), Float)`` returned ``x`` unrounded, 0.0074 off; fuzzer seed 8 at
+# 2 ranks, compiled).
+INDUCTOR = {"emulate_precision_casts": True}
+# And on GPUs, ``triton.multi_kernel``: each reduction is generated both as a persistent
+# kernel (a row held whole, read once) and as a looped one, and the faster is picked when the
+# segment first runs (before any CUDA-graph capture). Inductor keeps rows longer than 1024
+# looped otherwise; softmax over rows of 4096 (bf16, 8192 rows per H200) ran in 80.5 us
+# looped, 38.7 us persistent (a copy of its bytes: 34.9).
 INDUCTOR_ON_CUDA = {"triton.multi_kernel": 1}
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """The Inductor settings a segment is compiled with: :data:`INDUCTOR_ON_CUDA` for
-    Inductor on CUDA tensors, none otherwise (other backends, Inductor's C++ on CPUs)."""
-    if backend == "inductor" and any(t.is_cuda for t in tensors):
-        return INDUCTOR_ON_CUDA
-    return {}
+    """The Inductor settings a segment is compiled with: :data:`INDUCTOR`, and
+    :data:`INDUCTOR_ON_CUDA` on CUDA tensors; none for other backends."""
+    if backend != "inductor":
+        return {}
+    if any(t.is_cuda for t in tensors):
+        return {**INDUCTOR, **INDUCTOR_ON_CUDA}
+    return dict(INDUCTOR)
 
 
 def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphModule:
