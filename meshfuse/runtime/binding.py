@@ -90,6 +90,24 @@ def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
             )
 
 
+def check_input_device(fusion: Fusion, inputs: Sequence, rank: int, backend: str,
+                       device: torch.device, world_size: int) -> None:
+    """With NCCL between several ranks, each tensor input this rank holds (other than the
+    ``is_cpu`` scalars) is on this rank's GPU ``device``: NCCL moves only that GPU's memory,
+    and a tensor elsewhere would fail inside a collective with a raw error."""
+    if backend != "nccl" or world_size == 1:
+        return
+    for v, x in zip(fusion.inputs(), inputs):
+        if (not isinstance(v, TensorView) or v.is_cpu or not held_here(v, rank)
+                or not isinstance(x, torch.Tensor) or x.device.type == "meta"
+                or x.device == device):
+            continue
+        raise InputError(
+            f"input {v.name} is on {x.device}, but rank {rank} runs NCCL on {device}: put "
+            "the inputs on this rank's GPU (x.to(Communicator.instance().device))"
+        )
+
+
 def _check_scalar(v: Scalar, x) -> None:
     """Scalar input ``v`` is given a number (or a 0-d tensor)."""
     if isinstance(x, torch.Tensor) and x.ndim > 0:

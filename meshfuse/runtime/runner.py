@@ -39,6 +39,7 @@ from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
 from meshfuse.runtime.binding import (
     Binding,
     bind,
+    check_input_device,
     check_input_values,
     check_strides,
     device_coords,
@@ -270,6 +271,9 @@ class FusionRunner:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
         fusion = self.fusion
         check_input_values(fusion, inputs, self.rank)
+        if self.communicator is not None:
+            comm = self.communicator
+            check_input_device(fusion, inputs, self.rank, comm.backend, comm.device, comm.size)
         binding = bind(fusion, self.allocations, inputs, self.rank)
         for v, x in zip(fusion.inputs(), inputs):
             if isinstance(v, TensorView) and held_here(v, self.rank):
