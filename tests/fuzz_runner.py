@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import fuzz_precision
 import torch
+import torch.distributed as dist
 from fusion_snapshot import snapshot
 from fuzz_programs import FORWARD_CHECK, Program, build, reference
 from torch._dynamo.utils import counters
@@ -253,6 +255,37 @@ def seeds(world_size: int, programs_env: str, default: int) -> range:
         count = min(count, default // 4)
     first = int(os.environ.get(SEED_ENV, "0"))
     return range(first, first + count)
+
+
+def settle(outcome: Outcome) -> None:
+    """After one program at several ranks: when it raised on some rank (the others may
+    have finished, or failed only in their next collective), every rank starts meshfuse's
+    process groups over (``Communicator.recover``), so that one failure does not fail every
+    later program. The ranks say whether they raised through the rendezvous store (no
+    process group, and no timeout shorter than a failing collective's)."""
+    global _settled
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    # A rank still in a collective that failed on another waits out meshfuse's timeout.
+    store.set_timeout(datetime.timedelta(seconds=3 * Communicator.instance().timeout + 60))
+    _settled += 1
+    key = f"meshfuse-fuzz/settle/{_settled}"
+    store.set(f"{key}/{dist.get_rank()}", "1" if outcome.kind not in ("match", "mismatch")
+              else "0")
+    if any(store.get(f"{key}/{r}") == b"1" for r in range(size)):
+        # A rank first waits out its collectives still in flight (up to the timeout): the
+        # others wait for it in recover() longer than that.
+        comm = Communicator.instance()
+        timeout = comm.timeout
+        comm.set_timeout(3 * timeout + 60)
+        try:
+            comm.recover()
+        finally:
+            comm.set_timeout(timeout)
+
+
+_settled = 0  # programs settled so far (the same count on every rank)
 
 
 def run_many(seeds: Iterable[int], rank: int, device: torch.device,

@@ -20,6 +20,20 @@ def mesh_2x2(multidevice_test) -> DeviceMesh:
     return DeviceMesh(torch.arange(4).reshape(2, 2))
 
 
+def meshes_of_kind(multidevice_test, kind: str) -> tuple[DeviceMesh, ...]:
+    """The meshes of a hand-written case: ``"1d"`` (every rank), ``"2x2"`` (4 ranks only:
+    skips otherwise) or ``"two"`` (the first and the second half of the ranks, from 2 ranks:
+    skips at 1)."""
+    if kind == "2x2":
+        return (mesh_2x2(multidevice_test),)
+    d = multidevice_test.size
+    if kind == "two":
+        if d == 1:
+            pytest.skip("two meshes of different devices need 2 ranks")
+        return DeviceMesh(range(d // 2)), DeviceMesh(range(d // 2, d))
+    return (mesh_1d(multidevice_test),)
+
+
 def shard(tv, axis: int, mesh: DeviceMesh, pt: ParallelType = MX, inner: bool = False) -> None:
     """Shards materialized axis ``axis`` of ``tv`` over the mesh axis of ``pt``: a block
     shard (outer split), or a cyclic one (inner split)."""

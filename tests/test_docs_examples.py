@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,7 +244,9 @@ def _call_tests(namespace: dict, multidevice_test) -> None:
 
 INLINE = re.compile(r"`([^`\n]+)`")
 MODULE = re.compile(r"(?:python|torchrun[^`\n]*?)\s+-m\s+([\w.]+)((?:\s+[^\s`|&;)]+)*)")
-SCRIPT = re.compile(r"(?:^|[\s`(])((?:scripts|benchmarks)/[\w./-]+\.(?:sh|py))")
+# A script, and the interpreter named before it (none: the script is run as a program).
+SCRIPT = re.compile(r"(?:^|[\s`(=])((?:bash|sh|python|source|\.)\s+)?"
+                    r"((?:scripts|benchmarks)/[\w./-]+\.(?:sh|py))")
 OPTION = re.compile(r"(?<!\S)(--[a-z][\w-]*)")
 
 
@@ -270,7 +273,9 @@ def _repository_module(name: str) -> Path | None:
 
 
 def named_commands() -> list[tuple[str, str, str, tuple[str, ...]]]:
-    """``(doc, "module" | "script", name, options)`` for every command the documents name."""
+    """``(doc, kind, name, options)`` for every command the documents name: kind "module"
+    (``-m name``), "script" (run by an interpreter named before it), "program" (a shell
+    script named alone: run itself) or "file" (a Python file named alone)."""
     found = []
     for doc in DOCUMENTS:
         for text in _command_texts(doc):
@@ -278,7 +283,10 @@ def named_commands() -> list[tuple[str, str, str, tuple[str, ...]]]:
                 found.append((doc, "module", match.group(1),
                               tuple(OPTION.findall(match.group(2)))))
             for match in SCRIPT.finditer(text):
-                found.append((doc, "script", match.group(1), ()))
+                # A .py file named alone is mentioned, not run (`python -m` runs modules).
+                kind = ("script" if match.group(1) else
+                        "program" if match.group(2).endswith(".sh") else "file")
+                found.append((doc, kind, match.group(2), ()))
     return sorted(set(found))
 
 
@@ -288,14 +296,16 @@ COMMANDS = named_commands()
 def test_the_documents_name_commands():
     kinds = {(kind, name) for _, kind, name, _ in COMMANDS}
     assert {("module", "meshfuse.demo"), ("module", "pytest"),
-            ("script", "scripts/nvfuser_tests.sh")} <= kinds
+            ("program", "scripts/nvfuser_tests.sh")} <= kinds
 
 
 @pytest.mark.parametrize("doc, kind, name, options", COMMANDS,
                          ids=[f"{d}-{n}" for d, _, n, _ in COMMANDS])
 def test_each_named_command_exists_with_its_options(doc, kind, name, options):
-    if kind == "script":
+    if kind in ("script", "program", "file"):
         assert (ROOT / name).is_file(), f"{doc} names {name}, which the repository lacks"
+        assert kind != "program" or os.access(ROOT / name, os.X_OK), (
+            f"{doc} runs {name} as a program, but it is not executable (git add --chmod=+x)")
         return
     source = _repository_module(name)
     if name == "pytest":  # the options the project adds to pytest's own
@@ -325,7 +335,7 @@ def test_the_world_sizes_of_the_examples_are_those_the_run_is_given():
 
 # --- The names and files the documents mention -----------------------------------------------
 
-DOTTED = re.compile(r"\bmeshfuse(?:\.\w+)+")
+DOTTED = re.compile(r"\b(?:meshfuse|nvfuser|nvfuser_direct)(?:\.\w+)+")
 REPOSITORY_PATH = re.compile(r"(?<![\w/.])((?:meshfuse|tests|benchmarks|scripts|docs)/[\w./-]*\w)")
 # nvFuser's own test files, which docs/nvfuser-compat.md and docs/overlap.md name.
 NVFUSER_TREE = "tests/python/"
@@ -348,9 +358,10 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_every_meshfuse_name_the_documents_mention_exists():
+    # nvFuser's names are meshfuse's under the alias (meshfuse.testing.nvfuser_alias).
     stale = sorted({f"{doc}: {name}" for doc in DOCUMENTS
                     for name in DOTTED.findall((ROOT / doc).read_text())
-                    if not _resolves(name)})
+                    if not _resolves("meshfuse." + name.split(".", 1)[1])})
     assert stale == []
 
 

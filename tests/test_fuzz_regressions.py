@@ -17,9 +17,9 @@ import pytest
 import torch
 from fuzz_programs import Features, generate
 from fuzz_runner import run_program
-from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+from mesh_helpers import MX, MY, meshes_of_kind, shard
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
@@ -54,22 +54,11 @@ class Case:
     tol: dict = dataclasses.field(default_factory=dict)
 
 
-def _meshes(multidevice_test, kind: str) -> tuple[DeviceMesh, ...]:
-    if kind == "2x2":
-        return (mesh_2x2(multidevice_test),)
-    d = multidevice_test.size
-    if kind == "two":
-        if d == 1:
-            pytest.skip("two meshes of different devices need 2 ranks")
-        return DeviceMesh(range(d // 2)), DeviceMesh(range(d // 2, d))
-    return (mesh_1d(multidevice_test),)
-
-
 def _run(multidevice_test, case: Case) -> list[str]:
     """Runs ``case`` on this rank's shards, compares with torch; returns the kinds of the
     collectives that ran over more than one rank, sorted."""
     d, rank = multidevice_test.size, multidevice_test.rank
-    meshes = _meshes(multidevice_test, case.meshes)
+    meshes = meshes_of_kind(multidevice_test, case.meshes)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(s, generator=gen).to(current_device()) for s in case.shapes(d)]
     with FusionDefinition() as fd:
@@ -389,6 +378,15 @@ def _cyclic_on_the_reduced_axis(t, mesh):
         shard(tv, 0, mesh, inner=True)
 
 
+def _where_of_an_expanded_scalar(fd, d):
+    x = fd.define_tensor([2 * d - 1], dtype=DataType.Float)
+    s = fd.define_tensor([], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(s, shape=[2 * d - 1], broadcast_dims=[])
+    fd.add_output(fd.ops.where(fd.ops.gt(x, 0.0), b, 0.0))
+    fd.add_output(fd.ops.mul(x, b))
+    return x, s
+
+
 def _expanded_against_shards(fd, d):
     """Pointwise ops between ``broadcast_in_dim``'s expanded axis and a tensor sharded on it
     (of extent 2d - 1: the last shard has 1 element): the expanded operand gathered first
@@ -511,6 +509,13 @@ CASES: dict[str, Case] = {
         lambda x, y: [x.sum(0, keepdim=True) + y.sum(0, keepdim=True), x.sum(0, keepdim=True)],
         lambda d: [[2 * d - 1]] * 2,
         comms=lambda d, kinds: kinds == ([] if d == 1 else ["allreduce"] * 2)),
+    "expanded_broadcast_operand_beside_a_one_element_shard": Case(
+        "ExecutionError 'an output is of local shape [3], expected [1]': a pointwise op took "
+        "a rank's one-element shard of an uneven split for a broadcast axis and expanded its "
+        "result to the expanded operand's extent (found by the gradient fuzzer, seed 6 at "
+        "2 ranks: the backward of max reads such a broadcast; fixed with the next case)",
+        _where_of_an_expanded_scalar, lambda t, mesh: shard(t[0], 0, mesh),
+        lambda x, s: [torch.where(x > 0, s, 0.0), x * s], lambda d: [[2 * d - 1], []]),
     "expanded_broadcast_axis_against_a_shard": Case(
         "ExecutionError 'The size of tensor a (4) must match the size of tensor b (2)': the "
         "allgathered expanded axis (materialized) kept its global extent next to the "

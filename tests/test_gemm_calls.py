@@ -46,6 +46,18 @@ def test_a_linear_records_its_addmm_and_both_gradient_mms_with_layouts():
     assert gemms(events)[1].problem() == ((6, 8), 5)
 
 
+def test_an_inductor_graph_s_extern_gemm_is_recorded():
+    """Inductor leaves matrix products to aten (extern kernels) and its generated code calls
+    them through the dispatcher, so a compiled graph's GEMMs are in the list too."""
+    compiled = torch.compile(lambda a, b: (a @ b).relu() + 1, backend="inductor")
+    a, b = torch.randn(32, 16), torch.randn(16, 8)
+    compiled(a, b)
+    with GemmRecorder() as recorder:
+        compiled(a, b)
+    assert [e.describe() for e in gemms(recorder.events)] == [
+        "mm.default(float32[32, 16], float32[16, 8]) -> float32[32, 8]"]
+
+
 def test_scaled_maps_each_extent_and_keeps_the_dimension_order():
     event = gemms(_linear_calls())[2]  # mm(g^T, x): a transposed first operand
     big = scaled(event, {5: 50, 6: 60, 8: 80})

@@ -104,16 +104,35 @@ class VjpContext:
 
 def sum_to(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
     """``grad`` (the gradient of a result broadcast from ``like``) summed over the leading
-    axes ``like`` lacks and over the axes where ``like`` is broadcast, cast to its dtype."""
+    axes ``like`` lacks and over the axes where ``like`` is broadcast, cast to its dtype.
+
+    Not over an expanded broadcast axis of ``like`` (extent above 1): as a tensor, ``like``
+    has that many elements there (a stride-0 view in PyTorch), each with its own gradient;
+    they are summed where the axis was made (``broadcast_in_dim``'s rule), once. Likewise
+    an expanded broadcast axis of ``grad`` holds that many gradients (equal ones), summed
+    like an iteration axis's."""
     axes, target = grad.materialized(), like.materialized()
     lead = len(axes) - len(target)
     if lead > 0:
         grad = ops.sum(grad, dims=list(range(lead)))
     dims = [a for a, (id_, g) in enumerate(zip(target, grad.materialized()))
-            if id_.is_broadcast and not g.is_broadcast and g.extent != 1]
+            if id_.is_broadcast and id_.extent in (1, None) and g.extent != 1]
     if dims:
         grad = ops.sum(grad, dims=dims, keepdim=True)
     return cast_to(ops, grad, like.dtype)
+
+
+def materialized_like(ops: Ops, grad: TensorView, like: TensorView) -> TensorView:
+    """``grad`` with an iteration axis wherever ``like`` has one: a gradient that is an
+    expanded broadcast along an axis of ``like`` (the gradient of a sum or a mean over it)
+    becomes an iteration axis there (a stride-0 view still), so that it can be pinned to
+    ``like``'s sharding (a broadcast axis cannot be sharded over several devices)."""
+    axes, target = grad.materialized(), like.materialized()
+    if not any(g.is_broadcast and not t.is_broadcast for g, t in zip(axes, target)):
+        return grad
+    shape = [t.extent if g.is_broadcast and not t.is_broadcast else -1
+             for g, t in zip(axes, target)]
+    return ops.broadcast_in_dim(grad, shape, list(range(len(shape))))
 
 
 def cast_to(ops: Ops, grad: TensorView, dtype) -> TensorView:

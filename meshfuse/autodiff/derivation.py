@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshfuse.autodiff.context import VjpContext, op_of, sum_to
+from meshfuse.autodiff.context import VjpContext, materialized_like, op_of, sum_to
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.ops_namespace import Ops, add_op
@@ -186,6 +186,7 @@ class _BackwardBuilder:
             grad = self.gradient(tv)
             if grad is None:
                 continue
+            grad = materialized_like(self.ops, grad, tv)
             taken = set(self.backward.inputs()) | set(self.backward.outputs())
             if grad in taken or self.backward.uses().get(grad):
                 grad = self.ops.set(grad)
@@ -214,12 +215,16 @@ class _BackwardBuilder:
         return self.values[v]
 
     def _resolution(self, v: TensorView) -> TensorView:
-        """The forward's copy of partial ``v`` that reduces it (resharding made one)."""
+        """The forward's copy of partial ``v`` that reduces it (resharding made one),
+        possibly through copies that are partial still (a partial result resharded to
+        the partial sharding the user pinned, then reduced)."""
+        copies = [v]
         for expr in self.forward.exprs:
             if op_of(expr).vjp is not None and op_of(expr).vjp.communication and \
-                    expr.args[0] is v \
-                    and not _is_partial(expr.outputs[0]):
-                return expr.outputs[0]
+                    expr.args[0] in copies:
+                if not _is_partial(expr.outputs[0]):
+                    return expr.outputs[0]
+                copies.append(expr.outputs[0])
         raise DefinitionError(
             f"the backward needs {v.name}, a partial sum in the forward (its reduction axis is "
             "parallelized and it is never reduced); resolve it with fd.ops.set before using it"
@@ -312,7 +317,7 @@ class _BackwardBuilder:
         transposed communication; ``grad`` itself where the set moved nothing."""
         if src.mesh is None or (_alike_resolved(src, dst) and not _is_partial(dst)):
             return grad  # a replicated cotangent of a resolved partial sum is used as it is
-        copy = self.ops.set(grad)
+        copy = self.ops.set(materialized_like(self.ops, grad, src))
         self.pins.append((copy, src))
         return copy
 

@@ -38,6 +38,8 @@ from meshfuse.dtensor import (
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.pipeline import compiled_for
+from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.runner import FusionRunner
 
 
@@ -70,6 +72,7 @@ class FusionFunction:
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
         self._derivations: dict[tuple[int, ...], _Compiled] = {}
+        self._lacking: bool | None = None  # see _inputs_not_everywhere
 
     def derivation(self, requires_grad: Sequence[bool]) -> _Compiled:
         """The compiled forward and backward for inputs whose ``requires_grad`` flags are
@@ -92,12 +95,41 @@ class FusionFunction:
             )
         if has_dtensors(inputs):
             return self._on_dtensors(inputs)
-        return list(_FusionAutograd.apply(self._compiled_for(inputs), self.keep_residuals,
-                                          *inputs))
+        return self._apply(self._compiled_for(inputs), inputs)
+
+    def _apply(self, compiled: _Compiled, inputs: list) -> list[torch.Tensor]:
+        """The autograd node's outputs. A rank that holds none of the inputs that require
+        grad (it passes None for them: they lie on other ranks' meshes) still joins the
+        backward, whose collectives the other ranks run with it: an empty leaf that
+        requires grad makes its outputs require grad, so its backward runs."""
+        anchor = None
+        if torch.is_grad_enabled() and any(i is not None for i in compiled.derivation.gradients) \
+                and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            anchor = torch.empty(0, requires_grad=True)
+        return list(_FusionAutograd.apply(compiled, self.keep_residuals, anchor, *inputs))
 
     def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
+        """The derivation for the inputs that require grad in this call. Where some rank
+        holds no shard of some input (it lies on other ranks' meshes), the ranks agree on
+        which inputs require grad (one small allgather per call, only for such fusions):
+        each rank derives and runs the same forward and backward."""
+        if not torch.is_grad_enabled():
+            return self.derivation([False] * len(inputs))
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        return self.derivation(flags if torch.is_grad_enabled() else [False] * len(flags))
+        if self._inputs_not_everywhere():
+            flags = _agreed(flags)
+        return self.derivation(flags)
+
+    def _inputs_not_everywhere(self) -> bool:
+        """Whether some rank of the world holds no shard of some tensor input (decided on
+        the first call, once the inputs' schedules are fixed)."""
+        if self._lacking is None:
+            size = Communicator.instance().size
+            compiled = compiled_for(self.fusion)
+            meshes = [compiled[v].mesh for v in self.fusion.inputs() if isinstance(v, TensorView)]
+            self._lacking = any(m is not None and any(r not in m for r in range(size))
+                                for m in meshes)
+        return self._lacking
 
     def _on_dtensors(self, inputs: list) -> list:
         """As ``execute`` on DTensors (:mod:`meshfuse.dtensor`): an unscheduled input takes
@@ -121,7 +153,7 @@ class FusionFunction:
             forward = compiled.derivation.forward
             for position, x in bound.items():
                 check_dtensor_input(forward.inputs()[position], x)
-            outputs = _FusionAutograd.apply(compiled, self.keep_residuals, *local)
+            outputs = self._apply(compiled, local)
             return outputs, forward.outputs()[:compiled.derivation.num_outputs]
 
         return run_on_dtensors(inputs, bind, run)
@@ -152,12 +184,14 @@ class _FusionAutograd(torch.autograd.Function):
 
     The residuals are held in ``ctx.residuals``, a :class:`_Residuals`, except those that
     are outputs of the node: saved with ``save_for_backward`` (held directly, an output
-    would hold its own node: a reference cycle).
+    would hold its own node: a reference cycle). ``anchor`` is None or an empty leaf that
+    requires grad (see ``FusionFunction._apply``), not an input of the fusion.
     """
 
     @staticmethod
-    def forward(ctx, compiled: _Compiled, keep: bool, *inputs):
+    def forward(ctx, compiled: _Compiled, keep: bool, anchor, *inputs):
         d = compiled.derivation
+        ctx.absent = [x is None for x in inputs]  # inputs on other ranks get no gradient
         results = compiled.run_forward(list(inputs))
         outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
@@ -186,7 +220,8 @@ class _FusionAutograd(torch.autograd.Function):
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
         grads = ctx.compiled.run_backward(inputs) if needed else []
-        return (None, None, *(None if i is None else grads[i] for i in d.gradients))
+        return (None, None, None, *(None if i is None or absent else grads[i]
+                                    for i, absent in zip(d.gradients, ctx.absent)))
 
 
 class _Residuals:
@@ -227,3 +262,10 @@ def _laid_out(x: torch.Tensor, shape, strides) -> torch.Tensor:
         return x
     out = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
     return out.copy_(x)
+
+
+def _agreed(flags: list[bool]) -> list[bool]:
+    """Whether each input requires grad on some rank (the ranks that hold it say so; one
+    that holds none passes None and says nothing)."""
+    gathered = Communicator.instance().agreement_allgather(torch.tensor(flags, dtype=torch.uint8))
+    return [bool(x) for x in torch.stack(gathered).amax(0).tolist()]

@@ -18,10 +18,15 @@ def copy_schedule(src: TensorView, dst: TensorView, allocation: Allocation | Non
     and the allocation ``allocation`` (default ``src.allocation``) over ``dst``'s IDs.
 
     ``dst`` must be unscheduled and have as many materialized axes as ``src``, of equal
-    extents. Transforms of ``src``'s reduction IDs are not replayed (``dst`` has none).
+    extents. Where ``dst`` has ``src``'s reduction IDs too (the clone of a reduction), their
+    transforms are replayed as well: a result pinned partial (its reduction axis
+    parallelized) stays partial; else they are not (``dst`` has none).
     """
-    ids: dict[IterDomain, IterDomain] = dict(zip(src.materialized(), dst.materialized()))
     assert len(src.materialized()) == len(dst.materialized()), (src, dst)
+    if [i.is_reduction for i in src.logical] == [i.is_reduction for i in dst.logical]:
+        ids: dict[IterDomain, IterDomain] = dict(zip(src.logical, dst.logical))
+    else:
+        ids = dict(zip(src.materialized(), dst.materialized()))
     if src.mesh is not None:
         dst.set_device_mesh(src.mesh)
     for t in src.transforms:

@@ -103,15 +103,22 @@ def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
     view = [1] * len(out_shapes[0])
     for a, out_axis in enumerate(broadcast_dims):
         view[out_axis % len(view)] = x.shape[a]
-    return x.reshape(view).expand(out_shapes[0])
+    x = x.reshape(view)
+    for axis, (n, m) in enumerate(zip(view, out_shapes[0])):
+        if n not in (1, m):  # an expanded broadcast axis made an iteration axis (the shape
+            x = x.narrow(axis, 0, 1)  # rule allows no other): its values repeat; this
+            # rank's part of it (a shard of the output) is any m of them
+    return x.expand(out_shapes[0])
 
 
 def sum_broadcast(d, g, dims: list[int]):
     """The gradient of a broadcast of ``x`` whose axes went to output axes ``dims``: ``g``
-    summed over the expanded axes (kept, extent 1) and the new axes (dropped)."""
+    summed over the expanded axes (kept, extent 1) and the new axes (dropped). An axis of
+    ``g`` that is an expanded broadcast itself holds that many (equal) gradients: summed
+    too."""
     o = d.ops
     expanded = [out for a, out in enumerate(dims)
-                if d.is_broadcast("x", a) and not g.materialized()[out].is_broadcast]
+                if d.is_broadcast("x", a) and g.materialized()[out].extent != 1]
     if expanded:
         g = o.sum(g, dims=expanded, keepdim=True)
     new = [a for a in range(len(g.materialized())) if a not in dims]

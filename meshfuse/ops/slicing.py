@@ -189,9 +189,30 @@ def _cat_infer(xs, dim, manual_padding):
             total = None if None in extents else sum(extents)
             axes.append(AxisSpec(total, IterType.Iteration))
         else:
-            axes.append(AxisSpec(first.shape[a], first.iter_types[a],
-                                 tuple((pos, a) for pos in range(len(xs)))))
+            # Broadcast only where every input is: an expanded broadcast axis beside an
+            # iteration axis gives an iteration axis, mapped from the inputs that have one
+            # (the broadcast input is read whole there, as by a pointwise op).
+            kinds = [m.iter_types[a] for m in xs]
+            kind = next((k for k in kinds if k is not IterType.Broadcast), IterType.Broadcast)
+            axes.append(AxisSpec(first.shape[a], kind,
+                                 tuple((pos, a) for pos in range(len(xs)) if kinds[pos] is kind)))
     return [OutSpec(promote(*xs), tuple(axes))]
+
+
+def _cat(xs, dim, manual_padding, out_shapes):
+    """``torch.cat``; an input's expanded broadcast axis (its values repeat, whole on every
+    rank) beside the others' sharded one is cut to this rank's extent of the output."""
+    shape, dim = out_shapes[0], dim % len(out_shapes[0])
+    fitted = []
+    for x in xs:
+        target = [x.shape[a] if a == dim else shape[a] for a in range(x.ndim)]
+        if list(x.shape) != target:
+            for a, (n, m) in enumerate(zip(x.shape, target)):
+                if n != m:
+                    x = x.narrow(a, 0, 1)
+            x = x.expand(target)
+        fitted.append(x)
+    return torch.cat(fitted, dim=dim)
 
 
 def _cat_grads(d, grads):
@@ -212,6 +233,6 @@ def _cat_grads(d, grads):
 
 register(OpDef(
     "cat", (tensors("xs"), attr("dim"), attr("manual_padding", 0)), _cat_infer,
-    lambda xs, dim, manual_padding: torch.cat(xs, dim=dim), doc="concatenation along dim",
+    _cat, needs_out_shape=True, doc="concatenation along dim",
     vjp=Vjp(_cat_grads, recompute=True),
 ))

@@ -94,7 +94,8 @@ class ProcessGroups:
         """Makes ``timeout`` the timeout of every group, now and later."""
         self._timeout = timeout
         for group in {id(g): g for g in self.by_ranks.values()}.values():
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a slice without this rank
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
 
     def own(self) -> list[dist.ProcessGroup]:
         """The groups meshfuse created (not torch's default group), each once."""

@@ -1,0 +1,155 @@
+"""Runs fuzz programs through their derived backward and compares the gradients with torch's
+autograd (see ``test_fuzz_autodiff.py``).
+
+A program (``fuzz_programs.generate`` with ``Features.differentiable``) runs through
+``fd.as_autograd_function()`` on this rank's shards, its floating-point inputs requiring
+grad. Its outputs are compared with torch's as ``fuzz_runner.run_program`` compares them;
+then each differentiable output gets a random global cotangent (the same on every rank),
+this rank's shard of it flows back through the derived backward, and each input's
+gradient must be this rank's shard of ``torch.autograd.grad`` of the torch code on the
+global tensors, with the same cotangents. A rank outside an output's mesh gets an empty
+output; its cotangent is empty too, and it runs the backward with the others.
+
+Outcomes are ``fuzz_runner``'s: ``match``, ``mismatch`` (an output, a gradient, or an output
+that should be differentiable and is not), ``untyped`` (an error that is not a typed
+refusal), or a refusal of :data:`fuzz_runner.REFUSALS`. Each program runs twice (the first
+call derives the backward, the second runs the cached one), both compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from fuzz_programs import Program, build, reference
+from fuzz_runner import Outcome, classify, holder, local_inputs, settle, tolerance
+
+from meshfuse import shard_tensor
+
+# The reproduction's end for a gradient failure (Program.repro's ``check``).
+GRADIENT_CHECK = """f = fd.as_autograd_function()
+for x in local:
+    if x is not None and x.is_floating_point():
+        x.requires_grad_()
+outs = f(local)
+leaves = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
+with torch.enable_grad():
+    refs = reference.__wrapped__(*leaves)  # reference() without its no_grad
+cgen = torch.Generator().manual_seed(COTANGENT_SEED)
+carried = [j for j, r in enumerate(refs) if r.requires_grad]
+cots = [torch.randn(refs[j].shape, generator=cgen) for j in carried]
+mine = [meshfuse.shard_tensor(ct, fd.fusion.outputs()[j], rank)
+        if compiled[fd.fusion.outputs()[j]].mesh is None
+        or rank in compiled[fd.fusion.outputs()[j]].mesh else torch.zeros_like(outs[j])
+        for j, ct in zip(carried, cots)]
+torch.autograd.backward([outs[j] for j in carried], mine)
+wanted = [i for i, x in enumerate(leaves) if x.requires_grad]
+grads = torch.autograd.grad([refs[j] for j in carried], [leaves[i] for i in wanted], cots,
+                            allow_unused=True)
+for i, ref in zip(wanted, grads):
+    tv = fd.fusion.inputs()[i]
+    if held[i]:
+        ref = torch.zeros_like(leaves[i]) if ref is None else ref
+        got = torch.zeros_like(local[i]) if local[i].grad is None else local[i].grad
+        torch.testing.assert_close(got, meshfuse.shard_tensor(ref, tv, rank), rtol=1e-4,
+                                   atol=1e-4, msg=lambda m, i=i: f"gradient of input {i}: {m}")
+print("rank", rank, "gradients ok")
+"""
+
+
+def cotangent_seed(program: Program) -> int:
+    """The seed of the generator that draws ``program``'s cotangents (as its
+    reproduction does)."""
+    return program.seed + 1
+
+
+def run_gradients(program: Program, rank: int, device: torch.device) -> Outcome:
+    """Runs ``program`` forward and backward on this rank's shards and compares its outputs
+    and its inputs' gradients with torch's on the global tensors (see the module doc)."""
+    outcome = _run(program, rank, device)
+    settle(outcome)
+    return outcome
+
+
+def _run(program: Program, rank: int, device: torch.device) -> Outcome:
+    check = GRADIENT_CHECK.replace("COTANGENT_SEED", str(cotangent_seed(program)))
+    try:
+        fd, _ = build(program)
+        function = fd.as_autograd_function()
+        failures = []
+        for call in ("first call", "cached call"):  # both on every rank: they communicate
+            failure = _check_call(program, fd, function, rank, device)
+            if failure:
+                failures.append(f"{call}, {failure}")
+        if failures:
+            return Outcome("mismatch", failures[0], program, check)
+    except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
+        kind, detail = classify(e)
+        return Outcome(kind, detail, program, check)
+    return Outcome("match", "", program, check)
+
+
+def _check_call(program: Program, fd, function, rank: int, device: torch.device) -> str:
+    """One forward and backward of ``function``; what differs from torch ("" if nothing)."""
+    inputs, expected = reference(program, grad=True)
+    gen = torch.Generator().manual_seed(cotangent_seed(program))
+    cotangents = [torch.randn(e.shape, generator=gen) if e.requires_grad else None
+                  for e in expected]
+    return check_gradients(fd, function, inputs, expected, cotangents, rank, device,
+                           lambda ref: tolerance(program, ref))
+
+
+def check_gradients(fd, function, inputs: list, expected: list, cotangents: list, rank: int,
+                    device: torch.device, tol: Callable[[torch.Tensor], dict]) -> str:
+    """Runs ``function`` (``fd``'s autograd function) on this rank's shards of global
+    ``inputs`` (its floating-point ones leaves that require grad), then backward with this
+    rank's shards of ``cotangents`` (global, one per output, None where torch's output
+    ``expected`` does not require grad); compares the outputs with ``expected`` and each
+    held input's gradient with ``torch.autograd.grad`` of ``expected``, within
+    ``tol(reference)``. Returns what differs ("" if nothing)."""
+    held = holder(fd.fusion, rank)
+    local = local_inputs(fd.fusion, inputs, rank, device)
+    for x in local:
+        if x is not None and x.is_floating_point():
+            x.requires_grad_()
+    outputs = function(local)
+    outs = fd.fusion.outputs()
+    for out, ref, tv in zip(outputs, expected, outs):
+        if held(tv):
+            failure = _compare(out, ref, tv, rank, tol)
+            if failure:
+                return f"output {tv.name}: {failure}"
+    carried = [j for j, ct in enumerate(cotangents) if ct is not None]
+    holds_a_leaf = any(x is not None and x.requires_grad for x in local)
+    for j in carried:
+        if holds_a_leaf and held(outs[j]) and not outputs[j].requires_grad:
+            return f"output {outs[j].name} is not differentiable; torch differentiates it"
+    mine = [(outputs[j], shard_tensor(cotangents[j].to(device), outs[j], rank)
+             if held(outs[j]) else torch.zeros_like(outputs[j])) for j in carried]
+    mine = [(out, ct) for out, ct in mine if out.requires_grad]
+    if mine:
+        torch.autograd.backward([out for out, _ in mine], [ct for _, ct in mine])
+    wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
+    grads = torch.autograd.grad([expected[j] for j in carried], [inputs[i] for i in wanted],
+                                [cotangents[j] for j in carried], allow_unused=True) \
+        if carried else [None] * len(wanted)
+    for i, ref in zip(wanted, grads):
+        tv = fd.fusion.inputs()[i]
+        if not held(tv):
+            continue
+        ref = torch.zeros_like(inputs[i]) if ref is None else ref
+        got = local[i].grad if local[i].grad is not None else torch.zeros_like(local[i])
+        failure = _compare(got, ref, tv, rank, tol)
+        if failure:
+            return f"gradient of input {tv.name}: {failure}"
+    return ""
+
+
+def _compare(got: torch.Tensor, ref: torch.Tensor, tv, rank: int, tol) -> str:
+    """How ``got`` differs from this rank's shard of global ``ref`` ("" if it does not)."""
+    want = shard_tensor(ref.detach().to(got.device), tv, rank)
+    try:
+        torch.testing.assert_close(got.detach(), want, **tol(ref.detach()))
+    except AssertionError as e:
+        return str(e)
+    return ""
