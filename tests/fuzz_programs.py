@@ -566,13 +566,15 @@ def _reduce_code(op: str, x: Value, dims, keep: bool) -> str:
 
 
 def _broadcasts(*values: Value) -> bool:
-    """Whether meshfuse broadcasts ``values`` together: aligned on the right, the axes that
-    are not broadcast axes have one extent."""
+    """Whether meshfuse and torch broadcast ``values`` together: aligned on the right, the
+    axes that are not broadcast axes have one extent (meshfuse), and so do the axes of an
+    extent other than 1 (torch: an expanded broadcast axis does not broadcast)."""
     ndim = max(v.tensor.ndim for v in values)
     for axis in range(1, ndim + 1):
-        extents = {v.tensor.shape[-axis] for v in values
-                   if v.tensor.ndim >= axis and not v.broadcast[-axis]}
-        if len(extents) > 1:
+        present = [v for v in values if v.tensor.ndim >= axis]
+        extents = {v.tensor.shape[-axis] for v in present if not v.broadcast[-axis]}
+        torch_extents = {v.tensor.shape[-axis] for v in present} - {1}
+        if len(extents) > 1 or len(torch_extents) > 1:
             return False
     return True
 
