@@ -1,7 +1,7 @@
 """GEMM -> allreduce loops (tensor parallelism without sequence parallelism): a row-parallel
 GEMM and the allreduce of its partial result cut into row chunks, chosen by the engine.
-The tests of the process group's loops ask for it (on CUDA ranks the copy engines may be
-the default); those of the copy engines run on CUDA only.
+The tests of the process group's loops ask for it (on CUDA ranks the copy engines are the
+default); those of the copy engines run on CUDA only.
 
 Values against the unsharded computation at every world size (rows that do not divide by
 the chunk count, rows of a 3-D operand, a ``matmul``, the Megatron MLP's forward and
@@ -387,15 +387,14 @@ def test_output_set_of_an_allreduce_is_not_copied(multidevice_test, monkeypatch,
 
 
 def test_transport_default_of_allreduce_loops(monkeypatch):
-    """``auto`` means the default given (the copy engines where they can run: not on a
-    CPU, which says why); the process group asked for is kept."""
+    """``auto`` means the copy engines where they can run (not on a CPU, which says why);
+    the process group asked for is kept."""
     monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
     cpu, group = torch.device("cpu"), [Group(None, (0, 1), 0, 0)]
-    ce, pg = COPY_ENGINE, PROCESS_GROUP
-    transport, why = choose_transport("auto", cpu, group, False, default=ce)
-    assert transport == pg and why.startswith("copy engines unavailable: copy engines are CUDA")
-    assert choose_transport("auto", cpu, group, False)[0] == pg
-    assert choose_transport("process_group", cpu, group, False, default=ce) == \
-        (pg, "asked for the process group")
+    transport, why = choose_transport("auto", cpu, group, False)
+    assert transport == PROCESS_GROUP
+    assert why.startswith("copy engines unavailable: copy engines are CUDA")
+    assert choose_transport("process_group", cpu, group, False) == \
+        (PROCESS_GROUP, "asked for the process group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "nccl")
-    assert choose_transport("auto", cpu, group, False, default=ce)[0] == pg
+    assert choose_transport("auto", cpu, group, False)[0] == PROCESS_GROUP

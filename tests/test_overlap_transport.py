@@ -27,7 +27,7 @@ from meshfuse.multidevice import (
     MultiDeviceExecutorParams,
 )
 from meshfuse.runtime.collectives import Group, record_communications
-from meshfuse.runtime.copy_engine import Gathering, Reducing
+from meshfuse.runtime.copy_engine import Gathering, Reducing, hosts
 from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 
@@ -48,9 +48,19 @@ def test_transport_choice_on_a_cpu():
     assert choose_transport("process_group", cpu, [_group()], False) == \
         (PROCESS_GROUP, "asked for the process group")
     transport, why = choose_transport("auto", cpu, [_group()], symmetric=False)
-    assert transport == PROCESS_GROUP and "MESHFUSE_OVERLAP_TRANSPORT=copy_engine" in why
+    assert transport == PROCESS_GROUP and "copy engines unavailable" in why
     two_axes = [_group(axis=0), _group(axis=1)]
     assert "several mesh axes" in choose_transport("copy_engine", cpu, two_axes, False)[1]
+
+
+def test_ranks_on_several_hosts_are_told_apart(monkeypatch):
+    """The copy engines reach one host's GPUs: torchrun's LOCAL_WORLD_SIZE consecutive
+    ranks share a host, so a group across that boundary takes the process group."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert hosts((0, 1, 2, 3)) == {0}
+    assert hosts((2, 6)) == {0, 1}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert hosts((2, 6)) == {0}
 
 
 def test_transport_environment(monkeypatch):

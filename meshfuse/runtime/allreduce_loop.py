@@ -43,8 +43,6 @@ from meshfuse.runtime.pending import Pending, resolved
 
 PROCESS_GROUP = "process_group"  # the chunks' allreduces over torch.distributed
 COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (CopyEngineReduce)
-# What MESHFUSE_OVERLAP_TRANSPORT unset (or auto) means for these loops.
-DEFAULT_TRANSPORT = PROCESS_GROUP
 
 
 @dataclasses.dataclass(frozen=True)

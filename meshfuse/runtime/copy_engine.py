@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,7 +72,18 @@ def unavailable(device: torch.device, group: Group | None = None) -> str | None:
         return "no process group"
     if "nccl" not in str(dist.get_backend(group.process_group)):
         return "the process group is not NCCL's"
+    if len(hosts(group.ranks)) > 1:
+        return (f"ranks {list(group.ranks)} are on several hosts (the copy engines reach "
+                "only the GPUs of one host)")
     return None
+
+
+def hosts(ranks: Sequence[int]) -> set[int]:
+    """The hosts of ``ranks``, numbered as torchrun places ranks: ``LOCAL_WORLD_SIZE``
+    consecutive ranks per host (unset: one rank per GPU of this host). The same on every
+    rank, so every rank picks the same transport."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
+    return {rank // per_host for rank in ranks}
 
 
 @dataclasses.dataclass

@@ -144,16 +144,13 @@ def _largest_shard(tv: TensorView, extents: Mapping[IterDomain, int]) -> list[in
 
 
 def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain, int],
-                 device_type: str, transport: str = "process_group",
-                 allreduce_transport: str | None = None) -> tuple[list, list[str]]:
+                 device_type: str, transport: str = "process_group") -> tuple[list, list[str]]:
     """The loops to add for ``candidates`` (their plans) and explain's lines on each
-    decision; ``transport``: how the loops would move their blocks (GEMM -> allreduce
-    loops: ``allreduce_transport``, when given)."""
+    decision; ``transport``: how the loops would move their blocks."""
     plans, lines = [], []
     for candidate in candidates:
         if isinstance(candidate, AllreduceCandidate):
-            plan, why = _allreduce_loop(candidate, extents, device_type,
-                                        allreduce_transport or transport)
+            plan, why = _allreduce_loop(candidate, extents, device_type, transport)
         else:
             use, why = decide(candidate, extents, device_type, transport)
             plan = candidate.plan(why) if use else None

@@ -34,7 +34,6 @@ from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
-from meshfuse.runtime import allreduce_loop
 from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
 from meshfuse.runtime.binding import (
     Binding,
@@ -221,10 +220,8 @@ class FusionRunner:
             check_ranks, in_call, lambda prepared: context_facts(fusion.exprs, prepared[1]),
         )
         transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
-        reducing, _ = choose_transport(self.loop_transport, device, [], False,
-                                       allreduce_loop.DEFAULT_TRANSPORT)
         plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
-                                    transport, reducing)
+                                    transport)
         self._overlap_lines[_signature(inputs)] = lines
         plans = [*self.stream_loops, *plans]
         group_loops = None
