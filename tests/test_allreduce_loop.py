@@ -11,6 +11,7 @@ bytes in all), the user's ``set_overlap`` choice, the estimate, and explain's li
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -70,6 +71,20 @@ def _run(multidevice_test, fd, globals_):
     return out, comms, fd.explain(inputs)
 
 
+def _linear_on_every_rank(multidevice_test, x_shape: list[int], overlap: bool | None):
+    """``_row_linear`` on every rank, x of ``x_shape`` and w of [3, 8] (small integers), run
+    once; its output must be ``F.linear`` of the global tensors.
+
+    Returns:
+        The fusion, the communications that ran and explain's text for the inputs.
+    """
+    fd = _row_linear(mesh_1d(multidevice_test), x_shape, 3, overlap=overlap)
+    x, w = _ints(*x_shape), _ints(3, 8, seed=1)
+    out, comms, text = _run(multidevice_test, fd, (x, w))
+    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    return fd, comms, text
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("x_shape, chunks", [([8, 8], 2), ([7, 8], 4), ([2, 3, 8], 4),
                                              ([3, 8], 8), ([9, 8], 8)],
@@ -78,11 +93,8 @@ def test_forced_loop_values_and_allreduces(multidevice_test, monkeypatch, x_shap
     monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", str(chunks))
     d = multidevice_test.size
-    fd = _row_linear(mesh_1d(multidevice_test), x_shape, 3, overlap=True)
-    x, w = _ints(*x_shape), _ints(3, 8, seed=1)
-    out, comms, text = _run(multidevice_test, fd, (x, w))
-    torch.testing.assert_close(out.cpu(), F.linear(x, w))
-    rows = x.numel() // 8
+    _, comms, text = _linear_on_every_rank(multidevice_test, x_shape, overlap=True)
+    rows = math.prod(x_shape[:-1])
     if d == 1:
         assert _kinds(comms) == Counter()
         return
@@ -123,10 +135,7 @@ def test_whole_allreduce_unless_it_pays(multidevice_test, monkeypatch, overlap):
     else:
         monkeypatch.delenv("MESHFUSE_OVERLAP_COST", raising=False)
     d = multidevice_test.size
-    fd = _row_linear(mesh_1d(multidevice_test), [6, 8], 3, overlap=overlap)
-    x, w = _ints(6, 8), _ints(3, 8, seed=1)
-    out, comms, text = _run(multidevice_test, fd, (x, w))
-    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    fd, comms, text = _linear_on_every_rank(multidevice_test, [6, 8], overlap=overlap)
     assert _kinds(comms) == (Counter(allreduce=1) if d > 1 else Counter())
     if d > 1:
         why = "set_overlap(False)" if overlap is False else "GEMM -> allreduce: est."
@@ -144,10 +153,7 @@ def test_overlap_off_keeps_the_allreduce_whole(multidevice_test, monkeypatch):
     monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "process_group")
     monkeypatch.setenv("MESHFUSE_OVERLAP_COST", FREE)
     monkeypatch.setenv("MESHFUSE_OVERLAP", "off")
-    fd = _row_linear(mesh_1d(multidevice_test), [6, 8], 3, overlap=None)
-    x, w = _ints(6, 8), _ints(3, 8, seed=1)
-    out, comms, text = _run(multidevice_test, fd, (x, w))
-    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    _, comms, text = _linear_on_every_rank(multidevice_test, [6, 8], overlap=None)
     if multidevice_test.size > 1:
         assert _kinds(comms) == Counter(allreduce=1)
         assert "as a whole (MESHFUSE_OVERLAP=off)" in text
@@ -288,10 +294,7 @@ def test_copy_engines_asked_for_on_a_cpu_fall_back(multidevice_test, monkeypatch
         pytest.skip("CPU ranks only (on CUDA the copy engines run)")
     monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
     monkeypatch.setenv("MESHFUSE_OVERLAP_CHUNKS", "2")
-    fd = _row_linear(mesh_1d(multidevice_test), [5, 8], 3, overlap=True)
-    x, w = _ints(5, 8), _ints(3, 8, seed=1)
-    out, comms, text = _run(multidevice_test, fd, (x, w))
-    torch.testing.assert_close(out.cpu(), F.linear(x, w))
+    _, comms, text = _linear_on_every_rank(multidevice_test, [5, 8], overlap=True)
     if multidevice_test.size > 1:
         assert _kinds(comms) == Counter(allreduce=2)
         assert "transfers by the process group" in text and "copy engines are CUDA's" in text

@@ -13,13 +13,13 @@ input gradient shards with ``torch.autograd`` on the global tensors, sliced by
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import pytest
 import torch
+from fuzz_cases import Case, set_up
 from fuzz_gradients import check_gradients, run_gradients
 from fuzz_programs import generate
-from mesh_helpers import MX, meshes_of_kind, shard
+from mesh_helpers import MX, shard
 from test_fuzz_autodiff import FEATURES
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
@@ -30,36 +30,11 @@ pytestmark = pytest.mark.mpi
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A hand-written program whose derived backward once failed.
-
-    Attributes:
-        was: what went wrong before the fix.
-        define: ``define(fd, d) -> tensors`` defines the fusion for ``d`` ranks.
-        schedule: ``schedule(tensors, *meshes)`` pins some of them.
-        reference: the same computation in torch: global inputs -> outputs.
-        shapes: ``shapes(d)``: the global input shapes.
-        meshes: ``"1d"``, ``"2x2"`` or ``"two"`` (see ``mesh_helpers.meshes_of_kind``).
-    """
-
-    was: str
-    define: Callable
-    schedule: Callable
-    reference: Callable
-    shapes: Callable[[int], list[list[int]]]
-    meshes: str = "1d"
-
-
 def _run(multidevice_test, case: Case) -> str:
     """``case`` forward and backward on this rank's shards against torch; what differs."""
-    d, rank, device = multidevice_test.size, multidevice_test.rank, multidevice_test.device
-    meshes = meshes_of_kind(multidevice_test, case.meshes)
-    gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(s, generator=gen).requires_grad_() for s in case.shapes(d)]
-    with FusionDefinition() as fd:
-        tensors = case.define(fd, d)
-    case.schedule(tensors, *meshes)
+    rank, device = multidevice_test.rank, multidevice_test.device
+    fd, inputs, gen = set_up(multidevice_test, case)
+    inputs = [x.requires_grad_() for x in inputs]
     expected = case.reference(*inputs)
     cotangents = [torch.randn(e.shape, generator=gen) for e in expected]
     return check_gradients(fd, fd.as_autograd_function(), inputs, expected, cotangents, rank,

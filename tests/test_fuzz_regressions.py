@@ -11,15 +11,15 @@ collectives must run, those are asserted too. A seed runs at the world size it w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import pytest
 import torch
+from fuzz_cases import Case, set_up
 from fuzz_programs import Features, generate
 from fuzz_runner import run_program
-from mesh_helpers import MX, MY, meshes_of_kind, shard
+from mesh_helpers import MX, MY, shard
 
-from meshfuse import DataType, FusionDefinition, shard_tensor
+from meshfuse import DataType, shard_tensor
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.testing.utils import current_device
@@ -27,43 +27,12 @@ from meshfuse.testing.utils import current_device
 pytestmark = pytest.mark.mpi
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A hand-written program that once failed.
-
-    Attributes:
-        was: what went wrong before the fix.
-        define: ``define(fd, d) -> tensors`` defines the fusion for ``d`` ranks.
-        schedule: ``schedule(tensors, meshes)`` pins some of them.
-        reference: the same computation in torch: global inputs -> outputs.
-        shapes: ``shapes(d)``: the global input shapes.
-        meshes: ``"1d"`` (every rank), ``"2x2"`` (4 ranks only) or ``"two"`` (two meshes
-            of half the ranks each, from 2 ranks).
-        comms: ``comms(d, kinds)``: whether the collectives that ran over more than one rank
-            (their kinds, sorted) are the ones expected; None: not checked.
-        tol: tolerances of the comparison (default: torch's for the dtype).
-    """
-
-    was: str
-    define: Callable
-    schedule: Callable
-    reference: Callable
-    shapes: Callable[[int], list[list[int]]]
-    meshes: str = "1d"
-    comms: Callable[[int, list[str]], bool] | None = None
-    tol: dict = dataclasses.field(default_factory=dict)
-
-
 def _run(multidevice_test, case: Case) -> list[str]:
     """Runs ``case`` on this rank's shards, compares with torch; returns the kinds of the
     collectives that ran over more than one rank, sorted."""
-    d, rank = multidevice_test.size, multidevice_test.rank
-    meshes = meshes_of_kind(multidevice_test, case.meshes)
-    gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(s, generator=gen).to(current_device()) for s in case.shapes(d)]
-    with FusionDefinition() as fd:
-        tensors = case.define(fd, d)
-    case.schedule(tensors, *meshes)
+    rank = multidevice_test.rank
+    fd, inputs, _ = set_up(multidevice_test, case)
+    inputs = [x.to(current_device()) for x in inputs]
     compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
 
     def held(tv) -> bool:

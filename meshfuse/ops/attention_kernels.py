@@ -285,13 +285,20 @@ def bind_kernels(q, k, v, dropout_p: float, is_causal: bool, backend=None):
     what :func:`sdpa_forward`/:func:`sdpa_backward` would pass them (unit innermost strides,
     scale None or a float) and run without the per-call checks.
     """
+    backend, forward, backward = _checked_kernels(q, k, v, dropout_p, is_causal, backend)
+    if backward is _cudnn_bwd:  # decided once, not read from the environment per call
+        backward = functools.partial(_cudnn_bwd, ragged=_cudnn_ragged())
+    return backend, forward, backward
+
+
+def _checked_kernels(q, k, v, dropout_p: float, is_causal: bool, backend):
+    """Checks q/k/v and ``dropout_p``; returns ``(backend, forward, backward)``, the backend
+    selected for these inputs where ``backend`` is None or auto."""
     check_qkv(q, k, v)
     check_dropout(q, dropout_p)
     if parse_backend(backend) is None:
         backend = select_backend(q, k, v, dropout_p, is_causal)
     forward, backward = _kernels_for(backend, q, k, v, dropout_p, is_causal)
-    if backward is _cudnn_bwd:  # decided once, not read from the environment per call
-        backward = functools.partial(_cudnn_bwd, ragged=_cudnn_ragged())
     return parse_backend(backend), forward, backward
 
 
@@ -336,14 +343,10 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     Raises:
         InputError: bad inputs, a missing dropout mask, or a backend for the other device.
     """
-    check_qkv(q, k, v)
-    check_dropout(q, dropout_p)
-    if parse_backend(backend) is None:
-        backend = select_backend(q, k, v, dropout_p, is_causal)
-    forward, _ = _kernels_for(backend, q, k, v, dropout_p, is_causal)
+    backend, forward, _ = _checked_kernels(q, k, v, dropout_p, is_causal, backend)
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     scale = None if scale is None else float(scale)
-    if parse_backend(backend) is AttentionBackend.MATH and dropout_p > 0.0:
+    if backend is AttentionBackend.MATH and dropout_p > 0.0:
         keep = _checked_mask(dropout_mask, q, k)
         attn, lse, seed, offset = forward(q, k, v, dropout_p, is_causal, scale, keep)
     else:

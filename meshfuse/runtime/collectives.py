@@ -206,12 +206,20 @@ def allreduce(x: torch.Tensor, group: Group, reduce_op: str, inplace: bool = Fal
         out = x if inplace and x._base is None else x.clone()
     else:
         out = x.contiguous()
-    _record("allreduce", group, out, reduce_op)
+    work, label = _issue_allreduce(out, group, reduce_op, async_op)
+    return _issued(work, out, _same, label, group)
+
+
+def _issue_allreduce(buffer: torch.Tensor, group: Group, reduce_op: str,
+                     async_op: bool) -> tuple[dist.Work | None, str]:
+    """Records the allreduce of ``buffer`` and issues it, the result written into ``buffer``;
+    returns the work (None where it ran synchronously) and the collective's label."""
+    _record("allreduce", group, buffer, reduce_op)
     label = _label("allreduce", group, reduce_op)
     with translated(label, group.ranks):
-        work = dist.all_reduce(out, op=REDUCE_OPS[reduce_op], group=group.process_group,
+        work = dist.all_reduce(buffer, op=REDUCE_OPS[reduce_op], group=group.process_group,
                                async_op=async_op)
-    return _issued(work, out, _same, label, group)
+    return work, label
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
@@ -352,11 +360,7 @@ def allreduce_in_place(x: torch.Tensor, group: Group, reduce_op: str,
     """``x`` (contiguous; a view the caller owns, such as a block of a larger result)
     reduced over the group in its own buffer; returns ``x``, or with ``async_op`` a
     :class:`Pending` of it (the collective runs while the caller goes on)."""
-    _record("allreduce", group, x, reduce_op)
-    label = _label("allreduce", group, reduce_op)
-    with translated(label, group.ranks):
-        work = dist.all_reduce(x, op=REDUCE_OPS[reduce_op], group=group.process_group,
-                               async_op=True)
+    work, label = _issue_allreduce(x, group, reduce_op, async_op=True)
     if async_op:
         return Pending(work, x, label=label, ranks=group.ranks)
     Communicator.instance().wait(work, label, group.ranks)
