@@ -142,7 +142,8 @@ def test_row_parallel_result_joining_a_sequence_sharded_residual_is_reduce_scatt
     reduce-scattered, never allreduced, and every output comes back sharded on the
     sequence, equal to the unsharded program's."""
     e, f = 4, 8
-    gx, gw1, gw2 = torch.randn(tokens, e), torch.randn(f, e), torch.randn(e, f)
+    gx, gw1, gw2 = (torch.randn(shape).to(multidevice_test.device)
+                    for shape in ((tokens, e), (f, e), (e, f)))
     plain, _, _ = _residual_block(tokens, e, f)
     expected = plain.execute([gx, gw1, gw2])
     torch.testing.assert_close(expected[0], F.linear(F.gelu(F.linear(gx, gw1)), gw2))

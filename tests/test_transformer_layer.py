@@ -278,11 +278,11 @@ def test_backward_collectives_run_under_weight_gradients(multidevice_test):
         pytest.skip("no collective on one rank")
     x, dy, params = make_inputs(torch.float32)
     block = GptBlock(B, S, E, HEADS, DataType.Float, DeviceMesh(range(size))).define()
-    leaves = [shard_tensor(t, tv, rank).requires_grad_()
+    leaves = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
               for t, tv in zip([x, *params.values()], [block.x, *block.params.values()])]
     function = block.as_autograd_function()
     y, = function(leaves)
-    y.backward(shard_tensor(dy, block.y, rank))
+    y.backward(shard_tensor(dy, block.y, rank).to(current_device()))
     compiled, = function._derivations.values()
     steps = next(iter(compiled._backward._programs.values())).steps
     hidden = []
