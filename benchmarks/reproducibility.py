@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from meshfuse.errors import ExecutionError, InputError
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # How far a gradient may move when only the backward's summation order differs (bf16 rounding
 # of a few atomically added terms); a different mask moves it by O(1) of its scale.
@@ -72,6 +74,20 @@ def compare(first, second, names: Sequence[str]) -> dict[str, dict]:
             for name, a, b in zip(names, first, second)}
 
 
+def deterministic_refusal(err: Exception) -> Exception | None:
+    """The refusal to run a program under deterministic algorithms that ``err`` (raised by
+    the run in that mode only) is, or None for another error: torch's RuntimeError (a kernel
+    without a deterministic implementation) or meshfuse's InputError (its cuDNN attention
+    backward: ``check_deterministic_backward``), raised as it is or as the cause of the
+    ExecutionError of the meshfuse step that ran the kernel."""
+    refusals = RuntimeError | InputError
+    if isinstance(err, refusals):
+        return err
+    if isinstance(err, ExecutionError) and isinstance(err.__cause__, refusals):
+        return err.__cause__
+    return None
+
+
 def check_same_seed(call: Callable[[], Sequence[torch.Tensor]], names: Sequence[str],
                     forward: int = 1, deterministic_check: bool = True,
                     strict: bool = True) -> dict:
@@ -85,7 +101,8 @@ def check_same_seed(call: Callable[[], Sequence[torch.Tensor]], names: Sequence[
 
     Returns:
         ``{"default": compare(...), "deterministic": compare(...)}``; ``"deterministic"`` is
-        None when not checked, or says why torch refused to run the program that way.
+        None when not checked, or says why torch or meshfuse refused to run the program that
+        way (see :func:`deterministic_refusal`).
 
     Raises:
         ValueError: an output that breaks the contract, named, with its largest difference.
@@ -95,8 +112,11 @@ def check_same_seed(call: Callable[[], Sequence[torch.Tensor]], names: Sequence[
         try:
             with deterministic_algorithms(True):
                 found["deterministic"] = compare(*same_seed_twice(call), names)
-        except RuntimeError as err:  # a kernel torch refuses to run deterministically
-            found["deterministic"] = f"not run: {str(err).splitlines()[0]}"
+        except (RuntimeError, InputError, ExecutionError) as err:
+            refusal = deterministic_refusal(err)
+            if refusal is None:
+                raise
+            found["deterministic"] = f"not run: {str(refusal).splitlines()[0]}"
     for mode, outputs in found.items():
         if not isinstance(outputs, dict):
             continue

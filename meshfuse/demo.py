@@ -74,16 +74,21 @@ def parse_args(argv: Sequence[str] | None = None,
     if launcher_size is not None and args.nproc not in (None, launcher_size):
         p.error(f"--nproc {args.nproc}, but the launcher started {launcher_size} ranks; drop "
                 "--nproc under a launcher")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     if launcher_size is None and gpus and (args.nproc or 0) > gpus:
         p.error(f"--nproc {args.nproc}, but this host has {gpus} GPUs (one rank per GPU); "
                 f"choose --nproc of at most {gpus}")
     return args
 
 
+def gpu_count() -> int:
+    """The GPUs of this host (0 without CUDA): the most ranks the demo starts on them."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_nproc() -> int:
     """One rank per GPU, or 4 CPU processes without one."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+    return gpu_count() or 4
 
 
 def main(argv: Sequence[str] | None = None) -> int:

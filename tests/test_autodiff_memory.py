@@ -55,7 +55,7 @@ def test_derived_mlp_backward_peaks_no_higher_than_the_hand_written_one(multidev
     # that varies by rank) in each execute: not the program's memory.
     monkeypatch.setenv("MESHFUSE_CHECK_RANKS", "0")
     size, rank = multidevice_test.size, multidevice_test.rank
-    x, dz, w1, w2 = _mlp_inputs(size, rank)
+    x, dz, w1, w2 = (t.to(multidevice_test.device) for t in _mlp_inputs(size, rank))
     mesh = meshfuse.DeviceMesh(range(size)) if size > 1 else None
     written = MegatronMlp(**SIZES, mesh=mesh, dtype=DataType.Float)
     written.execute([x, w1, w2, dz])  # builds its program: not measured

@@ -100,7 +100,8 @@ def test_symbolic_input_on_part_of_the_world_needs_its_shape_off_its_mesh(multid
     x.set_device_mesh(DeviceMesh([0]))
     y.set_device_mesh(DeviceMesh([1]))
     with pytest.raises(InputError, match="pass a tensor of its global shape there"):
-        fd.execute([torch.ones(2, 3) if multidevice_test.rank == 0 else None])
+        fd.execute([torch.ones(2, 3, device=multidevice_test.device)
+                    if multidevice_test.rank == 0 else None])
 
 
 @pytest.mark.mpi

@@ -58,7 +58,7 @@ def test_output_only_allreduces_run_as_one_bucket(multidevice_test, compile):
         torch.testing.assert_close(got.cpu(), expected)
     assert comms == ([("allreduce", 3 * COLS * 4, "sum", 0)] if size > 1 else [])
     bucketed = f"one allreduce(sum) over mesh axis 0 of 3 tensors, {3 * COLS * 4} bytes"
-    lines = fd.explain([shard_tensor(gx, x, rank)]).splitlines()
+    lines = fd.explain([shard_tensor(gx, x, rank).to(current_device())]).splitlines()
     if size > 1:
         heading = lines.index(f"allreduces run as one bucket on rank {rank}:")
         assert bucketed in lines[heading + 1]
@@ -113,9 +113,9 @@ def test_buckets_hold_one_mesh_axis(multidevice_test):
         x.axis(pos).parallelize(pt)
     gx = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
     with record_communications() as comms:
-        got = fd.execute([shard_tensor(gx, x, rank)])
+        got = fd.execute([shard_tensor(gx, x, rank).to(current_device())])
     for g, o, e in zip(got, outs, (gx.sum(0), gx.abs().sum(0), gx.sum(1), gx.abs().sum(1))):
-        torch.testing.assert_close(g, shard_tensor(e, o, rank))
+        torch.testing.assert_close(g.cpu(), shard_tensor(e, o, rank))
     kinds = sorted((c.kind, c.mesh_axis, len(c.ranks)) for c in comms)
     assert kinds == [("allreduce", 0, 2), ("allreduce", 1, 2)]
 

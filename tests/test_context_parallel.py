@@ -22,7 +22,6 @@ from meshfuse.ops.context_parallel import ContextParallel, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
 from meshfuse.runtime.collectives import record_communications
-from meshfuse.sharding import shard_tensor
 
 B, E = 1, 8
 STRIDES = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}
@@ -384,7 +383,7 @@ def test_refused_strategies_say_why(multidevice_test):
             tv.set_device_mesh(mesh) if tv is fd.k else shard(tv, 2, mesh)
         inputs = _global_inputs(2, 8, QkvFormat.BHSE)
         with pytest.raises(ShardingError, match=r"'ring' cannot run: T1 \(k\) is not sharded"):
-            fd.execute([shard_tensor(t, tv, multidevice_test.rank) for t, tv in
+            fd.execute([multidevice_test.shard_tensor(t, tv) for t, tv in
                         zip(inputs, fd.tensors())])
         fd = Attention(d + 1, 8, False, strategy="alltoall")
         _sequence_sharded(fd, mesh)
@@ -438,7 +437,8 @@ def test_dropout_global_mode_equals_unsharded(multidevice_test, strategy, layout
     """Global-mask dropout: each block's mask is the unsharded run's at its global position,
     so the sharded forward and gradients equal the unsharded run's."""
     inputs = _dropout_inputs()
-    expected = DropoutAttention("global", None).execute(inputs)
+    expected = DropoutAttention("global", None).execute(
+        [t.to(multidevice_test.device) for t in inputs])
     fd = DropoutAttention("global", strategy)
     _sequence_sharded(fd, mesh_1d(multidevice_test), layout)
     local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, fd.tensors())]
@@ -474,7 +474,8 @@ def test_dropout_shard_mode_gradients_use_the_forwards_masks(multidevice_test):
                                    atol=1e-5, rtol=1e-5)
     dropped = ((~keep & causal).sum() / (causal.sum() * 2 * B)).item()
     assert 0.2 < dropped < 0.4, dropped  # about p = 0.3 of the entries the causal mask keeps
-    global_attn = DropoutAttention("global", None).execute(inputs)[0]
+    global_attn = DropoutAttention("global", None).execute(
+        [t.to(multidevice_test.device) for t in inputs])[0].cpu()
     if multidevice_test.size > 1:
         assert not torch.equal((global_attn != 0), (attn != 0))
 

@@ -194,7 +194,7 @@ def test_cross_attention_dropout_global_mode_equals_unsharded(multidevice_test, 
     inputs = _inputs(16, 24)
     whole = CrossAttention(16, 24, True, dropout=0.25)
     whole.tensors()
-    expected = whole.execute(inputs)
+    expected = whole.execute([t.to(multidevice_test.device) for t in inputs])
     fd = CrossAttention(16, 24, True, strategy=strategy, dropout=0.25)
     _sequence_sharded(fd, mesh_1d(multidevice_test), "block")
     _check(multidevice_test, fd, inputs, expected)

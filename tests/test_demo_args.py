@@ -89,7 +89,13 @@ def test_help_shows_the_command_and_defaults(capsys):
         assert f"(default: {default})" in line
 
 
-def test_good_arguments_pass(capsys):
+@pytest.fixture
+def cpu_host(monkeypatch):
+    """A host without GPUs, where any --nproc is valid (with GPUs, at most their count)."""
+    monkeypatch.setattr(demo, "gpu_count", lambda: 0)
+
+
+def test_good_arguments_pass(capsys, cpu_host):
     args = demo.parse_args(["--nproc", "2", "--heads", "4", "--embed", "64", "--seq", "8"])
     assert (args.nproc, args.batch, args.heads, args.seq, args.embed) == (2, 2, 4, 8, 64)
     assert capsys.readouterr().err == ""
@@ -111,7 +117,7 @@ def test_nproc_must_agree_with_a_launcher(capsys):
     assert len(err.splitlines()) == 1
 
 
-def test_no_rank_starts_on_a_bad_argument(monkeypatch):
+def test_no_rank_starts_on_a_bad_argument(monkeypatch, cpu_host):
     started = []
     monkeypatch.setattr(demo, "spawn", lambda *a, **k: started.append(a) or [0])
     monkeypatch.setattr(demo, "launcher_world_size", lambda: None)
@@ -121,3 +127,16 @@ def test_no_rank_starts_on_a_bad_argument(monkeypatch):
     assert demo.main(["--nproc", "2", "--heads", "4", "--embed", "64"]) == 0
     assert started == [(2, ["-m", "meshfuse.demo", "--nproc", "2", "--heads", "4",
                             "--embed", "64"])]
+
+
+def test_nproc_above_the_gpu_count_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)
+    assert demo.parse_args(["--nproc", "1"]).nproc == 1
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--nproc", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nproc 2, but this host has 1 GPUs (one rank per GPU); choose --nproc of at " \
+        "most 1" in err
+    assert len(err.splitlines()) == 1
+    assert demo.default_nproc() == 1

@@ -74,12 +74,14 @@ def test_cyclic_shard_has_no_placement():
 
 # ----- DTensors in, DTensors out (ranks) ------------------------------------------------------
 def _mesh(multidevice_test, two_d: bool):
-    d = multidevice_test.size
+    """A torch mesh of every rank on the fixture's device type (CUDA under NCCL), so that
+    distribute_tensor puts the shards where the ranks compute."""
+    d, device_type = multidevice_test.size, multidevice_test.device.type
     if not two_d:
-        return init_device_mesh("cpu", (d,), mesh_dim_names=("tp",))
+        return init_device_mesh(device_type, (d,), mesh_dim_names=("tp",))
     if d % 2:
         pytest.skip("a 2-D mesh needs an even number of ranks")
-    return init_device_mesh("cpu", (d // 2, 2), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (d // 2, 2), mesh_dim_names=("dp", "tp"))
 
 
 def _mlp_fusion(e: int, hidden: int | None = None, tokens: int | None = None) -> FusionDefinition:
@@ -196,13 +198,13 @@ def test_uneven_shard_of_a_symbolic_axis_is_an_input_error(multidevice_test):
 @pytest.mark.mpi
 def test_partial_input_is_reduced_first(multidevice_test):
     mesh = _mesh(multidevice_test, two_d=False)
-    local = torch.full((2, 3), float(multidevice_test.rank + 1))
+    local = torch.full((2, 3), float(multidevice_test.rank + 1), device=multidevice_test.device)
     x_dt = DTensor.from_local(local, mesh, [Partial()])
     with FusionDefinition() as fd:
         fd.add_output(fd.ops.mul(fd.define_tensor([2, 3]), 2.0))
     (out,) = fd.execute([x_dt])
     d = multidevice_test.size
-    torch.testing.assert_close(out.full_tensor(), torch.full((2, 3), d * (d + 1.0)))
+    torch.testing.assert_close(out.full_tensor().cpu(), torch.full((2, 3), d * (d + 1.0)))
 
 
 @pytest.mark.mpi
@@ -221,5 +223,5 @@ def test_device_meshes_convert_both_ways(multidevice_test):
     mesh = _mesh(multidevice_test, two_d=False)
     ours = meshfuse.mesh_from_torch(mesh)
     assert ours == DeviceMesh(range(multidevice_test.size))
-    back = meshfuse.mesh_to_torch(ours, "cpu", ("tp",))
+    back = meshfuse.mesh_to_torch(ours, multidevice_test.device.type, ("tp",))
     assert back.mesh.tolist() == mesh.mesh.tolist() and back.mesh_dim_names == ("tp",)

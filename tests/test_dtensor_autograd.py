@@ -20,12 +20,15 @@ def same_random_tensors_on_every_rank():
     torch.manual_seed(0)
 
 
-def _mesh(size: int, two_d: bool):
+def _mesh(multidevice_test, two_d: bool):
+    """A torch mesh of every rank on the fixture's device type (CUDA under NCCL), so that
+    distribute_tensor puts the shards where the ranks compute."""
+    size, device_type = multidevice_test.size, multidevice_test.device.type
     if not two_d:
-        return init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+        return init_device_mesh(device_type, (size,), mesh_dim_names=("tp",))
     if size % 2:
         pytest.skip("a 2-D mesh needs an even number of ranks")
-    return init_device_mesh("cpu", (size // 2, 2), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (size // 2, 2), mesh_dim_names=("dp", "tp"))
 
 
 def _mlp_fusion(tokens: int, hidden: int) -> FusionDefinition:
@@ -64,7 +67,7 @@ def test_megatron_mlp_gradients_on_dtensors_match_dtensor(multidevice_test, two_
     the tokens and both weights are DTensors with the placements and values DTensor's
     autograd gives; the tensor-parallel backward runs one allreduce (the replicated tokens'
     gradient) on a 1-D mesh, as DTensor's does."""
-    mesh = _mesh(multidevice_test.size, two_d)
+    mesh = _mesh(multidevice_test, two_d)
     tp = mesh["tp"] if two_d else mesh
     tokens = 2 * (mesh.size() // tp.size()) + 1
     x = torch.randn(tokens, E)
@@ -102,7 +105,7 @@ def test_sequence_parallel_tokens_get_sharded_gradients(multidevice_test):
     gradient comes back sequence sharded, equal to DTensor's; the backward reduce-scatters it
     (the transpose of the forward's allgather of the tokens)."""
     size = multidevice_test.size
-    mesh = _mesh(size, False)
+    mesh = _mesh(multidevice_test, False)
     tokens = 2 * size
     w1, w2 = _megatron_weights(mesh, mesh, 4 * E)
     x_dt = distribute_tensor(torch.randn(tokens, E), mesh, [Shard(0)]).requires_grad_()
@@ -125,7 +128,7 @@ def test_sequence_parallel_tokens_get_sharded_gradients(multidevice_test):
 
 @pytest.mark.mpi
 def test_dtensors_laid_out_otherwise_than_the_first_are_an_input_error(multidevice_test):
-    mesh = _mesh(multidevice_test.size, False)
+    mesh = _mesh(multidevice_test, False)
     w1, w2 = _megatron_weights(mesh, mesh, 4 * E)
     function = _mlp_fusion(4, 4 * E).as_autograd_function()
     x = torch.randn(4, E)

@@ -251,7 +251,8 @@ def test_set_timeout_after_a_mesh_without_this_rank(multidevice_test):
         fd.add_output(fd.ops.sum(x, dims=[0]))  # an allreduce among the sub-mesh's ranks
     shard(x, 0, DeviceMesh(range(max(1, d // 2))))
     full = torch.arange(2.0 * d)
-    local = shard_tensor(full, x) if multidevice_test.rank < max(1, d // 2) else None
+    local = shard_tensor(full, x).to(multidevice_test.device) \
+        if multidevice_test.rank < max(1, d // 2) else None
     fd.execute([local])
     comm = Communicator.instance()
     timeout = comm.timeout

@@ -1,6 +1,6 @@
 """Inputs on the wrong device under NCCL: a typed error naming the input and this rank's GPU
-(``binding.check_input_device``), instead of a raw error inside a collective. The checks are
-pure, so they run on CPU with NCCL's facts given as arguments."""
+(``binding.check_inputs`` with ``binding.required_device``), instead of a raw error inside a
+collective. The checks are pure, so they run on CPU with NCCL's facts given as arguments."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import InputError
-from meshfuse.runtime.binding import check_input_device
+from meshfuse.runtime.binding import check_inputs, required_device
 
 GPU1 = torch.device("cuda", 1)
+
+
+def check_input_device(fusion, inputs, rank, backend, device, world_size):
+    check_inputs(fusion, inputs, rank, required_device(backend, device, world_size))
 
 
 def _fusion():
@@ -55,3 +59,23 @@ def test_an_input_off_this_ranks_mesh_is_not_checked():
     # mesh, is every rank's.
     with pytest.raises(InputError, match="input T1 is on cpu"):
         check_input_device(_fusion(), _inputs(), 5, "nccl", GPU1, 6)
+
+
+def test_a_0d_cpu_tensor_goes_beside_tensors_on_another_device():
+    """A 0-d CPU tensor (as the RNG seed and offset that sdpa's forward returns on the CPU)
+    is taken beside tensors on the GPU, as torch's ops take it, with NCCL or without. (A meta
+    tensor stands for the GPU one here: the one device other than the CPU that this host has,
+    and exempt from NCCL's check as a shape only.)"""
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([8], dtype=DataType.Float)
+        s = fd.define_tensor([], dtype=DataType.Float)  # not is_cpu: on any device
+        fd.add_output(fd.ops.mul(t, s))
+    inputs = [torch.empty(8, device="meta"), torch.tensor(2.0)]
+    check_inputs(fd.fusion, inputs, 1, GPU1)
+    check_inputs(fd.fusion, inputs, 0)
+
+
+def test_inputs_on_two_devices_name_both_and_the_rank():
+    with pytest.raises(InputError, match=r"input T1 is on cpu but input T0 is on meta \(rank "
+                       r"0\): put all inputs on one device"):
+        check_inputs(_fusion(), _inputs(x=torch.empty(2, 8, device="meta")), 0)

@@ -16,6 +16,7 @@ from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.ir.placement import Partial, placements
 from meshfuse.ops.meta import tensor_meta
 from meshfuse.runtime.collectives import record_communications
+from meshfuse.testing.utils import current_device
 
 M, K, N = 6, 10, 4  # K = 10: uneven contraction shards at 4 ranks
 
@@ -40,12 +41,18 @@ def _contract_sharded(inputs, mesh, pt=MX, which=None):
 
 
 def _run(fd, inputs, rank):
+    """This rank's output (on the CPU), the global inputs, and the communications' kinds."""
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(M, K, generator=gen) if i % 2 == 0 else torch.randn(K, N, generator=gen)
               for i in range(len(inputs))]
     with record_communications() as comms:
-        out, = fd.execute([shard_tensor(v, tv, rank) for v, tv in zip(values, inputs)])
-    return out, values, Counter(c.kind for c in comms)
+        out, = fd.execute(_shards(values, inputs, rank))
+    return out.cpu(), values, Counter(c.kind for c in comms)
+
+
+def _shards(values, tvs, rank):
+    """This rank's shards of the global ``values``, on its device (its GPU under NCCL)."""
+    return [shard_tensor(v, tv, rank).to(current_device()) for v, tv in zip(values, tvs)]
 
 
 def test_linear_ops_carry_their_arguments_reduction_axes():
@@ -150,12 +157,11 @@ def test_gradient_of_a_replicated_input_used_by_column_parallel_matmuls(multidev
     gen = torch.Generator().manual_seed(1)
     values = [torch.randn(M, K, generator=gen), *(torch.randn(4 * size, K, generator=gen)
                                                   for _ in range(2))]
-    leaves = [shard_tensor(t, tv, multidevice_test.rank).requires_grad_()
-              for t, tv in zip(values, (x, w0, w1))]
+    leaves = [t.requires_grad_() for t in _shards(values, (x, w0, w1), multidevice_test.rank)]
     y0, y1 = fd.as_autograd_function()(leaves)
     with record_communications() as comms:
         (y0.sum() + 2 * y1.sum()).backward()
-    torch.testing.assert_close(leaves[0].grad, (values[1].sum(0) + 2 * values[2].sum(0))
+    torch.testing.assert_close(leaves[0].grad.cpu(), (values[1].sum(0) + 2 * values[2].sum(0))
                                .expand(M, K))
     assert Counter(c.kind for c in comms) == (Counter({"allreduce": 1}) if size > 1
                                               else Counter())
@@ -193,11 +199,11 @@ def test_partial_sums_are_reduced_in_the_narrower_float_type(multidevice_test, n
               (torch.empty(M, K), torch.empty(K, N)) * 2]
     rank = multidevice_test.rank
     with record_communications() as comms:
-        got, = fd.execute([shard_tensor(v, tv, rank) for v, tv in zip(values, inputs)])
+        got, = fd.execute(_shards(values, inputs, rank))
     products = [values[i].float() @ values[i + 1].float() for i in (0, 2)]
     expected = products[0] + products[1]
     assert got.dtype == (torch.bfloat16 if narrow else torch.float32)
-    torch.testing.assert_close(got.float(), shard_tensor(expected, out, rank), rtol=5e-2,
+    torch.testing.assert_close(got.float().cpu(), shard_tensor(expected, out, rank), rtol=5e-2,
                                atol=5e-2)
     size = multidevice_test.size
     bf16_sum = ("reduce_scatter", -(-M // size) * size * N * 2)  # rows padded to even shards

@@ -82,7 +82,7 @@ def test_device_factor_differs_from_mesh_axis_size(multidevice_test):
         tv.outer_split(0, 2 * d)
         tv.axis(0).parallelize(ParallelType.mesh_x)
     with pytest.raises(ScheduleError) as info:
-        fd.execute([torch.randn(24 // (2 * d))])
+        fd.execute([torch.randn(24 // (2 * d), device=current_device())])
     _words(str(info.value), "T0", "axis 0", f"extent {2 * d}", "DIDx", f"size {d}")
 
 
@@ -93,7 +93,7 @@ def test_logical_device_axis_of_the_wrong_extent(multidevice_test):
         tv.set_device_mesh(DeviceMesh(range(d)))
         tv.axis(0).parallelize(ParallelType.mesh_x)
     with pytest.raises(ScheduleError) as info:
-        fd.execute([torch.randn(1, 4)])
+        fd.execute([torch.randn(1, 4, device=current_device())])
     _words(str(info.value), "T0", "axis 0", f"extent {d + 1}", f"size {d}")
 
 
@@ -106,7 +106,7 @@ def test_symbolic_logical_device_axis_with_a_local_extent_above_one(multidevice_
         tv.set_device_mesh(DeviceMesh(range(d)))
         tv.axis(0).parallelize(ParallelType.mesh_x)
     with pytest.raises(InputError) as info:
-        fd.execute([torch.randn(2, 4)])
+        fd.execute([torch.randn(2, 4, device=current_device())])
     _words(str(info.value), "T0", "axis 0", "1", "2")
 
 
@@ -116,7 +116,7 @@ def test_mesh_with_more_devices_than_the_world(multidevice_test):
     for tv in (x, y):
         tv.set_device_mesh(DeviceMesh(range(size + 1)))
     with pytest.raises(ScheduleError) as info:
-        fd.execute([torch.randn(6)])
+        fd.execute([torch.randn(6, device=current_device())])
     _words(str(info.value), "T0", f"device {size}", f"{size} processes")
 
 
@@ -139,7 +139,8 @@ def test_parallelizing_a_broadcast_axis(multidevice_test):
         for tv in (x, y):
             tv.set_device_mesh(DeviceMesh(range(d)))
             tv.axis(0).parallelize(ParallelType.mesh_x)
-        torch.testing.assert_close(fd.execute([torch.ones(1, 4)])[0], torch.ones(1, 4))
+        ones = torch.ones(1, 4, device=current_device())
+        torch.testing.assert_close(fd.execute([ones])[0], ones)
         return
     x.set_device_mesh(DeviceMesh(range(d)))
     with pytest.raises(ScheduleError) as info:
@@ -156,7 +157,7 @@ def test_device_parallel_type_beyond_the_mesh_rank(multidevice_test):
         tv.outer_split(0, d)
         tv.axis(0).parallelize(ParallelType.mesh_y)
     with pytest.raises(ScheduleError) as info:
-        fd.execute([torch.randn(4, 3)])
+        fd.execute([torch.randn(4, 3, device=current_device())])
     _words(str(info.value), "T0", "axis 0", "mesh_y", "2 axes")
 
 
@@ -258,7 +259,7 @@ def test_local_input_shape_does_not_match_its_schedule(multidevice_test, rows):
     fd, x, y = _relu_fusion([4 * d, 3])
     _block_shard((x, y), DeviceMesh(range(d)), 0)
     with pytest.raises(InputError) as info:
-        fd.execute([torch.randn(4 + rows, 3)])
+        fd.execute([torch.randn(4 + rows, 3, device=current_device())])
     _words(str(info.value), "T0", "axis 0", f"{4 + rows}", f"{4 * d}")
 
 
@@ -269,7 +270,7 @@ def test_global_tensor_passed_instead_of_the_shard(multidevice_test):
     fd, x, y = _relu_fusion([4 * d, 3])
     _block_shard((x, y), DeviceMesh(range(d)), 0)
     with pytest.raises(InputError) as info:
-        fd.execute([torch.randn(4 * d, 3)])
+        fd.execute([torch.randn(4 * d, 3, device=current_device())])
     _words(str(info.value), "T0", "axis 0", f"{d} shards", "shard of extent 4")
 
 
@@ -284,7 +285,7 @@ def test_local_input_with_the_wrong_memory_order(multidevice_test):
         tv.reorder({2: 3, 3: 2})
         tv.set_allocation_as_loop()
     with pytest.raises(InputError) as info:
-        fd.execute([torch.randn(2, 4, 3, 5)])
+        fd.execute([torch.randn(2, 4, 3, 5, device=current_device())])
     _words(str(info.value), "T0", "strides")
 
 
@@ -296,7 +297,8 @@ def test_symbolic_extents_that_do_not_broadcast(multidevice_test):
         fd.add_output(fd.ops.add(x, w))
     _block_shard(fd.fusion.tensors(), DeviceMesh(range(d)), 0)
     with pytest.raises(InputError) as info:
-        fd.execute([torch.randn(2, 3), torch.randn(3, 3)])
+        fd.execute([torch.randn(2, 3, device=current_device()),
+                    torch.randn(3, 3, device=current_device())])
     _words(str(info.value), "add", "T0", "T1", "axis 0", f"{2 * d}", f"{3 * d}")
 
 
@@ -322,8 +324,8 @@ def test_ranks_that_disagree_on_an_input(multidevice_test, monkeypatch, what, ho
     _require_ranks(multidevice_test)
     d, rank = multidevice_test.size, multidevice_test.rank
     fd = _symbolic_sharded_relu(d)
-    good = torch.randn(2, 3)
-    bad = torch.randn(3, 3) if what == "shape" else good.double()
+    good = torch.randn(2, 3, device=current_device())
+    bad = torch.randn(3, 3, device=current_device()) if what == "shape" else good.double()
     options = {"check_ranks": True}
     if how == "environment":
         monkeypatch.setenv("MESHFUSE_CHECK_RANKS", "1")

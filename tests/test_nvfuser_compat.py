@@ -142,7 +142,7 @@ def test_outputs_answer_the_legacy_distributed_tensor_api(multidevice_test):
         fd.add_output(fd.ops.sum(col, [1]))
         x.set_device_mesh(mesh)
         shard(w, 0, mesh)
-    gx, gw = torch.randn(4, 6), torch.randn(2 * d, 6)
+    gx, gw = (torch.randn(shape).to(multidevice_test.device) for shape in ((4, 6), (2 * d, 6)))
     col, total = fd.execute([gx, multidevice_test.shard_tensor(gw, w)])
     assert col.axis_sharded_on(MX) == 1 and total.axis_sharded_on(MX) == -1
     assert col.mesh == mesh and type(col.local) is torch.Tensor
@@ -174,7 +174,7 @@ def test_attention_with_a_logical_device_axis(multidevice_test, bshe):
         for t in (q, k, v, g):
             t.set_device_mesh(mesh)
             t.axis(0).parallelize(MX)
-    full = [torch.randn(b, h, s, e) for _ in range(4)]
+    full = [torch.randn(b, h, s, e).to(multidevice_test.device) for _ in range(4)]
     leaves = [t.clone().requires_grad_() for t in full[:3]]
     ref_attn = F.scaled_dot_product_attention(*leaves, is_causal=True)
     ref_grads = torch.autograd.grad(ref_attn, leaves, full[3])
@@ -212,8 +212,9 @@ def test_grouped_mm_sharded(multidevice_test, parallel):
     else:
         shard(x, 1, mesh)
         shard(w, 1, mesh)
-    gx, gw = torch.randn(7, 4 * d), torch.randn(3, 4 * d, 2 * d)
-    ends = torch.tensor([2, 2, 7], dtype=torch.int32)   # an empty group in the middle
+    device = multidevice_test.device
+    gx, gw = torch.randn(7, 4 * d).to(device), torch.randn(3, 4 * d, 2 * d).to(device)
+    ends = torch.tensor([2, 2, 7], dtype=torch.int32, device=device)  # an empty middle group
     ref = torch.cat([gx[:2] @ gw[0], gx[2:7] @ gw[2]])
     with record_communications() as comms:
         (out,) = fd.execute([multidevice_test.shard_tensor(gx, x),
@@ -233,10 +234,11 @@ def test_grouped_mm_refuses_sharded_rows(multidevice_test):
     for t in (x, w, offsets):
         t.set_device_mesh(mesh)
     shard(x, 0, mesh)
-    d = mesh.size
+    d, device = mesh.size, multidevice_test.device
     with pytest.raises(ShardingError, match="rows"):
-        fd.execute([torch.randn(2, 4 * d), torch.randn(3, 4 * d, 2 * d),
-                    torch.tensor([1, 2, 2 * d], dtype=torch.int32)])
+        fd.execute([torch.randn(2, 4 * d, device=device),
+                    torch.randn(3, 4 * d, 2 * d, device=device),
+                    torch.tensor([1, 2, 2 * d], dtype=torch.int32, device=device)])
 
 
 @pytest.mark.mpi
@@ -256,7 +258,7 @@ def test_rfactor_makes_the_allreduce_explicit(multidevice_test, legacy):
         local.set_device_mesh(mesh)
         local.axis(-2).parallelize(MX)
     assert out.definition.op.name == "set" and local.definition.op.name == "matmul"
-    gx, gw = torch.randn(3, 4 * d), torch.randn(4 * d, 5)
+    gx, gw = (torch.randn(shape).to(multidevice_test.device) for shape in ((3, 4 * d), (4 * d, 5)))
     with record_communications() as comms:
         (got,) = fd.execute([multidevice_test.shard_tensor(gx, x),
                              multidevice_test.shard_tensor(gw, w)])

@@ -39,7 +39,8 @@ def test_a_device_axis_stays_sharded_at_every_world_size(multidevice_test, stati
             t.set_device_mesh(mesh)
         for t in (w, bias):
             t.axis(0).parallelize(MX)
-    gx, gw, gb = torch.randn(b, s, k), torch.randn(d, n, k), torch.randn(d, n)
+    gx, gw, gb = (torch.randn(shape).to(multidevice_test.device)
+                  for shape in ((b, s, k), (d, n, k), (d, n)))
     with record_communications() as comms:
         (out,) = fd.execute([gx, multidevice_test.shard_tensor(gw, w),
                              multidevice_test.shard_tensor(gb, bias)])
@@ -68,7 +69,7 @@ def test_attention_dropout_with_a_leading_device_axis(multidevice_test):
     """Dropout on q/k/v [d, b, h/d, s, e] sharded on the leading axis: the global mask
     counts the leading axis too, so each rank's shard is bitwise the unsharded run's."""
     d, b, h, s, e = multidevice_test.size, 2, 2 * multidevice_test.size, 8, 4
-    full = [torch.randn(d, b, h // d, s, e) for _ in range(4)]
+    full = [torch.randn(d, b, h // d, s, e).to(multidevice_test.device) for _ in range(4)]
     whole = _attention(d, b, h, s, e).execute(full)
     fd = _attention(d, b, h, s, e, mesh_1d(multidevice_test))
     mine = fd.execute([t[multidevice_test.rank:][:1] for t in full])
@@ -141,7 +142,8 @@ def test_row_parallel_result_joining_a_sequence_sharded_residual_is_reduce_scatt
     reduce-scattered, never allreduced, and every output comes back sharded on the
     sequence, equal to the unsharded program's."""
     e, f = 4, 8
-    gx, gw1, gw2 = torch.randn(tokens, e), torch.randn(f, e), torch.randn(e, f)
+    gx, gw1, gw2 = (torch.randn(shape).to(multidevice_test.device)
+                    for shape in ((tokens, e), (f, e), (e, f)))
     plain, _, _ = _residual_block(tokens, e, f)
     expected = plain.execute([gx, gw1, gw2])
     torch.testing.assert_close(expected[0], F.linear(F.gelu(F.linear(gx, gw1)), gw2))

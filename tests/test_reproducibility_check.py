@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks.reproducibility import bitwise_equal, check_same_seed
+from meshfuse.errors import ExecutionError, InputError
 
 NAMES = ("attn", "q_grad")
 _calls = {"n": 0}
@@ -67,3 +68,41 @@ def test_not_strict_lets_deterministic_gradients_differ_by_rounding():
         return torch.zeros(4), torch.full((4,), 1e-6 * (_calls["n"] % 2))
     found = check_same_seed(call, NAMES, strict=False)
     assert not found["deterministic"]["q_grad"]["bitwise"]
+
+
+def _refused_when_deterministic(error: Exception):
+    """A program that runs by default and raises ``error`` under deterministic algorithms."""
+    def call():
+        if torch.are_deterministic_algorithms_enabled():
+            raise error
+        return torch.zeros(4), torch.ones(4)
+    return call
+
+
+def _execution_error(cause: Exception) -> ExecutionError:
+    try:
+        raise ExecutionError("rank 0, step 3 (sdpfa_bwd) failed") from cause
+    except ExecutionError as err:
+        return err
+
+
+CUDNN_REFUSAL = "the cuDNN attention backward is not deterministic"
+
+
+@pytest.mark.parametrize("error, reason", [
+    (RuntimeError("no deterministic implementation\nmore"), "no deterministic implementation"),
+    (InputError(CUDNN_REFUSAL), CUDNN_REFUSAL),
+    (_execution_error(InputError(CUDNN_REFUSAL)), CUDNN_REFUSAL),
+], ids=["torch", "meshfuse", "meshfuse_in_a_step"])
+def test_a_refusal_to_run_deterministically_is_reported_as_not_run(error, reason):
+    found = check_same_seed(_refused_when_deterministic(error), NAMES)
+    assert found["deterministic"] == f"not run: {reason}"
+    assert all(r["bitwise"] for r in found["default"].values())
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), _execution_error(ValueError("a bug"))],
+                         ids=["raised", "in_a_step"])
+def test_other_errors_of_the_deterministic_run_propagate(error):
+    with pytest.raises(type(error)):
+        check_same_seed(_refused_when_deterministic(error), NAMES)

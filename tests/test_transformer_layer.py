@@ -217,14 +217,15 @@ def test_collectives_are_dtensors_plus_the_layer_norm_gradients(multidevice_test
     x, dy, params = make_inputs(torch.float32)
     _, (forward, backward) = derived(GptBlock(B, S, E, HEADS, DataType.Float,
                                               DeviceMesh(range(size))), x, dy, params, rank)
-    mesh = init_device_mesh("cpu", (size,))
+    device = multidevice_test.device
+    mesh = init_device_mesh(device.type, (size,))
     block = parallelize(Gpt3Block(params, HEADS), mesh)
-    local_x = x.chunk(size, 1)[rank].requires_grad_()
+    local_x = x.chunk(size, 1)[rank].to(device).requires_grad_()
     with _FunctionalCollectives() as dtensor_forward:
         y = block(DTensor.from_local(local_x, mesh, [Shard(1)], shape=x.shape,
                                      stride=x.stride()))  # uneven at 3 ranks
     with _FunctionalCollectives() as dtensor_backward:
-        y.to_local().backward(dy.chunk(size, 1)[rank])
+        y.to_local().backward(dy.chunk(size, 1)[rank].to(device))
     norms = [p for n, p in block.named_parameters() if n.startswith("ln")]
     assert all(p.grad.placements == (Partial(),) for p in norms)
     assert kinds_and_bytes(forward) == dtensor_forward.log
@@ -277,11 +278,11 @@ def test_backward_collectives_run_under_weight_gradients(multidevice_test):
         pytest.skip("no collective on one rank")
     x, dy, params = make_inputs(torch.float32)
     block = GptBlock(B, S, E, HEADS, DataType.Float, DeviceMesh(range(size))).define()
-    leaves = [shard_tensor(t, tv, rank).requires_grad_()
+    leaves = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
               for t, tv in zip([x, *params.values()], [block.x, *block.params.values()])]
     function = block.as_autograd_function()
     y, = function(leaves)
-    y.backward(shard_tensor(dy, block.y, rank))
+    y.backward(shard_tensor(dy, block.y, rank).to(current_device()))
     compiled, = function._derivations.values()
     steps = next(iter(compiled._backward._programs.values())).steps
     hidden = []

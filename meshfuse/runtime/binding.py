@@ -52,56 +52,78 @@ def held_here(tv: TensorView, rank: int) -> bool:
     return tv.mesh is None or rank in tv.mesh
 
 
-def check_input_values(fusion: Fusion, inputs: Sequence, rank: int = 0) -> None:
-    """Count, kind, dtype and rank of each input. A rank outside an input's mesh passes None
-    (or any tensor, which is ignored) for it; for an input with symbolic extents, a tensor of
-    its global shape and dtype (values not read: on the meta device), from which it learns
-    them."""
+def required_device(backend: str, device: torch.device, world_size: int) -> torch.device | None:
+    """The device every tensor input of a rank must be on: its GPU ``device`` under NCCL
+    between several ranks (NCCL moves only that GPU's memory, and a tensor elsewhere would fail
+    inside a collective with a raw error); None otherwise (any device, one for all inputs)."""
+    return device if backend == "nccl" and world_size > 1 else None
+
+
+def check_inputs(fusion: Fusion, inputs: Sequence, rank: int = 0,
+                 device: torch.device | None = None) -> None:
+    """Count, kind, dtype, dimensions and device of each input. A rank outside an input's mesh
+    passes None (or any tensor, which is ignored) for it; for an input with symbolic extents,
+    a tensor of its global shape and dtype (values not read: on the meta device), from which
+    it learns them.
+
+    The tensor inputs this rank holds are on one device, and on ``device`` when it is given
+    (see :func:`required_device`; a meta tensor, a shape only, is exempt from that). Two kinds
+    are on the CPU beside them: ``is_cpu`` scalars, which must be, and 0-d CPU tensors, which
+    torch's ops take beside tensors of any device (sdpa's forward returns its RNG seed and
+    offset so).
+
+    Raises:
+        InputError: naming the input and, for a device, this rank and the expected device.
+    """
     declared = fusion.inputs()
     if len(inputs) != len(declared):
         names = ", ".join(v.name for v in declared)
         raise InputError(
             f"execute got {len(inputs)} inputs but the fusion takes {len(declared)} ({names})"
         )
-    device = None
+    first = None  # (input, device) of the first tensor input that fixes the device
     for v, x in zip(declared, inputs):
         if isinstance(v, Scalar):
             _check_scalar(v, x)
-            continue
-        if not held_here(v, rank):
+        elif not held_here(v, rank):
             _check_not_held(v, x, rank)
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
-        _check_kind(v, x)
-        if v.is_cpu:
-            if x.device.type != "cpu":
+        else:
+            _check_tensor(v, x)
+            if v.is_cpu or is_cpu_scalar(x):
+                continue
+            if device is not None:
+                _check_on_gpu(v, x, rank, device)
+            if first is None:
+                first = v, x.device
+            elif x.device != first[1]:
                 raise InputError(
-                    f"input {v.name} is declared is_cpu=True but is on {x.device}; pass a CPU "
-                    "tensor"
+                    f"input {v.name} is on {x.device} but input {first[0].name} is on "
+                    f"{first[1]} (rank {rank}): put all inputs on one device"
                 )
-            continue
-        if device is None:
-            device = x.device
-        elif x.device != device:
-            raise InputError(
-                f"input {v.name} is on {x.device} but earlier inputs are on {device}; put all "
-                "inputs on one device"
-            )
 
 
-def check_input_device(fusion: Fusion, inputs: Sequence, rank: int, backend: str,
-                       device: torch.device, world_size: int) -> None:
-    """With NCCL between several ranks, each tensor input this rank holds (other than the
-    ``is_cpu`` scalars) is on this rank's GPU ``device``: NCCL moves only that GPU's memory,
-    and a tensor elsewhere would fail inside a collective with a raw error."""
-    if backend != "nccl" or world_size == 1:
-        return
-    for v, x in zip(fusion.inputs(), inputs):
-        if (not isinstance(v, TensorView) or v.is_cpu or not held_here(v, rank)
-                or not isinstance(x, torch.Tensor) or x.device.type == "meta"
-                or x.device == device):
-            continue
+def is_cpu_scalar(x) -> bool:
+    """Whether ``x`` is a 0-d CPU tensor: torch's ops take one beside tensors of any device,
+    so it fixes no input device."""
+    return isinstance(x, torch.Tensor) and x.ndim == 0 and x.device.type == "cpu"
+
+
+def _check_tensor(v: TensorView, x) -> None:
+    """Input ``v``, which this rank holds, is given a tensor of its kind (an ``is_cpu`` one on
+    the CPU)."""
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"input {v.name} must be a torch.Tensor, got {type(x).__name__}")
+    _check_kind(v, x)
+    if v.is_cpu and x.device.type != "cpu":
+        raise InputError(
+            f"input {v.name} is declared is_cpu=True but is on {x.device}; pass a CPU tensor"
+        )
+
+
+def _check_on_gpu(v: TensorView, x: torch.Tensor, rank: int, device: torch.device) -> None:
+    """Input ``v`` is on this rank's NCCL GPU ``device`` (a meta tensor, which stands for a
+    shape only, is anywhere)."""
+    if x.device != device and x.device.type != "meta":
         raise InputError(
             f"input {v.name} is on {x.device}, but rank {rank} runs NCCL on {device}: put "
             "the inputs on this rank's GPU (x.to(Communicator.instance().device))"

@@ -38,12 +38,13 @@ from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
 from meshfuse.runtime.binding import (
     Binding,
     bind,
-    check_input_device,
-    check_input_values,
+    check_inputs,
     check_strides,
     device_coords,
     has_symbolic_extents,
     held_here,
+    is_cpu_scalar,
+    required_device,
 )
 from meshfuse.runtime.bucketing import bucket_lines
 from meshfuse.runtime.collectives import Group
@@ -267,10 +268,9 @@ class FusionRunner:
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
         fusion = self.fusion
-        check_input_values(fusion, inputs, self.rank)
-        if self.communicator is not None:
-            comm = self.communicator
-            check_input_device(fusion, inputs, self.rank, comm.backend, comm.device, comm.size)
+        comm = self.communicator
+        device = None if comm is None else required_device(comm.backend, comm.device, comm.size)
+        check_inputs(fusion, inputs, self.rank, device)
         binding = bind(fusion, self.allocations, inputs, self.rank)
         for v, x in zip(fusion.inputs(), inputs):
             if isinstance(v, TensorView) and held_here(v, self.rank):
@@ -392,10 +392,15 @@ def local_context(binding: Binding, rank: int, device) -> LocalContext:
 
 
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
-    """The device of the tensor inputs (all on one), else the communicator's, else the CPU."""
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.device.type != "meta":  # meta: a shape only
+    """The device of the tensor inputs (all on one, 0-d CPU tensors aside: see
+    ``check_inputs``), else the communicator's, else the CPU."""
+    located = [x for x in inputs
+               if isinstance(x, torch.Tensor) and x.device.type != "meta"]  # meta: a shape only
+    for x in located:
+        if not is_cpu_scalar(x):
             return x.device
+    if located:
+        return located[0].device
     return communicator.device if communicator is not None else torch.device("cpu")
 
 
