@@ -8,10 +8,13 @@ gradients of x, w1 and w2 from a given ``dz``. Variants:
   columns) with an NCCL allreduce of z and of dx, no autograd: what meshfuse should lower to;
 - ``dtensor_tp``: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``, autograd;
 - ``meshfuse``: :class:`~benchmarks.fusions.MegatronMlp` (unsharded on one rank): the same
-  calls, its two allreduces launched asynchronously as early as their inputs exist;
+  calls, its two allreduces launched asynchronously as early as their inputs exist, as
+  loops by the copy engines where the estimate says they pay (the default transport on
+  CUDA);
+- ``meshfuse_nccl``: the same with the process group asked for (the default before);
 - ``meshfuse_loops_nccl``, ``meshfuse_copy_engine``, ``meshfuse_copy_engine_4``,
-  ``meshfuse_copy_engine_8``, ``meshfuse_copy_engine_auto``: the same with both allreduces
-  run as GEMM -> allreduce loops (:data:`LOOP_VARIANTS`).
+  ``meshfuse_copy_engine_8``: the same with both allreduces forced into GEMM -> allreduce
+  loops (:data:`LOOP_VARIANTS`).
 
 FLOPs: two matmuls of ``2*T*H*F`` forward, twice that backward: ``12*T*H*F`` in all.
 
@@ -120,7 +123,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, inputs) -> list[Variant]:
 
 # GEMM -> allreduce loops (docs/overlap.md) on both allreduces of the MLP: name -> (the
 # environment its program is made in, set_overlap of the partial sums, note). Forced: over
-# NCCL in 4 row chunks, by the copy engines whole or in 4 or 8 chunks; and the copy engines
+# NCCL in 4 row chunks, by the copy engines whole or in 4 or 8 chunks; and the process group
 # asked for with the loops left to the estimate.
 _CE = {"MESHFUSE_OVERLAP_TRANSPORT": "copy_engine"}
 LOOP_VARIANTS = {
@@ -133,7 +136,8 @@ LOOP_VARIANTS = {
                                "allreduces by copy engines, 4 row chunks"),
     "meshfuse_copy_engine_8": (dict(_CE, MESHFUSE_OVERLAP_CHUNKS="8"), True,
                                "allreduces by copy engines, 8 row chunks"),
-    "meshfuse_copy_engine_auto": (_CE, None, "copy engines, loops as estimated"),
+    "meshfuse_nccl": ({"MESHFUSE_OVERLAP_TRANSPORT": "process_group"}, None,
+                      "the process group, loops as estimated"),
 }
 
 
