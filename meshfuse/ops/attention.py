@@ -239,7 +239,7 @@ def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rn
         keep = _flat(site.keep_mask(seed, offset, dropout_p, q.device))
         attn, lse, _, _ = attention_kernels.sdpa_forward(
             q, k, v, dropout_p, is_causal, scale, backend, dropout_mask=keep)
-        return (attn, lse, *rng_state(seed, offset))
+        return (attn, lse, *rng_state(seed, offset, q.device))
     attn, lse, kernel_seed, kernel_offset = run_in_stream(
         site.stream(seed, offset), q.device, call, q, k, v, dropout_p, is_causal, scale)
     if kernel_form:

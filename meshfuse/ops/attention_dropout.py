@@ -166,20 +166,24 @@ def _keep(cache: dict, key, device: torch.device, value) -> None:
         cache[key] = value
 
 
-def rng_state(seed: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state of the math kernel's mask: the seed and offset it was drawn with."""
-    pair = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint64)
-    return pair, no_rng_state(pair.device)[1]
+def rng_state(seed: int, offset: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state of the math kernel's mask: the seed and offset it was drawn with, on the
+    attention's ``device`` (beside its other outputs, as a fused kernel's)."""
+    pair = torch.tensor([seed, offset], dtype=torch.int64, device=device).view(torch.uint64)
+    return pair, no_rng_state(device)[1]
 
 
 def state_of_kernel(backend: AttentionBackend, seed, offset, device: torch.device):
     """nvFuser's form of a fused kernel's RNG state (``seed``/``offset`` as it returned
     them): flash's already is; cuDNN's ``[1]`` int64 pair and the memory-efficient kernel's
-    0-d int64 pair are joined into one ``[2]`` tensor (no copy back to the host)."""
+    0-d int64 pair are joined into one ``[2]`` tensor on ``device`` (no copy back to the host;
+    the memory-efficient kernel's pair, on the CPU outside a CUDA graph, is copied to the GPU
+    so that every output of the forward is on one device)."""
     if backend is AttentionBackend.FLASH:
         return seed, offset
-    pair = torch.cat([seed.reshape(1), offset.reshape(1)]).view(torch.uint64)
-    return pair, no_rng_state(pair.device)[1]
+    pair = torch.cat([seed.reshape(1), offset.reshape(1)]).view(torch.uint64).to(device)
+    return pair, no_rng_state(device)[1]
 
 
 def kernel_state(backend: AttentionBackend, seed: torch.Tensor, offset: torch.Tensor,
@@ -195,7 +199,9 @@ def kernel_state(backend: AttentionBackend, seed: torch.Tensor, offset: torch.Te
     pair = seed.view(torch.int64)
     if backend is AttentionBackend.CUDNN:
         return pair[0:1], pair[1:2]
-    return pair[0], pair[1]  # memory-efficient: 0-d int64 (on the CPU, as it returned them)
+    # memory-efficient: 0-d int64 on the CPU, as it returned them (outside a CUDA graph its
+    # backward reads them on the host)
+    return pair[0].cpu(), pair[1].cpu()
 
 
 _KERNEL_ZEROS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -314,7 +314,7 @@ def forward_step(group: Group):
         if float(dropout_p) > 0.0:
             seed, offset = resolve_seed("sdpfa_fwd", rng_seed, rng_offset)
             dropout, state = BlockDropout(float(dropout_p), seed, offset, site), \
-                rng_state(seed, offset)
+                rng_state(seed, offset, q.device)
         attn, lse = _FORWARD[_strategy(context)](q, k, v, _scale(scale), bool(is_causal),
                                                   context, group, dropout)
         return (attn, lse, *state)
