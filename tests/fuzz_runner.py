@@ -315,14 +315,18 @@ def summarize(outcomes: Iterable[Outcome]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def write_report(run: range, world_size: int, rank: int, outcomes: list[Outcome]) -> None:
+def write_report(kind: str, run: range, world_size: int, rank: int,
+                 outcomes: list[Outcome]) -> None:
     """With ``$MESHFUSE_FUZZ_REPORT`` set (a directory), writes this rank's counts and its
-    first failures there as ``ws{world_size}-rank{rank}.json`` (a long run's record)."""
+    first failures there as ``{kind}-ws{world_size}-rank{rank}.json`` (a long run's record;
+    ``kind``: the run's variable of program counts, lower case, so that the fuzz tests of
+    one session do not overwrite each other's)."""
     report = os.environ.get(REPORT_ENV)
     if not report:
         return
     os.makedirs(report, exist_ok=True)
-    with open(os.path.join(report, f"ws{world_size}-rank{rank}.json"), "w") as f:
+    name = f"{kind.lower()}-ws{world_size}-rank{rank}.json"
+    with open(os.path.join(report, name), "w") as f:
         json.dump({"programs": len(run), "first_seed": run.start,
                    "outcomes": summarize(outcomes),
                    "failures": [o.report() for o in outcomes if o.failed][:20]}, f, indent=1)

@@ -92,7 +92,7 @@ def _fuzz(multidevice_test, programs_env: str, default: int, features: Features,
     outcomes = run_many(run, multidevice_test.rank, multidevice_test.device, make,
                         functools.partial(run_program, compile=compile))
     summary = summarize(outcomes)
-    write_report(run, size, multidevice_test.rank, outcomes)
+    write_report(programs_env, run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == count
     assert not failures, (

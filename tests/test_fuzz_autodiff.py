@@ -33,7 +33,7 @@ def test_fuzz_gradients_match_torch_autograd(multidevice_test):
     outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
                         lambda seed: generate(seed, size, FEATURES), run_gradients)
     summary = summarize(outcomes)
-    write_report(run, size, multidevice_test.rank, outcomes)
+    write_report(PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == len(run)
     assert not failures, (
