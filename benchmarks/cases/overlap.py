@@ -36,7 +36,10 @@ program is built: ``process_group`` (NCCL) but where named ``copy_engine``, and 
   matmul; symmetric memory enabled for the group; its metric ``fused`` says whether
   Inductor emitted ``fused_all_gather_matmul``).
 
-Ratios are median times over ``torch``'s (below 1: faster than no overlap).
+Ratios are median times over ``torch``'s (below 1: faster than no overlap). In ``row_sp``
+and ``column``, the estimate's choice, the copy-engine loop and torch's async TP are also
+timed interleaved with ``meshfuse`` without overlap (metric ``interleaved_ratio``: their
+time over its).
 """
 
 from __future__ import annotations
@@ -50,7 +53,17 @@ import torch.distributed as dist
 
 import meshfuse
 from benchmarks.context import Context
-from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants, skipped
+from benchmarks.harness import (
+    Plan,
+    Record,
+    Skip,
+    Variant,
+    check_close,
+    interleave,
+    kept,
+    run_variants,
+    skipped,
+)
 from meshfuse import DataType, FusionDefinition, ParallelType
 
 SIZES = {"tokens": 8192, "hidden": 8192}
@@ -292,7 +305,8 @@ def _row_sp(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
                             "torch.ops.symm_mem.fused_matmul_reduce_scatter, direct"))
     variants.append(Variant("torch_async_tp", _async_tp("row_sp", x, w, expected),
                             "torch.compile, _micro_pipeline_tp, symmetric memory"))
-    return run_variants(ctx, "overlap", f"row_sp T{t} H{h}", variants, plan, "torch", params)
+    return _with_interleaved(ctx, f"row_sp T{t} H{h}", variants, plan, params,
+                             ["meshfuse_auto", "meshfuse_overlap_copy_engine", "torch_async_tp"])
 
 
 def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
@@ -327,7 +341,22 @@ def _column(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
                             "torch.ops.symm_mem.fused_all_gather_matmul, direct"))
     variants.append(Variant("torch_async_tp", _async_tp("column", x, w, expected),
                             "torch.compile, _micro_pipeline_tp, symmetric memory"))
-    return run_variants(ctx, "overlap", f"column T{t} H{h}", variants, plan, "torch", params)
+    return _with_interleaved(ctx, f"column T{t} H{h}", variants, plan, params,
+                             ["meshfuse_auto", "meshfuse_copy_engine", "torch_async_tp"])
+
+
+def _with_interleaved(ctx: Context, config: str, variants: list[Variant], plan: Plan, params,
+                      overlapped: list[str]) -> list[Record]:
+    """The records of ``variants`` (ratios over ``torch``), and those named in ``overlapped``
+    also timed interleaved with ``meshfuse`` (no overlap; metric ``interleaved_ratio``): the
+    issue's "with overlap over without" and "no slower than async TP" read from one
+    alternating measurement, which a drift of the clocks between variants does not bias."""
+    steps: dict = {}
+    records = run_variants(ctx, "overlap", config, [kept(v, steps) for v in variants], plan,
+                           "torch", params)
+    rounds, iters = (2, 2) if ctx.quick else (7, 10)
+    interleave(ctx, records, steps, "meshfuse", rounds, iters, overlapped)
+    return records
 
 
 def run(ctx: Context) -> list[Record]:
