@@ -54,13 +54,22 @@ def test_transport_choice_on_a_cpu():
 
 
 def test_ranks_on_several_hosts_are_told_apart(monkeypatch):
-    """The copy engines reach one host's GPUs: torchrun's LOCAL_WORLD_SIZE consecutive
-    ranks share a host, so a group across that boundary takes the process group."""
+    """The copy engines reach one host's GPUs: the launcher's local size in consecutive
+    ranks share a host (torchrun's LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE),
+    so a group across that boundary takes the process group."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "16")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
+    assert hosts((2, 6)) == {0}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert hosts((0, 1, 2, 3)) == {0}
     assert hosts((2, 6)) == {0, 1}
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert hosts((2, 6)) == {0}
 
 
 def test_transport_environment(monkeypatch):

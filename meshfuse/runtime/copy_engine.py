@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 
 from meshfuse.runtime import symmetric_memory
 from meshfuse.runtime.collectives import Group, record_transfer
+from meshfuse.runtime.launch_env import launch_info_from_env
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the regions of a workspace
@@ -79,10 +79,12 @@ def unavailable(device: torch.device, group: Group | None = None) -> str | None:
 
 
 def hosts(ranks: Sequence[int]) -> set[int]:
-    """The hosts of ``ranks``, numbered as torchrun places ranks: ``LOCAL_WORLD_SIZE``
-    consecutive ranks per host (unset: one rank per GPU of this host). The same on every
-    rank, so every rank picks the same transport."""
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
+    """The hosts of ``ranks``, numbered as torchrun and mpirun place ranks: the launcher's
+    local size in consecutive ranks per host (without a launcher's variables: one rank per GPU
+    of this host). The same on every rank, so every rank picks the same transport."""
+    launch = launch_info_from_env()
+    per_host = launch.local_size if launch.launcher != "none" else \
+        max(1, torch.cuda.device_count())
     return {rank // per_host for rank in ranks}
 
 
