@@ -53,6 +53,25 @@ def test_transport_choice_on_a_cpu():
     assert "several mesh axes" in choose_transport("copy_engine", cpu, two_axes, False)[1]
 
 
+def test_scheduled_stream_axis_keeps_the_process_group(monkeypatch):
+    """A loop the engine chose takes the copy engines by default where they can run; the
+    user's own stream axis runs over the process group as nvFuser runs it (its tests count
+    NCCL's kernels), unless the copy engines are asked for."""
+    monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
+    gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    transport, why = choose_transport("auto", gpu, [_group()], False, scheduled=True)
+    assert transport == PROCESS_GROUP and "scheduled stream axis" in why
+    transport, why = choose_transport("auto", gpu, [_group()], False)
+    assert transport == PROCESS_GROUP and why.startswith("copy engines unavailable")
+    for asked in (dict(requested="copy_engine", symmetric=False),
+                  dict(requested="auto", symmetric=True)):
+        why = choose_transport(asked["requested"], gpu, [_group()], asked["symmetric"],
+                               scheduled=True)[1]
+        assert "scheduled" not in why
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    assert "scheduled" not in choose_transport("auto", gpu, [_group()], False, scheduled=True)[1]
+
+
 def test_ranks_on_several_hosts_are_told_apart(monkeypatch):
     """The copy engines reach one host's GPUs: the launcher's local size in consecutive
     ranks share a host (torchrun's LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE),

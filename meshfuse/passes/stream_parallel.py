@@ -75,6 +75,12 @@ class StreamLoopPlan:
     chunks: int | None = None
     reason: str = ""
 
+    @property
+    def chosen_by_engine(self) -> bool:
+        """Whether the engine chose this loop (its cost estimate or ``set_overlap(True)``),
+        rather than the user's ``ParallelType.stream``."""
+        return self.chunks is not None
+
     def axis(self, tv: TensorView) -> int | None:
         """The materialized axis of ``tv`` that is chunked, or None if read whole."""
         logical = self.chunk_ids.get(tv)

@@ -213,14 +213,15 @@ def _decomposed(plan: StreamLoopPlan, expr: Reshard, binding: Binding, chunks: i
 
 
 def choose_transport(requested: str, device: torch.device | None, groups: Sequence[Group],
-                     symmetric: bool) -> tuple[str, str]:
+                     symmetric: bool, scheduled: bool = False) -> tuple[str, str]:
     """The transport of a loop's decomposed communications over ``groups`` (none: any) on
     ``device``, and why (a phrase for explain). ``requested``: ``"copy_engine"``
     (``CommunicatorBackend.cuda``), ``"process_group"`` (``CommunicatorBackend.nccl``) or
-    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: the copy engines where
-    they can run, else the process group: on 2 H200s they beat NCCL's loops, whose kernels
-    wait for the GEMMs' SMs); ``symmetric``: a tensor of the loop has
-    ``MemoryType.symmetric`` (asks for the copy engines)."""
+    ``"auto"`` (``MESHFUSE_OVERLAP_TRANSPORT``; unset or ``auto``: for a loop the engine
+    chose, the copy engines where they can run, else the process group: on 2 H200s they beat
+    NCCL's loops, whose kernels wait for the GEMMs' SMs; for a ``scheduled`` loop, the user's
+    own stream axis, the process group, as nvFuser runs it); ``symmetric``: a tensor of the
+    loop has ``MemoryType.symmetric`` (asks for the copy engines)."""
     if requested == AUTO:
         requested = os.environ.get(TRANSPORT_ENV, AUTO).lower().replace("nccl", PROCESS_GROUP)
         if requested not in (AUTO, COPY_ENGINE, PROCESS_GROUP):
@@ -230,6 +231,10 @@ def choose_transport(requested: str, device: torch.device | None, groups: Sequen
         requested = COPY_ENGINE
     if requested == PROCESS_GROUP:
         return PROCESS_GROUP, "asked for the process group"
+    if requested == AUTO and scheduled:
+        return PROCESS_GROUP, (f"a scheduled stream axis, as nvFuser runs it ({TRANSPORT_ENV}="
+                               "copy_engine, CommunicatorBackend.cuda or MemoryType.symmetric "
+                               "asks for the copy engines)")
     if len({(g.ranks, g.mesh_axis) for g in groups}) > 1:
         return PROCESS_GROUP, "its communications span several mesh axes"
     why_not = copy_engine.unavailable(device or torch.device("cpu"),
@@ -247,7 +252,8 @@ def _with_transport(loop: StreamLoop, requested: str, device: torch.device | Non
     if not groups or any(g.size == 1 for g in groups):
         return loop
     symmetric = any(tv.memory_type is MemoryType.symmetric for tv in plan.chunk_ids)
-    transport, why = choose_transport(requested, device, groups, symmetric)
+    transport, why = choose_transport(requested, device, groups, symmetric,
+                                      scheduled=not plan.chosen_by_engine)
     if transport != COPY_ENGINE:
         return dataclasses.replace(loop, transport_note=why)
     gathers = {k: dataclasses.replace(g, ring=True) for k, g in loop.gathers.items()}
