@@ -11,6 +11,7 @@ with the unsharded layer and with the NCCL loops, their transfers recorded.
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from meshfuse.multidevice import (
     MultiDeviceExecutorParams,
 )
 from meshfuse.runtime.collectives import Group, record_communications
-from meshfuse.runtime.copy_engine import Gathering, Reducing, hosts
+from meshfuse.runtime.copy_engine import Gathering, Reducing, closing_barrier, hosts
 from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 
@@ -268,6 +269,50 @@ def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
         assert loops and all("copy engines" in line for line in loops), loops
         assert any("(allgather decomposed)" in line for line in loops), loops
         assert any("(reduce-scatter decomposed)" in line for line in loops), loops
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_copy_engine_loops_replayed_from_a_cuda_graph(multidevice_test, monkeypatch):
+    """On CUDA, with the default transport: the sequence-parallel MLP's loops (the engine's,
+    forced by set_overlap) captured into a CUDA graph and replayed ten times, on new values
+    each time; a replay reuses the workspaces it captured, so each loop ends with a barrier
+    there, and every replay matches the unsharded MLP."""
+    monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
+    mesh = mesh_1d(multidevice_test)
+    t, h = 512, 256
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([t, h], dtype=DataType.Float)
+        w1 = fd.define_tensor([4 * h, h], dtype=DataType.Float)
+        w2 = fd.define_tensor([h, 4 * h], dtype=DataType.Float)
+        out = fd.ops.linear(fd.ops.relu(fd.ops.linear(x, w1)), w2)
+        fd.add_output(out)
+    for tv, axis in ((x, 0), (w1, 0), (w2, 1), (out, 0)):
+        shard(tv, axis, mesh)
+    x.set_overlap(True)
+    out.set_overlap(True)
+    g1, g2 = _ints(4 * h, h, seed=1), _ints(h, 4 * h, seed=2)
+    weights = [multidevice_test.shard_tensor(a, tv) for a, tv in ((g1, w1), (g2, w2))]
+    for call in range(10):
+        gx = _ints(t, h, seed=10 + call) / 4
+        shard_x = multidevice_test.shard_tensor(gx, x)
+        result, = fd.execute([shard_x, *weights], cuda_graph=True)
+        expected = multidevice_test.shard_tensor(F.linear(F.linear(gx, g1).relu(), g2), out)
+        torch.testing.assert_close(result, expected)
+    if multidevice_test.size > 1:
+        assert "by copy engines" in fd.explain([shard_x, *weights])
+
+
+def test_closing_barrier_only_under_capture(monkeypatch):
+    """A loop run ends with a barrier only while a CUDA graph is being captured."""
+    calls = []
+    space = SimpleNamespace(barrier=lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    closing_barrier(space)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    closing_barrier(space)
+    assert calls == ["barrier"]
 
 
 @cuda_only

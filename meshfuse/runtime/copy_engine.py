@@ -14,7 +14,9 @@ collective: every rank computes the same size from global extents, so every rank
 same ones in the same order) and taken in turn by later loops (:func:`next_workspace`). A
 loop needs no barrier at its end: a peer's reads of a workspace (its pulls) end before that
 peer's next loop at the same place reaches its first barrier, and this rank writes that
-workspace again only in the loop after, past that barrier.
+workspace again only in the loop after, past that barrier. A loop captured into a CUDA graph
+replays the same workspace each time, so there it ends with a barrier
+(:func:`closing_barrier`).
 
 **An allgather of the stream axis** (:class:`Gathering`, chunk ``i`` working on block ``b``):
 
@@ -152,6 +154,16 @@ def next_workspace(group: Group, place: object, nbytes: int,
     return workspace(group, (place, turn), nbytes, device)
 
 
+def closing_barrier(space: _Workspace) -> None:
+    """Ends a loop run with a barrier when it is being captured into a CUDA graph: a graph
+    replays the workspaces it captured, not the next ones in turn, so a replay would write
+    the workspace a slower peer may still be pulling from the replay before. After this
+    rank's pulls (the current stream waits for them first), the barrier lets no rank go on
+    until every rank's pulls have landed. Run eagerly, the turns already order them."""
+    if torch.cuda.is_current_stream_capturing():
+        space.barrier()
+
+
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     if device.index not in _copy_streams:
         _copy_streams[device.index] = torch.cuda.Stream(device)
@@ -245,6 +257,7 @@ class Gathering:
         for _, done in self.blocks.values():
             if done is not None:
                 current.wait_event(done)
+        closing_barrier(self.workspace)
         self.blocks.clear()
         self.outs.clear()
 
@@ -310,4 +323,5 @@ class Reducing:
         current = torch.cuda.current_stream(self.device)
         for _, done in self.pulled:
             current.wait_event(done)
+        closing_barrier(self.workspace)
         self.pulled.clear()
