@@ -157,7 +157,8 @@ def main(argv=None) -> None:
                         "meshfuse_compiled",
                         help="comma-separated variants of the gpt3_layer case")
     parser.add_argument("--interleave", action="store_true",
-                        help="also time each variant interleaved with the first one "
+                        help="also time each variant interleaved with the first one of "
+                        "--variants "
                         "(alternating blocks of steps: the median of the per-round ratios)")
     args = parser.parse_args(argv)
     ctx = context.setup(args.quick)
@@ -172,9 +173,11 @@ def main(argv=None) -> None:
     params = init_parameters(sizes["e"], dtype=dtype, device=ctx.device)
     wanted = args.variants.split(",")
     summaries, steps = [], {}
-    for variant in gpt3.variants(ctx, sizes, dtype, x, dy, params):
-        if variant.name not in wanted:
-            continue
+    known = {v.name: v for v in gpt3.variants(ctx, sizes, dtype, x, dy, params)}
+    if set(wanted) - set(known):
+        parser.error(f"unknown variants {sorted(set(wanted) - set(known))}; the case has "
+                     f"{sorted(known)}")
+    for variant in (known[name] for name in wanted):  # in the order asked
         try:
             step = _step_of(variant)
         except Skip as why:  # e.g. DTensor on one rank, Inductor's segments on CPUs
