@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_overlap
 import fuzz_precision
 import fuzz_typed
 import torch
@@ -61,6 +62,9 @@ class Features:
             backward statement (``sdpfa_bwd`` has no derivative), and the torch code detaches
             attention's log-sum-exp, which meshfuse, as PyTorch's attention kernels, does not
             differentiate.
+        overlap: stream-parallel loops forced (``fuzz_overlap.py``): more ``linear``/``matmul``
+            statements, ``set_overlap(True)`` on their tensors or on random ones, and a drawn
+            ``MESHFUSE_OVERLAP_CHUNKS`` while the program is built and run.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -72,6 +76,7 @@ class Features:
     extrema: bool = False
     differentiable: bool = False
     low_precision: bool = False
+    overlap: bool = False
 
 
 @dataclasses.dataclass
@@ -102,6 +107,7 @@ class Program:
     # contiguous in logical order
     layouts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     low: str = ""  # Features.low_precision: the program's half-precision DataType name
+    overlap_chunks: int = 0  # Features.overlap: MESHFUSE_OVERLAP_CHUNKS of its run (0: unset)
 
     def dtype(self, name: str) -> str:
         """The DataType name of input ``name`` (Float unless the generator chose another)."""
@@ -129,7 +135,7 @@ class Program:
         shapes = ", ".join(input_code(list(s), self.dtype(n), self.layouts.get(n))
                            for n, s in self.inputs)
         return f"""# meshfuse fuzz program: seed {self.seed}, world size {self.world_size}, {self.mode}
-import math
+{fuzz_overlap.repro_lines(self)}import math
 import torch
 import meshfuse
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
@@ -602,6 +608,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
     for feature, extra in FEATURE_STATEMENTS.items():
         if getattr(features, feature):
             statements.update(extra)
+    if features.overlap:
+        statements["matmul"] = fuzz_overlap.GEMM_WEIGHT
     names, weights = zip(*sorted(statements.items()))
     for _ in range(rng.randint(1, 4)):
         getattr(g, rng.choices(names, weights)[0])()
@@ -621,6 +629,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
     from fuzz_schedules import schedule_program
 
     schedule_program(program, rng, features)
+    if features.overlap:
+        fuzz_overlap.add_overlap(program, rng)
     return program
 
 

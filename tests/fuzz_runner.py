@@ -26,6 +26,7 @@ import fuzz_precision
 import torch
 import torch.distributed as dist
 from fusion_snapshot import snapshot
+from fuzz_overlap import chunks_env
 from fuzz_programs import FORWARD_CHECK, Program, build, reference
 from torch._dynamo.utils import counters
 
@@ -132,14 +133,15 @@ def run_program(program: Program, rank: int, device: torch.device,
     failure's reproduction runs the program as the failing call did (:func:`repro_check`).
     """
     try:
-        fd, _ = build(program)
-        inputs, outputs = reference(program)
-        held = holder(fd.fusion, rank)
-        local = local_inputs(fd.fusion, inputs, rank, device)
-        wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv) else None
-                  for (want, dtype, tol), tv in zip(expected(program, inputs, outputs),
-                                                    fd.fusion.outputs())]
-        kind, detail = _calls_outcome(fd, local, wanted, compile)
+        with chunks_env(program):
+            fd, _ = build(program)
+            inputs, outputs = reference(program)
+            held = holder(fd.fusion, rank)
+            local = local_inputs(fd.fusion, inputs, rank, device)
+            wanted = [(shard_tensor(want.to(device), tv, rank), dtype, tol) if held(tv)
+                      else None for (want, dtype, tol), tv
+                      in zip(expected(program, inputs, outputs), fd.fusion.outputs())]
+            kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
         _recover()

@@ -11,6 +11,7 @@ Two more tests draw from the same generator: low-precision programs (BFloat16/Ha
 ``fuzz_precision.py``; ``MESHFUSE_FUZZ_LOW_PRECISION_PROGRAMS``) and programs run through
 the compiled path (fused segments by Inductor, against torch and the interpreter, at one
 world size in CI; ``MESHFUSE_FUZZ_COMPILED_PROGRAMS`` runs more, at every world size).
+A fourth forces stream-parallel loops (``fuzz_overlap.py``; ``MESHFUSE_FUZZ_OVERLAP_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import dataclasses
 import functools
 import os
 
+import fuzz_overlap
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import run_many, run_program, seeds, summarize, write_report
+from fuzz_runner import REPORT_ENV, run_many, run_program, seeds, summarize, write_report
 
 pytestmark = pytest.mark.mpi
 
@@ -42,6 +44,9 @@ DEFAULT_COMPILED_PROGRAMS = 3
 COMPILED_WORLD_SIZE = 2  # CI's one world size of the compiled programs
 COMPILED_PROGRAMS_ENV = "MESHFUSE_FUZZ_COMPILED_PROGRAMS"
 COMPILE_ENV = "MESHFUSE_FUZZ_COMPILE"
+# Stream-parallel loops forced (Features.overlap): their own count, the same long mode.
+DEFAULT_OVERLAP_PROGRAMS = 30
+OVERLAP_PROGRAMS_ENV = "MESHFUSE_FUZZ_OVERLAP_PROGRAMS"
 
 
 def _features() -> Features:
@@ -76,23 +81,48 @@ def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test
           compile=backend, odd_seeds=low)
 
 
+def test_fuzz_overlap_programs_match_torch(multidevice_test):
+    """Programs with stream-parallel loops forced (``set_overlap(True)`` next to their
+    GEMMs, ``MESHFUSE_OVERLAP_CHUNKS`` drawn): against torch, and, sharded, some program of
+    the run must have formed a loop (``fd.explain``'s stream loops), else the mode tests
+    nothing."""
+    features = dataclasses.replace(_features(), overlap=True)
+    looped = []
+
+    def run(program, rank, device):
+        outcome = run_program(program, rank, device)
+        if outcome.kind == "match":
+            looped.append(fuzz_overlap.loops(program, rank, device) > 0)
+        return outcome
+
+    _fuzz(multidevice_test, OVERLAP_PROGRAMS_ENV, DEFAULT_OVERLAP_PROGRAMS, features, run=run)
+    report = os.environ.get(REPORT_ENV)
+    if report:  # the share of programs that looped, for a long run's record
+        name = f"overlap-loops-ws{multidevice_test.size}-rank{multidevice_test.rank}.txt"
+        with open(os.path.join(report, name), "w") as f:
+            f.write(f"{sum(looped)} of {len(looped)} matching programs formed a stream loop\n")
+    if multidevice_test.size > 1:
+        assert any(looped), "no program formed a stream loop"
+
+
 def _fuzz(multidevice_test, programs_env: str, default: int, features: Features,
-          compile: str | None = None, odd_seeds: Features | None = None) -> None:
+          compile: str | None = None, odd_seeds: Features | None = None,
+          run=None) -> None:
     """Runs the seeds of ``programs_env`` (``seeds``) at this world size, drawn with
     ``features`` (``odd_seeds`` at odd seeds, when given), compiled by ``compile``; fails
     with the counts and the first reproductions if a program failed."""
     size = multidevice_test.size
-    run = seeds(size, programs_env, default)
-    count = len(run)
+    seeds_run = seeds(size, programs_env, default)
+    count = len(seeds_run)
 
     def make(seed: int):
         drawn_with = odd_seeds if odd_seeds is not None and seed % 2 else features
         return generate(seed, size, drawn_with)
 
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device, make,
-                        functools.partial(run_program, compile=compile))
+    outcomes = run_many(seeds_run, multidevice_test.rank, multidevice_test.device, make,
+                        run or functools.partial(run_program, compile=compile))
     summary = summarize(outcomes)
-    write_report(programs_env, run, size, multidevice_test.rank, outcomes)
+    write_report(programs_env, seeds_run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == count
     assert not failures, (
