@@ -23,12 +23,17 @@ _GEMM = re.compile(r"^(t\d+) = fd\.ops\.(?:linear|matmul)\((t\d+), (t\d+)(?:, (t
 _DEFINED = re.compile(r"^((?:t\d+, )*t\d+) = ")
 
 
-def add_overlap(program, rng: random.Random) -> None:
-    """Appends ``set_overlap(True)`` calls to ``program.schedule`` and draws its
-    ``overlap_chunks``: on every tensor a GEMM reads or writes (half the programs), or on
-    each tensor of the program with probability 0.4."""
-    gemm = [n for line in program.fd_lines if (m := _GEMM.match(line))
-            for n in m.groups() if n is not None]
+def add_overlap(program, rng: random.Random, values: dict, uneven: bool) -> None:
+    """Appends to ``program.schedule`` a sharding of each GEMM's tensors that the random
+    schedule left alone, in one of the patterns the engine decomposes (:func:`_gemm_pattern`),
+    then ``set_overlap(True)`` calls: on every tensor a GEMM reads or writes (half the
+    programs), or on each tensor of the program with probability 0.4; and draws its
+    ``overlap_chunks``. ``values``: the generator's values by name (``fuzz_programs.Value``)."""
+    gemms = [m.groups() for line in program.fd_lines if (m := _GEMM.match(line))]
+    for y, x, w, _ in gemms:
+        if rng.random() < 0.8:
+            _gemm_pattern(program, rng, values, (y, x, w), uneven)
+    gemm = [n for names in gemms for n in names if n is not None]
     if gemm and rng.random() < 0.5:
         chosen = list(dict.fromkeys(gemm))
     else:
@@ -39,6 +44,43 @@ def add_overlap(program, rng: random.Random) -> None:
     program.schedule.extend(f"{n}.set_overlap(True)" for n in chosen)
     program.overlap_chunks = rng.choice(CHUNKS)
     program.features.add("overlap")
+
+
+def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, str, str],
+                  uneven: bool) -> None:
+    """Shards ``y = linear/matmul(x, w)`` on the mesh axis ``mesh_x`` as one of the engine's
+    loops asks, in place of what the random schedule wrote for those three tensors:
+    ``allgather`` (x's rows sharded, w's and y's output features: the rows gathered before
+    the GEMM, a sequence-parallel column linear),
+    ``allreduce`` (x and w sharded on the contracted axis, y replicated) or
+    ``reduce_scatter`` (as allreduce, y's rows sharded); y becomes an output (a GEMM no
+    output reads is not run). Extents the mesh axis does not divide only with ``uneven``; a
+    broadcast axis is not sharded (the pattern is left out)."""
+    y, x, w = names
+    shapes = {n: tuple(values[n].tensor.shape) for n in names}
+    line = next(line for line in program.fd_lines if line.startswith(f"{y} = "))
+    w_k = 1 if ".linear(" in line else 0  # w's contracted axis (1 - w_k: its features)
+    d = 2 if program.mode.startswith("2x2") else program.world_size  # mesh_x's size
+    pattern = rng.choice(["allgather", "allreduce", "reduce_scatter"])
+    rows_x, rows_y = len(shapes[x]) - 2, len(shapes[y]) - 2
+    axes = {"allgather": {x: rows_x, w: 1 - w_k, y: len(shapes[y]) - 1},
+            "allreduce": {x: len(shapes[x]) - 1, w: w_k, y: None},
+            "reduce_scatter": {x: len(shapes[x]) - 1, w: w_k, y: rows_y}}[pattern]
+    if rows_x < 0 or rows_y < 0 or any(
+            axis is not None and (values[name].broadcast[axis] or shapes[name][axis] % d
+                                  and not (uneven and shapes[name][axis] >= 2))
+            for name, axis in axes.items()):
+        return
+    program.schedule[:] = [line for line in program.schedule
+                           if line.split(".", 1)[0] not in (x, w, y)]
+    for name, axis in axes.items():
+        program.schedule.append(f"{name}.set_device_mesh(mesh)")
+        if axis is not None:
+            program.schedule += [f"{name}.outer_split({axis}, {d})",
+                                 f"{name}.axis({axis}).parallelize(ParallelType.mesh_x)"]
+    if y not in program.outputs:
+        program.outputs.append(y)
+    program.features.add(f"overlap {pattern}")
 
 
 @contextlib.contextmanager

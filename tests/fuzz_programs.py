@@ -613,6 +613,9 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
     names, weights = zip(*sorted(statements.items()))
     for _ in range(rng.randint(1, 4)):
         getattr(g, rng.choices(names, weights)[0])()
+    if features.overlap and not any(".linear(" in line or ".matmul(" in line
+                                    for line in g.fd_lines):
+        g.matmul()  # a loop needs a GEMM
     computed = [v for v in g.values if not v.is_input]
     if not computed:
         g.unary()
@@ -630,7 +633,7 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
 
     schedule_program(program, rng, features)
     if features.overlap:
-        fuzz_overlap.add_overlap(program, rng)
+        fuzz_overlap.add_overlap(program, rng, {v.name: v for v in g.values}, features.uneven)
     return program
 
 
