@@ -398,6 +398,30 @@ def _linear_of_expanded(fd, d):
     return x, w
 
 
+def _matmul_on_short_contracted_axis(fd, d):
+    """``matmul`` contracting an axis of ``d - 1`` elements block-sharded over ``d`` ranks
+    (the last rank's shard empty; 2 elements below 3 ranks, where none is), its partial
+    result allreduced in a forced loop."""
+    k = _short(d)
+    x = fd.define_tensor([3, k], dtype=DataType.Float)  # a result smaller than x and w, so
+    w = fd.define_tensor([k, 1], dtype=DataType.Float)  # that it is reduced, not they gathered
+    y = fd.ops.matmul(x, w)
+    fd.add_output(y)
+    return x, w, y
+
+
+def _short(d: int) -> int:
+    return d - 1 if d >= 3 else 2
+
+
+def _row_parallel_forced_loop(t, mesh):
+    x, w, y = t
+    shard(x, 1, mesh)
+    shard(w, 0, mesh)
+    y.set_device_mesh(mesh)
+    y.set_overlap(True)
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -504,6 +528,13 @@ CASES: dict[str, Case] = {
         _var_mean_attention, lambda t, mesh: shard(t[0], 2, mesh),
         _var_mean_attention_reference, lambda d: [[2, 2, 8, 4], [1, 1, 8, 1]],
         tol={"rtol": 1e-5, "atol": 1e-5}),
+    "allreduce_loop_over_an_empty_shard_of_the_contracted_axis": Case(
+        "ExecutionError in the GEMM -> allreduce loop on the rank whose shard of the "
+        "contracted axis is empty: 'cannot reshape tensor of 0 elements into shape [-1, 0]' "
+        "(overlap fuzzer seed 28 at 3 ranks), and the other ranks then out of step",
+        _matmul_on_short_contracted_axis, _row_parallel_forced_loop,
+        lambda x, w: [x @ w], lambda d: [[3, _short(d)], [_short(d), 1]],
+        comms=lambda d, kinds: (d == 1) == (not kinds) and set(kinds) <= {"allreduce"}),
 }
 
 
@@ -519,6 +550,7 @@ def test_regression(multidevice_test, name):
 DRAWN_WITH = Features(uneven=True, any_to_any=True)
 CI_FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
 LOW_PRECISION = dataclasses.replace(CI_FEATURES, low_precision=True)
+OVERLAP = dataclasses.replace(CI_FEATURES, overlap=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -567,6 +599,10 @@ SEEDS: dict[str, Seed] = {
     "compiled_cast_to_bfloat16_and_back-8": Seed(
         8, 2, "compiled (Inductor): cast(cast(x, BFloat16), Float) fused into nothing, x "
         "unrounded, 0.0074 off the interpreter", features=CI_FEATURES, compile="inductor"),
+    "allreduce_loop_over_an_empty_shard_of_the_contracted_axis-28": Seed(
+        28, 3, "ExecutionError: matmul's contracted axis of 2 on 3 ranks, its allreduce forced "
+        "into a loop of 2 row chunks: 'cannot reshape tensor of 0 elements into shape "
+        "[-1, 0]' on rank 2", features=OVERLAP),
 }
 
 

@@ -122,14 +122,16 @@ class AllreduceLoopCall:
         loop = self.loop
         (slot, shape, dtype), = loop.results
         a, b = resolved(a), resolved(b)
-        rows = a.reshape(-1, a.shape[-1])
+        # Row counts spelled out: reshape(-1, 0) (an empty shard of the contracted axis) is
+        # ambiguous
+        rows = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
         weight = b.t() if loop.op == "linear" else b
         out = torch.empty(shape, dtype=dtype, device=a.device)
         moves = None
         if loop.transport == COPY_ENGINE:
             moves = CopyEngineReduce(loop.group, shape, dtype, loop.reduce_op, slot, a.device)
         written = out if moves is None else moves.own
-        into = written.view(-1, shape[-1])
+        into = written.view(math.prod(shape[:-1]), shape[-1])
         pending = []
         n = rows.shape[0]
         q = max(1, -(-n // loop.chunks))
