@@ -603,6 +603,11 @@ SEEDS: dict[str, Seed] = {
         28, 3, "ExecutionError: matmul's contracted axis of 2 on 3 ranks, its allreduce forced "
         "into a loop of 2 row chunks: 'cannot reshape tensor of 0 elements into shape "
         "[-1, 0]' on rank 2", features=OVERLAP),
+    "reduce_scatter_loop_onto_a_strided_shard-69": Seed(
+        69, 4, "ExecutionError: matmul's partial result reduce-scattered onto axis 1 of 6 "
+        "split in 3 x 2, the piece of 2 sharded over 4 ranks (strided blocks), forced into "
+        "a loop that reduces contiguous blocks: 'The size of tensor a (3) must match the "
+        "size of tensor b (2)'", features=OVERLAP),
 }
 
 

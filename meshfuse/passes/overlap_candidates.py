@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
-from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
@@ -112,9 +112,19 @@ def _one_change(e: Reshard) -> tuple[int, object, object] | None:
 
 
 def _block_split(tv: TensorView, axis: int) -> IterDomain | None:
-    """Logical ID ``axis`` of ``tv`` when one device split shards it in blocks."""
+    """Logical ID ``axis`` of ``tv`` when one device split shards it in blocks: an outer
+    split of the logical ID itself, the devices outer (not a split of a piece of it, which
+    shards it in strided blocks; nor a zigzag one)."""
     logical = tv.materialized()[axis]
-    return logical if len(domain(tv).device_ids.get(logical, [])) == 1 else None
+    dom = domain(tv)
+    ids = dom.device_ids.get(logical, [])
+    if len(ids) != 1:
+        return None
+    device_id = ids[0][0]
+    split = dom.producers.get(device_id)
+    block = isinstance(split, Split) and split.in_id == logical and \
+        split.outer == device_id and not split.zigzag
+    return logical if block else None
 
 
 def _allgather_gemm(e: Reshard, uses) -> OverlapCandidate | None:
