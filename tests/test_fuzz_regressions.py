@@ -422,6 +422,28 @@ def _row_parallel_forced_loop(t, mesh):
     y.set_overlap(True)
 
 
+def _matmul_to_strided_shards(fd, d):
+    """``matmul`` contracting a sharded axis, its result's axis 1 (2d) split in 2 x d and
+    the piece of d sharded: the reduce-scatter goes onto strided blocks."""
+    x = fd.define_tensor([2, 2 * d], dtype=DataType.Float)
+    w = fd.define_tensor([2 * d, 2 * d], dtype=DataType.Float)
+    y = fd.ops.matmul(x, w)
+    fd.add_output(y)
+    return x, w, y
+
+
+def _reduce_scatter_onto_strided_shards(t, mesh):
+    x, w, y = t
+    shard(x, 1, mesh)
+    shard(w, 0, mesh)
+    d = mesh.size
+    y.set_device_mesh(mesh)
+    y.split(1, d, inner_split=True)
+    y.outer_split(2, d)
+    y.axis(2).parallelize(MX)
+    y.set_overlap(True)
+
+
 CASES: dict[str, Case] = {
     "reduction_to_0d_then_pointwise": Case(
         "AttributeError 'NoneType' object has no attribute 'mesh' in propagation",
@@ -535,6 +557,14 @@ CASES: dict[str, Case] = {
         _matmul_on_short_contracted_axis, _row_parallel_forced_loop,
         lambda x, w: [x @ w], lambda d: [[3, _short(d)], [_short(d), 1]],
         comms=lambda d, kinds: (d == 1) == (not kinds) and set(kinds) <= {"allreduce"}),
+    "reduce_scatter_loop_onto_strided_shards": Case(
+        "ExecutionError 'The size of tensor a (3) must match the size of tensor b (2)': "
+        "set_overlap(True) made the reduce-scatter a loop that reduces contiguous blocks, "
+        "onto an axis split before its device split (strided blocks); now it runs whole, no "
+        "per-block reduce (overlap fuzzer seed 69 at 4 ranks)",
+        _matmul_to_strided_shards, _reduce_scatter_onto_strided_shards,
+        lambda x, w: [x @ w], lambda d: [[2, 2 * d], [2 * d, 2 * d]],
+        comms=lambda d, kinds: "reduce" not in kinds),
 }
 
 
