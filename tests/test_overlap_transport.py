@@ -236,25 +236,34 @@ def test_copy_engine_reduce_scatter_loop_equals_nccl_loop(multidevice_test, monk
         assert _kinds(comms) == (expected if d > 1 else Counter())
 
 
-@cuda_only
-@pytest.mark.mpi
-def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
-    """On CUDA: a sequence-parallel MLP with both loops on the copy engines, bf16 at a size where the GEMMs take a while, five calls back to back with
-    the host never waiting, each close to the unsharded MLP."""
-    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
-    d = multidevice_test.size
-    mesh = mesh_1d(multidevice_test)
-    t, h = 1024, 512
+def _sequence_parallel_mlp(t: int, h: int, dtype: DataType, mesh):
+    """``linear(relu(linear(x, w1)), w2)`` with x's and the output's tokens sharded and both
+    communications forced into the engine's loops (``set_overlap(True)``): the fusion and its
+    tensors x, w1, w2, out."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([t, h], dtype=DataType.BFloat16)
-        w1 = fd.define_tensor([4 * h, h], dtype=DataType.BFloat16)
-        w2 = fd.define_tensor([h, 4 * h], dtype=DataType.BFloat16)
+        x = fd.define_tensor([t, h], dtype=dtype)
+        w1 = fd.define_tensor([4 * h, h], dtype=dtype)
+        w2 = fd.define_tensor([h, 4 * h], dtype=dtype)
         out = fd.ops.linear(fd.ops.relu(fd.ops.linear(x, w1)), w2)
         fd.add_output(out)
     for tv, axis in ((x, 0), (w1, 0), (w2, 1), (out, 0)):
         shard(tv, axis, mesh)
     x.set_overlap(True)
     out.set_overlap(True)
+    return fd, (x, w1, w2, out)
+
+
+@cuda_only
+@pytest.mark.mpi
+def test_copy_engine_mlp_loops_back_to_back(multidevice_test, monkeypatch):
+    """On CUDA: a sequence-parallel MLP with both loops on the copy engines, bf16 at a size
+    where the GEMMs take a while, five calls back to back with the host never waiting, each
+    close to the unsharded MLP."""
+    monkeypatch.setenv("MESHFUSE_OVERLAP_TRANSPORT", "copy_engine")
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    t, h = 1024, 512
+    fd, (x, w1, w2, out) = _sequence_parallel_mlp(t, h, DataType.BFloat16, mesh)
     gen = torch.Generator().manual_seed(0)
     gx, g1, g2 = (torch.randn(*s, generator=gen).bfloat16() * s[-1] ** -0.5
                   for s in ((t, h), (4 * h, h), (h, 4 * h)))
@@ -281,16 +290,7 @@ def test_copy_engine_loops_replayed_from_a_cuda_graph(multidevice_test, monkeypa
     monkeypatch.delenv("MESHFUSE_OVERLAP_TRANSPORT", raising=False)
     mesh = mesh_1d(multidevice_test)
     t, h = 512, 256
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([t, h], dtype=DataType.Float)
-        w1 = fd.define_tensor([4 * h, h], dtype=DataType.Float)
-        w2 = fd.define_tensor([h, 4 * h], dtype=DataType.Float)
-        out = fd.ops.linear(fd.ops.relu(fd.ops.linear(x, w1)), w2)
-        fd.add_output(out)
-    for tv, axis in ((x, 0), (w1, 0), (w2, 1), (out, 0)):
-        shard(tv, axis, mesh)
-    x.set_overlap(True)
-    out.set_overlap(True)
+    fd, (x, w1, w2, out) = _sequence_parallel_mlp(t, h, DataType.Float, mesh)
     g1, g2 = _ints(4 * h, h, seed=1), _ints(h, 4 * h, seed=2)
     weights = [multidevice_test.shard_tensor(a, tv) for a, tv in ((g1, w1), (g2, w2))]
     for call in range(10):
