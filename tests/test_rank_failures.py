@@ -212,6 +212,23 @@ def test_a_rank_told_its_group_broke_stops_waiting():
         waiting.wait(_LateWork(waits=1000), (0, 1), settling=True)
 
 
+def test_a_failure_in_the_next_call_waits_until_the_rank_gets_there():
+    """Rank 1 finished call 1 and failed alone in call 2 while rank 0, slower, still waits
+    for the end of call 1's collective (its data already sent): rank 0 finishes call 1, and
+    raises rank 1's error in call 2, where it waits for rank 1 in vain (regression: at 4
+    ranks on 2 cores, the slow rank raised it in call 1 and never became out of step)."""
+    waiting, failing = _two_ranks_of_three()
+    failing.begin_call()
+    failing.told(InputError("execute(timeout=-1): bad"), 2, "before running")
+    work = _LateWork(waits=3)
+    waiting.wait(work, (0, 1, 2))
+    assert work.is_completed() and waiting.out_of_step is None
+    waiting.begin_call()
+    with pytest.raises(InputError, match=r"^rank 1: execute\(timeout=-1\)"):
+        waiting.wait(_LateWork(waits=1000), (0, 1, 2))
+    assert "rank 1's error in call 2" in waiting.out_of_step
+
+
 def test_a_peer_close_caused_by_a_timeout_is_reported_as_the_timeout():
     """When a rank times out, gloo closes its connections: a rank of the same group seeing
     the peer close learns from the board that the cause was the timeout."""

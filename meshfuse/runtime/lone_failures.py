@@ -74,6 +74,7 @@ class LoneFailures:
         self.calls = 0
         self.board = Board(store if size > 1 else None, 0)
         self._acted_on = 0  # how many of the board's notices this rank has acted on
+        self._later: list[Notice] = []  # read, about a call this rank has not begun yet
         self._reason: str | None = None  # why the ranks are out of step, once they are
         self._settled: set[int] = set()  # calls where every rank failed alike, in step
         self.agreed_in = 0  # the last call in which this rank ran the inputs' agreement
@@ -101,7 +102,7 @@ class LoneFailures:
         """Forgets every failure: a fresh board for the groups of ``generation``."""
         self.generation, self.calls = generation, 0
         self.board = Board(self._store if self._size > 1 else None, generation)
-        self._acted_on = 0
+        self._acted_on, self._later = 0, []
         self._reason, self._settled, self.agreed_in = None, set(), 0
 
     def wait(self, work: Any, group: Sequence[int], late: Callable[[], None] | None = None,
@@ -135,12 +136,16 @@ class LoneFailures:
             self._read_board(frozenset(group), agreeing, settling)
 
     def _unread(self) -> list[Notice]:
-        """The notices this rank has not acted on yet (others may have been read by
-        :meth:`~meshfuse.runtime.board.Board.answers` or :meth:`reported_timeout`)."""
+        """The notices about this call or an earlier one that this rank has not acted on yet
+        (others may have been read by :meth:`~meshfuse.runtime.board.Board.answers` or
+        :meth:`reported_timeout`). A notice about a later call is kept for when this rank gets
+        there: a rank still waiting for the end of a collective that the others already
+        finished may read their notices about the next call (a rank failing in it)."""
         self.board.news()
-        fresh = self.board.notices[self._acted_on:]
+        fresh = self._later + self.board.notices[self._acted_on:]
         self._acted_on = len(self.board.notices)
-        return fresh
+        self._later = [n for n in fresh if n.call > self.calls]
+        return [n for n in fresh if n.call <= self.calls]
 
     def _read_board(self, group: frozenset[int], agreeing: bool, settling: bool) -> None:
         for notice in self._unread():
