@@ -8,7 +8,7 @@
 #   GEMM alone, NCCL whole, torch's fused async-TP ops and torch.compile's _micro_pipeline_tp,
 #   meshfuse's copy-engine transport
 #   driving one GEMM per block (the column layer also with the pulls issued before the own
-#   block's GEMM, and with torch's two streams); how much of the transfers ran under GEMMs,
+#   block's GEMM, with torch's two streams, and with pushes instead of pulls); how much of the transfers ran under GEMMs,
 #   with a timeline (benchmarks.overlap_transport_probe);
 # - tests: OUT/tests.txt: the CUDA tests of the copy-engine transport
 #   (tests/test_overlap_transport.py: values against the unsharded layer and the NCCL loops,
@@ -43,9 +43,9 @@ sizes=$( (( ngpu >= 2 )) && echo 1,2 || echo 1)
 want() { [[ $steps == *",$1,"* ]]; }
 if want probe; then
   SECONDS=0
-  timeout 90 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
+  timeout 110 "${launch[@]}" -m benchmarks.overlap_transport_probe --out "$out/probe" \
     --layers column,row_sp \
-    --variants gemm_only,nccl,torch_fused,async_tp_compiled,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams,copy_engine_barrier_aside \
+    --variants gemm_only,nccl,torch_fused,async_tp_compiled,copy_engine_loop,copy_engine_loop_early,copy_engine_two_streams,copy_engine_barrier_aside,copy_engine_push,copy_engine_push_early \
     > "$out/probe.log" 2>&1
   summary+=("probe: rc=$? (${SECONDS}s)" "$(cat "$out/probe/probe.txt" 2>/dev/null)")
 fi

@@ -13,8 +13,11 @@ the slowest rank's) of:
   (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
   for the column layer also ``copy_engine_loop_early`` (the pulls issued before the own
   block's GEMM, not after it), ``copy_engine_two_streams`` (every other block's GEMM on a
-  side stream, as torch's fused op runs them) and ``copy_engine_barrier_aside`` (the staging
-  barrier on the copy stream: the own block's GEMM does not wait for the other ranks);
+  side stream, as torch's fused op runs them), ``copy_engine_barrier_aside`` (the staging
+  barrier on the copy stream: the own block's GEMM does not wait for the other ranks) and
+  ``copy_engine_push`` / ``copy_engine_push_early`` (each rank pushes its shard into the
+  peers' workspaces after / before issuing its own block's GEMM: no staging copy, no barrier
+  before that GEMM; one barrier before the other blocks');
 - ``async_tp_compiled``: ``torch.compile`` with ``_micro_pipeline_tp`` over the functional
   collective and the matmul.
 
@@ -170,6 +173,43 @@ def column_variants(ctx, t, h, dtype):
         return out
 
     side = torch.cuda.Stream(ctx.device)
+    q = t // d
+    slot_bytes = x.numel() * x.element_size()
+
+    def push(early: bool = False):
+        """Each rank pushes its shard into every peer's workspace (no staging copy, no
+        barrier before the own block's GEMM); one barrier, once the pushes have landed,
+        before the other blocks' GEMMs. Block ``c`` lands at the receiver ``r`` in slot
+        ``(c - r - 1) mod d``."""
+        me, main = ctx.rank, torch.cuda.current_stream()
+        space = copy_engine.next_workspace(group, "push", slot_bytes * (d - 1), ctx.device)
+        copier = copy_engine._copy_stream(ctx.device)
+        ready = torch.cuda.Event()
+        ready.record(main)  # the shard is written: the pushes need not wait for the GEMM
+
+        def issue():
+            copier.wait_event(ready)
+            with torch.cuda.stream(copier):
+                for s in range(1, d):  # the peer that works on this block soonest first
+                    receiver = (me - s) % d
+                    space.remote(copy_engine.peer(group, receiver),
+                                 ((me - receiver - 1) % d) * slot_bytes, x.shape,
+                                 x.dtype).copy_(x)
+            pushed = torch.cuda.Event()
+            pushed.record(copier)
+            return pushed
+
+        pushed = issue() if early else None
+        torch.matmul(x, w.t(), out=out[me * q:(me + 1) * q])
+        if pushed is None:
+            pushed = issue()
+        main.wait_event(pushed)
+        space.barrier()
+        for i in range(1, d):
+            b = (me + i) % d
+            block = space.local(((b - me - 1) % d) * slot_bytes, x.shape, x.dtype)
+            torch.matmul(block, w.t(), out=out[b * q:(b + 1) * q])
+        return out
 
     return {
         "gemm_only": lambda: torch.matmul(full, w.t(), out=out),
@@ -180,6 +220,8 @@ def column_variants(ctx, t, h, dtype):
         "copy_engine_loop_early": lambda: loop(early=True),
         "copy_engine_two_streams": lambda: loop(side=side),
         "copy_engine_barrier_aside": lambda: loop(aside=True),
+        "copy_engine_push": push,
+        "copy_engine_push_early": lambda: push(early=True),
         "async_tp_compiled": lambda: _compiled("column", x, w, name),
     }, nccl
 

@@ -6,7 +6,9 @@ Three configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
 - ``row``: row-parallel linear ``out[t, h] = x[t, 4h] @ w[h, 4h].T`` with the contracted
   ``4h`` sharded: a partial product allreduced. Variants: ``torch`` (baseline: ``mm`` then
   ``all_reduce``, what runs without overlap), ``meshfuse`` (the same fusion without a stream
-  axis), ``meshfuse_s{2,4}`` (the tokens of x on ``ParallelType.stream``: s chunks, each its
+  axis, ``set_overlap(False)``), ``meshfuse_auto`` (no stream axis: the engine's estimate
+  decides whether the GEMM and its allreduce run as a loop of row chunks, by the copy
+  engines: ``docs/overlap.md``), ``meshfuse_s{2,4}`` (the tokens of x on ``ParallelType.stream``: s chunks, each its
   GEMM written into its block then allreduced in place, on its own stream), ``torch_s{2,4}``
   (nvFuser's hand-written reference: the same chunks on a stream pool, direct calls), and
   ``torch_async_tp`` (recorded as skipped: ``_micro_pipeline_tp`` decomposes
@@ -36,10 +38,10 @@ program is built: ``process_group`` (NCCL) but where named ``copy_engine``, and 
   matmul; symmetric memory enabled for the group; its metric ``fused`` says whether
   Inductor emitted ``fused_all_gather_matmul``).
 
-Ratios are median times over ``torch``'s (below 1: faster than no overlap). In ``row_sp``
-and ``column``, the estimate's choice, the copy-engine loop and torch's async TP are also
-timed interleaved with ``meshfuse`` without overlap (metric ``interleaved_ratio``: their
-time over its).
+Ratios are median times over ``torch``'s (below 1: faster than no overlap). In each
+configuration the estimate's choice and the loops (``row``: the stream axes; ``row_sp``,
+``column``: the copy-engine loop and torch's async TP) are also timed interleaved with
+``meshfuse`` without overlap (metric ``interleaved_ratio``: their time over its).
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ def _block(x: torch.Tensor, axis: int, ctx: Context) -> torch.Tensor:
     return x.chunk(ctx.world, axis)[ctx.rank].contiguous()
 
 
-def row_fusion(ctx: Context, tokens: int, hidden: int, chunks: int | None, dtype: DataType):
-    """nvFuser's row-parallel linear; ``chunks`` None: no stream axis."""
+def row_fusion(ctx: Context, tokens: int, hidden: int, chunks: int | None, dtype: DataType,
+               overlap: bool | None = None):
+    """nvFuser's row-parallel linear; ``chunks`` None: no stream axis (``overlap``:
+    ``set_overlap``'s choice of an allreduce loop)."""
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     with FusionDefinition() as fd:
         x = fd.define_tensor([tokens, 4 * hidden], dtype=dtype)
@@ -93,6 +97,8 @@ def row_fusion(ctx: Context, tokens: int, hidden: int, chunks: int | None, dtype
     if chunks is not None:
         x.outer_split(0, chunks)
         x.axis(0).parallelize(ParallelType.stream)
+    else:
+        x.set_overlap(overlap)
     x.outer_split(-1, ctx.world)
     x.axis(-2).parallelize(ParallelType.mesh_x)
     w.outer_split(1, ctx.world)
@@ -258,9 +264,13 @@ def _row(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
 
     expected = direct()()
     mf = DataType.from_torch(dtype)
-    variants = [Variant("torch", direct, "mm then all_reduce (no overlap)"),
-                Variant("meshfuse", _meshfuse(row_fusion(ctx, t, h, None, mf), [x, w], expected,
-                                              "meshfuse vs torch"), "no stream axis")]
+    variants = [Variant("torch", direct, "mm then all_reduce (no overlap)")]
+    for name, overlap, transport, note in (
+            ("meshfuse", False, "process_group", "no stream axis, set_overlap(False)"),
+            ("meshfuse_auto", None, "copy_engine",
+             "no stream axis: the engine decides, copy engines")):
+        fd = row_fusion(ctx, t, h, None, mf, overlap)
+        variants.append(Variant(name, _meshfuse(fd, [x, w], expected, name, transport), note))
     for s in CHUNKS:
         fd = row_fusion(ctx, t, h, s, mf)
         variants.append(Variant(f"meshfuse_s{s}", _meshfuse(fd, [x, w], expected, f"s{s}"),
@@ -268,7 +278,8 @@ def _row(ctx: Context, sizes, dtype, plan, params) -> list[Record]:
         variants.append(Variant(f"torch_s{s}", lambda s=s: _torch_streams(x, w, s, group),
                                 f"nvFuser's reference: {s} chunks on a stream pool"))
     config = f"row T{t} H{h}"
-    records = run_variants(ctx, "overlap", config, variants, plan, "torch", params)
+    records = _with_interleaved(ctx, config, variants, plan, params,
+                                ["meshfuse_auto", *(f"meshfuse_s{s}" for s in CHUNKS)])
     records.append(skipped(ctx, "overlap", config, "torch_async_tp",
                            "_micro_pipeline_tp decomposes allgather->matmul and "
                            "matmul->reduce-scatter; this layer ends in an allreduce", params))

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshfuse.launch import cpu_count
 from meshfuse.testing.launcher import BatchSpec, Verdict, run_batch, run_batches
@@ -216,6 +217,7 @@ class ParentRunner:
         self._running: dict[int, Future[dict[str, Verdict]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
+        self._threads: int | None = None  # torch's threads here before the batches started
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -241,6 +243,11 @@ class ParentRunner:
             self._pool = ThreadPoolExecutor(len(specs), thread_name_prefix="meshfuse-batch")
             for spec in specs:
                 self._running[spec.world_size] = self._pool.submit(run_batch, spec, self._stop)
+            # The ranks get the cores; with its default threads a torch kernel here would
+            # spin its OpenMP threads against theirs (the CPU flash attention tests ran
+            # 15x slower so on 2 cores).
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
 
     def pytest_sessionfinish(self) -> None:
         """Stops the batches still running (after ``-x``, Ctrl-C or a collection error)."""
@@ -254,7 +261,7 @@ class ParentRunner:
         if n is None:
             if item.get_closest_marker("exclusive") is not None:
                 for m in list(self._running):  # none left, unless a plugin reordered items
-                    self._verdicts[m] = self._running.pop(m).result()
+                    self._collect(m)
             return
         reason = unavailable_reason(n)
         if reason is None and self._verdict(item, n).outcome == "skipped":
@@ -274,9 +281,17 @@ class ParentRunner:
             pytest.xfail(verdict.message)
         return True
 
+    def _collect(self, n: int) -> None:
+        """Waits for the background batch of size ``n``; once none is left, the tests here
+        get torch's threads back."""
+        self._verdicts[n] = self._running.pop(n).result()
+        if not self._running and self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
+
     def _verdict(self, item: pytest.Item, n: int) -> Verdict:
         if n in self._running:
-            self._verdicts[n] = self._running.pop(n).result()
+            self._collect(n)
         if n not in self._verdicts:
             items = [i for i in item.session.items if world_size_of(i) is not None]
             sizes = {n}
