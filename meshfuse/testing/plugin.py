@@ -53,6 +53,7 @@ WORLD_SIZES_ENV = "MESHFUSE_TEST_WORLD_SIZES"
 TIMEOUT_ENV = "MESHFUSE_TEST_TIMEOUT"
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 DEFAULT_TIMEOUT_S = 1200.0
+_OMP_THREADS = "OMP_NUM_THREADS"
 MPI_MARKER = "mpi: a multi-device test; run once per world size by meshfuse's pytest plugin"
 EXCLUSIVE_MARKER = (
     "exclusive: a single-process test that runs last, when no multi-device batch runs (it "
@@ -217,7 +218,8 @@ class ParentRunner:
         self._running: dict[int, Future[dict[str, Verdict]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
-        self._threads: int | None = None  # torch's threads here before the batches started
+        # torch's threads here, and $OMP_NUM_THREADS, before the batches started
+        self._threads: tuple[int, str | None] | None = None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -243,11 +245,7 @@ class ParentRunner:
             self._pool = ThreadPoolExecutor(len(specs), thread_name_prefix="meshfuse-batch")
             for spec in specs:
                 self._running[spec.world_size] = self._pool.submit(run_batch, spec, self._stop)
-            # The ranks get the cores; with its default threads a torch kernel here would
-            # spin its OpenMP threads against theirs (the CPU flash attention tests ran
-            # 15x slower so on 2 cores).
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            self._share_the_host()
 
     def pytest_sessionfinish(self) -> None:
         """Stops the batches still running (after ``-x``, Ctrl-C or a collection error)."""
@@ -281,12 +279,26 @@ class ParentRunner:
             pytest.xfail(verdict.message)
         return True
 
+    def _share_the_host(self) -> None:
+        """While the batches run, the tests here, and the processes they start, run torch
+        on one thread: the ranks get the cores. With their default threads, kernels here
+        spun their OpenMP threads against the ranks' (on 2 cores the CPU flash attention
+        tests ran 15x slower, a quick benchmark run 10x)."""
+        self._threads = torch.get_num_threads(), os.environ.get(_OMP_THREADS)
+        torch.set_num_threads(1)
+        os.environ[_OMP_THREADS] = "1"
+
     def _collect(self, n: int) -> None:
         """Waits for the background batch of size ``n``; once none is left, the tests here
-        get torch's threads back."""
+        get their threads back."""
         self._verdicts[n] = self._running.pop(n).result()
         if not self._running and self._threads is not None:
-            torch.set_num_threads(self._threads)
+            threads, omp = self._threads
+            torch.set_num_threads(threads)
+            if omp is None:
+                os.environ.pop(_OMP_THREADS, None)
+            else:
+                os.environ[_OMP_THREADS] = omp
             self._threads = None
 
     def _verdict(self, item: pytest.Item, n: int) -> Verdict:
