@@ -17,7 +17,8 @@ import re
 
 from meshfuse.runtime.allreduce_loop_cost import CHUNKS_ENV
 
-CHUNKS = (1, 2, 3, 4)  # MESHFUSE_OVERLAP_CHUNKS drawn per program
+CHUNKS = (1, 2, 3, 4)  # MESHFUSE_OVERLAP_CHUNKS drawn per program, and a stream axis's
+STREAM_AXIS_SHARE = 0.4  # of the allreduce and reduce-scatter patterns: x's rows on stream
 GEMM_WEIGHT = 12  # the matmul statement's weight with the feature (3 without)
 _GEMM = re.compile(r"^(t\d+) = fd\.ops\.(?:linear|matmul)\((t\d+), (t\d+)(?:, (t\d+))?")
 _DEFINED = re.compile(r"^((?:t\d+, )*t\d+) = ")
@@ -54,7 +55,8 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
     the GEMM, a sequence-parallel column linear),
     ``allreduce`` (x and w sharded on the contracted axis, y replicated) or
     ``reduce_scatter`` (as allreduce, y's rows sharded); y becomes an output (a GEMM no
-    output reads is not run). Extents the mesh axis does not divide only with ``uneven``; a
+    output reads is not run). In the last two, x's rows go on ``ParallelType.stream`` in
+    ``STREAM_AXIS_SHARE`` of the draws. Extents the mesh axis does not divide only with ``uneven``; a
     broadcast axis is not sharded (the pattern is left out)."""
     y, x, w = names
     shapes = {n: tuple(values[n].tensor.shape) for n in names}
@@ -78,9 +80,29 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
         if axis is not None:
             program.schedule += [f"{name}.outer_split({axis}, {d})",
                                  f"{name}.axis({axis}).parallelize(ParallelType.mesh_x)"]
+    if pattern != "allgather" and _loop_of_the_gemm_alone(program, x, y) and \
+            rng.random() < STREAM_AXIS_SHARE:
+        # x's rows on ParallelType.stream (after its mesh split of the last axis, so that
+        # the index holds): a loop the user schedules, as nvFuser's row-parallel linear
+        # (any chunk count) and sequence-parallel row linear (one chunk per device) do.
+        chunks = rng.choice(CHUNKS) if pattern == "allreduce" else d
+        program.schedule += [f"{x}.outer_split({rows_x}, {chunks})",
+                             f"{x}.axis({rows_x}).parallelize(ParallelType.stream)"]
+        program.features.add("stream axis")
     if y not in program.outputs:
         program.outputs.append(y)
     program.features.add(f"overlap {pattern}")
+
+
+def _loop_of_the_gemm_alone(program, x: str, y: str) -> bool:
+    """Whether a stream axis on x's rows makes a loop of ``y = GEMM(x, w)`` alone: x is an
+    input that only the GEMM reads, and no statement reads y. (A stream axis reaches every
+    op that reads the tensor, and the ops after them: one that reshards or reduces that
+    axis cannot run per chunk, and the engine refuses the schedule, as nvFuser does.)"""
+    readers = {name: [line for line in program.fd_lines
+                      if re.search(rf"\b{name}\b", line.split(" = ", 1)[-1])]
+               for name in (x, y)}
+    return x in {n for n, _ in program.inputs} and len(readers[x]) == 1 and not readers[y]
 
 
 @contextlib.contextmanager
@@ -119,4 +141,4 @@ def loops(program, rank: int, device) -> int:
         inputs, _ = reference(program)
         text = fd.explain(local_inputs(fd.fusion, inputs, rank, device))
     return sum(1 for line in text.splitlines() if "stream loop: " in line
-               and "next to" in line)
+               and ("next to" in line or "chunks," in line))

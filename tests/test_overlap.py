@@ -76,6 +76,39 @@ def test_row_parallel_linear_allreduce_per_chunk(multidevice_test, tokens, chunk
         assert sum(c.bytes for c in comms) == tokens * 3 * 4
 
 
+@pytest.mark.mpi
+def test_a_bias_moved_for_the_loop_moves_once_before_it(multidevice_test):
+    """Fuzz overlap seed 24 at 2 ranks, by hand: x's tokens on stream, the contracted axis
+    sharded, and a bias held by the last rank alone, which the GEMM needs everywhere. Its
+    move is the same for every chunk: it runs once, before the loop (the loop took it in
+    and refused the schedule: the bias has no axis the stream axis maps to)."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    chunks, tokens = 2, 5
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, 4 * d], dtype=DataType.Float)
+        w = fd.define_tensor([3, 4 * d], dtype=DataType.Float)
+        b = fd.define_tensor([3], dtype=DataType.Float)
+        fd.add_output(fd.ops.linear(x, w, b))
+    x.set_device_mesh(mesh)
+    x.outer_split(0, chunks)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, d)
+    x.axis(2).parallelize(MX)
+    shard(w, 1, mesh)
+    b.set_device_mesh(type(mesh)([d - 1]))
+    gx, gw, gb = _ints(tokens, 4 * d), _ints(3, 4 * d, seed=1), _ints(3, seed=2)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    inputs.append(gb.to(multidevice_test.device) if multidevice_test.rank == d - 1 else None)
+    with record_communications() as comms:
+        out, = fd.execute(inputs)
+    torch.testing.assert_close(out.cpu(), F.linear(gx, gw, gb))
+    moves = _kinds(comms)
+    assert moves.pop("allreduce", 0) == (chunks if d > 1 else 0)
+    assert sum(moves.values()) == (1 if d > 1 else 0), comms  # the bias, once
+    assert "stream loop: 2 chunks" in fd.explain(inputs)
+
+
 def column_parallel(tokens: int, hidden: int, mesh, ring: bool,
                     symmetric: bool = False) -> FusionDefinition:
     """linear(allgather(x), w) with x and w sharded on their rows; the gathered x on stream

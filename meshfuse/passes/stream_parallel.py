@@ -10,7 +10,9 @@ body is
 - the expression that defines a stream-parallel tensor and every expression that reads one,
 - and the communications next to those: a ``Reshard`` whose result a body op reads (the
   allgather in front of a GEMM), or that reads a body op's result (the allreduce or
-  reduce-scatter after it).
+  reduce-scatter after it). One in front that moves a tensor without a chunk axis (a
+  weight or bias resharded for the GEMM) is the same for every chunk: it stays out of the
+  loop and runs once, before it.
 
 Every tensor of the body then has a *chunk axis*: the logical ID the stream axis maps to
 through the ops' domain maps (an op input without such an axis, a weight, is read whole).
@@ -151,8 +153,9 @@ def plan_stream_loops(fusion: Fusion) -> list[StreamLoopPlan]:
             continue
         body = _grow(seed, axes, uses)
         while True:
-            chunk_ids = _chunk_ids(body, {s: a.logical for s, a in axes.items()
-                                          if s in _tensors(body) or s is seed})
+            seeds = {s: a.logical for s, a in axes.items() if s in _tensors(body) or s is seed}
+            body -= _loop_invariant_moves(body, _propagated(body, seeds))
+            chunk_ids = _chunk_ids(body, seeds)
             producers = _producers_to_pull_in(body, chunk_ids)
             if not producers:
                 break
@@ -234,10 +237,37 @@ def convex(fusion: Fusion, body: set[Expr]) -> bool:
     return True
 
 
+def _loop_invariant_moves(body: set[Expr], known: Mapping[TensorView, IterDomain]
+                          ) -> set[Expr]:
+    """The communications :func:`_grow` put in front of body ops that move a tensor with no
+    chunk axis (a weight, a bias resharded for the GEMM): the same for every chunk, they run
+    once, before the loop."""
+    return {e for e in body if isinstance(e, Reshard) and e.outputs[0] not in known
+            and e.args[0] not in known and e.args[0].definition not in body}
+
+
 def _chunk_ids(body: set[Expr], seeds: Mapping[TensorView, IterDomain]
                ) -> dict[TensorView, IterDomain]:
-    """Each body tensor's chunked logical ID, carried through the domain maps from the
-    stream-parallel tensors until nothing changes."""
+    """Each body tensor's chunked logical ID (see :func:`_propagated`).
+
+    Raises:
+        ScheduleError: where an op's output has none (the op cannot run per chunk).
+    """
+    known = _propagated(body, seeds)
+    for e in body:
+        for out in e.tensor_outputs:
+            if out not in known:
+                raise ScheduleError(
+                    f"{format_expr(e)} cannot run per chunk of the stream-parallel loop: "
+                    f"{out.name} has no axis the stream axis maps to (the op reduces or drops "
+                    "it); parallelize on stream an axis the op keeps")
+    return known
+
+
+def _propagated(body: set[Expr], seeds: Mapping[TensorView, IterDomain]
+                ) -> dict[TensorView, IterDomain]:
+    """The chunked logical IDs of the body's tensors that have one, carried through the
+    domain maps from the stream-parallel tensors until nothing changes."""
     known = dict(seeds)
     changed = True
     while changed:
@@ -251,13 +281,6 @@ def _chunk_ids(body: set[Expr], seeds: Mapping[TensorView, IterDomain]
                 if tv not in known:
                     known[tv] = id_
                     changed = True
-    for e in body:
-        for out in e.tensor_outputs:
-            if out not in known:
-                raise ScheduleError(
-                    f"{format_expr(e)} cannot run per chunk of the stream-parallel loop: "
-                    f"{out.name} has no axis the stream axis maps to (the op reduces or drops "
-                    "it); parallelize on stream an axis the op keeps")
     return known
 
 
