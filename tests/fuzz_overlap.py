@@ -24,16 +24,20 @@ _GEMM = re.compile(r"^(t\d+) = fd\.ops\.(?:linear|matmul)\((t\d+), (t\d+)(?:, (t
 _DEFINED = re.compile(r"^((?:t\d+, )*t\d+) = ")
 
 
-def add_overlap(program, rng: random.Random, values: dict, uneven: bool) -> None:
+def add_overlap(program, rng: random.Random, values: dict, uneven: bool,
+                stream_axes: bool = False) -> None:
     """Appends to ``program.schedule`` a sharding of each GEMM's tensors that the random
     schedule left alone, in one of the patterns the engine decomposes (:func:`_gemm_pattern`),
     then ``set_overlap(True)`` calls: on every tensor a GEMM reads or writes (half the
     programs), or on each tensor of the program with probability 0.4; and draws its
-    ``overlap_chunks``. ``values``: the generator's values by name (``fuzz_programs.Value``)."""
+    ``overlap_chunks``. ``values``: the generator's values by name (``fuzz_programs.Value``).
+    ``stream_axes``: some patterns also put x's rows on stream, drawn by a generator of their
+    own (the rest of the program is drawn as without them)."""
     gemms = [m.groups() for line in program.fd_lines if (m := _GEMM.match(line))]
+    streams = random.Random(f"stream axes {program.seed}") if stream_axes else None
     for y, x, w, _ in gemms:
         if rng.random() < 0.8:
-            _gemm_pattern(program, rng, values, (y, x, w), uneven)
+            _gemm_pattern(program, rng, values, (y, x, w), uneven, streams)
     gemm = [n for names in gemms for n in names if n is not None]
     if gemm and rng.random() < 0.5:
         chosen = list(dict.fromkeys(gemm))
@@ -48,15 +52,15 @@ def add_overlap(program, rng: random.Random, values: dict, uneven: bool) -> None
 
 
 def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, str, str],
-                  uneven: bool) -> None:
+                  uneven: bool, streams: random.Random | None) -> None:
     """Shards ``y = linear/matmul(x, w)`` on the mesh axis ``mesh_x`` as one of the engine's
     loops asks, in place of what the random schedule wrote for those three tensors:
     ``allgather`` (x's rows sharded, w's and y's output features: the rows gathered before
     the GEMM, a sequence-parallel column linear),
     ``allreduce`` (x and w sharded on the contracted axis, y replicated) or
     ``reduce_scatter`` (as allreduce, y's rows sharded); y becomes an output (a GEMM no
-    output reads is not run). In the last two, x's rows go on ``ParallelType.stream`` in
-    ``STREAM_AXIS_SHARE`` of the draws. Extents the mesh axis does not divide only with ``uneven``; a
+    output reads is not run). In the last two, with ``streams``, x's rows go on
+    ``ParallelType.stream`` in ``STREAM_AXIS_SHARE`` of its draws. Extents the mesh axis does not divide only with ``uneven``; a
     broadcast axis is not sharded (the pattern is left out)."""
     y, x, w = names
     shapes = {n: tuple(values[n].tensor.shape) for n in names}
@@ -80,12 +84,12 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
         if axis is not None:
             program.schedule += [f"{name}.outer_split({axis}, {d})",
                                  f"{name}.axis({axis}).parallelize(ParallelType.mesh_x)"]
-    if pattern != "allgather" and _loop_of_the_gemm_alone(program, x, y) and \
-            rng.random() < STREAM_AXIS_SHARE:
+    if streams is not None and pattern != "allgather" and \
+            _loop_of_the_gemm_alone(program, x, y) and streams.random() < STREAM_AXIS_SHARE:
         # x's rows on ParallelType.stream (after its mesh split of the last axis, so that
         # the index holds): a loop the user schedules, as nvFuser's row-parallel linear
         # (any chunk count) and sequence-parallel row linear (one chunk per device) do.
-        chunks = rng.choice(CHUNKS) if pattern == "allreduce" else d
+        chunks = streams.choice(CHUNKS) if pattern == "allreduce" else d
         program.schedule += [f"{x}.outer_split({rows_x}, {chunks})",
                              f"{x}.axis({rows_x}).parallelize(ParallelType.stream)"]
         program.features.add("stream axis")

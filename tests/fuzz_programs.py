@@ -65,6 +65,8 @@ class Features:
         overlap: stream-parallel loops forced (``fuzz_overlap.py``): more ``linear``/``matmul``
             statements, ``set_overlap(True)`` on their tensors or on random ones, and a drawn
             ``MESHFUSE_OVERLAP_CHUNKS`` while the program is built and run.
+        stream_axes: with ``overlap``, some GEMMs' first operand also gets its rows on
+            ``ParallelType.stream`` (a loop the user schedules).
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -77,6 +79,7 @@ class Features:
     differentiable: bool = False
     low_precision: bool = False
     overlap: bool = False
+    stream_axes: bool = False
 
 
 @dataclasses.dataclass
@@ -633,7 +636,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
 
     schedule_program(program, rng, features)
     if features.overlap:
-        fuzz_overlap.add_overlap(program, rng, {v.name: v for v in g.values}, features.uneven)
+        fuzz_overlap.add_overlap(program, rng, {v.name: v for v in g.values}, features.uneven,
+                                 features.stream_axes)
     return program
 
 

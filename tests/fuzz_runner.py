@@ -13,7 +13,6 @@ program`` (the generator itself failed on a seed; the run goes on).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -144,7 +143,6 @@ def run_program(program: Program, rank: int, device: torch.device,
             kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
-        _recover()
     return Outcome(kind, detail, program, repro_check(program, compile))
 
 
@@ -187,15 +185,6 @@ def repro_check(program: Program, compile: str | None) -> str | None:
     if program.low:
         check = check.replace("rtol=1e-4", "rtol=2e-2").replace("atol=1e-4", "atol=2e-2")
     return check
-
-
-def _recover() -> None:
-    """After an error, which meshfuse raises on every rank: starts the process groups over,
-    so that the next programs of a long run do not fail as "out of step" (best effort)."""
-    communicator = Communicator.instance()
-    if communicator.size > 1:
-        with contextlib.suppress(MeshfuseError):
-            communicator.recover()
 
 
 def expected(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
@@ -295,8 +284,9 @@ def run_many(seeds: Iterable[int], rank: int, device: torch.device,
              run: Callable[[Program, int, torch.device], Outcome] = run_program,
              ) -> list[Outcome]:
     """The outcome of each seed's program ``make(seed)`` by ``run`` (default: its outputs
-    against torch's); a seed whose program cannot be made is an ``invalid program``
-    outcome, and the run goes on."""
+    against torch's), with :func:`settle` after each; a seed whose program
+    cannot be made (on every rank alike) is an ``invalid program`` outcome, and the run
+    goes on."""
     outcomes = []
     for seed in seeds:
         try:
@@ -305,6 +295,7 @@ def run_many(seeds: Iterable[int], rank: int, device: torch.device,
             outcomes.append(Outcome("invalid program", f"seed {seed}: {type(e).__name__}: {e}"))
             continue
         outcomes.append(run(program, rank, device))
+        settle(outcomes[-1])
     return outcomes
 
 

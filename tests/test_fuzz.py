@@ -23,7 +23,7 @@ import os
 import fuzz_overlap
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import REPORT_ENV, run_many, run_program, seeds, settle, summarize, write_report
+from fuzz_runner import REPORT_ENV, run_many, run_program, seeds, summarize, write_report
 
 pytestmark = pytest.mark.mpi
 
@@ -86,14 +86,17 @@ def test_fuzz_overlap_programs_match_torch(multidevice_test):
     GEMMs, ``MESHFUSE_OVERLAP_CHUNKS`` drawn): against torch, and, sharded, some program of
     the run must have formed a loop (``fd.explain``'s stream loops), else the mode tests
     nothing."""
-    features = dataclasses.replace(_features(), overlap=True)
+    features = dataclasses.replace(_features(), overlap=True, stream_axes=True)
     looped = []
 
     def run(program, rank, device):
         outcome = run_program(program, rank, device)
-        settle(outcome)  # a failure on one rank does not put the later programs out of step
+        try:  # on every rank: explain agrees on the inputs, whatever the outcome here
+            loops = fuzz_overlap.loops(program, rank, device)
+        except Exception:  # noqa: BLE001 (the program's own error, counted in its outcome)
+            loops = 0
         if outcome.kind == "match":
-            looped.append(fuzz_overlap.loops(program, rank, device) > 0)
+            looped.append(loops > 0)
         return outcome
 
     _fuzz(multidevice_test, OVERLAP_PROGRAMS_ENV, DEFAULT_OVERLAP_PROGRAMS, features, run=run)

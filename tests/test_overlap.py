@@ -308,6 +308,36 @@ def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
     assert "(per chunk: a reduce onto the block's owner)" in fd.explain()
 
 
+@pytest.mark.mpi
+def test_a_streamed_operand_is_not_moved_instead_of_the_result(multidevice_test):
+    """Overlap fuzzer seed 226 at 2 ranks, by hand: a sequence-parallel matmul with x's
+    tokens on stream, where x (d contracted columns) is smaller than the result (8
+    columns). Moving x onto the tokens (and w whole) would move fewer bytes than
+    reduce-scattering the partial result, but x's tokens are the loop's chunks: the engine
+    keeps the loop's reduce per block (it moved x, and refused the schedule)."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    tokens = 10
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, d], dtype=DataType.Float)
+        w = fd.define_tensor([d, 8], dtype=DataType.Float)
+        out = fd.ops.matmul(x, w)
+        fd.add_output(out)
+    x.set_device_mesh(mesh)
+    x.outer_split(0, d)
+    x.axis(0).parallelize(STREAM)
+    x.outer_split(2, d)
+    x.axis(2).parallelize(MX)
+    shard(w, 0, mesh)
+    shard(out, 0, mesh)
+    gx, gw = _ints(tokens, d), _ints(d, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(gx @ gw, out))
+    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
+
+
 def _sequence_parallel_mlp(mesh, tokens: int, overlap: bool | None) -> FusionDefinition:
     """A sequence-parallel MLP: tokens sharded in and out, an allgather before the first
     linear and a reduce-scatter after the second."""

@@ -13,7 +13,9 @@ any other (a local copy, with communications around it where its tensors differ)
   that differs from what those outputs need (an allgather, an all-to-all, a local slice, or a
   reduce-scatter of a partial input);
 - the option that moves fewer bytes wins; moving an op's preferred input (a weight) costs
-  a thousandfold, and a local slice costs nothing;
+  a thousandfold, and a local slice costs nothing; option B never moves an input the user
+  parallelized on stream (the loop over its chunks could not run: the user's row linear on
+  stream keeps its reduce-scatter after the GEMM, as nvFuser's does);
 - consumers that need one input laid out alike share one copy (one communication).
 
 An op whose inputs live on another mesh than its outputs runs on its outputs' mesh, its
@@ -50,6 +52,7 @@ from meshfuse.passes.propagation import (
     _whole,
     partial_carried,
 )
+from meshfuse.passes.stream_parallel import stream_axis
 
 WEIGHT_PENALTY = 1000
 UNKNOWN_EXTENT = 1 << 20
@@ -225,7 +228,9 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
         _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
-    if cost_a < cost_b or not b_works:
+    moves_a_stream_axis = any(stream_axis(t) is not None and not same_sharding(t, n)
+                              for t, n in zip(ins, needed_b))
+    if cost_a < cost_b or not b_works or moves_a_stream_axis:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):
                 _set_after(fusion, expr, out, nat)

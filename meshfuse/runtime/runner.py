@@ -225,6 +225,7 @@ class FusionRunner:
                                     transport)
         self._overlap_lines[_signature(inputs)] = lines
         plans = [*self.stream_loops, *plans]
+        self._create_loop_groups(plans)
         group_loops = None
         if plans:
             group_loops = functools.partial(
@@ -233,6 +234,23 @@ class FusionRunner:
                 transport=self.loop_transport, device=device)
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
                              lower_op=self._lower_op, group_loops=group_loops)
+
+    def _create_loop_groups(self, plans) -> None:
+        """Creates, on every rank, the groups the loops' communications may ask for (each
+        mesh axis of the meshes on either side of each): a rank lowers only the loops it
+        runs, and creating a group is collective over the world. (Created lazily there, a
+        loop on a mesh without this rank left the ranks' group counts apart, and the next
+        group any of them created hung.)"""
+        if self.communicator is None or self.communicator.size == 1:
+            return
+        for plan in plans:
+            for expr in plan.exprs:
+                if not isinstance(expr, Reshard):
+                    continue
+                for mesh in dict.fromkeys(tv.mesh for tv in (*expr.args[:1], *expr.outputs)
+                                          if tv.mesh is not None):
+                    for axis in range(mesh.ndim):
+                        self.communicator.group_if_member(mesh, axis)
 
     def _shape_known(self, tv: TensorView) -> bool:
         """Whether this rank's input for ``tv`` tells its global shape, to agree on: a shard
