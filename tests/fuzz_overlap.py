@@ -35,9 +35,10 @@ def add_overlap(program, rng: random.Random, values: dict, uneven: bool,
     own (the rest of the program is drawn as without them)."""
     gemms = [m.groups() for line in program.fd_lines if (m := _GEMM.match(line))]
     streams = random.Random(f"stream axes {program.seed}") if stream_axes else None
-    for y, x, w, _ in gemms:
+    for y, x, w, bias in gemms:
         if rng.random() < 0.8:
-            _gemm_pattern(program, rng, values, (y, x, w), uneven, streams)
+            _gemm_pattern(program, rng, values, (y, x, w), uneven,
+                          streams if _replicated(program, bias) else None)
     gemm = [n for names in gemms for n in names if n is not None]
     if gemm and rng.random() < 0.5:
         chosen = list(dict.fromkeys(gemm))
@@ -96,6 +97,15 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
     if y not in program.outputs:
         program.outputs.append(y)
     program.features.add(f"overlap {pattern}")
+
+
+def _replicated(program, name: str | None) -> bool:
+    """Whether the GEMM operand ``name`` (None: no bias) is whole on its mesh: a loop over a
+    stream axis reads it whole in every chunk (a bias sharded on another mesh axis turns the
+    GEMM's reduction into a communication of two mesh axes, which no loop can run per
+    chunk: the engine refuses such a schedule)."""
+    return name is None or not any(line.startswith(f"{name}.") and "parallelize" in line
+                                   for line in program.schedule)
 
 
 def _loop_of_the_gemm_alone(program, x: str, y: str) -> bool:
