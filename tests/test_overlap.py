@@ -272,23 +272,39 @@ def test_gather_needs_one_chunk_per_device(multidevice_test):
         fd.execute([multidevice_test.shard_tensor(torch.ones(4 * d, 2), x)])
 
 
-def row_sp_linear(tokens: int, mesh) -> FusionDefinition:
+def row_sp_linear(tokens: int, mesh, contracted: int = 8, features: int = 3,
+                  matmul: bool = False) -> FusionDefinition:
     """The sequence-parallel row linear: x's tokens on stream (one chunk per device), its
-    contracted axis sharded, the output reduce-scattered onto the tokens."""
+    contracted axis sharded, the output reduce-scattered onto the tokens. ``matmul``:
+    ``x @ w``, w ``[contracted, features]`` (else ``linear``: w ``[features, contracted]``)."""
     d = mesh.size
     with FusionDefinition() as fd:
-        x = fd.define_tensor([tokens, 8], dtype=DataType.Float)
-        w = fd.define_tensor([3, 8], dtype=DataType.Float)
-        out = fd.ops.linear(x, w)
+        x = fd.define_tensor([tokens, contracted], dtype=DataType.Float)
+        w = fd.define_tensor([contracted, features] if matmul else [features, contracted],
+                             dtype=DataType.Float)
+        out = fd.ops.matmul(x, w) if matmul else fd.ops.linear(x, w)
         fd.add_output(out)
     x.set_device_mesh(mesh)
     x.outer_split(0, d)
     x.axis(0).parallelize(STREAM)
     x.outer_split(2, d)
     x.axis(2).parallelize(MX)
-    shard(w, 1, mesh)
+    shard(w, 0 if matmul else 1, mesh)
     shard(out, 0, mesh)
     return fd
+
+
+def _reduced_per_block(multidevice_test, fd: FusionDefinition, gx: torch.Tensor,
+                       gw: torch.Tensor, gemm) -> None:
+    """Runs ``fd`` (:func:`row_sp_linear`) on the shards of ``gx``, ``gw``: this rank's block
+    of ``gemm(gx, gw)``, by one reduce per block onto its owner."""
+    x, w, out = *fd.fusion.inputs(), fd.fusion.outputs()[0]
+    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
+    with record_communications() as comms:
+        result, = fd.execute(inputs)
+    torch.testing.assert_close(result, multidevice_test.shard_tensor(gemm(gx, gw), out))
+    d = multidevice_test.size
+    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
 
 
 @pytest.mark.mpi
@@ -296,15 +312,8 @@ def row_sp_linear(tokens: int, mesh) -> FusionDefinition:
 def test_gemm_reduce_scatter_per_chunk(multidevice_test, tokens):
     """Sequence-parallel row linear: the partial product reduce-scattered onto the tokens,
     decomposed into one reduce per block onto its owner."""
-    d = multidevice_test.size
     fd = row_sp_linear(tokens, mesh_1d(multidevice_test))
-    x, w, out = *fd.fusion.inputs(), fd.fusion.outputs()[0]
-    gx, gw = _ints(tokens, 8), _ints(3, 8, seed=1)
-    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
-    with record_communications() as comms:
-        result, = fd.execute(inputs)
-    torch.testing.assert_close(result, multidevice_test.shard_tensor(F.linear(gx, gw), out))
-    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
+    _reduced_per_block(multidevice_test, fd, _ints(tokens, 8), _ints(3, 8, seed=1), F.linear)
     assert "(per chunk: a reduce onto the block's owner)" in fd.explain()
 
 
@@ -316,26 +325,9 @@ def test_a_streamed_operand_is_not_moved_instead_of_the_result(multidevice_test)
     reduce-scattering the partial result, but x's tokens are the loop's chunks: the engine
     keeps the loop's reduce per block (it moved x, and refused the schedule)."""
     d = multidevice_test.size
-    mesh = mesh_1d(multidevice_test)
-    tokens = 10
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([tokens, d], dtype=DataType.Float)
-        w = fd.define_tensor([d, 8], dtype=DataType.Float)
-        out = fd.ops.matmul(x, w)
-        fd.add_output(out)
-    x.set_device_mesh(mesh)
-    x.outer_split(0, d)
-    x.axis(0).parallelize(STREAM)
-    x.outer_split(2, d)
-    x.axis(2).parallelize(MX)
-    shard(w, 0, mesh)
-    shard(out, 0, mesh)
-    gx, gw = _ints(tokens, d), _ints(d, 8, seed=1)
-    inputs = [multidevice_test.shard_tensor(t, tv) for t, tv in zip((gx, gw), (x, w))]
-    with record_communications() as comms:
-        result, = fd.execute(inputs)
-    torch.testing.assert_close(result, multidevice_test.shard_tensor(gx @ gw, out))
-    assert _kinds(comms) == (Counter(reduce=d) if d > 1 else Counter())
+    fd = row_sp_linear(10, mesh_1d(multidevice_test), contracted=d, features=8, matmul=True)
+    _reduced_per_block(multidevice_test, fd, _ints(10, d), _ints(d, 8, seed=1),
+                       torch.matmul)
 
 
 def _sequence_parallel_mlp(mesh, tokens: int, overlap: bool | None) -> FusionDefinition:
