@@ -252,6 +252,7 @@ class ParentRunner:
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._give_the_threads_back()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -292,14 +293,19 @@ class ParentRunner:
         """Waits for the background batch of size ``n``; once none is left, the tests here
         get their threads back."""
         self._verdicts[n] = self._running.pop(n).result()
-        if not self._running and self._threads is not None:
-            threads, omp = self._threads
-            torch.set_num_threads(threads)
-            if omp is None:
-                os.environ.pop(_OMP_THREADS, None)
-            else:
-                os.environ[_OMP_THREADS] = omp
-            self._threads = None
+        if not self._running:
+            self._give_the_threads_back()
+
+    def _give_the_threads_back(self) -> None:
+        if self._threads is None:
+            return
+        threads, omp = self._threads
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop(_OMP_THREADS, None)
+        else:
+            os.environ[_OMP_THREADS] = omp
+        self._threads = None
 
     def _verdict(self, item: pytest.Item, n: int) -> Verdict:
         if n in self._running:
