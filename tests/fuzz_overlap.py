@@ -61,8 +61,9 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
     ``allreduce`` (x and w sharded on the contracted axis, y replicated) or
     ``reduce_scatter`` (as allreduce, y's rows sharded); y becomes an output (a GEMM no
     output reads is not run). In the last two, with ``streams``, x's rows go on
-    ``ParallelType.stream`` in ``STREAM_AXIS_SHARE`` of its draws. Extents the mesh axis does not divide only with ``uneven``; a
-    broadcast axis is not sharded (the pattern is left out)."""
+    ``ParallelType.stream`` in ``STREAM_AXIS_SHARE`` of its draws. Extents the mesh axis
+    does not divide only with ``uneven``; a broadcast axis is not sharded (the pattern is
+    left out)."""
     y, x, w = names
     shapes = {n: tuple(values[n].tensor.shape) for n in names}
     line = next(line for line in program.fd_lines if line.startswith(f"{y} = "))

@@ -284,9 +284,8 @@ def run_many(seeds: Iterable[int], rank: int, device: torch.device,
              run: Callable[[Program, int, torch.device], Outcome] = run_program,
              ) -> list[Outcome]:
     """The outcome of each seed's program ``make(seed)`` by ``run`` (default: its outputs
-    against torch's), with :func:`settle` after each; a seed whose program
-    cannot be made (on every rank alike) is an ``invalid program`` outcome, and the run
-    goes on."""
+    against torch's), with :func:`settle` after each; a seed whose program cannot be made
+    (on every rank alike) is an ``invalid program`` outcome, and the run goes on."""
     outcomes = []
     for seed in seeds:
         try:
