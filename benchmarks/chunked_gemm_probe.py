@@ -1,0 +1,106 @@
+"""What a copy-engine stream loop costs beyond its GEMM, measured on one GPU (issue 18; a
+diagnostic with direct calls, not a benchmark case).
+
+``python -m benchmarks.chunked_gemm_probe --out DIR``: at nvFuser's overlap sizes (t = h =
+8192, bf16, the shapes of a rank of 2), the median of 30 timed calls (CUDA events) of:
+
+- the column layer's GEMM ``[t, h] x [h, 4h/2]`` whole, as 2 row halves and as 4 quarters
+  (each written into its block of the output): what chunking itself costs;
+- the staging copy of one rank's shard (``[t/2, h]``, 64 MB) on the same device: what the
+  pull transport pays before its first barrier;
+- the whole GEMM beside a 64 MB host-to-device copy (a copy engine on the GEMM's memory);
+- the row layer's GEMM ``[t, 4h/2] x [4h/2, h]`` whole and as 2 row halves, and the add of a
+  pulled half (the reduce-scatter loop's last step).
+
+Writes ``DIR/chunked_gemm_probe.txt``; each line gives its ratio to the whole GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+ITERS, WARMUP = 30, 5
+
+
+def _median_ms(fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _in_blocks(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, blocks: int):
+    rows = a.shape[0] // blocks
+
+    def run():
+        for i in range(blocks):
+            torch.matmul(a[i * rows:(i + 1) * rows], b, out=out[i * rows:(i + 1) * rows])
+    return run
+
+
+def probe(t: int, h: int, device: torch.device) -> list[str]:
+    bf16 = torch.bfloat16
+    lines = [(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"t={t} h={h} bf16, median of {ITERS} calls")]
+
+    def line(name: str, ms: float, whole: float | None = None) -> None:
+        lines.append(f"{name}: {ms:.3f} ms" + (f" ({ms / whole:.3f}x the whole GEMM)"
+                                               if whole else ""))
+
+    x = torch.randn(t, h, device=device, dtype=bf16)
+    w = torch.randn(h, 2 * h, device=device, dtype=bf16)
+    out = torch.empty(t, 2 * h, device=device, dtype=bf16)
+    whole = _median_ms(lambda: torch.matmul(x, w, out=out))
+    line("column GEMM whole", whole)
+    line("column GEMM in 2 row halves", _median_ms(_in_blocks(x, w, out, 2)), whole)
+    line("column GEMM in 4 row quarters", _median_ms(_in_blocks(x, w, out, 4)), whole)
+    shard, staged = x[: t // 2].clone(), torch.empty(t // 2, h, device=device, dtype=bf16)
+    line("staging copy of a shard (64 MB, same device)", _median_ms(lambda: staged.copy_(shard)))
+    pinned = torch.empty(t // 2, h, dtype=bf16, pin_memory=True)
+    side = torch.cuda.Stream(device)
+
+    def beside_a_copy():
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            staged.copy_(pinned, non_blocking=True)
+        torch.matmul(x, w, out=out)
+        torch.cuda.current_stream(device).wait_stream(side)
+    line("column GEMM whole beside a 64 MB host-to-device copy", _median_ms(beside_a_copy), whole)
+    xr = torch.randn(t, 2 * h, device=device, dtype=bf16)
+    wr = torch.randn(2 * h, h, device=device, dtype=bf16)
+    outr = torch.empty(t, h, device=device, dtype=bf16)
+    whole_r = _median_ms(lambda: torch.matmul(xr, wr, out=outr))
+    line("row GEMM whole", whole_r)
+    line("row GEMM in 2 row halves", _median_ms(_in_blocks(xr, wr, outr, 2)), whole_r)
+    pulled = torch.empty(t // 2, h, device=device, dtype=bf16)
+    line("add of a pulled half (64 MB + 64 MB)", _median_ms(lambda: outr[: t // 2] + pulled))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=8192)
+    args = parser.parse_args()
+    lines = probe(args.tokens, args.hidden, torch.device("cuda", torch.cuda.current_device()))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "chunked_gemm_probe.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
