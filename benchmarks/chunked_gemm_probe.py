@@ -2,7 +2,8 @@
 diagnostic with direct calls, not a benchmark case).
 
 ``python -m benchmarks.chunked_gemm_probe --out DIR``: at nvFuser's overlap sizes (t = h =
-8192, bf16, the shapes of a rank of 2), the median of 30 timed calls (CUDA events) of:
+8192, bf16, the shapes of a rank of 2), the median of 30 rounds (CUDA events; every
+variant once per round) of:
 
 - the column layer's GEMM ``[t, h] x [h, 4h/2]`` whole, as 2 row halves and as 4 quarters
   (each written into its block of the output): what chunking itself costs;
@@ -26,19 +27,25 @@ import torch
 ITERS, WARMUP = 30, 5
 
 
-def _median_ms(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
+def _medians_ms(variants: dict) -> dict[str, float]:
+    """The median time of each of ``variants`` (name -> callable), timed round-robin (one
+    call of each per round), so that a drift of the clocks as the GPU warms up weighs on
+    every variant alike."""
+    for fn in variants.values():
+        for _ in range(WARMUP):
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, fn in variants.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _in_blocks(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, blocks: int):
@@ -52,22 +59,10 @@ def _in_blocks(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, blocks: int)
 
 def probe(t: int, h: int, device: torch.device) -> list[str]:
     bf16 = torch.bfloat16
-    lines = [(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-              f"t={t} h={h} bf16, median of {ITERS} calls")]
-
-    def line(name: str, ms: float, whole: float | None = None) -> None:
-        lines.append(f"{name}: {ms:.3f} ms" + (f" ({ms / whole:.3f}x the whole GEMM)"
-                                               if whole else ""))
-
     x = torch.randn(t, h, device=device, dtype=bf16)
     w = torch.randn(h, 2 * h, device=device, dtype=bf16)
     out = torch.empty(t, 2 * h, device=device, dtype=bf16)
-    whole = _median_ms(lambda: torch.matmul(x, w, out=out))
-    line("column GEMM whole", whole)
-    line("column GEMM in 2 row halves", _median_ms(_in_blocks(x, w, out, 2)), whole)
-    line("column GEMM in 4 row quarters", _median_ms(_in_blocks(x, w, out, 4)), whole)
     shard, staged = x[: t // 2].clone(), torch.empty(t // 2, h, device=device, dtype=bf16)
-    line("staging copy of a shard (64 MB, same device)", _median_ms(lambda: staged.copy_(shard)))
     pinned = torch.empty(t // 2, h, dtype=bf16, pin_memory=True)
     side = torch.cuda.Stream(device)
 
@@ -77,15 +72,29 @@ def probe(t: int, h: int, device: torch.device) -> list[str]:
             staged.copy_(pinned, non_blocking=True)
         torch.matmul(x, w, out=out)
         torch.cuda.current_stream(device).wait_stream(side)
-    line("column GEMM whole beside a 64 MB host-to-device copy", _median_ms(beside_a_copy), whole)
+
     xr = torch.randn(t, 2 * h, device=device, dtype=bf16)
     wr = torch.randn(2 * h, h, device=device, dtype=bf16)
     outr = torch.empty(t, h, device=device, dtype=bf16)
-    whole_r = _median_ms(lambda: torch.matmul(xr, wr, out=outr))
-    line("row GEMM whole", whole_r)
-    line("row GEMM in 2 row halves", _median_ms(_in_blocks(xr, wr, outr, 2)), whole_r)
     pulled = torch.empty(t // 2, h, device=device, dtype=bf16)
-    line("add of a pulled half (64 MB + 64 MB)", _median_ms(lambda: outr[: t // 2] + pulled))
+    # name -> (call, the whole GEMM it is compared with, or None)
+    variants = {
+        "column GEMM whole": (lambda: torch.matmul(x, w, out=out), None),
+        "column GEMM in 2 row halves": (_in_blocks(x, w, out, 2), "column GEMM whole"),
+        "column GEMM in 4 row quarters": (_in_blocks(x, w, out, 4), "column GEMM whole"),
+        "staging copy of a shard (64 MB, same device)": (lambda: staged.copy_(shard), None),
+        "column GEMM whole beside a 64 MB host-to-device copy": (beside_a_copy,
+                                                                 "column GEMM whole"),
+        "row GEMM whole": (lambda: torch.matmul(xr, wr, out=outr), None),
+        "row GEMM in 2 row halves": (_in_blocks(xr, wr, outr, 2), "row GEMM whole"),
+        "add of a pulled half (64 MB + 64 MB)": (lambda: outr[: t // 2] + pulled, None),
+    }
+    ms = _medians_ms({name: call for name, (call, _) in variants.items()})
+    lines = [(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"t={t} h={h} bf16, median of {ITERS} rounds (every variant once per round)")]
+    for name, (_, whole) in variants.items():
+        ratio = f" ({ms[name] / ms[whole]:.3f}x the whole GEMM)" if whole else ""
+        lines.append(f"{name}: {ms[name]:.3f} ms{ratio}")
     return lines
 
 
