@@ -190,3 +190,19 @@ def test_error_after_the_last_collective(multidevice_test):
             fd.execute([x_local, y_good])
         assert str(info.value).startswith(f"rank {culprit}: step"), str(info.value)
     _start_over(fd, [x_local, y_good], [float(COLS * d % 5)] * ROWS)
+
+
+def test_recover_aligns_the_ranks_process_group_names(multidevice_test):
+    """torch names a new process group by how many its process created: a group one rank
+    created alone (here by hand; a loop lowered on some ranks once did it) makes every later
+    creation pair wrongly, and hang. ``recover()`` aligns the ranks' counts: the next
+    program creates its groups and runs."""
+    d, culprit, guilty = _ranks(multidevice_test)
+    if guilty:
+        torch.distributed.new_group([culprit])
+    _start_over(row_sums(d), [torch.ones(ROWS, COLS, device=multidevice_test.device)],
+                [float(COLS * d)] * ROWS)
+    counts = Communicator.instance().allgather_object(
+        torch.distributed.distributed_c10d._world.group_count)
+    assert len(set(counts)) == 1, counts
+

@@ -358,9 +358,23 @@ class Communicator:
         for fn in Communicator._before_shutdown:  # drops what cannot complete any more
             fn()
         self._meet(f"meshfuse/recover/{self.lone.generation}")
+        self._align_group_names(f"meshfuse/recover/{self.lone.generation}/groups")
         retired = self.process_groups.retire()
         keep_until_timed_out(retired, self._timeout + ROLL_CALL_S)
         self.lone.restart(self.lone.generation + 1)
+
+    def _align_group_names(self, key: str) -> None:
+        """Makes every rank name its next process group alike: torch names a new group by
+        how many this process created, so a group one rank created alone (a failure between
+        two creations, or a bug) pairs every later creation wrongly, and it hangs. The ranks
+        (all in :meth:`recover`) take the largest count, through the rendezvous store."""
+        store = _default_store()
+        if store is None:
+            return
+        world = dist.distributed_c10d._world
+        store.set(f"{key}/{self._rank}", str(world.group_count))
+        counts = [int(store.get(f"{key}/{r}")) for r in range(self._size)]
+        world.group_count = max(counts)
 
     def _meet(self, key: str) -> None:
         """Waits (through the rendezvous store, no process group) until every rank of the
