@@ -24,27 +24,22 @@ import statistics
 
 import torch
 
+from benchmarks import context
+from benchmarks.timing import timed_samples
+
 ITERS, WARMUP = 30, 5
 
 
-def _medians_ms(variants: dict) -> dict[str, float]:
+def _medians_ms(ctx, variants: dict) -> dict[str, float]:
     """The median time of each of ``variants`` (name -> callable), timed round-robin (one
-    call of each per round), so that a drift of the clocks as the GPU warms up weighs on
-    every variant alike."""
+    call of each per round, :func:`~benchmarks.timing.timed_samples`), so that a drift of
+    the clocks as the GPU warms up weighs on every variant alike."""
     for fn in variants.values():
-        for _ in range(WARMUP):
-            fn()
-    torch.cuda.synchronize()
+        timed_samples(ctx, fn, WARMUP)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(ITERS):
         for name, fn in variants.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name] += timed_samples(ctx, fn, 1)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -57,8 +52,8 @@ def _in_blocks(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, blocks: int)
     return run
 
 
-def probe(t: int, h: int, device: torch.device) -> list[str]:
-    bf16 = torch.bfloat16
+def probe(ctx, t: int, h: int) -> list[str]:
+    bf16, device = torch.bfloat16, ctx.device
     x = torch.randn(t, h, device=device, dtype=bf16)
     w = torch.randn(h, 2 * h, device=device, dtype=bf16)
     out = torch.empty(t, 2 * h, device=device, dtype=bf16)
@@ -89,7 +84,7 @@ def probe(t: int, h: int, device: torch.device) -> list[str]:
         "row GEMM in 2 row halves": (_in_blocks(xr, wr, outr, 2), "row GEMM whole"),
         "add of a pulled half (64 MB + 64 MB)": (lambda: outr[: t // 2] + pulled, None),
     }
-    ms = _medians_ms({name: call for name, (call, _) in variants.items()})
+    ms = _medians_ms(ctx, {name: call for name, (call, _) in variants.items()})
     lines = [(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"t={t} h={h} bf16, median of {ITERS} rounds (every variant once per round)")]
     for name, (_, whole) in variants.items():
@@ -104,7 +99,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=8192)
     args = parser.parse_args()
-    lines = probe(args.tokens, args.hidden, torch.device("cuda", torch.cuda.current_device()))
+    ctx = context.setup(quick=False)
+    if not ctx.cuda:
+        raise SystemExit("the chunked GEMM probe times CUDA kernels: run it on a GPU")
+    lines = probe(ctx, args.tokens, args.hidden)
+    context.teardown()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "chunked_gemm_probe.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
