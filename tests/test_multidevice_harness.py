@@ -129,6 +129,17 @@ def test_worker_records_round_trip(tmp_path):
     assert json.loads(path.read_text().splitlines()[1])["outcome"] == "passed"
 
 
+def test_a_worker_freezes_what_lives_as_each_file_starts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(worker.gc, "collect", lambda: calls.append("collect"))
+    monkeypatch.setattr(worker.gc, "freeze", lambda: calls.append("freeze"))
+    plugin_object = worker.FreezeBetweenFiles()
+    for file in ("a.py", "a.py", "b.py", "b.py", "a.py"):
+        plugin_object.pytest_runtest_logstart((file, 1, "test"))
+    # garbage first, then what lives; once per change of file
+    assert calls == ["collect", "freeze"] * 3
+
+
 def test_worker_env(tmp_path):
     base = {"PATH": "/bin", "PYTEST_ADDOPTS": "-x", "OMPI_COMM_WORLD_SIZE": "8"}
     env = launcher.worker_env(base, 1, 2, 1234, str(tmp_path), tmp_path / "ids", 3)

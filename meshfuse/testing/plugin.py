@@ -44,6 +44,7 @@ from meshfuse.testing.worker import (
     PARENT_PID_ENV,
     RECORDS_ENV,
     WORKER_ENV,
+    FreezeBetweenFiles,
     WorkerRecorder,
     exit_with_parent,
 )
@@ -95,6 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
         nodeids = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
         recorder = WorkerRecorder(Path(os.environ[RECORDS_ENV]), nodeids)
         config.pluginmanager.register(recorder, "meshfuse-worker")
+        config.pluginmanager.register(FreezeBetweenFiles(), "meshfuse-worker-gc")
         if PARENT_PID_ENV in os.environ:
             exit_with_parent(int(os.environ[PARENT_PID_ENV]))
     config.stash[_SIZES_KEY] = sizes

@@ -18,6 +18,7 @@ parent asks for them before it kills a batch that timed out, to show where each 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -118,6 +119,28 @@ class WorkerRecorder:
     def _write(self, record: dict) -> None:
         with open(self._path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+
+class FreezeBetweenFiles:
+    """A pytest plugin object for a worker: as the tests of each file start, collects the
+    garbage and puts what lives then out of the garbage collector's sight (``gc.freeze``).
+
+    What lives then mostly stays: the collected items, the modules imported, torch's and
+    Inductor's tables. Left in sight, every full collection walked those few hundred thousand
+    objects again: a tenth of a CPU rank's time, and a second more at exit (pytest collects
+    five times there, for unraisable exceptions). Frozen, a full collection walks what the
+    tests of one file made. Objects freed by their reference counts still are; a cycle alive
+    as a file starts and dropped later is not collected (it lives until the rank exits).
+    """
+
+    def __init__(self) -> None:
+        self._file: str | None = None
+
+    def pytest_runtest_logstart(self, location: tuple[str, int | None, str]) -> None:
+        if location[0] != self._file:
+            self._file = location[0]
+            gc.collect()
+            gc.freeze()
 
 
 def outcome_of(reports: list[pytest.TestReport]) -> tuple[str, str]:
