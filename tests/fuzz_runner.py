@@ -70,6 +70,7 @@ class Outcome:
     detail: str = ""  # the refusal class, or the error
     program: Program | None = None
     check: str | None = None  # the end of the reproduction (see Program.repro)
+    explained: str | None = None  # fd.explain(inputs) of the run, when asked for
 
     @property
     def failed(self) -> bool:
@@ -120,7 +121,7 @@ def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
 
 
 def run_program(program: Program, rank: int, device: torch.device,
-                compile: str | None = None) -> Outcome:
+                compile: str | None = None, explain: bool = False) -> Outcome:
     """Runs ``program`` on this rank's shards and compares with torch on the global tensors.
 
     Without ``compile``, ``execute`` runs twice (as ``MESHFUSE_COMPILE`` says: the
@@ -130,7 +131,10 @@ def run_program(program: Program, rank: int, device: torch.device,
     compiled program twice; each compiled call is compared with torch and with the
     interpreter, and the cached one must compile nothing (outcome ``recompiled``). A
     failure's reproduction runs the program as the failing call did (:func:`repro_check`).
+    With ``explain``, the outcome carries ``fd.explain`` of this rank's inputs (made on
+    every rank that built the program, whatever its outcome: explain agrees with the others).
     """
+    fd = local = None
     try:
         with chunks_env(program):
             fd, _ = build(program)
@@ -143,7 +147,21 @@ def run_program(program: Program, rank: int, device: torch.device,
             kind, detail = _calls_outcome(fd, local, wanted, compile)
     except Exception as e:  # noqa: BLE001 (every error is an outcome to count)
         kind, detail = classify(e)
-    return Outcome(kind, detail, program, repro_check(program, compile))
+    explained = _explained(program, fd, local) if explain else None
+    return Outcome(kind, detail, program, repro_check(program, compile), explained)
+
+
+def _explained(program: Program, fd, local: list | None) -> str | None:
+    """``fd.explain(local)`` under the program's environment; None if it was not built or
+    its inputs were not made, or explain failed (the program's own error, counted in its
+    outcome)."""
+    if fd is None or local is None:
+        return None
+    try:
+        with chunks_env(program):
+            return fd.explain(local)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _calls_outcome(fd, local: list, wanted: list, compile: str | None) -> tuple[str, str]:

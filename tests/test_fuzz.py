@@ -90,13 +90,9 @@ def test_fuzz_overlap_programs_match_torch(multidevice_test):
     looped = []
 
     def run(program, rank, device):
-        outcome = run_program(program, rank, device)
-        try:  # on every rank: explain agrees on the inputs, whatever the outcome here
-            loops = fuzz_overlap.loops(program, rank, device)
-        except Exception:  # noqa: BLE001 (the program's own error, counted in its outcome)
-            loops = 0
+        outcome = run_program(program, rank, device, explain=True)
         if outcome.kind == "match":
-            looped.append(loops > 0)
+            looped.append(fuzz_overlap.loops(outcome.explained) > 0)
         return outcome
 
     _fuzz(multidevice_test, OVERLAP_PROGRAMS_ENV, DEFAULT_OVERLAP_PROGRAMS, features, run=run)
