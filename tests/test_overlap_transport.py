@@ -64,8 +64,8 @@ def test_scheduled_stream_axis_keeps_the_process_group(monkeypatch):
     assert transport == PROCESS_GROUP and "scheduled stream axis" in why
     transport, why = choose_transport("auto", gpu, [_group()], False)
     assert transport == PROCESS_GROUP and why.startswith("copy engines unavailable")
-    for asked in (dict(requested="copy_engine", symmetric=False),
-                  dict(requested="auto", symmetric=True)):
+    for asked in ({"requested": "copy_engine", "symmetric": False},
+                  {"requested": "auto", "symmetric": True}):
         why = choose_transport(asked["requested"], gpu, [_group()], asked["symmetric"],
                                scheduled=True)[1]
         assert "scheduled" not in why
