@@ -22,8 +22,9 @@ is marked ``mpi``. The plugin runs in one of three modes:
   times their collectives in seconds) runs last, once every batch has ended.
   ``$MESHFUSE_TEST_TIMEOUT`` (seconds, default 1200) bounds each size's batch;
 - **worker** (a process of such a batch): like a launcher, plus it runs only the tests the
-  parent asked for and records their outcomes (:mod:`meshfuse.testing.worker`). Workers never
-  spawn workers.
+  parent asked for and records their outcomes (:mod:`meshfuse.testing.worker`), and as each
+  test file starts it freezes what lives then out of the garbage collector's sight
+  (:class:`~meshfuse.testing.worker.FreezeBetweenFiles`). Workers never spawn workers.
 """
 
 from __future__ import annotations
