@@ -138,6 +138,44 @@ def _sum_of_an_expanded_product(fd, d):
     return v, w
 
 
+def _broadcast_again_and_kept(fd, d):
+    x = fd.define_tensor([2 * d + 2], dtype=DataType.Float)
+    s = fd.define_tensor([], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(x, shape=[2 * d + 2, 6], broadcast_dims=[0])
+    again = fd.ops.broadcast_in_dim(b, shape=[4, 2 * d + 2, 6], broadcast_dims=[1, 2])
+    fd.add_output(fd.ops.sub(s, again))
+    fd.add_output(b)
+    return x, s
+
+
+def _broadcast_again_and_kept_reference(x, s):
+    b = x[:, None].expand(x.shape[0], 6)
+    return [s - b[None].expand(4, *b.shape), b]
+
+
+def _product_of_expanded_broadcasts_broadcast_again(fd, d):
+    x = fd.define_tensor([2 * d + 2], dtype=DataType.Float)
+    y = fd.define_tensor([2 * d + 2], dtype=DataType.Float)
+    bx, by = (fd.ops.broadcast_in_dim(t, shape=[2 * d + 2, 6], broadcast_dims=[0])
+              for t in (x, y))
+    fd.add_output(fd.ops.broadcast_in_dim(fd.ops.mul(bx, by), shape=[3, 2 * d + 2, 6],
+                                          broadcast_dims=[1, 2]))
+    return x, y
+
+
+def _product_of_expanded_broadcasts_broadcast_again_reference(x, y):
+    product = x[:, None].expand(x.shape[0], 6) * y[:, None].expand(y.shape[0], 6)
+    return [product[None].expand(3, *product.shape)]
+
+
+def _linear_of_an_expanded_broadcast(fd, d):
+    x = fd.define_tensor([2 * d, 8], dtype=DataType.Float)
+    w = fd.define_tensor([4, 8], dtype=DataType.Float)
+    b = fd.ops.broadcast_in_dim(x, shape=[2 * d, 3, 8], broadcast_dims=[0, 2])
+    fd.add_output(fd.ops.linear(b, w, None))
+    return x, w
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -196,6 +234,28 @@ CASES: dict[str, Case] = {
         lambda v, w: [torch.sum(v[:, None].expand(v.shape[0], 3) * w.sum(1, keepdim=True),
                                 1)],
         lambda d: [[2 * d + 2], [2 * d + 2, 2]]),
+    "broadcast_of_an_expanded_broadcast_that_is_also_an_output": Case(
+        "silently wrong gradient (off by up to 40): broadcasting a tensor whose axis is "
+        "already an expanded broadcast summed its gradient over that axis, one value for "
+        "its 6 elements; added to the per-element gradient of the tensor's other use (an "
+        "output), it counted 6 times over (gradient fuzzer seed 2315 at 2 ranks)",
+        _broadcast_again_and_kept, lambda t, mesh: shard(t[0], 0, mesh),
+        _broadcast_again_and_kept_reference, lambda d: [[2 * d + 2], []]),
+    "product_of_expanded_broadcasts_broadcast_again": Case(
+        "silently wrong gradient, 6 times too large: the broadcast summed its operand's "
+        "gradient over the operand's expanded axis (extent 6); the product's rule then "
+        "multiplied that sum by the other factor's 6 values along the axis, and the "
+        "broadcasts that made the axis summed them",
+        _product_of_expanded_broadcasts_broadcast_again, lambda t, mesh: shard(t[0], 0, mesh),
+        _product_of_expanded_broadcasts_broadcast_again_reference,
+        lambda d: [[2 * d + 2], [2 * d + 2]]),
+    "weight_gradient_of_a_linear_over_an_expanded_broadcast": Case(
+        "refused, DefinitionError 'squeeze: axis 1 has extent 3; only axes of extent 1 can "
+        "be squeezed': the weight's gradient took every broadcast token axis of the "
+        "linear's input for one of extent 1 (gradient fuzzer seed 959 at 3 ranks)",
+        _linear_of_an_expanded_broadcast, lambda t, mesh: shard(t[0], 0, mesh),
+        lambda x, w: [torch.nn.functional.linear(x[:, None].expand(x.shape[0], 3, 8), w)],
+        lambda d: [[2 * d, 8], [4, 8]]),
 }
 
 
@@ -228,6 +288,10 @@ SEEDS: dict[str, Seed] = {
         797, 2, "refused: see the case"),
     "gradient_expanded_along_a_broadcast_axis_of_extent_1-174": Seed(
         174, 4, "wrong gradient: see the case"),
+    "broadcast_of_an_expanded_broadcast_that_is_also_an_output-2315": Seed(
+        2315, 2, "wrong gradient: see the case"),
+    "weight_gradient_of_a_linear_over_an_expanded_broadcast-959": Seed(
+        959, 3, "refused: see the case"),
 }
 
 

@@ -170,14 +170,17 @@ def _linear(x, weight, bias, dropped_addends=()):
 
 
 def _weight_grad(d, g):
-    """``sum over tokens of g^T x``: one matmul of ``[N, T] x [T, K]``. Leading axes of
-    extent 1 are squeezed away; several token axes stay a batch of matmuls, then a sum (a
-    reshape merging them would lose a sequence axis's sharding)."""
+    """``sum over tokens of g^T x``: one matmul of ``[N, T] x [T, K]``. Leading broadcast
+    axes of extent 1 are squeezed away; several token axes stay a batch of matmuls, then a
+    sum (a reshape merging them would lose a sequence axis's sharding). An expanded broadcast
+    axis of ``x`` (extent above 1) is a token axis like any other: its tokens are equal, their
+    gradients ``g`` are not."""
     o, x = d.ops, d.value("x")
     n = d.ndim("x")
     if n == 1:
         return o.mul(o.broadcast_in_dim(g, [-1, 1], [0]), o.broadcast_in_dim(x, [1, -1], [1]))
-    ones = [a for a in range(n - 1) if d.is_broadcast("x", a)]
+    axes = d.arg("x").materialized()
+    ones = [a for a in range(n - 1) if axes[a].is_broadcast and axes[a].extent in (1, None)]
     if ones and len(ones) < n - 1:
         g, x = o.squeeze(g, ones), o.squeeze(x, ones)
         n -= len(ones)

@@ -113,12 +113,21 @@ def _broadcast_in_dim(x, shape, broadcast_dims, out_shapes):
 
 def sum_broadcast(d, g, dims: list[int]):
     """The gradient of a broadcast of ``x`` whose axes went to output axes ``dims``: ``g``
-    summed over the expanded axes (kept, extent 1) and the new axes (dropped). An axis of
-    ``g`` that is an expanded broadcast itself holds that many (equal) gradients: summed
-    too."""
+    summed over the axes this broadcast expanded (``x``'s broadcast axes of extent 1: kept,
+    extent 1) and over the new axes (dropped). An axis of ``g`` that is an expanded
+    broadcast itself holds that many (equal) gradients: summed too.
+
+    An axis ``x`` already has as an expanded broadcast (extent above 1) is not summed: like
+    any tensor, ``x`` has a gradient per element there (as :func:`~meshfuse.autodiff.context.sum_to`
+    has it), summed once, by the broadcast that made the axis. (Summed here as well, the
+    gradient of ``x`` came one per row instead: added to the per-element gradient of another
+    use of ``x``, or multiplied by an operand's values along the axis, it counted that many
+    times over.)"""
     o = d.ops
+    axes = d.arg("x").materialized()
     expanded = [out for a, out in enumerate(dims)
-                if d.is_broadcast("x", a) and g.materialized()[out].extent != 1]
+                if axes[a].is_broadcast and axes[a].extent in (1, None)
+                and g.materialized()[out].extent != 1]
     if expanded:
         g = o.sum(g, dims=expanded, keepdim=True)
     new = [a for a in range(len(g.materialized())) if a not in dims]
