@@ -83,9 +83,12 @@ class VjpContext:
             )
         return extents
 
-    def is_broadcast(self, name_or_tv: str | TensorView, axis: int) -> bool:
+    def is_broadcast_of_one(self, name_or_tv: str | TensorView, axis: int) -> bool:
+        """Whether ``axis`` of a primal tensor is a broadcast axis of extent 1 (or unknown):
+        not an expanded one, whose elements each have their gradient (see :func:`sum_to`)."""
         tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
-        return tv.materialized()[axis].is_broadcast
+        id_ = tv.materialized()[axis]
+        return id_.is_broadcast and id_.extent in (1, None)
 
     def sum_to(self, grad: TensorView, like: TensorView) -> TensorView:
         """``grad`` summed down to ``like``'s shape (see :func:`sum_to`)."""

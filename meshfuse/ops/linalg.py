@@ -179,8 +179,7 @@ def _weight_grad(d, g):
     n = d.ndim("x")
     if n == 1:
         return o.mul(o.broadcast_in_dim(g, [-1, 1], [0]), o.broadcast_in_dim(x, [1, -1], [1]))
-    axes = d.arg("x").materialized()
-    ones = [a for a in range(n - 1) if axes[a].is_broadcast and axes[a].extent in (1, None)]
+    ones = [a for a in range(n - 1) if d.is_broadcast_of_one("x", a)]
     if ones and len(ones) < n - 1:
         g, x = o.squeeze(g, ones), o.squeeze(x, ones)
         n -= len(ones)

@@ -124,10 +124,8 @@ def sum_broadcast(d, g, dims: list[int]):
     use of ``x``, or multiplied by an operand's values along the axis, it counted that many
     times over.)"""
     o = d.ops
-    axes = d.arg("x").materialized()
     expanded = [out for a, out in enumerate(dims)
-                if axes[a].is_broadcast and axes[a].extent in (1, None)
-                and g.materialized()[out].extent != 1]
+                if d.is_broadcast_of_one("x", a) and g.materialized()[out].extent != 1]
     if expanded:
         g = o.sum(g, dims=expanded, keepdim=True)
     new = [a for a in range(len(g.materialized())) if a not in dims]
