@@ -119,10 +119,9 @@ def sum_broadcast(d, g, dims: list[int]):
 
     An axis ``x`` already has as an expanded broadcast (extent above 1) is not summed: like
     any tensor, ``x`` has a gradient per element there (as :func:`~meshfuse.autodiff.context.sum_to`
-    has it), summed once, by the broadcast that made the axis. (Summed here as well, the
-    gradient of ``x`` came one per row instead: added to the per-element gradient of another
-    use of ``x``, or multiplied by an operand's values along the axis, it counted that many
-    times over.)"""
+    has it), summed once, by the broadcast that made the axis. (Summed here too, it came as
+    one value for the axis's elements: added to another use's per-element gradient, or
+    multiplied by an operand's values along the axis, it counted that many times over.)"""
     o = d.ops
     expanded = [out for a, out in enumerate(dims)
                 if d.is_broadcast_of_one("x", a) and g.materialized()[out].extent != 1]
