@@ -22,6 +22,7 @@ STREAM_AXIS_SHARE = 0.4  # of the allreduce and reduce-scatter patterns: x's row
 GEMM_WEIGHT = 12  # the matmul statement's weight with the feature (3 without)
 _GEMM = re.compile(r"^(t\d+) = fd\.ops\.(?:linear|matmul)\((t\d+), (t\d+)(?:, (t\d+))?")
 _DEFINED = re.compile(r"^((?:t\d+, )*t\d+) = ")
+_REDUCTION = re.compile(r"fd\.ops\.(sum|prod|max|min|mean|var|var_mean|std)\(")
 
 
 def add_overlap(program, rng: random.Random, values: dict, uneven: bool,
@@ -74,7 +75,7 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
     axes = {"allgather": {x: rows_x, w: 1 - w_k, y: len(shapes[y]) - 1},
             "allreduce": {x: len(shapes[x]) - 1, w: w_k, y: None},
             "reduce_scatter": {x: len(shapes[x]) - 1, w: w_k, y: rows_y}}[pattern]
-    if rows_x < 0 or rows_y < 0 or any(
+    if rows_x < 0 or rows_y < 0 or _reduced(program, x) or _reduced(program, w) or any(
             axis is not None and (values[name].broadcast[axis] or shapes[name][axis] % d
                                   and not (uneven and shapes[name][axis] >= 2))
             for name, axis in axes.items()):
@@ -98,6 +99,14 @@ def _gemm_pattern(program, rng: random.Random, values: dict, names: tuple[str, s
     if y not in program.outputs:
         program.outputs.append(y)
     program.features.add(f"overlap {pattern}")
+
+
+def _reduced(program, name: str) -> bool:
+    """Whether ``name`` is a reduction's result: its loop domain keeps the reduced axes, so
+    the axis indices the pattern writes (logical ones) would name other loop axes (a
+    reduced axis sharded: a partial output, where a shard was meant)."""
+    return any((m := _DEFINED.match(line)) and name in m.group(1).split(", ")
+               and _REDUCTION.search(line) for line in program.fd_lines)
 
 
 def _replicated(program, name: str | None) -> bool:
