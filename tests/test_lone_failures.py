@@ -205,4 +205,3 @@ def test_recover_aligns_the_ranks_process_group_names(multidevice_test):
     counts = Communicator.instance().allgather_object(
         torch.distributed.distributed_c10d._world.group_count)
     assert len(set(counts)) == 1, counts
-
