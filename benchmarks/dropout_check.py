@@ -39,7 +39,7 @@ from benchmarks.cases.attention import QUICK_SEED_SIZES, SEED_SIZES, local_input
 from benchmarks.fusions import QkvFormat, SeedAttention
 from benchmarks.reproducibility import check_same_seed
 from meshfuse import DataType, FusionDefinition, ParallelType
-from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
+from meshfuse.ops.attention.backends import ENV_VAR as BACKEND_ENV
 
 KERNELS = ("math", "cudnn", "flash", "efficient")
 P, MASK_P, SEED, OFFSET = 0.1, 0.25, 99, 3

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from meshfuse import DataType
-from meshfuse.ops import rng
+from meshfuse.ops.random import rng
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = (torch.float32, torch.bfloat16)
@@ -543,7 +543,7 @@ SDPFA_BWD = OpInfo("sdpfa_bwd", tuple(
 ))
 
 
-# Random ops: the reference draws from meshfuse's generator (ops/rng.py) at each element's
+# Random ops: the reference draws from meshfuse's generator (ops/random/rng.py) at each element's
 # row-major index, in float32 (float64 for Double results, whatever the reference's upcast
 # inputs), cast to the result's dtype; what
 # the samples check is the op's plumbing: shape, dtype, positions, seed and offset.

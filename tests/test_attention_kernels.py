@@ -19,16 +19,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.reproducibility import deterministic_algorithms
 from meshfuse.errors import DefinitionError, InputError
-from meshfuse.ops import attention_backends as ab
-from meshfuse.ops import attention_kernels as ak
-from meshfuse.ops.attention_backends import (
+from meshfuse.ops.attention import backends as ab
+from meshfuse.ops.attention import kernels as ak
+from meshfuse.ops.attention.backends import (
     AttentionBackend,
     check_deterministic_backward,
     cudnn_preferred,
     deterministic_only,
     select_backend,
 )
-from meshfuse.ops.attention_kernels import sdpa_backward, sdpa_forward
+from meshfuse.ops.attention.kernels import sdpa_backward, sdpa_forward
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -21,10 +21,10 @@ import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
-from meshfuse.ops import rng
-from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
-from meshfuse.ops.attention_backends import AttentionBackend
-from meshfuse.ops.attention_dropout import FusedDropout
+from meshfuse.ops.attention.backends import ENV_VAR as BACKEND_ENV
+from meshfuse.ops.attention.backends import AttentionBackend
+from meshfuse.ops.attention.dropout import FusedDropout
+from meshfuse.ops.random import rng
 from meshfuse.runtime.replay import AutoReplay, _Graph, why_not_replayed
 from meshfuse.runtime.replay_streams import Source, plan_streams, seed_inputs
 from meshfuse.testing.utils import current_device

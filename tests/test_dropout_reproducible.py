@@ -33,7 +33,7 @@ from benchmarks.reproducibility import check_same_seed, deterministic_algorithms
 from meshfuse import DeviceMesh
 from meshfuse.errors import InputError, MeshfuseError
 from meshfuse.examples.seed_sdpa import QkvFormat, random_inputs
-from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
+from meshfuse.ops.attention.backends import ENV_VAR as BACKEND_ENV
 from meshfuse.sharding import shard_tensor
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

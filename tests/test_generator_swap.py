@@ -13,14 +13,14 @@ import torch
 
 from meshfuse.errors import InputError
 from meshfuse.ir.global_index import GlobalIndex
-from meshfuse.ops.attention_backends import AttentionBackend
-from meshfuse.ops.attention_dropout import (
+from meshfuse.ops.attention.backends import AttentionBackend
+from meshfuse.ops.attention.dropout import (
     FusedDropout,
     attention_site,
     check_kernel_form,
     kernel_state,
 )
-from meshfuse.ops.generator_swap import GeneratorSwap, generator_swap
+from meshfuse.ops.random.generator_swap import GeneratorSwap, generator_swap
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

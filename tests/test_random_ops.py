@@ -16,7 +16,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, InputError, unshard_tensor
 from meshfuse.errors import ExecutionError
-from meshfuse.ops import rng
+from meshfuse.ops.random import rng
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.collectives import record_communications
 from meshfuse.sharding import shard_tensor

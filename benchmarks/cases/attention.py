@@ -11,7 +11,7 @@ BHSE or BSHE memory order, and runs, as variants:
 - ``meshfuse_graph``: ``execute(cuda_graph=True)`` (captured once, replayed, inputs and
   outputs copied), at the seed's sizes only;
 - ``direct`` (baseline, (a)): the same SDPA kernels on the local shards, through
-  ``meshfuse.ops.attention_kernels`` with the backend meshfuse selects;
+  ``meshfuse.ops.attention.kernels`` with the backend meshfuse selects;
 - ``direct_aten``: the same kernels as bare ``torch.ops.aten`` calls (no wrapper, no check);
   each meshfuse record's ``vs_direct_aten`` is its time over this one's (issue 13: a plain
   ``execute`` within 1.1x);
@@ -47,8 +47,8 @@ from benchmarks.harness import (
     run_variants,
     waited,
 )
-from meshfuse.ops import attention_kernels as kernels
-from meshfuse.ops.attention_backends import select_backend
+from meshfuse.ops.attention import kernels
+from meshfuse.ops.attention.backends import select_backend
 
 SEED_SIZES = {"b": 2, "h": 12, "s": 1024, "head_dim": 64}  # the seed: e = 768, 12 heads
 LARGE_SIZES = {"b": 4, "h": 32, "s": 4096, "head_dim": 128}

@@ -75,10 +75,10 @@ from benchmarks.harness import Plan, Record, Skip, Variant, run_variants
 from benchmarks.reproducibility import check_same_seed
 from benchmarks.timing import interleaved_ratio
 from meshfuse.errors import InputError
-from meshfuse.ops import attention_kernels as kernels
-from meshfuse.ops.attention_backends import ENV_VAR as BACKEND_ENV
-from meshfuse.ops.attention_backends import select_backend
-from meshfuse.ops.attention_dropout import kernel_state
+from meshfuse.ops.attention import kernels
+from meshfuse.ops.attention.backends import ENV_VAR as BACKEND_ENV
+from meshfuse.ops.attention.backends import select_backend
+from meshfuse.ops.attention.dropout import kernel_state
 
 P, IS_CAUSAL = 0.1, True
 FUSED = ("cudnn", "flash", "efficient")

@@ -9,7 +9,7 @@ s=131072, and non-causal at s=32768. Variants, in one run:
   the flash kernel (CUDA). The ideal time on ``n`` GPUs is the faster of the two over
   ``n``; each record's ``pct_of_ideal`` is ideal / its time (``ideal_from`` names it).
 - ``one_gpu_meshfuse``: the whole problem through meshfuse's kernel layer
-  (``meshfuse.ops.attention_kernels``, the kernel it selects), checked against ``one_gpu``:
+  (``meshfuse.ops.attention.kernels``, the kernel it selects), checked against ``one_gpu``:
   what meshfuse's own one-device path costs beside the bare kernels;
 - ``ring_zigzag``: meshfuse, the sequence zig-zag split (load balanced), forced ring;
 - ``ring_zigzag_synced``: the same, each call waiting for its kernels (the harness times
@@ -61,8 +61,8 @@ from benchmarks.cases.attention import attention_flops, raw_aten
 from benchmarks.context import Context
 from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_variants
 from meshfuse import DataType, FusionDefinition, ParallelType
-from meshfuse.ops import attention_kernels as kernels
-from meshfuse.ops.attention_backends import select_backend
+from meshfuse.ops.attention import kernels
+from meshfuse.ops.attention.backends import select_backend
 from meshfuse.ops.context_parallel import MERGE_VAR, TRANSPORT_VAR
 from meshfuse.ops.context_parallel_cost import Machine, choose, machine
 from meshfuse.passes.context_parallel import problem

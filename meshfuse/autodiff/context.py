@@ -18,7 +18,7 @@ from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import OpDef, lookup
 
 if TYPE_CHECKING:
-    from meshfuse.frontend.ops_namespace import Ops
+    from meshfuse.ops.namespace import Ops
 
 
 def op_of(expr: Expr) -> OpDef:

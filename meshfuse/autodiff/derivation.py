@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from meshfuse.autodiff.context import VjpContext, materialized_like, op_of, sum_to
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.errors import DefinitionError
-from meshfuse.frontend.ops_namespace import Ops, add_op
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
+from meshfuse.ops.namespace import Ops, add_op
 from meshfuse.ops.registry import Kind
 from meshfuse.runtime.runner import FusionRunner
 

@@ -26,15 +26,15 @@ import torch
 from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
-from meshfuse.frontend.ops_namespace import Ops, scalar_dtype
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import as_distributed
 from meshfuse.frontend.schedule import Schedule
-from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.multidevice import Sharding
+from meshfuse.ops.namespace import Ops, scalar_dtype
+from meshfuse.ops.user_tensor import UserTensorView
 from meshfuse.runtime.agreement import agreed_build
 from meshfuse.runtime.communicator import Communicator
 from meshfuse.runtime.runner import FusionRunner

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshfuse.frontend.tensor import rfactor
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.mesh import DeviceMesh
+from meshfuse.ops.user_tensor import rfactor
 
 
 class Schedule:
@@ -43,5 +43,5 @@ class Schedule:
 
     def rfactor(self, tv: TensorView, dims) -> TensorView:
         """``tv.rfactor(dims)``: the new tensor reducing loop axes ``dims`` (see
-        :mod:`meshfuse.frontend.tensor`)."""
+        :mod:`meshfuse.ops.user_tensor`)."""
         return rfactor(tv, [dims] if isinstance(dims, int) else list(dims))

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshfuse.ir.global_index import GlobalIndex
-from meshfuse.ops import attention_kernels, rng
-from meshfuse.ops.attention_backends import AttentionBackend, select_backend
-from meshfuse.ops.attention_dropout import GLOBAL, DropoutSite, kernel_state
+from meshfuse.ops.attention import kernels as attention_kernels
+from meshfuse.ops.attention.backends import AttentionBackend, select_backend
+from meshfuse.ops.attention.dropout import GLOBAL, DropoutSite, kernel_state
+from meshfuse.ops.random import rng
 
 if TYPE_CHECKING:
     from meshfuse.ops.context_parallel import ContextParallel

@@ -1,7 +1,7 @@
 """Context parallelism: picks the strategy of every sequence-sharded attention (a build pass).
 
 It first checks, for every attention, that grouped-query heads are sharded by groups (each
-rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention_groups`).
+rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention.groups`).
 
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
 whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.context_parallel`)
@@ -37,7 +37,7 @@ from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.ops.attention_groups import check_grouped_heads
+from meshfuse.ops.attention.groups import check_grouped_heads
 from meshfuse.ops.context_parallel import (
     ALLGATHER,
     ALLTOALL,

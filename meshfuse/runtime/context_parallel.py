@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from meshfuse.ir.fusion import Expr
-from meshfuse.ops.attention_dropout import no_rng_state, rng_state, seed_and_offset
+from meshfuse.ops.attention.dropout import no_rng_state, rng_state, seed_and_offset
 from meshfuse.ops.context_blocks import (
     Block,
     BlockDropout,
@@ -59,7 +59,7 @@ from meshfuse.ops.context_parallel import (
     TRANSPORT_VAR,
     ContextParallel,
 )
-from meshfuse.ops.random import resolve_seed
+from meshfuse.ops.random.declaration import resolve_seed
 from meshfuse.passes.localization import Local
 from meshfuse.runtime.agreement import Fact
 from meshfuse.runtime.collectives import (

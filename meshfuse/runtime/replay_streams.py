@@ -4,7 +4,7 @@ A captured kernel replays the arguments it was captured with, so a graph holding
 kernel would replay one mask forever, unless the kernel draws from a generator *registered*
 with the graph before its capture: PyTorch then makes the captured kernel read its Philox seed
 and offset from device memory, which each replay fills from the generator's seed and offset
-of that moment. meshfuse's fused dropout (:class:`~meshfuse.ops.attention_dropout.FusedDropout`)
+of that moment. meshfuse's fused dropout (:class:`~meshfuse.ops.attention.dropout.FusedDropout`)
 gives each attention step a private generator of its own and, outside a graph, seeds it with
 the step's stream key at every call, then runs the kernel from offset 0. A replayed graph does
 the same on the host, before each replay, in the interpreter's order (:meth:`StreamPlan.prepare`):
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from meshfuse.ops.attention_dropout import GLOBAL, GRAPH_SAFE_KERNELS, FusedDropout
-from meshfuse.ops.random import resolve_seed
+from meshfuse.ops.attention.dropout import GLOBAL, GRAPH_SAFE_KERNELS, FusedDropout
+from meshfuse.ops.random.declaration import resolve_seed
 from meshfuse.ops.registry import lookup
 from meshfuse.runtime.executor import Program, Slot, Step
 

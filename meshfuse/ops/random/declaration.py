@@ -2,7 +2,7 @@
 arguments).
 
 Every value is a function of (seed, offset, the element's global linear index) only
-(:mod:`meshfuse.ops.rng`), so a sharded run gives bitwise the values of the unsharded run,
+(:mod:`meshfuse.ops.random.rng`), so a sharded run gives bitwise the values of the unsharded run,
 whatever the schedule: each rank computes the values at the global positions it holds.
 
 Seed and offset: pass ``rng_seed`` and ``rng_offset`` together (Int scalars or Python ints in
@@ -21,7 +21,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops import rng
+from meshfuse.ops.random import rng
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,

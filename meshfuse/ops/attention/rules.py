@@ -2,7 +2,7 @@
 per-shard dropout replays its forward's sharding and RNG state, and each rank's dropout site.
 
 These read an ``sdpfa_fwd``/``sdpfa_bwd`` expression of the fusion (its arguments, its
-forward through the seed it reads) and never run a kernel; :mod:`meshfuse.ops.attention`
+forward through the seed it reads) and never run a kernel; :mod:`meshfuse.ops.attention.declaration`
 registers them with the two ops.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from meshfuse.errors import ShardingError
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
-from meshfuse.ops.attention_dropout import SHARD, attention_site, resolve_mode
+from meshfuse.ops.attention.dropout import SHARD, attention_site, resolve_mode
 from meshfuse.ops.context_parallel import context_record, sequence_parallel
 
 

@@ -7,7 +7,7 @@ same kernel for the forward and the backward; on CPU, PyTorch's CPU flash kernel
 Dropout (``dropout_p > 0``): every shard draws its mask from its own RNG stream, derived from
 one seed (``rng_seed``/``rng_offset``, or drawn from torch's generator) and the shard's global
 position; ``dropout_mode="global"`` makes the mask a function of the global position instead
-(bitwise the unsharded run). See :mod:`meshfuse.ops.attention_dropout`.
+(bitwise the unsharded run). See :mod:`meshfuse.ops.attention.dropout`.
 
 q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical device axis
 ``[DIDx, b, h, s, e]``) are batch-like and come first in every output too.
@@ -15,13 +15,13 @@ q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical d
 Grouped-query attention: k and v may have fewer heads than q, a divisor of them (PyTorch's
 ``enable_gqa=True``: query head ``h`` attends with key/value head ``h // (H / Hkv)``); their
 head axes still map together, and sharding planning checks that each rank holds the
-key/value heads of its query heads (:mod:`meshfuse.ops.attention_groups`).
+key/value heads of its query heads (:mod:`meshfuse.ops.attention.groups`).
 
 Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the
 gradients; the query sequence axis maps from q to attn and log_sumexp; the head dim of attn
 comes from v. The contracted axes (the key/value sequence, the q/k head dim) are reduction IDs
 of attn; in the backward, q_grad reduces over the key/value sequence and k_grad, v_grad over
-the query sequence. The sharding rule (:func:`meshfuse.ops.attention_rules.whole_axes`) says
+the query sequence. The sharding rule (:func:`meshfuse.ops.attention.rules.whole_axes`) says
 which input axes the kernels need whole; the engine gathers them, so a sequence-sharded
 non-causal attention computes its local query rows against all keys, and its key/value
 gradients are partial sums over the query shards.
@@ -37,15 +37,15 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.global_index import GlobalIndex
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops import attention_kernels
-from meshfuse.ops.attention_backends import (
+from meshfuse.ops.attention import kernels as attention_kernels
+from meshfuse.ops.attention.backends import (
     AttentionBackend,
     check_deterministic_backward,
     check_heads,
     select_backend,
     unit_last_stride,
 )
-from meshfuse.ops.attention_dropout import (
+from meshfuse.ops.attention.dropout import (
     GLOBAL,
     OFFSET_SPEC,
     SEED_SPEC,
@@ -62,9 +62,9 @@ from meshfuse.ops.attention_dropout import (
     seed_and_offset,
     state_of_kernel,
 )
-from meshfuse.ops.attention_rules import check_sharding, localize, replayed_sharding, whole_axes
+from meshfuse.ops.attention.rules import check_sharding, localize, replayed_sharding, whole_axes
 from meshfuse.ops.context_parallel import requested_strategy
-from meshfuse.ops.random import check_rng_args, resolve_seed
+from meshfuse.ops.random.declaration import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -228,7 +228,7 @@ def _forward(backend, kernel, q, k, v, dropout_p, is_causal, scale, rng_seed, rn
     raw kernel already bound to these inputs. With dropout, the math kernel gets this shard's
     mask, a fused kernel draws from this shard's stream. Returns attn, log_sumexp and the RNG
     state in nvFuser's form (a fused kernel's own in ``kernel_form``; see
-    :mod:`meshfuse.ops.attention_dropout`)."""
+    :mod:`meshfuse.ops.attention.dropout`)."""
     scale = None if scale is None else float(scale)
     call = kernel or functools.partial(attention_kernels.sdpa_forward, backend=backend)
     if dropout_p == 0.0:

@@ -6,7 +6,7 @@ memory-efficient, then the math kernel; the CPU flash kernel on CPU (the math ke
 dropout, which the CPU flash kernel lacks).
 ``MESHFUSE_SDPA_BACKEND`` (or an explicit request) forces one, with a clear error when it
 cannot run the inputs. The kernels themselves are called in
-:mod:`meshfuse.ops.attention_kernels`.
+:mod:`meshfuse.ops.attention.kernels`.
 """
 
 from __future__ import annotations

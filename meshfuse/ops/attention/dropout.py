@@ -9,7 +9,7 @@ drawn from torch's default generator at each call) decide every mask. Two modes:
   anywhere share a mask, and the same seed and schedule give the same masks. On CUDA the
   fused kernel (cuDNN, flash, memory-efficient) runs with torch's CUDA generator pointed at
   a private generator seeded with the stream's key for the call
-  (:mod:`meshfuse.ops.generator_swap`); its backward replays the RNG state the forward
+  (:mod:`meshfuse.ops.random.generator_swap`); its backward replays the RNG state the forward
   returned. In a program, what depends on the signature only (the key's words, the
   generators, the state's form) is decided once (:class:`FusedDropout`). On CPU, and
   wherever the math kernel runs, the mask is drawn with meshfuse's generator from the stream
@@ -43,9 +43,9 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.global_index import GlobalIndex
-from meshfuse.ops import rng
-from meshfuse.ops.attention_backends import AttentionBackend
-from meshfuse.ops.generator_swap import GeneratorSwap, generator_swap
+from meshfuse.ops.attention.backends import AttentionBackend
+from meshfuse.ops.random import rng
+from meshfuse.ops.random.generator_swap import GeneratorSwap, generator_swap
 from meshfuse.ops.registry import AxisSpec, OutSpec
 
 ENV_VAR = "MESHFUSE_DROPOUT_MODE"
@@ -269,7 +269,7 @@ class FusedDropout:
 
     Everything that depends on the signature only is decided once, when the program's kernel
     is bound: the words the stream key hashes (the shard's position), the step's own
-    :class:`~meshfuse.ops.generator_swap.GeneratorSwap` (a private generator per step, so that
+    :class:`~meshfuse.ops.random.generator_swap.GeneratorSwap` (a private generator per step, so that
     a CUDA graph holding several dropout steps can seed each for its replay) and the form of
     the kernel's RNG state. A call hashes the seed and offset into the stream key (only when
     they changed since the last call: a constant seed is hashed once), swaps generators

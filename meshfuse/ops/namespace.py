@@ -6,16 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType, dtype_of_number
 from meshfuse.errors import DefinitionError
-from meshfuse.frontend.composites import COMPOSITES
-from meshfuse.frontend.tensor import UserTensorView
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
+from meshfuse.ops.composites import COMPOSITES
 from meshfuse.ops.meta import arg_meta, source_ids
 from meshfuse.ops.registry import Kind, OpDef, SymbolicSize
 from meshfuse.ops.shape import memory_order
 from meshfuse.ops.shape_rules import normalize_axis
+from meshfuse.ops.user_tensor import UserTensorView
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Fusion
@@ -41,7 +41,7 @@ class Ops:
         self._fusion = fusion
 
     def __getattr__(self, name: str):
-        if name in COMPOSITES:  # written with the ops below (meshfuse.frontend.composites)
+        if name in COMPOSITES:  # written with the ops below (meshfuse.ops.composites)
             composite = COMPOSITES[name]
             return lambda *args, **kwargs: composite(self, *args, **kwargs)
         op = registry.lookup(name)

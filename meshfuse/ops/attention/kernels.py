@@ -1,6 +1,6 @@
 """PyTorch's fused SDPA kernels, called directly, behind ``sdpfa_fwd`` and ``sdpfa_bwd``.
 
-Which kernel runs is chosen in :mod:`meshfuse.ops.attention_backends`. The kernels are called
+Which kernel runs is chosen in :mod:`meshfuse.ops.attention.backends`. The kernels are called
 through ``torch.ops.aten``, under ``no_grad`` and without
 ``torch.nn.functional.scaled_dot_product_attention``: meshfuse keeps the forward's outputs
 (``attn``, ``log_sumexp``, the dropout RNG state) and hands them to the same kernel's
@@ -30,7 +30,7 @@ MATH       contiguous BHSE         contiguous            contiguous BHSE
 backward reads the padding; :func:`sdpa_backward` restores it.) ``seed`` and ``offset`` are
 0-d int64 zeros on the CPU for the CPU flash and math kernels (the math kernel takes its
 dropout mask as an argument: ``dropout_mask``). ``sdpfa_fwd`` hands them to its backward in
-nvFuser's form (:mod:`meshfuse.ops.attention_dropout`). Otherwise they are the kernel's own RNG
+nvFuser's form (:mod:`meshfuse.ops.attention.dropout`). Otherwise they are the kernel's own RNG
 state, opaque, to be passed back unchanged: flash gives a ``[2]`` uint64 (seed, offset) and a
 0-d uint64 placeholder, on the GPU; cuDNN ``[1]`` int64 tensors on the GPU; efficient 0-d
 int64 on the CPU (on the GPU under CUDA-graph capture).
@@ -45,7 +45,7 @@ import os
 import torch
 
 from meshfuse.errors import DefinitionError, InputError
-from meshfuse.ops.attention_backends import (
+from meshfuse.ops.attention.backends import (
     AttentionBackend,
     check_deterministic_backward,
     check_dropout,
