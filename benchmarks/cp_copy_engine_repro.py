@@ -14,7 +14,7 @@ in the small CUDA tests the queue is nearly empty, so the signal came after the 
 
 ``raw_unsynced`` / ``raw_synced`` test that with torch's API alone: rank 1 queues a
 sleep kernel (``--delay-ms``), both ranks allocate, rendezvous and run one barrier on a side
-stream that waits for the current stream (as ``meshfuse.runtime.peer_copy`` does), with a
+stream that waits for the current stream (as ``meshfuse.runtime.comm.peer_copy`` does), with a
 barrier limit of ``--barrier-ms``. Unsynced, if the cause is right, rank 1's barrier times
 out (a device error: the process ends); ``raw_synced`` synchronizes the device between the
 allocation and the rendezvous (the fix in ``peer_copy``) and passes.
@@ -42,7 +42,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 import meshfuse
 from benchmarks import context
 from benchmarks.cases.context_parallel import SIZES, CausalAttention, global_inputs
-from meshfuse.runtime import peer_copy
+from meshfuse.runtime.comm import peer_copy
 
 SLEEP_CYCLES_PER_MS = 2_000_000  # an H200's SM clock is below 2 GHz: at least a millisecond
 

@@ -20,7 +20,7 @@ from benchmarks import context
 from benchmarks.cases import mlp
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
 from benchmarks.timing import cuda_kernel_events, timed_samples
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 
 ITERS = 20
 

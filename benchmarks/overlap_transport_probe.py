@@ -10,7 +10,7 @@ the slowest rank's) of:
 - ``torch_fused``: torch's async-TP op (``torch.ops.symm_mem.fused_all_gather_matmul``,
   ``fused_matmul_reduce_scatter``): copy-engine pulls under GEMM chunks;
 - ``copy_engine_loop``: meshfuse's copy-engine transport
-  (:mod:`meshfuse.runtime.copy_engine`) driving one GEMM per block, as a stream loop does;
+  (:mod:`meshfuse.runtime.comm.copy_engine`) driving one GEMM per block, as a stream loop does;
   for the column layer also ``copy_engine_loop_early`` (the pulls issued before the own
   block's GEMM, not after it), ``copy_engine_two_streams`` (every other block's GEMM on a
   side stream, as torch's fused op runs them), ``copy_engine_barrier_aside`` (the staging
@@ -45,8 +45,8 @@ from torch.distributed import _symmetric_memory as symm_mem
 
 from benchmarks import context
 from benchmarks.timing import cuda_kernel_events, timed_samples
-from meshfuse.runtime import copy_engine
-from meshfuse.runtime.collectives import Group
+from meshfuse.runtime.comm import copy_engine
+from meshfuse.runtime.comm.collectives import Group
 
 ITERS, WARMUP = 20, 5
 

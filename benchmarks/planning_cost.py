@@ -30,9 +30,9 @@ from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile
 from meshfuse.passes.sharding_check import check_no_resharding
-from meshfuse.runtime.binding import bind, held_here
-from meshfuse.runtime.program import build_program
-from meshfuse.runtime.resharding import plan_resharding
+from meshfuse.runtime.comm.reshard_plan import plan_resharding
+from meshfuse.runtime.interpreter.binding import bind, held_here
+from meshfuse.runtime.interpreter.program import build_program
 from meshfuse.runtime.runner import local_context
 from meshfuse.sharding import shard_tensor
 

@@ -19,7 +19,7 @@ import torch
 from benchmarks import context, report, set_env_defaults
 from benchmarks.cases import ALIASES, CASES, resolve
 from benchmarks.harness import Record
-from meshfuse.runtime import pending
+from meshfuse.runtime.comm import pending
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join(tempfile.gettempdir(), "meshfuse-benchmarks")

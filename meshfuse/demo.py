@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_rank(args) -> int:
-    from meshfuse.runtime.communicator import Communicator
+    from meshfuse.runtime.comm.communicator import Communicator
 
     comm = Communicator.instance()
     d, b, h, s, e = comm.size, args.batch, args.heads, args.seq, args.embed

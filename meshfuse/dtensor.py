@@ -40,7 +40,7 @@ from meshfuse.ir.layout import device_ids, local_indices, shard_factor
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.mesh import DeviceMesh
 from meshfuse.multidevice import device_parallel_type
-from meshfuse.runtime.binding import device_coords
+from meshfuse.runtime.interpreter.binding import device_coords
 
 __all__ = [
     "bind_dtensor",

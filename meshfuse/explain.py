@@ -53,9 +53,9 @@ from meshfuse.ops.context_parallel import (
 )
 from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.layout import memory_positions
-from meshfuse.runtime.binding import device_coords, held_here
-from meshfuse.runtime.collectives import Communication
-from meshfuse.runtime.resharding import ReshardStep, plan_resharding
+from meshfuse.runtime.comm.collectives import Communication
+from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding
+from meshfuse.runtime.interpreter.binding import device_coords, held_here
 
 LOCAL_STEPS = ("slice",)  # plan steps that move no data
 LEGEND = ("  placements: S(a) sharded on axis a (c: cyclic), P partial, R replicated; "
@@ -97,7 +97,7 @@ class PlannedCommunication:
     """One step of a resharding plan as this rank will run it.
 
     ``ranks`` is the group in coordinate order; ``bytes`` what this rank sends (as
-    :func:`~meshfuse.runtime.collectives.record_communications` counts it).
+    :func:`~meshfuse.runtime.comm.collectives.record_communications` counts it).
     """
 
     expr: Expr

@@ -7,7 +7,7 @@ the multi-device API here: ``nvfuser.multidevice.DeviceMesh``, ``nvfuser.multide
 legacy frontend returned beside each output: a mesh and the axis sharded on each parallel
 type.
 
-meshfuse's own :class:`~meshfuse.runtime.communicator.Communicator` has the same information
+meshfuse's own :class:`~meshfuse.runtime.comm.communicator.Communicator` has the same information
 as properties (``comm.rank``); the class here only adapts the spelling.
 """
 
@@ -24,7 +24,7 @@ from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.mesh import DeviceMesh
-from meshfuse.runtime import communicator as _runtime
+from meshfuse.runtime.comm import communicator as _runtime
 from meshfuse.sharding import shard_tensor
 
 __all__ = ["Communicator", "CommunicatorBackend", "DeviceMesh", "MultiDeviceExecutor",
@@ -48,7 +48,7 @@ class Communicator:
     @classmethod
     def instance(cls) -> Communicator:
         """The communicator of this process (initializes torch.distributed on first use, see
-        :meth:`meshfuse.runtime.communicator.Communicator.instance`)."""
+        :meth:`meshfuse.runtime.comm.communicator.Communicator.instance`)."""
         runtime = _runtime.Communicator.instance()
         if cls._instance is None or cls._instance._runtime is not runtime:
             cls._instance = cls(runtime)

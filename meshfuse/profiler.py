@@ -4,7 +4,7 @@ nvFuser's ``with PythonProfiler() as prof: fd.execute(...)`` lists the kernels t
 ``prof.profile.kernel_profiles``, each with the ``scheduler`` that made it; communications
 have ``scheduler == "communication"``. meshfuse runs PyTorch kernels, which it does not
 profile; here the list holds one entry per collective that ran (from
-:func:`meshfuse.runtime.collectives.record_communications`), so that counting communications
+:func:`meshfuse.runtime.comm.collectives.record_communications`), so that counting communications
 reads as in nvFuser. Use ``torch.profiler`` for the compute kernels.
 """
 
@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 from typing import Self
 
-from meshfuse.runtime.collectives import Communication, record_communications
+from meshfuse.runtime.comm.collectives import Communication, record_communications
 
 
 @dataclasses.dataclass(frozen=True)

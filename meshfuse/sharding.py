@@ -16,7 +16,7 @@ from meshfuse.errors import InputError, ShardingError
 from meshfuse.ir.layout import derived_extents, device_ids, local_indices, local_layout
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.binding import device_coords
+from meshfuse.runtime.interpreter.binding import device_coords
 
 
 def _compiled(tv: TensorView) -> tuple[TensorView, Allocation]:

@@ -33,7 +33,7 @@ from meshfuse.ir.layout import derived_extents, local_indices
 from meshfuse.ir.placement import Shard, placements
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.binding import device_coords
+from meshfuse.runtime.interpreter.binding import device_coords
 
 MAX_BLOCKS = 16  # blocks drawn along one axis in the text; the rest is elided
 

@@ -143,7 +143,7 @@ import torch
 import meshfuse
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from meshfuse import MeshfuseError, shard_tensor
 from meshfuse.errors import ExecutionError
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.launch import rank_env
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.testing.zygote import redirect_stdio
 
 # Each rank's share of the summed axis. An allreduce waits for every rank whatever its size,

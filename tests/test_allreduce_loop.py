@@ -27,7 +27,7 @@ from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.runtime import allreduce_loop_cost
 from meshfuse.runtime.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
-from meshfuse.runtime.collectives import Group, record_communications
+from meshfuse.runtime.comm.collectives import Group, record_communications
 from meshfuse.runtime.overlap_cost import DEFAULT_COSTS, _largest_shard
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 

@@ -24,7 +24,7 @@ from meshfuse import (
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.ops.attention.rules import state_stays_inside
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
 

@@ -1,4 +1,4 @@
-"""Automatic CUDA-graph replay (``meshfuse.runtime.replay``): ``execute``'s default on CUDA.
+"""Automatic CUDA-graph replay (``meshfuse.runtime.replay.automatic``): ``execute``'s default on CUDA.
 
 The policy runs on CPU with a stand-in for the CUDA graph that re-runs the program into the
 captured outputs, reading the inputs where they were at capture (as a graph does): the first
@@ -21,8 +21,8 @@ from test_cuda_graph import _RowParallelLinear
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
-from meshfuse.runtime.executor import RESHARD, Step
-from meshfuse.runtime.replay import (
+from meshfuse.runtime.interpreter.executor import RESHARD, Step
+from meshfuse.runtime.replay.automatic import (
     BUFFERS,
     MAX_GRAPHS,
     AutoReplay,

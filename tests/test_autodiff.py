@@ -17,7 +17,7 @@ from mesh_helpers import mesh_1d, shard
 
 import meshfuse
 from meshfuse import DataType, DefinitionError, FusionDefinition, FusionModule, shard_tensor
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 T, H, FFN = 8, 4, 16

@@ -18,7 +18,7 @@ import meshfuse
 from benchmarks.cases.autodiff import forward_only_mlp
 from benchmarks.fusions import MegatronMlp
 from meshfuse import DataType, FusionDefinition
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.memory import LiveBytes
 
 SIZES = {"tokens": 64, "hidden": 64, "ffn": 256}

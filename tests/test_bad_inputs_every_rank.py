@@ -5,7 +5,7 @@ the *culprit* (the last rank) makes the mistake while the others pass good shard
 ``everywhere`` are mistakes every rank makes alike, such as a bad option). Every rank must
 raise the row's error type, the culprit's message must contain the row's words, and the other
 ranks' message must name the culprit (``rank N``): they learn of it in the cross-rank
-agreement (``meshfuse.runtime.agreement``) instead of waiting in a collective. Afterwards
+agreement (``meshfuse.runtime.interpreter.agreement``) instead of waiting in a collective. Afterwards
 every rank runs the fusion with good inputs, so the ranks are still in step.
 
 Ranks that disagree on the fusion itself (mesh order, mesh shape, schedule) are at the end.
@@ -30,9 +30,9 @@ from meshfuse import (
     ScheduleError,
 )
 from meshfuse.errors import MeshfuseError
-from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.pending import in_flight
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.comm.pending import in_flight
 
 MX = ParallelType.mesh_x
 ROWS, COLS = 4, 6  # the local shard of the sharded input: [ROWS, COLS] of a [ROWS * d, COLS]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, ParallelType
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
 

@@ -1,4 +1,4 @@
-"""Bucketed allreduces (:mod:`meshfuse.runtime.bucketing`): small allreduces whose results no
+"""Bucketed allreduces (:mod:`meshfuse.runtime.interpreter.bucketing`): small allreduces whose results no
 step reads (the gradients of replicated parameters) run as one collective, where the last of
 them was planned; every sharded result still equals the unsharded one.
 """
@@ -11,10 +11,10 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.mesh import DeviceMesh
-from meshfuse.runtime import bucketing
-from meshfuse.runtime.bucketing import Candidate, plan_buckets
-from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.resharding import ReshardStep, ShardingSpec
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.reshard_plan import ReshardStep, ShardingSpec
+from meshfuse.runtime.interpreter import bucketing
+from meshfuse.runtime.interpreter.bucketing import Candidate, plan_buckets
 from meshfuse.testing.utils import current_device
 
 ROWS, COLS = 11, 6  # 11 rows: uneven shards at 2 and 4 ranks

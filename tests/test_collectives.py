@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from meshfuse.mesh import DeviceMesh
-from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import Group
-from meshfuse.runtime.pending import Pending, resolved
+from meshfuse.runtime.comm import collectives
+from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.comm.pending import Pending, resolved
 from meshfuse.testing.utils import current_device
 
 

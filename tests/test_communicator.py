@@ -7,7 +7,7 @@ import torch.distributed as dist
 from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
-from meshfuse.runtime.launch_env import LaunchInfo, choose_backend, launch_info_from_env
+from meshfuse.runtime.comm.launch_env import LaunchInfo, choose_backend, launch_info_from_env
 
 # ----- launcher variables and backend (one process, no torch.distributed) ---------------------
 

@@ -21,7 +21,7 @@ from meshfuse.ops.context_blocks import most_terms
 from meshfuse.ops.context_parallel import ContextParallel, runs_of
 from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
 from meshfuse.passes.context_parallel import problem
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 B, E = 1, 8
 STRIDES = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}

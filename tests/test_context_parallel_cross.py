@@ -13,7 +13,7 @@ from meshfuse import DataType, FusionDefinition, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.explain import planned_context_parallel
 from meshfuse.ops.context_blocks import Block, cross_pieces
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 B, H, E = 1, 4, 8
 STRIDES = {QkvFormat.BHSE: [3, 2, 1, 0], QkvFormat.BSHE: [3, 1, 2, 0]}

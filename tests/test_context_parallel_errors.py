@@ -23,8 +23,8 @@ from test_context_parallel import Attention, _global_inputs, _sequence_sharded
 from meshfuse import DefinitionError, InputError, ParallelType, ScheduleError
 from meshfuse.errors import MeshfuseError
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.pending import in_flight
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.pending import in_flight
 
 H, S = 2, 16
 MX = ParallelType.mesh_x

@@ -19,7 +19,7 @@ from meshfuse.explain import planned_context_parallel
 from meshfuse.ops.attention.backends import AttentionBackend, own_limits
 from meshfuse.ops.attention.kernels import sdpa_backward, sdpa_forward
 from meshfuse.ops.context_parallel_cost import Machine, Problem, estimate
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 
 class GroupedAttention(Attention):

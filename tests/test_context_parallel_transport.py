@@ -29,9 +29,9 @@ from meshfuse.explain import explain, planned_context_parallel
 from meshfuse.ops import context_blocks
 from meshfuse.ops.context_blocks import Merged, merge_into
 from meshfuse.passes.pipeline import compile as compile_fusion
-from meshfuse.runtime import peer_copy
-from meshfuse.runtime.collectives import Group, record_communications, ring_shift
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm import peer_copy
+from meshfuse.runtime.comm.collectives import Group, record_communications, ring_shift
+from meshfuse.runtime.comm.communicator import Communicator
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
 

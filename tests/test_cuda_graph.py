@@ -15,7 +15,7 @@ from mesh_helpers import shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device, is_pre_ampere
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or is_pre_ampere(),

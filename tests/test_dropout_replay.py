@@ -1,4 +1,4 @@
-"""Attention dropout replayed from a CUDA graph (``meshfuse.runtime.replay_streams``).
+"""Attention dropout replayed from a CUDA graph (``meshfuse.runtime.replay.streams``).
 
 On CPU: which programs may replay (the decision from the records, then at the capture from the
 bound kernels), and the host work of each replay, as data: the seeds it draws (the
@@ -25,8 +25,8 @@ from meshfuse.ops.attention.backends import ENV_VAR as BACKEND_ENV
 from meshfuse.ops.attention.backends import AttentionBackend
 from meshfuse.ops.attention.dropout import FusedDropout
 from meshfuse.ops.random import rng
-from meshfuse.runtime.replay import AutoReplay, _Graph, why_not_replayed
-from meshfuse.runtime.replay_streams import Source, plan_streams, seed_inputs
+from meshfuse.runtime.replay.automatic import AutoReplay, _Graph, why_not_replayed
+from meshfuse.runtime.replay.streams import Source, plan_streams, seed_inputs
 from meshfuse.testing.utils import current_device
 
 CUDA = torch.device("cuda")  # what the decision is told; the programs run on the CPU

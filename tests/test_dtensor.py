@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
 
 import meshfuse
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, ParallelType
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 
 @pytest.fixture(autouse=True)

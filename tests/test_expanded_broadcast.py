@@ -14,7 +14,7 @@ from mesh_helpers import MX, MY, mesh_1d, shard
 import meshfuse
 from meshfuse import DataType, FusionDefinition
 from meshfuse.errors import DefinitionError
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:

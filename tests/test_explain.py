@@ -13,7 +13,7 @@ from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention
 from meshfuse.explain import explain, planned_communications
 from meshfuse.passes.pipeline import compile as compile_fusion
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 

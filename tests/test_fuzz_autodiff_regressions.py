@@ -23,7 +23,7 @@ from mesh_helpers import MX, shard
 from test_fuzz_autodiff import FEATURES
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 
 pytestmark = pytest.mark.mpi
 

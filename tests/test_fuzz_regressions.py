@@ -21,8 +21,8 @@ from mesh_helpers import MX, MY, shard
 
 from meshfuse import DataType, shard_tensor
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi

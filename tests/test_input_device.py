@@ -9,7 +9,7 @@ import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import InputError
-from meshfuse.runtime.binding import check_inputs, required_device
+from meshfuse.runtime.interpreter.binding import check_inputs, required_device
 
 GPU1 = torch.device("cuda", 1)
 

@@ -15,7 +15,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.ir.placement import Partial, placements
 from meshfuse.ops.meta import tensor_meta
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 M, K, N = 6, 10, 4  # K = 10: uneven contraction shards at 4 ranks

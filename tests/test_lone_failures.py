@@ -15,9 +15,9 @@ import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import CommunicationError, ExecutionError, InputError
-from meshfuse.runtime.collectives import record_communications
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.pending import in_flight
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.comm.pending import in_flight
 
 ROWS, COLS = 4, 6  # the local shard of a [ROWS, COLS * d] input sharded on axis 1
 

@@ -30,7 +30,7 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.examples.gpt import gelu_tanh_derivative
 from meshfuse.ir.placement import Shard, placements
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 TOKENS, HIDDEN, FFN = 16, 8, 16

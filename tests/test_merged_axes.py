@@ -11,7 +11,7 @@ from mesh_helpers import MX, mesh_1d, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ScheduleError, shard_tensor
 from meshfuse.passes.pipeline import compile as compile_fusion
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 

@@ -27,7 +27,7 @@ from meshfuse import (
 )
 from meshfuse.examples.seed_sdpa import QkvFormat, random_inputs, reference
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi

@@ -17,7 +17,7 @@ from meshfuse import (
     ParallelType,
     ScheduleError,
 )
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi

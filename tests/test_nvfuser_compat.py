@@ -13,7 +13,7 @@ from mesh_helpers import mesh_1d, shard
 
 import meshfuse
 from meshfuse import DataType, FusionDefinition, ParallelType, ShardingError
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing import nvfuser_alias
 
 MX = ParallelType.mesh_x

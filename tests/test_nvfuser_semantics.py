@@ -11,7 +11,7 @@ from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.ir.fusion import Reshard
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 MX = ParallelType.mesh_x
 

@@ -24,7 +24,7 @@ from meshfuse.multidevice import (
     MultiDeviceExecutor,
     MultiDeviceExecutorParams,
 )
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 
 STREAM = ParallelType.stream
 

@@ -1,5 +1,5 @@
 """The transport of stream loops' decomposed communications: the process group (NCCL,
-gloo) or the GPUs' copy engines through symmetric memory (:mod:`meshfuse.runtime.copy_engine`).
+gloo) or the GPUs' copy engines through symmetric memory (:mod:`meshfuse.runtime.comm.copy_engine`).
 
 On CPU ranks the copy engines cannot run: the tests check the choice (``CommunicatorBackend``,
 ``MemoryType.symmetric``, ``MESHFUSE_OVERLAP_TRANSPORT``), its fallback and what ``explain``
@@ -27,8 +27,8 @@ from meshfuse.multidevice import (
     MultiDeviceExecutor,
     MultiDeviceExecutorParams,
 )
-from meshfuse.runtime.collectives import Group, record_communications
-from meshfuse.runtime.copy_engine import Gathering, Reducing, closing_barrier, hosts
+from meshfuse.runtime.comm.collectives import Group, record_communications
+from meshfuse.runtime.comm.copy_engine import Gathering, Reducing, closing_barrier, hosts
 from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
 from meshfuse.runtime.stream_loop_lowering import choose_transport
 

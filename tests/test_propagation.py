@@ -223,7 +223,7 @@ def _build(mesh_shape, sharded, steps, unaries, inner, schedule: bool):
 @pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
 def test_reshape_of_a_sharded_axis_matches_and_communicates_only_when_cyclic(
         multidevice_test, inner):
-    from meshfuse.runtime.collectives import record_communications
+    from meshfuse.runtime.comm.collectives import record_communications
 
     d, rank = multidevice_test.size, multidevice_test.rank
     if 12 % d:

@@ -18,7 +18,7 @@ from meshfuse import DataType, DefinitionError, FusionDefinition, InputError, un
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.random import rng
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 from meshfuse.testing.utils import current_device
 

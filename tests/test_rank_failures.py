@@ -17,15 +17,15 @@ import pytest
 from rank_jobs import Forker, Job, finish, start
 
 from meshfuse.errors import CommunicationError, InputError
-from meshfuse.runtime.failures import (
+from meshfuse.runtime.comm.retired_groups import keep_until_timed_out
+from meshfuse.runtime.faults.failures import (
     DEFAULT_TIMEOUT_S,
     CollectiveFailed,
     checked_timeout,
     kind_of_failure,
     timeout_from_env,
 )
-from meshfuse.runtime.lone_failures import Abandoned, GroupBroken, LoneFailures
-from meshfuse.runtime.retired_groups import keep_until_timed_out
+from meshfuse.runtime.faults.lone_failures import Abandoned, GroupBroken, LoneFailures
 
 TIMEOUT_S = 3.0
 # How long after the timeout a survivor may take to raise: the roll call, and slack for a

@@ -31,7 +31,7 @@ from meshfuse import (
 from meshfuse.explain import planned_context_parallel
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.placement import Replicate, Shard, placements
-from meshfuse.runtime.collectives import Communication, record_communications
+from meshfuse.runtime.comm.collectives import Communication, record_communications
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi

@@ -5,7 +5,7 @@
 the second splits what the first left), or ``P`` (x is then a partial sum, made by summing a
 leading axis sharded on that mesh axis). Extents divisible by the mesh axes or not. Each rank
 compares its shard of y with ``shard_tensor`` of the global tensor and asserts the collectives
-that ran against the table of the planner (runtime/resharding.py): per mesh axis that changes,
+that ran against the table of the planner (runtime/comm/reshard_plan.py): per mesh axis that changes,
 ``S -> R`` allgather, ``S -> S`` all-to-all, ``P -> R`` allreduce, ``P -> S`` reduce-scatter,
 ``R -> S`` nothing; between meshes, the source is made whole, broadcast to the destination
 devices it lacks, and sliced there.
@@ -21,7 +21,7 @@ import torch
 from mesh_helpers import mesh_1d, schedule_placements
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 pytestmark = pytest.mark.mpi

@@ -10,7 +10,7 @@ import torch
 from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 # name -> (input shape as declared, global shape for d ranks, new shape, sharded input axis,

@@ -18,7 +18,7 @@ import meshfuse
 from meshfuse import DataType, DeviceMesh, shard_tensor
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters, torch_block
 from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 # 12 heads: every world size the suite runs at (1 to 4) divides them, so the tensor-parallel

@@ -19,7 +19,7 @@ from mesh_helpers import mesh_1d, shard
 from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
 from meshfuse.launch import spawn
-from meshfuse.runtime.collectives import record_communications
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 TOKENS, HIDDEN, FFN = 6, 8, 7

@@ -4,7 +4,7 @@ Each rank holds heads ``[rank*h/d, (rank+1)*h/d)`` of q, k, v and the output gra
 BHSE or BSHE memory order, and runs, as variants:
 
 - ``meshfuse``: the seed's fusion, plain ``execute`` (cached after the first call; on CUDA
-  replayed from a CUDA graph by default, nothing copied: ``meshfuse.runtime.replay``; the
+  replayed from a CUDA graph by default, nothing copied: ``meshfuse.runtime.replay.automatic``; the
   record's ``graph`` says whether it was);
 - ``meshfuse_interpreter``: ``execute(cuda_graph=False)``, the interpreter launching each
   kernel from Python (what a program that cannot replay costs), at the seed's sizes only;

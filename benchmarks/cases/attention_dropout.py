@@ -7,7 +7,7 @@ BHSE, as variants:
   (replayed from a CUDA graph: ``replay`` in the record says whether it was);
 - ``meshfuse_p0.1``: the same with ``dropout_p = 0.1`` in the default ``"shard"`` mode: the
   fastest fused kernel that supports dropout, each head shard drawing from its own stream,
-  replayed too (each replay seeds the streams: ``meshfuse.runtime.replay_streams``; target:
+  replayed too (each replay seeds the streams: ``meshfuse.runtime.replay.streams``; target:
   within 1.3x of the baseline);
 - ``meshfuse_interpreter_p0``, ``meshfuse_interpreter_p0.1``: both with
   ``execute(cuda_graph=False)`` (kernels launched from Python, host-bound);

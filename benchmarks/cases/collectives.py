@@ -5,7 +5,7 @@ input, allreduce's buffer. ``algbw = size / time``; ``busbw`` is algbw times ``(
 (allgather, reduce-scatter) or ``2(n-1)/n`` (allreduce), comparable across world sizes.
 
 Variants: ``torch`` (baseline: ``torch.distributed`` called directly) and ``meshfuse``
-(``meshfuse.runtime.collectives``, the functions a meshfuse program calls).
+(``meshfuse.runtime.comm.collectives``, the functions a meshfuse program calls).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _torch_step(op: str, inp: torch.Tensor, out: torch.Tensor):
 def _meshfuse_step(ctx: Context, op: str, inp: torch.Tensor):
     """The call meshfuse's program makes for ``op`` (an allreduce reduces the partial result it
     is given in place, as the program does when the partial tensor has no other use)."""
-    from meshfuse.runtime import collectives
-    from meshfuse.runtime.communicator import Communicator
+    from meshfuse.runtime.comm import collectives
+    from meshfuse.runtime.comm.communicator import Communicator
 
     mesh = meshfuse.DeviceMesh(range(ctx.world))
     group = collectives.Group(Communicator.instance().group(mesh, 0), mesh.device_ids,

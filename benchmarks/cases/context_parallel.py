@@ -66,8 +66,8 @@ from meshfuse.ops.attention.backends import select_backend
 from meshfuse.ops.context_parallel import MERGE_VAR, TRANSPORT_VAR
 from meshfuse.ops.context_parallel_cost import Machine, choose, machine
 from meshfuse.passes.context_parallel import problem
-from meshfuse.runtime.collectives import Group, ring_shift
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.collectives import Group, ring_shift
+from meshfuse.runtime.comm.communicator import Communicator
 
 CONFIGS = (("causal_s32k", 32768, True), ("causal_s128k", 131072, True),
            ("full_s32k", 32768, False))

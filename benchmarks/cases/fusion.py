@@ -11,7 +11,7 @@ Programs, rows split over the ranks (timings per rank):
   rows, is left out: it would add an allreduce).
 
 Variants: ``meshfuse`` (plain ``execute``: the interpreter's program, replayed from a CUDA
-graph from the second call on, where safe: see ``meshfuse.runtime.replay``),
+graph from the second call on, where safe: see ``meshfuse.runtime.replay.automatic``),
 ``meshfuse_compiled`` (``execute(compile=True)``: the compiled segments, replayed alike), ``meshfuse_compiled_no_graph`` (the same launched from Python,
 ``cuda_graph=False``), ``torch_eager`` and ``torch_compile`` (the same torch calls),
 ``memory_floor`` (a copy of as many bytes as the program reads and writes, so its time is

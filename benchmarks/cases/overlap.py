@@ -18,7 +18,7 @@ Three configurations at nvFuser's sizes (h = 8192, t = 8192 tokens):
   ``meshfuse`` (``set_overlap(False)``), ``meshfuse_auto`` (the engine's cost estimate
   decides), ``meshfuse_overlap`` (``set_overlap(True)``: d chunks, each reduced onto its
   owner, over NCCL), ``meshfuse_overlap_copy_engine`` (the same loop, its partial blocks
-  pulled by the copy engines through symmetric memory: :mod:`meshfuse.runtime.copy_engine`),
+  pulled by the copy engines through symmetric memory: :mod:`meshfuse.runtime.comm.copy_engine`),
   ``torch_fused`` (``torch.ops.symm_mem.fused_matmul_reduce_scatter`` called directly) and
   ``torch_async_tp`` (micro-pipeline TP over matmul + reduce-scatter).
 Each meshfuse variant fixes its loops' transport (``MESHFUSE_OVERLAP_TRANSPORT``) while its

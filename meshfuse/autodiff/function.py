@@ -39,7 +39,7 @@ from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.runner import FusionRunner
 
 

@@ -35,8 +35,8 @@ from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.multidevice import Sharding
 from meshfuse.ops.namespace import Ops, scalar_dtype
 from meshfuse.ops.user_tensor import UserTensorView
-from meshfuse.runtime.agreement import agreed_build
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.interpreter.agreement import agreed_build
 from meshfuse.runtime.runner import FusionRunner
 
 
@@ -289,7 +289,7 @@ class FusionDefinition:
 
     def _get_runner(self, check_ranks: bool | None = None) -> FusionRunner:
         """The runner, built on first use on every rank alike (see
-        :func:`~meshfuse.runtime.agreement.agreed_build`)."""
+        :func:`~meshfuse.runtime.interpreter.agreement.agreed_build`)."""
         if self._runner is None:
             self.define()
             communicator = None

@@ -7,7 +7,7 @@ nvFuser's parameters:
 - ``backend_type``: a :class:`CommunicatorBackend`. ``nccl`` is torch.distributed's process
   group (NCCL on GPUs, gloo on CPUs). ``cuda`` moves the blocks of stream loops' decomposed
   allgathers and reduce-scatters with the GPUs' copy engines through symmetric memory
-  (:mod:`meshfuse.runtime.copy_engine`); where that cannot run (a CPU, a torch without
+  (:mod:`meshfuse.runtime.comm.copy_engine`); where that cannot run (a CPU, a torch without
   symmetric memory) and for every other communication, the process group: the results are
   the same (see ``docs/overlap.md``). ``ucc`` is refused.
 - ``offset_stream_indexing_by_rank``: stream-parallel loops that gather their stream axis

@@ -2,7 +2,7 @@
 
 After propagation, an op whose tensors disagree on how they lie on the mesh is split into a
 local op plus :class:`~meshfuse.ir.fusion.Reshard` expressions (written ``set`` below),
-each planned by ``meshfuse.runtime.resharding``. A user's own ``fd.ops.set`` is an op like
+each planned by ``meshfuse.runtime.comm.reshard_plan``. A user's own ``fd.ops.set`` is an op like
 any other (a local copy, with communications around it where its tensors differ):
 
 - the op's *natural* output sharding is the one propagation would give it (from its
@@ -19,7 +19,7 @@ any other (a local copy, with communications around it where its tensors differ)
 - consumers that need one input laid out alike share one copy (one communication).
 
 An op whose inputs live on another mesh than its outputs runs on its outputs' mesh, its
-inputs copied there (send/recv, broadcast: see ``meshfuse.runtime.resharding``).
+inputs copied there (send/recv, broadcast: see ``meshfuse.runtime.comm.reshard_plan``).
 
 A fusion output that propagation left partial is reduced (the user gets a replicated result),
 unless the user parallelized its reduction axis on purpose.

@@ -10,7 +10,7 @@ ceil(rows / chunks)`` (the last chunks short or empty); its GEMM writes its bloc
 result (``out=``) on the current stream, then its allreduce is launched in place on that
 block, asynchronously: on NCCL it runs on the communicator's stream, after that GEMM and
 beside the next chunk's. The step's result is a
-:class:`~meshfuse.runtime.pending.Pending` of the whole result, waited for where it is
+:class:`~meshfuse.runtime.comm.pending.Pending` of the whole result, waited for where it is
 first read, as a plain allreduce's is: work after the loop that does not read it is not
 held back by the last chunk's allreduce.
 
@@ -31,15 +31,15 @@ import torch
 
 from meshfuse.ir.memory_type import MemoryType
 from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
-from meshfuse.runtime import copy_engine
-from meshfuse.runtime.binding import Binding
-from meshfuse.runtime.collectives import (
+from meshfuse.runtime.comm import copy_engine
+from meshfuse.runtime.comm.collectives import (
     Group,
     allreduce_in_place,
     record_transfer,
 )
-from meshfuse.runtime.executor import Slot, Step
-from meshfuse.runtime.pending import Pending, resolved
+from meshfuse.runtime.comm.pending import Pending, resolved
+from meshfuse.runtime.interpreter.binding import Binding
+from meshfuse.runtime.interpreter.executor import Slot, Step
 
 PROCESS_GROUP = "process_group"  # the chunks' allreduces over torch.distributed
 COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (CopyEngineReduce)

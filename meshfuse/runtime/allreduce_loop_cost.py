@@ -37,7 +37,7 @@ from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.allreduce_loop import AllreduceCandidate, AllreduceLoopPlan
 from meshfuse.runtime.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
-from meshfuse.runtime.program import communication_first
+from meshfuse.runtime.interpreter.program import communication_first
 
 CHUNKS_ENV = "MESHFUSE_OVERLAP_CHUNKS"
 CHUNK_CHOICES = (1, 2, 4, 8)  # 1: the copy engines only (the whole allreduce without SMs)

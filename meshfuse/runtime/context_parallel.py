@@ -1,6 +1,6 @@
 """Context-parallel attention: the runtime of an ``sdpfa_fwd``/``sdpfa_bwd`` step whose record
 carries a :class:`~meshfuse.ops.context_parallel.ContextParallel` (that module describes the
-strategies); every collective goes through :mod:`meshfuse.runtime.collectives`.
+strategies); every collective goes through :mod:`meshfuse.runtime.comm.collectives`.
 
 **Ring**, forward, on each rank: at step ``s`` it holds the key/value block of position
 ``p - s``; it launches that block's transfer to the next rank (``ring_shift``) *before*
@@ -61,15 +61,15 @@ from meshfuse.ops.context_parallel import (
 )
 from meshfuse.ops.random.declaration import resolve_seed
 from meshfuse.passes.localization import Local
-from meshfuse.runtime.agreement import Fact
-from meshfuse.runtime.collectives import (
+from meshfuse.runtime.comm.collectives import (
     Group,
     all_to_all,
     allgather,
     reduce_scatter,
     ring_shift,
 )
-from meshfuse.runtime.pending import resolved
+from meshfuse.runtime.comm.pending import resolved
+from meshfuse.runtime.interpreter.agreement import Fact
 
 
 def _shape(t: torch.Tensor, rows: int) -> tuple[int, ...]:

@@ -3,13 +3,13 @@
 Build: compile the fusion (:func:`meshfuse.passes.pipeline.compiled_for`: a private copy
 checked, propagated, resharded, with its memory orders, built once per definition and
 schedule; the user's fusion is not changed). Per new input signature, once: bind extents
-and local layouts (:func:`~meshfuse.runtime.binding.bind`), check the inputs against them,
+and local layouts (:func:`~meshfuse.runtime.interpreter.binding.bind`), check the inputs against them,
 check that every op is local (:func:`~meshfuse.passes.sharding_check.check_no_resharding`),
-agree on all that across ranks (:func:`~meshfuse.runtime.agreement.agreed_inputs`), localize
+agree on all that across ranks (:func:`~meshfuse.runtime.interpreter.agreement.agreed_inputs`), localize
 (:func:`~meshfuse.passes.localization.localize`), and build the :class:`Program` records
-(:func:`~meshfuse.runtime.program.build_program`), each communication's plan bound to this
+(:func:`~meshfuse.runtime.interpreter.program.build_program`), each communication's plan bound to this
 rank's groups. With ``cuda_graph=True``, the program is captured once
-(:mod:`meshfuse.runtime.graphs`).
+(:mod:`meshfuse.runtime.replay.graphs`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,17 @@ from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.passes.stream_parallel import plan_stream_loops
-from meshfuse.runtime.agreement import agreed_inputs, input_facts, out_of_step
-from meshfuse.runtime.binding import (
+from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.comm.pending import resolved
+from meshfuse.runtime.comm.reshard_lowering import lower_step
+from meshfuse.runtime.comm.reshard_plan import plan_resharding
+from meshfuse.runtime.context_parallel import agreed_facts as context_facts
+from meshfuse.runtime.context_parallel import backward_step, forward_step
+from meshfuse.runtime.faults.failures import OutOfStep, checked_timeout
+from meshfuse.runtime.faults.lone_failures import BEFORE_RUNNING
+from meshfuse.runtime.interpreter.agreement import agreed_inputs, input_facts, out_of_step
+from meshfuse.runtime.interpreter.binding import (
     Binding,
     bind,
     check_inputs,
@@ -46,22 +55,13 @@ from meshfuse.runtime.binding import (
     is_cpu_scalar,
     required_device,
 )
-from meshfuse.runtime.bucketing import bucket_lines
-from meshfuse.runtime.collectives import Group
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.context_parallel import agreed_facts as context_facts
-from meshfuse.runtime.context_parallel import backward_step, forward_step
-from meshfuse.runtime.executor import Program
-from meshfuse.runtime.failures import OutOfStep, checked_timeout
-from meshfuse.runtime.fused import FUSED, CompileStats, fuse_program
-from meshfuse.runtime.graphs import GraphedProgram
-from meshfuse.runtime.lone_failures import BEFORE_RUNNING
+from meshfuse.runtime.interpreter.bucketing import bucket_lines
+from meshfuse.runtime.interpreter.executor import Program
+from meshfuse.runtime.interpreter.fused import FUSED, CompileStats, fuse_program
+from meshfuse.runtime.interpreter.program import build_program
 from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
-from meshfuse.runtime.pending import resolved
-from meshfuse.runtime.program import build_program
-from meshfuse.runtime.replay import AutoReplay, GraphBudget, replay_lines, replay_wanted
-from meshfuse.runtime.reshard_lowering import lower_step
-from meshfuse.runtime.resharding import plan_resharding
+from meshfuse.runtime.replay.automatic import AutoReplay, GraphBudget, replay_lines, replay_wanted
+from meshfuse.runtime.replay.graphs import GraphedProgram
 from meshfuse.runtime.stream_loop import STREAM_LOOP
 from meshfuse.runtime.stream_loop_lowering import (
     choose_transport,
@@ -135,10 +135,10 @@ class FusionRunner:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; not
         with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
-        :meth:`~meshfuse.runtime.communicator.Communicator.set_timeout`.
+        :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`.
 
         An error raised on this rank only reaches the others (see
-        :mod:`meshfuse.runtime.lone_failures`)."""
+        :mod:`meshfuse.runtime.faults.lone_failures`)."""
         communicator = self.communicator
         if communicator is None or communicator.size == 1:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)

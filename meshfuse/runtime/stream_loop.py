@@ -36,21 +36,21 @@ from typing import Any
 
 import torch
 
-from meshfuse.runtime import copy_engine
-from meshfuse.runtime.collectives import (
+from meshfuse.runtime.comm import copy_engine
+from meshfuse.runtime.comm.collectives import (
     Group,
     allreduce_in_place,
     broadcast,
     collective_permute,
     reduce_to,
 )
-from meshfuse.runtime.executor import Slot, Step
-from meshfuse.runtime.pending import resolved
+from meshfuse.runtime.comm.pending import resolved
+from meshfuse.runtime.interpreter.executor import Slot, Step
 
 STREAM_LOOP = "stream_loop"
 MAX_STREAMS = 8  # chunks beyond this reuse the pool's streams round-robin
 PROCESS_GROUP = "process_group"  # decomposed communications over torch.distributed
-COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (meshfuse.runtime.copy_engine)
+COPY_ENGINE = "copy_engine"  # ... as copy-engine pulls (meshfuse.runtime.comm.copy_engine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ class StreamLoop:
             its result is this rank's whole shard, written at the chunk of its own block.
         transport: how the decomposed communications move data: ``"process_group"``
             (torch.distributed's collectives) or ``"copy_engine"`` (pulls from symmetric
-            memory, :mod:`meshfuse.runtime.copy_engine`: the chunks then run on one stream,
+            memory, :mod:`meshfuse.runtime.comm.copy_engine`: the chunks then run on one stream,
             in ring order, this rank's own block last when the loop reduces).
         transport_note: why that transport (for explain).
     """
@@ -253,8 +253,8 @@ class StreamLoopCall:
 
 def _copy_engine_moves(loop: StreamLoop, outside: Mapping[int, Any],
                        device: torch.device) -> dict[int, Any]:
-    """Body step index -> the :class:`~meshfuse.runtime.copy_engine.Gathering` or
-    :class:`~meshfuse.runtime.copy_engine.Reducing` of each decomposed communication of one
+    """Body step index -> the :class:`~meshfuse.runtime.comm.copy_engine.Gathering` or
+    :class:`~meshfuse.runtime.comm.copy_engine.Reducing` of each decomposed communication of one
     run of the loop, made (in body order, every rank alike) on the current stream."""
     moves: dict[int, Any] = {}
     for index, step in enumerate(loop.body):

@@ -30,10 +30,11 @@ from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
 from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
 from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
-from meshfuse.runtime import allreduce_loop, copy_engine
-from meshfuse.runtime.binding import Binding
-from meshfuse.runtime.collectives import Group
-from meshfuse.runtime.executor import RESHARD, Slot, Step
+from meshfuse.runtime import allreduce_loop
+from meshfuse.runtime.comm import copy_engine
+from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.interpreter.binding import Binding
+from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
 from meshfuse.runtime.stream_loop import (
     COPY_ENGINE,
     MAX_STREAMS,

@@ -7,7 +7,7 @@ import torch
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
 from meshfuse.passes.pipeline import compiled_for
-from meshfuse.runtime.communicator import Communicator
+from meshfuse.runtime.comm.communicator import Communicator
 
 
 class MultideviceTest:
@@ -27,7 +27,7 @@ class MultideviceTest:
 
     @property
     def communicator(self) -> Communicator:
-        """The process's :class:`~meshfuse.runtime.communicator.Communicator`."""
+        """The process's :class:`~meshfuse.runtime.comm.communicator.Communicator`."""
         return self._communicator
 
     @property

@@ -184,7 +184,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def multidevice_test():
     """This process's :class:`~meshfuse.testing.fixture.MultideviceTest` (rank, size, device,
     communicator, shard/unshard helpers)."""
-    from meshfuse.runtime.communicator import Communicator
+    from meshfuse.runtime.comm.communicator import Communicator
     from meshfuse.testing.fixture import MultideviceTest
 
     return MultideviceTest(Communicator.instance())
@@ -200,7 +200,7 @@ class RankRunner:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if world_size_of(item) is not None:
-            from meshfuse.runtime.communicator import Communicator
+            from meshfuse.runtime.comm.communicator import Communicator
 
             Communicator.instance()
 

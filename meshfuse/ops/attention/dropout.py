@@ -279,7 +279,7 @@ class FusedDropout:
 
     In a program replayed from a CUDA graph, the kernel runs inside the graph and the call's
     host work is :meth:`seed_stream`, done by the replay before it (see
-    :mod:`meshfuse.runtime.replay_streams`).
+    :mod:`meshfuse.runtime.replay.streams`).
     """
 
     def __init__(self, site: DropoutSite, backend: AttentionBackend, device: torch.device,

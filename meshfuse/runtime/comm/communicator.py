@@ -2,15 +2,15 @@
 
 One process runs per device. The communicator finds its rank from, in order: a default process
 group someone already initialized, or the launcher's variables
-(:mod:`meshfuse.runtime.launch_env`; one process when there are none), and picks the backend
+(:mod:`meshfuse.runtime.comm.launch_env`; one process when there are none), and picks the backend
 there (NCCL with CUDA, else gloo).
 
-Every process group meshfuse uses (:mod:`meshfuse.runtime.process_groups`: one per mesh
-slice, created on first use) has meshfuse's timeout (:mod:`meshfuse.runtime.failures`): the
+Every process group meshfuse uses (:mod:`meshfuse.runtime.comm.process_groups`: one per mesh
+slice, created on first use) has meshfuse's timeout (:mod:`meshfuse.runtime.faults.failures`): the
 default group when meshfuse initializes torch.distributed, else a copy of the world of its
 own, so that a group the user owns keeps the user's settings. Every wait for a collective goes
 through :meth:`Communicator.wait`, which on gloo also learns of an error raised on one rank only
-(:mod:`meshfuse.runtime.lone_failures`). After such an error, :meth:`Communicator.recover` starts
+(:mod:`meshfuse.runtime.faults.lone_failures`). After such an error, :meth:`Communicator.recover` starts
 the groups over. At exit, meshfuse waits for the collectives it launched and destroys what it
 created, never a group the user owns.
 
@@ -36,11 +36,11 @@ import torch.distributed as dist
 from meshfuse.errors import CommunicationError
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.mesh import DeviceMesh
-from meshfuse.runtime.failures import CollectiveFailed, kind_of_failure, timeout_from_env
-from meshfuse.runtime.launch_env import choose_backend, launch_info_from_env
-from meshfuse.runtime.lone_failures import GroupBroken, LoneFailures
-from meshfuse.runtime.process_groups import ProcessGroups
-from meshfuse.runtime.retired_groups import keep_until_timed_out
+from meshfuse.runtime.comm.launch_env import choose_backend, launch_info_from_env
+from meshfuse.runtime.comm.process_groups import ProcessGroups
+from meshfuse.runtime.comm.retired_groups import keep_until_timed_out
+from meshfuse.runtime.faults.failures import CollectiveFailed, kind_of_failure, timeout_from_env
+from meshfuse.runtime.faults.lone_failures import GroupBroken, LoneFailures
 
 _MPI_DEFAULT_ADDR = "127.0.0.1"
 _MPI_DEFAULT_PORT = "29500"
@@ -321,7 +321,7 @@ class Communicator:
              settling: bool = False, point_to_point: bool = False) -> None:
         """Waits for a collective meshfuse launched (``what`` among ``ranks``). On gloo, while
         it is late, reads what a failing rank told (:meth:`LoneFailures.wait
-        <meshfuse.runtime.lone_failures.LoneFailures.wait>`, whose arguments these are); on
+        <meshfuse.runtime.faults.lone_failures.LoneFailures.wait>`, whose arguments these are); on
         NCCL the host does not wait. Not for ``point_to_point`` sends and receives: gloo
         gives up one that a wait with a time limit outlasts (and closes the connection), so
         they are waited for whole.
@@ -395,7 +395,7 @@ class Communicator:
     @contextlib.contextmanager
     def translated(self, what: str, ranks) -> Iterator[None]:
         """Turns a failure of the torch.distributed calls of the block into a
-        :class:`~meshfuse.runtime.failures.CollectiveFailed` naming ``what`` and ``ranks``."""
+        :class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming ``what`` and ``ranks``."""
         try:
             yield
         except CommunicationError:
@@ -406,7 +406,7 @@ class Communicator:
     def failure(self, what: str, ranks: tuple[int, ...], error: BaseException) -> CollectiveFailed:
         """The error of a failed collective (``what`` among ``ranks``): ``error`` is torch's
         (this rank then tells the group's other ranks, who may still be waiting), or the
-        :class:`~meshfuse.runtime.lone_failures.GroupBroken` of another rank that told first.
+        :class:`~meshfuse.runtime.faults.lone_failures.GroupBroken` of another rank that told first.
         A roll call then tells which of ``ranks`` are missing."""
         if isinstance(error, GroupBroken):
             kind, text = error.notice.error

@@ -1,9 +1,9 @@
-"""Builds the per-rank :class:`~meshfuse.runtime.executor.Program` of a compiled fusion.
+"""Builds the per-rank :class:`~meshfuse.runtime.interpreter.executor.Program` of a compiled fusion.
 
 From the compiled fusion, its binding (extents, local layouts) and the localization pass's
 result for this rank, :func:`build_program` numbers the values (slots), orders the
 expressions so that each communication is launched as early as it can be
-(:func:`communication_first`), and writes one :class:`~meshfuse.runtime.executor.Step` record
+(:func:`communication_first`), and writes one :class:`~meshfuse.runtime.interpreter.executor.Step` record
 per expression this rank runs: the op's name, its arguments as slots or constants (``None``
 where localization left one out), its local attributes, and the slots freed after it. A
 communication's record gets its plan and its implementation from ``lower_reshard`` (the
@@ -23,9 +23,21 @@ from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.localization import Local
-from meshfuse.runtime.binding import Binding
-from meshfuse.runtime.bucketing import Candidate, bucketable, plan_buckets, run_in_buckets
-from meshfuse.runtime.executor import RESHARD, OutputLayout, Program, Slot, Step, dispatch
+from meshfuse.runtime.interpreter.binding import Binding
+from meshfuse.runtime.interpreter.bucketing import (
+    Candidate,
+    bucketable,
+    plan_buckets,
+    run_in_buckets,
+)
+from meshfuse.runtime.interpreter.executor import (
+    RESHARD,
+    OutputLayout,
+    Program,
+    Slot,
+    Step,
+    dispatch,
+)
 
 # lower_reshard(expr, binding, donated) -> (implementation, plan steps, plan text), or None
 # when no data moves on any rank.
@@ -44,7 +56,7 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
                   group_loops: GroupLoops | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
     :func:`meshfuse.passes.localization.localize`). Small allreduces whose results no step
-    reads run in buckets (:mod:`meshfuse.runtime.bucketing`)."""
+    reads run in buckets (:mod:`meshfuse.runtime.interpreter.bucketing`)."""
     slot_of: dict[Val, int] = {}
 
     def slot(v: Val) -> int:
@@ -129,7 +141,7 @@ def unchanged_view(x: torch.Tensor) -> torch.Tensor:
     """A ``set`` whose result is no fusion output (or whose source is a buffer only it
     reads, see :func:`_owned`): a view of ``x``, not a copy. The values
     of a program are never written in place (an allreduce reuses a buffer only when it is
-    no view, see :func:`meshfuse.runtime.collectives.allreduce`), so no step can tell the
+    no view, see :func:`meshfuse.runtime.comm.collectives.allreduce`), so no step can tell the
     view from a copy, and none is made (the copy's time and memory are saved)."""
     return x.view_as(x)
 

@@ -34,9 +34,9 @@ from meshfuse.errors import InputError, MeshfuseError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.printer import format_expr, format_tensor
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.runtime.board import Notice
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.failures import remote_error, shared
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.faults.board import Notice
+from meshfuse.runtime.faults.failures import remote_error, shared
 
 CHECK_RANKS_ENV = "MESHFUSE_CHECK_RANKS"
 T = TypeVar("T")
@@ -90,7 +90,7 @@ def agreed(communicator: Communicator, attempt: Callable[[], T],
     """``attempt()``'s result, once every rank of the world has run its own attempt and all
     agree; see the module doc. ``in_call``: it checks the inputs of an ``execute`` call (a
     rank running a cached program meanwhile is told this rank's claim, see
-    :mod:`meshfuse.runtime.lone_failures`).
+    :mod:`meshfuse.runtime.faults.lone_failures`).
 
     Raises:
         MeshfuseError: the error some rank's attempt raised, on every rank (this rank's own

@@ -6,10 +6,10 @@ outermost and makes the buffer contiguous only when needed, and returns the resu
 axis back in place. Results along a gathered or scattered axis are in coordinate order.
 
 The data collectives take ``async_op``: True launches the collective and returns a
-:class:`~meshfuse.runtime.pending.Pending` at once, waited for where its result is read
-(:mod:`meshfuse.runtime.pending`: collectives in flight, and how each is waited for). A
+:class:`~meshfuse.runtime.comm.pending.Pending` at once, waited for where its result is read
+(:mod:`meshfuse.runtime.comm.pending`: collectives in flight, and how each is waited for). A
 collective that fails (timed out, or a peer went away) raises
-:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the collective and its group.
+:class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming the collective and its group.
 
 Every call is reported to the active :func:`record_communications` recorders (kind, group
 ranks, mesh axis, bytes sent by this rank), which the tests use to assert the traffic.
@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from meshfuse.runtime import peer_copy
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.pending import Pending, Works
+from meshfuse.runtime.comm import peer_copy
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.comm.pending import Pending, Works
 
 NCCL, COPY_ENGINE = "nccl", "copy_engine"  # how ring_shift moves its blocks
 REDUCE_OPS = {
@@ -73,7 +73,7 @@ class Communication:
 
 def translated(what: str, ranks: tuple[int, ...]) -> contextlib.AbstractContextManager:
     """Raises a failure of the torch.distributed calls of the block as
-    :class:`~meshfuse.runtime.failures.CollectiveFailed` (``what`` among ``ranks``)."""
+    :class:`~meshfuse.runtime.faults.failures.CollectiveFailed` (``what`` among ``ranks``)."""
     return Communicator.instance().translated(what, ranks)
 
 
@@ -391,7 +391,7 @@ def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
 
     ``transport=COPY_ENGINE`` (CUDA; every shape equal on every rank) copies the tensors
     with the copy engines into the next rank's symmetric buffer ``slot`` instead
-    (:mod:`meshfuse.runtime.peer_copy`): no SM is taken from the kernels it overlaps.
+    (:mod:`meshfuse.runtime.comm.peer_copy`): no SM is taken from the kernels it overlaps.
     Without ``into`` the result is that slot, overwritten by the next shift into ``slot``."""
     n, c = group.size, group.coordinate
     after, before = group.ranks[(c + 1) % n], group.ranks[(c - 1) % n]

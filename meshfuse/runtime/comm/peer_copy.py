@@ -10,7 +10,7 @@ thread block each.
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
 same shifts in the same order) at the first shift that needs it, the device synchronized
-between the allocation and the rendezvous (:func:`meshfuse.runtime.symmetric_memory.allocate`: the first call pays it once).
+between the allocation and the rendezvous (:func:`meshfuse.runtime.comm.symmetric_memory.allocate`: the first call pays it once).
 A shift into slot ``name`` overwrites what the previous shift into it received, so its
 caller must have queued every use of that result before it launches the next shift of the
 same name (the ring alternates two names by step).
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfuse.runtime import symmetric_memory
+from meshfuse.runtime.comm import symmetric_memory
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the tensors of one slot

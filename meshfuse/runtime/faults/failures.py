@@ -11,7 +11,7 @@ because its process exited), meshfuse raises a :class:`CollectiveFailed`, a
 :class:`~meshfuse.errors.CommunicationError` that says which collective (the program step,
 e.g. ``T7 = reshard(T5, [P] -> [R]): allreduce(sum) over mesh axis 0``), among which ranks,
 what happened, and which ranks did not answer a roll call taken right after the failure (see
-:meth:`~meshfuse.runtime.communicator.Communicator.absent_ranks`): the dead or stuck ones.
+:meth:`~meshfuse.runtime.comm.communicator.Communicator.absent_ranks`): the dead or stuck ones.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class OutOfStep(CommunicationError):
     there, a cached one here). The runner turns it into the InputError naming the difference.
 
     Attributes:
-        notice: the other rank's ``agreeing`` notice (:class:`~meshfuse.runtime.board.Notice`),
+        notice: the other rank's ``agreeing`` notice (:class:`~meshfuse.runtime.faults.board.Notice`),
             with its claim.
     """
 

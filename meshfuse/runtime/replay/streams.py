@@ -45,7 +45,7 @@ import torch
 from meshfuse.ops.attention.dropout import GLOBAL, GRAPH_SAFE_KERNELS, FusedDropout
 from meshfuse.ops.random.declaration import resolve_seed
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.executor import Program, Slot, Step
+from meshfuse.runtime.interpreter.executor import Program, Slot, Step
 
 ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
 SEED_ARGS = ("rng_seed", "rng_offset")

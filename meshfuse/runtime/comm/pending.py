@@ -1,15 +1,15 @@
 """Collectives in flight: a launched collective's result, waited for where it is read.
 
-A collective launched asynchronously (:mod:`meshfuse.runtime.collectives`, ``async_op=True``)
+A collective launched asynchronously (:mod:`meshfuse.runtime.comm.collectives`, ``async_op=True``)
 is a :class:`Pending`: computation its result does not feed overlaps it (NCCL runs it on its
 own stream; gloo on its own thread), and its :meth:`~Pending.wait` gives the tensor.
 
 Every collective launched is waited for: a :class:`Pending` stays in :func:`in_flight` until
 its ``wait``; the executor waits for those of a program that fails, and
 :func:`settle_in_flight` runs at exit before the process groups are destroyed. Every wait
-goes through :meth:`Communicator.wait <meshfuse.runtime.communicator.Communicator.wait>`: a
+goes through :meth:`Communicator.wait <meshfuse.runtime.comm.communicator.Communicator.wait>`: a
 collective that fails (timed out, or a peer went away) raises
-:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the collective and its group.
+:class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming the collective and its group.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from meshfuse.errors import MeshfuseError
-from meshfuse.runtime.communicator import Communicator
-from meshfuse.runtime.lone_failures import Abandoned
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.faults.lone_failures import Abandoned
 
 
 class Pending:

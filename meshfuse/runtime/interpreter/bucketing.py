@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from meshfuse.runtime.executor import RESHARD, Program, Step
-from meshfuse.runtime.pending import Pending
-from meshfuse.runtime.resharding import ReshardStep
+from meshfuse.runtime.comm.pending import Pending
+from meshfuse.runtime.comm.reshard_plan import ReshardStep
+from meshfuse.runtime.interpreter.executor import RESHARD, Program, Step
 
 # The most bytes one bucket reduces. Under about a megabyte an allreduce on NVLink or a
 # network costs its latency more than its bytes, so a bucket costs about what one member
@@ -159,7 +159,7 @@ def bucket_call(reduce: Callable[[torch.Tensor], torch.Tensor | Pending],
 
 class PendingPart(Pending):
     """One member's result of a bucket in flight: a part of another
-    :class:`~meshfuse.runtime.pending.Pending`'s result. Waiting for it waits for the
+    :class:`~meshfuse.runtime.comm.pending.Pending`'s result. Waiting for it waits for the
     whole bucket, once (later waits, of this part or another, return at once)."""
 
     __slots__ = ("_part", "_whole")

@@ -10,7 +10,7 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   them, with their timeouts and error reports), draws no random numbers on the host (a graph
   would replay one random tensor forever: a step with a random stream, see ``explain``,
   unless its seed is given; attention dropout with a fused kernel replays, each replay
-  seeding its streams as the interpreter would: :mod:`meshfuse.runtime.replay_streams`),
+  seeding its streams as the interpreter would: :mod:`meshfuse.runtime.replay.streams`),
   holds every output on this rank, and whose capture succeeds (an op that reads a value back
   to the host cannot be captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless
@@ -49,11 +49,11 @@ import torch
 
 from meshfuse.errors import InputError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.executor import RESHARD, Program
-from meshfuse.runtime.fused import FUSED
-from meshfuse.runtime.graphs import capture, pool_bytes
-from meshfuse.runtime.program import unchanged_view
-from meshfuse.runtime.replay_streams import (
+from meshfuse.runtime.interpreter.executor import RESHARD, Program
+from meshfuse.runtime.interpreter.fused import FUSED
+from meshfuse.runtime.interpreter.program import unchanged_view
+from meshfuse.runtime.replay.graphs import capture, pool_bytes
+from meshfuse.runtime.replay.streams import (
     StreamPlan,
     plan_streams,
     seed_inputs,
@@ -151,7 +151,7 @@ def _local(step, call) -> bool:
 
 def cuda_capture(program: Program, inputs: Sequence[Any], generators=()):
     """``(graph, outputs, pool_bytes)``: ``program`` captured (with its warm-up run:
-    :func:`~meshfuse.runtime.graphs.capture`; ``generators`` registered with the graph) and
+    :func:`~meshfuse.runtime.replay.graphs.capture`; ``generators`` registered with the graph) and
     the device memory its private pool holds. ValueError unless every tensor is on CUDA."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")

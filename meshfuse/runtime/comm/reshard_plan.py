@@ -1,7 +1,7 @@
 """Resharding plans: the steps that turn one sharding of a tensor into another.
 
 A plan is data: a list of :class:`ReshardStep` records, each one collective (or local step)
-over one mesh axis, that :mod:`meshfuse.runtime.reshard_lowering` binds to a rank and runs.
+over one mesh axis, that :mod:`meshfuse.runtime.comm.reshard_lowering` binds to a rank and runs.
 Both ends of a plan are :class:`ShardingSpec` values: a placement per mesh axis (``R``,
 ``S(i)``, ``P(op)``) plus, for each shard, the mesh coordinate that owns each global index of
 its axis. Owners describe every schedule alike: block (outer split) and cyclic (inner split)

@@ -1,6 +1,6 @@
 """Fused segments: a per-rank program whose runs of fusible steps are compiled by torch.compile.
 
-:func:`fuse_program` reads a :class:`~meshfuse.runtime.executor.Program`'s records and groups
+:func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and groups
 each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes and
 permutes) into one *segment*. A segment is lowered to a ``torch.fx`` graph that calls the ops'
 own torch implementations in the records' order, on local tensors, and that graph is given to
@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.executor import RESHARD, Program, Slot, Step
+from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
 from meshfuse.runtime.stream_loop import STREAM_LOOP
 
 FUSED = "fused"

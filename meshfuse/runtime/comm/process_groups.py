@@ -9,7 +9,7 @@ meshfuse may use it, else a copy with meshfuse's timeout) and the cross-rank agr
 so that it is waited for on the host and never pairs with a program's collective).
 
 Every group has meshfuse's timeout (:meth:`ProcessGroups.set_timeout` changes them all). The
-:class:`~meshfuse.runtime.communicator.Communicator` owns one :class:`ProcessGroups`: it
+:class:`~meshfuse.runtime.comm.communicator.Communicator` owns one :class:`ProcessGroups`: it
 retires them when it recovers from a failure and destroys them at exit.
 """
 
@@ -107,7 +107,7 @@ class ProcessGroups:
         """Destroys the groups meshfuse created and forgets every group, so that later calls
         create new ones (never the default group again: see :attr:`world_is_default`).
         Returns the destroyed groups, which the caller keeps until they can be freed
-        (:mod:`meshfuse.runtime.retired_groups`)."""
+        (:mod:`meshfuse.runtime.comm.retired_groups`)."""
         retired = self.own()
         for group in retired:
             with contextlib.suppress(RuntimeError, ValueError):

@@ -1,7 +1,7 @@
 """One symmetric allocation of torch's symmetric memory, made safely (CUDA only).
 
-The copy-engine transports (:mod:`meshfuse.runtime.peer_copy` for context parallelism's ring,
-:mod:`meshfuse.runtime.copy_engine` for stream loops) each keep persistent byte buffers that
+The copy-engine transports (:mod:`meshfuse.runtime.comm.peer_copy` for context parallelism's ring,
+:mod:`meshfuse.runtime.comm.copy_engine` for stream loops) each keep persistent byte buffers that
 every rank of a process group maps; both make them here.
 """
 

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
-from meshfuse.runtime import symmetric_memory
-from meshfuse.runtime.collectives import Group, record_transfer
-from meshfuse.runtime.launch_env import launch_info_from_env
+from meshfuse.runtime.comm import symmetric_memory
+from meshfuse.runtime.comm.collectives import Group, record_transfer
+from meshfuse.runtime.comm.launch_env import launch_info_from_env
 
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never comes is a device error, not a hang
 _ALIGN = 256  # bytes between the regions of a workspace

@@ -18,12 +18,12 @@ Contract of a :class:`GraphedProgram`:
   for library handles and workspaces), captures it, and replays it. Every rank captures alike,
   so NCCL captures the program's collectives on every rank.
 - Random numbers: attention dropout drawn by a fused kernel is replayed as the interpreter
-  draws it (each replay seeds the step's generator: :mod:`~meshfuse.runtime.replay_streams`;
+  draws it (each replay seeds the step's generator: :mod:`~meshfuse.runtime.replay.streams`;
   the warm-up's and the capture's seed draws are given back to torch's generator); a program
   whose random values are decided on the host at each call otherwise (a random op or the
   global dropout mask without a given seed) is refused with an InputError, as its graph would
   replay one draw forever.
-- :func:`~meshfuse.runtime.collectives.record_communications` sees the warm-up's collectives
+- :func:`~meshfuse.runtime.comm.collectives.record_communications` sees the warm-up's collectives
   and, at each replay, the captured ones (the capture itself communicates nothing).
 """
 
@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from meshfuse.errors import InputError
-from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import captured_communications
-from meshfuse.runtime.executor import Program
-from meshfuse.runtime.replay_streams import plan_streams
+from meshfuse.runtime.comm import collectives
+from meshfuse.runtime.comm.collectives import captured_communications
+from meshfuse.runtime.interpreter.executor import Program
+from meshfuse.runtime.replay.streams import plan_streams
 
 
 class GraphedProgram:
@@ -84,7 +84,7 @@ def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
     (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile).
     ``generators``: registered with the graph before its capture (PyTorch's graph-safe RNG:
     each replay reads their seed and offset of that moment; see
-    :mod:`~meshfuse.runtime.replay_streams`)."""
+    :mod:`~meshfuse.runtime.replay.streams`)."""
     if warm_up:
         warm_up_run(program, inputs)
     graph = torch.cuda.CUDAGraph()

@@ -5,7 +5,7 @@ once per input signature and rank. A record names its op (a registry name, or ``
 for a communication), its arguments (slots, constants, ``None`` where this rank leaves an
 argument out), its local attributes (keyword arguments written by the localization pass),
 its output slots and the slots it frees. A reshard record also holds its plan: the steps of
-:mod:`meshfuse.runtime.resharding`, bound to this rank's groups.
+:mod:`meshfuse.runtime.comm.reshard_plan`, bound to this rank's groups.
 
 Like torch.fx's ``Interpreter``, ``run`` walks the records and dispatches each to its
 implementation (resolved once, when the program is made: the op's ``impl``, a fresh
@@ -13,10 +13,10 @@ implementation (resolved once, when the program is made: the op's ``impl``, a fr
 last use, lays fusion outputs out in their allocation order, and on failure re-raises with
 the step and the rank.
 
-A communication step returns a :class:`~meshfuse.runtime.pending.Pending` result: the
+A communication step returns a :class:`~meshfuse.runtime.comm.pending.Pending` result: the
 collective is in flight while the next steps run, and is waited for where its result is first
 read (an argument, a fusion output) or freed. A failed collective is raised as a
-:class:`~meshfuse.runtime.failures.CollectiveFailed` naming the step that launched it; when a
+:class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming the step that launched it; when a
 step fails, the collectives still in flight are waited for before the error propagates.
 """
 
@@ -30,8 +30,8 @@ import torch
 
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.failures import CollectiveFailed, is_shared
-from meshfuse.runtime.pending import Pending, in_flight, resolved, settle_in_flight
+from meshfuse.runtime.comm.pending import Pending, in_flight, resolved, settle_in_flight
+from meshfuse.runtime.faults.failures import CollectiveFailed, is_shared
 
 RESHARD = "reshard"
 

@@ -1,4 +1,4 @@
-"""Running a resharding plan: each :class:`~meshfuse.runtime.resharding.ReshardStep` bound to
+"""Running a resharding plan: each :class:`~meshfuse.runtime.comm.reshard_plan.ReshardStep` bound to
 this rank's group, with the index tensors of its shards on this rank's device.
 
 A step's index arithmetic comes from the shardings before and after it: the global indices
@@ -8,7 +8,7 @@ them, and uneven shards pass their per-member extents (padded gathers and reduce
 all-to-all with per-member counts).
 
 Collectives are launched asynchronously: a step returns a
-:class:`~meshfuse.runtime.pending.Pending` result, which the executor waits for where it
+:class:`~meshfuse.runtime.comm.pending.Pending` result, which the executor waits for where it
 is first read, so the computation in between overlaps the communication.
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 
 from meshfuse.ops.reductions import reduction_identity
-from meshfuse.runtime import collectives
-from meshfuse.runtime.collectives import Group
-from meshfuse.runtime.pending import Pending, resolved
-from meshfuse.runtime.resharding import ReshardStep
+from meshfuse.runtime.comm import collectives
+from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.comm.pending import Pending, resolved
+from meshfuse.runtime.comm.reshard_plan import ReshardStep
 
 Index = torch.Tensor | None  # global indices held along an axis, ascending; None: all
 Runner = Callable[[torch.Tensor | Pending], torch.Tensor | Pending]

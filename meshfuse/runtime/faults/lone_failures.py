@@ -1,23 +1,23 @@
 """An error raised on one rank only, told to every rank: who waits, who tells, who is out of step.
 
-The cross-rank agreement (:mod:`meshfuse.runtime.agreement`) shares every error raised before
+The cross-rank agreement (:mod:`meshfuse.runtime.interpreter.agreement`) shares every error raised before
 a new input signature's program runs. Errors raised later, or on a call whose signature is
 cached, are raised on one rank while the others go on into the program's collectives and wait
 for it. :class:`LoneFailures` tells them, through the notice board
-(:mod:`meshfuse.runtime.board`):
+(:mod:`meshfuse.runtime.faults.board`):
 
 - the failing rank posts a ``failed`` notice for its call, then waits a few seconds at most for
   every other rank's word about that call: if each of them failed too, at the same place, the
   ranks are still in step (a mistake every rank made alike); otherwise they are *out of step*
   (some rank waits in, or finished, collectives the failing rank never joined);
 - a rank waiting for a collective that is late reads the board every
-  :data:`~meshfuse.runtime.board.POLL_S`: on a ``failed`` notice it posts ``blocked`` and
+  :data:`~meshfuse.runtime.faults.board.POLL_S`: on a ``failed`` notice it posts ``blocked`` and
   raises the failing rank's error (same type, its message prefixed with that rank);
 - a rank whose collective fails (a timeout, a peer gone) posts a ``broken`` notice for the
   collective's group; a rank of that group waiting for that group's collective in the same
   call raises the same failure at once (:class:`GroupBroken`) rather than at its own timeout;
 - a rank out of step raises at once on every later call; after a failure,
-  :meth:`~meshfuse.runtime.communicator.Communicator.recover` (on every rank) starts over with
+  :meth:`~meshfuse.runtime.comm.communicator.Communicator.recover` (on every rank) starts over with
   fresh process groups.
 
 No collective and no store access is added to a call that succeeds without waiting: the board
@@ -33,8 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
-from meshfuse.runtime.board import AGREEING, BLOCKED, BROKEN, FAILED, POLL_S, Board, Notice
-from meshfuse.runtime.failures import OutOfStep, is_shared, remote_error
+from meshfuse.runtime.faults.board import AGREEING, BLOCKED, BROKEN, FAILED, POLL_S, Board, Notice
+from meshfuse.runtime.faults.failures import OutOfStep, is_shared, remote_error
 
 BEFORE_RUNNING = "before running"
 _SLICE = datetime.timedelta(seconds=POLL_S)  # how long a wait runs before it reads the board
@@ -48,7 +48,7 @@ class Abandoned(Exception):
 
 class GroupBroken(Exception):
     """Raised by :meth:`LoneFailures.wait`: another rank of the group saw the collective being
-    waited for fail (its ``broken`` :class:`~meshfuse.runtime.board.Notice`), so it cannot
+    waited for fail (its ``broken`` :class:`~meshfuse.runtime.faults.board.Notice`), so it cannot
     complete; the waiting rank reports the same failure."""
 
     def __init__(self, notice: Notice):
@@ -137,7 +137,7 @@ class LoneFailures:
 
     def _unread(self) -> list[Notice]:
         """The notices about this call or an earlier one that this rank has not acted on yet
-        (others may have been read by :meth:`~meshfuse.runtime.board.Board.answers` or
+        (others may have been read by :meth:`~meshfuse.runtime.faults.board.Board.answers` or
         :meth:`reported_timeout`). A notice about a later call is kept for when this rank gets
         there: a rank still waiting for the end of a collective that the others already
         finished may read their notices about the next call (a rank failing in it)."""
