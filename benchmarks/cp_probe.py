@@ -65,14 +65,14 @@ from benchmarks.cases.context_parallel import (
     one_gpu_kernel,
 )
 from benchmarks.timing import host_us_per_call
-from meshfuse.ops.context_blocks import (
+from meshfuse.parallel.context.blocks import (
     Merged,
     add_key_gradients,
     backward_blocks,
     forward_blocks,
     sums_dtype,
 )
-from meshfuse.ops.context_parallel import ContextParallel, runs_of
+from meshfuse.parallel.context.record import ContextParallel, runs_of
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
                       "segment.all.allocated", "num_sync_all_streams")

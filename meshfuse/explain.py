@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 
 import torch
@@ -39,19 +39,6 @@ from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.mesh import DeviceMesh
-from meshfuse.ops.context_parallel import (
-    ALLTOALL,
-    AUTO,
-    COMPILED,
-    COPY_ENGINE,
-    EAGER,
-    NCCL,
-    RING,
-    ContextParallel,
-    context_record,
-    sequence_parallel,
-)
-from meshfuse.ops.registry import LocalContext
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.comm.collectives import Communication
 from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding
@@ -118,10 +105,10 @@ class PlannedCommunication:
                              self.bytes.static, reduce_op)
 
     def __str__(self) -> str:
-        head = f"{_short(self.expr)}: {self.step}"
+        head = f"{short_expr(self.expr)}: {self.step}"
         if not self.moves_data:
             return f"{head} (local, no traffic)"
-        return f"{head}, ranks {list(self.ranks)}, {_format_bytes(self.bytes)}"
+        return f"{head}, ranks {list(self.ranks)}, {format_bytes(self.bytes)}"
 
 
 class Extents:
@@ -182,11 +169,26 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append("outputs: " + ", ".join(tv.name for tv in fusion.outputs()))
     lines += [f"  {symbol} = {where}" for symbol, where in _symbol_legend(fusion, sizes)]
     planned = planned_communications(fusion, rank, sizes)
-    rings = planned_context_parallel(fusion, rank, sizes, device)
-    lines.append(f"communications on rank {rank}:" if planned or rings
+    for strategy in _STRATEGY_COMMUNICATIONS:
+        planned += strategy(fusion, rank, sizes, device)
+    lines.append(f"communications on rank {rank}:" if planned
                  else f"communications on rank {rank}: none")
-    lines += [f"  {p}" for p in planned + rings]
+    lines += [f"  {p}" for p in planned]
     return "\n".join(lines)
+
+
+# A strategy's own communications on a rank (what its steps run besides the fusion's
+# reshards), each printed as one line: ``(fusion, rank, sizes, device) -> [planned, ...]``.
+StrategyCommunications = Callable[[Fusion, int, "Extents", "torch.device | None"], list]
+_STRATEGY_COMMUNICATIONS: list[StrategyCommunications] = []
+
+
+def register_communications(planned: StrategyCommunications) -> StrategyCommunications:
+    """Registers a parallelism's planned communications (registered when its package is
+    imported): :func:`explain` lists them after the fusion's own. Returns ``planned``."""
+    if planned not in _STRATEGY_COMMUNICATIONS:
+        _STRATEGY_COMMUNICATIONS.append(planned)
+    return planned
 
 
 def describe_program(program, outputs: Sequence[TensorView]) -> str:
@@ -228,97 +230,6 @@ def planned_communications(fusion: Fusion, rank: int,
     return planned
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedContextParallel:
-    """A context-parallel attention's communications on this rank (see
-    :mod:`meshfuse.ops.context_parallel`); ``row_bytes``: one sequence row of each tensor
-    that moves (named as :meth:`~meshfuse.ops.context_parallel.ContextParallel.transfers`
-    names them)."""
-
-    expr: Expr
-    record: ContextParallel
-    row_bytes: Mapping[str, Size]
-
-    def transfers(self) -> list[tuple[str, int | None, Size]]:
-        return [(kind, peer, self.row_bytes[t] * Size.of(rows))
-                for kind, peer, t, rows in self.record.transfers()]
-
-    def communications(self) -> list[Communication]:
-        """The records the communications will leave (static extents only)."""
-        assert all(b.static is not None for _, _, b in self.transfers()), "symbolic extents"
-        return [Communication(kind, self.record.ranks, self.record.mesh_axis, b.static,
-                              "sum" if kind == "reduce_scatter" else None, peer)
-                for kind, peer, b in self.transfers()]
-
-    def __str__(self) -> str:
-        record = self.record
-        sent = [b for kind, _, b in self.transfers() if kind != "recv"]
-        amount = ""
-        if all(b.static is not None for b in sent):
-            amount = f", {_format_bytes(Size.of(sum(b.static for b in sent)))} sent"
-        head = (f"{_short(self.expr)}: {record.strategy} over mesh axis {record.mesh_axis}, "
-                f"ranks {list(record.ranks)}")
-        if record.strategy != RING:
-            kinds = sorted({kind for kind, _, _ in self.transfers()})
-            return f"{head}: {len(sent)} x {'/'.join(kinds)}{amount}{_merge_words(record)}"
-        peer = record.ranks[(record.position + 1) % record.size]
-        moved = "k/v and dk/dv" if record.backward else "k/v"
-        order = ", ".join(str(record.holder(s)) for s in range(record.size))
-        return (f"{head}, blocks of positions {order}: {len(sent)} sends of {moved} to rank "
-                f"{peer} (and as many receives){amount}; "
-                f"transport: {TRANSPORT_WORDS[record.transport]}{_merge_words(record)}")
-
-
-UNKNOWN = " (device not known yet)"
-TRANSPORT_WORDS = {NCCL: "send/recv", COPY_ENGINE: "copy engines",
-                   AUTO: f"copy engines on CUDA, send/recv elsewhere{UNKNOWN}"}
-MERGE_WORDS = {EAGER: "eager (torch operations)", COMPILED: "compiled (one torch.compile'd pass)",
-               AUTO: f"compiled on CUDA, eager elsewhere{UNKNOWN}"}
-
-
-def _merge_words(record: ContextParallel) -> str:
-    """How a forward that merges blocks by their log-sum-exp (the ring's, the all-gather's)
-    merges them; nothing for the others."""
-    if record.backward or record.strategy == ALLTOALL:
-        return ""
-    return f"; merge: {MERGE_WORDS[record.merge]}"
-
-
-def planned_context_parallel(fusion: Fusion, rank: int, sizes: Extents | None = None,
-                             device: torch.device | None = None
-                             ) -> list[PlannedContextParallel]:
-    """The context-parallel attentions ``rank`` communicates in, in program order; their
-    records' ``transport`` and ``merge`` are those ``device`` runs (None: ``"auto"`` where
-    the device decides)."""
-    sizes = sizes or Extents(fusion)
-    planned = []
-    for expr in fusion.exprs:
-        if sequence_parallel(expr) is None or rank not in expr.outputs[0].mesh:
-            continue
-        record = context_record(expr, LocalContext(rank, device, None, sizes.planning))
-        if record.size > 1:
-            planned.append(PlannedContextParallel(expr, record, _row_bytes(expr, sizes, rank)))
-    return planned
-
-
-def _row_bytes(expr: Expr, sizes: Extents, rank: int) -> dict[str, Size]:
-    """Bytes of one local sequence row of each tensor a context-parallel attention moves."""
-    args = dict(zip((p.name for p in expr.op.params), expr.args))
-    row = {}
-    for name, tv in (("q", args["q"]), ("k", args["k"]), ("v", args["v"])):
-        ids = [i for a, i in enumerate(tv.materialized()) if a != 2]
-        count = math.prod((sizes.local_size(tv, i, rank) for i in ids), start=Size.of(1))
-        row[name] = row["d" + name] = count * Size.of(tv.dtype.torch_dtype.itemsize)
-        row[name + "32"] = row["d" + name + "32"] = count * Size.of(4)
-    heads = [sizes.local_size(args["q"], i, rank) for i in args["q"].materialized()[:2]]
-    # [.., Ev] in q's dtype with q's heads (v may have fewer: grouped-query attention)
-    value_dim = sizes.local_size(args["v"], args["v"].materialized()[3], rank)
-    row["grad"] = row["attn"] = math.prod(heads, start=value_dim) * \
-        Size.of(args["q"].dtype.torch_dtype.itemsize)
-    row["lse"] = math.prod(heads, start=Size.of(4))
-    return row
-
-
 def _padded(step: ReshardStep, shape: list[Size], rank: int) -> list[Size]:
     """The shape of what this rank sends in ``step``: its shape before, except that an
     uneven gather sends its part padded to the group's longest, and a reduce-scatter sends
@@ -352,7 +263,7 @@ def _after(step: ReshardStep, shape: list, src: TensorView, dst: TensorView, siz
     return shape
 
 
-def _short(expr: Expr) -> str:
+def short_expr(expr: Expr) -> str:
     """``expr`` printed, a communication without its placements (the table shows them)."""
     if isinstance(expr, Reshard):
         return f"{expr.outputs[0].name} = reshard({expr.args[0].name})"
@@ -402,7 +313,7 @@ def _mesh(mesh: DeviceMesh) -> str:
     return repr(mesh).removeprefix("DeviceMesh(").removesuffix(")")
 
 
-def _format_bytes(size: Size) -> str:
+def format_bytes(size: Size) -> str:
     n = size.static
     if n is None:
         return f"{size} B"

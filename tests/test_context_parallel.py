@@ -16,11 +16,10 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.explain import planned_context_parallel
-from meshfuse.ops.context_blocks import most_terms
-from meshfuse.ops.context_parallel import ContextParallel, runs_of
-from meshfuse.ops.context_parallel_cost import Machine, Problem, choose, estimate, machine
-from meshfuse.passes.context_parallel import problem
+from meshfuse.parallel.context.cost import Machine, Problem, choose, estimate, machine
+from meshfuse.parallel.context.explain import planned_context_parallel
+from meshfuse.parallel.context.planning import problem
+from meshfuse.parallel.context.record import ContextParallel, most_terms, runs_of
 from meshfuse.runtime.comm.collectives import record_communications
 
 B, E = 1, 8

@@ -11,8 +11,8 @@ from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, FusionDefinition, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.explain import planned_context_parallel
-from meshfuse.ops.context_blocks import Block, cross_pieces
+from meshfuse.parallel.context.explain import planned_context_parallel
+from meshfuse.parallel.context.record import Block, cross_pieces
 from meshfuse.runtime.comm.collectives import record_communications
 
 B, H, E = 1, 4, 8

@@ -15,10 +15,10 @@ from test_context_parallel import Attention, B, E
 
 from meshfuse import DataType, DefinitionError, FusionDefinition, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.explain import planned_context_parallel
 from meshfuse.ops.attention.backends import AttentionBackend, own_limits
 from meshfuse.ops.attention.kernels import sdpa_backward, sdpa_forward
-from meshfuse.ops.context_parallel_cost import Machine, Problem, estimate
+from meshfuse.parallel.context.cost import Machine, Problem, estimate
+from meshfuse.parallel.context.explain import planned_context_parallel
 from meshfuse.runtime.comm.collectives import record_communications
 
 

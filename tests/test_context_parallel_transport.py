@@ -25,9 +25,10 @@ from test_context_parallel import (
 
 from meshfuse import DataType, DefinitionError, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat
-from meshfuse.explain import explain, planned_context_parallel
-from meshfuse.ops import context_blocks
-from meshfuse.ops.context_blocks import Merged, merge_into
+from meshfuse.explain import explain
+from meshfuse.parallel.context import blocks as context_blocks
+from meshfuse.parallel.context.blocks import Merged, merge_into
+from meshfuse.parallel.context.explain import planned_context_parallel
 from meshfuse.passes.pipeline import compile as compile_fusion
 from meshfuse.runtime.comm import peer_copy
 from meshfuse.runtime.comm.collectives import Group, record_communications, ring_shift

@@ -28,9 +28,9 @@ from meshfuse import (
     ParallelType,
     shard_tensor,
 )
-from meshfuse.explain import planned_context_parallel
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ir.placement import Replicate, Shard, placements
+from meshfuse.parallel.context.explain import planned_context_parallel
 from meshfuse.runtime.comm.collectives import Communication, record_communications
 from meshfuse.testing.utils import current_device
 

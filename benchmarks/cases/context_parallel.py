@@ -63,9 +63,9 @@ from benchmarks.harness import Plan, Record, Skip, Variant, check_close, run_var
 from meshfuse import DataType, FusionDefinition, ParallelType
 from meshfuse.ops.attention import kernels
 from meshfuse.ops.attention.backends import select_backend
-from meshfuse.ops.context_parallel import MERGE_VAR, TRANSPORT_VAR
-from meshfuse.ops.context_parallel_cost import Machine, choose, machine
-from meshfuse.passes.context_parallel import problem
+from meshfuse.parallel.context.cost import Machine, choose, machine
+from meshfuse.parallel.context.planning import problem
+from meshfuse.parallel.context.record import MERGE_VAR, TRANSPORT_VAR
 from meshfuse.runtime.comm.collectives import Group, ring_shift
 from meshfuse.runtime.comm.communicator import Communicator
 

@@ -15,7 +15,9 @@ implementation as keyword arguments:
   other ranks pass ``None`` for them and tell the implementation their positions
   (``dropped_addends=``), so that it may run the kernel it runs with them;
 - whatever the op's own ``localize`` rule returns for the rank (random ops: the global
-  positions of their local elements and their random stream, with a note for explain).
+  positions of their local elements and their random stream, with a note for explain);
+- whatever a parallelism strategy adds for the op (:func:`register_local_attrs`: context
+  parallelism gives a sequence-sharded attention the record of its ring).
 
 A rank takes part in an op when it holds one of its outputs, and in a communication when it
 holds its source or its target (both meshes move the data).
@@ -24,7 +26,7 @@ holds its source or its target (both meshes move the data).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
@@ -50,6 +52,20 @@ class Local:
     note: str = ""
 
 
+# A strategy's local attributes for an expression on a rank: a dict to add, or None.
+LocalAttrs = Callable[[Expr, LocalContext], Mapping[str, Any] | None]
+_LOCAL_ATTRS: list[LocalAttrs] = []
+
+
+def register_local_attrs(rule: LocalAttrs) -> LocalAttrs:
+    """Registers ``rule`` (a strategy's, registered when its package is imported): run after
+    each op's own ``localize`` rule; what it returns is added to the op's local attributes.
+    Returns ``rule``, so that it serves as a decorator."""
+    if rule not in _LOCAL_ATTRS:
+        _LOCAL_ATTRS.append(rule)
+    return rule
+
+
 def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
              layouts: Mapping[TensorView, LocalLayout], here: LocalContext) -> dict[Expr, Local]:
     """Each expression the rank ``here`` describes runs (absent: it does not take part),
@@ -71,6 +87,8 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
         if expr.op.localize is not None:
             own, note = expr.op.localize(expr, here)
             attrs.update(own)
+        for rule in _LOCAL_ATTRS:
+            attrs.update(rule(expr, here) or {})
         dropped = dropped_addends(expr, rank)
         if dropped:
             attrs["dropped_addends"] = dropped

@@ -8,8 +8,10 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
-3. ``plan_context_parallel``: the strategy of each sequence-sharded attention (a ring keeps
-   k and v sharded: see ``docs/context_parallel.md``);
+3. the *strategy passes* (:func:`register_strategy_pass`), in the order registered: a
+   parallelism's planning on the propagated shardings, before any communication is inserted
+   (context parallelism's ``plan_context_parallel``: the strategy of each sequence-sharded
+   attention, a ring keeping k and v sharded; see ``docs/context_parallel.md``);
 4. ``insert_resharding``: communications so that every op is local;
 5. ``check_schedule``: meshes and device types across all tensors;
 6. ``infer_allocations``: the memory order of every tensor (a side table).
@@ -23,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
-from meshfuse.passes.context_parallel import plan_context_parallel
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
@@ -94,8 +96,24 @@ def _reshard(fusion: Fusion, world_size: int | None) -> None:
     insert_resharding(fusion)
 
 
-def _context_parallel(fusion: Fusion, world_size: int | None) -> None:
-    plan_context_parallel(fusion)
+# A strategy's planning pass: edits the fusion copy (its shardings propagated, no
+# communication inserted yet).
+StrategyPass = Callable[[Fusion], None]
+_STRATEGY_PASSES: list[StrategyPass] = []
+
+
+def register_strategy_pass(run: StrategyPass) -> StrategyPass:
+    """Registers a parallelism's planning pass (registered when the strategy's package is
+    imported; ``import meshfuse`` imports them all): it runs on every build, after
+    propagation and before resharding, in the order registered. Returns ``run``."""
+    if run not in _STRATEGY_PASSES:
+        _STRATEGY_PASSES.append(run)
+    return run
+
+
+def _strategies(fusion: Fusion, world_size: int | None) -> None:
+    for run in _STRATEGY_PASSES:
+        run(fusion)
 
 
 # Each pass takes the fusion copy and the world size and edits the copy (never the user's).
@@ -103,7 +121,7 @@ BUILD_PASSES = (
     _unmerge,
     _check_world,
     _propagate,
-    _context_parallel,
+    _strategies,
     _reshard,
     _check_all,
 )

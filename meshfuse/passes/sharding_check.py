@@ -19,7 +19,7 @@ from meshfuse.ir.layout import device_ids, split_indices
 from meshfuse.ir.placement import reduction_complete, shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.ops.context_parallel import sequence_parallel
+from meshfuse.ops.attention.sequence import sequence_parallel
 
 OwnerMap = dict[str, tuple[int, ...]]
 

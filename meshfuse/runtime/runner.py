@@ -27,8 +27,8 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.ops.context_parallel import sequence_mesh_axis, sequence_parallel
 from meshfuse.ops.registry import LocalContext
+from meshfuse.parallel import context
 from meshfuse.passes.localization import localize
 from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compiled_for
@@ -39,8 +39,6 @@ from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.comm.pending import resolved
 from meshfuse.runtime.comm.reshard_lowering import lower_step
 from meshfuse.runtime.comm.reshard_plan import plan_resharding
-from meshfuse.runtime.context_parallel import agreed_facts as context_facts
-from meshfuse.runtime.context_parallel import backward_step, forward_step
 from meshfuse.runtime.faults.failures import OutOfStep, checked_timeout
 from meshfuse.runtime.faults.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.interpreter.agreement import agreed_inputs, input_facts, out_of_step
@@ -218,7 +216,7 @@ class FusionRunner:
         binding, local = agreed_inputs(
             self.communicator, fusion, inputs, prepare,
             lambda prepared, tv: _extents_of(prepared[0], tv), self._shape_known,
-            check_ranks, in_call, lambda prepared: context_facts(fusion.exprs, prepared[1]),
+            check_ranks, in_call, lambda prepared: context.agreed_facts(fusion.exprs, prepared[1]),
         )
         transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
         plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
@@ -325,15 +323,9 @@ class FusionRunner:
                      mesh.coordinate(self.rank)[mesh_axis], mesh_axis)
 
     def _lower_op(self, expr):
-        """A context-parallel attention's implementation bound to its group on this rank
-        (every rank creates the group; None on a rank outside it), or None for any other op."""
-        if sequence_parallel(expr) is None:
-            return None
-        group = self._group(*sequence_mesh_axis(expr))
-        if group is None:
-            return None
-        step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
-        return step(group)
+        """An op a strategy runs itself, bound to this rank's group (a context-parallel
+        attention), or None for any other op."""
+        return context.lower_attention(expr, self._group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank: (implementation, plan steps, text), or

@@ -63,7 +63,7 @@ from meshfuse.ops.attention.dropout import (
     state_of_kernel,
 )
 from meshfuse.ops.attention.rules import check_sharding, localize, replayed_sharding, whole_axes
-from meshfuse.ops.context_parallel import requested_strategy
+from meshfuse.ops.attention.sequence import requested_strategy
 from meshfuse.ops.random.declaration import check_rng_args, resolve_seed
 from meshfuse.ops.registry import (
     AxisSpec,

@@ -12,7 +12,7 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops.attention.dropout import SHARD, attention_site, resolve_mode
-from meshfuse.ops.context_parallel import context_record, sequence_parallel
+from meshfuse.ops.attention.sequence import sequence_parallel
 
 
 def whole_axes(expr) -> set:
@@ -122,8 +122,9 @@ def localize(expr, here):
     kv_length = here.index(k).extents[-2]
     site = attention_site(mode, here.index(expr.outputs[0]), kv_length)
     if sequence_parallel(expr) is not None:
-        # The strategy's transfers are listed with explain's communications.
-        return {"site": site, "context": context_record(expr, here)}, ""
+        # Its strategy adds the record of its ring (meshfuse.parallel.context); the
+        # strategy's transfers are listed with explain's communications.
+        return {"site": site}, ""
     p = _arg(expr, "dropout_p")
     if p == 0.0:
         return {"site": site}, ""

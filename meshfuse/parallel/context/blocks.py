@@ -2,7 +2,7 @@
 make against a position's key/value block, the calls themselves (with their dropout masks),
 and the sums of their results: the outputs merged by their log-sum-exp, the query gradients
 over the blocks, the key/value gradients over the ranks. The record that says which rows
-every position holds is :class:`~meshfuse.ops.context_parallel.ContextParallel`.
+every position holds is :class:`~meshfuse.parallel.context.record.ContextParallel`.
 
 Causal attention (top-left aligned, as PyTorch's: query ``i`` sees keys ``j <= i``) is masked
 per pair of runs: a key run wholly before the query run is *full*, the same run is the
@@ -14,10 +14,8 @@ of another sequence length) a pair may be cut into pieces: the query rows that s
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,32 +24,7 @@ from meshfuse.ops.attention import kernels as attention_kernels
 from meshfuse.ops.attention.backends import AttentionBackend, select_backend
 from meshfuse.ops.attention.dropout import GLOBAL, DropoutSite, kernel_state
 from meshfuse.ops.random import rng
-
-if TYPE_CHECKING:
-    from meshfuse.ops.context_parallel import ContextParallel
-
-
-class Block(enum.Enum):
-    """How one query run meets one key run under a causal mask (top-left aligned)."""
-
-    FULL = "full"
-    DIAGONAL = "diagonal"
-    SKIPPED = "skipped"
-
-
-Run = tuple[int, int]  # global rows [start, stop) of one contiguous piece of a shard
-
-
-def block_kind(query: Run, key: Run, causal: bool) -> Block:
-    """Full, diagonal or skipped. Runs of one split are equal or disjoint: a key run that
-    starts after the query run ends is skipped, the same run is the diagonal."""
-    if not causal or key[1] <= query[0]:
-        return Block.FULL
-    if key[0] >= query[1]:
-        return Block.SKIPPED
-    assert key == query, f"runs {query} and {key} overlap without being equal"
-    return Block.DIAGONAL
-
+from meshfuse.parallel.context.record import Block, ContextParallel, Run, kernel_calls
 
 # ----------------------------------------------------------------------------------------------
 # Per-block kernels and the log-sum-exp merge
@@ -214,96 +187,6 @@ def add_rows(total: torch.Tensor | None, rows: Run, part: torch.Tensor, like: to
         return total
     _sequence(total, rows).add_(part)
     return total
-
-
-@functools.lru_cache(maxsize=1024)
-def kernel_calls(record: ContextParallel, position: int, causal: bool):
-    """The kernel calls of this rank's queries against ``position``'s key/value block:
-    ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
-    whole join is computed in full (a zig-zag rank's two query chunks against a key chunk
-    before both: one call, not two) or is the rank's own block (one causal call)."""
-    queries = [(g, at) for g, at in record.local_runs(record.position) if at[1] > at[0]]
-    keys = [(g, at) for g, at in record.local_runs(position, keys=True) if at[1] > at[0]]
-    if not queries or not keys:
-        return ()
-    if not causal:  # everything in full: one call
-        return ((_joined(queries), _joined(keys), Block.FULL),)
-    if record.key_rows is not None:
-        return tuple(c for q in queries for k in keys for c in cross_pieces(q, k))
-    kinds = {(qa, ka): block_kind(qg, kg, causal) for qg, qa in queries for kg, ka in keys}
-    joined = _joined
-    if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
-        return ((joined(queries), joined(keys), Block.FULL),)
-    if position == record.position:
-        # This rank's own block: its rows, in ascending global order, are the queries and the
-        # keys, so the causal mask of the local rows is the global one: one causal call.
-        return ((joined(queries), joined(keys), Block.DIAGONAL),)
-    calls = []
-    if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
-        for kg, ka in keys:
-            column = [kinds[qa, ka] for _, qa in queries]
-            others = [kinds[qa, kb] for _, qa in queries for _, kb in keys if kb != ka]
-            if all(k is Block.FULL for k in column) and \
-                    all(k is Block.SKIPPED for k in others):
-                return ((joined(queries), ka, Block.FULL),)
-    for qg, qa in queries:
-        row = [kinds[qa, ka] for _, ka in keys]
-        if len(keys) > 1 and all(k is Block.FULL for k in row):
-            calls.append((qa, joined(keys), Block.FULL))
-            continue
-        calls += [(qa, ka, kinds[qa, ka]) for _, ka in keys if kinds[qa, ka] is not Block.SKIPPED]
-    return tuple(calls)
-
-
-def _joined(runs) -> Run:
-    """The local rows from the first run's start to the last run's end."""
-    return (runs[0][1][0], runs[-1][1][1])
-
-
-def cross_pieces(query: tuple[Run, Run], key: tuple[Run, Run]):
-    """The causal kernel calls of one query run against one key run of another sequence
-    (cross attention), each ``(local query rows, local key rows, kind)``: for global query
-    rows ``[a, b)`` and key rows ``[c, d)``, the rows below ``c`` see no key (no call); the
-    rows ``[max(a, c), min(b, d))`` see the keys before them in full and the keys of the same
-    indices as a diagonal; the rows from ``d`` on see every key (full)."""
-    (a, b), (qa, _) = query
-    (c, d), (ka, _) = key
-
-    def local(rows, keys, kind):
-        return ((qa + rows[0] - a, qa + rows[1] - a), (ka + keys[0] - c, ka + keys[1] - c),
-                kind)
-
-    pieces = []
-    middle = (max(a, c), min(b, d))
-    if middle[1] > middle[0]:
-        if middle[0] > c:
-            pieces.append(local(middle, (c, middle[0]), Block.FULL))
-        pieces.append(local(middle, middle, Block.DIAGONAL))
-    if b > max(a, d):
-        pieces.append(local((max(a, d), b), (c, d), Block.FULL))
-    return pieces
-
-
-def most_terms(record: ContextParallel, causal: bool) -> int:
-    """The most kernel results that any one sum of the ring adds: a query row's over the
-    blocks (its merged output, its dq), a key row's dk/dv over the ranks."""
-    at = [dataclasses.replace(record, position=c) for c in range(record.size)]
-    counts = [0]
-    for c in range(record.size):
-        queries = [rows for p in range(record.size) for rows, _, _ in kernel_calls(at[c], p, causal)]
-        keys = [k for r in at for _, k, _ in kernel_calls(r, c, causal)]
-        counts += [_deepest(queries), _deepest(keys)]
-    return max(counts)
-
-
-def _deepest(runs: list[Run]) -> int:
-    """The most runs that overlap at one row."""
-    edges = sorted([(a, 1) for a, b in runs if b > a] + [(b, -1) for a, b in runs if b > a])
-    depth = deepest = 0
-    for _, step in edges:  # a run's end sorts before another's start at the same row
-        depth += step
-        deepest = max(deepest, depth)
-    return deepest
 
 
 def _keep(dropout: BlockDropout | None, record: ContextParallel, position: int, rows: Run,

@@ -1,12 +1,12 @@
 """Context parallelism for ``sdpfa_fwd``/``sdpfa_bwd``: the record of a sequence-sharded
 attention (the per-block arithmetic its strategies share is in
-:mod:`meshfuse.ops.context_blocks`).
+:mod:`meshfuse.parallel.context.blocks`).
 
 When q, k and v are sharded on their sequence axis over one mesh axis, each rank holds some
 query rows and the key/value rows of the same positions (of another length in cross
 attention: the same split of the key sequence). Attention then runs with one of
 three *strategies* (:data:`STRATEGIES`), chosen at compile time by
-:mod:`meshfuse.passes.context_parallel` and forceable with the op's ``context_parallel``
+:mod:`meshfuse.parallel.context.planning` and forceable with the op's ``context_parallel``
 argument:
 
 - ``"ring"``: key/value blocks travel around the ranks of the mesh axis by point-to-point
@@ -29,6 +29,7 @@ gives one run per position; the head-tail (zig-zag) layout gives two, chunk ``r`
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import os
 
@@ -36,11 +37,18 @@ import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.layout import device_ids, local_extent, split_indices
-from meshfuse.ops.context_blocks import Run, most_terms
+from meshfuse.ops.attention.sequence import (
+    ALLGATHER,
+    AUTO,
+    RING,
+    argument,
+    sequence_parallel,
+)
+from meshfuse.passes.localization import register_local_attrs
 
-ENV_VAR = "MESHFUSE_CONTEXT_PARALLEL"
+Run = tuple[int, int]  # global rows [start, stop) of one contiguous piece of a shard
+
 OWN_PARTS_VAR = "MESHFUSE_CP_OWN_PARTS"  # parts of a ring backward's own block (2)
-RING, ALLGATHER, ALLTOALL, AUTO = "ring", "allgather", "alltoall", "auto"
 TRANSPORT_VAR = "MESHFUSE_CP_TRANSPORT"  # how the ring's blocks travel (TRANSPORTS)
 MERGE_VAR = "MESHFUSE_CP_MERGE"  # how the forward merges its blocks' outputs (MERGES)
 NCCL, COPY_ENGINE = "nccl", "copy_engine"
@@ -48,21 +56,6 @@ EAGER, COMPILED = "eager", "compiled"
 TRANSPORTS = (NCCL, COPY_ENGINE, AUTO)
 MERGES = (EAGER, COMPILED, AUTO)
 DEFAULT_TRANSPORT, DEFAULT_MERGE = AUTO, AUTO  # CUDA: copy engines (equal blocks), compiled
-STRATEGIES = (RING, ALLGATHER, ALLTOALL)
-
-
-def requested_strategy(op: str, value: str | None) -> str:
-    """The strategy asked for: ``value`` (the op's ``context_parallel`` argument), else
-    ``MESHFUSE_CONTEXT_PARALLEL``, else ``"auto"`` (the cost estimate picks)."""
-    where = f"context_parallel={value!r}"
-    if value is None:
-        value = os.environ.get(ENV_VAR, "").strip().lower() or AUTO
-        where = f"{ENV_VAR}={value!r}"
-    if value not in STRATEGIES + (AUTO,):
-        raise DefinitionError(
-            f"{op}: {where} is not a context-parallel strategy; use one of "
-            f"{', '.join(repr(s) for s in STRATEGIES + (AUTO,))}")
-    return value
 
 
 def runs_of(rows: torch.Tensor) -> tuple[Run, ...]:
@@ -233,41 +226,21 @@ class ContextParallel:
         return result
 
 
-ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
-
-
-def _arg(expr, name: str):
-    return expr.args[[p.name for p in expr.op.params].index(name)]
-
-
-def sequence_parallel(expr) -> str | None:
-    """The strategy of an attention that runs context-parallel itself (its sequences mapped
-    together by :mod:`meshfuse.passes.context_parallel`), else None (an attention whose
-    key/value sequence, if sharded, the engine gathers)."""
-    if getattr(expr, "op", None) is None or expr.op.name not in ATTENTION:
+@register_local_attrs
+def context_attrs(expr, here) -> dict | None:
+    """A context-parallel attention's local attribute on the rank ``here``: ``context``, the
+    record of its strategy (the keyword its implementation in
+    :mod:`meshfuse.parallel.context.lowering` reads); None for any other op."""
+    if sequence_parallel(expr) is None:
         return None
-    q, k = _arg(expr, "q"), _arg(expr, "k")
-    if len(q.materialized()) != 4:
-        return None
-    out = expr.outputs[0]
-    if k.logical[2] not in expr.id_map.get(out.logical[2], ()):
-        return None
-    return _arg(expr, "context_parallel")
-
-
-def sequence_mesh_axis(expr) -> tuple:
-    """``(mesh, mesh axis)`` the query sequence of a context-parallel attention is sharded
-    over."""
-    q = _arg(expr, "q")
-    (_, pt), = device_ids(q)[q.logical[-2]]
-    return q.mesh, q.mesh.axis_of(pt)
+    return {"context": context_record(expr, here)}
 
 
 def context_record(expr, here) -> ContextParallel:
     """The :class:`ContextParallel` record of a context-parallel attention ``expr`` on the
     rank ``here`` (a :class:`~meshfuse.ops.registry.LocalContext`): the owners of q's
     sequence rows (and of k's, when its sequence has another length)."""
-    q, k = _arg(expr, "q"), _arg(expr, "k")
+    q, k = argument(expr, "q"), argument(expr, "k")
     (_, pt), = device_ids(q)[q.logical[-2]]
     axis = q.mesh.axis_of(pt)
     ranks = q.mesh.group_ranks(here.rank, axis)
@@ -297,7 +270,7 @@ def _options(record: ContextParallel, expr, here) -> dict[str, str]:
     if record.strategy != RING or record.size == 1:
         transport = NCCL
     if transport == COPY_ENGINE and not record.equal_blocks:
-        q, k = _arg(expr, "q"), _arg(expr, "k")
+        q, k = argument(expr, "q"), argument(expr, "k")
         raise DefinitionError(
             f"{expr.op.name}: {TRANSPORT_VAR}=copy_engine moves blocks of one size, and the "
             f"sequence rows of {q.name} (or of {k.name}) over {record.size} ranks are of "
@@ -352,8 +325,8 @@ def own_parts(expr, here) -> int:
     Raises:
         DefinitionError: ``MESHFUSE_CP_OWN_PARTS`` is not a positive integer.
     """
-    q, k = _arg(expr, "q"), _arg(expr, "k")
-    dropout = _arg(expr, "dropout_p")
+    q, k = argument(expr, "q"), argument(expr, "k")
+    dropout = argument(expr, "dropout_p")
     parts = _requested_parts()
     if getattr(dropout, "value", dropout) != 0.0 or parts == 1:
         return 1
@@ -383,3 +356,116 @@ def _local(tv, axis, here) -> int | None:
     coords = {pt: coordinate[tv.mesh.axis_of(pt)] for shards in device_ids(tv).values()
               for _, pt in shards}
     return local_extent(tv, axis, here.extents, coords)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel calls each position makes, and the sums they add up to
+
+class Block(enum.Enum):
+    """How one query run meets one key run under a causal mask (top-left aligned)."""
+
+    FULL = "full"
+    DIAGONAL = "diagonal"
+    SKIPPED = "skipped"
+
+
+
+def block_kind(query: Run, key: Run, causal: bool) -> Block:
+    """Full, diagonal or skipped. Runs of one split are equal or disjoint: a key run that
+    starts after the query run ends is skipped, the same run is the diagonal."""
+    if not causal or key[1] <= query[0]:
+        return Block.FULL
+    if key[0] >= query[1]:
+        return Block.SKIPPED
+    assert key == query, f"runs {query} and {key} overlap without being equal"
+    return Block.DIAGONAL
+
+
+@functools.lru_cache(maxsize=1024)
+def kernel_calls(record: ContextParallel, position: int, causal: bool):
+    """The kernel calls of this rank's queries against ``position``'s key/value block:
+    ``(local query rows, local key rows, kind)``, with neighbouring runs joined where the
+    whole join is computed in full (a zig-zag rank's two query chunks against a key chunk
+    before both: one call, not two) or is the rank's own block (one causal call)."""
+    queries = [(g, at) for g, at in record.local_runs(record.position) if at[1] > at[0]]
+    keys = [(g, at) for g, at in record.local_runs(position, keys=True) if at[1] > at[0]]
+    if not queries or not keys:
+        return ()
+    if not causal:  # everything in full: one call
+        return ((_joined(queries), _joined(keys), Block.FULL),)
+    if record.key_rows is not None:
+        return tuple(c for q in queries for k in keys for c in cross_pieces(q, k))
+    kinds = {(qa, ka): block_kind(qg, kg, causal) for qg, qa in queries for kg, ka in keys}
+    joined = _joined
+    if all(k is Block.FULL for k in kinds.values()):  # everything in full: one call
+        return ((joined(queries), joined(keys), Block.FULL),)
+    if position == record.position:
+        # This rank's own block: its rows, in ascending global order, are the queries and the
+        # keys, so the causal mask of the local rows is the global one: one causal call.
+        return ((joined(queries), joined(keys), Block.DIAGONAL),)
+    calls = []
+    if len(queries) > 1:  # a key run that every query run meets in full, the rest skipped
+        for kg, ka in keys:
+            column = [kinds[qa, ka] for _, qa in queries]
+            others = [kinds[qa, kb] for _, qa in queries for _, kb in keys if kb != ka]
+            if all(k is Block.FULL for k in column) and \
+                    all(k is Block.SKIPPED for k in others):
+                return ((joined(queries), ka, Block.FULL),)
+    for qg, qa in queries:
+        row = [kinds[qa, ka] for _, ka in keys]
+        if len(keys) > 1 and all(k is Block.FULL for k in row):
+            calls.append((qa, joined(keys), Block.FULL))
+            continue
+        calls += [(qa, ka, kinds[qa, ka]) for _, ka in keys if kinds[qa, ka] is not Block.SKIPPED]
+    return tuple(calls)
+
+
+def _joined(runs) -> Run:
+    """The local rows from the first run's start to the last run's end."""
+    return (runs[0][1][0], runs[-1][1][1])
+
+
+def cross_pieces(query: tuple[Run, Run], key: tuple[Run, Run]):
+    """The causal kernel calls of one query run against one key run of another sequence
+    (cross attention), each ``(local query rows, local key rows, kind)``: for global query
+    rows ``[a, b)`` and key rows ``[c, d)``, the rows below ``c`` see no key (no call); the
+    rows ``[max(a, c), min(b, d))`` see the keys before them in full and the keys of the same
+    indices as a diagonal; the rows from ``d`` on see every key (full)."""
+    (a, b), (qa, _) = query
+    (c, d), (ka, _) = key
+
+    def local(rows, keys, kind):
+        return ((qa + rows[0] - a, qa + rows[1] - a), (ka + keys[0] - c, ka + keys[1] - c),
+                kind)
+
+    pieces = []
+    middle = (max(a, c), min(b, d))
+    if middle[1] > middle[0]:
+        if middle[0] > c:
+            pieces.append(local(middle, (c, middle[0]), Block.FULL))
+        pieces.append(local(middle, middle, Block.DIAGONAL))
+    if b > max(a, d):
+        pieces.append(local((max(a, d), b), (c, d), Block.FULL))
+    return pieces
+
+
+def most_terms(record: ContextParallel, causal: bool) -> int:
+    """The most kernel results that any one sum of the ring adds: a query row's over the
+    blocks (its merged output, its dq), a key row's dk/dv over the ranks."""
+    at = [dataclasses.replace(record, position=c) for c in range(record.size)]
+    counts = [0]
+    for c in range(record.size):
+        queries = [rows for p in range(record.size) for rows, _, _ in kernel_calls(at[c], p, causal)]
+        keys = [k for r in at for _, k, _ in kernel_calls(r, c, causal)]
+        counts += [_deepest(queries), _deepest(keys)]
+    return max(counts)
+
+
+def _deepest(runs: list[Run]) -> int:
+    """The most runs that overlap at one row."""
+    edges = sorted([(a, 1) for a, b in runs if b > a] + [(b, -1) for a, b in runs if b > a])
+    depth = deepest = 0
+    for _, step in edges:  # a run's end sorts before another's start at the same row
+        depth += step
+        deepest = max(deepest, depth)
+    return deepest

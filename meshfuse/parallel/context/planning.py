@@ -4,7 +4,7 @@ It first checks, for every attention, that grouped-query heads are sharded by gr
 rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention.groups`).
 
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
-whose query sequence is sharded it decides a strategy (:mod:`meshfuse.ops.context_parallel`)
+whose query sequence is sharded it decides a strategy (:mod:`meshfuse.parallel.context.record`)
 and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
 prints it.
 
@@ -16,7 +16,7 @@ attention, on a block split) and a constant dropout_p, the attention runs contex
 itself: ``ring``, ``allgather`` or ``alltoall`` (when the local heads divide
 over the ranks, the ranks hold equal blocks and there is no dropout), the one of least
 estimated time
-(:mod:`meshfuse.ops.context_parallel_cost`) unless one is asked for. Its domain map is then
+(:mod:`meshfuse.parallel.context.cost`) unless one is asked for. Its domain map is then
 rewritten: the key/value sequence maps onto the query sequence (a rank's keys are the rows of
 its queries' positions) and no reduction maps from a sequence (the strategy completes it).
 Resharding thus keeps q, k and v where they are; the runtime moves the blocks.
@@ -38,7 +38,7 @@ from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.ops.attention.groups import check_grouped_heads
-from meshfuse.ops.context_parallel import (
+from meshfuse.ops.attention.sequence import (
     ALLGATHER,
     ALLTOALL,
     ATTENTION,
@@ -47,12 +47,14 @@ from meshfuse.ops.context_parallel import (
     STRATEGIES,
     requested_strategy,
 )
-from meshfuse.ops.context_parallel_cost import Problem, choose, machine
+from meshfuse.parallel.context.cost import Problem, choose, machine
+from meshfuse.passes.pipeline import register_strategy_pass
 
 _ROWS = {"sdpfa_fwd": ("q",), "sdpfa_bwd": ("grad_attn", "q", "attn", "log_sumexp")}
 _KEYS = ("k", "v")
 
 
+@register_strategy_pass
 def plan_context_parallel(fusion: Fusion) -> None:
     """Decides the strategy of each sequence-sharded attention of ``fusion`` (in place, on
     the compiler's private copy); see the module doc."""

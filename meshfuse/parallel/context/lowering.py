@@ -1,5 +1,5 @@
 """Context-parallel attention: the runtime of an ``sdpfa_fwd``/``sdpfa_bwd`` step whose record
-carries a :class:`~meshfuse.ops.context_parallel.ContextParallel` (that module describes the
+carries a :class:`~meshfuse.parallel.context.record.ContextParallel` (that module describes the
 strategies); every collective goes through :mod:`meshfuse.runtime.comm.collectives`.
 
 **Ring**, forward, on each rank: at step ``s`` it holds the key/value block of position
@@ -11,7 +11,7 @@ and v travel the same way; at step ``s >= 1`` a rank computes its queries' gradi
 the block it holds (dq stays) and adds the block's dk/dv to the block's accumulators, which
 then go to the next rank: after the last step that is the block's home. The accumulators
 begin at step 1 (in the inputs' dtype on a ring of two, where each sum has two terms, else
-float32: :attr:`~meshfuse.ops.context_parallel.ContextParallel.sums_in_input_dtype`); the
+float32: :attr:`~meshfuse.parallel.context.record.ContextParallel.sums_in_input_dtype`); the
 gradients of a rank's own block never travel. That block's kernels run in
 ``own_parts`` parts (of the batch, or of the heads): the first at step 0, under the first k/v
 transfer, the others after the last step, under the accumulators' trip home; the own parts
@@ -19,7 +19,7 @@ and the arriving sums are then added, rounded once to the inputs' dtype. On a ri
 backward thus moves k/v once and the sums once, and no transfer waits after the kernels.
 
 **Dropout** (ring and all-gather): every kernel call runs the math kernel with the keep mask
-of its block (:class:`~meshfuse.ops.context_blocks.BlockDropout`), drawn from the forward's
+of its block (:class:`~meshfuse.parallel.context.blocks.BlockDropout`), drawn from the forward's
 seed and offset and the block's global position; the forward returns that seed and offset,
 and the backward draws each block's mask again from them.
 
@@ -39,8 +39,16 @@ import torch
 
 from meshfuse.ir.fusion import Expr
 from meshfuse.ops.attention.dropout import no_rng_state, rng_state, seed_and_offset
-from meshfuse.ops.context_blocks import (
-    Block,
+from meshfuse.ops.attention.sequence import (
+    ALLGATHER,
+    ALLTOALL,
+    ENV_VAR,
+    RING,
+    sequence_mesh_axis,
+    sequence_parallel,
+)
+from meshfuse.ops.random.declaration import resolve_seed
+from meshfuse.parallel.context.blocks import (
     BlockDropout,
     Merged,
     add_key_gradients,
@@ -50,16 +58,7 @@ from meshfuse.ops.context_blocks import (
     forward_blocks,
     sums_dtype,
 )
-from meshfuse.ops.context_parallel import (
-    ALLGATHER,
-    ALLTOALL,
-    COMPILED,
-    ENV_VAR,
-    RING,
-    TRANSPORT_VAR,
-    ContextParallel,
-)
-from meshfuse.ops.random.declaration import resolve_seed
+from meshfuse.parallel.context.record import COMPILED, TRANSPORT_VAR, Block, ContextParallel
 from meshfuse.passes.localization import Local
 from meshfuse.runtime.comm.collectives import (
     Group,
@@ -364,3 +363,16 @@ def agreed_facts(exprs: Sequence[Expr], local: Mapping[Expr, Local]) -> list[Fac
             f"the context parallelism of {expr.op.name} (op {index}), which {ENV_VAR} and "
             f"{TRANSPORT_VAR} must set alike on every rank", value, shown))
     return facts
+
+
+def lower_attention(expr, group_of):
+    """A context-parallel attention's implementation bound to its group on this rank, or None
+    for any other op (and on a rank outside the group). ``group_of(mesh, mesh_axis)``: this
+    rank's group there (every rank takes part in creating it), None outside the mesh."""
+    if sequence_parallel(expr) is None:
+        return None
+    group = group_of(*sequence_mesh_axis(expr))
+    if group is None:
+        return None
+    step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
+    return step(group)

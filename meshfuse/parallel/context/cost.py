@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from meshfuse.ops.context_parallel import ALLGATHER, ALLTOALL, RING
+from meshfuse.ops.attention.sequence import ALLGATHER, ALLTOALL, RING
 
 
 @dataclasses.dataclass(frozen=True)
