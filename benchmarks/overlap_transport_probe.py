@@ -276,7 +276,7 @@ def row_variants(ctx, t, h, dtype, kind):
 
 def calibration_line(layer: str, times: dict, pulls: list, flops: float, block_bytes: float,
                      d: int) -> str:
-    """The copy-engine figures of :mod:`meshfuse.runtime.overlap_cost` that this layer's
+    """The copy-engine figures of :mod:`meshfuse.parallel.overlap.cost` that this layer's
     times give: GEMM TFLOP/s (``gemm_only``), the pulls' GB/s (the profile's peer copies), and
     what the loop took beyond the model's overlap ``max(t_g, t_c + t_g / d)``, as a cost per
     chunk (contention 0) and as a contention (no cost per chunk)."""

@@ -31,9 +31,8 @@ from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile
 from meshfuse.passes.sharding_check import check_no_resharding
 from meshfuse.runtime.comm.reshard_plan import plan_resharding
-from meshfuse.runtime.interpreter.binding import bind, held_here
+from meshfuse.runtime.interpreter.binding import bind, held_here, local_context
 from meshfuse.runtime.interpreter.program import build_program
-from meshfuse.runtime.runner import local_context
 from meshfuse.sharding import shard_tensor
 
 PROGRAMS = {

@@ -15,7 +15,7 @@ import os
 import random
 import re
 
-from meshfuse.runtime.allreduce_loop_cost import CHUNKS_ENV
+from meshfuse.parallel.overlap.allreduce_loop_cost import CHUNKS_ENV
 
 CHUNKS = (1, 2, 3, 4)  # MESHFUSE_OVERLAP_CHUNKS drawn per program, and a stream axis's
 STREAM_AXIS_SHARE = 0.4  # of the allreduce and reduce-scatter patterns: x's rows on stream

@@ -22,14 +22,14 @@ from mesh_helpers import mesh_1d, mesh_2x2, shard
 from benchmarks.fusions import MegatronMlp, megatron_mlp_torch
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import InputError
-from meshfuse.passes.allreduce_loop import GEMM_ALLREDUCE
-from meshfuse.passes.overlap_candidates import overlap_candidates
+from meshfuse.parallel.overlap import allreduce_loop_cost
+from meshfuse.parallel.overlap.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
+from meshfuse.parallel.overlap.allreduce_pattern import GEMM_ALLREDUCE
+from meshfuse.parallel.overlap.candidates import overlap_candidates
+from meshfuse.parallel.overlap.cost import DEFAULT_COSTS, _largest_shard
+from meshfuse.parallel.overlap.stream_loop_lowering import choose_transport
 from meshfuse.passes.pipeline import compile as compile_fusion
-from meshfuse.runtime import allreduce_loop_cost
-from meshfuse.runtime.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
 from meshfuse.runtime.comm.collectives import Group, record_communications
-from meshfuse.runtime.overlap_cost import DEFAULT_COSTS, _largest_shard
-from meshfuse.runtime.stream_loop_lowering import choose_transport
 
 FREE = "100,1,0,0"  # GB/s, TFLOP/s, us per chunk, contention: a loop always pays
 MX = ParallelType.mesh_x

@@ -20,6 +20,7 @@ import torch
 from test_cuda_graph import _RowParallelLinear
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
+from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
 from meshfuse.runtime.replay.automatic import (
@@ -32,7 +33,6 @@ from meshfuse.runtime.replay.automatic import (
     replay_wanted,
     why_not_replayed,
 )
-from meshfuse.runtime.runner import cuda_graph_setting
 from meshfuse.testing.utils import current_device
 
 CUDA = torch.device("cuda")  # what the decision is told; the stand-in graph runs on the CPU

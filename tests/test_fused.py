@@ -24,9 +24,9 @@ from torch._dynamo.utils import counters
 from benchmarks.cases.fusion import NormFwdBwd, SoftmaxRows
 from benchmarks.fusions import Pointwise10
 from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
+from meshfuse.engine.settings import compile_setting
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.runtime.interpreter.fused import FUSED, INDUCTOR, INDUCTOR_ON_CUDA, inductor_patches
-from meshfuse.runtime.runner import compile_setting
 
 BACKEND = "aot_eager"
 

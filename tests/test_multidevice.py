@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import meshfuse.runtime.runner
+import meshfuse.engine.runner
 from meshfuse import (
     DataType,
     DeviceMesh,
@@ -594,13 +594,13 @@ def test_scalar_input(multidevice_test):
 def test_program_cache_reused_for_the_same_signature(multidevice_test, monkeypatch):
     d, rank = multidevice_test.size, multidevice_test.rank
     built = []
-    original = meshfuse.runtime.runner.build_program
+    original = meshfuse.engine.runner.build_program
 
     def counting(*args, **kwargs):
         built.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(meshfuse.runtime.runner, "build_program", counting)
+    monkeypatch.setattr(meshfuse.engine.runner, "build_program", counting)
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 4])
         fd.add_output(fd.ops.mul(x, 3.0))

@@ -1,4 +1,4 @@
-"""The overlap cost estimate (``runtime/overlap_cost.py``): which sequence-parallel
+"""The overlap cost estimate (``parallel/overlap/cost.py``): which sequence-parallel
 communications the engine decomposes into stream loops, from the figures measured on 2
 H200s, and the figures a user gives in ``MESHFUSE_OVERLAP_COST``."""
 
@@ -13,19 +13,19 @@ import meshfuse
 from meshfuse import DataType
 from meshfuse.errors import InputError
 from meshfuse.examples.gpt import GptBlock
-from meshfuse.passes.overlap_candidates import (
+from meshfuse.parallel.overlap.candidates import (
     ALLGATHER_GEMM,
     GEMM_REDUCE_SCATTER,
     overlap_candidates,
 )
-from meshfuse.passes.pipeline import compile as compile_fusion
-from meshfuse.runtime.overlap_cost import (
+from meshfuse.parallel.overlap.cost import (
     DEFAULT_COSTS,
     MARGIN,
     OverlapCost,
     choose_loops,
     cost_for,
 )
+from meshfuse.passes.pipeline import compile as compile_fusion
 
 # nvFuser's column-parallel linear on 2 GPUs (t = h = 8192): 8192 x 16384 x 8192 per
 # device, 64 MiB gathered from the other device.

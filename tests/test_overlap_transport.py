@@ -27,10 +27,15 @@ from meshfuse.multidevice import (
     MultiDeviceExecutor,
     MultiDeviceExecutorParams,
 )
+from meshfuse.parallel.overlap.stream_loop import (
+    COPY_ENGINE,
+    PROCESS_GROUP,
+    ChunkReduce,
+    StreamLoop,
+)
+from meshfuse.parallel.overlap.stream_loop_lowering import choose_transport
 from meshfuse.runtime.comm.collectives import Group, record_communications
 from meshfuse.runtime.comm.copy_engine import Gathering, Reducing, closing_barrier, hosts
-from meshfuse.runtime.stream_loop import COPY_ENGINE, PROCESS_GROUP, ChunkReduce, StreamLoop
-from meshfuse.runtime.stream_loop_lowering import choose_transport
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy engines: CUDA only")
 

@@ -18,10 +18,9 @@ from meshfuse.ir.placement import Replicate, Shard, placements
 from meshfuse.ops.registry import REGISTRY
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compile, compiled_for
-from meshfuse.runtime.interpreter.binding import bind
+from meshfuse.runtime.interpreter.binding import bind, local_context
 from meshfuse.runtime.interpreter.executor import Slot
 from meshfuse.runtime.interpreter.program import build_program
-from meshfuse.runtime.runner import local_context
 from meshfuse.sharding import shard_tensor
 
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from meshfuse.autodiff.context import VjpContext, materialized_like, op_of, sum_to
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
+from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
@@ -42,7 +43,6 @@ from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.namespace import Ops, add_op
 from meshfuse.ops.registry import Kind
-from meshfuse.runtime.runner import FusionRunner
 
 REMAT_POLICIES = ("recompute", "recompute_gathers", "save")
 

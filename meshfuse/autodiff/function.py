@@ -35,12 +35,12 @@ from meshfuse.dtensor import (
     run_on_dtensors,
     schedule_like_dtensor,
 )
+from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
-from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionFunction:

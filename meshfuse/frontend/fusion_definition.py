@@ -25,6 +25,7 @@ import torch
 
 from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
+from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import as_distributed
@@ -37,7 +38,6 @@ from meshfuse.ops.namespace import Ops, scalar_dtype
 from meshfuse.ops.user_tensor import UserTensorView
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.agreement import agreed_build
-from meshfuse.runtime.runner import FusionRunner
 
 
 class FusionDefinition:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
-from meshfuse.runtime.runner import FusionRunner
 
 
 class CommunicatorBackend(enum.Enum):

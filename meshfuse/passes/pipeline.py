@@ -18,7 +18,7 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 
 The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
 signature and the rank (extents, local layouts, the per-rank program) is built from it by
-:mod:`meshfuse.runtime.runner`; see ``docs/pipeline.md`` for the whole pipeline.
+:mod:`meshfuse.engine.runner`; see ``docs/pipeline.md`` for the whole pipeline.
 """
 
 from __future__ import annotations

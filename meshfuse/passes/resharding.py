@@ -31,6 +31,7 @@ import math
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.placement import (
     Partial,
     Replicate,
@@ -52,7 +53,6 @@ from meshfuse.passes.propagation import (
     _whole,
     partial_carried,
 )
-from meshfuse.passes.stream_parallel import stream_axis
 
 WEIGHT_PENALTY = 1000
 UNKNOWN_EXTENT = 1 << 20
@@ -228,8 +228,8 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
         _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
-    moves_a_stream_axis = any(stream_axis(t) is not None and not same_sharding(t, n)
-                              for t, n in zip(ins, needed_b))
+    moves_a_stream_axis = any(ParallelType.Stream in t.parallel.values() and
+                              not same_sharding(t, n) for t, n in zip(ins, needed_b))
     if cost_a < cost_b or not b_works or moves_a_stream_axis:
         for out, nat in zip(outs, natural):
             if not same_sharding(out, nat):

@@ -424,3 +424,14 @@ def ring_shift(tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
         works = dist.batch_isend_irecv(ops)
     return Pending(Works(works, sends + received, label, group.ranks), received, label=label,
                    ranks=group.ranks)
+
+
+def group_along(communicator, mesh, mesh_axis: int) -> Group | None:
+    """``communicator``'s rank's Group along ``mesh_axis`` of ``mesh``, or None outside the
+    mesh. Creating a group is collective: every rank of the world calls this alike."""
+    process_group = communicator.group_if_member(mesh, mesh_axis)
+    rank = communicator.rank
+    if rank not in mesh:
+        return None
+    return Group(process_group, mesh.group_ranks(rank, mesh_axis),
+                 mesh.coordinate(rank)[mesh_axis], mesh_axis)

@@ -15,15 +15,17 @@ is first read, so the computation in between overlaps the communication.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 
 import torch
 
+from meshfuse.ir.fusion import Reshard
 from meshfuse.ops.reductions import reduction_identity
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.collectives import Group
 from meshfuse.runtime.comm.pending import Pending, resolved
-from meshfuse.runtime.comm.reshard_plan import ReshardStep
+from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding
 
 Index = torch.Tensor | None  # global indices held along an axis, ascending; None: all
 Runner = Callable[[torch.Tensor | Pending], torch.Tensor | Pending]
@@ -243,3 +245,41 @@ def _select(x: torch.Tensor, positions: dict[int, torch.Tensor]) -> torch.Tensor
 def _then(x: torch.Tensor | Pending, fn) -> torch.Tensor | Pending:
     """``fn(x)``, or for a pending ``x`` ``fn`` of its result when it arrives."""
     return x.then(fn) if isinstance(x, Pending) else fn(x)
+
+
+def lower_reshard(expr: Reshard, extents: Mapping, donated: bool, communicator):
+    """A communication's plan bound to ``communicator``'s rank: (implementation, plan steps,
+    text), or None when no data moves; ``extents``: the bound global extents. ``donated``: its input is dead afterwards (not an input or
+    output of the fusion, no later use), so its first step may reuse the buffer."""
+    src, dst = expr.args[0], expr.outputs[0]
+    if src.mesh is None:
+        return None
+    steps = plan_resharding(src, dst, extents)
+    if not steps:
+        return None
+    whole = functools.partial(torch.empty, [extents[i] for i in src.materialized()],
+                              dtype=src.dtype.torch_dtype, device=communicator.device)
+    rank = communicator.rank
+    lowered = []
+    for index, step in enumerate(steps):
+        mesh = step.mesh or src.mesh
+        # Every rank takes part in creating a step's groups; members run the step.
+        process_group = communicator.group_if_member(mesh, step.mesh_axis)
+        if rank not in mesh:
+            continue
+        group = Group(process_group, mesh.group_ranks(rank, step.mesh_axis),
+                      mesh.coordinate(rank)[step.mesh_axis], step.mesh_axis)
+        lowered.append(lower_step(step, group, communicator.device,
+                                  donated and index == 0, whole))
+    keeps = rank in dst.mesh
+
+    def reshard(x):
+        for step in lowered:
+            x = step(x)
+        if keeps:
+            return x
+        resolved(x)  # a rank that only sends ends its part here
+        return None
+
+    text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
+    return reshard, tuple(s.step for s in lowered), text

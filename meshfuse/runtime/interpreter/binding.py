@@ -14,6 +14,7 @@ import torch
 
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.fusion import Fusion, Reshard
+from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import (
     LocalLayout,
@@ -26,7 +27,7 @@ from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.ops.meta import arg_meta
-from meshfuse.ops.registry import TensorMeta
+from meshfuse.ops.registry import LocalContext, TensorMeta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,3 +316,12 @@ def check_strides(tv: TensorView, x: torch.Tensor, layout: LocalLayout) -> None:
                 "for row-major) or declare its stride_order/contiguity"
             )
         running = stride * n
+
+
+def local_context(binding: Binding, rank: int, device) -> LocalContext:
+    """What ``localize`` rules see of this rank: global positions of its shards."""
+    def index(tv: TensorView) -> GlobalIndex:
+        return global_index(tv, binding.extents, device_coords(tv, rank))
+
+    return LocalContext(rank, torch.device("cpu") if device is None else device, index,
+                        binding.extents)

@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from meshfuse.ops.registry import lookup
+from meshfuse.ops.registry import REGISTRY, lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
-from meshfuse.runtime.stream_loop import STREAM_LOOP
 
 FUSED = "fused"
 
@@ -47,7 +46,7 @@ def fusible(step: Step) -> bool:
     """Whether a record may go into a segment: an op (not a communication) whose torch
     implementation is a pure, stateless function of its local arguments laid out as PyTorch's
     pointwise kernels lay them out. Matrix products, attention and random ops are not."""
-    if step.op in (RESHARD, STREAM_LOOP):
+    if step.op == RESHARD or step.op not in REGISTRY:  # a communication, a strategy's loop
         return False
     op = lookup(step.op)
     return op.make_impl is None and op.localize is None and op.output_layout == "follow"

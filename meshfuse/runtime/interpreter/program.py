@@ -43,7 +43,7 @@ from meshfuse.runtime.interpreter.executor import (
 # when no data moves on any rank.
 LowerReshard = Callable[[Reshard, Binding, bool], "tuple[Callable, tuple, str] | None"]
 # group_loops(exprs, steps, calls, slot_of, kept slots) -> (steps, calls): the steps of each
-# stream-parallel loop's body made one loop step (see meshfuse.runtime.stream_loop).
+# stream-parallel loop's body made one loop step (see meshfuse.parallel.overlap.stream_loop).
 GroupLoops = Callable[..., "tuple[list[Step], list[Callable]]"]
 # lower_op(expr) -> the implementation of an op that communicates itself (ring attention),
 # or None for the op's own; called on every rank alike (group creation is collective).

@@ -13,7 +13,7 @@ overlap_candidates`) any chunk count works: every device holds every row.
 
 :func:`gemm_allreduce` finds the pattern at one communication (``overlap_candidates`` lists
 it beside the two sequence-parallel ones); the runtime decides per input signature whether
-it pays and with how many chunks (:mod:`meshfuse.runtime.allreduce_loop`).
+it pays and with how many chunks (:mod:`meshfuse.parallel.overlap.allreduce_loop`).
 """
 
 from __future__ import annotations

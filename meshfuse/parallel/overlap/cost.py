@@ -1,6 +1,6 @@
 """Whether decomposing a communication next to a GEMM into a stream loop pays.
 
-For a candidate (:mod:`meshfuse.passes.overlap_candidates`) of ``d`` chunks, a GEMM of
+For a candidate (:mod:`meshfuse.parallel.overlap.candidates`) of ``d`` chunks, a GEMM of
 ``t_g`` and a communication of ``t_c`` on this device (from the GEMM's FLOPs, the bytes
 moved, and the device's GEMM throughput and link bandwidth):
 
@@ -39,9 +39,9 @@ from meshfuse.errors import InputError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.passes.allreduce_loop import AllreduceCandidate
-from meshfuse.passes.overlap_candidates import OverlapCandidate
-from meshfuse.runtime import allreduce_loop_cost
+from meshfuse.parallel.overlap import allreduce_loop_cost
+from meshfuse.parallel.overlap.allreduce_pattern import AllreduceCandidate
+from meshfuse.parallel.overlap.candidates import OverlapCandidate
 
 MARGIN = 0.02  # a loop is chosen when estimated this much faster (the estimate's error)
 
@@ -166,7 +166,7 @@ def choose_loops(candidates: list[OverlapCandidate], extents: Mapping[IterDomain
 def _allreduce_loop(candidate: AllreduceCandidate, extents: Mapping[IterDomain, int],
                     device_type: str, transport: str):
     """(the loop or None, why) for a GEMM -> allreduce candidate
-    (:func:`meshfuse.runtime.allreduce_loop_cost.choose`)."""
+    (:func:`meshfuse.parallel.overlap.allreduce_loop_cost.choose`)."""
     return allreduce_loop_cost.choose(candidate, extents, _largest_shard,
                                       cost_for(device_type), cost_for(device_type, transport),
                                       transport, automatic())

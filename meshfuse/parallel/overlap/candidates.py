@@ -10,13 +10,13 @@ of ``d`` devices, when no user stream loop covers them already:
   reduce-scattered onto one of its axes (``P -> S(a)``); the loop computes each block's
   partial product and reduces it onto the block's owner;
 - **GEMM -> allreduce** (tensor parallelism without sequence parallelism): a row-parallel
-  GEMM's partial result allreduced, cut into row chunks (:mod:`meshfuse.passes.allreduce_loop`).
+  GEMM's partial result allreduced, cut into row chunks (:mod:`meshfuse.parallel.overlap.allreduce_pattern`).
 
 :func:`overlap_candidates` lists them with the user's choice (``tv.set_overlap``: ``True``
 forces, ``False`` forbids, read from the GEMM's tensors and the communication's); the
 runtime decides the others per input signature with a cost estimate
-(:mod:`meshfuse.runtime.overlap_cost`) and turns the chosen ones into
-:class:`~meshfuse.passes.stream_parallel.StreamLoopPlan` records with :meth:`plan`.
+(:mod:`meshfuse.parallel.overlap.cost`) and turns the chosen ones into
+:class:`~meshfuse.parallel.overlap.stream_parallel.StreamLoopPlan` records with :meth:`plan`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.passes.allreduce_loop import AllreduceCandidate, gemm_allreduce, overlap_choice
-from meshfuse.passes.stream_parallel import (
+from meshfuse.parallel.overlap.allreduce_pattern import (
+    AllreduceCandidate,
+    gemm_allreduce,
+    overlap_choice,
+)
+from meshfuse.parallel.overlap.stream_parallel import (
     StreamAxis,
     StreamLoopPlan,
     chunk_ids_of,

@@ -2,7 +2,7 @@
 interpreter.
 
 A row-parallel GEMM and the allreduce of its partial result
-(:class:`~meshfuse.passes.allreduce_loop.AllreduceLoopPlan`) become one ``stream_loop``
+(:class:`~meshfuse.parallel.overlap.allreduce_pattern.AllreduceLoopPlan`) become one ``stream_loop``
 step holding an :class:`AllreduceLoop` record. Running it (:class:`AllreduceLoopCall`):
 the result is allocated whole; the GEMM's first operand and the result are seen as rows
 (every axis but the last, flattened); chunk ``i`` covers rows ``[i*q, (i+1)*q)``, ``q =
@@ -15,7 +15,7 @@ first read, as a plain allreduce's is: work after the loop that does not read it
 held back by the last chunk's allreduce.
 
 Whether it pays, by which transport and in how many chunks:
-:mod:`meshfuse.runtime.allreduce_loop_cost`. By the copy engines (:class:`CopyEngineReduce`)
+:mod:`meshfuse.parallel.overlap.allreduce_loop_cost`. By the copy engines (:class:`CopyEngineReduce`)
 the peers' rows are pulled from symmetric memory without SMs and summed where the result is
 read.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from meshfuse.ir.memory_type import MemoryType
-from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
+from meshfuse.parallel.overlap.allreduce_pattern import AllreduceLoopPlan
 from meshfuse.runtime.comm import copy_engine
 from meshfuse.runtime.comm.collectives import (
     Group,
@@ -216,7 +216,7 @@ GroupOf = Callable[[Any, int], "Group | None"]
 
 
 # transport_of(groups, symmetric) -> (transport, why): the transport asked for a loop over
-# ``groups`` (meshfuse.runtime.stream_loop_lowering.choose_transport, bound to the request
+# ``groups`` (meshfuse.parallel.overlap.stream_loop_lowering.choose_transport, bound to the request
 # and the device); ``symmetric``: a tensor of the loop has MemoryType.symmetric.
 TransportOf = Callable[[Sequence[Group], bool], "tuple[str, str]"]
 

@@ -1,7 +1,7 @@
 """Stream-parallel loops in the per-rank program: the loop record and its interpreter.
 
-A ``stream_loop`` step (made by :mod:`meshfuse.runtime.stream_loop_lowering` from the loops
-:func:`meshfuse.passes.stream_parallel.plan_stream_loops` plans) holds a
+A ``stream_loop`` step (made by :mod:`meshfuse.parallel.overlap.stream_loop_lowering` from the loops
+:func:`meshfuse.parallel.overlap.stream_parallel.plan_stream_loops` plans) holds a
 :class:`StreamLoop` record, which is data: the chunk count, the body's own step records, the
 chunk axis of every value slot it touches, the communications decomposed per chunk
 (:class:`ChunkGather`), the results it writes chunk by chunk, and the size of its stream

@@ -1,12 +1,12 @@
 """Whether a GEMM -> allreduce pair runs as a loop of row chunks, by which transport, and in
-how many chunks (:mod:`meshfuse.runtime.allreduce_loop`).
+how many chunks (:mod:`meshfuse.parallel.overlap.allreduce_loop`).
 
 For a GEMM of ``t_g`` whose result's allreduce moves in ``t_c`` (``2 (d - 1) / d`` of the
 result per device over the process group, ``d - 1`` whole results pulled by the copy
 engines), with ``f`` the time of the GEMMs that may run while it moves (after the pair in
 the program, neither feeding it nor reading its result: a backward's GEMMs beside the
 forward's allreduce, the weight gradients beside the input gradient's), each on its
-transport's figures (:class:`~meshfuse.runtime.overlap_cost.OverlapCost`: throughput,
+transport's figures (:class:`~meshfuse.parallel.overlap.cost.OverlapCost`: throughput,
 bandwidth, host cost ``h`` per chunk, ``contention`` c: the share of a transfer's time that
 the kernels beside it lose):
 
@@ -17,7 +17,7 @@ the kernels beside it lose):
   ``t_g + e + c * (t_c - e) + k h``.
 
 With the process group's measured contention of 1 (NCCL's kernels wait for a persistent
-cuBLAS GEMM's SMs, see :mod:`meshfuse.runtime.overlap_cost`) no loop is ever estimated
+cuBLAS GEMM's SMs, see :mod:`meshfuse.parallel.overlap.cost`) no loop is ever estimated
 faster. By the copy engines (a contention of 0.1) it is: in one chunk where enough work
 follows to hide the whole transfer (the allreduce then takes no SM while it moves), in more
 where little does (the Megatron MLP's forward alone). ``k`` is the estimate's best of 1
@@ -35,8 +35,8 @@ from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Expr
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.passes.allreduce_loop import AllreduceCandidate, AllreduceLoopPlan
-from meshfuse.runtime.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
+from meshfuse.parallel.overlap.allreduce_loop import COPY_ENGINE, PROCESS_GROUP
+from meshfuse.parallel.overlap.allreduce_pattern import AllreduceCandidate, AllreduceLoopPlan
 from meshfuse.runtime.interpreter.program import communication_first
 
 CHUNKS_ENV = "MESHFUSE_OVERLAP_CHUNKS"

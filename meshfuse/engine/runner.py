@@ -21,24 +21,25 @@ from typing import Any
 
 import torch
 
+from meshfuse.engine.settings import (
+    AUTO,
+    CUDA_GRAPH_ENV,
+    compile_setting,
+    cuda_graph_setting,
+)
 from meshfuse.errors import InputError
 from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
-from meshfuse.ir.global_index import GlobalIndex, global_index
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.ops.registry import LocalContext
 from meshfuse.parallel import context
+from meshfuse.parallel.overlap import OverlapPlan, group_stream_loops
 from meshfuse.passes.localization import localize
-from meshfuse.passes.overlap_candidates import overlap_candidates
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
-from meshfuse.passes.stream_parallel import plan_stream_loops
-from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.comm.collectives import Group, group_along
 from meshfuse.runtime.comm.communicator import Communicator
-from meshfuse.runtime.comm.pending import resolved
-from meshfuse.runtime.comm.reshard_lowering import lower_step
-from meshfuse.runtime.comm.reshard_plan import plan_resharding
+from meshfuse.runtime.comm.reshard_lowering import lower_reshard
 from meshfuse.runtime.faults.failures import OutOfStep, checked_timeout
 from meshfuse.runtime.faults.lone_failures import BEFORE_RUNNING
 from meshfuse.runtime.interpreter.agreement import agreed_inputs, input_facts, out_of_step
@@ -47,25 +48,18 @@ from meshfuse.runtime.interpreter.binding import (
     bind,
     check_inputs,
     check_strides,
-    device_coords,
     has_symbolic_extents,
     held_here,
     is_cpu_scalar,
+    local_context,
     required_device,
 )
 from meshfuse.runtime.interpreter.bucketing import bucket_lines
 from meshfuse.runtime.interpreter.executor import Program
 from meshfuse.runtime.interpreter.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.interpreter.program import build_program
-from meshfuse.runtime.overlap_cost import candidate_lines, choose_loops
 from meshfuse.runtime.replay.automatic import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.replay.graphs import GraphedProgram
-from meshfuse.runtime.stream_loop import STREAM_LOOP
-from meshfuse.runtime.stream_loop_lowering import (
-    choose_transport,
-    group_stream_loops,
-    stream_loop_lines,
-)
 
 
 class FusionRunner:
@@ -81,10 +75,8 @@ class FusionRunner:
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
-        self.stream_loops = plan_stream_loops(self.fusion)
-        # Communications next to GEMMs the engine may run as stream loops (docs/overlap.md).
-        self.overlap_candidates = overlap_candidates(self.fusion, self.stream_loops)
-        self._overlap_lines: dict[tuple, list[str]] = {}
+        # Stream loops, and communications next to GEMMs it may run as loops (docs/overlap.md).
+        self.overlap = OverlapPlan.of(self.fusion)
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
         # How stream loops' decomposed communications move data (CommunicatorBackend).
@@ -218,11 +210,8 @@ class FusionRunner:
             lambda prepared, tv: _extents_of(prepared[0], tv), self._shape_known,
             check_ranks, in_call, lambda prepared: context.agreed_facts(fusion.exprs, prepared[1]),
         )
-        transport, _ = choose_transport(self.loop_transport, device, [], symmetric=False)
-        plans, lines = choose_loops(self.overlap_candidates, binding.extents, device.type,
-                                    transport)
-        self._overlap_lines[_signature(inputs)] = lines
-        plans = [*self.stream_loops, *plans]
+        plans = self.overlap.loops_for(_signature(inputs), binding.extents, device,
+                                       self.loop_transport)
         self._create_loop_groups(plans)
         group_loops = None
         if plans:
@@ -295,32 +284,14 @@ class FusionRunner:
         return binding
 
     def _loop_lines(self, key: tuple | None) -> list[str]:
-        """explain's lines on stream-parallel loops: the user's, then the engine's choice
-        for each communication next to a GEMM (for ``key``'s signature, when given)."""
-        lines = []
-        if self.stream_loops:
-            lines += ["stream-parallel loops:",
-                      *stream_loop_lines(self.stream_loops, self.ring_order)]
-        if self.overlap_candidates:
-            decided = self._overlap_lines.get(key) if key is not None else None
-            lines += ["communications next to GEMMs (overlap):",
-                      *(decided or candidate_lines(self.overlap_candidates))]
+        """explain's lines on stream-parallel loops (for ``key``'s signature, when given)."""
         program = self._programs.get(key) if key is not None else None
-        transports = [step.plan[0].transport_line() for step in program.steps
-                      if step.op == STREAM_LOOP] if program is not None else []
-        if any(transports):
-            lines += ["stream loop transports on this rank:",
-                      *(f"  {line}" for line in transports if line)]
-        return lines
+        return self.overlap.explain_lines(key, self.ring_order, program)
 
     def _group(self, mesh, mesh_axis: int) -> Group | None:
         """This rank's Group along ``mesh_axis`` of ``mesh`` (every rank takes part in
         creating it); None outside the mesh."""
-        process_group = self.communicator.group_if_member(mesh, mesh_axis)
-        if self.rank not in mesh:
-            return None
-        return Group(process_group, mesh.group_ranks(self.rank, mesh_axis),
-                     mesh.coordinate(self.rank)[mesh_axis], mesh_axis)
+        return group_along(self.communicator, mesh, mesh_axis)
 
     def _lower_op(self, expr):
         """An op a strategy runs itself, bound to this rank's group (a context-parallel
@@ -328,40 +299,8 @@ class FusionRunner:
         return context.lower_attention(expr, self._group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
-        """A communication's plan bound to this rank: (implementation, plan steps, text), or
-        None when no data moves. ``donated``: its input is dead afterwards (not an input or
-        output of the fusion, no later use), so its first step may reuse the buffer."""
-        src, dst = expr.args[0], expr.outputs[0]
-        if src.mesh is None:
-            return None
-        steps = plan_resharding(src, dst, binding.extents)
-        if not steps:
-            return None
-        whole = functools.partial(torch.empty, [binding.extents[i] for i in src.materialized()],
-                                  dtype=src.dtype.torch_dtype, device=self.communicator.device)
-        lowered = []
-        for index, step in enumerate(steps):
-            mesh = step.mesh or src.mesh
-            # Every rank takes part in creating a step's groups; members run the step.
-            process_group = self.communicator.group_if_member(mesh, step.mesh_axis)
-            if self.rank not in mesh:
-                continue
-            group = Group(process_group, mesh.group_ranks(self.rank, step.mesh_axis),
-                          mesh.coordinate(self.rank)[step.mesh_axis], step.mesh_axis)
-            lowered.append(lower_step(step, group, self.communicator.device,
-                                      donated and index == 0, whole))
-        keeps = self.rank in dst.mesh
-
-        def reshard(x):
-            for step in lowered:
-                x = step(x)
-            if keeps:
-                return x
-            resolved(x)  # a rank that only sends ends its part here
-            return None
-
-        text = "; ".join(f"{s.step.describe()} (ranks {list(s.group.ranks)})" for s in lowered)
-        return reshard, tuple(s.step for s in lowered), text
+        """A communication's plan bound to this rank (see :func:`lower_reshard`)."""
+        return lower_reshard(expr, binding.extents, donated, self.communicator)
 
 
 def _extents_of(binding: Binding, tv: TensorView) -> tuple:
@@ -378,8 +317,8 @@ def _checked_options(timeout: object, compile: object) -> None:
         compile_setting(compile)
 
 
-def _group_loops(plans, exprs, steps, calls, slot_of, keep, **context):
-    return group_stream_loops(plans, exprs, steps, calls, slot_of, keep, **context)
+def _group_loops(plans, exprs, steps, calls, slot_of, keep, **options):
+    return group_stream_loops(plans, exprs, steps, calls, slot_of, keep, **options)
 
 
 def _random_streams(program: Program) -> list[str]:
@@ -390,15 +329,6 @@ def _random_streams(program: Program) -> list[str]:
             outputs, _, call = step.label.partition(" = ")
             notes.append(f"  {call.partition('(')[0]} -> {outputs}: {step.note}")
     return [f"random streams on rank {program.rank}:", *notes] if notes else []
-
-
-def local_context(binding: Binding, rank: int, device) -> LocalContext:
-    """What ``localize`` rules see of this rank: global positions of its shards."""
-    def index(tv: TensorView) -> GlobalIndex:
-        return global_index(tv, binding.extents, device_coords(tv, rank))
-
-    return LocalContext(rank, torch.device("cpu") if device is None else device, index,
-                        binding.extents)
 
 
 def _device_of(inputs: Sequence[Any], communicator) -> torch.device:
@@ -425,50 +355,6 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
             )
     if not torch.cuda.is_available():
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
-
-
-AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpreter on CPU
-
-
-CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
-
-
-def cuda_graph_setting(value: str | None) -> bool:
-    """Whether ``execute(cuda_graph=None)`` replays automatically (:mod:`replay`), from
-    ``MESHFUSE_CUDA_GRAPH``: yes when unset or ``auto``, no for ``0``."""
-    text = (value or "").strip().lower()
-    if text in ("", AUTO):
-        return True
-    if text in ("0", "false", "off"):
-        return False
-    raise InputError(f"{CUDA_GRAPH_ENV}={value!r}: use '0' (never replay automatically) or "
-                     "leave it unset (or 'auto': replay every program where it is safe)")
-
-
-def compile_setting(value: bool | str | None) -> str | None:
-    """The torch.compile backend an ``execute(compile=...)`` option or ``MESHFUSE_COMPILE``
-    value asks for: None (the interpreter) for False/"0"/"", "inductor" for True/"1",
-    ``"auto"`` (Inductor on CUDA, the interpreter on CPU), else the backend it names
-    ("aot_eager" runs the same lowering without generating kernels)."""
-    if value in (None, False, "0", "", "false", "False"):
-        return None
-    if value in (True, "1", "true", "True"):
-        return "inductor"
-    if value in ("inductor", AUTO) or value in _BACKENDS_SEEN:
-        return value
-    if isinstance(value, str):
-        # torch._dynamo is imported here, by a program that asks for a compiler by name.
-        if value not in torch._dynamo.list_backends(exclude_tags=()):
-            raise InputError(f"execute(compile={value!r}): no torch.compile backend of that "
-                             "name; pass True (Inductor), 'auto', False or one of "
-                             f"{sorted(torch._dynamo.list_backends(exclude_tags=()))}")
-        _BACKENDS_SEEN.add(value)
-        return value
-    raise InputError(f"execute(compile={value!r}): pass True, False or a torch.compile "
-                     "backend name such as 'inductor'")
-
-
-_BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backends
 
 
 def _signature(inputs: list) -> tuple:

@@ -1,8 +1,8 @@
 """Lowering stream-parallel loops into the per-rank program.
 
 :func:`group_stream_loops` replaces the steps of each loop's body (a
-:class:`~meshfuse.passes.stream_parallel.StreamLoopPlan`, the user's or the engine's) by one
-``stream_loop`` step whose record (:class:`~meshfuse.runtime.stream_loop.StreamLoop`) says,
+:class:`~meshfuse.parallel.overlap.stream_parallel.StreamLoopPlan`, the user's or the engine's) by one
+``stream_loop`` step whose record (:class:`~meshfuse.parallel.overlap.stream_loop.StreamLoop`) says,
 for this rank: the chunk count, the body's records, the chunk axis of every slot, which
 communications run decomposed per block (an allgather of the stream axis as broadcasts or a
 collective permute, a reduce-scatter onto it as reduces onto each block's owner) and which
@@ -28,14 +28,9 @@ from meshfuse.ir.memory_type import MemoryType
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Val
-from meshfuse.passes.allreduce_loop import AllreduceLoopPlan
-from meshfuse.passes.stream_parallel import StreamLoopPlan, chunk_sharding
-from meshfuse.runtime import allreduce_loop
-from meshfuse.runtime.comm import copy_engine
-from meshfuse.runtime.comm.collectives import Group
-from meshfuse.runtime.interpreter.binding import Binding
-from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
-from meshfuse.runtime.stream_loop import (
+from meshfuse.parallel.overlap import allreduce_loop
+from meshfuse.parallel.overlap.allreduce_pattern import AllreduceLoopPlan
+from meshfuse.parallel.overlap.stream_loop import (
     COPY_ENGINE,
     MAX_STREAMS,
     PROCESS_GROUP,
@@ -46,6 +41,11 @@ from meshfuse.runtime.stream_loop import (
     StreamLoopCall,
     plain_gemm,
 )
+from meshfuse.parallel.overlap.stream_parallel import StreamLoopPlan, chunk_sharding
+from meshfuse.runtime.comm import copy_engine
+from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.interpreter.binding import Binding
+from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
 
 AUTO = "auto"
 TRANSPORT_ENV = "MESHFUSE_OVERLAP_TRANSPORT"
@@ -73,7 +73,7 @@ def group_stream_loops(plans: Sequence[StreamLoopPlan | AllreduceLoopPlan], expr
         members = [k for k, e in enumerate(exprs) if e in plan.exprs]
         if not members:
             continue
-        if isinstance(plan, AllreduceLoopPlan):  # meshfuse.runtime.allreduce_loop's own
+        if isinstance(plan, AllreduceLoopPlan):  # meshfuse.parallel.overlap.allreduce_loop's own
             made = allreduce_loop.lowered(
                 plan, [steps[k] for k in members], [calls[k] for k in members], binding,
                 group_of, STREAM_LOOP, functools.partial(choose_transport, transport, device)
