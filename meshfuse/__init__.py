@@ -11,7 +11,6 @@ import importlib
 
 from meshfuse import multidevice, pytorch_utils  # noqa: F401  (nvFuser's submodules)
 from meshfuse import ops as _ops  # noqa: F401  (registers every op)
-from meshfuse.autodiff.api import vjp
 from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
 from meshfuse.errors import (
@@ -23,13 +22,14 @@ from meshfuse.errors import (
     ScheduleError,
     ShardingError,
 )
+from meshfuse.frontend.backward import vjp
 from meshfuse.frontend.fusion_definition import FusionDefinition
 from meshfuse.frontend.multidevice_executor import CommunicatorBackend
 from meshfuse.frontend.outputs import DistributedTensor
 from meshfuse.ir.memory_type import MemoryType
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.mesh import DeviceMesh
 from meshfuse.multidevice import Communicator, Sharding
 from meshfuse.profiler import PythonProfiler
 from meshfuse.sharding import shard_tensor, unshard_tensor

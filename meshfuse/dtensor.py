@@ -37,9 +37,9 @@ from meshfuse.errors import InputError, ShardingError
 from meshfuse.ir import placement as mf
 from meshfuse.ir.iter_domain import Split
 from meshfuse.ir.layout import device_ids, local_indices, shard_factor
+from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.ir.parallel_type import device_parallel_type
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.mesh import DeviceMesh
-from meshfuse.multidevice import device_parallel_type
 from meshfuse.runtime.interpreter.binding import device_coords
 
 __all__ = [

@@ -35,10 +35,10 @@ import torch
 from meshfuse.ir.fusion import Expr, Fusion, Reshard, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import derived_extents, local_indices, shard_factor
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
-from meshfuse.mesh import DeviceMesh
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.comm.collectives import Communication
 from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding

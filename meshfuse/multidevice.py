@@ -20,10 +20,8 @@ from meshfuse.frontend.multidevice_executor import (
     MultiDeviceExecutor,
     MultiDeviceExecutorParams,
 )
-from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES, ParallelType
-from meshfuse.ir.placement import Shard, placements
-from meshfuse.ir.tensor_view import TensorView
-from meshfuse.mesh import DeviceMesh
+from meshfuse.frontend.outputs import Sharding
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.runtime.comm import communicator as _runtime
 from meshfuse.sharding import shard_tensor
 
@@ -78,35 +76,3 @@ class Communicator:
     def runtime(self) -> _runtime.Communicator:
         """meshfuse's communicator (process groups, device, backend)."""
         return self._runtime
-
-
-class Sharding:
-    """How a fusion output lies on its mesh: nvFuser's ``Sharding`` (legacy frontend).
-
-    ``axis_sharded_on(pt)`` is the output axis sharded on parallel type ``pt``, or -1 where
-    the output is replicated (or partial) along that mesh axis.
-    """
-
-    def __init__(self, tv: TensorView) -> None:
-        self.mesh: DeviceMesh | None = tv.mesh
-        self._axes: dict[ParallelType, int] = {}
-        if tv.mesh is None:
-            return
-        for mesh_axis, placement in enumerate(placements(tv)):
-            if isinstance(placement, Shard):
-                pt = device_parallel_type(mesh_axis, tv.mesh.ndim)
-                self._axes[pt] = placement.axis
-
-    def axis_sharded_on(self, parallel_type: ParallelType) -> int:
-        return self._axes.get(parallel_type, -1)
-
-    def __repr__(self) -> str:
-        shards = ", ".join(f"{pt.value}: axis {a}" for pt, a in sorted(
-            self._axes.items(), key=lambda item: item[0].value))
-        return f"Sharding(mesh={self.mesh!r}, {shards or 'replicated'})"
-
-
-def device_parallel_type(mesh_axis: int, mesh_ndim: int) -> ParallelType:
-    """The device parallel type that runs over ``mesh_axis`` of a ``mesh_ndim``-D mesh
-    (``mesh_x`` the last axis, ``mesh_y`` the one before, ``mesh_z`` the one before that)."""
-    return DEVICE_PARALLEL_TYPES[mesh_ndim - 1 - mesh_axis]

@@ -10,7 +10,7 @@ import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
 from meshfuse import DataType, FusionDefinition, shard_tensor
-from meshfuse.mesh import DeviceMesh
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.runtime.comm.reshard_plan import ReshardStep, ShardingSpec
 from meshfuse.runtime.interpreter import bucketing

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfuse.mesh import DeviceMesh
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.collectives import Group
 from meshfuse.runtime.comm.pending import Pending, resolved

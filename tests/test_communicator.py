@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime.comm.launch_env import LaunchInfo, choose_backend, launch_info_from_env
 
 # ----- launcher variables and backend (one process, no torch.distributed) ---------------------

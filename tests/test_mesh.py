@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfuse.errors import ScheduleError, ShardingError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 
 X, Y, Z = ParallelType.mesh_x, ParallelType.mesh_y, ParallelType.mesh_z
 

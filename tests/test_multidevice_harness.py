@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 from meshfuse.testing import launcher, plugin, worker
 from meshfuse.testing.launcher import BatchSpec, RankRun, Verdict
 

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from meshfuse.dtypes import DataType
 from meshfuse.frontend.fusion_definition import FusionDefinition
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 
 EPS = 1e-5
 

@@ -49,7 +49,7 @@ from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
 from meshfuse.examples.gpt import GptBlock, init_parameters, torch_block
 from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
-from meshfuse.mesh import DeviceMesh
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.sharding import shard_tensor
 

@@ -28,12 +28,11 @@ from meshfuse.dtypes import DataType
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import DefinitionError
 from meshfuse.frontend.options import ignored_options
-from meshfuse.frontend.outputs import as_distributed
+from meshfuse.frontend.outputs import Sharding, as_distributed
 from meshfuse.frontend.schedule import Schedule
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
-from meshfuse.multidevice import Sharding
 from meshfuse.ops.namespace import Ops, scalar_dtype
 from meshfuse.ops.user_tensor import UserTensorView
 from meshfuse.runtime.comm.communicator import Communicator

@@ -13,9 +13,36 @@ from collections.abc import Sequence
 
 import torch
 
-from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
-from meshfuse.multidevice import Sharding
+from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.ir.parallel_type import ParallelType, device_parallel_type
+from meshfuse.ir.placement import Shard, placements
+from meshfuse.ir.tensor_view import TensorView
+
+
+class Sharding:
+    """How a fusion output lies on its mesh: nvFuser's ``Sharding`` (legacy frontend).
+
+    ``axis_sharded_on(pt)`` is the output axis sharded on parallel type ``pt``, or -1 where
+    the output is replicated (or partial) along that mesh axis.
+    """
+
+    def __init__(self, tv: TensorView) -> None:
+        self.mesh: DeviceMesh | None = tv.mesh
+        self._axes: dict[ParallelType, int] = {}
+        if tv.mesh is None:
+            return
+        for mesh_axis, placement in enumerate(placements(tv)):
+            if isinstance(placement, Shard):
+                pt = device_parallel_type(mesh_axis, tv.mesh.ndim)
+                self._axes[pt] = placement.axis
+
+    def axis_sharded_on(self, parallel_type: ParallelType) -> int:
+        return self._axes.get(parallel_type, -1)
+
+    def __repr__(self) -> str:
+        shards = ", ".join(f"{pt.value}: axis {a}" for pt, a in sorted(
+            self._axes.items(), key=lambda item: item[0].value))
+        return f"Sharding(mesh={self.mesh!r}, {shards or 'replicated'})"
 
 
 class DistributedTensor(torch.Tensor):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.mesh import DeviceMesh
 from meshfuse.ops.user_tensor import rfactor
 
 

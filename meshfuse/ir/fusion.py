@@ -11,7 +11,7 @@ compiler inserted: one tensor moved from one sharding to another, with no op.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshfuse.ir.placement import Placement, placements
 from meshfuse.ir.printer import format_expr, format_fusion
@@ -19,8 +19,16 @@ from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 
 if TYPE_CHECKING:
     from meshfuse.ir.iter_domain import IterDomain
-    from meshfuse.mesh import DeviceMesh
-    from meshfuse.ops.registry import OpDef
+    from meshfuse.ir.mesh import DeviceMesh
+
+
+class Op(Protocol):
+    """What the IR reads of an op's declaration (:class:`meshfuse.ops.registry.OpDef`, which
+    the IR does not import: ops stand on the IR)."""
+
+    name: str
+    params: tuple
+    partial_reduce: Any
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,7 +44,7 @@ class Expr:
             first source first).
     """
 
-    op: OpDef | None
+    op: Op | None
     args: tuple[Any, ...]
     outputs: tuple[Val, ...]
     attrs: dict[str, Any]

@@ -44,3 +44,9 @@ class ParallelType(enum.Enum):
 
 
 DEVICE_PARALLEL_TYPES = (ParallelType.mesh_x, ParallelType.mesh_y, ParallelType.mesh_z)
+
+
+def device_parallel_type(mesh_axis: int, mesh_ndim: int) -> ParallelType:
+    """The device parallel type that runs over ``mesh_axis`` of a ``mesh_ndim``-D mesh
+    (``mesh_x`` the last axis, ``mesh_y`` the one before, ``mesh_z`` the one before that)."""
+    return DEVICE_PARALLEL_TYPES[mesh_ndim - 1 - mesh_axis]

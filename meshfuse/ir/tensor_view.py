@@ -29,8 +29,8 @@ from meshfuse.ir.iter_domain import (
     split_ids,
 )
 from meshfuse.ir.memory_type import MemoryType
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from meshfuse.ir.fusion import Expr, Fusion

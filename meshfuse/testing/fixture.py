@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 from meshfuse.runtime.comm.launch_env import choose_backend, launch_info_from_env
 from meshfuse.runtime.comm.process_groups import ProcessGroups
 from meshfuse.runtime.comm.retired_groups import keep_until_timed_out

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
-from meshfuse.mesh import DeviceMesh
 
 # ``Communicator.translated``: turns a failure of the block's torch.distributed calls into a
 # CollectiveFailed naming what and among which ranks.

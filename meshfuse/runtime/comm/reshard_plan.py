@@ -47,9 +47,9 @@ import torch
 from meshfuse.ir.fusion import partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.layout import split_indices
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.placement import Partial, Placement, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.mesh import DeviceMesh
 
 PHASES = ("slice", "reduce_scatter", "all_to_all", "allreduce", "allgather", "to_partial")
 
