@@ -21,6 +21,7 @@ from meshfuse import DeviceMesh
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
 from meshfuse.ir.printer import format_tensor
 from meshfuse.launch import launcher_world_size, spawn
+from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.sharding import shard_tensor
 
 RTOL, ATOL = 1.6e-2, 1e-2
@@ -102,8 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_rank(args) -> int:
-    from meshfuse.runtime.comm.communicator import Communicator
-
     comm = Communicator.instance()
     d, b, h, s, e = comm.size, args.batch, args.heads, args.seq, args.embed
     mesh = DeviceMesh(range(d))

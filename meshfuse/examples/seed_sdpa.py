@@ -15,6 +15,7 @@ import enum
 import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
+from meshfuse.sharding import shard_tensor
 
 
 class QkvFormat(enum.Enum):
@@ -68,7 +69,6 @@ class SeedAttention(FusionDefinition):
 
     def inputs_for(self, q, k, v, out_grad, rank: int) -> list[torch.Tensor]:
         """``rank``'s local shards of global q, k, v, out_grad, laid out as scheduled."""
-        from meshfuse.sharding import shard_tensor
 
         self.define()
         return [shard_tensor(t, tv, rank) for t, tv in

@@ -8,6 +8,7 @@ from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.sharding import shard_tensor, unshard_tensor
 
 
 class MultideviceTest:
@@ -71,7 +72,6 @@ class MultideviceTest:
             mesh = self._mesh(mesh)
             local = mesh.shard_tensor(t, dim_or_tensorview, ParallelType.mesh_x, self.rank)
         else:
-            from meshfuse.sharding import shard_tensor
 
             _no_mesh_with_tensorview(mesh, "shard_tensor")
             local = shard_tensor(t, dim_or_tensorview, self.rank)
@@ -95,7 +95,6 @@ class MultideviceTest:
             mesh = self._mesh(mesh)
             shards = self._communicator.allgather(t.to(self.device), mesh, ParallelType.mesh_x)
             return torch.cat(shards, dim=dim_or_tensorview)
-        from meshfuse.sharding import unshard_tensor
 
         _no_mesh_with_tensorview(mesh, "unshard_tensor")
         tv = compiled_for(dim_or_tensorview.fusion)[dim_or_tensorview]  # its sharding as run

@@ -39,6 +39,8 @@ import pytest
 import torch
 
 from meshfuse.launch import cpu_count
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.testing.fixture import MultideviceTest
 from meshfuse.testing.launcher import BatchSpec, Verdict, run_batch, run_batches
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
@@ -184,9 +186,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def multidevice_test():
     """This process's :class:`~meshfuse.testing.fixture.MultideviceTest` (rank, size, device,
     communicator, shard/unshard helpers)."""
-    from meshfuse.runtime.comm.communicator import Communicator
-    from meshfuse.testing.fixture import MultideviceTest
-
     return MultideviceTest(Communicator.instance())
 
 
@@ -200,8 +199,6 @@ class RankRunner:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if world_size_of(item) is not None:
-            from meshfuse.runtime.comm.communicator import Communicator
-
             Communicator.instance()
 
 
