@@ -1,1 +1,2 @@
-"""The fusion IR: IterDomains, TensorViews, the fusion graph, its printer and verifier."""
+"""The fusion IR: IterDomains, TensorViews, the fusion graph, meshes, placements and layouts,
+its printer and verifier."""

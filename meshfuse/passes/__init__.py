@@ -1,1 +1,2 @@
-"""Passes over a fusion; each is a small function, run in order by ``pipeline``."""
+"""The build pipeline (``pipeline``): small passes over a private copy of a fusion, generic in
+the parallelism strategies (which add their own passes by registering them)."""

@@ -1,1 +1,3 @@
-"""Running a built fusion: binding, the per-rank program, communication."""
+"""Running a per-rank program, in four packages, each importing only those after it:
+``replay`` (CUDA graphs), ``interpreter`` (the program and its execution), ``comm``
+(communication) and ``faults`` (failure handling)."""
