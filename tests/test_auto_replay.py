@@ -1,4 +1,5 @@
-"""Automatic CUDA-graph replay (``meshfuse.runtime.replay.automatic``): ``execute``'s default on CUDA.
+"""Automatic CUDA-graph replay (``meshfuse.runtime.replay.automatic``): ``execute``'s default on
+CUDA.
 
 The policy runs on CPU with a stand-in for the CUDA graph that re-runs the program into the
 captured outputs, reading the inputs where they were at capture (as a graph does): the first

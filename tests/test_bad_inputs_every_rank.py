@@ -5,8 +5,8 @@ the *culprit* (the last rank) makes the mistake while the others pass good shard
 ``everywhere`` are mistakes every rank makes alike, such as a bad option). Every rank must
 raise the row's error type, the culprit's message must contain the row's words, and the other
 ranks' message must name the culprit (``rank N``): they learn of it in the cross-rank
-agreement (``meshfuse.runtime.interpreter.agreement``) instead of waiting in a collective. Afterwards
-every rank runs the fusion with good inputs, so the ranks are still in step.
+agreement (``meshfuse.runtime.interpreter.agreement``) instead of waiting in a collective.
+Afterwards every rank runs the fusion with good inputs, so the ranks are still in step.
 
 Ranks that disagree on the fusion itself (mesh order, mesh shape, schedule) are at the end.
 """

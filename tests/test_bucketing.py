@@ -1,6 +1,6 @@
-"""Bucketed allreduces (:mod:`meshfuse.runtime.interpreter.bucketing`): small allreduces whose results no
-step reads (the gradients of replicated parameters) run as one collective, where the last of
-them was planned; every sharded result still equals the unsharded one.
+"""Bucketed allreduces (:mod:`meshfuse.runtime.interpreter.bucketing`): small allreduces whose
+results no step reads (the gradients of replicated parameters) run as one collective, where the last
+of them was planned; every sharded result still equals the unsharded one.
 """
 
 from __future__ import annotations

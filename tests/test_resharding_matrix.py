@@ -5,10 +5,10 @@
 the second splits what the first left), or ``P`` (x is then a partial sum, made by summing a
 leading axis sharded on that mesh axis). Extents divisible by the mesh axes or not. Each rank
 compares its shard of y with ``shard_tensor`` of the global tensor and asserts the collectives
-that ran against the table of the planner (runtime/comm/reshard_plan.py): per mesh axis that changes,
-``S -> R`` allgather, ``S -> S`` all-to-all, ``P -> R`` allreduce, ``P -> S`` reduce-scatter,
-``R -> S`` nothing; between meshes, the source is made whole, broadcast to the destination
-devices it lacks, and sliced there.
+that ran against the table of the planner (runtime/comm/reshard_plan.py): per mesh axis that
+changes, ``S -> R`` allgather, ``S -> S`` all-to-all, ``P -> R`` allreduce, ``P -> S``
+reduce-scatter, ``R -> S`` nothing; between meshes, the source is made whole, broadcast to the
+destination devices it lacks, and sliced there.
 """
 
 from __future__ import annotations

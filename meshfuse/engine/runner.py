@@ -3,12 +3,12 @@
 Build: compile the fusion (:func:`meshfuse.passes.pipeline.compiled_for`: a private copy
 checked, propagated, resharded, with its memory orders, built once per definition and
 schedule; the user's fusion is not changed). Per new input signature, once: bind extents
-and local layouts (:func:`~meshfuse.runtime.interpreter.binding.bind`), check the inputs against them,
-check that every op is local (:func:`~meshfuse.passes.sharding_check.check_no_resharding`),
-agree on all that across ranks (:func:`~meshfuse.runtime.interpreter.agreement.agreed_inputs`), localize
-(:func:`~meshfuse.passes.localization.localize`), and build the :class:`Program` records
-(:func:`~meshfuse.runtime.interpreter.program.build_program`), each communication's plan bound to this
-rank's groups. With ``cuda_graph=True``, the program is captured once
+and local layouts (:func:`~meshfuse.runtime.interpreter.binding.bind`), check the inputs against
+them, check that every op is local (:func:`~meshfuse.passes.sharding_check.check_no_resharding`),
+agree on all that across ranks (:func:`~meshfuse.runtime.interpreter.agreement.agreed_inputs`),
+localize (:func:`~meshfuse.passes.localization.localize`), and build the :class:`Program` records
+(:func:`~meshfuse.runtime.interpreter.program.build_program`), each communication's plan bound to
+this rank's groups. With ``cuda_graph=True``, the program is captured once
 (:mod:`meshfuse.runtime.replay.graphs`).
 """
 

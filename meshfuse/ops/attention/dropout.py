@@ -269,8 +269,8 @@ class FusedDropout:
 
     Everything that depends on the signature only is decided once, when the program's kernel
     is bound: the words the stream key hashes (the shard's position), the step's own
-    :class:`~meshfuse.ops.random.generator_swap.GeneratorSwap` (a private generator per step, so that
-    a CUDA graph holding several dropout steps can seed each for its replay) and the form of
+    :class:`~meshfuse.ops.random.generator_swap.GeneratorSwap` (a private generator per step, so
+    that a CUDA graph holding several dropout steps can seed each for its replay) and the form of
     the kernel's RNG state. A call hashes the seed and offset into the stream key (only when
     they changed since the last call: a constant seed is hashed once), swaps generators
     around the kernel and joins the kernel's RNG state into nvFuser's form, or, in

@@ -15,9 +15,9 @@ first read, as a plain allreduce's is: work after the loop that does not read it
 held back by the last chunk's allreduce.
 
 Whether it pays, by which transport and in how many chunks:
-:mod:`meshfuse.parallel.overlap.allreduce_loop_cost`. By the copy engines (:class:`CopyEngineReduce`)
-the peers' rows are pulled from symmetric memory without SMs and summed where the result is
-read.
+:mod:`meshfuse.parallel.overlap.allreduce_loop_cost`. By the copy engines
+(:class:`CopyEngineReduce`) the peers' rows are pulled from symmetric memory without SMs and summed
+where the result is read.
 """
 
 from __future__ import annotations

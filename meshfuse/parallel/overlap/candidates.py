@@ -10,7 +10,8 @@ of ``d`` devices, when no user stream loop covers them already:
   reduce-scattered onto one of its axes (``P -> S(a)``); the loop computes each block's
   partial product and reduces it onto the block's owner;
 - **GEMM -> allreduce** (tensor parallelism without sequence parallelism): a row-parallel
-  GEMM's partial result allreduced, cut into row chunks (:mod:`meshfuse.parallel.overlap.allreduce_pattern`).
+  GEMM's partial result allreduced, cut into row chunks
+  (:mod:`meshfuse.parallel.overlap.allreduce_pattern`).
 
 :func:`overlap_candidates` lists them with the user's choice (``tv.set_overlap``: ``True``
 forces, ``False`` forbids, read from the GEMM's tensors and the communication's); the

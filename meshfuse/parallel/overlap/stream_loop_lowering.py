@@ -1,9 +1,9 @@
 """Lowering stream-parallel loops into the per-rank program.
 
 :func:`group_stream_loops` replaces the steps of each loop's body (a
-:class:`~meshfuse.parallel.overlap.stream_parallel.StreamLoopPlan`, the user's or the engine's) by one
-``stream_loop`` step whose record (:class:`~meshfuse.parallel.overlap.stream_loop.StreamLoop`) says,
-for this rank: the chunk count, the body's records, the chunk axis of every slot, which
+:class:`~meshfuse.parallel.overlap.stream_parallel.StreamLoopPlan`, the user's or the engine's) by
+one ``stream_loop`` step whose record (:class:`~meshfuse.parallel.overlap.stream_loop.StreamLoop`)
+says, for this rank: the chunk count, the body's records, the chunk axis of every slot, which
 communications run decomposed per block (an allgather of the stream axis as broadcasts or a
 collective permute, a reduce-scatter onto it as reduces onto each block's owner) and which
 run their plan per chunk, which GEMMs write straight into their result's block, and the

@@ -20,8 +20,8 @@ Every output of a body expression must have one (an op that reduces the stream a
 run per chunk). Expressions are grouped into one loop when their bodies share a tensor.
 
 :func:`plan_stream_loops` returns one :class:`StreamLoopPlan` per loop; it reads the
-compiled fusion and changes nothing. The runtime (:mod:`meshfuse.parallel.overlap.stream_loop`) turns
-each into a loop record of the per-rank program.
+compiled fusion and changes nothing. The runtime (:mod:`meshfuse.parallel.overlap.stream_loop`)
+turns each into a loop record of the per-rank program.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ slice, created on first use) has meshfuse's timeout (:mod:`meshfuse.runtime.faul
 default group when meshfuse initializes torch.distributed, else a copy of the world of its
 own, so that a group the user owns keeps the user's settings. Every wait for a collective goes
 through :meth:`Communicator.wait`, which on gloo also learns of an error raised on one rank only
-(:mod:`meshfuse.runtime.faults.lone_failures`). After such an error, :meth:`Communicator.recover` starts
-the groups over. At exit, meshfuse waits for the collectives it launched and destroys what it
+(:mod:`meshfuse.runtime.faults.lone_failures`). After such an error, :meth:`Communicator.recover`
+starts the groups over. At exit, meshfuse waits for the collectives it launched and destroys what it
 created, never a group the user owns.
 
 Together with ``process_groups.py`` and ``collectives.py`` beside it (and the rendezvous
@@ -395,7 +395,8 @@ class Communicator:
     @contextlib.contextmanager
     def translated(self, what: str, ranks) -> Iterator[None]:
         """Turns a failure of the torch.distributed calls of the block into a
-        :class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming ``what`` and ``ranks``."""
+        :class:`~meshfuse.runtime.faults.failures.CollectiveFailed` naming ``what`` and
+        ``ranks``."""
         try:
             yield
         except CommunicationError:

@@ -10,10 +10,10 @@ thread block each.
 **Slots.** The receiving buffers are persistent symmetric allocations, one *slot* per
 ``(group, name, shapes, dtypes)``, made (a collective: every rank of the group makes the
 same shifts in the same order) at the first shift that needs it, the device synchronized
-between the allocation and the rendezvous (:func:`meshfuse.runtime.comm.symmetric_memory.allocate`: the first call pays it once).
-A shift into slot ``name`` overwrites what the previous shift into it received, so its
-caller must have queued every use of that result before it launches the next shift of the
-same name (the ring alternates two names by step).
+between the allocation and the rendezvous (:func:`meshfuse.runtime.comm.symmetric_memory.allocate`:
+the first call pays it once). A shift into slot ``name`` overwrites what the previous shift into it
+received, so its caller must have queued every use of that result before it launches the next shift
+of the same name (the ring alternates two names by step).
 
 **One shift**, on a side stream of the device (the *copy stream*):
 

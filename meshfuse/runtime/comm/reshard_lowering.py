@@ -249,8 +249,9 @@ def _then(x: torch.Tensor | Pending, fn) -> torch.Tensor | Pending:
 
 def lower_reshard(expr: Reshard, extents: Mapping, donated: bool, communicator):
     """A communication's plan bound to ``communicator``'s rank: (implementation, plan steps,
-    text), or None when no data moves; ``extents``: the bound global extents. ``donated``: its input is dead afterwards (not an input or
-    output of the fusion, no later use), so its first step may reuse the buffer."""
+    text), or None when no data moves; ``extents``: the bound global extents. ``donated``: its input
+    is dead afterwards (not an input or output of the fusion, no later use), so its first step may
+    reuse the buffer."""
     src, dst = expr.args[0], expr.outputs[0]
     if src.mesh is None:
         return None

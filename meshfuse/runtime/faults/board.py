@@ -17,8 +17,8 @@ same on every rank of a job in step):
 - ``blocked``: the poster was waiting in a collective of its program when it read another
   rank's ``failed`` notice of that call (it raises that rank's error);
 - ``agreeing``: the poster has been waiting in the cross-rank agreement of a new input
-  signature (:mod:`meshfuse.runtime.interpreter.agreement`) for longer than a poll, with ``claim`` (what it
-  holds): a rank that reads it while running a cached program is out of step with it, and
+  signature (:mod:`meshfuse.runtime.interpreter.agreement`) for longer than a poll, with ``claim``
+  (what it holds): a rank that reads it while running a cached program is out of step with it, and
   can name the difference;
 - ``broken``: a collective of the poster's ``group`` failed under it (``error``: the kind of
   failure, ``"timeout"`` or ``"peer"``, and torch's text; ``where``: the collective). The

@@ -193,8 +193,8 @@ class OutOfStep(CommunicationError):
     there, a cached one here). The runner turns it into the InputError naming the difference.
 
     Attributes:
-        notice: the other rank's ``agreeing`` notice (:class:`~meshfuse.runtime.faults.board.Notice`),
-            with its claim.
+        notice: the other rank's ``agreeing`` notice
+        (:class:`~meshfuse.runtime.faults.board.Notice`), with its claim.
     """
 
     def __init__(self, notice):

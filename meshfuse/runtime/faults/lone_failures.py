@@ -1,7 +1,7 @@
 """An error raised on one rank only, told to every rank: who waits, who tells, who is out of step.
 
-The cross-rank agreement (:mod:`meshfuse.runtime.interpreter.agreement`) shares every error raised before
-a new input signature's program runs. Errors raised later, or on a call whose signature is
+The cross-rank agreement (:mod:`meshfuse.runtime.interpreter.agreement`) shares every error raised
+before a new input signature's program runs. Errors raised later, or on a call whose signature is
 cached, are raised on one rank while the others go on into the program's collectives and wait
 for it. :class:`LoneFailures` tells them, through the notice board
 (:mod:`meshfuse.runtime.faults.board`):

@@ -1,8 +1,8 @@
 """Fused segments: a per-rank program whose runs of fusible steps are compiled by torch.compile.
 
-:func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and groups
-each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes and
-permutes) into one *segment*. A segment is lowered to a ``torch.fx`` graph that calls the ops'
+:func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and
+groups each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes
+and permutes) into one *segment*. A segment is lowered to a ``torch.fx`` graph that calls the ops'
 own torch implementations in the records' order, on local tensors, and that graph is given to
 ``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
 meshfuse generates no kernel code itself.

@@ -3,8 +3,8 @@
 From the compiled fusion, its binding (extents, local layouts) and the localization pass's
 result for this rank, :func:`build_program` numbers the values (slots), orders the
 expressions so that each communication is launched as early as it can be
-(:func:`communication_first`), and writes one :class:`~meshfuse.runtime.interpreter.executor.Step` record
-per expression this rank runs: the op's name, its arguments as slots or constants (``None``
+(:func:`communication_first`), and writes one :class:`~meshfuse.runtime.interpreter.executor.Step`
+record per expression this rank runs: the op's name, its arguments as slots or constants (``None``
 where localization left one out), its local attributes, and the slots freed after it. A
 communication's record gets its plan and its implementation from ``lower_reshard`` (the
 runner binds plans to this rank's process groups).
