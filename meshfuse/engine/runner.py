@@ -37,29 +37,35 @@ from meshfuse.parallel.overlap import OverlapPlan, group_stream_loops
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
-from meshfuse.runtime.comm.collectives import Group, group_along
-from meshfuse.runtime.comm.communicator import Communicator
-from meshfuse.runtime.comm.reshard_lowering import lower_reshard
-from meshfuse.runtime.faults.failures import OutOfStep, checked_timeout
-from meshfuse.runtime.faults.lone_failures import BEFORE_RUNNING
-from meshfuse.runtime.interpreter.agreement import agreed_inputs, input_facts, out_of_step
-from meshfuse.runtime.interpreter.binding import (
+from meshfuse.runtime.comm import Communicator, Group, group_along, lower_reshard
+from meshfuse.runtime.faults import BEFORE_RUNNING, OutOfStep, checked_timeout
+from meshfuse.runtime.interpreter import (
+    FUSED,
     Binding,
+    CompileStats,
+    Program,
+    agreed_inputs,
     bind,
+    bucket_lines,
+    build_program,
     check_inputs,
     check_strides,
+    fuse_program,
     has_symbolic_extents,
     held_here,
+    input_facts,
     is_cpu_scalar,
     local_context,
+    out_of_step,
     required_device,
 )
-from meshfuse.runtime.interpreter.bucketing import bucket_lines
-from meshfuse.runtime.interpreter.executor import Program
-from meshfuse.runtime.interpreter.fused import FUSED, CompileStats, fuse_program
-from meshfuse.runtime.interpreter.program import build_program
-from meshfuse.runtime.replay.automatic import AutoReplay, GraphBudget, replay_lines, replay_wanted
-from meshfuse.runtime.replay.graphs import GraphedProgram
+from meshfuse.runtime.replay import (
+    AutoReplay,
+    GraphBudget,
+    GraphedProgram,
+    replay_lines,
+    replay_wanted,
+)
 
 
 class FusionRunner:
