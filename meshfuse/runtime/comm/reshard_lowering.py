@@ -23,7 +23,7 @@ import torch
 from meshfuse.ir.fusion import Reshard
 from meshfuse.ops.reductions import reduction_identity
 from meshfuse.runtime.comm import collectives
-from meshfuse.runtime.comm.collectives import Group
+from meshfuse.runtime.comm.collectives import Group, group_along
 from meshfuse.runtime.comm.pending import Pending, resolved
 from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding
 
@@ -249,9 +249,9 @@ def _then(x: torch.Tensor | Pending, fn) -> torch.Tensor | Pending:
 
 def lower_reshard(expr: Reshard, extents: Mapping, donated: bool, communicator):
     """A communication's plan bound to ``communicator``'s rank: (implementation, plan steps,
-    text), or None when no data moves; ``extents``: the bound global extents. ``donated``: its input
-    is dead afterwards (not an input or output of the fusion, no later use), so its first step may
-    reuse the buffer."""
+    text), or None when no data moves; ``extents``: the bound global extents. ``donated``: its
+    input is dead afterwards (not an input or output of the fusion, no later use), so its first
+    step may reuse the buffer."""
     src, dst = expr.args[0], expr.outputs[0]
     if src.mesh is None:
         return None
@@ -260,19 +260,14 @@ def lower_reshard(expr: Reshard, extents: Mapping, donated: bool, communicator):
         return None
     whole = functools.partial(torch.empty, [extents[i] for i in src.materialized()],
                               dtype=src.dtype.torch_dtype, device=communicator.device)
-    rank = communicator.rank
     lowered = []
     for index, step in enumerate(steps):
-        mesh = step.mesh or src.mesh
         # Every rank takes part in creating a step's groups; members run the step.
-        process_group = communicator.group_if_member(mesh, step.mesh_axis)
-        if rank not in mesh:
-            continue
-        group = Group(process_group, mesh.group_ranks(rank, step.mesh_axis),
-                      mesh.coordinate(rank)[step.mesh_axis], step.mesh_axis)
-        lowered.append(lower_step(step, group, communicator.device,
-                                  donated and index == 0, whole))
-    keeps = rank in dst.mesh
+        group = group_along(communicator, step.mesh or src.mesh, step.mesh_axis)
+        if group is not None:
+            lowered.append(lower_step(step, group, communicator.device,
+                                      donated and index == 0, whole))
+    keeps = communicator.rank in dst.mesh
 
     def reshard(x):
         for step in lowered:
