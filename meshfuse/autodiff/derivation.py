@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from meshfuse.autodiff.context import VjpContext, materialized_like, op_of, sum_to
+from meshfuse.autodiff.naming import BackwardNames, gradient_name
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import DefinitionError
@@ -150,6 +151,9 @@ def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
         outs = add_op(clone, expr.op, [value(a) for a in expr.args], {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         mapped.update(zip(expr.outputs, outs))
+    for v, new in mapped.items():  # the user's names, given or automatic
+        if new.name != v.name:
+            clone.set_name(new, v.name)
     for tv in fusion.tensors():
         if is_pinned(tv):
             copy_schedule(tv, mapped[tv])
@@ -174,6 +178,7 @@ class _BackwardBuilder:
         self.pins: list[tuple[TensorView, TensorView]] = []  # (backward tensor, primal)
         self.gradient_index: dict[TensorView, int] = {}
         self.active = _active(forward, wrt)
+        self.names = BackwardNames(self.backward)
 
     def build(self) -> None:
         for index, out in enumerate(self.forward.outputs()):
@@ -183,6 +188,7 @@ class _BackwardBuilder:
         for expr in reversed(self.forward.exprs):
             self._apply_rule(expr)
         for tv in sorted(self.wrt, key=self.forward.inputs().index):
+            start = self.names.mark()
             grad = self.gradient(tv)
             if grad is None:
                 continue
@@ -190,10 +196,13 @@ class _BackwardBuilder:
             taken = set(self.backward.inputs()) | set(self.backward.outputs())
             if grad in taken or self.backward.uses().get(grad):
                 grad = self.ops.set(grad)
+            self.names.steps(start, tv.name)
+            self.names.gradient(grad, tv, output=True)
             self.gradient_index[tv] = len(self.backward.outputs())
             self.backward.add_output(grad)
             self.pins.append((grad, tv))
         _remove_unused(self.backward)
+        self.names.apply()
 
     # ----- primal values in the backward ---------------------------------------------------
     def fetch(self, v: Val) -> Val:
@@ -249,6 +258,9 @@ class _BackwardBuilder:
         outs = add_op(self.backward, op_of(expr), args, {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         self.values.update(zip(expr.outputs, outs))
+        for new, old in zip(outs, expr.outputs):
+            if isinstance(new, TensorView):
+                self.names.value(new, old.name)
         # A recomputation lies as its primal did in the forward (and communicates alike).
         self.pins.extend((new, old) for new, old in zip(outs, expr.outputs)
                          if isinstance(new, TensorView) and new.logical)
@@ -264,6 +276,7 @@ class _BackwardBuilder:
                        i.extent not in (1, None) else i.iter_type)
             for i in v.materialized()], v.dtype)
         self.pins.append((new, v))
+        self.names.value(new, gradient_name(v.name) if cotangent else v.name)
         return self.backward.add_input(new)
 
     # ----- gradients -----------------------------------------------------------------------
@@ -283,8 +296,12 @@ class _BackwardBuilder:
         self.grads[primal] = grad if old is None else self.ops.add(old, grad)
 
     def _apply_rule(self, expr: Expr) -> None:
+        start = self.names.mark()
         cotangents = tuple(self.gradient(o) if isinstance(o, TensorView) else None
                            for o in expr.outputs)
+        for o, g in zip(expr.outputs, cotangents):
+            if g is not None:
+                self.names.gradient(g, o)
         wanted = [t for t in expr.tensor_inputs if t in self.active]
         if not wanted or all(g is None for g in cotangents):
             return
@@ -297,6 +314,7 @@ class _BackwardBuilder:
             )
         context = VjpContext(expr, self.ops, self.fetch)
         thunks = op.vjp.rule(context, cotangents)
+        self.names.steps(start, expr.outputs[0].name)
         for param, arg in zip(op.params, expr.args):
             if param.kind not in (Kind.TENSOR, Kind.TENSORS, Kind.OPERAND):
                 continue
@@ -304,11 +322,13 @@ class _BackwardBuilder:
                 if param.kind is Kind.TENSORS else [(arg, thunks.get(param.name))]
             for primal, thunk in pairs:
                 if primal in self.active and thunk is not None:
+                    start = self.names.mark()
                     grad = thunk()
                     if grad is not None and op.vjp.communication:
                         grad = self._transposed_communication(grad, primal, expr.outputs[0])
                     if grad is not None:
                         self._accumulate(primal, grad)
+                    self.names.steps(start, primal.name)
 
     def _transposed_communication(self, grad: TensorView, src: TensorView,
                                   dst: TensorView) -> TensorView:

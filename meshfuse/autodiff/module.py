@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from meshfuse.errors import DefinitionError, InputError
+from meshfuse.ir.fusion import is_user_name
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.sharding import shard_tensor
 
@@ -24,7 +25,10 @@ class FusionModule(torch.nn.Module):
         fd: the fusion definition, scheduled.
         parameters: ``{name: (input TensorView, value)}``: the inputs that are trainable
             parameters, with their initial values: global tensors (sharded here with
-            ``shard_tensor``) or, with ``local=True``, this rank's shards.
+            ``shard_tensor``) or, with ``local=True``, this rank's shards. An input that
+            ``define_tensor`` did not name takes the parameter's name (before ``fd`` is
+            built), so that the backward's tensors, its errors and ``meshfuse.vjp(fd)``
+            name its gradient after it (``grad_w1``).
         local: the values are already local shards.
         remat: the rematerialization policy of the backward.
 
@@ -41,11 +45,16 @@ class FusionModule(torch.nn.Module):
         fd.define()
         inputs = fd.fusion.inputs()
         self._slots: dict[int, str] = {}
-        for name, (tv, value) in parameters.items():
+        for name, (tv, _) in parameters.items():
             if tv not in inputs:
                 raise DefinitionError(
                     f"FusionModule parameter {name!r}: {tv!r} is not an input of the fusion"
                 )
+            given = fd.fusion.given_names()
+            if not fd.built and tv.name not in given and name not in given and \
+                    is_user_name(name):
+                fd.fusion.set_name(tv, name)
+        for name, (tv, value) in parameters.items():
             shard = value if local else shard_tensor(value, tv)
             self.register_parameter(name, torch.nn.Parameter(shard.detach().clone()))
             self._slots[inputs.index(tv)] = name

@@ -30,7 +30,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import Sharding, as_distributed
 from meshfuse.frontend.schedule import Schedule
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, checked_name
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView
 from meshfuse.ops.namespace import Ops, scalar_dtype
@@ -101,6 +101,7 @@ class FusionDefinition:
         stride_order: Sequence[int] | None = None,
         symbolic_sizes: Sequence[int] | None = None,
         is_cpu: bool = False,
+        name: str | None = None,
     ) -> TensorView:
         """Declares a tensor input of the fusion with its *global* shape.
 
@@ -117,6 +118,9 @@ class FusionDefinition:
             symbolic_sizes: nvFuser's older name for ``shape``.
             is_cpu: a 0-d tensor that stays on the CPU while the other inputs are on a GPU
                 (a scalar such as an RNG seed, as nvFuser takes it); only 0-d tensors can be.
+            name: what prints, errors and ``explain`` call the tensor (``"wq"``), and after
+                which a derived backward names its gradient (``grad_wq``); default ``T<n>``.
+                Letters, digits, ``_`` and ``.``, not of the form ``T<n>``, one per tensor.
 
         Returns:
             The TensorView, also appended to the fusion's inputs.
@@ -149,16 +153,19 @@ class FusionDefinition:
         tv = UserTensorView(self.fusion, ids, dtype, allocation)
         tv.is_cpu = bool(is_cpu)
         self.fusion.add_input(tv)
+        if name is not None:
+            self.fusion.set_name(tv, checked_name(name))
         return tv
 
-    def from_pytorch(self, t: torch.Tensor, static_sizes: bool = False) -> TensorView:
+    def from_pytorch(self, t: torch.Tensor, static_sizes: bool = False,
+                     name: str | None = None) -> TensorView:
         """A tensor input shaped like ``t`` (symbolic extents unless ``static_sizes``), with
-        its dtype and memory order."""
+        its dtype and memory order (and ``name``, as ``define_tensor`` takes it)."""
         order = sorted(range(t.ndim), key=lambda a: (t.stride(a), -a))
         stride_order = [order.index(a) for a in range(t.ndim)]
         shape = [(e if static_sizes or e == 1 else -1) for e in t.shape]
         return self.define_tensor(shape, dtype=DataType.from_torch(t.dtype),
-                                  stride_order=stride_order)
+                                  stride_order=stride_order, name=name)
 
     @staticmethod
     def _memory_order(ndim: int, stride_order: Sequence[int] | None) -> list[int]:

@@ -11,8 +11,10 @@ compiler inserted: one tensor moved from one sharding to another, with no op.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
+from meshfuse.errors import DefinitionError
 from meshfuse.ir.placement import Placement, placements
 from meshfuse.ir.printer import format_expr, format_fusion
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
@@ -121,6 +123,27 @@ def partial_reduce_op(tv: TensorView) -> str:
     return "sum" if expr is None else expr.op.partial_reduce or "sum"
 
 
+_USER_NAME = re.compile(r"[A-Za-z_][\w.]*")
+_AUTOMATIC_NAME = re.compile(r"[TS]\d+")
+
+
+def is_user_name(name: object) -> bool:
+    """Whether a user may name a tensor ``name`` (see ``define_tensor``)."""
+    return isinstance(name, str) and bool(_USER_NAME.fullmatch(name)) and \
+        not _AUTOMATIC_NAME.fullmatch(name)
+
+
+def checked_name(name: object, what: str = "define_tensor") -> str:
+    """``name`` if a user may name a tensor so (see ``define_tensor``); else a
+    DefinitionError that names ``what`` gave it."""
+    if not is_user_name(name):
+        raise DefinitionError(
+            f"{what}: name={name!r} cannot name a tensor; use letters, digits, '_' "
+            "and '.', starting with a letter or '_', and not T<n> (the automatic names)"
+        )
+    return name
+
+
 class Fusion:
     """A graph of ops over TensorViews and Scalars, with declared inputs and outputs."""
 
@@ -129,6 +152,8 @@ class Fusion:
         self._inputs: list[Val] = []
         self._outputs: list[TensorView] = []
         self._counts = {"T": 0, "S": 0}
+        # The names set_name gave, and to which value; automatic names skip them.
+        self._given: dict[str, Val] = {}
         # Set once sharding propagation has filled the unscheduled tensors: the schedule is
         # final from then on.
         self.propagated = False
@@ -143,10 +168,38 @@ class Fusion:
         return list(self._outputs)
 
     def name(self, val: Val) -> Val:
+        """Gives ``val`` the next automatic name (``T<n>`` or ``S<n>``), skipping names
+        that :meth:`set_name` gave."""
         prefix = "T" if isinstance(val, TensorView) else "S"
-        val.name = f"{prefix}{self._counts[prefix]}"
-        self._counts[prefix] += 1
+        while True:
+            name = f"{prefix}{self._counts[prefix]}"
+            self._counts[prefix] += 1
+            if name not in self._given:
+                val.name = name
+                return val
+
+    def set_name(self, val: Val, name: str) -> Val:
+        """Names ``val`` ``name`` (a user's name, or a derived program's name after the value
+        it stands for); no two values of a fusion get one name this way, and automatic names
+        skip it from then on.
+
+        Raises:
+            DefinitionError: if another value of this fusion was given ``name``.
+        """
+        if self._given.get(name, val) is not val:
+            raise DefinitionError(
+                f"the name {name!r} is taken by another tensor of this fusion; give each "
+                "tensor its own name"
+            )
+        if self._given.get(val.name) is val:
+            del self._given[val.name]
+        self._given[name] = val
+        val.name = name
         return val
+
+    def given_names(self) -> frozenset[str]:
+        """The names :meth:`set_name` gave (the others are automatic)."""
+        return frozenset(self._given)
 
     def add_input(self, val: Val) -> Val:
         self._inputs.append(self.name(val))
@@ -214,6 +267,7 @@ class Fusion:
                 out.definition = new
             copy.exprs.append(new)
         copy._outputs = [val(o) for o in self._outputs]
+        copy._given = {n: counterpart[v] for n, v in self._given.items() if v in counterpart}
         return copy, counterpart
 
     def __str__(self) -> str:

@@ -110,6 +110,8 @@ def _matmul_grads(d, grads):
 register(OpDef(
     "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul, output_layout="contiguous",
     doc="matrix product with PyTorch's batching and broadcasting",
+    sharding="'...mk,...kn->...mn': batch, m and n axes sharded as the operands' (column "
+    "and row parallel); a sharded k makes a partial sum",
     vjp=Vjp(_matmul_grads),
 ))
 
@@ -206,6 +208,8 @@ register(OpDef(
     "linear", (tensor("x"), tensor("weight"), Param("bias", Kind.TENSOR, None)), _linear_infer,
     _linear,
     doc="x @ weight.T + bias (weight [..., n, k]: leading axes come first)",
+    sharding="'...k,nk->...n': x's axes and weight's n sharded as given (propagation prefers "
+    "the weight's sharding); a sharded k makes a partial sum, the bias added on one rank",
     prefer_inputs=(1, 2), output_layout="contiguous",
     partial_addends=(2,), vjp=Vjp(_linear_grads),
 ))
@@ -266,4 +270,6 @@ register(OpDef(
     "grouped_mm", (tensor("mat1"), tensor("mat2"), tensor("offsets")), _grouped_mm_infer,
     _grouped_mm, output_layout="contiguous", check_sharding=_check_grouped_sharding,
     doc="grouped matrix product: row groups of mat1 (ends in offsets) times mat2[group]",
+    sharding="k sharded: a partial sum (row parallel); n sharded: column parallel; the "
+    "rows of mat1, the groups and the offsets must stay whole (else ShardingError)",
 ))

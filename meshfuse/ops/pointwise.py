@@ -289,6 +289,11 @@ def linear_partials(name: str, args: list) -> tuple[AxisSpec, ...]:
     return carried_partials(args) if name in ("add", "sub") else ()
 
 
+ELEMENTWISE = "elementwise: the output is sharded as its input"
+BROADCASTING = ("elementwise with broadcasting: each output axis is sharded as the operand axes "
+                "it maps from (a broadcast axis follows the other operands)")
+
+
 def _unary(name: str, fn, float_result: bool) -> OpDef:
     def infer(x):
         if not isinstance(x, TensorMeta):  # a scalar: a 0-d tensor of its dtype
@@ -300,7 +305,7 @@ def _unary(name: str, fn, float_result: bool) -> OpDef:
     impl = number_as_tensor(keeps_repeats(in_float(fn) if name in LOW_PRECISION_TO_FLOAT else fn))
     kind = "floating-point" if float_result else "dtype-preserving"
     return OpDef(name, (operand("x"),), infer, impl, doc=f"{kind} unary {fn.__name__}",
-                 vjp=_unary_vjp(name))
+                 sharding=ELEMENTWISE, vjp=_unary_vjp(name))
 
 
 def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
@@ -317,6 +322,8 @@ def _binary(name: str, fn, fixed_dtype: DataType | None) -> OpDef:
     impl = keeps_repeats(impl)
     return OpDef(name, (operand("a"), operand("b")), infer, impl,
                  doc=f"binary {name} with broadcasting", vjp=_binary_vjp(name),
+                 sharding=BROADCASTING + ("; partial sums of the operands stay partial, "
+                                          "reduced once" if name in ("add", "sub") else ""),
                  expands_broadcasts=True)
 
 
@@ -345,7 +352,7 @@ def _gelu_infer(x, approximate):
 register(OpDef(
     "gelu", (tensor("x"), attr("approximate", "none")), _gelu_infer,
     lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
-    doc="GELU, exact or with the tanh approximation",
+    doc="GELU, exact or with the tanh approximation", sharding=ELEMENTWISE,
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.gelu_backward(
         grads[0], d.value("x"), d.attrs["approximate"])}, recompute=True),
 ))
@@ -363,6 +370,7 @@ register(OpDef(
     keeps_repeats(lambda grad, x, approximate: torch.ops.aten.gelu_backward(
         grad, x, approximate=approximate)),
     doc="grad * gelu'(x), one kernel (the backward of gelu)", expands_broadcasts=True,
+    sharding=BROADCASTING,
 ))
 
 
@@ -383,6 +391,8 @@ register(OpDef(
     "cast", (tensor("x"), attr("dtype")), _cast_infer,
     keeps_repeats(lambda x, dtype: x.to(dtype.torch_dtype)),
     doc="element type conversion",
+    sharding=ELEMENTWISE + "; a narrowing float cast keeps a partial sum partial (reduced in "
+    "the narrower type)",
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),  # cast back later
 ))
 
@@ -395,6 +405,8 @@ def _set_infer(x):
 register(OpDef(
     "set", (tensor("x"),), _set_infer, lambda x: x.clone(),
     doc="a copy of x; with a different schedule on its output, a resharding point",
+    sharding="the output may be scheduled otherwise than x: the engine inserts the "
+    "communication between the two (allgather, reduce-scatter, allreduce, all-to-all, slice)",
     # The identity, resharded back into x's sharding: the transposed communication.
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True, communication=True),
 ))
@@ -426,5 +438,6 @@ def _where_grads(d, grads):
 register(OpDef(
     "where", (operand("cond"), operand("a"), operand("b")), _where_infer, _where,
     doc="a where cond else b, with broadcasting", vjp=Vjp(_where_grads, recompute=True),
+    sharding=BROADCASTING,
     expands_broadcasts=True,
 ))

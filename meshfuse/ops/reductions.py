@@ -101,7 +101,14 @@ def _reduction(name: str, reduce_fn, doc: str, partial_reduce: str) -> OpDef:
 
     params = (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None))
     return OpDef(name, params, infer, impl, doc=doc, partial_reduce=partial_reduce,
-                 vjp=Vjp(REDUCTION_GRADIENTS[name]))
+                 vjp=Vjp(REDUCTION_GRADIENTS[name]), sharding=partial_rule(partial_reduce))
+
+
+def partial_rule(partial_reduce: str) -> str:
+    """The op reference's sharding line of a reduction whose partials combine by
+    ``partial_reduce``."""
+    return ("kept axes are sharded as x's; a reduced axis sharded in x makes a partial "
+            f"result (P({partial_reduce})), reduced (allreduce or reduce-scatter) where read")
 
 
 def local_dims(x: torch.Tensor, dims) -> tuple[int, ...]:
@@ -213,6 +220,7 @@ def _mean_grads(d, grads):
 register(OpDef(
     "mean", (tensor("x"), attr("dims", None), attr("keepdim", False), attr("dtype", None)),
     _mean_infer, _mean, doc="mean over axes", needs_reduced_count=True,
+    sharding=partial_rule("sum") + "; each shard divides by the global count",
     vjp=Vjp(_mean_grads),
 ))
 
@@ -257,5 +265,7 @@ register(OpDef(
     (tensor("x"), attr("dims", None), attr("correction", 1), attr("keepdim", False)),
     _var_mean_infer, _var_mean,
     doc="variance (with Bessel's correction by default) and mean over axes",
+    sharding="kept axes are sharded as x's; a reduced axis sharded in x is gathered first "
+    "(no partial variance)",
     partial_reduce=None, vjp=Vjp(_var_mean_grads),
 ))

@@ -210,7 +210,10 @@ class OpDef:
             as local ``torch.Tensor``s and scalars as Python values. With ``needs_out_shape``
             it also gets ``out_shapes=`` (the local output shapes, for ops whose arguments
             speak of global shapes).
-        doc: one line for the op table.
+        doc: one line for the op table (and the op reference, docs/ops.md).
+        sharding: one line for the op reference: how the op's sharding follows from its
+            domain map (what a sharded input axis gives, what is gathered first); empty:
+            the reference derives one from the fields below.
         prefer_inputs: tensor inputs whose sharding propagation prefers, in order, when
             inputs shard equally many axes (``linear`` prefers its weight, so weights stay put).
         partial_reduce: how partial results of this op combine when it reduces over a sharded
@@ -260,6 +263,7 @@ class OpDef:
     infer: InferFn
     impl: Callable[..., Any]
     doc: str = ""
+    sharding: str = ""
     needs_out_shape: bool = False
     prefer_inputs: tuple[int, ...] = ()
     partial_reduce: str | None = "sum"

@@ -140,6 +140,8 @@ register(OpDef(
     "broadcast_in_dim", (tensor("x"), attr("shape"), attr("broadcast_dims")),
     _broadcast_in_dim_infer, _broadcast_in_dim, needs_out_shape=True,
     doc="places x's axes at broadcast_dims of shape; other axes are broadcast",
+    sharding="x's axes keep their sharding at their new positions; a new axis is replicated "
+    "(a sharding pinned on it slices locally)",
     vjp=Vjp(_broadcast_in_dim_grads, recompute=True),
 ))
 
@@ -172,6 +174,7 @@ register(OpDef(
     "broadcast", (tensor("x"), attr("is_broadcast_dim")), _broadcast_infer, _broadcast,
     needs_out_shape=True,
     doc="new broadcast axes (extent 1) where is_broadcast_dim is True (nvFuser's broadcast)",
+    sharding="x's axes keep their sharding; the new axes (extent 1) are not sharded",
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.squeeze(grads[0], dims=[
         a for a, new in enumerate(d.attrs["is_broadcast_dim"]) if new])}, recompute=True),
 ))
@@ -201,6 +204,7 @@ def _stride_order(x, stride_order):
 register(OpDef(
     "stride_order", (tensor("x"), attr("stride_order")), _stride_order_infer, _stride_order,
     doc="x's values laid out in memory in stride_order (rank of each axis, 0 = innermost)",
+    sharding="elementwise: the output is sharded as its input",
     vjp=Vjp(lambda d, grads: {"x": lambda: grads[0]}, recompute=True),
 ))
 
@@ -220,6 +224,8 @@ register(OpDef(
     "expand", (tensor("x"), attr("shape")), _expand_infer,
     lambda x, shape, out_shapes: x.expand(out_shapes[0]), needs_out_shape=True,
     doc="broadcast axes of extent 1 expanded to shape (PyTorch's expand)",
+    sharding="x's axes keep their sharding; an expanded axis is replicated (a sharding "
+    "pinned on it slices locally)",
     vjp=Vjp(lambda d, grads: {"x": lambda: sum_broadcast(
         d, grads[0], list(range(len(d.attrs["shape"]) - d.ndim("x"), len(d.attrs["shape"]))))},
         recompute=True),
@@ -262,6 +268,7 @@ register(OpDef(
     "squeeze", (tensor("x"), attr("dims", None)), _squeeze_infer, _squeeze,
     needs_out_shape=True,
     doc="removes the given axes of extent 1 (dims=None: all axes of static extent 1)",
+    sharding="the remaining axes keep their sharding",
     vjp=Vjp(_squeeze_grads, recompute=True),
 ))
 
@@ -280,6 +287,7 @@ def _permute_infer(x, dims):
 register(OpDef(
     "permute", (tensor("x"), attr("dims")), _permute_infer,
     lambda x, dims: x.permute(*dims), doc="reorders axes (a view)",
+    sharding="each axis keeps its sharding at its new position",
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.permute(grads[0], inverse_permutation(
         [normalize_axis("permute", a, d.ndim("x")) for a in d.attrs["dims"]]))},
         recompute=True),
@@ -406,6 +414,8 @@ register(OpDef(
     "reshape", (tensor("x"), attr("new_shape")), _reshape_infer,
     lambda x, new_shape, out_shapes: x.reshape(out_shapes[0]), needs_out_shape=True,
     doc="a new shape with the same number of elements; unchanged axes keep their identity",
+    sharding="unchanged axes keep their sharding; in a pure split or merge the outermost "
+    "axes map (a block shard carries over); an axis that mixes others is gathered first",
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.reshape(grads[0], d.shape("x"))},
             recompute=True),
 ))

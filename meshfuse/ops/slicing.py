@@ -116,6 +116,8 @@ register(OpDef(
               attr("manual_normalization", 0)),
     _slice_infer, _slice,
     doc="a strided window of x (global bounds; negative ones count from the end)",
+    sharding="axes taken whole keep their sharding; a windowed axis is computed from x "
+    "gathered on that axis",
     vjp=Vjp(_slice_grads, recompute=True),
 ))
 
@@ -154,6 +156,7 @@ register(OpDef(
      attr("strides", None)),
     _slice_backward_infer, _slice_backward, needs_out_shape=True,
     doc="zeros of shape with grad in the window of a slice (the transpose of slice)",
+    sharding="axes taken whole keep grad's sharding; a windowed axis is whole on every rank",
     vjp=Vjp(lambda d, grads: {"grad": lambda: d.ops.slice(
         grads[0], d.attrs["start_indices"], d.attrs["end_indices"], d.attrs["strides"])},
         recompute=True),
@@ -234,5 +237,7 @@ def _cat_grads(d, grads):
 register(OpDef(
     "cat", (tensors("xs"), attr("dim"), attr("manual_padding", 0)), _cat_infer,
     _cat, needs_out_shape=True, doc="concatenation along dim",
+    sharding="the other axes are sharded as the inputs'; the concatenated axis is computed "
+    "whole (a sharded input is gathered on it first)",
     vjp=Vjp(_cat_grads, recompute=True),
 ))

@@ -322,6 +322,9 @@ register(OpDef(
      scalar("rng_offset", None), attr("dropout_mode", None), attr("context_parallel", None)),
     _fwd_infer, _fwd,
     doc="scaled dot-product attention forward: (attn, log_sumexp, seed, offset)",
+    sharding="batch and heads shard freely (grouped key/value heads alike); the head dims "
+    "and key/value sequence are gathered, as is a causal query sequence, unless context "
+    "parallelism runs it sequence-sharded",
     partial_reduce=None, whole_axes=whole_axes, check_sharding=check_sharding,
     make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
     localize=localize,
@@ -441,6 +444,8 @@ register(OpDef(
      attr("context_parallel", None)),
     _bwd_infer, _bwd,
     doc="scaled dot-product attention backward: (q_grad, k_grad, v_grad)",
+    sharding="as sdpfa_fwd; a sharded query sequence makes k_grad and v_grad partial sums, "
+    "and it replays the forward's per-shard dropout where the forward had it",
     # On a shard of the queries, k_grad and v_grad are partial sums over them; on a shard
     # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
     partial_reduce="sum", whole_axes=whole_axes, replays=replayed_sharding,

@@ -170,6 +170,8 @@ _LIKE = {
 # Random draws are constants to differentiation (``rand_like(x)`` does not depend on x's
 # values), and are saved rather than drawn again in a backward.
 RANDOM_VJP = Vjp(lambda d, grads: {}, differentiable=())
+RANDOM_SHARDING = ("any: each rank draws the elements of its own shard from the global "
+                   "counter-based stream")
 
 for _name, ((_a, _b), _draw, _doc) in sorted(_DISTRIBUTIONS.items()):
     register(OpDef(
@@ -178,12 +180,12 @@ for _name, ((_a, _b), _draw, _doc) in sorted(_DISTRIBUTIONS.items()):
          scalar("rng_offset", None), attr("dtype", DataType.Float)),
         _distribution_infer(_name), _sampler(_name, _draw),
         doc=f"{_doc}; the same global values whatever the sharding",
-        localize=_localize_creation, vjp=RANDOM_VJP,
+        localize=_localize_creation, vjp=RANDOM_VJP, sharding=RANDOM_SHARDING,
     ))
 for _name, (_draw, _a, _b, _doc) in sorted(_LIKE.items()):
     register(OpDef(
         _name, (tensor("x"), scalar("rng_seed", None), scalar("rng_offset", None)),
         _like_infer(_name), _like_sampler(_name, _draw, _a, _b),
         doc=f"{_doc}; the same global values whatever the sharding",
-        localize=_localize_like, vjp=RANDOM_VJP,
+        localize=_localize_like, vjp=RANDOM_VJP, sharding=RANDOM_SHARDING,
     ))
