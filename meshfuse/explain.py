@@ -32,6 +32,7 @@ from fractions import Fraction
 
 import torch
 
+from meshfuse.errors import MeshfuseError
 from meshfuse.ir.fusion import Expr, Fusion, Reshard, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import derived_extents, local_indices, shard_factor
@@ -270,15 +271,20 @@ def short_expr(expr: Expr) -> str:
     return format_expr(expr)
 
 
-def _rows(fusion: Fusion, allocations, sizes: Extents, rank: int) -> list[list[str]]:
-    rows = [["tensor", "global", "dtype", "mesh", "placements", "local", "memory", "defined by"]]
+def _defined_tensors(fusion: Fusion) -> list[tuple[TensorView, str]]:
+    """Every tensor in program order, with the op that defines it, printed short."""
     tensors = [(v, "input") for v in fusion.inputs() if isinstance(v, TensorView)]
     for expr in fusion.exprs:
         call = (f"reshard({expr.args[0].name})" if isinstance(expr, Reshard)
                 else format_call(expr, skip_defaults=True))
         tensors += [(tv, call if k == 0 else f"{expr.op.name}(...)[{expr.outputs.index(tv)}]")
                     for k, tv in enumerate(expr.tensor_outputs)]
-    for tv, defined_by in tensors:
+    return tensors
+
+
+def _rows(fusion: Fusion, allocations, sizes: Extents, rank: int) -> list[list[str]]:
+    rows = [["tensor", "global", "dtype", "mesh", "placements", "local", "memory", "defined by"]]
+    for tv, defined_by in _defined_tensors(fusion):
         ids = tv.materialized()
         held = held_here(tv, rank)
         local = _shape(sizes.local_size(tv, i, rank) for i in ids) if held else "-"
@@ -290,6 +296,29 @@ def _rows(fusion: Fusion, allocations, sizes: Extents, rank: int) -> list[list[s
             local, str(memory_order(tv, allocations[tv])), defined_by,
         ])
     return rows
+
+
+def explain_unbuilt(fusion: Fusion, rank: int, world_size: int, stage: str,
+                    reason: Exception) -> str:
+    """What can be shown of a fusion whose build failed: each tensor with the mesh and
+    placements its build had decided when it stopped (``stage`` says where), and the reason.
+    A tensor not scheduled yet shows ``-``; one whose placements cannot be read, ``?``."""
+    sizes = Extents(fusion)
+    rows = [["tensor", "global", "dtype", "mesh", "placements", "defined by"]]
+    for tv, defined_by in _defined_tensors(fusion):
+        try:
+            where = "-" if tv.mesh is None else "[" + ", ".join(map(str, placements(
+                tv, partial_reduce_op(tv)))) + "]"
+        except MeshfuseError:
+            where = "?"
+        rows.append([tv.name, _shape(sizes.global_size(i) for i in tv.materialized()),
+                     tv.dtype.name, "-" if tv.mesh is None else _mesh(tv.mesh), where,
+                     defined_by])
+    lines = [f"rank {rank} of {world_size}: the fusion cannot be built; its tensors as the "
+             f"build left them ({stage}, '-': not decided)", *_table(rows),
+             "outputs: " + ", ".join(tv.name for tv in fusion.outputs()),
+             f"not built: {type(reason).__name__}: {reason}"]
+    return "\n".join(lines)
 
 
 def memory_order(tv: TensorView, allocation: Allocation) -> list[int]:

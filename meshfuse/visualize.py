@@ -166,15 +166,36 @@ def save_png(views: Sequence[Blocks], path: str) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axs = plt.subplots(1, len(views), figsize=(4.2 * len(views), 3.6), squeeze=False)
+    columns, heights = panel_grid(views)
+    fig, axs = plt.subplots(len(heights), columns, squeeze=False,
+                            figsize=(PANEL[0] * columns, sum(heights) + 0.4),
+                            gridspec_kw={"height_ratios": heights})
     # One colour per set of owners, the same in every panel.
     kinds = sorted({o for b in views for row in b.owners for o in row})
-    for ax, b in zip(axs[0], views):
-        _draw(ax, b, kinds)
-    fig.suptitle("numbers: the ranks holding each block", fontsize=9, y=0.02, va="bottom")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    for k, ax in enumerate(axs.flat):
+        if k < len(views):
+            _draw(ax, views[k], kinds)
+        else:
+            ax.set_axis_off()
+    fig.suptitle("numbers: the ranks holding each block", fontsize=9, y=0.005, va="bottom")
+    fig.tight_layout(rect=(0, 0.4 / (sum(heights) + 0.4), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+PANEL = (4.2, 3.6)  # inches per panel of a 2-D view; a row of 1-D views only is lower
+STRIP = 1.6
+MAX_COLUMNS = 4
+
+
+def panel_grid(views: Sequence[Blocks]) -> tuple[int, list[float]]:
+    """The picture's layout: panels per row (at most ``MAX_COLUMNS``, so that a fusion of
+    many tensors stays readable at its natural size), and each row's height in inches (a
+    row holding only 1-D views is a strip)."""
+    columns = min(len(views), MAX_COLUMNS)
+    rows = [views[i:i + columns] for i in range(0, len(views), columns)]
+    return columns, [STRIP if all(len(b.axes) == 1 for b in row) else PANEL[1]
+                     for row in rows]
 
 
 def _draw(ax, b: Blocks, kinds: list[tuple[int, ...]]) -> None:
@@ -198,8 +219,11 @@ def _draw(ax, b: Blocks, kinds: list[tuple[int, ...]]) -> None:
     ax.set_xlabel(f"axis {b.axes[-1]}")
     if len(b.axes) == 2:
         ax.set_ylabel(f"axis {b.axes[0]}")
-    else:
-        ax.set_yticks([])
+    else:  # one row of blocks: no second axis, and a strip rather than a square
+        ax.get_yaxis().set_visible(False)
+        for side in ("left", "right", "top"):
+            ax.spines[side].set_visible(False)
+        ax.set_box_aspect(0.12)
 
 
 def _rectangle(c: range, r: range, color):

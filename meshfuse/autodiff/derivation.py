@@ -44,6 +44,7 @@ from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.namespace import Ops, add_op
 from meshfuse.ops.registry import Kind
+from meshfuse.passes.pipeline import compiled_for
 
 REMAT_POLICIES = ("recompute", "recompute_gathers", "save")
 
@@ -63,7 +64,8 @@ class Derivation:
 
     Attributes:
         forward: the user's program; outputs: the user's ``num_outputs`` outputs, then the
-            residuals it computes. Compiled (its runner is ``forward_runner``).
+            residuals it computes. Compiled (its runner is ``forward_runner``; None for a
+            preview, derived with ``world_size``).
         backward: inputs: ``cotangents`` then ``residuals``; outputs: the gradients.
         num_outputs: how many outputs the user's fusion has.
         cotangents: for each cotangent input of the backward, the user output it belongs to.
@@ -73,7 +75,7 @@ class Derivation:
     """
 
     forward: Fusion
-    forward_runner: FusionRunner
+    forward_runner: FusionRunner | None
     backward: Fusion
     num_outputs: int
     cotangents: tuple[int, ...]
@@ -82,13 +84,15 @@ class Derivation:
 
 
 def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-           remat: str = "recompute") -> Derivation:
+           remat: str = "recompute", world_size: int | None = None) -> Derivation:
     """The forward and backward of ``fusion``; see the module doc.
 
     Args:
         fusion: the user's fusion (read only).
         wrt: the input TensorViews to differentiate; default every floating-point tensor input.
         remat: ``"recompute"``, ``"recompute_gathers"`` or ``"save"``.
+        world_size: derive for a preview of this many ranks from one process (to explain,
+            not to run: the forward has no runner); default: this process's world.
     """
     if remat not in REMAT_POLICIES:
         raise DefinitionError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
@@ -109,14 +113,15 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
     # The backward is derived from the compiled forward: its communications are explicit
     # Reshard expressions there (whose gradients are the transposed communications), and every tensor
     # has its final sharding, which the backward's inputs and outputs are pinned to.
-    runner = FusionRunner(forward)
-    forward = runner.fusion  # the compiled copy, with its Reshard expressions
-    primal = {v: runner.compiled[p] for v, p in primal.items()}
+    runner = FusionRunner(forward) if world_size is None else None
+    compiled = runner.compiled if runner is not None else compiled_for(forward, world_size)
+    forward = compiled.fusion  # the compiled copy, with its Reshard expressions
+    primal = {v: compiled[p] for v, p in primal.items()}
     builder = _BackwardBuilder(forward, {primal[v] for v in wrt}, remat)
     builder.build()
     num_outputs = len(forward.outputs())
     residuals = _add_residual_outputs(forward, builder.residuals)
-    _pin_backward(builder, runner)
+    _pin_backward(builder, compiled.allocations)
     gradients = tuple(builder.gradient_index.get(primal[v]) for v in inputs)
     return Derivation(forward, runner, builder.backward, num_outputs,
                       tuple(builder.cotangent_of), residuals, gradients)
@@ -407,13 +412,13 @@ def _add_residual_outputs(forward: Fusion, residuals: list[Val]) -> tuple[Residu
     return tuple(result)
 
 
-def _pin_backward(builder: _BackwardBuilder, runner: FusionRunner) -> None:
+def _pin_backward(builder: _BackwardBuilder, allocations) -> None:
     """Pins the backward's cotangents, residuals and gradients to their primals' schedules
     in the compiled forward."""
     for tv, primal in builder.pins:
         if tv.is_scheduled:  # pinned twice to one primal (a gradient that is a copy)
             continue
-        allocation = runner.allocations.get(primal)
+        allocation = allocations.get(primal)
         if allocation is not None and tv.definition is not None:
             allocation = Allocation(allocation.ids, tuple(
                 None if c is None else True for c in allocation.contiguity))

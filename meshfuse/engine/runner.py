@@ -29,6 +29,7 @@ from meshfuse.engine.settings import (
 )
 from meshfuse.errors import InputError
 from meshfuse.explain import describe_program, explain
+from meshfuse.engine.explaining import BUILD_FAILURES
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
@@ -108,7 +109,10 @@ class FusionRunner:
         if inputs is not None:
             key = _signature(inputs)
             if key not in self._programs:
-                self._programs[key] = self._make_program(list(inputs), None)
+                try:
+                    self._programs[key] = self._make_program(list(inputs), None)
+                except BUILD_FAILURES as error:
+                    return self._explain_unbuilt_program(inputs, error, verbose)
             program = self._programs[key]
             extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
             device = _device_of(inputs, self.communicator)
@@ -124,6 +128,23 @@ class FusionRunner:
         if program is not None:
             parts.append(describe_program(program, self.fusion.outputs()))
         return "\n".join(parts)
+
+    def _explain_unbuilt_program(self, inputs: Sequence[Any], error: Exception,
+                                 verbose: bool) -> str:
+        """explain's view when no program can be built for ``inputs``: the compiled fusion
+        (extents from the inputs where they bind, else from the definition), then why."""
+        try:
+            extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
+        except BUILD_FAILURES:
+            extents = None
+        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents,
+                       _device_of(inputs, self.communicator))
+        lines = [text, *self._loop_lines(None),
+                 f"no program for these inputs on rank {self.rank}: "
+                 f"{type(error).__name__}: {error}"]
+        if verbose:
+            lines.append(format_fusion(self.fusion, self.allocations))
+        return "\n".join(lines)
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool | str | None = None, compile: bool | str | None = None,

@@ -44,7 +44,7 @@ class BackwardDefinition(FusionDefinition):
 
 
 def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
-        remat: str = "recompute") -> BackwardDefinition:
+        remat: str = "recompute", *, world_size: int | None = None) -> BackwardDefinition:
     """The backward of ``fd``, derived at global shapes; ``fd`` is not changed.
 
     Args:
@@ -53,6 +53,9 @@ def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
             input).
         remat: ``"recompute"`` (default), ``"recompute_gathers"`` or ``"save"``; see
             :mod:`meshfuse.autodiff.derivation`.
+        world_size: derive for this many ranks from one process, to print and explain the
+            backward as those ranks would (``bwd.explain(world_size=N)``) without starting
+            them; such a backward is not run (derive it without ``world_size`` for that).
 
     Returns:
         The backward definition; ``bwd.forward`` computes the outputs and residuals.
@@ -64,7 +67,7 @@ def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
         >>> per_input = bwd.input_gradients(grads)
     """
     fd.define()
-    derivation = derive(fd.fusion, wrt, remat)
+    derivation = derive(fd.fusion, wrt, remat, world_size)
     bwd = BackwardDefinition.from_fusion(derivation.backward)
     bwd.forward = FusionDefinition.from_fusion(derivation.forward, derivation.forward_runner)
     bwd.derivation = derivation

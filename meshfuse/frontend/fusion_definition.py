@@ -25,8 +25,9 @@ import torch
 
 from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
+from meshfuse.engine.explaining import BUILD_FAILURES, preview, unbuilt
 from meshfuse.engine.runner import FusionRunner
-from meshfuse.errors import DefinitionError
+from meshfuse.errors import DefinitionError, InputError
 from meshfuse.frontend.options import ignored_options
 from meshfuse.frontend.outputs import Sharding, as_distributed
 from meshfuse.frontend.schedule import Schedule
@@ -347,7 +348,8 @@ class FusionDefinition:
         self.define()
         return FusionFunction(self.fusion, wrt, remat, keep_residuals, compile)
 
-    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False) -> str:
+    def explain(self, inputs: Sequence[Any] | None = None, verbose: bool = False, *,
+                world_size: int | None = None, rank: int = 0) -> str:
         """What the program does on this rank, as text; runs no kernel.
 
         One line per tensor in program order (global shape, dtype, mesh, placements such as
@@ -356,9 +358,30 @@ class FusionDefinition:
         rank's, as for ``execute``; the program is built and reused by ``execute``), else
         from the definition's static extents, symbolic ones named. ``verbose=True`` adds
         every tensor's domains and, with ``inputs``, the program's steps.
+
+        ``world_size=N`` previews the plan of ``rank`` (default 0) of ``N`` ranks from this
+        one process, starting no rank: what that rank's ``fd.explain()`` prints in a run
+        on ``N`` ranks (meshes of up to ``N`` devices; extents from the definition).
+
+        A fusion that cannot be built (or, with ``inputs``, whose program cannot be built
+        for them, such as a derived backward that needs a communication the engine cannot
+        place) is not an error here: the text shows its tensors with the placements decided
+        so far, then the reason, which ``execute`` raises.
         """
         self._check_finished("explain")
-        return self._get_runner().explain(inputs, verbose)
+        self.define()
+        if world_size is not None:
+            if inputs is not None:
+                raise InputError(
+                    "explain: world_size= previews the plan from the definition's extents; "
+                    "leave out the inputs, or call explain(inputs) on each rank of a run"
+                )
+            return preview(self.fusion, world_size, rank, verbose)
+        try:
+            runner = self._get_runner()
+        except BUILD_FAILURES as error:
+            return unbuilt(self.fusion, error)
+        return runner.explain(inputs, verbose)
 
     def __repr__(self) -> str:
         self.define()

@@ -86,7 +86,8 @@ class OverlapCandidate:
 
 def overlap_candidates(fusion: Fusion, plans: Sequence[StreamLoopPlan]
                        ) -> list[OverlapCandidate | AllreduceCandidate]:
-    """The candidates of ``fusion`` outside the user's loops ``plans``, in order."""
+    """The candidates of ``fusion`` outside the user's loops ``plans``, in order; none over a
+    mesh axis of one device, whose communication does not run (at one rank, every one)."""
     taken = {e for p in plans for e in p.exprs}
     uses = fusion.uses()
     found = []
@@ -95,7 +96,7 @@ def overlap_candidates(fusion: Fusion, plans: Sequence[StreamLoopPlan]
             continue
         candidate = _allgather_gemm(e, uses) or _gemm_reduce_scatter(e, uses) or \
             gemm_allreduce(e, uses)
-        if candidate is not None and candidate.gemm not in taken and \
+        if candidate is not None and candidate.devices > 1 and candidate.gemm not in taken and \
                 convex(fusion, {e, candidate.gemm}):
             taken |= {e, candidate.gemm}
             found.append(candidate)
