@@ -314,8 +314,8 @@ def explain_unbuilt(fusion: Fusion, rank: int, world_size: int, stage: str,
         rows.append([tv.name, _shape(sizes.global_size(i) for i in tv.materialized()),
                      tv.dtype.name, "-" if tv.mesh is None else _mesh(tv.mesh), where,
                      defined_by])
-    lines = [f"rank {rank} of {world_size}: the fusion cannot be built; its tensors as the "
-             f"build left them ({stage}, '-': not decided)", *_table(rows),
+    lines = [(f"rank {rank} of {world_size}: the fusion cannot be built; its tensors as the "
+             f"build left them ({stage}, '-': not decided)"), *_table(rows),
              "outputs: " + ", ".join(tv.name for tv in fusion.outputs()),
              f"not built: {type(reason).__name__}: {reason}"]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from meshfuse.engine.explaining import BUILD_FAILURES
 from meshfuse.engine.settings import (
     AUTO,
     CUDA_GRAPH_ENV,
@@ -29,7 +30,6 @@ from meshfuse.engine.settings import (
 )
 from meshfuse.errors import InputError
 from meshfuse.explain import describe_program, explain
-from meshfuse.engine.explaining import BUILD_FAILURES
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
@@ -140,8 +140,8 @@ class FusionRunner:
         text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents,
                        _device_of(inputs, self.communicator))
         lines = [text, *self._loop_lines(None),
-                 f"no program for these inputs on rank {self.rank}: "
-                 f"{type(error).__name__}: {error}"]
+                 (f"no program for these inputs on rank {self.rank}: "
+                 f"{type(error).__name__}: {error}")]
         if verbose:
             lines.append(format_fusion(self.fusion, self.allocations))
         return "\n".join(lines)
