@@ -143,10 +143,20 @@ def test_the_megatron_mlp_on_two_ranks():
 
 
 def test_the_readme_shows_what_explain_prints():
+    # The quick start's own definition and schedule, for 2 ranks, previewed here: its
+    # explain, overlap lines included, is the README's sample line for line.
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     shown = readme.split("`print(fd.explain())` on rank 0 of the quick start's 2 ranks:")[1]
     shown = shown.split("```\n")[1]
-    assert shown.rstrip("\n") == _explained(_mlp(DeviceMesh(range(2))).fusion, 2, 0)
+    quick_start = readme.split("## Quick start")[1].split("```python\n")[1]
+    definition = quick_start.split("torch.manual_seed(0)")[0]
+    sized = "d = Communicator.instance().size"
+    assert sized in definition, "the quick start no longer reads its world size so"
+    namespace: dict = {}
+    exec(definition.replace(sized, "d = 2"), namespace)  # noqa: S102 (the README's code)
+    fd = namespace["fd"]
+    assert shown.rstrip("\n") == fd.explain(world_size=2)
+    assert shown.rstrip("\n").startswith(_explained(fd.fusion, 2, 0))
 
 
 def test_a_2x2_mesh_with_symbolic_tokens():
