@@ -200,6 +200,7 @@ def panel_grid(views: Sequence[Blocks]) -> tuple[int, list[float]]:
 
 def _draw(ax, b: Blocks, kinds: list[tuple[int, ...]]) -> None:
     from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
 
     palette = colormaps["tab20"].colors
     for i, r in enumerate(b.rows):
@@ -217,6 +218,8 @@ def _draw(ax, b: Blocks, kinds: list[tuple[int, ...]]) -> None:
     ax.set_title(b.title.split(", mesh")[0] + "\n" + b.title.split("placements ")[-1],
                  fontsize=10)
     ax.set_xlabel(f"axis {b.axes[-1]}")
+    for axis in (ax.xaxis, ax.yaxis):  # indices: whole ticks
+        axis.set_major_locator(MaxNLocator(integer=True))
     if len(b.axes) == 2:
         ax.set_ylabel(f"axis {b.axes[0]}")
     else:  # one row of blocks: no second axis, and a strip rather than a square

@@ -200,3 +200,61 @@ def test_rich_colours_the_table_on_a_terminal(monkeypatch, capsys):
     assert "\x1b[" in shown  # colours
     plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
     assert plain.strip().splitlines() == text.splitlines()
+
+
+def _many(vectors: int = 2):
+    """A fusion of five 2-D inputs (rows or columns split over a 2x2 mesh's rows) and
+    ``vectors`` 1-D ones, with their outputs: 5 + vectors inputs, as many outputs."""
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    with FusionDefinition() as fd:
+        xs = [fd.define_tensor([8, 16], name=f"x{i}") for i in range(5)]
+        vs = [fd.define_tensor([12], name=f"v{i}") for i in range(vectors)]
+        for t in xs + vs:
+            fd.add_output(fd.ops.neg(t))
+    for i, x in enumerate(xs):
+        shard(x, i % 2, mesh, MY)
+    for v in vs:
+        shard(v, 0, mesh, MX)
+    return fd
+
+
+def test_the_panels_of_many_tensors_are_laid_out_in_rows():
+    from meshfuse.visualize import MAX_COLUMNS, PANEL, STRIP, _tensors, panel_grid
+
+    views = [blocks(tv) for tv in _tensors(_many())]
+    # x0..x4, v0, v1, then their outputs: rows of 4, the last holding only vectors
+    assert [len(b.axes) for b in views] == [2] * 5 + [1, 1] + [2] * 5 + [1, 1]
+    assert panel_grid(views) == (MAX_COLUMNS, [PANEL[1]] * 3 + [STRIP])
+    assert panel_grid(views[:3]) == (3, [PANEL[1]])  # a few tensors: one row, as before
+    assert panel_grid(views[5:7]) == (2, [STRIP])
+
+
+def test_png_of_many_tensors_is_a_grid_readable_at_its_size(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    path = tmp_path / "many.png"
+    meshfuse.visualize(_many(), png=str(path), print_=False)
+    height, width = imread(str(path)).shape[:2]
+    assert (width, height) == (4 * 504, round((3 * 3.6 + 1.6 + 0.4) * 120))  # 120 dpi
+
+
+def test_a_1d_tensor_is_drawn_as_a_strip_without_a_second_axis(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+    from matplotlib.image import imread
+
+    from meshfuse.visualize import _draw
+
+    _, v = _tensor([12])
+    shard(v, 0, DeviceMesh(range(3)))
+    b = blocks(v)
+    fig, ax = plt.subplots()
+    _draw(ax, b, sorted({o for row in b.owners for o in row}))
+    assert not ax.get_yaxis().get_visible() and not ax.spines["left"].get_visible()
+    assert ax.get_xaxis().get_visible() and ax.get_box_aspect() < 0.2
+    plt.close(fig)
+    path = tmp_path / "vector.png"
+    meshfuse.visualize(v, png=str(path), print_=False)
+    height, width = imread(str(path)).shape[:2]
+    assert height < width / 2  # a strip, not a square panel
