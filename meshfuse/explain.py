@@ -303,7 +303,11 @@ def explain_unbuilt(fusion: Fusion, rank: int, world_size: int, stage: str,
     """What can be shown of a fusion whose build failed: each tensor with the mesh and
     placements its build had decided when it stopped (``stage`` says where), and the reason.
     A tensor not scheduled yet shows ``-``; one whose placements cannot be read, ``?``."""
-    sizes = Extents(fusion)
+    try:
+        global_size = Extents(fusion).global_size
+    except MeshfuseError:  # a schedule the failed pass left half-made: the definition's
+        def global_size(id_: IterDomain) -> str:
+            return "?" if id_.extent is None else str(id_.extent)
     rows = [["tensor", "global", "dtype", "mesh", "placements", "defined by"]]
     for tv, defined_by in _defined_tensors(fusion):
         try:
@@ -311,7 +315,7 @@ def explain_unbuilt(fusion: Fusion, rank: int, world_size: int, stage: str,
                 tv, partial_reduce_op(tv)))) + "]"
         except MeshfuseError:
             where = "?"
-        rows.append([tv.name, _shape(sizes.global_size(i) for i in tv.materialized()),
+        rows.append([tv.name, _shape(global_size(i) for i in tv.materialized()),
                      tv.dtype.name, "-" if tv.mesh is None else _mesh(tv.mesh), where,
                      defined_by])
     lines = [(f"rank {rank} of {world_size}: the fusion cannot be built; its tensors as the "

@@ -10,7 +10,14 @@ from mesh_helpers import mesh_1d, shard
 from test_explain import PROGRAMS, _mlp
 
 import meshfuse
-from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, ShardingError
+from meshfuse import (
+    DataType,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    ParallelType,
+    ShardingError,
+)
 from meshfuse.testing.utils import current_device
 
 OVERLAP = "communications next to GEMMs (overlap):"
@@ -130,3 +137,24 @@ def test_a_program_that_cannot_be_built_for_its_inputs(multidevice_test):
     assert text[3].split()[:3] == ["a", "[8,", "4]"] and "[S(0)]" in text[3].split()
     assert text[-1] == f"no program for these inputs on rank {rank}: ShardingError: " \
         f"{error.value}"
+
+
+def test_a_schedule_refused_before_propagation_shows_what_it_cannot_read():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4], name="x")
+        fd.add_output(fd.ops.sum(fd.ops.neg(x), [1]))
+    x.set_device_mesh(DeviceMesh(range(2)))
+    x.merge(0, 1)  # 2 blocks of 6 of the merged 3 x 4: not whole rows
+    x.outer_split(0, 2)
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    lines = fd.explain(world_size=2).splitlines()
+    assert lines[:5] == [
+        ("rank 0 of 2: the fusion cannot be built; its tensors as the build left them "
+        "(stopped in its unmerge pass, '-': not decided)"),
+        "  tensor  global  dtype  mesh    placements  defined by",
+        "  x       [3, 4]  Float  [0, 1]  ?           input",  # placements it cannot read
+        "  T1      [3, 4]  Float  -       -           neg(x)",
+        "  T2      [3]     Float  -       -           sum(T1, dims=[1])",
+    ]
+    assert lines[-1].startswith("not built: ScheduleError: x: a device-parallel axis is split "
+                                "from the merge of axes 0 and 1")

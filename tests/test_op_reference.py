@@ -92,3 +92,12 @@ def test_the_command_writes_the_page():
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert out == reference()
+
+
+def test_an_op_declared_with_shared_helpers_still_finds_its_family(monkeypatch):
+    from meshfuse.ops.shape_rules import same_axes
+
+    helper = OpDef("zz_helper", (tensor("x"),), same_axes, lambda x: x, doc="a toy")
+    assert family(helper) == "other"
+    monkeypatch.setitem(REGISTRY, "zz_helper", helper)
+    assert "## Other\n" in reference()

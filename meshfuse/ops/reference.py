@@ -47,10 +47,20 @@ _FAMILIES = {
 }
 
 
+_HELPERS = ("meta", "namespace", "registry", "shape_rules")  # modules no op is declared in
+
+
 def family(op: OpDef) -> str:
-    """The module of ``meshfuse.ops`` that declares ``op`` (``pointwise``, ``attention``)."""
-    module = op.infer.__module__.removeprefix("meshfuse.ops.")
-    return module.split(".")[0]
+    """The module (or package) of ``meshfuse.ops`` that declares ``op`` (``pointwise``,
+    ``attention``): where its shape rule is written, or its implementation when the rule is
+    a shared helper's."""
+    for fn in (op.infer, op.impl, op.make_impl):
+        module = getattr(fn, "__module__", None) or ""
+        if module.startswith("meshfuse.ops."):
+            name = module.removeprefix("meshfuse.ops.").split(".")[0]
+            if name not in _HELPERS:
+                return name
+    return "other"
 
 
 def sharding_line(op: OpDef) -> str:
@@ -104,7 +114,8 @@ def _ops_tables() -> list[str]:
     order = [f for f in _FAMILIES if f in by_family] + sorted(set(by_family) - set(_FAMILIES))
     lines = []
     for fam in order:
-        lines += ["", f"## {_FAMILIES.get(fam, fam.capitalize())} (`{_where(fam)}`)", "",
+        where = "" if fam == "other" else f" (`{_where(fam)}`)"
+        lines += ["", f"## {_FAMILIES.get(fam, fam.capitalize())}{where}", "",
                   "| op | signature | what it does | sharding | VJP |", "|---|---|---|---|---|"]
         for op in by_family[fam]:
             lines.append(f"| `{op.name}` | `{_cell(op.signature())}` | {_cell(op.doc) or '-'} "
