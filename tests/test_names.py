@@ -194,3 +194,30 @@ def test_names_survive_the_clone_of_the_forward():
     bwd = meshfuse.vjp(fd)
     assert [v.name for v in bwd.forward.fusion.inputs()] == ["x", "wq", "T2"]
     assert [v.name for v in bwd.forward.fusion.outputs()] == ["T5", "T3"]  # T3: a residual
+
+
+def test_op_results_named_by_name():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 3], name="x")
+        wq = fd.define_tensor([5, 3], name="wq")
+        q = fd.ops.linear(x, wq, name="q")
+        var, _ = fd.ops.var_mean(q, [1], keepdim=True, name=["var", None])
+        fd.add_output(fd.ops.rms_norm(fd.ops.add(q, var), name="y"))  # a composite's result
+    lines = _lines(str(fd))
+    assert lines[2:4] == ["  q = linear(x, wq, None)",
+                          "  var, T4 = var_mean(q, dims=[1], correction=1, keepdim=True)"]
+    assert lines[-2:] == ["  y = mul(T5, T9)", "  outputs: y"]
+    backward = _lines(str(meshfuse.vjp(fd)))
+    assert backward[0] == "  input grad_y: tensor"
+    assert "  grad_q = add(grad_T5, grad_q.5)" in backward
+    assert "  grad_wq = matmul(grad_q.T, x)" in backward
+
+
+@pytest.mark.parametrize("name, match", [
+    (["a", "b"], "gives 2 names to 1 outputs"), ("T9", "name='T9' cannot name a tensor"),
+    ("x", "'x' is taken by another tensor")])
+def test_bad_op_result_names(name, match):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4], name="x")
+        with pytest.raises(DefinitionError, match=match):
+            fd.ops.neg(x, name=name)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfuse.dtypes import DataType, dtype_of_number
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.fusion import Expr
+from meshfuse.ir.fusion import Expr, checked_name
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Scalar, TensorView, Val
 from meshfuse.ops import registry
@@ -35,7 +35,10 @@ def flat_tensors(args) -> list[TensorView]:
 
 
 class Ops:
-    """The namespace ``fd.ops``: ``fd.ops.add(a, b)``, ``fd.ops.sdpfa_fwd(q, k, v, ...)``."""
+    """The namespace ``fd.ops``: ``fd.ops.add(a, b)``, ``fd.ops.sdpfa_fwd(q, k, v, ...)``.
+
+    Every op and composite also takes ``name=``: ``fd.ops.linear(x, wq, name="q")`` names
+    its result ``q`` (a list names the outputs of an op of several; see ``_named``)."""
 
     def __init__(self, fusion: Fusion):
         self._fusion = fusion
@@ -43,15 +46,34 @@ class Ops:
     def __getattr__(self, name: str):
         if name in COMPOSITES:  # written with the ops below (meshfuse.ops.composites)
             composite = COMPOSITES[name]
-            return lambda *args, **kwargs: composite(self, *args, **kwargs)
+            return lambda *args, name=None, **kwargs: self._named(
+                composite(self, *args, **kwargs), name, composite.__name__)
         op = registry.lookup(name)
 
-        def call(*args, **kwargs):
-            return add_op(self._fusion, op, args, kwargs)
+        def call(*args, name=None, **kwargs):
+            return self._named(add_op(self._fusion, op, args, kwargs), name, op.name)
 
         call.__name__ = name
         call.__doc__ = f"{op.signature()}: {op.doc}"
         return call
+
+    def _named(self, result, names, op: str):
+        """``result`` (an op's output, or tuple of outputs) named as ``name=`` asked: a
+        string names a single output; a list gives one name (or None) per output. Names
+        are what prints, ``explain``, errors and a derived backward (``grad_h``) call it."""
+        if names is None:
+            return result
+        outputs = result if isinstance(result, tuple) else (result,)
+        names = [names] if isinstance(names, str) else list(names)
+        if len(names) != len(outputs):
+            raise DefinitionError(
+                f"{op}: name={names!r} gives {len(names)} names to {len(outputs)} outputs; "
+                "give a string for one output, a list of one name (or None) per output"
+            )
+        for out, given in zip(outputs, names):
+            if given is not None:
+                self._fusion.set_name(out, checked_name(given, op))
+        return result
 
     def __dir__(self):
         return sorted([*registry.REGISTRY, *COMPOSITES, "shape", "size"])

@@ -33,7 +33,8 @@ what it does, how its sharding follows from its domain map (which output axis co
 which input axis; [sharding.md](sharding.md) explains propagation), and whether it has a
 VJP, which `meshfuse.vjp` and `fd.as_autograd_function()` use ([autodiff.md](autodiff.md)).
 "Recomputed" ops are cheap enough that a derived backward computes them again instead of
-saving their results.
+saving their results. Every op and composite also takes `name=`, which names its result in
+prints, `explain`, errors and a derived backward ([explain.md](explain.md)).
 """
 
 _FAMILIES = {
