@@ -314,11 +314,10 @@ def test_explain_states_the_decision_before_the_first_call():
 
 
 def test_which_calls_may_replay():
-    assert replay_wanted(None, True, False) and not replay_wanted(None, False, False)
-    assert replay_wanted("auto", False, False) and not replay_wanted(False, True, False)
-    assert not replay_wanted(None, True, True)  # a call that donates its inputs
+    assert replay_wanted(None, True) and not replay_wanted(None, False)
+    assert replay_wanted("auto", False) and not replay_wanted(False, True)
     with pytest.raises(InputError, match="cuda_graph='always'"):
-        replay_wanted("always", True, False)
+        replay_wanted("always", True)
     assert cuda_graph_setting(None) is True and cuda_graph_setting("auto") is True
     assert cuda_graph_setting("0") is False and cuda_graph_setting("off") is False
     with pytest.raises(InputError, match="MESHFUSE_CUDA_GRAPH='yes'"):

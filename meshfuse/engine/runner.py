@@ -23,7 +23,9 @@ import torch
 
 from meshfuse.engine.settings import (
     AUTO,
+    COMPILE_ENV,
     CUDA_GRAPH_ENV,
+    backend_for,
     compile_setting,
     cuda_graph_setting,
 )
@@ -87,7 +89,7 @@ class FusionRunner:
         self.ring_order = False
         # How stream loops' decomposed communications move data (CommunicatorBackend).
         self.loop_transport = "auto"
-        self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
+        self.compile = compile_setting(os.environ.get(COMPILE_ENV, AUTO))
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
@@ -127,17 +129,23 @@ class FusionRunner:
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool | str | None = None, compile: bool | str | None = None,
-                donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
+                donate: bool = False, timeout: float | None = None,
+                staged: Sequence[int] = ()) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
-        read so that each input is freed after its last use (see :meth:`Program.run`; not
-        with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
-        :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`.
+        read so that each input is freed after its last use (see :meth:`Program.run`; a call
+        replayed from a CUDA graph empties it once the replay is launched, and
+        ``cuda_graph=True``'s graph keeps copies of its inputs anyway); ``timeout``: see
+        :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`; ``staged``: the
+        positions of inputs whose addresses change from call to call (a backward's
+        cotangents), copied into a replayed graph's own buffers (see
+        :meth:`~meshfuse.runtime.replay.automatic.AutoReplay.run`).
 
         An error raised on this rank only reaches the others (see
         :mod:`meshfuse.runtime.faults.lone_failures`)."""
         communicator = self.communicator
         if communicator is None or communicator.size == 1:
-            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
+                                 staged)
         call = communicator.lone.begin_call()
         if self._generation != communicator.generation:  # recover() made new groups
             self._programs.clear()
@@ -147,7 +155,8 @@ class FusionRunner:
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
-            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
+                                 staged)
         except Exception as e:
             error = self._out_of_step(e, inputs) if isinstance(e, OutOfStep) else e
             told = communicator.lone.told(error, call, getattr(error, "where", BEFORE_RUNNING))
@@ -157,8 +166,8 @@ class FusionRunner:
 
     def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
                  cuda_graph: bool | str | None,
-                 compile: bool | str | None, donate: bool, timeout: float | None
-                 ) -> list[torch.Tensor]:
+                 compile: bool | str | None, donate: bool, timeout: float | None,
+                 staged: Sequence[int] = ()) -> list[torch.Tensor]:
         key = _signature(inputs)
         program = self._programs.get(key)
         if program is None:
@@ -168,22 +177,23 @@ class FusionRunner:
             _checked_options(timeout, compile)
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
-        backend = self.compile if compile is None else compile_setting(compile)
-        if backend == AUTO:
-            backend = "inductor" if _device_of(inputs, self.communicator).type == "cuda" else None
+        backend = backend_for(self.compile if compile is None else compile_setting(compile),
+                              _device_of(inputs, self.communicator))
         if backend is not None:
             fused = self._fused.get((key, backend))
             if fused is None:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
         if cuda_graph is not True:
-            if replay_wanted(cuda_graph, self.cuda_graph, donate):
+            if replay_wanted(cuda_graph, self.cuda_graph):
                 replay = self._replays.get((key, backend))
                 if replay is None:
                     replay = self._replays[key, backend] = AutoReplay(
                         program, _device_of(inputs, self.communicator), self._graph_budget)
-                outputs = replay.run(inputs)
+                outputs = replay.run(inputs, frozenset(staged))
                 if outputs is not None:
+                    if donate:  # given up after the replay (see automatic.py: donation)
+                        inputs.clear()
                     return outputs
             return program.run(inputs, donate)
         # scalar values, and torch's deterministic switch (it picks kernels a graph keeps)
