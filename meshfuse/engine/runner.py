@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from meshfuse.runtime.interpreter import (
     FUSED,
     Binding,
     CompileStats,
+    HostLog,
     Program,
     agreed_inputs,
     bind,
@@ -94,6 +96,7 @@ class FusionRunner:
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
+        self._host: dict[tuple, HostLog] = {}  # host time of cached calls, per signature
         self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
@@ -152,6 +155,7 @@ class FusionRunner:
             self._fused.clear()
             self._graphs.clear()
             self._replays.clear()
+            self._host.clear()
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
@@ -168,6 +172,7 @@ class FusionRunner:
                  cuda_graph: bool | str | None,
                  compile: bool | str | None, donate: bool, timeout: float | None,
                  staged: Sequence[int] = ()) -> list[torch.Tensor]:
+        start = time.perf_counter_ns()  # the call's host time (host_time.py)
         key = _signature(inputs)
         program = self._programs.get(key)
         if program is None:
@@ -184,18 +189,42 @@ class FusionRunner:
             if fused is None:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
-        if cuda_graph is not True:
-            if replay_wanted(cuda_graph, self.cuda_graph):
-                replay = self._replays.get((key, backend))
-                if replay is None:
-                    replay = self._replays[key, backend] = AutoReplay(
-                        program, _device_of(inputs, self.communicator), self._graph_budget)
-                outputs = replay.run(inputs, frozenset(staged))
-                if outputs is not None:
-                    if donate:  # given up after the replay (see automatic.py: donation)
-                        inputs.clear()
-                    return outputs
+        if cuda_graph is True:
+            return self._graphed(key, backend, program, inputs)
+        host = self._host.get((key, backend))
+        fresh = host is None  # the first call (binding, building, compiling): not counted
+        if fresh:
+            host = self._host[key, backend] = HostLog()
+        if replay_wanted(cuda_graph, self.cuda_graph):
+            outputs = self._replayed(key, backend, program, inputs, staged, host, start)
+            if outputs is not None:
+                if donate:  # given up after the replay (see automatic.py: donation)
+                    inputs.clear()
+                return outputs
+        if fresh:
             return program.run(inputs, donate)
+        outputs = host.run(program, inputs, donate, start)
+        host.interpreted.add(time.perf_counter_ns() - start)
+        return outputs
+
+    def _replayed(self, key: tuple, backend: str | None, program: Program,
+                  inputs: Sequence[Any], staged: Sequence[int], host: HostLog,
+                  start: int) -> list[torch.Tensor] | None:
+        """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
+        interpreter must run the call; a replay that captured nothing counts its host time."""
+        replay = self._replays.get((key, backend))
+        if replay is None:
+            replay = self._replays[key, backend] = AutoReplay(
+                program, _device_of(inputs, self.communicator), self._graph_budget)
+        captured = replay.graphs
+        outputs = replay.run(inputs, frozenset(staged))
+        if outputs is not None and replay.graphs == captured:
+            host.replayed.add(time.perf_counter_ns() - start)
+        return outputs
+
+    def _graphed(self, key: tuple, backend: str | None, program: Program,
+                 inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """``cuda_graph=True``: the program captured once with its own input buffers."""
         # scalar values, and torch's deterministic switch (it picks kernels a graph keeps)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)),
                      torch.are_deterministic_algorithms_enabled())
@@ -284,7 +313,11 @@ class FusionRunner:
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
         replays = [replay for (k, _), replay in self._replays.items() if k == key]
-        return lines + replay_lines(self._programs[key], device, replays, self.cuda_graph)
+        lines += replay_lines(self._programs[key], device, replays, self.cuda_graph)
+        for (k, _), host in self._host.items():
+            if k == key:
+                lines += host.lines()
+        return lines
 
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""
