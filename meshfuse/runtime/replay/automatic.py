@@ -66,6 +66,7 @@ long as the program is cached; ``explain`` says how much.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,21 @@ BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
 MAX_SEEN = 64  # sets of input addresses remembered until their second call
 MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
 AUTO = "auto"
+
+
+_PAUSED = [0]  # > 0: no automatic replay (a whole step is warmed up or captured)
+
+
+@contextlib.contextmanager
+def paused():
+    """No automatic replay inside (every thread: an autograd backward runs on the engine's):
+    :func:`~meshfuse.runtime.replay.step.capture_step` warms a whole step up and captures
+    it, with every program's kernels in its graph, and wants no graphs of the programs."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
 
 
 class GraphBudget:
@@ -224,7 +240,7 @@ class AutoReplay:
         which then captures the interpreter's kernels). ``staged``: the positions of
         tensor inputs whose addresses change from call to call (a backward's cotangents):
         each graph copies them into buffers of its own, and they are not part of its key."""
-        if self.reason is not None or self._cuda.capturing():
+        if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
         unkeyed = self._unkeyed | staged
