@@ -13,6 +13,8 @@ default settings:
 - ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock` (the forward only) through
   ``as_autograd_function()``: the derived backward, fused segments and CUDA-graph replay as
   they are by default;
+- ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
+  as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
   with the backward written out, ``execute`` with its defaults.
 
@@ -174,6 +176,12 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         step = autograd_step(lambda *leaves: function(leaves)[0], [x, *params.values()], dy)
         return step, function
 
+    def captured():
+        if device.type != "cuda":
+            raise _Skip("capture_step captures CUDA graphs: CUDA only")
+        step, function = derived()
+        return meshfuse.capture_step(step, copy_outputs=False), function
+
     def hand_written():
         fd = GptBlockWithBackward(b, s, e, heads, mf_dtype).define()
         inputs = [x, dy, *params.values()]
@@ -196,7 +204,8 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
     return {name: checked(setup) for name, setup in (
         ("torch_eager", eager), ("torch_compile", torch_variant),
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
-        ("meshfuse_hand_written", hand_written)) if chosen is None or name in chosen}
+        ("meshfuse_captured", captured), ("meshfuse_hand_written", hand_written))
+        if chosen is None or name in chosen}
 
 
 class _Skip(Exception):
