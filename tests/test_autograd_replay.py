@@ -217,3 +217,38 @@ def test_a_replayed_donating_call_empties_the_list_and_holds_nothing(fake_cuda):
         torch.testing.assert_close(out, torch.exp(x * (i + 1)) * w)
         del out
     assert _graphs(runner) == 1
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("compile", [False, "inductor"])
+def test_cuda_training_replays_the_derived_backward(compile):
+    """Real graphs: a FusionModule trained with AdamW as plain PyTorch is; from the third
+    step on, the forward and the backward replay (graphs captured by both runners)."""
+    fd, (w1, w2) = _mlp()
+    init = {"w1": _randn(FFN, H, seed=2).cuda(), "w2": _randn(H, FFN, seed=3).cuda()}
+    layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    layer._function.compile = compile
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=0.05)
+    x = torch.empty(T, H, dtype=torch.float64, device="cuda")
+    losses = []
+    for step in range(6):
+        x.copy_(_randn(T, H, seed=10 + step))
+        loss = layer(x).pow(2).mean()
+        ref_loss = _torch_mlp(x, ref["w1"], ref["w2"]).pow(2).mean()
+        for o, l_ in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            l_.backward()
+            o.step()
+        losses.append((loss.detach(), ref_loss.detach()))
+    for got, want in losses:
+        torch.testing.assert_close(got, want)
+    for name in init:
+        torch.testing.assert_close(getattr(layer, name).detach(), ref[name].detach())
+    forward, backward = _runners(layer._function)
+    assert _graphs(forward) >= 1 and _graphs(backward) >= 1
+    assert any(log.replayed.calls for log in backward._host.values())

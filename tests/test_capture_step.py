@@ -144,3 +144,35 @@ def test_errors_say_what_to_do():
     step = meshfuse.capture_step(lambda x: x)
     with pytest.raises(InputError, match="argument 0 is on cpu.*CUDA tensors"):
         step(torch.zeros(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_captured_step_trains_as_eager():
+    fd, (w1, w2) = _mlp()
+    init = {"w1": _randn(FFN, H, seed=2).cuda(), "w2": _randn(H, FFN, seed=3).cuda()}
+    layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05, capturable=True)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=0.05)
+
+    def train_step(x, target):
+        opt.zero_grad()
+        loss = F.mse_loss(layer(x), target)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def eager(x, target):
+        ref_opt.zero_grad()
+        loss = F.mse_loss(F.linear(torch.tanh(F.linear(x, ref["w1"])), ref["w2"]), target)
+        loss.backward()
+        ref_opt.step()
+        return loss.detach()
+
+    step = meshfuse.capture_step(train_step, warmup=2)
+    for i in range(6):
+        x, target = _randn(T, H, seed=10 + i).cuda(), _randn(T, H, seed=20 + i).cuda()
+        torch.testing.assert_close(step(x, target), eager(x, target))
+    assert step.graphs == 1
+    for name in init:
+        torch.testing.assert_close(getattr(layer, name).detach(), ref[name].detach())
