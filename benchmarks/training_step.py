@@ -299,6 +299,9 @@ def _targets(label: str, results: dict[str, Result]) -> list[str]:
         ratio = mine.ratios.get(base) if mine is not None else None
         verdict = "n/a" if ratio is None else ("met" if ratio <= bound else "NOT met")
         lines.append(f"meshfuse_autograd / {base} <= {bound}: {ratio} ({verdict})")
+    if mine is not None and mine.recompiled is not None:
+        verdict = "NOT met" if mine.recompiled else "met"
+        lines.append(f"meshfuse_autograd's timed steps compiled nothing ({verdict})")
     return lines
 
 
