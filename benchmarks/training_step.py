@@ -13,6 +13,8 @@ default settings:
 - ``meshfuse_autograd``: :class:`~meshfuse.examples.gpt.GptBlock` (the forward only) through
   ``as_autograd_function()``: the derived backward, fused segments and CUDA-graph replay as
   they are by default;
+- ``meshfuse_autograd_no_replay``: the same with ``MESHFUSE_CUDA_GRAPH=0`` (fused segments
+  launched from Python: what the replay saves; its first call is made before the timed one);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
@@ -48,6 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from torch._dynamo.utils import counters
@@ -176,6 +179,13 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         step = autograd_step(lambda *leaves: function(leaves)[0], [x, *params.values()], dy)
         return step, function
 
+    def derived_no_replay():
+        # the runners read MESHFUSE_CUDA_GRAPH when the first call makes them
+        with mock.patch.dict(os.environ, {"MESHFUSE_CUDA_GRAPH": "0"}):
+            step, function = derived()
+            step()
+        return step, function
+
     def captured():
         if device.type != "cuda":
             raise _Skip("capture_step captures CUDA graphs: CUDA only")
@@ -204,7 +214,7 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
     return {name: checked(setup) for name, setup in (
         ("torch_eager", eager), ("torch_compile", torch_variant),
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
-        ("meshfuse_captured", captured), ("meshfuse_hand_written", hand_written))
+        ("meshfuse_autograd_no_replay", derived_no_replay), ("meshfuse_captured", captured), ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}
 
 
