@@ -12,7 +12,7 @@ implementation, its arguments with values referring to earlier nodes by position
 constants with their types, so ``1``, ``1.0`` and ``True`` differ, and ``-0.0`` is not
 ``0.0``), each input tensor's shape, strides, dtype, device and whether its address is
 16-byte aligned (Inductor's generated code assumes what it saw at compile time), the
-backend and its settings. A graph holding a value with no faithful key (an object that
+backend and its settings, and torch's deterministic switch. A graph holding a value with no faithful key (an object that
 is not a number, string, dtype, device, slice or container of those) is not shared: it is
 compiled for its program alone, as before.
 
@@ -54,7 +54,9 @@ class SegmentCache:
             return None
         inputs = tuple((tuple(t.shape), t.stride(), t.dtype, str(t.device),
                         t.data_ptr() % 16 == 0) for t in tensors)
-        return backend, options, inputs, nodes
+        # Inductor generates other code for reductions under torch's deterministic switch
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        return backend, options, deterministic, inputs, nodes
 
     def get(self, key: tuple | None) -> Callable | None:
         compiled = None if key is None else self._compiled.get(key)
