@@ -32,6 +32,7 @@ from meshfuse.ir.parallel_type import ParallelType
 from meshfuse.ir.tensor_view import Scalar, TensorView
 from meshfuse.multidevice import Communicator, Sharding
 from meshfuse.profiler import PythonProfiler
+from meshfuse.runtime.replay.step import capture_step
 from meshfuse.sharding import shard_tensor, unshard_tensor
 from meshfuse.visualize import visualize
 
@@ -71,6 +72,7 @@ __all__ = [
     "ShardingError",
     "Tensor",
     "TensorView",
+    "capture_step",
     "execute_with_dtensors",
     "mesh_from_torch",
     "mesh_to_torch",

@@ -34,6 +34,26 @@ def test_quick_benchmark_run_has_no_errors(tmp_path):
     assert measured and all(r["median_ms"] > 0 for r in measured)
 
 
+def test_training_step_benchmark_runs_on_the_cpu(tmp_path):
+    """``benchmarks/training_step.py --quick`` end to end on tiny shapes (torch.compile's
+    variants left out here: tracing the layer takes tens of seconds on a CPU)."""
+    from benchmarks import training_step
+
+    variants = "torch_eager,meshfuse_autograd,meshfuse_hand_written"
+    assert training_step.main(["--quick", "--out", str(tmp_path), "--variants", variants,
+                               "--rounds", "2", "--iters", "1"]) == 0
+    report = json.loads((tmp_path / "training_step.json").read_text())
+    (size,) = report["sizes"]
+    results = {r["variant"]: r for r in size["results"]}
+    assert set(results) == set(variants.split(","))
+    assert all(r["status"] == "ok" and r["ms"] > 0 and not r["recompiled"]
+               for r in results.values())
+    assert results["meshfuse_autograd"]["ratios"]["meshfuse_hand_written"] > 0
+    assert any("host time per cached call" in line
+               for line in results["meshfuse_autograd"]["info"]["backward_explain"])
+    assert "| meshfuse_autograd |" in (tmp_path / "training_step.md").read_text()
+
+
 def test_mlp_case_reads_its_bar_from_records_of_the_same_run():
     """Issue 13's MLP bar (0.97x DTensor, 1.96x over one GPU) as two metrics of the sharded
     records, both against the run's own torch_1gpu and dtensor_tp records; one rank has no

@@ -104,7 +104,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         return autograd_step(run, [x.chunk(ctx.world, 1)[ctx.rank]],
                              dy.chunk(ctx.world, 1)[ctx.rank].contiguous(), block.parameters())
 
-    def hand_written(compile=None):
+    def hand_written(compile=False):  # the interpreter (fusion is on by default on CUDA)
         fd = GptBlockWithBackward(b, s, e, heads, mf_dtype, mesh).define()
         inputs = [meshfuse.shard_tensor(t, tv) for t, tv in
                   zip((x, dy, *params.values()), (fd.x, fd.dy, *fd.params.values()))]
@@ -117,7 +117,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return hand_written(compile=True)
 
-    def derived(compile=None, remat="recompute"):
+    def derived(compile=False, remat="recompute"):
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
         function = block.as_autograd_function(compile=compile, remat=remat)
         local = [meshfuse.shard_tensor(t, tv)

@@ -57,8 +57,9 @@ class FusionFunction:
             backward may run more than once (default: each is freed after its last use in
             the one backward).
         compile: how the forward and backward programs run, as ``execute(compile=...)``
-            takes it (None: ``MESHFUSE_COMPILE``; True or a torch.compile backend: fused
-            segments, see docs/fusion.md).
+            takes it (None: ``MESHFUSE_COMPILE``, by default fused segments on CUDA and the
+            interpreter on the CPU; True or a torch.compile backend: fused segments, see
+            docs/fusion.md).
     """
 
     def __init__(self, fusion: Fusion, wrt: Sequence[TensorView] | None = None,
@@ -173,10 +174,13 @@ class _Compiled:
 
     def run_backward(self, inputs: list) -> list[torch.Tensor]:
         """The backward on ``inputs``, a list it empties (each value is freed after its
-        last use)."""
+        last use). The cotangents, made by autograd at each call, are staged: a replayed
+        backward copies them into its graph's buffers rather than keying on their
+        addresses (the residuals' are those of the forward's outputs, stable)."""
         if self._backward is None:
             self._backward = FusionRunner(self.derivation.backward)
-        return self._backward.execute(inputs, donate=True, compile=self.compile)
+        return self._backward.execute(inputs, donate=True, compile=self.compile,
+                                      staged=range(len(self.derivation.cotangents)))
 
 
 class _FusionAutograd(torch.autograd.Function):

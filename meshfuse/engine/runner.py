@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,9 @@ import torch
 from meshfuse.engine.explaining import BUILD_FAILURES
 from meshfuse.engine.settings import (
     AUTO,
+    COMPILE_ENV,
     CUDA_GRAPH_ENV,
+    backend_for,
     compile_setting,
     cuda_graph_setting,
 )
@@ -44,6 +47,7 @@ from meshfuse.runtime.interpreter import (
     FUSED,
     Binding,
     CompileStats,
+    HostLog,
     Program,
     agreed_inputs,
     bind,
@@ -88,11 +92,12 @@ class FusionRunner:
         self.ring_order = False
         # How stream loops' decomposed communications move data (CommunicatorBackend).
         self.loop_transport = "auto"
-        self.compile = compile_setting(os.environ.get("MESHFUSE_COMPILE", "0"))
+        self.compile = compile_setting(os.environ.get(COMPILE_ENV, AUTO))
         self._programs: dict[tuple, Program] = {}
         self._fused: dict[tuple, tuple[Program, CompileStats]] = {}
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
+        self._host: dict[tuple, HostLog] = {}  # host time of cached calls, per signature
         self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
@@ -148,27 +153,35 @@ class FusionRunner:
 
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool | str | None = None, compile: bool | str | None = None,
-                donate: bool = False, timeout: float | None = None) -> list[torch.Tensor]:
+                donate: bool = False, timeout: float | None = None,
+                staged: Sequence[int] = ()) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
-        read so that each input is freed after its last use (see :meth:`Program.run`; not
-        with ``cuda_graph``, whose graph keeps copies of its inputs anyway); ``timeout``: see
-        :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`.
+        read so that each input is freed after its last use (see :meth:`Program.run`; a call
+        replayed from a CUDA graph empties it once the replay is launched, and
+        ``cuda_graph=True``'s graph keeps copies of its inputs anyway); ``timeout``: see
+        :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`; ``staged``: the
+        positions of inputs whose addresses change from call to call (a backward's
+        cotangents), copied into a replayed graph's own buffers (see
+        :meth:`~meshfuse.runtime.replay.automatic.AutoReplay.run`).
 
         An error raised on this rank only reaches the others (see
         :mod:`meshfuse.runtime.faults.lone_failures`)."""
         communicator = self.communicator
         if communicator is None or communicator.size == 1:
-            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
+                                 staged)
         call = communicator.lone.begin_call()
         if self._generation != communicator.generation:  # recover() made new groups
             self._programs.clear()
             self._fused.clear()
             self._graphs.clear()
             self._replays.clear()
+            self._host.clear()
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
-            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout)
+            return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
+                                 staged)
         except Exception as e:
             error = self._out_of_step(e, inputs) if isinstance(e, OutOfStep) else e
             told = communicator.lone.told(error, call, getattr(error, "where", BEFORE_RUNNING))
@@ -178,8 +191,9 @@ class FusionRunner:
 
     def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
                  cuda_graph: bool | str | None,
-                 compile: bool | str | None, donate: bool, timeout: float | None
-                 ) -> list[torch.Tensor]:
+                 compile: bool | str | None, donate: bool, timeout: float | None,
+                 staged: Sequence[int] = ()) -> list[torch.Tensor]:
+        start = time.perf_counter_ns()  # the call's host time (host_time.py)
         key = _signature(inputs)
         program = self._programs.get(key)
         if program is None:
@@ -189,24 +203,49 @@ class FusionRunner:
             _checked_options(timeout, compile)
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
-        backend = self.compile if compile is None else compile_setting(compile)
-        if backend == AUTO:
-            backend = "inductor" if _device_of(inputs, self.communicator).type == "cuda" else None
+        backend = backend_for(self.compile if compile is None else compile_setting(compile),
+                              _device_of(inputs, self.communicator))
         if backend is not None:
             fused = self._fused.get((key, backend))
             if fused is None:
                 fused = self._fused[key, backend] = self._fuse(program, backend)
             program = fused[0]
-        if cuda_graph is not True:
-            if replay_wanted(cuda_graph, self.cuda_graph, donate):
-                replay = self._replays.get((key, backend))
-                if replay is None:
-                    replay = self._replays[key, backend] = AutoReplay(
-                        program, _device_of(inputs, self.communicator), self._graph_budget)
-                outputs = replay.run(inputs)
-                if outputs is not None:
-                    return outputs
+        if cuda_graph is True:
+            return self._graphed(key, backend, program, inputs)
+        host = self._host.get((key, backend))
+        fresh = host is None  # the first call (binding, building, compiling): not counted
+        if fresh:
+            host = self._host[key, backend] = HostLog()
+        if replay_wanted(cuda_graph, self.cuda_graph):
+            outputs = self._replayed(key, backend, program, inputs, staged, host, start)
+            if outputs is not None:
+                if donate:  # given up after the replay (see automatic.py: donation)
+                    inputs.clear()
+                return outputs
+        if fresh:
             return program.run(inputs, donate)
+        outputs = host.run(program, inputs, donate, start)
+        host.interpreted.add(time.perf_counter_ns() - start)
+        return outputs
+
+    def _replayed(self, key: tuple, backend: str | None, program: Program,
+                  inputs: Sequence[Any], staged: Sequence[int], host: HostLog,
+                  start: int) -> list[torch.Tensor] | None:
+        """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
+        interpreter must run the call; a replay that captured nothing counts its host time."""
+        replay = self._replays.get((key, backend))
+        if replay is None:
+            replay = self._replays[key, backend] = AutoReplay(
+                program, _device_of(inputs, self.communicator), self._graph_budget)
+        captured = replay.graphs
+        outputs = replay.run(inputs, frozenset(staged))
+        if outputs is not None and replay.graphs == captured:
+            host.replayed.add(time.perf_counter_ns() - start)
+        return outputs
+
+    def _graphed(self, key: tuple, backend: str | None, program: Program,
+                 inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """``cuda_graph=True``: the program captured once with its own input buffers."""
         # scalar values, and torch's deterministic switch (it picks kernels a graph keeps)
         graph_key = (key, backend, tuple(x for x in inputs if not isinstance(x, torch.Tensor)),
                      torch.are_deterministic_algorithms_enabled())
@@ -295,7 +334,11 @@ class FusionRunner:
             lines.append(f"fused segments ({backend}): {len(segments)} of {len(program.steps)} "
                          f"steps; {stats.describe()}")
         replays = [replay for (k, _), replay in self._replays.items() if k == key]
-        return lines + replay_lines(self._programs[key], device, replays, self.cuda_graph)
+        lines += replay_lines(self._programs[key], device, replays, self.cuda_graph)
+        for (k, _), host in self._host.items():
+            if k == key:
+                lines += host.lines()
+        return lines
 
     def _bind(self, inputs: list) -> Binding:
         """This rank's checks of ``inputs`` and their binding; communicates nothing."""

@@ -12,6 +12,9 @@ AUTO = "auto"  # compile=...: Inductor for programs on CUDA tensors, the interpr
 
 
 CUDA_GRAPH_ENV = "MESHFUSE_CUDA_GRAPH"
+# The default backend of ``execute(compile=None)``; unset: ``auto`` (Inductor for programs on
+# CUDA tensors, the interpreter on CPU ones); ``0`` turns fusion off everywhere.
+COMPILE_ENV = "MESHFUSE_COMPILE"
 
 
 def cuda_graph_setting(value: str | None) -> bool:
@@ -50,3 +53,11 @@ def compile_setting(value: bool | str | None) -> str | None:
 
 
 _BACKENDS_SEEN: set[str] = set()  # names checked against torch.compile's backends
+
+
+def backend_for(setting: str | None, device: torch.device) -> str | None:
+    """The backend that fuses a program on ``device``'s tensors under ``setting`` (a
+    :func:`compile_setting` result): ``"auto"`` is Inductor on CUDA, none elsewhere."""
+    if setting == AUTO:
+        return "inductor" if device.type == "cuda" else None
+    return setting

@@ -264,7 +264,8 @@ class FusionDefinition:
                 ``compile=True`` runs each run of fusible ops (pointwise, reductions, shape
                 ops) as one segment compiled by ``torch.compile`` (Inductor), cached per input
                 signature; a string names another torch.compile backend; ``False`` the
-                interpreter; the default comes from ``MESHFUSE_COMPILE`` (``0``). See
+                interpreter; the default comes from ``MESHFUSE_COMPILE`` (unset:
+                ``"auto"``, Inductor on CUDA tensors, the interpreter on CPU ones). See
                 docs/fusion.md.
         """
         self._check_finished("execute")
@@ -333,8 +334,8 @@ class FusionDefinition:
                 that it may backward more than once (``retain_graph=True``); by default the
                 backward frees each saved value after its last use, and runs once.
             compile: how the forward and backward programs run, as ``execute``'s
-                ``compile`` (default ``MESHFUSE_COMPILE``; True: fused segments through
-                Inductor).
+                ``compile`` (default ``MESHFUSE_COMPILE``, unset: Inductor's fused segments
+                on CUDA, the interpreter on the CPU; True: Inductor everywhere).
 
         Example:
             >>> f = fd.as_autograd_function()

@@ -16,9 +16,10 @@ from meshfuse.runtime.interpreter.binding import (
 from meshfuse.runtime.interpreter.bucketing import bucket_lines
 from meshfuse.runtime.interpreter.executor import Program
 from meshfuse.runtime.interpreter.fused import FUSED, CompileStats, fuse_program
+from meshfuse.runtime.interpreter.host_time import HostLog
 from meshfuse.runtime.interpreter.program import build_program
 
-__all__ = ["FUSED", "Binding", "CompileStats", "Program", "agreed_inputs", "bind",
+__all__ = ["FUSED", "Binding", "CompileStats", "HostLog", "Program", "agreed_inputs", "bind",
            "bucket_lines", "build_program", "check_inputs", "check_strides", "fuse_program",
            "has_symbolic_extents", "held_here", "input_facts", "is_cpu_scalar", "local_context",
            "out_of_step", "required_device"]

@@ -20,8 +20,11 @@ its inputs as slots, its live outputs, its label listing the steps it runs), so 
 interpreter loop runs it. Each segment is compiled on its first call, for the signature of the
 program it belongs to, by handing its graph to the torch.compile backend directly (no Dynamo:
 the call path of a compiled segment runs no guards); the runner caches the fused program per
-input signature, so cached calls never recompile. :class:`CompileStats` counts compilations
-and records their time (what ``explain`` and the benchmarks report).
+input signature, so cached calls never recompile. A segment identical to one compiled
+before, by any program of the process (the same layer's programs in each block of a model:
+:mod:`~meshfuse.runtime.interpreter.segment_cache`), reuses that compiled code.
+:class:`CompileStats` counts compilations and reuses and records their time (what
+``explain`` and the benchmarks report).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import fx
 
 from meshfuse.ops.registry import REGISTRY, lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
+from meshfuse.runtime.interpreter.segment_cache import SHARED
 
 FUSED = "fused"
 
@@ -57,11 +61,15 @@ class CompileStats:
     """Compilations of a fused program's segments: how many, and how long the first calls
     took (tracing, Inductor and its C++/Triton compiler together)."""
 
-    compiles: int = 0
+    compiles: int = 0  # segments given compiled code (compiled, or found compiled)
     seconds: float = 0.0
+    reused: int = 0  # of those, found compiled already (the same graph elsewhere: SHARED)
 
     def describe(self) -> str:
-        return f"{self.compiles} segment compilations, first-call compile time {self.seconds:.2f} s"
+        reused = (f" ({self.reused} reused from identical segments compiled before)"
+                  if self.reused else "")
+        return (f"{self.compiles} segment compilations{reused}, first-call compile time "
+                f"{self.seconds:.2f} s")
 
 
 def fuse_program(program: Program, backend: str = "inductor",
@@ -180,10 +188,16 @@ class _Compiled:
         start = time.perf_counter()
         graph = _with_constants(self.graph, scalars)
         patches = inductor_patches(self._backend, tensors)
-        with torch._inductor.config.patch(patches) if patches else contextlib.nullcontext():
-            compiled = torch._dynamo.lookup_backend(self._backend)(graph, tensors)
-        result = compiled(*tensors)
+        shared = SHARED.key(graph, tensors, self._backend, patches)
+        compiled = SHARED.get(shared)
+        if compiled is None:
+            with torch._inductor.config.patch(patches) if patches else contextlib.nullcontext():
+                compiled = torch._dynamo.lookup_backend(self._backend)(graph, tensors)
+            SHARED.put(shared, compiled)
+        else:
+            self._stats.reused += 1
         self._stats.compiles += 1
+        result = compiled(*tensors)
         self._stats.seconds += time.perf_counter() - start
         self._specialized[key] = compiled
         if not scalars:

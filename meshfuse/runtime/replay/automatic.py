@@ -14,8 +14,8 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   holds every output on this rank, and whose capture succeeds (an op that reads a value back
   to the host cannot be captured: the program then stays with the interpreter).
 - **Which calls** (:func:`replay_wanted`). By default every call, unless
-  ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; never a call that donates
-  its inputs (an autograd backward: its inputs are to be freed as it runs).
+  ``MESHFUSE_CUDA_GRAPH=0`` or ``execute(..., cuda_graph=False)``; a call that donates its
+  inputs (an autograd backward) too, see *Donation* below.
 - **Inputs in place.** A graph reads its inputs where they were when it was captured, so
   graphs are kept per set of input addresses (and Python scalar values, but for the seeds
   of dropout, which each replay reads itself), and per state of
@@ -36,12 +36,37 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   it, up to :data:`BUFFERS`; when those are busy too, the interpreter runs and what the
   caller holds stays as it was.
 
+- **Donation.** A donating call (``execute(..., donate=True)``: an autograd backward, whose
+  inputs are the cotangents and the forward's residuals) gives its references up so that
+  the interpreter frees each input after its last use. A graph frees nothing: it is
+  captured without donation (its intermediates are freed inside its own pool, which every
+  replay reuses), and a replayed donating call holds its inputs until the replay is
+  launched, then empties the caller's list as the interpreter would (the runner does:
+  ``FusionRunner.execute``). The stream order keeps the memory safe: whatever the caching
+  allocator hands out next is written by later kernels of the same stream. The cost is the
+  inputs' memory held through the whole backward instead of freed one by one; where the
+  forward replays, its residuals live in the forward graph's pool anyway.
+- **Autograd** (``fd.as_autograd_function()``, ``FusionModule``): the forward and the
+  backward are two programs of two runners, each replayed under these rules; no rule is
+  added. Residuals are outputs of the forward's graph, held by the autograd node until its
+  backward takes them: the forward's graph is busy meanwhile (the use-count rule above),
+  so a second forward before that backward (gradient accumulation over micro-batches, one
+  layer applied twice, activation checkpointing's recomputation) replays the other graph
+  of its set of addresses or runs the interpreter, and never rewrites residuals that a
+  backward still has to read. The backward's graph reads the residuals at their addresses
+  (a forward graph's output memory, the same from step to step): it is keyed, like any
+  graph, on them. Its gradients are its outputs: a parameter's ``.grad`` that autograd
+  set to one of them (it takes the tensor when ``.grad`` is None) makes that graph busy
+  until ``zero_grad()`` sets it to None; accumulating into it meanwhile replays the
+  backward's other graph, which is added into ``.grad`` (a copy).
+
 Memory: each graph keeps its private memory pool (one run's outputs and intermediates) for as
 long as the program is cached; ``explain`` says how much.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +77,7 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program
 from meshfuse.runtime.interpreter.fused import FUSED
 from meshfuse.runtime.interpreter.program import unchanged_view
-from meshfuse.runtime.replay.graphs import capture, pool_bytes
+from meshfuse.runtime.replay.graphs import buffer_like, capture, pool_bytes
 from meshfuse.runtime.replay.streams import (
     StreamPlan,
     plan_streams,
@@ -67,6 +92,21 @@ MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
 AUTO = "auto"
 
 
+_PAUSED = [0]  # > 0: no automatic replay (a whole step is warmed up or captured)
+
+
+@contextlib.contextmanager
+def paused():
+    """No automatic replay inside (every thread: an autograd backward runs on the engine's):
+    :func:`~meshfuse.runtime.replay.step.capture_step` warms a whole step up and captures
+    it, with every program's kernels in its graph, and wants no graphs of the programs."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 class GraphBudget:
     """How many more graphs the signatures of one fusion may capture: a fusion called with
     many input shapes keeps at most :data:`MAX_FUSION_GRAPHS` graphs (and their memory)."""
@@ -75,10 +115,10 @@ class GraphBudget:
         self.left = graphs
 
 
-def replay_wanted(option: bool | str | None, default: bool, donate: bool) -> bool:
+def replay_wanted(option: bool | str | None, default: bool) -> bool:
     """Whether a call may replay automatically: ``option`` is ``execute``'s ``cuda_graph``
-    (None: ``default``, from ``MESHFUSE_CUDA_GRAPH``; ``"auto"``: yes; False: no);
-    ``donate``: never (the call's inputs are to be freed as the program runs).
+    (None: ``default``, from ``MESHFUSE_CUDA_GRAPH``; ``"auto"``: yes; False: no). A call
+    that donates its inputs may (see the module doc: donation).
 
     Raises:
         InputError: for an option other than True (handled by the caller), "auto", False
@@ -94,7 +134,7 @@ def replay_wanted(option: bool | str | None, default: bool, donate: bool) -> boo
         raise InputError(f"execute(cuda_graph={option!r}): pass True (capture, copying inputs "
                          "and outputs), 'auto' (replay where safe, copying nothing: the "
                          "default) or False (never)")
-    return wanted and not donate
+    return wanted
 
 
 def why_not_replayed(program: Program, device: torch.device) -> str | None:
@@ -193,15 +233,20 @@ class AutoReplay:
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
 
-    def run(self, inputs: Sequence[Any]) -> list[torch.Tensor] | None:
+    def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset()
+            ) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
         interpreter must run this call (also inside the caller's own CUDA graph capture,
-        which then captures the interpreter's kernels)."""
-        if self.reason is not None or self._cuda.capturing():
+        which then captures the interpreter's kernels). ``staged``: the positions of
+        tensor inputs whose addresses change from call to call (a backward's cotangents):
+        each graph copies them into buffers of its own, and they are not part of its key."""
+        if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
-        if self._unkeyed:
-            key = tuple(None if i in self._unkeyed else k for i, k in enumerate(key))
+        unkeyed = self._unkeyed | staged
+        if unkeyed:
+            key = tuple(None if i in unkeyed else k for i, k in enumerate(key))
+        key += (staged,)
         # A graph keeps the kernels of its capture; the interpreter picks a deterministic
         # backward (flash's) whenever torch's switch is on at the call.
         key += (torch.are_deterministic_algorithms_enabled(),)
@@ -218,7 +263,7 @@ class AutoReplay:
                 return graph.replay(inputs)
         if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
             return None
-        graph = self._captured(inputs)
+        graph = self._captured(inputs, staged)
         if graph is None:
             return None
         self._graphs[key] = [*graphs, graph]
@@ -236,11 +281,14 @@ class AutoReplay:
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
                 f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
 
-    def _captured(self, inputs: Sequence[Any]) -> _Graph | None:
+    def _captured(self, inputs: Sequence[Any], staged: frozenset[int]) -> _Graph | None:
         streams = plan_streams(self._program, inputs)
         if isinstance(streams, str):
             self.reason = streams
             return None
+        buffers = {i: buffer_like(inputs[i]) for i in sorted(staged)
+                   if isinstance(inputs[i], torch.Tensor)}
+        inputs = [buffers.get(i, x) for i, x in enumerate(inputs)]
         try:
             with streams.capturing():
                 graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs,
@@ -252,7 +300,7 @@ class AutoReplay:
         self._budget.left -= 1
         self.pool_bytes += pool_bytes
         self._streams = self._streams or streams.describe()
-        return _Graph(graph, outputs, inputs, streams)
+        return _Graph(graph, outputs, inputs, streams, buffers)
 
 
 class _Graph:
@@ -260,14 +308,17 @@ class _Graph:
     (new tensors on the same memory), so anything the caller still holds of a result (the
     tensors, views of them) shows in the outputs' storage use counts. An output that is an
     input (or a view of one) is not the graph's memory (no replay writes it): the caller's
-    references to it do not count."""
+    references to it do not count, unless that input is one of the graph's ``buffers``
+    (a staged input, copied in at each replay)."""
 
     def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any],
-                 streams: StreamPlan):
+                 streams: StreamPlan, buffers: dict[int, torch.Tensor]):
         self._graph = graph
         self._outputs = outputs
         self._streams = streams
-        given = {x.untyped_storage()._cdata for x in inputs if isinstance(x, torch.Tensor)}
+        self._buffers = buffers
+        given = {x.untyped_storage()._cdata for i, x in enumerate(inputs)
+                 if isinstance(x, torch.Tensor) and i not in buffers}
         # kept alive by the outputs
         handles = {t.untyped_storage()._cdata for t in outputs} - given
         self._storages = sorted(handles)
@@ -281,6 +332,9 @@ class _Graph:
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout
         streams seeded as the interpreter's call would seed them."""
+        if self._buffers:
+            torch._foreach_copy_(list(self._buffers.values()),
+                                 [inputs[i] for i in self._buffers])
         if self._streams.streams:
             self._streams.prepare(inputs)
         self._graph.replay()

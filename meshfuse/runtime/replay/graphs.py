@@ -45,7 +45,7 @@ class GraphedProgram:
     """``program`` captured on CUDA for inputs like ``inputs``; see the module doc."""
 
     def __init__(self, program: Program, inputs: Sequence[Any]):
-        self._inputs = [_buffer_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+        self._inputs = [buffer_like(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         self._copied = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         with torch.random.fork_rng(devices=[]):  # its seed draws are not a call's
             warm_up_run(program, self._inputs)
@@ -114,7 +114,7 @@ def pool_bytes(graph: torch.cuda.CUDAGraph) -> int:
                if s.get("segment_pool_id") == pool)
 
 
-def _buffer_like(x: torch.Tensor) -> torch.Tensor:
+def buffer_like(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` with its strides (the program was built for them)."""
     buffer = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     return buffer.copy_(x)

@@ -1,0 +1,254 @@
+"""CUDA-graph replay of the autograd path (``as_autograd_function``, ``FusionModule``): the
+forward and the derived backward replay under ``execute``'s rules
+(``meshfuse.runtime.replay.automatic``), the backward although it donates its inputs.
+
+On the CPU, with a stand-in graph that behaves as a CUDA graph does with memory: it holds
+no reference to its inputs (it reads them at their addresses, through views made from the
+raw pointers, so a freed or moved input is read as garbage, not kept alive), and it
+rewrites its own output tensors at each replay. So these tests fail where a replay would
+overwrite residuals a backward still needs, or a result the caller holds, or keep a
+donated input alive. Values are compared with PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from meshfuse import DataType, FusionDefinition, FusionModule
+from meshfuse.engine import runner as runner_module
+from meshfuse.engine.runner import FusionRunner
+from meshfuse.runtime.replay.automatic import AutoReplay
+
+T, H, FFN = 6, 4, 8
+
+
+def _at(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of the memory at ``address`` laid out like ``like``, holding no reference
+    to ``like`` (what a CUDA graph's kernels read: an address)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride())) if like.numel() else 1
+    raw = (ctypes.c_uint8 * (span * like.element_size())).from_address(address)
+    return torch.frombuffer(raw, dtype=like.dtype, count=span).as_strided(like.shape,
+                                                                           like.stride())
+
+
+class AddressGraph:
+    """A captured program replayed on whatever lies at its inputs' captured addresses,
+    into its captured outputs."""
+
+    replays = 0
+
+    def __init__(self, program, inputs, outputs):
+        self.program = program
+        # addresses and layouts only; a Python scalar is part of the graph
+        self.inputs = [(x.data_ptr(), torch.empty_strided(x.shape, x.stride(), dtype=x.dtype))
+                       if isinstance(x, torch.Tensor) else x for x in inputs]
+        self.outputs = outputs
+
+    def replay(self):
+        AddressGraph.replays += 1
+        inputs = [_at(*x) if isinstance(x, tuple) else x for x in self.inputs]
+        for out, new in zip(self.outputs, self.program.run(inputs)):
+            if out.data_ptr() != new.data_ptr():
+                out.copy_(new)
+
+
+def _capture(program, inputs, generators=()):
+    outputs = program.run(list(inputs))
+    return AddressGraph(program, inputs, outputs), outputs, 0
+
+
+class AddressCuda:
+    capture = staticmethod(_capture)
+
+    @staticmethod
+    def capturing():
+        return False
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Every runner's automatic replay decides as on CUDA and captures stand-in graphs."""
+    def replay(program, device, budget=None):
+        return AutoReplay(program, torch.device("cuda"), budget, AddressCuda)
+
+    monkeypatch.setattr(runner_module, "AutoReplay", replay)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+
+
+def _mlp():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w1 = fd.define_tensor([FFN, H], dtype=DataType.Double)
+        w2 = fd.define_tensor([H, FFN], dtype=DataType.Double)
+        y = fd.ops.linear(fd.ops.tanh(fd.ops.linear(x, w1)), w2)
+        fd.add_output(fd.ops.add(y, x))
+    return fd, (w1, w2)
+
+
+def _torch_mlp(x, w1, w2):
+    return F.linear(torch.tanh(F.linear(x, w1)), w2) + x
+
+
+def _runners(function) -> list[FusionRunner]:
+    (compiled,) = function._derivations.values()
+    return [compiled.derivation.forward_runner, compiled._backward]
+
+
+def _graphs(runner: FusionRunner) -> int:
+    return sum(r.graphs for r in runner._replays.values())
+
+
+@pytest.mark.parametrize("zero_grad_to_none", [True, False])
+def test_a_training_loop_replays_forward_and_backward(fake_cuda, zero_grad_to_none):
+    fd, (w1, w2) = _mlp()
+    init = {"w1": _randn(FFN, H, seed=2), "w2": _randn(H, FFN, seed=3)}
+    layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=0.05)
+    x = torch.empty(T, H, dtype=torch.float64)  # the loop's input buffer
+    before = AddressGraph.replays
+    for step in range(8):
+        x.copy_(_randn(T, H, seed=10 + step))
+        out = layer(x)
+        loss = out.pow(2).mean()
+        ref_loss = _torch_mlp(x, ref["w1"], ref["w2"]).pow(2).mean()
+        torch.testing.assert_close(loss, ref_loss)
+        for o, l_ in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad(set_to_none=zero_grad_to_none)
+            l_.backward()
+            o.step()
+    for name in init:
+        torch.testing.assert_close(getattr(layer, name).detach(), ref[name].detach())
+    forward, backward = _runners(layer._function)
+    assert _graphs(forward) >= 1 and _graphs(backward) >= 1
+    # both programs replay from the third step on (captured at their second call)
+    assert AddressGraph.replays - before >= 2 * 6
+
+
+def _exp_scale():
+    """``y = exp(x) * w``; with ``remat="save"`` its residual is ``exp(x)`` (memory of the
+    forward's graph), not ``x``, which the caller may then change between forwards."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w = fd.define_tensor([T, H], dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(fd.ops.exp(x), w))
+    return fd
+
+
+def _warm(function, x, w):
+    for _ in range(3):  # the programs' graphs captured, and replayed once
+        function([x, w])[0].sum().backward()
+    w.grad = None
+
+
+def test_two_forwards_before_a_backward_keep_the_first_ones_residuals(fake_cuda):
+    function = _exp_scale().as_autograd_function(remat="save")
+    x = _randn(T, H, seed=1)
+    w = _randn(T, H, seed=2).requires_grad_()
+    _warm(function, x, w)
+    (compiled,) = function._derivations.values()
+    assert any(r.kind != "input" for r in compiled.derivation.residuals)
+    a, b = _randn(T, H, seed=3), _randn(T, H, seed=4)
+    x.copy_(a)
+    first = function([x, w])[0]  # replays the forward's graph: residuals in its memory
+    x.copy_(b)  # legal: x is no residual
+    second = function([x, w])[0]  # the graph is busy: another graph or the interpreter
+    (first * 2).sum().backward()
+    second.sum().backward()
+    torch.testing.assert_close(w.grad, 2 * torch.exp(a) + torch.exp(b))
+    torch.testing.assert_close(first, torch.exp(a) * w)
+    assert _graphs(_runners(function)[0]) >= 1
+
+
+def test_gradient_accumulation_into_a_held_grad(fake_cuda):
+    """The backward's output taken as ``w.grad`` (autograd keeps the tensor when ``.grad``
+    is None) keeps its graph busy: the next backward, accumulating, never rewrites it."""
+    function = _exp_scale().as_autograd_function()
+    x = _randn(T, H, seed=1)
+    w = _randn(T, H, seed=2).requires_grad_()
+    _warm(function, x, w)
+    for micro in range(4):
+        function([x, w])[0].sum().backward()
+        torch.testing.assert_close(w.grad, (micro + 1) * torch.exp(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing(fake_cuda, reentrant):
+    fd, _ = _mlp()
+    function = fd.as_autograd_function()
+    w1, w2 = _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
+    x = _randn(T, H, seed=1).requires_grad_()
+    leaves = [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+    refs = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    for step in range(4):
+        ys = [checkpoint(lambda x_, *w: function([x_, *w])[0], x, *leaves,
+                         use_reentrant=reentrant) for _ in range(2)]
+        (ys[0].sum() + 3 * ys[1].sum()).backward()
+        expected = _torch_mlp(*refs)
+        (4 * expected.sum()).backward()
+        for got, want in zip((x, *leaves), refs):
+            torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_a_replayed_donating_call_empties_the_list_and_holds_nothing(fake_cuda):
+    fd = _exp_scale()
+    fd.define()
+    runner = FusionRunner(fd.fusion)
+    w = _randn(T, H, seed=2)
+    x = _randn(T, H, seed=1)
+    for i in range(4):
+        donated = x * (i + 1)  # a new tensor each call (an address of its own, or not)
+        alive = weakref.ref(donated)
+        inputs = [donated, w]
+        del donated
+        (out,) = runner.execute(inputs, donate=True, staged=[0])  # copied into the graph
+        assert inputs == [] and alive() is None  # given up: nothing holds it any more
+        torch.testing.assert_close(out, torch.exp(x * (i + 1)) * w)
+        del out
+    assert _graphs(runner) == 1
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("compile", [False, "inductor"])
+def test_cuda_training_replays_the_derived_backward(compile):
+    """Real graphs: a FusionModule trained with AdamW as plain PyTorch is; from the third
+    step on, the forward and the backward replay (graphs captured by both runners)."""
+    fd, (w1, w2) = _mlp()
+    init = {"w1": _randn(FFN, H, seed=2).cuda(), "w2": _randn(H, FFN, seed=3).cuda()}
+    layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    layer._function.compile = compile
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=0.05)
+    x = torch.empty(T, H, dtype=torch.float64, device="cuda")
+    losses = []
+    for step in range(6):
+        x.copy_(_randn(T, H, seed=10 + step))
+        loss = layer(x).pow(2).mean()
+        ref_loss = _torch_mlp(x, ref["w1"], ref["w2"]).pow(2).mean()
+        for o, l_ in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            l_.backward()
+            o.step()
+        losses.append((loss.detach(), ref_loss.detach()))
+    for got, want in losses:
+        torch.testing.assert_close(got, want)
+    for name in init:
+        torch.testing.assert_close(getattr(layer, name).detach(), ref[name].detach())
+    forward, backward = _runners(layer._function)
+    assert _graphs(forward) >= 1 and _graphs(backward) >= 1
+    assert any(log.replayed.calls for log in backward._host.values())
