@@ -172,7 +172,11 @@ def test_cuda_captured_step_trains_as_eager():
     step = meshfuse.capture_step(train_step, warmup=2)
     for i in range(6):
         x, target = _randn(T, H, seed=10 + i).cuda(), _randn(T, H, seed=20 + i).cuda()
-        torch.testing.assert_close(step(x, target), eager(x, target))
+        # Inductor's fused segments (on by default on CUDA) and capturable AdamW round float32
+        # in another order than the eager reference: the project's float32 bound, not 1e-7.
+        torch.testing.assert_close(step(x, target), eager(x, target), rtol=1e-5, atol=1e-6)
     assert step.graphs == 1
     for name in init:
-        torch.testing.assert_close(getattr(layer, name).detach(), ref[name].detach())
+        torch.testing.assert_close(
+            getattr(layer, name).detach(), ref[name].detach(), rtol=1e-5, atol=1e-6
+        )
