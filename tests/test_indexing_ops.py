@@ -36,9 +36,12 @@ def _run(fd, in_tvs, out_tvs, values, cotangents, rank):
     args = bwd.backward_inputs(dys, local, outs)
     with record_communications() as bwd_comms:
         grads = bwd.input_gradients(bwd.execute(args))
-    kinds = [Counter(c.kind for c in comms) for comms in (fwd_comms, bwd_comms)]
     return [o.cpu() for o in outs[:len(out_tvs)]], [g.cpu() for g in grads if g is not None], \
-        kinds
+        (list(fwd_comms), list(bwd_comms))
+
+
+def _kinds(comms) -> Counter:
+    return Counter(c.kind for c in comms)
 
 
 def _embedding_fusion(mesh, weight_axis: int | None, token_axis: int | None,
@@ -85,7 +88,8 @@ def test_embedding_sharded_matches_torch(multidevice_test, weight_axis, token_ax
     ids[0, 0] = 3
     w = torch.randn(V, E, generator=_gen(2), dtype=torch.float64)
     dy = torch.randn(B, S, E, generator=_gen(3), dtype=torch.float64)
-    (got,), (gw,), (fwd, bwd) = _run(fd, [ids_tv, w_tv], [out_tv], [ids, w], [dy], rank)
+    (got,), (gw,), comms = _run(fd, [ids_tv, w_tv], [out_tv], [ids, w], [dy], rank)
+    fwd, bwd = map(_kinds, comms)
     leaf = w.clone().requires_grad_()
     ref = F.embedding(ids.long(), leaf, padding_idx=3) ** 2
     ref.backward(dy)
@@ -95,3 +99,56 @@ def test_embedding_sharded_matches_torch(multidevice_test, weight_axis, token_ax
         assert fwd == bwd == Counter()
     else:
         assert (fwd, bwd) == EMBEDDING_COMMS[weight_axis, token_axis], (fwd, bwd)
+
+
+N, C = 6, 13  # rows (tokens) and classes (vocabulary): uneven shards at 2, 3 and 4 ranks
+
+
+def _ce_fusion(mesh, vocab: bool, rows: bool, reduction: str, smoothing: float):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([N, C], dtype=DataType.Double)
+        t = fd.define_tensor([N], dtype=DataType.Int)
+        loss = fd.ops.cross_entropy(x, t, reduction=reduction, ignore_index=-1,
+                                    label_smoothing=smoothing)
+        fd.add_output(loss)
+    for tv in (x, t, loss):
+        tv.set_device_mesh(mesh)
+    if vocab:
+        shard(x, 1, mesh)
+    if rows and not vocab:
+        shard(x, 0, mesh)
+        shard(t, 0, mesh)
+    return fd, (x, t), loss
+
+
+def _ce_reference(x, t, dy, reduction, smoothing):
+    leaf = x.clone().requires_grad_()
+    loss = F.cross_entropy(leaf, t, reduction=reduction, ignore_index=-1,
+                           label_smoothing=smoothing)
+    loss.backward(dy)
+    return loss.detach(), leaf.grad
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.2)])
+@pytest.mark.parametrize("vocab,rows", [(True, False), (False, True)])
+def test_cross_entropy_on_indices_sharded(multidevice_test, vocab, rows, reduction, smoothing):
+    """Loss parallel (classes split): the forward reduces per-row values only (the max, the
+    sum of exponentials, the target's logit, the logits' sum), never a shard of the logits,
+    and the logits' gradient stays sharded; rows split: the mean divides by the count of
+    rows not ignored over all ranks."""
+    rank, size = multidevice_test.rank, multidevice_test.size
+    fd, (x_tv, t_tv), loss_tv = _ce_fusion(mesh_1d(multidevice_test), vocab, rows, reduction,
+                                           smoothing)
+    x = torch.randn(N, C, generator=_gen(4), dtype=torch.float64) * 3
+    t = torch.randint(0, C, (N,), generator=_gen(5))
+    t[1] = t[4] = -1  # ignored
+    dy = torch.randn(N if reduction == "none" else (), generator=_gen(6), dtype=torch.float64)
+    (got,), (gx,), (fwd, bwd) = _run(fd, [x_tv, t_tv], [loss_tv], [x, t], [dy], rank)
+    comms = fwd + bwd
+    ref, ref_gx = _ce_reference(x, t, dy, reduction, smoothing)
+    torch.testing.assert_close(got, shard_tensor(ref, loss_tv, rank), **TOL)
+    torch.testing.assert_close(gx, shard_tensor(ref_gx, x_tv, rank), **TOL)
+    row_bytes = N * 8
+    assert all(c.bytes <= row_bytes for c in comms), [(c.kind, c.bytes) for c in comms]
+    assert bool(comms) == (size > 1)

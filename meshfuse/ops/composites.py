@@ -166,7 +166,20 @@ def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smooth
     return o.where(ignored, 0.0, loss)
 
 
+def chunk(o, x, chunks: int, dim: int = 0):
+    """``torch.chunk(x, chunks, dim)``: ``split`` into pieces of ``ceil(extent / chunks)``
+    (fewer pieces where that divides the extent into fewer); a tuple of tensors."""
+    axis = _axis("chunk", x, dim)
+    extent = x.materialized()[axis].extent
+    if not isinstance(chunks, int) or chunks < 1 or extent is None:
+        raise DefinitionError(f"chunk: chunks {chunks!r} must be a positive int and axis "
+                              f"{axis} of {x.name} static")
+    pieces = o.split(x, max(-(-extent // chunks), 1), axis)
+    return pieces if isinstance(pieces, tuple) else (pieces,)
+
+
 COMPOSITES: dict[str, Callable] = {
+    "chunk": chunk,
     "cross_entropy": cross_entropy,
     "layer_norm": layer_norm,
     "log_softmax": log_softmax,
