@@ -228,9 +228,6 @@ def _select_axes(arg: TensorMeta, index: TensorMeta, dim: int,
 
 def _index_select_infer(arg, index, dim):
     arg, index = require_tensor("index_select", "arg", arg), _require_index("index_select", index)
-    if index.ndim > 1:
-        raise DefinitionError(f"index_select: index must have at most one axis, got "
-                              f"{index.ndim} (embedding_fwd takes indices of any shape)")
     dim = normalize_axis("index_select", dim, arg.ndim, "dim")
     return [OutSpec(arg.dtype, _select_axes(arg, index, dim))]
 
@@ -254,8 +251,9 @@ def _index_select_grads(d, grads):
 
 register(OpDef(
     "index_select", (tensor("arg"), tensor("index"), attr("dim")), _index_select_infer,
-    select_rows, prefer_inputs=(0,), doc="arg's slices at the positions of the 1-D index along dim; a sharded "
-                     "dim gives partial sums (zeros off the shard)",
+    select_rows, prefer_inputs=(0,),
+    doc="arg's slices at the positions of index along dim (index's axes replace dim: "
+        "torch's for a 1-D index); a sharded dim gives partial sums (zeros off the shard)",
     localize=_localize_arg(lambda e: e.attrs["dim"] % len(e.args[0].materialized())),
     vjp=Vjp(_index_select_grads),
 ))
@@ -301,7 +299,7 @@ register(OpDef(
         "transpose of index_select and embedding_fwd)",
     localize=_localize_out(lambda e: e.attrs["dim"] % len(e.args[2].materialized())),
     vjp=Vjp(lambda d, grads: {"grad": lambda: d.ops.index_select(
-        grads[0], d.value("index"), d.attrs["dim"]) if d.ndim("index") <= 1 else None}),
+        grads[0], d.value("index"), d.attrs["dim"])}),
 ))
 
 
