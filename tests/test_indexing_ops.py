@@ -152,3 +152,40 @@ def test_cross_entropy_on_indices_sharded(multidevice_test, vocab, rows, reducti
     row_bytes = N * 8
     assert all(c.bytes <= row_bytes for c in comms), [(c.kind, c.bytes) for c in comms]
     assert bool(comms) == (size > 1)
+
+
+@pytest.mark.mpi
+def test_lookups_on_an_empty_vocabulary_shard(multidevice_test):
+    """Regression (fuzz seeds 200xxx at 3 ranks): a vocabulary of 2 split over 3 ranks leaves
+    rank 2 no row; its lookups are zeros (gather, index_select and the scatter-adds failed on
+    the empty axis)."""
+    rank, mesh = multidevice_test.rank, mesh_1d(multidevice_test)
+    vocab = 2
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([3, 4], dtype=DataType.Int32)
+        w = fd.define_tensor([vocab, 5], dtype=DataType.Double)
+        x = fd.define_tensor([3, vocab], dtype=DataType.Double)
+        emb = fd.ops.embedding_fwd(ids, w)
+        picked = fd.ops.take_along_axis(x, ids, 1)
+        fd.add_output(emb)
+        fd.add_output(picked)
+    for tv in (ids, w, x, emb, picked):
+        tv.set_device_mesh(mesh)
+    shard(w, 0, mesh)
+    shard(x, 1, mesh)
+    values = [torch.randint(0, vocab, (3, 4), generator=_gen(7), dtype=torch.int32),
+              torch.randn(vocab, 5, generator=_gen(8), dtype=torch.float64),
+              torch.randn(3, vocab, generator=_gen(9), dtype=torch.float64)]
+    dys = [torch.randn(3, 4, 5, generator=_gen(10), dtype=torch.float64),
+           torch.randn(3, 4, generator=_gen(11), dtype=torch.float64)]
+    (got_emb, got_picked), (gw, gx), _ = _run(fd, [ids, w, x], [emb, picked], values, dys,
+                                              rank)
+    leaves = [v.clone().requires_grad_() for v in values[1:]]
+    ref_emb = F.embedding(values[0].long(), leaves[0])
+    ref_picked = torch.take_along_dim(leaves[1], values[0].long(), 1)
+    torch.autograd.backward([ref_emb, ref_picked], dys)
+    torch.testing.assert_close(got_emb, shard_tensor(ref_emb.detach(), emb, rank), **TOL)
+    torch.testing.assert_close(got_picked, shard_tensor(ref_picked.detach(), picked, rank),
+                               **TOL)
+    torch.testing.assert_close(gw, shard_tensor(leaves[0].grad, w, rank), **TOL)
+    torch.testing.assert_close(gx, shard_tensor(leaves[1].grad, x, rank), **TOL)

@@ -128,12 +128,16 @@ def _take_along_axis(arg, index, dim, held=None):
              for a, (n, m) in enumerate(zip(arg.shape, index.shape))]
     shape_arg = [n if a == dim % arg.ndim else s for a, (n, s) in
                  enumerate(zip(arg.shape, shape))]
+    if arg.shape[dim] == 0:  # an empty shard of dim (uneven): no position held here
+        return arg.new_zeros(shape)
     out = torch.gather(arg.expand(shape_arg), dim, index.expand(shape))
     return out if mask is None else out.masked_fill(~mask.expand(shape), 0)
 
 
 def _gather(arg, index, dim, held=None):
     index, mask = held_positions(index, held)
+    if arg.shape[dim] == 0:  # an empty shard of dim (uneven)
+        return arg.new_zeros(index.shape)
     out = torch.gather(arg, dim, index)
     return out if mask is None else out.masked_fill(~mask, 0)
 
@@ -194,6 +198,8 @@ def _localize_out(dim_of):
 def _take_along_axis_backward(grad, index, like, dim, out_shapes, held=None):
     index, mask = held_positions(index, held)
     out = grad.new_zeros(out_shapes[0])
+    if out.shape[dim] == 0:  # an empty shard of dim (uneven): nothing lands here
+        return out
     shape = torch.broadcast_shapes(grad.shape, index.shape)
     grad, index = grad.expand(shape), index.expand(shape)
     if mask is not None:
@@ -236,6 +242,8 @@ def select_rows(arg, index, dim, held=None):
     """``arg`` at ``index`` (any shape) along ``dim``: ``index``'s axes replace ``dim``."""
     dim %= arg.ndim
     pos, mask = held_positions(index, held)
+    if arg.shape[dim] == 0:  # an empty shard of dim (uneven)
+        return arg.new_zeros(*arg.shape[:dim], *index.shape, *arg.shape[dim + 1:])
     out = arg.index_select(dim, pos.reshape(-1))
     out = out.view(*arg.shape[:dim], *index.shape, *arg.shape[dim + 1:])
     if mask is None:
@@ -282,6 +290,8 @@ def _select_backward_infer(grad, index, like, dim):
 def _index_select_backward(grad, index, like, dim, out_shapes, held=None):
     dim %= len(out_shapes[0])
     pos, mask = held_positions(index, held)
+    if out_shapes[0][dim] == 0:  # an empty shard of dim (uneven)
+        return grad.new_zeros(out_shapes[0])
     if mask is not None:
         keep = mask.view(*([1] * dim), *mask.shape, *([1] * (grad.ndim - dim - mask.ndim)))
         grad = grad.masked_fill(~keep, 0)
