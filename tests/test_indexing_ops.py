@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mesh_helpers import mesh_1d, shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import meshfuse
 from meshfuse import DataType, FusionDefinition, shard_tensor
@@ -189,3 +191,30 @@ def test_lookups_on_an_empty_vocabulary_shard(multidevice_test):
                                **TOL)
     torch.testing.assert_close(gw, shard_tensor(leaves[0].grad, w, rank), **TOL)
     torch.testing.assert_close(gx, shard_tensor(leaves[1].grad, x, rank), **TOL)
+
+
+@pytest.mark.mpi
+def test_integer_dtensors_through_embedding_and_cross_entropy(multidevice_test):
+    """Integer inputs on the DTensor path: Int32 ids sharded on the sequence, Int targets,
+    a vocabulary-sharded table (torch's ``Shard(0)``, uneven) and vocabulary-sharded logits
+    (``Shard(1)``); meshfuse's DTensor outputs equal PyTorch's."""
+    size = multidevice_test.size
+    mesh = init_device_mesh(multidevice_test.device.type, (size,))
+    ids = torch.randint(0, V, (B, S), generator=_gen(12), dtype=torch.int32)
+    w = torch.randn(V, E, generator=_gen(13), dtype=torch.float64)
+    x = torch.randn(N, C, generator=_gen(14), dtype=torch.float64)
+    t = torch.randint(0, C, (N,), generator=_gen(15))
+    with FusionDefinition() as fd:
+        ids_tv = fd.define_tensor([B, S], dtype=DataType.Int32)
+        w_tv = fd.define_tensor([V, E], dtype=DataType.Double)
+        x_tv = fd.define_tensor([N, C], dtype=DataType.Double)
+        t_tv = fd.define_tensor([N], dtype=DataType.Int)
+        fd.add_output(fd.ops.embedding_fwd(ids_tv, w_tv))
+        fd.add_output(fd.ops.cross_entropy(x_tv, t_tv, label_smoothing=0.1))
+    inputs = [distribute_tensor(ids, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)]),
+              distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(t, mesh, [Replicate()])]
+    emb, loss = fd.execute(inputs)
+    assert isinstance(emb, DTensor) and isinstance(loss, DTensor)
+    torch.testing.assert_close(emb.full_tensor().cpu(), F.embedding(ids.long(), w), **TOL)
+    torch.testing.assert_close(loss.full_tensor().cpu(),
+                               F.cross_entropy(x, t, label_smoothing=0.1), **TOL)
