@@ -450,6 +450,14 @@ def _index(shape, high, dtype=torch.int64):
     return T(shape, dtype=dtype, low=0, high=high)
 
 
+IOTA = OpInfo("iota", tuple(
+    Sample((5, 2, 3, dtype), lambda n, a, b, dt: (torch.arange(n) * b + a).to(dt.torch_dtype),
+           name=f"{dtype.name}") for dtype in (DataType.Int, DataType.Int32)
+) + (Sample((4, 0.5, 0.25, DataType.Float),
+            lambda n, a, b, dt: (torch.arange(n) * b + a).float(), name="Float"),),
+    (torch.float32,))
+STOP_GRADIENT = OpInfo("stop_gradient", (Sample((T((4, 6)),), torch.clone, name="copy"),),
+                       FLOATS + INTS + BOOL)
 TAKE_ALONG_AXIS = OpInfo("take_along_axis", (
     Sample((T((4, 10)), _index((4, 3), 9), 1), lambda x, i, d: torch.take_along_dim(x, i, d),
            name="dim1"),
@@ -635,6 +643,6 @@ OP_TABLE: tuple[OpInfo, ...] = (
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
     BROADCAST_IN_DIM, BROADCAST, STRIDE_ORDER, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE,
     SLICE_BACKWARD, CAT, SPLIT, TAKE_ALONG_AXIS, GATHER, INDEX_SELECT, EMBEDDING_FWD,
-    TAKE_ALONG_AXIS_BACKWARD, INDEX_SELECT_BACKWARD, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
+    TAKE_ALONG_AXIS_BACKWARD, INDEX_SELECT_BACKWARD, IOTA, STOP_GRADIENT, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
 )

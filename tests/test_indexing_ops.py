@@ -135,10 +135,11 @@ def _ce_reference(x, t, dy, reduction, smoothing):
 @pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.2)])
 @pytest.mark.parametrize("vocab,rows", [(True, False), (False, True)])
 def test_cross_entropy_on_indices_sharded(multidevice_test, vocab, rows, reduction, smoothing):
-    """Loss parallel (classes split): the forward reduces per-row values only (the max, the
-    sum of exponentials, the target's logit, the logits' sum), never a shard of the logits,
-    and the logits' gradient stays sharded; rows split: the mean divides by the count of
-    rows not ignored over all ranks."""
+    """Loss parallel (classes split): the forward reduces three per-row values only (the max,
+    the sum of exponentials, the target's logit mixed with the logits' sum), never a shard
+    of the logits, and the logits' gradient is computed on each shard with no communication;
+    rows split: the mean divides by the count of rows not ignored over all ranks (the
+    unsharded loss of "none" is gathered)."""
     rank, size = multidevice_test.rank, multidevice_test.size
     fd, (x_tv, t_tv), loss_tv = _ce_fusion(mesh_1d(multidevice_test), vocab, rows, reduction,
                                            smoothing)
@@ -153,7 +154,10 @@ def test_cross_entropy_on_indices_sharded(multidevice_test, vocab, rows, reducti
     torch.testing.assert_close(gx, shard_tensor(ref_gx, x_tv, rank), **TOL)
     row_bytes = N * 8
     assert all(c.bytes <= row_bytes for c in comms), [(c.kind, c.bytes) for c in comms]
-    assert bool(comms) == (size > 1)
+    expected = Counter() if size == 1 else Counter(
+        {"allreduce": 3} if vocab else  # the max, the sum of exponentials, the target's
+        {"mean": {"allreduce": 2}, "sum": {"allreduce": 1}, "none": {"allgather": 1}}[reduction])
+    assert (_kinds(fwd), _kinds(bwd)) == (expected, Counter())
 
 
 @pytest.mark.mpi

@@ -142,28 +142,38 @@ def _soft_cross_entropy(o, logits, target, axis: int, smoothing: float):
 
 
 def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smoothing: float):
-    """Per row, ``(1 - s) * (lse - x[target]) + s * (lse - mean(x))`` (zero where ignored),
-    in float32 for half-precision logits."""
+    """Per row, ``logsumexp(x) - sum(w * x)`` with ``w`` the target distribution (one-hot at
+    the target, mixed with the uniform one by ``smoothing``), zero where ignored; in float32
+    for half-precision logits.
+
+    ``w`` comes from comparing the class positions (``iota``) with the target, so the whole
+    loss is pointwise ops and three reductions over the classes: its gradient,
+    ``softmax - w`` scaled, is pointwise too (the max only shifts the exponentials: a
+    constant to differentiation). With the classes sharded, each reduction is partial over
+    them: three allreduces of one value per row (loss parallel)."""
     if target.ndim != logits.ndim - 1:
         raise DefinitionError(
             f"cross_entropy: target {target.name} of class indices must have the logits' "
             f"shape without the class axis {axis} ({logits.ndim - 1} axes), got "
             f"{target.ndim}; pass class probabilities of the logits' shape otherwise")
+    classes = logits.materialized()[axis].extent
+    if classes is None:
+        raise DefinitionError(f"cross_entropy: the class axis {axis} of {logits.name} has a "
+                              "symbolic extent; class indices need a static one")
     x = o.cast(logits, DataType.Float) if logits.dtype in _LOW_PRECISION else logits
-    shape = [-1] * logits.ndim
-    shape[axis] = 1
-    kept_axes = [a for a in range(logits.ndim) if a != axis]
-    ignored = o.eq(target, ignore_index)
-    safe = o.where(ignored, 0, target)  # an ignored row looks up class 0, then is zeroed
-    picked = o.take_along_axis(x, o.broadcast_in_dim(safe, shape, kept_axes), axis)
-    m = o.max(x, [axis], keepdim=True)
+    n = logits.ndim
+    rows = [a for a in range(n) if a != axis]
+    at_target = o.eq(o.broadcast_in_dim(o.iota(classes), [1] * axis + [classes] +
+                                        [1] * (n - axis - 1), [axis]),
+                     o.broadcast_in_dim(target, [-1 if a != axis else 1 for a in range(n)],
+                                        rows))
+    m = o.stop_gradient(o.max(x, [axis], keepdim=True))
     lse = o.add(o.log(o.sum(o.exp(o.sub(x, m)), [axis])), o.squeeze(m, [axis]))
-    loss = o.sub(lse, o.squeeze(picked, [axis]))
-    if smoothing:
-        classes = logits.materialized()[axis].extent
-        uniform = o.sub(lse, o.div(o.sum(x, [axis]), classes))
-        loss = o.add(o.mul(loss, 1.0 - smoothing), o.mul(uniform, smoothing))
-    return o.where(ignored, 0.0, loss)
+    uniform = smoothing / classes
+    weighted = o.where(at_target, o.mul(x, 1.0 - smoothing + uniform), o.mul(x, uniform)) \
+        if smoothing else o.where(at_target, x, 0.0)
+    loss = o.sub(lse, o.sum(weighted, [axis]))
+    return o.where(o.eq(target, ignore_index), 0.0, loss)
 
 
 def chunk(o, x, chunks: int, dim: int = 0):

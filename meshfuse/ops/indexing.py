@@ -40,6 +40,37 @@ from meshfuse.ops.shape_rules import normalize_axis, require_tensor
 INDEX_DTYPES = (DataType.Int, DataType.Int32)
 
 
+def _iota_infer(length, start, step, dtype):
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        raise DefinitionError(f"iota: length must be a non-negative int, got {length!r}")
+    for name, value in (("start", start), ("step", step)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise DefinitionError(f"iota: {name} must be a number, got {value!r}")
+    if dtype not in (*INDEX_DTYPES, DataType.Float, DataType.Double):
+        raise DefinitionError(f"iota: dtype must be Int, Int32, Float or Double, got {dtype!r}")
+    kind = IterType.Broadcast if length == 1 else IterType.Iteration
+    return [OutSpec(dtype, (AxisSpec(length, kind),))]
+
+
+def _iota(length, start, step, dtype, held=None, device=None):
+    positions = torch.arange(length, device=device) if held is None else held.to(device)
+    return (positions * step + start).to(dtype.torch_dtype)
+
+
+def _localize_iota(expr, here):
+    held = here.index(expr.outputs[0]).indices[0]
+    note = "" if held is None else f"the {len(held)} positions held here"
+    return {"held": held, "device": here.device}, note
+
+
+register(OpDef(
+    "iota", (attr("length"), attr("start", 0), attr("step", 1), attr("dtype", DataType.Int)),
+    _iota_infer, _iota, localize=_localize_iota,
+    doc="start + step * [0, 1, ..., length - 1]; a shard holds its own global positions",
+    vjp=Vjp(lambda d, grads: {}, differentiable=()),
+))
+
+
 def _require_index(op: str, index) -> TensorMeta:
     index = require_tensor(op, "index", index)
     if index.dtype not in INDEX_DTYPES:

@@ -400,6 +400,13 @@ register(OpDef(
 ))
 
 
+register(OpDef(
+    "stop_gradient", (tensor("x"),), _set_infer, lambda x: x,
+    doc="x, a constant to differentiation (its gradient is not taken)",
+    vjp=Vjp(lambda d, grads: {}, differentiable=(), recompute=True),
+))
+
+
 def _where_infer(cond, a, b):
     axes = broadcast_axes("where", [cond, a, b])
     cond_dtype = cond.dtype if isinstance(cond, TensorMeta | ScalarMeta) else type(cond)
