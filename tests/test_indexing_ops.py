@@ -222,3 +222,34 @@ def test_integer_dtensors_through_embedding_and_cross_entropy(multidevice_test):
     torch.testing.assert_close(emb.full_tensor().cpu(), F.embedding(ids.long(), w), **TOL)
     torch.testing.assert_close(loss.full_tensor().cpu(),
                                F.cross_entropy(x, t, label_smoothing=0.1), **TOL)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("axis", [0, 1])
+def test_chunk_and_split_sharded(multidevice_test, axis):
+    """``chunk`` of a fused q/k/v projection and ``split`` with one piece unused, the input
+    sharded on the other axis (pieces stay sharded, no communication) or on the split one
+    (gathered first); values and the input's gradient (the pieces' gradients concatenated)
+    against PyTorch."""
+    rank, mesh = multidevice_test.rank, mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 9], dtype=DataType.Double)
+        q, k, v = fd.ops.chunk(x, 3, 1)
+        a, _, c = fd.ops.split(x, [2, 1, 2], 0)
+        out = fd.ops.add(fd.ops.mul(q, k), v)
+        fd.add_output(out)
+        fd.add_output(fd.ops.mul(a, c))
+    x.set_device_mesh(mesh)
+    shard(x, axis, mesh)
+    value = torch.randn(5, 9, generator=_gen(16), dtype=torch.float64)
+    dys = [torch.randn(5, 3, generator=_gen(17), dtype=torch.float64),
+           torch.randn(2, 9, generator=_gen(18), dtype=torch.float64)]
+    outs, (gx,), _ = _run(fd, [x], fd.fusion.outputs(), [value], dys, rank)
+    leaf = value.clone().requires_grad_()
+    rq, rk, rv = torch.chunk(leaf, 3, 1)
+    ra, _, rc = torch.split(leaf, [2, 1, 2], 0)
+    refs = [rq * rk + rv, ra * rc]
+    torch.autograd.backward(refs, dys)
+    for got, ref, tv in zip(outs, refs, fd.fusion.outputs()):
+        torch.testing.assert_close(got, shard_tensor(ref.detach(), tv, rank), **TOL)
+    torch.testing.assert_close(gx, shard_tensor(leaf.grad, x, rank), **TOL)
