@@ -401,7 +401,9 @@ register(OpDef(
 
 
 register(OpDef(
-    "stop_gradient", (tensor("x"),), _set_infer, lambda x: x,
+    # A copy, as set's: an output aliasing its input could be donated to an in-place
+    # collective while the input lives on.
+    "stop_gradient", (tensor("x"),), _set_infer, lambda x: x.clone(),
     doc="x, a constant to differentiation (its gradient is not taken)",
     vjp=Vjp(lambda d, grads: {}, differentiable=(), recompute=True),
 ))
