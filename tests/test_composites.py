@@ -93,7 +93,9 @@ def test_composite_arguments_are_checked():
             fd.ops.softmax(x, 2)
         with pytest.raises(DefinitionError, match=r"layer_norm: normalized_ndim 3"):
             fd.ops.layer_norm(x, normalized_ndim=3)
-        labels = fd.define_tensor([SHAPE[0]], dtype=DataType.Int)
-        with pytest.raises(DefinitionError, match=r"cross_entropy: target T1 .*one-hot"):
+        labels = fd.define_tensor([SHAPE[0], 2], dtype=DataType.Int)
+        with pytest.raises(DefinitionError, match=r"cross_entropy: target T1 of class indices"):
             fd.ops.cross_entropy(x, labels)
+        with pytest.raises(DefinitionError, match=r"cross_entropy: label_smoothing 2"):
+            fd.ops.cross_entropy(x, labels, label_smoothing=2.0)
     assert {"softmax", "rms_norm"} <= set(dir(fd.ops))

@@ -412,6 +412,15 @@ register(OpDef(
 ))
 
 
+register(OpDef(
+    # A copy, as set's: an output aliasing its input could be donated to an in-place
+    # collective while the input lives on.
+    "stop_gradient", (tensor("x"),), _set_infer, lambda x: x.clone(),
+    doc="x, a constant to differentiation (its gradient is not taken)",
+    vjp=Vjp(lambda d, grads: {}, differentiable=(), recompute=True),
+))
+
+
 def _where_infer(cond, a, b):
     axes = broadcast_axes("where", [cond, a, b])
     cond_dtype = cond.dtype if isinstance(cond, TensorMeta | ScalarMeta) else type(cond)
