@@ -1,6 +1,6 @@
 """The op reference page, ``docs/ops.md``, generated from the op registry.
 
-``python -m meshfuse.ops.reference > docs/ops.md`` writes it: every registered op (grouped by
+``python -m meshfuse.op_reference > docs/ops.md`` writes it: every registered op (grouped by
 the module that declares it) with its signature, what it does (its declaration's ``doc``),
 its sharding rule in one line (``sharding``, or one derived from the declaration's other
 fields) and whether it has a VJP; then the composites (``fd.ops.rms_norm``...) with their
@@ -20,7 +20,7 @@ from meshfuse.ops import REGISTRY, OpDef
 from meshfuse.ops.composites import COMPOSITES
 from meshfuse.ops.namespace import Ops
 
-COMMAND = "python -m meshfuse.ops.reference > docs/ops.md"
+COMMAND = "python -m meshfuse.op_reference > docs/ops.md"
 
 _HEADER = f"""# Op reference
 
