@@ -1,0 +1,193 @@
+"""A fully sharded program's order and buckets: each layer's parameters gathered by one
+collective, issued one layer ahead; each layer's gradients reduced by one.
+
+**Order** (:func:`prefetch_order`). The program builder launches every communication as
+early as its inputs allow (:func:`~meshfuse.runtime.interpreter.program.communication_first`);
+a parameter's gather needs only the parameter, so all layers would be gathered at the start
+and all gathered parameters held at once. Here the gathers of layer ``i + 1`` are placed
+right before the first step that reads layer ``i``'s gathered parameters: the gather runs
+under layer ``i``'s compute (FSDP's prefetch) and, as each gathered parameter is freed after
+its last use, at most two layers' gathered parameters are alive. Layers are taken in the
+order the program first reads them: in a backward, last layer first.
+
+**Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
+gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP), each
+placed where the last of its members was (:mod:`meshfuse.parallel.fsdp.buckets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
+from meshfuse.parallel.fsdp.buckets import (
+    GroupOf,
+    Member,
+    gather_call,
+    gather_member,
+    reduce_call,
+    reduce_member,
+)
+from meshfuse.parallel.fsdp.layers import (
+    LayerCommunications,
+    communications_by_layer,
+    layers_of,
+)
+from meshfuse.parallel.fsdp.memory import GATHERED
+from meshfuse.runtime.interpreter.executor import RESHARD, Step
+from meshfuse.runtime.interpreter.program import communication_first
+
+_LOCAL = ("set", "cast")
+
+
+def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[Expr]:
+    """``exprs`` in the program builder's order, with each layer's gathers (and the local
+    casts that feed only them) moved to the first read of the layer before it; see the
+    module doc."""
+    order = communication_first(exprs)
+    chains = _chains(order, gathers)
+    moved = {e for chain in chains.values() for e in chain}
+    layer_of_value = {e.outputs[0]: k for e, k in gathers.items()}
+    first_reads: list[int] = []  # layers by their first read
+    reads: dict[Expr, set[int]] = {}
+    for e in order:
+        if e in moved:
+            continue
+        layers = {layer_of_value[v] for v in e.inputs if v in layer_of_value}
+        if layers and not isinstance(e, Reshard) and e.op.name in _LOCAL:
+            layer_of_value.update(dict.fromkeys(e.outputs, min(layers)))
+        reads[e] = layers
+        first_reads += [k for k in sorted(layers) if k not in first_reads]
+    following = dict(zip(first_reads, first_reads[1:]))
+    result, placed = [], set()
+
+    def place(layer: int | None) -> None:
+        if layer is not None and layer not in placed:
+            placed.add(layer)
+            result.extend(chains.get(layer, ()))
+
+    for e in order:
+        if e in moved:
+            continue
+        for k in sorted(reads[e]):
+            if k not in placed:
+                place(k)
+                place(following.get(k))
+        result.append(e)
+    for k in chains:
+        place(k)  # gathers nothing reads (results of the fusion only)
+    return result
+
+
+def _chains(order: Sequence[Expr], gathers: Mapping[Expr, int]) -> dict[int, list[Expr]]:
+    """Per layer, its gathers in order, each after the local casts that feed it only."""
+    producer = {o: e for e in order for o in e.outputs}
+    readers: dict = {}
+    for e in order:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    chains: dict[int, list[Expr]] = {}
+    for e in order:
+        if e not in gathers:
+            continue
+        chain, source = [e], producer.get(e.args[0])
+        while source is not None and not isinstance(source, Reshard) and \
+                source.op.name in _LOCAL and len(readers[source.outputs[0]]) == 1:
+            chain.insert(0, source)
+            source = producer.get(source.args[0])
+        chains.setdefault(gathers[e], []).extend(chain)
+    return chains
+
+
+def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
+                  calls: list[Callable], slot_of: Mapping, *, rank: int, layouts: Mapping,
+                  group_of: GroupOf, on_gathered: Callable = lambda t: None
+                  ) -> tuple[list[Step], list[Callable]]:
+    """``steps`` and their ``calls`` with each layer's gathers, and each layer's
+    reductions, made one step (see the module doc)."""
+    buckets: dict[tuple, list[tuple[Expr, Member]]] = {}
+    for table, kind, member_of in ((found.gathers, "gather", gather_member),
+                                   (found.reductions, "reduce", reduce_member)):
+        for expr in exprs:
+            if expr not in table:
+                continue
+            k = _step_at(steps, slot_of[expr.outputs[0]])
+            src = expr.args[0]
+            member = None if k is None else member_of(
+                steps[k].plan, rank, layouts[src].shape, src.dtype.torch_dtype)
+            if member is not None:
+                plan = steps[k].plan
+                key = (kind, table[expr], tuple((s.kind, s.mesh_axis) for s in plan),
+                       member.dtype)
+                buckets.setdefault(key, []).append((expr, member))
+    for key, members in buckets.items():
+        places = [_step_at(steps, slot_of[e.outputs[0]]) for e, _ in members]
+        plan = steps[places[0]].plan
+        group = group_of(plan[0].mesh, plan[0].mesh_axis)
+        mine = [m for _, m in members]
+        if key[0] == "gather":
+            call = gather_call(mine, group, on_gathered)
+        else:
+            replicas = group_of(plan[1].mesh, plan[1].mesh_axis) if len(plan) > 1 else None
+            call = reduce_call(mine, group, replicas)
+        step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
+        steps[places[-1]] = step
+        calls[places[-1]] = call if len(mine) > 1 else _single(call)
+        for k in sorted(places[:-1], reverse=True):
+            del steps[k], calls[k]
+    return steps, calls
+
+
+def _single(call: Callable) -> Callable:
+    """A bucket of one member: its one result (a step of one output is not a list)."""
+    return lambda *args: call(*args)[0]
+
+
+def _step_at(steps: Sequence[Step], slot: int) -> int | None:
+    """The index of the communication step that defines ``slot``."""
+    return next((k for k, s in enumerate(steps) if s.op == RESHARD and slot in s.outputs), None)
+
+
+def _bucket_step(key: tuple, members: list[Step], exprs: list[Expr], group) -> Step:
+    kind, layer = key[0], key[1]
+    collective = "allgather" if kind == "gather" else " + ".join(k for k, _ in key[2])
+    names = ", ".join(e.outputs[0].name for e in exprs)
+    label = (f"{names} = reshard(...): layer {layer}'s {len(exprs)} parameters, one "
+             f"{collective} (ranks {list(group.ranks)})")
+    return Step(RESHARD, tuple(a for s in members for a in s.args), {},
+                tuple(o for s in members for o in s.outputs),
+                tuple(dict.fromkeys(f for s in members for f in s.free)), label,
+                tuple(p for s in members for p in s.plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """What the program builder asks of a fully sharded fusion: its order
+    (:func:`prefetch_order`) and the rewrite of its steps (:func:`bucket_layers`)."""
+
+    found: LayerCommunications
+
+    def order(self, exprs: Sequence[Expr]) -> list[Expr]:
+        return prefetch_order(exprs, self.found.gathers)
+
+    def regroup(self, exprs, steps, calls, slot_of, keep, *, rank: int, layouts: Mapping,
+                group_of: GroupOf) -> tuple[list[Step], list[Callable]]:
+        return bucket_layers(self.found, exprs, list(steps), list(calls), slot_of,
+                             rank=rank, layouts=layouts, group_of=group_of,
+                             on_gathered=GATHERED.add)
+
+
+def layer_schedule(compiled: Fusion, sources: Sequence[Fusion],
+                   counterpart: Callable) -> LayerSchedule | None:
+    """The schedule of ``compiled`` when one of ``sources`` (the fusions it was compiled
+    from) has layers registered; None otherwise. ``counterpart`` maps a source's tensor to
+    its compiled copy."""
+    for source in sources:
+        layer_of = layers_of(source) if source is not None else None
+        if layer_of:
+            mapped = {counterpart(tv): k for tv, k in layer_of.items()}
+            found = communications_by_layer(compiled, mapped)
+            return LayerSchedule(found) if found else None
+    return None
+
