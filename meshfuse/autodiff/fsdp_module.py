@@ -110,6 +110,14 @@ class FullyShardedModule(torch.nn.Module):
         outputs = self._function(inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    def programs(self) -> tuple:
+        """The forward's and the backward's per-rank programs of the last derivation run
+        (for inspection: their steps show the buckets and their order)."""
+        compiled = list(self._function._derivations.values())[-1]
+        forward = list(compiled.derivation.forward_runner._programs.values())[-1]
+        backward = list(compiled._backward._programs.values())[-1]
+        return forward, backward
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clips the sharded gradients to a global norm of ``max_norm`` (every mesh
         dimension, replicas counted once); returns the norm before clipping."""

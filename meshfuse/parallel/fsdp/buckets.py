@@ -16,6 +16,7 @@ Only block shards whose pieces lie in order along the axis are bucketed (what
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -107,35 +108,45 @@ def _padded_rows(x: torch.Tensor, axis: int, rows: int) -> torch.Tensor:
     return y.reshape(-1)
 
 
-def gather_call(members: Sequence[Member], group: Group,
-                on_gathered: Callable[[torch.Tensor], None] = lambda t: None
-                ) -> Callable[..., list]:
+def gather_call(members: Sequence[Member], group: Group, account=None) -> Callable[..., list]:
     """The implementation of a gather bucket: called with the members' local shards, it
     launches one allgather and returns each member's gathered tensor (pending until read).
-    ``on_gathered`` sees each gathered tensor (the memory account)."""
+    When the first is read, all are cut out of the flat buffer, which is then freed: a
+    layer's gathered parameters are alive from its first read to their last uses.
+    ``account`` (a :class:`~meshfuse.parallel.fsdp.memory.GatheredBytes`) counts the flat
+    buffer and the gathered tensors."""
     offsets = [sum(m.padded for m in members[:i]) for i in range(len(members))]
     total = sum(m.padded for m in members)
 
-    def part(member: Member, offset: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def cut(flat: torch.Tensor) -> torch.Tensor:
-            by_rank = flat.view(group.size, total)[:, offset:offset + member.padded]
-            rows = by_rank.reshape(group.size, member.longest, *member.rest())
-            out = torch.cat([rows[c, :n] for c, n in enumerate(member.sizes)])
-            out = out.movedim(0, member.axis)
-            on_gathered(out)
-            return out
-        return cut
-
-    parts = [part(m, o) for m, o in zip(members, offsets)]
+    def cut(flat: torch.Tensor, member: Member, offset: int) -> torch.Tensor:
+        by_rank = flat.view(group.size, total)[:, offset:offset + member.padded]
+        rows = by_rank.reshape(group.size, member.longest, *member.rest())
+        out = torch.cat([rows[c, :n] for c, n in enumerate(member.sizes)])
+        return out.movedim(0, member.axis)
 
     def run(*shards: torch.Tensor) -> list:
         send = torch.cat([_padded_rows(x, m.axis, m.longest) for x, m in zip(shards, members)])
+        release = account.reserve(send.numel() * send.element_size() * group.size) \
+            if account is not None else (lambda: None)
+
+        def cut_all(flat: torch.Tensor) -> list[torch.Tensor]:
+            outs = [cut(flat, m, o) for m, o in zip(members, offsets)]
+            for out in outs if account is not None else ():
+                account.add(out)
+            release()
+            return outs
+
         whole = collectives.allgather(send, 0, group, async_op=True)
-        if isinstance(whole, Pending):
-            return [PendingPart(whole, p) for p in parts]
-        return [p(whole) for p in parts]
+        if not isinstance(whole, Pending):
+            return cut_all(whole)
+        whole.then(cut_all)
+        return [PendingPart(whole, functools.partial(_item, i)) for i in range(len(members))]
 
     return run
+
+
+def _item(i: int, values: list) -> torch.Tensor:
+    return values[i]
 
 
 def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None

@@ -38,6 +38,19 @@ class GatheredBytes:
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._release, size)
 
+    def reserve(self, size: int):
+        """Counts ``size`` bytes (a collective's buffer, not yet a tensor here) until the
+        returned callable is called (once)."""
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self._release(size)
+        return release
+
     def _release(self, size: int) -> None:
         self.live -= size
 

@@ -5,9 +5,11 @@ collective, issued one layer ahead; each layer's gradients reduced by one.
 early as its inputs allow (:func:`~meshfuse.runtime.interpreter.program.communication_first`);
 a parameter's gather needs only the parameter, so all layers would be gathered at the start
 and all gathered parameters held at once. Here the gathers of layer ``i + 1`` are placed
-right before the first step that reads layer ``i``'s gathered parameters: the gather runs
-under layer ``i``'s compute (FSDP's prefetch) and, as each gathered parameter is freed after
-its last use, at most two layers' gathered parameters are alive. Layers are taken in the
+right after the first step that reads layer ``i``'s gathered parameters (which waits for
+layer ``i``'s gather): the gather runs under the rest of layer ``i``'s compute (FSDP's
+prefetch) and, as each gathered parameter is freed after its last use, about two layers'
+gathered parameters are alive at most. Local copies of gathered parameters move to their
+first reader. Layers are taken in the
 order the program first reads them: in a backward, last layer first.
 
 **Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
@@ -43,40 +45,58 @@ _LOCAL = ("set", "cast")
 
 def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[Expr]:
     """``exprs`` in the program builder's order, with each layer's gathers (and the local
-    casts that feed only them) moved to the first read of the layer before it; see the
-    module doc."""
+    casts that feed only them) moved after the first read of the layer before it, and the
+    local copies of gathered parameters to their first reader; see the module doc."""
     order = communication_first(exprs)
     chains = _chains(order, gathers)
     moved = {e for chain in chains.values() for e in chain}
     layer_of_value = {e.outputs[0]: k for e, k in gathers.items()}
+    deferred: set[Expr] = set()  # local copies and casts of gathered parameters
     first_reads: list[int] = []  # layers by their first read
     reads: dict[Expr, set[int]] = {}
-    for e in order:
-        if e in moved:
-            continue
+    for e in (e for e in order if e not in moved):
         layers = {layer_of_value[v] for v in e.inputs if v in layer_of_value}
         if layers and not isinstance(e, Reshard) and e.op.name in _LOCAL:
             layer_of_value.update(dict.fromkeys(e.outputs, min(layers)))
+            deferred.add(e)
+            continue
         reads[e] = layers
         first_reads += [k for k in sorted(layers) if k not in first_reads]
     following = dict(zip(first_reads, first_reads[1:]))
-    result, placed = [], set()
+    producer = {o: e for e in order for o in e.outputs}
+    result: list[Expr] = []
+    placed: set[int] = set()
+    emitted: set[Expr] = set()
 
     def place(layer: int | None) -> None:
         if layer is not None and layer not in placed:
             placed.add(layer)
             result.extend(chains.get(layer, ()))
 
-    for e in order:
-        if e in moved:
-            continue
-        for k in sorted(reads[e]):
-            if k not in placed:
-                place(k)
-                place(following.get(k))
+    def emit(e: Expr) -> None:
+        for v in e.inputs:
+            p = producer.get(v)
+            if p in deferred and p not in emitted:
+                emit(p)
+        emitted.add(e)
         result.append(e)
+
+    read: set[int] = set()
+    for e in order:
+        if e in moved or e in deferred:
+            continue
+        first = sorted(reads[e] - read)
+        read.update(first)
+        for k in first:
+            place(k)
+        emit(e)
+        for k in first:  # the next layer's gather, under the rest of this layer
+            place(following.get(k))
     for k in chains:
         place(k)  # gathers nothing reads (results of the fusion only)
+    for e in order:
+        if e in deferred and e not in emitted:
+            emit(e)
     return result
 
 
@@ -102,7 +122,7 @@ def _chains(order: Sequence[Expr], gathers: Mapping[Expr, int]) -> dict[int, lis
 
 def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
                   calls: list[Callable], slot_of: Mapping, *, rank: int, layouts: Mapping,
-                  group_of: GroupOf, on_gathered: Callable = lambda t: None
+                  group_of: GroupOf, account=None
                   ) -> tuple[list[Step], list[Callable]]:
     """``steps`` and their ``calls`` with each layer's gathers, and each layer's
     reductions, made one step (see the module doc)."""
@@ -127,7 +147,7 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         group = group_of(plan[0].mesh, plan[0].mesh_axis)
         mine = [m for _, m in members]
         if key[0] == "gather":
-            call = gather_call(mine, group, on_gathered)
+            call = gather_call(mine, group, account)
         else:
             replicas = group_of(plan[1].mesh, plan[1].mesh_axis) if len(plan) > 1 else None
             call = reduce_call(mine, group, replicas)
@@ -175,7 +195,7 @@ class LayerSchedule:
                 group_of: GroupOf) -> tuple[list[Step], list[Callable]]:
         return bucket_layers(self.found, exprs, list(steps), list(calls), slot_of,
                              rank=rank, layouts=layouts, group_of=group_of,
-                             on_gathered=GATHERED.add)
+                             account=GATHERED)
 
 
 def layer_schedule(compiled: Fusion, sources: Sequence[Fusion],
