@@ -8,6 +8,7 @@ order (one layer ahead) and the memory (sharded state, peak of gathered paramete
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -98,17 +99,17 @@ def test_fsdp_trains_like_one_device(multidevice_test, reshard_after_forward):
     _check_sharded_state(account, d)
 
 
-def _check_sharded_state(account, d: int) -> None:
+def _check_sharded_state(account, d: int, copies: int = 1) -> None:
     """Each rank holds its shard of every parameter, gradient and AdamW moment: at most
     ceil(rows / d) rows of each (1/d of the replicated model plus the padding), and the
-    ranks' bytes add up to the replicated model's."""
+    ranks' bytes add up to the replicated model's (``copies`` times: HSDP's replicas)."""
     init = init_parameters(E, FFN, LAYERS)
     whole = sum(t.numel() * 4 for t in init.values()) * 4  # parameter, grad, 2 moments
     bound = sum(math.ceil(t.shape[0] / d) * t[0].numel() * 4 for t in init.values()) * 4
     assert account.sharded_state <= bound < whole
     total = torch.tensor(account.sharded_state)
     dist.all_reduce(total)
-    assert total.item() == whole
+    assert total.item() == whole * copies
 
 
 @pytest.mark.mpi
@@ -150,7 +151,7 @@ def _check_prefetch(program, layers: list[int]) -> None:
             else:
                 reads.setdefault(k, []).append(i)
     assert sorted(gathers) == sorted(layers)
-    for before, k in zip(layers, layers[1:]):
+    for before, k in itertools.pairwise(layers):
         assert gathers[before] < reads[before][0] < gathers[k] < reads[before][-1], (
             before, k, gathers, reads)
         assert gathers[k] < reads[k][0]
@@ -184,6 +185,8 @@ def test_hsdp_2x2(multidevice_test):
         assert _on(forward, "allgather", 1) == LAYERS and _on(forward, "allgather", 0) == 0
         assert _on(backward, "reduce_scatter", 1) == LAYERS
         assert _on(backward, "allreduce", 0) == LAYERS  # across replicas, one per layer
+        assert _on(backward, "allreduce", 1) == 0
+    _check_sharded_state(account, 2, copies=2)
 
 
 @pytest.mark.mpi
@@ -199,6 +202,10 @@ def test_fsdp_with_tensor_parallel_2x2(multidevice_test):
         assert _on(backward, "allgather", 0) == LAYERS
         assert _on(backward, "reduce_scatter", 0) == LAYERS
         assert _on(forward, "allreduce", 1) == LAYERS  # each row-parallel fc2, on tp
+    # sharded over dp at least (the tensor-parallel weights over tp too)
+    init = init_parameters(E, FFN, LAYERS)
+    assert account.sharded_state <= sum(
+        math.ceil(t.shape[0] / 2) * t[0].numel() * 4 for t in init.values()) * 4
 
 
 def test_errors_name_the_fix():

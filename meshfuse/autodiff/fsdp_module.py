@@ -69,14 +69,15 @@ class FullyShardedModule(torch.nn.Module):
                  layers: Sequence[Sequence[str]], batch: Sequence[TensorView], mesh, *,
                  names: Sequence[str] | None = None, shard: str = "dp",
                  replicate: str | None = None, reshard_after_forward: bool = True,
-                 mp_policy: MixedPrecision = MixedPrecision()) -> None:
+                 mp_policy: MixedPrecision | None = None) -> None:
         super().__init__()
         fd.define()
         unknown = [n for layer in layers for n in layer if n not in parameters]
         if unknown:
             raise DefinitionError(f"layers name {unknown}, which are not among the "
                                   f"parameters {list(parameters)}")
-        self.options = FsdpOptions(shard, replicate, reshard_after_forward, mp_policy)
+        self.options = FsdpOptions(shard, replicate, reshard_after_forward,
+                                   mp_policy or MixedPrecision())
         self.sharded = shard_fusion(
             fd.fusion, NamedMesh.of(mesh, names),
             [[parameters[n][0] for n in layer] for layer in layers], batch, self.options)

@@ -1,10 +1,10 @@
-"""Which tensors of a fusion the user scheduled; copying a schedule is
-:func:`meshfuse.ir.schedule_copy.copy_schedule` (the IR's: strategies below autodiff copy
+"""Which tensors of a fusion the user scheduled. Copying a schedule is
+:func:`meshfuse.passes.schedule_copy.copy_schedule` (below autodiff: a strategy copies
 schedules too)."""
 
 from __future__ import annotations
 
-from meshfuse.ir.schedule_copy import copy_schedule
+from meshfuse.passes.schedule_copy import copy_schedule
 from meshfuse.ir.tensor_view import TensorView
 
 __all__ = ["copy_schedule", "is_pinned"]

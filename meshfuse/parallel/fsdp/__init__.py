@@ -20,7 +20,20 @@ from meshfuse.parallel.fsdp.spec import FsdpOptions, MixedPrecision, NamedMesh
 from meshfuse.parallel.fsdp.transform import ShardedFusion, shard_fusion
 
 __all__ = [
-    "GATHERED", "FsdpOptions", "LayerSchedule", "MemoryAccount", "MixedPrecision", "NamedMesh",
-    "ShardedFusion", "clip_grad_norm_", "copies", "grad_norm", "layer_schedule", "memory_account",
-    "layers_of", "register_derivation", "register_layers", "shard_fusion",
+    "GATHERED",
+    "FsdpOptions",
+    "LayerSchedule",
+    "MemoryAccount",
+    "MixedPrecision",
+    "NamedMesh",
+    "ShardedFusion",
+    "clip_grad_norm_",
+    "copies",
+    "grad_norm",
+    "layer_schedule",
+    "layers_of",
+    "memory_account",
+    "register_derivation",
+    "register_layers",
+    "shard_fusion",
 ]

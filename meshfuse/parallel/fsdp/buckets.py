@@ -100,6 +100,35 @@ def reduce_member(plan: Sequence[ReshardStep], rank: int, shape, dtype) -> Membe
     return Member(step.axis, tuple(len(p) for p in pieces), tuple(shard), dtype)
 
 
+def allreduce_member(plan: Sequence[ReshardStep], rank: int, shape, dtype) -> Member | None:
+    """``plan`` (of a partial tensor of this rank's local ``shape``) as a member of an
+    allreduce bucket (HSDP's sum across replicas of a reduce-scattered shard), or None."""
+    if [s.kind for s in plan] != ["allreduce"] or plan[0].reduce_op != "sum" or not shape:
+        return None
+    return Member(0, (shape[0],), tuple(shape), dtype)
+
+
+def allreduce_call(members: Sequence[Member], group: Group) -> Callable[..., list]:
+    """The implementation of an allreduce bucket: the members flattened into one buffer,
+    summed by one allreduce, and cut back out (views of the buffer)."""
+    sizes = [math.prod(m.shard_shape) for m in members]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def cut(flat: torch.Tensor, m: Member, offset: int, size: int) -> torch.Tensor:
+        return flat[offset:offset + size].view(m.shard_shape)
+
+    def run(*partials: torch.Tensor) -> list:
+        flat = torch.cat([x.reshape(-1) for x in partials])
+        summed = collectives.allreduce(flat, group, "sum", inplace=True, async_op=True)
+        parts = [functools.partial(cut, m=m, offset=o, size=n)
+                 for m, o, n in zip(members, offsets, sizes)]
+        if not isinstance(summed, Pending):
+            return [p(summed) for p in parts]
+        return [PendingPart(summed, p) for p in parts]
+
+    return run
+
+
 def _padded_rows(x: torch.Tensor, axis: int, rows: int) -> torch.Tensor:
     """``x`` with ``axis`` outermost and padded with zeros to ``rows``, flattened."""
     y = x.movedim(axis, 0)

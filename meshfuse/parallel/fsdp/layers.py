@@ -7,7 +7,7 @@ and their gradients (outputs). The record is a side table held weakly by the fus
 is not changed). The program builder asks :func:`communications_by_layer` for a compiled
 fusion's gathers and reductions of parameters, by layer: a gather is a communication whose
 source is, through local copies and casts, an input of a layer; a reduction one whose result
-becomes, through local copies and casts, an output of a layer.
+becomes, through local copies, casts and communications, an output of a layer.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _back_to_input(tv: TensorView) -> TensorView:
 
 
 def _on_to_output(tv: TensorView, uses: Mapping, outputs: set) -> TensorView:
-    """``tv``, or what it becomes through local copies and casts read by nothing else."""
+    """``tv``, or what it becomes through local copies, casts and further communications
+    (HSDP's allreduce across replicas after the reduce-scatter) read by nothing else."""
     while tv not in outputs:
         readers = uses.get(tv, [])
-        if len(readers) != 1 or isinstance(readers[0], Reshard) or \
-                readers[0].op.name not in _PASS_THROUGH:
+        if len(readers) != 1 or not (isinstance(readers[0], Reshard) or
+                                     readers[0].op.name in _PASS_THROUGH):
             break
         tv = readers[0].outputs[0]
     return tv

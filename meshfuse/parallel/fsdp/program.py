@@ -20,12 +20,15 @@ placed where the last of its members was (:mod:`meshfuse.parallel.fsdp.buckets`)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.parallel.fsdp.buckets import (
     GroupOf,
     Member,
+    allreduce_call,
+    allreduce_member,
     gather_call,
     gather_member,
     reduce_call,
@@ -62,7 +65,7 @@ def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[E
             continue
         reads[e] = layers
         first_reads += [k for k in sorted(layers) if k not in first_reads]
-    following = dict(zip(first_reads, first_reads[1:]))
+    following = dict(itertools.pairwise(first_reads))
     producer = {o: e for e in order for o in e.outputs}
     result: list[Expr] = []
     placed: set[int] = set()
@@ -127,15 +130,16 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
     """``steps`` and their ``calls`` with each layer's gathers, and each layer's
     reductions, made one step (see the module doc)."""
     buckets: dict[tuple, list[tuple[Expr, Member]]] = {}
-    for table, kind, member_of in ((found.gathers, "gather", gather_member),
-                                   (found.reductions, "reduce", reduce_member)):
+    read = {v for e in exprs for v in e.inputs}
+    for table, kind in ((found.gathers, "gather"), (found.reductions, "reduce")):
         for expr in exprs:
             if expr not in table:
                 continue
             k = _step_at(steps, slot_of[expr.outputs[0]])
-            src = expr.args[0]
-            member = None if k is None else member_of(
-                steps[k].plan, rank, layouts[src].shape, src.dtype.torch_dtype)
+            if k is None:
+                continue
+            member = _member(kind, steps[k].plan, rank, expr, layouts,
+                             read_later=expr.outputs[0] in read)
             if member is not None:
                 plan = steps[k].plan
                 key = (kind, table[expr], tuple((s.kind, s.mesh_axis) for s in plan),
@@ -148,6 +152,8 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         mine = [m for _, m in members]
         if key[0] == "gather":
             call = gather_call(mine, group, account)
+        elif plan[0].kind == "allreduce":
+            call = allreduce_call(mine, group)
         else:
             replicas = group_of(plan[1].mesh, plan[1].mesh_axis) if len(plan) > 1 else None
             call = reduce_call(mine, group, replicas)
@@ -157,6 +163,20 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         for k in sorted(places[:-1], reverse=True):
             del steps[k], calls[k]
     return steps, calls
+
+
+def _member(kind: str, plan, rank: int, expr: Expr, layouts: Mapping, read_later: bool
+            ) -> Member | None:
+    """``expr``'s communication as a member of its layer's bucket, or None (it runs
+    alone). An allreduce no step reads is left to the program builder's own allreduce
+    buckets (:mod:`meshfuse.runtime.interpreter.bucketing`)."""
+    src = expr.args[0]
+    shape, dtype = layouts[src].shape, src.dtype.torch_dtype
+    if kind == "gather":
+        return gather_member(plan, rank, shape, dtype)
+    if [s.kind for s in plan] == ["allreduce"]:
+        return allreduce_member(plan, rank, shape, dtype) if read_later else None
+    return reduce_member(plan, rank, shape, dtype)
 
 
 def _single(call: Callable) -> Callable:

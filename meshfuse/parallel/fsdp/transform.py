@@ -28,7 +28,7 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ScheduleError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import Merge, Split
-from meshfuse.ir.schedule_copy import copy_schedule
+from meshfuse.passes.schedule_copy import copy_schedule
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.namespace import add_op
 from meshfuse.ops.registry import lookup
@@ -60,7 +60,7 @@ class ShardedFusion:
 
 
 def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[TensorView]],
-                 batch: Sequence[TensorView], options: FsdpOptions = FsdpOptions()
+                 batch: Sequence[TensorView], options: FsdpOptions | None = None
                  ) -> ShardedFusion:
     """``fusion`` made fully sharded data parallel; see the module doc.
 
@@ -77,6 +77,7 @@ def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[Tens
         ScheduleError: a dimension the mesh lacks, ``replicate`` equal to ``shard``, a
             tensor scheduled on another mesh, a parameter with no first axis to shard.
     """
+    options = options or FsdpOptions()
     param_layer = _checked(fusion, mesh, layers, batch, options)
     new = Fusion()
     mapped: dict[Val, Val] = {}
