@@ -20,7 +20,7 @@ from meshfuse import DeviceMesh
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.errors import DefinitionError, ScheduleError
 from meshfuse.examples.mlp_stack import MlpStack, block_shapes, init_parameters, torch_loss
-from meshfuse.parallel.fsdp import GATHERED, NamedMesh
+from meshfuse.parallel.fsdp import GATHERED, MixedPrecision, NamedMesh
 from meshfuse.runtime.comm.collectives import record_communications
 
 B, E, FFN, LAYERS = 8, 5, 12, 3
@@ -206,6 +206,31 @@ def test_fsdp_with_tensor_parallel_2x2(multidevice_test):
     init = init_parameters(E, FFN, LAYERS)
     assert account.sharded_state <= sum(
         math.ceil(t.shape[0] / 2) * t[0].numel() * 4 for t in init.values()) * 4
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None])
+def test_mixed_precision_gathers_bf16_and_reduces_as_asked(multidevice_test, reduce_dtype):
+    """Parameters kept in float32, gathered and multiplied in bf16, gradients reduced in
+    ``reduce_dtype`` (None: bf16) and returned in float32; the losses follow float32's
+    within bf16's precision."""
+    d = multidevice_test.size
+    if d == 1:
+        pytest.skip("nothing is communicated on one rank")
+    mesh = NamedMesh(DeviceMesh(range(d)), ("dp",))
+    fd, model = _model(mesh, mp_policy=MixedPrecision(torch.bfloat16, reduce_dtype))
+    losses, comms, _ = _train(fd, model, steps=5)
+    for mine, theirs in losses:
+        assert abs(mine - theirs) <= 3e-2 * abs(theirs)
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters()
+               if p.grad is not None)
+    layer = init_parameters(E, FFN, 1).values()
+    padded = sum(math.ceil(t.shape[0] / d) * t[0].numel() for t in layer)  # per rank
+    forward, backward = comms[-1]
+    assert [c.bytes for c in forward if c.kind == "allgather"] == [padded * 2] * LAYERS
+    width = 4 if reduce_dtype is torch.float32 else 2
+    assert [c.bytes for c in backward if c.kind == "reduce_scatter"] == \
+        [padded * d * width] * LAYERS
 
 
 def test_errors_name_the_fix():

@@ -4,8 +4,8 @@ schedules too)."""
 
 from __future__ import annotations
 
-from meshfuse.passes.schedule_copy import copy_schedule
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.schedule_copy import copy_schedule
 
 __all__ = ["copy_schedule", "is_pinned"]
 

@@ -108,9 +108,11 @@ def allreduce_member(plan: Sequence[ReshardStep], rank: int, shape, dtype) -> Me
     return Member(0, (shape[0],), tuple(shape), dtype)
 
 
-def allreduce_call(members: Sequence[Member], group: Group) -> Callable[..., list]:
-    """The implementation of an allreduce bucket: the members flattened into one buffer,
-    summed by one allreduce, and cut back out (views of the buffer)."""
+def allreduce_call(members: Sequence[Member], group: Group, wide: torch.dtype | None = None
+                   ) -> Callable[..., list]:
+    """The implementation of an allreduce bucket: the members flattened into one buffer
+    (in ``wide``, when given), summed by one allreduce, and cut back out (views of the
+    buffer)."""
     sizes = [math.prod(m.shard_shape) for m in members]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -119,6 +121,7 @@ def allreduce_call(members: Sequence[Member], group: Group) -> Callable[..., lis
 
     def run(*partials: torch.Tensor) -> list:
         flat = torch.cat([x.reshape(-1) for x in partials])
+        flat = flat if wide is None else flat.to(wide)
         summed = collectives.allreduce(flat, group, "sum", inplace=True, async_op=True)
         parts = [functools.partial(cut, m=m, offset=o, size=n)
                  for m, o, n in zip(members, offsets, sizes)]
@@ -178,11 +181,13 @@ def _item(i: int, values: list) -> torch.Tensor:
     return values[i]
 
 
-def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None
-                ) -> Callable[..., list]:
+def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
+                wide: torch.dtype | None = None) -> Callable[..., list]:
     """The implementation of a reduction bucket: called with the members' partial tensors,
     it launches one reduce-scatter (then, across ``replicas``, one allreduce of the
-    result) and returns each member's reduced shard."""
+    result) and returns each member's reduced shard; with ``wide``, the partials are cast
+    to it first, and the shards come back in it (the mixed-precision policy's
+    ``reduce_dtype``: the program casts them to it next)."""
     offsets = [sum(m.padded for m in members[:i]) for i in range(len(members))]
     coordinate = group.coordinate
 
@@ -200,7 +205,8 @@ def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None
         return torch.stack([_padded_rows(p, 0, m.longest) for p in split])
 
     def run(*partials: torch.Tensor) -> list:
-        send = torch.cat([chunks(x, m) for x, m in zip(partials, members)], dim=1)
+        send = torch.cat([chunks(x if wide is None else x.to(wide), m)
+                          for x, m in zip(partials, members)], dim=1)
         reduced = collectives.reduce_scatter(send.reshape(-1), 0, group, "sum", async_op=True)
         if replicas is not None:
             across = _across(replicas)

@@ -38,6 +38,7 @@ from meshfuse.parallel.fsdp.layers import (
     LayerCommunications,
     communications_by_layer,
     layers_of,
+    reduce_dtype_of,
 )
 from meshfuse.parallel.fsdp.memory import GATHERED
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
@@ -142,8 +143,9 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
                              read_later=expr.outputs[0] in read)
             if member is not None:
                 plan = steps[k].plan
+                wide = found.reduce_dtype if expr in found.widened else None
                 key = (kind, table[expr], tuple((s.kind, s.mesh_axis) for s in plan),
-                       member.dtype)
+                       member.dtype, wide)
                 buckets.setdefault(key, []).append((expr, member))
     for key, members in buckets.items():
         places = [_step_at(steps, slot_of[e.outputs[0]]) for e, _ in members]
@@ -153,10 +155,10 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         if key[0] == "gather":
             call = gather_call(mine, group, account)
         elif plan[0].kind == "allreduce":
-            call = allreduce_call(mine, group)
+            call = allreduce_call(mine, group, key[4])
         else:
             replicas = group_of(plan[1].mesh, plan[1].mesh_axis) if len(plan) > 1 else None
-            call = reduce_call(mine, group, replicas)
+            call = reduce_call(mine, group, replicas, key[4])
         step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
         steps[places[-1]] = step
         calls[places[-1]] = call if len(mine) > 1 else _single(call)
@@ -227,7 +229,7 @@ def layer_schedule(compiled: Fusion, sources: Sequence[Fusion],
         layer_of = layers_of(source) if source is not None else None
         if layer_of:
             mapped = {counterpart(tv): k for tv, k in layer_of.items()}
-            found = communications_by_layer(compiled, mapped)
+            found = communications_by_layer(compiled, mapped, reduce_dtype_of(source))
             return LayerSchedule(found) if found else None
     return None
 

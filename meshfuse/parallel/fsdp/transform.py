@@ -12,7 +12,10 @@ result is a new fusion with the same inputs in the same positions and the same o
   resharding gathers it over ``shard`` before use, and a derived backward reduce-scatters
   its gradient (and allreduces it across ``replicate``);
 - each batch input is split on its first axis over ``replicate`` then ``shard``; propagation
-  carries the split through the activations.
+  carries the split through the activations;
+- with ``mp_policy.param_dtype``, the floating operands of matrix products (linear, matmul,
+  attention) are cast to it, as ``torch.autocast`` does; the other ops compute as the fusion
+  says (a pointwise op on bf16 computes in float, as in nvFuser).
 
 The layers (one list of parameters each) are recorded for the program builder
 (:func:`meshfuse.parallel.fsdp.layers.register_layers`): one gather per layer, issued a layer
@@ -28,12 +31,16 @@ from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ScheduleError
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import Merge, Split
-from meshfuse.passes.schedule_copy import copy_schedule
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.namespace import add_op
 from meshfuse.ops.registry import lookup
 from meshfuse.parallel.fsdp.layers import register_layers
 from meshfuse.parallel.fsdp.spec import FsdpOptions, NamedMesh
+from meshfuse.passes.schedule_copy import copy_schedule
+
+# The ops that run in the mixed-precision policy's param_dtype (as torch.autocast runs
+# matrix products in low precision); the others compute as the fusion says.
+_MATRIX_PRODUCTS = ("linear", "matmul", "sdpfa_fwd")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,14 +95,13 @@ def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[Tens
     for v in fusion.inputs():
         if v in param_layer:
             used[v] = _gathered(new, v, mapped[v], mesh, pd)
-        elif v in batch and pd is not None and v.dtype.is_floating:
-            used[v] = add_op(new, lookup("cast"), [mapped[v], DataType.from_torch(pd)], {})
-    _replay(fusion, new, used)
+    _replay(fusion, new, used, None if pd is None else DataType.from_torch(pd))
     for v in fusion.inputs():
         if isinstance(v, TensorView):
             _schedule_input(v, mapped[v], used[v], mesh, options, v in param_layer, v in batch)
     storages = tuple(tuple(mapped[p] for p in layer) for layer in layers)
-    register_layers(new, {mapped[p]: k for p, k in param_layer.items()})
+    register_layers(new, {mapped[p]: k for p, k in param_layer.items()},
+                    options.mp_policy.reduce_dtype)
     return ShardedFusion(new, mesh, options, storages, mapped)
 
 
@@ -164,8 +170,10 @@ def _gathered(new: Fusion, user: TensorView, storage: TensorView, mesh: NamedMes
     return gathered
 
 
-def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val]) -> None:
-    """The user's ops in ``new`` over ``used``; user-scheduled results keep their schedule."""
+def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
+            compute: DataType | None = None) -> None:
+    """The user's ops in ``new`` over ``used``; user-scheduled results keep their schedule.
+    With ``compute``, the floating operands of matrix products are cast to it first."""
     mapped = dict(used)
 
     def value(a):
@@ -178,7 +186,12 @@ def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val]) -> None:
         return a
 
     for expr in fusion.exprs:
-        outs = add_op(new, expr.op, [value(a) for a in expr.args], {})
+        args = [value(a) for a in expr.args]
+        if compute is not None and expr.op.name in _MATRIX_PRODUCTS:
+            args = [add_op(new, lookup("cast"), [a, compute], {})
+                    if isinstance(a, TensorView) and a.dtype.is_floating and
+                    a.dtype is not compute else a for a in args]
+        outs = add_op(new, expr.op, args, {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         mapped.update(zip(expr.outputs, outs))
         for old, out in zip(expr.outputs, outs):
