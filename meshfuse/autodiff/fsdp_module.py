@@ -27,6 +27,7 @@ from meshfuse.parallel.fsdp import (
     copies,
     layers_of,
     memory_account,
+    nbytes,
     register_derivation,
     shard_fusion,
 )
@@ -92,6 +93,7 @@ class FullyShardedModule(torch.nn.Module):
             self._copies.append(copies(storage))
         self._arguments = [v for i, v in enumerate(inputs) if i not in self._slots]
         self._function = _LayeredFunction(self.sharded.fusion, remat=self.options.remat)
+        self.activation_bytes = 0
 
     def shard_input(self, tv: TensorView, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the global ``value`` of input ``tv`` (a batch split on the
@@ -109,7 +111,17 @@ class FullyShardedModule(torch.nn.Module):
         inputs = [getattr(self, self._slots[i]) if i in self._slots else next(supplied)
                   for i in range(len(self._arguments) + len(self._slots))]
         outputs = self._function(inputs)
+        self.activation_bytes = self._saved_bytes(outputs[0])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _saved_bytes(self, output: torch.Tensor) -> int:
+        """The bytes the forward saved for the backward (its residuals), the parameter
+        shards aside (counted as parameters)."""
+        node = output.grad_fn
+        residuals = getattr(getattr(node, "residuals", None), "values", None) or []
+        params = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        return nbytes(t for t in residuals if isinstance(t, torch.Tensor) and
+                      t.untyped_storage().data_ptr() not in params)
 
     def programs(self) -> tuple:
         """The forward's and the backward's per-rank programs of the last derivation run
@@ -125,6 +137,8 @@ class FullyShardedModule(torch.nn.Module):
         return clip_grad_norm_(list(self.parameters()), max_norm, self._copies)
 
     def memory_account(self, optimizer: torch.optim.Optimizer | None = None,
-                       activations: int = 0) -> MemoryAccount:
-        """This rank's parameter, gradient, optimizer-state and gathered-parameter bytes."""
-        return memory_account(self.parameters(), optimizer, activations=activations)
+                       activations: int | None = None) -> MemoryAccount:
+        """This rank's parameter, gradient, optimizer-state and gathered-parameter bytes, and
+        ``activations`` (default: what the last forward saved for its backward)."""
+        saved = self.activation_bytes if activations is None else activations
+        return memory_account(self.parameters(), optimizer, activations=saved)

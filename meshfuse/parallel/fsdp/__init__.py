@@ -14,7 +14,7 @@
 
 from meshfuse.parallel.fsdp.clip import clip_grad_norm_, copies, grad_norm
 from meshfuse.parallel.fsdp.layers import layers_of, register_derivation, register_layers
-from meshfuse.parallel.fsdp.memory import GATHERED, MemoryAccount, memory_account
+from meshfuse.parallel.fsdp.memory import GATHERED, MemoryAccount, memory_account, nbytes
 from meshfuse.parallel.fsdp.program import LayerSchedule, layer_schedule
 from meshfuse.parallel.fsdp.spec import FsdpOptions, MixedPrecision, NamedMesh
 from meshfuse.parallel.fsdp.transform import ShardedFusion, shard_fusion
@@ -32,7 +32,7 @@ __all__ = [
     "grad_norm",
     "layer_schedule",
     "layers_of",
-    "memory_account",
+    "memory_account", "nbytes",
     "register_derivation",
     "register_layers",
     "shard_fusion",
