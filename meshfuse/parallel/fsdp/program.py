@@ -104,6 +104,39 @@ def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[E
     return result
 
 
+def gather_reductions(order: Sequence[Expr], reductions: Mapping[Expr, int]) -> list[Expr]:
+    """``order`` with each layer's gradient reductions, and what becomes of their results
+    (allreduces across replicas, local copies and casts on the way to the gradients), moved
+    together to where the last of them was: a layer's reductions are then adjacent, one
+    bucket, and its allreduces across replicas follow it."""
+    readers: dict = {}
+    for e in order:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    tails: dict[int, list[Expr]] = {}
+    last: dict[int, int] = {}
+    taken: set[Expr] = set()
+    for i, e in enumerate(order):
+        if e not in reductions or e in taken:
+            continue
+        chain, tv = [e], e.outputs[0]
+        while len(readers.get(tv, [])) == 1 and (isinstance(readers[tv][0], Reshard) or
+                                                  readers[tv][0].op.name in _LOCAL):
+            chain.append(readers[tv][0])
+            tv = chain[-1].outputs[0]
+        taken.update(chain)
+        tails.setdefault(reductions[e], []).append(chain)
+        last[reductions[e]] = i
+    result = []
+    for i, e in enumerate(order):
+        if e not in taken:
+            result.append(e)
+        for k in (k for k, at in last.items() if at == i):
+            chains = tails[k]
+            result += [c[0] for c in chains] + [x for c in chains for x in c[1:]]
+    return result
+
+
 def _chains(order: Sequence[Expr], gathers: Mapping[Expr, int]) -> dict[int, list[Expr]]:
     """Per layer, its gathers in order, each after the local casts that feed it only."""
     producer = {o: e for e in order for o in e.outputs}
@@ -130,23 +163,13 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
                   ) -> tuple[list[Step], list[Callable]]:
     """``steps`` and their ``calls`` with each layer's gathers, and each layer's
     reductions, made one step (see the module doc)."""
-    buckets: dict[tuple, list[tuple[Expr, Member]]] = {}
-    read = {v for e in exprs for v in e.inputs}
-    for table, kind in ((found.gathers, "gather"), (found.reductions, "reduce")):
-        for expr in exprs:
-            if expr not in table:
-                continue
-            k = _step_at(steps, slot_of[expr.outputs[0]])
-            if k is None:
-                continue
-            member = _member(kind, steps[k].plan, rank, expr, layouts,
-                             read_later=expr.outputs[0] in read)
-            if member is not None:
-                plan = steps[k].plan
-                wide = found.reduce_dtype if expr in found.widened else None
-                key = (kind, table[expr], tuple((s.kind, s.mesh_axis) for s in plan),
-                       member.dtype, wide)
-                buckets.setdefault(key, []).append((expr, member))
+    buckets, followers = _buckets(found, exprs, steps, slot_of, rank, layouts)
+    for f in followers:  # an allreduce across replicas that its reduce-scatter's bucket runs
+        k = _step_at(steps, slot_of[f.outputs[0]])
+        what = steps[k].label.partition(":")[0]
+        steps[k] = dataclasses.replace(
+            steps[k], plan=(), label=f"{what}: run by its layer's reduction bucket")
+        calls[k] = _unchanged
     for key, members in buckets.items():
         places = [_step_at(steps, slot_of[e.outputs[0]]) for e, _ in members]
         plan = steps[places[0]].plan
@@ -157,7 +180,7 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         elif plan[0].kind == "allreduce":
             call = allreduce_call(mine, group, key[4])
         else:
-            replicas = group_of(plan[1].mesh, plan[1].mesh_axis) if len(plan) > 1 else None
+            replicas = None if key[5] is None else group_of(plan[0].mesh, key[5])
             call = reduce_call(mine, group, replicas, key[4])
         step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
         steps[places[-1]] = step
@@ -165,6 +188,60 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         for k in sorted(places[:-1], reverse=True):
             del steps[k], calls[k]
     return steps, calls
+
+
+def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
+             slot_of: Mapping, rank: int, layouts: Mapping) -> tuple[dict, set]:
+    """The members of each bucket, by key (kind, layer, first collective, dtype, reduce
+    dtype, replicate mesh axis); and the allreduces across replicas that follow a bucketed
+    reduce-scatter and run in its bucket (HSDP: one allreduce per layer)."""
+    buckets: dict[tuple, list[tuple[Expr, Member]]] = {}
+    read = {v for e in exprs for v in e.inputs}
+    readers: dict = {}
+    for e in exprs:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    plan_of = {e: steps[k].plan for e in (*found.gathers, *found.reductions)
+               if (k := _step_at(steps, slot_of[e.outputs[0]])) is not None}
+    followers: set[Expr] = set()
+    for table, kind in ((found.gathers, "gather"), (found.reductions, "reduce")):
+        for expr in exprs:
+            if expr not in table or expr not in plan_of or expr in followers:
+                continue
+            plan = plan_of[expr]
+            member = _member(kind, plan, rank, expr, layouts,
+                             read_later=expr.outputs[0] in read)
+            if member is None:
+                continue
+            replicas = plan[1].mesh_axis if len(plan) > 1 and kind == "reduce" else None
+            follower = _follower(expr, readers, found, plan_of) \
+                if kind == "reduce" and plan[0].kind == "reduce_scatter" and len(plan) == 1 \
+                else None
+            if follower is not None:
+                followers.add(follower)
+                replicas = plan_of[follower][0].mesh_axis
+            wide = found.reduce_dtype if expr in found.widened else None
+            key = (kind, table[expr], (plan[0].kind, plan[0].mesh_axis), member.dtype, wide,
+                   replicas)
+            buckets.setdefault(key, []).append((expr, member))
+    return buckets, followers
+
+
+def _follower(expr: Expr, readers: Mapping, found: LayerCommunications, plan_of: Mapping
+              ) -> Expr | None:
+    """The allreduce of the same layer that alone reads ``expr``'s result, if any."""
+    after = readers.get(expr.outputs[0], [])
+    if len(after) != 1 or after[0] not in plan_of:
+        return None
+    f = after[0]
+    if found.reductions.get(f) != found.reductions[expr] or \
+            [s.kind for s in plan_of[f]] != ["allreduce"] or plan_of[f][0].reduce_op != "sum":
+        return None
+    return f
+
+
+def _unchanged(x):
+    return x
 
 
 def _member(kind: str, plan, rank: int, expr: Expr, layouts: Mapping, read_later: bool
@@ -192,8 +269,8 @@ def _step_at(steps: Sequence[Step], slot: int) -> int | None:
 
 
 def _bucket_step(key: tuple, members: list[Step], exprs: list[Expr], group) -> Step:
-    kind, layer = key[0], key[1]
-    collective = "allgather" if kind == "gather" else " + ".join(k for k, _ in key[2])
+    layer = key[1]
+    collective = key[2][0] + (" + allreduce" if key[5] is not None else "")
     names = ", ".join(e.outputs[0].name for e in exprs)
     label = (f"{names} = reshard(...): layer {layer}'s {len(exprs)} parameters, one "
              f"{collective} (ranks {list(group.ranks)})")
@@ -211,7 +288,8 @@ class LayerSchedule:
     found: LayerCommunications
 
     def order(self, exprs: Sequence[Expr]) -> list[Expr]:
-        return prefetch_order(exprs, self.found.gathers)
+        return gather_reductions(prefetch_order(exprs, self.found.gathers),
+                                 self.found.reductions)
 
     def regroup(self, exprs, steps, calls, slot_of, keep, *, rank: int, layouts: Mapping,
                 group_of: GroupOf) -> tuple[list[Step], list[Callable]]:
