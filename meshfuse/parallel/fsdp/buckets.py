@@ -111,13 +111,12 @@ def allreduce_member(plan: Sequence[ReshardStep], rank: int, shape, dtype) -> Me
 def allreduce_call(members: Sequence[Member], group: Group, wide: torch.dtype | None = None
                    ) -> Callable[..., list]:
     """The implementation of an allreduce bucket: the members flattened into one buffer
-    (in ``wide``, when given), summed by one allreduce, and cut back out (views of the
-    buffer)."""
+    (in ``wide``, when given), summed by one allreduce, and cut back out."""
     sizes = [math.prod(m.shard_shape) for m in members]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def cut(flat: torch.Tensor, m: Member, offset: int, size: int) -> torch.Tensor:
-        return flat[offset:offset + size].view(m.shard_shape)
+        return flat[offset:offset + size].view(m.shard_shape).clone()
 
     def run(*partials: torch.Tensor) -> list:
         flat = torch.cat([x.reshape(-1) for x in partials])
@@ -194,7 +193,8 @@ def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
     def part(member: Member, offset: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def cut(flat: torch.Tensor) -> torch.Tensor:
             mine = flat[offset:offset + member.padded].view(member.longest, *member.rest())
-            return mine[:member.sizes[coordinate]].movedim(0, member.axis)
+            # a buffer of its own: the gradient holds its shard, not the padded bucket
+            return mine[:member.sizes[coordinate]].movedim(0, member.axis).clone()
         return cut
 
     parts = [part(m, o) for m, o in zip(members, offsets)]
