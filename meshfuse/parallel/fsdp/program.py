@@ -12,9 +12,14 @@ gathered parameters are alive at most. Local copies of gathered parameters move 
 first reader. Layers are taken in the
 order the program first reads them: in a backward, last layer first.
 
+A layer's gradient reductions, and what becomes of their results (HSDP's allreduces across
+replicas, copies and casts on the way to the gradients), move together to where the last of
+them was (:func:`gather_reductions`).
+
 **Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
-gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP), each
-placed where the last of its members was (:mod:`meshfuse.parallel.fsdp.buckets`).
+gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP, which
+the allreduces that follow the reduce-scatters leave to it), each placed where the last of
+its members was (:mod:`meshfuse.parallel.fsdp.buckets`).
 """
 
 from __future__ import annotations
