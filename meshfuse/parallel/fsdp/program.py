@@ -59,18 +59,7 @@ def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[E
     order = communication_first(exprs)
     chains = _chains(order, gathers)
     moved = {e for chain in chains.values() for e in chain}
-    layer_of_value = {e.outputs[0]: k for e, k in gathers.items()}
-    deferred: set[Expr] = set()  # local copies and casts of gathered parameters
-    first_reads: list[int] = []  # layers by their first read
-    reads: dict[Expr, set[int]] = {}
-    for e in (e for e in order if e not in moved):
-        layers = {layer_of_value[v] for v in e.inputs if v in layer_of_value}
-        if layers and not isinstance(e, Reshard) and e.op.name in _LOCAL:
-            layer_of_value.update(dict.fromkeys(e.outputs, min(layers)))
-            deferred.add(e)
-            continue
-        reads[e] = layers
-        first_reads += [k for k in sorted(layers) if k not in first_reads]
+    deferred, reads, first_reads = _reads([e for e in order if e not in moved], gathers)
     following = dict(itertools.pairwise(first_reads))
     producer = {o: e for e in order for o in e.outputs}
     result: list[Expr] = []
@@ -107,6 +96,25 @@ def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[E
         if e in deferred and e not in emitted:
             emit(e)
     return result
+
+
+def _reads(order: Sequence[Expr], gathers: Mapping[Expr, int]
+           ) -> tuple[set[Expr], dict[Expr, set[int]], list[int]]:
+    """The local copies and casts of gathered parameters (deferred to their first reader),
+    the layers each other expression reads, and the layers in the order first read."""
+    layer_of_value = {e.outputs[0]: k for e, k in gathers.items()}
+    deferred: set[Expr] = set()
+    first_reads: list[int] = []
+    reads: dict[Expr, set[int]] = {}
+    for e in order:
+        layers = {layer_of_value[v] for v in e.inputs if v in layer_of_value}
+        if layers and not isinstance(e, Reshard) and e.op.name in _LOCAL:
+            layer_of_value.update(dict.fromkeys(e.outputs, min(layers)))
+            deferred.add(e)
+            continue
+        reads[e] = layers
+        first_reads += [k for k in sorted(layers) if k not in first_reads]
+    return deferred, reads, first_reads
 
 
 def gather_reductions(order: Sequence[Expr], reductions: Mapping[Expr, int]) -> list[Expr]:
