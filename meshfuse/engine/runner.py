@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.parallel import context
+from meshfuse.parallel import context, fsdp
 from meshfuse.parallel.overlap import OverlapPlan, group_stream_loops
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compiled_for
@@ -83,6 +84,7 @@ class FusionRunner:
         else:
             self.communicator, self.rank, world = None, 0, 1
         self.compiled = compiled_for(fusion, world)
+        self._source = weakref.ref(fusion)  # what a strategy registered its facts on
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
@@ -279,14 +281,20 @@ class FusionRunner:
         plans = self.overlap.loops_for(_signature(inputs), binding.extents, device,
                                        self.loop_transport)
         self._create_loop_groups(plans)
-        group_loops = None
+        rewrites = []
         if plans:
-            group_loops = functools.partial(
+            rewrites.append(functools.partial(
                 _group_loops, plans, binding=binding, rank=self.rank,
                 group_of=self._group, ring_all=self.ring_order,
-                transport=self.loop_transport, device=device)
+                transport=self.loop_transport, device=device))
+        layered = fsdp.layer_schedule(fusion, [fusion, self._source()], self.compiled.__getitem__)
+        if layered is not None:
+            rewrites.append(functools.partial(layered.regroup, rank=self.rank,
+                                              layouts=binding.layouts, group_of=self._group))
         return build_program(fusion, binding, local, self.rank, self._lower_reshard,
-                             lower_op=self._lower_op, group_loops=group_loops)
+                             lower_op=self._lower_op,
+                             group_loops=functools.partial(_rewritten, rewrites),
+                             order=layered.order if layered is not None else None)
 
     def _create_loop_groups(self, plans) -> None:
         """Creates, on every rank, the groups the loops' communications may ask for (each
@@ -385,6 +393,13 @@ def _checked_options(timeout: object, compile: object) -> None:
         checked_timeout(timeout)
     if compile is not None:
         compile_setting(compile)
+
+
+def _rewritten(rewrites, exprs, steps, calls, slot_of, keep):
+    """The program's steps after each strategy's rewrite (stream loops, FSDP's buckets)."""
+    for rewrite in rewrites:
+        steps, calls = rewrite(exprs, steps, calls, slot_of, keep)
+    return steps, calls
 
 
 def _group_loops(plans, exprs, steps, calls, slot_of, keep, **options):

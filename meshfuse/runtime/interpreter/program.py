@@ -48,22 +48,28 @@ GroupLoops = Callable[..., "tuple[list[Step], list[Callable]]"]
 # lower_op(expr) -> the implementation of an op that communicates itself (ring attention),
 # or None for the op's own; called on every rank alike (group creation is collective).
 LowerOp = Callable[[Expr], "Callable | None"]
+# order(exprs) -> the expressions in the order the program runs them (default
+# communication_first); a strategy may move communications (FSDP's prefetch).
+Order = Callable[[Sequence[Expr]], "list[Expr]"]
 
 
 def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local], rank: int,
                   lower_reshard: LowerReshard | None = None,
                   lower_op: LowerOp | None = None,
-                  group_loops: GroupLoops | None = None) -> Program:
+                  group_loops: GroupLoops | None = None,
+                  order: Order | None = None) -> Program:
     """This rank's program; ``local`` holds the expressions it runs (see
     :func:`meshfuse.passes.localization.localize`). Small allreduces whose results no step
-    reads run in buckets (:mod:`meshfuse.runtime.interpreter.bucketing`)."""
+    reads run in buckets (:mod:`meshfuse.runtime.interpreter.bucketing`). ``order`` replaces
+    :func:`communication_first`; ``group_loops`` rewrites the steps (stream loops, a
+    strategy's buckets)."""
     slot_of: dict[Val, int] = {}
 
     def slot(v: Val) -> int:
         return slot_of.setdefault(v, len(slot_of))
 
     input_slots = tuple(slot(v) for v in fusion.inputs())
-    exprs = communication_first(fusion.exprs)
+    exprs = (order or communication_first)(fusion.exprs)
     last_use = {slot(v): index for index, expr in enumerate(exprs) for v in expr.inputs}
     keep = {slot(v) for v in fusion.outputs()}
     readers = Counter(slot(v) for expr in exprs for v in expr.inputs)

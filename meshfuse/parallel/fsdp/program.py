@@ -1,0 +1,326 @@
+"""A fully sharded program's order and buckets: each layer's parameters gathered by one
+collective, issued one layer ahead; each layer's gradients reduced by one.
+
+**Order** (:func:`prefetch_order`). The program builder launches every communication as
+early as its inputs allow (:func:`~meshfuse.runtime.interpreter.program.communication_first`);
+a parameter's gather needs only the parameter, so all layers would be gathered at the start
+and all gathered parameters held at once. Here the gathers of layer ``i + 1`` are placed
+right after the first step that reads layer ``i``'s gathered parameters (which waits for
+layer ``i``'s gather): the gather runs under the rest of layer ``i``'s compute (FSDP's
+prefetch) and, as each gathered parameter is freed after its last use, about two layers'
+gathered parameters are alive at most. Local copies of gathered parameters move to their
+first reader. Layers are taken in the
+order the program first reads them: in a backward, last layer first.
+
+A layer's gradient reductions, and what becomes of their results (HSDP's allreduces across
+replicas, copies and casts on the way to the gradients), move together to where the last of
+them was (:func:`gather_reductions`).
+
+**Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
+gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP, which
+the allreduces that follow the reduce-scatters leave to it), each placed where the last of
+its members was (:mod:`meshfuse.parallel.fsdp.buckets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
+from meshfuse.parallel.fsdp.buckets import (
+    GroupOf,
+    Member,
+    allreduce_call,
+    allreduce_member,
+    gather_call,
+    gather_member,
+    reduce_call,
+    reduce_member,
+)
+from meshfuse.parallel.fsdp.layers import (
+    LayerCommunications,
+    communications_by_layer,
+    layers_of,
+    reduce_dtype_of,
+)
+from meshfuse.parallel.fsdp.memory import GATHERED
+from meshfuse.runtime.interpreter.executor import RESHARD, Step
+from meshfuse.runtime.interpreter.program import communication_first
+
+_LOCAL = ("set", "cast")
+
+
+def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[Expr]:
+    """``exprs`` in the program builder's order, with each layer's gathers (and the local
+    casts that feed only them) moved after the first read of the layer before it, and the
+    local copies of gathered parameters to their first reader; see the module doc."""
+    order = communication_first(exprs)
+    chains = _chains(order, gathers)
+    moved = {e for chain in chains.values() for e in chain}
+    deferred, reads, first_reads = _reads([e for e in order if e not in moved], gathers)
+    following = dict(itertools.pairwise(first_reads))
+    producer = {o: e for e in order for o in e.outputs}
+    result: list[Expr] = []
+    placed: set[int] = set()
+    emitted: set[Expr] = set()
+
+    def place(layer: int | None) -> None:
+        if layer is not None and layer not in placed:
+            placed.add(layer)
+            result.extend(chains.get(layer, ()))
+
+    def emit(e: Expr) -> None:
+        for v in e.inputs:
+            p = producer.get(v)
+            if p in deferred and p not in emitted:
+                emit(p)
+        emitted.add(e)
+        result.append(e)
+
+    read: set[int] = set()
+    for e in order:
+        if e in moved or e in deferred:
+            continue
+        first = sorted(reads[e] - read)
+        read.update(first)
+        for k in first:
+            place(k)
+        emit(e)
+        for k in first:  # the next layer's gather, under the rest of this layer
+            place(following.get(k))
+    for k in chains:
+        place(k)  # gathers nothing reads (results of the fusion only)
+    for e in order:
+        if e in deferred and e not in emitted:
+            emit(e)
+    return result
+
+
+def _reads(order: Sequence[Expr], gathers: Mapping[Expr, int]
+           ) -> tuple[set[Expr], dict[Expr, set[int]], list[int]]:
+    """The local copies and casts of gathered parameters (deferred to their first reader),
+    the layers each other expression reads, and the layers in the order first read."""
+    layer_of_value = {e.outputs[0]: k for e, k in gathers.items()}
+    deferred: set[Expr] = set()
+    first_reads: list[int] = []
+    reads: dict[Expr, set[int]] = {}
+    for e in order:
+        layers = {layer_of_value[v] for v in e.inputs if v in layer_of_value}
+        if layers and not isinstance(e, Reshard) and e.op.name in _LOCAL:
+            layer_of_value.update(dict.fromkeys(e.outputs, min(layers)))
+            deferred.add(e)
+            continue
+        reads[e] = layers
+        first_reads += [k for k in sorted(layers) if k not in first_reads]
+    return deferred, reads, first_reads
+
+
+def gather_reductions(order: Sequence[Expr], reductions: Mapping[Expr, int]) -> list[Expr]:
+    """``order`` with each layer's gradient reductions, and what becomes of their results
+    (allreduces across replicas, local copies and casts on the way to the gradients), moved
+    together to where the last of them was: a layer's reductions are then adjacent, one
+    bucket, and its allreduces across replicas follow it."""
+    readers: dict = {}
+    for e in order:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    tails: dict[int, list[Expr]] = {}
+    last: dict[int, int] = {}
+    taken: set[Expr] = set()
+    for i, e in enumerate(order):
+        if e not in reductions or e in taken:
+            continue
+        chain, tv = [e], e.outputs[0]
+        while len(readers.get(tv, [])) == 1 and (isinstance(readers[tv][0], Reshard) or
+                                                  readers[tv][0].op.name in _LOCAL):
+            chain.append(readers[tv][0])
+            tv = chain[-1].outputs[0]
+        taken.update(chain)
+        tails.setdefault(reductions[e], []).append(chain)
+        last[reductions[e]] = i
+    result = []
+    for i, e in enumerate(order):
+        if e not in taken:
+            result.append(e)
+        for k in (k for k, at in last.items() if at == i):
+            chains = tails[k]
+            result += [c[0] for c in chains] + [x for c in chains for x in c[1:]]
+    return result
+
+
+def _chains(order: Sequence[Expr], gathers: Mapping[Expr, int]) -> dict[int, list[Expr]]:
+    """Per layer, its gathers in order, each after the local casts that feed it only."""
+    producer = {o: e for e in order for o in e.outputs}
+    readers: dict = {}
+    for e in order:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    chains: dict[int, list[Expr]] = {}
+    for e in order:
+        if e not in gathers:
+            continue
+        chain, source = [e], producer.get(e.args[0])
+        while source is not None and not isinstance(source, Reshard) and \
+                source.op.name in _LOCAL and len(readers[source.outputs[0]]) == 1:
+            chain.insert(0, source)
+            source = producer.get(source.args[0])
+        chains.setdefault(gathers[e], []).extend(chain)
+    return chains
+
+
+def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
+                  calls: list[Callable], slot_of: Mapping, *, rank: int, layouts: Mapping,
+                  group_of: GroupOf, account=None
+                  ) -> tuple[list[Step], list[Callable]]:
+    """``steps`` and their ``calls`` with each layer's gathers, and each layer's
+    reductions, made one step (see the module doc)."""
+    buckets, followers = _buckets(found, exprs, steps, slot_of, rank, layouts)
+    for f in followers:  # an allreduce across replicas that its reduce-scatter's bucket runs
+        k = _step_at(steps, slot_of[f.outputs[0]])
+        what = steps[k].label.partition(":")[0]
+        steps[k] = dataclasses.replace(
+            steps[k], plan=(), label=f"{what}: run by its layer's reduction bucket")
+        calls[k] = _unchanged
+    for key, members in buckets.items():
+        places = [_step_at(steps, slot_of[e.outputs[0]]) for e, _ in members]
+        plan = steps[places[0]].plan
+        group = group_of(plan[0].mesh, plan[0].mesh_axis)
+        mine = [m for _, m in members]
+        if key[0] == "gather":
+            call = gather_call(mine, group, account)
+        elif plan[0].kind == "allreduce":
+            call = allreduce_call(mine, group, key[4])
+        else:
+            replicas = None if key[5] is None else group_of(plan[0].mesh, key[5])
+            call = reduce_call(mine, group, replicas, key[4])
+        step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
+        steps[places[-1]] = step
+        calls[places[-1]] = call if len(mine) > 1 else _single(call)
+        for k in sorted(places[:-1], reverse=True):
+            del steps[k], calls[k]
+    return steps, calls
+
+
+def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
+             slot_of: Mapping, rank: int, layouts: Mapping) -> tuple[dict, set]:
+    """The members of each bucket, by key (kind, layer, first collective, dtype, reduce
+    dtype, replicate mesh axis); and the allreduces across replicas that follow a bucketed
+    reduce-scatter and run in its bucket (HSDP: one allreduce per layer)."""
+    buckets: dict[tuple, list[tuple[Expr, Member]]] = {}
+    read = {v for e in exprs for v in e.inputs}
+    readers: dict = {}
+    for e in exprs:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    plan_of = {e: steps[k].plan for e in (*found.gathers, *found.reductions)
+               if (k := _step_at(steps, slot_of[e.outputs[0]])) is not None}
+    followers: set[Expr] = set()
+    for table, kind in ((found.gathers, "gather"), (found.reductions, "reduce")):
+        for expr in exprs:
+            if expr not in table or expr not in plan_of or expr in followers:
+                continue
+            plan = plan_of[expr]
+            member = _member(kind, plan, rank, expr, layouts,
+                             read_later=expr.outputs[0] in read)
+            if member is None:
+                continue
+            replicas = plan[1].mesh_axis if len(plan) > 1 and kind == "reduce" else None
+            follower = _follower(expr, readers, found, plan_of) \
+                if kind == "reduce" and plan[0].kind == "reduce_scatter" and len(plan) == 1 \
+                else None
+            if follower is not None:
+                followers.add(follower)
+                replicas = plan_of[follower][0].mesh_axis
+            wide = found.reduce_dtype if expr in found.widened else None
+            key = (kind, table[expr], (plan[0].kind, plan[0].mesh_axis), member.dtype, wide,
+                   replicas)
+            buckets.setdefault(key, []).append((expr, member))
+    return buckets, followers
+
+
+def _follower(expr: Expr, readers: Mapping, found: LayerCommunications, plan_of: Mapping
+              ) -> Expr | None:
+    """The allreduce of the same layer that alone reads ``expr``'s result, if any."""
+    after = readers.get(expr.outputs[0], [])
+    if len(after) != 1 or after[0] not in plan_of:
+        return None
+    f = after[0]
+    if found.reductions.get(f) != found.reductions[expr] or \
+            [s.kind for s in plan_of[f]] != ["allreduce"] or plan_of[f][0].reduce_op != "sum":
+        return None
+    return f
+
+
+def _unchanged(x):
+    return x
+
+
+def _member(kind: str, plan, rank: int, expr: Expr, layouts: Mapping, read_later: bool
+            ) -> Member | None:
+    """``expr``'s communication as a member of its layer's bucket, or None (it runs
+    alone). An allreduce no step reads is left to the program builder's own allreduce
+    buckets (:mod:`meshfuse.runtime.interpreter.bucketing`)."""
+    src = expr.args[0]
+    shape, dtype = layouts[src].shape, src.dtype.torch_dtype
+    if kind == "gather":
+        return gather_member(plan, rank, shape, dtype)
+    if [s.kind for s in plan] == ["allreduce"]:
+        return allreduce_member(plan, rank, shape, dtype) if read_later else None
+    return reduce_member(plan, rank, shape, dtype)
+
+
+def _single(call: Callable) -> Callable:
+    """A bucket of one member: its one result (a step of one output is not a list)."""
+    return lambda *args: call(*args)[0]
+
+
+def _step_at(steps: Sequence[Step], slot: int) -> int | None:
+    """The index of the communication step that defines ``slot``."""
+    return next((k for k, s in enumerate(steps) if s.op == RESHARD and slot in s.outputs), None)
+
+
+def _bucket_step(key: tuple, members: list[Step], exprs: list[Expr], group) -> Step:
+    layer = key[1]
+    collective = key[2][0] + (" + allreduce" if key[5] is not None else "")
+    names = ", ".join(e.outputs[0].name for e in exprs)
+    label = (f"{names} = reshard(...): layer {layer}'s {len(exprs)} parameters, one "
+             f"{collective} (ranks {list(group.ranks)})")
+    return Step(RESHARD, tuple(a for s in members for a in s.args), {},
+                tuple(o for s in members for o in s.outputs),
+                tuple(dict.fromkeys(f for s in members for f in s.free)), label,
+                tuple(p for s in members for p in s.plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """What the program builder asks of a fully sharded fusion: its order
+    (:func:`prefetch_order`) and the rewrite of its steps (:func:`bucket_layers`)."""
+
+    found: LayerCommunications
+
+    def order(self, exprs: Sequence[Expr]) -> list[Expr]:
+        return gather_reductions(prefetch_order(exprs, self.found.gathers),
+                                 self.found.reductions)
+
+    def regroup(self, exprs, steps, calls, slot_of, keep, *, rank: int, layouts: Mapping,
+                group_of: GroupOf) -> tuple[list[Step], list[Callable]]:
+        return bucket_layers(self.found, exprs, list(steps), list(calls), slot_of,
+                             rank=rank, layouts=layouts, group_of=group_of,
+                             account=GATHERED)
+
+
+def layer_schedule(compiled: Fusion, sources: Sequence[Fusion],
+                   counterpart: Callable) -> LayerSchedule | None:
+    """The schedule of ``compiled`` when one of ``sources`` (the fusions it was compiled
+    from) has layers registered; None otherwise. ``counterpart`` maps a source's tensor to
+    its compiled copy."""
+    for source in sources:
+        layer_of = layers_of(source) if source is not None else None
+        if layer_of:
+            mapped = {counterpart(tv): k for tv, k in layer_of.items()}
+            found = communications_by_layer(compiled, mapped, reduce_dtype_of(source))
+            return LayerSchedule(found) if found else None
+    return None
+

@@ -1,0 +1,246 @@
+"""``shard_fusion``: a fusion rewritten for fully sharded data parallelism.
+
+The user's fusion (read, never changed) computes with whole parameters, at global shapes,
+and may carry a tensor-, sequence- or context-parallel schedule on a :class:`NamedMesh`. The
+result is a new fusion with the same inputs in the same positions and the same outputs:
+
+- each parameter input is its **storage**: sharded on its first axis over the ``shard``
+  dimension (within whatever part the user's schedule gives the rank, uneven shards
+  allowed), replicated over ``replicate`` (HSDP);
+- its first use reads the **gathered** parameter: ``set`` of the storage (of its cast to
+  ``mp_policy.param_dtype`` first), scheduled as the user scheduled the parameter, so
+  resharding gathers it over ``shard`` before use, and a derived backward reduce-scatters
+  its gradient (and allreduces it across ``replicate``);
+- each batch input is split on its first axis over ``replicate`` then ``shard``; propagation
+  carries the split through the activations;
+- with ``mp_policy.param_dtype``, the floating operands of matrix products (linear, matmul,
+  attention) are cast to it, as ``torch.autocast`` does; the other ops compute as the fusion
+  says (a pointwise op on bf16 computes in float, as in nvFuser).
+
+The layers (one list of parameters each) are recorded for the program builder
+(:func:`meshfuse.parallel.fsdp.layers.register_layers`): one gather per layer, issued a layer
+ahead (:mod:`meshfuse.parallel.fsdp.program`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError, ScheduleError
+from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import Merge, Split
+from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
+from meshfuse.ops.namespace import add_op
+from meshfuse.ops.registry import lookup
+from meshfuse.parallel.fsdp.layers import register_layers
+from meshfuse.parallel.fsdp.spec import FsdpOptions, NamedMesh
+from meshfuse.passes.schedule_copy import copy_schedule
+
+# The ops that run in the mixed-precision policy's param_dtype (as torch.autocast runs
+# matrix products in low precision); the others compute as the fusion says.
+_MATRIX_PRODUCTS = ("linear", "matmul", "sdpfa_fwd")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedFusion:
+    """The result of :func:`shard_fusion`.
+
+    Attributes:
+        fusion: the new fusion (inputs and outputs in the user's order).
+        mesh: the named mesh.
+        options: the options it was built with.
+        layers: per layer, the storage inputs of its parameters (tensors of ``fusion``).
+        inputs: each input of the user's fusion -> its input in ``fusion``.
+    """
+
+    fusion: Fusion
+    mesh: NamedMesh
+    options: FsdpOptions
+    layers: tuple[tuple[TensorView, ...], ...]
+    inputs: dict[Val, Val]
+
+    def storage(self, user_tv: TensorView) -> TensorView:
+        """The input of ``fusion`` that holds ``user_tv`` (a parameter's storage)."""
+        return self.inputs[user_tv]
+
+
+def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[TensorView]],
+                 batch: Sequence[TensorView], options: FsdpOptions | None = None
+                 ) -> ShardedFusion:
+    """``fusion`` made fully sharded data parallel; see the module doc.
+
+    Args:
+        fusion: the user's fusion, defined (and optionally scheduled on ``mesh.mesh``).
+        mesh: the mesh, with the dimensions ``options.shard`` (and ``options.replicate``).
+        layers: the parameter inputs of each layer, in the order the layers run.
+        batch: the inputs whose first axis is the batch (tokens).
+        options: see :class:`FsdpOptions`.
+
+    Raises:
+        DefinitionError: a parameter or batch tensor that is no floating tensor input, or
+            a parameter named twice.
+        ScheduleError: a dimension the mesh lacks, ``replicate`` equal to ``shard``, a
+            tensor scheduled on another mesh, a parameter with no first axis to shard.
+    """
+    options = options or FsdpOptions()
+    param_layer = _checked(fusion, mesh, layers, batch, options)
+    new = Fusion()
+    mapped: dict[Val, Val] = {}
+    for v in fusion.inputs():
+        mapped[v] = new.add_input(_fresh_input(new, v))
+    used: dict[Val, Val] = dict(mapped)  # what the user's ops read in place of each input
+    pd = options.mp_policy.param_dtype
+    for v in fusion.inputs():
+        if v in param_layer:
+            used[v] = _gathered(new, v, mapped[v], mesh, pd)
+    _replay(fusion, new, used, None if pd is None else DataType.from_torch(pd))
+    for v in fusion.inputs():
+        if isinstance(v, TensorView):
+            _schedule_input(v, mapped[v], used[v], mesh, options, v in param_layer, v in batch)
+    storages = tuple(tuple(mapped[p] for p in layer) for layer in layers)
+    register_layers(new, {mapped[p]: k for p, k in param_layer.items()},
+                    options.mp_policy.reduce_dtype)
+    return ShardedFusion(new, mesh, options, storages, mapped)
+
+
+def _checked(fusion: Fusion, mesh: NamedMesh, layers, batch, options: FsdpOptions
+             ) -> dict[TensorView, int]:
+    """The layer of each parameter, after checking the arguments (see shard_fusion)."""
+    mesh.axis(options.shard)
+    if options.replicate is not None and mesh.axis(options.replicate) == mesh.axis(options.shard):
+        raise ScheduleError(f"replicate={options.replicate!r} is the shard dimension; HSDP "
+                            "replicates over another mesh dimension than it shards over")
+    inputs = fusion.inputs()
+    param_layer: dict[TensorView, int] = {}
+    for k, layer in enumerate(layers):
+        for p in layer:
+            _check_input(p, inputs, f"layer {k}'s parameter")
+            if p in param_layer:
+                raise DefinitionError(f"parameter {p.name} is in layers {param_layer[p]} and "
+                                      f"{k}; give each parameter to one layer")
+            if not p.materialized() or p.materialized()[0].is_broadcast:
+                raise ScheduleError(f"parameter {p.name} has no first axis to shard (shape "
+                                    f"{[i.extent for i in p.materialized()]}); leave it out "
+                                    "of the layers (it stays replicated)")
+            param_layer[p] = k
+    for x in batch:
+        _check_input(x, inputs, "batch input")
+        if x in param_layer:
+            raise DefinitionError(f"{x.name} is both a parameter and a batch input")
+    for tv in fusion.tensors():
+        if tv.mesh is not None and tv.mesh != mesh.mesh:
+            raise ScheduleError(f"{tv.name} is scheduled on {tv.mesh!r}, not on the mesh "
+                                f"{mesh.mesh!r} it is sharded over; schedule every tensor on "
+                                "that one mesh")
+    return param_layer
+
+
+def _check_input(tv, inputs, what: str) -> None:
+    if not isinstance(tv, TensorView) or tv not in inputs or not tv.dtype.is_floating:
+        raise DefinitionError(f"{what} {getattr(tv, 'name', tv)!r} is not a floating tensor "
+                              "input of the fusion; pass tensors made by its define_tensor")
+
+
+def _fresh_input(new: Fusion, v: Val) -> Val:
+    if not isinstance(v, TensorView):
+        return Scalar(v.dtype)
+    tv = TensorView(new, [i.like() for i in v.logical], v.dtype)
+    ids = dict(zip(v.logical, tv.logical))
+    if v.allocation is not None and all(i in ids for i in v.allocation.ids):
+        tv.allocation = Allocation(tuple(ids[i] for i in v.allocation.ids),
+                                   v.allocation.contiguity)
+    tv.is_cpu = v.is_cpu
+    return tv
+
+
+def _gathered(new: Fusion, user: TensorView, storage: TensorView, mesh: NamedMesh,
+              param_dtype) -> TensorView:
+    """The gathered parameter the user's ops read: ``set`` of the storage (cast first to
+    ``param_dtype``), scheduled as the user scheduled ``user`` (else replicated)."""
+    source = storage
+    if param_dtype is not None and DataType.from_torch(param_dtype) is not storage.dtype:
+        source = add_op(new, lookup("cast"), [storage, DataType.from_torch(param_dtype)], {})
+    gathered = add_op(new, lookup("set"), [source], {})
+    if user.is_scheduled:
+        copy_schedule(user, gathered)
+    else:
+        gathered.set_device_mesh(mesh.mesh)
+    return gathered
+
+
+def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
+            compute: DataType | None = None) -> None:
+    """The user's ops in ``new`` over ``used``; user-scheduled results keep their schedule.
+    With ``compute``, the floating operands of matrix products are cast to it first."""
+    mapped = dict(used)
+
+    def value(a):
+        if isinstance(a, Scalar) and a.is_constant and a not in mapped:
+            mapped[a] = new.add_constant(Scalar(a.dtype, a.value))
+        if isinstance(a, Val):
+            return mapped[a]
+        if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
+            return [value(x) for x in a]
+        return a
+
+    for expr in fusion.exprs:
+        args = [value(a) for a in expr.args]
+        if compute is not None and expr.op.name in _MATRIX_PRODUCTS:
+            args = [add_op(new, lookup("cast"), [a, compute], {})
+                    if isinstance(a, TensorView) and a.dtype.is_floating and
+                    a.dtype is not compute else a for a in args]
+        outs = add_op(new, expr.op, args, {})
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        mapped.update(zip(expr.outputs, outs))
+        for old, out in zip(expr.outputs, outs):
+            if isinstance(old, TensorView) and old.is_scheduled:
+                copy_schedule(old, out)
+    for out in fusion.outputs():
+        new.add_output(mapped[out])
+
+
+def _schedule_input(user: TensorView, tv: TensorView, used: Val, mesh: NamedMesh,
+                    options: FsdpOptions, is_param: bool, is_batch: bool) -> None:
+    """The schedule of input ``tv`` of the new fusion: the user's, plus the shard of the
+    first axis over the data-parallel dimensions (of a parameter's storage, over
+    ``shard``; of a batch input, over ``replicate`` then ``shard``)."""
+    if user.is_scheduled:
+        copy_schedule(user, tv)
+    else:
+        tv.set_device_mesh(mesh.mesh)
+    dims = [options.shard] if is_param else \
+        [d for d in (options.replicate, options.shard) if d is not None] if is_batch else []
+    for name in dims:
+        if mesh.size(name) > 1:
+            shard_first_axis(tv, mesh, name)
+    if used is not tv and isinstance(used, TensorView) and not used.is_scheduled:
+        copy_schedule(tv, used)  # a cast of the input, before its gather: sharded alike
+
+
+def shard_first_axis(tv: TensorView, mesh: NamedMesh, name: str) -> None:
+    """Shards ``tv``'s first axis over mesh dimension ``name``, within the part of it that
+    its schedule already gives a device (an outer split of the outermost loop ID of that
+    axis that is not device-parallel).
+
+    Raises:
+        ScheduleError: the first axis was merged with another, or ``name``'s parallel type
+            already shards ``tv``.
+    """
+    first = tv.materialized()[0]
+    kind = mesh.parallel_type(name)
+    if kind in tv.parallel.values():
+        raise ScheduleError(f"{tv.name} is already sharded over {name!r} ({kind.value}); a "
+                            "data-parallel dimension must be one its schedule does not use")
+    family = {first}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in family:
+            family |= {t.outer, t.inner}
+        elif isinstance(t, Merge) and (t.outer in family or t.inner in family):
+            raise ScheduleError(f"{tv.name}'s first axis is merged with another in its "
+                                "schedule; shard it before merging, or leave it unmerged")
+    leaf = next(i for i in tv.loop if i in family and i not in tv.parallel)
+    pos = tv.loop.index(leaf)
+    tv.outer_split(pos, mesh.size(name))
+    tv.parallelize(pos, kind)
