@@ -214,3 +214,39 @@ def test_fusion_module_trains_like_torch(multidevice_test):
         torch.testing.assert_close(getattr(layer, name).detach().cpu(),
                                    shard_tensor(ref[name].detach(), tv, multidevice_test.rank),
                                    **TOL)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("axis", [None, 0, 1], ids=["whole", "batch-sharded", "seq-sharded"])
+def test_linear_weight_gradient_merges_only_whole_token_axes(multidevice_test, axis):
+    """A linear's weight gradient is one product over its token axes merged when none of
+    them is split over devices; with the batch or the sequence split (uneven at 3 ranks) it
+    stays a batch of products summed (a merge would leave a rank no block of the merged
+    axis): the gradients equal torch's either way."""
+    size, rank = multidevice_test.size, multidevice_test.rank
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 7, 6], dtype=DataType.Double)
+        w = fd.define_tensor([5, 6], dtype=DataType.Double)
+        fd.add_output(fd.ops.linear(x, w, None))
+    if size > 1:
+        mesh = mesh_1d(multidevice_test)
+        w.set_device_mesh(mesh)
+        if axis is None:
+            x.set_device_mesh(mesh)
+        else:
+            shard(x, axis, mesh)
+    xs, ws, dy = _randn(4, 7, 6, seed=0), _randn(5, 6, seed=1), _randn(4, 7, 5, seed=2)
+    leaves = [shard_tensor(xs, x, rank).to(current_device()).requires_grad_(),
+              ws.clone().to(current_device()).requires_grad_()]
+    function = fd.as_autograd_function()
+    y, = function(leaves)
+    y.backward(shard_tensor(dy, fd.fusion.outputs()[0], rank).to(current_device()))
+    ref_x, ref_w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    F.linear(ref_x, ref_w).backward(dy)
+    torch.testing.assert_close(leaves[0].grad.cpu(), shard_tensor(ref_x.grad, x, rank))
+    torch.testing.assert_close(leaves[1].grad.cpu(), ref_w.grad)
+    backward = next(iter(function._derivations.values())).derivation.backward
+    products = [e for e in backward.exprs if e.op.name == "matmul"]
+    merged = [len(e.tensor_inputs[1].materialized()) == 2 for e in products]
+    sharded = axis is not None and size > 1
+    assert merged.count(True) == (1 if not sharded else 0) + 1  # + the input gradient's

@@ -14,6 +14,7 @@ import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.fusion import Expr, Reshard
+from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import TensorView, Val
 from meshfuse.ops.registry import OpDef, lookup
 
@@ -89,6 +90,12 @@ class VjpContext:
         tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
         id_ = tv.materialized()[axis]
         return id_.is_broadcast and id_.extent in (1, None)
+
+    def is_sharded(self, name_or_tv: str | TensorView, axis: int) -> bool:
+        """Whether materialized ``axis`` of a primal tensor is split over devices (in the
+        compiled forward, whose shardings the backward's residuals keep)."""
+        tv = self.arg(name_or_tv) if isinstance(name_or_tv, str) else name_or_tv
+        return tv.mesh is not None and bool(shard_signature(tv, tv.materialized()[axis]))
 
     def sum_to(self, grad: TensorView, like: TensorView) -> TensorView:
         """``grad`` summed down to ``like``'s shape (see :func:`sum_to`)."""

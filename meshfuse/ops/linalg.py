@@ -7,6 +7,7 @@ both operands' contracted axes, so that a sharded contraction shows up as a part
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -172,21 +173,41 @@ def _linear(x, weight, bias, dropped_addends=()):
 
 
 def _weight_grad(d, g):
-    """``sum over tokens of g^T x``: one matmul of ``[N, T] x [T, K]``. Leading broadcast
-    axes of extent 1 are squeezed away; several token axes stay a batch of matmuls, then a
-    sum (a reshape merging them would lose a sequence axis's sharding). An expanded broadcast
-    axis of ``x`` (extent above 1) is a token axis like any other: its tokens are equal, their
-    gradients ``g`` are not."""
+    """``sum over tokens of g^T x``: one matmul of ``[N, T] x [T, K]``, the token axes
+    merged (as torch's autograd computes a linear's weight gradient: one GEMM, no copy of
+    a transposed operand). Leading broadcast axes of extent 1 are squeezed away. Where the
+    token axes cannot be merged (one of them sharded over devices, symbolic, or an expanded
+    broadcast), they stay a batch of matmuls, then a sum: a batch of weight-sized products
+    (a GPT layer's batch of 2 wrote and read twice its weights' bytes more, and held them)."""
     o, x = d.ops, d.value("x")
     n = d.ndim("x")
     if n == 1:
         return o.mul(o.broadcast_in_dim(g, [-1, 1], [0]), o.broadcast_in_dim(x, [1, -1], [1]))
+    if n > 2 and _tokens_mergeable(d, n - 1):
+        tokens = math.prod(d.shape("x")[:n - 1])
+        g = o.reshape(g, [tokens, g.materialized()[-1].extent])
+        x = o.reshape(x, [tokens, x.materialized()[-1].extent])
+        return o.matmul(transposed(o, g), x)
     ones = [a for a in range(n - 1) if d.is_broadcast_of_one("x", a)]
     if ones and len(ones) < n - 1:
         g, x = o.squeeze(g, ones), o.squeeze(x, ones)
         n -= len(ones)
     product = o.matmul(transposed(o, g), x)
     return o.sum(product, dims=list(range(n - 2))) if n > 2 else product
+
+
+def _tokens_mergeable(d, count: int) -> bool:
+    """Whether the first ``count`` axes of the linear's ``x`` and of its output (its token
+    axes) may be merged by a reshape: static extents, none broadcast, none split over
+    devices (a merge would make each rank's part no block of the merged axis)."""
+    x, out = d.arg("x"), d.expr.outputs[0]
+    for tv in (x, out):
+        ids = tv.materialized()[:count]
+        if any(i.extent is None or i.is_broadcast for i in ids):
+            return False
+        if any(d.is_sharded(tv, a) for a in range(count)):
+            return False
+    return True
 
 
 def _linear_grads(d, grads):
