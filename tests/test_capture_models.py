@@ -1,0 +1,146 @@
+"""``meshfuse.parallelize`` on models nobody here wrote (``transformers``, tiny random
+configurations): logits, loss and every parameter's gradient equal the unsharded module's,
+the communications are the plan's, and AdamW steps follow the unsharded module's losses."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import meshfuse
+from meshfuse import DeviceMesh
+from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.runtime.comm.collectives import record_communications
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.mpi
+
+VOCAB, HIDDEN, BATCH, SEQ = 128, 32, 2, 8
+
+
+def _llama(**overrides):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, **overrides)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _qwen2():
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _mistral():
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        head_dim=8, use_cache=False)
+    return transformers.MistralForCausalLM(config)
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral}
+
+
+def megatron_plan(sequence_parallel: bool) -> dict:
+    """Megatron's tensor parallel plan for a Llama-like model (with SP: norms and the
+    residual stream sharded on the sequence)."""
+    seq = Shard(1)
+    cols = ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
+    rows = RowwiseParallel(output_layouts=seq) if sequence_parallel else RowwiseParallel()
+    plan = {
+        "model.layers.*.self_attn.[qkv]_proj": cols,
+        "model.layers.*.self_attn.o_proj": rows,
+        "model.layers.*.mlp.gate_proj": cols,
+        "model.layers.*.mlp.up_proj": cols,
+        "model.layers.*.mlp.down_proj": rows,
+        "lm_head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
+                                   output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan["model.layers.*.*_layernorm"] = SequenceParallel()
+        plan["model.norm"] = SequenceParallel()
+    return plan
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def _whole(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _parallel(model_name: str, plan_name: str, multidevice_test):
+    torch.manual_seed(0)
+    reference = MODELS[model_name]()
+    model = copy.deepcopy(reference)
+    plan = reference.tp_plan if plan_name == "hf" else megatron_plan(plan_name == "tp_sp")
+    mesh = DeviceMesh(range(multidevice_test.size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        return reference, meshfuse.parallelize(model, mesh, plan)
+
+
+def _check_gradients(model, reference):
+    names = [n for n, _ in reference.named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == names
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "hf"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name, plan_name):
+    reference, model = _parallel(model_name, plan_name, multidevice_test)
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+
+
+def _fusion_traffic(comms) -> Counter:
+    return Counter(c.kind for c in comms if len(c.ranks) > 1)
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+def test_communications_are_megatrons(multidevice_test, plan_name):
+    """Per layer, forward: 2 allreduces (TP), or 2 allgathers and 2 reduce-scatters (TP+SP);
+    the lm_head gathers its vocabulary shards (and, with SP, the sequence first)."""
+    _, model = _parallel("llama", plan_name, multidevice_test)
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model(input_ids=ids, labels=labels)  # build
+        with record_communications() as comms:
+            model(input_ids=ids, labels=labels)
+    layers = 2
+    if multidevice_test.size == 1:
+        assert _fusion_traffic(comms) == Counter()
+    elif plan_name == "tp":
+        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers, allgather=1)
+    else:
+        assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2,
+                                                 reduce_scatter=2 * layers)
