@@ -99,7 +99,9 @@ class _Pins:
             for path in sorted(inner - outer, key=len):
                 layouts = self.plan.modules.get(path)
                 if layouts is not None and layouts.inputs is not None:
-                    return self._copy(("in", path, source.name), value, layouts.inputs)
+                    # One copy per value and layout: q, k and v read one gathered input.
+                    return self._copy(("in", source.name, layouts.inputs), value,
+                                      layouts.inputs)
         return self._leaving(source, outer - inner, value)
 
     def outside(self, node: Node, value: Any) -> Any:
