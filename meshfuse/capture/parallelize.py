@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
-from meshfuse.capture.plan import ResolvedPlan, resolve_plan
+from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.report import explain_program
 from meshfuse.capture.trace import capture, flatten_call
@@ -56,7 +56,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     if isinstance(module, _Parallel):
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
     tmesh = torch_mesh(mesh)
-    resolved = resolve_plan(module, plan, tmesh.ndim)
+    resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
     base = type(module)
     module.__class__ = type(f"Parallel{base.__name__}", (_Parallel, base), {})
     module._meshfuse = _State(tmesh, resolved, strict)

@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from meshfuse.errors import DefinitionError
 
-__all__ = ["ModuleLayouts", "ResolvedPlan", "resolve_plan"]
+__all__ = ["ModelOutline", "ModuleLayouts", "ResolvedPlan", "outline_of", "resolve_plan"]
 
 Layout = tuple[Placement, ...]
 
@@ -98,23 +98,43 @@ class _Replicated:
     """Every parameter replicated, no boundary layouts."""
 
 
-def resolve_plan(module: torch.nn.Module, plan: Mapping[str, Any], ndim: int) -> ResolvedPlan:
-    """Reads ``plan`` against ``module``'s modules and parameters (see the module doc).
+@dataclasses.dataclass(frozen=True)
+class ModelOutline:
+    """What a plan is read against: each module's path and class name, each parameter's
+    name and number of axes (from a module, or from a Dynamo graph's module stacks)."""
+
+    modules: Mapping[str, str]
+    parameters: Mapping[str, int]
+    prefix: str = ""
+
+
+def outline_of(module: torch.nn.Module) -> ModelOutline:
+    """The outline of ``module``; ``prefix`` is Hugging Face's ``base_model_prefix``."""
+    return ModelOutline({p: type(m).__name__ for p, m in module.named_modules()},
+                        {n: p.ndim for n, p in module.named_parameters()},
+                        getattr(module, "base_model_prefix", "") or "")
+
+
+def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
+                 every_key: bool = True) -> ResolvedPlan:
+    """Reads ``plan`` against ``model``'s modules and parameters (see the module doc);
+    ``every_key``: each key must match something.
 
     Raises:
         DefinitionError: for a key that matches nothing, a style meshfuse does not read, or
             placements of the wrong length.
     """
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    prefix = model.prefix
     resolved = ResolvedPlan({}, {}, ndim)
     used: set[str] = set()
-    for path, sub in module.named_modules():
+    for path, kind in model.modules.items():
         key = _first_match(plan, path, prefix)
         if key is None or _is_placements(plan[key]):
             continue
         used.add(key)
-        _apply_style(resolved, path, sub, _style(plan[key], key))
-    for name, param in module.named_parameters():
+        _apply_style(resolved, path, kind, _own_parameters(model, path),
+                     _style(plan[key], key))
+    for name in model.parameters:
         key = _first_match(plan, name, prefix)
         if key is not None and _is_placements(plan[key]):
             used.add(key)
@@ -126,12 +146,19 @@ def resolve_plan(module: torch.nn.Module, plan: Mapping[str, Any], ndim: int) ->
             resolved.parameters[name] = layout
         resolved.parameters.setdefault(name, resolved.layout(Replicate()))
     unused = [k for k in plan if k not in used]
-    if unused:
+    if unused and every_key:
         raise DefinitionError(
-            f"plan keys {unused} match no module or parameter of {type(module).__name__}; "
+            f"plan keys {unused} match no module or parameter of the model; "
             "keys are dotted module or parameter names with fnmatch patterns "
             "('model.layers.*.mlp.up_proj')")
     return resolved
+
+
+def _own_parameters(model: ModelOutline, path: str) -> dict[str, int]:
+    """The parameters directly in module ``path`` (leaf name -> number of axes)."""
+    start = f"{path}." if path else ""
+    return {n[len(start):]: d for n, d in model.parameters.items()
+            if n.startswith(start) and "." not in n[len(start):]}
 
 
 def _first_match(plan: Mapping[str, Any], name: str, prefix: str) -> str | None:
@@ -159,21 +186,22 @@ def _style(value: Any, key: str) -> Any:
     return value
 
 
-def _apply_style(plan: ResolvedPlan, path: str, module: torch.nn.Module, style: Any) -> None:
-    params = {n: p for n, p in module.named_parameters(recurse=False)}
-    name = (lambda n: f"{path}.{n}")
+def _apply_style(plan: ResolvedPlan, path: str, kind: str, params: Mapping[str, int],
+                 style: Any) -> None:
+    name = (lambda n: f"{path}.{n}" if path else n)
+    embedding = kind.endswith("Embedding")
     if isinstance(style, _Replicated):
         return
     local = isinstance(style, _Local)
     style = style.style if local else style
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         colwise = isinstance(style, ColwiseParallel)
-        for n, p in params.items():
-            plan.parameters[name(n)] = plan.layout(_parameter_shard(module, n, p, colwise))
+        for n, axes in params.items():
+            plan.parameters[name(n)] = plan.layout(_parameter_shard(kind, axes, colwise))
         if local:
             return
         desired = style.desired_input_layouts[0] if colwise else \
-            (Replicate() if isinstance(module, torch.nn.Embedding) else Shard(-1))
+            (Replicate() if embedding else Shard(-1))
         given = style.input_layouts[0]
         plan.modules[path] = ModuleLayouts(
             inputs=desired if given != desired else None,
@@ -193,13 +221,12 @@ def _apply_style(plan: ResolvedPlan, path: str, module: torch.nn.Module, style: 
             "a Hugging Face style string, or placements)")
 
 
-def _parameter_shard(module: torch.nn.Module, name: str, param: torch.Tensor,
-                     colwise: bool) -> Placement:
+def _parameter_shard(kind: str, axes: int, colwise: bool) -> Placement:
     """The shard a column- or row-parallel style gives one parameter of ``module``: a
     linear's weight ``[out, in]`` (GPT-2's Conv1D holds ``[in, out]``), an embedding's
     ``[vocab, dim]``; a bias follows the output features (column) or is replicated (row)."""
-    if param.ndim == 1:
+    if axes == 1:
         return Shard(0) if colwise else Replicate()
-    transposed = type(module).__name__ == "Conv1D" or isinstance(module, torch.nn.Embedding)
+    transposed = kind == "Conv1D" or kind.endswith("Embedding")
     out_axis = 1 if transposed else 0
     return Shard(out_axis if colwise else 1 - out_axis)

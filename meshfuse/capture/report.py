@@ -18,8 +18,9 @@ def explain_program(program: Program, parameters: Mapping[str, torch.Tensor]) ->
     """Parameters and their placements, then each step in order: a fusion (the modules it
     covers, its tensors and communications from ``fd.explain()``) or a graph break (the op,
     its module path and why)."""
-    lines = [f"captured program: {len(program.partition.segments)} fusion(s), "
-             f"{len(program.partition.breaks)} graph break(s)", "", "parameters:"]
+    head = (f"captured program: {len(program.partition.segments)} fusion(s), "
+            f"{len(program.partition.breaks)} graph break(s)")
+    lines = [head, "", "parameters:"]
     for name, p in parameters.items():
         where = list(p.placements) if isinstance(p, DTensor) else "plain tensor"
         lines.append(f"  {name} {list(p.shape)} {where}")

@@ -16,6 +16,7 @@ the module (by name), a constant, or the n-th flattened user input.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -133,9 +134,29 @@ def module_paths(node: torch.fx.Node) -> list[str]:
     return [_clean(v[0]) for v in stack.values() if _clean(v[0])]
 
 
+_DYNAMO_ROOT = re.compile(r"^(L\['\w+'\](\[\d+\])?|self)\.?")
+_DYNAMO_ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def module_stack(node: torch.fx.Node) -> list[tuple[str, str]]:
+    """``(path, class name)`` of every module whose forward ran ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(_clean(path), kind.rpartition(".")[2] if isinstance(kind, str) else kind.__name__)
+            for path, kind in stack.values() if _clean(path)]
+
+
 def _clean(path: str) -> str:
-    """``L['self'].model.layers[0]`` style paths (Dynamo's) as ``model.layers.0``."""
-    for prefix in ("L['self'].", "L['self']", "L['fn'].", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
+    """Dynamo's ``L['self'].model.layers[0]`` (or ``L['args'][0].model``) as
+    ``model.layers.0``."""
+    path = _DYNAMO_ROOT.sub("", path)
     return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def source_name(source: str) -> tuple[str, str] | None:
+    """A Dynamo graph input's source (``L['self']._modules['lm_head']._parameters['weight']``)
+    as ``("parameters", "lm_head.weight")`` (or ``"buffers"``); None for another input."""
+    parts = _DYNAMO_ATTR.findall(source)
+    kind = re.findall(r"\._(parameters|buffers)\['", source)
+    if not parts or not kind:
+        return None
+    return kind[-1], ".".join(parts)
