@@ -263,8 +263,15 @@ def translation(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]
     """The translation of ``node`` and None, or None and why it has none (a graph break)."""
     if node.target is _GETITEM:
         return Translation(lambda o, out, xs, i: xs[i]), None
+    if any(_is_complex(n) for n in (node, *node.all_input_nodes)):
+        return None, "meshfuse has no complex tensors"
     entry = TABLE.get(node.target)
     if entry is None:
         return None, "meshfuse has no rule for it"
     reason = entry.check(node, constants) if entry.check is not None else None
     return (None, reason) if reason else (entry, None)
+
+
+def _is_complex(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_complex()

@@ -100,9 +100,18 @@ class Program:
         env[node.name] = node.target(*args, **kwargs)
 
     def _dtensor(self, x: Any) -> Any:
-        if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+        """A fusion input: a DTensor, row-major as the fusion declares its inputs (a break's
+        output may be a strided view)."""
+        if not isinstance(x, torch.Tensor):
             return x
-        return DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        if not isinstance(x, DTensor):
+            return DTensor.from_local(x.contiguous(), self.mesh,
+                                      [Replicate()] * self.mesh.ndim, run_check=False)
+        local = x.to_local()
+        if local.is_contiguous():
+            return x
+        return DTensor.from_local(local.contiguous(), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _whole(x: Any) -> Any:
