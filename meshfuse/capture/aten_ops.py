@@ -231,6 +231,7 @@ TABLE: dict[Any, Translation] = {
     aten.squeeze.dims: Translation(_reshape),
     aten.sub.Scalar: Translation(_sub),
     aten.sub.Tensor: Translation(_sub),
+    aten.sum.default: Translation(_reduce("sum")),
     aten.sum.dim_IntList: Translation(_reduce("sum")),
     aten.t.default: Translation(_t),
     aten.to.device: Translation(_cast),
