@@ -101,6 +101,20 @@ def _slice(o, out, x, dim=0, start=None, end=None, step=1):
     return o.slice(x, starts, ends, strides)
 
 
+def _split(o, out, x, sizes, dim=0):
+    """``split``/``split_with_sizes``/``chunk`` as slices (a tuple the getitems read)."""
+    dim %= x.ndim
+    bounds = [0]
+    for piece in out:
+        bounds.append(bounds[-1] + piece.shape[dim])
+    pieces = []
+    for start, end in zip(bounds, bounds[1:]):
+        starts, ends = [0] * x.ndim, list(o.shape(x))
+        starts[dim], ends[dim] = start, end
+        pieces.append(o.slice(x, starts, ends))
+    return tuple(pieces)
+
+
 def _cat(o, out, xs, dim=0):
     return o.cat(list(xs), dim % out.dim())
 
@@ -227,6 +241,9 @@ TABLE: dict[Any, Translation] = {
     aten.scaled_dot_product_attention.default: Translation(_sdpa, _sdpa_check),
     aten.slice.Tensor: Translation(_slice),
     aten.softmax.int: Translation(_softmax("softmax")),
+    aten.split.Tensor: Translation(_split),
+    aten.split_with_sizes.default: Translation(_split),
+    aten.chunk.default: Translation(_split),
     aten.squeeze.dim: Translation(_reshape),
     aten.squeeze.dims: Translation(_reshape),
     aten.sub.Scalar: Translation(_sub),

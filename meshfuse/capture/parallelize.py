@@ -60,11 +60,8 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     base = type(module)
     module.__class__ = type(f"Parallel{base.__name__}", (_Parallel, base), {})
     module._meshfuse = _State(tmesh, resolved, strict)
-    with torch.no_grad():
-        for name, param in list(module.named_parameters()):
-            owner, leaf = _owner(module, name)
-            value = distribute_tensor(param.detach(), tmesh, resolved.parameters[name])
-            owner._parameters[leaf] = torch.nn.Parameter(value, param.requires_grad)
+    _replace_parameters(module, lambda name, p: torch.nn.Parameter(
+        distribute_tensor(p.detach(), tmesh, resolved.parameters[name]), p.requires_grad))
     if example_inputs is not None:
         args, kwargs = _split_example(example_inputs)
         module._meshfuse.program(module, args, kwargs)
@@ -88,7 +85,8 @@ class _Parallel:
             return super().forward(*args, **kwargs)
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
-        outputs = program.run(dict(self.named_parameters()), dict(self.named_buffers()), flat)
+        outputs = program.run(dict(self.named_parameters(remove_duplicate=False)),
+                              dict(self.named_buffers(remove_duplicate=False)), flat)
         return pytree.tree_unflatten(outputs, program.captured.out_spec)
 
     def explain(self, *args, **kwargs) -> str:
@@ -126,12 +124,8 @@ class _State:
     def _unsharded(self, module: torch.nn.Module):
         """The module's own forward over plain parameters of the global shapes (for the
         trace only: their values are never read)."""
-        saved = []
-        for name, param in list(module.named_parameters()):
-            owner, leaf = _owner(module, name)
-            saved.append((owner, leaf, param))
-            plain = torch.empty(param.shape, dtype=param.dtype, device=_local(param).device)
-            owner._parameters[leaf] = torch.nn.Parameter(plain, param.requires_grad)
+        saved = _replace_parameters(module, lambda name, p: torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device=_local(p).device), p.requires_grad))
         self.capturing = True
         try:
             yield
@@ -139,6 +133,23 @@ class _State:
             self.capturing = False
             for owner, leaf, param in saved:
                 owner._parameters[leaf] = param
+
+
+def _replace_parameters(module: torch.nn.Module, make) -> list[tuple]:
+    """Replaces each parameter ``p`` (first named ``name``) by ``make(name, p)``, one object
+    for a parameter held under several names (tied embeddings stay tied); returns
+    ``(owner, leaf, old)`` for each name, to put them back."""
+    new: dict[int, torch.nn.Parameter] = {}
+    first = {id(p): n for n, p in module.named_parameters()}
+    saved = []
+    with torch.no_grad():
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            owner, leaf = _owner(module, name)
+            if id(param) not in new:
+                new[id(param)] = make(first[id(param)], param)
+            saved.append((owner, leaf, param))
+            owner._parameters[leaf] = new[id(param)]
+    return saved
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
