@@ -99,9 +99,10 @@ def test_strict_raises_one_error_naming_every_op_and_module(multidevice_test):
 
 @pytest.mark.mpi
 def test_without_breaks_the_module_is_one_fusion_and_explains_itself(multidevice_test):
-    """No break: one fusion; its communications are Megatron's (one allreduce per layer
+    """No break: one fusion per layer (the second layer's program is the first's: built
+    once), then the loss; the communications are Megatron's (one allreduce per layer
     forward, one per layer backward for the input gradient); ``explain()`` lists the
-    parameters' placements and the fusion."""
+    parameters' placements and the fusions."""
 
     class Plain(Toy):
         def __init__(self):
@@ -127,10 +128,13 @@ def test_without_breaks_the_module_is_one_fusion_and_explains_itself(multidevice
     # Backward: each column-parallel input's gradient is partial: one allreduce per layer.
     assert crossing == (["allreduce"] * 2 if multidevice_test.size > 1 else [])
     text = model.explain()
-    assert "1 fusion(s), 0 graph break(s)" in text
+    assert "3 fusion(s), 0 graph break(s)" in text
     assert "layers.0.up.weight [10, 8] [Shard(dim=0)]" in text
     assert "layers.1.down.weight [8, 10] [Shard(dim=1)]" in text
-    assert "fusion 0:" in text and "layers.0, layers.1" in text
+    assert "fusion 0: 4 ops over layers.0" in text and "fusion 1: 4 ops over layers.1" in text
+    # Layer 0 reads the module's input, layer 1 layer 0's output: they lie alike (replicated)
+    # here, so layer 1 runs layer 0's program.
+    assert "the program of fusion 0 (an identical block, built once)" in text
 
 
 # ----- partition and the op table, one process ---------------------------------------------
@@ -145,11 +149,12 @@ def _captured(module, *args):
 
 
 def test_breaks_split_the_program_only_where_data_flows_through_them():
-    """The toy: layer 0's up, then its cumsum (a break), layer 0's down with layer 1's up,
-    the second cumsum, the rest: three fusions around two breaks."""
+    """The toy: layer 0's up, then its cumsum (a break), layer 0's down with layer 1's up
+    (one fusion per layer), the second cumsum, the rest (layer 1's down, then the loss)."""
     _, _, parts = _captured(_toy(), torch.randn(4, E))
-    kinds = [type(s).__name__ for s in parts.steps]
-    assert kinds == ["Segment", "Break", "Segment", "Break", "Segment"]
+    steps = [s.block if isinstance(s, Segment) else "break" for s in parts.steps]
+    assert steps == ["layers.0", "break", "layers.0", "layers.1", "break", "layers.1",
+                     "the top module"]
 
 
 def test_a_break_reading_only_inputs_runs_before_the_first_fusion():

@@ -14,6 +14,7 @@ To add an op: write its translation below and list it in ``TABLE`` (sorted by na
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -108,7 +109,7 @@ def _split(o, out, x, sizes, dim=0):
     for piece in out:
         bounds.append(bounds[-1] + piece.shape[dim])
     pieces = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         starts, ends = [0] * x.ndim, list(o.shape(x))
         starts[dim], ends[dim] = start, end
         pieces.append(o.slice(x, starts, ends))

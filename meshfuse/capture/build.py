@@ -126,3 +126,35 @@ class _Pins:
             schedule_from_placements(copy, self.mesh, self.plan.layout(placement))
             self.copies[key] = copy
         return self.copies[key]
+
+
+def segment_key(segment: Segment, plan: ResolvedPlan, constants: Mapping[str, Any],
+                parameters: Mapping[str, str]) -> tuple:
+    """Everything the fusion of ``segment`` is built from, with the names of its values and
+    its block's path left out: two layers of a stack get the same key, and share one built
+    program. ``parameters``: placeholder -> parameter name."""
+    index = {n.name: i for i, n in enumerate(segment.inputs)}
+    index.update({n.name: len(index) + j for j, n in enumerate(segment.nodes)})
+    block = segment.block
+
+    def relative(path: str) -> str:
+        return path.removeprefix(block)
+
+    items: list[tuple] = []
+    for node in segment.inputs:
+        layout = plan.parameters.get(parameters.get(node.name, ""))
+        items.append(("input", _meta(constants.get(node.name, node.meta.get("val"))), layout))
+    for node in segment.nodes:
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a.name]}")
+        pins = tuple((relative(p), plan.modules.get(p)) for p in module_paths(node))
+        items.append((str(node.target), repr(args), _meta(node.meta.get("val")), pins))
+    items.append(("outputs", *(index[n.name] for n in segment.outputs)))
+    return tuple(items)
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, list | tuple):
+        return tuple(_meta(v) for v in value)
+    return repr(value)

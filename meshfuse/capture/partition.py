@@ -12,7 +12,8 @@ Three passes over the graph (none changes the user's module):
    fusion, each other node is a graph break that runs as the PyTorch op. A node's fusion is
    the earliest that runs after everything it reads, so the breaks split the program only
    where data flows through them: a break that reads only inputs runs before the first
-   fusion, and a graph with no breaks is one fusion.
+   fusion. Fusions are then cut per repeated block (``model.layers.3``), so that identical
+   layers build one program.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch.fx import Node
 
 from meshfuse.capture.aten_ops import DROPPED, IDENTITIES, translation
-from meshfuse.capture.trace import Captured, module_path
+from meshfuse.capture.trace import Captured, block_path, module_path
 
 __all__ = ["Break", "Partition", "Segment", "fold", "partition", "simplify"]
 
@@ -39,6 +40,11 @@ class Segment:
     nodes: tuple[Node, ...]
     inputs: tuple[Node, ...]
     outputs: tuple[Node, ...]
+
+    @property
+    def block(self) -> str:
+        """The repeated block (``model.layers.3``) or module the segment computes."""
+        return block_path(self.nodes[0]) or "the top module"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +159,23 @@ def _steps(graph, level, broken, members) -> list[Segment | Break]:
     for k in range(last + 1):
         steps += sorted((b for name, b in broken.items() if level[name] == k),
                         key=lambda b: order[b.node.name])
-        if members.get(k):
-            steps.append(_segment(len([s for s in steps if isinstance(s, Segment)]),
-                                  members[k]))
+        for run in _block_runs(members.get(k, [])):
+            steps.append(_segment(len([s for s in steps if isinstance(s, Segment)]), run))
     return steps
+
+
+def _block_runs(nodes: list[Node]) -> list[list[Node]]:
+    """``nodes`` (graph order) cut where the repeated block they are in changes: one fusion
+    per layer, so that identical layers share one built program (:mod:`.program`)."""
+    runs: list[list[Node]] = []
+    current = object()
+    for node in nodes:
+        block = block_path(node)
+        if block != current:
+            runs.append([])
+            current = block
+        runs[-1].append(node)
+    return runs
 
 
 def _segment(index: int, nodes: list[Node]) -> Segment:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx import Node
 
-from meshfuse.capture.build import BuiltSegment, build_segment
+from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
 from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
 from meshfuse.capture.plan import ResolvedPlan
 from meshfuse.capture.trace import Captured
@@ -53,12 +53,13 @@ class Program:
         self.constants = self._fold(buffers)
         self.partition = partition(captured.graph, self.constants)
         _report_breaks(self.partition.breaks, strict)
-        mf_mesh = mesh_from_torch(mesh)
-        params = frozenset(captured.parameters)
-        self.segments: dict[int, BuiltSegment] = {
-            s.index: build_segment(s, plan, mf_mesh, self.constants, params)
-            for s in self.partition.segments}
-        self.functions = {i: b.fd.as_autograd_function() for i, b in self.segments.items()}
+        self._mf_mesh = mesh_from_torch(mesh)
+        self.keys = {s.index: segment_key(s, plan, self.constants, captured.parameters)
+                     for s in self.partition.segments}
+        # (key, input layouts) -> the built fusion and its autograd function, shared by the
+        # segments of that key (identical layers) whose inputs lie alike.
+        self.built: dict[tuple, tuple[BuiltSegment, Any]] = {}
+        self.ran: dict[int, tuple] = {}  # segment index -> the (key, layouts) it ran
 
     def _fold(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The folded values, recomputed when a buffer changed since the last fold."""
@@ -88,9 +89,17 @@ class Program:
         return [_returned(env[a.name]) if isinstance(a, Node) else a for a in output.args[0]]
 
     def _run_segment(self, segment: Segment, env: dict[str, Any]) -> None:
-        built = self.segments[segment.index]
-        inputs = [self._dtensor(env[segment.inputs[i].name]) for i in built.tensor_inputs]
-        outputs = self.functions[segment.index](inputs)
+        values = [self._dtensor(env[n.name]) for n in segment.inputs]
+        layouts = tuple((x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+                        for x in values)
+        found = (self.keys[segment.index], layouts)
+        if found not in self.built:
+            built = build_segment(segment, self.plan, self._mf_mesh, self.constants,
+                                  frozenset(self.captured.parameters))
+            self.built[found] = (built, built.fd.as_autograd_function())
+        built, function = self.built[found]
+        self.ran[segment.index] = found
+        outputs = function([values[i] for i in built.tensor_inputs])
         env.update((n.name, v) for n, v in zip(segment.outputs, outputs))
 
     def _run_break(self, step: Break, env: dict[str, Any]) -> None:

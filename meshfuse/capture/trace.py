@@ -128,6 +128,16 @@ def module_path(node: torch.fx.Node) -> str:
     return _clean(path)
 
 
+def block_path(node: torch.fx.Node) -> str | None:
+    """The repeated block ``node`` is in: its module path up to the first numbered part
+    (``model.layers.3`` of ``model.layers.3.mlp.up_proj``); None outside numbered modules."""
+    parts = module_path(node).split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
 def module_paths(node: torch.fx.Node) -> list[str]:
     """The dotted paths of every module whose forward ran ``node``, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
