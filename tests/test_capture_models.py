@@ -157,7 +157,10 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
         warnings.simplefilter("ignore", GraphBreakWarning)
         model(input_ids=ids, labels=labels)  # build
         with record_communications() as comms:
-            model(input_ids=ids, labels=labels)
+            loss = _whole(model(input_ids=ids, labels=labels).loss)
+        with record_communications() as backward:
+            loss.backward()
+    print("BACKWARD", _fusion_traffic(backward))
     layers = 2
     if multidevice_test.size == 1:
         assert _fusion_traffic(comms) == Counter()
@@ -177,7 +180,8 @@ def test_torch_compile_backend_matches_the_module(multidevice_test, model_name):
     model = copy.deepcopy(reference)
     mesh = DeviceMesh(range(multidevice_test.size))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=meshfuse.backend(mesh, reference.tp_plan))
+    compiled = torch.compile(model, backend=meshfuse.backend(mesh, reference.tp_plan),
+                             dynamic=False)
     ids, labels = _inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)
@@ -208,3 +212,24 @@ def test_adamw_steps_follow_the_module(multidevice_test):
             opt.step()
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+
+
+def test_identical_layers_build_one_program(multidevice_test):
+    """Four Llama layers under TP: every layer reads a replicated residual stream, so layers
+    1-3 run layer 0's built program (and its derived backward); the values still match."""
+    torch.manual_seed(0)
+    reference = _llama(num_hidden_layers=4)
+    model = copy.deepcopy(reference)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(model, mesh, megatron_plan(False))
+        out = model(input_ids=ids, labels=labels)
+    text = model.explain()
+    assert text.count("the program of fusion 0 (an identical block, built once)") == 3
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)

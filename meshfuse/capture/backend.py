@@ -29,6 +29,7 @@ from meshfuse.capture.parallelize import torch_mesh
 from meshfuse.capture.plan import ModelOutline, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.trace import capture, module_stack, source_name
+from meshfuse.errors import DefinitionError
 from meshfuse.ir.mesh import DeviceMesh
 
 __all__ = ["backend"]
@@ -56,6 +57,11 @@ class _Compiled:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, mesh: TorchDeviceMesh,
                  plan: Mapping[str, Any], strict: bool) -> None:
+        if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+            raise DefinitionError(
+                "meshfuse.backend got a graph with symbolic sizes (Dynamo's dynamic shapes); "
+                "meshfuse captures one program per input shape: compile with "
+                "torch.compile(model, backend=..., dynamic=False)")
         sources = [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
         self.roles = sources  # per input: ("parameters"|"buffers", name) or None
         outline = ModelOutline(

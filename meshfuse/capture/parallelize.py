@@ -116,7 +116,8 @@ class _State:
             with self._unsharded(module):
                 captured = capture(module, _global(args), _global(kwargs))
             self.programs[key] = Program(captured, self.plan, self.mesh,
-                                         dict(module.named_buffers()), self.strict)
+                                         dict(module.named_buffers(remove_duplicate=False)),
+                                         self.strict)
         self.last = self.programs[key]
         return self.last
 
