@@ -187,6 +187,7 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
                                                         allreduce=3)
 
 
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
 def test_torch_compile_backend_matches_the_module(multidevice_test, model_name):
     """``torch.compile(backend=meshfuse.backend(...))`` with the model's own HF plan: the
     module keeps whole plain parameters, whose gradients come back whole."""
