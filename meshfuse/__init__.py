@@ -45,9 +45,17 @@ _DTENSOR_NAMES = ("execute_with_dtensors", "mesh_from_torch", "mesh_to_torch",
                   "schedule_from_placements", "to_placements")
 
 
+# Bringing a PyTorch model (meshfuse.capture: torch.export, DTensor) is imported on first use
+# too.
+_CAPTURE_NAMES = {"parallelize": "meshfuse.capture.parallelize",
+                  "backend": "meshfuse.capture.backend"}
+
+
 def __getattr__(name: str):
     if name in _DTENSOR_NAMES:
         return getattr(importlib.import_module("meshfuse.dtensor"), name)
+    if name in _CAPTURE_NAMES:
+        return getattr(importlib.import_module(_CAPTURE_NAMES[name]), name)
     raise AttributeError(f"module 'meshfuse' has no attribute {name!r}")
 
 __all__ = [
@@ -73,9 +81,11 @@ __all__ = [
     "Tensor",
     "TensorView",
     "capture_step",
+    "backend",
     "execute_with_dtensors",
     "mesh_from_torch",
     "mesh_to_torch",
+    "parallelize",
     "schedule_from_placements",
     "shard_tensor",
     "to_placements",

@@ -32,3 +32,8 @@ class CommunicationError(MeshfuseError):
 
 class ExecutionError(MeshfuseError):
     """A step of the per-rank program failed; the message names the step and the rank."""
+
+
+class GraphBreakError(DefinitionError):
+    """A captured model has ops meshfuse has no rule for and the capture was ``strict``; the
+    message lists each with its module path."""

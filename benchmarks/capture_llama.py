@@ -1,0 +1,129 @@
+"""Issue 32's GPU check: a Llama-3.2-1B-shaped ``transformers.LlamaForCausalLM`` (1.24B
+parameters, vocabulary 128,256, 16 layers, GQA 32/8, bf16), one training step (forward,
+backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`` against
+``torch.compile`` and eager PyTorch of the same module, timed in the same run.
+
+    python -m benchmarks.capture_llama --out benchmarks/results      # one H200
+    python -m benchmarks.capture_llama --quick                       # smoke test, CPU
+
+Reports per variant: the first step's time (capture + build + run: for torch.compile its
+compile time), then the median step time over ``--steps`` and tokens/s. Random weights (no
+download); the models start equal, each variant trains its own copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _config(quick: bool):
+    from transformers import LlamaConfig
+    if quick:
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           use_cache=False)
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                       tie_word_embeddings=True, use_cache=False)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_steps(model, step_inputs, steps: int, device) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, losses = [], []
+    for i in range(steps + 1):
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**step_inputs).loss
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        loss.backward()
+        optimizer.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    tokens = step_inputs["input_ids"].numel()
+    median = statistics.median(times[1:])
+    return {"first_step_s": times[0], "median_step_s": median, "tokens_per_s": tokens / median,
+            "losses": losses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--variants", default="eager,compile,meshfuse")
+    parser.add_argument("--out", default=None, help="directory for the JSON result")
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
+                                world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    warnings.simplefilter("ignore")
+    from transformers import LlamaForCausalLM
+
+    import meshfuse
+
+    batch, seq = (2, 16) if args.quick else (args.batch, args.seq)
+    dtype = torch.float32 if args.quick else torch.bfloat16
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_config(args.quick)).to(device, dtype)
+    g = torch.Generator().manual_seed(1)
+    vocab = base.config.vocab_size
+    inputs = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g).to(device),
+              "labels": torch.randint(0, vocab, (batch, seq), generator=g).to(device)}
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "parameters": sum(p.numel() for p in base.parameters()),
+               "batch": batch, "seq": seq, "dtype": str(dtype), "torch": torch.__version__}
+    for variant in args.variants.split(","):
+        model = copy.deepcopy(base)
+        if variant == "compile":
+            model = torch.compile(model)
+        elif variant == "meshfuse":
+            mesh = meshfuse.DeviceMesh([0])
+            model = meshfuse.parallelize(model, mesh, {})
+        results[variant] = _time_steps(model, inputs, args.steps, device)
+        print(variant, {k: v for k, v in results[variant].items() if k != "losses"},
+              flush=True)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "compile" in results and "meshfuse" in results:
+        results["meshfuse_over_compile_tokens"] = (results["meshfuse"]["tokens_per_s"]
+                                                   / results["compile"]["tokens_per_s"])
+        results["meshfuse_over_compile_first_step"] = (results["meshfuse"]["first_step_s"]
+                                                       / results["compile"]["first_step_s"])
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
+    if args.out and not args.quick:
+        stamp = time.strftime("%Y-%m-%d-%H%M")
+        path = Path(args.out) / f"{stamp}-capture-llama-1b.json"
+        path.write_text(json.dumps(results, indent=1))
+        print("wrote", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

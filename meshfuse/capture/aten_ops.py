@@ -1,0 +1,296 @@
+"""The table from PyTorch's ATen ops (as the capture sees them) to meshfuse ops.
+
+One entry per ATen overload: a function ``f(o, out, *args, **kwargs)`` that adds the meshfuse
+ops computing it to a fusion (``o`` is ``fd.ops``; ``out`` the traced output's fake tensor,
+whose shape and dtype the rules may read; the arguments are the node's, with fusion tensors
+for its tensor arguments). The meshfuse ops carry the shape, sharding and gradient rules, so
+an entry is only the translation. An entry may carry a ``check(node, constants)`` saying why
+this one call cannot be translated (a mask that is not causal); an ATen op absent from the
+table, or refused by its check, becomes a graph break (:mod:`meshfuse.capture.partition`).
+
+To add an op: write its translation below and list it in ``TABLE`` (sorted by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from meshfuse.dtypes import DataType
+
+aten = torch.ops.aten
+
+__all__ = ["IDENTITIES", "TABLE", "Translation", "translation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """How one ATen overload becomes meshfuse ops."""
+
+    emit: Callable[..., Any]
+    check: Callable[[torch.fx.Node, Mapping[str, torch.Tensor]], str | None] | None = None
+
+
+def _unary(name: str):
+    return lambda o, out, x: getattr(o, name)(x)
+
+
+def _binary(name: str):
+    return lambda o, out, a, b: getattr(o, name)(a, b)
+
+
+def _add(o, out, a, b, alpha=1):
+    return o.add(a, b if alpha == 1 else o.mul(b, alpha))
+
+
+def _sub(o, out, a, b, alpha=1):
+    return o.sub(a, b if alpha == 1 else o.mul(b, alpha))
+
+
+def _div(o, out, a, b, rounding_mode=None):
+    return o.div(a, b)
+
+
+def _rsub(o, out, a, b, alpha=1):
+    return o.sub(b, a if alpha == 1 else o.mul(a, alpha))
+
+
+def _cast(o, out, x, *args, **kwargs):
+    """``to``/``_to_copy``/``type_as``: a cast where the dtype changes, else the value."""
+    dtype = DataType.from_torch(out.dtype)
+    return x if x.dtype is dtype else o.cast(x, dtype)
+
+
+def _reshape(o, out, x, *shape_args):
+    """view, reshape, unsqueeze, squeeze, flatten, unflatten: the traced output's shape."""
+    return o.reshape(x, list(out.shape))
+
+
+def _transpose(o, out, x, a, b):
+    dims = list(range(x.ndim))
+    dims[a], dims[b] = dims[b], dims[a]
+    return o.permute(x, dims)
+
+
+def _t(o, out, x):
+    return o.permute(x, list(range(x.ndim))[::-1])
+
+
+def _permute(o, out, x, dims):
+    return o.permute(x, [d % x.ndim for d in dims])
+
+
+def _expand(o, out, x, shape, implicit=False):
+    return o.expand(x, list(out.shape))
+
+
+def _slice(o, out, x, dim=0, start=None, end=None, step=1):
+    dim %= x.ndim
+    extent = o.size(x, dim)
+    start = 0 if start is None else start
+    end = extent if end is None or end > extent else end
+    starts = [0] * x.ndim
+    ends = list(o.shape(x))
+    starts[dim], ends[dim] = start, end
+    strides = [1] * x.ndim
+    strides[dim] = step
+    return o.slice(x, starts, ends, strides)
+
+
+def _split(o, out, x, sizes, dim=0):
+    """``split``/``split_with_sizes``/``chunk`` as slices (a tuple the getitems read)."""
+    dim %= x.ndim
+    bounds = [0]
+    for piece in out:
+        bounds.append(bounds[-1] + piece.shape[dim])
+    pieces = []
+    for start, end in itertools.pairwise(bounds):
+        starts, ends = [0] * x.ndim, list(o.shape(x))
+        starts[dim], ends[dim] = start, end
+        pieces.append(o.slice(x, starts, ends))
+    return tuple(pieces)
+
+
+def _cat(o, out, xs, dim=0):
+    return o.cat(list(xs), dim % out.dim())
+
+
+def _reduce(name: str):
+    def emit(o, out, x, dims=None, keepdim=False, dtype=None):
+        dims = list(range(x.ndim)) if dims is None or dims == [] else [d % x.ndim for d in dims]
+        result = getattr(o, name)(x, dims, keepdim)
+        return _cast(o, out, result)
+    return emit
+
+
+def _linear(o, out, x, weight, bias=None):
+    return o.linear(x, weight, bias)
+
+
+def _addmm(o, out, bias, a, b, beta=1, alpha=1):
+    product = o.matmul(a, b)
+    product = product if alpha == 1 else o.mul(product, alpha)
+    return o.add(product, bias if beta == 1 else o.mul(bias, beta))
+
+
+def _softmax(name: str):
+    def emit(o, out, x, dim, *rest, **kwargs):
+        return _cast(o, out, getattr(o, name)(x, dim % x.ndim))
+    return emit
+
+
+def _gelu(o, out, x, approximate="none"):
+    return o.gelu(x, approximate=approximate)
+
+
+def _where(o, out, cond, a, b):
+    return o.where(cond, a, b)
+
+
+def _layer_norm(o, out, x, shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return o.layer_norm(x, weight, bias, eps, len(shape))
+
+
+def _rms_norm(o, out, x, shape, weight=None, eps=None):
+    return o.rms_norm(x, weight, eps, len(shape))
+
+
+def _pow(o, out, a, b):
+    return o.pow(a, b)
+
+
+def _sdpa(o, out, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    causal = is_causal or attn_mask is not None  # a mask only where its check found it causal
+    return o.sdpfa_fwd(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)[0]
+
+
+def _sdpa_check(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]) -> str | None:
+    """A mask is taken only when it is a constant of the trace equal to the causal mask."""
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if mask is None:
+        return None
+    value = constants.get(getattr(mask, "name", None))
+    if value is None:
+        return "its attention mask depends on the inputs (meshfuse's attention takes " \
+               "is_causal, not a mask)"
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if value.dtype is not torch.bool or not bool((value == causal).all()):
+        return "its attention mask is not the causal mask (meshfuse's attention takes " \
+               "is_causal, not a mask)"
+    return None
+
+
+def _dropout(o, out, x, p, train):
+    return x
+
+
+def _dropout_check(node: torch.fx.Node, constants) -> str | None:
+    p, train = node.args[1], node.args[2]
+    return "dropout in training mode with p > 0" if train and p else None
+
+
+_COMPARISONS = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
+_UNARY = ("abs", "cos", "cosh", "erf", "exp", "expm1", "log", "log1p", "log2", "neg",
+          "reciprocal", "relu", "rsqrt", "sigmoid", "silu", "sin", "sinh", "sqrt", "tan",
+          "tanh", "sign", "floor", "ceil", "round")
+
+TABLE: dict[Any, Translation] = {
+    aten._softmax.default: Translation(_softmax("softmax")),
+    aten._log_softmax.default: Translation(_softmax("log_softmax")),
+    aten._to_copy.default: Translation(_cast),
+    aten._unsafe_view.default: Translation(_reshape),
+    aten.add.Scalar: Translation(_add),
+    aten.add.Tensor: Translation(_add),
+    aten.addmm.default: Translation(_addmm),
+    aten.amax.default: Translation(_reduce("max")),
+    aten.amin.default: Translation(_reduce("min")),
+    aten.bmm.default: Translation(_binary("matmul")),
+    aten.cat.default: Translation(_cat),
+    aten.div.Scalar: Translation(_div),
+    aten.div.Tensor: Translation(_div),
+    aten.dropout.default: Translation(_dropout, _dropout_check),
+    aten.expand.default: Translation(_expand),
+    aten.flatten.using_ints: Translation(_reshape),
+    aten.gelu.default: Translation(_gelu),
+    aten.layer_norm.default: Translation(_layer_norm),
+    aten.linear.default: Translation(_linear),
+    aten.log_softmax.int: Translation(_softmax("log_softmax")),
+    aten.logical_and.default: Translation(_binary("logical_and")),
+    aten.logical_or.default: Translation(_binary("logical_or")),
+    aten.matmul.default: Translation(_binary("matmul")),
+    aten.maximum.default: Translation(_binary("maximum")),
+    aten.mean.default: Translation(_reduce("mean")),
+    aten.mean.dim: Translation(_reduce("mean")),
+    aten.minimum.default: Translation(_binary("minimum")),
+    aten.mm.default: Translation(_binary("matmul")),
+    aten.mul.Scalar: Translation(_binary("mul")),
+    aten.mul.Tensor: Translation(_binary("mul")),
+    aten.permute.default: Translation(_permute),
+    aten.pow.Scalar: Translation(_pow),
+    aten.pow.Tensor_Scalar: Translation(_pow),
+    aten.pow.Tensor_Tensor: Translation(_pow),
+    aten.reshape.default: Translation(_reshape),
+    aten.rms_norm.default: Translation(_rms_norm),
+    aten.rsub.Scalar: Translation(_rsub),
+    aten.scaled_dot_product_attention.default: Translation(_sdpa, _sdpa_check),
+    aten.slice.Tensor: Translation(_slice),
+    aten.softmax.int: Translation(_softmax("softmax")),
+    aten.split.Tensor: Translation(_split),
+    aten.split_with_sizes.default: Translation(_split),
+    aten.chunk.default: Translation(_split),
+    aten.squeeze.dim: Translation(_reshape),
+    aten.squeeze.dims: Translation(_reshape),
+    aten.sub.Scalar: Translation(_sub),
+    aten.sub.Tensor: Translation(_sub),
+    aten.sum.default: Translation(_reduce("sum")),
+    aten.sum.dim_IntList: Translation(_reduce("sum")),
+    aten.t.default: Translation(_t),
+    aten.to.device: Translation(_cast),
+    aten.to.dtype: Translation(_cast),
+    aten.to.dtype_layout: Translation(_cast),
+    aten.transpose.int: Translation(_transpose),
+    aten.type_as.default: Translation(_cast),
+    aten.unflatten.int: Translation(_reshape),
+    aten.unsqueeze.default: Translation(_reshape),
+    aten.view.default: Translation(_reshape),
+    aten.where.self: Translation(_where),
+    **{getattr(aten, name).default: Translation(_unary(name)) for name in _UNARY},
+    **{getattr(getattr(aten, name), kind): Translation(_binary(op))
+       for name, op in _COMPARISONS.items() for kind in ("Tensor", "Scalar")},
+}
+
+# Ops that return their input (for a forward: no copy, no gradient change).
+IDENTITIES = frozenset({aten.alias.default, aten.clone.default, aten.contiguous.default,
+                        aten.detach.default, aten.lift_fresh_copy.default})
+
+# Ops with no value, dropped from the program.
+DROPPED = frozenset({aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+                     aten.sym_constrain_range_for_size.default})
+
+_GETITEM = operator.getitem
+
+
+def translation(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]
+                ) -> tuple[Translation | None, str | None]:
+    """The translation of ``node`` and None, or None and why it has none (a graph break)."""
+    if node.target is _GETITEM:
+        return Translation(lambda o, out, xs, i: xs[i]), None
+    if any(_is_complex(n) for n in (node, *node.all_input_nodes)):
+        return None, "meshfuse has no complex tensors"
+    entry = TABLE.get(node.target)
+    if entry is None:
+        return None, "meshfuse has no rule for it"
+    reason = entry.check(node, constants) if entry.check is not None else None
+    return (None, reason) if reason else (entry, None)
+
+
+def _is_complex(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_complex()

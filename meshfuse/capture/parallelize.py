@@ -1,0 +1,182 @@
+"""``meshfuse.parallelize(module, mesh, plan)``: a PyTorch module run as meshfuse fusions.
+
+Like DTensor's ``parallelize_module`` it works in place and returns the module: the
+parameters become DTensors laid out as the plan says (so ``state_dict()``,
+``torch.distributed.checkpoint`` and any torch optimizer work on them, and gradients are
+DTensors laid out alike), and the module's class becomes a subclass of its own whose
+``forward`` runs the captured program. The first call with a new input signature (the
+flattened inputs' structure, shapes and dtypes, and the non-tensor values) captures and builds
+a program (:mod:`.program`); later calls with that signature reuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
+from meshfuse.capture.program import Program
+from meshfuse.capture.report import explain_program
+from meshfuse.capture.trace import capture, flatten_call
+from meshfuse.dtensor import mesh_to_torch
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.mesh import DeviceMesh
+
+__all__ = ["parallelize", "torch_mesh"]
+
+
+def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
+                plan: Mapping[str, Any], *, example_inputs: Any = None,
+                strict: bool = False) -> torch.nn.Module:
+    """Runs ``module`` as meshfuse fusions laid out by ``plan`` on ``mesh``.
+
+    Args:
+        module: any ``torch.nn.Module`` whose forward ``torch.export`` traces (non-strict).
+        mesh: a meshfuse ``DeviceMesh`` or a torch ``DeviceMesh``.
+        plan: name patterns to styles (see :mod:`meshfuse.capture.plan`).
+        example_inputs: ``(args, kwargs)``, a tuple of args, or a dict of kwargs: capture and
+            build now rather than on the first call.
+        strict: raise a ``GraphBreakError`` listing every op meshfuse has no rule for, rather
+            than running them as PyTorch ops between fusions.
+
+    Returns:
+        ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
+        ``explain()``.
+
+    Example:
+        >>> model = meshfuse.parallelize(LlamaForCausalLM(config), mesh, model.tp_plan)
+        >>> out = model(input_ids=ids, labels=labels); out.loss.backward()
+    """
+    if isinstance(module, _Parallel):
+        raise DefinitionError(f"{type(module).__name__} is already parallelized")
+    tmesh = torch_mesh(mesh)
+    resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
+    base = type(module)
+    module.__class__ = type(f"Parallel{base.__name__}", (_Parallel, base), {})
+    module._meshfuse = _State(tmesh, resolved, strict)
+    _replace_parameters(module, lambda name, p: torch.nn.Parameter(
+        distribute_tensor(p.detach(), tmesh, resolved.parameters[name]), p.requires_grad))
+    if example_inputs is not None:
+        args, kwargs = _split_example(example_inputs)
+        module._meshfuse.program(module, args, kwargs)
+    return module
+
+
+def torch_mesh(mesh: DeviceMesh | TorchDeviceMesh) -> TorchDeviceMesh:
+    """torch's mesh for ``mesh`` (a meshfuse one gets one named ``tp`` on its last axis)."""
+    if isinstance(mesh, TorchDeviceMesh):
+        return mesh
+    names = tuple(f"mesh{i}" for i in range(mesh.ndim - 1)) + ("tp",)
+    return mesh_to_torch(mesh, mesh_dim_names=names)
+
+
+class _Parallel:
+    """The mixin of a parallelized module's class."""
+
+    def forward(self, *args, **kwargs):
+        state: _State = self._meshfuse
+        if state.capturing:
+            return super().forward(*args, **kwargs)
+        program = state.program(self, args, kwargs)
+        flat = flatten_call(program.captured, args, kwargs)
+        outputs = program.run(dict(self.named_parameters(remove_duplicate=False)),
+                              dict(self.named_buffers(remove_duplicate=False)), flat)
+        return pytree.tree_unflatten(outputs, program.captured.out_spec)
+
+    def explain(self, *args, **kwargs) -> str:
+        """The captured program of the last signature (or of ``args``/``kwargs``, captured
+        if new): each fusion's tensors, placements and communications, every parameter's
+        placements, and the graph breaks with their module paths."""
+        state: _State = self._meshfuse
+        program = state.program(self, args, kwargs) if args or kwargs else state.last
+        if program is None:
+            raise DefinitionError("explain(): nothing captured yet; call the module first, or "
+                                  "pass its inputs: model.explain(input_ids=ids)")
+        return explain_program(program, dict(self.named_parameters()))
+
+
+class _State:
+    """A parallelized module's plan, mesh and programs by input signature."""
+
+    def __init__(self, mesh: TorchDeviceMesh, plan: ResolvedPlan, strict: bool) -> None:
+        self.mesh, self.plan, self.strict = mesh, plan, strict
+        self.programs: dict[Any, Program] = {}
+        self.capturing = False
+        self.last: Program | None = None
+
+    def program(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
+        key = _signature(args, kwargs)
+        if key not in self.programs:
+            with self._unsharded(module):
+                captured = capture(module, _global(args), _global(kwargs))
+            self.programs[key] = Program(captured, self.plan, self.mesh,
+                                         dict(module.named_buffers(remove_duplicate=False)),
+                                         self.strict)
+        self.last = self.programs[key]
+        return self.last
+
+    @contextlib.contextmanager
+    def _unsharded(self, module: torch.nn.Module):
+        """The module's own forward over plain parameters of the global shapes (for the
+        trace only: their values are never read)."""
+        saved = _replace_parameters(module, lambda name, p: torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device=_local(p).device), p.requires_grad))
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+            for owner, leaf, param in saved:
+                owner._parameters[leaf] = param
+
+
+def _replace_parameters(module: torch.nn.Module, make) -> list[tuple]:
+    """Replaces each parameter ``p`` (first named ``name``) by ``make(name, p)``, one object
+    for a parameter held under several names (tied embeddings stay tied); returns
+    ``(owner, leaf, old)`` for each name, to put them back."""
+    new: dict[int, torch.nn.Parameter] = {}
+    first = {id(p): n for n, p in module.named_parameters()}
+    saved = []
+    with torch.no_grad():
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            owner, leaf = _owner(module, name)
+            if id(param) not in new:
+                new[id(param)] = make(first[id(param)], param)
+            saved.append((owner, leaf, param))
+            owner._parameters[leaf] = new[id(param)]
+    return saved
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def _signature(args: tuple, kwargs: dict) -> Any:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    return spec, tuple((tuple(x.shape), x.dtype, isinstance(x, DTensor))
+                       if isinstance(x, torch.Tensor) else x for x in flat)
+
+
+def _global(tree: Any) -> Any:
+    """Plain tensors of the global shapes for the trace (a DTensor's values are not read)."""
+    return pytree.tree_map_only(
+        DTensor, lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device), tree)
+
+
+def _split_example(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, dict):
+        return (), example
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
+        return tuple(example[0]), example[1]
+    return tuple(example), {}

@@ -1,0 +1,232 @@
+"""Plans: what a user writes to lay a model out, read into per-parameter placements and the
+layouts pinned at module boundaries.
+
+A plan maps name patterns (fnmatch, ``"model.layers.*.self_attn.q_proj"``) to one of:
+
+- a DTensor parallel style: ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+  ``PrepareModuleInput``, ``PrepareModuleOutput`` (with their ``input_layouts``,
+  ``output_layouts``, ``desired_input_layouts``);
+- a Hugging Face tp-plan string (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+  ``"embedding_rowwise"``, ``"sequence_parallel"``, ``"local_colwise"``...): a model's own
+  ``model.tp_plan`` works as given, and so does its config's ``base_model_tp_plan`` (a key
+  also matches below the model's ``base_model_prefix``);
+- a sequence of DTensor placements, for the parameter whose name matches the key.
+
+The first key that matches a module or parameter wins. Only parameters and module boundary
+layouts are pinned: every other tensor's sharding is propagated, and the communications
+follow from the pins. A module's *output* layout is pinned on the values it returns
+(``RowwiseParallel``'s replicated output: Megatron's allreduce; ``output_layouts=Shard(1)``:
+a reduce-scatter); its *input* layout where the style asks for a redistribution
+(``ColwiseParallel(input_layouts=Shard(1))``: the all-gather before the linear).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+from meshfuse.errors import DefinitionError
+
+__all__ = ["ModelOutline", "ModuleLayouts", "ResolvedPlan", "outline_of", "resolve_plan"]
+
+Layout = tuple[Placement, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleLayouts:
+    """The layouts pinned at one module's boundary (None: propagated)."""
+
+    inputs: Placement | None = None
+    outputs: Placement | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan applied to a module: each parameter's placements (one per mesh axis) and the
+    modules whose boundaries are pinned. ``axis`` is the mesh axis the styles shard on."""
+
+    parameters: Mapping[str, Layout]
+    modules: Mapping[str, ModuleLayouts]
+    ndim: int
+
+    def layout(self, placement: Placement, axis: int | None = None) -> Layout:
+        """``placement`` on the plan's mesh axis (the last), replicated on the others."""
+        axis = self.ndim - 1 if axis is None else axis
+        return tuple(placement if i == axis else Replicate() for i in range(self.ndim))
+
+
+_HF_STYLES: dict[str, Any] = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "local_colwise": lambda: _Local(ColwiseParallel()),
+    "local_rowwise": lambda: _Local(RowwiseParallel()),
+    "sequence_parallel": lambda: SequenceParallel(),
+    "gather": lambda: PrepareModuleOutput(output_layouts=Shard(-1),
+                                          desired_output_layouts=Replicate()),
+    "replicate": lambda: _Replicated(),
+    "local": lambda: _Replicated(),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """HF's ``local_*`` styles: the parameters of ``style``, no boundary layouts."""
+
+    style: Any
+
+
+class _Replicated:
+    """Every parameter replicated, no boundary layouts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOutline:
+    """What a plan is read against: each module's path and class name, each parameter's
+    name and number of axes (from a module, or from a Dynamo graph's module stacks)."""
+
+    modules: Mapping[str, str]
+    parameters: Mapping[str, int]
+    prefix: str = ""
+
+
+def outline_of(module: torch.nn.Module) -> ModelOutline:
+    """The outline of ``module``; ``prefix`` is Hugging Face's ``base_model_prefix``."""
+    return ModelOutline({p: type(m).__name__ for p, m in module.named_modules()},
+                        {n: p.ndim for n, p in module.named_parameters()},
+                        getattr(module, "base_model_prefix", "") or "")
+
+
+def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
+                 every_key: bool = True) -> ResolvedPlan:
+    """Reads ``plan`` against ``model``'s modules and parameters (see the module doc);
+    ``every_key``: each key must match something.
+
+    Raises:
+        DefinitionError: for a key that matches nothing, a style meshfuse does not read, or
+            placements of the wrong length.
+    """
+    prefix = model.prefix
+    resolved = ResolvedPlan({}, {}, ndim)
+    used: set[str] = set()
+    for path, kind in model.modules.items():
+        key = _first_match(plan, path, prefix)
+        if key is None or _is_placements(plan[key]):
+            continue
+        used.add(key)
+        _apply_style(resolved, path, kind, _own_parameters(model, path),
+                     _style(plan[key], key))
+    for name in model.parameters:
+        key = _first_match(plan, name, prefix)
+        if key is not None and _is_placements(plan[key]):
+            used.add(key)
+            layout = tuple(plan[key])
+            if len(layout) != ndim:
+                raise DefinitionError(
+                    f"plan[{key!r}]: {len(layout)} placements for a {ndim}-D mesh; give one "
+                    "per mesh axis")
+            resolved.parameters[name] = layout
+        resolved.parameters.setdefault(name, resolved.layout(Replicate()))
+    unused = [k for k in plan if k not in used]
+    if unused and every_key:
+        raise DefinitionError(
+            f"plan keys {unused} match no module or parameter of the model; "
+            "keys are dotted module or parameter names with fnmatch patterns "
+            "('model.layers.*.mlp.up_proj')")
+    return resolved
+
+
+def _own_parameters(model: ModelOutline, path: str) -> dict[str, int]:
+    """The parameters directly in module ``path`` (leaf name -> number of axes)."""
+    start = f"{path}." if path else ""
+    return {n[len(start):]: d for n, d in model.parameters.items()
+            if n.startswith(start) and "." not in n[len(start):]}
+
+
+def _first_match(plan: Mapping[str, Any], name: str, prefix: str) -> str | None:
+    if not name:
+        return None
+    for key in plan:
+        if fnmatch.fnmatchcase(name, key) or prefix and fnmatch.fnmatchcase(name,
+                                                                            f"{prefix}.{key}"):
+            return key
+    return None
+
+
+def _is_placements(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and \
+        all(isinstance(p, Placement) for p in value)
+
+
+def _style(value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        if value not in _HF_STYLES:
+            raise DefinitionError(
+                f"plan[{key!r}] = {value!r}: meshfuse reads the Hugging Face styles "
+                f"{sorted(_HF_STYLES)}; write this one as a DTensor style or placements")
+        return _HF_STYLES[value]()
+    return value
+
+
+def _apply_style(plan: ResolvedPlan, path: str, kind: str, params: Mapping[str, int],
+                 style: Any) -> None:
+    name = (lambda n: f"{path}.{n}" if path else n)
+    embedding = kind.endswith("Embedding")
+    if isinstance(style, _Replicated):
+        return
+    local = isinstance(style, _Local)
+    style = style.style if local else style
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        colwise = isinstance(style, ColwiseParallel)
+        for n, axes in params.items():
+            plan.parameters[name(n)] = plan.layout(_parameter_shard(kind, axes, colwise))
+        if local:
+            return
+        desired = style.desired_input_layouts[0] if colwise else \
+            (Replicate() if embedding else Shard(-1))
+        given = style.input_layouts[0]
+        plan.modules[path] = ModuleLayouts(
+            inputs=desired if given != desired else None,
+            outputs=style.output_layouts[0] if style.output_layouts[0] != Shard(-1) or
+            not colwise else None)
+    elif isinstance(style, SequenceParallel):
+        shard = style.sequence_sharding[0]
+        plan.modules[path] = ModuleLayouts(inputs=shard, outputs=shard)
+    elif isinstance(style, PrepareModuleInput):
+        plan.modules[path] = ModuleLayouts(inputs=style.desired_input_layouts[0])
+    elif isinstance(style, PrepareModuleOutput):
+        plan.modules[path] = ModuleLayouts(outputs=style.desired_output_layouts[0])
+    else:
+        raise DefinitionError(
+            f"plan for {path!r}: {type(style).__name__} is not a style meshfuse reads "
+            "(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output, "
+            "a Hugging Face style string, or placements)")
+
+
+def _parameter_shard(kind: str, axes: int, colwise: bool) -> Placement:
+    """The shard a column- or row-parallel style gives one parameter of ``module``: a
+    linear's weight ``[out, in]`` (GPT-2's Conv1D holds ``[in, out]``), an embedding's
+    ``[vocab, dim]``; a bias follows the output features (column) or is replicated (row)."""
+    if axes == 1:
+        return Shard(0) if colwise else Replicate()
+    transposed = kind == "Conv1D" or kind.endswith("Embedding")
+    out_axis = 1 if transposed else 0
+    return Shard(out_axis if colwise else 1 - out_axis)

@@ -1,0 +1,158 @@
+"""The program of one captured signature: folded constants, fusions and graph breaks, run in
+order under torch autograd.
+
+Values between steps are DTensors on the plan's mesh (a plain tensor enters a fusion as a
+replicated DTensor). A fusion runs as ``fd.as_autograd_function()``: its backward is the
+derived backward fusion, with its sharding and the transposed communications. A graph break
+runs the PyTorch op on whole tensors (``full_tensor()``: the replicated fallback, correct and
+only slower), so autograd differentiates it as PyTorch does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.fx import Node
+
+from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
+from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
+from meshfuse.capture.plan import ResolvedPlan
+from meshfuse.capture.trace import Captured
+from meshfuse.dtensor import mesh_from_torch
+from meshfuse.errors import GraphBreakError
+
+__all__ = ["GraphBreakWarning", "Program"]
+
+
+class GraphBreakWarning(UserWarning):
+    """Ops of a captured model that run as PyTorch ops between fusions (listed once)."""
+
+
+class Program:
+    """One captured signature of a module, ready to run.
+
+    Args:
+        captured: the trace (its graph is simplified in place: it is the capture's own).
+        plan: the resolved plan.
+        mesh: the torch mesh DTensors live on.
+        buffers: the module's buffers by name (read by the folded constants).
+        strict: raise on graph breaks instead of warning.
+    """
+
+    def __init__(self, captured: Captured, plan: ResolvedPlan, mesh: TorchDeviceMesh,
+                 buffers: Mapping[str, torch.Tensor], strict: bool = False) -> None:
+        self.captured, self.plan, self.mesh = captured, plan, mesh
+        simplify(captured.graph)
+        self._static = static_nodes(captured)
+        self._versions: tuple[int, ...] | None = None
+        self.constants = self._fold(buffers)
+        self.partition = partition(captured.graph, self.constants)
+        _report_breaks(self.partition.breaks, strict)
+        self._mf_mesh = mesh_from_torch(mesh)
+        self.keys = {s.index: segment_key(s, plan, self.constants, captured.parameters)
+                     for s in self.partition.segments}
+        # (key, input layouts) -> the built fusion and its autograd function, shared by the
+        # segments of that key (identical layers) whose inputs lie alike.
+        self.built: dict[tuple, tuple[BuiltSegment, Any]] = {}
+        self.ran: dict[int, tuple] = {}  # segment index -> the (key, layouts) it ran
+
+    def _fold(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The folded values, recomputed when a buffer changed since the last fold."""
+        versions = tuple(b._version for b in buffers.values())
+        if versions != self._versions:
+            inputs = {**{p: buffers[n] for p, n in self.captured.buffers.items()},
+                      **self.captured.constants}
+            self._folded = fold(self._static, inputs)
+            self._versions = versions
+        return self._folded
+
+    def run(self, parameters: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+            flat_inputs: Sequence[Any]) -> list[Any]:
+        """The flat outputs on ``flat_inputs`` (the call's flattened user inputs) with the
+        module's ``parameters`` (DTensors) and ``buffers``."""
+        c = self.captured
+        env: dict[str, Any] = {**self._fold(buffers), **c.constants}
+        env.update({p: parameters[n] for p, n in c.parameters.items()})
+        env.update({p: buffers[n] for p, n in c.buffers.items()})
+        env.update(zip(c.user_inputs, flat_inputs))
+        for step in self.partition.steps:
+            if isinstance(step, Segment):
+                self._run_segment(step, env)
+            else:
+                self._run_break(step, env)
+        output = next(n for n in c.graph.nodes if n.op == "output")
+        return [_returned(env[a.name]) if isinstance(a, Node) else a for a in output.args[0]]
+
+    def _run_segment(self, segment: Segment, env: dict[str, Any]) -> None:
+        values = [self._dtensor(env[n.name]) for n in segment.inputs]
+        layouts = tuple((x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+                        for x in values)
+        found = (self.keys[segment.index], layouts)
+        if found not in self.built:
+            built = build_segment(segment, self.plan, self._mf_mesh, self.constants,
+                                  frozenset(self.captured.parameters))
+            self.built[found] = (built, built.fd.as_autograd_function())
+        built, function = self.built[found]
+        self.ran[segment.index] = found
+        outputs = function([values[i] for i in built.tensor_inputs])
+        env.update((n.name, v) for n, v in zip(segment.outputs, outputs))
+
+    def _run_break(self, step: Break, env: dict[str, Any]) -> None:
+        node = step.node
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                             lambda a: _whole(env[a.name]))
+        env[node.name] = node.target(*args, **kwargs)
+
+    def _dtensor(self, x: Any) -> Any:
+        """A fusion input: a DTensor, row-major as the fusion declares its inputs (a break's
+        output may be a strided view)."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            return DTensor.from_local(x.contiguous(), self.mesh,
+                                      [Replicate()] * self.mesh.ndim, run_check=False)
+        local = x.to_local()
+        if local.is_contiguous():
+            return x
+        return DTensor.from_local(local.contiguous(), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _whole(x: Any) -> Any:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _returned(x: Any) -> Any:
+    """An output: a replicated DTensor as its (whole) local tensor, others as they are."""
+    if isinstance(x, DTensor) and all(p.is_replicate() for p in x.placements):
+        return x.to_local()
+    return x
+
+
+def _report_breaks(breaks: list[Break], strict: bool) -> None:
+    if not breaks:
+        return
+    lines = break_lines(breaks)
+    if strict:
+        raise GraphBreakError(
+            f"{len(lines)} op(s) of the model have no meshfuse rule (strict=True):\n  "
+            + "\n  ".join(lines) + "\nrun with strict=False to run them as PyTorch ops "
+            "between fusions (replicated, correct but slower), or add their rules to "
+            "meshfuse.capture.aten_ops.TABLE")
+    warnings.warn(GraphBreakWarning(
+        f"{len(lines)} op(s) run as PyTorch ops between fusions (graph breaks):\n  "
+        + "\n  ".join(lines)), stacklevel=4)
+
+
+def break_lines(breaks: list[Break]) -> list[str]:
+    """One line per (op, module path, reason), with a count where it repeats."""
+    counts: dict[str, int] = {}
+    for b in breaks:
+        line = b.describe()
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]

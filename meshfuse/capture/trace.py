@@ -1,0 +1,172 @@
+"""Capture: a module and example inputs traced into one ATen graph.
+
+meshfuse traces with ``torch.export`` (non-strict: the module's Python runs under PyTorch's
+own tracer, so any Python the module uses works, and data-dependent Python branches are read
+at the example inputs). The graph is PyTorch's *training IR*: ATen ops before PyTorch's own
+decompositions, so ``linear``, ``scaled_dot_product_attention``, ``embedding``,
+``cross_entropy_loss``, ``layer_norm`` stay one node each and map to one meshfuse op with its
+sharding and gradient rules (decomposing them would merge the batch and sequence axes of a
+linear, spell attention out as a softmax, and, for PyTorch's fused CPU attention, give wrong
+gradients). The graph is forward-only: meshfuse derives the backward of each fusion itself.
+
+A :class:`Captured` holds the graph and what its placeholders are: a parameter or buffer of
+the module (by name), a constant, or the n-th flattened user input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from meshfuse.errors import DefinitionError
+
+__all__ = ["Captured", "capture", "module_path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """One traced program.
+
+    Attributes:
+        graph: the ATen graph (placeholders, ``call_function`` nodes, one ``output``).
+        parameters: placeholder name -> parameter name in the module.
+        buffers: placeholder name -> buffer name in the module.
+        constants: placeholder name -> constant tensor (lifted by the trace).
+        user_inputs: the placeholders of the flattened user inputs, in order.
+        in_spec: how the call's ``(args, kwargs)`` flatten.
+        out_spec: how the flat outputs nest back (a ``ModelOutput`` stays one).
+    """
+
+    graph: torch.fx.Graph
+    parameters: Mapping[str, str]
+    buffers: Mapping[str, str]
+    constants: Mapping[str, torch.Tensor]
+    user_inputs: tuple[str, ...]
+    in_spec: Any
+    out_spec: Any
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
+    """Traces ``module(*args, **kwargs)`` (plain tensors, the global values) into a
+    :class:`Captured` graph.
+
+    Raises:
+        DefinitionError: if PyTorch cannot trace the module, with its reason and the fix.
+    """
+    try:
+        exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+    except Exception as error:  # PyTorch's tracer raises many types; say what to do
+        raise DefinitionError(
+            f"meshfuse could not trace {type(module).__name__} with torch.export: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+            "A model that returns a cache (use_cache=True) or branches on tensor values "
+            "cannot be captured whole: pass use_cache=False, or use "
+            "torch.compile(model, backend=meshfuse.backend(mesh, plan)), where Dynamo "
+            "breaks the graph around such code"
+        ) from error
+    return _from_exported(exported)
+
+
+def _from_exported(exported: ExportedProgram) -> Captured:
+    parameters, buffers, constants, user = {}, {}, {}, []
+    for spec in exported.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind is InputKind.PARAMETER:
+            parameters[name] = spec.target
+        elif spec.kind is InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[name] = exported.constants[spec.target]
+        else:
+            user.append(name)
+    if exported.graph_signature.buffers_to_mutate or \
+            exported.graph_signature.user_inputs_to_mutate:
+        raise DefinitionError(
+            "the module modifies a buffer or an input in place during its forward (e.g. "
+            "batch norm's running statistics); meshfuse captures pure forwards: put it in "
+            "eval mode or keep that part out of the parallelized module"
+        )
+    return Captured(exported.graph_module.graph, parameters, buffers, constants, tuple(user),
+                    exported.call_spec.in_spec, exported.call_spec.out_spec)
+
+
+def flatten_call(captured: Captured, args: tuple, kwargs: Mapping[str, Any]) -> list:
+    """The flat user inputs of a call, as the trace saw them (None where an optional input
+    was left out)."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    if spec != captured.in_spec:
+        flat = _reorder(captured.in_spec, args, kwargs)
+    return flat
+
+
+def _reorder(in_spec, args: tuple, kwargs: Mapping[str, Any]) -> list:
+    """Keyword arguments given in another order than at capture: flatten them in its order."""
+    names = in_spec.children_specs[1].context
+    ordered = {k: kwargs[k] for k in names if k in kwargs}
+    flat, spec = pytree.tree_flatten((tuple(args), ordered))
+    if spec != in_spec:
+        raise DefinitionError(
+            f"the call's arguments {spec} do not have the structure of the captured ones "
+            f"{in_spec}; call the parallelized module as it was first called"
+        )
+    return flat
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost module whose forward ran ``node`` ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean(path)
+
+
+def block_path(node: torch.fx.Node) -> str | None:
+    """The repeated block ``node`` is in: its module path up to the first numbered part
+    (``model.layers.3`` of ``model.layers.3.mlp.up_proj``); None outside numbered modules."""
+    parts = module_path(node).split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """The dotted paths of every module whose forward ran ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [_clean(v[0]) for v in stack.values() if _clean(v[0])]
+
+
+_DYNAMO_ROOT = re.compile(r"^(L\['\w+'\](\[\d+\])?|self)\.?")
+_DYNAMO_ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def module_stack(node: torch.fx.Node) -> list[tuple[str, str]]:
+    """``(path, class name)`` of every module whose forward ran ``node``, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(_clean(path), kind.rpartition(".")[2] if isinstance(kind, str) else kind.__name__)
+            for path, kind in stack.values() if _clean(path)]
+
+
+def _clean(path: str) -> str:
+    """Dynamo's ``L['self'].model.layers[0]`` (or ``L['args'][0].model``) as
+    ``model.layers.0``."""
+    path = _DYNAMO_ROOT.sub("", path)
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def source_name(source: str) -> tuple[str, str] | None:
+    """A Dynamo graph input's source (``L['self']._modules['lm_head']._parameters['weight']``)
+    as ``("parameters", "lm_head.weight")`` (or ``"buffers"``); None for another input."""
+    parts = _DYNAMO_ATTR.findall(source)
+    kind = re.findall(r"\._(parameters|buffers)\['", source)
+    if not parts or not kind:
+        return None
+    return kind[-1], ".".join(parts)

@@ -1,0 +1,224 @@
+"""Capture on small modules written here: graph breaks (values, gradients, the warning, the
+strict error, where they run), the op table's checks, plans, and ``explain()``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshfuse
+from meshfuse import DefinitionError, DeviceMesh
+from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
+from meshfuse.capture.plan import ModelOutline, resolve_plan
+from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.capture.trace import capture
+from meshfuse.errors import GraphBreakError
+from meshfuse.runtime.comm.collectives import record_communications
+
+E, HIDDEN = 8, 10  # HIDDEN shards unevenly over 3 and 4 ranks
+
+
+class Odd(torch.nn.Module):
+    """An op meshfuse has no rule for (a running sum over the features)."""
+
+    def forward(self, h):
+        return torch.cumsum(h, -1) / h.shape[-1]
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(E, HIDDEN)
+        self.odd = Odd()
+        self.down = torch.nn.Linear(HIDDEN, E)
+
+    def forward(self, x):
+        return x + self.down(self.odd(F.gelu(self.up(x))))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum(), x
+
+
+PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+
+
+def _toy():
+    torch.manual_seed(0)
+    return Toy()
+
+
+# ----- graph breaks, on ranks --------------------------------------------------------------
+
+@pytest.mark.mpi
+def test_a_graph_break_runs_the_pytorch_op_with_the_right_values(multidevice_test):
+    reference = _toy()
+    mesh = DeviceMesh(range(multidevice_test.size))
+    model = meshfuse.parallelize(copy.deepcopy(reference), mesh, PLAN)
+    x = torch.randn(4, E, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, y = model(x)
+    messages = [str(w.message) for w in caught if w.category is GraphBreakWarning]
+    assert len(messages) == 1  # listed once, each op with its module path
+    assert "aten.cumsum.default in layers.0.odd" in messages[0]
+    assert "aten.cumsum.default in layers.1.odd" in messages[0]
+    expected_loss, expected_y = reference(x)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected_loss.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.mpi
+def test_strict_raises_one_error_naming_every_op_and_module(multidevice_test):
+    mesh = DeviceMesh(range(multidevice_test.size))
+    model = meshfuse.parallelize(_toy(), mesh, PLAN, strict=True)
+    with pytest.raises(GraphBreakError) as error:
+        model(torch.randn(4, E))
+    assert "aten.cumsum.default in layers.0.odd" in str(error.value)
+    assert "aten.cumsum.default in layers.1.odd" in str(error.value)
+
+
+@pytest.mark.mpi
+def test_without_breaks_the_module_is_one_fusion_and_explains_itself(multidevice_test):
+    """No break: one fusion per layer (the second layer's program is the first's: built
+    once), then the loss; the communications are Megatron's (one allreduce per layer
+    forward, one per layer backward for the input gradient); ``explain()`` lists the
+    parameters' placements and the fusions."""
+
+    class Plain(Toy):
+        def __init__(self):
+            super().__init__()
+            for layer in self.layers:
+                layer.odd = torch.nn.Identity()
+
+    torch.manual_seed(0)
+    reference = Plain()
+    mesh = DeviceMesh(range(multidevice_test.size))
+    model = meshfuse.parallelize(copy.deepcopy(reference), mesh, PLAN,
+                                 example_inputs=(torch.randn(4, E),))
+    x = torch.randn(4, E, requires_grad=True)
+    with record_communications() as forward:
+        loss, _ = model(x)
+    with record_communications() as backward:
+        loss.backward()
+    expected, _ = reference(x.detach())
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    crossing = [c.kind for c in forward if len(c.ranks) > 1]
+    assert crossing == (["allreduce"] * 2 if multidevice_test.size > 1 else [])
+    crossing = [c.kind for c in backward if len(c.ranks) > 1]
+    # Backward: each column-parallel input's gradient is partial: one allreduce per layer.
+    assert crossing == (["allreduce"] * 2 if multidevice_test.size > 1 else [])
+    text = model.explain()
+    assert "3 fusion(s), 0 graph break(s)" in text
+    assert "layers.0.up.weight [10, 8] [Shard(dim=0)]" in text
+    assert "layers.1.down.weight [8, 10] [Shard(dim=1)]" in text
+    assert "fusion 0: 4 ops over layers.0" in text and "fusion 1: 4 ops over layers.1" in text
+    # Layer 0 reads the module's input, layer 1 layer 0's output: they lie alike (replicated)
+    # here, so layer 1 runs layer 0's program.
+    assert "the program of fusion 0 (an identical block, built once)" in text
+
+
+# ----- partition and the op table, one process ---------------------------------------------
+
+def _captured(module, *args):
+    captured = capture(module, args, {})
+    simplify(captured.graph)
+    inputs = {**{p: dict(module.named_buffers())[n] for p, n in captured.buffers.items()},
+              **captured.constants}
+    constants = fold(static_nodes(captured), inputs)
+    return captured, constants, partition(captured.graph, constants)
+
+
+def test_breaks_split_the_program_only_where_data_flows_through_them():
+    """The toy: layer 0's up, then its cumsum (a break), layer 0's down with layer 1's up
+    (one fusion per layer), the second cumsum, the rest (layer 1's down, then the loss)."""
+    _, _, parts = _captured(_toy(), torch.randn(4, E))
+    steps = [s.block if isinstance(s, Segment) else "break" for s in parts.steps]
+    assert steps == ["layers.0", "break", "layers.0", "layers.1", "break", "layers.1",
+                     "the top module"]
+
+
+def test_a_break_reading_only_inputs_runs_before_the_first_fusion():
+
+    class Lookup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, E)
+            self.proj = torch.nn.Linear(E, E)
+
+        def forward(self, ids):
+            return self.proj(self.embed(ids))
+
+    _, _, parts = _captured(Lookup(), torch.randint(0, 16, (2, 3)))
+    assert [type(s) for s in parts.steps] == [Break, Segment]
+    assert parts.breaks[0].path == "embed"
+
+
+class Attend(torch.nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q, k, v):
+        s = q.shape[-2]
+        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.mask == "causal" else \
+            torch.ones(s, s, dtype=torch.bool).triu()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask,breaks", [("causal", 0), ("other", 1)])
+def test_attention_takes_a_constant_causal_mask_and_breaks_on_another(mask, breaks):
+    """The mask, built from shapes only, is folded at capture; the causal one becomes
+    ``is_causal=True``, another mask runs as PyTorch's attention."""
+    q = torch.randn(1, 2, 4, 8)
+    _, constants, parts = _captured(Attend(mask), q, q, q)
+    assert len(parts.breaks) == breaks
+    assert any(v.dtype is torch.bool for v in constants.values() if isinstance(v, torch.Tensor))
+
+
+# ----- plans -------------------------------------------------------------------------------
+
+OUTLINE = ModelOutline(
+    {"": "Model", "embed": "Embedding", "q": "Linear", "o": "Linear", "c_attn": "Conv1D"},
+    {"embed.weight": 2, "q.weight": 2, "q.bias": 1, "o.weight": 2, "o.bias": 1,
+     "c_attn.weight": 2, "c_attn.bias": 1})
+
+
+def test_plans_in_hugging_face_strings_dtensor_styles_and_placements():
+    plan = resolve_plan(OUTLINE, {"embed": "embedding_rowwise", "q": ColwiseParallel(),
+                                  "o": "rowwise", "c_attn": "colwise",
+                                  "c_attn.bias": [Replicate()]}, 1)
+    p = plan.parameters
+    assert p["embed.weight"] == (Shard(0),)
+    assert (p["q.weight"], p["q.bias"]) == ((Shard(0),), (Shard(0),))
+    assert (p["o.weight"], p["o.bias"]) == ((Shard(1),), (Replicate(),))
+    assert p["c_attn.weight"] == (Shard(1),)  # GPT-2's Conv1D holds [in, out]
+    assert p["c_attn.bias"] == (Replicate(),)
+    assert plan.modules["o"].outputs == Replicate()  # Megatron's allreduce after o
+    assert plan.modules["q"].inputs is None  # replicated already: no redistribution
+
+
+def test_a_plan_key_matching_nothing_or_an_unknown_style_is_a_definition_error():
+    with pytest.raises(DefinitionError, match="match no module or parameter"):
+        resolve_plan(OUTLINE, {"layers.*.mlp": "colwise"}, 1)
+    with pytest.raises(DefinitionError, match="Hugging Face styles"):
+        resolve_plan(OUTLINE, {"q": "packed_colwise"}, 1)

@@ -1,0 +1,251 @@
+"""``meshfuse.parallelize`` on models nobody here wrote (``transformers``, tiny random
+configurations): logits, loss and every parameter's gradient equal the unsharded module's,
+the communications are the plan's, and AdamW steps follow the unsharded module's losses."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import meshfuse
+from meshfuse import DeviceMesh
+from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.runtime.comm.collectives import record_communications
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.mpi
+
+VOCAB, HIDDEN, BATCH, SEQ = 128, 32, 2, 8
+
+
+def _llama(num_hidden_layers: int = 2):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _qwen2():
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _mistral():
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        head_dim=8, use_cache=False)
+    return transformers.MistralForCausalLM(config)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2}
+
+# Module names of Megatron's layout, per model family: column-parallel inputs, row-parallel
+# outputs, the norms sequence parallelism shards, the head (GPT-2's is tied to its
+# embedding, which stays replicated: its fused qkv ``c_attn`` is sharded column-wise whole).
+LLAMA_NAMES = {
+    "columns": ["model.layers.*.self_attn.[qkv]_proj", "model.layers.*.mlp.gate_proj",
+                "model.layers.*.mlp.up_proj"],
+    "rows": ["model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"],
+    "norms": ["model.layers.*.*_layernorm", "model.norm"],
+    "head": "lm_head",
+}
+GPT2_NAMES = {
+    "columns": ["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
+    "rows": ["transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"],
+    "norms": ["transformer.h.*.ln_[12]", "transformer.ln_f"],
+    "head": None,
+}
+
+
+def megatron_plan(sequence_parallel: bool, names: dict = LLAMA_NAMES) -> dict:
+    """Megatron's tensor parallel plan (with SP: norms and the residual stream sharded on
+    the sequence)."""
+    seq = Shard(1)
+    cols = ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
+    rows = RowwiseParallel(output_layouts=seq) if sequence_parallel else RowwiseParallel()
+    plan = {**dict.fromkeys(names["columns"], cols), **dict.fromkeys(names["rows"], rows)}
+    if names["head"]:
+        plan[names["head"]] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())
+    if sequence_parallel:
+        plan.update(dict.fromkeys(names["norms"], SequenceParallel()))
+    return plan
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def _whole(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _parallel(model_name: str, plan_name: str, multidevice_test):
+    torch.manual_seed(0)
+    reference = MODELS[model_name]()
+    model = copy.deepcopy(reference)
+    names = GPT2_NAMES if model_name == "gpt2" else LLAMA_NAMES
+    plan = reference.tp_plan if plan_name == "hf" else \
+        megatron_plan(plan_name == "tp_sp", names)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        return reference, meshfuse.parallelize(model, mesh, plan)
+
+
+def _check_gradients(model, reference):
+    names = [n for n, _ in reference.named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == names
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "hf"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name, plan_name):
+    if model_name == "gpt2" and plan_name == "hf":
+        pytest.skip("GPT-2 has no Hugging Face tp plan")
+    reference, model = _parallel(model_name, plan_name, multidevice_test)
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+
+
+def _fusion_traffic(comms) -> Counter:
+    return Counter(c.kind for c in comms if len(c.ranks) > 1)
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+def test_communications_are_megatrons(multidevice_test, plan_name):
+    """Per layer, forward: 2 allreduces (TP), or 2 allgathers and 2 reduce-scatters (TP+SP);
+    the lm_head gathers its vocabulary shards (and, with SP, the sequence first)."""
+    _, model = _parallel("llama", plan_name, multidevice_test)
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model(input_ids=ids, labels=labels)  # build
+        with record_communications() as comms:
+            loss = _whole(model(input_ids=ids, labels=labels).loss)
+        with record_communications() as backward:
+            loss.backward()
+    layers, size = 2, multidevice_test.size
+    # Beyond 2 ranks the 2 key/value heads cannot be sharded like the 4 query heads: k and v
+    # are gathered (2 all-gathers per layer) until key/value heads are replicated instead.
+    kv_gathers = 2 * layers if size > 2 else 0
+    if size == 1:
+        assert _fusion_traffic(comms) == _fusion_traffic(backward) == Counter()
+    elif plan_name == "tp":
+        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers,
+                                                 allgather=1 + kv_gathers)
+        if not kv_gathers:
+            # The transposes: the column-parallel inputs' gradients are partial sums (q, k,
+            # v share one; gate and up another; the head's), the gathered logits' a slice.
+            assert _fusion_traffic(backward) == Counter(allreduce=2 * layers + 1)
+    else:
+        assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2 + kv_gathers,
+                                                 reduce_scatter=2 * layers)
+        if not kv_gathers:
+            # The transposes: a reduce-scatter per gathered input (the layers' and the
+            # head's), an all-gather per reduce-scattered output. The norms' weights, read
+            # by sequence shards, have partial gradients: Megatron allreduces each (5);
+            # meshfuse's propagation allreduces 3 and gathers the activations of one
+            # layer's norm instead (one all-gather more than the 4 transposes).
+            assert _fusion_traffic(backward) == Counter(reduce_scatter=2 * layers + 1,
+                                                        allgather=2 * layers + 1,
+                                                        allreduce=3)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_torch_compile_backend_matches_the_module(multidevice_test, model_name):
+    """``torch.compile(backend=meshfuse.backend(...))`` with the model's own HF plan: the
+    module keeps whole plain parameters, whose gradients come back whole."""
+    torch.manual_seed(0)
+    reference = MODELS[model_name]()
+    model = copy.deepcopy(reference)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=meshfuse.backend(mesh, reference.tp_plan),
+                             dynamic=False)
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        out = compiled(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_adamw_steps_follow_the_module(multidevice_test):
+    """20 AdamW steps on DTensor parameters (TP+SP): each step's loss equals the unsharded
+    module's (the optimizer updates each rank's shard)."""
+    reference, model = _parallel("llama", "tp_sp", multidevice_test)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for step in range(20):
+        ids, labels = _inputs(step % 3)
+        losses = []
+        for m, opt in zip((model, reference), optimizers):
+            opt.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GraphBreakWarning)
+                loss = _whole(m(input_ids=ids, labels=labels).loss)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+
+
+def test_identical_layers_build_one_program(multidevice_test):
+    """Four Llama layers under TP: every layer reads a replicated residual stream, so layers
+    1-3 run layer 0's built program (and its derived backward); the values still match."""
+    torch.manual_seed(0)
+    reference = _llama(num_hidden_layers=4)
+    model = copy.deepcopy(reference)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(model, mesh, megatron_plan(False))
+        out = model(input_ids=ids, labels=labels)
+    text = model.explain()
+    assert text.count("the program of fusion 0 (an identical block, built once)") == 3
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)

@@ -1,0 +1,101 @@
+"""``meshfuse.parallelize`` on torchtitan's Llama 3 (its PyPI package, a tiny random
+configuration): logits and every parameter's gradient equal the unsharded module's under
+Megatron's tensor + sequence parallel plan written in torchtitan's module names. Its complex
+RoPE (``view_as_complex``, complex multiply) runs as graph breaks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+import meshfuse
+from meshfuse import DeviceMesh
+from meshfuse.capture.program import GraphBreakWarning
+
+pytest.importorskip("triton")  # torchtitan imports it
+llama3 = pytest.importorskip("torchtitan.models.llama3")
+attention = pytest.importorskip("torchtitan.models.common.attention")
+
+pytestmark = pytest.mark.mpi
+
+VOCAB, DIM, HEADS = 128, 64, 4
+
+
+def _tiny_llama3(monkeypatch):
+    """Two layers of torchtitan's Llama 3 with PyTorch's SDPA (its flex attention has no CPU
+    backward; torchtitan builds SDPA only where asked directly)."""
+    monkeypatch.setattr(llama3, "get_attention_config",
+                        lambda backend: attention.ScaledDotProductAttention.Config())
+    config = llama3.Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=llama3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=llama3.RMSNorm.Config(normalized_shape=DIM),
+        lm_head=llama3.Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=llama3._build_llama3_layers(
+            n_layers=2, dim=DIM, n_heads=HEADS, n_kv_heads=2, hidden_dim=128,
+            rope=llama3.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=500000),
+            attn_backend="sdpa", fuse_qkv=False))
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _titan_plan(sequence_parallel: bool) -> dict:
+    """torchtitan's own TP(+SP) plan (``parallelize_llama``), its module names."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "layers.*.attention.qkv_linear.w[qkv]": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.feed_forward.w[13]": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        plan.update({
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "norm": SequenceParallel(),
+            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                     desired_input_layouts=(Replicate(),)),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_torchtitan_llama3_matches_the_module(multidevice_test, monkeypatch,
+                                              sequence_parallel):
+    reference = _tiny_llama3(monkeypatch)
+    model = copy.deepcopy(reference)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GraphBreakWarning)
+        model = meshfuse.parallelize(model, mesh, _titan_plan(sequence_parallel))
+        out = model(ids)
+    breaks = "\n".join(str(w.message) for w in caught if w.category is GraphBreakWarning)
+    assert "view_as_complex" in breaks and "layers.0.attention" in breaks
+    expected = reference(ids)
+    whole = out.full_tensor() if isinstance(out, DTensor) else out
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    whole.backward(dy)
+    expected.backward(dy)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
