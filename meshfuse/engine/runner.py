@@ -98,6 +98,7 @@ class FusionRunner:
         # Symbolic input axes split over devices: their extents are learnt from every rank.
         self._shared_axes = sharded_symbolic_axes(self.fusion) if self.builds.symbolic else []
         self._signatures: dict[tuple, tuple[Build, Binding]] = {}
+        self._bound: dict[tuple, dict] = {}  # see bound_extents
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
         # How stream loops' decomposed communications move data (CommunicatorBackend).
@@ -266,6 +267,23 @@ class FusionRunner:
                                           if tv.mesh is not None):
                     for axis in range(mesh.ndim):
                         self.communicator.group_if_member(mesh, axis)
+
+    def bound_extents(self, inputs: Sequence[Any]) -> dict:
+        """The global extent of every ID of the fusion's build on ``inputs`` (checked):
+        what a fusion with symbolic extents is made static with to differentiate it
+        (``meshfuse.autodiff``). Kept per signature; on a new one, every rank calls it (an
+        uneven split's extents are learnt from every rank's shard)."""
+        key = _signature(inputs)
+        if key not in self._bound:
+            inputs = list(inputs)
+            comm = self.communicator
+            device = None if comm is None else required_device(comm.backend, comm.device,
+                                                               comm.size)
+            check_inputs(self.fusion, inputs, self.rank, device)
+            known = self._learnt_extents(inputs, False)
+            self._bound[key] = bind(self.fusion, self.allocations, inputs, self.rank,
+                                    known).extents
+        return self._bound[key]
 
     def _learnt_extents(self, inputs: list, in_call: bool) -> dict:
         """The global extents of the symbolic input axes split over devices, from every

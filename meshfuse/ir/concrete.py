@@ -62,12 +62,20 @@ def has_symbolic_ids(fusion: Fusion) -> bool:
                for i in (*tv.logical, *tv.loop))
 
 
-def with_extents(fusion: Fusion, extents: Mapping[IterDomain, int]
+def with_extents(fusion: Fusion, extents: Mapping[IterDomain, int],
+                 schedules: Mapping[TensorView, TensorView] | None = None
                  ) -> tuple[Fusion, dict[Val, Val]]:
     """A copy of ``fusion`` (:meth:`Fusion.copy`) in which every ID of unknown extent is a
     static one of ``extents[id]`` (which must hold every such ID of every tensor, as a
-    binding does); and each value's counterpart in it. ``fusion`` is not changed."""
+    binding does); and each value's counterpart in it. ``fusion`` is not changed.
+
+    ``schedules``: tensors of ``fusion`` -> their counterparts in a build of it (over the
+    same logical IDs); each of them the user left unscheduled takes its build's schedule
+    (so that the copy's inputs and outputs lie as ``shard_tensor`` says they do)."""
     copy, counterparts = fusion.copy()
+    for tv, like in (schedules or {}).items():
+        if not tv.is_scheduled:
+            _take_schedule(counterparts[tv], like)
     substitute = _Substitution(extents)
     for tv in copy.tensors():
         substitute.tensor(tv)
@@ -78,3 +86,13 @@ def with_extents(fusion: Fusion, extents: Mapping[IterDomain, int]
     copy.user_scheduled = {counterparts[tv] for tv in fusion.user_scheduled
                            if tv in counterparts}
     return copy, counterparts
+
+
+def _take_schedule(tv: TensorView, like: TensorView) -> None:
+    """``tv`` scheduled as ``like`` (a tensor over the same logical IDs)."""
+    tv.mesh = like.mesh
+    tv.loop = list(like.loop)
+    tv.transforms = list(like.transforms)
+    tv.parallel = dict(like.parallel)
+    tv.swizzles = dict(like.swizzles)
+    tv.allocation = like.allocation
