@@ -123,9 +123,9 @@ class FusionRunner:
         # tensors live); a lone process does not know it yet.
         device = self.communicator.device if self.communicator is not None else None
         if inputs is not None:
-            key = _signature(inputs)
+            key, known = self._key(inputs, False)
             if key not in self._programs:
-                self._programs[key] = self._make_program(list(inputs), None)
+                self._programs[key] = self._make_program(list(inputs), None, known, key)
             program = self._programs[key]
             build, binding = self._signatures[key]
             extents = binding.extents
@@ -178,11 +178,12 @@ class FusionRunner:
                  cuda_graph: bool | str | None,
                  compile: bool | str | None, donate: bool, timeout: float | None
                  ) -> list[torch.Tensor]:
-        key = _signature(inputs)
+        key, known = self._key(inputs, True)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(
-                list(inputs), check_ranks, lambda: _checked_options(timeout, compile), True)
+                list(inputs), check_ranks, known, key,
+                lambda: _checked_options(timeout, compile), True)
         else:
             _checked_options(timeout, compile)
         if self.communicator is not None:
@@ -214,13 +215,12 @@ class FusionRunner:
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
 
-    def _make_program(self, inputs: list, check_ranks: bool | None,
+    def _make_program(self, inputs: list, check_ranks: bool | None, known: dict, key: tuple,
                       check_options=lambda: None, in_call: bool = False) -> Program:
         """Checks ``check_options()`` and binds ``inputs`` (agreeing across ranks unless
-        ``check_ranks`` is False; ``in_call``: for ``execute``), then builds the program
-        (which creates process groups)."""
+        ``check_ranks`` is False; ``in_call``: for ``execute``; ``known``, ``key``: see
+        ``_key``), then builds the program (which creates process groups)."""
         device = _device_of(inputs, self.communicator)
-        known = self._learnt_extents(inputs, in_call)
 
         def prepare() -> tuple[Binding, dict, Build]:
             # Localizing reads the environment (context parallelism's options): a rank
@@ -238,9 +238,8 @@ class FusionRunner:
             lambda prepared: context.agreed_facts(prepared[2].fusion.exprs, prepared[1]),
         )
         fusion = build.fusion
-        self._signatures[_signature(inputs)] = build, binding
-        plans = build.overlap.loops_for(_signature(inputs), binding.extents, device,
-                                        self.loop_transport)
+        self._signatures[key] = build, binding
+        plans = build.overlap.loops_for(key, binding.extents, device, self.loop_transport)
         self._create_loop_groups(plans)
         group_loops = None
         if plans:
@@ -273,22 +272,35 @@ class FusionRunner:
         what a fusion with symbolic extents is made static with to differentiate it
         (``meshfuse.autodiff``). Kept per signature; on a new one, every rank calls it (an
         uneven split's extents are learnt from every rank's shard)."""
-        key = _signature(inputs)
+        key, known = self._key(inputs, False)
         if key not in self._bound:
             inputs = list(inputs)
             comm = self.communicator
             device = None if comm is None else required_device(comm.backend, comm.device,
                                                                comm.size)
             check_inputs(self.fusion, inputs, self.rank, device)
-            known = self._learnt_extents(inputs, False)
             self._bound[key] = bind(self.fusion, self.allocations, inputs, self.rank,
                                     known).extents
         return self._bound[key]
 
+    def _key(self, inputs: Sequence[Any], in_call: bool) -> tuple[tuple, dict]:
+        """The key of ``inputs``' program: their signature, and for a fusion whose symbolic
+        input axes are split over devices the global extents of those, learnt from every
+        rank's shard on every call (``_learnt_extents``): a rank's shard of an uneven split
+        may stay the same while the others' change. Returns the key and those extents."""
+        key = _signature(inputs)
+        known = self._learnt_extents(list(inputs), in_call)
+        if known:
+            inputs_of = self.fusion.inputs()
+            key = (key, tuple(known.get(inputs_of[pos].materialized()[axis])
+                              for pos, axis in self._shared_axes))
+        return key, known
+
     def _learnt_extents(self, inputs: list, in_call: bool) -> dict:
         """The global extents of the symbolic input axes split over devices, from every
         rank's shard (an uneven split's shards differ: no rank can tell the extent from its
-        own); one small collective, on every rank alike (it depends on the fusion only)."""
+        own); one small collective per call, on every rank alike (whether it runs depends
+        on the fusion only)."""
         axes = self._shared_axes
         if not axes or self.communicator is None or self.communicator.size == 1:
             return {}
