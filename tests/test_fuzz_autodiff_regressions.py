@@ -298,6 +298,18 @@ SEEDS: dict[str, Seed] = {
         2315, 2, "wrong gradient: see the case"),
     "weight_gradient_of_a_linear_over_an_expanded_broadcast-959": Seed(
         959, 3, "refused: see the case"),
+    # Symbolic extents (issue 31 item 6; tests/test_symbolic_extents.py has their cases).
+    "gradient_of_a_symbolic_input_on_other_ranks_mesh-0": Seed(
+        0, 2, "untyped: 'returned an invalid gradient at index 0 - got [0] but expected "
+        "shape compatible with [6]' (a meta stand-in got an empty gradient)",
+        features=FEATURES),
+    "gradient_of_a_symbolic_fusion-1": Seed(
+        1, 2, "refused: 'the gradient of prod needs the extents of T1, which are symbolic'",
+        features=FEATURES),
+    "symbolic_gradient_outputs_laid_out_as_the_build-67": Seed(
+        67, 2, "mismatch: the output of a reshape of -1 axes came back sharded (the fusion "
+        "made static propagated otherwise) where shard_tensor says whole",
+        features=FEATURES),
 }
 
 

@@ -1,7 +1,7 @@
 """Symbolic extents (``define_tensor`` with ``-1``) as first-class as static ones: what the
 build cannot decide without the extents (the communications each op needs, the checks of
 the schedules) is decided per set of bound extents, on a copy of the fusion with them made
-static (``meshfuse.ir.concrete``, ``passes.pipeline.concretize``, ``engine/builds.py``).
+static (``meshfuse.passes.concrete``, ``passes.pipeline.concretize``, ``engine/builds.py``).
 
 Each test was a refusal (or a crash) of a valid program found by the fuzzer with symbolic
 extents (``tests/fuzz_symbolic.py``; issue 31, item 6), and runs at world sizes 1 to 4

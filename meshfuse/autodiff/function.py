@@ -8,7 +8,7 @@ like the input (replicated inputs get complete gradients on every rank).
 The backward is derived for the floating-point inputs that require grad in a call (and are in
 ``wrt``), once per such set, then cached; for a fusion with symbolic extents, once per such
 set and set of extents the inputs bind (the fusion made static with them:
-:func:`meshfuse.ir.concrete.with_extents`, its unscheduled inputs and outputs laid out as its
+:func:`meshfuse.passes.concrete.with_extents`, its unscheduled inputs and outputs laid out as its
 build lays them out, which ``shard_tensor`` reads).
 
 DTensors in, DTensors out: called with DTensors, it takes their local shards (an unscheduled
@@ -40,10 +40,10 @@ from meshfuse.dtensor import (
 )
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import InputError
-from meshfuse.ir.concrete import has_symbolic_ids, with_extents
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 

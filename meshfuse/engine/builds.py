@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from meshfuse.ir.concrete import has_symbolic_ids
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import Allocation, TensorView
 from meshfuse.parallel.overlap import OverlapPlan
+from meshfuse.passes.concrete import has_symbolic_ids
 from meshfuse.passes.pipeline import CompiledFusion, concretize
 
 

@@ -21,7 +21,7 @@ signature and the rank (extents, local layouts, the per-rank program) is built f
 :mod:`meshfuse.engine.runner`; see ``docs/pipeline.md`` for the whole pipeline.
 
 A fusion with symbolic extents is built so too, then once more per set of bound extents
-(:func:`concretize`): a copy with those extents made static (:mod:`meshfuse.ir.concrete`),
+(:func:`concretize`): a copy with those extents made static (:mod:`meshfuse.passes.concrete`),
 on which :data:`SIGNATURE_PASSES` decide again what the extents decide (the communications
 each op needs, the schedules' checks), as for a program written with those extents.
 """
@@ -32,13 +32,13 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 
-from meshfuse.ir.concrete import with_extents
 from meshfuse.ir.fusion import Fusion
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
+from meshfuse.passes.concrete import with_extents
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings

@@ -15,7 +15,7 @@ import torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
-from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import (
     LocalLayout,
     derived_extents,
@@ -312,14 +312,29 @@ def shard_extents(fusion: Fusion, axes: Sequence[tuple[int, int]],
         v = declared[pos]
         id_ = v.materialized()[axis]
         types = [pt for _, pt in device_ids(v)[id_]]
-        shards: dict[tuple, int] = {}
-        for rank in v.mesh.device_ids:
-            if rank < len(by_rank) and by_rank[rank][k] >= 0:
-                coords = device_coords(v, rank)
-                shards.setdefault(tuple(coords[pt] for pt in types), by_rank[rank][k])
-        if shards:
-            known[id_] = sum(shards.values())
+        holders = [r for r in v.mesh.device_ids if r < len(by_rank)]
+        if any(by_rank[r][k] < 0 for r in holders):
+            continue  # a holder passed no tensor: its own check says so
+        shards = {tuple(device_coords(v, r)[pt] for pt in types): by_rank[r][k]
+                  for r in holders}
+        n = sum(shards.values())
+        if all(by_rank[r][k] == _shard_extent(v, id_, n, r) for r in holders):
+            known[id_] = n
+        # (else no extent gives every rank its shard: each binds its own guess, and the
+        # ranks' agreement names the one whose shard differs)
     return known
+
+
+def _shard_extent(tv: TensorView, id_: IterDomain, n: int, rank: int) -> int:
+    """The extent of ``rank``'s shard of logical axis ``id_`` of ``tv`` for global extent
+    ``n``."""
+    extents = {id_: n}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in extents:
+            rest = -(-extents[t.in_id] // t.factor)
+            extents[t.outer], extents[t.inner] = \
+                (rest, t.factor) if t.inner_split else (t.factor, rest)
+    return local_extent(tv, id_, extents, device_coords(tv, rank))
 
 
 def _check_local_extents(tv: TensorView, x: torch.Tensor, extents: Mapping[IterDomain, int],
