@@ -24,6 +24,7 @@ import random
 import fuzz_indexing
 import fuzz_overlap
 import fuzz_precision
+import fuzz_symbolic
 import fuzz_typed
 import torch
 
@@ -72,6 +73,9 @@ class Features:
             (``fuzz_indexing.py``): ``embedding_fwd``, ``take_along_axis``, ``index_select``
             and ``cross_entropy`` on class indices; the schedules split the looked-up axes
             (a vocabulary) like any other.
+        symbolic: some programs declare their inputs' extents ``-1`` (symbolic until
+            execute), drawn after the rest by a generator of their own
+            (``fuzz_symbolic.py``): the same seed's program otherwise.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -86,6 +90,7 @@ class Features:
     overlap: bool = False
     stream_axes: bool = False
     indexing: bool = False
+    symbolic: bool = False
 
 
 @dataclasses.dataclass
@@ -119,13 +124,16 @@ class Program:
     index_high: dict[str, int] = dataclasses.field(default_factory=dict)
     low: str = ""  # Features.low_precision: the program's half-precision DataType name
     overlap_chunks: int = 0  # Features.overlap: MESHFUSE_OVERLAP_CHUNKS of its run (0: unset)
+    # Features.symbolic: input -> its declared shape, -1 where symbolic (absent: static)
+    symbolic: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def dtype(self, name: str) -> str:
         """The DataType name of input ``name`` (Float unless the generator chose another)."""
         return self.dtypes.get(name, "Float")
 
     def definition_code(self) -> str:
-        lines = [f"{n} = fd.define_tensor({list(s)}, dtype=DataType.{self.dtype(n)}"
+        lines = [f"{n} = fd.define_tensor({self.symbolic.get(n, list(s))}, "
+                 f"dtype=DataType.{self.dtype(n)}"
                  + (f", stride_order={self.layouts[n]})" if n in self.layouts else ")")
                  for n, s in self.inputs]
         lines += self.fd_lines
@@ -169,7 +177,9 @@ with FusionDefinition() as fd:
 {self.schedule_code()}
 compiled = compiled_for(fd.fusion)  # every tensor has its mesh there
 held = [compiled[tv].mesh is None or rank in compiled[tv].mesh for tv in fd.fusion.inputs()]
-local = [meshfuse.shard_tensor(x, tv, rank) if h else None
+local = [meshfuse.shard_tensor(x, tv, rank) if h else
+         torch.empty(x.shape, dtype=x.dtype, device="meta")  # symbolic extents: see execute
+         if any(i.extent is None for i in tv.logical) else None
          for x, tv, h in zip(inputs, fd.fusion.inputs(), held)]
 {FORWARD_CHECK if check is None else check}"""
 
@@ -660,6 +670,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
     if features.overlap:
         fuzz_overlap.add_overlap(program, rng, {v.name: v for v in g.values}, features.uneven,
                                  features.stream_axes)
+    if features.symbolic:
+        fuzz_symbolic.choose(program)
     return program
 
 

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Iterable
 
 import fuzz_precision
+import fuzz_symbolic
 import torch
 import torch.distributed as dist
 from fusion_snapshot import snapshot
@@ -113,10 +114,11 @@ def holder(fusion, rank: int) -> Callable[[object], bool]:
 
 def local_inputs(fusion, inputs: list[torch.Tensor], rank: int,
                  device: torch.device) -> list[torch.Tensor | None]:
-    """This rank's shards of global ``inputs`` (None where it holds none), as ``execute``
-    takes them."""
+    """This rank's shards of global ``inputs`` (None where it holds none, or a meta tensor of
+    its global shape for an input with symbolic extents), as ``execute`` takes them."""
     held = holder(fusion, rank)
-    return [shard_tensor(x.detach().to(device), tv, rank) if held(tv) else None
+    return [shard_tensor(x.detach().to(device), tv, rank) if held(tv)
+            else fuzz_symbolic.stand_in(tv, x.shape, x.dtype)
             for x, tv in zip(inputs, fusion.inputs())]
 
 

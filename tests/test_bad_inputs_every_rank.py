@@ -195,10 +195,14 @@ CASES: dict[str, Case] = {
                                 ("T0", "axis 1", f"{COLS - 1}", f"{COLS}")),
     "broadcast_axis_not_one": Case(broadcast_axis, first(lambda x: x.expand(ROWS, 3).clone()),
                                    InputError, ("T0", "axis 1", "broadcast")),
-    "symbolic_extents_disagree": Case(add, _replace(1, lambda w: w[1:]), InputError,
-                                      ("add", "T0", "T1", "axis 0")),
-    "symbolic_local_shape_differs": Case(symbolic_relu, first(lambda x: x[1:]), InputError,
-                                         ("input T0", "axis 0"), needs_ranks=True),
+    # (a row more on the last rank fits no split; a row fewer would be a valid uneven w of
+    # one row fewer than x, refused alike on every rank: operands that do not broadcast)
+    "symbolic_extents_disagree": Case(add, _replace(1, lambda w: torch.cat([w, w[:1]])),
+                                      InputError, ("add", "T0", "T1", "axis 0")),
+    # One row more on the last rank: no split gives the ranks' shards (one row fewer there
+    # is an uneven split, whose extent the ranks learn from each other's shards: valid).
+    "symbolic_local_shape_differs": Case(symbolic_relu, first(lambda x: torch.cat([x, x[:1]])),
+                                         InputError, ("input T0", "axis 0"), needs_ranks=True),
     "symbolic_dtype_differs": Case(symbolic_relu, first(lambda x: x.double()), InputError,
                                    ("T0", "float64")),
     # memory layouts

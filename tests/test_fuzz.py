@@ -32,7 +32,7 @@ PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
-                    indexing=True)
+                    indexing=True, symbolic=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
 # Low-precision programs (Features.low_precision): their own count, the same long mode.
 DEFAULT_LOW_PRECISION_PROGRAMS = 40
@@ -87,7 +87,9 @@ def test_fuzz_overlap_programs_match_torch(multidevice_test):
     GEMMs, ``MESHFUSE_OVERLAP_CHUNKS`` drawn): against torch, and, sharded, some program of
     the run must have formed a loop (``fd.explain``'s stream loops), else the mode tests
     nothing."""
-    features = dataclasses.replace(_features(), overlap=True, stream_axes=True)
+    # Without symbolic extents for now: seed 19 at 4 ranks with them mismatches (an open
+    # regression, test_fuzz_regressions' symbolic_extents_in_a_forced_stream_loop-19).
+    features = dataclasses.replace(_features(), overlap=True, stream_axes=True, symbolic=False)
     looped = []
 
     def run(program, rank, device):

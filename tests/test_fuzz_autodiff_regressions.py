@@ -18,7 +18,7 @@ import pytest
 import torch
 from fuzz_cases import Case, set_up
 from fuzz_gradients import check_gradients, run_gradients
-from fuzz_programs import generate
+from fuzz_programs import Features, generate
 from mesh_helpers import MX, shard
 from test_fuzz_autodiff import FEATURES
 
@@ -265,6 +265,11 @@ def test_gradient_regression(multidevice_test, name):
     assert not failure, failure
 
 
+# The features the seeds below were drawn with, unless they name theirs (symbolic extents
+# came later: the same seeds' programs, some with symbolic extents).
+DRAWN_WITH = dataclasses.replace(FEATURES, symbolic=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Seed:
     """A gradient fuzzer program (``generate(seed, world_size, FEATURES)``) that once
@@ -273,6 +278,7 @@ class Seed:
     seed: int
     world_size: int
     was: str
+    features: Features = DRAWN_WITH
 
 
 SEEDS: dict[str, Seed] = {
@@ -292,6 +298,18 @@ SEEDS: dict[str, Seed] = {
         2315, 2, "wrong gradient: see the case"),
     "weight_gradient_of_a_linear_over_an_expanded_broadcast-959": Seed(
         959, 3, "refused: see the case"),
+    # Symbolic extents (issue 31 item 6; tests/test_symbolic_extents.py has their cases).
+    "gradient_of_a_symbolic_input_on_other_ranks_mesh-0": Seed(
+        0, 2, "untyped: 'returned an invalid gradient at index 0 - got [0] but expected "
+        "shape compatible with [6]' (a meta stand-in got an empty gradient)",
+        features=FEATURES),
+    "gradient_of_a_symbolic_fusion-1": Seed(
+        1, 2, "refused: 'the gradient of prod needs the extents of T1, which are symbolic'",
+        features=FEATURES),
+    "symbolic_gradient_outputs_laid_out_as_the_build-67": Seed(
+        67, 2, "mismatch: the output of a reshape of -1 axes came back sharded (the fusion "
+        "made static propagated otherwise) where shard_tensor says whole",
+        features=FEATURES),
 }
 
 
@@ -300,7 +318,7 @@ def test_gradient_fuzz_seed(multidevice_test, name):
     seed = SEEDS[name]
     if multidevice_test.size != seed.world_size:
         pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
-    outcome = run_gradients(generate(seed.seed, seed.world_size, FEATURES),
+    outcome = run_gradients(generate(seed.seed, seed.world_size, seed.features),
                             multidevice_test.rank, multidevice_test.device)
     assert outcome.kind == "match", outcome.report()
 

@@ -583,6 +583,7 @@ CI_FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True
 LOW_PRECISION = dataclasses.replace(CI_FEATURES, low_precision=True)
 OVERLAP = dataclasses.replace(CI_FEATURES, overlap=True)
 OVERLAP_STREAM_AXES = dataclasses.replace(OVERLAP, stream_axes=True)
+SYMBOLIC = dataclasses.replace(CI_FEATURES, symbolic=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -640,6 +641,35 @@ SEEDS: dict[str, Seed] = {
         "split in 3 x 2, the piece of 2 sharded over 4 ranks (strided blocks), forced into "
         "a loop that reduces contiguous blocks: 'The size of tensor a (3) must match the "
         "size of tensor b (2)'", features=OVERLAP),
+    # Symbolic extents (issue 31 item 6): the same seeds' programs with static extents ran.
+    "symbolic_uneven_split_learnt_from_every_rank-3": Seed(
+        3, 2, "refused: 'ranks disagree on input T0': an uneven split of a -1 axis, whose "
+        "extent each rank took for its shard times 2", features=SYMBOLIC),
+    "symbolic_operand_resharded_per_signature-6": Seed(
+        6, 2, "refused: 'T3 = where(T2, T0, T1): T0 axis 0 is replicated but axis 0 of T3 is "
+        "DIDx ...: schedule both alike': the resharding was decided without the extents",
+        features=SYMBOLIC),
+    "slice_of_a_symbolic_axis-9": Seed(
+        9, 2, "refused when defined: 'slice: axis 0 has a symbolic extent; slicing it needs a "
+        "static extent'", features=SYMBOLIC),
+    "symbolic_uneven_split_broadcast_against_static-15": Seed(
+        15, 2, "refused: 'add: operands do not broadcast ... extent 3, ... extent 4': an "
+        "uneven -1 axis bound as if even (4, not 3)", features=SYMBOLIC),
+    "symbolic_uneven_split_with_empty_shards-6": Seed(
+        6, 4, "refused: 'T2 = exp(T0): T0 axis 0 is DIDx (owners []), DIDy (owners []) but "
+        "axis 0 of T2 is ...' on the 2x2 mesh (an extent bound as if even)",
+        features=SYMBOLIC),
+    "symbolic_operand_of_maximum_resharded_per_signature-21": Seed(
+        21, 4, "refused: 'T3 = maximum(T0, T1): T1 axis 2 is replicated but axis 2 of T3 is "
+        "DIDx ...'", features=SYMBOLIC),
+    "symbolic_broadcast_in_dim_resharded_per_signature-22": Seed(
+        22, 4, "refused: 'T2 = broadcast_in_dim(T3, ...): T3 axis 0 is replicated but ...'",
+        features=SYMBOLIC),
+    "symbolic_extents_in_a_forced_stream_loop-19": Seed(
+        19, 4, "mismatch (6 of 12 values of linear(div(x, abs(w) + 1), v) on the 2x2 mesh, "
+        "set_overlap(True), 2 chunks) with symbolic extents; the same program with static "
+        "extents matches. Not fixed yet: the overlap mode draws no symbolic extents until "
+        "it is", open=True, features=dataclasses.replace(OVERLAP_STREAM_AXES, symbolic=True)),
     # Found in session 13's last campaign, not fixed yet (strict xfails: they pass once fixed).
     "gemm_pattern_on_a_reduction_result-619": Seed(
         619, 4, "mismatch, the generator's: the overlap mode's GEMM pattern wrote logical axis "

@@ -6,7 +6,10 @@ cotangents and the residuals and returns each input's gradient, as this rank's s
 like the input (replicated inputs get complete gradients on every rank).
 
 The backward is derived for the floating-point inputs that require grad in a call (and are in
-``wrt``), once per such set, then cached.
+``wrt``), once per such set, then cached; for a fusion with symbolic extents, once per such
+set and set of extents the inputs bind (the fusion made static with them:
+:func:`meshfuse.passes.concrete.with_extents`, its unscheduled inputs and outputs laid out as its
+build lays them out, which ``shard_tensor`` reads).
 
 DTensors in, DTensors out: called with DTensors, it takes their local shards (an unscheduled
 input gets its DTensor's placements, as ``execute`` does) and returns DTensors; gradients
@@ -22,7 +25,7 @@ as a residual and modified in place before the backward is an error, as in PyTor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +41,9 @@ from meshfuse.dtensor import (
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import InputError
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 
@@ -72,18 +77,40 @@ class FusionFunction:
         inputs = fusion.inputs()
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
-        self._derivations: dict[tuple[int, ...], _Compiled] = {}
+        self._derivations: dict[tuple, _Compiled] = {}
         self._lacking: bool | None = None  # see _inputs_not_everywhere
+        self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
 
-    def derivation(self, requires_grad: Sequence[bool]) -> _Compiled:
+    def derivation(self, requires_grad: Sequence[bool],
+                   extents: Mapping[IterDomain, int] | None = None) -> _Compiled:
         """The compiled forward and backward for inputs whose ``requires_grad`` flags are
-        ``requires_grad`` (one per fusion input)."""
+        ``requires_grad`` (one per fusion input); for a fusion with symbolic extents, of
+        the fusion with ``extents`` (bound by the inputs) made static: a gradient's shapes
+        are decided per set of extents, as the forward's communications are."""
         inputs = self.fusion.inputs()
         wrt = tuple(i for i, v in enumerate(inputs) if v in self.wrt and requires_grad[i])
-        if wrt not in self._derivations:
-            derivation = derive(self.fusion, [inputs[i] for i in wrt], self.remat)
-            self._derivations[wrt] = _Compiled(derivation, self.compile)
-        return self._derivations[wrt]
+        key = (wrt, None if extents is None else self._symbolic_key(extents))
+        if key not in self._derivations:
+            source = self.fusion
+            if extents is not None:
+                build = compiled_for(self.fusion)
+                ends = [v for v in (*inputs, *self.fusion.outputs()) if isinstance(v, TensorView)]
+                source, _ = with_extents(self.fusion, extents, {v: build[v] for v in ends})
+            derivation = derive(source, [source.inputs()[i] for i in wrt], self.remat)
+            self._derivations[key] = _Compiled(derivation, self.compile)
+        return self._derivations[key]
+
+    def _symbolic_key(self, extents: Mapping[IterDomain, int]) -> tuple:
+        return tuple(extents[i] for tv in self.fusion.tensors() for i in tv.logical
+                     if i.extent is None)
+
+    def _bound(self, inputs: Sequence[Any]) -> Mapping[IterDomain, int] | None:
+        """The extents ``inputs`` bind, for a fusion with symbolic extents (else None)."""
+        if not has_symbolic_ids(self.fusion):
+            return None
+        if self._extents is None:
+            self._extents = FusionRunner(self.fusion)
+        return self._extents.bound_extents(inputs)
 
     def __call__(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``, recorded for autograd. With DTensors among
@@ -114,12 +141,13 @@ class FusionFunction:
         holds no shard of some input (it lies on other ranks' meshes), the ranks agree on
         which inputs require grad (one small allgather per call, only for such fusions):
         each rank derives and runs the same forward and backward."""
+        extents = self._bound(inputs)
         if not torch.is_grad_enabled():
-            return self.derivation([False] * len(inputs))
+            return self.derivation([False] * len(inputs), extents)
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
         if self._inputs_not_everywhere():
             flags = _agreed(flags)
-        return self.derivation(flags)
+        return self.derivation(flags, extents)
 
     def _inputs_not_everywhere(self) -> bool:
         """Whether some rank of the world holds no shard of some tensor input (decided on
@@ -195,7 +223,10 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, anchor, *inputs):
         d = compiled.derivation
-        ctx.absent = [x is None for x in inputs]  # inputs on other ranks get no gradient
+        # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
+        # input's global shape there).
+        ctx.absent = [x is None or isinstance(x, torch.Tensor) and x.device.type == "meta"
+                      for x in inputs]
         results = compiled.run_forward(list(inputs))
         outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]

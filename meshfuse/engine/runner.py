@@ -10,6 +10,11 @@ localize (:func:`~meshfuse.passes.localization.localize`), and build the :class:
 (:func:`~meshfuse.runtime.interpreter.program.build_program`), each communication's plan bound to
 this rank's groups. With ``cuda_graph=True``, the program is captured once
 (:mod:`meshfuse.runtime.replay.graphs`).
+
+A fusion with symbolic extents: the binding (its global extents, an uneven split's learnt
+from every rank's shard: :func:`~meshfuse.runtime.interpreter.agreement.exchanged`) picks
+the build of those extents (:mod:`meshfuse.engine.builds`), which the rest of the steps
+above use in place of the fusion's own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+from meshfuse.engine.builds import Build, Builds
 from meshfuse.engine.explaining import BUILD_FAILURES
 from meshfuse.engine.settings import (
     AUTO,
@@ -38,7 +44,7 @@ from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.parallel import context, fsdp
-from meshfuse.parallel.overlap import OverlapPlan, group_stream_loops
+from meshfuse.parallel.overlap import group_stream_loops
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.passes.sharding_check import check_no_resharding
@@ -56,14 +62,18 @@ from meshfuse.runtime.interpreter import (
     build_program,
     check_inputs,
     check_strides,
+    exchanged,
     fuse_program,
     has_symbolic_extents,
     held_here,
     input_facts,
     is_cpu_scalar,
     local_context,
+    local_extents,
     out_of_step,
     required_device,
+    shard_extents,
+    sharded_symbolic_axes,
 )
 from meshfuse.runtime.replay import (
     AutoReplay,
@@ -88,8 +98,14 @@ class FusionRunner:
         self.fusion = self.compiled.fusion
         self.allocations = self.compiled.allocations
         self.world_size = world
-        # Stream loops, and communications next to GEMMs it may run as loops (docs/overlap.md).
-        self.overlap = OverlapPlan.of(self.fusion)
+        # The build of each set of bound extents (the fusion's own when they are static),
+        # with its stream loops and the communications it may run as loops (docs/overlap.md).
+        self.builds = Builds(self.compiled)
+        self.overlap = self.builds.base.overlap
+        # Symbolic input axes split over devices: their extents are learnt from every rank.
+        self._shared_axes = sharded_symbolic_axes(self.fusion) if self.builds.symbolic else []
+        self._signatures: dict[tuple, tuple[Build, Binding]] = {}
+        self._bound: dict[tuple, dict] = {}  # see bound_extents
         # nvFuser's offset_stream_indexing_by_rank: allgathers decomposed in ring order.
         self.ring_order = False
         # How stream loops' decomposed communications move data (CommunicatorBackend).
@@ -110,20 +126,22 @@ class FusionRunner:
         from ``inputs`` when given. ``verbose`` adds the domains of every tensor and, with
         ``inputs``, the program's steps."""
         extents = program = None
+        build = self.builds.base
         # Without inputs, the device is the communicator's (where a multi-rank program's
         # tensors live); a lone process does not know it yet.
         device = self.communicator.device if self.communicator is not None else None
         if inputs is not None:
-            key = _signature(inputs)
+            key, known = self._key(inputs, False)
             if key not in self._programs:
                 try:
-                    self._programs[key] = self._make_program(list(inputs), None)
+                    self._programs[key] = self._make_program(list(inputs), None, known, key)
                 except BUILD_FAILURES as error:
                     return self._explain_unbuilt_program(inputs, error, verbose)
             program = self._programs[key]
-            extents = bind(self.fusion, self.allocations, list(inputs), self.rank).extents
+            build, binding = self._signatures[key]
+            extents = binding.extents
             device = _device_of(inputs, self.communicator)
-        text = explain(self.fusion, self.allocations, self.rank, self.world_size, extents,
+        text = explain(build.fusion, build.allocations, self.rank, self.world_size, extents,
                        device)
         text = "\n".join([text, *self._loop_lines(key if inputs is not None else None)])
         if program is not None:
@@ -131,7 +149,7 @@ class FusionRunner:
                               *self._fusion_lines(key, device)])
         if not verbose:
             return text
-        parts = [text, format_fusion(self.fusion, self.allocations)]
+        parts = [text, format_fusion(build.fusion, build.allocations)]
         if program is not None:
             parts.append(describe_program(program, self.fusion.outputs()))
         return "\n".join(parts)
@@ -175,6 +193,7 @@ class FusionRunner:
         call = communicator.lone.begin_call()
         if self._generation != communicator.generation:  # recover() made new groups
             self._programs.clear()
+            self._signatures.clear()
             self._fused.clear()
             self._graphs.clear()
             self._replays.clear()
@@ -196,11 +215,12 @@ class FusionRunner:
                  compile: bool | str | None, donate: bool, timeout: float | None,
                  staged: Sequence[int] = ()) -> list[torch.Tensor]:
         start = time.perf_counter_ns()  # the call's host time (host_time.py)
-        key = _signature(inputs)
+        key, known = self._key(inputs, True)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(
-                list(inputs), check_ranks, lambda: _checked_options(timeout, compile), True)
+                list(inputs), check_ranks, known, key,
+                lambda: _checked_options(timeout, compile), True)
         else:
             _checked_options(timeout, compile)
         if self.communicator is not None:
@@ -257,29 +277,31 @@ class FusionRunner:
             graphed = self._graphs[graph_key] = GraphedProgram(program, inputs)
         return graphed.run(inputs)
 
-    def _make_program(self, inputs: list, check_ranks: bool | None,
+    def _make_program(self, inputs: list, check_ranks: bool | None, known: dict, key: tuple,
                       check_options=lambda: None, in_call: bool = False) -> Program:
         """Checks ``check_options()`` and binds ``inputs`` (agreeing across ranks unless
-        ``check_ranks`` is False; ``in_call``: for ``execute``), then builds the program
-        (which creates process groups)."""
-        fusion = self.fusion
+        ``check_ranks`` is False; ``in_call``: for ``execute``; ``known``, ``key``: see
+        ``_key``), then builds the program (which creates process groups)."""
         device = _device_of(inputs, self.communicator)
 
-        def prepare() -> tuple[Binding, dict]:
+        def prepare() -> tuple[Binding, dict, Build]:
             # Localizing reads the environment (context parallelism's options): a rank
             # whose value is bad or differs fails in the agreement, not in a transfer.
             check_options()
-            binding = self._bind(inputs)
+            build, binding = self._bind(inputs, known)
             here = local_context(binding, self.rank, device)
-            return binding, localize(fusion, binding.extents, binding.layouts, here)
+            return binding, localize(build.fusion, binding.extents, binding.layouts,
+                                     here), build
 
-        binding, local = agreed_inputs(
-            self.communicator, fusion, inputs, prepare,
-            lambda prepared, tv: _extents_of(prepared[0], tv), self._shape_known,
-            check_ranks, in_call, lambda prepared: context.agreed_facts(fusion.exprs, prepared[1]),
+        binding, local, build = agreed_inputs(
+            self.communicator, self.fusion, inputs, prepare,
+            lambda prepared, tv: _extents_of(prepared[0], prepared[2].compiled[tv]),
+            self._shape_known, check_ranks, in_call,
+            lambda prepared: context.agreed_facts(prepared[2].fusion.exprs, prepared[1]),
         )
-        plans = self.overlap.loops_for(_signature(inputs), binding.extents, device,
-                                       self.loop_transport)
+        fusion = build.fusion
+        self._signatures[key] = build, binding
+        plans = build.overlap.loops_for(key, binding.extents, device, self.loop_transport)
         self._create_loop_groups(plans)
         rewrites = []
         if plans:
@@ -287,7 +309,8 @@ class FusionRunner:
                 _group_loops, plans, binding=binding, rank=self.rank,
                 group_of=self._group, ring_all=self.ring_order,
                 transport=self.loop_transport, device=device))
-        layered = fsdp.layer_schedule(fusion, [fusion, self._source()], self.compiled.__getitem__)
+        layered = fsdp.layer_schedule(fusion, [fusion, self._source()],
+                                      build.compiled.__getitem__)
         if layered is not None:
             rewrites.append(functools.partial(layered.regroup, rank=self.rank,
                                               layouts=binding.layouts, group_of=self._group))
@@ -313,6 +336,46 @@ class FusionRunner:
                     for axis in range(mesh.ndim):
                         self.communicator.group_if_member(mesh, axis)
 
+    def bound_extents(self, inputs: Sequence[Any]) -> dict:
+        """The global extent of every ID of the fusion's build on ``inputs`` (checked):
+        what a fusion with symbolic extents is made static with to differentiate it
+        (``meshfuse.autodiff``). Kept per signature; on a new one, every rank calls it (an
+        uneven split's extents are learnt from every rank's shard)."""
+        key, known = self._key(inputs, False)
+        if key not in self._bound:
+            inputs = list(inputs)
+            comm = self.communicator
+            device = None if comm is None else required_device(comm.backend, comm.device,
+                                                               comm.size)
+            check_inputs(self.fusion, inputs, self.rank, device)
+            self._bound[key] = bind(self.fusion, self.allocations, inputs, self.rank,
+                                    known).extents
+        return self._bound[key]
+
+    def _key(self, inputs: Sequence[Any], in_call: bool) -> tuple[tuple, dict]:
+        """The key of ``inputs``' program: their signature, and for a fusion whose symbolic
+        input axes are split over devices the global extents of those, learnt from every
+        rank's shard on every call (``_learnt_extents``): a rank's shard of an uneven split
+        may stay the same while the others' change. Returns the key and those extents."""
+        key = _signature(inputs)
+        known = self._learnt_extents(list(inputs), in_call)
+        if known:
+            inputs_of = self.fusion.inputs()
+            key = (key, tuple(known.get(inputs_of[pos].materialized()[axis])
+                              for pos, axis in self._shared_axes))
+        return key, known
+
+    def _learnt_extents(self, inputs: list, in_call: bool) -> dict:
+        """The global extents of the symbolic input axes split over devices, from every
+        rank's shard (an uneven split's shards differ: no rank can tell the extent from its
+        own); one small collective per call, on every rank alike (whether it runs depends
+        on the fusion only)."""
+        axes = self._shared_axes
+        if not axes or self.communicator is None or self.communicator.size == 1:
+            return {}
+        mine = local_extents(self.fusion, inputs, self.rank, axes)
+        return shard_extents(self.fusion, axes, exchanged(self.communicator, mine, in_call))
+
     def _shape_known(self, tv: TensorView) -> bool:
         """Whether this rank's input for ``tv`` tells its global shape, to agree on: a shard
         it holds, or the stand-in of a symbolic input off its mesh (see ``bind``)."""
@@ -321,7 +384,7 @@ class FusionRunner:
     def _out_of_step(self, error: OutOfStep, inputs: Sequence[Any]) -> Exception:
         """The error of this rank, running a cached program, when another rank checks a new
         signature in the same call: the difference of their inputs."""
-        binding = self._bind(list(inputs))
+        binding = bind(self.fusion, self.allocations, list(inputs), self.rank)
         facts = input_facts(self.fusion, inputs, lambda tv: _extents_of(binding, tv),
                             self._shape_known)
         return out_of_step(error.notice, self.rank, facts)
@@ -348,23 +411,29 @@ class FusionRunner:
                 lines += host.lines()
         return lines
 
-    def _bind(self, inputs: list) -> Binding:
-        """This rank's checks of ``inputs`` and their binding; communicates nothing."""
-        fusion = self.fusion
+    def _bind(self, inputs: list, known: dict) -> tuple[Build, Binding]:
+        """This rank's checks of ``inputs``, the build of their extents (``known``: see
+        ``_learnt_extents``) and their binding to it; communicates nothing."""
         comm = self.communicator
         device = None if comm is None else required_device(comm.backend, comm.device, comm.size)
-        check_inputs(fusion, inputs, self.rank, device)
-        binding = bind(fusion, self.allocations, inputs, self.rank)
+        check_inputs(self.fusion, inputs, self.rank, device)
+        build = self.builds.base
+        if self.builds.symbolic:
+            extents = bind(self.fusion, self.allocations, inputs, self.rank, known).extents
+            build = self.builds.for_extents(extents)
+        fusion = build.fusion  # (whose extents are static: the symbolic ones are bound)
+        binding = bind(fusion, build.allocations, inputs, self.rank)
         for v, x in zip(fusion.inputs(), inputs):
             if isinstance(v, TensorView) and held_here(v, self.rank):
                 check_strides(v, x, binding.layouts[v])
         check_no_resharding(fusion, binding.extents)
-        return binding
+        return build, binding
 
     def _loop_lines(self, key: tuple | None) -> list[str]:
         """explain's lines on stream-parallel loops (for ``key``'s signature, when given)."""
         program = self._programs.get(key) if key is not None else None
-        return self.overlap.explain_lines(key, self.ring_order, program)
+        build = self._signatures[key][0] if key in self._signatures else self.builds.base
+        return build.overlap.explain_lines(key, self.ring_order, program)
 
     def _group(self, mesh, mesh_axis: int) -> Group | None:
         """This rank's Group along ``mesh_axis`` of ``mesh`` (every rank takes part in

@@ -61,7 +61,9 @@ def window_axes(op: str, x: TensorMeta, start_indices, end_indices, strides,
     for a, (start, end, step) in enumerate(zip(start_indices, end_indices, strides)):
         start, end = _slice_bounds(op, x, a, start, end, step, normalize)
         whole = (start, end, step) == (0, x.shape[a], 1)
-        out = (end - start + step - 1) // step if end is not None else None
+        # A window of a symbolic axis has a symbolic extent (bound at execute, where this
+        # rule runs again with the extents); it maps from no input axis (as any window).
+        out = (end - start + step - 1) // step if None not in (end, x.shape[a]) else None
         axes.append(AxisSpec(out, x.iter_types[a] if whole else IterType.Iteration,
                              ((0, a),) if whole else ()))
     return tuple(axes)
@@ -77,13 +79,19 @@ def _slice_bounds(op: str, x: TensorMeta, a: int, start: int, end, step: int,
         raise DefinitionError(f"{op}: stride {step} of axis {a} must be positive")
     if isinstance(end, SymbolicSize) and extent is not None:
         end = extent  # the size of this axis, known once execute binds it
-    if isinstance(end, SymbolicSize) or extent is None:
-        if extent is None and (start, step) == (0, 1) and isinstance(end, SymbolicSize):
+    if isinstance(end, SymbolicSize):
+        if (start, step) == (0, 1):
             return 0, None  # the whole symbolic axis
         raise DefinitionError(
-            f"{op}: axis {a} has a symbolic extent; slicing it needs a static extent (or "
-            "the whole axis: start 0, end fd.ops.size of that axis)"
+            f"{op}: axis {a} has a symbolic extent; a window of it ending at fd.ops.size "
+            "starts at 0 with stride 1: pass a number as its end instead (negative ones "
+            "count from the end)"
         )
+    if extent is None:  # checked against the extent at execute, where it is bound
+        if not normalize and not 0 <= start <= end:
+            raise DefinitionError(
+                f"{op}: bounds [{start}, {end}) of axis {a} must satisfy 0 <= start <= end")
+        return start, end
     if normalize:
         start, end = (min(max(i + extent if i < 0 else i, 0), extent) for i in (start, end))
         end = max(end, start)

@@ -19,19 +19,26 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 The result, a :class:`CompiledFusion`, is the same on every rank. What depends on the input
 signature and the rank (extents, local layouts, the per-rank program) is built from it by
 :mod:`meshfuse.engine.runner`; see ``docs/pipeline.md`` for the whole pipeline.
+
+A fusion with symbolic extents is built so too, then once more per set of bound extents
+(:func:`concretize`): a copy with those extents made static (:mod:`meshfuse.passes.concrete`),
+on which :data:`SIGNATURE_PASSES` decide again what the extents decide (the communications
+each op needs, the schedules' checks), as for a program written with those extents.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
+from meshfuse.passes.concrete import with_extents
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
@@ -151,6 +158,38 @@ def compile(fusion: Fusion, world_size: int | None = None,
                               weakref.WeakKeyDictionary(counterparts))
     _compiled_copies[copy] = weakref.ref(compiled)
     return compiled
+
+
+# The passes run again on a copy whose symbolic extents are bound (see concretize): the
+# shardings stay as built (propagation and the strategies' plans are kept: the inputs are
+# laid out by them), the communications and checks are decided with the extents.
+SIGNATURE_PASSES = (
+    _check_world,
+    _reshard,
+    _check_all,
+)
+
+
+def concretize(compiled: CompiledFusion, extents: Mapping[IterDomain, int],
+               lint: bool = False) -> CompiledFusion:
+    """``compiled`` (a build of a fusion with symbolic extents) for one set of bound
+    ``extents`` (every ID of every tensor of ``compiled.fusion``, as a binding gives them):
+    a copy with those extents static, through :data:`SIGNATURE_PASSES` and the memory-order
+    inference. Its counterparts map the user's values (and ``compiled``'s) to the copy's;
+    ``compiled`` is not changed."""
+    copy, counterparts = with_extents(compiled.fusion, extents)
+    if lint:
+        check_graph(copy, "with_extents")
+    for run in SIGNATURE_PASSES:
+        run(copy, compiled.world_size)
+        if lint:
+            check_graph(copy, run.__name__.strip("_"))
+    mapped = weakref.WeakKeyDictionary(
+        {user: counterparts[v] for user, v in compiled.counterparts.items()})
+    mapped.update(counterparts)
+    concrete = CompiledFusion(copy, infer_allocations(copy), compiled.world_size, mapped)
+    _compiled_copies[copy] = weakref.ref(concrete)
+    return concrete
 
 
 # A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).

@@ -29,6 +29,8 @@ communication. The result depends only on the fusion, not on the order of schedu
 
 from __future__ import annotations
 
+import weakref
+
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
@@ -286,7 +288,8 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     if not leaves or target_id not in target.loop \
             or target_id.is_broadcast != ref_id.is_broadcast:
         return
-    if ref_id.extent != target_id.extent and not _is_block_shard(ref, ref_id, target_id):
+    if _extent(ref, ref_id) != _extent(target, target_id) and \
+            not _is_block_shard(ref, ref_id, target_id):
         return
     chain = {ref_id: target_id}
     for t in ref.transforms:
@@ -330,3 +333,57 @@ def _as_computed(expr: Expr, inputs: list[TensorView]) -> list[TensorView]:
             tv = gathered
         result.append(tv)
     return result
+
+
+def _extent(tv: TensorView, id_: IterDomain) -> int | None:
+    """``id_``'s extent, or for a symbolic one the static extent of an axis an op maps it to
+    one to one (a pointwise op's operands, a reshape's ``-1`` onto a static axis: equal by
+    the op's shape rule), else None."""
+    if id_.extent is not None:
+        return id_.extent
+    return _equal_extents(tv.fusion).get(id_)
+
+
+# A fusion -> (its number of expressions when read, symbolic ID -> the static extent it
+# equals); read again when expressions were added.
+_equalities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _equal_extents(fusion: Fusion) -> dict[IterDomain, int]:
+    cached = _equalities.get(fusion)
+    if cached is not None and cached[0] == len(fusion.exprs):
+        return cached[1]
+    root: dict[IterDomain, IterDomain] = {}
+
+    def find(i: IterDomain) -> IterDomain:
+        while root.get(i, i) is not i:
+            i = root[i]
+        return i
+
+    for expr in fusion.exprs:
+        for out_id, src in _one_to_one(expr):
+            a, b = find(out_id), find(src)
+            if a is not b:
+                root[a] = b
+    static = {find(i): i.extent for i in root if i.extent is not None}
+    static.update({find(i): i.extent for i in root.values() if i.extent is not None})
+    table = {i: static[find(i)] for i in (*root, *root.values())
+             if i.extent is None and find(i) in static}
+    _equalities[fusion] = (len(fusion.exprs), table)
+    return table
+
+
+def _one_to_one(expr: Expr):
+    """(output ID, input ID) pairs of ``expr``'s domain map that map one axis of an input
+    to one axis of an output and back, broadcast axes left out."""
+    uses: dict[IterDomain, int] = {}
+    for sources in expr.id_map.values():
+        for s in sources:
+            uses[s] = uses.get(s, 0) + 1
+    owner = {i: t for t in expr.tensor_inputs for i in t.logical}
+    for out_id, sources in expr.id_map.items():
+        for s in sources:
+            same_input = [x for x in sources if owner.get(x) is owner.get(s)]
+            if uses[s] == 1 and len(same_input) == 1 and not s.is_broadcast and \
+                    not out_id.is_broadcast:
+                yield out_id, s

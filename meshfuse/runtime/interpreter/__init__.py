@@ -1,7 +1,12 @@
 """The per-rank program: binding of extents and local layouts, the ranks' agreement on their
 inputs, the program's ``Step`` records and their executor, fused segments, allreduce buckets."""
 
-from meshfuse.runtime.interpreter.agreement import agreed_inputs, input_facts, out_of_step
+from meshfuse.runtime.interpreter.agreement import (
+    agreed_inputs,
+    exchanged,
+    input_facts,
+    out_of_step,
+)
 from meshfuse.runtime.interpreter.binding import (
     Binding,
     bind,
@@ -11,7 +16,10 @@ from meshfuse.runtime.interpreter.binding import (
     held_here,
     is_cpu_scalar,
     local_context,
+    local_extents,
     required_device,
+    shard_extents,
+    sharded_symbolic_axes,
 )
 from meshfuse.runtime.interpreter.bucketing import bucket_lines
 from meshfuse.runtime.interpreter.executor import Program
@@ -20,6 +28,7 @@ from meshfuse.runtime.interpreter.host_time import HostLog
 from meshfuse.runtime.interpreter.program import build_program
 
 __all__ = ["FUSED", "Binding", "CompileStats", "HostLog", "Program", "agreed_inputs", "bind",
-           "bucket_lines", "build_program", "check_inputs", "check_strides", "fuse_program",
-           "has_symbolic_extents", "held_here", "input_facts", "is_cpu_scalar", "local_context",
-           "out_of_step", "required_device"]
+           "bucket_lines", "build_program", "check_inputs", "check_strides", "exchanged",
+           "fuse_program", "has_symbolic_extents", "held_here", "input_facts", "is_cpu_scalar",
+           "local_context", "local_extents", "out_of_step", "required_device",
+           "shard_extents", "sharded_symbolic_axes"]

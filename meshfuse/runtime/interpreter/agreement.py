@@ -147,6 +147,18 @@ def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Seq
     return agreed(communicator, prepare, facts, _INPUT_ADVICE, in_call)
 
 
+def exchanged(communicator: Communicator, values: Sequence[int],
+              in_call: bool = False) -> list[list[int]]:
+    """Every rank's ``values`` (as many on each), by rank: what ranks must learn of each
+    other's inputs before they can bind theirs (the extents of their shards of an uneven
+    split of a symbolic axis). One small collective over the world, on the first call of a
+    signature, before the agreement proper; ``in_call``: see :func:`agreed` (a rank running
+    a cached program meanwhile is told that this one checks a new signature)."""
+    late = communicator.lone.agreeing(Claim(())) if in_call else None
+    tensor = torch.tensor(list(values), dtype=torch.int64)
+    return [t.tolist() for t in communicator.agreement_allgather(tensor, late)]
+
+
 def out_of_step(notice: Notice, rank: int, facts: Sequence[Fact]) -> MeshfuseError:
     """The error of a rank that runs a cached program (its inputs' ``facts``) while the rank
     of ``notice`` checks a new signature in the same call: the InputError naming the first

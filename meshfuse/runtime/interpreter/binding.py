@@ -15,10 +15,11 @@ import torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.global_index import GlobalIndex, global_index
-from meshfuse.ir.iter_domain import IterDomain
+from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.layout import (
     LocalLayout,
     derived_extents,
+    device_ids,
     local_extent,
     local_layout,
     shard_factor,
@@ -202,14 +203,16 @@ def bind(
     allocations: Mapping[TensorView, Allocation],
     inputs: Sequence,
     rank: int = 0,
+    known: Mapping[IterDomain, int] | None = None,
 ) -> Binding:
     """Global extents from local input sizes (static ones for inputs this rank does not
-    hold), checked against the definition; local layouts."""
+    hold; ``known``: global extents of symbolic input axes learnt from every rank's shard,
+    see :func:`shard_extents`), checked against the definition; local layouts."""
     extents: dict[IterDomain, int] = {}
     for v, x in zip(fusion.inputs(), inputs):
         if isinstance(v, TensorView):
             if held_here(v, rank):
-                extents.update(zip(v.materialized(), global_shape(v, x)))
+                extents.update(zip(v.materialized(), global_shape(v, x, known)))
                 _check_local_extents(v, x, extents, rank)
             else:
                 extents.update(_unheld_extents(v, x, rank))
@@ -250,11 +253,12 @@ def _concrete(tv: TensorView, meta: TensorMeta, extents) -> TensorMeta:
     return dataclasses.replace(meta, shape=shape, partial_axes=partial)
 
 
-def global_shape(tv: TensorView, x: torch.Tensor) -> tuple[int, ...]:
+def global_shape(tv: TensorView, x: torch.Tensor,
+                 known: Mapping[IterDomain, int] | None = None) -> tuple[int, ...]:
     """The global shape of input ``tv`` given this rank's local shard ``x``: each axis's
-    static extent, else its local extent times the number of shards (a symbolic extent is
-    learnt assuming even shards; an uneven split of a symbolic extent gives ranks different
-    answers, which ``check_ranks`` reports: declare such an extent static)."""
+    static extent, else its extent in ``known`` (learnt from every rank's shard: an uneven
+    split), else its local extent times the number of shards (even shards)."""
+    known = known or {}
     shape = []
     for axis, id_ in enumerate(tv.materialized()):
         if id_ in tv.parallel and tv.parallel[id_].is_device and x.shape[axis] != 1:
@@ -268,9 +272,69 @@ def global_shape(tv: TensorView, x: torch.Tensor) -> tuple[int, ...]:
                 f"input {tv.name} axis {axis} is a broadcast axis (declared extent 1) but has "
                 f"extent {x.shape[axis]}; declare it -1 or pass extent 1"
             )
-        factor = shard_factor(tv, id_)
-        shape.append(id_.extent if id_.extent is not None else x.shape[axis] * factor)
+        if id_.extent is not None:
+            shape.append(id_.extent)
+        else:
+            shape.append(known.get(id_, x.shape[axis] * shard_factor(tv, id_)))
     return tuple(shape)
+
+
+def sharded_symbolic_axes(fusion: Fusion) -> list[tuple[int, int]]:
+    """(input position, axis) of each symbolic input axis split over devices: a rank learns
+    its global extent from every rank's shard (:func:`shard_extents`), the shards of an
+    uneven split being of different extents."""
+    return [(pos, axis) for pos, v in enumerate(fusion.inputs()) if isinstance(v, TensorView)
+            for axis, id_ in enumerate(v.materialized())
+            if id_.extent is None and device_ids(v).get(id_)]
+
+
+def local_extents(fusion: Fusion, inputs: Sequence, rank: int,
+                  axes: Sequence[tuple[int, int]]) -> list[int]:
+    """This rank's extent of each of ``axes`` (see :func:`sharded_symbolic_axes`), -1 where
+    it holds no shard of that input (or passed no tensor of its axes)."""
+    declared = fusion.inputs()
+    extents = []
+    for pos, axis in axes:
+        v, x = declared[pos], inputs[pos] if pos < len(inputs) else None
+        ok = held_here(v, rank) and isinstance(x, torch.Tensor) and x.ndim == v.ndim
+        extents.append(int(x.shape[axis]) if ok else -1)
+    return extents
+
+
+def shard_extents(fusion: Fusion, axes: Sequence[tuple[int, int]],
+                  by_rank: Sequence[Sequence[int]]) -> dict[IterDomain, int]:
+    """The global extent of each of ``axes`` from every rank's local extent (``by_rank``,
+    :func:`local_extents` of each rank): the sum of the shards of one holder per position on
+    the mesh axes that split it (each global index lies in one such shard)."""
+    declared = fusion.inputs()
+    known = {}
+    for k, (pos, axis) in enumerate(axes):
+        v = declared[pos]
+        id_ = v.materialized()[axis]
+        types = [pt for _, pt in device_ids(v)[id_]]
+        holders = [r for r in v.mesh.device_ids if r < len(by_rank)]
+        if any(by_rank[r][k] < 0 for r in holders):
+            continue  # a holder passed no tensor: its own check says so
+        shards = {tuple(device_coords(v, r)[pt] for pt in types): by_rank[r][k]
+                  for r in holders}
+        n = sum(shards.values())
+        if all(by_rank[r][k] == _shard_extent(v, id_, n, r) for r in holders):
+            known[id_] = n
+        # (else no extent gives every rank its shard: each binds its own guess, and the
+        # ranks' agreement names the one whose shard differs)
+    return known
+
+
+def _shard_extent(tv: TensorView, id_: IterDomain, n: int, rank: int) -> int:
+    """The extent of ``rank``'s shard of logical axis ``id_`` of ``tv`` for global extent
+    ``n``."""
+    extents = {id_: n}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in extents:
+            rest = -(-extents[t.in_id] // t.factor)
+            extents[t.outer], extents[t.inner] = \
+                (rest, t.factor) if t.inner_split else (t.factor, rest)
+    return local_extent(tv, id_, extents, device_coords(tv, rank))
 
 
 def _check_local_extents(tv: TensorView, x: torch.Tensor, extents: Mapping[IterDomain, int],
