@@ -107,10 +107,31 @@ def _matmul_grads(d, grads):
     return {"a": grad_a, "b": grad_b}
 
 
+def _matmul(a, b, out_shapes=None):
+    """``torch.matmul(a, b)``, with nvFuser's expanded broadcast batch axes: given the local
+    output shape (``out_shapes``, where an operand has an expanded broadcast axis), a batch
+    axis of an operand whose local extent is neither 1 nor the output's is an expanded
+    broadcast (every element the same, its local extent the global one next to a shard): it
+    is cut to one element and the product expanded back to the output's shape."""
+    if out_shapes is None:
+        return torch.matmul(a, b)
+    shape = tuple(out_shapes[0])
+    batch = shape[:len(shape) - (a.ndim >= 2) - (b.ndim >= 2)]
+
+    def cut(x):
+        for axis in range(x.ndim - 2):
+            if x.shape[axis] not in (1, batch[axis + len(batch) - (x.ndim - 2)]):
+                x = x.narrow(axis, 0, 1)
+        return x
+
+    result = torch.matmul(cut(a), cut(b))
+    return result.expand(shape) if tuple(result.shape) != shape else result
+
+
 register(OpDef(
-    "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul, output_layout="contiguous",
+    "matmul", (tensor("a"), tensor("b")), _matmul_infer, _matmul, output_layout="contiguous",
     doc="matrix product with PyTorch's batching and broadcasting",
-    vjp=Vjp(_matmul_grads),
+    vjp=Vjp(_matmul_grads), expands_broadcasts=True,
 ))
 
 

@@ -244,9 +244,10 @@ class OpDef:
             safety net: e.g. a backward sharded otherwise than the forward it replays).
         vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
             (a gradient flowing into it is a DefinitionError naming it).
-        expands_broadcasts: a pointwise op of several operands (``pointwise_call``): where an
-            operand has an expanded broadcast axis (``broadcast_in_dim``'s new axis of an
-            extent above 1, every element the same), the implementation also gets
+        expands_broadcasts: a pointwise op of several operands (``pointwise_call``), or
+            ``matmul`` (its batch axes): where an operand has an expanded broadcast axis
+            (``broadcast_in_dim``'s new axis of an extent above 1, every element the
+            same), the implementation also gets
             ``out_shapes=``, and broadcasts that axis against the output's local extent (a
             shard's: its own local extent is the global one).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword

@@ -31,6 +31,7 @@ from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.localization import reads_expanded
 from meshfuse.parallel.overlap.allreduce_pattern import (
     AllreduceCandidate,
     gemm_allreduce,
@@ -146,7 +147,7 @@ def _allgather_gemm(e: Reshard, uses) -> OverlapCandidate | None:
     for gemm in uses.get(dst, []):
         kept = any(logical in gemm.id_map.get(o, ()) for out in gemm.tensor_outputs
                    for o in out.materialized())
-        if gemm.op is not None and gemm.op.name in GEMMS and gemm.args[0] is dst and kept:
+        if _chunkable_gemm(gemm) and gemm.args[0] is dst and kept:
             return OverlapCandidate(ALLGATHER_GEMM, e, gemm, dst, logical, m,
                                     src.mesh.shape[m], _forced(e, gemm))
     return None
@@ -160,11 +161,17 @@ def _gemm_reduce_scatter(e: Reshard, uses) -> OverlapCandidate | None:
     src, dst = e.args[0], e.outputs[0]
     gemm = src.definition
     if not isinstance(before, Partial) or not isinstance(after, Shard) or after.cyclic or \
-            gemm is None or gemm.op is None or gemm.op.name not in GEMMS or \
+            gemm is None or not _chunkable_gemm(gemm) or \
             len(uses.get(src, [])) != 1 or _block_split(dst, after.axis) is None:
         return None
     return OverlapCandidate(GEMM_REDUCE_SCATTER, e, gemm, src, src.materialized()[after.axis],
                             m, src.mesh.shape[m], _forced(e, gemm))
+
+
+def _chunkable_gemm(gemm: Expr) -> bool:
+    """A GEMM that can run per chunk: not one reading an expanded broadcast axis (its
+    implementation is given the whole output's local shape, ``OpDef.expands_broadcasts``)."""
+    return gemm.op is not None and gemm.op.name in GEMMS and not reads_expanded(gemm)
 
 
 def _forced(e: Reshard, gemm: Expr) -> bool | None:
