@@ -31,7 +31,6 @@ from meshfuse.ir.iter_domain import IterDomain, Split
 from meshfuse.ir.parallel_type import DEVICE_PARALLEL_TYPES
 from meshfuse.ir.placement import Partial, Replicate, Shard, placements
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.passes.localization import reads_expanded
 from meshfuse.parallel.overlap.allreduce_pattern import (
     AllreduceCandidate,
     gemm_allreduce,
@@ -43,6 +42,7 @@ from meshfuse.parallel.overlap.stream_parallel import (
     chunk_ids_of,
     convex,
 )
+from meshfuse.passes.localization import reads_expanded
 
 GEMMS = ("linear", "matmul")
 ALLGATHER_GEMM = "allgather -> GEMM"
