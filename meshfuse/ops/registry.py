@@ -250,6 +250,10 @@ class OpDef:
             same), the implementation also gets
             ``out_shapes=``, and broadcasts that axis against the output's local extent (a
             shard's: its own local extent is the global one).
+        plan: ``plan(expr)``, an op's planning on the compiler's copy after propagation and
+            before resharding: it may check the propagated shardings (raising
+            ShardingError) and rewrite ``expr.id_map`` or its outputs' unpinned
+            parallelization (grouped-query attention with replicated key/value heads).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
             arguments the implementation gets on the rank described by ``here`` (a
             :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
@@ -274,6 +278,7 @@ class OpDef:
     vjp: Vjp | None = None
     localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
     expands_broadcasts: bool = False
+    plan: Callable[[Any], None] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

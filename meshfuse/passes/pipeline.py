@@ -8,6 +8,8 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
+2b. ``_plan_ops``: each op's own planning rule (``OpDef.plan``: grouped-query attention
+   checks its key/value heads and, replicated, maps them apart from the query heads);
 3. the *strategy passes* (:func:`register_strategy_pass`), in the order registered: a
    parallelism's planning on the propagated shardings, before any communication is inserted
    (context parallelism's ``plan_context_parallel``: the strategy of each sequence-sharded
@@ -92,6 +94,13 @@ def _propagate(fusion: Fusion, world_size: int | None) -> None:
     propagate_shardings(fusion)
 
 
+def _plan_ops(fusion: Fusion, world_size: int | None) -> None:
+    """Each op's own planning rule (``OpDef.plan``) on the propagated shardings."""
+    for expr in fusion.exprs:
+        if expr.op is not None and expr.op.plan is not None:
+            expr.op.plan(expr)
+
+
 def _reshard(fusion: Fusion, world_size: int | None) -> None:
     insert_resharding(fusion)
 
@@ -121,6 +130,7 @@ BUILD_PASSES = (
     _unmerge,
     _check_world,
     _propagate,
+    _plan_ops,
     _strategies,
     _reshard,
     _check_all,
