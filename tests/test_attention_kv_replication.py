@@ -15,6 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
+from test_context_parallel_gqa import GroupedAttention
+from test_context_parallel_gqa import _check as check_grouped
+from test_context_parallel_gqa import _inputs as grouped_inputs
 
 from meshfuse import DataType, FusionDefinition, ShardingError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat
@@ -174,3 +177,78 @@ def test_key_value_heads_by_groups_on_one_axis_replicated_on_another(multidevice
     with pytest.raises(ShardingError, match="by groups on DIDy but replicated on DIDx"):
         fd.execute([shard_tensor(x, tv) for x, tv in
                     zip(_global_inputs(2, QkvFormat.BHSE), tensors)])
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_replicated_key_value_heads_with_context_parallelism(multidevice_test, strategy,
+                                                             causal):
+    """On a 2x2 mesh: the query heads over one mesh axis, the 2 key/value heads replicated
+    there (pinned so: the mesh axis divides them); every sequence over the other mesh axis
+    (context parallel, forward and backward ops). Equal to PyTorch's; the transfers run
+    within the sequence's groups only."""
+    mesh = mesh_2x2(multidevice_test)
+    fd = GroupedAttention(8, 2, 12, causal, QkvFormat.BSHE, strategy=strategy)
+    if strategy == "alltoall":  # it scatters heads: not the ones a rank needs
+        q, k, v, g, *_ = fd.tensors()
+        for tv in (q, g):
+            shard(tv, 1, mesh, MY)
+        for tv in (q, k, v, g):
+            shard(tv, 2, mesh, MX)
+        with pytest.raises(ShardingError, match="key/value heads are replicated"):
+            fd.compiled()
+        return
+    q, k, v, g, *_ = fd.tensors()
+    for tv in (q, g):
+        shard(tv, 1, mesh, MY)
+    for tv in (q, k, v, g):
+        shard(tv, 2, mesh, MX)
+    comms = check_grouped(multidevice_test, fd, grouped_inputs(8, 2, 12, QkvFormat.BSHE))
+    rank = multidevice_test.rank
+    reduced = [c for c in comms if c.ranks != (rank & 2, (rank & 2) + 1)]
+    # across the heads' groups: the key/value gradients' reduction, nothing else
+    assert {c.kind for c in reduced} <= {"allreduce", "reduce_scatter"}, reduced
+
+
+@pytest.mark.parametrize("mode", ["shard", "global"])
+def test_replicated_key_value_heads_with_dropout(multidevice_test, mode):
+    """Dropout (both modes) with the query heads over every rank and 2 key/value heads
+    replicated: the same output and gradients as the same fusion unsharded (``global``:
+    bitwise its masks; ``shard``: checked through the masks the output shows, as
+    test_context_parallel_gqa does, here by running the shards' own unsharded copies)."""
+    d = multidevice_test.size
+    gen = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(B, h, 16, 16, generator=gen) for h in (H, 2, 2, H)]
+    inputs[2] = torch.eye(16).expand(B, 2, 16, 16).contiguous()  # v: attn shows the mask
+
+    def define(fd):
+        q, k, v, g = (fd.define_tensor([B, h, 16, 16], dtype=DataType.Float)
+                      for h in (H, 2, 2, H))
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, 0.3, True, None, rng_seed=5,
+                                                   rng_offset=2, dropout_mode=mode)
+        grads = fd.ops.sdpfa_bwd(g, q, k, v, attn, lse, 0.3, True, seed, offset, None)
+        for t in (attn, *grads):
+            fd.add_output(t)
+        return q, g
+
+    with FusionDefinition() as fd:
+        q, g = define(fd)
+    for tv in (q, g):
+        shard(tv, 1, mesh_1d(multidevice_test))
+    outputs = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, fd.fusion.inputs())])
+    attn = multidevice_test.unshard_tensor(outputs[0], fd.fusion.outputs()[0]).cpu()
+    keep = attn != 0
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    qq, kk, vv = (t.double().requires_grad_() for t in inputs[:3])
+    scores = (qq @ kk.repeat_interleave(4, 1).transpose(-2, -1) / 4.0).masked_fill(
+        ~causal, float("-inf"))
+    out = (scores.softmax(-1) * (keep | ~causal) / 0.7) @ vv.repeat_interleave(4, 1)
+    out.backward(inputs[3].double())
+    for got, ref, tv in zip(outputs, (out.detach(), qq.grad, kk.grad, vv.grad),
+                            fd.fusion.outputs()):
+        torch.testing.assert_close(got, shard_tensor(ref.float(), tv), atol=1e-4, rtol=1e-4)
+    if mode == "global" and d > 1:  # the masks of the unsharded run
+        with FusionDefinition() as whole:
+            define(whole)
+        expected = whole.execute(inputs)[0]
+        torch.testing.assert_close(attn, expected.cpu())
