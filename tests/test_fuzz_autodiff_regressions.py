@@ -203,6 +203,15 @@ def _batches_sharded(t, mesh):
     shard(t[1], 0, mesh)
 
 
+def _linear_by_heads(fd, d):
+    x = fd.define_tensor([2, 3, 6], dtype=DataType.Float)
+    w = fd.define_tensor([8, 4, 6], dtype=DataType.Float)  # [heads, head dim, features]
+    b = fd.define_tensor([8, 4], dtype=DataType.Float)
+    y = fd.ops.linear(x, w, b)  # [heads, batch, sequence, head dim]
+    fd.add_output(fd.ops.permute(y, [1, 0, 2, 3]))
+    return x, w, b
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -300,6 +309,14 @@ CASES: dict[str, Case] = {
         _batched_matmul_summed_over_its_batch(lambda d: 2 * d + 2), _batches_sharded,
         lambda a, w: [torch.matmul(a, w).sum(0)],
         lambda d: [[2 * d + 2, 4, 3], [2 * d + 2, 3, 5]]),
+    "linear_with_leading_weight_axes_split_by_heads": Case(
+        "refused, DefinitionError 'linear: the gradient of a linear whose weight has leading "
+        "axes ... is not derived': the head-aligned form of a projection (weights [H, D, E], "
+        "8 heads over 3 ranks give 3, 3, 2 heads) had no gradient",
+        _linear_by_heads, lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[h], b[h])
+                                      for h in range(8)]).permute(1, 0, 2, 3)],
+        lambda d: [[2, 3, 6], [8, 4, 6], [8, 4]]),
     "batched_matmul_gradient_over_a_summed_batch_one_element_a_rank": Case(
         "silently wrong gradients (as many times too large as there are ranks): as the case "
         "above, with one batch element a rank, where torch.matmul broadcast the extent 1 of "
