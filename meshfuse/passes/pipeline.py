@@ -26,6 +26,7 @@ signature and the rank (extents, local layouts, the per-rank program) is built f
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from meshfuse.ir.lint import lint as check_graph
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
+from meshfuse.passes.head_alignment import HeadSplitWarning, unaligned_head_splits
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
@@ -159,8 +161,21 @@ def compile(fusion: Fusion, world_size: int | None = None,
             check_graph(copy, run.__name__.strip("_"))
     compiled = CompiledFusion(copy, infer_allocations(copy), world_size,
                               weakref.WeakKeyDictionary(counterparts))
+    _warn_once(fusion, unaligned_head_splits(copy))
     _compiled_copies[copy] = weakref.ref(compiled)
     return compiled
+
+
+# The warnings given for each user fusion (each one once, whatever the builds).
+_warned: weakref.WeakKeyDictionary[Fusion, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(fusion: Fusion, notes: list[str]) -> None:
+    given = _warned.setdefault(fusion, set())
+    for note in notes:
+        if note not in given:
+            given.add(note)
+            warnings.warn(note, HeadSplitWarning, stacklevel=3)
 
 
 # A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).
