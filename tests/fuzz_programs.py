@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_indexing
 import fuzz_overlap
 import fuzz_precision
 import fuzz_typed
@@ -67,6 +68,10 @@ class Features:
             ``MESHFUSE_OVERLAP_CHUNKS`` while the program is built and run.
         stream_axes: with ``overlap``, some GEMMs' first operand also gets its rows on
             ``ParallelType.stream`` (a loop the user schedules).
+        indexing: integer index inputs (in range) and the ops that read them
+            (``fuzz_indexing.py``): ``embedding_fwd``, ``take_along_axis``, ``index_select``
+            and ``cross_entropy`` on class indices; the schedules split the looked-up axes
+            (a vocabulary) like any other.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -80,6 +85,7 @@ class Features:
     low_precision: bool = False
     overlap: bool = False
     stream_axes: bool = False
+    indexing: bool = False
 
 
 @dataclasses.dataclass
@@ -109,6 +115,8 @@ class Program:
     # input -> its stride_order (nvFuser's: axis i's rank, the outermost highest); absent:
     # contiguous in logical order
     layouts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # Features.indexing: index inputs -> the bound of their values, drawn in [0, bound)
+    index_high: dict[str, int] = dataclasses.field(default_factory=dict)
     low: str = ""  # Features.low_precision: the program's half-precision DataType name
     overlap_chunks: int = 0  # Features.overlap: MESHFUSE_OVERLAP_CHUNKS of its run (0: unset)
 
@@ -135,8 +143,8 @@ class Program:
         body = "\n".join("    " + line for line in self.torch_lines)
         fd_body = "\n".join("    " + line for line in self.definition_code().split("\n"))
         names = ", ".join(n for n, _ in self.inputs)
-        shapes = ", ".join(input_code(list(s), self.dtype(n), self.layouts.get(n))
-                           for n, s in self.inputs)
+        shapes = ", ".join(input_code(list(s), self.dtype(n), self.layouts.get(n),
+                                      self.index_high.get(n)) for n, s in self.inputs)
         return f"""# meshfuse fuzz program: seed {self.seed}, world size {self.world_size}, {self.mode}
 {fuzz_overlap.repro_lines(self)}import math
 import torch
@@ -188,9 +196,14 @@ INPUT_CODE = {
 }
 
 
-def input_code(shape: list[int], dtype: str, stride_order: list[int] | None = None) -> str:
+def input_code(shape: list[int], dtype: str, stride_order: list[int] | None = None,
+               high: int | None = None) -> str:
     """The torch expression drawing a global input of ``shape`` and ``dtype`` from ``gen``,
-    laid out by ``stride_order`` (drawn in memory order, then permuted to logical order)."""
+    laid out by ``stride_order`` (drawn in memory order, then permuted to logical order);
+    an index input (``high`` given) has integers in ``[0, high)``."""
+    if high is not None:
+        torch_dtype = "torch.int32" if dtype == "Int32" else "torch.int64"
+        return f"torch.randint(0, {high}, {shape}, generator=gen, dtype={torch_dtype})"
     if stride_order is None:
         return INPUT_CODE[dtype].format(shape=shape)
     memory = sorted(range(len(shape)), key=lambda a: -stride_order[a])  # outermost first
@@ -199,8 +212,8 @@ def input_code(shape: list[int], dtype: str, stride_order: list[int] | None = No
 
 
 def draw_input(shape: list[int], dtype: str, gen: torch.Generator,
-               stride_order: list[int] | None = None) -> torch.Tensor:
-    return eval(input_code(shape, dtype, stride_order), {"torch": torch, "gen": gen})
+               stride_order: list[int] | None = None, high: int | None = None) -> torch.Tensor:
+    return eval(input_code(shape, dtype, stride_order, high), {"torch": torch, "gen": gen})
 
 
 class _Gen:
@@ -223,6 +236,7 @@ class _Gen:
         self.probe = FusionDefinition()  # the definition so far, for meshfuse's axis kinds
         self.probe_env = {"fd": self.probe, "DataType": DataType}
         self.low = ""  # the half-precision dtype of Features.low_precision (fuzz_precision)
+        self.index_high: dict[str, int] = {}  # Features.indexing: index inputs' bounds
 
     # ----- values --------------------------------------------------------------------
     def _name(self) -> str:
@@ -233,10 +247,14 @@ class _Gen:
         pool = EXTENTS + (UNEVEN_EXTENTS if self.uneven else [])
         return self.rng.choice(pool)
 
-    def new_input(self, shape: tuple[int, ...], dtype: str | None = None) -> Value:
+    def new_input(self, shape: tuple[int, ...], dtype: str | None = None,
+                  high: int | None = None) -> Value:
+        """A new input; an index one (integers in ``[0, high)``) with ``high``."""
         dtype = dtype or (fuzz_precision.input_dtype(self) if self.low else "Float")
         name = self._name()
-        t = draw_input(list(shape), dtype, self.gen)
+        t = draw_input(list(shape), dtype, self.gen, high=high)
+        if high is not None:
+            self.index_high[name] = high
         self.env[name] = t
         self.inputs.append((name, tuple(shape)))
         if dtype != "Float":
@@ -557,6 +575,9 @@ class _Gen:
     def downcast(self) -> None:
         fuzz_precision.downcast(self)
 
+    def indexing(self) -> None:
+        fuzz_indexing.indexing(self)
+
 
 def _dtype_name(v: Value) -> str:
     """The DataType name of ``v``'s dtype (a new operand of an op that does not promote)."""
@@ -597,7 +618,7 @@ STATEMENTS = {  # name: weight
 
 # Statements of the optional features (Features.integers, Features.extrema).
 FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2},
-                      "low_precision": {"downcast": 4}}
+                      "low_precision": {"downcast": 4}, "indexing": {"indexing": 4}}
 
 
 def generate(seed: int, world_size: int, features: Features | None = None) -> Program:
@@ -631,7 +652,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
         outputs.append(rng.choice(extra))
     outputs = list(dict.fromkeys(outputs))
     program = Program(seed, world_size, g.inputs, g.fd_lines, g.torch_lines, outputs,
-                      features=g.features, dtypes=g.dtypes, low=g.low)
+                      features=g.features, dtypes=g.dtypes, low=g.low,
+                      index_high=g.index_high)
     from fuzz_schedules import schedule_program
 
     schedule_program(program, rng, features)
@@ -662,7 +684,8 @@ def reference(program: Program, grad: bool = False
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
-        x = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name))
+        x = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name),
+                       program.index_high.get(name))
         env[name] = x.requires_grad_() if grad and x.is_floating_point() else x
         inputs.append(env[name])
     with torch.set_grad_enabled(grad):

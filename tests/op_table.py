@@ -438,6 +438,57 @@ CAT = OpInfo("cat", (
            name="promotes"),
 ), FLOATS + INTS + BOOL)
 
+SPLIT = OpInfo("split", (
+    Sample((T((4, 10), static=True), 4, 1), lambda x, s, d: torch.split(x, s, d), name="size"),
+    Sample((T((6, 3), static=True), [1, 0, 5]), lambda x, s: torch.split(x, s),
+           name="sizes"),
+), FLOATS + INTS + BOOL)
+
+
+# Indexing: index tensors of integers in range (T's low/high), Int and Int32.
+def _index(shape, high, dtype=torch.int64):
+    return T(shape, dtype=dtype, low=0, high=high)
+
+
+TAKE_ALONG_AXIS = OpInfo("take_along_axis", (
+    Sample((T((4, 10)), _index((4, 3), 9), 1), lambda x, i, d: torch.take_along_dim(x, i, d),
+           name="dim1"),
+    Sample((T((5, 3, 2)), _index((2, 3, 2), 4, torch.int32), 0),
+           lambda x, i, d: torch.take_along_dim(x, i.long(), d), name="dim0-int32"),
+), FLOATS + INTS)
+GATHER = OpInfo("gather", (
+    Sample((T((4, 10)), _index((3, 5), 3), 0), lambda x, i, d: torch.gather(x, d, i),
+           name="smaller-index"),
+    Sample((T((4, 10)), _index((4, 7), 9), -1), lambda x, i, d: torch.gather(x, d, i),
+           name="last-axis"),
+), FLOATS + INTS)
+INDEX_SELECT = OpInfo("index_select", (
+    Sample((T((4, 10)), _index((6,), 9, torch.int32), 1),
+           lambda x, i, d: torch.index_select(x, d, i), name="dim1"),
+    Sample((T((5, 3, 2)), _index((7,), 4), 0), lambda x, i, d: torch.index_select(x, d, i),
+           name="dim0"),
+), FLOATS + INTS)
+EMBEDDING_FWD = OpInfo("embedding_fwd", (
+    Sample((_index((2, 5), 10), T((11, 6))), lambda i, w: F.embedding(i, w), name="2d-ids"),
+    Sample((_index((7,), 10, torch.int32), T((11, 6)), 3),
+           lambda i, w, p: F.embedding(i.long(), w, p), name="padding-idx"),
+))
+TAKE_ALONG_AXIS_BACKWARD = OpInfo("take_along_axis_backward", (
+    Sample((T((4, 3)), _index((4, 3), 9), T((4, 10)), 1),
+           lambda g, i, like, d: torch.zeros_like(like).scatter_add(d, i, g), name="dim1"),
+    Sample((T((3, 5)), _index((3, 5), 3), T((4, 10)), 0),
+           lambda g, i, like, d: torch.zeros_like(like).scatter_add(d, i, g),
+           name="smaller-index"),
+))
+INDEX_SELECT_BACKWARD = OpInfo("index_select_backward", (
+    Sample((T((4, 6)), _index((6,), 9), T((4, 10)), 1),
+           lambda g, i, like, d: torch.zeros_like(like).index_add(d, i, g), name="dim1"),
+    Sample((T((2, 5, 6)), _index((2, 5), 10), T((11, 6)), 0),
+           lambda g, i, like, d: torch.zeros_like(like).index_add(d, i.flatten(),
+                                                                  g.flatten(0, 1)),
+           name="embedding"),
+))
+
 
 # Matrix products.
 MATMUL_SHAPES = {
@@ -592,6 +643,7 @@ OP_TABLE: tuple[OpInfo, ...] = (
     WHERE, GELU, GELU_BACKWARD, CAST, SET,
     *(reduction_info(n) for n in ("max", "mean", "min", "prod", "sum")), VAR_MEAN,
     BROADCAST_IN_DIM, BROADCAST, STRIDE_ORDER, EXPAND, SQUEEZE, PERMUTE, RESHAPE, SLICE,
-    SLICE_BACKWARD, CAT, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
+    SLICE_BACKWARD, CAT, SPLIT, TAKE_ALONG_AXIS, GATHER, INDEX_SELECT, EMBEDDING_FWD,
+    TAKE_ALONG_AXIS_BACKWARD, INDEX_SELECT_BACKWARD, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
 )

@@ -31,7 +31,8 @@ DEFAULT_PROGRAMS = 200
 PROGRAMS_ENV = "MESHFUSE_FUZZ_PROGRAMS"
 # What the schedules may use beyond block shards of divisible extents (see Features): all
 # of it; MESHFUSE_FUZZ_FEATURES="" (or a subset, "uneven") narrows a run.
-FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True)
+FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
+                    indexing=True)
 FEATURES_ENV = "MESHFUSE_FUZZ_FEATURES"
 # Low-precision programs (Features.low_precision): their own count, the same long mode.
 DEFAULT_LOW_PRECISION_PROGRAMS = 40

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.mpi
 DEFAULT_PROGRAMS = 24
 PROGRAMS_ENV = "MESHFUSE_FUZZ_GRAD_PROGRAMS"
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
-                    differentiable=True)
+                    differentiable=True, indexing=True)
 
 
 def test_fuzz_gradients_match_torch_autograd(multidevice_test):

@@ -93,28 +93,93 @@ def rms_norm(o, x, weight=None, eps: float | None = None, normalized_ndim: int =
     return _computed(o, x, body)
 
 
-def cross_entropy(o, logits, target, reduction: str = "mean"):
-    """``torch.nn.functional.cross_entropy(logits, target)`` for class *probabilities*
-    ``target`` (same shape as ``logits [N, C]``, classes on axis 1): ``-sum(target *
-    log_softmax(logits, 1), 1)``, then averaged (``"mean"``), summed (``"sum"``) or kept per
-    sample (``"none"``). Class indices need a gather, which meshfuse has no op for yet: pass
-    one-hot probabilities instead."""
-    if not target.dtype.is_floating:
-        raise DefinitionError(
-            f"cross_entropy: target {target.name} is {target.dtype.name}; pass class "
-            "probabilities (one-hot for class indices) of the logits' shape")
+def cross_entropy(o, logits, target, reduction: str = "mean", ignore_index: int = -100,
+                  label_smoothing: float = 0.0):
+    """``torch.nn.functional.cross_entropy(logits, target, ...)``, classes on axis 1 of
+    ``logits`` (axis 0 of a 1-D one).
+
+    ``target`` holds class *indices* (an integer tensor of the logits' shape without the
+    class axis; ``ignore_index`` marks rows left out) or class *probabilities* (the logits'
+    shape). ``label_smoothing`` mixes the target with the uniform distribution, as PyTorch
+    does; ``reduction`` is ``"mean"`` (over the rows not ignored), ``"sum"`` or ``"none"``.
+
+    With indices, the loss is ``logsumexp(x) - x[target]`` per row, written with a max, a
+    sum of exponentials and a ``take_along_axis``: where the class axis is sharded (loss
+    parallel), each of them is a partial result over it, reduced across the vocabulary group
+    as a vector of one value per row, and no rank holds more of the softmax than its shard.
+    A sharded row axis sums the losses and the count of rows not ignored alike.
+    """
     if reduction not in ("mean", "sum", "none"):
         raise DefinitionError(f"cross_entropy: reduction {reduction!r} must be 'mean', 'sum' "
                               "or 'none'")
-    loss = o.neg(o.sum(o.mul(target, log_softmax(o, logits, 1 if logits.ndim > 1 else 0)),
-                       [1 if logits.ndim > 1 else 0]))
-    if reduction != "none":
-        loss = o.mean(loss) if reduction == "mean" else o.sum(loss)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise DefinitionError(f"cross_entropy: label_smoothing {label_smoothing} must be in "
+                              "[0, 1]")
+    axis = 1 if logits.ndim > 1 else 0
+    if target.dtype.is_floating:
+        loss = _soft_cross_entropy(o, logits, target, axis, label_smoothing)
+    else:
+        loss = _index_cross_entropy(o, logits, target, axis, ignore_index, label_smoothing)
+    if reduction == "sum" or (reduction == "mean" and target.dtype.is_floating):
+        loss = o.sum(loss) if reduction == "sum" else o.mean(loss)
+    elif reduction == "mean":  # over the rows not ignored (nan if every row is)
+        kept = o.sum(o.cast(o.ne(target, ignore_index), DataType.Float))
+        loss = o.div(o.sum(loss), kept)
     # nvFuser's promotion computes bf16 products in float: the loss in the logits' dtype.
     return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
 
 
+def _soft_cross_entropy(o, logits, target, axis: int, smoothing: float):
+    """``-sum(target * log_softmax(logits))`` over the class axis, per row."""
+    if target.ndim != logits.ndim:
+        raise DefinitionError(
+            f"cross_entropy: target {target.name} of probabilities must have the logits' "
+            f"{logits.ndim} axes, got {target.ndim}")
+    if smoothing:
+        classes = logits.materialized()[axis].extent
+        target = o.add(o.mul(target, 1.0 - smoothing), smoothing / classes)
+    return o.neg(o.sum(o.mul(target, log_softmax(o, logits, axis)), [axis]))
+
+
+def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smoothing: float):
+    """Per row, ``(1 - s) * (lse - x[target]) + s * (lse - mean(x))`` (zero where ignored),
+    in float32 for half-precision logits."""
+    if target.ndim != logits.ndim - 1:
+        raise DefinitionError(
+            f"cross_entropy: target {target.name} of class indices must have the logits' "
+            f"shape without the class axis {axis} ({logits.ndim - 1} axes), got "
+            f"{target.ndim}; pass class probabilities of the logits' shape otherwise")
+    x = o.cast(logits, DataType.Float) if logits.dtype in _LOW_PRECISION else logits
+    shape = [-1] * logits.ndim
+    shape[axis] = 1
+    kept_axes = [a for a in range(logits.ndim) if a != axis]
+    ignored = o.eq(target, ignore_index)
+    safe = o.where(ignored, 0, target)  # an ignored row looks up class 0, then is zeroed
+    picked = o.take_along_axis(x, o.broadcast_in_dim(safe, shape, kept_axes), axis)
+    m = o.max(x, [axis], keepdim=True)
+    lse = o.add(o.log(o.sum(o.exp(o.sub(x, m)), [axis])), o.squeeze(m, [axis]))
+    loss = o.sub(lse, o.squeeze(picked, [axis]))
+    if smoothing:
+        classes = logits.materialized()[axis].extent
+        uniform = o.sub(lse, o.div(o.sum(x, [axis]), classes))
+        loss = o.add(o.mul(loss, 1.0 - smoothing), o.mul(uniform, smoothing))
+    return o.where(ignored, 0.0, loss)
+
+
+def chunk(o, x, chunks: int, dim: int = 0):
+    """``torch.chunk(x, chunks, dim)``: ``split`` into pieces of ``ceil(extent / chunks)``
+    (fewer pieces where that divides the extent into fewer); a tuple of tensors."""
+    axis = _axis("chunk", x, dim)
+    extent = x.materialized()[axis].extent
+    if not isinstance(chunks, int) or chunks < 1 or extent is None:
+        raise DefinitionError(f"chunk: chunks {chunks!r} must be a positive int and axis "
+                              f"{axis} of {x.name} static")
+    pieces = o.split(x, max(-(-extent // chunks), 1), axis)
+    return pieces if isinstance(pieces, tuple) else (pieces,)
+
+
 COMPOSITES: dict[str, Callable] = {
+    "chunk": chunk,
     "cross_entropy": cross_entropy,
     "layer_norm": layer_norm,
     "log_softmax": log_softmax,

@@ -236,3 +236,67 @@ register(OpDef(
     _cat, needs_out_shape=True, doc="concatenation along dim",
     vjp=Vjp(_cat_grads, recompute=True),
 ))
+
+
+def split_sizes(op: str, extent: int | None, sections) -> list[int]:
+    """The extents of the pieces of an axis of ``extent``: ``sections`` an int (pieces of
+    that size, the last one shorter, as ``torch.split``) or a list of sizes summing to it."""
+    if extent is None:
+        raise DefinitionError(f"{op}: the split axis has a symbolic extent; it needs a static "
+                              "one")
+    if isinstance(sections, int) and not isinstance(sections, bool):
+        if sections < 1:
+            raise DefinitionError(f"{op}: split size {sections} must be positive")
+        return [min(sections, extent - s) for s in range(0, extent, sections)] or [0]
+    sizes = int_list(op, "sections", sections)
+    if sum(sizes) != extent or any(n < 0 for n in sizes):
+        raise DefinitionError(f"{op}: sizes {sizes} must be non-negative and sum to the "
+                              f"extent {extent} of the split axis")
+    return sizes
+
+
+def _split_infer(x, sections, dim):
+    x = require_tensor("split", "x", x)
+    dim = normalize_axis("split", dim, x.ndim, "dim")
+    outs = []
+    for n in split_sizes("split", x.shape[dim], sections):
+        axes = [AxisSpec(n, IterType.Iteration) if a == dim else
+                AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)) for a in range(x.ndim)]
+        outs.append(OutSpec(x.dtype, tuple(axes)))
+    return outs
+
+
+def _split(x, sections, dim):
+    sizes = split_sizes("split", x.shape[dim], sections)
+    return tuple(p.clone() for p in torch.split(x, sizes, dim))
+
+
+def _split_grads(d, grads):
+    """The pieces' gradients concatenated; where a piece has none (unused), the others'
+    windows of zeros (``slice_backward``) added."""
+    o = d.ops
+    dim = normalize_axis("split", d.attrs["dim"], d.ndim("x"), "dim")
+    if all(g is not None for g in grads):
+        return {"x": lambda: o.cat(list(grads), dim)}
+
+    def grad():
+        shape, total, offset = d.shape("x"), None, 0
+        for g, out in zip(grads, d.expr.outputs):
+            n = out.materialized()[dim].extent
+            if g is not None:
+                starts = [offset if a == dim else 0 for a in range(len(shape))]
+                ends = [offset + n if a == dim else shape[a] for a in range(len(shape))]
+                part = o.slice_backward(g, shape, starts, ends)
+                total = part if total is None else o.add(total, part)
+            offset += n
+        return total
+
+    return {"x": grad}
+
+
+register(OpDef(
+    "split", (tensor("x"), attr("sections"), attr("dim", 0)), _split_infer, _split,
+    doc="pieces of x along dim: of size sections each (the last shorter), or of the "
+        "sizes listed (torch.split)",
+    vjp=Vjp(_split_grads, recompute=True),
+))

@@ -1,0 +1,220 @@
+"""Cross entropy on class indices, forward and backward, at one rank (issue 31).
+
+``python -m benchmarks.cross_entropy [--out DIR] [--quick]`` from the repository root.
+
+Logits ``[tokens, vocab]`` in bfloat16 that require grad, int64 targets (a few ignored),
+``mean`` reduction; one step is the loss and the logits' gradient. Variants:
+
+- ``floor``: a copy of the logits (read them, write a tensor of their size: what any fused
+  forward+backward must at least do);
+- ``eager``: ``F.cross_entropy(logits.float(), target)`` and ``backward()``;
+- ``compile``: the same function through ``torch.compile``;
+- ``meshfuse``: ``fd.ops.cross_entropy`` in a fusion run through
+  ``fd.as_autograd_function()`` (the derived backward), and ``meshfuse_compiled`` the same
+  with ``compile=True`` (fused segments by Inductor).
+
+Each round times every variant in turn (interleaved, so that clocks and neighbours weigh
+on all alike), ``--iters`` steps between two CUDA events; reported: the median over rounds
+of the time per step, its ratio to the floor, and the peak memory above the inputs
+(``torch.cuda.max_memory_allocated`` after a reset, less what was allocated before) beside
+the gradient's own size. Every variant's loss and gradient are checked against eager's first.
+Results: ``<out>/<date>-<gpu>-cross_entropy.{json,md}`` (``--out`` defaults to ``$OUT`` when
+set, else ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshfuse import DataType, FusionDefinition
+
+IGNORE = -100
+MIB = 2**20
+
+
+def _inputs(tokens: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, vocab, generator=gen, device=device).mul_(3).bfloat16()
+    t = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+    t[::97] = IGNORE
+    return x.requires_grad_(), t
+
+
+def _torch_step(fn: Callable) -> Callable:
+    def step(x, t):
+        x.grad = None
+        loss = fn(x, t)
+        loss.backward()
+        return loss, x.grad
+    return step
+
+
+def _eager(x, t):
+    return F.cross_entropy(x.float(), t, ignore_index=IGNORE)
+
+
+def _meshfuse_step(tokens: int, vocab: int, compile: bool) -> Callable:
+    with FusionDefinition() as fd:
+        logits = fd.define_tensor([tokens, vocab], dtype=DataType.BFloat16)
+        target = fd.define_tensor([tokens], dtype=DataType.Int)
+        fd.add_output(fd.ops.cross_entropy(logits, target, ignore_index=IGNORE))
+    function = fd.as_autograd_function(compile=compile or None)
+
+    def step(x, t):
+        x.grad = None
+        (loss,) = function([x, t])
+        loss.backward()
+        return loss, x.grad
+    return step
+
+
+def _floor(x, t):
+    return None, x.detach().clone()
+
+
+def variants(tokens: int, vocab: int) -> dict[str, Callable]:
+    return {
+        "floor": _floor,
+        "eager": _torch_step(_eager),
+        "compile": _torch_step(torch.compile(_eager)),
+        "meshfuse": _meshfuse_step(tokens, vocab, compile=False),
+        "meshfuse_compiled": _meshfuse_step(tokens, vocab, compile=True),
+    }
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(step, x, t, iters: int, device) -> float:
+    """Milliseconds per step over ``iters`` steps (CUDA events; wall clock on the CPU)."""
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step(x, t)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    begin = datetime.datetime.now()
+    for _ in range(iters):
+        step(x, t)
+    return (datetime.datetime.now() - begin).total_seconds() * 1e3 / iters
+
+
+def _peak_extra(step, x, t, device) -> float | None:
+    """MiB allocated at the peak of one step above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    x.grad = None
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step(x, t)
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / MIB
+
+
+def _check(name: str, step, x, t, reference) -> str:
+    loss, grad = step(x, t)
+    ref_loss, ref_grad = reference
+    problems = []
+    if loss is not None and not torch.allclose(loss.float(), ref_loss.float(), rtol=2e-2,
+                                               atol=2e-2):
+        problems.append(f"loss {loss.item():.5f} vs eager {ref_loss.item():.5f}")
+    if name != "floor" and not torch.allclose(grad.float(), ref_grad.float(), rtol=2e-2,
+                                              atol=1e-4):
+        err = (grad.float() - ref_grad.float()).abs().max().item()
+        problems.append(f"gradient off by {err:.3g}")
+    return "; ".join(problems) or "ok"
+
+
+def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[dict]:
+    x, t = _inputs(tokens, vocab, device)
+    steps = variants(tokens, vocab)
+    reference = tuple(v.detach().clone() for v in steps["eager"](x, t))
+    records = {}
+    for name, step in steps.items():
+        try:
+            for _ in range(2):  # warm-up: compilation, caches
+                step(x, t)
+            records[name] = {"check": _check(name, step, x, t, reference),
+                             "peak_extra_mib": _peak_extra(step, x, t, device), "times": []}
+        except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
+            records[name] = {"check": f"error: {type(e).__name__}: {e}"[:300], "times": []}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if not records[name]["check"].startswith("error"):
+                records[name]["times"].append(_time(step, x, t, iters, device))
+    floor = statistics.median(records["floor"]["times"])
+    grad_mib = x.numel() * x.element_size() / MIB
+    out = []
+    for name, r in records.items():
+        median = statistics.median(r["times"]) if r["times"] else None
+        out.append({"tokens": tokens, "vocab": vocab, "variant": name, "median_ms": median,
+                    "x_floor": None if median is None else median / floor,
+                    "peak_extra_mib": r.get("peak_extra_mib"), "grad_mib": grad_mib,
+                    "check": r["check"]})
+    return out
+
+
+def _table(records: list[dict]) -> str:
+    head = "| tokens | vocab | variant | ms/step | x floor | peak extra MiB | gradient MiB | check |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"
+        ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
+        peak = "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
+        lines.append(f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {ms} | {ratio} | "
+                     f"{peak} | {r['grad_mib']:.0f} | {r['check']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", default="32768,131072")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokens, vocabs = args.tokens, [int(v) for v in args.vocab.split(",")]
+    if args.quick:
+        tokens, vocabs, args.rounds, args.iters = 64, [96], 2, 2
+    records = []
+    for vocab in vocabs:
+        records += run_size(tokens, vocab, args.rounds, args.iters, device)
+    gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower() \
+        if device.type == "cuda" else "cpu"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d-%H%M")
+    stem = os.path.join(args.out, f"{stamp}-{gpu}-cross_entropy" + ("-quick" if args.quick
+                                                                     else ""))
+    os.makedirs(args.out, exist_ok=True)
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": gpu,
+           "commit": os.environ.get("MESHFUSE_COMMIT", "unknown"), "args": vars(args)}
+    with open(stem + ".json", "w") as f:
+        json.dump({"environment": env, "records": records}, f, indent=1)
+    table = _table(records)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Cross entropy on indices, fwd+bwd, bf16 logits\n\n{json.dumps(env)}\n\n"
+                f"{table}\n")
+    print(table)
+    print(f"written: {stem}.json, {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
