@@ -193,15 +193,22 @@ class LlamaBlock(_LlamaFusion):
                                             contiguity=True), None) for _ in "cs"]
         p = {name.split(".")[-2]: self.parameter(name, shape, columns.get(name.split(".")[-2]))
              for name, shape in block_parameter_shapes(cfg).items()}
-        n1 = o.rms_norm(x, p["input_layernorm"], cfg.eps)
+        n1 = self.gathered(o.rms_norm(x, p["input_layernorm"], cfg.eps))
         q = self.rotate(self.heads(o.linear(n1, p["q_proj"]), cfg.heads), *rope)
         k = self.rotate(self.heads(o.linear(n1, p["k_proj"]), cfg.kv_heads), *rope)
         v = self.heads(o.linear(n1, p["v_proj"]), cfg.kv_heads)
         attn, *_ = o.sdpfa_fwd(q, k, v, 0.0, True)
         h = self.residual(x, o.linear(self.merged(attn), p["o_proj"]))
-        n2 = o.rms_norm(h, p["post_attention_layernorm"], cfg.eps)
+        n2 = self.gathered(o.rms_norm(h, p["post_attention_layernorm"], cfg.eps))
         gated = o.mul(o.silu(o.linear(n2, p["gate_proj"])), o.linear(n2, p["up_proj"]))
         self.add_output(self.residual(h, o.linear(self.io(gated), p["down_proj"])))
+
+    def gathered(self, t):
+        """``t`` (a norm's output, sequence split) gathered once for all the column-parallel
+        projections that read it (Megatron's gather at the region's input). Left to
+        propagation, a replicated k/v projection would run on the sequence shard and gather
+        k and v after it: two more allgathers."""
+        return t if self.mesh is None else self.pin(self.ops.set(t), None)
 
     def residual(self, x, y):
         """``x + y``, sequence split (a row-parallel ``y`` is reduce-scattered into it)."""
