@@ -44,7 +44,8 @@ from meshfuse.runtime.comm.communicator import Communicator
 
 PROG = "python -m meshfuse.examples.train_llama"
 MESH_DIMS = ("dp", "tp")  # outermost first
-AVAILABLE = {"tp"}  # dp: the FSDP strategy, once it is merged
+AVAILABLE = {"tp"}  # dp: once the FSDP strategy is merged (then drop it from NOT_YET)
+NOT_YET = {"dp": "data-parallel (FSDP)"}
 FLOAT32_RTOL = 1e-5
 
 
@@ -102,9 +103,10 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def _check(p: _Parser, args: argparse.Namespace, launcher_size: int | None) -> None:
     mesh = args.mesh
-    if mesh["dp"] > 1:
-        p.error(f"--mesh dp={mesh['dp']}: the data-parallel (FSDP) dimension is not "
-                "available yet; use --mesh tp=N")
+    for name in MESH_DIMS:
+        if mesh[name] > 1 and name not in AVAILABLE:
+            p.error(f"--mesh {name}={mesh[name]}: the {NOT_YET[name]} dimension is not "
+                    "available yet; use --mesh tp=N")
     ranks = math.prod(mesh.values())
     spec = ",".join(f"{k}={v}" for k, v in mesh.items())
     if launcher_size is not None and ranks != launcher_size:
