@@ -40,6 +40,7 @@ from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.placement import placements
 from meshfuse.ir.printer import format_call, format_expr
 from meshfuse.ir.tensor_view import Allocation, TensorView
+from meshfuse.passes.head_alignment import unaligned_head_splits
 from meshfuse.passes.layout import memory_positions
 from meshfuse.runtime.comm.collectives import Communication
 from meshfuse.runtime.comm.reshard_plan import ReshardStep, plan_resharding
@@ -175,6 +176,10 @@ def explain(fusion: Fusion, allocations: Mapping[TensorView, Allocation], rank: 
     lines.append(f"communications on rank {rank}:" if planned
                  else f"communications on rank {rank}: none")
     lines += [f"  {p}" for p in planned]
+    notes = unaligned_head_splits(fusion)
+    if notes:
+        lines.append("notes:")
+        lines += [f"  {note}" for note in notes]
     return "\n".join(lines)
 
 

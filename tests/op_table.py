@@ -520,6 +520,15 @@ LINEAR = OpInfo("linear", (
     Sample((T((16,)), T((7, 16)), T((7,))), F.linear, name="1d"),
     Sample((T((5, 16)), T((7, 16))), lambda x, w: F.linear(x, w, None), kwargs={"bias": None},
            name="bias-none"),
+    # nvFuser's weights with leading axes ([d, n, k], a head axis [h, dh, e]): one linear
+    # per leading index, those axes first in the output
+    Sample((T((2, 5, 16)), T((3, 7, 16)), T((3, 7))), lambda x, w, b: torch.stack(
+        [F.linear(x, w[i], b[i]) for i in range(w.shape[0])]), name="3d-weight"),
+    Sample((T((5, 16)), T((2, 3, 7, 16))), lambda x, w: torch.stack([torch.stack(
+        [F.linear(x, w[i, j]) for j in range(w.shape[1])]) for i in range(w.shape[0])]),
+        name="4d-weight"),
+    Sample((T((16,)), T((3, 7, 16)), T((3, 7))), lambda x, w, b: torch.stack(
+        [F.linear(x, w[i], b[i]) for i in range(w.shape[0])]), name="3d-weight-1d"),
 ))
 
 

@@ -176,6 +176,42 @@ def _linear_of_an_expanded_broadcast(fd, d):
     return x, w
 
 
+def _three_projections_of_one_input(fd, d):
+    x = fd.define_tensor([4, 6], dtype=DataType.Float)
+    ws = [fd.define_tensor(shape, dtype=DataType.Float) for shape in ([4, 6], [4, 6], [16, 6])]
+    for w in ws:
+        fd.add_output(fd.ops.linear(x, w, None))
+    return x, *ws
+
+
+def _rows_of_the_weights(t, mesh):
+    for w in t[1:]:
+        shard(w, 0, mesh)
+
+
+def _batched_matmul_summed_over_its_batch(batch):
+    def define(fd, d):
+        a = fd.define_tensor([batch(d), 4, 3], dtype=DataType.Float)
+        w = fd.define_tensor([batch(d), 3, 5], dtype=DataType.Float)
+        fd.add_output(fd.ops.sum(fd.ops.matmul(a, w), dims=[0]))
+        return a, w
+    return define
+
+
+def _batches_sharded(t, mesh):
+    shard(t[0], 0, mesh)
+    shard(t[1], 0, mesh)
+
+
+def _linear_by_heads(fd, d):
+    x = fd.define_tensor([2, 3, 6], dtype=DataType.Float)
+    w = fd.define_tensor([8, 4, 6], dtype=DataType.Float)  # [heads, head dim, features]
+    b = fd.define_tensor([8, 4], dtype=DataType.Float)
+    y = fd.ops.linear(x, w, b)  # [heads, batch, sequence, head dim]
+    fd.add_output(fd.ops.permute(y, [1, 0, 2, 3]))
+    return x, w, b
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -256,6 +292,37 @@ CASES: dict[str, Case] = {
         _linear_of_an_expanded_broadcast, lambda t, mesh: shard(t[0], 0, mesh),
         lambda x, w: [torch.nn.functional.linear(x[:, None].expand(x.shape[0], 3, 8), w)],
         lambda d: [[2 * d, 8], [4, 8]]),
+    "input_gradient_adds_partial_sums_over_axes_of_other_lengths": Case(
+        "refused at 3 ranks, ShardingError 'add(...): ... axis 1 is replicated but reduced "
+        "is DIDx (owners [0, 0, 0, 0, 0, 0, 1, 1]...)': x's gradient adds partial sums over "
+        "the rows of weights of 4 and 16 rows (the k/v and q projections of grouped-query "
+        "attention); propagation would not copy a split of 16 onto an axis of 4 that 3 does "
+        "not divide, so resharding wanted one addend reduced while the sum stayed partial",
+        _three_projections_of_one_input, _rows_of_the_weights,
+        lambda x, *ws: [torch.nn.functional.linear(x, w) for w in ws],
+        lambda d: [[4, 6], [4, 6], [4, 6], [16, 6]]),
+    "batched_matmul_gradient_over_a_summed_sharded_batch": Case(
+        "ExecutionError at 2 ranks 'The size of tensor a (6) must match the size of tensor b "
+        "(3)': the gradient of the sum over the batch is an expanded broadcast whose local "
+        "extent is the global one, which matmul took for a batch to match the sharded "
+        "operand's (nvFuser broadcasts it, torch.matmul does not)",
+        _batched_matmul_summed_over_its_batch(lambda d: 2 * d + 2), _batches_sharded,
+        lambda a, w: [torch.matmul(a, w).sum(0)],
+        lambda d: [[2 * d + 2, 4, 3], [2 * d + 2, 3, 5]]),
+    "linear_with_leading_weight_axes_split_by_heads": Case(
+        "refused, DefinitionError 'linear: the gradient of a linear whose weight has leading "
+        "axes ... is not derived': the head-aligned form of a projection (weights [H, D, E], "
+        "8 heads over 3 ranks give 3, 3, 2 heads) had no gradient",
+        _linear_by_heads, lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[h], b[h])
+                                      for h in range(8)]).permute(1, 0, 2, 3)],
+        lambda d: [[2, 3, 6], [8, 4, 6], [8, 4]]),
+    "batched_matmul_gradient_over_a_summed_batch_one_element_a_rank": Case(
+        "silently wrong gradients (as many times too large as there are ranks): as the case "
+        "above, with one batch element a rank, where torch.matmul broadcast the extent 1 of "
+        "the sharded operand against the whole batch of the expanded gradient",
+        _batched_matmul_summed_over_its_batch(lambda d: d), _batches_sharded,
+        lambda a, w: [torch.matmul(a, w).sum(0)], lambda d: [[d, 4, 3], [d, 3, 5]]),
 }
 
 

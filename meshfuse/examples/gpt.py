@@ -127,13 +127,7 @@ class GptBlock(FusionDefinition):
             self._place(tv, None if self.output_replicated else sequence)
 
     def _place(self, tv, axis: int | None) -> None:
-        """Puts ``tv`` on the mesh, split on its materialized axis ``axis`` (None:
-        replicated)."""
-        tv.set_device_mesh(self.mesh)
-        if axis is not None:
-            loop = tv.loop.index(tv.materialized()[axis])  # a sum's reduction axes come first
-            tv.outer_split(loop, self.mesh.size)
-            tv.axis(loop).parallelize(ParallelType.mesh_x)
+        place(tv, self.mesh, axis)
 
     def layer_norm(self, x, w, b):
         """Layer norm over the last axis: the output (in the block's dtype), and the
@@ -267,6 +261,16 @@ class GptBlockWithBackward(GptBlock):
         """``[batch, seq, features]`` as ``[batch * seq, features]``."""
         b, s = self.sizes[:2]
         return self.ops.reshape(t, [b * s, t.materialized()[-1].extent])
+
+
+def place(tv, mesh: DeviceMesh, axis: int | None) -> None:
+    """Puts ``tv`` on the 1-D ``mesh``, block-split on its materialized axis ``axis`` (None:
+    replicated): how the examples pin a Megatron layout."""
+    tv.set_device_mesh(mesh)
+    if axis is not None:
+        loop = tv.loop.index(tv.materialized()[axis])  # a sum's reduction axes come first
+        tv.outer_split(loop, mesh.size)
+        tv.axis(loop).parallelize(ParallelType.mesh_x)
 
 
 def gelu_tanh_derivative(ops, x):

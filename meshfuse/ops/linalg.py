@@ -108,12 +108,33 @@ def _matmul_grads(d, grads):
     return {"a": grad_a, "b": grad_b}
 
 
+def _matmul(a, b, out_shapes=None):
+    """``torch.matmul(a, b)``, with nvFuser's expanded broadcast batch axes: given the local
+    output shape (``out_shapes``, where an operand has an expanded broadcast axis), a batch
+    axis of an operand whose local extent is neither 1 nor the output's is an expanded
+    broadcast (every element the same, its local extent the global one next to a shard): it
+    is cut to one element and the product expanded back to the output's shape."""
+    if out_shapes is None:
+        return torch.matmul(a, b)
+    shape = tuple(out_shapes[0])
+    batch = shape[:len(shape) - (a.ndim >= 2) - (b.ndim >= 2)]
+
+    def cut(x):
+        for axis in range(x.ndim - 2):
+            if x.shape[axis] not in (1, batch[axis + len(batch) - (x.ndim - 2)]):
+                x = x.narrow(axis, 0, 1)
+        return x
+
+    result = torch.matmul(cut(a), cut(b))
+    return result.expand(shape) if tuple(result.shape) != shape else result
+
+
 register(OpDef(
-    "matmul", (tensor("a"), tensor("b")), _matmul_infer, torch.matmul, output_layout="contiguous",
+    "matmul", (tensor("a"), tensor("b")), _matmul_infer, _matmul, output_layout="contiguous",
     doc="matrix product with PyTorch's batching and broadcasting",
     sharding="'...mk,...kn->...mn': batch, m and n axes sharded as the operands' (column "
     "and row parallel); a sharded k makes a partial sum",
-    vjp=Vjp(_matmul_grads),
+    vjp=Vjp(_matmul_grads), expands_broadcasts=True,
 ))
 
 
@@ -210,13 +231,45 @@ def _tokens_mergeable(d, count: int) -> bool:
     return True
 
 
+def _lead_linear_grads(d, g):
+    """The gradients of a linear whose weight ``[*lead, n, k]`` has leading axes (its output
+    is ``[*lead, ..., n]``, one linear per leading index): ``x``'s sums the products
+    ``g[l] @ weight[l]`` over the leading axes; ``weight[l]``'s is ``g[l]^T x`` summed over
+    the tokens; ``bias[l]``'s is ``g[l]`` summed over the tokens. The weight meets the
+    token axes through axes of extent 1 (matmul's broadcasting), ``x`` meets the leading
+    axes alike."""
+    o, x, w = d.ops, d.value("x"), d.value("weight")
+    lead, n = d.ndim("weight") - 2, d.ndim("x")
+    leads, tokens = list(range(lead)), list(range(lead, lead + n - 1))
+
+    def grad_x():
+        if n == 1:  # g is [*lead, n]: rows of one token
+            rows = o.broadcast_in_dim(g, [-1] * lead + [1, -1], leads + [lead + 1])
+            return o.squeeze(o.sum(o.matmul(rows, w), dims=leads), [0])
+        weight = o.broadcast_in_dim(w, [-1] * lead + [1] * (n - 2) + [-1, -1],
+                                    leads + [lead + n - 2, lead + n - 1])
+        return o.sum(o.matmul(g, weight), dims=leads)
+
+    def grad_weight():
+        if n == 1:  # an outer product per leading index
+            column = o.broadcast_in_dim(g, [-1] * (lead + 1) + [1], list(range(lead + 1)))
+            row = o.broadcast_in_dim(x, [1] * (lead + 1) + [-1], [lead + 1])
+            return o.mul(column, row)
+        tokens_x = o.broadcast_in_dim(x, [1] * lead + [-1] * n, list(range(lead, lead + n)))
+        product = o.matmul(transposed(o, g), tokens_x)  # [*lead, *tokens[:-1], n, k]
+        return o.sum(product, dims=tokens[:-1]) if n > 2 else product
+
+    return {
+        "x": grad_x,
+        "weight": grad_weight,
+        "bias": lambda: o.sum(g, dims=tokens) if tokens else g,
+    }
+
+
 def _linear_grads(d, grads):
     o, g = d.ops, grads[0]
     if d.ndim("weight") > 2:
-        raise DefinitionError(
-            "linear: the gradient of a linear whose weight has leading axes (nvFuser's "
-            "[d, n, k]) is not derived; write it with matmul, or use a 2-D weight"
-        )
+        return _lead_linear_grads(d, g)
     return {
         "x": lambda: o.matmul(g, d.value("weight")),
         "weight": lambda: _weight_grad(d, g),

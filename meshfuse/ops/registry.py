@@ -247,11 +247,16 @@ class OpDef:
             safety net: e.g. a backward sharded otherwise than the forward it replays).
         vjp: the derivative (:class:`Vjp`), or None for an op that cannot be differentiated
             (a gradient flowing into it is a DefinitionError naming it).
-        expands_broadcasts: a pointwise op of several operands (``pointwise_call``): where an
-            operand has an expanded broadcast axis (``broadcast_in_dim``'s new axis of an
-            extent above 1, every element the same), the implementation also gets
+        expands_broadcasts: a pointwise op of several operands (``pointwise_call``), or
+            ``matmul`` (its batch axes): where an operand has an expanded broadcast axis
+            (``broadcast_in_dim``'s new axis of an extent above 1, every element the
+            same), the implementation also gets
             ``out_shapes=``, and broadcasts that axis against the output's local extent (a
             shard's: its own local extent is the global one).
+        plan: ``plan(expr)``, an op's planning on the compiler's copy after propagation and
+            before resharding: it may check the propagated shardings (raising
+            ShardingError) and rewrite ``expr.id_map`` or its outputs' unpinned
+            parallelization (grouped-query attention with replicated key/value heads).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
             arguments the implementation gets on the rank described by ``here`` (a
             :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
@@ -277,6 +282,7 @@ class OpDef:
     vjp: Vjp | None = None
     localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
     expands_broadcasts: bool = False
+    plan: Callable[[Any], None] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

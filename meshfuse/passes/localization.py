@@ -79,7 +79,7 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
             result[expr] = Local()
             continue
         attrs: dict[str, Any] = {}
-        if expr.op.needs_out_shape or (expr.op.expands_broadcasts and _reads_expanded(expr)):
+        if expr.op.needs_out_shape or (expr.op.expands_broadcasts and reads_expanded(expr)):
             attrs["out_shapes"] = [layouts[o].shape for o in expr.tensor_outputs]
         if expr.op.needs_reduced_count:
             attrs["reduced_count"] = reduced_count(expr, extents)
@@ -96,7 +96,7 @@ def localize(fusion: Fusion, extents: Mapping[IterDomain, int],
     return result
 
 
-def _reads_expanded(expr: Expr) -> bool:
+def reads_expanded(expr: Expr) -> bool:
     """Whether an operand of ``expr`` has an expanded broadcast axis (an extent above 1)."""
     return any(i.is_broadcast and i.extent != 1 for t in expr.tensor_inputs
                for i in t.materialized())

@@ -8,6 +8,8 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
+2b. ``_plan_ops``: each op's own planning rule (``OpDef.plan``: grouped-query attention
+   checks its key/value heads and, replicated, maps them apart from the query heads);
 3. the *strategy passes* (:func:`register_strategy_pass`), in the order registered: a
    parallelism's planning on the propagated shardings, before any communication is inserted
    (context parallelism's ``plan_context_parallel``: the strategy of each sequence-sharded
@@ -29,6 +31,7 @@ each op needs, the schedules' checks), as for a program written with those exten
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 
@@ -39,6 +42,7 @@ from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.passes.concrete import with_extents
+from meshfuse.passes.head_alignment import HeadSplitWarning, unaligned_head_splits
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
 from meshfuse.passes.propagation import propagate_shardings
@@ -99,6 +103,13 @@ def _propagate(fusion: Fusion, world_size: int | None) -> None:
     propagate_shardings(fusion)
 
 
+def _plan_ops(fusion: Fusion, world_size: int | None) -> None:
+    """Each op's own planning rule (``OpDef.plan``) on the propagated shardings."""
+    for expr in fusion.exprs:
+        if expr.op is not None and expr.op.plan is not None:
+            expr.op.plan(expr)
+
+
 def _reshard(fusion: Fusion, world_size: int | None) -> None:
     insert_resharding(fusion)
 
@@ -128,6 +139,7 @@ BUILD_PASSES = (
     _unmerge,
     _check_world,
     _propagate,
+    _plan_ops,
     _strategies,
     _reshard,
     _check_all,
@@ -156,6 +168,7 @@ def compile(fusion: Fusion, world_size: int | None = None,
             check_graph(copy, run.__name__.strip("_"))
     compiled = CompiledFusion(copy, infer_allocations(copy), world_size,
                               weakref.WeakKeyDictionary(counterparts))
+    _warn_once(fusion, unaligned_head_splits(copy))
     _compiled_copies[copy] = weakref.ref(compiled)
     return compiled
 
@@ -190,6 +203,18 @@ def concretize(compiled: CompiledFusion, extents: Mapping[IterDomain, int],
     concrete = CompiledFusion(copy, infer_allocations(copy), compiled.world_size, mapped)
     _compiled_copies[copy] = weakref.ref(concrete)
     return concrete
+
+
+# The warnings given for each user fusion (each one once, whatever the builds).
+_warned: weakref.WeakKeyDictionary[Fusion, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(fusion: Fusion, notes: list[str]) -> None:
+    given = _warned.setdefault(fusion, set())
+    for note in notes:
+        if note not in given:
+            given.add(note)
+            warnings.warn(note, HeadSplitWarning, stacklevel=3)
 
 
 # A compiled copy -> its CompiledFusion (a tensor of the copy is its own counterpart).

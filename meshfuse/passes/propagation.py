@@ -282,13 +282,17 @@ def _replay_shard(ref: TensorView, ref_id: IterDomain, target: TensorView,
     """Replays the split chain of ``ref``'s sharded logical ``ref_id`` on ``target_id`` (an
     unsplit loop ID of ``target``) and parallelizes the device IDs alike. Nothing happens for
     an unsharded or broadcast axis, or across a reshape (other extents) unless the shard is a
-    block that divides both: the rest is resharded. A broadcast axis takes the shard of a
+    block that divides both or both IDs are reductions (partial sums): the rest is
+    resharded. A broadcast axis takes the shard of a
     broadcast axis only."""
     leaves = _device_leaves(ref, ref_id)
     if not leaves or target_id not in target.loop \
             or target_id.is_broadcast != ref_id.is_broadcast:
         return
-    if _extent(ref, ref_id) != _extent(target, target_id) and \
+    # Partial sums need only be partial over the same mesh axes, whatever the lengths of
+    # the axes they were reduced over (an ``add`` of two products' partial sums).
+    both_reduced = ref_id.is_reduction and target_id.is_reduction
+    if _extent(ref, ref_id) != _extent(target, target_id) and not both_reduced and \
             not _is_block_shard(ref, ref_id, target_id):
         return
     chain = {ref_id: target_id}

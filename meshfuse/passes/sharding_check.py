@@ -147,6 +147,10 @@ def _check_mapped(expr: Expr, tv: TensorView, src: IterDomain, out: TensorView,
     if alike and extents.get(src) == extents.get(out_id) and extents.get(src):
         return  # (same_owners finds two empty axes unlike)
     src_owners, out_owners = owner_map(tv, src, extents), owner_map(out, out_id, extents)
+    # Partial sums over axes of any lengths add up when they are partial over the same mesh
+    # axes (which indices each rank summed does not matter to the sum of all ranks).
+    if src.is_reduction and out_id.is_reduction and src_owners.keys() == out_owners.keys():
+        return
     # A context-parallel attention maps its key sequence onto its query sequence (the rows
     # of one position), of another length in cross attention: those must be split alike,
     # index by index they cannot be compared.

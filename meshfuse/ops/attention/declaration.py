@@ -15,7 +15,8 @@ q, k and v are ``[..., B, H, S, E]``: leading axes before B (nvFuser's logical d
 Grouped-query attention: k and v may have fewer heads than q, a divisor of them (PyTorch's
 ``enable_gqa=True``: query head ``h`` attends with key/value head ``h // (H / Hkv)``); their
 head axes still map together, and sharding planning checks that each rank holds the
-key/value heads of its query heads (:mod:`meshfuse.ops.attention.groups`).
+key/value heads of its query heads, sharded by groups or replicated
+(:mod:`meshfuse.ops.attention.groups`); k_grad and v_grad then reduce over the query heads.
 
 Domain map: the leading axes, B and H map between q, k, v, attn, log_sumexp and the
 gradients; the query sequence axis maps from q to attn and log_sumexp; the head dim of attn
@@ -62,6 +63,7 @@ from meshfuse.ops.attention.dropout import (
     seed_and_offset,
     state_of_kernel,
 )
+from meshfuse.ops.attention.groups import plan_grouped_heads, with_kv_heads
 from meshfuse.ops.attention.rules import check_sharding, localize, replayed_sharding, whole_axes
 from meshfuse.ops.attention.sequence import requested_strategy
 from meshfuse.ops.random.declaration import check_rng_args, resolve_seed
@@ -264,7 +266,11 @@ class _Forward:
         return None if bound is None else (bound[0], bound[2])
 
     def __call__(self, q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset,
-                 dropout_mode, context_parallel, site, kernel_form=False):
+                 dropout_mode, context_parallel, site, kernel_form=False, kv_heads=None):
+        if kv_heads is not None:  # this rank's key/value heads, cut to those it needs
+            return with_kv_heads(self, backward=False)(
+                q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropout_mode,
+                context_parallel, site, kernel_form, kv_heads=kv_heads)
         if q.ndim > 4:
             return _leading_folded(self)(q, k, v, dropout_p, is_causal, scale, rng_seed,
                                          rng_offset, dropout_mode, context_parallel, site)
@@ -327,7 +333,7 @@ register(OpDef(
     "parallelism runs it sequence-sharded",
     partial_reduce=None, whole_axes=whole_axes, check_sharding=check_sharding,
     make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
-    localize=localize,
+    localize=localize, plan=plan_grouped_heads,
 ))
 
 
@@ -351,9 +357,21 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
     tensors = (1, 2, 3, 0, 4, 5)
     query_rows = ((1, n - 2), (0, n - 2), (4, n - 2), (5, n - 2))  # q, grad_attn, attn, lse
 
+    # Grouped-query heads (H query, Hkv key/value heads, both known): a key/value head's
+    # gradient sums over the query heads of its group, a reduction of k_grad and v_grad
+    # mapped from the query heads (partial where the query heads are sharded and the
+    # key/value heads replicated: meshfuse.ops.attention.groups); their head axis maps from
+    # k and v only.
+    grouped = None not in (q.shape[n - 3], k.shape[n - 3]) and q.shape[n - 3] != k.shape[n - 3]
+    query_heads = ((1, n - 3), (0, n - 3), (4, n - 3), (5, n - 3))
+
+    def sources(pos: int, a: int) -> tuple:
+        if grouped and a == n - 3 and pos in (2, 3):
+            return ((pos, a),) + tuple((t, a) for t in (2, 3) if t != pos)
+        return ((pos, a),) + tuple((t, a) for t in tensors if t != pos)
+
     def grad_of(pos: int, meta):
-        axes = [AxisSpec(meta.shape[a], IterType.Iteration,
-                         ((pos, a),) + tuple((t, a) for t in tensors if t != pos))
+        axes = [AxisSpec(meta.shape[a], IterType.Iteration, sources(pos, a))
                 for a in range(n - 2)]
         if pos == 1:  # q_grad's sequence is grad_attn's too; it sums over the keys
             axes.append(AxisSpec(meta.shape[-2], IterType.Iteration, query_rows))
@@ -364,6 +382,8 @@ def _bwd_infer(grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed,
             axes.append(AxisSpec(k.shape[-2], IterType.Reduction, ((2, n - 2), (3, n - 2))))
         else:  # k_grad and v_grad sum over the queries
             axes.append(AxisSpec(q.shape[-2], IterType.Reduction, query_rows))
+            if grouped:
+                axes.append(AxisSpec(q.shape[n - 3], IterType.Reduction, query_heads))
         return OutSpec(meta.dtype, tuple(axes))
 
     return [grad_of(1, q), grad_of(2, k), grad_of(3, v)]
@@ -420,7 +440,11 @@ class _Backward:
         return None if bound is None else (bound[0], None)
 
     def __call__(self, grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
-                 scale, dropout_mode, context_parallel, site, kernel_form=False):
+                 scale, dropout_mode, context_parallel, site, kernel_form=False, kv_heads=None):
+        if kv_heads is not None:  # the gradients of the heads it needs, put back in place
+            return with_kv_heads(self, backward=True)(
+                grad_attn, q, k, v, attn, log_sumexp, dropout_p, is_causal, seed, offset,
+                scale, dropout_mode, context_parallel, site, kernel_form, kv_heads=kv_heads)
         if q.ndim > 4:
             return _leading_folded_bwd(self)(grad_attn, q, k, v, attn, log_sumexp, dropout_p,
                                              is_causal, seed, offset, scale, dropout_mode,
@@ -450,5 +474,5 @@ register(OpDef(
     # of the keys, q_grad is (the log-sum-exp makes each block's probabilities exact).
     partial_reduce="sum", whole_axes=whole_axes, replays=replayed_sharding,
     check_sharding=check_sharding, make_impl=_Backward,
-    localize=localize,
+    localize=localize, plan=plan_grouped_heads,
 ))

@@ -3,15 +3,34 @@ key/value heads that serve them.
 
 In grouped-query attention (PyTorch's SDPA with ``enable_gqa=True``) q has ``H`` heads and k
 and v ``Hkv``, a divisor of ``H``; query head ``h`` attends with key/value head ``h // G``,
-``G = H / Hkv``. A rank computes its query heads with the key/value heads it holds, so the
-heads must be sharded *by groups*: on every mesh axis, the owner of query head ``h`` is the
-owner of key/value head ``h // G``. Block splits of both head axes into the same number of
-shards do that exactly when that number divides ``Hkv`` (8 query and 4 key/value heads over
-2 ranks: query heads 0-3 with key/value heads 0-1 on rank 0). Local heads then form groups
-of the same ``G``, in order, and the kernels run grouped-query attention locally.
+``G = H / Hkv``. On each mesh axis that shards the query heads, the key/value heads are
+either
+
+- *sharded by groups*: the owner of query head ``h`` owns key/value head ``h // G`` (block
+  splits of both into a number of blocks that divides ``Hkv``: 8 query and 4 key/value
+  heads over 2 ranks, query heads 0-3 with key/value heads 0-1 on rank 0); or
+- *replicated* (Megatron's and torchtitan's plans when the ranks outnumber the key/value
+  heads: 8 query and 2 key/value heads over 4 ranks). Each rank then computes with the
+  key/value heads its query heads need, taken from its whole copy: no communication. In the
+  backward a key/value head's gradient is the sum over its query heads, of which each rank
+  computed its own: ``k_grad`` and ``v_grad`` carry a reduction over the query heads (see
+  ``sdpfa_bwd``'s shape rule) and are partial sums over those mesh axes, reduced by the
+  resharding that follows (an allreduce, or a reduce-scatter).
+
+Propagation gives unscheduled k and v the first where the block count divides ``Hkv``, the
+second otherwise. Key/value heads sharded on a mesh axis that does not shard the query
+heads, sharded otherwise than by groups, or sharded by groups on some mesh axes and
+replicated on others that shard the query heads, are refused.
+
+:func:`plan_grouped_heads` (the op's ``plan`` rule, run after propagation) checks that and
+rewrites the attention's domain map for replicated key/value heads; :func:`kv_head_index`
+tells each rank which of its key/value heads serve its query heads, and
+:func:`with_kv_heads` makes a kernel take only those.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -19,6 +38,9 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.layout import derived_extents, device_ids, split_indices
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
+
+_QUERY_SIDE = ("q", "grad_attn", "attn", "log_sumexp")
+_KEY_SIDE = ("k", "v")
 
 
 def head_owners(tv: TensorView) -> dict[str, torch.Tensor] | None:
@@ -33,25 +55,156 @@ def head_owners(tv: TensorView) -> dict[str, torch.Tensor] | None:
     return {pt.value: indices[leaf] for leaf, pt in device_ids(tv).get(heads, [])}
 
 
-def check_grouped_heads(expr, q: TensorView, kv: dict[str, TensorView]) -> None:
-    """Raises :class:`ShardingError` unless every rank holds the key/value heads of ``kv``
-    (``{"k": k, "v": v}``) that serve its query heads of ``q`` (see the module doc).
-    Nothing to check with as many key/value heads as query heads, or symbolic extents."""
+def replicated_kv_axes(expr, q: TensorView, kv: dict[str, TensorView]) -> set[str]:
+    """The mesh axes (parallel type names) on which the key/value heads of ``kv``
+    (``{"k": k, "v": v}``) are replicated while ``q``'s heads are sharded. Raises
+    :class:`ShardingError` unless, on every mesh axis, the key/value heads are sharded by
+    groups or replicated, and replicated either on all or none of the mesh axes that shard
+    the query heads but not by groups (see the module doc). Nothing to check with as many
+    key/value heads as query heads, or symbolic extents."""
     q_owners = head_owners(q)
+    replicated: set[str] = set()
     for name, tv in kv.items():
         kv_owners = head_owners(tv)
         if q_owners is None or kv_owners is None:
-            return
+            return set()
         heads, kv_heads = q.materialized()[-3].extent, tv.materialized()[-3].extent
         if heads == kv_heads:
             continue
         group = heads // kv_heads
         served = {pt: owners[torch.arange(heads) // group] for pt, owners in kv_owners.items()}
-        if served.keys() != q_owners.keys() or \
+        if not served.keys() <= q_owners.keys() or \
                 any(not torch.equal(served[pt], q_owners[pt]) for pt in served):
             raise ShardingError(
                 f"{format_expr(expr)}: the {kv_heads} key/value heads of {tv.name} ({name}) "
                 f"are not sharded with the {heads} query heads of {q.name} (q) that they "
                 f"serve (query head h needs key/value head h // {group} on its rank); split "
                 "both head axes alike over the same mesh axes into a number of blocks that "
-                f"divides {kv_heads}, or leave the heads unsharded")
+                f"divides {kv_heads}, or leave the key/value heads unsharded (replicated)")
+        own = set(q_owners) - set(served)
+        if own and served:
+            raise ShardingError(
+                f"{format_expr(expr)}: the {kv_heads} key/value heads of {tv.name} ({name}) "
+                f"are sharded by groups on {', '.join(sorted(served))} but replicated on "
+                f"{', '.join(sorted(own))}, which shards the query heads of {q.name}; "
+                "replicating key/value heads on some of the mesh axes that shard the query "
+                "heads and not on others is not supported: shard them on all of those "
+                "mesh axes by groups, or on none")
+        replicated |= own
+    return replicated
+
+
+def check_grouped_heads(expr, q: TensorView, kv: dict[str, TensorView]) -> None:
+    """Raises :class:`ShardingError` unless every rank holds the key/value heads of ``kv``
+    that serve its query heads of ``q`` (see :func:`replicated_kv_axes`)."""
+    replicated_kv_axes(expr, q, kv)
+
+
+def plan_grouped_heads(expr) -> None:
+    """An attention's ``plan`` rule (after propagation, on the compiler's copy): with
+    key/value heads replicated where the query heads are sharded, no output head axis maps
+    between the key/value and the query heads (a rank takes the key/value heads it needs
+    from its copy), and the backward's reduction over the query heads stays a partial sum;
+    with heads sharded by groups (or none sharded), that reduction is within a rank's heads
+    and maps from nothing."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    q = args["q"]
+    axis = len(q.materialized()) - 3  # the heads (log_sumexp is [..., B, H, S])
+    heads = {t: t.materialized()[axis] for name, t in args.items()
+             if name in _QUERY_SIDE + _KEY_SIDE}
+    if None in (heads[q].extent, heads[args["k"]].extent) or \
+            heads[q].extent == heads[args["k"]].extent:
+        return
+    replicated = replicated_kv_axes(expr, q, {n: args[n] for n in _KEY_SIDE})
+    query_ids = {heads[args[n]] for n in _QUERY_SIDE if n in args}
+    key_ids = {heads[args[n]] for n in _KEY_SIDE}
+    id_map = {}
+    for out_id, sources in expr.id_map.items():
+        if out_id.is_reduction and set(sources) and set(sources) <= query_ids:
+            if not replicated:  # the group's sum is within this rank's heads
+                _drop_device_ids(expr, out_id)
+                sources = ()
+        elif replicated and set(sources) & query_ids:
+            sources = tuple(s for s in sources if s not in key_ids)
+        id_map[out_id] = sources
+    expr.id_map = id_map
+
+
+def _drop_device_ids(expr, reduction) -> None:
+    for out in expr.tensor_outputs:
+        if reduction in out.logical:
+            for leaf, _ in device_ids(out).get(reduction, []):
+                del out.parallel[leaf]
+
+
+def kv_head_index(q_heads: torch.Tensor, kv_heads: torch.Tensor, heads: int,
+                  kv_extent: int) -> tuple | None:
+    """Which of this rank's key/value heads serve its query heads: None when all of them,
+    in groups (the kernel takes them as they are); else ``("narrow", start, count)`` for
+    consecutive heads serving equal groups, or ``("select", positions)``, one position per
+    query head (query heads whose groups this rank holds in part: the kernel runs with one
+    key/value head per query head).
+
+    Args:
+        q_heads, kv_heads: the global head indices held on this rank (ascending).
+        heads, kv_extent: the global head counts of q and of k/v.
+    """
+    group = heads // kv_extent
+    needed = q_heads // group
+    if not len(needed):
+        return ("narrow", 0, 0)  # no query heads here: no key/value heads either
+    position = {int(h): i for i, h in enumerate(kv_heads.tolist())}
+    wanted = [position[int(h)] for h in needed.tolist()]
+    unique = sorted(set(wanted))
+    if unique == list(range(len(kv_heads))) and _grouped(wanted, len(unique)):
+        return None
+    if unique == list(range(unique[0], unique[-1] + 1)) and _grouped(wanted, len(unique)):
+        return ("narrow", unique[0], len(unique))
+    return ("select", tuple(wanted))
+
+
+def _grouped(wanted: list[int], count: int) -> bool:
+    """Whether ``wanted`` is ``count`` runs of equal length of consecutive positions."""
+    if not wanted or len(wanted) % count:
+        return False
+    run = len(wanted) // count
+    return all(w - wanted[0] == i // run for i, w in enumerate(wanted))
+
+
+def _take(t: torch.Tensor, index: tuple) -> torch.Tensor:
+    axis = t.ndim - 3
+    if index[0] == "narrow":
+        return t.narrow(axis, index[1], index[2])
+    return t.index_select(axis, torch.tensor(index[1], device=t.device))
+
+
+def _put_back(grad: torch.Tensor, like: torch.Tensor, index: tuple) -> torch.Tensor:
+    """The gradient of the heads taken by ``index``, as a gradient of all of ``like``'s
+    (zero for heads no query head of this rank used)."""
+    full = torch.zeros_like(like, dtype=grad.dtype)
+    axis = like.ndim - 3
+    if index[0] == "narrow":
+        full.narrow(axis, index[1], index[2]).copy_(grad)
+    else:
+        full.index_add_(axis, torch.tensor(index[1], device=grad.device), grad)
+    return full
+
+
+def with_kv_heads(fn, backward: bool):
+    """``fn``, an attention implementation (``sdpfa_fwd``'s signature, or ``sdpfa_bwd``'s
+    with ``backward``), taking a ``kv_heads=`` keyword (:func:`kv_head_index`'s result):
+    k and v cut to those heads; in the backward, their gradients put back in place."""
+    first = 2 if backward else 1
+
+    @functools.wraps(fn)
+    def call(*args, kv_heads=None, **kwargs):
+        if kv_heads is None:
+            return fn(*args, **kwargs)
+        k, v = args[first], args[first + 1]
+        args = (*args[:first], _take(k, kv_heads), _take(v, kv_heads), *args[first + 2:])
+        result = fn(*args, **kwargs)
+        if not backward:
+            return result
+        dq, dk, dv = result
+        return dq, _put_back(dk, k, kv_heads), _put_back(dv, v, kv_heads)
+    return call

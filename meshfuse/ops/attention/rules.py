@@ -12,6 +12,7 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops.attention.dropout import SHARD, attention_site, resolve_mode
+from meshfuse.ops.attention.groups import kv_head_index
 from meshfuse.ops.attention.sequence import sequence_parallel
 
 
@@ -115,7 +116,20 @@ def _seed_arg(expr, name: str):
 
 
 def localize(expr, here):
-    """This rank's dropout site: its shard's position in the global ``[..., B, H, S, Skv]``."""
+    """This rank's dropout site (its shard's position in the global ``[..., B, H, S, Skv]``)
+    and, with grouped-query heads, which of its key/value heads serve its query heads."""
+    attrs, note = _localize(expr, here)
+    q, k = _raw(expr, "q"), _raw(expr, "k")
+    heads, kv_heads = q.materialized()[-3], k.materialized()[-3]
+    if here.extents is not None and here.extents[heads] != here.extents[kv_heads]:
+        index = kv_head_index(here.index(q).axis(q.ndim - 3), here.index(k).axis(k.ndim - 3),
+                              here.extents[heads], here.extents[kv_heads])
+        if index is not None:
+            attrs = {**attrs, "kv_heads": index}
+    return attrs, note
+
+
+def _localize(expr, here):
     backward = expr.op.name == "sdpfa_bwd"
     mode = _bwd_mode(expr) if backward else resolve_mode("sdpfa_fwd", _arg(expr, "dropout_mode"))
     k = expr.args[2 if backward else 1]

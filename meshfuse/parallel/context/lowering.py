@@ -39,6 +39,7 @@ import torch
 
 from meshfuse.ir.fusion import Expr
 from meshfuse.ops.attention.dropout import no_rng_state, rng_state, seed_and_offset
+from meshfuse.ops.attention.groups import with_kv_heads
 from meshfuse.ops.attention.sequence import (
     ALLGATHER,
     ALLTOALL,
@@ -374,5 +375,6 @@ def lower_attention(expr, group_of):
     group = group_of(*sequence_mesh_axis(expr))
     if group is None:
         return None
-    step = forward_step if expr.op.name == "sdpfa_fwd" else backward_step
-    return step(group)
+    backward = expr.op.name == "sdpfa_bwd"
+    step = backward_step if backward else forward_step
+    return with_kv_heads(step(group), backward)

@@ -37,7 +37,7 @@ from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.ops.attention.groups import check_grouped_heads
+from meshfuse.ops.attention.groups import check_grouped_heads, replicated_kv_axes
 from meshfuse.ops.attention.sequence import (
     ALLGATHER,
     ALLTOALL,
@@ -151,6 +151,9 @@ def _why_not_cross(signature, s_q: int, s_kv: int, n: int) -> str | None:
 def _why_not_alltoall(expr: Expr) -> str | None:
     q = _tensor(expr, "q")
     n, s = _axis_size(q), q.logical[2].extent
+    if replicated_kv_axes(expr, q, {name: _tensor(expr, name) for name in _KEYS}):
+        return ("the key/value heads are replicated where the query heads are sharded (a "
+                "rank computes with those its query heads need)")
     for tv in (q, _tensor(expr, "k")):  # query heads, and key/value heads (GQA: fewer)
         axis = tv.materialized()[1]
         if axis.extent is None:

@@ -37,6 +37,7 @@ import torch
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.layout import device_ids, local_extent, split_indices
+from meshfuse.ops.attention.groups import replicated_kv_axes
 from meshfuse.ops.attention.sequence import (
     ALLGATHER,
     AUTO,
@@ -331,6 +332,8 @@ def own_parts(expr, here) -> int:
     if getattr(dropout, "value", dropout) != 0.0 or parts == 1:
         return 1
     for position in range(2):  # batch, then heads
+        if position == 1 and replicated_kv_axes(expr, q, {"k": k, "v": argument(expr, "v")}):
+            return 1  # the kernels see the key/value heads this rank's query heads need
         extents = [_local(t, t.logical[position], here) for t in (q, k)]
         if None in extents:  # a symbolic extent
             return 1

@@ -24,6 +24,7 @@ from meshfuse.ir.fusion import Expr, Reshard
 from meshfuse.ir.placement import Partial, Replicate, placements
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.passes.localization import reads_expanded
 
 GEMM_ALLREDUCE = "GEMM -> allreduce"
 
@@ -92,8 +93,10 @@ def gemm_allreduce(e: Reshard, uses) -> AllreduceCandidate | None:
 
 def _row_gemm(gemm: Expr | None) -> bool:
     """A GEMM that computes its rows independently from a 2-D right operand: a ``linear``
-    without bias or a ``matmul``, its first operand of two or more axes."""
-    if gemm is None or gemm.op is None or gemm.op.name not in ("linear", "matmul"):
+    without bias or a ``matmul``, its first operand of two or more axes, none of them an
+    expanded broadcast (whose implementation needs the whole output's local shape)."""
+    if gemm is None or gemm.op is None or gemm.op.name not in ("linear", "matmul") or \
+            reads_expanded(gemm):
         return False
     a, b = gemm.args[0], gemm.args[1]
     if not isinstance(a, TensorView) or not isinstance(b, TensorView):

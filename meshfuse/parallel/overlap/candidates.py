@@ -42,6 +42,7 @@ from meshfuse.parallel.overlap.stream_parallel import (
     chunk_ids_of,
     convex,
 )
+from meshfuse.passes.localization import reads_expanded
 
 GEMMS = ("linear", "matmul")
 ALLGATHER_GEMM = "allgather -> GEMM"
@@ -147,7 +148,7 @@ def _allgather_gemm(e: Reshard, uses) -> OverlapCandidate | None:
     for gemm in uses.get(dst, []):
         kept = any(logical in gemm.id_map.get(o, ()) for out in gemm.tensor_outputs
                    for o in out.materialized())
-        if gemm.op is not None and gemm.op.name in GEMMS and gemm.args[0] is dst and kept:
+        if _chunkable_gemm(gemm) and gemm.args[0] is dst and kept:
             return OverlapCandidate(ALLGATHER_GEMM, e, gemm, dst, logical, m,
                                     src.mesh.shape[m], _forced(e, gemm))
     return None
@@ -161,11 +162,17 @@ def _gemm_reduce_scatter(e: Reshard, uses) -> OverlapCandidate | None:
     src, dst = e.args[0], e.outputs[0]
     gemm = src.definition
     if not isinstance(before, Partial) or not isinstance(after, Shard) or after.cyclic or \
-            gemm is None or gemm.op is None or gemm.op.name not in GEMMS or \
+            gemm is None or not _chunkable_gemm(gemm) or \
             len(uses.get(src, [])) != 1 or _block_split(dst, after.axis) is None:
         return None
     return OverlapCandidate(GEMM_REDUCE_SCATTER, e, gemm, src, src.materialized()[after.axis],
                             m, src.mesh.shape[m], _forced(e, gemm))
+
+
+def _chunkable_gemm(gemm: Expr) -> bool:
+    """A GEMM that can run per chunk: not one reading an expanded broadcast axis (its
+    implementation is given the whole output's local shape, ``OpDef.expands_broadcasts``)."""
+    return gemm.op is not None and gemm.op.name in GEMMS and not reads_expanded(gemm)
 
 
 def _forced(e: Reshard, gemm: Expr) -> bool | None:
