@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_heads
 import fuzz_overlap
 import fuzz_precision
 import fuzz_typed
@@ -67,6 +68,8 @@ class Features:
             ``MESHFUSE_OVERLAP_CHUNKS`` while the program is built and run.
         stream_axes: with ``overlap``, some GEMMs' first operand also gets its rows on
             ``ParallelType.stream`` (a loop the user schedules).
+        heads: grouped-query attention (projected or not), batched matmuls summed over
+            their batch, ``linear`` with leading weight axes (``fuzz_heads.py``).
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -80,6 +83,7 @@ class Features:
     low_precision: bool = False
     overlap: bool = False
     stream_axes: bool = False
+    heads: bool = False
 
 
 @dataclasses.dataclass
@@ -557,6 +561,15 @@ class _Gen:
     def downcast(self) -> None:
         fuzz_precision.downcast(self)
 
+    def grouped_attention(self) -> None:
+        fuzz_heads.grouped_attention(self)
+
+    def batched_matmul(self) -> None:
+        fuzz_heads.batched_matmul(self)
+
+    def lead_linear(self) -> None:
+        fuzz_heads.lead_linear(self)
+
 
 def _dtype_name(v: Value) -> str:
     """The DataType name of ``v``'s dtype (a new operand of an op that does not promote)."""
@@ -597,7 +610,8 @@ STATEMENTS = {  # name: weight
 
 # Statements of the optional features (Features.integers, Features.extrema).
 FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2},
-                      "low_precision": {"downcast": 4}}
+                      "low_precision": {"downcast": 4},
+                      "heads": {"grouped_attention": 6, "batched_matmul": 6, "lead_linear": 6}}
 
 
 def generate(seed: int, world_size: int, features: Features | None = None) -> Program:
