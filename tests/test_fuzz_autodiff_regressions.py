@@ -20,7 +20,7 @@ from fuzz_cases import Case, set_up
 from fuzz_gradients import check_gradients, run_gradients
 from fuzz_programs import generate
 from mesh_helpers import MX, shard
-from test_fuzz_autodiff import FEATURES
+from test_fuzz_autodiff import FEATURES, HEAD_FEATURES
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.runtime.comm.communicator import Communicator
@@ -212,6 +212,33 @@ def _linear_by_heads(fd, d):
     return x, w, b
 
 
+def _linear_with_more_ranks_than_leading_indices(fd, d):
+    x = fd.define_tensor([4, 6], dtype=DataType.Float)
+    w = fd.define_tensor([2, 5, 6], dtype=DataType.Float)
+    b = fd.define_tensor([2, 5], dtype=DataType.Float)
+    fd.add_output(fd.ops.linear(x, w, b))
+    return x, w, b
+
+
+def _chained_batched_matmuls(fd, d):
+    a = fd.define_tensor([3, 6, 3], dtype=DataType.Float)
+    b = fd.define_tensor([3, 3, 8], dtype=DataType.Float)
+    c = fd.define_tensor([3, 8, 5], dtype=DataType.Float)
+    y = fd.ops.matmul(fd.ops.matmul(a, b), c)
+    z = fd.ops.cast(y, DataType.Double)
+    fd.add_output(fd.ops.cast(z, DataType.Float))
+    fd.add_output(y)
+    return a, b, c, y, z
+
+
+def _contraction_and_batch_of_a_consumer_sharded(t, mesh):
+    """c's contracted rows split (the product partial), its cast's batch split (the
+    product, also an output, then takes that split: a partial sum to reduce-scatter)."""
+    t[0].set_device_mesh(mesh)
+    shard(t[2], 1, mesh)
+    shard(t[4], 0, mesh)
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -317,6 +344,25 @@ CASES: dict[str, Case] = {
         lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[h], b[h])
                                       for h in range(8)]).permute(1, 0, 2, 3)],
         lambda d: [[2, 3, 6], [8, 4, 6], [8, 4]]),
+    "linear_with_leading_weight_axes_on_an_empty_shard": Case(
+        "untyped at 3 and 4 ranks, 'cannot reshape tensor of 0 elements into shape "
+        "[-1, 0, 6]': linear's implementation for weights with leading axes reshaped with "
+        "-1, which an empty shard (2 leading indices over 3 ranks) leaves ambiguous (heads "
+        "fuzzer seeds 4, 58, 94, ... at 3 ranks, 7, 17, 32, ... at 4)",
+        _linear_with_more_ranks_than_leading_indices,
+        lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[i], b[i])
+                                      for i in range(2)])],
+        lambda d: [[4, 6], [2, 5, 6], [2, 5]]),
+    "partial_product_sharded_by_its_consumer_and_an_output": Case(
+        "refused at 2 ranks, ShardingError 'matmul(...): ... axis 2 is replicated but "
+        "reduced is DIDx': a product partial over its contraction took its consumer's batch "
+        "split on the same mesh axis (to be reduce-scattered); being an output too, "
+        "resharding gathered its inputs on the batch instead, and the product kept its "
+        "partial mark (heads fuzzer seed 464 at 2 ranks)",
+        _chained_batched_matmuls, _contraction_and_batch_of_a_consumer_sharded,
+        lambda a, b, c: [torch.matmul(torch.matmul(a, b), c)] * 2,
+        lambda d: [[3, 6, 3], [3, 3, 8], [3, 8, 5]]),
     "batched_matmul_gradient_over_a_summed_batch_one_element_a_rank": Case(
         "silently wrong gradients (as many times too large as there are ranks): as the case "
         "above, with one batch element a rank, where torch.matmul broadcast the extent 1 of "
@@ -340,6 +386,7 @@ class Seed:
     seed: int
     world_size: int
     was: str
+    heads: bool = False  # drawn with HEAD_FEATURES (fuzz_heads.py)
 
 
 SEEDS: dict[str, Seed] = {
@@ -359,6 +406,12 @@ SEEDS: dict[str, Seed] = {
         2315, 2, "wrong gradient: see the case"),
     "weight_gradient_of_a_linear_over_an_expanded_broadcast-959": Seed(
         959, 3, "refused: see the case"),
+    "partial_product_sharded_by_its_consumer_and_an_output-464": Seed(
+        464, 2, "refused: see the case", heads=True),
+    "linear_with_leading_weight_axes_on_an_empty_shard-4": Seed(
+        4, 3, "untyped: see the case", heads=True),
+    "linear_with_leading_weight_axes_on_an_empty_shard-7": Seed(
+        7, 4, "untyped: see the case", heads=True),
 }
 
 
@@ -367,7 +420,8 @@ def test_gradient_fuzz_seed(multidevice_test, name):
     seed = SEEDS[name]
     if multidevice_test.size != seed.world_size:
         pytest.skip(f"the program of seed {seed.seed} was drawn for {seed.world_size} ranks")
-    outcome = run_gradients(generate(seed.seed, seed.world_size, FEATURES),
+    features = HEAD_FEATURES if seed.heads else FEATURES
+    outcome = run_gradients(generate(seed.seed, seed.world_size, features),
                             multidevice_test.rank, multidevice_test.device)
     assert outcome.kind == "match", outcome.report()
 

@@ -7,6 +7,7 @@ both operands' contracted axes, so that a sharded contraction shows up as a part
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -183,10 +184,12 @@ def _linear(x, weight, bias, dropped_addends=()):
             bias = weight.new_zeros(weight.shape[0])
         return torch.nn.functional.linear(x, weight, bias)
     lead = weight.shape[:-2]
-    rows = x.reshape(1, -1, x.shape[-1])                       # [1, m, k]
-    out = torch.matmul(rows, weight.reshape(-1, *weight.shape[-2:]).transpose(-1, -2))
+    # explicit extents: a shard may be empty (no rows, no leading index, no features)
+    count, tokens = math.prod(lead), math.prod(x.shape[:-1])
+    rows = x.reshape(1, tokens, x.shape[-1])                    # [1, m, k]
+    out = torch.matmul(rows, weight.reshape(count, *weight.shape[-2:]).transpose(-1, -2))
     if bias is not None:                                         # [L, m, n] + [L, 1, n]
-        out = out + bias.reshape(-1, 1, bias.shape[-1])
+        out = out + bias.reshape(count, 1, bias.shape[-1])
     return out.reshape(*lead, *x.shape[:-1], weight.shape[-2])
 
 
