@@ -220,6 +220,15 @@ def _linear_with_more_ranks_than_leading_indices(fd, d):
     return x, w, b
 
 
+def _linear_by_heads_of_an_expanded_broadcast(fd, d):
+    x = fd.define_tensor([3, 3], dtype=DataType.Float)
+    w = fd.define_tensor([4, 4, 3], dtype=DataType.Float)
+    b = fd.define_tensor([4, 4], dtype=DataType.Float)
+    tokens = fd.ops.broadcast_in_dim(x, shape=[3, 2, 3], broadcast_dims=[0, 2])
+    fd.add_output(fd.ops.linear(tokens, w, b))
+    return x, w, b
+
+
 def _chained_batched_matmuls(fd, d):
     a = fd.define_tensor([3, 6, 3], dtype=DataType.Float)
     b = fd.define_tensor([3, 3, 8], dtype=DataType.Float)
@@ -354,6 +363,16 @@ CASES: dict[str, Case] = {
         lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[i], b[i])
                                       for i in range(2)])],
         lambda d: [[4, 6], [2, 5, 6], [2, 5]]),
+    "linear_with_leading_weight_axes_over_an_expanded_broadcast": Case(
+        "refused, DefinitionError 'matmul: contracted extents differ: axis 3 of the first "
+        "operand has 2, axis 2 of the second has 1': the weight gradient broadcast x to "
+        "the leading axes keeping its extents with -1, which made its expanded broadcast "
+        "token axis (extent 2) one of extent 1 (heads fuzzer seed 617 at 2 ranks)",
+        _linear_by_heads_of_an_expanded_broadcast,
+        lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(
+            x[:, None].expand(3, 2, 3), w[i], b[i]) for i in range(4)])],
+        lambda d: [[3, 3], [4, 4, 3], [4, 4]]),
     "partial_product_sharded_by_its_consumer_and_an_output": Case(
         "refused at 2 ranks, ShardingError 'matmul(...): ... axis 2 is replicated but "
         "reduced is DIDx': a product partial over its contraction took its consumer's batch "
@@ -412,6 +431,8 @@ SEEDS: dict[str, Seed] = {
         4, 3, "untyped: see the case", heads=True),
     "linear_with_leading_weight_axes_on_an_empty_shard-7": Seed(
         7, 4, "untyped: see the case", heads=True),
+    "linear_with_leading_weight_axes_over_an_expanded_broadcast-617": Seed(
+        617, 2, "refused: see the case", heads=True),
 }
 
 

@@ -221,21 +221,25 @@ def _lead_linear_grads(d, g):
     o, x, w = d.ops, d.value("x"), d.value("weight")
     lead, n = d.ndim("weight") - 2, d.ndim("x")
     leads, tokens = list(range(lead)), list(range(lead, lead + n - 1))
+    # the extents broadcast_in_dim keeps: given (an expanded broadcast axis of x keeps its
+    # extent, which -1 would make 1), -1 where symbolic
+    xs, ws, gs = ([-1 if i.extent is None else i.extent for i in t.materialized()]
+                  for t in (x, w, g))
 
     def grad_x():
         if n == 1:  # g is [*lead, n]: rows of one token
-            rows = o.broadcast_in_dim(g, [-1] * lead + [1, -1], leads + [lead + 1])
+            rows = o.broadcast_in_dim(g, gs[:lead] + [1, gs[lead]], leads + [lead + 1])
             return o.squeeze(o.sum(o.matmul(rows, w), dims=leads), [0])
-        weight = o.broadcast_in_dim(w, [-1] * lead + [1] * (n - 2) + [-1, -1],
+        weight = o.broadcast_in_dim(w, ws[:lead] + [1] * (n - 2) + ws[lead:],
                                     leads + [lead + n - 2, lead + n - 1])
         return o.sum(o.matmul(g, weight), dims=leads)
 
     def grad_weight():
         if n == 1:  # an outer product per leading index
-            column = o.broadcast_in_dim(g, [-1] * (lead + 1) + [1], list(range(lead + 1)))
-            row = o.broadcast_in_dim(x, [1] * (lead + 1) + [-1], [lead + 1])
+            column = o.broadcast_in_dim(g, gs + [1], list(range(lead + 1)))
+            row = o.broadcast_in_dim(x, [1] * (lead + 1) + xs, [lead + 1])
             return o.mul(column, row)
-        tokens_x = o.broadcast_in_dim(x, [1] * lead + [-1] * n, list(range(lead, lead + n)))
+        tokens_x = o.broadcast_in_dim(x, [1] * lead + xs, list(range(lead, lead + n)))
         product = o.matmul(transposed(o, g), tokens_x)  # [*lead, *tokens[:-1], n, k]
         return o.sum(product, dims=tokens[:-1]) if n > 2 else product
 
