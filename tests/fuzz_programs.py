@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 
+import fuzz_heads
 import fuzz_indexing
 import fuzz_overlap
 import fuzz_precision
@@ -76,6 +77,8 @@ class Features:
         symbolic: some programs declare their inputs' extents ``-1`` (symbolic until
             execute), drawn after the rest by a generator of their own
             (``fuzz_symbolic.py``): the same seed's program otherwise.
+        heads: grouped-query attention (projected or not), batched matmuls summed over
+            their batch, ``linear`` with leading weight axes (``fuzz_heads.py``).
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -91,6 +94,7 @@ class Features:
     stream_axes: bool = False
     indexing: bool = False
     symbolic: bool = False
+    heads: bool = False
 
 
 @dataclasses.dataclass
@@ -588,6 +592,15 @@ class _Gen:
     def indexing(self) -> None:
         fuzz_indexing.indexing(self)
 
+    def grouped_attention(self) -> None:
+        fuzz_heads.grouped_attention(self)
+
+    def batched_matmul(self) -> None:
+        fuzz_heads.batched_matmul(self)
+
+    def lead_linear(self) -> None:
+        fuzz_heads.lead_linear(self)
+
 
 def _dtype_name(v: Value) -> str:
     """The DataType name of ``v``'s dtype (a new operand of an op that does not promote)."""
@@ -628,7 +641,8 @@ STATEMENTS = {  # name: weight
 
 # Statements of the optional features (Features.integers, Features.extrema).
 FEATURE_STATEMENTS = {"integers": {"integers": 4}, "extrema": {"extrema": 2},
-                      "low_precision": {"downcast": 4}, "indexing": {"indexing": 4}}
+                      "low_precision": {"downcast": 4}, "indexing": {"indexing": 4},
+                      "heads": {"grouped_attention": 6, "batched_matmul": 6, "lead_linear": 6}}
 
 
 def generate(seed: int, world_size: int, features: Features | None = None) -> Program:

@@ -161,9 +161,10 @@ def test_key_value_heads_from_projections(multidevice_test):
     assert [c for c in forward if len(c.ranks) > 1] == []
 
 
-def test_key_value_heads_by_groups_on_one_axis_replicated_on_another(multidevice_test):
-    """On a 2x2 mesh, query heads split over both mesh axes and key/value heads by groups
-    over one only: refused, naming both mesh axes (not supported yet)."""
+def test_key_value_heads_by_groups_on_one_axis_gathered(multidevice_test):
+    """On a 2x2 mesh, query heads split over both mesh axes and the key/value heads by
+    groups over one only (fewer blocks): the key/value heads are gathered, then taken as
+    replicated ones; equal to PyTorch's forward and backward."""
     mesh = mesh_2x2(multidevice_test)
     fd, tensors = _define(2, False, QkvFormat.BHSE)
     q = tensors[0]
@@ -174,9 +175,24 @@ def test_key_value_heads_by_groups_on_one_axis_replicated_on_another(multidevice
     q.axis(2).parallelize(MX)
     for t in tensors[1:]:
         shard(t, 1, mesh, MY)
-    with pytest.raises(ShardingError, match="by groups on DIDy but replicated on DIDx"):
-        fd.execute([shard_tensor(x, tv) for x, tv in
-                    zip(_global_inputs(2, QkvFormat.BHSE), tensors)])
+    forward, _ = _run(multidevice_test, fd, tensors, False, _global_inputs(2, QkvFormat.BHSE))
+    assert sorted(c.kind for c in forward) == ["allgather", "allgather"]  # k and v
+
+
+def test_key_value_heads_sharded_off_their_groups_are_gathered(multidevice_test):
+    """2 key/value heads pinned split over every rank with the 8 query heads (1, 1, 0, 0
+    at 4 ranks: not the heads a rank's query heads need): gathered, then replicated."""
+    d = multidevice_test.size
+    fd, tensors = _define(2, True, QkvFormat.BHSE)
+    for t in tensors:
+        shard(t, 1, mesh_1d(multidevice_test))
+    forward, backward = _run(multidevice_test, fd, tensors, True,
+                             _global_inputs(2, QkvFormat.BHSE))
+    if 2 % d == 0:  # by groups: nothing moves
+        assert forward == [] and backward == []
+    else:
+        assert sorted(c.kind for c in forward) == ["allgather", "allgather"]
+        assert {c.kind for c in backward} == {"reduce_scatter"}, backward
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])

@@ -194,19 +194,18 @@ def test_head_parallel_grouped_attention(multidevice_test):
 
 
 @pytest.mark.mpi
-def test_key_value_heads_that_do_not_divide_over_the_ranks_are_refused(multidevice_test):
-    """2 key/value heads over 4 ranks (the query heads would divide): a rank's query heads
-    would need key/value heads it does not hold; building the program says so, on every
-    rank alike."""
+def test_key_value_heads_that_do_not_divide_over_the_ranks_are_gathered(multidevice_test):
+    """2 key/value heads split over 4 ranks (the query heads would divide): a rank's query
+    heads need key/value heads it does not hold, so k and v are gathered whole (then each
+    rank takes those it needs; see test_attention_kv_replication.py)."""
     d = multidevice_test.size
     if d < 4:
         pytest.skip("needs 4 ranks")
     fd = GroupedAttention(8, 2, 8, False)
     for tv in fd.tensors():
         shard(tv, 1, mesh_1d(multidevice_test))
-    with pytest.raises(ShardingError, match=r"the 2 key/value heads of T1 \(k\) are not "
-                                            r"sharded with the 8 query heads of T0"):
-        fd.compiled()
+    comms = _check(multidevice_test, fd, _inputs(8, 2, 8))
+    assert [c.kind for c in comms][:2] == ["allgather", "allgather"]
 
 
 class GroupedDropout(FusionDefinition):

@@ -5,14 +5,17 @@ at world sizes 1, 2 and 4, run through ``fd.as_autograd_function()`` with random
 their outputs and every input's gradient shard compared with ``torch.autograd`` on the
 global tensors (``fuzz_gradients.py``).
 
-CI runs ``DEFAULT_PROGRAMS`` programs per world size, all in one test per size. The long mode
-runs more: ``MESHFUSE_FUZZ_GRAD_PROGRAMS=2000 python -m pytest tests/test_fuzz_autodiff.py``,
+A second test draws the heads and batches of ``fuzz_heads.py`` too (``HEAD_FEATURES``;
+``MESHFUSE_FUZZ_HEAD_PROGRAMS`` for its long mode). CI runs ``DEFAULT_PROGRAMS`` programs per
+world size, all in one test per size. The long mode runs more: ``MESHFUSE_FUZZ_GRAD_PROGRAMS=2000 python -m pytest tests/test_fuzz_autodiff.py``,
 from seed ``MESHFUSE_FUZZ_SEED`` (default 0) on. A failure prints the outcome counts and,
 for the first failures, a runnable reproduction (``MESHFUSE_FUZZ_REPORT=DIR`` writes each
 rank's counts there).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from fuzz_gradients import run_gradients
@@ -25,6 +28,10 @@ DEFAULT_PROGRAMS = 24
 PROGRAMS_ENV = "MESHFUSE_FUZZ_GRAD_PROGRAMS"
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
                     differentiable=True, indexing=True, symbolic=True)
+# Heads and batches (fuzz_heads.py): grouped-query attention, batched matmuls, weights with
+# leading axes; a feature set of its own, so that FEATURES' seeds draw what they drew.
+HEAD_FEATURES = dataclasses.replace(FEATURES, heads=True)
+HEAD_PROGRAMS_ENV = "MESHFUSE_FUZZ_HEAD_PROGRAMS"
 
 
 def test_fuzz_gradients_match_torch_autograd(multidevice_test):
@@ -34,6 +41,21 @@ def test_fuzz_gradients_match_torch_autograd(multidevice_test):
                         lambda seed: generate(seed, size, FEATURES), run_gradients)
     summary = summarize(outcomes)
     write_report(PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
+    failures = [o for o in outcomes if o.failed]
+    assert len(outcomes) == len(run)
+    assert not failures, (
+        f"{len(failures)} of {len(run)} programs' gradients failed at world size {size}: "
+        f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
+
+
+def test_fuzz_head_gradients_match_torch_autograd(multidevice_test):
+    """As above with ``HEAD_FEATURES`` (``MESHFUSE_FUZZ_HEAD_PROGRAMS`` programs)."""
+    size = multidevice_test.size
+    run = seeds(size, HEAD_PROGRAMS_ENV, DEFAULT_PROGRAMS)
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
+                        lambda seed: generate(seed, size, HEAD_FEATURES), run_gradients)
+    summary = summarize(outcomes)
+    write_report(HEAD_PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
     assert len(outcomes) == len(run)
     assert not failures, (

@@ -20,7 +20,6 @@ from fuzz_cases import Case, set_up
 from fuzz_gradients import check_gradients, run_gradients
 from fuzz_programs import Features, generate
 from mesh_helpers import MX, shard
-from test_fuzz_autodiff import FEATURES
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.runtime.comm.communicator import Communicator
@@ -212,6 +211,42 @@ def _linear_by_heads(fd, d):
     return x, w, b
 
 
+def _linear_with_more_ranks_than_leading_indices(fd, d):
+    x = fd.define_tensor([4, 6], dtype=DataType.Float)
+    w = fd.define_tensor([2, 5, 6], dtype=DataType.Float)
+    b = fd.define_tensor([2, 5], dtype=DataType.Float)
+    fd.add_output(fd.ops.linear(x, w, b))
+    return x, w, b
+
+
+def _linear_by_heads_of_an_expanded_broadcast(fd, d):
+    x = fd.define_tensor([3, 3], dtype=DataType.Float)
+    w = fd.define_tensor([4, 4, 3], dtype=DataType.Float)
+    b = fd.define_tensor([4, 4], dtype=DataType.Float)
+    tokens = fd.ops.broadcast_in_dim(x, shape=[3, 2, 3], broadcast_dims=[0, 2])
+    fd.add_output(fd.ops.linear(tokens, w, b))
+    return x, w, b
+
+
+def _chained_batched_matmuls(fd, d):
+    a = fd.define_tensor([3, 6, 3], dtype=DataType.Float)
+    b = fd.define_tensor([3, 3, 8], dtype=DataType.Float)
+    c = fd.define_tensor([3, 8, 5], dtype=DataType.Float)
+    y = fd.ops.matmul(fd.ops.matmul(a, b), c)
+    z = fd.ops.cast(y, DataType.Double)
+    fd.add_output(fd.ops.cast(z, DataType.Float))
+    fd.add_output(y)
+    return a, b, c, y, z
+
+
+def _contraction_and_batch_of_a_consumer_sharded(t, mesh):
+    """c's contracted rows split (the product partial), its cast's batch split (the
+    product, also an output, then takes that split: a partial sum to reduce-scatter)."""
+    t[0].set_device_mesh(mesh)
+    shard(t[2], 1, mesh)
+    shard(t[4], 0, mesh)
+
+
 CASES: dict[str, Case] = {
     "inputs_on_other_ranks_meshes": Case(
         "a hang (collective timeout): the ranks that hold no input (they pass None) derived "
@@ -317,6 +352,35 @@ CASES: dict[str, Case] = {
         lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[h], b[h])
                                       for h in range(8)]).permute(1, 0, 2, 3)],
         lambda d: [[2, 3, 6], [8, 4, 6], [8, 4]]),
+    "linear_with_leading_weight_axes_on_an_empty_shard": Case(
+        "untyped at 3 and 4 ranks, 'cannot reshape tensor of 0 elements into shape "
+        "[-1, 0, 6]': linear's implementation for weights with leading axes reshaped with "
+        "-1, which an empty shard (2 leading indices over 3 ranks) leaves ambiguous (heads "
+        "fuzzer seeds 4, 58, 94, ... at 3 ranks, 7, 17, 32, ... at 4)",
+        _linear_with_more_ranks_than_leading_indices,
+        lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(x, w[i], b[i])
+                                      for i in range(2)])],
+        lambda d: [[4, 6], [2, 5, 6], [2, 5]]),
+    "linear_with_leading_weight_axes_over_an_expanded_broadcast": Case(
+        "refused, DefinitionError 'matmul: contracted extents differ: axis 3 of the first "
+        "operand has 2, axis 2 of the second has 1': the weight gradient broadcast x to "
+        "the leading axes keeping its extents with -1, which made its expanded broadcast "
+        "token axis (extent 2) one of extent 1 (heads fuzzer seed 617 at 2 ranks)",
+        _linear_by_heads_of_an_expanded_broadcast,
+        lambda t, mesh: (shard(t[1], 0, mesh), shard(t[2], 0, mesh)),
+        lambda x, w, b: [torch.stack([torch.nn.functional.linear(
+            x[:, None].expand(3, 2, 3), w[i], b[i]) for i in range(4)])],
+        lambda d: [[3, 3], [4, 4, 3], [4, 4]]),
+    "partial_product_sharded_by_its_consumer_and_an_output": Case(
+        "refused at 2 ranks, ShardingError 'matmul(...): ... axis 2 is replicated but "
+        "reduced is DIDx': a product partial over its contraction took its consumer's batch "
+        "split on the same mesh axis (to be reduce-scattered); being an output too, "
+        "resharding gathered its inputs on the batch instead, and the product kept its "
+        "partial mark (heads fuzzer seed 464 at 2 ranks)",
+        _chained_batched_matmuls, _contraction_and_batch_of_a_consumer_sharded,
+        lambda a, b, c: [torch.matmul(torch.matmul(a, b), c)] * 2,
+        lambda d: [[3, 6, 3], [3, 3, 8], [3, 8, 5]]),
     "batched_matmul_gradient_over_a_summed_batch_one_element_a_rank": Case(
         "silently wrong gradients (as many times too large as there are ranks): as the case "
         "above, with one batch element a rank, where torch.matmul broadcast the extent 1 of "
@@ -334,12 +398,15 @@ def test_gradient_regression(multidevice_test, name):
 
 # The features the seeds below were drawn with, unless they name theirs (symbolic extents
 # came later: the same seeds' programs, some with symbolic extents).
-DRAWN_WITH = dataclasses.replace(FEATURES, symbolic=False)
+DRAWN_WITH = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
+                      differentiable=True)
+SYMBOLIC = dataclasses.replace(DRAWN_WITH, symbolic=True)
+HEADS = dataclasses.replace(DRAWN_WITH, heads=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Seed:
-    """A gradient fuzzer program (``generate(seed, world_size, FEATURES)``) that once
+    """A gradient fuzzer program (``generate(seed, world_size, features)``) that once
     failed."""
 
     seed: int
@@ -369,14 +436,22 @@ SEEDS: dict[str, Seed] = {
     "gradient_of_a_symbolic_input_on_other_ranks_mesh-0": Seed(
         0, 2, "untyped: 'returned an invalid gradient at index 0 - got [0] but expected "
         "shape compatible with [6]' (a meta stand-in got an empty gradient)",
-        features=FEATURES),
+        features=SYMBOLIC),
     "gradient_of_a_symbolic_fusion-1": Seed(
         1, 2, "refused: 'the gradient of prod needs the extents of T1, which are symbolic'",
-        features=FEATURES),
+        features=SYMBOLIC),
     "symbolic_gradient_outputs_laid_out_as_the_build-67": Seed(
         67, 2, "mismatch: the output of a reshape of -1 axes came back sharded (the fusion "
         "made static propagated otherwise) where shard_tensor says whole",
-        features=FEATURES),
+        features=SYMBOLIC),
+    "partial_product_sharded_by_its_consumer_and_an_output-464": Seed(
+        464, 2, "refused: see the case", features=HEADS),
+    "linear_with_leading_weight_axes_on_an_empty_shard-4": Seed(
+        4, 3, "untyped: see the case", features=HEADS),
+    "linear_with_leading_weight_axes_on_an_empty_shard-7": Seed(
+        7, 4, "untyped: see the case", features=HEADS),
+    "linear_with_leading_weight_axes_over_an_expanded_broadcast-617": Seed(
+        617, 2, "refused: see the case", features=HEADS),
 }
 
 

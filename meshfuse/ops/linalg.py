@@ -186,10 +186,12 @@ def _linear(x, weight, bias, dropped_addends=()):
             bias = weight.new_zeros(weight.shape[0])
         return torch.nn.functional.linear(x, weight, bias)
     lead = weight.shape[:-2]
-    rows = x.reshape(1, -1, x.shape[-1])                       # [1, m, k]
-    out = torch.matmul(rows, weight.reshape(-1, *weight.shape[-2:]).transpose(-1, -2))
+    # explicit extents: a shard may be empty (no rows, no leading index, no features)
+    count, tokens = math.prod(lead), math.prod(x.shape[:-1])
+    rows = x.reshape(1, tokens, x.shape[-1])                    # [1, m, k]
+    out = torch.matmul(rows, weight.reshape(count, *weight.shape[-2:]).transpose(-1, -2))
     if bias is not None:                                         # [L, m, n] + [L, 1, n]
-        out = out + bias.reshape(-1, 1, bias.shape[-1])
+        out = out + bias.reshape(count, 1, bias.shape[-1])
     return out.reshape(*lead, *x.shape[:-1], weight.shape[-2])
 
 
@@ -241,21 +243,25 @@ def _lead_linear_grads(d, g):
     o, x, w = d.ops, d.value("x"), d.value("weight")
     lead, n = d.ndim("weight") - 2, d.ndim("x")
     leads, tokens = list(range(lead)), list(range(lead, lead + n - 1))
+    # the extents broadcast_in_dim keeps: given (an expanded broadcast axis of x keeps its
+    # extent, which -1 would make 1), -1 where symbolic
+    xs, ws, gs = ([-1 if i.extent is None else i.extent for i in t.materialized()]
+                  for t in (x, w, g))
 
     def grad_x():
         if n == 1:  # g is [*lead, n]: rows of one token
-            rows = o.broadcast_in_dim(g, [-1] * lead + [1, -1], leads + [lead + 1])
+            rows = o.broadcast_in_dim(g, gs[:lead] + [1, gs[lead]], leads + [lead + 1])
             return o.squeeze(o.sum(o.matmul(rows, w), dims=leads), [0])
-        weight = o.broadcast_in_dim(w, [-1] * lead + [1] * (n - 2) + [-1, -1],
+        weight = o.broadcast_in_dim(w, ws[:lead] + [1] * (n - 2) + ws[lead:],
                                     leads + [lead + n - 2, lead + n - 1])
         return o.sum(o.matmul(g, weight), dims=leads)
 
     def grad_weight():
         if n == 1:  # an outer product per leading index
-            column = o.broadcast_in_dim(g, [-1] * (lead + 1) + [1], list(range(lead + 1)))
-            row = o.broadcast_in_dim(x, [1] * (lead + 1) + [-1], [lead + 1])
+            column = o.broadcast_in_dim(g, gs + [1], list(range(lead + 1)))
+            row = o.broadcast_in_dim(x, [1] * (lead + 1) + xs, [lead + 1])
             return o.mul(column, row)
-        tokens_x = o.broadcast_in_dim(x, [1] * lead + [-1] * n, list(range(lead, lead + n)))
+        tokens_x = o.broadcast_in_dim(x, [1] * lead + xs, list(range(lead, lead + n)))
         product = o.matmul(transposed(o, g), tokens_x)  # [*lead, *tokens[:-1], n, k]
         return o.sum(product, dims=tokens[:-1]) if n > 2 else product
 

@@ -81,6 +81,24 @@ def _is_partial(tv: TensorView) -> bool:
     return any(isinstance(p, Partial) for p in placements(tv))
 
 
+def _scattered_sum(tv: TensorView) -> bool:
+    """Whether ``tv`` is partial on a mesh axis that also shards one of its iteration axes:
+    propagation's mark of a partial sum to reduce-scatter (see ``_take_consumers_sharding``),
+    which an op computes partial and a communication scatters (option A); no input layout
+    makes the op produce it directly."""
+    reduced = {pt for i, pt in tv.parallel.items() if pt.is_device and i.is_reduction}
+    return any(pt in reduced for i, pt in tv.parallel.items()
+               if pt.is_device and not i.is_reduction)
+
+
+def _computed_whole(tv: TensorView) -> None:
+    """Drops ``tv``'s partial mark on the mesh axes that shard one of its iteration axes
+    (``_scattered_sum``): the op computes it complete there."""
+    sharded = {pt for i, pt in tv.parallel.items() if pt.is_device and not i.is_reduction}
+    for id_ in [i for i, pt in tv.parallel.items() if i.is_reduction and pt in sharded]:
+        del tv.parallel[id_]
+
+
 def _scratch(tv: TensorView) -> TensorView:
     """An unregistered tensor over ``tv``'s logical IDs, to hold a candidate schedule."""
     return TensorView(tv.fusion, tv.logical, tv.dtype)
@@ -220,7 +238,7 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
     # B is possible only if those inputs make the outputs locally (a reshaped cyclic shard
     # or an axis mapped from no input cannot be).
     b_works = all(same_sharding(n, o) for n, o in zip(_naturals(expr, outs, needed_b), outs)) \
-        and not _disagreements(expr, needed_b, outs)
+        and not _disagreements(expr, needed_b, outs) and not any(map(_scattered_sum, outs))
     if b_works and all(same_sharding(t, n) for t, n in zip(ins, needed_b)):
         return  # the op is local as it is: B moves nothing, which option A cannot beat
     cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
@@ -232,7 +250,9 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
                               not same_sharding(t, n) for t, n in zip(ins, needed_b))
     if cost_a < cost_b or not b_works or moves_a_stream_axis:
         for out, nat in zip(outs, natural):
-            if not same_sharding(out, nat):
+            if _scattered_sum(out) and not _is_partial(nat) and same_sharding(out, nat):
+                _computed_whole(out)  # its inputs were gathered: nothing to reduce-scatter
+            elif not same_sharding(out, nat):
                 _set_after(fusion, expr, out, nat)
         needed = needed_a
     else:

@@ -18,12 +18,14 @@ either
   resharding that follows (an allreduce, or a reduce-scatter).
 
 Propagation gives unscheduled k and v the first where the block count divides ``Hkv``, the
-second otherwise. Key/value heads sharded on a mesh axis that does not shard the query
-heads, sharded otherwise than by groups, or sharded by groups on some mesh axes and
-replicated on others that shard the query heads, are refused.
+second otherwise. Key/value heads pinned sharded any other way (over fewer mesh axes than
+the query heads, or in blocks that miss the groups) are *gathered*: the attention needs
+them whole (its ``whole_axes``), then takes them as replicated ones; that allgather moves
+key/value heads a rank does not need, which replicating them (or sharding them by groups)
+avoids.
 
-:func:`plan_grouped_heads` (the op's ``plan`` rule, run after propagation) checks that and
-rewrites the attention's domain map for replicated key/value heads; :func:`kv_head_index`
+:func:`plan_grouped_heads` (the op's ``plan`` rule, run after propagation) rewrites the
+attention's domain map for key/value heads taken from a whole copy; :func:`kv_head_index`
 tells each rank which of its key/value heads serve its query heads, and
 :func:`with_kv_heads` makes a kernel take only those.
 """
@@ -34,9 +36,8 @@ import functools
 
 import torch
 
-from meshfuse.errors import ShardingError
+from meshfuse.ir.iter_domain import Split
 from meshfuse.ir.layout import derived_extents, device_ids, split_indices
-from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import TensorView
 
 _QUERY_SIDE = ("q", "grad_attn", "attn", "log_sumexp")
@@ -55,86 +56,110 @@ def head_owners(tv: TensorView) -> dict[str, torch.Tensor] | None:
     return {pt.value: indices[leaf] for leaf, pt in device_ids(tv).get(heads, [])}
 
 
-def replicated_kv_axes(expr, q: TensorView, kv: dict[str, TensorView]) -> set[str]:
-    """The mesh axes (parallel type names) on which the key/value heads of ``kv``
-    (``{"k": k, "v": v}``) are replicated while ``q``'s heads are sharded. Raises
-    :class:`ShardingError` unless, on every mesh axis, the key/value heads are sharded by
-    groups or replicated, and replicated either on all or none of the mesh axes that shard
-    the query heads but not by groups (see the module doc). Nothing to check with as many
+BY_GROUPS, REPLICATED, GATHERED = "by groups", "replicated", "gathered"
+
+
+def kv_layout(q: TensorView, kv: dict[str, TensorView]) -> str | None:
+    """How the key/value heads of ``kv`` (``{"k": k, "v": v}``) lie against ``q``'s heads:
+    :data:`BY_GROUPS` (on each mesh axis sharding either, the owner of query head ``h``
+    owns key/value head ``h // G``; also when neither is sharded), :data:`REPLICATED`
+    (not sharded, the query heads are) or :data:`GATHERED` (sharded otherwise: they are
+    gathered whole before the attention, then taken as replicated ones). None for as many
     key/value heads as query heads, or symbolic extents."""
     q_owners = head_owners(q)
-    replicated: set[str] = set()
-    for name, tv in kv.items():
+    layouts = set()
+    for tv in kv.values():
         kv_owners = head_owners(tv)
         if q_owners is None or kv_owners is None:
-            return set()
+            return None
         heads, kv_heads = q.materialized()[-3].extent, tv.materialized()[-3].extent
         if heads == kv_heads:
-            continue
+            return None
         group = heads // kv_heads
         served = {pt: owners[torch.arange(heads) // group] for pt, owners in kv_owners.items()}
-        if not served.keys() <= q_owners.keys() or \
-                any(not torch.equal(served[pt], q_owners[pt]) for pt in served):
-            raise ShardingError(
-                f"{format_expr(expr)}: the {kv_heads} key/value heads of {tv.name} ({name}) "
-                f"are not sharded with the {heads} query heads of {q.name} (q) that they "
-                f"serve (query head h needs key/value head h // {group} on its rank); split "
-                "both head axes alike over the same mesh axes into a number of blocks that "
-                f"divides {kv_heads}, or leave the key/value heads unsharded (replicated)")
-        own = set(q_owners) - set(served)
-        if own and served:
-            raise ShardingError(
-                f"{format_expr(expr)}: the {kv_heads} key/value heads of {tv.name} ({name}) "
-                f"are sharded by groups on {', '.join(sorted(served))} but replicated on "
-                f"{', '.join(sorted(own))}, which shards the query heads of {q.name}; "
-                "replicating key/value heads on some of the mesh axes that shard the query "
-                "heads and not on others is not supported: shard them on all of those "
-                "mesh axes by groups, or on none")
-        replicated |= own
-    return replicated
+        if served.keys() == q_owners.keys() and \
+                all(torch.equal(served[pt], q_owners[pt]) for pt in served):
+            layouts.add(BY_GROUPS)
+        else:
+            layouts.add(GATHERED if served else REPLICATED)
+    return GATHERED if GATHERED in layouts else REPLICATED if REPLICATED in layouts else \
+        BY_GROUPS
 
 
-def check_grouped_heads(expr, q: TensorView, kv: dict[str, TensorView]) -> None:
-    """Raises :class:`ShardingError` unless every rank holds the key/value heads of ``kv``
-    that serve its query heads of ``q`` (see :func:`replicated_kv_axes`)."""
-    replicated_kv_axes(expr, q, kv)
+def replicated_kv_axes(expr, q: TensorView, kv: dict[str, TensorView]) -> set[str]:
+    """The mesh axes (parallel type names) sharding ``q``'s heads on which a rank computes
+    with key/value heads taken from a whole copy (replicated or gathered ones)."""
+    if kv_layout(q, kv) in (REPLICATED, GATHERED):
+        return set(head_owners(q))
+    return set()
+
+
+def gathered_kv_heads(expr) -> set:
+    """The key/value head axes an attention needs whole (part of its ``whole_axes``): those
+    of k and v when they are sharded otherwise than by groups."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    if kv_layout(args["q"], {n: args[n] for n in _KEY_SIDE}) != GATHERED:
+        return set()
+    return {args[n].materialized()[-3] for n in _KEY_SIDE}
 
 
 def plan_grouped_heads(expr) -> None:
-    """An attention's ``plan`` rule (after propagation, on the compiler's copy): with
-    key/value heads replicated where the query heads are sharded, no output head axis maps
-    between the key/value and the query heads (a rank takes the key/value heads it needs
-    from its copy), and the backward's reduction over the query heads stays a partial sum;
-    with heads sharded by groups (or none sharded), that reduction is within a rank's heads
-    and maps from nothing."""
+    """An attention's ``plan`` rule (after propagation, on the compiler's copy). With
+    key/value heads sharded by groups (or no heads sharded), the backward's reduction over
+    the query heads is within a rank's heads: it maps from nothing. Otherwise a rank takes
+    the key/value heads it needs from a whole copy: no output head axis maps between the
+    key/value and the query heads, the key/value gradients' heads are computed whole and
+    their reduction over the query heads is a partial sum over the mesh axes sharding them
+    (reduced by the resharding that follows)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     q = args["q"]
+    layout = kv_layout(q, {n: args[n] for n in _KEY_SIDE})
+    if layout is None:
+        return
     axis = len(q.materialized()) - 3  # the heads (log_sumexp is [..., B, H, S])
     heads = {t: t.materialized()[axis] for name, t in args.items()
              if name in _QUERY_SIDE + _KEY_SIDE}
-    if None in (heads[q].extent, heads[args["k"]].extent) or \
-            heads[q].extent == heads[args["k"]].extent:
-        return
-    replicated = replicated_kv_axes(expr, q, {n: args[n] for n in _KEY_SIDE})
     query_ids = {heads[args[n]] for n in _QUERY_SIDE if n in args}
     key_ids = {heads[args[n]] for n in _KEY_SIDE}
+    pinned = getattr(q.fusion, "user_scheduled", set())
     id_map = {}
     for out_id, sources in expr.id_map.items():
         if out_id.is_reduction and set(sources) and set(sources) <= query_ids:
-            if not replicated:  # the group's sum is within this rank's heads
-                _drop_device_ids(expr, out_id)
+            out = next(o for o in expr.tensor_outputs if out_id in o.logical)
+            if layout == BY_GROUPS:
+                _drop_device_ids(out, out_id)
                 sources = ()
-        elif replicated and set(sources) & query_ids:
+            elif out not in pinned:  # the key/value gradients: partial over the query heads
+                _drop_device_ids(out, out.materialized()[axis])
+                _copy_split(q, heads[q], out, out_id)
+        elif layout != BY_GROUPS and set(sources) & query_ids:
             sources = tuple(s for s in sources if s not in key_ids)
         id_map[out_id] = sources
     expr.id_map = id_map
 
 
-def _drop_device_ids(expr, reduction) -> None:
-    for out in expr.tensor_outputs:
-        if reduction in out.logical:
-            for leaf, _ in device_ids(out).get(reduction, []):
-                del out.parallel[leaf]
+def _drop_device_ids(out: TensorView, logical_id) -> None:
+    for leaf, _ in device_ids(out).get(logical_id, []):
+        del out.parallel[leaf]
+
+
+def _copy_split(src: TensorView, src_id, out: TensorView, out_id) -> None:
+    """Shards ``out``'s unsplit ``out_id`` as ``src`` shards ``src_id`` (of one extent):
+    the same split chain, its device IDs parallelized alike."""
+    if out_id not in out.loop or device_ids(out).get(out_id):
+        return
+    used = {pt for pt in out.parallel.values() if pt.is_device}
+    leaves = device_ids(src).get(src_id, [])
+    if not leaves or any(pt in used for _, pt in leaves):
+        return
+    chain = {src_id: out_id}
+    for t in src.transforms:
+        if isinstance(t, Split) and t.in_id in chain:
+            out.split(out.loop.index(chain[t.in_id]), t.factor, t.inner_split, t.zigzag)
+            record = out.transforms[-1]
+            chain[t.outer], chain[t.inner] = record.outer, record.inner
+    for leaf, pt in leaves:
+        out.parallelize(out.loop.index(chain[leaf]), pt)
 
 
 def kv_head_index(q_heads: torch.Tensor, kv_heads: torch.Tensor, heads: int,

@@ -12,7 +12,7 @@ from meshfuse.errors import ShardingError
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.tensor_view import Scalar
 from meshfuse.ops.attention.dropout import SHARD, attention_site, resolve_mode
-from meshfuse.ops.attention.groups import kv_head_index
+from meshfuse.ops.attention.groups import gathered_kv_heads, kv_head_index
 from meshfuse.ops.attention.sequence import sequence_parallel
 
 
@@ -23,7 +23,9 @@ def whole_axes(expr) -> set:
     shard's mask would need its offset). Batch and heads shard freely; so does the query
     sequence of non-causal attention, whose backward then sums the key/value gradients of
     the query shards (their reduction over the query sequence is a partial result), and the
-    key sequence of a backward without mask or dropout (q_grad is then the partial sum)."""
+    key sequence of a backward without mask or dropout (q_grad is then the partial sum).
+    Grouped key/value heads sharded otherwise than by groups are needed whole too
+    (:mod:`meshfuse.ops.attention.groups`)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     q, k, v = args["q"], args["k"], args["v"]
     lead = len(q.materialized()) - 4  # leading axes before [b, h, s, e]
@@ -50,7 +52,7 @@ def whole_axes(expr) -> set:
         whole -= {axis(k, seq), axis(v, seq)}
     elif causal:
         whole |= {axis(t, seq) for t in rows}
-    return whole
+    return whole | gathered_kv_heads(expr)
 
 
 def _raw(expr, name: str):

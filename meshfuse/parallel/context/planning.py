@@ -1,8 +1,5 @@
 """Context parallelism: picks the strategy of every sequence-sharded attention (a build pass).
 
-It first checks, for every attention, that grouped-query heads are sharded by groups (each
-rank holds the key/value heads of its query heads: :mod:`meshfuse.ops.attention.groups`).
-
 Runs after sharding propagation, before resharding. For each ``sdpfa_fwd``/``sdpfa_bwd``
 whose query sequence is sharded it decides a strategy (:mod:`meshfuse.parallel.context.record`)
 and writes it into the expression's ``context_parallel`` argument, so the compiled fusion
@@ -37,7 +34,7 @@ from meshfuse.ir.layout import shard_factor
 from meshfuse.ir.placement import shard_signature
 from meshfuse.ir.printer import format_expr
 from meshfuse.ir.tensor_view import Scalar, TensorView
-from meshfuse.ops.attention.groups import check_grouped_heads, replicated_kv_axes
+from meshfuse.ops.attention.groups import replicated_kv_axes
 from meshfuse.ops.attention.sequence import (
     ALLGATHER,
     ALLTOALL,
@@ -61,7 +58,6 @@ def plan_context_parallel(fusion: Fusion) -> None:
     for expr in fusion.exprs:
         if isinstance(expr, Reshard) or expr.op.name not in ATTENTION:
             continue
-        check_grouped_heads(expr, _tensor(expr, "q"), {n: _tensor(expr, n) for n in _KEYS})
         if not _sequence_sharded(_tensor(expr, "q")):
             continue
         wanted = requested_strategy(expr.op.name, _value(expr, "context_parallel"))
