@@ -37,8 +37,8 @@ from meshfuse.sharding import shard_tensor
 class _LayeredFunction(FusionFunction):
     """A FusionFunction whose derivations carry the fusion's layers."""
 
-    def derivation(self, requires_grad):
-        compiled = super().derivation(requires_grad)
+    def derivation(self, requires_grad, extents=None):
+        compiled = super().derivation(requires_grad, extents)
         d = compiled.derivation
         if layers_of(d.backward) is None:
             register_derivation(self.fusion, d.forward, d.backward, d.residuals, d.gradients,
