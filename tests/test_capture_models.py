@@ -132,7 +132,8 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     reference, model = _parallel(model_name, plan_name, multidevice_test)
     ids, labels = _inputs()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GraphBreakWarning)
+        # No graph break: embedding, the labels' padding and the loss have rules.
+        warnings.simplefilter("error", GraphBreakWarning)
         out = model(input_ids=ids, labels=labels)
     expected = reference(input_ids=ids, labels=labels)
     assert type(out) is type(expected)
@@ -147,10 +148,11 @@ def _fusion_traffic(comms) -> Counter:
     return Counter(c.kind for c in comms if len(c.ranks) > 1)
 
 
-@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "hf"])
 def test_communications_are_megatrons(multidevice_test, plan_name):
     """Per layer, forward: 2 allreduces (TP), or 2 allgathers and 2 reduce-scatters (TP+SP);
-    the lm_head gathers its vocabulary shards (and, with SP, the sequence first)."""
+    the lm_head gathers its vocabulary shards (and, with SP, the sequence first). The HF
+    plan is TP with the embedding vocabulary-parallel: one allreduce more."""
     _, model = _parallel("llama", plan_name, multidevice_test)
     ids, labels = _inputs()
     with warnings.catch_warnings():
@@ -166,12 +168,18 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
     kv_gathers = 2 * layers if size > 2 else 0
     if size == 1:
         assert _fusion_traffic(comms) == _fusion_traffic(backward) == Counter()
-    elif plan_name == "tp":
-        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers,
+    elif plan_name in ("tp", "hf"):
+        # The HF plan's vocabulary-parallel embedding: each rank looks up the tokens of its
+        # vocabulary shard (zeros elsewhere), one allreduce of the embeddings. The loss reads
+        # the gathered (replicated) logits: no loss-parallel traffic.
+        embedding = int(plan_name == "hf")
+        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers + embedding,
                                                  allgather=1 + kv_gathers)
         if not kv_gathers:
             # The transposes: the column-parallel inputs' gradients are partial sums (q, k,
             # v share one; gate and up another; the head's), the gathered logits' a slice.
+            # The vocabulary-parallel embedding's weight gradient lands on the rows each
+            # rank holds: none more for the HF plan.
             assert _fusion_traffic(backward) == Counter(allreduce=2 * layers + 1)
     else:
         assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2 + kv_gathers,
