@@ -5,6 +5,7 @@ the communications are the plan's, and AdamW steps follow the unsharded module's
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections import Counter
 
@@ -251,7 +252,9 @@ def test_identical_layers_build_one_program(multidevice_test):
         model = meshfuse.parallelize(model, mesh, megatron_plan(False))
         out = model(input_ids=ids, labels=labels)
     text = model.explain()
-    assert text.count("the program of fusion 0 (an identical block, built once)") == 3
+    # Fusion 0 is the embedding (outside the repeated blocks), fusion 1 layer 0.
+    assert re.search(r"fusion 1: \d+ ops over model\.layers\.0\n", text)
+    assert text.count("the program of fusion 1 (an identical block, built once)") == 3
     expected = reference(input_ids=ids, labels=labels)
     torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
     _whole(out.loss).backward()
