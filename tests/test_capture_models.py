@@ -5,6 +5,7 @@ the communications are the plan's, and AdamW steps follow the unsharded module's
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections import Counter
 
@@ -132,7 +133,8 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     reference, model = _parallel(model_name, plan_name, multidevice_test)
     ids, labels = _inputs()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GraphBreakWarning)
+        # No graph break: embedding, the labels' padding and the loss have rules.
+        warnings.simplefilter("error", GraphBreakWarning)
         out = model(input_ids=ids, labels=labels)
     expected = reference(input_ids=ids, labels=labels)
     assert type(out) is type(expected)
@@ -147,10 +149,11 @@ def _fusion_traffic(comms) -> Counter:
     return Counter(c.kind for c in comms if len(c.ranks) > 1)
 
 
-@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "hf"])
 def test_communications_are_megatrons(multidevice_test, plan_name):
     """Per layer, forward: 2 allreduces (TP), or 2 allgathers and 2 reduce-scatters (TP+SP);
-    the lm_head gathers its vocabulary shards (and, with SP, the sequence first)."""
+    the lm_head gathers its vocabulary shards (and, with SP, the sequence first). The HF
+    plan is TP with the embedding vocabulary-parallel: one allreduce more."""
     _, model = _parallel("llama", plan_name, multidevice_test)
     ids, labels = _inputs()
     with warnings.catch_warnings():
@@ -166,12 +169,18 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
     kv_gathers = 2 * layers if size > 2 else 0
     if size == 1:
         assert _fusion_traffic(comms) == _fusion_traffic(backward) == Counter()
-    elif plan_name == "tp":
-        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers,
+    elif plan_name in ("tp", "hf"):
+        # The HF plan's vocabulary-parallel embedding: each rank looks up the tokens of its
+        # vocabulary shard (zeros elsewhere), one allreduce of the embeddings. The loss reads
+        # the gathered (replicated) logits: no loss-parallel traffic.
+        embedding = int(plan_name == "hf")
+        assert _fusion_traffic(comms) == Counter(allreduce=2 * layers + embedding,
                                                  allgather=1 + kv_gathers)
         if not kv_gathers:
             # The transposes: the column-parallel inputs' gradients are partial sums (q, k,
             # v share one; gate and up another; the head's), the gathered logits' a slice.
+            # The vocabulary-parallel embedding's weight gradient lands on the rows each
+            # rank holds: none more for the HF plan.
             assert _fusion_traffic(backward) == Counter(allreduce=2 * layers + 1)
     else:
         assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2 + kv_gathers,
@@ -243,7 +252,9 @@ def test_identical_layers_build_one_program(multidevice_test):
         model = meshfuse.parallelize(model, mesh, megatron_plan(False))
         out = model(input_ids=ids, labels=labels)
     text = model.explain()
-    assert text.count("the program of fusion 0 (an identical block, built once)") == 3
+    # Fusion 0 is the embedding (outside the repeated blocks), fusion 1 layer 0.
+    assert re.search(r"fusion 1: \d+ ops over model\.layers\.0\n", text)
+    assert text.count("the program of fusion 1 (an identical block, built once)") == 3
     expected = reference(input_ids=ids, labels=labels)
     torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
     _whole(out.loss).backward()

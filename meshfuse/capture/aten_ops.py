@@ -116,6 +116,44 @@ def _split(o, out, x, sizes, dim=0):
     return tuple(pieces)
 
 
+def _pad(o, out, x, pad, mode="constant", value=None):
+    """Constant padding (``F.pad``'s pairs, last axis first) as a ``cat`` with a block of
+    ``value`` made from a slice of ``x`` times 0 (meshfuse has no ``full``)."""
+    value = 0 if value is None else value
+    value = value if x.dtype.is_floating else int(value)
+    for i in range(0, len(pad), 2):
+        dim, before, after = x.ndim - 1 - i // 2, pad[i], pad[i + 1]
+        if not before and not after:
+            continue
+        starts, ends = [0] * x.ndim, list(o.shape(x))
+        ends[dim] = 1
+        unit = o.add(o.mul(o.slice(x, starts, ends), 0), value)
+        blocks = []
+        for width in (before, after):
+            shape = list(o.shape(x))
+            shape[dim] = width
+            blocks.append(o.expand(unit, shape) if width else None)
+        x = o.cat([b for b in (blocks[0], x, blocks[1]) if b is not None], dim)
+    return x
+
+
+def _constant_pad_nd(o, out, x, pad, value=0):
+    return _pad(o, out, x, pad, "constant", value)
+
+
+def _pad_check(node: torch.fx.Node, constants) -> str | None:
+    pad, mode = node.args[1], "constant"
+    if node.target is aten.pad.default:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    if mode != "constant":
+        return f"pad in mode {mode!r} (meshfuse pads only with a constant)"
+    if any(not isinstance(p, int) or p < 0 for p in pad):
+        return "pad with negative or symbolic widths"
+    if any(node.args[0].meta["val"].shape[-1 - i // 2] == 0 for i in range(len(pad))):
+        return "pad of an empty axis"
+    return None
+
+
 def _cat(o, out, xs, dim=0):
     return o.cat(list(xs), dim % out.dim())
 
@@ -187,6 +225,32 @@ def _sdpa_check(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]) -> s
     return None
 
 
+def _embedding(o, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
+               sparse=False):
+    """ATen's ``padding_idx`` -1 means none (the module's negative ones arrive normalized)."""
+    return o.embedding_fwd(indices, weight, None if padding_idx == -1 else padding_idx)
+
+
+def _embedding_check(node: torch.fx.Node, constants) -> str | None:
+    flags = list(node.args[3:5]) + [node.kwargs.get(k) for k in ("scale_grad_by_freq",
+                                                                  "sparse")]
+    return "embedding with scale_grad_by_freq or sparse" if any(flags) else None
+
+
+_REDUCTIONS = ("none", "mean", "sum")  # ATen's Reduction enum, by value
+
+
+def _cross_entropy(o, out, logits, target, weight=None, reduction=1, ignore_index=-100,
+                   label_smoothing=0.0):
+    return o.cross_entropy(logits, target, reduction=_REDUCTIONS[reduction],
+                           ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def _cross_entropy_check(node: torch.fx.Node, constants) -> str | None:
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    return "cross entropy with class weights" if weight is not None else None
+
+
 def _dropout(o, out, x, p, train):
     return x
 
@@ -213,9 +277,11 @@ TABLE: dict[Any, Translation] = {
     aten.amin.default: Translation(_reduce("min")),
     aten.bmm.default: Translation(_binary("matmul")),
     aten.cat.default: Translation(_cat),
+    aten.cross_entropy_loss.default: Translation(_cross_entropy, _cross_entropy_check),
     aten.div.Scalar: Translation(_div),
     aten.div.Tensor: Translation(_div),
     aten.dropout.default: Translation(_dropout, _dropout_check),
+    aten.embedding.default: Translation(_embedding, _embedding_check),
     aten.expand.default: Translation(_expand),
     aten.flatten.using_ints: Translation(_reshape),
     aten.gelu.default: Translation(_gelu),
@@ -232,6 +298,7 @@ TABLE: dict[Any, Translation] = {
     aten.mm.default: Translation(_binary("matmul")),
     aten.mul.Scalar: Translation(_binary("mul")),
     aten.mul.Tensor: Translation(_binary("mul")),
+    aten.pad.default: Translation(_pad, _pad_check),
     aten.permute.default: Translation(_permute),
     aten.pow.Scalar: Translation(_pow),
     aten.pow.Tensor_Scalar: Translation(_pow),
@@ -245,6 +312,7 @@ TABLE: dict[Any, Translation] = {
     aten.split.Tensor: Translation(_split),
     aten.split_with_sizes.default: Translation(_split),
     aten.chunk.default: Translation(_split),
+    aten.constant_pad_nd.default: Translation(_constant_pad_nd, _pad_check),
     aten.squeeze.dim: Translation(_reshape),
     aten.squeeze.dims: Translation(_reshape),
     aten.sub.Scalar: Translation(_sub),
