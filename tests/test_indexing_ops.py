@@ -280,3 +280,29 @@ def test_chunk_and_split_sharded(multidevice_test, axis):
     for got, ref, tv in zip(outs, refs, fd.fusion.outputs()):
         torch.testing.assert_close(got, shard_tensor(ref.detach(), tv, rank), **TOL)
     torch.testing.assert_close(gx, shard_tensor(leaf.grad, x, rank), **TOL)
+
+
+@pytest.mark.mpi
+@pytest.mark.xfail(strict=True, reason="open: gather's index split on an axis shorter than "
+                   "arg's (not mapped to arg's) reads arg's first rows on every rank")
+def test_gather_with_index_split_on_a_shorter_axis(multidevice_test):
+    """gather(arg [4, 3], index [2, 5], 1), index split on axis 0 (arg's axis 0 is longer, so
+    not mapped to it) and arg replicated: each rank must read arg's rows at its global
+    positions of index's axis 0; it reads rows from 0 (silent mismatch, static or symbolic
+    extents). Found while fixing seed 32; at one rank nothing is split."""
+    rank, size = multidevice_test.rank, multidevice_test.size
+    if size == 1:
+        pytest.xfail("nothing split at one rank (passes there)")
+    mesh = mesh_1d(multidevice_test)
+    x = torch.randn(4, 3, generator=_gen(7), dtype=torch.float64)
+    idx = torch.randint(0, 3, (2, 5), generator=_gen(8))
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([4, 3], dtype=DataType.Double)
+        b = fd.define_tensor([2, 5], dtype=DataType.Int)
+        y = fd.ops.gather(a, b, 1)
+        fd.add_output(y)
+    for tv in (a, b, y):
+        tv.set_device_mesh(mesh)
+    shard(b, 0, mesh)
+    (got,) = fd.execute([shard_tensor(x, a, rank), shard_tensor(idx, b, rank)])
+    torch.testing.assert_close(got, shard_tensor(torch.gather(x, 1, idx), y, rank), **TOL)
