@@ -584,6 +584,9 @@ LOW_PRECISION = dataclasses.replace(CI_FEATURES, low_precision=True)
 OVERLAP = dataclasses.replace(CI_FEATURES, overlap=True)
 OVERLAP_STREAM_AXES = dataclasses.replace(OVERLAP, stream_axes=True)
 SYMBOLIC = dataclasses.replace(CI_FEATURES, symbolic=True)
+INDEXING_SYMBOLIC = dataclasses.replace(CI_FEATURES, indexing=True, symbolic=True)
+LOW_PRECISION_INDEXING_SYMBOLIC = dataclasses.replace(LOW_PRECISION, indexing=True,
+                                                      symbolic=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -670,6 +673,14 @@ SEEDS: dict[str, Seed] = {
         "set_overlap(True), 2 chunks) with symbolic extents; the same program with static "
         "extents matches. Not fixed yet: the overlap mode draws no symbolic extents until "
         "it is", open=True, features=dataclasses.replace(OVERLAP_STREAM_AXES, symbolic=True)),
+    "cross_entropy_of_a_symbolic_class_axis-2": Seed(
+        2, 1, "refused when defined: 'cross_entropy: the class axis 1 of T5 has a symbolic "
+        "extent; class indices need a static one'", features=INDEXING_SYMBOLIC),
+    "take_along_axis_of_symbolic_extents_permuted-32": Seed(
+        32, 2, "ExecutionError: 'an output is torch.bfloat16 of local shape [8, 6, 2], "
+        "expected ... [8, 6, 1]': permute(silu(take_along_axis(x [-1, -1, -1], index "
+        "[-1, 2, 8], 2)), [2, 0, 1]), its output sharding pinned", features=(
+            LOW_PRECISION_INDEXING_SYMBOLIC)),
     # Found in session 13's last campaign, not fixed yet (strict xfails: they pass once fixed).
     "gemm_pattern_on_a_reduction_result-619": Seed(
         619, 4, "mismatch, the generator's: the overlap mode's GEMM pattern wrote logical axis "

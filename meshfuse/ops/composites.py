@@ -157,23 +157,37 @@ def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smooth
             f"shape without the class axis {axis} ({logits.ndim - 1} axes), got "
             f"{target.ndim}; pass class probabilities of the logits' shape otherwise")
     classes = logits.materialized()[axis].extent
-    if classes is None:
-        raise DefinitionError(f"cross_entropy: the class axis {axis} of {logits.name} has a "
-                              "symbolic extent; class indices need a static one")
     x = o.cast(logits, DataType.Float) if logits.dtype in _LOW_PRECISION else logits
+    m = o.stop_gradient(o.max(x, [axis], keepdim=True))
+    lse = o.add(o.log(o.sum(o.exp(o.sub(x, m)), [axis])), o.squeeze(m, [axis]))
+    if classes is None:
+        loss = o.sub(lse, _symbolic_target_term(o, x, target, axis, ignore_index, smoothing))
+        return o.where(o.eq(target, ignore_index), 0.0, loss)
     n = logits.ndim
     rows = [a for a in range(n) if a != axis]
     at_target = o.eq(o.broadcast_in_dim(o.iota(classes), [1] * axis + [classes] +
                                         [1] * (n - axis - 1), [axis]),
                      o.broadcast_in_dim(target, [-1 if a != axis else 1 for a in range(n)],
                                         rows))
-    m = o.stop_gradient(o.max(x, [axis], keepdim=True))
-    lse = o.add(o.log(o.sum(o.exp(o.sub(x, m)), [axis])), o.squeeze(m, [axis]))
     uniform = smoothing / classes
     weighted = o.where(at_target, o.mul(x, 1.0 - smoothing + uniform), o.mul(x, uniform)) \
         if smoothing else o.where(at_target, x, 0.0)
     loss = o.sub(lse, o.sum(weighted, [axis]))
     return o.where(o.eq(target, ignore_index), 0.0, loss)
+
+
+def _symbolic_target_term(o, x, target, axis: int, ignore_index: int, smoothing: float):
+    """``sum(w * x)`` over a class axis of symbolic extent: ``x`` at the target
+    (``take_along_axis``; an ignored row reads class 0, its loss is zeroed after) mixed
+    with ``mean(x)`` (the uniform distribution's term, ``1/C`` bound with the extent)."""
+    n = x.ndim
+    rows = [a for a in range(n) if a != axis]
+    safe = o.where(o.eq(target, ignore_index), o.mul(target, 0), target)
+    index = o.broadcast_in_dim(safe, [1 if a == axis else -1 for a in range(n)], rows)
+    picked = o.squeeze(o.take_along_axis(x, index, axis), [axis])
+    if not smoothing:
+        return picked
+    return o.add(o.mul(picked, 1.0 - smoothing), o.mul(o.mean(x, [axis]), smoothing))
 
 
 def chunk(o, x, chunks: int, dim: int = 0):

@@ -103,7 +103,10 @@ def _along_axes(op: str, arg: TensorMeta, index: TensorMeta, dim: int,
             raise DefinitionError(
                 f"{op}: axis {a} of index has extent {m}, of arg {n}; it must be {rule} "
                 f"arg's on every axis but dim {dim}")
-        if a != dim and n == m and not arg.is_broadcast(a):
+        # take_along_axis's extents are equal off dim (checked again once bound): a
+        # symbolic one maps too, or a shard of index would meet the whole arg axis.
+        same = n == m or (same_extents and not index.is_broadcast(a))
+        if a != dim and same and not arg.is_broadcast(a):
             sources.append((0, a))
         axes.append(_axis(m, index.iter_types[a], sources))
     axes.append(AxisSpec(arg.shape[dim], IterType.Reduction, ((0, dim),)))
