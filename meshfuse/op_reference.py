@@ -104,7 +104,7 @@ _ROLE = re.compile(r":\w+:`~?([\w.]+)`")
 
 def _where(fam: str) -> str:
     """The repository path of family ``fam``: a module, or a package."""
-    package = Path(__file__).parent / fam
+    package = Path(__file__).parent / "ops" / fam
     return f"meshfuse/ops/{fam}/" if package.is_dir() else f"meshfuse/ops/{fam}.py"
 
 

@@ -182,8 +182,11 @@ def test_every_differentiable_op_is_covered():
     differentiated on purpose."""
     covered = {p.values[0].name for p in CASES}
     with_rule = {name for name, op in REGISTRY.items() if op.vjp is not None}
+    # iota reads no tensor; stop_gradient's gradient is zero by definition (its users' cases
+    # cover it: cross entropy's max).
     assert with_rule - covered <= {"eq", "ge", "gt", "le", "lt", "ne", "logical_and",
-                                   "logical_or", "normal", "uniform", "rand_like", "randn_like"}
+                                   "logical_or", "normal", "uniform", "rand_like", "randn_like",
+                                   "iota", "stop_gradient"}
     # grouped_mm: its weight gradient needs a grouped product of transposes (not an op yet).
     assert {name for name, op in REGISTRY.items() if op.vjp is None} == {
         "gelu_backward", "sdpfa_bwd", "grouped_mm"}
