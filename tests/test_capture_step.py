@@ -174,9 +174,9 @@ def test_cuda_captured_step_trains_as_eager():
         x, target = _randn(T, H, seed=10 + i).cuda(), _randn(T, H, seed=20 + i).cuda()
         # Inductor's fused segments (on by default on CUDA) and capturable AdamW round float32
         # in another order than the eager reference: the project's float32 bound, not 1e-7.
-        torch.testing.assert_close(step(x, target), eager(x, target), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(step(x, target), eager(x, target), rtol=1e-5, atol=1e-5)
     assert step.graphs == 1
     for name in init:
         torch.testing.assert_close(
-            getattr(layer, name).detach(), ref[name].detach(), rtol=1e-5, atol=1e-6
+            getattr(layer, name).detach(), ref[name].detach(), rtol=1e-5, atol=1e-5
         )

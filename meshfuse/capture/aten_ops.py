@@ -218,7 +218,7 @@ def _sdpa_check(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]) -> s
         return "its attention mask depends on the inputs (meshfuse's attention takes " \
                "is_causal, not a mask)"
     q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=value.device).tril()
     if value.dtype is not torch.bool or not bool((value == causal).all()):
         return "its attention mask is not the causal mask (meshfuse's attention takes " \
                "is_causal, not a mask)"
