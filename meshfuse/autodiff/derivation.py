@@ -143,17 +143,8 @@ def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
             new = Scalar(v.dtype)
         mapped[v] = clone.add_input(new)
 
-    def value(a):
-        if isinstance(a, Scalar) and a.is_constant and a not in mapped:
-            mapped[a] = clone.add_constant(Scalar(a.dtype, a.value))
-        if isinstance(a, Val):
-            return mapped[a]
-        if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
-            return [value(x) for x in a]
-        return a
-
     for expr in fusion.exprs:
-        outs = add_op(clone, expr.op, [value(a) for a in expr.args], {})
+        outs = add_op(clone, expr.op, [clone.copied_arg(a, mapped) for a in expr.args], {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         mapped.update(zip(expr.outputs, outs))
     for v, new in mapped.items():  # the user's names, given or automatic

@@ -208,6 +208,19 @@ class Fusion:
     def add_constant(self, val: Scalar) -> Scalar:
         return self.name(val)
 
+    def copied_arg(self, arg: Any, copies: dict[Val, Val]) -> Any:
+        """An argument of another fusion's expr, as this fusion's: each value through
+        ``copies`` (old value -> this fusion's), a constant scalar not yet there added as a
+        constant (and recorded in ``copies``), lists of values mapped element by element,
+        anything else as it is."""
+        if isinstance(arg, Scalar) and arg.is_constant and arg not in copies:
+            copies[arg] = self.add_constant(Scalar(arg.dtype, arg.value))
+        if isinstance(arg, Val):
+            return copies[arg]
+        if isinstance(arg, list | tuple) and any(isinstance(x, Val) for x in arg):
+            return [self.copied_arg(x, copies) for x in arg]
+        return arg
+
     def add_output(self, tv: TensorView) -> None:
         self._outputs.append(tv)
 

@@ -176,17 +176,8 @@ def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
     With ``compute``, the floating operands of matrix products are cast to it first."""
     mapped = dict(used)
 
-    def value(a):
-        if isinstance(a, Scalar) and a.is_constant and a not in mapped:
-            mapped[a] = new.add_constant(Scalar(a.dtype, a.value))
-        if isinstance(a, Val):
-            return mapped[a]
-        if isinstance(a, list | tuple) and any(isinstance(x, Val) for x in a):
-            return [value(x) for x in a]
-        return a
-
     for expr in fusion.exprs:
-        args = [value(a) for a in expr.args]
+        args = [new.copied_arg(a, mapped) for a in expr.args]
         if compute is not None and expr.op.name in _MATRIX_PRODUCTS:
             args = [add_op(new, lookup("cast"), [a, compute], {})
                     if isinstance(a, TensorView) and a.dtype.is_floating and
