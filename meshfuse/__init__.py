@@ -48,7 +48,8 @@ _DTENSOR_NAMES = ("execute_with_dtensors", "mesh_from_torch", "mesh_to_torch",
 # Bringing a PyTorch model (meshfuse.capture: torch.export, DTensor) is imported on first use
 # too.
 _CAPTURE_NAMES = {"parallelize": "meshfuse.capture.parallelize",
-                  "backend": "meshfuse.capture.backend"}
+                  "backend": "meshfuse.capture.backend",
+                  "plan": "meshfuse.planner.search"}  # the planner, on first use too
 
 
 def __getattr__(name: str):

@@ -3,7 +3,8 @@
 Each strategy's time for one attention call (forward or backward) on ``n`` ranks is estimated
 from the message sizes and three speed constants of the machine (:class:`Machine`): the
 attention kernel's FLOP/s on one device, the link's bytes/s between two devices, and a fixed
-cost per message (launch and latency). The constants default per device type and can be set
+cost per message (launch and latency). The constants default per device type to those of its
+committed calibration (:mod:`meshfuse.cost`) and can be set
 with ``MESHFUSE_CP_KERNEL_TFLOPS``, ``MESHFUSE_CP_LINK_GBPS`` and ``MESHFUSE_CP_LATENCY_US``
 (the ``context_parallel`` benchmark measures them: a kernel's time and a block transfer's).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from meshfuse.cost import CostModel
 from meshfuse.ops.attention.sequence import ALLGATHER, ALLTOALL, RING
 
 
@@ -39,10 +41,17 @@ class Machine:
     latency: float
 
 
-DEFAULTS = {
-    "cuda": Machine(kernel_flops=4.5e14, link_bytes=3.0e11, latency=3e-5),  # H100/H200
-    "cpu": Machine(kernel_flops=2e10, link_bytes=2e9, latency=5e-5),  # gloo on one host
-}
+def _from_calibration(device_type: str) -> Machine:
+    """The speeds of ``device_type``'s committed calibration (:mod:`meshfuse.cost`): the
+    attention kernel's measured throughput, a point-to-point send's bandwidth between two
+    ranks of a node and its latency."""
+    model = CostModel.for_device(device_type)
+    return Machine(kernel_flops=model.calibration.attention_tflops * 1e12,
+                   link_bytes=model.bus_bandwidth("p2p", 0, 2) * 1e9,
+                   latency=model.latency("p2p", 2))
+
+
+DEFAULTS = {"cuda": _from_calibration("cuda"), "cpu": _from_calibration("cpu")}
 
 
 def machine(device_type: str) -> Machine:

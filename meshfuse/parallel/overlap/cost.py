@@ -12,6 +12,8 @@ moved, and the device's GEMM throughput and link bandwidth):
 The loop is used when it is estimated at least 5% faster. Every rank decides alike: the
 estimate reads global extents and shardings only.
 
+The figures come from the device's committed calibration (:mod:`meshfuse.cost`).
+
 The contention is what decides on GPUs. NCCL moves data with kernels that need SMs, and
 cuBLAS's Hopper GEMMs are persistent kernels that hold every SM until they end: a transfer
 launched beside a GEMM waits for the GEMM's blocks to retire, so it hides nothing (and the
@@ -35,6 +37,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from meshfuse.cost import CostModel
 from meshfuse.errors import InputError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import IterDomain
@@ -65,21 +68,27 @@ class OverlapCost:
         return t_g + t_c, looped
 
 
+def _from_calibration(device_type: str, transport: str) -> OverlapCost:
+    """The figures of ``device_type``'s committed calibration (:mod:`meshfuse.cost`): the
+    process group's link is an allgather's bus bandwidth between 2 ranks at the size of the
+    GPT-3 layer's gathers (25 MB per rank: 156 GB/s on 2 H200s with NCCL), the copy engines'
+    their measured pull rate (365 GB/s); GEMMs at the large shape class's throughput
+    (~700 TFLOP/s on an H200); each transport's measured host cost per chunk and contention
+    beside GEMMs. On CPU ranks: gloo's link, 0.1 TFLOP/s, 300 us per chunk, no overlap."""
+    model = CostModel.for_device(device_type)
+    cal = model.calibration
+    gemm = cal.gemm[-1].tflops
+    if transport == "copy_engine":
+        return OverlapCost(cal.copy_engine_gb_per_s, gemm, cal.host["copy_engine_chunk_us"],
+                           cal.overlap["copy_engine_beside_gemm"])
+    return OverlapCost(model.bus_bandwidth("allgather", 50e6, 2), gemm,
+                       cal.host["loop_chunk_us"], cal.overlap["process_group_beside_gemm"])
+
+
 DEFAULT_COSTS = {
-    # 2 H200s, NCCL: a 25 MB allgather or reduce-scatter per rank in 0.16 ms, bf16 GEMMs of
-    # the GPT-3 layer at ~700 TFLOP/s (benchmarks/results/2026-11-30-1848-*).
-    "cuda": OverlapCost(link_gb_per_s=160.0, gemm_tflops=700.0, chunk_overhead_us=20.0,
-                        contention=1.0),
-    # The same with the copy engines (stream loops over symmetric memory), measured on 2
-    # H200s (benchmarks/results/2026-12-01-0211-*): a 64 MiB block pulled in 0.184 ms (365
-    # GB/s); the sequence-parallel row linear at t = h = 8192 looped in 3.225 ms, its GEMM
-    # alone 3.240 ms (what the GEMMs lose to the pulls is within the noise: a contention of
-    # 0.05 keeps a margin); the GPT-3 layer's 7 loops (14 chunks) gained 0.165 ms of the
-    # 0.49 ms their pulls take, about 23 us lost per chunk (barriers, staging, host).
-    "cuda_copy_engine": OverlapCost(link_gb_per_s=360.0, gemm_tflops=700.0,
-                                    chunk_overhead_us=25.0, contention=0.05),
-    "cpu": OverlapCost(link_gb_per_s=2.0, gemm_tflops=0.1, chunk_overhead_us=300.0,
-                       contention=1.0),
+    "cuda": _from_calibration("cuda", "process_group"),
+    "cuda_copy_engine": _from_calibration("cuda", "copy_engine"),
+    "cpu": _from_calibration("cpu", "process_group"),
 }
 
 

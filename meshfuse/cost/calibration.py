@@ -1,0 +1,151 @@
+"""A machine's measured speeds, read from a calibration file (JSON, committed under
+``meshfuse/cost/data/``; ``benchmarks/calibrate.py`` writes one).
+
+A calibration holds, for one device type and element type:
+
+- ``gemm``: GEMM throughput by shape class (the smallest of ``m``, ``n``, ``k`` at most
+  ``max_dim``; the last class has none), in TFLOP/s;
+- ``attention_tflops``: the fused attention kernel's throughput (forward FLOPs per second);
+- ``memory_gb_per_s``: what a memory-bound kernel (pointwise, norm, reduction) moves per
+  second, reads and writes together, and ``launch_us``, a kernel's fixed cost;
+- ``collectives``: per kind (``allreduce``, ``allgather``, ``reduce_scatter``, ``alltoall``,
+  ``p2p``) and group size, measured points ``[message bytes, bus GB/s]`` (nccl-tests'
+  convention: a message is the whole buffer, the output of an allgather, the input of a
+  reduce-scatter) and a latency in microseconds;
+- ``links``: the bandwidth a group of ranks gets per rank when it stays in a node or crosses
+  nodes (bus GB/s), and the node size: what a collective of a group size nobody measured is
+  estimated from, and what projection to larger machines changes;
+- ``overlap``: the share of a transfer's time that the kernels running beside it lose
+  (``contention``: 1, nothing hidden; 0, everything), for the process group's collectives
+  beside GEMMs and for copy-engine transfers, and ``async_contention`` for collectives issued
+  ahead of their use (FSDP's gathers one layer ahead, gradient reductions);
+- ``host``: fixed host costs (``loop_chunk_us``: one chunk of a stream loop).
+
+Every figure may carry a ``"source"`` string saying where it came from (a benchmark result
+file, or an assumption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from meshfuse.errors import InputError
+
+DATA = Path(__file__).parent / "data"
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p")
+BY_DEVICE = {"cuda": "h200", "cpu": "cpu_gloo"}  # the calibration each device type reads
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmClass:
+    """GEMMs whose smallest dimension is at most ``max_dim`` (None: any) run at ``tflops``."""
+
+    max_dim: int | None
+    tflops: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCurve:
+    """One collective kind on one group size: measured ``(bytes, bus GB/s)`` points in
+    increasing size and a fixed latency."""
+
+    points: tuple[tuple[float, float], ...]
+    latency_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Bus bandwidth per rank inside a node and across nodes, and ranks per node."""
+
+    intra_node_gb_per_s: float
+    inter_node_gb_per_s: float
+    gpus_per_node: int
+    latency_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A machine's speeds (see the module doc)."""
+
+    name: str
+    device: str
+    dtype_bytes: int
+    peak_tflops: float
+    gemm: tuple[GemmClass, ...]
+    attention_tflops: float
+    memory_gb_per_s: float
+    launch_us: float
+    collectives: Mapping[str, Mapping[int, CollectiveCurve]]
+    links: Links
+    overlap: Mapping[str, float]
+    host: Mapping[str, float]
+    copy_engine_gb_per_s: float
+
+    def with_links(self, intra_node_gb_per_s: float | None = None,
+                   inter_node_gb_per_s: float | None = None,
+                   gpus_per_node: int | None = None) -> Calibration:
+        """This calibration on a machine of other links (projection to a cluster)."""
+        links = dataclasses.replace(
+            self.links,
+            intra_node_gb_per_s=intra_node_gb_per_s or self.links.intra_node_gb_per_s,
+            inter_node_gb_per_s=inter_node_gb_per_s or self.links.inter_node_gb_per_s,
+            gpus_per_node=gpus_per_node or self.links.gpus_per_node)
+        return dataclasses.replace(self, links=links)
+
+
+def load(name_or_path: str | Path) -> Calibration:
+    """The calibration named ``name`` (a file of ``meshfuse/cost/data/``: ``"h200"``,
+    ``"cpu_gloo"``) or at a path.
+
+    Raises:
+        InputError: for a missing file or one without the fields the module doc lists.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = DATA / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in DATA.glob("*.json"))
+        raise InputError(f"calibration {str(name_or_path)!r}: no file {path}; give a path or "
+                         f"one of {known} (benchmarks/calibrate.py writes one)")
+    return from_dict(json.loads(path.read_text()), path.stem)
+
+
+def for_device(device_type: str) -> Calibration:
+    """The committed calibration of a device type (``"cuda"``: the H200's; others: the CPU
+    ranks' over gloo)."""
+    return load(BY_DEVICE.get(device_type, "cpu_gloo"))
+
+
+def _value(entry: Any) -> float:
+    return float(entry["value"] if isinstance(entry, Mapping) else entry)
+
+
+def from_dict(data: Mapping[str, Any], name: str = "calibration") -> Calibration:
+    """A calibration from the JSON's dict (see the module doc)."""
+    try:
+        gemm = tuple(GemmClass(g.get("max_dim"), float(g["tflops"])) for g in data["gemm"])
+        curves = {
+            kind: {int(n): CollectiveCurve(tuple((float(b), float(bw)) for b, bw in
+                                                 sorted(c["points"])), float(c["latency_us"]))
+                   for n, c in by_size.items()}
+            for kind, by_size in data["collectives"].items()}
+        links = data["links"]
+        return Calibration(
+            name=name, device=data["device"], dtype_bytes=int(data["dtype_bytes"]),
+            peak_tflops=_value(data["peak_tflops"]), gemm=gemm,
+            attention_tflops=_value(data["attention_tflops"]),
+            memory_gb_per_s=_value(data["memory_gb_per_s"]),
+            launch_us=_value(data["launch_us"]), collectives=curves,
+            links=Links(_value(links["intra_node_gb_per_s"]),
+                        _value(links["inter_node_gb_per_s"]), int(links["gpus_per_node"]),
+                        _value(links["latency_us"])),
+            overlap={k: _value(v) for k, v in data["overlap"].items()},
+            host={k: _value(v) for k, v in data["host"].items()},
+            copy_engine_gb_per_s=_value(data["copy_engine_gb_per_s"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputError(f"calibration {name!r}: missing or malformed field {error}; see "
+                         "meshfuse/cost/calibration.py for the format") from None
