@@ -59,16 +59,16 @@ def infeasibility(spec: TransformerSpec, layout: Layout) -> str:
     """Why ``layout`` cannot run ``spec`` ("" when it can)."""
     t, c, p = (layout.size(r) for r in ("tp", "cp", "pp"))
     data = layout.size("dp") * layout.size("ddp")
-    checks = [(spec.heads % t == 0 and spec.ffn % t == 0, f"tp {t} divides neither heads "
-               f"{spec.heads} nor ffn {spec.ffn}"),
-              (spec.batch % data == 0, f"batch {spec.batch} does not split over {data} "
-               "data-parallel ranks"),
+    checks = [(spec.heads % t == 0 and spec.ffn % t == 0, (f"tp {t} does not divide both heads "
+               f"{spec.heads} and ffn {spec.ffn}")),
+              (spec.batch % data == 0, (f"batch {spec.batch} does not split over {data} "
+               "data-parallel ranks")),
               (spec.seq % (2 * c if c > 1 else 1) == 0 and spec.seq % t == 0,
                f"sequence {spec.seq} does not split over cp {c} (two blocks a rank) and tp {t}"),
               (layout.cp_strategy != "alltoall" or (spec.heads // t) % c == 0,
                f"alltoall needs the {spec.heads // t} local heads divisible by cp {c}"),
-              (p == 1 or spec.batch // data >= p, f"{spec.batch // data} microbatches for "
-               f"{p} stages"),
+              (p == 1 or spec.batch // data >= p, (f"{spec.batch // data} microbatches for "
+               f"{p} stages")),
               (p == 1 or spec.layers >= p * (2 if layout.schedule == "interleaved" else 1),
                f"{spec.layers} layers for {p} stages")]
     return next((why for ok, why in checks if not ok), "")

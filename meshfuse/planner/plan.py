@@ -154,13 +154,13 @@ class Plan:
         """The plan, its predictions, and why it beat the runner-up."""
         c = self.chosen
         budget = f"{self.budget / GIB:.2f} GiB/rank" if self.budget else "no memory budget"
-        lines = [f"plan for {self.spec.name} on {self.ranks} ranks ({budget}, calibration "
-                 f"{self.calibration!r}): {c.describe()}, MFU {self.mfu:.1%}",
+        lines = [(f"plan for {self.spec.name} on {self.ranks} ranks ({budget}, calibration "
+                 f"{self.calibration!r}): {c.describe()}, MFU {self.mfu:.1%}"),
                  "  time by kind (s/step): " + _parts(c.cost.parts),
                  "  communication per rank and step: " + ", ".join(
                      f"{k} {v / GIB:.3f} GiB" for k, v in self.communication().items()),
-                 f"  search: {self.considered} layouts, {self.variables} solver variables, "
-                 f"{self.search_s * 1e3:.0f} ms"]
+                 (f"  search: {self.considered} layouts, {self.variables} solver variables, "
+                 f"{self.search_s * 1e3:.0f} ms")]
         lines.append(_versus(c, self.runner_up, self.budget))
         return "\n".join(lines)
 
