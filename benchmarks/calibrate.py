@@ -89,7 +89,7 @@ def measure_compute(dtype, device: str, scale: int) -> dict:
                                                  device) / scale ** 3 / 1e12
                  for m, n, k in shapes]
         gemm.append({"max_dim": None if max_dim is None else max_dim // scale,
-                     "tflops": round(statistics.median(rates), 3),
+                     "tflops": _figure(statistics.median(rates)),
                      "source": f"median of {len(shapes)} GEMMs {shapes} / {scale}"})
     shape = (4, 32, 4096 // scale, 128)
     attention = attention_flops(*shape) / attention_seconds(*shape, dtype, device) / 1e12
@@ -97,8 +97,13 @@ def measure_compute(dtype, device: str, scale: int) -> dict:
     memory = 2 * x.numel() * x.element_size() / timed(lambda: x.mul(2.0), device) / 1e9
     tiny = torch.ones(8, device=device)
     launch = timed(lambda: tiny.add(1.0), device, iters=50) * 1e6
-    return {"gemm": gemm, "attention_tflops": round(attention, 3),
-            "memory_gb_per_s": round(memory, 1), "launch_us": round(launch, 2)}
+    return {"gemm": gemm, "attention_tflops": _figure(attention),
+            "memory_gb_per_s": _figure(memory), "launch_us": _figure(launch)}
+
+
+def _figure(x: float) -> float:
+    """``x`` to 4 significant digits (CPU figures are small)."""
+    return float(f"{x:.4g}")
 
 
 def measure_collectives(device: str) -> dict:
@@ -113,9 +118,9 @@ def measure_collectives(device: str) -> dict:
             for size in SIZES:
                 seconds = _collective_seconds(kind, size, n, group, rank, device)
                 factor = {"allreduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
-                points.append([size, round(size * factor / seconds / 1e9, 2)])
+                points.append([size, _figure(size * factor / seconds / 1e9)])
             small = _collective_seconds(kind, 8192, n, group, rank, device)
-            out.setdefault(kind, {})[str(n)] = {"latency_us": round(small * 1e6, 2),
+            out.setdefault(kind, {})[str(n)] = {"latency_us": _figure(small * 1e6),
                                                 "points": points}
     return out
 
