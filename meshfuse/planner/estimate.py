@@ -53,6 +53,7 @@ class LayoutCost:
     parts: dict = dataclasses.field(default_factory=dict)  # seconds by kind
     comm_bytes: dict = dataclasses.field(default_factory=dict)  # bytes by role
     infeasible: str = ""
+    memory_parts: dict = dataclasses.field(default_factory=dict)  # bytes by kind
 
 
 def infeasibility(spec: TransformerSpec, layout: Layout) -> str:
@@ -93,8 +94,9 @@ def layout_cost(spec: TransformerSpec, layout: Layout, model: CostModel) -> Layo
     parts = {"compute": g.blocks * (compute_f + compute_b) + head, "tp": g.blocks * tp,
              "dp": g.blocks * fsdp_exposed, "ddp": exposed_reduce, "pp bubble":
              (stage + head) * (g.bubble - 1) + p2p, "optimizer": optimizer}
-    return LayoutCost(layout, step, g.memory(), compute_f + tp / 2, g.recompute_saves(),
-                      g.blocks, parts, g.comm_bytes(), "")
+    memory = g.memory()
+    return LayoutCost(layout, step, sum(memory.values()), compute_f + tp / 2,
+                      g.recompute_saves(), g.blocks, parts, g.comm_bytes(), "", memory)
 
 
 class _Geometry:
@@ -212,13 +214,15 @@ class _Geometry:
         kept = self.spec.hidden * self.tokens / self.micro * self.b / self.t
         return self.activation_bytes() - kept
 
-    def memory(self) -> float:
+    def memory(self) -> dict[str, float]:
+        """Bytes on a rank by kind: parameters with their gradients and optimizer state
+        (sharded over tp and dp), FSDP's gathered blocks, activations, logits."""
         s = self.spec
         params = self.blocks * s.block_parameters() + 2 * s.vocab * s.hidden / self.p
-        state = STATE_BYTES * params / self.t / self.d
-        gathered = 2 * self.block_bytes() if self.d > 1 else 0.0
-        logits = self.tokens / self.micro * s.vocab / self.t * 4
-        return state + gathered + self.blocks * self.activation_bytes() + logits
+        return {"state": STATE_BYTES * params / self.t / self.d,
+                "gathered": 2 * self.block_bytes() if self.d > 1 else 0.0,
+                "activations": self.blocks * self.activation_bytes(),
+                "logits": self.tokens / self.micro * s.vocab / self.t * 4}
 
     def comm_bytes(self) -> dict[str, float]:
         """Bytes each role's collectives move per rank and step."""

@@ -157,6 +157,8 @@ class Plan:
         lines = [(f"plan for {self.spec.name} on {self.ranks} ranks ({budget}, calibration "
                  f"{self.calibration!r}): {c.describe()}, MFU {self.mfu:.1%}"),
                  "  time by kind (s/step): " + _parts(c.cost.parts),
+                 "  memory by kind (GiB/rank, before recomputation): " + ", ".join(
+                     f"{k} {v / GIB:.2f}" for k, v in c.cost.memory_parts.items() if v),
                  "  communication per rank and step: " + ", ".join(
                      f"{k} {v / GIB:.3f} GiB" for k, v in self.communication().items()),
                  (f"  search: {self.considered} layouts, {self.variables} solver variables, "

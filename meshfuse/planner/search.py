@@ -96,6 +96,13 @@ def _no_fit(spec, costs, budget: float) -> str:
         reasons = sorted({c.infeasible for c in costs})
         return f"plan: no layout of the mesh can run {spec.name}: {'; '.join(reasons[:3])}"
     least = min(c.memory_bytes - c.blocks * c.recompute_saves for c in feasible)
-    return (f"plan: no layout fits {budget / 2**30:.2f} GiB per rank for {spec.name}; the "
-            f"least any needs (every block recomputed) is {least / 2**30:.2f} GiB: raise the "
-            "budget, add ranks or shorten the batch")
+    return (f"plan: no layout fits {_size(budget)} per rank for {spec.name}; the least any "
+            f"needs (every block recomputed) is {_size(least)}: raise the budget, add ranks "
+            "or shorten the batch")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} bytes"

@@ -4,7 +4,7 @@
 names (``hidden``, ``heads``, ``kv_heads``, ``ffn``, ``layers``, ``vocab``, ``seq``:
 :class:`meshfuse.examples.llama.LlamaConfig`) or Hugging Face's (``hidden_size``,
 ``num_attention_heads``...), a module holding one (``.cfg``, ``.config``), or a GPT fusion of
-the examples (``embed``, ``heads``, ``seq``, ``batch`` attributes); ``example_inputs`` gives
+the examples (``sizes = (batch, seq, embed, heads)`` and ``layers``: a GPT stack); ``example_inputs`` gives
 the batch and sequence when the model does not (``ids [batch, seq]``).
 """
 
@@ -97,6 +97,10 @@ def spec_of(model: Any, example_inputs: Any = None, dtype_bytes: int | None = No
         return model
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None) or model
     batch, seq = _batch_and_seq(example_inputs)
+    sizes = getattr(model, "sizes", None)  # the GPT fusions': (batch, seq, embed, heads)
+    if isinstance(sizes, tuple) and len(sizes) == 4 and hasattr(model, "layers"):
+        cfg = _GptSizes(*sizes, layers=model.layers)
+        batch, seq = batch or sizes[0], seq or sizes[1]
     get = (lambda *names, default=None: next(
         (getattr(src, n) for src in (cfg, model) for n in names if hasattr(src, n)), default))
     hidden = get("hidden", "hidden_size", "embed", "n_embd")
@@ -118,6 +122,17 @@ def spec_of(model: Any, example_inputs: Any = None, dtype_bytes: int | None = No
                            int(get("layers", "num_hidden_layers", "n_layer", default=1)),
                            int(get("vocab", "vocab_size", default=0)), int(values["seq"]),
                            int(values["batch"]), gated, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GptSizes:
+    """A GPT fusion's sizes under the names :func:`spec_of` reads."""
+
+    batch: int
+    seq: int
+    embed: int
+    heads: int
+    layers: int = 1
 
 
 def _batch_and_seq(example_inputs: Any) -> tuple[int | None, int | None]:
