@@ -14,7 +14,8 @@ Several (collectives too, per group size of 2, 4, 8... up to the world)::
 
 ``--base``: a calibration whose figures this run does not measure are kept (the links across
 nodes, the overlap contentions, the copy engines', the host costs) with their sources.
-``--device cpu`` measures CPU ranks (gloo). Rank 0 writes the file, and ``--check``'s table
+``--device cpu`` measures CPU ranks (gloo); ``--quick`` only checks that the script runs
+(tiny shapes). Rank 0 writes the file, and ``--check``'s table
 (``OUT/…-check.json`` beside it).
 """
 
@@ -46,8 +47,13 @@ CPU_SCALE = 8  # CPU runs shapes this much smaller on each side
 SIZES = [MIB * 2 ** i for i in range(0, 11, 2)]  # 1 MiB .. 1 GiB
 
 
-def timed(fn: Callable[[], object], device: str, iters: int = 20, warmup: int = 3) -> float:
+ITERS = {"iters": 20}  # timed calls per measurement (``--quick``: 3)
+
+
+def timed(fn: Callable[[], object], device: str, iters: int | None = None,
+          warmup: int = 3) -> float:
     """The median seconds of ``fn`` (CUDA events on GPUs, wall clock on CPUs)."""
+    iters = min(iters or ITERS["iters"], ITERS["iters"])
     for _ in range(warmup):
         fn()
     samples = []
@@ -106,18 +112,20 @@ def _figure(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def measure_collectives(device: str) -> dict:
+def measure_collectives(device: str, sizes: list[int]) -> dict:
     """Bus GB/s per kind, group size and message size (nccl-tests' convention)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict = {}
-    sizes = [n for n in (2, 4, 8, 16, 32) if n <= world]
-    for n in sizes:
+    groups = [n for n in (2, 4, 8, 16, 32) if n <= world]
+    for n in groups:
         group = dist.new_group(list(range(n)))
-        for kind in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
+        kinds = ("allreduce", "allgather", "reduce_scatter", "alltoall") + \
+            (("p2p",) if n == 2 else ())
+        for kind in kinds:
             points = []
-            for size in SIZES:
+            for size in sizes:
                 seconds = _collective_seconds(kind, size, n, group, rank, device)
-                factor = {"allreduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+                factor = {"allreduce": 2 * (n - 1) / n, "p2p": 1.0}.get(kind, (n - 1) / n)
                 points.append([size, _figure(size * factor / seconds / 1e9)])
             small = _collective_seconds(kind, 8192, n, group, rank, device)
             out.setdefault(kind, {})[str(n)] = {"latency_us": _figure(small * 1e6),
@@ -133,13 +141,22 @@ def _collective_seconds(kind, size, n, group, rank, device) -> float:
     whole = torch.ones(elems, dtype=torch.bfloat16, device=device)
     part = torch.ones(elems // n, dtype=torch.bfloat16, device=device)
     received = torch.empty_like(whole)
+    peer = 1 - rank if n == 2 else None
     calls = {"allreduce": lambda: dist.all_reduce(whole, group=group),
              "allgather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
              "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
-             "alltoall": lambda: dist.all_to_all_single(received, whole, group=group)}
+             "alltoall": lambda: dist.all_to_all_single(received, whole, group=group),
+             "p2p": lambda: _exchange(whole, received, peer)}
     seconds = timed(calls[kind], device, iters=10)
     dist.barrier()
     return seconds
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+    """Both ranks of a pair send ``send`` to each other at once (a ring step)."""
+    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
 
 
 def variants(dtype, device: str, scale: int) -> list[tuple[str, Callable[[], object], Callable]]:
@@ -232,15 +249,21 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="the calibration JSON to write")
     p.add_argument("--base", default=None, help="a calibration to keep unmeasured figures of")
     p.add_argument("--check", action="store_true", help="time 20 variants against the model")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, few sizes and calls: checks the script runs, measures "
+                        "nothing worth keeping")
     args = p.parse_args(argv)
+    if args.quick:
+        ITERS["iters"] = 3
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    scale = 1 if args.device == "cuda" else CPU_SCALE
+    scale = 32 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
+    sizes = SIZES[:2] if args.quick else SIZES if args.device == "cuda" else SIZES[:3]
     measured = measure_compute(_dtype(args), args.device, scale)
-    collectives = measure_collectives(args.device) if dist.is_initialized() else {}
+    collectives = measure_collectives(args.device, sizes) if dist.is_initialized() else {}
     cal = build(args, measured, collectives)
     from_dict(cal)  # the file reads back
     if rank == 0:

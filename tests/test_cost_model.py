@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from benchmarks import calibrate
 from meshfuse.cost import CostModel, load
 from meshfuse.cost.calibration import DATA, from_dict
 from meshfuse.errors import InputError
@@ -89,3 +90,19 @@ def test_bad_calibrations_and_kinds_are_refused():
         from_dict({"device": "x"})
     with pytest.raises(InputError, match="allreduce"):
         H200.collective("broadcastish", 1024, 2)
+
+
+def test_the_calibration_script_writes_a_file_the_model_reads(tmp_path, monkeypatch):
+    """``benchmarks/calibrate.py --quick`` on this CPU (one process: no collectives): the
+    measured figures replace the base's, the rest is kept, and the file loads."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "here.json"
+    calibrate.main(["--device", "cpu", "--quick", "--out", str(out),
+                    "--base", str(DATA / "cpu_gloo.json")])
+    measured = load(out)
+    data = json.loads(out.read_text())
+    assert "calibrate.py" in data["attention_tflops"]["source"]
+    assert len(measured.gemm) == 3 and all(g.tflops > 0 for g in measured.gemm)
+    assert measured.links == CPU.calibration.links  # kept from the base
+    assert CostModel(measured).gemm(64, 64, 64) > 0
