@@ -10,7 +10,10 @@ sequence over the context-parallel ones), a block costs per step:
   memory-bound kernels (norms, residuals, RoPE, activations) at the memory bandwidth;
 - **tp**: two allgathers and two reduce-scatters of the ``[N, hidden]`` residual stream in
   the forward, as many in the backward, not hidden (NCCL beside cuBLAS hides nothing:
-  ``overlap.process_group_beside_gemm``);
+  ``overlap.process_group_beside_gemm``); or, with ``overlap``, each as a stream loop of
+  ``tp`` chunks beside its GEMMs (the block's GEMMs spread over its 8 loops) moved by the
+  copy engines (inside a node only), timed by the overlap estimate
+  (:meth:`meshfuse.parallel.overlap.cost.OverlapCost.estimate_ms`) on this model's figures;
 - **dp** (FSDP): the block's parameters gathered in the forward and again in the backward,
   its gradients reduce-scattered, issued a layer ahead: what the block's compute does not
   hide, at ``overlap.async_contention``;
@@ -33,6 +36,7 @@ import math
 
 from meshfuse.cost import CostModel
 from meshfuse.parallel.context.cost import Machine, Problem, estimate
+from meshfuse.parallel.overlap.cost import OverlapCost
 from meshfuse.planner.layouts import Layout
 from meshfuse.planner.spec import TransformerSpec
 
@@ -81,8 +85,10 @@ def layout_cost(spec: TransformerSpec, layout: Layout, model: CostModel) -> Layo
     if why:
         return LayoutCost(layout, infeasible=why)
     g = _Geometry(spec, layout, model)
+    if layout.overlap and g.crosses("tp"):
+        return LayoutCost(layout, infeasible="the copy engines reach the GPUs of one node only")
     compute_f, compute_b = g.compute()
-    tp = g.tensor_parallel()
+    tp = g.tensor_parallel(g.gemm_flops)
     gather, scatter = g.fsdp()
     block = compute_f + compute_b + tp
     fsdp_exposed = model.overlapped(block, gather + scatter) - block if gather else 0.0
@@ -129,6 +135,7 @@ class _Geometry:
         if s.gated:
             linears.append((f // t, h))
         gemms = sum(m.gemm(n, out, inp) for out, inp in linears)
+        self.gemm_flops = 3 * sum(2.0 * n * out * inp for out, inp in linears) * self.micro
         pointwise = m.memory_bound((12 * h + 4 * s.ffn) * n * self.b / t)
         fwd_attention, bwd_attention = self.attention()
         forward = gemms + pointwise + fwd_attention
@@ -153,12 +160,23 @@ class _Geometry:
             for backward in (False, True)]
         return times[0], times[1]
 
-    def tensor_parallel(self) -> float:
-        """Seconds of one block's TP+SP collectives per step (forward and backward)."""
+    def tensor_parallel(self, gemm_flops: float) -> float:
+        """Seconds one block's TP+SP collectives (forward and backward) add to a step beside
+        its ``gemm_flops`` (see the module doc)."""
         if self.t == 1:
             return 0.0
         message = self.tokens / self.micro * self.spec.hidden * self.b
         m, crosses = self.model, self.crosses("tp")
+        if self.layout.overlap:
+            cal = m.calibration
+            cost = OverlapCost(cal.copy_engine_gb_per_s, cal.gemm[-1].tflops,
+                               cal.host["copy_engine_chunk_us"],
+                               cal.overlap["copy_engine_beside_gemm"])
+            loops = 8 * self.micro  # 2 gathers and 2 reduce-scatters each way
+            moved = message * (self.t - 1) / self.t
+            _, looped = cost.estimate_ms(gemm_flops / loops, moved, self.t)
+            gemm_ms = gemm_flops / loops / (cost.gemm_tflops * 1e12) * 1e3
+            return loops * (looped - gemm_ms) * 1e-3
         one = m.collective("allgather", message, self.t, crosses) + \
             m.collective("reduce_scatter", message, self.t, crosses)
         return 4 * one * self.micro

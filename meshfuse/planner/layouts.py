@@ -13,8 +13,11 @@ A layout gives each mesh axis one role:
 - ``"pp"``: pipeline stages (one per rank of the axis) under a schedule (``1f1b``,
   ``interleaved``: two virtual stages per rank).
 
-At most one axis each for ``tp``, ``cp`` and ``pp``. Recomputation is chosen per layer by
-the solver, not here.
+At most one axis each for ``tp``, ``cp`` and ``pp``. A layout with ``tp`` runs its
+collectives whole (the process group) or as stream loops beside their GEMMs whose blocks the
+copy engines move (``overlap``: :mod:`meshfuse.parallel.overlap`, the runner's
+``loop_transport="copy_engine"``). Recomputation is chosen per layer by the solver, not
+here.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Layout:
     roles: tuple[str, ...]
     cp_strategy: str | None = None
     schedule: str | None = None
+    overlap: bool = False
 
     def size(self, role: str) -> int:
         """The ranks of ``role`` (the product of its axes' sizes; 1 without)."""
@@ -57,7 +61,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{r}{n}" for n, r in zip(self.shape, self.roles)]
-        extra = [s for s in (self.cp_strategy, self.schedule) if s]
+        extra = [s for s in (self.cp_strategy, self.schedule,
+                             "copy-engine overlap" if self.overlap else None) if s]
         return "x".join(parts) + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -75,8 +80,9 @@ def enumerate_layouts(shape: Sequence[int], pipeline: bool = True,
             continue
         cps = CP_STRATEGIES if "cp" in assignment else (None,)
         schedules = SCHEDULES if "pp" in assignment else (None,)
-        for cp, schedule in itertools.product(cps, schedules):
-            layouts.append(Layout(shape, assignment, cp, schedule))
+        overlaps = (False, True) if "tp" in assignment else (False,)
+        for cp, schedule, overlap in itertools.product(cps, schedules, overlaps):
+            layouts.append(Layout(shape, assignment, cp, schedule, overlap))
     return layouts
 
 

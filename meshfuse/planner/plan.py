@@ -6,6 +6,7 @@ and the forms the rest of meshfuse takes it in.
 - :meth:`Plan.fsdp_options`: the mesh dimension names and the ``shard``/``replicate``
   options of :class:`~meshfuse.autodiff.fsdp_module.FullyShardedModule`;
 - :attr:`Plan.context_parallel`: the strategy to give ``context_parallel=`` (None without);
+- :attr:`Plan.loop_transport`: the stream loops' transport (copy-engine overlap or not);
 - :meth:`Plan.explain`: the predictions and why the plan beat the runner-up.
 """
 
@@ -93,6 +94,13 @@ class Plan:
     @property
     def context_parallel(self) -> str | None:
         return self.layout.cp_strategy
+
+    @property
+    def loop_transport(self) -> str:
+        """How the TP collectives' stream loops move their blocks: ``"copy_engine"`` (the
+        runner's ``loop_transport``; ``CommunicatorBackend.cuda`` in
+        ``MultiDeviceExecutor``) when the plan overlaps them, else ``"process_group"``."""
+        return "copy_engine" if self.layout.overlap else "process_group"
 
     @property
     def ranks(self) -> int:
