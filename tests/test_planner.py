@@ -9,11 +9,14 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 import meshfuse
 from meshfuse.cost import CostModel, load
 from meshfuse.errors import InputError
-from meshfuse.examples.llama import LlamaConfig
+from meshfuse.examples.gpt import parameter_shapes
+from meshfuse.examples.gpt_stack import GptStack
+from meshfuse.examples.llama import LlamaConfig, block_parameter_shapes
 from meshfuse.planner import TransformerSpec, plan, spec_of
 from meshfuse.planner.estimate import layout_cost
 from meshfuse.planner.layouts import Layout, enumerate_layouts, fsdp, megatron
@@ -142,14 +145,26 @@ def test_a_budget_nothing_fits_is_refused_with_the_least_need():
 
 
 def test_the_spec_is_read_from_configs_and_example_inputs():
-    import torch
-
     cfg = LlamaConfig(vocab=96, hidden=96, heads=12, kv_heads=2, ffn=96, seq=12, layers=3)
     spec = spec_of(cfg, example_inputs=(torch.zeros(5, 12, dtype=torch.long),))
     assert (spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.layers, spec.vocab,
             spec.seq, spec.batch, spec.gated, spec.dtype_bytes) == (
                 96, 12, 2, 96, 3, 96, 12, 5, True, 4)
+    assert spec.block_parameters() == sum(
+        math.prod(s) for s in block_parameter_shapes(cfg).values())
     assert meshfuse.plan is plan
+    gpt = spec_of(GptStack(12, 8, 16, 4, 3))
+    assert (gpt.hidden, gpt.heads, gpt.layers, gpt.batch, gpt.seq, gpt.gated) == (
+        16, 4, 3, 12, 8, False)
+    # a GPT block's parameters as the example declares them
+    assert gpt.block_parameters() == sum(math.prod(s) for s in parameter_shapes(16).values())
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                  max_position_embeddings=32)
+    spec = spec_of(hf, example_inputs=torch.zeros(3, 16, dtype=torch.long))
+    assert (spec.hidden, spec.kv_heads, spec.ffn, spec.batch, spec.seq, spec.gated) == (
+        64, 2, 128, 3, 16, True)
 
 
 def test_projection_searches_node_shaped_meshes_and_faster_links_help():

@@ -66,10 +66,10 @@ class Layout:
         return "x".join(parts) + (f" ({', '.join(extra)})" if extra else "")
 
 
-def enumerate_layouts(shape: Sequence[int], pipeline: bool = True,
-                      context: bool = True) -> list[Layout]:
-    """Every layout of a mesh of ``shape`` (see the module doc); ``pipeline`` and
-    ``context``: whether those roles may be chosen."""
+def enumerate_layouts(shape: Sequence[int], pipeline: bool = True, context: bool = True,
+                      overlap: bool = True) -> list[Layout]:
+    """Every layout of a mesh of ``shape`` (see the module doc); ``pipeline``, ``context``
+    and ``overlap``: whether those roles, and TP's copy-engine loops, may be chosen."""
     shape = tuple(shape)
     roles = [r for r in ROLES if (pipeline or r != "pp") and (context or r != "cp")]
     layouts = []
@@ -80,9 +80,9 @@ def enumerate_layouts(shape: Sequence[int], pipeline: bool = True,
             continue
         cps = CP_STRATEGIES if "cp" in assignment else (None,)
         schedules = SCHEDULES if "pp" in assignment else (None,)
-        overlaps = (False, True) if "tp" in assignment else (False,)
-        for cp, schedule, overlap in itertools.product(cps, schedules, overlaps):
-            layouts.append(Layout(shape, assignment, cp, schedule, overlap))
+        overlaps = (False, True) if "tp" in assignment and overlap else (False,)
+        for cp, schedule, loops in itertools.product(cps, schedules, overlaps):
+            layouts.append(Layout(shape, assignment, cp, schedule, loops))
     return layouts
 
 

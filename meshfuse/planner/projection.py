@@ -59,16 +59,19 @@ def meshes(gpus: int, gpus_per_node: int) -> list[tuple[int, ...]]:
 def project(spec: TransformerSpec, gpus: int, *, intra_node_gb_per_s: float | None = None,
             inter_node_gb_per_s: float | None = None, gpus_per_node: int = 8,
             memory_budget: float = 72 * 2**30, calibration: str = "h200",
-            context: bool = False) -> Projection:
+            context: bool = False, overlap: bool = False) -> Projection:
     """The best plan of ``spec`` on ``gpus`` GPUs (see the module doc); ``memory_budget``:
-    bytes per GPU (default: 72 GiB of an 80 GB H100, for comparison with H100 figures)."""
+    bytes per GPU (default: 72 GiB of an 80 GB H100, for comparison with H100 figures);
+    ``context``, ``overlap``: whether context parallelism and TP's copy-engine loops may be
+    chosen (default not: the published runs used neither)."""
     cal = load(calibration).with_links(intra_node_gb_per_s, inter_node_gb_per_s,
                                        gpus_per_node)
     model = CostModel(cal)
     best = None
     for shape in meshes(gpus, gpus_per_node):
         try:
-            candidate = plan(spec, shape, memory_budget, calibration=model, context=context)
+            candidate = plan(spec, shape, memory_budget, calibration=model, context=context,
+                             overlap=overlap)
         except InputError:
             continue
         if best is None or candidate.step_s < best.step_s:
@@ -97,3 +100,6 @@ def table(runs=DEFAULT_RUNS, **options) -> str:
 
 if __name__ == "__main__":
     print(table())
+    print()
+    print("With TP's collectives overlapped by the copy engines:")
+    print(table(overlap=True))

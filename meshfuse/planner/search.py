@@ -24,8 +24,8 @@ from meshfuse.planner.spec import spec_of
 
 def plan(model: Any, mesh: Any, memory_budget: float | None = None, *,
          example_inputs: Any = None, calibration: str | CostModel | None = None,
-         pipeline: bool = True, context: bool = True, dtype_bytes: int | None = None
-         ) -> Plan:
+         pipeline: bool = True, context: bool = True, overlap: bool = True,
+         dtype_bytes: int | None = None) -> Plan:
     """The fastest plan of ``model`` on ``mesh`` whose memory per rank fits.
 
     Args:
@@ -38,6 +38,7 @@ def plan(model: Any, mesh: Any, memory_budget: float | None = None, *,
         calibration: a calibration name (``"h200"``, ``"cpu_gloo"``), path or cost model
             (default: the mesh's device type's, else the H200's).
         pipeline, context: whether pipeline stages and context parallelism may be chosen.
+        overlap: whether TP's collectives may run as copy-engine stream loops.
         dtype_bytes: the element size (default: the model's).
 
     Returns:
@@ -55,7 +56,7 @@ def plan(model: Any, mesh: Any, memory_budget: float | None = None, *,
     spec = spec_of(model, example_inputs, dtype_bytes)
     cost_model = _cost_model(calibration, mesh)
     costs = [layout_cost(spec, layout, cost_model)
-             for layout in enumerate_layouts(mesh_shape(mesh), pipeline, context)]
+             for layout in enumerate_layouts(mesh_shape(mesh), pipeline, context, overlap)]
     best = solve(costs, memory_budget)
     if best is None:
         raise InputError(_no_fit(spec, costs, memory_budget))

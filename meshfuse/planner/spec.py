@@ -106,7 +106,7 @@ def spec_of(model: Any, example_inputs: Any = None, dtype_bytes: int | None = No
     hidden = get("hidden", "hidden_size", "embed", "n_embd")
     heads = get("heads", "num_attention_heads", "n_head")
     values = {"hidden": hidden, "heads": heads,
-              "seq": seq or get("seq", "max_position_embeddings"),
+              "seq": seq or get("seq", "max_position_embeddings", "n_positions"),
               "batch": batch or get("batch", default=1)}
     missing = [k for k, v in values.items() if v is None]
     if missing:
