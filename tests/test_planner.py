@@ -18,7 +18,7 @@ from meshfuse.examples.gpt import parameter_shapes
 from meshfuse.examples.gpt_stack import GptStack
 from meshfuse.examples.llama import LlamaConfig, block_parameter_shapes
 from meshfuse.planner import TransformerSpec, plan, spec_of
-from meshfuse.planner.estimate import layout_cost
+from meshfuse.planner.estimate import layout_cost, stage_split
 from meshfuse.planner.layouts import Layout, enumerate_layouts, fsdp, megatron
 from meshfuse.planner.projection import meshes, project
 from meshfuse.planner.spec import GPT3_175B, LLAMA3_8B
@@ -133,8 +133,19 @@ def test_pipeline_stages_split_the_layers_and_pay_a_bubble():
     model = CostModel(load("h200"))
     one = layout_cost(spec, Layout((8, 8), ("pp", "tp"), schedule="1f1b"), model)
     two = layout_cost(spec, Layout((8, 8), ("pp", "tp"), schedule="interleaved"), model)
-    assert one.blocks == spec.layers // 8
+    assert one.blocks == max(one.stages) and sum(one.stages) == spec.layers == 96
     assert 0 < two.parts["pp bubble"] < one.parts["pp bubble"]
+
+
+def test_the_stage_split_gives_the_head_s_stage_fewer_blocks():
+    assert stage_split(32, 4, 1.0, 0.0) == (8, 8, 8, 8)
+    assert stage_split(32, 4, 1.0, 3.5) == (9, 9, 9, 5)  # the slowest stage: 9, not 11.5
+    for layers, stages, head in [(7, 2, 0.0), (126, 8, 2.0), (96, 12, 30.0)]:
+        split = stage_split(layers, stages, 1.0, head)
+        assert sum(split) == layers and len(split) == stages and min(split) >= 1
+        slowest = max(*split[:-1], split[-1] + head)
+        assert all(slowest <= max(math.ceil((layers - k) / (stages - 1)), k + head)
+                   for k in range(1, layers - stages + 2))
 
 
 def test_a_budget_nothing_fits_is_refused_with_the_least_need():

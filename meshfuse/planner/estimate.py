@@ -19,9 +19,11 @@ sequence over the context-parallel ones), a block costs per step:
   hide, at ``overlap.async_contention``;
 - **ddp** (and ``cp``'s ranks, which hold the same parameters): the gradients all-reduced
   once per step beside the backward;
-- **pp**: a stage holds ``layers / p`` blocks; the step is the stage's time times ``1 +
+- **pp**: the blocks split over the stages so that the slowest stage, the last holding the
+  LM head, is fastest (:func:`stage_split`); the step is that stage's time times ``1 +
   (p - 1) / (v m)`` (the bubble; ``m`` microbatches of one sequence, ``v`` = 2 interleaved),
-  plus the activations sent between stages.
+  plus the activations sent between stages. A rank's memory is that of the stage of most
+  blocks.
 
 Memory per rank: parameters, gradients and Adam's state at 16 bytes a parameter (fp32
 master, gradient and two moments) divided by ``tp`` and ``dp``; FSDP's two gathered blocks;
@@ -58,6 +60,7 @@ class LayoutCost:
     comm_bytes: dict = dataclasses.field(default_factory=dict)  # bytes by role
     infeasible: str = ""
     memory_parts: dict = dataclasses.field(default_factory=dict)  # bytes by kind
+    stages: tuple[int, ...] = ()  # blocks per pipeline stage
 
 
 def infeasibility(spec: TransformerSpec, layout: Layout) -> str:
@@ -92,17 +95,37 @@ def layout_cost(spec: TransformerSpec, layout: Layout, model: CostModel) -> Layo
     gather, scatter = g.fsdp()
     block = compute_f + compute_b + tp
     fsdp_exposed = model.overlapped(block, gather + scatter) - block if gather else 0.0
-    stage = g.blocks * (block + fsdp_exposed)
+    head = g.head()
+    g.stages = stage_split(spec.layers, g.p, block + fsdp_exposed, head)
+    g.blocks = max(g.stages)
+    stage = max(n * (block + fsdp_exposed) + (head if i == len(g.stages) - 1 else 0.0)
+                for i, n in enumerate(g.stages))
     reduce = g.gradient_allreduce()
     exposed_reduce = model.overlapped(g.blocks * compute_b, reduce) - g.blocks * compute_b
-    head, optimizer, p2p = g.head(), g.optimizer(), g.pipeline_sends()
-    step = (stage + head) * g.bubble + exposed_reduce + optimizer + p2p
+    optimizer, p2p = g.optimizer(), g.pipeline_sends()
+    step = stage * g.bubble + exposed_reduce + optimizer + p2p
     parts = {"compute": g.blocks * (compute_f + compute_b) + head, "tp": g.blocks * tp,
              "dp": g.blocks * fsdp_exposed, "ddp": exposed_reduce, "pp bubble":
-             (stage + head) * (g.bubble - 1) + p2p, "optimizer": optimizer}
+             stage * (g.bubble - 1) + p2p, "optimizer": optimizer}
     memory = g.memory()
     return LayoutCost(layout, step, sum(memory.values()), compute_f + tp / 2,
-                      g.recompute_saves(), g.blocks, parts, g.comm_bytes(), "", memory)
+                      g.recompute_saves(), g.blocks, parts, g.comm_bytes(), "", memory,
+                      g.stages)
+
+
+def stage_split(layers: int, stages: int, block_s: float, head_s: float) -> tuple[int, ...]:
+    """Blocks per pipeline stage, the last holding the LM head: the split whose slowest
+    stage is fastest (the last takes ``k`` blocks, the others share the rest evenly; every
+    ``k`` is tried)."""
+    if stages == 1:
+        return (layers,)
+
+    def slowest(k: int) -> float:
+        return max(math.ceil((layers - k) / (stages - 1)) * block_s, k * block_s + head_s)
+
+    last = min(range(1, math.ceil(layers / stages) + 1), key=lambda k: (slowest(k), -k))
+    rest, extra = divmod(layers - last, stages - 1)
+    return tuple(rest + (i < extra) for i in range(stages - 1)) + (last,)
 
 
 class _Geometry:
@@ -114,7 +137,8 @@ class _Geometry:
         self.d, self.r = layout.size("dp"), layout.size("ddp")
         self.sequences = spec.batch // (self.d * self.r)  # per rank and step
         self.tokens = self.sequences * spec.seq / self.c
-        self.blocks = math.ceil(spec.layers / self.p)
+        self.blocks = math.ceil(spec.layers / self.p)  # until the split is known
+        self.stages: tuple[int, ...] = (spec.layers,)
         self.v = 2 if layout.schedule == "interleaved" else 1
         self.micro = self.sequences if self.p > 1 else 1
         self.bubble = 1 + (self.p - 1) / (self.v * self.micro)

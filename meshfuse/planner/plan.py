@@ -56,6 +56,8 @@ class Candidate:
     def describe(self) -> str:
         recompute = f", {self.recomputed} of {self.cost.blocks} blocks recomputed" \
             if self.recomputed else ""
+        if len(self.cost.stages) > 1:
+            recompute += f", blocks per stage {list(self.cost.stages)}"
         return (f"{self.layout.describe()}{recompute}: {self.step_s * 1e3:.2f} ms/step, "
                 f"{self.memory_bytes / GIB:.2f} GiB/rank")
 
