@@ -14,7 +14,7 @@ import torch
 import meshfuse
 from meshfuse.cost import CostModel, load
 from meshfuse.errors import InputError
-from meshfuse.examples.gpt import parameter_shapes
+from meshfuse.examples.gpt import GptBlock, parameter_shapes
 from meshfuse.examples.gpt_stack import GptStack
 from meshfuse.examples.llama import LlamaConfig, block_parameter_shapes
 from meshfuse.planner import TransformerSpec, plan, spec_of
@@ -167,6 +167,7 @@ def test_the_spec_is_read_from_configs_and_example_inputs():
     gpt = spec_of(GptStack(12, 8, 16, 4, 3))
     assert (gpt.hidden, gpt.heads, gpt.layers, gpt.batch, gpt.seq, gpt.gated) == (
         16, 4, 3, 12, 8, False)
+    assert spec_of(GptBlock(2, 16, 32, 4)).layers == 1
     # a GPT block's parameters as the example declares them
     assert gpt.block_parameters() == sum(math.prod(s) for s in parameter_shapes(16).values())
     transformers = pytest.importorskip("transformers")

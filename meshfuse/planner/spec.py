@@ -4,7 +4,8 @@
 names (``hidden``, ``heads``, ``kv_heads``, ``ffn``, ``layers``, ``vocab``, ``seq``:
 :class:`meshfuse.examples.llama.LlamaConfig`) or Hugging Face's (``hidden_size``,
 ``num_attention_heads``...), a module holding one (``.cfg``, ``.config``), or a GPT fusion of
-the examples (``sizes = (batch, seq, embed, heads)`` and ``layers``: a GPT stack); ``example_inputs`` gives
+the examples (``sizes = (batch, seq, embed, heads)``, and ``layers`` for a stack: a GPT
+block or stack); ``example_inputs`` gives
 the batch and sequence when the model does not (``ids [batch, seq]``).
 """
 
@@ -98,8 +99,8 @@ def spec_of(model: Any, example_inputs: Any = None, dtype_bytes: int | None = No
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None) or model
     batch, seq = _batch_and_seq(example_inputs)
     sizes = getattr(model, "sizes", None)  # the GPT fusions': (batch, seq, embed, heads)
-    if isinstance(sizes, tuple) and len(sizes) == 4 and hasattr(model, "layers"):
-        cfg = _GptSizes(*sizes, layers=model.layers)
+    if isinstance(sizes, tuple) and len(sizes) == 4:
+        cfg = _GptSizes(*sizes, layers=getattr(model, "layers", 1))
         batch, seq = batch or sizes[0], seq or sizes[1]
     get = (lambda *names, default=None: next(
         (getattr(src, n) for src in (cfg, model) for n in names if hasattr(src, n)), default))
