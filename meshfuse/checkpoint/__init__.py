@@ -1,0 +1,16 @@
+"""Checkpoints: save a model's shards, its optimizer and random state on one mesh, load them on
+any other, through ``torch.distributed.checkpoint``; export to and import from Hugging Face's
+safetensors. See docs/checkpoints.md."""
+
+from meshfuse.checkpoint.api import (
+    AsyncSave,
+    LoadResult,
+    SaveResult,
+    async_save,
+    load,
+    save,
+    state_dict,
+)
+
+__all__ = ["AsyncSave", "LoadResult", "SaveResult", "async_save", "load", "save",
+           "state_dict"]
