@@ -11,6 +11,8 @@ from meshfuse.checkpoint.api import (
     save,
     state_dict,
 )
+from meshfuse.checkpoint.chunks import ShardedValue
+from meshfuse.checkpoint.hf import export_hf, import_hf
 
-__all__ = ["AsyncSave", "LoadResult", "SaveResult", "async_save", "load", "save",
-           "state_dict"]
+__all__ = ["AsyncSave", "LoadResult", "SaveResult", "ShardedValue", "async_save", "export_hf",
+           "import_hf", "load", "save", "state_dict"]
