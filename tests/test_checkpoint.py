@@ -185,8 +185,10 @@ def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(multidevice_test
     cases = [
         (_build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
         (_build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
-        (_build(kind, world, embed=E + 1)[:2], "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
-        (_build(kind, world, dtype=torch.float64)[:2], "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
+        (_build(kind, world, embed=E + 1)[:2],
+         "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
+        (_build(kind, world, dtype=torch.float64)[:2],
+         "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
     ]
     for (m, o), message in cases:
         with pytest.raises(CheckpointError, match=message):
