@@ -166,14 +166,14 @@ def _table(record: dict) -> str:
     st = record["async"]
     return "\n".join([
         f"# Checkpoint I/O, {record['device']}", "",
-        f"{record['parameters'] / 1e9:.2f}B parameters + AdamW state = {gb:.1f} GB of "
+        (f"{record['parameters'] / 1e9:.2f}B parameters + AdamW state = {gb:.1f} GB of "
         f"tensors; writer threads {record['threads']}; page cache dropped before loads: "
-        f"{record['cache_dropped']}.", "", *rows, "",
-        f"async_save: the call blocks {st['async_call_seconds']:.2f} s (copy to pinned host "
+        f"{record['cache_dropped']}."), "", *rows, "",
+        (f"async_save: the call blocks {st['async_call_seconds']:.2f} s (copy to pinned host "
         f"memory); the {record['steps']} steps around it take "
         f"{st['steps_slowdown_seconds']:+.2f} s more than alone (step "
         f"{st['step_seconds'] * 1e3:.1f} ms); waiting for the files afterwards "
-        f"{st['wait_after_steps_seconds']:.2f} s.", ""])
+        f"{st['wait_after_steps_seconds']:.2f} s."), ""])
 
 
 def main(argv=None) -> int:

@@ -20,12 +20,14 @@ import torch
 from meshfuse.checkpoint.api import load, save
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--save DIR`` and ``--resume DIR`` to ``parser``."""
-    parser.add_argument("--save", metavar="DIR", default=None,
+def add_arguments(parser: argparse.ArgumentParser, save: str = "--save",
+                  resume: str = "--resume") -> None:
+    """Adds the options ``save`` and ``resume`` (``--save DIR``, ``--resume DIR``: read as
+    ``args.save`` and ``args.resume``) to ``parser``."""
+    parser.add_argument(save, dest="save", metavar="DIR", default=None,
                         help="after the last step, save a checkpoint (model, optimizer, "
                              "random state, step) to DIR")
-    parser.add_argument("--resume", metavar="DIR", default=None,
+    parser.add_argument(resume, dest="resume", metavar="DIR", default=None,
                         help="start from the checkpoint in DIR (saved on any mesh), at its "
                              "step; --steps counts from 0, so train --steps minus its step")
 

@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None, world: int | None) -> argparse.Namesp
                    help="reshard_after_forward=False: keep gathered parameters for the backward")
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--out", default=None, help="directory for train_fsdp.json and .png")
-    add_arguments(p)
+    add_arguments(p, "--save", "--resume")
     args = p.parse_args(argv)
     text = args.mesh or f"dp={world or 4}"
     try:

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest relative difference from PyTorch's loss (default: 1e-5 "
                              "in float32; in bfloat16 twice DTensor's, at least 2**-8)")
     parser.add_argument("--out", default=None, help="directory for train_gpt.json")
-    add_arguments(parser)
+    add_arguments(parser, "--save", "--resume")
     args = parser.parse_args(argv)
     losses = train(args.steps, args.batch, args.seq, args.embed, args.heads,
                    getattr(torch, args.dtype), save=args.save, resume_from=args.resume)

@@ -93,7 +93,7 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--rtol", type=float, default=FLOAT32_RTOL,
                    help="largest relative loss difference from PyTorch in float32")
     p.add_argument("--out", default=None, help="directory for train_llama.json and .png")
-    add_arguments(p)
+    add_arguments(p, "--save", "--resume")
     for field in dataclasses.fields(LlamaConfig):
         if field.name != "dtype":
             p.add_argument(f"--{field.name.replace('_', '-')}", default=field.default,
