@@ -19,7 +19,9 @@ from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+import meshfuse
 from meshfuse import DeviceMesh, checkpoint
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.autodiff.module import FusionModule
@@ -110,6 +112,7 @@ def test_resume_under_every_layout(multidevice_test):
     with record_communications() as log:
         checkpoint.save(path, model, opt, extra={"step": 5, "data": {"position": 5}})
     assert not list(log)  # nothing gathered: each rank writes its own shards
+    drawn = torch.rand(4)  # what torch's generator gives next (dropout seeds come from it)
     uninterrupted = [step(i) for i in range(5, 10)]
     for kind in _layouts(world):
         other, other_opt, other_step = _build(kind, world)
@@ -118,6 +121,7 @@ def test_resume_under_every_layout(multidevice_test):
                 p.fill_(0.5)  # not the saved values
         result = checkpoint.load(path, other, other_opt)
         assert result.extra == {"step": 5, "data": {"position": 5}}
+        assert torch.equal(torch.rand(4), drawn)  # the random state is the saved one
         if kind == FIRST[world]:
             resumed = [other_step(i) for i in range(5, 10)]
             assert resumed == uninterrupted, kind  # bitwise
@@ -296,3 +300,51 @@ def test_hugging_face_export_and_import(multidevice_test):
                       os.path.join(path, "model.safetensors"))
         _barrier()
         checkpoint.import_hf(path, fresh)
+
+
+class _TorchMlp(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = torch.nn.Linear(E, FFN)
+        self.down = torch.nn.Linear(FFN, E)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))).pow(2).mean()
+
+
+@pytest.mark.mpi
+def test_a_parallelized_pytorch_module_resumes_and_exports(multidevice_test):
+    """``meshfuse.parallelize``'s DTensor parameters and AdamW's DTensor moments: saved,
+    loaded into the module built from other values, the next step's loss bitwise equal;
+    exported with the module's own names."""
+    from safetensors.torch import load_file  # installed with transformers
+
+    world = multidevice_test.size
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    x = torch.randn(B, E, generator=torch.Generator().manual_seed(3))
+
+    def build(seed: int):
+        model = meshfuse.parallelize(_TorchMlp(seed), DeviceMesh(range(world)), plan)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(model, opt) -> float:
+        opt.zero_grad()
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    model, opt = build(0)
+    step(model, opt)
+    path = _shared_dir(multidevice_test)
+    checkpoint.save(path, model, opt)
+    checkpoint.export_hf(path, model)
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    expected = step(model, opt)
+    other, other_opt = build(1)
+    checkpoint.load(path, other, other_opt)
+    assert step(other, other_opt) == expected
+    exported = load_file(os.path.join(path, "model.safetensors"))
+    assert sorted(exported) == sorted(saved)  # the module's names: up.weight, down.bias...
+    assert all(torch.equal(exported[n], saved[n]) for n in saved)
