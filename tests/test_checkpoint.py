@@ -25,6 +25,7 @@ import meshfuse
 from meshfuse import DeviceMesh, checkpoint
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.autodiff.module import FusionModule
+from meshfuse.checkpoint.chunks import chunks_of
 from meshfuse.dtypes import DataType
 from meshfuse.errors import CheckpointError
 from meshfuse.examples.llama import LlamaConfig, LlamaModel
@@ -348,3 +349,19 @@ def test_a_parallelized_pytorch_module_resumes_and_exports(multidevice_test):
     exported = load_file(os.path.join(path, "model.safetensors"))
     assert sorted(exported) == sorted(saved)  # the module's names: up.weight, down.bias...
     assert all(torch.equal(exported[n], saved[n]) for n in saved)
+
+
+def test_a_shard_is_cut_into_the_boxes_of_its_index_runs():
+    """Block: one box; cyclic: a box per run; several axes: the product; none: no box."""
+    block = chunks_of((6, 4), [torch.arange(2, 4), None])
+    assert [(c.offsets, c.sizes, c.start) for c in block] == [((2, 0), (2, 4), (0, 0))]
+    cyclic = chunks_of((8, 3), [torch.tensor([1, 2, 5, 6]),
+                                                   torch.tensor([0, 2])])
+    assert [(c.offsets, c.sizes, c.start) for c in cyclic] == [
+        ((1, 0), (2, 1), (0, 0)), ((1, 2), (2, 1), (0, 1)),
+        ((5, 0), (2, 1), (2, 0)), ((5, 2), (2, 1), (2, 1))]
+    assert chunks_of((4,), None) == ()
+    local = torch.arange(8.0).reshape(4, 2)
+    value = checkpoint.ShardedValue(local, (8, 3), cyclic)
+    assert torch.equal(value.piece((5, 2)), local[2:4, 1:2])
+    assert value.nbytes == 8 * 4
