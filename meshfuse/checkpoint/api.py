@@ -95,16 +95,18 @@ class _Staged:
         pass
 
 
-def _copied(state: dict[str, object]) -> dict[str, object]:
+def _copied(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict[str, object]:
     """``state`` with each tensor copied to host memory (pinned where it is on a GPU), so
-    training may change the originals while the copy is written."""
+    training may change the originals while the copy is written; ``buffers`` are host
+    tensors of an earlier save to copy into where they fit (filled with the new ones)."""
     out = {}
     for name, value in state.items():
         if isinstance(value, ShardedValue):
-            local = value.local
-            host = torch.empty(local.shape, dtype=local.dtype,
-                               pin_memory=local.is_cuda).copy_(local, non_blocking=True)
-            value = value.with_local(host)
+            local, host = value.local, buffers.get(name)
+            if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                host = buffers[name] = torch.empty(local.shape, dtype=local.dtype,
+                                                   pin_memory=local.is_cuda)
+            value = value.with_local(host.copy_(local, non_blocking=True))
         out[name] = value
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -119,6 +121,7 @@ class AsyncSave:
     future: Future
     writer: CountingWriter
     stall_seconds: float
+    buffers: dict[str, torch.Tensor]
 
     def result(self) -> SaveResult:
         self.future.result()
@@ -127,16 +130,23 @@ class AsyncSave:
 
 def async_save(path: str, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer | None = None, extra: object = None, *,
-               process_group=None, thread_count: int = 1) -> AsyncSave:
+               previous: AsyncSave | None = None, process_group=None,
+               thread_count: int = 1) -> AsyncSave:
     """:func:`save` in the background: returns once the state is copied to host memory
-    (training may go on), the files are written by a thread. With torch.distributed the
-    process group needs a CPU backend (gloo)."""
+    (training may go on), the files are written by a thread. ``previous``, the last
+    ``async_save``, lends its host (pinned) memory once its files are written (it is waited
+    for), so a training loop allocates the copies once. With torch.distributed the process
+    group needs a CPU backend (gloo)."""
     start = time.perf_counter()
-    state = _copied(state_dict(model, optimizer, extra))
+    buffers = {}
+    if previous is not None:
+        previous.result()
+        buffers = previous.buffers
+    state = _copied(state_dict(model, optimizer, extra), buffers)
     writer = CountingWriter(path, thread_count=thread_count)
     future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(),
                             process_group=process_group, async_stager=_Staged())
-    return AsyncSave(future, writer, time.perf_counter() - start)
+    return AsyncSave(future, writer, time.perf_counter() - start, buffers)
 
 
 def _metadata(reader: CountingReader, path: str):
