@@ -161,6 +161,17 @@ def test_bytes_written_and_read_are_the_shards_held(multidevice_test, kind):
         assert abs(written - held) <= 4 * len(list(model.parameters()))
     read = checkpoint.load(path, model, opt)
     assert read.bytes_read == read.bytes_needed == held
+    first, second = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
+    pending = checkpoint.async_save(first, model, opt)
+    with torch.no_grad():  # training goes on: the save holds host copies
+        for p in model.parameters():
+            p.add_(1.0)
+    again = checkpoint.async_save(second, model, opt, previous=pending)
+    assert again.buffers is pending.buffers and again.result().bytes_written == written
+    params = [p.detach().clone() for p in model.parameters()]
+    checkpoint.load(first, model, opt)  # the values before the additions
+    for p, later in zip(model.parameters(), params):
+        assert torch.equal(p + 1.0, later)
 
 
 def _snapshot(model, opt):

@@ -8,6 +8,7 @@ Every rank calls them (they are collective over the default process group, or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import time
 from concurrent.futures import Future
@@ -113,6 +114,16 @@ def _copied(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+@functools.cache
+def _background_group():
+    """A gloo group of every rank for the saves' background collectives, so that they
+    never interleave with the training's on the default group (None without
+    torch.distributed). Made by the first ``async_save``, which every rank calls."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
 @dataclasses.dataclass
 class AsyncSave:
     """A save under way: ``stall_seconds`` the caller waited (copying to host memory);
@@ -144,8 +155,9 @@ def async_save(path: str, model: torch.nn.Module,
         buffers = previous.buffers
     state = _copied(state_dict(model, optimizer, extra), buffers)
     writer = CountingWriter(path, thread_count=thread_count)
+    group = process_group if process_group is not None else _background_group()
     future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(),
-                            process_group=process_group, async_stager=_Staged())
+                            process_group=group, async_stager=_Staged())
     return AsyncSave(future, writer, time.perf_counter() - start, buffers)
 
 
