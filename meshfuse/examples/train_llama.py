@@ -175,7 +175,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
     params = init_parameters(cfg, seed)
     model = LlamaModel(cfg, batch, params, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    start = resume(resume_from, model, opt)
+    first = resume(resume_from, model, opt)
     ref = ref_opt = None
     if reference is not None and comm.rank == 0:
         ref = reference(cfg).to(device)
@@ -186,7 +186,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
     start = time.perf_counter()
     for i in bar:
         ids, targets = (t.to(device) for t in synthetic_batch(cfg, batch, i, seed))
-        if i < start:  # resumed: the reference replays the steps the checkpoint holds
+        if i < first:  # resumed: the reference replays the steps the checkpoint holds
             if ref is not None:
                 step(ref, ref_opt, ids, targets)
             continue
