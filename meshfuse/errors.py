@@ -37,3 +37,9 @@ class ExecutionError(MeshfuseError):
 class GraphBreakError(DefinitionError):
     """A captured model has ops meshfuse has no rule for and the capture was ``strict``; the
     message lists each with its module path."""
+
+
+class CheckpointError(MeshfuseError):
+    """A checkpoint does not fit the model it is loaded into (a name missing or extra, another
+    shape or dtype), or cannot be read (a missing, truncated or corrupt file); raised on every
+    rank before any parameter is overwritten."""

@@ -52,6 +52,40 @@ def _default_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def global_shape(tv: TensorView) -> tuple[int, ...]:
+    """The global shape of ``tv`` (its materialized axes), as its compiled fusion has it.
+
+    Raises:
+        InputError: an axis whose extent is symbolic (known only from a value).
+    """
+    tv, _ = _compiled(tv)
+    shape = tuple(id_.extent for id_ in tv.materialized())
+    if None in shape:
+        raise InputError(f"{tv.name} has a symbolic extent (shape {list(shape)}); its global "
+                         "shape is known only from a value")
+    return shape
+
+
+def shard_indices(tv: TensorView, shape: Sequence[int],
+                  rank: int | None = None) -> list[torch.Tensor | None] | None:
+    """Where ``rank``'s shard of a global tensor of ``shape`` lies in it under ``tv``'s
+    schedule: for each axis the global indices its local positions hold, ascending (None for
+    an axis held whole), so ``local[i0, i1] == t[index0[i0], index1[i1]]``; None when
+    ``rank`` is outside ``tv``'s mesh (it holds nothing).
+
+    Example:
+        >>> shard_indices(tv, (6,), rank=1)   # tv split cyclically over 2 ranks
+        [tensor([1, 3, 5])]
+    """
+    rank = _default_rank() if rank is None else rank
+    tv, _ = _compiled(tv)
+    if tv.mesh is not None and rank not in tv.mesh:
+        return None
+    extents = _extents(tv, shape)
+    coords = device_coords(tv, rank)
+    return [local_indices(tv, id_, extents, coords) for id_ in tv.materialized()]
+
+
 def shard_tensor(t: torch.Tensor, tv: TensorView, rank: int | None = None) -> torch.Tensor:
     """``rank``'s local shard of the global tensor ``t`` under ``tv``'s schedule.
 

@@ -93,7 +93,13 @@ class FullyShardedModule(torch.nn.Module):
             self._copies.append(copies(storage))
         self._arguments = [v for i, v in enumerate(inputs) if i not in self._slots]
         self._function = _LayeredFunction(self.sharded.fusion, remat=self.options.remat)
+        self._storages = {name: self.sharded.storage(tv) for name, (tv, _) in parameters.items()}
         self.activation_bytes = 0
+
+    def parameter_tensors(self) -> dict[str, TensorView]:
+        """Each parameter's storage TensorView, whose schedule lays out the local shard it
+        holds (what checkpoints read to place the shard in the global tensor)."""
+        return dict(self._storages)
 
     def shard_input(self, tv: TensorView, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the global ``value`` of input ``tv`` (a batch split on the

@@ -60,6 +60,12 @@ class FusionModule(torch.nn.Module):
             self._slots[inputs.index(tv)] = name
         self._arguments = [v for i, v in enumerate(inputs) if i not in self._slots]
         self._function = fd.as_autograd_function(remat=remat)
+        self._tensors = {name: tv for name, (tv, _) in parameters.items()}
+
+    def parameter_tensors(self) -> dict[str, TensorView]:
+        """Each parameter's TensorView, whose schedule lays out the local shard it holds
+        (what checkpoints read to place the shard in the global tensor)."""
+        return dict(self._tensors)
 
     def forward(self, *args):
         """Runs the fusion on ``args`` (the non-parameter inputs, in definition order) and

@@ -269,15 +269,25 @@ class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: LlamaConfig, batch: int, params: dict[str, torch.Tensor],
                  mesh: DeviceMesh | None = None, device=None) -> None:
         super().__init__()
-        self.embed = _module(LlamaEmbedding(cfg, batch, mesh), params, "")
+        embed, head = LlamaEmbedding(cfg, batch, mesh), LlamaHead(cfg, batch, mesh)
+        self.embed = _module(embed, params, "")
         block = LlamaBlock(cfg, batch, mesh)  # one definition, one build, for every layer
         self.blocks = torch.nn.ModuleList(
             _module(block, params, f"model.layers.{i}.") for i in range(cfg.layers))
-        self.head = _module(LlamaHead(cfg, batch, mesh), params, "")
+        self.head = _module(head, params, "")
+        self._names = {f"blocks.{i}.{n.replace('.', '_')}": f"model.layers.{i}.{n}"
+                       for i in range(cfg.layers) for n in block.params}
+        self._names.update({f"{m}.{n.replace('.', '_')}": n
+                            for m, fd in (("embed", embed), ("head", head)) for n in fd.params})
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.to(device)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """Each parameter's ``LlamaForCausalLM`` name, by its name here: what checkpoints
+        and Hugging Face exports (:mod:`meshfuse.checkpoint`) call it."""
+        return dict(self._names)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)

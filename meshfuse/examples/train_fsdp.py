@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
+from meshfuse.checkpoint.training import add_arguments, resume, save_at
 from meshfuse.errors import ScheduleError
 from meshfuse.examples.gpt import parameter_shapes
 from meshfuse.examples.gpt_stack import GptStack, stack_parameters, torch_loss
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str] | None, world: int | None) -> argparse.Namesp
                    help="reshard_after_forward=False: keep gathered parameters for the backward")
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--out", default=None, help="directory for train_fsdp.json and .png")
+    add_arguments(p, "--save", "--resume")
     args = p.parse_args(argv)
     text = args.mesh or f"dp={world or 4}"
     try:
@@ -105,10 +107,13 @@ def train(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref = {name: torch.nn.Parameter(t.clone()) for name, t in init.items()}
     ref_opt = torch.optim.AdamW(ref.values(), lr=args.lr)
-    losses, account = [], None
+    losses, account, first = [], None, resume(args.resume, model, opt)
     for step in _progress(range(args.steps), comm.rank == 0):
         gen = torch.Generator().manual_seed(1000 + step)
         x, target = torch.randn(b, s, e, generator=gen), torch.randn(b, s, e, generator=gen)
+        if step < first:  # resumed: the reference replays the steps the checkpoint holds
+            _reference_step(x, target, ref, ref_opt, args)
+            continue
         start = time.perf_counter()
         loss = model(model.shard_input(fd.input, x), model.shard_input(fd.target, target))
         loss.backward()
@@ -117,16 +122,23 @@ def train(args) -> dict:
         account = model.memory_account(opt)
         opt.zero_grad()
         seconds = time.perf_counter() - start
-        expected = torch_loss(x, target, ref, n, h)
-        expected.backward()
-        torch.nn.utils.clip_grad_norm_(ref.values(), args.max_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((loss.item(), expected.item()))
+        expected = _reference_step(x, target, ref, ref_opt, args)
+        losses.append((loss.item(), expected))
         _show(loss.item(), b * s / seconds)
+    save_at(args.save, model, opt, args.steps)
     worst = max(abs(a - r) / abs(r) for a, r in losses)
     return {"mesh": args.mesh, "losses": losses, "largest_relative_difference": worst,
             "ok": worst <= args.rtol, "memory": account.describe() if account else ""}
+
+
+def _reference_step(x, target, ref, ref_opt, args) -> float:
+    """One step of the PyTorch reference; its loss."""
+    expected = torch_loss(x, target, ref, args.layers, args.heads)
+    expected.backward()
+    torch.nn.utils.clip_grad_norm_(ref.values(), args.max_norm)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return expected.item()
 
 
 _BAR = []

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshfuse.autodiff.module import FusionModule
+from meshfuse.checkpoint.training import add_arguments, resume, save_at
 from meshfuse.dtypes import DataType
 from meshfuse.examples.gpt import GptBlock, init_parameters, torch_block
 from meshfuse.examples.gpt_torch import Gpt3Block, parallelize
@@ -115,7 +116,8 @@ def _step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
 
 
 def train(steps: int = 20, batch: int = 2, seq: int = 16, embed: int = 32, heads: int = 4,
-          dtype: torch.dtype = torch.float32, lr: float = 1e-3) -> list[StepLosses]:
+          dtype: torch.dtype = torch.float32, lr: float = 1e-3, save: str | None = None,
+          resume_from: str | None = None) -> list[StepLosses]:
     """Trains the meshfuse stack and the PyTorch references ``steps`` steps on this rank;
     returns each step's losses."""
     communicator = Communicator.instance()
@@ -132,15 +134,18 @@ def train(steps: int = 20, batch: int = 2, seq: int = 16, embed: int = 32, heads
     references = [_TorchStack(inits, heads, dtype, device, lr)]
     if dtype != torch.float32:
         references.append(_DTensorStack(inits, heads, device, lr))
-    losses = []
+    losses, start = [], resume(resume_from, stack, opt)
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + step)
         x, target = (torch.randn(batch, seq, embed, generator=gen).to(device, dtype)
                      for _ in range(2))
+        theirs = [_step(r.opt, r.loss(x, target)) for r in references]
+        if step < start:  # resumed: the references replay the steps the checkpoint holds
+            continue
         y = stack[1](stack[0](shard_tensor(x, blocks[0].x, communicator.rank)))
         mine = _step(opt, (y - target).float().pow(2).mean())
-        theirs = [_step(r.opt, r.loss(x, target)) for r in references]
         losses.append(StepLosses(mine, *theirs))
+    save_at(save, stack, opt, steps)
     return losses
 
 
@@ -186,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest relative difference from PyTorch's loss (default: 1e-5 "
                              "in float32; in bfloat16 twice DTensor's, at least 2**-8)")
     parser.add_argument("--out", default=None, help="directory for train_gpt.json")
+    add_arguments(parser, "--save", "--resume")
     args = parser.parse_args(argv)
     losses = train(args.steps, args.batch, args.seq, args.embed, args.heads,
-                   getattr(torch, args.dtype))
+                   getattr(torch, args.dtype), save=args.save, resume_from=args.resume)
     check = verdict(losses, args.rtol)
     communicator = Communicator.instance()
     if communicator.rank == 0:

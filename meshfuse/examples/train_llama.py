@@ -36,6 +36,7 @@ from typing import NoReturn
 
 import torch
 
+from meshfuse.checkpoint.training import add_arguments, resume, save_at
 from meshfuse.examples.llama import LlamaConfig, LlamaModel, init_parameters
 from meshfuse.examples.llama_torch import LlamaTorch
 from meshfuse.ir.mesh import DeviceMesh
@@ -92,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--rtol", type=float, default=FLOAT32_RTOL,
                    help="largest relative loss difference from PyTorch in float32")
     p.add_argument("--out", default=None, help="directory for train_llama.json and .png")
+    add_arguments(p, "--save", "--resume")
     for field in dataclasses.fields(LlamaConfig):
         if field.name != "dtype":
             p.add_argument(f"--{field.name.replace('_', '-')}", default=field.default,
@@ -162,7 +164,8 @@ def step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Te
 
 
 def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: int = 0,
-          reference=LlamaTorch, progress: bool = False):
+          reference=LlamaTorch, progress: bool = False, save: str | None = None,
+          resume_from: str | None = None):
     """Trains the meshfuse model over all ranks (tensor + sequence parallel) and, on rank 0,
     ``reference(cfg)`` (a module named as ``LlamaForCausalLM``, called ``(ids, targets)``)
     on one device, from the same parameters on the same batches. Returns the meshfuse losses, the reference's
@@ -172,6 +175,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
     params = init_parameters(cfg, seed)
     model = LlamaModel(cfg, batch, params, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    first = resume(resume_from, model, opt)
     ref = ref_opt = None
     if reference is not None and comm.rank == 0:
         ref = reference(cfg).to(device)
@@ -182,6 +186,10 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
     start = time.perf_counter()
     for i in bar:
         ids, targets = (t.to(device) for t in synthetic_batch(cfg, batch, i, seed))
+        if i < first:  # resumed: the reference replays the steps the checkpoint holds
+            if ref is not None:
+                step(ref, ref_opt, ids, targets)
+            continue
         losses.append(step(model, opt, ids, targets))
         if ref is not None:
             ref_losses.append(step(ref, ref_opt, ids, targets))
@@ -189,6 +197,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
         if hasattr(bar, "set_postfix"):
             rate = (i + 1) * batch * cfg.seq / (time.perf_counter() - start)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_s=f"{rate:.0f}")
+    save_at(save, model, opt, steps)
     return losses, ref_losses, account
 
 
@@ -224,7 +233,7 @@ def run_rank(args: argparse.Namespace) -> int:
     comm = Communicator.instance()
     cfg = args.config
     losses, ref_losses, account = train(cfg, args.steps, args.batch, args.lr, args.seed,
-                                        progress=True)
+                                        progress=True, save=args.save, resume_from=args.resume)
     accounts = comm.allgather_object(account)
     if comm.rank != 0:
         return 0

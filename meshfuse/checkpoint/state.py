@@ -1,0 +1,135 @@
+"""What a checkpoint holds, as one flat dict of names to values, and back into a model.
+
+The names (what torchtitan and DTensor checkpoints use for the weights, so the files load
+into each other's models):
+
+- each parameter and persistent buffer under its name (the module's fully qualified name,
+  or the name ``model.checkpoint_names()`` gives it, e.g. Hugging Face's);
+- ``optimizer.state.NAME.KEY`` per optimizer state entry (AdamW's ``exp_avg`` and
+  ``exp_avg_sq``, laid out as their parameter, and ``step``), ``optimizer.param_groups``;
+- ``rng.RANK``: the rank's torch generators (meshfuse's random ops and dropout draw their
+  seeds from torch's default CPU generator, so it is the whole random state);
+- ``extra``: the caller's objects (the step, the data position).
+
+Every tensor is a :class:`~.chunks.ShardedValue`: a meshfuse module's parameter is placed in
+its global tensor by the schedule of its TensorView (``parameter_tensors()`` of
+``FusionModule`` and ``FullyShardedModule``), a DTensor by its placements, anything else is
+replicated (every rank holds it whole).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from meshfuse.checkpoint.chunks import ShardedValue, boxed, chunks_of, whole
+from meshfuse.errors import CheckpointError
+from meshfuse.sharding import global_shape, shard_indices
+
+OPTIMIZER = "optimizer.state."
+GROUPS = "optimizer.param_groups"
+RNG = "rng."
+EXTRA = "extra"
+RESERVED = ("optimizer.", RNG, EXTRA)
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
+    """The checkpoint's name of each of ``model``'s state-dict entries."""
+    hook = getattr(model, "checkpoint_names", None)
+    named = hook() if callable(hook) else {}
+    return {fqn: named.get(fqn, fqn) for fqn in model.state_dict(keep_vars=True)}
+
+
+def _layouts(model: torch.nn.Module) -> dict[str, object]:
+    """The TensorView laying out each meshfuse module parameter, by its fqn."""
+    found = {}
+    for prefix, module in model.named_modules():
+        tensors = getattr(module, "parameter_tensors", None)
+        if callable(tensors):
+            for name, tv in tensors().items():
+                found[f"{prefix}.{name}" if prefix else name] = tv
+    return found
+
+
+def _dtensor_value(name: str, t: DTensor) -> ShardedValue:
+    if any(p.is_partial() for p in t.placements):
+        raise CheckpointError(f"{name} is a DTensor with a partial placement {t.placements}: "
+                              "reduce it (redistribute to Replicate or Shard) before saving")
+    local = t.detach().to_local()
+    if t.device_mesh.get_coordinate() is None:
+        return ShardedValue(local, tuple(t.shape), ())
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return boxed(local, t.shape, offsets)
+
+
+def tensor_value(name: str, t: torch.Tensor, tv=None) -> ShardedValue:
+    """``t`` (a parameter's local shard under ``tv``'s schedule, a DTensor, or a tensor every
+    rank holds whole) as chunks of its global tensor."""
+    if isinstance(t, DTensor):
+        return _dtensor_value(name, t)
+    if tv is None:
+        return whole(t.detach())
+    shape = global_shape(tv)
+    return ShardedValue(t.detach(), shape, chunks_of(shape, shard_indices(tv, shape)))
+
+
+def model_values(model: torch.nn.Module) -> dict[str, ShardedValue]:
+    """``model``'s parameters and persistent buffers by checkpoint name."""
+    names, layouts = checkpoint_names(model), _layouts(model)
+    return {names[fqn]: tensor_value(fqn, t, layouts.get(fqn))
+            for fqn, t in model.state_dict(keep_vars=True).items()}
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """The checkpoint name of each parameter, by ``id`` of the parameter."""
+    names = checkpoint_names(model)
+    return {id(p): names.get(fqn, fqn) for fqn, p in model.named_parameters()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to_local() if isinstance(t, DTensor) else t.detach()
+
+
+def like_parameter(param: ShardedValue, value):
+    """An optimizer state entry laid out as its parameter where it has the parameter's local
+    shape (moments), else held whole (``step``) or kept as an object."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = _local(value)
+    if local.dim() and local.shape == param.local.shape:
+        return param.with_local(local)
+    return whole(local)
+
+
+def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     params: dict[str, ShardedValue]) -> dict[str, object]:
+    """``optimizer``'s state and hyperparameters by checkpoint name."""
+    ids, values, groups = parameter_names(model), {}, []
+    for group in optimizer.param_groups:
+        missing = [i for i, p in enumerate(group["params"]) if id(p) not in ids]
+        if missing:
+            raise CheckpointError(f"the optimizer holds parameters {missing} of a group that "
+                                  "are not the model's: pass the optimizer of this model")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [ids[id(p)] for p in group["params"]]})
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                name = ids[id(p)]
+                values[f"{OPTIMIZER}{name}.{key}"] = like_parameter(params[name], value)
+    values[GROUPS] = groups
+    return values
+
+
+def rng_state() -> dict[str, object]:
+    """This rank's torch generators (CPU, and every CUDA device's where there are any)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, object]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

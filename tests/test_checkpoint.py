@@ -1,0 +1,378 @@
+"""Checkpoints (meshfuse.checkpoint) on CPU ranks: a stack of MLP blocks trained 5 AdamW
+steps under one layout, saved, and resumed under every layout the world size allows (one
+device, tensor parallel blocks or cyclic, FSDP with uneven shards, FSDP x TP 2x2): the next
+5 steps' losses equal the uninterrupted run bitwise under the same layout, within 1e-6
+relative under another. The bytes each rank writes and reads are those of the shards it
+holds (replicas written once); bad checkpoints raise CheckpointError on every rank with the
+model and optimizer unchanged."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshfuse
+from meshfuse import DeviceMesh, checkpoint
+from meshfuse.autodiff.fsdp_module import FullyShardedModule
+from meshfuse.autodiff.module import FusionModule
+from meshfuse.checkpoint.chunks import chunks_of
+from meshfuse.dtypes import DataType
+from meshfuse.errors import CheckpointError
+from meshfuse.examples.llama import LlamaConfig, LlamaModel
+from meshfuse.examples.llama import init_parameters as llama_parameters
+from meshfuse.examples.mlp_stack import TP_AXIS, MlpStack, block_shapes, init_parameters
+from meshfuse.parallel.fsdp import NamedMesh
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.sharding import shard_tensor
+
+B, E, FFN, LAYERS = 6, 5, 10, 2  # 5 and 10: uneven shards over 3 and 4 ranks
+LR = 1e-2
+FIRST = {1: "one", 2: "tp", 3: "fsdp", 4: "dp2tp2"}  # the layout each world trains first
+
+
+class _Cyclic(MlpStack):
+    """The stack with its tensor-parallel axes split cyclically (inner splits)."""
+
+    def multidevice_schedule(self) -> None:
+        kind, size = self.mesh.parallel_type(self.tp), self.mesh.size(self.tp)
+        for p in self.params:
+            for name, tv in p.items():
+                tv.set_device_mesh(self.mesh.mesh)
+                if name in TP_AXIS:
+                    tv.inner_split(TP_AXIS[name], size)
+                    tv.axis(TP_AXIS[name] + 1).parallelize(kind)
+
+
+def _layouts(world: int) -> list[str]:
+    kinds = ["one", "fsdp"] + (["tp", "cyclic"] if world > 1 else [])
+    return kinds + (["dp2tp2"] if world == 4 else [])
+
+
+def _build(kind: str, world: int, layers: int = LAYERS, dtype=torch.float32, embed: int = E):
+    """A model of ``kind`` and its step function ``step(i) -> loss``."""
+    ranks = DeviceMesh(range(world))
+    mesh = {"tp": NamedMesh(ranks, ("tp",)), "cyclic": NamedMesh(ranks, ("tp",)),
+            "fsdp": NamedMesh(ranks, ("dp",)),
+            "dp2tp2": NamedMesh.parse("dp=2,tp=2", world) if world == 4 else None}.get(kind)
+    tp = "tp" if kind in ("tp", "cyclic", "dp2tp2") else None
+    fd = (_Cyclic if kind == "cyclic" else MlpStack)(
+        B, embed, FFN, layers, mesh, tp, DataType.from_torch(dtype)).define()
+    tvs = fd.parameter_inputs()
+    init = {n: v.to(dtype) for n, v in init_parameters(embed, FFN, layers).items()}
+    if kind in ("fsdp", "dp2tp2"):
+        names = [[f"{k}_{n}" for n in block_shapes(embed, FFN)] for k in range(layers)]
+        model = FullyShardedModule(fd, {n: (tvs[n], init[n]) for n in tvs}, names,
+                                   [fd.x, fd.target], mesh)
+        shard = model.shard_input
+    else:
+        model = FusionModule(fd, {n: (tvs[n], init[n]) for n in tvs})
+
+        def shard(tv, value):
+            return shard_tensor(value, tv)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(i: int) -> float:
+        gen = torch.Generator().manual_seed(100 + i)
+        x, target = (torch.randn(B, embed, generator=gen).to(dtype) for _ in range(2))
+        opt.zero_grad()
+        loss = model(shard(fd.x, x), shard(fd.target, target))
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return model, opt, step
+
+
+def _shared_dir(test) -> str:
+    """A fresh directory, the same on every rank."""
+    path = tempfile.mkdtemp(prefix="meshfuse-ckpt-") if test.rank == 0 else None
+    return test.communicator.allgather_object(path)[0]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@pytest.mark.mpi
+def test_resume_under_every_layout(multidevice_test):
+    world = multidevice_test.size
+    model, opt, step = _build(FIRST[world], world)
+    for i in range(5):
+        step(i)
+    path = _shared_dir(multidevice_test)
+    with record_communications() as log:
+        checkpoint.save(path, model, opt, extra={"step": 5, "data": {"position": 5}})
+    assert not list(log)  # nothing gathered: each rank writes its own shards
+    drawn = torch.rand(4)  # what torch's generator gives next (dropout seeds come from it)
+    uninterrupted = [step(i) for i in range(5, 10)]
+    for kind in _layouts(world):
+        other, other_opt, other_step = _build(kind, world)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.fill_(0.5)  # not the saved values
+        result = checkpoint.load(path, other, other_opt)
+        assert result.extra == {"step": 5, "data": {"position": 5}}
+        assert torch.equal(torch.rand(4), drawn)  # the random state is the saved one
+        if kind == FIRST[world]:
+            resumed = [other_step(i) for i in range(5, 10)]
+            assert resumed == uninterrupted, kind  # bitwise
+        else:  # 3 steps under each other layout, to keep the test short
+            resumed = [other_step(i) for i in range(5, 8)]
+            torch.testing.assert_close(resumed, uninterrupted[:3], rtol=1e-6, atol=0,
+                                       msg=kind)
+
+
+def _held(model, opt) -> int:
+    """The tensor bytes of this rank's shards of the model and the optimizer."""
+    state = checkpoint.state_dict(model, opt)
+    return sum(v.nbytes for v in state.values() if isinstance(v, checkpoint.ShardedValue))
+
+
+def _global_bytes(model, opt) -> int:
+    state = checkpoint.state_dict(model, opt)
+    return sum(int(torch.Size(v.shape).numel()) * v.local.element_size()
+               for v in state.values() if isinstance(v, checkpoint.ShardedValue))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["tp", "fsdp"])
+def test_bytes_written_and_read_are_the_shards_held(multidevice_test, kind):
+    world = multidevice_test.size
+    if kind == "tp" and world == 1:
+        pytest.skip("tensor parallel needs 2 ranks")
+    model, opt, step = _build(kind, world)
+    step(0)
+    path = _shared_dir(multidevice_test)
+    written = checkpoint.save(path, model, opt).bytes_written
+    everyone = multidevice_test.communicator.allgather_object(written)
+    assert sum(everyone) == _global_bytes(model, opt)  # every element once, replicas too
+    held = _held(model, opt)
+    if kind == "fsdp":  # all sharded but AdamW's scalar steps (4 bytes each, written once)
+        assert abs(written - held) <= 4 * len(list(model.parameters()))
+    read = checkpoint.load(path, model, opt)
+    assert read.bytes_read == read.bytes_needed == held
+    first, second = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
+    pending = checkpoint.async_save(first, model, opt)
+    with torch.no_grad():  # training goes on: the save holds host copies
+        for p in model.parameters():
+            p.add_(1.0)
+    again = checkpoint.async_save(second, model, opt, previous=pending)
+    assert again.buffers is pending.buffers and again.result().bytes_written == written
+    params = [p.detach().clone() for p in model.parameters()]
+    checkpoint.load(first, model, opt)  # the values before the additions
+    for p, later in zip(model.parameters(), params):
+        assert torch.equal(p + 1.0, later)
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+
+
+def _unchanged(model, opt, snapshot) -> None:
+    params, states = snapshot
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+    for p, state in zip(model.parameters(), states):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
+@pytest.mark.mpi
+def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(multidevice_test):
+    world = multidevice_test.size
+    kind = "tp" if world > 1 else "one"
+    model, opt, step = _build(kind, world)
+    step(0)
+    path = _shared_dir(multidevice_test)
+    checkpoint.save(path, model, opt)
+    target, target_opt, target_step = _build(kind, world)
+    target_step(0)
+    before = _snapshot(target, target_opt)
+    cases = [
+        (_build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
+        (_build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
+        (_build(kind, world, embed=E + 1)[:2],
+         "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
+        (_build(kind, world, dtype=torch.float64)[:2],
+         "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
+    ]
+    for (m, o), message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.load(path, m, o)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        checkpoint.load(os.path.join(path, "nowhere"), target, target_opt)
+    _barrier()
+    if multidevice_test.rank == 0:  # truncate the data rank 0 wrote
+        data = os.path.join(path, "__0_0.distcp")
+        os.truncate(data, os.path.getsize(data) // 2)
+    _barrier()
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        checkpoint.load(path, target, target_opt)
+    _unchanged(target, target_opt, before)
+    _barrier()
+    if multidevice_test.rank == 0:
+        with open(os.path.join(path, ".metadata"), "r+b") as f:
+            f.truncate(40)
+    _barrier()
+    with pytest.raises(CheckpointError, match="metadata of checkpoint .* cannot be read"):
+        checkpoint.load(path, target, target_opt)
+    _unchanged(target, target_opt, before)
+
+
+class _TorchStack(torch.nn.Module):
+    """The stack's parameters as a plain module, named as the checkpoint names them."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, value in values.items():
+            self.register_parameter(name, torch.nn.Parameter(value.clone()))
+
+
+def _global(path: str, world: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights, read whole by every rank (the one-device layout)."""
+    model, _, _ = _build("one", world)
+    checkpoint.load(path, model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.mpi
+def test_loads_into_dtensor_modules_and_back(multidevice_test):
+    """meshfuse -> ``fully_shard`` (FSDP2) and a module of DTensors laid out as
+    ``parallelize_module`` lays them (column/row parallel), and back, values equal."""
+
+    world = multidevice_test.size
+    model, opt, step = _build(FIRST[world], world)
+    step(0)
+    path = _shared_dir(multidevice_test)
+    checkpoint.save(path, model, opt)
+    saved = _global(path, world)
+    tmesh = init_device_mesh("cpu", (world,))
+    fsdp = _TorchStack({n: torch.zeros_like(v) for n, v in saved.items()})
+    fully_shard(fsdp, mesh=tmesh)
+    dcp_load(fsdp.state_dict(), checkpoint_id=path)
+    for name, p in fsdp.named_parameters():
+        assert torch.equal(p.full_tensor(), saved[name]), name
+    tp = _TorchStack({n: 2 * v for n, v in saved.items()})
+    for name, p in tp.named_parameters():
+        axis = TP_AXIS.get(name.split("_", 1)[1])
+        placement = Replicate() if axis is None else Shard(axis)
+        setattr(tp, name, torch.nn.Parameter(distribute_tensor(p.detach(), tmesh, [placement])))
+    other = _shared_dir(multidevice_test)
+    dcp_save(tp.state_dict(), checkpoint_id=other)
+    checkpoint.load(other, model)
+    for name, tv in model.parameter_tensors().items():
+        expected = shard_tensor(2 * saved[name], tv)
+        assert torch.equal(getattr(model, name).detach(), expected), name
+
+
+@pytest.mark.mpi
+def test_hugging_face_export_and_import(multidevice_test):
+    """The Llama example (tensor parallel over every rank) exported as safetensors with
+    ``LlamaForCausalLM``'s names loads into transformers' model; imported into a model of
+    other values, every shard is the export's."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file  # installed with transformers
+
+
+    world = multidevice_test.size
+    cfg = LlamaConfig(vocab=98, hidden=48, heads=6, kv_heads=2, ffn=96, seq=12) if world == 3 \
+        else LlamaConfig(vocab=98, hidden=32, heads=4, kv_heads=2, ffn=64, seq=16)
+    params = llama_parameters(cfg, seed=1)
+    mesh = DeviceMesh(range(world))
+    model = LlamaModel(cfg, 2, params, mesh)
+    path = _shared_dir(multidevice_test)
+    checkpoint.export_hf(path, model)
+    exported = load_file(os.path.join(path, "model.safetensors"))
+    assert exported.keys() == params.keys()
+    assert all(torch.equal(exported[n], params[n]) for n in params)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, tie_word_embeddings=False))
+    hf.load_state_dict(exported, strict=True)
+    fresh = LlamaModel(cfg, 2, llama_parameters(cfg, seed=2), mesh)
+    checkpoint.import_hf(path, fresh)
+    for (name, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(CheckpointError, match="lacks 2 of the model's tensors"):
+        _barrier()
+        if multidevice_test.rank == 0:
+            save_file({n: v for n, v in exported.items() if "layers.1.mlp.up" not in n
+                       and "layers.0.mlp.up" not in n},
+                      os.path.join(path, "model.safetensors"))
+        _barrier()
+        checkpoint.import_hf(path, fresh)
+
+
+class _TorchMlp(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = torch.nn.Linear(E, FFN)
+        self.down = torch.nn.Linear(FFN, E)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))).pow(2).mean()
+
+
+@pytest.mark.mpi
+def test_a_parallelized_pytorch_module_resumes_and_exports(multidevice_test):
+    """``meshfuse.parallelize``'s DTensor parameters and AdamW's DTensor moments: saved,
+    loaded into the module built from other values, the next step's loss bitwise equal;
+    exported with the module's own names."""
+    from safetensors.torch import load_file  # installed with transformers
+
+    world = multidevice_test.size
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    x = torch.randn(B, E, generator=torch.Generator().manual_seed(3))
+
+    def build(seed: int):
+        model = meshfuse.parallelize(_TorchMlp(seed), DeviceMesh(range(world)), plan)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(model, opt) -> float:
+        opt.zero_grad()
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    model, opt = build(0)
+    step(model, opt)
+    path = _shared_dir(multidevice_test)
+    checkpoint.save(path, model, opt)
+    checkpoint.export_hf(path, model)
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    expected = step(model, opt)
+    other, other_opt = build(1)
+    checkpoint.load(path, other, other_opt)
+    assert step(other, other_opt) == expected
+    exported = load_file(os.path.join(path, "model.safetensors"))
+    assert sorted(exported) == sorted(saved)  # the module's names: up.weight, down.bias...
+    assert all(torch.equal(exported[n], saved[n]) for n in saved)
+
+
+def test_a_shard_is_cut_into_the_boxes_of_its_index_runs():
+    """Block: one box; cyclic: a box per run; several axes: the product; none: no box."""
+    block = chunks_of((6, 4), [torch.arange(2, 4), None])
+    assert [(c.offsets, c.sizes, c.start) for c in block] == [((2, 0), (2, 4), (0, 0))]
+    cyclic = chunks_of((8, 3), [torch.tensor([1, 2, 5, 6]),
+                                                   torch.tensor([0, 2])])
+    assert [(c.offsets, c.sizes, c.start) for c in cyclic] == [
+        ((1, 0), (2, 1), (0, 0)), ((1, 2), (2, 1), (0, 1)),
+        ((5, 0), (2, 1), (2, 0)), ((5, 2), (2, 1), (2, 1))]
+    assert chunks_of((4,), None) == ()
+    local = torch.arange(8.0).reshape(4, 2)
+    value = checkpoint.ShardedValue(local, (8, 3), cyclic)
+    assert torch.equal(value.piece((5, 2)), local[2:4, 1:2])
+    assert value.nbytes == 8 * 4
