@@ -33,7 +33,16 @@ from meshfuse.ops.shape_rules import require_tensor
 SCORES = ("softmax", "sigmoid")
 
 
-def _check(op: str, logits, bias, top_k, score, groups, top_groups) -> None:
+def _check_weighting(op: str, score, normalize, scale) -> None:
+    if score not in SCORES:
+        raise DefinitionError(f"{op}: score {score!r} is not one of {SCORES}")
+    if not isinstance(normalize, bool):
+        raise DefinitionError(f"{op}: normalize must be True or False, got {normalize!r}")
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
+        raise DefinitionError(f"{op}: scale must be a number, got {scale!r}")
+
+
+def _check(op: str, logits, bias, top_k, groups, top_groups) -> None:
     logits = require_tensor(op, "logits", logits)
     if logits.ndim != 2 or not logits.dtype.is_floating:
         raise DefinitionError(f"{op}: logits must be floating [T, E], got {logits.ndim} axes "
@@ -42,10 +51,11 @@ def _check(op: str, logits, bias, top_k, score, groups, top_groups) -> None:
     if bias is not None and (require_tensor(op, "bias", bias).ndim != 1 or
                              None not in (bias.shape[0], e) and bias.shape[0] != e):
         raise DefinitionError(f"{op}: bias must be [E] = [{e}], got {list(bias.shape)}")
-    if score not in SCORES:
-        raise DefinitionError(f"{op}: score {score!r} is not one of {SCORES}")
     if not isinstance(top_k, int) or top_k < 1 or e is not None and top_k > e:
         raise DefinitionError(f"{op}: top_k must be an int in [1, {e}], got {top_k!r}")
+    for name, value in (("groups", groups), ("top_groups", top_groups)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise DefinitionError(f"{op}: {name} must be an int or None, got {value!r}")
     if groups is not None:
         if e is not None and (e % groups or e // groups < 2):
             raise DefinitionError(
@@ -56,7 +66,8 @@ def _check(op: str, logits, bias, top_k, score, groups, top_groups) -> None:
 
 
 def _route_infer(logits, bias, top_k, score, normalize, scale, groups, top_groups):
-    _check("moe_route", logits, bias, top_k, score, groups, top_groups)
+    _check("moe_route", logits, bias, top_k, groups, top_groups)
+    _check_weighting("moe_route", score, normalize, scale)
     slots = (AxisSpec(logits.shape[0], logits.iter_types[0], ((0, 0),)), AxisSpec(top_k))
     return [OutSpec(logits.dtype, slots), OutSpec(DataType.Int, slots)]
 
@@ -110,8 +121,9 @@ register(OpDef(
 
 
 def _route_bwd_infer(grad, logits, indices, score, normalize, scale):
-    require_tensor("moe_route_bwd", "grad", grad)
-    require_tensor("moe_route_bwd", "indices", indices)
+    for name, m in (("grad", grad), ("logits", logits), ("indices", indices)):
+        require_tensor("moe_route_bwd", name, m)
+    _check_weighting("moe_route_bwd", score, normalize, scale)
     rows = ((1, 0), (0, 0), (2, 0))
     return [OutSpec(logits.dtype, (AxisSpec(logits.shape[0], logits.iter_types[0], rows),
                                    AxisSpec(logits.shape[1], logits.iter_types[1], ((1, 1),)),
