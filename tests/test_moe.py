@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from mesh_helpers import mesh_1d
+from mesh_helpers import mesh_1d, mesh_2x2
 
 from meshfuse import FusionDefinition, ParallelType, shard_tensor
 from meshfuse.examples.moe import (
@@ -43,23 +43,24 @@ def _reference(params, x, cfg, dy, bias=None):
     return y.detach(), counts, {n: t.grad for n, t in leaves.items()}
 
 
-def _run(multidevice_test, cfg, tokens, x=None, tp=None, mesh=None):
-    """The block on this test's ranks against the reference: returns the communications
-    of the forward and the backward."""
+def _run(multidevice_test, cfg, tokens, x=None, tp=None, mesh=None, bias=None):
+    """The block on this test's ranks against the reference (``bias``: the routing bias
+    of a ``biased`` block): returns the communications of the forward and the backward."""
     rank = multidevice_test.rank
     mesh = mesh if mesh is not None else mesh_1d(multidevice_test)
     fd, tv, y_tv, counts_tv = _block(cfg, tokens, mesh, tp)
     params = init_params(cfg)
     x = _tokens(tokens, cfg.dim) if x is None else x
     dy = _tokens(tokens, cfg.dim, seed=2)
-    y_ref, counts_ref, grads = _reference(params, x, cfg, dy)
+    y_ref, counts_ref, grads = _reference(params, x, cfg, dy, bias)
     names = ["x", *PARAMS]
     glob = {"x": x, **params}
     local = [shard_tensor(glob[n], tv[n], rank).to(current_device()).requires_grad_()
              for n in names]
+    extra = [] if bias is None else [shard_tensor(bias, tv["bias"], rank).to(current_device())]
     f = fd.as_autograd_function()
     with record_communications() as forward:
-        y, counts = f(local)
+        y, counts = f(local + extra)
     torch.testing.assert_close(y.detach().cpu(), shard_tensor(y_ref, y_tv, rank), **TOL)
     torch.testing.assert_close(counts.cpu(), shard_tensor(counts_ref, counts_tv, rank))
     with record_communications() as backward:
@@ -86,19 +87,22 @@ def _off_rank_slots(indices, experts, size, rank):
     return sent, received
 
 
-def _assert_exchanges(forward, backward, indices, cfg, multidevice_test):
-    """One split-size exchange and two ragged all-to-alls each way; their bytes are the
-    token rows that leave this rank (float64): the forward's dispatch and combine carry
-    ``dim`` values a row, the backward's ``2 dim + 1`` (the row, its cotangent and its
-    weight) out and ``dim + 1`` back (its gradient and its weight's)."""
-    size, rank = multidevice_test.size, multidevice_test.rank
+def _assert_exchanges(forward, backward, indices, cfg, size, coordinate,
+                      dp=None, tp=None):
+    """One split-size exchange and two ragged all-to-alls each way over the expert group
+    (``size`` ranks, this one at ``coordinate``); their bytes are the token rows that leave
+    this rank (float64): the forward's dispatch and combine carry ``dim`` values a row, the
+    backward's ``2 dim + 1`` (the row, its cotangent and its weight) out and ``dim + 1`` back
+    (its gradient and its weight's). Besides: ``dp`` in the backward (default: one
+    allreduce of the router's and the shared expert's gradients when the tokens are split),
+    ``tp`` each way (expert tensor parallelism's partial sums)."""
     ep = Counter({"split_sizes": 1, "ragged_all_to_all": 2}) if size > 1 else Counter()
-    assert _kinds(forward) == ep
-    dp = Counter({"allreduce": 1}) if size > 1 else Counter()  # router and shared expert
-    assert _kinds(backward) == ep + dp
+    tp = (Counter(), Counter()) if tp is None else tp
+    dp = (Counter({"allreduce": 1}) if size > 1 else Counter()) if dp is None else dp
+    assert _kinds(forward) == ep + tp[0] and _kinds(backward) == ep + dp + tp[1]
     if size == 1:
         return
-    sent, received = _off_rank_slots(indices, cfg.experts, size, rank)
+    sent, received = _off_rank_slots(indices, cfg.experts, size, coordinate)
     h = cfg.dim
     moved = [c.bytes for c in forward + backward if c.kind == "ragged_all_to_all"]
     assert moved == [8 * sent * h, 8 * received * h, 8 * sent * (2 * h + 1),
@@ -107,8 +111,8 @@ def _assert_exchanges(forward, backward, indices, cfg, multidevice_test):
     assert split_sizes == [8 * size * -(-cfg.experts // size)] * 2
 
 
-def _indices(cfg, x):
-    return route_torch(x, init_params(cfg)["gate"], cfg)[1]
+def _indices(cfg, x, bias=None):
+    return route_torch(x, init_params(cfg)["gate"], cfg, bias)[1]
 
 
 def _tokens(n, dim, seed=1):
@@ -124,4 +128,37 @@ def test_expert_parallel_block_equals_torch(multidevice_test, experts):
     cfg = MoEConfig(experts=experts, top_k=2)
     x = _tokens(13, cfg.dim)
     forward, backward = _run(multidevice_test, cfg, 13, x)
-    _assert_exchanges(forward, backward, _indices(cfg, x), cfg, multidevice_test)
+    _assert_exchanges(forward, backward, _indices(cfg, x), cfg, multidevice_test.size,
+                      multidevice_test.rank)
+
+
+@pytest.mark.mpi
+def test_routing_to_the_first_experts_leaves_ranks_empty(multidevice_test):
+    """A routing bias sends every token to experts 0 and 1 (both on rank 0 at any size):
+    the other ranks' experts compute nothing, their gradients are zero, and rank 0 sends
+    nothing to the others (DeepSeek-V3's sigmoid scores, groups of experts, the bias steering
+    the choice only)."""
+    cfg = MoEConfig(experts=8, top_k=2, groups=4, top_groups=2, biased=True)
+    bias = torch.zeros(8, dtype=torch.float64)
+    bias[:2] = 10.0
+    x = _tokens(11, cfg.dim)
+    indices = _indices(cfg, x, bias)
+    assert set(indices.reshape(-1).tolist()) == {0, 1}
+    forward, backward = _run(multidevice_test, cfg, 11, x, bias=bias)
+    _assert_exchanges(forward, backward, indices, cfg, multidevice_test.size,
+                      multidevice_test.rank)
+
+
+@pytest.mark.mpi
+def test_expert_and_tensor_parallel_block_equals_torch(multidevice_test):
+    """2x2 mesh: experts and tokens over mesh_y, the experts' ffn over mesh_x (expert
+    tensor parallelism): each ffn shard's routed output is a partial sum, reduced once."""
+    mesh = mesh_2x2(multidevice_test)
+    cfg = MoEConfig(experts=6, top_k=3, ffn=8)
+    x = _tokens(10, cfg.dim)
+    forward, backward = _run(multidevice_test, cfg, 10, x, tp=ParallelType.mesh_x, mesh=mesh)
+    # forward: the routed output; backward: x's and the routing weights' gradients
+    tp = (Counter({"allreduce": 1}), Counter({"allreduce": 2}))
+    _assert_exchanges(forward, backward, _indices(cfg, x), cfg, 2, multidevice_test.rank // 2,
+                      tp=tp)
+    assert {c.mesh_axis for c in forward + backward if c.kind != "allreduce"} == {0}
