@@ -60,7 +60,9 @@ def init_params(cfg: MoEConfig, dtype=torch.float64, seed: int = 0) -> dict[str,
 
 
 def _swiglu(o, x, w1, w2, w3):
-    return o.linear(o.mul(o.silu(o.linear(x, w1)), o.linear(x, w3)), w2)
+    """``(silu(x w1^T) * x w3^T) w2^T`` (the product back in ``x``'s dtype: half-precision
+    pointwise ops compute in float32)."""
+    return o.linear(o.cast(o.mul(o.silu(o.linear(x, w1)), o.linear(x, w3)), x.dtype), w2)
 
 
 def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType.Double):
@@ -74,7 +76,10 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
     if cfg.biased:
         tv["bias"] = fd.define_tensor([cfg.experts], dtype=dtype)
     x = tv["x"]
-    weights, indices = o.moe_route(o.linear(x, tv["gate"]), tv.get("bias"), **cfg.routing())
+    logits = o.linear(x, tv["gate"])
+    if dtype in (DataType.BFloat16, DataType.Half):  # routing in float32, as torch users do
+        logits = o.cast(logits, DataType.Float)
+    weights, indices = o.moe_route(logits, tv.get("bias"), **cfg.routing())
     routed, counts = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"])
     y = o.add(routed, _swiglu(o, x, tv["shared_w1"], tv["shared_w2"], tv["shared_w3"]))
     fd.add_output(y)
