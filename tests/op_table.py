@@ -667,14 +667,17 @@ def _route_bwd_ref(grad, logits):
         return torch.autograd.grad(w, x, grad)[0]
 
 
-def _experts_ref(x, idx, weights, w1, w2, w3):
-    y = torch.zeros_like(x)
+def _experts_ref(x, idx, weights, w1, w2, w3, capacity=None):
+    y, rows = torch.zeros_like(x), torch.zeros(w1.shape[0])
     for t in range(x.shape[0]):
         for s in range(idx.shape[1]):
             e = idx[t, s]
+            if capacity is not None and rows[e] >= capacity:
+                continue  # the expert is full: the slot is dropped
+            rows[e] += 1
             h = F.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
             y[t] += weights[t, s] * (w2[e] @ h)
-    return y, torch.bincount(idx.reshape(-1), minlength=w1.shape[0]).float()
+    return y, rows
 
 
 def _experts_bwd_ref(grad, *args):
@@ -699,8 +702,10 @@ MOE_TOKEN_COUNTS = OpInfo("moe_token_counts", (
     Sample((_index((6, 2), 4), 5), lambda i, e: torch.bincount(i.reshape(-1), minlength=e)
            .float(), name="empty-expert"),
 ), (torch.float32,))
-MOE_EXPERTS = OpInfo("moe_experts", (Sample(_EXPERTS, _experts_ref, name="4-experts"),),
-                     (torch.float32,))
+MOE_EXPERTS = OpInfo("moe_experts", (
+    Sample(_EXPERTS, _experts_ref, name="4-experts"),
+    Sample((*_EXPERTS, 2), _experts_ref, name="capacity-2"),
+), (torch.float32,))
 MOE_EXPERTS_BWD = OpInfo("moe_experts_bwd", (
     Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="4-experts"),), (torch.float32,))
 

@@ -162,3 +162,18 @@ def test_expert_and_tensor_parallel_block_equals_torch(multidevice_test):
     _assert_exchanges(forward, backward, _indices(cfg, x), cfg, 2, multidevice_test.rank // 2,
                       tp=tp)
     assert {c.mesh_axis for c in forward + backward if c.kind != "allreduce"} == {0}
+
+
+@pytest.mark.mpi
+def test_capacity_drops_the_last_tokens_of_full_experts(multidevice_test):
+    """Capacity factor 0.5: an expert computes at most its first ceil(0.5 * 14 * 2 / 4) = 4
+    rows by token order (the block's tokens are split in order, so a rank's received rows
+    come after those of the ranks before it); the dropped rows add nothing and get no
+    gradient. The exchanges are those of the dropless block (every row still travels)."""
+    cfg = MoEConfig(experts=4, top_k=2, capacity_factor=0.5)
+    x = _tokens(14, cfg.dim)
+    indices = _indices(cfg, x)
+    assert torch.bincount(indices.reshape(-1)).max() > cfg.capacity(14) == 4  # drops
+    forward, backward = _run(multidevice_test, cfg, 14, x)
+    _assert_exchanges(forward, backward, indices, cfg, multidevice_test.size,
+                      multidevice_test.rank)

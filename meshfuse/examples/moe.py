@@ -16,6 +16,7 @@ weighted sum of the routed experts plus the shared one.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ class MoEConfig:
     groups: int | None = None
     top_groups: int | None = None
     biased: bool = False  # a routing bias input (DeepSeek-V3's auxiliary-loss-free balancing)
+    capacity_factor: float | None = None  # None: dropless
+
+    def capacity(self, tokens: int) -> int | None:
+        """Rows an expert computes at most: ``ceil(factor * tokens * top_k / experts)``."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         e, f, h, s = self.experts, self.ffn, self.dim, self.shared_ffn
@@ -80,7 +88,8 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
     if dtype in (DataType.BFloat16, DataType.Half):  # routing in float32, as torch users do
         logits = o.cast(logits, DataType.Float)
     weights, indices = o.moe_route(logits, tv.get("bias"), **cfg.routing())
-    routed, counts = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"])
+    routed, counts = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"],
+                                   cfg.capacity(tokens))
     y = o.add(routed, _swiglu(o, x, tv["shared_w1"], tv["shared_w2"], tv["shared_w3"]))
     fd.add_output(y)
     fd.add_output(counts)
@@ -115,13 +124,17 @@ def route_torch(x, gate, cfg: MoEConfig, bias=None):
 
 
 def moe_block_torch(params: dict, x: torch.Tensor, cfg: MoEConfig, bias=None):
-    """The block on whole tensors: ``(y, counts)``."""
+    """The block on whole tensors: ``(y, rows each expert computed)``; with a capacity, an
+    expert computes its first rows by token order only."""
     weights, indices, _ = route_torch(x, params["gate"], cfg, bias)
     y = torch.zeros_like(x)
+    capacity = cfg.capacity(x.shape[0])
+    computed = torch.zeros(cfg.experts)
     for e in range(cfg.experts):
-        token, slot = torch.nonzero(indices == e, as_tuple=True)
+        token, slot = torch.nonzero(indices == e, as_tuple=True)  # in token order
+        token, slot = token[:capacity], slot[:capacity]
+        computed[e] = len(token)
         h = F.silu(x[token] @ params["w1"][e].t()) * (x[token] @ params["w3"][e].t())
         y = y.index_add(0, token, (h @ params["w2"][e].t()) * weights[token, slot, None])
     shared = F.silu(F.linear(x, params["shared_w1"])) * F.linear(x, params["shared_w3"])
-    counts = torch.bincount(indices.reshape(-1), minlength=cfg.experts).float()
-    return y + F.linear(shared, params["shared_w2"]), counts
+    return y + F.linear(shared, params["shared_w2"]), computed

@@ -2,8 +2,10 @@
 layer, each token's top-k slots computed by their experts and summed with their weights.
 
 Arguments: tokens ``x [T, H]``, the routing ``indices [T, K]`` (int) and ``weights [T, K]``
-(:mod:`meshfuse.ops.moe.routing`), and the expert weights ``w1``, ``w3`` ``[E, F, H]``,
-``w2`` ``[E, H, F]``. Outputs: ``[T, H]`` and the rows each expert computed, ``[E]``.
+(:mod:`meshfuse.ops.moe.routing`), the expert weights ``w1``, ``w3`` ``[E, F, H]``, ``w2``
+``[E, H, F]``, and ``capacity``: None (dropless, the default) or the rows an expert computes
+at most, its first by token order (the others are dropped: they add nothing to their token).
+Outputs: ``[T, H]`` and the rows each expert computed, ``[E]``.
 
 Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
@@ -27,7 +29,7 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.layout import device_ids
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.moe import kernels
-from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, Vjp, register, tensor
+from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, Vjp, attr, register, tensor
 from meshfuse.ops.shape_rules import require_tensor
 
 _WEIGHTS = ("w1", "w2", "w3")
@@ -59,8 +61,16 @@ def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
     return t, k, h, e, f
 
 
-def _experts_infer(x, indices, weights, w1, w2, w3):
+def _check_capacity(op: str, capacity) -> None:
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)
+                                 or capacity < 0):
+        raise DefinitionError(f"{op}: capacity must be None (dropless) or the rows an expert "
+                              f"computes at most, an int >= 0; got {capacity!r}")
+
+
+def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
     t, _, h, e, f = _check("moe_experts", x, indices, weights, w1, w2, w3)
+    _check_capacity("moe_experts", capacity)
     tokens = ((0, 0), (1, 0), (2, 0))
     out = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((0, 1),)),
            AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
@@ -69,8 +79,9 @@ def _experts_infer(x, indices, weights, w1, w2, w3):
     return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts)]
 
 
-def _experts(x, indices, weights, w1, w2, w3):
-    return kernels.experts_forward(x, indices, weights, w1, w2, w3, w1.shape[0])
+def _experts(x, indices, weights, w1, w2, w3, capacity):
+    return kernels.experts_forward(x, indices, weights, w1, w2, w3, w1.shape[0],
+                                   capacity=capacity)
 
 
 def _args(expr) -> dict:
@@ -150,7 +161,8 @@ def _experts_grads(d, grads):
             return None
         if not computed:
             computed.extend(d.ops.moe_experts_bwd(
-                grads[0], *(d.value(n) for n in ("x", "indices", "weights", *_WEIGHTS))))
+                grads[0], *(d.value(n) for n in ("x", "indices", "weights", *_WEIGHTS)),
+                d.attrs["capacity"]))
         return computed[index]
 
     return {name: (lambda i=i: gradient(i))
@@ -158,7 +170,8 @@ def _experts_grads(d, grads):
 
 
 EXPERT_OPS = ("moe_experts", "moe_experts_bwd")
-_PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS))
+_PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS),
+           attr("capacity", None))
 
 register(OpDef(
     "moe_experts", _PARAMS, _experts_infer, _experts,
@@ -172,8 +185,9 @@ register(OpDef(
 ))
 
 
-def _bwd_infer(grad, x, indices, weights, w1, w2, w3):
+def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity):
     t, k, h, e, f = _check("moe_experts_bwd", x, indices, weights, w1, w2, w3)
+    _check_capacity("moe_experts_bwd", capacity)
     require_tensor("moe_experts_bwd", "grad", grad)
     if grad.ndim != 2 or any(None not in (a, b) and a != b for a, b in zip(grad.shape, (t, h))):
         raise DefinitionError(f"moe_experts_bwd: grad must be [T, H] = [{t}, {h}], got "
@@ -194,8 +208,9 @@ def _bwd_infer(grad, x, indices, weights, w1, w2, w3):
             OutSpec(x.dtype, (experts, ffn, hidden, rt))]
 
 
-def _experts_bwd(grad, x, indices, weights, w1, w2, w3):
-    return kernels.experts_backward(grad, x, indices, weights, w1, w2, w3, w1.shape[0])
+def _experts_bwd(grad, x, indices, weights, w1, w2, w3, capacity):
+    return kernels.experts_backward(grad, x, indices, weights, w1, w2, w3, w1.shape[0],
+                                    capacity=capacity)
 
 
 register(OpDef(

@@ -105,37 +105,74 @@ def _ungrouped(rows: torch.Tensor, route: Route) -> torch.Tensor:
     return out
 
 
-def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL):
+def within_capacity(counts: torch.Tensor, capacity: int | None) -> torch.Tensor | None:
+    """For rows grouped by expert (``counts`` each, in token order), whether each is among
+    its expert's first ``capacity`` (None: no capacity, every row is kept)."""
+    if capacity is None:
+        return None
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(int(counts.sum()), device=counts.device) - \
+        torch.repeat_interleave(starts, counts)
+    return position < capacity
+
+
+def _kept(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return rows if keep is None else rows[keep]
+
+
+def _restored(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Rows of the kept positions back among all, zeros at the dropped ones."""
+    if keep is None:
+        return rows
+    out = rows.new_zeros(keep.shape[0], *rows.shape[1:])
+    out[keep] = rows
+    return out
+
+
+def _computed_counts(route: Route, capacity: int | None) -> torch.Tensor:
+    counts = route.expert_counts
+    return counts if capacity is None else counts.clamp(max=capacity)
+
+
+def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
+                    capacity: int | None = None):
     """The routed experts' output ``[T, H]`` (each token's slots weighted by ``weights
-    [T, K]`` and summed) and the rows each local expert computed (``[E_local]``, float32)."""
+    [T, K]`` and summed) and the rows each local expert computed (``[E_local]``, float32).
+    With ``capacity``, an expert computes only its first ``capacity`` rows by token order
+    (the others are dropped: they add nothing)."""
     order, tokens, counts = slot_order(indices, num_experts)
     route = exchange.plan(counts)
-    received = _grouped(exchange.dispatch(x[tokens], route), route)
-    y = _ungrouped(swiglu_experts(received, w1, w2, w3, route.expert_counts), route)
+    keep = within_capacity(route.expert_counts, capacity)
+    computed = _computed_counts(route, capacity)
+    received = _kept(_grouped(exchange.dispatch(x[tokens], route), route), keep)
+    y = _ungrouped(_restored(swiglu_experts(received, w1, w2, w3, computed), keep), route)
     rows = exchange.combine(y, route)
     scale = weights.reshape(-1)[order].unsqueeze(1).to(rows.dtype)
     out = x.new_zeros(x.shape).index_add_(0, tokens, rows * scale)
-    return out, route.expert_counts.to(torch.float32)
+    return out, computed.to(torch.float32)
 
 
-def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL):
+def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
+                     capacity: int | None = None):
     """The gradients ``(x, weights, w1, w2, w3)`` of :func:`experts_forward`'s output given
     its cotangent ``grad [T, H]``: the token rows travel once more with their cotangents
     (the transposed combine) and their gradients come back (the transposed dispatch); the
-    experts are recomputed where they live."""
+    experts are recomputed where they live. Dropped rows get zero gradients."""
     h = x.shape[1]
     order, tokens, counts = slot_order(indices, num_experts)
     route = exchange.plan(counts)
+    keep = within_capacity(route.expert_counts, capacity)
     scale = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
     sent = torch.cat([x[tokens], grad[tokens].to(x.dtype), scale], 1)
-    received = _grouped(exchange.dispatch(sent, route), route)
+    received = _kept(_grouped(exchange.dispatch(sent, route), route), keep)
     xr, gr, sr = received[:, :h], received[:, h:2 * h], received[:, 2 * h:]
     params = [t.detach().requires_grad_() for t in (xr, w1, w2, w3)]
     with torch.enable_grad():
-        y = swiglu_experts(*params, route.expert_counts)
+        y = swiglu_experts(*params, _computed_counts(route, capacity))
         grads = _grads(y, params, gr * sr)
     grad_scale = (gr * y.detach()).sum(1, keepdim=True)
-    back = exchange.combine(_ungrouped(torch.cat([grads[0], grad_scale], 1), route), route)
+    back = _ungrouped(_restored(torch.cat([grads[0], grad_scale], 1), keep), route)
+    back = exchange.combine(back, route)
     grad_x = x.new_zeros(x.shape).index_add_(0, tokens, back[:, :h])
     grad_weights = weights.new_empty(weights.numel())
     grad_weights[order] = back[:, h].to(weights.dtype)

@@ -27,12 +27,12 @@ def lower_experts(expr, group_of):
         return None
     exchange = ExpertExchange(group, w1.logical[0].extent)
     if expr.op.name == "moe_experts":
-        def forward(x, indices, weights, w1, w2, w3):
+        def forward(x, indices, weights, w1, w2, w3, capacity):
             return experts_forward(x, indices, weights, w1, w2, w3, exchange.num_experts,
-                                   exchange)
+                                   exchange, capacity)
         return forward
 
-    def backward(grad, x, indices, weights, w1, w2, w3):
+    def backward(grad, x, indices, weights, w1, w2, w3, capacity):
         return experts_backward(grad, x, indices, weights, w1, w2, w3, exchange.num_experts,
-                                exchange)
+                                exchange, capacity)
     return backward
