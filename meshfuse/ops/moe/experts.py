@@ -113,6 +113,8 @@ def whole_axes(expr) -> set:
         whole.add(args["grad"].logical[1])
     if expert_parallel(expr) is None:
         whole |= {args[n].logical[0] for n in _WEIGHTS}
+        if args["capacity"] is not None:  # a capacity counts rows in global token order
+            whole |= {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
     return whole
 
 
@@ -122,6 +124,11 @@ def check_sharding(expr) -> None:
     if pt is None:
         return
     args = _args(expr)
+    x = args["x"]
+    if args["capacity"] is not None and not _block_split(x):
+        raise ShardingError(
+            f"{expr.op.name}: with a capacity, the tokens of {x.name} (axis 0) must be split "
+            "in blocks (an outer split), so that ranks hold them in token order")
     for name in _WEIGHTS:
         tv = args[name]
         if _mesh_types(tv, 0) != [pt] or not _block_split(tv):
