@@ -645,6 +645,71 @@ RAND_LIKE = OpInfo("rand_like", (like_sample(rng.uniform, 0.0, 1.0),), rejects=I
 RANDN_LIKE = OpInfo("randn_like", (like_sample(rng.normal, 0.0, 1.0),), rejects=INTS + BOOL)
 
 
+# Mixture of experts: torch references written here on whole tensors.
+def _route_ref(logits, bias, k, score, normalize, scale, groups=None, top_groups=None):
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if groups is not None:
+        g = choice.unflatten(-1, (groups, -1))
+        best = g.topk(2, -1).values.sum(-1).topk(top_groups, -1).indices
+        mask = torch.ones_like(g[..., 0]).scatter(-1, best, 0).bool()
+        choice = g.masked_fill(mask[..., None], -math.inf).flatten(-2)
+    idx = choice.topk(k, -1).indices
+    w = scores.gather(-1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) if normalize else w
+    return w * scale, idx
+
+
+def _route_bwd_ref(grad, logits):
+    x = logits.detach().requires_grad_()
+    with torch.enable_grad():
+        w, _ = _route_ref(x, None, 2, "softmax", True, 1.0)
+        return torch.autograd.grad(w, x, grad)[0]
+
+
+def _experts_ref(x, idx, weights, w1, w2, w3, capacity=None):
+    y, rows = torch.zeros_like(x), torch.zeros(w1.shape[0])
+    for t in range(x.shape[0]):
+        for s in range(idx.shape[1]):
+            e = idx[t, s]
+            if capacity is not None and rows[e] >= capacity:
+                continue  # the expert is full: the slot is dropped
+            rows[e] += 1
+            h = F.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
+            y[t] += weights[t, s] * (w2[e] @ h)
+    return y, rows
+
+
+def _experts_bwd_ref(grad, *args):
+    leaves = [a if a.dtype == torch.int64 else a.detach().requires_grad_() for a in args]
+    with torch.enable_grad():
+        y, _ = _experts_ref(*leaves)
+        x, _, weights, w1, w2, w3 = leaves
+        return torch.autograd.grad(y, [x, weights, w1, w2, w3], grad)
+
+
+_EXPERTS = (T((6, 8)), _index((6, 2), 3), T((6, 2)), T((4, 5, 8)), T((4, 8, 5)), T((4, 5, 8)))
+MOE_ROUTE = OpInfo("moe_route", (
+    Sample((T((6, 8)), None, 2, "softmax", True, 1.0), _route_ref, name="softmax"),
+    Sample((T((6, 8)), T((8,)), 3, "sigmoid", False, 2.5), _route_ref, name="sigmoid-bias"),
+    Sample((T((5, 8)), None, 2, "sigmoid", True, 1.0, 4, 2), _route_ref, name="groups"),
+), (torch.float32,))
+MOE_ROUTE_BWD = OpInfo("moe_route_bwd", (
+    Sample((T((6, 2)), T((6, 8))), _route_bwd_ref, name="softmax",
+           define=lambda o, g, x: o.moe_route_bwd(g, x, o.moe_route(x, top_k=2)[1])),
+), (torch.float32,))
+MOE_TOKEN_COUNTS = OpInfo("moe_token_counts", (
+    Sample((_index((6, 2), 4), 5), lambda i, e: torch.bincount(i.reshape(-1), minlength=e)
+           .float(), name="empty-expert"),
+), (torch.float32,))
+MOE_EXPERTS = OpInfo("moe_experts", (
+    Sample(_EXPERTS, _experts_ref, name="4-experts"),
+    Sample((*_EXPERTS, 2), _experts_ref, name="capacity-2"),
+), (torch.float32,))
+MOE_EXPERTS_BWD = OpInfo("moe_experts_bwd", (
+    Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="4-experts"),), (torch.float32,))
+
+
 OP_TABLE: tuple[OpInfo, ...] = (
     *(unary_info(n) for n in UNARY_FLOAT + UNARY_SAME),
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
@@ -654,4 +719,5 @@ OP_TABLE: tuple[OpInfo, ...] = (
     SLICE_BACKWARD, CAT, SPLIT, TAKE_ALONG_AXIS, GATHER, INDEX_SELECT, EMBEDDING_FWD,
     TAKE_ALONG_AXIS_BACKWARD, INDEX_SELECT_BACKWARD, IOTA, STOP_GRADIENT, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
+    MOE_ROUTE, MOE_ROUTE_BWD, MOE_TOKEN_COUNTS, MOE_EXPERTS, MOE_EXPERTS_BWD,
 )

@@ -43,7 +43,7 @@ from meshfuse.explain import describe_program, explain
 from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.parallel import context, fsdp
+from meshfuse.parallel import context, experts, fsdp
 from meshfuse.parallel.overlap import group_stream_loops
 from meshfuse.passes.localization import localize
 from meshfuse.passes.pipeline import compiled_for
@@ -442,8 +442,9 @@ class FusionRunner:
 
     def _lower_op(self, expr):
         """An op a strategy runs itself, bound to this rank's group (a context-parallel
-        attention), or None for any other op."""
-        return context.lower_attention(expr, self._group)
+        attention, expert-parallel experts), or None for any other op."""
+        return context.lower_attention(expr, self._group) or \
+            experts.lower_experts(expr, self._group)
 
     def _lower_reshard(self, expr: Reshard, binding: Binding, donated: bool):
         """A communication's plan bound to this rank (see :func:`lower_reshard`)."""

@@ -4,6 +4,7 @@ from meshfuse.ops import (  # noqa: F401
     attention,
     indexing,
     linalg,
+    moe,
     pointwise,
     random,
     reductions,

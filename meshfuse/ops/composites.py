@@ -16,6 +16,7 @@ import torch
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
+from meshfuse.ops.moe.losses import COMPOSITES as MOE_COMPOSITES
 
 _LOW_PRECISION = (DataType.Half, DataType.BFloat16)
 
@@ -209,4 +210,5 @@ COMPOSITES: dict[str, Callable] = {
     "log_softmax": log_softmax,
     "rms_norm": rms_norm,
     "softmax": softmax,
+    **MOE_COMPOSITES,
 }

@@ -137,7 +137,9 @@ def _natural(expr: Expr, out: TensorView, inputs: list[TensorView],
 
 def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> TensorView:
     """How ``inp`` must lie for ``expr`` to produce ``outs`` (scratch tensors over the
-    outputs' logical IDs) locally."""
+    outputs' logical IDs) locally: as the output mapping most of its axes needs it, and
+    along the axes that output leaves, as the others do (``moe_experts``' weights: their
+    ffn axis maps to its output, their experts to its counts)."""
     scratch = _scratch(inp)
     best, best_pairs = None, {}
     for out in outs:
@@ -145,6 +147,11 @@ def _needed_input(expr: Expr, outs: list[TensorView], inp: TensorView) -> Tensor
         if best is None or len(pairs) > len(best_pairs):
             best, best_pairs = out, pairs
     _copy_sharding(best, scratch, best_pairs)
+    for out in outs:
+        if out is not best:
+            rest = {o: i for o, i in _backward_pairs(expr, out, inp).items()
+                    if i not in best_pairs.values()}
+            _add_sharding(out, scratch, rest)
     _drop_shards(scratch, _whole(expr))
     return scratch
 

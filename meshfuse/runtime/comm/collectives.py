@@ -140,9 +140,13 @@ def record_transfer(kind: str, group: Group, x: torch.Tensor, reduce_op: str | N
 
 def _record(kind: str, group: Group, x: torch.Tensor, reduce_op: str | None = None,
             peer: int | None = None) -> None:
+    _record_bytes(kind, group, x.numel() * x.element_size(), reduce_op, peer)
+
+
+def _record_bytes(kind: str, group: Group, size: int, reduce_op: str | None = None,
+                  peer: int | None = None) -> None:
     if _recorders:
-        event = Communication(kind, group.ranks, group.mesh_axis,
-                              x.numel() * x.element_size(), reduce_op, peer)
+        event = Communication(kind, group.ranks, group.mesh_axis, size, reduce_op, peer)
         for log in _recorders:
             log.append(event)
 
@@ -297,6 +301,39 @@ def all_to_all_pieces(pieces: Sequence[torch.Tensor], shapes: Sequence[Sequence[
         return result
 
     return _issued(work, received, finish, label, group)
+
+
+def exchange_split_sizes(counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """Row ``c`` of ``counts`` (``[members, m]`` integers) goes to coordinate ``c``; returns
+    the rows received, by sender's coordinate: the split sizes a ragged all-to-all needs
+    first (expert parallelism: how many token rows each rank sends each expert)."""
+    chunks = _chunks_in_torch_order(counts.contiguous(), group)
+    _record("split_sizes", group, chunks)
+    received = torch.empty_like(chunks)
+    with translated(_label("split_sizes", group), group.ranks):
+        dist.all_to_all_single(received, chunks.contiguous(), group=group.process_group)
+    return _to_coordinate_order(received.reshape(counts.shape), group)
+
+
+def ragged_all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                      group: Group) -> torch.Tensor:
+    """The rows of ``x`` (axis 0) in consecutive blocks of ``send_splits[c]`` go to coordinate
+    ``c``; returns the rows received, ``recv_splits[c]`` from coordinate ``c``, by sender's
+    coordinate. Uneven and empty blocks are fine (a dropless token dispatch). Recorded as
+    the bytes this rank sends to the others (its own block stays)."""
+    order = group.torch_order
+    pieces = x.split(list(send_splits))
+    send = torch.cat([pieces[c] for c in order]) if order != sorted(order) else x
+    off_rank = (x.numel() - pieces[group.coordinate].numel()) * x.element_size()
+    _record_bytes("ragged_all_to_all", group, off_rank)
+    received = x.new_empty(sum(recv_splits), *x.shape[1:])
+    with translated(_label("ragged_all_to_all", group), group.ranks):
+        dist.all_to_all_single(received, send.contiguous(), [recv_splits[c] for c in order],
+                               [send_splits[c] for c in order], group=group.process_group)
+    if order == sorted(order):
+        return received
+    by_torch = received.split([recv_splits[c] for c in order])
+    return torch.cat([by_torch[order.index(c)] for c in range(group.size)])
 
 
 def _numel(shape: Sequence[int]) -> int:

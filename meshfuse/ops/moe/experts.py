@@ -1,0 +1,230 @@
+"""``moe_experts`` and ``moe_experts_bwd``: the routed SwiGLU experts of a mixture-of-experts
+layer, each token's top-k slots computed by their experts and summed with their weights.
+
+Arguments: tokens ``x [T, H]``, the routing ``indices [T, K]`` (int) and ``weights [T, K]``
+(:mod:`meshfuse.ops.moe.routing`), the expert weights ``w1``, ``w3`` ``[E, F, H]``, ``w2``
+``[E, H, F]``, and ``capacity``: None (dropless, the default) or the rows an expert computes
+at most, its first by token order (the others are dropped: they add nothing to their token).
+Outputs: ``[T, H]`` and the rows each expert computed, ``[E]``.
+
+Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
+is a reduction of the output (sharded: each rank's part is a partial sum, tensor
+parallelism); the counts' expert axis follows the weights' and reduces over the tokens
+(tokens sharded: partial counts). The hidden axes, ``K`` and, unless expert parallelism runs
+the op, the experts are needed whole.
+
+Expert parallelism: where the weights' expert axis is block-sharded over a mesh axis that
+also shards the tokens, the op runs expert-parallel (:func:`expert_parallel`): each rank
+keeps its experts, its tokens travel to the ranks of their experts and back (a ragged
+all-to-all, lowered by :mod:`meshfuse.parallel.experts`). Its ``plan`` rule makes the
+counts (and the backward's weight gradients) complete there: each rank's experts saw every
+token routed to them.
+"""
+
+from __future__ import annotations
+
+from meshfuse.dtypes import DataType
+from meshfuse.errors import DefinitionError, ShardingError
+from meshfuse.ir.iter_domain import IterType
+from meshfuse.ir.layout import device_ids
+from meshfuse.ir.tensor_view import TensorView
+from meshfuse.ops.moe import kernels
+from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, Vjp, attr, register, tensor
+from meshfuse.ops.shape_rules import require_tensor
+
+_WEIGHTS = ("w1", "w2", "w3")
+
+
+def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
+    """Checks the arguments; returns ``(T, K, H, E, F)`` (None where symbolic)."""
+    metas = {"x": x, "indices": indices, "weights": weights, "w1": w1, "w2": w2, "w3": w3}
+    for name, m in metas.items():
+        require_tensor(op, name, m)
+    ranks = {"x": 2, "indices": 2, "weights": 2, "w1": 3, "w2": 3, "w3": 3}
+    for name, n in ranks.items():
+        if metas[name].ndim != n:
+            raise DefinitionError(f"{op}: {name} must have {n} axes, got {metas[name].ndim}")
+    if indices.dtype not in (DataType.Int, DataType.Int32):
+        raise DefinitionError(f"{op}: indices must be integers, got {indices.dtype.name}")
+    if len({x.dtype, w1.dtype, w2.dtype, w3.dtype}) > 1 or not x.dtype.is_floating:
+        raise DefinitionError(f"{op}: x, w1, w2 and w3 must have one floating dtype")
+    t, h = x.shape
+    k, e, f = indices.shape[1], w1.shape[0], w1.shape[1]
+    expected = {"indices": (t, k), "weights": (t, k), "w1": (e, f, h), "w2": (e, h, f),
+                "w3": (e, f, h)}
+    for name, shape in expected.items():
+        for axis, (got, want) in enumerate(zip(metas[name].shape, shape)):
+            if None not in (got, want) and got != want:
+                raise DefinitionError(
+                    f"{op}: axis {axis} of {name} has {got} but {want} was expected "
+                    f"(x [T, H], indices and weights [T, K], w1 and w3 [E, F, H], w2 [E, H, F])")
+    return t, k, h, e, f
+
+
+def _check_capacity(op: str, capacity) -> None:
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)
+                                 or capacity < 0):
+        raise DefinitionError(f"{op}: capacity must be None (dropless) or the rows an expert "
+                              f"computes at most, an int >= 0; got {capacity!r}")
+
+
+def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
+    t, _, h, e, f = _check("moe_experts", x, indices, weights, w1, w2, w3)
+    _check_capacity("moe_experts", capacity)
+    tokens = ((0, 0), (1, 0), (2, 0))
+    out = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((0, 1),)),
+           AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
+    counts = (AxisSpec(e, w1.iter_types[0], ((3, 0), (4, 0), (5, 0))),
+              AxisSpec(t, IterType.Reduction, tokens))
+    return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts)]
+
+
+def _experts(x, indices, weights, w1, w2, w3, capacity):
+    return kernels.experts_forward(x, indices, weights, w1, w2, w3, w1.shape[0],
+                                   capacity=capacity)
+
+
+def _args(expr) -> dict:
+    return dict(zip((p.name for p in expr.op.params), expr.args))
+
+
+def _mesh_types(tv: TensorView, axis: int) -> list:
+    return [pt for _, pt in device_ids(tv).get(tv.logical[axis], [])]
+
+
+def expert_parallel(expr):
+    """The device parallel type the op's experts are split over, expert-parallel (its tokens
+    sharded over the same mesh axis), or None."""
+    if getattr(expr, "op", None) is None or expr.op.name not in EXPERT_OPS:
+        return None
+    args = _args(expr)
+    expert_types = _mesh_types(args["w1"], 0)
+    if len(expert_types) != 1 or expert_types[0] not in _mesh_types(args["x"], 0):
+        return None
+    return expert_types[0]
+
+
+def whole_axes(expr) -> set:
+    """Hidden axes, the slots and (unless expert-parallel) the experts, needed whole."""
+    args = _args(expr)
+    whole = {args["x"].logical[1], args["indices"].logical[1], args["weights"].logical[1],
+             args["w1"].logical[2], args["w3"].logical[2], args["w2"].logical[1]}
+    if "grad" in args:
+        whole.add(args["grad"].logical[1])
+    if expert_parallel(expr) is None:
+        whole |= {args[n].logical[0] for n in _WEIGHTS}
+        if args["capacity"] is not None:  # a capacity counts rows in global token order
+            whole |= {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
+    return whole
+
+
+def check_sharding(expr) -> None:
+    """Expert parallelism needs the three weights' experts split alike, in blocks."""
+    pt = expert_parallel(expr)
+    if pt is None:
+        return
+    args = _args(expr)
+    x = args["x"]
+    if args["capacity"] is not None and not _block_split(x):
+        raise ShardingError(
+            f"{expr.op.name}: with a capacity, the tokens of {x.name} (axis 0) must be split "
+            "in blocks (an outer split), so that ranks hold them in token order")
+    for name in _WEIGHTS:
+        tv = args[name]
+        if _mesh_types(tv, 0) != [pt] or not _block_split(tv):
+            raise ShardingError(
+                f"{expr.op.name}: {name} ({tv.name}) must have its experts (axis 0) split in "
+                f"blocks over {pt.value} like w1's for expert parallelism; split it with "
+                "inner_split=False over the same mesh axis")
+
+
+def _block_split(tv: TensorView) -> bool:
+    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.logical[0]]
+    return len(splits) == 1 and not splits[0].inner_split and not splits[0].zigzag
+
+
+def plan(expr) -> None:
+    """Expert-parallel: the per-expert outputs (counts, weight gradients) are complete over
+    the expert mesh axis (each rank's experts received every token routed to them), so
+    their reduction over the tokens maps from nothing there."""
+    pt = expert_parallel(expr)
+    if pt is None:
+        return
+    token_ids = {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
+    for out in expr.tensor_outputs:
+        for out_id in out.logical:
+            sources = expr.id_map.get(out_id, ())
+            if out_id.is_reduction and set(sources) & token_ids:
+                expr.id_map[out_id] = ()
+                for leaf, _ in device_ids(out).get(out_id, []):
+                    del out.parallel[leaf]
+
+
+def _experts_grads(d, grads):
+    computed = []
+
+    def gradient(index: int):
+        if grads[0] is None:
+            return None
+        if not computed:
+            computed.extend(d.ops.moe_experts_bwd(
+                grads[0], *(d.value(n) for n in ("x", "indices", "weights", *_WEIGHTS)),
+                d.attrs["capacity"]))
+        return computed[index]
+
+    return {name: (lambda i=i: gradient(i))
+            for i, name in enumerate(("x", "weights", *_WEIGHTS))}
+
+
+EXPERT_OPS = ("moe_experts", "moe_experts_bwd")
+_PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS),
+           attr("capacity", None))
+
+register(OpDef(
+    "moe_experts", _PARAMS, _experts_infer, _experts,
+    doc="routed SwiGLU experts: each token's top-k slots through their experts, weighted "
+    "and summed; also the rows each expert computed",
+    sharding="tokens shard freely; F sharded: partial sums (expert TP); experts sharded "
+    "over a mesh axis that shards the tokens: expert parallel (ragged all-to-all), else "
+    "gathered",
+    prefer_inputs=(3, 4, 5), output_layout="contiguous", whole_axes=whole_axes,
+    check_sharding=check_sharding, plan=plan, vjp=Vjp(_experts_grads, differentiable=(0,)),
+))
+
+
+def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity):
+    t, k, h, e, f = _check("moe_experts_bwd", x, indices, weights, w1, w2, w3)
+    _check_capacity("moe_experts_bwd", capacity)
+    require_tensor("moe_experts_bwd", "grad", grad)
+    if grad.ndim != 2 or any(None not in (a, b) and a != b for a, b in zip(grad.shape, (t, h))):
+        raise DefinitionError(f"moe_experts_bwd: grad must be [T, H] = [{t}, {h}], got "
+                              f"{list(grad.shape)}")
+    tokens = ((0, 0), (1, 0), (2, 0), (3, 0))
+    rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1)))
+    rt = AxisSpec(t, IterType.Reduction, tokens)
+    experts = AxisSpec(e, w1.iter_types[0], ((4, 0), (5, 0), (6, 0)))
+    ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1)))
+    hidden = AxisSpec(h, w1.iter_types[2], ((4, 2), (5, 1), (6, 2)))
+    gx = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((1, 1), (0, 1))),
+          rf)
+    gweights = (AxisSpec(t, weights.iter_types[0], tokens),
+                AxisSpec(k, weights.iter_types[1], ((3, 1), (2, 1))), rf)
+    return [OutSpec(x.dtype, gx), OutSpec(weights.dtype, gweights),
+            OutSpec(x.dtype, (experts, ffn, hidden, rt)),
+            OutSpec(x.dtype, (experts, hidden, ffn, rt)),
+            OutSpec(x.dtype, (experts, ffn, hidden, rt))]
+
+
+def _experts_bwd(grad, x, indices, weights, w1, w2, w3, capacity):
+    return kernels.experts_backward(grad, x, indices, weights, w1, w2, w3, w1.shape[0],
+                                    capacity=capacity)
+
+
+register(OpDef(
+    "moe_experts_bwd", (tensor("grad"), *_PARAMS), _bwd_infer, _experts_bwd,
+    doc="gradients of moe_experts: (x, weights, w1, w2, w3)",
+    sharding="as moe_experts; the weight gradients reduce over the tokens (partial where "
+    "tokens are sharded, complete on expert-parallel ranks)",
+    prefer_inputs=(4, 5, 6), output_layout="contiguous", whole_axes=whole_axes,
+    check_sharding=check_sharding, plan=plan,
+))

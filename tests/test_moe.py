@@ -1,0 +1,179 @@
+"""Mixture-of-experts blocks (meshfuse.examples.moe) against plain PyTorch, float64: the
+routed experts alone and expert-parallel (tokens and experts split over the ranks, dispatch
+and combine a ragged all-to-all), with expert tensor parallelism, routings that leave
+experts or ranks without tokens, and the communications asserted."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from mesh_helpers import mesh_1d, mesh_2x2
+
+from meshfuse import FusionDefinition, ParallelType, shard_tensor
+from meshfuse.examples.moe import (
+    PARAMS,
+    MoEConfig,
+    define_moe_block,
+    expert_parallel,
+    init_params,
+    moe_block_torch,
+    route_torch,
+)
+from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.testing.utils import current_device
+
+TOL = {"rtol": 1e-9, "atol": 1e-9}
+
+
+def _block(cfg, tokens, mesh=None, tp=None):
+    with FusionDefinition() as fd:
+        tv, y, counts = define_moe_block(fd, cfg, tokens)
+    if mesh is not None:
+        ep = ParallelType.mesh_y if tp is not None else ParallelType.mesh_x
+        expert_parallel(tv, y, counts, mesh, ep=ep, tp=tp)
+    return fd, tv, y, counts
+
+
+def _reference(params, x, cfg, dy, bias=None):
+    leaves = {n: t.clone().requires_grad_() for n, t in {"x": x, **params}.items()}
+    y, counts = moe_block_torch({n: leaves[n] for n in PARAMS}, leaves["x"], cfg, bias)
+    y.backward(dy)
+    return y.detach(), counts, {n: t.grad for n, t in leaves.items()}
+
+
+def _run(multidevice_test, cfg, tokens, x=None, tp=None, mesh=None, bias=None):
+    """The block on this test's ranks against the reference (``bias``: the routing bias
+    of a ``biased`` block): returns the communications of the forward and the backward."""
+    rank = multidevice_test.rank
+    mesh = mesh if mesh is not None else mesh_1d(multidevice_test)
+    fd, tv, y_tv, counts_tv = _block(cfg, tokens, mesh, tp)
+    params = init_params(cfg)
+    x = _tokens(tokens, cfg.dim) if x is None else x
+    dy = _tokens(tokens, cfg.dim, seed=2)
+    y_ref, counts_ref, grads = _reference(params, x, cfg, dy, bias)
+    names = ["x", *PARAMS]
+    glob = {"x": x, **params}
+    local = [shard_tensor(glob[n], tv[n], rank).to(current_device()).requires_grad_()
+             for n in names]
+    extra = [] if bias is None else [shard_tensor(bias, tv["bias"], rank).to(current_device())]
+    f = fd.as_autograd_function()
+    with record_communications() as forward:
+        y, counts = f(local + extra)
+    torch.testing.assert_close(y.detach().cpu(), shard_tensor(y_ref, y_tv, rank), **TOL)
+    torch.testing.assert_close(counts.cpu(), shard_tensor(counts_ref, counts_tv, rank))
+    with record_communications() as backward:
+        y.backward(shard_tensor(dy, y_tv, rank).to(current_device()))
+    for n, leaf in zip(names, local):
+        torch.testing.assert_close(leaf.grad.cpu(), shard_tensor(grads[n], tv[n], rank),
+                                   **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    return forward, backward
+
+
+def _kinds(comms):
+    return Counter(c.kind for c in comms)
+
+
+def _off_rank_slots(indices, experts, size, rank):
+    """``(sent, received)``: token slots of ``rank``'s tokens routed to another rank's
+    experts, and slots of other ranks' tokens routed to ``rank``'s (experts and tokens in
+    blocks of ``ceil(n / size)``)."""
+    per_token, per_expert = -(-indices.shape[0] // size), -(-experts // size)
+    token_owner = (torch.arange(indices.shape[0]) // per_token).unsqueeze(1).expand_as(indices)
+    expert_owner = indices // per_expert
+    sent = int(((token_owner == rank) & (expert_owner != rank)).sum())
+    received = int(((token_owner != rank) & (expert_owner == rank)).sum())
+    return sent, received
+
+
+def _assert_exchanges(forward, backward, indices, cfg, size, coordinate,
+                      dp=None, tp=None):
+    """One split-size exchange and two ragged all-to-alls each way over the expert group
+    (``size`` ranks, this one at ``coordinate``); their bytes are the token rows that leave
+    this rank (float64): the forward's dispatch and combine carry ``dim`` values a row, the
+    backward's ``2 dim + 1`` (the row, its cotangent and its weight) out and ``dim + 1`` back
+    (its gradient and its weight's). Besides: ``dp`` in the backward (default: one
+    allreduce of the router's and the shared expert's gradients when the tokens are split),
+    ``tp`` each way (expert tensor parallelism's partial sums)."""
+    ep = Counter({"split_sizes": 1, "ragged_all_to_all": 2}) if size > 1 else Counter()
+    tp = (Counter(), Counter()) if tp is None else tp
+    dp = (Counter({"allreduce": 1}) if size > 1 else Counter()) if dp is None else dp
+    assert _kinds(forward) == ep + tp[0] and _kinds(backward) == ep + dp + tp[1]
+    if size == 1:
+        return
+    sent, received = _off_rank_slots(indices, cfg.experts, size, coordinate)
+    h = cfg.dim
+    moved = [c.bytes for c in forward + backward if c.kind == "ragged_all_to_all"]
+    assert moved == [8 * sent * h, 8 * received * h, 8 * sent * (2 * h + 1),
+                     8 * received * (h + 1)]
+    split_sizes = [c.bytes for c in forward + backward if c.kind == "split_sizes"]
+    assert split_sizes == [8 * size * -(-cfg.experts // size)] * 2
+
+
+def _indices(cfg, x, bias=None):
+    return route_torch(x, init_params(cfg)["gate"], cfg, bias)[1]
+
+
+def _tokens(n, dim, seed=1):
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("experts", [8, 5])
+def test_expert_parallel_block_equals_torch(multidevice_test, experts):
+    """8 experts, and 5 that do not divide 2, 3 or 4 ranks (at 4 ranks: 2, 2, 1, 0: the
+    last rank holds no expert and receives no token)."""
+    cfg = MoEConfig(experts=experts, top_k=2)
+    x = _tokens(13, cfg.dim)
+    forward, backward = _run(multidevice_test, cfg, 13, x)
+    _assert_exchanges(forward, backward, _indices(cfg, x), cfg, multidevice_test.size,
+                      multidevice_test.rank)
+
+
+@pytest.mark.mpi
+def test_routing_to_the_first_experts_leaves_ranks_empty(multidevice_test):
+    """A routing bias sends every token to experts 0 and 1 (both on rank 0 at any size):
+    the other ranks' experts compute nothing, their gradients are zero, and rank 0 sends
+    nothing to the others (DeepSeek-V3's sigmoid scores, groups of experts, the bias steering
+    the choice only)."""
+    cfg = MoEConfig(experts=8, top_k=2, groups=4, top_groups=2, biased=True)
+    bias = torch.zeros(8, dtype=torch.float64)
+    bias[:2] = 10.0
+    x = _tokens(11, cfg.dim)
+    indices = _indices(cfg, x, bias)
+    assert set(indices.reshape(-1).tolist()) == {0, 1}
+    forward, backward = _run(multidevice_test, cfg, 11, x, bias=bias)
+    _assert_exchanges(forward, backward, indices, cfg, multidevice_test.size,
+                      multidevice_test.rank)
+
+
+@pytest.mark.mpi
+def test_expert_and_tensor_parallel_block_equals_torch(multidevice_test):
+    """2x2 mesh: experts and tokens over mesh_y, the experts' ffn over mesh_x (expert
+    tensor parallelism): each ffn shard's routed output is a partial sum, reduced once."""
+    mesh = mesh_2x2(multidevice_test)
+    cfg = MoEConfig(experts=6, top_k=3, ffn=8)
+    x = _tokens(10, cfg.dim)
+    forward, backward = _run(multidevice_test, cfg, 10, x, tp=ParallelType.mesh_x, mesh=mesh)
+    # forward: the routed output; backward: x's and the routing weights' gradients
+    tp = (Counter({"allreduce": 1}), Counter({"allreduce": 2}))
+    _assert_exchanges(forward, backward, _indices(cfg, x), cfg, 2, multidevice_test.rank // 2,
+                      tp=tp)
+    assert {c.mesh_axis for c in forward + backward if c.kind != "allreduce"} == {0}
+
+
+@pytest.mark.mpi
+def test_capacity_drops_the_last_tokens_of_full_experts(multidevice_test):
+    """Capacity factor 0.5: an expert computes at most its first ceil(0.5 * 14 * 2 / 4) = 4
+    rows by token order (the block's tokens are split in order, so a rank's received rows
+    come after those of the ranks before it); the dropped rows add nothing and get no
+    gradient. The exchanges are those of the dropless block (every row still travels)."""
+    cfg = MoEConfig(experts=4, top_k=2, capacity_factor=0.5)
+    x = _tokens(14, cfg.dim)
+    indices = _indices(cfg, x)
+    assert torch.bincount(indices.reshape(-1)).max() > cfg.capacity(14) == 4  # drops
+    forward, backward = _run(multidevice_test, cfg, 14, x)
+    _assert_exchanges(forward, backward, indices, cfg, multidevice_test.size,
+                      multidevice_test.rank)
