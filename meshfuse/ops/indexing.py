@@ -136,7 +136,7 @@ def held_positions(index: torch.Tensor, held: torch.Tensor | None):
     held = held.to(index.device)
     if held.numel() == 0:
         return torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
-    pos = torch.searchsorted(held, index).clamp_(max=held.numel() - 1)
+    pos = torch.searchsorted(held, index.contiguous()).clamp_(max=held.numel() - 1)
     mask = held[pos] == index
     return torch.where(mask, pos, 0), mask
 
