@@ -20,7 +20,14 @@ import pytest
 import torch
 from test_cuda_graph import _RowParallelLinear
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, InputError, shard_tensor
+from meshfuse import (
+    DataType,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    ParallelType,
+    shard_tensor,
+)
 from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
@@ -253,6 +260,38 @@ def test_programs_that_draw_random_numbers_are_not_replayed():
         fd.add_output(fd.ops.add(x, fd.ops.rand_like(x)))
     reason = why_not_replayed(_program(fd, [torch.randn(8, 8)]), CUDA)
     assert reason is not None and "random" in reason
+
+
+def test_lookups_on_a_sharded_vocabulary_replay():
+    """Regression (the Llama example under CUDA-graph replay on an H200: ``ValueError:
+    'rng_seed' is not in list``): a lookup on a vocabulary split over a mesh of one device
+    notes the positions it holds, and the replay took any note for a random stream and read
+    the op's seed. An embedding and a pick of the target logit replay, and explain lists no
+    random stream for them."""
+    mesh = DeviceMesh(range(1))
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([2, 5], dtype=DataType.Int)
+        w = fd.define_tensor([11, 6], dtype=DataType.Float)
+        logits = fd.define_tensor([2, 11], dtype=DataType.Float)
+        fd.add_output(fd.ops.embedding_fwd(ids, w))
+        fd.add_output(fd.ops.take_along_axis(logits, fd.ops.slice(ids, [0, 0], [2, 1]), 1))
+    for tv in (ids, w, logits):
+        tv.set_device_mesh(mesh)
+    for tv, axis in ((w, 0), (logits, 1)):
+        tv.split(axis, 1, inner_split=False)
+        tv.parallelize(axis, ParallelType.mesh_x)
+    inputs = [torch.randint(0, 11, (2, 5)), torch.randn(11, 6), torch.randn(2, 11)]
+    program = _program(fd, inputs)
+    assert any(step.op == "embedding_fwd" and step.note for step in program.steps)
+    assert why_not_replayed(program, CUDA) is None
+    replay = AutoReplay(program, CUDA, cuda=FakeCuda)
+    assert replay.run(inputs) is None  # the first call: the interpreter
+    before = FakeGraph.replays
+    emb, picked = replay.run(inputs)
+    assert FakeGraph.replays == before + 1
+    torch.testing.assert_close(emb, torch.nn.functional.embedding(inputs[0], inputs[1]))
+    torch.testing.assert_close(picked, inputs[2].gather(1, inputs[0][:, :1]))
+    assert "random streams" not in fd.explain(inputs)
 
 
 def test_attention_with_dropout_replays_only_with_a_fused_kernel():

@@ -113,6 +113,66 @@ def broadcast_axis(d: int):
     return relu(d, shape=(None, 1))
 
 
+def embedding(d: int):
+    """``T2 = embedding_fwd(T0, T1)``: Int ids ``[-1, 3]`` with rows sharded, the table
+    ``[10, COLS]`` replicated."""
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([-1, 3], dtype=DataType.Int)
+        w = fd.define_tensor([10, COLS])
+        y = fd.ops.embedding_fwd(ids, w)
+        fd.add_output(y)
+    _shard_rows((ids, y), DeviceMesh(range(d)))
+    w.set_device_mesh(DeviceMesh(range(d)))
+    return fd, [torch.randint(0, 10, (ROWS, 3)), torch.randn(10, COLS)]
+
+
+def lookup_along(op: str):
+    """``T2 = op(T0, T1, 1)`` (take_along_axis or gather): arg ``[-1, COLS]`` and an Int
+    index ``[-1, 3]``, rows sharded."""
+    def fusion(d: int):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, COLS])
+            index = fd.define_tensor([-1, -1], dtype=DataType.Int)
+            y = getattr(fd.ops, op)(x, index, 1)
+            fd.add_output(y)
+        _shard_rows((x, index, y), DeviceMesh(range(d)))
+        return fd, [torch.randn(ROWS, COLS), torch.randint(0, COLS, (ROWS, 3))]
+    return fusion
+
+
+def index_select(d: int):
+    """``T2 = index_select(T0, T1, 1)``: rows of T0 sharded, a replicated Int index."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, COLS])
+        index = fd.define_tensor([-1], dtype=DataType.Int)
+        y = fd.ops.index_select(x, index, 1)
+        fd.add_output(y)
+    _shard_rows((x, y), DeviceMesh(range(d)))
+    index.set_device_mesh(DeviceMesh(range(d)))
+    return fd, [torch.randn(ROWS, COLS), torch.randint(0, COLS, (5,))]
+
+
+def cross_entropy(d: int):
+    """Per-row cross entropy of logits ``[-1, COLS]`` at Int targets ``[-1]``, rows sharded."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, COLS])
+        target = fd.define_tensor([-1], dtype=DataType.Int)
+        y = fd.ops.cross_entropy(x, target, reduction="none")
+        fd.add_output(y)
+    _shard_rows((x, target, y), DeviceMesh(range(d)))
+    return fd, [torch.randn(ROWS, COLS), torch.randint(0, COLS, (ROWS,))]
+
+
+def chunked(d: int):
+    """``chunk`` of T0 ``[-1, COLS]`` (rows sharded) into 3 column pieces, summed."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, COLS])
+        a, b, c = fd.ops.chunk(x, 3, 1)
+        fd.add_output(fd.ops.add(fd.ops.add(a, b), c))
+    _shard_rows((x,), DeviceMesh(range(d)))
+    return fd, [torch.randn(ROWS, COLS)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One class of mistake: the fusion, what the culprit passes instead of its good inputs
@@ -215,6 +275,31 @@ CASES: dict[str, Case] = {
                             first(lambda x: torch.randn(2 * ROWS, COLS, device=x.device)[::2]),
                             InputError,
                             ("T0", "strides")),
+    # lookups, cross entropy and chunks (the ops of a language model)
+    "float_ids_for_embedding": Case(embedding, first(lambda x: x.float()), InputError,
+                                    ("T0", "Int", "torch.float32", ".to(torch.int64)")),
+    "int32_ids_for_int": Case(embedding, first(lambda x: x.int()), InputError,
+                              ("T0", "torch.int32")),
+    "float_table_rows_short": Case(embedding, _replace(1, lambda w: w[:9]), InputError,
+                                   ("T1", "axis 0", "9")),
+    "float_index_for_gather": Case(lookup_along("gather"), _replace(1, lambda i: i.float()),
+                                   InputError, ("T1", "Int", "torch.float32")),
+    "index_longer_than_arg": Case(lookup_along("gather"),
+                                  _replace(1, lambda i: torch.cat([i, i[:1]])),
+                                  InputError, ("gather", "axis 0", "index", "at most")),
+    "take_along_index_rows_differ": Case(lookup_along("take_along_axis"),
+                                         _replace(1, lambda i: torch.cat([i, i[:1]])),
+                                         InputError, ("take_along_axis", "axis 0", "index")),
+    "index_select_float_index": Case(index_select, _replace(1, lambda i: i.float()),
+                                     InputError, ("T1", "Int", "torch.float32")),
+    "index_select_index_of_two_axes": Case(index_select, _replace(1, lambda i: i[None]),
+                                           InputError, ("T1", "1 axes")),
+    "float_targets_for_cross_entropy": Case(cross_entropy, _replace(1, lambda t: t.float()),
+                                            InputError, ("T1", "Int", "torch.float32")),
+    "targets_rows_differ": Case(cross_entropy, _replace(1, lambda t: torch.cat([t, t[:1]])),
+                                InputError, ("axis 0",)),
+    "chunk_columns_short": Case(chunked, first(lambda x: x[:, 1:]), InputError,
+                                ("T0", "axis 1", f"{COLS - 1}", f"{COLS}")),
     # options (every rank passes the same bad option)
     "negative_timeout": Case(relu, None, InputError, ("timeout=-1", "positive number"),
                              {"timeout": -1}),
@@ -328,6 +413,17 @@ def test_a_definition_error_is_raised_on_every_rank(multidevice_test):
         fd.execute([torch.randn(ROWS, COLS, device=multidevice_test.device)])
     with pytest.raises(DefinitionError, match="not finished"), FusionDefinition() as fd:
         fd.explain()
+
+
+@pytest.mark.parametrize("op", ["chunk", "split"])
+def test_pieces_of_a_symbolic_axis_are_refused_on_every_rank(multidevice_test, op):
+    """chunk and split need the split axis's extent (their pieces' extents are part of the
+    fusion): each rank refuses the definition by itself, naming the axis and the fix."""
+    with pytest.raises(DefinitionError) as info, FusionDefinition() as fd:
+        x = fd.define_tensor([ROWS, -1])
+        fd.ops.chunk(x, 3, 1) if op == "chunk" else fd.ops.split(x, [2, 4], 1)
+    for word in (op, "axis 1", "symbolic", "static one in define_tensor"):
+        assert word in str(info.value), info.value
 
 
 def test_a_schedule_error_on_one_rank_is_raised_on_every_rank(multidevice_test):

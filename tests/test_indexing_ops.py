@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import meshfuse
 from meshfuse import DataType, FusionDefinition, shard_tensor
+from meshfuse.ops.registry import lookup
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -282,27 +283,88 @@ def test_chunk_and_split_sharded(multidevice_test, axis):
     torch.testing.assert_close(gx, shard_tensor(leaf.grad, x, rank), **TOL)
 
 
+# Lookups whose index is split on an axis that is not arg's (gather's index shorter than arg,
+# symbolic extents, an index axis of extent 1 broadcast by take_along_axis), or on its own axes
+# (index_select): (op, arg shape, index shape, dim, arg's split axis, index's, symbolic).
+LOOKUPS = {
+    "gather-index-split": ("gather", [4, 3], [2, 5], 1, None, 0, False),
+    "gather-index-split-symbolic": ("gather", [4, 3], [2, 5], 1, None, 0, True),
+    "gather-both-split": ("gather", [4, 3], [2, 5], 1, 0, 0, False),
+    "gather-both-split-symbolic": ("gather", [6, 3], [4, 5], 1, 0, 0, True),
+    "gather-3d-middle": ("gather", [5, 3, 4], [5, 2, 3], 2, None, 1, False),
+    "gather-equal-rows": ("gather", [4, 6], [4, 5], 1, 1, 0, False),
+    "take-along-broadcast-index": ("take_along_axis", [5, 4], [1, 4], 1, 0, None, False),
+    "index-select-index-split": ("index_select", [4, 6], [5], 1, 0, 0, False),
+    "index-select-dim-split": ("index_select", [4, 7], [3, 2], 1, 1, 1, True),
+}
+# The forward's collectives (world size > 1), the output split as index: none where arg is
+# replicated; arg's split axis gathered where the op reads it whole; a split dim of arg gives
+# partial lookups, reduce-scattered onto the output's split (the index gathered for them).
+LOOKUP_FORWARD_COMMS = {
+    "gather-index-split": Counter(),
+    "gather-index-split-symbolic": Counter(),
+    "gather-both-split": Counter({"allgather": 1}),
+    "gather-both-split-symbolic": Counter({"allgather": 1}),
+    "gather-3d-middle": Counter(),
+    "gather-equal-rows": Counter({"allgather": 1, "reduce_scatter": 1}),
+    "take-along-broadcast-index": Counter({"allgather": 1}),
+    "index-select-index-split": Counter({"allgather": 1, "all_to_all": 1}),
+    "index-select-dim-split": Counter({"allgather": 1}),
+}
+
+
+def _lookup_reference(op, x, idx, dim):
+    if op == "gather":
+        return torch.gather(x, dim, idx)
+    if op == "take_along_axis":
+        return torch.take_along_dim(x, idx, dim)
+    return x.index_select(dim, idx.flatten()).unflatten(dim, idx.shape)
+
+
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="open: gather's index split on an axis shorter than "
-                   "arg's (not mapped to arg's) reads arg's first rows on every rank")
-def test_gather_with_index_split_on_a_shorter_axis(multidevice_test):
-    """gather(arg [4, 3], index [2, 5], 1), index split on axis 0 (arg's axis 0 is longer, so
-    not mapped to it) and arg replicated: each rank must read arg's rows at its global
-    positions of index's axis 0; it reads rows from 0 (silent mismatch, static or symbolic
-    extents). Found while fixing seed 32; at one rank nothing is split."""
-    rank, size = multidevice_test.rank, multidevice_test.size
-    if size == 1:
-        pytest.xfail("nothing split at one rank (passes there)")
-    mesh = mesh_1d(multidevice_test)
-    x = torch.randn(4, 3, generator=_gen(7), dtype=torch.float64)
-    idx = torch.randint(0, 3, (2, 5), generator=_gen(8))
+@pytest.mark.parametrize("case", list(LOOKUPS))
+def test_lookups_with_the_index_split_on_its_own_axes(multidevice_test, case):
+    """Regression: gather(arg [4, 3], index [2, 5], 1) with index split on axis 0 read arg's
+    rows 0, 1, ... on every rank instead of those at its global positions of index's axis 0
+    (arg's axis 0 is longer, not mapped to the output's; symbolic extents mapped it, slicing
+    arg by the output's split). Now arg's axis is whole there and read at the positions held.
+    With the siblings' cases (an index axis broadcast by take_along_axis, index_select's
+    index split), forward and derived backward against PyTorch, communications counted."""
+    op, ashape, ishape, dim, asplit, isplit, symbolic = LOOKUPS[case]
+    rank, mesh = multidevice_test.rank, mesh_1d(multidevice_test)
+    x = torch.randn(*ashape, generator=_gen(7), dtype=torch.float64)
+    idx = torch.randint(0, ashape[dim], ishape, generator=_gen(8))
     with FusionDefinition() as fd:
-        a = fd.define_tensor([4, 3], dtype=DataType.Double)
-        b = fd.define_tensor([2, 5], dtype=DataType.Int)
-        y = fd.ops.gather(a, b, 1)
+        a = fd.define_tensor([-1] * len(ashape) if symbolic else ashape, dtype=DataType.Double)
+        b = fd.define_tensor([-1] * len(ishape) if symbolic else ishape, dtype=DataType.Int)
+        y = getattr(fd.ops, op)(a, b, dim)
         fd.add_output(y)
     for tv in (a, b, y):
         tv.set_device_mesh(mesh)
-    shard(b, 0, mesh)
-    (got,) = fd.execute([shard_tensor(x, a, rank), shard_tensor(idx, b, rank)])
-    torch.testing.assert_close(got, shard_tensor(torch.gather(x, 1, idx), y, rank), **TOL)
+    out_split = None if isplit is None else isplit + (dim if op == "index_select" else 0)
+    for tv, axis in ((a, asplit), (b, isplit), (y, out_split)):
+        if axis is not None:
+            shard(tv, axis, mesh)
+    leaf = x.clone().requires_grad_()
+    ref = _lookup_reference(op, leaf, idx, dim)
+    dy = torch.randn(ref.shape, generator=_gen(9), dtype=torch.float64)
+    ref.backward(dy)
+    (got,), (gx,), (fwd, _) = _run(fd, [a, b], [y], [x, idx], [dy], rank)
+    torch.testing.assert_close(got, shard_tensor(ref.detach(), y, rank), **TOL)
+    torch.testing.assert_close(gx, shard_tensor(leaf.grad, a, rank), **TOL)
+    if multidevice_test.size > 1:
+        assert _kinds(fwd) == LOOKUP_FORWARD_COMMS[case], _kinds(fwd)
+
+
+def test_gather_backward_adds_into_the_rows_held():
+    """take_along_axis_backward (gather's gradient) with the output split on an axis where
+    grad is shorter than like (grad whole there): each shard adds grad's rows at its global
+    positions (``rows``, from localization), zeros past grad's extent."""
+    impl = lookup("take_along_axis_backward").impl
+    g = torch.randn(2, 5, generator=_gen(1), dtype=torch.float64)
+    idx = torch.randint(0, 3, (2, 5), generator=_gen(2))
+    full = torch.zeros(4, 3, dtype=torch.float64).scatter_add(1, idx, g)
+    for held in ([0, 1], [1, 2], [2, 3], [3]):
+        rows = {0: torch.tensor(held)}
+        got = impl(g, idx, None, 1, False, out_shapes=[(len(held), 3)], rows=rows)
+        torch.testing.assert_close(got, full[held], **TOL)

@@ -22,6 +22,7 @@ from meshfuse.examples.llama_torch import LlamaTorch
 from meshfuse.examples.train_llama import parse_mesh, synthetic_batch, train
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.replay import automatic
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,6 +154,32 @@ def test_one_step_communicates_as_megatron(multidevice_test):
     weights = ((2 * cfg.layers + 1) * cfg.hidden + cfg.layers * kv_grads) * itemsize
     assert sum(sizes) == weights, sizes
     assert len(sizes) <= 1 + cfg.layers * (1 + 2 * kv_replicated), sizes
+
+
+@pytest.mark.mpi
+def test_every_program_of_a_step_is_judged_for_cuda_graph_replay(multidevice_test,
+                                                                  monkeypatch):
+    """Regression (the example under CUDA-graph replay on an H200: ``ValueError: 'rng_seed'
+    is not in list``, a vocabulary-sharded lookup taken for a random op): each program of a
+    training step (forward and derived backward of every fusion) is judged as on a CUDA
+    device; none is refused for random numbers (the example draws none), and at one rank,
+    where nothing communicates, every one may replay."""
+    judged, original = [], automatic.why_not_replayed
+
+    def judge(program, device):
+        judged.append(original(program, torch.device("cuda")))
+        return original(program, device)
+
+    cfg, d = _config(multidevice_test.size), multidevice_test.size
+    monkeypatch.setattr(automatic, "why_not_replayed", judge)
+    model = LlamaModel(cfg, BATCH, init_parameters(cfg), DeviceMesh(range(d)),
+                       multidevice_test.device)
+    ids, targets = (t.to(multidevice_test.device) for t in synthetic_batch(cfg, BATCH, 0))
+    model(ids, targets).backward()
+    assert len(judged) >= 2 * (cfg.layers + 2)  # embed, blocks, head; forward and backward
+    assert not any("random" in reason for reason in judged if reason), judged
+    if d == 1:
+        assert judged == [None] * len(judged), judged
 
 
 def test_mesh_argument():

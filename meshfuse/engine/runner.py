@@ -79,6 +79,7 @@ from meshfuse.runtime.replay import (
     AutoReplay,
     GraphBudget,
     GraphedProgram,
+    draws_random,
     replay_lines,
     replay_wanted,
 )
@@ -480,7 +481,7 @@ def _random_streams(program: Program) -> list[str]:
     """The explain lines naming the random stream of each step that draws (dropout, RNG)."""
     notes = []
     for step in program.steps:
-        if step.note:
+        if draws_random(step):
             outputs, _, call = step.label.partition(" = ")
             notes.append(f"  {call.partition('(')[0]} -> {outputs}: {step.note}")
     return [f"random streams on rank {program.rank}:", *notes] if notes else []

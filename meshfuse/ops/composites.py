@@ -196,9 +196,12 @@ def chunk(o, x, chunks: int, dim: int = 0):
     (fewer pieces where that divides the extent into fewer); a tuple of tensors."""
     axis = _axis("chunk", x, dim)
     extent = x.materialized()[axis].extent
-    if not isinstance(chunks, int) or chunks < 1 or extent is None:
-        raise DefinitionError(f"chunk: chunks {chunks!r} must be a positive int and axis "
-                              f"{axis} of {x.name} static")
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise DefinitionError(f"chunk: chunks must be a positive int, got {chunks!r}")
+    if extent is None:
+        raise DefinitionError(f"chunk: axis {axis} of {x.name} has a symbolic extent; give it "
+                              "a static one in define_tensor (the pieces' extents are part of "
+                              "the fusion)")
     pieces = o.split(x, max(-(-extent // chunks), 1), axis)
     return pieces if isinstance(pieces, tuple) else (pieces,)
 

@@ -99,15 +99,20 @@ def _along_axes(op: str, arg: TensorMeta, index: TensorMeta, dim: int,
         bad = None not in (n, m) and (
             m > n or (same_extents and m != n and not index.is_broadcast(a)))
         if a != dim and bad:
-            rule = "equal" if same_extents else "at most"
+            rule = "equal to arg's (or 1)" if same_extents else "at most arg's"
             raise DefinitionError(
                 f"{op}: axis {a} of index has extent {m}, of arg {n}; it must be {rule} "
-                f"arg's on every axis but dim {dim}")
+                f"on every axis but dim {dim}; expand arg (fd.ops.expand) or slice index")
         # take_along_axis's extents are equal off dim (checked again once bound): a
-        # symbolic one maps too, or a shard of index would meet the whole arg axis.
-        same = n == m or (same_extents and not index.is_broadcast(a))
+        # symbolic one maps too. gather's may differ once bound: only static equal extents
+        # map; elsewhere arg's axis is whole here and read at index's positions (`rows`).
+        same = (n == m and n is not None) or (same_extents and not index.is_broadcast(a))
         if a != dim and same and not arg.is_broadcast(a):
             sources.append((0, a))
+        if a != dim and same_extents and index.is_broadcast(a):
+            # torch's take_along_dim broadcasts index's axis of extent 1 to arg's.
+            axes.append(_axis(n, arg.iter_types[a], [(0, a), (1, a)]))
+            continue
         axes.append(_axis(m, index.iter_types[a], sources))
     axes.append(AxisSpec(arg.shape[dim], IterType.Reduction, ((0, dim),)))
     return tuple(axes)
@@ -131,7 +136,7 @@ def held_positions(index: torch.Tensor, held: torch.Tensor | None):
     held = held.to(index.device)
     if held.numel() == 0:
         return torch.zeros_like(index), torch.zeros_like(index, dtype=torch.bool)
-    pos = torch.searchsorted(held, index).clamp_(max=held.numel() - 1)
+    pos = torch.searchsorted(held, index.contiguous()).clamp_(max=held.numel() - 1)
     mask = held[pos] == index
     return torch.where(mask, pos, 0), mask
 
@@ -155,10 +160,46 @@ def _localize_arg(dim_of):
     return localize
 
 
-def _take_along_axis(arg, index, dim, held=None):
+def unmapped_rows(expr, whole, out_axes) -> dict[int, object]:
+    """Global positions held here of each output axis in ``out_axes`` that is not mapped
+    from the same axis of the tensor argument ``whole`` (which is then whole on that axis,
+    resharding gathers it), where the output is split: the rows of ``whole`` to read (a
+    gather's index shorter than its arg, split on that axis) or to write."""
+    out = expr.outputs[0]
+    return {a: out.logical[a] for a in out_axes
+            if whole.logical[a] not in expr.id_map.get(out.logical[a], ())
+            and not whole.logical[a].is_broadcast}
+
+
+def _held_rows(expr, here, whole, out_axes) -> dict[int, object]:
+    held = here.index(expr.outputs[0]).indices
+    return {a: held[a] for a in unmapped_rows(expr, whole, out_axes) if held[a] is not None}
+
+
+def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
+    """``t`` at the global positions ``rows`` ({axis: positions}) of its whole axes."""
+    for a, pos in (rows or {}).items():
+        t = t.index_select(a, pos.to(t.device))
+    return t
+
+
+def _localize_along(expr, here):
+    """``localize`` of take_along_axis and gather: the positions of ``dim`` held here
+    (``held``), and arg's rows at the positions of the output's split unmapped axes
+    (``rows``)."""
+    attrs, note = _localize_arg(lambda e: e.attrs["dim"] % len(e.args[0].materialized()))(
+        expr, here)
+    arg = expr.args[0]
+    dim = expr.attrs["dim"] % len(arg.materialized())
+    rows = _held_rows(expr, here, arg, [a for a in range(len(arg.logical)) if a != dim])
+    return ({**attrs, "rows": rows} if rows else attrs), note
+
+
+def _take_along_axis(arg, index, dim, held=None, rows=None):
+    arg = _rows_of(arg, rows)
     index, mask = held_positions(index, held)
     # Broadcast axes of extent 1 (arg's or index's) meet as in a pointwise op.
-    shape = [max(n, m) if a != dim % arg.ndim else m
+    shape = [n if m == 1 and a != dim % arg.ndim else m
              for a, (n, m) in enumerate(zip(arg.shape, index.shape))]
     shape_arg = [n if a == dim % arg.ndim else s for a, (n, s) in
                  enumerate(zip(arg.shape, shape))]
@@ -168,7 +209,8 @@ def _take_along_axis(arg, index, dim, held=None):
     return out if mask is None else out.masked_fill(~mask.expand(shape), 0)
 
 
-def _gather(arg, index, dim, held=None):
+def _gather(arg, index, dim, held=None, rows=None):
+    arg = _rows_of(arg, rows)
     index, mask = held_positions(index, held)
     if arg.shape[dim] == 0:  # an empty shard of dim (uneven)
         return arg.new_zeros(index.shape)
@@ -176,9 +218,11 @@ def _gather(arg, index, dim, held=None):
     return out if mask is None else out.masked_fill(~mask, 0)
 
 
-def _along_grads(d, grads):
-    return {"arg": lambda: d.ops.take_along_axis_backward(
-        grads[0], d.value("index"), d.value("arg"), d.attrs["dim"])}
+def _along_grads(aligned: bool):
+    def grads_of(d, grads):
+        return {"arg": lambda: d.ops.take_along_axis_backward(
+            grads[0], d.value("index"), d.value("arg"), d.attrs["dim"], aligned)}
+    return grads_of
 
 
 for _name, _same, _impl, _doc in (
@@ -189,26 +233,29 @@ for _name, _same, _impl, _doc in (
     register(OpDef(
         _name, (tensor("arg"), tensor("index"), attr("dim")), _along_infer(_name, _same),
         _impl, doc=_doc + "; a sharded dim gives partial sums (zeros off the shard)",
-        prefer_inputs=(0,),
-        localize=_localize_arg(lambda e: e.attrs["dim"] % len(e.args[0].materialized())),
-        vjp=Vjp(_along_grads),
+        prefer_inputs=(0,), localize=_localize_along, vjp=Vjp(_along_grads(_same)),
     ))
 
 
-def _along_backward_infer(grad, index, like, dim):
+def _along_backward_infer(grad, index, like, dim, aligned):
     op = "take_along_axis_backward"
     grad, like = require_tensor(op, "grad", grad), require_tensor(op, "like", like)
     index = _require_index(op, index)
     dim = normalize_axis(op, dim, like.ndim, "dim")
-    if not grad.ndim == index.ndim == like.ndim or (
-            None not in grad.shape + index.shape and grad.shape != index.shape):
+    if not isinstance(aligned, bool):
+        raise DefinitionError(f"{op}: aligned must be True or False, got {aligned!r}")
+    if not grad.ndim == index.ndim == like.ndim or any(
+            None not in (g, i) and g != i and not index.is_broadcast(a)
+            for a, (g, i) in enumerate(zip(grad.shape, index.shape))):
         raise DefinitionError(f"{op}: grad {list(grad.shape)} and index "
                               f"{list(index.shape)} must have one shape, of like's rank "
                               f"{like.ndim}")
     axes = []
     for a in range(like.ndim):
-        # An axis where grad is shorter than like (a gather's) is whole here.
-        same = grad.shape[a] == like.shape[a]
+        # An axis where grad may be shorter than like (a gather's) is whole here, and its
+        # rows added at the positions of like's held here (`rows`).
+        n, m = like.shape[a], grad.shape[a]
+        same = (n == m and n is not None) or (aligned and not grad.is_broadcast(a))
         sources = [(2, a)] if a == dim or same else []
         if a != dim and same:
             sources += [(0, a), (1, a)]
@@ -229,7 +276,31 @@ def _localize_out(dim_of):
     return localize
 
 
-def _take_along_axis_backward(grad, index, like, dim, out_shapes, held=None):
+def _localize_along_backward(expr, here):
+    """``localize`` of take_along_axis_backward: the positions of ``dim`` held here, and
+    those of the output's split axes that grad (whole there) adds into (``rows``)."""
+    dim = expr.attrs["dim"] % len(expr.args[2].materialized())
+    attrs, note = _localize_out(lambda e: dim)(expr, here)
+    grad = expr.args[0]
+    rows = _held_rows(expr, here, grad, [a for a in range(len(grad.logical)) if a != dim])
+    return ({**attrs, "rows": rows} if rows else attrs), note
+
+
+def _rows_into(grad, index, rows):
+    """grad and index at the held positions ``rows`` of the output's axes (zeros of grad
+    past grad's extent: a gather's index shorter than its arg adds nothing there)."""
+    for a, pos in (rows or {}).items():
+        pos = pos.to(grad.device)
+        inside = pos < grad.shape[a]
+        pos = torch.where(inside, pos, 0)
+        keep = inside.view(*([1] * a), -1, *([1] * (grad.ndim - a - 1)))
+        grad = grad.index_select(a, pos).masked_fill(~keep, 0)
+        index = index.index_select(a, pos) if index.shape[a] != 1 else index
+    return grad, index
+
+
+def _take_along_axis_backward(grad, index, like, dim, aligned, out_shapes, held=None,
+                              rows=None):
     index, mask = held_positions(index, held)
     out = grad.new_zeros(out_shapes[0])
     if out.shape[dim] == 0:  # an empty shard of dim (uneven): nothing lands here
@@ -237,19 +308,26 @@ def _take_along_axis_backward(grad, index, like, dim, out_shapes, held=None):
     shape = torch.broadcast_shapes(grad.shape, index.shape)
     grad, index = grad.expand(shape), index.expand(shape)
     if mask is not None:
-        grad = grad.masked_fill(~mask.expand(shape), 0)
+        mask = mask.expand(shape)
+    grad, index = _rows_into(grad, index, rows)
+    if mask is not None:
+        mask = _rows_into(mask, mask, rows)[0]
+    if mask is not None:
+        grad = grad.masked_fill(~mask, 0)
     return out.scatter_add_(dim, index, grad)
 
 
 register(OpDef(
     "take_along_axis_backward",
-    (tensor("grad"), tensor("index"), tensor("like"), attr("dim")),
+    (tensor("grad"), tensor("index"), tensor("like"), attr("dim"), attr("aligned", False)),
     _along_backward_infer, _take_along_axis_backward, needs_out_shape=True,
     doc="zeros shaped like `like` with grad added at index along dim (the transpose of "
-        "take_along_axis and gather)",
-    localize=_localize_out(lambda e: e.attrs["dim"] % len(e.args[2].materialized())),
-    vjp=Vjp(lambda d, grads: {"grad": lambda: d.ops.gather(
-        grads[0], d.value("index"), d.attrs["dim"])}),
+        "take_along_axis and gather; `aligned`: grad's other extents are like's, as "
+        "take_along_axis's)",
+    localize=_localize_along_backward,
+    vjp=Vjp(lambda d, grads: {"grad": lambda: getattr(
+        d.ops, "take_along_axis" if d.attrs["aligned"] else "gather")(
+            grads[0], d.value("index"), d.attrs["dim"])}),
 ))
 
 

@@ -251,12 +251,14 @@ register(OpDef(
 ))
 
 
-def split_sizes(op: str, extent: int | None, sections) -> list[int]:
-    """The extents of the pieces of an axis of ``extent``: ``sections`` an int (pieces of
-    that size, the last one shorter, as ``torch.split``) or a list of sizes summing to it."""
+def split_sizes(op: str, extent: int | None, sections, dim: int = 0) -> list[int]:
+    """The extents of the pieces of axis ``dim`` of ``extent``: ``sections`` an int (pieces
+    of that size, the last one shorter, as ``torch.split``) or a list of sizes summing to
+    it."""
     if extent is None:
-        raise DefinitionError(f"{op}: the split axis has a symbolic extent; it needs a static "
-                              "one")
+        raise DefinitionError(f"{op}: axis {dim} of x has a symbolic extent; give it a static "
+                              "one in define_tensor (the pieces' extents are part of the "
+                              "fusion)")
     if isinstance(sections, int) and not isinstance(sections, bool):
         if sections < 1:
             raise DefinitionError(f"{op}: split size {sections} must be positive")
@@ -264,7 +266,7 @@ def split_sizes(op: str, extent: int | None, sections) -> list[int]:
     sizes = int_list(op, "sections", sections)
     if sum(sizes) != extent or any(n < 0 for n in sizes):
         raise DefinitionError(f"{op}: sizes {sizes} must be non-negative and sum to the "
-                              f"extent {extent} of the split axis")
+                              f"extent {extent} of axis {dim} of x")
     return sizes
 
 
@@ -272,7 +274,7 @@ def _split_infer(x, sections, dim):
     x = require_tensor("split", "x", x)
     dim = normalize_axis("split", dim, x.ndim, "dim")
     outs = []
-    for n in split_sizes("split", x.shape[dim], sections):
+    for n in split_sizes("split", x.shape[dim], sections, dim):
         axes = [AxisSpec(n, IterType.Iteration) if a == dim else
                 AxisSpec(x.shape[a], x.iter_types[a], ((0, a),)) for a in range(x.ndim)]
         outs.append(OutSpec(x.dtype, tuple(axes)))

@@ -5,6 +5,7 @@ right across replays."""
 from meshfuse.runtime.replay.automatic import AutoReplay, GraphBudget, replay_lines, replay_wanted
 from meshfuse.runtime.replay.graphs import GraphedProgram
 from meshfuse.runtime.replay.step import capture_step
+from meshfuse.runtime.replay.streams import draws_random
 
-__all__ = ["AutoReplay", "GraphBudget", "GraphedProgram", "capture_step", "replay_lines",
-           "replay_wanted"]
+__all__ = ["AutoReplay", "GraphBudget", "GraphedProgram", "capture_step", "draws_random",
+           "replay_lines", "replay_wanted"]

@@ -147,7 +147,7 @@ def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
     keeps its program from replaying, judged from its record alone; None when it may
     replay (confirmed at the capture by :func:`plan_streams`). A random op replays when its
     seed and offset are given (constants, or inputs: a graph is captured per value of them)."""
-    if not step.note:
+    if not draws_random(step):
         return None
     if step.op not in ATTENTION:
         if any(_arg(step, n) is None or _source(step, n, input_slots) is None
@@ -163,6 +163,16 @@ def static_reason(step: Step, input_slots: Sequence[int]) -> str | None:
             if _source(step, name, input_slots) is None:
                 return f"its {name} is computed inside the program ({step.label})"
     return None
+
+
+def draws_random(step: Step) -> bool:
+    """Whether ``step`` has a random stream: a random op or an attention whose record notes
+    its part of a stream. Other ops note their part too (a lookup, the positions of the
+    axis it holds): a note alone says nothing of random numbers."""
+    if not step.note:
+        return False
+    names = {p.name for p in lookup(step.op).params}
+    return step.op in ATTENTION or names.issuperset(SEED_ARGS)
 
 
 def seed_inputs(program: Program) -> frozenset[int]:
@@ -192,13 +202,13 @@ def plan_streams(program: Program, inputs: Sequence[Any]) -> StreamPlan | str:
         reason = static_reason(step, program.input_slots)
         if reason is not None:
             return reason
-        if step.note and step.op not in ATTENTION:  # a random op with its seed given
+        if draws_random(step) and step.op not in ATTENTION:  # a random op, its seed given
             if any(isinstance(_source(step, n, program.input_slots).value(inputs),
                               torch.Tensor) for n in SEED_ARGS):
                 return (f"its seed is a tensor, read on the host by the capture only "
                         f"({step.label})")
             continue
-        if not step.note or not _drops(step, program.input_slots, inputs):
+        if not draws_random(step) or not _drops(step, program.input_slots, inputs):
             continue
         bound = getattr(call, "dropout_kernel", lambda: None)()
         if bound is None:
