@@ -15,6 +15,7 @@ the module (by name), a constant, or the n-th flattened user input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.regions import inline_regions
+from meshfuse.capture.repeats import expand_repeats, repeated_layers, traced_once
 from meshfuse.errors import DefinitionError
 
 __all__ = ["Captured", "capture", "module_path"]
@@ -59,11 +61,17 @@ class Captured:
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
     """Traces ``module(*args, **kwargs)`` (plain tensors, the global values) into a
-    :class:`Captured` graph.
+    :class:`Captured` graph; identical layers are traced once (:mod:`.repeats`).
 
     Raises:
         DefinitionError: if PyTorch cannot trace the module, with its reason and the fix.
     """
+    groups = repeated_layers(module)
+    if groups:
+        with contextlib.suppress(Exception):  # traced layer by layer below, which says why
+            with traced_once(module, groups):
+                exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+            return _from_exported(exported)
     try:
         exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
     except Exception as error:  # PyTorch's tracer raises many types; say what to do
@@ -99,6 +107,7 @@ def _from_exported(exported: ExportedProgram) -> Captured:
         )
     module = exported.graph_module
     inline_regions(module)
+    expand_repeats(module.graph, parameters, buffers)
     attributes = {n.name: _attribute(module, n.target) for n in module.graph.nodes
                   if n.op == "get_attr"}
     return Captured(module.graph, parameters, buffers, constants, tuple(user),
