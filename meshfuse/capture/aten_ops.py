@@ -280,6 +280,7 @@ TABLE: dict[Any, Translation] = {
     aten.cross_entropy_loss.default: Translation(_cross_entropy, _cross_entropy_check),
     aten.div.Scalar: Translation(_div),
     aten.div.Tensor: Translation(_div),
+    aten.detach.default: Translation(_unary("stop_gradient")),
     aten.dropout.default: Translation(_dropout, _dropout_check),
     aten.embedding.default: Translation(_embedding, _embedding_check),
     aten.expand.default: Translation(_expand),
@@ -336,7 +337,7 @@ TABLE: dict[Any, Translation] = {
 
 # Ops that return their input (for a forward: no copy, no gradient change).
 IDENTITIES = frozenset({aten.alias.default, aten.clone.default, aten.contiguous.default,
-                        aten.detach.default, aten.lift_fresh_copy.default})
+                        aten.lift_fresh_copy.default})
 
 # Ops with no value, dropped from the program.
 DROPPED = frozenset({aten._assert_tensor_metadata.default, aten._assert_scalar.default,

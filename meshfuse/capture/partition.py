@@ -91,7 +91,7 @@ def simplify(graph: torch.fx.Graph) -> None:
 
 
 def _static_placeholders(captured: Captured) -> set[str]:
-    return set(captured.buffers) | set(captured.constants)
+    return set(captured.buffers) | set(captured.constants) | set(captured.attributes)
 
 
 def static_nodes(captured: Captured) -> list[Node]:

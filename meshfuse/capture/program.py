@@ -66,7 +66,7 @@ class Program:
         versions = tuple(b._version for b in buffers.values())
         if versions != self._versions:
             inputs = {**{p: buffers[n] for p, n in self.captured.buffers.items()},
-                      **self.captured.constants}
+                      **self.captured.constants, **self.captured.attributes}
             self._folded = fold(self._static, inputs)
             self._versions = versions
         return self._folded
@@ -76,7 +76,7 @@ class Program:
         """The flat outputs on ``flat_inputs`` (the call's flattened user inputs) with the
         module's ``parameters`` (DTensors) and ``buffers``."""
         c = self.captured
-        env: dict[str, Any] = {**self._fold(buffers), **c.constants}
+        env: dict[str, Any] = {**self._fold(buffers), **c.constants, **c.attributes}
         env.update({p: parameters[n] for p, n in c.parameters.items()})
         env.update({p: buffers[n] for p, n in c.buffers.items()})
         env.update(zip(c.user_inputs, flat_inputs))

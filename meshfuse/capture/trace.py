@@ -15,6 +15,7 @@ the module (by name), a constant, or the n-th flattened user input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from meshfuse.capture.regions import inline_regions
+from meshfuse.capture.repeats import expand_repeats, repeated_layers, traced_once
 from meshfuse.errors import DefinitionError
 
 __all__ = ["Captured", "capture", "module_path"]
@@ -42,6 +45,8 @@ class Captured:
         user_inputs: the placeholders of the flattened user inputs, in order.
         in_spec: how the call's ``(args, kwargs)`` flatten.
         out_spec: how the flat outputs nest back (a ``ModelOutput`` stays one).
+        attributes: ``get_attr`` node name -> its value (the submodule a higher-order op that
+            :mod:`.regions` does not inline calls; its graph break passes it).
     """
 
     graph: torch.fx.Graph
@@ -51,15 +56,22 @@ class Captured:
     user_inputs: tuple[str, ...]
     in_spec: Any
     out_spec: Any
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
     """Traces ``module(*args, **kwargs)`` (plain tensors, the global values) into a
-    :class:`Captured` graph.
+    :class:`Captured` graph; identical layers are traced once (:mod:`.repeats`).
 
     Raises:
         DefinitionError: if PyTorch cannot trace the module, with its reason and the fix.
     """
+    groups = repeated_layers(module)
+    if groups:
+        with contextlib.suppress(Exception):  # traced layer by layer below, which says why
+            with traced_once(module, groups):
+                exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+            return _from_exported(exported)
     try:
         exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
     except Exception as error:  # PyTorch's tracer raises many types; say what to do
@@ -93,8 +105,19 @@ def _from_exported(exported: ExportedProgram) -> Captured:
             "batch norm's running statistics); meshfuse captures pure forwards: put it in "
             "eval mode or keep that part out of the parallelized module"
         )
-    return Captured(exported.graph_module.graph, parameters, buffers, constants, tuple(user),
-                    exported.call_spec.in_spec, exported.call_spec.out_spec)
+    module = exported.graph_module
+    inline_regions(module)
+    expand_repeats(module.graph, parameters, buffers)
+    attributes = {n.name: _attribute(module, n.target) for n in module.graph.nodes
+                  if n.op == "get_attr"}
+    return Captured(module.graph, parameters, buffers, constants, tuple(user),
+                    exported.call_spec.in_spec, exported.call_spec.out_spec, attributes)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def flatten_call(captured: Captured, args: tuple, kwargs: Mapping[str, Any]) -> list:

@@ -1,0 +1,332 @@
+"""Repeated layers traced once: a stack of identical blocks costs one block's trace.
+
+``torch.export`` runs the module's Python for every layer; for a 32-layer model most of the
+capture is that. meshfuse traces the first layer of each run of identical ones (the
+*template*) and stands the others in with one node each, then copies the template's nodes in
+their place, reading the layer's own parameters and buffers:
+
+1. :func:`repeated_layers`: the children of a top-level ``ModuleList``/``ModuleDict`` (the
+   numbered blocks, ``model.layers.3``) grouped by structure: class, every submodule's class,
+   parameters and buffers (names, shapes, dtypes), and every plain attribute (an attribute
+   holding the layer's own index, ``layer_idx``, is allowed to differ). A layer whose
+   ``layer_types`` entry, sliding window or any other attribute differs is traced itself.
+2. :func:`traced_once`: during the trace, the template's call is wrapped in two marker ops
+   (``enter``/``exit``, identities), and each other layer's forward is replaced by one
+   ``repeat`` op whose outputs have the template's shapes, where its inputs have the
+   template's structure, shapes and non-tensor values (else the layer runs its own forward).
+3. :func:`expand_repeats`: on the traced graph, each ``repeat`` node becomes a copy of the
+   template's nodes between its markers, with the layer's parameters and buffers and its
+   module paths (so that plans, fusions per block and explain see ``model.layers.3``).
+
+The plan plays no part: the trace of a layer does not depend on it (the build reads the
+plan per copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
+__all__ = ["expand_repeats", "repeated_layers", "traced_once"]
+
+_NS = "meshfuse_capture"
+# template path -> the record of its traced call, read by the repeat op's fake kernel.
+_RECORDS: dict[str, _Record] = {}
+
+
+@torch.library.custom_op(f"{_NS}::enter", mutates_args=())
+def _enter(xs: list[torch.Tensor], path: str) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
+
+
+@_enter.register_fake
+def _enter_fake(xs, path):
+    return [torch.empty_like(x) for x in xs]
+
+
+@torch.library.custom_op(f"{_NS}::exit", mutates_args=())
+def _exit(xs: list[torch.Tensor], path: str) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
+
+
+@_exit.register_fake
+def _exit_fake(xs, path):
+    return [torch.empty_like(x) for x in xs]
+
+
+@torch.library.custom_op(f"{_NS}::repeat", mutates_args=())
+def _repeat(xs: list[torch.Tensor], template: str, path: str) -> list[torch.Tensor]:
+    raise AssertionError("meshfuse's repeat marker runs only under torch.export")
+
+
+@_repeat.register_fake
+def _repeat_fake(xs, template, path):
+    return [torch.empty(s, dtype=d, device=v) for s, d, v in _RECORDS[template].outputs]
+
+
+@dataclasses.dataclass
+class _Record:
+    """What the template's traced call took and returned (tensors by metadata)."""
+
+    spec: Any
+    leaves: list  # the input leaves, tensors as (shape, dtype, device)
+    out_spec: Any
+    out_leaves: list  # the output leaves, tensors as None
+    out_tensors: list[bool]  # which output leaves are tensors
+    outputs: list  # (shape, dtype, device) of each output tensor
+
+
+def _meta(x: Any) -> Any:
+    return (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+
+
+def repeated_layers(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Template path -> the paths of the later layers identical to it (see the module doc)."""
+    groups: dict[str, list[str]] = {}
+    for path, container in module.named_modules():
+        if not isinstance(container, torch.nn.ModuleList | torch.nn.ModuleDict) or \
+                any(part.isdigit() for part in path.split(".")):
+            continue
+        templates: list[tuple[str, torch.nn.Module, int]] = []
+        for name, layer in container.named_children():
+            if not name.isdigit():
+                continue
+            child = f"{path}.{name}" if path else name
+            match = next((t for t in templates if _same(t[1], int(t[2]), layer, int(name))),
+                         None)
+            if match is None:
+                templates.append((child, layer, int(name)))
+                groups[child] = []
+            else:
+                groups[match[0]].append(child)
+    return {t: copies for t, copies in groups.items() if copies}
+
+
+def _same(a: torch.nn.Module, i: int, b: torch.nn.Module, j: int) -> bool:
+    """``a`` (layer ``i``) and ``b`` (layer ``j``) trace alike."""
+    mods_a, mods_b = dict(a.named_modules()), dict(b.named_modules())
+    if mods_a.keys() != mods_b.keys():
+        return False
+    for name, m in mods_a.items():
+        n = mods_b[name]
+        if type(m) is not type(n) or type(m).forward is not type(n).forward:
+            return False
+        if "forward" in vars(m) or "forward" in vars(n):
+            return False
+        if not _same_tensors(m._parameters, n._parameters) or \
+                not _same_tensors(m._buffers, n._buffers):
+            return False
+        if not _same_attributes(m, i, n, j):
+            return False
+        if any(getattr(m, h) or getattr(n, h) for h in _HOOKS):
+            return False
+    return True
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        (a[k] is None) == (b[k] is None) and (a[k] is None or (
+            a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
+            and a[k].requires_grad == b[k].requires_grad)) for k in a)
+
+
+def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> bool:
+    va = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+    vb = {k: v for k, v in vars(n).items() if not k.startswith("_")}
+    if va.keys() != vb.keys():
+        return False
+    for key, x in va.items():
+        y = vb[key]
+        if type(x) is int and type(y) is int and (x, y) == (i, j):
+            continue  # the layer's index (layer_idx)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return False
+        try:
+            if not (x is y or bool(x == y)):
+                return False
+        except Exception:  # noqa: BLE001 - an object whose == is not a truth value
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def traced_once(module: torch.nn.Module, groups: Mapping[str, list[str]]) -> Iterator[None]:
+    """During a trace of ``module``: templates marked, their copies stood in (module doc)."""
+    patched = []
+    try:
+        for template, copies in groups.items():
+            layer = module.get_submodule(template)
+            layer.forward = _marked(layer.forward, template)
+            patched.append(layer)
+            for path in copies:
+                copy = module.get_submodule(path)
+                copy.forward = _stand_in(copy.forward, template, path)
+                patched.append(copy)
+        yield
+    finally:
+        for layer in patched:
+            vars(layer).pop("forward", None)
+        for template in groups:
+            _RECORDS.pop(template, None)
+
+
+def _marked(forward, path: str):
+    def marked(*args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat = _through(torch.ops.meshfuse_capture.enter, flat, path)
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        out = forward(*args, **kwargs)
+        out_flat, out_spec = pytree.tree_flatten(out)
+        _RECORDS[path] = _Record(
+            spec, [_meta(x) for x in flat], out_spec,
+            [None if isinstance(x, torch.Tensor) else x for x in out_flat],
+            [isinstance(x, torch.Tensor) for x in out_flat],
+            [_meta(x) for x in out_flat if isinstance(x, torch.Tensor)])
+        out_flat = _through(torch.ops.meshfuse_capture.exit, out_flat, path)
+        return pytree.tree_unflatten(out_flat, out_spec)
+    return marked
+
+
+def _through(op, flat: list, path: str) -> list:
+    """``flat`` with its tensors passed through the marker ``op``."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if not tensors:
+        return flat
+    marked = iter(op(tensors, path))
+    return [next(marked) if isinstance(x, torch.Tensor) else x for x in flat]
+
+
+def _stand_in(forward, template: str, path: str):
+    def stand_in(*args, **kwargs):
+        record = _RECORDS.get(template)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if record is None or spec != record.spec or not _same_leaves(flat, record.leaves):
+            return forward(*args, **kwargs)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        outs = iter(torch.ops.meshfuse_capture.repeat(tensors, template, path))
+        leaves = [next(outs) if tensor else x
+                  for x, tensor in zip(record.out_leaves, record.out_tensors)]
+        return pytree.tree_unflatten(leaves, record.out_spec)
+    return stand_in
+
+
+def _same_leaves(flat: list, leaves: list) -> bool:
+    if len(flat) != len(leaves):
+        return False
+    for x, y in zip(flat, leaves):
+        x = _meta(x)
+        try:
+            if not (x is y or bool(x == y)):
+                return False
+        except Exception:  # noqa: BLE001 - an object whose == is not a truth value
+            return False
+    return True
+
+
+class RepeatError(Exception):
+    """The stood-in layers could not be expanded (the caller traces every layer instead)."""
+
+
+def expand_repeats(graph: Graph, parameters: Mapping[str, str],
+                   buffers: Mapping[str, str]) -> None:
+    """Each ``repeat`` node of ``graph`` replaced by a copy of its template's nodes (module
+    doc); ``parameters``/``buffers``: placeholder -> name in the module.
+
+    Raises:
+        RepeatError: a template traced more than once, or a layer's parameter not in the
+            graph.
+    """
+    markers = _markers(graph)
+    if not markers["repeat"]:
+        if markers["enter"] or markers["exit"]:
+            _unmark(graph, markers)
+        return
+    placeholders = {name: p for p, name in {**parameters, **buffers}.items()}
+    nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    bodies = _bodies(graph, markers)
+    for repeat in markers["repeat"]:
+        _, template, path = repeat.args
+        if template not in bodies:
+            raise RepeatError(f"no traced call of {template}")
+        enter, exit_ = markers["enter"][template], markers["exit"][template]
+        body = bodies[template]
+        values: dict[Node, Any] = {u: repeat.args[0][u.args[1]] for u in enter.users}
+        for name, p in placeholders.items():
+            if name.startswith(f"{template}."):
+                own = placeholders.get(path + name[len(template):])
+                if own is None:
+                    raise RepeatError(f"{path}{name[len(template):]} is not in the graph")
+                values[nodes[p]] = nodes[own]
+        with graph.inserting_before(repeat):
+            for n in body:
+                values[n] = graph.node_copy(n, lambda a, v=values: v.get(a, a))
+                values[n].meta["nn_module_stack"] = _moved(n.meta, template, path)
+        outputs = [values.get(a, a) for a in exit_.args[0]]
+        for user in list(repeat.users):
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(repeat)
+    _unmark(graph, markers)
+    graph.lint()
+
+
+def _bodies(graph: Graph, markers: Mapping[str, Any]) -> dict[str, list[Node]]:
+    """Each template's nodes: those between its markers (the enter's getitems left out)."""
+    bodies: dict[str, list[Node]] = {}
+    inside: str | None = None
+    for node in graph.nodes:
+        if node.target is torch.ops.meshfuse_capture.exit.default:
+            inside = None
+        if inside is not None and not (node.target is operator.getitem and
+                                       node.args[0] is markers["enter"][inside]):
+            bodies[inside].append(node)
+        if node.target is torch.ops.meshfuse_capture.enter.default:
+            if inside is not None:
+                raise RepeatError(f"{node.args[1]} is called inside {inside}")
+            inside = node.args[1]
+            bodies[inside] = []
+    return {t: b for t, b in bodies.items() if t in markers["exit"]}
+
+
+def _markers(graph: Graph) -> dict[str, Any]:
+    ops = torch.ops.meshfuse_capture
+    found: dict[str, Any] = {"enter": {}, "exit": {}, "repeat": []}
+    for node in graph.nodes:
+        for kind, op in (("enter", ops.enter.default), ("exit", ops.exit.default)):
+            if node.target is op:
+                if node.args[1] in found[kind]:
+                    raise RepeatError(f"{node.args[1]} was called more than once")
+                found[kind][node.args[1]] = node
+        if node.target is ops.repeat.default:
+            found["repeat"].append(node)
+    return found
+
+
+def _unmark(graph: Graph, markers: Mapping[str, Any]) -> None:
+    """The templates' markers replaced by the values they pass on."""
+    for kind in ("enter", "exit"):
+        for node in markers[kind].values():
+            for user in list(node.users):
+                user.replace_all_uses_with(node.args[0][user.args[1]])
+                graph.erase_node(user)
+            graph.erase_node(node)
+
+
+def _moved(meta: Mapping[str, Any], template: str, path: str) -> dict:
+    """A copied node's module stack, with the template's path as the layer's."""
+    moved = {}
+    for key, (where, kind) in (meta.get("nn_module_stack") or {}).items():
+        if where == template or where.startswith(f"{template}."):
+            where = path + where[len(template):]
+        moved[key] = (where, kind)
+    return moved

@@ -1,0 +1,122 @@
+"""Repeated layers traced once: a stack of identical blocks runs the Python of its first
+block only during the capture (the others are copies of its graph with their own parameters),
+and computes what the module computes; a block that differs is traced itself."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshfuse
+from meshfuse import DeviceMesh
+from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.capture.repeats import repeated_layers
+from meshfuse.capture.trace import _from_exported, capture, module_path
+from meshfuse.runtime.comm.collectives import record_communications
+
+E, HIDDEN, LAYERS = 8, 10, 16  # HIDDEN shards unevenly over 3 and 4 ranks
+CALLS: collections.Counter = collections.Counter()  # Block.forward calls, by layer index
+
+
+class Block(torch.nn.Module):
+    def __init__(self, index: int, hidden: int = HIDDEN, scale: float = 1.0):
+        super().__init__()
+        self.layer_idx = index  # differs per layer: an index, allowed
+        self.scale = scale
+        self.up = torch.nn.Linear(E, hidden)
+        self.down = torch.nn.Linear(hidden, E)
+        self.norm = torch.nn.LayerNorm(E)
+
+    def forward(self, x, table, *, gain=None):
+        CALLS[self.layer_idx] += 1
+        h = F.silu(self.up(self.norm(x) * table)) * self.scale
+        return x + self.down(h) * gain, None  # a non-tensor output rides along
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.embed = torch.nn.Linear(E, E)
+        self.layers = torch.nn.ModuleList(blocks)
+        self.register_buffer("table", torch.linspace(0.5, 1.5, E))
+
+    def forward(self, x):
+        x = self.embed(x)
+        gain = torch.ones(E) * 0.5  # folded at capture, read by every layer
+        for layer in self.layers:
+            x, _ = layer(x, self.table, gain=gain)
+        return (x * x).mean(), x
+
+
+PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+
+
+def _stack(odd: int | None = None) -> Stack:
+    """``LAYERS`` blocks; block ``odd`` (if given) has another ``scale``."""
+    torch.manual_seed(0)
+    return Stack([Block(i, scale=2.0 if i == odd else 1.0) for i in range(LAYERS)])
+
+
+def _signature(graph) -> collections.Counter:
+    return collections.Counter(
+        (str(n.target), module_path(n), tuple(getattr(n.meta.get("val"), "shape", ())))
+        for n in graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("odd", [None, 5])
+def test_identical_layers_run_their_python_once_and_give_the_whole_graph(odd):
+    model, x = _stack(odd), torch.randn(2, 3, E)
+    traced = [0] if odd is None else [0, odd]  # the layer that differs traces itself
+    assert repeated_layers(model) == {
+        "layers.0": [f"layers.{i}" for i in range(LAYERS) if i not in traced]}
+    CALLS.clear()
+    captured = capture(model, (x,), {})
+    assert CALLS == dict.fromkeys(traced, 1)
+    CALLS.clear()
+    whole = _from_exported(torch.export.export(model, (x,), strict=False))
+    assert len(CALLS) == LAYERS
+    # The copies are the layers' own: same ops, module paths (layers.7.up) and shapes.
+    assert _signature(captured.graph) == _signature(whole.graph)
+    read = {a.name for n in captured.graph.nodes if n.op == "call_function"
+            for a in n.all_input_nodes}
+    assert all(p in read for p in captured.parameters), "every layer reads its parameters"
+
+
+def test_a_layer_with_another_shape_or_a_hook_is_not_a_copy():
+    blocks = [Block(i, hidden=HIDDEN if i != 2 else HIDDEN + 2) for i in range(4)]
+    assert repeated_layers(Stack(blocks)) == {"layers.0": ["layers.1", "layers.3"]}
+    blocks = [Block(i) for i in range(4)]
+    blocks[1].up.register_forward_hook(lambda *a: None)
+    assert repeated_layers(Stack(blocks)) == {"layers.0": ["layers.2", "layers.3"]}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("odd", [None, 5])
+def test_a_stack_traced_once_computes_the_modules_values_and_gradients(multidevice_test, odd):
+    reference = _stack(odd)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    model = meshfuse.parallelize(copy.deepcopy(reference), mesh, PLAN)
+    x = torch.randn(2, 3, E, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        with record_communications() as forward:
+            loss, y = model(x)
+    expected, expected_y = reference(x)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # Megatron's: one allreduce per layer (after its row-parallel down projection).
+    crossing = [c.kind for c in forward if len(c.ranks) > 1]
+    assert crossing == (["allreduce"] * LAYERS if multidevice_test.size > 1 else [])
