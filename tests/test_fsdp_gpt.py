@@ -20,6 +20,7 @@ from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 
 B, S, E, HEADS, LAYERS, STEPS, LR, MAX_NORM = 2, 8, 8, 2, 2, 4, 1e-2, 0.5
+REPLICATED = 4  # of a block's 6 parameters replicated over tp and cp, those summed alone
 
 # the meshes each world size runs (3: E = 8 rows and 32 over 3 ranks, uneven shards)
 MESHES = {1: ["dp=1"], 2: ["dp=2", "dp=1,cp=2"], 3: ["dp=3"],
@@ -113,5 +114,14 @@ def _check_communications(mesh: NamedMesh, forward, backward) -> None:
         sums = [k for k in on(backward, name) if k == "allreduce"]
         assert sorted(k for k in on(backward, name) if k != "allreduce") == sorted(own_backward)
         # the weights' partial sums over the ranks that split the tokens: folded into the
-        # layer's reduce-scatter bucket (one allreduce per layer), else one per parameter
-        assert len(sums) == LAYERS if n["dp"] > 1 else len(sums) > LAYERS
+        # layer's reduce-scatter bucket (one allreduce per layer), else one per parameter.
+        # On dp x cp x tp the parameters replicated over both cp and tp (norms, row-parallel
+        # biases) are summed over each by one allreduce per parameter (not bucketed yet).
+        split = [k for k in ("cp", "tp") if n.get(k, 1) > 1]
+        if n["dp"] > 1 and len(split) == 1:
+            assert len(sums) == LAYERS
+        elif n["dp"] > 1:
+            assert len(sums) == LAYERS * (1 + REPLICATED) if name == "cp" else \
+                len(sums) == LAYERS * REPLICATED
+        else:
+            assert len(sums) > LAYERS

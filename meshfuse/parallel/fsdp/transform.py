@@ -79,8 +79,8 @@ def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[Tens
         options: see :class:`FsdpOptions`.
 
     Raises:
-        DefinitionError: a parameter or batch tensor that is no floating tensor input, or
-            a parameter named twice.
+        DefinitionError: a parameter that is no floating tensor input, a batch tensor that
+            is no tensor input, or a parameter named twice.
         ScheduleError: a dimension the mesh lacks, ``replicate`` equal to ``shard``, a
             tensor scheduled on another mesh, a parameter with no first axis to shard.
     """
@@ -127,7 +127,7 @@ def _checked(fusion: Fusion, mesh: NamedMesh, layers, batch, options: FsdpOption
                                     "of the layers (it stays replicated)")
             param_layer[p] = k
     for x in batch:
-        _check_input(x, inputs, "batch input")
+        _check_input(x, inputs, "batch input", floating=False)
         if x in param_layer:
             raise DefinitionError(f"{x.name} is both a parameter and a batch input")
     for tv in fusion.tensors():
@@ -138,10 +138,12 @@ def _checked(fusion: Fusion, mesh: NamedMesh, layers, batch, options: FsdpOption
     return param_layer
 
 
-def _check_input(tv, inputs, what: str) -> None:
-    if not isinstance(tv, TensorView) or tv not in inputs or not tv.dtype.is_floating:
-        raise DefinitionError(f"{what} {getattr(tv, 'name', tv)!r} is not a floating tensor "
-                              "input of the fusion; pass tensors made by its define_tensor")
+def _check_input(tv, inputs, what: str, floating: bool = True) -> None:
+    if not isinstance(tv, TensorView) or tv not in inputs or \
+            (floating and not tv.dtype.is_floating):
+        kind = "a floating tensor" if floating else "a tensor"
+        raise DefinitionError(f"{what} {getattr(tv, 'name', tv)!r} is not {kind} input of "
+                              "the fusion; pass tensors made by its define_tensor")
 
 
 def _fresh_input(new: Fusion, v: Val) -> Val:
