@@ -42,11 +42,13 @@ import dataclasses
 
 import torch
 
+from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
-from meshfuse.examples.gpt import place
 from meshfuse.frontend.fusion_definition import FusionDefinition
 from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.parallel.fsdp import NamedMesh, clip_grad_norm_, copies
+from meshfuse.parallel.fsdp.transform import shard_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,15 +131,32 @@ def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().to(cfg.torch_dtype), angles.sin().to(cfg.torch_dtype)
 
 
-class _LlamaFusion(FusionDefinition):
-    """What the three fusions share: sizes, the mesh and the Megatron placements."""
+def named_mesh(mesh: DeviceMesh | NamedMesh | None) -> NamedMesh | None:
+    """``mesh`` with named dimensions: a 1-D meshfuse mesh is ``tp``."""
+    if mesh is None or isinstance(mesh, NamedMesh):
+        return mesh
+    return NamedMesh(mesh, ("tp",))
 
-    def __init__(self, cfg: LlamaConfig, batch: int, mesh: DeviceMesh | None = None) -> None:
+
+class _LlamaFusion(FusionDefinition):
+    """What the three fusions share: sizes, the mesh and the Megatron placements.
+
+    ``mesh``: None (one device), a 1-D mesh (tensor parallel over all of it), or a
+    :class:`NamedMesh` whose ``tp`` dimension (if any) the model is tensor parallel over
+    (its other dimensions, such as ``dp``, are left to a data-parallel strategy)."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int,
+                 mesh: DeviceMesh | NamedMesh | None = None) -> None:
         super().__init__()
-        self.cfg, self.batch, self.mesh = cfg, batch, mesh
+        self.cfg, self.batch = cfg, batch
+        self.named = named_mesh(mesh)
+        self.mesh = None if self.named is None else self.named.mesh
+        self.tp = 1 if self.named is None or "tp" not in self.named.names else \
+            self.named.size("tp")
         self.dtype = DataType.from_torch(cfg.torch_dtype)
         self.params: dict = {}
         self.placements: list = []  # (tensor, axis or None), applied by the schedule
+        self.batch_inputs: list = []  # the inputs whose first axis is the batch (dp splits)
 
     def parameter(self, name: str, shape, axis: int | None):
         tv = self.define_tensor(list(shape), dtype=self.dtype, contiguity=True)
@@ -162,7 +181,9 @@ class _LlamaFusion(FusionDefinition):
         if self.mesh is None:
             return
         for tv, axis in self.placements:
-            place(tv, self.mesh, axis)
+            tv.set_device_mesh(self.mesh)
+            if axis is not None and self.tp > 1:
+                shard_axis(tv, self.named, "tp", axis)
 
 
 class LlamaEmbedding(_LlamaFusion):
@@ -172,6 +193,7 @@ class LlamaEmbedding(_LlamaFusion):
     def definition(self) -> None:
         cfg = self.cfg
         self.ids = self.pin(self.tokens(), None)
+        self.batch_inputs = [self.ids]
         table = self.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), 0)
         self.add_output(self.pin(self.ops.embedding_fwd(self.ids, table), 1))
 
@@ -183,12 +205,12 @@ class LlamaBlock(_LlamaFusion):
 
     def definition(self) -> None:
         cfg, o = self.cfg, self.ops
-        tp = 1 if self.mesh is None else self.mesh.size
-        kv_axis = 0 if cfg.kv_heads % tp == 0 else None
+        kv_axis = 0 if cfg.kv_heads % self.tp == 0 else None
         columns = {"q_proj": 0, "k_proj": kv_axis, "v_proj": kv_axis, "o_proj": 1,
                    "gate_proj": 0, "up_proj": 0, "down_proj": 1}
         x = self.pin(self.define_tensor([self.batch, cfg.seq, cfg.hidden], dtype=self.dtype,
                                         contiguity=True), 1)
+        self.batch_inputs = [x]
         rope = [self.pin(self.define_tensor([cfg.seq, cfg.head_dim], dtype=self.dtype,
                                             contiguity=True), None) for _ in "cs"]
         p = {name.split(".")[-2]: self.parameter(name, shape, columns.get(name.split(".")[-2]))
@@ -246,7 +268,8 @@ class LlamaHead(_LlamaFusion):
         cfg, o, b = self.cfg, self.ops, self.batch
         x = self.pin(self.define_tensor([b, cfg.seq, cfg.hidden], dtype=self.dtype,
                                         contiguity=True), 1)
-        targets = self.pin(self.tokens(), None)
+        self.targets = targets = self.pin(self.tokens(), None)
+        self.batch_inputs = [x, targets]
         norm = self.parameter("model.norm.weight", (cfg.hidden,), None)
         head = self.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), 0)
         logits = o.linear(o.rms_norm(x, norm, cfg.eps), head)
@@ -262,19 +285,23 @@ class LlamaModel(torch.nn.Module):
         cfg: the sizes.
         batch: sequences per step (static, as every fusion's shapes).
         params: global initial values (:func:`init_parameters`' names).
-        mesh: a 1-D mesh for tensor + sequence parallelism, or None (one device).
+        mesh: a 1-D mesh for tensor + sequence parallelism, a :class:`NamedMesh` with
+            dimensions ``dp`` (fully sharded data parallel: each fusion's parameters
+            sharded over it, the batch split over it) and ``tp``, or None (one device).
         device: where the parameters and RoPE tables live.
     """
 
     def __init__(self, cfg: LlamaConfig, batch: int, params: dict[str, torch.Tensor],
-                 mesh: DeviceMesh | None = None, device=None) -> None:
+                 mesh: DeviceMesh | NamedMesh | None = None, device=None) -> None:
         super().__init__()
+        named = named_mesh(mesh)
+        self.fsdp = named if named is not None and "dp" in named.names else None
         embed, head = LlamaEmbedding(cfg, batch, mesh), LlamaHead(cfg, batch, mesh)
-        self.embed = _module(embed, params, "")
+        self.embed = self._module(embed, params, "")
         block = LlamaBlock(cfg, batch, mesh)  # one definition, one build, for every layer
         self.blocks = torch.nn.ModuleList(
-            _module(block, params, f"model.layers.{i}.") for i in range(cfg.layers))
-        self.head = _module(head, params, "")
+            self._module(block, params, f"model.layers.{i}.") for i in range(cfg.layers))
+        self.head = self._module(head, params, "")
         self._names = {f"blocks.{i}.{n.replace('.', '_')}": f"model.layers.{i}.{n}"
                        for i in range(cfg.layers) for n in block.params}
         self._names.update({f"{m}.{n.replace('.', '_')}": n
@@ -290,15 +317,33 @@ class LlamaModel(torch.nn.Module):
         return dict(self._names)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.fsdp is not None:  # this rank's rows of the batch
+            ids = self.embed.shard_input(self.embed.fd.ids, ids)
+            targets = self.head.shard_input(self.head.fd.targets, targets)
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
         return self.head(x, targets)
 
+    def _module(self, fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str):
+        """``fd`` as a module holding this rank's shards of its parameters (torch parameter
+        names cannot hold dots: they are replaced by underscores): a FusionModule, or with a
+        ``dp`` dimension a FullyShardedModule whose one layer is all of them."""
+        fd.define()
+        own = {name.replace(".", "_"): (tv, params[prefix + name])
+               for name, tv in fd.params.items()}
+        if self.fsdp is None:
+            module = FusionModule(fd, own)
+            module.copies = [copies(tv) for tv, _ in own.values()]
+        else:
+            module = FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, self.fsdp)
+            module.copies = module._copies
+        module.fd = fd
+        return module
 
-def _module(fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str) -> FusionModule:
-    """``fd`` as a FusionModule holding this rank's shards of its parameters (torch
-    parameter names cannot hold dots: they are replaced by underscores)."""
-    fd.define()
-    return FusionModule(fd, {name.replace(".", "_"): (tv, params[prefix + name])
-                             for name, tv in fd.params.items()})
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clips the gradients (this rank's shards) to a global norm of ``max_norm``, every
+        element counted once; returns the norm before clipping."""
+        parts = [self.embed, *self.blocks, self.head]
+        return clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm,
+                               [n for m in parts for n in m.copies])

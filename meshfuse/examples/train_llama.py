@@ -14,8 +14,9 @@ status is 1 when a float32 loss is off by more than ``--rtol`` (1e-5) relative, 
 argument (one line on stderr, before any rank starts).
 
 ``--mesh`` names the mesh's dimensions: ``tp=N`` tensor (+ sequence) parallelism over N
-ranks, ``dp=M`` data parallelism (fully sharded) over M, as ``--mesh dp=2,tp=2``; the
-data-parallel dimension is not available yet (``dp=1`` only).
+ranks, ``dp=M`` fully sharded data parallelism over M (:mod:`meshfuse.parallel.fsdp`: each
+fusion's parameters sharded over ``dp``, the batch split over it), as ``--mesh dp=2,tp=2``
+on 4 ranks. ``--max-norm`` clips the gradients' global norm (over every rank's shards).
 
 The data: sequences that count up by a stride modulo the vocabulary (a random start and
 stride per sequence, seeded per step); the next token is learnable in context, so the loss
@@ -41,12 +42,11 @@ from meshfuse.examples.llama import LlamaConfig, LlamaModel, init_parameters
 from meshfuse.examples.llama_torch import LlamaTorch
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.launch import launcher_world_size, spawn
+from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.runtime.comm.communicator import Communicator
 
 PROG = "python -m meshfuse.examples.train_llama"
 MESH_DIMS = ("dp", "tp")  # outermost first
-AVAILABLE = {"tp"}  # dp: once the FSDP strategy is merged (then drop it from NOT_YET)
-NOT_YET = {"dp": "data-parallel (FSDP)"}
 FLOAT32_RTOL = 1e-5
 
 
@@ -83,12 +83,14 @@ def parse_args(argv: Sequence[str] | None = None,
     """The script's options, checked against the mesh and the ranks (exit 2 on a bad one)."""
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("tp=2"),
-                   help="mesh dimensions NAME=SIZE, comma separated: tp (tensor + sequence "
-                        "parallel), dp (data parallel, not available yet); default tp=2")
+                   help="mesh dimensions NAME=SIZE, comma separated: dp (fully sharded data "
+                        "parallel), tp (tensor + sequence parallel); default tp=2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-norm", type=float, default=None,
+                   help="clip the gradients to this global norm (default: no clipping)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rtol", type=float, default=FLOAT32_RTOL,
                    help="largest relative loss difference from PyTorch in float32")
@@ -105,10 +107,9 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def _check(p: _Parser, args: argparse.Namespace, launcher_size: int | None) -> None:
     mesh = args.mesh
-    for name in MESH_DIMS:
-        if mesh[name] > 1 and name not in AVAILABLE:
-            p.error(f"--mesh {name}={mesh[name]}: the {NOT_YET[name]} dimension is not "
-                    "available yet; use --mesh tp=N")
+    if args.batch % mesh["dp"]:
+        p.error(f"--mesh dp={mesh['dp']} splits --batch {args.batch} sequences: give a batch "
+                "that dp divides")
     ranks = math.prod(mesh.values())
     spec = ",".join(f"{k}={v}" for k, v in mesh.items())
     if launcher_size is not None and ranks != launcher_size:
@@ -154,26 +155,50 @@ def memory_account(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[s
             "optimizer_state": size(v for s in opt.state.values() for v in s.values())}
 
 
-def step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor) -> float:
-    """One AdamW step; the loss before the update."""
+def step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor,
+         max_norm: float | None = None) -> float:
+    """One AdamW step (the gradients clipped to ``max_norm``); the loss before the update."""
     opt.zero_grad()
     loss = model(ids, targets)
     loss.backward()
+    if max_norm is not None:
+        clip_grad_norm_(model, max_norm)
     opt.step()
     return loss.item()
 
 
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clips ``model``'s gradients to a global norm of ``max_norm``: a meshfuse model's over
+    every rank's shards (each element counted once), else torch's."""
+    if isinstance(model, LlamaModel):
+        return model.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def device_mesh(sizes: dict[str, int], world_size: int):
+    """The model's mesh: a 1-D tensor-parallel mesh, or a named ``dp x tp`` mesh."""
+    if sizes["dp"] == 1:
+        return DeviceMesh(range(world_size))
+    return NamedMesh(DeviceMesh(torch.arange(world_size).reshape(sizes["dp"], sizes["tp"])),
+                     ("dp", "tp"))
+
+
 def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: int = 0,
-          reference=LlamaTorch, progress: bool = False, save: str | None = None,
+          reference=LlamaTorch, progress: bool = False, mesh: dict[str, int] | None = None,
+          max_norm: float | None = None, save: str | None = None,
           resume_from: str | None = None):
-    """Trains the meshfuse model over all ranks (tensor + sequence parallel) and, on rank 0,
-    ``reference(cfg)`` (a module named as ``LlamaForCausalLM``, called ``(ids, targets)``)
-    on one device, from the same parameters on the same batches. Returns the meshfuse losses, the reference's
-    (None off rank 0), and this rank's memory account after the first step."""
+    """Trains the meshfuse model over all ranks (``mesh``: the sizes of ``dp``, fully sharded
+    data parallel, and ``tp``, tensor + sequence parallel; default all ranks ``tp``) and, on
+    rank 0, ``reference(cfg)`` (a module named as ``LlamaForCausalLM``, called ``(ids,
+    targets)``) on one device, from the same parameters on the same batches, both clipped
+    to ``max_norm`` when given; ``save``/``resume_from`` write and read checkpoints. Returns
+    the meshfuse losses, the reference's (None off rank 0), and this rank's memory account
+    after the first step."""
     comm = Communicator.instance()
-    device, mesh = comm.device, DeviceMesh(range(comm.size))
+    sizes = mesh or {"dp": 1, "tp": comm.size}
+    device = comm.device
     params = init_parameters(cfg, seed)
-    model = LlamaModel(cfg, batch, params, mesh, device)
+    model = LlamaModel(cfg, batch, params, device_mesh(sizes, comm.size), device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     first = resume(resume_from, model, opt)
     ref = ref_opt = None
@@ -188,11 +213,11 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
         ids, targets = (t.to(device) for t in synthetic_batch(cfg, batch, i, seed))
         if i < first:  # resumed: the reference replays the steps the checkpoint holds
             if ref is not None:
-                step(ref, ref_opt, ids, targets)
+                step(ref, ref_opt, ids, targets, max_norm)
             continue
-        losses.append(step(model, opt, ids, targets))
+        losses.append(step(model, opt, ids, targets, max_norm))
         if ref is not None:
-            ref_losses.append(step(ref, ref_opt, ids, targets))
+            ref_losses.append(step(ref, ref_opt, ids, targets, max_norm))
         account = account or memory_account(model, opt)
         if hasattr(bar, "set_postfix"):
             rate = (i + 1) * batch * cfg.seq / (time.perf_counter() - start)
@@ -233,6 +258,7 @@ def run_rank(args: argparse.Namespace) -> int:
     comm = Communicator.instance()
     cfg = args.config
     losses, ref_losses, account = train(cfg, args.steps, args.batch, args.lr, args.seed,
+                                        mesh=args.mesh, max_norm=args.max_norm,
                                         progress=True, save=args.save, resume_from=args.resume)
     accounts = comm.allgather_object(account)
     if comm.rank != 0:

@@ -181,13 +181,16 @@ def _item(i: int, values: list) -> torch.Tensor:
 
 
 def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
-                wide: torch.dtype | None = None) -> Callable[..., list]:
+                wide: torch.dtype | None = None, summed: int | None = None
+                ) -> Callable[..., list]:
     """The implementation of a reduction bucket: called with the members' partial tensors,
     it launches one reduce-scatter (then, across ``replicas``, one allreduce of the
-    result) and returns each member's reduced shard; with ``wide``, the partials are cast
-    to it first, and the shards come back in it (the mixed-precision policy's
-    ``reduce_dtype``: the program casts them to it next)."""
+    result: of its first ``summed`` members' shards, default all) and returns each member's
+    reduced shard; with ``wide``, the partials are cast to it first, and the shards come
+    back in it (the mixed-precision policy's ``reduce_dtype``: the program casts them to it
+    next)."""
     offsets = [sum(m.padded for m in members[:i]) for i in range(len(members))]
+    front = sum(m.padded for m in members[:len(members) if summed is None else summed])
     coordinate = group.coordinate
 
     def part(member: Member, offset: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -209,7 +212,7 @@ def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
                           for x, m in zip(partials, members)], dim=1)
         reduced = collectives.reduce_scatter(send.reshape(-1), 0, group, "sum", async_op=True)
         if replicas is not None:
-            across = _across(replicas)
+            across = _across(replicas, front)
             reduced = reduced.then(across) if isinstance(reduced, Pending) else across(reduced)
         if isinstance(reduced, Pending):
             return [PendingPart(reduced, p) for p in parts]
@@ -218,8 +221,12 @@ def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
     return run
 
 
-def _across(group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The sum of a reduced buffer across replicas (run when the reduce-scatter is read)."""
+def _across(group: Group, front: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The sum of the first ``front`` elements of a reduced buffer across replicas (run
+    when the reduce-scatter is read)."""
     def across(x: torch.Tensor) -> torch.Tensor:
-        return collectives.allreduce(x, group, "sum", inplace=True)
+        if front == x.numel():
+            return collectives.allreduce(x, group, "sum", inplace=True)
+        x[:front] = collectives.allreduce(x[:front], group, "sum")
+        return x
     return across

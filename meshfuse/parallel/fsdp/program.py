@@ -50,6 +50,7 @@ from meshfuse.runtime.interpreter.executor import RESHARD, Step
 from meshfuse.runtime.interpreter.program import communication_first
 
 _LOCAL = ("set", "cast")
+_LINEAR = ("set", "cast", "sum")  # local ops that commute with a sum over ranks
 
 
 def prefetch_order(exprs: Sequence[Expr], gathers: Mapping[Expr, int]) -> list[Expr]:
@@ -177,6 +178,7 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
     """``steps`` and their ``calls`` with each layer's gathers, and each layer's
     reductions, made one step (see the module doc)."""
     buckets, followers = _buckets(found, exprs, steps, slot_of, rank, layouts)
+    buckets, summed = _merged(buckets)
     for f in followers:  # an allreduce across replicas that its reduce-scatter's bucket runs
         k = _step_at(steps, slot_of[f.outputs[0]])
         what = steps[k].label.partition(":")[0]
@@ -194,13 +196,36 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
             call = allreduce_call(mine, group, key[4])
         else:
             replicas = None if key[5] is None else group_of(plan[0].mesh, key[5])
-            call = reduce_call(mine, group, replicas, key[4])
+            call = reduce_call(mine, group, replicas, key[4], summed.get(key))
         step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
-        steps[places[-1]] = step
-        calls[places[-1]] = call if len(mine) > 1 else _single(call)
-        for k in sorted(places[:-1], reverse=True):
+        last = max(places)  # where the last member was: every member's input is ready
+        steps[last] = step
+        calls[last] = call if len(mine) > 1 else _single(call)
+        for k in sorted((k for k in places if k != last), reverse=True):
             del steps[k], calls[k]
     return steps, calls
+
+
+def _merged(buckets: dict) -> tuple[dict, dict]:
+    """A layer's reduction buckets that differ only in whether their members are summed
+    across replicas after the scatter (HSDP's, or tensor- and context-parallel ranks' partial
+    sums of replicated parameters) made one: its members summed across first, so that the
+    allreduce covers the front of the reduced buffer. Returns the buckets and, per merged
+    key, how many leading members the allreduce covers."""
+    groups: dict[tuple, list[tuple]] = {}
+    for key in buckets:
+        groups.setdefault(key[:5], []).append(key)
+    result, summed = {}, {}
+    for base, keys in groups.items():
+        axes = {k[5] for k in keys} - {None}
+        if base[0] != "reduce" or len(keys) == 1 or len(axes) != 1:
+            result.update((k, buckets[k]) for k in keys)
+            continue
+        across = [m for k in keys if k[5] is not None for m in buckets[k]]
+        key = (*base, axes.pop())
+        result[key] = across + [m for k in keys if k[5] is None for m in buckets[k]]
+        summed[key] = len(across)
+    return result, summed
 
 
 def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step],
@@ -217,9 +242,13 @@ def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step
     plan_of = {e: steps[k].plan for e in (*found.gathers, *found.reductions)
                if (k := _step_at(steps, slot_of[e.outputs[0]])) is not None}
     followers: set[Expr] = set()
+    leaders = _leaders(exprs, readers, found, plan_of, lambda e: steps[k].plan if (
+        k := _step_at(steps, slot_of[e.outputs[0]])) is not None else None)
+
     for table, kind in ((found.gathers, "gather"), (found.reductions, "reduce")):
         for expr in exprs:
-            if expr not in table or expr not in plan_of or expr in followers:
+            if expr not in table or expr not in plan_of or expr in followers or \
+                    expr in leaders:
                 continue
             plan = plan_of[expr]
             member = _member(kind, plan, rank, expr, layouts,
@@ -227,17 +256,48 @@ def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step
             if member is None:
                 continue
             replicas = plan[1].mesh_axis if len(plan) > 1 and kind == "reduce" else None
-            follower = _follower(expr, readers, found, plan_of) \
-                if kind == "reduce" and plan[0].kind == "reduce_scatter" and len(plan) == 1 \
-                else None
-            if follower is not None:
+            lone_scatter = kind == "reduce" and plan[0].kind == "reduce_scatter" and \
+                len(plan) == 1
+            follower = _follower(expr, readers, found, plan_of) if lone_scatter else None
+            leader = next((e for e, (f, _) in leaders.items() if f is expr), None)
+            if follower is not None and leader is None:
                 followers.add(follower)
                 replicas = plan_of[follower][0].mesh_axis
+            elif leader is not None and follower is None and lone_scatter:
+                followers.add(leader)  # summed across replicas after the scatter instead
+                replicas = leaders[leader][1]
             wide = found.reduce_dtype if expr in found.widened else None
             key = (kind, table[expr], (plan[0].kind, plan[0].mesh_axis), member.dtype, wide,
                    replicas)
             buckets.setdefault(key, []).append((expr, member))
     return buckets, followers
+
+
+def _leaders(exprs: Sequence[Expr], readers: Mapping, found: LayerCommunications,
+             plan_of: Mapping, plan_at: Callable) -> dict[Expr, tuple[Expr, int]]:
+    """The allreduces (sums) whose result alone feeds, through local copies, casts and
+    sums, a lone reduce-scatter of a layer's gradient over another mesh dimension, each ->
+    that reduce-scatter and its own mesh axis. Such an allreduce sums a gradient over the ranks that split the
+    tokens on another dimension (context parallelism: each rank's positions' part of a weight
+    gradient, still per batch row). Sums commute: the layer's bucket runs the
+    reduce-scatter, then the allreduce of the shards, as HSDP's across replicas, on the
+    summed gradient."""
+    leaders = {}
+    for e in exprs:
+        if not isinstance(e, Reshard) or e in found.reductions or e in found.gathers:
+            continue
+        plan = plan_at(e)
+        if not plan or [s.kind for s in plan] != ["allreduce"] or plan[0].reduce_op != "sum":
+            continue
+        after = readers.get(e.outputs[0], [])
+        while len(after) == 1 and not isinstance(after[0], Reshard) and \
+                after[0].op.name in _LINEAR:
+            after = readers.get(after[0].outputs[0], [])
+        if len(after) == 1 and after[0] in plan_of and after[0] in found.reductions and \
+                [s.kind for s in plan_of[after[0]]] == ["reduce_scatter"] and \
+                plan_of[after[0]][0].mesh_axis != plan[0].mesh_axis:
+            leaders[e] = (after[0], plan[0].mesh_axis)
+    return leaders
 
 
 def _follower(expr: Expr, readers: Mapping, found: LayerCommunications, plan_of: Mapping

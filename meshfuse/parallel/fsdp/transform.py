@@ -79,8 +79,8 @@ def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[Tens
         options: see :class:`FsdpOptions`.
 
     Raises:
-        DefinitionError: a parameter or batch tensor that is no floating tensor input, or
-            a parameter named twice.
+        DefinitionError: a parameter that is no floating tensor input, a batch tensor that
+            is no tensor input, or a parameter named twice.
         ScheduleError: a dimension the mesh lacks, ``replicate`` equal to ``shard``, a
             tensor scheduled on another mesh, a parameter with no first axis to shard.
     """
@@ -95,10 +95,11 @@ def shard_fusion(fusion: Fusion, mesh: NamedMesh, layers: Sequence[Sequence[Tens
     for v in fusion.inputs():
         if v in param_layer:
             used[v] = _gathered(new, v, mapped[v], mesh, pd)
-    _replay(fusion, new, used, None if pd is None else DataType.from_torch(pd))
+    pinned = _replay(fusion, new, used, None if pd is None else DataType.from_torch(pd))
     for v in fusion.inputs():
         if isinstance(v, TensorView):
             _schedule_input(v, mapped[v], used[v], mesh, options, v in param_layer, v in batch)
+    _split_pinned_batch(new, [mapped[x] for x in batch], pinned, mesh, options)
     storages = tuple(tuple(mapped[p] for p in layer) for layer in layers)
     register_layers(new, {mapped[p]: k for p, k in param_layer.items()},
                     options.mp_policy.reduce_dtype)
@@ -126,7 +127,7 @@ def _checked(fusion: Fusion, mesh: NamedMesh, layers, batch, options: FsdpOption
                                     "of the layers (it stays replicated)")
             param_layer[p] = k
     for x in batch:
-        _check_input(x, inputs, "batch input")
+        _check_input(x, inputs, "batch input", floating=False)
         if x in param_layer:
             raise DefinitionError(f"{x.name} is both a parameter and a batch input")
     for tv in fusion.tensors():
@@ -137,10 +138,12 @@ def _checked(fusion: Fusion, mesh: NamedMesh, layers, batch, options: FsdpOption
     return param_layer
 
 
-def _check_input(tv, inputs, what: str) -> None:
-    if not isinstance(tv, TensorView) or tv not in inputs or not tv.dtype.is_floating:
-        raise DefinitionError(f"{what} {getattr(tv, 'name', tv)!r} is not a floating tensor "
-                              "input of the fusion; pass tensors made by its define_tensor")
+def _check_input(tv, inputs, what: str, floating: bool = True) -> None:
+    if not isinstance(tv, TensorView) or tv not in inputs or \
+            (floating and not tv.dtype.is_floating):
+        kind = "a floating tensor" if floating else "a tensor"
+        raise DefinitionError(f"{what} {getattr(tv, 'name', tv)!r} is not {kind} input of "
+                              "the fusion; pass tensors made by its define_tensor")
 
 
 def _fresh_input(new: Fusion, v: Val) -> Val:
@@ -171,10 +174,12 @@ def _gathered(new: Fusion, user: TensorView, storage: TensorView, mesh: NamedMes
 
 
 def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
-            compute: DataType | None = None) -> None:
-    """The user's ops in ``new`` over ``used``; user-scheduled results keep their schedule.
-    With ``compute``, the floating operands of matrix products are cast to it first."""
+            compute: DataType | None = None) -> list[TensorView]:
+    """The user's ops in ``new`` over ``used``; user-scheduled results keep their schedule
+    (they are returned). With ``compute``, the floating operands of matrix products are
+    cast to it first."""
     mapped = dict(used)
+    pinned: list[TensorView] = []
 
     for expr in fusion.exprs:
         args = [new.copied_arg(a, mapped) for a in expr.args]
@@ -188,8 +193,43 @@ def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
         for old, out in zip(expr.outputs, outs):
             if isinstance(old, TensorView) and old.is_scheduled:
                 copy_schedule(old, out)
+                pinned.append(out)
     for out in fusion.outputs():
         new.add_output(mapped[out])
+    return pinned
+
+
+def _carries(expr, sources, carried: set) -> bool:
+    """Whether an output axis mapped from ``sources`` is the batch axis: one of them is,
+    and no two come from one input (a merge)."""
+    if not any(i in carried for i in sources):
+        return False
+    owners = [k for k, a in enumerate(expr.inputs) if isinstance(a, TensorView)
+              for i in a.logical if i in sources]
+    return len(owners) == len(set(owners))
+
+
+def _split_pinned_batch(new: Fusion, batch: Sequence[TensorView], pinned: Sequence[TensorView],
+                        mesh: NamedMesh, options: FsdpOptions) -> None:
+    """Splits the batch axis of the activations the user scheduled (a sequence-parallel
+    residual stream, pinned ``[R, S(1)]`` over ``tp``) over the data-parallel dimensions,
+    as the batch inputs are: else the pin would gather the batch. The batch axis of a
+    tensor is the one the ops' domain maps carry from a batch input's first axis (an axis
+    merged with others of the same tensor is left as the user scheduled it)."""
+    carried = {x.materialized()[0] for x in batch if x.materialized()}
+    for expr in new.exprs:
+        for out in expr.outputs:
+            if isinstance(out, TensorView):
+                carried.update(i for i in out.logical if not i.is_reduction and
+                               _carries(expr, expr.id_map.get(i, ()), carried))
+    dims = [d for d in (options.replicate, options.shard) if d is not None and mesh.size(d) > 1]
+    for tv in pinned:
+        axes = [a for a, i in enumerate(tv.materialized()) if i in carried]
+        if len(axes) != 1 or tv.mesh != mesh.mesh:
+            continue
+        for name in dims:
+            if mesh.parallel_type(name) not in tv.parallel.values():
+                shard_axis(tv, mesh, name, axes[0])
 
 
 def _schedule_input(user: TensorView, tv: TensorView, used: Val, mesh: NamedMesh,
@@ -211,25 +251,30 @@ def _schedule_input(user: TensorView, tv: TensorView, used: Val, mesh: NamedMesh
 
 
 def shard_first_axis(tv: TensorView, mesh: NamedMesh, name: str) -> None:
-    """Shards ``tv``'s first axis over mesh dimension ``name``, within the part of it that
-    its schedule already gives a device (an outer split of the outermost loop ID of that
-    axis that is not device-parallel).
+    """Shards ``tv``'s first axis over mesh dimension ``name``; see :func:`shard_axis`."""
+    shard_axis(tv, mesh, name, 0)
+
+
+def shard_axis(tv: TensorView, mesh: NamedMesh, name: str, axis: int) -> None:
+    """Shards ``tv``'s materialized axis ``axis`` over mesh dimension ``name``, within the
+    part of it that its schedule already gives a device (an outer split of the outermost
+    loop ID of that axis that is not device-parallel).
 
     Raises:
-        ScheduleError: the first axis was merged with another, or ``name``'s parallel type
+        ScheduleError: the axis was merged with another, or ``name``'s parallel type
             already shards ``tv``.
     """
-    first = tv.materialized()[0]
+    first = tv.materialized()[axis]
     kind = mesh.parallel_type(name)
     if kind in tv.parallel.values():
         raise ScheduleError(f"{tv.name} is already sharded over {name!r} ({kind.value}); a "
-                            "data-parallel dimension must be one its schedule does not use")
+                            "dimension can split one axis of a tensor only")
     family = {first}
     for t in tv.transforms:
         if isinstance(t, Split) and t.in_id in family:
             family |= {t.outer, t.inner}
         elif isinstance(t, Merge) and (t.outer in family or t.inner in family):
-            raise ScheduleError(f"{tv.name}'s first axis is merged with another in its "
+            raise ScheduleError(f"{tv.name}'s axis {axis} is merged with another in its "
                                 "schedule; shard it before merging, or leave it unmerged")
     leaf = next(i for i in tv.loop if i in family and i not in tv.parallel)
     pos = tv.loop.index(leaf)
