@@ -111,13 +111,15 @@ def _done_keys(a: Action) -> list[tuple[str, int]]:
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
-    """The timeline of ``schedule`` (with or without its communication actions) under
-    ``costs`` (all 1 by default).
+    """The timeline of ``schedule`` under ``costs`` (all 1 by default); without its
+    communication actions, those of :meth:`Schedule.with_communication`.
 
     Raises:
         ScheduleError: if the ranks deadlock, naming what each one waits for.
     """
     costs = costs or Costs()
+    if all(a.is_compute for acts in schedule.actions for a in acts):
+        schedule = schedule.with_communication()  # a receive is where latency is paid
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
     clock = [0.0] * schedule.n_ranks
     nxt = [0] * schedule.n_ranks

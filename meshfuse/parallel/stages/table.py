@@ -1,8 +1,8 @@
 """Printing a schedule: the action table, the stage map, and ``explain``'s summary.
 
 :func:`action_table` lays the compute actions out on the unit-time clock of
-:func:`~meshfuse.parallel.stages.simulate.simulate` (one row per time step, one column per
-rank, ``.`` where a rank waits), so the bubble is visible; :func:`action_lists` prints each
+:func:`~meshfuse.parallel.stages.simulate.simulate` (a row from each start or end to the
+next, one column per rank, ``.`` where a rank waits), so the bubble is visible; :func:`action_lists` prints each
 rank's whole list (communication included), deterministic and golden-testable.
 """
 
@@ -21,19 +21,20 @@ def action_lists(schedule: Schedule) -> str:
 
 
 def action_table(schedule: Schedule, timeline: Timeline | None = None) -> str:
-    """The compute actions by time step (rows) and rank (columns) of ``timeline`` (by
-    default, the unit-time one); idle slots print as ``.``."""
+    """The compute actions by time (rows: from each start or end to the next) and rank
+    (columns) of ``timeline`` (by default, the unit-time one, where a whole backward takes
+    two units); idle slots print as ``.``."""
     timeline = timeline or simulate(schedule)
     steps = sorted({s.start for s in timeline.spans} | {s.end for s in timeline.spans})
     last = f"rank {schedule.n_ranks - 1}"
     width = max([len(str(s.action)) for s in timeline.spans] + [len(last)])
-    rows = ["step  " + " ".join(f"rank {r}".ljust(width) for r in range(schedule.n_ranks))]
-    for i, t in enumerate(steps[:-1]):
+    rows = ["time  " + " ".join(f"rank {r}".ljust(width) for r in range(schedule.n_ranks))]
+    for t in steps[:-1]:
         cells = []
         for r in range(schedule.n_ranks):
             span = next((s for s in timeline.rank_spans(r) if s.start <= t < s.end), None)
             cells.append((str(span.action) if span is not None else ".").ljust(width))
-        rows.append(f"{i:<5} " + " ".join(cells).rstrip())
+        rows.append(f"{t:<5g} " + " ".join(cells).rstrip())
     return "\n".join(rows)
 
 
