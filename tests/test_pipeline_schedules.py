@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from torch.distributed.pipelining import schedules as theirs
 
 from meshfuse.errors import DefinitionError, ScheduleError
 from meshfuse.parallel.stages import (
@@ -54,15 +55,14 @@ def test_gpipe_and_zero_bubble_golden():
 
 def _pytorch_lists(cls, p: int, m: int, v: int) -> list[str]:
     """PyTorch's per-rank compute lists of a schedule it builds as data (private API)."""
-    from torch.distributed.pipelining import schedules as theirs
     kinds = {theirs._ComputationType.FORWARD: "F", theirs._ComputationType.FULL_BACKWARD: "B",
              theirs._ComputationType.BACKWARD_INPUT: "I",
              theirs._ComputationType.BACKWARD_WEIGHT: "W"}
     sched = object.__new__(getattr(theirs, cls))
     rounds = max(1, m // p)
-    for key, value in dict(pp_group_size=p, n_local_stages=v, _n_microbatches=m,
-                           number_of_rounds=rounds, microbatches_per_round=m // rounds,
-                           num_stages=p * v).items():
+    for key, value in {"pp_group_size": p, "n_local_stages": v, "_n_microbatches": m,
+                           "number_of_rounds": rounds, "microbatches_per_round": m // rounds,
+                           "num_stages": p * v}.items():
         setattr(sched, key, value)
     return [" ".join(f"{kinds[a.computation_type]}{a.stage_index}.{a.microbatch_index}"
                      for a in sched._calculate_single_rank_operations(r) if a is not None)
