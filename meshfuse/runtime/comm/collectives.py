@@ -358,6 +358,32 @@ def send_recv(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.coordinate == 0 else out
 
 
+def send(x: torch.Tensor, peer: int, group: Group, tag: int = 0) -> Pending:
+    """``x`` sent to rank ``peer`` of ``group`` (a pipeline stage's output or input gradient
+    to the next or previous stage), launched at once; the Pending's ``wait`` returns ``x``
+    once it left. ``tag`` tells apart messages in flight between the same two ranks."""
+    out = x.contiguous()
+    _record("send", group, out, peer=peer)
+    label = f"send from rank {group.ranks[group.coordinate]} to rank {peer}"
+    with translated(label, group.ranks):
+        work = dist.isend(out, dst=peer, group=group.process_group, tag=tag)
+    return Pending(Works([work], [out], label, group.ranks), out, label=label,
+                   ranks=group.ranks)
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device, peer: int,
+         group: Group, tag: int = 0) -> Pending:
+    """A tensor of ``shape`` and ``dtype`` received from rank ``peer`` of ``group`` (the
+    :func:`send` of the same ``tag``), launched at once; ``wait`` returns it."""
+    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+    _record("recv", group, buffer, peer=peer)
+    label = f"recv on rank {group.ranks[group.coordinate]} from rank {peer}"
+    with translated(label, group.ranks):
+        work = dist.irecv(buffer, src=peer, group=group.process_group, tag=tag)
+    return Pending(Works([work], [buffer], label, group.ranks), buffer, label=label,
+                   ranks=group.ranks)
+
+
 def broadcast(x: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     """``x`` of the member at coordinate ``root`` on every member (``x`` gives the shape)."""
     out = x.contiguous().clone()

@@ -1,0 +1,97 @@
+"""A stage's backward, whole or split into its input-gradient and weight-gradient halves.
+
+The split (zero-bubble schedules' ``I`` and ``W``) keeps the weight-gradient GEMMs of the
+stage's ``torch.nn.Linear`` layers for later: while the forward runs, each Linear's input
+``x`` and output ``y`` are noted; ``I`` asks autograd for the gradients of the stage's
+input, of every ``y`` and of the other parameters only (autograd skips the weight-gradient
+products nobody asked for), and ``W`` computes ``dW = dy^T x`` (and the bias's ``sum dy``)
+into ``.grad``. Parameters of other modules (norms, embeddings, meshfuse fusions) get their
+gradients in ``I``. A Linear whose weight is also used elsewhere is not deferred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Saved:
+    """What a stage's forward of one microbatch keeps for its backward."""
+
+    inputs: torch.Tensor | None  # the stage's input, when it needs a gradient
+    output: torch.Tensor  # the stage's output (the scaled loss on the last stage)
+    linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]]  # (layer, x, y)
+    deferred: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]] | None = None
+
+
+class LinearNotes:
+    """Notes each deferrable Linear's (x, y) while active (forward hooks on ``module``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.linears = _deferrable(module)
+        self.active: list | None = None
+        for layer in self.linears:
+            layer.register_forward_hook(self._note)
+
+    def _note(self, layer, args, output) -> None:
+        if self.active is not None and torch.is_grad_enabled():
+            self.active.append((layer, args[0], output))
+
+    def deferred_parameters(self) -> set[int]:
+        return {id(p) for layer in self.linears for p in layer.parameters(recurse=False)}
+
+
+def _deferrable(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    owners: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in module.modules() if isinstance(m, torch.nn.Linear)
+            and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))]
+
+
+def full(saved: Saved, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole backward: parameter gradients accumulated, the input's gradient returned."""
+    torch.autograd.backward(saved.output, grad)
+    return saved.inputs.grad if saved.inputs is not None else None
+
+
+def input_half(saved: Saved, grad: torch.Tensor | None, module: torch.nn.Module,
+               deferred: set[int]) -> torch.Tensor | None:
+    """``I``: the input's gradient (returned) and the gradients of the parameters that are
+    not deferred (accumulated); the deferred Linears' output gradients kept in ``saved``."""
+    others = [p for p in module.parameters() if p.requires_grad and id(p) not in deferred]
+    ys = [y for _, _, y in saved.linears]
+    wanted = ([saved.inputs] if saved.inputs is not None else []) + ys + others
+    if not wanted:
+        saved.deferred = []
+        return None
+    grads = torch.autograd.grad(saved.output, wanted, grad, allow_unused=True)
+    dx = grads[0] if saved.inputs is not None else None
+    dys = grads[len(wanted) - len(ys) - len(others):len(wanted) - len(others)]
+    for p, g in zip(others, grads[len(wanted) - len(others):]):
+        _accumulate(p, g)
+    saved.deferred = [(layer, x, dy) for (layer, x, _), dy in zip(saved.linears, dys)
+                      if dy is not None]
+    return dx
+
+
+def weight_half(saved: Saved) -> None:
+    """``W``: the deferred Linears' weight (and bias) gradients, accumulated."""
+    for layer, x, dy in saved.deferred or []:
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        _accumulate(layer.weight, dy2.t() @ x2)
+        if layer.bias is not None:
+            _accumulate(layer.bias, dy2.sum(0))
+    saved.deferred = None
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
