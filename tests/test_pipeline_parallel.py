@@ -5,14 +5,29 @@ point-to-point traffic is the schedule's. At 3 ranks the 10 pieces do not divide
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 
 from meshfuse.examples.llama import LlamaConfig
-from meshfuse.examples.llama_stages import pipelined, train_pipelined, train_single
+from meshfuse.examples.llama_stages import (
+    llama_pieces,
+    model,
+    pipelined,
+    train_pipelined,
+    train_single,
+)
+from meshfuse.parallel.stages import StageModule, backward
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, seq=8)
 BATCH, STEPS = 8, 3
+
+
+@functools.cache
+def _reference(cfg: LlamaConfig = CFG) -> tuple[float, ...]:
+    return tuple(train_single(cfg, BATCH, STEPS))
 
 
 def _close(losses, reference, rtol=1e-5):
@@ -24,7 +39,7 @@ def _close(losses, reference, rtol=1e-5):
 @pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"])
 def test_llama_trains_like_one_device_under_each_schedule(multidevice_test, name):
     d = multidevice_test.size
-    reference = train_single(CFG, BATCH, STEPS)
+    reference = _reference()
     for microbatches in (4, 8):
         runner = pipelined(CFG, name, d, microbatches)
         losses = train_pipelined(runner, CFG, BATCH, STEPS)
@@ -57,7 +72,7 @@ def test_seven_layers_on_two_stages(multidevice_test):
     if multidevice_test.size != 2:
         pytest.skip("two stages on two ranks")
     cfg = LlamaConfig(vocab=64, hidden=32, layers=7, heads=4, kv_heads=2, ffn=64, seq=8)
-    reference = train_single(cfg, BATCH, STEPS)
+    reference = _reference(cfg)
     for boundaries in (None, ["model.layers.3"], [2]):
         runner = pipelined(cfg, "ZeroBubble", 2, 4, boundaries=boundaries)
         losses = train_pipelined(runner, cfg, BATCH, STEPS)
@@ -66,3 +81,34 @@ def test_seven_layers_on_two_stages(multidevice_test):
     n_layers = sum(name.startswith("model.layers") for m in runner.modules.values()
                    for name in m.names)
     assert n_layers == (6 if multidevice_test.rank == 1 else 1)  # stage 1 from piece 2 on
+
+
+def test_split_backward_defers_the_linear_weight_gradients():
+    """I gives the input's gradient and the norms' and leaves every Linear weight for W;
+    I then W accumulate the same gradients as one whole backward."""
+    net = model(CFG)
+    stage = StageModule(llama_pieces(net)[1:4])
+    notes = backward.LinearNotes(stage)
+    assert len(notes.linears) == 3 * 7  # q, k, v, o, gate, up, down per layer
+    x = torch.randn(2, CFG.seq, CFG.hidden, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(2, CFG.seq, CFG.hidden, generator=torch.Generator().manual_seed(4))
+
+    def forward():
+        notes.active = linears = []
+        xin = x.clone().requires_grad_(True)
+        out = stage(xin)
+        notes.active = None
+        return backward.Saved(xin, out, linears)
+
+    saved = forward()
+    dx_whole = backward.full(saved, grad)
+    whole = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    saved = forward()
+    dx = backward.input_half(saved, grad, stage, notes.deferred_parameters())
+    torch.testing.assert_close(dx, dx_whole)
+    for name, p in stage.named_parameters():
+        assert (p.grad is None) == name.endswith("proj.weight"), name
+    backward.weight_half(saved)
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, whole[name], rtol=1e-5, atol=1e-6)
