@@ -66,26 +66,31 @@ def measure(cfg: LlamaConfig, batch: int, iters: int, warmup: int,
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "backward": [], "I": [], "W": []}
     for i in range(warmup + iters):
-        keep = i >= warmup
-        saved: list = []
-
-        def forward(note=False, saved=saved):
-            notes.active = linears = [] if note else None
-            xin = x.detach().requires_grad_(True)
-            saved.append(backward.Saved(xin, stage(xin), linears or []))
-            notes.active = None
-
-        t_f = timed(forward)
-        t_b = timed(lambda: backward.full(saved.pop(), dy))
-        stage.zero_grad(set_to_none=False)
-        timed(lambda: forward(note=True))
-        s = saved.pop()
-        t_i = timed(lambda: backward.input_half(s, dy, stage, deferred))
-        t_w = timed(lambda: backward.weight_half(s))
-        if keep:
-            for key, t in zip(times, (t_f, t_b, t_i, t_w)):
+        measured = _once(stage, notes, deferred, x, dy, timed)
+        if i >= warmup:
+            for key, t in zip(times, measured):
                 times[key].append(t)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _once(stage, notes, deferred, x, dy, timed) -> tuple[float, float, float, float]:
+    """One microbatch: forward + whole backward, then forward + I + W; their times."""
+    saved: list = []
+
+    def forward(note: bool = False) -> None:
+        notes.active = linears = [] if note else None
+        xin = x.detach().requires_grad_(True)
+        saved.append(backward.Saved(xin, stage(xin), linears or []))
+        notes.active = None
+
+    t_f = timed(forward)
+    t_b = timed(lambda: backward.full(saved.pop(), dy))
+    stage.zero_grad(set_to_none=False)
+    timed(lambda: forward(note=True))
+    split = saved.pop()
+    t_i = timed(lambda: backward.input_half(split, dy, stage, deferred))
+    t_w = timed(lambda: backward.weight_half(split))
+    return t_f, t_b, t_i, t_w
 
 
 def main(argv=None) -> dict:
