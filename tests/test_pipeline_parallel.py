@@ -9,16 +9,19 @@ import functools
 
 import pytest
 import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from meshfuse.examples.llama import LlamaConfig
 from meshfuse.examples.llama_stages import (
+    batches,
     llama_pieces,
+    lm_loss,
     model,
     pipelined,
     train_pipelined,
     train_single,
 )
-from meshfuse.parallel.stages import StageModule, backward
+from meshfuse.parallel.stages import StageModule, backward, split_pieces
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, seq=8)
@@ -112,3 +115,26 @@ def test_split_backward_defers_the_linear_weight_gradients():
     backward.weight_half(saved)
     for name, p in stage.named_parameters():
         torch.testing.assert_close(p.grad, whole[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_same_losses_as_torch_pipelining(multidevice_test):
+    """torch.distributed.pipelining's 1F1B on the same stages, ranks and microbatches."""
+    if multidevice_test.size != 2:
+        pytest.skip("two stages on two ranks")
+    rank, m = multidevice_test.rank, 4
+    ours = train_pipelined(pipelined(CFG, "1F1B", 2, m), CFG, BATCH, STEPS)
+    stage = split_pieces(llama_pieces(model(CFG)), 2)[rank]
+    theirs = Schedule1F1B(PipelineStage(stage, rank, 2, torch.device("cpu")), m,
+                          loss_fn=lm_loss)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for step, (ids, targets) in enumerate(batches(CFG, BATCH, STEPS)):
+        opt.zero_grad()
+        losses: list = []
+        if rank == 0:
+            theirs.step(ids)
+        else:
+            theirs.step(target=targets, losses=losses)
+            mean = torch.stack(losses).mean().item()
+            assert abs(mean - ours[step]) <= 1e-6 * abs(mean), (step, mean, ours[step])
+        opt.step()
