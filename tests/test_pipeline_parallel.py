@@ -68,6 +68,15 @@ def test_1f1b_sends_each_activation_forward_and_each_gradient_back(multidevice_t
     assert sends == sorted(after + before)
     assert recvs == sorted(after + before)
     assert all(c.kind in ("send", "recv") for c in comms)
+    # explain: the stage map with devices and pieces, and the bubble from measured times
+    text = runner.explain(runner.measured_costs())
+    first = "model.embed_tokens .. " if rank == 0 else "(another rank)"
+    assert f"stage 0 on pipeline rank 0 devices [0]: {first}" in text
+    if d > 1:
+        last = ".. lm_head" if rank == d - 1 else ": (another rank)"
+        assert f"stage {d - 1} on pipeline rank {d - 1} devices [{d - 1}]" in text
+        assert last in text.splitlines()[d]
+    assert "predicted bubble: " in text and "B0.0" in text
 
 
 @pytest.mark.mpi
