@@ -21,7 +21,13 @@ from meshfuse.examples.llama_stages import (
     train_pipelined,
     train_single,
 )
-from meshfuse.parallel.stages import StageModule, backward, split_pieces
+from meshfuse.parallel.stages import (
+    StageModule,
+    backward,
+    parameter_counts,
+    split_pieces,
+    stage_bounds,
+)
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, seq=8)
@@ -85,6 +91,10 @@ def test_seven_layers_on_two_stages(multidevice_test):
         pytest.skip("two stages on two ranks")
     cfg = LlamaConfig(vocab=64, hidden=32, layers=7, heads=4, kv_heads=2, ffn=64, seq=8)
     reference = _reference(cfg)
+    pieces = llama_pieces(model(cfg))
+    # by parameters (embedding and head a fifth of a layer each): 4 layers, then 3
+    assert stage_bounds([n for n, _ in pieces], 2, costs=parameter_counts(pieces)) == \
+        [(0, 5), (5, 9)]
     for boundaries in (None, ["model.layers.3"], [2]):
         runner = pipelined(cfg, "ZeroBubble", 2, 4, boundaries=boundaries)
         losses = train_pipelined(runner, cfg, BATCH, STEPS)
