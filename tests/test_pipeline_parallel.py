@@ -5,14 +5,38 @@ point-to-point traffic is the schedule's. At 3 ranks the 10 pieces do not divide
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from meshfuse.examples.llama import LlamaConfig
-from meshfuse.examples.llama_stages import pipelined, train_pipelined, train_single
+from meshfuse.examples.llama_stages import (
+    batches,
+    llama_pieces,
+    lm_loss,
+    model,
+    pipelined,
+    train_pipelined,
+    train_single,
+)
+from meshfuse.parallel.stages import (
+    StageModule,
+    backward,
+    parameter_counts,
+    split_pieces,
+    stage_bounds,
+)
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, seq=8)
 BATCH, STEPS = 8, 3
+
+
+@functools.cache
+def _reference(cfg: LlamaConfig = CFG) -> tuple[float, ...]:
+    return tuple(train_single(cfg, BATCH, STEPS))
 
 
 def _close(losses, reference, rtol=1e-5):
@@ -24,7 +48,7 @@ def _close(losses, reference, rtol=1e-5):
 @pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"])
 def test_llama_trains_like_one_device_under_each_schedule(multidevice_test, name):
     d = multidevice_test.size
-    reference = train_single(CFG, BATCH, STEPS)
+    reference = _reference()
     for microbatches in (4, 8):
         runner = pipelined(CFG, name, d, microbatches)
         losses = train_pipelined(runner, CFG, BATCH, STEPS)
@@ -50,6 +74,15 @@ def test_1f1b_sends_each_activation_forward_and_each_gradient_back(multidevice_t
     assert sends == sorted(after + before)
     assert recvs == sorted(after + before)
     assert all(c.kind in ("send", "recv") for c in comms)
+    # explain: the stage map with devices and pieces, and the bubble from measured times
+    text = runner.explain(runner.measured_costs())
+    first = "model.embed_tokens .. " if rank == 0 else "(another rank)"
+    assert f"stage 0 on pipeline rank 0 devices [0]: {first}" in text
+    if d > 1:
+        last = ".. lm_head" if rank == d - 1 else ": (another rank)"
+        assert f"stage {d - 1} on pipeline rank {d - 1} devices [{d - 1}]" in text
+        assert last in text.splitlines()[d]
+    assert "predicted bubble: " in text and "B0.0" in text
 
 
 @pytest.mark.mpi
@@ -57,7 +90,11 @@ def test_seven_layers_on_two_stages(multidevice_test):
     if multidevice_test.size != 2:
         pytest.skip("two stages on two ranks")
     cfg = LlamaConfig(vocab=64, hidden=32, layers=7, heads=4, kv_heads=2, ffn=64, seq=8)
-    reference = train_single(cfg, BATCH, STEPS)
+    reference = _reference(cfg)
+    pieces = llama_pieces(model(cfg))
+    # by parameters (embedding and head a fifth of a layer each): 4 layers, then 3
+    assert stage_bounds([n for n, _ in pieces], 2, costs=parameter_counts(pieces)) == \
+        [(0, 5), (5, 9)]
     for boundaries in (None, ["model.layers.3"], [2]):
         runner = pipelined(cfg, "ZeroBubble", 2, 4, boundaries=boundaries)
         losses = train_pipelined(runner, cfg, BATCH, STEPS)
@@ -66,3 +103,57 @@ def test_seven_layers_on_two_stages(multidevice_test):
     n_layers = sum(name.startswith("model.layers") for m in runner.modules.values()
                    for name in m.names)
     assert n_layers == (6 if multidevice_test.rank == 1 else 1)  # stage 1 from piece 2 on
+
+
+def test_split_backward_defers_the_linear_weight_gradients():
+    """I gives the input's gradient and the norms' and leaves every Linear weight for W;
+    I then W accumulate the same gradients as one whole backward."""
+    net = model(CFG)
+    stage = StageModule(llama_pieces(net)[1:4])
+    notes = backward.LinearNotes(stage)
+    assert len(notes.linears) == 3 * 7  # q, k, v, o, gate, up, down per layer
+    x = torch.randn(2, CFG.seq, CFG.hidden, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(2, CFG.seq, CFG.hidden, generator=torch.Generator().manual_seed(4))
+
+    def forward():
+        notes.active = linears = []
+        xin = x.clone().requires_grad_(True)
+        out = stage(xin)
+        notes.active = None
+        return backward.Saved(xin, out, linears)
+
+    saved = forward()
+    dx_whole = backward.full(saved, grad)
+    whole = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    saved = forward()
+    dx = backward.input_half(saved, grad, stage, notes.deferred_parameters())
+    torch.testing.assert_close(dx, dx_whole)
+    for name, p in stage.named_parameters():
+        assert (p.grad is None) == name.endswith("proj.weight"), name
+    backward.weight_half(saved)
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, whole[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_same_losses_as_torch_pipelining(multidevice_test):
+    """torch.distributed.pipelining's 1F1B on the same stages, ranks and microbatches."""
+    if multidevice_test.size != 2:
+        pytest.skip("two stages on two ranks")
+    rank, m = multidevice_test.rank, 4
+    ours = train_pipelined(pipelined(CFG, "1F1B", 2, m), CFG, BATCH, STEPS)
+    stage = split_pieces(llama_pieces(model(CFG)), 2)[rank]
+    theirs = Schedule1F1B(PipelineStage(stage, rank, 2, torch.device("cpu")), m,
+                          loss_fn=lm_loss)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for step, (ids, targets) in enumerate(batches(CFG, BATCH, STEPS)):
+        opt.zero_grad()
+        losses: list = []
+        if rank == 0:
+            theirs.step(ids)
+        else:
+            theirs.step(target=targets, losses=losses)
+            mean = torch.stack(losses).mean().item()
+            assert abs(mean - ours[step]) <= 1e-6 * abs(mean), (step, mean, ours[step])
+        opt.step()

@@ -28,7 +28,12 @@ from meshfuse.parallel.stages.schedules import (
     zero_bubble,
 )
 from meshfuse.parallel.stages.simulate import Costs, Timeline, simulate, validate
-from meshfuse.parallel.stages.split import StageModule, split_pieces, stage_bounds
+from meshfuse.parallel.stages.split import (
+    StageModule,
+    parameter_counts,
+    split_pieces,
+    stage_bounds,
+)
 from meshfuse.parallel.stages.table import action_lists, action_table, explain, stage_map
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "interleaved_1f1b",
     "locate",
     "one_f_one_b",
+    "parameter_counts",
     "parse",
     "schedule",
     "simulate",

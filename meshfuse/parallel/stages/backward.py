@@ -6,7 +6,8 @@ stage's ``torch.nn.Linear`` layers for later: while the forward runs, each Linea
 input, of every ``y`` and of the other parameters only (autograd skips the weight-gradient
 products nobody asked for), and ``W`` computes ``dW = dy^T x`` (and the bias's ``sum dy``)
 into ``.grad``. Parameters of other modules (norms, embeddings, meshfuse fusions) get their
-gradients in ``I``. A Linear whose weight is also used elsewhere is not deferred.
+gradients in ``I``. A Linear whose weight is also used elsewhere, or is a DTensor (a
+tensor-parallel stage: its dW is not a local product), is not deferred.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _deferrable(module: torch.nn.Module) -> list[torch.nn.Linear]:
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [m for m in module.modules() if isinstance(m, torch.nn.Linear)
-            and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))]
+            and all(owners[id(p)] == 1 and type(p.data) is torch.Tensor
+                    for p in m.parameters(recurse=False))]
 
 
 def full(saved: Saved, grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ dtype (every microbatch has the same); after that, only data moves.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -82,6 +83,7 @@ class PipelineRunner:
         self.group = collectives.Group(None, every, every.index(self.rank), 0)
         self.shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> output
         self.announced: set[int] = set()  # stages whose output header was sent
+        self.times: dict[tuple[str, int], float] = {}  # last step's mean host seconds
 
     def peer(self, stage: int) -> int:
         """The rank at this rank's coordinate of the device group running ``stage``."""
@@ -92,6 +94,20 @@ class PipelineRunner:
                  for s, m in self.modules.items()}
         return explain(self.schedule, costs, self.stage_ranks,
                        [names.get(s, "(another rank)") for s in range(self.schedule.n_stages)])
+
+    def measured_costs(self) -> Costs:
+        """Every stage's forward and backward times of the last step (host seconds per
+        microbatch; on a GPU, what the host waited, not the kernels), gathered from all
+        ranks (collective: every rank calls it): the costs to simulate the schedule with. A
+        whole backward counts as the input half."""
+        every: dict[tuple[str, int], float] = {}
+        for times in Communicator.instance().allgather_object(self.times):
+            every.update(times)
+        per_stage = {s: (every.get((FORWARD, s), 0.0),
+                         every.get((BACKWARD, s), every.get((BACKWARD_INPUT, s), 0.0)),
+                         every.get((BACKWARD_WEIGHT, s), 0.0))
+                     for s in range(self.schedule.n_stages)}
+        return Costs(per_stage=per_stage)
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
              ) -> torch.Tensor | None:
@@ -147,15 +163,20 @@ class _Step:
         self.posted = 0
 
     def walk(self) -> None:
-        actions = self.r.actions
+        actions, spent = self.r.actions, {}
         for i, a in enumerate(actions):
             if a.is_compute:
                 self._post_receives(actions, i)
+                start = time.perf_counter()
                 _COMPUTE[a.kind](self, a)
+                key = (a.kind, a.stage)
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
             elif a.kind in (SEND_FORWARD, SEND_BACKWARD):
                 self._send(a)
         for pending in self.sends:
             pending.wait()
+        m = self.r.schedule.n_microbatches
+        self.r.times = {key: t / m for key, t in spent.items()}
 
     def _post_receives(self, actions, i: int) -> None:
         """Launches the receives up to the compute action after ``actions[i]``."""

@@ -107,6 +107,11 @@ def _balanced(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def parameter_counts(pieces: Sequence[tuple[str, torch.nn.Module]]) -> list[float]:
+    """Each piece's number of parameters: a cost to balance stages' memory by."""
+    return [float(sum(p.numel() for p in module.parameters())) for _, module in pieces]
+
+
 def split_pieces(pieces: Sequence[tuple[str, torch.nn.Module]], n_stages: int,
                  boundaries: Sequence[int | str] | None = None,
                  costs: Sequence[float] | None = None) -> list[StageModule]:
