@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshfuse.checkpoint.chunks import ShardedValue
 from meshfuse.checkpoint.planners import CountingReader, CountingWriter, LoadPlanner, SavePlanner
+from meshfuse.checkpoint.replicas import share, shared_reads
 from meshfuse.checkpoint.restore import apply_model, apply_optimizer, check, staging
 from meshfuse.checkpoint.state import (
     EXTRA,
@@ -179,7 +180,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
          process_group=None) -> LoadResult:
     """Loads the checkpoint at ``path`` into ``model`` (and ``optimizer``), whatever mesh,
     world size and schedule it was saved under: each rank reads the saved chunks that
-    overlap its shards. Restores this rank's random state (the rank's own where the
+    overlap its shards; a tensor every rank of a host holds whole is read by one of them
+    and broadcast to the others. Restores this rank's random state (the rank's own where the
     checkpoint has it, else rank 0's) unless ``restore_rng`` is False.
 
     Raises:
@@ -196,6 +198,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     for key in (EXTRA, rng):
         if key in metadata.state_dict_metadata:
             staged[key] = None
+    shared = shared_reads(staged) if process_group is None else []
+    others = {n: staged.pop(n) for n, rank in shared if rank != _rank()}
     try:
         dcp.load(staged, storage_reader=reader, planner=LoadPlanner(),
                  process_group=process_group)
@@ -203,6 +207,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         raise CheckpointError(f"reading checkpoint {path} failed on ranks "
                               f"{sorted(e.failures)}: {_first(e)}; a file is truncated or "
                               "corrupt: save again or use an earlier checkpoint") from e
+    staged.update(others)
+    share(staged, shared)
     apply_model(params, staged)
     if optimizer is not None:
         apply_optimizer(model, optimizer, staged)
