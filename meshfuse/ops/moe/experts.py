@@ -92,6 +92,12 @@ def _mesh_types(tv: TensorView, axis: int) -> list:
     return [pt for _, pt in device_ids(tv).get(tv.logical[axis], [])]
 
 
+def _on_one_device(tv: TensorView, axis: int) -> bool:
+    """Whether ``axis`` of ``tv`` is split over mesh axes of one device only (its shard is
+    the whole axis)."""
+    return all(tv.mesh.axis_size(pt) == 1 for pt in _mesh_types(tv, axis))
+
+
 def expert_parallel(expr):
     """The device parallel type the op's experts are split over, expert-parallel (its tokens
     sharded over the same mesh axis), or None."""
@@ -112,7 +118,7 @@ def whole_axes(expr) -> set:
     if "grad" in args:
         whole.add(args["grad"].logical[1])
     if expert_parallel(expr) is None:
-        whole |= {args[n].logical[0] for n in _WEIGHTS}
+        whole |= {args[n].logical[0] for n in _WEIGHTS if not _on_one_device(args[n], 0)}
         if args["capacity"] is not None:  # a capacity counts rows in global token order
             whole |= {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
     return whole
