@@ -4,13 +4,11 @@ each block's MLP, and its plain-PyTorch twin.
 Each block's MLP becomes a router (``mlp.gate.weight [E, hidden]``, softmax scores, top-k,
 renormalized: Mixtral's routing) and ``E`` SwiGLU experts (``mlp.experts.w1 [E, ffn,
 hidden]``, ``w2 [E, hidden, ffn]``, ``w3``). On a mesh the attention runs tensor + sequence
-parallel as in the Llama example; the experts are replicated and each rank runs them on its
-sequence shard (one sequence per step). ``MixtralTorch`` is the same model on one device.
-
-``MixtralBlock.expert_parallel = True`` splits the experts over the same ranks instead
-(expert parallelism, docs/experts.md): its forward runs, but the derived backward does not
-build yet (the cotangent of the experts' output arrives replicated, the engine gathers the
-tokens for ``moe_experts_bwd``, which then needs its experts whole: a ShardingError).
+parallel as in the Llama example, and the experts run **expert parallel** over the same
+ranks: the tokens stay split along the sequence (one sequence per step) and travel to their
+experts' ranks and back (docs/experts.md). ``MixtralBlock.expert_parallel = False``
+replicates the experts instead (each rank runs them on its sequence shard).
+``MixtralTorch`` is the same model on one device.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ class MixtralBlock(LlamaBlock):
     """A decoder layer with a mixture of experts; one sequence (batch 1), its tokens split
     over the mesh with the experts."""
 
-    expert_parallel = False  # see the module doc
+    expert_parallel = True  # False: the experts replicated (see the module doc)
 
     def definition(self) -> None:
         cfg, o = self.cfg, self.ops
