@@ -20,7 +20,7 @@ def test_mixtral_trains_like_pytorch(multidevice_test):
     routing; each block's experts exchange their tokens (one split-size exchange and two
     ragged all-to-alls per block, forward and backward)."""
     d = multidevice_test.size
-    cfg = MixtralConfig(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=16, seq=16,
+    cfg = MixtralConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=16, seq=16,
                         experts=5, top_k=2)
     params = init_parameters(cfg)
     model = MixtralModel(cfg, params, DeviceMesh(range(d)), multidevice_test.device)
