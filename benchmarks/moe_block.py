@@ -13,7 +13,7 @@ routing, one shared expert of ffn 1536, bf16 on CUDA. Variants:
 - ``block_torch_eager``: the same module without compilation (for reference);
 - ``block_meshfuse``: :func:`meshfuse.examples.moe.define_moe_block` through
   ``as_autograd_function()`` (the derived backward; ``moe_experts_bwd`` recomputes the
-  experts' first two GEMMs, see docs/experts.md), fwd+bwd.
+  experts' three forward GEMMs, see docs/experts.md), fwd+bwd.
 
 Every variant is checked against ``block_torch_eager`` / ``grouped_direct`` (relative error
 of the output and of the input gradient within 5e-2), warmed up, then timed interleaved:

@@ -18,7 +18,7 @@ from fuzz_runner import run_many, seeds
 
 pytestmark = pytest.mark.mpi
 
-DEFAULT_PROGRAMS = 8
+DEFAULT_PROGRAMS = 4
 PROGRAMS_ENV = "MESHFUSE_FUZZ_MOE_PROGRAMS"
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mesh_helpers import mesh_1d, mesh_2x2
 
-from meshfuse import FusionDefinition, ParallelType, shard_tensor
+from meshfuse import DataType, FusionDefinition, ParallelType, shard_tensor
 from meshfuse.examples.moe import (
     PARAMS,
     MoEConfig,
@@ -177,3 +177,34 @@ def test_capacity_drops_the_last_tokens_of_full_experts(multidevice_test):
     forward, backward = _run(multidevice_test, cfg, 14, x)
     _assert_exchanges(forward, backward, indices, cfg, multidevice_test.size,
                       multidevice_test.rank)
+
+
+@pytest.mark.mpi
+def test_load_balancing_losses_equal_torch_with_tokens_split(multidevice_test):
+    """The switch loss and the auxiliary-loss-free bias update from router logits whose
+    tokens are split over the ranks (uneven at 3 and 4): the per-expert counts and mean
+    scores are partial sums, reduced before their product."""
+    t, e, k = 10, 6, 2
+    with FusionDefinition() as fd:
+        logits = fd.define_tensor([t, e], dtype=DataType.Double)
+        bias = fd.define_tensor([e], dtype=DataType.Double)
+        scores = fd.ops.softmax(logits, -1)
+        _, indices = fd.ops.moe_route(logits, top_k=k)
+        loss = fd.ops.moe_aux_loss(scores, indices)
+        updated = fd.ops.moe_bias_update(bias, indices, 0.01)
+        fd.add_output(loss)
+        fd.add_output(updated)
+    mesh = mesh_1d(multidevice_test)
+    for tv in (logits, bias, loss, updated):
+        tv.set_device_mesh(mesh)
+    logits.outer_split(0, mesh.size)
+    logits.axis(0).parallelize(ParallelType.mesh_x)
+    x = _tokens(t, e)
+    b = torch.linspace(-0.1, 0.1, e, dtype=torch.float64)
+    got_loss, got_bias = fd.execute([shard_tensor(x, logits, multidevice_test.rank), b])
+    probs = x.softmax(-1)
+    idx = probs.topk(k, -1).indices
+    counts = torch.bincount(idx.reshape(-1), minlength=e).double()
+    want = e * ((counts / (t * k)) * probs.mean(0)).sum()
+    torch.testing.assert_close(got_loss, want, **TOL)
+    torch.testing.assert_close(got_bias, b + 0.01 * torch.sign(counts.mean() - counts), **TOL)

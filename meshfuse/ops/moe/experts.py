@@ -89,7 +89,15 @@ def _args(expr) -> dict:
 
 
 def _mesh_types(tv: TensorView, axis: int) -> list:
-    return [pt for _, pt in device_ids(tv).get(tv.logical[axis], [])]
+    """The device parallel types splitting axis ``axis`` (of the materialized axes: a
+    cotangent may carry a reduction axis of extent 1 before them)."""
+    return [pt for _, pt in device_ids(tv).get(tv.materialized()[axis], [])]
+
+
+def _on_one_device(tv: TensorView, axis: int) -> bool:
+    """Whether ``axis`` of ``tv`` is split over mesh axes of one device only (its shard is
+    the whole axis)."""
+    return all(tv.mesh.axis_size(pt) == 1 for pt in _mesh_types(tv, axis))
 
 
 def expert_parallel(expr):
@@ -107,14 +115,18 @@ def expert_parallel(expr):
 def whole_axes(expr) -> set:
     """Hidden axes, the slots and (unless expert-parallel) the experts, needed whole."""
     args = _args(expr)
-    whole = {args["x"].logical[1], args["indices"].logical[1], args["weights"].logical[1],
-             args["w1"].logical[2], args["w3"].logical[2], args["w2"].logical[1]}
+    def axis(name: str, a: int):
+        return args[name].materialized()[a]
+
+    whole = {axis("x", 1), axis("indices", 1), axis("weights", 1), axis("w1", 2),
+             axis("w3", 2), axis("w2", 1)}
     if "grad" in args:
-        whole.add(args["grad"].logical[1])
+        whole.add(axis("grad", 1))
     if expert_parallel(expr) is None:
-        whole |= {args[n].logical[0] for n in _WEIGHTS}
+        whole |= {axis(n, 0) for n in _WEIGHTS if not _on_one_device(args[n], 0)}
         if args["capacity"] is not None:  # a capacity counts rows in global token order
-            whole |= {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
+            whole |= {t.materialized()[0] for t in expr.tensor_inputs
+                      if len(t.materialized()) == 2}
     return whole
 
 
@@ -139,7 +151,7 @@ def check_sharding(expr) -> None:
 
 
 def _block_split(tv: TensorView) -> bool:
-    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.logical[0]]
+    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.materialized()[0]]
     return len(splits) == 1 and not splits[0].inner_split and not splits[0].zigzag
 
 
@@ -150,7 +162,7 @@ def plan(expr) -> None:
     pt = expert_parallel(expr)
     if pt is None:
         return
-    token_ids = {t.logical[0] for t in expr.tensor_inputs if len(t.logical) == 2}
+    token_ids = {t.materialized()[0] for t in expr.tensor_inputs if len(t.materialized()) == 2}
     for out in expr.tensor_outputs:
         for out_id in out.logical:
             sources = expr.id_map.get(out_id, ())

@@ -115,7 +115,7 @@ register(OpDef(
     _route_infer, _route,
     doc="top-k routing: (weights [T, K], indices [T, K]) from router logits [T, E]",
     sharding="tokens shard freely; the experts' axis is gathered",
-    partial_reduce=None, whole_axes=lambda expr: {a.logical[-1] for a in expr.tensor_inputs},
+    partial_reduce=None, whole_axes=lambda expr: {a.materialized()[-1] for a in expr.tensor_inputs},
     vjp=Vjp(_route_grads, differentiable=(0,)),
 ))
 
@@ -146,7 +146,7 @@ register(OpDef(
     doc="gradient of moe_route's weights with respect to its logits",
     sharding="tokens shard freely; experts and slots are gathered",
     partial_reduce=None,
-    whole_axes=lambda expr: {t.logical[1] for t in expr.tensor_inputs},
+    whole_axes=lambda expr: {t.materialized()[1] for t in expr.tensor_inputs},
 ))
 
 

@@ -25,7 +25,7 @@ def lower_experts(expr, group_of):
     group = group_of(w1.mesh, w1.mesh.axis_of(pt))
     if group is None or group.size == 1:  # every expert here: the op's own implementation
         return None
-    exchange = ExpertExchange(group, w1.logical[0].extent)
+    exchange = ExpertExchange(group, w1.materialized()[0].extent)
     if expr.op.name == "moe_experts":
         def forward(x, indices, weights, w1, w2, w3, capacity):
             return experts_forward(x, indices, weights, w1, w2, w3, exchange.num_experts,
