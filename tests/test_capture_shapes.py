@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import meshfuse
 from meshfuse import DeviceMesh
 from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.runtime.comm.collectives import record_communications
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,3 +67,45 @@ def test_new_batch_and_sequence_lengths_capture_once_each(multidevice_test):
                                        msg=lambda m, name=name, i=i: f"call {i}, {name}: {m}")
         # one program per shape; the third call reuses the first's
         assert len(model._meshfuse.programs) == len(set(shapes[:i + 1]))
+
+
+def test_hf_plan_with_a_vocab_parallel_head_computes_the_loss_without_gathering_logits(
+        multidevice_test):
+    """The model's own tp plan with its head column-parallel (``"colwise"``: logits sharded
+    over the vocabulary, as DTensor's ``loss_parallel`` wants): cross entropy runs
+    loss-parallel (3 allreduces of one value per token), no all-gather of logits; the
+    logits come back as a vocabulary-sharded DTensor."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        use_cache=False)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    plan = {**reference.tp_plan, "lm_head": "colwise"}
+    size = multidevice_test.size
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(range(size)), plan)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 8), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        model(input_ids=ids, labels=labels)  # build
+        with record_communications() as comms:
+            out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, DTensor) and out.logits.placements == (Shard(2),)
+    torch.testing.assert_close(out.logits.full_tensor(), expected.logits, rtol=1e-5,
+                               atol=1e-5)
+    loss = out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=1e-6)
+    crossing = [c for c in comms if len(c.ranks) > 1]
+    shard_bytes = 2 * 8 * (VOCAB // size) * 4
+    assert not [c for c in crossing if c.kind == "allgather" and c.bytes >= shard_bytes]
+    if size > 1:
+        # per layer 2 (Megatron), the vocabulary-parallel embedding 1, the loss 3
+        assert sum(c.kind == "allreduce" for c in crossing) == 2 * 2 + 1 + 3
+    loss.backward()
+    expected.loss.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
