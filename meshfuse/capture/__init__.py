@@ -2,6 +2,9 @@
 
 - :mod:`~meshfuse.capture.trace`: the module and example inputs traced with ``torch.export``
   (non-strict) into one ATen graph;
+- :mod:`~meshfuse.capture.repeats`: identical layers traced once (the first's nodes copied
+  for the others);
+- :mod:`~meshfuse.capture.regions`: ``torch.no_grad()`` and ``torch.autocast`` blocks inlined;
 - :mod:`~meshfuse.capture.aten_ops`: the table from ATen ops to meshfuse ops;
 - :mod:`~meshfuse.capture.partition`: constants folded, the graph cut into fusions and graph
   breaks (ops with no meshfuse rule, run as PyTorch ops);

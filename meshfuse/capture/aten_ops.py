@@ -14,6 +14,7 @@ To add an op: write its translation below and list it in ``TABLE`` (sorted by na
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Mapping
@@ -208,6 +209,12 @@ def _sdpa(o, out, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
     return o.sdpfa_fwd(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)[0]
 
 
+@functools.lru_cache(maxsize=8)
+def _causal(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The causal mask (one per shape: every layer's attention checks its mask)."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril()
+
+
 def _sdpa_check(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]) -> str | None:
     """A mask is taken only when it is a constant of the trace equal to the causal mask."""
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -218,7 +225,7 @@ def _sdpa_check(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]) -> s
         return "its attention mask depends on the inputs (meshfuse's attention takes " \
                "is_causal, not a mask)"
     q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=value.device).tril()
+    causal = _causal(q.shape[-2], k.shape[-2], value.device)
     if value.dtype is not torch.bool or not bool((value == causal).all()):
         return "its attention mask is not the causal mask (meshfuse's attention takes " \
                "is_causal, not a mask)"
