@@ -162,6 +162,43 @@ def test_key_value_heads_from_projections(multidevice_test):
     assert [c for c in forward if len(c.ranks) > 1] == []
 
 
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_sequence_parallel_projections_gather_their_input_once(multidevice_test, hkv):
+    """Megatron's sequence parallelism: x split on the sequence, q's projection split by
+    heads and k/v's replicated (the ranks do not divide the key/value heads) or by groups.
+    The forward gathers x once, for every projection: k and v are computed whole along the
+    sequence from that copy, not on x's shard and gathered after their projections (two
+    more allgathers before the fix). 12 query heads at 3 ranks (4 each, head-aligned)."""
+    d, mesh = multidevice_test.size, mesh_1d(multidevice_test)
+    heads, dh, hidden = (12 if d == 3 else 8), 4, 16
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([B, S, hidden], dtype=DataType.Double)
+        ws = [fd.define_tensor([n * dh, hidden], dtype=DataType.Double)
+              for n in (heads, hkv, hkv)]
+        qkv = [fd.ops.permute(fd.ops.reshape(fd.ops.linear(x, w), [B, S, n, dh]), [0, 2, 1, 3])
+               for w, n in zip(ws, (heads, hkv, hkv))]
+        attn, *_ = fd.ops.sdpfa_fwd(*qkv, is_causal=True)
+        fd.add_output(attn)
+    shard(x, 1, mesh)
+    for w in ws:
+        if w is ws[0] or hkv % d == 0:
+            shard(w, 0, mesh)
+        w.set_device_mesh(mesh)
+    shard(attn, 1, mesh)
+    gen = torch.Generator().manual_seed(hkv)
+    shapes = [(B, S, hidden)] + [(n * dh, hidden) for n in (heads, hkv, hkv)]
+    inputs = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    with record_communications() as forward:
+        (out,) = fd.execute([shard_tensor(t, tv) for t, tv in zip(inputs, (x, *ws))])
+    projected = [torch.nn.functional.linear(inputs[0], w).unflatten(2, (-1, dh)).transpose(1, 2)
+                 for w in inputs[1:]]
+    expected = torch.nn.functional.scaled_dot_product_attention(*projected, is_causal=True,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(out, shard_tensor(expected, attn), **TIGHT)
+    kinds = sorted(c.kind for c in forward if len(c.ranks) > 1)
+    assert kinds == ([] if d == 1 else ["allgather"]), kinds
+
+
 def test_key_value_heads_by_groups_on_one_axis_gathered(multidevice_test):
     """On a 2x2 mesh, query heads split over both mesh axes and the key/value heads by
     groups over one only (fewer blocks): the key/value heads are gathered, then taken as

@@ -122,6 +122,9 @@ def plan_grouped_heads(expr) -> None:
     query_ids = {heads[args[n]] for n in _QUERY_SIDE if n in args}
     key_ids = {heads[args[n]] for n in _KEY_SIDE}
     pinned = getattr(q.fusion, "user_scheduled", set())
+    if layout != BY_GROUPS and expr.op.name == "sdpfa_fwd":
+        for name in _KEY_SIDE:
+            _whole_key_sequence(q, args[name], pinned)
     id_map = {}
     for out_id, sources in expr.id_map.items():
         if out_id.is_reduction and set(sources) and set(sources) <= query_ids:
@@ -136,6 +139,29 @@ def plan_grouped_heads(expr) -> None:
             sources = tuple(s for s in sources if s not in key_ids)
         id_map[out_id] = sources
     expr.id_map = id_map
+
+
+def _whole_key_sequence(q: TensorView, kv: TensorView, pinned) -> None:
+    """Replicated key/value heads with the query sequence whole (no context parallelism):
+    the attention needs ``kv``'s sequence whole, so ``kv`` and the unscheduled chain making
+    it (a projection, reshapes, permutes, each read by the next alone) are left whole along
+    it, not split as their input is: resharding then takes the projection's input gathered
+    for the query projection instead of gathering k and v after theirs (Megatron's one
+    allgather of a sequence-parallel region's input), or gathers there what moves fewer
+    bytes."""
+    seq = len(q.materialized()) - 2
+    if device_ids(q).get(q.materialized()[seq]):
+        return  # a context-parallel candidate: its planning decides the key sequence
+    uses = q.fusion.uses()
+    tv, id_ = kv, kv.materialized()[seq]
+    while tv not in pinned and tv.definition is not None and device_ids(tv).get(id_):
+        _drop_device_ids(tv, id_)
+        producer = tv.definition
+        upstream = [(t, s) for s in producer.id_map.get(id_, ()) for t in
+                    producer.tensor_inputs if s in t.logical and len(uses.get(t, [])) == 1]
+        if not upstream:
+            return
+        tv, id_ = upstream[0]
 
 
 def _drop_device_ids(out: TensorView, logical_id) -> None:
