@@ -268,7 +268,7 @@ def test_cudnn_preferred_policy(capability, version, s_q, s_kv, expected):
     (lambda q, k, v: (q, k.half(), v), r"k is torch.float16 but q is torch.float32"),
     (lambda q, k, v: (q, k, v[:, :, :64]), r"sequence \(axis 2\) of k is 128 but v's is 64"),
     (lambda q, k, v: (q, k[..., :32], v), r"head dim \(axis 3\) of k is 32 but q's is 64"),
-    (lambda q, k, v: (q.double(), k.double(), v.double()), r"torch.float64; use float16"),
+    (lambda q, k, v: (q.int(), k.int(), v.int()), r"torch.int32; use float16"),
     (lambda q, k, v: (q.numpy(), k, v), r"q must be a torch.Tensor, got ndarray"),
 ])
 def test_bad_inputs(make, match):
@@ -291,6 +291,26 @@ def test_bad_backward_inputs():
         sdpa_backward(attn, q, k, v, attn, lse.double(), *args[5:])
     with pytest.raises(InputError, match=r"log_sumexp must be float32 \[B, H, S\]"):
         sdpa_backward(attn, q, k, v, attn, lse.unsqueeze(-1), *args[5:])
+
+
+def test_float64_runs_the_math_kernel_in_float64():
+    """float64 (tight checks of sharded attention against PyTorch) runs the math kernel,
+    its log-sum-exp and accumulation in float64; a fused kernel requested for it is refused
+    by name."""
+    q, k, v = (t.double() for t in _qkv())
+    assert select_backend(q, k, v, 0.0, True) is AttentionBackend.MATH
+    attn, lse, seed, offset = sdpa_forward(q, k, v, 0.0, True)
+    assert attn.dtype == lse.dtype == torch.float64
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    grad = torch.randn_like(attn)
+    expected.backward(grad)
+    torch.testing.assert_close(attn, expected.detach(), rtol=1e-12, atol=1e-12)
+    grads = sdpa_backward(grad, q, k, v, attn, lse, 0.0, True, seed, offset, None, "math")
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(InputError, match=r"'cpu_flash' has no float64"):
+        sdpa_forward(q, k, v, 0.0, False, None, "cpu_flash")
 
 
 def test_dropout_on_cpu_runs_the_math_kernel():

@@ -4,7 +4,8 @@ parallel degree above the key/value head count), forward and derived backward.
 
 Every case runs 8 query heads with 1, 2 and 4 key/value heads, the query heads split over
 every rank, against PyTorch's ``scaled_dot_product_attention(..., enable_gqa=True)`` and its
-autograd gradients (float32: ``sdpfa_fwd`` takes half, bfloat16 and float32, as nvFuser's). The forward communicates no key/value head (each rank takes
+autograd gradients, in float64 (the math kernel), tight. The forward communicates no
+key/value head (each rank takes
 the heads its query heads need from its own copy); the backward reduces the key/value
 gradients over the ranks that computed parts of them, and nothing else. Run with
 ``--world-sizes 1,2,3,4`` and, once in a while, ``--world-sizes 8``.
@@ -26,7 +27,7 @@ from meshfuse.runtime.comm.collectives import record_communications
 pytestmark = pytest.mark.mpi
 
 H, B, S, E = 8, 2, 6, 4
-TIGHT = {"rtol": 1e-5, "atol": 1e-5}  # float32: the attention ops take no float64
+TIGHT = {"rtol": 1e-12, "atol": 1e-12}  # float64
 
 
 def _define(hkv: int, causal: bool, qkv_format: QkvFormat, dropout_p: float = 0.0):
@@ -34,7 +35,7 @@ def _define(hkv: int, causal: bool, qkv_format: QkvFormat, dropout_p: float = 0.
     out ``qkv_format``; returns the fusion and (q, k, v)."""
     stride_order = [3, 1, 2, 0] if qkv_format is QkvFormat.BSHE else None
     with FusionDefinition() as fd:
-        q, k, v = (fd.define_tensor([B, heads, S, E], dtype=DataType.Float,
+        q, k, v = (fd.define_tensor([B, heads, S, E], dtype=DataType.Double,
                                     stride_order=stride_order)
                    for heads in (H, hkv, hkv))
         attn, _lse, _seed, _offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=dropout_p,
@@ -47,9 +48,9 @@ def _global_inputs(hkv: int, qkv_format: QkvFormat):
     gen = torch.Generator().manual_seed(hkv)
     shapes = [(B, heads, S, E) for heads in (H, hkv, hkv)]
     if qkv_format is QkvFormat.BSHE:
-        return [torch.randn(b, s, h, e, generator=gen, dtype=torch.float32).transpose(1, 2)
+        return [torch.randn(b, s, h, e, generator=gen, dtype=torch.float64).transpose(1, 2)
                 for b, h, s, e in shapes]
-    return [torch.randn(shape, generator=gen, dtype=torch.float32) for shape in shapes]
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
 
 
 def _run(multidevice_test, fd, tensors, causal, inputs):
@@ -59,7 +60,7 @@ def _run(multidevice_test, fd, tensors, causal, inputs):
     function = fd.as_autograd_function()
     local = [shard_tensor(x, tv).requires_grad_() for x, tv in zip(inputs, tensors)]
     grad = torch.randn(B, H, S, E, generator=torch.Generator().manual_seed(5),
-                       dtype=torch.float32)
+                       dtype=torch.float64)
     with record_communications() as forward:
         (attn,) = function(local)
     with record_communications() as backward:
@@ -79,7 +80,7 @@ def _run(multidevice_test, fd, tensors, causal, inputs):
 def _assert_kv_gradients_reduced(comms, hkv: int) -> None:
     """Allreduces only (perhaps bucketed together), of k_grad and v_grad exactly."""
     assert {c.kind for c in comms} == {"allreduce"}, comms
-    assert sum(c.bytes for c in comms) == 2 * B * hkv * S * E * 4, comms
+    assert sum(c.bytes for c in comms) == 2 * B * hkv * S * E * 8, comms  # float64
 
 
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE], ids=lambda f: f.name)
@@ -159,6 +160,43 @@ def test_key_value_heads_from_projections(multidevice_test):
     for t, r, tv in zip(local, ref, (x, wq, wk, wv)):
         torch.testing.assert_close(t.grad, shard_tensor(r.grad, tv), **tol)
     assert [c for c in forward if len(c.ranks) > 1] == []
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_sequence_parallel_projections_gather_their_input_once(multidevice_test, hkv):
+    """Megatron's sequence parallelism: x split on the sequence, q's projection split by
+    heads and k/v's replicated (the ranks do not divide the key/value heads) or by groups.
+    The forward gathers x once, for every projection: k and v are computed whole along the
+    sequence from that copy, not on x's shard and gathered after their projections (two
+    more allgathers before the fix). 12 query heads at 3 ranks (4 each, head-aligned)."""
+    d, mesh = multidevice_test.size, mesh_1d(multidevice_test)
+    heads, dh, hidden = (12 if d == 3 else 8), 4, 16
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([B, S, hidden], dtype=DataType.Double)
+        ws = [fd.define_tensor([n * dh, hidden], dtype=DataType.Double)
+              for n in (heads, hkv, hkv)]
+        qkv = [fd.ops.permute(fd.ops.reshape(fd.ops.linear(x, w), [B, S, n, dh]), [0, 2, 1, 3])
+               for w, n in zip(ws, (heads, hkv, hkv))]
+        attn, *_ = fd.ops.sdpfa_fwd(*qkv, is_causal=True)
+        fd.add_output(attn)
+    shard(x, 1, mesh)
+    for w in ws:
+        if w is ws[0] or hkv % d == 0:
+            shard(w, 0, mesh)
+        w.set_device_mesh(mesh)
+    shard(attn, 1, mesh)
+    gen = torch.Generator().manual_seed(hkv)
+    shapes = [(B, S, hidden)] + [(n * dh, hidden) for n in (heads, hkv, hkv)]
+    inputs = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    with record_communications() as forward:
+        (out,) = fd.execute([shard_tensor(t, tv) for t, tv in zip(inputs, (x, *ws))])
+    projected = [torch.nn.functional.linear(inputs[0], w).unflatten(2, (-1, dh)).transpose(1, 2)
+                 for w in inputs[1:]]
+    expected = torch.nn.functional.scaled_dot_product_attention(*projected, is_causal=True,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(out, shard_tensor(expected, attn), **TIGHT)
+    kinds = sorted(c.kind for c in forward if len(c.ranks) > 1)
+    assert kinds == ([] if d == 1 else ["allgather"]), kinds
 
 
 def test_key_value_heads_by_groups_on_one_axis_gathered(multidevice_test):

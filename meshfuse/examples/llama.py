@@ -226,11 +226,10 @@ class LlamaBlock(_LlamaFusion):
         self.add_output(self.residual(h, o.linear(self.io(gated), p["down_proj"])))
 
     def gathered(self, t):
-        """``t`` (a norm's output, sequence split) gathered once for all the column-parallel
-        projections that read it (Megatron's gather at the region's input). Left to
-        propagation, a replicated k/v projection would run on the sequence shard and gather
-        k and v after it: two more allgathers."""
-        return t if self.mesh is None else self.pin(self.ops.set(t), None)
+        """``t`` (a norm's output, sequence split), which the column-parallel projections
+        read gathered: propagation and resharding gather it once for all of them
+        (Megatron's gather at the region's input), replicated k/v projections included."""
+        return t
 
     def residual(self, x, y):
         """``x + y``, sequence split (a row-parallel ``y`` is reduce-scattered into it)."""

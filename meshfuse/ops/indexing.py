@@ -160,20 +160,16 @@ def _localize_arg(dim_of):
     return localize
 
 
-def unmapped_rows(expr, whole, out_axes) -> dict[int, object]:
-    """Global positions held here of each output axis in ``out_axes`` that is not mapped
-    from the same axis of the tensor argument ``whole`` (which is then whole on that axis,
-    resharding gathers it), where the output is split: the rows of ``whole`` to read (a
-    gather's index shorter than its arg, split on that axis) or to write."""
+def _held_rows(expr, here, whole, out_axes) -> dict[int, torch.Tensor]:
+    """Global positions held here of each output axis in ``out_axes`` that is split and not
+    mapped from the same axis of the tensor argument ``whole`` (which is then whole on that
+    axis: resharding gathers it): the rows of ``whole`` to read (a gather's index shorter
+    than its arg, split on that axis) or to write into."""
     out = expr.outputs[0]
-    return {a: out.logical[a] for a in out_axes
+    held = here.index(out).indices
+    return {a: held[a] for a in out_axes
             if whole.logical[a] not in expr.id_map.get(out.logical[a], ())
-            and not whole.logical[a].is_broadcast}
-
-
-def _held_rows(expr, here, whole, out_axes) -> dict[int, object]:
-    held = here.index(expr.outputs[0]).indices
-    return {a: held[a] for a in unmapped_rows(expr, whole, out_axes) if held[a] is not None}
+            and not whole.logical[a].is_broadcast and held[a] is not None}
 
 
 def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
@@ -295,7 +291,7 @@ def _rows_into(grad, index, rows):
         pos = torch.where(inside, pos, 0)
         keep = inside.view(*([1] * a), -1, *([1] * (grad.ndim - a - 1)))
         grad = grad.index_select(a, pos).masked_fill(~keep, 0)
-        index = index.index_select(a, pos) if index.shape[a] != 1 else index
+        index = index.index_select(a, pos)
     return grad, index
 
 
@@ -308,12 +304,8 @@ def _take_along_axis_backward(grad, index, like, dim, aligned, out_shapes, held=
     shape = torch.broadcast_shapes(grad.shape, index.shape)
     grad, index = grad.expand(shape), index.expand(shape)
     if mask is not None:
-        mask = mask.expand(shape)
+        grad = grad.masked_fill(~mask.expand(shape), 0)
     grad, index = _rows_into(grad, index, rows)
-    if mask is not None:
-        mask = _rows_into(mask, mask, rows)[0]
-    if mask is not None:
-        grad = grad.masked_fill(~mask, 0)
     return out.scatter_add_(dim, index, grad)
 
 

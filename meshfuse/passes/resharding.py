@@ -238,6 +238,15 @@ def _cost(expr: Expr, current: TensorView, wanted: TensorView, is_input: bool) -
     return _numel(current) * size * (WEIGHT_PENALTY if weight else 1)
 
 
+def _input_cost(fusion: Fusion, expr: Expr, current: TensorView, wanted: TensorView) -> int:
+    """``_cost`` of an input, nothing where an earlier consumer's copy of it already lies as
+    ``wanted`` (the k and v projections of grouped-query attention read the input that the
+    q projection gathered, instead of gathering k and v after them)."""
+    if _earlier_copy(fusion, expr, current, wanted) is not None:
+        return 0
+    return _cost(expr, current, wanted, True)
+
+
 def _make_local(fusion: Fusion, expr: Expr) -> None:
     outs, ins = _on_one_mesh(fusion, expr)
     # Option B: the op makes the outputs as they are; sets before the inputs that differ.
@@ -248,11 +257,11 @@ def _make_local(fusion: Fusion, expr: Expr) -> None:
         and not _disagreements(expr, needed_b, outs) and not any(map(_scattered_sum, outs))
     if b_works and all(same_sharding(t, n) for t, n in zip(ins, needed_b)):
         return  # the op is local as it is: B moves nothing, which option A cannot beat
-    cost_b = sum(_cost(expr, t, n, True) for t, n in zip(ins, needed_b))
+    cost_b = sum(_input_cost(fusion, expr, t, n) for t, n in zip(ins, needed_b))
     # Option A: the op makes its natural outputs; sets after the outputs that differ.
     natural, needed_a = _agreeing(expr, _naturals(expr, outs), ins)
     cost_a = sum(_cost(expr, o, n, False) for o, n in zip(outs, natural)) + sum(
-        _cost(expr, t, n, True) for t, n in zip(ins, needed_a))
+        _input_cost(fusion, expr, t, n) for t, n in zip(ins, needed_a))
     moves_a_stream_axis = any(ParallelType.Stream in t.parallel.values() and
                               not same_sharding(t, n) for t, n in zip(ins, needed_b))
     if cost_a < cost_b or not b_works or moves_a_stream_axis:

@@ -21,7 +21,7 @@ from meshfuse.errors import DefinitionError, InputError
 
 ENV_VAR = "MESHFUSE_SDPA_BACKEND"
 _AUTO = "auto"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CUDNN_SEQ_FIX_VERSION = 91501  # cuDNN 9.15.1 fixed sequence lengths that are not k*128
 _CUDNN_PREFERRED_SM = ((9, 0), (10, 0), (10, 3))  # PyTorch's own list, Hopper and Blackwell
 _CACHE_LIMIT = 4096
@@ -63,7 +63,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                              f"{q.shape[0]}")
     check_heads("sdpa", q.shape[1], k.shape[1], v.shape[1], InputError)
     if q.dtype not in _DTYPES:
-        raise InputError(f"sdpa: q/k/v are {q.dtype}; use float16, bfloat16 or float32")
+        raise InputError(f"sdpa: q/k/v are {q.dtype}; use float16, bfloat16, float32 or "
+                         "float64")
     if k.shape[2] != v.shape[2]:
         raise InputError(f"sdpa: sequence (axis 2) of k is {k.shape[2]} but v's is {v.shape[2]}")
     if k.shape[3] != q.shape[3]:
@@ -153,6 +154,8 @@ def own_limits(backend: AttentionBackend, q, k, v, dropout_p: float, is_causal: 
     """
     e, ev, s_q, s_kv = q.shape[3], v.shape[3], q.shape[2], k.shape[2]
     device = q.device.type
+    if q.dtype == torch.float64 and backend is not AttentionBackend.MATH:
+        return "has no float64 (the math kernel runs it, in float64)"
     if backend is AttentionBackend.CPU_FLASH:
         if device != "cpu":
             return f"needs CPU tensors, got {q.device}"

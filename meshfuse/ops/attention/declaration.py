@@ -197,8 +197,8 @@ def _fwd_infer(q, k, v, dropout_p, is_causal, scale, rng_seed, rng_offset, dropo
         AxisSpec(k.shape[-2], IterType.Reduction, ((1, k.ndim - 2), (2, v.ndim - 2))),
         AxisSpec(q.shape[-1], IterType.Reduction, ((0, q.ndim - 1), (1, k.ndim - 1))),
     )
-    return [OutSpec(q.dtype, attn), OutSpec(DataType.Float, (*batch, seq)), SEED_SPEC,
-            OFFSET_SPEC]
+    lse = DataType.Double if q.dtype is DataType.Double else DataType.Float
+    return [OutSpec(q.dtype, attn), OutSpec(lse, (*batch, seq)), SEED_SPEC, OFFSET_SPEC]
 
 
 @_leading_folded

@@ -122,6 +122,9 @@ def plan_grouped_heads(expr) -> None:
     query_ids = {heads[args[n]] for n in _QUERY_SIDE if n in args}
     key_ids = {heads[args[n]] for n in _KEY_SIDE}
     pinned = getattr(q.fusion, "user_scheduled", set())
+    if layout != BY_GROUPS and expr.op.name == "sdpfa_fwd":
+        for name in _KEY_SIDE:
+            _whole_key_sequence(q, args[name], pinned)
     id_map = {}
     for out_id, sources in expr.id_map.items():
         if out_id.is_reduction and set(sources) and set(sources) <= query_ids:
@@ -136,6 +139,54 @@ def plan_grouped_heads(expr) -> None:
             sources = tuple(s for s in sources if s not in key_ids)
         id_map[out_id] = sources
     expr.id_map = id_map
+
+
+def _whole_key_sequence(q: TensorView, kv: TensorView, pinned) -> None:
+    """Replicated key/value heads with the query sequence whole (no context parallelism):
+    the attention needs ``kv``'s sequence whole, so ``kv`` and the unscheduled tensors
+    making it (a projection, reshapes, RoPE: each read only on the way to ``kv``) are left
+    whole along it, not split as their inputs are; resharding then takes the projection's
+    input gathered for the query projection instead of gathering k and v after theirs
+    (Megatron's one allgather of a sequence-parallel region's input), or gathers where it
+    moves fewer bytes."""
+    seq = len(q.materialized()) - 2
+    if device_ids(q).get(q.materialized()[seq]):
+        return  # a context-parallel candidate: its planning decides the key sequence
+    uses = q.fusion.uses()
+    attention = {e for e in uses.get(kv, []) if e.op is not None and e.op.name == "sdpfa_fwd"}
+    axis_of = {kv: kv.materialized()[seq]}  # a candidate -> its axis to make whole
+    whole: set[TensorView] = set()
+    pending, progress = {kv}, True
+    while progress:  # a tensor read on two ways waits for both
+        progress = False
+        for tv in sorted(pending, key=lambda t: t.name):  # the same order on every rank
+            if tv in pinned or tv.definition is None:
+                pending.discard(tv)
+            elif _read_on_the_way(tv, axis_of, whole, uses, attention):
+                pending.discard(tv)
+                _drop_device_ids(tv, axis_of[tv])
+                whole.add(tv)
+                progress = True
+                producer = tv.definition
+                for source in producer.id_map.get(axis_of[tv], ()):
+                    for t in producer.tensor_inputs:
+                        if source in t.logical and t not in axis_of and \
+                                device_ids(t).get(source):
+                            axis_of[t] = source
+                            pending.add(t)
+
+
+def _read_on_the_way(tv: TensorView, axis_of: dict, whole: set, uses,
+                     attention: set) -> bool:
+    """Whether every consumer of ``tv`` is the attention or makes only tensors of
+    ``whole`` (along an axis mapped from ``tv``'s)."""
+    for e in uses.get(tv, []):
+        if e in attention:
+            continue
+        for o in e.tensor_outputs:
+            if o not in whole or axis_of[tv] not in e.id_map.get(axis_of[o], ()):
+                return False
+    return True
 
 
 def _drop_device_ids(out: TensorView, logical_id) -> None:

@@ -72,9 +72,11 @@ def _check_backward(grad_attn, attn, log_sumexp, q, v) -> None:
                              f"got {list(t.shape)}")
         if t.dtype != q.dtype:
             raise InputError(f"sdpa backward: {name} is {t.dtype} but q is {q.dtype}")
-    if tuple(log_sumexp.shape) != (b, h, s) or log_sumexp.dtype != torch.float32:
+    want = lse_dtype(q.dtype)
+    if tuple(log_sumexp.shape) != (b, h, s) or log_sumexp.dtype != want:
         raise InputError(
-            f"sdpa backward: log_sumexp must be float32 [B, H, S] = {[b, h, s]}, got "
+            f"sdpa backward: log_sumexp must be {str(want).removeprefix('torch.')} [B, H, S] = "
+            f"{[b, h, s]}, got "
             f"{log_sumexp.dtype} {list(log_sumexp.shape)}; pass the forward's log_sumexp"
         )
 
@@ -218,9 +220,16 @@ def _group_sum(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math kernel computes in and its log-sum-exp has: float32, float64 for
+    float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _math_probs(q, k, is_causal, scale, lse=None):
-    """float32 ``softmax(q k^T * scale)``, and the log-sum-exp it used."""
-    scores = _grouped_matmul(q.float(), k.float().transpose(-2, -1), k.shape[1])
+    """``softmax(q k^T * scale)`` in :func:`lse_dtype`, and the log-sum-exp it used."""
+    acc = lse_dtype(q.dtype)
+    scores = _grouped_matmul(q.to(acc), k.to(acc).transpose(-2, -1), k.shape[1])
     scores.mul_(_scale_of(q, scale))
     if is_causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -234,7 +243,7 @@ def _math_fwd(q, k, v, dropout_p, is_causal, scale, keep=None):
     probs, lse = _math_probs(q, k, is_causal, scale)
     if keep is not None:
         probs = _dropped(probs, keep, dropout_p)
-    return _grouped_matmul(probs, v.float(), v.shape[1]).to(q.dtype), lse, None, None
+    return _grouped_matmul(probs, v.to(probs.dtype), v.shape[1]).to(q.dtype), lse, None, None
 
 
 def _dropped(probs: torch.Tensor, keep: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -243,22 +252,23 @@ def _dropped(probs: torch.Tensor, keep: torch.Tensor, dropout_p: float) -> torch
 
 
 def _math_bwd(grad, q, k, v, attn, lse, dropout_p, is_causal, seed, offset, scale, keep=None):
-    probs, _ = _math_probs(q, k, is_causal, scale, lse.float())
-    g = grad.float()
+    acc = lse_dtype(q.dtype)
+    probs, _ = _math_probs(q, k, is_causal, scale, lse.to(acc))
+    g = grad.to(acc)
     dropped = probs if keep is None else _dropped(probs.clone(), keep, dropout_p)
     heads = k.shape[1]  # fewer than q's in grouped-query attention: sums over each group
     dv = _group_sum(torch.matmul(dropped.transpose(-2, -1), g), heads)
     del dropped
     # dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O) (with dropout too:
     # dP = (dO V^T) * keep / (1 - p), and O = (P * keep / (1 - p)) V).
-    delta = (g * attn.float()).sum(dim=-1, keepdim=True)
-    d_probs = _grouped_matmul(g, v.float().transpose(-2, -1), heads)
+    delta = (g * attn.to(acc)).sum(dim=-1, keepdim=True)
+    d_probs = _grouped_matmul(g, v.to(acc).transpose(-2, -1), heads)
     if keep is not None:
         d_probs = _dropped(d_probs, keep, dropout_p)
     ds = probs.mul_(d_probs.sub_(delta))
     ds.mul_(_scale_of(q, scale))
-    dq = _grouped_matmul(ds, k.float(), heads)
-    dk = _group_sum(torch.matmul(ds.transpose(-2, -1), q.float()), heads)
+    dq = _grouped_matmul(ds, k.to(acc), heads)
+    dk = _group_sum(torch.matmul(ds.transpose(-2, -1), q.to(acc)), heads)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
