@@ -16,12 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshfuse import DeviceMesh
+from meshfuse import DataType, DeviceMesh
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.errors import DefinitionError, ScheduleError
+from meshfuse.examples.gpt import parameter_shapes as gpt_shapes
+from meshfuse.examples.gpt_stack import GptStack, stack_parameters
+from meshfuse.examples.gpt_stack import torch_loss as gpt_loss
 from meshfuse.examples.mlp_stack import MlpStack, block_shapes, init_parameters, torch_loss
 from meshfuse.parallel.fsdp import GATHERED, MixedPrecision, NamedMesh
 from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.sharding import shard_tensor
 
 B, E, FFN, LAYERS = 8, 5, 12, 3
 STEPS, LR, MAX_NORM = 20, 1e-2, 0.5
@@ -247,3 +251,41 @@ def test_errors_name_the_fix():
     with pytest.raises(ScheduleError, match="multiply to 4"):
         NamedMesh.parse("dp=2,tp=3", 4)
     assert NamedMesh.parse("dp=2,tp=2", 4).size("tp") == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None])
+def test_bf16_parameters_reduce_in_the_reduce_dtype(multidevice_test, reduce_dtype):
+    """A GPT stack whose parameters are stored in bf16 (as FSDP2's ``MixedPrecisionPolicy(
+    reduce_dtype=float32)`` on bf16 weights): gathered in bf16, each layer's gradients
+    reduce-scattered in ``reduce_dtype`` (float32: 4 bytes an element; None: bf16's 2) and
+    held in bf16; the gradients those of the float32 model within bf16's precision."""
+    d = multidevice_test.size
+    if d == 1:
+        pytest.skip("nothing is communicated on one rank")
+    b, s, e, heads, n = 2, 4, 8, 2, 2
+    mesh = NamedMesh(DeviceMesh(range(d)), ("dp",))
+    fd = GptStack(b, s, e, heads, n, mesh, dtype=DataType.BFloat16)
+    tvs, init = fd.parameter_inputs(), stack_parameters(e, n, torch.bfloat16)
+    layers = [[f"{k}_{p}" for p in gpt_shapes(e)] for k in range(n)]
+    model = FullyShardedModule(fd, {p: (tvs[p], init[p]) for p in tvs}, layers,
+                               [fd.input, fd.target], mesh,
+                               mp_policy=MixedPrecision(reduce_dtype=reduce_dtype))
+    gen = torch.Generator().manual_seed(0)
+    x, target = (torch.randn(b, s, e, generator=gen).to(torch.bfloat16) for _ in range(2))
+    with record_communications() as log:
+        loss = model(model.shard_input(fd.input, x), model.shard_input(fd.target, target))
+        loss.backward()
+    ref = {p: torch.nn.Parameter(t.float()) for p, t in init.items()}
+    gpt_loss(x.float(), target.float(), ref, n, heads).backward()
+    for name, tv in tvs.items():
+        grad = getattr(model, name).grad
+        assert grad.dtype == torch.bfloat16, name
+        want = shard_tensor(ref[name].grad, model.sharded.storage(tv))
+        torch.testing.assert_close(grad.float(), want, rtol=5e-2, atol=2e-2, msg=name)
+    padded = sum(math.ceil(shape[0] / d) * math.prod(shape[1:])
+                 for shape in gpt_shapes(e).values())  # a layer's elements per rank
+    width = 2 if reduce_dtype is None else 4
+    assert [c.bytes for c in log if c.kind == "reduce_scatter"] == [padded * d * width] * n
+    # the forward gathers every parameter in bf16 (the backward those it reads again)
+    assert [c.bytes for c in log if c.kind == "allgather"][:n] == [padded * 2] * n

@@ -44,9 +44,10 @@ class BuiltSegment:
 
 
 def build_segment(segment: Segment, plan: ResolvedPlan, mesh: DeviceMesh,
-                  constants: Mapping[str, Any], parameters: frozenset[str]) -> BuiltSegment:
+                  constants: Mapping[str, Any], parameters: Mapping[str, str]) -> BuiltSegment:
     """The fusion of ``segment``; ``constants`` are the folded values (a Python number
-    among them is inlined), ``parameters`` the placeholders that are parameters."""
+    among them is inlined), ``parameters`` the placeholders that are parameters (-> their
+    names)."""
     fd = FusionDefinition()
     values: dict[str, Any] = {}
     positions = []
@@ -83,7 +84,7 @@ class _Pins:
     """The ``set`` copies of values crossing pinned module boundaries, made once each."""
 
     def __init__(self, plan: ResolvedPlan, mesh: DeviceMesh, fd: FusionDefinition,
-                 parameters: frozenset[str]) -> None:
+                 parameters: Mapping[str, str]) -> None:
         self.plan, self.mesh, self.fd, self.parameters = plan, mesh, fd, parameters
         self.copies: dict[tuple[str, str], TensorView] = {}
 
@@ -93,6 +94,9 @@ class _Pins:
         pinned output copy where ``source`` leaves such a module."""
         if not isinstance(value, TensorView):
             return value
+        layout = self.plan.gathered.get(self.parameters.get(source.name))
+        if layout is not None:  # a fully sharded parameter, read gathered
+            return self._copy(("param", source.name), value, layout)
         inner = set(module_paths(reader))
         outer = set(module_paths(source))
         if source.name not in self.parameters:
@@ -116,7 +120,14 @@ class _Pins:
                 value = self._copy(("out", path, node.name), value, layouts.outputs)
         return value
 
-    def _copy(self, key, value: TensorView, placement: Placement) -> TensorView:
+    def _copy(self, key, value: TensorView, placement: Placement | tuple) -> TensorView:
+        """The copy of ``value`` pinned to ``placement`` on the plan's axis (or a whole
+        layout, one placement per mesh axis)."""
+        if isinstance(placement, tuple):
+            if key not in self.copies:
+                self.copies[key] = self.fd.ops.set(value)
+                schedule_from_placements(self.copies[key], self.mesh, placement)
+            return self.copies[key]
         if key not in self.copies:
             axis = getattr(placement, "dim", 0)
             if value.ndim <= (axis if axis >= 0 else -axis - 1) or not value.dtype.is_floating:

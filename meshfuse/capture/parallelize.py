@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.report import explain_program
+from meshfuse.capture.sharded import batch_placements, fully_shard_plan, split_batch
 from meshfuse.capture.trace import capture, flatten_call
 from meshfuse.dtensor import mesh_to_torch
 from meshfuse.errors import DefinitionError
@@ -33,7 +34,7 @@ __all__ = ["parallelize", "torch_mesh"]
 
 def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
                 plan: Mapping[str, Any], *, example_inputs: Any = None,
-                strict: bool = False) -> torch.nn.Module:
+                strict: bool = False, fsdp: str | None = None) -> torch.nn.Module:
     """Runs ``module`` as meshfuse fusions laid out by ``plan`` on ``mesh``.
 
     Args:
@@ -44,6 +45,11 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             build now rather than on the first call.
         strict: raise a ``GraphBreakError`` listing every op meshfuse has no rule for, rather
             than running them as PyTorch ops between fusions.
+        fsdp: a dimension of ``mesh`` (a torch mesh's ``mesh_dim_names``) to fully shard
+            over (:func:`meshfuse.capture.sharded.fully_shard_plan`): every parameter also
+            sharded on its first axis over it (``Shard(0)``, as FSDP2's), the inputs' first
+            (batch) axis split over it; the plan's tensor parallelism runs on the last mesh
+            dimension, which must be another.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
@@ -57,9 +63,12 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
     tmesh = torch_mesh(mesh)
     resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
+    if fsdp is not None:
+        resolved = fully_shard_plan(resolved, tmesh, fsdp, plan, module)
     base = type(module)
     module.__class__ = type(f"Parallel{base.__name__}", (_Parallel, base), {})
     module._meshfuse = _State(tmesh, resolved, strict)
+    module._meshfuse.batch = None if fsdp is None else batch_placements(tmesh, fsdp)
     _replace_parameters(module, lambda name, p: torch.nn.Parameter(
         distribute_tensor(p.detach(), tmesh, resolved.parameters[name]), p.requires_grad))
     if example_inputs is not None:
@@ -83,6 +92,8 @@ class _Parallel:
         state: _State = self._meshfuse
         if state.capturing:
             return super().forward(*args, **kwargs)
+        if state.batch is not None:
+            args, kwargs = split_batch((args, kwargs), state.mesh, state.batch)
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
         outputs = program.run(dict(self.named_parameters(remove_duplicate=False)),

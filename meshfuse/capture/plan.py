@@ -56,11 +56,14 @@ class ModuleLayouts:
 @dataclasses.dataclass(frozen=True)
 class ResolvedPlan:
     """A plan applied to a module: each parameter's placements (one per mesh axis) and the
-    modules whose boundaries are pinned. ``axis`` is the mesh axis the styles shard on."""
+    modules whose boundaries are pinned. ``axis`` is the mesh axis the styles shard on.
+    ``gathered``: parameters the ops read in another layout than they are stored in (fully
+    sharded ones: read gathered over the data-parallel dimension), by name."""
 
     parameters: Mapping[str, Layout]
     modules: Mapping[str, ModuleLayouts]
     ndim: int
+    gathered: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
 
     def layout(self, placement: Placement, axis: int | None = None) -> Layout:
         """``placement`` on the plan's mesh axis (the last), replicated on the others."""

@@ -95,7 +95,7 @@ class Program:
         found = (self.keys[segment.index], layouts)
         if found not in self.built:
             built = build_segment(segment, self.plan, self._mf_mesh, self.constants,
-                                  frozenset(self.captured.parameters))
+                                  dict(self.captured.parameters))
             self.built[found] = (built, built.fd.as_autograd_function())
         built, function = self.built[found]
         self.ran[segment.index] = found

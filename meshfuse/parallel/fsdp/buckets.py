@@ -181,14 +181,14 @@ def _item(i: int, values: list) -> torch.Tensor:
 
 
 def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
-                wide: torch.dtype | None = None, summed: int | None = None
-                ) -> Callable[..., list]:
+                wide: torch.dtype | None = None, summed: int | None = None,
+                back: torch.dtype | None = None) -> Callable[..., list]:
     """The implementation of a reduction bucket: called with the members' partial tensors,
     it launches one reduce-scatter (then, across ``replicas``, one allreduce of the
     result: of its first ``summed`` members' shards, default all) and returns each member's
     reduced shard; with ``wide``, the partials are cast to it first, and the shards come
     back in it (the mixed-precision policy's ``reduce_dtype``: the program casts them to it
-    next)."""
+    next), or, with ``back``, cast to ``back`` (bf16 gradients summed in float32)."""
     offsets = [sum(m.padded for m in members[:i]) for i in range(len(members))]
     front = sum(m.padded for m in members[:len(members) if summed is None else summed])
     coordinate = group.coordinate
@@ -197,7 +197,8 @@ def reduce_call(members: Sequence[Member], group: Group, replicas: Group | None,
         def cut(flat: torch.Tensor) -> torch.Tensor:
             mine = flat[offset:offset + member.padded].view(member.longest, *member.rest())
             # a buffer of its own: the gradient holds its shard, not the padded bucket
-            return mine[:member.sizes[coordinate]].movedim(0, member.axis).clone()
+            mine = mine[:member.sizes[coordinate]].movedim(0, member.axis)
+            return mine.clone() if back is None else mine.to(back)
         return cut
 
     parts = [part(m, o) for m, o in zip(members, offsets)]

@@ -28,6 +28,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.parallel.fsdp.buckets import (
     GroupOf,
@@ -196,7 +198,7 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
             call = allreduce_call(mine, group, key[4])
         else:
             replicas = None if key[5] is None else group_of(plan[0].mesh, key[5])
-            call = reduce_call(mine, group, replicas, key[4], summed.get(key))
+            call = reduce_call(mine, group, replicas, key[4], summed.get(key), key[6])
         step = _bucket_step(key, [steps[k] for k in places], [e for e, _ in members], group)
         last = max(places)  # where the last member was: every member's input is ready
         steps[last] = step
@@ -214,7 +216,7 @@ def _merged(buckets: dict) -> tuple[dict, dict]:
     key, how many leading members the allreduce covers."""
     groups: dict[tuple, list[tuple]] = {}
     for key in buckets:
-        groups.setdefault(key[:5], []).append(key)
+        groups.setdefault((*key[:5], *key[6:]), []).append(key)
     result, summed = {}, {}
     for base, keys in groups.items():
         axes = {k[5] for k in keys} - {None}
@@ -222,7 +224,7 @@ def _merged(buckets: dict) -> tuple[dict, dict]:
             result.update((k, buckets[k]) for k in keys)
             continue
         across = [m for k in keys if k[5] is not None for m in buckets[k]]
-        key = (*base, axes.pop())
+        key = (*base[:5], axes.pop(), *base[5:])
         result[key] = across + [m for k in keys if k[5] is None for m in buckets[k]]
         summed[key] = len(across)
     return result, summed
@@ -266,11 +268,24 @@ def _buckets(found: LayerCommunications, exprs: Sequence[Expr], steps: list[Step
             elif leader is not None and follower is None and lone_scatter:
                 followers.add(leader)  # summed across replicas after the scatter instead
                 replicas = leaders[leader][1]
-            wide = found.reduce_dtype if expr in found.widened else None
+            wide, back = _reduce_dtypes(found, expr, kind, member.dtype)
             key = (kind, table[expr], (plan[0].kind, plan[0].mesh_axis), member.dtype, wide,
-                   replicas)
+                   replicas, back)
             buckets.setdefault(key, []).append((expr, member))
     return buckets, followers
+
+
+def _reduce_dtypes(found: LayerCommunications, expr: Expr, kind: str, dtype: torch.dtype
+                   ) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtype a reduction runs in (None: its own) and the dtype its result is cast back
+    to (None: left in the wide one, which a cast on the way to the gradient then keeps):
+    the mixed-precision policy's ``reduce_dtype`` for gradients of another dtype (bf16
+    parameters' gradients summed in float32 and held in bf16)."""
+    if kind != "reduce" or found.reduce_dtype is None or found.reduce_dtype == dtype:
+        return None, None
+    if expr in found.widened:
+        return found.reduce_dtype, None
+    return found.reduce_dtype, dtype
 
 
 def _leaders(exprs: Sequence[Expr], readers: Mapping, found: LayerCommunications,
