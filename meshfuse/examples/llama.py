@@ -277,6 +277,24 @@ class LlamaHead(_LlamaFusion):
         self.add_output(self.pin(loss, None))
 
 
+def fusion_module(fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str,
+                  fsdp: NamedMesh | None = None) -> torch.nn.Module:
+    """``fd`` as a module holding this rank's shards of its parameters (torch parameter names
+    cannot hold dots: they are replaced by underscores): a FusionModule, or over the ``dp``
+    dimension of ``fsdp`` a FullyShardedModule whose one layer is all of them."""
+    fd.define()
+    own = {name.replace(".", "_"): (tv, params[prefix + name])
+           for name, tv in fd.params.items()}
+    if fsdp is None:
+        module = FusionModule(fd, own)
+        module.copies = [copies(tv) for tv, _ in own.values()]
+    else:
+        module = FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, fsdp)
+        module.copies = module._copies
+    module.fd = fd
+    return module
+
+
 class LlamaModel(torch.nn.Module):
     """The model as fusion modules on this rank: ``model(ids, targets)`` is the loss.
 
@@ -296,11 +314,12 @@ class LlamaModel(torch.nn.Module):
         named = named_mesh(mesh)
         self.fsdp = named if named is not None and "dp" in named.names else None
         embed, head = LlamaEmbedding(cfg, batch, mesh), LlamaHead(cfg, batch, mesh)
-        self.embed = self._module(embed, params, "")
+        self.embed = fusion_module(embed, params, "", self.fsdp)
         block = LlamaBlock(cfg, batch, mesh)  # one definition, one build, for every layer
         self.blocks = torch.nn.ModuleList(
-            self._module(block, params, f"model.layers.{i}.") for i in range(cfg.layers))
-        self.head = self._module(head, params, "")
+            fusion_module(block, params, f"model.layers.{i}.", self.fsdp)
+            for i in range(cfg.layers))
+        self.head = fusion_module(head, params, "", self.fsdp)
         self._names = {f"blocks.{i}.{n.replace('.', '_')}": f"model.layers.{i}.{n}"
                        for i in range(cfg.layers) for n in block.params}
         self._names.update({f"{m}.{n.replace('.', '_')}": n
@@ -323,22 +342,6 @@ class LlamaModel(torch.nn.Module):
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
         return self.head(x, targets)
-
-    def _module(self, fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str):
-        """``fd`` as a module holding this rank's shards of its parameters (torch parameter
-        names cannot hold dots: they are replaced by underscores): a FusionModule, or with a
-        ``dp`` dimension a FullyShardedModule whose one layer is all of them."""
-        fd.define()
-        own = {name.replace(".", "_"): (tv, params[prefix + name])
-               for name, tv in fd.params.items()}
-        if self.fsdp is None:
-            module = FusionModule(fd, own)
-            module.copies = [copies(tv) for tv, _ in own.values()]
-        else:
-            module = FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, self.fsdp)
-            module.copies = module._copies
-        module.fd = fd
-        return module
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clips the gradients (this rank's shards) to a global norm of ``max_norm``, every

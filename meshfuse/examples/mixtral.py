@@ -101,11 +101,13 @@ class MixtralModel(torch.nn.Module):
     def __init__(self, cfg: MixtralConfig, params: dict[str, torch.Tensor],
                  mesh: DeviceMesh | None = None, device=None) -> None:
         super().__init__()
-        self.embed = llama._module(LlamaEmbedding(cfg, 1, mesh), params, "")
+        self.fsdp = None  # no data-parallel dimension (LlamaModel.forward reads it)
+        self.embed = llama.fusion_module(LlamaEmbedding(cfg, 1, mesh), params, "")
         block = MixtralBlock(cfg, 1, mesh)
         self.blocks = torch.nn.ModuleList(
-            llama._module(block, params, f"model.layers.{i}.") for i in range(cfg.layers))
-        self.head = llama._module(LlamaHead(cfg, 1, mesh), params, "")
+            llama.fusion_module(block, params, f"model.layers.{i}.")
+            for i in range(cfg.layers))
+        self.head = llama.fusion_module(LlamaHead(cfg, 1, mesh), params, "")
         cos, sin = llama.rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
