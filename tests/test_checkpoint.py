@@ -1,10 +1,11 @@
-"""Checkpoints (meshfuse.checkpoint) on CPU ranks: a stack of MLP blocks trained 5 AdamW
-steps under one layout, saved, and resumed under every layout the world size allows (one
-device, tensor parallel blocks or cyclic, FSDP with uneven shards, FSDP x TP 2x2): the next
-5 steps' losses equal the uninterrupted run bitwise under the same layout, within 1e-6
-relative under another. The bytes each rank writes and reads are those of the shards it
-holds (replicas written once, read once per host); bad checkpoints raise CheckpointError on every rank with the
-model and optimizer unchanged."""
+"""Checkpoints (meshfuse.checkpoint) on CPU ranks: a stack of MLP blocks
+(tests/checkpoint_layouts.py) trained 5 AdamW steps under one layout, saved, and resumed
+under every layout the world size allows (one device, tensor parallel blocks or cyclic, FSDP
+with uneven shards, FSDP x TP 2x2): the next 5 steps' losses equal the uninterrupted run
+bitwise under the same layout, within 1e-6 relative under another. The bytes each rank
+writes and reads are those of the shards it holds (replicas written once, read once per
+host); bad checkpoints raise CheckpointError on every rank with the model and optimizer
+unchanged. Moving a checkpoint between world sizes: tests/test_checkpoint_sizes.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_layouts import FFN, LR, B, E, build
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,75 +25,25 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
 from meshfuse import DeviceMesh, checkpoint
-from meshfuse.autodiff.fsdp_module import FullyShardedModule
-from meshfuse.autodiff.module import FusionModule
 from meshfuse.checkpoint.chunks import chunks_of
-from meshfuse.dtypes import DataType
 from meshfuse.errors import CheckpointError
 from meshfuse.examples.llama import LlamaConfig, LlamaModel
 from meshfuse.examples.llama import init_parameters as llama_parameters
-from meshfuse.examples.mlp_stack import TP_AXIS, MlpStack, block_shapes, init_parameters
+from meshfuse.examples.mlp_stack import TP_AXIS
 from meshfuse.examples.train_fsdp import parse_args as fsdp_args
 from meshfuse.examples.train_fsdp import train as train_fsdp
-from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.sharding import shard_tensor
 
-B, E, FFN, LAYERS = 6, 5, 10, 2  # 5 and 10: uneven shards over 3 and 4 ranks
-LR = 1e-2
+# Tests that need no more than one or two world sizes to prove their point skip the others
+# (the interop of DTensor layouts: an uneven and a 2-D one; Hugging Face: an uneven tensor
+# parallel split); tests/test_checkpoint_sizes.py moves checkpoints between world sizes.
 FIRST = {1: "one", 2: "tp", 3: "fsdp", 4: "dp2tp2"}  # the layout each world trains first
-
-
-class _Cyclic(MlpStack):
-    """The stack with its tensor-parallel axes split cyclically (inner splits)."""
-
-    def multidevice_schedule(self) -> None:
-        kind, size = self.mesh.parallel_type(self.tp), self.mesh.size(self.tp)
-        for p in self.params:
-            for name, tv in p.items():
-                tv.set_device_mesh(self.mesh.mesh)
-                if name in TP_AXIS:
-                    tv.inner_split(TP_AXIS[name], size)
-                    tv.axis(TP_AXIS[name] + 1).parallelize(kind)
 
 
 def _layouts(world: int) -> list[str]:
     kinds = ["one", "fsdp"] + (["tp", "cyclic"] if world > 1 else [])
     return kinds + (["dp2tp2"] if world == 4 else [])
-
-
-def _build(kind: str, world: int, layers: int = LAYERS, dtype=torch.float32, embed: int = E):
-    """A model of ``kind`` and its step function ``step(i) -> loss``."""
-    ranks = DeviceMesh(range(world))
-    mesh = {"tp": NamedMesh(ranks, ("tp",)), "cyclic": NamedMesh(ranks, ("tp",)),
-            "fsdp": NamedMesh(ranks, ("dp",)),
-            "dp2tp2": NamedMesh.parse("dp=2,tp=2", world) if world == 4 else None}.get(kind)
-    tp = "tp" if kind in ("tp", "cyclic", "dp2tp2") else None
-    fd = (_Cyclic if kind == "cyclic" else MlpStack)(
-        B, embed, FFN, layers, mesh, tp, DataType.from_torch(dtype)).define()
-    tvs = fd.parameter_inputs()
-    init = {n: v.to(dtype) for n, v in init_parameters(embed, FFN, layers).items()}
-    if kind in ("fsdp", "dp2tp2"):
-        names = [[f"{k}_{n}" for n in block_shapes(embed, FFN)] for k in range(layers)]
-        model = FullyShardedModule(fd, {n: (tvs[n], init[n]) for n in tvs}, names,
-                                   [fd.x, fd.target], mesh)
-        shard = model.shard_input
-    else:
-        model = FusionModule(fd, {n: (tvs[n], init[n]) for n in tvs})
-
-        def shard(tv, value):
-            return shard_tensor(value, tv)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(i: int) -> float:
-        gen = torch.Generator().manual_seed(100 + i)
-        x, target = (torch.randn(B, embed, generator=gen).to(dtype) for _ in range(2))
-        opt.zero_grad()
-        loss = model(shard(fd.x, x), shard(fd.target, target))
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return model, opt, step
 
 
 def _shared_dir(test) -> str:
@@ -108,7 +60,7 @@ def _barrier() -> None:
 @pytest.mark.mpi
 def test_resume_under_every_layout(multidevice_test):
     world = multidevice_test.size
-    model, opt, step = _build(FIRST[world], world)
+    model, opt, step = build(FIRST[world], world)
     for i in range(5):
         step(i)
     path = _shared_dir(multidevice_test)
@@ -118,7 +70,7 @@ def test_resume_under_every_layout(multidevice_test):
     drawn = torch.rand(4)  # what torch's generator gives next (dropout seeds come from it)
     uninterrupted = [step(i) for i in range(5, 10)]
     for kind in _layouts(world):
-        other, other_opt, other_step = _build(kind, world)
+        other, other_opt, other_step = build(kind, world)
         with torch.no_grad():
             for p in other.parameters():
                 p.fill_(0.5)  # not the saved values
@@ -152,7 +104,7 @@ def test_bytes_written_and_read_are_the_shards_held(multidevice_test, kind):
     world = multidevice_test.size
     if kind == "tp" and world == 1:
         pytest.skip("tensor parallel needs 2 ranks")
-    model, opt, step = _build(kind, world)
+    model, opt, step = build(kind, world)
     step(0)
     path = _shared_dir(multidevice_test)
     written = checkpoint.save(path, model, opt).bytes_written
@@ -195,19 +147,19 @@ def _unchanged(model, opt, snapshot) -> None:
 def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(multidevice_test):
     world = multidevice_test.size
     kind = "tp" if world > 1 else "one"
-    model, opt, step = _build(kind, world)
+    model, opt, step = build(kind, world)
     step(0)
     path = _shared_dir(multidevice_test)
     checkpoint.save(path, model, opt)
-    target, target_opt, target_step = _build(kind, world)
+    target, target_opt, target_step = build(kind, world)
     target_step(0)
     before = _snapshot(target, target_opt)
     cases = [
-        (_build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
-        (_build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
-        (_build(kind, world, embed=E + 1)[:2],
+        (build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
+        (build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
+        (build(kind, world, embed=E + 1)[:2],
          "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
-        (_build(kind, world, dtype=torch.float64)[:2],
+        (build(kind, world, dtype=torch.float64)[:2],
          "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
     ]
     for (m, o), message in cases:
@@ -244,7 +196,7 @@ class _TorchStack(torch.nn.Module):
 
 def _global(path: str, world: int) -> dict[str, torch.Tensor]:
     """The checkpoint's weights, read whole by every rank (the one-device layout)."""
-    model, _, _ = _build("one", world)
+    model, _, _ = build("one", world)
     checkpoint.load(path, model)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -252,10 +204,13 @@ def _global(path: str, world: int) -> dict[str, torch.Tensor]:
 @pytest.mark.mpi
 def test_loads_into_dtensor_modules_and_back(multidevice_test):
     """meshfuse -> ``fully_shard`` (FSDP2) and a module of DTensors laid out as
-    ``parallelize_module`` lays them (column/row parallel), and back, values equal."""
+    ``parallelize_module`` lays them (column/row parallel), and back, values equal: at 3
+    ranks (uneven shards, FSDP) and 4 (FSDP x TP into 1-D DTensor layouts)."""
 
     world = multidevice_test.size
-    model, opt, step = _build(FIRST[world], world)
+    if world not in (3, 4):
+        pytest.skip("the uneven (3 ranks) and the 2-D (4 ranks) layouts prove it")
+    model, opt, step = build(FIRST[world], world)
     step(0)
     path = _shared_dir(multidevice_test)
     checkpoint.save(path, model, opt)
@@ -283,14 +238,15 @@ def test_loads_into_dtensor_modules_and_back(multidevice_test):
 def test_hugging_face_export_and_import(multidevice_test):
     """The Llama example (tensor parallel over every rank) exported as safetensors with
     ``LlamaForCausalLM``'s names loads into transformers' model; imported into a model of
-    other values, every shard is the export's."""
+    other values, every shard is the export's. At 3 ranks only: its tensor parallel split
+    (6 query heads, 2 key/value heads over 3 ranks) is the least regular one."""
+    world = multidevice_test.size
+    if world != 3:
+        pytest.skip("3 ranks prove it (the export gathers whatever split the model has)")
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file, save_file  # installed with transformers
 
-
-    world = multidevice_test.size
-    cfg = LlamaConfig(vocab=98, hidden=48, heads=6, kv_heads=2, ffn=96, seq=12) if world == 3 \
-        else LlamaConfig(vocab=98, hidden=32, heads=4, kv_heads=2, ffn=64, seq=16)
+    cfg = LlamaConfig(vocab=98, hidden=48, heads=6, kv_heads=2, ffn=96, seq=12)
     params = llama_parameters(cfg, seed=1)
     mesh = DeviceMesh(range(world))
     model = LlamaModel(cfg, 2, params, mesh)
@@ -333,10 +289,12 @@ class _TorchMlp(torch.nn.Module):
 def test_a_parallelized_pytorch_module_resumes_and_exports(multidevice_test):
     """``meshfuse.parallelize``'s DTensor parameters and AdamW's DTensor moments: saved,
     loaded into the module built from other values, the next step's loss bitwise equal;
-    exported with the module's own names."""
+    exported with the module's own names. At 2 ranks (even DTensor shards) and 3 (uneven)."""
     from safetensors.torch import load_file  # installed with transformers
 
     world = multidevice_test.size
+    if world not in (2, 3):
+        pytest.skip("an even (2 ranks) and an uneven (3 ranks) split prove it")
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     x = torch.randn(B, E, generator=torch.Generator().manual_seed(3))
 
@@ -386,10 +344,13 @@ def test_a_shard_is_cut_into_the_boxes_of_its_index_runs():
 def test_the_fsdp_script_resumes_on_another_mesh(multidevice_test):
     """``train_fsdp --save`` on one mesh, ``--resume`` on another of the same ranks: the
     resumed steps are within the script's 1e-5 of PyTorch trained without a break (the
-    reference replays the saved steps)."""
+    reference replays the saved steps). In the ranks of one test run: dp2 x tp2 to dp4 at
+    4 ranks; tests/test_checkpoint_sizes.py runs the script across world sizes."""
     world = multidevice_test.size
+    if world != 4:
+        pytest.skip("dp2 x tp2 to dp4 needs 4 ranks")
     path = _shared_dir(multidevice_test)
-    first, then = ("dp=2,tp=2", f"dp={world}") if world == 4 else (f"dp={world}",) * 2
+    first, then = "dp=2,tp=2", "dp=4"
     common = ["--layers", "1", "--embed", "16", "--seq", "8", "--batch", "3"]
     saved = train_fsdp(fsdp_args(["--mesh", first, "--steps", "2", "--save", path, *common],
                                  world))

@@ -1,5 +1,5 @@
-"""Training a GPT stack fully sharded over ``dp`` (and tensor parallel over ``tp``), against
-the same stack in PyTorch on one device.
+"""Training a GPT stack fully sharded over ``dp`` (and tensor parallel over ``tp``, context
+parallel over ``cp``), against the same stack in PyTorch on one device.
 
 The model is :class:`~meshfuse.examples.gpt_stack.GptStack` (GPT blocks and a
 mean-squared-error loss, one fusion), its parameters sharded over the mesh's ``dp``
@@ -50,7 +50,8 @@ def parse_args(argv: Sequence[str] | None, world: int | None) -> argparse.Namesp
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", default=None,
                    help="named mesh dimensions, outermost first: dp=2,tp=2 (default: dp=4, or "
-                        "dp over the launcher's ranks); dp is required, tp optional")
+                        "dp over the launcher's ranks); dp is required, cp (context parallel "
+                        "attention) and tp optional")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=16)
@@ -71,8 +72,8 @@ def parse_args(argv: Sequence[str] | None, world: int | None) -> argparse.Namesp
         sizes = NamedMesh.parse(text, _product(text))
     except ScheduleError as e:
         p.error(str(e))
-    if "dp" not in sizes.names or set(sizes.names) - {"dp", "tp"}:
-        p.error(f"--mesh {text}: name the dimensions dp (and tp), e.g. dp=2,tp=2")
+    if "dp" not in sizes.names or set(sizes.names) - {"dp", "cp", "tp"}:
+        p.error(f"--mesh {text}: name the dimensions dp (and cp, tp), e.g. dp=2,tp=2")
     ranks = sizes.mesh.size
     if world is not None and ranks != world:
         p.error(f"--mesh {text} has {ranks} devices but the launcher started {world} ranks; "
@@ -97,8 +98,9 @@ def train(args) -> dict:
     comm = Communicator.instance()
     mesh = NamedMesh.parse(args.mesh, comm.size)
     tp = "tp" if "tp" in mesh.names else None
+    cp = "cp" if "cp" in mesh.names else None
     b, s, e, h, n = args.batch, args.seq, args.embed, args.heads, args.layers
-    fd = GptStack(b, s, e, h, n, mesh, tp)
+    fd = GptStack(b, s, e, h, n, mesh, tp, cp=cp)
     tvs, init = fd.parameter_inputs(), stack_parameters(e, n)
     layers = [[f"{k}_{name}" for name in parameter_shapes(e)] for k in range(n)]
     model = FullyShardedModule(fd, {name: (tvs[name], init[name]) for name in tvs}, layers,
