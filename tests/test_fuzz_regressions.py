@@ -681,6 +681,15 @@ SEEDS: dict[str, Seed] = {
         "expected ... [8, 6, 1]': permute(silu(take_along_axis(x [-1, -1, -1], index "
         "[-1, 2, 8], 2)), [2, 0, 1]), its output sharding pinned", features=(
             LOW_PRECISION_INDEXING_SYMBOLIC)),
+    "take_along_axis_of_a_reduction_output-44": Seed(
+        44, 2, "ExecutionError: 'IndexError: tuple index out of range' in _held_rows: "
+        "take_along_axis(linear(x, w), index, 0), index split on axis 1: the rows to read "
+        "were looked up by logical axis, linear's output has a reduction axis (the held "
+        "indices count materialized axes only)", features=INDEXING_SYMBOLIC),
+    "take_along_axis_of_a_reduction_output-118": Seed(118, 2, "as 44",
+                                                       features=INDEXING_SYMBOLIC),
+    "take_along_axis_of_a_reduction_output-9": Seed(
+        9, 4, "as 44, low precision", features=LOW_PRECISION_INDEXING_SYMBOLIC),
     # Found in session 13's last campaign, not fixed yet (strict xfails: they pass once fixed).
     "gemm_pattern_on_a_reduction_result-619": Seed(
         619, 4, "mismatch, the generator's: the overlap mode's GEMM pattern wrote logical axis "
