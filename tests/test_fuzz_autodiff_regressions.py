@@ -402,6 +402,7 @@ DRAWN_WITH = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
                       differentiable=True)
 SYMBOLIC = dataclasses.replace(DRAWN_WITH, symbolic=True)
 HEADS = dataclasses.replace(DRAWN_WITH, heads=True)
+INDEXING_SYMBOLIC = dataclasses.replace(DRAWN_WITH, indexing=True, symbolic=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,6 +453,11 @@ SEEDS: dict[str, Seed] = {
         7, 4, "untyped: see the case", features=HEADS),
     "linear_with_leading_weight_axes_over_an_expanded_broadcast-617": Seed(
         617, 2, "refused: see the case", features=HEADS),
+    "take_along_axis_gradient_through_a_broadcast-4": Seed(
+        4, 1, "untyped: 'IndexError: tuple index out of range' in _held_rows: the backward "
+        "of take_along_axis(x, index, 0) under broadcast_in_dim, whose gradient (a sum over "
+        "the broadcast axis) has a reduction axis: its rows were looked up by logical axis, "
+        "the held indices count materialized axes only", features=INDEXING_SYMBOLIC),
 }
 
 

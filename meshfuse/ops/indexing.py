@@ -165,11 +165,11 @@ def _held_rows(expr, here, whole, out_axes) -> dict[int, torch.Tensor]:
     mapped from the same axis of the tensor argument ``whole`` (which is then whole on that
     axis: resharding gathers it): the rows of ``whole`` to read (a gather's index shorter
     than its arg, split on that axis) or to write into."""
-    out = expr.outputs[0]
-    held = here.index(out).indices
+    out, whole = expr.outputs[0].materialized(), whole.materialized()  # local axes only
+    held = here.index(expr.outputs[0]).indices
     return {a: held[a] for a in out_axes
-            if whole.logical[a] not in expr.id_map.get(out.logical[a], ())
-            and not whole.logical[a].is_broadcast and held[a] is not None}
+            if whole[a] not in expr.id_map.get(out[a], ())
+            and not whole[a].is_broadcast and held[a] is not None}
 
 
 def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
@@ -187,7 +187,7 @@ def _localize_along(expr, here):
         expr, here)
     arg = expr.args[0]
     dim = expr.attrs["dim"] % len(arg.materialized())
-    rows = _held_rows(expr, here, arg, [a for a in range(len(arg.logical)) if a != dim])
+    rows = _held_rows(expr, here, arg, [a for a in range(len(arg.materialized())) if a != dim])
     return ({**attrs, "rows": rows} if rows else attrs), note
 
 
@@ -278,7 +278,8 @@ def _localize_along_backward(expr, here):
     dim = expr.attrs["dim"] % len(expr.args[2].materialized())
     attrs, note = _localize_out(lambda e: dim)(expr, here)
     grad = expr.args[0]
-    rows = _held_rows(expr, here, grad, [a for a in range(len(grad.logical)) if a != dim])
+    rows = _held_rows(expr, here, grad,
+                      [a for a in range(len(grad.materialized())) if a != dim])
     return ({**attrs, "rows": rows} if rows else attrs), note
 
 
