@@ -46,6 +46,7 @@ from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.interpreter.agreement import agreement_ranks
 
 
 class FusionFunction:
@@ -146,17 +147,18 @@ class FusionFunction:
             return self.derivation([False] * len(inputs), extents)
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
         if self._inputs_not_everywhere():
-            flags = _agreed(flags)
+            flags = _agreed(flags, agreement_ranks(self.fusion, Communicator.instance().size))
         return self.derivation(flags, extents)
 
     def _inputs_not_everywhere(self) -> bool:
-        """Whether some rank of the world holds no shard of some tensor input (decided on
-        the first call, once the inputs' schedules are fixed)."""
+        """Whether some rank of the fusion's (:func:`agreement_ranks`: a pipeline stage's
+        for a fusion on its sub-mesh) holds no shard of some tensor input (decided on the
+        first call, once the inputs' schedules are fixed)."""
         if self._lacking is None:
-            size = Communicator.instance().size
+            ranks = agreement_ranks(self.fusion, Communicator.instance().size)
             compiled = compiled_for(self.fusion)
             meshes = [compiled[v].mesh for v in self.fusion.inputs() if isinstance(v, TensorView)]
-            self._lacking = any(m is not None and any(r not in m for r in range(size))
+            self._lacking = any(m is not None and any(r not in m for r in ranks)
                                 for m in meshes)
         return self._lacking
 
@@ -299,8 +301,13 @@ def _laid_out(x: torch.Tensor, shape, strides) -> torch.Tensor:
     return out.copy_(x)
 
 
-def _agreed(flags: list[bool]) -> list[bool]:
-    """Whether each input requires grad on some rank (the ranks that hold it say so; one
-    that holds none passes None and says nothing)."""
-    gathered = Communicator.instance().agreement_allgather(torch.tensor(flags, dtype=torch.uint8))
+def _agreed(flags: list[bool], ranks: tuple[int, ...]) -> list[bool]:
+    """Whether each input requires grad on some rank of ``ranks`` (the fusion's; the ranks
+    that hold it say so; one that holds none passes None and says nothing). A rank outside
+    ``ranks``, or alone in them, keeps its own ``flags``."""
+    communicator = Communicator.instance()
+    if communicator.rank not in ranks or len(ranks) == 1:
+        return flags
+    gathered = communicator.agreement_allgather(torch.tensor(flags, dtype=torch.uint8),
+                                                ranks=ranks)
     return [bool(x) for x in torch.stack(gathered).amax(0).tolist()]
