@@ -102,6 +102,15 @@ def _alone(communicator: Communicator, ranks: tuple[int, ...]) -> bool:
     return communicator.rank not in ranks or len(ranks) == 1
 
 
+def _own(attempt: Callable[[], T]) -> T:
+    """``attempt()`` of a rank no other rank agrees with on this fusion: its error is its
+    own (marked shared, so that ranks of other meshes are not told of it)."""
+    try:
+        return attempt()
+    except MeshfuseError as e:
+        raise shared(e) from e.__cause__
+
+
 def agreed(communicator: Communicator, attempt: Callable[[], T],
            facts: Callable[[T], Sequence[Fact]], advice: str, in_call: bool = False,
            ranks: tuple[int, ...] | None = None) -> T:
@@ -145,7 +154,7 @@ def agreed_build(communicator: Communicator | None, fusion: Fusion, build: Calla
         return build()
     ranks = agreement_ranks(fusion, communicator.size)
     if _alone(communicator, ranks):
-        return build()
+        return _own(build)
     described = fusion_facts(fusion)  # before building: a build may fill in schedules
     return agreed(communicator, build, lambda _: described, _BUILD_ADVICE, ranks=ranks)
 
@@ -163,7 +172,7 @@ def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Seq
         return prepare()
     ranks = agreement_ranks(fusion, communicator.size)
     if _alone(communicator, ranks):
-        return prepare()
+        return _own(prepare)
 
     def facts(prepared: T) -> list[Fact]:
         return [*input_facts(fusion, inputs, lambda tv: extents_of(prepared, tv), held),
