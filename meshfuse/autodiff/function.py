@@ -80,6 +80,7 @@ class FusionFunction:
             if wrt is None else list(wrt)
         self._derivations: dict[tuple, _Compiled] = {}
         self._lacking: bool | None = None  # see _inputs_not_everywhere
+        self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
         self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
 
     def derivation(self, requires_grad: Sequence[bool],
@@ -141,21 +142,33 @@ class FusionFunction:
         """The derivation for the inputs that require grad in this call. Where some rank
         holds no shard of some input (it lies on other ranks' meshes), the ranks agree on
         which inputs require grad (one small allgather per call, only for such fusions):
-        each rank derives and runs the same forward and backward."""
+        each rank derives and runs the same forward and backward. A rank outside every mesh
+        of the fusion holds nothing and takes part in nothing: it derives as if each floating
+        input required grad, so that its outputs join a backward that does nothing here."""
         extents = self._bound(inputs)
         if not torch.is_grad_enabled():
             return self.derivation([False] * len(inputs), extents)
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        if self._inputs_not_everywhere():
-            flags = _agreed(flags, agreement_ranks(self.fusion, Communicator.instance().size))
+        ranks = self._agreeing_ranks()
+        if Communicator.instance().rank not in ranks:
+            flags = [isinstance(v, TensorView) and v.dtype.is_floating
+                     for v in self.fusion.inputs()]
+        elif self._inputs_not_everywhere():
+            flags = _agreed(flags, ranks)
         return self.derivation(flags, extents)
+
+    def _agreeing_ranks(self) -> tuple[int, ...]:
+        """The ranks of the fusion's meshes (:func:`agreement_ranks`), found once."""
+        if self._ranks is None:
+            self._ranks = agreement_ranks(self.fusion, Communicator.instance().size)
+        return self._ranks
 
     def _inputs_not_everywhere(self) -> bool:
         """Whether some rank of the fusion's (:func:`agreement_ranks`: a pipeline stage's
         for a fusion on its sub-mesh) holds no shard of some tensor input (decided on the
         first call, once the inputs' schedules are fixed)."""
         if self._lacking is None:
-            ranks = agreement_ranks(self.fusion, Communicator.instance().size)
+            ranks = self._agreeing_ranks()
             compiled = compiled_for(self.fusion)
             meshes = [compiled[v].mesh for v in self.fusion.inputs() if isinstance(v, TensorView)]
             self._lacking = any(m is not None and any(r not in m for r in ranks)

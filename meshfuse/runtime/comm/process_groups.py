@@ -8,8 +8,8 @@ Two groups of the whole world stand beside them: the world's (the default group,
 meshfuse may use it, else a copy with meshfuse's timeout) and the cross-rank agreement's (gloo,
 so that it is waited for on the host and never pairs with a program's collective). A fusion
 whose meshes hold only some ranks (a pipeline stage's sub-mesh) agrees among those ranks: its
-agreement group is created by them alone (torch's local synchronization, named after its
-ranks), so that ranks of other stages, which never run that fusion, take no part.
+agreement group is created by them alone (named after its ranks and the groups'
+generation), so that ranks of other stages, which never run that fusion, take no part.
 
 Every group has meshfuse's timeout (:meth:`ProcessGroups.set_timeout` changes them all). The
 :class:`~meshfuse.runtime.comm.communicator.Communicator` owns one :class:`ProcessGroups`: it
@@ -56,6 +56,7 @@ class ProcessGroups:
         self._slicings: set[tuple[DeviceMesh, int]] = set()
         self._agreement: dist.ProcessGroup | None = None
         self._agreements: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.generation = 0  # how many times the groups were retired (names agreement groups)
 
     def of_slice(self, mesh: DeviceMesh, mesh_axis: int | ParallelType
                  ) -> dist.ProcessGroup | None:
@@ -98,10 +99,22 @@ class ProcessGroups:
             return self._agreement
         if ranks not in self._agreements:
             with self._translated("creating a process group", ranks):
-                self._agreements[ranks] = dist.new_group(
-                    list(ranks), timeout=self._timeout, backend=backend,
-                    use_local_synchronization=True)
+                self._agreements[ranks] = self._local_group(ranks, backend)
         return self._agreements[ranks]
+
+    def _local_group(self, ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:
+        """A group of ``ranks`` that only they create, named after them and the groups'
+        generation (torch's own local synchronization names a group by how many groups this
+        process holds, which differs between ranks of different stages; and a name used
+        again would meet the rendezvous keys of a destroyed group)."""
+        c10d = dist.distributed_c10d
+        default_backend, store = c10d._world.pg_map[c10d._get_default_group()]
+        name = f"meshfuse-agreement-{self.generation}-{'-'.join(map(str, ranks))}"
+        group, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(self._rank), list(ranks), backend or default_backend,
+            store, name, timeout=self._timeout)
+        c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
+        return group
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """Makes ``timeout`` the timeout of every group, now and later."""
@@ -123,6 +136,7 @@ class ProcessGroups:
         Returns the destroyed groups, which the caller keeps until they can be freed
         (:mod:`meshfuse.runtime.comm.retired_groups`)."""
         retired = self.own()
+        self.generation += 1
         for group in retired:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(group)
