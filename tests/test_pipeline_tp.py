@@ -3,9 +3,10 @@ its stage's sub-mesh (a Megatron plan over the two devices of a row of a pp x tp
 activations cross stages device by device (coordinate c of one stage to coordinate c of the
 next); the losses are those of the one-device model.
 
-The stages are made tensor parallel by torch's ``parallelize_module``: a stage of meshfuse
-fusions (``meshfuse.parallelize``) does not run on a sub-mesh yet, as every fusion call
-agrees on its inputs with every rank of the world (docs/pipeline_parallel.md)."""
+The stages are meshfuse fusions on each stage's 2-rank mesh (the Llama example's embedding,
+blocks and head, :mod:`meshfuse.examples.llama_fusion_stages`; each fusion agrees on its inputs
+among its mesh's ranks only), or torch's ``parallelize_module`` on the rows of a pp x tp
+mesh."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshfuse import DeviceMesh
 from meshfuse.examples.llama import LlamaConfig
+from meshfuse.examples.llama_fusion_stages import FusionStage, create_stage_groups
 from meshfuse.examples.llama_stages import batches, llama_pieces, lm_loss, model, train_single
-from meshfuse.parallel.stages import PipelineRunner, schedule, split_pieces
+from meshfuse.parallel.stages import PipelineRunner, schedule, split_pieces, stage_bounds
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, seq=8)
@@ -62,3 +65,41 @@ def test_pp2_tp2_trains_like_one_device(multidevice_test, name):
     # the stage is tensor parallel: each device holds half of every projection
     q = module.pieces[1].layer.self_attn.q_proj.weight
     assert tuple(q.to_local().shape) == (CFG.hidden // 2, CFG.hidden)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["1F1B", "ZeroBubble"])
+def test_pp2_tp2_of_meshfuse_fusions_trains_like_one_device(multidevice_test, name):
+    if multidevice_test.size != 4:
+        pytest.skip("PP2 x TP2 on four ranks")
+    rank, batch, steps, m = multidevice_test.rank, 8, 3, 4
+    stage_ranks = [[0, 1], [2, 3]]
+    meshes = [DeviceMesh(r) for r in stage_ranks]
+    create_stage_groups(meshes)
+    mine = rank // 2
+    names = [name for name, _ in llama_pieces(model(CFG))]
+    start, stop = stage_bounds(names, 2)[mine]
+    params = dict(model(CFG).state_dict())
+    stage = FusionStage(CFG, batch // m, params, start, stop, meshes[mine])
+    runner = PipelineRunner(schedule(name, 2, m), {mine: stage}, stage.loss, stage_ranks)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    losses = []
+    with record_communications() as comms:
+        for ids, targets in batches(CFG, batch, steps):
+            opt.zero_grad()
+            loss = runner.step(ids, targets)
+            opt.step()
+            losses.append(loss)
+    reference = train_single(CFG, batch, steps)
+    if mine == 1:
+        for got, want in zip(losses, reference):
+            assert abs(got.item() - want) <= 1e-5 * abs(want)
+    # activations and gradients go to the same coordinate of the other stage; every other
+    # collective stays within the stage (the fusions' tensor-parallel gathers and reductions)
+    peers = {c.peer for c in comms if c.kind in ("send", "recv")}
+    assert peers == {rank + 2 if mine == 0 else rank - 2}
+    inside = [c for c in comms if c.kind not in ("send", "recv")]
+    assert inside and all(set(c.ranks) <= set(stage_ranks[mine]) for c in inside)
+    # each device holds half of every column-parallel projection
+    q = stage.blocks[0].get_parameter("self_attn_q_proj_weight")
+    assert tuple(q.shape) == (CFG.hidden // 2, CFG.hidden)

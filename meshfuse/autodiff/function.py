@@ -46,6 +46,7 @@ from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.interpreter.agreement import agreement_ranks
 
 
 class FusionFunction:
@@ -79,6 +80,7 @@ class FusionFunction:
             if wrt is None else list(wrt)
         self._derivations: dict[tuple, _Compiled] = {}
         self._lacking: bool | None = None  # see _inputs_not_everywhere
+        self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
         self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
 
     def derivation(self, requires_grad: Sequence[bool],
@@ -140,23 +142,36 @@ class FusionFunction:
         """The derivation for the inputs that require grad in this call. Where some rank
         holds no shard of some input (it lies on other ranks' meshes), the ranks agree on
         which inputs require grad (one small allgather per call, only for such fusions):
-        each rank derives and runs the same forward and backward."""
+        each rank derives and runs the same forward and backward. A rank outside every mesh
+        of the fusion holds nothing and takes part in nothing: it derives as if each floating
+        input required grad, so that its outputs join a backward that does nothing here."""
         extents = self._bound(inputs)
         if not torch.is_grad_enabled():
             return self.derivation([False] * len(inputs), extents)
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        if self._inputs_not_everywhere():
-            flags = _agreed(flags)
+        ranks = self._agreeing_ranks()
+        if Communicator.instance().rank not in ranks:
+            flags = [isinstance(v, TensorView) and v.dtype.is_floating
+                     for v in self.fusion.inputs()]
+        elif self._inputs_not_everywhere():
+            flags = _agreed(flags, ranks)
         return self.derivation(flags, extents)
 
+    def _agreeing_ranks(self) -> tuple[int, ...]:
+        """The ranks of the fusion's meshes (:func:`agreement_ranks`), found once."""
+        if self._ranks is None:
+            self._ranks = agreement_ranks(self.fusion, Communicator.instance().size)
+        return self._ranks
+
     def _inputs_not_everywhere(self) -> bool:
-        """Whether some rank of the world holds no shard of some tensor input (decided on
-        the first call, once the inputs' schedules are fixed)."""
+        """Whether some rank of the fusion's (:func:`agreement_ranks`: a pipeline stage's
+        for a fusion on its sub-mesh) holds no shard of some tensor input (decided on the
+        first call, once the inputs' schedules are fixed)."""
         if self._lacking is None:
-            size = Communicator.instance().size
+            ranks = self._agreeing_ranks()
             compiled = compiled_for(self.fusion)
             meshes = [compiled[v].mesh for v in self.fusion.inputs() if isinstance(v, TensorView)]
-            self._lacking = any(m is not None and any(r not in m for r in range(size))
+            self._lacking = any(m is not None and any(r not in m for r in ranks)
                                 for m in meshes)
         return self._lacking
 
@@ -299,8 +314,13 @@ def _laid_out(x: torch.Tensor, shape, strides) -> torch.Tensor:
     return out.copy_(x)
 
 
-def _agreed(flags: list[bool]) -> list[bool]:
-    """Whether each input requires grad on some rank (the ranks that hold it say so; one
-    that holds none passes None and says nothing)."""
-    gathered = Communicator.instance().agreement_allgather(torch.tensor(flags, dtype=torch.uint8))
+def _agreed(flags: list[bool], ranks: tuple[int, ...]) -> list[bool]:
+    """Whether each input requires grad on some rank of ``ranks`` (the fusion's; the ranks
+    that hold it say so; one that holds none passes None and says nothing). A rank outside
+    ``ranks``, or alone in them, keeps its own ``flags``."""
+    communicator = Communicator.instance()
+    if communicator.rank not in ranks or len(ranks) == 1:
+        return flags
+    gathered = communicator.agreement_allgather(torch.tensor(flags, dtype=torch.uint8),
+                                                ranks=ranks)
     return [bool(x) for x in torch.stack(gathered).amax(0).tolist()]

@@ -57,6 +57,7 @@ from meshfuse.runtime.interpreter import (
     HostLog,
     Program,
     agreed_inputs,
+    agreement_ranks,
     bind,
     bucket_lines,
     build_program,
@@ -375,7 +376,9 @@ class FusionRunner:
         if not axes or self.communicator is None or self.communicator.size == 1:
             return {}
         mine = local_extents(self.fusion, inputs, self.rank, axes)
-        return shard_extents(self.fusion, axes, exchanged(self.communicator, mine, in_call))
+        ranks = agreement_ranks(self.fusion, self.communicator.size)
+        return shard_extents(self.fusion, axes,
+                             exchanged(self.communicator, mine, in_call, ranks))
 
     def _shape_known(self, tv: TensorView) -> bool:
         """Whether this rank's input for ``tv`` tells its global shape, to agree on: a shard

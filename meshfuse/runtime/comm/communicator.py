@@ -278,23 +278,27 @@ class Communicator:
         by_rank = dict(zip(sorted(ranks), out))  # torch orders a group by global rank
         return [by_rank[r] for r in ranks]
 
-    def allgather_object(self, obj: object) -> list[object]:
-        """The ``obj`` of every rank of the world, indexed by rank.
+    def allgather_object(self, obj: object,
+                         ranks: tuple[int, ...] | None = None) -> list[object]:
+        """The ``obj`` of every rank of ``ranks`` (sorted; default the world), in that order.
 
-        For cross-rank consistency checks of small metadata. Ranks may pass objects of different
+        For cross-rank consistency checks of small metadata, over the agreement's group of
+        those ranks (:meth:`ProcessGroups.agreement`). Ranks may pass objects of different
         sizes and types. An object that cannot be pickled makes every rank raise, not hang.
 
         Raises:
             CommunicationError: on every rank, if some rank's object cannot be pickled.
         """
+        ranks = self._agreeing_ranks(ranks)
         try:
             payload = (True, pickle.dumps(obj))
         except Exception as e:  # noqa: BLE001 - pickling runs user code; tell every rank
             payload = (False, f"{type(e).__name__}: {e}")
-        gathered: list = [None] * self._size
-        with self.translated("allgather_object", range(self._size)):
-            dist.all_gather_object(gathered, payload, group=self.process_groups.agreement())
-        bad = [(r, msg) for r, (ok, msg) in enumerate(gathered) if not ok]
+        gathered: list = [None] * len(ranks)
+        with self.translated("allgather_object", ranks):
+            dist.all_gather_object(gathered, payload,
+                                   group=self.process_groups.agreement(ranks))
+        bad = [(r, msg) for r, (ok, msg) in zip(ranks, gathered) if not ok]
         if bad:
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
             raise CommunicationError(
@@ -303,18 +307,29 @@ class Communicator:
             )
         return [pickle.loads(data) for _, data in gathered]
 
-    def agreement_allgather(self, tensor: torch.Tensor,
-                            late: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        """The ``tensor`` (same shape and dtype on every rank, on the CPU) of every rank of the
-        world, by rank, over a gloo group of its own (so that it never pairs with a program's
-        collective on a rank out of step); ``late`` runs once if the others are late."""
-        out = [torch.empty_like(tensor) for _ in range(self._size)]
-        world = tuple(range(self._size))
-        with self.translated("the cross-rank agreement's allgather", world):
+    def agreement_allgather(self, tensor: torch.Tensor, late: Callable[[], None] | None = None,
+                            ranks: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+        """The ``tensor`` (same shape and dtype on each, on the CPU) of every rank of
+        ``ranks`` (sorted, this rank among them; default the world), in that order, over a
+        gloo group of their own (so that it never pairs with a program's collective on a
+        rank out of step; ranks outside ``ranks`` take no part); ``late`` runs once if the
+        others are late."""
+        ranks = self._agreeing_ranks(ranks)
+        out = [torch.empty_like(tensor) for _ in ranks]
+        with self.translated("the cross-rank agreement's allgather", ranks):
             work = dist.all_gather(out, tensor.contiguous(),
-                                   group=self.process_groups.agreement(), async_op=True)
-        self.wait(work, "the cross-rank agreement's allgather", world, late, agreeing=True)
+                                   group=self.process_groups.agreement(ranks), async_op=True)
+        self.wait(work, "the cross-rank agreement's allgather", ranks, late, agreeing=True)
         return out
+
+    def _agreeing_ranks(self, ranks: tuple[int, ...] | None) -> tuple[int, ...]:
+        ranks = tuple(range(self._size)) if ranks is None else tuple(sorted(ranks))
+        if self._rank not in ranks:
+            raise CommunicationError(
+                f"rank {self._rank} is not among ranks {list(ranks)}, so it cannot take part "
+                "in their agreement; only those ranks may call it"
+            )
+        return ranks
 
     def wait(self, work: dist.Work, what: str, ranks: tuple[int, ...],
              late: Callable[[], None] | None = None, agreeing: bool = False,

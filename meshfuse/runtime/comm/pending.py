@@ -34,7 +34,7 @@ class Pending:
     ``label`` names the collective in errors; the executor sets it to the program step.
     """
 
-    __slots__ = ("_finish", "_ranks", "_value", "_work", "label")
+    __slots__ = ("_finish", "_ranks", "_seq", "_value", "_work", "label")
 
     def __init__(self, work: dist.Work, buffer: torch.Tensor,
                  finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -43,6 +43,9 @@ class Pending:
         self._value = buffer
         self._finish = [finish] if finish is not None else []
         self.label, self._ranks = label, ranks
+        global _launched
+        _launched += 1
+        self._seq = _launched
         _in_flight[id(self)] = self
 
     def abandon(self) -> bool:
@@ -108,6 +111,7 @@ class Works:
 # The collectives launched and not yet waited for, by id: every one is waited for before the
 # process groups go away (an unwaited collective is torch's "unwaited collective calls").
 _in_flight: dict[int, Pending] = {}
+_launched = 0  # Pendings created so far (each one's ``_seq``)
 
 
 def in_flight() -> int:
@@ -115,13 +119,21 @@ def in_flight() -> int:
     return len(_in_flight)
 
 
-def settle_in_flight() -> int:
-    """Waits for every collective still in flight, ignoring their failures: for the error
-    path and exit, where an earlier error is the one to report. Returns how many failed."""
+def launched() -> int:
+    """How many collectives were launched so far: a mark for :func:`settle_in_flight`."""
+    return _launched
+
+
+def settle_in_flight(since: int = 0) -> int:
+    """Waits for every collective still in flight launched after mark ``since`` (default:
+    all), ignoring their failures: for the error path and exit, where an earlier error is the
+    one to report. Returns how many failed. Those launched before the mark are left: a
+    program settles its own, not a caller's (a pipeline runner's receives posted early)."""
     failed = 0
-    while _in_flight:
-        _, pending = _in_flight.popitem()
-        failed += not pending.abandon()
+    for key in [k for k, p in _in_flight.items() if p._seq > since]:
+        pending = _in_flight.pop(key, None)
+        if pending is not None:
+            failed += not pending.abandon()
     return failed
 
 

@@ -6,7 +6,10 @@ asked for, every slice gets its process group at once, in a fixed order, since t
 same order. A slice is kept by its ranks, so two meshes that share a slice share its group.
 Two groups of the whole world stand beside them: the world's (the default group, where
 meshfuse may use it, else a copy with meshfuse's timeout) and the cross-rank agreement's (gloo,
-so that it is waited for on the host and never pairs with a program's collective).
+so that it is waited for on the host and never pairs with a program's collective). A fusion
+whose meshes hold only some ranks (a pipeline stage's sub-mesh) agrees among those ranks: its
+agreement group is created by them alone (named after its ranks and the groups'
+generation), so that ranks of other stages, which never run that fusion, take no part.
 
 Every group has meshfuse's timeout (:meth:`ProcessGroups.set_timeout` changes them all). The
 :class:`~meshfuse.runtime.comm.communicator.Communicator` owns one :class:`ProcessGroups`: it
@@ -52,6 +55,8 @@ class ProcessGroups:
         self.by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._slicings: set[tuple[DeviceMesh, int]] = set()
         self._agreement: dist.ProcessGroup | None = None
+        self._agreements: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.generation = 0  # how many times the groups were retired (names agreement groups)
 
     def of_slice(self, mesh: DeviceMesh, mesh_axis: int | ParallelType
                  ) -> dist.ProcessGroup | None:
@@ -81,25 +86,47 @@ class ProcessGroups:
             self.by_ranks[world] = self._new_group(world)
         return self.by_ranks[world]
 
-    def agreement(self) -> dist.ProcessGroup:
-        """The world's group for the cross-rank agreement: gloo even beside NCCL (a few bytes,
-        waited for on the host, where a rank can read the notice board, and no GPU memory for
-        another NCCL communicator)."""
-        if self._agreement is None:
-            backend = "gloo" if dist.is_gloo_available() else None
-            self._agreement = self._new_group_of(tuple(range(self._size)), backend)
-        return self._agreement
+    def agreement(self, ranks: tuple[int, ...] | None = None) -> dist.ProcessGroup:
+        """The group for the cross-rank agreement among ``ranks`` (sorted; default the
+        world): gloo even beside NCCL (a few bytes, waited for on the host, where a rank can
+        read the notice board, and no GPU memory for another NCCL communicator). The world's
+        is created by every rank; one of fewer ranks by those ranks only, on first use (this
+        rank must be one of them)."""
+        backend = "gloo" if dist.is_gloo_available() else None
+        if ranks is None or ranks == tuple(range(self._size)):
+            if self._agreement is None:
+                self._agreement = self._new_group_of(tuple(range(self._size)), backend)
+            return self._agreement
+        if ranks not in self._agreements:
+            with self._translated("creating a process group", ranks):
+                self._agreements[ranks] = self._local_group(ranks, backend)
+        return self._agreements[ranks]
+
+    def _local_group(self, ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:
+        """A group of ``ranks`` that only they create, named after them and the groups'
+        generation (torch's own local synchronization names a group by how many groups this
+        process holds, which differs between ranks of different stages; and a name used
+        again would meet the rendezvous keys of a destroyed group)."""
+        c10d = dist.distributed_c10d
+        default_backend, store = c10d._world.pg_map[c10d._get_default_group()]
+        name = f"meshfuse-agreement-{self.generation}-{'-'.join(map(str, ranks))}"
+        group, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(self._rank), list(ranks), backend or default_backend,
+            store, name, timeout=self._timeout)
+        c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
+        return group
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """Makes ``timeout`` the timeout of every group, now and later."""
         self._timeout = timeout
-        for group in {id(g): g for g in self.by_ranks.values()}.values():
+        for group in {id(g): g for g in [*self.by_ranks.values(),
+                                         *self._agreements.values()]}.values():
             if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a slice without this rank
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
 
     def own(self) -> list[dist.ProcessGroup]:
         """The groups meshfuse created (not torch's default group), each once."""
-        groups = [*self.by_ranks.values(), self._agreement]
+        groups = [*self.by_ranks.values(), self._agreement, *self._agreements.values()]
         return [g for g in {id(g): g for g in groups if g is not None}.values()
                 if g is not dist.group.WORLD]
 
@@ -109,6 +136,7 @@ class ProcessGroups:
         Returns the destroyed groups, which the caller keeps until they can be freed
         (:mod:`meshfuse.runtime.comm.retired_groups`)."""
         retired = self.own()
+        self.generation += 1
         for group in retired:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(group)
@@ -121,6 +149,7 @@ class ProcessGroups:
         self.by_ranks.clear()
         self._slicings.clear()
         self._agreement = None
+        self._agreements.clear()
 
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         outside = [d for d in mesh.device_ids if d >= self._size]

@@ -56,7 +56,8 @@ class Notice:
         where: for ``failed``, where in the call: ``"before running"`` or ``"step N"``; for
             ``broken``, the collective.
         claim: for ``agreeing``, the poster's facts (an ``agreement.Claim``).
-        group: for ``broken``, the ranks of the collective's group.
+        group: for ``broken``, the ranks of the collective's group; for ``agreeing``, the
+            ranks that agree (empty: the world).
     """
 
     rank: int

@@ -164,7 +164,8 @@ class LoneFailures:
                 self._reason = f"rank {notice.rank}'s error in call {notice.call}: {error}"
                 raise error
             if notice.kind == AGREEING and notice.call == self.calls and not agreeing \
-                    and self.agreed_in != self.calls:  # it agrees, this rank did not
+                    and self.agreed_in != self.calls \
+                    and (not notice.group or self._rank in notice.group):  # it agrees, not this
                 if settling:
                     raise Abandoned
                 raise OutOfStep(notice)
@@ -203,9 +204,10 @@ class LoneFailures:
             self._reason = f"its own error in call {call}: {type(error).__name__}: {error}"
         return error
 
-    def agreeing(self, claim: Any) -> Callable[[], None]:
-        """Notes that the inputs' agreement runs in this call; returns what it runs when its
-        collective is late: post ``claim`` for a rank running a cached program to compare
-        with."""
+    def agreeing(self, claim: Any, group: Sequence[int] = ()) -> Callable[[], None]:
+        """Notes that the inputs' agreement (among the ranks ``group``; default the world)
+        runs in this call; returns what it runs when its collective is late: post ``claim``
+        for a rank of ``group`` running a cached program to compare with."""
         self.agreed_in = self.calls
-        return lambda: self.board.post(Notice(self._rank, self.calls, AGREEING, claim=claim))
+        return lambda: self.board.post(Notice(self._rank, self.calls, AGREEING, claim=claim,
+                                              group=tuple(group)))

@@ -3,6 +3,7 @@ inputs, the program's ``Step`` records and their executor, fused segments, allre
 
 from meshfuse.runtime.interpreter.agreement import (
     agreed_inputs,
+    agreement_ranks,
     exchanged,
     input_facts,
     out_of_step,
@@ -27,7 +28,8 @@ from meshfuse.runtime.interpreter.fused import FUSED, CompileStats, fuse_program
 from meshfuse.runtime.interpreter.host_time import HostLog
 from meshfuse.runtime.interpreter.program import build_program
 
-__all__ = ["FUSED", "Binding", "CompileStats", "HostLog", "Program", "agreed_inputs", "bind",
+__all__ = ["FUSED", "Binding", "CompileStats", "HostLog", "Program", "agreed_inputs",
+           "agreement_ranks", "bind",
            "bucket_lines", "build_program", "check_inputs", "check_strides", "exchanged",
            "fuse_program", "has_symbolic_extents", "held_here", "input_facts", "is_cpu_scalar",
            "local_context", "local_extents", "out_of_step", "required_device",

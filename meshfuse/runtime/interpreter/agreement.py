@@ -10,8 +10,10 @@ the two moments where a rank can diverge without any communication having happen
   (:func:`agreed_inputs`),
 
 each rank runs its local part (``attempt``), then the ranks exchange a digest of what they
-hold (:class:`Fact` records) and whether the attempt failed: one small collective over the
-world. When the digests match and no rank failed, that is all. Otherwise (rare, and only on
+hold (:class:`Fact` records) and whether the attempt failed: one small collective among the
+ranks of the fusion's meshes (:func:`agreement_ranks`: the world when its meshes cover it; a
+pipeline stage's ranks for a fusion on that stage's sub-mesh, so that ranks of other stages,
+which never run it, take no part; none for a rank outside them, or alone in them). When the digests match and no rank failed, that is all. Otherwise (rare, and only on
 the way to an error) they exchange the facts themselves and every rank raises the same error:
 the failing rank's own error (the others raise its type, naming that rank), or an
 :class:`~meshfuse.errors.InputError` naming the first fact they disagree on and the ranks.
@@ -85,12 +87,37 @@ def enabled(option: bool | None) -> bool:
     return os.environ.get(CHECK_RANKS_ENV, "1").strip() not in ("0", "false", "False")
 
 
+def agreement_ranks(fusion: Fusion, size: int) -> tuple[int, ...]:
+    """The ranks that agree on ``fusion`` (sorted): those of its tensors' meshes, or the
+    whole world of ``size`` ranks when some input has no mesh (it is on every rank)."""
+    world = tuple(range(size))
+    if any(isinstance(v, TensorView) and v.mesh is None for v in fusion.inputs()):
+        return world
+    ranks = {d for tv in fusion.tensors() if tv.mesh is not None for d in tv.mesh.device_ids}
+    return tuple(sorted(ranks)) if ranks else world
+
+
+def _alone(communicator: Communicator, ranks: tuple[int, ...]) -> bool:
+    """Whether this rank has no one to agree with among ``ranks``."""
+    return communicator.rank not in ranks or len(ranks) == 1
+
+
+def _own(attempt: Callable[[], T]) -> T:
+    """``attempt()`` of a rank no other rank agrees with on this fusion: its error is its
+    own (marked shared, so that ranks of other meshes are not told of it)."""
+    try:
+        return attempt()
+    except MeshfuseError as e:
+        raise shared(e) from e.__cause__
+
+
 def agreed(communicator: Communicator, attempt: Callable[[], T],
-           facts: Callable[[T], Sequence[Fact]], advice: str, in_call: bool = False) -> T:
-    """``attempt()``'s result, once every rank of the world has run its own attempt and all
-    agree; see the module doc. ``in_call``: it checks the inputs of an ``execute`` call (a
-    rank running a cached program meanwhile is told this rank's claim, see
-    :mod:`meshfuse.runtime.faults.lone_failures`).
+           facts: Callable[[T], Sequence[Fact]], advice: str, in_call: bool = False,
+           ranks: tuple[int, ...] | None = None) -> T:
+    """``attempt()``'s result, once every rank of ``ranks`` (sorted; default the world) has
+    run its own attempt and all agree; see the module doc. ``in_call``: it checks the inputs
+    of an ``execute`` call (a rank running a cached program meanwhile is told this rank's
+    claim, see :mod:`meshfuse.runtime.faults.lone_failures`).
 
     Raises:
         MeshfuseError: the error some rank's attempt raised, on every rank (this rank's own
@@ -104,14 +131,15 @@ def agreed(communicator: Communicator, attempt: Callable[[], T],
         result, own = None, e
         claim = Claim((), (type(e).__name__, str(e)))
     digest = torch.tensor(claim.digest(), dtype=torch.int64)
-    late = communicator.lone.agreeing(claim) if in_call else None
-    digests = [d.tolist() for d in communicator.agreement_allgather(digest, late)]
+    ranks = tuple(range(communicator.size)) if ranks is None else ranks
+    late = communicator.lone.agreeing(claim, ranks) if in_call else None
+    digests = [d.tolist() for d in communicator.agreement_allgather(digest, late, ranks)]
     if all(d == digests[0] for d in digests) and not digests[0][2]:
         return result
-    claims = communicator.allgather_object(claim)
+    claims = list(zip(ranks, communicator.allgather_object(claim, ranks)))
     try:
         _raise_failure(claims, own, communicator.rank)
-        _raise_difference(list(enumerate(claims)), advice)
+        _raise_difference(claims, advice)
     except MeshfuseError as e:
         raise shared(e) from e.__cause__
     return result  # digests differed but the facts agree: a hash collision; nothing to say
@@ -124,8 +152,11 @@ def agreed_build(communicator: Communicator | None, fusion: Fusion, build: Calla
     when checks are off, just ``build()``."""
     if communicator is None or communicator.size == 1 or not enabled(check_ranks):
         return build()
+    ranks = agreement_ranks(fusion, communicator.size)
+    if _alone(communicator, ranks):
+        return _own(build)
     described = fusion_facts(fusion)  # before building: a build may fill in schedules
-    return agreed(communicator, build, lambda _: described, _BUILD_ADVICE)
+    return agreed(communicator, build, lambda _: described, _BUILD_ADVICE, ranks=ranks)
 
 
 def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Sequence[Any],
@@ -139,24 +170,37 @@ def agreed_inputs(communicator: Communicator | None, fusion: Fusion, inputs: Seq
     ``in_call``: see :func:`agreed`."""
     if communicator is None or communicator.size == 1 or not enabled(check_ranks):
         return prepare()
+    ranks = agreement_ranks(fusion, communicator.size)
+    if _alone(communicator, ranks):
+        return _own(prepare)
 
     def facts(prepared: T) -> list[Fact]:
         return [*input_facts(fusion, inputs, lambda tv: extents_of(prepared, tv), held),
                 *more_facts(prepared)]
 
-    return agreed(communicator, prepare, facts, _INPUT_ADVICE, in_call)
+    return agreed(communicator, prepare, facts, _INPUT_ADVICE, in_call, ranks)
 
 
-def exchanged(communicator: Communicator, values: Sequence[int],
-              in_call: bool = False) -> list[list[int]]:
-    """Every rank's ``values`` (as many on each), by rank: what ranks must learn of each
-    other's inputs before they can bind theirs (the extents of their shards of an uneven
-    split of a symbolic axis). One small collective over the world, on the first call of a
-    signature, before the agreement proper; ``in_call``: see :func:`agreed` (a rank running
-    a cached program meanwhile is told that this one checks a new signature)."""
-    late = communicator.lone.agreeing(Claim(())) if in_call else None
+def exchanged(communicator: Communicator, values: Sequence[int], in_call: bool = False,
+              ranks: tuple[int, ...] | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (as many on each), by rank of ``ranks`` (sorted; default the
+    world): what ranks must learn of each other's inputs before they can bind theirs (the
+    extents of their shards of an uneven split of a symbolic axis). One small collective
+    among those ranks, on the first call of a signature, before the agreement proper;
+    ``in_call``: see :func:`agreed` (a rank running a cached program meanwhile is told that
+    this one checks a new signature). Only the ranks of ``ranks`` take part (none when
+    this rank is outside them or alone); a rank of the world outside them has ``-1`` for
+    each value."""
+    by_rank = [[-1] * len(values) for _ in range(communicator.size)]
+    by_rank[communicator.rank] = list(values)
+    ranks = tuple(range(communicator.size)) if ranks is None else ranks
+    if _alone(communicator, ranks):
+        return by_rank
+    late = communicator.lone.agreeing(Claim(()), ranks) if in_call else None
     tensor = torch.tensor(list(values), dtype=torch.int64)
-    return [t.tolist() for t in communicator.agreement_allgather(tensor, late)]
+    for r, t in zip(ranks, communicator.agreement_allgather(tensor, late, ranks)):
+        by_rank[r] = t.tolist()
+    return by_rank
 
 
 def out_of_step(notice: Notice, rank: int, facts: Sequence[Fact]) -> MeshfuseError:
@@ -223,10 +267,11 @@ def input_facts(fusion: Fusion, inputs: Sequence[Any],
     return facts
 
 
-def _raise_failure(claims: list[Claim], own: Exception | None, me: int) -> None:
+def _raise_failure(claims: list[tuple[int, Claim]], own: Exception | None, me: int) -> None:
     """Raises, on every rank, the error of a rank that failed, naming it and the others that
-    failed: a rank that failed raises its own (chained to it), the others the first one's."""
-    failed = [(r, c.error) for r, c in enumerate(claims) if c.error is not None]
+    failed: a rank that failed raises its own (chained to it), the others the first one's
+    (``claims``: each rank's, in rank order)."""
+    failed = [(r, c.error) for r, c in claims if c.error is not None]
     if not failed:
         return
     if own is not None:  # its own message fits its own inputs (the extent of its shard)

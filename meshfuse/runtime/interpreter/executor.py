@@ -30,7 +30,13 @@ import torch
 
 from meshfuse.errors import ExecutionError
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.comm.pending import Pending, in_flight, resolved, settle_in_flight
+from meshfuse.runtime.comm.pending import (
+    Pending,
+    in_flight,
+    launched,
+    resolved,
+    settle_in_flight,
+)
 from meshfuse.runtime.faults.failures import CollectiveFailed, is_shared
 
 RESHARD = "reshard"
@@ -160,17 +166,19 @@ class Program:
         """
         # The grad mode is switched directly: torch.no_grad()'s context object costs more
         # host time than a small program's kernels (this is every cached execute's path).
-        grad_enabled = torch.is_grad_enabled()
+        # Only this run's collectives are settled (``mark``): a caller's may be in flight
+        # across it (a pipeline runner's receives, posted before the stage computes).
+        grad_enabled, mark = torch.is_grad_enabled(), launched()
         torch._C._set_grad_enabled(False)
         try:
             outputs = self._run(inputs, donate)
         except BaseException:
-            settle_in_flight()  # nothing left in flight; the first error is the one to report
+            settle_in_flight(mark)  # none of its own in flight; the first error is reported
             raise
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         if in_flight():
-            settle_in_flight()  # a collective whose result no step read (none, normally)
+            settle_in_flight(mark)  # a collective whose result no step read (none, normally)
         return outputs
 
     def _where(self, index: int) -> str:
