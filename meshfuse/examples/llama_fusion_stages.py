@@ -20,13 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
-from meshfuse.autodiff.fsdp_module import FullyShardedModule
-from meshfuse.autodiff.module import FusionModule
 from meshfuse.examples.llama import (
     LlamaBlock,
     LlamaConfig,
     LlamaEmbedding,
     LlamaHead,
+    fusion_module,
     rope_tables,
 )
 from meshfuse.ir.mesh import DeviceMesh
@@ -63,13 +62,13 @@ class FusionStage(torch.nn.Module):
                  start: int, stop: int, mesh: DeviceMesh | NamedMesh) -> None:
         super().__init__()
         self.fsdp = mesh if isinstance(mesh, NamedMesh) and "dp" in mesh.names else None
-        self.embed = _module(LlamaEmbedding(cfg, microbatch, mesh), params, "", self.fsdp) \
+        self.embed = fusion_module(LlamaEmbedding(cfg, microbatch, mesh), params, "", self.fsdp) \
             if start == 0 else None
         block = LlamaBlock(cfg, microbatch, mesh)  # one definition for the stage's layers
         layers = range(max(start, 1) - 1, min(stop, cfg.layers + 1) - 1)
         self.blocks = torch.nn.ModuleList(
-            _module(block, params, f"model.layers.{i}.", self.fsdp) for i in layers)
-        self.head = _module(LlamaHead(cfg, microbatch, mesh), params, "", self.fsdp) \
+            fusion_module(block, params, f"model.layers.{i}.", self.fsdp) for i in layers)
+        self.head = fusion_module(LlamaHead(cfg, microbatch, mesh), params, "", self.fsdp) \
             if stop == cfg.layers + 2 else None
         self.layers = list(layers)
         cos, sin = rope_tables(cfg)
@@ -99,14 +98,3 @@ class FusionStage(torch.nn.Module):
         if self.fsdp is not None:
             targets = self.head.shard_input(self.head.fd.targets, targets)
         return self.head(x, targets)
-
-
-def _module(fd, params: dict[str, torch.Tensor], prefix: str, fsdp: NamedMesh | None):
-    """``fd`` as a module holding this rank's shards of its parameters (dots in names become
-    underscores): a FusionModule, or over ``dp`` a FullyShardedModule of one layer."""
-    fd.define()
-    own = {name.replace(".", "_"): (tv, params[prefix + name]) for name, tv in fd.params.items()}
-    module = FusionModule(fd, own) if fsdp is None else \
-        FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, fsdp)
-    module.fd = fd
-    return module
