@@ -14,8 +14,14 @@ import torch
 
 from meshfuse import DeviceMesh
 from meshfuse.examples.llama import LlamaConfig
-from meshfuse.examples.llama_fusion_stages import FusionStage, create_stage_groups
-from meshfuse.examples.llama_stages import batches, llama_pieces, model, train_single
+from meshfuse.examples.llama_stages import (
+    FusionStage,
+    batches,
+    create_stage_groups,
+    llama_pieces,
+    model,
+    train_single,
+)
 from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.parallel.stages import PipelineRunner, schedule, stage_bounds
 from meshfuse.runtime.comm.collectives import record_communications

@@ -4,7 +4,7 @@ activations cross stages device by device (coordinate c of one stage to coordina
 next); the losses are those of the one-device model.
 
 The stages are meshfuse fusions on each stage's 2-rank mesh (the Llama example's embedding,
-blocks and head, :mod:`meshfuse.examples.llama_fusion_stages`; each fusion agrees on its inputs
+blocks and head, :mod:`meshfuse.examples.llama_stages`; each fusion agrees on its inputs
 among its mesh's ranks only), or torch's ``parallelize_module`` on the rows of a pp x tp
 mesh."""
 
@@ -21,8 +21,15 @@ from torch.distributed.tensor.parallel import (
 
 from meshfuse import DeviceMesh
 from meshfuse.examples.llama import LlamaConfig
-from meshfuse.examples.llama_fusion_stages import FusionStage, create_stage_groups
-from meshfuse.examples.llama_stages import batches, llama_pieces, lm_loss, model, train_single
+from meshfuse.examples.llama_stages import (
+    FusionStage,
+    batches,
+    create_stage_groups,
+    llama_pieces,
+    lm_loss,
+    model,
+    train_single,
+)
 from meshfuse.parallel.stages import PipelineRunner, schedule, split_pieces, stage_bounds
 from meshfuse.runtime.comm.collectives import record_communications
 

@@ -79,7 +79,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     for every group), a loop of matmuls elsewhere."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        # the kernel needs 16-byte aligned strides: a backward's views are copied dense
+        return torch._grouped_mm(x.contiguous(), w.contiguous().transpose(-2, -1),
+                                 offs=offsets)
     pieces = x.split(counts.tolist())
     if not pieces:
         return x.new_empty(0, w.shape[1])

@@ -89,12 +89,13 @@ def enabled(option: bool | None) -> bool:
 
 def agreement_ranks(fusion: Fusion, size: int) -> tuple[int, ...]:
     """The ranks that agree on ``fusion`` (sorted): those of its tensors' meshes, or the
-    whole world of ``size`` ranks when some input has no mesh (it is on every rank)."""
+    whole world of ``size`` ranks when some input has no mesh (it is on every rank) or a
+    mesh names a device past the world (every rank then hears the check's refusal)."""
     world = tuple(range(size))
     if any(isinstance(v, TensorView) and v.mesh is None for v in fusion.inputs()):
         return world
     ranks = {d for tv in fusion.tensors() if tv.mesh is not None for d in tv.mesh.device_ids}
-    return tuple(sorted(ranks)) if ranks else world
+    return tuple(sorted(ranks)) if ranks and max(ranks) < size else world
 
 
 def _alone(communicator: Communicator, ranks: tuple[int, ...]) -> bool:
