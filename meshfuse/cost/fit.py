@@ -16,6 +16,7 @@ that a 30 us GEMM counts as much as a 3 ms one:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 
@@ -50,15 +51,20 @@ def fit_gemm(samples: Sequence[GemmSample], tiles: Iterable[tuple[int, int]], un
 def _fit_tile(samples, tile, units, floor_us, memory, itemsize) -> GemmFit | None:
     """Rate and tile cost for one ``tile``: ``t = w (2 tm tn k units) / R + w tile_us`` by
     least squares on ``t``'s relative error, over the compute-bound samples (well above the
-    floor, well above their bytes' time; all samples when fewer than two are)."""
+    floor and their bytes' time, a wave of tiles at least: a library may split the ``k``
+    of fewer tiles over the idle units, which the model does not; all samples when fewer
+    than two are)."""
+    shape = GemmFit(1.0, tile, units, 0.0, 0.0)
+
     def compute_bound(m, n, k, t):
         moved = (m * k + k * n + m * n) * itemsize / (memory.gb_per_s * 1e9)
-        return t >= 2 * floor_us * 1e-6 and moved <= 0.5 * t
+        tm, tn = gemm_tile(shape, m, n)
+        return (t >= 2 * floor_us * 1e-6 and moved <= 0.5 * t
+                and math.ceil(m / tm) * math.ceil(n / tn) >= units)
 
     chosen = [s for s in samples if compute_bound(*s)]
     rows = []
     for m, n, k, t in chosen if len(chosen) >= 2 else samples:
-        shape = GemmFit(1.0, tile, units, 0.0, 0.0)
         w, (tm, tn) = gemm_waves(shape, m, n), gemm_tile(shape, m, n)
         rows.append((w * 2.0 * tm * tn * k * units / t, w / t))  # each row should sum to 1
     if not rows:
