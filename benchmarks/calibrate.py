@@ -332,7 +332,7 @@ def main(argv=None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    scale = 32 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
+    scale = 64 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
     sizes = SIZES[:2] if args.quick else SIZES if args.device == "cuda" else SIZES[:3]
     compute, samples = measure_compute(_dtype(args), args.device, scale)
     collectives = measure_collectives(args.device, sizes) if dist.is_initialized() else {}
