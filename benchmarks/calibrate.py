@@ -101,7 +101,8 @@ def measure_gemms(dtype, device: str, scale: int, memory: MemoryFit) -> dict:
     samples = [(*_scaled(s, scale), seconds(*_scaled(s, scale))) for s in GEMM_SHAPES]
     floor = statistics.median(seconds(*_scaled(s, scale)) for s in TINY_GEMMS) * 1e6
     if device == "cuda":
-        tiles, units = GPU_TILES, torch.cuda.get_device_properties().multi_processor_count
+        tiles, units = GPU_TILES, torch.cuda.get_device_properties(
+            torch.cuda.current_device()).multi_processor_count
     else:
         tiles, units = [(1, 1)], 1
     itemsize = torch.empty(0, dtype=dtype).element_size()
