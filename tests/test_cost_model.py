@@ -62,7 +62,7 @@ def _h200(**changes) -> CostModel:
 
 
 def test_a_gemm_runs_in_waves_of_tiles_with_a_floor_and_a_memory_bound():
-    model = _h200(tile_us=2.0)
+    model = _h200(tile=(256, 128), units=132, tile_us=2.0)
     g = model.calibration.gemm
     tm, tn = g.tile
     per_wave = 2 * tm * tn * 4096 / (g.tflops * 1e12 / g.units) + 2e-6
