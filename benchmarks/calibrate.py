@@ -4,7 +4,7 @@ then times 20 program variants the fit never saw (GEMMs, attention, pointwise an
 memory-bound kernels: :mod:`benchmarks.calibrate_programs`) and compares each with the
 model's prediction.
 
-One GPU (GEMMs, attention, memory-bound kernels; about a minute on an H200)::
+One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200)::
 
     python -m benchmarks.calibrate --out OUT/h200.json --base meshfuse/cost/data/h200.json --check
 
