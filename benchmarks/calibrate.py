@@ -1,9 +1,10 @@
-"""Measures a machine's speeds for the cost model (:mod:`meshfuse.cost`) and writes its
-calibration file; ``--check`` then times 20 program variants the calibration did not measure
-(GEMMs, attention, pointwise and memory-bound kernels) and compares each with the model's
-prediction.
+"""Measures a machine's speeds for the cost model (:mod:`meshfuse.cost`), fits the model's
+parameters to them (:mod:`meshfuse.cost.fit`) and writes its calibration file; ``--check``
+then times 20 program variants the fit never saw (GEMMs, attention, pointwise and
+memory-bound kernels: :mod:`benchmarks.calibrate_programs`) and compares each with the
+model's prediction.
 
-One GPU (GEMMs, attention, memory-bound kernels)::
+One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200)::
 
     python -m benchmarks.calibrate --out OUT/h200.json --base meshfuse/cost/data/h200.json --check
 
@@ -12,11 +13,15 @@ Several (collectives too, per group size of 2, 4, 8... up to the world)::
     torchrun --nproc-per-node 2 -m benchmarks.calibrate --out OUT/h200.json \\
         --base meshfuse/cost/data/h200.json --check
 
+Offline (no device): a recorded check's measured times against a calibration's predictions::
+
+    python -m benchmarks.calibrate --offline CHECK.json --calibration meshfuse/cost/data/h200.json
+
 ``--base``: a calibration whose figures this run does not measure are kept (the links across
 nodes, the overlap contentions, the copy engines', the host costs) with their sources.
 ``--device cpu`` measures CPU ranks (gloo); ``--quick`` only checks that the script runs
-(tiny shapes). Rank 0 writes the file, and ``--check``'s table
-(``OUT/…-check.json`` beside it).
+(tiny shapes). Rank 0 writes the file, the microbenchmarks' samples (``OUT/…-samples.json``)
+and ``--check``'s table (``OUT/…-check.json``) beside it.
 """
 
 from __future__ import annotations
@@ -34,17 +39,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshfuse.cost import CostModel
-from meshfuse.cost.calibration import from_dict
+from benchmarks.calibrate_programs import (
+    ATTENTION_SHAPES,
+    GEMM_SHAPES,
+    KERNEL_ELEMENTS,
+    KERNEL_ROWS,
+    KERNELS,
+    TINY_ATTENTION,
+    TINY_GEMMS,
+    check_programs,
+    make_call,
+    predict,
+)
+from meshfuse.cost import CostModel, load
+from meshfuse.cost.calibration import MemoryFit, from_dict
+from meshfuse.cost.fit import fit_attention, fit_gemm, kernel_factors
 
 MIB = 1 << 20
-GEMM_CLASSES = {  # the calibration's shape classes: (max_dim, shapes measured)
-    1024: [(1024, 1024, 1024), (512, 4096, 4096), (1024, 8192, 1024)],
-    4096: [(4096, 4096, 4096), (2048, 8192, 8192), (4096, 16384, 4096)],
-    None: [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 28672, 8192)],
-}
 CPU_SCALE = 8  # CPU runs shapes this much smaller on each side
 SIZES = [MIB * 2 ** i for i in range(0, 11, 2)]  # 1 MiB .. 1 GiB
+GPU_TILES = [(256, 128), (128, 256), (128, 128), (256, 256), (192, 192)]  # cuBLAS's (sm90)
 
 
 ITERS = {"iters": 20}  # timed calls per measurement (``--quick``: 3)
@@ -72,44 +86,94 @@ def timed(fn: Callable[[], object], device: str, iters: int | None = None,
     return statistics.median(samples)
 
 
-def gemm_seconds(m: int, n: int, k: int, dtype, device: str) -> float:
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
-    return timed(lambda: a @ b, device)
+
+def _scaled(shape, scale: int) -> tuple[int, ...]:
+    return tuple(max(x // scale, 1) for x in shape)
 
 
-def attention_seconds(b: int, h: int, s: int, d: int, dtype, device: str) -> float:
-    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for _ in range(3))
-    return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+def measure_gemms(dtype, device: str, scale: int, memory: MemoryFit) -> dict:
+    """The GEMM samples, the floor, and the model's parameters fitted to them."""
+    def seconds(m, n, k):
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        return timed(lambda: a @ b, device)
+
+    samples = [(*_scaled(s, scale), seconds(*_scaled(s, scale))) for s in GEMM_SHAPES]
+    floor = statistics.median(seconds(*_scaled(s, scale)) for s in TINY_GEMMS) * 1e6
+    if device == "cuda":
+        tiles, units = GPU_TILES, torch.cuda.get_device_properties(
+            torch.cuda.current_device()).multi_processor_count
+    else:
+        tiles, units = [(1, 1)], 1
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    fit = fit_gemm(samples, tiles, units, floor, memory, itemsize)
+    return {"fit": fit, "samples": samples}
 
 
-def attention_flops(b: int, h: int, s: int, d: int) -> float:
-    return 2.0 * b * h * s * s * d  # causal: half of 2 products of 2 b h s s d
+def measure_attention(dtype, device: str, scale: int) -> dict:
+    """The causal attention samples, the floor, and the fitted parameters."""
+    def seconds(b, h, s, d):
+        q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for _ in range(3))
+        return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+
+    shapes = [(b, h, max(s // scale, 16), d) for b, h, s, d in ATTENTION_SHAPES]
+    samples = [(*shape, seconds(*shape)) for shape in shapes]
+    floor = seconds(*TINY_ATTENTION) * 1e6
+    return {"fit": fit_attention(samples, floor), "samples": samples}
 
 
-def measure_compute(dtype, device: str, scale: int) -> dict:
-    """GEMM throughput per class, attention's, the memory bandwidth and a launch."""
-    gemm = []
-    for max_dim, shapes in GEMM_CLASSES.items():
-        rates = [2.0 * m * n * k / gemm_seconds(m // scale, n // scale, k // scale, dtype,
-                                                 device) / scale ** 3 / 1e12
-                 for m, n, k in shapes]
-        gemm.append({"max_dim": None if max_dim is None else max_dim // scale,
-                     "tflops": _figure(statistics.median(rates)),
-                     "source": f"median of {len(shapes)} GEMMs {shapes} / {scale}"})
-    shape = (4, 32, 4096 // scale, 128)
-    attention = attention_flops(*shape) / attention_seconds(*shape, dtype, device) / 1e12
+def measure_memory(dtype, device: str, scale: int) -> dict:
+    """A copy's bandwidth, a tiny kernel's floor, and each kernel kind's factor per row."""
     x = torch.empty(256 * MIB // 2 // scale, dtype=dtype, device=device)
-    memory = 2 * x.numel() * x.element_size() / timed(lambda: x.mul(2.0), device) / 1e9
+    gb_per_s = 2 * x.numel() * x.element_size() / timed(lambda: x.mul(2.0), device) / 1e9
     tiny = torch.ones(8, device=device)
-    launch = timed(lambda: tiny.add(1.0), device, iters=50) * 1e6
-    return {"gemm": gemm, "attention_tflops": _figure(attention),
-            "memory_gb_per_s": _figure(memory), "launch_us": _figure(launch)}
+    floor = timed(lambda: tiny.add(1.0), device, iters=50) * 1e6
+    samples = []
+    for cols in KERNEL_ROWS:
+        x = torch.randn(max(KERNEL_ELEMENTS // cols // scale, 1), cols, dtype=dtype,
+                        device=device)
+        y, w = torch.randn_like(x), torch.ones(cols, dtype=dtype, device=device)
+        for kind, (call, elements) in KERNELS.items():
+            nbytes = elements * x.numel() * x.element_size()
+            run = (lambda c=call, x=x, y=y, w=w: c(x, y, w))
+            samples.append((kind, cols, nbytes, timed(run, device)))
+    fit = MemoryFit(gb_per_s, floor, kernel_factors(samples, gb_per_s))
+    return {"fit": fit, "samples": samples}
 
 
 def _figure(x: float) -> float:
     """``x`` to 4 significant digits (CPU figures are small)."""
     return float(f"{x:.4g}")
+
+
+def compute_json(memory: dict, gemm: dict, attention: dict, source: str) -> dict:
+    """The calibration's ``gemm``, ``attention`` and ``memory`` entries of fitted figures."""
+    g, a, m = gemm["fit"], attention["fit"], memory["fit"]
+    fitted = f"fitted to {{}} samples of benchmarks/calibrate_programs.py, {source}"
+    return {
+        "gemm": {"tflops": _figure(g.tflops), "tile": list(g.tile), "units": g.units,
+                 "tile_us": _figure(g.tile_us), "floor_us": _figure(g.floor_us),
+                 "source": fitted.format(len(gemm["samples"]))},
+        "attention": {"tflops": {str(d): _figure(r) for d, r in a.tflops.items()},
+                      "seq_overhead": a.seq_overhead, "floor_us": _figure(a.floor_us),
+                      "source": fitted.format(len(attention["samples"]))},
+        "memory": {"gb_per_s": _figure(m.gb_per_s), "floor_us": _figure(m.floor_us),
+                   "kernels": {k: {str(r): _figure(f) for r, f in rows.items()}
+                               for k, rows in m.kernels.items()},
+                   "source": fitted.format(len(memory["samples"]))}}
+
+
+def measure_compute(dtype, device: str, scale: int) -> tuple[dict, dict]:
+    """The fitted compute entries (:func:`compute_json` without its source) and the raw
+    samples."""
+    memory = measure_memory(dtype, device, scale)
+    gemm = measure_gemms(dtype, device, scale, memory["fit"])
+    attention = measure_attention(dtype, device, scale)
+    samples = {"gemm [m, n, k, s]": gemm["samples"],
+               "attention [b, h, s, d, s]": attention["samples"],
+               "memory [kind, row, least bytes, s]": memory["samples"],
+               "memory_gb_per_s": memory["fit"].gb_per_s}
+    return {"memory": memory, "gemm": gemm, "attention": attention}, samples
 
 
 def measure_collectives(device: str, sizes: list[int]) -> dict:
@@ -159,56 +223,54 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
         request.wait()
 
 
-def variants(dtype, device: str, scale: int) -> list[tuple[str, Callable[[], object], Callable]]:
-    """20 programs the calibration did not time: (name, the call, its prediction from a
-    cost model)."""
-    out, itemsize = [], torch.empty(0, dtype=dtype).element_size()
-    for m, n, k in [(3072, 3072, 3072), (6144, 4096, 4096), (8192, 1024, 8192),
-                    (12288, 4096, 12288), (2048, 2048, 512), (4096, 14336, 4096),
-                    (768, 768, 768), (16384, 1024, 4096)]:
-        m, n, k = m // scale, n // scale, k // scale
-        a = torch.randn(m, k, dtype=dtype, device=device)
-        b = torch.randn(k, n, dtype=dtype, device=device)
-        out.append((f"gemm {m}x{k}x{n}", lambda a=a, b=b: a @ b,
-                    lambda cm, m=m, n=n, k=k: cm.gemm(m, n, k, itemsize)))
-    for b_, h, s, d in [(2, 16, 8192, 128), (8, 32, 2048, 128), (1, 64, 16384, 128),
-                        (4, 8, 4096, 64)]:
-        s //= scale
-        q, kk, v = (torch.randn(b_, h, s, d, dtype=dtype, device=device) for _ in range(3))
-        out.append((f"attention {b_}x{h}x{s}x{d}",
-                    lambda q=q, kk=kk, v=v: F.scaled_dot_product_attention(q, kk, v,
-                                                                          is_causal=True),
-                    lambda cm, shape=(b_, h, s, d): cm.attention(attention_flops(*shape))))
-    x = torch.randn(8192 // scale, 8192, dtype=dtype, device=device)
-    y = torch.randn_like(x)
-    w = torch.ones(8192, dtype=dtype, device=device)
-    nbytes = x.numel() * x.element_size()
-    kernels = [("pointwise add", lambda: x + y, 3), ("pointwise mul", lambda: x * y, 3),
-               ("pointwise gelu", lambda: F.gelu(x, approximate="tanh"), 2),
-               ("pointwise silu*mul", lambda: F.silu(x) * y, 5),
-               ("layer_norm", lambda: F.layer_norm(x, (8192,), w, w), 2),
-               ("rms_norm", lambda: F.rms_norm(x, (8192,), w), 2),
-               ("softmax", lambda: torch.softmax(x, -1), 2),
-               ("sum rows", lambda: x.sum(-1), 1)]
-    for name, call, passes in kernels:
-        out.append((name, call, lambda cm, p=passes: cm.memory_bound(p * nbytes)))
-    return out
-
 
 def check(cal: dict, dtype, device: str, scale: int) -> dict:
-    """Measured against predicted seconds for :func:`variants`."""
+    """Measured against predicted seconds for the check programs."""
     model = CostModel(from_dict(cal, "measured"))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     rows = []
-    for name, call, predict in variants(dtype, device, scale):
-        measured, predicted = timed(call, device), predict(model)
-        rows.append({"variant": name, "measured_ms": measured * 1e3,
-                     "predicted_ms": predicted * 1e3, "error": predicted / measured - 1})
+    for name, family, shape in check_programs(scale):
+        measured = timed(make_call(name, family, shape, dtype, device), device)
+        rows.append(_row(name, measured, predict(name, family, shape, model, itemsize)))
+    return _summary(rows)
+
+
+def _row(name: str, measured: float, predicted: float) -> dict:
+    return {"variant": name, "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
+            "error": predicted / measured - 1}
+
+
+def _summary(rows: list[dict]) -> dict:
     errors = [abs(r["error"]) for r in rows]
     return {"rows": rows, "median_abs_error": statistics.median(errors),
             "max_abs_error": max(errors), "within_15pct": sum(e <= 0.15 for e in errors)}
 
 
-def build(args, measured: dict, collectives: dict) -> dict:
+def offline(check_path: str, calibration: str, itemsize: int = 2) -> dict:
+    """A recorded check's measured times against ``calibration``'s predictions, computed
+    here without a device (the programs at scale 1, as an H200 check runs them)."""
+    model = CostModel(load(calibration))
+    measured = {r["variant"]: r["measured_ms"] * 1e-3
+                for r in json.loads(Path(check_path).read_text())["rows"]}
+    rows = [_row(name, measured[name], predict(name, family, shape, model, itemsize))
+            for name, family, shape in check_programs(1) if name in measured]
+    return _summary(rows)
+
+
+def print_table(result: dict, title: str) -> None:
+    print(title)
+    for r in result["rows"]:
+        print(f"{r['variant']:28s} measured {r['measured_ms']:9.4f} ms  predicted "
+              f"{r['predicted_ms']:9.4f} ms  {r['error']:+.1%}")
+    print(f"median |error| {result['median_abs_error']:.1%}, max "
+          f"{result['max_abs_error']:.1%}, {result['within_15pct']}/{len(result['rows'])} "
+          "within 15%")
+    met = result["within_15pct"] == len(result["rows"]) and result["median_abs_error"] <= 0.05
+    print(f"bar (issue 38: every variant within 15%, the median within 5%): "
+          f"{'met' if met else 'NOT met'}")
+
+
+def build(args, compute: dict, collectives: dict) -> dict:
     """The calibration: ``--base``'s with this run's measurements and their sources."""
     base = json.loads(Path(args.base).read_text()) if args.base else {}
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -216,12 +278,11 @@ def build(args, measured: dict, collectives: dict) -> dict:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     source = f"measured by benchmarks/calibrate.py on {world} x {name}, {when}, torch " \
              f"{torch.__version__}"
-    cal = dict(base)
+    cal = {k: v for k, v in base.items()
+           if k not in ("attention_tflops", "memory_gb_per_s", "launch_us")}  # older form
     cal.update({"device": f"{name} ({world} measured)", "source": source,
-                "dtype_bytes": torch.empty(0, dtype=_dtype(args)).element_size(),
-                "gemm": measured["gemm"]})
-    for key in ("attention_tflops", "memory_gb_per_s", "launch_us"):
-        cal[key] = {"value": measured[key], "source": source}
+                "dtype_bytes": torch.empty(0, dtype=_dtype(args)).element_size()})
+    cal.update(compute_json(compute["memory"], compute["gemm"], compute["attention"], source))
     if collectives:
         cal["collectives"] = {k: {n: {**c, "source": source} for n, c in by_n.items()}
                               for k, by_n in collectives.items()}
@@ -246,13 +307,25 @@ def main(argv=None) -> None:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", required=True, help="the calibration JSON to write")
+    p.add_argument("--out", help="the calibration JSON to write")
     p.add_argument("--base", default=None, help="a calibration to keep unmeasured figures of")
     p.add_argument("--check", action="store_true", help="time 20 variants against the model")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, few sizes and calls: checks the script runs, measures "
                         "nothing worth keeping")
+    p.add_argument("--offline", metavar="CHECK_JSON",
+                   help="no measurement: predict a recorded check's variants from "
+                        "--calibration and compare with its measured times")
+    p.add_argument("--calibration", default="h200",
+                   help="with --offline: a calibration name or path (default h200)")
     args = p.parse_args(argv)
+    if args.offline:
+        result = offline(args.offline, args.calibration)
+        print_table(result, f"OFFLINE: measured times recorded in {args.offline}; predicted "
+                            f"now by the model from calibration {args.calibration!r}")
+        return
+    if not args.out:
+        p.error("--out is required unless --offline")
     if args.quick:
         ITERS["iters"] = 3
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
@@ -260,25 +333,23 @@ def main(argv=None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    scale = 32 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
+    scale = 64 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
     sizes = SIZES[:2] if args.quick else SIZES if args.device == "cuda" else SIZES[:3]
-    measured = measure_compute(_dtype(args), args.device, scale)
+    compute, samples = measure_compute(_dtype(args), args.device, scale)
     collectives = measure_collectives(args.device, sizes) if dist.is_initialized() else {}
-    cal = build(args, measured, collectives)
+    cal = build(args, compute, collectives)
     from_dict(cal)  # the file reads back
     if rank == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(cal, indent=1) + "\n")
+        out.with_name(out.stem + "-samples.json").write_text(json.dumps(samples, indent=1))
         print(f"wrote {out}")
         if args.check:
             result = check(cal, _dtype(args), args.device, scale)
             out.with_name(out.stem + "-check.json").write_text(json.dumps(result, indent=1))
-            for r in result["rows"]:
-                print(f"{r['variant']:28s} measured {r['measured_ms']:9.4f} ms  predicted "
-                      f"{r['predicted_ms']:9.4f} ms  {r['error']:+.1%}")
-            print(f"median |error| {result['median_abs_error']:.1%}, max "
-                  f"{result['max_abs_error']:.1%}, {result['within_15pct']}/20 within 15%")
+            print_table(result, f"check: {len(result['rows'])} variants measured here "
+                                "against the calibration just fitted")
     if dist.is_initialized():
         dist.destroy_process_group()
 

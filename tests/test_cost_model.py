@@ -4,13 +4,18 @@ bytes, overlap, and the strategies' estimates taking their figures from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from benchmarks import calibrate
+from benchmarks import calibrate_programs as programs
 from meshfuse.cost import CostModel, load
-from meshfuse.cost.calibration import DATA, from_dict
+from meshfuse.cost.calibration import DATA, KERNELS, AttentionFit, GemmFit, MemoryFit, from_dict
+from meshfuse.cost.fit import attention_flops, fit_attention, fit_gemm, kernel_factors
+from meshfuse.cost.kernels import attention_seconds, gemm_seconds
 from meshfuse.errors import InputError
 from meshfuse.parallel.context.cost import DEFAULTS as CONTEXT_DEFAULTS
 from meshfuse.parallel.overlap.cost import DEFAULT_COSTS
@@ -18,6 +23,8 @@ from meshfuse.parallel.overlap.cost import DEFAULT_COSTS
 MIB = 1 << 20
 H200 = CostModel(load("h200"))
 CPU = CostModel(load("cpu_gloo"))
+CHECK = Path(__file__).parents[1] / "benchmarks/results" / \
+    "2026-12-03-1300-h200-1gpu-calibrate-check-cdeb973.json"
 
 
 @pytest.mark.parametrize("kind, busbw", [("allreduce", 314), ("allgather", 256),
@@ -48,14 +55,101 @@ def test_groups_nobody_measured_use_the_links_and_crossing_nodes_is_slower():
         "allgather", 64 * MIB, 16)
 
 
-def test_gemms_by_shape_class_and_memory_bound_when_skinny():
-    assert H200.gemm_tflops(8192, 8192, 8192) == 700.0
-    assert H200.gemm_tflops(512, 8192, 8192) < H200.gemm_tflops(2048, 8192, 8192) < 700.0
-    big = H200.gemm(8192, 8192, 8192)
-    assert big == pytest.approx(2 * 8192 ** 3 / 700e12 + H200.launch)
+def _h200(**changes) -> CostModel:
+    """The H200 model with some GEMM parameters changed."""
+    cal = H200.calibration
+    return CostModel(dataclasses.replace(cal, gemm=dataclasses.replace(cal.gemm, **changes)))
+
+
+def test_a_gemm_runs_in_waves_of_tiles_with_a_floor_and_a_memory_bound():
+    model = _h200(tile=(256, 128), units=132, tile_us=2.0)
+    g = model.calibration.gemm
+    tm, tn = g.tile
+    per_wave = 2 * tm * tn * 4096 / (g.tflops * 1e12 / g.units) + 2e-6
+    one_wave = (tm * 12, tn * g.units // 12)  # exactly one wave of tiles
+    assert model.gemm(*one_wave, 4096) == pytest.approx(per_wave)
+    # one tile more: a second wave, of one tile, takes as long as the first
+    assert model.gemm(one_wave[0] + 1, one_wave[1], 4096) == pytest.approx(2 * per_wave)
+    # 3072^3 is 2.2 waves on an H200, run as 3: below the rate of whole waves
+    assert model.gemm_tflops(3072, 3072, 3072) < 0.8 * g.tflops
+    assert model.gemm_tflops(12288, 4096, 12288) > 0.9 * g.tflops
+    # the tile's fixed cost weighs on a short k
+    assert model.gemm_tflops(8192, 8192, 256) < 0.8 * model.gemm_tflops(8192, 8192, 4096)
+    assert model.gemm(64, 64, 64) == pytest.approx(g.floor_us * 1e-6)
     # a matrix-vector product moves its matrix: memory-bound
-    skinny = H200.gemm(1, 8192, 8192)
-    assert skinny == pytest.approx(H200.memory_bound((8192 + 8192 * 8192 + 8192) * 2))
+    bandwidth = model.calibration.memory.gb_per_s * 1e9
+    assert model.gemm(1, 8192, 8192) == pytest.approx((8192 + 8192 * 8192 + 8192) * 2 /
+                                                      bandwidth)
+
+
+def test_attention_by_head_dimension_and_sequence():
+    fit = AttentionFit({64: 400.0, 128: 600.0}, 512.0, 20.0)
+    model = CostModel(dataclasses.replace(H200.calibration, attention=fit))
+    flops = 1e12
+    assert model.attention(flops, 4096, 128) == pytest.approx(flops / 600e12 * (1 + 1 / 8))
+    assert model.attention(flops, 4096, 96) == pytest.approx(flops / 500e12 * (1 + 1 / 8))
+    assert model.attention(flops, 4096, 256) == model.attention(flops, 4096, 128)
+    assert model.attention(flops, 1024, 64) > model.attention(flops, 8192, 64)
+    assert model.attention(1e3, 64, 64) == pytest.approx(20e-6)
+
+
+def test_memory_bound_kernels_by_kind_and_row_length():
+    factors = {kind: {4096: 1.0} for kind in KERNELS}
+    factors["softmax"] = {4096: 3.0, 16384: 5.0}
+    fit = MemoryFit(4000.0, 10.0, factors)
+    model = CostModel(dataclasses.replace(H200.calibration, memory=fit))
+    nbytes = 1e9
+    assert model.memory_bound(nbytes) == pytest.approx(nbytes / 4000e9)
+    assert model.memory_bound(nbytes, "softmax", 8192) == pytest.approx(4 * nbytes / 4000e9)
+    assert model.memory_bound(nbytes, "softmax", 65536) == pytest.approx(5 * nbytes / 4000e9)
+    assert model.memory_bound(100.0, "sum") == pytest.approx(10e-6)
+    with pytest.raises(InputError, match="pointwise"):
+        model.memory_bound(nbytes, "conv")
+
+
+def test_the_fits_recover_the_parameters_of_synthetic_measurements():
+    """Samples made by a known model are fitted back to it (the tile among candidates)."""
+    truth = GemmFit(700.0, (128, 256), 132, 3.0, 25.0)
+    memory = H200.calibration.memory
+    shapes = [(m, n, k) for m in (704, 2880, 5952, 16384) for n in (1344, 3008, 8192)
+              for k in (256, 2048, 8192)]
+    samples = [(m, n, k, gemm_seconds(truth, memory, m, n, k, 2)) for m, n, k in shapes]
+    fitted = fit_gemm(samples, [(256, 128), (128, 256), (128, 128)], 132, 25.0, memory, 2)
+    assert fitted.tile == truth.tile
+    assert (fitted.tflops, fitted.tile_us) == pytest.approx((700.0, 3.0), rel=1e-6)
+    attention = AttentionFit({64: 350.0, 128: 620.0}, 448.0, 20.0)
+    shapes = [(4, 16, s, d) for s in (1024, 4096, 16384) for d in (64, 128)]
+    samples = [(*shape, attention_seconds(attention, attention_flops(*shape), *shape[2:]))
+               for shape in shapes]
+    got = fit_attention(samples, 20.0)
+    assert got.seq_overhead == 448.0
+    assert got.tflops == pytest.approx({64: 350.0, 128: 620.0})
+    factors = kernel_factors([("softmax", 4096, 1e9, 1e9 * 2.5 / 4e12),
+                              ("softmax", 4096, 2e9, 2e9 * 3.5 / 4e12)], 4000.0)
+    assert factors == {"softmax": {4096: pytest.approx(3.0)}}
+
+
+def test_the_check_is_a_hold_out():
+    """No check program has a microbenchmark's shape, and every kernel kind is measured."""
+    gemms = {(m, n, k) for _, family, (m, n, k) in
+             [p for p in programs.check_programs(1) if p[1] == "gemm"]}
+    assert len(gemms) == 8 and not gemms & set(programs.GEMM_SHAPES)
+    attention = {shape for _, family, shape in programs.check_programs(1)
+                 if family == "attention"}
+    assert len(attention) == 4 and not attention & set(programs.ATTENTION_SHAPES)
+    assert programs.CHECK_ROWS not in programs.KERNEL_ROWS
+    assert set(programs.KERNELS) == set(KERNELS)
+    assert len(programs.check_programs(1)) == 20
+
+
+def test_the_recorded_h200_check_is_predicted_offline():
+    """``calibrate.py --offline`` re-predicts the 20 variants of the committed H200 check
+    (their names match the programs') from a calibration; the GEMMs' and attention's
+    predictions follow the model."""
+    result = calibrate.offline(str(CHECK), "h200")
+    assert len(result["rows"]) == 20
+    row = next(r for r in result["rows"] if r["variant"] == "gemm 3072x3072x3072")
+    assert row["predicted_ms"] == pytest.approx(H200.gemm(3072, 3072, 3072) * 1e3)
 
 
 def test_overlap_hides_the_shorter_by_the_contention():
@@ -66,7 +160,7 @@ def test_overlap_hides_the_shorter_by_the_contention():
 
 def test_the_existing_estimates_read_the_calibrations():
     cpu, cuda = DEFAULT_COSTS["cpu"], DEFAULT_COSTS["cuda"]
-    assert cpu.gemm_tflops == CPU.calibration.gemm[-1].tflops
+    assert cpu.gemm_tflops == CPU.calibration.gemm.tflops
     assert cpu.link_gb_per_s == CPU.calibration.links.intra_node_gb_per_s
     assert cuda.link_gb_per_s == H200.bus_bandwidth("allgather", 50e6, 2)
     assert DEFAULT_COSTS["cuda_copy_engine"].link_gb_per_s == \
@@ -79,8 +173,12 @@ def test_every_committed_calibration_states_its_sources():
     for path in DATA.glob("*.json"):
         data = json.loads(path.read_text())
         from_dict(data, path.stem)
-        for key in ("peak_tflops", "attention_tflops", "memory_gb_per_s", "launch_us"):
-            assert data[key].get("source"), (path.name, key)
+        assert data["peak_tflops"].get("source"), path.name
+        for family in ("gemm", "attention", "memory"):  # the family's source, or each's
+            for key, entry in data[family].items():
+                if key in ("tflops", "floor_us", "tile_us", "gb_per_s", "seq_overhead"):
+                    assert "source" in json.dumps(entry) or "source" in data[family], (
+                        path.name, family, key)
 
 
 def test_bad_calibrations_and_kinds_are_refused():
@@ -102,7 +200,13 @@ def test_the_calibration_script_writes_a_file_the_model_reads(tmp_path, monkeypa
                     "--base", str(DATA / "cpu_gloo.json")])
     measured = load(out)
     data = json.loads(out.read_text())
-    assert "calibrate.py" in data["attention_tflops"]["source"]
-    assert len(measured.gemm) == 3 and all(g.tflops > 0 for g in measured.gemm)
+    assert "calibrate.py" in data["gemm"]["source"]
+    assert measured.gemm.tflops > 0 and measured.gemm.tile == (1, 1)
+    assert set(measured.attention.tflops) == {64, 128}
+    assert set(measured.memory.kernels) == set(KERNELS)
+    assert all(set(rows) == {4096, 16384} for rows in measured.memory.kernels.values())
     assert measured.links == CPU.calibration.links  # kept from the base
     assert CostModel(measured).gemm(64, 64, 64) > 0
+    assert all("source" in data[family] for family in ("gemm", "attention", "memory"))
+    samples = json.loads((tmp_path / "here-samples.json").read_text())
+    assert len(samples["gemm [m, n, k, s]"]) == len(programs.GEMM_SHAPES)

@@ -97,8 +97,10 @@ def test_the_ring_for_long_sequences(calibration, ranks):
     """A 64k-token sequence through a Llama-8B-wide block: attention's quadratic work hides
     the ring's block transfers, while TP+SP's collectives grow with the tokens and the
     all-gather strategy exposes its gathers: the ring is the best context strategy and beats
-    TP+SP's whole collectives. At 4 and 8 ranks it is the plan; at 2, TP+SP overlapped by the
-    copy engines hides as much (the two are within 1%). At 2k tokens TP+SP wins."""
+    TP+SP's whole collectives, and it is the plan where TP's collectives are not overlapped
+    (as Megatron and torchtitan run them). TP+SP overlapped by the copy engines hides about
+    as much (the two are within 1%: the same GEMMs, each exposing a little). At 2k tokens
+    TP+SP wins."""
     spec = TransformerSpec("long", 4096, 32, 8, 14336, 4, 1024, 65536, 1, dtype_bytes=2)
     model = CostModel(load(calibration))
     costs = {layout: _with_recompute(layout_cost(spec, layout, model), None)
@@ -106,11 +108,10 @@ def test_the_ring_for_long_sequences(calibration, ranks):
     ring = Layout((ranks,), ("cp",), "ring")
     assert min((c, l.cp_strategy) for l, c in costs.items() if l.roles == ("cp",))[1] == "ring"
     assert costs[ring] < costs[Layout((ranks,), ("tp",))]
-    chosen = plan(spec, (ranks,), calibration=model)
-    if ranks > 2 or calibration == "cpu_gloo":
-        assert chosen.layout == ring and chosen.context_parallel == "ring"
-    else:
-        assert chosen.step_s == pytest.approx(costs[ring], rel=0.01)
+    chosen = plan(spec, (ranks,), calibration=model, overlap=False)
+    assert chosen.layout == ring and chosen.context_parallel == "ring"
+    overlapped = plan(spec, (ranks,), calibration=model)
+    assert overlapped.layout == ring or overlapped.step_s == pytest.approx(costs[ring], rel=0.01)
     short = plan(dataclasses.replace(spec, seq=2048), (ranks,), calibration=calibration)
     assert short.layout.roles == ("tp",)
 

@@ -1,13 +1,20 @@
 """A machine's measured speeds, read from a calibration file (JSON, committed under
-``meshfuse/cost/data/``; ``benchmarks/calibrate.py`` writes one).
+``meshfuse/cost/data/``; ``benchmarks/calibrate.py`` measures and fits one).
 
 A calibration holds, for one device type and element type:
 
-- ``gemm``: GEMM throughput by shape class (the smallest of ``m``, ``n``, ``k`` at most
-  ``max_dim``; the last class has none), in TFLOP/s;
-- ``attention_tflops``: the fused attention kernel's throughput (forward FLOPs per second);
-- ``memory_gb_per_s``: what a memory-bound kernel (pointwise, norm, reduction) moves per
-  second, reads and writes together, and ``launch_us``, a kernel's fixed cost;
+- ``gemm``: the parameters of the GEMM model (:mod:`.kernels`): the rate of full waves of
+  tiles (``tflops``), the tile the library mostly runs (``tile``, ``[rows, columns]`` of the
+  output) and the units that run tiles at once (``units``: streaming multiprocessors), a
+  tile's fixed cost (``tile_us``: its prologue and epilogue) and the least time of a call
+  (``floor_us``: what the host takes to issue it);
+- ``attention``: the fused causal attention kernel's rate by head dimension (``tflops``,
+  forward FLOPs per second), the sequence length its per-row overhead equals
+  (``seq_overhead``) and its ``floor_us``;
+- ``memory``: what a copy moves per second, reads and writes together (``gb_per_s``), a
+  memory-bound kernel's ``floor_us``, and per kernel kind the bytes it moves over the least
+  it must (``kernels``: kind -> {row length: factor}; a softmax that reads its rows three
+  times has a factor near 2);
 - ``collectives``: per kind (``allreduce``, ``allgather``, ``reduce_scatter``, ``alltoall``,
   ``p2p``) and group size, measured points ``[message bytes, bus GB/s]`` (nccl-tests'
   convention: a message is the whole buffer, the output of an allgather, the input of a
@@ -21,8 +28,8 @@ A calibration holds, for one device type and element type:
   ahead of their use (FSDP's gathers one layer ahead, gradient reductions);
 - ``host``: fixed host costs (``loop_chunk_us``: one chunk of a stream loop).
 
-Every figure may carry a ``"source"`` string saying where it came from (a benchmark result
-file, or an assumption).
+Every figure may be ``{"value": ..., "source": ...}``, the source saying where it came from
+(a benchmark result file, a fit, or an assumption).
 """
 
 from __future__ import annotations
@@ -37,15 +44,39 @@ from meshfuse.errors import InputError
 
 DATA = Path(__file__).parent / "data"
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p")
+KERNELS = ("pointwise", "gelu", "silu", "layer_norm", "rms_norm", "softmax", "sum")
 BY_DEVICE = {"cuda": "h200", "cpu": "cpu_gloo"}  # the calibration each device type reads
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmClass:
-    """GEMMs whose smallest dimension is at most ``max_dim`` (None: any) run at ``tflops``."""
+class GemmFit:
+    """The GEMM model's parameters (see the module doc)."""
 
-    max_dim: int | None
     tflops: float
+    tile: tuple[int, int]
+    units: int
+    tile_us: float
+    floor_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFit:
+    """The attention model's parameters: rate by head dimension, the per-row overhead as a
+    sequence length, the least time of a call."""
+
+    tflops: Mapping[int, float]
+    seq_overhead: float
+    floor_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """Memory-bound kernels: a copy's bandwidth, a call's least time, and per kernel kind
+    its moved-over-least-bytes factors by row length."""
+
+    gb_per_s: float
+    floor_us: float
+    kernels: Mapping[str, Mapping[int, float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +106,23 @@ class Calibration:
     device: str
     dtype_bytes: int
     peak_tflops: float
-    gemm: tuple[GemmClass, ...]
-    attention_tflops: float
-    memory_gb_per_s: float
-    launch_us: float
+    gemm: GemmFit
+    attention: AttentionFit
+    memory: MemoryFit
     collectives: Mapping[str, Mapping[int, CollectiveCurve]]
     links: Links
     overlap: Mapping[str, float]
     host: Mapping[str, float]
     copy_engine_gb_per_s: float
+
+    @property
+    def attention_tflops(self) -> float:
+        """The attention kernel's rate at the largest calibrated head dimension."""
+        return self.attention.tflops[max(self.attention.tflops)]
+
+    @property
+    def memory_gb_per_s(self) -> float:
+        return self.memory.gb_per_s
 
     def with_links(self, intra_node_gb_per_s: float | None = None,
                    inter_node_gb_per_s: float | None = None,
@@ -124,10 +163,26 @@ def _value(entry: Any) -> float:
     return float(entry["value"] if isinstance(entry, Mapping) else entry)
 
 
+def _by_int(entries: Mapping[str, Any]) -> dict[int, float]:
+    return {int(k): _value(v) for k, v in entries.items() if k != "source"}
+
+
+def _compute(data: Mapping[str, Any]) -> tuple[GemmFit, AttentionFit, MemoryFit]:
+    g, a, m = data["gemm"], data["attention"], data["memory"]
+    gemm = GemmFit(_value(g["tflops"]), (int(g["tile"][0]), int(g["tile"][1])),
+                   int(g["units"]), _value(g["tile_us"]), _value(g["floor_us"]))
+    attention = AttentionFit(_by_int(a["tflops"]), _value(a["seq_overhead"]),
+                             _value(a["floor_us"]))
+    kernels = {kind: _by_int(m["kernels"][kind]) for kind in KERNELS}
+    if not all(kernels.values()) or not attention.tflops:
+        raise ValueError("memory.kernels and attention.tflops need one point each at least")
+    return gemm, attention, MemoryFit(_value(m["gb_per_s"]), _value(m["floor_us"]), kernels)
+
+
 def from_dict(data: Mapping[str, Any], name: str = "calibration") -> Calibration:
     """A calibration from the JSON's dict (see the module doc)."""
     try:
-        gemm = tuple(GemmClass(g.get("max_dim"), float(g["tflops"])) for g in data["gemm"])
+        gemm, attention, memory = _compute(data)
         curves = {
             kind: {int(n): CollectiveCurve(tuple((float(b), float(bw)) for b, bw in
                                                  sorted(c["points"])), float(c["latency_us"]))
@@ -136,16 +191,14 @@ def from_dict(data: Mapping[str, Any], name: str = "calibration") -> Calibration
         links = data["links"]
         return Calibration(
             name=name, device=data["device"], dtype_bytes=int(data["dtype_bytes"]),
-            peak_tflops=_value(data["peak_tflops"]), gemm=gemm,
-            attention_tflops=_value(data["attention_tflops"]),
-            memory_gb_per_s=_value(data["memory_gb_per_s"]),
-            launch_us=_value(data["launch_us"]), collectives=curves,
+            peak_tflops=_value(data["peak_tflops"]), gemm=gemm, attention=attention,
+            memory=memory, collectives=curves,
             links=Links(_value(links["intra_node_gb_per_s"]),
                         _value(links["inter_node_gb_per_s"]), int(links["gpus_per_node"]),
                         _value(links["latency_us"])),
             overlap={k: _value(v) for k, v in data["overlap"].items()},
             host={k: _value(v) for k, v in data["host"].items()},
             copy_engine_gb_per_s=_value(data["copy_engine_gb_per_s"]))
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, IndexError) as error:
         raise InputError(f"calibration {name!r}: missing or malformed field {error}; see "
                          "meshfuse/cost/calibration.py for the format") from None

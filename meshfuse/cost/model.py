@@ -1,13 +1,7 @@
-"""Times from a calibration: compute from FLOPs and bytes, communication from bus bandwidth,
-and overlap.
+"""Times from a calibration: compute kernels from their fitted models (:mod:`.kernels`: GEMMs
+by waves of tiles, attention by head dimension and sequence, memory-bound kernels by the
+bytes they really move), communication from bus bandwidth, and overlap.
 
-- a **GEMM** of ``m x k`` by ``k x n`` takes ``2 m n k`` FLOPs at its shape class's measured
-  throughput, or the time to move its operands at the memory bandwidth if longer (a skinny
-  GEMM is memory-bound), plus a launch;
-- an **attention** call takes its FLOPs at the attention kernel's throughput (a backward is
-  2.5 forwards: the caller counts them);
-- a **memory-bound kernel** takes its bytes (read plus written) at the memory bandwidth, plus
-  a launch;
 - a **collective** of ``S`` bytes over ``n`` ranks takes ``latency + S f / busbw(S, n)``,
   ``f`` being nccl-tests' bus factor (``2 (n - 1) / n`` for an allreduce, ``(n - 1) / n`` for
   an allgather, reduce-scatter or all-to-all, 1 for a point-to-point send): the alpha-beta
@@ -28,6 +22,7 @@ import dataclasses
 import math
 
 from meshfuse.cost.calibration import Calibration, CollectiveCurve, for_device
+from meshfuse.cost.kernels import attention_seconds, gemm_seconds, memory_seconds
 from meshfuse.errors import InputError
 
 BUS_FACTOR = {
@@ -51,32 +46,31 @@ class CostModel:
 
     # compute
 
-    def gemm_tflops(self, m: int, n: int, k: int) -> float:
-        """The measured throughput of the shape class of ``m x k @ k x n``."""
-        smallest = min(m, n, k)
-        for g in self.calibration.gemm:
-            if g.max_dim is None or smallest <= g.max_dim:
-                return g.tflops
-        return self.calibration.gemm[-1].tflops
-
     def gemm(self, m: int, n: int, k: int, itemsize: int | None = None) -> float:
-        """Seconds of one GEMM ``[m, k] @ [k, n]``."""
-        itemsize = itemsize or self.calibration.dtype_bytes
-        compute = 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
-        moved = self.memory_bound((m * k + k * n + m * n) * itemsize)
-        return max(compute + self.launch, moved)
+        """Seconds of one GEMM ``[m, k] @ [k, n]`` (:func:`.kernels.gemm_seconds`)."""
+        cal = self.calibration
+        return gemm_seconds(cal.gemm, cal.memory, m, n, k, itemsize or cal.dtype_bytes)
 
-    def attention(self, flops: float) -> float:
-        """Seconds of an attention kernel of ``flops``."""
-        return flops / (self.calibration.attention_tflops * 1e12) + self.launch
+    def gemm_tflops(self, m: int, n: int, k: int) -> float:
+        """The rate a GEMM ``[m, k] @ [k, n]`` runs at, in TFLOP/s."""
+        return 2.0 * m * n * k / self.gemm(m, n, k) / 1e12
 
-    def memory_bound(self, nbytes: float) -> float:
-        """Seconds of a kernel that reads and writes ``nbytes`` in all."""
-        return nbytes / (self.calibration.memory_gb_per_s * 1e9) + self.launch
+    def attention(self, flops: float, seq: int | None = None,
+                  head_dim: int | None = None) -> float:
+        """Seconds of a fused causal attention call of ``flops`` on sequences of ``seq``
+        with heads of ``head_dim`` (:func:`.kernels.attention_seconds`)."""
+        return attention_seconds(self.calibration.attention, flops, seq, head_dim)
+
+    def memory_bound(self, nbytes: float, kind: str = "pointwise",
+                     row: int | None = None) -> float:
+        """Seconds of a memory-bound kernel of ``kind`` whose inputs and outputs total
+        ``nbytes``, on rows of ``row`` elements (:func:`.kernels.memory_seconds`)."""
+        return memory_seconds(self.calibration.memory, nbytes, kind, row)
 
     @property
     def launch(self) -> float:
-        return self.calibration.launch_us * 1e-6
+        """The least seconds of a memory-bound kernel."""
+        return self.calibration.memory.floor_us * 1e-6
 
     # communication
 

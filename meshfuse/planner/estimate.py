@@ -3,11 +3,12 @@
 For ``N`` tokens per rank and step (the batch split over the data-parallel ranks, the
 sequence over the context-parallel ones), a block costs per step:
 
-- **compute**: its GEMMs (split over ``tp``) at their shape class's throughput, forward once
-  and backward twice; attention at the kernel's throughput (backward 2.5 forwards), or, under
-  context parallelism, the context estimate of the chosen strategy
-  (:func:`meshfuse.parallel.context.cost.estimate`, on this model's figures); the
-  memory-bound kernels (norms, residuals, RoPE, activations) at the memory bandwidth;
+- **compute**: its GEMMs (split over ``tp``) by the GEMM model (waves of tiles), forward once
+  and backward twice; attention at the kernel's rate for the head dimension and sequence
+  (backward 2.5 forwards), or, under context parallelism, the context estimate of the
+  chosen strategy (:func:`meshfuse.parallel.context.cost.estimate`, on this model's
+  figures); the memory-bound kernels (norms by their calibrated kind, residuals, RoPE and
+  activations as elementwise ones) by the bytes they move;
 - **tp**: two allgathers and two reduce-scatters of the ``[N, hidden]`` residual stream in
   the forward, as many in the backward, not hidden (NCCL beside cuBLAS hides nothing:
   ``overlap.process_group_beside_gemm``); or, with ``overlap``, each as a stream loop of
@@ -160,7 +161,11 @@ class _Geometry:
             linears.append((f // t, h))
         gemms = sum(m.gemm(n, out, inp) for out, inp in linears)
         self.gemm_flops = 3 * sum(2.0 * n * out * inp for out, inp in linears) * self.micro
-        pointwise = m.memory_bound((12 * h + 4 * s.ffn) * n * self.b / t)
+        # the two norms (RMS for a gated, Llama-family block) read and write [n, h]; the
+        # residuals, RoPE and activations are elementwise
+        norm = "rms_norm" if s.gated else "layer_norm"
+        pointwise = 2 * m.memory_bound(2 * h * n * self.b / t, norm, h) + \
+            m.memory_bound((8 * h + 4 * s.ffn) * n * self.b / t)
         fwd_attention, bwd_attention = self.attention()
         forward = gemms + pointwise + fwd_attention
         backward = 2 * gemms + 2 * pointwise + bwd_attention
@@ -172,7 +177,8 @@ class _Geometry:
         heads = s.heads // self.t
         flops = 2.0 * (self.sequences / self.micro) * heads * s.seq * s.seq * s.head_dim
         if self.c == 1:
-            return m.attention(flops), m.attention(2.5 * flops)
+            return (m.attention(flops, s.seq, s.head_dim),
+                    m.attention(2.5 * flops, s.seq, s.head_dim))
         crosses = self.crosses("cp")
         machine = Machine(m.calibration.attention_tflops * 1e12,
                           m.bus_bandwidth("p2p", 1 << 20, self.c, crosses) * 1e9,
@@ -193,7 +199,7 @@ class _Geometry:
         m, crosses = self.model, self.crosses("tp")
         if self.layout.overlap:
             cal = m.calibration
-            cost = OverlapCost(cal.copy_engine_gb_per_s, cal.gemm[-1].tflops,
+            cost = OverlapCost(cal.copy_engine_gb_per_s, cal.gemm.tflops,
                                cal.host["copy_engine_chunk_us"],
                                cal.overlap["copy_engine_beside_gemm"])
             loops = 8 * self.micro  # 2 gathers and 2 reduce-scatters each way

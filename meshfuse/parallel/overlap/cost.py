@@ -72,12 +72,12 @@ def _from_calibration(device_type: str, transport: str) -> OverlapCost:
     """The figures of ``device_type``'s committed calibration (:mod:`meshfuse.cost`): the
     process group's link is an allgather's bus bandwidth between 2 ranks at the size of the
     GPT-3 layer's gathers (25 MB per rank: 156 GB/s on 2 H200s with NCCL), the copy engines'
-    their measured pull rate (365 GB/s); GEMMs at the large shape class's throughput
-    (~700 TFLOP/s on an H200); each transport's measured host cost per chunk and contention
+    their measured pull rate (365 GB/s); GEMMs at the GEMM model's rate of full waves
+    (~780 TFLOP/s on an H200); each transport's measured host cost per chunk and contention
     beside GEMMs. On CPU ranks: gloo's link, 0.1 TFLOP/s, 300 us per chunk, no overlap."""
     model = CostModel.for_device(device_type)
     cal = model.calibration
-    gemm = cal.gemm[-1].tflops
+    gemm = cal.gemm.tflops
     if transport == "copy_engine":
         return OverlapCost(cal.copy_engine_gb_per_s, gemm, cal.host["copy_engine_chunk_us"],
                            cal.overlap["copy_engine_beside_gemm"])

@@ -1,0 +1,97 @@
+"""Times of compute kernels from a calibration's fitted parameters (:mod:`.calibration`).
+
+- A **GEMM** ``[m, k] @ [k, n]`` runs as tiles of ``tile`` output elements, ``units`` at a
+  time: ``w = ceil(ceil(m / tm) ceil(n / tn) / units)`` waves, each ``2 tm tn k`` FLOPs on a
+  unit (at ``tflops / units``) plus a tile's fixed cost ``tile_us``. The last wave's idle
+  units make a GEMM of few tiles slow (``3072^3`` on 132 units is 2.2 waves run as 3), and
+  the fixed cost a short ``k`` one; a dimension smaller than the tile's cuts the tile (to a
+  multiple of 64). A call takes at least ``floor_us`` (issuing it) and at
+  least its operands' bytes at the memory bandwidth (a skinny GEMM is memory-bound).
+- **Attention** (fused, causal) of ``F`` forward FLOPs on sequences of ``s`` with head
+  dimension ``d``: ``F / rate(d) (1 + s0 / s)``; ``rate(d)`` interpolated between the
+  calibrated head dimensions (a smaller head does less matrix work per softmax element),
+  ``s0`` the per-row work (the softmax's statistics, the causal diagonal's partial tiles) as
+  a sequence length; at least ``floor_us``.
+- A **memory-bound kernel** of kind ``kind`` whose inputs and outputs total ``B`` bytes:
+  ``B f(kind, row) / bandwidth``, ``f`` the bytes it really moves over ``B`` (a norm or a
+  softmax reads its rows more than once; a reduction over rows is slower per byte),
+  interpolated in the row length between the calibrated ones; at least ``floor_us``.
+
+Times are in seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+
+from meshfuse.cost.calibration import KERNELS, AttentionFit, GemmFit, MemoryFit
+from meshfuse.errors import InputError
+
+TILE_STEP = 64  # a tile cut to a small dimension keeps a multiple of this
+
+
+def gemm_tile(fit: GemmFit, m: int, n: int) -> tuple[int, int]:
+    """The tile of an ``m x n`` output: the calibrated one, cut to a smaller dimension
+    (rounded up to a multiple of 64), as a library picks a narrower kernel for it."""
+    tm, tn = fit.tile
+    return (min(tm, math.ceil(m / TILE_STEP) * TILE_STEP),
+            min(tn, math.ceil(n / TILE_STEP) * TILE_STEP))
+
+
+def gemm_waves(fit: GemmFit, m: int, n: int) -> int:
+    """Waves of tiles of an ``m x n`` output."""
+    tm, tn = gemm_tile(fit, m, n)
+    return math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / fit.units)
+
+
+def gemm_seconds(fit: GemmFit, memory: MemoryFit, m: int, n: int, k: int,
+                 itemsize: int) -> float:
+    """Seconds of one GEMM ``[m, k] @ [k, n]`` (see the module doc)."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    tm, tn = gemm_tile(fit, m, n)
+    per_wave = 2.0 * tm * tn * k / (fit.tflops * 1e12 / fit.units) + fit.tile_us * 1e-6
+    compute = gemm_waves(fit, m, n) * per_wave
+    moved = (m * k + k * n + m * n) * itemsize / (memory.gb_per_s * 1e9)
+    return max(fit.floor_us * 1e-6, compute, moved)
+
+
+def attention_seconds(fit: AttentionFit, flops: float, seq: int | None = None,
+                      head_dim: int | None = None) -> float:
+    """Seconds of a fused causal attention call of ``flops`` (see the module doc); without
+    ``seq`` no per-row overhead, without ``head_dim`` the largest calibrated one's rate."""
+    if flops <= 0:
+        return 0.0
+    rate = interpolate(fit.tflops, head_dim if head_dim else max(fit.tflops), log=False)
+    overhead = 1.0 + (fit.seq_overhead / seq if seq else 0.0)
+    return max(fit.floor_us * 1e-6, flops / (rate * 1e12) * overhead)
+
+
+def memory_seconds(fit: MemoryFit, nbytes: float, kind: str = "pointwise",
+                   row: int | None = None) -> float:
+    """Seconds of a memory-bound kernel of ``kind`` whose inputs and outputs total
+    ``nbytes``, on rows of ``row`` elements (None: the kind's first calibrated row)."""
+    if kind not in fit.kernels:
+        raise InputError(f"memory-bound kernel kind {kind!r}: the cost model knows "
+                         f"{list(KERNELS)}; use 'pointwise' for an elementwise op")
+    if nbytes <= 0:
+        return 0.0
+    factors = fit.kernels[kind]
+    factor = interpolate(factors, row if row else min(factors), log=True)
+    return max(fit.floor_us * 1e-6, nbytes * factor / (fit.gb_per_s * 1e9))
+
+
+def interpolate(points: Mapping[int, float], x: float, log: bool) -> float:
+    """``points``' value at ``x``: linear between the two around it (in ``log x`` when
+    ``log``), the nearest's beyond them."""
+    xs = sorted(points)
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[x]
+    if i == 0 or i == len(xs):
+        return points[xs[min(i, len(xs) - 1)]]
+    x0, x1 = xs[i - 1], xs[i]
+    f = (math.log(x / x0) / math.log(x1 / x0)) if log else (x - x0) / (x1 - x0)
+    return points[x0] + f * (points[x1] - points[x0])
