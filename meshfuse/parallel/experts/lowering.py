@@ -32,7 +32,8 @@ def lower_experts(expr, group_of):
                                    exchange, capacity)
         return forward
 
-    def backward(grad, x, indices, weights, w1, w2, w3, capacity):
+    def backward(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
+        # saved is None: expert-parallel, moe_experts saves no products (they recompute here)
         return experts_backward(grad, x, indices, weights, w1, w2, w3, exchange.num_experts,
                                 exchange, capacity)
     return backward
