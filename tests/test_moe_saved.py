@@ -1,8 +1,9 @@
 """``moe_experts``' saved products: the backward of the routed experts reads the forward's
 ``h1 = x w1^T`` and ``h3 = x w3^T`` (token-slot order, ``[T, K, 2, F]``) instead of
 recomputing them, on one rank's experts (unsharded, tokens split, ffn split), and recomputes
-them where expert parallelism runs the experts. Float64 against plain PyTorch; the grouped
-GEMMs each way counted (3 forward; 6 backward with saved products, 8 without)."""
+them where expert parallelism runs the experts (where a fusion reads them itself, they come
+back with one more exchange). Float64 against plain PyTorch; the grouped GEMMs each way
+counted (3 forward; 6 backward with saved products, 8 without)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import pytest
 import torch
 from mesh_helpers import mesh_1d, shard
 
-from meshfuse import FusionDefinition, ParallelType, shard_tensor
-from meshfuse.errors import ShardingError
+from meshfuse import FusionDefinition, shard_tensor
 from meshfuse.examples.moe import (
     PARAMS,
     MoEConfig,
@@ -21,8 +21,10 @@ from meshfuse.examples.moe import (
     expert_parallel,
     init_params,
     moe_block_torch,
+    route_torch,
 )
 from meshfuse.ops.moe import kernels
+from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 TOL = {"rtol": 1e-9, "atol": 1e-9}
@@ -126,18 +128,26 @@ def test_expert_parallel_backward_recomputes_products(multidevice_test, monkeypa
 
 
 @pytest.mark.mpi
-def test_reading_saved_products_of_expert_parallel_experts_is_refused(multidevice_test):
-    """Expert-parallel (over one rank too: the same program), the op does not compute its
-    saved products: a fusion that reads them is refused on every rank, naming them."""
-    cfg = MoEConfig(experts=4, top_k=2)
+def test_expert_parallel_saved_products_come_back_when_read(multidevice_test):
+    """Expert-parallel, a fusion that reads the saved products itself gets them (each
+    rank its tokens' slots, ``x w1^T`` and ``x w3^T`` of the slot's expert) with one more
+    ragged all-to-all than the forward's two (none alone on the mesh axis)."""
+    cfg = MoEConfig(experts=5, top_k=2)
     with FusionDefinition() as fd:
-        tv, y, counts = define_moe_block(fd, cfg, 8)
-        saved = next(e for e in fd.fusion.exprs if getattr(e.op, "name", "") == "moe_experts")
-        fd.add_output(saved.outputs[2])
-    expert_parallel(tv, y, counts, mesh_1d(multidevice_test))
-    saved.outputs[2].set_device_mesh(y.mesh)
-    shard(saved.outputs[2], 0, y.mesh, ParallelType.mesh_x)
+        tv, y, counts = define_moe_block(fd, cfg, 9)
+        op = next(e for e in fd.fusion.exprs if getattr(e.op, "name", "") == "moe_experts")
+        saved = op.outputs[2]
+        fd.add_output(saved)
+    mesh = mesh_1d(multidevice_test)
+    expert_parallel(tv, y, counts, mesh)
+    shard(saved, 0, mesh)
     rank = multidevice_test.rank
-    glob = {"x": torch.randn(8, cfg.dim, dtype=torch.float64), **init_params(cfg)}
-    with pytest.raises(ShardingError, match="saved products"):
-        fd.execute([shard_tensor(glob[n], tv[n], rank) for n in ["x", *PARAMS]])
+    glob = {"x": torch.randn(9, cfg.dim, dtype=torch.float64), **init_params(cfg)}
+    indices = route_torch(glob["x"], glob["gate"], cfg)[1]
+    expected = torch.stack([torch.einsum("tkfh,th->tkf", glob[w][indices], glob["x"])
+                            for w in ("w1", "w3")], 2)
+    with record_communications() as comms:
+        *_, got = fd.execute([shard_tensor(glob[n], tv[n], rank) for n in ["x", *PARAMS]])
+    torch.testing.assert_close(got, shard_tensor(expected, saved, rank), **TOL)
+    moved = Counter(c.kind for c in comms)["ragged_all_to_all"]
+    assert moved == (3 if multidevice_test.size > 1 else 0)

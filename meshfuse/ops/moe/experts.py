@@ -8,10 +8,11 @@ at most, its first by token order (the others are dropped: they add nothing to t
 Outputs: ``[T, H]``, the rows each expert computed, ``[E]``, and ``saved [T, K, 2, F]``: the
 products ``x w1^T`` and ``x w3^T`` of each token slot (its expert's), in token-slot order, the
 residual ``moe_experts_bwd`` reads instead of recomputing them (docs/experts.md). ``saved`` is
-computed only where something reads it (the VJP does on one rank's experts without a
-capacity); expert-parallel, its rows are computed on other ranks, so the op does not return
-it there (nothing may read it: :func:`check_sharding`) and the backward recomputes the
-products where the experts live.
+computed only where something reads it. The VJP reads it on one rank's experts without a
+capacity; expert-parallel, the rows are computed on the experts' ranks (bringing them back
+would cost one more all-to-all of ``2 F`` values a row), and the backward recomputes the
+products there instead (the op returns them, with that exchange, only to a fusion that
+reads them itself).
 
 Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
@@ -118,8 +119,8 @@ def _read(tv: TensorView) -> bool:
 def localize(expr, here):
     """Computes ``saved`` where it is read (the derived forward returns it to the backward);
     a forward alone skips it."""
-    if expert_parallel(expr) is None and _read(expr.outputs[2]):
-        return {"residual": True}, "saves h1, h3 for the backward"
+    if _read(expr.outputs[2]):
+        return {"residual": True}, "saves h1, h3"
     return {}, ""
 
 
@@ -172,16 +173,10 @@ def whole_axes(expr) -> set:
 
 
 def check_sharding(expr) -> None:
-    """Expert parallelism needs the three weights' experts split alike, in blocks; nothing
-    reads ``moe_experts``' saved products where they are not computed."""
+    """Expert parallelism needs the three weights' experts split alike, in blocks."""
     pt = expert_parallel(expr)
     if pt is None:
         return
-    if expr.op.name == "moe_experts" and _read(expr.outputs[2]):
-        raise ShardingError(
-            f"moe_experts: its saved products ({expr.outputs[2].name}) are not computed where "
-            "the op runs expert-parallel (their rows live on the experts' ranks); read the "
-            "op's first two outputs only")
     args = _args(expr)
     x = args["x"]
     if args["capacity"] is not None and not _block_split(x):

@@ -273,10 +273,9 @@ def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=
     """The routed experts' output ``[T, H]`` (each token's slots weighted by ``weights
     [T, K]`` and summed), the rows each local expert computed (``[E_local]``, float32) and
     the products ``h1``, ``h3`` of every slot in token-slot order (``[T, K, 2, F]``, for the
-    backward) where ``residual`` (one rank's experts only), else an empty stand-in. With
-    ``capacity``, an expert computes only its first ``capacity`` rows by token order (the
-    others are dropped: they add nothing)."""
-    assert not residual or isinstance(exchange, LocalExchange), "saved on one rank only"
+    backward) where ``residual`` (expert-parallel, they come back with one more exchange),
+    else an empty stand-in. With ``capacity``, an expert computes only its first
+    ``capacity`` rows by token order (the others are dropped: they add nothing)."""
     sl = slots(indices, num_experts)
     route = exchange.plan(sl.counts)
     keep = within_capacity(route.expert_counts, capacity)
@@ -284,8 +283,9 @@ def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=
     rows = _grouped(exchange.dispatch(x.index_select(0, sl.tokens), route), route)
     saved = saved_products(x, indices, w1)
     if residual:  # every slot's products (a dropped one's too: they are its values)
-        h1, h3 = _products(rows, w1, w3, groups if keep is None else Groups(sl.counts))
-        saved = _save(h1, h3, sl.order, indices)
+        h1, h3 = _products(rows, w1, w3, groups if keep is None else
+                           Groups(route.expert_counts))
+        saved = _save(*_returned(h1, h3, exchange, route), sl.order, indices)
         h1, h3 = _kept(h1, keep), _kept(h3, keep)
     else:
         h1, h3 = _products(_kept(rows, keep), w1, w3, groups)
@@ -293,6 +293,15 @@ def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=
     y = grouped_rows_mm(swiglu.hidden(h1, h3), w2.transpose(-2, -1), groups)
     y = exchange.combine(_ungrouped(_restored(y, keep), route), route)
     return swiglu.combine(y, sl.inverse, weights), groups.counts.to(torch.float32), saved
+
+
+def _returned(h1, h3, exchange, route: Route) -> tuple:
+    """The products of the rows an expert-parallel rank computed, back on their tokens'
+    ranks in sorted-slot order (one exchange); on one rank, as they are."""
+    if isinstance(exchange, LocalExchange):
+        return h1, h3
+    back = exchange.combine(_ungrouped(torch.cat([h1, h3], 1), route), route)
+    return back[:, :h1.shape[1]], back[:, h1.shape[1]:]
 
 
 def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
@@ -337,7 +346,8 @@ def _arrived(exchange, route: Route, keep, tokens, x, grad, scale):
     h = x.shape[1]
     sent = torch.cat([x[tokens], grad[tokens].to(x.dtype), scale.unsqueeze(1).to(x.dtype)], 1)
     received = _kept(_grouped(exchange.dispatch(sent, route), route), keep)
-    return received[:, :h], received[:, h:2 * h], received[:, 2 * h]
+    # dense rows: each feeds three grouped GEMMs, which take aligned strides only
+    return received[:, :h].contiguous(), received[:, h:2 * h].contiguous(), received[:, 2 * h]
 
 
 def _expert_backward(xr, gr, sr, products, w1, w2, w3, groups: Groups):
