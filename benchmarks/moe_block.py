@@ -12,15 +12,17 @@ routing, one shared expert of ffn 1536, bf16 on CUDA. Variants:
   experts, weighted scatter back, shared expert) under ``torch.compile``, fwd+bwd;
 - ``block_torch_eager``: the same module without compilation (for reference);
 - ``block_meshfuse``: :func:`meshfuse.examples.moe.define_moe_block` through
-  ``as_autograd_function()`` (the derived backward; ``moe_experts_bwd`` recomputes the
-  experts' three forward GEMMs, see docs/experts.md), fwd+bwd.
+  ``as_autograd_function()`` (the derived backward; ``moe_experts_bwd`` reads the forward's
+  saved products ``h1``, ``h3``, see docs/experts.md), fwd+bwd.
 
 Every variant is checked against ``block_torch_eager`` / ``grouped_direct`` (relative error
 of the output and of the input gradient within 5e-2), warmed up, then timed interleaved:
 each round times ``--iters`` steps of every variant in turn (CUDA events), the order rotating;
 reported: the median time per step and the ratios ``grouped_meshfuse / grouped_direct`` and
 ``block_meshfuse / block_torch_compile`` as speed (their time over ours: > 1 is faster), the
-median of the per-round ratios. The issue's bars: >= 0.95 and >= 1.0.
+median of the per-round ratios. The issue's bars: >= 0.95 and >= 1.0. On CUDA also each
+variant's peak memory above what it started with (its checked, first step), and what
+meshfuse's derived backward of ``moe_experts`` reads (``saved [T, K, 2, F]`` or nothing).
 
     python -m benchmarks.moe_block --out DIR      # one H200, about 3 minutes
     python -m benchmarks.moe_block --quick        # tiny shapes, CPU dry run
@@ -31,6 +33,7 @@ Results: ``DIR/moe_block.json`` and ``DIR/moe_block.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -123,6 +126,7 @@ def _make_variants(s: Setup) -> dict:
         define_moe_block(fd, cfg, s.tokens, DataType.from_torch(s.dtype))
     fn = fd.as_autograd_function()
     leaves = [params[n].detach().requires_grad_() for n in PARAMS]
+    print(f"block_meshfuse: moe_experts_bwd {_saved_products(fn, 1 + len(PARAMS))}")
 
     def module(m):
         def step():
@@ -156,9 +160,39 @@ def _check(variants: dict) -> dict[str, float]:
         ref[name] = variants[name]()
     for name, step in variants.items():
         base = "grouped_direct" if name.startswith("grouped") else "block_torch_eager"
-        out, grad = step()
+        with _peak(name):
+            out, grad = step()
         errors[name] = max(_rel(out, ref[base][0]), _rel(grad, ref[base][1]))
     return errors
+
+
+PEAK_MIB: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def _peak(name: str):
+    """Records in PEAK_MIB the CUDA memory a step allocates at most above what it started
+    with."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    yield
+    torch.cuda.synchronize()
+    PEAK_MIB[name] = (torch.cuda.max_memory_allocated() - start) / 2**20
+
+
+def _saved_products(fn, inputs: int) -> str:
+    """What the derived backward's ``moe_experts_bwd`` reads besides its inputs."""
+    backward = fn.derivation([True] * inputs).derivation.backward
+    for expr in backward.exprs:
+        if getattr(getattr(expr, "op", None), "name", "") == "moe_experts_bwd":
+            saved = expr.args[-1]
+            return "recomputes h1, h3" if saved is None else \
+                f"reads saved products {[i.extent for i in saved.logical]}"
+    return "no moe_experts_bwd"
 
 
 def _time_block(step, iters: int, cuda: bool) -> float:
@@ -196,7 +230,7 @@ def _report(s: Setup, errors, times, args) -> dict:
             "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "rounds": args.rounds, "iters": args.iters,
             "median_ms": median, "round_ms": times, "ratios": ratios,
-            "max_rel_error": errors}
+            "max_rel_error": errors, "peak_mib": dict(PEAK_MIB)}
 
 
 def _markdown(report: dict) -> str:
@@ -205,6 +239,9 @@ def _markdown(report: dict) -> str:
              "| variant | median ms | max rel. error |", "|---|---|---|"]
     for name, ms in report["median_ms"].items():
         lines.append(f"| {name} | {ms:.3f} | {report['max_rel_error'][name]:.2e} |")
+    if report["peak_mib"]:
+        lines += ["", "peak MiB of a step above its start: " + ", ".join(
+            f"{n} {m:.0f}" for n, m in report["peak_mib"].items())]
     lines += ["", "| ratio | speed (base / ours) | bar | met |", "|---|---|---|---|"]
     for name, r in report["ratios"].items():
         lines.append(f"| {name} vs {r['against']} | {r['speed']:.3f} | {r['bar']} | "

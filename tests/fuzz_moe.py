@@ -76,7 +76,7 @@ def generate(seed: int, world_size: int) -> Program:
                f"scale={x.scale}, groups={x.groups}, top_groups={x.top_groups}")
     fd_lines = ["t7 = fd.ops.linear(t0, t1)",
                 f"t8, t9 = fd.ops.moe_route(t7, {bias}, {routing})",
-                f"t10, t11 = fd.ops.moe_experts(t0, t9, t8, t2, t3, t4, {x.capacity})"]
+                f"t10, t11, _ = fd.ops.moe_experts(t0, t9, t8, t2, t3, t4, {x.capacity})"]
     outputs = ["t10", "t11"]
     if x.backward:
         fd_lines.append(f"t12, t13, t14, t15, t16 = fd.ops.moe_experts_bwd(t6, t0, t9, t8, "

@@ -669,21 +669,23 @@ def _route_bwd_ref(grad, logits):
 
 def _experts_ref(x, idx, weights, w1, w2, w3, capacity=None):
     y, rows = torch.zeros_like(x), torch.zeros(w1.shape[0])
+    saved = x.new_zeros(*idx.shape, 2, w1.shape[1])  # each slot's products, dropped or not
     for t in range(x.shape[0]):
         for s in range(idx.shape[1]):
             e = idx[t, s]
+            saved[t, s, 0], saved[t, s, 1] = w1[e] @ x[t], w3[e] @ x[t]
             if capacity is not None and rows[e] >= capacity:
                 continue  # the expert is full: the slot is dropped
             rows[e] += 1
             h = F.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
             y[t] += weights[t, s] * (w2[e] @ h)
-    return y, rows
+    return y, rows, saved
 
 
 def _experts_bwd_ref(grad, *args):
     leaves = [a if a.dtype == torch.int64 else a.detach().requires_grad_() for a in args]
     with torch.enable_grad():
-        y, _ = _experts_ref(*leaves)
+        y, _, _ = _experts_ref(*leaves)
         x, _, weights, w1, w2, w3 = leaves
         return torch.autograd.grad(y, [x, weights, w1, w2, w3], grad)
 
@@ -707,7 +709,11 @@ MOE_EXPERTS = OpInfo("moe_experts", (
     Sample((*_EXPERTS, 2), _experts_ref, name="capacity-2"),
 ), (torch.float32,))
 MOE_EXPERTS_BWD = OpInfo("moe_experts_bwd", (
-    Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="4-experts"),), (torch.float32,))
+    Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="4-experts"),
+    Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="saved",
+           define=lambda o, g, *args: o.moe_experts_bwd(g, *args, None,
+                                                        o.moe_experts(*args)[2])),
+), (torch.float32,))
 
 
 OP_TABLE: tuple[OpInfo, ...] = (

@@ -88,7 +88,7 @@ class MixtralBlock(LlamaBlock):
         tokens = self.pin(o.squeeze(self.io(o.rms_norm(h, p["post_attention_layernorm"],
                                                        cfg.eps)), [0]), 0)
         weights, indices = o.moe_route(o.linear(tokens, p["gate"]), top_k=cfg.top_k)
-        routed, _ = o.moe_experts(tokens, indices, weights, p["w1"], p["w2"], p["w3"])
+        routed, _, _ = o.moe_experts(tokens, indices, weights, p["w1"], p["w2"], p["w3"])
         y = self.pin(o.broadcast_in_dim(self.pin(routed, 0), [1, cfg.seq, cfg.hidden],
                                         [1, 2]), 1)
         self.add_output(self.residual(h, y))

@@ -88,8 +88,8 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
     if dtype in (DataType.BFloat16, DataType.Half):  # routing in float32, as torch users do
         logits = o.cast(logits, DataType.Float)
     weights, indices = o.moe_route(logits, tv.get("bias"), **cfg.routing())
-    routed, counts = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"],
-                                   cfg.capacity(tokens))
+    routed, counts, _ = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"],
+                                      cfg.capacity(tokens))
     y = o.add(routed, _swiglu(o, x, tv["shared_w1"], tv["shared_w2"], tv["shared_w3"]))
     fd.add_output(y)
     fd.add_output(counts)

@@ -5,12 +5,20 @@ Arguments: tokens ``x [T, H]``, the routing ``indices [T, K]`` (int) and ``weigh
 (:mod:`meshfuse.ops.moe.routing`), the expert weights ``w1``, ``w3`` ``[E, F, H]``, ``w2``
 ``[E, H, F]``, and ``capacity``: None (dropless, the default) or the rows an expert computes
 at most, its first by token order (the others are dropped: they add nothing to their token).
-Outputs: ``[T, H]`` and the rows each expert computed, ``[E]``.
+Outputs: ``[T, H]``, the rows each expert computed, ``[E]``, and ``saved [T, K, 2, F]``: the
+products ``x w1^T`` and ``x w3^T`` of each token slot (its expert's), in token-slot order, the
+residual ``moe_experts_bwd`` reads instead of recomputing them (docs/experts.md). ``saved`` is
+computed only where something reads it. The VJP reads it on one rank's experts without a
+capacity; expert-parallel, the rows are computed on the experts' ranks (bringing them back
+would cost one more all-to-all of ``2 F`` values a row), and the backward recomputes the
+products there instead (the op returns them, with that exchange, only to a fusion that
+reads them itself).
 
 Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
 parallelism); the counts' expert axis follows the weights' and reduces over the tokens
-(tokens sharded: partial counts). The hidden axes, ``K`` and, unless expert parallelism runs
+(tokens sharded: partial counts); ``saved``'s tokens follow ``x``'s, its slots ``indices``'
+and its ``F`` the weights' (sharded ffn: each rank saves its part). The hidden axes, ``K`` and, unless expert parallelism runs
 the op, the experts are needed whole.
 
 Expert parallelism: where the weights' expert axis is block-sharded over a mesh axis that
@@ -29,7 +37,7 @@ from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.layout import device_ids
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.ops.moe import kernels
-from meshfuse.ops.registry import AxisSpec, OpDef, OutSpec, Vjp, attr, register, tensor
+from meshfuse.ops.registry import AxisSpec, Kind, OpDef, OutSpec, Param, Vjp, attr, register, tensor
 from meshfuse.ops.shape_rules import require_tensor
 
 _WEIGHTS = ("w1", "w2", "w3")
@@ -76,12 +84,44 @@ def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
            AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
     counts = (AxisSpec(e, w1.iter_types[0], ((3, 0), (4, 0), (5, 0))),
               AxisSpec(t, IterType.Reduction, tokens))
-    return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts)]
+    return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts),
+            OutSpec(x.dtype, _saved_axes(x, indices, w1))]
 
 
-def _experts(x, indices, weights, w1, w2, w3, capacity):
+def _saved_axes(x, indices, w1, first: int = 0) -> tuple:
+    """``saved [T, K, 2, F]``'s axes; ``first``: the position of ``x`` among the tensor
+    arguments."""
+    t, k, f = x.shape[0], indices.shape[1], w1.shape[1]
+    x_, i, w = first, first + 1, first + 3
+    return (AxisSpec(t, x.iter_types[0], ((x_, 0), (i, 0), (i + 1, 0))),
+            AxisSpec(k, indices.iter_types[1], ((i, 1), (i + 1, 1))), AxisSpec(2),
+            AxisSpec(f, w1.iter_types[1], ((w, 1), (w + 1, 2), (w + 2, 1))))
+
+
+def _experts(x, indices, weights, w1, w2, w3, capacity, residual: bool = False):
     return kernels.experts_forward(x, indices, weights, w1, w2, w3, w1.shape[0],
-                                   capacity=capacity)
+                                   capacity=capacity, residual=residual)
+
+
+def saves_products(expr) -> bool:
+    """Whether ``moe_experts``' backward reads the products the forward saved: on one rank's
+    experts (not expert-parallel) without a capacity (which drops rows: the backward
+    recomputes the kept ones)."""
+    return expert_parallel(expr) is None and _args(expr)["capacity"] is None
+
+
+def _read(tv: TensorView) -> bool:
+    """Whether anything reads ``tv``: an expression of its fusion, or the fusion's caller."""
+    fusion = tv.fusion
+    return tv in fusion.outputs() or bool(fusion.uses().get(tv))
+
+
+def localize(expr, here):
+    """Computes ``saved`` where it is read (the derived forward returns it to the backward);
+    a forward alone skips it."""
+    if _read(expr.outputs[2]):
+        return {"residual": True}, "saves h1, h3"
+    return {}, ""
 
 
 def _args(expr) -> dict:
@@ -122,6 +162,8 @@ def whole_axes(expr) -> set:
              axis("w3", 2), axis("w2", 1)}
     if "grad" in args:
         whole.add(axis("grad", 1))
+    if args.get("saved") is not None:
+        whole |= {axis("saved", 1), axis("saved", 2)}
     if expert_parallel(expr) is None:
         whole |= {axis(n, 0) for n in _WEIGHTS if not _on_one_device(args[n], 0)}
         if args["capacity"] is not None:  # a capacity counts rows in global token order
@@ -179,9 +221,10 @@ def _experts_grads(d, grads):
         if grads[0] is None:
             return None
         if not computed:
+            saved = d.out(2) if saves_products(d.expr) else None
             computed.extend(d.ops.moe_experts_bwd(
                 grads[0], *(d.value(n) for n in ("x", "indices", "weights", *_WEIGHTS)),
-                d.attrs["capacity"]))
+                d.attrs["capacity"], saved))
         return computed[index]
 
     return {name: (lambda i=i: gradient(i))
@@ -195,46 +238,73 @@ _PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIG
 register(OpDef(
     "moe_experts", _PARAMS, _experts_infer, _experts,
     doc="routed SwiGLU experts: each token's top-k slots through their experts, weighted "
-    "and summed; also the rows each expert computed",
+    "and summed; also the rows each expert computed and the slots' saved products",
     sharding="tokens shard freely; F sharded: partial sums (expert TP); experts sharded "
     "over a mesh axis that shards the tokens: expert parallel (ragged all-to-all), else "
     "gathered",
     prefer_inputs=(3, 4, 5), output_layout="contiguous", whole_axes=whole_axes,
     check_sharding=check_sharding, plan=plan, vjp=Vjp(_experts_grads, differentiable=(0,)),
+    localize=localize,
 ))
 
 
-def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity):
+def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
     t, k, h, e, f = _check("moe_experts_bwd", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts_bwd", capacity)
     require_tensor("moe_experts_bwd", "grad", grad)
     if grad.ndim != 2 or any(None not in (a, b) and a != b for a, b in zip(grad.shape, (t, h))):
         raise DefinitionError(f"moe_experts_bwd: grad must be [T, H] = [{t}, {h}], got "
                               f"{list(grad.shape)}")
-    tokens = ((0, 0), (1, 0), (2, 0), (3, 0))
-    rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1)))
+    _check_saved(saved, capacity, x, (t, k, 2, f))
+    extra = _saved_sources(saved)
+    tokens = ((0, 0), (1, 0), (2, 0), (3, 0), *extra((7, 0)))
+    rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1), *extra((7, 3))))
     rt = AxisSpec(t, IterType.Reduction, tokens)
     experts = AxisSpec(e, w1.iter_types[0], ((4, 0), (5, 0), (6, 0)))
-    ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1)))
+    ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1), *extra((7, 3))))
     hidden = AxisSpec(h, w1.iter_types[2], ((4, 2), (5, 1), (6, 2)))
     gx = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((1, 1), (0, 1))),
           rf)
     gweights = (AxisSpec(t, weights.iter_types[0], tokens),
-                AxisSpec(k, weights.iter_types[1], ((3, 1), (2, 1))), rf)
+                AxisSpec(k, weights.iter_types[1], ((3, 1), (2, 1), *extra((7, 1)))), rf)
     return [OutSpec(x.dtype, gx), OutSpec(weights.dtype, gweights),
             OutSpec(x.dtype, (experts, ffn, hidden, rt)),
             OutSpec(x.dtype, (experts, hidden, ffn, rt)),
             OutSpec(x.dtype, (experts, ffn, hidden, rt))]
 
 
-def _experts_bwd(grad, x, indices, weights, w1, w2, w3, capacity):
+def _saved_sources(saved):
+    """``saved``'s axes as sources of the gradients' (position 7 among the tensors), when
+    given."""
+    def extra(*pairs) -> tuple:
+        return pairs if saved is not None else ()
+    return extra
+
+
+def _check_saved(saved, capacity, x, shape: tuple) -> None:
+    if saved is None:
+        return
+    require_tensor("moe_experts_bwd", "saved", saved)
+    if capacity is not None:
+        raise DefinitionError("moe_experts_bwd: saved products come with capacity=None only "
+                              "(moe_experts saves none where it drops rows)")
+    if saved.dtype != x.dtype or saved.ndim != 4 or any(
+            None not in (a, b) and a != b for a, b in zip(saved.shape, shape)):
+        raise DefinitionError(
+            f"moe_experts_bwd: saved must be moe_experts' third output, [T, K, 2, F] = "
+            f"{list(shape)} of x's dtype; got {list(saved.shape)} {saved.dtype.name}")
+
+
+def _experts_bwd(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
     return kernels.experts_backward(grad, x, indices, weights, w1, w2, w3, w1.shape[0],
-                                    capacity=capacity)
+                                    capacity=capacity, saved=saved)
 
 
 register(OpDef(
-    "moe_experts_bwd", (tensor("grad"), *_PARAMS), _bwd_infer, _experts_bwd,
-    doc="gradients of moe_experts: (x, weights, w1, w2, w3)",
+    "moe_experts_bwd", (tensor("grad"), *_PARAMS, Param("saved", Kind.TENSOR, None)),
+    _bwd_infer, _experts_bwd,
+    doc="gradients of moe_experts: (x, weights, w1, w2, w3), from moe_experts' saved "
+    "products where given (else recomputed)",
     sharding="as moe_experts; the weight gradients reduce over the tokens (partial where "
     "tokens are sharded, complete on expert-parallel ranks)",
     prefer_inputs=(4, 5, 6), output_layout="contiguous", whole_axes=whole_axes,

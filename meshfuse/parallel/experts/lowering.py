@@ -2,7 +2,9 @@
 (:mod:`meshfuse.ops.moe.kernels`) run over the ragged all-to-all exchange of the rank's
 expert group, in place of the one-rank implementation.
 
-Forward: one split-size exchange, the dispatch and the combine (two ragged all-to-alls).
+Forward: one split-size exchange, the dispatch and the combine (two ragged all-to-alls); a
+third where the fusion itself reads the op's saved products (the derived backward does not:
+it recomputes them where the experts live).
 Backward: one split-size exchange, the transposed combine (the token rows with their
 cotangents and weights) and the transposed dispatch (their gradients back).
 """
@@ -27,12 +29,13 @@ def lower_experts(expr, group_of):
         return None
     exchange = ExpertExchange(group, w1.materialized()[0].extent)
     if expr.op.name == "moe_experts":
-        def forward(x, indices, weights, w1, w2, w3, capacity):
+        def forward(x, indices, weights, w1, w2, w3, capacity, residual=False):
             return experts_forward(x, indices, weights, w1, w2, w3, exchange.num_experts,
-                                   exchange, capacity)
+                                   exchange, capacity, residual)
         return forward
 
-    def backward(grad, x, indices, weights, w1, w2, w3, capacity):
+    def backward(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
+        # saved is None: expert-parallel, moe_experts saves no products (they recompute here)
         return experts_backward(grad, x, indices, weights, w1, w2, w3, exchange.num_experts,
                                 exchange, capacity)
     return backward
