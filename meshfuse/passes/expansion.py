@@ -37,13 +37,20 @@ def decompose_sharded_ops(fusion: Fusion) -> None:
 
 
 def _decompose(fusion: Fusion, expr: Expr) -> None:
+    """``expr``'s outputs defined by its decomposition, in its place: the loss and the
+    gradient by ``cross_entropy_carry`` (whose VJP keeps the gradient the residual), the
+    applied scale by a ``set``."""
     position = fusion.exprs.index(expr)
     tail = fusion.exprs[position + 1:]
     del fusion.exprs[position:]
     logits, target, count, ignore_index, smoothing = expr.args
-    values = decomposed(Ops(fusion), logits, target, count, ignore_index, smoothing)
-    for old, value in zip(expr.outputs, values):
-        ids = dict(zip(old.logical, value.logical, strict=True))
-        fusion.add_expr(Expr(lookup("set"), (value,), (old,), {},
-                             {i: (ids[i],) for i in old.logical}))
+    loss, grad, applied = decomposed(Ops(fusion), logits, target, count, ignore_index,
+                                     smoothing)
+    old_loss, old_grad, old_applied = expr.outputs
+    id_map = {i: (j,) for i, j in zip(old_loss.logical, loss.logical, strict=True)}
+    id_map.update({i: (j, k) for i, j, k in zip(old_grad.logical, logits.logical, grad.logical,
+                                                strict=True)})
+    fusion.add_expr(Expr(lookup("cross_entropy_carry"), (logits, loss, grad, applied),
+                         (old_loss, old_grad), {}, id_map))
+    fusion.add_expr(Expr(lookup("set"), (applied,), (old_applied,), {}, {}))
     fusion.exprs.extend(tail)

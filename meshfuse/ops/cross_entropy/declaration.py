@@ -157,6 +157,40 @@ register(OpDef(
 ))
 
 
+def _carry_infer(logits, loss, grad, applied):
+    op = "cross_entropy_carry"
+    logits, loss = require_tensor(op, "logits", logits), require_tensor(op, "loss", loss)
+    grad = require_tensor(op, "grad", grad)
+    partial = tuple(AxisSpec(e, IterType.Reduction, ((1, loss.ndim + k),))
+                    for k, e in enumerate(loss.partial_axes))
+    like_logits = tuple(AxisSpec(e, t, ((0, a), (2, a))) for a, (e, t) in
+                        enumerate(zip(grad.shape, grad.iter_types)))
+    return [OutSpec(loss.dtype, partial), OutSpec(grad.dtype, like_logits)]
+
+
+def _carry(logits, loss, grad, applied):
+    # grad is the decomposition's own value, read by nothing else: passed on, not copied.
+    return loss.clone(), grad
+
+
+def _carry_grads(d, grads):
+    g = grads[0]
+    if g is None:
+        return {}
+    return {"logits": lambda: d.ops.cross_entropy_bwd(d.out(1), d.value("applied"), g)}
+
+
+register(OpDef(
+    "cross_entropy_carry", (tensor("logits"), tensor("loss"), tensor("grad"), tensor("applied")),
+    _carry_infer, _carry,
+    doc="(loss, grad) as they are, grad being loss's gradient in logits: what the build puts "
+        "in place of a cross_entropy_fwd decomposed over sharded classes",
+    sharding="loss as it is; grad sharded as logits (the gradient of the loss, through "
+             "cross_entropy_bwd)",
+    vjp=Vjp(_carry_grads, differentiable=(0,)),
+))
+
+
 def decomposed(o, logits, target, count, ignore_index: int, smoothing: float):
     """``cross_entropy_fwd``'s three outputs written with fusion ops (``o``: a fusion's
     ``fd.ops``): with the classes sharded, the max, the sum of exponentials and the target
@@ -170,11 +204,14 @@ def decomposed(o, logits, target, count, ignore_index: int, smoothing: float):
     at_target = o.eq(o.broadcast_in_dim(o.iota(classes), [1, classes], [1]),
                      o.broadcast_in_dim(target, [-1, 1], [0]))
     uniform = smoothing / classes
-    w = o.where(at_target, 1.0 - smoothing + uniform, uniform)
+    # Weights and scales in x's dtype (a Python number takes the tensor's dtype).
+    w = o.add(o.mul(o.cast(at_target, x.dtype), 1.0 - smoothing), uniform)
     term = o.sum(o.mul(x, w) if smoothing else o.where(at_target, x, 0.0), [1])
     valid = o.logical_and(o.ge(target, 0), o.lt(target, classes))
-    inverse = o.reciprocal(count) if not isinstance(count, int | float) else 1.0 / count
-    scale = o.where(o.eq(target, ignore_index), 0.0, o.where(valid, inverse, float("nan")))
+    inverse = 1.0 / count if isinstance(count, int | float) else \
+        o.reciprocal(o.cast(count, x.dtype))
+    scale = o.where(valid, o.mul(o.cast(valid, x.dtype), inverse), float("nan"))
+    scale = o.where(o.eq(target, ignore_index), 0.0, scale)
     loss = o.sum(o.mul(o.sub(lse, term), scale), [0])
     p = o.exp(o.sub(x, o.broadcast_in_dim(lse, [-1, 1], [0])))
     grad = o.mul(o.sub(p, w), o.broadcast_in_dim(scale, [-1, 1], [0]))

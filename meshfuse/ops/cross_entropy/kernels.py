@@ -19,11 +19,16 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the torch implementation is used instead
-    triton = None
+# Triton decides when a kernel is decorated whether it is interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+triton = None
+if torch.cuda.is_available() or INTERPRETED:  # a CPU-only process never imports Triton
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # the torch implementation is used instead
+        triton = None
 
 # Rows of at most this many classes are held whole in registers (one read of the logits).
 ONE_BLOCK_MAX = 32768
@@ -36,9 +41,6 @@ def available(x: torch.Tensor) -> bool:
     was imported with the Triton interpreter on (``TRITON_INTERPRET=1``, for tests)."""
     return triton is not None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
 
-
-# Triton decides when a kernel is decorated whether it is interpreted.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
