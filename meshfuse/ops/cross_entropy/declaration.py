@@ -58,8 +58,12 @@ def _fwd_infer(logits, target, count, ignore_index, label_smoothing):
                               f"{logits.shape[0]}; give one class index per row")
     if isinstance(count, TensorMeta) and count.ndim != 0:
         raise DefinitionError(f"{op}: count must be a 0-d tensor or a number")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise DefinitionError(f"{op}: label_smoothing {label_smoothing} must be in [0, 1]")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise DefinitionError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, int | float) or isinstance(label_smoothing, bool) or \
+            not 0.0 <= label_smoothing <= 1.0:
+        raise DefinitionError(f"{op}: label_smoothing must be a number in [0, 1], got "
+                              f"{label_smoothing!r}")
     rows = ((0, 0), (1, 0))
     loss = (AxisSpec(logits.shape[0], IterType.Reduction, rows),)
     grad = (AxisSpec(logits.shape[0], logits.iter_types[0], rows),
