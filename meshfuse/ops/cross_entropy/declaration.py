@@ -89,7 +89,7 @@ def reference_forward(logits: torch.Tensor, target: torch.Tensor, count, ignore_
     loss = (lse - (w * x).sum(1)) * scale
     grad = (torch.exp(x - lse[:, None]) - w) * scale[:, None]
     applied = torch.ones((), dtype=torch.float32, device=x.device)
-    return loss.sum(), grad.to(logits.dtype), applied
+    return loss.sum(), grad.to(logits.dtype).contiguous(), applied
 
 
 def _forward(logits, target, count, ignore_index, label_smoothing):
@@ -129,6 +129,8 @@ register(OpDef(
     sharding="rows shard freely (the loss is a partial sum over them); logits sharded over "
              "the classes are computed by per-row allreduces (the op decomposed)",
     whole_axes=whole_axes, vjp=Vjp(_fwd_grads, differentiable=(0,)),
+    # Row-major outputs, which also keeps the kernel out of torch.compile'd segments.
+    output_layout="contiguous",
 ))
 
 
@@ -147,8 +149,8 @@ def _backward(grad, applied, g):
     second backward through kept residuals rescales from it); a new tensor elsewhere."""
     if grad.dtype in _KERNEL_DTYPES and kernels.available(grad):
         return kernels.scale_in_place(grad, applied, g.to(grad.device))
-    return (grad.to(torch.promote_types(grad.dtype, torch.float32)) * (g / applied)).to(
-        grad.dtype)
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    return (grad.to(wide) * (g / applied)).to(grad.dtype).contiguous()
 
 
 register(OpDef(
@@ -157,7 +159,8 @@ register(OpDef(
     doc="cross_entropy_fwd's gradient scaled by the loss's cotangent g (in place on CUDA, "
         "nothing done when g is 1)",
     sharding="pointwise in grad; applied and g replicated",
-    output_layout="follow",
+    # In place on CUDA: never inside a torch.compile'd segment.
+    output_layout="contiguous",
 ))
 
 
