@@ -742,8 +742,8 @@ CROSS_ENTROPY_BWD = OpInfo("cross_entropy_bwd", (
                o.set(grad), o.set(applied), g)),
 ))
 CROSS_ENTROPY_CARRY = OpInfo("cross_entropy_carry", (
-    Sample((T((5, 7)), T(()), T((5, 7)), T((), dtype=torch.float32)),
-           lambda x, loss, grad, applied: (loss, grad), name="passes-on"),
+    Sample((T((5, 7)), _index((5,), 6), T(()), T((5, 7)), T((), dtype=torch.float32)),
+           lambda x, t, loss, grad, applied: (loss, grad), name="passes-on"),
 ))
 
 

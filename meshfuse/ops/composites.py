@@ -195,7 +195,9 @@ def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smooth
     weighted = o.where(at_target, o.mul(x, 1.0 - smoothing + uniform), o.mul(x, uniform)) \
         if smoothing else o.where(at_target, x, 0.0)
     loss = o.sub(lse, o.sum(weighted, [axis]))
-    return o.where(o.eq(target, ignore_index), 0.0, loss)
+    # A target out of range matches no class: NaN, not a value (docs/cross_entropy.md).
+    valid = o.logical_and(o.ge(target, 0), o.lt(target, classes))
+    return o.where(o.eq(target, ignore_index), 0.0, o.where(valid, loss, float("nan")))
 
 
 def _symbolic_target_term(o, x, target, axis: int, ignore_index: int, smoothing: float):

@@ -48,9 +48,12 @@ def _decompose(fusion: Fusion, expr: Expr) -> None:
                                      smoothing)
     old_loss, old_grad, old_applied = expr.outputs
     id_map = {i: (j,) for i, j in zip(old_loss.logical, loss.logical, strict=True)}
-    id_map.update({i: (j, k) for i, j, k in zip(old_grad.logical, logits.logical, grad.logical,
-                                                strict=True)})
-    fusion.add_expr(Expr(lookup("cross_entropy_carry"), (logits, loss, grad, applied),
-                         (old_loss, old_grad), {}, id_map))
+    # Materialized IDs: logits may carry a reduction (a linear's contracted axis).
+    id_map.update({i: (j, k) for i, j, k in zip(old_grad.logical, logits.materialized(),
+                                                grad.materialized(), strict=True)})
+    id_map[old_grad.logical[0]] += (target.materialized()[0],)
+    fusion.add_expr(Expr(lookup("cross_entropy_carry"),
+                         (logits, target, loss, grad, applied, ignore_index), (old_loss, old_grad),
+                         {"ignore_index": ignore_index}, id_map))
     fusion.add_expr(Expr(lookup("set"), (applied,), (old_applied,), {}, {}))
     fusion.exprs.extend(tail)

@@ -28,6 +28,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.layout import shard_factor
 from meshfuse.ops.cross_entropy import kernels
+from meshfuse.ops.index_check import index_check
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -92,7 +93,9 @@ def reference_forward(logits: torch.Tensor, target: torch.Tensor, count, ignore_
     return loss.sum(), grad.to(logits.dtype).contiguous(), applied
 
 
-def _forward(logits, target, count, ignore_index, label_smoothing):
+def _forward(logits, target, count, ignore_index, label_smoothing, check=None):
+    if check is not None:
+        check(target)
     if not isinstance(count, torch.Tensor) and count != 1:
         count = torch.tensor(float(count), device=logits.device)
     if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
@@ -105,6 +108,13 @@ def _fwd_grads(d, grads):
     if g is None:
         return {}
     return {"logits": lambda: d.ops.cross_entropy_bwd(d.out(1), d.out(2), g)}
+
+
+def _localize(expr, here):
+    """With ``MESHFUSE_CHECK_INDICES=1``, the host check of the targets."""
+    logits, target = expr.args[:2]
+    return index_check("cross_entropy_fwd", target, logits, 1, here.extents,
+                       ignored=expr.attrs["ignore_index"]), ""
 
 
 def whole_axes(expr) -> set:
@@ -128,7 +138,7 @@ register(OpDef(
         "and divided by count, with its gradient in the logits (one fused kernel on CUDA)",
     sharding="rows shard freely (the loss is a partial sum over them); logits sharded over "
              "the classes are computed by per-row allreduces (the op decomposed)",
-    whole_axes=whole_axes, vjp=Vjp(_fwd_grads, differentiable=(0,)),
+    whole_axes=whole_axes, vjp=Vjp(_fwd_grads, differentiable=(0,)), localize=_localize,
     # Row-major outputs, which also keeps the kernel out of torch.compile'd segments.
     output_layout="contiguous",
 ))
@@ -164,18 +174,22 @@ register(OpDef(
 ))
 
 
-def _carry_infer(logits, loss, grad, applied):
+def _carry_infer(logits, target, loss, grad, applied, ignore_index):
     op = "cross_entropy_carry"
     logits, loss = require_tensor(op, "logits", logits), require_tensor(op, "loss", loss)
-    grad = require_tensor(op, "grad", grad)
-    partial = tuple(AxisSpec(e, IterType.Reduction, ((1, loss.ndim + k),))
+    grad, target = require_tensor(op, "grad", grad), require_tensor(op, "target", target)
+    if grad.ndim != 2 or target.ndim != 1:
+        raise DefinitionError(f"{op}: grad must be [rows, classes] and target [rows]")
+    partial = tuple(AxisSpec(e, IterType.Reduction, ((2, loss.ndim + k),))
                     for k, e in enumerate(loss.partial_axes))
-    like_logits = tuple(AxisSpec(e, t, ((0, a), (2, a))) for a, (e, t) in
-                        enumerate(zip(grad.shape, grad.iter_types)))
+    like_logits = (AxisSpec(grad.shape[0], grad.iter_types[0], ((0, 0), (3, 0), (1, 0))),
+                   AxisSpec(grad.shape[1], grad.iter_types[1], ((0, 1), (3, 1))))
     return [OutSpec(loss.dtype, partial), OutSpec(grad.dtype, like_logits)]
 
 
-def _carry(logits, loss, grad, applied):
+def _carry(logits, target, loss, grad, applied, ignore_index, check=None):
+    if check is not None:
+        check(target)
     # grad is the decomposition's own value, read by nothing else: passed on, not copied.
     return loss.clone(), grad
 
@@ -187,9 +201,17 @@ def _carry_grads(d, grads):
     return {"logits": lambda: d.ops.cross_entropy_bwd(d.out(1), d.value("applied"), g)}
 
 
+def _carry_localize(expr, here):
+    logits, target = expr.args[:2]
+    return index_check("cross_entropy_fwd", target, logits, 1, here.extents,
+                       ignored=expr.attrs["ignore_index"]), ""
+
+
 register(OpDef(
-    "cross_entropy_carry", (tensor("logits"), tensor("loss"), tensor("grad"), tensor("applied")),
-    _carry_infer, _carry,
+    "cross_entropy_carry",
+    (tensor("logits"), tensor("target"), tensor("loss"), tensor("grad"), tensor("applied"),
+     attr("ignore_index", -100)),
+    _carry_infer, _carry, localize=_carry_localize,
     doc="(loss, grad) as they are, grad being loss's gradient in logits: what the build puts "
         "in place of a cross_entropy_fwd decomposed over sharded classes",
     sharding="loss as it is; grad sharded as logits (the gradient of the loss, through "
