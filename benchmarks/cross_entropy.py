@@ -11,7 +11,13 @@ Logits ``[tokens, vocab]`` in bfloat16 that require grad, int64 targets (a few i
 - ``compile``: the same function through ``torch.compile``;
 - ``meshfuse``: ``fd.ops.cross_entropy`` in a fusion run through
   ``fd.as_autograd_function()`` (the derived backward), and ``meshfuse_compiled`` the same
-  with ``compile=True`` (fused segments by Inductor).
+  with ``compile=True`` (fused segments by Inductor). Both run the fused op
+  ``cross_entropy_fwd`` (one Triton kernel writes the loss and the gradient; the backward's
+  ``cross_entropy_bwd`` sees a cotangent of 1.0 and returns the gradient as it is);
+- ``kernel`` (CUDA): the same two Triton kernels called directly
+  (``meshfuse.ops.cross_entropy.kernels``), without the fusion around them: what the
+  framework adds is ``meshfuse`` less this; ``kernel_two_pass`` forces the two reads of a
+  row that does not fit on chip (at 32k classes: what holding the row in registers saves).
 
 Each round times every variant in turn (interleaved, so that clocks and neighbours weigh
 on all alike), ``--iters`` steps between two CUDA events; reported: the median over rounds
@@ -36,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from meshfuse import DataType, FusionDefinition
+from meshfuse.ops.cross_entropy import kernels
 
 IGNORE = -100
 MIB = 2**20
@@ -77,18 +84,32 @@ def _meshfuse_step(tokens: int, vocab: int, compile: bool) -> Callable:
     return step
 
 
+def _kernel_step(one_block_max: int) -> Callable:
+    def step(x, t):
+        count = (t != IGNORE).sum().float()
+        loss, grad, applied = kernels.forward(x.detach(), t, count, IGNORE, 0.0,
+                                              one_block_max=one_block_max)
+        kernels.scale_in_place(grad, applied, torch.ones((), device=x.device))
+        return loss, grad
+    return step
+
+
 def _floor(x, t):
     return None, x.detach().clone()
 
 
-def variants(tokens: int, vocab: int) -> dict[str, Callable]:
-    return {
+def variants(tokens: int, vocab: int, device) -> dict[str, Callable]:
+    steps = {
         "floor": _floor,
         "eager": _torch_step(_eager),
         "compile": _torch_step(torch.compile(_eager)),
         "meshfuse": _meshfuse_step(tokens, vocab, compile=False),
         "meshfuse_compiled": _meshfuse_step(tokens, vocab, compile=True),
     }
+    if device.type == "cuda":
+        steps["kernel"] = _kernel_step(kernels.ONE_BLOCK_MAX)
+        steps["kernel_two_pass"] = _kernel_step(0)
+    return steps
 
 
 def _sync(device) -> None:
@@ -142,7 +163,7 @@ def _check(name: str, step, x, t, reference) -> str:
 
 def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[dict]:
     x, t = _inputs(tokens, vocab, device)
-    steps = variants(tokens, vocab)
+    steps = variants(tokens, vocab, device)
     reference = tuple(v.detach().clone() for v in steps["eager"](x, t))
     records = {}
     for name, step in steps.items():

@@ -716,6 +716,43 @@ MOE_EXPERTS_BWD = OpInfo("moe_experts_bwd", (
 ), (torch.float32,))
 
 
+def _ce_fwd_ref(ignore_index=-100, smoothing=0.0):
+    """cross_entropy_fwd's outputs by PyTorch: the summed loss over count (float32, float64
+    for float64 logits), its gradient, the applied scale."""
+    def ref(x, t, count):
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(wide)
+        loss = F.cross_entropy(xf, t, reduction="sum", ignore_index=ignore_index,
+                               label_smoothing=smoothing) / count
+        classes = x.shape[1]
+        w = F.one_hot(t.clamp(min=0), classes) * (1 - smoothing) + smoothing / classes
+        keep = (t != ignore_index)[:, None]
+        grad = (torch.softmax(xf, 1) - w) * keep / count
+        return loss.to(wide), grad.to(x.dtype), torch.ones((), dtype=torch.float32)
+    return ref
+
+
+CROSS_ENTROPY_FWD = OpInfo("cross_entropy_fwd", (
+    Sample((T((5, 7), low=-4, high=4), _index((5,), 6), T((), dtype=torch.float32, low=1,
+                                                           high=5)),
+           _ce_fwd_ref(), name="mean"),
+    Sample((T((6, 9), low=-4, high=4), _index((6,), 8), 1.0), _ce_fwd_ref(2, 0.1),
+           kwargs={"ignore_index": 2, "label_smoothing": 0.1}, name="sum-smoothing-ignored"),
+), rejects=INTS)
+CROSS_ENTROPY_BWD = OpInfo("cross_entropy_bwd", (
+    # Through a copy: on CUDA the op scales its grad and applied in place (the forward's
+    # residuals), which would change the reference's inputs here.
+    Sample((T((5, 7)), T((), dtype=torch.float32, low=0.5, high=2), T(())),
+           lambda grad, applied, g: (grad.double() * g.double() / applied).to(grad.dtype),
+           name="scaled", define=lambda o, grad, applied, g: o.cross_entropy_bwd(
+               o.set(grad), o.set(applied), g)),
+))
+CROSS_ENTROPY_CARRY = OpInfo("cross_entropy_carry", (
+    Sample((T((5, 7)), _index((5,), 6), T(()), T((5, 7)), T((), dtype=torch.float32)),
+           lambda x, t, loss, grad, applied: (loss, grad), name="passes-on"),
+))
+
+
 OP_TABLE: tuple[OpInfo, ...] = (
     *(unary_info(n) for n in UNARY_FLOAT + UNARY_SAME),
     *(binary_info(n) for n in BINARY_ARITH + COMPARE + LOGICAL),
@@ -726,4 +763,5 @@ OP_TABLE: tuple[OpInfo, ...] = (
     TAKE_ALONG_AXIS_BACKWARD, INDEX_SELECT_BACKWARD, IOTA, STOP_GRADIENT, MATMUL, LINEAR, GROUPED_MM, SDPFA_FWD, SDPFA_BWD,
     UNIFORM, NORMAL, RAND_LIKE, RANDN_LIKE,
     MOE_ROUTE, MOE_ROUTE_BWD, MOE_TOKEN_COUNTS, MOE_EXPERTS, MOE_EXPERTS_BWD,
+    CROSS_ENTROPY_FWD, CROSS_ENTROPY_BWD, CROSS_ENTROPY_CARRY,
 )

@@ -2,6 +2,7 @@
 
 from meshfuse.ops import (  # noqa: F401
     attention,
+    cross_entropy,
     indexing,
     linalg,
     moe,

@@ -117,6 +117,8 @@ def cross_entropy(o, logits, target, reduction: str = "mean", ignore_index: int 
         raise DefinitionError(f"cross_entropy: label_smoothing {label_smoothing} must be in "
                               "[0, 1]")
     axis = 1 if logits.ndim > 1 else 0
+    if _fused(logits, target, reduction):
+        return _fused_cross_entropy(o, logits, target, reduction, ignore_index, label_smoothing)
     if target.dtype.is_floating:
         loss = _soft_cross_entropy(o, logits, target, axis, label_smoothing)
     else:
@@ -127,6 +129,25 @@ def cross_entropy(o, logits, target, reduction: str = "mean", ignore_index: int 
         kept = o.sum(o.cast(o.ne(target, ignore_index), DataType.Float))
         loss = o.div(o.sum(loss), kept)
     # nvFuser's promotion computes bf16 products in float: the loss in the logits' dtype.
+    return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
+
+
+def _fused(logits, target, reduction: str) -> bool:
+    """Whether ``cross_entropy_fwd`` (one kernel for the loss and its gradient) computes
+    it: class indices, 2-D logits of a static class extent, a mean or a sum."""
+    return (not target.dtype.is_floating and reduction in ("mean", "sum") and
+            logits.ndim == 2 and target.ndim == 1 and
+            logits.materialized()[1].extent is not None)
+
+
+def _fused_cross_entropy(o, logits, target, reduction: str, ignore_index: int,
+                         smoothing: float):
+    """``cross_entropy_fwd``'s loss (its gradient, computed with it, is the backward's
+    residual), divided by the count of rows not ignored for a mean."""
+    count = o.sum(o.cast(o.ne(target, ignore_index), DataType.Float)) \
+        if reduction == "mean" else 1.0
+    loss, _, _ = o.cross_entropy_fwd(logits, target, count, ignore_index=ignore_index,
+                                     label_smoothing=float(smoothing))
     return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
 
 
@@ -174,7 +195,9 @@ def _index_cross_entropy(o, logits, target, axis: int, ignore_index: int, smooth
     weighted = o.where(at_target, o.mul(x, 1.0 - smoothing + uniform), o.mul(x, uniform)) \
         if smoothing else o.where(at_target, x, 0.0)
     loss = o.sub(lse, o.sum(weighted, [axis]))
-    return o.where(o.eq(target, ignore_index), 0.0, loss)
+    # A target out of range matches no class: NaN, not a value (docs/cross_entropy.md).
+    valid = o.logical_and(o.ge(target, 0), o.lt(target, classes))
+    return o.where(o.eq(target, ignore_index), 0.0, o.where(valid, loss, float("nan")))
 
 
 def _symbolic_target_term(o, x, target, axis: int, ignore_index: int, smoothing: float):

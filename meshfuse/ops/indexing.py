@@ -24,6 +24,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
+from meshfuse.ops.index_check import index_check
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -149,14 +150,16 @@ def _masked(out: torch.Tensor, mask: torch.Tensor | None, dims: int) -> torch.Te
 
 
 def _localize_arg(dim_of):
-    """``localize`` of a lookup: the global positions of the indexed axis held here."""
+    """``localize`` of a lookup: the global positions of the indexed axis held here (and,
+    with ``MESHFUSE_CHECK_INDICES=1``, the check of the index values)."""
     def localize(expr, here):
-        arg = expr.args[1 if expr.op.name == "embedding_fwd" else 0]
+        embedding = expr.op.name == "embedding_fwd"
+        arg, index = expr.args[1 if embedding else 0], expr.args[0 if embedding else 1]
         dim = dim_of(expr)
         held = here.index(arg).indices[dim]
         note = "" if held is None else (
             f"looks up the {len(held)} positions of axis {dim} of {arg.name} held here")
-        return {"held": held}, note
+        return {"held": held, **index_check(expr.op.name, index, arg, dim, here.extents)}, note
     return localize
 
 
@@ -191,7 +194,9 @@ def _localize_along(expr, here):
     return ({**attrs, "rows": rows} if rows else attrs), note
 
 
-def _take_along_axis(arg, index, dim, held=None, rows=None):
+def _take_along_axis(arg, index, dim, held=None, rows=None, check=None):
+    if check is not None:
+        check(index)
     arg = _rows_of(arg, rows)
     index, mask = held_positions(index, held)
     # Broadcast axes of extent 1 (arg's or index's) meet as in a pointwise op.
@@ -205,7 +210,9 @@ def _take_along_axis(arg, index, dim, held=None, rows=None):
     return out if mask is None else out.masked_fill(~mask.expand(shape), 0)
 
 
-def _gather(arg, index, dim, held=None, rows=None):
+def _gather(arg, index, dim, held=None, rows=None, check=None):
+    if check is not None:
+        check(index)
     arg = _rows_of(arg, rows)
     index, mask = held_positions(index, held)
     if arg.shape[dim] == 0:  # an empty shard of dim (uneven)
@@ -343,8 +350,10 @@ def _index_select_infer(arg, index, dim):
     return [OutSpec(arg.dtype, _select_axes(arg, index, dim))]
 
 
-def select_rows(arg, index, dim, held=None):
+def select_rows(arg, index, dim, held=None, check=None):
     """``arg`` at ``index`` (any shape) along ``dim``: ``index``'s axes replace ``dim``."""
+    if check is not None:
+        check(index)
     dim %= arg.ndim
     pos, mask = held_positions(index, held)
     if arg.shape[dim] == 0:  # an empty shard of dim (uneven)
@@ -442,8 +451,8 @@ def _embedding_infer(input, weight, padding_idx, max_norm, norm_type, scale_grad
 
 
 def _embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-               held=None):
-    return select_rows(weight, input, 0, held)
+               held=None, check=None):
+    return select_rows(weight, input, 0, held, check)
 
 
 def _embedding_grads(d, grads):

@@ -7,6 +7,9 @@ The user's fusion is never changed: :func:`compile` copies it (:meth:`Fusion.cop
    of one logical axis (``passes/merged_axes.py``);
 1. ``check_tensor_schedules``: each tensor's own schedule against the world size (errors name
    what the user wrote, before any pass fills in the rest);
+1b. ``decompose_sharded_ops``: a fused op whose kernel cannot run on the shardings it would
+   get (a cross entropy with its classes sharded) replaced by fusion ops
+   (``passes/expansion.py``);
 2. ``propagate_shardings``: a mesh, DID splits and a memory order for every unscheduled tensor;
 2b. ``_plan_ops``: each op's own planning rule (``OpDef.plan``: grouped-query attention
    checks its key/value heads and, replicated, maps them apart from the query heads);
@@ -42,6 +45,7 @@ from meshfuse.ir.printer import format_fusion
 from meshfuse.ir.tensor_view import Allocation, TensorView, Val
 from meshfuse.ir.verifier import check_schedule, check_tensor_schedules
 from meshfuse.passes.concrete import with_extents
+from meshfuse.passes.expansion import decompose_sharded_ops
 from meshfuse.passes.head_alignment import HeadSplitWarning, unaligned_head_splits
 from meshfuse.passes.layout import infer_allocations
 from meshfuse.passes.merged_axes import unmerge_device_axes
@@ -99,6 +103,10 @@ def _unmerge(fusion: Fusion, world_size: int | None) -> None:
     unmerge_device_axes(fusion)
 
 
+def _decompose(fusion: Fusion, world_size: int | None) -> None:
+    decompose_sharded_ops(fusion)
+
+
 def _propagate(fusion: Fusion, world_size: int | None) -> None:
     propagate_shardings(fusion)
 
@@ -138,6 +146,7 @@ def _strategies(fusion: Fusion, world_size: int | None) -> None:
 BUILD_PASSES = (
     _unmerge,
     _check_world,
+    _decompose,
     _propagate,
     _plan_ops,
     _strategies,

@@ -1,0 +1,166 @@
+"""Triton kernels of the fused cross entropy on class indices (CUDA).
+
+The forward reads each row of logits once when it fits on chip (``one_block``: the whole row
+in registers) and otherwise twice (an online max and sum of exponentials over blocks, then
+the gradient), and writes per row the loss and the *gradient of the reduced loss*:
+``(softmax(x) - w) * scale``, ``w`` the target distribution (one-hot, mixed with the uniform
+one by label smoothing), ``scale`` ``1 / count`` for a mean (zero on an ignored row). The
+backward then only scales that gradient by the incoming cotangent: :func:`scale_in_place`
+reads the cotangent on the device and returns at once when it equals the scale already
+applied (1.0 after a forward), with no host synchronization, so it is safe in CUDA graphs.
+
+A target out of ``[0, classes)`` that is not ``ignore_index`` gives a NaN loss and NaN
+gradient row (never a silent value; ``MESHFUSE_CHECK_INDICES=1`` raises on the host).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton decides when a kernel is decorated whether it is interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+triton = None
+if torch.cuda.is_available() or INTERPRETED:  # a CPU-only process never imports Triton
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # the torch implementation is used instead
+        triton = None
+
+# Rows of at most this many classes are held whole in registers (one read of the logits).
+ONE_BLOCK_MAX = 32768
+# The block of classes of a row read in two passes.
+CHUNK = 8192
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on ``x``: on CUDA, or on the CPU where this module
+    was imported with the Triton interpreter on (``TRITON_INTERPRET=1``, for tests)."""
+    return triton is not None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+
+
+
+if triton is not None:
+    @triton.jit
+    def _row_stats(x_row, n_classes, BLOCK: tl.constexpr):
+        """The log-sum-exp and the sum of a row read block by block (online max)."""
+        cols = tl.arange(0, BLOCK)
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        for start in range(0, n_classes, BLOCK):
+            mask = start + cols < n_classes
+            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+            total += tl.sum(tl.where(mask, x, 0.0), 0)
+        return m + tl.log(s), total
+
+    @triton.jit
+    def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
+                        count_ptr, n_classes, ignore_index, smoothing,
+                        HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        g_row = grad_ptr + row * grad_stride
+        target = tl.load(target_ptr + row).to(tl.int64)
+        ignored = target == ignore_index
+        valid = (target >= 0) & (target < n_classes)
+        scale = 1.0
+        if HAS_COUNT:
+            scale = 1.0 / tl.load(count_ptr).to(tl.float32)
+        scale = tl.where(ignored, 0.0, tl.where(valid, scale, float("nan")))
+        uniform = smoothing / n_classes
+        cols = tl.arange(0, BLOCK)
+        if ONE_BLOCK:  # the whole row in registers: read once
+            mask = cols < n_classes
+            x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            e = tl.exp(x - m)
+            s = tl.sum(e, 0)
+            lse = m + tl.log(s)
+            total = tl.sum(tl.where(mask, x, 0.0), 0)
+            x_t = tl.sum(tl.where(cols == target, x, 0.0), 0)
+            w = tl.where(cols == target, 1.0 - smoothing + uniform, uniform)
+            grad = (e / s - w) * scale
+            tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        else:  # statistics first, then the gradient: read twice
+            lse, total = _row_stats(x_row, n_classes, BLOCK)
+            x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
+            for start in range(0, n_classes, BLOCK):
+                mask = start + cols < n_classes
+                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
+                grad = (tl.exp(x - lse) - w) * scale
+                tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        loss = lse - (1.0 - smoothing) * x_t - uniform * total
+        tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss * scale))
+
+    @triton.jit
+    def _scale_kernel(grad_ptr, n, cotangent_ptr, applied_ptr, BLOCK: tl.constexpr):
+        g = tl.load(cotangent_ptr).to(tl.float32)
+        applied = tl.load(applied_ptr)
+        if g != applied:
+            factor = g / applied
+            cols = tl.arange(0, BLOCK).to(tl.int64)
+            step = tl.num_programs(0).to(tl.int64) * BLOCK
+            for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+                mask = start + cols < n
+                x = tl.load(grad_ptr + start + cols, mask=mask).to(tl.float32)
+                tl.store(grad_ptr + start + cols, (x * factor).to(grad_ptr.dtype.element_ty),
+                         mask=mask)
+
+    @triton.jit
+    def _record_kernel(cotangent_ptr, applied_ptr):
+        tl.store(applied_ptr, tl.load(cotangent_ptr).to(tl.float32))
+
+
+def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
+            smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK):
+    """``(loss, grad, applied)``: the summed loss (float32, 0-d; a mean when ``count``, a
+    0-d tensor, is given), the gradient of that loss in ``x``'s dtype, and the scale
+    applied to it (1.0)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, classes = x.shape
+    grad = torch.empty((rows, classes), dtype=x.dtype, device=x.device)
+    loss = torch.empty(rows, dtype=torch.float32, device=x.device)
+    target = target.contiguous()
+    has_count = isinstance(count, torch.Tensor)
+    count_arg = count.to(torch.float32).reshape(1) if has_count else loss
+    block = triton.next_power_of_2(classes)
+    one_block = block <= one_block_max
+    block = block if one_block else min(chunk, block)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16 if block <= 16384 else 32
+    if rows:
+        _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
+                                 classes, ignore_index, float(smoothing),
+                                 HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
+                                 num_warps=warps)
+    applied = torch.ones((), dtype=torch.float32, device=x.device)
+    return loss.sum(), grad, applied
+
+
+def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,
+                   cotangent: torch.Tensor) -> torch.Tensor:
+    """``grad`` scaled in place from the scale ``applied`` holds to ``cotangent`` (0-d
+    tensors on ``grad``'s device), and ``applied`` set to it; nothing moves when they are
+    equal (a loss whose gradient arrives as 1.0). Returns ``grad``."""
+    n = grad.numel()
+    block = 4096
+    programs = max(1, min(triton.cdiv(n, block), 4 * _multiprocessors(grad.device)))
+    cotangent = cotangent.reshape(1)
+    _scale_kernel[(programs,)](grad, n, cotangent, applied, BLOCK=block, num_warps=8)
+    _record_kernel[(1,)](cotangent, applied)
+    return grad
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

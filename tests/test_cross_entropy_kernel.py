@@ -1,0 +1,167 @@
+"""The fused cross entropy on class indices (``meshfuse/ops/cross_entropy``).
+
+Its Triton kernels run here under the Triton interpreter (CPU tensors): Triton reads
+``TRITON_INTERPRET`` when it is imported, so ``test_kernels_under_the_triton_interpreter``
+runs this file's ``interpreted`` tests in a process started with ``TRITON_INTERPRET=1``
+(they run in this one when it was started so). Each is checked against
+``F.cross_entropy(logits.float())`` and its autograd gradient: bf16 and float32, class
+counts that are and are not a power of two, rows read whole and in blocks, ignored rows,
+``mean`` and ``sum``, cotangents 1.0 and not. Without Triton they skip. The op's contract
+(the backward's residual is the gradient, not the logits) is checked without Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshfuse
+from meshfuse import DataType, FusionDefinition
+from meshfuse.ops.cross_entropy import kernels
+
+INTERPRETED = kernels.INTERPRETED and kernels.triton is not None
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="needs TRITON_INTERPRET=1 when Triton is imported "
+    "(test_kernels_under_the_triton_interpreter runs these so)")
+IGNORE = -100
+MEAN_SUM = [("mean", 0.0), ("sum", 0.1)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-3)}
+
+
+def _inputs(rows: int, classes: int, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, classes, generator=gen) * 3).to(dtype)
+    t = torch.randint(0, classes, (rows,), generator=gen)
+    t[1] = IGNORE
+    return x, t
+
+
+def _reference(x, t, reduction: str, smoothing: float, cotangent: float = 1.0):
+    """``F.cross_entropy(x.float())`` and its gradient in ``x``'s dtype."""
+    leaf = x.float().requires_grad_()
+    loss = F.cross_entropy(leaf, t, reduction=reduction, ignore_index=IGNORE,
+                           label_smoothing=smoothing)
+    (loss * cotangent).backward()
+    return loss.detach(), leaf.grad.to(x.dtype)
+
+
+def test_kernels_under_the_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("the interpreted tests run in this process")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          __file__, "-k", "interpreted"], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= 20 and "skipped" not in run.stdout, run.stdout
+
+
+@interpreted
+@pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
+@pytest.mark.parametrize("one_block", [True, False])
+@pytest.mark.parametrize("classes", [16, 37])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interpreted_forward(dtype, classes, one_block, reduction, smoothing):
+    """Loss and gradient of the summed (or mean) loss; a row held whole, or read in blocks
+    of 8 classes (37: the last block partial)."""
+    x, t = _inputs(5, classes, dtype)
+    count = (t != IGNORE).sum().float() if reduction == "mean" else None
+    loss, grad, applied = kernels.forward(x, t, count, IGNORE, smoothing,
+                                          one_block_max=64 if one_block else 8, chunk=8)
+    ref_loss, ref_grad = _reference(x, t, reduction, smoothing)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grad.dtype == dtype and applied.item() == 1.0
+    torch.testing.assert_close(grad, ref_grad, **TOL[dtype])
+    assert (grad[1] == 0).all()  # the ignored row
+
+
+@interpreted
+def test_interpreted_target_out_of_range_is_nan_not_a_value():
+    x, t = _inputs(4, 16, torch.float32)
+    t[2] = 16
+    for one_block_max in (64, 8):
+        loss, grad, _ = kernels.forward(x, t, None, IGNORE, 0.0, one_block_max=one_block_max,
+                                        chunk=8)
+        assert loss.isnan() and grad[2].isnan().all() and grad[0].isfinite().all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interpreted_scale_in_place(dtype):
+    """Nothing moves for a cotangent of 1.0; another scales in place from the scale
+    applied before (a second backward through kept residuals)."""
+    grad = torch.randn(3, 37).to(dtype)
+    original = grad.clone()
+    applied = torch.ones(())
+    assert kernels.scale_in_place(grad, applied, torch.tensor(1.0, dtype=dtype)) is grad
+    assert torch.equal(grad, original)
+    kernels.scale_in_place(grad, applied, torch.tensor(0.5, dtype=dtype))
+    assert torch.equal(grad, original * 0.5) and applied.item() == 0.5
+    kernels.scale_in_place(grad, applied, torch.tensor(-3.0, dtype=dtype))
+    torch.testing.assert_close(grad, original * -3.0, **TOL[dtype])
+    assert applied.item() == -3.0
+
+
+def _fusion(rows: int, classes: int, dtype: DataType, reduction: str, smoothing: float):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([rows, classes], dtype=dtype)
+        t = fd.define_tensor([rows], dtype=DataType.Int)
+        fd.add_output(fd.ops.cross_entropy(x, t, reduction=reduction, ignore_index=IGNORE,
+                                           label_smoothing=smoothing))
+    return fd
+
+
+@interpreted
+@pytest.mark.parametrize("cotangent", [1.0, 2.5])
+@pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interpreted_fusion_forward_and_backward(dtype, reduction, smoothing, cotangent):
+    """``fd.ops.cross_entropy`` through ``as_autograd_function``: the loss in the logits'
+    dtype, the gradient scaled by the loss's cotangent."""
+    x, t = _inputs(6, 37, dtype, seed=1)
+    function = _fusion(6, 37, DataType.from_torch(dtype), reduction,
+                       smoothing).as_autograd_function()
+    leaf = x.clone().requires_grad_()
+    (loss,) = function([leaf, t])
+    (loss * cotangent).backward()
+    ref_loss, ref_grad = _reference(x, t, reduction, smoothing, cotangent)
+    assert loss.dtype == dtype
+    torch.testing.assert_close(loss.float(), ref_loss, **TOL[dtype])
+    torch.testing.assert_close(leaf.grad, ref_grad, **TOL[dtype])
+
+
+def test_backward_keeps_the_gradient_not_the_logits():
+    """The derived backward reads one [rows, classes] residual, the forward's gradient (the
+    logits are not kept), and only scales it."""
+    bwd = meshfuse.vjp(_fusion(4, 10, DataType.BFloat16, "mean", 0.0))
+    big = [r for r in bwd.derivation.residuals
+           if r.kind == "input" or _extents(bwd.forward, r) == [4, 10]]
+    assert [r.kind for r in big] == ["output"], bwd.derivation.residuals
+    ops = [e.op.name for e in bwd.fusion.exprs if e.op is not None]
+    assert ops.count("cross_entropy_bwd") == 1 and "exp" not in ops, ops
+
+
+def _extents(forward, residual) -> list:
+    out = forward.fusion.outputs()[residual.index]
+    return [i.extent for i in out.materialized()]
+
+
+def test_symbolic_classes_and_none_reduction_are_not_fused():
+    """Where the kernel's conditions fail (a symbolic class extent, ``reduction="none"``),
+    the composite of fusion ops computes the loss."""
+    for shape, reduction in (([4, -1], "mean"), ([4, 10], "none")):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor(shape)
+            t = fd.define_tensor([4], dtype=DataType.Int)
+            fd.add_output(fd.ops.cross_entropy(x, t, reduction=reduction))
+        assert not any(e.op.name == "cross_entropy_fwd" for e in fd.fusion.exprs)
