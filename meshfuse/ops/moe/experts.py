@@ -18,8 +18,8 @@ Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
 parallelism); the counts' expert axis follows the weights' and reduces over the tokens
 (tokens sharded: partial counts); ``saved``'s tokens follow ``x``'s, its slots ``indices``'
-and its ``F`` the weights' (sharded ffn: each rank saves its part). The hidden axes, ``K`` and, unless expert parallelism runs
-the op, the experts are needed whole.
+and its ``F`` the weights' (sharded ffn: each rank saves its part). The hidden axes, ``K``
+and, unless expert parallelism runs the op, the experts are needed whole.
 
 Expert parallelism: where the weights' expert axis is block-sharded over a mesh axis that
 also shards the tokens, the op runs expert-parallel (:func:`expert_parallel`): each rank
