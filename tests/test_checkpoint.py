@@ -140,7 +140,31 @@ def _unchanged(model, opt, snapshot) -> None:
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p, q)
     for p, state in zip(model.parameters(), states):
+        assert opt.state[p].keys() == state.keys()
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
+def _refused(path: str, model, opt, message: str, **options) -> None:
+    """``load`` raises a CheckpointError matching ``message`` (on this rank: every rank
+    runs it) and leaves ``model`` and ``opt`` as they were."""
+    before = _snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(path, model, opt, **options)
+    _unchanged(model, opt, before)
+
+
+def _on_rank0(change) -> None:
+    """``change()`` on rank 0 only (a file every rank reads), between barriers."""
+    _barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        change()
+    _barrier()
+
+
+def _trained(kind: str, world: int, **sizes):
+    model, opt, step = build(kind, world, **sizes)
+    step(0)
+    return model, opt
 
 
 @pytest.mark.mpi
@@ -149,40 +173,105 @@ def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(multidevice_test
     kind = "tp" if world > 1 else "one"
     model, opt, step = build(kind, world)
     step(0)
-    path = _shared_dir(multidevice_test)
+    path, weights = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
     checkpoint.save(path, model, opt)
-    target, target_opt, target_step = build(kind, world)
-    target_step(0)
-    before = _snapshot(target, target_opt)
+    checkpoint.save(weights, model)  # no optimizer
+    target, target_opt = _trained(kind, world)
     cases = [
-        (build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
-        (build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
-        (build(kind, world, embed=E + 1)[:2],
+        (_trained(kind, world, layers=1), "holds 6 tensors the model lacks \\(1_b1"),
+        (_trained(kind, world, layers=3), "lacks 6 of the model's tensors \\(2_b1"),
+        (_trained(kind, world, embed=E + 1),
          "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
-        (build(kind, world, dtype=torch.float64)[:2],
+        (_trained(kind, world, dtype=torch.float64),
          "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
     ]
     for (m, o), message in cases:
-        with pytest.raises(CheckpointError, match=message):
-            checkpoint.load(path, m, o)
-    with pytest.raises(CheckpointError, match="no checkpoint at"):
-        checkpoint.load(os.path.join(path, "nowhere"), target, target_opt)
-    _barrier()
-    if multidevice_test.rank == 0:  # truncate the data rank 0 wrote
-        data = os.path.join(path, "__0_0.distcp")
-        os.truncate(data, os.path.getsize(data) // 2)
-    _barrier()
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        checkpoint.load(path, target, target_opt)
-    _unchanged(target, target_opt, before)
-    _barrier()
-    if multidevice_test.rank == 0:
-        with open(os.path.join(path, ".metadata"), "r+b") as f:
-            f.truncate(40)
-    _barrier()
-    with pytest.raises(CheckpointError, match="metadata of checkpoint .* cannot be read"):
-        checkpoint.load(path, target, target_opt)
-    _unchanged(target, target_opt, before)
+        _refused(path, m, o, message)
+    _refused(weights, target, target_opt, "holds no optimizer state")
+    _refused(os.path.join(path, "nowhere"), target, target_opt, "no checkpoint at")
+    data = os.path.join(path, "__0_0.distcp")
+    size = os.path.getsize(data)
+    with open(data, "rb") as f:
+        original = f.read()
+
+    def overwrite(content: bytes):
+        def change():
+            with open(data, "wb") as f:
+                f.write(content)
+        return change
+    # the first item's bytes garbled: only DCP's read (torch.load of the item) finds it
+    _on_rank0(overwrite(b"\0" * 64 + original[64:]))
+    _refused(path, target, target_opt, "reading checkpoint .* failed .* truncated or corrupt")
+    _on_rank0(overwrite(original[:size // 2]))  # a save cut short: found from the metadata
+    _refused(path, target, target_opt, "is truncated: __0_0.distcp has \\d+ bytes but .* ends")
+    _on_rank0(lambda: os.remove(data))
+    _refused(path, target, target_opt, "lacks its data file __0_0.distcp")
+    _on_rank0(overwrite(original))
+    checkpoint.load(path, target, target_opt)  # whole again: it loads
+    _on_rank0(lambda: os.truncate(os.path.join(path, ".metadata"), 40))
+    _refused(path, target, target_opt, "metadata of checkpoint .* cannot be read")
+
+
+def _by_name(model, opt) -> dict[str, tuple]:
+    return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for n, p in model.named_parameters()}
+
+
+def _holds(model, opt, values: dict[str, tuple], names=None) -> None:
+    """``model``'s parameters named ``names`` (default: all of ``values``) and their
+    optimizer state are ``values``'."""
+    params = dict(model.named_parameters())
+    for name in values if names is None else names:
+        p, (value, state) = params[name], values[name]
+        assert torch.equal(p, value), name
+        assert opt.state[p].keys() == state.keys(), name
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items()), name
+
+
+@pytest.mark.mpi
+def test_partial_loads(multidevice_test):
+    """The weights without the optimizer, a subset of the tensors (``only``), a model with
+    tensors the checkpoint lacks (``allow_partial``) or without some it holds
+    (``strict=False``): what is loaded equals the saved values, the rest keeps its own."""
+    world = multidevice_test.size
+    kind = "tp" if world > 1 else "one"
+    model, opt = _trained(kind, world)
+    path, weights = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
+    checkpoint.save(path, model, opt)
+    checkpoint.save(weights, model)
+    saved = _by_name(model, opt)
+
+    def fresh(layers: int = 2):
+        m, o, s = build(kind, world, layers=layers)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(0.5)
+        s(1)  # an optimizer state of its own
+        return m, o, _by_name(m, o)
+
+    def mixed(loaded: dict, own: dict) -> dict:  # the loaded weights, the own optimizer
+        return {n: (loaded[n][0], own[n][1]) for n in loaded}
+
+    m, o, own = fresh()
+    checkpoint.load(weights, m)  # the weights only: the optimizer untouched
+    _holds(m, o, mixed(saved, own))
+    m, o, own = fresh()
+    checkpoint.load(weights, m, o, allow_partial=True)
+    _holds(m, o, mixed(saved, own))
+    m, o, own = fresh()
+    only = ["1_w1", "0_ln_b"]
+    checkpoint.load(path, m, o, only=only)
+    _holds(m, o, saved, only)
+    _holds(m, o, own, [n for n in own if n not in only])
+    _refused(path, m, o, "only= names 9_w1, which the model lacks", only=["9_w1"])
+    deeper, deeper_opt, own = fresh(layers=3)
+    _refused(path, deeper, deeper_opt, "lacks 6 of the model's tensors")
+    checkpoint.load(path, deeper, deeper_opt, allow_partial=True)
+    _holds(deeper, deeper_opt, saved)  # layers 0 and 1
+    _holds(deeper, deeper_opt, own, [n for n in own if n.startswith("2_")])
+    shallow, shallow_opt, _ = fresh(layers=1)
+    checkpoint.load(path, shallow, shallow_opt, strict=False)  # the saved layer 1 left out
+    _holds(shallow, shallow_opt, saved, [n for n in saved if n.startswith("0_")])
 
 
 class _TorchStack(torch.nn.Module):
