@@ -2,10 +2,12 @@
 (tests/checkpoint_layouts.py) trained 5 AdamW steps under one layout, saved, and resumed
 under every layout the world size allows (one device, tensor parallel blocks or cyclic, FSDP
 with uneven shards, FSDP x TP 2x2): the next 5 steps' losses equal the uninterrupted run
-bitwise under the same layout, within 1e-6 relative under another. The bytes each rank
-writes and reads are those of the shards it holds (replicas written once, read once per
-host); bad checkpoints raise CheckpointError on every rank with the model and optimizer
-unchanged. Moving a checkpoint between world sizes: tests/test_checkpoint_sizes.py."""
+bitwise under the same layout, the next 3 within 1e-6 relative under each other one. The
+bytes each rank writes and reads are those of the shards it holds (replicas written once,
+read once per host); bad checkpoints raise CheckpointError on every rank with the model and
+optimizer unchanged; partial loads. Moving a checkpoint between world sizes:
+tests/test_checkpoint_sizes.py; into torchtitan-style DTensor modules and back:
+tests/test_checkpoint_interop.py; random layouts: tests/test_fuzz_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -16,11 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from checkpoint_layouts import FFN, LR, B, E, build
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint import save as dcp_save
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
@@ -29,15 +26,12 @@ from meshfuse.checkpoint.chunks import chunks_of
 from meshfuse.errors import CheckpointError
 from meshfuse.examples.llama import LlamaConfig, LlamaModel
 from meshfuse.examples.llama import init_parameters as llama_parameters
-from meshfuse.examples.mlp_stack import TP_AXIS
 from meshfuse.examples.train_fsdp import parse_args as fsdp_args
 from meshfuse.examples.train_fsdp import train as train_fsdp
 from meshfuse.runtime.comm.collectives import record_communications
-from meshfuse.sharding import shard_tensor
 
 # Tests that need no more than one or two world sizes to prove their point skip the others
-# (the interop of DTensor layouts: an uneven and a 2-D one; Hugging Face: an uneven tensor
-# parallel split); tests/test_checkpoint_sizes.py moves checkpoints between world sizes.
+# (Hugging Face: an uneven tensor parallel split); tests/test_checkpoint_sizes.py moves checkpoints between world sizes.
 FIRST = {1: "one", 2: "tp", 3: "fsdp", 4: "dp2tp2"}  # the layout each world trains first
 
 
@@ -272,55 +266,6 @@ def test_partial_loads(multidevice_test):
     shallow, shallow_opt, _ = fresh(layers=1)
     checkpoint.load(path, shallow, shallow_opt, strict=False)  # the saved layer 1 left out
     _holds(shallow, shallow_opt, saved, [n for n in saved if n.startswith("0_")])
-
-
-class _TorchStack(torch.nn.Module):
-    """The stack's parameters as a plain module, named as the checkpoint names them."""
-
-    def __init__(self, values: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        for name, value in values.items():
-            self.register_parameter(name, torch.nn.Parameter(value.clone()))
-
-
-def _global(path: str, world: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights, read whole by every rank (the one-device layout)."""
-    model, _, _ = build("one", world)
-    checkpoint.load(path, model)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@pytest.mark.mpi
-def test_loads_into_dtensor_modules_and_back(multidevice_test):
-    """meshfuse -> ``fully_shard`` (FSDP2) and a module of DTensors laid out as
-    ``parallelize_module`` lays them (column/row parallel), and back, values equal: at 3
-    ranks (uneven shards, FSDP) and 4 (FSDP x TP into 1-D DTensor layouts)."""
-
-    world = multidevice_test.size
-    if world not in (3, 4):
-        pytest.skip("the uneven (3 ranks) and the 2-D (4 ranks) layouts prove it")
-    model, opt, step = build(FIRST[world], world)
-    step(0)
-    path = _shared_dir(multidevice_test)
-    checkpoint.save(path, model, opt)
-    saved = _global(path, world)
-    tmesh = init_device_mesh("cpu", (world,))
-    fsdp = _TorchStack({n: torch.zeros_like(v) for n, v in saved.items()})
-    fully_shard(fsdp, mesh=tmesh)
-    dcp_load(fsdp.state_dict(), checkpoint_id=path)
-    for name, p in fsdp.named_parameters():
-        assert torch.equal(p.full_tensor(), saved[name]), name
-    tp = _TorchStack({n: 2 * v for n, v in saved.items()})
-    for name, p in tp.named_parameters():
-        axis = TP_AXIS.get(name.split("_", 1)[1])
-        placement = Replicate() if axis is None else Shard(axis)
-        setattr(tp, name, torch.nn.Parameter(distribute_tensor(p.detach(), tmesh, [placement])))
-    other = _shared_dir(multidevice_test)
-    dcp_save(tp.state_dict(), checkpoint_id=other)
-    checkpoint.load(other, model)
-    for name, tv in model.parameter_tensors().items():
-        expected = shard_tensor(2 * saved[name], tv)
-        assert torch.equal(getattr(model, name).detach(), expected), name
 
 
 @pytest.mark.mpi
