@@ -31,11 +31,11 @@ from meshfuse.checkpoint.restore import (
 )
 from meshfuse.checkpoint.state import (
     EXTRA,
-    GROUPS,
     RNG,
     model_values,
     optimizer_values,
     rng_state,
+    saved_groups,
     set_rng_state,
 )
 from meshfuse.errors import CheckpointError
@@ -215,7 +215,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
             staged[key] = None
     _read(path, reader, staged, process_group)
     if optimizer is not None:  # every rank read the same groups: they decide alike
-        check_groups(path, model, optimizer, chosen, staged.get(GROUPS), allow_partial)
+        check_groups(path, model, optimizer, chosen, saved_groups(staged),
+                     allow_partial)
     apply_model(chosen, staged)
     if optimizer is not None:
         apply_optimizer(model, optimizer, chosen, staged)

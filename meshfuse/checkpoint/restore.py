@@ -17,10 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from meshfuse.checkpoint.chunks import ShardedValue, whole
 from meshfuse.checkpoint.state import (
-    GROUPS,
     OPTIMIZER,
     RESERVED,
+    is_group_entry,
     parameter_names,
+    saved_groups,
 )
 from meshfuse.errors import CheckpointError
 
@@ -53,8 +54,9 @@ def staging(params: dict[str, ShardedValue], metadata: Metadata,
                 param.local.shape, dtype=md.properties.dtype, device=param.local.device))
         else:
             staged[key] = whole(torch.empty(md.size, dtype=md.properties.dtype))
-    if GROUPS in metadata.state_dict_metadata:
-        staged[GROUPS] = None
+    for key in metadata.state_dict_metadata:
+        if is_group_entry(key):
+            staged[key] = None
     return staged
 
 
@@ -98,7 +100,7 @@ def check(path: str, metadata: Metadata, params: dict[str, ShardedValue], strict
 def check_optimizer(path: str, metadata: Metadata, allow_partial: bool) -> None:
     """Raises a :class:`CheckpointError` where an optimizer is to be loaded from a checkpoint
     saved without one (unless ``allow_partial``)."""
-    if GROUPS not in metadata.state_dict_metadata and not allow_partial:
+    if not any(map(is_group_entry, metadata.state_dict_metadata)) and not allow_partial:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state (it was saved without an optimizer):"
             " pass optimizer=None to load the model only, or allow_partial=True to keep the "
@@ -168,7 +170,7 @@ def apply_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     names = parameter_names(model)
     params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]
               if names.get(id(p)) in chosen}
-    groups = staged.get(GROUPS)
+    groups = saved_groups(staged)
     saved = {name for group in groups or () for name in group["params"]}
     stateful = {key[len(OPTIMIZER):].rsplit(".", 1)[0] for key in staged
                 if key.startswith(OPTIMIZER)}
