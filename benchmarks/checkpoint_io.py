@@ -4,14 +4,17 @@ same tensors in the same run, and the training stall of ``async_save``.
 
 ::
 
-    python -m benchmarks.checkpoint_io --out DIR            # 1.07B parameters (H200: ~3 min)
-    python -m benchmarks.checkpoint_io --quick --out DIR    # tiny, runs on CPU
+    python -m benchmarks.checkpoint_io --out DIR --dir CKPT   # 1.07B parameters, one GPU
+    python -m benchmarks.checkpoint_io --quick --out DIR     # tiny, runs on CPU
+
+``CKPT`` (made if missing) holds up to ~26 GB of checkpoints at once at the default size;
+put it on a disk (the record names its file system: on tmpfs the "disk" is memory).
 
 The model is :class:`~meshfuse.examples.mlp_stack.MlpStack` as one ``FusionModule``
 (``--layers`` blocks of ``--embed`` x ``--ffn``: 8 x 4096 x 16384 = 1.07B parameters, float32),
 trained one AdamW step so the optimizer holds its moments (3 x 4.3 GB with the parameters).
-For each of ``--repeats`` rounds, in one run and one directory (``--dir``, default a temporary
-one):
+For each of ``--repeats`` rounds, in one run and one directory (a fresh one under ``--dir``,
+default the system's temporary directory, removed at the end):
 
 - ``meshfuse save`` (DCP file storage, fsync'd, ``--threads`` writer threads) and ``load``
   (checked, staged, copied into the parameters and the optimizer);
