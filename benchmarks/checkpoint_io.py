@@ -4,14 +4,17 @@ same tensors in the same run, and the training stall of ``async_save``.
 
 ::
 
-    python -m benchmarks.checkpoint_io --out DIR            # 1.07B parameters (H200: ~3 min)
-    python -m benchmarks.checkpoint_io --quick --out DIR    # tiny, runs on CPU
+    python -m benchmarks.checkpoint_io --out DIR --dir CKPT   # 1.07B parameters, one GPU
+    python -m benchmarks.checkpoint_io --quick --out DIR     # tiny, runs on CPU
+
+``CKPT`` (made if missing) holds up to ~26 GB of checkpoints at once at the default size;
+put it on a disk (the record names its file system: on tmpfs the "disk" is memory).
 
 The model is :class:`~meshfuse.examples.mlp_stack.MlpStack` as one ``FusionModule``
 (``--layers`` blocks of ``--embed`` x ``--ffn``: 8 x 4096 x 16384 = 1.07B parameters, float32),
 trained one AdamW step so the optimizer holds its moments (3 x 4.3 GB with the parameters).
-For each of ``--repeats`` rounds, in one run and one directory (``--dir``, default a temporary
-one):
+For each of ``--repeats`` rounds, in one run and one directory (a fresh one under ``--dir``,
+default the system's temporary directory, removed at the end):
 
 - ``meshfuse save`` (DCP file storage, fsync'd, ``--threads`` writer threads) and ``load``
   (checked, staged, copied into the parameters and the optimizer);
@@ -164,31 +167,60 @@ def stall(model, opt, step, directory: str, steps: int, threads: int) -> dict[st
     return out
 
 
+def _filesystem(directory: str) -> str:
+    """The type of the file system ``directory`` is on (tmpfs: the "disk" is memory)."""
+    path, best = os.path.realpath(directory), ("", "unknown")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mount, kind, *_ = line.split()
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and \
+                        len(mount) > len(best[0]):
+                    best = (mount, kind)
+    except OSError:
+        pass
+    return best[1]
+
+
 def _table(record: dict) -> str:
     gb = record["tensor_bytes"] / GB
     rows = ["| operation | seconds (median) | GB/s |", "|---|---|---|"]
     for name in ("meshfuse_save", "torch_save", "meshfuse_load", "torch_load"):
-        s = record["median_seconds"][name]
-        rows.append(f"| {name.replace('_', ' ')} | {s:.2f} | {gb / s:.2f} |")
-    st = record["async"]
+        s = record.get("median_seconds", {}).get(name)
+        if s is not None:
+            rows.append(f"| {name.replace('_', ' ')} | {s:.3g} | {gb / s:.3g} |")
+    st = record.get("async", {})
     return "\n".join([
         f"# Checkpoint I/O, {record['device']}", "",
-        (f"{record['parameters'] / 1e9:.2f}B parameters + AdamW state = {gb:.1f} GB of "
-        f"tensors; writer threads {record['threads']}; page cache dropped before loads: "
-        f"{record['cache_dropped']}."), "", *rows, "",
-        *(f"async_save ({run} host copies): the call blocks {st[run + '_call_seconds']:.2f} s "
+        (f"{record['parameters'] / 1e9:.3g}B parameters + AdamW state = {gb:.3g} GB of "
+         f"tensors; writer threads {record['threads']}; checkpoints on {record['filesystem']}"
+         f"; page cache dropped before loads: {record.get('cache_dropped')}."), "", *rows, "",
+        *(f"async_save ({run} host copies): the call blocks {st[run + '_call_seconds']:.3g} s "
           f"(copy to pinned host memory); the {record['steps']} steps around it take "
-          f"{st[run + '_steps_slowdown_seconds']:+.2f} s more than alone (step "
-          f"{st['step_seconds'] * 1e3:.1f} ms); waiting for the files afterwards "
-          f"{st[run + '_wait_after_steps_seconds']:.2f} s." for run in ("first", "reused")),
+          f"{st[run + '_steps_slowdown_seconds']:+.3g} s more than alone (step "
+          f"{st['step_seconds'] * 1e3:.3g} ms); waiting for the files afterwards "
+          f"{st[run + '_wait_after_steps_seconds']:.3g} s." for run in ("first", "reused")
+          if run + "_call_seconds" in st),
         ""])
 
 
-def main(argv=None) -> int:
+def _write(record: dict, out: str) -> str:
+    """Writes ``record`` (as far as it got) to ``out``; its markdown table."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    text = _table(record)
+    with open(os.path.join(out, "checkpoint_io.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def _arguments(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint_io",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--dir", default=None, help="where checkpoints are written (default: tmp)")
+    p.add_argument("--dir", default=None, help="where checkpoints are written (made if "
+                   "missing; default: the system's temporary directory)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--embed", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)
@@ -200,34 +232,38 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.embed, args.ffn, args.repeats, args.steps = 2, 64, 128, 1, 4
+    return args
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, opt, step = build(args, device)
     state = tensors_of(model, opt)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)  # a fresh machine: the directory may not exist
     directory = tempfile.mkdtemp(prefix="meshfuse-ckpt-bench-", dir=args.dir)
-    try:
-        rounds = [one_round(model, opt, directory, args.threads, device)
-                  for _ in range(args.repeats)]
-        async_record = stall(model, opt, step, directory, args.steps, args.threads)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     names = ("meshfuse_save", "torch_save", "meshfuse_load", "torch_load")
     record = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "args": vars(args),
         "parameters": sum(p.numel() for p in model.parameters()),
         "tensor_bytes": sum(t.numel() * t.element_size() for t in state.values()),
-        "threads": args.threads, "steps": args.steps, "rounds": rounds,
-        "cache_dropped": all(r["cache_dropped"] for r in rounds),
-        "median_seconds": {n: statistics.median(r[n] for r in rounds) for n in names},
-        "async": async_record,
+        "threads": args.threads, "steps": args.steps, "filesystem": _filesystem(directory),
+        "rounds": [],
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "checkpoint_io.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    text = _table(record)
-    with open(os.path.join(args.out, "checkpoint_io.md"), "w") as f:
-        f.write(text)
-    print(text)
+    del state
+    try:  # the record is written after each part, so a run cut short keeps what it measured
+        for _ in range(args.repeats):
+            record["rounds"].append(one_round(model, opt, directory, args.threads, device))
+            record["cache_dropped"] = all(r["cache_dropped"] for r in record["rounds"])
+            record["median_seconds"] = {n: statistics.median(r[n] for r in record["rounds"])
+                                        for n in names}
+            _write(record, args.out)
+        record["async"] = stall(model, opt, step, directory, args.steps, args.threads)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    print(_write(record, args.out))
     return 0
 
 

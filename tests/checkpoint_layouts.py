@@ -14,13 +14,14 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 
 from meshfuse import DeviceMesh
 from meshfuse.autodiff.fsdp_module import FullyShardedModule
 from meshfuse.autodiff.module import FusionModule
 from meshfuse.checkpoint.training import add_arguments, resume, save_at
 from meshfuse.dtypes import DataType
-from meshfuse.examples.mlp_stack import TP_AXIS, MlpStack, block_shapes, init_parameters
+from meshfuse.examples.mlp_stack import EPS, TP_AXIS, MlpStack, block_shapes, init_parameters
 from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.sharding import shard_tensor
@@ -73,14 +74,71 @@ def build(kind: str, world: int, layers: int = LAYERS, dtype=torch.float32, embe
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(i: int) -> float:
-        gen = torch.Generator().manual_seed(100 + i)
-        x, target = (torch.randn(B, embed, generator=gen).to(dtype) for _ in range(2))
+        x, target = batch(i, dtype, embed)
         opt.zero_grad()
         loss = model(shard(fd.x, x), shard(fd.target, target))
         loss.backward()
         opt.step()
         return loss.item()
     return model, opt, step
+
+
+# The stack as torchtitan writes a model: a module per block, named as PyTorch names them.
+TORCH_NAMES = {"ln_w": "norm.weight", "ln_b": "norm.bias", "w1": "fc1.weight",
+               "b1": "fc1.bias", "w2": "fc2.weight", "b2": "fc2.bias"}
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, embed: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(embed, eps=EPS)
+        self.fc1 = torch.nn.Linear(embed, ffn)
+        self.fc2 = torch.nn.Linear(ffn, embed)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(F.gelu(self.fc1(self.norm(h))))
+
+
+class TorchStack(torch.nn.Module):
+    """:class:`MlpStack` in plain PyTorch (``layers.K.fc1.weight``...), the module that
+    ``fully_shard`` and ``parallelize_module`` lay out."""
+
+    def __init__(self, layers: int = LAYERS, embed: int = E, ffn: int = FFN) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(TorchBlock(embed, ffn) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return ((h - target) ** 2).mean()
+
+
+def torch_name(name: str) -> str:
+    """The :class:`TorchStack` name of an :class:`MlpStack` parameter (``1_w1``)."""
+    layer, kind = name.split("_", 1)
+    return f"layers.{layer}.{TORCH_NAMES[kind]}"
+
+
+class TorchNamed(torch.nn.Module):
+    """A meshfuse model whose checkpoints name its parameters as :class:`TorchStack` does
+    (through ``checkpoint_names``)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        return {f"inner.{n}": torch_name(n) for n in self.inner.state_dict()}
+
+
+def batch(i: int, dtype=torch.float32, embed: int = E) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i``'s global input and target."""
+    gen = torch.Generator().manual_seed(100 + i)
+    return tuple(torch.randn(B, embed, generator=gen).to(dtype) for _ in range(2))
 
 
 def main(argv: list[str]) -> int:

@@ -100,3 +100,19 @@ def test_dropout_cost_compares_each_kernel_with_itself():
     assert cost["target_1.3x"].startswith("not reachable: the cuDNN kernel alone costs 1.53x")
     assert "each kernel against itself: GPU cudnn 1.53x, flash 1.10x, meshfuse flash 1.10x" in (
         cost_summary(cost))
+
+
+def test_checkpoint_io_benchmark_runs_on_the_cpu(tmp_path):
+    """``benchmarks/checkpoint_io.py --quick`` end to end, into a ``--dir`` that does not
+    exist yet (a fresh GPU machine's): every time and GB/s recorded, nothing left behind."""
+    from benchmarks import checkpoint_io
+
+    where = tmp_path / "not" / "there"
+    assert checkpoint_io.main(["--quick", "--out", str(tmp_path), "--dir", str(where)]) == 0
+    report = json.loads((tmp_path / "checkpoint_io.json").read_text())
+    assert set(report["median_seconds"]) == {"meshfuse_save", "torch_save", "meshfuse_load",
+                                            "torch_load"}
+    assert all(s > 0 for s in report["median_seconds"].values())
+    assert report["async"]["first_call_seconds"] > 0 and report["tensor_bytes"] > 0
+    assert "| meshfuse load |" in (tmp_path / "checkpoint_io.md").read_text()
+    assert list(where.iterdir()) == []  # the checkpoints are removed

@@ -2,13 +2,17 @@
 (tests/checkpoint_layouts.py) trained 5 AdamW steps under one layout, saved, and resumed
 under every layout the world size allows (one device, tensor parallel blocks or cyclic, FSDP
 with uneven shards, FSDP x TP 2x2): the next 5 steps' losses equal the uninterrupted run
-bitwise under the same layout, within 1e-6 relative under another. The bytes each rank
-writes and reads are those of the shards it holds (replicas written once, read once per
-host); bad checkpoints raise CheckpointError on every rank with the model and optimizer
-unchanged. Moving a checkpoint between world sizes: tests/test_checkpoint_sizes.py."""
+bitwise under the same layout, the next 3 within 1e-6 relative under each other one. The
+bytes each rank writes and reads are those of the shards it holds (replicas written once,
+read once per host); bad checkpoints raise CheckpointError on every rank with the model and
+optimizer unchanged; partial loads. Moving a checkpoint between world sizes:
+tests/test_checkpoint_sizes.py; into torchtitan-style DTensor modules and back:
+tests/test_checkpoint_interop.py; random layouts: tests/test_fuzz_checkpoint.py."""
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import tempfile
 
@@ -16,11 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from checkpoint_layouts import FFN, LR, B, E, build
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint import save as dcp_save
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
@@ -29,15 +28,12 @@ from meshfuse.checkpoint.chunks import chunks_of
 from meshfuse.errors import CheckpointError
 from meshfuse.examples.llama import LlamaConfig, LlamaModel
 from meshfuse.examples.llama import init_parameters as llama_parameters
-from meshfuse.examples.mlp_stack import TP_AXIS
 from meshfuse.examples.train_fsdp import parse_args as fsdp_args
 from meshfuse.examples.train_fsdp import train as train_fsdp
 from meshfuse.runtime.comm.collectives import record_communications
-from meshfuse.sharding import shard_tensor
 
 # Tests that need no more than one or two world sizes to prove their point skip the others
-# (the interop of DTensor layouts: an uneven and a 2-D one; Hugging Face: an uneven tensor
-# parallel split); tests/test_checkpoint_sizes.py moves checkpoints between world sizes.
+# (Hugging Face: an uneven tensor parallel split); tests/test_checkpoint_sizes.py moves checkpoints between world sizes.
 FIRST = {1: "one", 2: "tp", 3: "fsdp", 4: "dp2tp2"}  # the layout each world trains first
 
 
@@ -92,6 +88,17 @@ def _held(model, opt) -> int:
     return sum(v.nbytes for v in state.values() if isinstance(v, checkpoint.ShardedValue))
 
 
+def _exclusive(test, model, opt) -> int:
+    """The tensor bytes of the boxes only this rank holds (no other rank has a replica)."""
+    state = checkpoint.state_dict(model, opt)
+    mine = {(name, c.offsets, c.sizes): math.prod(c.sizes) * v.local.element_size()
+            for name, v in state.items() if isinstance(v, checkpoint.ShardedValue)
+            for c in v.chunks}
+    held = collections.Counter(box for boxes in test.communicator.allgather_object(list(mine))
+                               for box in boxes)
+    return sum(size for box, size in mine.items() if held[box] == 1)
+
+
 def _global_bytes(model, opt) -> int:
     state = checkpoint.state_dict(model, opt)
     return sum(int(torch.Size(v.shape).numel()) * v.local.element_size()
@@ -110,11 +117,13 @@ def test_bytes_written_and_read_are_the_shards_held(multidevice_test, kind):
     written = checkpoint.save(path, model, opt).bytes_written
     everyone = multidevice_test.communicator.allgather_object(written)
     assert sum(everyone) == _global_bytes(model, opt)  # every element once, replicas too
-    held = _held(model, opt)
+    held, own = _held(model, opt), _exclusive(multidevice_test, model, opt)
+    assert own <= written <= held  # its own boxes, and of the replicas some (DCP balances)
     if kind == "fsdp":  # all sharded but AdamW's scalar steps (4 bytes each, written once)
-        assert abs(written - held) <= 4 * len(list(model.parameters()))
+        assert held - own == 4 * len(list(model.parameters())) * (world > 1)
     read = checkpoint.load(path, model, opt)
-    assert read.bytes_read == read.bytes_needed <= held  # whole tensors: one rank reads
+    assert read.bytes_read == read.bytes_needed  # the same boxes: nothing read in vain
+    assert own <= read.bytes_read <= held  # whole tensors: one rank of the host reads each
     reads = multidevice_test.communicator.allgather_object(read.bytes_read)
     assert sum(reads) == sum(everyone)  # each element once (replicas once: one host here)
     first, second = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
@@ -140,7 +149,31 @@ def _unchanged(model, opt, snapshot) -> None:
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p, q)
     for p, state in zip(model.parameters(), states):
+        assert opt.state[p].keys() == state.keys()
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
+def _refused(path: str, model, opt, message: str, **options) -> None:
+    """``load`` raises a CheckpointError matching ``message`` (on this rank: every rank
+    runs it) and leaves ``model`` and ``opt`` as they were."""
+    before = _snapshot(model, opt)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(path, model, opt, **options)
+    _unchanged(model, opt, before)
+
+
+def _on_rank0(change) -> None:
+    """``change()`` on rank 0 only (a file every rank reads), between barriers."""
+    _barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        change()
+    _barrier()
+
+
+def _trained(kind: str, world: int, **sizes):
+    model, opt, step = build(kind, world, **sizes)
+    step(0)
+    return model, opt
 
 
 @pytest.mark.mpi
@@ -149,89 +182,105 @@ def test_bad_checkpoints_raise_on_every_rank_and_change_nothing(multidevice_test
     kind = "tp" if world > 1 else "one"
     model, opt, step = build(kind, world)
     step(0)
-    path = _shared_dir(multidevice_test)
+    path, weights = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
     checkpoint.save(path, model, opt)
-    target, target_opt, target_step = build(kind, world)
-    target_step(0)
-    before = _snapshot(target, target_opt)
+    checkpoint.save(weights, model)  # no optimizer
+    target, target_opt = _trained(kind, world)
     cases = [
-        (build(kind, world, layers=1)[:2], "holds 6 tensors the model lacks \\(1_b1"),
-        (build(kind, world, layers=3)[:2], "lacks 6 of the model's tensors \\(2_b1"),
-        (build(kind, world, embed=E + 1)[:2],
+        (_trained(kind, world, layers=1), "holds 6 tensors the model lacks \\(1_b1"),
+        (_trained(kind, world, layers=3), "lacks 6 of the model's tensors \\(2_b1"),
+        (_trained(kind, world, embed=E + 1),
          "0_ln_w has global shape \\[5\\] in checkpoint .* but \\[6\\]"),
-        (build(kind, world, dtype=torch.float64)[:2],
+        (_trained(kind, world, dtype=torch.float64),
          "0_ln_w is torch.float32 in checkpoint .* but torch.float64"),
     ]
     for (m, o), message in cases:
-        with pytest.raises(CheckpointError, match=message):
-            checkpoint.load(path, m, o)
-    with pytest.raises(CheckpointError, match="no checkpoint at"):
-        checkpoint.load(os.path.join(path, "nowhere"), target, target_opt)
-    _barrier()
-    if multidevice_test.rank == 0:  # truncate the data rank 0 wrote
-        data = os.path.join(path, "__0_0.distcp")
-        os.truncate(data, os.path.getsize(data) // 2)
-    _barrier()
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        checkpoint.load(path, target, target_opt)
-    _unchanged(target, target_opt, before)
-    _barrier()
-    if multidevice_test.rank == 0:
-        with open(os.path.join(path, ".metadata"), "r+b") as f:
-            f.truncate(40)
-    _barrier()
-    with pytest.raises(CheckpointError, match="metadata of checkpoint .* cannot be read"):
-        checkpoint.load(path, target, target_opt)
-    _unchanged(target, target_opt, before)
+        _refused(path, m, o, message)
+    _refused(weights, target, target_opt, "holds no optimizer state")
+    _refused(os.path.join(path, "nowhere"), target, target_opt, "no checkpoint at")
+    data = os.path.join(path, "__0_0.distcp")
+    size = os.path.getsize(data)
+    with open(data, "rb") as f:
+        original = f.read()
+
+    def overwrite(content: bytes):
+        def change():
+            with open(data, "wb") as f:
+                f.write(content)
+        return change
+    # the first item's bytes garbled: only DCP's read (torch.load of the item) finds it
+    _on_rank0(overwrite(b"\0" * 64 + original[64:]))
+    _refused(path, target, target_opt, "reading checkpoint .* failed .* truncated or corrupt")
+    _on_rank0(overwrite(original[:size // 2]))  # a save cut short: found from the metadata
+    _refused(path, target, target_opt, "is truncated: __0_0.distcp has \\d+ bytes but .* ends")
+    _on_rank0(lambda: os.remove(data))
+    _refused(path, target, target_opt, "lacks its data file __0_0.distcp")
+    _on_rank0(overwrite(original))
+    checkpoint.load(path, target, target_opt)  # whole again: it loads
+    _on_rank0(lambda: os.truncate(os.path.join(path, ".metadata"), 40))
+    _refused(path, target, target_opt, "metadata of checkpoint .* cannot be read")
 
 
-class _TorchStack(torch.nn.Module):
-    """The stack's parameters as a plain module, named as the checkpoint names them."""
-
-    def __init__(self, values: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        for name, value in values.items():
-            self.register_parameter(name, torch.nn.Parameter(value.clone()))
+def _by_name(model, opt) -> dict[str, tuple]:
+    return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for n, p in model.named_parameters()}
 
 
-def _global(path: str, world: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights, read whole by every rank (the one-device layout)."""
-    model, _, _ = build("one", world)
-    checkpoint.load(path, model)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _holds(model, opt, values: dict[str, tuple], names=None) -> None:
+    """``model``'s parameters named ``names`` (default: all of ``values``) and their
+    optimizer state are ``values``'."""
+    params = dict(model.named_parameters())
+    for name in values if names is None else names:
+        p, (value, state) = params[name], values[name]
+        assert torch.equal(p, value), name
+        assert opt.state[p].keys() == state.keys(), name
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items()), name
 
 
 @pytest.mark.mpi
-def test_loads_into_dtensor_modules_and_back(multidevice_test):
-    """meshfuse -> ``fully_shard`` (FSDP2) and a module of DTensors laid out as
-    ``parallelize_module`` lays them (column/row parallel), and back, values equal: at 3
-    ranks (uneven shards, FSDP) and 4 (FSDP x TP into 1-D DTensor layouts)."""
-
+def test_partial_loads(multidevice_test):
+    """The weights without the optimizer, a subset of the tensors (``only``), a model with
+    tensors the checkpoint lacks (``allow_partial``) or without some it holds
+    (``strict=False``): what is loaded equals the saved values, the rest keeps its own."""
     world = multidevice_test.size
-    if world not in (3, 4):
-        pytest.skip("the uneven (3 ranks) and the 2-D (4 ranks) layouts prove it")
-    model, opt, step = build(FIRST[world], world)
-    step(0)
-    path = _shared_dir(multidevice_test)
+    kind = "tp" if world > 1 else "one"
+    model, opt = _trained(kind, world)
+    path, weights = _shared_dir(multidevice_test), _shared_dir(multidevice_test)
     checkpoint.save(path, model, opt)
-    saved = _global(path, world)
-    tmesh = init_device_mesh("cpu", (world,))
-    fsdp = _TorchStack({n: torch.zeros_like(v) for n, v in saved.items()})
-    fully_shard(fsdp, mesh=tmesh)
-    dcp_load(fsdp.state_dict(), checkpoint_id=path)
-    for name, p in fsdp.named_parameters():
-        assert torch.equal(p.full_tensor(), saved[name]), name
-    tp = _TorchStack({n: 2 * v for n, v in saved.items()})
-    for name, p in tp.named_parameters():
-        axis = TP_AXIS.get(name.split("_", 1)[1])
-        placement = Replicate() if axis is None else Shard(axis)
-        setattr(tp, name, torch.nn.Parameter(distribute_tensor(p.detach(), tmesh, [placement])))
-    other = _shared_dir(multidevice_test)
-    dcp_save(tp.state_dict(), checkpoint_id=other)
-    checkpoint.load(other, model)
-    for name, tv in model.parameter_tensors().items():
-        expected = shard_tensor(2 * saved[name], tv)
-        assert torch.equal(getattr(model, name).detach(), expected), name
+    checkpoint.save(weights, model)
+    saved = _by_name(model, opt)
+
+    def fresh(layers: int = 2):
+        m, o, s = build(kind, world, layers=layers)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(0.5)
+        s(1)  # an optimizer state of its own
+        return m, o, _by_name(m, o)
+
+    def mixed(loaded: dict, own: dict) -> dict:  # the loaded weights, the own optimizer
+        return {n: (loaded[n][0], own[n][1]) for n in loaded}
+
+    m, o, own = fresh()
+    checkpoint.load(weights, m)  # the weights only: the optimizer untouched
+    _holds(m, o, mixed(saved, own))
+    m, o, own = fresh()
+    checkpoint.load(weights, m, o, allow_partial=True)
+    _holds(m, o, mixed(saved, own))
+    m, o, own = fresh()
+    only = ["1_w1", "0_ln_b"]
+    checkpoint.load(path, m, o, only=only)
+    _holds(m, o, saved, only)
+    _holds(m, o, own, [n for n in own if n not in only])
+    _refused(path, m, o, "only= names 9_w1, which the model lacks", only=["9_w1"])
+    deeper, deeper_opt, own = fresh(layers=3)
+    _refused(path, deeper, deeper_opt, "lacks 6 of the model's tensors")
+    checkpoint.load(path, deeper, deeper_opt, allow_partial=True)
+    _holds(deeper, deeper_opt, saved)  # layers 0 and 1
+    _holds(deeper, deeper_opt, own, [n for n in own if n.startswith("2_")])
+    shallow, shallow_opt, _ = fresh(layers=1)
+    checkpoint.load(path, shallow, shallow_opt, strict=False)  # the saved layer 1 left out
+    _holds(shallow, shallow_opt, saved, [n for n in saved if n.startswith("0_")])
 
 
 @pytest.mark.mpi

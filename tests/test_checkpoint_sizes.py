@@ -4,16 +4,17 @@ one after another (tests/checkpoint_jobs.py), each resumed run's losses compared
 that was never interrupted.
 
 - ``python -m meshfuse.examples.train_fsdp`` (a GPT stack, FSDP): saved at 4 ranks (dp2 x
-  tp2) after 2 steps; resumed at 2 (tp2), 3 (FSDP3, uneven shards), 1 and 8 (dp2 x cp2 x
-  tp2: context parallel attention); the 8-rank run saves again and 4 ranks resume from it.
-  Every resumed loss is within 1e-6 relative of the uninterrupted run's (the script itself
-  also checks 1e-5 against PyTorch, replaying the saved steps).
+  tp2) after 5 steps; resumed for 5 steps at 4 ranks on the same mesh (losses bitwise
+  equal), at 2 (tp2), 3 (FSDP3, uneven shards), 1 and 8 (dp2 x cp2 x tp2: context parallel
+  attention); the 8-rank run saves again and 4 ranks resume from it. Every resumed loss on
+  another mesh is within 1e-6 relative of the uninterrupted run's (the script itself also
+  checks 1e-5 against PyTorch, replaying the saved steps).
 - tests/checkpoint_layouts.py (the MLP stack of test_checkpoint.py): saved at 4 ranks (dp2 x
-  tp2), resumed cyclic at 3 ranks (uneven cycles), which saves again; 4 ranks resume from
-  the cyclic checkpoint.
+  tp2) after 5 steps, resumed for 5 cyclic at 3 ranks (uneven cycles), which saves again; 4
+  ranks resume from the cyclic checkpoint.
 
-Resuming on the same mesh and world size (bitwise) is tests/test_checkpoint.py's, in the
-ranks of one test run, as are cyclic layouts at 2 and 4 ranks.
+tests/test_checkpoint.py also resumes on the same mesh (bitwise) and under every other
+layout in the ranks of one test run, cyclic ones at 2 and 4 ranks among them.
 """
 
 from __future__ import annotations
@@ -83,21 +84,23 @@ def _close(resumed: list[float], expected: list[float], what: str) -> None:
 def test_a_checkpoint_moves_between_world_sizes(tmp_path):
     t = tmp_path
     resumed = {"dp=1,tp=2": 2, "dp=3": 3, "dp=1": 1}
-    jobs = [_fsdp(4, "dp=2,tp=2", 6, t / "whole"),
-            _fsdp(4, "dp=2,tp=2", 2, save=t / "at2"),
-            *[_fsdp(n, mesh, 4, t / mesh, resume=t / "at2") for mesh, n in resumed.items()],
-            _fsdp(8, "dp=2,cp=2,tp=2", 4, t / "cp", resume=t / "at2", save=t / "at4"),
-            _fsdp(4, "dp=2,tp=2", 6, t / "from8", resume=t / "at4"),
-            _mlp(4, "dp2tp2", 8, t / "mlp_whole.json"),
-            _mlp(4, "dp2tp2", 3, save=t / "mlp3"),
-            _mlp(3, "cyclic", 6, t / "cyclic3.json", resume=t / "mlp3", save=t / "mlp6"),
-            _mlp(4, "dp2tp2", 8, t / "mlp_back.json", resume=t / "mlp6")]
+    jobs = [_fsdp(4, "dp=2,tp=2", 12, t / "whole"),
+            _fsdp(4, "dp=2,tp=2", 5, save=t / "at5"),
+            _fsdp(4, "dp=2,tp=2", 10, t / "same", resume=t / "at5"),
+            *[_fsdp(n, mesh, 10, t / mesh, resume=t / "at5") for mesh, n in resumed.items()],
+            _fsdp(8, "dp=2,cp=2,tp=2", 10, t / "cp", resume=t / "at5", save=t / "at10"),
+            _fsdp(4, "dp=2,tp=2", 12, t / "from8", resume=t / "at10"),
+            _mlp(4, "dp2tp2", 12, t / "mlp_whole.json"),
+            _mlp(4, "dp2tp2", 5, save=t / "mlp5"),
+            _mlp(3, "cyclic", 10, t / "cyclic3.json", resume=t / "mlp5", save=t / "mlp10"),
+            _mlp(4, "dp2tp2", 12, t / "mlp_back.json", resume=t / "mlp10")]
     _run(t, jobs)
     whole = _fsdp_losses(t / "whole")
+    assert _fsdp_losses(t / "same") == whole[5:10]  # the same mesh: bitwise
     for mesh in resumed:
-        _close(_fsdp_losses(t / mesh), whole[2:4], mesh)
-    _close(_fsdp_losses(t / "cp"), whole[2:4], "dp=2,cp=2,tp=2")
-    _close(_fsdp_losses(t / "from8"), whole[4:6], "saved at 8 ranks, resumed at 4")
+        _close(_fsdp_losses(t / mesh), whole[5:10], mesh)
+    _close(_fsdp_losses(t / "cp"), whole[5:10], "dp=2,cp=2,tp=2")
+    _close(_fsdp_losses(t / "from8"), whole[10:12], "saved at 8 ranks, resumed at 4")
     mlp = _mlp_losses(t / "mlp_whole.json")
-    _close(_mlp_losses(t / "cyclic3.json"), mlp[3:6], "cyclic at 3 ranks")
-    _close(_mlp_losses(t / "mlp_back.json"), mlp[6:8], "saved cyclic at 3, resumed at 4")
+    _close(_mlp_losses(t / "cyclic3.json"), mlp[5:10], "cyclic at 3 ranks")
+    _close(_mlp_losses(t / "mlp_back.json"), mlp[10:12], "saved cyclic at 3, resumed at 4")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pickle
 import time
 from concurrent.futures import Future
 
@@ -19,15 +18,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshfuse.checkpoint.chunks import ShardedValue
+from meshfuse.checkpoint.integrity import agreed, check_files, read_metadata
 from meshfuse.checkpoint.planners import CountingReader, CountingWriter, LoadPlanner, SavePlanner
 from meshfuse.checkpoint.replicas import share, shared_reads
-from meshfuse.checkpoint.restore import apply_model, apply_optimizer, check, staging
+from meshfuse.checkpoint.restore import (
+    apply_model,
+    apply_optimizer,
+    check,
+    check_groups,
+    check_optimizer,
+    staging,
+)
 from meshfuse.checkpoint.state import (
     EXTRA,
     RNG,
     model_values,
     optimizer_values,
     rng_state,
+    saved_groups,
     set_rng_state,
 )
 from meshfuse.errors import CheckpointError
@@ -162,42 +170,64 @@ def async_save(path: str, model: torch.nn.Module,
     return AsyncSave(future, writer, time.perf_counter() - start, buffers)
 
 
-def _metadata(reader: CountingReader, path: str):
-    try:
-        return reader.read_metadata()
-    except FileNotFoundError as e:
-        raise CheckpointError(f"no checkpoint at {path} ({e.filename} is missing): give the "
-                              "directory save() wrote") from None
-    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError,
-            RuntimeError) as e:  # a truncated or corrupt metadata file: unpickling fails
-        raise CheckpointError(f"the metadata of checkpoint {path} cannot be read ({e!r}): "
-                              "the file is truncated or corrupt; save again or use an "
-                              "earlier checkpoint") from None
-
-
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         *, strict: bool = True, restore_rng: bool = True,
-         process_group=None) -> LoadResult:
+         *, strict: bool = True, allow_partial: bool = False, only=None,
+         restore_rng: bool = True, process_group=None) -> LoadResult:
     """Loads the checkpoint at ``path`` into ``model`` (and ``optimizer``), whatever mesh,
     world size and schedule it was saved under: each rank reads the saved chunks that
     overlap its shards; a tensor every rank of a host holds whole is read by one of them
     and broadcast to the others. Restores this rank's random state (the rank's own where the
     checkpoint has it, else rank 0's) unless ``restore_rng`` is False.
 
+    Args:
+        optimizer: None loads the model only (a checkpoint with or without optimizer state).
+        strict: False ignores tensors of the checkpoint that the model lacks.
+        allow_partial: True keeps the values of the model's tensors the checkpoint lacks
+            (and of the optimizer's state where the checkpoint has none for a parameter).
+        only: checkpoint names of the model's tensors to load (a name or several; see
+            ``state_dict(model)``); the others, and their optimizer state, keep their values.
+
     Raises:
         CheckpointError: on every rank, before the model or the optimizer is changed, when
-            the checkpoint lacks a tensor of the model or (``strict``) holds one the model
-            lacks, a shape or dtype differs, or a file is missing, truncated or corrupt.
+            the checkpoint lacks a tensor of the model (unless ``allow_partial``) or
+            (``strict``) holds one the model lacks, a shape or dtype differs, it holds no
+            optimizer state for ``optimizer``, or a file is missing, truncated or corrupt.
+
+    Example:
+        >>> checkpoint.load("ckpt/step100", model)      # the weights only
+        >>> checkpoint.load("ckpt/step100", model, only=["lm_head.weight"], strict=False)
     """
     reader = CountingReader(path)
-    metadata = _metadata(reader, path)
     params = model_values(model)
-    check(path, metadata, params, strict)
-    staged = staging(params, metadata, optimizer)
+
+    def prepare():
+        metadata = read_metadata(reader, path)
+        chosen = check(path, metadata, params, strict, allow_partial, only)
+        if optimizer is not None:
+            check_optimizer(path, metadata, allow_partial)
+        check_files(path, metadata)
+        return metadata, chosen
+    metadata, chosen = agreed(prepare, process_group)
+    staged = staging(chosen, metadata, optimizer)
     rng = f"{RNG}{_rank()}" if f"{RNG}{_rank()}" in metadata.state_dict_metadata else f"{RNG}0"
     for key in (EXTRA, rng):
         if key in metadata.state_dict_metadata:
             staged[key] = None
+    _read(path, reader, staged, process_group)
+    if optimizer is not None:  # every rank read the same groups: they decide alike
+        check_groups(path, model, optimizer, chosen, saved_groups(staged),
+                     allow_partial)
+    apply_model(chosen, staged)
+    if optimizer is not None:
+        apply_optimizer(model, optimizer, chosen, staged)
+    if restore_rng and staged.get(rng) is not None:
+        set_rng_state(staged[rng])
+    return LoadResult(staged.get(EXTRA), reader.bytes_read, reader.bytes_needed)
+
+
+def _read(path: str, reader: CountingReader, staged: dict[str, object], process_group) -> None:
+    """DCP reads ``staged`` (tensors every rank of a host holds whole: one rank each, then
+    broadcast in the host)."""
     shared = shared_reads(staged) if process_group is None else []
     others = {n: staged.pop(n) for n, rank in shared if rank != _rank()}
     try:
@@ -209,12 +239,6 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
                               "corrupt: save again or use an earlier checkpoint") from e
     staged.update(others)
     share(staged, shared)
-    apply_model(params, staged)
-    if optimizer is not None:
-        apply_optimizer(model, optimizer, staged)
-    if restore_rng and staged.get(rng) is not None:
-        set_rng_state(staged[rng])
-    return LoadResult(staged.get(EXTRA), reader.bytes_read, reader.bytes_needed)
 
 
 def _first(e: CheckpointException) -> str:

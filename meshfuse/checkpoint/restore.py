@@ -17,10 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from meshfuse.checkpoint.chunks import ShardedValue, whole
 from meshfuse.checkpoint.state import (
-    GROUPS,
     OPTIMIZER,
     RESERVED,
+    is_group_entry,
     parameter_names,
+    saved_groups,
 )
 from meshfuse.errors import CheckpointError
 
@@ -44,35 +45,69 @@ def staging(params: dict[str, ShardedValue], metadata: Metadata,
             continue
         name, _ = key[len(OPTIMIZER):].rsplit(".", 1)
         param = params.get(name)
-        if param is None or isinstance(md, BytesStorageMetadata):
+        if param is None:
+            continue  # a parameter not loaded (the model lacks it, or not chosen)
+        if isinstance(md, BytesStorageMetadata):
             staged[key] = None
         elif len(md.size) and tuple(md.size) == param.shape:
             staged[key] = param.with_local(torch.empty(
                 param.local.shape, dtype=md.properties.dtype, device=param.local.device))
         else:
             staged[key] = whole(torch.empty(md.size, dtype=md.properties.dtype))
-    if GROUPS in metadata.state_dict_metadata:
-        staged[GROUPS] = None
+    for key in metadata.state_dict_metadata:
+        if is_group_entry(key):
+            staged[key] = None
     return staged
 
 
-def check(path: str, metadata: Metadata, params: dict[str, ShardedValue],
-          strict: bool = True) -> None:
-    """Raises a :class:`CheckpointError` where the checkpoint at ``path`` does not fit the
-    model whose parameters are ``params``."""
+def _chosen(path: str, params: dict[str, ShardedValue], only) -> dict[str, ShardedValue]:
+    if only is None:
+        return params
+    only = [only] if isinstance(only, str) else list(only)
+    unknown = sorted(set(only) - set(params))
+    if unknown:
+        raise CheckpointError(
+            f"only= names {_listed(unknown)}, which the model lacks (loading {path}); the "
+            f"model's checkpoint names are {_listed(params)}")
+    return {name: params[name] for name in only}
+
+
+def check(path: str, metadata: Metadata, params: dict[str, ShardedValue], strict: bool = True,
+          allow_partial: bool = False, only=None) -> dict[str, ShardedValue]:
+    """The model's tensors to load from the checkpoint at ``path`` (of ``params``, those
+    named in ``only``; with ``allow_partial``, those the checkpoint holds); raises a
+    :class:`CheckpointError` where the checkpoint does not fit them."""
     saved = metadata.state_dict_metadata
+    chosen = _chosen(path, params, only)
     tensors = {k for k, md in saved.items()
                if not k.startswith(RESERVED) and not isinstance(md, BytesStorageMetadata)}
-    missing, extra = set(params) - set(saved), tensors - set(params)
-    if missing:
+    missing, extra = set(chosen) - set(saved), tensors - set(params)
+    if missing and not allow_partial:
         raise CheckpointError(
             f"checkpoint {path} lacks {len(missing)} of the model's tensors ({_listed(missing)})"
             f"; it holds {_listed(tensors)}: is it another model's? Load the checkpoint of "
-            "this architecture (or rename with the model's checkpoint_names())")
+            "this architecture (or rename with the model's checkpoint_names()), or pass "
+            "allow_partial=True to keep the values of the tensors it lacks")
     if extra and strict:
         raise CheckpointError(
             f"checkpoint {path} holds {len(extra)} tensors the model lacks ({_listed(extra)}): "
             "is it another model's? Pass strict=False to load the others and ignore these")
+    chosen = {name: value for name, value in chosen.items() if name not in missing}
+    _check_tensors(path, saved, chosen)
+    return chosen
+
+
+def check_optimizer(path: str, metadata: Metadata, allow_partial: bool) -> None:
+    """Raises a :class:`CheckpointError` where an optimizer is to be loaded from a checkpoint
+    saved without one (unless ``allow_partial``)."""
+    if not any(map(is_group_entry, metadata.state_dict_metadata)) and not allow_partial:
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state (it was saved without an optimizer):"
+            " pass optimizer=None to load the model only, or allow_partial=True to keep the "
+            "optimizer's state as it is")
+
+
+def _check_tensors(path: str, saved, params: dict[str, ShardedValue]) -> None:
     for name, value in params.items():
         md = saved[name]
         if isinstance(md, BytesStorageMetadata):
@@ -105,33 +140,65 @@ def _as_state(param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def apply_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    staged: dict[str, object]) -> None:
-    """Sets ``optimizer``'s state and hyperparameters to the staged ones."""
+def check_groups(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 chosen: dict[str, ShardedValue], groups, allow_partial: bool) -> None:
+    """Raises a :class:`CheckpointError` where the saved optimizer (its ``groups``, read with
+    the data) lacks parameters of ``optimizer`` that are loaded, or has another number of
+    parameter groups (unless ``allow_partial``)."""
+    if groups is None or allow_partial:
+        return
     names = parameter_names(model)
-    params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    saved = {name for group in groups for name in group["params"]}
+    lacking = [names[id(p)] for g in optimizer.param_groups for p in g["params"]
+               if names.get(id(p)) in chosen and names[id(p)] not in saved]
+    if lacking:
+        raise CheckpointError(
+            f"the optimizer of checkpoint {path} did not hold {_listed(lacking)}, which this "
+            "optimizer updates: pass allow_partial=True to start their state afresh")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the optimizer of checkpoint {path} has {len(groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups, or "
+            "pass allow_partial=True to keep this one's hyperparameters")
+
+
+def apply_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    chosen: dict[str, ShardedValue], staged: dict[str, object]) -> None:
+    """Sets ``optimizer``'s state of the ``chosen`` parameters and its hyperparameters to the
+    staged ones; a chosen parameter the saved optimizer held without state (not stepped
+    yet) loses its state too."""
+    names = parameter_names(model)
+    params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]
+              if names.get(id(p)) in chosen}
+    groups = saved_groups(staged)
+    saved = {name for group in groups or () for name in group["params"]}
+    stateful = {key[len(OPTIMIZER):].rsplit(".", 1)[0] for key in staged
+                if key.startswith(OPTIMIZER)}
+    for name in saved & set(params) - stateful:
+        optimizer.state.pop(params[name], None)
     for key, value in staged.items():
         if not key.startswith(OPTIMIZER):
             continue
         name, entry = key[len(OPTIMIZER):].rsplit(".", 1)
-        if name not in params:
-            continue
-        param = params[name]
-        tensor = value.local if isinstance(value, ShardedValue) else value
-        old = optimizer.state[param].get(entry)
-        if isinstance(old, DTensor):
-            old = old.to_local()
-        if isinstance(old, torch.Tensor) and isinstance(tensor, torch.Tensor) and \
-                old.shape == tensor.shape:
-            with torch.no_grad():
-                old.copy_(tensor)
-        else:
-            optimizer.state[param][entry] = _as_state(param, tensor)
-    _apply_groups(optimizer, staged.get(GROUPS))
+        if name in params:
+            _set_state(optimizer, params[name], entry, value)
+    if groups is not None and len(groups) == len(optimizer.param_groups):
+        _apply_groups(optimizer, groups)
+
+
+def _set_state(optimizer: torch.optim.Optimizer, param, entry: str, value) -> None:
+    tensor = value.local if isinstance(value, ShardedValue) else value
+    old = optimizer.state[param].get(entry)
+    if isinstance(old, DTensor):
+        old = old.to_local()
+    if isinstance(old, torch.Tensor) and isinstance(tensor, torch.Tensor) and \
+            old.shape == tensor.shape:
+        with torch.no_grad():
+            old.copy_(tensor)
+    else:
+        optimizer.state[param][entry] = _as_state(param, tensor)
 
 
 def _apply_groups(optimizer: torch.optim.Optimizer, groups) -> None:
-    if groups is None:
-        return
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -6,7 +6,10 @@ into each other's models):
 - each parameter and persistent buffer under its name (the module's fully qualified name,
   or the name ``model.checkpoint_names()`` gives it, e.g. Hugging Face's);
 - ``optimizer.state.NAME.KEY`` per optimizer state entry (AdamW's ``exp_avg`` and
-  ``exp_avg_sq``, laid out as their parameter, and ``step``), ``optimizer.param_groups``;
+  ``exp_avg_sq``, laid out as their parameter, and ``step``) and
+  ``optimizer.param_groups.G.KEY`` per hyperparameter of group ``G`` (its ``params``: the
+  parameters' names): what DCP writes for ``{"optimizer": get_optimizer_state_dict(...)}``,
+  so the optimizer state moves between meshfuse and PyTorch's DTensor models too;
 - ``rng.RANK``: the rank's torch generators (meshfuse's random ops and dropout draw their
   seeds from torch's default CPU generator, so it is the whole random state);
 - ``extra``: the caller's objects (the step, the data position).
@@ -105,20 +108,38 @@ def like_parameter(param: ShardedValue, value):
 def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      params: dict[str, ShardedValue]) -> dict[str, object]:
     """``optimizer``'s state and hyperparameters by checkpoint name."""
-    ids, values, groups = parameter_names(model), {}, []
-    for group in optimizer.param_groups:
+    ids, values = parameter_names(model), {}
+    for g, group in enumerate(optimizer.param_groups):
         missing = [i for i, p in enumerate(group["params"]) if id(p) not in ids]
         if missing:
             raise CheckpointError(f"the optimizer holds parameters {missing} of a group that "
                                   "are not the model's: pass the optimizer of this model")
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": [ids[id(p)] for p in group["params"]]})
+        for key, value in group.items():
+            values[f"{GROUPS}.{g}.{key}"] = value if key != "params" else \
+                [ids[id(p)] for p in group["params"]]
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 name = ids[id(p)]
                 values[f"{OPTIMIZER}{name}.{key}"] = like_parameter(params[name], value)
-    values[GROUPS] = groups
     return values
+
+
+def is_group_entry(key: str) -> bool:
+    """Whether ``key`` names a hyperparameter of a saved optimizer (``GROUPS.G.KEY``; or
+    ``GROUPS``, all groups as one object)."""
+    return key == GROUPS or key.startswith(GROUPS + ".")
+
+
+def saved_groups(values: dict[str, object]) -> list[dict] | None:
+    """The saved optimizer's parameter groups from the loaded ``values`` (None without)."""
+    if GROUPS in values:
+        return values[GROUPS]
+    groups: dict[int, dict] = {}
+    for key, value in values.items():
+        if key.startswith(GROUPS + "."):
+            g, entry = key[len(GROUPS) + 1:].split(".", 1)
+            groups.setdefault(int(g), {})[entry] = value
+    return [groups[g] for g in sorted(groups)] if groups else None
 
 
 def rng_state() -> dict[str, object]:
