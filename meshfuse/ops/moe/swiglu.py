@@ -58,18 +58,29 @@ def _backward_saved(saved, order, u, s):
 
 
 def _combine(rows, inverse, weights):
-    """``out[t] = sum_k weights[t, k] rows[inverse[t, k]]`` (``weights`` None: 1)."""
+    """``out[t] = sum_k weights[t, k] rows[inverse[t, k]]`` (``weights`` None: 1). The slots
+    are summed one by one (``K`` is small and fixed): a pointwise pass over ``[T, H]`` whose
+    loads run along the hidden axis; a reduction over ``K`` compiles to a strided one, about
+    8x slower on an H200."""
     acc = _acc(rows)
-    picked = rows[inverse].to(acc)
-    if weights is not None:
-        picked = picked * weights.to(acc).unsqueeze(-1)
-    return picked.sum(1).to(rows.dtype)
+    out = None
+    for k in range(inverse.shape[1]):
+        term = rows[inverse[:, k]].to(acc)
+        if weights is not None:
+            term = term * weights[:, k].to(acc).unsqueeze(-1)
+        out = term if out is None else out + term
+    return out.to(rows.dtype)
 
 
 def _combine_pair(a, b, inverse):
-    """``out[t] = sum_k a[inverse[t, k]] + b[inverse[t, k]]``."""
+    """``out[t] = sum_k a[inverse[t, k]] + b[inverse[t, k]]``, slot by slot as
+    :func:`_combine`."""
     acc = _acc(a)
-    return (a[inverse].to(acc) + b[inverse].to(acc)).sum(1).to(a.dtype)
+    out = None
+    for k in range(inverse.shape[1]):
+        term = a[inverse[:, k]].to(acc) + b[inverse[:, k]].to(acc)
+        out = term if out is None else out + term
+    return out.to(a.dtype)
 
 
 @functools.cache
