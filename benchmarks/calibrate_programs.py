@@ -37,9 +37,12 @@ ATTENTION_SHAPES = [(16, 16, 1024, 128), (4, 32, 4096, 128), (4, 16, 3072, 128),
 TINY_ATTENTION = (1, 1, 64, 64)
 # Memory-bound kernels fitted to: each kind on rows of 2048 to 24576 elements, never 8192
 # (the check's rows), 48 Mi elements each (the check's: 64 Mi). PyTorch picks a softmax's
-# kernel by the row length (registers, shared memory, or reading the row again), so a kind's
-# cost per byte is measured at rows close to any the model is asked about.
-KERNEL_ROWS = (2048, 3072, 4096, 6144, 12288, 16384, 24576)
+# kernel by the row length (torch 2.11, bf16: the row in registers, ceil(row / 1024) a thread,
+# below 10 a thread, so up to 9216; in shared memory up to about 24K; else read twice from
+# memory), so a kind's cost per byte is measured on each side of those changes and close to
+# the rows the model is asked about (7168 and 9216 run the kernel of 8192, more or fewer
+# registers a thread).
+KERNEL_ROWS = (2048, 3072, 4096, 6144, 7168, 9216, 12288, 16384, 24576)
 KERNEL_ELEMENTS = 48 << 20
 # kind: (call on x, y, weight, bias; the least bytes it moves in elements of x)
 KERNELS: dict[str, tuple[Callable, int]] = {
