@@ -4,7 +4,8 @@ then times 20 program variants the fit never saw (GEMMs, attention, pointwise an
 memory-bound kernels: :mod:`benchmarks.calibrate_programs`) and compares each with the
 model's prediction.
 
-One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200)::
+One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200,
+5 s of it warm-up; prints the seconds it took)::
 
     python -m benchmarks.calibrate --out OUT/h200.json --base meshfuse/cost/data/h200.json --check
 
@@ -425,6 +426,7 @@ def main(argv=None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    began = time.perf_counter()
     scale = 64 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
     sizes = SIZES[:2] if args.quick else SIZES if args.device == "cuda" else SIZES[:3]
     samples = measure_compute(_dtype(args), args.device, scale)
@@ -443,6 +445,8 @@ def main(argv=None) -> None:
             out.with_name(out.stem + "-check.json").write_text(json.dumps(result, indent=1))
             print_table(result, f"check: {len(result['rows'])} variants measured here "
                                 "against the calibration just fitted")
+    if rank == 0:
+        print(f"calibrate: {time.perf_counter() - began:.0f} s")
     if dist.is_initialized():
         dist.destroy_process_group()
 
