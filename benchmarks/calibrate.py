@@ -4,7 +4,8 @@ then times 20 program variants the fit never saw (GEMMs, attention, pointwise an
 memory-bound kernels: :mod:`benchmarks.calibrate_programs`) and compares each with the
 model's prediction.
 
-One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200)::
+One GPU (GEMMs, attention, memory-bound kernels; estimated at about a minute on an H200,
+5 s of it warm-up; prints the seconds it took)::
 
     python -m benchmarks.calibrate --out OUT/h200.json --base meshfuse/cost/data/h200.json --check
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import time
@@ -52,8 +54,8 @@ from benchmarks.calibrate_programs import (
     predict,
 )
 from meshfuse.cost import CostModel, load
-from meshfuse.cost.calibration import MemoryFit, from_dict
-from meshfuse.cost.fit import fit_attention, fit_gemm, kernel_factors
+from meshfuse.cost.calibration import DATA, MemoryFit, from_dict
+from meshfuse.cost.fit import fit_attention, fit_attention_blocks, fit_gemm, kernel_factors
 
 MIB = 1 << 20
 CPU_SCALE = 8  # CPU runs shapes this much smaller on each side
@@ -61,84 +63,159 @@ SIZES = [MIB * 2 ** i for i in range(0, 11, 2)]  # 1 MiB .. 1 GiB
 GPU_TILES = [(256, 128), (128, 256), (128, 128), (256, 256), (192, 192)]  # cuBLAS's (sm90)
 
 
-ITERS = {"iters": 20}  # timed calls per measurement (``--quick``: 3)
+ITERS = {"iters": 15, "passes": 2}  # timed loops per measurement and passes over a
+# family (``--quick``: 3 and 1); each program's least median over the passes is kept
+LOOP_S = 1e-3  # a timed loop of back-to-back calls lasts about this long on a GPU
+WARM_S = 3.0  # seconds of large GEMMs before any GPU measurement (clocks up, caches warm)
+
+
+def warm_up(device: str, seconds: float = WARM_S) -> None:
+    """Runs large GEMMs for ``seconds`` so that the GPU is at its working clocks before the
+    first timing: an idle GPU starts slow, and the microbenchmarks ran first (the cold
+    2026-12-03 14:32 run measured them 5-15% slower than the check run a minute later)."""
+    if device != "cuda":
+        return
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def timed(fn: Callable[[], object], device: str, iters: int | None = None,
           warmup: int = 3) -> float:
-    """The median seconds of ``fn`` (CUDA events on GPUs, wall clock on CPUs)."""
+    """The seconds of one call of ``fn``: on GPUs, loops of back-to-back calls between two
+    CUDA events (as a program queues its kernels: no host wait between them), about
+    ``LOOP_S`` long, repeated ``iters`` times, the median loop over its calls; on CPUs the
+    median wall clock of single calls. The microbenchmarks and the check are timed alike."""
     iters = min(iters or ITERS["iters"], ITERS["iters"])
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device != "cuda":
+        samples = []
+        for _ in range(iters):
             t = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+        return statistics.median(samples)
+    calls = max(1, min(100, math.ceil(LOOP_S / _loop_seconds(fn, 1))))
+    return statistics.median(_loop_seconds(fn, calls) for _ in range(iters))
 
+
+def _loop_seconds(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn`` (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def timed_all(calls: list[Callable[[], object]], device: str) -> list[float]:
+    """:func:`timed` of each call, in ``ITERS["passes"]`` passes over all of them (a slow
+    moment of the device falls on one pass of a few programs), the least of its passes."""
+    best = [float("inf")] * len(calls)
+    for _ in range(ITERS["passes"]):
+        best = [min(b, timed(fn, device)) for b, fn in zip(best, calls, strict=True)]
+    return best
 
 
 def _scaled(shape, scale: int) -> tuple[int, ...]:
     return tuple(max(x // scale, 1) for x in shape)
 
 
-def measure_gemms(dtype, device: str, scale: int, memory: MemoryFit) -> dict:
-    """The GEMM samples, the floor, and the model's parameters fitted to them."""
-    def seconds(m, n, k):
+def measure_gemms(dtype, device: str, scale: int) -> dict:
+    """The GEMM samples ``[m, n, k, s]`` and the floor (tiny GEMMs' median, us)."""
+    def call(m, n, k):
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        return timed(lambda: a @ b, device)
+        return lambda: a @ b
 
-    samples = [(*_scaled(s, scale), seconds(*_scaled(s, scale))) for s in GEMM_SHAPES]
-    floor = statistics.median(seconds(*_scaled(s, scale)) for s in TINY_GEMMS) * 1e6
-    if device == "cuda":
-        tiles, units = GPU_TILES, torch.cuda.get_device_properties(
-            torch.cuda.current_device()).multi_processor_count
-    else:
-        tiles, units = [(1, 1)], 1
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    fit = fit_gemm(samples, tiles, units, floor, memory, itemsize)
-    return {"fit": fit, "samples": samples}
+    shapes = [_scaled(s, scale) for s in GEMM_SHAPES + TINY_GEMMS]
+    times = timed_all([call(*shape) for shape in shapes], device)
+    samples = [(*shape, t) for shape, t in zip(shapes, times, strict=True)][:len(GEMM_SHAPES)]
+    floor = statistics.median(times[len(GEMM_SHAPES):]) * 1e6
+    return {"samples": samples, "floor_us": floor}
 
 
 def measure_attention(dtype, device: str, scale: int) -> dict:
-    """The causal attention samples, the floor, and the fitted parameters."""
-    def seconds(b, h, s, d):
+    """The causal attention samples ``[b, h, s, d, s]`` and the floor (us)."""
+    def call(b, h, s, d):
         q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for _ in range(3))
-        return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     shapes = [(b, h, max(s // scale, 16), d) for b, h, s, d in ATTENTION_SHAPES]
-    samples = [(*shape, seconds(*shape)) for shape in shapes]
-    floor = seconds(*TINY_ATTENTION) * 1e6
-    return {"fit": fit_attention(samples, floor), "samples": samples}
+    times = timed_all([call(*shape) for shape in shapes + [TINY_ATTENTION]], device)
+    samples = [(*shape, t) for shape, t in zip(shapes, times, strict=False)]
+    return {"samples": samples, "floor_us": times[-1] * 1e6}
 
 
 def measure_memory(dtype, device: str, scale: int) -> dict:
-    """A copy's bandwidth, a tiny kernel's floor, and each kernel kind's factor per row."""
+    """A copy's bandwidth, a tiny kernel's floor, and each kernel kind's samples
+    ``[kind, row, least bytes, s]``."""
     x = torch.empty(256 * MIB // 2 // scale, dtype=dtype, device=device)
     gb_per_s = 2 * x.numel() * x.element_size() / timed(lambda: x.mul(2.0), device) / 1e9
     tiny = torch.ones(8, device=device)
-    floor = timed(lambda: tiny.add(1.0), device, iters=50) * 1e6
-    samples = []
+    floor = timed(lambda: tiny.add(1.0), device) * 1e6
+    programs, runs = [], []
     for cols in KERNEL_ROWS:
         x = torch.randn(max(KERNEL_ELEMENTS // cols // scale, 1), cols, dtype=dtype,
                         device=device)
         y, w = torch.randn_like(x), torch.ones(cols, dtype=dtype, device=device)
         for kind, (call, elements) in KERNELS.items():
-            nbytes = elements * x.numel() * x.element_size()
-            run = (lambda c=call, x=x, y=y, w=w: c(x, y, w))
-            samples.append((kind, cols, nbytes, timed(run, device)))
-    fit = MemoryFit(gb_per_s, floor, kernel_factors(samples, gb_per_s))
-    return {"fit": fit, "samples": samples}
+            programs.append((kind, cols, elements * x.numel() * x.element_size()))
+            runs.append(lambda c=call, x=x, y=y, w=w: c(x, y, w))
+    samples = [(*program, t) for program, t in
+               zip(programs, timed_all(runs, device), strict=True)]
+    return {"samples": samples, "floor_us": floor, "gb_per_s": gb_per_s}
+
+
+def measure_compute(dtype, device: str, scale: int) -> dict:
+    """The microbenchmarks' samples (what ``OUT/…-samples.json`` holds; :func:`fit_compute`
+    fits them), measured on a GPU warmed up first."""
+    warm_up(device)
+    memory = measure_memory(dtype, device, scale)
+    warm_up(device, 1.0)
+    gemm = measure_gemms(dtype, device, scale)
+    attention = measure_attention(dtype, device, scale)
+    units = torch.cuda.get_device_properties(torch.cuda.current_device()
+                                             ).multi_processor_count if device == "cuda" else 1
+    return {"gemm [m, n, k, s]": gemm["samples"],
+            "attention [b, h, s, d, s]": attention["samples"],
+            "memory [kind, row, least bytes, s]": memory["samples"],
+            "memory_gb_per_s": memory["gb_per_s"],
+            "floors_us": {"gemm": gemm["floor_us"], "attention": attention["floor_us"],
+                          "memory": memory["floor_us"]},
+            "device": device, "units": units,
+            "itemsize": torch.empty(0, dtype=dtype).element_size(),
+            "timing": "CUDA events over loops of back-to-back calls, after a warm-up"
+                      if device == "cuda" else "wall clock per call"}
+
+
+def fit_compute(samples: dict, floors_us: dict | None = None) -> dict:
+    """The fitted compute models from :func:`measure_compute`'s samples (also a recorded
+    samples file: ``--refit``); ``floors_us`` for a file that has none."""
+    floors = samples.get("floors_us") or floors_us
+    gpu = samples.get("device", "cuda") == "cuda"
+    units = samples.get("units", 132 if gpu else 1)
+    itemsize = samples.get("itemsize", 2)
+    gb_per_s = samples["memory_gb_per_s"]
+    memory_samples = [tuple(x) for x in samples["memory [kind, row, least bytes, s]"]]
+    memory = MemoryFit(gb_per_s, floors["memory"], kernel_factors(memory_samples, gb_per_s))
+    gemm_samples = [tuple(x) for x in samples["gemm [m, n, k, s]"]]
+    gemm = fit_gemm(gemm_samples, GPU_TILES if gpu else [(1, 1)], units, floors["gemm"],
+                    memory, itemsize)
+    attention_samples = [tuple(x) for x in samples["attention [b, h, s, d, s]"]]
+    attention = (fit_attention_blocks(attention_samples, floors["attention"],
+                                      (units, 2 * units)) if gpu
+                 else fit_attention(attention_samples, floors["attention"]))
+    return {"memory": {"fit": memory, "samples": memory_samples},
+            "gemm": {"fit": gemm, "samples": gemm_samples},
+            "attention": {"fit": attention, "samples": attention_samples}}
 
 
 def _figure(x: float) -> float:
@@ -156,24 +233,13 @@ def compute_json(memory: dict, gemm: dict, attention: dict, source: str) -> dict
                  "source": fitted.format(len(gemm["samples"]))},
         "attention": {"tflops": {str(d): _figure(r) for d, r in a.tflops.items()},
                       "seq_overhead": a.seq_overhead, "floor_us": _figure(a.floor_us),
+                      **({"block": a.block, "slots": a.slots, "block_cost": a.block_cost}
+                         if a.block else {}),
                       "source": fitted.format(len(attention["samples"]))},
         "memory": {"gb_per_s": _figure(m.gb_per_s), "floor_us": _figure(m.floor_us),
                    "kernels": {k: {str(r): _figure(f) for r, f in rows.items()}
                                for k, rows in m.kernels.items()},
                    "source": fitted.format(len(memory["samples"]))}}
-
-
-def measure_compute(dtype, device: str, scale: int) -> tuple[dict, dict]:
-    """The fitted compute entries (:func:`compute_json` without its source) and the raw
-    samples."""
-    memory = measure_memory(dtype, device, scale)
-    gemm = measure_gemms(dtype, device, scale, memory["fit"])
-    attention = measure_attention(dtype, device, scale)
-    samples = {"gemm [m, n, k, s]": gemm["samples"],
-               "attention [b, h, s, d, s]": attention["samples"],
-               "memory [kind, row, least bytes, s]": memory["samples"],
-               "memory_gb_per_s": memory["fit"].gb_per_s}
-    return {"memory": memory, "gemm": gemm, "attention": attention}, samples
 
 
 def measure_collectives(device: str, sizes: list[int]) -> dict:
@@ -228,11 +294,12 @@ def check(cal: dict, dtype, device: str, scale: int) -> dict:
     """Measured against predicted seconds for the check programs."""
     model = CostModel(from_dict(cal, "measured"))
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    rows = []
-    for name, family, shape in check_programs(scale):
-        measured = timed(make_call(name, family, shape, dtype, device), device)
-        rows.append(_row(name, measured, predict(name, family, shape, model, itemsize)))
-    return _summary(rows)
+    warm_up(device)  # as before the microbenchmarks: both phases measure alike
+    programs = check_programs(scale)
+    times = timed_all([make_call(name, family, shape, dtype, device)
+                       for name, family, shape in programs], device)
+    return _summary([_row(name, measured, predict(name, family, shape, model, itemsize))
+                     for (name, family, shape), measured in zip(programs, times, strict=True)])
 
 
 def _row(name: str, measured: float, predicted: float) -> dict:
@@ -246,15 +313,33 @@ def _summary(rows: list[dict]) -> dict:
             "max_abs_error": max(errors), "within_15pct": sum(e <= 0.15 for e in errors)}
 
 
-def offline(check_path: str, calibration: str, itemsize: int = 2) -> dict:
-    """A recorded check's measured times against ``calibration``'s predictions, computed
-    here without a device (the programs at scale 1, as an H200 check runs them)."""
-    model = CostModel(load(calibration))
+def offline(check_path: str, calibration: str | dict, itemsize: int = 2) -> dict:
+    """A recorded check's measured times against ``calibration``'s predictions (a name, a
+    path or a calibration's dict), computed here without a device (the programs at scale 1,
+    as an H200 check runs them)."""
+    model = CostModel(from_dict(calibration) if isinstance(calibration, dict)
+                      else load(calibration))
     measured = {r["variant"]: r["measured_ms"] * 1e-3
                 for r in json.loads(Path(check_path).read_text())["rows"]}
     rows = [_row(name, measured[name], predict(name, family, shape, model, itemsize))
             for name, family, shape in check_programs(1) if name in measured]
     return _summary(rows)
+
+
+def refit(samples_path: str, base: str) -> dict:
+    """The calibration ``base`` (a name or a path) with its compute figures fitted anew, here,
+    to a recorded samples file (a file without floors keeps ``base``'s)."""
+    data = json.loads((DATA / f"{base}.json" if not Path(base).suffix else Path(base))
+                      .read_text())
+    kept = {name: _plain(data[name]["floor_us"]) for name in ("gemm", "attention", "memory")}
+    compute = fit_compute(json.loads(Path(samples_path).read_text()), kept)
+    data.update(compute_json(compute["memory"], compute["gemm"], compute["attention"],
+                             f"refitted offline to {samples_path}"))
+    return data
+
+
+def _plain(entry) -> float:
+    return float(entry["value"] if isinstance(entry, dict) else entry)
 
 
 def print_table(result: dict, title: str) -> None:
@@ -318,24 +403,34 @@ def main(argv=None) -> None:
                         "--calibration and compare with its measured times")
     p.add_argument("--calibration", default="h200",
                    help="with --offline: a calibration name or path (default h200)")
+    p.add_argument("--refit", metavar="SAMPLES_JSON",
+                   help="with --offline: fit the compute figures anew to a recorded samples "
+                        "file (the rest from --calibration) before predicting; with --out, "
+                        "write that calibration")
     args = p.parse_args(argv)
     if args.offline:
-        result = offline(args.offline, args.calibration)
+        cal = refit(args.refit, args.calibration) if args.refit else args.calibration
+        if args.refit and args.out:
+            Path(args.out).write_text(json.dumps(cal, indent=1) + "\n")
+        result = offline(args.offline, cal)
+        source = f"refitted to {args.refit}" if args.refit else repr(args.calibration)
         print_table(result, f"OFFLINE: measured times recorded in {args.offline}; predicted "
-                            f"now by the model from calibration {args.calibration!r}")
+                            f"now by the model from calibration {source}")
         return
     if not args.out:
         p.error("--out is required unless --offline")
     if args.quick:
-        ITERS["iters"] = 3
+        ITERS.update(iters=3, passes=1)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    began = time.perf_counter()
     scale = 64 if args.quick else 1 if args.device == "cuda" else CPU_SCALE
     sizes = SIZES[:2] if args.quick else SIZES if args.device == "cuda" else SIZES[:3]
-    compute, samples = measure_compute(_dtype(args), args.device, scale)
+    samples = measure_compute(_dtype(args), args.device, scale)
+    compute = fit_compute(samples)
     collectives = measure_collectives(args.device, sizes) if dist.is_initialized() else {}
     cal = build(args, compute, collectives)
     from_dict(cal)  # the file reads back
@@ -350,6 +445,8 @@ def main(argv=None) -> None:
             out.with_name(out.stem + "-check.json").write_text(json.dumps(result, indent=1))
             print_table(result, f"check: {len(result['rows'])} variants measured here "
                                 "against the calibration just fitted")
+    if rank == 0:
+        print(f"calibrate: {time.perf_counter() - began:.0f} s")
     if dist.is_initialized():
         dist.destroy_process_group()
 

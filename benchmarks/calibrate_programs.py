@@ -29,13 +29,20 @@ GEMM_SHAPES = [
 TINY_GEMMS = [(64, 64, 64), (128, 128, 128), (256, 256, 256)]  # the floor
 # Causal attention fitted to, as (batch, heads, seq, head_dim): several sequence lengths per
 # head dimension, none a check variant's.
+# Few heads on a sequence (the schedule's idle slots) and a long one (sustained) included.
 ATTENTION_SHAPES = [(16, 16, 1024, 128), (4, 32, 4096, 128), (4, 16, 3072, 128),
-                    (1, 32, 12288, 128), (16, 16, 1024, 64), (8, 16, 2048, 64),
-                    (2, 16, 8192, 64)]
+                    (1, 32, 12288, 128), (1, 16, 24576, 128), (2, 8, 6144, 128),
+                    (16, 16, 1024, 64), (8, 16, 2048, 64), (2, 16, 8192, 64),
+                    (2, 8, 6144, 64), (1, 16, 12288, 64)]
 TINY_ATTENTION = (1, 1, 64, 64)
-# Memory-bound kernels fitted to: each kind on rows of 4096 and 16384 elements (the check's
-# rows have 8192), 48 Mi elements each (the check's: 64 Mi).
-KERNEL_ROWS = (4096, 16384)
+# Memory-bound kernels fitted to: each kind on rows of 2048 to 24576 elements, never 8192
+# (the check's rows), 48 Mi elements each (the check's: 64 Mi). PyTorch picks a softmax's
+# kernel by the row length (torch 2.11, bf16: the row in registers, ceil(row / 1024) a thread,
+# below 10 a thread, so up to 9216; in shared memory up to about 24K; else read twice from
+# memory), so a kind's cost per byte is measured on each side of those changes and close to
+# the rows the model is asked about (7168 and 9216 run the kernel of 8192, more or fewer
+# registers a thread).
+KERNEL_ROWS = (2048, 3072, 4096, 6144, 7168, 9216, 12288, 16384, 24576)
 KERNEL_ELEMENTS = 48 << 20
 # kind: (call on x, y, weight, bias; the least bytes it moves in elements of x)
 KERNELS: dict[str, tuple[Callable, int]] = {

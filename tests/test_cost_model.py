@@ -14,8 +14,14 @@ from benchmarks import calibrate
 from benchmarks import calibrate_programs as programs
 from meshfuse.cost import CostModel, load
 from meshfuse.cost.calibration import DATA, KERNELS, AttentionFit, GemmFit, MemoryFit, from_dict
-from meshfuse.cost.fit import attention_flops, fit_attention, fit_gemm, kernel_factors
-from meshfuse.cost.kernels import attention_seconds, gemm_seconds
+from meshfuse.cost.fit import (
+    attention_flops,
+    fit_attention,
+    fit_attention_blocks,
+    fit_gemm,
+    kernel_factors,
+)
+from meshfuse.cost.kernels import attention_makespan, attention_seconds, gemm_seconds
 from meshfuse.errors import InputError
 from meshfuse.parallel.context.cost import DEFAULTS as CONTEXT_DEFAULTS
 from meshfuse.parallel.overlap.cost import DEFAULT_COSTS
@@ -93,6 +99,33 @@ def test_attention_by_head_dimension_and_sequence():
     assert model.attention(1e3, 64, 64) == pytest.approx(20e-6)
 
 
+def test_attention_scheduled_by_query_blocks_on_slots():
+    """The scheduled model: a head's query blocks, the ``i``-th of ``i + 1`` key blocks and
+    a fixed cost, handed to the first free of ``slots``; few heads leave slots idle."""
+    # key blocks 1, 2, 3, 4 in launch order on 2 slots: 1 + 3 and 2 + 4
+    assert attention_makespan(1, 4, 2, 0.0) == 6.0
+    assert attention_makespan(1, 4, 2, 1.0) == 8.0  # 2 + 4 and 3 + 5
+    assert attention_makespan(2, 4, 4, 0.0) == 7.0  # the 2nd head's 4 starts on the 3 slot
+    fit = AttentionFit({64: 400.0, 128: 600.0}, 0.0, 20.0, block=128, slots=264,
+                       block_cost=2.0)
+    model = CostModel(dataclasses.replace(H200.calibration, attention=fit))
+    many, few = (attention_flops(b, h, 4096, 64) for b, h in ((64, 32), (4, 8)))
+    per_flop_many = model.attention(many, 4096, 64) / many
+    assert model.attention(few, 4096, 64) / few > 1.05 * per_flop_many
+    assert per_flop_many > 1 / 400e12  # the diagonal's blocks and the fixed costs
+    # the same heads of 128: twice the work per block at 600 TFLOP/s instead of 400
+    assert model.attention(attention_flops(64, 32, 4096, 128), 4096, 128) == pytest.approx(
+        model.attention(many, 4096, 64) * 2 * 400 / 600)
+    assert model.attention(1e3, 64, 64) == pytest.approx(20e-6)
+    shapes = [(b, h, s, d) for b, h, s in ((16, 16, 1024), (2, 8, 6144), (1, 32, 12288))
+              for d in (64, 128)]
+    samples = [(*shape, attention_seconds(fit, attention_flops(*shape), *shape[2:]))
+               for shape in shapes]
+    got = fit_attention_blocks(samples, 20.0, (132, 264))
+    assert (got.slots, got.block_cost) == (264, 2.0)
+    assert got.tflops == pytest.approx({64: 400.0, 128: 600.0})
+
+
 def test_memory_bound_kernels_by_kind_and_row_length():
     factors = {kind: {4096: 1.0} for kind in KERNELS}
     factors["softmax"] = {4096: 3.0, 16384: 5.0}
@@ -100,8 +133,13 @@ def test_memory_bound_kernels_by_kind_and_row_length():
     model = CostModel(dataclasses.replace(H200.calibration, memory=fit))
     nbytes = 1e9
     assert model.memory_bound(nbytes) == pytest.approx(nbytes / 4000e9)
-    assert model.memory_bound(nbytes, "softmax", 8192) == pytest.approx(4 * nbytes / 4000e9)
+    # a softmax's kernel changes with the row length: between two rows, the worse of them
+    assert model.memory_bound(nbytes, "softmax", 8192) == pytest.approx(5 * nbytes / 4000e9)
     assert model.memory_bound(nbytes, "softmax", 65536) == pytest.approx(5 * nbytes / 4000e9)
+    factors["layer_norm"] = {4096: 3.0, 16384: 5.0}  # a norm's changes smoothly: interpolated
+    model = CostModel(dataclasses.replace(H200.calibration, memory=MemoryFit(
+        4000.0, 10.0, factors)))
+    assert model.memory_bound(nbytes, "layer_norm", 8192) == pytest.approx(4 * nbytes / 4000e9)
     assert model.memory_bound(100.0, "sum") == pytest.approx(10e-6)
     with pytest.raises(InputError, match="pointwise"):
         model.memory_bound(nbytes, "conv")
@@ -150,6 +188,24 @@ def test_the_recorded_h200_check_is_predicted_offline():
     assert len(result["rows"]) == 20
     row = next(r for r in result["rows"] if r["variant"] == "gemm 3072x3072x3072")
     assert row["predicted_ms"] == pytest.approx(H200.gemm(3072, 3072, 3072) * 1e3)
+
+
+def test_a_recorded_run_is_refitted_offline():
+    """``--offline CHECK --refit SAMPLES``: the compute figures fitted anew to a recorded
+    run's microbenchmarks (its floors from the base: that file has none), then its check
+    re-predicted; the attention fit is the scheduled model's."""
+    run = Path(calibrate.__file__).parent / "results" / "2026-12-03-1432-h200-1gpu-calibrate-"
+    base = str(run.with_name(run.name.replace("calibrate-", "calibration-measured-plan38.json")))
+    cal = calibrate.refit(f"{run}samples-plan38.json", base)
+    fitted = from_dict(cal)
+    assert fitted.attention.block == 128 and fitted.attention.slots in (132, 264)
+    assert fitted.gemm.floor_us == json.loads(Path(base).read_text())["gemm"]["floor_us"]
+    assert "refitted offline" in cal["gemm"]["source"]
+    result = calibrate.offline(f"{run}check-plan38.json", cal)
+    assert len(result["rows"]) == 20
+    row = next(r for r in result["rows"] if r["variant"] == "attention 4x8x4096x64")
+    assert row["predicted_ms"] == pytest.approx(CostModel(fitted).attention(
+        attention_flops(4, 8, 4096, 64), 4096, 64) * 1e3)
 
 
 def test_overlap_hides_the_shorter_by_the_contention():
@@ -204,7 +260,8 @@ def test_the_calibration_script_writes_a_file_the_model_reads(tmp_path, monkeypa
     assert measured.gemm.tflops > 0 and measured.gemm.tile == (1, 1)
     assert set(measured.attention.tflops) == {64, 128}
     assert set(measured.memory.kernels) == set(KERNELS)
-    assert all(set(rows) == {4096, 16384} for rows in measured.memory.kernels.values())
+    assert all(set(rows) == set(programs.KERNEL_ROWS)
+               for rows in measured.memory.kernels.values())
     assert measured.links == CPU.calibration.links  # kept from the base
     assert CostModel(measured).gemm(64, 64, 64) > 0
     assert all("source" in data[family] for family in ("gemm", "attention", "memory"))

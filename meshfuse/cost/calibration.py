@@ -9,8 +9,10 @@ A calibration holds, for one device type and element type:
   tile's fixed cost (``tile_us``: its prologue and epilogue) and the least time of a call
   (``floor_us``: what the host takes to issue it);
 - ``attention``: the fused causal attention kernel's rate by head dimension (``tflops``,
-  forward FLOPs per second), the sequence length its per-row overhead equals
-  (``seq_overhead``) and its ``floor_us``;
+  forward FLOPs per second on whole blocks) and its ``floor_us``; then either the query and
+  key blocks' rows (``block``), the query blocks that run at once (``slots``) and a query
+  block's fixed cost in key blocks' work (``block_cost``) (the scheduled model), or, in the
+  older form, the sequence length its per-row overhead equals (``seq_overhead``);
 - ``memory``: what a copy moves per second, reads and writes together (``gb_per_s``), a
   memory-bound kernel's ``floor_us``, and per kernel kind the bytes it moves over the least
   it must (``kernels``: kind -> {row length: factor}; a softmax that reads its rows three
@@ -67,6 +69,9 @@ class AttentionFit:
     tflops: Mapping[int, float]
     seq_overhead: float
     floor_us: float
+    block: int = 0  # > 0: the scheduled model (query and key blocks of this many rows)
+    slots: int = 0  # query blocks that run at once (streaming multiprocessors x blocks each)
+    block_cost: float = 0.0  # a query block's fixed cost, in key blocks' work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +176,9 @@ def _compute(data: Mapping[str, Any]) -> tuple[GemmFit, AttentionFit, MemoryFit]
     g, a, m = data["gemm"], data["attention"], data["memory"]
     gemm = GemmFit(_value(g["tflops"]), (int(g["tile"][0]), int(g["tile"][1])),
                    int(g["units"]), _value(g["tile_us"]), _value(g["floor_us"]))
-    attention = AttentionFit(_by_int(a["tflops"]), _value(a["seq_overhead"]),
-                             _value(a["floor_us"]))
+    attention = AttentionFit(_by_int(a["tflops"]), _value(a.get("seq_overhead", 0.0)),
+                             _value(a["floor_us"]), int(_value(a.get("block", 0))),
+                             int(_value(a.get("slots", 0))), _value(a.get("block_cost", 0.0)))
     kernels = {kind: _by_int(m["kernels"][kind]) for kind in KERNELS}
     if not all(kernels.values()) or not attention.tflops:
         raise ValueError("memory.kernels and attention.tflops need one point each at least")

@@ -10,6 +10,8 @@ that a 30 us GEMM counts as much as a 3 ms one:
   whose whole model (floor and memory included) fits all samples best is kept;
 - :func:`fit_attention`: one per-row overhead ``s0`` for all head dimensions (searched on a
   grid) and, for each head dimension, the rate that fits its samples best given ``s0``;
+- :func:`fit_attention_blocks`: the scheduled model's slots and a query block's fixed cost
+  (searched) and, for each head dimension, its rate given them;
 - :func:`kernel_factors`: each kernel kind's bytes moved over the least it must, per row
   length, the median over its samples.
 """
@@ -21,7 +23,13 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from meshfuse.cost.calibration import AttentionFit, GemmFit, MemoryFit
-from meshfuse.cost.kernels import attention_seconds, gemm_seconds, gemm_tile, gemm_waves
+from meshfuse.cost.kernels import (
+    attention_makespan,
+    attention_seconds,
+    gemm_seconds,
+    gemm_tile,
+    gemm_waves,
+)
 
 GemmSample = tuple[int, int, int, float]  # m, n, k, seconds
 AttentionSample = tuple[int, int, int, int, float]  # batch, heads, seq, head_dim, seconds
@@ -112,6 +120,34 @@ def fit_attention(samples: Sequence[AttentionSample], floor_us: float,
                                     t) ** 2 for b, h, s, d, t in samples)
         if best is None or error < best[0]:
             best = (error, fit)
+    if best is None:
+        raise ValueError("no attention sample to fit")
+    return best[1]
+
+
+def fit_attention_blocks(samples: Sequence[AttentionSample], floor_us: float,
+                         slot_choices: Iterable[int], block: int = 128,
+                         costs: Iterable[float] = tuple(x / 4 for x in range(17))
+                         ) -> AttentionFit:
+    """The scheduled attention model (:func:`.kernels.attention_seconds`) that fits
+    ``samples`` best: the slots (among ``slot_choices``) and a query block's fixed cost
+    (among ``costs``, in key blocks) searched, each head dimension's rate fitted given
+    them."""
+    dims = sorted({d for *_, d, _ in samples})
+    best: tuple[float, AttentionFit] | None = None
+    for slots in slot_choices:
+        for cost in costs:
+            rates = {}
+            for d in dims:  # t = work(slots, cost) / R: fit 1 / R on the relative error
+                u = [attention_makespan(b * h, math.ceil(s / block), slots, cost)
+                     * 4.0 * block ** 2 * d * slots / t
+                     for b, h, s, dd, t in samples if dd == d]
+                rates[d] = sum(x * x for x in u) / sum(u) / 1e12
+            fit = AttentionFit(rates, 0.0, floor_us, block, slots, cost)
+            error = sum(_relative_error(attention_seconds(
+                fit, attention_flops(b, h, s, d), s, d), t) ** 2 for b, h, s, d, t in samples)
+            if best is None or error < best[0]:
+                best = (error, fit)
     if best is None:
         raise ValueError("no attention sample to fit")
     return best[1]
