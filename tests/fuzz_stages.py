@@ -10,7 +10,10 @@ A seed draws, for one world size ``d`` (the pipeline ranks), independently:
   sometimes an embedding first (the first stage takes integer ids), sometimes a sequence
   axis (3-D activations);
 - the cut: balanced, by parameter count, or at random piece indices;
-- 1-3 rows per microbatch.
+- 1-3 rows per microbatch;
+- at an even world size, sometimes data parallel inside each stage: the ranks form a
+  ``pp x 2`` grid, each stage's parameters held as a ShardedStage over its pair (gathered
+  once per step), each rank running half of every microbatch's rows.
 
 :func:`check` runs two steps of the pipeline (float64) and of the same model on one device
 and returns what differs: each step's loss on the last stage, every parameter's gradient
@@ -24,12 +27,16 @@ import random
 
 import torch
 
+from meshfuse import DeviceMesh
 from meshfuse.parallel.stages import (
     PipelineRunner,
+    ShardedStage,
     parameter_counts,
     schedule,
     split_pieces,
 )
+from meshfuse.runtime.comm.collectives import group_along
+from meshfuse.runtime.comm.communicator import Communicator
 
 VOCAB = 11
 
@@ -45,10 +52,11 @@ class Draw:
     seq: int | None
     cut: str | tuple[int, ...]  # "balanced", "parameters" or piece indices
     rows: int  # per microbatch
+    dp: int  # devices per stage, each running its share of the rows
 
     def describe(self) -> str:
-        return (f"{self.name} (v={self.n_virtual}), {self.microbatches} microbatches of "
-                f"{self.rows} rows, seq {self.seq}, embedding {self.embedding}, input width "
+        return (f"{self.name} (v={self.n_virtual}), dp {self.dp}, {self.microbatches} "
+                f"microbatches of {self.rows} rows, seq {self.seq}, embedding {self.embedding}, input width "
                 f"{self.width}, pieces {list(self.pieces)}, cut {self.cut}")
 
 
@@ -61,10 +69,12 @@ def _microbatches(rng: random.Random, name: str, d: int) -> int:
 
 def draw(seed: int, d: int) -> Draw:
     rng = random.Random(seed * 7919 + d)
+    dp = 2 if d % 2 == 0 and rng.random() < 0.3 else 1
+    p = d // dp
     name = rng.choice(["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"])
     n_virtual = {"Interleaved1F1B": rng.choice([2, 3]), "ZeroBubble": rng.choice([1, 2])
                  }.get(name)
-    n_stages = d * ({"ZBV": 2}.get(name) or n_virtual or 1)
+    n_stages = p * ({"ZBV": 2}.get(name) or n_virtual or 1)
     n_pieces = n_stages + rng.randint(0, 4)
     embedding = rng.random() < 0.3
     pieces = []
@@ -77,9 +87,9 @@ def draw(seed: int, d: int) -> Draw:
         cut: str | tuple[int, ...] = rng.choice(["balanced", "parameters"])
     else:
         cut = tuple(sorted(rng.sample(range(1, n_pieces), n_stages - 1)))
-    return Draw(name, n_virtual, _microbatches(rng, name, d), tuple(pieces),
+    return Draw(name, n_virtual, _microbatches(rng, name, p), tuple(pieces),
                 rng.choice([3, 5]), embedding, rng.choice([None, 2]), cut,
-                rng.randint(1, 3))
+                dp * rng.randint(1, 2 if dp > 1 else 3), dp)
 
 
 class _Residual(torch.nn.Module):
@@ -131,45 +141,71 @@ def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def check(x: Draw, rank: int, d: int, steps: int = 2) -> list[str]:
     """What differs between the pipeline and the one-device model (empty: nothing)."""
-    plan = schedule(x.name, d, x.microbatches, x.n_virtual)
+    p = d // x.dp
+    plan = schedule(x.name, p, x.microbatches, x.n_virtual)
     made, out_width = pieces(x)
     whole = torch.nn.Sequential(*[m for _, m in pieces(x)[0]])
     cut = x.cut if isinstance(x.cut, tuple) else None
     costs = parameter_counts(made) if x.cut == "parameters" else None
-    stages = split_pieces(made, plan.n_stages, cut, costs)
-    mine = {s: stages[s] for s in plan.stages_of(rank)}
-    runner = PipelineRunner(plan, mine, _loss)
+    stages: list[torch.nn.Module] = list(split_pieces(made, plan.n_stages, cut, costs))
+    grid = torch.arange(d).reshape(p, x.dp)  # pipeline rank r: devices grid[r]
+    pp_rank, coordinate = divmod(rank, x.dp)
+    mine = {s: stages[s] for s in plan.stages_of(pp_rank)}
+    if x.dp > 1:
+        pair = group_along(Communicator.instance(), DeviceMesh(grid), 1)
+        mine = {s: ShardedStage(m, pair) for s, m in mine.items()}
+    runner = PipelineRunner(plan, mine, _loss, grid.tolist(),
+                            data_parallel=(coordinate, x.dp) if x.dp > 1 else None)
     problems = []
     for step in range(steps):
         inputs, targets = batch(x, out_width, step)
         whole.zero_grad(set_to_none=True)
         for s in mine.values():
             s.zero_grad(set_to_none=True)
-        want = _loss(whole(inputs), targets)
-        want.backward()
+        # the input needs a gradient as the pipeline's second stage's does (so that a
+        # model without parameters still has a backward to run)
+        out = whole(inputs.requires_grad_(True) if inputs.is_floating_point() else inputs)
+        _loss(out, targets).backward()
+        want = _rows_loss(out.detach(), targets, x, coordinate)
         got = runner.step(inputs, targets)
         holds_last = plan.n_stages - 1 in mine
         if holds_last != (got is not None):
             problems.append(f"step {step}: loss {got} on a rank holding stages {list(mine)}")
-        elif got is not None and not torch.allclose(got, want.detach(), rtol=1e-10):
+        elif got is not None and not torch.allclose(got, want, rtol=1e-10):
             problems.append(f"step {step}: loss {got.item()} != {want.item()}")
-        problems += _grad_problems(step, whole, stages, mine)
+        problems += _grad_problems(step, whole, stages, mine, coordinate)
     return problems
 
 
-def _grad_problems(step, whole, stages, mine) -> list[str]:
-    """The gradients of this rank's stages' parameters against the one-device model's."""
+def _rows_loss(out: torch.Tensor, targets: torch.Tensor, x: Draw, coordinate: int
+               ) -> torch.Tensor:
+    """The mean over microbatches of the loss of this rank's block of each one's rows."""
+    return torch.stack([_loss(o.chunk(x.dp)[coordinate], t.chunk(x.dp)[coordinate])
+                        for o, t in zip(out.chunk(x.microbatches),
+                                        targets.chunk(x.microbatches))]).mean()
+
+
+def _grad_problems(step, whole, stages, mine, coordinate) -> list[str]:
+    """The gradients of this rank's stages' parameters against the one-device model's (a
+    ShardedStage's: its block of the flat gradients)."""
     reference = list(whole.parameters())
     offset, problems = 0, []
     for s, stage in enumerate(stages):
         params = list(stage.parameters())
-        if s in mine:
-            for i, (p, q) in enumerate(zip(params, reference[offset:])):
-                if q.grad is None and p.grad is None:
-                    continue
-                if p.grad is None or q.grad is None or \
-                        not torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12):
-                    problems.append(f"step {step}: stage {s} parameter {i} "
-                                    f"{tuple(p.shape)} gradient differs")
+        want = reference[offset:offset + len(params)]
         offset += len(params)
+        if s not in mine:
+            continue
+        pairs = [(p.grad, q.grad) for p, q in zip(stage.parameters(), want)]
+        if isinstance(mine[s], ShardedStage):
+            sharded, n = mine[s], mine[s].shard.numel()
+            flat = torch.cat([q.grad.reshape(-1) for q in want] +
+                             [torch.zeros(2 * n, dtype=torch.float64)])
+            pairs = [(sharded.shard.grad, flat[coordinate * n:(coordinate + 1) * n])]
+        for i, (got, expected) in enumerate(pairs):
+            if got is None and (expected is None or expected.numel() == 0):
+                continue  # no gradient, or an empty shard (a stage without parameters)
+            if got is None or expected is None or \
+                    not torch.allclose(got, expected, rtol=1e-9, atol=1e-12):
+                problems.append(f"step {step}: stage {s} parameter {i} gradient differs")
     return problems

@@ -52,8 +52,9 @@ class ShardedStage(torch.nn.Module):
         self._shapes = [p.shape for p in self._params]
         self.numel = numel = sum(p.numel() for p in self._params)  # the whole stage's
         self._padded = -(-numel // group.size) * group.size
-        flat = torch.cat([p.detach().reshape(-1) for p in self._params])
-        flat = torch.cat([flat, flat.new_zeros(self._padded - numel)])
+        # a stage without parameters holds an empty shard and never communicates
+        flat = torch.cat([p.detach().reshape(-1) for p in self._params] +
+                         [torch.zeros(self._padded - numel, **_kind(self._params))])
         n = self._padded // group.size
         self.shard = torch.nn.Parameter(flat[group.coordinate * n:(group.coordinate + 1) * n]
                                         .clone())
@@ -61,20 +62,24 @@ class ShardedStage(torch.nn.Module):
         self._live = True
         self._free()
 
+    def extra_repr(self) -> str:
+        inner = self.module.extra_repr() or type(self.module).__name__
+        return f"{inner}, parameters sharded over ranks {list(self.group.ranks)}"
+
     def forward(self, *args, **kwargs):
         self._install()
         return self.module(*args, **kwargs)
 
     def begin_step(self) -> None:
         """Launches the gather of the parameters (waited for by the first forward)."""
-        if self._gathering is None and not self._live:
+        if self._gathering is None and not self._live and self._params:
             self._gathering = collectives.allgather(self.shard.detach(), 0, self.group,
                                                     async_op=True)
 
     def end_step(self) -> Pending | None:
         """Launches the reduce-scatter of the step's gradients (their mean over the group)
         into ``shard.grad`` and frees the gathered parameters; returns what to wait for."""
-        if not self._live:
+        if not self._live or not self._params:
             return None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -94,7 +99,7 @@ class ShardedStage(torch.nn.Module):
     def _install(self) -> None:
         """The gathered weights as the module's parameters (gathering them now if no step
         began: a forward outside the pipeline)."""
-        if self._live:
+        if self._live or not self._params:
             return
         self.begin_step()
         full, self._gathering = self._gathering.wait(), None
@@ -111,6 +116,11 @@ class ShardedStage(torch.nn.Module):
             p.data = p.data.new_empty(0)
             p.grad = None
         self._live = False
+
+
+def _kind(params: list[torch.Tensor]) -> dict:
+    """The dtype and device of the flat parameters."""
+    return {"dtype": params[0].dtype, "device": params[0].device} if params else {}
 
 
 def _check(params: list[torch.Tensor]) -> None:
