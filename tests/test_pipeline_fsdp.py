@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from meshfuse import DeviceMesh
+from meshfuse.errors import InputError
 from meshfuse.examples.llama import LlamaConfig
 from meshfuse.examples.llama_stages import (
     FusionStage,
@@ -28,7 +29,7 @@ from meshfuse.examples.llama_stages import (
 )
 from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.parallel.stages import PipelineRunner, ShardedStage, schedule, stage_bounds
-from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.runtime.comm.collectives import Group, record_communications
 from meshfuse.runtime.comm.communicator import Communicator
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, seq=8)
@@ -161,3 +162,13 @@ def test_pp2_fsdp2_of_fusions_that_gather_per_call(multidevice_test):
     fusions = len(stage.blocks) + (stage.embed is not None) + (stage.head is not None)
     gathers = sum(c.kind == "allgather" for c in inside)
     assert gathers >= steps * M * fusions
+
+
+def test_sharded_stage_of_mixed_dtypes_or_no_parameters():
+    group = Group(None, (0,), 0, 0)  # never used: the checks come first
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    with pytest.raises(InputError, match="one dtype"):
+        ShardedStage(mixed, group)
+    empty = ShardedStage(torch.nn.Tanh(), group)  # no parameters: nothing to gather
+    assert empty.shard.numel() == 0 and empty.end_step() is None
+    assert torch.equal(empty(torch.zeros(2)), torch.zeros(2))

@@ -52,7 +52,8 @@ def _close(losses, reference, rtol=1e-5):
 @pytest.mark.parametrize("name", [*TRAINED, "ZBV"])
 def test_llama_trains_like_one_device_under_each_schedule(multidevice_test, name):
     d = multidevice_test.size
-    steps = STEPS if name in TRAINED else 3
+    # 10 steps at 2 and 4 ranks (the stage counts); 3 at 1 and 3 ranks, and for ZBV
+    steps = STEPS if name in TRAINED and d in (2, 4) else 3
     reference = _reference(CFG, steps)
     for microbatches in (4, 8):
         runner = pipelined(CFG, name, d, microbatches)
