@@ -46,7 +46,7 @@ PLAN = {f"pieces.*.layer.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"} 
 def test_pp2_tp2_trains_like_one_device(multidevice_test, name):
     if multidevice_test.size != 4:
         pytest.skip("PP2 x TP2 on four ranks")
-    rank, batch, steps = multidevice_test.rank, 8, 3
+    rank, batch, steps = multidevice_test.rank, 8, 10
     stage_ranks = [[0, 1], [2, 3]]
     plan = schedule(name, 2, 4)
     stages = split_pieces(llama_pieces(model(CFG)), 2)
@@ -79,7 +79,7 @@ def test_pp2_tp2_trains_like_one_device(multidevice_test, name):
 def test_pp2_tp2_of_meshfuse_fusions_trains_like_one_device(multidevice_test, name):
     if multidevice_test.size != 4:
         pytest.skip("PP2 x TP2 on four ranks")
-    rank, batch, steps, m = multidevice_test.rank, 8, 3, 4
+    rank, batch, steps, m = multidevice_test.rank, 8, 10, 4
     stage_ranks = [[0, 1], [2, 3]]
     meshes = [DeviceMesh(r) for r in stage_ranks]
     create_stage_groups(meshes)

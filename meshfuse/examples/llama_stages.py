@@ -14,6 +14,11 @@ as fusion modules on its mesh: :class:`LlamaEmbedding` on the first stage, one
 leave a stage sequence split, as the next stage's blocks take them: the device at coordinate
 ``c`` of one stage sends its shard to coordinate ``c`` of the next.
 
+A stage whose devices form a ``dp x tp`` grid (:func:`sharded_fusion_stage`) runs one
+:class:`FusionStage` per ``dp`` row on that row's share of each microbatch, its parameters
+sharded over ``dp`` by :class:`~meshfuse.parallel.stages.ShardedStage` (gathered once per
+step, gradients reduce-scattered once per step).
+
 Every fusion agrees on its inputs among its own mesh's ranks only, so the stages run
 independently. Creating a process group is collective over the world, though: every rank
 calls :func:`create_stage_groups` before the first step.
@@ -37,7 +42,14 @@ from meshfuse.examples.llama import (
 from meshfuse.examples.llama_torch import LlamaTorch
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.parallel.fsdp import NamedMesh
-from meshfuse.parallel.stages import PipelineRunner, locate, schedule, split_pieces
+from meshfuse.parallel.stages import (
+    PipelineRunner,
+    ShardedStage,
+    locate,
+    schedule,
+    split_pieces,
+)
+from meshfuse.runtime.comm.collectives import group_along
 from meshfuse.runtime.comm.communicator import Communicator
 
 
@@ -195,3 +207,22 @@ class FusionStage(torch.nn.Module):
         if self.fsdp is not None:
             targets = self.head.shard_input(self.head.fd.targets, targets)
         return self.head(x, targets)
+
+
+def sharded_fusion_stage(cfg: LlamaConfig, microbatch: int, params: dict[str, torch.Tensor],
+                         start: int, stop: int, grid: DeviceMesh) -> ShardedStage:
+    """Pieces ``[start, stop)`` on a stage whose devices are the 2-D ``dp x tp`` mesh
+    ``grid``: this rank's row runs them as a :class:`FusionStage` tensor parallel over the
+    row (one device: not parallel) on ``microbatch / dp`` sequences, its parameters sharded
+    over ``grid``'s column (:class:`ShardedStage`). The runner takes the rows by
+    ``data_parallel=(dp coordinate, dp)`` (:func:`grid_share`)."""
+    comm = Communicator.instance()
+    dp = grid.devices.shape[0]
+    row = DeviceMesh(list(grid.group_ranks(comm.rank, 1)))
+    stage = FusionStage(cfg, microbatch // dp, params, start, stop, row)
+    return ShardedStage(stage, group_along(comm, grid, 0))
+
+
+def grid_share(grid: DeviceMesh) -> tuple[int, int]:
+    """``(dp coordinate, dp)`` of this rank in the ``dp x tp`` mesh ``grid``."""
+    return grid.coordinate(Communicator.instance().rank)[0], grid.devices.shape[0]

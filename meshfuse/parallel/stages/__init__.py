@@ -12,7 +12,9 @@
   cost);
 - :mod:`~meshfuse.parallel.stages.backward`: a stage's backward, whole or split into ``I``
   and ``W``;
-- :mod:`~meshfuse.parallel.stages.runtime`: one rank running its stages under a schedule.
+- :mod:`~meshfuse.parallel.stages.runtime`: one rank running its stages under a schedule;
+- :mod:`~meshfuse.parallel.stages.sharded`: a stage's parameters sharded over its
+  data-parallel devices, gathered and reduced once per step.
 """
 
 from meshfuse.parallel.stages.actions import Action, parse, text
@@ -27,6 +29,7 @@ from meshfuse.parallel.stages.schedules import (
     zbv,
     zero_bubble,
 )
+from meshfuse.parallel.stages.sharded import ShardedStage
 from meshfuse.parallel.stages.simulate import Costs, Timeline, simulate, validate
 from meshfuse.parallel.stages.split import (
     StageModule,
@@ -42,6 +45,7 @@ __all__ = [
     "Costs",
     "PipelineRunner",
     "Schedule",
+    "ShardedStage",
     "StageModule",
     "Timeline",
     "action_lists",

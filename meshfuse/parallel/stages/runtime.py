@@ -59,12 +59,23 @@ class PipelineRunner:
         loss_fn: ``loss_fn(output, target)`` of the last stage, a mean over the microbatch.
         stage_ranks: the devices of each pipeline rank (by default, rank ``r`` alone).
         rank: this process's rank (default: the communicator's).
+        data_parallel: ``(index, count)``: this rank takes the ``index``-th of ``count``
+            equal blocks of rows of every microbatch (the stage's devices form a ``dp x
+            ...`` grid, each ``dp`` row running its copy of the stage on its rows, e.g.
+            :class:`~meshfuse.parallel.stages.sharded.ShardedStage`); the loss returned is
+            that of this rank's rows.
+
+    A stage module may define ``begin_step()``, called when a step starts, and
+    ``end_step()``, called after the stage's last compute action of the step, which may
+    return something to ``wait()`` for before the step returns (ShardedStage gathers its
+    parameters and reduces its gradients there, once per step).
     """
 
     def __init__(self, schedule: Schedule, modules: Mapping[int, torch.nn.Module],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  stage_ranks: Sequence[Sequence[int]] | None = None,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None,
+                 data_parallel: tuple[int, int] | None = None) -> None:
         self.schedule, self.loss_fn = schedule, loss_fn
         self.stage_ranks = [tuple(r) for r in (stage_ranks or
                                               [[r] for r in range(schedule.n_ranks)])]
@@ -77,6 +88,9 @@ class PipelineRunner:
                              f"modules for stages {sorted(modules)}")
         self.modules = dict(modules)
         self.actions = schedule.with_communication().actions[self.pp_rank]
+        self.data_parallel = data_parallel
+        # after which action each stage is done for the step: its gradients are complete
+        self.last_action = {a.stage: i for i, a in enumerate(self.actions) if a.is_compute}
         self.notes = {s: backward.LinearNotes(m) for s, m in self.modules.items()} \
             if schedule.split_backward else {}
         every = tuple(r for ranks in self.stage_ranks for r in ranks)
@@ -122,9 +136,10 @@ class PipelineRunner:
         Returns:
             The mean loss over the microbatches on the last stage's ranks, else None.
         """
-        m, last = self.schedule.n_microbatches, self.schedule.n_stages - 1
-        run = _Step(self, _chunks(inputs, m, "inputs") if 0 in self.modules else None,
-                    _chunks(targets, m, "targets") if last in self.modules else None)
+        m, last, dp = self.schedule.n_microbatches, self.schedule.n_stages - 1, \
+            self.data_parallel
+        run = _Step(self, _chunks(inputs, m, "inputs", dp) if 0 in self.modules else None,
+                    _chunks(targets, m, "targets", dp) if last in self.modules else None)
         run.walk()
         return torch.stack(run.losses).mean() if run.losses else None
 
@@ -141,12 +156,15 @@ def locate(stage_ranks: Sequence[Sequence[int]], rank: int | None = None) -> tup
                      f"every rank of the job a stage")
 
 
-def _chunks(x: torch.Tensor | None, m: int, what: str) -> list[torch.Tensor]:
-    if x is None or x.shape[0] % m:
+def _chunks(x: torch.Tensor | None, m: int, what: str,
+            data_parallel: tuple[int, int] | None) -> list[torch.Tensor]:
+    """The ``m`` microbatches of ``x`` (this rank's block of each one's rows)."""
+    index, count = data_parallel or (0, 1)
+    if x is None or x.shape[0] % (m * count):
         raise InputError(f"pipeline {what} must be a tensor whose first dimension divides "
-                         f"into {m} microbatches, got "
+                         f"into {m} microbatches of {count} equal blocks of rows, got "
                          f"{None if x is None else tuple(x.shape)}")
-    return list(x.chunk(m))
+    return [c.chunk(count)[index] for c in x.chunk(m)]
 
 
 class _Step:
@@ -164,6 +182,9 @@ class _Step:
 
     def walk(self) -> None:
         actions, spent = self.r.actions, {}
+        for module in self.r.modules.values():
+            if hasattr(module, "begin_step"):
+                module.begin_step()
         for i, a in enumerate(actions):
             if a.is_compute:
                 self._post_receives(actions, i)
@@ -171,12 +192,20 @@ class _Step:
                 _COMPUTE[a.kind](self, a)
                 key = (a.kind, a.stage)
                 spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+                if self.r.last_action[a.stage] == i:
+                    self._end_stage(a.stage)
             elif a.kind in (SEND_FORWARD, SEND_BACKWARD):
                 self._send(a)
         for pending in self.sends:
             pending.wait()
         m = self.r.schedule.n_microbatches
         self.r.times = {key: t / m for key, t in spent.items()}
+
+    def _end_stage(self, stage: int) -> None:
+        end = getattr(self.r.modules[stage], "end_step", None)
+        pending = end() if end is not None else None
+        if pending is not None:
+            self.sends.append(pending)
 
     def _post_receives(self, actions, i: int) -> None:
         """Launches the receives up to the compute action after ``actions[i]``."""
