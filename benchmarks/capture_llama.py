@@ -116,6 +116,9 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "parameters": sum(p.numel() for p in base.parameters()),
                "batch": batch, "seq": seq, "dtype": str(dtype), "torch": torch.__version__}
+    path = None
+    if args.out and not args.quick:
+        path = Path(args.out) / f"{time.strftime('%Y-%m-%d-%H%M')}-capture-llama-1b.json"
     for variant in args.variants.split(","):
         try:
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
@@ -128,19 +131,22 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        _record(results, path)  # after each variant: a run cut short keeps what it measured
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
+    dist.destroy_process_group()
+
+
+def _record(results: dict, path: Path | None) -> None:
+    """The ratios of meshfuse to torch.compile (once both ran), written to ``path``."""
     if "tokens_per_s" in results.get("compile", {}) and \
             "tokens_per_s" in results.get("meshfuse", {}):
         results["meshfuse_over_compile_tokens"] = (results["meshfuse"]["tokens_per_s"]
                                                    / results["compile"]["tokens_per_s"])
         results["meshfuse_over_compile_first_step"] = (results["meshfuse"]["first_step_s"]
                                                        / results["compile"]["first_step_s"])
-    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
-    if args.out and not args.quick:
-        stamp = time.strftime("%Y-%m-%d-%H%M")
-        path = Path(args.out) / f"{stamp}-capture-llama-1b.json"
+    if path is not None:
         path.write_text(json.dumps(results, indent=1))
-        print("wrote", path)
-    dist.destroy_process_group()
+        print("wrote", path, flush=True)
 
 
 if __name__ == "__main__":
