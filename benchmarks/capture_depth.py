@@ -4,9 +4,13 @@
     python -m benchmarks.capture_depth                  # CPU, layers 2 and 32
     python -m benchmarks.capture_depth --layers 2,16 --device cuda
 
-Per depth: the capture (``parallelize`` with ``example_inputs``: the trace, folding and
-partition) and the first forward + backward (the builds of each distinct block's fusion and
-its derived backward, then the run), against a second step (the run alone). Random weights.
+Per depth: the capture (the first ``explain(**inputs)`` of the parallelized module: the
+trace, folding and partition, and the printed program) and the first forward + backward (the builds of each distinct block's fusion and
+its derived backward, then the run), less the median of three later steps (the run alone;
+the gradients are allocated before the first step, so that it differs from the others only
+by the builds).
+Random weights. Times are the process's CPU time (``time.process_time``, one intra-op
+thread) on the CPU, so that other work on a shared machine does not count; wall time on CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 import warnings
 
@@ -22,13 +27,14 @@ import torch.distributed as dist
 
 
 def _time(device, fn) -> float:
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def measure(layers: int, device: torch.device) -> dict:
@@ -44,12 +50,19 @@ def measure(layers: int, device: torch.device) -> dict:
     ids = torch.randint(0, 1024, (1, 16), device=device)
     inputs = {"input_ids": ids, "labels": ids}
     result = {"layers": layers}
-    result["capture_s"] = _time(device, lambda: meshfuse.parallelize(
-        model, meshfuse.DeviceMesh([0]), {}, example_inputs=inputs))
+    # Laying out the parameters (DTensors: a copy of each, as parallelize_module makes) is
+    # neither capture nor build: timed apart.
+    result["place_s"] = _time(device, lambda: meshfuse.parallelize(
+        model, meshfuse.DeviceMesh([0]), {}))
+    result["capture_s"] = _time(device, lambda: model.explain(**inputs))
+    with torch.no_grad():  # the gradients' first allocation is no build: every step has them
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     result["first_step_s"] = _time(device, lambda: model(**inputs).loss.backward())
-    result["second_step_s"] = _time(device, lambda: model(**inputs).loss.backward())
+    result["step_s"] = statistics.median(
+        _time(device, lambda: model(**inputs).loss.backward()) for _ in range(3))
     result["capture_and_build_s"] = result["capture_s"] + result["first_step_s"] - \
-        result["second_step_s"]
+        result["step_s"]
     return result
 
 
@@ -61,6 +74,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     warnings.simplefilter("ignore")
     measure(1, device)  # warm-up: imports, first export

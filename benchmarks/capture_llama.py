@@ -7,8 +7,11 @@ backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`
     python -m benchmarks.capture_llama --quick                       # smoke test, CPU
 
 Reports per variant: the first step's time (capture + build + run: for torch.compile its
-compile time), then the median step time over ``--steps`` and tokens/s. Random weights (no
-download); the models start equal, each variant trains its own copy.
+compile time), then the median step time over ``--steps`` and tokens/s, and the peak memory
+of the variant's steps (CUDA). The optimizer is AdamW, fused (``fused=True``). Random weights
+(no download); the models start equal (bf16, also with ``--quick``: a tiny bf16 model on the
+CPU), each variant trains its own copy. A variant that fails is recorded with its error and
+the others still run.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ def _sync(device):
 
 
 def _time_steps(model, step_inputs, steps: int, device) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for i in range(steps + 1):
         _sync(device)
@@ -60,8 +65,22 @@ def _time_steps(model, step_inputs, steps: int, device) -> dict:
         losses.append(loss.item())
     tokens = step_inputs["input_ids"].numel()
     median = statistics.median(times[1:])
-    return {"first_step_s": times[0], "median_step_s": median, "tokens_per_s": tokens / median,
-            "losses": losses}
+    result = {"first_step_s": times[0], "median_step_s": median,
+              "tokens_per_s": tokens / median, "losses": losses}
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def _variant(name: str, base, mesh):
+    import meshfuse
+
+    model = copy.deepcopy(base)
+    if name == "compile":
+        return torch.compile(model)
+    if name == "meshfuse":
+        return meshfuse.parallelize(model, mesh, {})
+    return model
 
 
 def main() -> None:
@@ -87,7 +106,7 @@ def main() -> None:
     import meshfuse
 
     batch, seq = (2, 16) if args.quick else (args.batch, args.seq)
-    dtype = torch.float32 if args.quick else torch.bfloat16
+    dtype = torch.bfloat16
     torch.manual_seed(0)
     base = LlamaForCausalLM(_config(args.quick)).to(device, dtype)
     g = torch.Generator().manual_seed(1)
@@ -97,32 +116,37 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "parameters": sum(p.numel() for p in base.parameters()),
                "batch": batch, "seq": seq, "dtype": str(dtype), "torch": torch.__version__}
+    path = None
+    if args.out and not args.quick:
+        path = Path(args.out) / f"{time.strftime('%Y-%m-%d-%H%M')}-capture-llama-1b.json"
     for variant in args.variants.split(","):
-        model = copy.deepcopy(base)
-        if variant == "compile":
-            model = torch.compile(model)
-        elif variant == "meshfuse":
-            mesh = meshfuse.DeviceMesh([0])
-            model = meshfuse.parallelize(model, mesh, {})
-        results[variant] = _time_steps(model, inputs, args.steps, device)
+        try:
+            model = _variant(variant, base, meshfuse.DeviceMesh([0]))
+            results[variant] = _time_steps(model, inputs, args.steps, device)
+        except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
+            results[variant] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         print(variant, {k: v for k, v in results[variant].items() if k != "losses"},
               flush=True)
-        del model
+        model = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if "compile" in results and "meshfuse" in results:
+        _record(results, path)  # after each variant: a run cut short keeps what it measured
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
+    dist.destroy_process_group()
+
+
+def _record(results: dict, path: Path | None) -> None:
+    """The ratios of meshfuse to torch.compile (once both ran), written to ``path``."""
+    if "tokens_per_s" in results.get("compile", {}) and \
+            "tokens_per_s" in results.get("meshfuse", {}):
         results["meshfuse_over_compile_tokens"] = (results["meshfuse"]["tokens_per_s"]
                                                    / results["compile"]["tokens_per_s"])
         results["meshfuse_over_compile_first_step"] = (results["meshfuse"]["first_step_s"]
                                                        / results["compile"]["first_step_s"])
-    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
-    if args.out and not args.quick:
-        stamp = time.strftime("%Y-%m-%d-%H%M")
-        path = Path(args.out) / f"{stamp}-capture-llama-1b.json"
+    if path is not None:
         path.write_text(json.dumps(results, indent=1))
-        print("wrote", path)
-    dist.destroy_process_group()
+        print("wrote", path, flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
 from meshfuse import DeviceMesh
+from meshfuse.autodiff import function as autodiff_function
+from meshfuse.capture import program as capture_program
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.repeats import repeated_layers
 from meshfuse.capture.trace import _from_exported, capture, module_path
@@ -33,10 +35,12 @@ class Block(torch.nn.Module):
         self.up = torch.nn.Linear(E, hidden)
         self.down = torch.nn.Linear(hidden, E)
         self.norm = torch.nn.LayerNorm(E)
+        # Each layer's own buffer (a copy reads its own, not the first layer's).
+        self.register_buffer("shift", torch.full((E,), 0.1 * index))
 
     def forward(self, x, table, *, gain=None):
         CALLS[self.layer_idx] += 1
-        h = F.silu(self.up(self.norm(x) * table)) * self.scale
+        h = F.silu(self.up(self.norm(x + self.shift) * table)) * self.scale
         return x + self.down(h) * gain, None  # a non-tensor output rides along
 
 
@@ -120,3 +124,61 @@ def test_a_stack_traced_once_computes_the_modules_values_and_gradients(multidevi
     # Megatron's: one allreduce per layer (after its row-parallel down projection).
     crossing = [c.kind for c in forward if len(c.ranks) > 1]
     assert crossing == (["allreduce"] * LAYERS if multidevice_test.size > 1 else [])
+
+
+def _count_calls(monkeypatch, owner, name: str, counts: collections.Counter) -> None:
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.mark.mpi
+def test_the_work_of_capture_and_build_does_not_grow_with_depth(multidevice_test, monkeypatch):
+    """Issue 32's depth target (capture + build of 32 layers within 3x of 2, timed by
+    ``benchmarks/capture_depth.py``) through what it counts: at 2 and 6 layers of a
+    ``transformers`` Llama, one decoder layer's Python is traced, the trace lifts the
+    parameters of one layer (the others' are hidden from it), and as many fusions are built
+    and as many backwards derived; only the copies of the traced graph grow."""
+    transformers = pytest.importorskip("transformers")
+    layer_class = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    mesh = DeviceMesh(range(multidevice_test.size))
+    found = {}
+    for layers in (2, 6):
+        counts: collections.Counter = collections.Counter()
+        _count_calls(monkeypatch, layer_class, "forward", counts)
+        _count_calls(monkeypatch, capture_program, "build_segment", counts)
+        _count_calls(monkeypatch, autodiff_function, "derive", counts)
+        lifted = []
+        export = torch.export.export
+
+        def counting_export(*args, _lifted=lifted, _export=export, **kwargs):
+            exported = _export(*args, **kwargs)
+            _lifted.append(len(exported.graph_signature.parameters))
+            return exported
+
+        monkeypatch.setattr(torch.export, "export", counting_export)
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        torch.manual_seed(0)
+        reference = transformers.LlamaForCausalLM(config)
+        model = meshfuse.parallelize(copy.deepcopy(reference), mesh, {
+            "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.o_proj": RowwiseParallel()})
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        monkeypatch.undo()
+        expected = reference(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        program = model._meshfuse.last
+        layer_steps = [s for s in program.partition.segments if "layers" in s.block]
+        assert len(layer_steps) == layers  # one fusion per layer, each run
+        found[layers] = (dict(counts), lifted, len(program.built))
+    assert found[2] == found[6]
+    counts, lifted, _ = found[2]
+    assert counts["forward"] == 1 and lifted == [9 + 3]  # a layer's 9, embedding, norm, head

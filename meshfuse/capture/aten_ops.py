@@ -8,6 +8,11 @@ an entry is only the translation. An entry may carry a ``check(node, constants)`
 this one call cannot be translated (a mask that is not causal); an ATen op absent from the
 table, or refused by its check, becomes a graph break (:mod:`meshfuse.capture.partition`).
 
+Every translated value takes the dtype the trace recorded (:func:`as_traced`): meshfuse's
+arithmetic on bfloat16 or half returns float32 (nvFuser's rule), PyTorch's returns the
+operands' dtype; without the cast back a bf16 model's values would drift to float32 and meet
+a bf16 weight in a ``linear``.
+
 To add an op: write its translation below and list it in ``TABLE`` (sorted by name).
 """
 
@@ -23,10 +28,11 @@ from typing import Any
 import torch
 
 from meshfuse.dtypes import DataType
+from meshfuse.ir.tensor_view import TensorView
 
 aten = torch.ops.aten
 
-__all__ = ["IDENTITIES", "TABLE", "Translation", "translation"]
+__all__ = ["IDENTITIES", "TABLE", "Translation", "as_traced", "translation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +371,16 @@ def translation(node: torch.fx.Node, constants: Mapping[str, torch.Tensor]
         return None, "meshfuse has no rule for it"
     reason = entry.check(node, constants) if entry.check is not None else None
     return (None, reason) if reason else (entry, None)
+
+
+def as_traced(o, out: Any, value: Any) -> Any:
+    """``value`` (a translation's result) cast to the dtype of ``out`` (the traced value)
+    where they differ, element-wise for a tuple (``split``)."""
+    if isinstance(value, tuple | list) and isinstance(out, tuple | list):
+        return type(value)(as_traced(o, t, v) for t, v in zip(out, value, strict=True))
+    if not isinstance(out, torch.Tensor) or not isinstance(value, TensorView):
+        return value
+    return _cast(o, out, value)
 
 
 def _is_complex(node: torch.fx.Node) -> bool:

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx import Node
 
-from meshfuse.capture.aten_ops import translation
+from meshfuse.capture.aten_ops import as_traced, translation
 from meshfuse.capture.partition import Segment
 from meshfuse.capture.plan import ResolvedPlan
 from meshfuse.capture.trace import module_paths
@@ -74,7 +74,8 @@ def _emit(fd: FusionDefinition, node: Node, values: dict[str, Any], pins: _Pins,
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
                                          lambda a: pins.inside(a, node, values[a.name]))
     try:
-        values[node.name] = entry.emit(fd.ops, node.meta.get("val"), *args, **kwargs)
+        out = node.meta.get("val")
+        values[node.name] = as_traced(fd.ops, out, entry.emit(fd.ops, out, *args, **kwargs))
     except MeshfuseError as error:
         raise type(error)(f"{node.target} ({node.name}, in {module_paths(node)[-1:] or 'the top'}"
                           f" module): {error}") from error

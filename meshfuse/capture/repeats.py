@@ -13,10 +13,14 @@ their place, reading the layer's own parameters and buffers:
 2. :func:`traced_once`: during the trace, the template's call is wrapped in two marker ops
    (``enter``/``exit``, identities), and each other layer's forward is replaced by one
    ``repeat`` op whose outputs have the template's shapes, where its inputs have the
-   template's structure, shapes and non-tensor values (else the layer runs its own forward).
+   template's structure, shapes and non-tensor values (else the layer runs its own forward,
+   which fails, and the caller traces the module whole). The other layers' parameters and
+   buffers are hidden from the trace (the tracer would lift each as a placeholder and make
+   a fake tensor of it: a cost per layer).
 3. :func:`expand_repeats`: on the traced graph, each ``repeat`` node becomes a copy of the
-   template's nodes between its markers, with the layer's parameters and buffers and its
-   module paths (so that plans, fusions per block and explain see ``model.layers.3``).
+   template's nodes between its markers, with the layer's parameters and buffers (new
+   placeholders, like the template's) and its module paths (so that plans, fusions per
+   block and explain see ``model.layers.3``).
 
 The plan plays no part: the trace of a layer does not depend on it (the build reads the
 plan per copy).
@@ -162,7 +166,7 @@ def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> 
 @contextlib.contextmanager
 def traced_once(module: torch.nn.Module, groups: Mapping[str, list[str]]) -> Iterator[None]:
     """During a trace of ``module``: templates marked, their copies stood in (module doc)."""
-    patched = []
+    patched, hidden = [], []
     try:
         for template, copies in groups.items():
             layer = module.get_submodule(template)
@@ -172,8 +176,13 @@ def traced_once(module: torch.nn.Module, groups: Mapping[str, list[str]]) -> Ite
                 copy = module.get_submodule(path)
                 copy.forward = _stand_in(copy.forward, template, path)
                 patched.append(copy)
+                for m in copy.modules():
+                    hidden.append((m, m._parameters, m._buffers))
+                    m._parameters, m._buffers = {}, {}
         yield
     finally:
+        for m, parameters, buffers in hidden:
+            m._parameters, m._buffers = parameters, buffers
         for layer in patched:
             vars(layer).pop("forward", None)
         for template in groups:
@@ -237,21 +246,23 @@ class RepeatError(Exception):
     """The stood-in layers could not be expanded (the caller traces every layer instead)."""
 
 
-def expand_repeats(graph: Graph, parameters: Mapping[str, str],
-                   buffers: Mapping[str, str]) -> None:
+def expand_repeats(graph: Graph, parameters: Mapping[str, str], buffers: Mapping[str, str]
+                   ) -> tuple[dict[str, str], dict[str, str]]:
     """Each ``repeat`` node of ``graph`` replaced by a copy of its template's nodes (module
     doc); ``parameters``/``buffers``: placeholder -> name in the module.
 
+    Returns:
+        ``parameters`` and ``buffers`` with the placeholders added for the copies' own.
+
     Raises:
-        RepeatError: a template traced more than once, or a layer's parameter not in the
-            graph.
+        RepeatError: a template traced more than once.
     """
+    parameters, buffers = dict(parameters), dict(buffers)
     markers = _markers(graph)
     if not markers["repeat"]:
         if markers["enter"] or markers["exit"]:
             _unmark(graph, markers)
-        return
-    placeholders = {name: p for p, name in {**parameters, **buffers}.items()}
+        return parameters, buffers
     nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     bodies = _bodies(graph, markers)
     for repeat in markers["repeat"]:
@@ -261,12 +272,11 @@ def expand_repeats(graph: Graph, parameters: Mapping[str, str],
         enter, exit_ = markers["enter"][template], markers["exit"][template]
         body = bodies[template]
         values: dict[Node, Any] = {u: repeat.args[0][u.args[1]] for u in enter.users}
-        for name, p in placeholders.items():
-            if name.startswith(f"{template}."):
-                own = placeholders.get(path + name[len(template):])
-                if own is None:
-                    raise RepeatError(f"{path}{name[len(template):]} is not in the graph")
-                values[nodes[p]] = nodes[own]
+        for table in (parameters, buffers):
+            for p, name in list(table.items()):
+                if name.startswith(f"{template}."):
+                    own = path + name[len(template):]
+                    values[nodes[p]] = _placeholder(graph, nodes[p], own, table)
         with graph.inserting_before(repeat):
             for n in body:
                 values[n] = graph.node_copy(n, lambda a, v=values: v.get(a, a))
@@ -278,6 +288,18 @@ def expand_repeats(graph: Graph, parameters: Mapping[str, str],
         graph.erase_node(repeat)
     _unmark(graph, markers)
     graph.lint()
+    return parameters, buffers
+
+
+def _placeholder(graph: Graph, like: Node, name: str, table: dict[str, str]) -> Node:
+    """A placeholder for the module's ``name`` (a copy's parameter or buffer), with the
+    metadata of ``like`` (its template's), entered in ``table``."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        node = graph.placeholder(f"{like.name[:2]}{name.replace('.', '_')}")
+    node.meta = dict(like.meta)
+    table[node.name] = name
+    return node
 
 
 def _bodies(graph: Graph, markers: Mapping[str, Any]) -> dict[str, list[Node]]:

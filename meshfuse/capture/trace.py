@@ -107,7 +107,7 @@ def _from_exported(exported: ExportedProgram) -> Captured:
         )
     module = exported.graph_module
     inline_regions(module)
-    expand_repeats(module.graph, parameters, buffers)
+    parameters, buffers = expand_repeats(module.graph, parameters, buffers)
     attributes = {n.name: _attribute(module, n.target) for n in module.graph.nodes
                   if n.op == "get_attr"}
     return Captured(module.graph, parameters, buffers, constants, tuple(user),
