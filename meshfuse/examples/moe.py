@@ -97,23 +97,31 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
 
 
 def expert_parallel(tv: dict, y, counts, mesh, ep: ParallelType = ParallelType.mesh_x,
-                    tp: ParallelType | None = None) -> None:
+                    tp: ParallelType | None = None, dp: ParallelType | None = None) -> None:
     """Schedules the block's tensors: tokens (``x``, ``y``) and the routed experts (axis 0
     of ``w1``, ``w2``, ``w3``; and ``counts``) split in blocks over ``ep``; with ``tp``, the
-    experts' ffn axis over ``tp`` too. The router and the shared expert are replicated."""
+    experts' ffn axis over ``tp`` too; with ``dp``, the tokens split over ``dp`` first
+    (data parallel: each ``dp`` coordinate its own tokens, its own ``ep`` group of every
+    expert). The router and the shared expert are replicated."""
     for t in (*tv.values(), y, counts):
         t.set_device_mesh(mesh)
-    for t in (tv["x"], y, tv["w1"], tv["w2"], tv["w3"], counts):
+    for t in (tv["x"], y):
+        _split(t, 0, mesh, *(pt for pt in (dp, ep) if pt is not None))
+    for t in (tv["w1"], tv["w2"], tv["w3"], counts):
         _split(t, 0, mesh, ep)
     if tp is not None:
         for name, axis in (("w1", 1), ("w2", 2), ("w3", 1)):
             _split(tv[name], axis, mesh, tp)
 
 
-def _split(t, axis: int, mesh, pt: ParallelType) -> None:
+def _split(t, axis: int, mesh, *pts: ParallelType) -> None:
+    """Splits ``t``'s axis ``axis`` in blocks over each of ``pts`` in turn (the next one
+    splitting what the previous left)."""
     pos = t.loop.index(t.logical[axis])
-    t.split(pos, mesh.axis_size(pt), inner_split=False)
-    t.parallelize(pos, pt)
+    for pt in pts:
+        t.split(pos, mesh.axis_size(pt), inner_split=False)
+        t.parallelize(pos, pt)
+        pos += 1
 
 
 def route_torch(x, gate, cfg: MoEConfig, bias=None):

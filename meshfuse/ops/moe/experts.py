@@ -158,18 +158,44 @@ def _block_split(tv: TensorView) -> bool:
 def plan(expr) -> None:
     """Expert-parallel: the per-expert outputs (counts, weight gradients) are complete over
     the expert mesh axis (each rank's experts received every token routed to them), so
-    their reduction over the tokens maps from nothing there."""
-    pt = expert_parallel(expr)
-    if pt is None:
+    their reduction over the tokens maps from nothing; the tokens' other mesh axes (data
+    parallelism: each coordinate its own tokens) leave them partial there
+    (:func:`own_partials`), reduced after the op. Outputs the user pinned keep their
+    schedule (the engine reduces into it)."""
+    if expert_parallel(expr) is None:
         return
-    token_ids = {t.materialized()[0] for t in expr.tensor_inputs if len(t.materialized()) == 2}
-    for out in expr.tensor_outputs:
-        for out_id in out.logical:
-            sources = expr.id_map.get(out_id, ())
-            if out_id.is_reduction and set(sources) & token_ids:
-                expr.id_map[out_id] = ()
-                for leaf, _ in device_ids(out).get(out_id, []):
-                    del out.parallel[leaf]
+    pinned = getattr(expr.tensor_outputs[0].fusion, "user_scheduled", set())
+    for out_id in _per_expert_reductions(expr):
+        expr.id_map[out_id] = ()
+        out = next(o for o in expr.tensor_outputs if out_id in o.logical)
+        if out not in pinned:
+            for leaf, _ in device_ids(out).get(out_id, []):
+                del out.parallel[leaf]
+            own_partials(expr, out)
+
+
+def _per_expert_reductions(expr) -> list:
+    """The outputs' reductions over the tokens (those of the per-expert outputs)."""
+    return [expr.tensor_outputs[out].logical[axis]
+            for out, axis in _TOKEN_REDUCTIONS[expr.op.name].items()]
+
+
+def own_partials(expr, out) -> None:
+    """Expert-parallel with the tokens also split over other mesh axes (EP x DP): ``out``'s
+    reduction over the tokens partial over those (block splits, one per mesh axis)."""
+    pt = expert_parallel(expr)
+    x = _args(expr)["x"]
+    if pt is None or out.mesh != x.mesh:
+        return
+    data = [t for t in _mesh_types(x, 0) if t != pt and x.mesh.axis_size(t) > 1]
+    for out_id in set(_per_expert_reductions(expr)) & set(out.loop):
+        if device_ids(out).get(out_id) or any(p in out.parallel.values() for p in data):
+            continue
+        pos = out.loop.index(out_id)
+        for dp in data:
+            out.split(pos, x.mesh.axis_size(dp), inner_split=False)
+            out.parallelize(pos, dp)
+            pos += 1
 
 
 def _experts_grads(d, grads):
@@ -189,6 +215,8 @@ def _experts_grads(d, grads):
 
 
 EXPERT_OPS = ("moe_experts", "moe_experts_bwd")
+# output -> its logical axis that reduces over the tokens (the per-expert outputs)
+_TOKEN_REDUCTIONS = {"moe_experts": {1: 1}, "moe_experts_bwd": {2: 3, 3: 3, 4: 3}}
 _PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS),
            attr("capacity", None))
 
@@ -200,7 +228,8 @@ register(OpDef(
     "over a mesh axis that shards the tokens: expert parallel (ragged all-to-all), else "
     "gathered",
     prefer_inputs=(3, 4, 5), output_layout="contiguous", whole_axes=whole_axes,
-    check_sharding=check_sharding, plan=plan, vjp=Vjp(_experts_grads, differentiable=(0,)),
+    check_sharding=check_sharding, plan=plan, own_partials=own_partials,
+    vjp=Vjp(_experts_grads, differentiable=(0,)),
 ))
 
 
@@ -238,5 +267,5 @@ register(OpDef(
     sharding="as moe_experts; the weight gradients reduce over the tokens (partial where "
     "tokens are sharded, complete on expert-parallel ranks)",
     prefer_inputs=(4, 5, 6), output_layout="contiguous", whole_axes=whole_axes,
-    check_sharding=check_sharding, plan=plan,
+    check_sharding=check_sharding, plan=plan, own_partials=own_partials,
 ))
