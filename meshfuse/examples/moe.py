@@ -73,12 +73,15 @@ def _swiglu(o, x, w1, w2, w3):
     return o.linear(o.cast(o.mul(o.silu(o.linear(x, w1)), o.linear(x, w3)), x.dtype), w2)
 
 
-def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType.Double):
-    """Adds the block's inputs (``x [tokens, dim]``, the weights of :data:`PARAMS`, and
-    ``bias [experts]`` when ``cfg.biased``) and ops to ``fd``; adds the output ``y`` and the
-    token counts per expert. Returns ``(tensors by name, y, counts)``."""
+def define_moe_block(fd, cfg: MoEConfig, tokens: int | tuple[int, ...],
+                     dtype: DataType = DataType.Double):
+    """Adds the block's inputs (``x [tokens, dim]``, or ``[batch, seq, dim]`` for ``tokens =
+    (batch, seq)``; the weights of :data:`PARAMS`, and ``bias [experts]`` when
+    ``cfg.biased``) and ops to ``fd``; adds the output ``y`` and the token counts per
+    expert. Returns ``(tensors by name, y, counts)``."""
     o = fd.ops
-    tv = {"x": fd.define_tensor([tokens, cfg.dim], dtype=dtype)}
+    token_shape = [tokens] if isinstance(tokens, int) else list(tokens)
+    tv = {"x": fd.define_tensor([*token_shape, cfg.dim], dtype=dtype)}
     for name, shape in cfg.shapes().items():
         tv[name] = fd.define_tensor(list(shape), dtype=dtype)
     if cfg.biased:
@@ -89,7 +92,7 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
         logits = o.cast(logits, DataType.Float)
     weights, indices = o.moe_route(logits, tv.get("bias"), **cfg.routing())
     routed, counts = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"],
-                                   cfg.capacity(tokens))
+                                   cfg.capacity(math.prod(token_shape)))
     y = o.add(routed, _swiglu(o, x, tv["shared_w1"], tv["shared_w2"], tv["shared_w3"]))
     fd.add_output(y)
     fd.add_output(counts)
@@ -102,11 +105,17 @@ def expert_parallel(tv: dict, y, counts, mesh, ep: ParallelType = ParallelType.m
     of ``w1``, ``w2``, ``w3``; and ``counts``) split in blocks over ``ep``; with ``tp``, the
     experts' ffn axis over ``tp`` too; with ``dp``, the tokens split over ``dp`` first
     (data parallel: each ``dp`` coordinate its own tokens, its own ``ep`` group of every
-    expert). The router and the shared expert are replicated."""
+    expert). Tokens ``[batch, seq, dim]``: the sequence over ``ep``, the batch over ``dp``.
+    The router and the shared expert are replicated."""
     for t in (*tv.values(), y, counts):
         t.set_device_mesh(mesh)
     for t in (tv["x"], y):
-        _split(t, 0, mesh, *(pt for pt in (dp, ep) if pt is not None))
+        if t.ndim == 3:
+            _split(t, 1, mesh, ep)
+            if dp is not None:
+                _split(t, 0, mesh, dp)
+        else:
+            _split(t, 0, mesh, *(pt for pt in (dp, ep) if pt is not None))
     for t in (tv["w1"], tv["w2"], tv["w3"], counts):
         _split(t, 0, mesh, ep)
     if tp is not None:
@@ -133,7 +142,11 @@ def route_torch(x, gate, cfg: MoEConfig, bias=None):
 
 def moe_block_torch(params: dict, x: torch.Tensor, cfg: MoEConfig, bias=None):
     """The block on whole tensors: ``(y, rows each expert computed)``; with a capacity, an
-    expert computes its first rows by token order only."""
+    expert computes its first rows by token order only. ``x [tokens, dim]`` or ``[batch,
+    seq, dim]``."""
+    if x.ndim > 2:
+        y, computed = moe_block_torch(params, x.reshape(-1, x.shape[-1]), cfg, bias)
+        return y.reshape(x.shape), computed
     weights, indices, _ = route_torch(x, params["gate"], cfg, bias)
     y = torch.zeros_like(x)
     capacity = cfg.capacity(x.shape[0])

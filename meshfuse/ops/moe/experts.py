@@ -1,11 +1,13 @@
 """``moe_experts`` and ``moe_experts_bwd``: the routed SwiGLU experts of a mixture-of-experts
 layer, each token's top-k slots computed by their experts and summed with their weights.
 
-Arguments: tokens ``x [T, H]``, the routing ``indices [T, K]`` (int) and ``weights [T, K]``
-(:mod:`meshfuse.ops.moe.routing`), the expert weights ``w1``, ``w3`` ``[E, F, H]``, ``w2``
-``[E, H, F]``, and ``capacity``: None (dropless, the default) or the rows an expert computes
-at most, its first by token order (the others are dropped: they add nothing to their token).
-Outputs: ``[T, H]`` and the rows each expert computed, ``[E]``.
+Arguments: tokens ``x [*tokens, H]`` (one token axis ``[T]``, or several: ``[B, S]`` as
+torchtitan's and Hugging Face's blocks pass them), the routing ``indices [*tokens, K]``
+(int) and ``weights [*tokens, K]`` (:mod:`meshfuse.ops.moe.routing`), the expert weights
+``w1``, ``w3`` ``[E, F, H]``, ``w2`` ``[E, H, F]``, and ``capacity``: None (dropless, the
+default) or the rows an expert computes at most, its first by token order (row-major; the
+others are dropped: they add nothing to their token).
+Outputs: ``[*tokens, H]`` and the rows each expert computed, ``[E]``.
 
 Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
@@ -18,7 +20,9 @@ also shards the tokens, the op runs expert-parallel (:func:`expert_parallel`): e
 keeps its experts, its tokens travel to the ranks of their experts and back (a ragged
 all-to-all, lowered by :mod:`meshfuse.parallel.experts`). Its ``plan`` rule makes the
 counts (and the backward's weight gradients) complete there: each rank's experts saw every
-token routed to them.
+token routed to them. Token axes also split over other mesh axes (data parallelism, EP x
+DP: each coordinate there an expert group of its own tokens) leave them partial over those
+(:func:`own_partials`), reduced after the op.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ _WEIGHTS = ("w1", "w2", "w3")
 
 
 def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
-    """Checks the arguments; returns ``(T, K, H, E, F)`` (None where symbolic)."""
+    """Checks the arguments; returns ``(token shape, K, H, E, F)`` (None where symbolic)."""
     metas = {"x": x, "indices": indices, "weights": weights, "w1": w1, "w2": w2, "w3": w3}
     for name, m in metas.items():
         require_tensor(op, name, m)
-    ranks = {"x": 2, "indices": 2, "weights": 2, "w1": 3, "w2": 3, "w3": 3}
+    if x.ndim < 2:
+        raise DefinitionError(f"{op}: x must be [..., T, H] (2 axes or more), got {x.ndim}")
+    ranks = {"indices": x.ndim, "weights": x.ndim, "w1": 3, "w2": 3, "w3": 3}
     for name, n in ranks.items():
         if metas[name].ndim != n:
             raise DefinitionError(f"{op}: {name} must have {n} axes, got {metas[name].ndim}")
@@ -48,17 +54,26 @@ def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
         raise DefinitionError(f"{op}: indices must be integers, got {indices.dtype.name}")
     if len({x.dtype, w1.dtype, w2.dtype, w3.dtype}) > 1 or not x.dtype.is_floating:
         raise DefinitionError(f"{op}: x, w1, w2 and w3 must have one floating dtype")
-    t, h = x.shape
-    k, e, f = indices.shape[1], w1.shape[0], w1.shape[1]
-    expected = {"indices": (t, k), "weights": (t, k), "w1": (e, f, h), "w2": (e, h, f),
+    t, h = tuple(x.shape[:-1]), x.shape[-1]
+    k, e, f = indices.shape[-1], w1.shape[0], w1.shape[1]
+    expected = {"indices": (*t, k), "weights": (*t, k), "w1": (e, f, h), "w2": (e, h, f),
                 "w3": (e, f, h)}
     for name, shape in expected.items():
         for axis, (got, want) in enumerate(zip(metas[name].shape, shape)):
             if None not in (got, want) and got != want:
                 raise DefinitionError(
-                    f"{op}: axis {axis} of {name} has {got} but {want} was expected "
-                    f"(x [T, H], indices and weights [T, K], w1 and w3 [E, F, H], w2 [E, H, F])")
+                    f"{op}: axis {axis} of {name} has {got} but {want} was expected (x "
+                    "[*tokens, H], indices and weights [*tokens, K], w1 and w3 [E, F, H], "
+                    "w2 [E, H, F])")
     return t, k, h, e, f
+
+
+def _token_axes(t: tuple, metas: tuple, first: int, iter_type=None) -> tuple:
+    """One axis per token axis, mapped from that axis of the inputs ``first, first + 1,
+    ...`` (the tensors ``metas`` give its kind: iteration, or ``iter_type``)."""
+    return tuple(AxisSpec(n, iter_type or metas[0].iter_types[i],
+                          tuple((first + j, i) for j in range(len(metas))))
+                 for i, n in enumerate(t))
 
 
 def _check_capacity(op: str, capacity) -> None:
@@ -71,11 +86,12 @@ def _check_capacity(op: str, capacity) -> None:
 def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
     t, _, h, e, f = _check("moe_experts", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts", capacity)
-    tokens = ((0, 0), (1, 0), (2, 0))
-    out = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((0, 1),)),
+    last = x.ndim - 1
+    out = (*_token_axes(t, (x, indices, weights), 0),
+           AxisSpec(h, x.iter_types[last], ((0, last),)),
            AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
     counts = (AxisSpec(e, w1.iter_types[0], ((3, 0), (4, 0), (5, 0))),
-              AxisSpec(t, IterType.Reduction, tokens))
+              *_token_axes(t, (x, indices, weights), 0, IterType.Reduction))
     return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts)]
 
 
@@ -100,6 +116,11 @@ def _on_one_device(tv: TensorView, axis: int) -> bool:
     return all(tv.mesh.axis_size(pt) == 1 for pt in _mesh_types(tv, axis))
 
 
+def _token_types(tv: TensorView) -> list:
+    """The device parallel types splitting the token axes of ``tv`` (all but its last)."""
+    return [pt for axis in range(len(tv.materialized()) - 1) for pt in _mesh_types(tv, axis)]
+
+
 def expert_parallel(expr):
     """The device parallel type the op's experts are split over, expert-parallel (its tokens
     sharded over the same mesh axis), or None."""
@@ -107,40 +128,48 @@ def expert_parallel(expr):
         return None
     args = _args(expr)
     expert_types = _mesh_types(args["w1"], 0)
-    if len(expert_types) != 1 or expert_types[0] not in _mesh_types(args["x"], 0):
+    if len(expert_types) != 1 or expert_types[0] not in _token_types(args["x"]):
         return None
     return expert_types[0]
+
+
+def _tokens(expr) -> set:
+    """The token axes of the op's token inputs (x, indices, weights, grad)."""
+    args = _args(expr)
+    return {i for n in ("x", "indices", "weights", "grad") if n in args
+            for i in args[n].materialized()[:-1]}
 
 
 def whole_axes(expr) -> set:
     """Hidden axes, the slots and (unless expert-parallel) the experts, needed whole."""
     args = _args(expr)
-    def axis(name: str, a: int):
-        return args[name].materialized()[a]
-
-    whole = {axis("x", 1), axis("indices", 1), axis("weights", 1), axis("w1", 2),
-             axis("w3", 2), axis("w2", 1)}
-    if "grad" in args:
-        whole.add(axis("grad", 1))
+    whole = {args[n].materialized()[-1] for n in ("x", "indices", "weights", "grad")
+             if n in args}
+    whole |= {args["w1"].materialized()[2], args["w3"].materialized()[2],
+              args["w2"].materialized()[1]}
     if expert_parallel(expr) is None:
-        whole |= {axis(n, 0) for n in _WEIGHTS if not _on_one_device(args[n], 0)}
+        whole |= {args[n].materialized()[0] for n in _WEIGHTS
+                  if not _on_one_device(args[n], 0)}
         if args["capacity"] is not None:  # a capacity counts rows in global token order
-            whole |= {t.materialized()[0] for t in expr.tensor_inputs
-                      if len(t.materialized()) == 2}
+            whole |= _tokens(expr)
     return whole
 
 
 def check_sharding(expr) -> None:
-    """Expert parallelism needs the three weights' experts split alike, in blocks."""
+    """Expert parallelism needs the three weights' experts split alike, in blocks; with a
+    capacity, the tokens in blocks over the expert axis only (ranks hold them in order)."""
     pt = expert_parallel(expr)
     if pt is None:
         return
     args = _args(expr)
     x = args["x"]
-    if args["capacity"] is not None and not _block_split(x):
+    if args["capacity"] is not None and (
+            not _block_split(x) or _token_types(x) != [pt] or _mesh_types(x, 0) != [pt]):
         raise ShardingError(
-            f"{expr.op.name}: with a capacity, the tokens of {x.name} (axis 0) must be split "
-            "in blocks (an outer split), so that ranks hold them in token order")
+            f"{expr.op.name}: with a capacity, the tokens of {x.name} must be split in blocks "
+            f"(an outer split) of their first axis over {pt.value} only, so that ranks hold "
+            "them in token order and see every token routed to their experts; drop the "
+            "capacity or the other splits (data parallelism would drop rows per replica)")
     for name in _WEIGHTS:
         tv = args[name]
         if _mesh_types(tv, 0) != [pt] or not _block_split(tv):
@@ -158,38 +187,45 @@ def _block_split(tv: TensorView) -> bool:
 def plan(expr) -> None:
     """Expert-parallel: the per-expert outputs (counts, weight gradients) are complete over
     the expert mesh axis (each rank's experts received every token routed to them), so
-    their reduction over the tokens maps from nothing; the tokens' other mesh axes (data
+    their reductions over the tokens map from nothing; the tokens' other mesh axes (data
     parallelism: each coordinate its own tokens) leave them partial there
     (:func:`own_partials`), reduced after the op. Outputs the user pinned keep their
     schedule (the engine reduces into it)."""
     if expert_parallel(expr) is None:
         return
     pinned = getattr(expr.tensor_outputs[0].fusion, "user_scheduled", set())
-    for out_id in _per_expert_reductions(expr):
-        expr.id_map[out_id] = ()
-        out = next(o for o in expr.tensor_outputs if out_id in o.logical)
+    for out, reductions in _per_expert_reductions(expr):
+        for out_id in reductions:
+            expr.id_map[out_id] = ()
+            if out not in pinned:
+                for leaf, _ in device_ids(out).get(out_id, []):
+                    del out.parallel[leaf]
         if out not in pinned:
-            for leaf, _ in device_ids(out).get(out_id, []):
-                del out.parallel[leaf]
             own_partials(expr, out)
 
 
 def _per_expert_reductions(expr) -> list:
-    """The outputs' reductions over the tokens (those of the per-expert outputs)."""
-    return [expr.tensor_outputs[out].logical[axis]
-            for out, axis in _TOKEN_REDUCTIONS[expr.op.name].items()]
+    """``(output, its reductions over the token axes, in order)`` of the per-expert
+    outputs."""
+    return [(expr.tensor_outputs[out], expr.tensor_outputs[out].logical[first:])
+            for out, first in _TOKEN_REDUCTIONS[expr.op.name].items()]
 
 
 def own_partials(expr, out) -> None:
     """Expert-parallel with the tokens also split over other mesh axes (EP x DP): ``out``'s
-    reduction over the tokens partial over those (block splits, one per mesh axis)."""
+    reductions over the tokens partial over those (each token axis's reduction split in
+    blocks over the mesh axes, other than the experts', that split that axis of ``x``)."""
     pt = expert_parallel(expr)
     x = _args(expr)["x"]
     if pt is None or out.mesh != x.mesh:
         return
-    data = [t for t in _mesh_types(x, 0) if t != pt and x.mesh.axis_size(t) > 1]
-    for out_id in set(_per_expert_reductions(expr)) & set(out.loop):
-        if device_ids(out).get(out_id) or any(p in out.parallel.values() for p in data):
+    used = {p for p in out.parallel.values() if p.is_device}
+    reductions = dict(_per_expert_reductions(expr)).get(
+        next((o for o in expr.tensor_outputs if o.logical == out.logical), None), ())
+    for axis, out_id in enumerate(reductions):
+        data = [t for t in _mesh_types(x, axis) if t != pt and t not in used and
+                x.mesh.axis_size(t) > 1]
+        if out_id not in out.loop or device_ids(out).get(out_id) or not data:
             continue
         pos = out.loop.index(out_id)
         for dp in data:
@@ -215,7 +251,7 @@ def _experts_grads(d, grads):
 
 
 EXPERT_OPS = ("moe_experts", "moe_experts_bwd")
-# output -> its logical axis that reduces over the tokens (the per-expert outputs)
+# per-expert output -> its first logical axis that reduces over the tokens (one per token axis)
 _TOKEN_REDUCTIONS = {"moe_experts": {1: 1}, "moe_experts_bwd": {2: 3, 3: 3, 4: 3}}
 _PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS),
            attr("capacity", None))
@@ -237,23 +273,24 @@ def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity):
     t, k, h, e, f = _check("moe_experts_bwd", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts_bwd", capacity)
     require_tensor("moe_experts_bwd", "grad", grad)
-    if grad.ndim != 2 or any(None not in (a, b) and a != b for a, b in zip(grad.shape, (t, h))):
-        raise DefinitionError(f"moe_experts_bwd: grad must be [T, H] = [{t}, {h}], got "
+    if grad.ndim != x.ndim or any(None not in (a, b) and a != b
+                                  for a, b in zip(grad.shape, (*t, h))):
+        raise DefinitionError(f"moe_experts_bwd: grad must be [*tokens, H] = {[*t, h]}, got "
                               f"{list(grad.shape)}")
-    tokens = ((0, 0), (1, 0), (2, 0), (3, 0))
+    last, args = x.ndim - 1, (grad, x, indices, weights)
     rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1)))
-    rt = AxisSpec(t, IterType.Reduction, tokens)
+    rt = _token_axes(t, args, 0, IterType.Reduction)
     experts = AxisSpec(e, w1.iter_types[0], ((4, 0), (5, 0), (6, 0)))
     ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1)))
     hidden = AxisSpec(h, w1.iter_types[2], ((4, 2), (5, 1), (6, 2)))
-    gx = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((1, 1), (0, 1))),
+    gx = (*_token_axes(t, args, 0), AxisSpec(h, x.iter_types[last], ((1, last), (0, last))),
           rf)
-    gweights = (AxisSpec(t, weights.iter_types[0], tokens),
-                AxisSpec(k, weights.iter_types[1], ((3, 1), (2, 1))), rf)
+    gweights = (*_token_axes(t, args, 0),
+                AxisSpec(k, weights.iter_types[last], ((3, last), (2, last))), rf)
     return [OutSpec(x.dtype, gx), OutSpec(weights.dtype, gweights),
-            OutSpec(x.dtype, (experts, ffn, hidden, rt)),
-            OutSpec(x.dtype, (experts, hidden, ffn, rt)),
-            OutSpec(x.dtype, (experts, ffn, hidden, rt))]
+            OutSpec(x.dtype, (experts, ffn, hidden, *rt)),
+            OutSpec(x.dtype, (experts, hidden, ffn, *rt)),
+            OutSpec(x.dtype, (experts, ffn, hidden, *rt))]
 
 
 def _experts_bwd(grad, x, indices, weights, w1, w2, w3, capacity):

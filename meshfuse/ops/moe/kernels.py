@@ -138,10 +138,12 @@ def _computed_counts(route: Route, capacity: int | None) -> torch.Tensor:
 
 def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
                     capacity: int | None = None):
-    """The routed experts' output ``[T, H]`` (each token's slots weighted by ``weights
-    [T, K]`` and summed) and the rows each local expert computed (``[E_local]``, float32).
+    """The routed experts' output ``[*tokens, H]`` (each token's slots weighted by ``weights
+    [*tokens, K]`` and summed; ``x [*tokens, H]``, tokens in row-major order) and the rows each local expert computed (``[E_local]``, float32).
     With ``capacity``, an expert computes only its first ``capacity`` rows by token order
     (the others are dropped: they add nothing)."""
+    shape = x.shape
+    x, indices, weights = _flat(x), _flat(indices), _flat(weights)
     order, tokens, counts = slot_order(indices, num_experts)
     route = exchange.plan(counts)
     keep = within_capacity(route.expert_counts, capacity)
@@ -151,7 +153,7 @@ def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=
     rows = exchange.combine(y, route)
     scale = weights.reshape(-1)[order].unsqueeze(1).to(rows.dtype)
     out = x.new_zeros(x.shape).index_add_(0, tokens, rows * scale)
-    return out, computed.to(torch.float32)
+    return out.reshape(shape), computed.to(torch.float32)
 
 
 def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
@@ -160,7 +162,8 @@ def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, ex
     its cotangent ``grad [T, H]``: the token rows travel once more with their cotangents
     (the transposed combine) and their gradients come back (the transposed dispatch); the
     experts are recomputed where they live. Dropped rows get zero gradients."""
-    h = x.shape[1]
+    shape, weights_shape, h = x.shape, weights.shape, x.shape[-1]
+    grad, x, indices, weights = _flat(grad), _flat(x), _flat(indices), _flat(weights)
     order, tokens, counts = slot_order(indices, num_experts)
     route = exchange.plan(counts)
     keep = within_capacity(route.expert_counts, capacity)
@@ -178,7 +181,12 @@ def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, ex
     grad_x = x.new_zeros(x.shape).index_add_(0, tokens, back[:, :h])
     grad_weights = weights.new_empty(weights.numel())
     grad_weights[order] = back[:, h].to(weights.dtype)
-    return (grad_x, grad_weights.reshape(weights.shape), *grads[1:])
+    return (grad_x.reshape(shape), grad_weights.reshape(weights_shape), *grads[1:])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[*tokens, n]`` as ``[T, n]`` (tokens in row-major order)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def _grads(y: torch.Tensor, params: list[torch.Tensor], cotangent: torch.Tensor) -> list:
