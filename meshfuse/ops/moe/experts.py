@@ -163,13 +163,13 @@ def check_sharding(expr) -> None:
         return
     args = _args(expr)
     x = args["x"]
-    if args["capacity"] is not None and (
-            not _block_split(x) or _token_types(x) != [pt] or _mesh_types(x, 0) != [pt]):
+    if args["capacity"] is not None and not _in_token_order(x, pt):
         raise ShardingError(
             f"{expr.op.name}: with a capacity, the tokens of {x.name} must be split in blocks "
-            f"(an outer split) of their first axis over {pt.value} only, so that ranks hold "
-            "them in token order and see every token routed to their experts; drop the "
-            "capacity or the other splits (data parallelism would drop rows per replica)")
+            f"(an outer split) of one axis over {pt.value} only, the token axes before it of "
+            "extent 1, so that ranks hold them in token order and see every token routed to "
+            "their experts; drop the capacity or the other splits (data parallelism would "
+            "drop rows per replica)")
     for name in _WEIGHTS:
         tv = args[name]
         if _mesh_types(tv, 0) != [pt] or not _block_split(tv):
@@ -179,9 +179,17 @@ def check_sharding(expr) -> None:
                 "inner_split=False over the same mesh axis")
 
 
-def _block_split(tv: TensorView) -> bool:
-    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.materialized()[0]]
+def _block_split(tv: TensorView, axis: int = 0) -> bool:
+    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.materialized()[axis]]
     return len(splits) == 1 and not splits[0].inner_split and not splits[0].zigzag
+
+
+def _in_token_order(x: TensorView, pt) -> bool:
+    """Whether the ranks along ``pt`` hold ``x``'s tokens in row-major order, in blocks: one
+    token axis split over ``pt`` only, in blocks, the axes before it of extent 1."""
+    axes = [a for a in range(len(x.materialized()) - 1) if _mesh_types(x, a)]
+    return (len(axes) == 1 and _mesh_types(x, axes[0]) == [pt] and _block_split(x, axes[0])
+            and all(x.materialized()[a].extent == 1 for a in range(axes[0])))
 
 
 def plan(expr) -> None:
