@@ -76,10 +76,16 @@ def slot_order(indices: torch.Tensor, num_experts: int):
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x [N, a]`` by row groups (``counts [G]`` rows each, in order) times ``w[g]^T``
     (``w [G, b, a]``): ``[N, b]``. PyTorch's ``_grouped_mm`` on CUDA in bfloat16 (one kernel
-    for every group), a loop of matmuls elsewhere."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    for every group), a loop of matmuls elsewhere.
+
+    The kernel's operands (and those of its autograd backward: ``x^T``, the cotangent
+    ``[N, b]``, ``w`` untransposed) need 16-byte aligned strides: ``a`` and ``b`` multiples
+    of 8, ``x`` dense (the backward's rows are a column slice of the rows it receives: copied
+    dense), ``w [G, b, a]`` dense and passed transposed (its last two strides ``1, a``),
+    the group offsets int32. Other shapes, and no row at all, take the loop."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
+            x.shape[0] > 0 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        # the kernel needs 16-byte aligned strides: a backward's views are copied dense
         return torch._grouped_mm(x.contiguous(), w.contiguous().transpose(-2, -1),
                                  offs=offsets)
     pieces = x.split(counts.tolist())
