@@ -73,7 +73,8 @@ def slot_order(indices: torch.Tensor, num_experts: int):
     return order, tokens, counts
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``x [N, a]`` by row groups (``counts [G]`` rows each, in order) times ``w[g]^T``
     (``w [G, b, a]``): ``[N, b]``. PyTorch's ``_grouped_mm`` on CUDA in bfloat16 (one kernel
     for every group), a loop of matmuls elsewhere.
@@ -82,10 +83,13 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     ``[N, b]``, ``w`` untransposed) need 16-byte aligned strides: ``a`` and ``b`` multiples
     of 8, ``x`` dense (the backward's rows are a column slice of the rows it receives: copied
     dense), ``w [G, b, a]`` dense and passed transposed (its last two strides ``1, a``),
-    the group offsets int32. Other shapes, and no row at all, take the loop."""
+    the group offsets int32 (``offsets``: ``counts``' cumulative sum, given by a caller
+    that multiplies several times by one grouping). Other shapes, and no row at all, take
+    the loop."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
             x.shape[0] > 0 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0:
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if offsets is None:
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous().transpose(-2, -1),
                                  offs=offsets)
     pieces = x.split(counts.tolist())
@@ -96,9 +100,10 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
 
 def swiglu_experts(x, w1, w2, w3, counts):
     """Each row of ``x`` (grouped by expert, ``counts`` rows each) through its expert."""
-    hidden = torch.nn.functional.silu(grouped_matmul(x, w1, counts)) * \
-        grouped_matmul(x, w3, counts)
-    return grouped_matmul(hidden, w2, counts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32) if x.is_cuda else None
+    hidden = torch.nn.functional.silu(grouped_matmul(x, w1, counts, offsets)) * \
+        grouped_matmul(x, w3, counts, offsets)
+    return grouped_matmul(hidden, w2, counts, offsets)
 
 
 def _grouped(rows: torch.Tensor, route: Route) -> torch.Tensor:
