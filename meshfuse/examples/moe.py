@@ -5,9 +5,11 @@ optionally biased and group-limited choice), ``experts`` small SwiGLU experts co
 token's top-k slots, and one shared SwiGLU expert every token goes through; the output is the
 weighted sum of the routed experts plus the shared one.
 
-- :func:`define_moe_block` adds the block to a ``FusionDefinition``; :func:`expert_parallel`
-  schedules it: tokens and the experts split over one mesh axis (expert parallelism), the
-  experts' ffn optionally over another (tensor parallelism of the experts);
+- :func:`define_moe_block` adds the block to a ``FusionDefinition`` (tokens ``[T, dim]`` or
+  ``[batch, seq, dim]``); :func:`expert_parallel` schedules it: tokens and the experts split
+  over one mesh axis (expert parallelism), the experts' ffn optionally over another (tensor
+  parallelism of the experts: EP x TP), or the tokens also over another (data parallelism:
+  EP x DP);
 - :func:`moe_block_torch` is the reference, plain PyTorch on whole tensors (a loop over the
   experts, each computing the tokens that chose it);
 - :func:`init_params` draws the weights.
