@@ -169,24 +169,27 @@ def test_expert_parallel_backward_recomputes_products(multidevice_test, monkeypa
 
 
 @pytest.mark.mpi
-def test_expert_parallel_saved_products_come_back_when_read(multidevice_test):
+@pytest.mark.parametrize("tokens", [9, (2, 5)], ids=["tokens", "batch_seq"])
+def test_expert_parallel_saved_products_come_back_when_read(multidevice_test, tokens):
     """Expert-parallel, a fusion that reads the saved products itself gets them (each
-    rank its tokens' slots, ``x w1^T`` and ``x w3^T`` of the slot's expert) with one more
-    ragged all-to-all than the forward's two (none alone on the mesh axis)."""
+    rank its tokens' slots, ``x w1^T`` and ``x w3^T`` of the slot's expert; ``[B, S, H]``
+    tokens: the sequence split, ``saved [B, S, K, 2, F]`` likewise) with one more ragged
+    all-to-all than the forward's two (none alone on the mesh axis)."""
     cfg = MoEConfig(experts=5, top_k=2)
+    shape = (tokens,) if isinstance(tokens, int) else tokens
     with FusionDefinition() as fd:
-        tv, y, counts = define_moe_block(fd, cfg, 9)
+        tv, y, counts = define_moe_block(fd, cfg, tokens)
         op = next(e for e in fd.fusion.exprs if getattr(e.op, "name", "") == "moe_experts")
         saved = op.outputs[2]
         fd.add_output(saved)
     mesh = mesh_1d(multidevice_test)
     expert_parallel(tv, y, counts, mesh)
-    shard(saved, 0, mesh)
+    shard(saved, len(shape) - 1, mesh)
     rank = multidevice_test.rank
-    glob = {"x": torch.randn(9, cfg.dim, dtype=torch.float64), **init_params(cfg)}
+    glob = {"x": torch.randn(*shape, cfg.dim, dtype=torch.float64), **init_params(cfg)}
     indices = route_torch(glob["x"], glob["gate"], cfg)[1]
-    expected = torch.stack([torch.einsum("tkfh,th->tkf", glob[w][indices], glob["x"])
-                            for w in ("w1", "w3")], 2)
+    expected = torch.stack([torch.einsum("...kfh,...h->...kf", glob[w][indices], glob["x"])
+                            for w in ("w1", "w3")], -2)
     with record_communications() as comms:
         *_, got = fd.execute([shard_tensor(glob[n], tv[n], rank) for n in ["x", *PARAMS]])
     torch.testing.assert_close(got, shard_tensor(expected, saved, rank), **TOL)
