@@ -15,7 +15,10 @@ answer the same three questions, so forward and backward are one code path:
   the order ``dispatch`` took them.
 
 Expert weights follow torchtitan's layout: ``w1``, ``w3`` ``[E, F, H]``, ``w2`` ``[E, H, F]``;
-an expert computes ``(silu(x w1^T) * (x w3^T)) w2^T``.
+an expert computes ``(silu(x w1^T) * (x w3^T)) w2^T``. Tokens may have several axes
+(``x [*tokens, H]``, ``indices`` and ``weights [*tokens, K]``): the kernels flatten them in
+row-major order and give the outputs (and the saved products ``[*tokens, K, 2, F]``) back in
+that shape.
 
 Work per step (``N = T K`` slots; docs/experts.md): the forward runs three grouped GEMMs
 (``h1``, ``h3``, ``y``), the backward six (``u = g w2``, the three weight gradients, the two
@@ -161,7 +164,10 @@ def _on_kernel(a: torch.Tensor, b: torch.Tensor):
 
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``a [N, k]`` by row groups times ``b[g]`` (``b [G, k, n]``): ``[N, n]``. PyTorch's
-    ``_grouped_mm`` on CUDA in bfloat16 (one kernel for every group), a loop elsewhere."""
+    ``_grouped_mm`` on CUDA in bfloat16 (one kernel for every group) where it is eligible:
+    rows present, every operand 16-byte aligned in one of the layouts it takes (``k`` and
+    ``n`` multiples of 8 in bfloat16; an operand is copied dense only where its strides are
+    not, :func:`_kernel_operand`); a loop of matmuls elsewhere."""
     operands = _on_kernel(a, b)
     if operands is not None:
         out = torch._grouped_mm(*operands, offs=groups.offsets)
