@@ -11,9 +11,13 @@ their backward (``moe_experts_bwd`` with a given cotangent). A seed draws, indep
   experts (group-limited choice), sometimes a bias that favours a few experts (others, and
   the ranks that hold them, left without tokens);
 - sometimes a capacity (rows an expert computes at most);
-- the layout: expert parallel (tokens and experts over the ranks), data parallel (tokens
-  only), replicated, or on a 2x2 mesh expert parallel over ``mesh_y`` with the experts' ffn
-  over ``mesh_x``.
+- the tokens: ``[T, H]``, or ``[B, S, H]`` (batch 1-3) as transformer blocks hold them;
+- the layout: expert parallel (tokens and experts over the ranks; ``[B, S, H]``: the
+  sequence), data parallel (tokens only), replicated, or on a 2x2 mesh (4 and 8 ranks: 2x4)
+  EP x TP (expert parallel over ``mesh_y``, the experts' ffn over ``mesh_x``) or EP x DP
+  (the tokens over ``mesh_y`` then ``mesh_x``, ``[B, S, H]``: the batch over ``mesh_y``
+  and the sequence over ``mesh_x``; the experts over ``mesh_x``); no capacity with EP x DP
+  or a batch above 1 (refused: the ranks would not hold the tokens in order).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Draw:
     capacity: int | None
     layout: str
     backward: bool
+    batch: int | None  # [B, S, H] tokens (S = tokens), or None: [T, H]
 
 
 def _draw(rng: random.Random, d: int) -> Draw:
@@ -53,24 +58,31 @@ def _draw(rng: random.Random, d: int) -> Draw:
     if groups:
         top_k = min(top_k, top_groups * (experts // groups))
     tokens = rng.randint(3, 16)
+    batch = rng.randint(1, 3) if rng.random() < 0.3 else None
     capacity = rng.randint(1, tokens) if rng.random() < 0.25 else None
-    layout = "ep_tp" if d == 4 and rng.random() < 0.3 else rng.choice(LAYOUTS)
+    layout = rng.choice(["ep_tp", "ep_dp"]) if d in (4, 8) and rng.random() < 0.4 else \
+        rng.choice(LAYOUTS)
+    if layout == "ep_dp" and batch == 1:  # a batch of 1 is not split
+        batch = 2
+    if layout == "ep_dp" or batch not in (None, 1):  # refused: ranks out of token order
+        capacity = None
     return Draw(experts, top_k, tokens, rng.choice([4, 8]), rng.choice([4, 6]),
                 rng.choice(["softmax", "sigmoid"]), rng.random() < 0.7,
                 rng.choice([1.0, 2.5]), groups, top_groups, rng.random() < 0.3, capacity,
-                layout, rng.random() < 0.7)
+                layout, rng.random() < 0.7, batch)
 
 
 def generate(seed: int, world_size: int) -> Program:
     """A random MoE program (see the module doc), the same on every rank for one seed."""
     x = _draw(random.Random(seed * 7919 + world_size), world_size)
     e, h, f = x.experts, x.dim, x.ffn
-    shapes = {"t0": (x.tokens, h), "t1": (e, h), "t2": (e, f, h), "t3": (e, h, f),
+    tokens = (x.tokens,) if x.batch is None else (x.batch, x.tokens)
+    shapes = {"t0": (*tokens, h), "t1": (e, h), "t2": (e, f, h), "t3": (e, h, f),
               "t4": (e, f, h)}
     if x.biased:
         shapes["t5"] = (e,)
     if x.backward:
-        shapes["t6"] = (x.tokens, h)
+        shapes["t6"] = (*tokens, h)
     bias = "t5" if x.biased else "None"
     routing = (f"top_k={x.top_k}, score={x.score!r}, normalize={x.normalize}, "
                f"scale={x.scale}, groups={x.groups}, top_groups={x.top_groups}")
@@ -84,10 +96,13 @@ def generate(seed: int, world_size: int) -> Program:
         outputs += ["t13", "t12", "t14", "t15", "t16"]
     program = Program(seed, world_size, list(shapes.items()), fd_lines,
                       _reference_lines(x), outputs)
-    mesh = [[0, 1], [2, 3]] if x.layout == "ep_tp" else list(range(world_size))
+    half = world_size // 2
+    mesh = [list(range(half)), list(range(half, world_size))] if x.layout in ("ep_tp", "ep_dp") \
+        else list(range(world_size))
     program.meshes = {"mesh": mesh}
     program.schedule = _schedule(x, shapes)
-    program.mode = ", ".join([x.layout, f"{e} experts", f"top-{x.top_k}"] + [
+    program.mode = ", ".join([x.layout, f"tokens {list(tokens)}", f"{e} experts",
+                             f"top-{x.top_k}"] + [
         words for words, drawn in (("groups", x.groups), ("biased", x.biased),
                                    (f"capacity {x.capacity}", x.capacity is not None),
                                    ("backward", x.backward)) if drawn])
@@ -104,13 +119,20 @@ def _schedule(x: Draw, shapes: dict) -> list[str]:
     if x.layout == "replicated":
         return lines
     ep, parts = ("mesh_y", 2) if x.layout == "ep_tp" else ("mesh_x", "mesh.size")
-    tokens = ["t0"] + (["t6"] if x.backward else [])
-    experts = ["t2", "t3", "t4"] if x.layout != "dp" else []
-    for name in tokens + experts:
+    seq = 0 if x.batch is None else 1  # the token axis split over the expert axis
+    if x.layout == "ep_dp":
+        parts = "mesh.size // 2"
+    for name in ["t0"] + (["t6"] if x.backward else []):
+        if x.layout == "ep_dp":  # the tokens (or the batch) over mesh_y first
+            lines += _split(name, 0, "mesh_y", 2)
+            seq += 1
+        lines += _split(name, seq, ep, parts)
+        seq -= x.layout == "ep_dp"
+    for name in ["t2", "t3", "t4"] if x.layout != "dp" else []:
         lines += _split(name, 0, ep, parts)
     if x.layout == "ep_tp":  # the ffn: axis 1 of w1 and w3, axis 2 of w2
         for name, axis in (("t2", 2), ("t3", 3), ("t4", 2)):  # (after the experts' split)
-            lines += _split(name, axis, "mesh_x", 2)
+            lines += _split(name, axis, "mesh_x", "mesh.size // 2")
     return lines
 
 
@@ -123,8 +145,10 @@ def _reference_lines(x: Draw) -> list[str]:
         "from meshfuse.ops.moe.routing import weights_of as weights_of_",
         "silu_ = torch.nn.functional.silu",
         "with torch.enable_grad():",
-        "    x_, w1_, w2_, w3_ = (t.double().requires_grad_() for t in (t0, t2, t3, t4))",
-        f"    s_ = scores_(t0.double() @ t1.double().t(), {x.score!r})",
+        "    shape_ = t0.shape[:-1]",
+        "    x_, w1_, w2_, w3_ = (t.double().requires_grad_() for t in (",
+        "        t0.reshape(-1, t0.shape[-1]), t2, t3, t4))",
+        f"    s_ = scores_(x_.detach() @ t1.double().t(), {x.score!r})",
         f"    i_ = choose_(s_, {bias}, {x.top_k}, {x.groups}, {x.top_groups})",
         f"    r_ = weights_of_(s_, i_, {x.normalize}, {x.scale}).requires_grad_()",
         "    y_, rows_ = torch.zeros_like(x_), torch.zeros(w1_.shape[0])",
@@ -134,8 +158,9 @@ def _reference_lines(x: Draw) -> list[str]:
         "        rows_[e_] = len(tok_)",
         "        h_ = silu_(x_[tok_] @ w1_[e_].t()) * (x_[tok_] @ w3_[e_].t())",
         "        y_ = y_.index_add(0, tok_, (h_ @ w2_[e_].t()) * r_[tok_, slot_, None])",
-        "    t10, t11 = y_.detach().float(), rows_",
+        "    t10, t11 = y_.detach().float().reshape(t0.shape), rows_",
     ] + ([
         "    t12, t13, t14, t15, t16 = (g.float() for g in torch.autograd.grad(",
-        "        y_, (x_, r_, w1_, w2_, w3_), t6.double()))",
+        "        y_, (x_, r_, w1_, w2_, w3_), t6.double().reshape(y_.shape)))",
+        "    t12, t13 = t12.reshape(t0.shape), t13.reshape(*shape_, -1)",
     ] if x.backward else [])

@@ -690,11 +690,28 @@ def _experts_bwd_ref(grad, *args):
         return torch.autograd.grad(y, [x, weights, w1, w2, w3], grad)
 
 
+def _experts_bsh_ref(x, idx, weights, *rest):
+    """``_experts_ref`` on tokens ``[batch, seq, ...]`` (flattened row-major)."""
+    y, rows, saved = _experts_ref(x.flatten(0, 1), idx.flatten(0, 1), weights.flatten(0, 1),
+                                  *rest)
+    return y.reshape(x.shape), rows, saved.unflatten(0, x.shape[:2])
+
+
+def _experts_bwd_bsh_ref(grad, *args):
+    leaves = [a if a.dtype == torch.int64 else a.detach().requires_grad_() for a in args]
+    with torch.enable_grad():
+        y = _experts_bsh_ref(*leaves)[0]
+        x, _, weights, w1, w2, w3 = leaves
+        return torch.autograd.grad(y, [x, weights, w1, w2, w3], grad)
+
+
 _EXPERTS = (T((6, 8)), _index((6, 2), 3), T((6, 2)), T((4, 5, 8)), T((4, 8, 5)), T((4, 5, 8)))
+_EXPERTS_BSH = (T((2, 3, 8)), _index((2, 3, 2), 3), T((2, 3, 2)), *_EXPERTS[3:])
 MOE_ROUTE = OpInfo("moe_route", (
     Sample((T((6, 8)), None, 2, "softmax", True, 1.0), _route_ref, name="softmax"),
     Sample((T((6, 8)), T((8,)), 3, "sigmoid", False, 2.5), _route_ref, name="sigmoid-bias"),
     Sample((T((5, 8)), None, 2, "sigmoid", True, 1.0, 4, 2), _route_ref, name="groups"),
+    Sample((T((2, 3, 8)), None, 2, "softmax", True, 1.0), _route_ref, name="batch-seq"),
 ), (torch.float32,))
 MOE_ROUTE_BWD = OpInfo("moe_route_bwd", (
     Sample((T((6, 2)), T((6, 8))), _route_bwd_ref, name="softmax",
@@ -707,10 +724,15 @@ MOE_TOKEN_COUNTS = OpInfo("moe_token_counts", (
 MOE_EXPERTS = OpInfo("moe_experts", (
     Sample(_EXPERTS, _experts_ref, name="4-experts"),
     Sample((*_EXPERTS, 2), _experts_ref, name="capacity-2"),
+    Sample(_EXPERTS_BSH, _experts_bsh_ref, name="batch-seq"),
+    Sample((*_EXPERTS_BSH, 1), _experts_bsh_ref, name="batch-seq-capacity-1"),
 ), (torch.float32,))
 MOE_EXPERTS_BWD = OpInfo("moe_experts_bwd", (
     Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="4-experts"),
     Sample((T((6, 8)), *_EXPERTS), _experts_bwd_ref, name="saved",
+           define=lambda o, g, *args: o.moe_experts_bwd(g, *args, None,
+                                                        o.moe_experts(*args)[2])),
+    Sample((T((2, 3, 8)), *_EXPERTS_BSH), _experts_bwd_bsh_ref, name="batch-seq-saved",
            define=lambda o, g, *args: o.moe_experts_bwd(g, *args, None,
                                                         o.moe_experts(*args)[2])),
 ), (torch.float32,))

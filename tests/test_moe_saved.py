@@ -1,9 +1,10 @@
 """``moe_experts``' saved products: the backward of the routed experts reads the forward's
 ``h1 = x w1^T`` and ``h3 = x w3^T`` (token-slot order, ``[T, K, 2, F]``) instead of
 recomputing them, on one rank's experts (unsharded, tokens split, ffn split), and recomputes
-them where expert parallelism runs the experts (where a fusion reads them itself, they come
-back with one more exchange). Float64 against plain PyTorch; the grouped GEMMs each way
-counted (3 forward; 6 backward with saved products, 8 without)."""
+them where expert parallelism runs the experts, EP x DP too (where a fusion reads them
+itself, they come back with one more exchange). Tokens ``[T, H]`` or ``[B, S, H]`` (saved
+``[B, S, K, 2, F]``). Float64 against plain PyTorch; the grouped GEMMs each way counted (3
+forward; 6 backward with saved products, 8 without)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from mesh_helpers import mesh_1d, shard
 
-from meshfuse import FusionDefinition, shard_tensor
+from meshfuse import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
 from meshfuse.examples.moe import (
     PARAMS,
     MoEConfig,
@@ -32,16 +33,19 @@ GEMMS = ("grouped_rows_mm", "grouped_outer")
 
 
 def _schedule(layout: str, tv: dict, y, counts, mesh) -> None:
-    """``dp``: the tokens split (experts whole on every rank); ``tp``: the experts' ffn
-    split (tokens whole); ``ep``: expert parallel."""
-    if layout == "ep":
-        expert_parallel(tv, y, counts, mesh)
+    """``dp``: the tokens split (experts whole on every rank; ``seq``: the second token axis
+    of ``[B, S, H]``); ``tp``: the experts' ffn split (tokens whole); ``ep``: expert
+    parallel; ``ep_dp``: a 2 x n/2 mesh, the tokens over mesh_y and mesh_x, the experts
+    over mesh_x."""
+    if layout in ("ep", "ep_dp"):
+        dp = ParallelType.mesh_y if layout == "ep_dp" else None
+        expert_parallel(tv, y, counts, mesh, dp=dp)
         return
     for t in (*tv.values(), y, counts):
         t.set_device_mesh(mesh)
-    if layout == "dp":
+    if layout in ("dp", "seq"):
         for t in (tv["x"], y):
-            shard(t, 0, mesh)
+            shard(t, 1 if layout == "seq" else 0, mesh)
     else:
         for name, axis in (("w1", 1), ("w2", 2), ("w3", 1)):
             shard(tv[name], axis, mesh)
@@ -62,18 +66,19 @@ def _counting(monkeypatch) -> Counter:
     return calls
 
 
-def _run(multidevice_test, monkeypatch, layout: str, cfg: MoEConfig, tokens: int):
-    """The block fwd+bwd on this test's ranks against PyTorch; returns the grouped GEMMs
-    counted in the forward and in the backward."""
+def _run(multidevice_test, monkeypatch, layout: str, cfg: MoEConfig, tokens, mesh=None):
+    """The block fwd+bwd on this test's ranks (``tokens``: ``T`` or ``(B, S)``) against
+    PyTorch; returns the grouped GEMMs counted in the forward and in the backward."""
     rank = multidevice_test.rank
     with FusionDefinition() as fd:
         tv, y_tv, counts_tv = define_moe_block(fd, cfg, tokens)
     if layout != "none":
-        _schedule(layout, tv, y_tv, counts_tv, mesh_1d(multidevice_test))
+        _schedule(layout, tv, y_tv, counts_tv, mesh or mesh_1d(multidevice_test))
     params = init_params(cfg)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, cfg.dim, generator=gen, dtype=torch.float64)
-    dy = torch.randn(tokens, cfg.dim, generator=gen, dtype=torch.float64)
+    shape = (tokens,) if isinstance(tokens, int) else tokens
+    x = torch.randn(*shape, cfg.dim, generator=gen, dtype=torch.float64)
+    dy = torch.randn(*shape, cfg.dim, generator=gen, dtype=torch.float64)
     leaves = {n: t.clone().requires_grad_() for n, t in {"x": x, **params}.items()}
     y_ref, _ = moe_block_torch({n: leaves[n] for n in PARAMS}, leaves["x"], cfg)
     y_ref.backward(dy)
@@ -116,6 +121,42 @@ def test_sharded_block_backward_reads_saved_products(multidevice_test, monkeypat
     assert backward == Counter({"grouped_rows_mm": 3, "grouped_outer": 3})
 
 
+def test_unsharded_block_of_batch_and_sequence_reads_saved_products(monkeypatch):
+    """Tokens ``[B, S, H]``: the saved products ``[B, S, K, 2, F]`` are read as well."""
+    cfg = MoEConfig(experts=5, top_k=2, ffn=6)
+    forward, backward = _run(type("One", (), {"rank": 0, "size": 1}), monkeypatch,
+                             "none", cfg, (2, 5))
+    assert forward == Counter({"grouped_rows_mm": 3})
+    assert backward == Counter({"grouped_rows_mm": 3, "grouped_outer": 3})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ["dp", "seq", "tp"])
+def test_sharded_block_of_batch_and_sequence_reads_saved_products(multidevice_test,
+                                                                   monkeypatch, layout):
+    """Tokens ``[B, S, H]`` split over the batch or the sequence (uneven at 3 and 4 ranks),
+    or the ffn split: each rank saves and reads its part of ``[B, S, K, 2, F]``."""
+    cfg = MoEConfig(experts=6, top_k=3, ffn=8)
+    forward, backward = _run(multidevice_test, monkeypatch, layout, cfg, (3, 5))
+    assert forward == Counter({"grouped_rows_mm": 3})
+    assert backward == Counter({"grouped_rows_mm": 3, "grouped_outer": 3})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tokens", [13, (2, 7)], ids=["tokens", "batch_seq"])
+def test_expert_and_data_parallel_backward_recomputes_products(multidevice_test,
+                                                                monkeypatch, tokens):
+    """EP x DP (2 x n/2 meshes at 4 ranks): expert-parallel within each data-parallel
+    group, so the backward recomputes h1 and h3 where the experts live, as under EP."""
+    if multidevice_test.size != 4:
+        pytest.skip("EP x DP here: a 2x2 mesh")
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    cfg = MoEConfig(experts=5, top_k=2)
+    forward, backward = _run(multidevice_test, monkeypatch, "ep_dp", cfg, tokens, mesh)
+    assert forward == Counter({"grouped_rows_mm": 3})
+    assert backward == Counter({"grouped_rows_mm": 5, "grouped_outer": 3})
+
+
 @pytest.mark.mpi
 def test_expert_parallel_backward_recomputes_products(multidevice_test, monkeypatch):
     """Expert-parallel, the rows of a rank's tokens are computed on the experts' ranks: the
@@ -128,24 +169,27 @@ def test_expert_parallel_backward_recomputes_products(multidevice_test, monkeypa
 
 
 @pytest.mark.mpi
-def test_expert_parallel_saved_products_come_back_when_read(multidevice_test):
+@pytest.mark.parametrize("tokens", [9, (2, 5)], ids=["tokens", "batch_seq"])
+def test_expert_parallel_saved_products_come_back_when_read(multidevice_test, tokens):
     """Expert-parallel, a fusion that reads the saved products itself gets them (each
-    rank its tokens' slots, ``x w1^T`` and ``x w3^T`` of the slot's expert) with one more
-    ragged all-to-all than the forward's two (none alone on the mesh axis)."""
+    rank its tokens' slots, ``x w1^T`` and ``x w3^T`` of the slot's expert; ``[B, S, H]``
+    tokens: the sequence split, ``saved [B, S, K, 2, F]`` likewise) with one more ragged
+    all-to-all than the forward's two (none alone on the mesh axis)."""
     cfg = MoEConfig(experts=5, top_k=2)
+    shape = (tokens,) if isinstance(tokens, int) else tokens
     with FusionDefinition() as fd:
-        tv, y, counts = define_moe_block(fd, cfg, 9)
+        tv, y, counts = define_moe_block(fd, cfg, tokens)
         op = next(e for e in fd.fusion.exprs if getattr(e.op, "name", "") == "moe_experts")
         saved = op.outputs[2]
         fd.add_output(saved)
     mesh = mesh_1d(multidevice_test)
     expert_parallel(tv, y, counts, mesh)
-    shard(saved, 0, mesh)
+    shard(saved, len(shape) - 1, mesh)
     rank = multidevice_test.rank
-    glob = {"x": torch.randn(9, cfg.dim, dtype=torch.float64), **init_params(cfg)}
+    glob = {"x": torch.randn(*shape, cfg.dim, dtype=torch.float64), **init_params(cfg)}
     indices = route_torch(glob["x"], glob["gate"], cfg)[1]
-    expected = torch.stack([torch.einsum("tkfh,th->tkf", glob[w][indices], glob["x"])
-                            for w in ("w1", "w3")], 2)
+    expected = torch.stack([torch.einsum("...kfh,...h->...kf", glob[w][indices], glob["x"])
+                            for w in ("w1", "w3")], -2)
     with record_communications() as comms:
         *_, got = fd.execute([shard_tensor(glob[n], tv[n], rank) for n in ["x", *PARAMS]])
     torch.testing.assert_close(got, shard_tensor(expected, saved, rank), **TOL)

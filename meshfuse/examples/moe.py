@@ -5,9 +5,11 @@ optionally biased and group-limited choice), ``experts`` small SwiGLU experts co
 token's top-k slots, and one shared SwiGLU expert every token goes through; the output is the
 weighted sum of the routed experts plus the shared one.
 
-- :func:`define_moe_block` adds the block to a ``FusionDefinition``; :func:`expert_parallel`
-  schedules it: tokens and the experts split over one mesh axis (expert parallelism), the
-  experts' ffn optionally over another (tensor parallelism of the experts);
+- :func:`define_moe_block` adds the block to a ``FusionDefinition`` (tokens ``[T, dim]`` or
+  ``[batch, seq, dim]``); :func:`expert_parallel` schedules it: tokens and the experts split
+  over one mesh axis (expert parallelism), the experts' ffn optionally over another (tensor
+  parallelism of the experts: EP x TP), or the tokens also over another (data parallelism:
+  EP x DP);
 - :func:`moe_block_torch` is the reference, plain PyTorch on whole tensors (a loop over the
   experts, each computing the tokens that chose it);
 - :func:`init_params` draws the weights.
@@ -73,12 +75,15 @@ def _swiglu(o, x, w1, w2, w3):
     return o.linear(o.cast(o.mul(o.silu(o.linear(x, w1)), o.linear(x, w3)), x.dtype), w2)
 
 
-def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType.Double):
-    """Adds the block's inputs (``x [tokens, dim]``, the weights of :data:`PARAMS`, and
-    ``bias [experts]`` when ``cfg.biased``) and ops to ``fd``; adds the output ``y`` and the
-    token counts per expert. Returns ``(tensors by name, y, counts)``."""
+def define_moe_block(fd, cfg: MoEConfig, tokens: int | tuple[int, ...],
+                     dtype: DataType = DataType.Double):
+    """Adds the block's inputs (``x [tokens, dim]``, or ``[batch, seq, dim]`` for ``tokens =
+    (batch, seq)``; the weights of :data:`PARAMS`, and ``bias [experts]`` when
+    ``cfg.biased``) and ops to ``fd``; adds the output ``y`` and the token counts per
+    expert. Returns ``(tensors by name, y, counts)``."""
     o = fd.ops
-    tv = {"x": fd.define_tensor([tokens, cfg.dim], dtype=dtype)}
+    token_shape = [tokens] if isinstance(tokens, int) else list(tokens)
+    tv = {"x": fd.define_tensor([*token_shape, cfg.dim], dtype=dtype)}
     for name, shape in cfg.shapes().items():
         tv[name] = fd.define_tensor(list(shape), dtype=dtype)
     if cfg.biased:
@@ -89,7 +94,7 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
         logits = o.cast(logits, DataType.Float)
     weights, indices = o.moe_route(logits, tv.get("bias"), **cfg.routing())
     routed, counts, _ = o.moe_experts(x, indices, weights, tv["w1"], tv["w2"], tv["w3"],
-                                      cfg.capacity(tokens))
+                                      cfg.capacity(math.prod(token_shape)))
     y = o.add(routed, _swiglu(o, x, tv["shared_w1"], tv["shared_w2"], tv["shared_w3"]))
     fd.add_output(y)
     fd.add_output(counts)
@@ -97,23 +102,37 @@ def define_moe_block(fd, cfg: MoEConfig, tokens: int, dtype: DataType = DataType
 
 
 def expert_parallel(tv: dict, y, counts, mesh, ep: ParallelType = ParallelType.mesh_x,
-                    tp: ParallelType | None = None) -> None:
+                    tp: ParallelType | None = None, dp: ParallelType | None = None) -> None:
     """Schedules the block's tensors: tokens (``x``, ``y``) and the routed experts (axis 0
     of ``w1``, ``w2``, ``w3``; and ``counts``) split in blocks over ``ep``; with ``tp``, the
-    experts' ffn axis over ``tp`` too. The router and the shared expert are replicated."""
+    experts' ffn axis over ``tp`` too; with ``dp``, the tokens split over ``dp`` first
+    (data parallel: each ``dp`` coordinate its own tokens, its own ``ep`` group of every
+    expert). Tokens ``[batch, seq, dim]``: the sequence over ``ep``, the batch over ``dp``.
+    The router and the shared expert are replicated."""
     for t in (*tv.values(), y, counts):
         t.set_device_mesh(mesh)
-    for t in (tv["x"], y, tv["w1"], tv["w2"], tv["w3"], counts):
+    for t in (tv["x"], y):
+        if t.ndim == 3:
+            _split(t, 1, mesh, ep)
+            if dp is not None:
+                _split(t, 0, mesh, dp)
+        else:
+            _split(t, 0, mesh, *(pt for pt in (dp, ep) if pt is not None))
+    for t in (tv["w1"], tv["w2"], tv["w3"], counts):
         _split(t, 0, mesh, ep)
     if tp is not None:
         for name, axis in (("w1", 1), ("w2", 2), ("w3", 1)):
             _split(tv[name], axis, mesh, tp)
 
 
-def _split(t, axis: int, mesh, pt: ParallelType) -> None:
+def _split(t, axis: int, mesh, *pts: ParallelType) -> None:
+    """Splits ``t``'s axis ``axis`` in blocks over each of ``pts`` in turn (the next one
+    splitting what the previous left)."""
     pos = t.loop.index(t.logical[axis])
-    t.split(pos, mesh.axis_size(pt), inner_split=False)
-    t.parallelize(pos, pt)
+    for pt in pts:
+        t.split(pos, mesh.axis_size(pt), inner_split=False)
+        t.parallelize(pos, pt)
+        pos += 1
 
 
 def route_torch(x, gate, cfg: MoEConfig, bias=None):
@@ -125,7 +144,11 @@ def route_torch(x, gate, cfg: MoEConfig, bias=None):
 
 def moe_block_torch(params: dict, x: torch.Tensor, cfg: MoEConfig, bias=None):
     """The block on whole tensors: ``(y, rows each expert computed)``; with a capacity, an
-    expert computes its first rows by token order only."""
+    expert computes its first rows by token order only. ``x [tokens, dim]`` or ``[batch,
+    seq, dim]``."""
+    if x.ndim > 2:
+        y, computed = moe_block_torch(params, x.reshape(-1, x.shape[-1]), cfg, bias)
+        return y.reshape(x.shape), computed
     weights, indices, _ = route_torch(x, params["gate"], cfg, bias)
     y = torch.zeros_like(x)
     capacity = cfg.capacity(x.shape[0])

@@ -257,6 +257,12 @@ class OpDef:
             before resharding: it may check the propagated shardings (raising
             ShardingError) and rewrite ``expr.id_map`` or its outputs' unpinned
             parallelization (grouped-query attention with replicated key/value heads).
+        own_partials: ``own_partials(expr, out)``, called on the schedule the engine derives
+            for output ``out`` from the op's inputs (resharding's natural output): marks the
+            partial sums the implementation leaves that the domain map does not show (an
+            expert-parallel ``moe_experts`` whose tokens are also split over data-parallel
+            mesh axes: its per-expert outputs, mapped from no token axis by its ``plan``, are
+            partial over those).
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
             arguments the implementation gets on the rank described by ``here`` (a
             :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
@@ -283,6 +289,7 @@ class OpDef:
     localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
     expands_broadcasts: bool = False
     plan: Callable[[Any], None] | None = None
+    own_partials: Callable[[Any, Any], None] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -132,6 +132,8 @@ def _natural(expr: Expr, out: TensorView, inputs: list[TensorView],
         # cannot carry its arguments' (those are reduced first).
         if expr.op.partial_reduce is None or not partial_carried(expr, scratch, id_, inputs):
             del scratch.parallel[id_]
+    if expr.op.own_partials is not None and scratch.mesh is not None:
+        expr.op.own_partials(expr, scratch)
     return scratch
 
 

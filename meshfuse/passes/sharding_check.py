@@ -118,7 +118,9 @@ def _check_expr(expr: Expr, extents) -> None:
             # A broadcast output axis comes from broadcast input axes (nvFuser parallelizes
             # them over a mesh axis of one device); any other axis from real ones.
             real = [s for s in sources if not s.is_broadcast or out_id.is_broadcast]
-            if not real and device_ids(out).get(out_id):
+            # (a partial sum of the op's own, OpDef.own_partials, comes from no input axis)
+            own = out_id.is_reduction and expr.op.own_partials is not None
+            if not real and not own and device_ids(out).get(out_id):
                 raise ShardingError(
                     f"{format_expr(expr)}: axis {axis} of {out.name} is sharded "
                     f"({describe(owner_map(out, out_id, extents))}) but is not mapped from any "

@@ -1,18 +1,20 @@
 """``moe_experts`` and ``moe_experts_bwd``: the routed SwiGLU experts of a mixture-of-experts
 layer, each token's top-k slots computed by their experts and summed with their weights.
 
-Arguments: tokens ``x [T, H]``, the routing ``indices [T, K]`` (int) and ``weights [T, K]``
-(:mod:`meshfuse.ops.moe.routing`), the expert weights ``w1``, ``w3`` ``[E, F, H]``, ``w2``
-``[E, H, F]``, and ``capacity``: None (dropless, the default) or the rows an expert computes
-at most, its first by token order (the others are dropped: they add nothing to their token).
-Outputs: ``[T, H]``, the rows each expert computed, ``[E]``, and ``saved [T, K, 2, F]``: the
-products ``x w1^T`` and ``x w3^T`` of each token slot (its expert's), in token-slot order, the
-residual ``moe_experts_bwd`` reads instead of recomputing them (docs/experts.md). ``saved`` is
-computed only where something reads it. The VJP reads it on one rank's experts without a
-capacity; expert-parallel, the rows are computed on the experts' ranks (bringing them back
-would cost one more all-to-all of ``2 F`` values a row), and the backward recomputes the
-products there instead (the op returns them, with that exchange, only to a fusion that
-reads them itself).
+Arguments: tokens ``x [*tokens, H]`` (one token axis ``[T]``, or several: ``[B, S]`` as
+torchtitan's and Hugging Face's blocks pass them), the routing ``indices [*tokens, K]``
+(int) and ``weights [*tokens, K]`` (:mod:`meshfuse.ops.moe.routing`), the expert weights
+``w1``, ``w3`` ``[E, F, H]``, ``w2`` ``[E, H, F]``, and ``capacity``: None (dropless, the
+default) or the rows an expert computes at most, its first by token order (row-major; the
+others are dropped: they add nothing to their token).
+Outputs: ``[*tokens, H]``, the rows each expert computed, ``[E]``, and ``saved [*tokens, K,
+2, F]``: the products ``x w1^T`` and ``x w3^T`` of each token slot (its expert's), in
+token-slot order, the residual ``moe_experts_bwd`` reads instead of recomputing them
+(docs/experts.md). ``saved`` is computed only where something reads it. The VJP reads it on
+one rank's experts without a capacity; expert-parallel (EP x DP included), the rows are
+computed on the experts' ranks (bringing them back would cost one more all-to-all of ``2 F``
+values a row), and the backward recomputes the products there instead (the op returns them,
+with that exchange, only to a fusion that reads them itself).
 
 Domain map: the output's tokens and hidden axis follow ``x``'s; the experts' ffn axis ``F``
 is a reduction of the output (sharded: each rank's part is a partial sum, tensor
@@ -26,7 +28,9 @@ also shards the tokens, the op runs expert-parallel (:func:`expert_parallel`): e
 keeps its experts, its tokens travel to the ranks of their experts and back (a ragged
 all-to-all, lowered by :mod:`meshfuse.parallel.experts`). Its ``plan`` rule makes the
 counts (and the backward's weight gradients) complete there: each rank's experts saw every
-token routed to them.
+token routed to them. Token axes also split over other mesh axes (data parallelism, EP x
+DP: each coordinate there an expert group of its own tokens) leave them partial over those
+(:func:`own_partials`), reduced after the op.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ _WEIGHTS = ("w1", "w2", "w3")
 
 
 def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
-    """Checks the arguments; returns ``(T, K, H, E, F)`` (None where symbolic)."""
+    """Checks the arguments; returns ``(token shape, K, H, E, F)`` (None where symbolic)."""
     metas = {"x": x, "indices": indices, "weights": weights, "w1": w1, "w2": w2, "w3": w3}
     for name, m in metas.items():
         require_tensor(op, name, m)
-    ranks = {"x": 2, "indices": 2, "weights": 2, "w1": 3, "w2": 3, "w3": 3}
+    if x.ndim < 2:
+        raise DefinitionError(f"{op}: x must be [..., T, H] (2 axes or more), got {x.ndim}")
+    ranks = {"indices": x.ndim, "weights": x.ndim, "w1": 3, "w2": 3, "w3": 3}
     for name, n in ranks.items():
         if metas[name].ndim != n:
             raise DefinitionError(f"{op}: {name} must have {n} axes, got {metas[name].ndim}")
@@ -56,17 +62,28 @@ def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
         raise DefinitionError(f"{op}: indices must be integers, got {indices.dtype.name}")
     if len({x.dtype, w1.dtype, w2.dtype, w3.dtype}) > 1 or not x.dtype.is_floating:
         raise DefinitionError(f"{op}: x, w1, w2 and w3 must have one floating dtype")
-    t, h = x.shape
-    k, e, f = indices.shape[1], w1.shape[0], w1.shape[1]
-    expected = {"indices": (t, k), "weights": (t, k), "w1": (e, f, h), "w2": (e, h, f),
+    t, h = tuple(x.shape[:-1]), x.shape[-1]
+    k, e, f = indices.shape[-1], w1.shape[0], w1.shape[1]
+    expected = {"indices": (*t, k), "weights": (*t, k), "w1": (e, f, h), "w2": (e, h, f),
                 "w3": (e, f, h)}
     for name, shape in expected.items():
         for axis, (got, want) in enumerate(zip(metas[name].shape, shape)):
             if None not in (got, want) and got != want:
                 raise DefinitionError(
-                    f"{op}: axis {axis} of {name} has {got} but {want} was expected "
-                    f"(x [T, H], indices and weights [T, K], w1 and w3 [E, F, H], w2 [E, H, F])")
+                    f"{op}: axis {axis} of {name} has {got} but {want} was expected (x "
+                    "[*tokens, H], indices and weights [*tokens, K], w1 and w3 [E, F, H], "
+                    "w2 [E, H, F])")
     return t, k, h, e, f
+
+
+def _token_axes(t: tuple, metas: tuple, first: int, iter_type=None, extra=None) -> tuple:
+    """One axis per token axis, mapped from that axis of the inputs ``first, first + 1,
+    ...`` (the tensors ``metas`` give its kind: iteration, or ``iter_type``) and, where
+    ``extra`` is given (:func:`_saved_sources`), of ``moe_experts_bwd``'s ``saved``."""
+    extra = extra or (lambda *pairs: ())
+    return tuple(AxisSpec(n, iter_type or metas[0].iter_types[i],
+                          (*((first + j, i) for j in range(len(metas))), *extra((7, i))))
+                 for i, n in enumerate(t))
 
 
 def _check_capacity(op: str, capacity) -> None:
@@ -79,23 +96,23 @@ def _check_capacity(op: str, capacity) -> None:
 def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
     t, _, h, e, f = _check("moe_experts", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts", capacity)
-    tokens = ((0, 0), (1, 0), (2, 0))
-    out = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((0, 1),)),
+    last = x.ndim - 1
+    out = (*_token_axes(t, (x, indices, weights), 0),
+           AxisSpec(h, x.iter_types[last], ((0, last),)),
            AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
     counts = (AxisSpec(e, w1.iter_types[0], ((3, 0), (4, 0), (5, 0))),
-              AxisSpec(t, IterType.Reduction, tokens))
+              *_token_axes(t, (x, indices, weights), 0, IterType.Reduction))
     return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts),
-            OutSpec(x.dtype, _saved_axes(x, indices, w1))]
+            OutSpec(x.dtype, _saved_axes(x, indices, weights, w1))]
 
 
-def _saved_axes(x, indices, w1, first: int = 0) -> tuple:
-    """``saved [T, K, 2, F]``'s axes; ``first``: the position of ``x`` among the tensor
-    arguments."""
-    t, k, f = x.shape[0], indices.shape[1], w1.shape[1]
-    x_, i, w = first, first + 1, first + 3
-    return (AxisSpec(t, x.iter_types[0], ((x_, 0), (i, 0), (i + 1, 0))),
-            AxisSpec(k, indices.iter_types[1], ((i, 1), (i + 1, 1))), AxisSpec(2),
-            AxisSpec(f, w1.iter_types[1], ((w, 1), (w + 1, 2), (w + 2, 1))))
+def _saved_axes(x, indices, weights, w1) -> tuple:
+    """``saved [*tokens, K, 2, F]``'s axes: the token axes follow ``x``'s, ``K``
+    ``indices``', ``F`` the weights'."""
+    t, last = tuple(x.shape[:-1]), indices.ndim - 1
+    return (*_token_axes(t, (x, indices, weights), 0),
+            AxisSpec(indices.shape[-1], indices.iter_types[last], ((1, last), (2, last))),
+            AxisSpec(2), AxisSpec(w1.shape[1], w1.iter_types[1], ((3, 1), (4, 2), (5, 1))))
 
 
 def _experts(x, indices, weights, w1, w2, w3, capacity, residual: bool = False):
@@ -140,6 +157,11 @@ def _on_one_device(tv: TensorView, axis: int) -> bool:
     return all(tv.mesh.axis_size(pt) == 1 for pt in _mesh_types(tv, axis))
 
 
+def _token_types(tv: TensorView) -> list:
+    """The device parallel types splitting the token axes of ``tv`` (all but its last)."""
+    return [pt for axis in range(len(tv.materialized()) - 1) for pt in _mesh_types(tv, axis)]
+
+
 def expert_parallel(expr):
     """The device parallel type the op's experts are split over, expert-parallel (its tokens
     sharded over the same mesh axis), or None."""
@@ -147,42 +169,50 @@ def expert_parallel(expr):
         return None
     args = _args(expr)
     expert_types = _mesh_types(args["w1"], 0)
-    if len(expert_types) != 1 or expert_types[0] not in _mesh_types(args["x"], 0):
+    if len(expert_types) != 1 or expert_types[0] not in _token_types(args["x"]):
         return None
     return expert_types[0]
+
+
+def _tokens(expr) -> set:
+    """The token axes of the op's token inputs (x, indices, weights, grad)."""
+    args = _args(expr)
+    return {i for n in ("x", "indices", "weights", "grad") if n in args
+            for i in args[n].materialized()[:-1]}
 
 
 def whole_axes(expr) -> set:
     """Hidden axes, the slots and (unless expert-parallel) the experts, needed whole."""
     args = _args(expr)
-    def axis(name: str, a: int):
-        return args[name].materialized()[a]
-
-    whole = {axis("x", 1), axis("indices", 1), axis("weights", 1), axis("w1", 2),
-             axis("w3", 2), axis("w2", 1)}
-    if "grad" in args:
-        whole.add(axis("grad", 1))
-    if args.get("saved") is not None:
-        whole |= {axis("saved", 1), axis("saved", 2)}
+    whole = {args[n].materialized()[-1] for n in ("x", "indices", "weights", "grad")
+             if n in args}
+    whole |= {args["w1"].materialized()[2], args["w3"].materialized()[2],
+              args["w2"].materialized()[1]}
+    if args.get("saved") is not None:  # its slots and its pair of products
+        whole |= set(args["saved"].materialized()[-3:-1])
     if expert_parallel(expr) is None:
-        whole |= {axis(n, 0) for n in _WEIGHTS if not _on_one_device(args[n], 0)}
+        whole |= {args[n].materialized()[0] for n in _WEIGHTS
+                  if not _on_one_device(args[n], 0)}
         if args["capacity"] is not None:  # a capacity counts rows in global token order
-            whole |= {t.materialized()[0] for t in expr.tensor_inputs
-                      if len(t.materialized()) == 2}
+            whole |= _tokens(expr)
     return whole
 
 
 def check_sharding(expr) -> None:
-    """Expert parallelism needs the three weights' experts split alike, in blocks."""
+    """Expert parallelism needs the three weights' experts split alike, in blocks; with a
+    capacity, the tokens in blocks over the expert axis only (ranks hold them in order)."""
     pt = expert_parallel(expr)
     if pt is None:
         return
     args = _args(expr)
     x = args["x"]
-    if args["capacity"] is not None and not _block_split(x):
+    if args["capacity"] is not None and not _in_token_order(x, pt):
         raise ShardingError(
-            f"{expr.op.name}: with a capacity, the tokens of {x.name} (axis 0) must be split "
-            "in blocks (an outer split), so that ranks hold them in token order")
+            f"{expr.op.name}: with a capacity, the tokens of {x.name} must be split in blocks "
+            f"(an outer split) of one axis over {pt.value} only, the token axes before it of "
+            "extent 1, so that ranks hold them in token order and see every token routed to "
+            "their experts; drop the capacity or the other splits (data parallelism would "
+            "drop rows per replica)")
     for name in _WEIGHTS:
         tv = args[name]
         if _mesh_types(tv, 0) != [pt] or not _block_split(tv):
@@ -192,26 +222,67 @@ def check_sharding(expr) -> None:
                 "inner_split=False over the same mesh axis")
 
 
-def _block_split(tv: TensorView) -> bool:
-    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.materialized()[0]]
+def _block_split(tv: TensorView, axis: int = 0) -> bool:
+    splits = [t for t in tv.transforms if getattr(t, "in_id", None) is tv.materialized()[axis]]
     return len(splits) == 1 and not splits[0].inner_split and not splits[0].zigzag
+
+
+def _in_token_order(x: TensorView, pt) -> bool:
+    """Whether the ranks along ``pt`` hold ``x``'s tokens in row-major order, in blocks: one
+    token axis split over ``pt`` only, in blocks, the axes before it of extent 1."""
+    axes = [a for a in range(len(x.materialized()) - 1) if _mesh_types(x, a)]
+    return (len(axes) == 1 and _mesh_types(x, axes[0]) == [pt] and _block_split(x, axes[0])
+            and all(x.materialized()[a].extent == 1 for a in range(axes[0])))
 
 
 def plan(expr) -> None:
     """Expert-parallel: the per-expert outputs (counts, weight gradients) are complete over
     the expert mesh axis (each rank's experts received every token routed to them), so
-    their reduction over the tokens maps from nothing there."""
-    pt = expert_parallel(expr)
-    if pt is None:
+    their reductions over the tokens map from nothing; the tokens' other mesh axes (data
+    parallelism: each coordinate its own tokens) leave them partial there
+    (:func:`own_partials`), reduced after the op. Outputs the user pinned keep their
+    schedule (the engine reduces into it)."""
+    if expert_parallel(expr) is None:
         return
-    token_ids = {t.materialized()[0] for t in expr.tensor_inputs if len(t.materialized()) == 2}
-    for out in expr.tensor_outputs:
-        for out_id in out.logical:
-            sources = expr.id_map.get(out_id, ())
-            if out_id.is_reduction and set(sources) & token_ids:
-                expr.id_map[out_id] = ()
+    pinned = getattr(expr.tensor_outputs[0].fusion, "user_scheduled", set())
+    for out, reductions in _per_expert_reductions(expr):
+        for out_id in reductions:
+            expr.id_map[out_id] = ()
+            if out not in pinned:
                 for leaf, _ in device_ids(out).get(out_id, []):
                     del out.parallel[leaf]
+        if out not in pinned:
+            own_partials(expr, out)
+
+
+def _per_expert_reductions(expr) -> list:
+    """``(output, its reductions over the token axes, in order)`` of the per-expert
+    outputs."""
+    return [(expr.tensor_outputs[out], expr.tensor_outputs[out].logical[first:])
+            for out, first in _TOKEN_REDUCTIONS[expr.op.name].items()]
+
+
+def own_partials(expr, out) -> None:
+    """Expert-parallel with the tokens also split over other mesh axes (EP x DP): ``out``'s
+    reductions over the tokens partial over those (each token axis's reduction split in
+    blocks over the mesh axes, other than the experts', that split that axis of ``x``)."""
+    pt = expert_parallel(expr)
+    x = _args(expr)["x"]
+    if pt is None or out.mesh != x.mesh:
+        return
+    used = {p for p in out.parallel.values() if p.is_device}
+    reductions = dict(_per_expert_reductions(expr)).get(
+        next((o for o in expr.tensor_outputs if o.logical == out.logical), None), ())
+    for axis, out_id in enumerate(reductions):
+        data = [t for t in _mesh_types(x, axis) if t != pt and t not in used and
+                x.mesh.axis_size(t) > 1]
+        if out_id not in out.loop or device_ids(out).get(out_id) or not data:
+            continue
+        pos = out.loop.index(out_id)
+        for dp in data:
+            out.split(pos, x.mesh.axis_size(dp), inner_split=False)
+            out.parallelize(pos, dp)
+            pos += 1
 
 
 def _experts_grads(d, grads):
@@ -232,6 +303,8 @@ def _experts_grads(d, grads):
 
 
 EXPERT_OPS = ("moe_experts", "moe_experts_bwd")
+# per-expert output -> its first logical axis that reduces over the tokens (one per token axis)
+_TOKEN_REDUCTIONS = {"moe_experts": {1: 1}, "moe_experts_bwd": {2: 3, 3: 3, 4: 3}}
 _PARAMS = (tensor("x"), tensor("indices"), tensor("weights"), *map(tensor, _WEIGHTS),
            attr("capacity", None))
 
@@ -243,8 +316,8 @@ register(OpDef(
     "over a mesh axis that shards the tokens: expert parallel (ragged all-to-all), else "
     "gathered",
     prefer_inputs=(3, 4, 5), output_layout="contiguous", whole_axes=whole_axes,
-    check_sharding=check_sharding, plan=plan, vjp=Vjp(_experts_grads, differentiable=(0,)),
-    localize=localize,
+    check_sharding=check_sharding, plan=plan, own_partials=own_partials,
+    vjp=Vjp(_experts_grads, differentiable=(0,)), localize=localize,
 ))
 
 
@@ -252,25 +325,27 @@ def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
     t, k, h, e, f = _check("moe_experts_bwd", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts_bwd", capacity)
     require_tensor("moe_experts_bwd", "grad", grad)
-    if grad.ndim != 2 or any(None not in (a, b) and a != b for a, b in zip(grad.shape, (t, h))):
-        raise DefinitionError(f"moe_experts_bwd: grad must be [T, H] = [{t}, {h}], got "
+    if grad.ndim != x.ndim or any(None not in (a, b) and a != b
+                                  for a, b in zip(grad.shape, (*t, h))):
+        raise DefinitionError(f"moe_experts_bwd: grad must be [*tokens, H] = {[*t, h]}, got "
                               f"{list(grad.shape)}")
-    _check_saved(saved, capacity, x, (t, k, 2, f))
-    extra = _saved_sources(saved)
-    tokens = ((0, 0), (1, 0), (2, 0), (3, 0), *extra((7, 0)))
-    rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1), *extra((7, 3))))
-    rt = AxisSpec(t, IterType.Reduction, tokens)
+    _check_saved(saved, capacity, x, (*t, k, 2, f))
+    extra, n = _saved_sources(saved), len(t)
+    last, args = x.ndim - 1, (grad, x, indices, weights)
+    rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1), *extra((7, n + 2))))
+    rt = _token_axes(t, args, 0, IterType.Reduction, extra)
     experts = AxisSpec(e, w1.iter_types[0], ((4, 0), (5, 0), (6, 0)))
-    ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1), *extra((7, 3))))
+    ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1), *extra((7, n + 2))))
     hidden = AxisSpec(h, w1.iter_types[2], ((4, 2), (5, 1), (6, 2)))
-    gx = (AxisSpec(t, x.iter_types[0], tokens), AxisSpec(h, x.iter_types[1], ((1, 1), (0, 1))),
-          rf)
-    gweights = (AxisSpec(t, weights.iter_types[0], tokens),
-                AxisSpec(k, weights.iter_types[1], ((3, 1), (2, 1), *extra((7, 1)))), rf)
+    gx = (*_token_axes(t, args, 0, extra=extra),
+          AxisSpec(h, x.iter_types[last], ((1, last), (0, last))), rf)
+    gweights = (*_token_axes(t, args, 0, extra=extra),
+                AxisSpec(k, weights.iter_types[last], ((3, last), (2, last), *extra((7, n)))),
+                rf)
     return [OutSpec(x.dtype, gx), OutSpec(weights.dtype, gweights),
-            OutSpec(x.dtype, (experts, ffn, hidden, rt)),
-            OutSpec(x.dtype, (experts, hidden, ffn, rt)),
-            OutSpec(x.dtype, (experts, ffn, hidden, rt))]
+            OutSpec(x.dtype, (experts, ffn, hidden, *rt)),
+            OutSpec(x.dtype, (experts, hidden, ffn, *rt)),
+            OutSpec(x.dtype, (experts, ffn, hidden, *rt))]
 
 
 def _saved_sources(saved):
@@ -288,10 +363,10 @@ def _check_saved(saved, capacity, x, shape: tuple) -> None:
     if capacity is not None:
         raise DefinitionError("moe_experts_bwd: saved products come with capacity=None only "
                               "(moe_experts saves none where it drops rows)")
-    if saved.dtype != x.dtype or saved.ndim != 4 or any(
+    if saved.dtype != x.dtype or saved.ndim != len(shape) or any(
             None not in (a, b) and a != b for a, b in zip(saved.shape, shape)):
         raise DefinitionError(
-            f"moe_experts_bwd: saved must be moe_experts' third output, [T, K, 2, F] = "
+            f"moe_experts_bwd: saved must be moe_experts' third output, [*tokens, K, 2, F] = "
             f"{list(shape)} of x's dtype; got {list(saved.shape)} {saved.dtype.name}")
 
 
@@ -308,5 +383,5 @@ register(OpDef(
     sharding="as moe_experts; the weight gradients reduce over the tokens (partial where "
     "tokens are sharded, complete on expert-parallel ranks)",
     prefer_inputs=(4, 5, 6), output_layout="contiguous", whole_axes=whole_axes,
-    check_sharding=check_sharding, plan=plan,
+    check_sharding=check_sharding, plan=plan, own_partials=own_partials,
 ))

@@ -15,7 +15,10 @@ answer the same three questions, so forward and backward are one code path:
   the order ``dispatch`` took them.
 
 Expert weights follow torchtitan's layout: ``w1``, ``w3`` ``[E, F, H]``, ``w2`` ``[E, H, F]``;
-an expert computes ``(silu(x w1^T) * (x w3^T)) w2^T``.
+an expert computes ``(silu(x w1^T) * (x w3^T)) w2^T``. Tokens may have several axes
+(``x [*tokens, H]``, ``indices`` and ``weights [*tokens, K]``): the kernels flatten them in
+row-major order and give the outputs (and the saved products ``[*tokens, K, 2, F]``) back in
+that shape.
 
 Work per step (``N = T K`` slots; docs/experts.md): the forward runs three grouped GEMMs
 (``h1``, ``h3``, ``y``), the backward six (``u = g w2``, the three weight gradients, the two
@@ -161,7 +164,10 @@ def _on_kernel(a: torch.Tensor, b: torch.Tensor):
 
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``a [N, k]`` by row groups times ``b[g]`` (``b [G, k, n]``): ``[N, n]``. PyTorch's
-    ``_grouped_mm`` on CUDA in bfloat16 (one kernel for every group), a loop elsewhere."""
+    ``_grouped_mm`` on CUDA in bfloat16 (one kernel for every group) where it is eligible:
+    rows present, every operand 16-byte aligned in one of the layouts it takes (``k`` and
+    ``n`` multiples of 8 in bfloat16; an operand is copied dense only where its strides are
+    not, :func:`_kernel_operand`); a loop of matmuls elsewhere."""
     operands = _on_kernel(a, b)
     if operands is not None:
         out = torch._grouped_mm(*operands, offs=groups.offsets)
@@ -254,45 +260,49 @@ def _computed_counts(route: Route, capacity: int | None) -> torch.Tensor:
     return counts if capacity is None else counts.clamp(max=capacity)
 
 
-def saved_products(x: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
-    """An empty stand-in for ``moe_experts``' saved products ``[T, K, 2, F]`` where nothing
-    reads them (a stride-0 view of one zero: no memory)."""
-    return x.new_zeros(()).expand(*indices.shape, 2, w1.shape[1])
+def saved_products(x: torch.Tensor, slot_shape, w1: torch.Tensor) -> torch.Tensor:
+    """An empty stand-in for ``moe_experts``' saved products ``[*tokens, K, 2, F]`` where
+    nothing reads them (a stride-0 view of one zero: no memory)."""
+    return x.new_zeros(()).expand(*slot_shape, 2, w1.shape[1])
 
 
-def _save(h1, h3, order: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """The products of the sorted rows ``h1``, ``h3`` in token-slot order, ``[T, K, 2, F]``."""
+def _save(h1, h3, order: torch.Tensor, slot_shape) -> torch.Tensor:
+    """The products of the sorted rows ``h1``, ``h3`` in token-slot order, ``[*tokens, K, 2,
+    F]`` (``indices [*tokens, K]``)."""
     saved = h1.new_empty(order.numel(), 2, h1.shape[1])
     saved[:, 0].index_copy_(0, order, h1)
     saved[:, 1].index_copy_(0, order, h3)
-    return saved.view(*indices.shape, 2, h1.shape[1])
+    return saved.view(*slot_shape, 2, h1.shape[1])
 
 
 def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
                     capacity: int | None = None, residual: bool = False):
-    """The routed experts' output ``[T, H]`` (each token's slots weighted by ``weights
-    [T, K]`` and summed), the rows each local expert computed (``[E_local]``, float32) and
-    the products ``h1``, ``h3`` of every slot in token-slot order (``[T, K, 2, F]``, for the
-    backward) where ``residual`` (expert-parallel, they come back with one more exchange),
+    """The routed experts' output ``[*tokens, H]`` (each token's slots weighted by ``weights
+    [*tokens, K]`` and summed; ``x [*tokens, H]``, the token axes flattened row-major), the
+    rows each local expert computed (``[E_local]``, float32) and the products ``h1``, ``h3``
+    of every slot in token-slot order (``[*tokens, K, 2, F]``, for the backward) where ``residual`` (expert-parallel, they come back with one more exchange),
     else an empty stand-in. With ``capacity``, an expert computes only its first
     ``capacity`` rows by token order (the others are dropped: they add nothing)."""
+    shape, slot_shape = x.shape, indices.shape
+    x, indices, weights = _flat(x), _flat(indices), _flat(weights)
     sl = slots(indices, num_experts)
     route = exchange.plan(sl.counts)
     keep = within_capacity(route.expert_counts, capacity)
     groups = Groups(_computed_counts(route, capacity))
     rows = _grouped(exchange.dispatch(x.index_select(0, sl.tokens), route), route)
-    saved = saved_products(x, indices, w1)
+    saved = saved_products(x, slot_shape, w1)
     if residual:  # every slot's products (a dropped one's too: they are its values)
         h1, h3 = _products(rows, w1, w3, groups if keep is None else
                            Groups(route.expert_counts))
-        saved = _save(*_returned(h1, h3, exchange, route), sl.order, indices)
+        saved = _save(*_returned(h1, h3, exchange, route), sl.order, slot_shape)
         h1, h3 = _kept(h1, keep), _kept(h3, keep)
     else:
         h1, h3 = _products(_kept(rows, keep), w1, w3, groups)
     del rows
     y = grouped_rows_mm(swiglu.hidden(h1, h3), w2.transpose(-2, -1), groups)
     y = exchange.combine(_ungrouped(_restored(y, keep), route), route)
-    return swiglu.combine(y, sl.inverse, weights), groups.counts.to(torch.float32), saved
+    out = swiglu.combine(y, sl.inverse, weights).reshape(shape)
+    return out, groups.counts.to(torch.float32), saved
 
 
 def _returned(h1, h3, exchange, route: Route) -> tuple:
@@ -307,10 +317,12 @@ def _returned(h1, h3, exchange, route: Route) -> tuple:
 def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, exchange=LOCAL,
                      capacity: int | None = None, saved: torch.Tensor | None = None):
     """The gradients ``(x, weights, w1, w2, w3)`` of :func:`experts_forward`'s output given
-    its cotangent ``grad [T, H]``, with the forward's ``saved`` products (one rank's experts,
+    its cotangent ``grad [*tokens, H]``, with the forward's ``saved`` products (one rank's experts,
     no capacity) or recomputing them where the experts live. Expert-parallel, the token rows
     travel once more with their cotangents and weights (the transposed combine) and their
     gradients come back (the transposed dispatch). Dropped rows get zero gradients."""
+    shape, weights_shape = x.shape, weights.shape
+    grad, x, indices, weights = _flat(grad), _flat(x), _flat(indices), _flat(weights)
     sl = slots(indices, num_experts)
     route = exchange.plan(sl.counts)
     keep = within_capacity(route.expert_counts, capacity)
@@ -336,8 +348,13 @@ def experts_backward(grad, x, indices, weights, w1, w2, w3, num_experts: int, ex
         back = exchange.combine(_ungrouped(back, route), route)
         h = x.shape[1]
         grad_x, ds = swiglu.combine(back[:, :h], sl.inverse), back[:, h]
-    grad_weights = ds[sl.inverse].to(weights.dtype)
-    return (grad_x, grad_weights, *weight_grads)
+    grad_weights = ds[sl.inverse].to(weights.dtype).reshape(weights_shape)
+    return (grad_x.reshape(shape), grad_weights, *weight_grads)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[*tokens, n]`` as ``[T, n]`` (tokens in row-major order)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def _arrived(exchange, route: Route, keep, tokens, x, grad, scale):

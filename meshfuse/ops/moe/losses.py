@@ -22,10 +22,14 @@ def moe_aux_loss(o, scores, indices):
     """The switch transformer's load-balancing loss, ``E * sum_e f_e * P_e``: ``f_e`` the
     fraction of the token slots routed to expert ``e``, ``P_e`` the mean score of ``e`` over
     the tokens (``scores [T, E]`` normalized per token, ``indices [T, K]``). 1 when balanced."""
-    t, e = _static("moe_aux_loss", scores, 0), _static("moe_aux_loss", scores, 1)
-    k = _static("moe_aux_loss", indices, 1)
+    n = len(scores.materialized())
+    tokens = list(range(n - 1))
+    t = 1
+    for axis in tokens:
+        t *= _static("moe_aux_loss", scores, axis)
+    e, k = _static("moe_aux_loss", scores, n - 1), _static("moe_aux_loss", indices, n - 1)
     counts = o.cast(o.moe_token_counts(indices, e), scores.dtype)
-    mean_scores = o.sum(scores, [0])
+    mean_scores = o.sum(scores, tokens)
     return o.mul(o.sum(o.mul(counts, mean_scores), [0]), e / (t * k * t))
 
 

@@ -1,9 +1,10 @@
 """Token-choice top-k routing (``moe_route``, its gradient ``moe_route_bwd``) and the count of
 token slots per expert (``moe_token_counts``).
 
-``moe_route(logits [T, E], bias=None, top_k, score, normalize, scale, groups, top_groups)``
-returns ``(weights [T, K], indices [T, K])``: scores are ``softmax`` or ``sigmoid`` of the
-logits; the experts are chosen by ``scores + bias`` (DeepSeek-V3's auxiliary-loss-free
+``moe_route(logits [*tokens, E], bias=None, top_k, score, normalize, scale, groups,
+top_groups)`` returns ``(weights [*tokens, K], indices [*tokens, K])`` (tokens: one axis,
+``[T]``, or several, ``[B, S]`` as transformer blocks hold them): scores are ``softmax`` or
+``sigmoid`` of the logits; the experts are chosen by ``scores + bias`` (DeepSeek-V3's auxiliary-loss-free
 balancing: the bias steers the choice, never the weights), optionally within the
 ``top_groups`` best of ``groups`` equal groups of experts (a group scored by its two best
 experts); the weights are the chosen experts' scores, divided by their sum with
@@ -44,10 +45,10 @@ def _check_weighting(op: str, score, normalize, scale) -> None:
 
 def _check(op: str, logits, bias, top_k, groups, top_groups) -> None:
     logits = require_tensor(op, "logits", logits)
-    if logits.ndim != 2 or not logits.dtype.is_floating:
-        raise DefinitionError(f"{op}: logits must be floating [T, E], got {logits.ndim} axes "
-                              f"of {logits.dtype.name}")
-    e = logits.shape[1]
+    if logits.ndim < 2 or not logits.dtype.is_floating:
+        raise DefinitionError(f"{op}: logits must be floating [*tokens, E] (2 axes or more), "
+                              f"got {logits.ndim} axes of {logits.dtype.name}")
+    e = logits.shape[-1]
     if bias is not None and (require_tensor(op, "bias", bias).ndim != 1 or
                              None not in (bias.shape[0], e) and bias.shape[0] != e):
         raise DefinitionError(f"{op}: bias must be [E] = [{e}], got {list(bias.shape)}")
@@ -68,8 +69,16 @@ def _check(op: str, logits, bias, top_k, groups, top_groups) -> None:
 def _route_infer(logits, bias, top_k, score, normalize, scale, groups, top_groups):
     _check("moe_route", logits, bias, top_k, groups, top_groups)
     _check_weighting("moe_route", score, normalize, scale)
-    slots = (AxisSpec(logits.shape[0], logits.iter_types[0], ((0, 0),)), AxisSpec(top_k))
+    slots = (*_tokens(logits, (0,)), AxisSpec(top_k))
     return [OutSpec(logits.dtype, slots), OutSpec(DataType.Int, slots)]
+
+
+def _tokens(t, inputs: tuple, iter_type=None) -> tuple:
+    """One axis per token axis of ``t`` (all but its last), mapped from that axis of the
+    tensor inputs ``inputs`` (iteration axes like ``t``'s, or ``iter_type``)."""
+    return tuple(AxisSpec(t.shape[i], iter_type or t.iter_types[i],
+                          tuple((j, i) for j in inputs))
+                 for i in range(t.ndim - 1))
 
 
 def scores_of(logits: torch.Tensor, score: str) -> torch.Tensor:
@@ -113,7 +122,7 @@ _ROUTE_ATTRS = (attr("top_k"), attr("score", "softmax"), attr("normalize", True)
 register(OpDef(
     "moe_route", (tensor("logits"), Param("bias", Kind.TENSOR, None), *_ROUTE_ATTRS),
     _route_infer, _route,
-    doc="top-k routing: (weights [T, K], indices [T, K]) from router logits [T, E]",
+    doc="top-k routing: (weights [*T, K], indices [*T, K]) from router logits [*T, E]",
     sharding="tokens shard freely; the experts' axis is gathered",
     partial_reduce=None, whole_axes=lambda expr: {a.materialized()[-1] for a in expr.tensor_inputs},
     vjp=Vjp(_route_grads, differentiable=(0,)),
@@ -124,11 +133,14 @@ def _route_bwd_infer(grad, logits, indices, score, normalize, scale):
     for name, m in (("grad", grad), ("logits", logits), ("indices", indices)):
         require_tensor("moe_route_bwd", name, m)
     _check_weighting("moe_route_bwd", score, normalize, scale)
-    rows = ((1, 0), (0, 0), (2, 0))
-    return [OutSpec(logits.dtype, (AxisSpec(logits.shape[0], logits.iter_types[0], rows),
-                                   AxisSpec(logits.shape[1], logits.iter_types[1], ((1, 1),)),
-                                   AxisSpec(grad.shape[1], IterType.Reduction,
-                                            ((0, 1), (2, 1)))))]
+    if not logits.ndim == grad.ndim == indices.ndim >= 2:
+        raise DefinitionError("moe_route_bwd: grad, logits and indices must have one number "
+                              "of axes, 2 or more ([*tokens, K], [*tokens, E], [*tokens, K])")
+    last = logits.ndim - 1
+    return [OutSpec(logits.dtype, (
+        *_tokens(logits, (1, 0, 2)),
+        AxisSpec(logits.shape[-1], logits.iter_types[-1], ((1, last),)),
+        AxisSpec(grad.shape[-1], IterType.Reduction, ((0, last), (2, last)))))]
 
 
 def _route_bwd(grad, logits, indices, score, normalize, scale):
@@ -146,20 +158,20 @@ register(OpDef(
     doc="gradient of moe_route's weights with respect to its logits",
     sharding="tokens shard freely; experts and slots are gathered",
     partial_reduce=None,
-    whole_axes=lambda expr: {t.materialized()[1] for t in expr.tensor_inputs},
+    whole_axes=lambda expr: {t.materialized()[-1] for t in expr.tensor_inputs},
 ))
 
 
 def _counts_infer(indices, num_experts):
     indices = require_tensor("moe_token_counts", "indices", indices)
-    if indices.ndim != 2 or indices.dtype not in (DataType.Int, DataType.Int32):
-        raise DefinitionError("moe_token_counts: indices must be integer [T, K]")
+    if indices.ndim < 2 or indices.dtype not in (DataType.Int, DataType.Int32):
+        raise DefinitionError("moe_token_counts: indices must be integer [*tokens, K]")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise DefinitionError(f"moe_token_counts: num_experts must be a positive int, got "
                               f"{num_experts!r}")
     return [OutSpec(DataType.Float, (
-        AxisSpec(num_experts), AxisSpec(indices.shape[0], IterType.Reduction, ((0, 0),)),
-        AxisSpec(indices.shape[1], IterType.Reduction, ((0, 1),))))]
+        AxisSpec(num_experts), *_tokens(indices, (0,), IterType.Reduction),
+        AxisSpec(indices.shape[-1], IterType.Reduction, ((0, indices.ndim - 1),))))]
 
 
 def _counts(indices, num_experts):
@@ -168,6 +180,6 @@ def _counts(indices, num_experts):
 
 register(OpDef(
     "moe_token_counts", (tensor("indices"), attr("num_experts")), _counts_infer, _counts,
-    doc="token slots routed to each expert, [E] (float32) from indices [T, K]",
+    doc="token slots routed to each expert, [E] (float32) from indices [*T, K]",
     sharding="tokens sharded: partial counts (summed where needed)",
 ))

@@ -109,8 +109,8 @@ def backward(h1, h3, u, s) -> tuple:
 
 def backward_saved(saved: torch.Tensor, order: torch.Tensor, u, s) -> tuple:
     """:func:`backward` with the products of the slots ``order`` of ``saved``
-    ``[T, K, 2, F]`` (``moe_experts``' saved products, in token-slot order)."""
-    return _run(_backward_saved, u, saved.reshape(-1, *saved.shape[2:]), order, u, s)
+    ``[*tokens, K, 2, F]`` (``moe_experts``' saved products, in token-slot order)."""
+    return _run(_backward_saved, u, saved.reshape(-1, *saved.shape[-2:]), order, u, s)
 
 
 def combine(rows: torch.Tensor, inverse: torch.Tensor, weights=None) -> torch.Tensor:
