@@ -93,9 +93,12 @@ def reference_forward(logits: torch.Tensor, target: torch.Tensor, count, ignore_
     return loss.sum(), grad.to(logits.dtype).contiguous(), applied
 
 
-def _forward(logits, target, count, ignore_index, label_smoothing, check=None):
+def _forward(logits, target, count, ignore_index, label_smoothing, check=None,
+             write_grad=True):
     if check is not None:
         check(target)
+    if not write_grad:  # nothing reads the gradient (a forward alone): the loss only
+        return _loss_only(logits, target, count, ignore_index, label_smoothing)
     if not isinstance(count, torch.Tensor) and count != 1:
         count = torch.tensor(float(count), device=logits.device)
     if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
@@ -111,10 +114,29 @@ def _fwd_grads(d, grads):
 
 
 def _localize(expr, here):
-    """With ``MESHFUSE_CHECK_INDICES=1``, the host check of the targets."""
+    """Whether anything reads the gradient (a forward run alone does not: then it is not
+    written), and with ``MESHFUSE_CHECK_INDICES=1`` the host check of the targets."""
     logits, target = expr.args[:2]
-    return index_check("cross_entropy_fwd", target, logits, 1, here.extents,
-                       ignored=expr.attrs["ignore_index"]), ""
+    grad = expr.outputs[1]
+    read = grad in grad.fusion.outputs() or any(grad in e.inputs for e in grad.fusion.exprs)
+    attrs = index_check("cross_entropy_fwd", target, logits, 1, here.extents,
+                        ignored=expr.attrs["ignore_index"])
+    return attrs if read else {**attrs, "write_grad": False}, \
+        "" if read else "the loss only (no gradient read)"
+
+
+def _loss_only(logits, target, count, ignore_index, label_smoothing):
+    """``(loss, grad, applied)`` with ``grad`` a stride-0 zero of the logits' shape: one read
+    of the logits (the kernel without its gradient store on CUDA)."""
+    if not isinstance(count, torch.Tensor) and count != 1:
+        count = torch.tensor(float(count), device=logits.device)
+    if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
+        loss, _, applied = kernels.forward(logits, target, count, ignore_index,
+                                           label_smoothing, write_grad=False)
+    else:
+        loss, _, applied = reference_forward(logits, target, count, ignore_index,
+                                             label_smoothing)
+    return loss, logits.new_zeros(()).expand(logits.shape), applied
 
 
 def whole_axes(expr) -> set:
