@@ -28,7 +28,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.layout import shard_factor
 from meshfuse.ops.cross_entropy import kernels
-from meshfuse.ops.index_check import index_check
+from meshfuse.ops.indexing.checks import index_check
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,

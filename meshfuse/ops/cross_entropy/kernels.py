@@ -88,17 +88,19 @@ if triton is not None:
             x_t = tl.sum(tl.where(cols == target, x, 0.0), 0)
             w = tl.where(cols == target, 1.0 - smoothing + uniform, uniform)
             if WRITE_GRAD:
-                grad = (e / s - w) * scale
+                grad = (e * (1.0 / s) - w) * scale
                 tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
         else:  # statistics first, then the gradient: read twice
             lse, total = _row_stats(x_row, n_classes, BLOCK)
             x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
-            for start in range(0, n_classes if WRITE_GRAD else 0, BLOCK):
-                mask = start + cols < n_classes
-                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
-                grad = (tl.exp(x - lse) - w) * scale
-                tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            if WRITE_GRAD:
+                for start in range(0, n_classes, BLOCK):
+                    mask = start + cols < n_classes
+                    x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
+                    grad = (tl.exp(x - lse) - w) * scale
+                    tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty),
+                             mask=mask)
         loss = lse - (1.0 - smoothing) * x_t - uniform * total
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss * scale))
 
