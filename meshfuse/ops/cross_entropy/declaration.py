@@ -95,15 +95,22 @@ def reference_forward(logits: torch.Tensor, target: torch.Tensor, count, ignore_
 
 def _forward(logits, target, count, ignore_index, label_smoothing, check=None,
              write_grad=True):
+    """The Triton kernel where it runs (CUDA), else torch. Without ``write_grad`` (nothing
+    reads the gradient: a forward alone) the kernel only reads the logits and the gradient
+    output is a stride-0 zero of their shape."""
     if check is not None:
         check(target)
-    if not write_grad:  # nothing reads the gradient (a forward alone): the loss only
-        return _loss_only(logits, target, count, ignore_index, label_smoothing)
     if not isinstance(count, torch.Tensor) and count != 1:
         count = torch.tensor(float(count), device=logits.device)
     if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
-        return kernels.forward(logits, target, count, ignore_index, label_smoothing)
-    return reference_forward(logits, target, count, ignore_index, label_smoothing)
+        loss, grad, applied = kernels.forward(logits, target, count, ignore_index,
+                                              label_smoothing, write_grad=write_grad)
+    else:
+        loss, grad, applied = reference_forward(logits, target, count, ignore_index,
+                                                label_smoothing)
+    if not write_grad:
+        grad = logits.new_zeros(()).expand(logits.shape)
+    return loss, grad, applied
 
 
 def _fwd_grads(d, grads):
@@ -123,20 +130,6 @@ def _localize(expr, here):
                         ignored=expr.attrs["ignore_index"])
     return attrs if read else {**attrs, "write_grad": False}, \
         "" if read else "the loss only (no gradient read)"
-
-
-def _loss_only(logits, target, count, ignore_index, label_smoothing):
-    """``(loss, grad, applied)`` with ``grad`` a stride-0 zero of the logits' shape: one read
-    of the logits (the kernel without its gradient store on CUDA)."""
-    if not isinstance(count, torch.Tensor) and count != 1:
-        count = torch.tensor(float(count), device=logits.device)
-    if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
-        loss, _, applied = kernels.forward(logits, target, count, ignore_index,
-                                           label_smoothing, write_grad=False)
-    else:
-        loss, _, applied = reference_forward(logits, target, count, ignore_index,
-                                             label_smoothing)
-    return loss, logits.new_zeros(()).expand(logits.shape), applied
 
 
 def whole_axes(expr) -> set:
