@@ -192,3 +192,17 @@ def test_a_forward_alone_does_not_write_the_gradient():
     assert "the loss only (no gradient read)" in fd.explain([x, t], verbose=True)
     (loss,) = fd.execute([x, t])
     torch.testing.assert_close(loss, _reference(x, t, "mean", 0.0)[0])
+
+
+@kernel_test
+def test_kernel_second_backward_through_kept_residuals():
+    """The in-place scaling rescales from the scale the first backward left: two backwards
+    (cotangents 2 and 0.5) accumulate 2.5 times the gradient."""
+    x, t = _inputs(6, 37, torch.float32, seed=3)
+    function = _fusion(6, 37, DataType.Float, "mean", 0.0).as_autograd_function(
+        keep_residuals=True)
+    leaf = x.clone().requires_grad_()
+    (loss,) = function([leaf, t])
+    (loss * 2.0).backward(retain_graph=True)
+    (loss * 0.5).backward()
+    torch.testing.assert_close(leaf.grad, _reference(x, t, "mean", 0.0, 2.5)[1], **TOL[x.dtype])
