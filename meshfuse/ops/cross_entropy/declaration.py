@@ -195,6 +195,8 @@ def _carry_infer(logits, target, loss, grad, applied, ignore_index):
     grad, target = require_tensor(op, "grad", grad), require_tensor(op, "target", target)
     if grad.ndim != 2 or target.ndim != 1:
         raise DefinitionError(f"{op}: grad must be [rows, classes] and target [rows]")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise DefinitionError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
     partial = tuple(AxisSpec(e, IterType.Reduction, ((2, loss.ndim + k),))
                     for k, e in enumerate(loss.partial_axes))
     like_logits = (AxisSpec(grad.shape[0], grad.iter_types[0], ((0, 0), (3, 0), (1, 0))),
