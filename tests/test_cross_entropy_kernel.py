@@ -1,9 +1,9 @@
 """The fused cross entropy on class indices (``meshfuse/ops/cross_entropy``).
 
-Its Triton kernels run here under the Triton interpreter (CPU tensors): Triton reads
-``TRITON_INTERPRET`` when it is imported, so ``test_kernels_under_the_triton_interpreter``
-runs this file's ``interpreted`` tests in a process started with ``TRITON_INTERPRET=1``
-(they run in this one when it was started so). Each is checked against
+Its Triton kernels run on CUDA where there is a GPU, else under the Triton interpreter (CPU
+tensors): Triton reads ``TRITON_INTERPRET`` when it is imported, so
+``test_under_the_triton_interpreter`` runs this file's ``test_kernel_`` tests in a process
+started with ``TRITON_INTERPRET=1`` (they run in this one when it was started so). Each is checked against
 ``F.cross_entropy(logits.float())`` and its autograd gradient: bf16 and float32, class
 counts that are and are not a power of two, rows read whole and in blocks, ignored rows,
 ``mean`` and ``sum``, cotangents 1.0 and not. Without Triton they skip. The op's contract
@@ -27,12 +27,15 @@ from meshfuse import DataType, FusionDefinition
 from meshfuse.ops.cross_entropy import kernels
 
 INTERPRETED = kernels.INTERPRETED and kernels.triton is not None
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="needs TRITON_INTERPRET=1 when Triton is imported "
-    "(test_kernels_under_the_triton_interpreter runs these so)")
+ON_GPU = kernels.triton is not None and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+kernel_test = pytest.mark.skipif(
+    not (INTERPRETED or ON_GPU), reason="needs a GPU, or TRITON_INTERPRET=1 when Triton is "
+    "imported (test_under_the_triton_interpreter runs these so)")
 IGNORE = -100
 MEAN_SUM = [("mean", 0.0), ("sum", 0.1)]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-3)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+       torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-3}}
 
 
 def _inputs(rows: int, classes: int, dtype, seed: int = 0):
@@ -40,7 +43,7 @@ def _inputs(rows: int, classes: int, dtype, seed: int = 0):
     x = (torch.randn(rows, classes, generator=gen) * 3).to(dtype)
     t = torch.randint(0, classes, (rows,), generator=gen)
     t[1] = IGNORE
-    return x, t
+    return x.to(DEVICE), t.to(DEVICE)
 
 
 def _reference(x, t, reduction: str, smoothing: float, cotangent: float = 1.0):
@@ -52,26 +55,26 @@ def _reference(x, t, reduction: str, smoothing: float, cotangent: float = 1.0):
     return loss.detach(), leaf.grad.to(x.dtype)
 
 
-def test_kernels_under_the_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("the interpreted tests run in this process")
+def test_under_the_triton_interpreter():
+    if INTERPRETED or ON_GPU:
+        pytest.skip("the kernel tests run in this process")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          __file__, "-k", "interpreted"], env=env, capture_output=True,
-                         text=True, timeout=900)
+                          __file__, "-k", "test_kernel_"], env=env, capture_output=True,
+                         text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     passed = re.search(r"(\d+) passed", run.stdout)
     assert passed and int(passed.group(1)) >= 20 and "skipped" not in run.stdout, run.stdout
 
 
-@interpreted
+@kernel_test
 @pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
 @pytest.mark.parametrize("one_block", [True, False])
 @pytest.mark.parametrize("classes", [16, 37])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_interpreted_forward(dtype, classes, one_block, reduction, smoothing):
+def test_kernel_forward(dtype, classes, one_block, reduction, smoothing):
     """Loss and gradient of the summed (or mean) loss; a row held whole, or read in blocks
     of 8 classes (37: the last block partial)."""
     x, t = _inputs(5, classes, dtype)
@@ -85,8 +88,8 @@ def test_interpreted_forward(dtype, classes, one_block, reduction, smoothing):
     assert (grad[1] == 0).all()  # the ignored row
 
 
-@interpreted
-def test_interpreted_target_out_of_range_is_nan_not_a_value():
+@kernel_test
+def test_kernel_target_out_of_range_is_nan_not_a_value():
     x, t = _inputs(4, 16, torch.float32)
     t[2] = 16
     for one_block_max in (64, 8):
@@ -95,19 +98,22 @@ def test_interpreted_target_out_of_range_is_nan_not_a_value():
         assert loss.isnan() and grad[2].isnan().all() and grad[0].isfinite().all()
 
 
-@interpreted
+@kernel_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_interpreted_scale_in_place(dtype):
+def test_kernel_scale_in_place(dtype):
     """Nothing moves for a cotangent of 1.0; another scales in place from the scale
     applied before (a second backward through kept residuals)."""
-    grad = torch.randn(3, 37).to(dtype)
+    grad = torch.randn(3, 37).to(dtype).to(DEVICE)
     original = grad.clone()
-    applied = torch.ones(())
-    assert kernels.scale_in_place(grad, applied, torch.tensor(1.0, dtype=dtype)) is grad
+    applied = torch.ones((), device=DEVICE)
+    def cotangent(value):
+        return torch.tensor(value, dtype=dtype, device=DEVICE)
+
+    assert kernels.scale_in_place(grad, applied, cotangent(1.0)) is grad
     assert torch.equal(grad, original)
-    kernels.scale_in_place(grad, applied, torch.tensor(0.5, dtype=dtype))
+    kernels.scale_in_place(grad, applied, cotangent(0.5))
     assert torch.equal(grad, original * 0.5) and applied.item() == 0.5
-    kernels.scale_in_place(grad, applied, torch.tensor(-3.0, dtype=dtype))
+    kernels.scale_in_place(grad, applied, cotangent(-3.0))
     torch.testing.assert_close(grad, original * -3.0, **TOL[dtype])
     assert applied.item() == -3.0
 
@@ -121,11 +127,11 @@ def _fusion(rows: int, classes: int, dtype: DataType, reduction: str, smoothing:
     return fd
 
 
-@interpreted
+@kernel_test
 @pytest.mark.parametrize("cotangent", [1.0, 2.5])
 @pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_interpreted_fusion_forward_and_backward(dtype, reduction, smoothing, cotangent):
+def test_kernel_fusion_forward_and_backward(dtype, reduction, smoothing, cotangent):
     """``fd.ops.cross_entropy`` through ``as_autograd_function``: the loss in the logits'
     dtype, the gradient scaled by the loss's cotangent."""
     x, t = _inputs(6, 37, dtype, seed=1)
@@ -165,3 +171,38 @@ def test_symbolic_classes_and_none_reduction_are_not_fused():
             t = fd.define_tensor([4], dtype=DataType.Int)
             fd.add_output(fd.ops.cross_entropy(x, t, reduction=reduction))
         assert not any(e.op.name == "cross_entropy_fwd" for e in fd.fusion.exprs)
+
+
+@kernel_test
+@pytest.mark.parametrize("one_block", [True, False])
+def test_kernel_loss_alone(one_block):
+    """Without the gradient store (nothing reads it) the loss is the same."""
+    x, t = _inputs(5, 37, torch.float32)
+    loss, grad, _ = kernels.forward(x, t, None, IGNORE, 0.1, write_grad=False,
+                                    one_block_max=64 if one_block else 8, chunk=8)
+    assert grad is None
+    torch.testing.assert_close(loss, _reference(x, t, "sum", 0.1)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_alone_does_not_write_the_gradient():
+    """``execute`` of the loss alone: the op is told that nothing reads its gradient (its
+    note in explain), and the loss is PyTorch's."""
+    fd = _fusion(4, 10, DataType.Float, "mean", 0.0)
+    x, t = _inputs(4, 10, torch.float32, seed=2)
+    assert "the loss only (no gradient read)" in fd.explain([x, t], verbose=True)
+    (loss,) = fd.execute([x, t])
+    torch.testing.assert_close(loss, _reference(x, t, "mean", 0.0)[0])
+
+
+@kernel_test
+def test_kernel_second_backward_through_kept_residuals():
+    """The in-place scaling rescales from the scale the first backward left: two backwards
+    (cotangents 2 and 0.5) accumulate 2.5 times the gradient."""
+    x, t = _inputs(6, 37, torch.float32, seed=3)
+    function = _fusion(6, 37, DataType.Float, "mean", 0.0).as_autograd_function(
+        keep_residuals=True)
+    leaf = x.clone().requires_grad_()
+    (loss,) = function([leaf, t])
+    (loss * 2.0).backward(retain_graph=True)
+    (loss * 0.5).backward()
+    torch.testing.assert_close(leaf.grad, _reference(x, t, "mean", 0.0, 2.5)[1], **TOL[x.dtype])

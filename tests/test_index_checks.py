@@ -1,4 +1,4 @@
-"""Indices out of range (``meshfuse/ops/index_check.py``): never a silent value.
+"""Indices out of range (``meshfuse/ops/indexing/checks.py``): never a silent value.
 
 A lookup along a sharded axis finds an out-of-range position on no rank (zeros), and the
 fused cross entropy gives NaN; with ``MESHFUSE_CHECK_INDICES=1`` every lookup and the cross
@@ -16,7 +16,7 @@ from mesh_helpers import mesh_1d, shard
 
 from meshfuse import DataType, FusionDefinition, shard_tensor
 from meshfuse.errors import InputError, MeshfuseError
-from meshfuse.ops.index_check import CHECK_INDICES_ENV, IndexCheck
+from meshfuse.ops.indexing import CHECK_INDICES_ENV, IndexCheck
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.testing.utils import current_device
 

@@ -28,7 +28,7 @@ from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
 from meshfuse.ir.layout import shard_factor
 from meshfuse.ops.cross_entropy import kernels
-from meshfuse.ops.index_check import index_check
+from meshfuse.ops.indexing.checks import index_check
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
@@ -93,14 +93,24 @@ def reference_forward(logits: torch.Tensor, target: torch.Tensor, count, ignore_
     return loss.sum(), grad.to(logits.dtype).contiguous(), applied
 
 
-def _forward(logits, target, count, ignore_index, label_smoothing, check=None):
+def _forward(logits, target, count, ignore_index, label_smoothing, check=None,
+             write_grad=True):
+    """The Triton kernel where it runs (CUDA), else torch. Without ``write_grad`` (nothing
+    reads the gradient: a forward alone) the kernel only reads the logits and the gradient
+    output is a stride-0 zero of their shape."""
     if check is not None:
         check(target)
     if not isinstance(count, torch.Tensor) and count != 1:
         count = torch.tensor(float(count), device=logits.device)
     if logits.dtype in _KERNEL_DTYPES and kernels.available(logits):
-        return kernels.forward(logits, target, count, ignore_index, label_smoothing)
-    return reference_forward(logits, target, count, ignore_index, label_smoothing)
+        loss, grad, applied = kernels.forward(logits, target, count, ignore_index,
+                                              label_smoothing, write_grad=write_grad)
+    else:
+        loss, grad, applied = reference_forward(logits, target, count, ignore_index,
+                                                label_smoothing)
+    if not write_grad:
+        grad = logits.new_zeros(()).expand(logits.shape)
+    return loss, grad, applied
 
 
 def _fwd_grads(d, grads):
@@ -111,10 +121,15 @@ def _fwd_grads(d, grads):
 
 
 def _localize(expr, here):
-    """With ``MESHFUSE_CHECK_INDICES=1``, the host check of the targets."""
+    """Whether anything reads the gradient (a forward run alone does not: then it is not
+    written), and with ``MESHFUSE_CHECK_INDICES=1`` the host check of the targets."""
     logits, target = expr.args[:2]
-    return index_check("cross_entropy_fwd", target, logits, 1, here.extents,
-                       ignored=expr.attrs["ignore_index"]), ""
+    grad = expr.outputs[1]
+    read = grad in grad.fusion.outputs() or any(grad in e.inputs for e in grad.fusion.exprs)
+    attrs = index_check("cross_entropy_fwd", target, logits, 1, here.extents,
+                        ignored=expr.attrs["ignore_index"])
+    return attrs if read else {**attrs, "write_grad": False}, \
+        "" if read else "the loss only (no gradient read)"
 
 
 def whole_axes(expr) -> set:
@@ -180,6 +195,8 @@ def _carry_infer(logits, target, loss, grad, applied, ignore_index):
     grad, target = require_tensor(op, "grad", grad), require_tensor(op, "target", target)
     if grad.ndim != 2 or target.ndim != 1:
         raise DefinitionError(f"{op}: grad must be [rows, classes] and target [rows]")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise DefinitionError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
     partial = tuple(AxisSpec(e, IterType.Reduction, ((2, loss.ndim + k),))
                     for k, e in enumerate(loss.partial_axes))
     like_logits = (AxisSpec(grad.shape[0], grad.iter_types[0], ((0, 0), (3, 0), (1, 0))),

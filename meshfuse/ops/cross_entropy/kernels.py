@@ -64,7 +64,7 @@ if triton is not None:
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
                         count_ptr, n_classes, ignore_index, smoothing,
                         HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         g_row = grad_ptr + row * grad_stride
@@ -87,17 +87,20 @@ if triton is not None:
             total = tl.sum(tl.where(mask, x, 0.0), 0)
             x_t = tl.sum(tl.where(cols == target, x, 0.0), 0)
             w = tl.where(cols == target, 1.0 - smoothing + uniform, uniform)
-            grad = (e / s - w) * scale
-            tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            if WRITE_GRAD:
+                grad = (e * (1.0 / s) - w) * scale
+                tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
         else:  # statistics first, then the gradient: read twice
             lse, total = _row_stats(x_row, n_classes, BLOCK)
             x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
-            for start in range(0, n_classes, BLOCK):
-                mask = start + cols < n_classes
-                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
-                grad = (tl.exp(x - lse) - w) * scale
-                tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            if WRITE_GRAD:
+                for start in range(0, n_classes, BLOCK):
+                    mask = start + cols < n_classes
+                    x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
+                    grad = (tl.exp(x - lse) - w) * scale
+                    tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty),
+                             mask=mask)
         loss = lse - (1.0 - smoothing) * x_t - uniform * total
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss * scale))
 
@@ -121,14 +124,17 @@ if triton is not None:
 
 
 def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
-            smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK):
+            smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK,
+            write_grad: bool = True):
     """``(loss, grad, applied)``: the summed loss (float32, 0-d; a mean when ``count``, a
-    0-d tensor, is given), the gradient of that loss in ``x``'s dtype, and the scale
-    applied to it (1.0)."""
+    0-d tensor, is given), the gradient of that loss in ``x``'s dtype (None without
+    ``write_grad``: the loss alone reads each row once), and the scale applied to it
+    (1.0)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, classes = x.shape
-    grad = torch.empty((rows, classes), dtype=x.dtype, device=x.device)
+    grad = torch.empty((rows, classes) if write_grad else (1, 1), dtype=x.dtype,
+                       device=x.device)
     loss = torch.empty(rows, dtype=torch.float32, device=x.device)
     target = target.contiguous()
     has_count = isinstance(count, torch.Tensor)
@@ -141,9 +147,9 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
         _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
                                  classes, ignore_index, float(smoothing),
                                  HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
-                                 num_warps=warps)
+                                 WRITE_GRAD=write_grad, num_warps=warps)
     applied = torch.ones((), dtype=torch.float32, device=x.device)
-    return loss.sum(), grad, applied
+    return loss.sum(), grad if write_grad else None, applied
 
 
 def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.iter_domain import IterType
-from meshfuse.ops.index_check import index_check
+from meshfuse.ops.indexing.checks import index_check
 from meshfuse.ops.registry import (
     AxisSpec,
     OpDef,
