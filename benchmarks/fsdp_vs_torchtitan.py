@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default="meshfuse,torchtitan",
                    help="comma separated: meshfuse, torchtitan (falls back to torch_fsdp2)")
     p.add_argument("--out", default=None, help="directory for fsdp_vs_torchtitan.json/.md")
+    p.add_argument("--plain", action="store_true",
+                   help="meshfuse's model without its FSDP modules (one-device mesh)")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.batch, args.steps, args.warmup = "tiny", 2, 2, 1
@@ -83,12 +85,15 @@ def _adamw(params, device):
                                                  else {"foreach": True}))
 
 
-def meshfuse_variant(cfg, batch: int, device):
-    """meshfuse's Llama model, fully sharded over a one-rank dp mesh; its step."""
+def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
+    """meshfuse's Llama model, fully sharded over a one-rank dp mesh (``plain``: the model
+    without the FSDP modules, on a one-device mesh); its step."""
     from meshfuse.examples.llama import LlamaModel, init_parameters
-    from meshfuse.examples.train_llama import device_mesh
-    model = LlamaModel(cfg, batch, init_parameters(cfg), device_mesh({"dp": 1, "tp": 1}, 1),
-                       device)
+    from meshfuse.ir.mesh import DeviceMesh
+    from meshfuse.parallel.fsdp import NamedMesh
+    mesh = DeviceMesh(range(1)) if plain else \
+        NamedMesh(DeviceMesh(torch.arange(1).reshape(1, 1)), ("dp", "tp"))
+    model = LlamaModel(cfg, batch, init_parameters(cfg), mesh, device)
     opt = _adamw(model.parameters(), device)
 
     def step(ids, targets):
@@ -248,7 +253,8 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     from meshfuse.examples.llama import parameter_shapes
     cfg = _config(args)
-    makers = {"meshfuse": meshfuse_variant, "torchtitan": torch_variant}
+    makers = {"meshfuse": lambda *a: meshfuse_variant(*a, plain=args.plain),
+              "torchtitan": torch_variant}
     results = []
     for name in args.variants.split(","):
         results.append(measure(makers[name], cfg, args, device))
@@ -259,6 +265,7 @@ def main(argv=None) -> int:
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "config": dataclasses.asdict(cfg),
               "batch": args.batch, "steps": args.steps, "results": results,
+              "meshfuse_model": "plain" if args.plain else "fsdp dp=1",
               "parameters": sum(torch.Size(s).numel() for s in parameter_shapes(cfg).values()),
               "ratios": _ratios(results), "torchtitan_fallback": FALLBACK.get("reason")}
     text = _markdown(record)

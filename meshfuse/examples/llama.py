@@ -215,8 +215,9 @@ class LlamaBlock(_LlamaFusion):
         x = self.pin(self.define_tensor([self.batch, cfg.seq, cfg.hidden], dtype=self.dtype,
                                         contiguity=True), 1, 1)
         self.batch_inputs = [x]
-        rope = [self.pin(self.define_tensor([cfg.seq, cfg.head_dim], dtype=self.dtype,
-                                            contiguity=True), None, 0) for _ in "cs"]
+        self.rope = rope = [self.pin(self.define_tensor([cfg.seq, cfg.head_dim],
+                                                        dtype=self.dtype, contiguity=True),
+                                     None, 0) for _ in "cs"]
         p = {name.split(".")[-2]: self.parameter(name, shape, columns.get(name.split(".")[-2]))
              for name, shape in block_parameter_shapes(cfg).items()}
         n1 = self.gathered(o.rms_norm(x, p["input_layernorm"], cfg.eps))
@@ -273,10 +274,10 @@ class LlamaHead(_LlamaFusion):
         cfg, o, b = self.cfg, self.ops, self.batch
         x = self.pin(self.define_tensor([b, cfg.seq, cfg.hidden], dtype=self.dtype,
                                         contiguity=True), 1, 1)
-        if self.cp > 1:  # the whole sequence for the loss (gathered over cp and tp)
-            x = self.pin(self.ops.set(x), None)
         self.targets = targets = self.pin(self.tokens(), None)
         self.batch_inputs = [x, targets]
+        if self.cp > 1:  # the whole sequence for the loss (gathered over cp and tp)
+            x = self.pin(self.ops.set(x), None)
         norm = self.parameter("model.norm.weight", (cfg.hidden,), None)
         head = self.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), 0)
         logits = o.linear(o.rms_norm(x, norm, cfg.eps), head)
@@ -351,12 +352,16 @@ class LlamaModel(torch.nn.Module):
         return dict(self._names)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.fsdp is not None:  # this rank's rows of the batch
+        cos, sin = self.cos, self.sin
+        if self.fsdp is not None:  # this rank's rows of the batch (and positions: cp)
             ids = self.embed.shard_input(self.embed.fd.ids, ids)
             targets = self.head.shard_input(self.head.fd.targets, targets)
+            if self.blocks and self.blocks[0].fd.cp > 1:
+                cos, sin = (self.blocks[0].shard_input(tv, t)
+                            for tv, t in zip(self.blocks[0].fd.rope, (cos, sin)))
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x, self.cos, self.sin)
+            x = block(x, cos, sin)
         return self.head(x, targets)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
