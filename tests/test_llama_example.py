@@ -183,8 +183,9 @@ def test_every_program_of_a_step_is_judged_for_cuda_graph_replay(multidevice_tes
 
 
 def test_mesh_argument():
-    assert parse_mesh("tp=2") == {"dp": 1, "tp": 2}
-    assert parse_mesh("dp=2, tp=2") == {"dp": 2, "tp": 2}
+    assert parse_mesh("tp=2") == {"replicate": 1, "dp": 1, "cp": 1, "tp": 2}
+    assert parse_mesh("dp=2, tp=2") == {"replicate": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert parse_mesh("replicate=2,dp=2,cp=2") == {"replicate": 2, "dp": 2, "cp": 2, "tp": 1}
     for bad in ("tp", "pp=2", "tp=0", "tp=2,tp=2", "tp=x"):
         with pytest.raises(Exception, match="mesh dimension|positive|twice"):
             parse_mesh(bad)
@@ -199,7 +200,7 @@ def _script(*args: str, timeout: int = 600, **extra: str) -> subprocess.Complete
 
 
 @pytest.mark.exclusive
-def test_script_trains_at_two_ranks_and_refuses_bad_meshes(tmp_path):
+def test_script_trains_at_four_ranks_and_refuses_bad_meshes(tmp_path):
     """The README's command at 4 CPU ranks (gloo, fully sharded over dp x tensor parallel
     over tp, gradients clipped) with a few steps: exit 0, the memory account and the
     comparison printed, the JSON and the loss curve written. Bad meshes: one line on
