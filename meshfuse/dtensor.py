@@ -17,13 +17,18 @@ The correspondence, per mesh axis (outermost first, as DTensor lists placements)
   axis. A partial *input* is reduced by DTensor (``redistribute`` to ``Replicate``) before the
   fusion runs, since a fusion input cannot be partial.
 
+- ``_StridedShard(d, split_factor=f)``: FSDP2 + TP's layout, mesh axis ``i`` splitting
+  axis ``d`` within the shard of the later mesh axes (sizes multiplying to ``f``) that split
+  it first: the split on ``i`` nests inside theirs.
+
 A schedule DTensor cannot express (a cyclic shard from an inner split, mesh axes nested
-against mesh order) is refused with a ShardingError naming the tensor.
+otherwise) is refused with a ShardingError naming the tensor.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,12 +114,26 @@ def to_placements(tv: TensorView) -> tuple[dt.Placement, ...]:
                     f"{tv.name} axis {p.axis} is sharded in head-tail pairs (a zig-zag split) "
                     f"on mesh axis {mesh_axis}; DTensor has no placement for that: use an "
                     "outer split")
-            result.append(dt.Shard(p.axis))
+            result.append(_shard(tv, mesh_axis, p))
         elif isinstance(p, mf.Partial):
             result.append(dt.Partial(p.reduce_op))
         else:
             result.append(dt.Replicate())
     return tuple(result)
+
+
+def _shard(tv: TensorView, mesh_axis: int, p: mf.Shard) -> dt.Placement:
+    """``Shard(axis)``, or ``_StridedShard`` where later mesh axes split the axis outside
+    this one (data-parallel within a tensor-parallel shard): its split factor their sizes'
+    product."""
+    depth = {tv.materialized()[p.axis]: 0}
+    for t in tv.transforms:
+        if isinstance(t, Split) and t.in_id in depth:
+            depth[t.outer] = depth[t.inner] = depth[t.in_id] + 1
+    outer = [tv.mesh.axis_of(pt) for id_, pt in tv.parallel.items()
+             if pt.is_device and id_ in depth and depth[id_] < depth.get(p.id, 0)]
+    factor = math.prod(tv.mesh.shape[m] for m in outer if m > mesh_axis)
+    return dt._StridedShard(p.axis, split_factor=factor) if factor > 1 else dt.Shard(p.axis)
 
 
 def _reduce_op(tv: TensorView) -> str:
@@ -146,21 +165,45 @@ def schedule_from_placements(tv: TensorView, mesh: DeviceMesh | TorchDeviceMesh,
         )
     tv.set_device_mesh(mesh)
     remainder = {a: a for a in range(tv.ndim)}  # tensor axis -> loop position left to split
-    for mesh_axis, p in enumerate(placements):
-        if p.is_replicate():
-            continue
-        if not p.is_shard() or type(p) is not dt.Shard:
-            raise ShardingError(
-                f"{tv.name}: placement {p} on mesh axis {mesh_axis} has no meshfuse schedule; "
-                "an input can be Shard(d) or Replicate() (reduce a Partial one first)"
-            )
-        axis = p.dim % tv.ndim
+    for mesh_axis, axis in _nesting(tv.name, placements, mesh.shape, tv.ndim):
         pos = remainder[axis]
         tv.outer_split(pos, mesh.shape[mesh_axis])
         tv.parallelize(pos, device_parallel_type(mesh_axis, mesh.ndim))
         remainder = {a: q + 1 if q > pos else q for a, q in remainder.items()}
         remainder[axis] = pos + 1
     return tv
+
+
+def _nesting(name: str, placements: Sequence[dt.Placement], shape: Sequence[int],
+             ndim: int) -> list[tuple[int, int]]:
+    """``(mesh axis, tensor axis)`` of each shard, outermost split first: ``Shard`` in mesh
+    order; a ``_StridedShard(d, split_factor=f)`` (FSDP2 + TP's right-to-left sharding:
+    data-parallel within the tensor-parallel shard) after the ``Shard(d)`` of later mesh axes
+    whose sizes multiply to ``f``."""
+    order: list[tuple[int, int]] = []
+    waiting: list[list[int]] = []  # [mesh axis, tensor axis, factor still to come]
+    for mesh_axis, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        if type(p) not in (dt.Shard, dt._StridedShard):
+            raise ShardingError(
+                f"{name}: placement {p} on mesh axis {mesh_axis} has no meshfuse schedule; "
+                "an input can be Shard(d), _StridedShard(d) or Replicate() (reduce a Partial "
+                "one first)")
+        axis = p.dim % ndim
+        if type(p) is dt._StridedShard and p.split_factor > 1:
+            waiting.append([mesh_axis, axis, p.split_factor])
+            continue
+        order.append((mesh_axis, axis))
+        for w in waiting:
+            if w[1] == axis and w[2] > 1:
+                w[2] //= shape[mesh_axis]
+                if w[2] == 1:
+                    order.append((w[0], w[1]))
+    if any(w[2] != 1 for w in waiting):
+        raise ShardingError(f"{name}: {list(placements)}: a _StridedShard's split_factor is "
+                            "not the product of the later mesh axes that shard its dimension")
+    return order
 
 
 def _check_like_dtensor(tv: TensorView, local: torch.Tensor, rank: int) -> None:
@@ -177,8 +220,8 @@ def _check_like_dtensor(tv: TensorView, local: torch.Tensor, rank: int) -> None:
         n = local.shape[axis] * shard_factor(tv, id_)
         held = local_indices(tv, id_, _chain_extents(tv, id_, n), coords)
         expected = torch.arange(n)
-        for mesh_axis, p in enumerate(wanted):
-            if isinstance(p, dt.Shard) and p.dim == axis:
+        for mesh_axis, dim in _nesting(tv.name, wanted, tv.mesh.shape, tv.ndim):
+            if dim == axis:
                 expected = expected.chunk(tv.mesh.shape[mesh_axis])[coordinate[mesh_axis]]
         if not torch.equal(held, expected):
             raise ShardingError(

@@ -3,9 +3,10 @@
 (and as the plan says over tp), the inputs' batch split over dp; logits, loss and every
 gradient equal the unsharded module's, AdamW steps follow its losses, and the parameters'
 gathers (and, on a 1-D mesh, the gradients' reduce-scatters) run on the dp groups. At 2
-ranks FSDP alone, 3 (uneven shards), and 4 as dp=2 x tp=2 with the model's own tp plan.
-Known gap: on the 2-D mesh (and at dp=4) most gradients do not come back through meshfuse's
-reduce-scatters (they are still correct); not asserted until that is understood."""
+ranks FSDP alone, 3 (uneven shards), and 4 as dp=2 x tp=2 with the model's own tp plan:
+there a parameter the plan splits on its first axis over tp holds a block of rows of its tp
+shard (FSDP2's ``_StridedShard(0, split_factor=2)`` over dp), so its gather is an allgather
+over dp and its gradient a reduce-scatter over dp, as every other parameter's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import warnings
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import meshfuse
 from meshfuse import DeviceMesh
@@ -71,9 +73,14 @@ def test_fsdp_of_a_transformers_llama(multidevice_test, spec):
     reference, model, sizes = _parallel(spec, d)
     dp = list(sizes).index("dp")
     for name, p in model.named_parameters():  # FSDP2's layout: Shard(0) over dp
-        assert isinstance(p, DTensor) and p.placements[dp] == Shard(0), name
-        rows = math.ceil(p.shape[0] / sizes["dp"])
+        assert isinstance(p, DTensor) and isinstance(p.placements[dp], Shard | _StridedShard)
+        assert p.placements[dp].dim == 0, name
+        rows = math.ceil(p.shape[0] / math.prod(sizes.values()))
+        if p.placements[-1] != Shard(0):
+            rows = math.ceil(p.shape[0] / sizes["dp"])
         assert p.to_local().shape[0] <= rows, name
+        strided = isinstance(p.placements[dp], _StridedShard)
+        assert strided == ("tp" in sizes and p.placements[-1] == Shard(0)), name
     batch = 2 * sizes["dp"] if sizes["dp"] != 3 else 3
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     for step in range(3):
@@ -98,8 +105,11 @@ def test_fsdp_of_a_transformers_llama(multidevice_test, spec):
             # every parameter gathered over dp before use (forward, and again in the
             # backward), one collective each (captured fusions are not bucketed by layer)
             assert on_dp.count("allgather") >= params
-            if len(sizes) == 1:  # every gradient reduce-scattered back by meshfuse
-                assert on_dp.count("reduce_scatter") == params
+            # every gradient reduce-scattered back over dp by meshfuse, one collective each
+            # (at dp x tp too: a tp-sharded parameter's over dp within its tp shard)
+            assert on_dp.count("reduce_scatter") == params
+            assert on_dp.count("allgather") + on_dp.count("reduce_scatter") + \
+                on_dp.count("allreduce") == len(on_dp)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()

@@ -138,6 +138,7 @@ def test_gathers_one_layer_ahead_and_two_layers_at_most(multidevice_test):
     forward, backward = model.programs()
     for program, layers in ((forward, range(LAYERS)), (backward, list(reversed(range(LAYERS))))):
         _check_prefetch(program, list(layers))
+    _check_reduced_when_ready(backward, list(reversed(range(LAYERS))))
 
 
 def _check_prefetch(program, layers: list[int]) -> None:
@@ -159,6 +160,28 @@ def _check_prefetch(program, layers: list[int]) -> None:
         assert gathers[before] < reads[before][0] < gathers[k] < reads[before][-1], (
             before, k, gathers, reads)
         assert gathers[k] < reads[k][0]
+
+
+def _check_reduced_when_ready(program, layers: list[int]) -> None:
+    """Each layer's gradients are reduced by one step, launched before the backward of the
+    layer below it ends (as its gradients are ready, not all at the end)."""
+    reductions, reads, values = {}, {}, {}
+    for i, step in enumerate(program.steps):
+        found = re.search(r"layer (\d+)'s \d+ parameters, one (allgather|reduce_scatter)",
+                          step.label)
+        if found and found[2] == "reduce_scatter":
+            assert int(found[1]) not in reductions, step.label  # one per layer
+            reductions[int(found[1])] = i
+        elif found:
+            values.update(dict.fromkeys(step.outputs, int(found[1])))
+        for k in {values[r] for r in step.reads if r in values}:
+            if step.op == "set":
+                values[step.outputs[0]] = k
+            else:
+                reads.setdefault(k, []).append(i)
+    assert sorted(reductions) == sorted(layers)
+    for k, below in itertools.pairwise(layers):
+        assert reductions[k] < reads[below][-1], (k, reductions, reads)
 
 
 @pytest.mark.mpi
@@ -201,6 +224,7 @@ def test_fsdp_with_tensor_parallel_2x2(multidevice_test):
     fd, model = _model(mesh, tp="tp")
     losses, comms, account = _train(fd, model)
     _check_losses(losses)
+    _check_reduced_when_ready(model.programs()[1], list(reversed(range(LAYERS))))
     for forward, backward in comms:
         assert _on(forward, "allgather", 0) == LAYERS
         assert _on(backward, "allgather", 0) == LAYERS

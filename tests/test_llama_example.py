@@ -183,8 +183,9 @@ def test_every_program_of_a_step_is_judged_for_cuda_graph_replay(multidevice_tes
 
 
 def test_mesh_argument():
-    assert parse_mesh("tp=2") == {"dp": 1, "tp": 2}
-    assert parse_mesh("dp=2, tp=2") == {"dp": 2, "tp": 2}
+    assert parse_mesh("tp=2") == {"replicate": 1, "dp": 1, "cp": 1, "tp": 2}
+    assert parse_mesh("dp=2, tp=2") == {"replicate": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert parse_mesh("replicate=2,dp=2,cp=2") == {"replicate": 2, "dp": 2, "cp": 2, "tp": 1}
     for bad in ("tp", "pp=2", "tp=0", "tp=2,tp=2", "tp=x"):
         with pytest.raises(Exception, match="mesh dimension|positive|twice"):
             parse_mesh(bad)
@@ -199,18 +200,21 @@ def _script(*args: str, timeout: int = 600, **extra: str) -> subprocess.Complete
 
 
 @pytest.mark.exclusive
-def test_script_trains_at_two_ranks_and_refuses_bad_meshes(tmp_path):
-    """The documented command at 2 CPU ranks (gloo, fully sharded over dp, gradients
-    clipped) with a few steps: exit 0, the memory
-    account and the comparison printed, the JSON and the loss curve written. Bad meshes:
-    one line on stderr, exit 2, before any rank starts."""
-    done = _script("--mesh", "dp=2", "--steps", "3", "--max-norm", "1", "--out", str(tmp_path))
+def test_script_trains_at_four_ranks_and_refuses_bad_meshes(tmp_path):
+    """The README's command at 4 CPU ranks (gloo, fully sharded over dp x tensor parallel
+    over tp, gradients clipped) with a few steps: exit 0, the memory account and the
+    comparison printed, the JSON and the loss curve written. Bad meshes: one line on
+    stderr, exit 2, before any rank starts."""
+    done = _script("--mesh", "dp=2,tp=2", "--steps", "3", "--max-norm", "1.0", "--out",
+                   str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rank 1: parameters" in done.stdout and "ok" in done.stdout, done.stdout
+    assert "rank 3: parameters" in done.stdout and "ok" in done.stdout, done.stdout
     assert (tmp_path / "train_llama.png").stat().st_size > 0
     assert (tmp_path / "train_llama.json").exists()
     for mesh, words in (("dp=3", "dp divides"), ("tp=2,xp=2", "NAME=SIZE"),
-                        ("tp=8", "at most --heads")):
+                        ("tp=8", "divides --heads"), ("tp=3", "divides --heads"),
+                        ("replicate=2", "give dp=N too"), ("dp=0", "positive integer"),
+                        ("dp=2,dp=2", "given twice")):
         bad = _script("--mesh", mesh, timeout=120)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr

@@ -7,6 +7,12 @@ ahead, and the backward reduce-scatters each layer's gradients by one reduce-sca
 ``.grad`` is a shard like its parameter and any torch optimizer (AdamW) updates the local
 shards. The layers are carried to the derived forward and backward
 (:func:`~meshfuse.parallel.fsdp.layers.register_derivation`).
+
+A model made of several such modules run one after the other (a Llama model's embedding,
+blocks and head) prefetches across them (:func:`prefetch_in_order`): each module's forward
+launches the next module's gather before it computes, and each module's backward the
+gather of the module before it, as FSDP2's prefetch does; so a module's gather runs under
+its neighbour's compute, and two modules' gathered parameters are alive at most.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from meshfuse.autodiff.function import FusionFunction
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.parallel.fsdp import (
+    AheadOfStep,
     FsdpOptions,
     MemoryAccount,
     MixedPrecision,
@@ -95,6 +102,7 @@ class FullyShardedModule(torch.nn.Module):
         self._function = _LayeredFunction(self.sharded.fusion, remat=self.options.remat)
         self._storages = {name: self.sharded.storage(tv) for name, (tv, _) in parameters.items()}
         self.activation_bytes = 0
+        self._neighbours: tuple = (None, None)  # (before, after): see prefetch_in_order
 
     def parameter_tensors(self) -> dict[str, TensorView]:
         """Each parameter's storage TensorView, whose schedule lays out the local shard it
@@ -116,9 +124,64 @@ class FullyShardedModule(torch.nn.Module):
         supplied = iter(args)
         inputs = [getattr(self, self._slots[i]) if i in self._slots else next(supplied)
                   for i in range(len(self._arguments) + len(self._slots))]
+        before, after = self._neighbours
+        chained = before is not None or after is not None
+        if chained:
+            self.prefetch(claim=True)  # its own gather (launched by the module before)
+        if after is not None:
+            after.prefetch()  # the next module's, under this one's compute
         outputs = self._function(inputs)
         self.activation_bytes = self._saved_bytes(outputs[0])
+        if chained and outputs[0].requires_grad:
+            outputs[0].register_hook(self._backward_prefetch)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def prefetch(self, backward: bool = False, claim: bool = False) -> None:
+        """Launches now the gathers of this module's parameters that its last built forward
+        (or ``backward``) program runs (nothing before the first call, or for a gather fed
+        by a mixed-precision cast); ``claim``: its next run takes them (see
+        :class:`~meshfuse.parallel.fsdp.buckets.AheadOfStep`)."""
+        programs = self._last_programs()
+        if programs is None:
+            return
+        program = programs[1 if backward else 0]
+        slot_of = self._parameter_slots(program, backward)
+        for step, call in zip(program.steps, program.calls):
+            if step.op == "set" and len(step.args) == 1 and \
+                    getattr(step.args[0], "index", None) in slot_of:
+                slot_of[step.outputs[0]] = slot_of[step.args[0].index]  # a local copy
+            if isinstance(call, AheadOfStep) and step.args and \
+                    all(getattr(a, "index", None) in slot_of for a in step.args):
+                call.prefetch(*(getattr(self, slot_of[a.index]) for a in step.args),
+                              claim=claim)
+
+    def _backward_prefetch(self, grad: torch.Tensor) -> None:
+        """Run as the gradient of this module's output is ready, right before its
+        backward: its own gathers (claimed: launched by the module after it) and the
+        module before's."""
+        self.prefetch(backward=True, claim=True)
+        if self._neighbours[0] is not None:
+            self._neighbours[0].prefetch(backward=True)
+
+    def _last_programs(self):
+        if not self._function._derivations:
+            return None
+        compiled = list(self._function._derivations.values())[-1]
+        forward = compiled.derivation.forward_runner._programs
+        backward = compiled._backward._programs if compiled._backward is not None else {}
+        if not forward or not backward:
+            return None
+        return list(forward.values())[-1], list(backward.values())[-1]
+
+    def _parameter_slots(self, program, backward: bool) -> dict[int, str]:
+        """The program's input slots that hold parameters -> their names."""
+        if not backward:
+            return {program.input_slots[i]: name for i, name in self._slots.items()}
+        d = list(self._function._derivations.values())[-1].derivation
+        first = len(d.cotangents)
+        return {program.input_slots[first + k]: self._slots[r.index]
+                for k, r in enumerate(d.residuals)
+                if r.kind == "input" and r.index in self._slots}
 
     def _saved_bytes(self, output: torch.Tensor) -> int:
         """The bytes the forward saved for the backward (its residuals), the parameter
@@ -148,3 +211,14 @@ class FullyShardedModule(torch.nn.Module):
         ``activations`` (default: what the last forward saved for its backward)."""
         saved = self.activation_bytes if activations is None else activations
         return memory_account(self.parameters(), optimizer, activations=saved)
+
+
+def prefetch_in_order(modules: Sequence[FullyShardedModule]) -> None:
+    """Makes ``modules`` (run in this order, each once per step) prefetch across each
+    other: each one's forward launches the next one's gather first, and each one's backward
+    (as its output's gradient is ready) the gather of the one before. From the second step
+    on: the first builds the programs whose gathers are launched."""
+    modules = list(modules)
+    for i, m in enumerate(modules):
+        m._neighbours = (modules[i - 1] if i else None,
+                         modules[i + 1] if i + 1 < len(modules) else None)

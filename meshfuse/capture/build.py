@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx import Node
 
 from meshfuse.capture.aten_ops import as_traced, translation
@@ -28,6 +28,7 @@ from meshfuse.errors import MeshfuseError
 from meshfuse.frontend.fusion_definition import FusionDefinition
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.parallel.fsdp.transform import carries_batch
 
 __all__ = ["BuiltSegment", "build_segment"]
 
@@ -44,10 +45,12 @@ class BuiltSegment:
 
 
 def build_segment(segment: Segment, plan: ResolvedPlan, mesh: DeviceMesh,
-                  constants: Mapping[str, Any], parameters: Mapping[str, str]) -> BuiltSegment:
+                  constants: Mapping[str, Any], parameters: Mapping[str, str],
+                  batch: frozenset[int] = frozenset()) -> BuiltSegment:
     """The fusion of ``segment``; ``constants`` are the folded values (a Python number
     among them is inlined), ``parameters`` the placeholders that are parameters (-> their
-    names)."""
+    names), ``batch`` the positions of the inputs whose first axis is the batch split over
+    ``plan.batch_axis`` (fully sharded: the pinned copies of activations keep that split)."""
     fd = FusionDefinition()
     values: dict[str, Any] = {}
     positions = []
@@ -61,6 +64,8 @@ def build_segment(segment: Segment, plan: ResolvedPlan, mesh: DeviceMesh,
             else:
                 values[node.name] = value
         pins = _Pins(plan, mesh, fd, parameters)
+        pins.carried = {values[segment.inputs[i].name].materialized()[0] for i in batch
+                        if isinstance(values.get(segment.inputs[i].name), TensorView)}
         for node in segment.nodes:
             _emit(fd, node, values, pins, constants)
         for node in segment.outputs:
@@ -88,6 +93,8 @@ class _Pins:
                  parameters: Mapping[str, str]) -> None:
         self.plan, self.mesh, self.fd, self.parameters = plan, mesh, fd, parameters
         self.copies: dict[tuple[str, str], TensorView] = {}
+        self.carried: set = set()  # the IDs that are the batch axis split over batch_axis
+        self._seen = 0  # the fusion's expressions whose outputs were looked at for them
 
     def inside(self, source: Node, reader: Node, value: Any) -> Any:
         """What ``reader`` reads of ``source``: the pinned copy where ``source`` enters a
@@ -135,9 +142,29 @@ class _Pins:
                 self.copies[key] = value
                 return value
             copy = self.fd.ops.set(value)
-            schedule_from_placements(copy, self.mesh, self.plan.layout(placement))
+            schedule_from_placements(copy, self.mesh, self._layout(value, placement))
             self.copies[key] = copy
         return self.copies[key]
+
+    def _layout(self, value: TensorView, placement: Placement) -> tuple:
+        """``placement`` on the plan's axis; on the data-parallel one ``Shard(0)`` where
+        ``value``'s first axis is the split batch (else the pin would gather the batch, and
+        every rank compute the whole of it), replicated elsewhere."""
+        layout = self.plan.layout(placement)
+        axis = self.plan.batch_axis
+        if axis is None or not self.carried or axis == self.plan.ndim - 1:
+            return layout
+        exprs = self.fd.fusion.exprs
+        for expr in exprs[self._seen:]:
+            for out in expr.outputs:
+                if isinstance(out, TensorView):
+                    self.carried.update(i for i in out.logical if not i.is_reduction and
+                                        carries_batch(expr, i, self.carried))
+        self._seen = len(exprs)
+        first = value.materialized()[0] if value.materialized() else None
+        if first not in self.carried:
+            return layout
+        return tuple(Shard(0) if i == axis else p for i, p in enumerate(layout))
 
 
 def segment_key(segment: Segment, plan: ResolvedPlan, constants: Mapping[str, Any],

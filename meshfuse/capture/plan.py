@@ -58,12 +58,14 @@ class ResolvedPlan:
     """A plan applied to a module: each parameter's placements (one per mesh axis) and the
     modules whose boundaries are pinned. ``axis`` is the mesh axis the styles shard on.
     ``gathered``: parameters the ops read in another layout than they are stored in (fully
-    sharded ones: read gathered over the data-parallel dimension), by name."""
+    sharded ones: read gathered over the data-parallel dimension), by name. ``batch_axis``:
+    the data-parallel mesh axis, whose batch split the pinned activations keep."""
 
     parameters: Mapping[str, Layout]
     modules: Mapping[str, ModuleLayouts]
     ndim: int
     gathered: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
+    batch_axis: int | None = None  # fully sharded: the mesh axis the batch is split over
 
     def layout(self, placement: Placement, axis: int | None = None) -> Layout:
         """``placement`` on the plan's mesh axis (the last), replicated on the others."""

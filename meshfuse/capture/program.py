@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 
 from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
@@ -95,12 +95,22 @@ class Program:
         found = (self.keys[segment.index], layouts)
         if found not in self.built:
             built = build_segment(segment, self.plan, self._mf_mesh, self.constants,
-                                  dict(self.captured.parameters))
+                                  dict(self.captured.parameters), self._batch(segment, layouts))
             self.built[found] = (built, built.fd.as_autograd_function())
         built, function = self.built[found]
         self.ran[segment.index] = found
         outputs = function([values[i] for i in built.tensor_inputs])
         env.update((n.name, v) for n, v in zip(segment.outputs, outputs))
+
+    def _batch(self, segment: Segment, layouts: tuple) -> frozenset[int]:
+        """The inputs of ``segment`` (not parameters) whose first axis is split over the
+        plan's data-parallel mesh axis (fully sharded: the batch)."""
+        axis = self.plan.batch_axis
+        if axis is None:
+            return frozenset()
+        return frozenset(i for i, (node, layout) in enumerate(zip(segment.inputs, layouts))
+                         if layout is not None and node.name not in self.captured.parameters
+                         and layout[1][axis] == Shard(0))
 
     def _run_break(self, step: Break, env: dict[str, Any]) -> None:
         node = step.node

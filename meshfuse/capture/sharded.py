@@ -2,7 +2,8 @@
 
 The plan's placements gain ``Shard(0)`` on the data-parallel mesh dimension for every
 parameter with a first axis (FSDP2's layout: each rank holds a block of rows, within its
-tensor-parallel shard's when the plan splits the same axis); the user's tensor inputs are
+tensor-parallel shard's when the plan splits the same axis, which DTensor writes
+``_StridedShard(0, split_factor=tp)``); the user's tensor inputs are
 split on their first (batch) axis over that dimension before the call. The fusions then
 read each parameter gathered over ``dp`` (resharding: an allgather before its first use,
 :mod:`meshfuse.parallel.fsdp` explains the strategy) and their derived backwards
@@ -13,12 +14,14 @@ batch, is allreduced. Gradients and optimizer state are DTensors laid out as the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.plan import ResolvedPlan
@@ -53,10 +56,21 @@ def fully_shard_plan(resolved: ResolvedPlan, mesh: TorchDeviceMesh, name: str,
     for param, layout in resolved.parameters.items():
         stored = list(layout)
         if ndim.get(param, 0) > 0 and isinstance(stored[axis], Replicate):
-            stored[axis] = Shard(0)
+            stored[axis] = _rows(layout, axis, mesh, ndim[param])
             gathered[param] = tuple(layout)  # what the ops read: the plan's layout
         layouts[param] = tuple(stored)
-    return dataclasses.replace(resolved, parameters=layouts, gathered=gathered)
+    return dataclasses.replace(resolved, parameters=layouts, gathered=gathered,
+                               batch_axis=axis)
+
+
+def _rows(layout: tuple, axis: int, mesh: TorchDeviceMesh, ndim: int) -> Shard:
+    """The data-parallel placement of a parameter on mesh axis ``axis``: ``Shard(0)``, or,
+    where later mesh axes (tensor parallelism) split the first axis too, FSDP2's
+    ``_StridedShard(0)``: a block of rows within the tensor-parallel shard, so the gather
+    before use is an allgather over ``axis`` alone and the gradient's a reduce-scatter."""
+    later = math.prod(mesh.size(m) for m in range(axis + 1, mesh.ndim)
+                      if isinstance(layout[m], Shard) and layout[m].dim % ndim == 0)
+    return _StridedShard(0, split_factor=later) if later > 1 else Shard(0)
 
 
 def batch_placements(mesh: TorchDeviceMesh, name: str) -> tuple:

@@ -42,7 +42,7 @@ import dataclasses
 
 import torch
 
-from meshfuse.autodiff.fsdp_module import FullyShardedModule
+from meshfuse.autodiff.fsdp_module import FullyShardedModule, prefetch_in_order
 from meshfuse.autodiff.module import FusionModule
 from meshfuse.dtypes import DataType
 from meshfuse.frontend.fusion_definition import FusionDefinition
@@ -151,21 +151,23 @@ class _LlamaFusion(FusionDefinition):
         self.cfg, self.batch = cfg, batch
         self.named = named_mesh(mesh)
         self.mesh = None if self.named is None else self.named.mesh
-        self.tp = 1 if self.named is None or "tp" not in self.named.names else \
-            self.named.size("tp")
+        self.tp, self.cp = (1 if self.named is None or name not in self.named.names else
+                            self.named.size(name) for name in ("tp", "cp"))
         self.dtype = DataType.from_torch(cfg.torch_dtype)
         self.params: dict = {}
-        self.placements: list = []  # (tensor, axis or None), applied by the schedule
+        self.placements: list = []  # (tensor, tp axis, cp axis: each None or an axis)
         self.batch_inputs: list = []  # the inputs whose first axis is the batch (dp splits)
 
     def parameter(self, name: str, shape, axis: int | None):
         tv = self.define_tensor(list(shape), dtype=self.dtype, contiguity=True)
         self.params[name] = tv
-        self.placements.append((tv, axis))
+        self.placements.append((tv, axis, None))
         return tv
 
-    def pin(self, tv, axis: int | None):
-        self.placements.append((tv, axis))
+    def pin(self, tv, axis: int | None, sequence: int | None = None):
+        """Pins ``tv`` split on ``axis`` over ``tp`` (None: not) and, context parallel, on
+        its ``sequence`` axis over ``cp`` (outside the tp split when both split it)."""
+        self.placements.append((tv, axis, sequence))
         return tv
 
     def io(self, t):
@@ -180,8 +182,10 @@ class _LlamaFusion(FusionDefinition):
     def multidevice_schedule(self) -> None:
         if self.mesh is None:
             return
-        for tv, axis in self.placements:
+        for tv, axis, sequence in self.placements:
             tv.set_device_mesh(self.mesh)
+            if sequence is not None and self.cp > 1:
+                shard_axis(tv, self.named, "cp", sequence)
             if axis is not None and self.tp > 1:
                 shard_axis(tv, self.named, "tp", axis)
 
@@ -192,10 +196,10 @@ class LlamaEmbedding(_LlamaFusion):
 
     def definition(self) -> None:
         cfg = self.cfg
-        self.ids = self.pin(self.tokens(), None)
+        self.ids = self.pin(self.tokens(), None, 1)
         self.batch_inputs = [self.ids]
         table = self.parameter("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), 0)
-        self.add_output(self.pin(self.ops.embedding_fwd(self.ids, table), 1))
+        self.add_output(self.pin(self.ops.embedding_fwd(self.ids, table), 1, 1))
 
 
 class LlamaBlock(_LlamaFusion):
@@ -209,10 +213,11 @@ class LlamaBlock(_LlamaFusion):
         columns = {"q_proj": 0, "k_proj": kv_axis, "v_proj": kv_axis, "o_proj": 1,
                    "gate_proj": 0, "up_proj": 0, "down_proj": 1}
         x = self.pin(self.define_tensor([self.batch, cfg.seq, cfg.hidden], dtype=self.dtype,
-                                        contiguity=True), 1)
+                                        contiguity=True), 1, 1)
         self.batch_inputs = [x]
-        rope = [self.pin(self.define_tensor([cfg.seq, cfg.head_dim], dtype=self.dtype,
-                                            contiguity=True), None) for _ in "cs"]
+        self.rope = rope = [self.pin(self.define_tensor([cfg.seq, cfg.head_dim],
+                                                        dtype=self.dtype, contiguity=True),
+                                     None, 0) for _ in "cs"]
         p = {name.split(".")[-2]: self.parameter(name, shape, columns.get(name.split(".")[-2]))
              for name, shape in block_parameter_shapes(cfg).items()}
         n1 = self.gathered(o.rms_norm(x, p["input_layernorm"], cfg.eps))
@@ -228,13 +233,15 @@ class LlamaBlock(_LlamaFusion):
     def gathered(self, t):
         """``t`` (a norm's output, sequence split), which the column-parallel projections
         read gathered: propagation and resharding gather it once for all of them
-        (Megatron's gather at the region's input), replicated k/v projections included."""
-        return t
+        (Megatron's gather at the region's input), replicated k/v projections included.
+        Context parallel, it is pinned gathered over ``tp`` and still split over ``cp`` (left
+        to propagation, the projections would follow the sequence split over both)."""
+        return self.pin(self.ops.set(t), None, 1) if self.cp > 1 else t
 
     def residual(self, x, y):
         """``x + y``, sequence split (a row-parallel ``y`` is reduce-scattered into it)."""
-        total = self.pin(self.ops.add(x, y), 1)
-        return self.pin(self.io(total), 1) if total.dtype is not self.dtype else total
+        total = self.pin(self.ops.add(x, y), 1, 1)
+        return self.pin(self.io(total), 1, 1) if total.dtype is not self.dtype else total
 
     def heads(self, t, n: int):
         """``[B, S, n * Dh]`` as ``[B, n, S, Dh]``."""
@@ -266,9 +273,11 @@ class LlamaHead(_LlamaFusion):
     def definition(self) -> None:
         cfg, o, b = self.cfg, self.ops, self.batch
         x = self.pin(self.define_tensor([b, cfg.seq, cfg.hidden], dtype=self.dtype,
-                                        contiguity=True), 1)
+                                        contiguity=True), 1, 1)
         self.targets = targets = self.pin(self.tokens(), None)
         self.batch_inputs = [x, targets]
+        if self.cp > 1:  # the whole sequence for the loss (gathered over cp and tp)
+            x = self.pin(self.ops.set(x), None)
         norm = self.parameter("model.norm.weight", (cfg.hidden,), None)
         head = self.parameter("lm_head.weight", (cfg.vocab, cfg.hidden), 0)
         logits = o.linear(o.rms_norm(x, norm, cfg.eps), head)
@@ -281,7 +290,8 @@ def fusion_module(fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str
                   fsdp: NamedMesh | None = None) -> torch.nn.Module:
     """``fd`` as a module holding this rank's shards of its parameters (torch parameter names
     cannot hold dots: they are replaced by underscores): a FusionModule, or over the ``dp``
-    dimension of ``fsdp`` a FullyShardedModule whose one layer is all of them."""
+    dimension of ``fsdp`` a FullyShardedModule whose one layer is all of them (HSDP: also
+    replicated over its ``replicate`` dimension, if it has one)."""
     fd.define()
     own = {name.replace(".", "_"): (tv, params[prefix + name])
            for name, tv in fd.params.items()}
@@ -289,7 +299,9 @@ def fusion_module(fd: _LlamaFusion, params: dict[str, torch.Tensor], prefix: str
         module = FusionModule(fd, own)
         module.copies = [copies(tv) for tv, _ in own.values()]
     else:
-        module = FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, fsdp)
+        replicate = "replicate" if "replicate" in fsdp.names else None
+        module = FullyShardedModule(fd, own, [list(own)], fd.batch_inputs, fsdp,
+                                    replicate=replicate)
         module.copies = module._copies
     module.fd = fd
     return module
@@ -304,7 +316,10 @@ class LlamaModel(torch.nn.Module):
         params: global initial values (:func:`init_parameters`' names).
         mesh: a 1-D mesh for tensor + sequence parallelism, a :class:`NamedMesh` with
             dimensions ``dp`` (fully sharded data parallel: each fusion's parameters
-            sharded over it, the batch split over it) and ``tp``, or None (one device).
+            sharded over it, the batch split over it), optionally ``replicate`` (HSDP: the
+            parameters replicated over it, the batch split over it too), ``cp`` (context
+            parallel: the sequence split over it, ring attention) and ``tp``; or None (one
+            device).
         device: where the parameters and RoPE tables live.
     """
 
@@ -320,6 +335,8 @@ class LlamaModel(torch.nn.Module):
             fusion_module(block, params, f"model.layers.{i}.", self.fsdp)
             for i in range(cfg.layers))
         self.head = fusion_module(head, params, "", self.fsdp)
+        if self.fsdp is not None:  # each fusion's gather launched under the one before
+            prefetch_in_order([self.embed, *self.blocks, self.head])
         self._names = {f"blocks.{i}.{n.replace('.', '_')}": f"model.layers.{i}.{n}"
                        for i in range(cfg.layers) for n in block.params}
         self._names.update({f"{m}.{n.replace('.', '_')}": n
@@ -335,12 +352,16 @@ class LlamaModel(torch.nn.Module):
         return dict(self._names)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.fsdp is not None:  # this rank's rows of the batch
+        cos, sin = self.cos, self.sin
+        if self.fsdp is not None:  # this rank's rows of the batch (and positions: cp)
             ids = self.embed.shard_input(self.embed.fd.ids, ids)
             targets = self.head.shard_input(self.head.fd.targets, targets)
+            if self.blocks and self.blocks[0].fd.cp > 1:
+                cos, sin = (self.blocks[0].shard_input(tv, t)
+                            for tv, t in zip(self.blocks[0].fd.rope, (cos, sin)))
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x, self.cos, self.sin)
+            x = block(x, cos, sin)
         return self.head(x, targets)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

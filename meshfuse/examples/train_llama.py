@@ -16,7 +16,9 @@ argument (one line on stderr, before any rank starts).
 ``--mesh`` names the mesh's dimensions: ``tp=N`` tensor (+ sequence) parallelism over N
 ranks, ``dp=M`` fully sharded data parallelism over M (:mod:`meshfuse.parallel.fsdp`: each
 fusion's parameters sharded over ``dp``, the batch split over it), as ``--mesh dp=2,tp=2``
-on 4 ranks. ``--max-norm`` clips the gradients' global norm (over every rank's shards).
+on 4 ranks; ``replicate=R`` with ``dp`` is HSDP (parameters replicated over R, sharded
+over ``dp``), ``cp=C`` context parallelism (the sequence split over C, ring attention), as
+``--mesh dp=2,cp=2,tp=2`` on 8 ranks. ``--max-norm`` clips the gradients' global norm (over every rank's shards).
 
 The data: sequences that count up by a stride modulo the vocabulary (a random start and
 stride per sequence, seeded per step); the next token is learnable in context, so the loss
@@ -46,7 +48,7 @@ from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.runtime.comm.communicator import Communicator
 
 PROG = "python -m meshfuse.examples.train_llama"
-MESH_DIMS = ("dp", "tp")  # outermost first
+MESH_DIMS = ("replicate", "dp", "cp", "tp")  # outermost first
 FLOAT32_RTOL = 1e-5
 
 
@@ -84,6 +86,7 @@ def parse_args(argv: Sequence[str] | None = None,
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("tp=2"),
                    help="mesh dimensions NAME=SIZE, comma separated: dp (fully sharded data "
+                        "parallel), replicate (HSDP's replicas, with dp), cp (context "
                         "parallel), tp (tensor + sequence parallel); default tp=2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
@@ -107,9 +110,14 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def _check(p: _Parser, args: argparse.Namespace, launcher_size: int | None) -> None:
     mesh = args.mesh
-    if args.batch % mesh["dp"]:
-        p.error(f"--mesh dp={mesh['dp']} splits --batch {args.batch} sequences: give a batch "
-                "that dp divides")
+    copies = mesh["dp"] * mesh["replicate"]
+    if args.batch % copies:
+        what = "dp" if mesh["replicate"] == 1 else "replicate x dp"
+        p.error(f"--mesh splits --batch {args.batch} sequences over {what} = {copies} ranks: "
+                f"give a batch that {what} divides")
+    if mesh["replicate"] > 1 and mesh["dp"] == 1:
+        p.error(f"--mesh replicate={mesh['replicate']} replicates what dp shards: give dp=N "
+                "too (HSDP), or use dp alone")
     ranks = math.prod(mesh.values())
     spec = ",".join(f"{k}={v}" for k, v in mesh.items())
     if launcher_size is not None and ranks != launcher_size:
@@ -119,9 +127,9 @@ def _check(p: _Parser, args: argparse.Namespace, launcher_size: int | None) -> N
     if launcher_size is None and gpus and ranks > gpus:
         p.error(f"--mesh {spec} needs {ranks} ranks, but this host has {gpus} GPUs (one "
                 f"rank per GPU)")
-    if mesh["tp"] > args.heads:
-        p.error(f"--mesh tp={mesh['tp']} splits {args.heads} query heads: give tp of at most "
-                "--heads")
+    if args.heads % mesh["tp"]:
+        p.error(f"--mesh tp={mesh['tp']} splits {args.heads} query heads: give a tp that "
+                "divides --heads")
     if args.steps < 1 or args.batch < 1:
         p.error("--steps and --batch must be positive")
     try:
@@ -146,9 +154,11 @@ def synthetic_batch(cfg: LlamaConfig, batch: int, step: int, seed: int = 0):
 
 
 def memory_account(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (its local shards)."""
+    """This rank's bytes of parameters, gradients and optimizer state (its local shards;
+    the optimizer's step counters, scalars, left out)."""
     def size(ts):
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in ts
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)
 
     params = list(model.parameters())
     return {"parameters": size(params), "gradients": size(p.grad for p in params),
@@ -176,11 +186,13 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def device_mesh(sizes: dict[str, int], world_size: int):
-    """The model's mesh: a 1-D tensor-parallel mesh, or a named ``dp x tp`` mesh."""
-    if sizes["dp"] == 1:
+    """The model's mesh: a 1-D tensor-parallel mesh when only ``tp`` is over 1, else a named
+    mesh of ``dp`` and ``tp`` (and ``replicate``, ``cp`` where over 1), outermost first."""
+    names = [n for n in MESH_DIMS if n in ("dp", "tp") or sizes.get(n, 1) > 1]
+    if names == ["dp", "tp"] and sizes.get("dp", 1) == 1:
         return DeviceMesh(range(world_size))
-    return NamedMesh(DeviceMesh(torch.arange(world_size).reshape(sizes["dp"], sizes["tp"])),
-                     ("dp", "tp"))
+    shape = tuple(sizes.get(n, 1) for n in names)
+    return NamedMesh(DeviceMesh(torch.arange(world_size).reshape(shape)), tuple(names))
 
 
 def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: int = 0,

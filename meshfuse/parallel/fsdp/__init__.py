@@ -12,6 +12,7 @@
 - :mod:`~meshfuse.parallel.fsdp.clip`: the global norm of sharded gradients, and clipping.
 """
 
+from meshfuse.parallel.fsdp.buckets import AheadOfStep
 from meshfuse.parallel.fsdp.clip import clip_grad_norm_, copies, grad_norm
 from meshfuse.parallel.fsdp.layers import layers_of, register_derivation, register_layers
 from meshfuse.parallel.fsdp.memory import GATHERED, MemoryAccount, memory_account, nbytes
@@ -21,6 +22,7 @@ from meshfuse.parallel.fsdp.transform import ShardedFusion, shard_fusion
 
 __all__ = [
     "GATHERED",
+    "AheadOfStep",
     "FsdpOptions",
     "LayerSchedule",
     "MemoryAccount",

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -174,6 +175,59 @@ def gather_call(members: Sequence[Member], group: Group, account=None) -> Callab
         return [PendingPart(whole, functools.partial(_item, i)) for i in range(len(members))]
 
     return run
+
+
+class AheadOfStep:
+    """A gather bucket's implementation that can also be launched ahead of its step, from
+    outside its program (a model made of several fully sharded modules: the next module's
+    gather under this module's compute). :meth:`prefetch` launches it on the parameter
+    shards; the module *claims* it right before its program runs (``prefetch(...,
+    claim=True)`` with the shards as they are then: launched anew if they changed); the
+    step then takes the claimed result, and otherwise gathers what it is given."""
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call = call
+        self._ahead: tuple[tuple, Any] | None = None
+        self._claimed = False
+
+    def prefetch(self, *shards: torch.Tensor, claim: bool = False) -> None:
+        """Launches the gather of ``shards`` now (once for the same storages, versions and
+        shapes); ``claim``: the next run of the step takes it, and it is waited for now
+        (the parameters cut out of the bucket's buffer, which is freed: then the next
+        module's gather is launched, so two modules' gathered parameters are alive)."""
+        key = _identity(shards)
+        if self._ahead is None or self._ahead[0] != key:
+            self._drop()
+            with torch.no_grad():  # as a program runs its steps
+                self._ahead = (key, self.call(*shards))
+        if claim:
+            self._claimed = True
+            self._wait()
+
+    def _wait(self) -> None:
+        values = self._ahead[1]
+        with torch.no_grad():
+            for v in values if isinstance(values, list) else [values]:
+                if isinstance(v, Pending):
+                    v.wait()
+
+    def __call__(self, *shards: torch.Tensor):
+        if self._ahead is not None and self._claimed:
+            result, self._ahead, self._claimed = self._ahead[1], None, False
+            return result
+        self._drop()
+        return self.call(*shards)
+
+    def _drop(self) -> None:
+        """Settles a launched gather no step took (its shards changed since)."""
+        if self._ahead is not None:
+            self._wait()
+        self._ahead, self._claimed = None, False
+
+
+def _identity(shards) -> tuple:
+    return tuple((t.untyped_storage().data_ptr(), t.storage_offset(), t._version,
+                  tuple(t.shape), t.dtype) for t in shards)
 
 
 def _item(i: int, values: list) -> torch.Tensor:

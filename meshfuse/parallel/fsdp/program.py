@@ -14,7 +14,11 @@ order the program first reads them: in a backward, last layer first.
 
 A layer's gradient reductions, and what becomes of their results (HSDP's allreduces across
 replicas, copies and casts on the way to the gradients), move together to where the last of
-them was (:func:`gather_reductions`).
+them was (:func:`gather_reductions`). Before that, the local ops whose results reach only
+the reductions (the weight gradients' products) move to where their inputs are ready
+(:func:`hoist_gradients`): the derived backward may compute a layer's weight gradients
+after the layer below's backward, and its reduce-scatter would wait that long; so each
+layer's gradients are reduced as they are ready, under the next layer's backward.
 
 **Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
 gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP, which
@@ -32,6 +36,7 @@ import torch
 
 from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.parallel.fsdp.buckets import (
+    AheadOfStep,
     GroupOf,
     Member,
     allreduce_call,
@@ -153,6 +158,71 @@ def gather_reductions(order: Sequence[Expr], reductions: Mapping[Expr, int]) -> 
     return result
 
 
+def hoist_gradients(order: Sequence[Expr], reductions: Mapping[Expr, int],
+                    outputs: frozenset = frozenset(),
+                    gathers: Mapping[Expr, int] | None = None) -> list[Expr]:
+    """``order`` with the local expressions whose results reach only the ``reductions``
+    (the cone of each gradient: its products and sums) each placed right after the last
+    expression it reads from (for a layer's gathered parameter: after the layer's last
+    gather, where its bucket runs); the others keep their order."""
+    producer = {o: e for e in order for o in e.outputs}
+    cone = _cones(order, reductions, producer, outputs)
+    if not cone:
+        return list(order)
+    gathers = gathers or {}
+    last_gather = {gathers[e]: e for e in order if e in gathers}
+    result: list[Expr] = []
+    placed: set[Expr] = set()
+    waiting: dict[Expr, int] = {}
+    after: dict[Expr, list[Expr]] = {}
+    for e in cone:
+        needs = {producer[v] for v in e.inputs if v in producer}
+        needs = {last_gather[gathers[p]] if p in gathers else p for p in needs}
+        for p in needs:
+            after.setdefault(p, []).append(e)
+        waiting[e] = len(needs)
+
+    def place(first: Expr) -> None:
+        todo = [first]
+        while todo:
+            e = todo.pop()
+            result.append(e)
+            placed.add(e)
+            for c in reversed(after.get(e, ())):
+                waiting[c] -= 1
+                if waiting[c] == 0:
+                    todo.append(c)
+
+    for e in cone:
+        if waiting[e] == 0 and e not in placed:
+            place(e)
+    for e in order:
+        if e not in cone:
+            place(e)
+    return result
+
+
+def _cones(order: Sequence[Expr], reductions: Mapping[Expr, int], producer: Mapping,
+           outputs: frozenset) -> set[Expr]:
+    """The local expressions all of whose results are read only by the reductions or by
+    other such expressions (and are no output of the fusion)."""
+    readers: dict = {}
+    for e in order:
+        for v in e.inputs:
+            readers.setdefault(v, []).append(e)
+    cone: set[Expr] = set()
+    stack = [producer[v] for r in reductions for v in r.inputs if v in producer]
+    while stack:
+        e = stack.pop()
+        if e in cone or e in reductions or isinstance(e, Reshard):
+            continue
+        if all(o not in outputs and readers.get(o) and
+               all(r in cone or r in reductions for r in readers[o]) for o in e.outputs):
+            cone.add(e)
+            stack.extend(producer[v] for v in e.inputs if v in producer)
+    return cone
+
+
 def _chains(order: Sequence[Expr], gathers: Mapping[Expr, int]) -> dict[int, list[Expr]]:
     """Per layer, its gathers in order, each after the local casts that feed it only."""
     producer = {o: e for e in order for o in e.outputs}
@@ -203,6 +273,8 @@ def bucket_layers(found: LayerCommunications, exprs: Sequence[Expr], steps: list
         last = max(places)  # where the last member was: every member's input is ready
         steps[last] = step
         calls[last] = call if len(mine) > 1 else _single(call)
+        if key[0] == "gather":
+            calls[last] = AheadOfStep(calls[last])
         for k in sorted((k for k in places if k != last), reverse=True):
             del steps[k], calls[k]
     return steps, calls
@@ -374,10 +446,15 @@ class LayerSchedule:
     (:func:`prefetch_order`) and the rewrite of its steps (:func:`bucket_layers`)."""
 
     found: LayerCommunications
+    outputs: frozenset = frozenset()
 
     def order(self, exprs: Sequence[Expr]) -> list[Expr]:
-        return gather_reductions(prefetch_order(exprs, self.found.gathers),
-                                 self.found.reductions)
+        # the gradients' cones first: the gathers are then placed one layer ahead of the
+        # compute as it will run
+        ordered = hoist_gradients(communication_first(exprs), self.found.reductions,
+                                  self.outputs, self.found.gathers)
+        ordered = prefetch_order(ordered, self.found.gathers)
+        return gather_reductions(ordered, self.found.reductions)
 
     def regroup(self, exprs, steps, calls, slot_of, keep, *, rank: int, layouts: Mapping,
                 group_of: GroupOf) -> tuple[list[Step], list[Callable]]:
@@ -396,6 +473,6 @@ def layer_schedule(compiled: Fusion, sources: Sequence[Fusion],
         if layer_of:
             mapped = {counterpart(tv): k for tv, k in layer_of.items()}
             found = communications_by_layer(compiled, mapped, reduce_dtype_of(source))
-            return LayerSchedule(found) if found else None
+            return LayerSchedule(found, frozenset(compiled.outputs())) if found else None
     return None
 

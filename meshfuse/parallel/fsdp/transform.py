@@ -199,9 +199,11 @@ def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
     return pinned
 
 
-def _carries(expr, sources, carried: set) -> bool:
-    """Whether an output axis mapped from ``sources`` is the batch axis: one of them is,
-    and no two come from one input (a merge)."""
+def carries_batch(expr, out_id, carried: set) -> bool:
+    """Whether ``expr``'s output axis ``out_id`` is the batch axis: one of the input axes
+    its domain map takes it from is (``carried``), and no two come from one input (a
+    merge)."""
+    sources = expr.id_map.get(out_id, ())
     if not any(i in carried for i in sources):
         return False
     owners = [k for k, a in enumerate(expr.inputs) if isinstance(a, TensorView)
@@ -221,7 +223,7 @@ def _split_pinned_batch(new: Fusion, batch: Sequence[TensorView], pinned: Sequen
         for out in expr.outputs:
             if isinstance(out, TensorView):
                 carried.update(i for i in out.logical if not i.is_reduction and
-                               _carries(expr, expr.id_map.get(i, ()), carried))
+                               carries_batch(expr, i, carried))
     dims = [d for d in (options.replicate, options.shard) if d is not None and mesh.size(d) > 1]
     for tv in pinned:
         axes = [a for a, i in enumerate(tv.materialized()) if i in carried]

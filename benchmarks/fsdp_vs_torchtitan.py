@@ -1,0 +1,284 @@
+"""One training step of a Llama-family model of about 1B parameters at one rank: meshfuse's
+fully sharded model against torchtitan's Llama 3 under FSDP2 + ``torch.compile`` (issue 33).
+
+Both models have the same sizes (``--size 1b``: hidden 2048, 16 layers, 32 query and 8
+key/value heads, SwiGLU 8192, an untied vocabulary of 32,000: 1.10B parameters), sequence
+2048, bf16 parameters, gradients and AdamW state, the same batch. A step is forward, backward
+(the mean cross entropy of the next-token logits) and ``AdamW.step`` (fused on CUDA):
+
+- ``meshfuse``: :class:`~meshfuse.examples.llama.LlamaModel` on a one-rank ``dp`` mesh (each
+  fusion a :class:`~meshfuse.autodiff.fsdp_module.FullyShardedModule`), derived backwards,
+  meshfuse's defaults;
+- ``torchtitan``: ``torchtitan.models.llama3.Llama3Model`` (its PyPI package; PyTorch's
+  SDPA) as its trainer prepares it: ``torch.compile`` of each transformer block, then
+  ``fully_shard`` of each block and of the root, on a one-rank mesh. Where torchtitan does not
+  import, ``torch_fsdp2``: the same preparation of the plain-PyTorch twin
+  (:class:`~meshfuse.examples.llama_torch.LlamaTorch`). The results say which ran.
+
+Each variant is built, warmed up (compilation), then timed over ``--steps`` steps (the
+median step); its peak memory is the most allocated during the timed steps (CUDA). Reported:
+tokens/s and peak memory of each, and meshfuse's ratios to the other (tokens/s >= 1.0x and
+peak <= 1.0x are the issue's targets).
+
+    python -m benchmarks.fsdp_vs_torchtitan --out benchmarks/results/fsdp_h200   # one GPU
+    python -m benchmarks.fsdp_vs_torchtitan --quick                              # CPU dry run
+
+``--quick``: a tiny model on CPU (one-rank gloo group), a few steps: checks the script only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SIZES = {
+    "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
+           "ffn": 8192, "seq": 2048},
+    "tiny": {"vocab": 256, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128,
+             "seq": 32},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes on CPU (a dry run)")
+    p.add_argument("--size", choices=sorted(SIZES), default="1b")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", default="meshfuse,torchtitan",
+                   help="comma separated: meshfuse, torchtitan (falls back to torch_fsdp2)")
+    p.add_argument("--out", default=None, help="directory for fsdp_vs_torchtitan.json/.md")
+    p.add_argument("--plain", action="store_true",
+                   help="meshfuse's model without its FSDP modules (one-device mesh)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.batch, args.steps, args.warmup = "tiny", 2, 2, 1
+    return args
+
+
+def _config(args):
+    from meshfuse.examples.llama import LlamaConfig
+    return LlamaConfig(**SIZES[args.size], rope_theta=500000.0,
+                       dtype="float32" if args.quick else "bfloat16")
+
+
+def _batch(cfg, batch: int, step: int, device):
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=gen)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def _adamw(params, device):
+    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda"
+                                                 else {"foreach": True}))
+
+
+def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
+    """meshfuse's Llama model, fully sharded over a one-rank dp mesh (``plain``: the model
+    without the FSDP modules, on a one-device mesh); its step."""
+    from meshfuse.examples.llama import LlamaModel, init_parameters
+    from meshfuse.ir.mesh import DeviceMesh
+    from meshfuse.parallel.fsdp import NamedMesh
+    mesh = DeviceMesh(range(1)) if plain else \
+        NamedMesh(DeviceMesh(torch.arange(1).reshape(1, 1)), ("dp", "tp"))
+    model = LlamaModel(cfg, batch, init_parameters(cfg), mesh, device)
+    opt = _adamw(model.parameters(), device)
+
+    def step(ids, targets):
+        loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return "meshfuse", step
+
+
+FALLBACK: dict[str, str] = {}  # why torchtitan did not run, if it did not
+
+
+def _titan_model(cfg):
+    """torchtitan's Llama 3 of ``cfg``'s sizes (untied, SDPA), or None (the reason in
+    FALLBACK) where torchtitan does not import or build."""
+    try:
+        return _build_titan(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure: the fallback runs, and says why
+        FALLBACK["reason"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _build_titan(cfg):
+    from torchtitan.models import llama3
+    from torchtitan.models.common import attention
+    llama3.get_attention_config = lambda backend: attention.ScaledDotProductAttention.Config()
+    config = llama3.Llama3Model.Config(
+        dim=cfg.hidden, vocab_size=cfg.vocab,
+        tok_embeddings=llama3.Embedding.Config(num_embeddings=cfg.vocab,
+                                               embedding_dim=cfg.hidden),
+        norm=llama3.RMSNorm.Config(normalized_shape=cfg.hidden),
+        lm_head=llama3.Linear.Config(in_features=cfg.hidden, out_features=cfg.vocab),
+        layers=llama3._build_llama3_layers(
+            n_layers=cfg.layers, dim=cfg.hidden, n_heads=cfg.heads, n_kv_heads=cfg.kv_heads,
+            hidden_dim=cfg.ffn, attn_backend="sdpa", fuse_qkv=False,
+            rope=llama3.ComplexRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.seq,
+                                           theta=cfg.rope_theta)))
+    return config.build()
+
+
+def torch_variant(cfg, batch: int, device):
+    """torchtitan's Llama 3 (else the plain-PyTorch twin) with each block compiled, then
+    fully_shard of each block and the root on a one-rank mesh; its step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from meshfuse.examples.llama_torch import LlamaTorch
+    torch.manual_seed(0)
+    titan = _titan_model(cfg)
+    name, model = ("torchtitan", titan) if titan is not None else ("torch_fsdp2",
+                                                                   LlamaTorch(cfg))
+    model = model.to(device=device, dtype=cfg.torch_dtype)
+    blocks = model.layers if titan is not None else model.model.layers
+    items = list(blocks.items()) if isinstance(blocks, torch.nn.ModuleDict) else \
+        list(enumerate(blocks))
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
+    for key, block in items:
+        compiled = torch.compile(block)
+        blocks.register_module(str(key), compiled)
+        fully_shard(compiled, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    opt = _adamw(model.parameters(), device)
+
+    def loss_of(ids, targets):
+        if titan is None:
+            return model(ids, targets)
+        logits = model(ids)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def step(ids, targets):
+        loss = loss_of(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return name, step
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(make, cfg, args, device) -> dict:
+    """Builds a variant, warms it up, times ``args.steps`` steps."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    name, step = make(cfg, args.batch, device)
+    losses, times = [], []
+    for i in range(args.warmup):
+        losses.append(step(*_batch(cfg, args.batch, i, device)).item())
+    first = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        ids, targets = _batch(cfg, args.batch, args.warmup + i, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step(ids, targets)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    median = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    del step
+    return {"variant": name, "median_step_s": median, "tokens_per_s":
+            args.batch * cfg.seq / median, "peak_bytes": peak, "setup_and_warmup_s": first,
+            "losses": losses}
+
+
+def _ratios(results: list[dict]) -> dict:
+    mine = next((r for r in results if r["variant"] == "meshfuse"), None)
+    other = next((r for r in results if r["variant"] != "meshfuse"), None)
+    if mine is None or other is None:
+        return {}
+    peak = None if not mine["peak_bytes"] or not other["peak_bytes"] else \
+        mine["peak_bytes"] / other["peak_bytes"]
+    return {"against": other["variant"],
+            "tokens_per_s": mine["tokens_per_s"] / other["tokens_per_s"],
+            "peak_memory": peak}
+
+
+def _markdown(record: dict) -> str:
+    lines = [f"# meshfuse FSDP vs {record['ratios'].get('against', '-')}: one training step",
+             "", (f"device {record['device']}, torch {record['torch']}, config "
+                  f"{record['config']}, batch {record['batch']}, "
+                  f"{record['parameters'] / 1e9:.2f}B parameters"), "",
+             "| variant | step (ms) | tokens/s | peak (GiB) |", "|---|---|---|---|"]
+    for r in record["results"]:
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+        lines.append(f"| {r['variant']} | {r['median_step_s'] * 1e3:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {peak} |")
+    ratios = record["ratios"]
+    if ratios:
+        peak = "-" if ratios["peak_memory"] is None else f"{ratios['peak_memory']:.3f}x"
+        lines += ["", (f"meshfuse / {ratios['against']}: tokens/s "
+                       f"{ratios['tokens_per_s']:.3f}x (target >= 1.0x), peak memory {peak} "
+                       "(target <= 1.0x)")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
+                                world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    warnings.simplefilter("ignore")
+    from meshfuse.examples.llama import parameter_shapes
+    cfg = _config(args)
+    makers = {"meshfuse": lambda *a: meshfuse_variant(*a, plain=args.plain),
+              "torchtitan": torch_variant}
+    results = []
+    for name in args.variants.split(","):
+        results.append(measure(makers[name], cfg, args, device))
+        r = results[-1]
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+        print(f"{r['variant']}: {r['median_step_s'] * 1e3:.1f} ms/step, "
+              f"{r['tokens_per_s']:.0f} tokens/s, peak {peak}", flush=True)
+    record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "config": dataclasses.asdict(cfg),
+              "batch": args.batch, "steps": args.steps, "results": results,
+              "meshfuse_model": "plain" if args.plain else "fsdp dp=1",
+              "parameters": sum(torch.Size(s).numel() for s in parameter_shapes(cfg).values()),
+              "ratios": _ratios(results), "torchtitan_fallback": FALLBACK.get("reason")}
+    text = _markdown(record)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fsdp_vs_torchtitan.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        with open(os.path.join(args.out, "fsdp_vs_torchtitan.md"), "w") as f:
+            f.write(text)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
