@@ -750,7 +750,7 @@ def _ce_fwd_ref(ignore_index=-100, smoothing=0.0):
         w = F.one_hot(t.clamp(min=0), classes) * (1 - smoothing) + smoothing / classes
         keep = (t != ignore_index)[:, None]
         grad = (torch.softmax(xf, 1) - w) * keep / count
-        return loss.to(wide), grad.to(x.dtype), torch.ones((), dtype=torch.float32)
+        return loss.to(wide), grad.to(x.dtype), torch.ones((), dtype=torch.float32, device=x.device)
     return ref
 
 

@@ -31,9 +31,15 @@ if torch.cuda.is_available() or INTERPRETED:  # a CPU-only process never imports
         triton = None
 
 # Rows of at most this many classes are held whole in registers (one read of the logits).
-ONE_BLOCK_MAX = 32768
-# The block of classes of a row read in two passes.
+# Measured on one H200 (8192 rows, bf16; benchmarks/results/2026-12-03-1530-h200-1gpu-
+# cross-entropy-sweep-*): at 32k classes one block of 32 warps took 1.63x a copy of the
+# logits, two passes over blocks of 8192 with 16 warps 1.50x (the second read mostly hits
+# L2), so longer rows take two passes.
+ONE_BLOCK_MAX = 8192
+# The block of classes of a row read in two passes, and its warps: 8192 / 16 up to 64k
+# classes (1.50x at 32k), 4096 / 8 beyond (1.59x at 128k; 8192 / 16 took 1.62x there).
 CHUNK = 8192
+LONG_ROW = 65536
 
 
 def available(x: torch.Tensor) -> bool:
@@ -147,8 +153,11 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
     count_arg = count.to(torch.float32).reshape(1) if has_count else loss
     block = triton.next_power_of_2(classes)
     one_block = block <= one_block_max
-    block = block if one_block else min(chunk, block)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16 if block <= 16384 else 32
+    if one_block:
+        warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
+    else:
+        block = min(chunk if classes <= LONG_ROW else chunk // 2, block)
+        warps = 16 if block >= 8192 else 8 if block >= 4096 else 4
     if rows:
         _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
                                  classes, ignore_index, float(smoothing),
