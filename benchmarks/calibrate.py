@@ -229,6 +229,8 @@ def compute_json(memory: dict, gemm: dict, attention: dict, source: str) -> dict
     fitted = f"fitted to {{}} samples of benchmarks/calibrate_programs.py, {source}"
     return {
         "gemm": {"tflops": _figure(g.tflops), "tile": list(g.tile), "units": g.units,
+                 **({"alternatives": [list(t) for t in g.alternatives]}
+                    if g.alternatives else {}),
                  "tile_us": _figure(g.tile_us), "floor_us": _figure(g.floor_us),
                  "source": fitted.format(len(gemm["samples"]))},
         "attention": {"tflops": {str(d): _figure(r) for d, r in a.tflops.items()},

@@ -21,7 +21,12 @@ from meshfuse.cost.fit import (
     fit_gemm,
     kernel_factors,
 )
-from meshfuse.cost.kernels import attention_makespan, attention_seconds, gemm_seconds
+from meshfuse.cost.kernels import (
+    attention_makespan,
+    attention_seconds,
+    gemm_best_tile,
+    gemm_seconds,
+)
 from meshfuse.errors import InputError
 from meshfuse.parallel.context.cost import DEFAULTS as CONTEXT_DEFAULTS
 from meshfuse.parallel.overlap.cost import DEFAULT_COSTS
@@ -68,7 +73,7 @@ def _h200(**changes) -> CostModel:
 
 
 def test_a_gemm_runs_in_waves_of_tiles_with_a_floor_and_a_memory_bound():
-    model = _h200(tile=(256, 128), units=132, tile_us=2.0)
+    model = _h200(tile=(256, 128), units=132, tile_us=2.0, alternatives=())
     g = model.calibration.gemm
     tm, tn = g.tile
     per_wave = 2 * tm * tn * 4096 / (g.tflops * 1e12 / g.units) + 2e-6
@@ -86,6 +91,20 @@ def test_a_gemm_runs_in_waves_of_tiles_with_a_floor_and_a_memory_bound():
     bandwidth = model.calibration.memory.gb_per_s * 1e9
     assert model.gemm(1, 8192, 8192) == pytest.approx((8192 + 8192 * 8192 + 8192) * 2 /
                                                       bandwidth)
+
+
+def test_a_gemm_runs_at_its_fastest_tile_of_the_alternatives():
+    single = _h200(tile=(128, 128), units=132, tile_us=2.0, alternatives=())
+    both = _h200(tile=(128, 128), units=132, tile_us=2.0, alternatives=((192, 192),))
+    g = both.calibration.gemm
+    per_unit = 2 * 3072 / (g.tflops * 1e12 / g.units)
+    # 3072^2: 576 tiles of 128 x 128 are 5 waves, 256 tiles of 192 x 192 are 2
+    assert single.gemm(3072, 3072, 3072) == pytest.approx(5 * (128 * 128 * per_unit + 2e-6))
+    assert both.gemm(3072, 3072, 3072) == pytest.approx(2 * (192 * 192 * per_unit + 2e-6))
+    assert gemm_best_tile(g, 3072, 3072, 3072) == (192, 192)
+    # 4096^2: 1024 tiles of 128 x 128 are 7.8 waves, better than 3.5 of 192 x 192 run as 4
+    assert gemm_best_tile(g, 4096, 4096, 4096) == (128, 128)
+    assert both.gemm(4096, 4096, 4096) == single.gemm(4096, 4096, 4096)
 
 
 def test_attention_by_head_dimension_and_sequence():

@@ -59,6 +59,7 @@ class GemmFit:
     units: int
     tile_us: float
     floor_us: float
+    alternatives: tuple[tuple[int, int], ...] = ()  # other tiles the library may pick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,8 @@ def _by_int(entries: Mapping[str, Any]) -> dict[int, float]:
 def _compute(data: Mapping[str, Any]) -> tuple[GemmFit, AttentionFit, MemoryFit]:
     g, a, m = data["gemm"], data["attention"], data["memory"]
     gemm = GemmFit(_value(g["tflops"]), (int(g["tile"][0]), int(g["tile"][1])),
-                   int(g["units"]), _value(g["tile_us"]), _value(g["floor_us"]))
+                   int(g["units"]), _value(g["tile_us"]), _value(g["floor_us"]),
+                   tuple((int(a), int(b)) for a, b in g.get("alternatives", ())))
     attention = AttentionFit(_by_int(a["tflops"]), _value(a.get("seq_overhead", 0.0)),
                              _value(a["floor_us"]), int(_value(a.get("block", 0))),
                              int(_value(a.get("slots", 0))), _value(a.get("block_cost", 0.0)))

@@ -7,7 +7,10 @@ that a 30 us GEMM counts as much as a 3 ms one:
 - :func:`fit_gemm`: for each candidate tile, the rate and the tile's fixed cost by linear
   least squares (the model's compute time is linear in ``1 / rate`` and ``tile_us`` for a
   given tile), over the samples the floor and the memory bandwidth do not decide; the tile
-  whose whole model (floor and memory included) fits all samples best is kept;
+  whose whole model (floor and memory included) fits all samples best is kept, or, when
+  that fits better, all the candidates as the library's set (each GEMM at its fastest
+  tile, as cuBLAS's heuristic picks one: the rate and cost refitted with each sample's
+  tile until the picks settle);
 - :func:`fit_attention`: one per-row overhead ``s0`` for all head dimensions (searched on a
   grid) and, for each head dimension, the rate that fits its samples best given ``s0``;
 - :func:`fit_attention_blocks`: the scheduled model's slots and a query block's fixed cost
@@ -18,6 +21,7 @@ that a 30 us GEMM counts as much as a 3 ms one:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -26,6 +30,7 @@ from meshfuse.cost.calibration import AttentionFit, GemmFit, MemoryFit
 from meshfuse.cost.kernels import (
     attention_makespan,
     attention_seconds,
+    gemm_best_tile,
     gemm_seconds,
     gemm_tile,
     gemm_waves,
@@ -43,8 +48,10 @@ def fit_gemm(samples: Sequence[GemmSample], tiles: Iterable[tuple[int, int]], un
              floor_us: float, memory: MemoryFit, itemsize: int) -> GemmFit:
     """The GEMM parameters that fit ``samples`` best (see the module doc)."""
     best: tuple[float, GemmFit] | None = None
-    for tile in tiles:
-        fit = _fit_tile(samples, tile, units, floor_us, memory, itemsize)
+    tiles = list(tiles)
+    sets = [(tile, ()) for tile in tiles] + ([(tiles[0], tuple(tiles[1:]))] * (len(tiles) > 1))
+    for tile, alternatives in sets:
+        fit = _fit_tile(samples, tile, units, floor_us, memory, itemsize, alternatives)
         if fit is None:
             continue
         error = sum(_relative_error(gemm_seconds(fit, memory, m, n, k, itemsize), t) ** 2
@@ -56,13 +63,32 @@ def fit_gemm(samples: Sequence[GemmSample], tiles: Iterable[tuple[int, int]], un
     return best[1]
 
 
-def _fit_tile(samples, tile, units, floor_us, memory, itemsize) -> GemmFit | None:
+def _fit_tile(samples, tile, units, floor_us, memory, itemsize, alternatives=(),
+              rounds: int = 6) -> GemmFit | None:
     """Rate and tile cost for one ``tile``: ``t = w (2 tm tn k units) / R + w tile_us`` by
     least squares on ``t``'s relative error, over the compute-bound samples (well above the
     floor and their bytes' time, a wave of tiles at least: a library may split the ``k``
     of fewer tiles over the idle units, which the model does not; all samples when fewer
-    than two are)."""
+    than two are). With ``alternatives``, each sample's tile is its fastest under the last
+    round's fit (``tile`` for all in the first), ``rounds`` at most."""
     shape = GemmFit(1.0, tile, units, 0.0, 0.0)
+    fit, picks = None, None
+    for _ in range(rounds if alternatives else 1):
+        new = _fit_picked(samples, shape, floor_us, memory, itemsize, fit or shape)
+        if new is None:
+            return fit
+        fit = dataclasses.replace(new, alternatives=tuple(alternatives))
+        now = [gemm_best_tile(fit, m, n, k) for m, n, k, _ in samples]
+        if now == picks:
+            break
+        picks = now
+    return fit
+
+
+def _fit_picked(samples, shape, floor_us, memory, itemsize, previous) -> GemmFit | None:
+    """:func:`_fit_tile`'s least squares, each sample ``(m, n, k, t)`` run as tiles of
+    its fastest under ``previous`` (a fit or ``shape``)."""
+    units = shape.units
 
     def compute_bound(m, n, k, t):
         moved = (m * k + k * n + m * n) * itemsize / (memory.gb_per_s * 1e9)
@@ -73,7 +99,8 @@ def _fit_tile(samples, tile, units, floor_us, memory, itemsize) -> GemmFit | Non
     chosen = [s for s in samples if compute_bound(*s)]
     rows = []
     for m, n, k, t in chosen if len(chosen) >= 2 else samples:
-        w, (tm, tn) = gemm_waves(shape, m, n), gemm_tile(shape, m, n)
+        picked = gemm_best_tile(previous, m, n, k)
+        w, (tm, tn) = gemm_waves(shape, m, n, picked), gemm_tile(shape, m, n, picked)
         rows.append((w * 2.0 * tm * tn * k * units / t, w / t))  # each row should sum to 1
     if not rows:
         return None
@@ -83,7 +110,7 @@ def _fit_tile(samples, tile, units, floor_us, memory, itemsize) -> GemmFit | Non
         tile_s = 0.0
     if inverse_rate <= 0:
         return None
-    return GemmFit(1.0 / inverse_rate / 1e12, tile, units, tile_s * 1e6, floor_us)
+    return GemmFit(1.0 / inverse_rate / 1e12, shape.tile, units, tile_s * 1e6, floor_us)
 
 
 def _least_squares(rows: Sequence[tuple[float, float]]) -> tuple[float, float]:

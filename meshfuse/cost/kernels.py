@@ -5,7 +5,11 @@
   unit (at ``tflops / units``) plus a tile's fixed cost ``tile_us``. The last wave's idle
   units make a GEMM of few tiles slow (``3072^3`` on 132 units is 2.2 waves run as 3), and
   the fixed cost a short ``k`` one; a dimension smaller than the tile's cuts the tile (to a
-  multiple of 64). A call takes at least ``floor_us`` (issuing it) and at
+  multiple of 64). With ``alternatives`` (other tiles the library has kernels of), the
+  time is the least over the tiles, as the library's heuristic picks the kernel whose waves
+  fit the shape best (``3072^3``: 576 tiles of 128 x 128 are 4.4 waves run as 5, 256 of
+  192 x 192 are 1.9 run as 2, 10% less work on the busiest unit). A call takes at least
+  ``floor_us`` (issuing it) and at
   least its operands' bytes at the memory bandwidth (a skinny GEMM is memory-bound).
 - **Attention** (fused, causal) of ``F`` forward FLOPs on sequences of ``s`` with head
   dimension ``d`` (``F / (2 s^2 d)`` heads, batch included): the kernel runs each head's
@@ -46,18 +50,33 @@ TILE_STEP = 64  # a tile cut to a small dimension keeps a multiple of this
 ROW_STEPPED = frozenset({"softmax", "sum"})
 
 
-def gemm_tile(fit: GemmFit, m: int, n: int) -> tuple[int, int]:
-    """The tile of an ``m x n`` output: the calibrated one, cut to a smaller dimension
-    (rounded up to a multiple of 64), as a library picks a narrower kernel for it."""
-    tm, tn = fit.tile
+def gemm_tile(fit: GemmFit, m: int, n: int, tile: tuple[int, int] | None = None
+              ) -> tuple[int, int]:
+    """The tile of an ``m x n`` output: ``tile`` (the calibrated one by default), cut to a
+    smaller dimension (rounded up to a multiple of 64), as a library picks a narrower kernel
+    for it."""
+    tm, tn = tile or fit.tile
     return (min(tm, math.ceil(m / TILE_STEP) * TILE_STEP),
             min(tn, math.ceil(n / TILE_STEP) * TILE_STEP))
 
 
-def gemm_waves(fit: GemmFit, m: int, n: int) -> int:
+def gemm_waves(fit: GemmFit, m: int, n: int, tile: tuple[int, int] | None = None) -> int:
     """Waves of tiles of an ``m x n`` output."""
-    tm, tn = gemm_tile(fit, m, n)
+    tm, tn = gemm_tile(fit, m, n, tile)
     return math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / fit.units)
+
+
+def gemm_tile_seconds(fit: GemmFit, m: int, n: int, k: int,
+                      tile: tuple[int, int] | None = None) -> float:
+    """Compute seconds of a GEMM run as tiles of ``tile`` (the calibrated one by default)."""
+    tm, tn = gemm_tile(fit, m, n, tile)
+    per_wave = 2.0 * tm * tn * k / (fit.tflops * 1e12 / fit.units) + fit.tile_us * 1e-6
+    return gemm_waves(fit, m, n, tile) * per_wave
+
+
+def gemm_best_tile(fit: GemmFit, m: int, n: int, k: int) -> tuple[int, int]:
+    """The tile, of the calibrated one and its alternatives, that runs the GEMM fastest."""
+    return min((fit.tile, *fit.alternatives), key=lambda t: gemm_tile_seconds(fit, m, n, k, t))
 
 
 def gemm_seconds(fit: GemmFit, memory: MemoryFit, m: int, n: int, k: int,
@@ -65,9 +84,7 @@ def gemm_seconds(fit: GemmFit, memory: MemoryFit, m: int, n: int, k: int,
     """Seconds of one GEMM ``[m, k] @ [k, n]`` (see the module doc)."""
     if min(m, n, k) <= 0:
         return 0.0
-    tm, tn = gemm_tile(fit, m, n)
-    per_wave = 2.0 * tm * tn * k / (fit.tflops * 1e12 / fit.units) + fit.tile_us * 1e-6
-    compute = gemm_waves(fit, m, n) * per_wave
+    compute = gemm_tile_seconds(fit, m, n, k, gemm_best_tile(fit, m, n, k))
     moved = (m * k + k * n + m * n) * itemsize / (memory.gb_per_s * 1e9)
     return max(fit.floor_us * 1e-6, compute, moved)
 
