@@ -742,6 +742,8 @@ def _ce_fwd_ref(ignore_index=-100, smoothing=0.0):
     """cross_entropy_fwd's outputs by PyTorch: the summed loss over count (float32, float64
     for float64 logits), its gradient, the applied scale."""
     def ref(x, t, count):
+        # count is the number of rows counted (a constant), not a differentiable input
+        count = count.detach() if isinstance(count, torch.Tensor) else count
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(wide)
         loss = F.cross_entropy(xf, t, reduction="sum", ignore_index=ignore_index,
@@ -769,9 +771,18 @@ CROSS_ENTROPY_BWD = OpInfo("cross_entropy_bwd", (
            name="scaled", define=lambda o, grad, applied, g: o.cross_entropy_bwd(
                o.set(grad), o.set(applied), g)),
 ))
+def _carried(x, loss, grad, applied):
+    """``loss``'s value with ``grad / applied`` as its gradient in ``x`` (cross_entropy_carry's
+    contract: ``grad`` holds the gradient already scaled by ``applied``); loss, grad and
+    applied themselves are residuals, they get no gradient."""
+    linear = (x * (grad / applied).detach()).sum()
+    return loss.detach() + linear - linear.detach()
+
+
 CROSS_ENTROPY_CARRY = OpInfo("cross_entropy_carry", (
     Sample((T((5, 7)), _index((5,), 6), T(()), T((5, 7)), T((), dtype=torch.float32)),
-           lambda x, t, loss, grad, applied: (loss, grad), name="passes-on"),
+           lambda x, t, loss, grad, applied: (_carried(x, loss, grad, applied), grad.detach()),
+           name="passes-on"),
 ))
 
 

@@ -188,10 +188,10 @@ def test_every_differentiable_op_is_covered():
                                    "logical_or", "normal", "uniform", "rand_like", "randn_like",
                                    "iota", "stop_gradient"}
     # grouped_mm: its weight gradient needs a grouped product of transposes (not an op yet).
-    # The MoE backwards are gradients themselves; token counts are integers.
+    # The MoE and cross entropy backwards are gradients themselves; token counts are integers.
     assert {name for name, op in REGISTRY.items() if op.vjp is None} == {
         "gelu_backward", "sdpfa_bwd", "grouped_mm", "moe_route_bwd", "moe_experts_bwd",
-        "moe_token_counts"}
+        "moe_token_counts", "cross_entropy_bwd"}
 
 
 @pytest.mark.mpi
