@@ -28,7 +28,6 @@ from meshfuse.examples.llama_stages import (
     sharded_fusion_stage,
 )
 from meshfuse.parallel.stages import PipelineRunner, schedule, stage_bounds
-from meshfuse.runtime.comm.collectives import group_along
 from meshfuse.runtime.comm.communicator import Communicator
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64, seq=8)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -186,6 +187,21 @@ def _flat_state(model: torch.nn.Module, names: dict[str, str], state: dict,
                 value = whole(value.detach())
             values[f"{OPTIMIZER}{names[piece.fqn]}.{key}"] = value
     return values
+
+
+def merge_groups(values: dict[str, object], process_group=None) -> dict[str, object]:
+    """``values`` with each group's parameter names those of every rank (pipeline stages
+    hold different parameters; the one copy of a group written must name them all)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    mine = {k: v for k, v in values.items() if is_group_entry(k) and k.endswith(".params")}
+    every: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, mine, group=process_group)
+    merged = dict(values)
+    for other in every:
+        for key, names in other.items():
+            merged[key] = list(dict.fromkeys([*merged.get(key, []), *names]))
+    return merged
 
 
 def is_group_entry(key: str) -> bool:
