@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshfuse import DeviceMesh, checkpoint
-from meshfuse.checkpoint.chunks import ShardedValue
+from meshfuse.checkpoint.chunks import ShardedValue, flat_piece
 from meshfuse.examples.llama import LlamaConfig, LlamaModel
 from meshfuse.examples.llama_stages import (
     FusionStage,
@@ -162,3 +162,21 @@ def test_stages_save_and_load_into_one_device_and_back(multidevice_test):
     _close([stages.step(*b) for b in data[2:]], single[2:])
     if dist.is_initialized():
         dist.barrier()
+
+
+def test_a_flat_run_of_elements_is_cut_into_boxes():
+    """Every run ``[a, b)`` of a tensor's row-major elements (a flat shard's piece of a
+    parameter) becomes boxes that cover it exactly, each a view of the run."""
+    for shape in ((3, 4, 5), (7,), (2, 1, 3), ()):
+        n = torch.Size(shape).numel()
+        full = torch.arange(n, dtype=torch.float32).reshape(shape)
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                value = flat_piece(full.reshape(-1)[a:b].clone(), shape, a)
+                covered = 0
+                for c in value.chunks:
+                    box = full[tuple(slice(o, o + k) for o, k in zip(c.offsets, c.sizes))]
+                    assert torch.equal(value.piece(c.offsets), box), (shape, a, b, c)
+                    covered += box.numel()
+                assert covered == b - a
+                assert len(value.chunks) <= 2 * max(len(shape), 1) - 1 + (b > a)
