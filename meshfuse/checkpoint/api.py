@@ -32,6 +32,7 @@ from meshfuse.checkpoint.restore import (
 from meshfuse.checkpoint.state import (
     EXTRA,
     RNG,
+    merge_groups,
     model_values,
     optimizer_values,
     rng_state,
@@ -85,7 +86,8 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         >>> start = result.extra["step"]
     """
     writer = CountingWriter(path, thread_count=thread_count)
-    dcp.save(state_dict(model, optimizer, extra), storage_writer=writer, planner=SavePlanner(),
+    state = merge_groups(state_dict(model, optimizer, extra), process_group)
+    dcp.save(state, storage_writer=writer, planner=SavePlanner(),
              process_group=process_group)
     return SaveResult(writer.bytes_written)
 
@@ -162,7 +164,7 @@ def async_save(path: str, model: torch.nn.Module,
     if previous is not None:
         previous.result()
         buffers = previous.buffers
-    state = _copied(state_dict(model, optimizer, extra), buffers)
+    state = _copied(merge_groups(state_dict(model, optimizer, extra), process_group), buffers)
     writer = CountingWriter(path, thread_count=thread_count)
     group = process_group if process_group is not None else _background_group()
     future = dcp.async_save(state, storage_writer=writer, planner=SavePlanner(),

@@ -42,16 +42,22 @@ class ShardedValue:
     """This rank's ``local`` shard of a global tensor of ``shape``, cut into ``chunks``.
 
     ``local`` is a plain tensor in the global axes' order (any strides); a rank that holds
-    nothing of the tensor has no chunks.
+    nothing of the tensor has no chunks. ``flat``: ``local`` is instead a 1-D run of the
+    global tensor's elements in row-major order (a piece of a flat shard), and each chunk's
+    ``start`` is its one offset in ``local``.
     """
 
     local: torch.Tensor
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+    flat: bool = False
 
     def piece(self, offsets: Sequence[int]) -> torch.Tensor:
         """The view of ``local`` that holds the chunk at global ``offsets``."""
         for chunk in self.chunks:
+            if chunk.offsets == tuple(offsets) and self.flat:
+                start = chunk.start[0]
+                return self.local[start:start + math.prod(chunk.sizes)].view(chunk.sizes)
             if chunk.offsets == tuple(offsets):
                 return self.local[tuple(slice(s, s + n) for s, n in
                                         zip(chunk.start, chunk.sizes))]
@@ -103,3 +109,39 @@ def boxed(local: torch.Tensor, shape: Sequence[int], offsets: Sequence[int]) -> 
     """A shard that is one box at ``offsets`` (a DTensor's local tensor)."""
     index = [torch.arange(o, o + n) for o, n in zip(offsets, local.shape)]
     return ShardedValue(local, tuple(shape), chunks_of(shape, index))
+
+
+def _flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple, tuple]]:
+    """``(offsets, sizes)`` of the boxes that the row-major elements ``[start, stop)`` of a
+    tensor of ``shape`` make, in order (each box is a run of consecutive elements)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        return [((first, *o), (1, *s)) for o, s in
+                _flat_boxes(shape[1:], start - first * inner, stop - first * inner)]
+    head, tail = [], []
+    rows_start, rows_stop = first, last + 1
+    if start % inner:
+        head = _flat_boxes(shape, start, (first + 1) * inner)
+        rows_start = first + 1
+    if stop % inner:
+        tail = _flat_boxes(shape, last * inner, stop)
+        rows_stop = last
+    rows = [((rows_start, *[0] * (len(shape) - 1)), (rows_stop - rows_start, *shape[1:]))] \
+        if rows_stop > rows_start else []
+    return head + rows + tail
+
+
+def flat_piece(local: torch.Tensor, shape: Sequence[int], start: int) -> ShardedValue:
+    """``local``, the row-major elements ``[start, start + local.numel())`` of a global
+    tensor of ``shape``, as the boxes they make (a flat shard's piece of a parameter)."""
+    shape = tuple(shape)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    chunks = tuple(
+        Chunk(offsets, sizes, (sum(o * s for o, s in zip(offsets, strides)) - start,))
+        for offsets, sizes in _flat_boxes(shape, start, start + local.numel()))
+    return ShardedValue(local, shape, chunks, flat=True)

@@ -33,7 +33,7 @@ def host_group() -> tuple[object, tuple[int, ...]] | None:
 
 def _whole(value) -> bool:
     return isinstance(value, ShardedValue) and len(value.chunks) == 1 and \
-        value.chunks[0].sizes == tuple(value.shape)
+        value.chunks[0].sizes == tuple(value.shape) and not value.flat  # flat: another shape
 
 
 def shared_reads(staged: dict[str, object]) -> list[tuple[str, int]]:

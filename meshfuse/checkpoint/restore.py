@@ -19,6 +19,8 @@ from meshfuse.checkpoint.chunks import ShardedValue, whole
 from meshfuse.checkpoint.state import (
     OPTIMIZER,
     RESERVED,
+    checkpoint_names,
+    flat_shards,
     is_group_entry,
     parameter_names,
     saved_groups,
@@ -182,8 +184,36 @@ def apply_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         name, entry = key[len(OPTIMIZER):].rsplit(".", 1)
         if name in params:
             _set_state(optimizer, params[name], entry, value)
+    _apply_flat(model, optimizer, chosen, staged)
     if groups is not None and len(groups) == len(optimizer.param_groups):
         _apply_groups(optimizer, groups)
+
+
+def _apply_flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                chosen: dict[str, ShardedValue], staged: dict[str, object]) -> None:
+    """The staged state of the ``chosen`` parameters a flat shard (ShardedStage) holds
+    pieces of, into the shard's state: the moments cut as the shard, ``step`` whole."""
+    names = checkpoint_names(model)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    entries: dict[str, list[tuple[str, object]]] = {}
+    for key, value in staged.items():
+        if key.startswith(OPTIMIZER):
+            name, entry = key[len(OPTIMIZER):].rsplit(".", 1)
+            entries.setdefault(name, []).append((entry, value))
+    for shard, pieces in flat_shards(model).values():
+        if id(shard) not in held:
+            continue
+        state = optimizer.state[shard]
+        for piece in pieces:
+            for entry, value in entries.get(names[piece.fqn], ()) \
+                    if names[piece.fqn] in chosen else ():
+                if isinstance(value, ShardedValue) and value.flat:
+                    target = state.setdefault(entry, torch.zeros_like(shard.detach()))
+                    with torch.no_grad():
+                        target[piece.at:piece.at + piece.stop - piece.start].copy_(value.local)
+                else:
+                    tensor = value.local if isinstance(value, ShardedValue) else value
+                    state[entry] = tensor.clone() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def _set_state(optimizer: torch.optim.Optimizer, param, entry: str, value) -> None:

@@ -22,11 +22,14 @@ replicated (every rank holds it whole).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from meshfuse.checkpoint.chunks import ShardedValue, boxed, chunks_of, whole
+from meshfuse.checkpoint.chunks import ShardedValue, boxed, chunks_of, flat_piece, whole
 from meshfuse.errors import CheckpointError
 from meshfuse.sharding import global_shape, shard_indices
 
@@ -38,10 +41,50 @@ RESERVED = ("optimizer.", RNG, EXTRA)
 
 
 def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
-    """The checkpoint's name of each of ``model``'s state-dict entries."""
-    hook = getattr(model, "checkpoint_names", None)
-    named = hook() if callable(hook) else {}
+    """The checkpoint's name of each of ``model``'s state-dict entries (what the
+    ``checkpoint_names()`` of ``model`` or of its submodules, outer ones first, call them)."""
+    named: dict[str, str] = {}
+    for prefix, module in reversed(list(model.named_modules())):
+        hook = getattr(module, "checkpoint_names", None)
+        if callable(hook):
+            named.update({f"{prefix}.{k}" if prefix else k: v for k, v in hook().items()})
     return {fqn: named.get(fqn, fqn) for fqn in model.state_dict(keep_vars=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPiece:
+    """A parameter of which a flat shard holds the elements ``[start, stop)`` (row-major):
+    its fqn, its shape and where they lie in the shard (``at``)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    at: int
+
+    def value(self, flat: torch.Tensor) -> ShardedValue:
+        """The piece of ``flat`` (laid out as the shard: its state too) as the parameter's."""
+        return flat_piece(flat.detach()[self.at:self.at + self.stop - self.start],
+                          self.shape, self.start)
+
+
+def flat_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, list[FlatPiece]]]:
+    """Each flat shard parameter of ``model`` (a module with ``flat_layout()`` and
+    ``shard``: ShardedStage) by its fqn, with the pieces of parameters it holds."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if not callable(getattr(module, "flat_layout", None)):
+            continue
+        entries, base = module.flat_layout()
+        end = base + module.shard.numel()
+        pieces = []
+        for name, shape, offset in entries:
+            lo = min(max(offset, base), offset + shape.numel())
+            hi = max(min(offset + shape.numel(), end), lo)
+            pieces.append(FlatPiece(f"{prefix}.{name}" if prefix else name, tuple(shape),
+                                    lo - offset, hi - offset, max(lo - base, 0)))
+        found[f"{prefix}.shard" if prefix else "shard"] = (module.shard, pieces)
+    return found
 
 
 def _layouts(model: torch.nn.Module) -> dict[str, object]:
@@ -79,9 +122,10 @@ def tensor_value(name: str, t: torch.Tensor, tv=None) -> ShardedValue:
 
 def model_values(model: torch.nn.Module) -> dict[str, ShardedValue]:
     """``model``'s parameters and persistent buffers by checkpoint name."""
-    names, layouts = checkpoint_names(model), _layouts(model)
-    return {names[fqn]: tensor_value(fqn, t, layouts.get(fqn))
-            for fqn, t in model.state_dict(keep_vars=True).items()}
+    names, layouts, flat = checkpoint_names(model), _layouts(model), flat_shards(model)
+    pieces = {p.fqn: p.value(shard) for shard, ps in flat.values() for p in ps}
+    return {names[fqn]: pieces[fqn] if fqn in pieces else tensor_value(fqn, t, layouts.get(fqn))
+            for fqn, t in model.state_dict(keep_vars=True).items() if fqn not in flat}
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
@@ -109,6 +153,8 @@ def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      params: dict[str, ShardedValue]) -> dict[str, object]:
     """``optimizer``'s state and hyperparameters by checkpoint name."""
     ids, values = parameter_names(model), {}
+    names = checkpoint_names(model)
+    flat = {id(shard): [names[p.fqn] for p in ps] for shard, ps in flat_shards(model).values()}
     for g, group in enumerate(optimizer.param_groups):
         missing = [i for i, p in enumerate(group["params"]) if id(p) not in ids]
         if missing:
@@ -116,12 +162,46 @@ def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   "are not the model's: pass the optimizer of this model")
         for key, value in group.items():
             values[f"{GROUPS}.{g}.{key}"] = value if key != "params" else \
-                [ids[id(p)] for p in group["params"]]
+                [n for p in group["params"] for n in flat.get(id(p), [ids[id(p)]])]
         for p in group["params"]:
+            if id(p) in flat:
+                values.update(_flat_state(model, names, optimizer.state.get(p, {}), p))
+                continue
             for key, value in optimizer.state.get(p, {}).items():
                 name = ids[id(p)]
                 values[f"{OPTIMIZER}{name}.{key}"] = like_parameter(params[name], value)
     return values
+
+
+def _flat_state(model: torch.nn.Module, names: dict[str, str], state: dict,
+                shard: torch.Tensor) -> dict[str, object]:
+    """A flat shard's optimizer ``state`` as its parameters' (moments cut as the shard,
+    ``step`` and the like for each)."""
+    pieces = next(ps for s, ps in flat_shards(model).values() if s is shard)
+    values = {}
+    for piece in pieces:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape and value.dim():
+                value = piece.value(value)
+            elif isinstance(value, torch.Tensor):
+                value = whole(value.detach())
+            values[f"{OPTIMIZER}{names[piece.fqn]}.{key}"] = value
+    return values
+
+
+def merge_groups(values: dict[str, object], process_group=None) -> dict[str, object]:
+    """``values`` with each group's parameter names those of every rank (pipeline stages
+    hold different parameters; the one copy of a group written must name them all)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    mine = {k: v for k, v in values.items() if is_group_entry(k) and k.endswith(".params")}
+    every: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, mine, group=process_group)
+    merged = dict(values)
+    for other in every:
+        for key, names in other.items():
+            merged[key] = list(dict.fromkeys([*merged.get(key, []), *names]))
+    return merged
 
 
 def is_group_entry(key: str) -> bool:

@@ -180,6 +180,10 @@ class FusionStage(torch.nn.Module):
         self.head = fusion_module(LlamaHead(cfg, microbatch, mesh), params, "", self.fsdp) \
             if stop == cfg.layers + 2 else None
         self.layers = list(layers)
+        self._names = {f"blocks.{j}.{n.replace('.', '_')}": f"model.layers.{i}.{n}"
+                       for j, i in enumerate(self.layers) for n in block.params}
+        self._names.update({f"{m}.{n.replace('.', '_')}": n for m in ("embed", "head")
+                            if getattr(self, m) is not None for n in getattr(self, m).fd.params})
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -188,6 +192,12 @@ class FusionStage(torch.nn.Module):
         parts = (["embedding"] if self.embed is not None else []) + \
             [f"layer {i}" for i in self.layers] + (["head"] if self.head is not None else [])
         return ", ".join(parts)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """Each parameter's ``LlamaForCausalLM`` name, by its name here (as
+        ``LlamaModel.checkpoint_names``): a stage saves and loads its part of the whole
+        model's checkpoint (:mod:`meshfuse.checkpoint`)."""
+        return dict(self._names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's output: the hidden states (this rank's sequence shard); the first

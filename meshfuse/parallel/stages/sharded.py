@@ -47,7 +47,9 @@ class ShardedStage(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group: collectives.Group) -> None:
         super().__init__()
         self.module, self.group = module, group
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
         _check(self._params)
         self._shapes = [p.shape for p in self._params]
         self.numel = numel = sum(p.numel() for p in self._params)  # the whole stage's
@@ -65,6 +67,17 @@ class ShardedStage(torch.nn.Module):
     def extra_repr(self) -> str:
         inner = self.module.extra_repr() or type(self.module).__name__
         return f"{inner}, parameters sharded over ranks {list(self.group.ranks)}"
+
+    def flat_layout(self) -> tuple[list[tuple[str, torch.Size, int]], int]:
+        """Where the wrapped module's parameters lie in the flat parameters, as ``(name here
+        (``module.NAME``), shape, offset)``, and where this rank's ``shard`` starts in them: how a
+        checkpoint (:mod:`meshfuse.checkpoint`) saves the shard as the parameters it holds
+        pieces of, under their own names and shapes."""
+        offsets = [0]
+        for shape in self._shapes:
+            offsets.append(offsets[-1] + shape.numel())
+        return (list(zip([f"module.{n}" for n in self._names], self._shapes, offsets)),
+                self.group.coordinate * self.shard.numel())
 
     def forward(self, *args, **kwargs):
         self._install()
