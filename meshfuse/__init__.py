@@ -75,6 +75,7 @@ __all__ = [
     "MemoryType",
     "MeshfuseError",
     "ParallelType",
+    "PipelineSpec",
     "PythonProfiler",
     "Scalar",
     "ScheduleError",
