@@ -48,6 +48,7 @@ _DTENSOR_NAMES = ("execute_with_dtensors", "mesh_from_torch", "mesh_to_torch",
 # Bringing a PyTorch model (meshfuse.capture: torch.export, DTensor) is imported on first use
 # too.
 _CAPTURE_NAMES = {"parallelize": "meshfuse.capture.parallelize",
+                  "PipelineSpec": "meshfuse.capture.pipeline",
                   "backend": "meshfuse.capture.backend",
                   "plan": "meshfuse.planner.search"}  # the planner, on first use too
 
@@ -74,6 +75,7 @@ __all__ = [
     "MemoryType",
     "MeshfuseError",
     "ParallelType",
+    "PipelineSpec",
     "PythonProfiler",
     "Scalar",
     "ScheduleError",

@@ -12,6 +12,7 @@ a program (:mod:`.program`); later calls with that signature reuse it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
+from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.report import explain_program
@@ -34,7 +36,8 @@ __all__ = ["parallelize", "torch_mesh"]
 
 def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
                 plan: Mapping[str, Any], *, example_inputs: Any = None,
-                strict: bool = False, fsdp: str | None = None) -> torch.nn.Module:
+                strict: bool = False, fsdp: str | None = None,
+                pipeline: PipelineSpec | None = None) -> torch.nn.Module | Pipeline:
     """Runs ``module`` as meshfuse fusions laid out by ``plan`` on ``mesh``.
 
     Args:
@@ -50,10 +53,14 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             sharded on its first axis over it (``Shard(0)``, as FSDP2's), the inputs' first
             (batch) axis split over it; the plan's tensor parallelism runs on the last mesh
             dimension, which must be another.
+        pipeline: cut ``module`` into pipeline stages (:mod:`meshfuse.capture.pipeline`)
+            over ``mesh``'s ``pp`` dimension (a torch mesh), each stage laid out by ``plan``
+            on the rest of the mesh.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
-        ``explain()``.
+        ``explain()``. With ``pipeline``: a :class:`~meshfuse.capture.pipeline.Pipeline`
+        of this rank's stages, whose ``step(inputs, targets)`` trains on a batch.
 
     Example:
         >>> model = meshfuse.parallelize(LlamaForCausalLM(config), mesh, model.tp_plan)
@@ -62,6 +69,9 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     if isinstance(module, _Parallel):
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
     tmesh = torch_mesh(mesh)
+    if pipeline is not None:
+        return pipeline_stages(module, tmesh, plan, pipeline, functools.partial(
+            parallelize, strict=strict, fsdp=fsdp))
     resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
     if fsdp is not None:
         resolved = fully_shard_plan(resolved, tmesh, fsdp, plan, module)
