@@ -166,9 +166,12 @@ def hoist_gradients(order: Sequence[Expr], reductions: Mapping[Expr, int],
     expression it reads from (for a layer's gathered parameter: after the layer's last
     gather, where its bucket runs); the others keep their order."""
     producer = {o: e for e in order for o in e.outputs}
-    cone = _cones(order, reductions, producer, outputs)
-    if not cone:
+    members = _cones(order, reductions, producer, outputs)
+    if not members:
         return list(order)
+    # in program order, never the set's: its order is the process's hashing, and ranks that
+    # place their collectives in different orders deadlock
+    cone = [e for e in order if e in members]
     gathers = gathers or {}
     last_gather = {gathers[e]: e for e in order if e in gathers}
     result: list[Expr] = []
@@ -197,7 +200,7 @@ def hoist_gradients(order: Sequence[Expr], reductions: Mapping[Expr, int],
         if waiting[e] == 0 and e not in placed:
             place(e)
     for e in order:
-        if e not in cone:
+        if e not in members:
             place(e)
     return result
 
