@@ -205,3 +205,35 @@ def test_recover_aligns_the_ranks_process_group_names(multidevice_test):
     counts = Communicator.instance().allgather_object(
         torch.distributed.distributed_c10d._world.group_count)
     assert len(set(counts)) == 1, counts
+
+
+def test_ranks_that_ran_different_numbers_of_calls_stay_in_step(multidevice_test):
+    """Rank 0 runs a program of its own first (a fusion on its sub-mesh, as a pipeline stage
+    does), so it has counted one ``execute`` call more than the others. Then every rank checks
+    a new signature while rank 0 waits (it posts its claim for ranks running a cached
+    program), and runs its cached program while the others wait (they read the board): the
+    claim is of an earlier call, not of theirs, and every call returns. A count of calls per
+    process once matched that claim to the cached call and raised a false OutOfStep."""
+    import time
+
+    from meshfuse.runtime.faults.board import POLL_S
+
+    d, _, _ = _ranks(multidevice_test)
+    rank = multidevice_test.rank
+    if rank == 0:  # a program of rank 0 alone
+        with FusionDefinition() as own:
+            a = own.define_tensor([ROWS, COLS])
+            own.add_output(own.ops.neg(a))
+        a.set_device_mesh(DeviceMesh([0]))
+        own.execute([torch.ones(ROWS, COLS)])
+    fd = row_sums(d, rows=-1)
+    x, y = torch.ones(ROWS, COLS), torch.ones(ROWS + 1, COLS)
+    fd.execute([x])
+    late = 4 * POLL_S
+    if rank != 0:  # rank 0's agreement waits: it posts its claim
+        time.sleep(late)
+    assert fd.execute([y])[0].tolist() == [float(COLS * d)] * (ROWS + 1)
+    if rank == 0:  # the others' cached program waits: they read the board
+        time.sleep(late)
+    assert fd.execute([x])[0].tolist() == [float(COLS * d)] * ROWS
+    assert Communicator.instance().lone.out_of_step is None

@@ -6,6 +6,7 @@ memory is what a fully sharded GPT stack's memory account measures."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from collections import Counter
 
@@ -92,6 +93,8 @@ def test_the_fsdp_estimate_is_the_memory_account(multidevice_test):
                                                                 ("dp",)), shard="dp")
     g = torch.Generator().manual_seed(1)
     x, target = torch.randn(12, 8, 16, generator=g), torch.randn(12, 8, 16, generator=g)
+    gc.collect()  # gathers of earlier tests' modules that wait in reference cycles
+    before = GATHERED.live
     GATHERED.reset_peak()
     with record_communications() as comms:
         loss = model(model.shard_input(fd.input, x), model.shard_input(fd.target, target))
@@ -107,4 +110,4 @@ def test_the_fsdp_estimate_is_the_memory_account(multidevice_test):
     if size > 1:
         gathers = [c for c in comms if c.kind == "allgather" and len(c.ranks) > 1]
         assert len(gathers) == layers
-        assert 0 < account.gathered_peak <= 1.1 * estimate.memory_parts["gathered"]
+        assert 0 < account.gathered_peak - before <= 1.1 * estimate.memory_parts["gathered"]

@@ -98,6 +98,7 @@ class FusionRunner:
         self.compiled = compiled_for(fusion, world)
         self._source = weakref.ref(fusion)  # what a strategy registered its facts on
         self.fusion = self.compiled.fusion
+        self._scope: tuple[int, ...] | None = None
         self.allocations = self.compiled.allocations
         self.world_size = world
         # The build of each set of bound extents (the fusion's own when they are static),
@@ -192,7 +193,9 @@ class FusionRunner:
         if communicator is None or communicator.size == 1:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
                                  staged)
-        call = communicator.lone.begin_call()
+        if self._scope is None:  # the ranks whose calls are counted with this one's
+            self._scope = agreement_ranks(self.fusion, communicator.size)
+        call = communicator.lone.begin_call(self._scope)
         if self._generation != communicator.generation:  # recover() made new groups
             self._programs.clear()
             self._signatures.clear()

@@ -9,8 +9,10 @@ collective). A rank waiting for a collective reads the board now and then
 only happens while a collective is already late: a call whose collectives complete at once
 never touches the store.
 
-Four kinds of notice, each about one *call* (the per-process count of ``execute`` calls, the
-same on every rank of a job in step):
+Four kinds of notice, each about one *call*: its *scope* (the ranks of the fusion it runs) and
+its number among the ``execute`` calls of that scope (the same on every rank of the scope in a
+job in step; a count by process is not: ranks of different pipeline stages run different numbers
+of calls of their own):
 
 - ``failed``: the poster raised ``error`` (type name, text) in that call, at ``where`` (a step
   of its program, or before running it);
@@ -58,6 +60,7 @@ class Notice:
         claim: for ``agreeing``, the poster's facts (an ``agreement.Claim``).
         group: for ``broken``, the ranks of the collective's group; for ``agreeing``, the
             ranks that agree (empty: the world).
+        scope: the ranks whose calls ``call`` counts (sorted).
     """
 
     rank: int
@@ -67,6 +70,7 @@ class Notice:
     where: str = ""
     claim: Any = None
     group: tuple[int, ...] = ()
+    scope: tuple[int, ...] = ()
 
 
 class Board:
@@ -114,15 +118,18 @@ class Board:
         self.notices.extend(fresh)
         return fresh
 
-    def answers(self, call: int, others: Sequence[int], limit_s: float) -> dict[int, Notice]:
-        """The ``failed`` or ``blocked`` notice of each of ``others`` about ``call``, waiting
+    def answers(self, call: int, scope: tuple[int, ...], others: Sequence[int],
+                limit_s: float) -> dict[int, Notice]:
+        """The ``failed`` or ``blocked`` notice of each of ``others`` about ``call`` of
+        ``scope``, waiting
         up to ``limit_s`` for all of them; the ranks that posted none within it are missing
         (they finished the call without waiting for anyone)."""
         deadline = time.monotonic() + limit_s
         while True:
             self.news()
             found = {n.rank: n for n in self.notices
-                     if n.call == call and n.kind in (FAILED, BLOCKED) and n.rank in others}
+                     if n.call == call and n.scope == scope and n.kind in (FAILED, BLOCKED)
+                     and n.rank in others}
             if len(found) == len(others) or time.monotonic() > deadline or self._store is None:
                 return found
             time.sleep(POLL_S)

@@ -71,21 +71,33 @@ class LoneFailures:
         self._rank, self._size, self._store = rank, size, store
         self._answer_s = answer_s
         self.generation = 0
-        self.calls = 0
+        self._world = tuple(range(size))
+        self.scope = self._world  # the ranks of the call under way (see begin_call)
+        self._counts: dict[tuple[int, ...], int] = {}  # calls begun, by scope
         self.board = Board(store if size > 1 else None, 0)
         self._acted_on = 0  # how many of the board's notices this rank has acted on
         self._later: list[Notice] = []  # read, about a call this rank has not begun yet
         self._reason: str | None = None  # why the ranks are out of step, once they are
-        self._settled: set[int] = set()  # calls where every rank failed alike, in step
-        self.agreed_in = 0  # the last call in which this rank ran the inputs' agreement
+        # calls (scope, number) where every rank failed alike, in step
+        self._settled: set[tuple[tuple[int, ...], int]] = set()
+        self.agreed_in = ((), 0)  # the last call in which this rank ran the inputs' agreement
 
     @property
     def out_of_step(self) -> str | None:
         """Why this rank's process groups are out of step with the others', or None."""
         return self._reason
 
-    def begin_call(self) -> int:
-        """Counts one ``execute`` call and returns its number.
+    @property
+    def calls(self) -> int:
+        """The number of the call under way: how many calls of its scope this rank began."""
+        return self._counts.get(self.scope, 0)
+
+    def begin_call(self, scope: Sequence[int] = ()) -> int:
+        """Counts one ``execute`` call of a fusion whose ranks are ``scope`` (sorted; empty:
+        the world) and returns its number among that scope's calls. Calls are counted by
+        scope, not by process: every rank of a scope runs that scope's fusions in the same
+        order, but ranks of different pipeline stages, say, run different numbers of calls
+        of their own, so a count by process tells the same call by different numbers.
 
         Raises:
             CommunicationError: at once, when the ranks are out of step.
@@ -95,15 +107,16 @@ class LoneFailures:
                 f"rank {self._rank}: the ranks are out of step since {self._reason}; end the "
                 "job, or call Communicator.instance().recover() on every rank to start over"
             )
-        self.calls += 1
+        self.scope = tuple(scope) or self._world
+        self._counts[self.scope] = self.calls + 1
         return self.calls
 
     def restart(self, generation: int) -> None:
         """Forgets every failure: a fresh board for the groups of ``generation``."""
-        self.generation, self.calls = generation, 0
+        self.generation, self.scope, self._counts = generation, self._world, {}
         self.board = Board(self._store if self._size > 1 else None, generation)
         self._acted_on, self._later = 0, []
-        self._reason, self._settled, self.agreed_in = None, set(), 0
+        self._reason, self._settled, self.agreed_in = None, set(), ((), 0)
 
     def wait(self, work: Any, group: Sequence[int], late: Callable[[], None] | None = None,
              agreeing: bool = False, settling: bool = False) -> None:
@@ -144,27 +157,38 @@ class LoneFailures:
         self.board.news()
         fresh = self._later + self.board.notices[self._acted_on:]
         self._acted_on = len(self.board.notices)
-        self._later = [n for n in fresh if n.call > self.calls]
-        return [n for n in fresh if n.call <= self.calls]
+        self._later = [n for n in fresh if self._later_than_now(n)]
+        return [n for n in fresh if not self._later_than_now(n)]
+
+    def _later_than_now(self, notice: Notice) -> bool:
+        """Whether ``notice`` is about a call of a scope of this rank that it has not begun
+        yet (a notice of a scope this rank is not in is about now: it cannot tell)."""
+        if self._rank not in notice.scope:
+            return False
+        return notice.call > self._counts.get(notice.scope, 0)
+
+    def _now(self, notice: Notice) -> bool:
+        """Whether ``notice`` is about the call under way."""
+        return notice.scope == self.scope and notice.call == self.calls
 
     def _read_board(self, group: frozenset[int], agreeing: bool, settling: bool) -> None:
         for notice in self._unread():
             if notice.rank == self._rank:
                 continue
-            if notice.kind == BROKEN and notice.call == self.calls and \
+            if notice.kind == BROKEN and self._now(notice) and \
                     frozenset(notice.group) == group:
                 if settling:
                     raise Abandoned
                 raise GroupBroken(notice)
-            if notice.kind == FAILED and notice.call not in self._settled:
-                if settling and notice.call == self.calls:
+            if notice.kind == FAILED and (notice.scope, notice.call) not in self._settled:
+                if settling and self._now(notice):
                     raise Abandoned  # it failed too, before launching this one
                 error = remote_error(notice.rank, *notice.error)
-                self.board.post(Notice(self._rank, notice.call, BLOCKED))
+                self.board.post(Notice(self._rank, notice.call, BLOCKED, scope=notice.scope))
                 self._reason = f"rank {notice.rank}'s error in call {notice.call}: {error}"
                 raise error
-            if notice.kind == AGREEING and notice.call == self.calls and not agreeing \
-                    and self.agreed_in != self.calls \
+            if notice.kind == AGREEING and self._now(notice) and not agreeing \
+                    and self.agreed_in != (self.scope, self.calls) \
                     and (not notice.group or self._rank in notice.group):  # it agrees, not this
                 if settling:
                     raise Abandoned
@@ -174,7 +198,7 @@ class LoneFailures:
         """Tells the other ranks of ``group`` that its collective ``what`` failed here
         (``failure``: ``"timeout"`` or ``"peer"``; ``cause``: torch's text)."""
         self.board.post(Notice(self._rank, self.calls, BROKEN, (failure, cause), what,
-                               group=tuple(group)))
+                               group=tuple(group), scope=self.scope))
 
     def reported_timeout(self, group: Sequence[int]) -> Notice | None:
         """Another rank's ``broken`` notice of a timeout of ``group``'s collective in this
@@ -182,24 +206,24 @@ class LoneFailures:
         others of its group may see a peer close where the cause was that timeout."""
         self.board.news()
         return next((n for n in self.board.notices
-                     if n.kind == BROKEN and n.rank != self._rank and n.call == self.calls
+                     if n.kind == BROKEN and n.rank != self._rank and self._now(n)
                      and frozenset(n.group) == frozenset(group) and n.error[0] == "timeout"),
                     None)
 
     def told(self, error: Exception, call: int, where: str) -> Exception:
-        """What this rank raises for ``error``, which it raised itself in ``call`` at
-        ``where``: ``error``, once the others are told (nothing to tell for an error every
-        rank raises anyway). Marks the ranks out of step unless every other rank failed in
-        the same call at the same place."""
+        """What this rank raises for ``error``, which it raised itself in ``call`` (of the
+        scope under way) at ``where``: ``error``, once the others are told (nothing to tell
+        for an error every rank raises anyway). Marks the ranks out of step unless every
+        other rank of the world failed in the same call at the same place."""
         if self._size == 1 or is_shared(error):
             return error
         self.board.post(Notice(self._rank, call, FAILED, (type(error).__name__, str(error)),
-                               where))
+                               where, scope=self.scope))
         others = [r for r in range(self._size) if r != self._rank]
-        answers = self.board.answers(call, others, self._answer_s())
+        answers = self.board.answers(call, self.scope, others, self._answer_s())
         if len(answers) == len(others) and all(
                 n.kind == FAILED and n.where == where for n in answers.values()):
-            self._settled.add(call)
+            self._settled.add((self.scope, call))
         elif self._reason is None:
             self._reason = f"its own error in call {call}: {type(error).__name__}: {error}"
         return error
@@ -208,6 +232,6 @@ class LoneFailures:
         """Notes that the inputs' agreement (among the ranks ``group``; default the world)
         runs in this call; returns what it runs when its collective is late: post ``claim``
         for a rank of ``group`` running a cached program to compare with."""
-        self.agreed_in = self.calls
-        return lambda: self.board.post(Notice(self._rank, self.calls, AGREEING, claim=claim,
-                                              group=tuple(group)))
+        self.agreed_in = call = (self.scope, self.calls)
+        return lambda: self.board.post(Notice(self._rank, call[1], AGREEING, claim=claim,
+                                              group=tuple(group), scope=call[0]))
