@@ -200,12 +200,6 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
     return t if aligned or not t.is_cuda else t.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``x [N, a]`` by row groups (``counts [G]`` rows each, in order) times ``w[g]^T``
-    (``w [G, b, a]``): ``[N, b]`` (see :func:`grouped_rows_mm`)."""
-    return grouped_rows_mm(x, w.transpose(-2, -1), Groups(counts))
-
-
 def swiglu_experts(x, w1, w2, w3, counts):
     """Each row of ``x`` (grouped by expert, ``counts`` rows each) through its expert."""
     groups = Groups(counts)
