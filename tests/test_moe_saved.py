@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 import torch
-from mesh_helpers import mesh_1d, shard
+from mesh_helpers import mesh_1d, mesh_2x2, shard
 
-from meshfuse import DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+from meshfuse import FusionDefinition, ParallelType, shard_tensor
 from meshfuse.examples.moe import (
     PARAMS,
     MoEConfig,
@@ -148,9 +148,7 @@ def test_expert_and_data_parallel_backward_recomputes_products(multidevice_test,
                                                                 monkeypatch, tokens):
     """EP x DP (2 x n/2 meshes at 4 ranks): expert-parallel within each data-parallel
     group, so the backward recomputes h1 and h3 where the experts live, as under EP."""
-    if multidevice_test.size != 4:
-        pytest.skip("EP x DP here: a 2x2 mesh")
-    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    mesh = mesh_2x2(multidevice_test)
     cfg = MoEConfig(experts=5, top_k=2)
     forward, backward = _run(multidevice_test, monkeypatch, "ep_dp", cfg, tokens, mesh)
     assert forward == Counter({"grouped_rows_mm": 3})

@@ -76,13 +76,13 @@ def _check(op: str, x, indices, weights, w1, w2, w3) -> tuple:
     return t, k, h, e, f
 
 
-def _token_axes(t: tuple, metas: tuple, first: int, iter_type=None, extra=None) -> tuple:
-    """One axis per token axis, mapped from that axis of the inputs ``first, first + 1,
-    ...`` (the tensors ``metas`` give its kind: iteration, or ``iter_type``) and, where
-    ``extra`` is given (:func:`_saved_sources`), of ``moe_experts_bwd``'s ``saved``."""
+def _token_axes(t: tuple, metas: tuple, iter_type=None, extra=None) -> tuple:
+    """One axis per token axis, mapped from that axis of the inputs ``0, 1, ...`` (the
+    tensors ``metas`` give its kind: iteration, or ``iter_type``) and, where ``extra`` is
+    given (:func:`_saved_sources`), of ``moe_experts_bwd``'s ``saved``."""
     extra = extra or (lambda *pairs: ())
     return tuple(AxisSpec(n, iter_type or metas[0].iter_types[i],
-                          (*((first + j, i) for j in range(len(metas))), *extra((7, i))))
+                          (*((j, i) for j in range(len(metas))), *extra((7, i))))
                  for i, n in enumerate(t))
 
 
@@ -97,11 +97,11 @@ def _experts_infer(x, indices, weights, w1, w2, w3, capacity):
     t, _, h, e, f = _check("moe_experts", x, indices, weights, w1, w2, w3)
     _check_capacity("moe_experts", capacity)
     last = x.ndim - 1
-    out = (*_token_axes(t, (x, indices, weights), 0),
+    out = (*_token_axes(t, (x, indices, weights)),
            AxisSpec(h, x.iter_types[last], ((0, last),)),
            AxisSpec(f, IterType.Reduction, ((3, 1), (4, 2), (5, 1))))
     counts = (AxisSpec(e, w1.iter_types[0], ((3, 0), (4, 0), (5, 0))),
-              *_token_axes(t, (x, indices, weights), 0, IterType.Reduction))
+              *_token_axes(t, (x, indices, weights), IterType.Reduction))
     return [OutSpec(x.dtype, out), OutSpec(DataType.Float, counts),
             OutSpec(x.dtype, _saved_axes(x, indices, weights, w1))]
 
@@ -110,7 +110,7 @@ def _saved_axes(x, indices, weights, w1) -> tuple:
     """``saved [*tokens, K, 2, F]``'s axes: the token axes follow ``x``'s, ``K``
     ``indices``', ``F`` the weights'."""
     t, last = tuple(x.shape[:-1]), indices.ndim - 1
-    return (*_token_axes(t, (x, indices, weights), 0),
+    return (*_token_axes(t, (x, indices, weights)),
             AxisSpec(indices.shape[-1], indices.iter_types[last], ((1, last), (2, last))),
             AxisSpec(2), AxisSpec(w1.shape[1], w1.iter_types[1], ((3, 1), (4, 2), (5, 1))))
 
@@ -333,13 +333,13 @@ def _bwd_infer(grad, x, indices, weights, w1, w2, w3, capacity, saved=None):
     extra, n = _saved_sources(saved), len(t)
     last, args = x.ndim - 1, (grad, x, indices, weights)
     rf = AxisSpec(f, IterType.Reduction, ((4, 1), (5, 2), (6, 1), *extra((7, n + 2))))
-    rt = _token_axes(t, args, 0, IterType.Reduction, extra)
+    rt = _token_axes(t, args, IterType.Reduction, extra)
     experts = AxisSpec(e, w1.iter_types[0], ((4, 0), (5, 0), (6, 0)))
     ffn = AxisSpec(f, w1.iter_types[1], ((4, 1), (5, 2), (6, 1), *extra((7, n + 2))))
     hidden = AxisSpec(h, w1.iter_types[2], ((4, 2), (5, 1), (6, 2)))
-    gx = (*_token_axes(t, args, 0, extra=extra),
+    gx = (*_token_axes(t, args, extra=extra),
           AxisSpec(h, x.iter_types[last], ((1, last), (0, last))), rf)
-    gweights = (*_token_axes(t, args, 0, extra=extra),
+    gweights = (*_token_axes(t, args, extra=extra),
                 AxisSpec(k, weights.iter_types[last], ((3, last), (2, last), *extra((7, n)))),
                 rf)
     return [OutSpec(x.dtype, gx), OutSpec(weights.dtype, gweights),

@@ -200,12 +200,6 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
     return t if aligned or not t.is_cuda else t.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``x [N, a]`` by row groups (``counts [G]`` rows each, in order) times ``w[g]^T``
-    (``w [G, b, a]``): ``[N, b]`` (see :func:`grouped_rows_mm`)."""
-    return grouped_rows_mm(x, w.transpose(-2, -1), Groups(counts))
-
-
 def swiglu_experts(x, w1, w2, w3, counts):
     """Each row of ``x`` (grouped by expert, ``counts`` rows each) through its expert."""
     groups = Groups(counts)
@@ -290,13 +284,13 @@ def experts_forward(x, indices, weights, w1, w2, w3, num_experts: int, exchange=
     keep = within_capacity(route.expert_counts, capacity)
     groups = Groups(_computed_counts(route, capacity))
     rows = _grouped(exchange.dispatch(x.index_select(0, sl.tokens), route), route)
-    saved = saved_products(x, slot_shape, w1)
     if residual:  # every slot's products (a dropped one's too: they are its values)
         h1, h3 = _products(rows, w1, w3, groups if keep is None else
                            Groups(route.expert_counts))
         saved = _save(*_returned(h1, h3, exchange, route), sl.order, slot_shape)
         h1, h3 = _kept(h1, keep), _kept(h3, keep)
     else:
+        saved = saved_products(x, slot_shape, w1)
         h1, h3 = _products(_kept(rows, keep), w1, w3, groups)
     del rows
     y = grouped_rows_mm(swiglu.hidden(h1, h3), w2.transpose(-2, -1), groups)
