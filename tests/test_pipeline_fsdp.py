@@ -25,6 +25,7 @@ from meshfuse.examples.llama_stages import (
     llama_pieces,
     model,
     sharded_fusion_stage,
+    train_pipelined,
     train_single,
 )
 from meshfuse.parallel.fsdp import NamedMesh
@@ -146,16 +147,10 @@ def test_pp2_fsdp2_of_fusions_that_gather_per_call(multidevice_test):
     stage = FusionStage(CFG, BATCH // M, dict(model(CFG).state_dict()), start, stop,
                         meshes[mine])
     runner = PipelineRunner(schedule("1F1B", 2, M), {mine: stage}, stage.loss, stage_ranks)
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    losses = []
     with record_communications() as comms:
-        for ids, targets in batches(CFG, BATCH, steps):
-            opt.zero_grad()
-            loss = runner.step(ids, targets)
-            opt.step()
-            losses.append(loss)
+        losses = train_pipelined(runner, CFG, BATCH, steps)
     if mine == 1:
-        _close([x.item() for x in losses], train_single(CFG, BATCH, steps))
+        _close(losses, train_single(CFG, BATCH, steps))
     inside = [c for c in comms if c.kind not in ("send", "recv")]
     assert all(set(c.ranks) <= set(stage_ranks[mine]) for c in inside)
     # every fusion gathers its parameters at each microbatch's forward

@@ -11,7 +11,6 @@ mesh."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -23,11 +22,11 @@ from meshfuse import DeviceMesh
 from meshfuse.examples.llama import LlamaConfig
 from meshfuse.examples.llama_stages import (
     FusionStage,
-    batches,
     create_stage_groups,
     llama_pieces,
     lm_loss,
     model,
+    train_pipelined,
     train_single,
 )
 from meshfuse.parallel.stages import PipelineRunner, schedule, split_pieces, stage_bounds
@@ -55,18 +54,12 @@ def test_pp2_tp2_trains_like_one_device(multidevice_test, name):
     mine = rank // 2
     module = parallelize_module(stages[mine], mesh["tp"], PLAN)
     runner = PipelineRunner(plan, {mine: module}, lm_loss, stage_ranks)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    losses = []
     with record_communications() as comms:
-        for ids, targets in batches(CFG, batch, steps):
-            opt.zero_grad()
-            loss = runner.step(ids, targets)
-            opt.step()
-            losses.append(loss)
+        losses = train_pipelined(runner, CFG, batch, steps)
     reference = train_single(CFG, batch, steps)
     if mine == 1:
         for got, want in zip(losses, reference):
-            assert abs(got.item() - want) <= 1e-5 * abs(want)
+            assert abs(got - want) <= 1e-5 * abs(want)
     peers = {c.peer for c in comms if c.kind in ("send", "recv")}
     assert peers == {rank + 2 if mine == 0 else rank - 2}
     # the stage is tensor parallel: each device holds half of every projection
@@ -89,18 +82,12 @@ def test_pp2_tp2_of_meshfuse_fusions_trains_like_one_device(multidevice_test, na
     params = dict(model(CFG).state_dict())
     stage = FusionStage(CFG, batch // m, params, start, stop, meshes[mine])
     runner = PipelineRunner(schedule(name, 2, m), {mine: stage}, stage.loss, stage_ranks)
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    losses = []
     with record_communications() as comms:
-        for ids, targets in batches(CFG, batch, steps):
-            opt.zero_grad()
-            loss = runner.step(ids, targets)
-            opt.step()
-            losses.append(loss)
+        losses = train_pipelined(runner, CFG, batch, steps)
     reference = train_single(CFG, batch, steps)
     if mine == 1:
         for got, want in zip(losses, reference):
-            assert abs(got.item() - want) <= 1e-5 * abs(want)
+            assert abs(got - want) <= 1e-5 * abs(want)
     # activations and gradients go to the same coordinate of the other stage; every other
     # collective stays within the stage (the fusions' tensor-parallel gathers and reductions)
     peers = {c.peer for c in comms if c.kind in ("send", "recv")}

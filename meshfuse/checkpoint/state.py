@@ -154,7 +154,8 @@ def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """``optimizer``'s state and hyperparameters by checkpoint name."""
     ids, values = parameter_names(model), {}
     names = checkpoint_names(model)
-    flat = {id(shard): [names[p.fqn] for p in ps] for shard, ps in flat_shards(model).values()}
+    pieces = {id(shard): ps for shard, ps in flat_shards(model).values()}
+    flat = {key: [names[p.fqn] for p in ps] for key, ps in pieces.items()}
     for g, group in enumerate(optimizer.param_groups):
         missing = [i for i, p in enumerate(group["params"]) if id(p) not in ids]
         if missing:
@@ -165,7 +166,7 @@ def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 [n for p in group["params"] for n in flat.get(id(p), [ids[id(p)]])]
         for p in group["params"]:
             if id(p) in flat:
-                values.update(_flat_state(model, names, optimizer.state.get(p, {}), p))
+                values.update(_flat_state(names, pieces[id(p)], optimizer.state.get(p, {}), p))
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 name = ids[id(p)]
@@ -173,11 +174,10 @@ def optimizer_values(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return values
 
 
-def _flat_state(model: torch.nn.Module, names: dict[str, str], state: dict,
+def _flat_state(names: dict[str, str], pieces: list[FlatPiece], state: dict,
                 shard: torch.Tensor) -> dict[str, object]:
-    """A flat shard's optimizer ``state`` as its parameters' (moments cut as the shard,
-    ``step`` and the like for each)."""
-    pieces = next(ps for s, ps in flat_shards(model).values() if s is shard)
+    """A flat shard's optimizer ``state`` as the ``pieces`` of parameters it holds (moments
+    cut as the shard, ``step`` and the like for each)."""
     values = {}
     for piece in pieces:
         for key, value in state.items():

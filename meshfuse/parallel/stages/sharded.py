@@ -52,11 +52,14 @@ class ShardedStage(torch.nn.Module):
         self._params = [p for _, p in named]
         _check(self._params)
         self._shapes = [p.shape for p in self._params]
-        self.numel = numel = sum(p.numel() for p in self._params)  # the whole stage's
+        # where each parameter starts in the flat parameters, and where they end
+        self._offsets = [0]
+        for shape in self._shapes:
+            self._offsets.append(self._offsets[-1] + shape.numel())
+        self.numel = numel = self._offsets[-1]  # the whole stage's
         self._padded = -(-numel // group.size) * group.size
         # a stage without parameters holds an empty shard and never communicates
-        flat = torch.cat([p.detach().reshape(-1) for p in self._params] +
-                         [torch.zeros(self._padded - numel, **_kind(self._params))])
+        flat = self._flat([p.detach() for p in self._params])
         n = self._padded // group.size
         self.shard = torch.nn.Parameter(flat[group.coordinate * n:(group.coordinate + 1) * n]
                                         .clone())
@@ -73,10 +76,7 @@ class ShardedStage(torch.nn.Module):
         (``module.NAME``), shape, offset)``, and where this rank's ``shard`` starts in them: how a
         checkpoint (:mod:`meshfuse.checkpoint`) saves the shard as the parameters it holds
         pieces of, under their own names and shapes."""
-        offsets = [0]
-        for shape in self._shapes:
-            offsets.append(offsets[-1] + shape.numel())
-        return (list(zip([f"module.{n}" for n in self._names], self._shapes, offsets)),
+        return (list(zip([f"module.{n}" for n in self._names], self._shapes, self._offsets)),
                 self.group.coordinate * self.shard.numel())
 
     def forward(self, *args, **kwargs):
@@ -94,9 +94,8 @@ class ShardedStage(torch.nn.Module):
         into ``shard.grad`` and frees the gathered parameters; returns what to wait for."""
         if not self._live or not self._params:
             return None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = torch.cat([flat, flat.new_zeros(self._padded - flat.numel())])
+        flat = self._flat([p.grad if p.grad is not None else torch.zeros_like(p)
+                           for p in self._params])
         self._free()
         pending = collectives.reduce_scatter(flat, 0, self.group, "sum", async_op=True)
         return pending.then(self._accumulate)
@@ -116,13 +115,16 @@ class ShardedStage(torch.nn.Module):
             return
         self.begin_step()
         full, self._gathering = self._gathering.wait(), None
-        offset = 0
-        for p, shape in zip(self._params, self._shapes):
-            n = shape.numel()
-            p.data = full[offset:offset + n].view(shape)
+        for p, shape, offset in zip(self._params, self._shapes, self._offsets):
+            p.data = full[offset:offset + shape.numel()].view(shape)
             p.grad = None
-            offset += n
         self._live = True
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` (laid out as the parameters) as one flat tensor, zero padded to the
+        group's multiple."""
+        return torch.cat([t.reshape(-1) for t in tensors] +
+                         [torch.zeros(self._padded - self.numel, **_kind(self._params))])
 
     def _free(self) -> None:
         for p in self._params:
