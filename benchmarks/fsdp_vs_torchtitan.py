@@ -39,8 +39,9 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from benchmarks import context
 
 SIZES = {
     "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
@@ -242,14 +243,7 @@ def _markdown(record: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
-                                world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
+    device = context.setup(args.quick, cpu=args.quick).device
     warnings.simplefilter("ignore")
     from meshfuse.examples.llama import parameter_shapes
     cfg = _config(args)
@@ -276,7 +270,7 @@ def main(argv=None) -> int:
             json.dump(record, f, indent=1)
         with open(os.path.join(args.out, "fsdp_vs_torchtitan.md"), "w") as f:
             f.write(text)
-    dist.destroy_process_group()
+    context.teardown()
     return 0
 
 
