@@ -81,9 +81,18 @@ def _batch(cfg, batch: int, step: int, device):
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
-def _adamw(params, device):
-    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda"
-                                                 else {"foreach": True}))
+def _training_step(loss_of, params, device):
+    """A step of ``loss_of``'s model: forward and backward, then AdamW (fused on CUDA)."""
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda"
+                                                else {"foreach": True}))
+
+    def step(ids, targets):
+        loss = loss_of(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
 
 
 def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
@@ -95,15 +104,7 @@ def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
     mesh = DeviceMesh(range(1)) if plain else \
         NamedMesh(DeviceMesh(torch.arange(1).reshape(1, 1)), ("dp", "tp"))
     model = LlamaModel(cfg, batch, init_parameters(cfg), mesh, device)
-    opt = _adamw(model.parameters(), device)
-
-    def step(ids, targets):
-        loss = model(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return "meshfuse", step
+    return "meshfuse", _training_step(model, model.parameters(), device)
 
 
 FALLBACK: dict[str, str] = {}  # why torchtitan did not run, if it did not
@@ -158,21 +159,13 @@ def torch_variant(cfg, batch: int, device):
         blocks.register_module(str(key), compiled)
         fully_shard(compiled, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
-    opt = _adamw(model.parameters(), device)
 
     def loss_of(ids, targets):
         if titan is None:
             return model(ids, targets)
         logits = model(ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def step(ids, targets):
-        loss = loss_of(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return name, step
+    return name, _training_step(loss_of, model.parameters(), device)
 
 
 def _sync(device) -> None:
