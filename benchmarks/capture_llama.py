@@ -20,14 +20,14 @@ import argparse
 import copy
 import gc
 import json
-import os
 import statistics
 import time
 import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from benchmarks import context
 
 
 def _config(quick: bool):
@@ -92,14 +92,7 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compile,meshfuse")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
-                                world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
+    device = context.setup(args.quick, cpu=args.quick).device
     warnings.simplefilter("ignore")
     from transformers import LlamaForCausalLM
 
@@ -133,7 +126,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         _record(results, path)  # after each variant: a run cut short keeps what it measured
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
-    dist.destroy_process_group()
+    context.teardown()
 
 
 def _record(results: dict, path: Path | None) -> None:

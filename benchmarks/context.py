@@ -99,12 +99,13 @@ class Context:
             print(message, flush=True)
 
 
-def setup(quick: bool) -> Context:
-    """Initializes torch.distributed (NCCL with CUDA, gloo without) and picks the device."""
+def setup(quick: bool, cpu: bool = False) -> Context:
+    """Initializes torch.distributed (NCCL with CUDA, gloo without) and picks the device
+    (``cpu``: the CPU and gloo even where CUDA is available)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not cpu:
         if local_rank >= torch.cuda.device_count():
             raise SystemExit(
                 f"rank {rank} has local rank {local_rank} but this host has "

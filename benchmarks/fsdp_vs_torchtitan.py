@@ -39,8 +39,9 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from benchmarks import context
 
 SIZES = {
     "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
@@ -80,9 +81,18 @@ def _batch(cfg, batch: int, step: int, device):
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
-def _adamw(params, device):
-    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda"
-                                                 else {"foreach": True}))
+def _training_step(loss_of, params, device):
+    """A step of ``loss_of``'s model: forward and backward, then AdamW (fused on CUDA)."""
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda"
+                                                else {"foreach": True}))
+
+    def step(ids, targets):
+        loss = loss_of(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
 
 
 def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
@@ -94,15 +104,7 @@ def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
     mesh = DeviceMesh(range(1)) if plain else \
         NamedMesh(DeviceMesh(torch.arange(1).reshape(1, 1)), ("dp", "tp"))
     model = LlamaModel(cfg, batch, init_parameters(cfg), mesh, device)
-    opt = _adamw(model.parameters(), device)
-
-    def step(ids, targets):
-        loss = model(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return "meshfuse", step
+    return "meshfuse", _training_step(model, model.parameters(), device)
 
 
 FALLBACK: dict[str, str] = {}  # why torchtitan did not run, if it did not
@@ -157,21 +159,13 @@ def torch_variant(cfg, batch: int, device):
         blocks.register_module(str(key), compiled)
         fully_shard(compiled, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
-    opt = _adamw(model.parameters(), device)
 
     def loss_of(ids, targets):
         if titan is None:
             return model(ids, targets)
         logits = model(ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def step(ids, targets):
-        loss = loss_of(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return name, step
+    return name, _training_step(loss_of, model.parameters(), device)
 
 
 def _sync(device) -> None:
@@ -242,14 +236,7 @@ def _markdown(record: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
-                                world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
+    device = context.setup(args.quick, cpu=args.quick).device
     warnings.simplefilter("ignore")
     from meshfuse.examples.llama import parameter_shapes
     cfg = _config(args)
@@ -276,7 +263,7 @@ def main(argv=None) -> int:
             json.dump(record, f, indent=1)
         with open(os.path.join(args.out, "fsdp_vs_torchtitan.md"), "w") as f:
             f.write(text)
-    dist.destroy_process_group()
+    context.teardown()
     return 0
 
 

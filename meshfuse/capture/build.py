@@ -28,7 +28,7 @@ from meshfuse.errors import MeshfuseError
 from meshfuse.frontend.fusion_definition import FusionDefinition
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.tensor_view import TensorView
-from meshfuse.parallel.fsdp.transform import carries_batch
+from meshfuse.parallel.fsdp.transform import carry_batch
 
 __all__ = ["BuiltSegment", "build_segment"]
 
@@ -155,11 +155,7 @@ class _Pins:
         if axis is None or not self.carried or axis == self.plan.ndim - 1:
             return layout
         exprs = self.fd.fusion.exprs
-        for expr in exprs[self._seen:]:
-            for out in expr.outputs:
-                if isinstance(out, TensorView):
-                    self.carried.update(i for i in out.logical if not i.is_reduction and
-                                        carries_batch(expr, i, self.carried))
+        carry_batch(exprs[self._seen:], self.carried)
         self._seen = len(exprs)
         first = value.materialized()[0] if value.materialized() else None
         if first not in self.carried:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from meshfuse.dtypes import DataType
 from meshfuse.errors import DefinitionError, ScheduleError
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Expr, Fusion
 from meshfuse.ir.iter_domain import Merge, Split
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
 from meshfuse.ops.namespace import add_op
@@ -199,7 +199,17 @@ def _replay(fusion: Fusion, new: Fusion, used: dict[Val, Val],
     return pinned
 
 
-def carries_batch(expr, out_id, carried: set) -> bool:
+def carry_batch(exprs: Sequence[Expr], carried: set) -> None:
+    """Adds to ``carried`` (the IDs that are the batch axis) the output axes of ``exprs``,
+    in order, that carry it (:func:`_carries`)."""
+    for expr in exprs:
+        for out in expr.outputs:
+            if isinstance(out, TensorView):
+                carried.update(i for i in out.logical if not i.is_reduction and
+                               _carries(expr, i, carried))
+
+
+def _carries(expr, out_id, carried: set) -> bool:
     """Whether ``expr``'s output axis ``out_id`` is the batch axis: one of the input axes
     its domain map takes it from is (``carried``), and no two come from one input (a
     merge)."""
@@ -219,11 +229,7 @@ def _split_pinned_batch(new: Fusion, batch: Sequence[TensorView], pinned: Sequen
     tensor is the one the ops' domain maps carry from a batch input's first axis (an axis
     merged with others of the same tensor is left as the user scheduled it)."""
     carried = {x.materialized()[0] for x in batch if x.materialized()}
-    for expr in new.exprs:
-        for out in expr.outputs:
-            if isinstance(out, TensorView):
-                carried.update(i for i in out.logical if not i.is_reduction and
-                               carries_batch(expr, i, carried))
+    carry_batch(new.exprs, carried)
     dims = [d for d in (options.replicate, options.shard) if d is not None and mesh.size(d) > 1]
     for tv in pinned:
         axes = [a for a, i in enumerate(tv.materialized()) if i in carried]
