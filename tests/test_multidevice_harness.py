@@ -226,3 +226,43 @@ def test_parent_runs_single_process_then_multidevice_then_exclusive_items(reques
     # This very test is a single-process one; a marked rank-failure job is exclusive.
     assert plugin.run_order(request.node) == 0
     assert "exclusive" in {m.split(":")[0] for m in request.config.getini("markers")}
+
+
+OUT_OF_STEP_TESTS = """
+from meshfuse.errors import ExecutionError
+
+def test_leaves_the_ranks_out_of_step(multidevice_test):
+    lone = multidevice_test.communicator.lone
+    if multidevice_test.rank == 1:  # a lone failure no other rank answers
+        lone.told(ExecutionError("rank 1: step 0: boom"), lone.begin_call(), "step 0")
+        assert lone.out_of_step is not None
+
+def test_runs_after_it(multidevice_test):
+    assert multidevice_test.communicator.lone.out_of_step is None
+"""
+
+
+def test_a_test_that_leaves_the_ranks_out_of_step_fails_and_the_next_runs(tmp_path):
+    """A real batch of 2 workers: the first test leaves rank 1 out of step (its lone failure,
+    never recovered from): that test fails, naming the rank and its error, and the ranks are
+    recovered for the next one, which passes (it was failing with the first one's
+    consequences, far from the cause)."""
+    (tmp_path / "test_steps.py").write_text(OUT_OF_STEP_TESTS)
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import sys
+        if "meshfuse.testing.plugin" not in sys.modules:
+            pytest_plugins = ["meshfuse.testing.plugin"]
+    """))
+    root = str(Path(launcher.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")])), MESHFUSE_TEST_WORLD_SIZES="2")
+    nodeids = ("test_steps.py::test_leaves_the_ranks_out_of_step[ws2]",
+               "test_steps.py::test_runs_after_it[ws2]")
+    spec = BatchSpec(2, nodeids, (str(tmp_path / "test_steps.py"),), str(tmp_path),
+                     ("-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)), 600.0, env)
+    verdicts = launcher.run_batch(spec)
+    left = verdicts[nodeids[0]]
+    assert left.outcome == "failed", left
+    assert "left the ranks out of step (rank 1: its own error in call 1" in left.message, \
+        left.message
+    assert verdicts[nodeids[1]] == Verdict("passed"), verdicts[nodeids[1]].message

@@ -41,6 +41,7 @@ import torch
 from meshfuse.launch import cpu_count
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.testing.fixture import MultideviceTest
+from meshfuse.testing.in_step import RanksInStep
 from meshfuse.testing.launcher import BatchSpec, Verdict, run_batch, run_batches
 from meshfuse.testing.worker import (
     NODEIDS_ENV,
@@ -193,13 +194,24 @@ class RankRunner:
     """The plugin object of a rank (under a launcher, or a worker): multi-device tests run here.
 
     torch.distributed is initialized before the first multi-device test, so that a test marked
-    ``mpi`` may use it without the fixture.
+    ``mpi`` may use it without the fixture. After each, the ranks check that it left them in
+    step (:mod:`meshfuse.testing.in_step`).
     """
+
+    def __init__(self) -> None:
+        self._in_step = RanksInStep()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if world_size_of(item) is not None:
             Communicator.instance()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item):
+        result = yield
+        if world_size_of(item) is not None:
+            self._in_step.check(item.nodeid)
+        return result
 
 
 class ParentRunner:
