@@ -9,7 +9,8 @@ an allocation domain from its neighbours (docs/design.md, section 6, step 2).
   replayed on the mapped output ID and its device IDs are parallelized alike. Shardings of
   other inputs on mesh axes still free are added (data-parallel tokens next to
   tensor-parallel weights). Across a reshape's split or merge (axes of other extents) only a
-  block shard whose factor divides both is carried. A sharded input axis that maps to a
+  block shard whose factor divides both is carried (a block split over two mesh axes, one
+  inside the other, counts as one block of the product). A sharded input axis that maps to a
   reduction ID makes the output partial, unless the op cannot make partial results. The
   output's allocation domain follows the reference input's, IDs mapped one to one, so BSHE in
   gives BSHE out with the device ID where the user put it (matrix products are row-major; a
