@@ -237,12 +237,19 @@ def test_fsdp_with_tensor_parallel_2x2(multidevice_test):
 
 @pytest.mark.mpi
 def test_fsdp_2x2_reduces_each_layer_as_its_gradients_are_ready(multidevice_test):
+    """On dp x tp, each layer's gathers are issued one layer ahead and its gradients'
+    reduce-scatter is launched before the backward of the layer below ends (the derived
+    backward pins the column-parallel weights' gradients at its end: their reductions are
+    moved to where the gradients are ready); every rank issues its collectives in one
+    order."""
     if multidevice_test.size != 4:
         pytest.skip("a 2x2 mesh needs 4 ranks")
     mesh = NamedMesh(DeviceMesh(torch.arange(4).reshape(2, 2)), ("dp", "tp"))
     fd, model = _model(mesh, tp="tp")
     _train(fd, model, steps=2)
-    backward = model.programs()[1]
+    forward, backward = model.programs()
+    for program, layers in ((forward, range(LAYERS)), (backward, reversed(range(LAYERS)))):
+        _check_prefetch(program, list(layers))  # one layer ahead, on dp x tp too
     _check_reduced_when_ready(backward, list(reversed(range(LAYERS))))
     # every rank issues its collectives in one order (else they wait on each other)
     issued = [(p.kind, p.mesh_axis) for s in backward.steps for p in s.plan[:1]]
