@@ -236,16 +236,26 @@ def test_fsdp_with_tensor_parallel_2x2(multidevice_test):
 
 
 @pytest.mark.mpi
-@pytest.mark.xfail(strict=True, reason="known gap (issue 33): on dp x tp the last layers' "
-                   "reduce-scatters are not hoisted above the backward of the layers below "
-                   "(found by the merged suite; the 1-D dp case is hoisted)")
 def test_fsdp_2x2_reduces_each_layer_as_its_gradients_are_ready(multidevice_test):
+    """On dp x tp, each layer's gathers are issued one layer ahead and its gradients'
+    reduce-scatter is launched before the backward of the layer below ends (the derived
+    backward pins the column-parallel weights' gradients at its end: their reductions are
+    moved to where the gradients are ready); every rank issues its collectives in one
+    order."""
     if multidevice_test.size != 4:
         pytest.skip("a 2x2 mesh needs 4 ranks")
     mesh = NamedMesh(DeviceMesh(torch.arange(4).reshape(2, 2)), ("dp", "tp"))
     fd, model = _model(mesh, tp="tp")
-    _train(fd, model)
-    _check_reduced_when_ready(model.programs()[1], list(reversed(range(LAYERS))))
+    _train(fd, model, steps=2)
+    forward, backward = model.programs()
+    for program, layers in ((forward, range(LAYERS)), (backward, reversed(range(LAYERS)))):
+        _check_prefetch(program, list(layers))  # one layer ahead, on dp x tp too
+    _check_reduced_when_ready(backward, list(reversed(range(LAYERS))))
+    # every rank issues its collectives in one order (else they wait on each other)
+    issued = [(p.kind, p.mesh_axis) for s in backward.steps for p in s.plan[:1]]
+    everyone = [None] * 4
+    dist.all_gather_object(everyone, issued)
+    assert all(theirs == issued for theirs in everyone), everyone
 
 
 @pytest.mark.mpi

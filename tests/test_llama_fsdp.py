@@ -99,7 +99,7 @@ def _check_one_ahead(forward, backward, starts: list[int], dp: int) -> None:
     (after its start, before fusion k + 1's); in the backward, fusion k - 1's regather
     before fusion k's reduce-scatter (which ends fusion k's backward)."""
     gathers = [i for i, c in enumerate(forward) if c.kind == "allgather" and c.mesh_axis == dp]
-    gathers = gathers[:len(starts)]  # HSDP's head gathers its logits after (see below)
+    assert len(gathers) == len(starts), (gathers, starts)
     assert starts[0] <= gathers[0] < gathers[1] < starts[1]
     for k in range(1, len(starts) - 1):
         assert starts[k] <= gathers[k + 1] < starts[k + 1], (k, gathers, starts)
@@ -150,25 +150,23 @@ def test_llama_fsdp_communicates_per_fusion(multidevice_test):
         for h in hooks:
             h.remove()
         backward = log[len(forward):]
-        hsdp = sizes["replicate"] > 1
-        if not hsdp:  # (HSDP's head gathers its logits too: see below)
-            _check_one_ahead(forward, backward, starts, mesh.axis("dp"))
+        _check_one_ahead(forward, backward, starts, mesh.axis("dp"))
         assert GATHERED.live == start  # every gathered parameter freed
         largest = max(_padded(layer, sizes["dp"]) for layer in _layers())
         assert largest // sizes["dp"] < GATHERED.peak - start <= 2 * largest, spec
-        # HSDP: the loss's reshape of the logits merges the batch split over replicate and
-        # dp with the sequence, and gathers the logits over dp (a known gap; again in the
-        # backward): the loss's sums then run over replicate alone
-        sums = ["allgather"] * 2 if hsdp else ["allreduce"] * 2
-        assert _on(forward, mesh, "dp") == sorted(["allgather"] * fusions + sums), \
+        # the loss's reshape of the logits merges the batch (split over dp, and replicate:
+        # HSDP) with the sequence and keeps the split: the logits are never gathered, the
+        # loss's two sums are allreduced over each of them
+        assert _on(forward, mesh, "dp") == sorted(["allgather"] * fusions + ["allreduce"] * 2), \
             (spec, _on(forward, mesh, "dp"))
         kinds = _on(backward, mesh, "dp")
-        assert kinds.count("reduce_scatter") == fusions, (spec, kinds)
-        assert kinds.count("allgather") == fusions or hsdp and len(kinds) == 2 * fusions + 2
-        if hsdp:
-            # (the logits gathered over replicate too, a known gap) one allreduce per
-            # fusion across replicas
-            assert _on(backward, mesh, "replicate").count("allreduce") == fusions
+        assert kinds.count("reduce_scatter") == kinds.count("allgather") == fusions, \
+            (spec, kinds)
+        if sizes["replicate"] > 1:  # the loss's sums; one allreduce per fusion backward
+            assert _on(forward, mesh, "replicate") == ["allreduce"] * 2, _on(forward, mesh,
+                                                                             "replicate")
+            assert _on(backward, mesh, "replicate") == ["allreduce"] * fusions, \
+                _on(backward, mesh, "replicate")
         if sizes["cp"] > 1:  # each block's attention: a ring of k/v blocks over cp
             ring = _on(forward, mesh, "cp")
             assert ring.count("send") == ring.count("recv") >= 2 * CFG.layers, ring

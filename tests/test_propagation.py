@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mesh_helpers import shard
+from mesh_helpers import schedule_placements, shard
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs, reference
@@ -264,3 +264,35 @@ def test_random_fusions_match_the_unsharded_run(multidevice_test):
                                    rtol=1e-5, atol=1e-5)
 
     check()
+
+
+@pytest.mark.mpi
+def test_reshape_keeps_a_block_shard_split_over_two_mesh_axes(multidevice_test):
+    """A batch axis split over two mesh axes, one inside the other (HSDP's replicate then
+    dp), merged with the sequence by a reshape (the loss's ``[b, s, V] -> [b * s, V]``):
+    each rank's rows are a block of the merged axis, so it stays split and the sum to a
+    scalar is allreduced; nothing is gathered. 12 rows split into 2 x 2 blocks at 4 ranks,
+    2 x 1 at 2, 3 x 1 at 3."""
+    from meshfuse.runtime.comm.collectives import record_communications
+
+    d, rank = multidevice_test.size, multidevice_test.rank
+    shape = (d // 2, 2) if d % 2 == 0 else (d, 1)
+    mesh = DeviceMesh(torch.arange(d).reshape(shape))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([12, 3, 5], dtype=DataType.Float)
+        y = fd.ops.exp(fd.ops.reshape(x, [36, 5]))
+        fd.add_output(y)
+        fd.add_output(fd.ops.sum(y, [0, 1]))
+    y_tv = fd.fusion.outputs()[0]
+    for tv in (x, y_tv):  # the reshape between them is left to propagation
+        schedule_placements(tv, mesh, (("S", 0), ("S", 0)))
+    gx = torch.randn(12, 3, 5, generator=torch.Generator().manual_seed(0))  # alike on all
+    gx = gx.to(multidevice_test.device)
+    with record_communications() as comms:
+        y_local, total = fd.execute([shard_tensor(gx, x, rank)])
+    want = gx.exp().reshape(36, 5)
+    torch.testing.assert_close(y_local, shard_tensor(want, y_tv, rank))
+    assert y_local.shape[0] == 36 // d
+    torch.testing.assert_close(total, want.sum())
+    assert all(c.kind == "allreduce" for c in comms), [c.kind for c in comms]
+    assert len(comms) == (0 if d == 1 else sum(n > 1 for n in shape))

@@ -9,7 +9,8 @@ an allocation domain from its neighbours (docs/design.md, section 6, step 2).
   replayed on the mapped output ID and its device IDs are parallelized alike. Shardings of
   other inputs on mesh axes still free are added (data-parallel tokens next to
   tensor-parallel weights). Across a reshape's split or merge (axes of other extents) only a
-  block shard whose factor divides both is carried. A sharded input axis that maps to a
+  block shard whose factor divides both is carried (a block split over two mesh axes, one
+  inside the other, counts as one block of the product). A sharded input axis that maps to a
   reduction ID makes the output partial, unless the op cannot make partial results. The
   output's allocation domain follows the reference input's, IDs mapped one to one, so BSHE in
   gives BSHE out with the device ID where the user put it (matrix products are row-major; a
@@ -229,18 +230,22 @@ def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView
 
 
 def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) -> bool:
-    """True if ``ref_id`` is block-sharded by one outer split whose factor divides both
-    ``ref_id`` and ``target_id`` (an axis of another extent that a reshape maps to it): only
-    even blocks of both hold the same elements (6 rows over 4 devices go 2, 2, 2, 0, the 12
-    elements they make go 3, 3, 3, 3)."""
+    """True if ``ref_id`` is block-sharded by outer splits, each of the part the one before
+    left (the batch split over ``replicate`` then ``dp``: a block per pair of coordinates, in
+    order), whose factors' product divides both ``ref_id`` and ``target_id`` (an axis of
+    another extent that a reshape maps to it): only even blocks of both hold the same
+    elements (6 rows over 4 devices go 2, 2, 2, 0, the 12 elements they make go 3, 3, 3,
+    3)."""
     splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
               _subtree(ref, ref_id)]
-    if len(splits) != 1 or splits[0].inner_split or splits[0].zigzag or \
-            splits[0].in_id is not ref_id:
+    if not splits or splits[0].in_id is not ref_id:
         return False
-    if not ref.parallel_type(splits[0].outer).is_device:
-        return False
-    factor = splits[0].factor
+    factor = 1
+    for k, split in enumerate(splits):
+        if split.inner_split or split.zigzag or not ref.parallel_type(split.outer).is_device \
+                or k and split.in_id is not splits[k - 1].inner:
+            return False
+        factor *= split.factor
     return target_id.extent is not None and target_id.extent % factor == 0 and \
         (ref_id.extent is None or ref_id.extent % factor == 0)
 

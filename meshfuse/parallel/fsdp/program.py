@@ -15,10 +15,11 @@ order the program first reads them: in a backward, last layer first.
 A layer's gradient reductions, and what becomes of their results (HSDP's allreduces across
 replicas, copies and casts on the way to the gradients), move together to where the last of
 them was (:func:`gather_reductions`). Before that, the local ops whose results reach only
-the reductions (the weight gradients' products) move to where their inputs are ready
-(:func:`hoist_gradients`): the derived backward may compute a layer's weight gradients
-after the layer below's backward, and its reduce-scatter would wait that long; so each
-layer's gradients are reduced as they are ready, under the next layer's backward.
+the reductions (the weight gradients' products), and the reductions, move to where their
+inputs are ready (:func:`hoist_gradients`): the derived backward may compute a layer's
+weight gradients, or pin them to their parameters' sharding, after the layer below's
+backward, and its reduce-scatter would wait that long; so each layer's gradients are
+reduced as they are ready, under the next layer's backward.
 
 **Buckets** (:func:`bucket_layers`). A layer's gathers then run as one allgather, its
 gradients' reductions as one reduce-scatter (and one allreduce across replicas, HSDP, which
@@ -162,28 +163,41 @@ def hoist_gradients(order: Sequence[Expr], reductions: Mapping[Expr, int],
                     outputs: frozenset = frozenset(),
                     gathers: Mapping[Expr, int] | None = None) -> list[Expr]:
     """``order`` with the local expressions whose results reach only the ``reductions``
-    (the cone of each gradient: its products and sums) each placed right after the last
-    expression it reads from (for a layer's gathered parameter: after the layer's last
-    gather, where its bucket runs); the others keep their order."""
+    (the cone of each gradient: its products and sums), and the reductions themselves, each
+    placed right after the last expression it reads from (for a layer's gathered parameter:
+    after the layer's last gather, where its bucket runs); the others keep their order.
+
+    The reductions move too: the derived backward may pin a gradient to its parameter's
+    sharding only at its end (on a dp x tp mesh, the column-parallel weights' gradients),
+    and a reduction left there would hold its layer's bucket until the backward ends."""
     producer = {o: e for e in order for o in e.outputs}
-    members = _cones(order, reductions, producer, outputs)
+    members = _cones(order, reductions, producer, outputs) | set(reductions)
     if not members:
         return list(order)
-    # in program order, never the set's: its order is the process's hashing, and ranks that
-    # place their collectives in different orders deadlock
-    cone = [e for e in order if e in members]
     gathers = gathers or {}
     last_gather = {gathers[e]: e for e in order if e in gathers}
-    result: list[Expr] = []
-    placed: set[Expr] = set()
-    waiting: dict[Expr, int] = {}
+    # in program order, never a set's: its order is the process's hashing, and ranks that
+    # place their collectives in different orders deadlock
+    cone = [e for e in order if e in members]
     after: dict[Expr, list[Expr]] = {}
+    waiting: dict[Expr, int] = {}
     for e in cone:
         needs = {producer[v] for v in e.inputs if v in producer}
         needs = {last_gather[gathers[p]] if p in gathers else p for p in needs}
-        for p in needs:
+        for p in needs:  # each p lists its waiters in program order
             after.setdefault(p, []).append(e)
         waiting[e] = len(needs)
+    return _place_when_ready(order, members, cone, after, waiting)
+
+
+def _place_when_ready(order: Sequence[Expr], members: set[Expr], cone: Sequence[Expr],
+                      after: Mapping[Expr, list[Expr]], waiting: dict[Expr, int]
+                      ) -> list[Expr]:
+    """``order``'s non-members in their order, each member (``cone``, in program order)
+    right after the last of the expressions it waits for (``waiting`` counts them,
+    ``after`` lists each one's waiters)."""
+    result: list[Expr] = []
+    placed: set[Expr] = set()
 
     def place(first: Expr) -> None:
         todo = [first]
