@@ -31,6 +31,7 @@ from meshfuse import (
 from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
+from meshfuse.runtime.replay import automatic
 from meshfuse.runtime.replay.automatic import (
     BUFFERS,
     MAX_GRAPHS,
@@ -183,6 +184,35 @@ def test_new_addresses_are_captured_at_their_second_call_up_to_the_limit():
     a, b = pairs[0]
     _assert_outputs(replay.run([a, b]), a, b)  # captured addresses still replay
     assert replay.run([x, y]) is None  # seen once, and the limit is reached
+
+
+def test_captures_stop_where_the_graphs_pools_hold_their_memory_limit():
+    """The pools of every automatic graph of the process count against one limit (the
+    stand-in's pools are 1024 bytes each): once they reach it, a new set of addresses runs
+    the interpreter, and graphs already captured go on replaying."""
+    held = automatic.held_bytes()
+
+    class Limited(FakeCuda):
+        @staticmethod
+        def memory_limit(device):
+            assert device == CUDA
+            return held + 2 * 1024
+
+    fd = _chain()
+    pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+    replay = AutoReplay(_program(fd, list(pairs[0])), CUDA, cuda=Limited)
+    for a, b in pairs[:2]:
+        assert replay.run([a, b]) is None  # first call: the interpreter
+        _assert_outputs(replay.run([a, b]), a, b)  # captured
+    assert replay.run(list(pairs[2])) is None
+    assert replay.run(list(pairs[2])) is None  # not captured: over the limit
+    assert replay.graphs == 2
+    assert automatic.held_bytes() == held + 2 * 1024
+    assert "no more captures: the process's graphs hold 25% of the device's memory" in \
+        replay.describe()
+    _assert_outputs(replay.run(list(pairs[0])), *pairs[0])
+    del replay  # a dropped runner's graphs free their pools
+    assert automatic.held_bytes() == held
 
 
 def test_inputs_that_move_every_call_are_never_captured():

@@ -24,9 +24,18 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   where a captured call's did, in the same mode, replays. A set of addresses is captured at
   its second call (the first runs the interpreter: a loop whose inputs move every call never
   pays for captures it would not replay; the signature's first call also binds kernels and
-  compiles segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
-  :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures; beyond, the interpreter
-  runs. A graph's capture follows a warm-up run on a side stream.
+  compiles segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per
+  signature and :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures, and while the
+  pools of all the process's automatic graphs hold less than :data:`POOL_FRACTION` of the
+  device's memory; beyond, the interpreter runs. A graph's capture follows a warm-up run on
+  a side stream.
+- **Repeated layers.** One program may run at many places of a step: the layers of a stack
+  that ``meshfuse.parallelize`` builds once and calls once per layer (one autograd function,
+  so one forward and one backward runner for all of them), or one fusion applied to several
+  tensors. Each place has its own inputs (the layer's parameters, the previous layer's
+  output), so its own set of addresses and its own graph: the limits per signature and per
+  fusion are set for stacks of a hundred layers, not for the few graphs of one call site.
+  What bounds them is memory, the pools' bytes.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -67,6 +76,7 @@ long as the program is cached; ``explain`` says how much.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,10 +95,14 @@ from meshfuse.runtime.replay.streams import (
     static_reason,
 )
 
-MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
+# graphs captured per program signature (all sets of input addresses: one per place of a
+# step where the program runs, such as each layer of a stack that shares it)
+MAX_GRAPHS = 128
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
-MAX_SEEN = 64  # sets of input addresses remembered until their second call
-MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
+MAX_SEEN = 256  # sets of input addresses remembered until their second call
+MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
+# the share of a device's memory that the pools of all automatic graphs may hold together
+POOL_FRACTION = 0.25
 AUTO = "auto"
 
 
@@ -204,13 +218,31 @@ def cuda_capture(program: Program, inputs: Sequence[Any], generators=()):
     return graph, outputs, pool_bytes(graph)
 
 
+def cuda_memory_limit(device: torch.device) -> int:
+    """The bytes the automatic graphs' pools may hold on ``device``: :data:`POOL_FRACTION`
+    of its memory."""
+    return int(torch.cuda.get_device_properties(device).total_memory * POOL_FRACTION)
+
+
 class CudaGraphs:
     """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs, generators)`` (see
-    :func:`cuda_capture`) and ``capturing()``, whether the current stream is being captured
-    already (by the caller's own graph). Tests pass a stand-in."""
+    :func:`cuda_capture`), ``capturing()``, whether the current stream is being captured
+    already (by the caller's own graph), and ``memory_limit(device)``, the bytes all the
+    automatic graphs' pools may hold (a stand-in without it: no limit). Tests pass a
+    stand-in."""
 
     capture = staticmethod(cuda_capture)
     capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+    memory_limit = staticmethod(cuda_memory_limit)
+
+
+_LIVE: weakref.WeakSet[AutoReplay] = weakref.WeakSet()  # every AutoReplay of the process
+
+
+def held_bytes() -> int:
+    """The device memory that the pools of the process's automatic graphs hold (those of
+    runners still alive: a dropped runner's graphs are freed with it)."""
+    return sum(replay.pool_bytes for replay in list(_LIVE))
 
 
 class AutoReplay:
@@ -232,6 +264,9 @@ class AutoReplay:
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
+        self._device = device
+        self.capped = False  # a capture was refused: the pools' memory limit is reached
+        _LIVE.add(self)
 
     def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset()
             ) -> list[torch.Tensor] | None:
@@ -261,13 +296,21 @@ class AutoReplay:
         for graph in graphs:
             if graph.free():
                 return graph.replay(inputs)
-        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
+        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 \
+                or self._memory_spent():
             return None
         graph = self._captured(inputs, staged)
         if graph is None:
             return None
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
+
+    def _memory_spent(self) -> bool:
+        """Whether the automatic graphs' pools hold their limit already (the next capture's
+        pool is not known before it: the limit is crossed by one graph at most)."""
+        limit = getattr(self._cuda, "memory_limit", None)
+        self.capped = limit is not None and held_bytes() >= limit(self._device)
+        return self.capped
 
     def describe(self) -> str:
         """explain's line: whether and how this signature is replayed."""
@@ -276,6 +319,9 @@ class AutoReplay:
         if not self.graphs:
             return _NOT_YET
         spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
+        if self.capped:
+            spent += (f"; no more captures: the process's graphs hold {POOL_FRACTION:.0%} "
+                      "of the device's memory")
         streams = f"; {self._streams}" if self._streams else ""
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
