@@ -215,6 +215,25 @@ def test_captures_stop_where_the_graphs_pools_hold_their_memory_limit():
     assert automatic.held_bytes() == held
 
 
+def test_settled_inputs_are_captured_at_their_first_call():
+    """A set of addresses met for the first time is captured at once where each tensor lies
+    where an earlier call of the signature had one (any position: another layer's
+    parameters) or in a live graph's output memory (the previous layer's replayed output);
+    one new address makes it wait for its second call."""
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    first = _replay(_chain(), [x, y])
+    first.run([x, y])
+    out = first.run([x, y])[0]  # captured: out is a graph's output memory
+    second = _replay(_chain(), [x, y])
+    assert second.run([y, x]) is None  # the signature's first call: the interpreter
+    _assert_outputs(second.run([x, y]), x, y)  # addresses met (swapped): captured at once
+    _assert_outputs(second.run([out, y]), out, y)  # out is in a graph's memory
+    new = torch.randn(8, 8)
+    assert second.run([new, y]) is None  # a new address: its second call
+    _assert_outputs(second.run([new, y]), new, y)
+    assert second.graphs == 3
+
+
 def test_inputs_that_move_every_call_are_never_captured():
     x = torch.randn(8, 8)
     replay = _replay(_chain(), [x, x])

@@ -24,7 +24,9 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   where a captured call's did, in the same mode, replays. A set of addresses is captured at
   its second call (the first runs the interpreter: a loop whose inputs move every call never
   pays for captures it would not replay; the signature's first call also binds kernels and
-  compiles segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per
+  compiles segments, which a capture must not do), or at its first where each of its
+  tensors lies where an earlier call of the signature had a tensor or in a graph's output
+  memory (see *Repeated layers*), up to :data:`MAX_GRAPHS` graphs per
   signature and :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures, and while the
   pools of all the process's automatic graphs hold less than :data:`POOL_FRACTION` of the
   device's memory; beyond, the interpreter runs. A graph's capture follows a warm-up run on
@@ -35,7 +37,13 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   tensors. Each place has its own inputs (the layer's parameters, the previous layer's
   output), so its own set of addresses and its own graph: the limits per signature and per
   fusion are set for stacks of a hundred layers, not for the few graphs of one call site.
-  What bounds them is memory, the pools' bytes.
+  What bounds them is memory, the pools' bytes. A layer's input is the previous layer's
+  output, which moves into that layer's graph memory when its graph is captured: with the
+  second-call rule alone, layer ``i`` would be captured at step ``i + 2``. So a set of
+  addresses is captured at its first call where its inputs are *settled*: each at an address
+  that an earlier call of the signature used (the layer's parameters, met in the previous
+  step) or at an output of a live graph (the previous layer's, replayed); the whole stack
+  replays from the second step.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -100,6 +108,7 @@ from meshfuse.runtime.replay.streams import (
 MAX_GRAPHS = 128
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
 MAX_SEEN = 256  # sets of input addresses remembered until their second call
+MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._settled)
 MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
 # the share of a device's memory that the pools of all automatic graphs may hold together
 POOL_FRACTION = 0.25
@@ -239,6 +248,38 @@ class CudaGraphs:
 _LIVE: weakref.WeakSet[AutoReplay] = weakref.WeakSet()  # every AutoReplay of the process
 
 
+# the addresses of the live automatic graphs' outputs (address -> how many outputs start
+# there): an input found there stays there from call to call
+_GRAPH_OUTPUTS: dict[int, int] = {}
+
+
+def _track_outputs(graph: _Graph, outputs: Sequence[torch.Tensor]) -> None:
+    addresses = [t.data_ptr() for t in outputs]
+    for a in addresses:
+        _GRAPH_OUTPUTS[a] = _GRAPH_OUTPUTS.get(a, 0) + 1
+    weakref.finalize(graph, _forget_outputs, addresses)
+
+
+def _forget_outputs(addresses: list[int]) -> None:
+    for a in addresses:
+        left = _GRAPH_OUTPUTS.get(a, 1) - 1
+        if left > 0:
+            _GRAPH_OUTPUTS[a] = left
+        else:
+            _GRAPH_OUTPUTS.pop(a, None)
+
+
+def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[int]:
+    return [x.data_ptr() for i, x in enumerate(inputs)
+            if isinstance(x, torch.Tensor) and i not in unkeyed]
+
+
+def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
+    """``key`` without the tensors' addresses."""
+    return tuple(None if i < len(inputs) and isinstance(inputs[i], torch.Tensor) else k
+                 for i, k in enumerate(key))
+
+
 def held_bytes() -> int:
     """The device memory that the pools of the process's automatic graphs hold (those of
     runners still alive: a dropped runner's graphs are freed with it)."""
@@ -261,6 +302,8 @@ class AutoReplay:
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
+        self._addresses: set[int] = set()  # the tensor inputs' addresses of those calls
+        self._values: set[tuple] = set()  # and their keys' other values (see _settled)
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
@@ -287,10 +330,8 @@ class AutoReplay:
         key += (torch.are_deterministic_algorithms_enabled(),)
         graphs = self._graphs.get(key)
         if graphs is None:
-            if key not in self._seen:  # addresses not seen before: the interpreter
-                if len(self._seen) >= MAX_SEEN:
-                    self._seen.clear()
-                self._seen.add(key)
+            if key not in self._seen and not self._settled(key, inputs, unkeyed):
+                self._remember(key, inputs, unkeyed)  # new addresses: the interpreter
                 return None
             graphs = []
         for graph in graphs:
@@ -304,6 +345,31 @@ class AutoReplay:
             return None
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
+
+    def _remember(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> None:
+        if len(self._seen) >= MAX_SEEN:
+            self._seen.clear()
+            self._values.clear()
+        self._seen.add(key)
+        if len(self._addresses) >= MAX_ADDRESSES:
+            self._addresses.clear()
+        self._addresses.update(_addresses(inputs, unkeyed))
+        self._values.add(_values(key, inputs))
+
+    def _settled(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> bool:
+        """Whether a set of input addresses met for the first time may be captured now: each
+        keyed tensor input lies where an earlier call of this signature had one (at any
+        position: a parameter of one layer of a stack met in the previous step) or in a
+        graph's output memory (the previous layer's replayed output), and its other values
+        (scalars, the deterministic switch) are those of an earlier call (a scalar that
+        changes at every call is not captured at every call). Without it, a stack's layer
+        would be captured two calls after the one before it, each layer's input moving into
+        a graph's memory once that graph is captured: a stack of N layers would replay whole
+        after N steps. Never at the signature's first call (binding, compiling)."""
+        if not self._seen or _values(key, inputs) not in self._values:
+            return False
+        addresses = _addresses(inputs, unkeyed)
+        return all(a in self._addresses or a in _GRAPH_OUTPUTS for a in addresses)
 
     def _memory_spent(self) -> bool:
         """Whether the automatic graphs' pools hold their limit already (the next capture's
@@ -346,7 +412,9 @@ class AutoReplay:
         self._budget.left -= 1
         self.pool_bytes += pool_bytes
         self._streams = self._streams or streams.describe()
-        return _Graph(graph, outputs, inputs, streams, buffers)
+        captured = _Graph(graph, outputs, inputs, streams, buffers)
+        _track_outputs(captured, outputs)
+        return captured
 
 
 class _Graph:
