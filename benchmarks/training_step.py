@@ -137,6 +137,20 @@ def _meshfuse_info(runners) -> dict:
     return info
 
 
+def _node_info(owner) -> dict:
+    """The autograd node's host time per call (``FusionFunction.explain``'s last lines),
+    its programs' ``execute`` included: microseconds of Python per step, forward and
+    backward."""
+    info = {}
+    for compiled in getattr(owner, "_derivations", {}).values():
+        for name, path in (("forward", compiled.node_forward),
+                           ("backward", compiled.node_backward)):
+            if path.calls:
+                info[f"{name}_node_host_us"] = round(path.least / 1e3, 1)
+        info["node_explain"] = compiled.node_lines()
+    return info
+
+
 def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callable]:
     """name -> setup() returning (step, its meshfuse owner or None, first and second call's
     seconds), checked against the eager layer; ``chosen``: the names to set up (None:
@@ -222,7 +236,7 @@ class _Skip(Exception):
     pass
 
 
-def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list]:
+def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list, object]:
     result = Result(name)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -235,14 +249,14 @@ def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list]
         _sync(device)
     except _Skip as e:
         result.status, result.message = "skipped", str(e)
-        return result, None, []
+        return result, None, [], None
     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
         result.status, result.message = "error", f"{type(e).__name__}: {e}"[:2000]
-        return result, None, []
+        return result, None, [], None
     if device.type == "cuda":
         result.peak_mib = round((torch.cuda.max_memory_allocated(device) - before) / 2**20)
     runners = _meshfuse_runners(owner) if owner is not None else []
-    return result, step, runners
+    return result, step, runners, owner
 
 
 def interleaved(steps: dict[str, Callable], rounds: int, iters: int,
@@ -273,10 +287,10 @@ def interleaved(steps: dict[str, Callable], rounds: int, iters: int,
 
 def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
              chosen=None) -> dict:
-    results, steps, runners = {}, {}, {}
+    results, steps, runners, owners = {}, {}, {}, {}
     for name, setup in variants(size, device, dtype, backend, chosen).items():
         print(f"  {label} {name}: setting up", flush=True)
-        result, step, found = _set_up(name, setup, device, warmup)
+        result, step, found, owners[name] = _set_up(name, setup, device, warmup)
         results[name] = result
         if step is not None:
             steps[name], runners[name] = step, found
@@ -288,7 +302,7 @@ def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
         result.ms = statistics.median(samples)
         result.recompiled = _compile_state(runners[name]) != states[name]
         if runners[name]:
-            result.info = _meshfuse_info(runners[name])
+            result.info = {**_meshfuse_info(runners[name]), **_node_info(owners[name])}
     for name, result in results.items():
         for base in BASELINES:
             if name in times and base in times and base != name:

@@ -25,6 +25,7 @@ as a residual and modified in place before the backward is an error, as in PyTor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.agreement import agreement_ranks
+from meshfuse.runtime.interpreter.host_time import PathTime
 
 
 class FusionFunction:
@@ -126,6 +128,22 @@ class FusionFunction:
         if has_dtensors(inputs):
             return self._on_dtensors(inputs)
         return self._apply(self._compiled_for(inputs), inputs)
+
+    def explain(self, inputs: Sequence[Any]) -> str:
+        """The autograd path on ``inputs`` (as ``__call__`` takes them; call it on every rank
+        of the fusion, as ``execute``): the forward program's ``explain(inputs)`` (tensors,
+        communications, fused segments, CUDA-graph replay, host time per cached call), then
+        the derived backward's state for each signature it ran (fused segments, replay, host
+        time; its inputs are autograd's and the residuals), and the host time of the autograd
+        node around both programs (their ``execute`` included: the rest is the node's own
+        Python, residuals and autograd's calls). Runs no kernel but a first call's build."""
+        inputs = [x.to_local() if isinstance(x, DTensor) else x for x in inputs]
+        compiled = self._compiled_for(inputs)
+        backward = compiled._backward
+        lines = backward.call_lines() if backward is not None else ["not run yet"]
+        return "\n".join([compiled.derivation.forward_runner.explain(inputs),
+                          "derived backward:", *(f"  {line}" for line in lines),
+                          *compiled.node_lines()])
 
     def _apply(self, compiled: _Compiled, inputs: list) -> list[torch.Tensor]:
         """The autograd node's outputs. A rank that holds none of the inputs that require
@@ -210,6 +228,17 @@ class _Compiled:
         self.derivation = derivation
         self.compile = compile
         self._backward: FusionRunner | None = None
+        # host time of the autograd node's forward and backward, their programs included
+        self.node_forward, self.node_backward = PathTime(), PathTime()
+
+    def node_lines(self) -> list[str]:
+        """explain's lines on the node's host time (none before a call)."""
+        lines = [f"  {name}: {path.least / 1e3:.0f} us at least, {path.last / 1e3:.0f} us the "
+                 f"last (over {path.calls} calls)"
+                 for name, path in (("forward", self.node_forward),
+                                    ("backward", self.node_backward)) if path.calls]
+        title = "host time per autograd node call (this rank, measured, its program included):"
+        return [title, *lines] if lines else []
 
     def run_forward(self, inputs: list) -> list[torch.Tensor]:
         """The forward (the user's outputs, then the residuals) on ``inputs``."""
@@ -237,6 +266,7 @@ class _FusionAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, anchor, *inputs):
+        start = time.perf_counter_ns()
         d = compiled.derivation
         # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
         # input's global shape there).
@@ -257,10 +287,12 @@ class _FusionAutograd(torch.autograd.Function):
         ctx.layouts = [(o.shape, o.stride()) for o in outputs]
         carried = set(d.cotangents)
         ctx.mark_non_differentiable(*(o for j, o in enumerate(outputs) if j not in carried))
+        compiled.node_forward.add(time.perf_counter_ns() - start)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *cotangents):
+        start = time.perf_counter_ns()
         d = ctx.compiled.derivation
         residuals = ctx.residuals.take()
         for i, x in zip(ctx.returned, ctx.saved_tensors):
@@ -270,6 +302,7 @@ class _FusionAutograd(torch.autograd.Function):
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
         grads = ctx.compiled.run_backward(inputs) if needed else []
+        ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
                                     for i, absent in zip(d.gradients, ctx.absent)))
 

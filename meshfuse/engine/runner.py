@@ -119,6 +119,7 @@ class FusionRunner:
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
         self._host: dict[tuple, HostLog] = {}  # host time of cached calls, per signature
+        self._devices: dict[tuple, torch.device] = {}  # of each signature called
         self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
@@ -203,6 +204,7 @@ class FusionRunner:
             self._graphs.clear()
             self._replays.clear()
             self._host.clear()
+            self._devices.clear()
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
@@ -243,6 +245,7 @@ class FusionRunner:
         fresh = host is None  # the first call (binding, building, compiling): not counted
         if fresh:
             host = self._host[key, backend] = HostLog()
+            self._devices[key] = _device_of(inputs, self.communicator)
         if replay_wanted(cuda_graph, self.cuda_graph):
             outputs = self._replayed(key, backend, program, inputs, staged, host, start)
             if outputs is not None:
@@ -416,6 +419,17 @@ class FusionRunner:
         for (k, _), host in self._host.items():
             if k == key:
                 lines += host.lines()
+        return lines
+
+    def call_lines(self) -> list[str]:
+        """explain's lines on each signature called so far (fused segments, replay, host
+        time), binding nothing: what is said of a program whose inputs the caller does not
+        hold (a derived backward's)."""
+        lines = []
+        for n, (key, device) in enumerate(self._devices.items()):
+            if key in self._programs:
+                lines += [f"signature {n}:",
+                          *(f"  {line}" for line in self._fusion_lines(key, device))]
         return lines
 
     def _bind(self, inputs: list, known: dict) -> tuple[Build, Binding]:
