@@ -84,6 +84,7 @@ class FusionFunction:
         self._lacking: bool | None = None  # see _inputs_not_everywhere
         self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
         self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
+        self._symbolic: bool | None = None  # whether the fusion has symbolic extents
 
     def derivation(self, requires_grad: Sequence[bool],
                    extents: Mapping[IterDomain, int] | None = None) -> _Compiled:
@@ -110,7 +111,9 @@ class FusionFunction:
 
     def _bound(self, inputs: Sequence[Any]) -> Mapping[IterDomain, int] | None:
         """The extents ``inputs`` bind, for a fusion with symbolic extents (else None)."""
-        if not has_symbolic_ids(self.fusion):
+        if self._symbolic is None:  # the fusion is built: its extents stay as they are
+            self._symbolic = has_symbolic_ids(self.fusion)
+        if not self._symbolic:
             return None
         if self._extents is None:
             self._extents = FusionRunner(self.fusion)

@@ -232,8 +232,11 @@ class FusionRunner:
             _checked_options(timeout, compile)
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
+        device = self._devices.get(key)  # the signature's devices decide it: found once
+        if device is None:
+            device = self._devices[key] = _device_of(inputs, self.communicator)
         backend = backend_for(self.compile if compile is None else compile_setting(compile),
-                              _device_of(inputs, self.communicator))
+                              device)
         if backend is not None:
             fused = self._fused.get((key, backend))
             if fused is None:
@@ -245,9 +248,9 @@ class FusionRunner:
         fresh = host is None  # the first call (binding, building, compiling): not counted
         if fresh:
             host = self._host[key, backend] = HostLog()
-            self._devices[key] = _device_of(inputs, self.communicator)
         if replay_wanted(cuda_graph, self.cuda_graph):
-            outputs = self._replayed(key, backend, program, inputs, staged, host, start)
+            outputs = self._replayed(key, backend, device, program, inputs, staged, host,
+                                     start)
             if outputs is not None:
                 if donate:  # given up after the replay (see automatic.py: donation)
                     inputs.clear()
@@ -258,15 +261,15 @@ class FusionRunner:
         host.interpreted.add(time.perf_counter_ns() - start)
         return outputs
 
-    def _replayed(self, key: tuple, backend: str | None, program: Program,
-                  inputs: Sequence[Any], staged: Sequence[int], host: HostLog,
-                  start: int) -> list[torch.Tensor] | None:
+    def _replayed(self, key: tuple, backend: str | None, device: torch.device,
+                  program: Program, inputs: Sequence[Any], staged: Sequence[int],
+                  host: HostLog, start: int) -> list[torch.Tensor] | None:
         """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
         interpreter must run the call; a replay that captured nothing counts its host time."""
         replay = self._replays.get((key, backend))
         if replay is None:
-            replay = self._replays[key, backend] = AutoReplay(
-                program, _device_of(inputs, self.communicator), self._graph_budget)
+            replay = self._replays[key, backend] = AutoReplay(program, device,
+                                                              self._graph_budget)
         captured = replay.graphs
         outputs = replay.run(inputs, frozenset(staged))
         if outputs is not None and replay.graphs == captured:
