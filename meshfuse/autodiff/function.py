@@ -142,11 +142,20 @@ class FusionFunction:
         Python, residuals and autograd's calls). Runs no kernel but a first call's build."""
         inputs = [x.to_local() if isinstance(x, DTensor) else x for x in inputs]
         compiled = self._compiled_for(inputs)
-        backward = compiled._backward
-        lines = backward.call_lines() if backward is not None else ["not run yet"]
         return "\n".join([compiled.derivation.forward_runner.explain(inputs),
-                          "derived backward:", *(f"  {line}" for line in lines),
-                          *compiled.node_lines()])
+                          *compiled.backward_lines(), *compiled.node_lines()])
+
+    def call_lines(self) -> list[str]:
+        """What the calls so far did, binding nothing (no inputs needed): for each set of
+        inputs that require grad, the forward's and the backward's lines per signature
+        (fused segments, CUDA-graph replay, host time) and the node's host time."""
+        lines = []
+        for n, compiled in enumerate(self._derivations.values()):
+            forward = compiled.derivation.forward_runner.call_lines()
+            lines += [f"derivation {n}:", "  forward:", *(f"    {x}" for x in forward),
+                      *(f"  {x}" for x in compiled.backward_lines()),
+                      *(f"  {x}" for x in compiled.node_lines())]
+        return lines
 
     def _apply(self, compiled: _Compiled, inputs: list) -> list[torch.Tensor]:
         """The autograd node's outputs. A rank that holds none of the inputs that require
@@ -233,6 +242,12 @@ class _Compiled:
         self._backward: FusionRunner | None = None
         # host time of the autograd node's forward and backward, their programs included
         self.node_forward, self.node_backward = PathTime(), PathTime()
+
+    def backward_lines(self) -> list[str]:
+        """explain's lines on the derived backward: per signature it ran, see
+        :meth:`~meshfuse.engine.runner.FusionRunner.call_lines`."""
+        lines = self._backward.call_lines() if self._backward is not None else ["not run yet"]
+        return ["derived backward:", *(f"  {line}" for line in lines)]
 
     def node_lines(self) -> list[str]:
         """explain's lines on the node's host time (none before a call)."""
