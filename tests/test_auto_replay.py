@@ -216,22 +216,25 @@ def test_captures_stop_where_the_graphs_pools_hold_their_memory_limit():
 
 
 def test_settled_inputs_are_captured_at_their_first_call():
-    """A set of addresses met for the first time is captured at once where each tensor lies
-    where an earlier call of the signature had one (any position: another layer's
-    parameters) or in a live graph's output memory (the previous layer's replayed output);
-    one new address makes it wait for its second call."""
+    """A set of addresses met for the first time is captured at once where a tensor lies
+    in a live graph's output memory (the previous layer's replayed output) and each other
+    where an earlier call had its position's (the layer's parameters); else at its second
+    call: a new address, or known addresses in a new combination without a graph's output
+    (what the allocator hands out between programs)."""
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     first = _replay(_chain(), [x, y])
     first.run([x, y])
     out = first.run([x, y])[0]  # captured: out is a graph's output memory
     second = _replay(_chain(), [x, y])
-    assert second.run([y, x]) is None  # the signature's first call: the interpreter
-    _assert_outputs(second.run([x, y]), x, y)  # addresses met (swapped): captured at once
-    _assert_outputs(second.run([out, y]), out, y)  # out is in a graph's memory
-    new = torch.randn(8, 8)
-    assert second.run([new, y]) is None  # a new address: its second call
-    _assert_outputs(second.run([new, y]), new, y)
-    assert second.graphs == 3
+    x2, y2 = torch.randn(8, 8), torch.randn(8, 8)
+    for pair in ((x, y), (x2, y2)):
+        assert second.run(list(pair)) is None  # first calls: the interpreter
+    assert second.run([x, y2]) is None  # addresses met, no graph's output: second call
+    _assert_outputs(second.run([out, y]), out, y)  # a graph's output, y met there: at once
+    assert second.run([out, x]) is None  # x never came at position 1
+    assert second.run([y, out]) is None  # nor y at position 0
+    _assert_outputs(second.run([x, y2]), x, y2)  # the second call of a combination
+    assert second.graphs == 2
 
 
 def test_inputs_that_move_every_call_are_never_captured():

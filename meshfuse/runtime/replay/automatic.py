@@ -24,9 +24,8 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   where a captured call's did, in the same mode, replays. A set of addresses is captured at
   its second call (the first runs the interpreter: a loop whose inputs move every call never
   pays for captures it would not replay; the signature's first call also binds kernels and
-  compiles segments, which a capture must not do), or at its first where each of its
-  tensors lies where an earlier call of the signature had a tensor or in a graph's output
-  memory (see *Repeated layers*), up to :data:`MAX_GRAPHS` graphs per
+  compiles segments, which a capture must not do), or at its first where its inputs are
+  settled (see *Repeated layers*), up to :data:`MAX_GRAPHS` graphs per
   signature and :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures, and while the
   pools of all the process's automatic graphs hold less than :data:`POOL_FRACTION` of the
   device's memory; beyond, the interpreter runs. A graph's capture follows a warm-up run on
@@ -40,10 +39,10 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   What bounds them is memory, the pools' bytes. A layer's input is the previous layer's
   output, which moves into that layer's graph memory when its graph is captured: with the
   second-call rule alone, layer ``i`` would be captured at step ``i + 2``. So a set of
-  addresses is captured at its first call where its inputs are *settled*: each at an address
-  that an earlier call of the signature used (the layer's parameters, met in the previous
-  step) or at an output of a live graph (the previous layer's, replayed); the whole stack
-  replays from the second step.
+  addresses is captured at its first call where its inputs are *settled*: one at an output
+  of a live graph (the previous layer's, replayed), each other tensor where an earlier call
+  of the signature had its position's (the layer's parameters, met in the previous step),
+  the scalars as at an earlier call; the whole stack replays from the second step.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -269,8 +268,9 @@ def _forget_outputs(addresses: list[int]) -> None:
             _GRAPH_OUTPUTS.pop(a, None)
 
 
-def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[int]:
-    return [x.data_ptr() for i, x in enumerate(inputs)
+def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[tuple[int, int]]:
+    """``(position, address)`` of each keyed tensor input."""
+    return [(i, x.data_ptr()) for i, x in enumerate(inputs)
             if isinstance(x, torch.Tensor) and i not in unkeyed]
 
 
@@ -302,7 +302,8 @@ class AutoReplay:
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
-        self._addresses: set[int] = set()  # the tensor inputs' addresses of those calls
+        # the tensor inputs' (position, address) of those calls
+        self._addresses: set[tuple[int, int]] = set()
         self._values: set[tuple] = set()  # and their keys' other values (see _settled)
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
@@ -357,19 +358,24 @@ class AutoReplay:
         self._values.add(_values(key, inputs))
 
     def _settled(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> bool:
-        """Whether a set of input addresses met for the first time may be captured now: each
-        keyed tensor input lies where an earlier call of this signature had one (at any
-        position: a parameter of one layer of a stack met in the previous step) or in a
-        graph's output memory (the previous layer's replayed output), and its other values
-        (scalars, the deterministic switch) are those of an earlier call (a scalar that
-        changes at every call is not captured at every call). Without it, a stack's layer
-        would be captured two calls after the one before it, each layer's input moving into
-        a graph's memory once that graph is captured: a stack of N layers would replay whole
-        after N steps. Never at the signature's first call (binding, compiling)."""
+        """Whether a set of input addresses met for the first time may be captured now: some
+        keyed tensor input lies in a live graph's output memory (the previous layer's
+        replayed output), each of the others where an earlier call of this signature had
+        its position's tensor (a parameter of this layer, met in the previous step), and the
+        other values (scalars, the deterministic switch) are those of an earlier call (a
+        scalar that changes at every call is not captured at every call). Without it, a
+        stack's layer would be captured two calls after the one before it, each layer's
+        input moving into a graph's memory once that graph is captured: a stack of N layers
+        would replay whole after N steps. A graph's output is asked for so that inputs the
+        allocator hands out in changing combinations of a few addresses (the outputs of
+        torch's ops between programs) wait for a combination's second call, as before.
+        Never at the signature's first call (binding, compiling)."""
         if not self._seen or _values(key, inputs) not in self._values:
             return False
         addresses = _addresses(inputs, unkeyed)
-        return all(a in self._addresses or a in _GRAPH_OUTPUTS for a in addresses)
+        chained = [a in _GRAPH_OUTPUTS for _, a in addresses]
+        return any(chained) and all(
+            c or p in self._addresses for c, p in zip(chained, addresses))
 
     def _memory_spent(self) -> bool:
         """Whether the automatic graphs' pools hold their limit already (the next capture's
