@@ -15,6 +15,10 @@ default settings:
   they are by default;
 - ``meshfuse_autograd_no_replay``: the same with ``MESHFUSE_CUDA_GRAPH=0`` (fused segments
   launched from Python: what the replay saves; its first call is made before the timed one);
+- ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads the
+  forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
+  and the norms' outputs are recomputed by default, each in a segment of its own before the
+  weight-gradient GEMM that reads it: memory traffic the hand-written fusion does not pay);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
@@ -187,11 +191,14 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
             raise _Skip("reduce-overhead captures CUDA graphs: CUDA only")
         return torch_variant(mode="reduce-overhead")
 
-    def derived():
+    def derived(remat="recompute"):
         block = GptBlock(b, s, e, heads, mf_dtype).define()
-        function = block.as_autograd_function()
+        function = block.as_autograd_function(remat=remat)
         step = autograd_step(lambda *leaves: function(leaves)[0], [x, *params.values()], dy)
         return step, function
+
+    def derived_saved():
+        return derived(remat="save")
 
     def derived_no_replay():
         # the runners read MESHFUSE_CUDA_GRAPH when the first call makes them
@@ -228,7 +235,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
     return {name: checked(setup) for name, setup in (
         ("torch_eager", eager), ("torch_compile", torch_variant),
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
-        ("meshfuse_autograd_no_replay", derived_no_replay), ("meshfuse_captured", captured), ("meshfuse_hand_written", hand_written))
+        ("meshfuse_autograd_no_replay", derived_no_replay),
+        ("meshfuse_autograd_saved", derived_saved), ("meshfuse_captured", captured),
+        ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}
 
 
