@@ -179,6 +179,28 @@ def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
     assert replays == [0] + [2 * layers] * 3
 
 
+def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
+    """``x = f(x, w)``: each replay's output is a graph's memory and the next call's input;
+    the other input (``w``) is that of a captured graph already, so no graph is captured at
+    each call (each would be replayed once), and values follow torch's loop."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w = fd.define_tensor([T, H], dtype=DataType.Double)
+        fd.add_output(fd.ops.tanh(fd.ops.mul(x, w)))
+    fd.define()
+    runner = FusionRunner(fd.fusion)
+    w = _randn(T, H, seed=2) * 2
+    start = _randn(T, H, seed=1)
+    for _ in range(2):  # captured at the second call: its output is a graph's memory
+        (x,) = runner.execute([start, w])
+    ref = torch.tanh(start * w)
+    for _ in range(16):
+        (x,) = runner.execute([x, w])
+        ref = torch.tanh(ref * w)
+        torch.testing.assert_close(x, ref)
+    assert 1 <= _graphs(runner) <= 6
+
+
 def _exp_scale():
     """``y = exp(x) * w``; with ``remat="save"`` its residual is ``exp(x)`` (memory of the
     forward's graph), not ``x``, which the caller may then change between forwards."""

@@ -305,6 +305,7 @@ class AutoReplay:
         # the tensor inputs' (position, address) of those calls
         self._addresses: set[tuple[int, int]] = set()
         self._values: set[tuple] = set()  # and their keys' other values (see _settled)
+        self._rests: set[frozenset] = set()  # captured graphs' inputs not graphs' outputs
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
@@ -341,9 +342,12 @@ class AutoReplay:
         if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 \
                 or self._memory_spent():
             return None
+        rest = frozenset((i, a) for i, a in _addresses(inputs, unkeyed)
+                         if a not in _GRAPH_OUTPUTS)
         graph = self._captured(inputs, staged)
         if graph is None:
             return None
+        self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
 
@@ -368,14 +372,18 @@ class AutoReplay:
         input moving into a graph's memory once that graph is captured: a stack of N layers
         would replay whole after N steps. A graph's output is asked for so that inputs the
         allocator hands out in changing combinations of a few addresses (the outputs of
-        torch's ops between programs) wait for a combination's second call, as before.
+        torch's ops between programs) wait for a combination's second call, as before. The
+        other inputs must be a combination no graph was captured with (each layer has its
+        parameters): a loop feeding a program its own output (``x = f(x, w)``) would
+        otherwise capture a graph at every call, each one's output a new graph's input.
         Never at the signature's first call (binding, compiling)."""
         if not self._seen or _values(key, inputs) not in self._values:
             return False
         addresses = _addresses(inputs, unkeyed)
         chained = [a in _GRAPH_OUTPUTS for _, a in addresses]
-        return any(chained) and all(
-            c or p in self._addresses for c, p in zip(chained, addresses))
+        rest = frozenset(p for c, p in zip(chained, addresses) if not c)
+        return any(chained) and bool(rest) and rest not in self._rests and \
+            rest <= self._addresses
 
     def _memory_spent(self) -> bool:
         """Whether the automatic graphs' pools hold their limit already (the next capture's
