@@ -8,7 +8,8 @@ backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`
 
 Reports per variant: the first step's time (capture + build + run: for torch.compile its
 compile time), then the median step time over ``--steps`` and tokens/s, and the peak memory
-of the variant's steps (CUDA). The optimizer is AdamW, fused (``fused=True``). Random weights
+of the variant's steps (CUDA); for meshfuse, what each fusion's calls did (``calls``: CUDA-graph
+replay, fused segments, host time per call, from ``FusionFunction.call_lines``). The optimizer is AdamW, fused (``fused=True``). Random weights
 (no download); the models start equal (bf16, also with ``--quick``: a tiny bf16 model on the
 CPU), each variant trains its own copy. A variant that fails is recorded with its error and
 the others still run.
@@ -116,10 +117,13 @@ def main() -> None:
         try:
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
             results[variant] = _time_steps(model, inputs, args.steps, device)
+            if variant == "meshfuse":
+                results[variant]["calls"] = _calls(model)
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
             results[variant] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        print(variant, {k: v for k, v in results[variant].items() if k != "losses"},
-              flush=True)
+        print(variant, {k: v for k, v in results[variant].items()
+                        if k not in ("losses", "calls")}, flush=True)
+        print("\n".join(results[variant].get("calls", [])), flush=True)
         model = None
         gc.collect()
         if device.type == "cuda":
@@ -127,6 +131,17 @@ def main() -> None:
         _record(results, path)  # after each variant: a run cut short keeps what it measured
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
     context.teardown()
+
+
+def _calls(model) -> list[str]:
+    """What each fusion of the parallelized model did over the steps (one autograd function
+    per distinct fusion, shared by identical layers): its forward's and backward's CUDA-graph
+    replay, fused segments and host time per call, and the autograd node's host time."""
+    program = model._meshfuse.last
+    lines = []
+    for n, (_, function) in enumerate(program.built.values()):
+        lines += [f"function {n}:", *(f"  {x}" for x in function.call_lines())]
+    return lines
 
 
 def _record(results: dict, path: Path | None) -> None:

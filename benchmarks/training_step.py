@@ -15,6 +15,10 @@ default settings:
   they are by default;
 - ``meshfuse_autograd_no_replay``: the same with ``MESHFUSE_CUDA_GRAPH=0`` (fused segments
   launched from Python: what the replay saves; its first call is made before the timed one);
+- ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads the
+  forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
+  and the norms' outputs are recomputed by default, each in a segment of its own before the
+  weight-gradient GEMM that reads it: memory traffic the hand-written fusion does not pay);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
@@ -137,6 +141,20 @@ def _meshfuse_info(runners) -> dict:
     return info
 
 
+def _node_info(owner) -> dict:
+    """The autograd node's host time per call (``FusionFunction.explain``'s last lines),
+    its programs' ``execute`` included: microseconds of Python per step, forward and
+    backward."""
+    info = {}
+    for compiled in getattr(owner, "_derivations", {}).values():
+        for name, path in (("forward", compiled.node_forward),
+                           ("backward", compiled.node_backward)):
+            if path.calls:
+                info[f"{name}_node_host_us"] = round(path.least / 1e3, 1)
+        info["node_explain"] = compiled.node_lines()
+    return info
+
+
 def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callable]:
     """name -> setup() returning (step, its meshfuse owner or None, first and second call's
     seconds), checked against the eager layer; ``chosen``: the names to set up (None:
@@ -173,11 +191,14 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
             raise _Skip("reduce-overhead captures CUDA graphs: CUDA only")
         return torch_variant(mode="reduce-overhead")
 
-    def derived():
+    def derived(remat="recompute"):
         block = GptBlock(b, s, e, heads, mf_dtype).define()
-        function = block.as_autograd_function()
+        function = block.as_autograd_function(remat=remat)
         step = autograd_step(lambda *leaves: function(leaves)[0], [x, *params.values()], dy)
         return step, function
+
+    def derived_saved():
+        return derived(remat="save")
 
     def derived_no_replay():
         # the runners read MESHFUSE_CUDA_GRAPH when the first call makes them
@@ -214,7 +235,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
     return {name: checked(setup) for name, setup in (
         ("torch_eager", eager), ("torch_compile", torch_variant),
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
-        ("meshfuse_autograd_no_replay", derived_no_replay), ("meshfuse_captured", captured), ("meshfuse_hand_written", hand_written))
+        ("meshfuse_autograd_no_replay", derived_no_replay),
+        ("meshfuse_autograd_saved", derived_saved), ("meshfuse_captured", captured),
+        ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}
 
 
@@ -222,7 +245,7 @@ class _Skip(Exception):
     pass
 
 
-def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list]:
+def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list, object]:
     result = Result(name)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -235,14 +258,14 @@ def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list]
         _sync(device)
     except _Skip as e:
         result.status, result.message = "skipped", str(e)
-        return result, None, []
+        return result, None, [], None
     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
         result.status, result.message = "error", f"{type(e).__name__}: {e}"[:2000]
-        return result, None, []
+        return result, None, [], None
     if device.type == "cuda":
         result.peak_mib = round((torch.cuda.max_memory_allocated(device) - before) / 2**20)
     runners = _meshfuse_runners(owner) if owner is not None else []
-    return result, step, runners
+    return result, step, runners, owner
 
 
 def interleaved(steps: dict[str, Callable], rounds: int, iters: int,
@@ -273,10 +296,10 @@ def interleaved(steps: dict[str, Callable], rounds: int, iters: int,
 
 def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
              chosen=None) -> dict:
-    results, steps, runners = {}, {}, {}
+    results, steps, runners, owners = {}, {}, {}, {}
     for name, setup in variants(size, device, dtype, backend, chosen).items():
         print(f"  {label} {name}: setting up", flush=True)
-        result, step, found = _set_up(name, setup, device, warmup)
+        result, step, found, owners[name] = _set_up(name, setup, device, warmup)
         results[name] = result
         if step is not None:
             steps[name], runners[name] = step, found
@@ -288,7 +311,7 @@ def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
         result.ms = statistics.median(samples)
         result.recompiled = _compile_state(runners[name]) != states[name]
         if runners[name]:
-            result.info = _meshfuse_info(runners[name])
+            result.info = {**_meshfuse_info(runners[name]), **_node_info(owners[name])}
     for name, result in results.items():
         for base in BASELINES:
             if name in times and base in times and base != name:

@@ -31,6 +31,7 @@ from meshfuse import (
 from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
+from meshfuse.runtime.replay import automatic
 from meshfuse.runtime.replay.automatic import (
     BUFFERS,
     MAX_GRAPHS,
@@ -183,6 +184,57 @@ def test_new_addresses_are_captured_at_their_second_call_up_to_the_limit():
     a, b = pairs[0]
     _assert_outputs(replay.run([a, b]), a, b)  # captured addresses still replay
     assert replay.run([x, y]) is None  # seen once, and the limit is reached
+
+
+def test_captures_stop_where_the_graphs_pools_hold_their_memory_limit():
+    """The pools of every automatic graph of the process count against one limit (the
+    stand-in's pools are 1024 bytes each): once they reach it, a new set of addresses runs
+    the interpreter, and graphs already captured go on replaying."""
+    held = automatic.held_bytes()
+
+    class Limited(FakeCuda):
+        @staticmethod
+        def memory_limit(device):
+            assert device == CUDA
+            return held + 2 * 1024
+
+    fd = _chain()
+    pairs = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+    replay = AutoReplay(_program(fd, list(pairs[0])), CUDA, cuda=Limited)
+    for a, b in pairs[:2]:
+        assert replay.run([a, b]) is None  # first call: the interpreter
+        _assert_outputs(replay.run([a, b]), a, b)  # captured
+    assert replay.run(list(pairs[2])) is None
+    assert replay.run(list(pairs[2])) is None  # not captured: over the limit
+    assert replay.graphs == 2
+    assert automatic.held_bytes() == held + 2 * 1024
+    assert "no more captures: the process's graphs hold 25% of the device's memory" in \
+        replay.describe()
+    _assert_outputs(replay.run(list(pairs[0])), *pairs[0])
+    del replay  # a dropped runner's graphs free their pools
+    assert automatic.held_bytes() == held
+
+
+def test_settled_inputs_are_captured_at_their_first_call():
+    """A set of addresses met for the first time is captured at once where a tensor lies
+    in a live graph's output memory (the previous layer's replayed output) and each other
+    where an earlier call had its position's (the layer's parameters); else at its second
+    call: a new address, or known addresses in a new combination without a graph's output
+    (what the allocator hands out between programs)."""
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    first = _replay(_chain(), [x, y])
+    first.run([x, y])
+    out = first.run([x, y])[0]  # captured: out is a graph's output memory
+    second = _replay(_chain(), [x, y])
+    x2, y2 = torch.randn(8, 8), torch.randn(8, 8)
+    for pair in ((x, y), (x2, y2)):
+        assert second.run(list(pair)) is None  # first calls: the interpreter
+    assert second.run([x, y2]) is None  # addresses met, no graph's output: second call
+    _assert_outputs(second.run([out, y]), out, y)  # a graph's output, y met there: at once
+    assert second.run([out, x]) is None  # x never came at position 1
+    assert second.run([y, out]) is None  # nor y at position 0
+    _assert_outputs(second.run([x, y2]), x, y2)  # the second call of a combination
+    assert second.graphs == 2
 
 
 def test_inputs_that_move_every_call_are_never_captured():

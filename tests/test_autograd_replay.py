@@ -136,6 +136,71 @@ def test_a_training_loop_replays_forward_and_backward(fake_cuda, zero_grad_to_no
     assert AddressGraph.replays - before >= 2 * 6
 
 
+def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
+    """One autograd function called once per layer, as ``meshfuse.parallelize`` runs a
+    stack's identical layers: one forward and one backward runner, whose signature each
+    layer calls with inputs of its own (its parameters, the previous layer's output, held
+    by its pending backward). Every layer's forward and backward replays: a graph per
+    layer, more than a signature's few graphs of one call site."""
+    layers = 6
+    fd, _ = _mlp()
+    function = fd.as_autograd_function()
+    init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
+            for i in range(layers)]
+    mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
+    ref = [[w.clone().requires_grad_() for w in pair] for pair in init]
+    opt = torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01)
+    ref_opt = torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01)
+    # requires grad: every layer's call asks the same derivation of the function
+    x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
+    replays = []
+    for step in range(4):
+        with torch.no_grad():
+            x.copy_(_randn(T, H, seed=10 + step))
+        x.grad = None
+        before = AddressGraph.replays
+        h, r = x, x
+        for (w1, w2), (r1, r2) in zip(mine, ref):
+            h = function([h, w1, w2])[0]
+            r = _torch_mlp(r, r1, r2)
+        torch.testing.assert_close(h, r)
+        for o, out in ((opt, h), (ref_opt, r)):
+            o.zero_grad()
+            out.pow(2).mean().backward()
+            o.step()
+        replays.append(AddressGraph.replays - before)
+    for got, want in zip(mine, ref):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.detach(), w.detach())
+    forward, backward = _runners(function)
+    assert _graphs(forward) == layers and _graphs(backward) == layers
+    # every program of the step replays from the second step on: a layer is captured as
+    # soon as its inputs are settled (its parameters met before, its input a graph's output)
+    assert replays == [0] + [2 * layers] * 3
+
+
+def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
+    """``x = f(x, w)``: each replay's output is a graph's memory and the next call's input;
+    the other input (``w``) is that of a captured graph already, so no graph is captured at
+    each call (each would be replayed once), and values follow torch's loop."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w = fd.define_tensor([T, H], dtype=DataType.Double)
+        fd.add_output(fd.ops.tanh(fd.ops.mul(x, w)))
+    fd.define()
+    runner = FusionRunner(fd.fusion)
+    w = _randn(T, H, seed=2) * 2
+    start = _randn(T, H, seed=1)
+    for _ in range(2):  # captured at the second call: its output is a graph's memory
+        (x,) = runner.execute([start, w])
+    ref = torch.tanh(start * w)
+    for _ in range(16):
+        (x,) = runner.execute([x, w])
+        ref = torch.tanh(ref * w)
+        torch.testing.assert_close(x, ref)
+    assert 1 <= _graphs(runner) <= 6
+
+
 def _exp_scale():
     """``y = exp(x) * w``; with ``remat="save"`` its residual is ``exp(x)`` (memory of the
     forward's graph), not ``x``, which the caller may then change between forwards."""

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_autograd_replay import AddressGraph, fake_cuda  # noqa: F401 - a fixture
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -182,3 +183,37 @@ def test_the_work_of_capture_and_build_does_not_grow_with_depth(multidevice_test
     assert found[2] == found[6]
     counts, lifted, _ = found[2]
     assert counts["forward"] == 1 and lifted == [9 + 3]  # a layer's 9, embedding, norm, head
+
+
+@pytest.mark.mpi
+def test_every_layer_of_a_parallelized_stack_replays(multidevice_test, fake_cuda):  # noqa: F811
+    """The stack's identical layers share one autograd function (built once): with the
+    automatic replay deciding as on CUDA (a stand-in graph on the CPU), each layer's
+    forward and backward replay from the second training step on (one graph per layer,
+    not the few of one call site), and training matches the module's."""
+    reference = _stack()
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {})
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference)]
+    x = torch.randn(2, 3, E, generator=torch.Generator().manual_seed(1))
+    replays = []
+    for _ in range(3):
+        before = AddressGraph.replays
+        for m, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            loss, _ = m(x)
+            loss.backward()
+            opt.step()
+            if m is model:
+                replays.append(AddressGraph.replays - before)
+                mine = loss
+        torch.testing.assert_close(mine, loss, rtol=1e-5, atol=1e-6)
+    program = model._meshfuse.last
+    (layer,) = [f for key, (_, f) in program.built.items()
+                if program.ran[next(s.index for s in program.partition.segments
+                                    if s.block == "layers.3")] == key]
+    assert replays[0] == 0 and replays[2] >= 2 * LAYERS, replays
+    # the third step's calls of the layers' forward and backward programs, all replayed
+    text = "\n".join(layer.call_lines())
+    assert text.count(f"(over {LAYERS} calls) (one graph launch)") == 2
+    assert "host time per autograd node call" in text

@@ -4,10 +4,11 @@ interpreted path timed step by step on its first cached calls."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_autograd_replay import fake_cuda  # noqa: F401 - a fixture
 
-from meshfuse import DataType, FusionDefinition
+from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.runtime.interpreter.host_time import TIMED_CALLS, _breakdown
 
 
@@ -62,3 +63,39 @@ def test_the_breakdown_splits_a_call():
     assert (found.before_first, found.between, found.in_launches, found.after_last,
             found.launches) == (10, 3, 17, 4, 2)
     assert found.total == 34
+
+
+def _layer():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4], dtype=DataType.Float)
+        w = fd.define_tensor([4, 4], dtype=DataType.Float)
+        fd.add_output(fd.ops.tanh(fd.ops.linear(x, w)))
+    return fd, w
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_the_autograd_path_explains_both_programs_and_the_node(request, replayed):
+    """``FusionModule.explain(x)`` (``FusionFunction.explain``): the forward's explain, the
+    derived backward's per signature it ran, and the autograd node's host time."""
+    if replayed:
+        request.getfixturevalue("fake_cuda")
+    fd, w = _layer()
+    layer = FusionModule(fd, {"w": (w, torch.randn(4, 4))})
+    x = torch.randn(6, 4)
+    text = layer.explain(x)
+    assert "derived backward:\n  not run yet" in text and "autograd node" not in text
+    for _ in range(5):
+        layer(x).sum().backward()
+    w_ref = layer.w.detach().clone().requires_grad_()
+    torch.tanh(x @ w_ref.T).sum().backward()
+    torch.testing.assert_close(layer.w.grad, 5 * w_ref.grad)
+    text = layer.explain(x)
+    forward, backward = text.split("derived backward:\n")
+    path = "replayed: " if replayed else "interpreted: "
+    for part in (forward, backward):
+        assert "host time per cached call (this rank, measured):" in part and path in part
+    assert backward.startswith("  signature 0:\n")
+    node = text.split("host time per autograd node call (this rank, measured, its program "
+                      "included):\n")[1].splitlines()
+    assert node[0].startswith("  forward: ") and node[0].endswith("(over 5 calls)")
+    assert node[1].startswith("  backward: ") and node[1].endswith("(over 5 calls)")

@@ -25,6 +25,7 @@ as a residual and modified in place before the backward is an error, as in PyTor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from meshfuse.passes.concrete import has_symbolic_ids, with_extents
 from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.agreement import agreement_ranks
+from meshfuse.runtime.interpreter.host_time import PathTime
 
 
 class FusionFunction:
@@ -82,6 +84,7 @@ class FusionFunction:
         self._lacking: bool | None = None  # see _inputs_not_everywhere
         self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
         self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
+        self._symbolic: bool | None = None  # whether the fusion has symbolic extents
 
     def derivation(self, requires_grad: Sequence[bool],
                    extents: Mapping[IterDomain, int] | None = None) -> _Compiled:
@@ -108,7 +111,9 @@ class FusionFunction:
 
     def _bound(self, inputs: Sequence[Any]) -> Mapping[IterDomain, int] | None:
         """The extents ``inputs`` bind, for a fusion with symbolic extents (else None)."""
-        if not has_symbolic_ids(self.fusion):
+        if self._symbolic is None:  # the fusion is built: its extents stay as they are
+            self._symbolic = has_symbolic_ids(self.fusion)
+        if not self._symbolic:
             return None
         if self._extents is None:
             self._extents = FusionRunner(self.fusion)
@@ -126,6 +131,31 @@ class FusionFunction:
         if has_dtensors(inputs):
             return self._on_dtensors(inputs)
         return self._apply(self._compiled_for(inputs), inputs)
+
+    def explain(self, inputs: Sequence[Any]) -> str:
+        """The autograd path on ``inputs`` (as ``__call__`` takes them; call it on every rank
+        of the fusion, as ``execute``): the forward program's ``explain(inputs)`` (tensors,
+        communications, fused segments, CUDA-graph replay, host time per cached call), then
+        the derived backward's state for each signature it ran (fused segments, replay, host
+        time; its inputs are autograd's and the residuals), and the host time of the autograd
+        node around both programs (their ``execute`` included: the rest is the node's own
+        Python, residuals and autograd's calls). Runs no kernel but a first call's build."""
+        inputs = [x.to_local() if isinstance(x, DTensor) else x for x in inputs]
+        compiled = self._compiled_for(inputs)
+        return "\n".join([compiled.derivation.forward_runner.explain(inputs),
+                          *compiled.backward_lines(), *compiled.node_lines()])
+
+    def call_lines(self) -> list[str]:
+        """What the calls so far did, binding nothing (no inputs needed): for each set of
+        inputs that require grad, the forward's and the backward's lines per signature
+        (fused segments, CUDA-graph replay, host time) and the node's host time."""
+        lines = []
+        for n, compiled in enumerate(self._derivations.values()):
+            forward = compiled.derivation.forward_runner.call_lines()
+            lines += [f"derivation {n}:", "  forward:", *(f"    {x}" for x in forward),
+                      *(f"  {x}" for x in compiled.backward_lines()),
+                      *(f"  {x}" for x in compiled.node_lines())]
+        return lines
 
     def _apply(self, compiled: _Compiled, inputs: list) -> list[torch.Tensor]:
         """The autograd node's outputs. A rank that holds none of the inputs that require
@@ -210,6 +240,23 @@ class _Compiled:
         self.derivation = derivation
         self.compile = compile
         self._backward: FusionRunner | None = None
+        # host time of the autograd node's forward and backward, their programs included
+        self.node_forward, self.node_backward = PathTime(), PathTime()
+
+    def backward_lines(self) -> list[str]:
+        """explain's lines on the derived backward: per signature it ran, see
+        :meth:`~meshfuse.engine.runner.FusionRunner.call_lines`."""
+        lines = self._backward.call_lines() if self._backward is not None else ["not run yet"]
+        return ["derived backward:", *(f"  {line}" for line in lines)]
+
+    def node_lines(self) -> list[str]:
+        """explain's lines on the node's host time (none before a call)."""
+        lines = [f"  {name}: {path.least / 1e3:.0f} us at least, {path.last / 1e3:.0f} us the "
+                 f"last (over {path.calls} calls)"
+                 for name, path in (("forward", self.node_forward),
+                                    ("backward", self.node_backward)) if path.calls]
+        title = "host time per autograd node call (this rank, measured, its program included):"
+        return [title, *lines] if lines else []
 
     def run_forward(self, inputs: list) -> list[torch.Tensor]:
         """The forward (the user's outputs, then the residuals) on ``inputs``."""
@@ -237,6 +284,7 @@ class _FusionAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, anchor, *inputs):
+        start = time.perf_counter_ns()
         d = compiled.derivation
         # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
         # input's global shape there).
@@ -257,10 +305,12 @@ class _FusionAutograd(torch.autograd.Function):
         ctx.layouts = [(o.shape, o.stride()) for o in outputs]
         carried = set(d.cotangents)
         ctx.mark_non_differentiable(*(o for j, o in enumerate(outputs) if j not in carried))
+        compiled.node_forward.add(time.perf_counter_ns() - start)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *cotangents):
+        start = time.perf_counter_ns()
         d = ctx.compiled.derivation
         residuals = ctx.residuals.take()
         for i, x in zip(ctx.returned, ctx.saved_tensors):
@@ -270,6 +320,7 @@ class _FusionAutograd(torch.autograd.Function):
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
         grads = ctx.compiled.run_backward(inputs) if needed else []
+        ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
                                     for i, absent in zip(d.gradients, ctx.absent)))
 

@@ -70,13 +70,22 @@ class FusionModule(torch.nn.Module):
     def forward(self, *args):
         """Runs the fusion on ``args`` (the non-parameter inputs, in definition order) and
         the parameters; returns its output, or a tuple of its outputs."""
+        outputs = self._function(self._inputs(args))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def explain(self, *args) -> str:
+        """The forward's and the derived backward's programs on ``args`` (as ``forward``
+        takes them), their replay and host time: see
+        :meth:`~meshfuse.autodiff.function.FusionFunction.explain`."""
+        return self._function.explain(self._inputs(args))
+
+    def _inputs(self, args: tuple) -> list:
+        """The fusion's inputs: ``args`` and the parameters, in definition order."""
         if len(args) != len(self._arguments):
             names = ", ".join(v.name for v in self._arguments)
             raise InputError(
                 f"FusionModule takes {len(self._arguments)} arguments ({names}), got {len(args)}"
             )
         supplied = iter(args)
-        inputs = [getattr(self, self._slots[i]) if i in self._slots else next(supplied)
-                  for i in range(len(self._arguments) + len(self._slots))]
-        outputs = self._function(inputs)
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return [getattr(self, self._slots[i]) if i in self._slots else next(supplied)
+                for i in range(len(self._arguments) + len(self._slots))]

@@ -38,5 +38,6 @@ def explain_program(program: Program, parameters: Mapping[str, torch.Tensor]) ->
                          "once)")
         else:
             shown[found] = step.index
-            lines.append(program.built[found][0].fd.explain())
+            built, function = program.built[found]
+            lines += [built.fd.explain(), *function.call_lines()]
     return "\n".join(lines)

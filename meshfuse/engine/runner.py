@@ -119,6 +119,7 @@ class FusionRunner:
         self._graphs: dict[tuple, GraphedProgram] = {}
         self._replays: dict[tuple, AutoReplay] = {}
         self._host: dict[tuple, HostLog] = {}  # host time of cached calls, per signature
+        self._devices: dict[tuple, torch.device] = {}  # of each signature called
         self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
@@ -203,6 +204,7 @@ class FusionRunner:
             self._graphs.clear()
             self._replays.clear()
             self._host.clear()
+            self._devices.clear()
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
@@ -230,8 +232,11 @@ class FusionRunner:
             _checked_options(timeout, compile)
         if self.communicator is not None:
             self.communicator.set_timeout(None if timeout is None else checked_timeout(timeout))
+        device = self._devices.get(key)  # the signature's devices decide it: found once
+        if device is None:
+            device = self._devices[key] = _device_of(inputs, self.communicator)
         backend = backend_for(self.compile if compile is None else compile_setting(compile),
-                              _device_of(inputs, self.communicator))
+                              device)
         if backend is not None:
             fused = self._fused.get((key, backend))
             if fused is None:
@@ -244,7 +249,8 @@ class FusionRunner:
         if fresh:
             host = self._host[key, backend] = HostLog()
         if replay_wanted(cuda_graph, self.cuda_graph):
-            outputs = self._replayed(key, backend, program, inputs, staged, host, start)
+            outputs = self._replayed(key, backend, device, program, inputs, staged, host,
+                                     start)
             if outputs is not None:
                 if donate:  # given up after the replay (see automatic.py: donation)
                     inputs.clear()
@@ -255,15 +261,15 @@ class FusionRunner:
         host.interpreted.add(time.perf_counter_ns() - start)
         return outputs
 
-    def _replayed(self, key: tuple, backend: str | None, program: Program,
-                  inputs: Sequence[Any], staged: Sequence[int], host: HostLog,
-                  start: int) -> list[torch.Tensor] | None:
+    def _replayed(self, key: tuple, backend: str | None, device: torch.device,
+                  program: Program, inputs: Sequence[Any], staged: Sequence[int],
+                  host: HostLog, start: int) -> list[torch.Tensor] | None:
         """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
         interpreter must run the call; a replay that captured nothing counts its host time."""
         replay = self._replays.get((key, backend))
         if replay is None:
-            replay = self._replays[key, backend] = AutoReplay(
-                program, _device_of(inputs, self.communicator), self._graph_budget)
+            replay = self._replays[key, backend] = AutoReplay(program, device,
+                                                              self._graph_budget)
         captured = replay.graphs
         outputs = replay.run(inputs, frozenset(staged))
         if outputs is not None and replay.graphs == captured:
@@ -416,6 +422,17 @@ class FusionRunner:
         for (k, _), host in self._host.items():
             if k == key:
                 lines += host.lines()
+        return lines
+
+    def call_lines(self) -> list[str]:
+        """explain's lines on each signature called so far (fused segments, replay, host
+        time), binding nothing: what is said of a program whose inputs the caller does not
+        hold (a derived backward's)."""
+        lines = []
+        for n, (key, device) in enumerate(self._devices.items()):
+            if key in self._programs:
+                lines += [f"signature {n}:",
+                          *(f"  {line}" for line in self._fusion_lines(key, device))]
         return lines
 
     def _bind(self, inputs: list, known: dict) -> tuple[Build, Binding]:

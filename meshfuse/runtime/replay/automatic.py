@@ -24,9 +24,25 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   where a captured call's did, in the same mode, replays. A set of addresses is captured at
   its second call (the first runs the interpreter: a loop whose inputs move every call never
   pays for captures it would not replay; the signature's first call also binds kernels and
-  compiles segments, which a capture must not do), up to :data:`MAX_GRAPHS` graphs per signature and
-  :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures; beyond, the interpreter
-  runs. A graph's capture follows a warm-up run on a side stream.
+  compiles segments, which a capture must not do), or at its first where its inputs are
+  settled (see *Repeated layers*), up to :data:`MAX_GRAPHS` graphs per
+  signature and :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures, and while the
+  pools of all the process's automatic graphs hold less than :data:`POOL_FRACTION` of the
+  device's memory; beyond, the interpreter runs. A graph's capture follows a warm-up run on
+  a side stream.
+- **Repeated layers.** One program may run at many places of a step: the layers of a stack
+  that ``meshfuse.parallelize`` builds once and calls once per layer (one autograd function,
+  so one forward and one backward runner for all of them), or one fusion applied to several
+  tensors. Each place has its own inputs (the layer's parameters, the previous layer's
+  output), so its own set of addresses and its own graph: the limits per signature and per
+  fusion are set for stacks of a hundred layers, not for the few graphs of one call site.
+  What bounds them is memory, the pools' bytes. A layer's input is the previous layer's
+  output, which moves into that layer's graph memory when its graph is captured: with the
+  second-call rule alone, layer ``i`` would be captured at step ``i + 2``. So a set of
+  addresses is captured at its first call where its inputs are *settled*: one at an output
+  of a live graph (the previous layer's, replayed), each other tensor where an earlier call
+  of the signature had its position's (the layer's parameters, met in the previous step),
+  the scalars as at an earlier call; the whole stack replays from the second step.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -67,6 +83,7 @@ long as the program is cached; ``explain`` says how much.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,10 +102,15 @@ from meshfuse.runtime.replay.streams import (
     static_reason,
 )
 
-MAX_GRAPHS = 4  # graphs captured per program signature (all sets of input addresses)
+# graphs captured per program signature (all sets of input addresses: one per place of a
+# step where the program runs, such as each layer of a stack that shares it)
+MAX_GRAPHS = 128
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
-MAX_SEEN = 64  # sets of input addresses remembered until their second call
-MAX_FUSION_GRAPHS = 16  # graphs captured per fusion, over all its signatures
+MAX_SEEN = 256  # sets of input addresses remembered until their second call
+MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._settled)
+MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
+# the share of a device's memory that the pools of all automatic graphs may hold together
+POOL_FRACTION = 0.25
 AUTO = "auto"
 
 
@@ -204,13 +226,64 @@ def cuda_capture(program: Program, inputs: Sequence[Any], generators=()):
     return graph, outputs, pool_bytes(graph)
 
 
+def cuda_memory_limit(device: torch.device) -> int:
+    """The bytes the automatic graphs' pools may hold on ``device``: :data:`POOL_FRACTION`
+    of its memory."""
+    return int(torch.cuda.get_device_properties(device).total_memory * POOL_FRACTION)
+
+
 class CudaGraphs:
     """What :class:`AutoReplay` asks of CUDA: ``capture(program, inputs, generators)`` (see
-    :func:`cuda_capture`) and ``capturing()``, whether the current stream is being captured
-    already (by the caller's own graph). Tests pass a stand-in."""
+    :func:`cuda_capture`), ``capturing()``, whether the current stream is being captured
+    already (by the caller's own graph), and ``memory_limit(device)``, the bytes all the
+    automatic graphs' pools may hold (a stand-in without it: no limit). Tests pass a
+    stand-in."""
 
     capture = staticmethod(cuda_capture)
     capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+    memory_limit = staticmethod(cuda_memory_limit)
+
+
+_LIVE: weakref.WeakSet[AutoReplay] = weakref.WeakSet()  # every AutoReplay of the process
+
+
+# the addresses of the live automatic graphs' outputs (address -> how many outputs start
+# there): an input found there stays there from call to call
+_GRAPH_OUTPUTS: dict[int, int] = {}
+
+
+def _track_outputs(graph: _Graph, outputs: Sequence[torch.Tensor]) -> None:
+    addresses = [t.data_ptr() for t in outputs]
+    for a in addresses:
+        _GRAPH_OUTPUTS[a] = _GRAPH_OUTPUTS.get(a, 0) + 1
+    weakref.finalize(graph, _forget_outputs, addresses)
+
+
+def _forget_outputs(addresses: list[int]) -> None:
+    for a in addresses:
+        left = _GRAPH_OUTPUTS.get(a, 1) - 1
+        if left > 0:
+            _GRAPH_OUTPUTS[a] = left
+        else:
+            _GRAPH_OUTPUTS.pop(a, None)
+
+
+def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[tuple[int, int]]:
+    """``(position, address)`` of each keyed tensor input."""
+    return [(i, x.data_ptr()) for i, x in enumerate(inputs)
+            if isinstance(x, torch.Tensor) and i not in unkeyed]
+
+
+def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
+    """``key`` without the tensors' addresses."""
+    return tuple(None if i < len(inputs) and isinstance(inputs[i], torch.Tensor) else k
+                 for i, k in enumerate(key))
+
+
+def held_bytes() -> int:
+    """The device memory that the pools of the process's automatic graphs hold (those of
+    runners still alive: a dropped runner's graphs are freed with it)."""
+    return sum(replay.pool_bytes for replay in list(_LIVE))
 
 
 class AutoReplay:
@@ -229,9 +302,16 @@ class AutoReplay:
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
+        # the tensor inputs' (position, address) of those calls
+        self._addresses: set[tuple[int, int]] = set()
+        self._values: set[tuple] = set()  # and their keys' other values (see _settled)
+        self._rests: set[frozenset] = set()  # captured graphs' inputs not graphs' outputs
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
+        self._device = device
+        self.capped = False  # a capture was refused: the pools' memory limit is reached
+        _LIVE.add(self)
 
     def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset()
             ) -> list[torch.Tensor] | None:
@@ -252,22 +332,65 @@ class AutoReplay:
         key += (torch.are_deterministic_algorithms_enabled(),)
         graphs = self._graphs.get(key)
         if graphs is None:
-            if key not in self._seen:  # addresses not seen before: the interpreter
-                if len(self._seen) >= MAX_SEEN:
-                    self._seen.clear()
-                self._seen.add(key)
+            if key not in self._seen and not self._settled(key, inputs, unkeyed):
+                self._remember(key, inputs, unkeyed)  # new addresses: the interpreter
                 return None
             graphs = []
         for graph in graphs:
             if graph.free():
                 return graph.replay(inputs)
-        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0:
+        if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 \
+                or self._memory_spent():
             return None
+        rest = frozenset((i, a) for i, a in _addresses(inputs, unkeyed)
+                         if a not in _GRAPH_OUTPUTS)
         graph = self._captured(inputs, staged)
         if graph is None:
             return None
+        self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
+
+    def _remember(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> None:
+        if len(self._seen) >= MAX_SEEN:
+            self._seen.clear()
+            self._values.clear()
+        self._seen.add(key)
+        if len(self._addresses) >= MAX_ADDRESSES:
+            self._addresses.clear()
+        self._addresses.update(_addresses(inputs, unkeyed))
+        self._values.add(_values(key, inputs))
+
+    def _settled(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> bool:
+        """Whether a set of input addresses met for the first time may be captured now: some
+        keyed tensor input lies in a live graph's output memory (the previous layer's
+        replayed output), each of the others where an earlier call of this signature had
+        its position's tensor (a parameter of this layer, met in the previous step), and the
+        other values (scalars, the deterministic switch) are those of an earlier call (a
+        scalar that changes at every call is not captured at every call). Without it, a
+        stack's layer would be captured two calls after the one before it, each layer's
+        input moving into a graph's memory once that graph is captured: a stack of N layers
+        would replay whole after N steps. A graph's output is asked for so that inputs the
+        allocator hands out in changing combinations of a few addresses (the outputs of
+        torch's ops between programs) wait for a combination's second call, as before. The
+        other inputs must be a combination no graph was captured with (each layer has its
+        parameters): a loop feeding a program its own output (``x = f(x, w)``) would
+        otherwise capture a graph at every call, each one's output a new graph's input.
+        Never at the signature's first call (binding, compiling)."""
+        if not self._seen or _values(key, inputs) not in self._values:
+            return False
+        addresses = _addresses(inputs, unkeyed)
+        chained = [a in _GRAPH_OUTPUTS for _, a in addresses]
+        rest = frozenset(p for c, p in zip(chained, addresses) if not c)
+        return any(chained) and bool(rest) and rest not in self._rests and \
+            rest <= self._addresses
+
+    def _memory_spent(self) -> bool:
+        """Whether the automatic graphs' pools hold their limit already (the next capture's
+        pool is not known before it: the limit is crossed by one graph at most)."""
+        limit = getattr(self._cuda, "memory_limit", None)
+        self.capped = limit is not None and held_bytes() >= limit(self._device)
+        return self.capped
 
     def describe(self) -> str:
         """explain's line: whether and how this signature is replayed."""
@@ -276,6 +399,9 @@ class AutoReplay:
         if not self.graphs:
             return _NOT_YET
         spent = "; the fusion's graph budget is spent" if self._budget.left <= 0 else ""
+        if self.capped:
+            spent += (f"; no more captures: the process's graphs hold {POOL_FRACTION:.0%} "
+                      "of the device's memory")
         streams = f"; {self._streams}" if self._streams else ""
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
@@ -300,7 +426,9 @@ class AutoReplay:
         self._budget.left -= 1
         self.pool_bytes += pool_bytes
         self._streams = self._streams or streams.describe()
-        return _Graph(graph, outputs, inputs, streams, buffers)
+        captured = _Graph(graph, outputs, inputs, streams, buffers)
+        _track_outputs(captured, outputs)
+        return captured
 
 
 class _Graph:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 34 on one GPU, from the repository root, one part per command (each < 10 minutes):
+#   bash benchmarks/step34_gpu.sh OUT tests    # CUDA tests of the replayed/captured paths
+#   bash benchmarks/step34_gpu.sh OUT layers   # the GPT layer's step, small and medium (~1-2 min
+#                                              # on 2026-12-03, 50-65 s of timing)
+#   bash benchmarks/step34_gpu.sh OUT big      # the 12288-wide layer (not timed before)
+#   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
+#                                              # meshfuse (~3-4 min on 2026-12-03)
+# tests: the automatic replay (autograd path included), capture_step, fusion by default, host
+# time, explicit CUDA graphs, with real graphs: OUT/tests.txt.
+# layers/big: benchmarks.training_step (torch eager, torch.compile, reduce-overhead, the
+# derived backward through autograd with default settings, without replay, under
+# capture_step, the hand-written fusion; ratios in the same run): OUT/layers/ or OUT/big/
+# training_step.{json,md}, log beside.
+# llama: benchmarks.capture_llama (tokens/s, first step, peak memory, and what each shared
+# fusion's calls did: whether every layer replays): OUT/llama/*.json, log beside.
+set -u
+out=${1:-gpu-out}
+part=${2:-layers}
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+case $part in
+  tests)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfs --world-sizes 1 \
+      tests/test_autograd_replay.py tests/test_auto_replay.py tests/test_capture_step.py \
+      tests/test_compile_default.py tests/test_host_time.py tests/test_cuda_graph.py \
+      > "$out/tests.txt" 2>&1
+    echo "tests: rc=$? $(tail -1 "$out/tests.txt")" ;;
+  layers|big)
+    sizes=small,medium
+    [ "$part" = big ] && sizes=big
+    mkdir -p "$out/$part"
+    timeout 570 python3 -m benchmarks.training_step --sizes "$sizes" --budget-s 500 \
+      --out "$out/$part" > "$out/$part/training_step.log" 2>&1
+    echo "training_step $sizes: rc=$?"
+    grep -h -E '^## |^- meshfuse' "$out/$part/training_step.md" ;;
+  llama)
+    mkdir -p "$out/llama"
+    timeout 570 python3 -m benchmarks.capture_llama --out "$out/llama" \
+      > "$out/llama/capture_llama.log" 2>&1
+    echo "capture_llama: rc=$?"
+    grep -E '^(meshfuse|eager|compile) \{|^\{' "$out/llama/capture_llama.log" ;;
+  *)
+    echo "unknown part $part: tests, layers, big or llama" >&2
+    exit 2 ;;
+esac
