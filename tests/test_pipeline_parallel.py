@@ -132,14 +132,14 @@ def test_split_backward_defers_the_linear_weight_gradients():
         xin = x.clone().requires_grad_(True)
         out = stage(xin)
         notes.active = None
-        return backward.Saved(xin, out, linears)
+        return backward.Saved((xin,), (out,), linears)
 
     saved = forward()
-    dx_whole = backward.full(saved, grad)
+    (dx_whole,) = backward.full(saved, (grad,))
     whole = {n: p.grad.clone() for n, p in stage.named_parameters()}
     stage.zero_grad(set_to_none=True)
     saved = forward()
-    dx = backward.input_half(saved, grad, stage, notes.deferred_parameters())
+    (dx,) = backward.input_half(saved, (grad,), stage, notes.deferred_parameters())
     torch.testing.assert_close(dx, dx_whole)
     for name, p in stage.named_parameters():
         assert (p.grad is None) == name.endswith("proj.weight"), name
