@@ -101,8 +101,8 @@ def _check(pipe, losses, family, last: bool):
                                                ("qwen2", "1F1B", 4)])
 def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, schedule, m):
     d, rank = multidevice_test.size, multidevice_test.rank
-    if d not in (2, 4):
-        pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4")
+    if d not in (2, 4) or (d == 4 and schedule != "1F1B"):
+        pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4 (1F1B)")
     shape, names = ((2,), ("pp",)) if d == 2 else ((2, 2), ("pp", "tp"))
     spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, schedule=schedule,
                         microbatches=m)
@@ -127,6 +127,30 @@ def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, s
     if d == 4:
         inside = [c for c in comms if c.kind not in ("send", "recv")]
         assert inside and all(set(c.ranks) <= {mine * 2, mine * 2 + 1} for c in inside)
+
+
+@pytest.mark.mpi
+def test_hf_decoder_interleaved(multidevice_test):
+    """Interleaved1F1B: four stages on two ranks (0 and 2 on rank 0), 3 layers, the norm and
+    the head; the last boundary carries the hidden states only."""
+    if multidevice_test.size != 2:
+        pytest.skip("two ranks")
+    spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2", "model.norm"],
+                        loss_fn=_loss, schedule="Interleaved1F1B", microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((2,), ("pp",)), {}, pipeline=spec)
+    losses, comms = _train(pipe)
+    rank = multidevice_test.rank
+    assert sorted(pipe.stages) == [rank, rank + 2]
+    want_losses, want = _reference("llama")
+    if rank == 1:
+        assert [x.item() for x in losses] == pytest.approx(want_losses, rel=1e-5)
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-4, atol=1e-5)
+    hidden = (BATCH // 2) * SEQ * HIDDEN * 4
+    last = [c for c in comms if c.kind == ("send" if rank == 0 else "recv")
+            and c.bytes == hidden]  # stage 2 to 3 forward, and 2 to 1 backward
+    assert len(last) == 2 * 2 * STEPS
 
 
 @pytest.mark.mpi

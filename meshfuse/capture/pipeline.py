@@ -41,6 +41,7 @@ from meshfuse.capture.stage_graph import cut_graph
 from meshfuse.capture.trace import capture
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.parallel.stages import PipelineRunner, ShardedStage, schedule
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
@@ -189,6 +190,7 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
     grid = tmesh.mesh.movedim(names.index(PP), 0)
     stage_ranks = [row.flatten().tolist() for row in grid]
     sub = (tmesh[rest if len(rest) > 1 else rest[0]]) if rest else None
+    _create_stage_groups(grid)
     group = collectives.group_along(Communicator.instance(), mesh_from_torch(tmesh),
                                     names.index(fsdp)) if fsdp else None
     stages = {}
@@ -243,8 +245,16 @@ def _plan_for(stage: torch.nn.Module, plan: Mapping[str, Any], ndim: int) -> dic
     return kept
 
 
-def _inner(stage: torch.nn.Module) -> GraphStage:
-    return stage.module if isinstance(stage, ShardedStage) else stage
+def _create_stage_groups(grid: torch.Tensor) -> None:
+    """The process groups of every stage's sub-mesh, created on every rank in one order:
+    a stage's fusions then find them (created lazily by one stage's ranks alone, the
+    ranks' group counts would part and the next group hang)."""
+    comm = Communicator.instance()
+    if grid[0].dim() == 0 or comm.size == 1:
+        return
+    for row in grid:
+        for axis in range(row.dim()):
+            comm.group_if_member(DeviceMesh(row), axis)
 
 
 def _check_fsdp(fsdp: str | None, rest: tuple[str, ...], plan: Mapping[str, Any]) -> None:
@@ -283,3 +293,7 @@ def _check_batch(flat: list, targets: Any, m: int, dp: int) -> None:
                              f"into {m} microbatches{rows}; give a batch whose first "
                              f"dimension is a multiple of {m * dp}, or a number of "
                              f"microbatches that divides it")
+
+
+def _inner(stage: torch.nn.Module) -> GraphStage:
+    return stage.module if isinstance(stage, ShardedStage) else stage
