@@ -100,12 +100,13 @@ class Pipeline:
 
     def __init__(self, runner: PipelineRunner, stages: Mapping[int, torch.nn.Module],
                  model: torch.nn.Module, points: Sequence[str], spec: PipelineSpec,
+                 shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
                  data_parallel: collectives.Group | None = None) -> None:
         self.runner, self.stages = runner, dict(stages)
         self.model, self.points, self.spec = model, list(points), spec
         self.owners = owners_by_stage(model, points)
         self.data_parallel = data_parallel
-        self.shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+        self.shapes = dict(shapes)  # the parameters' whole shapes, before the stages
         self.traced: tuple | None = None  # the microbatch signature the stages were cut at
         self.out_spec: Any = None
         runner.loss_fn = self._loss
@@ -187,6 +188,7 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
                               f"or a {PP!r} dimension of size {n_stages}")
     points = split_modules(module, spec)
     owners = owners_by_stage(module, points)
+    shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters()}
     grid = tmesh.mesh.movedim(names.index(PP), 0)
     stage_ranks = [row.flatten().tolist() for row in grid]
     sub = (tmesh[rest if len(rest) > 1 else rest[0]]) if rest else None
@@ -203,7 +205,7 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
         stages[s] = stage
     dp = (group.coordinate, group.size) if group is not None else None
     runner = PipelineRunner(sched, stages, spec.loss_fn, stage_ranks, data_parallel=dp)
-    return Pipeline(runner, stages, module, points, spec, group)
+    return Pipeline(runner, stages, module, points, spec, shapes, group)
 
 
 def split_modules(module: torch.nn.Module, spec: PipelineSpec) -> list[str]:
