@@ -1,8 +1,9 @@
 """One stage of a pipelined module: the model's modules whose parameters it trains, and the
-piece of the model's graph it runs (:mod:`meshfuse.capture.stage_graph`).
+piece of the model's graph it runs (:mod:`meshfuse.capture.pipeline.cut`).
 
 Each parameter belongs to the stage of the module that holds it, the modules taken in the
-order the model registers them (the split points' modules start stages 1, 2, ...); a
+order the model registers them (the split points' modules start stages 1, 2, ...), and the
+stage's graph may read only those (:func:`check_owners`); a
 module holding buffers only (a rotary embedding's frequencies) is held by every stage. The
 modules are registered in the stage under their names in the model, so parameter names and
 plan keys are the model's, and an optimizer over either sees the same tensors.
@@ -16,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshfuse.capture.stage_graph import StageGraph
+from meshfuse.capture.pipeline.cut import StageGraph
 from meshfuse.capture.trace import Captured
 from meshfuse.errors import DefinitionError, ScheduleError
 

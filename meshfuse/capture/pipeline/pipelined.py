@@ -7,7 +7,7 @@ included: the spec's ``split_points`` name the modules where stages 1, 2, ... st
 holds the modules whose parameters it trains (each parameter goes to the stage of its
 module, in the order the modules are registered). On the first step the whole model is
 traced on one microbatch and the graph cut at the split points
-(:mod:`meshfuse.capture.stage_graph`): every value live across a boundary (the hidden
+(:mod:`meshfuse.capture.pipeline.cut`): every value live across a boundary (the hidden
 states, a decoder's rotary embeddings and mask, ...) crosses it, in graph order, and a
 gradient comes back for each floating value that needs one.
 
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-from meshfuse.capture.pipeline_stage import (
+from meshfuse.capture.pipeline.cut import cut_graph
+from meshfuse.capture.pipeline.stage import (
     GraphStage,
     check_owners,
     owners_by_stage,
     plain_parameters,
 )
 from meshfuse.capture.plan import outline_of, resolve_plan
-from meshfuse.capture.stage_graph import cut_graph
 from meshfuse.capture.trace import capture
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
@@ -46,7 +46,7 @@ from meshfuse.parallel.stages import PipelineRunner, ShardedStage, schedule
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
 
-__all__ = ["Pipeline", "PipelineSpec", "default_pieces"]
+__all__ = ["Pipeline", "PipelineSpec", "default_pieces", "pipeline_stages"]
 
 PP = "pp"
 

@@ -8,9 +8,10 @@ embeddings, the causal mask, the position ids) runs where the model computes it.
 values a later stage reads are that boundary's *bundle*: every value made before the
 boundary and read after it (the hidden states, cos and sin, the mask, ...), in graph order,
 passed on through the stages in between; a stage takes the previous bundle as its inputs and
-returns the next (the last stage returns the model's outputs). Parameters go to the stage
-whose ops read them; buffers and constants to every stage that reads them. Non-tensor
-arguments (flags, scales, shapes) are part of the traced ops and need no sending.
+returns the next (the last stage returns the model's outputs). Parameters and buffers are
+read where the ops reading them run (a parameter read on both sides of a boundary is
+refused); non-tensor arguments (flags, scales, shapes) are part of the traced ops and need
+no sending.
 """
 
 from __future__ import annotations
