@@ -14,6 +14,8 @@ from torch.distributed.tensor import DTensor
 
 import meshfuse
 from meshfuse import DeviceMesh, PipelineSpec
+from meshfuse.capture.pipeline.cut import cut_graph
+from meshfuse.capture.trace import capture
 from meshfuse.dtensor import mesh_to_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.runtime.comm.collectives import record_communications
@@ -195,3 +197,26 @@ def test_hf_pipeline_errors(multidevice_test):
     with pytest.raises(DefinitionError, match=r"'lm_head.weight' is read by pipeline stages "
                                               r"\[0, 1\] \(a weight tied"):
         pipe.step({"input_ids": ids}, target)
+
+
+def test_cut_sends_every_value_live_across():
+    """Cut at layers 1 and 2 of 3: the mask, cos, sin (made before layer 0, read by every
+    layer) and the hidden states cross both boundaries, the first three passing through
+    stage 1; the head's boundary would carry the hidden states only."""
+    model = _model()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    captured = capture(model, (), {"input_ids": ids})
+    first, middle, last = cut_graph(captured, ["model.layers.1", "model.layers.2"])
+    shapes = [tuple(n.meta["val"].shape) for n in first.captured.graph.nodes
+              if n.name in first.sends]
+    assert shapes == [(2, 1, SEQ, SEQ), (1, SEQ, HIDDEN // 4), (1, SEQ, HIDDEN // 4),
+                      (2, SEQ, HIDDEN)]
+    assert middle.receives == first.sends and last.receives == middle.sends
+    assert middle.sends[:3] == first.sends[:3]  # passed through
+    assert set(middle.captured.parameters.values()) == {
+        n for n, _ in model.named_parameters() if n.startswith("model.layers.1.")}
+    assert first.captured.buffers and not last.captured.buffers  # the rotary frequencies
+    (head,) = cut_graph(captured, ["model.norm"])[0].sends
+    assert head.startswith("add")  # the last layer's residual sum
+    with pytest.raises(DefinitionError, match="'model.rotary_emb'.*order"):
+        cut_graph(captured, ["model.layers.1", "model.rotary_emb"])

@@ -71,7 +71,7 @@ def cut_graph(captured: Captured, split_points: Sequence[str]) -> list[StageGrap
                               f"{starts}); reorder them")
     stage = _stages(nodes, starts, captured)
     n = len(starts) + 1
-    crossing = [_crossing(nodes, stage, k, captured) for k in range(n - 1)]
+    crossing = [_crossing(nodes, stage, k, n - 1) for k in range(n - 1)]
     _check_parameters(nodes, stage, captured)
     return [_stage_graph(captured, nodes, stage, s, crossing[s - 1] if s else None,
                          crossing[s] if s < n - 1 else None) for s in range(n)]
@@ -100,8 +100,8 @@ def _is_state(node: torch.fx.Node, captured: Captured) -> bool:
 
 def _stages(nodes: list[torch.fx.Node], starts: list[int], captured: Captured
             ) -> dict[torch.fx.Node, int]:
-    """Each op's stage: by its position (a ``getitem`` by its source's, so tuples never
-    cross); the state by its first reader's; the user inputs 0."""
+    """Each op's stage, by its position (a ``getitem`` by its source's, so tuples never
+    cross), and the user inputs' (0); the state goes to every stage that reads it."""
     stage: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(nodes):
         if node.op == "call_function":
@@ -110,22 +110,15 @@ def _stages(nodes: list[torch.fx.Node], starts: list[int], captured: Captured
                 source in stage else sum(i >= s for s in starts)
         elif node.op == "placeholder" and not _is_state(node, captured):
             stage[node] = 0
-    for node in nodes:
-        if _is_state(node, captured):
-            readers = [stage[u] for u in node.users if u in stage]
-            stage[node] = min(readers) if readers else 0
     return stage
 
 
-def _crossing(nodes: list[torch.fx.Node], stage: dict, k: int, captured: Captured
+def _crossing(nodes: list[torch.fx.Node], stage: dict, k: int, last: int
               ) -> list[torch.fx.Node]:
     """The values made at stage ``k`` or before and read after it, in graph order."""
-    last = max(stage.values(), default=0)
     out = []
     for node in nodes:
-        if node.op == "output" or node not in stage or stage[node] > k:
-            continue
-        if _is_state(node, captured):
+        if node not in stage or stage[node] > k:
             continue
         readers = [last if u.op == "output" else stage.get(u, 0) for u in node.users]
         if any(r > k for r in readers):
@@ -150,17 +143,16 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
                  ) -> StageGraph:
     graph, env = torch.fx.Graph(), {}
     mine = [n for n in nodes if stage.get(n) == s]
-    for node in mine:  # the state this stage reads, then its inputs
-        if _is_state(node, captured) and node.op == "placeholder":
-            env[node] = _placeholder(graph, node)
-    inputs = [n for n in mine if n.op == "placeholder" and not _is_state(n, captured)] \
-        if receives is None else receives
+    state = [n for n in nodes if _is_state(n, captured) and
+             any(stage.get(u) == s for u in n.users)]
+    for node in state:  # the state this stage reads, then its inputs
+        env[node] = _placeholder(graph, node) if node.op == "placeholder" else \
+            graph.node_copy(node)
+    inputs = [n for n in mine if n.op == "placeholder"] if receives is None else receives
     for node in inputs:
         env[node] = _placeholder(graph, node)
     for node in mine:
-        if node.op == "get_attr":
-            env[node] = graph.node_copy(node)
-        elif node.op == "call_function":
+        if node.op == "call_function":
             env[node] = graph.node_copy(node, lambda x: env[x])
     if sends is None:
         (out,) = [n for n in nodes if n.op == "output"]

@@ -291,8 +291,10 @@ class _Step:
     def stage_input(self, a: Action) -> Bundle:
         """The stage's inputs for ``a``'s microbatch, those that carry a gradient back
         marked as needing one."""
-        if a.stage == 0:
-            return self.inputs[a.microbatch]
+        if a.stage == 0:  # a floating input needs a gradient (a model without parameters
+            # still has a backward to run)
+            return tuple(x.detach().requires_grad_(x.is_floating_point())
+                         for x in self.inputs[a.microbatch])
         key = (FORWARD, a.stage - 1, a.microbatch)
         if key in self.local:
             values = self.local.pop(key)
