@@ -2,7 +2,8 @@
 Hugging Face decoders (Llama, Qwen2; tiny random configs): the stages are cut from the
 model's graph at ``model.layers.N``, the rotary embeddings, the causal mask and the hidden
 states cross every boundary; 3 AdamW steps give the one-device model's losses and
-parameters under 1F1B and GPipe, at pp2 (2 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks);
+parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2 ranks), under 1F1B
+at pp2 x tp2 and pp2 x fsdp2 (4 ranks);
 3 layers over 2 stages; bad specs and batches are refused on every rank."""
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ def _check(pipe, losses, family, last: bool):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("family,schedule,m", [("llama", "1F1B", 2), ("llama", "GPipe", 4),
-                                               ("qwen2", "1F1B", 4)])
+                                               ("qwen2", "ZeroBubble", 4)])
 def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, schedule, m):
     d, rank = multidevice_test.size, multidevice_test.rank
-    if d not in (2, 4) or (d == 4 and schedule != "1F1B"):
+    if d not in (2, 4) or (d == 4 and (schedule, family) != ("1F1B", "llama")):
         pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4 (1F1B)")
     shape, names = ((2,), ("pp",)) if d == 2 else ((2, 2), ("pp", "tp"))
     spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, schedule=schedule,
@@ -143,6 +144,12 @@ def test_hf_decoder_interleaved(multidevice_test):
     losses, comms = _train(pipe)
     rank = multidevice_test.rank
     assert sorted(pipe.stages) == [rank, rank + 2]
+    text = pipe.explain()  # names this rank's stages by their blocks
+    mine = ["stage 0 on pipeline rank 0 devices [0]: model.embed_tokens, model.layers.0",
+            "stage 2 on pipeline rank 0 devices [0]: model.layers.2"] if rank == 0 else \
+        ["stage 1 on pipeline rank 1 devices [1]: model.layers.1",
+         "stage 3 on pipeline rank 1 devices [1]: model.norm, lm_head"]
+    assert all(line in text.splitlines() for line in mine), text
     want_losses, want = _reference("llama")
     if rank == 1:
         assert [x.item() for x in losses] == pytest.approx(want_losses, rel=1e-5)

@@ -106,10 +106,15 @@ class GraphStage(torch.nn.Module):
         return self.graph
 
     def extra_repr(self) -> str:
-        params = [n for n in self.owners if next(self.get_submodule(n).parameters(False),
-                                                 None) is not None]
-        return params[0] if len(params) == 1 else \
-            f"{params[0]} .. {params[-1]} ({len(params)} modules)" if params else "no parameters"
+        """The stage's blocks (``model.embed_tokens, model.layers.0``)."""
+        blocks = []
+        for name in self.owners:
+            if next(self.get_submodule(name).parameters(False), None) is None:
+                continue  # held by every stage
+            parts = name.split(".")
+            cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), len(parts))
+            blocks.append(".".join(parts[:cut]))
+        return ", ".join(dict.fromkeys(blocks)) or "no parameters"
 
 
 def _source(name: str, program: Captured) -> tuple[str, object]:
