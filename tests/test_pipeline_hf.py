@@ -3,7 +3,7 @@ Hugging Face decoders (Llama, Qwen2; tiny random configs): the stages are cut fr
 model's graph at ``model.layers.N``, the rotary embeddings, the causal mask and the hidden
 states cross every boundary; 3 AdamW steps give the one-device model's losses and
 parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2 ranks), under 1F1B
-at pp2 x tp2 and pp2 x fsdp2 (4 ranks);
+at pp3 (3 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks);
 3 layers over 2 stages; bad specs and batches are refused on every rank."""
 
 from __future__ import annotations
@@ -160,6 +160,29 @@ def test_hf_decoder_interleaved(multidevice_test):
     last = [c for c in comms if c.kind == ("send" if rank == 0 else "recv")
             and c.bytes == hidden]  # stage 2 to 3 forward, and 2 to 1 backward
     assert len(last) == 2 * 2 * STEPS
+
+
+@pytest.mark.mpi
+def test_hf_decoder_three_stages(multidevice_test):
+    """pp3, a layer per stage: the middle stage receives the mask, cos, sin and hidden states
+    and passes them on (the same bytes), the gradients of the hidden states flowing back."""
+    if multidevice_test.size != 3:
+        pytest.skip("three ranks")
+    spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2"], loss_fn=_loss,
+                        schedule="1F1B", microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((3,), ("pp",)), {}, pipeline=spec)
+    losses, comms = _train(pipe)
+    rank = multidevice_test.rank
+    _check(pipe, losses, "llama", rank == 2)
+    p2p = [c for c in comms if c.kind in ("send", "recv")]
+    assert {c.peer for c in p2p} == {r for r in (rank - 1, rank + 1) if 0 <= r < 3}
+    if rank == 1:
+        data = sorted(c.bytes for c in p2p if c.bytes > 8 * 9 * 4)
+        received = sorted(c.bytes for c in p2p if c.kind == "recv" and c.peer == 0
+                          and c.bytes > 8 * 9 * 4)
+        sent = sorted(c.bytes for c in p2p if c.kind == "send" and c.peer == 2
+                      and c.bytes > 8 * 9 * 4)
+        assert received == sent and len(sent) == 2 * STEPS and len(data) == 8 * STEPS
 
 
 @pytest.mark.mpi
