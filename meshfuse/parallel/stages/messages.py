@@ -92,6 +92,8 @@ def pack(bundle: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The message of a bundle (a lone tensor is its own message)."""
     if len(bundle) == 1:
         return bundle[0].contiguous()
+    if not bundle:  # no value carries a gradient back
+        return torch.empty(0, dtype=torch.uint8)
     parts = []
     for x in bundle:
         raw = x.detach().contiguous().reshape(-1).view(torch.uint8)
