@@ -81,6 +81,8 @@ class GraphStage(torch.nn.Module):
         for node in program.graph.nodes:
             if node.op == "get_attr":
                 setattr(root, node.target, program.attributes[node.name])
+        for path in _call_linears(program, self):
+            _register(root, path, self.get_submodule(path))
         self.__dict__["graph"] = graph
         self.__dict__["_run"] = torch.fx.GraphModule(root, program.graph)
         self.__dict__["_reads"] = [_source(n.name, program) for n in program.graph.nodes
@@ -115,6 +117,43 @@ class GraphStage(torch.nn.Module):
             cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), len(parts))
             blocks.append(".".join(parts[:cut]))
         return ", ".join(dict.fromkeys(blocks)) or "no parameters"
+
+
+def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
+    """Rewrites each ``aten.linear`` on the weight (and bias) of a ``torch.nn.Linear`` of
+    the stage as a call of that module, so that its forward hooks run (a zero-bubble
+    schedule notes the Linears' inputs and outputs to defer their weight gradients);
+    returns the modules' paths."""
+    params, paths = program.parameters, []
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        name = params.get(getattr(weight, "name", None), "")
+        path, _, leaf = name.rpartition(".")
+        module = stage.get_submodule(path) if path and leaf == "weight" else None
+        if not isinstance(module, torch.nn.Linear) or \
+                (bias is None) != (module.bias is None) or \
+                (bias is not None and params.get(bias.name) != f"{path}.bias"):
+            continue
+        with program.graph.inserting_before(node):
+            call = program.graph.call_module(path, (node.args[0],))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        program.graph.erase_node(node)
+        paths.append(path)
+    return paths
+
+
+def _register(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    owner = root
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if part not in owner._modules:
+            owner.add_module(part, torch.nn.Module())
+        owner = owner._modules[part]
+    owner.add_module(leaf, module)
 
 
 def _source(name: str, program: Captured) -> tuple[str, object]:
