@@ -242,8 +242,9 @@ def test_cut_sends_every_value_live_across():
     stage 1; the head's boundary would carry the hidden states only."""
     model = _model()
     ids = torch.randint(0, VOCAB, (2, SEQ))
-    captured = capture(model, (), {"input_ids": ids})
+    captured = capture(model, (), {"input_ids": ids, "use_cache": False})
     first, middle, last = cut_graph(captured, ["model.layers.1", "model.layers.2"])
+    assert first.captured.user_inputs == ("input_ids",)  # the flag is part of the trace
     shapes = [tuple(n.meta["val"].shape) for n in first.captured.graph.nodes
               if n.name in first.sends]
     assert shapes == [(2, 1, SEQ, SEQ), (1, SEQ, HIDDEN // 4), (1, SEQ, HIDDEN // 4),

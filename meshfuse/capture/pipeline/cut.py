@@ -148,7 +148,7 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
     for node in state:  # the state this stage reads, then its inputs
         env[node] = _placeholder(graph, node) if node.op == "placeholder" else \
             graph.node_copy(node)
-    inputs = [n for n in mine if n.op == "placeholder"] if receives is None else receives
+    inputs = _tensor_inputs(mine) if receives is None else receives
     for node in inputs:
         env[node] = _placeholder(graph, node)
     for node in mine:
@@ -173,6 +173,21 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
         {k: v for k, v in captured.attributes.items() if k in names})
     return StageGraph(program, tuple(n.name for n in receives or ()),
                       tuple(n.name for n in sends or ()))
+
+
+def _tensor_inputs(mine: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The model's tensor inputs (the first stage's): a non-tensor input (a flag) is part
+    of the trace already."""
+    inputs = []
+    for node in (n for n in mine if n.op == "placeholder"):
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            inputs.append(node)
+        elif node.users:
+            raise DefinitionError(f"the model's input {node.name!r} is a "
+                                  f"{type(node.meta.get('val')).__name__} its ops read; a "
+                                  f"pipelined model takes tensors (and flags fixed at the "
+                                  f"trace): make it a tensor")
+    return inputs
 
 
 def _placeholder(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
