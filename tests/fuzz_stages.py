@@ -11,6 +11,9 @@ A seed draws, for one world size ``d`` (the pipeline ranks), independently:
   axis (3-D activations);
 - the cut: balanced, by parameter count, or at random piece indices;
 - 1-3 rows per microbatch;
+- sometimes several values per stage boundary: each piece then carries, beside its
+  activation, a side sum (floating, needing a gradient), integer ids and a float mask
+  (neither needing one) from piece to piece, the last piece adding the side sum in;
 - at an even world size, sometimes data parallel inside each stage: the ranks form a
   ``pp x 2`` grid, each stage's parameters held as a ShardedStage over its pair (gathered
   once per step), each rank running half of every microbatch's rows.
@@ -53,11 +56,13 @@ class Draw:
     cut: str | tuple[int, ...]  # "balanced", "parameters" or piece indices
     rows: int  # per microbatch
     dp: int  # devices per stage, each running its share of the rows
+    carry: bool = False  # pieces pass on a tuple (activation, side, ids, mask)
 
     def describe(self) -> str:
         return (f"{self.name} (v={self.n_virtual}), dp {self.dp}, {self.microbatches} "
                 f"microbatches of {self.rows} rows, seq {self.seq}, embedding {self.embedding}, input width "
-                f"{self.width}, pieces {list(self.pieces)}, cut {self.cut}")
+                f"{self.width}, pieces {list(self.pieces)}, cut {self.cut}, carry "
+                f"{self.carry}")
 
 
 def _microbatches(rng: random.Random, name: str, d: int) -> int:
@@ -87,9 +92,10 @@ def draw(seed: int, d: int) -> Draw:
         cut: str | tuple[int, ...] = rng.choice(["balanced", "parameters"])
     else:
         cut = tuple(sorted(rng.sample(range(1, n_pieces), n_stages - 1)))
+    carry = random.Random(seed * 31 + d + 1).random() < 0.3  # (the other draws unchanged)
     return Draw(name, n_virtual, _microbatches(rng, name, p), tuple(pieces),
                 rng.choice([3, 5]), embedding, rng.choice([None, 2]), cut,
-                dp * rng.randint(1, 2 if dp > 1 else 3), dp)
+                dp * rng.randint(1, 2 if dp > 1 else 3), dp, carry)
 
 
 class _Residual(torch.nn.Module):
@@ -99,6 +105,27 @@ class _Residual(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Carry(torch.nn.Module):
+    """A piece passing on ``(activation, side, ids, mask)``: several values per boundary,
+    one needing a gradient beside the activation, two not (integer ids, a float mask)."""
+
+    def __init__(self, module: torch.nn.Module, last: bool) -> None:
+        super().__init__()
+        self.module, self.last = module, last
+
+    def forward(self, x):
+        if isinstance(x, tuple):
+            x, side, ids, mask = x
+        else:  # the first piece: ids and mask from the input (alike in any block of rows)
+            ids = (x % 3)[..., None] if not x.is_floating_point() else \
+                (x[..., :1] > 0).to(torch.int64)
+            mask = (ids == 0).to(torch.float64)
+            side = torch.zeros(ids.shape, dtype=torch.float64)
+        y = self.module(x)
+        side = side + torch.tanh(y).mean(-1, keepdim=True) * (1 + mask) * (ids + 1)
+        return y + side if self.last else (y, side, ids, mask)
 
 
 def _piece(kind: str, width: int, out: int) -> tuple[torch.nn.Module, int]:
@@ -122,6 +149,8 @@ def pieces(x: Draw) -> tuple[list[tuple[str, torch.nn.Module]], int]:
     made, width = [], x.width
     for i, (kind, out) in enumerate(x.pieces):
         module, width = _piece(kind, width, out)
+        if x.carry:
+            module = _Carry(module, i == len(x.pieces) - 1)
         made.append((f"p{i}", module.double()))
     return made, width
 

@@ -125,7 +125,7 @@ def test_pipeline_spec_errors(multidevice_test):
         spec = PipelineSpec(split_points=split, loss_fn=_loss, microbatches=2)
         return meshfuse.parallelize(_model(), mesh, plan or {}, pipeline=spec)
 
-    with pytest.raises(DefinitionError, match="no piece named 'layers.9'"):
+    with pytest.raises(DefinitionError, match="no module named 'layers.9'"):
         build(["layers.9"])
     with pytest.raises(DefinitionError, match="size 2 runs 2"):
         build(["layers.0", "layers.1"])  # three stages on two pipeline ranks

@@ -29,6 +29,7 @@ from meshfuse.parallel.stages import (
     split_pieces,
     stage_bounds,
 )
+from meshfuse.parallel.stages.messages import Layout, pack, unpack
 from meshfuse.runtime.comm.collectives import record_communications
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, seq=8)
@@ -132,14 +133,14 @@ def test_split_backward_defers_the_linear_weight_gradients():
         xin = x.clone().requires_grad_(True)
         out = stage(xin)
         notes.active = None
-        return backward.Saved(xin, out, linears)
+        return backward.Saved((xin,), (out,), linears)
 
     saved = forward()
-    dx_whole = backward.full(saved, grad)
+    (dx_whole,) = backward.full(saved, (grad,))
     whole = {n: p.grad.clone() for n, p in stage.named_parameters()}
     stage.zero_grad(set_to_none=True)
     saved = forward()
-    dx = backward.input_half(saved, grad, stage, notes.deferred_parameters())
+    (dx,) = backward.input_half(saved, (grad,), stage, notes.deferred_parameters())
     torch.testing.assert_close(dx, dx_whole)
     for name, p in stage.named_parameters():
         assert (p.grad is None) == name.endswith("proj.weight"), name
@@ -173,3 +174,22 @@ def test_same_losses_as_torch_pipelining(multidevice_test, name):
             mean = torch.stack(losses).mean().item()
             assert abs(mean - ours[step]) <= 1e-6 * abs(mean), (step, mean, ours[step])
         opt.step()
+
+
+def test_a_bundle_crosses_as_one_message():
+    """Several values of any dtype packed in one buffer and read back; their layout (and
+    which carry a gradient) survives its header; a lone tensor is its own message."""
+    bundle = (torch.randn(2, 3), torch.tensor([True, False, True]), torch.arange(5),
+              torch.randn((), dtype=torch.float64, requires_grad=True),
+              torch.randn(3).bfloat16())
+    layout = Layout.of(bundle)
+    assert Layout.read(layout.header()[1]) == layout
+    assert layout.gradients().values == (layout.values[3],)
+    message = pack(bundle)
+    assert [list(message.shape), message.dtype] == list(layout.buffer_spec())
+    assert message.numel() == 32 + 16 + 48 + 16 + 16  # each value aligned to 16 bytes
+    for sent, got in zip(bundle, unpack(message.clone(), layout)):
+        assert got.dtype == sent.dtype and torch.equal(got, sent.detach())
+    lone = torch.randn(4)
+    assert pack((lone,)) is lone or torch.equal(pack((lone,)), lone)
+    assert unpack(pack(()), Layout(())) == ()

@@ -55,7 +55,9 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             dimension, which must be another.
         pipeline: cut ``module`` into pipeline stages (:mod:`meshfuse.capture.pipeline`)
             over ``mesh``'s ``pp`` dimension (a torch mesh), each stage laid out by ``plan``
-            on the rest of the mesh.
+            on the rest of the mesh (with ``fsdp``: sharded over that dimension, gathered
+            once per step). Any traceable module, a Hugging Face decoder included: stages
+            are cut from its graph at the split points' modules.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
@@ -71,7 +73,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     tmesh = torch_mesh(mesh)
     if pipeline is not None:
         return pipeline_stages(module, tmesh, plan, pipeline, functools.partial(
-            parallelize, strict=strict, fsdp=fsdp))
+            parallelize, strict=strict), fsdp=fsdp)
     resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
     if fsdp is not None:
         resolved = fully_shard_plan(resolved, tmesh, fsdp, plan, module)
@@ -134,8 +136,12 @@ class _State:
     def program(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
         key = _signature(args, kwargs)
         if key not in self.programs:
-            with self._unsharded(module):
-                captured = capture(module, _global(args), _global(kwargs))
+            own = getattr(module, "meshfuse_captured", None)  # a pipeline stage's graph
+            if own is not None:
+                captured = own(args, kwargs)
+            else:
+                with self._unsharded(module):
+                    captured = capture(module, _global(args), _global(kwargs))
             self.programs[key] = Program(captured, self.plan, self.mesh,
                                          dict(module.named_buffers(remove_duplicate=False)),
                                          self.strict)

@@ -21,8 +21,9 @@ import torch
 class Saved:
     """What a stage's forward of one microbatch keeps for its backward."""
 
-    inputs: torch.Tensor | None  # the stage's input, when it needs a gradient
-    output: torch.Tensor  # the stage's output (the scaled loss on the last stage)
+    inputs: tuple[torch.Tensor, ...]  # the stage's inputs that need a gradient
+    outputs: tuple[torch.Tensor, ...]  # its outputs that carry one (the last stage: the
+    # scaled loss)
     linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]]  # (layer, x, y)
     deferred: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]] | None = None
 
@@ -54,30 +55,34 @@ def _deferrable(module: torch.nn.Module) -> list[torch.nn.Linear]:
                     for p in m.parameters(recurse=False))]
 
 
-def full(saved: Saved, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """The whole backward: parameter gradients accumulated, the input's gradient returned."""
-    torch.autograd.backward(saved.output, grad)
-    return saved.inputs.grad if saved.inputs is not None else None
+def full(saved: Saved, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+    """The whole backward: parameter gradients accumulated, the inputs' gradients returned
+    (zeros for an input the outputs do not depend on)."""
+    if saved.outputs:
+        torch.autograd.backward(saved.outputs, grads)
+    return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in saved.inputs)
 
 
-def input_half(saved: Saved, grad: torch.Tensor | None, module: torch.nn.Module,
-               deferred: set[int]) -> torch.Tensor | None:
-    """``I``: the input's gradient (returned) and the gradients of the parameters that are
+def input_half(saved: Saved, grads: tuple[torch.Tensor, ...] | None, module: torch.nn.Module,
+               deferred: set[int]) -> tuple[torch.Tensor, ...]:
+    """``I``: the inputs' gradients (returned) and the gradients of the parameters that are
     not deferred (accumulated); the deferred Linears' output gradients kept in ``saved``."""
     others = [p for p in module.parameters() if p.requires_grad and id(p) not in deferred]
     ys = [y for _, _, y in saved.linears]
-    wanted = ([saved.inputs] if saved.inputs is not None else []) + ys + others
-    if not wanted:
+    wanted = list(saved.inputs) + ys + others
+    if not wanted or not saved.outputs:
         saved.deferred = []
-        return None
-    grads = torch.autograd.grad(saved.output, wanted, grad, allow_unused=True)
-    dx = grads[0] if saved.inputs is not None else None
-    dys = grads[len(wanted) - len(ys) - len(others):len(wanted) - len(others)]
-    for p, g in zip(others, grads[len(wanted) - len(others):]):
+        return tuple(torch.zeros_like(x) for x in saved.inputs)
+    got = torch.autograd.grad(saved.outputs, wanted, grads, allow_unused=True)
+    n = len(saved.inputs)
+    dxs = tuple(g if g is not None else torch.zeros_like(x)
+                for x, g in zip(saved.inputs, got[:n]))
+    for p, g in zip(others, got[n + len(ys):]):
         _accumulate(p, g)
-    saved.deferred = [(layer, x, dy) for (layer, x, _), dy in zip(saved.linears, dys)
+    saved.deferred = [(layer, x, dy) for (layer, x, _), dy in zip(saved.linears,
+                                                                 got[n:n + len(ys)])
                       if dy is not None]
-    return dx
+    return dxs
 
 
 def weight_half(saved: Saved) -> None:

@@ -12,8 +12,10 @@ backward is whole (``B``) or split (``I`` then ``W``, :mod:`.backward`).
 
 Receives are launched early, before the compute action ahead of the one that reads them,
 and sends at once, waited for at the end of the step, so that transfers overlap compute.
-The first activation between two stages is preceded by a small header giving its shape and
-dtype (every microbatch has the same); after that, only data moves.
+A stage takes and returns one tensor or a tuple of them (a *bundle*, :mod:`.messages`):
+every value crosses, and a gradient comes back for each floating value that required one.
+The first bundle between two stages is preceded by its layout (the values' shapes, dtypes
+and which carry gradients; every microbatch has the same); after that, only data moves.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from meshfuse.parallel.stages.actions import (
     SEND_FORWARD,
     Action,
 )
+from meshfuse.parallel.stages.messages import Layout, as_bundle, entries_size, pack, unpack
 from meshfuse.parallel.stages.schedules import Schedule
 from meshfuse.parallel.stages.simulate import Costs
 from meshfuse.parallel.stages.table import explain
@@ -43,9 +46,7 @@ from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.comm.pending import Pending
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-           torch.int32]
-_HEADER = 8  # ndim, dtype, up to six extents
+Bundle = tuple[torch.Tensor, ...]
 _KINDS = {SEND_FORWARD: 0, RECV_FORWARD: 0, SEND_BACKWARD: 1, RECV_BACKWARD: 1}
 
 
@@ -55,7 +56,9 @@ class PipelineRunner:
     Args:
         schedule: the schedule (:func:`~meshfuse.parallel.stages.schedules.schedule`).
         modules: this rank's stage modules by global stage index (``schedule.stages_of``
-            this rank's pipeline rank); each maps the stage's input tensor to its output.
+            this rank's pipeline rank); each maps the stage's inputs (one tensor or several,
+            as positional arguments: the previous stage's output bundle) to its output
+            (one tensor, or a tuple of tensors to pass on).
         loss_fn: ``loss_fn(output, target)`` of the last stage, a mean over the microbatch.
         stage_ranks: the devices of each pipeline rank (by default, rank ``r`` alone).
         rank: this process's rank (default: the communicator's).
@@ -95,8 +98,8 @@ class PipelineRunner:
             if schedule.split_backward else {}
         every = tuple(r for ranks in self.stage_ranks for r in ranks)
         self.group = collectives.Group(None, every, every.index(self.rank), 0)
-        self.shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> output
-        self.announced: set[int] = set()  # stages whose output header was sent
+        self.layouts: dict[int, Layout] = {}  # stage -> what its output bundle holds
+        self.announced: set[int] = set()  # stages whose output layout was sent
         self.times: dict[tuple[str, int], float] = {}  # last step's mean host seconds
 
     def peer(self, stage: int) -> int:
@@ -129,7 +132,8 @@ class PipelineRunner:
         parameters' ``.grad`` (zero them before, step the optimizer after).
 
         Args:
-            inputs: the whole batch (first dimension split into microbatches); read on the
+            inputs: the whole batch (first dimension split into microbatches), a tensor or a
+                tuple of tensors (the first stage's positional arguments); read on the
                 ranks of the first stage only (others may pass None).
             targets: the batch's targets, read on the ranks of the last stage only.
 
@@ -139,7 +143,7 @@ class PipelineRunner:
         m, last, dp = self.schedule.n_microbatches, self.schedule.n_stages - 1, \
             self.data_parallel
         run = _Step(self, _chunks(inputs, m, "inputs", dp) if 0 in self.modules else None,
-                    _chunks(targets, m, "targets", dp) if last in self.modules else None)
+                    _targets(targets, m, dp) if last in self.modules else None)
         run.walk()
         return torch.stack(run.losses).mean() if run.losses else None
 
@@ -156,15 +160,28 @@ def locate(stage_ranks: Sequence[Sequence[int]], rank: int | None = None) -> tup
                      f"every rank of the job a stage")
 
 
-def _chunks(x: torch.Tensor | None, m: int, what: str,
-            data_parallel: tuple[int, int] | None) -> list[torch.Tensor]:
-    """The ``m`` microbatches of ``x`` (this rank's block of each one's rows)."""
+def _chunks(x: torch.Tensor | Sequence[torch.Tensor] | None, m: int, what: str,
+            data_parallel: tuple[int, int] | None) -> list[Bundle]:
+    """The ``m`` microbatches of ``x`` (this rank's block of each one's rows), each a
+    bundle of its tensors' rows."""
     index, count = data_parallel or (0, 1)
-    if x is None or x.shape[0] % (m * count):
-        raise InputError(f"pipeline {what} must be a tensor whose first dimension divides "
-                         f"into {m} microbatches of {count} equal blocks of rows, got "
-                         f"{None if x is None else tuple(x.shape)}")
-    return [c.chunk(count)[index] for c in x.chunk(m)]
+    bundle = (x,) if isinstance(x, torch.Tensor) else tuple(x) if x is not None else ()
+    bad = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+           for t in bundle if not isinstance(t, torch.Tensor) or t.dim() == 0
+           or t.shape[0] % (m * count)]
+    if not bundle or bad:
+        raise InputError(f"pipeline {what} must be a tensor (or a tuple of tensors) whose "
+                         f"first dimension divides into {m} microbatches of {count} equal "
+                         f"blocks of rows, got {bad[0] if bad else None}; give a batch of a "
+                         f"multiple of {m * count} rows or change the microbatches")
+    pieces = [[c.chunk(count)[index] for c in t.chunk(m)] for t in bundle]
+    return [tuple(p[i] for p in pieces) for i in range(m)]
+
+
+def _targets(x, m: int, data_parallel: tuple[int, int] | None) -> list:
+    """The microbatches of the targets: tensors if ``x`` is one, else bundles."""
+    chunks = _chunks(x, m, "targets", data_parallel)
+    return [c[0] for c in chunks] if isinstance(x, torch.Tensor) else chunks
 
 
 class _Step:
@@ -172,10 +189,10 @@ class _Step:
 
     def __init__(self, runner: PipelineRunner, inputs, targets) -> None:
         self.r, self.inputs, self.targets = runner, inputs, targets
-        self.received: dict[Action, Pending | torch.Tensor] = {}
-        self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # same-rank handoffs
+        self.received: dict = {}  # receive action (or ("header", stage)) -> in flight
+        self.local: dict[tuple[str, int, int], Bundle] = {}  # same-rank handoffs
         self.saved: dict[tuple[int, int], backward.Saved] = {}
-        self.results: dict[tuple[str, int, int], torch.Tensor] = {}  # what sends send
+        self.results: dict[tuple[str, int, int], Bundle] = {}  # what sends send
         self.sends: list[Pending] = []
         self.losses: list[torch.Tensor] = []
         self.posted = 0
@@ -220,54 +237,73 @@ class _Step:
                 self._receive(a)
             self.posted += 1
 
+    def _layout(self, a: Action) -> Layout | None:
+        """The layout of what receive action ``a`` brings, when known."""
+        if a.kind == RECV_FORWARD:
+            return self.r.layouts.get(a.stage - 1)
+        layout = self.r.layouts.get(a.stage)
+        return layout.gradients() if layout is not None else None
+
     def _receive(self, a: Action) -> None:
-        source = a.stage - 1 if a.kind == RECV_FORWARD else a.stage
         peer = self.r.peer(a.stage - 1 if a.kind == RECV_FORWARD else a.stage + 1)
-        if source not in self.r.shapes:
-            if a.kind == RECV_FORWARD and a.microbatch == 0 and source not in self.received:
-                header = collectives.recv([_HEADER], torch.int64, torch.device("cpu"), peer,
-                                          self.r.group, _tag(self.r, a, header=True))
-                self.received[source] = header  # read when the activation is
-            self.received[a] = (peer, None)  # launched once the shape is known
+        layout = self._layout(a)
+        if layout is None:
+            header = ("header", a.stage - 1)
+            if a.kind == RECV_FORWARD and a.microbatch == 0 and header not in self.received:
+                self.received[header] = collectives.recv(
+                    [1], torch.int64, torch.device("cpu"), peer, self.r.group,
+                    _tag(self.r, a, part=1))  # read when the values are
+            self.received[a] = (peer, None)  # launched once the layout is known
             return
-        shape, dtype = self.r.shapes[source]
+        shape, dtype = layout.buffer_spec()
         self.received[a] = collectives.recv(shape, dtype, _device(self), peer,
                                             self.r.group, _tag(self.r, a))
 
-    def incoming(self, a: Action) -> torch.Tensor:
-        """The tensor receive action ``a`` brings (launched now if it could not be)."""
+    def incoming(self, a: Action) -> Bundle:
+        """The values receive action ``a`` brings (launched now if it could not be)."""
         got = self.received.pop(a)
         if isinstance(got, tuple):
-            source = a.stage - 1 if a.kind == RECV_FORWARD else a.stage
-            if source not in self.r.shapes:
-                self.r.shapes[source] = _read_header(self.received.pop(source).wait())
-            shape, dtype = self.r.shapes[source]
-            got = collectives.recv(shape, dtype, _device(self), got[0], self.r.group,
+            peer = got[0]
+            if self._layout(a) is None:  # the boundary's first message: read its layout
+                count = self.received.pop(("header", a.stage - 1)).wait()
+                entries = collectives.recv(entries_size(count), torch.int64,
+                                           torch.device("cpu"), peer, self.r.group,
+                                           _tag(self.r, a, part=2)).wait()
+                self.r.layouts[a.stage - 1] = Layout.read(entries)
+            shape, dtype = self._layout(a).buffer_spec()
+            got = collectives.recv(shape, dtype, _device(self), peer, self.r.group,
                                    _tag(self.r, a))
-        return got.wait()
+        return unpack(got.wait(), self._layout(a))
 
     def _send(self, a: Action) -> None:
-        value = self.results.pop((a.kind, a.stage, a.microbatch))
+        bundle = self.results.pop((a.kind, a.stage, a.microbatch))
         to = self.r.peer(a.stage + 1 if a.kind == SEND_FORWARD else a.stage - 1)
-        if a.kind == SEND_FORWARD and a.stage not in self.r.announced:
-            self.r.announced.add(a.stage)
-            self.sends.append(collectives.send(_header(value), to, self.r.group,
-                                               _tag(self.r, Action(RECV_FORWARD, a.stage + 1,
-                                                                   a.microbatch),
-                                                    header=True)))
         receive = Action(RECV_FORWARD if a.kind == SEND_FORWARD else RECV_BACKWARD,
                          a.stage + 1 if a.kind == SEND_FORWARD else a.stage - 1, a.microbatch)
-        self.sends.append(collectives.send(value, to, self.r.group, _tag(self.r, receive)))
+        if a.kind == SEND_FORWARD and a.stage not in self.r.announced:
+            self.r.announced.add(a.stage)
+            for part, header in enumerate(self.r.layouts[a.stage].header(), start=1):
+                self.sends.append(collectives.send(header, to, self.r.group,
+                                                   _tag(self.r, receive, part=part)))
+        self.sends.append(collectives.send(pack(bundle), to, self.r.group,
+                                           _tag(self.r, receive)))
 
-    def stage_input(self, a: Action) -> torch.Tensor:
-        if a.stage == 0:
-            return self.inputs[a.microbatch]
+    def stage_input(self, a: Action) -> Bundle:
+        """The stage's inputs for ``a``'s microbatch, those that carry a gradient back
+        marked as needing one."""
+        if a.stage == 0:  # a floating input needs a gradient (a model without parameters
+            # still has a backward to run)
+            return tuple(x.detach().requires_grad_(x.is_floating_point())
+                         for x in self.inputs[a.microbatch])
         key = (FORWARD, a.stage - 1, a.microbatch)
         if key in self.local:
-            return self.local.pop(key)
-        return self.incoming(Action(RECV_FORWARD, a.stage, a.microbatch))
+            values = self.local.pop(key)
+        else:
+            values = self.incoming(Action(RECV_FORWARD, a.stage, a.microbatch))
+        layout = self.r.layouts[a.stage - 1]
+        return tuple(x.detach().requires_grad_(v.grad) for x, v in zip(values, layout.values))
 
-    def output_grad(self, a: Action) -> torch.Tensor | None:
+    def output_grad(self, a: Action) -> Bundle | None:
         if a.stage == self.r.schedule.n_stages - 1:
             return None
         key = ("grad", a.stage + 1, a.microbatch)
@@ -283,76 +319,65 @@ def _device(step: _Step) -> torch.device:
     return torch.device("cpu")
 
 
-def _tag(runner: PipelineRunner, receive: Action, header: bool = False) -> int:
-    """One tag per message of a step: the receiving action, and whether it is a header."""
+def _tag(runner: PipelineRunner, receive: Action, part: int = 0) -> int:
+    """One tag per message of a step: the receiving action, and which part (0: the values,
+    1 and 2: the layout's headers)."""
     m = runner.schedule.n_microbatches
     index = (receive.stage * m + receive.microbatch) * 2 + _KINDS[receive.kind]
-    return 2 * index + int(header) + 1
-
-
-def _header(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() > _HEADER - 2 or x.dtype not in _DTYPES:
-        raise ScheduleError(f"a pipeline stage's output of shape {tuple(x.shape)} and dtype "
-                            f"{x.dtype} cannot cross stages; use at most {_HEADER - 2} "
-                            f"dimensions and one of {_DTYPES}")
-    values = [x.dim(), _DTYPES.index(x.dtype), *x.shape]
-    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64)
-
-
-def _read_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    ndim, dtype = int(h[0]), _DTYPES[int(h[1])]
-    return tuple(int(e) for e in h[2:2 + ndim]), dtype
+    return 3 * index + part + 1
 
 
 def _forward(step: _Step, a: Action) -> None:
     r, last = step.r, step.r.schedule.n_stages - 1
-    x = step.stage_input(a)
-    if x.is_floating_point():
-        x = x.detach().requires_grad_(True)
+    xs = step.stage_input(a)
     notes = r.notes.get(a.stage)
     linears: list = []
     if notes is not None:
         notes.active = linears
     try:
-        y = r.modules[a.stage](x)
+        y = r.modules[a.stage](*xs)
     finally:
         if notes is not None:
             notes.active = None
     if a.stage == last:
         loss = r.loss_fn(y, step.targets[a.microbatch])
         step.losses.append(loss.detach())
-        y = loss / r.schedule.n_microbatches
+        outputs: Bundle = (loss / r.schedule.n_microbatches,)
     else:
-        r.shapes.setdefault(a.stage, (tuple(y.shape), y.dtype))
-        _hand_on(step, (FORWARD, a.stage, a.microbatch), y.detach(), a.stage + 1,
-                 SEND_FORWARD)
+        bundle = as_bundle(y)
+        layout = Layout.of(bundle)
+        if r.layouts.setdefault(a.stage, layout) != layout:
+            raise ScheduleError(f"pipeline stage {a.stage} returned {layout} on microbatch "
+                                f"{a.microbatch}, but {r.layouts[a.stage]} before; every "
+                                f"microbatch must cross stages with the same shapes")
+        outputs = tuple(y for y, v in zip(bundle, layout.values) if v.grad)
+        _hand_on(step, (FORWARD, a.stage, a.microbatch),
+                 tuple(y.detach() for y in bundle), a.stage + 1, SEND_FORWARD)
     step.saved[(a.stage, a.microbatch)] = backward.Saved(
-        x if x.requires_grad else None, y, linears)
+        tuple(x for x in xs if x.requires_grad), outputs, linears)
 
 
-def _hand_on(step: _Step, key: tuple[str, int, int], value: torch.Tensor, to_stage: int,
+def _hand_on(step: _Step, key: tuple[str, int, int], values: Bundle, to_stage: int,
              send_kind: str) -> None:
-    """Keeps ``value`` for a stage of this rank, or for the send that follows."""
+    """Keeps ``values`` for a stage of this rank, or for the send that follows."""
     if step.r.schedule.placement[to_stage] == step.r.pp_rank:
-        step.local[key] = value
+        step.local[key] = values
     else:
-        step.results[(send_kind, key[1], key[2])] = value
+        step.results[(send_kind, key[1], key[2])] = values
 
 
 def _backward(step: _Step, a: Action) -> None:
-    grad = step.output_grad(a)
+    grads = step.output_grad(a)
     key = (a.stage, a.microbatch)
     if a.kind == BACKWARD:
-        dx = backward.full(step.saved.pop(key), grad)
+        dxs = backward.full(step.saved.pop(key), grads)
     else:
-        notes = step.r.notes[a.stage]
-        dx = backward.input_half(step.saved[key], grad, step.r.modules[a.stage],
-                                 notes.deferred_parameters())
+        saved = step.saved[key]  # the Linears the forward ran (a graph stage runs none)
+        deferred = {id(p) for layer, _, _ in saved.linears
+                    for p in layer.parameters(recurse=False)}
+        dxs = backward.input_half(saved, grads, step.r.modules[a.stage], deferred)
     if a.stage > 0:
-        if dx is None:
-            raise ScheduleError(f"pipeline stage {a.stage}'s input got no gradient on "
-                                f"microbatch {a.microbatch}: its output does not depend on it")
-        _hand_on(step, ("grad", a.stage, a.microbatch), dx, a.stage - 1, SEND_BACKWARD)
+        _hand_on(step, ("grad", a.stage, a.microbatch), dxs, a.stage - 1, SEND_BACKWARD)
 
 
 def _weight(step: _Step, a: Action) -> None:

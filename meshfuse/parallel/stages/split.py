@@ -26,7 +26,10 @@ class StageModule(torch.nn.Module):
         self.names = [name for name, _ in pieces]
         self.pieces = torch.nn.ModuleList(module for _, module in pieces)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The pieces in order on ``inputs`` (several: one tuple given to the first piece;
+        a piece may return a tuple, which the next takes whole)."""
+        x = inputs[0] if len(inputs) == 1 else inputs
         for piece in self.pieces:
             x = piece(x)
         return x

@@ -1,0 +1,260 @@
+"""``meshfuse.parallelize(hf_model, mesh, plan, pipeline=PipelineSpec(...))`` on unmodified
+Hugging Face decoders (Llama, Qwen2; tiny random configs): the stages are cut from the
+model's graph at ``model.layers.N``, the rotary embeddings, the causal mask and the hidden
+states cross every boundary; 3 AdamW steps give the one-device model's losses and
+parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2 ranks), under 1F1B
+at pp3 (3 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks);
+3 layers over 2 stages; bad specs and batches are refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.distributed.tensor import DTensor
+
+import meshfuse
+from meshfuse import DeviceMesh, PipelineSpec
+from meshfuse.capture.pipeline.cut import cut_graph
+from meshfuse.capture.trace import capture
+from meshfuse.dtensor import mesh_to_torch
+from meshfuse.errors import DefinitionError, InputError
+from meshfuse.runtime.comm.collectives import record_communications
+
+BATCH, SEQ, VOCAB, HIDDEN, STEPS = 4, 8, 64, 32, 3
+TP_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
+           "model.layers.*.self_attn.k_proj": "colwise",
+           "model.layers.*.self_attn.v_proj": "colwise",
+           "model.layers.*.self_attn.o_proj": "rowwise",
+           "model.layers.*.mlp.gate_proj": "colwise",
+           "model.layers.*.mlp.up_proj": "colwise",
+           "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def _model(family: str = "llama", layers: int = 3) -> torch.nn.Module:
+    kinds = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+    config_class, model_class = kinds[family]
+    config = config_class(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                          max_position_embeddings=64, use_cache=False,
+                          tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return model_class(config).float()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def _loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def _reference(family: str):
+    model = _model(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for ids, target in _data():
+        opt.zero_grad()
+        loss = _loss(model(input_ids=ids), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+def _mesh(shape, names):
+    n = torch.tensor(shape).prod().item()
+    return mesh_to_torch(DeviceMesh(torch.arange(n).reshape(shape)), mesh_dim_names=names)
+
+
+def _train(pipe):
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    with record_communications() as comms:
+        for ids, target in _data():
+            opt.zero_grad()
+            losses.append(pipe.step({"input_ids": ids}, target))
+            opt.step()
+    return losses, comms
+
+
+def _check(pipe, losses, family, last: bool):
+    want_losses, want = _reference(family)
+    if last:
+        got = [x.item() for x in losses]
+        assert got == pytest.approx(want_losses, rel=1e-5)
+    else:
+        assert losses == [None] * STEPS
+    (stage,) = pipe.stages.values()
+    inner = getattr(stage, "module", stage)
+    inner.get_submodule(inner.owners[-1])  # the stage holds its modules under their names
+    for name, p in inner.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if full.numel():  # (a sharded stage's own parameters are freed between steps)
+            torch.testing.assert_close(full.detach(), want[name].detach(), rtol=1e-4,
+                                       atol=1e-5)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("family,schedule,m", [("llama", "1F1B", 2), ("llama", "GPipe", 4),
+                                               ("qwen2", "ZeroBubble", 4)])
+def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, schedule, m):
+    d, rank = multidevice_test.size, multidevice_test.rank
+    if d not in (2, 4) or (d == 4 and (schedule, family) != ("1F1B", "llama")):
+        pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4 (1F1B)")
+    shape, names = ((2,), ("pp",)) if d == 2 else ((2, 2), ("pp", "tp"))
+    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, schedule=schedule,
+                        microbatches=m)
+    pipe = meshfuse.parallelize(_model(family), _mesh(shape, names),
+                                TP_PLAN if d == 4 else {}, pipeline=spec)
+    losses, comms = _train(pipe)
+    width = d // 2
+    mine = rank // width
+    _check(pipe, losses, family, mine == 1)
+    if schedule == "ZeroBubble" and mine == 0:  # its Linears' weight gradients deferred to W
+        (stage,) = pipe.stages.values()
+        notes = pipe.runner.notes[0]
+        notes.active = seen = []
+        stage(_data()[0][0][:1])
+        notes.active = None
+        assert len(seen) == 2 * 7  # q, k, v, o, gate, up, down of layers 0 and 1
+    # to the same coordinate of the other stage only: the hidden states, cos, sin and the
+    # causal mask forward in one message per microbatch (its layout once), gradients back
+    other = rank + width if mine == 0 else rank - width
+    p2p = [c for c in comms if c.kind in ("send", "recv")]
+    assert {c.peer for c in p2p} == {other}
+    rows, head = BATCH // m, HIDDEN // 4
+    bundle = rows * SEQ * HIDDEN * 4 + 2 * SEQ * head * 4 + rows * SEQ * SEQ
+    hidden = rows * SEQ * HIDDEN * 4
+    forward = [c for c in p2p if c.kind == ("send" if mine == 0 else "recv")]
+    backward = [c for c in p2p if c.kind == ("recv" if mine == 0 else "send")]
+    assert sorted(c.bytes for c in forward) == sorted([8, 8 * 9 * 4] + [bundle] * m * STEPS)
+    assert [c.bytes for c in backward] == [hidden] * m * STEPS  # only the hidden states
+    if d == 4:
+        inside = [c for c in comms if c.kind not in ("send", "recv")]
+        assert inside and all(set(c.ranks) <= {mine * 2, mine * 2 + 1} for c in inside)
+
+
+@pytest.mark.mpi
+def test_hf_decoder_interleaved(multidevice_test):
+    """Interleaved1F1B: four stages on two ranks (0 and 2 on rank 0), 3 layers, the norm and
+    the head; the last boundary carries the hidden states only."""
+    if multidevice_test.size != 2:
+        pytest.skip("two ranks")
+    spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2", "model.norm"],
+                        loss_fn=_loss, schedule="Interleaved1F1B", microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((2,), ("pp",)), {}, pipeline=spec)
+    losses, comms = _train(pipe)
+    rank = multidevice_test.rank
+    assert sorted(pipe.stages) == [rank, rank + 2]
+    text = pipe.explain()  # names this rank's stages by their blocks
+    mine = ["stage 0 on pipeline rank 0 devices [0]: model.embed_tokens, model.layers.0",
+            "stage 2 on pipeline rank 0 devices [0]: model.layers.2"] if rank == 0 else \
+        ["stage 1 on pipeline rank 1 devices [1]: model.layers.1",
+         "stage 3 on pipeline rank 1 devices [1]: model.norm, lm_head"]
+    assert all(line in text.splitlines() for line in mine), text
+    want_losses, want = _reference("llama")
+    if rank == 1:
+        assert [x.item() for x in losses] == pytest.approx(want_losses, rel=1e-5)
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-4, atol=1e-5)
+    hidden = (BATCH // 2) * SEQ * HIDDEN * 4
+    last = [c for c in comms if c.kind == ("send" if rank == 0 else "recv")
+            and c.bytes == hidden]  # stage 2 to 3 forward, and 2 to 1 backward
+    assert len(last) == 2 * 2 * STEPS
+
+
+@pytest.mark.mpi
+def test_hf_decoder_three_stages(multidevice_test):
+    """pp3, a layer per stage: the middle stage receives the mask, cos, sin and hidden states
+    and passes them on (the same bytes), the gradients of the hidden states flowing back."""
+    if multidevice_test.size != 3:
+        pytest.skip("three ranks")
+    spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2"], loss_fn=_loss,
+                        schedule="1F1B", microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((3,), ("pp",)), {}, pipeline=spec)
+    losses, comms = _train(pipe)
+    rank = multidevice_test.rank
+    _check(pipe, losses, "llama", rank == 2)
+    p2p = [c for c in comms if c.kind in ("send", "recv")]
+    assert {c.peer for c in p2p} == {r for r in (rank - 1, rank + 1) if 0 <= r < 3}
+    if rank == 1:
+        data = sorted(c.bytes for c in p2p if c.bytes > 8 * 9 * 4)
+        received = sorted(c.bytes for c in p2p if c.kind == "recv" and c.peer == 0
+                          and c.bytes > 8 * 9 * 4)
+        sent = sorted(c.bytes for c in p2p if c.kind == "send" and c.peer == 2
+                      and c.bytes > 8 * 9 * 4)
+        assert received == sent and len(sent) == 2 * STEPS and len(data) == 8 * STEPS
+
+
+@pytest.mark.mpi
+def test_hf_decoder_pipelined_with_fsdp(multidevice_test):
+    """pp2 x dp2: each stage's parameters sharded over its pair, gathered once per step, each
+    rank running half of every microbatch's rows."""
+    if multidevice_test.size != 4:
+        pytest.skip("pp2 x dp2 at 4 ranks")
+    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((2, 2), ("pp", "dp")), {}, fsdp="dp",
+                                pipeline=spec)
+    losses, comms = _train(pipe)
+    mine = multidevice_test.rank // 2
+    _check(pipe, losses, "llama", mine == 1)
+    gathers = [c for c in comms if c.kind == "allgather"]
+    assert len(gathers) == STEPS  # once per step, not per microbatch
+    assert all(set(c.ranks) == {2 * mine, 2 * mine + 1} for c in gathers)
+
+
+@pytest.mark.mpi
+def test_hf_pipeline_errors(multidevice_test):
+    if multidevice_test.size != 2:
+        pytest.skip("two ranks")
+    mesh = _mesh((2,), ("pp",))
+
+    def build(split, m=2):
+        spec = PipelineSpec(split_points=split, loss_fn=_loss, microbatches=m)
+        return meshfuse.parallelize(_model(), mesh, {}, pipeline=spec)
+
+    with pytest.raises(DefinitionError, match="no module named 'model.layers.7'"):
+        build(["model.layers.7"])
+    with pytest.raises(DefinitionError, match="increasing"):
+        build([99])
+    pipe = build(["model.layers.1"], m=3)
+    ids, target = _data()[0]
+    with pytest.raises(InputError, match=r"input 0 of shape \(4, 8\) does not split into 3"):
+        pipe.step({"input_ids": ids}, target)
+    tied = _model()
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    spec = PipelineSpec(split_points=["model.layers.1"], loss_fn=_loss, microbatches=2)
+    pipe = meshfuse.parallelize(tied, mesh, {}, pipeline=spec)
+    with pytest.raises(DefinitionError, match=r"'lm_head.weight' is read by pipeline stages "
+                                              r"\[0, 1\] \(a weight tied"):
+        pipe.step({"input_ids": ids}, target)
+
+
+def test_cut_sends_every_value_live_across():
+    """Cut at layers 1 and 2 of 3: the mask, cos, sin (made before layer 0, read by every
+    layer) and the hidden states cross both boundaries, the first three passing through
+    stage 1; the head's boundary would carry the hidden states only."""
+    model = _model()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    captured = capture(model, (), {"input_ids": ids, "use_cache": False})
+    first, middle, last = cut_graph(captured, ["model.layers.1", "model.layers.2"])
+    assert first.captured.user_inputs == ("input_ids",)  # the flag is part of the trace
+    shapes = [tuple(n.meta["val"].shape) for n in first.captured.graph.nodes
+              if n.name in first.sends]
+    assert shapes == [(2, 1, SEQ, SEQ), (1, SEQ, HIDDEN // 4), (1, SEQ, HIDDEN // 4),
+                      (2, SEQ, HIDDEN)]
+    assert middle.receives == first.sends and last.receives == middle.sends
+    assert middle.sends[:3] == first.sends[:3]  # passed through
+    assert set(middle.captured.parameters.values()) == {
+        n for n, _ in model.named_parameters() if n.startswith("model.layers.1.")}
+    assert first.captured.buffers and not last.captured.buffers  # the rotary frequencies
+    (head,) = cut_graph(captured, ["model.norm"])[0].sends
+    assert head.startswith("add")  # the last layer's residual sum
+    with pytest.raises(DefinitionError, match="'model.rotary_emb'.*order"):
+        cut_graph(captured, ["model.layers.1", "model.rotary_emb"])
