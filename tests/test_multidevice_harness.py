@@ -172,10 +172,11 @@ def test_lives():
 """
 
 
-def test_batch_judges_a_crashed_rank_and_runs_the_rest_again(tmp_path):
-    """A real batch of 2 workers (forked from the zygote on Linux): rank 1 dies inside a test,
-    which fails naming the exit; the test that did not finish runs again and passes."""
-    (tmp_path / "test_crash.py").write_text(CRASHING_TESTS)
+def _run_two_ranks(tmp_path, name: str, text: str, nodeids: tuple[str, ...],
+                   **env: str) -> dict[str, Verdict]:
+    """The verdicts of a real batch of 2 workers (forked from the zygote on Linux) running
+    ``nodeids`` of a test file ``name`` holding ``text``, with meshfuse's plugin."""
+    (tmp_path / name).write_text(text)
     (tmp_path / "conftest.py").write_text(textwrap.dedent("""
         import sys
         if "meshfuse.testing.plugin" not in sys.modules:
@@ -183,11 +184,17 @@ def test_batch_judges_a_crashed_rank_and_runs_the_rest_again(tmp_path):
     """))
     root = str(Path(launcher.__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
-        "PYTHONPATH")])))
-    nodeids = ("test_crash.py::test_dies_on_rank_1", "test_crash.py::test_lives")
-    spec = BatchSpec(2, nodeids, (str(tmp_path / "test_crash.py"),), str(tmp_path),
+        "PYTHONPATH")])), **env)
+    spec = BatchSpec(2, nodeids, (str(tmp_path / name),), str(tmp_path),
                      ("-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)), 600.0, env)
-    verdicts = launcher.run_batch(spec)
+    return launcher.run_batch(spec)
+
+
+def test_batch_judges_a_crashed_rank_and_runs_the_rest_again(tmp_path):
+    """A real batch of 2 workers (forked from the zygote on Linux): rank 1 dies inside a test,
+    which fails naming the exit; the test that did not finish runs again and passes."""
+    nodeids = ("test_crash.py::test_dies_on_rank_1", "test_crash.py::test_lives")
+    verdicts = _run_two_ranks(tmp_path, "test_crash.py", CRASHING_TESTS, nodeids)
     assert verdicts[nodeids[1]] == Verdict("passed"), verdicts[nodeids[1]].message
     died = verdicts[nodeids[0]]
     assert died.outcome == "failed", died
@@ -247,20 +254,10 @@ def test_a_test_that_leaves_the_ranks_out_of_step_fails_and_the_next_runs(tmp_pa
     never recovered from): that test fails, naming the rank and its error, and the ranks are
     recovered for the next one, which passes (it was failing with the first one's
     consequences, far from the cause)."""
-    (tmp_path / "test_steps.py").write_text(OUT_OF_STEP_TESTS)
-    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
-        import sys
-        if "meshfuse.testing.plugin" not in sys.modules:
-            pytest_plugins = ["meshfuse.testing.plugin"]
-    """))
-    root = str(Path(launcher.__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
-        "PYTHONPATH")])), MESHFUSE_TEST_WORLD_SIZES="2")
     nodeids = ("test_steps.py::test_leaves_the_ranks_out_of_step[ws2]",
                "test_steps.py::test_runs_after_it[ws2]")
-    spec = BatchSpec(2, nodeids, (str(tmp_path / "test_steps.py"),), str(tmp_path),
-                     ("-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)), 600.0, env)
-    verdicts = launcher.run_batch(spec)
+    verdicts = _run_two_ranks(tmp_path, "test_steps.py", OUT_OF_STEP_TESTS, nodeids,
+                              MESHFUSE_TEST_WORLD_SIZES="2")
     left = verdicts[nodeids[0]]
     assert left.outcome == "failed", left
     assert "left the ranks out of step (rank 1: its own error in call 1" in left.message, \
