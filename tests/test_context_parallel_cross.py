@@ -111,6 +111,10 @@ def test_ring_cross_attention(multidevice_test, s, s_kv, causal):
     d, rank = multidevice_test.size, multidevice_test.rank
     fd = CrossAttention(s, s_kv, causal, strategy="ring")
     _sequence_sharded(fd, mesh_1d(multidevice_test), "block")
+    if s != s_kv and (s % d or s_kv % d):  # the ring runs on equal blocks of each
+        with pytest.raises(ShardingError, match=f"do not both divide over {d} ranks"):
+            _check(multidevice_test, fd, _inputs(s, s_kv))
+        return
     comms = _check(multidevice_test, fd, _inputs(s, s_kv))
     assert "context_parallel='ring'" in fd.explain()
     rows = _key_rows(s_kv, d)
