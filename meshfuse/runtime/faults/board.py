@@ -121,9 +121,8 @@ class Board:
     def answers(self, call: int, scope: tuple[int, ...], others: Sequence[int],
                 limit_s: float) -> dict[int, Notice]:
         """The ``failed`` or ``blocked`` notice of each of ``others`` about ``call`` of
-        ``scope``, waiting
-        up to ``limit_s`` for all of them; the ranks that posted none within it are missing
-        (they finished the call without waiting for anyone)."""
+        ``scope``, waiting up to ``limit_s`` for all of them; the ranks that posted none within
+        it are missing (they finished the call without waiting for anyone)."""
         deadline = time.monotonic() + limit_s
         while True:
             self.news()
