@@ -27,6 +27,7 @@ is read only while a collective is already late, and written only on failure.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -200,15 +201,21 @@ class LoneFailures:
         self.board.post(Notice(self._rank, self.calls, BROKEN, (failure, cause), what,
                                group=tuple(group), scope=self.scope))
 
-    def reported_timeout(self, group: Sequence[int]) -> Notice | None:
+    def reported_timeout(self, group: Sequence[int], within_s: float = 1.0) -> Notice | None:
         """Another rank's ``broken`` notice of a timeout of ``group``'s collective in this
-        call, if one was posted: when a rank times out, gloo closes its connections, so the
-        others of its group may see a peer close where the cause was that timeout."""
-        self.board.news()
-        return next((n for n in self.board.notices
-                     if n.kind == BROKEN and n.rank != self._rank and self._now(n)
-                     and frozenset(n.group) == frozenset(group) and n.error[0] == "timeout"),
-                    None)
+        call, if one is posted within ``within_s``: when a rank times out, gloo closes its
+        connections, so the others of its group may see a peer close where the cause was that
+        timeout (and may see it before that rank has posted its notice)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            self.board.news()
+            found = next((n for n in self.board.notices
+                          if n.kind == BROKEN and n.rank != self._rank
+                          and n.call == self.calls and frozenset(n.group) == frozenset(group)
+                          and n.error[0] == "timeout"), None)
+            if found is not None or time.monotonic() > deadline or self._store is None:
+                return found
+            time.sleep(POLL_S)
 
     def told(self, error: Exception, call: int, where: str) -> Exception:
         """What this rank raises for ``error``, which it raised itself in ``call`` (of the
