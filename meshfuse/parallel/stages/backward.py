@@ -41,9 +41,6 @@ class LinearNotes:
         if self.active is not None and torch.is_grad_enabled():
             self.active.append((layer, args[0], output))
 
-    def deferred_parameters(self) -> set[int]:
-        return {id(p) for layer in self.linears for p in layer.parameters(recurse=False)}
-
 
 def _deferrable(module: torch.nn.Module) -> list[torch.nn.Linear]:
     owners: dict[int, int] = {}
@@ -63,10 +60,13 @@ def full(saved: Saved, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Te
     return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in saved.inputs)
 
 
-def input_half(saved: Saved, grads: tuple[torch.Tensor, ...] | None, module: torch.nn.Module,
-               deferred: set[int]) -> tuple[torch.Tensor, ...]:
+def input_half(saved: Saved, grads: tuple[torch.Tensor, ...] | None, module: torch.nn.Module
+               ) -> tuple[torch.Tensor, ...]:
     """``I``: the inputs' gradients (returned) and the gradients of the parameters that are
-    not deferred (accumulated); the deferred Linears' output gradients kept in ``saved``."""
+    not deferred (accumulated): those of the Linears the forward ran (``saved.linears``; a
+    stage that runs none defers nothing) wait for ``W``, their output gradients kept in
+    ``saved``."""
+    deferred = {id(p) for layer, _, _ in saved.linears for p in layer.parameters(recurse=False)}
     others = [p for p in module.parameters() if p.requires_grad and id(p) not in deferred]
     ys = [y for _, _, y in saved.linears]
     wanted = list(saved.inputs) + ys + others

@@ -372,10 +372,7 @@ def _backward(step: _Step, a: Action) -> None:
     if a.kind == BACKWARD:
         dxs = backward.full(step.saved.pop(key), grads)
     else:
-        saved = step.saved[key]  # the Linears the forward ran (a graph stage runs none)
-        deferred = {id(p) for layer, _, _ in saved.linears
-                    for p in layer.parameters(recurse=False)}
-        dxs = backward.input_half(saved, grads, step.r.modules[a.stage], deferred)
+        dxs = backward.input_half(step.saved[key], grads, step.r.modules[a.stage])
     if a.stage > 0:
         _hand_on(step, ("grad", a.stage, a.microbatch), dxs, a.stage - 1, SEND_BACKWARD)
 
