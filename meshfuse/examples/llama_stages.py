@@ -49,6 +49,7 @@ from meshfuse.parallel.stages import (
     schedule,
     split_pieces,
 )
+from meshfuse.parallel.stages import create_stage_groups as _create_stage_groups
 from meshfuse.runtime.comm.collectives import group_along
 from meshfuse.runtime.comm.communicator import Communicator
 
@@ -143,14 +144,9 @@ def train_pipelined(runner: PipelineRunner, cfg: LlamaConfig, batch: int, steps:
 
 
 def create_stage_groups(meshes: Sequence[DeviceMesh | NamedMesh]) -> None:
-    """Creates, on every rank and in one order, the process groups of every stage's mesh
-    (each axis): a stage's fusions then find them rather than create them on their ranks
-    alone (which would leave the ranks' group counts apart)."""
-    comm = Communicator.instance()
-    for mesh in meshes:
-        mesh = mesh.mesh if isinstance(mesh, NamedMesh) else mesh
-        for axis in range(mesh.ndim):
-            comm.group_if_member(mesh, axis)
+    """The process groups of every stage's mesh, created on every rank in one order
+    (:func:`meshfuse.parallel.stages.create_stage_groups`, named meshes taken as theirs)."""
+    _create_stage_groups([m.mesh if isinstance(m, NamedMesh) else m for m in meshes])
 
 
 class FusionStage(torch.nn.Module):

@@ -42,7 +42,12 @@ from meshfuse.capture.trace import capture
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
-from meshfuse.parallel.stages import PipelineRunner, ShardedStage, schedule
+from meshfuse.parallel.stages import (
+    PipelineRunner,
+    ShardedStage,
+    create_stage_groups,
+    schedule,
+)
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
 
@@ -99,12 +104,12 @@ class Pipeline:
     its first step); the targets are read on the last stage's ranks."""
 
     def __init__(self, runner: PipelineRunner, stages: Mapping[int, torch.nn.Module],
-                 model: torch.nn.Module, points: Sequence[str], spec: PipelineSpec,
-                 shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
+                 model: torch.nn.Module, points: Sequence[str], owners: list[list[str]],
+                 spec: PipelineSpec, shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
                  data_parallel: collectives.Group | None = None) -> None:
         self.runner, self.stages = runner, dict(stages)
         self.model, self.points, self.spec = model, list(points), spec
-        self.owners = owners_by_stage(model, points)
+        self.owners = owners  # each stage's modules (owners_by_stage)
         self.data_parallel = data_parallel
         self.shapes = dict(shapes)  # the parameters' whole shapes, before the stages
         self.traced: tuple | None = None  # the microbatch signature the stages were cut at
@@ -205,7 +210,7 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
         stages[s] = stage
     dp = (group.coordinate, group.size) if group is not None else None
     runner = PipelineRunner(sched, stages, spec.loss_fn, stage_ranks, data_parallel=dp)
-    return Pipeline(runner, stages, module, points, spec, shapes, group)
+    return Pipeline(runner, stages, module, points, owners, spec, shapes, group)
 
 
 def split_modules(module: torch.nn.Module, spec: PipelineSpec) -> list[str]:
@@ -248,15 +253,11 @@ def _plan_for(stage: torch.nn.Module, plan: Mapping[str, Any], ndim: int) -> dic
 
 
 def _create_stage_groups(grid: torch.Tensor) -> None:
-    """The process groups of every stage's sub-mesh, created on every rank in one order:
-    a stage's fusions then find them (created lazily by one stage's ranks alone, the
-    ranks' group counts would part and the next group hang)."""
-    comm = Communicator.instance()
-    if grid[0].dim() == 0 or comm.size == 1:
-        return
-    for row in grid:
-        for axis in range(row.dim()):
-            comm.group_if_member(DeviceMesh(row), axis)
+    """The process groups of every stage's sub-mesh (a row of ``grid``), on every rank
+    (:func:`~meshfuse.parallel.stages.create_stage_groups`); none for a mesh of ``pp``
+    alone."""
+    if grid[0].dim() and Communicator.instance().size > 1:
+        create_stage_groups([DeviceMesh(row) for row in grid])
 
 
 def _check_fsdp(fsdp: str | None, rest: tuple[str, ...], plan: Mapping[str, Any]) -> None:

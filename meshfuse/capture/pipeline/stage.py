@@ -65,13 +65,7 @@ class GraphStage(torch.nn.Module):
         super().__init__()
         self.owners = list(owners)
         for name in owners:
-            owner: torch.nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if part not in owner._modules:
-                    owner.add_module(part, torch.nn.Module())
-                owner = owner._modules[part]
-            owner.add_module(leaf, model.get_submodule(name))
+            _register(self, name, model.get_submodule(name))
         self.__dict__["graph"] = None  # not a submodule
         self.register_forward_hook(_plain_outputs)
 
@@ -147,6 +141,7 @@ def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
 
 
 def _register(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    """``module`` under ``root`` at the dotted ``path`` (empty modules made on the way)."""
     owner = root
     *parents, leaf = path.split(".")
     for part in parents:

@@ -18,7 +18,7 @@
 """
 
 from meshfuse.parallel.stages.actions import Action, parse, text
-from meshfuse.parallel.stages.runtime import PipelineRunner, locate
+from meshfuse.parallel.stages.runtime import PipelineRunner, create_stage_groups, locate
 from meshfuse.parallel.stages.schedules import (
     NAMES,
     Schedule,
@@ -50,6 +50,7 @@ __all__ = [
     "Timeline",
     "action_lists",
     "action_table",
+    "create_stage_groups",
     "explain",
     "gpipe",
     "interleaved_1f1b",

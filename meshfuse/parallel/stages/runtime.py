@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from meshfuse.errors import InputError, ScheduleError
+from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.parallel.stages import backward
 from meshfuse.parallel.stages.actions import (
     BACKWARD,
@@ -158,6 +159,17 @@ def locate(stage_ranks: Sequence[Sequence[int]], rank: int | None = None) -> tup
             return r, ranks.index(rank)
     raise InputError(f"rank {rank} is in no pipeline stage's devices {stage_ranks}; give "
                      f"every rank of the job a stage")
+
+
+def create_stage_groups(meshes: Sequence[DeviceMesh]) -> None:
+    """Creates, on every rank and in one order, the process groups of every stage's mesh
+    (each axis): a stage's fusions then find them, rather than create them lazily on that
+    stage's ranks alone, which would leave the ranks' group counts apart and hang the next
+    group created."""
+    comm = Communicator.instance()
+    for mesh in meshes:
+        for axis in range(mesh.ndim):
+            comm.group_if_member(mesh, axis)
 
 
 def _chunks(x: torch.Tensor | Sequence[torch.Tensor] | None, m: int, what: str,
