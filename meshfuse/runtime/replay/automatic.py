@@ -274,6 +274,11 @@ def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[tuple[int
             if isinstance(x, torch.Tensor) and i not in unkeyed]
 
 
+def _outside_graphs(addresses: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    """Those of ``addresses`` (``(position, address)``) not at a live graph's output."""
+    return frozenset((i, a) for i, a in addresses if a not in _GRAPH_OUTPUTS)
+
+
 def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
     """``key`` without the tensors' addresses."""
     return tuple(None if i < len(inputs) and isinstance(inputs[i], torch.Tensor) else k
@@ -342,8 +347,7 @@ class AutoReplay:
         if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 \
                 or self._memory_spent():
             return None
-        rest = frozenset((i, a) for i, a in _addresses(inputs, unkeyed)
-                         if a not in _GRAPH_OUTPUTS)
+        rest = _outside_graphs(_addresses(inputs, unkeyed))
         graph = self._captured(inputs, staged)
         if graph is None:
             return None
@@ -380,10 +384,9 @@ class AutoReplay:
         if not self._seen or _values(key, inputs) not in self._values:
             return False
         addresses = _addresses(inputs, unkeyed)
-        chained = [a in _GRAPH_OUTPUTS for _, a in addresses]
-        rest = frozenset(p for c, p in zip(chained, addresses) if not c)
-        return any(chained) and bool(rest) and rest not in self._rests and \
-            rest <= self._addresses
+        rest = _outside_graphs(addresses)
+        chained = len(rest) < len(addresses)
+        return chained and bool(rest) and rest not in self._rests and rest <= self._addresses
 
     def _memory_spent(self) -> bool:
         """Whether the automatic graphs' pools hold their limit already (the next capture's
