@@ -8,11 +8,12 @@ backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`
 
 Reports per variant: the first step's time (capture + build + run: for torch.compile its
 compile time), then the median step time over ``--steps`` and tokens/s, and the peak memory
-of the variant's steps (CUDA); for meshfuse, what each fusion's calls did (``calls``: CUDA-graph
-replay, fused segments, host time per call, from ``FusionFunction.call_lines``). The optimizer is AdamW, fused (``fused=True``). Random weights
-(no download); the models start equal (bf16, also with ``--quick``: a tiny bf16 model on the
-CPU), each variant trains its own copy. A variant that fails is recorded with its error and
-the others still run.
+of the variant's steps (CUDA); for meshfuse, what each fusion's calls did (``calls``:
+CUDA-graph replay, fused segments, host time per call, from
+``FusionFunction.call_lines``). The optimizer is AdamW, fused (``fused=True``). Random
+weights (no download); the models start equal (bf16, also with ``--quick``: a tiny bf16
+model on the CPU), each variant trains its own copy. A variant that fails is recorded with
+its error and the others still run.
 """
 
 from __future__ import annotations
