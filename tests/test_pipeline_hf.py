@@ -236,6 +236,34 @@ def test_hf_pipeline_errors(multidevice_test):
         pipe.step({"input_ids": ids}, target)
 
 
+@pytest.mark.mpi
+def test_hf_pipeline_bad_batch_on_one_rank(multidevice_test):
+    """At the first step rank 1 alone passes a batch of other rows than rank 0's; later a
+    batch that does not split into the microbatches, then one of other rows than the first
+    step's: every rank raises InputError (rank 0 naming rank 1) before anything is sent, and
+    the next good step runs with the ranks in step."""
+    if multidevice_test.size != 2:
+        pytest.skip("two ranks")
+    rank = multidevice_test.rank
+    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, microbatches=2)
+    pipe = meshfuse.parallelize(_model(), _mesh((2,), ("pp",)), {}, pipeline=spec)
+    ids, target = _data()[0]
+    with pytest.raises(InputError, match=r"ranks disagree on the pipeline step's inputs: rank "
+                                         r"1 has \[2, 8\] torch.int64, rank 0 has \[4, 8\]"):
+        pipe.step({"input_ids": ids[:2] if rank == 1 else ids}, target)
+    pipe.step({"input_ids": ids}, target)
+    for rows, message in ((3, r"input 0 of shape \(3, 8\) does not split"),
+                          (2, r"\(2, 8\), torch.int64\),\) differ from those of the first")):
+        rows = rows if rank == 1 else BATCH
+        with pytest.raises(InputError, match=message) as info:
+            pipe.step({"input_ids": ids[:rows]}, target[:rows])
+        if rank == 0:
+            assert str(info.value).startswith("rank 1: "), str(info.value)
+    with record_communications() as comms:
+        loss = pipe.step({"input_ids": ids}, target)
+    assert (loss is not None) == (rank == 1)
+    assert any(c.kind in ("send", "recv") for c in comms)
+
 def test_cut_sends_every_value_live_across():
     """Cut at layers 1 and 2 of 3: the mask, cos, sin (made before layer 0, read by every
     layer) and the hidden states cross both boundaries, the first three passing through

@@ -50,6 +50,7 @@ from meshfuse.parallel.stages import (
 )
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.interpreter.agreement import Fact, agreed
 
 __all__ = ["Pipeline", "PipelineSpec", "default_pieces", "pipeline_stages"]
 
@@ -118,29 +119,47 @@ class Pipeline:
 
     def step(self, inputs: Any, targets: torch.Tensor | None) -> torch.Tensor | None:
         """One batch: ``inputs`` a tensor, a tuple of positional inputs or a dict of keyword
-        inputs, each tensor's first dimension the batch."""
+        inputs, each tensor's first dimension the batch.
+
+        Raises:
+            InputError: on every rank of the pipeline, before anything is sent, when some
+                rank's batch does not split into the microbatches, differs from the first
+                step's, or differs from another rank's (the ranks agree on their inputs'
+                shapes first: one small collective per step)."""
+        comm = Communicator.instance()
+        ranks = tuple(sorted(r for group in self.runner.stage_ranks for r in group))
+        if comm.size == 1 or len(ranks) == 1:
+            batch = self._checked(inputs, targets)
+        else:
+            batch = agreed(comm, lambda: self._checked(inputs, targets), _input_facts,
+                           "pass every rank the same batch", ranks=ranks)
+        if self.traced is None:  # the ranks agree on the batch: cut the stages for it
+            self._cut(*batch.micro)
+            self.traced = batch.signature
+        loss = self.runner.step(batch.tensors, targets)
+        if loss is not None and self.data_parallel is not None:
+            loss = collectives.allreduce(loss, self.data_parallel, "sum") / \
+                self.data_parallel.size
+        return loss
+
+    def _checked(self, inputs: Any, targets: Any) -> _Batch:
+        """The batch, checked: it splits into the microbatches and, after the first step,
+        has the first step's shapes."""
         args, kwargs = _call(inputs)
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         m = self.spec.microbatches
         dp = self.data_parallel.size if self.data_parallel is not None else 1
         _check_batch(flat, targets, m, dp)
-        micro = torch.utils._pytree.tree_unflatten(
-            [x.chunk(m)[0].chunk(dp)[0] if isinstance(x, torch.Tensor) else x for x in flat],
-            spec)
         signature = (spec, tuple((tuple(x.shape), x.dtype) for x in flat
                                  if isinstance(x, torch.Tensor)))
-        if self.traced is None:
-            self._cut(*micro)
-            self.traced = signature
-        elif signature != self.traced:
+        if self.traced is not None and signature != self.traced:
             raise InputError(f"pipeline step: inputs {signature[1]} differ from those of the "
                              f"first step {self.traced[1]}; the stages were cut for those: "
                              f"give every step batches of one shape")
-        tensors = tuple(x for x in flat if isinstance(x, torch.Tensor))
-        loss = self.runner.step(tensors, targets)
-        if loss is not None and self.data_parallel is not None:
-            loss = collectives.allreduce(loss, self.data_parallel, "sum") / dp
-        return loss
+        micro = torch.utils._pytree.tree_unflatten(
+            [x.chunk(m)[0].chunk(dp)[0] if isinstance(x, torch.Tensor) else x for x in flat],
+            spec)
+        return _Batch(tuple(x for x in flat if isinstance(x, torch.Tensor)), signature, micro)
 
     def _cut(self, args: tuple, kwargs: dict) -> None:
         """Traces the model on one microbatch and gives each stage of this rank its graph."""
@@ -269,6 +288,23 @@ def _check_fsdp(fsdp: str | None, rest: tuple[str, ...], plan: Mapping[str, Any]
                               f"('pp', {fsdp!r}) with an empty plan; this mesh's other "
                               f"dimensions are {rest} and the plan has {len(plan)} keys: "
                               f"drop fsdp= for a tensor-parallel pipeline")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A step's batch: its tensors, their signature (the input structure, shapes, dtypes)
+    and one microbatch of it (positional and keyword inputs: what the stages are cut at)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    signature: tuple
+    micro: tuple
+
+
+def _input_facts(batch: _Batch) -> list[Fact]:
+    """What every rank's batch must hold alike: its tensors' shapes and dtypes."""
+    value = tuple((tuple(x.shape), str(x.dtype)) for x in batch.tensors)
+    shown = ", ".join(f"{list(x.shape)} {x.dtype}" for x in batch.tensors)
+    return [Fact("the pipeline step's inputs", value, shown)]
 
 
 def _call(inputs: Any) -> tuple[tuple, dict]:
