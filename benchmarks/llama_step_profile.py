@@ -1,0 +1,139 @@
+"""Where a training step of the Llama-3.2-1B-shaped model of :mod:`benchmarks.capture_llama`
+spends its GPU time and memory: ``torch.compile`` against ``meshfuse.parallelize``, one rank.
+
+Per variant, after a warm-up: the device kernels of two profiled steps by total time (and
+their busy and idle time on the GPU), and the memory of a step: what is allocated between
+steps (parameters, gradients, optimizer state, and for meshfuse the outputs its CUDA graphs
+hold), the peak during a step, and for meshfuse each graph's private pool against the bytes
+of the outputs it holds (the rest is the memory of the program's intermediates).
+
+    python -m benchmarks.llama_step_profile --out OUT          # one H200
+    python -m benchmarks.llama_step_profile --quick            # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import context, trace_summary
+from benchmarks.capture_llama import _config, _sync, _variant
+from benchmarks.gpt3_profile import _kernels
+
+WARMUP, PROFILED, ROWS = 4, 2, 40
+
+
+def _step(model, optimizer, inputs):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _graph_memory() -> list[str]:
+    """Per automatic CUDA graph of the process: its pool's bytes and its outputs' bytes."""
+    from meshfuse.runtime.replay import automatic
+    from meshfuse.runtime.replay.graphs import pool_bytes
+
+    lines, pools, outputs = [], 0, 0
+    for replay in list(automatic._LIVE):
+        for key, graphs in replay._graphs.items():
+            for graph in graphs:
+                pool = pool_bytes(graph._graph)
+                held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in graph._outputs}.values())
+                pools, outputs = pools + pool, outputs + held
+                lines.append(f"  graph of {replay._program.__class__.__name__} "
+                             f"{id(replay) % 10000:04d}: pool {pool / 2**20:.0f} MiB, outputs "
+                             f"{held / 2**20:.0f} MiB")
+    return [f"graphs: pools {pools / 2**30:.2f} GiB, their outputs {outputs / 2**30:.2f} GiB",
+            *lines]
+
+
+def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[str]:
+    import meshfuse
+
+    model = _variant(name, base, meshfuse.DeviceMesh([0]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    for _ in range(WARMUP):
+        _step(model, optimizer, inputs)
+    _sync(device)
+    lines = [f"## {name}"]
+    if device.type == "cuda":
+        between = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _step(model, optimizer, inputs)
+        _sync(device)
+        state = sum(p.numel() * p.element_size() for p in model.parameters())
+        lines.append(f"memory: between steps {between / 2**30:.2f} GiB allocated (parameters "
+                     f"{state / 2**30:.2f} GiB), peak in a step "
+                     f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
+                     f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB")
+        if name == "meshfuse":
+            lines += _graph_memory()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED):
+            _step(model, optimizer, inputs)
+        _sync(device)
+    kernels = _kernels(prof, device.type == "cuda")
+    total = sum(t for _, _, t in kernels) / PROFILED
+    lines.append(f"kernels per step: {total:.3f} ms in "
+                 f"{sum(c for _, c, _ in kernels) / PROFILED:g} launches")
+    if device.type == "cuda":
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            with open(f.name) as trace:
+                whole = trace_summary.summarize(json.load(trace))[0]
+        lines.append(f"GPU per step: busy {whole['compute_busy_ms'] / PROFILED:.3f} ms, idle "
+                     f"{whole['idle_ms'] / PROFILED:.3f} ms")
+    lines += [f"{c / PROFILED:6g} {t / PROFILED:9.3f} ms  {n[:140]}"
+              for n, c, t in kernels[:ROWS]]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--variants", default="compile,meshfuse")
+    parser.add_argument("--out", default=None, help="directory for the summary")
+    args = parser.parse_args()
+    device = context.setup(args.quick, cpu=args.quick).device
+    warnings.simplefilter("ignore")
+    from transformers import LlamaForCausalLM
+
+    batch, seq = (2, 16) if args.quick else (4, 2048)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_config(args.quick)).to(device, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    vocab = base.config.vocab_size
+    inputs = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g).to(device),
+              "labels": torch.randint(0, vocab, (batch, seq), generator=g).to(device)}
+    out = Path(args.out) if args.out else None
+    lines = [f"# Llama-3.2-1B-shaped training step, {batch} x {seq}, "
+             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+             f"torch {torch.__version__}"]
+    for name in args.variants.split(","):
+        lines += profile_variant(name, copy.deepcopy(base), inputs, device, out)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if out is not None:
+            (out / "llama_step_profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    context.teardown()
+
+
+if __name__ == "__main__":
+    main()
