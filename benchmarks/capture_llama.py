@@ -22,6 +22,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import time
 import warnings
@@ -80,7 +81,7 @@ def _variant(name: str, base, mesh):
     model = copy.deepcopy(base)
     if name == "compile":
         return torch.compile(model)
-    if name == "meshfuse":
+    if name.startswith("meshfuse"):
         return meshfuse.parallelize(model, mesh, {})
     return model
 
@@ -91,7 +92,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--variants", default="eager,compile,meshfuse")
+    parser.add_argument("--variants", default="eager,compile,meshfuse",
+                        help="also meshfuse_private_pools (MESHFUSE_SHARED_GRAPH_POOLS=0)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     args = parser.parse_args()
     device = context.setup(args.quick, cpu=args.quick).device
@@ -116,9 +118,11 @@ def main() -> None:
         path = Path(args.out) / f"{time.strftime('%Y-%m-%d-%H%M')}-capture-llama-1b.json"
     for variant in args.variants.split(","):
         try:
+            # meshfuse_private_pools: each automatic CUDA graph with its own memory pool
+            os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "0" if "private" in variant else "1"
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
             results[variant] = _time_steps(model, inputs, args.steps, device)
-            if variant == "meshfuse":
+            if variant.startswith("meshfuse"):
                 results[variant]["calls"] = _calls(model)
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
             results[variant] = {"error": f"{type(error).__name__}: {error}"[:2000]}

@@ -41,23 +41,25 @@ def _step(model, optimizer, inputs):
 
 
 def _graph_memory() -> list[str]:
-    """Per automatic CUDA graph of the process: its pool's bytes and its outputs' bytes."""
-    from meshfuse.runtime.replay import automatic
-    from meshfuse.runtime.replay.graphs import pool_bytes
+    """The automatic CUDA graphs' shared pools: their bytes, and the bytes of the outputs
+    their graphs hold (the rest is memory for the programs' intermediates)."""
+    from meshfuse.runtime.replay import pools
 
-    lines, pools, outputs = [], 0, 0
-    for replay in list(automatic._LIVE):
-        for key, graphs in replay._graphs.items():
-            for graph in graphs:
-                pool = pool_bytes(graph._graph)
-                held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for t in graph._outputs}.values())
-                pools, outputs = pools + pool, outputs + held
-                lines.append(f"  graph of {replay._program.__class__.__name__} "
-                             f"{id(replay) % 10000:04d}: pool {pool / 2**20:.0f} MiB, outputs "
-                             f"{held / 2**20:.0f} MiB")
-    return [f"graphs: pools {pools / 2**30:.2f} GiB, their outputs {outputs / 2**30:.2f} GiB",
-            *lines]
+    lines = []
+    for (_, _, kind), pool in pools._POOLS.items():
+        graphs = [g for g in (ref() for ref in pool.graphs) if g is not None]
+        if pool.handle is None:
+            continue
+        total, _, _ = pools.pool_layout(pool.handle)
+        held = sum(b - a for g in graphs for a, b in g.output_ranges())
+        lines.append(f"{kind} pool: {len(graphs)} graphs, {total / 2**30:.2f} GiB, their "
+                     f"outputs {held / 2**30:.2f} GiB")
+    from meshfuse.runtime.replay import automatic
+
+    for replay in automatic._LIVE:
+        if replay.graphs or replay.waits:
+            lines.append(f"  program {id(replay._program) % 10000:04d}: {replay.describe()}")
+    return lines
 
 
 def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[str]:
@@ -97,7 +99,8 @@ def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[s
             with open(f.name) as trace:
                 whole = trace_summary.summarize(json.load(trace))[0]
         lines.append(f"GPU per step: busy {whole['compute_busy_ms'] / PROFILED:.3f} ms, idle "
-                     f"{whole['idle_ms'] / PROFILED:.3f} ms")
+                     f"{whole['idle_ms'] / PROFILED:.3f} ms; longest idle gaps (ms, after):")
+        lines += [f"  {gap['ms']:.3f} after {gap['after']}" for gap in whole["longest_idle_gaps"]]
     lines += [f"{c / PROFILED:6g} {t / PROFILED:9.3f} ms  {n[:140]}"
               for n, c, t in kernels[:ROWS]]
     return lines
@@ -121,9 +124,9 @@ def main() -> None:
     inputs = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g).to(device),
               "labels": torch.randint(0, vocab, (batch, seq), generator=g).to(device)}
     out = Path(args.out) if args.out else None
-    lines = [f"# Llama-3.2-1B-shaped training step, {batch} x {seq}, "
-             f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-             f"torch {torch.__version__}"]
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    title = f"# Llama-3.2-1B-shaped training step, {batch} x {seq}, {where}, "
+    lines = [title + f"torch {torch.__version__}"]
     for name in args.variants.split(","):
         lines += profile_variant(name, copy.deepcopy(base), inputs, device, out)
         gc.collect()

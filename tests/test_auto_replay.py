@@ -31,7 +31,7 @@ from meshfuse import (
 from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
-from meshfuse.runtime.replay import automatic
+from meshfuse.runtime.replay import automatic, pools
 from meshfuse.runtime.replay.automatic import (
     BUFFERS,
     MAX_GRAPHS,
@@ -62,9 +62,9 @@ class FakeGraph:
                 out.copy_(new)
 
 
-def fake_capture(program, inputs, generators=()):
+def fake_capture(program, inputs, generators=(), pool=None):
     outputs = program.run(inputs)
-    return FakeGraph(program, inputs, outputs), outputs, 1024
+    return FakeGraph(program, inputs, outputs), outputs, 1024, ()
 
 
 class FakeCuda:
@@ -154,6 +154,44 @@ def test_a_loop_holding_the_previous_result_replays_every_call():
         if previous is not None:
             assert out[0].data_ptr() != previous[0].data_ptr()
     assert replay.graphs == BUFFERS
+
+
+def test_a_graph_waits_for_later_graphs_whose_outputs_lie_in_its_memory(monkeypatch):
+    """Graphs share a memory pool: a graph captured later may put its outputs where an
+    earlier one keeps its intermediates. The earlier graph then replays only while nothing
+    holds those outputs (else a second graph, then the interpreter)."""
+    monkeypatch.setattr(pools, "_POOLS", {})
+    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1")  # opt-in
+
+    def everywhere(program, inputs, generators=(), pool=None):  # writes all memory
+        return (*fake_capture(program, inputs)[:3], [(0, 2**63)])
+
+    class Overlapping(FakeCuda):
+        capture = staticmethod(everywhere)
+
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    first = AutoReplay(_program(_chain(), [x, y]), CUDA, cuda=Overlapping)
+    second = AutoReplay(_program(_chain(), [x, y]), CUDA, cuda=Overlapping)
+    first.run([x, y])
+    del first.run([x, y])[:]  # captured: graph A
+    second.run([x, y])
+    held = second.run([x, y])  # graph B, captured after A, its outputs in A's memory
+    ((a,),) = first._graphs.values()
+    assert not a.free() and a.unheld()
+    x.add_(1)
+    _assert_outputs(first.run([x, y]), x, y)  # A waits: a second graph of its own
+    assert first.graphs == 2
+    del held
+    assert a.free()
+    before = FakeGraph.replays
+    _assert_outputs(first.run([x, y]), x, y)  # A again
+    assert FakeGraph.replays == before + 1 and first.graphs == 2
+
+
+def test_written_memory_is_the_pool_less_what_was_held_before():
+    assert pools.written([(0, 100), (200, 300)], [(10, 20), (90, 110), (250, 300)]) == \
+        [(0, 10), (20, 90), (200, 250)]
+    assert pools.overlaps([(0, 10)], [(9, 12)]) and not pools.overlaps([(0, 10)], [(10, 12)])
 
 
 def test_inside_the_callers_own_capture_the_interpreter_runs(monkeypatch):
@@ -295,7 +333,7 @@ def test_an_output_that_is_an_input_does_not_block_replay():
 def test_a_failed_capture_leaves_the_program_to_the_interpreter():
     x, y = torch.randn(8, 8), torch.randn(8, 8)
 
-    def failing(program, inputs, generators=()):
+    def failing(program, inputs, generators=(), pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     class Failing(FakeCuda):

@@ -58,9 +58,9 @@ class AddressGraph:
                 out.copy_(new)
 
 
-def _capture(program, inputs, generators=()):
+def _capture(program, inputs, generators=(), pool=None):
     outputs = program.run(list(inputs))
-    return AddressGraph(program, inputs, outputs), outputs, 0
+    return AddressGraph(program, inputs, outputs), outputs, 0, ()
 
 
 class AddressCuda:
@@ -134,6 +134,31 @@ def test_a_training_loop_replays_forward_and_backward(fake_cuda, zero_grad_to_no
     assert _graphs(forward) >= 1 and _graphs(backward) >= 1
     # both programs replay from the third step on (captured at their second call)
     assert AddressGraph.replays - before >= 2 * 6
+
+
+def test_holding_the_previous_steps_loss_keeps_one_graph(fake_cuda):
+    """``loss = model(x)`` holds the previous loss while the next forward runs: a 0-d
+    output the backward does not read is returned as a copy, so the forward's graph stays
+    free (one graph, not a second copy of its memory) and the losses kept stay right."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w1 = fd.define_tensor([FFN, H], dtype=DataType.Double)
+        y = fd.ops.tanh(fd.ops.linear(x, w1))
+        fd.add_output(fd.ops.sum(fd.ops.mul(y, y)))
+    w = _randn(FFN, H, seed=2)
+    layer = FusionModule(fd, {"w1": (w1, w)})
+    x = torch.empty(T, H, dtype=torch.float64)
+    losses = []
+    loss = None
+    for step in range(6):
+        x.copy_(_randn(T, H, seed=10 + step))
+        loss = layer(x)  # the previous loss is alive meanwhile
+        loss.backward()
+        losses.append((loss, torch.tanh(F.linear(x, w)).pow(2).sum()))
+    for got, want in losses:
+        torch.testing.assert_close(got.detach(), want)
+    forward, backward = _runners(layer._function)
+    assert _graphs(forward) == 1 and _graphs(backward) == 1
 
 
 def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):

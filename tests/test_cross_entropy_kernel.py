@@ -157,6 +157,37 @@ def test_backward_keeps_the_gradient_not_the_logits():
     assert ops.count("cross_entropy_bwd") == 1 and "exp" not in ops, ops
 
 
+@pytest.mark.parametrize("cotangent", [1.0, 2.5])
+def test_float32_cast_of_half_logits_is_read_through(cotangent):
+    """``F.cross_entropy(logits.float().view(-1, V), t)`` (Hugging Face's losses): the op
+    reads the bf16 logits (the float32 copy is never made: the derived forward has no cast
+    of them) and keeps a bf16 gradient as the residual; loss and gradient are torch's."""
+    b, s, v = 2, 3, 37
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([b, s, v], dtype=DataType.BFloat16)
+        t = fd.define_tensor([b * s], dtype=DataType.Int)
+        wide = fd.ops.reshape(fd.ops.cast(x, DataType.Float), [b * s, v])
+        fd.add_output(fd.ops.cross_entropy(wide, t, ignore_index=IGNORE))
+    bwd = meshfuse.vjp(fd)
+    forward = bwd.forward.fusion
+    assert not any(e.op is not None and e.op.name == "cast" and e.outputs[0].ndim == 3
+                   for e in forward.exprs), forward
+    big = [forward.outputs()[r.index] for r in bwd.derivation.residuals
+           if r.kind == "output" and forward.outputs()[r.index].ndim == 2]
+    assert [r.dtype for r in big] == [DataType.BFloat16]
+    logits, target = _inputs(b * s, v, torch.bfloat16, seed=3)
+    logits = logits.reshape(b, s, v)
+    leaf = logits.clone().requires_grad_()
+    (loss,) = fd.as_autograd_function()([leaf, target])
+    (loss * cotangent).backward()
+    ref = logits.clone().requires_grad_()
+    ref_loss = F.cross_entropy(ref.float().view(-1, v), target, ignore_index=IGNORE)
+    (ref_loss * cotangent).backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(leaf.grad, ref.grad, **TOL[torch.bfloat16])
+
+
 def _extents(forward, residual) -> list:
     out = forward.fusion.outputs()[residual.index]
     return [i.extent for i in out.materialized()]

@@ -147,7 +147,7 @@ class _FakeCuda:
     """A capture that must not happen (the decision refuses before it)."""
 
     @staticmethod
-    def capture(program, inputs, generators=()):
+    def capture(program, inputs, generators=(), pool=None):
         raise AssertionError("captured a program the plan refuses")
 
     @staticmethod
@@ -272,9 +272,9 @@ class _RerunCuda:
                 out.copy_(new)
 
     @classmethod
-    def capture(cls, program, inputs, generators=()):
+    def capture(cls, program, inputs, generators=(), pool=None):
         outputs = program.run(inputs)
-        return cls.Graph(program, inputs, outputs), outputs, 0
+        return cls.Graph(program, inputs, outputs), outputs, 0, ()
 
     @staticmethod
     def capturing():

@@ -143,7 +143,7 @@ def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
             new = Scalar(v.dtype)
         mapped[v] = clone.add_input(new)
 
-    for expr in fusion.exprs:
+    for expr in _read_exprs(fusion):
         outs = add_op(clone, expr.op, [clone.copied_arg(a, mapped) for a in expr.args], {})
         outs = outs if isinstance(outs, tuple) else (outs,)
         mapped.update(zip(expr.outputs, outs))
@@ -156,6 +156,22 @@ def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
     for out in fusion.outputs():
         clone.add_output(mapped[out])
     return clone, mapped
+
+
+def _read_exprs(fusion: Fusion) -> list[Expr]:
+    """``fusion``'s expressions but the cheap pure ones (``Vjp.recompute``: pointwise,
+    casts, shape ops) whose results nothing reads, in order. A composite may leave such
+    values behind (a cross entropy reads half-precision logits where it was given their
+    float32 cast); an unread op that draws random numbers or is expensive stays."""
+    read = set(fusion.outputs())
+    kept = []
+    for expr in reversed(fusion.exprs):
+        vjp = op_of(expr).vjp if expr.op is not None else None
+        if vjp is not None and vjp.recompute and not any(o in read for o in expr.outputs):
+            continue
+        kept.append(expr)
+        read.update(expr.inputs)
+    return kept[::-1]
 
 
 class _BackwardBuilder:

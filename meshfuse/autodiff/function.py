@@ -273,6 +273,18 @@ class _Compiled:
                                       staged=range(len(self.derivation.cotangents)))
 
 
+def _scalar_outputs_copied(outputs: list, d: Derivation) -> list:
+    """``outputs``, the 0-d ones that are no residual copied: a replayed forward returns
+    its outputs in its CUDA graph's memory, which the graph rewrites at its next replay and
+    so will not replay while they are held; a training loop holds the previous step's loss
+    while it runs the next forward (``loss = model(x).loss``), which would make the graph
+    capture a second copy of itself (its memory, residuals included, twice). Larger
+    outputs stay in the graph's memory: the next layer of a stack reads its input there."""
+    saved = {r.index for r in d.residuals if r.kind == "output"}
+    return [o.clone() if j not in saved and isinstance(o, torch.Tensor) and o.dim() == 0
+            else o for j, o in enumerate(outputs)]
+
+
 class _FusionAutograd(torch.autograd.Function):
     """One node per call; see the module doc.
 
@@ -291,9 +303,9 @@ class _FusionAutograd(torch.autograd.Function):
         ctx.absent = [x is None or isinstance(x, torch.Tensor) and x.device.type == "meta"
                       for x in inputs]
         results = compiled.run_forward(list(inputs))
-        outputs = results[:d.num_outputs]
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
+        outputs = _scalar_outputs_copied(results[:d.num_outputs], d)
         # Residuals that are outputs of the node (positions among the residuals).
         ctx.returned = [i for i, r in enumerate(d.residuals)
                         if r.kind == "output" and r.index < d.num_outputs]

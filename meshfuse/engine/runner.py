@@ -250,7 +250,7 @@ class FusionRunner:
             host = self._host[key, backend] = HostLog()
         if replay_wanted(cuda_graph, self.cuda_graph):
             outputs = self._replayed(key, backend, device, program, inputs, staged, host,
-                                     start)
+                                     start, donate)
             if outputs is not None:
                 if donate:  # given up after the replay (see automatic.py: donation)
                     inputs.clear()
@@ -263,7 +263,7 @@ class FusionRunner:
 
     def _replayed(self, key: tuple, backend: str | None, device: torch.device,
                   program: Program, inputs: Sequence[Any], staged: Sequence[int],
-                  host: HostLog, start: int) -> list[torch.Tensor] | None:
+                  host: HostLog, start: int, donate: bool) -> list[torch.Tensor] | None:
         """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
         interpreter must run the call; a replay that captured nothing counts its host time."""
         replay = self._replays.get((key, backend))
@@ -271,7 +271,7 @@ class FusionRunner:
             replay = self._replays[key, backend] = AutoReplay(program, device,
                                                               self._graph_budget)
         captured = replay.graphs
-        outputs = replay.run(inputs, frozenset(staged))
+        outputs = replay.run(inputs, frozenset(staged), donate)
         if outputs is not None and replay.graphs == captured:
             host.replayed.add(time.perf_counter_ns() - start)
         return outputs

@@ -146,9 +146,34 @@ def _fused_cross_entropy(o, logits, target, reduction: str, ignore_index: int,
     residual), divided by the count of rows not ignored for a mean."""
     count = o.sum(o.cast(o.ne(target, ignore_index), DataType.Float)) \
         if reduction == "mean" else 1.0
-    loss, _, _ = o.cross_entropy_fwd(logits, target, count, ignore_index=ignore_index,
+    loss, _, _ = o.cross_entropy_fwd(_unwidened(o, logits), target, count,
+                                     ignore_index=ignore_index,
                                      label_smoothing=float(smoothing))
     return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
+
+
+def _unwidened(o, logits):
+    """``logits`` itself, or where it is a float32 cast of bf16/fp16 values (perhaps then
+    reshaped: ``F.cross_entropy(logits.float().view(-1, V), ...)``, as Hugging Face's
+    losses are written), those values (reshaped alike). ``cross_entropy_fwd`` computes in
+    float32 from half-precision logits, so the loss is the same, and writes the gradient in
+    their dtype, which the cast's gradient would round it to anyway: the float32 copy of the
+    logits is never made, and the backward keeps a half-precision gradient as its residual
+    (half the bytes)."""
+    shape = None
+    source = logits
+    if source.definition is not None and source.definition.op is not None and \
+            source.definition.op.name == "reshape":
+        shape = [i.extent for i in logits.logical]
+        source = source.definition.args[0]
+    cast = source.definition
+    if cast is None or cast.op is None or cast.op.name != "cast" or \
+            source.dtype is not DataType.Float:
+        return logits
+    narrow = cast.args[0]
+    if narrow.dtype not in (DataType.BFloat16, DataType.Half) or None in (shape or [0]):
+        return logits
+    return narrow if shape is None else o.reshape(narrow, shape)
 
 
 def _soft_cross_entropy(o, logits, target, axis: int, smoothing: float):

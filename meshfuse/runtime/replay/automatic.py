@@ -77,7 +77,12 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   backward's other graph, which is added into ``.grad`` (a copy).
 
 Memory: each graph keeps its private memory pool (one run's outputs and intermediates) for as
-long as the program is cached; ``explain`` says how much.
+long as the program is cached; ``explain`` says how much each signature's captures hold.
+With ``MESHFUSE_SHARED_GRAPH_POOLS=1`` the automatic graphs of a device share two pools, one
+for forwards and plain calls and one for backwards, so that a stack's layers hold their
+outputs and one layer's intermediates, not each layer's (opt-in for now:
+:mod:`~meshfuse.runtime.replay.pools`, which also says when a graph whose intermediates'
+memory a later graph's outputs took may replay).
 """
 
 from __future__ import annotations
@@ -94,7 +99,15 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program
 from meshfuse.runtime.interpreter.fused import FUSED
 from meshfuse.runtime.interpreter.program import unchanged_view
-from meshfuse.runtime.replay.graphs import buffer_like, capture, pool_bytes
+from meshfuse.runtime.replay.graphs import buffer_like, capture
+from meshfuse.runtime.replay.pools import (
+    BACKWARD,
+    FORWARD,
+    SharedPool,
+    pool_layout,
+    shared_pool,
+    written,
+)
 from meshfuse.runtime.replay.streams import (
     StreamPlan,
     plan_streams,
@@ -211,19 +224,25 @@ def _local(step, call) -> bool:
     return call is op.impl
 
 
-def cuda_capture(program: Program, inputs: Sequence[Any], generators=()):
-    """``(graph, outputs, pool_bytes)``: ``program`` captured (with its warm-up run:
-    :func:`~meshfuse.runtime.replay.graphs.capture`; ``generators`` registered with the graph) and
-    the device memory its private pool holds. ValueError unless every tensor is on CUDA."""
+def cuda_capture(program: Program, inputs: Sequence[Any], generators=(),
+                 pool: SharedPool | None = None):
+    """``(graph, outputs, grown, written)``: ``program`` captured into ``pool`` (with its
+    warm-up run: :func:`~meshfuse.runtime.replay.graphs.capture`; ``generators`` registered
+    with the graph), the bytes the pool grew by, and the pool's memory the graph may write
+    (:func:`~meshfuse.runtime.replay.pools.written`). ValueError unless every tensor is on
+    CUDA."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")
+    handle = pool.cuda_handle() if pool is not None else None
+    before, _, held = pool_layout(handle) if handle is not None else (0, [], [])
     # Thread-local capture: the program has no collective, and other threads (NCCL's
     # watchdog) may keep using CUDA while it is captured.
     graph, outputs, _ = capture(program, inputs, error_mode="thread_local",
-                                generators=generators)
+                                generators=generators, pool=handle)
     if not all(o.is_cuda for o in outputs):
         raise ValueError("an output is not a CUDA tensor")
-    return graph, outputs, pool_bytes(graph)
+    after, segments, _ = pool_layout(graph.pool())
+    return graph, outputs, after - before, written(segments, held)
 
 
 def cuda_memory_limit(device: torch.device) -> int:
@@ -316,15 +335,18 @@ class AutoReplay:
         self._streams = ""  # explain's words on the dropout streams a replay seeds
         self._device = device
         self.capped = False  # a capture was refused: the pools' memory limit is reached
+        self.waits = 0  # calls where a graph waited for a later graph's outputs
         _LIVE.add(self)
 
-    def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset()
-            ) -> list[torch.Tensor] | None:
+    def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset(),
+            donating: bool = False) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
         interpreter must run this call (also inside the caller's own CUDA graph capture,
         which then captures the interpreter's kernels). ``staged``: the positions of
         tensor inputs whose addresses change from call to call (a backward's cotangents):
-        each graph copies them into buffers of its own, and they are not part of its key."""
+        each graph copies them into buffers of its own, and they are not part of its key.
+        ``donating``: the call donates its inputs (a backward): a graph captured for it
+        goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -344,11 +366,13 @@ class AutoReplay:
         for graph in graphs:
             if graph.free():
                 return graph.replay(inputs)
+            if graph.unheld():
+                self.waits += 1  # free but for a later graph's outputs (see pools.py)
         if len(graphs) >= BUFFERS or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 \
                 or self._memory_spent():
             return None
         rest = _outside_graphs(_addresses(inputs, unkeyed))
-        graph = self._captured(inputs, staged)
+        graph = self._captured(inputs, staged, BACKWARD if donating else FORWARD)
         if graph is None:
             return None
         self._rests.add(rest)
@@ -406,11 +430,15 @@ class AutoReplay:
             spent += (f"; no more captures: the process's graphs hold {POOL_FRACTION:.0%} "
                       "of the device's memory")
         streams = f"; {self._streams}" if self._streams else ""
+        if self.waits:
+            spent += (f"; {self.waits} calls found a graph waiting for a later graph's "
+                      "outputs, held, in memory its replay writes")
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
                 f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
 
-    def _captured(self, inputs: Sequence[Any], staged: frozenset[int]) -> _Graph | None:
+    def _captured(self, inputs: Sequence[Any], staged: frozenset[int],
+                  kind: str) -> _Graph | None:
         streams = plan_streams(self._program, inputs)
         if isinstance(streams, str):
             self.reason = streams
@@ -418,18 +446,21 @@ class AutoReplay:
         buffers = {i: buffer_like(inputs[i]) for i in sorted(staged)
                    if isinstance(inputs[i], torch.Tensor)}
         inputs = [buffers.get(i, x) for i, x in enumerate(inputs)]
+        pool = shared_pool(self._device, kind)
         try:
             with streams.capturing():
-                graph, outputs, pool_bytes = self._cuda.capture(self._program, inputs,
-                                                                streams.generators)
+                graph, outputs, grown, writes = self._cuda.capture(
+                    self._program, inputs, streams.generators, pool)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
         self.graphs += 1
         self._budget.left -= 1
-        self.pool_bytes += pool_bytes
+        self.pool_bytes += grown
         self._streams = self._streams or streams.describe()
-        captured = _Graph(graph, outputs, inputs, streams, buffers)
+        captured = _Graph(graph, outputs, inputs, streams, buffers, writes)
+        if pool is not None:
+            pool.add(captured)
         _track_outputs(captured, outputs)
         return captured
 
@@ -443,8 +474,11 @@ class _Graph:
     (a staged input, copied in at each replay)."""
 
     def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any],
-                 streams: StreamPlan, buffers: dict[int, torch.Tensor]):
+                 streams: StreamPlan, buffers: dict[int, torch.Tensor],
+                 written: Sequence[tuple[int, int]] = ()):
         self._graph = graph
+        self.written = list(written)  # the shared pool's memory its replays may write
+        self.blockers: list[weakref.ref[_Graph]] = []  # see pools.py
         self._outputs = outputs
         self._streams = streams
         self._buffers = buffers
@@ -452,13 +486,30 @@ class _Graph:
                  if isinstance(x, torch.Tensor) and i not in buffers}
         # kept alive by the outputs
         handles = {t.untyped_storage()._cdata for t in outputs} - given
+        self._own = handles
         self._storages = sorted(handles)
         self._baseline = [torch._C._storage_Use_Count(s) for s in self._storages]
 
     def free(self) -> bool:
+        """Whether the graph may replay: nothing outside holds its previous outputs, nor
+        the outputs of its blockers (graphs captured later whose outputs lie in memory its
+        replay writes: :mod:`~meshfuse.runtime.replay.pools`)."""
+        if not self.unheld():
+            return False
+        blockers = [b() for b in self.blockers]
+        self.blockers = [b for b, g in zip(self.blockers, blockers) if g is not None]
+        return all(g.unheld() for g in blockers if g is not None)
+
+    def unheld(self) -> bool:
         """Whether nothing outside holds the previous outputs' memory."""
         return all(torch._C._storage_Use_Count(s) == n
                    for s, n in zip(self._storages, self._baseline))
+
+    def output_ranges(self) -> list[tuple[int, int]]:
+        """The device memory of its outputs (their storages, those of inputs aside)."""
+        return sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
+                       for s in (t.untyped_storage() for t in self._outputs)
+                       if s._cdata in self._own})
 
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout

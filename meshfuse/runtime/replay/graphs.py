@@ -75,7 +75,8 @@ class GraphedProgram:
 
 
 def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
-            error_mode: str = "global", generators: Sequence[torch.Generator] = ()):
+            error_mode: str = "global", generators: Sequence[torch.Generator] = (),
+            pool: Any = None):
     """``(graph, outputs, communications)``: ``program`` on ``inputs`` captured into a CUDA
     graph (nothing runs until it is replayed). ``outputs`` live in the graph's private memory
     pool and are rewritten by each replay; the graph reads ``inputs`` at their addresses.
@@ -84,14 +85,16 @@ def capture(program: Program, inputs: Sequence[Any], warm_up: bool = True,
     (``"thread_local"`` lets other threads, such as NCCL's watchdog, use CUDA meanwhile).
     ``generators``: registered with the graph before its capture (PyTorch's graph-safe RNG:
     each replay reads their seed and offset of that moment; see
-    :mod:`~meshfuse.runtime.replay.streams`)."""
+    :mod:`~meshfuse.runtime.replay.streams`). ``pool``: a memory pool handle to capture
+    into (shared with other graphs: :mod:`~meshfuse.runtime.replay.pools`), else the
+    graph's own."""
     if warm_up:
         warm_up_run(program, inputs)
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
     with captured_communications() as communications, \
-            torch.cuda.graph(graph, capture_error_mode=error_mode):
+            torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
         outputs = program.run(inputs)
     return graph, outputs, communications
 
@@ -104,14 +107,6 @@ def warm_up_run(program: Program, inputs: Sequence[Any]) -> None:
     with torch.cuda.stream(side):
         program.run(inputs)
     torch.cuda.current_stream().wait_stream(side)
-
-
-def pool_bytes(graph: torch.cuda.CUDAGraph) -> int:
-    """The device memory held by ``graph``'s private pool (its segments, as Inductor's CUDA
-    graph trees count them)."""
-    pool = graph.pool()
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if s.get("segment_pool_id") == pool)
 
 
 def buffer_like(x: torch.Tensor) -> torch.Tensor:
