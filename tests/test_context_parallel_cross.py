@@ -9,7 +9,7 @@ import pytest
 import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 
-from meshfuse import DataType, FusionDefinition, ShardingError
+from meshfuse import DataType, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.parallel.context.explain import planned_context_parallel
 from meshfuse.parallel.context.record import Block, cross_pieces
@@ -131,9 +131,21 @@ def test_ring_cross_attention(multidevice_test, s, s_kv, causal):
 @pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
 def test_other_strategies_cross_attention(multidevice_test, strategy, causal, qkv_format):
     """All-gather of the key rows, all-to-all of both sequences (16 queries and 8 keys);
-    what ran is what explain plans."""
+    what ran is what explain plans. Where the sequences do not both divide over the ranks
+    (3), the all-to-all is refused and the all-gather is the engine's: k and v gathered,
+    the queries kept sharded."""
+    d = multidevice_test.size
     fd = CrossAttention(16, 8, causal, qkv_format, strategy=strategy)
     _sequence_sharded(fd, mesh_1d(multidevice_test), "block")
+    if 16 % d or 8 % d:
+        if strategy == "alltoall":
+            with pytest.raises(ShardingError, match=f"do not both divide over {d} ranks"):
+                _check(multidevice_test, fd, _inputs(16, 8, qkv_format))
+            return
+        comms = _check(multidevice_test, fd, _inputs(16, 8, qkv_format))
+        assert planned_context_parallel(fd.compiled().fusion, multidevice_test.rank) == []
+        assert comms and {c.kind for c in comms} <= {"allgather", "reduce_scatter"}, comms
+        return
     comms = _check(multidevice_test, fd, _inputs(16, 8, qkv_format))
     assert f"context_parallel='{strategy}'" in fd.explain()
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
@@ -156,7 +168,7 @@ def test_cross_lengths_that_do_not_divide_are_gathered_or_refused(multidevice_te
     if runs:
         _check(multidevice_test, fd, _inputs(10, 6))
     else:
-        with pytest.raises(ShardingError, match=r"\(10, 6\) that do not both divide over 4"):
+        with pytest.raises(ShardingError, match=rf"\(10, 6\) that do not both divide over {d}"):
             fd.compiled()
 
 
@@ -165,8 +177,14 @@ def test_cross_lengths_that_do_not_divide_are_gathered_or_refused(multidevice_te
 def test_zigzag_cross_attention_is_gathered_or_refused(multidevice_test, causal):
     """A zig-zag split balances causal work of equal lengths only: with 16 queries and 8
     keys the estimate leaves the attention to the engine, which gathers the keys (equal to
-    the unsharded run), and asking for the ring says why not, on every rank."""
+    the unsharded run), and asking for the ring says why not, on every rank. Over ranks
+    whose two chunks per rank do not divide the sequences (3), the split itself is refused."""
+    d = multidevice_test.size
     fd = CrossAttention(16, 8, causal)
+    if 8 % (2 * d):
+        with pytest.raises(ScheduleError, match=rf"not a multiple of 2 \* {d}"):
+            _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+        return
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     _check(multidevice_test, fd, _inputs(16, 8))
     assert "context_parallel='allgather'" in fd.explain()
@@ -201,6 +219,11 @@ def test_cross_attention_dropout_global_mode_equals_unsharded(multidevice_test, 
     expected = whole.execute([t.to(multidevice_test.device) for t in inputs])
     fd = CrossAttention(16, 24, True, strategy=strategy, dropout=0.25)
     _sequence_sharded(fd, mesh_1d(multidevice_test), "block")
+    d = multidevice_test.size
+    if strategy == "ring" and (16 % d or 24 % d):  # the ring runs on equal blocks
+        with pytest.raises(ShardingError, match=f"do not both divide over {d} ranks"):
+            fd.compiled()
+        return
     _check(multidevice_test, fd, inputs, expected)
 
 

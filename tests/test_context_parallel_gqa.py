@@ -13,7 +13,7 @@ import torch
 from mesh_helpers import MX, MY, mesh_1d, mesh_2x2, shard
 from test_context_parallel import Attention, B, E
 
-from meshfuse import DataType, DefinitionError, FusionDefinition, ShardingError
+from meshfuse import DataType, DefinitionError, FusionDefinition, ScheduleError, ShardingError
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.ops.attention.backends import AttentionBackend, own_limits
 from meshfuse.ops.attention.kernels import sdpa_backward, sdpa_forward
@@ -74,6 +74,17 @@ def _sequence_sharded(fd, mesh, layout, pt=MX):
             shard(tv, 2, mesh, pt)
 
 
+def _zigzag_refused(fd, multidevice_test, layout, s) -> bool:
+    """Whether a zig-zag split of ``s`` rows over the ranks (two equal chunks each) is
+    impossible (3 ranks, 16 rows): then scheduling it is refused, naming the fix."""
+    d = multidevice_test.size
+    if layout != "zigzag" or s % (2 * d) == 0:
+        return False
+    with pytest.raises(ScheduleError, match=rf"extent {s} is not a multiple of 2 \* {d}"):
+        _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
+    return True
+
+
 def _rows(s, d, layout):
     if layout == "zigzag":
         chunks = torch.arange(s).chunk(2 * d)
@@ -128,6 +139,8 @@ def test_ring_moves_the_smaller_key_value_blocks(multidevice_test, layout, s, ca
     carries 2 heads of k/v (a quarter of what q's heads would), as its theory says."""
     d = multidevice_test.size
     fd = GroupedAttention(8, 2, s, causal, qkv_format, strategy="ring")
+    if _zigzag_refused(fd, multidevice_test, layout, s):
+        return
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag" if layout == "zigzag" else "block")
     comms = _check(multidevice_test, fd, _inputs(8, 2, s, qkv_format))
     assert [(c.kind, c.bytes) for c in comms] == _ring_bytes(
@@ -150,7 +163,13 @@ def test_other_strategies_with_grouped_heads(multidevice_test, strategy, layout,
     """All-gather (gathers the 4 key/value heads, not 8) and all-to-all (each rank takes a
     block of query heads and the block of key/value heads that serves it)."""
     fd = GroupedAttention(8, 4, 16, causal, qkv_format, strategy=strategy)
+    if _zigzag_refused(fd, multidevice_test, layout, 16):
+        return
     _sequence_sharded(fd, mesh_1d(multidevice_test), layout)
+    if strategy == "alltoall" and 4 % multidevice_test.size:  # heads over the ranks
+        with pytest.raises(ShardingError, match="'alltoall' cannot run: the 8 local heads"):
+            _check(multidevice_test, fd, _inputs(8, 4, 16, qkv_format))
+        return
     comms = _check(multidevice_test, fd, _inputs(8, 4, 16, qkv_format))
     assert f"context_parallel='{strategy}'" in fd.explain()
     planned = planned_context_parallel(fd.compiled().fusion, multidevice_test.rank)
@@ -244,6 +263,8 @@ def test_dropout_gradients_use_the_forwards_masks(multidevice_test, strategy):
     q, k, g = torch.randn(B, 4, 16, 16), torch.randn(B, 2, 16, 16), torch.randn(B, 4, 16, 16)
     inputs = [q, k, torch.eye(16).expand(B, 2, 16, 16).contiguous(), g]
     fd = GroupedDropout(strategy)
+    if _zigzag_refused(fd, multidevice_test, "zigzag", 16):
+        return
     _sequence_sharded(fd, mesh_1d(multidevice_test), "zigzag")
     local = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(inputs, fd.tensors())]
     outputs = fd.execute(local)

@@ -162,16 +162,49 @@ def _read_exprs(fusion: Fusion) -> list[Expr]:
     """``fusion``'s expressions but the cheap pure ones (``Vjp.recompute``: pointwise,
     casts, shape ops) whose results nothing reads, in order. A composite may leave such
     values behind (a cross entropy reads half-precision logits where it was given their
-    float32 cast); an unread op that draws random numbers or is expensive stays."""
+    float32 cast). Only chains of one-input ops hanging from a value that kept expressions
+    read are dropped, and none whose result the user scheduled: propagation may carry a
+    sharding through an op from one input to another, or from a pin, and the derived
+    forward lays its inputs out as the user's fusion does."""
+    forced: set[int] = set()
+    while True:
+        dropped = _unread(fusion, forced)
+        read = set(fusion.outputs())
+        for expr in fusion.exprs:
+            if id(expr) not in dropped:
+                read.update(expr.inputs)
+        unsafe = {id(e) for e in fusion.exprs
+                  if id(e) in dropped and not _hangs_from(e, dropped, read)}
+        if not unsafe:
+            return [e for e in fusion.exprs if id(e) not in dropped]
+        forced |= unsafe
+
+
+def _unread(fusion: Fusion, forced: set[int]) -> set[int]:
+    """The ids of the cheap pure expressions whose results nothing reads (transitively), the
+    user did not pin, and that are not in ``forced``."""
     read = set(fusion.outputs())
-    kept = []
+    unread = set()
     for expr in reversed(fusion.exprs):
         vjp = op_of(expr).vjp if expr.op is not None else None
-        if vjp is not None and vjp.recompute and not any(o in read for o in expr.outputs):
+        if id(expr) not in forced and vjp is not None and vjp.recompute and not any(
+                o in read or isinstance(o, TensorView) and is_pinned(o) for o in expr.outputs):
+            unread.add(id(expr))
             continue
-        kept.append(expr)
         read.update(expr.inputs)
-    return kept[::-1]
+    return unread
+
+
+def _hangs_from(expr: Expr, dropped: set[int], read: set) -> bool:
+    """Whether ``expr`` has one tensor input, read by a kept expression or itself the result
+    of such a dropped one-input chain."""
+    (x, *more) = expr.tensor_inputs or (None,)
+    if x is None or more:
+        return False
+    if x in read:
+        return True
+    source = x.definition
+    return source is not None and id(source) in dropped and _hangs_from(source, dropped, read)
 
 
 class _BackwardBuilder:
