@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--variants", default="eager,compile,meshfuse",
-                        help="also meshfuse_private_pools (MESHFUSE_SHARED_GRAPH_POOLS=0)")
+                        help="also meshfuse_shared_pools (MESHFUSE_SHARED_GRAPH_POOLS=1)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     args = parser.parse_args()
     device = context.setup(args.quick, cpu=args.quick).device
@@ -118,8 +118,8 @@ def main() -> None:
         path = Path(args.out) / f"{time.strftime('%Y-%m-%d-%H%M')}-capture-llama-1b.json"
     for variant in args.variants.split(","):
         try:
-            # meshfuse_private_pools: each automatic CUDA graph with its own memory pool
-            os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "0" if "private" in variant else "1"
+            # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in)
+            os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in variant else "0"
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
             results[variant] = _time_steps(model, inputs, args.steps, device)
             if variant.startswith("meshfuse"):
