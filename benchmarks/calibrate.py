@@ -196,10 +196,25 @@ def measure_compute(dtype, device: str, scale: int) -> dict:
                       if device == "cuda" else "wall clock per call"}
 
 
+def _floors_below_samples(samples: dict, floors: dict) -> dict:
+    """``floors`` (us), each at most the fastest sample of its kind: a floor is the least a
+    call takes, and a sample took that long (on the H200 at 15:26 the tiny GEMMs' median
+    came out at 19.4 us while a 512^3 GEMM ran in 13.4 us: every small GEMM was then
+    predicted 47-49% slow)."""
+    kinds = {"gemm": "gemm [m, n, k, s]", "attention": "attention [b, h, s, d, s]",
+             "memory": "memory [kind, row, least bytes, s]"}
+    result = dict(floors)
+    for kind, key in kinds.items():
+        times = [row[-1] * 1e6 for row in samples.get(key, [])]
+        if times and kind in result:
+            result[kind] = min(result[kind], min(times))
+    return result
+
+
 def fit_compute(samples: dict, floors_us: dict | None = None) -> dict:
     """The fitted compute models from :func:`measure_compute`'s samples (also a recorded
     samples file: ``--refit``); ``floors_us`` for a file that has none."""
-    floors = samples.get("floors_us") or floors_us
+    floors = _floors_below_samples(samples, samples.get("floors_us") or floors_us)
     gpu = samples.get("device", "cuda") == "cuda"
     units = samples.get("units", 132 if gpu else 1)
     itemsize = samples.get("itemsize", 2)

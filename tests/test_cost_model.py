@@ -227,6 +227,26 @@ def test_a_recorded_run_is_refitted_offline():
         attention_flops(4, 8, 4096, 64), 4096, 64) * 1e3)
 
 
+RECHECK = Path(calibrate.__file__).parent / "results" / \
+    "2026-12-03-1526-h200-1gpu-calibrate-recheck-"
+
+
+def test_the_independent_h200_rerun_is_predicted_within_the_bar():
+    """Issue 38's bar against the H200 run of 15:26 (measured apart from the committed
+    calibration's): the committed calibration predicts its 20 variants within 15% (median
+    within 5%), and so does a calibration refitted to that run's own microbenchmarks, whose
+    call floors are at most its fastest samples (its tiny GEMMs' median, 19.4 us, lay above
+    a 512^3 GEMM's 13.4 us: the small GEMMs were predicted 47-49% slow)."""
+    for cal in ("h200", calibrate.refit(f"{RECHECK}samples-a982ca1.json", "h200")):
+        rows = calibrate.offline(f"{RECHECK}check-a982ca1.json", cal)["rows"]
+        errors = sorted(abs(r["error"]) for r in rows)
+        assert len(rows) == 20 and errors[-1] < 0.15 and errors[9] < 0.05, rows
+    refitted = from_dict(calibrate.refit(f"{RECHECK}samples-a982ca1.json", "h200"))
+    samples = json.loads(Path(f"{RECHECK}samples-a982ca1.json").read_text())
+    fastest = min(s for *_, s in samples["gemm [m, n, k, s]"]) * 1e6
+    assert refitted.gemm.floor_us == pytest.approx(fastest, rel=0.01)  # written to 3 figures
+
+
 def test_overlap_hides_the_shorter_by_the_contention():
     assert H200.overlapped(1.0, 0.5, contention=0.0) == 1.0
     assert H200.overlapped(1.0, 0.5, contention=1.0) == 1.5
