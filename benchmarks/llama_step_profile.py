@@ -4,8 +4,9 @@ spends its GPU time and memory: ``torch.compile`` against ``meshfuse.parallelize
 Per variant, after a warm-up: the device kernels of two profiled steps by total time (and
 their busy and idle time on the GPU), and the memory of a step: what is allocated between
 steps (parameters, gradients, optimizer state, and for meshfuse the outputs its CUDA graphs
-hold), the peak during a step, and for meshfuse each graph's private pool against the bytes
-of the outputs it holds (the rest is the memory of the program's intermediates).
+hold), the peak during a step, and for meshfuse each signature's replay line (graphs, the
+memory they hold) and, with ``MESHFUSE_SHARED_GRAPH_POOLS=1``, each shared pool's bytes
+against its graphs' outputs' (the rest is the memory of the programs' intermediates).
 
     python -m benchmarks.llama_step_profile --out OUT          # one H200
     python -m benchmarks.llama_step_profile --quick            # CPU smoke test
@@ -41,9 +42,9 @@ def _step(model, optimizer, inputs):
 
 
 def _graph_memory() -> list[str]:
-    """The automatic CUDA graphs' shared pools: their bytes, and the bytes of the outputs
-    their graphs hold (the rest is memory for the programs' intermediates)."""
-    from meshfuse.runtime.replay import pools
+    """The automatic CUDA graphs' shared pools (their bytes, and the bytes of the outputs
+    their graphs hold), then each signature's replay line."""
+    from meshfuse.runtime.replay import automatic, pools
 
     lines = []
     for (_, _, kind), pool in pools._POOLS.items():
@@ -54,8 +55,6 @@ def _graph_memory() -> list[str]:
         held = sum(b - a for g in graphs for a, b in g.output_ranges())
         lines.append(f"{kind} pool: {len(graphs)} graphs, {total / 2**30:.2f} GiB, their "
                      f"outputs {held / 2**30:.2f} GiB")
-    from meshfuse.runtime.replay import automatic
-
     for replay in automatic._LIVE:
         if replay.graphs or replay.waits:
             lines.append(f"  program {id(replay._program) % 10000:04d}: {replay.describe()}")
