@@ -6,7 +6,9 @@ like any other (a vocabulary split: partial lookups):
 - ``embedding_fwd`` of ids of one or two axes into a new ``[V, E]`` table;
 - ``take_along_axis`` and ``index_select`` of a value along a random axis;
 - ``cross_entropy`` of ``[N, C]`` logits on class indices, with a random reduction,
-  ``label_smoothing`` and ``ignore_index`` (0, a class that occurs, or -100, none).
+  ``label_smoothing`` and ``ignore_index`` (0, a class that occurs, or -100, none); a sum
+  with no ignored class reads the logits rounded to bfloat16 and widened back (Hugging
+  Face's ``logits.float()``: the op reads the bfloat16 values through the cast).
 
 A lookup is exact (a partial lookup adds zeros), so its results may be compared.
 """
@@ -71,9 +73,18 @@ def _cross_entropy(g) -> None:
     # Every row may be ignored (ignore_index 0): no mean there (0 / 0).
     reduction = g.rng.choice(["sum", "none"] + (["mean", "mean"] if ignore < 0 else []))
     smoothing = g.rng.choice([0.0, 0.0, 0.1])
+    name = logits.name
+    if reduction == "sum" and ignore < 0:  # (no new draw: the seeds' programs stay theirs)
+        # Hugging Face's loss: logits rounded to bfloat16 and widened again, which the
+        # cross entropy reads through (it keeps a bfloat16 gradient).
+        narrow, name = g.fresh(2)
+        g.emit(f"{narrow} = fd.ops.cast({logits.name}, DataType.BFloat16)",
+               f"{narrow} = {logits.name}.to(torch.bfloat16)", [narrow], False)
+        g.emit(f"{name} = fd.ops.cast({narrow}, DataType.Float)", f"{name} = {narrow}.float()",
+               [name], False)
     (y,) = g.fresh()
     args = f"reduction={reduction!r}, ignore_index={ignore}, label_smoothing={smoothing}"
-    g.emit(f"{y} = fd.ops.cross_entropy({logits.name}, {target.name}, {args})",
-           f"{y} = torch.nn.functional.cross_entropy({logits.name}, {target.name}.long(), "
+    g.emit(f"{y} = fd.ops.cross_entropy({name}, {target.name}, {args})",
+           f"{y} = torch.nn.functional.cross_entropy({name}, {target.name}.long(), "
            f"{args})", [y], False)
     g.features.add("cross_entropy")
