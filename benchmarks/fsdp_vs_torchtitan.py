@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default="meshfuse,torchtitan",
                    help="comma separated: meshfuse, torchtitan (falls back to torch_fsdp2)")
     p.add_argument("--out", default=None, help="directory for fsdp_vs_torchtitan.json/.md")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also where a step synchronizes and what is alive at its memory peak")
     p.add_argument("--plain", action="store_true",
                    help="meshfuse's model without its FSDP modules (one-device mesh)")
     args = p.parse_args(argv)
@@ -197,10 +199,26 @@ def measure(make, cfg, args, device) -> dict:
         losses.append(loss.item())
     median = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    diagnosis = _diagnose(step, cfg, args, device) if args.diagnose else []
     del step
     return {"variant": name, "median_step_s": median, "tokens_per_s":
             args.batch * cfg.seq / median, "peak_bytes": peak, "setup_and_warmup_s": first,
-            "losses": losses}
+            "losses": losses, "diagnosis": diagnosis}
+
+
+def _diagnose(step, cfg, args, device) -> list[str]:
+    """Where a step synchronizes and what is alive at its memory peak (CUDA)."""
+    if device.type != "cuda":
+        return []
+    from benchmarks import memory_peak
+    batch = _batch(cfg, args.batch, 0, device)
+    lines = []
+    for probe in (memory_peak.sync_points, memory_peak.live_at_peak):
+        try:
+            lines += probe(lambda: step(*batch))
+        except Exception as error:  # noqa: BLE001 - a diagnostic; the benchmark goes on
+            lines.append(f"{probe.__name__} failed: {type(error).__name__}: {error}")
+    return lines
 
 
 def _ratios(results: list[dict]) -> dict:
@@ -249,6 +267,7 @@ def main(argv=None) -> int:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         print(f"{r['variant']}: {r['median_step_s'] * 1e3:.1f} ms/step, "
               f"{r['tokens_per_s']:.0f} tokens/s, peak {peak}", flush=True)
+        print("\n".join(r["diagnosis"]), flush=True)
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "config": dataclasses.asdict(cfg),
               "batch": args.batch, "steps": args.steps, "results": results,

@@ -10,6 +10,10 @@ against its graphs' outputs' (the rest is the memory of the programs' intermedia
 
     python -m benchmarks.llama_step_profile --out OUT          # one H200
     python -m benchmarks.llama_step_profile --quick            # CPU smoke test
+
+``--diagnose`` (CUDA) adds, per variant, where a step synchronizes the host with the device
+and what is alive at its memory peak (:mod:`benchmarks.memory_peak`), and writes the
+profiled steps' trace (``<out>/llama_step_profile-<variant>.json.gz``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import gzip
 import json
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -61,9 +67,12 @@ def _graph_memory() -> list[str]:
     return lines
 
 
-def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[str]:
+def profile_variant(name: str, base, inputs, device, out: Path | None,
+                    diagnose: bool = False) -> list[str]:
     import meshfuse
 
+    # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in)
+    os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in name else "0"
     model = _variant(name, base, meshfuse.DeviceMesh([0]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     for _ in range(WARMUP):
@@ -80,8 +89,15 @@ def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[s
                      f"{state / 2**30:.2f} GiB), peak in a step "
                      f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
                      f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB")
-        if name == "meshfuse":
+        if name.startswith("meshfuse"):
             lines += _graph_memory()
+        if diagnose:
+            from benchmarks import memory_peak
+            for probe in (memory_peak.sync_points, memory_peak.live_at_peak):
+                try:
+                    lines += probe(lambda: _step(model, optimizer, inputs))
+                except Exception as error:  # noqa: BLE001 - a diagnostic; the profile goes on
+                    lines.append(f"{probe.__name__} failed: {type(error).__name__}: {error}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
@@ -95,6 +111,10 @@ def profile_variant(name: str, base, inputs, device, out: Path | None) -> list[s
     if device.type == "cuda":
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
+            if diagnose and out is not None:
+                with open(f.name, "rb") as trace, \
+                        gzip.open(out / f"llama_step_profile-{name}.json.gz", "wb") as z:
+                    z.write(trace.read())
             with open(f.name) as trace:
                 whole = trace_summary.summarize(json.load(trace))[0]
         lines.append(f"GPU per step: busy {whole['compute_busy_ms'] / PROFILED:.3f} ms, idle "
@@ -110,6 +130,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
     parser.add_argument("--variants", default="compile,meshfuse")
     parser.add_argument("--out", default=None, help="directory for the summary")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="synchronizations, the memory peak's blocks, the trace (CUDA)")
     args = parser.parse_args()
     device = context.setup(args.quick, cpu=args.quick).device
     warnings.simplefilter("ignore")
@@ -127,7 +149,8 @@ def main() -> None:
     title = f"# Llama-3.2-1B-shaped training step, {batch} x {seq}, {where}, "
     lines = [title + f"torch {torch.__version__}"]
     for name in args.variants.split(","):
-        lines += profile_variant(name, copy.deepcopy(base), inputs, device, out)
+        lines += profile_variant(name, copy.deepcopy(base), inputs, device, out,
+                                 args.diagnose and device.type == "cuda")
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

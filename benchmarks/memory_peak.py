@@ -1,0 +1,124 @@
+"""What is alive at a CUDA memory peak, and where the host waits for the device.
+
+- :func:`live_at_peak` runs a function under ``torch.cuda.memory._record_memory_history``
+  and replays the recorded allocations and frees: at the moment the most bytes were allocated
+  (the trace's own peak, on top of what was allocated before recording began), it groups the
+  live blocks by the innermost frame of the code that allocated them (meshfuse's, the
+  benchmark's, ``transformers``'), largest first;
+- :func:`sync_points` runs a function with ``torch.cuda.set_sync_debug_mode("warn")`` and
+  returns each synchronizing call's place (the frames above it), counted.
+
+Both are diagnostics for the benchmarks' ``--diagnose`` options: a few seconds of a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+import warnings
+from collections.abc import Callable
+
+import torch
+
+MIB = 2**20
+OURS = ("meshfuse/", "benchmarks/", "transformers/", "torchtitan/", "torch/optim/")
+
+
+def _where(frames: list[dict], depth: int = 3) -> str:
+    """The innermost ``depth`` frames of ours (see :data:`OURS`) among ``frames``."""
+    picked = [f for f in frames if any(key in f["filename"] for key in OURS)][:depth]
+    return " < ".join(f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}"
+                      for f in picked) or "(no frame of ours)"
+
+
+def live_at_peak(fn: Callable[[], object], rows: int = 25) -> list[str]:
+    """Runs ``fn`` once, recording allocations; lines describing the live blocks at the
+    peak, and the allocator's pools at the end."""
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    peak_index = -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            total += e["size"]
+        elif e["action"] == "free_completed":
+            total -= e["size"]
+        if total > peak:
+            peak, peak_index = total, i
+    for e in events[:peak_index + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for size, where in live.values():
+        groups[where][0] += size
+        groups[where][1] += 1
+    lines = [(f"allocated before recording {before / MIB:.0f} MiB; at the recorded peak "
+             f"{peak / MIB:.0f} MiB more, in {len(live)} blocks ({len(events)} events):")]
+    lines += _segments(snapshot, set(live))
+    for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"  {size / MIB:9.1f} MiB {count:5d} blocks  {where}")
+    return lines
+
+
+def _segments(snapshot: dict, recorded: set[int]) -> list[str]:
+    """The allocator's segments at the end, by pool (0: the default pool; others: CUDA graph
+    or ``MemPool`` pools): reserved bytes, bytes allocated, and of those the blocks allocated
+    before recording began (largest sizes listed)."""
+    pools: dict = collections.defaultdict(lambda: [0, 0, []])
+    for seg in snapshot["segments"]:
+        key = tuple(seg.get("segment_pool_id", (0, 0)))
+        pools[key][0] += seg["total_size"]
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                pools[key][1] += block["size"]
+                if not any(f for f in block.get("frames", [])):
+                    pools[key][2].append(block["size"])
+    lines = [("allocator segments at the end, by pool (reserved, allocated, allocated before "
+             "recording: the largest blocks):")]
+    for key, (reserved, allocated, old) in sorted(pools.items(), key=lambda kv: -kv[1][0]):
+        largest = ", ".join(f"{b / MIB:.0f}" for b in sorted(old, reverse=True)[:8])
+        lines.append(f"  pool {key}: {reserved / MIB:.0f} MiB reserved, {allocated / MIB:.0f} "
+                     f"allocated, {sum(old) / MIB:.0f} MiB in {len(old)} older blocks "
+                     f"[{largest}]")
+    return lines
+
+
+def sync_points(fn: Callable[[], object], rows: int = 15) -> list[str]:
+    """Runs ``fn`` with synchronizing CUDA calls reported; lines naming where they were made
+    (the frames of ours above each), most frequent first."""
+    places: collections.Counter = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stack = traceback.extract_stack()[:-2]
+            frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
+                      for f in reversed(stack)]
+            places[f"{str(message)[:60]} at {_where(frames, 4)}"] += 1
+    torch.cuda.synchronize()
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    torch.cuda.synchronize()
+    lines = [f"synchronizing calls in one step: {sum(places.values())}"]
+    lines += [f"  {n:4d}x {where}" for where, n in places.most_common(rows)]
+    return lines
