@@ -150,7 +150,16 @@ def _time(fn, x, t, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def configurations(vocab: int):
+def configurations(vocab: int, chosen: str | None = None):
+    """Every combination of the swept options (at most 32 classes a thread), or ``chosen``:
+    ``block/warps/shift/stages/hints`` entries separated by commas (``8192/8/0/1/1``)."""
+    if chosen:
+        for entry in chosen.split(","):
+            block, warps, shift, stages, hints = (int(v) for v in entry.split("/"))
+            if block <= vocab:
+                yield {"block": block, "warps": warps, "shift": bool(shift), "stages": stages,
+                       "hints": bool(hints)}
+        return
     blocks = [b for b in (4096, 8192, 16384) if b <= vocab]
     for block, warps, shift, stages, hints in itertools.product(
             blocks, (8, 16), (False, True), (1, 3), (False, True)):
@@ -165,6 +174,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", default="32768,131072")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--configs", default=None,
+                        help="only these: block/warps/shift/stages/hints, comma separated")
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -175,7 +186,7 @@ def main(argv=None) -> int:
         tokens = args.tokens if cuda else 4
         x, t = _inputs(tokens, vocab if cuda else min(vocab, 5000), device)
         candidates = {"library": library}
-        for c in configurations(x.shape[1]):
+        for c in configurations(x.shape[1], args.configs):
             name = " ".join(f"{k}={v}" for k, v in c.items())
             candidates[name] = lambda x, t, count, c=c: probe(x, t, count, **c)
         if not cuda:  # the far-apart-blocks path of "shift" too

@@ -11,9 +11,10 @@ against its graphs' outputs' (the rest is the memory of the programs' intermedia
     python -m benchmarks.llama_step_profile --out OUT          # one H200
     python -m benchmarks.llama_step_profile --quick            # CPU smoke test
 
-``--diagnose`` (CUDA) adds, per variant, where a step synchronizes the host with the device
-and what is alive at its memory peak (:mod:`benchmarks.memory_peak`), and writes the
-profiled steps' trace (``<out>/llama_step_profile-<variant>.json.gz``).
+``--diagnose`` (CUDA) adds, per variant, where a step synchronizes the host with the device,
+what is alive at its memory peak and where the host spends a step's time
+(:mod:`benchmarks.memory_peak`), and writes the profiled steps' trace
+(``<out>/llama_step_profile-<variant>.json.gz``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def profile_variant(name: str, base, inputs, device, out: Path | None,
             lines += _graph_memory()
         if diagnose:
             from benchmarks import memory_peak
-            for probe in (memory_peak.sync_points, memory_peak.live_at_peak):
+            for probe in (memory_peak.sync_points, memory_peak.live_at_peak,
+                          memory_peak.host_profile):
                 try:
                     lines += probe(lambda: _step(model, optimizer, inputs))
                 except Exception as error:  # noqa: BLE001 - a diagnostic; the profile goes on

@@ -1,4 +1,5 @@
-"""What is alive at a CUDA memory peak, and where the host waits for the device.
+"""What is alive at a CUDA memory peak, where the host waits for the device, and where the
+host spends its time.
 
 - :func:`live_at_peak` runs a function under ``torch.cuda.memory._record_memory_history``
   and replays the recorded allocations and frees: at the moment the most bytes were allocated
@@ -6,7 +7,9 @@
   live blocks by the innermost frame of the code that allocated them (meshfuse's, the
   benchmark's, ``transformers``'), largest first;
 - :func:`sync_points` runs a function with ``torch.cuda.set_sync_debug_mode("warn")`` and
-  returns each synchronizing call's place (the frames above it), counted.
+  returns each synchronizing call's place (the frames above it), counted;
+- :func:`host_profile` runs a function under ``cProfile``: the functions with the most host
+  time of their own, and the most time with what they call.
 
 Both are diagnostics for the benchmarks' ``--diagnose`` options: a few seconds of a GPU.
 """
@@ -121,4 +124,27 @@ def sync_points(fn: Callable[[], object], rows: int = 15) -> list[str]:
     torch.cuda.synchronize()
     lines = [f"synchronizing calls in one step: {sum(places.values())}"]
     lines += [f"  {n:4d}x {where}" for where, n in places.most_common(rows)]
+    return lines
+
+
+def host_profile(fn: Callable[[], object], rows: int = 30) -> list[str]:
+    """Runs ``fn`` under ``cProfile`` (the device synchronized before and after); lines of the
+    functions with the most time of their own, then the most time with their callees."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    lines = []
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
+        lines += [f"host time by {order}:"] + [
+            "  " + line for line in text.getvalue().splitlines()
+            if line.strip() and not line.startswith(("   Ordered", "   List"))][1:]
     return lines

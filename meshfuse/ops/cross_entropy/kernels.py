@@ -33,11 +33,10 @@ if torch.cuda.is_available() or INTERPRETED:  # a CPU-only process never imports
 # Rows of at most this many classes are held whole in registers (one read of the logits).
 # Measured on one H200 (8192 rows, bf16; benchmarks/results/2026-12-03-1530-h200-1gpu-
 # cross-entropy-sweep-*): at 32k classes one block of 32 warps took 1.63x a copy of the
-# logits, two passes over blocks of 8192 with 16 warps 1.50x (the second read mostly hits
-# L2), so longer rows take two passes.
+# logits, two passes over blocks 1.50x or less (the second read hits L2), so longer rows take
+# two passes.
 ONE_BLOCK_MAX = 8192
-# The block of classes of a row read in two passes, and its warps: 8192 / 16 up to 64k
-# classes (1.50x at 32k), 4096 / 8 beyond (1.59x at 128k; 8192 / 16 took 1.62x there).
+# Longer rows, read in two passes over blocks of CHUNK classes (see :func:`_two_pass_config`).
 CHUNK = 8192
 LONG_ROW = 65536
 
@@ -51,29 +50,71 @@ def available(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _row_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr):
-        """The log-sum-exp and (``SMOOTHED``) the sum of a row read block by block (online
-        max)."""
+    def _row_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr,
+                   SHIFTED: tl.constexpr):
+        """The log-sum-exp and (``SMOOTHED``) the sum of a row read block by block, the
+        blocks kept in L2 for the second read. ``SHIFTED``: each thread sums ``exp(x - c)``,
+        ``c`` the first block's maximum, and keeps its own maximum, reduced once at the end
+        (no reduction over the threads per block); else an online maximum and rescaled sum
+        per block."""
+        cols = tl.arange(0, BLOCK)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        if SHIFTED:
+            x = tl.load(x_row + cols, mask=cols < n_classes, other=float("-inf"),
+                        eviction_policy="evict_last").to(tl.float32)
+            c = tl.max(x, 0)
+            sums = tl.exp(x - c)
+            peaks = x
+            if SMOOTHED:
+                total += tl.sum(tl.where(cols < n_classes, x, 0.0), 0)
+            for start in range(BLOCK, n_classes, BLOCK):
+                mask = start + cols < n_classes
+                x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
+                            eviction_policy="evict_last").to(tl.float32)
+                peaks = tl.maximum(peaks, x)
+                sums += tl.exp(x - c)
+                if SMOOTHED:
+                    total += tl.sum(tl.where(mask, x, 0.0), 0)
+            lse = c + tl.log(tl.sum(sums, 0))
+            # Rare: a later block far above the first is summed again from the true maximum
+            # (exp(60) times a million classes stays far below float32's largest value).
+            if tl.max(peaks, 0) - c > 60.0:
+                lse = _online_lse(x_row, n_classes, BLOCK)
+        else:
+            m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+            s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+            for start in range(0, n_classes, BLOCK):
+                mask = start + cols < n_classes
+                x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
+                            eviction_policy="evict_last").to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
+                if SMOOTHED:
+                    total += tl.sum(tl.where(mask, x, 0.0), 0)
+            lse = m + tl.log(s)
+        return lse, total
+
+    @triton.jit
+    def _online_lse(x_row, n_classes, BLOCK: tl.constexpr):
+        """A row's log-sum-exp with an online maximum (the shifted sum's fallback)."""
         cols = tl.arange(0, BLOCK)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
         s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
         for start in range(0, n_classes, BLOCK):
-            mask = start + cols < n_classes
-            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            x = tl.load(x_row + start + cols, mask=start + cols < n_classes,
+                        other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-            if SMOOTHED:
-                total += tl.sum(tl.where(mask, x, 0.0), 0)
-        return m + tl.log(s), total
+        return m + tl.log(s)
 
     @triton.jit
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
                         count_ptr, n_classes, ignore_index, smoothing,
                         HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
                         BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                        SMOOTHED: tl.constexpr):
+                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         g_row = grad_ptr + row * grad_stride
@@ -102,17 +143,19 @@ if triton is not None:
             if WRITE_GRAD:
                 grad = (e * (1.0 / s) - w) * scale
                 tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
-        else:  # statistics first, then the gradient: read twice
-            lse, total = _row_stats(x_row, n_classes, BLOCK, SMOOTHED)
+        else:  # statistics first, then the gradient: read twice (the second from L2)
+            lse, total = _row_stats(x_row, n_classes, BLOCK, SMOOTHED, SHIFTED)
             x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
             if WRITE_GRAD:
                 for start in range(0, n_classes, BLOCK):
                     mask = start + cols < n_classes
-                    x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    x = tl.load(x_row + start + cols, mask=mask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32)
                     w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
                     grad = (tl.exp(x - lse) - w) * scale
+                    # streamed: the gradient does not push the rows still to read out of L2
                     tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty),
-                             mask=mask)
+                             mask=mask, cache_modifier=".cs")
         loss = lse - (1.0 - smoothing) * x_t - uniform * total
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss * scale))
 
@@ -137,11 +180,13 @@ if triton is not None:
 
 def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
             smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK,
-            write_grad: bool = True):
+            write_grad: bool = True, long_row: int = LONG_ROW):
     """``(loss, grad, applied)``: the summed loss (float32, 0-d; a mean when ``count``, a
     0-d tensor, is given), the gradient of that loss in ``x``'s dtype (None without
     ``write_grad``: the loss alone reads each row once), and the scale applied to it
-    (1.0)."""
+    (1.0). ``one_block_max``, ``chunk`` and ``long_row`` choose the kernel's variant (rows
+    held whole up to ``one_block_max`` classes, else read in blocks of ``chunk``, with
+    shifted sums beyond ``long_row``): tests use them to reach every variant."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, classes = x.shape
@@ -153,19 +198,29 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
     count_arg = count.to(torch.float32).reshape(1) if has_count else loss
     block = triton.next_power_of_2(classes)
     one_block = block <= one_block_max
+    shifted = False
     if one_block:
         warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
     else:
-        block = min(chunk if classes <= LONG_ROW else chunk // 2, block)
-        warps = 16 if block >= 8192 else 8 if block >= 4096 else 4
+        block, warps, shifted = _two_pass_config(classes, min(chunk, block), long_row)
     if rows:
         _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
                                  classes, ignore_index, float(smoothing),
                                  HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
                                  WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
-                                 num_warps=warps)
+                                 SHIFTED=shifted, num_warps=warps)
     applied = torch.ones((), dtype=torch.float32, device=x.device)
     return loss.sum(), grad if write_grad else None, applied
+
+
+def _two_pass_config(classes: int, block: int, long_row: int) -> tuple[int, int, bool]:
+    """(block, warps, shifted) of a row read in two passes. Measured on one H200 (8192 rows,
+    bf16, cache hints on; benchmarks/results/2026-12-04-*-cross-entropy-sweep*): up to 64k
+    classes blocks of 8192 with 8 warps and an online maximum, beyond blocks of 8192 with 16
+    warps and shifted sums."""
+    if classes <= long_row:
+        return block, (8 if block >= 4096 else 4), False
+    return block, (16 if block >= 8192 else 8), True
 
 
 def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,
