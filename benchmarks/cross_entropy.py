@@ -23,7 +23,8 @@ Each round times every variant in turn (interleaved, so that clocks and neighbou
 on all alike), ``--iters`` steps between two CUDA events; reported: the median over rounds
 of the time per step, its ratio to the floor, and the peak memory above the inputs
 (``torch.cuda.max_memory_allocated`` after a reset, less what was allocated before) beside
-the gradient's own size. Every variant's loss and gradient are checked against eager's first.
+the gradient's own size, and what a variant's timed steps left allocated (``kept``: memory a
+variant holds across steps, such as CUDA graphs captured on the way, or leaks). Every variant's loss and gradient are checked against eager's first.
 Results: ``<out>/<date>-<gpu>-cross_entropy.{json,md}`` (``--out`` defaults to ``$OUT`` when
 set, else ``benchmarks/results``).
 """
@@ -134,6 +135,11 @@ def _time(step, x, t, iters: int, device) -> float:
     return (datetime.datetime.now() - begin).total_seconds() * 1e3 / iters
 
 
+def _allocated(device) -> int:
+    """Bytes allocated on ``device`` (0 on the CPU)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def _peak_extra(step, x, t, device) -> float | None:
     """MiB allocated at the peak of one step above what was allocated before it."""
     if device.type != "cuda":
@@ -177,7 +183,9 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
     for _ in range(rounds):
         for name, step in steps.items():
             if not records[name]["check"].startswith("error"):
+                before = _allocated(device)
                 records[name]["times"].append(_time(step, x, t, iters, device))
+                records[name]["grew"] = records[name].get("grew", 0) + _allocated(device) - before
     floor = statistics.median(records["floor"]["times"])
     grad_mib = x.numel() * x.element_size() / MIB
     out = []
@@ -186,19 +194,20 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
         out.append({"tokens": tokens, "vocab": vocab, "variant": name, "median_ms": median,
                     "x_floor": None if median is None else median / floor,
                     "peak_extra_mib": r.get("peak_extra_mib"), "grad_mib": grad_mib,
-                    "check": r["check"]})
+                    "check": r["check"], "kept_mib": r.get("grew", 0) / MIB})
     return out
 
 
 def _table(records: list[dict]) -> str:
-    head = "| tokens | vocab | variant | ms/step | x floor | peak extra MiB | gradient MiB | check |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = ("| tokens | vocab | variant | ms/step | x floor | peak extra MiB | gradient MiB | "
+            "kept MiB | check |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"
         ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
         peak = "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
         lines.append(f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {ms} | {ratio} | "
-                     f"{peak} | {r['grad_mib']:.0f} | {r['check']} |")
+                     f"{peak} | {r['grad_mib']:.0f} | {r['kept_mib']:.0f} | {r['check']} |")
     return "\n".join(lines)
 
 
