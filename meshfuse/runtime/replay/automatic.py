@@ -469,9 +469,13 @@ class _Graph:
     """One captured graph and its output tensors. The caller gets aliases of the outputs
     (new tensors on the same memory), so anything the caller still holds of a result (the
     tensors, views of them) shows in the outputs' storage use counts. An output that is an
-    input (or a view of one) is not the graph's memory (no replay writes it): the caller's
-    references to it do not count, unless that input is one of the graph's ``buffers``
-    (a staged input, copied in at each replay)."""
+    input (or a view of one: an op that works in place, such as the fused cross entropy's
+    backward scaling its residual gradient) is not the graph's memory (no replay writes it):
+    the caller's references to it do not count, unless that input is one of the graph's
+    ``buffers`` (a staged input, copied in at each replay), and the graph does not hold it: a
+    replay returns the same view of that call's input (at the captured address), so the
+    input's memory is freed when its owner lets it go (holding it would keep one step's
+    residual, and the forward graph it lies in busy, for as long as the graph lives)."""
 
     def __init__(self, graph, outputs: list[torch.Tensor], inputs: Sequence[Any],
                  streams: StreamPlan, buffers: dict[int, torch.Tensor],
@@ -479,13 +483,20 @@ class _Graph:
         self._graph = graph
         self.written = list(written)  # the shared pool's memory its replays may write
         self.blockers: list[weakref.ref[_Graph]] = []  # see pools.py
-        self._outputs = outputs
         self._streams = streams
         self._buffers = buffers
-        given = {x.untyped_storage()._cdata for i, x in enumerate(inputs)
+        given = {x.untyped_storage()._cdata: i for i, x in enumerate(inputs)
                  if isinstance(x, torch.Tensor) and i not in buffers}
+        # outputs that are views of a given input: (input, element offset, size, stride)
+        self._views = {}
+        for j, t in enumerate(outputs):
+            i = given.get(t.untyped_storage()._cdata)
+            view = None if i is None else _view_of(t, inputs[i], i)
+            if view is not None:
+                self._views[j] = view
+        self._outputs = [None if j in self._views else t for j, t in enumerate(outputs)]
         # kept alive by the outputs
-        handles = {t.untyped_storage()._cdata for t in outputs} - given
+        handles = {t.untyped_storage()._cdata for t in outputs} - set(given)
         self._own = handles
         self._storages = sorted(handles)
         self._baseline = [torch._C._storage_Use_Count(s) for s in self._storages]
@@ -508,7 +519,7 @@ class _Graph:
     def output_ranges(self) -> list[tuple[int, int]]:
         """The device memory of its outputs (their storages, those of inputs aside)."""
         return sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
-                       for s in (t.untyped_storage() for t in self._outputs)
+                       for s in (t.untyped_storage() for t in self._outputs if t is not None)
                        if s._cdata in self._own})
 
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -520,4 +531,22 @@ class _Graph:
         if self._streams.streams:
             self._streams.prepare(inputs)
         self._graph.replay()
-        return [t.detach() for t in self._outputs]
+        return [t.detach() if t is not None else _same_view(inputs, *self._views[j])
+                for j, t in enumerate(self._outputs)]
+
+
+def _view_of(output: torch.Tensor, source: torch.Tensor, index: int):
+    """``(index, element offset from source's first element, size, stride)`` of ``output``, a
+    view of input ``source`` of the same element type; None where it is not one (another
+    element type over the same memory: the graph then holds it, as any output)."""
+    if output.dtype != source.dtype:
+        return None
+    offset, rest = divmod(output.data_ptr() - source.data_ptr(), source.element_size())
+    if rest:
+        return None
+    return index, offset, tuple(output.shape), tuple(output.stride())
+
+
+def _same_view(inputs: Sequence[Any], index: int, offset: int, size, stride) -> torch.Tensor:
+    source = inputs[index].detach()
+    return source.as_strided(size, stride, source.storage_offset() + offset)
