@@ -215,10 +215,13 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
 
 
 def _two_pass_config(classes: int, block: int, long_row: int) -> tuple[int, int, bool]:
-    """(block, warps, shifted) of a row read in two passes. Measured on one H200 (8192 rows,
-    bf16, cache hints on; benchmarks/results/2026-12-04-*-cross-entropy-sweep*): up to 64k
-    classes blocks of 8192 with 8 warps and an online maximum, beyond blocks of 8192 with 16
-    warps and shifted sums."""
+    """(block, warps, shifted) of a row read in two passes: the fastest of the swept
+    configurations on one H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results
+    benchmarks/results/2026-12-04-02*-cross-entropy-sweep*): up to 64k classes blocks of 8192
+    with 8 warps and an online maximum, beyond blocks of 8192 with 16 warps and shifted sums.
+    The sweep's own kernel took 1.26x a copy of the logits at 32k and 1.50x at 128k in that
+    configuration; this one took 1.48x and 1.66x in the same run (2026-12-04-0235), the
+    difference not found yet (the two kernels read and write alike)."""
     if classes <= long_row:
         return block, (8 if block >= 4096 else 4), False
     return block, (16 if block >= 8192 else 8), True

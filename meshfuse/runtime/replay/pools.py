@@ -25,10 +25,14 @@ interpreter runs.
 
 Status: opt-in (``MESHFUSE_SHARED_GRAPH_POOLS=1``). On one H200, a Llama-3.2-1B-shaped
 training step (``benchmarks/capture_llama.py``, 2026-12-03) held 16.2 GiB of pools instead of
-32.7, but ran at 0.68x ``torch.compile``'s tokens/s against 0.93x with a pool per graph,
-the GPU idle 81 ms of a 204 ms step (11 ms with a pool per graph), and its peak allocated
-memory was 43 GiB against 29: the cause is not found yet, so each graph keeps its own pool
-by default. The CUDA tests pass both ways.
+32.7, but ran at 0.68x ``torch.compile``'s tokens/s against 0.93x with a pool per graph, and
+its peak allocated memory was 43 GiB against 29. Found on 2026-12-04
+(``benchmarks/llama_step_profile.py --diagnose``, results ``2026-12-04-0210-*``): in steady
+state the shared pools' graphs keep being captured (19 graphs for 19 sets of input addresses
+in one program, 18 for 17 in another, 4 calls waiting for a later graph's outputs), each
+capture leaving the GPU idle about 9 ms (120 ms idle per step). The likely cause, not yet
+confirmed: a capture that puts its outputs where an earlier graph's intermediates were moves
+the next layer's inputs, so the sets of addresses never settle. So each graph keeps its own pool by default. The CUDA tests pass both ways.
 """
 
 from __future__ import annotations
