@@ -17,6 +17,8 @@ Both are diagnostics for the benchmarks' ``--diagnose`` options: a few seconds o
 from __future__ import annotations
 
 import collections
+import os
+import re
 import traceback
 import warnings
 from collections.abc import Callable
@@ -145,6 +147,12 @@ def host_profile(fn: Callable[[], object], rows: int = 30) -> list[str]:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
         lines += [f"host time by {order}:"] + [
-            "  " + line for line in text.getvalue().splitlines()
+            "  " + _short_paths(line) for line in text.getvalue().splitlines()
             if line.strip() and not line.startswith(("   Ordered", "   List"))][1:]
     return lines
+
+
+def _short_paths(line: str) -> str:
+    """``line`` with this tree's directory and site-packages' left out of file names."""
+    line = line.replace(os.getcwd() + os.sep, "")
+    return re.sub(r"\S*site-packages/", "site-packages/", line)

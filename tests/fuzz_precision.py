@@ -17,8 +17,10 @@ each output is compared with the program's *exact* value (the torch code run wit
 floating-point tensor in float64), and the tolerance is what torch's own result in the
 program's dtypes is allowed to be off: ``rtol`` four units of roundoff of the dtype, ``atol``
 twice torch's own largest error on that output plus two units of roundoff of the program's
-largest magnitude (inputs, intermediates and outputs alike: a rounded partial sum is off by
-a unit of roundoff of the part, not of the total). The output's dtype must be torch's. A
+largest magnitude (inputs, intermediates and outputs alike, and the largest sum of absolute
+terms of any of its sums: a rounded partial sum is off by a unit of roundoff of the part,
+not of the total, and a part may be far larger than the total where terms cancel). The
+output's dtype must be torch's. A
 comparison of a rounded value could flip, so in these programs only inputs and integer
 values feed comparisons (``Value.exact``).
 """
@@ -100,10 +102,23 @@ class InFloat64(TorchFunctionMode):
     """Runs torch code with every floating-point tensor in float64: each result of a torch
     call is converted, and a conversion to a floating-point dtype (``.float()``,
     ``.to(torch.bfloat16)``) converts to float64 instead. Integer and boolean tensors are
-    left as they are."""
+    left as they are.
+
+    ``partial_magnitude``: the largest sum of absolute terms of any sum the code computes
+    (reductions, matmuls: the call again on the operands' absolute values). A shard's partial
+    sum is never larger, so it bounds the magnitude of the partial results that a sharded
+    run rounds to the program's dtype before combining them (a narrowing cast keeps a partial
+    sum partial, as DTensor does), which no value of the unsharded program shows."""
 
     CONVERSIONS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
                    torch.Tensor.double)
+    SUMS = (torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean, torch.matmul,
+            torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
+            torch.nn.functional.linear)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partial_magnitude = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,9 +128,18 @@ class InFloat64(TorchFunctionMode):
             args = tuple(_float64_dtype(a) for a in args)
             kwargs = {k: _float64_dtype(v) for k, v in kwargs.items()}
         result = func(*args, **kwargs)
+        if func in self.SUMS:
+            absolute = func(*(_absolute(a) for a in args), **kwargs)
+            self.partial_magnitude = max(self.partial_magnitude, _largest(_float64(absolute)))
         if isinstance(result, (tuple, list)):
             return type(result)(_float64(r) for r in result)
         return _float64(result)
+
+
+def _absolute(a):
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        return a.abs()
+    return a
 
 
 def _float64_dtype(a):
@@ -134,9 +158,14 @@ def exact_run(program, inputs: list[torch.Tensor]) -> dict:
     env = {"torch": torch, "math": math}
     for (name, _), x in zip(program.inputs, inputs):
         env[name] = _float64(x)
-    with torch.no_grad(), InFloat64():
+    mode = InFloat64()
+    with torch.no_grad(), mode:
         exec("\n".join(program.torch_lines), env)  # noqa: S102 (the program's torch code)
+    env[PARTIAL_MAGNITUDE] = mode.partial_magnitude
     return env
+
+
+PARTIAL_MAGNITUDE = "partial magnitude"  # exact_run's key of InFloat64.partial_magnitude
 
 
 def expectations(program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
@@ -146,8 +175,9 @@ def expectations(program, inputs: list[torch.Tensor], outputs: list[torch.Tensor
     finite) and the tolerances of ``torch.testing.assert_close`` (see the module doc)."""
     exact = exact_run(program, inputs)
     eps = UNIT_ROUNDOFF[LOW[program.low]]
-    scale = max([1.0] + [_largest(v) for k, v in exact.items()
-                         if isinstance(v, torch.Tensor) and _NAME.fullmatch(k)])
+    scale = max([1.0, exact[PARTIAL_MAGNITUDE]] +
+                [_largest(v) for k, v in exact.items()
+                 if isinstance(v, torch.Tensor) and _NAME.fullmatch(k)])
     result = []
     for name, torch_out in zip(program.outputs, outputs):
         want = exact[name]
