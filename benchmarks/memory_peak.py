@@ -11,7 +11,7 @@ host spends its time.
 - :func:`host_profile` runs a function under ``cProfile``: the functions with the most host
   time of their own, and the most time with what they call.
 
-Both are diagnostics for the benchmarks' ``--diagnose`` options: a few seconds of a GPU.
+All three are diagnostics for the benchmarks' ``--diagnose`` options: a few seconds of a GPU.
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def live_at_peak(fn: Callable[[], object], rows: int = 25) -> list[str]:
         groups[where][1] += 1
     lines = [(f"allocated before recording {before / MIB:.0f} MiB; at the recorded peak "
              f"{peak / MIB:.0f} MiB more, in {len(live)} blocks ({len(events)} events):")]
-    lines += _segments(snapshot, set(live))
+    lines += _segments(snapshot)
     for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]:
         lines.append(f"  {size / MIB:9.1f} MiB {count:5d} blocks  {where}")
     return lines
 
 
-def _segments(snapshot: dict, recorded: set[int]) -> list[str]:
+def _segments(snapshot: dict) -> list[str]:
     """The allocator's segments at the end, by pool (0: the default pool; others: CUDA graph
     or ``MemPool`` pools): reserved bytes, bytes allocated, and of those the blocks allocated
     before recording began (largest sizes listed)."""

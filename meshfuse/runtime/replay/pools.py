@@ -32,7 +32,8 @@ state the shared pools' graphs keep being captured (19 graphs for 19 sets of inp
 in one program, 18 for 17 in another, 4 calls waiting for a later graph's outputs), each
 capture leaving the GPU idle about 9 ms (120 ms idle per step). The likely cause, not yet
 confirmed: a capture that puts its outputs where an earlier graph's intermediates were moves
-the next layer's inputs, so the sets of addresses never settle. So each graph keeps its own pool by default. The CUDA tests pass both ways.
+the next layer's inputs, so the sets of addresses never settle. So each graph keeps its own
+pool by default. The CUDA tests pass both ways.
 """
 
 from __future__ import annotations
