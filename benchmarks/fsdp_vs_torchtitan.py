@@ -15,10 +15,14 @@ key/value heads, SwiGLU 8192, an untied vocabulary of 32,000: 1.10B parameters),
   import, ``torch_fsdp2``: the same preparation of the plain-PyTorch twin
   (:class:`~meshfuse.examples.llama_torch.LlamaTorch`). The results say which ran.
 
-Each variant is built, warmed up (compilation), then timed over ``--steps`` steps (the
-median step); its peak memory is the most allocated during the timed steps (CUDA). Reported:
-tokens/s and peak memory of each, and meshfuse's ratios to the other (tokens/s >= 1.0x and
-peak <= 1.0x are the issue's targets).
+Each variant is built and warmed up (compilation), then its peak memory is taken over two
+steps (CUDA: the most allocated then, less what was allocated before it was built; the
+variants built before it stay alive). Then all are timed *interleaved*: rounds of
+``--steps-per-round`` steps of each variant in turn, the order rotating, ``--steps`` steps
+each in all (the median step), so that the GPU's changing clocks weigh on all alike (timed
+one after the other, the same program's ratio moved from 1.31x to 0.94x within half an
+hour on 2026-12-04). Reported: tokens/s and peak memory of each, and meshfuse's ratios to
+the other (tokens/s >= 1.0x and peak <= 1.0x are the issue's targets).
 
     python -m benchmarks.fsdp_vs_torchtitan --out benchmarks/results/fsdp_h200   # one GPU
     python -m benchmarks.fsdp_vs_torchtitan --quick                              # CPU dry run
@@ -56,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes on CPU (a dry run)")
     p.add_argument("--size", choices=sorted(SIZES), default="1b")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    p.add_argument("--steps-per-round", type=int, default=2,
+                   help="steps of a variant before the next variant's (interleaved rounds)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", default="meshfuse,torchtitan",
                    help="comma separated: meshfuse, torchtitan (falls back to torch_fsdp2)")
@@ -67,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="meshfuse's model without its FSDP modules (one-device mesh)")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.batch, args.steps, args.warmup = "tiny", 2, 2, 1
+        args.size, args.batch, args.steps, args.warmup = "tiny", 2, 4, 1
     return args
 
 
@@ -175,35 +181,51 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(make, cfg, args, device) -> dict:
-    """Builds a variant, warms it up, times ``args.steps`` steps."""
+def build(make, cfg, args, device) -> dict:
+    """Builds a variant, warms it up, and runs ``PEAK_STEPS`` steps for its peak memory: the
+    most allocated during them less what was allocated before it was built (the variants
+    built before it stay alive, for the interleaved timing)."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     start = time.perf_counter()
     name, step = make(cfg, args.batch, device)
-    losses, times = [], []
-    for i in range(args.warmup):
-        losses.append(step(*_batch(cfg, args.batch, i, device)).item())
+    losses = [step(*_batch(cfg, args.batch, i, device)).item() for i in range(args.warmup)]
     first = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i in range(args.steps):
-        ids, targets = _batch(cfg, args.batch, args.warmup + i, device)
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = step(ids, targets)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    median = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    for i in range(PEAK_STEPS):
+        losses.append(step(*_batch(cfg, args.batch, args.warmup + i, device)).item())
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     diagnosis = _diagnose(step, cfg, args, device) if args.diagnose else []
-    del step
-    return {"variant": name, "median_step_s": median, "tokens_per_s":
-            args.batch * cfg.seq / median, "peak_bytes": peak, "setup_and_warmup_s": first,
-            "losses": losses, "diagnosis": diagnosis}
+    return {"variant": name, "step": step, "peak_bytes": peak, "setup_and_warmup_s": first,
+            "losses": losses, "diagnosis": diagnosis, "times": []}
+
+
+PEAK_STEPS = 2
+
+
+def time_interleaved(built: list[dict], cfg, args, device) -> None:
+    """``args.steps`` timed steps of each variant, in rounds of ``args.steps_per_round``
+    steps of every variant in turn (the order rotating), so that a change of the GPU's
+    clocks or neighbours weighs on all alike; each variant's median step time."""
+    step_index = args.warmup + PEAK_STEPS
+    rounds = max(1, args.steps // args.steps_per_round)
+    for r in range(rounds):
+        order = built[r % len(built):] + built[:r % len(built)]
+        for v in order:
+            for i in range(args.steps_per_round):
+                ids, targets = _batch(cfg, args.batch, step_index + i, device)
+                _sync(device)
+                t0 = time.perf_counter()
+                loss = v["step"](ids, targets)
+                _sync(device)
+                v["times"].append(time.perf_counter() - t0)
+                v["losses"].append(loss.item())
+        step_index += args.steps_per_round
+    for v in built:
+        v["median_step_s"] = statistics.median(v["times"])
+        v["tokens_per_s"] = args.batch * cfg.seq / v["median_step_s"]
+        del v["step"]
 
 
 def _diagnose(step, cfg, args, device) -> list[str]:
@@ -260,10 +282,9 @@ def main(argv=None) -> int:
     cfg = _config(args)
     makers = {"meshfuse": lambda *a: meshfuse_variant(*a, plain=args.plain),
               "torchtitan": torch_variant}
-    results = []
-    for name in args.variants.split(","):
-        results.append(measure(makers[name], cfg, args, device))
-        r = results[-1]
+    results = [build(makers[name], cfg, args, device) for name in args.variants.split(",")]
+    time_interleaved(results, cfg, args, device)
+    for r in results:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         print(f"{r['variant']}: {r['median_step_s'] * 1e3:.1f} ms/step, "
               f"{r['tokens_per_s']:.0f} tokens/s, peak {peak}", flush=True)
