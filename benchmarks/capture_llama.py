@@ -8,7 +8,9 @@ backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`
 
 Reports per variant: the first step's time (capture + build + run: for torch.compile its
 compile time), then the median step time over ``--steps`` and tokens/s, and the peak memory
-of the variant's steps (CUDA); for meshfuse, what each fusion's calls did (``calls``:
+of the variant's steps (CUDA); with ``--interleaved``, every variant is kept and timed again
+in rounds of one step of each (the order rotating; ``interleaved_*``), so that the GPU's
+changing clocks weigh on all alike; for meshfuse, what each fusion's calls did (``calls``:
 CUDA-graph replay, fused segments, host time per call, from
 ``FusionFunction.call_lines``). The optimizer is AdamW, fused (``fused=True``). Random
 weights (no download); the models start equal (bf16, also with ``--quick``: a tiny bf16
@@ -50,19 +52,24 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time_steps(model, step_inputs, steps: int, device) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+def _step(model, optimizer, step_inputs) -> torch.Tensor:
+    """One training step (synchronized after); its loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**step_inputs).loss
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _time_steps(model, optimizer, step_inputs, steps: int, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for i in range(steps + 1):
         _sync(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**step_inputs).loss
-        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        loss.backward()
-        optimizer.step()
+        loss = _step(model, optimizer, step_inputs)
         _sync(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -95,6 +102,8 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compile,meshfuse",
                         help="also meshfuse_shared_pools (MESHFUSE_SHARED_GRAPH_POOLS=1)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="keep every variant and time them again in alternating steps")
     args = parser.parse_args()
     device = context.setup(args.quick, cpu=args.quick).device
     warnings.simplefilter("ignore")
@@ -116,26 +125,51 @@ def main() -> None:
     path = None
     if args.out and not args.quick:
         path = Path(args.out) / f"{time.strftime('%Y-%m-%d-%H%M')}-capture-llama-1b.json"
+    kept: dict = {}  # --interleaved: variant -> (model, optimizer)
     for variant in args.variants.split(","):
         try:
             # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in)
             os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in variant else "0"
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
-            results[variant] = _time_steps(model, inputs, args.steps, device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+            results[variant] = _time_steps(model, optimizer, inputs, args.steps, device)
             if variant.startswith("meshfuse"):
                 results[variant]["calls"] = _calls(model)
+            if args.interleaved:
+                kept[variant] = (model, optimizer)
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
             results[variant] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         print(variant, {k: v for k, v in results[variant].items()
                         if k not in ("losses", "calls")}, flush=True)
         print("\n".join(results[variant].get("calls", [])), flush=True)
-        model = None
+        model = optimizer = None
         gc.collect()
-        if device.type == "cuda":
+        if device.type == "cuda" and not args.interleaved:
             torch.cuda.empty_cache()
         _record(results, path)  # after each variant: a run cut short keeps what it measured
+    if kept:
+        for variant, seconds in _interleaved(kept, inputs, args.steps, device).items():
+            results[variant]["interleaved_median_step_s"] = seconds
+            results[variant]["interleaved_tokens_per_s"] = inputs["input_ids"].numel() / seconds
+        _record(results, path)
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
     context.teardown()
+
+
+def _interleaved(kept: dict, step_inputs, steps: int, device) -> dict[str, float]:
+    """The median step time of each kept variant over ``steps`` rounds of one step of every
+    variant in turn, the order rotating (the GPU's changing clocks weigh on all alike)."""
+    times: dict[str, list[float]] = {v: [] for v in kept}
+    names = list(kept)
+    for r in range(steps):
+        for variant in names[r % len(names):] + names[:r % len(names)]:
+            model, optimizer = kept[variant]
+            _sync(device)
+            start = time.perf_counter()
+            _step(model, optimizer, step_inputs)
+            _sync(device)
+            times[variant].append(time.perf_counter() - start)
+    return {v: statistics.median(t) for v, t in times.items()}
 
 
 def _calls(model) -> list[str]:
@@ -151,12 +185,14 @@ def _calls(model) -> list[str]:
 
 def _record(results: dict, path: Path | None) -> None:
     """The ratios of meshfuse to torch.compile (once both ran), written to ``path``."""
-    if "tokens_per_s" in results.get("compile", {}) and \
-            "tokens_per_s" in results.get("meshfuse", {}):
-        results["meshfuse_over_compile_tokens"] = (results["meshfuse"]["tokens_per_s"]
-                                                   / results["compile"]["tokens_per_s"])
-        results["meshfuse_over_compile_first_step"] = (results["meshfuse"]["first_step_s"]
-                                                       / results["compile"]["first_step_s"])
+    mine, theirs = results.get("meshfuse", {}), results.get("compile", {})
+    if "tokens_per_s" in theirs and "tokens_per_s" in mine:
+        results["meshfuse_over_compile_tokens"] = mine["tokens_per_s"] / theirs["tokens_per_s"]
+        results["meshfuse_over_compile_first_step"] = (mine["first_step_s"]
+                                                       / theirs["first_step_s"])
+    if "interleaved_tokens_per_s" in theirs and "interleaved_tokens_per_s" in mine:
+        results["meshfuse_over_compile_tokens_interleaved"] = (
+            mine["interleaved_tokens_per_s"] / theirs["interleaved_tokens_per_s"])
     if path is not None:
         path.write_text(json.dumps(results, indent=1))
         print("wrote", path, flush=True)
