@@ -53,7 +53,7 @@ def _sync(device):
 
 
 def _step(model, optimizer, step_inputs) -> torch.Tensor:
-    """One training step (synchronized after); its loss."""
+    """One training step (forward, backward, optimizer step; not synchronized); its loss."""
     optimizer.zero_grad(set_to_none=True)
     loss = model(**step_inputs).loss
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss

@@ -33,19 +33,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import context, trace_summary
-from benchmarks.capture_llama import _config, _sync, _variant
+from benchmarks.capture_llama import _config, _step, _sync, _variant
 from benchmarks.gpt3_profile import _kernels
 
 WARMUP, PROFILED, ROWS = 4, 2, 40
-
-
-def _step(model, optimizer, inputs):
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def _graph_memory() -> list[str]:
