@@ -87,6 +87,65 @@ def test_runs_of_fusible_steps_become_segments_and_match_the_interpreter():
         fd.explain([x, w])
 
 
+class _ProductsBetweenPointwise(FusionDefinition):
+    """Pointwise work interleaved with matrix products as a derived backward interleaves it:
+    ``a = exp(x)``; ``p = a @ w1.T``; ``b = x * 2`` and ``c = tanh(w2)`` need no product (they
+    may join ``a``'s segment); ``q = (p + 1) @ w2.T`` reads ``p`` (its ``p + 1`` may not move
+    above the product it reads); ``d = b + c`` may join ``p + 1``'s segment."""
+
+    def definition(self) -> None:
+        o = self.ops
+        self.x = self.define_tensor([6, 8], dtype=DataType.Float)
+        self.w1 = self.define_tensor([8, 8], dtype=DataType.Float)
+        self.w2 = self.define_tensor([8, 8], dtype=DataType.Float)
+        a = o.exp(self.x)
+        p = o.linear(a, self.w1)
+        b = o.mul(self.x, 2.0)
+        c = o.tanh(self.w2)
+        q = o.linear(o.add(p, 1.0), self.w2)
+        d = o.add(o.mul(b, 3.0), o.sum(c, [1]))
+        for t in (q, d):
+            self.add_output(t)
+
+
+def test_pointwise_steps_that_need_no_product_join_the_segment_before_it():
+    """A fusible step moves up past matrix products it does not read, to the previous
+    segment: the program above runs as 2 segments and 2 products, not 4 and 2, with the
+    interpreter's values."""
+    fd = _ProductsBetweenPointwise()
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(6, 8, generator=gen), torch.randn(8, 8, generator=gen),
+              torch.randn(8, 8, generator=gen)]
+    want = fd.execute(inputs, compile=False)
+    got = fd.execute(inputs, compile=BACKEND)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    x, w1, w2 = inputs
+    torch.testing.assert_close(got[0], (x.exp() @ w1.T + 1) @ w2.T)
+    (program, _), = fd._get_runner()._fused.values()
+    assert [s.op for s in program.steps] == [FUSED, "linear", FUSED, "linear"]
+    assert "tanh" in program.steps[0].label and "exp" in program.steps[0].label
+
+
+def test_clustering_keeps_reads_frees_and_communications_in_order():
+    """``clustered`` moves a fusible step over a product only when it reads none of the
+    product's results, the product reads none of the slots it frees, and no communication
+    lies between; a program that defines a slot twice keeps its order."""
+    from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
+    from meshfuse.runtime.interpreter.fused import clustered
+
+    def step(op, reads, outputs, free=()):
+        return Step(op, tuple(Slot(r) for r in reads), {}, tuple(outputs), tuple(free), op)
+
+    exp, mm = step("exp", [0], [1]), step("linear", [1, 9], [2])
+    assert clustered([exp, mm, step("neg", [0], [3])], set()) == [0, 2, 1]
+    assert clustered([exp, mm, step("neg", [2], [3])], set()) == [0, 1, 2]  # reads the product
+    assert clustered([exp, mm, step("neg", [9], [3], free=[9])], set()) == [0, 1, 2]  # frees
+    reshard = step(RESHARD, [1], [4])
+    assert clustered([exp, reshard, step("neg", [0], [3])], {4}) == [0, 1, 2]
+    assert clustered([exp, mm, step("neg", [0], [1])], set()) == [0, 1, 2]  # %1 defined twice
+
+
 def test_environment_and_option_select_the_compiler(monkeypatch):
     assert compile_setting("0") is None and compile_setting(False) is None
     assert compile_setting("1") == "inductor" and compile_setting(True) == "inductor"

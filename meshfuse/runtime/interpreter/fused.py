@@ -2,7 +2,8 @@
 
 :func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and
 groups each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes
-and permutes) into one *segment*. A segment is lowered to a ``torch.fx`` graph that calls the ops'
+and permutes) into one *segment*, after moving fusible steps up past the other steps they do not
+depend on (:func:`clustered`). A segment is lowered to a ``torch.fx`` graph that calls the ops'
 own torch implementations in the records' order, on local tensors, and that graph is given to
 ``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
 meshfuse generates no kernel code itself.
@@ -79,20 +80,62 @@ def fuse_program(program: Program, backend: str = "inductor",
     stats = stats if stats is not None else CompileStats()
     keep = {o.slot for o in program.outputs}
     communicated = {s for step in program.steps if step.op == RESHARD for s in step.outputs}
+    order = clustered(program.steps, communicated)
+    ordered = [program.steps[i] for i in order]
+    ordered_calls = [program.calls[i] for i in order]
     steps, calls = [], []
-    for run in _runs(program.steps, communicated):
-        if len(run) < 2 or not fusible(program.steps[run[0]]):
+    for run in _runs(ordered, communicated):
+        if len(run) < 2 or not fusible(ordered[run[0]]):
             for i in run:
-                steps.append(program.steps[i])
-                calls.append(program.calls[i])
+                steps.append(ordered[i])
+                calls.append(ordered_calls[i])
             continue
-        body = [program.steps[i] for i in run]
-        later = {s for step in program.steps[run[-1] + 1:] for s in step.reads}
-        step, graph = _segment(body, [program.calls[i] for i in run], later | keep)
+        body = [ordered[i] for i in run]
+        later = {s for step in ordered[run[-1] + 1:] for s in step.reads}
+        step, graph = _segment(body, [ordered_calls[i] for i in run], later | keep)
         steps.append(step)
         calls.append(_Compiled(graph, backend, stats))
     return Program(program.num_slots, program.input_slots, tuple(steps), program.outputs,
                    program.rank, tuple(calls))
+
+
+def clustered(steps: Sequence[Step], communicated: set[int]) -> list[int]:
+    """The steps' indices in an order that keeps fusible steps together: a fusible step
+    moves up to the last fusible step before it when it reads nothing that the steps in
+    between define (a matrix product, attention...), none of them reads a slot whose last
+    use it is, none of them is a communication, and it reads no communication's result.
+    Every step still runs after what it reads, each slot is freed after its last reader,
+    and communications keep their place among the other steps. So a derived backward whose
+    pointwise work is interleaved with the weight-gradient products (each product's operands
+    prepared next to it) gets one segment where it had several: fewer kernels. The order
+    is the program's where a slot is defined twice (no step moves then)."""
+    defined = [s for step in steps for s in step.outputs]
+    if len(defined) != len(set(defined)):
+        return list(range(len(steps)))
+    groups: list[list[int]] = []  # runs of fusible steps, and other steps one each
+    for i, step in enumerate(steps):
+        target = _joinable(steps, groups, step, communicated) if fusible(step) else None
+        if target is None:
+            groups.append([i])
+        else:
+            groups[target].append(i)
+    return [i for group in groups for i in group]
+
+
+def _joinable(steps: Sequence[Step], groups: list[list[int]], step: Step,
+              communicated: set[int]) -> int | None:
+    """The index of the last group of fusible steps that ``step`` may join (see
+    :func:`clustered`), or None."""
+    if communicated & set(step.reads):
+        return None
+    reads, frees = set(step.reads), set(step.free)
+    for g in range(len(groups) - 1, -1, -1):
+        first = steps[groups[g][0]]
+        if fusible(first):
+            return g
+        if first.op == RESHARD or reads & set(first.outputs) or frees & set(first.reads):
+            return None
+    return None
 
 
 def _runs(steps: Sequence[Step], communicated: set[int]) -> list[list[int]]:
