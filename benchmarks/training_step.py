@@ -17,8 +17,8 @@ default settings:
   launched from Python: what the replay saves; its first call is made before the timed one);
 - ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads the
   forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
-  and the norms' outputs are recomputed by default, each in a segment of its own before the
-  weight-gradient GEMM that reads it: memory traffic the hand-written fusion does not pay);
+  and the norms' outputs are recomputed by default, inside the backward's fused segments:
+  memory traffic the hand-written fusion does not pay);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
