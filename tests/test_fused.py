@@ -129,8 +129,9 @@ def test_pointwise_steps_that_need_no_product_join_the_segment_before_it():
 
 def test_clustering_keeps_reads_frees_and_communications_in_order():
     """``clustered`` moves a fusible step over a product only when it reads none of the
-    product's results, the product reads none of the slots it frees, and no communication
-    lies between; a program that defines a slot twice keeps its order."""
+    product's results nor of its inputs (which an op may write in place, and whose last use
+    the step may be), and no communication lies between; a program that defines a slot
+    twice keeps its order."""
     from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
     from meshfuse.runtime.interpreter.fused import clustered
 
@@ -141,6 +142,7 @@ def test_clustering_keeps_reads_frees_and_communications_in_order():
     assert clustered([exp, mm, step("neg", [0], [3])], set()) == [0, 2, 1]
     assert clustered([exp, mm, step("neg", [2], [3])], set()) == [0, 1, 2]  # reads the product
     assert clustered([exp, mm, step("neg", [9], [3], free=[9])], set()) == [0, 1, 2]  # frees
+    assert clustered([exp, mm, step("neg", [9], [3])], set()) == [0, 1, 2]  # reads its input
     reshard = step(RESHARD, [1], [4])
     assert clustered([exp, reshard, step("neg", [0], [3])], {4}) == [0, 1, 2]
     assert clustered([exp, mm, step("neg", [0], [1])], set()) == [0, 1, 2]  # %1 defined twice

@@ -102,10 +102,12 @@ def fuse_program(program: Program, backend: str = "inductor",
 def clustered(steps: Sequence[Step], communicated: set[int]) -> list[int]:
     """The steps' indices in an order that keeps fusible steps together: a fusible step
     moves up to the last fusible step before it when it reads nothing that the steps in
-    between define (a matrix product, attention...), none of them reads a slot whose last
-    use it is, none of them is a communication, and it reads no communication's result.
-    Every step still runs after what it reads, each slot is freed after its last reader,
-    and communications keep their place among the other steps. So a derived backward whose
+    between (a matrix product, attention...) define or read, none of them is a
+    communication, and it reads no communication's result. Every step still runs after what
+    it reads, each slot is freed after its last reader (a slot the step frees is read by
+    none of the steps it passes), a step that writes an input in place (the fused cross
+    entropy's backward, on CUDA) is never passed by a reader of that input, and
+    communications keep their place among the other steps. So a derived backward whose
     pointwise work is interleaved with the weight-gradient products (each product's operands
     prepared next to it) gets one segment where it had several: fewer kernels. The order
     is the program's where a slot is defined twice (no step moves then)."""
@@ -128,12 +130,12 @@ def _joinable(steps: Sequence[Step], groups: list[list[int]], step: Step,
     :func:`clustered`), or None."""
     if communicated & set(step.reads):
         return None
-    reads, frees = set(step.reads), set(step.free)
+    reads = set(step.reads)
     for g in range(len(groups) - 1, -1, -1):
         first = steps[groups[g][0]]
         if fusible(first):
             return g
-        if first.op == RESHARD or reads & set(first.outputs) or frees & set(first.reads):
+        if first.op == RESHARD or reads & (set(first.outputs) | set(first.reads)):
             return None
     return None
 
