@@ -20,9 +20,8 @@ twice torch's own largest error on that output plus two units of roundoff of the
 largest magnitude (inputs, intermediates and outputs alike, and the largest sum of absolute
 terms of any of its sums: a rounded partial sum is off by a unit of roundoff of the part,
 not of the total, and a part may be far larger than the total where terms cancel). The
-output's dtype must be torch's. A
-comparison of a rounded value could flip, so in these programs only inputs and integer
-values feed comparisons (``Value.exact``).
+output's dtype must be torch's. A comparison of a rounded value could flip, so in these
+programs only inputs and integer values feed comparisons (``Value.exact``).
 """
 
 from __future__ import annotations
