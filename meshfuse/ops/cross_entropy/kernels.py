@@ -54,61 +54,58 @@ if triton is not None:
                    SHIFTED: tl.constexpr):
         """The log-sum-exp and (``SMOOTHED``) the sum of a row read block by block, the
         blocks kept in L2 for the second read (the loops are not software-pipelined: on an
-        H200 three stages took 1.2-1.4x one). ``SHIFTED``: each thread sums ``exp(x - c)``,
-        ``c`` the first block's maximum, and keeps its own maximum, reduced once at the end
-        (no reduction over the threads per block); else an online maximum and rescaled sum
-        per block."""
-        cols = tl.arange(0, BLOCK)
-        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        H200 three stages took 1.2-1.4x one): :func:`_shifted_stats` or
+        :func:`_online_stats`."""
         if SHIFTED:
-            x = tl.load(x_row + cols, mask=cols < n_classes, other=float("-inf"),
-                        eviction_policy="evict_last").to(tl.float32)
-            c = tl.max(x, 0)
-            sums = tl.exp(x - c)
-            peaks = x
-            if SMOOTHED:
-                total += tl.sum(tl.where(cols < n_classes, x, 0.0), 0)
-            for start in tl.range(BLOCK, n_classes, BLOCK, num_stages=1):
-                mask = start + cols < n_classes
-                x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
-                            eviction_policy="evict_last").to(tl.float32)
-                peaks = tl.maximum(peaks, x)
-                sums += tl.exp(x - c)
-                if SMOOTHED:
-                    total += tl.sum(tl.where(mask, x, 0.0), 0)
-            lse = c + tl.log(tl.sum(sums, 0))
-            # Rare: a later block far above the first is summed again from the true maximum
-            # (exp(60) times a million classes stays far below float32's largest value).
-            if tl.max(peaks, 0) - c > 60.0:
-                lse = _online_lse(x_row, n_classes, BLOCK)
-        else:
-            m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-            s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-            for start in tl.range(0, n_classes, BLOCK, num_stages=1):
-                mask = start + cols < n_classes
-                x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
-                            eviction_policy="evict_last").to(tl.float32)
-                m_new = tl.maximum(m, tl.max(x, 0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-                m = m_new
-                if SMOOTHED:
-                    total += tl.sum(tl.where(mask, x, 0.0), 0)
-            lse = m + tl.log(s)
-        return lse, total
+            return _shifted_stats(x_row, n_classes, BLOCK, SMOOTHED)
+        return _online_stats(x_row, n_classes, BLOCK, SMOOTHED)
 
     @triton.jit
-    def _online_lse(x_row, n_classes, BLOCK: tl.constexpr):
-        """A row's log-sum-exp with an online maximum (the shifted sum's fallback)."""
+    def _online_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr):
+        """An online maximum and rescaled sum per block (two reductions over the threads
+        per block)."""
         cols = tl.arange(0, BLOCK)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
         s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
         for start in tl.range(0, n_classes, BLOCK, num_stages=1):
-            x = tl.load(x_row + start + cols, mask=start + cols < n_classes,
-                        other=float("-inf")).to(tl.float32)
+            mask = start + cols < n_classes
+            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
+                        eviction_policy="evict_last").to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-        return m + tl.log(s)
+            if SMOOTHED:
+                total += tl.sum(tl.where(mask, x, 0.0), 0)
+        return m + tl.log(s), total
+
+    @triton.jit
+    def _shifted_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr):
+        """Each thread sums ``exp(x - c)``, ``c`` the first block's maximum, and keeps its own
+        maximum, reduced once at the end (no reduction over the threads per block)."""
+        cols = tl.arange(0, BLOCK)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        x = tl.load(x_row + cols, mask=cols < n_classes, other=float("-inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        c = tl.max(x, 0)
+        sums = tl.exp(x - c)
+        peaks = x
+        if SMOOTHED:
+            total += tl.sum(tl.where(cols < n_classes, x, 0.0), 0)
+        for start in tl.range(BLOCK, n_classes, BLOCK, num_stages=1):
+            mask = start + cols < n_classes
+            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
+                        eviction_policy="evict_last").to(tl.float32)
+            peaks = tl.maximum(peaks, x)
+            sums += tl.exp(x - c)
+            if SMOOTHED:
+                total += tl.sum(tl.where(mask, x, 0.0), 0)
+        lse = c + tl.log(tl.sum(sums, 0))
+        # Rare: a later block far above the first is summed again from the true maximum
+        # (exp(60) times a million classes stays far below float32's largest value).
+        if tl.max(peaks, 0) - c > 60.0:
+            lse, _ = _online_stats(x_row, n_classes, BLOCK, False)
+        return lse, total
 
     @triton.jit
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
