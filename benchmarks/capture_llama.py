@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import context
+from benchmarks.timing import interleaved
 
 
 def _config(quick: bool):
@@ -85,6 +87,9 @@ def _time_steps(model, optimizer, step_inputs, steps: int, device) -> dict:
 def _variant(name: str, base, mesh):
     import meshfuse
 
+    # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in), read at
+    # each capture
+    os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in name else "0"
     model = copy.deepcopy(base)
     if name == "compile":
         return torch.compile(model)
@@ -128,8 +133,6 @@ def main() -> None:
     kept: dict = {}  # --interleaved: variant -> (model, optimizer)
     for variant in args.variants.split(","):
         try:
-            # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in)
-            os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in variant else "0"
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             results[variant] = _time_steps(model, optimizer, inputs, args.steps, device)
@@ -148,28 +151,15 @@ def main() -> None:
             torch.cuda.empty_cache()
         _record(results, path)  # after each variant: a run cut short keeps what it measured
     if kept:
-        for variant, seconds in _interleaved(kept, inputs, args.steps, device).items():
+        steps = {v: functools.partial(_step, model, optimizer, inputs)
+                 for v, (model, optimizer) in kept.items()}
+        for variant, ms in interleaved(steps, args.steps, 1, device).items():
+            seconds = statistics.median(ms) / 1e3
             results[variant]["interleaved_median_step_s"] = seconds
             results[variant]["interleaved_tokens_per_s"] = inputs["input_ids"].numel() / seconds
         _record(results, path)
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict)}))
     context.teardown()
-
-
-def _interleaved(kept: dict, step_inputs, steps: int, device) -> dict[str, float]:
-    """The median step time of each kept variant over ``steps`` rounds of one step of every
-    variant in turn, the order rotating (the GPU's changing clocks weigh on all alike)."""
-    times: dict[str, list[float]] = {v: [] for v in kept}
-    names = list(kept)
-    for r in range(steps):
-        for variant in names[r % len(names):] + names[:r % len(names)]:
-            model, optimizer = kept[variant]
-            _sync(device)
-            start = time.perf_counter()
-            _step(model, optimizer, step_inputs)
-            _sync(device)
-            times[variant].append(time.perf_counter() - start)
-    return {v: statistics.median(t) for v, t in times.items()}
 
 
 def _calls(model) -> list[str]:

@@ -24,7 +24,8 @@ on all alike), ``--iters`` steps between two CUDA events; reported: the median o
 of the time per step, its ratio to the floor, and the peak memory above the inputs
 (``torch.cuda.max_memory_allocated`` after a reset, less what was allocated before) beside
 the gradient's own size, and what a variant's timed steps left allocated (``kept``: memory a
-variant holds across steps, such as CUDA graphs captured on the way, or leaks). Every variant's loss and gradient are checked against eager's first.
+variant holds across steps, such as CUDA graphs captured on the way, or leaks). Every
+variant's loss and gradient are checked against eager's first.
 Results: ``<out>/<date>-<gpu>-cross_entropy.{json,md}`` (``--out`` defaults to ``$OUT`` when
 set, else ``benchmarks/results``).
 """
@@ -82,6 +83,7 @@ def _meshfuse_step(tokens: int, vocab: int, compile: bool) -> Callable:
         (loss,) = function([x, t])
         loss.backward()
         return loss, x.grad
+    step.function = function  # what its calls did: function.call_lines()
     return step
 
 

@@ -31,10 +31,7 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"step {i}: allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB",
               flush=True)
-    cells = dict(zip(step.__code__.co_freevars, step.__closure__ or ()))
-    function = cells["function"].cell_contents if "function" in cells else None
-    if hasattr(function, "call_lines"):
-        print("\n".join(function.call_lines()))
+    print("\n".join(step.function.call_lines()))
     print("\n".join(memory_peak.live_at_peak(lambda: step(x, t))))
 
 

@@ -18,8 +18,8 @@ key/value heads, SwiGLU 8192, an untied vocabulary of 32,000: 1.10B parameters),
 Each variant is built and warmed up (compilation), then its peak memory is taken over two
 steps (CUDA: the most allocated then, less what was allocated before it was built; the
 variants built before it stay alive). Then all are timed *interleaved*: rounds of
-``--steps-per-round`` steps of each variant in turn, the order rotating, ``--steps`` steps
-each in all (the median step), so that the GPU's changing clocks weigh on all alike (timed
+``--steps-per-round`` steps of each variant in turn (CUDA events around each block), the
+order rotating, ``--steps`` steps each in all (the median over rounds), so that the GPU's changing clocks weigh on all alike (timed
 one after the other, the same program's ratio moved from 1.31x to 0.94x within half an
 hour on 2026-12-04). Reported: tokens/s and peak memory of each, and meshfuse's ratios to
 the other (tokens/s >= 1.0x and peak <= 1.0x are the issue's targets).
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import context
+from benchmarks.timing import interleaved
 
 SIZES = {
     "1b": {"vocab": 32000, "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
@@ -198,7 +200,7 @@ def build(make, cfg, args, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     diagnosis = _diagnose(step, cfg, args, device) if args.diagnose else []
     return {"variant": name, "step": step, "peak_bytes": peak, "setup_and_warmup_s": first,
-            "losses": losses, "diagnosis": diagnosis, "times": []}
+            "losses": losses, "diagnosis": diagnosis}
 
 
 PEAK_STEPS = 2
@@ -206,26 +208,25 @@ PEAK_STEPS = 2
 
 def time_interleaved(built: list[dict], cfg, args, device) -> None:
     """``args.steps`` timed steps of each variant, in rounds of ``args.steps_per_round``
-    steps of every variant in turn (the order rotating), so that a change of the GPU's
-    clocks or neighbours weighs on all alike; each variant's median step time."""
-    step_index = args.warmup + PEAK_STEPS
+    steps of every variant in turn (:func:`benchmarks.timing.interleaved`), each step on a
+    new batch; each variant's median step time."""
     rounds = max(1, args.steps // args.steps_per_round)
-    for r in range(rounds):
-        order = built[r % len(built):] + built[:r % len(built)]
-        for v in order:
-            for i in range(args.steps_per_round):
-                ids, targets = _batch(cfg, args.batch, step_index + i, device)
-                _sync(device)
-                t0 = time.perf_counter()
-                loss = v["step"](ids, targets)
-                _sync(device)
-                v["times"].append(time.perf_counter() - t0)
-                v["losses"].append(loss.item())
-        step_index += args.steps_per_round
+    steps = {v["variant"]: _next_batch_step(v, cfg, args, device) for v in built}
+    times = interleaved(steps, rounds, args.steps_per_round, device)
     for v in built:
-        v["median_step_s"] = statistics.median(v["times"])
+        v["median_step_s"] = statistics.median(times[v["variant"]]) / 1e3
         v["tokens_per_s"] = args.batch * cfg.seq / v["median_step_s"]
+        v["losses"] = [float(loss) for loss in v["losses"]]
         del v["step"]
+
+
+def _next_batch_step(v: dict, cfg, args, device):
+    """A step of variant ``v`` on the next batch, its loss kept (read after the timing)."""
+    index = itertools.count(args.warmup + PEAK_STEPS)
+
+    def step():
+        v["losses"].append(v["step"](*_batch(cfg, args.batch, next(index), device)).detach())
+    return step
 
 
 def _diagnose(step, cfg, args, device) -> list[str]:
@@ -234,13 +235,7 @@ def _diagnose(step, cfg, args, device) -> list[str]:
         return []
     from benchmarks import memory_peak
     batch = _batch(cfg, args.batch, 0, device)
-    lines = []
-    for probe in (memory_peak.sync_points, memory_peak.live_at_peak):
-        try:
-            lines += probe(lambda: step(*batch))
-        except Exception as error:  # noqa: BLE001 - a diagnostic; the benchmark goes on
-            lines.append(f"{probe.__name__} failed: {type(error).__name__}: {error}")
-    return lines
+    return memory_peak.diagnose(lambda: step(*batch))
 
 
 def _ratios(results: list[dict]) -> dict:

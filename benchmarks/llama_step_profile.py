@@ -24,7 +24,6 @@ import copy
 import gc
 import gzip
 import json
-import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -63,8 +62,6 @@ def profile_variant(name: str, base, inputs, device, out: Path | None,
                     diagnose: bool = False) -> list[str]:
     import meshfuse
 
-    # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in)
-    os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in name else "0"
     model = _variant(name, base, meshfuse.DeviceMesh([0]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     for _ in range(WARMUP):
@@ -85,12 +82,8 @@ def profile_variant(name: str, base, inputs, device, out: Path | None,
             lines += _graph_memory()
         if diagnose:
             from benchmarks import memory_peak
-            for probe in (memory_peak.sync_points, memory_peak.live_at_peak,
-                          memory_peak.host_profile):
-                try:
-                    lines += probe(lambda: _step(model, optimizer, inputs))
-                except Exception as error:  # noqa: BLE001 - a diagnostic; the profile goes on
-                    lines.append(f"{probe.__name__} failed: {type(error).__name__}: {error}")
+            lines += memory_peak.diagnose(lambda: _step(model, optimizer, inputs),
+                                          host=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:

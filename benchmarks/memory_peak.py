@@ -102,7 +102,6 @@ def sync_points(fn: Callable[[], object], rows: int = 15) -> list[str]:
     """Runs ``fn`` with synchronizing CUDA calls reported; lines naming where they were made
     (the frames of ours above each), most frequent first."""
     places: collections.Counter = collections.Counter()
-    shown = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
@@ -111,21 +110,31 @@ def sync_points(fn: Callable[[], object], rows: int = 15) -> list[str]:
                       for f in reversed(stack)]
             places[f"{str(message)[:60]} at {_where(frames, 4)}"] += 1
     torch.cuda.synchronize()
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     lines = [f"synchronizing calls in one step: {sum(places.values())}"]
     lines += [f"  {n:4d}x {where}" for where, n in places.most_common(rows)]
+    return lines
+
+
+def diagnose(fn: Callable[[], object], host: bool = False) -> list[str]:
+    """:func:`sync_points` and :func:`live_at_peak` of ``fn`` (and, with ``host``,
+    :func:`host_profile`), each run once; one that fails gives a line saying so (a
+    diagnostic never stops its benchmark)."""
+    lines = []
+    probes = (sync_points, live_at_peak) + ((host_profile,) if host else ())
+    for probe in probes:
+        try:
+            lines += probe(fn)
+        except Exception as error:  # noqa: BLE001 - reported, the benchmark goes on
+            lines.append(f"{probe.__name__} failed: {type(error).__name__}: {error}")
     return lines
 
 

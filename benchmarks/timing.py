@@ -7,6 +7,8 @@
 - :func:`host_us_per_call`: the CPU time of a call while the GPU is kept busy by a sleep
   kernel queued before it, so the host never waits for the GPU: the pure launch cost; and
   the GPU time of the same calls, which ran back to back after the sleep (no host gaps).
+- :func:`interleaved`: several variants timed in alternating blocks of steps, the order
+  rotating, so that a drift of the GPU's state weighs on all alike;
 - :func:`summarize` and :func:`combine`: the median and the 10th/90th percentiles of one
   rank, then the slowest rank's (the max over ranks of the median), as the run is as slow as
   its slowest rank.
@@ -85,6 +87,33 @@ def timed_samples(ctx: Context, fn: Callable[[], object], iters: int) -> list[fl
         end.record()
     torch.cuda.synchronize(ctx.device)
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
+                device: torch.device) -> dict[str, list[float]]:
+    """Milliseconds per step of each variant in each round: blocks of ``iters`` steps of
+    every variant in turn, the order rotated each round, so that a drift of the GPU's clocks
+    or of its neighbours weighs on all alike (CUDA events around a block; wall clock on the
+    CPU)."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                start.record()
+                for _ in range(iters):
+                    steps[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / iters)
+            else:
+                begin = time.perf_counter()
+                for _ in range(iters):
+                    steps[name]()
+                times[name].append((time.perf_counter() - begin) * 1e3 / iters)
+    return times
 
 
 def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:

@@ -61,6 +61,7 @@ from torch._dynamo.utils import counters
 
 import meshfuse
 from benchmarks.harness import autograd_step, check_close
+from benchmarks.timing import interleaved
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.examples.gpt_torch import Gpt3Block
 
@@ -266,32 +267,6 @@ def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list,
         result.peak_mib = round((torch.cuda.max_memory_allocated(device) - before) / 2**20)
     runners = _meshfuse_runners(owner) if owner is not None else []
     return result, step, runners, owner
-
-
-def interleaved(steps: dict[str, Callable], rounds: int, iters: int,
-                device: torch.device) -> dict[str, list[float]]:
-    """Milliseconds per step of each variant in each round (blocks of ``iters`` steps,
-    the variants' order rotated each round)."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    steps[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / iters)
-            else:
-                begin = time.perf_counter()
-                for _ in range(iters):
-                    steps[name]()
-                times[name].append((time.perf_counter() - begin) * 1e3 / iters)
-    return times
 
 
 def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
