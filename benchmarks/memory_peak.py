@@ -104,7 +104,7 @@ def sync_points(fn: Callable[[], object], rows: int = 15) -> list[str]:
     places: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "called a synchronizing" in str(message):  # not the mode's own notice
             stack = traceback.extract_stack()[:-2]
             frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
                       for f in reversed(stack)]
