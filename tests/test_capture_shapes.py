@@ -111,3 +111,22 @@ def test_hf_plan_with_a_vocab_parallel_head_computes_the_loss_without_gathering_
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multidevice_test):
+    """Rank 1 passes a shorter sequence than the others to a parallelized model: every rank
+    raises a typed error naming the disagreement (no hang, no raw collective error)."""
+    if multidevice_test.size < 2:
+        pytest.skip("needs two ranks")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    torch.manual_seed(0)
+    model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
+                                 DeviceMesh(range(multidevice_test.size)), _megatron_sp())
+    seq = 6 if multidevice_test.rank == 1 else 8
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(meshfuse.InputError, match=r"ranks disagree on input .*rank 1 has "
+                       r"torch.int64 of local shape \[2, 6\]"):
+        model(input_ids=ids, labels=ids)
