@@ -24,7 +24,8 @@ and the gradient of the mean loss. This probe times variants of it, all checked 
   50 MiB L2; the probe ran faster, 1.26x against 1.48x.)
 
 Each variant's time is the median over rounds of ``--iters`` calls between CUDA events, the
-rounds interleaving the variants; the floor is ``torch.clone`` of the logits.
+rounds interleaving the variants in an order that rotates; the floor is ``torch.clone`` of
+the logits. ``--library-per-sm`` adds the library's kernel with a persistent grid.
 """
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def library(x, t, count):
-    loss, grad, _ = kernels.forward(x, t, count, IGNORE, 0.0)
+def library(x, t, count, per_sm: int | None = None):
+    """The library's kernel in its configured choice, or with ``per_sm`` programs per
+    multiprocessor (0: a program per row)."""
+    loss, grad, _ = kernels.forward(x, t, count, IGNORE, 0.0, programs_per_sm=per_sm)
     return loss, grad
 
 
@@ -199,6 +202,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--configs", default=None,
                         help="only these: block/warps/shift/stages/hints, comma separated")
+    parser.add_argument("--library-per-sm", default="",
+                        help="the library's kernel also with these programs per "
+                             "multiprocessor (comma separated; 0: one per row)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -210,6 +216,9 @@ def main(argv=None) -> int:
         x, t = _inputs(tokens, vocab if cuda else min(vocab, 5000), device)
         x = x.detach()
         candidates = {"library": library}
+        for per_sm in [int(v) for v in args.library_per_sm.split(",") if v]:
+            candidates[f"library per_sm={per_sm}"] = (
+                lambda x, t, count, per_sm=per_sm: library(x, t, count, per_sm))
         for c in configurations(x.shape[1], args.configs):
             name = " ".join(f"{k}={v}" for k, v in c.items())
             candidates[name] = lambda x, t, count, c=c: probe(x, t, count, **c)
@@ -220,10 +229,12 @@ def main(argv=None) -> int:
         times = {name: [] for name in candidates}
         if cuda:
             floor = []
-            for _ in range(args.rounds):
+            names = list(candidates)
+            for round_ in range(args.rounds):  # the order rotates: drift weighs on all alike
                 floor.append(_time(lambda x, t, c: x.clone(), x, t, args.iters))
-                for name, fn in candidates.items():
-                    times[name].append(_time(fn, x, t, args.iters))
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
+                    times[name].append(_time(candidates[name], x, t, args.iters))
             base = statistics.median(floor)
             lines.append(f"V={vocab} floor {base:.3f} ms")
         for name in sorted(candidates, key=lambda n: statistics.median(times[n] or [0])):

@@ -109,11 +109,30 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
-                        count_ptr, n_classes, ignore_index, smoothing,
+                        count_ptr, rows, n_classes, ignore_index, smoothing,
                         HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
                         BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr,
+                        PERSISTENT: tl.constexpr):
+        """One program per row, or (``PERSISTENT``) a fixed number of programs, each over
+        every ``num_programs``-th row: that bounds the rows in flight, whose first read the
+        second pass must still find in L2."""
+        if PERSISTENT:
+            for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+                _forward_row(tl.cast(row, tl.int64), x_ptr, x_stride, target_ptr, grad_ptr,
+                             grad_stride, loss_ptr, count_ptr, n_classes, ignore_index,
+                             smoothing, HAS_COUNT, ONE_BLOCK, BLOCK, WRITE_GRAD, SMOOTHED,
+                             SHIFTED)
+        else:
+            _forward_row(tl.program_id(0).to(tl.int64), x_ptr, x_stride, target_ptr,
+                         grad_ptr, grad_stride, loss_ptr, count_ptr, n_classes, ignore_index,
+                         smoothing, HAS_COUNT, ONE_BLOCK, BLOCK, WRITE_GRAD, SMOOTHED, SHIFTED)
+
+    @triton.jit
+    def _forward_row(row, x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
+                     count_ptr, n_classes, ignore_index, smoothing, HAS_COUNT: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                     SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
         x_row = x_ptr + row * x_stride
         g_row = grad_ptr + row * grad_stride
         target = tl.load(target_ptr + row).to(tl.int64)
@@ -178,13 +197,16 @@ if triton is not None:
 
 def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
             smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK,
-            write_grad: bool = True, long_row: int = LONG_ROW):
+            write_grad: bool = True, long_row: int = LONG_ROW,
+            programs_per_sm: int | None = None):
     """``(loss, grad, applied)``: the summed loss (float32, 0-d; a mean when ``count``, a
     0-d tensor, is given), the gradient of that loss in ``x``'s dtype (None without
     ``write_grad``: the loss alone reads each row once), and the scale applied to it
     (1.0). ``one_block_max``, ``chunk`` and ``long_row`` choose the kernel's variant (rows
     held whole up to ``one_block_max`` classes, else read in blocks of ``chunk``, with
-    shifted sums beyond ``long_row``): tests use them to reach every variant."""
+    shifted sums beyond ``long_row``): tests use them to reach every variant.
+    ``programs_per_sm``: 0 for a program per row, else that many programs per
+    multiprocessor, each over many rows (None: the configured choice)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, classes = x.shape
@@ -196,32 +218,34 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
     count_arg = count.to(torch.float32).reshape(1) if has_count else loss
     block = triton.next_power_of_2(classes)
     one_block = block <= one_block_max
-    shifted = False
+    shifted, per_sm = False, 0
     if one_block:
         warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
     else:
-        block, warps, shifted = _two_pass_config(classes, min(chunk, block), long_row)
+        block, warps, shifted, per_sm = _two_pass_config(classes, min(chunk, block), long_row)
+    if programs_per_sm is not None:
+        per_sm = programs_per_sm
+    programs = rows if not per_sm else min(rows, per_sm * _multiprocessors(x.device))
     if rows:
-        _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
-                                 classes, ignore_index, float(smoothing),
-                                 HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
-                                 WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
-                                 SHIFTED=shifted, num_warps=warps)
+        _forward_kernel[(programs,)](x, x.stride(0), target, grad, grad.stride(0), loss,
+                                     count_arg, rows, classes, ignore_index, float(smoothing),
+                                     HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
+                                     WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
+                                     SHIFTED=shifted, PERSISTENT=programs < rows,
+                                     num_warps=warps)
     applied = torch.ones((), dtype=torch.float32, device=x.device)
     return loss.sum(), grad if write_grad else None, applied
 
 
-def _two_pass_config(classes: int, block: int, long_row: int) -> tuple[int, int, bool]:
-    """(block, warps, shifted) of a row read in two passes: the fastest of the swept
-    configurations on one H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results
-    benchmarks/results/2026-12-04-02*-cross-entropy-sweep*): up to 64k classes blocks of 8192
-    with 8 warps and an online maximum, beyond blocks of 8192 with 16 warps and shifted sums.
-    The sweep's own kernel took 1.26x a copy of the logits at 32k and 1.50x at 128k in that
-    configuration; this one took 1.48x and 1.66x in the same run (2026-12-04-0235), the
-    difference not found yet (the two kernels read and write alike)."""
+def _two_pass_config(classes: int, block: int, long_row: int) -> tuple[int, int, bool, int]:
+    """(block, warps, shifted, programs per multiprocessor) of a row read in two passes: the
+    fastest of the swept configurations on one H200 (8192 rows, bf16;
+    benchmarks/cross_entropy_sweep.py, results benchmarks/results/2026-12-04-02*-cross-
+    entropy-sweep*): up to 64k classes blocks of 8192 with 8 warps and an online maximum,
+    beyond blocks of 8192 with 16 warps and shifted sums; a program per row."""
     if classes <= long_row:
-        return block, (8 if block >= 4096 else 4), False
-    return block, (16 if block >= 8192 else 8), True
+        return block, (8 if block >= 4096 else 4), False, 0
+    return block, (16 if block >= 8192 else 8), True, 0
 
 
 def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,
