@@ -25,7 +25,7 @@ and the gradient of the mean loss. This probe times variants of it, all checked 
 
 Each variant's time is the median over rounds of ``--iters`` calls between CUDA events, the
 rounds interleaving the variants in an order that rotates; the floor is ``torch.clone`` of
-the logits. ``--library-per-sm`` adds the library's kernel with a persistent grid.
+the logits. ``--library-configs`` adds the library's kernel in other configurations.
 """
 
 from __future__ import annotations
@@ -145,10 +145,9 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def library(x, t, count, per_sm: int | None = None):
-    """The library's kernel in its configured choice, or with ``per_sm`` programs per
-    multiprocessor (0: a program per row)."""
-    loss, grad, _ = kernels.forward(x, t, count, IGNORE, 0.0, programs_per_sm=per_sm)
+def library(x, t, count, config: kernels.KernelConfig | None = None):
+    """The library's kernel in its configured choice, or in ``config``."""
+    loss, grad, _ = kernels.forward(x, t, count, IGNORE, 0.0, config=config)
     return loss, grad
 
 
@@ -173,6 +172,49 @@ def _time(fn, x, t, iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _profiled(candidates, x, t, calls: int = 5) -> list[str]:
+    """Each variant's kernels alone: microseconds per call of every kernel it launched, from
+    torch.profiler (host gaps and launch costs excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+    count = (t != IGNORE).sum().float().reshape(1)
+    lines = ["  kernels alone (us per call):"]
+    for name, fn in candidates.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(x, t, count)
+            torch.cuda.synchronize()
+        spent = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+                spent[event.name] = spent.get(event.name, 0.0) + us / calls
+        parts = ", ".join(f"{k[:40]} {v:.1f}" for k, v in sorted(spent.items(),
+                                                                  key=lambda kv: -kv[1]))
+        lines.append(f"    {name}: {parts}")
+    return lines
+
+
+def _compiled_kernels(out: str) -> list[str]:
+    """Registers and spills of every compiled variant of the library's and the probe's
+    kernels, their cubins written to ``out`` (for ``cuobjdump -sass``)."""
+    lines = ["compiled kernels:"]
+    os.makedirs(out, exist_ok=True)
+    for label, fn in (("library", kernels._forward_kernel), ("probe", _probe_kernel)):
+        for device_cache in fn.device_caches.values():
+            for i, compiled in enumerate(device_cache[0].values()):
+                meta = compiled.metadata
+                source = getattr(compiled, "src", None)
+                lines.append(f"  {label} #{i}: warps {meta.num_warps}, stages "
+                             f"{meta.num_stages}, {getattr(compiled, 'n_regs', '?')} registers, "
+                             f"{getattr(compiled, 'n_spills', '?')} spills, shared "
+                             f"{meta.shared} B, constants {getattr(source, 'constants', '?')}, "
+                             f"attributes {getattr(source, 'attrs', '?')}")
+                with open(os.path.join(out, f"{label}-{i}.cubin"), "wb") as f:
+                    f.write(compiled.asm["cubin"])
+    return lines
 
 
 def configurations(vocab: int, chosen: str | None = None):
@@ -202,9 +244,13 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--configs", default=None,
                         help="only these: block/warps/shift/stages/hints, comma separated")
-    parser.add_argument("--library-per-sm", default="",
-                        help="the library's kernel also with these programs per "
-                             "multiprocessor (comma separated; 0: one per row)")
+    parser.add_argument("--library-configs", default="",
+                        help="the library's kernel also in these configurations: "
+                             "block/warps/shifted/max_registers (0: the compiler's choice), "
+                             "comma separated")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each variant's kernel times alone (torch.profiler) and its "
+                             "compiled kernels' registers; cubins written beside the results")
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -216,9 +262,11 @@ def main(argv=None) -> int:
         x, t = _inputs(tokens, vocab if cuda else min(vocab, 5000), device)
         x = x.detach()
         candidates = {"library": library}
-        for per_sm in [int(v) for v in args.library_per_sm.split(",") if v]:
-            candidates[f"library per_sm={per_sm}"] = (
-                lambda x, t, count, per_sm=per_sm: library(x, t, count, per_sm))
+        for entry in [e for e in args.library_configs.split(",") if e]:
+            block, warps, shifted, registers = (int(v) for v in entry.split("/"))
+            config = kernels.KernelConfig(block, warps, bool(shifted), registers or None)
+            candidates[f"library {entry}"] = (
+                lambda x, t, count, config=config: library(x, t, count, config))
         for c in configurations(x.shape[1], args.configs):
             name = " ".join(f"{k}={v}" for k, v in c.items())
             candidates[name] = lambda x, t, count, c=c: probe(x, t, count, **c)
@@ -241,6 +289,10 @@ def main(argv=None) -> int:
             ms = statistics.median(times[name]) if times[name] else None
             timing = "" if ms is None else f"{ms:.3f} ms {ms / base:.2f}x floor  "
             lines.append(f"  {name}: {timing}{checks[name]}")
+        if cuda and args.profile:
+            lines += _profiled(candidates, x, t)
+    if cuda and args.profile:
+        lines += _compiled_kernels(args.out)
     text = "\n".join(lines)
     print(text)
     if cuda:

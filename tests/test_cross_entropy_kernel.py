@@ -71,20 +71,17 @@ def test_under_the_triton_interpreter():
 
 @kernel_test
 @pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
-@pytest.mark.parametrize("variant", ["one_block", "blocks", "shifted_blocks",
-                                     "persistent_blocks"])
+@pytest.mark.parametrize("variant", ["one_block", "blocks", "shifted_blocks"])
 @pytest.mark.parametrize("classes", [16, 37])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_forward(dtype, classes, variant, reduction, smoothing):
     """Loss and gradient of the summed (or mean) loss; a row held whole, or read in blocks
-    of 8 classes (37: the last block partial), with an online maximum or shifted sums, one
-    program per row or (``persistent``) fewer programs than rows, each over several."""
+    of 8 classes (37: the last block partial), with an online maximum or shifted sums."""
     x, t = _inputs(5, classes, dtype)
     count = (t != IGNORE).sum().float() if reduction == "mean" else None
     loss, grad, applied = kernels.forward(x, t, count, IGNORE, smoothing,
                                           one_block_max=64 if variant == "one_block" else 8,
-                                          chunk=8, long_row=8 if "shifted" in variant else 64,
-                                          programs_per_sm=1 if "persistent" in variant else 0)
+                                          chunk=8, long_row=8 if "shifted" in variant else 64)
     ref_loss, ref_grad = _reference(x, t, reduction, smoothing)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert grad.dtype == dtype and applied.item() == 1.0

@@ -15,6 +15,7 @@ gradient row (never a silent value; ``MESHFUSE_CHECK_INDICES=1`` raises on the h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -49,6 +50,10 @@ def available(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # exp(x) as exp2(x * LOG2E): the subtraction of a row's maximum then folds into one
+    # multiply-add per element
+    LOG2E = tl.constexpr(1.4426950408889634)
+
     @triton.jit
     def _row_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr,
                    SHIFTED: tl.constexpr):
@@ -65,15 +70,15 @@ if triton is not None:
         """An online maximum and rescaled sum per block (two reductions over the threads
         per block)."""
         cols = tl.arange(0, BLOCK)
-        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        total = tl.zeros((), tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
         for start in tl.range(0, n_classes, BLOCK, num_stages=1):
             mask = start + cols < n_classes
             x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
                         eviction_policy="evict_last").to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2(x * LOG2E - m_new * LOG2E), 0)
             m = m_new
             if SMOOTHED:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
@@ -84,11 +89,11 @@ if triton is not None:
         """Each thread sums ``exp(x - c)``, ``c`` the first block's maximum, and keeps its own
         maximum, reduced once at the end (no reduction over the threads per block)."""
         cols = tl.arange(0, BLOCK)
-        total = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        total = tl.zeros((), tl.float32)
         x = tl.load(x_row + cols, mask=cols < n_classes, other=float("-inf"),
                     eviction_policy="evict_last").to(tl.float32)
         c = tl.max(x, 0)
-        sums = tl.exp(x - c)
+        sums = tl.exp2(x * LOG2E - c * LOG2E)
         peaks = x
         if SMOOTHED:
             total += tl.sum(tl.where(cols < n_classes, x, 0.0), 0)
@@ -97,7 +102,7 @@ if triton is not None:
             x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
                         eviction_policy="evict_last").to(tl.float32)
             peaks = tl.maximum(peaks, x)
-            sums += tl.exp(x - c)
+            sums += tl.exp2(x * LOG2E - c * LOG2E)
             if SMOOTHED:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
         lse = c + tl.log(tl.sum(sums, 0))
@@ -109,32 +114,27 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
-                        count_ptr, rows, n_classes, ignore_index, smoothing,
+                        count_ptr, n_classes, ignore_index, smoothing,
                         HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
                         BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr,
-                        PERSISTENT: tl.constexpr):
-        """One program per row, or (``PERSISTENT``) a fixed number of programs, each over
-        every ``num_programs``-th row: that bounds the rows in flight, whose first read the
-        second pass must still find in L2."""
-        if PERSISTENT:
-            for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-                _forward_row(tl.cast(row, tl.int64), x_ptr, x_stride, target_ptr, grad_ptr,
-                             grad_stride, loss_ptr, count_ptr, n_classes, ignore_index,
-                             smoothing, HAS_COUNT, ONE_BLOCK, BLOCK, WRITE_GRAD, SMOOTHED,
-                             SHIFTED)
-        else:
-            _forward_row(tl.program_id(0).to(tl.int64), x_ptr, x_stride, target_ptr,
-                         grad_ptr, grad_stride, loss_ptr, count_ptr, n_classes, ignore_index,
-                         smoothing, HAS_COUNT, ONE_BLOCK, BLOCK, WRITE_GRAD, SMOOTHED, SHIFTED)
-
-    @triton.jit
-    def _forward_row(row, x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
-                     count_ptr, n_classes, ignore_index, smoothing, HAS_COUNT: tl.constexpr,
-                     ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                     SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
+                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         g_row = grad_ptr + row * grad_stride
+        cols = tl.arange(0, BLOCK)
+        if ONE_BLOCK:  # the whole row in registers: read once
+            mask = cols < n_classes
+            x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            e = tl.exp2(x * LOG2E - m * LOG2E)
+            s = tl.sum(e, 0)
+            lse = m + tl.log(s)
+            total = tl.zeros((), tl.float32)
+            if SMOOTHED:
+                total = tl.sum(tl.where(mask, x, 0.0), 0)
+        else:  # statistics first (the second read then finds the row in L2)
+            lse, total = _row_stats(x_row, n_classes, BLOCK, SMOOTHED, SHIFTED)
+        # What depends on the target comes after the first read: nothing delays it.
         target = tl.load(target_ptr + row).to(tl.int64)
         ignored = target == ignore_index
         valid = (target >= 0) & (target < n_classes)
@@ -142,34 +142,27 @@ if triton is not None:
         if HAS_COUNT:
             scale = 1.0 / tl.load(count_ptr).to(tl.float32)
         scale = tl.where(ignored, 0.0, tl.where(valid, scale, float("nan")))
-        uniform = smoothing / n_classes
-        cols = tl.arange(0, BLOCK)
-        if ONE_BLOCK:  # the whole row in registers: read once
-            mask = cols < n_classes
-            x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            m = tl.max(x, 0)
-            e = tl.exp(x - m)
-            s = tl.sum(e, 0)
-            lse = m + tl.log(s)
-            total = 0.0
-            if SMOOTHED:
-                total = tl.sum(tl.where(mask, x, 0.0), 0)
-            # the target's logit read on its own: a fourth reduction over the row costs more
-            x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
-            w = tl.where(cols == target, 1.0 - smoothing + uniform, uniform)
-            if WRITE_GRAD:
-                grad = (e * (1.0 / s) - w) * scale
+        uniform = 0.0
+        if SMOOTHED:
+            uniform = smoothing / n_classes
+        # the target's logit read on its own: a further reduction over the row costs more
+        x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
+        # the gradient (softmax(x) - w) * scale as p * scale - w * scale, w's two values
+        # scaled once
+        hit = (1.0 - smoothing + uniform) * scale
+        miss = uniform * scale
+        if WRITE_GRAD:
+            if ONE_BLOCK:
+                grad = e * (scale / s) - tl.where(cols == target, hit, miss)
                 tl.store(g_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
-        else:  # statistics first, then the gradient: read twice (the second from L2)
-            lse, total = _row_stats(x_row, n_classes, BLOCK, SMOOTHED, SHIFTED)
-            x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)
-            if WRITE_GRAD:
+            else:
+                shift = lse * LOG2E
                 for start in tl.range(0, n_classes, BLOCK, num_stages=1):
                     mask = start + cols < n_classes
                     x = tl.load(x_row + start + cols, mask=mask, other=0.0,
                                 eviction_policy="evict_first").to(tl.float32)
-                    w = tl.where(start + cols == target, 1.0 - smoothing + uniform, uniform)
-                    grad = (tl.exp(x - lse) - w) * scale
+                    p = tl.exp2(x * LOG2E - shift)
+                    grad = p * scale - tl.where(cols == target - start, hit, miss)
                     # streamed: the gradient does not push the rows still to read out of L2
                     tl.store(g_row + start + cols, grad.to(grad_ptr.dtype.element_ty),
                              mask=mask, cache_modifier=".cs")
@@ -198,15 +191,14 @@ if triton is not None:
 def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
             smoothing: float, one_block_max: int = ONE_BLOCK_MAX, chunk: int = CHUNK,
             write_grad: bool = True, long_row: int = LONG_ROW,
-            programs_per_sm: int | None = None):
+            config: KernelConfig | None = None):
     """``(loss, grad, applied)``: the summed loss (float32, 0-d; a mean when ``count``, a
     0-d tensor, is given), the gradient of that loss in ``x``'s dtype (None without
     ``write_grad``: the loss alone reads each row once), and the scale applied to it
     (1.0). ``one_block_max``, ``chunk`` and ``long_row`` choose the kernel's variant (rows
     held whole up to ``one_block_max`` classes, else read in blocks of ``chunk``, with
-    shifted sums beyond ``long_row``): tests use them to reach every variant.
-    ``programs_per_sm``: 0 for a program per row, else that many programs per
-    multiprocessor, each over many rows (None: the configured choice)."""
+    shifted sums beyond ``long_row``): tests use them to reach every variant; ``config``
+    replaces the chosen configuration of a row read in blocks (benchmarks sweep it)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, classes = x.shape
@@ -218,34 +210,51 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
     count_arg = count.to(torch.float32).reshape(1) if has_count else loss
     block = triton.next_power_of_2(classes)
     one_block = block <= one_block_max
-    shifted, per_sm = False, 0
     if one_block:
-        warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
-    else:
-        block, warps, shifted, per_sm = _two_pass_config(classes, min(chunk, block), long_row)
-    if programs_per_sm is not None:
-        per_sm = programs_per_sm
-    programs = rows if not per_sm else min(rows, per_sm * _multiprocessors(x.device))
+        config = _one_block_config(block)
+    elif config is None:
+        config = _two_pass_config(classes, min(chunk, block), long_row)
     if rows:
-        _forward_kernel[(programs,)](x, x.stride(0), target, grad, grad.stride(0), loss,
-                                     count_arg, rows, classes, ignore_index, float(smoothing),
-                                     HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=block,
-                                     WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
-                                     SHIFTED=shifted, PERSISTENT=programs < rows,
-                                     num_warps=warps)
+        _forward_kernel[(rows,)](x, x.stride(0), target, grad, grad.stride(0), loss, count_arg,
+                                 classes, ignore_index, float(smoothing),
+                                 HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=config.block,
+                                 WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
+                                 SHIFTED=config.shifted, num_warps=config.warps,
+                                 **config.launch_options())
     applied = torch.ones((), dtype=torch.float32, device=x.device)
     return loss.sum(), grad if write_grad else None, applied
 
 
-def _two_pass_config(classes: int, block: int, long_row: int) -> tuple[int, int, bool, int]:
-    """(block, warps, shifted, programs per multiprocessor) of a row read in two passes: the
-    fastest of the swept configurations on one H200 (8192 rows, bf16;
-    benchmarks/cross_entropy_sweep.py, results benchmarks/results/2026-12-04-02*-cross-
-    entropy-sweep*): up to 64k classes blocks of 8192 with 8 warps and an online maximum,
-    beyond blocks of 8192 with 16 warps and shifted sums; a program per row."""
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """How the forward kernel reads a row: blocks of ``block`` classes, ``warps`` warps a
+    program, shifted sums or an online maximum, and at most ``max_registers`` registers a
+    thread (None: the compiler's choice), which sets how many programs share a
+    multiprocessor."""
+
+    block: int
+    warps: int
+    shifted: bool = False
+    max_registers: int | None = None
+
+    def launch_options(self) -> dict:
+        if self.max_registers is None or INTERPRETED:
+            return {}
+        return {"maxnreg": self.max_registers}
+
+
+def _one_block_config(block: int) -> KernelConfig:
+    return KernelConfig(block, 4 if block <= 2048 else 8 if block <= 4096 else 16)
+
+
+def _two_pass_config(classes: int, block: int, long_row: int) -> KernelConfig:
+    """The configuration of a row read in two passes: the fastest of the swept ones on one
+    H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results
+    benchmarks/results/2026-12-04-*-cross-entropy-sweep*): up to 64k classes blocks of 8192
+    with 8 warps and an online maximum, beyond blocks of 8192 with 16 warps and shifted sums."""
     if classes <= long_row:
-        return block, (8 if block >= 4096 else 4), False, 0
-    return block, (16 if block >= 8192 else 8), True, 0
+        return KernelConfig(block, 8 if block >= 4096 else 4)
+    return KernelConfig(block, 16 if block >= 8192 else 8, shifted=True)
 
 
 def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,
