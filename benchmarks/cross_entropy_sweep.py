@@ -18,10 +18,14 @@ and the gradient of the mean loss. This probe times variants of it, all checked 
 - the block of classes, the warps, and the software-pipelining stages of the loops;
 - ``per_sm`` (chosen configurations only): a fixed number of programs per multiprocessor,
   each looping over rows, instead of one program per row: it bounds the rows in flight,
-  whose first reads the second pass must still find in L2. (Compiled for sm_90 without a
-  GPU, the library's kernel takes 60 registers a thread and this probe's 80 at 8 warps: 4
-  and 3 programs per multiprocessor, about 33 and 25 MiB of rows in flight against a
-  50 MiB L2; the probe ran faster, 1.26x against 1.48x.)
+  whose first reads the second pass must still find in L2 (slower in every case swept on an
+  H200: 2026-12-04-0834).
+
+``--profile`` adds each variant's kernel time alone (torch.profiler) and the registers of
+every compiled kernel, whose cubins it writes beside the results (``cuobjdump -sass``). The
+registers a thread takes set how many programs share a multiprocessor, and so how many
+rows are in flight: the library's kernel at 8 warps took 73 registers (3 programs) where
+this probe's took 64 (4), one reason it was slower (2026-12-04-0838).
 
 Each variant's time is the median over rounds of ``--iters`` calls between CUDA events, the
 rounds interleaving the variants in an order that rotates; the floor is ``torch.clone`` of
@@ -246,7 +250,7 @@ def main(argv=None) -> int:
                         help="only these: block/warps/shift/stages/hints, comma separated")
     parser.add_argument("--library-configs", default="",
                         help="the library's kernel also in these configurations: "
-                             "block/warps/shifted/max_registers (0: the compiler's choice), "
+                             "block/warps/max_registers (0: the compiler's choice), "
                              "comma separated")
     parser.add_argument("--profile", action="store_true",
                         help="also each variant's kernel times alone (torch.profiler) and its "
@@ -263,8 +267,8 @@ def main(argv=None) -> int:
         x = x.detach()
         candidates = {"library": library}
         for entry in [e for e in args.library_configs.split(",") if e]:
-            block, warps, shifted, registers = (int(v) for v in entry.split("/"))
-            config = kernels.KernelConfig(block, warps, bool(shifted), registers or None)
+            block, warps, registers = (int(v) for v in entry.split("/"))
+            config = kernels.KernelConfig(block, warps, registers or None)
             candidates[f"library {entry}"] = (
                 lambda x, t, count, config=config: library(x, t, count, config))
         for c in configurations(x.shape[1], args.configs):

@@ -71,17 +71,18 @@ def test_under_the_triton_interpreter():
 
 @kernel_test
 @pytest.mark.parametrize("reduction,smoothing", MEAN_SUM)
-@pytest.mark.parametrize("variant", ["one_block", "blocks", "shifted_blocks"])
+@pytest.mark.parametrize("variant", ["one_block", "blocks", "long_row_blocks"])
 @pytest.mark.parametrize("classes", [16, 37])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_forward(dtype, classes, variant, reduction, smoothing):
     """Loss and gradient of the summed (or mean) loss; a row held whole, or read in blocks
-    of 8 classes (37: the last block partial), with an online maximum or shifted sums."""
+    of 8 classes (37: the last block partial), in either configuration of a row read in
+    blocks."""
     x, t = _inputs(5, classes, dtype)
     count = (t != IGNORE).sum().float() if reduction == "mean" else None
     loss, grad, applied = kernels.forward(x, t, count, IGNORE, smoothing,
                                           one_block_max=64 if variant == "one_block" else 8,
-                                          chunk=8, long_row=8 if "shifted" in variant else 64)
+                                          chunk=8, long_row=8 if "long_row" in variant else 64)
     ref_loss, ref_grad = _reference(x, t, reduction, smoothing)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert grad.dtype == dtype and applied.item() == 1.0
@@ -91,10 +92,10 @@ def test_kernel_forward(dtype, classes, variant, reduction, smoothing):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_shifted_sums_of_a_row_far_above_its_first_block(dtype):
-    """Shifted sums start from the first block's maximum: a later logit 100 above it (whose
-    exponential would overflow float32 from there) sends the row to the online maximum, and
-    the loss and gradient stay exact; no row is NaN or infinite."""
+def test_kernel_a_row_whose_later_block_is_far_above_its_first(dtype):
+    """A later logit 100 above the first block's maximum (its exponential from there would
+    overflow float32) rescales the sums kept so far, and the loss and gradient stay exact;
+    no row is NaN or infinite."""
     x, t = _inputs(4, 37, dtype)
     x[0, 30] = 100.0  # block 3 of row 0
     x[2, 9] = -100.0  # far below: exp underflows to 0, as in any softmax

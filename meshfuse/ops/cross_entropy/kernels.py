@@ -55,20 +55,13 @@ if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def _row_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr,
-                   SHIFTED: tl.constexpr):
-        """The log-sum-exp and (``SMOOTHED``) the sum of a row read block by block, the
-        blocks kept in L2 for the second read (the loops are not software-pipelined: on an
-        H200 three stages took 1.2-1.4x one): :func:`_shifted_stats` or
-        :func:`_online_stats`."""
-        if SHIFTED:
-            return _shifted_stats(x_row, n_classes, BLOCK, SMOOTHED)
-        return _online_stats(x_row, n_classes, BLOCK, SMOOTHED)
-
-    @triton.jit
     def _online_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr):
-        """An online maximum and rescaled sum per block (two reductions over the threads
-        per block)."""
+        """The log-sum-exp and (``SMOOTHED``) the sum of a row read block by block: an
+        online maximum and rescaled sum per block, the blocks kept in L2 for the second
+        read. The loop is not software-pipelined: on an H200 three stages took 1.2-1.4x
+        one. (Per-thread sums shifted by the first block's maximum, reduced once a row,
+        took 1.05x this at 128k once the exponentials were one multiply-add each:
+        benchmarks/results/2026-12-04-0845-*.)"""
         cols = tl.arange(0, BLOCK)
         total = tl.zeros((), tl.float32)
         m = tl.full((), float("-inf"), tl.float32)
@@ -85,39 +78,11 @@ if triton is not None:
         return m + tl.log(s), total
 
     @triton.jit
-    def _shifted_stats(x_row, n_classes, BLOCK: tl.constexpr, SMOOTHED: tl.constexpr):
-        """Each thread sums ``exp(x - c)``, ``c`` the first block's maximum, and keeps its own
-        maximum, reduced once at the end (no reduction over the threads per block)."""
-        cols = tl.arange(0, BLOCK)
-        total = tl.zeros((), tl.float32)
-        x = tl.load(x_row + cols, mask=cols < n_classes, other=float("-inf"),
-                    eviction_policy="evict_last").to(tl.float32)
-        c = tl.max(x, 0)
-        sums = tl.exp2(x * LOG2E - c * LOG2E)
-        peaks = x
-        if SMOOTHED:
-            total += tl.sum(tl.where(cols < n_classes, x, 0.0), 0)
-        for start in tl.range(BLOCK, n_classes, BLOCK, num_stages=1):
-            mask = start + cols < n_classes
-            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"),
-                        eviction_policy="evict_last").to(tl.float32)
-            peaks = tl.maximum(peaks, x)
-            sums += tl.exp2(x * LOG2E - c * LOG2E)
-            if SMOOTHED:
-                total += tl.sum(tl.where(mask, x, 0.0), 0)
-        lse = c + tl.log(tl.sum(sums, 0))
-        # Rare: a later block far above the first is summed again from the true maximum
-        # (exp(60) times a million classes stays far below float32's largest value).
-        if tl.max(peaks, 0) - c > 60.0:
-            lse, _ = _online_stats(x_row, n_classes, BLOCK, False)
-        return lse, total
-
-    @triton.jit
     def _forward_kernel(x_ptr, x_stride, target_ptr, grad_ptr, grad_stride, loss_ptr,
                         count_ptr, n_classes, ignore_index, smoothing,
                         HAS_COUNT: tl.constexpr, ONE_BLOCK: tl.constexpr,
                         BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                        SMOOTHED: tl.constexpr, SHIFTED: tl.constexpr):
+                        SMOOTHED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         g_row = grad_ptr + row * grad_stride
@@ -133,7 +98,7 @@ if triton is not None:
             if SMOOTHED:
                 total = tl.sum(tl.where(mask, x, 0.0), 0)
         else:  # statistics first (the second read then finds the row in L2)
-            lse, total = _row_stats(x_row, n_classes, BLOCK, SMOOTHED, SHIFTED)
+            lse, total = _online_stats(x_row, n_classes, BLOCK, SMOOTHED)
         # What depends on the target comes after the first read: nothing delays it.
         target = tl.load(target_ptr + row).to(tl.int64)
         ignored = target == ignore_index
@@ -196,9 +161,9 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
     0-d tensor, is given), the gradient of that loss in ``x``'s dtype (None without
     ``write_grad``: the loss alone reads each row once), and the scale applied to it
     (1.0). ``one_block_max``, ``chunk`` and ``long_row`` choose the kernel's variant (rows
-    held whole up to ``one_block_max`` classes, else read in blocks of ``chunk``, with
-    shifted sums beyond ``long_row``): tests use them to reach every variant; ``config``
-    replaces the chosen configuration of a row read in blocks (benchmarks sweep it)."""
+    held whole up to ``one_block_max`` classes, else read in blocks of ``chunk``, with more
+    warps beyond ``long_row``): tests use them to reach every variant; ``config`` replaces
+    the chosen configuration of a row read in blocks (benchmarks sweep it)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, classes = x.shape
@@ -219,7 +184,7 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
                                  classes, ignore_index, float(smoothing),
                                  HAS_COUNT=has_count, ONE_BLOCK=one_block, BLOCK=config.block,
                                  WRITE_GRAD=write_grad, SMOOTHED=smoothing != 0.0,
-                                 SHIFTED=config.shifted, num_warps=config.warps,
+                                 num_warps=config.warps,
                                  **config.launch_options())
     applied = torch.ones((), dtype=torch.float32, device=x.device)
     return loss.sum(), grad if write_grad else None, applied
@@ -227,14 +192,12 @@ def forward(x: torch.Tensor, target: torch.Tensor, count, ignore_index: int,
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """How the forward kernel reads a row: blocks of ``block`` classes, ``warps`` warps a
-    program, shifted sums or an online maximum, and at most ``max_registers`` registers a
-    thread (None: the compiler's choice), which sets how many programs share a
-    multiprocessor."""
+    """How the forward kernel reads a row too long to hold whole: blocks of ``block``
+    classes, ``warps`` warps a program, and at most ``max_registers`` registers a thread
+    (None: the compiler's choice), which sets how many programs share a multiprocessor."""
 
     block: int
     warps: int
-    shifted: bool = False
     max_registers: int | None = None
 
     def launch_options(self) -> dict:
@@ -250,11 +213,14 @@ def _one_block_config(block: int) -> KernelConfig:
 def _two_pass_config(classes: int, block: int, long_row: int) -> KernelConfig:
     """The configuration of a row read in two passes: the fastest of the swept ones on one
     H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results
-    benchmarks/results/2026-12-04-*-cross-entropy-sweep*): up to 64k classes blocks of 8192
-    with 8 warps and an online maximum, beyond blocks of 8192 with 16 warps and shifted sums."""
+    benchmarks/results/2026-12-04-0845-h200-1gpu-cross-entropy-sweep-*): up to ``long_row``
+    classes blocks of 8192, 8 warps and at most 64 registers a thread, so that four programs
+    share a multiprocessor (the compiler's 80 let three: 1.17x a copy of the logits against
+    1.24x at 32k classes); longer rows blocks of 8192 and 16 warps (1.53x at 128k, 1.56x with
+    8 warps)."""
     if classes <= long_row:
-        return KernelConfig(block, 8 if block >= 4096 else 4)
-    return KernelConfig(block, 16 if block >= 8192 else 8, shifted=True)
+        return KernelConfig(block, 8 if block >= 4096 else 4, max_registers=64)
+    return KernelConfig(block, 16 if block >= 8192 else 8)
 
 
 def scale_in_place(grad: torch.Tensor, applied: torch.Tensor,
