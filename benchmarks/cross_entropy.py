@@ -24,7 +24,10 @@ on all alike), ``--iters`` steps between two CUDA events; reported: the median o
 of the time per step, its ratio to the floor, and the peak memory above the inputs
 (``torch.cuda.max_memory_allocated`` after a reset, less what was allocated before) beside
 the gradient's own size, and what a variant's timed steps left allocated (``kept``: memory a
-variant holds across steps, such as CUDA graphs captured on the way, or leaks). Every
+variant holds across steps, such as CUDA graphs captured on the way, or leaks), and the host's
+microseconds per step with the GPU kept busy (``benchmarks.timing.host_us_per_call``: a step
+whose host time exceeds its GPU time is bound by the host; "waits": a step waited for the
+GPU, it synchronizes) beside the GPU's time per step run back to back. Every
 variant's loss and gradient are checked against eager's first.
 Results: ``<out>/<date>-<gpu>-cross_entropy.{json,md}`` (``--out`` defaults to ``$OUT`` when
 set, else ``benchmarks/results``).
@@ -43,6 +46,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.context import Context
+from benchmarks.timing import host_us_per_call
 from meshfuse import DataType, FusionDefinition
 from meshfuse.ops.cross_entropy import kernels
 
@@ -188,6 +193,11 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
                 before = _allocated(device)
                 records[name]["times"].append(_time(step, x, t, iters, device))
                 records[name]["grew"] = records[name].get("grew", 0) + _allocated(device) - before
+    ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
+    for name, step in steps.items():
+        if not records[name]["check"].startswith("error"):
+            records[name]["host"] = host_us_per_call(ctx, lambda: step(x, t), calls=iters,
+                                                     rounds=3)
     floor = statistics.median(records["floor"]["times"])
     grad_mib = x.numel() * x.element_size() / MIB
     out = []
@@ -196,20 +206,25 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
         out.append({"tokens": tokens, "vocab": vocab, "variant": name, "median_ms": median,
                     "x_floor": None if median is None else median / floor,
                     "peak_extra_mib": r.get("peak_extra_mib"), "grad_mib": grad_mib,
-                    "check": r["check"], "kept_mib": r.get("grew", 0) / MIB})
+                    "check": r["check"], "kept_mib": r.get("grew", 0) / MIB,
+                    **{k: v for k, v in r.get("host", {}).items()}})
     return out
 
 
 def _table(records: list[dict]) -> str:
-    head = ("| tokens | vocab | variant | ms/step | x floor | peak extra MiB | gradient MiB | "
-            "kept MiB | check |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| tokens | vocab | variant | ms/step | x floor | host us/step | GPU us/step | "
+            "peak extra MiB | gradient MiB | kept MiB | check |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"
         ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
         peak = "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
+        host = "-" if r.get("host_us") is None else f"{r['host_us']:.0f}" + (
+            "" if r.get("gpu_busy") in (True, None) else " (waits)")
+        gpu = "-" if r.get("gpu_us") is None else f"{r['gpu_us']:.0f}"
         lines.append(f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {ms} | {ratio} | "
-                     f"{peak} | {r['grad_mib']:.0f} | {r['kept_mib']:.0f} | {r['check']} |")
+                     f"{host} | {gpu} | {peak} | {r['grad_mib']:.0f} | {r['kept_mib']:.0f} | "
+                     f"{r['check']} |")
     return "\n".join(lines)
 
 

@@ -114,7 +114,19 @@ def meshfuse_variant(cfg, batch: int, device, plain: bool = False):
     mesh = DeviceMesh(range(1)) if plain else \
         NamedMesh(DeviceMesh(torch.arange(1).reshape(1, 1)), ("dp", "tp"))
     model = LlamaModel(cfg, batch, init_parameters(cfg), mesh, device)
-    return "meshfuse", _training_step(model, model.parameters(), device)
+    step = _training_step(model, model.parameters(), device)
+    step.calls = lambda: _calls(model)
+    return "meshfuse", step
+
+
+def _calls(model) -> list[str]:
+    """What the embedding's, the first block's and the head's autograd functions did over
+    the steps (CUDA-graph replay, fused segments, host time per call): one line each."""
+    lines = []
+    for name, module in (("embed", model.embed), ("blocks.0", model.blocks[0]),
+                         ("head", model.head)):
+        lines += [f"{name}:", *(f"  {x}" for x in module._function.call_lines())]
+    return lines
 
 
 FALLBACK: dict[str, str] = {}  # why torchtitan did not run, if it did not
@@ -217,6 +229,7 @@ def time_interleaved(built: list[dict], cfg, args, device) -> None:
         v["median_step_s"] = statistics.median(times[v["variant"]]) / 1e3
         v["tokens_per_s"] = args.batch * cfg.seq / v["median_step_s"]
         v["losses"] = [float(loss) for loss in v["losses"]]
+        v["calls"] = v["step"].calls() if hasattr(v["step"], "calls") else []
         del v["step"]
 
 
@@ -283,7 +296,7 @@ def main(argv=None) -> int:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         print(f"{r['variant']}: {r['median_step_s'] * 1e3:.1f} ms/step, "
               f"{r['tokens_per_s']:.0f} tokens/s, peak {peak}", flush=True)
-        print("\n".join(r["diagnosis"]), flush=True)
+        print("\n".join(r["diagnosis"] + r["calls"]), flush=True)
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "config": dataclasses.asdict(cfg),
               "batch": args.batch, "steps": args.steps, "results": results,
