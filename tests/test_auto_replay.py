@@ -434,6 +434,34 @@ def test_lookups_on_a_sharded_vocabulary_replay():
     assert "random streams" not in fd.explain(inputs)
 
 
+def test_a_new_batch_of_token_ids_at_each_call_replays():
+    """A training loop hands each step new token ids wherever the allocator puts them: the
+    integer input is copied into the graph's buffer at each replay, not part of its key, so
+    the program replays from its second call (the weight at its address) with each call's
+    ids; a float input at a new address still is a new key (the interpreter, then a
+    capture)."""
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([2, 5], dtype=DataType.Int)
+        w = fd.define_tensor([11, 6], dtype=DataType.Float)
+        fd.add_output(fd.ops.embedding_fwd(ids, w))
+    w_value = torch.randn(11, 6)
+    held = []  # every batch stays alive: each lies at a new address
+    replay = AutoReplay(_program(fd, [torch.randint(0, 11, (2, 5)), w_value]), CUDA,
+                        cuda=FakeCuda)
+    results = []
+    for step in range(5):
+        batch = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(step))
+        held.append(batch)
+        out = replay.run([batch, w_value])
+        results.append(None if out is None else out[0].clone())
+        if out is not None:
+            torch.testing.assert_close(out[0], torch.nn.functional.embedding(batch, w_value))
+        del out  # a result still held would make the graph busy (a second graph)
+    assert results[0] is None and all(r is not None for r in results[1:])
+    assert replay.graphs == 1
+    assert replay.run([held[0], w_value.clone()]) is None  # the weight moved: a new key
+
+
 def test_attention_with_dropout_replays_only_with_a_fused_kernel():
     """Dropout replays where a fused kernel draws it (tests/test_dropout_replay.py); the CPU
     binds the math kernel, so the capture is refused and the interpreter runs."""

@@ -29,7 +29,10 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   signature and :data:`MAX_FUSION_GRAPHS` per fusion, over all its signatures, and while the
   pools of all the process's automatic graphs hold less than :data:`POOL_FRACTION` of the
   device's memory; beyond, the interpreter runs. A graph's capture follows a warm-up run on
-  a side stream.
+  a side stream. Small integer and boolean inputs (a step's token ids, targets, masks: a new
+  batch at each step, wherever the allocator puts it) are the exception: a replay copies
+  them into buffers of its graph and they are not part of its key (:func:`data_inputs`),
+  as a backward's cotangents.
 - **Repeated layers.** One program may run at many places of a step: the layers of a stack
   that ``meshfuse.parallelize`` builds once and calls once per layer (one autograd function,
   so one forward and one backward runner for all of them), or one fusion applied to several
@@ -118,6 +121,9 @@ from meshfuse.runtime.replay.streams import (
 # graphs captured per program signature (all sets of input addresses: one per place of a
 # step where the program runs, such as each layer of a stack that shares it)
 MAX_GRAPHS = 128
+# integer and boolean inputs up to this size are copied into a graph's buffers at each replay
+# (see data_inputs)
+DATA_BYTES = 16 * 2**20
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
 MAX_SEEN = 256  # sets of input addresses remembered until their second call
 MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._settled)
@@ -298,6 +304,18 @@ def _outside_graphs(addresses: list[tuple[int, int]]) -> frozenset[tuple[int, in
     return frozenset((i, a) for i, a in addresses if a not in _GRAPH_OUTPUTS)
 
 
+def data_inputs(inputs: Sequence[Any]) -> frozenset[int]:
+    """The positions of small integer or boolean tensor inputs (token ids, targets, masks:
+    at most :data:`DATA_BYTES`), which a replay copies into buffers of its graph rather than
+    keying on their addresses: a training loop hands each step a new batch, wherever the
+    allocator puts it, and the program would otherwise run the interpreter until the
+    batches' addresses repeat (and every graph keyed on a later layer's output moved with
+    it)."""
+    return frozenset(i for i, x in enumerate(inputs)
+                     if isinstance(x, torch.Tensor) and not x.is_floating_point()
+                     and not x.is_complex() and x.numel() * x.element_size() <= DATA_BYTES)
+
+
 def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
     """``key`` without the tensors' addresses."""
     return tuple(None if i < len(inputs) and isinstance(inputs[i], torch.Tensor) else k
@@ -324,6 +342,7 @@ class AutoReplay:
         self.reason = why_not_replayed(program, device)
         # inputs a replay reads on the host, not part of a graph's key
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
+        self._data: frozenset[int] | None = None  # see data_inputs, found at the first call
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         # the tensor inputs' (position, address) of those calls
@@ -349,6 +368,9 @@ class AutoReplay:
         goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
+        if self._data is None:
+            self._data = data_inputs(inputs)
+        staged = staged | self._data
         key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
         unkeyed = self._unkeyed | staged
         if unkeyed:
