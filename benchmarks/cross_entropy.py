@@ -196,7 +196,8 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
     ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
     for name, step in steps.items():
         if not records[name]["check"].startswith("error"):
-            records[name]["host"] = host_us_per_call(ctx, lambda: step(x, t), calls=iters,
+            records[name]["host"] = host_us_per_call(ctx, lambda step=step: step(x, t),
+                                                     calls=iters,
                                                      rounds=3)
     floor = statistics.median(records["floor"]["times"])
     grad_mib = x.numel() * x.element_size() / MIB

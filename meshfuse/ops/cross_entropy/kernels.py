@@ -61,7 +61,7 @@ if triton is not None:
         read. The loop is not software-pipelined: on an H200 three stages took 1.2-1.4x
         one. (Per-thread sums shifted by the first block's maximum, reduced once a row,
         took 1.05x this at 128k once the exponentials were one multiply-add each:
-        benchmarks/results/2026-12-04-0845-*.)"""
+        benchmarks/results/2026-12-04-0845-h200-1gpu-cross-entropy-sweep-7bd769d.txt.)"""
         cols = tl.arange(0, BLOCK)
         total = tl.zeros((), tl.float32)
         m = tl.full((), float("-inf"), tl.float32)
@@ -212,10 +212,10 @@ def _one_block_config(block: int) -> KernelConfig:
 
 def _two_pass_config(classes: int, block: int, long_row: int) -> KernelConfig:
     """The configuration of a row read in two passes: the fastest of the swept ones on one
-    H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results
-    benchmarks/results/2026-12-04-0845-h200-1gpu-cross-entropy-sweep-*): up to ``long_row``
-    classes blocks of 8192, 8 warps and at most 64 registers a thread, so that four programs
-    share a multiprocessor (the compiler's 80 let three: 1.17x a copy of the logits against
+    H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results in
+    benchmarks/results/2026-12-04-0845-h200-1gpu-cross-entropy-sweep-7bd769d.txt): up to
+    ``long_row`` classes blocks of 8192, 8 warps and at most 64 registers a thread, so that
+    four programs share a multiprocessor (the compiler's 80 let three: 1.17x a copy of the logits against
     1.24x at 32k classes); longer rows blocks of 8192 and 16 warps (1.53x at 128k, 1.56x with
     8 warps)."""
     if classes <= long_row:
