@@ -215,9 +215,9 @@ def _two_pass_config(classes: int, block: int, long_row: int) -> KernelConfig:
     H200 (8192 rows, bf16; benchmarks/cross_entropy_sweep.py, results in
     benchmarks/results/2026-12-04-0845-h200-1gpu-cross-entropy-sweep-7bd769d.txt): up to
     ``long_row`` classes blocks of 8192, 8 warps and at most 64 registers a thread, so that
-    four programs share a multiprocessor (the compiler's 80 let three: 1.17x a copy of the logits against
-    1.24x at 32k classes); longer rows blocks of 8192 and 16 warps (1.53x at 128k, 1.56x with
-    8 warps)."""
+    four programs share a multiprocessor (the compiler's 80 let three: 1.17x a copy of the
+    logits against 1.24x at 32k classes); longer rows blocks of 8192 and 16 warps (1.53x at
+    128k, 1.56x with 8 warps)."""
     if classes <= long_row:
         return KernelConfig(block, 8 if block >= 4096 else 4, max_registers=64)
     return KernelConfig(block, 16 if block >= 8192 else 8)
