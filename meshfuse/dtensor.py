@@ -46,6 +46,7 @@ from meshfuse.ir.layout import device_ids, local_indices, shard_factor
 from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.ir.parallel_type import device_parallel_type
 from meshfuse.ir.tensor_view import TensorView
+from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.binding import device_coords
 
 __all__ = [
@@ -92,7 +93,13 @@ def mesh_to_torch(mesh: DeviceMesh, device_type: str | None = None,
         device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when the default process group is
             NCCL, else CPU.
         mesh_dim_names: a name per mesh axis, as torch's ``init_device_mesh`` takes them.
+
+    Without a default process group, meshfuse's communicator makes one first, as a fusion's
+    first ``execute`` does (from torchrun's environment, or a group of one in a single
+    process).
     """
+    if not dist.is_initialized():
+        Communicator.instance()
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else None

@@ -223,3 +223,29 @@ def test_a_plan_key_matching_nothing_or_an_unknown_style_is_a_definition_error()
         resolve_plan(OUTLINE, {"layers.*.mlp": "colwise"}, 1)
     with pytest.raises(DefinitionError, match="Hugging Face styles"):
         resolve_plan(OUTLINE, {"q": "packed_colwise"}, 1)
+
+
+def test_a_single_process_parallelizes_without_initializing_torch_distributed():
+    """A fresh process that never called ``init_process_group`` parallelizes a model on a
+    one-device mesh (meshfuse's communicator makes the group, as a fusion's ``execute``
+    does) instead of failing in torch's DeviceMesh ("Default process group has not been
+    initialized"), and computes what the module computes."""
+    import subprocess
+    import sys
+    script = (
+        "import torch, meshfuse\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),"
+        " torch.nn.Linear(8, 2))\n"
+        "x = torch.randn(3, 4)\n"
+        "expected = model(x)\n"
+        "parallel = meshfuse.parallelize(model, meshfuse.DeviceMesh(range(1)), {})\n"
+        "out = parallel(x)\n"
+        "out = out.full_tensor() if hasattr(out, 'full_tensor') else out\n"
+        "torch.testing.assert_close(out, expected)\n"
+        "print('ok')\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
