@@ -80,6 +80,9 @@ class FusionFunction:
         inputs = fusion.inputs()
         self.wrt = [v for v in inputs if isinstance(v, TensorView) and v.dtype.is_floating] \
             if wrt is None else list(wrt)
+        self._arity = len(inputs)
+        # the positions of the inputs in wrt (looked up at every call)
+        self._wrt_positions = tuple(i for i, v in enumerate(inputs) if v in self.wrt)
         self._derivations: dict[tuple, _Compiled] = {}
         self._lacking: bool | None = None  # see _inputs_not_everywhere
         self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
@@ -92,10 +95,10 @@ class FusionFunction:
         ``requires_grad`` (one per fusion input); for a fusion with symbolic extents, of
         the fusion with ``extents`` (bound by the inputs) made static: a gradient's shapes
         are decided per set of extents, as the forward's communications are."""
-        inputs = self.fusion.inputs()
-        wrt = tuple(i for i, v in enumerate(inputs) if v in self.wrt and requires_grad[i])
+        wrt = tuple(i for i in self._wrt_positions if requires_grad[i])
         key = (wrt, None if extents is None else self._symbolic_key(extents))
         if key not in self._derivations:
+            inputs = self.fusion.inputs()
             source = self.fusion
             if extents is not None:
                 build = compiled_for(self.fusion)
@@ -124,10 +127,8 @@ class FusionFunction:
         ``inputs``, outputs are DTensors and gradients flow to the input DTensors (see
         :meth:`_on_dtensors`)."""
         inputs = list(inputs)
-        if len(inputs) != len(self.fusion.inputs()):
-            raise InputError(
-                f"the fusion takes {len(self.fusion.inputs())} inputs, got {len(inputs)}"
-            )
+        if len(inputs) != self._arity:
+            raise InputError(f"the fusion takes {self._arity} inputs, got {len(inputs)}")
         if has_dtensors(inputs):
             return self._on_dtensors(inputs)
         return self._apply(self._compiled_for(inputs), inputs)
@@ -242,6 +243,17 @@ class _Compiled:
         self._backward: FusionRunner | None = None
         # host time of the autograd node's forward and backward, their programs included
         self.node_forward, self.node_backward = PathTime(), PathTime()
+        # What every call of the node reads of the derivation, found once:
+        d = derivation
+        # the residuals that are outputs of the node (positions among the residuals)
+        self.returned = tuple(i for i, r in enumerate(d.residuals)
+                              if r.kind == "output" and r.index < d.num_outputs)
+        # the node's outputs without a cotangent
+        carried = set(d.cotangents)
+        self.non_differentiable = tuple(j for j in range(d.num_outputs) if j not in carried)
+        # the node's outputs that are no residual (a 0-d one of them is copied)
+        saved = {r.index for r in d.residuals if r.kind == "output"}
+        self.unsaved = tuple(j for j in range(d.num_outputs) if j not in saved)
 
     def backward_lines(self) -> list[str]:
         """explain's lines on the derived backward: per signature it ran, see
@@ -273,16 +285,19 @@ class _Compiled:
                                       staged=range(len(self.derivation.cotangents)))
 
 
-def _scalar_outputs_copied(outputs: list, d: Derivation) -> list:
-    """``outputs``, the 0-d ones that are no residual copied: a replayed forward returns
-    its outputs in its CUDA graph's memory, which the graph rewrites at its next replay and
-    so will not replay while they are held; a training loop holds the previous step's loss
-    while it runs the next forward (``loss = model(x).loss``), which would make the graph
-    capture a second copy of itself (its memory, residuals included, twice). Larger
-    outputs stay in the graph's memory: the next layer of a stack reads its input there."""
-    saved = {r.index for r in d.residuals if r.kind == "output"}
-    return [o.clone() if j not in saved and isinstance(o, torch.Tensor) and o.dim() == 0
-            else o for j, o in enumerate(outputs)]
+def _scalar_outputs_copied(outputs: list, unsaved: Sequence[int]) -> list:
+    """``outputs``, the 0-d ones that are no residual (positions ``unsaved``) copied: a
+    replayed forward returns its outputs in its CUDA graph's memory, which the graph
+    rewrites at its next replay and so will not replay while they are held; a training loop
+    holds the previous step's loss while it runs the next forward
+    (``loss = model(x).loss``), which would make the graph capture a second copy of itself
+    (its memory, residuals included, twice). Larger outputs stay in the graph's memory: the
+    next layer of a stack reads its input there."""
+    for j in unsaved:
+        o = outputs[j]
+        if isinstance(o, torch.Tensor) and o.dim() == 0:
+            outputs[j] = o.clone()
+    return outputs
 
 
 class _FusionAutograd(torch.autograd.Function):
@@ -305,18 +320,17 @@ class _FusionAutograd(torch.autograd.Function):
         results = compiled.run_forward(list(inputs))
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
-        outputs = _scalar_outputs_copied(results[:d.num_outputs], d)
+        outputs = _scalar_outputs_copied(results[:d.num_outputs], compiled.unsaved)
         # Residuals that are outputs of the node (positions among the residuals).
-        ctx.returned = [i for i, r in enumerate(d.residuals)
-                        if r.kind == "output" and r.index < d.num_outputs]
+        ctx.returned = compiled.returned
         ctx.save_for_backward(*(residuals[i] for i in ctx.returned))
         for i in ctx.returned:
             residuals[i] = None
         ctx.residuals = _Residuals(residuals, keep)
         ctx.compiled = compiled
         ctx.layouts = [(o.shape, o.stride()) for o in outputs]
-        carried = set(d.cotangents)
-        ctx.mark_non_differentiable(*(o for j, o in enumerate(outputs) if j not in carried))
+        if compiled.non_differentiable:
+            ctx.mark_non_differentiable(*(outputs[j] for j in compiled.non_differentiable))
         compiled.node_forward.add(time.perf_counter_ns() - start)
         return tuple(outputs)
 

@@ -271,7 +271,7 @@ class FusionRunner:
             replay = self._replays[key, backend] = AutoReplay(program, device,
                                                               self._graph_budget)
         captured = replay.graphs
-        outputs = replay.run(inputs, frozenset(staged), donate)
+        outputs = replay.run(inputs, staged, donate)
         if outputs is not None and replay.graphs == captured:
             host.replayed.add(time.perf_counter_ns() - start)
         return outputs

@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -343,6 +343,7 @@ class AutoReplay:
         # inputs a replay reads on the host, not part of a graph's key
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._data: frozenset[int] | None = None  # see data_inputs, found at the first call
+        self._staged: dict = {}  # see _staging
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         # the tensor inputs' (position, address) of those calls
@@ -357,7 +358,7 @@ class AutoReplay:
         self.waits = 0  # calls where a graph waited for a later graph's outputs
         _LIVE.add(self)
 
-    def run(self, inputs: Sequence[Any], staged: frozenset[int] = frozenset(),
+    def run(self, inputs: Sequence[Any], staged: Collection[int] = (),
             donating: bool = False) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
         interpreter must run this call (also inside the caller's own CUDA graph capture,
@@ -368,17 +369,12 @@ class AutoReplay:
         goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
-        if self._data is None:
-            self._data = data_inputs(inputs)
-        staged = staged | self._data
-        key = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs)
-        unkeyed = self._unkeyed | staged
-        if unkeyed:
-            key = tuple(None if i in unkeyed else k for i, k in enumerate(key))
-        key += (staged,)
+        staged, unkeyed = self._staging(staged, inputs)
         # A graph keeps the kernels of its capture; the interpreter picks a deterministic
         # backward (flash's) whenever torch's switch is on at the call.
-        key += (torch.are_deterministic_algorithms_enabled(),)
+        key = (*(None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
+                 for i, x in enumerate(inputs)),
+               staged, torch.are_deterministic_algorithms_enabled())
         graphs = self._graphs.get(key)
         if graphs is None:
             if key not in self._seen and not self._settled(key, inputs, unkeyed):
@@ -400,6 +396,21 @@ class AutoReplay:
         self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
+
+    def _staging(self, staged: Collection[int],
+                 inputs: Sequence[Any]) -> tuple[frozenset[int], frozenset[int]]:
+        """The positions a replay copies into its graph's buffers (``staged`` and the small
+        integer inputs, :func:`data_inputs`) and those left out of its key (those and the
+        dropout seeds), found once per ``staged``."""
+        if not isinstance(staged, (frozenset, range, tuple)):  # a list: hashed as a set
+            staged = frozenset(staged)
+        found = self._staged.get(staged)
+        if found is None:
+            if self._data is None:
+                self._data = data_inputs(inputs)
+            everything = frozenset(staged) | self._data
+            found = self._staged[staged] = (everything, self._unkeyed | everything)
+        return found
 
     def _remember(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> None:
         if len(self._seen) >= MAX_SEEN:
@@ -529,6 +540,8 @@ class _Graph:
         replay writes: :mod:`~meshfuse.runtime.replay.pools`)."""
         if not self.unheld():
             return False
+        if not self.blockers:
+            return True
         blockers = [b() for b in self.blockers]
         self.blockers = [b for b, g in zip(self.blockers, blockers) if g is not None]
         return all(g.unheld() for g in blockers if g is not None)
