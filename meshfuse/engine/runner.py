@@ -120,6 +120,7 @@ class FusionRunner:
         self._replays: dict[tuple, AutoReplay] = {}
         self._host: dict[tuple, HostLog] = {}  # host time of cached calls, per signature
         self._devices: dict[tuple, torch.device] = {}  # of each signature called
+        self._keys: dict[_Key, _Key] = {}  # each signature's key, one object (see _Key)
         self._graph_budget = GraphBudget()
         self.cuda_graph = cuda_graph_setting(os.environ.get(CUDA_GRAPH_ENV))
         self._generation = 0  # of the communicator's groups, which the programs are bound to
@@ -205,6 +206,7 @@ class FusionRunner:
             self._replays.clear()
             self._host.clear()
             self._devices.clear()
+            self._keys.clear()
             self._graph_budget = GraphBudget()
             self._generation = communicator.generation
         try:
@@ -374,7 +376,8 @@ class FusionRunner:
             inputs_of = self.fusion.inputs()
             key = (key, tuple(known.get(inputs_of[pos].materialized()[axis])
                               for pos, axis in self._shared_axes))
-        return key, known
+        key = _Key(key)
+        return self._keys.setdefault(key, key), known
 
     def _learnt_extents(self, inputs: list, in_call: bool) -> dict:
         """The global extents of the symbolic input axes split over devices, from every
@@ -536,9 +539,22 @@ def _check_graphable(fusion: Fusion, inputs: Sequence[Any]) -> None:
         raise InputError("execute(cuda_graph=True) needs CUDA, which this process lacks")
 
 
+class _Key(tuple):
+    """A program signature (a tuple of the inputs' dtypes, shapes, strides and devices)
+    whose hash is computed once: a call looks its signature up in several tables, and a
+    tuple is hashed again, all its items, at each lookup. A runner keeps one object per
+    signature (``_keys``), so that later lookups also find it by identity."""
+
+    def __new__(cls, items: tuple) -> _Key:
+        key = super().__new__(cls, items)
+        key.hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self.hash
+
+
 def _signature(inputs: list) -> tuple:
-    return tuple(
-        (x.dtype, x.shape, x.stride(), x.device) if isinstance(x, torch.Tensor)
-        else type(x)
-        for x in inputs
-    )
+    # a list built first: tuple() of a generator costs a frame switch per input
+    return tuple([(x.dtype, x.shape, x.stride(), x.device) if isinstance(x, torch.Tensor)
+                  else type(x) for x in inputs])

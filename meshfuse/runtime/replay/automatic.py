@@ -372,8 +372,8 @@ class AutoReplay:
         staged, unkeyed = self._staging(staged, inputs)
         # A graph keeps the kernels of its capture; the interpreter picks a deterministic
         # backward (flash's) whenever torch's switch is on at the call.
-        key = (*(None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
-                 for i, x in enumerate(inputs)),
+        key = (*[None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
+                 for i, x in enumerate(inputs)],
                staged, torch.are_deterministic_algorithms_enabled())
         graphs = self._graphs.get(key)
         if graphs is None:
