@@ -24,7 +24,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -545,7 +545,7 @@ class _Key(tuple):
     tuple is hashed again, all its items, at each lookup. A runner keeps one object per
     signature (``_keys``), so that later lookups also find it by identity."""
 
-    def __new__(cls, items: tuple) -> _Key:
+    def __new__(cls, items: tuple) -> Self:
         key = super().__new__(cls, items)
         key.hash = tuple.__hash__(key)
         return key
