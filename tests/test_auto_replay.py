@@ -462,6 +462,19 @@ def test_a_new_batch_of_token_ids_at_each_call_replays():
     assert replay.run([held[0], w_value.clone()]) is None  # the weight moved: a new key
 
 
+def test_only_small_integer_inputs_on_the_floating_inputs_device_are_staged():
+    """Token ids, targets and masks are copied into a graph's buffers; a large index, one on
+    another device than the program's floating-point tensors (a kernel's random state kept
+    on the host), and floating-point inputs are keyed on their addresses."""
+    ids = torch.zeros(2, 5, dtype=torch.int64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    x = torch.randn(2, 5)
+    elsewhere = torch.zeros(2, dtype=torch.int64, device="meta")
+    big = torch.zeros(automatic.DATA_BYTES // 8 + 1, dtype=torch.int64)
+    assert automatic.data_inputs([ids, x, mask, 3, elsewhere, big]) == {0, 2}
+    assert automatic.data_inputs([ids]) == frozenset()  # no floating-point input: no device
+
+
 def test_attention_with_dropout_replays_only_with_a_fused_kernel():
     """Dropout replays where a fused kernel draws it (tests/test_dropout_replay.py); the CPU
     binds the math kernel, so the capture is refused and the interpreter runs."""

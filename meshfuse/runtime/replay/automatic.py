@@ -306,14 +306,19 @@ def _outside_graphs(addresses: list[tuple[int, int]]) -> frozenset[tuple[int, in
 
 def data_inputs(inputs: Sequence[Any]) -> frozenset[int]:
     """The positions of small integer or boolean tensor inputs (token ids, targets, masks:
-    at most :data:`DATA_BYTES`), which a replay copies into buffers of its graph rather than
-    keying on their addresses: a training loop hands each step a new batch, wherever the
-    allocator puts it, and the program would otherwise run the interpreter until the
-    batches' addresses repeat (and every graph keyed on a later layer's output moved with
-    it)."""
+    at most :data:`DATA_BYTES`, on the device of the floating-point inputs), which a replay
+    copies into buffers of its graph rather than keying on their addresses: a training loop
+    hands each step a new batch, wherever the allocator puts it, and the program would
+    otherwise run the interpreter until the batches' addresses repeat (and every graph keyed
+    on a later layer's output moved with it)."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    # on the device of the program's floating-point tensors (a host tensor, such as a
+    # kernel's random state on the CPU, is no graph's buffer)
+    devices = {x.device for x in tensors if x.is_floating_point() or x.is_complex()}
     return frozenset(i for i, x in enumerate(inputs)
                      if isinstance(x, torch.Tensor) and not x.is_floating_point()
-                     and not x.is_complex() and x.numel() * x.element_size() <= DATA_BYTES)
+                     and not x.is_complex() and x.device in devices
+                     and x.numel() * x.element_size() <= DATA_BYTES)
 
 
 def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
