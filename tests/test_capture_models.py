@@ -164,9 +164,11 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
         with record_communications() as backward:
             loss.backward()
     layers, size = 2, multidevice_test.size
-    # Beyond 2 ranks the 2 key/value heads cannot be sharded like the 4 query heads: k and v
-    # are gathered (2 all-gathers per layer) until key/value heads are replicated instead.
-    kv_gathers = 2 * layers if size > 2 else 0
+    # Heads that the ranks do not divide are not split on head boundaries by the plan's
+    # [heads * head_dim, hidden] weights: q (4 heads), k and v (2 each) are then gathered
+    # before the reshape into heads (an all-gather each per layer; a warning says so).
+    uneven_q = 4 % size != 0
+    head_gathers = layers * (int(uneven_q) + 2 * int(2 % size != 0))
     if size == 1:
         assert _fusion_traffic(comms) == _fusion_traffic(backward) == Counter()
     elif plan_name in ("tp", "hf"):
@@ -176,17 +178,21 @@ def test_communications_are_megatrons(multidevice_test, plan_name):
         # (transformers 5.17's plan has no embedding entry)
         embedding = int(plan_name == "hf" and "model.embed_tokens" in reference.tp_plan)
         assert _fusion_traffic(comms) == Counter(allreduce=2 * layers + embedding,
-                                                 allgather=1 + kv_gathers)
-        if not kv_gathers:
+                                                 allgather=1 + head_gathers)
+        if not head_gathers:
             # The transposes: the column-parallel inputs' gradients are partial sums (q, k,
             # v share one; gate and up another; the head's), the gathered logits' a slice.
             # The vocabulary-parallel embedding's weight gradient lands on the rows each
             # rank holds: none more for the HF plan.
             assert _fusion_traffic(backward) == Counter(allreduce=2 * layers + 1)
     else:
-        assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2 + kv_gathers,
-                                                 reduce_scatter=2 * layers)
-        if not kv_gathers:
+        # With all query heads gathered, the attention runs on each rank's sequence shard
+        # (the residual stream's split), and an all-to-all per layer turns its output into
+        # the head-dim split that the row-parallel output projection reads.
+        assert _fusion_traffic(comms) == Counter(allgather=2 * layers + 2 + head_gathers,
+                                                 reduce_scatter=2 * layers,
+                                                 all_to_all=layers * int(uneven_q))
+        if not head_gathers:
             # The transposes: a reduce-scatter per gathered input (the layers' and the
             # head's), an all-gather per reduce-scattered output. The norms' weights, read
             # by sequence shards, have partial gradients: Megatron allreduces each (5);
