@@ -208,7 +208,7 @@ def run_size(tokens: int, vocab: int, rounds: int, iters: int, device) -> list[d
                     "x_floor": None if median is None else median / floor,
                     "peak_extra_mib": r.get("peak_extra_mib"), "grad_mib": grad_mib,
                     "check": r["check"], "kept_mib": r.get("grew", 0) / MIB,
-                    **{k: v for k, v in r.get("host", {}).items()}})
+                    **r.get("host", {})})
     return out
 
 

@@ -347,7 +347,6 @@ class AutoReplay:
         self.reason = why_not_replayed(program, device)
         # inputs a replay reads on the host, not part of a graph's key
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
-        self._data: frozenset[int] | None = None  # see data_inputs, found at the first call
         self._staged: dict = {}  # see _staging
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
@@ -411,9 +410,7 @@ class AutoReplay:
             staged = frozenset(staged)
         found = self._staged.get(staged)
         if found is None:
-            if self._data is None:
-                self._data = data_inputs(inputs)
-            everything = frozenset(staged) | self._data
+            everything = frozenset(staged) | data_inputs(inputs)
             found = self._staged[staged] = (everything, self._unkeyed | everything)
         return found
 
