@@ -145,12 +145,13 @@ def host_profile(fn: Callable[[], object], rows: int = 30) -> list[str]:
     import io
     import pstats
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     profiler = cProfile.Profile()
     profiler.enable()
     fn()
     profiler.disable()
-    torch.cuda.synchronize()
+    sync()
     lines = []
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
