@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory for fsdp_vs_torchtitan.json/.md")
     p.add_argument("--diagnose", action="store_true",
                    help="also where a step synchronizes and what is alive at its memory peak")
+    p.add_argument("--origins", action="store_true",
+                   help="record every allocation from the build on (CUDA): what each variant "
+                        "holds after its warm-up, by the code that allocated it")
     p.add_argument("--plain", action="store_true",
                    help="meshfuse's model without its FSDP modules (one-device mesh)")
     args = p.parse_args(argv)
@@ -202,9 +205,17 @@ def build(make, cfg, args, device) -> dict:
     gc.collect()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     start = time.perf_counter()
+    recording = args.origins and device.type == "cuda"
+    if recording:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     name, step = make(cfg, args.batch, device)
     losses = [step(*_batch(cfg, args.batch, i, device)).item() for i in range(args.warmup)]
     first = time.perf_counter() - start
+    origins = []
+    if recording:
+        from benchmarks import memory_peak
+        origins = memory_peak.live_by_origin(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i in range(PEAK_STEPS):
@@ -212,7 +223,7 @@ def build(make, cfg, args, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     diagnosis = _diagnose(step, cfg, args, device) if args.diagnose else []
     return {"variant": name, "step": step, "peak_bytes": peak, "setup_and_warmup_s": first,
-            "losses": losses, "diagnosis": diagnosis}
+            "losses": losses, "diagnosis": origins + diagnosis}
 
 
 PEAK_STEPS = 2

@@ -17,7 +17,9 @@ runs a CUDA backward on a thread of its own) and ``cProfile`` (Python functions;
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +30,9 @@ from benchmarks import cross_entropy, training_step
 from benchmarks.context import Context
 from benchmarks.memory_peak import host_profile
 from benchmarks.timing import host_us_per_call
+from meshfuse import DataType
+from meshfuse.autodiff.function import _FusionAutograd
+from meshfuse.examples.gpt import GptBlock, init_parameters
 
 
 def _ce_variants(tokens: int, vocab: int, device) -> dict[str, Callable[[], object]]:
@@ -51,6 +56,77 @@ def _gpt_variants(size, device) -> dict[str, Callable[[], object]]:
                                     else torch.float32, "inductor", chosen)
     made = {name: setup()[:2] for name, setup in setups.items()}
     return {name: _with_function(step, owner) for name, (step, owner) in made.items()}
+
+
+def gpt_phases(size, device, ctx: Context) -> list[str]:
+    """The small GPT layer's autograd step in parts, host us per call with the GPU kept
+    busy: the whole step, its forward alone (the node dropped at once), and each captured
+    CUDA graph's launch alone (``CUDAGraph.replay``)."""
+    b, s, heads, e = size
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block = GptBlock(b, s, e, heads, DataType.from_torch(dtype)).define()
+    function = block.as_autograd_function()
+    gen = torch.Generator(device).manual_seed(1)
+    x = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
+    dy = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
+    params = init_parameters(e, dtype=dtype, device=device)
+    leaves = [t.detach().requires_grad_() for t in [x, *params.values()]]
+
+    def forward():
+        return function(leaves)[0]
+
+    def step():
+        torch.autograd.grad(forward(), leaves, dy)
+    for _ in range(30):
+        step()
+    figures = {"step": host_us_per_call(ctx, step, calls=10)["host_us"],
+               "forward alone": host_us_per_call(ctx, forward, calls=10)["host_us"]}
+    figures |= _backward_split(forward, leaves, dy)
+    gc.collect()
+    gc.freeze()  # every object so far out of the collector's sight: what collections cost
+    figures["step, objects frozen"] = host_us_per_call(ctx, step, calls=10)["host_us"]
+    gc.unfreeze()
+    (compiled,) = function._derivations.values()
+    for name, runner in (("forward", compiled.derivation.forward_runner),
+                         ("backward", compiled._backward)):
+        for replay in runner._replays.values():
+            for graphs in replay._graphs.values():
+                for graph in graphs:
+                    figures[f"{name} graph launch"] = host_us_per_call(
+                        ctx, graph._graph.replay, calls=10)["host_us"]
+    return ["GPT layer autograd step in parts (host us/call, GPU busy): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in figures.items())]
+
+
+def _backward_split(forward, leaves, dy, steps: int = 200) -> dict[str, float]:
+    """The backward's host time split at the node: from ``autograd.grad``'s call to the
+    node's backward (the engine's thread taking the work), the node, and from its return to
+    ``grad``'s (median us over ``steps``, the GPU not kept busy: the replays launch only)."""
+    node = _FusionAutograd
+    original = node.backward
+    marks = []
+
+    def backward(ctx, *cotangents):
+        marks.append(time.perf_counter())
+        result = original(ctx, *cotangents)
+        marks.append(time.perf_counter())
+        return result
+    node.backward = staticmethod(backward)
+    parts = {"engine to node": [], "node": [], "node to grad's return": []}
+    try:
+        for _ in range(steps):
+            out = forward()
+            marks.clear()
+            begin = time.perf_counter()
+            torch.autograd.grad(out, leaves, dy)
+            end = time.perf_counter()
+            for name, (a, b) in zip(parts, ((begin, marks[0]), tuple(marks), (marks[1], end))):
+                parts[name].append((b - a) * 1e6)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        node.backward = original
+    return {f"backward: {name}": statistics.median(v) for name, v in parts.items()}
 
 
 def _torch_profile(step: Callable[[], object], steps: int, rows: int = 40) -> list[str]:
@@ -106,8 +182,41 @@ def host_speed(device: torch.device) -> list[str]:
                "torch.empty(0) on the CPU": per_call(lambda: torch.empty(0), 20000),
                f"small.add(1) on {device.type}": per_call(lambda: small.add(1), 20000),
                "small.detach()": per_call(small.detach, 20000)}
+    for where in dict.fromkeys([device, torch.device("cpu")]):
+        figures |= _autograd_figures(where, per_call)
     return ["host speed (us per call): " + ", ".join(f"{k} {v:.2f}"
                                                      for k, v in figures.items())]
+
+
+class _Identity(torch.autograd.Function):
+    """An autograd node that launches nothing: its output is an alias of its first input,
+    its gradients are the given tensors (autograd's own cost, without kernels)."""
+
+    @staticmethod
+    def forward(ctx, grads, *inputs):
+        ctx.grads = grads
+        return inputs[0].detach()
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        return (None, *ctx.grads)
+
+
+def _autograd_figures(device: torch.device, per_call) -> dict[str, float]:
+    """What torch's autograd costs on this host for a node of 13 leaves on ``device``: the
+    forward and ``autograd.grad`` (on CUDA the engine runs the backward on a thread of its
+    own), with no kernel, then with one small kernel each way."""
+    leaves = [torch.ones(4, device=device, requires_grad=True) for _ in range(13)]
+    grads = [torch.ones(4, device=device) for _ in range(13)]
+    dy = torch.ones(4, device=device)
+
+    def node():
+        torch.autograd.grad(_Identity.apply(grads, *leaves), leaves, dy)
+
+    def one_kernel():
+        torch.autograd.grad(leaves[0].mul(2), leaves[0], dy)
+    return {f"a node of 13 leaves, forward and grad, on {device.type}": per_call(node, 3000),
+            f"mul and its grad on {device.type}": per_call(one_kernel, 3000)}
 
 
 def main(argv=None) -> int:
@@ -128,6 +237,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     speed = host_speed(device)
     print(speed[0], flush=True)
+    if args.case in ("gpt", "all"):
+        speed += gpt_phases(training_step.TINY if args.quick else training_step.SIZES["small"],
+                            device, ctx)
+        print(speed[-1], flush=True)
     for case, make in cases.items():
         for name, step in make().items():
             began = time.perf_counter()

@@ -75,6 +75,26 @@ def live_at_peak(fn: Callable[[], object], rows: int = 25) -> list[str]:
     return lines
 
 
+def live_by_origin(snapshot: dict, rows: int = 30) -> list[str]:
+    """The blocks allocated at ``snapshot`` (``torch.cuda.memory._snapshot()`` taken while
+    the history was recorded), by pool and by the code that allocated them (blocks of
+    before the recording: "(no frame of ours)"), largest first."""
+    groups: dict = collections.defaultdict(lambda: [0, 0])
+    for segment in snapshot["segments"]:
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                group = groups[pool == (0, 0), _where(block.get("frames", []), depth=4)]
+                group[0] += block["size"]
+                group[1] += 1
+    lines = ["blocks allocated now, by pool (default or graph) and origin:"]
+    for (default, where), (size, count) in sorted(groups.items(),
+                                                  key=lambda kv: -kv[1][0])[:rows]:
+        pool = "default" if default else "graphs"
+        lines.append(f"  {size / MIB:9.1f} MiB {count:5d} blocks  {pool:7}  {where}")
+    return lines
+
+
 def _segments(snapshot: dict) -> list[str]:
     """The allocator's segments at the end, by pool (0: the default pool; others: CUDA graph
     or ``MemPool`` pools): reserved bytes, bytes allocated, and of those the blocks allocated

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshfuse.errors import InputError
 from meshfuse.runtime.replay.automatic import paused
-from meshfuse.runtime.replay.graphs import buffer_like
+from meshfuse.runtime.replay.graphs import buffer_like, warm_up_stream
 
 
 class StepGraphs:
@@ -56,7 +56,7 @@ class StepGraphs:
 
     @staticmethod
     def warm_up(fn: Callable[[], Any]) -> Any:
-        side = torch.cuda.Stream()
+        side = warm_up_stream()  # one for every warm-up (each stream keeps a workspace)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             result = fn()
