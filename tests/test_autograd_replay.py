@@ -161,15 +161,9 @@ def test_holding_the_previous_steps_loss_keeps_one_graph(fake_cuda):
     assert _graphs(forward) == 1 and _graphs(backward) == 1
 
 
-def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
-    """One autograd function called once per layer, as ``meshfuse.parallelize`` runs a
-    stack's identical layers: one forward and one backward runner, whose signature each
-    layer calls with inputs of its own (its parameters, the previous layer's output, held
-    by its pending backward). Every layer's forward and backward replays: a graph per
-    layer, more than a signature's few graphs of one call site."""
-    layers = 6
-    fd, _ = _mlp()
-    function = fd.as_autograd_function()
+def _train_stack(function, layers: int, steps: int) -> list[int]:
+    """``steps`` AdamW steps of a stack of ``layers`` MLPs that all call ``function``, checked
+    against PyTorch's (outputs, then parameters); the graph replays of each step."""
     init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
             for i in range(layers)]
     mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
@@ -179,7 +173,7 @@ def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
     # requires grad: every layer's call asks the same derivation of the function
     x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
     replays = []
-    for step in range(4):
+    for step in range(steps):
         with torch.no_grad():
             x.copy_(_randn(T, H, seed=10 + step))
         x.grad = None
@@ -197,11 +191,37 @@ def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
     for got, want in zip(mine, ref):
         for g, w in zip(got, want):
             torch.testing.assert_close(g.detach(), w.detach())
+    return replays
+
+
+def test_a_stack_sharing_one_function_replays_every_layer(fake_cuda):
+    """One autograd function called once per layer, as ``meshfuse.parallelize`` runs a
+    stack's identical layers: one forward and one backward runner, whose signature each
+    layer calls with inputs of its own (its parameters, the previous layer's output, held
+    by its pending backward). Every layer's forward and backward replays: a graph per
+    layer, more than a signature's few graphs of one call site."""
+    layers = 6
+    function = _mlp()[0].as_autograd_function()
+    replays = _train_stack(function, layers, steps=4)
     forward, backward = _runners(function)
     assert _graphs(forward) == layers and _graphs(backward) == layers
     # every program of the step replays from the second step on: a layer is captured as
     # soon as its inputs are settled (its parameters met before, its input a graph's output)
     assert replays == [0] + [2 * layers] * 3
+
+
+def test_a_stacks_backwards_read_their_cotangents_in_place(fake_cuda):
+    """A layer's cotangent is the gradient the next layer's replayed backward made, at the
+    same address at every step: its backward's graph reads it there (no buffer of its own,
+    no copy), but for the top layer's, whose cotangent the loss's eager backward makes."""
+    layers = 4
+    function = _mlp()[0].as_autograd_function()
+    _train_stack(function, layers, steps=4)
+    _, backward = _runners(function)
+    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
+              for g in gs]
+    assert len(graphs) == layers
+    assert sorted(len(g._buffers) for g in graphs) == [0] * (layers - 1) + [1]
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):

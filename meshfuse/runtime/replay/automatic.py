@@ -322,9 +322,11 @@ def data_inputs(inputs: Sequence[Any]) -> frozenset[int]:
 
 
 def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
-    """``key`` without the tensors' addresses."""
-    return tuple(None if i < len(inputs) and isinstance(inputs[i], torch.Tensor) else k
-                 for i, k in enumerate(key))
+    """``key`` without the tensors' addresses nor which of them are copied (a cotangent read
+    in place once the graph making it is captured is the same call's)."""
+    n = len(inputs)
+    return (*[None if isinstance(x, torch.Tensor) else k for x, k in zip(inputs, key)],
+            *key[n + 1:])
 
 
 def held_bytes() -> int:
@@ -373,13 +375,7 @@ class AutoReplay:
         goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
-        staged, unkeyed = self._staging(staged, inputs)
-        # A graph keeps the kernels of its capture; the interpreter picks a deterministic
-        # backward (flash's) whenever torch's switch is on at the call.
-        key = (*[None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
-                 for i, x in enumerate(inputs)],
-               staged, torch.are_deterministic_algorithms_enabled())
-        graphs = self._graphs.get(key)
+        key, staged, unkeyed, graphs = self._find(inputs, staged)
         if graphs is None:
             if key not in self._seen and not self._settled(key, inputs, unkeyed):
                 self._remember(key, inputs, unkeyed)  # new addresses: the interpreter
@@ -400,6 +396,34 @@ class AutoReplay:
         self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
+
+    def _find(self, inputs: Sequence[Any], staged: Collection[int]):
+        """``(key, copied, unkeyed, graphs)`` of this call: its graphs' key, the positions a
+        replay copies into its graph's buffers, those left out of the key (see
+        :meth:`_staging`), and the graphs captured for it (None: none yet). A ``staged``
+        input that lies at a live graph's output (a backward's cotangent that the next
+        layer's replayed backward made: at the same address at every step) is read where
+        it lies, keyed on its address, with no buffer nor copy; unless the call's graphs
+        were captured with it copied (before the graph making it was), which are kept."""
+        settled = [i for i in staged if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
+            if staged else ()
+        if settled:
+            read_in_place = self._keyed(inputs, frozenset(staged).difference(settled))
+            if read_in_place[3] is not None:
+                return read_in_place
+            copying = self._keyed(inputs, staged)
+            return copying if copying[3] is not None else read_in_place
+        return self._keyed(inputs, staged)
+
+    def _keyed(self, inputs: Sequence[Any], staged: Collection[int]):
+        """:meth:`_find`'s answer for ``staged`` copied."""
+        staged, unkeyed = self._staging(staged, inputs)
+        # A graph keeps the kernels of its capture; the interpreter picks a deterministic
+        # backward (flash's) whenever torch's switch is on at the call.
+        key = (*[None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
+                 for i, x in enumerate(inputs)],
+               staged, torch.are_deterministic_algorithms_enabled())
+        return key, staged, unkeyed, self._graphs.get(key)
 
     def _staging(self, staged: Collection[int],
                  inputs: Sequence[Any]) -> tuple[frozenset[int], frozenset[int]]:
