@@ -276,9 +276,10 @@ class _Compiled:
 
     def run_backward(self, inputs: list) -> list[torch.Tensor]:
         """The backward on ``inputs``, a list it empties (each value is freed after its
-        last use). The cotangents, made by autograd at each call, are staged: a replayed
-        backward copies them into its graph's buffers rather than keying on their
-        addresses (the residuals' are those of the forward's outputs, stable)."""
+        last use). The cotangents are staged: a replayed backward copies those that autograd
+        made at new addresses into its graph's buffers rather than keying on them, and
+        reads in place those that lie at a graph's output (the residuals' addresses are
+        those of the forward's outputs, stable: see ``AutoReplay.run``)."""
         if self._backward is None:
             self._backward = FusionRunner(self.derivation.backward)
         return self._backward.execute(inputs, donate=True, compile=self.compile,

@@ -32,7 +32,7 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   a side stream. Small integer and boolean inputs (a step's token ids, targets, masks: a new
   batch at each step, wherever the allocator puts it) are the exception: a replay copies
   them into buffers of its graph and they are not part of its key (:func:`data_inputs`),
-  as a backward's cotangents.
+  as a backward's cotangents (but those that lie at a graph's output: :meth:`AutoReplay.run`).
 - **Repeated layers.** One program may run at many places of a step: the layers of a stack
   that ``meshfuse.parallelize`` builds once and calls once per layer (one autograd function,
   so one forward and one backward runner for all of them), or one fusion applied to several
@@ -369,8 +369,10 @@ class AutoReplay:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
         interpreter must run this call (also inside the caller's own CUDA graph capture,
         which then captures the interpreter's kernels). ``staged``: the positions of
-        tensor inputs whose addresses change from call to call (a backward's cotangents):
-        each graph copies them into buffers of its own, and they are not part of its key.
+        tensor inputs whose addresses may change from call to call (a backward's
+        cotangents): each graph copies them into buffers of its own, and they are not part
+        of its key; but those that lie at a live graph's output, which are read in place
+        (see :meth:`_find`).
         ``donating``: the call donates its inputs (a backward): a graph captured for it
         goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
