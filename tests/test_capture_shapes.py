@@ -113,9 +113,12 @@ def test_hf_plan_with_a_vocab_parallel_head_computes_the_loss_without_gathering_
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multidevice_test):
+@pytest.mark.parametrize("labels", [False, True])
+def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multidevice_test,
+                                                                         labels):
     """Rank 1 passes a shorter sequence than the others to a parallelized model: every rank
-    raises a typed error naming the disagreement (no hang, no raw collective error)."""
+    raises a typed error naming the disagreement and the model's argument (no hang, no raw
+    collective error)."""
     if multidevice_test.size < 2:
         pytest.skip("needs two ranks")
     config = transformers.LlamaConfig(
@@ -127,6 +130,6 @@ def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multide
                                  DeviceMesh(range(multidevice_test.size)), _megatron_sp())
     seq = 6 if multidevice_test.rank == 1 else 8
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(meshfuse.InputError, match=r"ranks disagree on input .*rank 1 has "
-                       r"torch.int64 of local shape \[2, 6\]"):
-        model(input_ids=ids, labels=ids)
+    with pytest.raises(meshfuse.InputError, match=r"ranks disagree on input T\d+ \('input_ids'\)"
+                       r" .*rank 1 has torch.int64 of local shape \[2, 6\]"):
+        model(input_ids=ids, labels=ids.clone() if labels else None)

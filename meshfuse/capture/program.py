@@ -10,6 +10,7 @@ only slower), so autograd differentiates it as PyTorch does.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,13 +19,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
+from torch.utils import _pytree as pytree
 
 from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
 from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
 from meshfuse.capture.plan import ResolvedPlan
 from meshfuse.capture.trace import Captured
 from meshfuse.dtensor import mesh_from_torch
-from meshfuse.errors import GraphBreakError
+from meshfuse.errors import GraphBreakError, InputError
 
 __all__ = ["GraphBreakWarning", "Program"]
 
@@ -99,8 +101,39 @@ class Program:
             self.built[found] = (built, built.fd.as_autograd_function())
         built, function = self.built[found]
         self.ran[segment.index] = found
-        outputs = function([values[i] for i in built.tensor_inputs])
+        try:
+            outputs = function([values[i] for i in built.tensor_inputs])
+        except InputError as error:  # raised alike on every rank: each names it alike
+            raise InputError(self._named(str(error), built)) from error
         env.update((n.name, v) for n, v in zip(segment.outputs, outputs))
+
+    def _named(self, message: str, built: BuiltSegment) -> str:
+        """``message`` with each input of ``built``'s fusion it names (``T3``) followed by
+        what the user knows it as: the model's argument (``'input_ids'``), parameter or
+        buffer, else the traced value's name."""
+        c = self.captured
+        arguments = self._argument_names()
+        names = {}
+        for tv, i in zip(built.fd.fusion.inputs(), built.tensor_inputs):
+            node = built.segment.inputs[i].name
+            names[tv.name] = arguments.get(node) or c.parameters.get(node) or \
+                c.buffers.get(node) or node
+        return re.sub(r"\bT\d+\b", lambda m: f"{m[0]} ({names[m[0]]!r})" if m[0] in names
+                      else m[0], message)
+
+    def _argument_names(self) -> dict[str, str]:
+        """Placeholder name -> the model argument it is (``input_ids``, or a path into one:
+        ``batch['ids']``), from how the call's ``(args, kwargs)`` flattened."""
+        c = self.captured
+        numbered = pytree.tree_unflatten(list(range(len(c.user_inputs))), c.in_spec)
+        paths = {}
+        for path, index in pytree.tree_flatten_with_path(numbered)[0]:
+            args_or_kwargs, *rest = path
+            if args_or_kwargs.idx == 1 and rest:  # a keyword argument, or a path into one
+                paths[c.user_inputs[index]] = rest[0].key + pytree.keystr(tuple(rest[1:]))
+            else:
+                paths[c.user_inputs[index]] = f"argument {pytree.keystr(tuple(rest))}"
+        return paths
 
     def _batch(self, segment: Segment, layouts: tuple) -> frozenset[int]:
         """The inputs of ``segment`` (not parameters) whose first axis is split over the
