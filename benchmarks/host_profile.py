@@ -7,11 +7,12 @@ Cases: ``ce``, the cross entropy on indices of :mod:`benchmarks.cross_entropy` (
 layer of :mod:`benchmarks.training_step` (variants ``meshfuse_autograd``,
 ``meshfuse_hand_written``, ``torch_eager``). For each variant, after a warm-up: the host
 microseconds per step with the GPU kept busy (:func:`benchmarks.timing.host_us_per_call`),
-the same split into the step's calls where the step has parts (``forward``: the call that
-returns the output; the rest: the backward), then ``torch.profiler`` over a few steps (every
-thread's operators and CUDA runtime calls, by their own host time: the autograd engine
-runs a CUDA backward on a thread of its own) and ``cProfile`` (Python functions; on Python
-3.12 every thread's). Written to ``DIR/host_profile-<case>-<variant>.txt``.
+then ``torch.profiler`` over a few steps (every thread's operators and CUDA runtime calls,
+by their own host time: the autograd engine runs a CUDA backward on a thread of its own;
+then every kernel by GPU time) and ``cProfile`` (Python functions; on Python 3.12 every
+thread's). Before them, the host's speed (:func:`host_speed`: Python, a launch, an empty
+autograd node) and, for the GPT layer, its autograd step in parts (:func:`gpt_phases`).
+Written to ``DIR/host_profile-<case>-<variant>.txt``.
 """
 
 from __future__ import annotations
@@ -141,8 +142,13 @@ def _torch_profile(step: Callable[[], object], steps: int, rows: int = 40) -> li
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return [f"torch.profiler over {steps} steps, by self CPU time:", *table.splitlines()]
+    averages = prof.key_averages()
+    lines = [f"torch.profiler over {steps} steps, by self CPU time:",
+             *averages.table(sort_by="self_cpu_time_total", row_limit=rows).splitlines()]
+    if torch.cuda.is_available():  # every kernel: what two variants' GPU work differs by
+        lines += [f"the same {steps} steps' kernels, by GPU time:",
+                  *averages.table(sort_by="self_cuda_time_total", row_limit=100).splitlines()]
+    return lines
 
 
 def profile(name: str, step: Callable[[], object], ctx: Context, calls: int) -> list[str]:
