@@ -407,8 +407,8 @@ class AutoReplay:
         layer's replayed backward made: at the same address at every step) is read where
         it lies, keyed on its address, with no buffer nor copy; unless the call's graphs
         were captured with it copied (before the graph making it was), which are kept."""
-        settled = [i for i in staged if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
-            if staged else ()
+        settled = [i for i in staged if isinstance(inputs[i], torch.Tensor)
+                   and inputs[i].data_ptr() in _GRAPH_OUTPUTS] if staged else ()
         if settled:
             read_in_place = self._keyed(inputs, frozenset(staged).difference(settled))
             if read_in_place[3] is not None:
