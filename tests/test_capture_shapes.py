@@ -6,6 +6,7 @@ ranks included, under sequence parallelism)."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -113,9 +114,9 @@ def test_hf_plan_with_a_vocab_parallel_head_computes_the_loss_without_gathering_
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("labels", [False, True])
+@pytest.mark.parametrize("call", ["input_ids", "with labels", "positional"])
 def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multidevice_test,
-                                                                         labels):
+                                                                         call):
     """Rank 1 passes a shorter sequence than the others to a parallelized model: every rank
     raises a typed error naming the disagreement and the model's argument (no hang, no raw
     collective error)."""
@@ -130,6 +131,10 @@ def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multide
                                  DeviceMesh(range(multidevice_test.size)), _megatron_sp())
     seq = 6 if multidevice_test.rank == 1 else 8
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(meshfuse.InputError, match=r"ranks disagree on input T\d+ \('input_ids'\)"
-                       r" .*rank 1 has torch.int64 of local shape \[2, 6\]"):
-        model(input_ids=ids, labels=ids.clone() if labels else None)
+    named = "argument [0]" if call == "positional" else "input_ids"
+    with pytest.raises(meshfuse.InputError, match=rf"ranks disagree on input T\d+ \('{re.escape(named)}'"
+                       r"\) .*rank 1 has torch.int64 of local shape \[2, 6\]"):
+        if call == "positional":
+            model(ids)
+        else:
+            model(input_ids=ids, labels=ids.clone() if call == "with labels" else None)

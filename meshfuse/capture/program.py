@@ -129,9 +129,10 @@ class Program:
         paths = {}
         for path, index in pytree.tree_flatten_with_path(numbered)[0]:
             args_or_kwargs, *rest = path
-            if args_or_kwargs.idx == 1 and rest:  # a keyword argument, or a path into one
-                paths[c.user_inputs[index]] = rest[0].key + pytree.keystr(tuple(rest[1:]))
-            else:
+            keyword = getattr(rest[0], "key", None) if rest else None
+            if getattr(args_or_kwargs, "idx", 0) == 1 and isinstance(keyword, str):
+                paths[c.user_inputs[index]] = keyword + pytree.keystr(tuple(rest[1:]))
+            else:  # a positional argument, or a path into one
                 paths[c.user_inputs[index]] = f"argument {pytree.keystr(tuple(rest))}"
         return paths
 

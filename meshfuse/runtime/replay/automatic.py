@@ -409,13 +409,14 @@ class AutoReplay:
         were captured with it copied (before the graph making it was), which are kept."""
         settled = [i for i in staged if isinstance(inputs[i], torch.Tensor)
                    and inputs[i].data_ptr() in _GRAPH_OUTPUTS] if staged else ()
-        if settled:
-            read_in_place = self._keyed(inputs, frozenset(staged).difference(settled))
-            if read_in_place[3] is not None:
-                return read_in_place
+        if not settled:
+            return self._keyed(inputs, staged)
+        in_place = self._keyed(inputs, frozenset(staged).difference(settled))
+        if in_place[3] is None:  # no graph reads them in place: one may copy them
             copying = self._keyed(inputs, staged)
-            return copying if copying[3] is not None else read_in_place
-        return self._keyed(inputs, staged)
+            if copying[3] is not None:
+                return copying
+        return in_place
 
     def _keyed(self, inputs: Sequence[Any], staged: Collection[int]):
         """:meth:`_find`'s answer for ``staged`` copied."""
