@@ -362,3 +362,41 @@ def test_cuda_training_replays_the_derived_backward(compile):
     forward, backward = _runners(layer._function)
     assert _graphs(forward) >= 1 and _graphs(backward) >= 1
     assert any(log.replayed.calls for log in backward._host.values())
+
+
+def _program(fd, inputs):
+    """``fd``'s program for ``inputs`` (run once by the interpreter)."""
+    fd.execute(inputs, cuda_graph=False)
+    (program,) = fd._get_runner()._programs.values()
+    return program
+
+
+def test_an_integer_input_a_graph_made_is_read_in_place():
+    """Small integer inputs are copied into a graph's buffers at each replay (a new batch at
+    each step lies anywhere), but one that another replayed graph made lies at that graph's
+    output at every call: it is read there, keyed on its address, with no buffer."""
+    fds = []
+    for _ in range(2):  # each looks its ids up; the first also doubles them for the second
+        with FusionDefinition() as fd:
+            ids = fd.define_tensor([2, 5], dtype=DataType.Int)
+            w = fd.define_tensor([11, 6], dtype=DataType.Float)
+            fd.add_output(fd.ops.embedding_fwd(ids, w))
+            if not fds:
+                fd.add_output(fd.ops.add(ids, ids))
+        fds.append(fd)
+    w = torch.randn(11, 6)
+    batch = torch.randint(0, 5, (2, 5))
+    programs = [_program(fd, [batch, w]) for fd in fds]
+    replays = [AutoReplay(p, torch.device("cuda"), cuda=AddressCuda) for p in programs]
+
+    def call(n, inputs):
+        out = replays[n].run(inputs)
+        return out if out is not None else programs[n].run(list(inputs))
+    for step in range(4):
+        batch = torch.randint(0, 5, (2, 5))  # a new batch, at a new address
+        doubled = call(0, [batch, w])[1]
+        (looked_up,) = call(1, [doubled, w])
+        torch.testing.assert_close(looked_up, torch.nn.functional.embedding(batch * 2, w))
+        del doubled, looked_up  # a held result keeps its graph busy (a second is captured)
+    (first,), (second,) = ([g for gs in r._graphs.values() for g in gs] for r in replays)
+    assert sorted(first._buffers) == [0] and not second._buffers

@@ -350,6 +350,7 @@ class AutoReplay:
         # inputs a replay reads on the host, not part of a graph's key
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._staged: dict = {}  # see _staging
+        self._unkeyed_of: dict[frozenset[int], frozenset[int]] = {}  # see _keyed
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
         # the tensor inputs' (position, address) of those calls
@@ -401,44 +402,46 @@ class AutoReplay:
 
     def _find(self, inputs: Sequence[Any], staged: Collection[int]):
         """``(key, copied, unkeyed, graphs)`` of this call: its graphs' key, the positions a
-        replay copies into its graph's buffers, those left out of the key (see
-        :meth:`_staging`), and the graphs captured for it (None: none yet). A ``staged``
-        input that lies at a live graph's output (a backward's cotangent that the next
-        layer's replayed backward made: at the same address at every step) is read where
-        it lies, keyed on its address, with no buffer nor copy; unless the call's graphs
-        were captured with it copied (before the graph making it was), which are kept."""
-        settled = [i for i in staged if isinstance(inputs[i], torch.Tensor)
-                   and inputs[i].data_ptr() in _GRAPH_OUTPUTS] if staged else ()
+        replay copies into its graph's buffers, those left out of the key, and the graphs
+        captured for it (None: none yet). The copied inputs are ``staged`` and the small
+        integer ones (:meth:`_staging`), but those that lie at a live graph's output (a
+        backward's cotangent that the next layer's replayed backward made, a residual's
+        random seed: at the same address at every step): each of these is read where it
+        lies, keyed on its address, with no buffer nor copy; unless the call's graphs were
+        captured with it copied (before the graph making it was), which are kept."""
+        copied = self._staging(staged, inputs)
+        settled = [i for i in copied if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
+            if copied else ()
         if not settled:
-            return self._keyed(inputs, staged)
-        in_place = self._keyed(inputs, frozenset(staged).difference(settled))
+            return self._keyed(inputs, copied)
+        in_place = self._keyed(inputs, copied.difference(settled))
         if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, staged)
+            copying = self._keyed(inputs, copied)
             if copying[3] is not None:
                 return copying
         return in_place
 
-    def _keyed(self, inputs: Sequence[Any], staged: Collection[int]):
-        """:meth:`_find`'s answer for ``staged`` copied."""
-        staged, unkeyed = self._staging(staged, inputs)
+    def _keyed(self, inputs: Sequence[Any], copied: frozenset[int]):
+        """:meth:`_find`'s answer for the inputs at ``copied`` copied."""
+        unkeyed = self._unkeyed_of.get(copied)
+        if unkeyed is None:
+            unkeyed = self._unkeyed_of[copied] = self._unkeyed | copied
         # A graph keeps the kernels of its capture; the interpreter picks a deterministic
         # backward (flash's) whenever torch's switch is on at the call.
         key = (*[None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
                  for i, x in enumerate(inputs)],
-               staged, torch.are_deterministic_algorithms_enabled())
-        return key, staged, unkeyed, self._graphs.get(key)
+               copied, torch.are_deterministic_algorithms_enabled())
+        return key, copied, unkeyed, self._graphs.get(key)
 
-    def _staging(self, staged: Collection[int],
-                 inputs: Sequence[Any]) -> tuple[frozenset[int], frozenset[int]]:
-        """The positions a replay copies into its graph's buffers (``staged`` and the small
-        integer inputs, :func:`data_inputs`) and those left out of its key (those and the
-        dropout seeds), found once per ``staged``."""
+    def _staging(self, staged: Collection[int], inputs: Sequence[Any]) -> frozenset[int]:
+        """The tensor positions a replay may copy into its graph's buffers: ``staged`` and
+        the small integer inputs (:func:`data_inputs`), found once per ``staged``."""
         if not isinstance(staged, (frozenset, range, tuple)):  # a list: hashed as a set
             staged = frozenset(staged)
         found = self._staged.get(staged)
         if found is None:
-            everything = frozenset(staged) | data_inputs(inputs)
-            found = self._staged[staged] = (everything, self._unkeyed | everything)
+            tensors = frozenset(i for i in staged if isinstance(inputs[i], torch.Tensor))
+            found = self._staged[staged] = tensors | data_inputs(inputs)
         return found
 
     def _remember(self, key: tuple, inputs: Sequence[Any], unkeyed: frozenset[int]) -> None:
