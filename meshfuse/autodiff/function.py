@@ -316,8 +316,7 @@ class _FusionAutograd(torch.autograd.Function):
         d = compiled.derivation
         # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
         # input's global shape there).
-        ctx.absent = [x is None or isinstance(x, torch.Tensor) and x.device.type == "meta"
-                      for x in inputs]
+        ctx.absent = [x is None or isinstance(x, torch.Tensor) and x.is_meta for x in inputs]
         results = compiled.run_forward(list(inputs))
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
