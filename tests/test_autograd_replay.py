@@ -293,6 +293,44 @@ def test_gradient_accumulation_into_a_held_grad(fake_cuda):
         torch.testing.assert_close(w.grad, (micro + 1) * torch.exp(x))
 
 
+def test_a_stack_accumulating_micro_batches_reads_its_cotangents_safely(fake_cuda):
+    """Two micro-batches a step through a stack of layers sharing one function, gradients
+    accumulated, then AdamW: each micro-batch's backwards read the cotangents the layer
+    above's replayed backward made (in place), whose graphs are busy while a cotangent is
+    held; every parameter matches PyTorch's after each step."""
+    layers, micro_batches = 3, 2
+    function = _mlp()[0].as_autograd_function()
+    init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
+            for i in range(layers)]
+    mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
+    ref = [[w.clone().requires_grad_() for w in pair] for pair in init]
+    opt = torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01)
+    ref_opt = torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01)
+    x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)  # at one address
+    for step in range(3):
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        for micro in range(micro_batches):
+            with torch.no_grad():
+                x.copy_(_randn(T, H, seed=100 * step + micro))
+            h, r = x, x.detach().clone().requires_grad_()
+            for (w1, w2), (r1, r2) in zip(mine, ref):
+                h = function([h, w1, w2])[0]
+                r = _torch_mlp(r, r1, r2)
+            h.pow(2).mean().backward()
+            r.pow(2).mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+        for got, want in zip(mine, ref):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.detach(), w.detach())
+    _, backward = _runners(function)
+    graphs = [g for r in backward._replays.values() for gs in r._graphs.values() for g in gs]
+    # every layer's backward replays (two graphs each where the first's outputs are held as
+    # the accumulating .grad); only the top layer's copy their cotangent in
+    assert len(graphs) >= layers
+    assert sum(len(g._buffers) for g in graphs) <= 2
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing(fake_cuda, reentrant):
     fd, _ = _mlp()
