@@ -61,8 +61,11 @@ def _gpt_variants(size, device) -> dict[str, Callable[[], object]]:
 
 def gpt_phases(size, device, ctx: Context) -> list[str]:
     """The small GPT layer's autograd step in parts, host us per call with the GPU kept
-    busy: the whole step, its forward alone (the node dropped at once), and each captured
-    CUDA graph's launch alone (``CUDAGraph.replay``)."""
+    busy: the whole step, its forward alone (the node dropped at once), the backward split
+    at the node, the step with the backward on the calling thread
+    (``torch.autograd.set_multithreading_enabled(False)``: no hand-off to the engine's
+    device thread), with every object out of the collector's sight, and each captured CUDA
+    graph's launch alone (``CUDAGraph.replay``)."""
     b, s, heads, e = size
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block = GptBlock(b, s, e, heads, DataType.from_torch(dtype)).define()
@@ -83,6 +86,9 @@ def gpt_phases(size, device, ctx: Context) -> list[str]:
     figures = {"step": host_us_per_call(ctx, step, calls=10)["host_us"],
                "forward alone": host_us_per_call(ctx, forward, calls=10)["host_us"]}
     figures |= _backward_split(forward, leaves, dy)
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread
+        figures["step, backward on the calling thread"] = host_us_per_call(
+            ctx, step, calls=10)["host_us"]
     gc.collect()
     gc.freeze()  # every object so far out of the collector's sight: what collections cost
     figures["step, objects frozen"] = host_us_per_call(ctx, step, calls=10)["host_us"]
@@ -221,8 +227,13 @@ def _autograd_figures(device: torch.device, per_call) -> dict[str, float]:
 
     def one_kernel():
         torch.autograd.grad(leaves[0].mul(2), leaves[0], dy)
-    return {f"a node of 13 leaves, forward and grad, on {device.type}": per_call(node, 3000),
-            f"mul and its grad on {device.type}": per_call(one_kernel, 3000)}
+    figures = {f"a node of 13 leaves, forward and grad, on {device.type}": per_call(node, 3000),
+               f"mul and its grad on {device.type}": per_call(one_kernel, 3000)}
+    if device.type != "cpu":  # a CPU backward runs on the calling thread anyway
+        with torch.autograd.set_multithreading_enabled(False):
+            figures[f"the node on {device.type}, backward on the calling thread"] = \
+                per_call(node, 3000)
+    return figures
 
 
 def main(argv=None) -> int:
