@@ -161,15 +161,20 @@ def test_holding_the_previous_steps_loss_keeps_one_graph(fake_cuda):
     assert _graphs(forward) == 1 and _graphs(backward) == 1
 
 
-def _train_stack(function, layers: int, steps: int) -> list[int]:
-    """``steps`` AdamW steps of a stack of ``layers`` MLPs that all call ``function``, checked
-    against PyTorch's (outputs, then parameters); the graph replays of each step."""
+def _two_stacks(layers: int):
+    """The same MLP stack's parameters twice (meshfuse's, PyTorch's), and an AdamW for each."""
     init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
             for i in range(layers)]
     mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
     ref = [[w.clone().requires_grad_() for w in pair] for pair in init]
-    opt = torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01)
-    ref_opt = torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01)
+    return (mine, ref, torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01),
+            torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01))
+
+
+def _train_stack(function, layers: int, steps: int) -> list[int]:
+    """``steps`` AdamW steps of a stack of ``layers`` MLPs that all call ``function``, checked
+    against PyTorch's (outputs, then parameters); the graph replays of each step."""
+    mine, ref, opt, ref_opt = _two_stacks(layers)
     # requires grad: every layer's call asks the same derivation of the function
     x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
     replays = []
@@ -300,12 +305,7 @@ def test_a_stack_accumulating_micro_batches_reads_its_cotangents_safely(fake_cud
     held; every parameter matches PyTorch's after each step."""
     layers, micro_batches = 3, 2
     function = _mlp()[0].as_autograd_function()
-    init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
-            for i in range(layers)]
-    mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
-    ref = [[w.clone().requires_grad_() for w in pair] for pair in init]
-    opt = torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01)
-    ref_opt = torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01)
+    mine, ref, opt, ref_opt = _two_stacks(layers)
     x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)  # at one address
     for step in range(3):
         for o in (opt, ref_opt):
