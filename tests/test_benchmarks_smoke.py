@@ -116,3 +116,40 @@ def test_checkpoint_io_benchmark_runs_on_the_cpu(tmp_path):
     assert report["async"]["first_call_seconds"] > 0 and report["tensor_bytes"] > 0
     assert "| meshfuse load |" in (tmp_path / "checkpoint_io.md").read_text()
     assert list(where.iterdir()) == []  # the checkpoints are removed
+
+
+def test_host_profile_runs_on_the_cpu(tmp_path):
+    """``benchmarks/host_profile.py --quick``: every variant of both cases profiled (no
+    failure written), with the host's speed and the GPT step's parts."""
+    from benchmarks import host_profile
+
+    assert host_profile.main(["--quick", "--out", str(tmp_path)]) == 0
+    # the kernels alone are a CUDA variant
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"host_profile-{name}.txt" for name in ("ce-eager", "ce-meshfuse",
+                                                "gpt-meshfuse_autograd",
+                                                "gpt-meshfuse_hand_written", "gpt-torch_eager")]
+    texts = [p.read_text() for p in tmp_path.iterdir()]
+    assert not [t for t in texts if " failed: " in t.splitlines()[0]]
+    gpt = (tmp_path / "host_profile-gpt-meshfuse_autograd.txt").read_text()
+    assert "host speed (us per call)" in gpt and "backward: engine to node" in gpt
+    assert "host time by tottime" in gpt
+
+
+def test_live_by_origin_groups_a_snapshots_blocks():
+    """What a memory snapshot holds, by pool and by the code that allocated it."""
+    from benchmarks.memory_peak import live_by_origin
+
+    frame = {"filename": "meshfuse/runtime/replay/graphs.py", "line": 108,
+             "name": "warm_up_run"}
+    block = {"state": "active_allocated", "size": 32 * 2**20, "frames": [frame]}
+    snapshot = {"segments": [
+        {"segment_pool_id": (0, 0), "blocks": [block, block, {"state": "inactive",
+                                                              "size": 2**20}]},
+        {"segment_pool_id": (1, 7), "blocks": [{"state": "active_allocated",
+                                                "size": 2**20, "frames": []}]}]}
+    lines = live_by_origin(snapshot)
+    assert lines[1].split() == ["64.0", "MiB", "2", "blocks", "default",
+                                "graphs.py:108:warm_up_run"]
+    assert lines[2].split()[:5] == ["1.0", "MiB", "1", "blocks", "graphs"]
+    assert len(lines) == 3
