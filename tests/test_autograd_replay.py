@@ -227,6 +227,8 @@ def test_a_stacks_backwards_read_their_cotangents_in_place(fake_cuda):
               for g in gs]
     assert len(graphs) == layers
     assert sorted(len(g._buffers) for g in graphs) == [0] * (layers - 1) + [1]
+    (replay,) = backward._replays.values()
+    assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):

@@ -498,6 +498,10 @@ class AutoReplay:
         if self.waits:
             spent += (f"; {self.waits} calls found a graph waiting for a later graph's "
                       "outputs, held, in memory its replay writes")
+        copying = [len(g._buffers) for gs in self._graphs.values() for g in gs if g._buffers]
+        if copying:  # inputs that lie at new addresses each call (see _find)
+            spent += ("; inputs copied in at each replay (cotangents or batches at new "
+                      f"addresses): {sum(copying)}, by {len(copying)} graphs")
         return (f"CUDA graph replay: {self.graphs} graphs captured for {len(self._graphs)} "
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
                 f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
