@@ -33,14 +33,13 @@ from benchmarks.memory_peak import host_profile
 from benchmarks.timing import host_us_per_call
 from meshfuse import DataType
 from meshfuse.autodiff.function import _FusionAutograd
-from meshfuse.examples.gpt import GptBlock, init_parameters
+from meshfuse.examples.gpt import GptBlock
 
 
 def _ce_variants(tokens: int, vocab: int, device) -> dict[str, Callable[[], object]]:
     x, t = cross_entropy._inputs(tokens, vocab, device)
     steps = cross_entropy.variants(tokens, vocab, device)
-    chosen = ("meshfuse", "eager", "kernel")
-    chosen = {name: steps[name] for name in chosen if name in steps}
+    chosen = {name: steps[name] for name in ("meshfuse", "eager", "kernel") if name in steps}
     return {name: _with_function(lambda step=step: step(x, t), getattr(step, "function", None))
             for name, step in chosen.items()}
 
@@ -53,10 +52,14 @@ def _with_function(step: Callable[[], object], function) -> Callable[[], object]
 
 def _gpt_variants(size, device) -> dict[str, Callable[[], object]]:
     chosen = ("meshfuse_autograd", "meshfuse_hand_written", "torch_eager")
-    setups = training_step.variants(size, device, torch.bfloat16 if device.type == "cuda"
-                                    else torch.float32, "inductor", chosen)
+    setups = training_step.variants(size, device, _dtype(device), "inductor", chosen)
     made = {name: setup()[:2] for name, setup in setups.items()}
     return {name: _with_function(step, owner) for name, (step, owner) in made.items()}
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    """The GPT layer's element type: bf16 on a GPU, float32 on the CPU (as training_step)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def gpt_phases(size, device, ctx: Context) -> list[str]:
@@ -67,13 +70,10 @@ def gpt_phases(size, device, ctx: Context) -> list[str]:
     device thread), with every object out of the collector's sight, and each captured CUDA
     graph's launch alone (``CUDAGraph.replay``)."""
     b, s, heads, e = size
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    block = GptBlock(b, s, e, heads, DataType.from_torch(dtype)).define()
-    function = block.as_autograd_function()
-    gen = torch.Generator(device).manual_seed(1)
-    x = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
-    dy = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
-    params = init_parameters(e, dtype=dtype, device=device)
+    dtype = _dtype(device)
+    function = GptBlock(b, s, e, heads, DataType.from_torch(dtype)).define() \
+        .as_autograd_function()
+    x, dy, params = training_step.layer_inputs(size, device, dtype)
     leaves = [t.detach().requires_grad_() for t in [x, *params.values()]]
 
     def forward():
@@ -141,7 +141,6 @@ def _torch_profile(step: Callable[[], object], steps: int, rows: int = 40) -> li
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    if torch.cuda.is_available():
         torch.cuda.synchronize()
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
@@ -245,18 +244,17 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
     cases = {}
+    gpt_size = training_step.TINY if args.quick else training_step.SIZES["small"]
     if args.case in ("ce", "all"):
         cases["ce"] = lambda: _ce_variants(*((64, 128) if args.quick else (8192, 32768)),
                                            device)
     if args.case in ("gpt", "all"):
-        cases["gpt"] = lambda: _gpt_variants(training_step.TINY if args.quick
-                                             else training_step.SIZES["small"], device)
+        cases["gpt"] = lambda: _gpt_variants(gpt_size, device)
     os.makedirs(args.out, exist_ok=True)
     speed = host_speed(device)
     print(speed[0], flush=True)
     if args.case in ("gpt", "all"):
-        speed += gpt_phases(training_step.TINY if args.quick else training_step.SIZES["small"],
-                            device, ctx)
+        speed += gpt_phases(gpt_size, device, ctx)
         print(speed[-1], flush=True)
     for case, make in cases.items():
         for name, step in make().items():

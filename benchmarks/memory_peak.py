@@ -63,36 +63,33 @@ def live_at_peak(fn: Callable[[], object], rows: int = 25) -> list[str]:
             live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
         elif e["action"] == "free_completed":
             live.pop(e["addr"], None)
-    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for size, where in live.values():
-        groups[where][0] += size
-        groups[where][1] += 1
     lines = [(f"allocated before recording {before / MIB:.0f} MiB; at the recorded peak "
              f"{peak / MIB:.0f} MiB more, in {len(live)} blocks ({len(events)} events):")]
-    lines += _segments(snapshot)
-    for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]:
-        lines.append(f"  {size / MIB:9.1f} MiB {count:5d} blocks  {where}")
-    return lines
+    return lines + _segments(snapshot) + _grouped(live.values(), rows)
+
+
+def _grouped(blocks, rows: int) -> list[str]:
+    """Lines of ``blocks`` (``(size, label)`` pairs) summed by label, the largest first."""
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for size, label in blocks:
+        groups[label][0] += size
+        groups[label][1] += 1
+    return [f"  {size / MIB:9.1f} MiB {count:5d} blocks  {label}"
+            for label, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]]
 
 
 def live_by_origin(snapshot: dict, rows: int = 30) -> list[str]:
     """The blocks allocated at ``snapshot`` (``torch.cuda.memory._snapshot()`` taken while
     the history was recorded), by pool and by the code that allocated them (blocks of
     before the recording: "(no frame of ours)"), largest first."""
-    groups: dict = collections.defaultdict(lambda: [0, 0])
+    blocks = []
     for segment in snapshot["segments"]:
-        pool = tuple(segment.get("segment_pool_id", (0, 0)))
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
-                group = groups[pool == (0, 0), _where(block.get("frames", []), depth=4)]
-                group[0] += block["size"]
-                group[1] += 1
-    lines = ["blocks allocated now, by pool (default or graph) and origin:"]
-    for (default, where), (size, count) in sorted(groups.items(),
-                                                  key=lambda kv: -kv[1][0])[:rows]:
-        pool = "default" if default else "graphs"
-        lines.append(f"  {size / MIB:9.1f} MiB {count:5d} blocks  {pool:7}  {where}")
-    return lines
+        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) \
+            else "graphs"
+        blocks += [(block["size"], f"{pool:7}  {_where(block.get('frames', []), depth=4)}")
+                   for block in segment["blocks"] if block["state"] == "active_allocated"]
+    return ["blocks allocated now, by pool (default or graph) and origin:",
+            *_grouped(blocks, rows)]
 
 
 def _segments(snapshot: dict) -> list[str]:

@@ -156,15 +156,22 @@ def _node_info(owner) -> dict:
     return info
 
 
+def layer_inputs(size, device, dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The layer's input ``x``, the cotangent ``dy`` and its parameters at ``size``, drawn
+    the same way at each call."""
+    b, s, _, e = size
+    gen = torch.Generator(device).manual_seed(1)
+    x = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
+    dy = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
+    return x, dy, init_parameters(e, dtype=dtype, device=device)
+
+
 def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callable]:
     """name -> setup() returning (step, its meshfuse owner or None, first and second call's
     seconds), checked against the eager layer; ``chosen``: the names to set up (None:
     all)."""
     b, s, heads, e = size
-    gen = torch.Generator(device).manual_seed(1)
-    x = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
-    dy = torch.randn(b, s, e, generator=gen, device=device).to(dtype)
-    params = init_parameters(e, dtype=dtype, device=device)
+    x, dy, params = layer_inputs(size, device, dtype)
     ref_block = Gpt3Block(params, heads)
     ref_y, (ref_dx, *_) = autograd_step(ref_block, [x], dy, ref_block.parameters())()
     ref = [ref_y.detach(), ref_dx]
