@@ -21,6 +21,7 @@ its error and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -64,11 +65,14 @@ def _step(model, optimizer, step_inputs) -> torch.Tensor:
     return loss
 
 
-def _time_steps(model, optimizer, step_inputs, steps: int, device) -> dict:
+def _time_steps(model, optimizer, step_inputs, steps: int, device, trace=None) -> dict:
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for i in range(steps + 1):
+        if trace is not None:
+            trace.step = i
         _sync(device)
         start = time.perf_counter()
         loss = _step(model, optimizer, step_inputs)
@@ -81,6 +85,8 @@ def _time_steps(model, optimizer, step_inputs, steps: int, device) -> dict:
               "tokens_per_s": tokens / median, "losses": losses}
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # what the process took from the device: graph pools' intermediates included
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return result
 
 
@@ -107,6 +113,8 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compile,meshfuse",
                         help="also meshfuse_shared_pools (MESHFUSE_SHARED_GRAPH_POOLS=1)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
+    parser.add_argument("--trace", action="store_true",
+                        help="record why meshfuse's graphs replay or not, call by call")
     parser.add_argument("--interleaved", action="store_true",
                         help="keep every variant and time them again in alternating steps")
     args = parser.parse_args()
@@ -135,9 +143,17 @@ def main() -> None:
         try:
             model = _variant(variant, base, meshfuse.DeviceMesh([0]))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-            results[variant] = _time_steps(model, optimizer, inputs, args.steps, device)
+            trace = None
+            if args.trace and variant.startswith("meshfuse"):
+                from benchmarks.replay_trace import ReplayTrace
+                trace = ReplayTrace()
+            with trace or contextlib.nullcontext():
+                results[variant] = _time_steps(model, optimizer, inputs, args.steps, device,
+                                               trace)
             if variant.startswith("meshfuse"):
                 results[variant]["calls"] = _calls(model)
+            if trace is not None:
+                results[variant]["calls"] += trace.report()
             if args.interleaved:
                 kept[variant] = (model, optimizer)
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run

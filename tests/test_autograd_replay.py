@@ -13,6 +13,7 @@ donated input alive. Values are compared with PyTorch.
 from __future__ import annotations
 
 import ctypes
+import gc
 import weakref
 
 import pytest
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.replay_trace import ReplayTrace
 from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
+from meshfuse.runtime.replay import pools
 from meshfuse.runtime.replay.automatic import AutoReplay
 
 T, H, FFN = 6, 4, 8
@@ -440,3 +443,87 @@ def test_an_integer_input_a_graph_made_is_read_in_place():
         del doubled, looked_up  # a held result keeps its graph busy (a second is captured)
     (first,), (second,) = ([g for gs in r._graphs.values() for g in gs] for r in replays)
     assert sorted(first._buffers) == [0] and not second._buffers
+
+
+def _capture_reporting_memory(program, inputs, generators=(), pool=None):
+    """As :func:`_capture`, and the memory the capture may write as the strictest shared
+    pool would report it: all memory but that of the tensors that existed before (a
+    constant the program returns lies outside, as outside a CUDA graph's pool)."""
+    existing = []
+    for t in gc.get_objects():
+        if isinstance(t, torch.Tensor):
+            try:
+                storage = t.untyped_storage()
+                existing.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+            except (RuntimeError, NotImplementedError):  # no memory (meta, fake tensors)
+                pass
+    graph, outputs, grown, _ = _capture(program, inputs)
+    written, at = [], 0
+    for start, end in sorted(existing):
+        if start > at:
+            written.append((at, start))
+        at = max(at, end)
+    return graph, outputs, grown, [*written, (at, 2**63)]
+
+
+class MemoryReportingCuda(AddressCuda):
+    capture = staticmethod(_capture_reporting_memory)
+
+
+class _Pool:
+    id = 1  # stands in for a torch.cuda.MemPool's
+
+
+@pytest.mark.parametrize("shared_pools", [False, True])
+def test_a_transformers_llamas_graphs_replay_every_step(monkeypatch, shared_pools):
+    """After each training step, no graph of a parallelized ``transformers`` Llama is held,
+    and every call replays from the second step on; also where the graphs share memory
+    pools and each graph's memory holds every graph captured after it (the strictest
+    sharing: a graph replays only while the later graphs are free,
+    :mod:`meshfuse.runtime.replay.pools`). Each layer's attention (no dropout) returns the
+    same shared zeros as its RNG state, a residual; counted as the graph's own outputs,
+    their use count (one more per layer whose residuals are alive) made every layer but
+    the first look held at the next step's start, and a step with shared pools recaptured
+    its stack or ran the interpreter at every step (seen on an H200, 2026-12-04)."""
+    transformers = pytest.importorskip("transformers")
+    import meshfuse
+
+    def replay(program, device, budget=None):
+        return AutoReplay(program, torch.device("cuda"), budget, MemoryReportingCuda)
+
+    monkeypatch.setattr(runner_module, "AutoReplay", replay)
+    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1" if shared_pools else "0")
+    monkeypatch.setattr(pools, "_POOLS", {})
+    monkeypatch.setattr(pools.SharedPool, "cuda_handle", lambda self: _Pool.id)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    torch.manual_seed(0)
+    model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
+                                 meshfuse.DeviceMesh([0]), {})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    live = []
+    trace = ReplayTrace()
+    with trace:
+        for step in range(4):
+            trace.step = step
+            live = _llama_step(model, optimizer, ids, live)
+    # a forward and a backward graph for each layer, the embedding and the head: no more
+    graphs = 2 * (config.num_hidden_layers + 2)
+    assert sum(a.graphs for a in live) == graphs
+    assert trace.report()[:4] == [f"step 0: {graphs} interpreted", f"step 1: {graphs} captured",
+                                  f"step 2: {graphs} replayed", f"step 3: {graphs} replayed"]
+
+
+def _llama_step(model, optimizer, ids, live: list) -> list:
+    """One training step, checking first that no graph of ``live`` is held; the
+    model's automatic replays after it."""
+    optimizer.zero_grad(set_to_none=True)
+    assert all(g.unheld() for r in live for gs in r._graphs.values() for g in gs)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    runners = [r for _, function in model._meshfuse.last.built.values()
+               for c in function._derivations.values()
+               for r in (c.derivation.forward_runner, c._backward)]
+    return [a for r in runners for a in r._replays.values()]

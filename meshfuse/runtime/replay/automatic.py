@@ -564,10 +564,10 @@ class _Graph:
             if view is not None:
                 self._views[j] = view
         self._outputs = [None if j in self._views else t for j, t in enumerate(outputs)]
-        # kept alive by the outputs
+        # kept alive by the outputs; but memory the capture did not allocate (see _foreign)
         handles = {t.untyped_storage()._cdata for t in outputs} - set(given)
-        self._own = handles
-        self._storages = sorted(handles)
+        self._own = handles - _foreign(outputs, self.written)
+        self._storages = sorted(self._own)
         self._baseline = [torch._C._storage_Use_Count(s) for s in self._storages]
 
     def free(self) -> bool:
@@ -604,6 +604,21 @@ class _Graph:
         self._graph.replay()
         return [t.detach() if t is not None else _same_view(inputs, *self._views[j])
                 for j, t in enumerate(self._outputs)]
+
+
+def _foreign(outputs: Sequence[torch.Tensor], written: Sequence[tuple[int, int]]) -> set[int]:
+    """The storages of ``outputs`` that lie outside the memory the capture may write
+    (``written``; none known: every output is the graph's): tensors that existed before it,
+    such as a constant the program returns (the zeros that every attention without dropout
+    shares as its RNG state). No replay writes them, and whoever else holds them (another
+    layer's residuals: the use count of those zeros grows with each layer's forward) says
+    nothing about the graph's previous results."""
+    if not written:
+        return set()
+    storages = {s._cdata: s for s in (t.untyped_storage() for t in outputs)}
+    return {h for h, s in storages.items()
+            if not any(a <= s.data_ptr() and s.data_ptr() + s.nbytes() <= b
+                       for a, b in written)}
 
 
 def _view_of(output: torch.Tensor, source: torch.Tensor, index: int):
