@@ -29,8 +29,9 @@ class TinyLM(torch.nn.Module):
     """Embedding, a projection, a head; the loss of Hugging Face's causal LMs (labels padded
     with the ignored index, shifted by one)."""
 
-    def __init__(self, padding_idx=None, class_weights=False, **loss):
+    def __init__(self, padding_idx=None, class_weights=False, return_logits=False, **loss):
         super().__init__()
+        self.return_logits = return_logits
         self.embed = torch.nn.Embedding(V, E, padding_idx=padding_idx)
         self.proj = torch.nn.Linear(E, E)
         self.head = torch.nn.Linear(E, V, bias=False)
@@ -42,7 +43,7 @@ class TinyLM(torch.nn.Module):
         shifted = F.pad(labels, (0, 1), value=self.loss.get("ignore_index", -100))[:, 1:]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
                                weight=self.weights, **self.loss)
-        return loss
+        return (loss, logits) if self.return_logits else loss
 
 
 def _inputs(ignored=-100):
@@ -121,3 +122,32 @@ def test_vocab_parallel_embedding_and_loss_match_the_module(multidevice_test, lo
 
 def _traffic(comms) -> Counter:
     return Counter((c.kind, c.bytes) for c in comms if len(c.ranks) > 1)
+
+
+def test_a_loss_parallel_model_returning_its_logits(multidevice_test):
+    """A model that returns its vocabulary-sharded logits beside the loss (as
+    ``transformers``' causal language models do), with loss parallel: values and gradients
+    are the module's, and the backward communicates as without the logits returned (the
+    loss-parallel op keeps its gradient shard: recomputing it from the logits would run
+    its per-token reductions again)."""
+    torch.manual_seed(0)
+    reference = TinyLM(return_logits=True)
+    inputs = _inputs()
+    mesh = DeviceMesh(range(multidevice_test.size))
+    model = meshfuse.parallelize(copy.deepcopy(reference), mesh, VOCAB_PARALLEL)
+    here = [t.to(next(model.parameters()).device) for t in inputs]
+    model(*here)  # build
+    loss, logits = model(*here)
+    with record_communications() as backward:
+        (2 * loss + logits.full_tensor().sum() if isinstance(logits, DTensor)
+         else 2 * loss + logits.sum()).backward()
+    expected, expected_logits = reference(*inputs)
+    (2 * expected + expected_logits.sum()).backward()
+    torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-6)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(got.cpu(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if multidevice_test.size > 1:
+        # as without the logits returned: the head's input gradient, a partial sum
+        assert _traffic(backward) == Counter({("allreduce", B * S * 4 * E): 1})

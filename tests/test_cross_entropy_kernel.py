@@ -208,6 +208,45 @@ def test_float32_cast_of_half_logits_is_read_through(cotangent):
     torch.testing.assert_close(leaf.grad, ref.grad, **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_logits_the_forward_returns_are_kept_not_a_gradient(smoothing):
+    """A model that returns its logits beside the loss (``transformers``' causal language
+    models do): the logits' memory is held anyway, so the backward keeps them (no
+    [rows, classes] gradient beside them: that doubled the head's memory) and computes the
+    gradient from them; the forward computes the loss alone (no gradient written). Loss
+    and gradients are PyTorch's."""
+    b, s, h, v = 2, 3, 8, 37
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([b, s, h], dtype=DataType.Double)
+        w = fd.define_tensor([v, h], dtype=DataType.Double)
+        t = fd.define_tensor([b * s], dtype=DataType.Int)
+        logits = fd.ops.linear(x, w)
+        fd.add_output(logits)
+        fd.add_output(fd.ops.cross_entropy(fd.ops.reshape(logits, [b * s, v]), t,
+                                           ignore_index=IGNORE, label_smoothing=smoothing))
+    bwd = meshfuse.vjp(fd)
+    forward = bwd.forward.fusion
+    kept = [forward.outputs()[r.index] for r in bwd.derivation.residuals
+            if r.kind == "output" and forward.outputs()[r.index].ndim >= 2]
+    assert kept == [forward.outputs()[0]], bwd.derivation.residuals  # the logits alone
+    xs = torch.randn(b, s, h, dtype=torch.float64)
+    ws = torch.randn(v, h, dtype=torch.float64)
+    _, target = _inputs(b * s, v, torch.float64, seed=4)
+    assert "the loss only (no gradient read)" in bwd.forward.explain([xs, ws, target],
+                                                                    verbose=True)
+    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    out_logits, loss = fd.as_autograd_function()([*leaves, target])
+    (2.5 * loss + (out_logits * 0.5).sum()).backward()
+    ref = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    ref_logits = F.linear(*ref)
+    ref_loss = F.cross_entropy(ref_logits.view(-1, v), target, ignore_index=IGNORE,
+                               label_smoothing=smoothing)
+    (2.5 * ref_loss + (ref_logits * 0.5).sum()).backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 def _extents(forward, residual) -> list:
     out = forward.fusion.outputs()[residual.index]
     return [i.extent for i in out.materialized()]

@@ -9,6 +9,8 @@ Its VJP is ``cross_entropy_bwd(grad, applied, g)``: ``grad`` scaled by the loss'
 ``g``, in place on CUDA and skipped when ``g`` is 1.0 (a loss backpropagated as it is), so
 a training step reads the logits once (twice for rows that do not fit on chip) and writes
 their gradient once, and the backward keeps the gradient as its residual, not the logits.
+But where the forward returns the logits too (kept anyway), the backward keeps them and
+computes the gradient from them with the same op, and the forward the loss alone.
 
 ``fd.ops.cross_entropy`` uses it for 2-D logits of a static class extent with class indices
 and a ``mean`` or ``sum`` reduction (:mod:`meshfuse.ops.composites`). Sharding: rows shard
@@ -117,7 +119,31 @@ def _fwd_grads(d, grads):
     g = grads[0]
     if g is None:
         return {}
-    return {"logits": lambda: d.ops.cross_entropy_bwd(d.out(1), d.out(2), g)}
+    if not _returned(d.arg("logits")):
+        return {"logits": lambda: d.ops.cross_entropy_bwd(d.out(1), d.out(2), g)}
+
+    def recomputed():  # the logits are kept anyway: the gradient is made from them again
+        _, grad, applied = d.ops.cross_entropy_fwd(
+            d.value("logits"), d.value("target"), d.value("count"),
+            ignore_index=d.attrs["ignore_index"], label_smoothing=d.attrs["label_smoothing"])
+        return d.ops.cross_entropy_bwd(grad, applied, g)
+    return {"logits": recomputed}
+
+
+def _returned(logits) -> bool:
+    """Whether the forward returns the values of ``logits`` (an output of its fusion, or a
+    reshape of one: a model that hands its caller the logits beside the loss, as
+    ``transformers``' causal language models do). Their memory is then held anyway, and a
+    gradient kept beside them would double it (2 GiB more for a 1B Llama's 8k tokens of a
+    128k vocabulary): the backward reads the logits instead and computes the gradient with
+    the same kernel (the forward computes the loss alone), one more read of the logits."""
+    outputs = set(logits.fusion.outputs())
+    while logits not in outputs:
+        expr = logits.definition
+        if expr is None or expr.op is None or expr.op.name != "reshape":
+            return False
+        logits = expr.args[0]
+    return True
 
 
 def _localize(expr, here):
