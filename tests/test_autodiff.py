@@ -152,6 +152,52 @@ def test_wrt_selects_the_gradients():
     assert "gelu_backward" not in str(bwd)  # nothing flows further back than w2 needs
 
 
+@pytest.mark.parametrize("differentiated", ["y", "both"])
+def test_an_output_without_a_gradient_gets_no_zeros(multidevice_test, differentiated):
+    """A Megatron MLP that also returns its sharded hidden activation h (as a language model
+    returns its logits beside the loss): where only y is differentiated, autograd gives h
+    no cotangent and the backward derived without it runs (no zero tensor of h's size is
+    made, copied in or added); both differentiated, the whole backward. Gradients are
+    torch's; the backward communicates as the one-output MLP's (one allreduce)."""
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w1 = fd.define_tensor([FFN, H], dtype=DataType.Double)
+        w2 = fd.define_tensor([H, FFN], dtype=DataType.Double)
+        h = fd.ops.gelu(fd.ops.linear(x, w1), approximate="tanh")
+        fd.add_output(h)
+        fd.add_output(fd.ops.linear(h, w2))
+    shard(w1, 0, mesh)
+    shard(w2, 1, mesh)
+    shard(h, 1, mesh)
+    rank = multidevice_test.rank
+    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
+    dy, dh = _randn(T, H, seed=4), _randn(T, FFN, seed=5)
+    local = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
+             for t, tv in zip(glob, (x, w1, w2))]
+    function = fd.as_autograd_function()
+    h_local, y = function(local)
+    cotangents = [dy.to(current_device()), shard_tensor(dh, h, rank).to(current_device())]
+    with record_communications() as comms:
+        if differentiated == "y":
+            y.backward(cotangents[0])
+        else:
+            torch.autograd.backward([y, h_local], cotangents)
+    leaves = [t.detach().requires_grad_() for t in glob]
+    h_ref = F.gelu(F.linear(leaves[0], leaves[1]), approximate="tanh")
+    torch.autograd.backward([F.linear(h_ref, leaves[2]), h_ref],
+                            [dy, dh if differentiated == "both" else torch.zeros_like(dh)])
+    for leaf, ref, tv in zip(local, leaves, (x, w1, w2)):
+        torch.testing.assert_close(leaf.grad.cpu(), shard_tensor(ref.grad, tv, rank), **TOL)
+    (compiled,) = function._derivations.values()
+    partial = [p for p in compiled._partial.values() if p is not None]
+    if differentiated == "y":
+        assert [len(p[0].cotangents) for p in partial] == [1] and compiled._backward is None
+    else:
+        assert not partial and compiled._backward is not None
+    assert Counter(c.kind for c in comms) == Counter({"allreduce": 1} if mesh.size > 1 else {})
+
+
 def test_a_replicated_output_used_twice_and_an_unused_input():
     with FusionDefinition() as fd:
         a = fd.define_tensor([3, 4], dtype=DataType.Double)

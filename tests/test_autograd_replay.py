@@ -524,6 +524,5 @@ def _llama_step(model, optimizer, ids, live: list) -> list:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     runners = [r for _, function in model._meshfuse.last.built.values()
-               for c in function._derivations.values()
-               for r in (c.derivation.forward_runner, c._backward)]
+               for c in function._derivations.values() for r in c.runners()]
     return [a for r in runners for a in r._replays.values()]

@@ -31,7 +31,8 @@ gathered copies' memory at the cost of running those collectives again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from meshfuse.autodiff.context import VjpContext, materialized_like, op_of, sum_to
 from meshfuse.autodiff.naming import BackwardNames, gradient_name
@@ -81,6 +82,60 @@ class Derivation:
     cotangents: tuple[int, ...]
     residuals: tuple[Residual, ...]
     gradients: tuple[int | None, ...]
+    # what derives a backward for fewer cotangents (see zero_cotangents)
+    source: BackwardSource | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSource:
+    """What :func:`zero_cotangents` derives another backward of a derivation from: the
+    compiled forward, the values differentiated (by the user's input order: None where not),
+    the rematerialization policy, the forward's allocations, and the residuals' values (in
+    the backward's input order)."""
+
+    forward: Fusion
+    wrt: tuple[TensorView | None, ...]
+    remat: str
+    allocations: Any
+    residuals: tuple[Val, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialBackward:
+    """A backward of a derivation for some of its cotangents (the others zero): its fusion,
+    which of the derivation's cotangents and residuals are its inputs (positions among
+    them, in its input order), and the gradients' positions among its outputs, per input of
+    the user's fusion (None: zero)."""
+
+    backward: Fusion
+    cotangents: tuple[int, ...]
+    residuals: tuple[int, ...]
+    gradients: tuple[int | None, ...]
+
+
+def zero_cotangents(derivation: Derivation, zero: frozenset[int]) -> PartialBackward | None:
+    """The backward of ``derivation`` where the cotangents at positions ``zero`` (among
+    ``derivation.cotangents``) are zero: derived without them, so that no zero tensor of an
+    output's size is made, copied in or added (an output nothing differentiates, such as
+    the logits a causal language model returns beside its loss). None where the
+    derivation cannot be derived again (a preview), or the partial backward would read a
+    value the forward does not save."""
+    source = derivation.source
+    if source is None:
+        return None
+    outputs = source.forward.outputs()[:derivation.num_outputs]
+    absent = {derivation.cotangents[k] for k in zero}
+    builder = _BackwardBuilder(source.forward, {v for v in source.wrt if v is not None},
+                               source.remat)
+    builder.build(outputs, absent)
+    if any(v not in source.residuals for v in builder.residuals):
+        return None
+    _pin_backward(builder, source.allocations)
+    cotangents = tuple(derivation.cotangents.index(j) for j in builder.cotangent_of)
+    residuals = tuple(source.residuals.index(v) for v in builder.residuals)
+    gradients = tuple(None if v is None else builder.gradient_index.get(v)
+                      for v in source.wrt)
+    return PartialBackward(builder.backward, cotangents, residuals, gradients)
 
 
 def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
@@ -118,13 +173,15 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
     forward = compiled.fusion  # the compiled copy, with its Reshard expressions
     primal = {v: compiled[p] for v, p in primal.items()}
     builder = _BackwardBuilder(forward, {primal[v] for v in wrt}, remat)
-    builder.build()
+    builder.build(forward.outputs())
     num_outputs = len(forward.outputs())
     residuals = _add_residual_outputs(forward, builder.residuals)
     _pin_backward(builder, compiled.allocations)
     gradients = tuple(builder.gradient_index.get(primal[v]) for v in inputs)
+    source = BackwardSource(forward, tuple(primal[v] if v in wrt else None for v in inputs),
+                            remat, compiled.allocations, tuple(builder.residuals))
     return Derivation(forward, runner, builder.backward, num_outputs,
-                      tuple(builder.cotangent_of), residuals, gradients)
+                      tuple(builder.cotangent_of), residuals, gradients, source)
 
 
 def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
@@ -225,9 +282,11 @@ class _BackwardBuilder:
         self.active = _active(forward, wrt)
         self.names = BackwardNames(self.backward)
 
-    def build(self) -> None:
-        for index, out in enumerate(self.forward.outputs()):
-            if out in self.active:
+    def build(self, outputs: Sequence[TensorView], zero: Collection[int] = ()) -> None:
+        """Builds the backward of the forward's ``outputs`` (its user's outputs), each with
+        a cotangent input but those at positions ``zero``."""
+        for index, out in enumerate(outputs):
+            if out in self.active and index not in zero:
                 self.cotangent_of.append(index)
                 self._accumulate(out, self._new_input(out, cotangent=True))
         for expr in reversed(self.forward.exprs):

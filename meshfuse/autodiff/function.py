@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshfuse.autodiff.derivation import Derivation, derive
+from meshfuse.autodiff.derivation import Derivation, PartialBackward, derive, zero_cotangents
 from meshfuse.dtensor import (
     check_dtensor_input,
     has_dtensors,
@@ -241,6 +241,8 @@ class _Compiled:
         self.derivation = derivation
         self.compile = compile
         self._backward: FusionRunner | None = None
+        # zero cotangents' positions -> the backward without them (None: none derived)
+        self._partial: dict[frozenset[int], tuple[PartialBackward, FusionRunner] | None] = {}
         # host time of the autograd node's forward and backward, their programs included
         self.node_forward, self.node_backward = PathTime(), PathTime()
         # What every call of the node reads of the derivation, found once:
@@ -257,9 +259,22 @@ class _Compiled:
 
     def backward_lines(self) -> list[str]:
         """explain's lines on the derived backward: per signature it ran, see
-        :meth:`~meshfuse.engine.runner.FusionRunner.call_lines`."""
+        :meth:`~meshfuse.engine.runner.FusionRunner.call_lines` (and on each backward
+        derived without some cotangents, that ran)."""
         lines = self._backward.call_lines() if self._backward is not None else ["not run yet"]
-        return ["derived backward:", *(f"  {line}" for line in lines)]
+        lines = ["derived backward:", *(f"  {line}" for line in lines)]
+        for zero, partial in self._partial.items():
+            if partial is not None:
+                outputs = ", ".join(str(self.derivation.cotangents[k]) for k in sorted(zero))
+                title = f"derived backward without the cotangents of outputs {outputs} (none came):"
+                lines += [title, *(f"  {line}" for line in partial[1].call_lines())]
+        return lines
+
+    def runners(self) -> list[FusionRunner]:
+        """The forward's runner and those of the backwards that ran."""
+        partial = [p[1] for p in self._partial.values() if p is not None]
+        backward = [self._backward] if self._backward is not None else []
+        return [self.derivation.forward_runner, *backward, *partial]
 
     def node_lines(self) -> list[str]:
         """explain's lines on the node's host time (none before a call)."""
@@ -284,6 +299,16 @@ class _Compiled:
             self._backward = FusionRunner(self.derivation.backward)
         return self._backward.execute(inputs, donate=True, compile=self.compile,
                                       staged=range(len(self.derivation.cotangents)))
+
+    def partial_backward(self, zero: frozenset[int]) -> tuple[PartialBackward, FusionRunner] | None:
+        """The backward without the cotangents at positions ``zero`` and its runner,
+        derived at its first use (None: it cannot be; see
+        :func:`~meshfuse.autodiff.derivation.zero_cotangents`)."""
+        if zero not in self._partial:
+            partial = zero_cotangents(self.derivation, zero)
+            self._partial[zero] = None if partial is None else \
+                (partial, FusionRunner(partial.backward))
+        return self._partial[zero]
 
 
 def _scalar_outputs_copied(outputs: list, unsaved: Sequence[int]) -> list:
@@ -313,6 +338,7 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: _Compiled, keep: bool, anchor, *inputs):
         start = time.perf_counter_ns()
+        ctx.set_materialize_grads(False)  # an output without a gradient: see backward
         d = compiled.derivation
         # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
         # input's global shape there).
@@ -328,7 +354,7 @@ class _FusionAutograd(torch.autograd.Function):
             residuals[i] = None
         ctx.residuals = _Residuals(residuals, keep)
         ctx.compiled = compiled
-        ctx.layouts = [(o.shape, o.stride()) for o in outputs]
+        ctx.layouts = [(o.shape, o.stride(), o.dtype, o.device) for o in outputs]
         if compiled.non_differentiable:
             ctx.mark_non_differentiable(*(outputs[j] for j in compiled.non_differentiable))
         compiled.node_forward.add(time.perf_counter_ns() - start)
@@ -341,14 +367,30 @@ class _FusionAutograd(torch.autograd.Function):
         residuals = ctx.residuals.take()
         for i, x in zip(ctx.returned, ctx.saved_tensors):
             residuals[i] = x
-        laid_out = [_laid_out(cotangents[j], *ctx.layouts[j]) for j in d.cotangents]
-        needed = any(i is not None for i in d.gradients)
+        # Outputs that got no gradient (None: the loss alone was differentiated, not the
+        # logits returned beside it) run the backward derived without their cotangents.
+        zero = frozenset(k for k, j in enumerate(d.cotangents) if cotangents[j] is None)
+        partial = ctx.compiled.partial_backward(zero) if zero else None
+        gradients = d.gradients
+        if partial is not None:
+            backward, _ = partial
+            gradients = backward.gradients
+            laid_out = [_laid_out(cotangents[d.cotangents[k]], *ctx.layouts[d.cotangents[k]])
+                        for k in backward.cotangents]
+            residuals = [residuals[r] for r in backward.residuals]
+        else:  # every cotangent came, or zeros of the outputs' sizes stand for those missing
+            laid_out = [_laid_out(cotangents[j], *ctx.layouts[j]) for j in d.cotangents]
+        needed = any(i is not None for i in gradients)
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
-        grads = ctx.compiled.run_backward(inputs) if needed else []
+        grads = []
+        if needed:
+            grads = ctx.compiled.run_backward(inputs) if partial is None else \
+                partial[1].execute(inputs, donate=True, compile=ctx.compiled.compile,
+                                   staged=range(len(partial[0].cotangents)))
         ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
-                                    for i, absent in zip(d.gradients, ctx.absent)))
+                                    for i, absent in zip(gradients, ctx.absent)))
 
 
 class _Residuals:
@@ -383,8 +425,11 @@ class _Residuals:
         return values
 
 
-def _laid_out(x: torch.Tensor, shape, strides) -> torch.Tensor:
-    """``x`` with the strides the backward expects for a cotangent (its output's)."""
+def _laid_out(x: torch.Tensor | None, shape, strides, dtype, device) -> torch.Tensor:
+    """``x`` with the strides the backward expects for a cotangent (its output's); zeros
+    for a missing one (None)."""
+    if x is None:
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
     if x.stride() == strides:
         return x
     out = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
