@@ -93,9 +93,9 @@ def _time_steps(model, optimizer, step_inputs, steps: int, device, trace=None) -
 def _variant(name: str, base, mesh):
     import meshfuse
 
-    # meshfuse_shared_pools: the automatic CUDA graphs share memory pools (opt-in), read at
-    # each capture
-    os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "1" if "shared" in name else "0"
+    # meshfuse_private_pools: each automatic CUDA graph has a memory pool of its own (the
+    # graphs share pools by default), read at each capture
+    os.environ["MESHFUSE_SHARED_GRAPH_POOLS"] = "0" if "private" in name else "1"
     model = copy.deepcopy(base)
     if name == "compile":
         return torch.compile(model)
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--variants", default="eager,compile,meshfuse",
-                        help="also meshfuse_shared_pools (MESHFUSE_SHARED_GRAPH_POOLS=1)")
+                        help="also meshfuse_private_pools (MESHFUSE_SHARED_GRAPH_POOLS=0)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     parser.add_argument("--trace", action="store_true",
                         help="record why meshfuse's graphs replay or not, call by call")

@@ -5,7 +5,7 @@ Per variant, after a warm-up: the device kernels of two profiled steps by total 
 their busy and idle time on the GPU), and the memory of a step: what is allocated between
 steps (parameters, gradients, optimizer state, and for meshfuse the outputs its CUDA graphs
 hold), the peak during a step, and for meshfuse each signature's replay line (graphs, the
-memory they hold) and, with ``MESHFUSE_SHARED_GRAPH_POOLS=1``, each shared pool's bytes
+memory they hold) and, with shared pools (the default), each shared pool's bytes
 against its graphs' outputs' (the rest is the memory of the programs' intermediates).
 
     python -m benchmarks.llama_step_profile --out OUT          # one H200

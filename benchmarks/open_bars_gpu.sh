@@ -13,13 +13,14 @@ part=${2:-memory}
 case $part in
   memory)
     timeout 90 python3 -m pytest -q -p no:cacheprovider --world-sizes 1 \
-      tests/test_auto_replay.py tests/test_autograd_replay.py > "$out/tests.txt" 2>&1
+      tests/test_auto_replay.py tests/test_autograd_replay.py tests/test_cross_entropy_kernel.py \
+      > "$out/tests.txt" 2>&1
     echo "replay tests: rc=$? $(tail -1 "$out/tests.txt")"
     mkdir -p "$out/fsdp" "$out/llama"
     timeout 200 python3 -m benchmarks.fsdp_vs_torchtitan --steps 8 --out "$out/fsdp" \
       > "$out/fsdp/fsdp.log" 2>&1
     echo "fsdp: rc=$?"; tail -1 "$out/fsdp/fsdp_vs_torchtitan.md"
-    timeout 250 python3 -m benchmarks.capture_llama --variants compile,meshfuse \
+    timeout 250 python3 -m benchmarks.capture_llama --variants compile,meshfuse --trace \
       --out "$out/llama" > "$out/llama/capture_llama.log" 2>&1
     echo "llama: rc=$?"
     grep -E "^(meshfuse|compile) \{" "$out/llama/capture_llama.log" | cut -c1-300 ;;

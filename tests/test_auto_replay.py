@@ -162,7 +162,7 @@ def test_a_graph_waits_for_later_graphs_whose_outputs_lie_in_its_memory(monkeypa
     earlier one keeps its intermediates. The earlier graph then replays only while nothing
     holds those outputs (else a second graph, then the interpreter)."""
     monkeypatch.setattr(pools, "_POOLS", {})
-    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1")  # opt-in
+    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1")  # the default
 
     def everywhere(program, inputs, generators=(), pool=None):  # writes all memory
         return (*fake_capture(program, inputs)[:3], [(0, 2**63)])

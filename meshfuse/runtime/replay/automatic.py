@@ -79,13 +79,12 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   until ``zero_grad()`` sets it to None; accumulating into it meanwhile replays the
   backward's other graph, which is added into ``.grad`` (a copy).
 
-Memory: each graph keeps its private memory pool (one run's outputs and intermediates) for as
-long as the program is cached; ``explain`` says how much each signature's captures hold.
-With ``MESHFUSE_SHARED_GRAPH_POOLS=1`` the automatic graphs of a device share two pools, one
-for forwards and plain calls and one for backwards, so that a stack's layers hold their
-outputs and one layer's intermediates, not each layer's (opt-in for now:
-:mod:`~meshfuse.runtime.replay.pools`, which also says when a graph whose intermediates'
-memory a later graph's outputs took may replay).
+Memory: the automatic graphs of a device share two memory pools, one for forwards and plain
+calls and one for backwards, so that a stack's layers hold their outputs and one layer's
+intermediates, not each layer's (:mod:`~meshfuse.runtime.replay.pools`, which also says
+when a graph whose intermediates' memory a later graph's outputs took may replay;
+``MESHFUSE_SHARED_GRAPH_POOLS=0``: a private pool per graph, one run's outputs and
+intermediates each). ``explain`` says how much each signature's captures hold.
 """
 
 from __future__ import annotations

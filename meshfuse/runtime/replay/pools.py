@@ -23,17 +23,17 @@ gradients by ``zero_grad``. Where it is not (a result kept across steps), the gr
 busy, as when its own outputs are held: a second graph is captured for its inputs, or the
 interpreter runs.
 
-Status: opt-in (``MESHFUSE_SHARED_GRAPH_POOLS=1``). On one H200, a Llama-3.2-1B-shaped
-training step (``benchmarks/capture_llama.py``, 2026-12-03) held 16.2 GiB of pools instead of
-32.7, but ran at 0.68x ``torch.compile``'s tokens/s against 0.93x with a pool per graph, and
-its peak allocated memory was 43 GiB against 29. Found on 2026-12-04
-(``benchmarks/llama_step_profile.py --diagnose``, results ``2026-12-04-0210-*``): in steady
-state the shared pools' graphs keep being captured (19 graphs for 19 sets of input addresses
-in one program, 18 for 17 in another, 4 calls waiting for a later graph's outputs), each
-capture leaving the GPU idle about 9 ms (120 ms idle per step). The likely cause, not yet
-confirmed: a capture that puts its outputs where an earlier graph's intermediates were moves
-the next layer's inputs, so the sets of addresses never settle. So each graph keeps its own
-pool by default. The CUDA tests pass both ways.
+Status: the default (``MESHFUSE_SHARED_GRAPH_POOLS=0``: a pool per graph). On one H200
+(``benchmarks/results/2026-12-04-1535-*``), a Llama-3.2-1B-shaped training step
+(``benchmarks/capture_llama.py``) took 29.4 GiB from the device at its peak with shared
+pools against 43.3 GiB with a pool per graph (``torch.compile``: 26.7), at the same speed;
+a 1.1B FSDP step 13.2 GiB against 20.7 (FSDP2 + ``torch.compile``: 13.9). Until
+2026-12-04 the shared pools recaptured in steady state: the zeros that every attention
+without dropout returns as its RNG state (one tensor, shared) counted as each graph's
+output, and their use count, which grows with each layer's residuals, made every layer
+but the first look held at the next step's start (``benchmarks/replay_trace.py`` showed
+it). Outputs outside the memory a capture may write are no longer the graph's
+(``automatic._foreign``).
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ _POOLS: dict[tuple[str, int | None, str], SharedPool] = {}
 
 def shared_pool(device: torch.device, kind: str) -> SharedPool | None:
     """The pool the automatic graphs of ``kind`` (:data:`FORWARD` or :data:`BACKWARD`) on
-    ``device`` share with ``MESHFUSE_SHARED_GRAPH_POOLS=1`` (read at each capture); else
-    None: each graph its own pool, the default (see the module doc: Status)."""
-    if os.environ.get("MESHFUSE_SHARED_GRAPH_POOLS", "0") != "1":
+    ``device`` share (the default); None with ``MESHFUSE_SHARED_GRAPH_POOLS=0`` (read at each
+    capture): each graph its own pool (see the module doc: Status)."""
+    if os.environ.get("MESHFUSE_SHARED_GRAPH_POOLS", "1") == "0":
         return None
     key = (device.type, device.index, kind)
     if key not in _POOLS:
