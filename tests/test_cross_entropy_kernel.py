@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import meshfuse
 from meshfuse import DataType, FusionDefinition
 from meshfuse.ops.cross_entropy import kernels
+from meshfuse.testing.utils import current_device
 
 INTERPRETED = kernels.INTERPRETED and kernels.triton is not None
 ON_GPU = kernels.triton is not None and torch.cuda.is_available()
@@ -232,19 +233,19 @@ def test_logits_the_forward_returns_are_kept_not_a_gradient(smoothing):
     xs = torch.randn(b, s, h, dtype=torch.float64)
     ws = torch.randn(v, h, dtype=torch.float64)
     _, target = _inputs(b * s, v, torch.float64, seed=4)
-    assert "the loss only (no gradient read)" in bwd.forward.explain([xs, ws, target],
-                                                                    verbose=True)
-    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
-    out_logits, loss = fd.as_autograd_function()([*leaves, target])
+    here = [t.to(current_device()) for t in (xs, ws, target)]
+    assert "the loss only (no gradient read)" in bwd.forward.explain(here, verbose=True)
+    leaves = [here[0].clone().requires_grad_(), here[1].clone().requires_grad_()]
+    out_logits, loss = fd.as_autograd_function()([*leaves, here[2]])
     (2.5 * loss + (out_logits * 0.5).sum()).backward()
     ref = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
     ref_logits = F.linear(*ref)
     ref_loss = F.cross_entropy(ref_logits.view(-1, v), target, ignore_index=IGNORE,
                                label_smoothing=smoothing)
     (2.5 * ref_loss + (ref_logits * 0.5).sum()).backward()
-    torch.testing.assert_close(loss, ref_loss.detach())
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach())
     for got, want in zip(leaves, ref):
-        torch.testing.assert_close(got.grad, want.grad)
+        torch.testing.assert_close(got.grad.cpu(), want.grad)
 
 
 def _extents(forward, residual) -> list:
