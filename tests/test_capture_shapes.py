@@ -138,3 +138,27 @@ def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multide
             model(ids)
         else:
             model(input_ids=ids, labels=ids.clone() if call == "with labels" else None)
+
+
+@pytest.mark.parametrize("ranks_wrong", ["every", "one"])
+def test_an_input_on_another_device_is_named_on_every_rank(multidevice_test, ranks_wrong):
+    """Token ids on another device than the parallelized model's parameters (CPU ids for a
+    model on CUDA; here meta ids for a model on the CPU) at its first call: every rank
+    raises a typed error naming the argument and the parameters' device (the trace failed
+    inside PyTorch, with advice about caches; a rank alone in error left the others waiting
+    in the program's first collective)."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    torch.manual_seed(0)
+    model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
+                                 DeviceMesh(range(multidevice_test.size)), _megatron_sp())
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    wrong = ranks_wrong == "every" or multidevice_test.rank == min(1, multidevice_test.size - 1)
+    here = next(model.parameters()).to_local().device
+    given = ids.to("meta") if wrong else ids.to(here)
+    with pytest.raises(meshfuse.InputError,
+                       match=rf"input \['input_ids'\] is on meta, the model's parameters on "
+                             rf"{here}: move the inputs there first"):
+        model(input_ids=given, labels=given)

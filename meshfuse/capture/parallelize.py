@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,10 +26,12 @@ from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.report import explain_program
 from meshfuse.capture.sharded import batch_placements, fully_shard_plan, split_batch
-from meshfuse.capture.trace import capture, flatten_call
+from meshfuse.capture.trace import Captured, capture, flatten_call
 from meshfuse.dtensor import mesh_to_torch
-from meshfuse.errors import DefinitionError
+from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.interpreter.agreement import agreed
 
 __all__ = ["parallelize", "torch_mesh"]
 
@@ -136,17 +138,32 @@ class _State:
     def program(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
         key = _signature(args, kwargs)
         if key not in self.programs:
-            own = getattr(module, "meshfuse_captured", None)  # a pipeline stage's graph
-            if own is not None:
-                captured = own(args, kwargs)
-            else:
-                with self._unsharded(module):
-                    captured = capture(module, _global(args), _global(kwargs))
+            captured = self._agreed(lambda: self._captured(module, args, kwargs))
             self.programs[key] = Program(captured, self.plan, self.mesh,
                                          dict(module.named_buffers(remove_duplicate=False)),
                                          self.strict)
         self.last = self.programs[key]
         return self.last
+
+    def _captured(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
+        _check_devices(module, args, kwargs)
+        own = getattr(module, "meshfuse_captured", None)  # a pipeline stage's graph
+        if own is not None:
+            return own(args, kwargs)
+        with self._unsharded(module):
+            return capture(module, _global(args), _global(kwargs))
+
+    def _agreed(self, attempt: Callable[[], Captured]) -> Captured:
+        """``attempt()``, a new signature's capture, on every rank of the mesh, whose
+        ranks agree on whether it failed: an error one rank's inputs or trace raise (inputs
+        on another device, a model that cannot be traced) is raised on every rank, instead
+        of leaving the others waiting in the program's first collective."""
+        comm = Communicator.instance()
+        ranks = tuple(sorted(self.mesh.mesh.flatten().tolist()))
+        if comm.size == 1 or len(ranks) == 1 or comm.rank not in ranks:
+            return attempt()
+        return agreed(comm, attempt, lambda _: (), "call the model alike on every rank",
+                      ranks=ranks)
 
     @contextlib.contextmanager
     def _unsharded(self, module: torch.nn.Module):
@@ -191,8 +208,28 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 def _signature(args: tuple, kwargs: dict) -> Any:
     flat, spec = pytree.tree_flatten((args, kwargs))
-    return spec, tuple((tuple(x.shape), x.dtype, isinstance(x, DTensor))
+    return spec, tuple((tuple(x.shape), x.dtype, isinstance(x, DTensor), _local(x).device)
                        if isinstance(x, torch.Tensor) else x for x in flat)
+
+
+def _check_devices(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raises an InputError naming the first tensor input (0-d CPU tensors aside: scalars)
+    that does not lie on the device of the module's parameters (the trace would fail inside
+    PyTorch, a mix of devices in one op)."""
+    device = next((_local(p).device for p in module.parameters()), None)
+    if device is None:
+        return
+    for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(x, torch.Tensor):
+            continue
+        here = _local(x).device
+        if here != device and not (x.dim() == 0 and here.type == "cpu"):
+            (_, *keys) = path  # (args, kwargs) first, then the position or the keyword
+            where = pytree.keystr(tuple(keys))
+            name = f"argument {where}" if path[0].idx == 0 else f"input {where}"
+            raise InputError(f"{type(module).__name__}: {name} is on {here}, the model's "
+                             f"parameters on {device}: move the inputs there first "
+                             f"(x.to({str(device)!r}))")
 
 
 def _global(tree: Any) -> Any:
