@@ -50,6 +50,7 @@ class _LayeredFunction(FusionFunction):
         if layers_of(d.backward) is None:
             register_derivation(self.fusion, d.forward, d.backward, d.residuals, d.gradients,
                                 len(d.cotangents))
+        compiled.derives_partials = False  # its layers are the whole backward's
         return compiled
 
 

@@ -243,6 +243,9 @@ class _Compiled:
         self._backward: FusionRunner | None = None
         # zero cotangents' positions -> the backward without them (None: none derived)
         self._partial: dict[frozenset[int], tuple[PartialBackward, FusionRunner] | None] = {}
+        # False: a missing cotangent is made of zeros (a backward that a strategy rewrites,
+        # such as FSDP's layered one, which knows only the whole backward)
+        self.derives_partials = True
         # host time of the autograd node's forward and backward, their programs included
         self.node_forward, self.node_backward = PathTime(), PathTime()
         # What every call of the node reads of the derivation, found once:
@@ -305,7 +308,7 @@ class _Compiled:
         derived at its first use (None: it cannot be; see
         :func:`~meshfuse.autodiff.derivation.zero_cotangents`)."""
         if zero not in self._partial:
-            partial = zero_cotangents(self.derivation, zero)
+            partial = zero_cotangents(self.derivation, zero) if self.derives_partials else None
             self._partial[zero] = None if partial is None else \
                 (partial, FusionRunner(partial.backward))
         return self._partial[zero]
