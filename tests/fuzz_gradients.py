@@ -4,8 +4,9 @@ autograd (see ``test_fuzz_autodiff.py``).
 A program (``fuzz_programs.generate`` with ``Features.differentiable``) runs through
 ``fd.as_autograd_function()`` on this rank's shards, its floating-point inputs requiring
 grad. Its outputs are compared with torch's as ``fuzz_runner.run_program`` compares them;
-then each differentiable output gets a random global cotangent (the same on every rank),
-this rank's shard of it flows back through the derived backward, and each input's
+then each differentiable output gets a random global cotangent (the same on every rank;
+where there are several, some get none: :func:`dropped_outputs`, whose backward is derived
+without them), this rank's shard of it flows back through the derived backward, and each input's
 gradient must be this rank's shard of ``torch.autograd.grad`` of the torch code on the
 global tensors, with the same cotangents. A rank outside an output's mesh gets an empty
 output; its cotangent is empty too, and it runs the backward with the others.
@@ -18,6 +19,7 @@ call derives the backward, the second runs the cached one), both compared.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import torch
@@ -36,8 +38,9 @@ leaves = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
 with torch.enable_grad():
     refs = reference.__wrapped__(*leaves)  # reference() without its no_grad
 cgen = torch.Generator().manual_seed(COTANGENT_SEED)
-carried = [j for j, r in enumerate(refs) if r.requires_grad]
-cots = [torch.randn(refs[j].shape, generator=cgen) for j in carried]
+drawn = {j: torch.randn(r.shape, generator=cgen) for j, r in enumerate(refs) if r.requires_grad}
+carried = [j for j in drawn if j not in DROPPED]  # outputs without a gradient: none
+cots = [drawn[j] for j in carried]
 mine = [meshfuse.shard_tensor(ct, fd.fusion.outputs()[j], rank)
         if compiled[fd.fusion.outputs()[j]].mesh is None
         or rank in compiled[fd.fusion.outputs()[j]].mesh else torch.zeros_like(outs[j])
@@ -69,9 +72,25 @@ def run_gradients(program: Program, rank: int, device: torch.device) -> Outcome:
     return _run(program, rank, device)
 
 
+def dropped_outputs(program: Program, differentiable: list[int]) -> set[int]:
+    """The outputs among ``differentiable`` (positions) that get no cotangent: where there
+    are several, each is left out with probability 1/3, one at least kept (the backward
+    is then derived without their cotangents, as for the logits a language model returns
+    beside its loss)."""
+    if len(differentiable) < 2:
+        return set()
+    draw = random.Random(program.seed + 2)
+    dropped = {j for j in differentiable if draw.random() < 1 / 3}
+    return dropped - {differentiable[0]} if dropped == set(differentiable) else dropped
+
+
 def _run(program: Program, rank: int, device: torch.device) -> Outcome:
     check = GRADIENT_CHECK.replace("COTANGENT_SEED", str(cotangent_seed(program)))
     try:
+        _, expected = reference(program, grad=True)
+        dropped = dropped_outputs(program, [j for j, e in enumerate(expected)
+                                            if e.requires_grad])
+        check = check.replace("DROPPED", repr(sorted(dropped)))
         fd, _ = build(program)
         function = fd.as_autograd_function()
         failures = []
@@ -93,6 +112,8 @@ def _check_call(program: Program, fd, function, rank: int, device: torch.device)
     gen = torch.Generator().manual_seed(cotangent_seed(program))
     cotangents = [torch.randn(e.shape, generator=gen) if e.requires_grad else None
                   for e in expected]
+    dropped = dropped_outputs(program, [j for j, c in enumerate(cotangents) if c is not None])
+    cotangents = [None if j in dropped else c for j, c in enumerate(cotangents)]
     return check_gradients(fd, function, inputs, expected, cotangents, rank, device,
                            lambda ref: tolerance(program, ref))
 
