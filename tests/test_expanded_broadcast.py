@@ -138,3 +138,37 @@ def test_triangle_update_sharded_on_rows_and_columns(multidevice_test):
     torch.testing.assert_close(out.cpu(), multidevice_test.shard_tensor(
         expected, fd.fusion.outputs()[0]).cpu(), rtol=1e-5, atol=1e-5)
     assert (len(comms) > 0) == (d > 1)  # the contraction over k needs other ranks' rows
+
+
+@pytest.mark.parametrize("extents", ["static", "symbolic"])
+def test_broadcast_keeping_an_expanded_axis_keeps_its_extent(multidevice_test, extents):
+    """``broadcast_in_dim`` with ``-1`` (keep) on an input axis that is an expanded broadcast
+    keeps its extent: it made it 1, so the gradient of ``matmul(a, b).sum(0).sum(1)`` (the
+    second sum's gradient expands the first's over b's columns, the first's keeps that
+    axis) reached the matmul's gradient with a contracted extent of 1 and was refused
+    (gradient fuzzer, heads seed 156 at 3 ranks). b's columns sharded, 7 of them (not
+    dividing 2 or 4 ranks); gradients against torch's."""
+    with FusionDefinition() as fd:
+        shape = (lambda s: [-1] * len(s)) if extents == "symbolic" else list
+        a = fd.define_tensor(shape([4, 5, 6]), dtype=DataType.Double)
+        b = fd.define_tensor(shape([4, 6, 7]), dtype=DataType.Double)
+        total = fd.ops.sum(fd.ops.sum(fd.ops.matmul(a, b), dims=[0]), dims=[1])
+        fd.add_output(total)
+    with FusionDefinition() as probe:  # the rule itself
+        x = probe.define_tensor([3], dtype=DataType.Float)
+        y = probe.ops.broadcast_in_dim(x, shape=[3, 5], broadcast_dims=[0])
+        z = probe.ops.broadcast_in_dim(y, shape=[2, -1, -1], broadcast_dims=[1, 2])
+    assert [i.extent for i in z.materialized()] == [2, 3, 5]
+    mesh = mesh_1d(multidevice_test)
+    shard(b, 2, mesh)
+    a.set_device_mesh(mesh)
+    rank = multidevice_test.rank
+    glob = [torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 6, 7, dtype=torch.float64)]
+    local = [meshfuse.shard_tensor(t, tv, rank).requires_grad_() for t, tv in zip(glob, (a, b))]
+    (out,) = fd.as_autograd_function()(local)
+    cotangent = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out.backward(cotangent)
+    leaves = [t.clone().requires_grad_() for t in glob]
+    torch.matmul(*leaves).sum(0).sum(1).backward(cotangent)
+    for got, ref, tv in zip(local, leaves, (a, b)):
+        torch.testing.assert_close(got.grad, meshfuse.shard_tensor(ref.grad, tv, rank))

@@ -453,6 +453,10 @@ SEEDS: dict[str, Seed] = {
         7, 4, "untyped: see the case", features=HEADS),
     "linear_with_leading_weight_axes_over_an_expanded_broadcast-617": Seed(
         617, 2, "refused: see the case", features=HEADS),
+    "broadcast_keeping_an_expanded_axis_keeps_its_extent-156": Seed(
+        156, 3, "refused: 'matmul: contracted extents differ: axis 2 of the first operand has "
+        "1, axis 1 of the second has 6' (tests/test_expanded_broadcast.py has its case)",
+        features=dataclasses.replace(HEADS, indexing=True, symbolic=True)),
     "take_along_axis_gradient_through_a_broadcast-4": Seed(
         4, 1, "untyped: 'IndexError: tuple index out of range' in _held_rows: the backward "
         "of take_along_axis(x, index, 0) under broadcast_in_dim, whose gradient (a sum over "

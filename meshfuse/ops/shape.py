@@ -64,8 +64,11 @@ def broadcast_to(op: str, x, shape, broadcast_dims) -> list[OutSpec]:
         a = dims.index(out_axis)
         in_extent = x.shape[a]
         if x.is_broadcast(a):
-            kind = IterType.Broadcast if extent in (1, -1) else IterType.Iteration
-            axes.append(AxisSpec(abs(extent), kind, ((0, a),) if extent in (1, -1) else ()))
+            if extent == -1:  # kept as it is: an expanded broadcast keeps its extent
+                axes.append(AxisSpec(in_extent or 1, IterType.Broadcast, ((0, a),)))
+                continue
+            kind = IterType.Broadcast if extent == 1 else IterType.Iteration
+            axes.append(AxisSpec(extent, kind, ((0, a),) if extent == 1 else ()))
         else:
             if in_extent is not None and extent not in (-1, in_extent):
                 raise DefinitionError(
