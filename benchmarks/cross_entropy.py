@@ -14,6 +14,9 @@ Logits ``[tokens, vocab]`` in bfloat16 that require grad, int64 targets (a few i
   with ``compile=True`` (fused segments by Inductor). Both run the fused op
   ``cross_entropy_fwd`` (one Triton kernel writes the loss and the gradient; the backward's
   ``cross_entropy_bwd`` sees a cotangent of 1.0 and returns the gradient as it is);
+- ``meshfuse_captured`` (CUDA): ``meshfuse``'s step under ``meshfuse.capture_step``, one
+  CUDA graph per step, reading the logits in place (as a captured training step reads its
+  head's): the fusion's cost without the host's;
 - ``kernel`` (CUDA): the same two Triton kernels called directly
   (``meshfuse.ops.cross_entropy.kernels``), without the fusion around them: what the
   framework adds is ``meshfuse`` less this; ``kernel_two_pass`` forces the two reads of a
@@ -92,6 +95,28 @@ def _meshfuse_step(tokens: int, vocab: int, compile: bool) -> Callable:
     return step
 
 
+def _meshfuse_captured_step(tokens: int, vocab: int) -> Callable:
+    """``meshfuse``'s step under ``meshfuse.capture_step``: forward and backward replayed as
+    one CUDA graph (no Python, no autograd engine per step), reading the logits where they
+    lie, as a captured training step reads the logits its head made in the same graph (the
+    logits are not one of its arguments, which it would copy in); its results are the
+    graph's, valid until the next step. Bound to the first call's tensors."""
+    import meshfuse
+
+    inner = _meshfuse_step(tokens, vocab, compile=False)
+    bound: dict = {}
+
+    def step(x, t):
+        if not bound:
+            bound["inputs"] = (x, t)
+            bound["step"] = meshfuse.capture_step(lambda: inner(x, t), copy_outputs=False)
+        if bound["inputs"][0] is not x or bound["inputs"][1] is not t:
+            raise ValueError("meshfuse_captured reads the logits of its first call")
+        return bound["step"]()
+    step.function = inner.function
+    return step
+
+
 def _kernel_step(one_block_max: int) -> Callable:
     def step(x, t):
         count = (t != IGNORE).sum().float()
@@ -115,6 +140,7 @@ def variants(tokens: int, vocab: int, device) -> dict[str, Callable]:
         "meshfuse_compiled": _meshfuse_step(tokens, vocab, compile=True),
     }
     if device.type == "cuda":
+        steps["meshfuse_captured"] = _meshfuse_captured_step(tokens, vocab)
         steps["kernel"] = _kernel_step(kernels.ONE_BLOCK_MAX)
         steps["kernel_two_pass"] = _kernel_step(0)
     return steps
