@@ -69,6 +69,11 @@ def _time_steps(model, optimizer, step_inputs, steps: int, device, trace=None) -
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # what the peaks below include that is not this variant's: the base model (kept to
+        # copy the other variants from), the batch, and with --interleaved the variants
+        # built before, kept alive
+        at_start = {"allocated_at_start_gib": torch.cuda.memory_allocated() / 2**30,
+                    "reserved_at_start_gib": torch.cuda.memory_reserved() / 2**30}
     times, losses = [], []
     for i in range(steps + 1):
         if trace is not None:
@@ -87,6 +92,7 @@ def _time_steps(model, optimizer, step_inputs, steps: int, device, trace=None) -
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         # what the process took from the device: graph pools' intermediates included
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        result.update(at_start)
     return result
 
 
