@@ -13,7 +13,8 @@ outcome (``replayed``, ``captured``, ``interpreted``) and, where it did not repl
 it had, why: the graph's own previous outputs still held (which of them), or a *blocker*'s
 (a graph captured later into the shared pool, whose outputs lie in memory this graph's
 replay writes: :mod:`meshfuse.runtime.replay.pools`), or new input addresses (which
-positions moved, and whether the new address is a live graph's output).
+positions differ from the nearest captured set, and whether the new address is a live
+graph's output).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class ReplayTrace:
         self.events: list[dict] = []
         self._labels: dict[int, str] = {}  # id(AutoReplay) -> label
         self._graph_labels: dict[int, str] = {}  # id(_Graph) -> label
-        self._last_key: dict[int, tuple] = {}
         self._saved: tuple | None = None
 
     def _label(self, replay, donating: bool) -> str:
@@ -85,7 +85,7 @@ class ReplayTrace:
             return run(replay, inputs, staged, donating)
         key, _, _, graphs = replay._find(inputs, staged)
         detail: dict[str, Any] = {}
-        if graphs is None:
+        if graphs is None:  # a set of input addresses no graph was captured for
             detail["moved"] = self._moved(replay, key, inputs)
         else:
             detail["graphs"] = [self._state(g) for g in graphs]
@@ -93,7 +93,6 @@ class ReplayTrace:
         outputs = run(replay, inputs, staged, donating)
         outcome = "interpreted" if outputs is None else \
             "captured" if replay.graphs > before else "replayed"
-        self._last_key[id(replay)] = key
         self.events.append({"step": self.step, "program": label, "outcome": outcome,
                             **detail})
         return outputs
@@ -105,17 +104,22 @@ class ReplayTrace:
                                   if b is not None and _held(b)}}
 
     def _moved(self, replay, key: tuple, inputs) -> list[str]:
-        last = self._last_key.get(id(replay))
-        if last is None or len(last) != len(key):
-            return ["first call"]
+        """How this call's key differs from the nearest key a graph of ``replay`` was
+        captured for (a stack's layers share one: the nearest is this layer's own): the
+        inputs at other addresses, and whether each now lies at a live graph's output."""
+        n = len(inputs)
+        captured = [k for k in replay._graphs if len(k) == len(key)]
+        if not captured:
+            return ["no graph captured yet"]
+        nearest = min(captured, key=lambda k: sum(a != b for a, b in zip(k[:n], key[:n])))
         moved = []
-        for i, (a, b) in enumerate(zip(last[:len(inputs)], key[:len(inputs)])):
+        for i, (a, b) in enumerate(zip(nearest[:n], key[:n])):
             if a != b:
                 where = "a graph's output" if isinstance(b, int) and \
                     b in automatic._GRAPH_OUTPUTS else "elsewhere"
                 shape = tuple(inputs[i].shape) if isinstance(inputs[i], torch.Tensor) else ""
-                moved.append(f"input {i} {shape} to {where}")
-        return moved or ["same addresses, other key values"]
+                moved.append(f"input {i} {shape} moved to {where}")
+        return moved or ["same addresses, other key values (copied inputs, deterministic mode)"]
 
     def report(self, from_step: int = 2, limit: int = 60) -> list[str]:
         """Per step: how many calls replayed, captured, interpreted; then the calls from
