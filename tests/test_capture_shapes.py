@@ -162,3 +162,38 @@ def test_an_input_on_another_device_is_named_on_every_rank(multidevice_test, ran
                        match=rf"input \['input_ids'\] is on meta, the model's parameters on "
                              rf"{here}: move the inputs there first"):
         model(input_ids=given, labels=given)
+
+
+def test_folded_constants_enter_fusions_as_one_dtensor_until_they_change(multidevice_test):
+    """The rotary tables and masks that every layer reads are folded constants: each enters
+    the layers' fusions as one replicated DTensor, made once, not two per layer and step;
+    when a buffer they are folded from changes (``inv_freq`` scaled in place, as a context
+    extension would), they are folded again and the new values reach the fusions. Losses
+    equal the unmodified module's."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    model = meshfuse.parallelize(copy.deepcopy(reference),
+                                 DeviceMesh(range(multidevice_test.size)), _megatron_sp())
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    here = ids.to(next(model.parameters()).to_local().device)
+
+    def loss_of(out):
+        return (out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss).cpu()
+
+    for _ in range(2):
+        torch.testing.assert_close(loss_of(model(input_ids=here, labels=here)),
+                                   reference(input_ids=ids, labels=ids).loss)
+    program = model._meshfuse.last
+    first = {name: kept[2] for name, kept in program._replicas.items()}
+    assert first  # the layers' rotary tables, at least
+    model(input_ids=here, labels=here)
+    assert all(program._replicas[name][2] is d for name, d in first.items())
+    for m in (model, reference):
+        m.model.rotary_emb.inv_freq.mul_(0.5)
+    torch.testing.assert_close(loss_of(model(input_ids=here, labels=here)),
+                               reference(input_ids=ids, labels=ids).loss)
+    assert any(program._replicas[name][2] is not d for name, d in first.items())

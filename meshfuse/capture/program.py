@@ -62,6 +62,8 @@ class Program:
         # segments of that key (identical layers) whose inputs lie alike.
         self.built: dict[tuple, tuple[BuiltSegment, Any]] = {}
         self.ran: dict[int, tuple] = {}  # segment index -> the (key, layouts) it ran
+        # folded constant (node name) -> (its tensor, version, the replicated DTensor on it)
+        self._replicas: dict[str, tuple[torch.Tensor, int, DTensor]] = {}
 
     def _fold(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The folded values, recomputed when a buffer changed since the last fold."""
@@ -91,7 +93,7 @@ class Program:
         return [_returned(env[a.name]) if isinstance(a, Node) else a for a in output.args[0]]
 
     def _run_segment(self, segment: Segment, env: dict[str, Any]) -> None:
-        values = [self._dtensor(env[n.name]) for n in segment.inputs]
+        values = [self._dtensor(env[n.name], n.name) for n in segment.inputs]
         layouts = tuple((x.device_mesh, x.placements) if isinstance(x, DTensor) else None
                         for x in values)
         found = (self.keys[segment.index], layouts)
@@ -152,18 +154,26 @@ class Program:
                                              lambda a: _whole(env[a.name]))
         env[node.name] = node.target(*args, **kwargs)
 
-    def _dtensor(self, x: Any) -> Any:
-        """A fusion input: a DTensor, row-major as the fusion declares its inputs (a break's
-        output may be a strided view)."""
+    def _dtensor(self, x: Any, name: str) -> Any:
+        """A fusion input (the value of node ``name``): a DTensor, row-major as the fusion
+        declares its inputs (a break's output may be a strided view). A folded constant's
+        replicated DTensor is made once while the constant stays (the rotary tables and the
+        masks every layer reads: two DTensors per layer and step otherwise)."""
         if not isinstance(x, torch.Tensor):
             return x
         if not isinstance(x, DTensor):
-            return DTensor.from_local(x.contiguous(), self.mesh,
-                                      [Replicate()] * self.mesh.ndim, run_check=False)
-        local = x.to_local()
-        if local.is_contiguous():
+            kept = self._replicas.get(name)
+            if kept is not None and kept[0] is x and kept[1] == x._version:
+                return kept[2]
+            replica = DTensor.from_local(x.contiguous(), self.mesh,
+                                         [Replicate()] * self.mesh.ndim, run_check=False)
+            if (name in self.constants or name in self.captured.constants) and \
+                    not x.requires_grad and x.is_contiguous():
+                self._replicas[name] = (x, x._version, replica)
+            return replica
+        if x._local_tensor.is_contiguous():  # read without to_local's autograd node
             return x
-        return DTensor.from_local(local.contiguous(), x.device_mesh, x.placements,
+        return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements,
                                   run_check=False, shape=x.shape, stride=x.stride())
 
 
