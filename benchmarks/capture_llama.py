@@ -8,7 +8,12 @@ backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`
 
 Reports per variant: the first step's time (capture + build + run: for torch.compile its
 compile time), then the median step time over ``--steps`` and tokens/s, and the peak memory
-of the variant's steps (CUDA); with ``--interleaved``, every variant is kept and timed again
+of the variant's steps (CUDA): allocated, and reserved (what the process took from the
+device: CUDA graph pools' intermediates count there only), with what was allocated and
+reserved at the variant's start (the base model, the batch, and with ``--interleaved`` the
+variants kept alive, which the peaks include); ``--trace``: why each of meshfuse's calls
+replayed, captured or ran the interpreter, step by step (:mod:`benchmarks.replay_trace`);
+with ``--interleaved``, every variant is kept and timed again
 in rounds of one step of each (the order rotating; ``interleaved_*``), so that the GPU's
 changing clocks weigh on all alike; for meshfuse, what each fusion's calls did (``calls``:
 CUDA-graph replay, fused segments, host time per call, from

@@ -17,7 +17,8 @@ key/value heads, SwiGLU 8192, an untied vocabulary of 32,000: 1.10B parameters),
 
 Each variant is built and warmed up (compilation), then its peak memory is taken over two
 steps (CUDA: the most allocated then, less what was allocated before it was built; the
-variants built before it stay alive). Then all are timed *interleaved*: rounds of
+variants built before it stay alive), and the most reserved (what it took from the device,
+CUDA graph pools included, after the earlier variants' cached blocks were released). Then all are timed *interleaved*: rounds of
 ``--steps-per-round`` steps of each variant in turn (CUDA events around each block), the
 order rotating, ``--steps`` steps each in all (the median over rounds), so that the GPU's changing clocks weigh on all alike (timed
 one after the other, the same program's ratio moved from 1.31x to 0.94x within half an
