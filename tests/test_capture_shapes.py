@@ -26,6 +26,15 @@ pytestmark = pytest.mark.mpi
 VOCAB = 128
 
 
+def _config(layers: int, kv_heads: int = 2):
+    """A small Llama's configuration; the random weights drawn after it are seeded."""
+    torch.manual_seed(0)
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+        use_cache=False)
+
+
 def _megatron_sp() -> dict:
     """Megatron's TP+SP layout (as tests/test_capture_models.py's)."""
     seq = Shard(1)
@@ -39,11 +48,7 @@ def _megatron_sp() -> dict:
 
 
 def test_new_batch_and_sequence_lengths_capture_once_each(multidevice_test):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False)
-    torch.manual_seed(0)
+    config = _config(2)
     reference = transformers.LlamaForCausalLM(config)
     model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
         range(multidevice_test.size)), _megatron_sp())
@@ -76,11 +81,7 @@ def test_hf_plan_with_a_vocab_parallel_head_computes_the_loss_without_gathering_
     over the vocabulary, as DTensor's ``loss_parallel`` wants): cross entropy runs
     loss-parallel (3 allreduces of one value per token), no all-gather of logits; the
     logits come back as a vocabulary-sharded DTensor."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        use_cache=False)
-    torch.manual_seed(0)
+    config = _config(2, kv_heads=4)
     reference = transformers.LlamaForCausalLM(config)
     plan = {**reference.tp_plan, "lm_head": "colwise"}
     size = multidevice_test.size
@@ -122,11 +123,7 @@ def test_an_input_shaped_otherwise_on_one_rank_is_an_error_on_every_rank(multide
     collective error)."""
     if multidevice_test.size < 2:
         pytest.skip("needs two ranks")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False)
-    torch.manual_seed(0)
+    config = _config(1)
     model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
                                  DeviceMesh(range(multidevice_test.size)), _megatron_sp())
     seq = 6 if multidevice_test.rank == 1 else 8
@@ -147,11 +144,7 @@ def test_an_input_on_another_device_is_named_on_every_rank(multidevice_test, ran
     raises a typed error naming the argument and the parameters' device (the trace failed
     inside PyTorch, with advice about caches; a rank alone in error left the others waiting
     in the program's first collective)."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False)
-    torch.manual_seed(0)
+    config = _config(1)
     model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
                                  DeviceMesh(range(multidevice_test.size)), _megatron_sp())
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -159,7 +152,7 @@ def test_an_input_on_another_device_is_named_on_every_rank(multidevice_test, ran
     here = next(model.parameters()).to_local().device
     given = ids.to("meta") if wrong else ids.to(here)
     with pytest.raises(meshfuse.InputError,
-                       match=rf"input \['input_ids'\] is on meta, the model's parameters on "
+                       match=rf"input_ids is on meta, the model's parameters on "
                              rf"{here}: move the inputs there first"):
         model(input_ids=given, labels=given)
 
@@ -170,11 +163,7 @@ def test_folded_constants_enter_fusions_as_one_dtensor_until_they_change(multide
     when a buffer they are folded from changes (``inv_freq`` scaled in place, as a context
     extension would), they are folded again and the new values reach the fusions. Losses
     equal the unmodified module's."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False)
-    torch.manual_seed(0)
+    config = _config(2)
     reference = transformers.LlamaForCausalLM(config)
     model = meshfuse.parallelize(copy.deepcopy(reference),
                                  DeviceMesh(range(multidevice_test.size)), _megatron_sp())

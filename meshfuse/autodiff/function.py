@@ -292,16 +292,23 @@ class _Compiled:
         """The forward (the user's outputs, then the residuals) on ``inputs``."""
         return self.derivation.forward_runner.execute(inputs, compile=self.compile)
 
-    def run_backward(self, inputs: list) -> list[torch.Tensor]:
-        """The backward on ``inputs``, a list it empties (each value is freed after its
-        last use). The cotangents are staged: a replayed backward copies those that autograd
-        made at new addresses into its graph's buffers rather than keying on them, and
-        reads in place those that lie at a graph's output (the residuals' addresses are
-        those of the forward's outputs, stable: see ``AutoReplay.run``)."""
-        if self._backward is None:
-            self._backward = FusionRunner(self.derivation.backward)
-        return self._backward.execute(inputs, donate=True, compile=self.compile,
-                                      staged=range(len(self.derivation.cotangents)))
+    def run_backward(self, inputs: list,
+                     partial: tuple[PartialBackward, FusionRunner] | None = None
+                     ) -> list[torch.Tensor]:
+        """The backward (or the ``partial`` one, see :meth:`partial_backward`) on
+        ``inputs``, a list it empties (each value is freed after its last use). The
+        cotangents are staged: a replayed backward copies those that autograd made at new
+        addresses into its graph's buffers rather than keying on them, and reads in place
+        those that lie at a graph's output (the residuals' addresses are those of the
+        forward's outputs, stable: see ``AutoReplay.run``)."""
+        if partial is not None:
+            runner, cotangents = partial[1], len(partial[0].cotangents)
+        else:
+            if self._backward is None:
+                self._backward = FusionRunner(self.derivation.backward)
+            runner, cotangents = self._backward, len(self.derivation.cotangents)
+        return runner.execute(inputs, donate=True, compile=self.compile,
+                              staged=range(cotangents))
 
     def partial_backward(self, zero: frozenset[int]) -> tuple[PartialBackward, FusionRunner] | None:
         """The backward without the cotangents at positions ``zero`` and its runner,
@@ -374,23 +381,17 @@ class _FusionAutograd(torch.autograd.Function):
         # logits returned beside it) run the backward derived without their cotangents.
         zero = frozenset(k for k, j in enumerate(d.cotangents) if cotangents[j] is None)
         partial = ctx.compiled.partial_backward(zero) if zero else None
-        gradients = d.gradients
+        # Else every cotangent came, or zeros of the outputs' sizes stand for those missing.
+        taken = range(len(d.cotangents)) if partial is None else partial[0].cotangents
+        gradients = d.gradients if partial is None else partial[0].gradients
         if partial is not None:
-            backward, _ = partial
-            gradients = backward.gradients
-            laid_out = [_laid_out(cotangents[d.cotangents[k]], *ctx.layouts[d.cotangents[k]])
-                        for k in backward.cotangents]
-            residuals = [residuals[r] for r in backward.residuals]
-        else:  # every cotangent came, or zeros of the outputs' sizes stand for those missing
-            laid_out = [_laid_out(cotangents[j], *ctx.layouts[j]) for j in d.cotangents]
+            residuals = [residuals[r] for r in partial[0].residuals]
+        laid_out = [_laid_out(cotangents[d.cotangents[k]], *ctx.layouts[d.cotangents[k]])
+                    for k in taken]
         needed = any(i is not None for i in gradients)
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
-        grads = []
-        if needed:
-            grads = ctx.compiled.run_backward(inputs) if partial is None else \
-                partial[1].execute(inputs, donate=True, compile=ctx.compiled.compile,
-                                   staged=range(len(partial[0].cotangents)))
+        grads = ctx.compiled.run_backward(inputs, partial) if needed else []
         ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
                                     for i, absent in zip(gradients, ctx.absent)))

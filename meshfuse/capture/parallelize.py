@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
-from meshfuse.capture.program import Program
+from meshfuse.capture.program import Program, argument_name
 from meshfuse.capture.report import explain_program
 from meshfuse.capture.sharded import batch_placements, fully_shard_plan, split_batch
 from meshfuse.capture.trace import Captured, capture, flatten_call
@@ -224,12 +224,9 @@ def _check_devices(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             continue
         here = _local(x).device
         if here != device and not (x.dim() == 0 and here.type == "cpu"):
-            (_, *keys) = path  # (args, kwargs) first, then the position or the keyword
-            where = pytree.keystr(tuple(keys))
-            name = f"argument {where}" if path[0].idx == 0 else f"input {where}"
-            raise InputError(f"{type(module).__name__}: {name} is on {here}, the model's "
-                             f"parameters on {device}: move the inputs there first "
-                             f"(x.to({str(device)!r}))")
+            raise InputError(f"{type(module).__name__}: {argument_name(path)} is on {here}, "
+                             f"the model's parameters on {device}: move the inputs there "
+                             f"first (x.to({str(device)!r}))")
 
 
 def _global(tree: Any) -> Any:

@@ -28,7 +28,7 @@ from meshfuse.capture.trace import Captured
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import GraphBreakError, InputError
 
-__all__ = ["GraphBreakWarning", "Program"]
+__all__ = ["GraphBreakWarning", "Program", "argument_name"]
 
 
 class GraphBreakWarning(UserWarning):
@@ -128,15 +128,8 @@ class Program:
         ``batch['ids']``), from how the call's ``(args, kwargs)`` flattened."""
         c = self.captured
         numbered = pytree.tree_unflatten(list(range(len(c.user_inputs))), c.in_spec)
-        paths = {}
-        for path, index in pytree.tree_flatten_with_path(numbered)[0]:
-            args_or_kwargs, *rest = path
-            keyword = getattr(rest[0], "key", None) if rest else None
-            if getattr(args_or_kwargs, "idx", 0) == 1 and isinstance(keyword, str):
-                paths[c.user_inputs[index]] = keyword + pytree.keystr(tuple(rest[1:]))
-            else:  # a positional argument, or a path into one
-                paths[c.user_inputs[index]] = f"argument {pytree.keystr(tuple(rest))}"
-        return paths
+        return {c.user_inputs[index]: argument_name(path)
+                for path, index in pytree.tree_flatten_with_path(numbered)[0]}
 
     def _batch(self, segment: Segment, layouts: tuple) -> frozenset[int]:
         """The inputs of ``segment`` (not parameters) whose first axis is split over the
@@ -175,6 +168,17 @@ class Program:
             return x
         return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements,
                                   run_check=False, shape=x.shape, stride=x.stride())
+
+
+def argument_name(path: tuple) -> str:
+    """The model argument a pytree ``path`` into a call's ``(args, kwargs)`` leads to:
+    ``input_ids`` (a keyword, or a path into one: ``batch['ids']``), else ``argument [0]``
+    (a positional argument, or a path into one)."""
+    args_or_kwargs, *rest = path
+    keyword = getattr(rest[0], "key", None) if rest else None
+    if getattr(args_or_kwargs, "idx", 0) == 1 and isinstance(keyword, str):
+        return keyword + pytree.keystr(tuple(rest[1:]))
+    return f"argument {pytree.keystr(tuple(rest))}"
 
 
 def _whole(x: Any) -> Any:
