@@ -61,11 +61,11 @@ class ReplayTrace:
         self._saved = (run, captured)
         trace = self
 
-        def traced_run(replay, inputs, staged=(), donating=False):
-            return trace._run(run, replay, inputs, staged, donating)
+        def traced_run(replay, inputs, staged=(), donating=False, overwrite=()):
+            return trace._run(run, replay, inputs, staged, donating, overwrite)
 
-        def traced_captured(replay, inputs, staged, kind):
-            graph = captured(replay, inputs, staged, kind)
+        def traced_captured(replay, inputs, staged, kind, overwrite=frozenset()):
+            graph = captured(replay, inputs, staged, kind, overwrite)
             if graph is not None:
                 n = sum(1 for k in trace._graph_labels.values()
                         if k.startswith(trace._labels.get(id(replay), "?") + "#"))
@@ -79,18 +79,18 @@ class ReplayTrace:
     def __exit__(self, *exc) -> None:
         automatic.AutoReplay.run, automatic.AutoReplay._captured = self._saved
 
-    def _run(self, run, replay, inputs, staged, donating):
+    def _run(self, run, replay, inputs, staged, donating, overwrite):
         label = self._label(replay, donating)
         if replay.reason is not None or automatic._PAUSED[0]:
-            return run(replay, inputs, staged, donating)
-        key, _, _, graphs = replay._find(inputs, staged)
+            return run(replay, inputs, staged, donating, overwrite)
+        key, _, _, graphs = replay._find(inputs, staged, overwrite)
         detail: dict[str, Any] = {}
         if graphs is None:  # a set of input addresses no graph was captured for
             detail["moved"] = self._moved(replay, key, inputs)
         else:
             detail["graphs"] = [self._state(g) for g in graphs]
         before = replay.graphs
-        outputs = run(replay, inputs, staged, donating)
+        outputs = run(replay, inputs, staged, donating, overwrite)
         outcome = "interpreted" if outputs is None else \
             "captured" if replay.graphs > before else "replayed"
         self.events.append({"step": self.step, "program": label, "outcome": outcome,

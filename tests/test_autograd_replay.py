@@ -27,6 +27,7 @@ from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.runtime.replay import pools
 from meshfuse.runtime.replay.automatic import AutoReplay
+from meshfuse.runtime.replay.graphs import into_inputs
 
 T, H, FFN = 6, 4, 8
 
@@ -51,7 +52,10 @@ class AddressGraph:
         # addresses and layouts only; a Python scalar is part of the graph
         self.inputs = [(x.data_ptr(), torch.empty_strided(x.shape, x.stride(), dtype=x.dtype))
                        if isinstance(x, torch.Tensor) else x for x in inputs]
-        self.outputs = outputs
+        # an output in an input's memory (into_inputs) is written there, not held
+        given = {x.untyped_storage()._cdata for x in inputs if isinstance(x, torch.Tensor)}
+        self.outputs = [_at(o.data_ptr(), o) if o.untyped_storage()._cdata in given else o
+                        for o in outputs]
 
     def replay(self):
         AddressGraph.replays += 1
@@ -61,8 +65,12 @@ class AddressGraph:
                 out.copy_(new)
 
 
-def _capture(program, inputs, generators=(), pool=None):
-    outputs = program.run(list(inputs))
+def _capture(program, inputs, generators=(), pool=None, overwrite=()):
+    # a capture runs nothing: the inputs it gives outputs are written by the replays only
+    kept = {i: inputs[i].clone() for i in overwrite}
+    outputs = into_inputs(program.run(list(inputs)), inputs, overwrite)
+    for i, value in kept.items():
+        inputs[i].copy_(value)
     return AddressGraph(program, inputs, outputs), outputs, 0, ()
 
 
@@ -232,6 +240,54 @@ def test_a_stacks_backwards_read_their_cotangents_in_place(fake_cuda):
     assert sorted(len(g._buffers) for g in graphs) == [0] * (layers - 1) + [1]
     (replay,) = backward._replays.values()
     assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
+
+
+def test_a_stacks_input_gradient_goes_from_layer_to_layer_in_one_buffer(fake_cuda):
+    """A layer's cotangent, which autograd hands to its backward alone, gives its memory to
+    the layer's input gradient (its graph copies it there): every backward graph but the
+    top one's (whose cotangent is copied into a buffer of its own) returns it in its input
+    cotangent's memory, which is the top graph's output, and holds no memory for it. Values
+    are PyTorch's at every step (``_train_stack``)."""
+    layers = 4
+    function = _mlp()[0].as_autograd_function()
+    _train_stack(function, layers, steps=4)
+    _, backward = _runners(function)
+    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
+              for g in gs]
+    in_place = [g for g in graphs if not g._buffers]
+    assert len(graphs) == layers and len(in_place) == layers - 1
+    # output 0 (the input x's gradient) is a view of input 0 (the cotangent)
+    assert all(g._views.get(0, (None,))[0] == 0 for g in in_place)
+    (top,) = [g for g in graphs if g._buffers]
+    assert not top._views and top._outputs[0] is not None
+
+
+def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
+    """A gradient a hook keeps (the Python object autograd passes on) and a user's
+    ``grad_outputs`` stay as they were: their backward's graph gives its input gradient
+    memory of its own, and what was kept is PyTorch's value."""
+    layers = 3
+    function = _mlp()[0].as_autograd_function()
+    mine, ref, _, _ = _two_stacks(layers)
+    x = _randn(T, H, seed=3).requires_grad_()
+    for _ in range(4):
+        kept, ref_kept = [], []
+        h, r = x, x
+        for (w1, w2), (r1, r2) in zip(mine, ref):
+            h = function([h, w1, w2])[0]
+            r = _torch_mlp(r, r1, r2)
+            h.register_hook(kept.append)
+            r.register_hook(ref_kept.append)
+        given, ref_given = _randn(T, H, seed=4), _randn(T, H, seed=4)
+        got = torch.autograd.grad(h, x, given)
+        want = torch.autograd.grad(r, x, ref_given)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(kept, ref_kept)
+        torch.testing.assert_close(given, ref_given)
+    _, backward = _runners(function)
+    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
+              for g in gs]
+    assert graphs and not any(g._views for g in graphs)
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
@@ -445,7 +501,7 @@ def test_an_integer_input_a_graph_made_is_read_in_place():
     assert sorted(first._buffers) == [0] and not second._buffers
 
 
-def _capture_reporting_memory(program, inputs, generators=(), pool=None):
+def _capture_reporting_memory(program, inputs, generators=(), pool=None, overwrite=()):
     """As :func:`_capture`, and the memory the capture may write as the strictest shared
     pool would report it: all memory but that of the tensors that existed before (a
     constant the program returns lies outside, as outside a CUDA graph's pool)."""
@@ -457,7 +513,7 @@ def _capture_reporting_memory(program, inputs, generators=(), pool=None):
                 existing.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
             except (RuntimeError, NotImplementedError):  # no memory (meta, fake tensors)
                 pass
-    graph, outputs, grown, _ = _capture(program, inputs)
+    graph, outputs, grown, _ = _capture(program, inputs, overwrite=overwrite)
     written, at = [], 0
     for start, end in sorted(existing):
         if start > at:

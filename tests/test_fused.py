@@ -148,6 +148,29 @@ def test_clustering_keeps_reads_frees_and_communications_in_order():
     assert clustered([exp, mm, step("neg", [0], [1])], set()) == [0, 1, 2]  # %1 defined twice
 
 
+def test_a_lone_pointwise_step_moves_down_to_the_next_segment():
+    """A fusible step between two products (a Llama MLP's ``silu(x @ w1) * (x @ w3)``) moves
+    past the product it does not touch into the next fusible run: one kernel; not when the
+    product reads its result or its input, when it frees a slot (its inputs would live
+    longer), or when a communication lies between."""
+    from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
+    from meshfuse.runtime.interpreter.fused import clustered
+
+    def step(op, reads, outputs, free=()):
+        return Step(op, tuple(Slot(r) for r in reads), {}, tuple(outputs), tuple(free), op)
+
+    gate, silu = step("linear", [0, 1], [2]), step("silu", [2], [3])
+    up, mul = step("linear", [0, 4], [5]), step("mul", [3, 5], [6])
+    assert clustered([gate, silu, up, mul], set()) == [0, 2, 1, 3]
+    assert clustered([gate, silu, step("linear", [3, 4], [5]), mul], set()) == [0, 1, 2, 3]
+    assert clustered([gate, silu, step("linear", [2, 4], [5]), mul], set()) == [0, 1, 2, 3]
+    assert clustered([gate, step("silu", [2], [3], free=[2]), up, mul], set()) == [0, 1, 2, 3]
+    assert clustered([gate, silu, step(RESHARD, [0], [5]), mul], {5}) == [0, 1, 2, 3]
+    assert clustered([gate, silu, step("linear", [7, 4], [5]), mul], {7}) == [0, 1, 2, 3]
+    # a fusible step that nothing fusible follows stays where it is
+    assert clustered([gate, silu, up], set()) == [0, 1, 2]
+
+
 def test_environment_and_option_select_the_compiler(monkeypatch):
     assert compile_setting("0") is None and compile_setting(False) is None
     assert compile_setting("1") == "inductor" and compile_setting(True) == "inductor"

@@ -25,6 +25,7 @@ as a residual and modified in place before the backward is an error, as in PyTor
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.agreement import agreement_ranks
 from meshfuse.runtime.interpreter.host_time import PathTime
+from meshfuse.runtime.replay.automatic import overwritable
 
 
 class FusionFunction:
@@ -167,6 +169,8 @@ class FusionFunction:
         if torch.is_grad_enabled() and any(i is not None for i in compiled.derivation.gradients) \
                 and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             anchor = torch.empty(0, requires_grad=True)
+        if torch.is_grad_enabled() and not _SOLE_REFERENCES:
+            _calibrate_references()
         return list(_FusionAutograd.apply(compiled, self.keep_residuals, anchor, *inputs))
 
     def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
@@ -293,14 +297,17 @@ class _Compiled:
         return self.derivation.forward_runner.execute(inputs, compile=self.compile)
 
     def run_backward(self, inputs: list,
-                     partial: tuple[PartialBackward, FusionRunner] | None = None
-                     ) -> list[torch.Tensor]:
+                     partial: tuple[PartialBackward, FusionRunner] | None = None,
+                     overwrite: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """The backward (or the ``partial`` one, see :meth:`partial_backward`) on
         ``inputs``, a list it empties (each value is freed after its last use). The
         cotangents are staged: a replayed backward copies those that autograd made at new
         addresses into its graph's buffers rather than keying on them, and reads in place
         those that lie at a graph's output (the residuals' addresses are those of the
-        forward's outputs, stable: see ``AutoReplay.run``)."""
+        forward's outputs, stable: see ``AutoReplay.run``); ``overwrite``: the cotangents
+        autograd handed to this node alone, whose memory a replayed backward gives to the
+        gradient laid out alike (a stack's input gradient, passed from layer to layer in
+        one buffer)."""
         if partial is not None:
             runner, cotangents = partial[1], len(partial[0].cotangents)
         else:
@@ -308,7 +315,7 @@ class _Compiled:
                 self._backward = FusionRunner(self.derivation.backward)
             runner, cotangents = self._backward, len(self.derivation.cotangents)
         return runner.execute(inputs, donate=True, compile=self.compile,
-                              staged=range(cotangents))
+                              staged=range(cotangents), overwrite=overwrite)
 
     def partial_backward(self, zero: frozenset[int]) -> tuple[PartialBackward, FusionRunner] | None:
         """The backward without the cotangents at positions ``zero`` and its runner,
@@ -373,6 +380,7 @@ class _FusionAutograd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         start = time.perf_counter_ns()
+        handed_over = _handed_over(cotangents)  # first: the lists below hold them too
         d = ctx.compiled.derivation
         residuals = ctx.residuals.take()
         for i, x in zip(ctx.returned, ctx.saved_tensors):
@@ -389,12 +397,60 @@ class _FusionAutograd(torch.autograd.Function):
         laid_out = [_laid_out(cotangents[d.cotangents[k]], *ctx.layouts[d.cotangents[k]])
                     for k in taken]
         needed = any(i is not None for i in gradients)
+        overwrite = frozenset(n for n, k in enumerate(taken)
+                              if d.cotangents[k] in handed_over)
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
-        grads = ctx.compiled.run_backward(inputs, partial) if needed else []
+        grads = ctx.compiled.run_backward(inputs, partial, overwrite) if needed else []
         ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
                                     for i, absent in zip(gradients, ctx.absent)))
+
+
+def _references(cotangents: tuple) -> list[int]:
+    """The Python references to each of ``cotangents`` (a backward's arguments), counted as
+    :func:`_handed_over` counts them."""
+    return [sys.getrefcount(x) for x in cotangents]
+
+
+# the count _references gives in a backward for a cotangent that autograd made for it alone
+_SOLE_REFERENCES: list[int] = []
+
+
+class _Probe(torch.autograd.Function):
+    """A node whose cotangent is autograd's fresh tensor, passed to it alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        _SOLE_REFERENCES[:] = _references(cotangents)
+        return cotangents[0]
+
+
+def _calibrate_references() -> None:
+    """Counts, once, the Python references a backward sees to a cotangent nobody else holds
+    (the engine's and the call's own: they depend on the Python version)."""
+    x = torch.zeros(2, requires_grad=True)
+    with torch.enable_grad():
+        (_Probe.apply(x) * 2).sum().backward()
+
+
+def _handed_over(cotangents: tuple) -> set[int]:
+    """The positions of the cotangents that autograd handed to this backward alone: no other
+    Python reference (a hook that kept the gradient), no other tensor on their memory (a
+    user's ``grad_outputs``, a gradient that autograd passes to two nodes, a view), but the
+    automatic graph that made them (see
+    :func:`~meshfuse.runtime.replay.automatic.overwritable`). Their memory may take this
+    backward's results."""
+    if not _SOLE_REFERENCES:
+        return set()
+    counts = _references(cotangents)
+    return {j for j, (x, n) in enumerate(zip(cotangents, counts))
+            if n == _SOLE_REFERENCES[0] and isinstance(x, torch.Tensor)
+            and overwritable(x)}
 
 
 class _Residuals:

@@ -23,7 +23,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Self
 
 import torch
@@ -179,7 +179,8 @@ class FusionRunner:
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool | str | None = None, compile: bool | str | None = None,
                 donate: bool = False, timeout: float | None = None,
-                staged: Sequence[int] = ()) -> list[torch.Tensor]:
+                staged: Sequence[int] = (), overwrite: Collection[int] = ()
+                ) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; a call
         replayed from a CUDA graph empties it once the replay is launched, and
@@ -187,14 +188,16 @@ class FusionRunner:
         :meth:`~meshfuse.runtime.comm.communicator.Communicator.set_timeout`; ``staged``: the
         positions of inputs whose addresses change from call to call (a backward's
         cotangents), copied into a replayed graph's own buffers (see
-        :meth:`~meshfuse.runtime.replay.automatic.AutoReplay.run`).
+        :meth:`~meshfuse.runtime.replay.automatic.AutoReplay.run`); ``overwrite``: the
+        positions of donated inputs that nothing else holds (a cotangent autograd handed
+        over), whose memory a replayed graph may give an output of the same layout.
 
         An error raised on this rank only reaches the others (see
         :mod:`meshfuse.runtime.faults.lone_failures`)."""
         communicator = self.communicator
         if communicator is None or communicator.size == 1:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
-                                 staged)
+                                 staged, overwrite)
         if self._scope is None:  # the ranks whose calls are counted with this one's
             self._scope = agreement_ranks(self.fusion, communicator.size)
         call = communicator.lone.begin_call(self._scope)
@@ -211,7 +214,7 @@ class FusionRunner:
             self._generation = communicator.generation
         try:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
-                                 staged)
+                                 staged, overwrite)
         except Exception as e:
             error = self._out_of_step(e, inputs) if isinstance(e, OutOfStep) else e
             told = communicator.lone.told(error, call, getattr(error, "where", BEFORE_RUNNING))
@@ -222,7 +225,8 @@ class FusionRunner:
     def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
                  cuda_graph: bool | str | None,
                  compile: bool | str | None, donate: bool, timeout: float | None,
-                 staged: Sequence[int] = ()) -> list[torch.Tensor]:
+                 staged: Sequence[int] = (), overwrite: Collection[int] = ()
+                 ) -> list[torch.Tensor]:
         start = time.perf_counter_ns()  # the call's host time (host_time.py)
         key, known = self._key(inputs, True)
         program = self._programs.get(key)
@@ -252,7 +256,7 @@ class FusionRunner:
             host = self._host[key, backend] = HostLog()
         if replay_wanted(cuda_graph, self.cuda_graph):
             outputs = self._replayed(key, backend, device, program, inputs, staged, host,
-                                     start, donate)
+                                     start, donate, overwrite)
             if outputs is not None:
                 if donate:  # given up after the replay (see automatic.py: donation)
                     inputs.clear()
@@ -265,7 +269,8 @@ class FusionRunner:
 
     def _replayed(self, key: tuple, backend: str | None, device: torch.device,
                   program: Program, inputs: Sequence[Any], staged: Sequence[int],
-                  host: HostLog, start: int, donate: bool) -> list[torch.Tensor] | None:
+                  host: HostLog, start: int, donate: bool,
+                  overwrite: Collection[int] = ()) -> list[torch.Tensor] | None:
         """The outputs of the automatic replay (see :class:`AutoReplay`), or None where the
         interpreter must run the call; a replay that captured nothing counts its host time."""
         replay = self._replays.get((key, backend))
@@ -273,7 +278,7 @@ class FusionRunner:
             replay = self._replays[key, backend] = AutoReplay(program, device,
                                                               self._graph_budget)
         captured = replay.graphs
-        outputs = replay.run(inputs, staged, donate)
+        outputs = replay.run(inputs, staged, donate, overwrite)
         if outputs is not None and replay.graphs == captured:
             host.replayed.add(time.perf_counter_ns() - start)
         return outputs

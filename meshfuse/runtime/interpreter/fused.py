@@ -109,8 +109,12 @@ def clustered(steps: Sequence[Step], communicated: set[int]) -> list[int]:
     entropy's backward, on CUDA) is never passed by a reader of that input, and
     communications keep their place among the other steps. So a derived backward whose
     pointwise work is interleaved with the weight-gradient products (each product's operands
-    prepared next to it) gets one segment where it had several: fewer kernels. The order
-    is the program's where a slot is defined twice (no step moves then)."""
+    prepared next to it) gets one segment where it had several: fewer kernels. Then a
+    group of fusible steps that no later step would join moves down to the next group of
+    fusible steps, under the same conditions seen from the other side
+    (:func:`_sunk`): a Llama MLP's ``silu`` between its two input products runs inside
+    the segment of the product that multiplies them (one kernel, not two). The order is
+    the program's where a slot is defined twice (no step moves then)."""
     defined = [s for step in steps for s in step.outputs]
     if len(defined) != len(set(defined)):
         return list(range(len(steps)))
@@ -121,7 +125,43 @@ def clustered(steps: Sequence[Step], communicated: set[int]) -> list[int]:
             groups.append([i])
         else:
             groups[target].append(i)
-    return [i for group in groups for i in group]
+    return [i for group in _sunk(steps, groups, communicated) for i in group]
+
+
+def _sunk(steps: Sequence[Step], groups: list[list[int]], communicated: set[int]
+          ) -> list[list[int]]:
+    """``groups`` where each group of fusible steps that frees no slot joins the front of the
+    next group of fusible steps, when none of the steps in between is a communication nor
+    reads what the group defines or reads, nor waits for a communication (reads its
+    result: the group would no longer run under it). So nothing runs before what it reads,
+    no slot is read after it is freed (the group frees nothing, the steps it passes read
+    none of its inputs), and the group's inputs live no longer than they did."""
+    result: list[list[int]] = []
+    pending: list[int] | None = None  # a fusible group moving down, and the steps it passed
+    passed: list[list[int]] = []
+    for group in groups:
+        first = steps[group[0]]
+        if fusible(first):
+            if pending is not None:
+                result += passed
+                group = pending + group
+                pending, passed = None, []
+            if any(steps[i].free for i in group):
+                result.append(group)
+            else:
+                pending = group
+            continue
+        if pending is not None:
+            touched = {s for i in pending for s in (*steps[i].outputs, *steps[i].reads)}
+            if first.op != RESHARD and not (touched | communicated) & set(first.reads):
+                passed.append(group)
+                continue
+            result += [pending, *passed]
+            pending, passed = None, []
+        result.append(group)
+    if pending is not None:
+        result += [pending, *passed]
+    return result
 
 
 def _joinable(steps: Sequence[Step], groups: list[list[int]], step: Step,

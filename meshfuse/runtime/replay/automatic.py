@@ -230,12 +230,13 @@ def _local(step, call) -> bool:
 
 
 def cuda_capture(program: Program, inputs: Sequence[Any], generators=(),
-                 pool: SharedPool | None = None):
+                 pool: SharedPool | None = None, overwrite: Collection[int] = ()):
     """``(graph, outputs, grown, written)``: ``program`` captured into ``pool`` (with its
     warm-up run: :func:`~meshfuse.runtime.replay.graphs.capture`; ``generators`` registered
-    with the graph), the bytes the pool grew by, and the pool's memory the graph may write
-    (:func:`~meshfuse.runtime.replay.pools.written`). ValueError unless every tensor is on
-    CUDA."""
+    with the graph; ``overwrite``: inputs whose memory outputs take,
+    :func:`~meshfuse.runtime.replay.graphs.into_inputs`), the bytes the pool grew by, and
+    the pool's memory the graph may write (:func:`~meshfuse.runtime.replay.pools.written`).
+    ValueError unless every tensor is on CUDA."""
     if not all(x.is_cuda for x in inputs if isinstance(x, torch.Tensor)):
         raise ValueError("an input is not a CUDA tensor")
     handle = pool.cuda_handle() if pool is not None else None
@@ -243,7 +244,7 @@ def cuda_capture(program: Program, inputs: Sequence[Any], generators=(),
     # Thread-local capture: the program has no collective, and other threads (NCCL's
     # watchdog) may keep using CUDA while it is captured.
     graph, outputs, _ = capture(program, inputs, error_mode="thread_local",
-                                generators=generators, pool=handle)
+                                generators=generators, pool=handle, overwrite=overwrite)
     if not all(o.is_cuda for o in outputs):
         raise ValueError("an output is not a CUDA tensor")
     after, segments, _ = pool_layout(graph.pool())
@@ -292,6 +293,34 @@ def _forget_outputs(addresses: list[int]) -> None:
             _GRAPH_OUTPUTS.pop(a, None)
 
 
+# the storages of the live automatic graphs' outputs (handle -> the use count the graph's
+# own references make): see overwritable
+_GRAPH_STORAGES: dict[int, int] = {}
+
+
+def _track_storages(graph: _Graph, storages: Sequence[int], counts: Sequence[int]) -> None:
+    _GRAPH_STORAGES.update(zip(storages, counts))
+    weakref.finalize(graph, _forget_storages, list(storages))
+
+
+def _forget_storages(storages: list[int]) -> None:
+    for s in storages:
+        _GRAPH_STORAGES.pop(s, None)
+
+
+def overwritable(x: torch.Tensor) -> bool:
+    """Whether the one tensor ``x`` is all that holds its memory, but for the automatic
+    graph whose output that memory may be (which rewrites it at its next replay anyway):
+    no other tensor, view or base shares its storage. The caller vouches that nothing else
+    holds ``x`` itself (autograd handed it over: see ``meshfuse.autodiff.function``)."""
+    if x._use_count() != 1:
+        return False
+    # once asked for, a storage's Python object lives as long as the storage (one more use)
+    handle = x.untyped_storage()._cdata
+    graph = _GRAPH_STORAGES.get(handle)  # the graph's tensors, and that Python object
+    return torch._C._storage_Use_Count(handle) == (2 if graph is None else graph + 1)
+
+
 def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[tuple[int, int]]:
     """``(position, address)`` of each keyed tensor input."""
     return [(i, x.data_ptr()) for i, x in enumerate(inputs)
@@ -321,11 +350,11 @@ def data_inputs(inputs: Sequence[Any]) -> frozenset[int]:
 
 
 def _values(key: tuple, inputs: Sequence[Any]) -> tuple:
-    """``key`` without the tensors' addresses nor which of them are copied (a cotangent read
-    in place once the graph making it is captured is the same call's)."""
+    """``key`` without the tensors' addresses nor which of them are copied or overwritten (a
+    cotangent read in place once the graph making it is captured is the same call's)."""
     n = len(inputs)
     return (*[None if isinstance(x, torch.Tensor) else k for x, k in zip(inputs, key)],
-            *key[n + 1:])
+            *key[n + 2:])
 
 
 def held_bytes() -> int:
@@ -365,7 +394,8 @@ class AutoReplay:
         _LIVE.add(self)
 
     def run(self, inputs: Sequence[Any], staged: Collection[int] = (),
-            donating: bool = False) -> list[torch.Tensor] | None:
+            donating: bool = False, overwrite: Collection[int] = ()
+            ) -> list[torch.Tensor] | None:
         """The outputs replayed (or captured and replayed) for ``inputs``, or None where the
         interpreter must run this call (also inside the caller's own CUDA graph capture,
         which then captures the interpreter's kernels). ``staged``: the positions of
@@ -374,10 +404,14 @@ class AutoReplay:
         of its key; but those that lie at a live graph's output, which are read in place
         (see :meth:`_find`).
         ``donating``: the call donates its inputs (a backward): a graph captured for it
-        goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`)."""
+        goes into the backwards' shared pool (:mod:`~meshfuse.runtime.replay.pools`).
+        ``overwrite``: donated inputs that nothing else holds (:func:`overwritable`); those
+        read in place give their memory to an output laid out alike (the graph copies it
+        there: :func:`~meshfuse.runtime.replay.graphs.into_inputs`), which then is no
+        memory of the graph's: graphs are kept per set of such inputs too."""
         if self.reason is not None or _PAUSED[0] or self._cuda.capturing():
             return None
-        key, staged, unkeyed, graphs = self._find(inputs, staged)
+        key, staged, unkeyed, graphs = self._find(inputs, staged, overwrite)
         if graphs is None:
             if key not in self._seen and not self._settled(key, inputs, unkeyed):
                 self._remember(key, inputs, unkeyed)  # new addresses: the interpreter
@@ -392,14 +426,15 @@ class AutoReplay:
                 or self._memory_spent():
             return None
         rest = _outside_graphs(_addresses(inputs, unkeyed))
-        graph = self._captured(inputs, staged, BACKWARD if donating else FORWARD)
+        graph = self._captured(inputs, staged, BACKWARD if donating else FORWARD, key[-2])
         if graph is None:
             return None
         self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
         return graph.replay(inputs)
 
-    def _find(self, inputs: Sequence[Any], staged: Collection[int]):
+    def _find(self, inputs: Sequence[Any], staged: Collection[int],
+              overwrite: Collection[int] = ()):
         """``(key, copied, unkeyed, graphs)`` of this call: its graphs' key, the positions a
         replay copies into its graph's buffers, those left out of the key, and the graphs
         captured for it (None: none yet). The copied inputs are ``staged`` and the small
@@ -412,24 +447,28 @@ class AutoReplay:
         settled = [i for i in copied if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
             if copied else ()
         if not settled:
-            return self._keyed(inputs, copied)
-        in_place = self._keyed(inputs, copied.difference(settled))
+            return self._keyed(inputs, copied, overwrite)
+        in_place = self._keyed(inputs, copied.difference(settled), overwrite)
         if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, copied)
+            copying = self._keyed(inputs, copied, overwrite)
             if copying[3] is not None:
                 return copying
         return in_place
 
-    def _keyed(self, inputs: Sequence[Any], copied: frozenset[int]):
-        """:meth:`_find`'s answer for the inputs at ``copied`` copied."""
+    def _keyed(self, inputs: Sequence[Any], copied: frozenset[int],
+               overwrite: Collection[int] = ()):
+        """:meth:`_find`'s answer for the inputs at ``copied`` copied (those of
+        ``overwrite`` read in place are overwritten)."""
         unkeyed = self._unkeyed_of.get(copied)
         if unkeyed is None:
             unkeyed = self._unkeyed_of[copied] = self._unkeyed | copied
+        written = frozenset(i for i in overwrite if i not in copied) if overwrite \
+            else frozenset()
         # A graph keeps the kernels of its capture; the interpreter picks a deterministic
         # backward (flash's) whenever torch's switch is on at the call.
         key = (*[None if i in unkeyed else x.data_ptr() if isinstance(x, torch.Tensor) else x
                  for i, x in enumerate(inputs)],
-               copied, torch.are_deterministic_algorithms_enabled())
+               copied, written, torch.are_deterministic_algorithms_enabled())
         return key, copied, unkeyed, self._graphs.get(key)
 
     def _staging(self, staged: Collection[int], inputs: Sequence[Any]) -> frozenset[int]:
@@ -506,7 +545,7 @@ class AutoReplay:
                 f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
 
     def _captured(self, inputs: Sequence[Any], staged: frozenset[int],
-                  kind: str) -> _Graph | None:
+                  kind: str, overwrite: frozenset[int] = frozenset()) -> _Graph | None:
         streams = plan_streams(self._program, inputs)
         if isinstance(streams, str):
             self.reason = streams
@@ -516,9 +555,11 @@ class AutoReplay:
         inputs = [buffers.get(i, x) for i, x in enumerate(inputs)]
         pool = shared_pool(self._device, kind)
         try:
+            # (a stand-in capture takes ``overwrite`` only if a test gives it some)
+            extra = {"overwrite": overwrite} if overwrite else {}
             with streams.capturing():
                 graph, outputs, grown, writes = self._cuda.capture(
-                    self._program, inputs, streams.generators, pool)
+                    self._program, inputs, streams.generators, pool, **extra)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured
             self.reason = f"no capture: {type(err).__name__}: {err}"
             return None
@@ -568,6 +609,7 @@ class _Graph:
         self._own = handles - _foreign(outputs, self.written)
         self._storages = sorted(self._own)
         self._baseline = [torch._C._storage_Use_Count(s) for s in self._storages]
+        _track_storages(self, self._storages, self._baseline)
 
     def free(self) -> bool:
         """Whether the graph may replay: nothing outside holds its previous outputs, nor
@@ -634,4 +676,6 @@ def _view_of(output: torch.Tensor, source: torch.Tensor, index: int):
 
 def _same_view(inputs: Sequence[Any], index: int, offset: int, size, stride) -> torch.Tensor:
     source = inputs[index].detach()
+    if offset == 0 and tuple(source.shape) == size and source.stride() == stride:
+        return source  # the input's memory as it is: no view (which would keep its base)
     return source.as_strided(size, stride, source.storage_offset() + offset)
