@@ -312,7 +312,9 @@ def run_on_dtensors(inputs: Sequence[Any], bind: Callable[[int, DTensor], None],
             x = _reduce_partials(x)
             meshes.setdefault(mesh_from_torch(x.device_mesh), x.device_mesh)
             bind(i, x)
-            x = x.to_local()
+            # without a gradient to pass back: no autograd node (a model's rotary tables,
+            # masks and token ids, at every layer's call)
+            x = x.to_local() if x.requires_grad and torch.is_grad_enabled() else x._local_tensor
         local.append(x)
     outputs, tvs = run(local)
     device_type = next(iter(meshes.values())).device_type if meshes else None
@@ -337,9 +339,16 @@ def schedule_like_dtensor(tv: TensorView, x: DTensor) -> None:
 
 
 def check_dtensor_input(tv: TensorView, x: DTensor) -> None:
-    """Raises an InputError unless ``tv`` (a compiled fusion input) lies as ``x`` does."""
+    """Raises an InputError unless ``tv`` (a compiled fusion input) lies as ``x`` does (a
+    layout found right once is remembered: every layer of a model checks a dozen inputs
+    at each call)."""
+    layout = (x.device_mesh, x.placements)
+    passed = _PASSED.get(tv)
+    if passed is not None and layout in passed:
+        return
     mesh = mesh_from_torch(x.device_mesh)
     if tv.mesh == mesh and to_placements(tv) == tuple(x.placements):
+        _PASSED.setdefault(tv, set()).add(layout)
         return
     have = "no schedule" if tv.mesh is None else f"{list(to_placements(tv))} on {tv.mesh!r}"
     raise InputError(
@@ -393,14 +402,37 @@ def _check_learnable_extents(tv: TensorView, x: DTensor) -> None:
             )
 
 
+# compiled fusion inputs -> the (torch mesh, placements) of DTensors found laid out as they are
+_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# compiled fusion outputs -> what makes a local output of theirs a DTensor (see _wrap)
+_WRAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDeviceMesh],
           device_type: str | None, names: tuple[str, ...] | None) -> DTensor | torch.Tensor:
+    """The DTensor of output ``tv`` whose local shard is ``local``; its torch mesh, placements,
+    global shape and strides are found once per output, local shape and input meshes."""
     if tv.mesh is None:
         return local
+    given = meshes.get(tv.mesh)
+    key = (tuple(local.shape), local.dtype, given, device_type, names)
+    known = _WRAPS.setdefault(tv, {})
+    found = known.get(key)
+    if found is None:
+        found = known[key] = _wrapping(tv, local, given, device_type, names)
+    torch_mesh, placements, shape, stride = found
+    return DTensor.from_local(local, torch_mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _wrapping(tv: TensorView, local: torch.Tensor, torch_mesh: TorchDeviceMesh | None,
+              device_type: str | None, names: tuple[str, ...] | None) -> tuple:
+    """``(torch mesh, placements, global shape, global strides)`` of ``tv``'s DTensor
+    whose local shard is laid out as ``local`` (``torch_mesh``: an input's on ``tv``'s mesh,
+    else one made)."""
     placements = to_placements(tv)
     rank = dist.get_rank() if dist.is_initialized() else 0
     _check_like_dtensor(tv, local, rank)
-    torch_mesh = meshes.get(tv.mesh)
     if torch_mesh is None:
         dim_names = names if names is not None and len(names) == tv.mesh.ndim else None
         torch_mesh = mesh_to_torch(tv.mesh, device_type, dim_names)
@@ -408,5 +440,4 @@ def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDev
     shape = tuple(id_.extent if id_.extent is not None else n * shard_factor(tv, id_)
                   for id_, n in zip(tv.materialized(), local.shape))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, torch_mesh, placements, run_check=False, shape=shape,
-                              stride=stride)
+    return torch_mesh, placements, shape, stride

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
+from meshfuse.capture.members import NamedMembers
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program, argument_name
 from meshfuse.capture.report import explain_program
@@ -110,8 +111,7 @@ class _Parallel:
             args, kwargs = split_batch((args, kwargs), state.mesh, state.batch)
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
-        outputs = program.run(dict(self.named_parameters(remove_duplicate=False)),
-                              dict(self.named_buffers(remove_duplicate=False)), flat)
+        outputs = program.run(*state.members.read(self), flat)
         return pytree.tree_unflatten(outputs, program.captured.out_spec)
 
     def explain(self, *args, **kwargs) -> str:
@@ -134,6 +134,7 @@ class _State:
         self.programs: dict[Any, Program] = {}
         self.capturing = False
         self.last: Program | None = None
+        self.members = NamedMembers()  # the module's parameters and buffers by name
 
     def program(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
         key = _signature(args, kwargs)

@@ -1,0 +1,48 @@
+"""``NamedMembers``: a parallelized module's parameters and buffers by name, found once and
+read where they live, as ``named_parameters``/``named_buffers`` give them after any change."""
+
+from __future__ import annotations
+
+import torch
+
+from meshfuse.capture.members import NamedMembers
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 3) for _ in range(2)])
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(3))
+
+
+def _expected(module: torch.nn.Module) -> tuple[dict, dict]:
+    return (dict(module.named_parameters(remove_duplicate=False)),
+            dict(module.named_buffers(remove_duplicate=False)))
+
+
+def _same(got: tuple[dict, dict], want: tuple[dict, dict]) -> bool:
+    return all(g.keys() == w.keys() and all(g[k] is w[k] for k in w)
+               for g, w in zip(got, want))
+
+
+def test_members_follow_every_change_of_the_module():
+    model, members = _Tied(), NamedMembers()
+    assert _same(members.read(model), _expected(model))
+    assert "head.weight" in members.read(model)[0]  # a tied weight under each name
+    model.layers[1].weight = torch.nn.Parameter(torch.zeros(3, 3))  # replaced in place
+    assert _same(members.read(model), _expected(model))
+    model.layers[0] = torch.nn.Linear(3, 3)  # a submodule replaced
+    assert _same(members.read(model), _expected(model))
+    model.layers[0].weight.data = torch.ones(3, 3)  # new values, the same tensor
+    assert _same(members.read(model), _expected(model))
+    del model.layers[1].bias  # deleted: no registration hook runs
+    assert _same(members.read(model), _expected(model))
+    model.layers[0].bias = None
+    assert _same(members.read(model), _expected(model))
+    model.scale = torch.full((3,), 2.0)  # a buffer replaced
+    assert _same(members.read(model), _expected(model))
+    model.layers.append(torch.nn.Linear(3, 3))
+    assert _same(members.read(model), _expected(model))
