@@ -1,7 +1,8 @@
 """Issue 32's GPU check: a Llama-3.2-1B-shaped ``transformers.LlamaForCausalLM`` (1.24B
 parameters, vocabulary 128,256, 16 layers, GQA 32/8, bf16), one training step (forward,
 backward, AdamW) on batch 4 x 2,048 at one rank, through ``meshfuse.parallelize`` against
-``torch.compile`` and eager PyTorch of the same module, timed in the same run.
+``torch.compile`` (``compile_ro``: its reduce-overhead mode, CUDA graphs) and eager PyTorch
+of the same module, timed in the same run.
 
     python -m benchmarks.capture_llama --out benchmarks/results      # one H200
     python -m benchmarks.capture_llama --quick                       # smoke test, CPU
@@ -63,6 +64,8 @@ def _sync(device):
 def _step(model, optimizer, step_inputs) -> torch.Tensor:
     """One training step (forward, backward, optimizer step; not synchronized); its loss."""
     optimizer.zero_grad(set_to_none=True)
+    if getattr(model, "meshfuse_marks_steps", False):  # compile_ro: a new step of its graphs
+        torch.compiler.cudagraph_mark_step_begin()
     loss = model(**step_inputs).loss
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     loss.backward()
@@ -110,6 +113,10 @@ def _variant(name: str, base, mesh):
     model = copy.deepcopy(base)
     if name == "compile":
         return torch.compile(model)
+    if name == "compile_ro":  # with CUDA graphs (cudagraph trees)
+        compiled = torch.compile(model, mode="reduce-overhead")
+        compiled.meshfuse_marks_steps = True
+        return compiled
     if name.startswith("meshfuse"):
         return meshfuse.parallelize(model, mesh, {})
     return model
@@ -122,7 +129,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--variants", default="eager,compile,meshfuse",
-                        help="also meshfuse_private_pools (MESHFUSE_SHARED_GRAPH_POOLS=0)")
+                        help="also compile_ro (torch.compile's reduce-overhead mode: CUDA "
+                             "graphs) and meshfuse_private_pools "
+                             "(MESHFUSE_SHARED_GRAPH_POOLS=0)")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     parser.add_argument("--trace", action="store_true",
                         help="record why meshfuse's graphs replay or not, call by call")
@@ -210,6 +219,10 @@ def _record(results: dict, path: Path | None) -> None:
     if "interleaved_tokens_per_s" in theirs and "interleaved_tokens_per_s" in mine:
         results["meshfuse_over_compile_tokens_interleaved"] = (
             mine["interleaved_tokens_per_s"] / theirs["interleaved_tokens_per_s"])
+    graphs = results.get("compile_ro", {})
+    for suffix in ("tokens_per_s", "interleaved_tokens_per_s"):
+        if suffix in graphs and suffix in mine:
+            results[f"meshfuse_over_compile_ro_{suffix}"] = mine[suffix] / graphs[suffix]
     if path is not None:
         path.write_text(json.dumps(results, indent=1))
         print("wrote", path, flush=True)

@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
-from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.members import NamedMembers
+from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program, argument_name
 from meshfuse.capture.report import explain_program

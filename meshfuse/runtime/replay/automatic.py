@@ -64,7 +64,14 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   ``FusionRunner.execute``). The stream order keeps the memory safe: whatever the caching
   allocator hands out next is written by later kernels of the same stream. The cost is the
   inputs' memory held through the whole backward instead of freed one by one; where the
-  forward replays, its residuals live in the forward graph's pool anyway.
+  forward replays, its residuals live in the forward graph's pool anyway. A donated input
+  that nothing else holds at all (:func:`overwritable`: a cotangent autograd handed to this
+  backward alone) and that the graph reads in place gives its memory to an output laid out
+  alike: the graph ends with a copy of that output there
+  (:func:`~meshfuse.runtime.replay.graphs.into_inputs`), so the output's own memory is an
+  intermediate, free for the graphs captured after it in the shared pool. A stack's
+  backwards so hand their input gradient down in one buffer (the top layer's cotangent's)
+  instead of holding one per layer; graphs are kept per set of such inputs.
 - **Autograd** (``fd.as_autograd_function()``, ``FusionModule``): the forward and the
   backward are two programs of two runners, each replayed under these rules; no rule is
   added. Residuals are outputs of the forward's graph, held by the autograd node until its
