@@ -46,3 +46,23 @@ def test_members_follow_every_change_of_the_module():
     assert _same(members.read(model), _expected(model))
     model.layers.append(torch.nn.Linear(3, 3))
     assert _same(members.read(model), _expected(model))
+    model.layers[2].register_parameter("extra", torch.nn.Parameter(torch.ones(1)))
+    assert _same(members.read(model), _expected(model))
+    other = _Tied()
+    assert _same(members.read(other), _expected(other))
+
+
+def test_members_install_no_process_wide_hook():
+    """Regression (an H200 run, 2026-12-04): a registration hook counting changes made
+    ``torch.compile`` of a ``transformers`` Llama in the same process recompile at every
+    step (its forward slices its layer list, which registers a new container), then fall
+    back to eager at the recompile limit."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [torch_module._global_module_registration_hooks,
+             torch_module._global_parameter_registration_hooks,
+             torch_module._global_buffer_registration_hooks]
+    before = [len(h) for h in hooks]
+    model = _Tied()
+    NamedMembers().read(model)
+    assert [len(h) for h in hooks] == before

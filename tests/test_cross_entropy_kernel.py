@@ -240,7 +240,7 @@ def test_logits_the_forward_returns_are_kept_not_a_gradient(smoothing):
     (2.5 * loss + (out_logits * 0.5).sum()).backward()
     ref = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
     ref_logits = F.linear(*ref)
-    ref_loss = F.cross_entropy(ref_logits.view(-1, v), target, ignore_index=IGNORE,
+    ref_loss = F.cross_entropy(ref_logits.view(-1, v), target.cpu(), ignore_index=IGNORE,
                                label_smoothing=smoothing)
     (2.5 * ref_loss + (ref_logits * 0.5).sum()).backward()
     torch.testing.assert_close(loss.cpu(), ref_loss.detach())

@@ -50,7 +50,7 @@ from meshfuse.passes.pipeline import compiled_for
 from meshfuse.runtime.comm.communicator import Communicator
 from meshfuse.runtime.interpreter.agreement import agreement_ranks
 from meshfuse.runtime.interpreter.host_time import PathTime
-from meshfuse.runtime.replay.automatic import overwritable
+from meshfuse.runtime.replay.automatic import holders, overwritable
 
 
 class FusionFunction:
@@ -169,8 +169,8 @@ class FusionFunction:
         if torch.is_grad_enabled() and any(i is not None for i in compiled.derivation.gradients) \
                 and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             anchor = torch.empty(0, requires_grad=True)
-        if torch.is_grad_enabled() and not _SOLE_REFERENCES:
-            _calibrate_references()
+        if torch.is_grad_enabled() and not _SOLE:
+            _calibrate()
         return list(_FusionAutograd.apply(compiled, self.keep_residuals, anchor, *inputs))
 
     def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
@@ -413,12 +413,14 @@ def _references(cotangents: tuple) -> list[int]:
     return [sys.getrefcount(x) for x in cotangents]
 
 
-# the count _references gives in a backward for a cotangent that autograd made for it alone
-_SOLE_REFERENCES: list[int] = []
+# what a backward sees of a cotangent that autograd handed to it alone, made in Python by the
+# backward before it (as a replayed or interpreted backward makes its gradients): its Python
+# references (_references), and its tensor's and memory's (automatic.holders)
+_SOLE: list[tuple[int, tuple[int, int]]] = []
 
 
-class _Probe(torch.autograd.Function):
-    """A node whose cotangent is autograd's fresh tensor, passed to it alone."""
+class _Handing(torch.autograd.Function):
+    """A node whose backward makes its gradient in Python."""
 
     @staticmethod
     def forward(ctx, x):
@@ -426,16 +428,29 @@ class _Probe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cotangents):
-        _SOLE_REFERENCES[:] = _references(cotangents)
+        return cotangents[0] * 1
+
+
+class _Probe(torch.autograd.Function):
+    """A node whose cotangent ``_Handing`` made, passed to it alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        _SOLE[:] = [(_references(cotangents)[0], holders(cotangents[0]))]
         return cotangents[0]
 
 
-def _calibrate_references() -> None:
-    """Counts, once, the Python references a backward sees to a cotangent nobody else holds
-    (the engine's and the call's own: they depend on the Python version)."""
+def _calibrate() -> None:
+    """Measures, once, what a backward sees of a cotangent nobody else holds (the Python
+    references of the engine and of the call, the uses of its tensor and memory: these
+    depend on the versions of Python and torch)."""
     x = torch.zeros(2, requires_grad=True)
     with torch.enable_grad():
-        (_Probe.apply(x) * 2).sum().backward()
+        (_Handing.apply(_Probe.apply(x)) * 2).sum().backward()
 
 
 def _handed_over(cotangents: tuple) -> set[int]:
@@ -445,12 +460,12 @@ def _handed_over(cotangents: tuple) -> set[int]:
     automatic graph that made them (see
     :func:`~meshfuse.runtime.replay.automatic.overwritable`). Their memory may take this
     backward's results."""
-    if not _SOLE_REFERENCES:
+    if not _SOLE:
         return set()
     counts = _references(cotangents)
+    references, alone = _SOLE[0]
     return {j for j, (x, n) in enumerate(zip(cotangents, counts))
-            if n == _SOLE_REFERENCES[0] and isinstance(x, torch.Tensor)
-            and overwritable(x)}
+            if n == references and isinstance(x, torch.Tensor) and overwritable(x, alone)}
 
 
 class _Residuals:

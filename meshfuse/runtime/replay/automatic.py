@@ -315,17 +315,22 @@ def _forget_storages(storages: list[int]) -> None:
         _GRAPH_STORAGES.pop(s, None)
 
 
-def overwritable(x: torch.Tensor) -> bool:
+def holders(x: torch.Tensor) -> tuple[int, int]:
+    """``(tensors, storage uses)``: the references to ``x``'s tensor (not its Python object)
+    and to its memory (its own tensor's, its views', its bases', a graph's)."""
+    return x._use_count(), torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+
+
+def overwritable(x: torch.Tensor, alone: tuple[int, int]) -> bool:
     """Whether the one tensor ``x`` is all that holds its memory, but for the automatic
     graph whose output that memory may be (which rewrites it at its next replay anyway):
-    no other tensor, view or base shares its storage. The caller vouches that nothing else
-    holds ``x`` itself (autograd handed it over: see ``meshfuse.autodiff.function``)."""
-    if x._use_count() != 1:
-        return False
-    # once asked for, a storage's Python object lives as long as the storage (one more use)
-    handle = x.untyped_storage()._cdata
-    graph = _GRAPH_STORAGES.get(handle)  # the graph's tensors, and that Python object
-    return torch._C._storage_Use_Count(handle) == (2 if graph is None else graph + 1)
+    no other tensor, view or base shares its storage. ``alone``: what :func:`holders`
+    gives for a tensor made alone (the counts torch keeps vary with its version: a storage's
+    Python object, once made, may count). The caller vouches that nothing else holds ``x``'s
+    Python object (autograd handed it over: see ``meshfuse.autodiff.function``)."""
+    uses, storage = holders(x)
+    graph = _GRAPH_STORAGES.get(x.untyped_storage()._cdata)  # its tensors' uses
+    return uses == alone[0] and storage == (alone[1] if graph is None else graph + 1)
 
 
 def _addresses(inputs: Sequence[Any], unkeyed: frozenset[int]) -> list[tuple[int, int]]:
