@@ -18,6 +18,7 @@ import meshfuse
 from meshfuse import DeviceMesh
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.testing.utils import current_device
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,9 +94,11 @@ def megatron_plan(sequence_parallel: bool, names: dict = LLAMA_NAMES) -> dict:
 
 
 def _inputs(seed: int = 0):
+    """Token ids and labels on this rank's device (the parallelized model's, its GPU where
+    there is one; the reference module is put there too)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(current_device()),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(current_device()))
 
 
 def _whole(x):
@@ -104,7 +107,7 @@ def _whole(x):
 
 def _parallel(model_name: str, plan_name: str, multidevice_test):
     torch.manual_seed(0)
-    reference = MODELS[model_name]()
+    reference = MODELS[model_name]().to(current_device())
     model = copy.deepcopy(reference)
     names = GPT2_NAMES if model_name == "gpt2" else LLAMA_NAMES
     plan = reference.tp_plan if plan_name == "hf" else \
@@ -209,7 +212,7 @@ def test_torch_compile_backend_matches_the_module(multidevice_test, model_name):
     which has none: Megatron's): the module keeps whole plain parameters, whose gradients
     come back whole."""
     torch.manual_seed(0)
-    reference = MODELS[model_name]()
+    reference = MODELS[model_name]().to(current_device())
     model = copy.deepcopy(reference)
     mesh = DeviceMesh(range(multidevice_test.size))
     plan = megatron_plan(False, GPT2_NAMES) if model_name == "gpt2" else reference.tp_plan
@@ -261,7 +264,7 @@ def test_identical_layers_build_one_program(multidevice_test):
     """Four Llama layers under TP: every layer reads a replicated residual stream, so layers
     1-3 run layer 0's built program (and its derived backward); the values still match."""
     torch.manual_seed(0)
-    reference = _llama(num_hidden_layers=4)
+    reference = _llama(num_hidden_layers=4).to(current_device())
     model = copy.deepcopy(reference)
     mesh = DeviceMesh(range(multidevice_test.size))
     ids, labels = _inputs()
