@@ -456,8 +456,8 @@ def _calibrate() -> None:
 def _handed_over(cotangents: tuple) -> set[int]:
     """The positions of the cotangents that autograd handed to this backward alone: no other
     Python reference (a hook that kept the gradient), no other tensor on their memory (a
-    user's ``grad_outputs``, a gradient that autograd passes to two nodes, a view), but the
-    automatic graph that made them (see
+    user's ``grad_outputs``, a gradient that autograd passes to two nodes, a view; none that
+    requires grad: a higher-order gradient's), but the automatic graph that made them (see
     :func:`~meshfuse.runtime.replay.automatic.overwritable`). Their memory may take this
     backward's results."""
     if not _SOLE:
@@ -465,7 +465,8 @@ def _handed_over(cotangents: tuple) -> set[int]:
     counts = _references(cotangents)
     references, alone = _SOLE[0]
     return {j for j, (x, n) in enumerate(zip(cotangents, counts))
-            if n == references and isinstance(x, torch.Tensor) and overwritable(x, alone)}
+            if n == references and isinstance(x, torch.Tensor) and not x.requires_grad
+            and overwritable(x, alone)}
 
 
 class _Residuals:
