@@ -4,8 +4,8 @@ repeated over each group of query heads reads the key/value heads themselves.
 ``transformers``' Llama, Qwen2, Mistral (and most grouped-query decoders) repeat each
 key/value head over its group before attention (``repeat_kv``: ``unsqueeze(2)``, ``expand``,
 ``reshape``), so the captured program would copy the keys and values ``H / Hkv`` times at
-every layer and keep the copies for the backward (on a Llama-3.2-1B step: 32 copy kernels
-and 1 GiB of saved activations more than needed). meshfuse's attention takes ``Hkv``
+every layer, and the attention's backward would read the copies (on a Llama-3.2-1B step:
+32 copy kernels of 32 MiB each, and their memory). meshfuse's attention takes ``Hkv``
 key/value heads as they are (PyTorch's ``enable_gqa=True``: query head ``h`` attends with
 key/value head ``h // (H / Hkv)``, as the repeat lays them out), and its backward sums each
 group's gradients inside the kernel. :func:`read_grouped_heads` rewrites the capture's graph
