@@ -6,12 +6,14 @@ left as they are. Values are PyTorch's."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 import meshfuse
 from meshfuse.capture.grouped_heads import read_grouped_heads
+from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.trace import capture
 
 aten = torch.ops.aten
@@ -102,3 +104,61 @@ def test_a_transformers_llamas_attention_reads_its_key_value_heads():
     assert all(n.args[1].meta["val"].shape[1] == 2 for n in attention)
     assert not [n for n in graph.nodes if n.target == aten.expand.default
                 and len(n.meta["val"].shape) == 5]
+
+
+class _Projected(torch.nn.Module):
+    """Attention over projected heads, its keys and values repeated by ``repeat``."""
+
+    def __init__(self, heads: int, kv_heads: int, e: int, repeat: str, causal: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.e = heads, kv_heads, e
+        self.q = torch.nn.Linear(8, heads * e, bias=False)
+        self.kv = torch.nn.Linear(8, 2 * kv_heads * e, bias=False)
+        self.repeat, self.causal = repeat, causal
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.e).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2 * self.kv_heads, self.e).transpose(1, 2).chunk(2, 1)
+        group = self.heads // self.kv_heads
+        if self.repeat == "repeat_kv":
+            k, v = _repeat_kv(k, group), _repeat_kv(v, group)
+        elif self.repeat == "interleave":
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        else:  # whole blocks: head h reads key/value head h % Hkv, not grouped-query
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return out.transpose(1, 2).reshape(b, s, -1).square().mean()
+
+
+def test_random_repeats_through_parallelize_match_pytorch():
+    """A differential fuzzer of the rewrite: random head counts, groups, sizes, causal or
+    not, keys and values repeated as ``repeat_kv`` does, by ``repeat_interleave`` (the same
+    layout) or by ``repeat`` (another: never rewritten); loss and gradients through
+    ``meshfuse.parallelize`` equal the module's."""
+    rng = torch.Generator().manual_seed(7)
+    for case in range(6):
+        kv_heads, group, e, s = (int(torch.randint(lo, hi, (), generator=rng))
+                                 for lo, hi in ((1, 4), (1, 4), (2, 6), (3, 9)))
+        repeat = ("repeat_kv", "interleave", "blocks")[case % 3]
+        causal = bool(torch.randint(0, 2, (), generator=rng))
+        torch.manual_seed(case)
+        reference = _Projected(kv_heads * group, kv_heads, e, repeat, causal).double()
+        model = meshfuse.parallelize(copy.deepcopy(reference), meshfuse.DeviceMesh([0]), {})
+        x = torch.randn(2, s, 8, generator=rng, dtype=torch.float64)
+        with warnings.catch_warnings():  # repeat() has no rule: a graph break
+            warnings.simplefilter("ignore", GraphBreakWarning)
+            loss = model(x)
+        want = reference(x)
+        torch.testing.assert_close(loss, want, msg=lambda m, case=case: f"case {case}: {m}")
+        loss.backward()
+        want.backward()
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad,
+                                       msg=lambda m, name=name, case=case: f"case {case} {name}: {m}")
+        graph = model._meshfuse.last.captured.graph
+        (node,) = [n for n in graph.nodes
+                   if n.target == aten.scaled_dot_product_attention.default]
+        grouped = node.kwargs.get("enable_gqa", False)
+        if group > 1 and repeat != "interleave":  # (interleave: as PyTorch traces it)
+            assert grouped == (repeat == "repeat_kv"), (case, repeat, group)
