@@ -66,3 +66,19 @@ def test_members_install_no_process_wide_hook():
     model = _Tied()
     NamedMembers().read(model)
     assert [len(h) for h in hooks] == before
+
+
+def test_the_members_make_no_reference_cycle():
+    """The members' places hold the submodules weakly: a parallelized module whose members
+    were read is freed when its last reference goes, as before (strong ones made a cycle
+    through its own state, left to the garbage collector)."""
+    import weakref
+
+    import meshfuse
+
+    model = meshfuse.parallelize(torch.nn.Sequential(torch.nn.Linear(3, 3)),
+                                 meshfuse.DeviceMesh([0]), {})
+    model._meshfuse.members.read(model)
+    alive = weakref.ref(model)
+    del model
+    assert alive() is None

@@ -17,31 +17,39 @@ which registers a new container each time (a hook counting registrations made
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-Place = tuple[str, torch.nn.Module, str]  # a member's name, the submodule and key it is at
+# a member's name, and the submodule (weakly: the module's own state holds these) and key
+# it is at
+Place = tuple[str, weakref.ref, str]
 
 
 class NamedMembers:
     """Where each parameter and buffer of a module lives: ``read(module)`` gives what
     ``named_parameters`` and ``named_buffers`` (``remove_duplicate=False``: a tied weight
-    under each of its names) give, as dicts."""
+    under each of its names) give, as dicts. It holds the submodules weakly (a parallelized
+    module keeps it: strong references would make the module a reference cycle, freed only
+    by the garbage collector)."""
 
     def __init__(self) -> None:
+        self._root: weakref.ref | None = None
         self._parameters: list[Place] = []
         self._buffers: list[Place] = []
-        # each submodule found, its submodules then, and its numbers of parameters, buffers
-        self._tree: list[tuple[torch.nn.Module, list[torch.nn.Module], int, int]] = []
+        # each submodule found, the ids of its submodules then, its numbers of parameters
+        # and of buffers
+        self._tree: list[tuple[weakref.ref, tuple[int, ...], int, int]] = []
 
     def read(self, module: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
                                                      dict[str, torch.Tensor]]:
         """``(parameters, buffers)`` of ``module`` by name."""
-        if not self._tree or self._tree[0][0] is not module or not self._unchanged():
+        if self._root is None or self._root() is not module or not self._unchanged():
             self._find(module)
         try:
-            found = ({name: owner._parameters[key] for name, owner, key in self._parameters},
-                     {name: owner._buffers[key] for name, owner, key in self._buffers})
-        except KeyError:  # a member renamed, the sizes alike
+            found = ({name: owner()._parameters[key] for name, owner, key in self._parameters},
+                     {name: owner()._buffers[key] for name, owner, key in self._buffers})
+        except (KeyError, AttributeError):  # a member renamed, a submodule gone
             self._find(module)
             return self.read(module)
         if any(v is None for part in found for v in part.values()):  # set to None since
@@ -50,17 +58,22 @@ class NamedMembers:
         return found
 
     def _unchanged(self) -> bool:
-        return all(len(m._parameters) == params and len(m._buffers) == buffers
-                   and list(m._modules.values()) == children
-                   for m, children, params, buffers in self._tree)
+        for ref, children, params, buffers in self._tree:
+            m = ref()
+            if m is None or len(m._parameters) != params or len(m._buffers) != buffers \
+                    or tuple(map(id, m._modules.values())) != children:
+                return False
+        return True
 
     def _find(self, module: torch.nn.Module) -> None:
+        self._root = weakref.ref(module)
         self._parameters, self._buffers, self._tree = [], [], []
         for prefix, owner in module.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
-            self._parameters += [(dot + key, owner, key)
+            ref = weakref.ref(owner)
+            self._parameters += [(dot + key, ref, key)
                                  for key, v in owner._parameters.items() if v is not None]
-            self._buffers += [(dot + key, owner, key)
+            self._buffers += [(dot + key, ref, key)
                               for key, v in owner._buffers.items() if v is not None]
-            self._tree.append((owner, list(owner._modules.values()), len(owner._parameters),
-                               len(owner._buffers)))
+            self._tree.append((ref, tuple(map(id, owner._modules.values())),
+                               len(owner._parameters), len(owner._buffers)))
