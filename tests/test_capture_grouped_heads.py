@@ -1,4 +1,4 @@
-"""Grouped-query attention read as such (``meshfuse.capture.grouped_heads``): a captured
+"""Grouped-query attention read as such (``meshfuse.capture.partition.read_grouped_heads``): a captured
 attention whose keys and values the model repeated over the query heads' groups
 (``transformers``' ``repeat_kv``) reads the key/value heads themselves; other repeats are
 left as they are. Values are PyTorch's."""
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import meshfuse
-from meshfuse.capture.grouped_heads import read_grouped_heads
+from meshfuse.capture.partition import read_grouped_heads
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.trace import capture
 

@@ -22,7 +22,6 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
-from meshfuse.capture.grouped_heads import read_grouped_heads
 from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
 from meshfuse.capture.plan import ResolvedPlan
 from meshfuse.capture.trace import Captured
@@ -51,7 +50,6 @@ class Program:
                  buffers: Mapping[str, torch.Tensor], strict: bool = False) -> None:
         self.captured, self.plan, self.mesh = captured, plan, mesh
         simplify(captured.graph)
-        read_grouped_heads(captured.graph)
         self._static = static_nodes(captured)
         self._versions: tuple[int, ...] | None = None
         self.constants = self._fold(buffers)
