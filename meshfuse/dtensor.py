@@ -416,7 +416,9 @@ def _wrap(tv: TensorView, local: torch.Tensor, meshes: dict[DeviceMesh, TorchDev
         return local
     given = meshes.get(tv.mesh)
     key = (tuple(local.shape), local.dtype, given, device_type, names)
-    known = _WRAPS.setdefault(tv, {})
+    known = _WRAPS.get(tv)
+    if known is None:
+        known = _WRAPS[tv] = {}
     found = known.get(key)
     if found is None:
         found = known[key] = _wrapping(tv, local, given, device_type, names)

@@ -119,6 +119,11 @@ def _graphs(runner: FusionRunner) -> int:
     return sum(r.graphs for r in runner._replays.values())
 
 
+def _captured(runner: FusionRunner) -> list:
+    """Every graph the runner's automatic replays captured."""
+    return [g for r in runner._replays.values() for gs in r._graphs.values() for g in gs]
+
+
 @pytest.mark.parametrize("zero_grad_to_none", [True, False])
 def test_a_training_loop_replays_forward_and_backward(fake_cuda, zero_grad_to_none):
     fd, (w1, w2) = _mlp()
@@ -234,8 +239,7 @@ def test_a_stacks_backwards_read_their_cotangents_in_place(fake_cuda):
     function = _mlp()[0].as_autograd_function()
     _train_stack(function, layers, steps=4)
     _, backward = _runners(function)
-    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
-              for g in gs]
+    graphs = _captured(backward)
     assert len(graphs) == layers
     assert sorted(len(g._buffers) for g in graphs) == [0] * (layers - 1) + [1]
     (replay,) = backward._replays.values()
@@ -252,8 +256,7 @@ def test_a_stacks_input_gradient_goes_from_layer_to_layer_in_one_buffer(fake_cud
     function = _mlp()[0].as_autograd_function()
     _train_stack(function, layers, steps=4)
     _, backward = _runners(function)
-    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
-              for g in gs]
+    graphs = _captured(backward)
     in_place = [g for g in graphs if not g._buffers]
     assert len(graphs) == layers and len(in_place) == layers - 1
     # output 0 (the input x's gradient) is a view of input 0 (the cotangent)
@@ -285,8 +288,7 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
         torch.testing.assert_close(kept, ref_kept)
         torch.testing.assert_close(given, ref_given)
     _, backward = _runners(function)
-    graphs = [g for replay in backward._replays.values() for gs in replay._graphs.values()
-              for g in gs]
+    graphs = _captured(backward)
     assert graphs and not any(g._views for g in graphs)
 
 
@@ -386,7 +388,7 @@ def test_a_stack_accumulating_micro_batches_reads_its_cotangents_safely(fake_cud
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.detach(), w.detach())
     _, backward = _runners(function)
-    graphs = [g for r in backward._replays.values() for gs in r._graphs.values() for g in gs]
+    graphs = _captured(backward)
     # every layer's backward replays (two graphs each where the first's outputs are held as
     # the accumulating .grad); only the top layer's copy their cotangent in
     assert len(graphs) >= layers

@@ -419,20 +419,10 @@ def _references(cotangents: tuple) -> list[int]:
 _SOLE: list[tuple[int, tuple[int, int]]] = []
 
 
-class _Handing(torch.autograd.Function):
-    """A node whose backward makes its gradient in Python."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, *cotangents):
-        return cotangents[0] * 1
-
-
 class _Probe(torch.autograd.Function):
-    """A node whose cotangent ``_Handing`` made, passed to it alone."""
+    """A node whose backward records what it sees of its cotangent and makes its gradient
+    in Python. Of two chained (``_Probe.apply(_Probe.apply(x))``), the one applied first
+    runs its backward last, on the cotangent the other's backward made: that record stays."""
 
     @staticmethod
     def forward(ctx, x):
@@ -441,7 +431,7 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         _SOLE[:] = [(_references(cotangents)[0], holders(cotangents[0]))]
-        return cotangents[0]
+        return cotangents[0] * 1
 
 
 def _calibrate() -> None:
@@ -450,7 +440,7 @@ def _calibrate() -> None:
     depend on the versions of Python and torch)."""
     x = torch.zeros(2, requires_grad=True)
     with torch.enable_grad():
-        (_Handing.apply(_Probe.apply(x)) * 2).sum().backward()
+        (_Probe.apply(_Probe.apply(x)) * 2).sum().backward()
 
 
 def _handed_over(cotangents: tuple) -> set[int]:
