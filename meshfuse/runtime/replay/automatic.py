@@ -582,7 +582,9 @@ class AutoReplay:
         captured = _Graph(graph, outputs, inputs, streams, buffers, writes)
         if pool is not None:
             pool.add(captured)
-        _track_outputs(captured, outputs)
+        # its own outputs: one in an input's memory (a view of it, an overwritten
+        # cotangent) says nothing of where that memory stays
+        _track_outputs(captured, [t for j, t in enumerate(outputs) if j not in captured._views])
         return captured
 
 
