@@ -64,8 +64,8 @@ class ReplayTrace:
         def traced_run(replay, inputs, staged=(), donating=False, overwrite=()):
             return trace._run(run, replay, inputs, staged, donating, overwrite)
 
-        def traced_captured(replay, inputs, staged, kind, overwrite=frozenset()):
-            graph = captured(replay, inputs, staged, kind, overwrite)
+        def traced_captured(replay, inputs, staged, kind, overwrite=frozenset(), buffer=0):
+            graph = captured(replay, inputs, staged, kind, overwrite, buffer)
             if graph is not None:
                 n = sum(1 for k in trace._graph_labels.values()
                         if k.startswith(trace._labels.get(id(replay), "?") + "#"))

@@ -189,6 +189,36 @@ def test_a_graph_waits_for_later_graphs_whose_outputs_lie_in_its_memory(monkeypa
     assert FakeGraph.replays == before + 1 and first.graphs == 2
 
 
+def test_a_loop_holding_the_previous_result_replays_every_call_in_shared_pools(monkeypatch):
+    """The two graphs of a loop that holds the previous result (``out = f(x)``) alternate,
+    where each capture writes all of its pool's memory: the second graph lies in a pool of
+    its own kind's second graphs. In the first graph's pool its outputs blocked the first
+    graph while the loop held them, and every third call ran the interpreter (on an H200,
+    the forward of a GPT layer; its backward then captured a graph for each new set of
+    residual addresses)."""
+    monkeypatch.setattr(pools, "_POOLS", {})
+    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1")  # the default
+
+    def everywhere(program, inputs, generators=(), pool=None):
+        return (*fake_capture(program, inputs)[:3], [(0, 2**63)])
+
+    class Overlapping(FakeCuda):
+        capture = staticmethod(everywhere)
+
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    replay = AutoReplay(_program(_chain(), [x, y]), CUDA, cuda=Overlapping)
+    out = replay.run([x, y])  # the first call: the interpreter's
+    assert out is None
+    before = FakeGraph.replays
+    for step in range(9):
+        x.add_(step)
+        out = replay.run([x, y])  # `out` holds the previous result during the call
+        assert out is not None, f"call {step + 2} ran the interpreter"
+        _assert_outputs(out, x, y)
+    assert replay.graphs == BUFFERS and FakeGraph.replays == before + 9
+    assert len({id(p) for p in pools._POOLS.values()}) == BUFFERS
+
+
 def test_written_memory_is_the_pool_less_what_was_held_before():
     assert pools.written([(0, 100), (200, 300)], [(10, 20), (90, 110), (250, 300)]) == \
         [(0, 10), (20, 90), (200, 250)]

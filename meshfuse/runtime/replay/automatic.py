@@ -51,8 +51,9 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   nothing outside holds that memory any more (the storages' use counts are back to what the
   graph itself holds: a result, or any view of it, that the caller still holds counts). A
   loop ``out = execute(...)`` still holds the previous result during the next call: when every
-  graph of a set of addresses is busy, a second one (its own output memory) is captured for
-  it, up to :data:`BUFFERS`; when those are busy too, the interpreter runs and what the
+  graph of a set of addresses is busy, a second one (its own output memory, in the pool of
+  second graphs: :mod:`~meshfuse.runtime.replay.pools`) is captured for it, up to
+  :data:`BUFFERS`; when those are busy too, the interpreter runs and what the
   caller holds stays as it was.
 
 - **Donation.** A donating call (``execute(..., donate=True)``: an autograd backward, whose
@@ -136,6 +137,7 @@ MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._set
 MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
 # the share of a device's memory that the pools of all automatic graphs may hold together
 POOL_FRACTION = 0.25
+LARGE_COPY = 2**20  # bytes: a buffer a replay copies its input into with a copy of its own
 AUTO = "auto"
 
 
@@ -438,7 +440,8 @@ class AutoReplay:
                 or self._memory_spent():
             return None
         rest = _outside_graphs(_addresses(inputs, unkeyed))
-        graph = self._captured(inputs, staged, BACKWARD if donating else FORWARD, key[-2])
+        graph = self._captured(inputs, staged, BACKWARD if donating else FORWARD, key[-2],
+                               buffer=len(graphs))
         if graph is None:
             return None
         self._rests.add(rest)
@@ -556,8 +559,10 @@ class AutoReplay:
                 f"sets of input addresses (at most {MAX_GRAPHS}), holding "
                 f"{self.pool_bytes / 2**20:.1f} MiB{spent}{streams}")
 
-    def _captured(self, inputs: Sequence[Any], staged: frozenset[int],
-                  kind: str, overwrite: frozenset[int] = frozenset()) -> _Graph | None:
+    def _captured(self, inputs: Sequence[Any], staged: frozenset[int], kind: str,
+                  overwrite: frozenset[int] = frozenset(), buffer: int = 0) -> _Graph | None:
+        """A graph captured for ``inputs`` (None: it cannot be), the ``buffer``-th of its
+        set of addresses, into that buffer's shared pool of ``kind``."""
         streams = plan_streams(self._program, inputs)
         if isinstance(streams, str):
             self.reason = streams
@@ -565,7 +570,7 @@ class AutoReplay:
         buffers = {i: buffer_like(inputs[i]) for i in sorted(staged)
                    if isinstance(inputs[i], torch.Tensor)}
         inputs = [buffers.get(i, x) for i, x in enumerate(inputs)]
-        pool = shared_pool(self._device, kind)
+        pool = shared_pool(self._device, kind, buffer)
         try:
             # (a stand-in capture takes ``overwrite`` only if a test gives it some)
             extra = {"overwrite": overwrite} if overwrite else {}
@@ -608,6 +613,11 @@ class _Graph:
         self.blockers: list[weakref.ref[_Graph]] = []  # see pools.py
         self._streams = streams
         self._buffers = buffers
+        # copied in at each replay: the large ones one by one (``_foreach_copy_``'s kernel
+        # copied a GPT layer's 8 MiB cotangent in 16 us on an H200, ``copy_`` in about 4),
+        # the small ones (a batch's token ids) with one launch
+        self._copied_alone = [i for i, b in buffers.items() if b.nbytes >= LARGE_COPY]
+        self._copied_together = [i for i in buffers if i not in self._copied_alone]
         given = {x.untyped_storage()._cdata: i for i, x in enumerate(inputs)
                  if isinstance(x, torch.Tensor) and i not in buffers}
         # outputs that are views of a given input: (input, element offset, size, stride)
@@ -651,9 +661,11 @@ class _Graph:
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout
         streams seeded as the interpreter's call would seed them."""
-        if self._buffers:
-            torch._foreach_copy_(list(self._buffers.values()),
-                                 [inputs[i] for i in self._buffers])
+        for i in self._copied_alone:
+            self._buffers[i].copy_(inputs[i])
+        if self._copied_together:
+            torch._foreach_copy_([self._buffers[i] for i in self._copied_together],
+                                 [inputs[i] for i in self._copied_together])
         if self._streams.streams:
             self._streams.prepare(inputs)
         self._graph.replay()

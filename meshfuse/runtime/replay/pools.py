@@ -23,6 +23,15 @@ gradients by ``zero_grad``. Where it is not (a result kept across steps), the gr
 busy, as when its own outputs are held: a second graph is captured for its inputs, or the
 interpreter runs.
 
+Buffers. That second graph of a set of input addresses (its second buffer: the caller holds
+the first one's results) goes into a second pool of its kind, shared by the second graphs
+of all sets. In the first graph's pool its outputs would lie in the first graph's
+intermediates: a loop that keeps the previous result while it calls again (``out =
+f(x)``, rebound after the call) would find the first graph blocked by the second's
+outputs, the second busy with its own, and run the interpreter at every third call; each
+time the forward's residuals at new addresses, for which the backward captured graph after
+graph (on an H200, 2026-12-04: ten backward graphs in 200 such steps of a GPT layer).
+
 Status: the default (``MESHFUSE_SHARED_GRAPH_POOLS=0``: a pool per graph). On one H200
 (``benchmarks/results/2026-12-04-1535-*``), a Llama-3.2-1B-shaped training step
 (``benchmarks/capture_llama.py``) took 29.4 GiB from the device at its peak with shared
@@ -86,16 +95,18 @@ class SharedPool:
         self.graphs = [*alive, weakref.ref(graph)]
 
 
-_POOLS: dict[tuple[str, int | None, str], SharedPool] = {}
+_POOLS: dict[tuple[str, int | None, str, int], SharedPool] = {}
 
 
-def shared_pool(device: torch.device, kind: str) -> SharedPool | None:
+def shared_pool(device: torch.device, kind: str, buffer: int = 0) -> SharedPool | None:
     """The pool the automatic graphs of ``kind`` (:data:`FORWARD` or :data:`BACKWARD`) on
-    ``device`` share (the default); None with ``MESHFUSE_SHARED_GRAPH_POOLS=0`` (read at each
-    capture): each graph its own pool (see the module doc: Status)."""
+    ``device`` share (the default), those that are the ``buffer``-th graph of their set of
+    input addresses (see *Buffers* in the module doc); None with
+    ``MESHFUSE_SHARED_GRAPH_POOLS=0`` (read at each capture): each graph its own pool (see
+    the module doc: Status)."""
     if os.environ.get("MESHFUSE_SHARED_GRAPH_POOLS", "1") == "0":
         return None
-    key = (device.type, device.index, kind)
+    key = (device.type, device.index, kind, buffer)
     if key not in _POOLS:
         _POOLS[key] = SharedPool(kind)
     return _POOLS[key]
