@@ -587,3 +587,44 @@ def _llama_step(model, optimizer, ids, live: list) -> list:
     runners = [r for _, function in model._meshfuse.last.built.values()
                for c in function._derivations.values() for r in c.runners()]
     return [a for r in runners for a in r._replays.values()]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="stand-in graphs read CPU memory; on CUDA benchmarks/replay_phases.py "
+                           "counts the real graphs")
+def test_a_loop_holding_the_previous_output_replays_with_two_graphs_each(monkeypatch):
+    """``out = layer(x)`` holds the previous output while the next forward runs: the
+    forward's graph is busy, a second graph is captured, and the two alternate; the
+    backward reads the residuals of one or the other, so two graphs of its own. Here the
+    graphs share memory pools, each capture writing all the memory its pool holds: the
+    second forward graph lies in the pool of second graphs. In the first one's pool it
+    blocked the first, every third forward ran the interpreter, and the backward captured a
+    graph for each new set of residual addresses (a GPT layer on an H200: ten in 200 steps)."""
+    def replay(program, device, budget=None):
+        return AutoReplay(program, torch.device("cuda"), budget, MemoryReportingCuda)
+
+    monkeypatch.setattr(runner_module, "AutoReplay", replay)
+    monkeypatch.setenv("MESHFUSE_SHARED_GRAPH_POOLS", "1")
+    monkeypatch.setattr(pools, "_POOLS", {})
+    monkeypatch.setattr(pools.SharedPool, "cuda_handle", lambda self: _Pool.id)
+    fd, (w1, w2) = _mlp()
+    init = {"w1": _randn(FFN, H, seed=2), "w2": _randn(H, FFN, seed=3)}
+    layer = FusionModule(fd, {"w1": (w1, init["w1"]), "w2": (w2, init["w2"])})
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    x = torch.empty(T, H, dtype=torch.float64)
+    out, replays = None, []
+    for step in range(12):
+        x.copy_(_randn(T, H, seed=10 + step))
+        before = AddressGraph.replays
+        out = layer(x)  # the previous `out` is alive during the call
+        ref_out = _torch_mlp(x, ref["w1"], ref["w2"])
+        torch.testing.assert_close(out, ref_out)
+        grads = torch.autograd.grad(out.pow(2).mean(), [layer.w1, layer.w2])
+        ref_grads = torch.autograd.grad(ref_out.pow(2).mean(), [ref["w1"], ref["w2"]])
+        torch.testing.assert_close(grads, ref_grads)
+        del grads  # (kept, they would make the backward's graph of the other step's
+        # residuals wait for them, in its pool: a third graph)
+        replays.append(AddressGraph.replays - before)
+    forward, backward = _runners(layer._function)
+    assert _graphs(forward) == 2 and _graphs(backward) == 2
+    assert replays[4:] == [2] * 8  # forward and backward replay at every step
