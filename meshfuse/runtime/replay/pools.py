@@ -9,7 +9,9 @@ outputs). So the automatic graphs of one kind on one device share one pool
 (:func:`shared_pool`): a graph captured later takes the memory that earlier graphs used only
 inside their run. Two kinds, two pools: the forwards (and plain ``execute`` calls) and the
 backwards (calls that donate their inputs), so that gradients a training loop keeps (a
-parameter's ``.grad``) never lie in the forwards' intermediates.
+parameter's ``.grad``) never lie in the forwards' intermediates; and of each kind, one pool
+for the first graph of each set of input addresses and one for the second (*Buffers*
+below).
 
 Safety. A graph's outputs stay allocated as long as the graph lives (the runner keeps them),
 so no later capture is given their memory. But a later capture may put its outputs in memory
