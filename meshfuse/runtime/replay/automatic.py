@@ -613,9 +613,9 @@ class _Graph:
         self.blockers: list[weakref.ref[_Graph]] = []  # see pools.py
         self._streams = streams
         self._buffers = buffers
-        # copied in at each replay: the large ones one by one (``_foreach_copy_``'s kernel
-        # copied a GPT layer's 8 MiB cotangent in 16 us on an H200, where the memory's
-        # bandwidth allows about 4), the small ones (a batch's token ids) with one launch
+        # copied in at each replay: the large ones one by one (on an H200, ``_foreach_copy_``
+        # of one bf16 tensor of 8 MiB took 10.4 us against ``copy_``'s 6.9, of 48 MiB 47.1
+        # against 26.9), the small ones (a batch's token ids) with one launch
         self._copied_alone = [i for i, b in buffers.items() if b.nbytes >= LARGE_COPY]
         self._copied_together = [i for i in buffers if i not in self._copied_alone]
         given = {x.untyped_storage()._cdata: i for i, x in enumerate(inputs)
