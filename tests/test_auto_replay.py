@@ -32,7 +32,7 @@ from meshfuse import (
 from meshfuse.engine.settings import cuda_graph_setting
 from meshfuse.examples.seed_sdpa import QkvFormat, SeedAttention, random_inputs
 from meshfuse.runtime.interpreter.executor import RESHARD, Step
-from meshfuse.runtime.replay import automatic, pools
+from meshfuse.runtime.replay import automatic, graphs, pools
 from meshfuse.runtime.replay.automatic import (
     BUFFERS,
     MAX_GRAPHS,
@@ -217,6 +217,15 @@ def test_a_loop_holding_the_previous_result_replays_every_call_in_shared_pools(m
         _assert_outputs(out, x, y)
     assert replay.graphs == BUFFERS and FakeGraph.replays == before + 9
     assert len({id(p) for p in pools._POOLS.values()}) == BUFFERS
+
+
+def test_copy_into_copies_large_tensors_alone_and_small_ones_together():
+    sources = [torch.randn(2**19), torch.arange(5), torch.randn(3, 4).t(), torch.randn(2**18 + 1)]
+    destinations = [torch.empty_like(x) for x in sources]
+    graphs.copy_into(destinations, sources)
+    for got, want in zip(destinations, sources):
+        assert torch.equal(got, want)
+    assert [d.nbytes >= graphs.LARGE_COPY for d in destinations] == [True, False, False, True]
 
 
 def test_written_memory_is_the_pool_less_what_was_held_before():

@@ -109,7 +109,7 @@ from meshfuse.ops.registry import lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program
 from meshfuse.runtime.interpreter.fused import FUSED
 from meshfuse.runtime.interpreter.program import unchanged_view
-from meshfuse.runtime.replay.graphs import buffer_like, capture
+from meshfuse.runtime.replay.graphs import buffer_like, capture, copy_into
 from meshfuse.runtime.replay.pools import (
     BACKWARD,
     FORWARD,
@@ -137,7 +137,6 @@ MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._set
 MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
 # the share of a device's memory that the pools of all automatic graphs may hold together
 POOL_FRACTION = 0.25
-LARGE_COPY = 2**20  # bytes: a buffer a replay copies its input into with a copy of its own
 AUTO = "auto"
 
 
@@ -613,11 +612,6 @@ class _Graph:
         self.blockers: list[weakref.ref[_Graph]] = []  # see pools.py
         self._streams = streams
         self._buffers = buffers
-        # copied in at each replay: the large ones one by one (on an H200, ``_foreach_copy_``
-        # of one bf16 tensor of 8 MiB took 10.4 us against ``copy_``'s 6.9, of 48 MiB 47.1
-        # against 26.9), the small ones (a batch's token ids) with one launch
-        self._copied_alone = [i for i, b in buffers.items() if b.nbytes >= LARGE_COPY]
-        self._copied_together = [i for i in buffers if i not in self._copied_alone]
         given = {x.untyped_storage()._cdata: i for i, x in enumerate(inputs)
                  if isinstance(x, torch.Tensor) and i not in buffers}
         # outputs that are views of a given input: (input, element offset, size, stride)
@@ -661,11 +655,8 @@ class _Graph:
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout
         streams seeded as the interpreter's call would seed them."""
-        for i in self._copied_alone:
-            self._buffers[i].copy_(inputs[i])
-        if self._copied_together:
-            torch._foreach_copy_([self._buffers[i] for i in self._copied_together],
-                                 [inputs[i] for i in self._copied_together])
+        if self._buffers:
+            copy_into(list(self._buffers.values()), [inputs[i] for i in self._buffers])
         if self._streams.streams:
             self._streams.prepare(inputs)
         self._graph.replay()

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshfuse.errors import InputError
 from meshfuse.runtime.replay.automatic import paused
-from meshfuse.runtime.replay.graphs import buffer_like, warm_up_stream
+from meshfuse.runtime.replay.graphs import buffer_like, copy_into, warm_up_stream
 
 
 class StepGraphs:
@@ -141,8 +141,8 @@ class _StepGraph:
 
     def replay(self, args: tuple, copy: bool):
         if self._tensors:
-            torch._foreach_copy_([self._buffers[i] for i in self._tensors],
-                                 [args[i] for i in self._tensors])
+            copy_into([self._buffers[i] for i in self._tensors],
+                      [args[i] for i in self._tensors])
         self._graph.replay()
         return self.results(copy)
 
