@@ -295,7 +295,10 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
     """``x = f(x, w)``: each replay's output is a graph's memory and the next call's input;
     the other input (``w``) is that of a captured graph already, so no graph is captured at
-    each call (each would be replayed once), and values follow torch's loop."""
+    each call (each would be replayed once; 17 graphs in 18 calls before the rule), and
+    values follow torch's loop. How many are captured depends on where the allocator puts
+    the interpreter's outputs, a set of addresses met twice being captured: 2 on this
+    project's CPU machines, 7 on an H200 machine's host (torch 2.11, 2026-12-04)."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([T, H], dtype=DataType.Double)
         w = fd.define_tensor([T, H], dtype=DataType.Double)
@@ -311,7 +314,7 @@ def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
         (x,) = runner.execute([x, w])
         ref = torch.tanh(ref * w)
         torch.testing.assert_close(x, ref)
-    assert 1 <= _graphs(runner) <= 6
+    assert 1 <= _graphs(runner) <= 8
 
 
 def _exp_scale():
