@@ -11,11 +11,14 @@ captured for a forward the interpreter ran; on 2026-12-04 ten backward graphs ca
 from 200 steps holding the previous output, see ``automatic``'s *Buffers*).
 
     python -m benchmarks.replay_phases > LOG    # CUDA: the small layer; CPU: tiny, no graphs
+
+Exits with 1 where a pattern's gradients differ or a runner holds more than two graphs.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch
 
@@ -40,7 +43,7 @@ def _live_blocks(device: torch.device) -> list[tuple[int, int]]:
     return live
 
 
-def main() -> None:
+def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
     cuda = device.type == "cuda"
@@ -64,6 +67,8 @@ def main() -> None:
         return (("forward", compiled.derivation.forward_runner),
                 ("backward", compiled._backward))
 
+    failures = []
+
     def check(phase: str) -> None:
         ctx.sync()
         got = torch.autograd.grad(forward(), leaves, dy)
@@ -73,8 +78,13 @@ def main() -> None:
             values = "values ok"
         except ValueError as err:
             values = f"VALUES WRONG: {err}"
+            failures.append(values)
         counts = [f"{name}: {replay.graphs} graphs for {len(replay._graphs)} sets of addresses"
                   for name, runner in runners() for replay in runner._replays.values()]
+        for name, runner in runners():
+            for replay in runner._replays.values():
+                if replay.graphs > 2:  # a runner's two buffers
+                    failures.append(f"{phase}: {name} {replay.graphs} graphs")
         print(f"[{phase}] {values}; {'; '.join(counts)}", flush=True)
 
     for _ in range(30):
@@ -104,5 +114,10 @@ def main() -> None:
                       f"those in no live allocation: {dead}", flush=True)
 
 
+    if failures:
+        print("FAILED: " + "; ".join(failures), flush=True)
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
