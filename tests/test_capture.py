@@ -250,3 +250,33 @@ def test_a_single_process_parallelizes_without_initializing_torch_distributed():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env=env, check=False)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_trained_transformers_model_is_freed_with_its_last_reference():
+    """After a training step (the capture, its programs, a backward), a parallelized
+    ``transformers`` Llama goes when its last reference does, with no garbage collection:
+    ``torch.export``'s tracer leaves reference cycles that hold the traced module (its
+    wrapper's ``_export_root``), which kept the model and its parameters' memory until
+    Python's next full collection; the capture collects them."""
+    import gc
+    import weakref
+
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    gc.disable()
+    try:
+        model = meshfuse.parallelize(transformers.LlamaForCausalLM(config),
+                                     meshfuse.DeviceMesh([0]), {})
+        model(input_ids=ids, labels=ids).loss.backward()
+        alive = weakref.ref(model)
+        parameter = weakref.ref(next(model.parameters()))
+        del model
+        assert alive() is None and parameter() is None
+    finally:
+        gc.enable()

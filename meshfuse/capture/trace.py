@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -71,7 +72,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> 
         with contextlib.suppress(Exception):  # traced layer by layer below, which says why
             with traced_once(module, groups):
                 exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
-            return _from_exported(exported)
+            return _collected(_from_exported(exported))
     try:
         exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
     except Exception as error:  # PyTorch's tracer raises many types; say what to do
@@ -83,7 +84,17 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> 
             "torch.compile(model, backend=meshfuse.backend(mesh, plan)), where Dynamo "
             "breaks the graph around such code"
         ) from error
-    return _from_exported(exported)
+    return _collected(_from_exported(exported))
+
+
+def _collected(captured: Captured) -> Captured:
+    """``captured``, once the garbage the trace left is collected: ``torch.export``'s tracer
+    leaves reference cycles (the tracer, the attribute proxies' class it makes, the wrapper
+    module around the traced one) that hold the user's module, which would otherwise stay
+    alive after the user drops it, with its parameters' memory, until Python's next full
+    collection (torch 2.11-2.13)."""
+    gc.collect()
+    return captured
 
 
 def _from_exported(exported: ExportedProgram) -> Captured:
