@@ -92,7 +92,7 @@ def _collected(captured: Captured) -> Captured:
     leaves reference cycles (the tracer, the attribute proxies' class it makes, the wrapper
     module around the traced one) that hold the user's module, which would otherwise stay
     alive after the user drops it, with its parameters' memory, until Python's next full
-    collection (torch 2.11-2.13)."""
+    collection (seen with torch 2.13)."""
     gc.collect()
     return captured
 
