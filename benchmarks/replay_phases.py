@@ -8,7 +8,8 @@ next forward (a second forward graph, and a second backward graph for its residu
 backward on the calling thread, and objects frozen out of the collector's sight. At the
 end, each captured graph's keyed input addresses that lie in no live allocation (a graph
 captured for a forward the interpreter ran; on 2026-12-04 ten backward graphs came so
-from 200 steps holding the previous output, see ``automatic``'s *Buffers*).
+from 200 steps holding the previous output, see *Buffers* in
+``meshfuse/runtime/replay/pools.py``).
 
     python -m benchmarks.replay_phases > LOG    # CUDA: the small layer; CPU: tiny, no graphs
 
