@@ -26,7 +26,7 @@ from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.runtime.replay import pools
-from meshfuse.runtime.replay.automatic import AutoReplay
+from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, AutoReplay
 from meshfuse.runtime.replay.graphs import into_inputs
 
 T, H, FFN = 6, 4, 8
@@ -315,6 +315,86 @@ def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
         ref = torch.tanh(ref * w)
         torch.testing.assert_close(x, ref)
     assert 1 <= _graphs(runner) <= 8
+
+
+def test_a_long_loop_feeding_a_program_its_own_output_stops_capturing(monkeypatch):
+    """``x = f(x, w)`` over many calls, where the allocator hands the interpreter's outputs
+    back at two recurring addresses (as CUDA's caching allocator does): a graph keyed on
+    one of them writes a new output address, met twice later and captured in turn. Past
+    ``MAX_CHAIN`` graphs chained on their own outputs, the input is copied into a graph's
+    buffer instead, and the captures stop (before: 60 graphs after 1000 calls, growing to
+    the cap); the calls replay, and values follow torch's loop."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=DataType.Double)
+        w = fd.define_tensor([T, H], dtype=DataType.Double)
+        fd.add_output(fd.ops.tanh(fd.ops.mul(x, w)))
+    w = _randn(T, H, seed=2) * 2
+    start = _randn(T, H, seed=1)
+    program = _program(fd, [start, w])
+    replay = AutoReplay(program, torch.device("cuda"), cuda=AddressCuda)
+    blocks = [torch.empty(T, H, dtype=torch.float64) for _ in range(2)]
+    x, ref, counts, replayed = start, start, [], 0
+    for call in range(400):
+        out = replay.run([x, w])
+        if out is None:  # the interpreter's output, in whichever block x does not use
+            block = blocks[0] if blocks[0].data_ptr() != x.data_ptr() else blocks[1]
+            (y,) = program.run([x, w])
+            x = block.copy_(y)
+        else:
+            replayed += call >= 200
+            (x,) = out
+        ref = torch.tanh(ref * w)
+        torch.testing.assert_close(x, ref)
+        counts.append(replay.graphs)
+    assert counts[199] == counts[-1] <= 2 * MAX_CHAIN + 4
+    assert replayed >= 190
+
+
+def _tied_stack(positions: int, steps: int) -> tuple[list[int], object]:
+    """``steps`` AdamW steps of one MLP applied at ``positions`` places (its weights shared),
+    through one autograd function, checked against PyTorch's; the graph replays of each
+    step and the function."""
+    function = _mlp()[0].as_autograd_function()
+    init = (_randn(FFN, H, seed=2) / 2, _randn(H, FFN, seed=3) / 2)
+    mine = [w.clone().requires_grad_() for w in init]
+    ref = [w.clone().requires_grad_() for w in init]
+    opt, ref_opt = torch.optim.AdamW(mine, lr=0.01), torch.optim.AdamW(ref, lr=0.01)
+    x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
+    replays = []
+    for step in range(steps):
+        with torch.no_grad():
+            x.copy_(_randn(T, H, seed=10 + step))
+        before = AddressGraph.replays
+        h, r = x, x
+        for _ in range(positions):
+            h = function([h, *mine])[0]
+            r = _torch_mlp(r, *ref)
+        torch.testing.assert_close(h, r)
+        for o, out in ((opt, h), (ref_opt, r)):
+            o.zero_grad()
+            out.pow(2).mean().backward()
+            o.step()
+        replays.append(AddressGraph.replays - before)
+    for got, want in zip(mine, ref):
+        torch.testing.assert_close(got.detach(), want.detach())
+    return replays, function
+
+
+@pytest.mark.parametrize("positions", [4, MAX_CHAIN + 4])
+def test_a_stack_of_one_layer_at_every_position_replays(fake_cuda, positions):
+    """One layer applied at every position (its weights tied: the same other inputs at
+    each), each position's input the one before's output: up to ``MAX_CHAIN`` positions a
+    graph each, all replaying once captured (each at its inputs' second meeting: a few
+    steps); beyond, the chain's end copies its input, and the positions left over share that
+    key's graphs or run the interpreter. Values follow PyTorch's either way."""
+    replays, function = _tied_stack(positions, steps=8)
+    forward, backward = _runners(function)
+    if positions <= MAX_CHAIN:
+        assert _graphs(forward) == positions and _graphs(backward) == positions
+        assert replays[-1] == 2 * positions
+    else:  # (on this machine, after 30 steps: 22 of the 24 calls replayed, 14 + 17 graphs)
+        assert _graphs(forward) <= 2 * MAX_CHAIN + BUFFERS
+        assert replays[-1] >= positions
 
 
 def _exp_scale():

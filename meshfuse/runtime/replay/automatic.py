@@ -46,6 +46,13 @@ outputs; the automatic replay here copies nothing, and so replays only where tha
   of a live graph (the previous layer's, replayed), each other tensor where an earlier call
   of the signature had its position's (the layer's parameters, met in the previous step),
   the scalars as at an earlier call; the whole stack replays from the second step.
+- **A program fed its own output** (``x = f(x, w)``, the other inputs the same): each graph
+  writes a new output address, which the next call's key holds; where the interpreter's
+  outputs come back at recurring addresses (as the caching allocator hands them out), graph
+  after graph was captured (a simulation: 60 after 1000 calls, up to :data:`MAX_GRAPHS`).
+  Past :data:`MAX_CHAIN` graphs chained so, the input is copied into a graph's buffer
+  (:meth:`AutoReplay._looped`): that key's two graphs take turns. A stack of one layer at
+  every position (tied weights) keeps a graph per position up to that depth.
 - **Outputs in the graph's memory.** A replay returns aliases of the graph's own output
   tensors, whose memory the next replay of that graph rewrites. So a graph replays only when
   nothing outside holds that memory any more (the storages' use counts are back to what the
@@ -132,6 +139,9 @@ MAX_GRAPHS = 128
 # (see data_inputs)
 DATA_BYTES = 16 * 2**20
 BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
+# graphs of one program chained on its own outputs with the same other inputs, keyed on
+# their addresses (see AutoReplay._looped)
+MAX_CHAIN = 8
 MAX_SEEN = 256  # sets of input addresses remembered until their second call
 MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._settled)
 MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
@@ -398,6 +408,11 @@ class AutoReplay:
         self._addresses: set[tuple[int, int]] = set()
         self._values: set[tuple] = set()  # and their keys' other values (see _settled)
         self._rests: set[frozenset] = set()  # captured graphs' inputs not graphs' outputs
+        # this program's graphs' output addresses -> (the graph's place in a chain of graphs
+        # fed their own outputs, its inputs that lie at no graph's output); those at the end
+        # of a chain apart (see _looped)
+        self._chained: dict[int, tuple[int, frozenset]] = {}
+        self._chain_ends: dict[int, frozenset] = {}
         self.graphs = 0  # captured, over all sets of input addresses
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
@@ -445,6 +460,7 @@ class AutoReplay:
             return None
         self._rests.add(rest)
         self._graphs[key] = [*graphs, graph]
+        self._chain(graph, inputs, staged, rest)
         return graph.replay(inputs)
 
     def _find(self, inputs: Sequence[Any], staged: Collection[int],
@@ -458,16 +474,54 @@ class AutoReplay:
         lies, keyed on its address, with no buffer nor copy; unless the call's graphs were
         captured with it copied (before the graph making it was), which are kept."""
         copied = self._staging(staged, inputs)
+        looped = self._looped(inputs, copied) if self._chain_ends else frozenset()
         settled = [i for i in copied if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
             if copied else ()
         if not settled:
-            return self._keyed(inputs, copied, overwrite)
-        in_place = self._keyed(inputs, copied.difference(settled), overwrite)
+            return self._keyed(inputs, copied | looped, overwrite)
+        in_place = self._keyed(inputs, copied.difference(settled) | looped, overwrite)
         if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, copied, overwrite)
+            copying = self._keyed(inputs, copied | looped, overwrite)
             if copying[3] is not None:
                 return copying
         return in_place
+
+    def _looped(self, inputs: Sequence[Any], copied: frozenset[int]) -> frozenset[int]:
+        """The positions of tensor inputs that lie at the output of a graph of this program
+        at the end of a chain (:data:`MAX_CHAIN` graphs, each fed the one before's output,
+        all with the same other inputs): copied into a graph's buffer rather than keyed.
+        A loop ``x = f(x, w)`` would otherwise capture graph after graph, each keyed on the
+        one before's output memory, up to :data:`MAX_GRAPHS`: the two graphs of the copying
+        key take turns instead. A stack of layers sharing their weights (each position's
+        input the one before's output, every step) keeps a graph per position up to
+        :data:`MAX_CHAIN` positions."""
+        found = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+                 and i not in copied and x.data_ptr() in self._chain_ends]
+        if not found:
+            return frozenset()
+        rest = _outside_graphs(_addresses(inputs, self._unkeyed | copied))
+        return frozenset(i for i in found if self._chain_ends[inputs[i].data_ptr()] == rest)
+
+    def _chain(self, graph: _Graph, inputs: Sequence[Any], copied: frozenset[int],
+               rest: frozenset) -> None:
+        """Records the place of ``graph``, just captured for ``inputs`` (``copied``: the
+        positions it copies, ``rest``: its keyed inputs at no graph's output) in a chain
+        of this program's graphs fed their own outputs: one further than the graph whose
+        output an input is, if that graph had the same ``rest``; at the chain's end where
+        it copies an input that :meth:`_looped` found."""
+        place = 0
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor):
+                if i in copied and x.data_ptr() in self._chain_ends:
+                    place = MAX_CHAIN
+                elif i not in copied:
+                    before = self._chained.get(x.data_ptr())
+                    if before is not None and before[1] == rest:
+                        place = max(place, before[0] + 1)
+        for address in {t.data_ptr() for t in graph._outputs if t is not None}:
+            self._chained[address] = (place, rest)
+            if place >= MAX_CHAIN - 1:
+                self._chain_ends[address] = rest
 
     def _keyed(self, inputs: Sequence[Any], copied: frozenset[int],
                overwrite: Collection[int] = ()):
