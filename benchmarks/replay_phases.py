@@ -13,7 +13,9 @@ from 200 steps holding the previous output, see *Buffers* in
 
     python -m benchmarks.replay_phases > LOG    # CUDA: the small layer; CPU: tiny, no graphs
 
-Exits with 1 where a pattern's gradients differ or a runner holds more than two graphs.
+Then a program fed its own output (``x = f(x, w)``, 400 calls): its values, and its graphs,
+which must stop growing. Exits with 1 where a pattern's values differ, a GPT runner holds
+more than two graphs, or the loop's graphs grow.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from benchmarks.context import Context
 from benchmarks.harness import check_close
 from benchmarks.host_profile import _backward_split
 from benchmarks.timing import host_us_per_call
-from meshfuse import DataType
+from meshfuse import DataType, FusionDefinition
 from meshfuse.examples.gpt import GptBlock
+from meshfuse.runtime.replay import automatic
 
 
 def _live_blocks(device: torch.device) -> list[tuple[int, int]]:
@@ -115,9 +118,37 @@ def main() -> int:
                       f"those in no live allocation: {dead}", flush=True)
 
 
+    failures += _self_fed_loop(device, dtype)
     if failures:
         print("FAILED: " + "; ".join(failures), flush=True)
     return 1 if failures else 0
+
+
+def _self_fed_loop(device: torch.device, dtype: torch.dtype, calls: int = 400) -> list[str]:
+    """``x = tanh(x * w)`` for ``calls`` calls through one fusion's ``execute`` (its output
+    fed back, ``w`` the same): the values against torch's loop, and the graphs captured,
+    which must stop growing (``automatic.MAX_CHAIN``) and replay most calls."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([256, 256], dtype=DataType.from_torch(dtype))
+        w = fd.define_tensor([256, 256], dtype=DataType.from_torch(dtype))
+        fd.add_output(fd.ops.tanh(fd.ops.mul(x, w)))
+    gen = torch.Generator(device).manual_seed(3)
+    w = torch.rand(256, 256, generator=gen, device=device).to(dtype) + 0.5
+    x = torch.randn(256, 256, generator=gen, device=device).to(dtype)
+    ref = x.float()
+    graphs = []
+    for _ in range(calls):
+        (x,) = fd.execute([x, w])
+        ref = torch.tanh(ref * w.float())
+        graphs.append(sum(r.graphs for r in fd._get_runner()._replays.values()))
+    error = ((x.float() - ref).norm() / ref.norm()).item()
+    print(f"[a program fed its own output, {calls} calls] relative error {error:.1e}; "
+          f"graphs after {calls // 2} calls {graphs[calls // 2 - 1]}, after {calls} "
+          f"{graphs[-1]}", flush=True)
+    failures = [] if error < 5e-2 else [f"self-fed loop: relative error {error:.1e}"]
+    if graphs[-1] > 2 * automatic.MAX_CHAIN + 4 or graphs[-1] != graphs[calls // 2 - 1]:
+        failures.append(f"self-fed loop: {graphs[-1]} graphs, still growing or past the chain")
+    return failures
 
 
 if __name__ == "__main__":
