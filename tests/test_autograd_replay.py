@@ -177,20 +177,25 @@ def test_holding_the_previous_steps_loss_keeps_one_graph(fake_cuda):
     assert _graphs(forward) == 1 and _graphs(backward) == 1
 
 
-def _two_stacks(layers: int):
-    """The same MLP stack's parameters twice (meshfuse's, PyTorch's), and an AdamW for each."""
+def _two_stacks(layers: int, tied: bool = False):
+    """The same MLP stack's parameters twice (meshfuse's, PyTorch's), a pair per layer, and an
+    AdamW for each; ``tied``: one pair at every layer (its weights shared)."""
     init = [(_randn(FFN, H, seed=2 * i) / 2, _randn(H, FFN, seed=2 * i + 1) / 2)
-            for i in range(layers)]
+            for i in (range(1, 2) if tied else range(layers))]
     mine = [[w.clone().requires_grad_() for w in pair] for pair in init]
     ref = [[w.clone().requires_grad_() for w in pair] for pair in init]
-    return (mine, ref, torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01),
-            torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01))
+    optimizers = (torch.optim.AdamW([w for pair in mine for w in pair], lr=0.01),
+                  torch.optim.AdamW([w for pair in ref for w in pair], lr=0.01))
+    if tied:
+        mine, ref = mine * layers, ref * layers
+    return (mine, ref, *optimizers)
 
 
-def _train_stack(function, layers: int, steps: int) -> list[int]:
-    """``steps`` AdamW steps of a stack of ``layers`` MLPs that all call ``function``, checked
-    against PyTorch's (outputs, then parameters); the graph replays of each step."""
-    mine, ref, opt, ref_opt = _two_stacks(layers)
+def _train_stack(function, layers: int, steps: int, tied: bool = False) -> list[int]:
+    """``steps`` AdamW steps of a stack of ``layers`` MLPs that all call ``function``
+    (``tied``: with one pair of weights), checked against PyTorch's (outputs, then
+    parameters); the graph replays of each step."""
+    mine, ref, opt, ref_opt = _two_stacks(layers, tied)
     # requires grad: every layer's call asks the same derivation of the function
     x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
     replays = []
@@ -350,36 +355,6 @@ def test_a_long_loop_feeding_a_program_its_own_output_stops_capturing(monkeypatc
     assert replayed >= 190
 
 
-def _tied_stack(positions: int, steps: int) -> tuple[list[int], object]:
-    """``steps`` AdamW steps of one MLP applied at ``positions`` places (its weights shared),
-    through one autograd function, checked against PyTorch's; the graph replays of each
-    step and the function."""
-    function = _mlp()[0].as_autograd_function()
-    init = (_randn(FFN, H, seed=2) / 2, _randn(H, FFN, seed=3) / 2)
-    mine = [w.clone().requires_grad_() for w in init]
-    ref = [w.clone().requires_grad_() for w in init]
-    opt, ref_opt = torch.optim.AdamW(mine, lr=0.01), torch.optim.AdamW(ref, lr=0.01)
-    x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)
-    replays = []
-    for step in range(steps):
-        with torch.no_grad():
-            x.copy_(_randn(T, H, seed=10 + step))
-        before = AddressGraph.replays
-        h, r = x, x
-        for _ in range(positions):
-            h = function([h, *mine])[0]
-            r = _torch_mlp(r, *ref)
-        torch.testing.assert_close(h, r)
-        for o, out in ((opt, h), (ref_opt, r)):
-            o.zero_grad()
-            out.pow(2).mean().backward()
-            o.step()
-        replays.append(AddressGraph.replays - before)
-    for got, want in zip(mine, ref):
-        torch.testing.assert_close(got.detach(), want.detach())
-    return replays, function
-
-
 @pytest.mark.parametrize("positions", [4, MAX_CHAIN + 4])
 def test_a_stack_of_one_layer_at_every_position_replays(fake_cuda, positions):
     """One layer applied at every position (its weights tied: the same other inputs at
@@ -387,7 +362,8 @@ def test_a_stack_of_one_layer_at_every_position_replays(fake_cuda, positions):
     graph each, all replaying once captured (each at its inputs' second meeting: a few
     steps); beyond, the chain's end copies its input, and the positions left over share that
     key's graphs or run the interpreter. Values follow PyTorch's either way."""
-    replays, function = _tied_stack(positions, steps=8)
+    function = _mlp()[0].as_autograd_function()
+    replays = _train_stack(function, positions, steps=8, tied=True)
     forward, backward = _runners(function)
     if positions <= MAX_CHAIN:
         assert _graphs(forward) == positions and _graphs(backward) == positions
