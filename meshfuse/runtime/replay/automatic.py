@@ -474,14 +474,19 @@ class AutoReplay:
         lies, keyed on its address, with no buffer nor copy; unless the call's graphs were
         captured with it copied (before the graph making it was), which are kept."""
         copied = self._staging(staged, inputs)
-        looped = self._looped(inputs, copied) if self._chain_ends else frozenset()
+        # (the staged set itself where nothing is looped: a set made at every call would be
+        # hashed again at every lookup)
+        looped = self._looped(inputs, copied) if self._chain_ends else None
+        with_looped = copied | looped if looped else copied
         settled = [i for i in copied if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
             if copied else ()
         if not settled:
-            return self._keyed(inputs, copied | looped, overwrite)
-        in_place = self._keyed(inputs, copied.difference(settled) | looped, overwrite)
+            return self._keyed(inputs, with_looped, overwrite)
+        still_copied = copied.difference(settled)
+        in_place = self._keyed(inputs, still_copied | looped if looped else still_copied,
+                               overwrite)
         if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, copied | looped, overwrite)
+            copying = self._keyed(inputs, with_looped, overwrite)
             if copying[3] is not None:
                 return copying
         return in_place
