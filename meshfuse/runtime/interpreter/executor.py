@@ -119,7 +119,8 @@ class Program:
     """The per-rank program for one input signature: records and their implementations.
 
     ``calls[i]`` implements ``steps[i]`` (see :func:`dispatch`); the interpreter's loop reads
-    a flat form of both, made once here.
+    a flat form of both, made once here. ``slot_bytes``: the bytes of each tensor slot on
+    this rank, where the binding told them (what the fused segments' cost rules read).
     """
 
     num_slots: int
@@ -128,6 +129,7 @@ class Program:
     outputs: tuple[OutputLayout, ...]
     rank: int
     calls: tuple[Callable[..., Any], ...]
+    slot_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         flat = []

@@ -42,6 +42,7 @@ from torch import fx
 
 from meshfuse.ops.registry import REGISTRY, lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
+from meshfuse.runtime.interpreter.recompute import recomputed_in_readers
 from meshfuse.runtime.interpreter.segment_cache import SHARED
 
 FUSED = "fused"
@@ -81,10 +82,14 @@ def fuse_program(program: Program, backend: str = "inductor",
     keep = {o.slot for o in program.outputs}
     communicated = {s for step in program.steps if step.op == RESHARD for s in step.outputs}
     order = clustered(program.steps, communicated)
-    ordered = [program.steps[i] for i in order]
-    ordered_calls = [program.calls[i] for i in order]
+    runs = _runs([program.steps[i] for i in order], communicated)
+    moved = recomputed_in_readers(
+        [program.steps[i] for i in order], [program.calls[i] for i in order], runs,
+        [fusible(program.steps[order[run[0]]]) for run in runs], program.slot_bytes, keep,
+        program.num_slots)
+    ordered, ordered_calls = moved.steps, moved.calls
     steps, calls = [], []
-    for run in _runs(ordered, communicated):
+    for run in moved.runs:
         if len(run) < 2 or not fusible(ordered[run[0]]):
             for i in run:
                 steps.append(ordered[i])
@@ -95,8 +100,8 @@ def fuse_program(program: Program, backend: str = "inductor",
         step, graph = _segment(body, [ordered_calls[i] for i in run], later | keep)
         steps.append(step)
         calls.append(_Compiled(graph, backend, stats))
-    return Program(program.num_slots, program.input_slots, tuple(steps), program.outputs,
-                   program.rank, tuple(calls))
+    return Program(moved.num_slots, program.input_slots, tuple(steps), program.outputs,
+                   program.rank, tuple(calls), program.slot_bytes)
 
 
 def clustered(steps: Sequence[Step], communicated: set[int]) -> list[int]:

@@ -83,7 +83,8 @@ class HostLog:
         stamps: list[int] = []
         timed = Program(program.num_slots, program.input_slots, program.steps,
                         program.outputs, program.rank,
-                        tuple(_stamped(call, stamps) for call in program.calls))
+                        tuple(_stamped(call, stamps) for call in program.calls),
+                        program.slot_bytes)
         outputs = timed.run(inputs, donate)
         end = time.perf_counter_ns()
         if stamps:

@@ -12,6 +12,7 @@ runner binds plans to this rank's process groups).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -110,7 +111,19 @@ def build_program(fusion: Fusion, binding: Binding, local: Mapping[Expr, Local],
         steps, calls = group_loops(ran, steps, calls, slot_of, keep)
     steps, calls = run_in_buckets(steps, calls, plan_buckets(candidates), rank)
     outputs = tuple(_output_layout(tv, slot(tv), binding, rank) for tv in fusion.outputs())
-    return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls))
+    return Program(len(slot_of), input_slots, tuple(steps), outputs, rank, tuple(calls),
+                   _slot_bytes(slot_of, binding))
+
+
+def _slot_bytes(slot_of: Mapping[Val, int], binding: Binding) -> dict[int, int]:
+    """The bytes of each tensor slot's local value, as bound (an expanded broadcast axis
+    counted at its extent)."""
+    sizes = {}
+    for v, s in slot_of.items():
+        layout = binding.layouts.get(v) if isinstance(v, TensorView) else None
+        if layout is not None:
+            sizes[s] = math.prod(layout.shape) * v.dtype.torch_dtype.itemsize
+    return sizes
 
 
 def _reshard_step(expr: Reshard, lowered: tuple[Callable, tuple, str] | None, src: Slot,

@@ -1,0 +1,237 @@
+"""Recomputation across fused segments: cheap values computed again where they are read.
+
+A matrix product, attention or a communication ends a fused segment, so a value that one
+segment computes and a later one reads crosses memory: written by the first, read back by
+the second. For a cheap value (a pointwise result, a cast, a view) of inputs that the later
+segment holds anyway, recomputing it there costs nothing but arithmetic. The derived
+backward of a layer norm is the case that matters: the recomputed normalized input
+``(x - mean) * rstd`` feeds the weight gradient's product as a half-precision copy, and the
+norm's own backward after that product reads ``x - mean`` and the normalized input again,
+both in float32: the first segment wrote two float32 tensors of the activation's size (four
+times the bytes of the half-precision copy it had to write) and the second read them back,
+where ``x`` and ``mean`` were its inputs already.
+
+:func:`recomputed_in_readers` moves such work: for each value a fused segment reads from an
+earlier one, the cone of cheap steps (ops whose derivative rule marks them recomputable,
+:class:`~meshfuse.ops.registry.Vjp`'s ``recompute``, that communicate nothing) that makes it
+from values the reading segment may read is copied to the front of the reading segment
+(under new slots), when that moves fewer bytes than the value does: the value's read, and
+its write where nothing else reads it, against the reads of the cone's inputs that the
+reading segment did not read before. Sizes are the program's ``slot_bytes`` (a program
+without them is left as it is). A cone's inputs must still be alive where the reading
+segment runs (read there or later, or kept), so no lifetime grows and no input written in
+place in between is read; values are never changed: every recomputation runs the same
+implementation on the same values as the original step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from meshfuse.ops.registry import REGISTRY, lookup
+from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
+
+
+@dataclasses.dataclass
+class Recomputed:
+    """:func:`recomputed_in_readers`' result: the steps and their calls, the runs of steps
+    that become segments (indices into ``steps``), and the number of slots (new slots
+    hold the recomputations)."""
+
+    steps: list[Step]
+    calls: list[Callable]
+    runs: list[list[int]]
+    num_slots: int
+
+
+def cheap(step: Step) -> bool:
+    """Whether a step may be recomputed in a later segment: a single-output op whose
+    derivative rule marks it recomputable (pointwise ops, casts, shape ops, local slices)
+    and that communicates nothing."""
+    if step.op == RESHARD or step.op not in REGISTRY or len(step.outputs) != 1:
+        return False
+    vjp = lookup(step.op).vjp
+    return vjp is not None and vjp.recompute and not vjp.communication
+
+
+def recomputed_in_readers(steps: Sequence[Step], calls: Sequence[Callable],
+                          runs: Sequence[Sequence[int]], segments: Sequence[bool],
+                          slot_bytes: Mapping[int, int], keep: set[int],
+                          num_slots: int) -> Recomputed:
+    """``steps`` (in program order) cut into ``runs``, of which those flagged in
+    ``segments`` become fused segments, with the cheap values that a segment reads from an
+    earlier segment recomputed in it where that moves fewer bytes (see the module doc).
+    ``keep``: the program's output slots."""
+    state = _State(list(steps), list(calls), [list(r) for r in runs], num_slots, keep)
+    if not slot_bytes:
+        return state.result()
+    for k, is_segment in enumerate(segments):
+        if is_segment:
+            state.recompute_into(k, slot_bytes, segments)
+    return state.result()
+
+
+class _State:
+    """The steps, calls and runs as the rewriting leaves them."""
+
+    def __init__(self, steps: list[Step], calls: list[Callable], runs: list[list[int]],
+                 num_slots: int, keep: set[int]) -> None:
+        self.steps, self.calls, self.runs = steps, calls, runs
+        self.num_slots, self.keep = num_slots, keep
+
+    def result(self) -> Recomputed:
+        order = [i for run in self.runs for i in run]
+        position = {old: new for new, old in enumerate(order)}
+        return Recomputed([self.steps[i] for i in order], [self.calls[i] for i in order],
+                          [[position[i] for i in run] for run in self.runs], self.num_slots)
+
+    def _positions(self) -> dict[int, int]:
+        """Each step's place in the order the runs give."""
+        return {i: n for n, i in enumerate(i for run in self.runs for i in run)}
+
+    def recompute_into(self, k: int, slot_bytes: Mapping[int, int],
+                       segments: Sequence[bool]) -> None:
+        """Recomputes in run ``k`` the values it reads from earlier segments where that
+        saves bytes; candidates in the order they were defined (a cone then reuses the
+        recomputations of those before it)."""
+        reader = _Reader(self, k, segments)
+        renamed: dict[int, int] = {}  # value -> its recomputation's slot in run k
+        added: list[int] = []  # the copied steps, in order
+        for v in sorted(reader.reads, key=reader.defined_at):
+            j = reader.run_of.get(reader.definer.get(v, -1))
+            if j is None or j == k or not segments[j] or len(self.runs[j]) < 2 or \
+                    v not in slot_bytes:
+                continue  # a value of no segment (a single step runs whatever reads it)
+            cone = reader.cone(v, j, renamed, slot_bytes)
+            if cone is None:
+                continue
+            steps, cost = cone
+            read_elsewhere = v in self.keep or any(
+                v in step.reads for i, step in enumerate(self.steps)
+                if i not in reader.body and reader.run_of.get(i) != j)
+            if cost >= slot_bytes[v] * (1 if read_elsewhere else 2):
+                continue
+            for i in steps:
+                renamed[self.steps[i].outputs[0]] = self.num_slots
+                self.num_slots += 1
+                added.append(self._copy(i, renamed))
+            reader.reads |= {r for i in added for r in self.steps[i].reads
+                             if r not in renamed.values()}
+        if added:
+            self._reroute(k, added, renamed)
+
+    def _copy(self, i: int, renamed: dict[int, int]) -> int:
+        """Appends a copy of step ``i`` writing its output's new slot and reading the
+        recomputations made before it; returns the copy's index."""
+        step = self.steps[i]
+        args = tuple(_renamed_arg(a, renamed) for a in step.args)
+        copy = dataclasses.replace(step, args=args, outputs=(renamed[step.outputs[0]],),
+                                   free=(), label=f"recomputed: {step.label}")
+        self.steps.append(copy)
+        self.calls.append(self.calls[i])
+        return len(self.steps) - 1
+
+    def _reroute(self, k: int, added: list[int], renamed: dict[int, int]) -> None:
+        """Run ``k`` begins with the copies and reads their slots; each value it no longer
+        reads is freed after its last reader instead."""
+        body = self.runs[k]
+        for i in body:
+            step = self.steps[i]
+            self.steps[i] = dataclasses.replace(
+                step, args=tuple(_renamed_arg(a, renamed) for a in step.args))
+        self.runs[k] = added + body
+        self._refree(set(renamed) | {s for i in added for s in self.steps[i].reads})
+
+    def _refree(self, slots: set[int]) -> None:
+        """Each of ``slots`` freed after its last reader in the new order (at none where
+        nothing reads it: it stays inside its segment, or is kept): a value no longer read
+        by the reading segment is freed earlier, a cone's input that it now reads later."""
+        order = [i for run in self.runs for i in run]
+        last: dict[int, int] = {}
+        for i in order:
+            for s in self.steps[i].reads:
+                if s in slots:
+                    last[s] = i
+        for i in order:
+            step = self.steps[i]
+            free = tuple(s for s in step.free if s not in slots)
+            free += tuple(s for s, at in last.items() if at == i and s not in self.keep)
+            if free != step.free:
+                self.steps[i] = dataclasses.replace(step, free=free)
+
+
+class _Reader:
+    """What deciding the recomputations into run ``k`` of ``state`` reads: where each step
+    runs, which run holds it, which step defines each slot, the slots the run reads from
+    before it, and those read where it runs or later (alive there)."""
+
+    def __init__(self, state: _State, k: int, segments: Sequence[bool]) -> None:
+        self.state, self.segments = state, segments
+        self.place = state._positions()
+        self.start = self.place[state.runs[k][0]]
+        self.run_of = {i: r for r, run in enumerate(state.runs) for i in run}
+        self.definer = {s: i for i, step in enumerate(state.steps) for s in step.outputs}
+        self.body = set(state.runs[k])
+        steps = state.steps
+        self.reads = {s for i in self.body for s in steps[i].reads} - \
+            {s for i in self.body for s in steps[i].outputs}
+        self.alive = set(state.keep) | {s for i, step in enumerate(steps)
+                                        if self.place[i] >= self.start for s in step.reads}
+
+    def defined_at(self, slot: int) -> int:
+        return self.place.get(self.definer.get(slot, -1), -1)
+
+    def cone(self, v: int, j: int, renamed: dict[int, int], slot_bytes: Mapping[int, int]
+             ) -> tuple[list[int], int] | None:
+        """The steps of run ``j`` that recompute ``v`` (in order) and the bytes the reader
+        moves for the inputs it did not read before, or None where ``v`` cannot be
+        recomputed there: a step on the way that is not cheap, or an input that the reader
+        may not read (see :meth:`readable`)."""
+        steps = self.state.steps
+        producer = set(self.state.runs[j])
+        cone: list[int] = []
+        cost = 0
+        seen: set[int] = set()
+
+        def visit(s: int, top: bool) -> bool:
+            nonlocal cost
+            if s in renamed or (not top and s in self.reads) or s in seen:
+                return True
+            seen.add(s)
+            i = self.definer.get(s)
+            if i in producer and cheap(steps[i]):
+                if not all(visit(r, False) for r in steps[i].reads):
+                    return False
+                cone.append(i)
+                return True
+            if top or s not in slot_bytes or not self.readable(s, j):
+                return False
+            # read once; written once more where only its own segment read it
+            cost += slot_bytes[s] * (2 if i in producer and s not in self.alive else 1)
+            return True
+
+        if not visit(v, True):
+            return None
+        return sorted(cone, key=self.place.__getitem__), cost
+
+    def readable(self, s: int, j: int) -> bool:
+        """Whether the reader may read slot ``s``, an input of a step of run ``j``: it is
+        alive where the reader runs, or no step between run ``j``'s start and the reader
+        reads it but fused segments' (pure functions: none writes it in place), so that
+        freeing it after the reader instead of before keeps its value."""
+        if s in self.alive:
+            return True
+        begin = self.place[self.state.runs[j][0]]
+        return not any(
+            s in step.reads for i, step in enumerate(self.state.steps)
+            if i in self.run_of and begin <= self.place[i] < self.start
+            and not self.segments[self.run_of[i]])
+
+
+def _renamed_arg(a, renamed: Mapping[int, int]):
+    if isinstance(a, Slot):
+        return Slot(renamed.get(a.index, a.index))
+    if isinstance(a, list) and a and all(isinstance(s, Slot) for s in a):
+        return [Slot(renamed.get(s.index, s.index)) for s in a]
+    return a
