@@ -14,6 +14,8 @@ readers. Compiled with ``aot_eager`` (the segments' graphs as Inductor gets them
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from meshfuse import DataType, FusionDefinition
@@ -53,7 +55,8 @@ def _norm_inputs(seed: int = 0):
     return [x, mean, rstd, torch.randn(COLS, COLS, generator=gen).to(torch.bfloat16)]
 
 
-def _segments(fd) -> list[Step]:
+def _segments(fd) -> tuple:
+    """The fused program of ``fd``'s one signature, and its segments' records."""
     (program, _), = fd._get_runner()._fused.values()
     return program, [s for s in program.steps if s.op == FUSED]
 
@@ -121,7 +124,7 @@ def test_the_derived_backward_of_a_layer_norm_recomputes_after_the_products():
     segments = [s for s in program.steps if s.op == FUSED]
     assert len(segments) >= 2 and any("recomputed" in s.label for s in segments)
     activation_floats = {s for s, n in program.slot_bytes.items() if n == ROWS * COLS * 4}
-    for first, second in zip(segments, segments[1:]):
+    for first, second in itertools.pairwise(segments):
         assert not activation_floats & set(first.outputs) & {a.index for a in second.args}
 
 
