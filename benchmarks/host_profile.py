@@ -33,6 +33,7 @@ from benchmarks.context import Context
 from benchmarks.memory_peak import host_profile
 from benchmarks.timing import host_us_per_call
 from meshfuse import DataType
+from meshfuse.autodiff.engine_thread import BACKWARD_THREAD_ENV
 from meshfuse.autodiff.function import _FusionAutograd
 from meshfuse.examples.gpt import GptBlock
 
@@ -65,11 +66,11 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 def gpt_phases(size, device, ctx: Context) -> list[str]:
     """The small GPT layer's autograd step in parts, host us per call with the GPU kept
-    busy: the whole step, its forward alone (the node dropped at once), the backward split
-    at the node, the step with the backward on the calling thread
-    (``torch.autograd.set_multithreading_enabled(False)``: no hand-off to the engine's
-    device thread), with every object out of the collector's sight, and each captured CUDA
-    graph's launch alone (``CUDAGraph.replay``)."""
+    busy: the whole step (its backward on the calling thread, meshfuse's default), its
+    forward alone (the node dropped at once), the backward split at the node, the step
+    with the backward handed to the engine's device thread (torch's default:
+    ``MESHFUSE_BACKWARD_THREAD=device``), with every object out of the collector's sight,
+    and each captured CUDA graph's launch alone (``CUDAGraph.replay``)."""
     b, s, heads, e = size
     dtype = _dtype(device)
     function = GptBlock(b, s, e, heads, DataType.from_torch(dtype)).define() \
@@ -87,9 +88,11 @@ def gpt_phases(size, device, ctx: Context) -> list[str]:
     figures = {"step": host_us_per_call(ctx, step, calls=10)["host_us"],
                "forward alone": host_us_per_call(ctx, forward, calls=10)["host_us"]}
     figures |= _backward_split(forward, leaves, dy)
-    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread
-        figures["step, backward on the calling thread"] = host_us_per_call(
+    os.environ[BACKWARD_THREAD_ENV] = "device"  # torch's default: the device's thread
+    with torch.autograd.set_multithreading_enabled(True):
+        figures["step, backward on the engine's device thread"] = host_us_per_call(
             ctx, step, calls=10)["host_us"]
+    del os.environ[BACKWARD_THREAD_ENV]
     gc.collect()
     gc.freeze()  # every object so far out of the collector's sight: what collections cost
     figures["step, objects frozen"] = host_us_per_call(ctx, step, calls=10)["host_us"]
@@ -111,7 +114,7 @@ def gpt_phases(size, device, ctx: Context) -> list[str]:
 
 def _backward_split(forward, leaves, dy, steps: int = 200) -> dict[str, float]:
     """The backward's host time split at the node: from ``autograd.grad``'s call to the
-    node's backward (the engine's thread taking the work), the node, and from its return to
+    node's backward (the engine reaching the node), the node, and from its return to
     ``grad``'s (median us over ``steps``, the GPU not kept busy: the replays launch only)."""
     node = _FusionAutograd
     original = node.backward
@@ -230,8 +233,10 @@ def _autograd_figures(device: torch.device, per_call) -> dict[str, float]:
 
     def one_kernel():
         torch.autograd.grad(leaves[0].mul(2), leaves[0], dy)
-    figures = {f"a node of 13 leaves, forward and grad, on {device.type}": per_call(node, 3000),
-               f"mul and its grad on {device.type}": per_call(one_kernel, 3000)}
+    with torch.autograd.set_multithreading_enabled(True):  # torch's default
+        figures = {f"a node of 13 leaves, forward and grad, on {device.type}":
+                   per_call(node, 3000),
+                   f"mul and its grad on {device.type}": per_call(one_kernel, 3000)}
     if device.type != "cpu":  # a CPU backward runs on the calling thread anyway
         with torch.autograd.set_multithreading_enabled(False):
             figures[f"the node on {device.type}, backward on the calling thread"] = \

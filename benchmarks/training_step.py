@@ -15,6 +15,9 @@ default settings:
   they are by default;
 - ``meshfuse_autograd_no_replay``: the same with ``MESHFUSE_CUDA_GRAPH=0`` (fused segments
   launched from Python: what the replay saves; its first call is made before the timed one);
+- ``meshfuse_autograd_device_thread``: the same with ``MESHFUSE_BACKWARD_THREAD=device``
+  (the backward handed to autograd's thread for the device, as before meshfuse ran it on
+  the calling thread: :mod:`meshfuse.autodiff.engine_thread`);
 - ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads the
   forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
   and the norms' outputs are recomputed by default, inside the backward's fused segments:
@@ -23,6 +26,9 @@ default settings:
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
   with the backward written out, ``execute`` with its defaults.
+
+The torch variants run with autograd's device threads on (torch's default; a meshfuse
+call turns them off for its thread, so their steps switch them on around themselves).
 
 Timing: every variant set up, checked against the eager layer (relative error of ``y`` and
 ``dx`` within 5e-2), warmed up, then timed *interleaved*: each round times a block of steps
@@ -62,6 +68,7 @@ from torch._dynamo.utils import counters
 import meshfuse
 from benchmarks.harness import autograd_step, check_close
 from benchmarks.timing import interleaved
+from meshfuse.autodiff.engine_thread import BACKWARD_THREAD_ENV
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.examples.gpt_torch import Gpt3Block
 
@@ -180,19 +187,25 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def torch_variant(**options):
         block = Gpt3Block(params, heads)
-        step = autograd_step(torch.compile(block, backend=backend, **options), [x], dy,
-                             block.parameters())
-        if options.get("mode") == "reduce-overhead":
-            inner = step
+        inner = autograd_step(torch.compile(block, backend=backend, **options), [x], dy,
+                              block.parameters())
+        mark = options.get("mode") == "reduce-overhead"
 
-            def step():
-                torch.compiler.cudagraph_mark_step_begin()
+        def step():
+            with torch.autograd.set_multithreading_enabled(True):  # torch's default
+                if mark:
+                    torch.compiler.cudagraph_mark_step_begin()
                 return inner()
         return step, None
 
     def eager():
         block = Gpt3Block(params, heads)
-        return autograd_step(block, [x], dy, block.parameters()), None
+        inner = autograd_step(block, [x], dy, block.parameters())
+
+        def step():
+            with torch.autograd.set_multithreading_enabled(True):  # torch's default
+                return inner()
+        return step, None
 
     def reduce_overhead():
         if device.type != "cuda":
@@ -207,6 +220,18 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def derived_saved():
         return derived(remat="save")
+
+    def derived_device_thread():
+        inner, function = derived()
+
+        def step():  # (setting the variable costs a few us of host time per step)
+            os.environ[BACKWARD_THREAD_ENV] = "device"
+            try:
+                with torch.autograd.set_multithreading_enabled(True):
+                    return inner()
+            finally:
+                del os.environ[BACKWARD_THREAD_ENV]
+        return step, function
 
     def derived_no_replay():
         # the runners read MESHFUSE_CUDA_GRAPH when the first call makes them
@@ -244,6 +269,7 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("torch_eager", eager), ("torch_compile", torch_variant),
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
         ("meshfuse_autograd_no_replay", derived_no_replay),
+        ("meshfuse_autograd_device_thread", derived_device_thread),
         ("meshfuse_autograd_saved", derived_saved), ("meshfuse_captured", captured),
         ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshfuse.autodiff.derivation import Derivation, PartialBackward, derive, zero_cotangents
+from meshfuse.autodiff.engine_thread import run_backward_here
 from meshfuse.dtensor import (
     check_dtensor_input,
     has_dtensors,
@@ -169,8 +170,10 @@ class FusionFunction:
         if torch.is_grad_enabled() and any(i is not None for i in compiled.derivation.gradients) \
                 and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             anchor = torch.empty(0, requires_grad=True)
-        if torch.is_grad_enabled() and not _SOLE:
-            _calibrate()
+        if torch.is_grad_enabled():
+            run_backward_here()
+            if not _SOLE:
+                _calibrate()
         return list(_FusionAutograd.apply(compiled, self.keep_residuals, anchor, *inputs))
 
     def _compiled_for(self, inputs: Sequence[Any]) -> _Compiled:
