@@ -175,6 +175,26 @@ def test_an_input_only_segments_read_lives_on_to_the_reader():
     assert reader[0].free == (0,) and 0 not in moved.steps[moved.runs[0][0]].free
 
 
+def test_a_segment_left_with_nothing_to_do_is_dropped():
+    """A segment whose every output is recomputed where it is read (a segment of views
+    before attention) runs no more: its steps go, and its input is freed by the reader."""
+    steps = [_step("neg", [0], [1]), _step("abs", [1], [2], free=[0]),
+             _step("linear", [3, 9], [4], free=[3]), _step("mul", [4, 2], [5], free=[2, 4])]
+    calls = [torch.neg, torch.abs, torch.nn.functional.linear, torch.mul]
+    moved = recomputed_in_readers(steps, calls, [[0, 1], [2], [3]], [True, False, True],
+                                  dict.fromkeys(range(10), 4), {5}, 10)
+    assert [[moved.steps[i].op for i in run] for run in moved.runs] == \
+        [["linear"], ["neg", "abs", "mul"]]
+    reader = [moved.steps[i] for i in moved.runs[1]]
+    assert 0 in reader[0].free and reader[2].free == (4,)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {0: torch.randn(4, 4, generator=gen), 3: torch.randn(4, 4, generator=gen),
+              9: torch.randn(4, 4, generator=gen)}
+    plain = recomputed_in_readers(steps, calls, [[0, 1], [2], [3]], [True, False, True], {},
+                                  {5}, 10)
+    torch.testing.assert_close(_run(moved, dict(inputs))[5], _run(plain, dict(inputs))[5])
+
+
 def test_not_recomputed_where_it_costs_more_or_an_input_may_have_changed():
     steps, calls, runs, segments = _program()
     sizes = dict.fromkeys(range(10), 4)

@@ -69,6 +69,7 @@ def recomputed_in_readers(steps: Sequence[Step], calls: Sequence[Callable],
     for k, is_segment in enumerate(segments):
         if is_segment:
             state.recompute_into(k, slot_bytes, segments)
+    state.drop_unread(segments)
     return state.result()
 
 
@@ -79,6 +80,24 @@ class _State:
                  num_slots: int, keep: set[int]) -> None:
         self.steps, self.calls, self.runs = steps, calls, runs
         self.num_slots, self.keep = num_slots, keep
+
+    def drop_unread(self, segments: Sequence[bool]) -> None:
+        """Drops the steps of segments whose outputs nothing reads any more (each was
+        recomputed where it was read: a segment of views before attention had nothing
+        left to do), then frees what they read after its new last reader."""
+        dropped: set[int] = set()
+        while True:
+            read = set(self.keep) | {s for run in self.runs for i in run
+                                     for s in self.steps[i].reads}
+            unread = {i for r, run in enumerate(self.runs) if segments[r] for i in run
+                      if not read.intersection(self.steps[i].outputs)}
+            if not unread:
+                break
+            dropped |= unread
+            self.runs = [[i for i in run if i not in unread] for run in self.runs]
+        if dropped:
+            self.runs = [run for run in self.runs if run]
+            self._refree({s for i in dropped for s in self.steps[i].reads})
 
     def result(self) -> Recomputed:
         order = [i for run in self.runs for i in run]
