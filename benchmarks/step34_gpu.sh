@@ -7,7 +7,9 @@
 #   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
 #                                              # meshfuse (~3-4 min on 2026-12-03)
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
-# time, explicit CUDA graphs, with real graphs: OUT/tests.txt.
+# time, explicit CUDA graphs, the backward on the calling thread, recomputation across
+# segments, with real graphs: OUT/tests.txt; then benchmarks.replay_phases (the graphs a
+# layer keeps through host_profile's call patterns and a self-fed loop): OUT/replay_phases.log.
 # layers/big: benchmarks.training_step (torch eager, torch.compile, reduce-overhead, the
 # derived backward through autograd with default settings, without replay, under
 # capture_step, the hand-written fusion; ratios in the same run): OUT/layers/ or OUT/big/
@@ -20,11 +22,14 @@ part=${2:-layers}
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 case $part in
   tests)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfs --world-sizes 1 \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rfs --world-sizes 1 \
       tests/test_autograd_replay.py tests/test_auto_replay.py tests/test_capture_step.py \
       tests/test_compile_default.py tests/test_host_time.py tests/test_cuda_graph.py \
+      tests/test_engine_thread.py tests/test_recompute_segments.py \
       > "$out/tests.txt" 2>&1
-    echo "tests: rc=$? $(tail -1 "$out/tests.txt")" ;;
+    echo "tests: rc=$? $(tail -1 "$out/tests.txt")"
+    timeout 130 python3 -m benchmarks.replay_phases > "$out/replay_phases.log" 2>&1
+    echo "replay_phases: rc=$? $(tail -1 "$out/replay_phases.log")" ;;
   layers|big)
     sizes=small,medium
     [ "$part" = big ] && sizes=big

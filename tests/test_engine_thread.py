@@ -3,8 +3,8 @@
 
 Checked, each in a thread of its own (the switch is per thread): a call with grad mode on
 turns the engine's device threads off for its thread, and the gradients are PyTorch's; a
-call under ``no_grad`` and a call with ``device`` leave them on; another thread is not
-touched; a bad value is a typed error naming the variable. On a GPU: the node's backward
+call under ``no_grad`` and a call with ``device`` leave them on; a new thread starts with
+them on; a bad value is a typed error naming the variable. On a GPU: the node's backward
 runs on the thread that called ``backward()``, or on the engine's thread with ``device``.
 """
 
@@ -68,7 +68,7 @@ def test_a_call_with_grad_runs_its_threads_backwards_on_it():
     want = torch.autograd.grad(torch.tanh(rx) * rw, [rx, rw], torch.ones(4, 3))
     for g, r in zip(grads, want):
         torch.testing.assert_close(g, r)
-    assert torch.autograd.is_multithreading_enabled()  # the test's own thread: untouched
+    assert _in_a_thread(torch.autograd.is_multithreading_enabled)  # a new thread: untouched
 
 
 def test_no_grad_and_the_device_setting_keep_torchs_threads(monkeypatch):
