@@ -62,14 +62,17 @@ def _sync(device):
 
 
 def _step(model, optimizer, step_inputs) -> torch.Tensor:
-    """One training step (forward, backward, optimizer step; not synchronized); its loss."""
-    optimizer.zero_grad(set_to_none=True)
-    if getattr(model, "meshfuse_marks_steps", False):  # compile_ro: a new step of its graphs
-        torch.compiler.cudagraph_mark_step_begin()
-    loss = model(**step_inputs).loss
-    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    loss.backward()
-    optimizer.step()
+    """One training step (forward, backward, optimizer step; not synchronized); its loss.
+    It starts with autograd's device threads on, torch's default (a meshfuse model's
+    forward switches them off for its thread: meshfuse.autodiff.engine_thread)."""
+    with torch.autograd.set_multithreading_enabled(True):
+        optimizer.zero_grad(set_to_none=True)
+        if getattr(model, "meshfuse_marks_steps", False):  # compile_ro: a new step of graphs
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = model(**step_inputs).loss
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        loss.backward()
+        optimizer.step()
     return loss
 
 

@@ -94,26 +94,33 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
     """Milliseconds per step of each variant in each round: blocks of ``iters`` steps of
     every variant in turn, the order rotated each round, so that a drift of the GPU's clocks
     or of its neighbours weighs on all alike (CUDA events around a block; wall clock on the
-    CPU)."""
+    CPU). Each block starts with autograd's device threads on, torch's default: a meshfuse
+    call switches them off for its thread (:mod:`meshfuse.autodiff.engine_thread`), which
+    would otherwise carry over to the torch variants timed after it."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            if device.type == "cuda":
-                start, end = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
-                start.record()
-                for _ in range(iters):
-                    steps[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / iters)
-            else:
-                begin = time.perf_counter()
-                for _ in range(iters):
-                    steps[name]()
-                times[name].append((time.perf_counter() - begin) * 1e3 / iters)
+            with torch.autograd.set_multithreading_enabled(True):
+                times[name].append(_block_ms(steps[name], iters, device))
     return times
+
+
+def _block_ms(step: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Milliseconds per call of ``step`` over a block of ``iters`` calls."""
+    if device.type == "cuda":
+        start, end = (torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+        start.record()
+        for _ in range(iters):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / iters
 
 
 def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:

@@ -27,8 +27,9 @@ default settings:
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
   with the backward written out, ``execute`` with its defaults.
 
-The torch variants run with autograd's device threads on (torch's default; a meshfuse
-call turns them off for its thread, so their steps switch them on around themselves).
+Each block of timed steps starts with autograd's device threads on (torch's default, which
+the torch variants keep; a meshfuse call turns them off for its thread:
+:func:`benchmarks.timing.interleaved`).
 
 Timing: every variant set up, checked against the eager layer (relative error of ``y`` and
 ``dx`` within 5e-2), warmed up, then timed *interleaved*: each round times a block of steps
@@ -187,25 +188,19 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def torch_variant(**options):
         block = Gpt3Block(params, heads)
-        inner = autograd_step(torch.compile(block, backend=backend, **options), [x], dy,
-                              block.parameters())
-        mark = options.get("mode") == "reduce-overhead"
+        step = autograd_step(torch.compile(block, backend=backend, **options), [x], dy,
+                             block.parameters())
+        if options.get("mode") == "reduce-overhead":
+            inner = step
 
-        def step():
-            with torch.autograd.set_multithreading_enabled(True):  # torch's default
-                if mark:
-                    torch.compiler.cudagraph_mark_step_begin()
+            def step():
+                torch.compiler.cudagraph_mark_step_begin()
                 return inner()
         return step, None
 
     def eager():
         block = Gpt3Block(params, heads)
-        inner = autograd_step(block, [x], dy, block.parameters())
-
-        def step():
-            with torch.autograd.set_multithreading_enabled(True):  # torch's default
-                return inner()
-        return step, None
+        return autograd_step(block, [x], dy, block.parameters()), None
 
     def reduce_overhead():
         if device.type != "cuda":

@@ -153,3 +153,19 @@ def test_live_by_origin_groups_a_snapshots_blocks():
                                 "graphs.py:108:warm_up_run"]
     assert lines[2].split()[:5] == ["1.0", "MiB", "1", "blocks", "graphs"]
     assert len(lines) == 3
+
+
+def test_interleaved_blocks_start_with_torchs_autograd_threads():
+    """A step that switches autograd's device threads off for its thread (as a meshfuse
+    call does) does not carry that over to the variant timed after it."""
+    import torch
+
+    from benchmarks.timing import interleaved
+
+    seen = []
+    steps = {"switches off": lambda: torch.autograd.set_multithreading_enabled(False),
+             "reads": lambda: seen.append(torch.autograd.is_multithreading_enabled())}
+    before = torch.autograd.is_multithreading_enabled()
+    times = interleaved(steps, rounds=3, iters=2, device=torch.device("cpu"))
+    assert seen == [True] * 6 and all(len(t) == 3 for t in times.values())
+    assert torch.autograd.is_multithreading_enabled() == before
