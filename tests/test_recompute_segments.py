@@ -212,6 +212,11 @@ def test_not_recomputed_where_it_costs_more_or_an_input_may_have_changed():
     assert recomputed_in_readers(*read_later, sizes, {5, 6, 8}, 10).steps == read_later[0]
     # no sizes: left as it is
     assert recomputed_in_readers(*program, {}, {5, 6}, 10).steps == program[0]
+    # a slot defined twice (%2 again, in the first segment): which value would a copy read?
+    twice = ([*program[0][:3], _step("abs", [1], [2]), *program[0][3:]],
+             [*program[1][:3], torch.abs, *program[1][3:]],
+             [[0, 1, 2, 3], [4], [5, 6], [7]], program[3])
+    assert recomputed_in_readers(*twice, sizes, {5, 6}, 10).steps == twice[0]
 
 
 def _run(moved, slots: dict) -> dict:

@@ -18,10 +18,15 @@ from values the reading segment may read is copied to the front of the reading s
 (under new slots), when that moves fewer bytes than the value does: the value's read, and
 its write where nothing else reads it, against the reads of the cone's inputs that the
 reading segment did not read before. Sizes are the program's ``slot_bytes`` (a program
-without them is left as it is). A cone's inputs must still be alive where the reading
-segment runs (read there or later, or kept), so no lifetime grows and no input written in
-place in between is read; values are never changed: every recomputation runs the same
-implementation on the same values as the original step.
+without them, or defining a slot twice, is left as it is).
+
+A cone's input may be read by the reading segment when it is alive there (read there or
+later, or a program output), or when only fused segments read it in between (pure
+functions: nothing can have written it in place), its last use then moving to the reader;
+so a float32 value may give way to the bfloat16 input it was cast from, held a little
+longer. Values are never changed: every recomputation runs the same implementation on the
+same values as the original step. The steps of segments that nothing reads any more are
+dropped (a segment of views that the next segment now makes itself).
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ def recomputed_in_readers(steps: Sequence[Step], calls: Sequence[Callable],
     earlier segment recomputed in it where that moves fewer bytes (see the module doc).
     ``keep``: the program's output slots."""
     state = _State(list(steps), list(calls), [list(r) for r in runs], num_slots, keep)
-    if not slot_bytes:
-        return state.result()
+    defined = [s for step in steps for s in step.outputs]
+    if not slot_bytes or len(defined) != len(set(defined)):
+        return state.result()  # no sizes, or a slot defined twice: which value is read?
     for k, is_segment in enumerate(segments):
         if is_segment:
             state.recompute_into(k, slot_bytes, segments)
