@@ -66,10 +66,12 @@ def cotangent_seed(program: Program) -> int:
     return program.seed + 1
 
 
-def run_gradients(program: Program, rank: int, device: torch.device) -> Outcome:
+def run_gradients(program: Program, rank: int, device: torch.device,
+                  compile: str | None = None) -> Outcome:
     """Runs ``program`` forward and backward on this rank's shards and compares its outputs
-    and its inputs' gradients with torch's on the global tensors (see the module doc)."""
-    return _run(program, rank, device)
+    and its inputs' gradients with torch's on the global tensors (see the module doc);
+    ``compile``: the torch.compile backend of its fused segments (None: the default)."""
+    return _run(program, rank, device, compile)
 
 
 def dropped_outputs(program: Program, differentiable: list[int]) -> set[int]:
@@ -84,15 +86,17 @@ def dropped_outputs(program: Program, differentiable: list[int]) -> set[int]:
     return dropped - {differentiable[0]} if dropped == set(differentiable) else dropped
 
 
-def _run(program: Program, rank: int, device: torch.device) -> Outcome:
+def _run(program: Program, rank: int, device: torch.device,
+         compile: str | None = None) -> Outcome:
     check = GRADIENT_CHECK.replace("COTANGENT_SEED", str(cotangent_seed(program)))
+    check = check.replace("as_autograd_function()", f"as_autograd_function(compile={compile!r})")
     try:
         _, expected = reference(program, grad=True)
         dropped = dropped_outputs(program, [j for j, e in enumerate(expected)
                                             if e.requires_grad])
         check = check.replace("DROPPED", repr(sorted(dropped)))
         fd, _ = build(program)
-        function = fd.as_autograd_function()
+        function = fd.as_autograd_function(compile=compile)
         failures = []
         for call in ("first call", "cached call"):  # both on every rank: they communicate
             failure = _check_call(program, fd, function, rank, device)

@@ -11,7 +11,9 @@ Two more tests draw from the same generator: low-precision programs (BFloat16/Ha
 ``fuzz_precision.py``; ``MESHFUSE_FUZZ_LOW_PRECISION_PROGRAMS``) and programs run through
 the compiled path (fused segments by Inductor, against torch and the interpreter, at one
 world size in CI; ``MESHFUSE_FUZZ_COMPILED_PROGRAMS`` runs more, at every world size).
-A fourth forces stream-parallel loops (``fuzz_overlap.py``; ``MESHFUSE_FUZZ_OVERLAP_PROGRAMS``).
+A fourth runs the fused segments compiled by ``aot_eager`` at every world size
+(``MESHFUSE_FUZZ_SEGMENTED_PROGRAMS``), a fifth forces stream-parallel loops
+(``fuzz_overlap.py``; ``MESHFUSE_FUZZ_OVERLAP_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ DEFAULT_COMPILED_PROGRAMS = 3
 COMPILED_WORLD_SIZE = 2  # CI's one world size of the compiled programs
 COMPILED_PROGRAMS_ENV = "MESHFUSE_FUZZ_COMPILED_PROGRAMS"
 COMPILE_ENV = "MESHFUSE_FUZZ_COMPILE"
+# The fused segments compiled by aot_eager (no kernel generation), at every world size.
+DEFAULT_SEGMENTED_PROGRAMS = 24
+SEGMENTED_PROGRAMS_ENV = "MESHFUSE_FUZZ_SEGMENTED_PROGRAMS"
 # Stream-parallel loops forced (Features.overlap): their own count, the same long mode.
 DEFAULT_OVERLAP_PROGRAMS = 30
 OVERLAP_PROGRAMS_ENV = "MESHFUSE_FUZZ_OVERLAP_PROGRAMS"
@@ -80,6 +85,17 @@ def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test
     low = dataclasses.replace(_features(), low_precision=True)
     _fuzz(multidevice_test, COMPILED_PROGRAMS_ENV, DEFAULT_COMPILED_PROGRAMS, _features(),
           compile=backend, odd_seeds=low)
+
+
+def test_fuzz_segmented_programs_match_torch_and_the_interpreter(multidevice_test):
+    """The programs through the fused segments at every world size, compiled by
+    ``aot_eager`` (the graphs Inductor would get, run without generating kernels: cheap
+    enough for many programs): the segmenting, the clustering and the recomputation across
+    segments (``meshfuse.runtime.interpreter.recompute``, which derived backwards meet more
+    often: ``test_fuzz_autodiff.py``) against torch and the interpreter."""
+    low = dataclasses.replace(_features(), low_precision=True)
+    _fuzz(multidevice_test, SEGMENTED_PROGRAMS_ENV, DEFAULT_SEGMENTED_PROGRAMS, _features(),
+          compile="aot_eager", odd_seeds=low)
 
 
 def test_fuzz_overlap_programs_match_torch(multidevice_test):

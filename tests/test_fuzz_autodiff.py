@@ -16,6 +16,7 @@ rank's counts there).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 from fuzz_gradients import run_gradients
@@ -32,6 +33,7 @@ FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
 # leading axes; a feature set of its own, so that FEATURES' seeds draw what they drew.
 HEAD_FEATURES = dataclasses.replace(FEATURES, heads=True)
 HEAD_PROGRAMS_ENV = "MESHFUSE_FUZZ_HEAD_PROGRAMS"
+SEGMENTED_PROGRAMS_ENV = "MESHFUSE_FUZZ_SEGMENTED_GRAD_PROGRAMS"
 
 
 def test_fuzz_gradients_match_torch_autograd(multidevice_test):
@@ -46,6 +48,38 @@ def test_fuzz_gradients_match_torch_autograd(multidevice_test):
     assert not failures, (
         f"{len(failures)} of {len(run)} programs' gradients failed at world size {size}: "
         f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
+
+
+def test_fuzz_segmented_gradients_match_torch_autograd(multidevice_test, monkeypatch):
+    """As above through fused segments compiled by ``aot_eager`` (the graphs Inductor would
+    get, without generating kernels; ``MESHFUSE_FUZZ_SEGMENTED_GRAD_PROGRAMS`` programs): a
+    derived backward's segments, their clustering and the recomputation across segments
+    (``meshfuse.runtime.interpreter.recompute``), whose rewrites this run must have met in
+    some program, else it tests nothing of them."""
+    from meshfuse.engine import runner
+
+    recomputed = []
+    original = runner.fuse_program
+
+    def fuse_program(program, backend="inductor", stats=None):
+        fused = original(program, backend, stats)
+        recomputed.append(any("recomputed:" in s.label for s in fused.steps))
+        return fused
+    monkeypatch.setattr(runner, "fuse_program", fuse_program)
+    size = multidevice_test.size
+    run = seeds(size, SEGMENTED_PROGRAMS_ENV, DEFAULT_PROGRAMS)
+    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
+                        lambda seed: generate(seed, size, FEATURES),
+                        functools.partial(run_gradients, compile="aot_eager"))
+    summary = summarize(outcomes)
+    write_report(SEGMENTED_PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
+    failures = [o for o in outcomes if o.failed]
+    assert len(outcomes) == len(run)
+    assert not failures, (
+        f"{len(failures)} of {len(run)} programs' segmented gradients failed at world size "
+        f"{size}: {summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
+    if size > 1:  # (a quarter of the programs at world size 1, a smoke run)
+        assert any(recomputed), "no program recomputed a value across segments"
 
 
 def test_fuzz_head_gradients_match_torch_autograd(multidevice_test):
