@@ -80,28 +80,43 @@ def recomputed_in_readers(steps: Sequence[Step], calls: Sequence[Callable],
 
 
 class _State:
-    """The steps, calls and runs as the rewriting leaves them."""
+    """The steps, calls and runs as the rewriting leaves them, and what the decisions read
+    of them, kept up to date as runs are rewritten (each step's run and place in it, the
+    step defining each slot, those reading it, the one freeing it): deciding for a run
+    costs what it reads, not a pass over the program."""
 
     def __init__(self, steps: list[Step], calls: list[Callable], runs: list[list[int]],
                  num_slots: int, keep: set[int]) -> None:
         self.steps, self.calls, self.runs = steps, calls, runs
         self.num_slots, self.keep = num_slots, keep
+        self.place = {i: (r, n) for r, run in enumerate(runs) for n, i in enumerate(run)}
+        self.definer = {s: i for i, step in enumerate(steps) for s in step.outputs}
+        self.readers: dict[int, set[int]] = {}
+        self.freer: dict[int, int] = {}
+        for run in runs:
+            for i in run:
+                for s in steps[i].reads:
+                    self.readers.setdefault(s, set()).add(i)
+                for s in steps[i].free:
+                    self.freer[s] = i
 
     def drop_unread(self, segments: Sequence[bool]) -> None:
         """Drops the steps of segments whose outputs nothing reads any more (each was
         recomputed where it was read: a segment of views before attention had nothing
         left to do), then frees what they read after its new last reader."""
         dropped: set[int] = set()
+        pure = [i for r, run in enumerate(self.runs) if segments[r] for i in run]
         while True:
-            read = set(self.keep) | {s for run in self.runs for i in run
-                                     for s in self.steps[i].reads}
-            unread = {i for r, run in enumerate(self.runs) if segments[r] for i in run
-                      if not read.intersection(self.steps[i].outputs)}
+            unread = [i for i in pure if i not in dropped and not any(
+                s in self.keep or self.readers.get(s) for s in self.steps[i].outputs)]
             if not unread:
                 break
-            dropped |= unread
-            self.runs = [[i for i in run if i not in unread] for run in self.runs]
+            for i in unread:
+                dropped.add(i)
+                for s in self.steps[i].reads:
+                    self.readers[s].discard(i)
         if dropped:
+            self.runs = [[i for i in run if i not in dropped] for run in self.runs]
             self.runs = [run for run in self.runs if run]
             self._refree({s for i in dropped for s in self.steps[i].reads})
 
@@ -110,10 +125,6 @@ class _State:
         position = {old: new for new, old in enumerate(order)}
         return Recomputed([self.steps[i] for i in order], [self.calls[i] for i in order],
                           [[position[i] for i in run] for run in self.runs], self.num_slots)
-
-    def _positions(self) -> dict[int, int]:
-        """Each step's place in the order the runs give."""
-        return {i: n for n, i in enumerate(i for run in self.runs for i in run)}
 
     def recompute_into(self, k: int, slot_bytes: Mapping[int, int],
                        segments: Sequence[bool]) -> None:
@@ -124,7 +135,8 @@ class _State:
         renamed: dict[int, int] = {}  # value -> its recomputation's slot in run k
         added: list[int] = []  # the copied steps, in order
         for v in sorted(reader.reads, key=reader.defined_at):
-            j = reader.run_of.get(reader.definer.get(v, -1))
+            i = self.definer.get(v)
+            j = self.place[i][0] if i in self.place else None
             if j is None or j == k or not segments[j] or len(self.runs[j]) < 2 or \
                     v not in slot_bytes:
                 continue  # a value of no segment (a single step runs whatever reads it)
@@ -133,8 +145,7 @@ class _State:
                 continue
             steps, cost = cone
             read_elsewhere = v in self.keep or any(
-                v in step.reads for i, step in enumerate(self.steps)
-                if i not in reader.body and reader.run_of.get(i) != j)
+                self.place[r][0] not in (j, k) for r in self.readers.get(v, ()))
             if cost >= slot_bytes[v] * (1 if read_elsewhere else 2):
                 continue
             for i in steps:
@@ -155,57 +166,68 @@ class _State:
                                    free=(), label=f"recomputed: {step.label}")
         self.steps.append(copy)
         self.calls.append(self.calls[i])
+        self.definer[copy.outputs[0]] = len(self.steps) - 1
         return len(self.steps) - 1
 
     def _reroute(self, k: int, added: list[int], renamed: dict[int, int]) -> None:
         """Run ``k`` begins with the copies and reads their slots; each value it no longer
-        reads is freed after its last reader instead."""
+        reads is freed after its last reader instead, and each input of a copy after its
+        own (the reader, where it read it last)."""
         body = self.runs[k]
         for i in body:
             step = self.steps[i]
-            self.steps[i] = dataclasses.replace(
-                step, args=tuple(_renamed_arg(a, renamed) for a in step.args))
+            if any(s in renamed for s in step.reads):
+                for s in step.reads:
+                    if s in renamed:
+                        self.readers[s].discard(i)
+                self.steps[i] = dataclasses.replace(
+                    step, args=tuple(_renamed_arg(a, renamed) for a in step.args))
+                for s in self.steps[i].reads:
+                    self.readers.setdefault(s, set()).add(i)
         self.runs[k] = added + body
+        for n, i in enumerate(self.runs[k]):
+            self.place[i] = (k, n)
+        for i in added:
+            for s in self.steps[i].reads:
+                self.readers.setdefault(s, set()).add(i)
         self._refree(set(renamed) | {s for i in added for s in self.steps[i].reads})
 
     def _refree(self, slots: set[int]) -> None:
-        """Each of ``slots`` freed after its last reader in the new order (at none where
-        nothing reads it: it stays inside its segment, or is kept): a value no longer read
-        by the reading segment is freed earlier, a cone's input that it now reads later."""
-        order = [i for run in self.runs for i in run]
-        last: dict[int, int] = {}
-        for i in order:
-            for s in self.steps[i].reads:
-                if s in slots:
-                    last[s] = i
-        for i in order:
-            step = self.steps[i]
-            free = tuple(s for s in step.free if s not in slots)
-            free += tuple(s for s, at in last.items() if at == i and s not in self.keep)
-            if free != step.free:
-                self.steps[i] = dataclasses.replace(step, free=free)
+        """Each of ``slots`` freed after its last reader (at none where nothing reads it:
+        it stays inside its segment, or is kept)."""
+        for s in slots:
+            old = self.freer.pop(s, None)
+            if old is not None:
+                step = self.steps[old]
+                self.steps[old] = dataclasses.replace(
+                    step, free=tuple(f for f in step.free if f != s))
+            readers = self.readers.get(s)
+            if s in self.keep or not readers:
+                continue
+            last = max(readers, key=self.place.__getitem__)
+            step = self.steps[last]
+            self.steps[last] = dataclasses.replace(step, free=(*step.free, s))
+            self.freer[s] = last
 
 
 class _Reader:
-    """What deciding the recomputations into run ``k`` of ``state`` reads: where each step
-    runs, which run holds it, which step defines each slot, the slots the run reads from
-    before it, and those read where it runs or later (alive there)."""
+    """What deciding the recomputations into run ``k`` of ``state`` reads: the slots the run
+    reads from before it (growing as copies read more), and which slots are alive where it
+    runs (read there or later, or kept)."""
 
     def __init__(self, state: _State, k: int, segments: Sequence[bool]) -> None:
-        self.state, self.segments = state, segments
-        self.place = state._positions()
-        self.start = self.place[state.runs[k][0]]
-        self.run_of = {i: r for r, run in enumerate(state.runs) for i in run}
-        self.definer = {s: i for i, step in enumerate(state.steps) for s in step.outputs}
-        self.body = set(state.runs[k])
+        self.state, self.k, self.segments = state, k, segments
         steps = state.steps
-        self.reads = {s for i in self.body for s in steps[i].reads} - \
-            {s for i in self.body for s in steps[i].outputs}
-        self.alive = set(state.keep) | {s for i, step in enumerate(steps)
-                                        if self.place[i] >= self.start for s in step.reads}
+        body = state.runs[k]
+        self.reads = {s for i in body for s in steps[i].reads} - \
+            {s for i in body for s in steps[i].outputs}
 
-    def defined_at(self, slot: int) -> int:
-        return self.place.get(self.definer.get(slot, -1), -1)
+    def alive(self, s: int) -> bool:
+        return s in self.state.keep or any(
+            self.state.place[i][0] >= self.k for i in self.state.readers.get(s, ()))
+
+    def defined_at(self, slot: int) -> tuple[int, int]:
+        return self.state.place.get(self.state.definer.get(slot, -1), (-1, -1))
 
     def cone(self, v: int, j: int, renamed: dict[int, int], slot_bytes: Mapping[int, int]
              ) -> tuple[list[int], int] | None:
@@ -213,8 +235,7 @@ class _Reader:
         moves for the inputs it did not read before, or None where ``v`` cannot be
         recomputed there: a step on the way that is not cheap, or an input that the reader
         may not read (see :meth:`readable`)."""
-        steps = self.state.steps
-        producer = set(self.state.runs[j])
+        state = self.state
         cone: list[int] = []
         cost = 0
         seen: set[int] = set()
@@ -224,34 +245,33 @@ class _Reader:
             if s in renamed or (not top and s in self.reads) or s in seen:
                 return True
             seen.add(s)
-            i = self.definer.get(s)
-            if i in producer and cheap(steps[i]):
-                if not all(visit(r, False) for r in steps[i].reads):
+            i = state.definer.get(s)
+            in_producer = i in state.place and state.place[i][0] == j
+            if in_producer and cheap(state.steps[i]):
+                if not all(visit(r, False) for r in state.steps[i].reads):
                     return False
                 cone.append(i)
                 return True
             if top or s not in slot_bytes or not self.readable(s, j):
                 return False
             # read once; written once more where only its own segment read it
-            cost += slot_bytes[s] * (2 if i in producer and s not in self.alive else 1)
+            cost += slot_bytes[s] * (2 if in_producer and not self.alive(s) else 1)
             return True
 
         if not visit(v, True):
             return None
-        return sorted(cone, key=self.place.__getitem__), cost
+        return sorted(cone, key=state.place.__getitem__), cost
 
     def readable(self, s: int, j: int) -> bool:
         """Whether the reader may read slot ``s``, an input of a step of run ``j``: it is
-        alive where the reader runs, or no step between run ``j``'s start and the reader
-        reads it but fused segments' (pure functions: none writes it in place), so that
-        freeing it after the reader instead of before keeps its value."""
-        if s in self.alive:
+        alive where the reader runs, or no step of the runs from ``j`` to the reader reads
+        it but fused segments' (pure functions: none writes it in place), so that freeing
+        it after the reader instead of before keeps its value."""
+        if self.alive(s):
             return True
-        begin = self.place[self.state.runs[j][0]]
-        return not any(
-            s in step.reads for i, step in enumerate(self.state.steps)
-            if i in self.run_of and begin <= self.place[i] < self.start
-            and not self.segments[self.run_of[i]])
+        place = self.state.place
+        return not any(j <= place[i][0] < self.k and not self.segments[place[i][0]]
+                       for i in self.state.readers.get(s, ()))
 
 
 def _renamed_arg(a, renamed: Mapping[int, int]):
