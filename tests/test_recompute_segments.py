@@ -226,3 +226,32 @@ def _run(moved, slots: dict) -> dict:
         for s in step.free:
             del slots[s]
     return slots
+
+
+def test_a_long_chain_of_layers_recomputes_in_each_and_keeps_its_values():
+    """Thirty layers of ``exp -> neg -> tanh`` (a segment), a product of the tanh, then
+    ``product * neg + x`` (a segment): each layer's reader recomputes its neg from x (read
+    there anyway) with the frees right (the run below deletes each freed value: a value
+    read after its free would fail), and the values are those of the program as it was."""
+    steps, calls, runs, segments = [], [], [], []
+    x, n, weight = 0, 1, 999
+    for _ in range(30):
+        a, b, c, p, m, out = n, n + 1, n + 2, n + 3, n + 4, n + 5
+        base = len(steps)
+        steps += [_step("exp", [x], [a]), _step("neg", [a], [b]), _step("tanh", [b], [c]),
+                  _step("linear", [c, weight], [p], free=[c]),
+                  _step("mul", [p, b], [m], free=[p, b]), _step("add", [m, x], [out], free=[m, x])]
+        calls += [torch.exp, torch.neg, torch.tanh, torch.nn.functional.linear, torch.mul,
+                  torch.add]
+        runs += [[base, base + 1, base + 2], [base + 3], [base + 4, base + 5]]
+        segments += [True, False, True]
+        x, n = out, n + 6
+    sizes = dict.fromkeys(range(n + 1), 4) | {weight: 4}
+    moved = recomputed_in_readers(steps, calls, runs, segments, sizes, {x}, n + 1)
+    copies = [s for s in moved.steps if s.label.startswith("recomputed:")]
+    assert len(copies) == 60  # exp and neg again in each layer's reader
+    gen = torch.Generator().manual_seed(0)
+    inputs = {0: torch.randn(4, 4, generator=gen) / 4,
+              weight: torch.randn(4, 4, generator=gen) / 4}
+    plain = recomputed_in_readers(steps, calls, runs, segments, {}, {x}, n + 1)
+    torch.testing.assert_close(_run(moved, dict(inputs))[x], _run(plain, dict(inputs))[x])
