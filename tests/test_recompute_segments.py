@@ -80,6 +80,8 @@ def test_a_norms_centred_and_normalized_input_are_recomputed_after_the_product()
     assert not float_values & set(before.outputs)
     assert not float_values & {a.index for a in after.args}
     assert "recomputed" in after.label
+    # the cast of x to float32, the sub and the mul
+    assert "3 steps recomputed in later segments" in fd.explain(inputs)
 
 
 class _NormMlp(FusionDefinition):

@@ -61,17 +61,21 @@ def fusible(step: Step) -> bool:
 @dataclasses.dataclass
 class CompileStats:
     """Compilations of a fused program's segments: how many, and how long the first calls
-    took (tracing, Inductor and its C++/Triton compiler together)."""
+    took (tracing, Inductor and its C++/Triton compiler together); and how many steps the
+    fusing copied into later segments (:mod:`~meshfuse.runtime.interpreter.recompute`)."""
 
     compiles: int = 0  # segments given compiled code (compiled, or found compiled)
     seconds: float = 0.0
     reused: int = 0  # of those, found compiled already (the same graph elsewhere: SHARED)
+    recomputed: int = 0  # steps copied into a later segment (recompute.py)
 
     def describe(self) -> str:
         reused = (f" ({self.reused} reused from identical segments compiled before)"
                   if self.reused else "")
+        recomputed = (f"; {self.recomputed} steps recomputed in later segments rather than "
+                      "read back from memory" if self.recomputed else "")
         return (f"{self.compiles} segment compilations{reused}, first-call compile time "
-                f"{self.seconds:.2f} s")
+                f"{self.seconds:.2f} s{recomputed}")
 
 
 def fuse_program(program: Program, backend: str = "inductor",
@@ -88,6 +92,7 @@ def fuse_program(program: Program, backend: str = "inductor",
         [fusible(program.steps[order[run[0]]]) for run in runs], program.slot_bytes, keep,
         program.num_slots)
     ordered, ordered_calls = moved.steps, moved.calls
+    stats.recomputed = len(moved.steps) - len(program.steps) + moved.dropped
     steps, calls = [], []
     for run in moved.runs:
         if len(run) < 2 or not fusible(ordered[run[0]]):

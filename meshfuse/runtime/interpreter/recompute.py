@@ -41,13 +41,14 @@ from meshfuse.runtime.interpreter.executor import RESHARD, Slot, Step
 @dataclasses.dataclass
 class Recomputed:
     """:func:`recomputed_in_readers`' result: the steps and their calls, the runs of steps
-    that become segments (indices into ``steps``), and the number of slots (new slots
-    hold the recomputations)."""
+    that become segments (indices into ``steps``), the number of slots (new slots hold the
+    recomputations), and how many steps were dropped (nothing read them any more)."""
 
     steps: list[Step]
     calls: list[Callable]
     runs: list[list[int]]
     num_slots: int
+    dropped: int = 0
 
 
 def cheap(step: Step) -> bool:
@@ -89,6 +90,7 @@ class _State:
                  num_slots: int, keep: set[int]) -> None:
         self.steps, self.calls, self.runs = steps, calls, runs
         self.num_slots, self.keep = num_slots, keep
+        self.dropped = 0
         self.place = {i: (r, n) for r, run in enumerate(runs) for n, i in enumerate(run)}
         self.definer = {s: i for i, step in enumerate(steps) for s in step.outputs}
         self.readers: dict[int, set[int]] = {}
@@ -119,12 +121,14 @@ class _State:
             self.runs = [[i for i in run if i not in dropped] for run in self.runs]
             self.runs = [run for run in self.runs if run]
             self._refree({s for i in dropped for s in self.steps[i].reads})
+        self.dropped = len(dropped)
 
     def result(self) -> Recomputed:
         order = [i for run in self.runs for i in run]
         position = {old: new for new, old in enumerate(order)}
         return Recomputed([self.steps[i] for i in order], [self.calls[i] for i in order],
-                          [[position[i] for i in run] for run in self.runs], self.num_slots)
+                          [[position[i] for i in run] for run in self.runs], self.num_slots,
+                          self.dropped)
 
     def recompute_into(self, k: int, slot_bytes: Mapping[int, int],
                        segments: Sequence[bool]) -> None:
