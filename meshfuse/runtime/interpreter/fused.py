@@ -3,7 +3,9 @@
 :func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and
 groups each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes
 and permutes) into one *segment*, after moving fusible steps up past the other steps they do not
-depend on (:func:`clustered`). A segment is lowered to a ``torch.fx`` graph that calls the ops'
+depend on (:func:`clustered`); a cheap value that a segment would read back from an earlier
+one is computed again in it where that moves fewer bytes
+(:mod:`~meshfuse.runtime.interpreter.recompute`). A segment is lowered to a ``torch.fx`` graph that calls the ops'
 own torch implementations in the records' order, on local tensors, and that graph is given to
 ``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
 meshfuse generates no kernel code itself.
@@ -92,7 +94,7 @@ def fuse_program(program: Program, backend: str = "inductor",
         [fusible(program.steps[order[run[0]]]) for run in runs], program.slot_bytes, keep,
         program.num_slots)
     ordered, ordered_calls = moved.steps, moved.calls
-    stats.recomputed = len(moved.steps) - len(program.steps) + moved.dropped
+    stats.recomputed += len(moved.steps) - len(program.steps) + moved.dropped
     steps, calls = [], []
     for run in moved.runs:
         if len(run) < 2 or not fusible(ordered[run[0]]):
