@@ -3,11 +3,11 @@
 :func:`fuse_program` reads a :class:`~meshfuse.runtime.interpreter.executor.Program`'s records and
 groups each maximal run of *fusible* steps (pointwise ops, casts, broadcasts, reductions, reshapes
 and permutes) into one *segment*, after moving fusible steps up past the other steps they do not
-depend on (:func:`clustered`); a cheap value that a segment would read back from an earlier
-one is computed again in it where that moves fewer bytes
-(:mod:`~meshfuse.runtime.interpreter.recompute`). A segment is lowered to a ``torch.fx`` graph that calls the ops'
-own torch implementations in the records' order, on local tensors, and that graph is given to
-``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
+depend on (:func:`clustered`); a cheap value that a segment would read back from an
+earlier one is computed again in it where that moves fewer bytes
+(:mod:`~meshfuse.runtime.interpreter.recompute`). A segment is lowered to a ``torch.fx``
+graph that calls the ops' own torch implementations in the records' order, on local
+tensors, and that graph is given to ``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
 meshfuse generates no kernel code itself.
 
 What stays outside segments, as in the interpreter: matrix products (``output_layout
