@@ -7,8 +7,8 @@ depend on (:func:`clustered`); a cheap value that a segment would read back from
 earlier one is computed again in it where that moves fewer bytes
 (:mod:`~meshfuse.runtime.interpreter.recompute`). A segment is lowered to a ``torch.fx``
 graph that calls the ops' own torch implementations in the records' order, on local
-tensors, and that graph is given to ``torch.compile`` (Inductor by default: Triton kernels on GPUs, C++ on CPUs), which fuses it.
-meshfuse generates no kernel code itself.
+tensors, and that graph is given to ``torch.compile`` (Inductor by default: Triton
+kernels on GPUs, C++ on CPUs), which fuses it. meshfuse generates no kernel code itself.
 
 What stays outside segments, as in the interpreter: matrix products (``output_layout
 "contiguous"``: cuBLAS), stateful ops (``make_impl``: attention picks its cuDNN/flash kernel),
