@@ -45,7 +45,8 @@ def _in_a_thread(work):
 
 def _call(device="cpu", grad=True):
     """The function's gradients on ``device``, the thread its backward ran on, this
-    thread's ident, and whether the engine's device threads are on after the call."""
+    thread's ident, whether the engine's device threads are on after the call, and the
+    leaves (under ``no_grad``: the idents and the switch only)."""
     function = _Scaled().define().as_autograd_function()
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randn(4, 3, generator=gen).to(device).requires_grad_(),
