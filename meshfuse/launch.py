@@ -6,6 +6,7 @@ are what to use across hosts.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import subprocess
@@ -45,10 +46,21 @@ def cpu_count() -> int:
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of 127.0.0.1 that is free now (the OS picks it) and that this process has
+    not handed out lately: the ranks of a job bind it only once they have started, and a
+    process starting several jobs at once (a test suite) must not give two of them one port
+    (their rank 0s would race to bind it: one fails with EADDRINUSE)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
+
+
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)  # free_port's, lately
 
 
 def rank_env(base: Mapping[str, str], rank: int, size: int, port: int) -> dict[str, str]:

@@ -263,3 +263,13 @@ def test_a_test_that_leaves_the_ranks_out_of_step_fails_and_the_next_runs(tmp_pa
     assert "left the ranks out of step (rank 1: its own error in call 1" in left.message, \
         left.message
     assert verdicts[nodeids[1]] == Verdict("passed"), verdicts[nodeids[1]].message
+
+
+def test_free_ports_are_not_handed_out_twice():
+    """The OS hands a port it just gave out again soon (124 of 2000 calls here, once); jobs
+    started together by one process (the rank-failure tests start forty) must not share one:
+    their rank 0s would race to bind it, one failing with EADDRINUSE (a full CI run did)."""
+    from meshfuse.launch import free_port
+
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
