@@ -257,3 +257,30 @@ def test_a_long_chain_of_layers_recomputes_in_each_and_keeps_its_values():
               weight: torch.randn(4, 4, generator=gen) / 4}
     plain = recomputed_in_readers(steps, calls, runs, segments, {}, {x}, n + 1)
     torch.testing.assert_close(_run(moved, dict(inputs))[x], _run(plain, dict(inputs))[x])
+
+
+class _ScaledNormProduct(FusionDefinition):
+    """A value made from a scalar input before a product and read after it."""
+
+    def definition(self) -> None:
+        self.x = self.define_tensor([ROWS, COLS], dtype=DataType.BFloat16)
+        self.scale = self.define_scalar(dtype=DataType.Float)
+        self.w = self.define_tensor([COLS, COLS], dtype=DataType.BFloat16)
+        o = self.ops
+        scaled = o.mul(o.cast(self.x, DataType.Float), self.scale)
+        product = o.linear(o.cast(scaled, DataType.BFloat16), self.w)
+        after = o.mul(o.cast(product, DataType.Float), scaled)
+        self.add_output(o.add(after, o.cast(self.x, DataType.Float)))
+
+
+def test_a_value_made_from_a_scalar_input_is_not_recomputed():
+    """A segment compiles once per value of its scalar inputs (up to a few, then runs
+    uncompiled): a scalar that changes from step to step must not spread to the segments
+    that read what it made. The value crosses memory as before."""
+    fd = _ScaledNormProduct()
+    x, _, _, w = _norm_inputs()
+    want, = fd.execute([x, 0.5, w], compile=False)
+    got, = fd.execute([x, 0.5, w], compile=BACKEND)
+    torch.testing.assert_close(got, want)
+    _, (before, after) = _segments(fd)
+    assert "recomputed" not in after.label and len(before.outputs) == 2

@@ -24,7 +24,9 @@ A cone's input may be read by the reading segment when it is alive there (read t
 later, or a program output), or when only fused segments read it in between (pure
 functions: nothing can have written it in place), its last use then moving to the reader;
 so a float32 value may give way to the bfloat16 input it was cast from, held a little
-longer. Values are never changed: every recomputation runs the same implementation on the
+longer. A cone never reads a Python scalar input: a segment compiles once per value of
+its scalars, and one that changes from step to step must not spread to more segments.
+Values are never changed: every recomputation runs the same implementation on the
 same values as the original step. The steps of segments that nothing reads any more are
 dropped (a segment of views that the next segment now makes itself).
 """
@@ -256,6 +258,8 @@ class _Reader:
                     return False
                 cone.append(i)
                 return True
+            # (a slot of no bytes is a Python scalar: a segment compiles once per value of
+            # its scalars, and a scalar that changes from step to step must not spread)
             if top or s not in slot_bytes or not self.readable(s, j):
                 return False
             # read once; written once more where only its own segment read it
