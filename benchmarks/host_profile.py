@@ -89,10 +89,12 @@ def gpt_phases(size, device, ctx: Context) -> list[str]:
                "forward alone": host_us_per_call(ctx, forward, calls=10)["host_us"]}
     figures |= _backward_split(forward, leaves, dy)
     os.environ[BACKWARD_THREAD_ENV] = "device"  # torch's default: the device's thread
-    with torch.autograd.set_multithreading_enabled(True):
-        figures["step, backward on the engine's device thread"] = host_us_per_call(
-            ctx, step, calls=10)["host_us"]
-    del os.environ[BACKWARD_THREAD_ENV]
+    try:
+        with torch.autograd.set_multithreading_enabled(True):
+            figures["step, backward on the engine's device thread"] = host_us_per_call(
+                ctx, step, calls=10)["host_us"]
+    finally:
+        del os.environ[BACKWARD_THREAD_ENV]
     gc.collect()
     gc.freeze()  # every object so far out of the collector's sight: what collections cost
     figures["step, objects frozen"] = host_us_per_call(ctx, step, calls=10)["host_us"]
