@@ -197,6 +197,19 @@ def test_a_segment_left_with_nothing_to_do_is_dropped():
     torch.testing.assert_close(_run(moved, dict(inputs))[5], _run(plain, dict(inputs))[5])
 
 
+def test_a_value_only_dead_steps_read_is_freed_where_it_is_made():
+    """A product's result read only by a segment whose result nothing reads: the segment
+    goes, and the product's result is freed right after the product (not held to the end
+    of the program, as a value that nothing reads would be)."""
+    steps = [_step("linear", [0, 9], [1]), _step("neg", [1], [2], free=[1]),
+             _step("abs", [2], [3], free=[2]), _step("exp", [0], [4], free=[0])]
+    calls = [torch.nn.functional.linear, torch.neg, torch.abs, torch.exp]
+    moved = recomputed_in_readers(steps, calls, [[0], [1, 2], [3]], [False, True, True],
+                                  dict.fromkeys(range(10), 4), {4}, 10)
+    assert [s.op for s in moved.steps] == ["linear", "exp"] and moved.dropped == 2
+    assert moved.steps[0].free == (1,)
+
+
 def test_not_recomputed_where_it_costs_more_or_an_input_may_have_changed():
     steps, calls, runs, segments = _program()
     sizes = dict.fromkeys(range(10), 4)

@@ -199,18 +199,22 @@ class _State:
         self._refree(set(renamed) | {s for i in added for s in self.steps[i].reads})
 
     def _refree(self, slots: set[int]) -> None:
-        """Each of ``slots`` freed after its last reader (at none where nothing reads it:
-        it stays inside its segment, or is kept)."""
+        """Each of ``slots`` freed after its last reader; one that nothing reads any more
+        (only a dropped step did) after the step that defines it (a segment ignores that:
+        it does not return what nothing reads), unless it is kept or a program input."""
         for s in slots:
             old = self.freer.pop(s, None)
             if old is not None:
                 step = self.steps[old]
                 self.steps[old] = dataclasses.replace(
                     step, free=tuple(f for f in step.free if f != s))
-            readers = self.readers.get(s)
-            if s in self.keep or not readers:
+            if s in self.keep:
                 continue
-            last = max(readers, key=self.place.__getitem__)
+            readers = self.readers.get(s)
+            last = max(readers, key=self.place.__getitem__) if readers else \
+                self.definer.get(s) if self.definer.get(s) in self.place else None
+            if last is None:
+                continue
             step = self.steps[last]
             self.steps[last] = dataclasses.replace(step, free=(*step.free, s))
             self.freer[s] = last
