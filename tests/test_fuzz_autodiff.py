@@ -36,18 +36,26 @@ HEAD_PROGRAMS_ENV = "MESHFUSE_FUZZ_HEAD_PROGRAMS"
 SEGMENTED_PROGRAMS_ENV = "MESHFUSE_FUZZ_SEGMENTED_GRAD_PROGRAMS"
 
 
-def test_fuzz_gradients_match_torch_autograd(multidevice_test):
+def _fuzz_gradients(multidevice_test, programs_env: str, features: Features,
+                    run=run_gradients, what: str = "gradients") -> None:
+    """Runs the seeds of ``programs_env`` at this world size, drawn with ``features``,
+    through ``run``; fails with the counts and the first reproductions if a program
+    failed (``what``: the failures' name in that message)."""
     size = multidevice_test.size
-    run = seeds(size, PROGRAMS_ENV, DEFAULT_PROGRAMS)
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
-                        lambda seed: generate(seed, size, FEATURES), run_gradients)
+    seeds_run = seeds(size, programs_env, DEFAULT_PROGRAMS)
+    outcomes = run_many(seeds_run, multidevice_test.rank, multidevice_test.device,
+                        lambda seed: generate(seed, size, features), run)
     summary = summarize(outcomes)
-    write_report(PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
+    write_report(programs_env, seeds_run, size, multidevice_test.rank, outcomes)
     failures = [o for o in outcomes if o.failed]
-    assert len(outcomes) == len(run)
+    assert len(outcomes) == len(seeds_run)
     assert not failures, (
-        f"{len(failures)} of {len(run)} programs' gradients failed at world size {size}: "
+        f"{len(failures)} of {len(seeds_run)} programs' {what} failed at world size {size}: "
         f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
+
+
+def test_fuzz_gradients_match_torch_autograd(multidevice_test):
+    _fuzz_gradients(multidevice_test, PROGRAMS_ENV, FEATURES)
 
 
 def test_fuzz_segmented_gradients_match_torch_autograd(multidevice_test, monkeypatch):
@@ -66,32 +74,13 @@ def test_fuzz_segmented_gradients_match_torch_autograd(multidevice_test, monkeyp
         recomputed.append(any("recomputed:" in s.label for s in fused.steps))
         return fused
     monkeypatch.setattr(runner, "fuse_program", fuse_program)
-    size = multidevice_test.size
-    run = seeds(size, SEGMENTED_PROGRAMS_ENV, DEFAULT_PROGRAMS)
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
-                        lambda seed: generate(seed, size, FEATURES),
-                        functools.partial(run_gradients, compile="aot_eager"))
-    summary = summarize(outcomes)
-    write_report(SEGMENTED_PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
-    failures = [o for o in outcomes if o.failed]
-    assert len(outcomes) == len(run)
-    assert not failures, (
-        f"{len(failures)} of {len(run)} programs' segmented gradients failed at world size "
-        f"{size}: {summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
-    if size > 1:  # (a quarter of the programs at world size 1, a smoke run)
+    _fuzz_gradients(multidevice_test, SEGMENTED_PROGRAMS_ENV, FEATURES,
+                    functools.partial(run_gradients, compile="aot_eager"),
+                    "segmented gradients")
+    if multidevice_test.size > 1:  # (a quarter of the programs at world size 1, a smoke run)
         assert any(recomputed), "no program recomputed a value across segments"
 
 
 def test_fuzz_head_gradients_match_torch_autograd(multidevice_test):
     """As above with ``HEAD_FEATURES`` (``MESHFUSE_FUZZ_HEAD_PROGRAMS`` programs)."""
-    size = multidevice_test.size
-    run = seeds(size, HEAD_PROGRAMS_ENV, DEFAULT_PROGRAMS)
-    outcomes = run_many(run, multidevice_test.rank, multidevice_test.device,
-                        lambda seed: generate(seed, size, HEAD_FEATURES), run_gradients)
-    summary = summarize(outcomes)
-    write_report(HEAD_PROGRAMS_ENV, run, size, multidevice_test.rank, outcomes)
-    failures = [o for o in outcomes if o.failed]
-    assert len(outcomes) == len(run)
-    assert not failures, (
-        f"{len(failures)} of {len(run)} programs' gradients failed at world size {size}: "
-        f"{summary}\n\n" + "\n\n".join(o.report() for o in failures[:3]))
+    _fuzz_gradients(multidevice_test, HEAD_PROGRAMS_ENV, HEAD_FEATURES)
