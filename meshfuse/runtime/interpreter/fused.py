@@ -88,10 +88,11 @@ def fuse_program(program: Program, backend: str = "inductor",
     keep = {o.slot for o in program.outputs}
     communicated = {s for step in program.steps if step.op == RESHARD for s in step.outputs}
     order = clustered(program.steps, communicated)
-    runs = _runs([program.steps[i] for i in order], communicated)
+    clustered_steps = [program.steps[i] for i in order]
+    runs = _runs(clustered_steps, communicated)
     moved = recomputed_in_readers(
-        [program.steps[i] for i in order], [program.calls[i] for i in order], runs,
-        [fusible(program.steps[order[run[0]]]) for run in runs], program.slot_bytes, keep,
+        clustered_steps, [program.calls[i] for i in order], runs,
+        [fusible(clustered_steps[run[0]]) for run in runs], program.slot_bytes, keep,
         program.num_slots)
     ordered, ordered_calls = moved.steps, moved.calls
     stats.recomputed += len(moved.steps) - len(program.steps) + moved.dropped

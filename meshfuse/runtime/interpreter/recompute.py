@@ -154,12 +154,14 @@ class _State:
                 self.place[r][0] not in (j, k) for r in self.readers.get(v, ()))
             if cost >= slot_bytes[v] * (1 if read_elsewhere else 2):
                 continue
+            copies = []
             for i in steps:
                 renamed[self.steps[i].outputs[0]] = self.num_slots
                 self.num_slots += 1
-                added.append(self._copy(i, renamed))
-            reader.reads |= {r for i in added for r in self.steps[i].reads
-                             if r not in renamed.values()}
+                copies.append(self._copy(i, renamed))
+            added += copies
+            made = set(renamed.values())  # the recomputations: slots of run k itself
+            reader.reads |= {r for c in copies for r in self.steps[c].reads if r not in made}
         if added:
             self._reroute(k, added, renamed)
 
