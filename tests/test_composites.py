@@ -99,3 +99,21 @@ def test_composite_arguments_are_checked():
         with pytest.raises(DefinitionError, match=r"cross_entropy: label_smoothing 2"):
             fd.ops.cross_entropy(x, labels, label_smoothing=2.0)
     assert {"softmax", "rms_norm"} <= set(dir(fd.ops))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16])
+def test_cross_entropy_result_has_one_structure_for_static_and_symbolic_extents(dtype,
+                                                                                 reduction):
+    """With a static class extent the loss is the fused kernel's, elsewhere fusion ops: both
+    are a sum over the rows (one reduced loop axis), so a schedule drawn for one applies to
+    the other (fuzz seed 2107)."""
+    def loop_of(shape):
+        with FusionDefinition() as fd:
+            logits = fd.define_tensor(shape, dtype=dtype)
+            target = fd.define_tensor(shape[:1], dtype=DataType.Int32)
+            loss = fd.ops.cross_entropy(logits, target, reduction=reduction)
+            fd.add_output(loss)
+        return [i.iter_type for i in loss.loop]
+
+    assert loop_of([5, 3]) == loop_of([-1, -1]) == loop_of([5, -1]) != []

@@ -692,12 +692,12 @@ SEEDS: dict[str, Seed] = {
         9, 4, "as 44, low precision", features=LOW_PRECISION_INDEXING_SYMBOLIC),
     "cross_entropy_mean_scheduled_on_its_static_rows-2107": Seed(
         2107, 4, "refused (ScheduleError 'axis 0 is out of range for T30, whose loop domain "
-        "has 0 axes'), the generator's and the composite's: cross_entropy(mean) of logits "
-        "[5, 2] is the fused kernel's loss where the class extent is static (its result "
-        "keeps the reduced row axis, which a schedule may split: a partial loss) and "
-        "div(sum, count) where it is symbolic (a 0-d result); the schedule was drawn on the "
-        "static probe, the program runs with -1 extents. Found by the segmented fuzz run of "
-        "2026-12-05 (the interpreter fails alike); not fixed yet", open=True,
+        "has 0 axes'), the engine's: cross_entropy(mean) of logits [5, 2] is the fused "
+        "kernel's loss where the class extent is static (a sum over the rows, whose reduced "
+        "axis a schedule may split: a partial loss) and was div(sum, count) where it is "
+        "symbolic (a 0-d result); the schedule was drawn on the static probe. Found by the "
+        "segmented fuzz run of 2026-12-05; the symbolic path now sums each row's loss "
+        "divided by the count, a sum over the rows as the fused one",
         features=LOW_PRECISION_INDEXING_SYMBOLIC),
     # Found in session 13's last campaign, not fixed yet (strict xfails: they pass once fixed).
     "gemm_pattern_on_a_reduction_result-619": Seed(

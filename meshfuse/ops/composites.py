@@ -126,8 +126,11 @@ def cross_entropy(o, logits, target, reduction: str = "mean", ignore_index: int 
     if reduction == "sum" or (reduction == "mean" and target.dtype.is_floating):
         loss = o.sum(loss) if reduction == "sum" else o.mean(loss)
     elif reduction == "mean":  # over the rows not ignored (nan if every row is)
+        # Each row's loss divided by the count, then summed, as the fused kernel does: the
+        # result is a sum over the rows with either path (a static or a symbolic class
+        # extent), so a schedule of it applies to both.
         kept = o.sum(o.cast(o.ne(target, ignore_index), DataType.Float))
-        loss = o.div(o.sum(loss), kept)
+        loss = o.sum(o.div(loss, kept))
     # nvFuser's promotion computes bf16 products in float: the loss in the logits' dtype.
     return loss if loss.dtype is logits.dtype else o.cast(loss, logits.dtype)
 
