@@ -131,7 +131,8 @@ def _self_fed_loop(device: torch.device, dtype: torch.dtype, calls: int = 400) -
     with FusionDefinition() as fd:
         x = fd.define_tensor([256, 256], dtype=DataType.from_torch(dtype))
         w = fd.define_tensor([256, 256], dtype=DataType.from_torch(dtype))
-        fd.add_output(fd.ops.tanh(fd.ops.mul(x, w)))
+        # bf16 products compute in float32: the output cast back to be fed in again
+        fd.add_output(fd.ops.cast(fd.ops.tanh(fd.ops.mul(x, w)), x.dtype))
     gen = torch.Generator(device).manual_seed(3)
     w = torch.rand(256, 256, generator=gen, device=device).to(dtype) + 0.5
     x = torch.randn(256, 256, generator=gen, device=device).to(dtype)
