@@ -103,9 +103,7 @@ def test_fuzz_overlap_programs_match_torch(multidevice_test):
     GEMMs, ``MESHFUSE_OVERLAP_CHUNKS`` drawn): against torch, and, sharded, some program of
     the run must have formed a loop (``fd.explain``'s stream loops), else the mode tests
     nothing."""
-    # Without symbolic extents for now: seed 19 at 4 ranks with them mismatches (an open
-    # regression, test_fuzz_regressions' symbolic_extents_in_a_forced_stream_loop-19).
-    features = dataclasses.replace(_features(), overlap=True, stream_axes=True, symbolic=False)
+    features = dataclasses.replace(_features(), overlap=True, stream_axes=True)
     looped = []
 
     def run(program, rank, device):

@@ -668,11 +668,20 @@ SEEDS: dict[str, Seed] = {
     "symbolic_broadcast_in_dim_resharded_per_signature-22": Seed(
         22, 4, "refused: 'T2 = broadcast_in_dim(T3, ...): T3 axis 0 is replicated but ...'",
         features=SYMBOLIC),
+    "strided_shard_kept_by_a_forced_allgather_loop-20132": Seed(
+        20132, 4, "mismatch (every value of linear(where(gt(t1, 0), t0, t1), w) on the 2x2 "
+        "mesh, set_overlap(True), 4 chunks): t1's last axis is sharded in strided blocks "
+        "(an outer split of a piece of it), the GEMM's operand in blocks, the same S(2) "
+        "placement; the stream loop took the reshard for an allgather over the other mesh "
+        "axis alone and left the re-layout out. Found by the overlap fuzz run of "
+        "2026-12-05; a loop now needs the shards it keeps in blocks on both sides",
+        features=dataclasses.replace(OVERLAP_STREAM_AXES, indexing=True)),
     "symbolic_extents_in_a_forced_stream_loop-19": Seed(
         19, 4, "mismatch (6 of 12 values of linear(div(x, abs(w) + 1), v) on the 2x2 mesh, "
         "set_overlap(True), 2 chunks) with symbolic extents; the same program with static "
-        "extents matches. Not fixed yet: the overlap mode draws no symbolic extents until "
-        "it is", open=True, features=dataclasses.replace(OVERLAP_STREAM_AXES, symbolic=True)),
+        "extents matches. Fixed with strided_shard_kept_by_a_forced_allgather_loop-20132 "
+        "(a loop needs the shards it keeps in blocks on both sides)",
+        features=dataclasses.replace(OVERLAP_STREAM_AXES, symbolic=True)),
     "cross_entropy_of_a_symbolic_class_axis-2": Seed(
         2, 1, "refused when defined: 'cross_entropy: the class axis 1 of T5 has a symbolic "
         "extent; class indices need a static one'", features=INDEXING_SYMBOLIC),
