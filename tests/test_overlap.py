@@ -406,3 +406,35 @@ def test_row_parallel_loop_on_a_2x2_mesh(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor(F.linear(gx, gw), out_tv))
     assert _kinds(comms) == Counter(allreduce=chunks)
     assert {c.mesh_axis for c in comms} == {mesh.axis_of(MX)}
+
+
+@pytest.mark.mpi
+def test_a_gather_that_also_relays_a_strided_shard_is_no_loop(multidevice_test):
+    """Regression (fuzz seed 20132): ``x``'s last axis lies on mesh_x in strided blocks (a
+    split of a piece of it), the GEMM's operand in blocks, both placed ``S(2)``; the reshard
+    gathers mesh_y's axis and re-lays mesh_x's. A stream loop of the gather alone left the
+    re-layout out (every value wrong): the engine forms none, even forced (the GEMM's
+    allreduce may still run in a loop: it carries the whole reshard per chunk)."""
+    mesh = mesh_2x2(multidevice_test)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 6, 8], dtype=DataType.Float)
+        w = fd.define_tensor([5, 8], dtype=DataType.Float)
+        t = fd.ops.neg(x)
+        fd.add_output(fd.ops.linear(t, w))
+    x.set_device_mesh(mesh)
+    x.outer_split(1, 2)
+    x.axis(1).parallelize(MY)
+    x.split(3, 2, False)  # the last axis: [2 pieces, 4], each piece split over mesh_x
+    x.outer_split(4, 2)
+    x.axis(4).parallelize(MX)
+    t.set_device_mesh(mesh)
+    t.outer_split(2, 2)
+    t.axis(2).parallelize(MX)
+    t.set_overlap(True)
+    shard(w, 1, mesh)
+    gx, gw = _ints(2, 6, 8), _ints(5, 8, seed=1)
+    inputs = [multidevice_test.shard_tensor(g, tv) for g, tv in zip((gx, gw), (x, w))]
+    assert "allgather decomposed" not in fd.explain(inputs)
+    out, = fd.execute(inputs)
+    torch.testing.assert_close(out, multidevice_test.shard_tensor(F.linear(-gx, gw),
+                                                                  fd.fusion.outputs()[0]))
