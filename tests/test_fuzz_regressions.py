@@ -708,7 +708,7 @@ SEEDS: dict[str, Seed] = {
         "segmented fuzz run of 2026-12-05; the symbolic path now sums each row's loss "
         "divided by the count, a sum over the rows as the fused one",
         features=LOW_PRECISION_INDEXING_SYMBOLIC),
-    # Found in session 13's last campaign, not fixed yet (strict xfails: they pass once fixed).
+    # Found in session 13's last campaign (fixed since).
     "gemm_pattern_on_a_reduction_result-619": Seed(
         619, 4, "mismatch, the generator's: the overlap mode's GEMM pattern wrote logical axis "
         "indices for var's result, whose loop domain keeps the reduced axis: it pinned the "
