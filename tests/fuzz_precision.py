@@ -19,8 +19,11 @@ program's dtypes is allowed to be off: ``rtol`` four units of roundoff of the dt
 twice torch's own largest error on that output plus two units of roundoff of the program's
 largest magnitude (inputs, intermediates and outputs alike, and the largest sum of absolute
 terms of any of its sums: a rounded partial sum is off by a unit of roundoff of the part,
-not of the total, and a part may be far larger than the total where terms cancel). The
-output's dtype must be torch's. A comparison of a rounded value could flip, so in these
+not of the total, and a part may be far larger than the total where terms cancel). A
+product is the exception: a shard's partial product may overflow the dtype where the whole
+does not (its values above 1 in one shard, those below in another), which no tolerance
+covers; a program with a product whose factors above 1 could overflow the dtype is compared
+nowhere (its outputs' expectations are None). The output's dtype must be torch's. A comparison of a rounded value could flip, so in these
 programs only inputs and integer values feed comparisons (``Value.exact``).
 """
 
@@ -107,7 +110,9 @@ class InFloat64(TorchFunctionMode):
     (reductions, matmuls: the call again on the operands' absolute values). A shard's partial
     sum is never larger, so it bounds the magnitude of the partial results that a sharded
     run rounds to the program's dtype before combining them (a narrowing cast keeps a partial
-    sum partial, as DTensor does), which no value of the unsharded program shows."""
+    sum partial, as DTensor does), which no value of the unsharded program shows.
+    ``product_magnitude``: likewise the largest product of ``max(|x|, 1)`` of any product
+    the code computes, which bounds a shard's partial product."""
 
     CONVERSIONS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
                    torch.Tensor.double)
@@ -115,9 +120,12 @@ class InFloat64(TorchFunctionMode):
             torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
             torch.nn.functional.linear)
 
+    PRODUCTS = (torch.prod, torch.Tensor.prod)
+
     def __init__(self) -> None:
         super().__init__()
         self.partial_magnitude = 0.0
+        self.product_magnitude = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,6 +138,9 @@ class InFloat64(TorchFunctionMode):
         if func in self.SUMS:
             absolute = func(*(_absolute(a) for a in args), **kwargs)
             self.partial_magnitude = max(self.partial_magnitude, _largest(_float64(absolute)))
+        if func in self.PRODUCTS:
+            above_one = func(_float64(args[0]).abs().clamp_min(1.0), *args[1:], **kwargs)
+            self.product_magnitude = max(self.product_magnitude, float(above_one.max()))
         if isinstance(result, (tuple, list)):
             return type(result)(_float64(r) for r in result)
         return _float64(result)
@@ -161,18 +172,23 @@ def exact_run(program, inputs: list[torch.Tensor]) -> dict:
     with torch.no_grad(), mode:
         exec("\n".join(program.torch_lines), env)  # noqa: S102 (the program's torch code)
     env[PARTIAL_MAGNITUDE] = mode.partial_magnitude
+    env[PRODUCT_MAGNITUDE] = mode.product_magnitude
     return env
 
 
 PARTIAL_MAGNITUDE = "partial magnitude"  # exact_run's key of InFloat64.partial_magnitude
+PRODUCT_MAGNITUDE = "product magnitude"  # and of InFloat64.product_magnitude
 
 
 def expectations(program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
-                 ) -> list[tuple[torch.Tensor, dict]]:
+                 ) -> list[tuple[torch.Tensor, dict] | None]:
     """For each output (torch's ``outputs`` of the program on ``inputs``, in its dtypes):
     the value to compare with (float64: the exact value; torch's where torch's is not
-    finite) and the tolerances of ``torch.testing.assert_close`` (see the module doc)."""
+    finite) and the tolerances of ``torch.testing.assert_close`` (see the module doc); None
+    for every output of a program whose partial products could overflow its dtype."""
     exact = exact_run(program, inputs)
+    if exact[PRODUCT_MAGNITUDE] > torch.finfo(LOW[program.low]).max:
+        return [None] * len(outputs)
     eps = UNIT_ROUNDOFF[LOW[program.low]]
     scale = max([1.0, exact[PARTIAL_MAGNITUDE]] +
                 [_largest(v) for k, v in exact.items()

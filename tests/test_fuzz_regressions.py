@@ -722,6 +722,14 @@ SEEDS: dict[str, Seed] = {
         "oracle's scale now includes the largest sum of absolute terms of the program's sums "
         "(fuzz_precision.InFloat64.partial_magnitude), which bounds any partial",
         features=LOW_PRECISION),
+    "half_partial_product_overflow-60600": Seed(
+        60600, 4, "mismatch (inf against 0.0055), the oracle's: prod of 32 Half values (4 "
+        "inputs expanded 8 times) over 4 ranks; one rank's partial product overflowed Half "
+        "where the whole does not, as a partial sum rounds (3298) but past any tolerance. "
+        "A program whose factors above 1 could overflow its dtype is now compared nowhere "
+        "(fuzz_precision.InFloat64.product_magnitude); it must still run. Found by the "
+        "low-precision fuzz run of 2026-12-05 (seed 60000 on)",
+        features=LOW_PRECISION_INDEXING_SYMBOLIC),
     "narrowing_cast_of_a_partial_matmul-160": Seed(
         160, 3, "mismatch (22 of 48, up to 5% relative): cast(matmul(x, w), BFloat16) cast "
         "back to Float, w's contracted axis split over 3 ranks: the narrowing cast keeps the "
