@@ -462,6 +462,13 @@ SEEDS: dict[str, Seed] = {
         "of take_along_axis(x, index, 0) under broadcast_in_dim, whose gradient (a sum over "
         "the broadcast axis) has a reduction axis: its rows were looked up by logical axis, "
         "the held indices count materialized axes only", features=INDEXING_SYMBOLIC),
+    "keepdim_gradient_combined_with_a_slice_of_extent_1-60300": Seed(
+        60300, 4, "unknown refusal: 'broadcast_in_dim: input axis 0 has extent 1 but output "
+        "axis 0 asks for 6' in the backward of maximum(mean(x, [0], keepdim=True), "
+        "x[3:4]): the cotangent's kept axis became an iteration axis of extent 1 (the "
+        "slice's), which mean's gradient broadcast as a broadcast axis; expand_back now "
+        "squeezes the kept axes first. Found by the heads gradient fuzz run of 2026-12-05 "
+        "(seed 60000 on)", features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True)),
 }
 
 

@@ -40,14 +40,19 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
 
 
 def expand_back(d, g):
-    """``g`` (shaped like a reduction's result) broadcast back to the reduced input's shape."""
+    """``g`` (shaped like a reduction's result) broadcast back to the reduced input's shape.
+    With ``keepdim`` the reduced axes of ``g`` are squeezed first: a cotangent combined with
+    a tensor of the same shape (``maximum(mean(x, keepdim=True), x[3:4])``) holds them as
+    iteration axes of extent 1, which no broadcast expands."""
     x, ndim = d.arg("x"), d.ndim("x")
     dims = normalize_axes(d.expr.op.name, d.attrs["dims"], ndim)
     shape = [-1] * ndim
     for a in dims:
         shape[a] = x.materialized()[a].extent or d.shape("x")[a]
-    kept = range(ndim) if d.attrs["keepdim"] else [a for a in range(ndim) if a not in dims]
-    return d.ops.broadcast_in_dim(g, shape, list(kept))
+    if d.attrs["keepdim"] and dims:
+        g = d.ops.squeeze(g, dims=dims)
+    kept = [a for a in range(ndim) if a not in dims]
+    return d.ops.broadcast_in_dim(g, shape, kept)
 
 
 def _sum_grads(d, grads):
