@@ -41,18 +41,20 @@ def reduced_axes(op: str, x, dims, keepdim: bool) -> tuple[AxisSpec, ...]:
 
 def expand_back(d, g):
     """``g`` (shaped like a reduction's result) broadcast back to the reduced input's shape.
-    With ``keepdim`` the reduced axes of ``g`` are squeezed first: a cotangent combined with
-    a tensor of the same shape (``maximum(mean(x, keepdim=True), x[3:4])``) holds them as
-    iteration axes of extent 1, which no broadcast expands."""
+    With ``keepdim``, reduced axes of ``g`` that are no broadcast axes are squeezed first: a
+    cotangent combined with a tensor of the same shape (``maximum(mean(x, keepdim=True),
+    x[3:4])``) holds them as iteration axes of extent 1, which no broadcast expands."""
     x, ndim = d.arg("x"), d.ndim("x")
     dims = normalize_axes(d.expr.op.name, d.attrs["dims"], ndim)
     shape = [-1] * ndim
     for a in dims:
         shape[a] = x.materialized()[a].extent or d.shape("x")[a]
-    if d.attrs["keepdim"] and dims:
-        g = d.ops.squeeze(g, dims=dims)
-    kept = [a for a in range(ndim) if a not in dims]
-    return d.ops.broadcast_in_dim(g, shape, kept)
+    if not d.attrs["keepdim"]:
+        return d.ops.broadcast_in_dim(g, shape, [a for a in range(ndim) if a not in dims])
+    if all(g.materialized()[a].is_broadcast for a in dims):
+        return d.ops.broadcast_in_dim(g, shape, list(range(ndim)))
+    return d.ops.broadcast_in_dim(d.ops.squeeze(g, dims=dims), shape,
+                                  [a for a in range(ndim) if a not in dims])
 
 
 def _sum_grads(d, grads):
