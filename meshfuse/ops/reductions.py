@@ -49,12 +49,11 @@ def expand_back(d, g):
     shape = [-1] * ndim
     for a in dims:
         shape[a] = x.materialized()[a].extent or d.shape("x")[a]
-    if not d.attrs["keepdim"]:
-        return d.ops.broadcast_in_dim(g, shape, [a for a in range(ndim) if a not in dims])
-    if all(g.materialized()[a].is_broadcast for a in dims):
-        return d.ops.broadcast_in_dim(g, shape, list(range(ndim)))
-    return d.ops.broadcast_in_dim(d.ops.squeeze(g, dims=dims), shape,
-                                  [a for a in range(ndim) if a not in dims])
+    if d.attrs["keepdim"]:
+        if all(g.materialized()[a].is_broadcast for a in dims):
+            return d.ops.broadcast_in_dim(g, shape, list(range(ndim)))
+        g = d.ops.squeeze(g, dims=dims)
+    return d.ops.broadcast_in_dim(g, shape, [a for a in range(ndim) if a not in dims])
 
 
 def _sum_grads(d, grads):

@@ -118,11 +118,11 @@ def _one_change(e: Reshard) -> tuple[int, object, object] | None:
     changed = [m for m, (a, b) in enumerate(zip(before, after)) if a != b]
     if len(changed) != 1:
         return None
+    m = changed[0]
     if any(isinstance(p, Shard) and (_block_split(src, p.axis) is None or
                                      _block_split(dst, p.axis) is None)
-           for m, p in enumerate(before) if m != changed[0]):
+           for other, p in enumerate(before) if other != m):
         return None
-    m = changed[0]
     return m, before[m], after[m]
 
 
