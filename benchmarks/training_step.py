@@ -22,6 +22,9 @@ default settings:
   forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
   and the norms' outputs are recomputed by default, inside the backward's fused segments:
   memory traffic the hand-written fusion does not pay);
+- ``meshfuse_autograd_fused``: the same with ``remat="recompute_fused"`` (the values the
+  forward writes anyway for a product or attention, the norms' outputs and the GELU, are
+  saved; the ones its fused kernels never write are recomputed);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
@@ -216,6 +219,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
     def derived_saved():
         return derived(remat="save")
 
+    def derived_fused():
+        return derived(remat="recompute_fused")
+
     def derived_device_thread():
         inner, function = derived()
 
@@ -265,7 +271,8 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("torch_compile_ro", reduce_overhead), ("meshfuse_autograd", derived),
         ("meshfuse_autograd_no_replay", derived_no_replay),
         ("meshfuse_autograd_device_thread", derived_device_thread),
-        ("meshfuse_autograd_saved", derived_saved), ("meshfuse_captured", captured),
+        ("meshfuse_autograd_saved", derived_saved),
+        ("meshfuse_autograd_fused", derived_fused), ("meshfuse_captured", captured),
         ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}
 

@@ -2,8 +2,8 @@
 autograd (see ``test_fuzz_autodiff.py``).
 
 A program (``fuzz_programs.generate`` with ``Features.differentiable``) runs through
-``fd.as_autograd_function()`` on this rank's shards, its floating-point inputs requiring
-grad. Its outputs are compared with torch's as ``fuzz_runner.run_program`` compares them;
+``fd.as_autograd_function()`` (with the program's drawn ``remat`` policy) on this rank's
+shards, its floating-point inputs requiring grad. Its outputs are compared with torch's as ``fuzz_runner.run_program`` compares them;
 then each differentiable output gets a random global cotangent (the same on every rank;
 where there are several, some get none: :func:`dropped_outputs`, whose backward is derived
 without them), this rank's shard of it flows back through the derived backward, and each input's
@@ -89,14 +89,15 @@ def dropped_outputs(program: Program, differentiable: list[int]) -> set[int]:
 def _run(program: Program, rank: int, device: torch.device,
          compile: str | None = None) -> Outcome:
     check = GRADIENT_CHECK.replace("COTANGENT_SEED", str(cotangent_seed(program)))
-    check = check.replace("as_autograd_function()", f"as_autograd_function(compile={compile!r})")
+    check = check.replace("as_autograd_function()", f"as_autograd_function(compile={compile!r}, "
+                          f"remat={program.remat!r})")
     try:
         _, expected = reference(program, grad=True)
         dropped = dropped_outputs(program, [j for j, e in enumerate(expected)
                                             if e.requires_grad])
         check = check.replace("DROPPED", repr(sorted(dropped)))
         fd, _ = build(program)
-        function = fd.as_autograd_function(compile=compile)
+        function = fd.as_autograd_function(compile=compile, remat=program.remat)
         failures = []
         for call in ("first call", "cached call"):  # both on every rank: they communicate
             failure = _check_call(program, fd, function, rank, device)

@@ -30,6 +30,7 @@ import fuzz_typed
 import torch
 
 from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType, ScheduleError
+from meshfuse.autodiff.derivation import REMAT_POLICIES
 
 UNARY = ["abs", "atan", "cos", "erf", "exp", "neg", "relu", "sigmoid", "silu", "sin", "tanh"]
 TORCH_UNARY = {"silu": "torch.nn.functional.silu"}
@@ -79,6 +80,9 @@ class Features:
             (``fuzz_symbolic.py``): the same seed's program otherwise.
         heads: grouped-query attention (projected or not), batched matmuls summed over
             their batch, ``linear`` with leading weight axes (``fuzz_heads.py``).
+        remat: the derived backward's rematerialization policy drawn per program
+            (:attr:`Program.remat`, from ``meshfuse.autodiff.derivation.REMAT_POLICIES``, by a
+            generator of its own: the same seed's program otherwise); off: the default.
 
     Each adds statements to the generator only when on, so that programs drawn without it
     (the seeds of ``test_fuzz_regressions.py``) stay as they were drawn.
@@ -95,6 +99,7 @@ class Features:
     indexing: bool = False
     symbolic: bool = False
     heads: bool = False
+    remat: bool = False
 
 
 @dataclasses.dataclass
@@ -130,6 +135,7 @@ class Program:
     overlap_chunks: int = 0  # Features.overlap: MESHFUSE_OVERLAP_CHUNKS of its run (0: unset)
     # Features.symbolic: input -> its declared shape, -1 where symbolic (absent: static)
     symbolic: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    remat: str = "recompute"  # Features.remat: the derived backward's policy
 
     def dtype(self, name: str) -> str:
         """The DataType name of input ``name`` (Float unless the generator chose another)."""
@@ -686,6 +692,8 @@ def generate(seed: int, world_size: int, features: Features | None = None) -> Pr
                                  features.stream_axes)
     if features.symbolic:
         fuzz_symbolic.choose(program)
+    if features.remat:
+        program.remat = random.Random(seed * 7919 + world_size + 1).choice(REMAT_POLICIES)
     return program
 
 

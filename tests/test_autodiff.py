@@ -89,7 +89,7 @@ def test_megatron_mlp_gradients_and_communications(multidevice_test):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("remat", ["recompute", "recompute_gathers", "save"])
+@pytest.mark.parametrize("remat", ["recompute", "recompute_fused", "recompute_gathers", "save"])
 def test_sequence_parallel_allgather_transposes_to_reduce_scatter(multidevice_test, remat):
     """Sequence parallel: x's allgather in the forward is a reduce-scatter of its gradient
     in the backward, and y's reduce-scatter an allgather of its cotangent. The backward
@@ -143,6 +143,33 @@ def test_remat_recompute_saves_fewer_residuals_than_save():
         results.append(bwd.execute(bwd.backward_inputs([dy], glob, outs)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_remat_recompute_fused_saves_what_the_forward_writes_for_a_product():
+    """``recompute_fused`` keeps the GELU output, which the forward writes for the second
+    product anyway, where ``recompute`` computes it again for w2's gradient; the values
+    are the same."""
+    fd, _, _ = _mlp()
+    recompute, fused = meshfuse.vjp(fd), meshfuse.vjp(fd, remat="recompute_fused")
+    ops = [[e.op.name for e in bwd.fusion.exprs] for bwd in (recompute, fused)]
+    assert "gelu" in ops[0] and "gelu" not in ops[1], ops
+    saved = [sorted(v.definition.op.name for v in bwd.derivation.source.residuals
+                    if v.definition is not None) for bwd in (recompute, fused)]
+    assert saved == [["linear"], ["gelu", "linear"]], saved
+    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
+    dy = _randn(T, H, seed=4)
+    results = []
+    for bwd in (recompute, fused):
+        outs = bwd.forward.execute(glob)
+        results.append(bwd.execute(bwd.backward_inputs([dy], glob, outs)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_remat_policy_is_checked():
+    fd, _, _ = _mlp()
+    with pytest.raises(DefinitionError, match="remat must be one of"):
+        meshfuse.vjp(fd, remat="recompute_all")
 
 
 def test_wrt_selects_the_gradients():

@@ -105,7 +105,7 @@ def _whole(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def _parallel(model_name: str, plan_name: str, multidevice_test):
+def _parallel(model_name: str, plan_name: str, multidevice_test, remat: str = "recompute"):
     torch.manual_seed(0)
     reference = MODELS[model_name]().to(current_device())
     model = copy.deepcopy(reference)
@@ -115,7 +115,7 @@ def _parallel(model_name: str, plan_name: str, multidevice_test):
     mesh = DeviceMesh(range(multidevice_test.size))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)
-        return reference, meshfuse.parallelize(model, mesh, plan)
+        return reference, meshfuse.parallelize(model, mesh, plan, remat=remat)
 
 
 def _check_gradients(model, reference):
@@ -146,6 +146,37 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     _whole(out.loss).backward()
     expected.loss.backward()
     _check_gradients(model, reference)
+
+
+@pytest.mark.parametrize("remat", ["recompute_fused", "recompute_gathers"])
+def test_other_remat_policies_give_the_modules_gradients(multidevice_test, remat):
+    """Llama with TP+SP under other rematerialization policies than the default; with
+    ``recompute_gathers`` the backward gathers each sequence-parallel input again (one
+    more allgather per column-parallel group than ``recompute``'s backward)."""
+    reference, model = _parallel("llama", "tp_sp", multidevice_test, remat)
+    ids, labels = _inputs()
+    out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    with record_communications() as comms:
+        _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+    gathers = _fusion_traffic(comms)["allgather"]
+    _, base_model = _parallel("llama", "tp_sp", multidevice_test)
+    base_out = base_model(input_ids=ids, labels=labels)
+    with record_communications() as base_comms:
+        _whole(base_out.loss).backward()
+    more = _fusion_traffic(base_comms)["allgather"]
+    if multidevice_test.size > 1 and remat == "recompute_gathers":
+        assert gathers > more, (gathers, more)
+    else:
+        assert gathers == more, (gathers, more)
+
+
+def test_an_unknown_remat_policy_is_refused():
+    with pytest.raises(meshfuse.DefinitionError, match="remat must be one of"):
+        meshfuse.parallelize(_llama(1), DeviceMesh([0]), {}, remat="checkpoint")
 
 
 def _fusion_traffic(comms) -> Counter:

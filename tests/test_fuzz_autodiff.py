@@ -1,7 +1,8 @@
 """The differential fuzzer of derived backwards: random differentiable programs
 (``fuzz_programs.generate`` with ``Features.differentiable``), sharded by the fuzzer's random
 schedules (uneven extents, cyclic and repeated splits, partial intermediates, several meshes)
-at world sizes 1, 2 and 4, run through ``fd.as_autograd_function()`` with random cotangents;
+at world sizes 1, 2 and 4, run through ``fd.as_autograd_function()`` with random cotangents
+and a drawn rematerialization policy (``Features.remat``);
 their outputs and every input's gradient shard compared with ``torch.autograd`` on the
 global tensors (``fuzz_gradients.py``).
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.mpi
 DEFAULT_PROGRAMS = 24
 PROGRAMS_ENV = "MESHFUSE_FUZZ_GRAD_PROGRAMS"
 FEATURES = Features(uneven=True, any_to_any=True, integers=True, extrema=True,
-                    differentiable=True, indexing=True, symbolic=True)
+                    differentiable=True, indexing=True, symbolic=True, remat=True)
 # Heads and batches (fuzz_heads.py): grouped-query attention, batched matmuls, weights with
 # leading axes; a feature set of its own, so that FEATURES' seeds draw what they drew.
 HEAD_FEATURES = dataclasses.replace(FEATURES, heads=True)

@@ -23,6 +23,12 @@ pointwise ops, casts, shape ops, local slices) in the backward from saved values
 inputs and the results of expensive ops (matrix products, attention, reductions) and of
 communications are saved: no matrix product and no collective runs twice (DTensor's
 schedule: a sequence-parallel layer's gathered input is saved for its weight gradient).
+``"recompute_fused"`` recomputes only the cheap values that the forward's fused kernels
+never write to memory, and saves those the forward writes anyway, because an op that runs
+on its own reads them (a matrix product's operand, such as a layer norm's output or an
+MLP's activation; attention's; a communication's) or the user gets them: the backward reads
+them back rather than computing and writing them again (the hand-written layers' and
+Megatron-LM's selective recomputation), for the memory of holding them until the backward.
 ``"recompute_gathers"`` also recomputes the forward's communications (Megatron-LM's
 sequence-parallel schedule: the input is gathered again in the backward), which saves the
 gathered copies' memory at the cost of running those collectives again.
@@ -39,7 +45,7 @@ from meshfuse.autodiff.naming import BackwardNames, gradient_name
 from meshfuse.autodiff.schedules import copy_schedule, is_pinned
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import DefinitionError
-from meshfuse.ir.fusion import Expr, Fusion
+from meshfuse.ir.fusion import Expr, Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain, IterType
 from meshfuse.ir.placement import Partial, placements, shard_signature
 from meshfuse.ir.tensor_view import Allocation, Scalar, TensorView, Val
@@ -47,7 +53,7 @@ from meshfuse.ops.namespace import Ops, add_op
 from meshfuse.ops.registry import Kind
 from meshfuse.passes.pipeline import compiled_for
 
-REMAT_POLICIES = ("recompute", "recompute_gathers", "save")
+REMAT_POLICIES = ("recompute", "recompute_fused", "recompute_gathers", "save")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +151,8 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
     Args:
         fusion: the user's fusion (read only).
         wrt: the input TensorViews to differentiate; default every floating-point tensor input.
-        remat: ``"recompute"``, ``"recompute_gathers"`` or ``"save"``.
+        remat: ``"recompute"``, ``"recompute_fused"``, ``"recompute_gathers"`` or
+            ``"save"``.
         world_size: derive for a preview of this many ranks from one process (to explain,
             not to run: the forward has no runner); default: this process's world.
     """
@@ -280,6 +287,7 @@ class _BackwardBuilder:
         self.pins: list[tuple[TensorView, TensorView]] = []  # (backward tensor, primal)
         self.gradient_index: dict[TensorView, int] = {}
         self.active = _active(forward, wrt)
+        self.written = _written(forward) if remat == "recompute_fused" else set()
         self.names = BackwardNames(self.backward)
 
     def build(self, outputs: Sequence[TensorView], zero: Collection[int] = ()) -> None:
@@ -320,7 +328,8 @@ class _BackwardBuilder:
             self.values[v] = self.fetch(self._resolution(v))
         elif isinstance(v, Scalar) and v.is_constant:
             self.values[v] = self.backward.add_constant(Scalar(v.dtype, v.value))
-        elif isinstance(v, TensorView) and self._recomputable(v.definition):
+        elif isinstance(v, TensorView) and v not in self.written and \
+                self._recomputable(v.definition):
             self._recompute(v.definition)
         else:
             self.residuals.append(v)
@@ -476,6 +485,17 @@ def _alike_resolved(src: TensorView, dst: TensorView) -> bool:
     return src.mesh == dst.mesh and all(
         shard_signature(src, a) == shard_signature(dst, b)
         for a, b in zip(src.materialized(), dst.materialized(), strict=True))
+
+
+def _written(forward: Fusion) -> set[TensorView]:
+    """The forward's values that it writes to memory whatever fuses: its outputs and what
+    the ops that run on their own read (matrix products, attention, random ops,
+    communications: not :attr:`~meshfuse.ops.registry.OpDef.fusible`)."""
+    written = {v for v in forward.outputs() if isinstance(v, TensorView)}
+    for expr in forward.exprs:
+        if isinstance(expr, Reshard) or not expr.op.fusible:
+            written.update(expr.tensor_inputs)
+    return written
 
 
 def _moves_data(src: TensorView, dst: TensorView) -> bool:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
+from meshfuse.autodiff.derivation import REMAT_POLICIES
 from meshfuse.capture.members import NamedMembers
 from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
@@ -40,7 +41,8 @@ __all__ = ["parallelize", "torch_mesh"]
 def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
                 plan: Mapping[str, Any], *, example_inputs: Any = None,
                 strict: bool = False, fsdp: str | None = None,
-                pipeline: PipelineSpec | None = None) -> torch.nn.Module | Pipeline:
+                pipeline: PipelineSpec | None = None,
+                remat: str = "recompute") -> torch.nn.Module | Pipeline:
     """Runs ``module`` as meshfuse fusions laid out by ``plan`` on ``mesh``.
 
     Args:
@@ -61,6 +63,9 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             on the rest of the mesh (with ``fsdp``: sharded over that dimension, gathered
             once per step). Any traceable module, a Hugging Face decoder included: stages
             are cut from its graph at the split points' modules.
+        remat: the rematerialization policy of each fusion's derived backward (see
+            :mod:`meshfuse.autodiff.derivation`): ``"recompute"`` (default),
+            ``"recompute_fused"``, ``"recompute_gathers"`` or ``"save"``.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
@@ -73,16 +78,19 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     """
     if isinstance(module, _Parallel):
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
+    if remat not in REMAT_POLICIES:
+        raise DefinitionError(f"parallelize: remat must be one of {REMAT_POLICIES}, got "
+                              f"{remat!r}")
     tmesh = torch_mesh(mesh)
     if pipeline is not None:
         return pipeline_stages(module, tmesh, plan, pipeline, functools.partial(
-            parallelize, strict=strict), fsdp=fsdp)
+            parallelize, strict=strict, remat=remat), fsdp=fsdp)
     resolved = resolve_plan(outline_of(module), plan, tmesh.ndim)
     if fsdp is not None:
         resolved = fully_shard_plan(resolved, tmesh, fsdp, plan, module)
     base = type(module)
     module.__class__ = type(f"Parallel{base.__name__}", (_Parallel, base), {})
-    module._meshfuse = _State(tmesh, resolved, strict)
+    module._meshfuse = _State(tmesh, resolved, strict, remat)
     module._meshfuse.batch = None if fsdp is None else batch_placements(tmesh, fsdp)
     _replace_parameters(module, lambda name, p: torch.nn.Parameter(
         distribute_tensor(p.detach(), tmesh, resolved.parameters[name]), p.requires_grad))
@@ -129,8 +137,9 @@ class _Parallel:
 class _State:
     """A parallelized module's plan, mesh and programs by input signature."""
 
-    def __init__(self, mesh: TorchDeviceMesh, plan: ResolvedPlan, strict: bool) -> None:
-        self.mesh, self.plan, self.strict = mesh, plan, strict
+    def __init__(self, mesh: TorchDeviceMesh, plan: ResolvedPlan, strict: bool,
+                 remat: str) -> None:
+        self.mesh, self.plan, self.strict, self.remat = mesh, plan, strict, remat
         self.programs: dict[Any, Program] = {}
         self.capturing = False
         self.last: Program | None = None
@@ -142,7 +151,7 @@ class _State:
             captured = self._agreed(lambda: self._captured(module, args, kwargs))
             self.programs[key] = Program(captured, self.plan, self.mesh,
                                          dict(module.named_buffers(remove_duplicate=False)),
-                                         self.strict)
+                                         self.strict, self.remat)
         self.last = self.programs[key]
         return self.last
 

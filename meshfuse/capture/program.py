@@ -44,11 +44,13 @@ class Program:
         mesh: the torch mesh DTensors live on.
         buffers: the module's buffers by name (read by the folded constants).
         strict: raise on graph breaks instead of warning.
+        remat: the rematerialization policy of the fusions' derived backwards.
     """
 
     def __init__(self, captured: Captured, plan: ResolvedPlan, mesh: TorchDeviceMesh,
-                 buffers: Mapping[str, torch.Tensor], strict: bool = False) -> None:
-        self.captured, self.plan, self.mesh = captured, plan, mesh
+                 buffers: Mapping[str, torch.Tensor], strict: bool = False,
+                 remat: str = "recompute") -> None:
+        self.captured, self.plan, self.mesh, self.remat = captured, plan, mesh, remat
         simplify(captured.graph)
         self._static = static_nodes(captured)
         self._versions: tuple[int, ...] | None = None
@@ -100,7 +102,7 @@ class Program:
         if found not in self.built:
             built = build_segment(segment, self.plan, self._mf_mesh, self.constants,
                                   dict(self.captured.parameters), self._batch(segment, layouts))
-            self.built[found] = (built, built.fd.as_autograd_function())
+            self.built[found] = (built, built.fd.as_autograd_function(remat=self.remat))
         built, function = self.built[found]
         self.ran[segment.index] = found
         try:

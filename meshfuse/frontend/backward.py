@@ -51,7 +51,8 @@ def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
         fd: a defined fusion (its ``definition`` and schedule are read).
         wrt: the input TensorViews to differentiate (default: every floating-point tensor
             input).
-        remat: ``"recompute"`` (default), ``"recompute_gathers"`` or ``"save"``; see
+        remat: ``"recompute"`` (default), ``"recompute_fused"``, ``"recompute_gathers"``
+            or ``"save"``; see
             :mod:`meshfuse.autodiff.derivation`.
         world_size: derive for this many ranks from one process, to print and explain the
             backward as those ranks would (``bwd.explain(world_size=N)``) without starting

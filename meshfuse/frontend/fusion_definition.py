@@ -328,6 +328,8 @@ class FusionDefinition:
                 input); one gets a gradient when its tensor requires grad.
             remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
                 in the backward, matrix products and collectives never),
+                ``"recompute_fused"`` (only those the forward's fused kernels never write
+                to memory: a matrix product's operands are saved),
                 ``"recompute_gathers"`` (the forward's collectives too) or ``"save"`` (every
                 intermediate the backward reads is saved).
             keep_residuals: keep what the backward reads until the autograd node dies, so

@@ -291,6 +291,15 @@ class OpDef:
     plan: Callable[[Any], None] | None = None
     own_partials: Callable[[Any, Any], None] | None = None
 
+    @property
+    def fusible(self) -> bool:
+        """Whether a fused kernel may compute this op among others: its torch implementation
+        is a pure, stateless function of its local arguments laid out as PyTorch's
+        pointwise kernels lay them out. Matrix products, attention and random ops are not:
+        they run on their own, reading operands written to memory."""
+        return self.make_impl is None and self.localize is None and \
+            self.output_layout == "follow"
+
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""
         if len(args) > len(self.params):

@@ -51,13 +51,11 @@ FUSED = "fused"
 
 
 def fusible(step: Step) -> bool:
-    """Whether a record may go into a segment: an op (not a communication) whose torch
-    implementation is a pure, stateless function of its local arguments laid out as PyTorch's
-    pointwise kernels lay them out. Matrix products, attention and random ops are not."""
+    """Whether a record may go into a segment: an op (not a communication) that is
+    :attr:`~meshfuse.ops.registry.OpDef.fusible`."""
     if step.op == RESHARD or step.op not in REGISTRY:  # a communication, a strategy's loop
         return False
-    op = lookup(step.op)
-    return op.make_impl is None and op.localize is None and op.output_layout == "follow"
+    return lookup(step.op).fusible
 
 
 @dataclasses.dataclass
