@@ -1,6 +1,7 @@
 """Where a step's host time goes on a GPU (issues 31 and 34: steps bound by the host).
 
-``python -m benchmarks.host_profile --out DIR [--case ce|gpt|all] [--quick]``
+``python -m benchmarks.host_profile --out DIR [--case ce|gpt|all] [--gpt-variants A,B]
+[--quick]``
 
 Cases: ``ce``, the cross entropy on indices of :mod:`benchmarks.cross_entropy` (8192 x
 32768 bf16 logits; variants ``meshfuse``, ``eager``, ``kernel``); ``gpt``, the small GPT
@@ -52,8 +53,10 @@ def _with_function(step: Callable[[], object], function) -> Callable[[], object]
     return step
 
 
-def _gpt_variants(size, device) -> dict[str, Callable[[], object]]:
-    chosen = ("meshfuse_autograd", "meshfuse_hand_written", "torch_eager")
+GPT_VARIANTS = ("meshfuse_autograd", "meshfuse_hand_written", "torch_eager")
+
+
+def _gpt_variants(size, device, chosen=GPT_VARIANTS) -> dict[str, Callable[[], object]]:
     setups = training_step.variants(size, device, _dtype(device), "inductor", chosen)
     made = {name: setup()[:2] for name, setup in setups.items()}
     return {name: _with_function(step, owner) for name, (step, owner) in made.items()}
@@ -251,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--case", default="all", choices=("ce", "gpt", "all"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU dry run)")
+    parser.add_argument("--gpt-variants", default=",".join(GPT_VARIANTS),
+                        help="the GPT layer's variants (names of benchmarks.training_step)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
@@ -260,7 +265,8 @@ def main(argv=None) -> int:
         cases["ce"] = lambda: _ce_variants(*((64, 128) if args.quick else (8192, 32768)),
                                            device)
     if args.case in ("gpt", "all"):
-        cases["gpt"] = lambda: _gpt_variants(gpt_size, device)
+        cases["gpt"] = lambda: _gpt_variants(gpt_size, device,
+                                             tuple(args.gpt_variants.split(",")))
     os.makedirs(args.out, exist_ok=True)
     speed = host_speed(device)
     print(speed[0], flush=True)
