@@ -709,17 +709,20 @@ def build(program: Program) -> tuple[FusionDefinition, dict]:
     return fd, env
 
 
-def reference(program: Program, grad: bool = False
+def reference(program: Program, grad: bool = False, double: bool = False
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The global inputs and the outputs computed by plain torch; with ``grad``, the
     floating-point inputs are leaves that require grad and the outputs are recorded by
-    autograd (to differentiate with ``torch.autograd.grad``)."""
+    autograd (to differentiate with ``torch.autograd.grad``); with ``double``, the float32
+    inputs are float64 (the program computes in float64 up to its own casts)."""
     gen = torch.Generator().manual_seed(program.seed)
     env = {"torch": torch, "math": math}
     inputs = []
     for name, shape in program.inputs:
         x = draw_input(list(shape), program.dtype(name), gen, program.layouts.get(name),
                        program.index_high.get(name))
+        if double and x.dtype == torch.float32:
+            x = x.double()
         env[name] = x.requires_grad_() if grad and x.is_floating_point() else x
         inputs.append(env[name])
     with torch.set_grad_enabled(grad):

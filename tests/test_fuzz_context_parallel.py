@@ -38,4 +38,6 @@ def test_fuzz_context_parallel_programs_match_torch(multidevice_test):
         f"{len(failures)} of {count} context-parallel programs failed at world size "
         f"{multidevice_test.size}: {dict(counts)}\n\n"
         + "\n\n".join(o.report() for o in failures[:3]))
-    assert counts["match"] == count and len(modes) == 2  # block and zig-zag splits both ran
+    assert counts["match"] == count
+    if size > 1:  # (world size 1 is a smoke run of a few programs: nothing is split)
+        assert len(modes) == 2, modes  # block and zig-zag splits both ran
