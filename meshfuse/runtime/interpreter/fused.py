@@ -46,6 +46,7 @@ from meshfuse.ops.registry import REGISTRY, lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
 from meshfuse.runtime.interpreter.recompute import recomputed_in_readers
 from meshfuse.runtime.interpreter.segment_cache import SHARED
+from meshfuse.runtime.interpreter.segment_reductions import reduces_along_rows
 
 FUSED = "fused"
 
@@ -283,7 +284,7 @@ class _Compiled:
             return self.graph(*args)
         start = time.perf_counter()
         graph = _with_constants(self.graph, scalars)
-        patches = inductor_patches(self._backend, tensors)
+        patches = inductor_patches(self._backend, tensors, graph)
         shared = SHARED.key(graph, tensors, self._backend, patches)
         compiled = SHARED.get(shared)
         if compiled is None:
@@ -307,20 +308,27 @@ class _Compiled:
 # ``cast(cast(x, BFloat16), Float)`` returned ``x`` unrounded, 0.0074 off; fuzzer seed 8 at
 # 2 ranks, compiled).
 INDUCTOR = {"emulate_precision_casts": True}
-# And on GPUs, ``triton.multi_kernel``: each reduction is generated both as a persistent
-# kernel (a row held whole, read once) and as a looped one, and the faster is picked when the
-# segment first runs (before any CUDA-graph capture). Inductor keeps rows longer than 1024
-# looped otherwise; softmax over rows of 4096 (bf16, 8192 rows per H200) ran in 80.5 us
-# looped, 38.7 us persistent (a copy of its bytes: 34.9).
+# And on GPUs, for a segment that reduces along rows (``segment_reductions``),
+# ``triton.multi_kernel``: each reduction is generated both as a persistent kernel (a row held
+# whole, read once) and as a looped one, and the faster is picked when the segment first runs
+# (before any CUDA-graph capture). Inductor keeps rows longer than 1024 looped otherwise;
+# softmax over rows of 4096 (bf16, 8192 rows per H200) ran in 80.5 us looped, 38.7 us
+# persistent (a copy of its bytes: 34.9). A segment whose reductions all run across rows (a
+# bias's gradient) keeps Inductor's own choice: there the first-run pick took the slower
+# kernel of both stages of a split sum over 4096 tokens (19.2 and 6.0 us per step where the
+# other kernels take 8.5 and 2.4; H200, 2026-12-05).
 INDUCTOR_ON_CUDA = {"triton.multi_kernel": 1}
 
 
-def inductor_patches(backend: str, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """The Inductor settings a segment is compiled with: :data:`INDUCTOR`, and
-    :data:`INDUCTOR_ON_CUDA` on CUDA tensors; none for other backends."""
+def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
+                     graph: fx.GraphModule | None = None) -> dict[str, Any]:
+    """The Inductor settings a segment (``graph``, called with ``tensors``) is compiled
+    with: :data:`INDUCTOR`, and :data:`INDUCTOR_ON_CUDA` on CUDA tensors where the graph
+    reduces along rows (or is not given); none for other backends."""
     if backend != "inductor":
         return {}
-    if any(t.is_cuda for t in tensors):
+    if any(t.is_cuda for t in tensors) and (graph is None or
+                                            reduces_along_rows(graph, tensors)):
         return {**INDUCTOR, **INDUCTOR_ON_CUDA}
     return dict(INDUCTOR)
 
