@@ -355,3 +355,23 @@ def write_report(kind: str, run: range, world_size: int, rank: int,
         json.dump({"programs": len(run), "first_seed": run.start,
                    "outcomes": summarize(outcomes),
                    "failures": [o.report() for o in outcomes if o.failed][:20]}, f, indent=1)
+
+
+def watch_segment_reductions(monkeypatch) -> collections.Counter:
+    """Counts, for every fused segment compiled from now on (any backend), which way its
+    reductions run (``segment_reductions.reduces_along_rows``: ``"along rows"``,
+    ``"across rows"``), run strictly: an error of the fake-tensor run fails the program,
+    where on a GPU it would silently give a segment the default Inductor settings."""
+    from meshfuse.runtime.interpreter import fused
+    from meshfuse.runtime.interpreter.segment_reductions import reduces_along_rows
+
+    seen: collections.Counter = collections.Counter()
+    original = fused.inductor_patches
+
+    def inductor_patches(backend, tensors, graph=None):
+        if graph is not None:
+            along = reduces_along_rows(graph, tensors)
+            seen["along rows" if along else "across rows"] += 1
+        return original(backend, tensors, graph)
+    monkeypatch.setattr(fused, "inductor_patches", inductor_patches)
+    return seen

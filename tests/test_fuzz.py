@@ -25,7 +25,15 @@ import os
 import fuzz_overlap
 import pytest
 from fuzz_programs import Features, generate
-from fuzz_runner import REPORT_ENV, run_many, run_program, seeds, summarize, write_report
+from fuzz_runner import (
+    REPORT_ENV,
+    run_many,
+    run_program,
+    seeds,
+    summarize,
+    watch_segment_reductions,
+    write_report,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -87,15 +95,20 @@ def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test
           compile=backend, odd_seeds=low)
 
 
-def test_fuzz_segmented_programs_match_torch_and_the_interpreter(multidevice_test):
+def test_fuzz_segmented_programs_match_torch_and_the_interpreter(multidevice_test,
+                                                                 monkeypatch):
     """The programs through the fused segments at every world size, compiled by
     ``aot_eager`` (the graphs Inductor would get, run without generating kernels: cheap
     enough for many programs): the segmenting, the clustering and the recomputation across
     segments (``meshfuse.runtime.interpreter.recompute``, which derived backwards meet more
-    often: ``test_fuzz_autodiff.py``) against torch and the interpreter."""
+    often: ``test_fuzz_autodiff.py``) against torch and the interpreter. Each segment's
+    reductions are also classified (along or across rows, on fake tensors: what decides
+    Inductor's settings on a GPU), without error."""
+    reductions = watch_segment_reductions(monkeypatch)
     low = dataclasses.replace(_features(), low_precision=True)
     _fuzz(multidevice_test, SEGMENTED_PROGRAMS_ENV, DEFAULT_SEGMENTED_PROGRAMS, _features(),
           compile="aot_eager", odd_seeds=low)
+    assert reductions["along rows"] and reductions["across rows"], reductions
 
 
 def test_fuzz_overlap_programs_match_torch(multidevice_test):

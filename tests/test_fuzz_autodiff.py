@@ -22,7 +22,7 @@ import functools
 import pytest
 from fuzz_gradients import run_gradients
 from fuzz_programs import Features, generate
-from fuzz_runner import run_many, seeds, summarize, write_report
+from fuzz_runner import run_many, seeds, summarize, watch_segment_reductions, write_report
 
 pytestmark = pytest.mark.mpi
 
@@ -64,7 +64,8 @@ def test_fuzz_segmented_gradients_match_torch_autograd(multidevice_test, monkeyp
     get, without generating kernels; ``MESHFUSE_FUZZ_SEGMENTED_GRAD_PROGRAMS`` programs): a
     derived backward's segments, their clustering and the recomputation across segments
     (``meshfuse.runtime.interpreter.recompute``), whose rewrites this run must have met in
-    some program, else it tests nothing of them."""
+    some program, else it tests nothing of them; and each segment's reductions classified
+    (``fuzz_runner.watch_segment_reductions``)."""
     from meshfuse.engine import runner
 
     recomputed = []
@@ -75,9 +76,11 @@ def test_fuzz_segmented_gradients_match_torch_autograd(multidevice_test, monkeyp
         recomputed.append(any("recomputed:" in s.label for s in fused.steps))
         return fused
     monkeypatch.setattr(runner, "fuse_program", fuse_program)
+    reductions = watch_segment_reductions(monkeypatch)
     _fuzz_gradients(multidevice_test, SEGMENTED_PROGRAMS_ENV, FEATURES,
                     functools.partial(run_gradients, compile="aot_eager"),
                     "segmented gradients")
+    assert reductions["along rows"] and reductions["across rows"], reductions
     if multidevice_test.size > 1:  # (a quarter of the programs at world size 1, a smoke run)
         assert any(recomputed), "no program recomputed a value across segments"
 

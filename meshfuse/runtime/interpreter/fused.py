@@ -327,10 +327,18 @@ def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
     reduces along rows (or is not given); none for other backends."""
     if backend != "inductor":
         return {}
-    if any(t.is_cuda for t in tensors) and (graph is None or
-                                            reduces_along_rows(graph, tensors)):
+    if any(t.is_cuda for t in tensors) and (graph is None or _along_rows(graph, tensors)):
         return {**INDUCTOR, **INDUCTOR_ON_CUDA}
     return dict(INDUCTOR)
+
+
+def _along_rows(graph: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> bool:
+    """:func:`reduces_along_rows`, True where it fails: a hint for Inductor's settings, whose
+    failure (torch's fake tensors refusing some op) must not fail the segment."""
+    try:
+        return reduces_along_rows(graph, tensors)
+    except Exception:  # noqa: BLE001 - see the doc: the default settings then
+        return True
 
 
 def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphModule:
