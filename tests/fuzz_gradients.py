@@ -3,8 +3,9 @@ autograd (see ``test_fuzz_autodiff.py``).
 
 A program (``fuzz_programs.generate`` with ``Features.differentiable``) runs through
 ``fd.as_autograd_function()`` (with the program's drawn ``remat`` policy) on this rank's
-shards, its floating-point inputs requiring grad. Its outputs are compared with torch's as ``fuzz_runner.run_program`` compares them;
-then each differentiable output gets a random global cotangent (the same on every rank;
+shards, its floating-point inputs requiring grad. Its outputs are compared with torch's as
+``fuzz_runner.run_program`` compares them; then each differentiable output gets a random
+global cotangent (the same on every rank;
 where there are several, some get none: :func:`dropped_outputs`, whose backward is derived
 without them), this rank's shard of it flows back through the derived backward, and each input's
 gradient must be this rank's shard of ``torch.autograd.grad`` of the torch code on the

@@ -32,6 +32,9 @@ def _graph(fn) -> fx.GraphModule:
     ("one row of several across", lambda a: (a.sum([0]), a.amax([-1])), [X], True),
     ("cross entropy", lambda a, t: torch.nn.functional.cross_entropy(a, t),
      [torch.randn(8, 10), torch.randint(0, 10, (8,))], True),
+    ("elementwise maximum", lambda a, b: torch.max(a, b), [X, X], False),
+    ("norm across rows", lambda a: torch.linalg.vector_norm(a, 2, dim=[0]), [X], False),
+    ("norm along rows", lambda a: torch.norm(a, 2, dim=[2]), [X], True),
 ])
 def test_reductions_along_or_across_rows(name, fn, inputs, along):
     assert reduces_along_rows(_graph(fn), inputs) is along, name

@@ -36,12 +36,13 @@ aten = torch.ops.aten
 _NOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException,
              UnsupportedFakeTensorException, UnsupportedOperatorException)
 
-# Reductions with their reduced dimensions as the second argument (an int, a list, or
-# None/absent: every dimension).
-_OVER_DIMS = {aten.sum, aten.mean, aten.var_mean, aten.var, aten.std, aten.std_mean,
-              aten.amax, aten.amin, aten.max, aten.min, aten.prod, aten.logsumexp,
-              aten.argmax, aten.argmin, aten.any, aten.all, aten.linalg_vector_norm,
-              aten.norm, aten._softmax, aten._log_softmax, aten.cumsum, aten.cumprod}
+# Reductions (and scans) by the position of their reduced dimensions among the arguments
+# (an int, a list, or None/absent/empty: every dimension).
+_DIMS_AT = {**dict.fromkeys(
+    (aten.sum, aten.mean, aten.var_mean, aten.var, aten.std, aten.std_mean, aten.amax,
+     aten.amin, aten.max, aten.min, aten.prod, aten.logsumexp, aten.argmax, aten.argmin,
+     aten.any, aten.all, aten._softmax, aten._log_softmax, aten.cumsum, aten.cumprod), 1),
+    aten.linalg_vector_norm: 2, aten.norm: 2}
 
 
 def reduces_along_rows(graph: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> bool:
@@ -69,9 +70,11 @@ class _Reductions(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket in _OVER_DIMS and args and isinstance(args[0], torch.Tensor):
-            dims = args[1] if len(args) > 1 else kwargs.get("dim")
-            self.along_rows |= _along_rows(args[0], dims)
+        at = _DIMS_AT.get(func.overloadpacket)
+        if at is not None and args and isinstance(args[0], torch.Tensor):
+            dims = args[at] if len(args) > at else kwargs.get("dim")
+            if not isinstance(dims, torch.Tensor):  # (max(a, b): elementwise)
+                self.along_rows |= _along_rows(args[0], dims)
         elif _reduces(func, args):
             self.along_rows = True  # an unknown reduction: assumed along rows
         return func(*args, **kwargs)
@@ -91,6 +94,6 @@ def _along_rows(x: torch.Tensor, dims) -> bool:
 
 
 def _reduces(func, args) -> bool:
-    """Whether an ATen call outside :data:`_OVER_DIMS` is a reduction (torch's tag)."""
+    """Whether an ATen call outside :data:`_DIMS_AT` is a reduction (torch's tag)."""
     return torch.Tag.reduction in getattr(func, "tags", ()) and bool(args) and \
         isinstance(args[0], torch.Tensor)
