@@ -116,6 +116,40 @@ def test_fsdp_of_a_transformers_llama(multidevice_test, spec):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("remat", ["recompute", "recompute_fused", "recompute_gathers"])
+def test_fsdp_gathers_again_in_the_backward_only_with_recompute_gathers(multidevice_test,
+                                                                        remat):
+    """``parallelize(..., fsdp="dp", remat=...)``: the default and ``recompute_fused`` keep
+    each gathered parameter for the backward (no collective runs twice; a gathered norm
+    weight, read by pointwise ops only, too); ``recompute_gathers`` frees them after the
+    forward and gathers every one again in the backward (FSDP2's
+    ``reshard_after_forward=True``). The gradients are the module's either way."""
+    if multidevice_test.size != 2:
+        pytest.skip("at 2 ranks")
+    mesh = mesh_to_torch(DeviceMesh(range(2)), mesh_dim_names=("dp",))
+    reference = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(copy.deepcopy(reference), mesh, {}, fsdp="dp",
+                                     remat=remat)
+        ids, labels = _inputs(4, 0)
+        with record_communications() as forward:
+            out = model(input_ids=ids, labels=labels)
+        with record_communications() as backward:
+            _whole(out.loss).backward()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    params = len(list(model.parameters()))
+    gathered = [c.kind for c in forward].count("allgather")
+    again = [c.kind for c in backward].count("allgather")
+    assert gathered == params
+    assert again == (params if remat == "recompute_gathers" else 0), (remat, again)
+    assert [c.kind for c in backward].count("reduce_scatter") == params
+
+
+@pytest.mark.mpi
 def test_fsdp_dimension_errors(multidevice_test):
     if multidevice_test.size != 2:
         pytest.skip("the errors at 2 ranks")

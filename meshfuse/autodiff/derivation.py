@@ -361,7 +361,7 @@ class _BackwardBuilder:
         vjp = op_of(expr).vjp
         if not vjp.recompute or any(_is_partial(t) for t in expr.tensor_inputs):
             return False
-        return not (vjp.communication and self.remat == "recompute"
+        return not (vjp.communication and self.remat in ("recompute", "recompute_fused")
                     and _moves_data(expr.tensor_inputs[0], expr.outputs[0]))
 
     def _recompute(self, expr: Expr) -> None:
