@@ -116,14 +116,15 @@ def test_fsdp_of_a_transformers_llama(multidevice_test, spec):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("remat", ["recompute", "recompute_fused", "recompute_gathers"])
+@pytest.mark.parametrize("remat", [None, "recompute", "recompute_fused", "recompute_gathers"])
 def test_fsdp_gathers_again_in_the_backward_only_with_recompute_gathers(multidevice_test,
                                                                         remat):
-    """``parallelize(..., fsdp="dp", remat=...)``: the default and ``recompute_fused`` keep
-    each gathered parameter for the backward (no collective runs twice; a gathered norm
-    weight, read by pointwise ops only, too); ``recompute_gathers`` frees them after the
-    forward and gathers every one again in the backward (FSDP2's
-    ``reshard_after_forward=True``). The gradients are the module's either way."""
+    """``parallelize(..., fsdp="dp", remat=...)``: ``recompute_gathers``, the default with
+    ``fsdp``, frees each gathered parameter after the forward and gathers every one again
+    in the backward (FSDP2's ``reshard_after_forward=True``); ``recompute`` and
+    ``recompute_fused`` keep them for the backward (no collective runs twice; a gathered
+    norm weight, read by pointwise ops only, too). The gradients are the module's either
+    way."""
     if multidevice_test.size != 2:
         pytest.skip("at 2 ranks")
     mesh = mesh_to_torch(DeviceMesh(range(2)), mesh_dim_names=("dp",))
@@ -145,7 +146,7 @@ def test_fsdp_gathers_again_in_the_backward_only_with_recompute_gathers(multidev
     gathered = [c.kind for c in forward].count("allgather")
     again = [c.kind for c in backward].count("allgather")
     assert gathered == params
-    assert again == (params if remat == "recompute_gathers" else 0), (remat, again)
+    assert again == (params if remat in (None, "recompute_gathers") else 0), (remat, again)
     assert [c.kind for c in backward].count("reduce_scatter") == params
 
 

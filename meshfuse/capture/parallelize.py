@@ -42,7 +42,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
                 plan: Mapping[str, Any], *, example_inputs: Any = None,
                 strict: bool = False, fsdp: str | None = None,
                 pipeline: PipelineSpec | None = None,
-                remat: str = "recompute") -> torch.nn.Module | Pipeline:
+                remat: str | None = None) -> torch.nn.Module | Pipeline:
     """Runs ``module`` as meshfuse fusions laid out by ``plan`` on ``mesh``.
 
     Args:
@@ -64,8 +64,11 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             once per step). Any traceable module, a Hugging Face decoder included: stages
             are cut from its graph at the split points' modules.
         remat: the rematerialization policy of each fusion's derived backward (see
-            :mod:`meshfuse.autodiff.derivation`): ``"recompute"`` (default),
-            ``"recompute_fused"``, ``"recompute_gathers"`` or ``"save"``.
+            :mod:`meshfuse.autodiff.derivation`): ``"recompute"``, ``"recompute_fused"``,
+            ``"recompute_gathers"`` or ``"save"``. Default: ``"recompute_gathers"`` with
+            ``fsdp`` (each layer's parameters gathered again in the backward rather than
+            held since the forward: FSDP2's ``reshard_after_forward=True``), else
+            ``"recompute"``.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
@@ -78,6 +81,8 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     """
     if isinstance(module, _Parallel):
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
+    if remat is None:
+        remat = "recompute" if fsdp is None else "recompute_gathers"
     if remat not in REMAT_POLICIES:
         raise DefinitionError(f"parallelize: remat must be one of {REMAT_POLICIES}, got "
                               f"{remat!r}")
