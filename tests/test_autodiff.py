@@ -166,6 +166,21 @@ def test_remat_recompute_fused_saves_what_the_forward_writes_for_a_product():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("remat", ["recompute", "recompute_fused"])
+def test_explain_lists_what_the_forward_saves_for_the_backward(multidevice_test, remat):
+    fd, _, _ = _mlp(mesh_1d(multidevice_test))
+    f = fd.as_autograd_function(remat=remat)
+    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
+    rank = multidevice_test.rank
+    local = [shard_tensor(t, tv, rank).to(current_device()).requires_grad_()
+             for t, tv in zip(glob, fd.fusion.inputs())]
+    f(local)[0].sum().backward()
+    saved = next(line for line in f.explain(local).splitlines() if "saved for the" in line)
+    assert f"(remat={remat!r}): " in saved and "(linear)" in saved and "(input)" in saved
+    assert ("(gelu)" in saved) == (remat == "recompute_fused"), saved
+
+
 def test_remat_policy_is_checked():
     fd, _, _ = _mlp()
     with pytest.raises(DefinitionError, match="remat must be one of"):

@@ -43,7 +43,7 @@ from meshfuse.dtensor import (
 )
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.errors import InputError
-from meshfuse.ir.fusion import Fusion
+from meshfuse.ir.fusion import Fusion, Reshard
 from meshfuse.ir.iter_domain import IterDomain
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.concrete import has_symbolic_ids, with_extents
@@ -272,13 +272,25 @@ class _Compiled:
         :meth:`~meshfuse.engine.runner.FusionRunner.call_lines` (and on each backward
         derived without some cotangents, that ran)."""
         lines = self._backward.call_lines() if self._backward is not None else ["not run yet"]
-        lines = ["derived backward:", *(f"  {line}" for line in lines)]
+        lines = ["derived backward:", *self._saved_lines(), *(f"  {line}" for line in lines)]
         for zero, partial in self._partial.items():
             if partial is not None:
                 outputs = ", ".join(str(self.derivation.cotangents[k]) for k in sorted(zero))
                 title = f"derived backward without the cotangents of outputs {outputs} (none came):"
                 lines += [title, *(f"  {line}" for line in partial[1].call_lines())]
         return lines
+
+    def _saved_lines(self) -> list[str]:
+        """What the forward saves for the backward, under which policy: each value's name,
+        global shape and the op that made it."""
+        source = self.derivation.source
+        if source is None:
+            return []
+        saved = [f"{v.name} {[i.extent for i in v.materialized()]} ({_made_by(v)})"
+                 if isinstance(v, TensorView) else f"{v.name} ({_made_by(v)})"
+                 for v in source.residuals]
+        return [f"  saved for the backward (remat={source.remat!r}): {len(saved)} values: "
+                + ", ".join(saved)]
 
     def runners(self) -> list[FusionRunner]:
         """The forward's runner and those of the backwards that ran."""
@@ -515,3 +527,11 @@ def _agreed(flags: list[bool], ranks: tuple[int, ...]) -> list[bool]:
     gathered = communicator.agreement_allgather(torch.tensor(flags, dtype=torch.uint8),
                                                 ranks=ranks)
     return [bool(x) for x in torch.stack(gathered).amax(0).tolist()]
+
+
+def _made_by(v) -> str:
+    """The op that made value ``v`` of the forward, or "input"."""
+    expr = v.definition
+    if expr is None:
+        return "input"
+    return "communication" if isinstance(expr, Reshard) else expr.op.name
