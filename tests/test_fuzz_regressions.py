@@ -730,6 +730,16 @@ SEEDS: dict[str, Seed] = {
         "(fuzz_precision.InFloat64.product_magnitude); it must still run. Found by the "
         "low-precision fuzz run of 2026-12-05 (seed 60000 on)",
         features=LOW_PRECISION_INDEXING_SYMBOLIC),
+    "stream_loop_placed_alike_where_a_rank_drops_the_bias-140149": Seed(
+        140149, 4, "a hang, caught by the timeout (CollectiveFailed: 'T19 = reshard(T2, "
+        "[R, S(0)c] -> [R, R]) ... timed out; do all ranks run the same program?'): "
+        "linear(gathered x, w, b) with w's contracted axis split over mesh axis 1 (a partial "
+        "sum: only coordinate 0 adds the bias) and x gathered over mesh axis 0 by a forced "
+        "stream loop; the loop was placed after what this rank's steps read, so ranks 0 and 2 "
+        "gathered the bias before the loop and ranks 1 and 3 after it, each pair waiting for "
+        "the other. The loop's place now follows the expressions, alike on every rank. Found "
+        "by the overlap fuzz run of 2026-12-05 (seed 140000 on)",
+        features=dataclasses.replace(OVERLAP_STREAM_AXES, indexing=True, symbolic=True)),
     "narrowing_cast_of_a_partial_matmul-160": Seed(
         160, 3, "mismatch (22 of 48, up to 5% relative): cast(matmul(x, w), BFloat16) cast "
         "back to Float, w's contracted axis split over 3 ranks: the narrowing cast keeps the "

@@ -264,20 +264,33 @@ def _with_transport(loop: StreamLoop, requested: str, device: torch.device | Non
 
 def _splice(steps, calls, exprs, members, step, call):
     """The loop step in place of its body: the steps between the body's first and last
-    that the body needs go before it, the others after."""
+    that the body needs go before it, the others after. What the body needs is read from
+    the expressions (``exprs``: an expression, or the tuple of a loop spliced before), not
+    from this rank's steps: a rank may leave an argument out (a partial sum's addend, added
+    on one coordinate only), and the steps, communications among them, must come in the
+    same order on every rank."""
     first, last = members[0], members[-1]
     body = set(members)
     needed: set[int] = set()
-    wanted = {s for k in members for s in steps[k].reads}
+    wanted = {v for k in members for v in _values(exprs[k], "inputs")}
     for k in range(last, first - 1, -1):
-        if k not in body and wanted & set(steps[k].outputs):
+        if k not in body and wanted & _values(exprs[k], "outputs"):
             needed.add(k)
-            wanted |= set(steps[k].reads)
+            wanted |= _values(exprs[k], "inputs")
     between = [k for k in range(first, last + 1) if k not in body]
     order = list(range(first)) + [k for k in between if k in needed] + [None] + \
         [k for k in between if k not in needed] + list(range(last + 1, len(steps)))
     pick = (lambda seq, new: [new if k is None else seq[k] for k in order])
-    return pick(steps, step), pick(calls, call), pick(exprs, None)
+    return pick(steps, step), pick(calls, call), pick(exprs, tuple(exprs[k] for k in members))
+
+
+def _values(entry: Expr | tuple, which: str) -> set:
+    """The values an expression (or each of a spliced loop's) reads or defines."""
+    entries = entry if isinstance(entry, tuple) else (entry,)
+    found = set()
+    for e in entries:
+        found.update(_values(e, which) if isinstance(e, tuple) else getattr(e, which))
+    return found
 
 
 def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
