@@ -108,7 +108,8 @@ def test_fuzz_segmented_programs_match_torch_and_the_interpreter(multidevice_tes
     low = dataclasses.replace(_features(), low_precision=True)
     _fuzz(multidevice_test, SEGMENTED_PROGRAMS_ENV, DEFAULT_SEGMENTED_PROGRAMS, _features(),
           compile="aot_eager", odd_seeds=low)
-    assert reductions["along rows"] and reductions["across rows"], reductions
+    if multidevice_test.size > 1:  # (a few programs at world size 1, a smoke run)
+        assert reductions["along rows"] and reductions["across rows"], reductions
 
 
 def test_fuzz_overlap_programs_match_torch(multidevice_test):
