@@ -127,6 +127,18 @@ def test_vjp_backward_prints_and_explains_its_collectives(multidevice_test):
         torch.testing.assert_close(got.cpu(), shard_tensor(ref, tv, rank), **TOL)
 
 
+def _assert_same_gradients(first, second) -> None:
+    """The MLP's two derived backwards give bitwise the same gradients on one input."""
+    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
+    dy = _randn(T, H, seed=4)
+    results = []
+    for bwd in (first, second):
+        outs = bwd.forward.execute(glob)
+        results.append(bwd.execute(bwd.backward_inputs([dy], glob, outs)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_remat_recompute_saves_fewer_residuals_than_save():
     fd, _, _ = _mlp()
     recompute, save = meshfuse.vjp(fd), meshfuse.vjp(fd, remat="save")
@@ -135,14 +147,7 @@ def test_remat_recompute_saves_fewer_residuals_than_save():
     # No matrix product runs twice: the backward's matmuls are the four of the gradients.
     for bwd in (recompute, save):
         assert [e.op.name for e in bwd.fusion.exprs].count("matmul") == 4
-    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
-    dy = _randn(T, H, seed=4)
-    results = []
-    for bwd in (recompute, save):
-        outs = bwd.forward.execute(glob)
-        results.append(bwd.execute(bwd.backward_inputs([dy], glob, outs)))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_same_gradients(recompute, save)
 
 
 def test_remat_recompute_fused_saves_what_the_forward_writes_for_a_product():
@@ -156,14 +161,7 @@ def test_remat_recompute_fused_saves_what_the_forward_writes_for_a_product():
     saved = [sorted(v.definition.op.name for v in bwd.derivation.source.residuals
                     if v.definition is not None) for bwd in (recompute, fused)]
     assert saved == [["linear"], ["gelu", "linear"]], saved
-    glob = [_randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)]
-    dy = _randn(T, H, seed=4)
-    results = []
-    for bwd in (recompute, fused):
-        outs = bwd.forward.execute(glob)
-        results.append(bwd.execute(bwd.backward_inputs([dy], glob, outs)))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_same_gradients(recompute, fused)
 
 
 @pytest.mark.mpi
