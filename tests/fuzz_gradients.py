@@ -122,54 +122,58 @@ def _check_call(program: Program, fd, function, rank: int, device: torch.device)
     cotangents = [None if j in dropped else c for j, c in enumerate(cotangents)]
     return check_gradients(fd, function, inputs, expected, cotangents, rank, device,
                            lambda ref: tolerance(program, ref),
-                           roundoff_slack(program, inputs, expected, cotangents))
+                           float64_gradients(program, inputs, cotangents))
 
 
-def roundoff_slack(program: Program, inputs: list, expected: list,
-                   cotangents: list) -> list[float]:
-    """Per input, what float32 rounding alone may move its gradient by in this program:
-    4 times the distance of torch's float32 gradient from its float64 one (0 where the
-    program is not all float32). An ill-conditioned program (a normalization of nearly
-    equal values: ``var`` near 0 and ``rsqrt`` large) amplifies the roundoff of sums
-    taken in another order, on shards, beyond float32's fixed tolerance. No slack where
-    the program cannot run in float64 (an op of two operands that must share a dtype, one
-    of them cast to float32 by the program)."""
-    none = [0.0] * len(inputs)
+def float64_gradients(program: Program, inputs: list, cotangents: list
+                      ) -> list[torch.Tensor | None] | None:
+    """Per input, torch's gradient of the program computed in float64 with the same
+    cotangents (None where it has none), to measure what float32 rounding alone moves
+    torch's own gradient by (:func:`check_gradients`' slack). None where the program is
+    not all float32, or cannot run in float64 (an op of two operands that must share a
+    dtype, one of them cast to float32 by the program)."""
     carried = [j for j, ct in enumerate(cotangents) if ct is not None]
     wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
     if program.low or rounds_to_bfloat16(program) or not carried or not wanted:
-        return none
+        return None
     try:
         inputs64, expected64 = reference(program, grad=True, double=True)
-        double = torch.autograd.grad([expected64[j] for j in carried],
-                                     [inputs64[i] for i in wanted],
-                                     [cotangents[j].to(expected64[j].dtype) for j in carried],
-                                     allow_unused=True)
+        grads = torch.autograd.grad([expected64[j] for j in carried],
+                                    [inputs64[i] for i in wanted],
+                                    [cotangents[j].to(expected64[j].dtype) for j in carried],
+                                    allow_unused=True)
     except RuntimeError:  # a dtype mismatch: see the doc
-        return none
-    single = torch.autograd.grad([expected[j] for j in carried], [inputs[i] for i in wanted],
-                                 [cotangents[j] for j in carried], allow_unused=True,
-                                 retain_graph=True)
-    slack = none
-    for i, g32, g64 in zip(wanted, single, double):
-        if g32 is not None and g64 is not None:
-            finite = torch.isfinite(g32) & torch.isfinite(g64)
-            if finite.any():
-                slack[i] = 4.0 * float((g32.double() - g64)[finite].abs().max())
-    return slack
+        return None
+    exact: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, grad in zip(wanted, grads):
+        exact[i] = grad
+    return exact
+
+
+def _roundoff_slack(single: torch.Tensor | None, double: torch.Tensor | None) -> float:
+    """4 times the distance of torch's float32 gradient from its float64 one (over the
+    elements finite in both): an ill-conditioned program (a normalization of nearly equal
+    values: ``var`` near 0 and ``rsqrt`` large) amplifies the roundoff of sums taken in
+    another order, on shards, beyond float32's fixed tolerance."""
+    if single is None or double is None:
+        return 0.0
+    finite = torch.isfinite(single) & torch.isfinite(double)
+    if not finite.any():
+        return 0.0
+    return 4.0 * float((single.double() - double)[finite].abs().max())
 
 
 def check_gradients(fd, function, inputs: list, expected: list, cotangents: list, rank: int,
                     device: torch.device, tol: Callable[[torch.Tensor], dict],
-                    slack: list[float] | None = None) -> str:
+                    exact: list[torch.Tensor | None] | None = None) -> str:
     """Runs ``function`` (``fd``'s autograd function) on this rank's shards of global
     ``inputs`` (its floating-point ones leaves that require grad), then backward with this
     rank's shards of ``cotangents`` (global, one per output, None where torch's output
     ``expected`` does not require grad); compares the outputs with ``expected`` and each
     held input's gradient with ``torch.autograd.grad`` of ``expected``, within
-    ``tol(reference)`` and, per input, ``slack`` more absolute error (the roundoff torch's
-    own float32 gradient shows: :func:`roundoff_slack`). Returns what differs ("" if
-    nothing)."""
+    ``tol(reference)`` and, where ``exact`` (:func:`float64_gradients`) has the input's
+    float64 gradient, the roundoff torch's own float32 gradient shows more absolute error
+    (:func:`_roundoff_slack`). Returns what differs ("" if nothing)."""
     held = holder(fd.fusion, rank)
     local = local_inputs(fd.fusion, inputs, rank, device)
     for x in local:
@@ -200,9 +204,9 @@ def check_gradients(fd, function, inputs: list, expected: list, cotangents: list
         tv = fd.fusion.inputs()[i]
         if not held(tv):
             continue
+        extra = _roundoff_slack(ref, exact[i]) if exact else 0.0
         ref = torch.zeros_like(inputs[i]) if ref is None else ref
         got = local[i].grad if local[i].grad is not None else torch.zeros_like(local[i])
-        extra = slack[i] if slack else 0.0
         failure = _compare(got, ref, tv, rank, lambda r, extra=extra: _widened(tol(r), extra))
         if failure:
             return f"gradient of input {tv.name}: {failure}"

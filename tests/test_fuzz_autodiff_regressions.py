@@ -473,7 +473,7 @@ SEEDS: dict[str, Seed] = {
         100381, 2, "mismatch: the gradient of y in minimum(y, x) normalized by var_mean over "
         "8 values, 7 of them y (var near 0, rsqrt 70): 2.7e-4 off torch's float32 gradient, "
         "which is itself 2.4e-4 off the float64 one; the oracle now allows 4 times torch's "
-        "own roundoff (fuzz_gradients.roundoff_slack). Found by the gradient fuzz run of "
+        "own roundoff (fuzz_gradients.float64_gradients). Found by the gradient fuzz run of "
         "2026-12-05 (seed 100000 on)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, remat=True)),
 }
