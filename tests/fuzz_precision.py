@@ -23,8 +23,9 @@ not of the total, and a part may be far larger than the total where terms cancel
 product is the exception: a shard's partial product may overflow the dtype where the whole
 does not (its values above 1 in one shard, those below in another), which no tolerance
 covers; a program with a product whose factors above 1 could overflow the dtype is compared
-nowhere (its outputs' expectations are None). The output's dtype must be torch's. A comparison of a rounded value could flip, so in these
-programs only inputs and integer values feed comparisons (``Value.exact``).
+nowhere (its outputs' expectations are None). The output's dtype must be torch's. A
+comparison of a rounded value could flip, so in these programs only inputs and integer
+values feed comparisons (``Value.exact``).
 """
 
 from __future__ import annotations

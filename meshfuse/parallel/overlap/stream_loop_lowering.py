@@ -285,12 +285,9 @@ def _splice(steps, calls, exprs, members, step, call):
 
 
 def _values(entry: Expr | tuple, which: str) -> set:
-    """The values an expression (or each of a spliced loop's) reads or defines."""
+    """The values an expression (or each of a spliced loop's members) reads or defines."""
     entries = entry if isinstance(entry, tuple) else (entry,)
-    found = set()
-    for e in entries:
-        found.update(_values(e, which) if isinstance(e, tuple) else getattr(e, which))
-    return found
+    return {v for e in entries for v in getattr(e, which)}
 
 
 def _with_frees(steps: list[Step], keep: set[int]) -> list[Step]:
