@@ -1,7 +1,7 @@
 """Where a step's host time goes on a GPU (issues 31 and 34: steps bound by the host).
 
 ``python -m benchmarks.host_profile --out DIR [--case ce|gpt|all] [--gpt-variants A,B]
-[--quick]``
+[--quick] [--by-step]``
 
 Cases: ``ce``, the cross entropy on indices of :mod:`benchmarks.cross_entropy` (8192 x
 32768 bf16 logits; variants ``meshfuse``, ``eager``, ``kernel``); ``gpt``, the small GPT
@@ -14,6 +14,13 @@ then every kernel by GPU time) and ``cProfile`` (Python functions; on Python 3.1
 thread's). Before them, the host's speed (:func:`host_speed`: Python, a launch, an empty
 autograd node) and, for the GPT layer, its autograd step in parts (:func:`gpt_phases`).
 Written to ``DIR/host_profile-<case>-<variant>.txt``.
+
+``--by-step``: instead, each meshfuse variant's kernels by the program step that launched
+them (``docs/explain.md``, "Profiling a program step by step"), with CUDA-graph replay off
+so that kernels are launched step by step: per step, its GPU (on CPU: CPU) microseconds per
+call, in program order, and each program's total; written to
+``DIR/host_profile-<case>-<variant>-by-step.txt``. What two variants' GPU time differs by,
+step for step.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from benchmarks.timing import host_us_per_call
 from meshfuse import DataType
 from meshfuse.autodiff.engine_thread import BACKWARD_THREAD_ENV
 from meshfuse.autodiff.function import _FusionAutograd
+from meshfuse.engine.settings import CUDA_GRAPH_ENV
 from meshfuse.examples.gpt import GptBlock
+from meshfuse.runtime.interpreter.step_names import PREFIX as STEP_PREFIX
 
 
 def _ce_variants(tokens: int, vocab: int, device) -> dict[str, Callable[[], object]]:
@@ -184,6 +193,38 @@ def profile(name: str, step: Callable[[], object], ctx: Context, calls: int) -> 
     return lines
 
 
+def by_step(name: str, step: Callable[[], object], calls: int = 20) -> list[str]:
+    """``step``'s time per program step (see the module doc): ``calls`` calls profiled
+    after a warm-up; replay must be off where its runners were made."""
+    for _ in range(5):
+        step()
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        _steps(step, calls)
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if event.key.startswith(STEP_PREFIX):
+            index, rest = event.key.removeprefix(STEP_PREFIX).split(" of ", 1)
+            count, label = rest.split(": ", 1)
+            us = (event.device_time_total if cuda else event.cpu_time_total) / calls
+            rows.append((int(count), int(index), us, event.count / calls, label))
+    unit = "GPU" if cuda else "CPU"
+    title = f"# {name}: {unit} us per call of each program step, over {calls} calls"
+    lines = [f"{title} (MESHFUSE_CUDA_GRAPH=0)"]
+    for count, group in itertools.groupby(sorted(rows), key=lambda r: r[0]):
+        group = list(group)
+        lines.append(f"program of {count} steps: {sum(r[2] for r in group):.1f} us")
+        lines += [f"  {index:4d} {us:9.1f} us  x{runs:g}  {label}"
+                  for _, index, us, runs, label in group]
+    return lines
+
+
 def _steps(step: Callable[[], object], n: int) -> None:
     """``n`` steps, none of whose results is kept (a kept result holds a replayed graph's
     outputs: the next call would not replay)."""
@@ -256,7 +297,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU dry run)")
     parser.add_argument("--gpt-variants", default=",".join(GPT_VARIANTS),
                         help="the GPT layer's variants (names of benchmarks.training_step)")
+    parser.add_argument("--by-step", action="store_true",
+                        help="each meshfuse variant's time by program step, replay off")
     args = parser.parse_args(argv)
+    if args.by_step:  # read when the variants' runners are made
+        os.environ[CUDA_GRAPH_ENV] = "0"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = Context(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo", False)
     cases = {}
@@ -268,20 +313,26 @@ def main(argv=None) -> int:
         cases["gpt"] = lambda: _gpt_variants(gpt_size, device,
                                              tuple(args.gpt_variants.split(",")))
     os.makedirs(args.out, exist_ok=True)
-    speed = host_speed(device)
-    print(speed[0], flush=True)
-    if args.case in ("gpt", "all"):
+    speed = [] if args.by_step else host_speed(device)
+    if speed:
+        print(speed[0], flush=True)
+    if speed and args.case in ("gpt", "all"):
         speed += gpt_phases(gpt_size, device, ctx)
         print(speed[-1], flush=True)
     for case, make in cases.items():
         for name, step in make().items():
             began = time.perf_counter()
+            title = f"{case} {name} ({torch.__version__})"
             try:
-                lines = profile(f"{case} {name} ({torch.__version__})", step, ctx, calls=10)
-                lines[1:1] = speed
+                if args.by_step:
+                    lines = by_step(title, step)
+                else:
+                    lines = profile(title, step, ctx, calls=10)
+                    lines[1:1] = speed
             except Exception as error:  # noqa: BLE001 - one variant's failure is reported
                 lines = [f"# {case} {name} failed: {type(error).__name__}: {error}"]
-            path = os.path.join(args.out, f"host_profile-{case}-{name}.txt")
+            path = os.path.join(args.out, f"host_profile-{case}-{name}"
+                                f"{'-by-step' if args.by_step else ''}.txt")
             with open(path, "w") as f:
                 f.write("\n".join(lines) + "\n")
             summary = next((x for x in lines if x.startswith("host us")), lines[0])

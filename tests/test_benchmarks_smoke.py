@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -134,6 +136,27 @@ def test_host_profile_runs_on_the_cpu(tmp_path):
     gpt = (tmp_path / "host_profile-gpt-meshfuse_autograd.txt").read_text()
     assert "host speed (us per call)" in gpt and "backward: engine to node" in gpt
     assert "host time by tottime" in gpt
+
+
+def test_host_profile_by_step_names_every_step(tmp_path, monkeypatch):
+    """``--by-step``: each program's steps in order, times summing to the program's."""
+    from benchmarks import host_profile
+
+    monkeypatch.delenv("MESHFUSE_CUDA_GRAPH", raising=False)  # main turns replay off
+    assert host_profile.main(["--quick", "--case", "gpt", "--by-step", "--gpt-variants",
+                              "meshfuse_autograd,meshfuse_hand_written",
+                              "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "host_profile-gpt-meshfuse_autograd-by-step.txt").read_text()
+    programs = [line for line in text.splitlines() if line.startswith("program of ")]
+    assert len(programs) == 2  # the forward and the derived backward
+    for header in programs:
+        count = int(header.split()[2])
+        block = text.split(header + "\n", 1)[1].split("\nprogram of ", 1)[0].splitlines()
+        assert [int(line.split()[0]) for line in block] == list(range(count))
+        total = float(header.split(": ")[1].split()[0])
+        assert sum(float(line.split()[1]) for line in block) == pytest.approx(total, abs=1)
+    hand = (tmp_path / "host_profile-gpt-meshfuse_hand_written-by-step.txt").read_text()
+    assert hand.count("program of ") == 1
 
 
 def test_live_by_origin_groups_a_snapshots_blocks():

@@ -38,6 +38,7 @@ from meshfuse.runtime.comm.pending import (
     settle_in_flight,
 )
 from meshfuse.runtime.faults.failures import CollectiveFailed, is_shared
+from meshfuse.runtime.interpreter.step_names import named_calls, profiling
 
 RESHARD = "reshard"
 
@@ -139,6 +140,15 @@ class Program:
                           for pos, a in enumerate(step.args) if _reads(a))
             flat.append((call, template, slots, dict(step.attrs), step.outputs, step.free))
         object.__setattr__(self, "_flat", tuple(flat))
+        object.__setattr__(self, "_profiled", None)  # see _named
+
+    def _named(self) -> Program:
+        """This program with each step named in profiler traces (:mod:`.step_names`),
+        made at the first profiled call."""
+        if self._profiled is None:
+            calls = named_calls([s.label for s in self.steps], self.calls)
+            object.__setattr__(self, "_profiled", dataclasses.replace(self, calls=calls))
+        return self._profiled
 
     def describe(self) -> str:
         lines = [f"Program (rank {self.rank}): {len(self.steps)} steps"]
@@ -173,7 +183,8 @@ class Program:
         grad_enabled, mark = torch.is_grad_enabled(), launched()
         torch._C._set_grad_enabled(False)
         try:
-            outputs = self._run(inputs, donate)
+            # while a profiler records, each step's kernels are named after it
+            outputs = (self._named() if profiling() else self)._run(inputs, donate)
         except BaseException:
             settle_in_flight(mark)  # none of its own in flight; the first error is reported
             raise
