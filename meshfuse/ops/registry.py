@@ -228,6 +228,9 @@ class OpDef:
         output_layout: ``"follow"``: outputs are laid out like the inputs they map from (what
             PyTorch's pointwise and attention kernels do); ``"contiguous"``: row-major (what
             its matrix products return, whatever the operands' strides).
+        contiguous_outputs: the positions of outputs laid out row-major whatever
+            ``output_layout`` says for the others (attention's log-sum-exp, ``[B, H, S]``
+            as the CUDA kernels write and read it, where its output follows a BSHE q).
         make_impl: a factory of a stateful implementation, called once per program step;
             used instead of ``impl`` when set (attention validates its inputs and picks its
             kernel on the first call, then calls the kernel directly).
@@ -285,6 +288,7 @@ class OpDef:
     check_sharding: Callable[[Any], None] | None = None
     make_impl: Callable[[], Callable[..., Any]] | None = None
     output_layout: str = "follow"
+    contiguous_outputs: tuple[int, ...] = ()
     vjp: Vjp | None = None
     localize: Callable[[Any, LocalContext], tuple[dict[str, Any], str]] | None = None
     expands_broadcasts: bool = False
@@ -299,6 +303,11 @@ class OpDef:
         they run on their own, reading operands written to memory."""
         return self.make_impl is None and self.localize is None and \
             self.output_layout == "follow"
+
+    def follows_inputs(self, output: int) -> bool:
+        """Whether output ``output`` is laid out like the inputs it maps from (see
+        ``output_layout``); else it is row-major."""
+        return self.output_layout == "follow" and output not in self.contiguous_outputs
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Matches call arguments to the signature; returns them in signature order."""

@@ -1,7 +1,8 @@
 """Derives the allocation domain (memory order) of every tensor that has none.
 
 A tensor keeps an allocation domain the user gave (or ``define_tensor``'s ``stride_order``).
-The outputs of an op declared ``output_layout="contiguous"`` (matrix products) are row-major.
+The outputs of an op declared ``output_layout="contiguous"`` (matrix products) are row-major,
+as are those an op lists in ``contiguous_outputs`` (attention's log-sum-exp).
 Any other tensor is laid out like its producer's inputs: each output axis sits where the first
 input axis it maps from sits in that input's memory order (BSHE q/k/v give a BSHE ``attn``); an
 axis that maps from nothing (an expanded broadcast) stays next to the logical axis before it.
@@ -47,10 +48,10 @@ def infer_allocations(fusion: Fusion) -> dict[TensorView, Allocation]:
         for inp in expr.tensor_inputs:
             for id_, pos in memory_positions(inp, result[inp]).items():
                 positions[id_] = pos / max(len(result[inp].ids), 1)
-        for out in expr.tensor_outputs:
+        for index, out in enumerate(expr.tensor_outputs):
             if out in result:
                 continue
-            if not isinstance(expr, Reshard) and expr.op.output_layout == "contiguous":
+            if not isinstance(expr, Reshard) and not expr.op.follows_inputs(index):
                 ids = out.materialized()
                 result[out] = Allocation(ids, tuple(None if i.is_broadcast else True for i in ids))
             else:

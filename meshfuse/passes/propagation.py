@@ -82,7 +82,7 @@ def _propagate_forward(fusion: Fusion, pinned: set[TensorView],
                 continue
             ref = _best_reference(expr, sources, out, forward=True)
             _copy_sharding(ref, out, _forward_pairs(expr, ref, out),
-                           layout=expr.op.output_layout == "follow")
+                           layout=expr.op.follows_inputs(expr.tensor_outputs.index(out)))
             for other in sources:
                 if other is not ref and other.mesh == ref.mesh:
                     _add_sharding(other, out, _forward_pairs(expr, other, out))
@@ -109,7 +109,9 @@ def _propagate_backward(fusion: Fusion, pinned: set[TensorView],
             if inp in pinned or inp in filled or not sources:
                 continue
             ref = _best_reference(expr, sources, inp, forward=False)
-            follows = inp.definition is None or inp.definition.op.output_layout == "follow"
+            definition = inp.definition
+            follows = definition is None or definition.op.follows_inputs(
+                definition.tensor_outputs.index(inp))
             _copy_sharding(ref, inp, _backward_pairs(expr, ref, inp), layout=follows)
             filled.add(inp)
 

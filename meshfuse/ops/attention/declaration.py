@@ -332,7 +332,7 @@ register(OpDef(
     "and key/value sequence are gathered, as is a causal query sequence, unless context "
     "parallelism runs it sequence-sharded",
     partial_reduce=None, whole_axes=whole_axes, check_sharding=check_sharding,
-    make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)),
+    make_impl=_Forward, vjp=Vjp(_fwd_grads, differentiable=(0,)), contiguous_outputs=(1,),
     localize=localize, plan=plan_grouped_heads,
 ))
 
