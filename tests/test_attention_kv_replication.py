@@ -20,7 +20,7 @@ from test_context_parallel_gqa import GroupedAttention
 from test_context_parallel_gqa import _check as check_grouped
 from test_context_parallel_gqa import _inputs as grouped_inputs
 
-from meshfuse import DataType, FusionDefinition, ShardingError, shard_tensor
+from meshfuse import DataType, DeviceMesh, FusionDefinition, ShardingError, shard_tensor
 from meshfuse.examples.seed_sdpa import QkvFormat
 from meshfuse.runtime.comm.collectives import record_communications
 
@@ -117,6 +117,37 @@ def test_key_value_heads_pinned_replicated(multidevice_test, hkv):
         _assert_kv_gradients_reduced(backward, hkv)
     else:
         assert backward == []
+
+
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_attention_computed_as_its_cyclic_output_lies(multidevice_test, hkv):
+    """q from rank 0 alone (another mesh), the output pinned with the query heads split
+    cyclically over every rank: the attention runs as its output lies (q is copied there),
+    where one group's query heads lie on several ranks and no split of the key/value heads
+    serves them: each rank takes the key/value heads it needs from its whole copy. Found by
+    the heads gradient fuzzer (seed 240167, a refusal before)."""
+    rank, mesh = multidevice_test.rank, mesh_1d(multidevice_test)
+    fd, tensors = _define(hkv, False, QkvFormat.BHSE)
+    tensors[0].set_device_mesh(DeviceMesh([0]))
+    for t in tensors[1:]:
+        t.set_device_mesh(mesh)
+    out = fd.fusion.outputs()[0]
+    shard(out, 1, mesh, inner=True)
+    inputs = _global_inputs(hkv, QkvFormat.BHSE)
+    local = [shard_tensor(x, tv).requires_grad_() if rank in tv.mesh else None
+             for x, tv in zip(inputs, tensors)]
+    grad = torch.randn(B, H, S, E, generator=torch.Generator().manual_seed(5),
+                       dtype=torch.float64)
+    (attn,) = fd.as_autograd_function()(local)
+    attn.backward(shard_tensor(grad, out))
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    expected = torch.nn.functional.scaled_dot_product_attention(*ref_inputs, enable_gqa=True)
+    expected.backward(grad)
+    torch.testing.assert_close(attn, shard_tensor(expected.detach(), out), **TIGHT)
+    for name, x, ref, tv in zip("qkv", local, ref_inputs, tensors):
+        if x is not None:
+            torch.testing.assert_close(x.grad, shard_tensor(ref.grad, tv), **TIGHT,
+                                       msg=lambda m, n=name: f"{n}_grad: {m}")
 
 
 def test_key_value_heads_from_projections(multidevice_test):

@@ -476,6 +476,15 @@ SEEDS: dict[str, Seed] = {
         "own roundoff (fuzz_gradients.float64_gradients). Found by the gradient fuzz run of "
         "2026-12-05 (seed 100000 on)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, remat=True)),
+    "grouped_heads_computed_as_a_cyclic_output_from_another_mesh-240167": Seed(
+        240167, 4, "unknown refusal: 'T51 axis 1 is replicated but axis 1 of T23 is DIDx "
+        "(owners [0, 1, 2, 3, 0, 1, 2, 3])': grouped-query attention (8 query, 4 key/value "
+        "heads) whose q came from another mesh, its output pinned with the heads split "
+        "cyclically: the key/value heads were planned by groups against q as it was, then "
+        "the attention ran as its output lies, where no split of them serves; they are now "
+        "taken from a whole copy (groups.attention_kv_layout). Found by the heads gradient "
+        "fuzz run of 2026-12-05 (seed 240000 on)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
 }
 
 

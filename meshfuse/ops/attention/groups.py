@@ -94,12 +94,42 @@ def replicated_kv_axes(expr, q: TensorView, kv: dict[str, TensorView]) -> set[st
     return set()
 
 
+def attention_kv_layout(expr) -> str | None:
+    """:func:`kv_layout` of an attention's key/value heads against its q, unless a tensor
+    of its query heads that the op may be computed like (an output pinned otherwise than q
+    lies: resharding may make q lie as it does, as it does for a q from another mesh)
+    holds some query heads of a group where it does not hold the others (a cyclic split, or
+    more blocks than key/value heads): no split of the key/value heads then serves that
+    computation, so they are taken from a whole copy (:data:`REPLICATED`, or
+    :data:`GATHERED` where they are sharded)."""
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
+    kv = {n: args[n] for n in _KEY_SIDE}
+    layout = kv_layout(args["q"], kv)
+    if layout != BY_GROUPS:
+        return layout
+    query_side = [args[n] for n in _QUERY_SIDE[:3] if n in args] + [expr.tensor_outputs[0]]
+    group = args["q"].materialized()[-3].extent // args["k"].materialized()[-3].extent
+    if all(_groups_kept(t, group) for t in query_side):
+        return BY_GROUPS
+    return GATHERED if any(head_owners(t) for t in kv.values()) else REPLICATED
+
+
+def _groups_kept(tv: TensorView, group: int) -> bool:
+    """Whether every rank holding a query head of ``tv`` holds its whole group of ``group``
+    heads (True where the extents are not known yet)."""
+    owners = head_owners(tv)
+    if owners is None:
+        return True
+    first = torch.arange(tv.materialized()[-3].extent) // group * group
+    return all(torch.equal(o, o[first]) for o in owners.values())
+
+
 def gathered_kv_heads(expr) -> set:
     """The key/value head axes an attention needs whole (part of its ``whole_axes``): those
     of k and v when they are sharded otherwise than by groups."""
-    args = dict(zip((p.name for p in expr.op.params), expr.args))
-    if kv_layout(args["q"], {n: args[n] for n in _KEY_SIDE}) != GATHERED:
+    if attention_kv_layout(expr) != GATHERED:
         return set()
+    args = dict(zip((p.name for p in expr.op.params), expr.args))
     return {args[n].materialized()[-3] for n in _KEY_SIDE}
 
 
@@ -113,7 +143,7 @@ def plan_grouped_heads(expr) -> None:
     (reduced by the resharding that follows)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     q = args["q"]
-    layout = kv_layout(q, {n: args[n] for n in _KEY_SIDE})
+    layout = attention_kv_layout(expr)
     if layout is None:
         return
     axis = len(q.materialized()) - 3  # the heads (log_sumexp is [..., B, H, S])
