@@ -6,6 +6,9 @@
 #   bash benchmarks/step34_gpu.sh OUT big      # the 12288-wide layer (not timed before)
 #   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
 #                                              # meshfuse (~3-4 min on 2026-12-03)
+#   bash benchmarks/step34_gpu.sh OUT steps    # the small layer's GPU time per program step:
+#                                              # autograd (both remat policies) against the
+#                                              # hand-written fusion, replay off
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
 # time, explicit CUDA graphs, the backward on the calling thread, recomputation across
 # segments, with real graphs: OUT/tests.txt; then benchmarks.replay_phases (the graphs a
@@ -16,6 +19,8 @@
 # training_step.{json,md}, log beside.
 # llama: benchmarks.capture_llama (tokens/s, first step, peak memory, and what each shared
 # fusion's calls did: whether every layer replays): OUT/llama/*.json, log beside.
+# steps: benchmarks.host_profile --by-step: OUT/steps/host_profile-gpt-*-by-step.txt (which
+# step's kernels the derived programs spend more GPU time in than the hand-written one).
 set -u
 out=${1:-gpu-out}
 part=${2:-layers}
@@ -44,7 +49,14 @@ case $part in
       > "$out/llama/capture_llama.log" 2>&1
     echo "capture_llama: rc=$?"
     grep -E '^(meshfuse|eager|compile) \{|^\{' "$out/llama/capture_llama.log" ;;
+  steps)
+    mkdir -p "$out/steps"
+    timeout 400 python3 -m benchmarks.host_profile --case gpt --by-step --out "$out/steps" \
+      --gpt-variants meshfuse_autograd,meshfuse_autograd_fused,meshfuse_hand_written \
+      > "$out/steps/host_profile.log" 2>&1
+    echo "host_profile --by-step: rc=$?"
+    grep -h "^program of" "$out"/steps/*-by-step.txt ;;
   *)
-    echo "unknown part $part: tests, layers, big or llama" >&2
+    echo "unknown part $part: tests, layers, big, llama or steps" >&2
     exit 2 ;;
 esac
