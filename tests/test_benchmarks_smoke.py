@@ -142,7 +142,8 @@ def test_host_profile_by_step_names_every_step(tmp_path, monkeypatch):
     """``--by-step``: each program's steps in order, times summing to the program's."""
     from benchmarks import host_profile
 
-    monkeypatch.delenv("MESHFUSE_CUDA_GRAPH", raising=False)  # main turns replay off
+    # main turns replay off for the process: the setting is undone after the test
+    monkeypatch.setenv("MESHFUSE_CUDA_GRAPH", "0")
     assert host_profile.main(["--quick", "--case", "gpt", "--by-step", "--gpt-variants",
                               "meshfuse_autograd,meshfuse_hand_written",
                               "--out", str(tmp_path)]) == 0
