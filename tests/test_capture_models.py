@@ -148,6 +148,57 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     _check_gradients(model, reference)
 
 
+def _qwen3():
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        use_cache=False)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def _qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64,
+        use_cache=False)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [_qwen3, _qwen3_moe], ids=["qwen3", "qwen3_moe"])
+def test_a_models_own_plan_as_given(multidevice_test, make):
+    """``model.tp_plan`` as Hugging Face writes it: Qwen3's per-head ``q_norm``/``k_norm``
+    are ``"replicated_with_grad_allreduce"`` (replicated; their gradients, partial over
+    the head shards, come back whole), and Qwen3-MoE's plan names a dense MLP's
+    projections, which its layers (all of experts) lack. Loss and gradients are the
+    module's."""
+    torch.manual_seed(0)
+    reference = make().to(current_device())
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(model, DeviceMesh(range(multidevice_test.size)),
+                                     reference.tp_plan)
+        ids, labels = _inputs()
+        out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+    q_norm = dict(model.named_parameters())["model.layers.0.self_attn.q_norm.weight"]
+    assert all(isinstance(p, Replicate) for p in q_norm.placements)
+
+
+def test_a_users_key_that_matches_nothing_is_still_refused():
+    """Only the model's own plan's keys may match nothing: a key of the user's (a typo) is
+    an error naming it."""
+    model = _qwen3_moe()
+    plan = {**model.tp_plan, "model.layers.*.mlp.up_projection": "colwise"}
+    with pytest.raises(meshfuse.DefinitionError, match="up_projection"):
+        meshfuse.parallelize(model, DeviceMesh([0]), plan)
+
+
 @pytest.mark.parametrize("remat", ["recompute_fused", "recompute_gathers"])
 def test_other_remat_policies_give_the_modules_gradients(multidevice_test, remat):
     """Llama with TP+SP under other rematerialization policies than the default; with

@@ -7,9 +7,10 @@ A plan maps name patterns (fnmatch, ``"model.layers.*.self_attn.q_proj"``) to on
   ``PrepareModuleInput``, ``PrepareModuleOutput`` (with their ``input_layouts``,
   ``output_layouts``, ``desired_input_layouts``);
 - a Hugging Face tp-plan string (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
-  ``"embedding_rowwise"``, ``"sequence_parallel"``, ``"local_colwise"``...): a model's own
-  ``model.tp_plan`` works as given, and so does its config's ``base_model_tp_plan`` (a key
-  also matches below the model's ``base_model_prefix``);
+  ``"embedding_rowwise"``, ``"sequence_parallel"``, ``"replicated_with_grad_allreduce"``...):
+  a model's own ``model.tp_plan`` works as given, and so does its config's
+  ``base_model_tp_plan`` (a key also matches below the model's ``base_model_prefix``; a key
+  of the model's own plan may match nothing, as that plan is its whole family's);
 - a sequence of DTensor placements, for the parameter whose name matches the key.
 
 The first key that matches a module or parameter wins. Only parameters and module boundary
@@ -89,6 +90,9 @@ _HF_STYLES: dict[str, Any] = {
                                           desired_output_layouts=Replicate()),
     "replicate": lambda: _Replicated(),
     "local": lambda: _Replicated(),
+    # a replicated parameter read on sharded activations (Qwen3's per-head q_norm/k_norm):
+    # its gradient is a partial sum there, which the derived backward reduces anyway
+    "replicated_with_grad_allreduce": lambda: _Replicated(),
 }
 
 
@@ -106,24 +110,33 @@ class _Replicated:
 @dataclasses.dataclass(frozen=True)
 class ModelOutline:
     """What a plan is read against: each module's path and class name, each parameter's
-    name and number of axes (from a module, or from a Dynamo graph's module stacks)."""
+    name and number of axes (from a module, or from a Dynamo graph's module stacks).
+    ``family_keys``: the keys of the model's own Hugging Face plan (``model.tp_plan``, its
+    config's ``base_model_tp_plan``), written for every model of its family: one of them
+    may match nothing in this model (Qwen3-MoE's plan names a dense MLP's projections,
+    which a model whose every layer holds experts lacks)."""
 
     modules: Mapping[str, str]
     parameters: Mapping[str, int]
     prefix: str = ""
+    family_keys: frozenset[str] = frozenset()
 
 
 def outline_of(module: torch.nn.Module) -> ModelOutline:
     """The outline of ``module``; ``prefix`` is Hugging Face's ``base_model_prefix``."""
+    plans = (getattr(module, "tp_plan", None),
+             getattr(getattr(module, "config", None), "base_model_tp_plan", None))
+    family = frozenset(k for plan in plans if isinstance(plan, Mapping) for k in plan)
     return ModelOutline({p: type(m).__name__ for p, m in module.named_modules()},
                         {n: p.ndim for n, p in module.named_parameters()},
-                        getattr(module, "base_model_prefix", "") or "")
+                        getattr(module, "base_model_prefix", "") or "", family)
 
 
 def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
                  every_key: bool = True) -> ResolvedPlan:
     """Reads ``plan`` against ``model``'s modules and parameters (see the module doc);
-    ``every_key``: each key must match something.
+    ``every_key``: each key must match something (but the model's own plan's keys, which
+    may name what only other models of its family have: ``ModelOutline.family_keys``).
 
     Raises:
         DefinitionError: for a key that matches nothing, a style meshfuse does not read, or
@@ -150,7 +163,7 @@ def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
                     "per mesh axis")
             resolved.parameters[name] = layout
         resolved.parameters.setdefault(name, resolved.layout(Replicate()))
-    unused = [k for k in plan if k not in used]
+    unused = [k for k in plan if k not in used and k not in model.family_keys]
     if unused and every_key:
         raise DefinitionError(
             f"plan keys {unused} match no module or parameter of the model; "
