@@ -165,13 +165,26 @@ def _qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(config)
 
 
-@pytest.mark.parametrize("make", [_qwen3, _qwen3_moe], ids=["qwen3", "qwen3_moe"])
+def _deepseek_v3():
+    """Multi-head latent attention, its dense layers only (``first_k_dense_replace``)."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, max_position_embeddings=64, use_cache=False)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [_qwen3, _qwen3_moe, _deepseek_v3],
+                         ids=["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_a_models_own_plan_as_given(multidevice_test, make):
     """``model.tp_plan`` as Hugging Face writes it: Qwen3's per-head ``q_norm``/``k_norm``
     are ``"replicated_with_grad_allreduce"`` (replicated; their gradients, partial over
-    the head shards, come back whole), and Qwen3-MoE's plan names a dense MLP's
-    projections, which its layers (all of experts) lack. Loss and gradients are the
-    module's."""
+    the head shards, come back whole); Qwen3-MoE's plan names a dense MLP's projections,
+    which its layers (all of experts) lack; DeepSeek-V3's ``kv_a_proj_with_mqa`` is
+    ``"mla_kv_a_proj"`` (replicated) and its attention fills its queries in place
+    (``tests/test_capture_in_place.py``). Loss and gradients are the module's."""
     torch.manual_seed(0)
     reference = make().to(current_device())
     model = copy.deepcopy(reference)
@@ -186,8 +199,10 @@ def test_a_models_own_plan_as_given(multidevice_test, make):
     _whole(out.loss).backward()
     expected.loss.backward()
     _check_gradients(model, reference)
-    q_norm = dict(model.named_parameters())["model.layers.0.self_attn.q_norm.weight"]
-    assert all(isinstance(p, Replicate) for p in q_norm.placements)
+    params = dict(model.named_parameters())
+    norm = params.get("model.layers.0.self_attn.q_norm.weight",
+                      params.get("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"))
+    assert all(isinstance(p, Replicate) for p in norm.placements)
 
 
 def test_a_users_key_that_matches_nothing_is_still_refused():

@@ -165,6 +165,46 @@ def _cat(o, out, xs, dim=0):
     return o.cat(list(xs), dim % out.dim())
 
 
+def _copy(o, out, x, src, non_blocking=False):
+    """Functional ``copy`` (what functionalization makes of ``x[...] = src``): ``src``
+    broadcast to ``x``'s shape and cast to its dtype; ``x``'s values are not read."""
+    if list(o.shape(src)) != list(out.shape):
+        src = o.expand(src, list(out.shape))
+    return _cast(o, out, src)
+
+
+def _slice_scatter(o, out, x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``src`` written over ``x[start:end]`` along ``dim``: the kept parts of
+    ``x`` and ``src`` concatenated."""
+    dim %= x.ndim
+    extent = o.size(x, dim)
+    start = 0 if start is None else start
+    end = extent if end is None or end > extent else end
+    parts = []
+    for lo, hi in ((0, start), (end, extent)):
+        if hi > lo:
+            starts, ends = [0] * x.ndim, list(o.shape(x))
+            starts[dim], ends[dim] = lo, hi
+            parts.append(o.slice(x, starts, ends))
+    parts.insert(1 if start > 0 else 0, _cast(o, out, src))
+    return parts[0] if len(parts) == 1 else o.cat(parts, dim)
+
+
+def _slice_scatter_check(node: torch.fx.Node, constants) -> str | None:
+    args = [*node.args, None, None, None, None][2:6]
+    dim, start, end, step = (node.kwargs.get(k, a) for k, a in
+                             zip(("dim", "start", "end", "step"), args))
+    x = node.args[0].meta["val"]
+    if step not in (None, 1):
+        return "slice_scatter with a step"
+    if any(v is not None and not isinstance(v, int) for v in (dim, start, end)) or \
+            (start or 0) < 0 or (end is not None and end < 0):
+        return "slice_scatter with negative or symbolic bounds"
+    if not isinstance(x.shape[(dim or 0) % x.ndim], int):
+        return "slice_scatter on an axis of symbolic extent"
+    return None
+
+
 def _reduce(name: str):
     def emit(o, out, x, dims=None, keepdim=False, dtype=None):
         dims = list(range(x.ndim)) if dims is None or dims == [] else [d % x.ndim for d in dims]
@@ -290,6 +330,7 @@ TABLE: dict[Any, Translation] = {
     aten.amin.default: Translation(_reduce("min")),
     aten.bmm.default: Translation(_binary("matmul")),
     aten.cat.default: Translation(_cat),
+    aten.copy.default: Translation(_copy),
     aten.cross_entropy_loss.default: Translation(_cross_entropy, _cross_entropy_check),
     aten.div.Scalar: Translation(_div),
     aten.div.Tensor: Translation(_div),
@@ -322,6 +363,7 @@ TABLE: dict[Any, Translation] = {
     aten.rsub.Scalar: Translation(_rsub),
     aten.scaled_dot_product_attention.default: Translation(_sdpa, _sdpa_check),
     aten.slice.Tensor: Translation(_slice),
+    aten.slice_scatter.default: Translation(_slice_scatter, _slice_scatter_check),
     aten.softmax.int: Translation(_softmax("softmax")),
     aten.split.Tensor: Translation(_split),
     aten.split_with_sizes.default: Translation(_split),

@@ -93,6 +93,9 @@ _HF_STYLES: dict[str, Any] = {
     # a replicated parameter read on sharded activations (Qwen3's per-head q_norm/k_norm):
     # its gradient is a partial sum there, which the derived backward reduces anyway
     "replicated_with_grad_allreduce": lambda: _Replicated(),
+    # DeepSeek-V2/V3's kv_a_proj_with_mqa: replicated, its rope part's gradient partial
+    # under Hugging Face's eager TP (reduced here as any replicated result's)
+    "mla_kv_a_proj": lambda: _Replicated(),
 }
 
 

@@ -98,6 +98,7 @@ def _collected(captured: Captured) -> Captured:
 
 
 def _from_exported(exported: ExportedProgram) -> Captured:
+    exported = _functional(exported)
     parameters, buffers, constants, user = {}, {}, {}, []
     for spec in exported.graph_signature.input_specs:
         name = spec.arg.name
@@ -123,6 +124,23 @@ def _from_exported(exported: ExportedProgram) -> Captured:
                   if n.op == "get_attr"}
     return Captured(module.graph, parameters, buffers, constants, tuple(user),
                     exported.call_spec.in_spec, exported.call_spec.out_spec, attributes)
+
+
+def _functional(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` with its in-place writes into values the forward made (DeepSeek's
+    attention fills ``q = k.new_empty(...)`` by ``q[..., :d] = q_pass``: ``copy_`` into a
+    slice) rewritten by PyTorch's functionalization (``run_decompositions({})``, which
+    decomposes no op: ``copy`` and ``slice_scatter`` nodes); as traced where nothing is
+    written in place. A fusion's outputs are values, not memory a later op may write into:
+    the write would change neither what the fusion computed nor its gradient."""
+    if not any(_writes_in_place(n) for n in exported.graph.nodes):
+        return exported
+    return exported.run_decompositions({})
+
+
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target._schema.is_mutable
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:
