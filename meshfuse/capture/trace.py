@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,7 +136,9 @@ def _functional(exported: ExportedProgram) -> ExportedProgram:
     the write would change neither what the fusion computed nor its gradient."""
     if not any(_writes_in_place(n) for n in exported.graph.nodes):
         return exported
-    return exported.run_decompositions({})
+    with warnings.catch_warnings():  # PyTorch's own deprecation inside its pytree copy
+        warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
+        return exported.run_decompositions({})
 
 
 def _writes_in_place(node: torch.fx.Node) -> bool:
