@@ -414,6 +414,7 @@ class Seed:
     world_size: int
     was: str
     features: Features = DRAWN_WITH
+    open: bool = False  # still failing: expected to fail (strict) until fixed
 
 
 SEEDS: dict[str, Seed] = {
@@ -485,10 +486,23 @@ SEEDS: dict[str, Seed] = {
         "taken from a whole copy (groups.attention_kv_layout). Found by the heads gradient "
         "fuzz run of 2026-12-05 (seed 240000 on)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
+    "grouped_heads_with_symbolic_extents_split_unevenly-341217": Seed(
+        341217, 3, "open, unknown refusal: 'T15 axis 1 is replicated but axis 1 of T11 is "
+        "DIDx (owners [0, 0, 1, 1])': grouped-query attention (4 query, 2 key/value heads) "
+        "with symbolic extents, k's heads split over 3 ranks (one holds none), q and v "
+        "unpinned. The same program with static extents matches; likely cause: with "
+        "symbolic extents the key/value layout is not decided when the attention is "
+        "planned (groups.kv_layout is None: no head owners without extents), so its "
+        "domain map keeps k's heads mapped to the query heads, which the check of the "
+        "built program (extents bound) finds k gathered whole against. Not fixed yet. Found by the heads gradient fuzz run of 2026-12-05 (seed 340000 on, 3 "
+        "ranks)", features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True),
+        open=True),
 }
 
 
-@pytest.mark.parametrize("name", list(SEEDS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=s.was)) if s.open else n
+    for n, s in SEEDS.items()])
 def test_gradient_fuzz_seed(multidevice_test, name):
     seed = SEEDS[name]
     if multidevice_test.size != seed.world_size:
