@@ -150,6 +150,38 @@ def test_attention_computed_as_its_cyclic_output_lies(multidevice_test, hkv):
                                        msg=lambda m, n=name: f"{n}_grad: {m}")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["chosen", "pinned_replicated"])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_a_symbolic_sequence_keeps_the_heads_plan(multidevice_test, hkv, pinned, causal):
+    """The sequence symbolic (its extent bound at execute), the heads static: the key/value
+    heads are planned as with static extents; before, a symbolic extent anywhere left them
+    unplanned, and k and v pinned replicated were refused ('T1 axis 1 is replicated but
+    axis 1 of T3 is DIDx') wherever the ranks split the query heads."""
+    d = multidevice_test.size
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([B, heads, -1, E], dtype=DataType.Double)
+                   for heads in (H, hkv, hkv))
+        attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, is_causal=causal)
+        fd.add_output(attn)
+    shard(q, 1, mesh)
+    if pinned:
+        for t in (k, v):
+            t.set_device_mesh(mesh)
+    inputs = _global_inputs(hkv, QkvFormat.BHSE)
+    (plain,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, (q, k, v))])
+    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(plain, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
+    forward, backward = _run(multidevice_test, fd, (q, k, v), causal, inputs)
+    assert forward == []  # no key/value head travels
+    if d == 1 or hkv % d == 0 and not pinned:  # by groups
+        assert backward == []
+    else:
+        _assert_kv_gradients_reduced(backward, hkv)
+
+
 def test_key_value_heads_from_projections(multidevice_test):
     """The Llama shape: q, k and v projected from one input; only q's heads are pinned. The
     forward communicates nothing: where the ranks divide the key/value heads, wk and wv

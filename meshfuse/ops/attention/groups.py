@@ -36,7 +36,8 @@ import functools
 
 import torch
 
-from meshfuse.ir.iter_domain import Split
+from meshfuse.ir.domain import domain
+from meshfuse.ir.iter_domain import Merge, Split
 from meshfuse.ir.layout import derived_extents, device_ids, split_indices
 from meshfuse.ir.tensor_view import TensorView
 
@@ -46,12 +47,18 @@ _KEY_SIDE = ("k", "v")
 
 def head_owners(tv: TensorView) -> dict[str, torch.Tensor] | None:
     """For each device parallel type that shards ``tv``'s heads (axis -3 of its
-    materialized axes), the coordinate owning each global head; None when an extent is not
-    known before execute."""
-    if any(i.extent is None for i in tv.logical):
-        return None
+    materialized axes), the coordinate owning each global head; None when the heads'
+    extent is not known before execute (nor where they are merged with another axis). The
+    other axes' extents do not matter (a symbolic sequence)."""
     heads = tv.materialized()[-3]
-    extents = derived_extents(tv, {i: i.extent for i in tv.logical})
+    if heads.extent is None:
+        return None
+    subtree = set(domain(tv).subtree(heads))
+    if any(isinstance(t, Merge) and set(t.inputs) & subtree for t in tv.transforms):
+        return None
+    # (a stand-in extent for a symbolic axis: its splits do not reach the heads')
+    extents = derived_extents(tv, {i: 1 if i.extent is None else i.extent
+                                   for i in tv.logical})
     indices = split_indices(tv, heads, extents)
     return {pt.value: indices[leaf] for leaf, pt in device_ids(tv).get(heads, [])}
 
