@@ -10,6 +10,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from test_capture_models import _check_gradients as check_gradients
 
 import meshfuse
 from meshfuse.capture.partition import read_grouped_heads
@@ -95,9 +96,7 @@ def test_a_transformers_llamas_attention_reads_its_key_value_heads():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
     loss.backward()
     want.backward()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    check_gradients(model, reference)
     graph = model._meshfuse.last.captured.graph
     attention = [n for n in graph.nodes if n.target == aten.scaled_dot_product_attention.default]
     assert len(attention) == 2 and all(n.kwargs.get("enable_gqa") for n in attention)

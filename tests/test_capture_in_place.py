@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from test_capture_models import _check_gradients as check_gradients
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -75,6 +76,4 @@ def test_values_and_gradients_match_the_module(multidevice_test, plan):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     loss.backward()
     expected.backward()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    check_gradients(model, reference)

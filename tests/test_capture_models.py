@@ -27,28 +27,23 @@ pytestmark = pytest.mark.mpi
 VOCAB, HIDDEN, BATCH, SEQ = 128, 32, 2, 8
 
 
+# The decoder sizes every Llama-like family here is built with (small and random).
+DECODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "use_cache": False}
+
+
 def _llama(num_hidden_layers: int = 2):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, use_cache=False)
+    config = transformers.LlamaConfig(**{**DECODER, "num_hidden_layers": num_hidden_layers})
     return transformers.LlamaForCausalLM(config)
 
 
 def _qwen2():
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False)
-    return transformers.Qwen2ForCausalLM(config)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER))
 
 
 def _mistral():
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        head_dim=8, use_cache=False)
-    return transformers.MistralForCausalLM(config)
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, head_dim=8))
 
 
 def _gpt2():
@@ -107,7 +102,7 @@ def _whole(x):
 
 def _parallel(model_name: str, plan_name: str, multidevice_test, remat: str = "recompute"):
     torch.manual_seed(0)
-    reference = MODELS[model_name]().to(current_device())
+    reference = {**MODELS, **OWN_PLAN_MODELS}[model_name]().to(current_device())
     model = copy.deepcopy(reference)
     names = GPT2_NAMES if model_name == "gpt2" else LLAMA_NAMES
     plan = reference.tp_plan if plan_name == "hf" else \
@@ -149,50 +144,41 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
 
 
 def _qwen3():
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        use_cache=False)
-    return transformers.Qwen3ForCausalLM(config)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DECODER, head_dim=8))
 
 
 def _qwen3_moe():
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64,
-        use_cache=False)
+    config = transformers.Qwen3MoeConfig(**DECODER, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16)
     return transformers.Qwen3MoeForCausalLM(config)
 
 
 def _deepseek_v3():
     """Multi-head latent attention, its dense layers only (``first_k_dense_replace``)."""
     config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+        **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=16, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
         first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, max_position_embeddings=64, use_cache=False)
+        topk_group=1)
     return transformers.DeepseekV3ForCausalLM(config)
 
 
-@pytest.mark.parametrize("make", [_qwen3, _qwen3_moe, _deepseek_v3],
-                         ids=["qwen3", "qwen3_moe", "deepseek_v3"])
-def test_a_models_own_plan_as_given(multidevice_test, make):
+# Families run with their own Hugging Face plan only (the Megatron plans' names differ).
+OWN_PLAN_MODELS = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+
+
+@pytest.mark.parametrize("model_name", sorted(OWN_PLAN_MODELS))
+def test_a_models_own_plan_as_given(multidevice_test, model_name):
     """``model.tp_plan`` as Hugging Face writes it: Qwen3's per-head ``q_norm``/``k_norm``
     are ``"replicated_with_grad_allreduce"`` (replicated; their gradients, partial over
     the head shards, come back whole); Qwen3-MoE's plan names a dense MLP's projections,
     which its layers (all of experts) lack; DeepSeek-V3's ``kv_a_proj_with_mqa`` is
     ``"mla_kv_a_proj"`` (replicated) and its attention fills its queries in place
     (``tests/test_capture_in_place.py``). Loss and gradients are the module's."""
-    torch.manual_seed(0)
-    reference = make().to(current_device())
-    model = copy.deepcopy(reference)
+    reference, model = _parallel(model_name, "hf", multidevice_test)
+    ids, labels = _inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)
-        model = meshfuse.parallelize(model, DeviceMesh(range(multidevice_test.size)),
-                                     reference.tp_plan)
-        ids, labels = _inputs()
         out = model(input_ids=ids, labels=labels)
     expected = reference(input_ids=ids, labels=labels)
     torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)

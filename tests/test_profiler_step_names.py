@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mesh_helpers import shard
+from test_explain import _mlp  # the README's Megatron MLP (an allreduce at 2 ranks)
 
-from meshfuse import DataType, DeviceMesh, FusionDefinition, shard_tensor
+from meshfuse import DeviceMesh, FusionDefinition, shard_tensor
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.runtime.interpreter.step_names import LONGEST, PREFIX, step_name
 from meshfuse.testing.utils import current_device
-
-
-def _mlp(mesh: DeviceMesh) -> FusionDefinition:
-    """A Megatron MLP over ``mesh`` (column- then row-parallel: an allreduce at 2 ranks)."""
-    with FusionDefinition() as fd:
-        fd.x = fd.define_tensor([6, 16], dtype=DataType.Float)
-        fd.w1 = fd.define_tensor([24, 16], dtype=DataType.Float)
-        fd.w2 = fd.define_tensor([16, 24], dtype=DataType.Float)
-        fd.h = fd.ops.gelu(fd.ops.linear(fd.x, fd.w1), approximate="tanh")
-        fd.y = fd.ops.linear(fd.h, fd.w2)
-        fd.add_output(fd.y)
-    shard(fd.w1, 0, mesh)
-    shard(fd.w2, 1, mesh)
-    return fd
 
 
 def _inputs(fd: FusionDefinition, rank: int) -> list[torch.Tensor]:

@@ -96,14 +96,23 @@ def _expand(o, out, x, shape, implicit=False):
     return o.expand(x, list(out.shape))
 
 
+def _clamped(o, x, dim: int, start, end) -> tuple[Any, Any]:
+    """A slice's ``start``/``end`` along ``dim`` as PyTorch reads them (None: the ends; an
+    end past the extent: the extent)."""
+    extent = o.size(x, dim)
+    return 0 if start is None else start, extent if end is None or end > extent else end
+
+
+def _bounds(o, x, dim: int, start, end) -> tuple[list, list]:
+    """``o.slice``'s starts and ends for ``x[start:end]`` along ``dim``, the rest whole."""
+    starts, ends = [0] * x.ndim, list(o.shape(x))
+    starts[dim], ends[dim] = start, end
+    return starts, ends
+
+
 def _slice(o, out, x, dim=0, start=None, end=None, step=1):
     dim %= x.ndim
-    extent = o.size(x, dim)
-    start = 0 if start is None else start
-    end = extent if end is None or end > extent else end
-    starts = [0] * x.ndim
-    ends = list(o.shape(x))
-    starts[dim], ends[dim] = start, end
+    starts, ends = _bounds(o, x, dim, *_clamped(o, x, dim, start, end))
     strides = [1] * x.ndim
     strides[dim] = step
     return o.slice(x, starts, ends, strides)
@@ -115,12 +124,8 @@ def _split(o, out, x, sizes, dim=0):
     bounds = [0]
     for piece in out:
         bounds.append(bounds[-1] + piece.shape[dim])
-    pieces = []
-    for start, end in itertools.pairwise(bounds):
-        starts, ends = [0] * x.ndim, list(o.shape(x))
-        starts[dim], ends[dim] = start, end
-        pieces.append(o.slice(x, starts, ends))
-    return tuple(pieces)
+    return tuple(o.slice(x, *_bounds(o, x, dim, start, end))
+                 for start, end in itertools.pairwise(bounds))
 
 
 def _pad(o, out, x, pad, mode="constant", value=None):
@@ -177,15 +182,9 @@ def _slice_scatter(o, out, x, src, dim=0, start=None, end=None, step=1):
     """``x`` with ``src`` written over ``x[start:end]`` along ``dim``: the kept parts of
     ``x`` and ``src`` concatenated."""
     dim %= x.ndim
-    extent = o.size(x, dim)
-    start = 0 if start is None else start
-    end = extent if end is None or end > extent else end
-    parts = []
-    for lo, hi in ((0, start), (end, extent)):
-        if hi > lo:
-            starts, ends = [0] * x.ndim, list(o.shape(x))
-            starts[dim], ends[dim] = lo, hi
-            parts.append(o.slice(x, starts, ends))
+    start, end = _clamped(o, x, dim, start, end)
+    parts = [o.slice(x, *_bounds(o, x, dim, lo, hi))
+             for lo, hi in ((0, start), (end, o.size(x, dim))) if hi > lo]
     parts.insert(1 if start > 0 else 0, _cast(o, out, src))
     return parts[0] if len(parts) == 1 else o.cat(parts, dim)
 
