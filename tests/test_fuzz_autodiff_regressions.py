@@ -486,17 +486,16 @@ SEEDS: dict[str, Seed] = {
         "taken from a whole copy (groups.attention_kv_layout). Found by the heads gradient "
         "fuzz run of 2026-12-05 (seed 240000 on)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
-    "grouped_heads_with_symbolic_extents_split_unevenly-341217": Seed(
-        341217, 3, "open, unknown refusal: 'T15 axis 1 is replicated but axis 1 of T11 is "
-        "DIDx (owners [0, 0, 1, 1])': grouped-query attention (4 query, 2 key/value heads) "
-        "with symbolic extents, k's heads split over 3 ranks (one holds none), q and v "
-        "unpinned. The same program with static extents matches; likely cause: with "
-        "symbolic extents the key/value layout is not decided when the attention is "
-        "planned (groups.kv_layout is None: no head owners without extents), so its "
-        "domain map keeps k's heads mapped to the query heads, which the check of the "
-        "built program (extents bound) finds k gathered whole against. Not fixed yet. Found by the heads gradient fuzz run of 2026-12-05 (seed 340000 on, 3 "
-        "ranks)", features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True),
-        open=True),
+    "grouped_heads_in_uneven_blocks_of_whole_groups-341217": Seed(
+        341217, 3, "unknown refusal: 'T15 axis 1 is replicated but axis 1 of T11 is DIDx "
+        "(owners [0, 0, 1, 1])': grouped-query attention (4 query, 2 key/value heads), k's "
+        "heads split over 3 ranks (one holds none), q's split alike by propagation: each "
+        "rank's key/value heads served its query heads, so they were taken as sharded by "
+        "groups, but the blocks are uneven and resharding carries a split onto the key/value "
+        "heads only in even blocks: it gathered k, the attention's domain map still paired "
+        "k's heads with the query heads. Now taken as gathered. Found by the heads gradient "
+        "fuzz run of 2026-12-05 (seed 340000 on, 3 ranks)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
 }
 
 

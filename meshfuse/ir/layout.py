@@ -86,6 +86,27 @@ def shard_factor(tv: TensorView, logical_id: IterDomain) -> int:
     return math.prod(tv.mesh.axis_size(pt) for _, pt in device_ids(tv).get(logical_id, []))
 
 
+def block_factor(tv: TensorView, logical_id: IterDomain) -> int | None:
+    """How many even blocks ``logical_id`` is cut into, where it is block-sharded: by outer
+    splits on device IDs, each of the part the one before left (the batch split over
+    ``replicate`` then ``dp``: a block per pair of coordinates, in order); the product of
+    their factors. None for an unsplit axis or any other split (inner, zigzag, on a
+    non-device ID). An axis of another extent holds the same elements block by block only
+    where the factor divides both extents (6 rows over 4 devices go 2, 2, 2, 0; the 12
+    elements they make, 3, 3, 3, 3)."""
+    splits = [t for t in tv.transforms if isinstance(t, Split) and t.in_id in
+              domain(tv).subtree(logical_id)]
+    if not splits or splits[0].in_id is not logical_id:
+        return None
+    factor = 1
+    for k, split in enumerate(splits):
+        if split.inner_split or split.zigzag or not tv.parallel_type(split.outer).is_device \
+                or k and split.in_id is not splits[k - 1].inner:
+            return None
+        factor *= split.factor
+    return factor
+
+
 def local_indices(
     tv: TensorView,
     logical_id: IterDomain,

@@ -35,7 +35,7 @@ import weakref
 from meshfuse.ir.domain import domain
 from meshfuse.ir.fusion import Expr, Fusion, partial_reduce_op
 from meshfuse.ir.iter_domain import IterDomain, Split
-from meshfuse.ir.layout import logical_root
+from meshfuse.ir.layout import block_factor, logical_root
 from meshfuse.ir.tensor_view import TensorView
 from meshfuse.passes.layout import follow_allocation
 
@@ -232,32 +232,15 @@ def _best_reference(expr: Expr, candidates: list[TensorView], target: TensorView
 
 
 def _is_block_shard(ref: TensorView, ref_id: IterDomain, target_id: IterDomain) -> bool:
-    """True if ``ref_id`` is block-sharded by outer splits, each of the part the one before
-    left (the batch split over ``replicate`` then ``dp``: a block per pair of coordinates, in
-    order), whose factors' product divides both ``ref_id`` and ``target_id`` (an axis of
-    another extent that a reshape maps to it): only even blocks of both hold the same
-    elements (6 rows over 4 devices go 2, 2, 2, 0, the 12 elements they make go 3, 3, 3,
-    3)."""
-    splits = [t for t in ref.transforms if isinstance(t, Split) and t.in_id in
-              _subtree(ref, ref_id)]
-    if not splits or splits[0].in_id is not ref_id:
-        return False
-    factor = 1
-    for k, split in enumerate(splits):
-        if split.inner_split or split.zigzag or not ref.parallel_type(split.outer).is_device \
-                or k and split.in_id is not splits[k - 1].inner:
-            return False
-        factor *= split.factor
-    return target_id.extent is not None and target_id.extent % factor == 0 and \
-        (ref_id.extent is None or ref_id.extent % factor == 0)
+    """True if ``ref_id`` is block-sharded (:func:`block_factor`) in blocks that divide both
+    it and ``target_id`` (an axis of another extent that a reshape maps to it)."""
+    factor = block_factor(ref, ref_id)
+    return factor is not None and target_id.extent is not None and \
+        target_id.extent % factor == 0 and (ref_id.extent is None or ref_id.extent % factor == 0)
 
 
 def _device_leaves(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
     return domain(tv).device_leaves(logical_id)
-
-
-def _subtree(tv: TensorView, logical_id: IterDomain) -> list[IterDomain]:
-    return domain(tv).subtree(logical_id)
 
 
 def _copy_sharding(ref: TensorView, target: TensorView,

@@ -38,7 +38,7 @@ import torch
 
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import Merge, Split
-from meshfuse.ir.layout import derived_extents, device_ids, split_indices
+from meshfuse.ir.layout import block_factor, derived_extents, device_ids, split_indices
 from meshfuse.ir.tensor_view import TensorView
 
 _QUERY_SIDE = ("q", "grad_attn", "attn", "log_sumexp")
@@ -104,9 +104,9 @@ def replicated_kv_axes(expr, q: TensorView, kv: dict[str, TensorView]) -> set[st
 def attention_kv_layout(expr) -> str | None:
     """:func:`kv_layout` of an attention's key/value heads against its q, unless a tensor
     of its query heads that the op may be computed like (an output pinned otherwise than q
-    lies: resharding may make q lie as it does, as it does for a q from another mesh)
-    holds some query heads of a group where it does not hold the others (a cyclic split, or
-    more blocks than key/value heads): no split of the key/value heads then serves that
+    lies: resharding may make q lie as it does, as it does for a q from another mesh) is
+    not cut into whole groups (:func:`_in_whole_groups`: a cyclic split, more blocks than
+    key/value heads, uneven blocks): no split of the key/value heads then serves that
     computation, so they are taken from a whole copy (:data:`REPLICATED`, or
     :data:`GATHERED` where they are sharded)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
@@ -115,20 +115,23 @@ def attention_kv_layout(expr) -> str | None:
     if layout != BY_GROUPS:
         return layout
     query_side = [args[n] for n in _QUERY_SIDE[:3] if n in args] + [expr.tensor_outputs[0]]
-    group = args["q"].materialized()[-3].extent // args["k"].materialized()[-3].extent
-    if all(_groups_kept(t, group) for t in query_side):
+    kv_heads = args["k"].materialized()[-3].extent
+    if all(_in_whole_groups(t, kv_heads) for t in query_side):
         return BY_GROUPS
     return GATHERED if any(head_owners(t) for t in kv.values()) else REPLICATED
 
 
-def _groups_kept(tv: TensorView, group: int) -> bool:
-    """Whether every rank holding a query head of ``tv`` holds its whole group of ``group``
-    heads (True where the extents are not known yet)."""
+def _in_whole_groups(tv: TensorView, kv_heads: int) -> bool:
+    """Whether ``tv``'s query heads are cut so that a split of the ``kv_heads`` key/value
+    heads serves them: not sharded, or in even blocks (:func:`block_factor`) whose count
+    divides ``kv_heads`` (each block then holds whole groups, and that split carried onto
+    the key/value heads holds their heads; resharding carries no other). True where the
+    extents are not known yet."""
     owners = head_owners(tv)
-    if owners is None:
+    if not owners:
         return True
-    first = torch.arange(tv.materialized()[-3].extent) // group * group
-    return all(torch.equal(o, o[first]) for o in owners.values())
+    factor = block_factor(tv, tv.materialized()[-3])
+    return factor is not None and kv_heads % factor == 0
 
 
 def gathered_kv_heads(expr) -> set:
