@@ -296,7 +296,7 @@ def test_key_value_heads_sharded_off_their_groups_are_gathered(multidevice_test)
         assert {c.kind for c in backward} == {"reduce_scatter"}, backward
 
 
-@pytest.mark.parametrize("symbolic", [False], ids=["static"])
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 def test_uneven_blocks_of_whole_groups_are_gathered(multidevice_test, symbolic):
     """At ``d >= 3`` ranks, ``d - 1`` key/value heads and ``2 (d - 1)`` query heads, all split
     over every rank in blocks (one head, two heads; the last rank holds none): each rank's

@@ -260,6 +260,9 @@ class OpDef:
             before resharding: it may check the propagated shardings (raising
             ShardingError) and rewrite ``expr.id_map`` or its outputs' unpinned
             parallelization (grouped-query attention with replicated key/value heads).
+            It runs on the build and again on each copy whose symbolic extents are bound,
+            so it decides there what it could not without them and leaves what it decided
+            (idempotent).
         own_partials: ``own_partials(expr, out)``, called on the schedule the engine derives
             for output ``out`` from the op's inputs (resharding's natural output): marks the
             partial sums the implementation leaves that the domain map does not show (an

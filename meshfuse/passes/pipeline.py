@@ -184,9 +184,13 @@ def compile(fusion: Fusion, world_size: int | None = None,
 
 # The passes run again on a copy whose symbolic extents are bound (see concretize): the
 # shardings stay as built (propagation and the strategies' plans are kept: the inputs are
-# laid out by them), the communications and checks are decided with the extents.
+# laid out by them), the communications and checks are decided with the extents. The ops'
+# plan rules run again: what they could not decide without the extents (grouped-query
+# attention's key/value heads, with symbolic head extents) they decide then; what they
+# decided on the build they leave (a plan rule may run twice on one fusion).
 SIGNATURE_PASSES = (
     _check_world,
+    _plan_ops,
     _reshard,
     _check_all,
 )

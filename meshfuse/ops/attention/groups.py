@@ -150,7 +150,11 @@ def plan_grouped_heads(expr) -> None:
     the key/value heads it needs from a whole copy: no output head axis maps between the
     key/value and the query heads, the key/value gradients' heads are computed whole and
     their reduction over the query heads is a partial sum over the mesh axes sharding them
-    (reduced by the resharding that follows)."""
+    (reduced by the resharding that follows).
+
+    With symbolic head extents it decides nothing (:func:`kv_layout` is None); it runs again
+    once the extents are bound (``meshfuse.passes.pipeline.concretize``), where what it
+    decided before stays: a domain map planned apart already is left as it is."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     q = args["q"]
     layout = attention_kv_layout(expr)
@@ -161,6 +165,10 @@ def plan_grouped_heads(expr) -> None:
              if name in _QUERY_SIDE + _KEY_SIDE}
     query_ids = {heads[args[n]] for n in _QUERY_SIDE if n in args}
     key_ids = {heads[args[n]] for n in _KEY_SIDE}
+    if layout != BY_GROUPS and not any(
+            set(sources) & query_ids and set(sources) & key_ids
+            for out_id, sources in expr.id_map.items() if not out_id.is_reduction):
+        return  # planned apart on the build already
     pinned = getattr(q.fusion, "user_scheduled", set())
     if layout != BY_GROUPS and expr.op.name == "sdpfa_fwd":
         for name in _KEY_SIDE:

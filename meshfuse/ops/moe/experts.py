@@ -242,8 +242,10 @@ def plan(expr) -> None:
     parallelism: each coordinate its own tokens) leave them partial there
     (:func:`own_partials`), reduced after the op. Outputs the user pinned keep their
     schedule (the engine reduces into it)."""
-    if expert_parallel(expr) is None:
-        return
+    if expert_parallel(expr) is None or all(
+            expr.id_map.get(out_id) == () for _, reductions in _per_expert_reductions(expr)
+            for out_id in reductions):
+        return  # (planned on the build already: see pipeline.concretize)
     pinned = getattr(expr.tensor_outputs[0].fusion, "user_scheduled", set())
     for out, reductions in _per_expert_reductions(expr):
         for out_id in reductions:
