@@ -13,7 +13,8 @@ the compiled path (fused segments by Inductor, against torch and the interpreter
 world size in CI; ``MESHFUSE_FUZZ_COMPILED_PROGRAMS`` runs more, at every world size).
 A fourth runs the fused segments compiled by ``aot_eager`` at every world size
 (``MESHFUSE_FUZZ_SEGMENTED_PROGRAMS``), a fifth forces stream-parallel loops
-(``fuzz_overlap.py``; ``MESHFUSE_FUZZ_OVERLAP_PROGRAMS``).
+(``fuzz_overlap.py``; ``MESHFUSE_FUZZ_OVERLAP_PROGRAMS``), a sixth grouped-query attention
+and batched matmuls (``fuzz_heads.py``; ``MESHFUSE_FUZZ_FORWARD_HEAD_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ SEGMENTED_PROGRAMS_ENV = "MESHFUSE_FUZZ_SEGMENTED_PROGRAMS"
 # Stream-parallel loops forced (Features.overlap): their own count, the same long mode.
 DEFAULT_OVERLAP_PROGRAMS = 30
 OVERLAP_PROGRAMS_ENV = "MESHFUSE_FUZZ_OVERLAP_PROGRAMS"
+# Heads and batches (Features.heads, fuzz_heads.py) through a plain execute: their own count.
+DEFAULT_HEAD_PROGRAMS = 40
+HEAD_PROGRAMS_ENV = "MESHFUSE_FUZZ_FORWARD_HEAD_PROGRAMS"
 
 
 def _features() -> Features:
@@ -80,6 +84,15 @@ def test_fuzz_low_precision_programs_match_torch(multidevice_test):
     features = dataclasses.replace(_features(), low_precision=True)
     _fuzz(multidevice_test, LOW_PRECISION_PROGRAMS_ENV, DEFAULT_LOW_PRECISION_PROGRAMS,
           features)
+
+
+def test_fuzz_head_programs_match_torch(multidevice_test):
+    """Grouped-query attention, batched matmuls and weights with leading axes
+    (``fuzz_heads.py``) through a plain execute, symbolic extents among them (the gradient
+    fuzzer draws them too, through derived backwards, whose extents are made static
+    first)."""
+    features = dataclasses.replace(_features(), heads=True)
+    _fuzz(multidevice_test, HEAD_PROGRAMS_ENV, DEFAULT_HEAD_PROGRAMS, features)
 
 
 def test_fuzz_compiled_programs_match_torch_and_the_interpreter(multidevice_test):
