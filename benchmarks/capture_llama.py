@@ -121,9 +121,9 @@ def _variant(name: str, base, mesh):
         compiled.meshfuse_marks_steps = True
         return compiled
     if name.startswith("meshfuse"):
-        # meshfuse_recompute_fused: remat="recompute_fused" (the values the forward writes
-        # for a product or attention are saved for the backward rather than recomputed)
-        remat = "recompute_fused" if "recompute_fused" in name else "recompute"
+        # meshfuse_recompute: remat="recompute" (the default before 2026-12-05: the values
+        # the forward writes for a product or attention are recomputed, not saved)
+        remat = "recompute" if name.endswith("_recompute") else None
         return meshfuse.parallelize(model, mesh, {}, remat=remat)
     return model
 
@@ -137,8 +137,8 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compile,meshfuse",
                         help="also compile_ro (torch.compile's reduce-overhead mode: CUDA "
                              "graphs), meshfuse_private_pools "
-                             "(MESHFUSE_SHARED_GRAPH_POOLS=0) and meshfuse_recompute_fused "
-                             "(remat=\"recompute_fused\")")
+                             "(MESHFUSE_SHARED_GRAPH_POOLS=0) and meshfuse_recompute "
+                             "(remat=\"recompute\")")
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     parser.add_argument("--trace", action="store_true",
                         help="record why meshfuse's graphs replay or not, call by call")

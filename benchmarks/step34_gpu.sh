@@ -7,7 +7,7 @@
 #   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
 #                                              # meshfuse (~3-4 min on 2026-12-03)
 #   bash benchmarks/step34_gpu.sh OUT steps    # the small layer's GPU time per program step:
-#                                              # autograd (both remat policies) against the
+#                                              # autograd (default remat, "recompute") against the
 #                                              # hand-written fusion, replay off
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
 # time, explicit CUDA graphs, the backward on the calling thread, recomputation across
@@ -52,7 +52,7 @@ case $part in
   steps)
     mkdir -p "$out/steps"
     timeout 400 python3 -m benchmarks.host_profile --case gpt --by-step --out "$out/steps" \
-      --gpt-variants meshfuse_autograd,meshfuse_autograd_fused,meshfuse_hand_written \
+      --gpt-variants meshfuse_autograd,meshfuse_autograd_recompute,meshfuse_hand_written \
       > "$out/steps/host_profile.log" 2>&1
     echo "host_profile --by-step: rc=$?"
     grep -h "^program of" "$out"/steps/*-by-step.txt ;;

@@ -18,13 +18,12 @@ default settings:
 - ``meshfuse_autograd_device_thread``: the same with ``MESHFUSE_BACKWARD_THREAD=device``
   (the backward handed to autograd's thread for the device, as before meshfuse ran it on
   the calling thread: :mod:`meshfuse.autodiff.engine_thread`);
-- ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads the
-  forward's values rather than recomputing the cheap ones: the GELU of the 4x-wide hidden
-  and the norms' outputs are recomputed by default, inside the backward's fused segments:
-  memory traffic the hand-written fusion does not pay);
-- ``meshfuse_autograd_fused``: the same with ``remat="recompute_fused"`` (the values the
-  forward writes anyway for a product or attention, the norms' outputs and the GELU, are
-  saved; the ones its fused kernels never write are recomputed);
+- ``meshfuse_autograd_saved``: the same with ``remat="save"`` (the backward reads every
+  value of the forward it needs rather than recomputing the cheap ones);
+- ``meshfuse_autograd_recompute``: the same with ``remat="recompute"`` (the default until
+  2026-12-05: the GELU of the 4x-wide hidden and the norms' outputs recomputed inside the
+  backward's fused segments, which write them again: memory traffic the hand-written fusion
+  does not pay; the default ``"recompute_fused"`` saves what the forward writes anyway);
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
@@ -210,17 +209,17 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
             raise _Skip("reduce-overhead captures CUDA graphs: CUDA only")
         return torch_variant(mode="reduce-overhead")
 
-    def derived(remat="recompute"):
+    def derived(**options):  # (the library's default remat, unless given)
         block = GptBlock(b, s, e, heads, mf_dtype).define()
-        function = block.as_autograd_function(remat=remat)
+        function = block.as_autograd_function(**options)
         step = autograd_step(lambda *leaves: function(leaves)[0], [x, *params.values()], dy)
         return step, function
 
     def derived_saved():
         return derived(remat="save")
 
-    def derived_fused():
-        return derived(remat="recompute_fused")
+    def derived_recompute():
+        return derived(remat="recompute")
 
     def derived_device_thread():
         inner, function = derived()
@@ -272,7 +271,7 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("meshfuse_autograd_no_replay", derived_no_replay),
         ("meshfuse_autograd_device_thread", derived_device_thread),
         ("meshfuse_autograd_saved", derived_saved),
-        ("meshfuse_autograd_fused", derived_fused), ("meshfuse_captured", captured),
+        ("meshfuse_autograd_recompute", derived_recompute), ("meshfuse_captured", captured),
         ("meshfuse_hand_written", hand_written))
         if chosen is None or name in chosen}
 

@@ -117,9 +117,9 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return hand_written(compile=True)
 
-    def derived(compile=False, remat="recompute"):
+    def derived(compile=False):
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
-        function = block.as_autograd_function(compile=compile, remat=remat)
+        function = block.as_autograd_function(compile=compile)
         local = [meshfuse.shard_tensor(t, tv)
                  for t, tv in zip((x, *params.values()), (block.x, *block.params.values()))]
         step = autograd_step(lambda *leaves: function(leaves)[0], local,
@@ -128,10 +128,10 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         check("meshfuse_autograd", block.y, block.x, y.detach(), dx)
         return step
 
-    def derived_compiled(remat="recompute"):
+    def derived_compiled():
         if not ctx.cuda:
             raise Skip("Inductor's fused segments are measured on GPUs")
-        return derived(compile=True, remat=remat)
+        return derived(compile=True)
 
     def derived_compiled_overlap(transport: str):
         # The programs are built by the setup's first step: with these figures then (no

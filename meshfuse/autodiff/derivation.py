@@ -18,12 +18,12 @@ weight gathered for a matmul in the forward gets its gradient reduce-scattered, 
 resolved into a replicated output gets a replicated cotangent used locally.
 
 Rematerialization (``remat``): ``"save"`` saves every intermediate the backward reads;
-``"recompute"`` (the default) recomputes the results of cheap ops (``Vjp.recompute``:
+``"recompute"`` recomputes the results of cheap ops (``Vjp.recompute``:
 pointwise ops, casts, shape ops, local slices) in the backward from saved values, so only
 inputs and the results of expensive ops (matrix products, attention, reductions) and of
 communications are saved: no matrix product and no collective runs twice (DTensor's
 schedule: a sequence-parallel layer's gathered input is saved for its weight gradient).
-``"recompute_fused"`` recomputes only the cheap values that the forward's fused kernels
+``"recompute_fused"`` (the default) recomputes only the cheap values that the forward's fused kernels
 never write to memory, and saves those the forward writes anyway, because an op that runs
 on its own reads them (a matrix product's operand, such as a layer norm's output or an
 MLP's activation; attention's; a communication's) or the user gets them: the backward reads
@@ -54,6 +54,9 @@ from meshfuse.ops.registry import Kind
 from meshfuse.passes.pipeline import compiled_for
 
 REMAT_POLICIES = ("recompute", "recompute_fused", "recompute_gathers", "save")
+# Faster than "recompute" at every size measured (the GPT layer and Llama-3.2-1B on an H100
+# and an H200, benchmarks/results/), for the memory of the values the forward writes anyway.
+DEFAULT_REMAT = "recompute_fused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +148,14 @@ def zero_cotangents(derivation: Derivation, zero: frozenset[int]) -> PartialBack
 
 
 def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-           remat: str = "recompute", world_size: int | None = None) -> Derivation:
+           remat: str = DEFAULT_REMAT, world_size: int | None = None) -> Derivation:
     """The forward and backward of ``fusion``; see the module doc.
 
     Args:
         fusion: the user's fusion (read only).
         wrt: the input TensorViews to differentiate; default every floating-point tensor input.
-        remat: ``"recompute"``, ``"recompute_fused"``, ``"recompute_gathers"`` or
-            ``"save"``.
+        remat: ``"recompute"``, ``"recompute_fused"`` (default), ``"recompute_gathers"``
+            or ``"save"``.
         world_size: derive for a preview of this many ranks from one process (to explain,
             not to run: the forward has no runner); default: this process's world.
     """

@@ -33,7 +33,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshfuse.autodiff.derivation import Derivation, PartialBackward, derive, zero_cotangents
+from meshfuse.autodiff.derivation import (
+    DEFAULT_REMAT,
+    Derivation,
+    PartialBackward,
+    derive,
+    zero_cotangents,
+)
 from meshfuse.autodiff.engine_thread import run_backward_here
 from meshfuse.dtensor import (
     check_dtensor_input,
@@ -62,8 +68,8 @@ class FusionFunction:
         fusion: the user's fusion (read, never changed).
         wrt: the inputs that may get gradients (default: every floating-point tensor input);
             an input gets one when it is in ``wrt`` and its tensor requires grad.
-        remat: the rematerialization policy (``"recompute"``, ``"recompute_fused"``,
-            ``"recompute_gathers"`` or ``"save"``, see :mod:`meshfuse.autodiff.derivation`).
+        remat: the rematerialization policy (``"recompute"``, ``"recompute_fused"``: the
+            default, ``"recompute_gathers"`` or ``"save"``, see :mod:`meshfuse.autodiff.derivation`).
         keep_residuals: keep the residuals until the autograd node dies, so that its
             backward may run more than once (default: each is freed after its last use in
             the one backward).
@@ -74,7 +80,7 @@ class FusionFunction:
     """
 
     def __init__(self, fusion: Fusion, wrt: Sequence[TensorView] | None = None,
-                 remat: str = "recompute", keep_residuals: bool = False,
+                 remat: str = DEFAULT_REMAT, keep_residuals: bool = False,
                  compile: bool | str | None = None) -> None:
         self.fusion = fusion
         self.remat = remat

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from meshfuse.autodiff.derivation import DEFAULT_REMAT
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.fusion import is_user_name
 from meshfuse.ir.tensor_view import TensorView
@@ -40,7 +41,7 @@ class FusionModule(torch.nn.Module):
     """
 
     def __init__(self, fd, parameters: Mapping[str, tuple[TensorView, torch.Tensor]],
-                 local: bool = False, remat: str = "recompute") -> None:
+                 local: bool = False, remat: str = DEFAULT_REMAT) -> None:
         super().__init__()
         fd.define()
         inputs = fd.fusion.inputs()

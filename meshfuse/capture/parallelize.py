@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
-from meshfuse.autodiff.derivation import REMAT_POLICIES
+from meshfuse.autodiff.derivation import DEFAULT_REMAT, REMAT_POLICIES
 from meshfuse.capture.members import NamedMembers
 from meshfuse.capture.pipeline import Pipeline, PipelineSpec, pipeline_stages
 from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
@@ -68,7 +68,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
             ``"recompute_gathers"`` or ``"save"``. Default: ``"recompute_gathers"`` with
             ``fsdp`` (each layer's parameters gathered again in the backward rather than
             held since the forward: FSDP2's ``reshard_after_forward=True``), else
-            ``"recompute"``.
+            ``"recompute_fused"``.
 
     Returns:
         ``module`` itself, its parameters DTensors, its forward meshfuse's; it gains
@@ -82,7 +82,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
     if isinstance(module, _Parallel):
         raise DefinitionError(f"{type(module).__name__} is already parallelized")
     if remat is None:
-        remat = "recompute" if fsdp is None else "recompute_gathers"
+        remat = DEFAULT_REMAT if fsdp is None else "recompute_gathers"
     if remat not in REMAT_POLICIES:
         raise DefinitionError(f"parallelize: remat must be one of {REMAT_POLICIES}, got "
                               f"{remat!r}")

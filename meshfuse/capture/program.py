@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
+from meshfuse.autodiff.derivation import DEFAULT_REMAT
 from meshfuse.capture.build import BuiltSegment, build_segment, segment_key
 from meshfuse.capture.partition import Break, Segment, fold, partition, simplify, static_nodes
 from meshfuse.capture.plan import ResolvedPlan
@@ -49,7 +50,7 @@ class Program:
 
     def __init__(self, captured: Captured, plan: ResolvedPlan, mesh: TorchDeviceMesh,
                  buffers: Mapping[str, torch.Tensor], strict: bool = False,
-                 remat: str = "recompute") -> None:
+                 remat: str = DEFAULT_REMAT) -> None:
         self.captured, self.plan, self.mesh, self.remat = captured, plan, mesh, remat
         simplify(captured.graph)
         self._static = static_nodes(captured)

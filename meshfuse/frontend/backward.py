@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from meshfuse.autodiff.derivation import Derivation, derive
+from meshfuse.autodiff.derivation import DEFAULT_REMAT, Derivation, derive
 from meshfuse.frontend.fusion_definition import FusionDefinition
 from meshfuse.ir.tensor_view import TensorView
 
@@ -44,14 +44,14 @@ class BackwardDefinition(FusionDefinition):
 
 
 def vjp(fd: FusionDefinition, wrt: Sequence[TensorView] | None = None,
-        remat: str = "recompute", *, world_size: int | None = None) -> BackwardDefinition:
+        remat: str = DEFAULT_REMAT, *, world_size: int | None = None) -> BackwardDefinition:
     """The backward of ``fd``, derived at global shapes; ``fd`` is not changed.
 
     Args:
         fd: a defined fusion (its ``definition`` and schedule are read).
         wrt: the input TensorViews to differentiate (default: every floating-point tensor
             input).
-        remat: ``"recompute"`` (default), ``"recompute_fused"``, ``"recompute_gathers"``
+        remat: ``"recompute"``, ``"recompute_fused"`` (default), ``"recompute_gathers"``
             or ``"save"``; see
             :mod:`meshfuse.autodiff.derivation`.
         world_size: derive for this many ranks from one process, to print and explain the

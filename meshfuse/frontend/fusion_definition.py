@@ -23,6 +23,7 @@ from typing import Any, Self
 
 import torch
 
+from meshfuse.autodiff.derivation import DEFAULT_REMAT
 from meshfuse.autodiff.function import FusionFunction
 from meshfuse.dtypes import DataType
 from meshfuse.engine.explaining import BUILD_FAILURES, preview, unbuilt
@@ -316,7 +317,7 @@ class FusionDefinition:
         return self._get_runner().compiled
 
     def as_autograd_function(self, wrt: Sequence[TensorView] | None = None,
-                             remat: str = "recompute",
+                             remat: str = DEFAULT_REMAT,
                              keep_residuals: bool = False,
                              compile: bool | str | None = None) -> FusionFunction:
         """This fusion as a ``torch.autograd.Function``: a callable taking the inputs
@@ -326,10 +327,11 @@ class FusionDefinition:
         Args:
             wrt: the inputs that may get gradients (default: every floating-point tensor
                 input); one gets a gradient when its tensor requires grad.
-            remat: ``"recompute"`` (default: cheap pointwise and shape results are recomputed
-                in the backward, matrix products and collectives never),
-                ``"recompute_fused"`` (only those the forward's fused kernels never write
-                to memory: a matrix product's operands are saved),
+            remat: ``"recompute_fused"`` (default: the cheap pointwise and shape results
+                that the forward's fused kernels never write to memory are recomputed in
+                the backward; a matrix product's operands are saved; matrix products and
+                collectives never run again), ``"recompute"`` (every cheap result
+                recomputed, for less memory),
                 ``"recompute_gathers"`` (the forward's collectives too) or ``"save"`` (every
                 intermediate the backward reads is saved).
             keep_residuals: keep what the backward reads until the autograd node dies, so

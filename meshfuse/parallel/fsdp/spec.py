@@ -130,4 +130,4 @@ class FsdpOptions:
     @property
     def remat(self) -> str:
         """The derived backward's rematerialization policy these options ask for."""
-        return "recompute_gathers" if self.reshard_after_forward else "recompute"
+        return "recompute_gathers" if self.reshard_after_forward else "recompute_fused"
