@@ -141,7 +141,7 @@ def _assert_same_gradients(first, second) -> None:
 
 def test_remat_recompute_saves_fewer_residuals_than_save():
     fd, _, _ = _mlp()
-    recompute, save = meshfuse.vjp(fd), meshfuse.vjp(fd, remat="save")
+    recompute, save = meshfuse.vjp(fd, remat="recompute"), meshfuse.vjp(fd, remat="save")
     kept = [len(b.derivation.residuals) for b in (recompute, save)]
     assert kept[0] < kept[1], kept
     # No matrix product runs twice: the backward's matmuls are the four of the gradients.
@@ -151,11 +151,11 @@ def test_remat_recompute_saves_fewer_residuals_than_save():
 
 
 def test_remat_recompute_fused_saves_what_the_forward_writes_for_a_product():
-    """``recompute_fused`` keeps the GELU output, which the forward writes for the second
+    """``recompute_fused`` (the default) keeps the GELU output, which the forward writes for the second
     product anyway, where ``recompute`` computes it again for w2's gradient; the values
     are the same."""
     fd, _, _ = _mlp()
-    recompute, fused = meshfuse.vjp(fd), meshfuse.vjp(fd, remat="recompute_fused")
+    recompute, fused = meshfuse.vjp(fd, remat="recompute"), meshfuse.vjp(fd)  # the default
     ops = [[e.op.name for e in bwd.fusion.exprs] for bwd in (recompute, fused)]
     assert "gelu" in ops[0] and "gelu" not in ops[1], ops
     saved = [sorted(v.definition.op.name for v in bwd.derivation.source.residuals

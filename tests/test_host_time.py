@@ -83,7 +83,7 @@ def test_the_autograd_path_explains_both_programs_and_the_node(request, replayed
     layer = FusionModule(fd, {"w": (w, torch.randn(4, 4))})
     x = torch.randn(6, 4)
     text = layer.explain(x)
-    saved = "derived backward:\n  saved for the backward (remat='recompute'): "
+    saved = "derived backward:\n  saved for the backward (remat='recompute_fused'): "
     assert saved in text and "\n  not run yet" in text and "autograd node" not in text
     for _ in range(5):
         layer(x).sum().backward()
