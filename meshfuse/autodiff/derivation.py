@@ -23,12 +23,13 @@ pointwise ops, casts, shape ops, local slices) in the backward from saved values
 inputs and the results of expensive ops (matrix products, attention, reductions) and of
 communications are saved: no matrix product and no collective runs twice (DTensor's
 schedule: a sequence-parallel layer's gathered input is saved for its weight gradient).
-``"recompute_fused"`` (the default) recomputes only the cheap values that the forward's fused kernels
-never write to memory, and saves those the forward writes anyway, because an op that runs
-on its own reads them (a matrix product's operand, such as a layer norm's output or an
-MLP's activation; attention's; a communication's) or the user gets them: the backward reads
-them back rather than computing and writing them again (the hand-written layers' and
-Megatron-LM's selective recomputation), for the memory of holding them until the backward.
+``"recompute_fused"`` (the default) recomputes only the cheap values that the forward's
+fused kernels never write to memory, and saves those the forward writes anyway, because an
+op that runs on its own reads them (a matrix product's operand, such as a layer norm's
+output or an MLP's activation; attention's; a communication's) or the user gets them: the
+backward reads them back rather than computing and writing them again (the hand-written
+layers' and Megatron-LM's selective recomputation), for the memory of holding them until
+the backward.
 ``"recompute_gathers"`` also recomputes the forward's communications (Megatron-LM's
 sequence-parallel schedule: the input is gathered again in the backward), which saves the
 gathered copies' memory at the cost of running those collectives again.

@@ -69,7 +69,8 @@ class FusionFunction:
         wrt: the inputs that may get gradients (default: every floating-point tensor input);
             an input gets one when it is in ``wrt`` and its tensor requires grad.
         remat: the rematerialization policy (``"recompute"``, ``"recompute_fused"``: the
-            default, ``"recompute_gathers"`` or ``"save"``, see :mod:`meshfuse.autodiff.derivation`).
+            default, ``"recompute_gathers"`` or ``"save"``; see
+            :mod:`meshfuse.autodiff.derivation`).
         keep_residuals: keep the residuals until the autograd node dies, so that its
             backward may run more than once (default: each is freed after its last use in
             the one backward).
