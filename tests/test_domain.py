@@ -9,7 +9,13 @@ from meshfuse import DataType, DeviceMesh, FusionDefinition, ParallelType
 from meshfuse.errors import ScheduleError
 from meshfuse.ir.domain import domain
 from meshfuse.ir.iter_domain import Split
-from meshfuse.ir.layout import derived_extents, local_extents, local_indices, split_indices
+from meshfuse.ir.layout import (
+    block_factor,
+    derived_extents,
+    local_extents,
+    local_indices,
+    split_indices,
+)
 
 
 def _walk_root(tv, id_):
@@ -64,6 +70,35 @@ def test_the_cache_follows_the_schedule():
     third = domain(tv)
     assert third.device_ids == {tv.logical[0]: [(tv.loop[0], ParallelType.mesh_x)]}
     assert domain(tv) is third
+
+
+def test_block_factor_counts_the_even_blocks_of_nested_outer_device_splits():
+    """The batch split over ``replicate`` then ``dp`` (2 x 3 blocks, in order): 6; a cyclic
+    split, a split of the inner part on no device, or an axis left whole: no block count."""
+    mesh = DeviceMesh(torch.arange(6).reshape(2, 3))
+
+    def tensor():
+        with FusionDefinition() as fd:
+            tv = fd.define_tensor([12, 6], dtype=DataType.Float)
+        tv.set_device_mesh(mesh)
+        return tv
+
+    nested = tensor()
+    nested.outer_split(0, 2)
+    nested.parallelize(0, ParallelType.mesh_y)
+    nested.outer_split(1, 3)
+    nested.parallelize(1, ParallelType.mesh_x)
+    assert block_factor(nested, nested.logical[0]) == 6
+    assert block_factor(nested, nested.logical[1]) is None
+    cyclic = tensor()
+    cyclic.split(0, 3, inner_split=True)
+    cyclic.parallelize(1, ParallelType.mesh_x)
+    assert block_factor(cyclic, cyclic.logical[0]) is None
+    local = tensor()
+    local.outer_split(0, 2)
+    local.parallelize(0, ParallelType.mesh_y)
+    local.outer_split(1, 3)  # the inner part split again, on no device
+    assert block_factor(local, local.logical[0]) is None
 
 
 def test_a_device_axis_from_a_merge_is_a_schedule_error():
