@@ -117,9 +117,9 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
             raise Skip("Inductor's fused segments are measured on GPUs")
         return hand_written(compile=True)
 
-    def derived(compile=False):
+    def derived(compile=False, **options):  # (the library's default remat, unless given)
         block = GptBlock(b, s, e, heads, mf_dtype, mesh).define()
-        function = block.as_autograd_function(compile=compile)
+        function = block.as_autograd_function(compile=compile, **options)
         local = [meshfuse.shard_tensor(t, tv)
                  for t, tv in zip((x, *params.values()), (block.x, *block.params.values()))]
         step = autograd_step(lambda *leaves: function(leaves)[0], local,
@@ -128,10 +128,10 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         check("meshfuse_autograd", block.y, block.x, y.detach(), dx)
         return step
 
-    def derived_compiled():
+    def derived_compiled(**options):
         if not ctx.cuda:
             raise Skip("Inductor's fused segments are measured on GPUs")
-        return derived(compile=True)
+        return derived(compile=True, **options)
 
     def derived_compiled_overlap(transport: str):
         # The programs are built by the setup's first step: with these figures then (no
@@ -155,7 +155,7 @@ def variants(ctx: Context, sizes, dtype: torch.dtype, x, dy, params) -> list[Var
         Variant("meshfuse_autograd", derived, "forward-only fusion, derived backward, autograd"),
         Variant("meshfuse_autograd_compiled", derived_compiled,
                 "as meshfuse_autograd, pointwise runs fused by Inductor (compile=True)"),
-        Variant("meshfuse_autograd_compiled_save", lambda: derived_compiled("save"),
+        Variant("meshfuse_autograd_compiled_save", lambda: derived_compiled(remat="save"),
                 "as meshfuse_autograd_compiled, remat='save' (no recomputation)"),
         Variant("meshfuse_autograd_compiled_whole", derived_compiled_whole,
                 "as meshfuse_autograd_compiled, no stream loop (MESHFUSE_OVERLAP=off)"),
