@@ -430,7 +430,10 @@ def test_a_stack_accumulating_micro_batches_reads_its_cotangents_safely(fake_cud
     above's replayed backward made (in place), whose graphs are busy while a cotangent is
     held; every parameter matches PyTorch's after each step."""
     layers, micro_batches = 3, 2
-    function = _mlp()[0].as_autograd_function()
+    # (remat="recompute": with the default, which saves each layer's activation too, 2 runs
+    # of 25 in one process met addresses that capture a lower layer's second graph before
+    # the one above it, copying its cotangent in: one copy more per step, values alike)
+    function = _mlp()[0].as_autograd_function(remat="recompute")
     mine, ref, opt, ref_opt = _two_stacks(layers)
     x = torch.empty(T, H, dtype=torch.float64, requires_grad=True)  # at one address
     for step in range(3):
