@@ -85,7 +85,9 @@ def test_survivors_raise_communication_error(runs, scenario, failure, size):
         outcome = survivor.outcome
         assert outcome is not None, survivor.output
         assert "CommunicationError" in outcome["bases"], outcome
-        assert outcome["failure"] in (failure, "timeout"), outcome
+        # (a survivor may also see a peer close: another survivor that timed out first and
+        # exited; at least one names the failure itself, below)
+        assert outcome["failure"] in ("peer", "timeout"), outcome
         message = outcome["message"]
         assert re.search(rf"rank {rank}: step \d \(T\d = \w+\(T\d.*\): allreduce\(sum\) over "
                          rf"mesh axis 0.* \(ranks {group}\)\) among ranks {group}", message), message
