@@ -191,6 +191,15 @@ def test_a_models_own_plan_as_given(multidevice_test, model_name):
     assert all(isinstance(p, Replicate) for p in norm.placements)
 
 
+def test_a_models_expert_parallel_plan_is_refused_by_name():
+    """Hugging Face's ``ep_plan`` styles (``grouped_gemm``, ``ep_dispatch_experts``) are
+    not read: a DefinitionError names the entry and says what to do instead."""
+    model = _qwen3_moe()
+    plan = {**model.tp_plan, **model.ep_plan}
+    with pytest.raises(meshfuse.DefinitionError, match="expert parallelism .* ep_plan"):
+        meshfuse.parallelize(model, DeviceMesh([0]), plan)
+
+
 def test_a_users_key_that_matches_nothing_is_still_refused():
     """Only the model's own plan's keys may match nothing: a key of the user's (a typo) is
     an error naming it."""

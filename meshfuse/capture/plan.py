@@ -197,8 +197,20 @@ def _is_placements(value: Any) -> bool:
         all(isinstance(p, Placement) for p in value)
 
 
+# Hugging Face's expert-parallel styles (a model's ``ep_plan``), which no DTensor style or
+# placement writes either: the tokens are dispatched to the ranks holding their experts.
+_HF_EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts", "ep_router", "moe_tp_experts")
+
+
 def _style(value: Any, key: str) -> Any:
     if isinstance(value, str):
+        if value in _HF_EXPERT_STYLES:
+            raise DefinitionError(
+                f"plan[{key!r}] = {value!r}: Hugging Face's expert parallelism (a model's "
+                "ep_plan) is not read for a captured model; leave its keys out (the experts "
+                "are then laid out as the rest of the plan says: replicated by default), or "
+                "write the MoE block with meshfuse's experts op (meshfuse.examples.moe), "
+                "which runs expert-parallel")
         if value not in _HF_STYLES:
             raise DefinitionError(
                 f"plan[{key!r}] = {value!r}: meshfuse reads the Hugging Face styles "
