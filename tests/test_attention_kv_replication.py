@@ -182,6 +182,27 @@ def test_a_symbolic_sequence_keeps_the_heads_plan(multidevice_test, hkv, pinned,
         _assert_kv_gradients_reduced(backward, hkv)
 
 
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_symbolic_heads_are_planned_once_their_extents_are_bound(multidevice_test, hkv):
+    """Every extent symbolic, q's heads split over every rank, k and v unscheduled: the
+    key/value heads' layout is decided when execute binds the extents (the plan rules run
+    again then). Before, wherever the ranks outnumber the key/value heads (1 or 2 at 4
+    ranks, 2 at 3), execute refused: 'T7 axis 1 is replicated but axis 1 of T3 is DIDx'.
+    Values and gradients are PyTorch's."""
+    mesh = mesh_1d(multidevice_test)
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([-1] * 4, dtype=DataType.Double) for _ in range(3))
+        attn, _, _, _ = fd.ops.sdpfa_fwd(q, k, v, is_causal=True)
+        fd.add_output(attn)
+    shard(q, 1, mesh)
+    inputs = _global_inputs(hkv, QkvFormat.BHSE)
+    (plain,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, (q, k, v))])
+    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(plain, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
+    _run(multidevice_test, fd, (q, k, v), True, inputs)
+
+
 def test_key_value_heads_from_projections(multidevice_test):
     """The Llama shape: q, k and v projected from one input; only q's heads are pinned. The
     forward communicates nothing: where the ranks divide the key/value heads, wk and wv
