@@ -59,8 +59,8 @@ def _run(multidevice_test, fd, tensors, causal, inputs):
     (among more than one rank)."""
     function = fd.as_autograd_function()
     local = [shard_tensor(x, tv).requires_grad_() for x, tv in zip(inputs, tensors)]
-    grad = torch.randn(B, H, S, E, generator=torch.Generator().manual_seed(5),
-                       dtype=torch.float64)
+    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(5),
+                       dtype=torch.float64)  # (the output's shape: q's)
     with record_communications() as forward:
         (attn,) = function(local)
     with record_communications() as backward:
@@ -75,6 +75,17 @@ def _run(multidevice_test, fd, tensors, causal, inputs):
         torch.testing.assert_close(x.grad, shard_tensor(ref.grad, tv), **TIGHT,
                                    msg=lambda m, n=name: f"{n}_grad: {m}")
     return ([c for c in forward if len(c.ranks) > 1], [c for c in backward if len(c.ranks) > 1])
+
+
+def _execute(fd, tensors, causal, inputs):
+    """A plain ``execute`` of ``fd`` on this rank's shards, checked against PyTorch's
+    forward; returns its communications (among more than one rank)."""
+    with record_communications() as comms:
+        (out,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, tensors)])
+    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(out, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
+    return [c for c in comms if len(c.ranks) > 1]
 
 
 def _assert_kv_gradients_reduced(comms, hkv: int) -> None:
@@ -170,10 +181,7 @@ def test_a_symbolic_sequence_keeps_the_heads_plan(multidevice_test, hkv, pinned,
         for t in (k, v):
             t.set_device_mesh(mesh)
     inputs = _global_inputs(hkv, QkvFormat.BHSE)
-    (plain,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, (q, k, v))])
-    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal,
-                                                                enable_gqa=True)
-    torch.testing.assert_close(plain, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
+    _execute(fd, (q, k, v), causal, inputs)
     forward, backward = _run(multidevice_test, fd, (q, k, v), causal, inputs)
     assert forward == []  # no key/value head travels
     if d == 1 or hkv % d == 0 and not pinned:  # by groups
@@ -196,10 +204,7 @@ def test_symbolic_heads_are_planned_once_their_extents_are_bound(multidevice_tes
         fd.add_output(attn)
     shard(q, 1, mesh)
     inputs = _global_inputs(hkv, QkvFormat.BHSE)
-    (plain,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, (q, k, v))])
-    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True,
-                                                                enable_gqa=True)
-    torch.testing.assert_close(plain, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
+    _execute(fd, (q, k, v), True, inputs)
     _run(multidevice_test, fd, (q, k, v), True, inputs)
 
 
@@ -342,20 +347,10 @@ def test_uneven_blocks_of_whole_groups_are_gathered(multidevice_test, symbolic):
     gen = torch.Generator().manual_seed(d)
     inputs = [torch.randn(B, h, S, E, generator=gen, dtype=torch.float64)
               for h in (heads, hkv, hkv)]
-    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, enable_gqa=True)
-    with record_communications() as comms:
-        (plain,) = fd.execute([shard_tensor(x, tv) for x, tv in zip(inputs, (q, k, v))])
-    torch.testing.assert_close(plain, shard_tensor(expected, fd.fusion.outputs()[0]), **TIGHT)
-    assert sorted(c.kind for c in comms if len(c.ranks) > 1) == ["allgather", "allgather"]
-    local = [shard_tensor(x, tv).requires_grad_() for x, tv in zip(inputs, (q, k, v))]
-    (attn,) = fd.as_autograd_function()(local)
-    grad = torch.randn(B, heads, S, E, generator=gen, dtype=torch.float64)
-    attn.backward(shard_tensor(grad, fd.fusion.outputs()[0]))
-    ref = [x.detach().clone().requires_grad_() for x in inputs]
-    torch.nn.functional.scaled_dot_product_attention(*ref, enable_gqa=True).backward(grad)
-    for name, x, r, tv in zip("qkv", local, ref, (q, k, v)):
-        torch.testing.assert_close(x.grad, shard_tensor(r.grad, tv), **TIGHT,
-                                   msg=lambda m, n=name: f"{n}_grad: {m}")
+    comms = _execute(fd, (q, k, v), False, inputs)
+    assert sorted(c.kind for c in comms) == ["allgather", "allgather"]
+    forward, _ = _run(multidevice_test, fd, (q, k, v), False, inputs)
+    assert sorted(c.kind for c in forward) == ["allgather", "allgather"]
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
