@@ -365,3 +365,21 @@ def test_attention_bshe_in_gives_bshe_out(causal, dtype, device):
     expected = (sdpa_ref(*precise[1:], causal, None), *sdpfa_bwd_ref(*precise, causal))
     for name, out, ref in zip(("attn", "q_grad", "k_grad", "v_grad"), outs, expected):
         assert_matches(out, ref.to(dtype), ref, sample, name)
+
+
+@pytest.mark.parametrize("info", [i for i in OP_TABLE if REGISTRY[i.name].view],
+                         ids=lambda i: i.name)
+def test_view_ops_return_views_of_their_input(info: OpInfo):
+    """An op declared a view (``OpDef.view``: the derivation saves the value it views, not
+    the view) runs no kernel: on a contiguous input, its result lies in the input's memory."""
+    for sample in info.samples:
+        dtype = info.dtypes[0]
+        values = concrete(sample.args, dtype, "cpu", _generator(info.name, sample.name, dtype))
+        x = values[0]
+        if not x.is_contiguous():
+            continue
+        op = REGISTRY[info.name]
+        shapes = {"out_shapes": [tuple(sample.ref(*values).shape)]} if op.needs_out_shape else {}
+        out = op.impl(*op.bind(values, sample.kwargs), **shapes)
+        assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), \
+            f"{info.name}[{sample.name}]: its result is a copy"

@@ -492,18 +492,13 @@ def _alike_resolved(src: TensorView, dst: TensorView) -> bool:
         for a, b in zip(src.materialized(), dst.materialized(), strict=True))
 
 
-# Shape ops whose result is a view of their input (of a contiguous one, for reshape): what
-# memory holds is the input's, and recomputing them in the backward costs no kernel.
-_VIEWS = frozenset({"reshape", "permute", "squeeze", "expand", "broadcast_in_dim",
-                    "broadcast"})
-
-
 def _written(forward: Fusion) -> set[TensorView]:
     """The forward's values that it writes to memory whatever fuses: its outputs and what
     the ops that run on their own read (matrix products, attention, random ops,
     communications: not :attr:`~meshfuse.ops.registry.OpDef.fusible`); for a view of a
-    value (:data:`_VIEWS`), the value it views (the reshaped logits a loss reads are the
-    logits' memory: those are saved, the view recomputed)."""
+    value (made by an op whose :attr:`~meshfuse.ops.registry.OpDef.view` is set), the value
+    it views (the reshaped logits a loss reads are the logits' memory: those are saved, the
+    view recomputed)."""
     written = {v for v in forward.outputs() if isinstance(v, TensorView)}
     for expr in forward.exprs:
         if isinstance(expr, Reshard) or not expr.op.fusible:
@@ -514,7 +509,7 @@ def _written(forward: Fusion) -> set[TensorView]:
 def _viewed(tv: TensorView) -> TensorView:
     """The value whose memory ``tv`` views through shape ops (``tv`` itself if none)."""
     while tv.definition is not None and not isinstance(tv.definition, Reshard) and \
-            tv.definition.op.name in _VIEWS:
+            tv.definition.op.view:
         tv = tv.definition.tensor_inputs[0]
     return tv
 

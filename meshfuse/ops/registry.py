@@ -269,6 +269,8 @@ class OpDef:
             expert-parallel ``moe_experts`` whose tokens are also split over data-parallel
             mesh axes: its per-expert outputs, mapped from no token axis by its ``plan``, are
             partial over those).
+        view: the result is a view of the op's first input (of a contiguous one, for
+            ``reshape``): shape ops, which run no kernel and whose memory is the input's.
         localize: per-rank attributes, ``localize(expr, here) -> (kwargs, note)``: keyword
             arguments the implementation gets on the rank described by ``here`` (a
             :class:`LocalContext`), and a note for that rank's program in ``explain`` (random
@@ -297,6 +299,7 @@ class OpDef:
     expands_broadcasts: bool = False
     plan: Callable[[Any], None] | None = None
     own_partials: Callable[[Any, Any], None] | None = None
+    view: bool = False
 
     @property
     def fusible(self) -> bool:

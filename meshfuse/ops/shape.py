@@ -146,6 +146,7 @@ register(OpDef(
     sharding="x's axes keep their sharding at their new positions; a new axis is replicated "
     "(a sharding pinned on it slices locally)",
     vjp=Vjp(_broadcast_in_dim_grads, recompute=True),
+    view=True,
 ))
 
 
@@ -180,6 +181,7 @@ register(OpDef(
     sharding="x's axes keep their sharding; the new axes (extent 1) are not sharded",
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.squeeze(grads[0], dims=[
         a for a, new in enumerate(d.attrs["is_broadcast_dim"]) if new])}, recompute=True),
+    view=True,
 ))
 
 
@@ -232,6 +234,7 @@ register(OpDef(
     vjp=Vjp(lambda d, grads: {"x": lambda: sum_broadcast(
         d, grads[0], list(range(len(d.attrs["shape"]) - d.ndim("x"), len(d.attrs["shape"]))))},
         recompute=True),
+    view=True,
 ))
 
 
@@ -273,6 +276,7 @@ register(OpDef(
     doc="removes the given axes of extent 1 (dims=None: all axes of static extent 1)",
     sharding="the remaining axes keep their sharding",
     vjp=Vjp(_squeeze_grads, recompute=True),
+    view=True,
 ))
 
 
@@ -294,6 +298,7 @@ register(OpDef(
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.permute(grads[0], inverse_permutation(
         [normalize_axis("permute", a, d.ndim("x")) for a in d.attrs["dims"]]))},
         recompute=True),
+    view=True,
 ))
 
 
@@ -421,4 +426,5 @@ register(OpDef(
     "axes map (a block shard carries over); an axis that mixes others is gathered first",
     vjp=Vjp(lambda d, grads: {"x": lambda: d.ops.reshape(grads[0], d.shape("x"))},
             recompute=True),
+    view=True,
 ))
