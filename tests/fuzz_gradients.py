@@ -122,40 +122,41 @@ def _check_call(program: Program, fd, function, rank: int, device: torch.device)
     cotangents = [None if j in dropped else c for j, c in enumerate(cotangents)]
     return check_gradients(fd, function, inputs, expected, cotangents, rank, device,
                            lambda ref: tolerance(program, ref),
-                           float64_gradients(program, inputs, cotangents))
+                           float64_reference(program, inputs, cotangents))
 
 
-def float64_gradients(program: Program, inputs: list, cotangents: list
-                      ) -> list[torch.Tensor | None] | None:
-    """Per input, torch's gradient of the program computed in float64 with the same
-    cotangents (None where it has none), to measure what float32 rounding alone moves
-    torch's own gradient by (:func:`check_gradients`' slack). None where the program is
-    not all float32, or cannot run in float64 (an op of two operands that must share a
-    dtype, one of them cast to float32 by the program)."""
+def float64_reference(program: Program, inputs: list, cotangents: list
+                      ) -> tuple[list, list[torch.Tensor | None]] | None:
+    """The program's outputs computed by torch in float64, and per input its float64
+    gradient with the same cotangents (None where it has none), to measure what float32
+    rounding alone moves torch's own results by (:func:`check_gradients`' slack). None
+    where the program is not all float32, or cannot run in float64 (an op of two operands
+    that must share a dtype, one of them cast to float32 by the program)."""
     carried = [j for j, ct in enumerate(cotangents) if ct is not None]
     wanted = [i for i, x in enumerate(inputs) if x.requires_grad]
-    if program.low or rounds_to_bfloat16(program) or not carried or not wanted:
+    if program.low or rounds_to_bfloat16(program):
         return None
     try:
         inputs64, expected64 = reference(program, grad=True, double=True)
         grads = torch.autograd.grad([expected64[j] for j in carried],
                                     [inputs64[i] for i in wanted],
                                     [cotangents[j].to(expected64[j].dtype) for j in carried],
-                                    allow_unused=True)
+                                    allow_unused=True) if carried and wanted else []
     except RuntimeError:  # a dtype mismatch: see the doc
         return None
     exact: list[torch.Tensor | None] = [None] * len(inputs)
     for i, grad in zip(wanted, grads):
         exact[i] = grad
-    return exact
+    return [e.detach() for e in expected64], exact
 
 
 def _roundoff_slack(single: torch.Tensor | None, double: torch.Tensor | None) -> float:
-    """4 times the distance of torch's float32 gradient from its float64 one (over the
-    elements finite in both): an ill-conditioned program (a normalization of nearly equal
-    values: ``var`` near 0 and ``rsqrt`` large) amplifies the roundoff of sums taken in
-    another order, on shards, beyond float32's fixed tolerance."""
-    if single is None or double is None:
+    """4 times the distance of torch's float32 result (an output, a gradient) from its
+    float64 one (over the elements finite in both): an ill-conditioned program (a
+    normalization of nearly equal values: ``var`` near 0 and ``rsqrt`` large; a product of
+    many factors, some near 0) amplifies the roundoff of sums and products taken in another
+    order, on shards, beyond float32's fixed tolerance."""
+    if single is None or double is None or single.dtype != torch.float32:
         return 0.0
     finite = torch.isfinite(single) & torch.isfinite(double)
     if not finite.any():
@@ -165,15 +166,15 @@ def _roundoff_slack(single: torch.Tensor | None, double: torch.Tensor | None) ->
 
 def check_gradients(fd, function, inputs: list, expected: list, cotangents: list, rank: int,
                     device: torch.device, tol: Callable[[torch.Tensor], dict],
-                    exact: list[torch.Tensor | None] | None = None) -> str:
+                    exact: tuple[list, list[torch.Tensor | None]] | None = None) -> str:
     """Runs ``function`` (``fd``'s autograd function) on this rank's shards of global
     ``inputs`` (its floating-point ones leaves that require grad), then backward with this
     rank's shards of ``cotangents`` (global, one per output, None where torch's output
     ``expected`` does not require grad); compares the outputs with ``expected`` and each
     held input's gradient with ``torch.autograd.grad`` of ``expected``, within
-    ``tol(reference)`` and, where ``exact`` (:func:`float64_gradients`) has the input's
-    float64 gradient, the roundoff torch's own float32 gradient shows more absolute error
-    (:func:`_roundoff_slack`). Returns what differs ("" if nothing)."""
+    ``tol(reference)`` and, where ``exact`` (:func:`float64_reference`: the outputs and the
+    inputs' gradients in float64) has one, the roundoff torch's own float32 result shows
+    more absolute error (:func:`_roundoff_slack`). Returns what differs ("" if nothing)."""
     held = holder(fd.fusion, rank)
     local = local_inputs(fd.fusion, inputs, rank, device)
     for x in local:
@@ -181,9 +182,11 @@ def check_gradients(fd, function, inputs: list, expected: list, cotangents: list
             x.requires_grad_()
     outputs = function(local)
     outs = fd.fusion.outputs()
-    for out, ref, tv in zip(outputs, expected, outs):
+    exact_outputs, exact_gradients = exact if exact else ([None] * len(outs), None)
+    for out, ref, tv, ref64 in zip(outputs, expected, outs, exact_outputs):
         if held(tv):
-            failure = _compare(out, ref, tv, rank, tol)
+            extra = _roundoff_slack(ref.detach(), ref64)
+            failure = _compare(out, ref, tv, rank, lambda r, extra=extra: _widened(tol(r), extra))
             if failure:
                 return f"output {tv.name}: {failure}"
     carried = [j for j, ct in enumerate(cotangents) if ct is not None]
@@ -204,7 +207,7 @@ def check_gradients(fd, function, inputs: list, expected: list, cotangents: list
         tv = fd.fusion.inputs()[i]
         if not held(tv):
             continue
-        extra = _roundoff_slack(ref, exact[i]) if exact else 0.0
+        extra = _roundoff_slack(ref, exact_gradients[i]) if exact_gradients else 0.0
         ref = torch.zeros_like(inputs[i]) if ref is None else ref
         got = local[i].grad if local[i].grad is not None else torch.zeros_like(local[i])
         failure = _compare(got, ref, tv, rank, lambda r, extra=extra: _widened(tol(r), extra))
