@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.autograd import DeviceType
 
 from benchmarks import cross_entropy, training_step
 from benchmarks.context import Context
@@ -209,7 +210,10 @@ def by_step(name: str, step: Callable[[], object], calls: int = 20) -> list[str]
             torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
-        if event.key.startswith(STEP_PREFIX):
+        # the step's range on the host, whose device time is its kernels' (on CUDA, the
+        # profiler also shows the range on the GPU's timeline, by the same name: from its
+        # first kernel's start to its last's end, waits for the host included)
+        if event.key.startswith(STEP_PREFIX) and event.device_type == DeviceType.CPU:
             index, rest = event.key.removeprefix(STEP_PREFIX).split(" of ", 1)
             count, label = rest.split(": ", 1)
             us = (event.device_time_total if cuda else event.cpu_time_total) / calls
