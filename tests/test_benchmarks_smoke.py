@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,3 +194,19 @@ def test_interleaved_blocks_start_with_torchs_autograd_threads():
     times = interleaved(steps, rounds=3, iters=2, device=torch.device("cpu"))
     assert seen == [True] * 6 and all(len(t) == 3 for t in times.values())
     assert torch.autograd.is_multithreading_enabled() == before
+
+
+def test_step_timeline_lists_each_step(tmp_path):
+    """``benchmarks.step_timeline``: each profiled step of each variant in the analysis, and
+    a summary line per variant (CUDA-only variants skipped on the CPU)."""
+    from benchmarks import step_timeline
+
+    assert step_timeline.main(["--quick", "--steps", "3", "--warmup", "1", "--out",
+                               str(tmp_path), "--variants",
+                               "meshfuse_autograd,meshfuse_captured"]) == 0
+    analysis = json.loads((tmp_path / "step_timeline-meshfuse_autograd.json").read_text())
+    assert [c["name"] for c in analysis["calls"]] == ["call0", "call1", "call2"]
+    assert all(c["host_ms"] > 0 for c in analysis["calls"])
+    text = (tmp_path / "step_timeline.txt").read_text()
+    assert "meshfuse_autograd: per step" in text
+    assert ("meshfuse_captured: skipped" in text) != torch.cuda.is_available()
