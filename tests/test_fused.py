@@ -14,7 +14,6 @@ tens of seconds on a loaded CPU); ``MESHFUSE_TEST_INDUCTOR=1`` adds the Inductor
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -329,9 +328,8 @@ class _Like:
 
 def test_inductor_segments_on_gpus_get_persistent_and_looped_reductions(monkeypatch):
     """Inductor on CUDA tensors compiles each reduction both ways (triton.multi_kernel) and
-    keeps the faster, where the segment reduces along rows longer than Inductor reduces
-    persistent by itself (1024); a segment with shorter rows, or whose reductions all run
-    across rows, keeps Inductor's own choice; Inductor everywhere rounds at casts to half
+    keeps the faster, where the segment reduces along rows; a segment whose reductions all
+    run across rows keeps Inductor's own choice; Inductor everywhere rounds at casts to half
     precision; other backends get no settings."""
     assert inductor_patches("inductor", [_Like(False), _Like(True)]) == \
         {**INDUCTOR, **INDUCTOR_ON_CUDA}
@@ -339,13 +337,6 @@ def test_inductor_segments_on_gpus_get_persistent_and_looped_reductions(monkeypa
     assert inductor_patches("inductor", [_Like(False)]) == INDUCTOR == \
         {"emulate_precision_casts": True}
     assert inductor_patches("aot_eager", [_Like(True)]) == {}
-    multi = {**INDUCTOR, **INDUCTOR_ON_CUDA}
-    for row, patches in ((math.inf, multi), (4096, multi), (1025, multi), (1024, INDUCTOR),
-                         (32, INDUCTOR), (0, INDUCTOR)):
-        monkeypatch.setattr(fused_module, "longest_row", lambda g, t, r=row: r)
-        assert inductor_patches("inductor", [_Like(True)], object()) == patches, row
-
-    def refused(graph, tensors):
-        raise RuntimeError("no fake implementation")
-    monkeypatch.setattr(fused_module, "longest_row", refused)
-    assert inductor_patches("inductor", [_Like(True)], object()) == multi
+    for along_rows, patches in ((True, {**INDUCTOR, **INDUCTOR_ON_CUDA}), (False, INDUCTOR)):
+        monkeypatch.setattr(fused_module, "reduces_along_rows", lambda g, t, a=along_rows: a)
+        assert inductor_patches("inductor", [_Like(True)], object()) == patches

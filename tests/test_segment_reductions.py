@@ -4,15 +4,13 @@ bias's gradient), on fake tensors strided as the real ones."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import fx
 
 from meshfuse import DataType
 from meshfuse.ops.registry import lookup
-from meshfuse.runtime.interpreter.segment_reductions import longest_row, reduces_along_rows
+from meshfuse.runtime.interpreter.segment_reductions import reduces_along_rows
 
 X = torch.randn(4, 16, 32)
 
@@ -40,26 +38,6 @@ def _graph(fn) -> fx.GraphModule:
 ])
 def test_reductions_along_or_across_rows(name, fn, inputs, along):
     assert reduces_along_rows(_graph(fn), inputs) is along, name
-
-
-@pytest.mark.parametrize(("name", "fn", "inputs", "row"), [
-    ("bias gradient", lambda a: torch.sum(a, dim=[0, 1]), [X], 0),
-    ("row sum", lambda a: torch.sum(a, dim=[-1]), [X], 32),
-    ("rows of two axes", lambda a: torch.sum(a, dim=[1, 2]), [X], 16 * 32),
-    ("every element", lambda a: a.sum(), [X], 4 * 16 * 32),
-    ("the innermost axis of a transposed input", lambda a: torch.sum(a, dim=[0]),
-     [X.transpose(0, 2)], 32),
-    ("the longest of two", lambda a: (a.amax([-1]), a.sum([1, 2])), [X], 16 * 32),
-    ("softmax", lambda a: torch.softmax(a, -1), [X], 32),
-    ("cross entropy (its log-softmax's rows)",
-     lambda a, t: torch.nn.functional.cross_entropy(a, t),
-     [torch.randn(8, 10), torch.randint(0, 10, (8,))], 10),
-    ("a graph that reads values", lambda a: torch.nonzero(a).sum(0), [X], math.inf),
-])
-def test_the_longest_row_reduced(name, fn, inputs, row):
-    """How many elements one reduction along rows reads: what decides whether Inductor
-    gets to pick between a persistent and a looped kernel (fused.inductor_patches)."""
-    assert longest_row(_graph(fn), inputs) == row, name
 
 
 def _calling(fn, *args) -> fx.GraphModule:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ from meshfuse.ops.registry import REGISTRY, lookup
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
 from meshfuse.runtime.interpreter.recompute import recomputed_in_readers
 from meshfuse.runtime.interpreter.segment_cache import SHARED
-from meshfuse.runtime.interpreter.segment_reductions import longest_row
+from meshfuse.runtime.interpreter.segment_reductions import reduces_along_rows
 
 FUSED = "fused"
 
@@ -309,42 +308,37 @@ class _Compiled:
 # ``cast(cast(x, BFloat16), Float)`` returned ``x`` unrounded, 0.0074 off; fuzzer seed 8 at
 # 2 ranks, compiled).
 INDUCTOR = {"emulate_precision_casts": True}
-# And on GPUs, for a segment that reduces along rows longer than Inductor reduces persistent
-# (``segment_reductions``: :data:`PERSISTENT_ROW`), ``triton.multi_kernel``: each reduction is
-# generated both as a persistent kernel (a row held whole, read once) and as a looped one, and
-# the faster is picked when the segment first runs (before any CUDA-graph capture). Inductor
-# keeps rows longer than 1024 looped otherwise; softmax over rows of 4096 (bf16, 8192 rows per
-# H200) ran in 80.5 us looped, 38.7 us persistent (a copy of its bytes: 34.9). Elsewhere
-# Inductor's own choice stands: the first-run pick measures kernels of a few microseconds,
-# and took the slower one of both stages of a split sum over 4096 tokens (a bias's gradient:
-# 19.2 and 6.0 us per step where the other kernels take 8.5 and 2.4; H200, 2026-12-05) and
-# the looped kernel of the small GPT layer's derived layer-norm backward (rows of 1024).
+# And on GPUs, for a segment that reduces along rows (``segment_reductions``),
+# ``triton.multi_kernel``: each reduction is generated both as a persistent kernel (a row held
+# whole, read once) and as a looped one, and the faster is picked when the segment first runs
+# (before any CUDA-graph capture). Inductor keeps rows longer than 1024 looped otherwise;
+# softmax over rows of 4096 (bf16, 8192 rows per H200) ran in 80.5 us looped, 38.7 us
+# persistent (a copy of its bytes: 34.9). A segment whose reductions all run across rows (a
+# bias's gradient) keeps Inductor's own choice: there the first-run pick took the slower
+# kernel of both stages of a split sum over 4096 tokens (19.2 and 6.0 us per step where the
+# other kernels take 8.5 and 2.4; H200, 2026-12-05).
 INDUCTOR_ON_CUDA = {"triton.multi_kernel": 1}
-# The longest row Inductor reduces with a persistent kernel by itself (its rule for
-# reductions along rows, ``should_use_persistent_reduction``).
-PERSISTENT_ROW = 1024
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
                      graph: fx.GraphModule | None = None) -> dict[str, Any]:
     """The Inductor settings a segment (``graph``, called with ``tensors``) is compiled
     with: :data:`INDUCTOR`, and :data:`INDUCTOR_ON_CUDA` on CUDA tensors where the graph
-    reduces along rows longer than :data:`PERSISTENT_ROW` (or is not given); none for other
-    backends."""
+    reduces along rows (or is not given); none for other backends."""
     if backend != "inductor":
         return {}
-    if any(t.is_cuda for t in tensors) and (graph is None or _row(graph, tensors) > PERSISTENT_ROW):
+    if any(t.is_cuda for t in tensors) and (graph is None or _along_rows(graph, tensors)):
         return {**INDUCTOR, **INDUCTOR_ON_CUDA}
     return dict(INDUCTOR)
 
 
-def _row(graph: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> float:
-    """:func:`longest_row`, infinite where it fails: a hint for Inductor's settings, whose
+def _along_rows(graph: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> bool:
+    """:func:`reduces_along_rows`, True where it fails: a hint for Inductor's settings, whose
     failure (torch's fake tensors refusing some op) must not fail the segment."""
     try:
-        return longest_row(graph, tensors)
+        return reduces_along_rows(graph, tensors)
     except Exception:  # noqa: BLE001 - see the doc: the default settings then
-        return math.inf
+        return True
 
 
 def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphModule:
