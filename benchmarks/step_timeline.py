@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     for name, setup in setups.items():
         try:
             step = setup()[0]
-        except training_step._Skip as skipped:
+        except training_step.Skipped as skipped:
             lines.append(f"{name}: skipped ({skipped})")
             continue
         for _ in range(args.warmup):

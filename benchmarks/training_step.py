@@ -206,7 +206,7 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def reduce_overhead():
         if device.type != "cuda":
-            raise _Skip("reduce-overhead captures CUDA graphs: CUDA only")
+            raise Skipped("reduce-overhead captures CUDA graphs: CUDA only")
         return torch_variant(mode="reduce-overhead")
 
     def derived(**options):  # (the library's default remat, unless given)
@@ -242,7 +242,7 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def captured():
         if device.type != "cuda":
-            raise _Skip("capture_step captures CUDA graphs: CUDA only")
+            raise Skipped("capture_step captures CUDA graphs: CUDA only")
         step, function = derived()
         return meshfuse.capture_step(step, copy_outputs=False), function
 
@@ -276,8 +276,8 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         if chosen is None or name in chosen}
 
 
-class _Skip(Exception):
-    pass
+class Skipped(Exception):
+    """A variant that cannot run here (a CUDA-only one on the CPU)."""
 
 
 def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list, object]:
@@ -291,7 +291,7 @@ def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list,
         for _ in range(warmup):
             step()
         _sync(device)
-    except _Skip as e:
+    except Skipped as e:
         result.status, result.message = "skipped", str(e)
         return result, None, [], None
     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
