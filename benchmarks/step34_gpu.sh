@@ -9,6 +9,8 @@
 #   bash benchmarks/step34_gpu.sh OUT steps    # the small layer's GPU time per program step:
 #                                              # autograd (default remat, "recompute") against the
 #                                              # hand-written fusion, replay off
+#   bash benchmarks/step34_gpu.sh OUT timeline # the small layer's replayed steps on the GPU's
+#                                              # timeline: autograd, capture_step, hand-written
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
 # time, explicit CUDA graphs, the backward on the calling thread, recomputation across
 # segments, with real graphs: OUT/tests.txt; then benchmarks.replay_phases (the graphs a
@@ -21,6 +23,7 @@
 # fusion's calls did: whether every layer replays): OUT/llama/*.json, log beside.
 # steps: benchmarks.host_profile --by-step: OUT/steps/host_profile-gpt-*-by-step.txt (which
 # step's kernels the derived programs spend more GPU time in than the hand-written one).
+# timeline: benchmarks.step_timeline: OUT/step_timeline.txt and one analysis per variant.
 set -u
 out=${1:-gpu-out}
 part=${2:-layers}
@@ -56,7 +59,15 @@ case $part in
       > "$out/steps/host_profile.log" 2>&1
     echo "host_profile --by-step: rc=$?"
     grep -h "^program of" "$out"/steps/*-by-step.txt ;;
+  timeline)
+    # traces stay out of OUT (one per variant, large); their analyses come back
+    timeout 300 python3 -m benchmarks.step_timeline --out /tmp/step_timeline \
+      --variants meshfuse_autograd,meshfuse_autograd_recompute,meshfuse_captured,meshfuse_hand_written \
+      > "$out/step_timeline.log" 2>&1
+    echo "step_timeline: rc=$?"
+    cp /tmp/step_timeline/step_timeline* "$out/"
+    cat "$out/step_timeline.txt" ;;
   *)
-    echo "unknown part $part: tests, layers, big, llama or steps" >&2
+    echo "unknown part $part: tests, layers, big, llama, steps or timeline" >&2
     exit 2 ;;
 esac
