@@ -7,10 +7,13 @@
 #   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
 #                                              # meshfuse (~3-4 min on 2026-12-03)
 #   bash benchmarks/step34_gpu.sh OUT steps    # the small layer's GPU time per program step:
-#                                              # autograd (default remat, "recompute") against the
-#                                              # hand-written fusion, replay off
+#                                              # autograd against the hand-written fusion, each
+#                                              # also at realize threshold 40, replay off
 #   bash benchmarks/step34_gpu.sh OUT timeline # the small layer's replayed steps on the GPU's
 #                                              # timeline: autograd, capture_step, hand-written
+#   bash benchmarks/step34_gpu.sh OUT opcount  # the small and medium layers, autograd and
+#                                              # hand-written, with Inductor's realize threshold
+#                                              # at its default 30 and at 40, in one run
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
 # time, explicit CUDA graphs, the backward on the calling thread, recomputation across
 # segments, with real graphs: OUT/tests.txt; then benchmarks.replay_phases (the graphs a
@@ -55,7 +58,7 @@ case $part in
   steps)
     mkdir -p "$out/steps"
     timeout 400 python3 -m benchmarks.host_profile --case gpt --by-step --out "$out/steps" \
-      --gpt-variants meshfuse_autograd,meshfuse_autograd_recompute,meshfuse_hand_written \
+      --gpt-variants meshfuse_autograd,meshfuse_autograd_opcount40,meshfuse_hand_written,meshfuse_hand_written_opcount40 \
       > "$out/steps/host_profile.log" 2>&1
     echo "host_profile --by-step: rc=$?"
     grep -h "^program of" "$out"/steps/*-by-step.txt ;;
@@ -67,7 +70,14 @@ case $part in
     echo "step_timeline: rc=$?"
     cp /tmp/step_timeline/step_timeline* "$out/"
     cat "$out/step_timeline.txt" ;;
+  opcount)
+    mkdir -p "$out/opcount"
+    timeout 570 python3 -m benchmarks.training_step --sizes small,medium --budget-s 420 \
+      --variants meshfuse_autograd,meshfuse_autograd_opcount40,meshfuse_hand_written,meshfuse_hand_written_opcount40,torch_compile \
+      --out "$out/opcount" > "$out/opcount/training_step.log" 2>&1
+    echo "training_step opcount: rc=$?"
+    grep -h -E '^## |^\| meshfuse|^\| torch' "$out/opcount/training_step.md" ;;
   *)
-    echo "unknown part $part: tests, layers, big, llama, steps or timeline" >&2
+    echo "unknown part $part: tests, layers, big, llama, steps, timeline or opcount" >&2
     exit 2 ;;
 esac

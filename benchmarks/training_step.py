@@ -27,7 +27,16 @@ default settings:
 - ``meshfuse_captured``: the same step under ``meshfuse.capture_step`` (forward and backward
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
-  with the backward written out, ``execute`` with its defaults.
+  with the backward written out, ``execute`` with its defaults;
+- ``meshfuse_autograd_opcount40``, ``meshfuse_hand_written_opcount40``: the two above with
+  their segments compiled under Inductor's ``realize_opcount_threshold=40`` (GPU default
+  30): a pointwise value of more ops than that, read twice, is written to memory rather
+  than recomputed in each reader. The derived layer-norm backward's ``grad * x_hat``
+  (x_hat recomputed from the residual sum, its casts and the saved statistics) crosses
+  30: its row kernel writes it in float32 and the weight gradient's column sum reads it
+  back, 32 MiB per norm at the small size, which the hand-written program does not move
+  on the GPU (on the CPU, Inductor given the GPU's thresholds wrote two float32 buffers in
+  each program, none at 40). Not run by default.
 
 Each block of timed steps starts with autograd's device threads on (torch's default, which
 the torch variants keep; a meshfuse call turns them off for its thread:
@@ -74,12 +83,15 @@ from benchmarks.timing import interleaved
 from meshfuse.autodiff.engine_thread import BACKWARD_THREAD_ENV
 from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.examples.gpt_torch import Gpt3Block
+from meshfuse.runtime.interpreter import fused
 
 SIZES = {"small": (4, 1024, 16, 1024), "medium": (2, 2048, 32, 4096),
          "big": (1, 2048, 96, 12288)}
 TINY = (1, 16, 2, 32)  # --quick: b, s, heads, embed
 TOL = 5e-2
 BASELINES = ("torch_compile", "torch_compile_ro", "meshfuse_hand_written")
+# variants run only when named (--variants)
+OPT_IN = ("meshfuse_autograd_opcount40", "meshfuse_hand_written_opcount40")
 # Issue 34's targets for meshfuse_autograd: (baseline, bound at small, bound at the others)
 TARGETS = (("meshfuse_hand_written", 1.02, 1.02), ("torch_compile", 0.5, 0.97),
            ("torch_compile_ro", 1.0, 1.0))
@@ -251,6 +263,23 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         inputs = [x, dy, *params.values()]
         return (lambda: fd.execute(inputs)), fd
 
+    def with_inductor(setup, **settings):
+        """``setup``'s variant, its segments compiled (at its first step, which the first
+        call's time counts) with ``settings`` added to every meshfuse segment's Inductor
+        settings (kept apart in the compiled segments' cache, whose key holds them)."""
+        def patched():
+            step, owner = setup()
+            compiled = []
+
+            def run():
+                if compiled:
+                    return step()
+                compiled.append(True)
+                with mock.patch.dict(fused.INDUCTOR, settings):
+                    return step()
+            return run, owner
+        return patched
+
     def checked(setup):
         def run():
             step, owner = setup()
@@ -272,8 +301,11 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("meshfuse_autograd_device_thread", derived_device_thread),
         ("meshfuse_autograd_saved", derived_saved),
         ("meshfuse_autograd_recompute", derived_recompute), ("meshfuse_captured", captured),
-        ("meshfuse_hand_written", hand_written))
-        if chosen is None or name in chosen}
+        ("meshfuse_hand_written", hand_written),
+        ("meshfuse_autograd_opcount40", with_inductor(derived, realize_opcount_threshold=40)),
+        ("meshfuse_hand_written_opcount40",
+         with_inductor(hand_written, realize_opcount_threshold=40)))
+        if (name in chosen if chosen is not None else name not in OPT_IN)}
 
 
 class Skipped(Exception):

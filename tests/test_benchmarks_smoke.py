@@ -57,6 +57,35 @@ def test_training_step_benchmark_runs_on_the_cpu(tmp_path):
     assert "| meshfuse_autograd |" in (tmp_path / "training_step.md").read_text()
 
 
+def test_training_step_variants_under_other_inductor_settings_are_opt_in(monkeypatch):
+    """The variants compiled with another Inductor setting run only when named; named, the
+    setting reaches the segments' compilation (here Inductor's C++ backend, tiny shapes)
+    and no other variant's."""
+    from benchmarks import training_step
+    from meshfuse.runtime.interpreter import fused
+
+    cpu = torch.device("cpu")
+    assert not set(training_step.OPT_IN) & set(
+        training_step.variants(training_step.TINY, cpu, torch.float32, "inductor"))
+    seen = []
+    original = fused.inductor_patches
+
+    def recorded(backend, tensors, graph=None):
+        patches = original(backend, tensors, graph)
+        seen.append(patches.get("realize_opcount_threshold"))
+        return patches
+    monkeypatch.setattr(fused, "inductor_patches", recorded)
+    monkeypatch.setenv("MESHFUSE_COMPILE", "1")
+    chosen = ["meshfuse_hand_written", "meshfuse_hand_written_opcount40"]
+    for name, setup in training_step.variants(training_step.TINY, cpu, torch.float32,
+                                              "inductor", chosen).items():
+        before = len(seen)
+        step = setup()[0]
+        step()
+        step()
+        assert set(seen[before:]) == ({40} if name.endswith("opcount40") else {None}), name
+
+
 def test_mlp_case_reads_its_bar_from_records_of_the_same_run():
     """Issue 13's MLP bar (0.97x DTensor, 1.96x over one GPU) as two metrics of the sharded
     records, both against the run's own torch_1gpu and dtensor_tp records; one rank has no
