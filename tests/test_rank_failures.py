@@ -95,7 +95,10 @@ def test_survivors_raise_communication_error(runs, scenario, failure, size):
             assert word in message, (word, message)
         assert outcome["seconds"] < TIMEOUT_S + GRACE_S, outcome
         assert survivor.code == 0, survivor.output
-    assert any(s.outcome["failure"] == failure for s in survivors), [s.outcome for s in survivors]
+    assert any(s.outcome["failure"] == failure for s in survivors), "; ".join(
+        f"rank {r}: {s.outcome['failure']} after {s.outcome['seconds']:.1f} s "
+        f"({s.outcome['cpu']:.2f} s of CPU): {s.outcome['message']}"
+        for r, s in enumerate(survivors))  # (whole: pytest cuts a long repr of the dicts)
     if scenario == "sleep":  # it comes back late and finds the others gone: the same error
         assert culprit.outcome is not None, culprit.output
         assert "CommunicationError" in culprit.outcome["bases"], culprit.output
