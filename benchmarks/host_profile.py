@@ -40,7 +40,7 @@ from torch.autograd import DeviceType
 from benchmarks import cross_entropy, training_step
 from benchmarks.context import Context
 from benchmarks.memory_peak import host_profile
-from benchmarks.timing import host_us_per_call
+from benchmarks.timing import host_us_per_call, profiled
 from meshfuse import DataType
 from meshfuse.autodiff.engine_thread import BACKWARD_THREAD_ENV
 from meshfuse.autodiff.function import _FusionAutograd
@@ -160,16 +160,7 @@ def _backward_split(forward, leaves, dy, steps: int = 200) -> dict[str, float]:
 
 def _torch_profile(step: Callable[[], object], steps: int, rows: int = 40) -> list[str]:
     """``torch.profiler``'s table of ``steps`` steps by self CPU time (every thread)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    averages = prof.key_averages()
+    averages = profiled(lambda: _steps(step, steps)).key_averages()
     lines = [f"torch.profiler over {steps} steps, by self CPU time:",
              *averages.table(sort_by="self_cpu_time_total", row_limit=rows).splitlines()]
     if torch.cuda.is_available():  # every kernel: what two variants' GPU work differs by
@@ -200,14 +191,7 @@ def by_step(name: str, step: Callable[[], object], calls: int = 20) -> list[str]
     for _ in range(5):
         step()
     cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        _steps(step, calls)
-        if cuda:
-            torch.cuda.synchronize()
+    prof = profiled(lambda: _steps(step, calls))
     rows = []
     for event in prof.key_averages():
         # the step's range on the host, whose device time is its kernels' (on CUDA, the

@@ -27,23 +27,18 @@ import sys
 import torch
 
 from benchmarks import call_timeline, training_step
+from benchmarks.timing import profiled
 
 DEFAULT_VARIANTS = "meshfuse_autograd,meshfuse_captured,meshfuse_hand_written"
 
 
 def profile_steps(step, steps: int, path: str) -> dict:
     """``steps`` calls of ``step`` profiled back to back; the trace's analysis."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
+    def marked():
         for i in range(steps):
             with torch.profiler.record_function(f"call{i}"):
                 step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
+    profiled(marked).export_chrome_trace(path)
     with open(path) as f:
         return call_timeline.analyze(json.load(f), "call", min_gap_us=5.0)
 

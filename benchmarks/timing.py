@@ -89,6 +89,20 @@ def timed_samples(ctx: Context, fn: Callable[[], object], iters: int) -> list[fl
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def profiled(run: Callable[[], object]) -> profile:
+    """torch.profiler over ``run()``: the host, and the GPU where there is one, its work
+    finished before and after (so the profile holds exactly ``run``'s kernels)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+                 ) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof
+
+
 def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
                 device: torch.device) -> dict[str, list[float]]:
     """Milliseconds per step of each variant in each round: blocks of ``iters`` steps of
