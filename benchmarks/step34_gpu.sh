@@ -8,12 +8,13 @@
 #                                              # meshfuse (~3-4 min on 2026-12-03)
 #   bash benchmarks/step34_gpu.sh OUT steps    # the small layer's GPU time per program step:
 #                                              # autograd against the hand-written fusion, each
-#                                              # also at realize threshold 40, replay off
+#                                              # also at Inductor's realize threshold 30
+#                                              # (meshfuse's: 40), replay off
 #   bash benchmarks/step34_gpu.sh OUT timeline # the small layer's replayed steps on the GPU's
 #                                              # timeline: autograd, capture_step, hand-written
 #   bash benchmarks/step34_gpu.sh OUT opcount  # the small and medium layers, autograd and
 #                                              # hand-written, with Inductor's realize threshold
-#                                              # at its default 30 and at 40, in one run
+#                                              # at meshfuse's 40 and Inductor's 30, one run
 # tests: the automatic replay (autograd path included), capture_step, fusion by default, host
 # time, explicit CUDA graphs, the backward on the calling thread, recomputation across
 # segments, with real graphs: OUT/tests.txt; then benchmarks.replay_phases (the graphs a
@@ -58,7 +59,7 @@ case $part in
   steps)
     mkdir -p "$out/steps"
     timeout 400 python3 -m benchmarks.host_profile --case gpt --by-step --out "$out/steps" \
-      --gpt-variants meshfuse_autograd,meshfuse_autograd_opcount40,meshfuse_hand_written,meshfuse_hand_written_opcount40 \
+      --gpt-variants meshfuse_autograd,meshfuse_autograd_opcount30,meshfuse_hand_written,meshfuse_hand_written_opcount30 \
       > "$out/steps/host_profile.log" 2>&1
     echo "host_profile --by-step: rc=$?"
     grep -h "^program of" "$out"/steps/*-by-step.txt ;;
@@ -73,7 +74,7 @@ case $part in
   opcount)
     mkdir -p "$out/opcount"
     timeout 570 python3 -m benchmarks.training_step --sizes small,medium --budget-s 420 \
-      --variants meshfuse_autograd,meshfuse_autograd_opcount40,meshfuse_hand_written,meshfuse_hand_written_opcount40,torch_compile \
+      --variants meshfuse_autograd,meshfuse_autograd_opcount30,meshfuse_hand_written,meshfuse_hand_written_opcount30,torch_compile \
       --out "$out/opcount" > "$out/opcount/training_step.log" 2>&1
     echo "training_step opcount: rc=$?"
     grep -h -E '^## |^\| meshfuse|^\| torch' "$out/opcount/training_step.md" ;;

@@ -28,15 +28,14 @@ default settings:
   as one CUDA graph; CUDA only);
 - ``meshfuse_hand_written``: :class:`~meshfuse.examples.gpt.GptBlockWithBackward`, one fusion
   with the backward written out, ``execute`` with its defaults;
-- ``meshfuse_autograd_opcount40``, ``meshfuse_hand_written_opcount40``: the two above with
-  their segments compiled under Inductor's ``realize_opcount_threshold=40`` (GPU default
-  30): a pointwise value of more ops than that, read twice, is written to memory rather
-  than recomputed in each reader. The derived layer-norm backward's ``grad * x_hat``
-  (x_hat recomputed from the residual sum, its casts and the saved statistics) crosses
-  30: its row kernel writes it in float32 and the weight gradient's column sum reads it
-  back, 32 MiB per norm at the small size, which the hand-written program does not move
-  on the GPU (on the CPU, Inductor given the GPU's thresholds wrote two float32 buffers in
-  each program, none at 40). Not run by default.
+- ``meshfuse_autograd_opcount30``, ``meshfuse_hand_written_opcount30``: the two above with
+  their segments compiled under Inductor's own ``realize_opcount_threshold`` of 30 rather
+  than meshfuse's 40 on CUDA (:data:`meshfuse.runtime.interpreter.fused.INDUCTOR_ON_CUDA`):
+  a pointwise value of more ops than the threshold, read twice, is written to memory rather
+  than recomputed in each reader. At 30 the derived layer-norm backward's ``grad * x_hat``
+  (x_hat recomputed from the residual sum, its casts and the saved statistics) is written
+  in float32 by its row kernel and read back by the weight gradient's column sum, 32 MiB
+  per norm at the small size. Not run by default: they show what the setting is worth.
 
 Each block of timed steps starts with autograd's device threads on (torch's default, which
 the torch variants keep; a meshfuse call turns them off for its thread:
@@ -91,7 +90,7 @@ TINY = (1, 16, 2, 32)  # --quick: b, s, heads, embed
 TOL = 5e-2
 BASELINES = ("torch_compile", "torch_compile_ro", "meshfuse_hand_written")
 # variants run only when named (--variants)
-OPT_IN = ("meshfuse_autograd_opcount40", "meshfuse_hand_written_opcount40")
+OPT_IN = ("meshfuse_autograd_opcount30", "meshfuse_hand_written_opcount30")
 # Issue 34's targets for meshfuse_autograd: (baseline, bound at small, bound at the others)
 TARGETS = (("meshfuse_hand_written", 1.02, 1.02), ("torch_compile", 0.5, 0.97),
            ("torch_compile_ro", 1.0, 1.0))
@@ -265,8 +264,8 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
 
     def with_inductor(setup, **settings):
         """``setup``'s variant, its segments compiled (at its first step, which the first
-        call's time counts) with ``settings`` added to every meshfuse segment's Inductor
-        settings (kept apart in the compiled segments' cache, whose key holds them)."""
+        call's time counts) with ``settings`` over meshfuse's Inductor settings, on every
+        device (kept apart in the compiled segments' cache, whose key holds them)."""
         def patched():
             step, owner = setup()
             compiled = []
@@ -275,7 +274,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
                 if compiled:
                     return step()
                 compiled.append(True)
-                with mock.patch.dict(fused.INDUCTOR, settings):
+                on_cuda = {k: v for k, v in settings.items() if k in fused.INDUCTOR_ON_CUDA}
+                with mock.patch.dict(fused.INDUCTOR, settings), \
+                        mock.patch.dict(fused.INDUCTOR_ON_CUDA, on_cuda):
                     return step()
             return run, owner
         return patched
@@ -302,9 +303,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("meshfuse_autograd_saved", derived_saved),
         ("meshfuse_autograd_recompute", derived_recompute), ("meshfuse_captured", captured),
         ("meshfuse_hand_written", hand_written),
-        ("meshfuse_autograd_opcount40", with_inductor(derived, realize_opcount_threshold=40)),
-        ("meshfuse_hand_written_opcount40",
-         with_inductor(hand_written, realize_opcount_threshold=40)))
+        ("meshfuse_autograd_opcount30", with_inductor(derived, realize_opcount_threshold=30)),
+        ("meshfuse_hand_written_opcount30",
+         with_inductor(hand_written, realize_opcount_threshold=30)))
         if (name in chosen if chosen is not None else name not in OPT_IN)}
 
 

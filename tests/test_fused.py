@@ -27,7 +27,13 @@ from meshfuse import DataType, FusionDefinition, InputError, shard_tensor
 from meshfuse.engine.settings import compile_setting
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.runtime.interpreter import fused as fused_module
-from meshfuse.runtime.interpreter.fused import FUSED, INDUCTOR, INDUCTOR_ON_CUDA, inductor_patches
+from meshfuse.runtime.interpreter.fused import (
+    FUSED,
+    INDUCTOR,
+    INDUCTOR_ALONG_ROWS_ON_CUDA,
+    INDUCTOR_ON_CUDA,
+    inductor_patches,
+)
 
 BACKEND = "aot_eager"
 
@@ -327,16 +333,19 @@ class _Like:
 
 
 def test_inductor_segments_on_gpus_get_persistent_and_looped_reductions(monkeypatch):
-    """Inductor on CUDA tensors compiles each reduction both ways (triton.multi_kernel) and
-    keeps the faster, where the segment reduces along rows; a segment whose reductions all
-    run across rows keeps Inductor's own choice; Inductor everywhere rounds at casts to half
-    precision; other backends get no settings."""
-    assert inductor_patches("inductor", [_Like(False), _Like(True)]) == \
-        {**INDUCTOR, **INDUCTOR_ON_CUDA}
-    assert INDUCTOR_ON_CUDA["triton.multi_kernel"] == 1
+    """Inductor on CUDA tensors recomputes pointwise values of up to 40 operations in each
+    reader (realize_opcount_threshold) and, where the segment reduces along rows, compiles
+    each reduction both ways (triton.multi_kernel) and keeps the faster; a segment whose
+    reductions all run across rows keeps Inductor's own choice there; Inductor everywhere
+    rounds at casts to half precision; other backends get no settings."""
+    on_cuda = {**INDUCTOR, **INDUCTOR_ON_CUDA}
+    along_rows_on_cuda = {**on_cuda, **INDUCTOR_ALONG_ROWS_ON_CUDA}
+    assert inductor_patches("inductor", [_Like(False), _Like(True)]) == along_rows_on_cuda
+    assert INDUCTOR_ON_CUDA["realize_opcount_threshold"] == 40
+    assert INDUCTOR_ALONG_ROWS_ON_CUDA["triton.multi_kernel"] == 1
     assert inductor_patches("inductor", [_Like(False)]) == INDUCTOR == \
         {"emulate_precision_casts": True}
     assert inductor_patches("aot_eager", [_Like(True)]) == {}
-    for along_rows, patches in ((True, {**INDUCTOR, **INDUCTOR_ON_CUDA}), (False, INDUCTOR)):
+    for along_rows, patches in ((True, along_rows_on_cuda), (False, on_cuda)):
         monkeypatch.setattr(fused_module, "reduces_along_rows", lambda g, t, a=along_rows: a)
         assert inductor_patches("inductor", [_Like(True)], object()) == patches

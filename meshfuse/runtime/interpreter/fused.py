@@ -308,6 +308,18 @@ class _Compiled:
 # ``cast(cast(x, BFloat16), Float)`` returned ``x`` unrounded, 0.0074 off; fuzzer seed 8 at
 # 2 ranks, compiled).
 INDUCTOR = {"emulate_precision_casts": True}
+# And on GPUs, for every segment, ``realize_opcount_threshold`` 40 (Inductor's default: 30): a
+# pointwise value read by more than one kernel is recomputed in each reader unless its
+# expression has more operations than the threshold, then written to memory and read back.
+# A derived layer norm's backward recomputes its normalized input from the residual sum (its
+# casts, the saved statistics) and multiplies it by the cotangent: over 30 operations, so its
+# row kernel wrote that product in float32 ([4096, 1024] at the small GPT layer) and the
+# weight gradient's column sum read it back, 32 MiB per norm. At 40 both kernels recompute it
+# from the bf16 inputs: on an H100 (2026-12-05, one run) the small layer's derived programs
+# took 797 us of kernels per step instead of 817 (the hand-written fusion's 794 and 796), the
+# step 0.885 ms instead of 0.915; the medium layer's 0.6% less, the big one's 0.3% more
+# (within its rounds' spread) (``benchmarks/results/2026-12-05-1612-*``, ``-1614-*``).
+INDUCTOR_ON_CUDA = {"realize_opcount_threshold": 40}
 # And on GPUs, for a segment that reduces along rows (``segment_reductions``),
 # ``triton.multi_kernel``: each reduction is generated both as a persistent kernel (a row held
 # whole, read once) and as a looped one, and the faster is picked when the segment first runs
@@ -317,19 +329,23 @@ INDUCTOR = {"emulate_precision_casts": True}
 # bias's gradient) keeps Inductor's own choice: there the first-run pick took the slower
 # kernel of both stages of a split sum over 4096 tokens (19.2 and 6.0 us per step where the
 # other kernels take 8.5 and 2.4; H200, 2026-12-05).
-INDUCTOR_ON_CUDA = {"triton.multi_kernel": 1}
+INDUCTOR_ALONG_ROWS_ON_CUDA = {"triton.multi_kernel": 1}
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
                      graph: fx.GraphModule | None = None) -> dict[str, Any]:
     """The Inductor settings a segment (``graph``, called with ``tensors``) is compiled
-    with: :data:`INDUCTOR`, and :data:`INDUCTOR_ON_CUDA` on CUDA tensors where the graph
-    reduces along rows (or is not given); none for other backends."""
+    with: :data:`INDUCTOR`; on CUDA tensors :data:`INDUCTOR_ON_CUDA` too, and
+    :data:`INDUCTOR_ALONG_ROWS_ON_CUDA` where the graph reduces along rows (or is not
+    given); none for other backends."""
     if backend != "inductor":
         return {}
-    if any(t.is_cuda for t in tensors) and (graph is None or _along_rows(graph, tensors)):
-        return {**INDUCTOR, **INDUCTOR_ON_CUDA}
-    return dict(INDUCTOR)
+    patches = dict(INDUCTOR)
+    if any(t.is_cuda for t in tensors):
+        patches.update(INDUCTOR_ON_CUDA)
+        if graph is None or _along_rows(graph, tensors):
+            patches.update(INDUCTOR_ALONG_ROWS_ON_CUDA)
+    return patches
 
 
 def _along_rows(graph: fx.GraphModule, tensors: Sequence[torch.Tensor]) -> bool:
