@@ -12,7 +12,8 @@ compile time), then the median step time over ``--steps`` and tokens/s, and the 
 of the variant's steps (CUDA): allocated, and reserved (what the process took from the
 device: CUDA graph pools' intermediates count there only), with what was allocated and
 reserved at the variant's start (the base model, the batch, and with ``--interleaved`` the
-variants kept alive, which the peaks include); ``--trace``: why each of meshfuse's calls
+variants kept alive, which the peaks include; without it torch.compile's code and CUDA-graph
+trees are reset after each of its variants); ``--trace``: why each of meshfuse's calls
 replayed, captured or ran the interpreter, step by step (:mod:`benchmarks.replay_trace`);
 with ``--interleaved``, every variant is kept and timed again
 in rounds of one step of each (the order rotating; ``interleaved_*``), so that the GPU's
@@ -189,6 +190,11 @@ def main() -> None:
                         if k not in ("losses", "calls")}, flush=True)
         print("\n".join(results[variant].get("calls", [])), flush=True)
         model = optimizer = None
+        if not args.interleaved and variant.startswith("compile"):
+            # its compiled code and CUDA-graph trees (reduce-overhead's pool) would stay
+            # allocated and count in the next variant's peak (2.3 GiB after compile_ro,
+            # 2026-12-05)
+            torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda" and not args.interleaved:
             torch.cuda.empty_cache()
