@@ -20,7 +20,7 @@ steps (CUDA: the most allocated then, less what was allocated before it was buil
 variants built before it stay alive), and the most reserved (what it took from the device,
 CUDA graph pools included, after the earlier variants' cached blocks were released). Then all are timed *interleaved*: rounds of
 ``--steps-per-round`` steps of each variant in turn (CUDA events around each block), the
-order rotating, ``--steps`` steps each in all (the median over rounds), so that the GPU's changing clocks weigh on all alike (timed
+order shuffled each round, ``--steps`` steps each in all (the median over rounds), so that the GPU's changing clocks weigh on all alike (timed
 one after the other, the same program's ratio moved from 1.31x to 0.94x within half an
 hour on 2026-12-04). Reported: tokens/s and peak memory of each, and meshfuse's ratios to
 the other (tokens/s >= 1.0x and peak <= 1.0x are the issue's targets).

@@ -16,7 +16,7 @@ the layer's linears are q, k, v and the output projection (``N = K = e``) and th
   fastest (its choice is reported).
 
 Timing: the variants of one problem in alternating blocks (CUDA events around a block of
-calls, the order rotating each round); per variant the median over rounds, its TFLOP/s and
+calls, the order shuffled each round); per variant the median over rounds, its TFLOP/s and
 its ratio to ``cublas``. Per size, the step's GEMM time with each choice (every problem
 weighted by how often the step runs it) and with the fastest choice per problem.
 

@@ -7,8 +7,9 @@
 - :func:`host_us_per_call`: the CPU time of a call while the GPU is kept busy by a sleep
   kernel queued before it, so the host never waits for the GPU: the pure launch cost; and
   the GPU time of the same calls, which ran back to back after the sleep (no host gaps).
-- :func:`interleaved`: several variants timed in alternating blocks of steps, the order
-  rotating, so that a drift of the GPU's state weighs on all alike;
+- :func:`interleaved`: several variants timed in alternating blocks of steps, in a new order
+  each round, so that a drift of the GPU's state, or what one variant leaves to the next,
+  weighs on all alike;
 - :func:`summarize` and :func:`combine`: the median and the 10th/90th percentiles of one
   rank, then the slowest rank's (the max over ranks of the median), as the run is as slow as
   its slowest rank.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -106,15 +108,22 @@ def profiled(run: Callable[[], object]) -> profile:
 def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
                 device: torch.device) -> dict[str, list[float]]:
     """Milliseconds per step of each variant in each round: blocks of ``iters`` steps of
-    every variant in turn, the order rotated each round, so that a drift of the GPU's clocks
-    or of its neighbours weighs on all alike (CUDA events around a block; wall clock on the
-    CPU). Each block starts with autograd's device threads on, torch's default: a meshfuse
-    call switches them off for its thread (:mod:`meshfuse.autodiff.engine_thread`), which
-    would otherwise carry over to the torch variants timed after it."""
+    every variant in turn, in an order shuffled each round (seeded: the same in every run),
+    so that a drift of the GPU's clocks or of its neighbours weighs on all alike, and so
+    does what a block leaves to the next (a block starts from an idle GPU, after another
+    variant's: its clocks, the host's caches). A rotating order kept each variant behind
+    the same one in nearly every round; on an H100 the small GPT layer's autograd step
+    measured 1.087x the hand-written fusion in blocks of 10 among ten variants (nearly always
+    after torch's reduce-overhead step) and 1.033x among three
+    (``benchmarks/results/2026-12-05-1621-*``, ``-1646-*``). Each block starts with
+    autograd's device threads on, torch's default: a meshfuse call switches them off for
+    its thread (:mod:`meshfuse.autodiff.engine_thread`), which would otherwise carry over
+    to the torch variants timed after it."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
             with torch.autograd.set_multithreading_enabled(True):
                 times[name].append(_block_ms(steps[name], iters, device))
     return times

@@ -43,8 +43,9 @@ the torch variants keep; a meshfuse call turns them off for its thread:
 
 Timing: every variant set up, checked against the eager layer (relative error of ``y`` and
 ``dx`` within 5e-2), warmed up, then timed *interleaved*: each round times a block of steps
-of every variant in turn (CUDA events around the block; the order rotates from round to
-round), so that a drift of the GPU's clocks hits all alike. Reported per variant: the
+of every variant in turn (CUDA events around the block; the order shuffled each round:
+:func:`benchmarks.timing.interleaved`), so that a drift of the GPU's clocks, and what a
+block leaves to the next, hit all alike. Reported per variant: the
 median over rounds of the time per step, its ratios to ``torch_compile``,
 ``torch_compile_ro`` and ``meshfuse_hand_written`` (median of the per-round ratios), the
 first call's time (compilation included) and the second's (meshfuse captures its CUDA

@@ -225,6 +225,29 @@ def test_interleaved_blocks_start_with_torchs_autograd_threads():
     assert torch.autograd.is_multithreading_enabled() == before
 
 
+
+def test_interleaved_blocks_follow_a_different_variant_from_round_to_round():
+    """Every variant timed once per round, in an order that changes between rounds, so no
+    variant is always timed after the same one (what a block leaves to the next, a GPU's
+    clocks or the host's caches, would otherwise weigh on one variant only); the same
+    orders in every run."""
+    import torch
+
+    from benchmarks.timing import interleaved
+
+    def orders():
+        ran = []
+        steps = {name: (lambda n=name: ran.append(n)) for name in "abcde"}
+        interleaved(steps, rounds=8, iters=1, device=torch.device("cpu"))
+        return [ran[i:i + 5] for i in range(0, len(ran), 5)]
+
+    rounds = orders()
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    for name in "abcde":
+        before = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
+        assert len(before) > 1, (name, rounds)
+    assert orders() == rounds
+
 def test_step_timeline_lists_each_step(tmp_path):
     """``benchmarks.step_timeline``: each profiled step of each variant in the analysis, and
     a summary line per variant (CUDA-only variants skipped on the CPU)."""
