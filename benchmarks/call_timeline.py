@@ -23,7 +23,10 @@ from benchmarks.trace_summary import _union
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_API = ("cuda_runtime", "cuda_driver")
-# Runtime calls that can make the host wait for the device (or for the driver).
+# Runtime calls that can make the host wait for the device (or for the driver). An
+# asynchronous copy counts only where its copy on the GPU touches pageable host memory (the
+# runtime then copies synchronously): a copy from device to device returns at once, however
+# long its call took.
 BLOCKING = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc",
             "cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemMap")
 
@@ -137,8 +140,12 @@ def _gaps(gpu: list[dict], launches: dict, calls: list[dict], ops: list[dict],
 
 def _blocking(events: list[dict], calls: list[dict], ops: list[dict],
               min_us: float) -> list[dict]:
+    pageable = {e.get("args", {}).get("correlation") for e in events
+                if e.get("cat") == "gpu_memcpy" and "Pageable" in e.get("name", "")}
     found = [e for e in events if e.get("cat") in HOST_API and e.get("dur", 0.0) >= min_us
-             and any(word in e["name"] for word in BLOCKING)]
+             and any(word in e["name"] for word in BLOCKING)
+             and ("Async" not in e["name"]
+                  or e.get("args", {}).get("correlation") in pageable)]
     return [{"name": e["name"], "ms": round(e["dur"] / 1e3, 3), "in_call": _owner(calls, e["ts"]),
              "at_ms": round((e["ts"] - calls[0]["ts"]) / 1e3, 3) if calls else None,
              "in_op": _enclosing_op(ops, e)}
@@ -149,10 +156,6 @@ def main(argv: list[str]) -> None:
     with open(argv[0]) as f:
         trace = json.load(f)
     print(json.dumps(analyze(trace, argv[1] if len(argv) > 1 else "call"), indent=1))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
 
 
 def marked_calls(trace: dict, marker: str = "spin_kernel", gaps: int = 6) -> list[dict]:
@@ -189,3 +192,7 @@ def _name_at(events: list[dict], at: float, ending: bool) -> str | None:
     """The name of the GPU event that ends at ``at`` (``ending``) or starts there."""
     found = [e for e in events if (_end(e) if ending else e["ts"]) == at]
     return found[0]["name"][:90] if found else None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

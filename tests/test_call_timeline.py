@@ -49,6 +49,21 @@ def test_calls_gaps_and_blocking_host_calls():
         "cudaStreamSynchronize", 0.19, 1, "aten::item")
 
 
+def test_an_asynchronous_copy_blocks_only_to_or_from_pageable_memory():
+    """A copy from device to device returns at once however long its call took; one to
+    pageable host memory makes the host wait."""
+    trace = {"traceEvents": [
+        _x("user_annotation", "call0", 0, 100),
+        _x("cuda_runtime", "cudaMemcpyAsync", 5, 30, correlation=1),
+        _x("cuda_runtime", "cudaMemcpyAsync", 40, 50, correlation=2),
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 10, 5, correlation=1),
+        _x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 45, 40, correlation=2),
+    ]}
+    blocking, = analyze(trace, "call", min_gap_us=20)["blocking_host_calls"]
+    assert (blocking["name"], blocking["ms"], blocking["at_ms"]) == ("cudaMemcpyAsync", 0.05,
+                                                                     0.04)
+
+
 def test_a_gap_shorter_than_the_threshold_is_left_out():
     assert analyze(_trace(), "call", min_gap_us=100)["idle_gaps"] == []
 
