@@ -15,9 +15,9 @@ reserved at the variant's start (the base model, the batch, and with ``--interle
 variants kept alive, which the peaks include; without it torch.compile's code and CUDA-graph
 trees are reset after each of its variants); ``--trace``: why each of meshfuse's calls
 replayed, captured or ran the interpreter, step by step (:mod:`benchmarks.replay_trace`);
-with ``--interleaved``, every variant is kept and timed again
-in rounds of one step of each (the order shuffled each round; ``interleaved_*``), so that the GPU's
-changing clocks weigh on all alike; for meshfuse, what each fusion's calls did (``calls``:
+with ``--interleaved``, every variant is kept and timed again in rounds of one step of each
+(the order shuffled each round; ``interleaved_*``), so that the GPU's changing clocks weigh
+on all alike; for meshfuse, what each fusion's calls did (``calls``:
 CUDA-graph replay, fused segments, host time per call, from
 ``FusionFunction.call_lines``). The optimizer is AdamW, fused (``fused=True``). Random
 weights (no download); the models start equal (bf16, also with ``--quick``: a tiny bf16

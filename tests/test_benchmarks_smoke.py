@@ -225,7 +225,6 @@ def test_interleaved_blocks_start_with_torchs_autograd_threads():
     assert torch.autograd.is_multithreading_enabled() == before
 
 
-
 def test_interleaved_blocks_follow_a_different_variant_from_round_to_round():
     """Every variant timed once per round, in an order that changes between rounds, so no
     variant is always timed after the same one (what a block leaves to the next, a GPU's
@@ -247,6 +246,7 @@ def test_interleaved_blocks_follow_a_different_variant_from_round_to_round():
         before = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
         assert len(before) > 1, (name, rounds)
     assert orders() == rounds
+
 
 def test_step_timeline_lists_each_step(tmp_path):
     """``benchmarks.step_timeline``: each profiled step of each variant in the analysis, and
