@@ -316,8 +316,8 @@ INDUCTOR = {"emulate_precision_casts": True}
 # row kernel wrote that product in float32 ([4096, 1024] at the small GPT layer) and the
 # weight gradient's column sum read it back, 32 MiB per norm. At 40 both kernels recompute it
 # from the bf16 inputs: on an H100 (2026-12-05, one run) the small layer's derived programs
-# took 797 us of kernels per step instead of 817 (the hand-written fusion's 795 and 794), the
-# step 0.885 ms instead of 0.915; the medium layer's 0.6% less, the big one's 0.3% more,
+# took 797 us of kernels per step instead of 817 (the hand-written fusion: 795 at 30, 794 at
+# 40), the step 0.885 ms instead of 0.915; the medium layer's 0.6% less, the big one's 0.3% more,
 # within its rounds' spread (``benchmarks/results/2026-12-05-1612-*``, ``-1614-*``).
 INDUCTOR_ON_CUDA = {"realize_opcount_threshold": 40}
 # And on GPUs, for a segment that reduces along rows (``segment_reductions``),
