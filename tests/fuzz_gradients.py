@@ -221,10 +221,18 @@ def _widened(tol: dict, extra: float) -> dict:
 
 
 def _compare(got: torch.Tensor, ref: torch.Tensor, tv, rank: int, tol) -> str:
-    """How ``got`` differs from this rank's shard of global ``ref`` ("" if it does not)."""
+    """How ``got`` differs from this rank's shard of global ``ref`` ("" if it does not).
+    Where torch's own result is not finite (float32 overflowed: a product of 200 factors
+    whose true values reach 1e41, fuzzer seed 600756), ``got`` need only not be finite
+    either: which of inf and NaN an overflow leaves depends on the order of the operations."""
     want = shard_tensor(ref.detach().to(got.device), tv, rank)
+    got = got.detach()
+    if want.is_floating_point() and got.dtype == want.dtype and got.shape == want.shape:
+        overflowed = ~torch.isfinite(want) & ~torch.isfinite(got)
+        if overflowed.any():
+            got, want = got.masked_fill(overflowed, 0), want.masked_fill(overflowed, 0)
     try:
-        torch.testing.assert_close(got.detach(), want, **tol(ref.detach()))
+        torch.testing.assert_close(got, want, **tol(ref.detach()))
     except AssertionError as e:
         return str(e)
     return ""

@@ -505,6 +505,22 @@ SEEDS: dict[str, Seed] = {
         "(fuzz_gradients.float64_reference). Found by the heads gradient fuzz run of "
         "2026-12-05 (seed 460000 on, 2 ranks)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
+    "product_gradient_of_an_overflowing_product-600756": Seed(
+        600756, 3, "mismatch: NaN in 2 of 384 elements of a linear weight's gradient where "
+        "torch's float32 gradient is infinite: a product of 200 factors (true values up to "
+        "1e41) overflows float32, and which of inf and NaN its gradient leaves depends on the "
+        "order of the operations (torch's own float32 gradient holds many NaN and inf); the "
+        "oracle now accepts a non-finite result where torch's is not finite "
+        "(fuzz_gradients._compare). Found by the heads gradient fuzz run of 2026-12-05 (seed "
+        "600000 on, 3 ranks)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
+    "grouped_attention_backward_with_uneven_key_value_heads-601225": Seed(
+        601225, 3, "unknown refusal: 'sdpfa_bwd(...): T15 axis 1 is DIDx (owners [0, 1]) but "
+        "axis 1 of grad_T0 is replicated; this needs a communication': grouped-query "
+        "attention (4 query heads, replicated; 2 key/value heads split over 3 ranks, one "
+        "holding none): the forward runs, the derived backward is refused. Found by the "
+        "heads gradient fuzz run of 2026-12-05 (seed 600000 on, 3 ranks)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True), open=True),
 }
 
 
