@@ -112,10 +112,8 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
     so that a drift of the GPU's clocks or of its neighbours weighs on all alike, and so
     does what a block leaves to the next (a block starts from an idle GPU, after another
     variant's: its clocks, the host's caches). A rotating order kept each variant behind
-    the same one in nearly every round. (That order was not what made the small GPT
-    layer's autograd step slower among ten variants than among three, on an H100: 1.087x
-    the hand-written fusion rotated, 1.077x shuffled, 1.033x among three;
-    ``benchmarks/results/2026-12-05-1621-*``, ``-1634-*``, ``-1630-*``.) Each block starts
+    the same one in nearly every round (what the shuffle changed on an H100:
+    ``benchmarks/results/2026-12-05-1640-h100-1gpu-summary.md``). Each block starts
     with autograd's device threads on, torch's default: a meshfuse call switches them off
     for its thread (:mod:`meshfuse.autodiff.engine_thread`), which would otherwise carry over
     to the torch variants timed after it."""
