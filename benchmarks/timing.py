@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import statistics
@@ -106,7 +107,8 @@ def profiled(run: Callable[[], object]) -> profile:
 
 
 def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
-                device: torch.device) -> dict[str, list[float]]:
+                device: torch.device, per_step: dict[str, list[list[float]]] | None = None
+                ) -> dict[str, list[float]]:
     """Milliseconds per step of each variant in each round: blocks of ``iters`` steps of
     every variant in turn, in an order shuffled each round (seeded: the same in every run),
     so that a drift of the GPU's clocks or of its neighbours weighs on all alike, and so
@@ -116,32 +118,45 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
     ``benchmarks/results/2026-12-05-1640-h100-1gpu-summary.md``). Each block starts
     with autograd's device threads on, torch's default: a meshfuse call switches them off
     for its thread (:mod:`meshfuse.autodiff.engine_thread`), which would otherwise carry over
-    to the torch variants timed after it."""
+    to the torch variants timed after it.
+
+    ``per_step``: a dict that gets, per variant, each round's milliseconds of each step of
+    its block (a CUDA event between steps: the first step's time holds the host's latency
+    from the idle GPU to its first kernel, the others the steady state), on CUDA only."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     order = random.Random(0)
     for _ in range(rounds):
         for name in order.sample(names, len(names)):
             with torch.autograd.set_multithreading_enabled(True):
-                times[name].append(_block_ms(steps[name], iters, device))
+                block_ms, step_ms = _block_ms(steps[name], iters, device, per_step is not None)
+            times[name].append(block_ms)
+            if step_ms is not None:
+                per_step.setdefault(name, []).append(step_ms)
     return times
 
 
-def _block_ms(step: Callable[[], object], iters: int, device: torch.device) -> float:
-    """Milliseconds per call of ``step`` over a block of ``iters`` calls."""
+def _block_ms(step: Callable[[], object], iters: int, device: torch.device,
+              per_step: bool = False) -> tuple[float, list[float] | None]:
+    """Milliseconds per call of ``step`` over a block of ``iters`` calls, and those of each
+    call where ``per_step`` (on CUDA: an event between calls)."""
     if device.type == "cuda":
-        start, end = (torch.cuda.Event(enable_timing=True),
-                      torch.cuda.Event(enable_timing=True))
-        start.record()
-        for _ in range(iters):
+        events = [torch.cuda.Event(enable_timing=True)
+                  for _ in range(iters + 1 if per_step else 2)]
+        events[0].record()
+        for i in range(iters):
             step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
+            if per_step:
+                events[i + 1].record()
+        events[-1].record()
+        events[-1].synchronize()
+        step_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(events)] if per_step \
+            else None
+        return events[0].elapsed_time(events[-1]) / iters, step_ms
     begin = time.perf_counter()
     for _ in range(iters):
         step()
-    return (time.perf_counter() - begin) * 1e3 / iters
+    return (time.perf_counter() - begin) * 1e3 / iters, None
 
 
 def interleaved_ratio(ctx: Context, base, step, rounds: int, iters: int) -> float:

@@ -110,6 +110,7 @@ class Result:
     peak_mib: float | None = None
     recompiled: bool | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    step_ms: list[float] = dataclasses.field(default_factory=list)  # --per-step
 
 
 def _sync(device: torch.device) -> None:
@@ -338,7 +339,7 @@ def _set_up(name, setup, device, warmup) -> tuple[Result, Callable | None, list,
 
 
 def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
-             chosen=None) -> dict:
+             chosen=None, per_step: bool = False) -> dict:
     results, steps, runners, owners = {}, {}, {}, {}
     for name, setup in variants(size, device, dtype, backend, chosen).items():
         print(f"  {label} {name}: setting up", flush=True)
@@ -347,10 +348,13 @@ def run_size(label: str, size, device, dtype, backend, rounds, iters, warmup,
         if step is not None:
             steps[name], runners[name] = step, found
     states = {n: _compile_state(runners[n]) for n in steps}
-    times = interleaved(steps, rounds, iters, device)
+    by_step: dict[str, list[list[float]]] | None = {} if per_step else None
+    times = interleaved(steps, rounds, iters, device, by_step)
     for name, samples in times.items():
         result = results[name]
         result.round_ms = [round(t, 4) for t in samples]
+        if by_step:  # the median over rounds of each step of a block
+            result.step_ms = [round(statistics.median(s), 4) for s in zip(*by_step[name])]
         result.ms = statistics.median(samples)
         result.recompiled = _compile_state(runners[name]) != states[name]
         if runners[name]:
@@ -401,6 +405,9 @@ def markdown(report: dict) -> str:
                          f"{ratios[2]} | {r['first_call_s']:.2f} | {r['second_call_s']:.3f} "
                          f"| {r['peak_mib']} | {r['recompiled']} |")
         lines += ["", *[f"- {t}" for t in size["targets"]], ""]
+        lines += [f"- {r['variant']} per step of a block (ms, median over rounds): "
+                  + ", ".join(f"{t:.3f}" for t in r["step_ms"])
+                  for r in size["results"] if r.get("step_ms")]
         for r in size["results"]:
             for key, value in r["info"].items():
                 if isinstance(value, list):
@@ -420,6 +427,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--variants", default=None,
                         help="comma-separated variant names (default: all)")
+    parser.add_argument("--per-step", action="store_true",
+                        help="also time each step of a block (an event between steps): the "
+                             "first step's host latency apart from the steady state")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="no new size is started after this many seconds")
     args = parser.parse_args(argv)
@@ -443,7 +453,7 @@ def main(argv=None) -> int:
         print(f"{label} {size}", flush=True)
         chosen = args.variants.split(",") if args.variants else None
         report["sizes"].append(run_size(label, size, device, dtype, backend, rounds, iters,
-                                        warmup, chosen))
+                                        warmup, chosen, args.per_step))
         torch._dynamo.reset()  # the next size compiles its own modules
         gc.collect()  # this size's modules, programs and CUDA graphs
         if device.type == "cuda":
