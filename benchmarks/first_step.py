@@ -119,8 +119,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "first_step.json"), "w") as f:
         json.dump(report, f, indent=1)
-    lines = [f"# {report['device']} ({report['torch']}), size {report['size']}, medians of "
-             f"{args.rounds} rounds (us; cold: right after a block of torch's eager layer)"]
+    title = (f"# {report['device']} ({report['torch']}), size {report['size']}, medians of "
+             f"{args.rounds} rounds (us; cold: right after a block of torch's eager layer)")
+    lines = [title]
     for case, values in summary.items():
         lines.append(f"{case}: " + ", ".join(f"{k} {v:.0f}" for k, v in values.items()
                                              if v is not None))

@@ -426,3 +426,20 @@ def test_replicated_key_value_heads_with_dropout(multidevice_test, mode):
             define(whole)
         expected = whole.execute(inputs)[0]
         torch.testing.assert_close(attn, expected.cpu())
+
+
+@pytest.mark.parametrize("inner", [False, True], ids=["block", "cyclic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hkv", [2, 4])  # (one head is a broadcast axis: not split)
+def test_query_heads_replicated_key_value_heads_split(multidevice_test, hkv, causal, inner):
+    """q whole on every rank, k's and v's heads split over the ranks (some hold none where
+    the ranks outnumber them): forward and derived backward. Found by the heads gradient
+    fuzzer (seed 601225: 2 key/value heads split cyclically over 3 ranks), whose derived
+    backward was refused: 'sdpfa_bwd(...): T15 axis 1 is DIDx (owners [0, 1]) but axis 1 of
+    grad_T0 is replicated'."""
+    mesh = mesh_1d(multidevice_test)
+    fd, tensors = _define(hkv, causal, QkvFormat.BHSE)
+    tensors[0].set_device_mesh(mesh)
+    for t in tensors[1:]:
+        shard(t, 1, mesh, inner=inner)
+    _run(multidevice_test, fd, tensors, causal, _global_inputs(hkv, QkvFormat.BHSE))

@@ -519,8 +519,11 @@ SEEDS: dict[str, Seed] = {
         "axis 1 of grad_T0 is replicated; this needs a communication': grouped-query "
         "attention (4 query heads, replicated; 2 key/value heads split over 3 ranks, one "
         "holding none): the forward runs, the derived backward is refused. Found by the "
-        "heads gradient fuzz run of 2026-12-05 (seed 600000 on, 3 ranks)",
-        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True), open=True),
+        "heads gradient fuzz run of 2026-12-05 (seed 600000 on, 3 ranks). The backward's "
+        "key/value gradients took k's split from the copies into k's sharding, and the "
+        "attention was computed as they lay; now they are computed whole where they do not "
+        "lie by groups against q (groups._gradients_by_groups)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
 }
 
 

@@ -116,9 +116,24 @@ def attention_kv_layout(expr) -> str | None:
         return layout
     query_side = [args[n] for n in _QUERY_SIDE[:3] if n in args] + [expr.tensor_outputs[0]]
     kv_heads = args["k"].materialized()[-3].extent
-    if all(_in_whole_groups(t, kv_heads) for t in query_side):
+    if all(_in_whole_groups(t, kv_heads) for t in query_side) and \
+            _gradients_by_groups(expr, args["q"]):
         return BY_GROUPS
     return GATHERED if any(head_owners(t) for t in kv.values()) else REPLICATED
+
+
+def _gradients_by_groups(expr, q: TensorView) -> bool:
+    """Whether a backward's key/value gradients (``sdpfa_bwd``'s second and third outputs)
+    lie by groups against ``q``, or are not split on their heads. Propagation may give them
+    the split of the key/value inputs they are copied into (k and v sharded, their whole
+    copies gathered for the forward, the derived backward's residuals): computed as they
+    lie, the attention would take k and v split against a q that is not (refused before:
+    seed 601225 of the heads gradient fuzzer). Otherwise they are computed whole (from the
+    whole k and v), then cut where they are copied."""
+    if expr.op.name != "sdpfa_bwd":
+        return True
+    gradients = dict(zip(_KEY_SIDE, expr.tensor_outputs[1:3]))
+    return kv_layout(q, gradients) in (BY_GROUPS, None)
 
 
 def _in_whole_groups(tv: TensorView, kv_heads: int) -> bool:
