@@ -442,4 +442,18 @@ def test_query_heads_replicated_key_value_heads_split(multidevice_test, hkv, cau
     tensors[0].set_device_mesh(mesh)
     for t in tensors[1:]:
         shard(t, 1, mesh, inner=inner)
-    _run(multidevice_test, fd, tensors, causal, _global_inputs(hkv, QkvFormat.BHSE))
+    forward, backward = _run(multidevice_test, fd, tensors, causal,
+                             _global_inputs(hkv, QkvFormat.BHSE))
+    d = multidevice_test.size
+    if d == 1:
+        assert forward == backward == []
+        return
+    # k and v gathered whole (each rank's chunk of the largest shard: float64)
+    chunk = B * -(-hkv // d) * S * E * 8
+    assert [(c.kind, c.bytes) for c in forward] == [("allgather", chunk)] * 2, forward
+    if hkv % d or inner:  # every rank computes all heads; k's and v's gradients are cut
+        assert backward == []
+    else:  # computed by q's heads (sliced): k's and v's gradients partial, q's gathered
+        assert [(c.kind, c.bytes) for c in backward] == [
+            ("reduce_scatter", B * hkv * S * E * 8)] * 2 + [
+            ("allgather", B * H // d * S * E * 8)], backward
