@@ -19,6 +19,9 @@ fusion's parameters sharded over ``dp``, the batch split over it), as ``--mesh d
 on 4 ranks; ``replicate=R`` with ``dp`` is HSDP (parameters replicated over R, sharded
 over ``dp``), ``cp=C`` context parallelism (the sequence split over C, ring attention), as
 ``--mesh dp=2,cp=2,tp=2`` on 8 ranks. ``--max-norm`` clips the gradients' global norm (over every rank's shards).
+``--cuda-graph`` (GPUs only) replays each training step (forward, backward, clipping, AdamW
+with ``capturable=True``) from one CUDA graph (``meshfuse.capture_step``); its first three
+steps run as they are, the fourth captures.
 
 The data: sequences that count up by a stride modulo the vocabulary (a random start and
 stride per sequence, seeded per step); the next token is learnable in context, so the loss
@@ -46,6 +49,7 @@ from meshfuse.ir.mesh import DeviceMesh
 from meshfuse.launch import launcher_world_size, spawn
 from meshfuse.parallel.fsdp import NamedMesh
 from meshfuse.runtime.comm.communicator import Communicator
+from meshfuse.runtime.replay.step import capture_step
 
 PROG = "python -m meshfuse.examples.train_llama"
 MESH_DIMS = ("replicate", "dp", "cp", "tp")  # outermost first
@@ -95,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--max-norm", type=float, default=None,
                    help="clip the gradients to this global norm (default: no clipping)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each step from one CUDA graph (meshfuse.capture_step; GPUs)")
     p.add_argument("--rtol", type=float, default=FLOAT32_RTOL,
                    help="largest relative loss difference from PyTorch in float32")
     p.add_argument("--out", default=None, help="directory for train_llama.json and .png")
@@ -132,6 +138,8 @@ def _check(p: _Parser, args: argparse.Namespace, launcher_size: int | None) -> N
                 "divides --heads")
     if args.steps < 1 or args.batch < 1:
         p.error("--steps and --batch must be positive")
+    if args.cuda_graph and not gpus:
+        p.error("--cuda-graph captures CUDA graphs, and this host has no GPU: run without it")
     try:
         args.config = config_of(args)
     except ValueError as e:
@@ -177,6 +185,23 @@ def step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Te
     return loss.item()
 
 
+def captured_step(model, opt: torch.optim.Optimizer, max_norm: float | None = None):
+    """:func:`step` replayed from one CUDA graph per batch shape (``meshfuse.capture_step``:
+    ``opt`` must run on the device, as ``AdamW(..., capturable=True)`` does): called as
+    ``run(ids, targets)``, it returns the loss before the update."""
+    def train_step(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(ids, targets)
+        loss.backward()
+        if max_norm is not None:
+            clip_grad_norm_(model, max_norm)
+        opt.step()
+        return loss.detach()
+
+    graphed = capture_step(train_step)
+    return lambda ids, targets: graphed(ids, targets).item()
+
+
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clips ``model``'s gradients to a global norm of ``max_norm``: a meshfuse model's over
     every rank's shards (each element counted once), else torch's."""
@@ -198,12 +223,14 @@ def device_mesh(sizes: dict[str, int], world_size: int):
 def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: int = 0,
           reference=LlamaTorch, progress: bool = False, mesh: dict[str, int] | None = None,
           max_norm: float | None = None, save: str | None = None,
-          resume_from: str | None = None):
+          resume_from: str | None = None, cuda_graph: bool = False):
     """Trains the meshfuse model over all ranks (``mesh``: the sizes of ``dp``, fully sharded
     data parallel, and ``tp``, tensor + sequence parallel; default all ranks ``tp``) and, on
     rank 0, ``reference(cfg)`` (a module named as ``LlamaForCausalLM``, called ``(ids,
     targets)``) on one device, from the same parameters on the same batches, both clipped
-    to ``max_norm`` when given; ``save``/``resume_from`` write and read checkpoints. Returns
+    to ``max_norm`` when given; ``save``/``resume_from`` write and read checkpoints;
+    ``cuda_graph``: the meshfuse model's steps replayed from a CUDA graph
+    (:func:`captured_step`). Returns
     the meshfuse losses, the reference's (None off rank 0), and this rank's memory account
     after the first step."""
     comm = Communicator.instance()
@@ -211,8 +238,10 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
     device = comm.device
     params = init_parameters(cfg, seed)
     model = LlamaModel(cfg, batch, params, device_mesh(sizes, comm.size), device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=cuda_graph)
     first = resume(resume_from, model, opt)
+    run = captured_step(model, opt, max_norm) if cuda_graph else \
+        (lambda ids, targets: step(model, opt, ids, targets, max_norm))
     ref = ref_opt = None
     if reference is not None and comm.rank == 0:
         ref = reference(cfg).to(device)
@@ -227,7 +256,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 4, lr: float = 3e-3, seed: 
             if ref is not None:
                 step(ref, ref_opt, ids, targets, max_norm)
             continue
-        losses.append(step(model, opt, ids, targets, max_norm))
+        losses.append(run(ids, targets))
         if ref is not None:
             ref_losses.append(step(ref, ref_opt, ids, targets, max_norm))
         account = account or memory_account(model, opt)
@@ -271,7 +300,8 @@ def run_rank(args: argparse.Namespace) -> int:
     cfg = args.config
     losses, ref_losses, account = train(cfg, args.steps, args.batch, args.lr, args.seed,
                                         mesh=args.mesh, max_norm=args.max_norm,
-                                        progress=True, save=args.save, resume_from=args.resume)
+                                        progress=True, save=args.save, resume_from=args.resume,
+                                        cuda_graph=args.cuda_graph)
     accounts = comm.allgather_object(account)
     if comm.rank != 0:
         return 0
