@@ -110,10 +110,10 @@ def test_captured_steps_train_as_the_plain_ones(multidevice_test, monkeypatch):
     if multidevice_test.device.type != "cuda":
         pytest.skip("capture_step captures CUDA graphs: CUDA only (--cuda-graph is refused "
                     "without a GPU: test_script_trains_at_four_ranks_and_refuses_bad_meshes)")
-    made = []
+    made, capture_step = [], train_llama.capture_step
 
     def recorded(step_fn, *args, **kwargs):
-        made.append(train_llama.capture_step(step_fn, *args, **kwargs))
+        made.append(capture_step(step_fn, *args, **kwargs))
         return made[-1]
 
     monkeypatch.setattr(train_llama, "capture_step", recorded)
