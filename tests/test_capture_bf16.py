@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import meshfuse
 from meshfuse import DeviceMesh
 from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.testing.utils import current_device
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,14 +75,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_bf16_models_match_the_eager_bf16_module(multidevice_test, family):
-    reference = _model(family)
+    reference = _model(family).to(current_device())
     mesh = DeviceMesh(range(multidevice_test.size))
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphBreakWarning)
         model = meshfuse.parallelize(copy.deepcopy(reference), mesh, _plan(family, reference))
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(current_device())
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(current_device())
         out = model(input_ids=ids, labels=labels)
     expected = reference(input_ids=ids, labels=labels)
     assert expected.logits.dtype == torch.bfloat16

@@ -16,6 +16,7 @@ import meshfuse
 from meshfuse.capture.partition import read_grouped_heads
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.trace import capture
+from meshfuse.testing.utils import current_device
 
 aten = torch.ops.aten
 B, H, KV, S, E = 2, 6, 2, 5, 4
@@ -88,9 +89,10 @@ def test_a_transformers_llamas_attention_reads_its_key_value_heads():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         use_cache=False)
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config)
+    reference = transformers.LlamaForCausalLM(config).to(current_device())
     model = meshfuse.parallelize(copy.deepcopy(reference), meshfuse.DeviceMesh([0]), {})
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(current_device())
     loss = model(input_ids=ids, labels=ids).loss
     want = reference(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
@@ -143,8 +145,9 @@ def test_random_repeats_through_parallelize_match_pytorch():
         causal = bool(torch.randint(0, 2, (), generator=rng))
         torch.manual_seed(case)
         reference = _Projected(kv_heads * group, kv_heads, e, repeat, causal).double()
+        reference = reference.to(current_device())
         model = meshfuse.parallelize(copy.deepcopy(reference), meshfuse.DeviceMesh([0]), {})
-        x = torch.randn(2, s, 8, generator=rng, dtype=torch.float64)
+        x = torch.randn(2, s, 8, generator=rng, dtype=torch.float64).to(current_device())
         with warnings.catch_warnings():  # repeat() has no rule: a graph break
             warnings.simplefilter("ignore", GraphBreakWarning)
             loss = model(x)

@@ -191,13 +191,54 @@ def test_a_models_own_plan_as_given(multidevice_test, model_name):
     assert all(isinstance(p, Replicate) for p in norm.placements)
 
 
+def _ep_plan(model) -> dict:
+    """The model's expert-parallel plan (``ep_plan``; ``_ep_plan`` in transformers 5.17)."""
+    return dict(getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {})
+
+
 def test_a_models_expert_parallel_plan_is_refused_by_name():
     """Hugging Face's ``ep_plan`` styles (``grouped_gemm``, ``ep_dispatch_experts``) are
     not read: a DefinitionError names the entry and says what to do instead."""
     model = _qwen3_moe()
-    plan = {**model.tp_plan, **model.ep_plan}
+    plan = {**model.tp_plan, **_ep_plan(model),
+            "model.layers.*.mlp.experts": "ep_dispatch_experts"}
     with pytest.raises(meshfuse.DefinitionError, match="expert parallelism .* ep_plan"):
         meshfuse.parallelize(model, DeviceMesh([0]), plan)
+
+
+# What transformers 5.17's Qwen3-MoE plan holds for its experts (tensor parallelism inside
+# each expert), which later versions leave out.
+EXPERT_TP_ENTRIES = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                     "model.layers.*.mlp.experts.down_proj": "rowwise",
+                     "model.layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def test_a_models_own_expert_tensor_parallel_entries_leave_its_experts_replicated(
+        multidevice_test):
+    """A model's own plan with its experts' tensor-parallel entries (transformers 5.17's
+    Qwen3-MoE) works as the versions without them do: the experts replicated, the loss and
+    gradients the module's. The same entries given for a model whose own plan lacks them
+    are refused, as the ``ep_plan`` styles are."""
+    torch.manual_seed(0)
+    reference = _qwen3_moe().to(current_device())
+    reference.tp_plan = {**reference.tp_plan, **EXPERT_TP_ENTRIES}
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(model, DeviceMesh(range(multidevice_test.size)),
+                                     reference.tp_plan)
+        ids, labels = _inputs()
+        out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+    experts = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    assert all(isinstance(p, Replicate) for p in experts.placements)
+    plain = _qwen3_moe()  # its own plan without the entries: the user's are refused
+    with pytest.raises(meshfuse.DefinitionError, match="moe_tp_experts"):
+        meshfuse.parallelize(plain, DeviceMesh([0]), {**plain.tp_plan, **EXPERT_TP_ENTRIES})
 
 
 def test_a_users_key_that_matches_nothing_is_still_refused():

@@ -23,6 +23,7 @@ from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.repeats import repeated_layers
 from meshfuse.capture.trace import _from_exported, capture, module_path
 from meshfuse.runtime.comm.collectives import record_communications
+from meshfuse.testing.utils import current_device
 
 E, HIDDEN, LAYERS = 8, 10, 16  # HIDDEN shards unevenly over 3 and 4 ranks
 CALLS: collections.Counter = collections.Counter()  # Block.forward calls, by layer index
@@ -105,10 +106,10 @@ def test_a_layer_with_another_shape_or_a_hook_is_not_a_copy():
 @pytest.mark.mpi
 @pytest.mark.parametrize("odd", [None, 5])
 def test_a_stack_traced_once_computes_the_modules_values_and_gradients(multidevice_test, odd):
-    reference = _stack(odd)
+    reference = _stack(odd).to(current_device())
     mesh = DeviceMesh(range(multidevice_test.size))
     model = meshfuse.parallelize(copy.deepcopy(reference), mesh, PLAN)
-    x = torch.randn(2, 3, E, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 3, E, generator=torch.Generator().manual_seed(1)).to(current_device())
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphBreakWarning)
         with record_communications() as forward:
@@ -166,11 +167,12 @@ def test_the_work_of_capture_and_build_does_not_grow_with_depth(multidevice_test
             vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         torch.manual_seed(0)
-        reference = transformers.LlamaForCausalLM(config)
+        reference = transformers.LlamaForCausalLM(config).to(current_device())
         model = meshfuse.parallelize(copy.deepcopy(reference), mesh, {
             "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
             "model.layers.*.self_attn.o_proj": RowwiseParallel()})
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(current_device())
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         monkeypatch.undo()
@@ -191,6 +193,9 @@ def test_every_layer_of_a_parallelized_stack_replays(multidevice_test, fake_cuda
     automatic replay deciding as on CUDA (a stand-in graph on the CPU), each layer's
     forward and backward replay from the second training step on (one graph per layer,
     not the few of one call site), and training matches the module's."""
+    if current_device().type == "cuda":
+        pytest.skip("stand-in graphs of CPU tensors: on CUDA the real graphs replay "
+                    "(tests/test_autograd_replay.py)")
     reference = _stack()
     model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
         range(multidevice_test.size)), {})

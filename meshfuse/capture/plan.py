@@ -114,22 +114,23 @@ class _Replicated:
 class ModelOutline:
     """What a plan is read against: each module's path and class name, each parameter's
     name and number of axes (from a module, or from a Dynamo graph's module stacks).
-    ``family_keys``: the keys of the model's own Hugging Face plan (``model.tp_plan``, its
-    config's ``base_model_tp_plan``), written for every model of its family: one of them
-    may match nothing in this model (Qwen3-MoE's plan names a dense MLP's projections,
-    which a model whose every layer holds experts lacks)."""
+    ``family_plan``: the model's own Hugging Face plan (``model.tp_plan``, its config's
+    ``base_model_tp_plan``), written for every model of its family: one of its keys may
+    match nothing in this model (Qwen3-MoE's plan names a dense MLP's projections, which a
+    model whose every layer holds experts lacks), and it may name styles of its experts'
+    tensor parallelism that meshfuse does not read (see :func:`_style`)."""
 
     modules: Mapping[str, str]
     parameters: Mapping[str, int]
     prefix: str = ""
-    family_keys: frozenset[str] = frozenset()
+    family_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def outline_of(module: torch.nn.Module) -> ModelOutline:
     """The outline of ``module``; ``prefix`` is Hugging Face's ``base_model_prefix``."""
-    plans = (getattr(module, "tp_plan", None),
-             getattr(getattr(module, "config", None), "base_model_tp_plan", None))
-    family = frozenset(k for plan in plans if isinstance(plan, Mapping) for k in plan)
+    plans = (getattr(getattr(module, "config", None), "base_model_tp_plan", None),
+             getattr(module, "tp_plan", None))
+    family = {k: v for plan in plans if isinstance(plan, Mapping) for k, v in plan.items()}
     return ModelOutline({p: type(m).__name__ for p, m in module.named_modules()},
                         {n: p.ndim for n, p in module.named_parameters()},
                         getattr(module, "base_model_prefix", "") or "", family)
@@ -139,7 +140,7 @@ def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
                  every_key: bool = True) -> ResolvedPlan:
     """Reads ``plan`` against ``model``'s modules and parameters (see the module doc);
     ``every_key``: each key must match something (but the model's own plan's keys, which
-    may name what only other models of its family have: ``ModelOutline.family_keys``).
+    may name what only other models of its family have: ``ModelOutline.family_plan``).
 
     Raises:
         DefinitionError: for a key that matches nothing, a style meshfuse does not read, or
@@ -153,8 +154,9 @@ def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
         if key is None or _is_placements(plan[key]):
             continue
         used.add(key)
+        own = model.family_plan.get(key, _NOT_OWN) == plan[key]
         _apply_style(resolved, path, kind, _own_parameters(model, path),
-                     _style(plan[key], key))
+                     _style(plan[key], key, own))
     for name in model.parameters:
         key = _first_match(plan, name, prefix)
         if key is not None and _is_placements(plan[key]):
@@ -166,7 +168,7 @@ def resolve_plan(model: ModelOutline, plan: Mapping[str, Any], ndim: int, *,
                     "per mesh axis")
             resolved.parameters[name] = layout
         resolved.parameters.setdefault(name, resolved.layout(Replicate()))
-    unused = [k for k in plan if k not in used and k not in model.family_keys]
+    unused = [k for k in plan if k not in used and k not in model.family_plan]
     if unused and every_key:
         raise DefinitionError(
             f"plan keys {unused} match no module or parameter of the model; "
@@ -202,8 +204,18 @@ def _is_placements(value: Any) -> bool:
 _HF_EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts", "ep_router", "moe_tp_experts")
 
 
-def _style(value: Any, key: str) -> Any:
+_NOT_OWN = object()
+
+
+def _style(value: Any, key: str, own: bool = False) -> Any:
+    """The style of ``plan[key] = value``; ``own``: the entry is the model's own plan's.
+    Some versions of Hugging Face's plans shard experts by tensor parallelism
+    (``"layers.*.mlp.experts": "moe_tp_experts"``, with ``"packed_colwise"`` and
+    ``"rowwise"`` entries on the experts' parameters), others leave the experts out: in a
+    model's own plan, such an entry leaves them replicated, as the other versions do."""
     if isinstance(value, str):
+        if value in _HF_EXPERT_STYLES and own:
+            return _Replicated()
         if value in _HF_EXPERT_STYLES:
             raise DefinitionError(
                 f"plan[{key!r}] = {value!r}: Hugging Face's expert parallelism (a model's "
