@@ -748,6 +748,14 @@ SEEDS: dict[str, Seed] = {
         "off at a scale of 4); kept (DTensor reduces a cast partial in the narrow type too):"
         " a float32 program that rounds to BFloat16 is now compared with BFloat16's "
         "tolerances (fuzz_runner.tolerance)", features=INDEXING_SYMBOLIC),
+    "attention_output_on_another_mesh_than_its_sequence_sharded_q-640514": Seed(
+        640514, 4, "untyped (ExecutionError of a KeyError in context_record): q, k and v "
+        "sequence-sharded on ranks 2-3, the attention's output pinned on ranks 0-1: the "
+        "context-parallel planning chose the ring on q's layout, and the attention ran on "
+        "the output's mesh with q moved there whole, whose sequence no device splits. An "
+        "output on another mesh now rules the ring out (the engine's gather runs). Found by "
+        "the forward heads fuzz run of 2026-12-05 (seed 640000 on, 4 ranks)",
+        features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True)),
 }
 
 

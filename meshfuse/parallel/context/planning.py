@@ -118,6 +118,10 @@ def _why_not_sequence_parallel(expr: Expr) -> str | None:
         tv = _tensor(expr, name)
         if tv.mesh != q.mesh or shard_signature(tv, tv.logical[2]) != signature:
             return f"{tv.name} ({name}) is not sharded on its sequence as q ({q.name}) is"
+    out = expr.outputs[0]  # on another mesh, the attention runs there (q moved whole)
+    if out.mesh is not None and out.mesh != q.mesh:
+        return (f"its output {out.name} lies on another mesh than q ({q.name}): the "
+                "attention runs there, on q moved whole")
     s_q, s_kv = q.logical[2].extent, _tensor(expr, "k").materialized()[2].extent
     if s_q is None or s_kv is None:
         return f"the query and key sequence extents are not static ({s_q}, {s_kv})"
