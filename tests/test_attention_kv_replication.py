@@ -433,7 +433,10 @@ def test_replicated_key_value_heads_with_dropout(multidevice_test, mode):
 @pytest.mark.parametrize("hkv", [2, 4])  # (one head is a broadcast axis: not split)
 def test_query_heads_replicated_key_value_heads_split(multidevice_test, hkv, causal, inner):
     """q whole on every rank, k's and v's heads split over the ranks (some hold none where
-    the ranks outnumber them): forward and derived backward. Found by the heads gradient
+    the ranks outnumber them): forward and derived backward. Where k and v lie by groups
+    (block splits the ranks divide), the attention runs on q sliced to their heads and
+    moves nothing forward (it gathered k and v before, and reduce-scattered their
+    gradients). Found by the heads gradient
     fuzzer (seed 601225: 2 key/value heads split cyclically over 3 ranks), whose derived
     backward was refused: 'sdpfa_bwd(...): T15 axis 1 is DIDx (owners [0, 1]) but axis 1 of
     grad_T0 is replicated'."""
@@ -448,12 +451,14 @@ def test_query_heads_replicated_key_value_heads_split(multidevice_test, hkv, cau
     if d == 1:
         assert forward == backward == []
         return
-    # k and v gathered whole (each rank's chunk of the largest shard: float64)
-    chunk = B * -(-hkv // d) * S * E * 8
-    assert [(c.kind, c.bytes) for c in forward] == [("allgather", chunk)] * 2, forward
-    if hkv % d or inner:  # every rank computes all heads; k's and v's gradients are cut
+    if hkv % d or inner:
+        # k and v gathered whole (each rank's chunk of the largest shard: float64); every
+        # rank computes all heads, and k's and v's gradients are cut out of the whole ones
+        chunk = B * -(-hkv // d) * S * E * 8
+        assert [(c.kind, c.bytes) for c in forward] == [("allgather", chunk)] * 2, forward
         assert backward == []
-    else:  # computed by q's heads (sliced): k's and v's gradients partial, q's gathered
+    else:  # by groups: q sliced to the heads k and v serve where they lie, q's gradient
+        # gathered (q is whole)
+        assert forward == []
         assert [(c.kind, c.bytes) for c in backward] == [
-            ("reduce_scatter", B * hkv * S * E * 8)] * 2 + [
             ("allgather", B * H // d * S * E * 8)], backward

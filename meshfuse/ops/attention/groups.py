@@ -112,6 +112,8 @@ def attention_kv_layout(expr) -> str | None:
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     kv = {n: args[n] for n in _KEY_SIDE}
     layout = kv_layout(args["q"], kv)
+    if layout == GATHERED and _by_the_outputs_groups(expr, args["q"], kv):
+        layout = BY_GROUPS
     if layout != BY_GROUPS:
         return layout
     query_side = [args[n] for n in _QUERY_SIDE[:3] if n in args] + [expr.tensor_outputs[0]]
@@ -120,6 +122,17 @@ def attention_kv_layout(expr) -> str | None:
             _gradients_by_groups(expr, args["q"]):
         return BY_GROUPS
     return GATHERED if any(head_owners(t) for t in kv.values()) else REPLICATED
+
+
+def _by_the_outputs_groups(expr, q: TensorView, kv: dict[str, TensorView]) -> bool:
+    """Whether q's heads are whole and the attention's output lies split on its heads by
+    the groups of k and v as they lie (propagated from them): the attention then runs as
+    its output lies, q sliced to those heads and k and v read where they are, rather than
+    gathering k and v for a q that every rank would slice anyway."""
+    if head_owners(q) != {}:
+        return False
+    out = expr.tensor_outputs[0]
+    return bool(head_owners(out)) and kv_layout(out, kv) == BY_GROUPS
 
 
 def _gradients_by_groups(expr, q: TensorView) -> bool:
