@@ -108,7 +108,11 @@ def attention_kv_layout(expr) -> str | None:
     not cut into whole groups (:func:`_in_whole_groups`: a cyclic split, more blocks than
     key/value heads, uneven blocks): no split of the key/value heads then serves that
     computation, so they are taken from a whole copy (:data:`REPLICATED`, or
-    :data:`GATHERED` where they are sharded)."""
+    :data:`GATHERED` where they are sharded). Two cases read the outputs too: q's heads
+    whole and the output split by the groups of k and v as they lie give
+    :data:`BY_GROUPS` (:func:`_by_the_outputs_groups`); a backward's key/value gradients
+    split otherwise than by groups against q give a whole copy
+    (:func:`_gradients_by_groups`)."""
     args = dict(zip((p.name for p in expr.op.params), expr.args))
     kv = {n: args[n] for n in _KEY_SIDE}
     layout = kv_layout(args["q"], kv)
