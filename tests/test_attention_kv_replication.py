@@ -436,10 +436,9 @@ def test_query_heads_replicated_key_value_heads_split(multidevice_test, hkv, cau
     the ranks outnumber them): forward and derived backward. Where k and v lie by groups
     (block splits the ranks divide), the attention runs on q sliced to their heads and
     moves nothing forward (it gathered k and v before, and reduce-scattered their
-    gradients). Found by the heads gradient
-    fuzzer (seed 601225: 2 key/value heads split cyclically over 3 ranks), whose derived
-    backward was refused: 'sdpfa_bwd(...): T15 axis 1 is DIDx (owners [0, 1]) but axis 1 of
-    grad_T0 is replicated'."""
+    gradients). Found by the heads gradient fuzzer (seed 601225: 2 key/value heads split
+    cyclically over 3 ranks), whose derived backward was refused: 'sdpfa_bwd(...): T15
+    axis 1 is DIDx (owners [0, 1]) but axis 1 of grad_T0 is replicated'."""
     mesh = mesh_1d(multidevice_test)
     fd, tensors = _define(hkv, causal, QkvFormat.BHSE)
     tensors[0].set_device_mesh(mesh)
