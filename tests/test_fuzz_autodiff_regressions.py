@@ -524,6 +524,14 @@ SEEDS: dict[str, Seed] = {
         "attention was computed as they lay; now they are computed whole where they do not "
         "lie by groups against q (groups._gradients_by_groups)",
         features=dataclasses.replace(INDEXING_SYMBOLIC, heads=True, remat=True)),
+    "autograd_output_laid_out_as_execute_lays_it_out-680268": Seed(
+        680268, 3, "mismatch (the output's shape: [2, 5] on rank 0 where [4, 5] was due): an "
+        "embedding's output, unscheduled, came back from the autograd function split over "
+        "the rows (as the ids are) where execute returns it whole: the derived forward's "
+        "clone, without the program's unread cast, was propagated otherwise. The clone's "
+        "unscheduled inputs and outputs are now pinned as execute lays them out "
+        "(derivation._pin_ends_as_executed). Found by the gradient fuzz run of "
+        "2026-12-05 (seed 680000 on, 3 ranks)", features=INDEXING_SYMBOLIC),
 }
 
 

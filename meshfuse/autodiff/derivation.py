@@ -177,6 +177,7 @@ def derive(fusion: Fusion, wrt: Sequence[TensorView] | None = None,
                 f"wrt: {v.name} is {v.dtype.name}; only floating-point inputs have gradients"
             )
     forward, primal = clone_fusion(fusion)
+    _pin_ends_as_executed(fusion, primal, world_size)
     # The backward is derived from the compiled forward: its communications are explicit
     # Reshard expressions there (whose gradients are the transposed communications), and every tensor
     # has its final sharding, which the backward's inputs and outputs are pinned to.
@@ -225,6 +226,25 @@ def clone_fusion(fusion: Fusion) -> tuple[Fusion, dict[Val, Val]]:
     for out in fusion.outputs():
         clone.add_output(mapped[out])
     return clone, mapped
+
+
+def _pin_ends_as_executed(fusion: Fusion, mapped: dict[Val, Val],
+                          world_size: int | None) -> None:
+    """Pins the clone's inputs and outputs that the user left unscheduled as ``execute``
+    lays them out (``compiled_for(fusion)``), as a fusion with symbolic extents has them
+    pinned (``FusionFunction.derivation``): propagation over the clone, whose unread cheap
+    expressions are dropped (:func:`_read_exprs`), may choose other layouts, and an
+    autograd function takes its inputs and gives its outputs as ``execute`` does (and as
+    ``shard_tensor`` and ``explain`` say). Found by the gradient fuzzer (seed 680268: an
+    embedding's output came back split over the rows where ``execute`` returns it whole)."""
+    ends = [v for v in (*fusion.inputs(), *fusion.outputs())
+            if isinstance(v, TensorView) and not is_pinned(v)]
+    if not ends:
+        return
+    executed = compiled_for(fusion, world_size)
+    for v in ends:
+        if not mapped[v].is_scheduled:  # (an output given twice, or an input returned)
+            copy_schedule(executed[v], mapped[v])
 
 
 def _read_exprs(fusion: Fusion) -> list[Expr]:
