@@ -176,29 +176,26 @@ def memory_account(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[s
 def step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor,
          max_norm: float | None = None) -> float:
     """One AdamW step (the gradients clipped to ``max_norm``); the loss before the update."""
+    return _update(model, opt, ids, targets, max_norm).item()
+
+
+def _update(model, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor,
+            max_norm: float | None) -> torch.Tensor:
+    """:func:`step`'s work on the device, its loss a tensor (nothing read to the host)."""
     opt.zero_grad()
     loss = model(ids, targets)
     loss.backward()
     if max_norm is not None:
         clip_grad_norm_(model, max_norm)
     opt.step()
-    return loss.item()
+    return loss.detach()
 
 
 def captured_step(model, opt: torch.optim.Optimizer, max_norm: float | None = None):
     """:func:`step` replayed from one CUDA graph per batch shape (``meshfuse.capture_step``:
     ``opt`` must run on the device, as ``AdamW(..., capturable=True)`` does): called as
     ``run(ids, targets)``, it returns the loss before the update."""
-    def train_step(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = model(ids, targets)
-        loss.backward()
-        if max_norm is not None:
-            clip_grad_norm_(model, max_norm)
-        opt.step()
-        return loss.detach()
-
-    graphed = capture_step(train_step)
+    graphed = capture_step(lambda ids, targets: _update(model, opt, ids, targets, max_norm))
     return lambda ids, targets: graphed(ids, targets).item()
 
 
