@@ -143,6 +143,21 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     _check_gradients(model, reference)
 
 
+def _check_a_step(model, reference) -> None:
+    """The parallelized ``model``'s logits, loss and gradients on :func:`_inputs` are the
+    module ``reference``'s (graph breaks allowed)."""
+    ids, labels = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        out = model(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
+    _whole(out.loss).backward()
+    expected.loss.backward()
+    _check_gradients(model, reference)
+
+
 def _qwen3():
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DECODER, head_dim=8))
 
@@ -176,15 +191,7 @@ def test_a_models_own_plan_as_given(multidevice_test, model_name):
     ``"mla_kv_a_proj"`` (replicated) and its attention fills its queries in place
     (``tests/test_capture_in_place.py``). Loss and gradients are the module's."""
     reference, model = _parallel(model_name, "hf", multidevice_test)
-    ids, labels = _inputs()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GraphBreakWarning)
-        out = model(input_ids=ids, labels=labels)
-    expected = reference(input_ids=ids, labels=labels)
-    torch.testing.assert_close(_whole(out.logits), expected.logits, rtol=1e-5, atol=1e-5)
-    _whole(out.loss).backward()
-    expected.loss.backward()
-    _check_gradients(model, reference)
+    _check_a_step(model, reference)
     params = dict(model.named_parameters())
     norm = params.get("model.layers.0.self_attn.q_norm.weight",
                       params.get("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"))
@@ -227,13 +234,7 @@ def test_a_models_own_expert_tensor_parallel_entries_leave_its_experts_replicate
         warnings.simplefilter("ignore", GraphBreakWarning)
         model = meshfuse.parallelize(model, DeviceMesh(range(multidevice_test.size)),
                                      reference.tp_plan)
-        ids, labels = _inputs()
-        out = model(input_ids=ids, labels=labels)
-    expected = reference(input_ids=ids, labels=labels)
-    torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
-    _whole(out.loss).backward()
-    expected.loss.backward()
-    _check_gradients(model, reference)
+    _check_a_step(model, reference)
     experts = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
     assert all(isinstance(p, Replicate) for p in experts.placements)
     plain = _qwen3_moe()  # its own plan without the entries: the user's are refused
