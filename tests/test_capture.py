@@ -140,6 +140,74 @@ def test_without_breaks_the_module_is_one_fusion_and_explains_itself(multidevice
     assert "the program of fusion 0 (an identical block, built once)" in text
 
 
+def _check_against(model, reference, x) -> None:
+    """``model``'s loss and every parameter's gradient are ``reference``'s on ``x``."""
+    loss = model(x)
+    expected = reference(x)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Masked(torch.nn.Module):
+    """A break (``cumsum``) on a sharded value whose result only masks: no gradient comes
+    back through it (a router's threshold, as in PhiMoE's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(E, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, E)
+
+    def forward(self, x):
+        h = self.up(x)
+        keep = torch.cumsum(h, -1) > 0
+        return self.down(h * keep).sum()
+
+
+@pytest.mark.mpi
+def test_a_break_no_gradient_comes_back_through_passes_none_on(multidevice_test):
+    torch.manual_seed(0)
+    reference = Masked()
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        _check_against(model, reference, torch.randn(4, E))
+
+
+class Gated(torch.nn.Module):
+    """Axes of extent 1 that a computation made, which PyTorch broadcasts: a gate ``linear``
+    to one feature times a value (Qwen2-MoE's shared expert), and padding wider than one
+    (Qwen3-Next's convolution pads its sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(E, 1, bias=False)
+        self.up = torch.nn.Linear(E, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN + 5, E)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.gate(x)) * self.up(x)
+        h = F.pad(h, (2, 3), value=0.5)
+        edge = x[:, :1].expand(-1, E)  # a one-wide slice expanded
+        return (self.down(h) * edge).sum()
+
+
+@pytest.mark.mpi
+def test_computed_axes_of_extent_one_broadcast_as_in_pytorch(multidevice_test):
+    torch.manual_seed(0)
+    reference = Gated()
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {"up": ColwiseParallel(output_layouts=Replicate())})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        _check_against(model, reference, torch.randn(4, E))
+
+
 # ----- partition and the op table, one process ---------------------------------------------
 
 def _captured(module, *args):

@@ -51,6 +51,32 @@ def _binary(name: str):
     return lambda o, out, a, b: getattr(o, name)(a, b)
 
 
+def _torch_broadcast(o, x: Any, shape: list) -> Any:
+    """``x`` with every axis of extent 1 that meets another extent in ``shape`` (aligned on
+    the right) made a broadcast axis. PyTorch broadcasts any axis of extent 1; meshfuse only
+    broadcast axes, and an extent 1 that a computation made (``linear`` to one feature, a
+    one-wide slice) is an ordinary axis until squeezed and put back as a broadcast one."""
+    if not isinstance(x, TensorView):
+        return x
+    offset = len(shape) - x.ndim
+    dims = [a for a, axis in enumerate(x.materialized())
+            if axis.extent == 1 and not axis.is_broadcast and shape[offset + a] != 1]
+    if not dims:
+        return x
+    kept = [a for a in range(x.ndim) if a not in dims]
+    return o.broadcast_in_dim(o.squeeze(x, dims), [1 if a in dims else -1
+                                                   for a in range(x.ndim)], kept)
+
+
+def _broadcasting(emit: Callable[..., Any]) -> Callable[..., Any]:
+    """A pointwise op's translation whose tensor operands broadcast as PyTorch's do
+    (:func:`_torch_broadcast` against the traced output's shape)."""
+    def broadcast_then_emit(o, out, *args, **kwargs):
+        shape = list(out.shape)
+        return emit(o, out, *(_torch_broadcast(o, a, shape) for a in args), **kwargs)
+    return broadcast_then_emit
+
+
 def _add(o, out, a, b, alpha=1):
     return o.add(a, b if alpha == 1 else o.mul(b, alpha))
 
@@ -93,7 +119,7 @@ def _permute(o, out, x, dims):
 
 
 def _expand(o, out, x, shape, implicit=False):
-    return o.expand(x, list(out.shape))
+    return o.expand(_torch_broadcast(o, x, list(out.shape)), list(out.shape))
 
 
 def _clamped(o, x, dim: int, start, end) -> tuple[Any, Any]:
@@ -144,7 +170,7 @@ def _pad(o, out, x, pad, mode="constant", value=None):
         for width in (before, after):
             shape = list(o.shape(x))
             shape[dim] = width
-            blocks.append(o.expand(unit, shape) if width else None)
+            blocks.append(o.expand(_torch_broadcast(o, unit, shape), shape) if width else None)
         x = o.cat([b for b in (blocks[0], x, blocks[1]) if b is not None], dim)
     return x
 
@@ -322,8 +348,8 @@ TABLE: dict[Any, Translation] = {
     aten._log_softmax.default: Translation(_softmax("log_softmax")),
     aten._to_copy.default: Translation(_cast),
     aten._unsafe_view.default: Translation(_reshape),
-    aten.add.Scalar: Translation(_add),
-    aten.add.Tensor: Translation(_add),
+    aten.add.Scalar: Translation(_broadcasting(_add)),
+    aten.add.Tensor: Translation(_broadcasting(_add)),
     aten.addmm.default: Translation(_addmm),
     aten.amax.default: Translation(_reduce("max")),
     aten.amin.default: Translation(_reduce("min")),
@@ -331,8 +357,8 @@ TABLE: dict[Any, Translation] = {
     aten.cat.default: Translation(_cat),
     aten.copy.default: Translation(_copy),
     aten.cross_entropy_loss.default: Translation(_cross_entropy, _cross_entropy_check),
-    aten.div.Scalar: Translation(_div),
-    aten.div.Tensor: Translation(_div),
+    aten.div.Scalar: Translation(_broadcasting(_div)),
+    aten.div.Tensor: Translation(_broadcasting(_div)),
     aten.detach.default: Translation(_unary("stop_gradient")),
     aten.dropout.default: Translation(_dropout, _dropout_check),
     aten.embedding.default: Translation(_embedding, _embedding_check),
@@ -342,24 +368,24 @@ TABLE: dict[Any, Translation] = {
     aten.layer_norm.default: Translation(_layer_norm),
     aten.linear.default: Translation(_linear),
     aten.log_softmax.int: Translation(_softmax("log_softmax")),
-    aten.logical_and.default: Translation(_binary("logical_and")),
-    aten.logical_or.default: Translation(_binary("logical_or")),
+    aten.logical_and.default: Translation(_broadcasting(_binary("logical_and"))),
+    aten.logical_or.default: Translation(_broadcasting(_binary("logical_or"))),
     aten.matmul.default: Translation(_binary("matmul")),
-    aten.maximum.default: Translation(_binary("maximum")),
+    aten.maximum.default: Translation(_broadcasting(_binary("maximum"))),
     aten.mean.default: Translation(_reduce("mean")),
     aten.mean.dim: Translation(_reduce("mean")),
-    aten.minimum.default: Translation(_binary("minimum")),
+    aten.minimum.default: Translation(_broadcasting(_binary("minimum"))),
     aten.mm.default: Translation(_binary("matmul")),
-    aten.mul.Scalar: Translation(_binary("mul")),
-    aten.mul.Tensor: Translation(_binary("mul")),
+    aten.mul.Scalar: Translation(_broadcasting(_binary("mul"))),
+    aten.mul.Tensor: Translation(_broadcasting(_binary("mul"))),
     aten.pad.default: Translation(_pad, _pad_check),
     aten.permute.default: Translation(_permute),
-    aten.pow.Scalar: Translation(_pow),
-    aten.pow.Tensor_Scalar: Translation(_pow),
-    aten.pow.Tensor_Tensor: Translation(_pow),
+    aten.pow.Scalar: Translation(_broadcasting(_pow)),
+    aten.pow.Tensor_Scalar: Translation(_broadcasting(_pow)),
+    aten.pow.Tensor_Tensor: Translation(_broadcasting(_pow)),
     aten.reshape.default: Translation(_reshape),
     aten.rms_norm.default: Translation(_rms_norm),
-    aten.rsub.Scalar: Translation(_rsub),
+    aten.rsub.Scalar: Translation(_broadcasting(_rsub)),
     aten.scaled_dot_product_attention.default: Translation(_sdpa, _sdpa_check),
     aten.slice.Tensor: Translation(_slice),
     aten.slice_scatter.default: Translation(_slice_scatter, _slice_scatter_check),
@@ -370,8 +396,8 @@ TABLE: dict[Any, Translation] = {
     aten.constant_pad_nd.default: Translation(_constant_pad_nd, _pad_check),
     aten.squeeze.dim: Translation(_reshape),
     aten.squeeze.dims: Translation(_reshape),
-    aten.sub.Scalar: Translation(_sub),
-    aten.sub.Tensor: Translation(_sub),
+    aten.sub.Scalar: Translation(_broadcasting(_sub)),
+    aten.sub.Tensor: Translation(_broadcasting(_sub)),
     aten.sum.default: Translation(_reduce("sum")),
     aten.sum.dim_IntList: Translation(_reduce("sum")),
     aten.t.default: Translation(_t),
@@ -383,9 +409,9 @@ TABLE: dict[Any, Translation] = {
     aten.unflatten.int: Translation(_reshape),
     aten.unsqueeze.default: Translation(_reshape),
     aten.view.default: Translation(_reshape),
-    aten.where.self: Translation(_where),
+    aten.where.self: Translation(_broadcasting(_where)),
     **{getattr(aten, name).default: Translation(_unary(name)) for name in _UNARY},
-    **{getattr(getattr(aten, name), kind): Translation(_binary(op))
+    **{getattr(getattr(aten, name), kind): Translation(_broadcasting(_binary(op)))
        for name, op in _COMPARISONS.items() for kind in ("Tensor", "Scalar")},
 }
 

@@ -185,7 +185,31 @@ def argument_name(path: tuple) -> str:
 
 
 def _whole(x: Any) -> Any:
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    return _Gathered.apply(x) if isinstance(x, DTensor) else x
+
+
+class _Gathered(torch.autograd.Function):
+    """``x.full_tensor()`` for a graph break, whose backward passes a missing gradient on as
+    missing. ``full_tensor``'s own redistribution node makes a missing gradient (a break's
+    output that no loss reads: a router's mask) a plain tensor of zeros, then fails on it as
+    not a DTensor. The gradient that comes is the whole one; each rank keeps its part (a
+    partial input's gradient is the whole one, replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.layout = (x.device_mesh, x.placements)
+        return x.full_tensor()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:
+        if grad is None:
+            return None
+        mesh, placements = ctx.layout
+        whole = DTensor.from_local(grad.contiguous(), mesh, [Replicate()] * mesh.ndim,
+                                   run_check=False)
+        kept = [Replicate() if p.is_partial() else p for p in placements]
+        return whole.redistribute(mesh, kept)
 
 
 def _returned(x: Any) -> Any:
