@@ -18,10 +18,12 @@ import warnings
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import meshfuse
 from meshfuse import DeviceMesh
 from meshfuse.capture.program import GraphBreakWarning
+from meshfuse.dtensor import mesh_to_torch
 from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
@@ -62,6 +64,7 @@ FAMILIES = {**DENSE, **EXPERTS, **HYBRIDS}
 # Run at every world size (1, 2, 4: four ranks split the two key/value heads); the others at
 # two ranks only, to keep the suite's time: one of each kind of layer.
 AT_EVERY_SIZE = {"gemma2", "gpt_neox", "phi3", "gpt_oss", "phimoe", "qwen2_moe", "lfm2"}
+# (and fully sharded: test_a_family_fully_sharded_trains_as_the_module)
 
 
 def _model(family: str):
@@ -118,3 +121,41 @@ def test_a_familys_own_plan_gives_the_modules_logits_and_gradients(multidevice_t
                    if any(isinstance(s, Shard) for s in p.placements)]
         assert sharded, f"{family}'s plan sharded no parameter"
         assert any(len(c.ranks) > 1 for c in communications)
+
+
+@pytest.mark.parametrize("family", sorted(AT_EVERY_SIZE))
+def test_a_family_fully_sharded_trains_as_the_module(multidevice_test, family):
+    """``fsdp="dp"``: at two ranks FSDP alone, at four dp=2 x tp=2 with the family's own
+    plan. Two AdamW steps follow the module's losses; every parameter of more than one row
+    is sharded over dp (one of a single row, Qwen2-MoE's shared-expert gate, stays
+    replicated there: nothing to split)."""
+    ranks = multidevice_test.size
+    if ranks == 1:
+        pytest.skip("FSDP needs two ranks or more")
+    sizes = {"dp": 2, "tp": ranks // 2} if ranks == 4 else {"dp": ranks}
+    mesh = mesh_to_torch(DeviceMesh(torch.arange(ranks).reshape(tuple(sizes.values()))),
+                         mesh_dim_names=tuple(sizes))
+    reference = _model(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(copy.deepcopy(reference), mesh,
+                                     reference.tp_plan if "tp" in sizes else {}, fsdp="dp")
+    for name, p in model.named_parameters():
+        split = isinstance(p.placements[0], Shard | _StridedShard)
+        assert split == (p.shape[0] > 1), f"{name} {tuple(p.shape)}: {p.placements}"
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        ids, labels = (torch.randint(0, VOCAB, (2 * sizes["dp"], SEQ), generator=g)
+                       .to(current_device()) for _ in range(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GraphBreakWarning)
+            loss = _whole(model(input_ids=ids, labels=labels).loss)
+            loss.backward()
+        expected = reference(input_ids=ids, labels=labels).loss
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()

@@ -1,10 +1,12 @@
 """Fully sharded data parallelism of a captured module (``parallelize(..., fsdp="dp")``).
 
 The plan's placements gain ``Shard(0)`` on the data-parallel mesh dimension for every
-parameter with a first axis (FSDP2's layout: each rank holds a block of rows, within its
+parameter with a first axis of more than one row (FSDP2's layout: each rank holds a block of rows, within its
 tensor-parallel shard's when the plan splits the same axis, which DTensor writes
 ``_StridedShard(0, split_factor=tp)``); the user's tensor inputs are
-split on their first (batch) axis over that dimension before the call. The fusions then
+split on their first (batch) axis over that dimension before the call (a parameter of one
+row, a gate to one feature, stays replicated over it: an axis of extent 1 is a broadcast
+axis, which nothing splits; its gradient is allreduced). The fusions then
 read each parameter gathered over ``dp`` (resharding: an allgather before its first use,
 :mod:`meshfuse.parallel.fsdp` explains the strategy) and their derived backwards
 reduce-scatter its gradient back to the parameter's layout; the loss, a mean over the split
@@ -39,8 +41,8 @@ def _axis(mesh: TorchDeviceMesh, name: str) -> int:
 
 def fully_shard_plan(resolved: ResolvedPlan, mesh: TorchDeviceMesh, name: str,
                      plan: Mapping[str, Any], module: torch.nn.Module) -> ResolvedPlan:
-    """``resolved`` with every parameter of a first axis sharded on it over dimension
-    ``name`` of ``mesh`` too.
+    """``resolved`` with every parameter of a first axis of more than one row sharded on it
+    over dimension ``name`` of ``mesh`` too.
 
     Raises:
         ScheduleError: ``name`` is not a dimension of ``mesh``, or it is the last one (the
@@ -51,12 +53,12 @@ def fully_shard_plan(resolved: ResolvedPlan, mesh: TorchDeviceMesh, name: str,
         raise ScheduleError(f"fsdp={name!r} is the mesh's last dimension, which the plan's "
                             "tensor parallelism shards over: put the data-parallel dimension "
                             f"first, e.g. mesh_dim_names=('{name}', 'tp'), or give plan={{}}")
-    ndim = {n: p.ndim for n, p in module.named_parameters()}
+    shapes = {n: p.shape for n, p in module.named_parameters()}
     layouts, gathered = {}, {}
     for param, layout in resolved.parameters.items():
-        stored = list(layout)
-        if ndim.get(param, 0) > 0 and isinstance(stored[axis], Replicate):
-            stored[axis] = _rows(layout, axis, mesh, ndim[param])
+        stored, shape = list(layout), shapes.get(param, ())
+        if len(shape) > 0 and shape[0] > 1 and isinstance(stored[axis], Replicate):
+            stored[axis] = _rows(layout, axis, mesh, len(shape))
             gathered[param] = tuple(layout)  # what the ops read: the plan's layout
         layouts[param] = tuple(stored)
     return dataclasses.replace(resolved, parameters=layouts, gathered=gathered,
