@@ -159,3 +159,58 @@ def test_a_family_fully_sharded_trains_as_the_module(multidevice_test, family):
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+# Pipelined (test_a_family_pipelined_trains_as_the_module): Llama-4's rotary frequencies
+# are complex and its router a Linear subclass computing its top-k, Qwen3-Next's layers
+# assign into slices (ATen's copy), PhiMoE's router breaks the graph; GPT-NeoX's layers are
+# ``gpt_neox.layers``.
+PIPELINED = {"gpt_neox", "llama4_text", "phimoe", "qwen3_next"}
+
+
+def _cross_entropy(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("family", sorted(PIPELINED))
+def test_a_family_pipelined_trains_as_the_module(multidevice_test, family):
+    """Two stages cut at the second layer (its ModuleList found by name), two microbatches
+    under 1F1B: at two ranks pp=2, at four pp=2 x tp=2 with the family's own plan. Two AdamW
+    steps give the module's losses on the last stage's ranks."""
+    ranks = multidevice_test.size
+    if ranks not in (2, 4):
+        pytest.skip("pp=2 at two ranks, pp=2 x tp=2 at four")
+    reference = _model(family)
+    layers = next(n for n, m in reference.named_modules()
+                  if isinstance(m, torch.nn.ModuleList) and len(m) == 2)
+    g = torch.Generator().manual_seed(1)
+    data = [tuple(torch.randint(0, VOCAB, (4, SEQ), generator=g).to(current_device())
+                  for _ in range(2)) for _ in range(2)]
+    model = copy.deepcopy(reference)
+    expected = []
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for ids, target in data:
+        optimizer.zero_grad()
+        loss = _cross_entropy(reference(input_ids=ids), target)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    sizes = {"pp": 2, "tp": 2} if ranks == 4 else {"pp": 2}
+    mesh = mesh_to_torch(DeviceMesh(torch.arange(ranks).reshape(tuple(sizes.values()))),
+                         mesh_dim_names=tuple(sizes))
+    spec = meshfuse.PipelineSpec(split_points=[f"{layers}.1"], loss_fn=_cross_entropy,
+                                 microbatches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        pipe = meshfuse.parallelize(model, mesh, reference.tp_plan if ranks == 4 else {},
+                                    pipeline=spec)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        losses = []
+        for ids, target in data:
+            optimizer.zero_grad()
+            losses.append(pipe.step({"input_ids": ids}, target))
+            optimizer.step()
+    if multidevice_test.rank >= ranks // 2:  # the last stage's ranks
+        assert [x.item() for x in losses] == pytest.approx(expected, rel=1e-5)
+    else:
+        assert losses == [None, None]

@@ -227,13 +227,23 @@ def test_hf_pipeline_errors(multidevice_test):
     ids, target = _data()[0]
     with pytest.raises(InputError, match=r"input 0 of shape \(4, 8\) does not split into 3"):
         pipe.step({"input_ids": ids}, target)
+
+
+@pytest.mark.mpi
+def test_a_weight_tied_across_stages_is_refused_when_parallelized(multidevice_test):
+    """The embedding and the head one parameter, in stages 0 and 1: refused on every rank
+    by ``parallelize``, before any stage is laid out (at pp2 x tp2 the laid-out stages
+    would each train a copy of their own: the second step's loss would differ)."""
+    d = multidevice_test.size
+    if d not in (2, 4):
+        pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4")
     tied = _model()
     tied.lm_head.weight = tied.model.embed_tokens.weight
     spec = PipelineSpec(split_points=["model.layers.1"], loss_fn=_loss, microbatches=2)
-    pipe = meshfuse.parallelize(tied, mesh, {}, pipeline=spec)
-    with pytest.raises(DefinitionError, match=r"'lm_head.weight' is read by pipeline stages "
-                                              r"\[0, 1\] \(a weight tied"):
-        pipe.step({"input_ids": ids}, target)
+    mesh = _mesh((2,), ("pp",)) if d == 2 else _mesh((2, 2), ("pp", "tp"))
+    with pytest.raises(DefinitionError, match=r"'lm_head.weight' is 'model.embed_tokens.weight'"
+                                              r" \(a weight tied across stages.*stages \[0, 1\]"):
+        meshfuse.parallelize(tied, mesh, TP_PLAN if d == 4 else {}, pipeline=spec)
 
 
 @pytest.mark.mpi

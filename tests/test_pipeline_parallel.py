@@ -193,3 +193,12 @@ def test_a_bundle_crosses_as_one_message():
     lone = torch.randn(4)
     assert pack((lone,)) is lone or torch.equal(pack((lone,)), lone)
     assert unpack(pack(()), Layout(())) == ()
+    # complex values (Llama-4's rotary frequencies) travel as bytes, alone too
+    for bundle in [(torch.randn(1, 8, 4, dtype=torch.complex64),),
+                   (torch.randn(2, 3), torch.randn(3, dtype=torch.complex128))]:
+        layout = Layout.of(bundle)
+        assert Layout.read(layout.header()[1]) == layout
+        message = pack(bundle)
+        assert message.dtype == torch.uint8
+        for sent, got in zip(bundle, unpack(message.clone(), layout)):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)

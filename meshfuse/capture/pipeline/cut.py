@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from meshfuse.capture.trace import Captured, module_paths
 from meshfuse.errors import DefinitionError
+from meshfuse.parallel.stages.messages import check_sendable
 
 __all__ = ["StageGraph", "cut_graph"]
 
@@ -62,6 +63,7 @@ def cut_graph(captured: Captured, split_points: Sequence[str]) -> list[StageGrap
         DefinitionError: a split point whose module runs no op, split points out of order,
             a parameter read on both sides of a boundary (a weight tied across stages), or
             a value crossing a boundary that is not a tensor.
+        ScheduleError: a tensor crossing a boundary that messages cannot carry.
     """
     nodes = list(captured.graph.nodes)
     starts = [_start(nodes, point) for point in split_points]
@@ -205,3 +207,6 @@ def _check_tensors(sends: list[torch.fx.Node], s: int) -> None:
                 f"pipeline stage {s} and read after it, but it is a "
                 f"{type(node.meta.get('val')).__name__}, not a tensor; move the split "
                 f"point so that it is made and read in one stage")
+        # checked here, where every rank has the whole graph: found by the sending rank
+        # alone, the next stage's would wait for the message
+        check_sendable(tuple(node.meta["val"].shape), node.meta["val"].dtype)

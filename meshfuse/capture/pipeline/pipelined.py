@@ -34,6 +34,7 @@ from meshfuse.capture.pipeline.cut import cut_graph
 from meshfuse.capture.pipeline.stage import (
     GraphStage,
     check_owners,
+    check_ties,
     owners_by_stage,
     plain_parameters,
 )
@@ -212,7 +213,8 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
                               f"or a {PP!r} dimension of size {n_stages}")
     points = split_modules(module, spec)
     owners = owners_by_stage(module, points)
-    shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters()}
+    check_ties(module, owners)
+    shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters(remove_duplicate=False)}
     grid = tmesh.mesh.movedim(names.index(PP), 0)
     stage_ranks = [row.flatten().tolist() for row in grid]
     sub = (tmesh[rest if len(rest) > 1 else rest[0]]) if rest else None

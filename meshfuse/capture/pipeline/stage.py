@@ -21,7 +21,7 @@ from meshfuse.capture.pipeline.cut import StageGraph
 from meshfuse.capture.trace import Captured
 from meshfuse.errors import DefinitionError, ScheduleError
 
-__all__ = ["GraphStage", "check_owners", "owners_by_stage", "plain_parameters"]
+__all__ = ["GraphStage", "check_owners", "check_ties", "owners_by_stage", "plain_parameters"]
 
 
 def owners_by_stage(model: torch.nn.Module, points: Sequence[str]) -> list[list[str]]:
@@ -56,6 +56,23 @@ def check_owners(graphs: Sequence[StageGraph], model: torch.nn.Module,
                     f"and the ops reading it are in one stage")
 
 
+def check_ties(model: torch.nn.Module, owners: Sequence[Sequence[str]]) -> None:
+    """No parameter is held, under several names, by modules of different stages (a tied
+    embedding and head): each stage would train a copy of its own. Checked before the
+    stages are laid out, on every rank (a laid-out stage's parameters are its own)."""
+    stage_of = {m: s for s, held in enumerate(owners) for m in held}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for tied in names.values():
+        stages = sorted({stage_of[name.rpartition(".")[0]] for name in tied})
+        if len(stages) > 1:
+            raise DefinitionError(
+                f"parameter {tied[-1]!r} is {tied[0]!r} (a weight tied across stages, e.g. "
+                f"the embedding and the head), held by pipeline stages {stages}; untie it "
+                f"(config tie_word_embeddings=False) or keep its modules in one stage")
+
+
 class GraphStage(torch.nn.Module):
     """The modules ``owners`` of ``model`` (under their names) and, once the pipeline has
     cut the model's graph (:meth:`set_graph`), the stage's piece of it: ``forward(*bundle)``
@@ -77,6 +94,9 @@ class GraphStage(torch.nn.Module):
                 setattr(root, node.target, program.attributes[node.name])
         for path in _call_linears(program, self):
             _register(root, path, self.get_submodule(path))
+        for node in program.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.copy.default:
+                node.target = _copied
         self.__dict__["graph"] = graph
         self.__dict__["_run"] = torch.fx.GraphModule(root, program.graph)
         self.__dict__["_reads"] = [_source(n.name, program) for n in program.graph.nodes
@@ -115,7 +135,8 @@ class GraphStage(torch.nn.Module):
 
 def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
     """Rewrites each ``aten.linear`` on the weight (and bias) of a ``torch.nn.Linear`` of
-    the stage as a call of that module, so that its forward hooks run (a zero-bubble
+    the stage whose forward is Linear's (not a subclass computing more: Llama-4's router
+    returns its top-k too) as a call of that module, so that its forward hooks run (a zero-bubble
     schedule notes the Linears' inputs and outputs to defer their weight gradients);
     returns the modules' paths."""
     params, paths = program.parameters, []
@@ -128,6 +149,7 @@ def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
         path, _, leaf = name.rpartition(".")
         module = stage.get_submodule(path) if path and leaf == "weight" else None
         if not isinstance(module, torch.nn.Linear) or \
+                type(module).forward is not torch.nn.Linear.forward or \
                 (bias is None) != (module.bias is None) or \
                 (bias is not None and params.get(bias.name) != f"{path}.bias"):
             continue
@@ -138,6 +160,13 @@ def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
         program.graph.erase_node(node)
         paths.append(path)
     return paths
+
+
+def _copied(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy`` (what functionalization makes of ``x[...] = src``), differentiable:
+    ``src``'s values in ``x``'s shape, dtype and device (ATen's ``copy`` has no derivative,
+    and a stage's graph runs under autograd)."""
+    return src.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
 
 
 def _register(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:

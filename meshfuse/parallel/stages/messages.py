@@ -23,7 +23,7 @@ import torch
 from meshfuse.errors import ScheduleError
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-          torch.int32, torch.bool, torch.int8, torch.uint8)
+          torch.int32, torch.bool, torch.int8, torch.uint8, torch.complex64, torch.complex128)
 MAX_DIMS = 6
 _ENTRY = 3 + MAX_DIMS  # ndim, dtype, gradient, extents
 _ALIGN = 16
@@ -60,10 +60,7 @@ class Layout:
         """The two headers: ``[count]`` and each value's entry."""
         rows = []
         for v in self.values:
-            if len(v.shape) > MAX_DIMS or v.dtype not in DTYPES:
-                raise ScheduleError(f"a pipeline stage's output of shape {v.shape} and dtype "
-                                    f"{v.dtype} cannot cross stages; use at most {MAX_DIMS} "
-                                    f"dimensions and one of {list(DTYPES)}")
+            check_sendable(v.shape, v.dtype)
             entry = [len(v.shape), DTYPES.index(v.dtype), int(v.grad), *v.shape]
             rows += entry + [0] * (_ENTRY - len(entry))
         return (torch.tensor([len(self.values)], dtype=torch.int64),
@@ -78,9 +75,23 @@ class Layout:
 
     def buffer_spec(self) -> tuple[list[int], torch.dtype]:
         """The shape and dtype of the message that carries a bundle of this layout."""
-        if len(self.values) == 1:
+        if _alone(self.values):
             return list(self.values[0].shape), self.values[0].dtype
         return [sum(_padded(v.nbytes) for v in self.values)], torch.uint8
+
+
+def check_sendable(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raises ScheduleError unless a value of ``shape`` and ``dtype`` can cross stages."""
+    if len(shape) > MAX_DIMS or dtype not in DTYPES:
+        raise ScheduleError(f"a pipeline stage's output of shape {tuple(shape)} and dtype "
+                            f"{dtype} cannot cross stages; use at most {MAX_DIMS} "
+                            f"dimensions and one of {list(DTYPES)}")
+
+
+def _alone(values: tuple) -> bool:
+    """Whether a bundle travels as its one tensor itself: one real value (communicators
+    send no complex dtype: a complex value travels as bytes)."""
+    return len(values) == 1 and not values[0].dtype.is_complex
 
 
 def entries_size(count: torch.Tensor) -> list[int]:
@@ -89,8 +100,8 @@ def entries_size(count: torch.Tensor) -> list[int]:
 
 
 def pack(bundle: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The message of a bundle (a lone tensor is its own message)."""
-    if len(bundle) == 1:
+    """The message of a bundle (a lone real tensor is its own message)."""
+    if _alone(bundle):
         return bundle[0].contiguous()
     if not bundle:  # no value carries a gradient back
         return torch.empty(0, dtype=torch.uint8)
@@ -103,7 +114,7 @@ def pack(bundle: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def unpack(message: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
     """The bundle a message of ``layout`` holds (views of the message)."""
-    if len(layout.values) == 1:
+    if _alone(layout.values):
         return (message,)
     out, offset = [], 0
     for v in layout.values:
