@@ -214,3 +214,38 @@ def test_a_family_pipelined_trains_as_the_module(multidevice_test, family):
         assert [x.item() for x in losses] == pytest.approx(expected, rel=1e-5)
     else:
         assert losses == [None, None]
+
+
+# Through torch.compile (test_the_compile_backend_takes_a_familys_own_plan): Llama-4's plan
+# names its experts' tensor parallelism (``moe_tp_experts``), which a Dynamo graph cannot
+# tell from the model's own plan: read as its own (the experts replicated).
+COMPILED = {"gpt_neox", "llama4_text", "qwen2_moe"}
+
+
+@pytest.mark.parametrize("family", sorted(COMPILED))
+def test_the_compile_backend_takes_a_familys_own_plan(multidevice_test, family):
+    """``torch.compile(model, backend=meshfuse.backend(mesh, model.tp_plan))`` at two ranks:
+    the module's logits and gradients (whole, on its plain parameters), and the plan's
+    communications ran (Dynamo did not fall back to the eager module)."""
+    if multidevice_test.size != 2:
+        pytest.skip("run at two ranks")
+    reference = _model(family)
+    model = copy.deepcopy(reference)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=False, backend=meshfuse.backend(
+        DeviceMesh(range(2)), reference.tp_plan))
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(current_device())
+                   for _ in range(2))
+    with warnings.catch_warnings(), record_communications() as communications:
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        out = compiled(input_ids=ids, labels=labels)
+        out.loss.backward()
+    expected = reference(input_ids=ids, labels=labels)
+    expected.loss.backward()
+    assert any(len(c.ranks) > 1 for c in communications)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        if ref.grad is not None:
+            torch.testing.assert_close(p.grad, ref.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")

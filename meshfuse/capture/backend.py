@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.parallelize import torch_mesh
-from meshfuse.capture.plan import ModelOutline, resolve_plan
+from meshfuse.capture.plan import ModelOutline, expert_entries, resolve_plan
 from meshfuse.capture.program import Program
 from meshfuse.capture.trace import capture, module_stack, source_name
 from meshfuse.errors import DefinitionError
@@ -64,10 +64,13 @@ class _Compiled:
                 "torch.compile(model, backend=..., dynamic=False)")
         sources = [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
         self.roles = sources  # per input: ("parameters"|"buffers", name) or None
+        # A Dynamo graph does not carry the model's config, whose own plan parallelize
+        # compares entries with: Hugging Face's expert styles are read as the model's own
+        # (its experts replicated, as the plans of versions without them leave them).
         outline = ModelOutline(
             _module_kinds(gm),
             {s[1]: x.ndim for s, x in zip(sources, example_inputs)
-             if s is not None and s[0] == "parameters"})
+             if s is not None and s[0] == "parameters"}, family_plan=expert_entries(plan))
         # Dynamo may cut the model into several graphs: a key may match none of this one.
         self.plan = resolve_plan(outline, plan, mesh.ndim, every_key=False)
         self.mesh = mesh

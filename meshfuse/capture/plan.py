@@ -207,6 +207,11 @@ _HF_EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts", "ep_router", "moe_tp
 _NOT_OWN = object()
 
 
+def expert_entries(plan: Mapping[str, Any]) -> dict[str, str]:
+    """The entries of ``plan`` in Hugging Face's expert styles (``"moe_tp_experts"``...)."""
+    return {k: v for k, v in plan.items() if isinstance(v, str) and v in _HF_EXPERT_STYLES}
+
+
 def _style(value: Any, key: str, own: bool = False) -> Any:
     """The style of ``plan[key] = value``; ``own``: the entry is the model's own plan's.
     Some versions of Hugging Face's plans shard experts by tensor parallelism
