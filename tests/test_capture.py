@@ -21,6 +21,7 @@ from meshfuse.capture.partition import Break, Segment, fold, partition, simplify
 from meshfuse.capture.plan import ModelOutline, resolve_plan
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.trace import capture
+from meshfuse.dtensor import mesh_to_torch
 from meshfuse.errors import GraphBreakError
 from meshfuse.runtime.comm.collectives import record_communications
 
@@ -206,6 +207,57 @@ def test_computed_axes_of_extent_one_broadcast_as_in_pytorch(multidevice_test):
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphBreakWarning)
         _check_against(model, reference, torch.randn(4, E))
+
+
+class Counting(torch.nn.Module):
+    """A forward that writes a buffer in place: how many times each feature of the hidden
+    layer was positive (a MoE router's token counts, torchtitan's ``tokens_per_expert``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(E, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, E)
+        self.register_buffer("positive", torch.zeros(HIDDEN))
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        self.positive.add_((h > 0).sum(0))  # a mutation the trace records (under no_grad:
+        # an in-place op its graph break runs on the buffer itself)
+        return self.down(h)
+
+
+class Summed(torch.nn.Sequential):
+    def forward(self, x):
+        return super().forward(x).sum()
+
+
+@pytest.mark.mpi
+def test_a_buffer_the_forward_writes_in_place_is_written(multidevice_test):
+    """Each call's new value of the buffer is written into the module's, as the module's
+    own forward writes it; loss and gradients are the module's."""
+    torch.manual_seed(0)
+    reference = Summed(Counting())
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {"0.up": ColwiseParallel(), "0.down": RowwiseParallel()})
+    for seed in range(2):
+        x = torch.randn(4, E, generator=torch.Generator().manual_seed(seed))
+        _check_against(model, reference, x)
+        assert reference[0].positive.sum() > 0
+        torch.testing.assert_close(model[0].positive, reference[0].positive)
+
+
+@pytest.mark.mpi
+def test_buffers_written_in_place_are_refused_by_a_pipeline(multidevice_test):
+    if multidevice_test.size != 2:
+        pytest.skip("two pipeline stages")
+    torch.manual_seed(0)
+    mesh = mesh_to_torch(DeviceMesh(range(2)), mesh_dim_names=("pp",))
+    spec = meshfuse.PipelineSpec(split_points=[1], loss_fn=lambda out, target: out.sum())
+    model = torch.nn.Sequential(Counting(), torch.nn.Linear(E, E))
+    pipe = meshfuse.parallelize(model, mesh, {}, pipeline=spec)
+    with pytest.raises(DefinitionError, match=r"modifies its buffer\(s\) \['0.positive'\] in "
+                                              r"place .* which a pipeline does not carry out"):
+        pipe.step(torch.randn(4, E), torch.zeros(4))
 
 
 # ----- partition and the op table, one process ---------------------------------------------

@@ -135,3 +135,61 @@ def test_torchtitan_llama3_adamw_steps_follow_the_module(multidevice_test, monke
         assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
         history.append(losses[0])
     assert sum(history[-3:]) < sum(history[:3]) - 0.1  # it learns the three batches
+
+
+def _tiny_qwen3_moe(monkeypatch):
+    """Two layers of torchtitan's Qwen3 with routed experts (4, two per token), SDPA."""
+    qwen3 = pytest.importorskip("torchtitan.models.qwen3")
+    qwen3_model = pytest.importorskip("torchtitan.models.qwen3.model")
+    for module in (qwen3, qwen3_model):
+        if hasattr(module, "get_attention_config"):
+            monkeypatch.setattr(module, "get_attention_config",
+                                lambda backend: attention.ScaledDotProductAttention.Config())
+    head = 16
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=2, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=head,
+        attn_backend="sdpa", rope=qwen3.CosSinRoPE.Config(dim=head, max_seq_len=64,
+                                                          theta=1e6),
+        moe_hidden_dim=32, num_experts=4, top_k=2, moe_comm_backend="standard")
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM), layers=layers,
+        tok_embeddings=qwen3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=qwen3.Linear.Config(in_features=DIM, out_features=VOCAB))
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def test_torchtitan_qwen3_moe_counts_its_tokens_per_expert(multidevice_test, monkeypatch):
+    """torchtitan's Qwen3-MoE, attention tensor-parallel (its fused qkv column-wise), the
+    experts replicated (their dispatch runs as graph breaks). Its MoE forward adds each
+    step's token counts into the buffer ``tokens_per_expert_E`` in place (the auxiliary-loss
+    free load balancing reads them): the module's buffers after two calls are the
+    reference's; logits and gradients the module's (within float32's reordering: the
+    gradients through the routing within 1e-3 of their norm)."""
+    if multidevice_test.size not in (1, 2):
+        pytest.skip("one and two ranks")
+    reference = _tiny_qwen3_moe(monkeypatch)
+    plan = {"layers.*.attention.qkv_linear.wqkv": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+            range(multidevice_test.size)), plan)
+        for seed in range(2):
+            ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+            out, expected = model(ids), reference(ids)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            out.sum().backward()
+            expected.sum().backward()
+    counts = [(name, b) for name, b in reference.named_buffers() if "tokens_per_expert" in name]
+    assert counts and all(b.sum() == 2 * 2 * 2 * 8 for _, b in counts)  # 2 calls x top 2
+    for name, b in counts:
+        torch.testing.assert_close(model.get_buffer(name), b, msg=name)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        error = (p.grad.full_tensor() - ref.grad).norm() / ref.grad.norm()
+        assert error <= 1e-3, f"{name}: {error:.1e}"

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from meshfuse.capture.parallelize import torch_mesh
 from meshfuse.capture.plan import ModelOutline, expert_entries, resolve_plan
 from meshfuse.capture.program import Program
-from meshfuse.capture.trace import capture, module_stack, source_name
+from meshfuse.capture.trace import capture, module_stack, refuse_mutations, source_name
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.mesh import DeviceMesh
 
@@ -76,6 +76,7 @@ class _Compiled:
         self.mesh = mesh
         plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs]
         captured = capture(gm, tuple(plain), {})
+        refuse_mutations(captured, "meshfuse.backend")
         placeholders = list(captured.user_inputs)
         roles = dict(zip(placeholders, sources))
         captured = dataclasses.replace(

@@ -125,7 +125,12 @@ class _Parallel:
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
         outputs = program.run(*state.members.read(self), flat)
-        return pytree.tree_unflatten(outputs, program.captured.out_spec)
+        mutated = program.captured.mutated_buffers
+        with torch.no_grad():  # the buffers the forward writes in place, written now
+            for name, value in zip(mutated, outputs):
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                self.get_buffer(name).copy_(value)
+        return pytree.tree_unflatten(outputs[len(mutated):], program.captured.out_spec)
 
     def explain(self, *args, **kwargs) -> str:
         """The captured program of the last signature (or of ``args``/``kwargs``, captured

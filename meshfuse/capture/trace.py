@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from meshfuse.capture.regions import inline_regions
 from meshfuse.capture.repeats import expand_repeats, repeated_layers, traced_once
 from meshfuse.errors import DefinitionError
 
-__all__ = ["Captured", "capture", "module_path"]
+__all__ = ["Captured", "capture", "module_path", "refuse_mutations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,9 @@ class Captured:
         out_spec: how the flat outputs nest back (a ``ModelOutput`` stays one).
         attributes: ``get_attr`` node name -> its value (the submodule a higher-order op that
             :mod:`.regions` does not inline calls; its graph break passes it).
+        mutated_buffers: the buffers the forward writes in place (a MoE's token counts,
+            batch norm's running statistics), by name in the module: the graph's first
+            outputs are their new values, in this order; the user's outputs follow.
     """
 
     graph: torch.fx.Graph
@@ -59,6 +62,7 @@ class Captured:
     in_spec: Any
     out_spec: Any
     attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    mutated_buffers: tuple[str, ...] = ()
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
@@ -111,20 +115,32 @@ def _from_exported(exported: ExportedProgram) -> Captured:
             constants[name] = exported.constants[spec.target]
         else:
             user.append(name)
-    if exported.graph_signature.buffers_to_mutate or \
-            exported.graph_signature.user_inputs_to_mutate:
+    signature = exported.graph_signature
+    if signature.user_inputs_to_mutate:
         raise DefinitionError(
-            "the module modifies a buffer or an input in place during its forward (e.g. "
-            "batch norm's running statistics); meshfuse captures pure forwards: put it in "
-            "eval mode or keep that part out of the parallelized module"
-        )
+            f"the module modifies its input(s) {sorted(signature.user_inputs_to_mutate.values())} "
+            "in place during its forward; meshfuse captures forwards that return what they "
+            "compute: return the new value instead, or keep that part out of the "
+            "parallelized module")
+    mutated = tuple(spec.target for spec in signature.output_specs
+                    if spec.kind is OutputKind.BUFFER_MUTATION)
     module = exported.graph_module
     inline_regions(module)
     parameters, buffers = expand_repeats(module.graph, parameters, buffers)
     attributes = {n.name: _attribute(module, n.target) for n in module.graph.nodes
                   if n.op == "get_attr"}
     return Captured(module.graph, parameters, buffers, constants, tuple(user),
-                    exported.call_spec.in_spec, exported.call_spec.out_spec, attributes)
+                    exported.call_spec.in_spec, exported.call_spec.out_spec, attributes,
+                    mutated)
+
+
+def refuse_mutations(captured: Captured, where: str) -> None:
+    """Raises DefinitionError if ``captured`` writes buffers, which ``where`` cannot."""
+    if captured.mutated_buffers:
+        raise DefinitionError(
+            f"the module modifies its buffer(s) {list(captured.mutated_buffers)} in place "
+            f"during its forward (running statistics, token counts), which {where} does not "
+            "carry out; meshfuse.parallelize does (without a pipeline)")
 
 
 def _functional(exported: ExportedProgram) -> ExportedProgram:

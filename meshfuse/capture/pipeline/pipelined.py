@@ -39,7 +39,7 @@ from meshfuse.capture.pipeline.stage import (
     plain_parameters,
 )
 from meshfuse.capture.plan import outline_of, resolve_plan
-from meshfuse.capture.trace import capture
+from meshfuse.capture.trace import capture, refuse_mutations
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
@@ -166,6 +166,7 @@ class Pipeline:
         """Traces the model on one microbatch and gives each stage of this rank its graph."""
         with plain_parameters(self.model, self.shapes):
             captured = capture(self.model, args, kwargs)
+        refuse_mutations(captured, "a pipeline")
         graphs = cut_graph(captured, self.points)
         check_owners(graphs, self.model, self.owners)
         self.out_spec = captured.out_spec
