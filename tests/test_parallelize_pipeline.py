@@ -115,6 +115,44 @@ def test_pipelined_parallelize_trains_like_one_device(multidevice_test, split):
         assert inside and all(set(c.ranks) <= {mine * 2, mine * 2 + 1} for c in inside)
 
 
+class Scaled(Net):
+    """Parameters and a buffer of the model itself (not of a child): held by stage 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.register_buffer("shift", torch.full((HIDDEN,), 0.5))
+
+    def forward(self, x):
+        return super().forward(x * self.scale + self.shift)
+
+
+@pytest.mark.mpi
+def test_the_models_own_parameters_go_to_the_first_stage(multidevice_test):
+    if multidevice_test.size != 2:
+        pytest.skip("pp2")
+    torch.manual_seed(0)
+    reference = Scaled()
+    model = Scaled()
+    model.load_state_dict(reference.state_dict())
+    spec = PipelineSpec(split_points=["layers.1"], loss_fn=_loss, microbatches=M)
+    pipe = meshfuse.parallelize(model, _mesh((2,), ("pp",)), {}, pipeline=spec)
+    (stage,) = pipe.stages.values()
+    names = [n for n, _ in stage.named_parameters()]
+    assert ("scale" in names) == (multidevice_test.rank == 0)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pipe, reference)]
+    for x, y in _data():
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss = pipe.step(x, y)
+        expected = _loss(reference(x), y)
+        expected.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        if multidevice_test.rank == 1:
+            assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
 @pytest.mark.mpi
 def test_pipeline_spec_errors(multidevice_test):
     if multidevice_test.size != 2:

@@ -82,7 +82,14 @@ class GraphStage(torch.nn.Module):
         super().__init__()
         self.owners = list(owners)
         for name in owners:
-            _register(self, name, model.get_submodule(name))
+            if name:
+                _register(self, name, model.get_submodule(name))
+            else:  # the model's own parameters and buffers (not its children's)
+                for key, p in model.named_parameters(recurse=False):
+                    self.register_parameter(key, p)
+                for key, b in model.named_buffers(recurse=False):
+                    self.register_buffer(key, b, persistent=key not in
+                                         model._non_persistent_buffers_set)
         self.__dict__["graph"] = None  # not a submodule
         self.register_forward_hook(_plain_outputs)
 
