@@ -242,6 +242,24 @@ def test_a_models_own_expert_tensor_parallel_entries_leave_its_experts_replicate
         meshfuse.parallelize(plain, DeviceMesh([0]), {**plain.tp_plan, **EXPERT_TP_ENTRIES})
 
 
+def test_a_config_asking_for_a_cache_trains_without_one(multidevice_test):
+    """A configuration as ``from_pretrained`` gives it (``use_cache=True``): the call is
+    captured with ``use_cache=False`` (a training step reads no cache; a ``DynamicCache``
+    among the outputs cannot be traced), ``past_key_values`` is None; a call that asks for
+    the cache itself is refused, saying to pass ``use_cache=False``."""
+    config = transformers.LlamaConfig(**{**DECODER, "use_cache": True})
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).to(current_device())
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), reference.tp_plan)
+    ids, labels = _inputs()
+    out = model(input_ids=ids, labels=labels)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=labels).loss)
+    with pytest.raises(meshfuse.DefinitionError, match="pass use_cache=False"):
+        model(input_ids=ids, labels=labels, use_cache=True)
+
+
 def test_a_users_key_that_matches_nothing_is_still_refused():
     """Only the model's own plan's keys may match nothing: a key of the user's (a typo) is
     an error naming it."""

@@ -28,7 +28,7 @@ from meshfuse.capture.plan import ResolvedPlan, outline_of, resolve_plan
 from meshfuse.capture.program import Program, argument_name
 from meshfuse.capture.report import explain_program
 from meshfuse.capture.sharded import batch_placements, fully_shard_plan, split_batch
-from meshfuse.capture.trace import Captured, capture, flatten_call
+from meshfuse.capture.trace import Captured, capture, flatten_call, without_cache
 from meshfuse.dtensor import mesh_to_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
@@ -101,7 +101,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh | TorchDeviceMesh,
         distribute_tensor(p.detach(), tmesh, resolved.parameters[name]), p.requires_grad))
     if example_inputs is not None:
         args, kwargs = _split_example(example_inputs)
-        module._meshfuse.program(module, args, kwargs)
+        module._meshfuse.program(module, args, _uncached(module, kwargs))
     return module
 
 
@@ -122,6 +122,7 @@ class _Parallel:
             return super().forward(*args, **kwargs)
         if state.batch is not None:
             args, kwargs = split_batch((args, kwargs), state.mesh, state.batch)
+        kwargs = _uncached(self, kwargs)
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
         outputs = program.run(*state.members.read(self), flat)
@@ -137,11 +138,17 @@ class _Parallel:
         if new): each fusion's tensors, placements and communications, every parameter's
         placements, and the graph breaks with their module paths."""
         state: _State = self._meshfuse
-        program = state.program(self, args, kwargs) if args or kwargs else state.last
+        program = state.program(self, args, _uncached(self, kwargs)) \
+            if args or kwargs else state.last
         if program is None:
             raise DefinitionError("explain(): nothing captured yet; call the module first, or "
                                   "pass its inputs: model.explain(input_ids=ids)")
         return explain_program(program, dict(self.named_parameters()))
+
+
+def _uncached(module: torch.nn.Module, kwargs: dict) -> dict:
+    """:func:`without_cache` for a parallelized module (its model's own forward read)."""
+    return without_cache(module, kwargs, type(module).__bases__[1].forward)
 
 
 class _State:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import re
 import warnings
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from meshfuse.capture.regions import inline_regions
 from meshfuse.capture.repeats import expand_repeats, repeated_layers, traced_once
 from meshfuse.errors import DefinitionError
 
-__all__ = ["Captured", "capture", "module_path", "refuse_mutations"]
+__all__ = ["Captured", "capture", "module_path", "refuse_mutations", "without_cache"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,25 @@ def _from_exported(exported: ExportedProgram) -> Captured:
     return Captured(module.graph, parameters, buffers, constants, tuple(user),
                     exported.call_spec.in_spec, exported.call_spec.out_spec, attributes,
                     mutated)
+
+
+def without_cache(module: torch.nn.Module, kwargs: Mapping[str, Any],
+                  forward: Any = None) -> dict[str, Any]:
+    """``kwargs`` with ``use_cache=False`` where ``module`` is a Hugging Face model whose
+    config asks for a cache (``from_pretrained``'s default), whose forward takes it (by name
+    or among its ``**kwargs``: GraniteMoE's) and the call does not say: a
+    captured model trains, and a cache (a ``DynamicCache`` object among the outputs) is
+    neither traceable nor read by a training step. Its output's ``past_key_values`` is
+    None; a call passing ``use_cache=True`` is traced as asked (and refused). ``forward``:
+    the model's own (default ``module.forward``)."""
+    config = getattr(module, "config", None)
+    forward = module.forward if forward is None else forward
+    parameters = inspect.signature(forward).parameters
+    takes = "use_cache" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False) or not takes:
+        return dict(kwargs)
+    return {**kwargs, "use_cache": False}
 
 
 def refuse_mutations(captured: Captured, where: str) -> None:

@@ -39,7 +39,7 @@ from meshfuse.capture.pipeline.stage import (
     plain_parameters,
 )
 from meshfuse.capture.plan import outline_of, resolve_plan
-from meshfuse.capture.trace import capture, refuse_mutations
+from meshfuse.capture.trace import capture, refuse_mutations, without_cache
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
@@ -147,6 +147,7 @@ class Pipeline:
         """The batch, checked: it splits into the microbatches and, after the first step,
         has the first step's shapes."""
         args, kwargs = _call(inputs)
+        kwargs = without_cache(self.model, kwargs)
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         m = self.spec.microbatches
         dp = self.data_parallel.size if self.data_parallel is not None else 1

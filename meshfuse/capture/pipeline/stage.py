@@ -143,9 +143,9 @@ class GraphStage(torch.nn.Module):
 def _call_linears(program: Captured, stage: torch.nn.Module) -> list[str]:
     """Rewrites each ``aten.linear`` on the weight (and bias) of a ``torch.nn.Linear`` of
     the stage whose forward is Linear's (not a subclass computing more: Llama-4's router
-    returns its top-k too) as a call of that module, so that its forward hooks run (a zero-bubble
-    schedule notes the Linears' inputs and outputs to defer their weight gradients);
-    returns the modules' paths."""
+    returns its top-k too) as a call of that module, so that its forward hooks run (a
+    zero-bubble schedule notes the Linears' inputs and outputs to defer their weight
+    gradients); returns the modules' paths."""
     params, paths = program.parameters, []
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
