@@ -46,6 +46,12 @@ def _tiny_llama3(monkeypatch):
             n_layers=2, dim=DIM, n_heads=HEADS, n_kv_heads=2, hidden_dim=128,
             rope=llama3.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=500000),
             attn_backend="sdpa", fuse_qkv=False))
+    return _built(config)
+
+
+def _built(config):
+    """The model of a torchtitan ``config``, its weights drawn small and seeded (the same on
+    every rank)."""
     torch.manual_seed(0)
     model = config.build()
     with torch.no_grad():
@@ -155,12 +161,7 @@ def _tiny_qwen3_moe(monkeypatch):
         vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM), layers=layers,
         tok_embeddings=qwen3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
         lm_head=qwen3.Linear.Config(in_features=DIM, out_features=VOCAB))
-    torch.manual_seed(0)
-    model = config.build()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
-    return model
+    return _built(config)
 
 
 def test_torchtitan_qwen3_moe_counts_its_tokens_per_expert(multidevice_test, monkeypatch):
