@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from capture_checks import check_gradients
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
@@ -65,15 +66,6 @@ def _toy():
     return Toy()
 
 
-def _check_gradients(model, reference) -> None:
-    """Every parameter's gradient of the parallelized ``model``: a DTensor laid out as the
-    parameter, whose whole value is ``reference``'s."""
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
-
 # ----- graph breaks, on ranks --------------------------------------------------------------
 
 @pytest.mark.mpi
@@ -94,7 +86,7 @@ def test_a_graph_break_runs_the_pytorch_op_with_the_right_values(multidevice_tes
     torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
     loss.backward()
     expected_loss.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)
 
 
 @pytest.mark.mpi
@@ -154,7 +146,7 @@ def _check_against(model, reference, x) -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     loss.backward()
     expected.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)
 
 
 class Masked(torch.nn.Module):

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from test_capture_models import _check_gradients as check_gradients
+from capture_checks import check_gradients
 
 import meshfuse
 from meshfuse.capture.partition import read_grouped_heads

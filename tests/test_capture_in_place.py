@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from test_capture_models import _check_gradients as check_gradients
+from capture_checks import check_gradients
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from capture_checks import check_gradients
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -113,16 +114,6 @@ def _parallel(model_name: str, plan_name: str, multidevice_test, remat: str = "r
         return reference, meshfuse.parallelize(model, mesh, plan, remat=remat)
 
 
-def _check_gradients(model, reference):
-    names = [n for n, _ in reference.named_parameters()]
-    assert [n for n, _ in model.named_parameters()] == names
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
-        assert p.grad.placements == p.placements, name
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "hf"])
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name, plan_name):
@@ -140,7 +131,7 @@ def test_logits_loss_and_gradients_match_the_module(multidevice_test, model_name
     torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
     _whole(out.loss).backward()
     expected.loss.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)
 
 
 def _check_a_step(model, reference) -> None:
@@ -155,7 +146,7 @@ def _check_a_step(model, reference) -> None:
     torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
     _whole(out.loss).backward()
     expected.loss.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)
 
 
 def _qwen3():
@@ -282,7 +273,7 @@ def test_other_remat_policies_give_the_modules_gradients(multidevice_test, remat
     with record_communications() as comms:
         _whole(out.loss).backward()
     expected.loss.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)
     gathers = _fusion_traffic(comms)["allgather"]
     _, base_model = _parallel("llama", "tp_sp", multidevice_test)
     base_out = base_model(input_ids=ids, labels=labels)
@@ -432,4 +423,4 @@ def test_identical_layers_build_one_program(multidevice_test):
     torch.testing.assert_close(_whole(out.loss), expected.loss, rtol=1e-5, atol=1e-6)
     _whole(out.loss).backward()
     expected.loss.backward()
-    _check_gradients(model, reference)
+    check_gradients(model, reference)

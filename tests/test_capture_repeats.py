@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from capture_checks import check_gradients
 from test_autograd_replay import AddressGraph, fake_cuda  # noqa: F401 - a fixture
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshfuse
@@ -119,10 +119,7 @@ def test_a_stack_traced_once_computes_the_modules_values_and_gradients(multidevi
     torch.testing.assert_close(y, expected_y, rtol=1e-5, atol=1e-5)
     loss.backward()
     expected.backward()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    check_gradients(model, reference)
     # Megatron's: one allreduce per layer (after its row-parallel down projection).
     crossing = [c.kind for c in forward if len(c.ranks) > 1]
     assert crossing == (["allreduce"] * LAYERS if multidevice_test.size > 1 else [])

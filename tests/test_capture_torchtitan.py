@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from capture_checks import check_gradients
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -108,10 +109,7 @@ def test_torchtitan_llama3_matches_the_module(multidevice_test, monkeypatch,
     dy = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
     whole.backward(dy)
     expected.backward(dy)
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    check_gradients(model, reference)
 
 
 def test_torchtitan_llama3_adamw_steps_follow_the_module(multidevice_test, monkeypatch):

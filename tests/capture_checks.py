@@ -1,0 +1,16 @@
+"""Checks shared by the tests of ``meshfuse.parallelize``."""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def check_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """The parallelized ``model`` has ``reference``'s parameters under their names, each a
+    DTensor whose gradient is laid out as it is and whose whole value is ``reference``'s."""
+    names = [n for n, _ in reference.named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == names
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
