@@ -97,11 +97,22 @@ class PipelineRunner:
         self.last_action = {a.stage: i for i, a in enumerate(self.actions) if a.is_compute}
         self.notes = {s: backward.LinearNotes(m) for s, m in self.modules.items()} \
             if schedule.split_backward else {}
-        every = tuple(r for ranks in self.stage_ranks for r in ranks)
-        self.group = collectives.Group(None, every, every.index(self.rank), 0)
+        self.every = tuple(r for ranks in self.stage_ranks for r in ranks)
+        self.group, self.header_group = self._transport()
         self.layouts: dict[int, Layout] = {}  # stage -> what its output bundle holds
         self.announced: set[int] = set()  # stages whose output layout was sent
         self.times: dict[tuple[str, int], float] = {}  # last step's mean host seconds
+
+    def _transport(self) -> tuple[collectives.Group, collectives.Group]:
+        """The groups the stages' messages travel in: meshfuse's world group (made again by
+        ``Communicator.recover()``, so that no receive left in flight by a failed step takes
+        a later step's message), and for the layout headers, which live on the host, its
+        gloo group of the world (gloo even beside NCCL)."""
+        groups = Communicator.instance().process_groups
+        coordinate = self.every.index(self.rank)
+        self.generation = groups.generation
+        return (collectives.Group(groups.world(), self.every, coordinate, 0),
+                collectives.Group(groups.agreement(), self.every, coordinate, 0))
 
     def peer(self, stage: int) -> int:
         """The rank at this rank's coordinate of the device group running ``stage``."""
@@ -145,7 +156,17 @@ class PipelineRunner:
             self.data_parallel
         run = _Step(self, _chunks(inputs, m, "inputs", dp) if 0 in self.modules else None,
                     _targets(targets, m, dp) if last in self.modules else None)
-        run.walk()
+        if self.generation != Communicator.instance().process_groups.generation:
+            self.group, self.header_group = self._transport()  # recover() made new groups
+        lone = Communicator.instance().lone
+        scope = tuple(sorted(self.every))
+        call = lone.begin_call(scope)  # (raises at once when the ranks are out of step)
+        try:
+            run.walk()
+        except Exception as error:  # noqa: BLE001 - told to the others, then raised
+            # raised here alone (a stage's own error, a collective of its devices): the
+            # ranks waiting for this one's messages raise it too, not at their timeout
+            raise lone.told(error, call, "a pipeline step", scope)
         return torch.stack(run.losses).mean() if run.losses else None
 
 
@@ -263,7 +284,7 @@ class _Step:
             header = ("header", a.stage - 1)
             if a.kind == RECV_FORWARD and a.microbatch == 0 and header not in self.received:
                 self.received[header] = collectives.recv(
-                    [1], torch.int64, torch.device("cpu"), peer, self.r.group,
+                    [1], torch.int64, torch.device("cpu"), peer, self.r.header_group,
                     _tag(self.r, a, part=1))  # read when the values are
             self.received[a] = (peer, None)  # launched once the layout is known
             return
@@ -279,7 +300,7 @@ class _Step:
             if self._layout(a) is None:  # the boundary's first message: read its layout
                 count = self.received.pop(("header", a.stage - 1)).wait()
                 entries = collectives.recv(entries_size(count), torch.int64,
-                                           torch.device("cpu"), peer, self.r.group,
+                                           torch.device("cpu"), peer, self.r.header_group,
                                            _tag(self.r, a, part=2)).wait()
                 self.r.layouts[a.stage - 1] = Layout.read(entries)
             shape, dtype = self._layout(a).buffer_spec()
@@ -295,7 +316,7 @@ class _Step:
         if a.kind == SEND_FORWARD and a.stage not in self.r.announced:
             self.r.announced.add(a.stage)
             for part, header in enumerate(self.r.layouts[a.stage].header(), start=1):
-                self.sends.append(collectives.send(header, to, self.r.group,
+                self.sends.append(collectives.send(header, to, self.r.header_group,
                                                    _tag(self.r, receive, part=part)))
         self.sends.append(collectives.send(pack(bundle), to, self.r.group,
                                            _tag(self.r, receive)))

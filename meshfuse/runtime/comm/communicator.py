@@ -337,16 +337,22 @@ class Communicator:
         """Waits for a collective meshfuse launched (``what`` among ``ranks``). On gloo, while
         it is late, reads what a failing rank told (:meth:`LoneFailures.wait
         <meshfuse.runtime.faults.lone_failures.LoneFailures.wait>`, whose arguments these are); on
-        NCCL the host does not wait. Not for ``point_to_point`` sends and receives: gloo
-        gives up one that a wait with a time limit outlasts (and closes the connection), so
-        they are waited for whole.
+        NCCL the host does not wait. ``point_to_point`` sends and receives cannot be waited
+        for in slices on gloo (a wait with a time limit that runs out gives the transfer up
+        and closes the connection): a thread apart waits for them whole while this one reads
+        the board (:meth:`LoneFailures.wait_apart
+        <meshfuse.runtime.faults.lone_failures.LoneFailures.wait_apart>`).
 
         Raises:
             CollectiveFailed: if the collective failed.
             MeshfuseError: the error of another rank that failed without joining it.
         """
         with self.translated(what, ranks):
-            if self._size == 1 or not hasattr(work, "is_completed") or point_to_point or \
+            if not hasattr(work, "is_completed"):  # transfers waited for as one (Works)
+                work.wait(settling)
+            elif point_to_point and self._size > 1 and self._backend == "gloo":
+                self.lone.wait_apart(work, ranks, settling)
+            elif self._size == 1 or point_to_point or \
                     (self._backend == "nccl" and not agreeing):
                 work.wait()
             else:

@@ -102,9 +102,10 @@ class Works:
         self._works, self._tensors = list(works), list(tensors)
         self.what, self._ranks = what, ranks
 
-    def wait(self) -> None:
+    def wait(self, settling: bool = False) -> None:
         for work in self._works:
-            Communicator.instance().wait(work, self.what, self._ranks, point_to_point=True)
+            Communicator.instance().wait(work, self.what, self._ranks, settling=settling,
+                                         point_to_point=True)
         self._works, self._tensors = [], []
 
 

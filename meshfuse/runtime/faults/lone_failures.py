@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshfuse.errors import CommunicationError
+from meshfuse.runtime.faults.apart import ApartWaiter
 from meshfuse.runtime.faults.board import AGREEING, BLOCKED, BROKEN, FAILED, POLL_S, Board, Notice
 from meshfuse.runtime.faults.failures import OutOfStep, is_shared, remote_error
 
@@ -82,6 +83,7 @@ class LoneFailures:
         # calls (scope, number) where every rank failed alike, in step
         self._settled: set[tuple[tuple[int, ...], int]] = set()
         self.agreed_in = ((), 0)  # the last call in which this rank ran the inputs' agreement
+        self._apart: ApartWaiter | None = None  # made on the first transfer waited apart
 
     @property
     def out_of_step(self) -> str | None:
@@ -118,6 +120,7 @@ class LoneFailures:
         self.board = Board(self._store if self._size > 1 else None, generation)
         self._acted_on, self._later = 0, []
         self._reason, self._settled, self.agreed_in = None, set(), ((), 0)
+        self._apart = None  # (one still waiting for a transfer of the old groups ends alone)
 
     def wait(self, work: Any, group: Sequence[int], late: Callable[[], None] | None = None,
              agreeing: bool = False, settling: bool = False) -> None:
@@ -148,6 +151,25 @@ class LoneFailures:
                 late()
                 late = None
             self._read_board(frozenset(group), agreeing, settling)
+
+    def wait_apart(self, work: Any, group: Sequence[int], settling: bool = False) -> None:
+        """Waits for ``work``, a point-to-point transfer of gloo between the ranks
+        ``group``, on a thread apart (:mod:`~meshfuse.runtime.faults.apart`), reading the
+        board in the meantime as :meth:`wait` does: a transfer from a rank that failed alone
+        raises that rank's error here rather than at the timeout.
+
+        Raises:
+            as :meth:`wait`; and what the transfer's own wait raised.
+        """
+        if settling and self._reason is not None:
+            raise Abandoned  # its peer may never come: the ranks are out of step
+        if self._apart is None:
+            self._apart = ApartWaiter()
+        waited = self._apart.submit(work)
+        while not waited.wait(POLL_S):
+            self._read_board(frozenset(group), False, settling)
+        if waited.error is not None:
+            raise waited.error
 
     def _unread(self) -> list[Notice]:
         """The notices about this call or an earlier one that this rank has not acted on yet
@@ -217,20 +239,23 @@ class LoneFailures:
                 return found
             time.sleep(POLL_S)
 
-    def told(self, error: Exception, call: int, where: str) -> Exception:
-        """What this rank raises for ``error``, which it raised itself in ``call`` (of the
-        scope under way) at ``where``: ``error``, once the others are told (nothing to tell
-        for an error every rank raises anyway). Marks the ranks out of step unless every
-        other rank of the world failed in the same call at the same place."""
+    def told(self, error: Exception, call: int, where: str,
+             scope: tuple[int, ...] | None = None) -> Exception:
+        """What this rank raises for ``error``, which it raised itself in ``call`` of
+        ``scope`` (default: the scope under way) at ``where``: ``error``, once the others are
+        told (nothing to tell for an error every rank raises anyway). Marks the ranks out of
+        step unless every other rank of the world failed in the same call at the same
+        place."""
         if self._size == 1 or is_shared(error):
             return error
+        scope = self.scope if scope is None else scope
         self.board.post(Notice(self._rank, call, FAILED, (type(error).__name__, str(error)),
-                               where, scope=self.scope))
+                               where, scope=scope))
         others = [r for r in range(self._size) if r != self._rank]
-        answers = self.board.answers(call, self.scope, others, self._answer_s())
+        answers = self.board.answers(call, scope, others, self._answer_s())
         if len(answers) == len(others) and all(
                 n.kind == FAILED and n.where == where for n in answers.values()):
-            self._settled.add((self.scope, call))
+            self._settled.add((scope, call))
         elif self._reason is None:
             self._reason = f"its own error in call {call}: {type(error).__name__}: {error}"
         return error
