@@ -81,24 +81,30 @@ def _first_error(runner, x, t, steps: int) -> tuple[int, Exception] | None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("where", ["forward of the last stage", "backward of the first"])
+@pytest.mark.parametrize("where", ["forward of the last stage", "backward of the first",
+                                   "forward of every stage"])
 def test_a_stage_error_mid_step_is_raised_on_every_rank(multidevice_test, where):
     """Every rank that waits for a message of the failed rank raises its error in that
     step; one that got all it needed before the failure (at 3 ranks and more, the middle and
     last stages when the first fails in its backward of the second microbatch, after its
-    last forward) raises it in the next step, whose messages never come."""
+    last forward) raises it in the next step, whose messages never come. Where every stage
+    fails alike the ranks are out of step all the same (the receives each left posted would
+    take the next step's messages)."""
     d, rank = multidevice_test.size, multidevice_test.rank
     if d == 1:
         pytest.skip("one stage: no other rank to tell")
-    failing = d - 1 if where.startswith("forward") else 0
-    stage = _Stage(rank, fail_at=2 if rank == failing else None,
+    failing = d - 1 if where.startswith("forward of the last") else 0
+    every = where.endswith("every stage")
+    stage = _Stage(rank, fail_at=2 if rank == failing or every else None,
                    in_backward=where.startswith("backward"))
     runner = PipelineRunner(schedule("1F1B", d, MICROBATCHES), {rank: stage}, _loss)
     x, t = _data()
     start = time.monotonic()
     step, error = _first_error(runner, x, t, steps=2)
     assert time.monotonic() - start < 30  # the transfers' timeout is 120 s
-    if rank == failing:
+    if every:  # its own error, or that of a rank that failed before it read its message
+        assert step == 0 and "a stage's own error" in str(error), error
+    elif rank == failing:
         assert step == 0 and isinstance(error, ValueError), error
     else:
         assert isinstance(error, ExecutionError), error
@@ -108,6 +114,7 @@ def test_a_stage_error_mid_step_is_raised_on_every_rank(multidevice_test, where)
     with pytest.raises(CommunicationError, match="out of step"):
         runner.step(x, t)
     Communicator.instance().recover()
+    stage.fail_at = None  # (a rank told before its own failure never ran that forward)
     stage.zero_grad()
     loss = runner.step(x, t)
     if rank == d - 1:

@@ -157,16 +157,21 @@ class PipelineRunner:
         run = _Step(self, _chunks(inputs, m, "inputs", dp) if 0 in self.modules else None,
                     _targets(targets, m, dp) if last in self.modules else None)
         if self.generation != Communicator.instance().process_groups.generation:
-            self.group, self.header_group = self._transport()  # recover() made new groups
+            # recover() made new groups: the boundaries' layouts are sent again (a failed
+            # step may have sent one that its receiver never read)
+            self.group, self.header_group = self._transport()
+            self.layouts.clear()
+            self.announced.clear()
         lone = Communicator.instance().lone
         scope = tuple(sorted(self.every))
         call = lone.begin_call(scope)  # (raises at once when the ranks are out of step)
         try:
             run.walk()
-        except Exception as error:  # noqa: BLE001 - told to the others, then raised
-            # raised here alone (a stage's own error, a collective of its devices): the
+        except Exception as error:
+            # told to the others (a stage's own error, a collective of its devices): the
             # ranks waiting for this one's messages raise it too, not at their timeout
-            raise lone.told(error, call, "a pipeline step", scope)
+            lone.left_in_flight(error, call, "a pipeline step", scope)
+            raise
         return torch.stack(run.losses).mean() if run.losses else None
 
 

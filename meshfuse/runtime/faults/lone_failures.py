@@ -239,26 +239,38 @@ class LoneFailures:
                 return found
             time.sleep(POLL_S)
 
-    def told(self, error: Exception, call: int, where: str,
-             scope: tuple[int, ...] | None = None) -> Exception:
-        """What this rank raises for ``error``, which it raised itself in ``call`` of
-        ``scope`` (default: the scope under way) at ``where``: ``error``, once the others are
-        told (nothing to tell for an error every rank raises anyway). Marks the ranks out of
-        step unless every other rank of the world failed in the same call at the same
-        place."""
+    def told(self, error: Exception, call: int, where: str) -> Exception:
+        """What this rank raises for ``error``, which it raised itself in ``call`` (of the
+        scope under way) at ``where``: ``error``, once the others are told (nothing to tell
+        for an error every rank raises anyway). Marks the ranks out of step unless every
+        other rank of the world failed in the same call at the same place."""
         if self._size == 1 or is_shared(error):
             return error
-        scope = self.scope if scope is None else scope
         self.board.post(Notice(self._rank, call, FAILED, (type(error).__name__, str(error)),
-                               where, scope=scope))
+                               where, scope=self.scope))
         others = [r for r in range(self._size) if r != self._rank]
-        answers = self.board.answers(call, scope, others, self._answer_s())
+        answers = self.board.answers(call, self.scope, others, self._answer_s())
         if len(answers) == len(others) and all(
                 n.kind == FAILED and n.where == where for n in answers.values()):
-            self._settled.add((scope, call))
+            self._settled.add((self.scope, call))
         elif self._reason is None:
             self._reason = f"its own error in call {call}: {type(error).__name__}: {error}"
         return error
+
+    def left_in_flight(self, error: Exception, call: int, where: str,
+                       scope: tuple[int, ...]) -> None:
+        """``error`` ended ``call`` of ``scope`` here with transfers of it still in flight (a
+        pipeline step): the ranks are out of step whatever the others did, since a receive
+        left posted would take a later call's message. The others are told, unless another
+        rank told this error first (even one every rank of a stage raised: the other stages'
+        ranks wait for that stage's messages)."""
+        if self._size == 1:
+            return
+        if getattr(error, "failed_rank", None) is None:
+            self.board.post(Notice(self._rank, call, FAILED,
+                                   (type(error).__name__, str(error)), where, scope=scope))
+        if self._reason is None:
+            self._reason = f"its error in {where}: {type(error).__name__}: {error}"
 
     def agreeing(self, claim: Any, group: Sequence[int] = ()) -> Callable[[], None]:
         """Notes that the inputs' agreement (among the ranks ``group``; default the world)
