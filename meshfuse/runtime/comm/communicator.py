@@ -348,11 +348,9 @@ class Communicator:
             MeshfuseError: the error of another rank that failed without joining it.
         """
         with self.translated(what, ranks):
-            if not hasattr(work, "is_completed"):  # transfers waited for as one (Works)
-                work.wait(settling)
-            elif point_to_point and self._size > 1 and self._backend == "gloo":
+            if point_to_point and self._size > 1 and self._backend == "gloo":
                 self.lone.wait_apart(work, ranks, settling)
-            elif self._size == 1 or point_to_point or \
+            elif self._size == 1 or not hasattr(work, "is_completed") or point_to_point or \
                     (self._backend == "nccl" and not agreeing):
                 work.wait()
             else:

@@ -57,7 +57,10 @@ class Pending:
         if work is None:
             return True
         try:
-            Communicator.instance().wait(work, self.label, self._ranks, settling=True)
+            if isinstance(work, Works):  # each transfer waited for through the communicator
+                work.wait(settling=True)
+            else:
+                Communicator.instance().wait(work, self.label, self._ranks, settling=True)
             return True
         except (MeshfuseError, Abandoned):
             return False
