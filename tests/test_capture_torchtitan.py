@@ -192,3 +192,86 @@ def test_torchtitan_qwen3_moe_counts_its_tokens_per_expert(multidevice_test, mon
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         error = (p.grad.full_tensor() - ref.grad).norm() / ref.grad.norm()
         assert error <= 1e-3, f"{name}: {error:.1e}"
+
+
+def _tiny_deepseek_v3(monkeypatch):
+    """Two layers of torchtitan's DeepSeek-V3 (multi-head latent attention: the keys and
+    values through a rank-32 projection and its norm; YaRN-scaled complex RoPE on 8 of each
+    head's dimensions), the first with a dense feed-forward, the second with 4 routed experts
+    (two per token) and a shared one, SDPA."""
+    deepseek = pytest.importorskip("torchtitan.models.deepseek_v3")
+    monkeypatch.setattr(deepseek, "get_attention_config",
+                        lambda backend: attention.ScaledDotProductAttention.Config())
+    common = pytest.importorskip("torchtitan.models.common")
+    layers = deepseek._build_dsv3_layers(
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.70,
+        dense_hidden_dim=128, moe_hidden_dim=32, num_experts=4, num_shared_experts=1,
+        router_top_k=2, router_score_func="softmax", attn_backend="sdpa",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=common.ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0, scaling="yarn",
+                                       rope_factor=40.0, beta_fast=32.0, beta_slow=1.0,
+                                       original_seq_len=32))
+    config = deepseek.DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM, layers=layers, mtp_layers=[],
+        tok_embeddings=common.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=common.RMSNorm.Config(normalized_shape=DIM),
+        lm_head=common.Linear.Config(in_features=DIM, out_features=VOCAB))
+    return _built(config)
+
+
+def _deepseek_plan() -> dict:
+    """torchtitan's TP + SP plan for DeepSeek-V3 (its ``parallelize_deepseekv3``): the
+    attention's query and latent-to-heads projections column-wise, the dense and shared
+    experts' feed-forwards Megatron's way, the routed experts and the router replicated."""
+    seq = Shard(1)
+    into_blocks = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": into_blocks,
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wkv_b": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": into_blocks,
+        "layers.*.feed_forward.w[13]": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "layers.*.moe": into_blocks,
+        "layers.*.moe.shared_experts.w[13]": ColwiseParallel(),
+        "layers.*.moe.shared_experts.w2": RowwiseParallel(output_layouts=seq),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+
+
+def test_torchtitan_deepseek_v3_matches_the_module(multidevice_test, monkeypatch):
+    """torchtitan's DeepSeek-V3 under its own TP + SP plan (at 3 ranks the 4 heads split
+    unevenly), two calls: logits equal the module's, the load-balancing buffers (token counts, expert biases) too, and every
+    gradient within 1e-3 of its norm (torchtitan computes the routed experts in bfloat16, in
+    which float32's reorderings of the sharded attention flip roundings)."""
+    reference = _tiny_deepseek_v3(monkeypatch)
+    mesh = DeviceMesh(range(multidevice_test.size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(copy.deepcopy(reference), mesh, _deepseek_plan())
+        for seed in range(2):
+            ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+            out, expected = model(ids), reference(ids)
+            whole = out.full_tensor() if isinstance(out, DTensor) else out
+            torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+            dy = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+            whole.backward(dy)
+            expected.backward(dy)
+    buffers = dict(reference.named_buffers())
+    assert any("tokens_per_expert" in name for name in buffers)
+    for name, b in model.named_buffers():
+        whole = b.full_tensor() if isinstance(b, DTensor) else b
+        torch.testing.assert_close(whole, buffers[name], msg=name)
+    for (name, p), (ref_name, ref) in zip(model.named_parameters(),
+                                          reference.named_parameters()):
+        assert name == ref_name and isinstance(p, DTensor) and p.grad.placements == p.placements
+        error = (p.grad.full_tensor() - ref.grad).norm() / ref.grad.norm()
+        assert error <= 1e-3, f"{name}: {error:.1e}"
+    wq = model.get_submodule("layers.0.attention.wq").weight
+    assert wq.placements == (Shard(0),)
