@@ -204,6 +204,39 @@ def test_computed_axes_of_extent_one_broadcast_as_in_pytorch(multidevice_test):
         _check_against(model, reference, torch.randn(4, E))
 
 
+class SoftStacked(torch.nn.Module):
+    """``softplus`` (PyTorch's default, and ``beta`` 2 with threshold 3: past it the input
+    itself, where ``exp`` of a large input would overflow) and ``stack``, of column-parallel
+    projections (Qwen3.5's gated delta-net computes its decay with ``softplus``; models
+    ``stack`` their heads' or experts' outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(E, HIDDEN)
+        self.b = torch.nn.Linear(E, HIDDEN)
+        self.scale = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x):
+        # an input that reaches the threshold exactly (1.5 * 2), and beta x far past it
+        edge = torch.tensor([1.5, 100.0, -100.0, 0.0, 3.0] * 2)[:HIDDEN] * self.scale
+        parts = [F.softplus(self.a(x), beta=2.0, threshold=3.0), F.softplus(self.b(x)),
+                 F.softplus(edge, beta=2.0, threshold=3.0).expand(x.shape[0], HIDDEN)]
+        return torch.stack(parts, dim=-2).pow(2).sum()
+
+
+@pytest.mark.mpi
+def test_softplus_and_stack_translate_with_pytorch_values_and_gradients(multidevice_test):
+    torch.manual_seed(0)
+    reference = SoftStacked()
+    with torch.no_grad():
+        reference.a.weight.mul_(4)  # a's outputs past the threshold too
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {"a": ColwiseParallel(), "b": ColwiseParallel()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        _check_against(model, reference, torch.randn(4, E))
+
+
 class Counting(torch.nn.Module):
     """A forward that writes a buffer in place: how many times each feature of the hidden
     layer was positive (a MoE router's token counts, torchtitan's ``tokens_per_expert``)."""

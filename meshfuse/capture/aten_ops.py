@@ -196,6 +196,24 @@ def _cat(o, out, xs, dim=0):
     return o.cat(list(xs), dim % out.dim())
 
 
+def _stack(o, out, xs, dim=0):
+    """``xs`` each given an axis of extent 1 at ``dim``, concatenated along it."""
+    dim %= out.dim()
+    parts = [o.reshape(x, [*o.shape(x)[:dim], 1, *o.shape(x)[dim:]]) for x in xs]
+    return parts[0] if len(parts) == 1 else o.cat(parts, dim)
+
+
+def _softplus(o, out, x, beta=1, threshold=20):
+    """``log(1 + exp(beta x)) / beta``, and ``x`` itself where ``beta x > threshold`` (as
+    PyTorch). The exponential reads ``beta x`` capped at the threshold, so that where the
+    linear branch is taken neither it nor its gradient overflows (a ``where``, not a
+    ``minimum``: that would halve the gradient at the threshold)."""
+    scaled = o.mul(x, beta) if beta != 1 else x
+    linear = o.gt(scaled, threshold)
+    soft = o.log1p(o.exp(o.where(linear, float(threshold), scaled)))
+    return o.where(linear, x, o.div(soft, beta) if beta != 1 else soft)
+
+
 def _copy(o, out, x, src, non_blocking=False):
     """Functional ``copy`` (what functionalization makes of ``x[...] = src``): ``src``
     broadcast to ``x``'s shape and cast to its dtype; ``x``'s values are not read."""
@@ -390,6 +408,8 @@ TABLE: dict[Any, Translation] = {
     aten.slice.Tensor: Translation(_slice),
     aten.slice_scatter.default: Translation(_slice_scatter, _slice_scatter_check),
     aten.softmax.int: Translation(_softmax("softmax")),
+    aten.softplus.default: Translation(_softplus),
+    aten.stack.default: Translation(_stack),
     aten.split.Tensor: Translation(_split),
     aten.split_with_sizes.default: Translation(_split),
     aten.chunk.default: Translation(_split),
