@@ -232,9 +232,62 @@ def test_softplus_and_stack_translate_with_pytorch_values_and_gradients(multidev
         reference.a.weight.mul_(4)  # a's outputs past the threshold too
     model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
         range(multidevice_test.size)), {"a": ColwiseParallel(), "b": ColwiseParallel()})
+    x = torch.randn(4, E)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GraphBreakWarning)
-        _check_against(model, reference, torch.randn(4, E))
+        _check_against(model, reference, x)
+    with record_communications() as comms:  # stacked where they lie: the sum's reduction
+        model(x)
+    assert [c.kind for c in comms] == (["allreduce"] if multidevice_test.size > 1 else [])
+
+
+class Convolved(torch.nn.Module):
+    """A short causal depthwise convolution over the sequence of projected channels (the
+    conv1d of Mamba-style and gated delta-net layers: ``conv(x)[..., :length]``), dilated
+    or not; and one that is not depthwise (``groups=1``), a graph break."""
+
+    def __init__(self, dilation=1, depthwise=True):
+        super().__init__()
+        self.up = torch.nn.Linear(E, HIDDEN)
+        self.conv = torch.nn.Conv1d(HIDDEN, HIDDEN, 4, groups=HIDDEN if depthwise else 1,
+                                    padding=3 * dilation, dilation=dilation)
+        self.down = torch.nn.Linear(HIDDEN, E)
+
+    def forward(self, x):
+        h = self.conv(self.up(x).transpose(1, 2))[..., :x.shape[1]]
+        return self.down(F.silu(h).transpose(1, 2)).pow(2).sum()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_a_depthwise_conv1d_runs_in_fusions_channel_parallel(multidevice_test, dilation):
+    """The channels sharded by the projection before it (and the filters with them): the
+    convolution's slices and products are local, the module's values and gradients."""
+    torch.manual_seed(0)
+    reference = Convolved(dilation)
+    plan = {"up": ColwiseParallel(), "conv.weight": [Shard(0)], "conv.bias": [Shard(0)],
+            "down": RowwiseParallel()}
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), plan)
+    x = torch.randn(2, 7, E)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphBreakWarning)
+        _check_against(model, reference, x)
+    assert model.get_parameter("conv.weight").placements == (Shard(0),)
+    with record_communications() as comms:  # the filters are read where they lie
+        model(x).backward()
+    assert [c.kind for c in comms] == (["allreduce"] if multidevice_test.size > 1 else [])
+
+
+def test_a_conv1d_mixing_channels_is_a_graph_break():
+    torch.manual_seed(0)
+    reference = Convolved(depthwise=False)
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(range(1)), {})
+    x = torch.randn(2, 7, E)
+    with pytest.warns(GraphBreakWarning, match=r"aten.conv1d.default in conv: conv1d other "
+                                               r"than depthwise"):
+        model(x)
+    _check_against(model, reference, x)
 
 
 class Counting(torch.nn.Module):

@@ -199,7 +199,10 @@ def _cat(o, out, xs, dim=0):
 def _stack(o, out, xs, dim=0):
     """``xs`` each given an axis of extent 1 at ``dim``, concatenated along it."""
     dim %= out.dim()
-    parts = [o.reshape(x, [*o.shape(x)[:dim], 1, *o.shape(x)[dim:]]) for x in xs]
+    shape = [-1] * (out.dim() - 1)
+    shape.insert(dim, 1)
+    kept = [a for a in range(out.dim()) if a != dim]
+    parts = [o.broadcast_in_dim(x, shape, kept) for x in xs]
     return parts[0] if len(parts) == 1 else o.cat(parts, dim)
 
 
@@ -212,6 +215,58 @@ def _softplus(o, out, x, beta=1, threshold=20):
     linear = o.gt(scaled, threshold)
     soft = o.log1p(o.exp(o.where(linear, float(threshold), scaled)))
     return o.where(linear, x, o.div(soft, beta) if beta != 1 else soft)
+
+
+def _first(value) -> Any:
+    """A one-dimensional convolution's ``stride``/``padding``/``dilation``: an int or [int]."""
+    return value[0] if isinstance(value, list | tuple) else value
+
+
+def _depthwise_conv1d(o, out, x, weight, bias=None, stride=1, padding=0, dilation=1,
+                      groups=1):
+    """A depthwise one-dimensional convolution (one filter per channel: the short causal
+    convolution of Mamba-style and gated delta-net layers), ``x`` ``(batch, channels,
+    length)`` or ``(channels, length)``, as the sum over the filter's taps of a shifted slice
+    of ``x`` (padded) times that tap's weight per channel: channel-parallel where the
+    channels are sharded."""
+    gap, length = _first(dilation), out.shape[-1]
+    if _first(padding):
+        x = _pad(o, out, x, [_first(padding)] * 2)
+    channels, taps = o.shape(weight)[0], o.shape(weight)[-1]
+
+    def per_channel(values):  # (channels,) broadcast along x's other axes, kept where it lies
+        return o.broadcast_in_dim(values, [-1, 1] if x.ndim == 2 else [1, -1, 1],
+                                  [x.ndim - 2])
+
+    total = None
+    for k in range(taps):
+        starts, ends = _bounds(o, x, x.ndim - 1, k * gap, k * gap + length)
+        tap = o.squeeze(o.slice(weight, [0, 0, k], [channels, 1, k + 1]), [1, 2])
+        term = o.mul(o.slice(x, starts, ends), per_channel(tap))
+        total = term if total is None else o.add(total, term)
+    return total if bias is None else o.add(total, per_channel(bias))
+
+
+_MAX_TAPS = 16  # a longer filter is a convolution to run as one, not a sum of slices
+
+
+def _conv1d_check(node: torch.fx.Node, constants) -> str | None:
+    x, weight = node.args[0].meta["val"], node.args[1].meta["val"]
+    args = [*node.args[3:], *[None] * 4][:4]
+    stride, padding, dilation, groups = (
+        node.kwargs.get(name, value if value is not None else default)
+        for name, value, default in zip(("stride", "padding", "dilation", "groups"), args,
+                                        (1, 0, 1, 1)))
+    if x.dim() not in (2, 3) or weight.dim() != 3:
+        return "conv1d of an input that is not (batch, channels, length)"
+    if groups != x.shape[-2] or weight.shape[0] != groups or weight.shape[1] != 1:
+        return "conv1d other than depthwise (meshfuse has no convolution: only one filter " \
+               "per channel runs as slices)"
+    if _first(stride) != 1 or not all(isinstance(_first(v), int) for v in (padding, dilation)):
+        return "conv1d with a stride, or a padding by name"
+    if weight.shape[-1] > _MAX_TAPS:
+        return f"conv1d of more than {_MAX_TAPS} taps"
+    return None
 
 
 def _copy(o, out, x, src, non_blocking=False):
@@ -414,6 +469,7 @@ TABLE: dict[Any, Translation] = {
     aten.split_with_sizes.default: Translation(_split),
     aten.chunk.default: Translation(_split),
     aten.constant_pad_nd.default: Translation(_constant_pad_nd, _pad_check),
+    aten.conv1d.default: Translation(_depthwise_conv1d, _conv1d_check),
     aten.squeeze.dim: Translation(_reshape),
     aten.squeeze.dims: Translation(_reshape),
     aten.sub.Scalar: Translation(_broadcasting(_sub)),
