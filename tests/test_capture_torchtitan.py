@@ -189,9 +189,7 @@ def test_torchtitan_qwen3_moe_counts_its_tokens_per_expert(multidevice_test, mon
     assert counts and all(b.sum() == 2 * 2 * 2 * 8 for _, b in counts)  # 2 calls x top 2
     for name, b in counts:
         torch.testing.assert_close(model.get_buffer(name), b, msg=name)
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        error = (p.grad.full_tensor() - ref.grad).norm() / ref.grad.norm()
-        assert error <= 1e-3, f"{name}: {error:.1e}"
+    check_gradients(model, reference, norm_tolerance=1e-3)
 
 
 def _tiny_deepseek_v3(monkeypatch):
@@ -268,10 +266,6 @@ def test_torchtitan_deepseek_v3_matches_the_module(multidevice_test, monkeypatch
     for name, b in model.named_buffers():
         whole = b.full_tensor() if isinstance(b, DTensor) else b
         torch.testing.assert_close(whole, buffers[name], msg=name)
-    for (name, p), (ref_name, ref) in zip(model.named_parameters(),
-                                          reference.named_parameters()):
-        assert name == ref_name and isinstance(p, DTensor) and p.grad.placements == p.placements
-        error = (p.grad.full_tensor() - ref.grad).norm() / ref.grad.norm()
-        assert error <= 1e-3, f"{name}: {error:.1e}"
+    check_gradients(model, reference, norm_tolerance=1e-3)
     wq = model.get_submodule("layers.0.attention.wq").weight
     assert wq.placements == (Shard(0),)

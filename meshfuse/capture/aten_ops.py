@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.fx.operator_schemas import normalize_function
 
 from meshfuse.dtypes import DataType
 from meshfuse.ir.tensor_view import TensorView
@@ -251,12 +252,11 @@ _MAX_TAPS = 16  # a longer filter is a convolution to run as one, not a sum of s
 
 
 def _conv1d_check(node: torch.fx.Node, constants) -> str | None:
-    x, weight = node.args[0].meta["val"], node.args[1].meta["val"]
-    args = [*node.args[3:], *[None] * 4][:4]
-    stride, padding, dilation, groups = (
-        node.kwargs.get(name, value if value is not None else default)
-        for name, value, default in zip(("stride", "padding", "dilation", "groups"), args,
-                                        (1, 0, 1, 1)))
+    bound = normalize_function(node.target, node.args, node.kwargs,
+                               normalize_to_only_use_kwargs=True).kwargs  # defaults filled
+    x, weight = bound["input"].meta["val"], bound["weight"].meta["val"]
+    stride, padding, dilation, groups = (bound[name] for name in
+                                         ("stride", "padding", "dilation", "groups"))
     if x.dim() not in (2, 3) or weight.dim() != 3:
         return "conv1d of an input that is not (batch, channels, length)"
     if groups != x.shape[-2] or weight.shape[0] != groups or weight.shape[1] != 1:

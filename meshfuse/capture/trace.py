@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import re
@@ -146,12 +147,19 @@ def without_cache(module: torch.nn.Module, kwargs: Mapping[str, Any],
     the model's own (default ``module.forward``)."""
     config = getattr(module, "config", None)
     forward = module.forward if forward is None else forward
-    parameters = inspect.signature(forward).parameters
-    takes = "use_cache" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    if "use_cache" in kwargs or not getattr(config, "use_cache", False) or not takes:
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False) or \
+            not _takes_use_cache(getattr(forward, "__func__", forward)):
         return dict(kwargs)
     return {**kwargs, "use_cache": False}
+
+
+@functools.cache
+def _takes_use_cache(forward: Any) -> bool:
+    """Whether the function ``forward`` takes ``use_cache``, by name or among its
+    ``**kwargs`` (read once per function: every call of a parallelized model asks)."""
+    parameters = inspect.signature(forward).parameters
+    return "use_cache" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def refuse_mutations(captured: Captured, where: str) -> None:

@@ -156,13 +156,14 @@ class PipelineRunner:
             self.data_parallel
         run = _Step(self, _chunks(inputs, m, "inputs", dp) if 0 in self.modules else None,
                     _targets(targets, m, dp) if last in self.modules else None)
-        if self.generation != Communicator.instance().process_groups.generation:
+        comm = Communicator.instance()
+        if self.generation != comm.process_groups.generation:
             # recover() made new groups: the boundaries' layouts are sent again (a failed
             # step may have sent one that its receiver never read)
             self.group, self.header_group = self._transport()
             self.layouts.clear()
             self.announced.clear()
-        lone = Communicator.instance().lone
+        lone = comm.lone
         scope = tuple(sorted(self.every))
         call = lone.begin_call(scope)  # (raises at once when the ranks are out of step)
         try:
