@@ -85,9 +85,11 @@ def _first_error(runner, x, t, steps: int) -> tuple[int, Exception] | None:
                                    "forward of every stage"])
 def test_a_stage_error_mid_step_is_raised_on_every_rank(multidevice_test, where):
     """Every rank that waits for a message of the failed rank raises its error in that
-    step; one that got all it needed before the failure (at 3 ranks and more, the middle and
-    last stages when the first fails in its backward of the second microbatch, after its
-    last forward) raises it in the next step, whose messages never come. Where every stage
+    step; one that may have got all it needed before the failure (at 3 ranks and more, the
+    middle and last stages when the first fails in its backward of the second microbatch,
+    after its last forward) raises it in that step if one of its sends is still waiting for
+    the failed rank to take it (gloo's larger sends wait for their receive), else in the
+    next step, whose messages never come. Where every stage
     fails alike the ranks are out of step all the same (the receives each left posted would
     take the next step's messages)."""
     d, rank = multidevice_test.size, multidevice_test.rank
@@ -109,8 +111,8 @@ def test_a_stage_error_mid_step_is_raised_on_every_rank(multidevice_test, where)
     else:
         assert isinstance(error, ExecutionError), error
         assert str(error).startswith(f"rank {failing}: ValueError: a stage's own error")
-        late = where.startswith("backward") and d > 2 and rank > 0
-        assert step == (1 if late else 0), (step, error)
+        may_be_late = where.startswith("backward") and d > 2 and rank > 0
+        assert step in ((0, 1) if may_be_late else (0,)), (step, error)
     with pytest.raises(CommunicationError, match="out of step"):
         runner.step(x, t)
     Communicator.instance().recover()
