@@ -4,7 +4,7 @@ model's graph at ``model.layers.N``, the rotary embeddings, the causal mask and 
 states cross every boundary; 3 AdamW steps give the one-device model's losses and
 parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2 ranks), under 1F1B
 at pp3 (3 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks);
-3 layers over 2 stages; bad specs and batches are refused on every rank."""
+3 layers over 2 stages; an embedding tied to the head across stages; bad specs and batches are refused on every rank."""
 
 from __future__ import annotations
 
@@ -229,21 +229,123 @@ def test_hf_pipeline_errors(multidevice_test):
         pipe.step({"input_ids": ids}, target)
 
 
+def _tied() -> torch.nn.Module:
+    """The Llama of ``_model`` with its head's weight the embedding's (as
+    ``tie_word_embeddings=True`` makes it: Llama-3.2-1B, Gemma, Qwen2-0.5B)."""
+    model = _model()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _tied_reference(accumulate: int = 1):
+    """The tied model's losses and parameters (each name) on one device; ``accumulate``
+    steps' gradients added before each SGD step; its first step's gradient. (SGD: a
+    parameter's error is the step size times its gradient's. Adam divides by the
+    gradient's size, and an element whose gradient is near zero moves by float noise: at
+    pp2 x tp2 with the head split, untied too, an MLP weight's element by 3e-4 in 3 steps.)"""
+    model = _tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, first = [], None
+    for i, (ids, target) in enumerate(_data()):
+        loss = _loss(model(input_ids=ids), target)
+        loss.backward()
+        first = model.lm_head.weight.grad.clone() if first is None else first
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters(remove_duplicate=False)), first
+
+
+TIED = {  # name -> (ranks, mesh shape, names, schedule, split points, plan)
+    "pp2": (2, (2,), ("pp",), "1F1B", ["model.layers.2"], {}),
+    "interleaved": (2, (2,), ("pp",), "Interleaved1F1B",
+                    ["model.layers.1", "model.layers.2", "model.norm"], {}),
+    # the first and last stages on rank 0: one parameter there, no copy
+    "zbv": (2, (2,), ("pp",), "ZBV", ["model.layers.1", "model.layers.2", "model.norm"], {}),
+    "pp3": (3, (3,), ("pp",), "1F1B", ["model.layers.1", "model.layers.2"], {}),
+    # the embedding replicated, the head split over the vocabulary: whole gradients added
+    "pp2_tp2": (4, (2, 2), ("pp", "tp"), "1F1B", ["model.layers.2"],
+                {**TP_PLAN, "lm_head": "colwise_gather_output"}),
+    # both split over the vocabulary: their shards added
+    "pp2_tp2_alike": (4, (2, 2), ("pp", "tp"), "1F1B", ["model.layers.2"],
+                      {**TP_PLAN, "lm_head": "colwise_gather_output",
+                       "model.embed_tokens": "rowwise"}),
+}
+
+
 @pytest.mark.mpi
-def test_a_weight_tied_across_stages_is_refused_when_parallelized(multidevice_test):
-    """The embedding and the head one parameter, in stages 0 and 1: refused on every rank
-    by ``parallelize``, before any stage is laid out (at pp2 x tp2 the laid-out stages
-    would each train a copy of their own: the second step's loss would differ)."""
+@pytest.mark.parametrize("case", sorted(TIED))
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test, case,
+                                                                 accumulate):
+    """The embedding and the head one parameter, in the first and last stages: each stage's
+    rank trains a copy, their gradients added after each step (one allreduce between the
+    two stages' ranks at each coordinate), so the losses, the first step's gradient and the
+    parameters after SGD are the tied model's on one device; also with three steps'
+    gradients accumulated before one SGD step (each step adds only its own)."""
+    ranks, shape, names, sched, points, plan = TIED[case]
+    d, rank = multidevice_test.size, multidevice_test.rank
+    if d != ranks:
+        pytest.skip(f"{case} at {ranks} ranks")
+    spec = PipelineSpec(split_points=points, loss_fn=_loss, schedule=sched, microbatches=2)
+    pipe = meshfuse.parallelize(_tied(), _mesh(shape, names), plan, pipeline=spec)
+    want_losses, want, first_grad = _tied_reference(accumulate)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    with record_communications() as comms:
+        for i, (ids, target) in enumerate(_data()):
+            losses.append(pipe.step({"input_ids": ids}, target))
+            if i == 0:
+                for stage in pipe.stages.values():
+                    for name, p in stage.named_parameters():
+                        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) \
+                                else p.grad
+                            torch.testing.assert_close(grad, first_grad, rtol=1e-5, atol=1e-6)
+            if (i + 1) % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+    last = {"zbv": 0, "pp3": 2}.get(case, 1)
+    if rank // (d // shape[0]) == last:
+        assert [x.item() for x in losses] == pytest.approx(want_losses, rel=1e-5)
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            torch.testing.assert_close(full.detach(), want[name].detach(), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    width = d // shape[0]
+    ends = {rank % width, (shape[0] - 1) * width + rank % width}
+    tie = [c for c in comms if c.kind == "allreduce" and set(c.ranks) == ends]
+    held = rank in ends and case != "zbv"
+    if not held:
+        assert not tie
+    else:
+        whole = VOCAB * HIDDEN * 4
+        part = whole // width if case in ("pp2_tp2_alike",) else whole
+        if case == "pp2_tp2" and rank // width == shape[0] - 1:
+            part = whole  # the head's copy adds its whole gradient, gathered on its stage
+        assert [c.bytes for c in tie] == [part] * STEPS
+
+
+@pytest.mark.mpi
+def test_a_tied_weight_a_pipeline_cannot_keep_equal_is_refused(multidevice_test):
+    """Refused on every rank before any stage is laid out: a tie in a pipeline with fsdp
+    (each stage's parameters one flat shard), and a tie between two stages that ZBV puts
+    on one rank laid out over tp (two copies on the same devices)."""
     d = multidevice_test.size
-    if d not in (2, 4):
-        pytest.skip("pp2 at 2 ranks, pp2 x tp2 at 4")
-    tied = _model()
-    tied.lm_head.weight = tied.model.embed_tokens.weight
-    spec = PipelineSpec(split_points=["model.layers.1"], loss_fn=_loss, microbatches=2)
-    mesh = _mesh((2,), ("pp",)) if d == 2 else _mesh((2, 2), ("pp", "tp"))
-    with pytest.raises(DefinitionError, match=r"'lm_head.weight' is 'model.embed_tokens.weight'"
-                                              r" \(a weight tied across stages.*stages \[0, 1\]"):
-        meshfuse.parallelize(tied, mesh, TP_PLAN if d == 4 else {}, pipeline=spec)
+    if d != 4:
+        pytest.skip("pp2 x dp2 and pp2 x tp2 at 4 ranks")
+    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, microbatches=2)
+    with pytest.raises(DefinitionError, match=r"'model.embed_tokens.weight' \(stage 0\), "
+                                              r"'lm_head.weight' \(stage 1\) is one weight tied"
+                                              r".*fsdp='dp'"):
+        meshfuse.parallelize(_tied(), _mesh((2, 2), ("pp", "dp")), {}, fsdp="dp",
+                             pipeline=spec)
+    spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2", "model.norm"],
+                        loss_fn=_loss, schedule="ZBV", microbatches=2)
+    with pytest.raises(DefinitionError, match=r"stages \[0, 3\] on ranks \[0, 0\]"):
+        meshfuse.parallelize(_tied(), _mesh((2, 2), ("pp", "tp")), TP_PLAN, pipeline=spec)
 
 
 @pytest.mark.mpi

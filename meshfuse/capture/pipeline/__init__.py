@@ -5,7 +5,9 @@
 - :mod:`~meshfuse.capture.pipeline.cut`: the model's traced graph cut at the split points'
   modules, every value live across a boundary sent on;
 - :mod:`~meshfuse.capture.pipeline.stage`: a stage's modules (under the model's names) and
-  its piece of the graph.
+  its piece of the graph;
+- :mod:`~meshfuse.capture.pipeline.ties`: weights tied across stages (an embedding and its
+  head), a copy per stage kept equal by adding their gradients.
 """
 
 from meshfuse.capture.pipeline.pipelined import (

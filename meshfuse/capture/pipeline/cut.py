@@ -10,7 +10,8 @@ boundary and read after it (the hidden states, cos and sin, the mask, ...), in g
 passed on through the stages in between; a stage takes the previous bundle as its inputs and
 returns the next (the last stage returns the model's outputs). Parameters and buffers are
 read where the ops reading them run (a parameter read on both sides of a boundary is
-refused); non-tensor arguments (flags, scales, shapes) are part of the traced ops and need
+refused, but one that each stage reading it holds a copy of: a weight tied across stages,
+:mod:`meshfuse.capture.pipeline.ties`); non-tensor arguments (flags, scales, shapes) are part of the traced ops and need
 no sending.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -55,14 +56,18 @@ class StageGraph:
         return dataclasses.replace(self.captured, graph=graph)
 
 
-def cut_graph(captured: Captured, split_points: Sequence[str]) -> list[StageGraph]:
+def cut_graph(captured: Captured, split_points: Sequence[str],
+              copies: Mapping[str, Mapping[int, str]] | None = None) -> list[StageGraph]:
     """The stages of ``captured`` starting at the first op of each module of
     ``split_points`` (dotted module paths, in the order the forward runs them).
+    ``copies``: a parameter's name -> the name each stage holding a copy of it reads it by
+    (a weight tied across stages, :meth:`~meshfuse.capture.pipeline.ties.Tie.copies`).
 
     Raises:
         DefinitionError: a split point whose module runs no op, split points out of order,
-            a parameter read on both sides of a boundary (a weight tied across stages), or
-            a value crossing a boundary that is not a tensor.
+            a parameter read on both sides of a boundary but not held by each side (a
+            weight tied across stages that ``copies`` does not name), or a value crossing a
+            boundary that is not a tensor.
         ScheduleError: a tensor crossing a boundary that messages cannot carry.
     """
     nodes = list(captured.graph.nodes)
@@ -74,9 +79,10 @@ def cut_graph(captured: Captured, split_points: Sequence[str]) -> list[StageGrap
     stage = _stages(nodes, starts, captured)
     n = len(starts) + 1
     crossing = [_crossing(nodes, stage, k, n - 1) for k in range(n - 1)]
-    _check_parameters(nodes, stage, captured)
+    copies = copies or {}
+    _check_parameters(nodes, stage, captured, copies)
     return [_stage_graph(captured, nodes, stage, s, crossing[s - 1] if s else None,
-                         crossing[s] if s < n - 1 else None) for s in range(n)]
+                         crossing[s] if s < n - 1 else None, copies) for s in range(n)]
 
 
 def _inside(node: torch.fx.Node, point: str) -> bool:
@@ -128,11 +134,13 @@ def _crossing(nodes: list[torch.fx.Node], stage: dict, k: int, last: int
     return out
 
 
-def _check_parameters(nodes: list[torch.fx.Node], stage: dict, captured: Captured) -> None:
+def _check_parameters(nodes: list[torch.fx.Node], stage: dict, captured: Captured,
+                      copies: Mapping[str, Mapping[int, str]]) -> None:
     for node in nodes:
         if node.op == "placeholder" and node.name in captured.parameters:
             readers = sorted({stage[u] for u in node.users if u in stage})
-            if len(readers) > 1:
+            held = copies.get(captured.parameters[node.name], {})
+            if len(readers) > 1 and not all(r in held for r in readers):
                 raise DefinitionError(
                     f"parameter {captured.parameters[node.name]!r} is read by pipeline stages "
                     f"{readers} (a weight tied across stages, e.g. the embedding and the "
@@ -141,8 +149,8 @@ def _check_parameters(nodes: list[torch.fx.Node], stage: dict, captured: Capture
 
 
 def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s: int,
-                 receives: list[torch.fx.Node] | None, sends: list[torch.fx.Node] | None
-                 ) -> StageGraph:
+                 receives: list[torch.fx.Node] | None, sends: list[torch.fx.Node] | None,
+                 copies: Mapping[str, Mapping[int, str]]) -> StageGraph:
     graph, env = torch.fx.Graph(), {}
     mine = [n for n in nodes if stage.get(n) == s]
     state = [n for n in nodes if _is_state(n, captured) and
@@ -166,7 +174,8 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
     names = {n.name for n in graph.nodes}
     program = Captured(
         graph,
-        {k: v for k, v in captured.parameters.items() if k in names},
+        {k: copies.get(v, {}).get(s, v) for k, v in captured.parameters.items()
+         if k in names},
         {k: v for k, v in captured.buffers.items() if k in names},
         {k: v for k, v in captured.constants.items() if k in names},
         tuple(env[n].name for n in inputs),

@@ -34,9 +34,14 @@ from meshfuse.capture.pipeline.cut import cut_graph
 from meshfuse.capture.pipeline.stage import (
     GraphStage,
     check_owners,
-    check_ties,
     owners_by_stage,
     plain_parameters,
+)
+from meshfuse.capture.pipeline.ties import (
+    Tie,
+    TiedGradients,
+    check_tie_placement,
+    ties_across_stages,
 )
 from meshfuse.capture.plan import outline_of, resolve_plan
 from meshfuse.capture.trace import capture, refuse_mutations, without_cache
@@ -108,7 +113,8 @@ class Pipeline:
     def __init__(self, runner: PipelineRunner, stages: Mapping[int, torch.nn.Module],
                  model: torch.nn.Module, points: Sequence[str], owners: list[list[str]],
                  spec: PipelineSpec, shapes: Mapping[str, tuple[torch.Size, torch.dtype]],
-                 data_parallel: collectives.Group | None = None) -> None:
+                 data_parallel: collectives.Group | None = None,
+                 ties: Sequence[Tie] = ()) -> None:
         self.runner, self.stages = runner, dict(stages)
         self.model, self.points, self.spec = model, list(points), spec
         self.owners = owners  # each stage's modules (owners_by_stage)
@@ -117,6 +123,9 @@ class Pipeline:
         self.traced: tuple | None = None  # the microbatch signature the stages were cut at
         self.out_spec: Any = None
         runner.loss_fn = self._loss
+        # weights tied across stages: each stage's name of them, and their gradients' sums
+        self.copies = {k: v for tie in ties for k, v in tie.copies().items()}
+        self.tied = TiedGradients(ties, runner.stage_ranks, runner.schedule.placement, stages)
 
     def step(self, inputs: Any, targets: torch.Tensor | None) -> torch.Tensor | None:
         """One batch: ``inputs`` a tensor, a tuple of positional inputs or a dict of keyword
@@ -137,7 +146,9 @@ class Pipeline:
         if self.traced is None:  # the ranks agree on the batch: cut the stages for it
             self._cut(*batch.micro)
             self.traced = batch.signature
+        self.tied.begin_step()
         loss = self.runner.step(batch.tensors, targets)
+        self.tied.add_up()
         if loss is not None and self.data_parallel is not None:
             loss = collectives.allreduce(loss, self.data_parallel, "sum") / \
                 self.data_parallel.size
@@ -168,7 +179,7 @@ class Pipeline:
         with plain_parameters(self.model, self.shapes):
             captured = capture(self.model, args, kwargs)
         refuse_mutations(captured, "a pipeline")
-        graphs = cut_graph(captured, self.points)
+        graphs = cut_graph(captured, self.points, self.copies)
         check_owners(graphs, self.model, self.owners)
         self.out_spec = captured.out_spec
         for s, stage in self.stages.items():
@@ -179,9 +190,14 @@ class Pipeline:
         return self.spec.loss_fn(out, target)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
-        """This rank's stages' parameters (to give an optimizer)."""
+        """This rank's stages' parameters (to give an optimizer), each once: a weight tied
+        across two stages of this rank is one parameter of both."""
+        seen: set[int] = set()
         for stage in self.stages.values():
-            yield from stage.parameters()
+            for p in stage.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     def explain(self) -> str:
         return self.runner.explain()
@@ -215,7 +231,10 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
                               f"or a {PP!r} dimension of size {n_stages}")
     points = split_modules(module, spec)
     owners = owners_by_stage(module, points)
-    check_ties(module, owners)
+    ties = ties_across_stages(module, owners)
+    check_tie_placement(ties, sched.placement, bool(rest), fsdp)
+    if rest:  # each copy laid out by its stage's plan (read before any is)
+        ties = [_laid_out(tie, module, owners, plan, len(rest)) for tie in ties]
     shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters(remove_duplicate=False)}
     grid = tmesh.mesh.movedim(names.index(PP), 0)
     stage_ranks = [row.flatten().tolist() for row in grid]
@@ -233,7 +252,18 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
         stages[s] = stage
     dp = (group.coordinate, group.size) if group is not None else None
     runner = PipelineRunner(sched, stages, spec.loss_fn, stage_ranks, data_parallel=dp)
-    return Pipeline(runner, stages, module, points, owners, spec, shapes, group)
+    return Pipeline(runner, stages, module, points, owners, spec, shapes, group, ties)
+
+
+def _laid_out(tie: Tie, module: torch.nn.Module, owners: Sequence[Sequence[str]],
+              plan: Mapping[str, Any], ndim: int) -> Tie:
+    """``tie`` with the placements each copy's stage's plan gives it."""
+    layouts = []
+    for s, name in tie.names:
+        stage = GraphStage(module, owners[s])
+        resolved = resolve_plan(outline_of(stage), _plan_for(stage, plan, ndim), ndim)
+        layouts.append(tuple(resolved.parameters[name]))
+    return Tie(tie.names, tuple(layouts))
 
 
 def split_modules(module: torch.nn.Module, spec: PipelineSpec) -> list[str]:

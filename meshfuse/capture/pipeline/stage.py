@@ -21,7 +21,7 @@ from meshfuse.capture.pipeline.cut import StageGraph
 from meshfuse.capture.trace import Captured
 from meshfuse.errors import DefinitionError, ScheduleError
 
-__all__ = ["GraphStage", "check_owners", "check_ties", "owners_by_stage", "plain_parameters"]
+__all__ = ["GraphStage", "check_owners", "owners_by_stage", "plain_parameters"]
 
 
 def owners_by_stage(model: torch.nn.Module, points: Sequence[str]) -> list[list[str]]:
@@ -54,23 +54,6 @@ def check_owners(graphs: Sequence[StageGraph], model: torch.nn.Module,
                     f"stage (modules go to stages in the order the model registers them, "
                     f"from the split points on); move a split point so that the module "
                     f"and the ops reading it are in one stage")
-
-
-def check_ties(model: torch.nn.Module, owners: Sequence[Sequence[str]]) -> None:
-    """No parameter is held, under several names, by modules of different stages (a tied
-    embedding and head): each stage would train a copy of its own. Checked before the
-    stages are laid out, on every rank (a laid-out stage's parameters are its own)."""
-    stage_of = {m: s for s, held in enumerate(owners) for m in held}
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for tied in names.values():
-        stages = sorted({stage_of[name.rpartition(".")[0]] for name in tied})
-        if len(stages) > 1:
-            raise DefinitionError(
-                f"parameter {tied[-1]!r} is {tied[0]!r} (a weight tied across stages, e.g. "
-                f"the embedding and the head), held by pipeline stages {stages}; untie it "
-                f"(config tie_word_embeddings=False) or keep its modules in one stage")
 
 
 class GraphStage(torch.nn.Module):

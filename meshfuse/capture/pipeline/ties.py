@@ -1,0 +1,173 @@
+"""Weights tied across pipeline stages: one parameter held, under several names, by modules
+of different stages (a decoder's token embedding and its head, ``tie_word_embeddings``:
+Llama-3.2-1B, Gemma, Qwen2-0.5B, GPT-2).
+
+Each pipeline rank holding one of those stages trains a copy of the parameter, laid out on
+its stage's devices by the plan as that stage's other parameters are (the embedding's copy
+may be replicated where the head's is split over the vocabulary). The copies start equal
+(the model's one tensor) and stay equal because their gradients are: after each step's
+backward, the ranks at one coordinate of the stages holding copies add their gradients
+(:meth:`TiedGradients.add_up`, one allreduce per tie), and an optimizer of each rank's
+``pipe.parameters()`` then updates every copy alike. Copies laid out alike add their local
+shards; otherwise each adds the whole gradient (gathered on its stage's devices) and keeps
+its own shard of the sum. Gradients accumulated over several steps without ``zero_grad``
+stay right: at the start of a step every copy but the first stage's drops the sum it holds
+(:meth:`TiedGradients.begin_step`), so that each step adds only its own contributions.
+
+Where one pipeline rank runs two stages of a tie (ZBV puts the first and the last stage on
+rank 0), the stages share the parameter itself when the stages are not laid out further (a
+mesh of ``pp`` alone: autograd adds both uses into its one ``.grad``); laid out over other
+mesh dimensions they would hold two copies on one device, which is refused, as is a tie in
+a pipeline with ``fsdp`` (each stage's parameters there are one flat shard, split at
+offsets that differ between the stages). The pipeline's cut reads a tied parameter in each
+stage under the name that stage holds it by (:func:`~meshfuse.capture.pipeline.cut.cut_graph`'s
+``copies``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from meshfuse.errors import DefinitionError
+from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.runtime.comm import collectives
+from meshfuse.runtime.comm.communicator import Communicator
+
+__all__ = ["Tie", "TiedGradients", "ties_across_stages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """One parameter held by modules of several stages.
+
+    Attributes:
+        names: ``(stage, name)`` for each stage holding it, by stage: the name the stage
+            holds it under (its first, where a stage holds it under several).
+        layouts: for each of ``names``, the placements its stage's plan gives that copy
+            (None: the stages are not laid out over other mesh dimensions).
+    """
+
+    names: tuple[tuple[int, str], ...]
+    layouts: tuple[tuple | None, ...] = ()
+
+    def copies(self) -> dict[str, dict[int, str]]:
+        """Each name of the parameter -> the name each stage reads it by (see ``cut_graph``)."""
+        by_stage = dict(self.names)
+        return {name: by_stage for _, name in self.names}
+
+
+def ties_across_stages(model: torch.nn.Module, owners: Sequence[Sequence[str]]) -> list[Tie]:
+    """The parameters of ``model`` held by modules of more than one stage (``owners``: each
+    stage's modules, :func:`~meshfuse.capture.pipeline.stage.owners_by_stage`)."""
+    stage_of = {m: s for s, held in enumerate(owners) for m in held}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    ties = []
+    for held in names.values():
+        first: dict[int, str] = {}
+        for name in held:
+            first.setdefault(stage_of[name.rpartition(".")[0]], name)
+        if len(first) > 1:
+            ties.append(Tie(tuple(sorted(first.items()))))
+    return ties
+
+
+def check_tie_placement(ties: Sequence[Tie], placement: Sequence[int], laid_out: bool,
+                        fsdp: str | None) -> None:
+    """Refuses the ties a pipeline cannot keep equal (see the module doc): any with
+    ``fsdp``, and two stages of one on a pipeline rank (``placement``: each stage's) where
+    the stages are laid out further (``laid_out``)."""
+    for tie in ties:
+        stages = [s for s, _ in tie.names]
+        shown = ", ".join(f"{name!r} (stage {s})" for s, name in tie.names)
+        if fsdp is not None:
+            raise DefinitionError(
+                f"parameter {shown} is one weight tied across pipeline stages; a pipeline "
+                f"with fsdp={fsdp!r} keeps each stage's parameters as one flat shard and "
+                f"cannot add the copies' gradients: untie it (config "
+                f"tie_word_embeddings=False), keep its modules in one stage, or drop fsdp")
+        ranks = [placement[s] for s in stages]
+        if laid_out and len(set(ranks)) < len(ranks):
+            raise DefinitionError(
+                f"parameter {shown} is one weight tied across pipeline stages that run on "
+                f"one pipeline rank (stages {stages} on ranks {ranks}); laid out over the "
+                f"mesh's other dimensions each stage would hold a copy of its own on the same "
+                f"devices: use a schedule that puts those stages on different ranks, or "
+                f"untie it (config tie_word_embeddings=False)")
+
+
+class TiedGradients:
+    """Keeps the copies of ``ties`` equal on this rank's ``stages`` (see the module doc).
+
+    Creating it creates, on every rank alike, the groups of ranks that hold copies of each
+    tie at one coordinate of their stages' devices (``stage_ranks``: each pipeline rank's
+    devices, in coordinate order; ``placement``: each stage's pipeline rank)."""
+
+    def __init__(self, ties: Sequence[Tie], stage_ranks: Sequence[Sequence[int]],
+                 placement: Sequence[int], stages: Mapping[int, torch.nn.Module]) -> None:
+        comm = Communicator.instance()
+        self._ties: list[_Copies] = []
+        for tie in ties:
+            rows = sorted({placement[s] for s, _ in tie.names})
+            if len(rows) == 1:  # one rank holds every stage of it: one parameter there
+                continue
+            mesh = DeviceMesh(torch.tensor([list(stage_ranks[r]) for r in rows]))
+            group = collectives.group_along(comm, mesh, 0) if comm.size > 1 else None
+            mine = [(s, name) for s, name in tie.names if s in stages]
+            if group is None or not mine:
+                continue
+            self._ties.append(_Copies(
+                group, mine, alike=len(set(tie.layouts)) <= 1,
+                first=placement[tie.names[0][0]] == placement[mine[0][0]]))
+        self._stages = stages
+
+    def __bool__(self) -> bool:
+        return bool(self._ties)
+
+    def begin_step(self) -> None:
+        """Every copy but those on the tie's first stage's rank drops the gradient it holds
+        (the sum of the steps before, which the first stage's copy holds too)."""
+        for copies in self._ties:
+            if not copies.first:
+                for s, name in copies.mine:
+                    self._stages[s].get_parameter(name).grad = None
+
+    def add_up(self) -> None:
+        """Each copy's gradient becomes the sum of every copy's (one allreduce per tie)."""
+        for copies in self._ties:
+            s, name = copies.mine[0]  # (several: one parameter, stages not laid out)
+            p = self._stages[s].get_parameter(name)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if copies.alike:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                summed = collectives.allreduce(local, copies.group, "sum")
+                p.grad = DTensor.from_local(summed, p.device_mesh, p.placements,
+                                            shape=p.shape, stride=p.stride(), run_check=False) \
+                    if isinstance(p, DTensor) else summed
+                continue
+            whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+            summed = collectives.allreduce(whole, copies.group, "sum")
+            if isinstance(p, DTensor):
+                summed = DTensor.from_local(summed, p.device_mesh,
+                                            [Replicate()] * p.device_mesh.ndim,
+                                            run_check=False).redistribute(p.device_mesh,
+                                                                          p.placements)
+            p.grad = summed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copies:
+    """This rank's part in keeping one tie's copies equal: the group of the ranks holding
+    copies at its coordinate, its stages' names of the parameter, whether every copy is
+    laid out alike, and whether it is the first stage's copy (which keeps a sum over
+    steps)."""
+
+    group: collectives.Group
+    mine: list[tuple[int, str]]
+    alike: bool
+    first: bool
