@@ -316,8 +316,13 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
                                        atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     width = d // shape[0]
     ends = {rank % width, (shape[0] - 1) * width + rank % width}
-    tie = [c for c in comms if c.kind == "allreduce" and set(c.ranks) == ends]
     held = rank in ends and case != "zbv"
+    added = "local shard of the gradient" if width == 1 or "alike" in case else "whole gradient"
+    told = [line for line in pipe.explain().splitlines() if line.startswith("tied across")]
+    assert told == ([(f"tied across stages: 'model.embed_tokens.weight' (stage 0), "
+                      f"'lm_head.weight' (stage {len(points)}); this rank's copy adds its "
+                      f"{added} with ranks {sorted(ends)} after each step")] if held else [])
+    tie = [c for c in comms if c.kind == "allreduce" and set(c.ranks) == ends]
     if not held:
         assert not tie
     else:

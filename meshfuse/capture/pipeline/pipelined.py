@@ -200,7 +200,7 @@ class Pipeline:
                     yield p
 
     def explain(self) -> str:
-        return self.runner.explain()
+        return "\n".join([self.runner.explain(), *self.tied.lines()])
 
 
 def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mapping[str, Any],

@@ -122,12 +122,16 @@ class TiedGradients:
             if group is None or not mine:
                 continue
             self._ties.append(_Copies(
-                group, mine, alike=len(set(tie.layouts)) <= 1,
+                tie.names, group, mine, alike=len(set(tie.layouts)) <= 1,
                 first=placement[tie.names[0][0]] == placement[mine[0][0]]))
         self._stages = stages
 
-    def __bool__(self) -> bool:
-        return bool(self._ties)
+    def lines(self) -> list[str]:
+        """explain's lines: each tie this rank holds a copy of, and how its gradients add."""
+        return [f"tied across stages: {', '.join(f'{n!r} (stage {s})' for s, n in c.names)}; "
+                f"this rank's copy adds its "
+                f"{'local shard of the gradient' if c.alike else 'whole gradient'} with ranks "
+                f"{list(c.group.ranks)} after each step" for c in self._ties]
 
     def begin_step(self) -> None:
         """Every copy but those on the tie's first stage's rank drops the gradient it holds
@@ -162,11 +166,12 @@ class TiedGradients:
 
 @dataclasses.dataclass(frozen=True)
 class _Copies:
-    """This rank's part in keeping one tie's copies equal: the group of the ranks holding
-    copies at its coordinate, its stages' names of the parameter, whether every copy is
-    laid out alike, and whether it is the first stage's copy (which keeps a sum over
-    steps)."""
+    """This rank's part in keeping one tie's copies equal: the tie's names, the group of
+    the ranks holding copies at its coordinate, its stages' names of the parameter, whether
+    every copy is laid out alike, and whether it is the first stage's copy (which keeps a
+    sum over steps)."""
 
+    names: tuple[tuple[int, str], ...]  # the tie's (see Tie)
     group: collectives.Group
     mine: list[tuple[int, str]]
     alike: bool
