@@ -257,7 +257,7 @@ def _tied_reference(accumulate: int = 1):
     return losses, dict(model.named_parameters(remove_duplicate=False)), first
 
 
-TIED = {  # name -> (ranks, mesh shape, names, schedule, split points, plan)
+TIED = {  # name -> (ranks, mesh shape, names, schedule, split points, plan[, fsdp])
     "pp2": (2, (2,), ("pp",), "1F1B", ["model.layers.2"], {}),
     "interleaved": (2, (2,), ("pp",), "Interleaved1F1B",
                     ["model.layers.1", "model.layers.2", "model.norm"], {}),
@@ -271,6 +271,8 @@ TIED = {  # name -> (ranks, mesh shape, names, schedule, split points, plan)
     "pp2_tp2_alike": (4, (2, 2), ("pp", "tp"), "1F1B", ["model.layers.2"],
                       {**TP_PLAN, "lm_head": "colwise_gather_output",
                        "model.embed_tokens": "rowwise"}),
+    # each stage one flat shard per dp member, the tied weight at other offsets in each
+    "pp2_dp2": (4, (2, 2), ("pp", "dp"), "1F1B", ["model.layers.2"], {}, "dp"),
 }
 
 
@@ -284,12 +286,13 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
     two stages' ranks at each coordinate), so the losses, the first step's gradient and the
     parameters after SGD are the tied model's on one device; also with three steps'
     gradients accumulated before one SGD step (each step adds only its own)."""
-    ranks, shape, names, sched, points, plan = TIED[case]
+    ranks, shape, names, sched, points, plan, *fsdp = TIED[case]
     d, rank = multidevice_test.size, multidevice_test.rank
     if d != ranks:
         pytest.skip(f"{case} at {ranks} ranks")
     spec = PipelineSpec(split_points=points, loss_fn=_loss, schedule=sched, microbatches=2)
-    pipe = meshfuse.parallelize(_tied(), _mesh(shape, names), plan, pipeline=spec)
+    pipe = meshfuse.parallelize(_tied(), _mesh(shape, names), plan, pipeline=spec,
+                                fsdp=fsdp[0] if fsdp else None)
     want_losses, want, first_grad = _tied_reference(accumulate)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     losses = []
@@ -297,27 +300,27 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
         for i, (ids, target) in enumerate(_data()):
             losses.append(pipe.step({"input_ids": ids}, target))
             if i == 0:
-                for stage in pipe.stages.values():
-                    for name, p in stage.named_parameters():
-                        if name in ("lm_head.weight", "model.embed_tokens.weight"):
-                            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) \
-                                else p.grad
-                            torch.testing.assert_close(grad, first_grad, rtol=1e-5, atol=1e-6)
+                for name, grad in _tensors(pipe, grads=True):
+                    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                        part = first_grad.flatten()[grad.offset:grad.offset + grad.numel()]
+                        torch.testing.assert_close(grad.flatten(), part, rtol=1e-5, atol=1e-6)
             if (i + 1) % accumulate == 0:
                 opt.step()
                 opt.zero_grad()
     last = {"zbv": 0, "pp3": 2}.get(case, 1)
     if rank // (d // shape[0]) == last:
         assert [x.item() for x in losses] == pytest.approx(want_losses, rel=1e-5)
-    for stage in pipe.stages.values():
-        for name, p in stage.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            torch.testing.assert_close(full.detach(), want[name].detach(), rtol=1e-5,
-                                       atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    for name, value in _tensors(pipe):
+        part = want[name].detach().flatten()[value.offset:value.offset + value.numel()]
+        torch.testing.assert_close(value.detach().flatten(), part, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     width = d // shape[0]
     ends = {rank % width, (shape[0] - 1) * width + rank % width}
+    if fsdp:  # every device of the two stages adds its piece
+        ends = set(range(d))
     held = rank in ends and case != "zbv"
-    added = "local shard of the gradient" if width == 1 or "alike" in case else "whole gradient"
+    added = "piece of the gradient (in its flat shard)" if fsdp else \
+        "local shard of the gradient" if width == 1 or "alike" in case else "whole gradient"
     told = [line for line in pipe.explain().splitlines() if line.startswith("tied across")]
     assert told == ([(f"tied across stages: 'model.embed_tokens.weight' (stage 0), "
                       f"'lm_head.weight' (stage {len(points)}); this rank's copy adds its "
@@ -327,7 +330,7 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
         assert not tie
     else:
         whole = VOCAB * HIDDEN * 4
-        part = whole // width if case in ("pp2_tp2_alike",) else whole
+        part = whole // width if case == "pp2_tp2_alike" else whole
         if case == "pp2_tp2" and rank // width == shape[0] - 1:
             part = whole  # the head's copy adds its whole gradient, gathered on its stage
         assert [c.bytes for c in tie] == [part] * STEPS
@@ -335,22 +338,48 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
 
 @pytest.mark.mpi
 def test_a_tied_weight_a_pipeline_cannot_keep_equal_is_refused(multidevice_test):
-    """Refused on every rank before any stage is laid out: a tie in a pipeline with fsdp
-    (each stage's parameters one flat shard), and a tie between two stages that ZBV puts
-    on one rank laid out over tp (two copies on the same devices)."""
+    """Refused on every rank before any stage is laid out: a tie between two stages that
+    ZBV puts on one rank laid out over tp or sharded over dp (two copies on the same
+    devices)."""
     d = multidevice_test.size
     if d != 4:
-        pytest.skip("pp2 x dp2 and pp2 x tp2 at 4 ranks")
-    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, microbatches=2)
-    with pytest.raises(DefinitionError, match=r"'model.embed_tokens.weight' \(stage 0\), "
-                                              r"'lm_head.weight' \(stage 1\) is one weight tied"
-                                              r".*fsdp='dp'"):
-        meshfuse.parallelize(_tied(), _mesh((2, 2), ("pp", "dp")), {}, fsdp="dp",
-                             pipeline=spec)
+        pytest.skip("pp2 x tp2 and pp2 x dp2 at 4 ranks")
     spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2", "model.norm"],
                         loss_fn=_loss, schedule="ZBV", microbatches=2)
-    with pytest.raises(DefinitionError, match=r"stages \[0, 3\] on ranks \[0, 0\]"):
+    with pytest.raises(DefinitionError, match=r"'model.embed_tokens.weight' \(stage 0\), "
+                                              r"'lm_head.weight' \(stage 3\) is one weight "
+                                              r"tied .* \(stages \[0, 3\] on ranks \[0, 0\]\)"):
         meshfuse.parallelize(_tied(), _mesh((2, 2), ("pp", "tp")), TP_PLAN, pipeline=spec)
+    with pytest.raises(DefinitionError, match=r"stages \[0, 3\] on ranks \[0, 0\]"):
+        meshfuse.parallelize(_tied(), _mesh((2, 2), ("pp", "dp")), {}, fsdp="dp",
+                             pipeline=spec)
+
+
+class _Piece(torch.Tensor):
+    """A tensor and where its elements start among its parameter's (see ``_tensors``)."""
+
+
+def _tensors(pipe, grads: bool = False):
+    """``(name, piece)`` of each parameter (or gradient) this rank's stages hold: a DTensor's
+    whole tensor, a flat shard's piece of each parameter, ``piece.offset`` the first
+    element's place in the parameter."""
+    for stage in pipe.stages.values():
+        if hasattr(stage, "flat_layout"):  # a ShardedStage: one flat shard
+            layout, first = stage.flat_layout()
+            flat = stage.shard.grad if grads else stage.shard
+            for held, shape, offset in layout:
+                start = max(offset, first)
+                end = min(offset + shape.numel(), first + flat.numel())
+                if start < end:
+                    piece = flat[start - first:end - first].as_subclass(_Piece)
+                    piece.offset = start - offset
+                    yield held.removeprefix("module."), piece
+            continue
+        for name, p in stage.named_parameters():
+            x = p.grad if grads else p
+            piece = (x.full_tensor() if isinstance(x, DTensor) else x).as_subclass(_Piece)
+            piece.offset = 0
+            yield name, piece
 
 
 @pytest.mark.mpi

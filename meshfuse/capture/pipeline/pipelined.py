@@ -125,7 +125,8 @@ class Pipeline:
         runner.loss_fn = self._loss
         # weights tied across stages: each stage's name of them, and their gradients' sums
         self.copies = {k: v for tie in ties for k, v in tie.copies().items()}
-        self.tied = TiedGradients(ties, runner.stage_ranks, runner.schedule.placement, stages)
+        self.tied = TiedGradients(ties, runner.stage_ranks, runner.schedule.placement, stages,
+                                  flat=data_parallel is not None)
 
     def step(self, inputs: Any, targets: torch.Tensor | None) -> torch.Tensor | None:
         """One batch: ``inputs`` a tensor, a tuple of positional inputs or a dict of keyword
@@ -232,8 +233,8 @@ def pipeline_stages(module: torch.nn.Module, tmesh: TorchDeviceMesh, plan: Mappi
     points = split_modules(module, spec)
     owners = owners_by_stage(module, points)
     ties = ties_across_stages(module, owners)
-    check_tie_placement(ties, sched.placement, bool(rest), fsdp)
-    if rest:  # each copy laid out by its stage's plan (read before any is)
+    check_tie_placement(ties, sched.placement, bool(rest))
+    if rest and fsdp is None:  # each copy laid out by its stage's plan (before any is)
         ties = [_laid_out(tie, module, owners, plan, len(rest)) for tie in ties]
     shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters(remove_duplicate=False)}
     grid = tmesh.mesh.movedim(names.index(PP), 0)

@@ -10,16 +10,20 @@ backward, the ranks at one coordinate of the stages holding copies add their gra
 (:meth:`TiedGradients.add_up`, one allreduce per tie), and an optimizer of each rank's
 ``pipe.parameters()`` then updates every copy alike. Copies laid out alike add their local
 shards; otherwise each adds the whole gradient (gathered on its stage's devices) and keeps
-its own shard of the sum. Gradients accumulated over several steps without ``zero_grad``
-stay right: at the start of a step every copy but the first stage's drops the sum it holds
-(:meth:`TiedGradients.begin_step`), so that each step adds only its own contributions.
+its own shard of the sum. With ``fsdp`` each stage's parameters are one flat shard per
+data-parallel member (:class:`~meshfuse.parallel.stages.ShardedStage`), cut at offsets
+that differ between the stages: there each member puts the part of the tied weight's
+gradient its shard holds into a zero tensor of the weight's size, the members of both
+stages add those in one allreduce, and each takes its part back. Gradients accumulated over
+several steps without ``zero_grad`` stay right: at the start of a step every copy but the
+first stage's drops the sum it holds (:meth:`TiedGradients.begin_step`), so that each step
+adds only its own contributions.
 
 Where one pipeline rank runs two stages of a tie (ZBV puts the first and the last stage on
 rank 0), the stages share the parameter itself when the stages are not laid out further (a
 mesh of ``pp`` alone: autograd adds both uses into its one ``.grad``); laid out over other
-mesh dimensions they would hold two copies on one device, which is refused, as is a tie in
-a pipeline with ``fsdp`` (each stage's parameters there are one flat shard, split at
-offsets that differ between the stages). The pipeline's cut reads a tied parameter in each
+mesh dimensions (or sharded by ``fsdp``) they would hold two copies on one device, which is
+refused. The pipeline's cut reads a tied parameter in each
 stage under the name that stage holds it by (:func:`~meshfuse.capture.pipeline.cut.cut_graph`'s
 ``copies``).
 """
@@ -34,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from meshfuse.errors import DefinitionError
 from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.parallel.stages import ShardedStage
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
 
@@ -77,20 +82,13 @@ def ties_across_stages(model: torch.nn.Module, owners: Sequence[Sequence[str]]) 
     return ties
 
 
-def check_tie_placement(ties: Sequence[Tie], placement: Sequence[int], laid_out: bool,
-                        fsdp: str | None) -> None:
-    """Refuses the ties a pipeline cannot keep equal (see the module doc): any with
-    ``fsdp``, and two stages of one on a pipeline rank (``placement``: each stage's) where
-    the stages are laid out further (``laid_out``)."""
+def check_tie_placement(ties: Sequence[Tie], placement: Sequence[int], laid_out: bool) -> None:
+    """Refuses the ties a pipeline cannot keep equal (see the module doc): two stages of one
+    on a pipeline rank (``placement``: each stage's) where the stages are laid out further
+    (``laid_out``: a plan or fsdp over the mesh's other dimensions)."""
     for tie in ties:
         stages = [s for s, _ in tie.names]
         shown = ", ".join(f"{name!r} (stage {s})" for s, name in tie.names)
-        if fsdp is not None:
-            raise DefinitionError(
-                f"parameter {shown} is one weight tied across pipeline stages; a pipeline "
-                f"with fsdp={fsdp!r} keeps each stage's parameters as one flat shard and "
-                f"cannot add the copies' gradients: untie it (config "
-                f"tie_word_embeddings=False), keep its modules in one stage, or drop fsdp")
         ranks = [placement[s] for s in stages]
         if laid_out and len(set(ranks)) < len(ranks):
             raise DefinitionError(
@@ -106,45 +104,58 @@ class TiedGradients:
 
     Creating it creates, on every rank alike, the groups of ranks that hold copies of each
     tie at one coordinate of their stages' devices (``stage_ranks``: each pipeline rank's
-    devices, in coordinate order; ``placement``: each stage's pipeline rank)."""
+    devices, in coordinate order; ``placement``: each stage's pipeline rank), or with
+    ``flat`` (the stages are :class:`~meshfuse.parallel.stages.ShardedStage` s) all the
+    devices of those stages."""
 
     def __init__(self, ties: Sequence[Tie], stage_ranks: Sequence[Sequence[int]],
-                 placement: Sequence[int], stages: Mapping[int, torch.nn.Module]) -> None:
+                 placement: Sequence[int], stages: Mapping[int, torch.nn.Module],
+                 flat: bool = False) -> None:
         comm = Communicator.instance()
         self._ties: list[_Copies] = []
         for tie in ties:
             rows = sorted({placement[s] for s, _ in tie.names})
             if len(rows) == 1:  # one rank holds every stage of it: one parameter there
                 continue
-            mesh = DeviceMesh(torch.tensor([list(stage_ranks[r]) for r in rows]))
+            devices = torch.tensor([list(stage_ranks[r]) for r in rows])
+            mesh = DeviceMesh(devices.flatten() if flat else devices)
             group = collectives.group_along(comm, mesh, 0) if comm.size > 1 else None
             mine = [(s, name) for s, name in tie.names if s in stages]
             if group is None or not mine:
                 continue
             self._ties.append(_Copies(
-                tie.names, group, mine, alike=len(set(tie.layouts)) <= 1,
+                tie.names, group, mine, flat, alike=len(set(tie.layouts)) <= 1,
                 first=placement[tie.names[0][0]] == placement[mine[0][0]]))
         self._stages = stages
 
     def lines(self) -> list[str]:
         """explain's lines: each tie this rank holds a copy of, and how its gradients add."""
         return [f"tied across stages: {', '.join(f'{n!r} (stage {s})' for s, n in c.names)}; "
-                f"this rank's copy adds its "
-                f"{'local shard of the gradient' if c.alike else 'whole gradient'} with ranks "
+                f"this rank's copy adds its {_ADDED[c.flat, c.alike]} with ranks "
                 f"{list(c.group.ranks)} after each step" for c in self._ties]
 
     def begin_step(self) -> None:
         """Every copy but those on the tie's first stage's rank drops the gradient it holds
         (the sum of the steps before, which the first stage's copy holds too)."""
         for copies in self._ties:
-            if not copies.first:
-                for s, name in copies.mine:
-                    self._stages[s].get_parameter(name).grad = None
+            if copies.first:
+                continue
+            for s, name in copies.mine:
+                stage = self._stages[s]
+                if isinstance(stage, ShardedStage):
+                    _, start, end, _ = _part(stage, name)
+                    if stage.shard.grad is not None:
+                        stage.shard.grad[start:end].zero_()
+                else:
+                    stage.get_parameter(name).grad = None
 
     def add_up(self) -> None:
         """Each copy's gradient becomes the sum of every copy's (one allreduce per tie)."""
         for copies in self._ties:
             s, name = copies.mine[0]  # (several: one parameter, stages not laid out)
+            if isinstance(self._stages[s], ShardedStage):
+                _add_up_flat(self._stages[s], name, copies.group)
+                continue
             p = self._stages[s].get_parameter(name)
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if copies.alike:
@@ -167,12 +178,44 @@ class TiedGradients:
 @dataclasses.dataclass(frozen=True)
 class _Copies:
     """This rank's part in keeping one tie's copies equal: the tie's names, the group of
-    the ranks holding copies at its coordinate, its stages' names of the parameter, whether
-    every copy is laid out alike, and whether it is the first stage's copy (which keeps a
-    sum over steps)."""
+    the ranks holding copies at its coordinate (flat shards: every device of those
+    stages), its stages' names of the parameter, whether the stages are flat shards,
+    whether every copy is laid out alike, and whether it is the first stage's copy (which
+    keeps a sum over steps)."""
 
     names: tuple[tuple[int, str], ...]  # the tie's (see Tie)
     group: collectives.Group
     mine: list[tuple[int, str]]
+    flat: bool
     alike: bool
     first: bool
+
+
+# what a copy adds, by (flat shards, laid out alike): explain's words
+_ADDED = {(False, True): "local shard of the gradient", (False, False): "whole gradient",
+          (True, True): "piece of the gradient (in its flat shard)"}
+
+
+def _part(stage: ShardedStage, name: str) -> tuple[int, int, int, int]:
+    """``(numel, start, end, offset)``: the size of the parameter ``name`` of ``stage``'s
+    module, where in the stage's shard a piece of it lies (``[start, end)``, empty where the
+    shard holds none of it) and where that piece starts among the parameter's elements."""
+    layout, first = stage.flat_layout()
+    shape, offset = next((shape, offset) for held, shape, offset in layout
+                         if held == f"module.{name}")
+    start = max(offset, first)
+    end = max(start, min(offset + shape.numel(), first + stage.shard.numel()))
+    return shape.numel(), start - first, end - first, start - offset
+
+
+def _add_up_flat(stage: ShardedStage, name: str, group: collectives.Group) -> None:
+    """The tied parameter ``name``'s gradient summed over ``group``, the devices of every
+    stage holding a copy, each holding a piece of it in its flat shard's gradient."""
+    numel, start, end, offset = _part(stage, name)
+    shard = stage.shard
+    if shard.grad is None:
+        shard.grad = torch.zeros_like(shard)
+    whole = shard.new_zeros(numel)
+    whole[offset:offset + end - start] = shard.grad[start:end]
+    whole = collectives.allreduce(whole, group, "sum", inplace=True)
+    shard.grad[start:end] = whole[offset:offset + end - start]
