@@ -1,10 +1,11 @@
 """``meshfuse.parallelize(hf_model, mesh, plan, pipeline=PipelineSpec(...))`` on unmodified
 Hugging Face decoders (Llama, Qwen2; tiny random configs): the stages are cut from the
-model's graph at ``model.layers.N``, the rotary embeddings, the causal mask and the hidden
-states cross every boundary; 3 AdamW steps give the one-device model's losses and
-parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2 ranks), under 1F1B
-at pp3 (3 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks);
-3 layers over 2 stages; an embedding tied to the head across stages; bad specs and batches are refused on every rank."""
+model's graph at ``model.layers.N``, the hidden states cross every boundary (each stage
+makes the causal mask and the rotary embeddings again); 3 AdamW steps give the one-device
+model's losses and parameters under 1F1B, GPipe, ZeroBubble and Interleaved1F1B at pp2 (2
+ranks), under 1F1B at pp3 (3 ranks), pp2 x tp2 and pp2 x fsdp2 (4 ranks); 3 layers over 2
+stages; an embedding tied to the head across stages; bad specs and batches are refused on
+every rank."""
 
 from __future__ import annotations
 
@@ -122,18 +123,17 @@ def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, s
         stage(_data()[0][0][:1])
         notes.active = None
         assert len(seen) == 2 * 7  # q, k, v, o, gate, up, down of layers 0 and 1
-    # to the same coordinate of the other stage only: the hidden states, cos, sin and the
-    # causal mask forward in one message per microbatch (its layout once), gradients back
+    # to the same coordinate of the other stage only: the hidden states forward in one
+    # message per microbatch (its layout once: a count, then 9 numbers per value), their
+    # gradients back; the causal mask, cos and sin are made again by the second stage
     other = rank + width if mine == 0 else rank - width
     p2p = [c for c in comms if c.kind in ("send", "recv")]
     assert {c.peer for c in p2p} == {other}
-    rows, head = BATCH // m, HIDDEN // 4
-    bundle = rows * SEQ * HIDDEN * 4 + 2 * SEQ * head * 4 + rows * SEQ * SEQ
-    hidden = rows * SEQ * HIDDEN * 4
+    hidden = BATCH // m * SEQ * HIDDEN * 4
     forward = [c for c in p2p if c.kind == ("send" if mine == 0 else "recv")]
     backward = [c for c in p2p if c.kind == ("recv" if mine == 0 else "send")]
-    assert sorted(c.bytes for c in forward) == sorted([8, 8 * 9 * 4] + [bundle] * m * STEPS)
-    assert [c.bytes for c in backward] == [hidden] * m * STEPS  # only the hidden states
+    assert sorted(c.bytes for c in forward) == sorted([8, 9 * 8] + [hidden] * m * STEPS)
+    assert [c.bytes for c in backward] == [hidden] * m * STEPS
     if d == 4:
         inside = [c for c in comms if c.kind not in ("send", "recv")]
         assert inside and all(set(c.ranks) <= {mine * 2, mine * 2 + 1} for c in inside)
@@ -142,7 +142,7 @@ def test_hf_decoder_pipelined_trains_like_one_device(multidevice_test, family, s
 @pytest.mark.mpi
 def test_hf_decoder_interleaved(multidevice_test):
     """Interleaved1F1B: four stages on two ranks (0 and 2 on rank 0), 3 layers, the norm and
-    the head; the last boundary carries the hidden states only."""
+    the head; every boundary carries the hidden states only."""
     if multidevice_test.size != 2:
         pytest.skip("two ranks")
     spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2", "model.norm"],
@@ -164,15 +164,16 @@ def test_hf_decoder_interleaved(multidevice_test):
         for name, p in stage.named_parameters():
             torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-4, atol=1e-5)
     hidden = (BATCH // 2) * SEQ * HIDDEN * 4
-    last = [c for c in comms if c.kind == ("send" if rank == 0 else "recv")
-            and c.bytes == hidden]  # stage 2 to 3 forward, and 2 to 1 backward
-    assert len(last) == 2 * 2 * STEPS
+    from_0 = [c for c in comms if c.kind == ("send" if rank == 0 else "recv")
+              and c.bytes == hidden]  # stages 0 to 1 and 2 to 3 forward, 2 to 1 backward
+    assert len(from_0) == 3 * 2 * STEPS
 
 
 @pytest.mark.mpi
 def test_hf_decoder_three_stages(multidevice_test):
-    """pp3, a layer per stage: the middle stage receives the mask, cos, sin and hidden states
-    and passes them on (the same bytes), the gradients of the hidden states flowing back."""
+    """pp3, a layer per stage: the middle stage receives the hidden states and sends its
+    own on (the same bytes; each stage makes the mask, cos and sin), the gradients of the
+    hidden states flowing back."""
     if multidevice_test.size != 3:
         pytest.skip("three ranks")
     spec = PipelineSpec(split_points=["model.layers.1", "model.layers.2"], loss_fn=_loss,
@@ -411,9 +412,12 @@ def test_hf_pipeline_bad_batch_on_one_rank(multidevice_test):
     assert any(c.kind in ("send", "recv") for c in comms)
 
 def test_cut_sends_every_value_live_across():
-    """Cut at layers 1 and 2 of 3: the mask, cos, sin (made before layer 0, read by every
-    layer) and the hidden states cross both boundaries, the first three passing through
-    stage 1; the head's boundary would carry the hidden states only."""
+    """Cut at layers 1 and 2 of 3: cos, sin (made before layer 0 from the rotary
+    frequencies, read by every layer) and the hidden states cross both boundaries, cos and
+    sin passing through stage 1; the causal mask, made from positions alone, is made again
+    by each stage. Where every stage holds the rotary frequencies (``shared``: the
+    pipeline's rotary embedding module holds buffers only), each stage makes cos and sin
+    too, and the hidden states alone cross; the head's boundary carries them alone."""
     model = _model()
     ids = torch.randint(0, VOCAB, (2, SEQ))
     captured = capture(model, (), {"input_ids": ids, "use_cache": False})
@@ -421,13 +425,20 @@ def test_cut_sends_every_value_live_across():
     assert first.captured.user_inputs == ("input_ids",)  # the flag is part of the trace
     shapes = [tuple(n.meta["val"].shape) for n in first.captured.graph.nodes
               if n.name in first.sends]
-    assert shapes == [(2, 1, SEQ, SEQ), (1, SEQ, HIDDEN // 4), (1, SEQ, HIDDEN // 4),
-                      (2, SEQ, HIDDEN)]
+    assert shapes == [(1, SEQ, HIDDEN // 4), (1, SEQ, HIDDEN // 4), (2, SEQ, HIDDEN)]
     assert middle.receives == first.sends and last.receives == middle.sends
-    assert middle.sends[:3] == first.sends[:3]  # passed through
+    assert middle.sends[:2] == first.sends[:2]  # passed through
     assert set(middle.captured.parameters.values()) == {
         n for n, _ in model.named_parameters() if n.startswith("model.layers.1.")}
     assert first.captured.buffers and not last.captured.buffers  # the rotary frequencies
+    shared = {"model.rotary_emb.inv_freq"}
+    stages = cut_graph(captured, ["model.layers.1", "model.layers.2"], shared=shared)
+    for stage in stages:
+        assert set(stage.captured.buffers.values()) == shared
+        masks = [n for n in stage.captured.graph.nodes
+                 if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+        assert masks and all(m.args[3].op == "call_function" for m in masks)  # made here
+    assert [len(s.sends) for s in stages] == [1, 1, 0]
     (head,) = cut_graph(captured, ["model.norm"])[0].sends
     assert head.startswith("add")  # the last layer's residual sum
     with pytest.raises(DefinitionError, match="'model.rotary_emb'.*order"):

@@ -21,7 +21,7 @@ Three passes over the graph (none changes the user's module):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -176,10 +176,11 @@ def _static_placeholders(captured: Captured) -> set[str]:
     return set(captured.buffers) | set(captured.constants) | set(captured.attributes)
 
 
-def static_nodes(captured: Captured) -> list[Node]:
+def static_nodes(captured: Captured, sources: Collection[str] | None = None) -> list[Node]:
     """The call nodes that depend on no parameter and no user input, in graph order
-    (random ops excluded: each call draws anew)."""
-    static = _static_placeholders(captured)
+    (random ops excluded: each call draws anew); ``sources``: the placeholders they may
+    read (default: every buffer, constant and attribute)."""
+    static = _static_placeholders(captured) if sources is None else set(sources)
     result = []
     for node in captured.graph.nodes:
         if node.op != "call_function":

@@ -6,8 +6,12 @@ runs. Every op goes to the stage of its position in the graph (the trace's progr
 so what a model computes between its layers (Hugging Face decoders: the rotary position
 embeddings, the causal mask, the position ids) runs where the model computes it. The
 values a later stage reads are that boundary's *bundle*: every value made before the
-boundary and read after it (the hidden states, cos and sin, the mask, ...), in graph order,
-passed on through the stages in between; a stage takes the previous bundle as its inputs and
+boundary and read after it (the hidden states), in graph order, passed on through the
+stages in between; but a value that depends on no input and no parameter (a decoder's causal
+mask, made from positions alone; its rotary cos and sin, from positions and a buffer that
+every stage holds: ``shared``) is computed again by each stage that reads it, not sent
+(a few small ops, against a message per microbatch; and a stage's attention then sees its
+mask made in its own graph, as causal, where a received mask is any mask); a stage takes the previous bundle as its inputs and
 returns the next (the last stage returns the model's outputs). Parameters and buffers are
 read where the ops reading them run (a parameter read on both sides of a boundary is
 refused, but one that each stage reading it holds a copy of: a weight tied across stages,
@@ -19,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
+from meshfuse.capture.partition import static_nodes
 from meshfuse.capture.trace import Captured, module_paths
 from meshfuse.errors import DefinitionError
 from meshfuse.parallel.stages.messages import check_sendable
@@ -57,11 +62,14 @@ class StageGraph:
 
 
 def cut_graph(captured: Captured, split_points: Sequence[str],
-              copies: Mapping[str, Mapping[int, str]] | None = None) -> list[StageGraph]:
+              copies: Mapping[str, Mapping[int, str]] | None = None,
+              shared: Collection[str] = ()) -> list[StageGraph]:
     """The stages of ``captured`` starting at the first op of each module of
     ``split_points`` (dotted module paths, in the order the forward runs them).
     ``copies``: a parameter's name -> the name each stage holding a copy of it reads it by
-    (a weight tied across stages, :meth:`~meshfuse.capture.pipeline.ties.Tie.copies`).
+    (a weight tied across stages, :meth:`~meshfuse.capture.pipeline.ties.Tie.copies`);
+    ``shared``: the buffers (by name in the module) that every stage holds, from which a
+    stage computes values again rather than receive them (see the module doc).
 
     Raises:
         DefinitionError: a split point whose module runs no op, split points out of order,
@@ -78,11 +86,15 @@ def cut_graph(captured: Captured, split_points: Sequence[str],
                               f"{starts}); reorder them")
     stage = _stages(nodes, starts, captured)
     n = len(starts) + 1
-    crossing = [_crossing(nodes, stage, k, n - 1) for k in range(n - 1)]
+    sources = {p for p, b in captured.buffers.items() if b in set(shared)} | \
+        set(captured.constants)
+    again = set(static_nodes(captured, sources))  # computed by each stage that reads them
+    crossing = [_crossing(nodes, stage, k, n - 1, again) for k in range(n - 1)]
     copies = copies or {}
     _check_parameters(nodes, stage, captured, copies)
     return [_stage_graph(captured, nodes, stage, s, crossing[s - 1] if s else None,
-                         crossing[s] if s < n - 1 else None, copies) for s in range(n)]
+                         crossing[s] if s < n - 1 else None, copies, again)
+            for s in range(n)]
 
 
 def _inside(node: torch.fx.Node, point: str) -> bool:
@@ -121,12 +133,13 @@ def _stages(nodes: list[torch.fx.Node], starts: list[int], captured: Captured
     return stage
 
 
-def _crossing(nodes: list[torch.fx.Node], stage: dict, k: int, last: int
-              ) -> list[torch.fx.Node]:
-    """The values made at stage ``k`` or before and read after it, in graph order."""
+def _crossing(nodes: list[torch.fx.Node], stage: dict, k: int, last: int,
+              again: Collection[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The values made at stage ``k`` or before and read after it, in graph order (but
+    those each stage computes ``again``)."""
     out = []
     for node in nodes:
-        if node not in stage or stage[node] > k:
+        if node not in stage or stage[node] > k or node in again:
             continue
         readers = [last if u.op == "output" else stage.get(u, 0) for u in node.users]
         if any(r > k for r in readers):
@@ -150,11 +163,16 @@ def _check_parameters(nodes: list[torch.fx.Node], stage: dict, captured: Capture
 
 def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s: int,
                  receives: list[torch.fx.Node] | None, sends: list[torch.fx.Node] | None,
-                 copies: Mapping[str, Mapping[int, str]]) -> StageGraph:
+                 copies: Mapping[str, Mapping[int, str]],
+                 again: Collection[torch.fx.Node]) -> StageGraph:
     graph, env = torch.fx.Graph(), {}
-    mine = [n for n in nodes if stage.get(n) == s]
+    own = {n for n in nodes if stage.get(n) == s and n not in again}
+    (out,) = [n for n in nodes if n.op == "output"]
+    wanted = [*own, *(sends or ()), *([out] if sends is None else [])]
+    mine_set = own | _made_again(wanted, again)
+    mine = [n for n in nodes if n in mine_set]
     state = [n for n in nodes if _is_state(n, captured) and
-             any(stage.get(u) == s for u in n.users)]
+             any(u in mine_set for u in n.users)]
     for node in state:  # the state this stage reads, then its inputs
         env[node] = _placeholder(graph, node) if node.op == "placeholder" else \
             graph.node_copy(node)
@@ -165,7 +183,6 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
         if node.op == "call_function":
             env[node] = graph.node_copy(node, lambda x: env[x])
     if sends is None:
-        (out,) = [n for n in nodes if n.op == "output"]
         values = tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in out.args[0])
     else:
         _check_tensors(sends, s)
@@ -184,6 +201,19 @@ def _stage_graph(captured: Captured, nodes: list[torch.fx.Node], stage: dict, s:
         {k: v for k, v in captured.attributes.items() if k in names})
     return StageGraph(program, tuple(n.name for n in receives or ()),
                       tuple(n.name for n in sends or ()))
+
+
+def _made_again(wanted: Sequence[torch.fx.Node], again: Collection[torch.fx.Node]
+                ) -> set[torch.fx.Node]:
+    """The nodes of ``again`` that ``wanted`` read, directly or through each other."""
+    found: set[torch.fx.Node] = set()
+    todo = [a for n in wanted for a in n.all_input_nodes if a in again]
+    while todo:
+        node = todo.pop()
+        if node not in found:
+            found.add(node)
+            todo += [a for a in node.all_input_nodes if a in again]
+    return found
 
 
 def _tensor_inputs(mine: list[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -36,6 +36,7 @@ from meshfuse.capture.pipeline.stage import (
     check_owners,
     owners_by_stage,
     plain_parameters,
+    shared_buffers,
 )
 from meshfuse.capture.pipeline.ties import (
     Tie,
@@ -180,7 +181,8 @@ class Pipeline:
         with plain_parameters(self.model, self.shapes):
             captured = capture(self.model, args, kwargs)
         refuse_mutations(captured, "a pipeline")
-        graphs = cut_graph(captured, self.points, self.copies)
+        graphs = cut_graph(captured, self.points, self.copies,
+                           shared_buffers(self.model, self.owners))
         check_owners(graphs, self.model, self.owners)
         self.out_spec = captured.out_spec
         for s, stage in self.stages.items():

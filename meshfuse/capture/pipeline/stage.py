@@ -21,7 +21,8 @@ from meshfuse.capture.pipeline.cut import StageGraph
 from meshfuse.capture.trace import Captured
 from meshfuse.errors import DefinitionError, ScheduleError
 
-__all__ = ["GraphStage", "check_owners", "owners_by_stage", "plain_parameters"]
+__all__ = ["GraphStage", "check_owners", "owners_by_stage", "plain_parameters",
+           "shared_buffers"]
 
 
 def owners_by_stage(model: torch.nn.Module, points: Sequence[str]) -> list[list[str]]:
@@ -36,6 +37,14 @@ def owners_by_stage(model: torch.nn.Module, points: Sequence[str]) -> list[list[
             for held in owners:
                 held.append(name)
     return owners
+
+
+def shared_buffers(model: torch.nn.Module, owners: Sequence[Sequence[str]]) -> set[str]:
+    """The buffers (by name in ``model``) of the modules that every stage holds (those
+    holding buffers only: a rotary embedding's frequencies)."""
+    everywhere = set(owners[0]).intersection(*owners[1:])
+    return {f"{m}.{n}" if m else n for m in everywhere
+            for n, _ in model.get_submodule(m).named_buffers(recurse=False)}
 
 
 def check_owners(graphs: Sequence[StageGraph], model: torch.nn.Module,
