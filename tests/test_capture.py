@@ -327,6 +327,50 @@ def test_a_buffer_the_forward_writes_in_place_is_written(multidevice_test):
         torch.testing.assert_close(model[0].positive, reference[0].positive)
 
 
+class Normed(torch.nn.Module):
+    """A batch norm between two Linears: in training its batch's statistics (and the running
+    ones updated in place), in evaluation the running ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(E, HIDDEN, bias=False)  # (a bias's gradient: zero)
+        self.norm = torch.nn.BatchNorm1d(HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, E)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.norm(self.up(x))))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_train_and_eval_each_run_their_own_program(multidevice_test, first):
+    """A module switched between ``train()`` and ``eval()`` runs the program of its mode
+    (the trace records batch norm's and dropout's mode: the program captured in one mode
+    ran in the other, silently); in training batch norm's backward runs (its graph break
+    saved the running statistics, which the forward then wrote: autograd refused), and the
+    running statistics are the module's after each training call."""
+    torch.manual_seed(0)
+    reference = Summed(Normed())
+    model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh(
+        range(multidevice_test.size)), {"0.up": ColwiseParallel(), "0.down": RowwiseParallel()})
+    modes = [first, "eval" if first == "train" else "train", first]
+    with record_communications() as communications:
+        for seed, mode in enumerate(modes):
+            for m in (model, reference):
+                m.train(mode == "train")
+            x = torch.randn(6, E, generator=torch.Generator().manual_seed(seed))
+            if mode == "train":
+                _check_against(model, reference, x)
+            else:
+                with torch.no_grad():
+                    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+            for name in ("running_mean", "running_var"):
+                torch.testing.assert_close(getattr(model[0].norm, name),
+                                           getattr(reference[0].norm, name))
+    if multidevice_test.size > 1:
+        assert any(len(c.ranks) > 1 for c in communications)
+
+
 @pytest.mark.mpi
 def test_buffers_written_in_place_are_refused_by_a_pipeline(multidevice_test):
     if multidevice_test.size != 2:

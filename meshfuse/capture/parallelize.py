@@ -125,8 +125,13 @@ class _Parallel:
         kwargs = _uncached(self, kwargs)
         program = state.program(self, args, kwargs)
         flat = flatten_call(program.captured, args, kwargs)
-        outputs = program.run(*state.members.read(self), flat)
+        parameters, buffers = state.members.read(self)
         mutated = program.captured.mutated_buffers
+        if mutated:  # read as copies: a graph break (batch norm) may save them for its
+            # backward, which the write below would then fail ("modified by an inplace
+            # operation")
+            buffers = {**buffers, **{n: buffers[n].clone() for n in mutated if n in buffers}}
+        outputs = program.run(parameters, buffers, flat)
         with torch.no_grad():  # the buffers the forward writes in place, written now
             for name, value in zip(mutated, outputs):
                 value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -163,7 +168,9 @@ class _State:
         self.members = NamedMembers()  # the module's parameters and buffers by name
 
     def program(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
-        key = _signature(args, kwargs)
+        # the training flags too: the trace records dropout (and a Hugging Face attention's
+        # dropout_p, batch norm's statistics) as the mode at capture gave them
+        key = _signature(args, kwargs), tuple(m.training for m in module.modules())
         if key not in self.programs:
             captured = self._agreed(lambda: self._captured(module, args, kwargs))
             self.programs[key] = Program(captured, self.plan, self.mesh,
