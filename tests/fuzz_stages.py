@@ -16,7 +16,12 @@ A seed draws, for one world size ``d`` (the pipeline ranks), independently:
   (neither needing one) from piece to piece, the last piece adding the side sum in;
 - at an even world size, sometimes data parallel inside each stage: the ranks form a
   ``pp x 2`` grid, each stage's parameters held as a ShardedStage over its pair (gathered
-  once per step), each rank running half of every microbatch's rows.
+  once per step), each rank running half of every microbatch's rows;
+- with an embedding first, sometimes a head tied to it last (a Linear whose weight is the
+  embedding's, after a projection to its width): where they fall in different stages, each
+  holds a copy whose gradients :class:`~meshfuse.capture.pipeline.ties.TiedGradients` adds
+  after each step (not with ZBV's first and last stage on one rank as ShardedStages, which
+  the pipeline refuses).
 
 :func:`check` runs two steps of the pipeline (float64) and of the same model on one device
 and returns what differs: each step's loss on the last stage, every parameter's gradient
@@ -31,6 +36,7 @@ import random
 import torch
 
 from meshfuse import DeviceMesh
+from meshfuse.capture.pipeline.ties import Tie, TiedGradients
 from meshfuse.parallel.stages import (
     PipelineRunner,
     ShardedStage,
@@ -57,12 +63,13 @@ class Draw:
     rows: int  # per microbatch
     dp: int  # devices per stage, each running its share of the rows
     carry: bool = False  # pieces pass on a tuple (activation, side, ids, mask)
+    tied: bool = False  # a head tied to the embedding last
 
     def describe(self) -> str:
         return (f"{self.name} (v={self.n_virtual}), dp {self.dp}, {self.microbatches} "
                 f"microbatches of {self.rows} rows, seq {self.seq}, embedding {self.embedding}, input width "
                 f"{self.width}, pieces {list(self.pieces)}, cut {self.cut}, carry "
-                f"{self.carry}")
+                f"{self.carry}, tied head {self.tied}")
 
 
 def _microbatches(rng: random.Random, name: str, d: int) -> int:
@@ -93,9 +100,11 @@ def draw(seed: int, d: int) -> Draw:
     else:
         cut = tuple(sorted(rng.sample(range(1, n_pieces), n_stages - 1)))
     carry = random.Random(seed * 31 + d + 1).random() < 0.3  # (the other draws unchanged)
+    tied = embedding and not carry and not (name == "ZBV" and dp > 1) and \
+        random.Random(seed * 53 + d + 2).random() < 0.6
     return Draw(name, n_virtual, _microbatches(rng, name, p), tuple(pieces),
                 rng.choice([3, 5]), embedding, rng.choice([None, 2]), cut,
-                dp * rng.randint(1, 2 if dp > 1 else 3), dp, carry)
+                dp * rng.randint(1, 2 if dp > 1 else 3), dp, carry, tied)
 
 
 class _Residual(torch.nn.Module):
@@ -152,6 +161,14 @@ def pieces(x: Draw) -> tuple[list[tuple[str, torch.nn.Module]], int]:
         if x.carry:
             module = _Carry(module, i == len(x.pieces) - 1)
         made.append((f"p{i}", module.double()))
+    if x.tied:  # a head whose weight is the embedding's
+        table = made[0][1].weight
+        if width != table.shape[1]:
+            made.append(("proj", torch.nn.Linear(width, table.shape[1]).double()))
+        head = torch.nn.Linear(table.shape[1], VOCAB, bias=False)
+        head.weight = table
+        made.append(("head", head))
+        width = VOCAB
     return made, width
 
 
@@ -185,6 +202,8 @@ def check(x: Draw, rank: int, d: int, steps: int = 2) -> list[str]:
         mine = {s: ShardedStage(m, pair) for s, m in mine.items()}
     runner = PipelineRunner(plan, mine, _loss, grid.tolist(),
                             data_parallel=(coordinate, x.dp) if x.dp > 1 else None)
+    tied = TiedGradients(_ties(made, stages), grid.tolist(), plan.placement, mine,
+                         flat=x.dp > 1)
     problems = []
     for step in range(steps):
         inputs, targets = batch(x, out_width, step)
@@ -196,7 +215,9 @@ def check(x: Draw, rank: int, d: int, steps: int = 2) -> list[str]:
         out = whole(inputs.requires_grad_(True) if inputs.is_floating_point() else inputs)
         _loss(out, targets).backward()
         want = _rows_loss(out.detach(), targets, x, coordinate)
+        tied.begin_step()
         got = runner.step(inputs, targets)
+        tied.add_up()
         holds_last = plan.n_stages - 1 in mine
         if holds_last != (got is not None):
             problems.append(f"step {step}: loss {got} on a rank holding stages {list(mine)}")
@@ -204,6 +225,20 @@ def check(x: Draw, rank: int, d: int, steps: int = 2) -> list[str]:
             problems.append(f"step {step}: loss {got.item()} != {want.item()}")
         problems += _grad_problems(step, whole, stages, mine, coordinate)
     return problems
+
+
+def _ties(made: list[tuple[str, torch.nn.Module]], stages: list[torch.nn.Module]
+          ) -> list[Tie]:
+    """The embedding's weight as a tie of the stages holding it (none: one stage does)."""
+    if not made or not isinstance(made[0][1], torch.nn.Embedding):
+        return []
+    table = made[0][1].weight
+    holders = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            if p is table:
+                holders.setdefault(s, name)
+    return [Tie(tuple(holders.items()))] if len(holders) > 1 else []
 
 
 def _rows_loss(out: torch.Tensor, targets: torch.Tensor, x: Draw, coordinate: int
@@ -217,7 +252,7 @@ def _rows_loss(out: torch.Tensor, targets: torch.Tensor, x: Draw, coordinate: in
 def _grad_problems(step, whole, stages, mine, coordinate) -> list[str]:
     """The gradients of this rank's stages' parameters against the one-device model's (a
     ShardedStage's: its block of the flat gradients)."""
-    reference = list(whole.parameters())
+    reference = [p for _, p in whole.named_parameters(remove_duplicate=False)]  # (tied)
     offset, problems = 0, []
     for s, stage in enumerate(stages):
         params = list(stage.parameters())

@@ -64,3 +64,20 @@ def test_fuzz_stages_regression(multidevice_test, name, seed, world):
         pytest.skip(f"{name} failed at world size {world}")
     outcome = _outcome(draw(seed, size), multidevice_test.rank, size)
     assert outcome.kind == "match", outcome.detail
+
+
+# (name, seed, world size) of draws with a head tied to the embedding in another stage,
+# each way of keeping the copies equal: ranks apart, flat shards, one rank (ZBV)
+TIED = [("tied_head_across_ranks", 19, 3), ("tied_head_flat_shards", 8, 4),
+        ("tied_head_flat_shards_interleaved", 22, 4), ("tied_head_on_one_rank_zbv", 13, 2)]
+
+
+@pytest.mark.parametrize("name, seed, world", TIED, ids=[r[0] for r in TIED])
+def test_fuzz_stages_tied_head(multidevice_test, name, seed, world):
+    size = multidevice_test.size
+    if size != world:
+        pytest.skip(f"{name} is drawn at world size {world}")
+    x = draw(seed, size)
+    assert x.tied
+    outcome = _outcome(x, multidevice_test.rank, size)
+    assert outcome.kind == "match", outcome.detail
