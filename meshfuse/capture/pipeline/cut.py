@@ -7,16 +7,16 @@ so what a model computes between its layers (Hugging Face decoders: the rotary p
 embeddings, the causal mask, the position ids) runs where the model computes it. The
 values a later stage reads are that boundary's *bundle*: every value made before the
 boundary and read after it (the hidden states), in graph order, passed on through the
-stages in between; but a value that depends on no input and no parameter (a decoder's causal
-mask, made from positions alone; its rotary cos and sin, from positions and a buffer that
-every stage holds: ``shared``) is computed again by each stage that reads it, not sent
-(a few small ops, against a message per microbatch; and a stage's attention then sees its
-mask made in its own graph, as causal, where a received mask is any mask); a stage takes the previous bundle as its inputs and
-returns the next (the last stage returns the model's outputs). Parameters and buffers are
-read where the ops reading them run (a parameter read on both sides of a boundary is
-refused, but one that each stage reading it holds a copy of: a weight tied across stages,
-:mod:`meshfuse.capture.pipeline.ties`); non-tensor arguments (flags, scales, shapes) are part of the traced ops and need
-no sending.
+stages in between; a stage takes the previous bundle as its inputs and returns the next
+(the last stage returns the model's outputs). But a value that depends on no input and no
+parameter (a decoder's causal mask, made from positions alone; its rotary cos and sin, from
+positions and a buffer that every stage holds: ``shared``) is computed again by each stage
+that reads it, not sent: a few small ops against a message per microbatch, and a stage's
+attention then sees its mask made in its own graph, as causal, where a received mask is
+any mask. Parameters and buffers are read where the ops reading them run (a parameter read
+on both sides of a boundary is refused, but one that each stage reading it holds a copy
+of: a weight tied across stages, :mod:`meshfuse.capture.pipeline.ties`); non-tensor
+arguments (flags, scales, shapes) are part of the traced ops and need no sending.
 """
 
 from __future__ import annotations

@@ -23,9 +23,8 @@ Where one pipeline rank runs two stages of a tie (ZBV puts the first and the las
 rank 0), the stages share the parameter itself when the stages are not laid out further (a
 mesh of ``pp`` alone: autograd adds both uses into its one ``.grad``); laid out over other
 mesh dimensions (or sharded by ``fsdp``) they would hold two copies on one device, which is
-refused. The pipeline's cut reads a tied parameter in each
-stage under the name that stage holds it by (:func:`~meshfuse.capture.pipeline.cut.cut_graph`'s
-``copies``).
+refused. The pipeline's cut reads a tied parameter in each stage under the name that stage
+holds it by (:func:`~meshfuse.capture.pipeline.cut.cut_graph`'s ``copies``).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from meshfuse.parallel.stages import ShardedStage
 from meshfuse.runtime.comm import collectives
 from meshfuse.runtime.comm.communicator import Communicator
 
-__all__ = ["Tie", "TiedGradients", "ties_across_stages"]
+__all__ = ["Tie", "TiedGradients", "check_tie_placement", "ties_across_stages"]
 
 
 @dataclasses.dataclass(frozen=True)
