@@ -9,13 +9,15 @@ every rank."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import transformers
 from torch.distributed.tensor import DTensor
 
 import meshfuse
-from meshfuse import DeviceMesh, PipelineSpec
+from meshfuse import DeviceMesh, PipelineSpec, checkpoint
 from meshfuse.capture.pipeline.cut import cut_graph
 from meshfuse.capture.trace import capture
 from meshfuse.dtensor import mesh_to_torch
@@ -335,6 +337,51 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
         if case == "pp2_tp2" and rank // width == shape[0] - 1:
             part = whole  # the head's copy adds its whole gradient, gathered on its stage
         assert [c.bytes for c in tie] == [part] * STEPS
+
+
+@pytest.mark.mpi
+def test_a_tied_pipelines_checkpoint_loads_into_one_device_and_back(multidevice_test):
+    """Each stage saves its copy under its own name (the embedding's and the head's): the
+    checkpoint loads into the one-device tied model (both names, one parameter, AdamW's
+    state included) and into a new pipeline, and the next step's loss is the uninterrupted
+    one-device run's."""
+    if multidevice_test.size != 2:
+        pytest.skip("pp2 at 2 ranks")
+    spec = PipelineSpec(split_points=["model.layers.2"], loss_fn=_loss, microbatches=2)
+    pipe = meshfuse.parallelize(_tied(), _mesh((2,), ("pp",)), {}, pipeline=spec)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    data = _data()
+    for ids, target in data[:2]:
+        opt.zero_grad()
+        pipe.step({"input_ids": ids}, target)
+        opt.step()
+    path = multidevice_test.communicator.allgather_object(
+        tempfile.mkdtemp(prefix="meshfuse-ckpt-") if multidevice_test.rank == 0 else None)[0]
+    (stage,) = pipe.stages.values()
+    checkpoint.save(path, stage, opt)
+    ref, loaded = _tied(), _tied()
+    ref_opt, loaded_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, loaded))
+    for ids, target in data[:2]:
+        ref_opt.zero_grad()
+        _loss(ref(input_ids=ids), target).backward()
+        ref_opt.step()
+    checkpoint.load(path, loaded, loaded_opt)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids, target = data[2]
+    losses = []
+    for model, model_opt in ((ref, ref_opt), (loaded, loaded_opt)):
+        model_opt.zero_grad()
+        loss = _loss(model(input_ids=ids), target)
+        loss.backward()
+        model_opt.step()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    again = meshfuse.parallelize(_tied(), _mesh((2,), ("pp",)), {}, pipeline=spec)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    checkpoint.load(path, next(iter(again.stages.values())), again_opt, strict=False)
+    loss = again.step({"input_ids": ids}, target)
+    if multidevice_test.rank == 1:
+        assert loss.item() == pytest.approx(losses[0], rel=1e-6)
 
 
 @pytest.mark.mpi
