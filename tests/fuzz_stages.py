@@ -20,8 +20,8 @@ A seed draws, for one world size ``d`` (the pipeline ranks), independently:
 - with an embedding first, sometimes a head tied to it last (a Linear whose weight is the
   embedding's, after a projection to its width): where they fall in different stages, each
   holds a copy whose gradients :class:`~meshfuse.capture.pipeline.ties.TiedGradients` adds
-  after each step (not with ZBV's first and last stage on one rank as ShardedStages, which
-  the pipeline refuses).
+  after each step (not where the first and the last stage lie on one rank as ShardedStages,
+  which the pipeline refuses).
 
 :func:`check` runs two steps of the pipeline (float64) and of the same model on one device
 and returns what differs: each step's loss on the last stage, every parameter's gradient
@@ -100,9 +100,13 @@ def draw(seed: int, d: int) -> Draw:
     else:
         cut = tuple(sorted(rng.sample(range(1, n_pieces), n_stages - 1)))
     carry = random.Random(seed * 31 + d + 1).random() < 0.3  # (the other draws unchanged)
-    tied = embedding and not carry and not (name == "ZBV" and dp > 1) and \
+    microbatches = _microbatches(rng, name, p)
+    # (as ShardedStages, the first and the last stage on one rank would be two copies on
+    # the same devices, which the pipeline refuses)
+    placement = schedule(name, p, microbatches, n_virtual).placement
+    tied = embedding and not carry and (dp == 1 or placement[0] != placement[-1]) and \
         random.Random(seed * 53 + d + 2).random() < 0.6
-    return Draw(name, n_virtual, _microbatches(rng, name, p), tuple(pieces),
+    return Draw(name, n_virtual, microbatches, tuple(pieces),
                 rng.choice([3, 5]), embedding, rng.choice([None, 2]), cut,
                 dp * rng.randint(1, 2 if dp > 1 else 3), dp, carry, tied)
 
