@@ -340,6 +340,39 @@ def test_a_weight_tied_across_stages_trains_like_the_tied_model(multidevice_test
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("case", ["pp2", "zbv", "pp3", "pp2_tp2", "pp2_dp2"])
+def test_gradients_clipped_over_the_whole_pipeline(multidevice_test, case):
+    """``pipe.clip_grad_norm_`` gives the whole model's gradient norm on every rank (each
+    element once: a replicated shard once over its devices, the tied weight once over its
+    copies, a flat shard's pieces once) and scales as ``torch.nn.utils.clip_grad_norm_``
+    on the one-device tied model: three clipped SGD steps reach its parameters."""
+    ranks, shape, names, sched, points, plan, *fsdp = TIED[case]
+    if multidevice_test.size != ranks:
+        pytest.skip(f"{case} at {ranks} ranks")
+    spec = PipelineSpec(split_points=points, loss_fn=_loss, schedule=sched, microbatches=2)
+    pipe = meshfuse.parallelize(_tied(), _mesh(shape, names), plan, pipeline=spec,
+                                fsdp=fsdp[0] if fsdp else None)
+    ref = _tied()
+    opt, ref_opt = (torch.optim.SGD(params, lr=0.5)
+                    for params in (pipe.parameters(), ref.parameters()))
+    for ids, target in _data():
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        pipe.step({"input_ids": ids}, target)
+        _loss(ref(input_ids=ids), target).backward()
+        norm = pipe.clip_grad_norm_(0.5)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert want > 0.5 and norm.item() == pytest.approx(want.item(), rel=1e-5)
+        opt.step()
+        ref_opt.step()
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    for name, value in _tensors(pipe):
+        part = want[name].detach().flatten()[value.offset:value.offset + value.numel()]
+        torch.testing.assert_close(value.detach().flatten(), part, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.mpi
 def test_a_tied_pipelines_checkpoint_loads_into_one_device_and_back(multidevice_test):
     """Each stage saves its copy under its own name (the embedding's and the head's): the
     checkpoint loads into the one-device tied model (both names, one parameter, AdamW's

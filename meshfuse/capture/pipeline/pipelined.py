@@ -23,12 +23,14 @@ same coordinate of the next by point-to-point sends, in the order of the named s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor
 
 from meshfuse.capture.pipeline.cut import cut_graph
 from meshfuse.capture.pipeline.stage import (
@@ -49,6 +51,7 @@ from meshfuse.capture.trace import capture, refuse_mutations, without_cache
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
+from meshfuse.parallel.fsdp.clip import grad_norm
 from meshfuse.parallel.stages import (
     PipelineRunner,
     ShardedStage,
@@ -201,6 +204,43 @@ class Pipeline:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales the gradients of every stage's parameters so that their global norm is at
+        most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on the whole model;
+        returns the norm before, the same on every rank. Each element of the model counts
+        once: a shard once over the devices that hold it alike, a weight tied across
+        stages once over its copies. Call it on every rank, after ``step`` (one allreduce
+        over the job)."""
+        grads, pieces, copies = [], [], []
+        for s, stage in self.stages.items():
+            if isinstance(stage, ShardedStage):
+                g = stage.shard.grad
+                if g is None:
+                    continue
+                grads.append(g)
+                at = 0
+                for start, end, n in self.tied.flat_pieces(s):
+                    pieces += [g[at:start], g[start:end]]
+                    copies += [1, n]
+                    at = end
+                pieces.append(g[at:])
+                copies.append(1)
+                continue
+            for name, p in stage.named_parameters():
+                if p.grad is None or any(p.grad is g for g in grads):
+                    continue  # (one parameter of two stages of this rank: counted once)
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                alike = math.prod(p.device_mesh.size(i) for i, x in enumerate(p.placements)
+                                  if x.is_replicate()) if isinstance(p, DTensor) else 1
+                grads.append(p.grad)
+                pieces.append(local)
+                copies.append(alike * self.tied.copies_of(s, name))
+        norm = grad_norm(pieces, copies)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
+        return norm.float()
 
     def explain(self) -> str:
         return "\n".join([self.runner.explain(), *self.tied.lines()])

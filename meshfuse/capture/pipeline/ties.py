@@ -127,6 +127,23 @@ class TiedGradients:
                 first=placement[tie.names[0][0]] == placement[mine[0][0]]))
         self._stages = stages
 
+    def copies_of(self, stage: int, name: str) -> int:
+        """How many copies the parameter ``name`` of this rank's ``stage`` has (1: it is
+        tied to none, or one parameter holds every stage's on this rank)."""
+        return next((len(c.names) for c in self._ties if (stage, name) in c.mine), 1)
+
+    def flat_pieces(self, stage: int) -> list[tuple[int, int, int]]:
+        """``(start, end, copies)``: where in the flat shard of this rank's ``stage`` (a
+        ShardedStage) a tied parameter's piece lies, in order, and its copies."""
+        found = []
+        for c in self._ties:
+            for s, name in c.mine:
+                if s == stage:
+                    _, start, end, _ = _part(self._stages[s], name)
+                    if start < end:
+                        found.append((start, end, len(c.names)))
+        return sorted(found)
+
     def lines(self) -> list[str]:
         """explain's lines: each tie this rank holds a copy of, and how its gradients add."""
         return [f"tied across stages: {', '.join(f'{n!r} (stage {s})' for s, n in c.names)}; "
