@@ -445,15 +445,12 @@ def _tensors(pipe, grads: bool = False):
     whole tensor, a flat shard's piece of each parameter, ``piece.offset`` the first
     element's place in the parameter."""
     for stage in pipe.stages.values():
-        if hasattr(stage, "flat_layout"):  # a ShardedStage: one flat shard
-            layout, first = stage.flat_layout()
+        if hasattr(stage, "held_pieces"):  # a ShardedStage: one flat shard
             flat = stage.shard.grad if grads else stage.shard
-            for held, shape, offset in layout:
-                start = max(offset, first)
-                end = min(offset + shape.numel(), first + flat.numel())
-                if start < end:
-                    piece = flat[start - first:end - first].as_subclass(_Piece)
-                    piece.offset = start - offset
+            for held, _, start, stop, at in stage.held_pieces():
+                if start < stop:
+                    piece = flat[at:at + stop - start].as_subclass(_Piece)
+                    piece.offset = start
                     yield held.removeprefix("module."), piece
             continue
         for name, p in stage.named_parameters():

@@ -69,20 +69,14 @@ class FlatPiece:
 
 
 def flat_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, list[FlatPiece]]]:
-    """Each flat shard parameter of ``model`` (a module with ``flat_layout()`` and
+    """Each flat shard parameter of ``model`` (a module with ``held_pieces()`` and
     ``shard``: ShardedStage) by its fqn, with the pieces of parameters it holds."""
     found = {}
     for prefix, module in model.named_modules():
-        if not callable(getattr(module, "flat_layout", None)):
+        if not callable(getattr(module, "held_pieces", None)):
             continue
-        entries, base = module.flat_layout()
-        end = base + module.shard.numel()
-        pieces = []
-        for name, shape, offset in entries:
-            lo = min(max(offset, base), offset + shape.numel())
-            hi = max(min(offset + shape.numel(), end), lo)
-            pieces.append(FlatPiece(f"{prefix}.{name}" if prefix else name, tuple(shape),
-                                    lo - offset, hi - offset, max(lo - base, 0)))
+        pieces = [FlatPiece(f"{prefix}.{name}" if prefix else name, tuple(shape), start, stop,
+                            at) for name, shape, start, stop, at in module.held_pieces()]
         found[f"{prefix}.shard" if prefix else "shard"] = (module.shard, pieces)
     return found
 

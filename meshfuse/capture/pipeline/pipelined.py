@@ -51,7 +51,7 @@ from meshfuse.capture.trace import capture, refuse_mutations, without_cache
 from meshfuse.dtensor import mesh_from_torch
 from meshfuse.errors import DefinitionError, InputError
 from meshfuse.ir.mesh import DeviceMesh
-from meshfuse.parallel.fsdp.clip import grad_norm
+from meshfuse.parallel.fsdp.clip import grad_norm, scale_to
 from meshfuse.parallel.stages import (
     PipelineRunner,
     ShardedStage,
@@ -212,13 +212,13 @@ class Pipeline:
         once: a shard once over the devices that hold it alike, a weight tied across
         stages once over its copies. Call it on every rank, after ``step`` (one allreduce
         over the job)."""
-        grads, pieces, copies = [], [], []
+        grads, pieces, copies, seen = [], [], [], set()
         for s, stage in self.stages.items():
             if isinstance(stage, ShardedStage):
                 g = stage.shard.grad
                 if g is None:
                     continue
-                grads.append(g)
+                grads.append(g)  # (local tensors: the scaling's)
                 at = 0
                 for start, end, n in self.tied.flat_pieces(s):
                     pieces += [g[at:start], g[start:end]]
@@ -228,18 +228,17 @@ class Pipeline:
                 copies.append(1)
                 continue
             for name, p in stage.named_parameters():
-                if p.grad is None or any(p.grad is g for g in grads):
+                if p.grad is None or id(p) in seen:
                     continue  # (one parameter of two stages of this rank: counted once)
                 local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 alike = math.prod(p.device_mesh.size(i) for i, x in enumerate(p.placements)
                                   if x.is_replicate()) if isinstance(p, DTensor) else 1
-                grads.append(p.grad)
+                seen.add(id(p))
+                grads.append(local)
                 pieces.append(local)
                 copies.append(alike * self.tied.copies_of(s, name))
         norm = grad_norm(pieces, copies)
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
+        scale_to(grads, norm, max_norm)
         return norm.float()
 
     def explain(self) -> str:

@@ -216,12 +216,9 @@ def _part(stage: ShardedStage, name: str) -> tuple[int, int, int, int]:
     """``(numel, start, end, offset)``: the size of the parameter ``name`` of ``stage``'s
     module, where in the stage's shard a piece of it lies (``[start, end)``, empty where the
     shard holds none of it) and where that piece starts among the parameter's elements."""
-    layout, first = stage.flat_layout()
-    shape, offset = next((shape, offset) for held, shape, offset in layout
-                         if held == f"module.{name}")
-    start = max(offset, first)
-    end = max(start, min(offset + shape.numel(), first + stage.shard.numel()))
-    return shape.numel(), start - first, end - first, start - offset
+    shape, first, stop, at = next((shape, first, stop, at) for held, shape, first, stop, at
+                                  in stage.held_pieces() if held == f"module.{name}")
+    return shape.numel(), at, at + stop - first, first
 
 
 def _add_up_flat(stage: ShardedStage, name: str, group: collectives.Group) -> None:

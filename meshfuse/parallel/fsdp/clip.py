@@ -52,8 +52,15 @@ def clip_grad_norm_(parameters: Sequence[torch.Tensor], max_norm: float,
     ranks) so that their global norm is at most ``max_norm``; returns the norm before."""
     grads = [p.grad for p in parameters]
     norm = grad_norm(grads, copies)
+    scale_to(grads, norm, max_norm)
+    return norm.float()
+
+
+def scale_to(grads: Sequence[torch.Tensor | None], norm: torch.Tensor,
+             max_norm: float) -> None:
+    """Scales ``grads`` (local tensors) in place by ``max_norm / norm`` where the global
+    ``norm`` exceeds ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does."""
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         if g is not None:
             g.mul_(scale.to(g.dtype))
-    return norm.float()

@@ -79,6 +79,19 @@ class ShardedStage(torch.nn.Module):
         return (list(zip([f"module.{n}" for n in self._names], self._shapes, self._offsets)),
                 self.group.coordinate * self.shard.numel())
 
+    def held_pieces(self) -> list[tuple[str, torch.Size, int, int, int]]:
+        """``(name, shape, start, stop, at)`` of each parameter (named as in
+        :meth:`flat_layout`): the elements ``[start, stop)`` of it (row-major; empty where
+        the shard holds none) lie in ``shard`` from ``at`` on."""
+        entries, base = self.flat_layout()
+        end = base + self.shard.numel()
+        pieces = []
+        for name, shape, offset in entries:
+            lo = min(max(offset, base), offset + shape.numel())
+            hi = max(min(offset + shape.numel(), end), lo)
+            pieces.append((name, shape, lo - offset, hi - offset, max(lo - base, 0)))
+        return pieces
+
     def forward(self, *args, **kwargs):
         self._install()
         return self.module(*args, **kwargs)
