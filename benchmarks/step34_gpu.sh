@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34 on one GPU, from the repository root, one part per command (each < 10 minutes):
 #   bash benchmarks/step34_gpu.sh OUT tests    # CUDA tests of the replayed/captured paths
+#   bash benchmarks/step34_gpu.sh OUT models   # CUDA tests of Hugging Face and torchtitan models
+#                                              # through parallelize, one rank
 #   bash benchmarks/step34_gpu.sh OUT layers   # the GPT layer's step, small and medium (~1-2 min
 #                                              # on 2026-12-03, 50-65 s of timing)
 #   bash benchmarks/step34_gpu.sh OUT big      # the 12288-wide layer (not timed before)
@@ -42,6 +44,13 @@ case $part in
     echo "tests: rc=$? $(tail -1 "$out/tests.txt")"
     timeout 130 python3 -m benchmarks.replay_phases > "$out/replay_phases.log" 2>&1
     echo "replay_phases: rc=$? $(tail -1 "$out/replay_phases.log")" ;;
+  models)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfs --world-sizes 1 \
+      tests/test_capture_models.py tests/test_capture_bf16.py tests/test_capture_lm_ops.py \
+      tests/test_capture_repeats.py tests/test_capture_grouped_heads.py \
+      tests/test_capture_model_zoo.py tests/test_capture_in_place.py tests/test_pipeline_hf.py \
+      tests/test_capture_torchtitan.py tests/test_moe_torchtitan.py > "$out/models.txt" 2>&1
+    echo "models: rc=$? $(tail -1 "$out/models.txt")" ;;
   layers|big)
     sizes=small,medium
     [ "$part" = big ] && sizes=big
@@ -79,6 +88,6 @@ case $part in
     echo "training_step opcount: rc=$?"
     grep -h -E '^## |^\| meshfuse|^\| torch' "$out/opcount/training_step.md" ;;
   *)
-    echo "unknown part $part: tests, layers, big, llama, steps, timeline or opcount" >&2
+    echo "unknown part $part: tests, models, layers, big, llama, steps, timeline or opcount" >&2
     exit 2 ;;
 esac
