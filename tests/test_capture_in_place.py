@@ -22,6 +22,7 @@ from meshfuse import DeviceMesh
 from meshfuse.capture.partition import fold, partition, simplify, static_nodes
 from meshfuse.capture.program import GraphBreakWarning
 from meshfuse.capture.trace import capture
+from meshfuse.testing.utils import current_device
 
 B, S, D = 2, 6, 8
 
@@ -45,8 +46,8 @@ class Filled(torch.nn.Module):
         return self.down(q).pow(2).mean()
 
 
-def _x():
-    return torch.randn(B, S, D, generator=torch.Generator().manual_seed(1))
+def _x(device: torch.device | str = "cpu"):
+    return torch.randn(B, S, D, generator=torch.Generator().manual_seed(1)).to(device)
 
 
 def test_the_writes_become_rules_not_breaks():
@@ -65,13 +66,13 @@ def test_the_writes_become_rules_not_breaks():
                          ids=["replicated", "tp"])
 def test_values_and_gradients_match_the_module(multidevice_test, plan):
     torch.manual_seed(0)
-    reference = Filled()
+    reference = Filled().to(current_device())
     model = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)
         model = meshfuse.parallelize(model, DeviceMesh(range(multidevice_test.size)), plan)
-        loss = model(_x())
-    expected = reference(_x())
+        loss = model(_x(current_device()))
+    expected = reference(_x(current_device()))
     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     loss.backward()

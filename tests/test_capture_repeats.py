@@ -55,7 +55,7 @@ class Stack(torch.nn.Module):
 
     def forward(self, x):
         x = self.embed(x)
-        gain = torch.ones(E) * 0.5  # folded at capture, read by every layer
+        gain = torch.ones(E, device=x.device) * 0.5  # folded at capture, read by every layer
         for layer in self.layers:
             x, _ = layer(x, self.table, gain=gain)
         return (x * x).mean(), x

@@ -162,9 +162,11 @@ def outcome_of(reports: list[pytest.TestReport]) -> tuple[str, str]:
 
 
 def _failure_text(report: pytest.TestReport) -> str:
-    parts = [] if report.when == "call" else [f"error in {report.when}:"]
-    parts.append(report.longreprtext)
-    parts += [f"{'-' * 20} {title} {'-' * 20}\n{content}" for title, content in report.sections]
+    """The captured output and logs, then the traceback: a long text keeps its end, so the
+    error itself survives however much a test logged (torch's debug logs run to megabytes)."""
+    parts = [f"{'-' * 20} {title} {'-' * 20}\n{content}" for title, content in report.sections]
+    parts.append(report.longreprtext if report.when == "call"
+                 else f"error in {report.when}:\n{report.longreprtext}")
     text = "\n".join(parts)
     return text if len(text) <= MAX_TEXT else "...\n" + text[-MAX_TEXT:]
 
