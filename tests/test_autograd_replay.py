@@ -26,7 +26,7 @@ from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
 from meshfuse.runtime.replay import pools
-from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, AutoReplay
+from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, STEADY_CALLS, AutoReplay
 from meshfuse.runtime.replay.graphs import into_inputs
 
 T, H, FFN = 6, 4, 8
@@ -295,6 +295,40 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
     _, backward = _runners(function)
     graphs = _captured(backward)
     assert graphs and not any(g._views for g in graphs)
+
+
+def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda):
+    """``torch.autograd.grad(out, leaves, dy)`` with one ``dy`` buffer at every step (its
+    values new each step): after STEADY_CALLS replays of the copying graph, a graph that
+    reads ``dy`` where it lies (no buffer, no copy) is captured and replays from then on;
+    a gradient at a new address each step stays copied. Values are PyTorch's at every
+    step."""
+    fd, _ = _mlp()
+    function = fd.as_autograd_function()
+    x, w1, w2 = _randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    dy = torch.empty(T, H, dtype=torch.float64)
+    moving = []  # gradients kept alive: each step's at a new address
+    for step in range(STEADY_CALLS + 6):
+        dy.copy_(_randn(T, H, seed=20 + step))
+        got = torch.autograd.grad(function(leaves)[0], leaves, dy)
+        want = torch.autograd.grad(_torch_mlp(*leaves), leaves, dy)
+        torch.testing.assert_close(got, want)
+        del got  # (held into the next step, the graph would be busy: a second one)
+    _, backward = _runners(function)
+    graphs = _captured(backward)
+    assert [len(g._buffers) for g in graphs] == [1, 0]
+    (replay,) = backward._replays.values()
+    before = AddressGraph.replays
+    for step in range(STEADY_CALLS + 3):
+        moving.append(_randn(T, H, seed=40 + step))
+        got = torch.autograd.grad(function(leaves)[0], leaves, moving[-1])
+        want = torch.autograd.grad(_torch_mlp(*leaves), leaves, moving[-1])
+        torch.testing.assert_close(got, want)
+        del got
+    assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3)
+    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
+    assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
