@@ -512,7 +512,7 @@ class AutoReplay:
         Inputs in ``overwrite`` (autograd's own cotangents, handed over) are left as they
         are: their memory takes a result; and the small integer inputs (a batch's token
         ids), whose copy costs less than a graph of their own."""
-        key, copied, unkeyed, graphs = found
+        key, copied, _, graphs = found
         if graphs is None:
             return found
         steady = tuple(i for i in staged if i in copied and i not in overwrite)
