@@ -25,6 +25,7 @@ from benchmarks.replay_trace import ReplayTrace
 from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
+from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.runtime.replay import pools
 from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, STEADY_CALLS, AutoReplay
 from meshfuse.runtime.replay.graphs import into_inputs
@@ -297,34 +298,50 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
     assert graphs and not any(g._views for g in graphs)
 
 
-def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda):
+def _mlp_case():
+    """(autograd function, leaves, reference(leaves, dy) -> gradients) of the MLP."""
+    x, w1, w2 = _randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    return (_mlp()[0].as_autograd_function(), leaves,
+            lambda dy: torch.autograd.grad(_torch_mlp(*leaves), leaves, dy))
+
+
+def _gpt_case():
+    """The same for a small GPT block (its attention's residuals include the random
+    state's seeds, read in place as graph outputs), against its hand-written backward run
+    by the interpreter."""
+    b, s, heads, e = 1, 8, 2, 16
+    params = init_parameters(e, dtype=torch.float64)
+    x = _randn(b, s, e, seed=1)
+    leaves = [t.clone().requires_grad_() for t in (x, *params.values())]
+    hand = GptBlockWithBackward(b, s, e, heads, DataType.Double).define()
+    return (GptBlock(b, s, e, heads, DataType.Double).define().as_autograd_function(),
+            leaves, lambda dy: hand.execute([x, dy, *params.values()], cuda_graph=False)[1:])
+
+
+@pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "gpt_block"])
+def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, case):
     """``torch.autograd.grad(out, leaves, dy)`` with one ``dy`` buffer at every step (its
     values new each step): after STEADY_CALLS replays of the copying graph, a graph that
     reads ``dy`` where it lies (no buffer, no copy) is captured and replays from then on;
-    a gradient at a new address each step stays copied. Values are PyTorch's at every
-    step."""
-    fd, _ = _mlp()
-    function = fd.as_autograd_function()
-    x, w1, w2 = _randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
-    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
-    dy = torch.empty(T, H, dtype=torch.float64)
-    moving = []  # gradients kept alive: each step's at a new address
+    a gradient at a new address each step stays copied. Values are the reference's at
+    every step."""
+    function, leaves, reference = case()
+    dy = torch.empty_like(leaves[0]).detach()
     for step in range(STEADY_CALLS + 6):
-        dy.copy_(_randn(T, H, seed=20 + step))
+        dy.copy_(_randn(*dy.shape, seed=20 + step))
         got = torch.autograd.grad(function(leaves)[0], leaves, dy)
-        want = torch.autograd.grad(_torch_mlp(*leaves), leaves, dy)
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, reference(dy))
         del got  # (held into the next step, the graph would be busy: a second one)
     _, backward = _runners(function)
-    graphs = _captured(backward)
-    assert [len(g._buffers) for g in graphs] == [1, 0]
     (replay,) = backward._replays.values()
+    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
     before = AddressGraph.replays
+    moving = []  # gradients kept alive: each step's at a new address
     for step in range(STEADY_CALLS + 3):
-        moving.append(_randn(T, H, seed=40 + step))
+        moving.append(_randn(*dy.shape, seed=40 + step))
         got = torch.autograd.grad(function(leaves)[0], leaves, moving[-1])
-        want = torch.autograd.grad(_torch_mlp(*leaves), leaves, moving[-1])
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, reference(moving[-1]))
         del got
     assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3)
     assert [len(g._buffers) for g in _captured(backward)] == [1, 0]

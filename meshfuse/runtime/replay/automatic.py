@@ -490,16 +490,16 @@ class AutoReplay:
         settled = [i for i in copied if (a := inputs[i].data_ptr()) in _GRAPH_OUTPUTS
                    or a in self._steady and i not in overwrite] if copied else ()
         if not settled:
-            return self._steady_or(self._keyed(inputs, with_looped, overwrite), inputs,
-                                   staged, overwrite)
-        still_copied = copied.difference(settled)
-        in_place = self._keyed(inputs, still_copied | looped if looped else still_copied,
-                               overwrite)
-        if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, with_looped, overwrite)
-            if copying[3] is not None:
-                return self._steady_or(copying, inputs, staged, overwrite)
-        return in_place
+            found = self._keyed(inputs, with_looped, overwrite)
+        else:
+            still_copied = copied.difference(settled)
+            found = self._keyed(inputs, still_copied | looped if looped else still_copied,
+                                overwrite)
+            if found[3] is None:  # no graph reads them in place: one may copy them
+                copying = self._keyed(inputs, with_looped, overwrite)
+                if copying[3] is not None:
+                    found = copying
+        return self._steady_or(found, inputs, staged, overwrite) if staged else found
 
     def _steady_or(self, found: tuple, inputs: Sequence[Any], staged: Collection[int],
                    overwrite: Collection[int]) -> tuple:
