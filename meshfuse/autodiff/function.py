@@ -262,6 +262,8 @@ class _Compiled:
         self.derives_partials = True
         # host time of the autograd node's forward and backward, their programs included
         self.node_forward, self.node_backward = PathTime(), PathTime()
+        # the forward's program key -> the backward's (see run_backward)
+        self._backward_keys: dict[tuple, tuple] = {}
         # What every call of the node reads of the derivation, found once:
         d = derivation
         # the residuals that are outputs of the node (positions among the residuals)
@@ -314,13 +316,18 @@ class _Compiled:
         title = "host time per autograd node call (this rank, measured, its program included):"
         return [title, *lines] if lines else []
 
-    def run_forward(self, inputs: list) -> list[torch.Tensor]:
-        """The forward (the user's outputs, then the residuals) on ``inputs``."""
-        return self.derivation.forward_runner.execute(inputs, compile=self.compile)
+    def run_forward(self, inputs: list) -> tuple[list[torch.Tensor], tuple | None]:
+        """The forward (the user's outputs, then the residuals) on ``inputs``, and its
+        program's key (:meth:`~meshfuse.engine.runner.FusionRunner.layout_key`), which
+        the backward reads its own from."""
+        runner = self.derivation.forward_runner
+        key = runner.layout_key(inputs)
+        return runner.execute(inputs, compile=self.compile, key=key), key
 
     def run_backward(self, inputs: list,
                      partial: tuple[PartialBackward, FusionRunner] | None = None,
-                     overwrite: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+                     overwrite: frozenset[int] = frozenset(),
+                     forward_key: tuple | None = None) -> list[torch.Tensor]:
         """The backward (or the ``partial`` one, see :meth:`partial_backward`) on
         ``inputs``, a list it empties (each value is freed after its last use). The
         cotangents are staged: a replayed backward copies those that autograd made at new
@@ -329,15 +336,26 @@ class _Compiled:
         forward's outputs, stable: see ``AutoReplay.run``); ``overwrite``: the cotangents
         autograd handed to this node alone, whose memory a replayed backward gives to the
         gradient laid out alike (a stack's input gradient, passed from layer to layer in
-        one buffer)."""
+        one buffer). ``forward_key``: the key of the forward's program that made the
+        residuals (None: unknown). The backward's inputs are laid out as that program lays
+        out its outputs (the residuals), inputs (those saved) and outputs (the cotangents,
+        laid out as their outputs: ``_laid_out``), so its key is found once per forward
+        key, not read from some thirty tensors at each call."""
+        key = None
         if partial is not None:
             runner, cotangents = partial[1], len(partial[0].cotangents)
         else:
             if self._backward is None:
                 self._backward = FusionRunner(self.derivation.backward)
             runner, cotangents = self._backward, len(self.derivation.cotangents)
+            if forward_key is not None:
+                key = self._backward_keys.get(forward_key)
+                if key is None:
+                    key = runner.layout_key(inputs)
+                    if key is not None:
+                        self._backward_keys[forward_key] = key
         return runner.execute(inputs, donate=True, compile=self.compile,
-                              staged=range(cotangents), overwrite=overwrite)
+                              staged=range(cotangents), overwrite=overwrite, key=key)
 
     def partial_backward(self, zero: frozenset[int]) -> tuple[PartialBackward, FusionRunner] | None:
         """The backward without the cotangents at positions ``zero`` and its runner,
@@ -382,7 +400,7 @@ class _FusionAutograd(torch.autograd.Function):
         # Inputs on other ranks get no gradient (None, or the meta tensor of a symbolic
         # input's global shape there).
         ctx.absent = [x is None or isinstance(x, torch.Tensor) and x.is_meta for x in inputs]
-        results = compiled.run_forward(list(inputs))
+        results, ctx.forward_key = compiled.run_forward(list(inputs))
         residuals = [inputs[r.index] if r.kind == "input" else results[r.index]
                      for r in d.residuals]
         outputs = _scalar_outputs_copied(results[:d.num_outputs], compiled.unsaved)
@@ -423,7 +441,8 @@ class _FusionAutograd(torch.autograd.Function):
                               if d.cotangents[k] in handed_over)
         inputs = laid_out + residuals
         del residuals, laid_out  # the backward's program holds the only references
-        grads = ctx.compiled.run_backward(inputs, partial, overwrite) if needed else []
+        grads = ctx.compiled.run_backward(inputs, partial, overwrite, ctx.forward_key) \
+            if needed else []
         ctx.compiled.node_backward.add(time.perf_counter_ns() - start)
         return (None, None, None, *(None if i is None or absent else grads[i]
                                     for i, absent in zip(gradients, ctx.absent)))

@@ -179,8 +179,8 @@ class FusionRunner:
     def execute(self, inputs: Sequence[Any], check_ranks: bool | None = None,
                 cuda_graph: bool | str | None = None, compile: bool | str | None = None,
                 donate: bool = False, timeout: float | None = None,
-                staged: Sequence[int] = (), overwrite: Collection[int] = ()
-                ) -> list[torch.Tensor]:
+                staged: Sequence[int] = (), overwrite: Collection[int] = (),
+                key: tuple | None = None) -> list[torch.Tensor]:
         """This rank's outputs on ``inputs``; ``donate``: ``inputs`` (a list) is emptied once
         read so that each input is freed after its last use (see :meth:`Program.run`; a call
         replayed from a CUDA graph empties it once the replay is launched, and
@@ -190,14 +190,17 @@ class FusionRunner:
         cotangents), copied into a replayed graph's own buffers (see
         :meth:`~meshfuse.runtime.replay.automatic.AutoReplay.run`); ``overwrite``: the
         positions of donated inputs that nothing else holds (a cotangent autograd handed
-        over), whose memory a replayed graph may give an output of the same layout.
+        over), whose memory a replayed graph may give an output of the same layout;
+        ``key``: what :meth:`layout_key` gave for inputs laid out as these (a caller that
+        knows their layouts without reading them: an autograd backward, whose inputs are
+        its forward's outputs), else None.
 
         An error raised on this rank only reaches the others (see
         :mod:`meshfuse.runtime.faults.lone_failures`)."""
         communicator = self.communicator
         if communicator is None or communicator.size == 1:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
-                                 staged, overwrite)
+                                 staged, overwrite, key)
         if self._scope is None:  # the ranks whose calls are counted with this one's
             self._scope = agreement_ranks(self.fusion, communicator.size)
         call = communicator.lone.begin_call(self._scope)
@@ -214,7 +217,7 @@ class FusionRunner:
             self._generation = communicator.generation
         try:
             return self._execute(inputs, check_ranks, cuda_graph, compile, donate, timeout,
-                                 staged, overwrite)
+                                 staged, overwrite, key)
         except Exception as e:
             error = self._out_of_step(e, inputs) if isinstance(e, OutOfStep) else e
             told = communicator.lone.told(error, call, getattr(error, "where", BEFORE_RUNNING))
@@ -225,10 +228,10 @@ class FusionRunner:
     def _execute(self, inputs: Sequence[Any], check_ranks: bool | None,
                  cuda_graph: bool | str | None,
                  compile: bool | str | None, donate: bool, timeout: float | None,
-                 staged: Sequence[int] = (), overwrite: Collection[int] = ()
-                 ) -> list[torch.Tensor]:
+                 staged: Sequence[int] = (), overwrite: Collection[int] = (),
+                 key: tuple | None = None) -> list[torch.Tensor]:
         start = time.perf_counter_ns()  # the call's host time (host_time.py)
-        key, known = self._key(inputs, True)
+        key, known = self._key(inputs, True) if key is None else (key, {})
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._make_program(
@@ -369,6 +372,14 @@ class FusionRunner:
             self._bound[key] = bind(self.fusion, self.allocations, inputs, self.rank,
                                     known).extents
         return self._bound[key]
+
+    def layout_key(self, inputs: Sequence[Any]) -> tuple | None:
+        """The key of ``inputs``' program (see :meth:`execute`'s ``key``) where their
+        layouts alone decide it; None where a call learns more from the other ranks (the
+        global extents of symbolic axes split over devices)."""
+        if self._shared_axes and self.communicator is not None and self.communicator.size > 1:
+            return None
+        return self._key(inputs, False)[0]
 
     def _key(self, inputs: Sequence[Any], in_call: bool) -> tuple[tuple, dict]:
         """The key of ``inputs``' program: their signature, and for a fusion whose symbolic
