@@ -348,6 +348,30 @@ def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, 
     assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
 
 
+def test_a_stacks_steady_gradient_stays_copied(fake_cuda):
+    """A stack of layers sharing one function, its top gradient one buffer of the caller's
+    at every step: a graph reading it in place would be a second graph of the top layer,
+    its outputs a second copy, for every program so called at many places (a
+    parallelized Llama's layers reached the pools' memory limit so and ran the
+    interpreter). One backward graph per layer; values are PyTorch's."""
+    layers = 3
+    function = _mlp()[0].as_autograd_function()
+    mine, ref, _, _ = _two_stacks(layers)
+    x = _randn(T, H, seed=3).requires_grad_()
+    dy = torch.empty(T, H, dtype=torch.float64)
+    for step in range(STEADY_CALLS + 5):
+        dy.copy_(_randn(T, H, seed=30 + step))
+        h, r = x, x
+        for (w1, w2), (r1, r2) in zip(mine, ref):
+            h = function([h, w1, w2])[0]
+            r = _torch_mlp(r, r1, r2)
+        got = torch.autograd.grad(h, [x, *mine[-1]], dy)
+        torch.testing.assert_close(got, torch.autograd.grad(r, [x, *ref[-1]], dy))
+        del got
+    _, backward = _runners(function)
+    assert _graphs(backward) == layers
+
+
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
     """``x = f(x, w)``: each replay's output is a graph's memory and the next call's input;
     the other input (``w``) is that of a captured graph already, so no graph is captured at

@@ -507,13 +507,20 @@ class AutoReplay:
         found their copied ``staged`` inputs at the same addresses :data:`STEADY_CALLS`
         calls in a row, the answer for those inputs read in place, with an empty list of
         graphs: one is captured now. A gradient that the caller passes at every step
-        (``out.backward(grad)`` with one ``grad``, a pipeline stage's receive buffer) is so
-        read where it lies, with no copy; one that moves from call to call stays copied.
-        Inputs in ``overwrite`` (autograd's own cotangents, handed over) are left as they
-        are: their memory takes a result; and the small integer inputs (a batch's token
-        ids), whose copy costs less than a graph of their own."""
+        (``out.backward(grad)`` with one ``grad``) is so read where it lies, with no copy;
+        one that moves from call to call stays copied. Inputs in ``overwrite`` (autograd's
+        own cotangents, handed over) are left as they are: their memory takes a result;
+        and the small integer inputs (a batch's token ids), whose copy costs less than a
+        graph of their own.
+
+        The graph reading in place is a second graph of the call (the copying one stays,
+        for a gradient that moves again), its outputs' memory a second copy: so only for a
+        program that runs at one place (one set of input addresses captured: not a stack's
+        layers, whose graphs together are most of the memory the pools may hold; a
+        parallelized Llama-3.2-1B captured a second graph per layer, reached that limit and
+        ran the interpreter), and while another capture is allowed."""
         key, copied, _, graphs = found
-        if graphs is None:
+        if graphs is None or len(self._graphs) != 1:
             return found
         steady = tuple(i for i in staged if i in copied and i not in overwrite)
         if not steady:
@@ -522,7 +529,8 @@ class AutoReplay:
         last = self._streaks.get(key)
         calls = last[1] + 1 if last is not None and last[0] == addresses else 1
         self._streaks[key] = (addresses, calls)
-        if calls < STEADY_CALLS or any(a in _GRAPH_OUTPUTS for a in addresses):
+        if calls < STEADY_CALLS or any(a in _GRAPH_OUTPUTS for a in addresses) \
+                or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 or self._memory_spent():
             return found
         self._steady.update(addresses)
         in_place = self._keyed(inputs, copied.difference(steady), overwrite)
