@@ -25,9 +25,8 @@ from benchmarks.replay_trace import ReplayTrace
 from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
-from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
 from meshfuse.runtime.replay import pools
-from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, STEADY_CALLS, AutoReplay
+from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, AutoReplay
 from meshfuse.runtime.replay.graphs import into_inputs
 
 T, H, FFN = 6, 4, 8
@@ -151,6 +150,31 @@ def test_a_training_loop_replays_forward_and_backward(fake_cuda, zero_grad_to_no
     assert _graphs(forward) >= 1 and _graphs(backward) >= 1
     # both programs replay from the third step on (captured at their second call)
     assert AddressGraph.replays - before >= 2 * 6
+
+
+def test_the_backward_reads_its_key_from_its_forwards(fake_cuda, monkeypatch):
+    """The backward's program key is found once per forward key (its inputs are laid out
+    as the forward's program lays out its outputs and inputs), not read from its inputs at
+    each call; a forward on inputs laid out otherwise (``x`` a slice of wider rows) gets a
+    backward key of its own. Gradients are PyTorch's at every step, both layouts."""
+    fd, _ = _mlp()
+    function = fd.as_autograd_function()
+    w1, w2 = (_randn(FFN, H, seed=2).requires_grad_(), _randn(H, FFN, seed=3).requires_grad_())
+    read = []
+    key = FusionRunner._key
+    monkeypatch.setattr(FusionRunner, "_key",
+                        lambda self, inputs, in_call: read.append(self) or key(self, inputs,
+                                                                               in_call))
+    for step in range(6):
+        plain = _randn(T, H, seed=10 + step).requires_grad_()
+        wide = _randn(T, 2 * H, seed=20 + step)[:, :H].requires_grad_()
+        for x in (plain, wide):
+            got = torch.autograd.grad(function([x, w1, w2])[0].pow(2).sum(), [x, w1, w2])
+            want = torch.autograd.grad(_torch_mlp(x, w1, w2).pow(2).sum(), [x, w1, w2])
+            torch.testing.assert_close(got, want)
+    forward, backward = _runners(function)
+    assert read.count(forward) == 12 and read.count(backward) == 2
+    assert len(backward._programs) == 2
 
 
 def test_holding_the_previous_steps_loss_keeps_one_graph(fake_cuda):
@@ -296,80 +320,6 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
     _, backward = _runners(function)
     graphs = _captured(backward)
     assert graphs and not any(g._views for g in graphs)
-
-
-def _mlp_case():
-    """(autograd function, leaves, reference(leaves, dy) -> gradients) of the MLP."""
-    x, w1, w2 = _randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
-    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
-    return (_mlp()[0].as_autograd_function(), leaves,
-            lambda dy: torch.autograd.grad(_torch_mlp(*leaves), leaves, dy))
-
-
-def _gpt_case():
-    """The same for a small GPT block (its attention's residuals include the random
-    state's seeds, read in place as graph outputs), against its hand-written backward run
-    by the interpreter."""
-    b, s, heads, e = 1, 8, 2, 16
-    params = init_parameters(e, dtype=torch.float64)
-    x = _randn(b, s, e, seed=1)
-    leaves = [t.clone().requires_grad_() for t in (x, *params.values())]
-    hand = GptBlockWithBackward(b, s, e, heads, DataType.Double).define()
-    return (GptBlock(b, s, e, heads, DataType.Double).define().as_autograd_function(),
-            leaves, lambda dy: hand.execute([x, dy, *params.values()], cuda_graph=False)[1:])
-
-
-@pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "gpt_block"])
-def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, case):
-    """``torch.autograd.grad(out, leaves, dy)`` with one ``dy`` buffer at every step (its
-    values new each step): after STEADY_CALLS replays of the copying graph, a graph that
-    reads ``dy`` where it lies (no buffer, no copy) is captured and replays from then on;
-    a gradient at a new address each step stays copied. Values are the reference's at
-    every step."""
-    function, leaves, reference = case()
-    dy = torch.empty_like(leaves[0]).detach()
-    for step in range(STEADY_CALLS + 6):
-        dy.copy_(_randn(*dy.shape, seed=20 + step))
-        got = torch.autograd.grad(function(leaves)[0], leaves, dy)
-        torch.testing.assert_close(got, reference(dy))
-        del got  # (held into the next step, the graph would be busy: a second one)
-    _, backward = _runners(function)
-    (replay,) = backward._replays.values()
-    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
-    before = AddressGraph.replays
-    moving = []  # gradients kept alive: each step's at a new address
-    for step in range(STEADY_CALLS + 3):
-        moving.append(_randn(*dy.shape, seed=40 + step))
-        got = torch.autograd.grad(function(leaves)[0], leaves, moving[-1])
-        torch.testing.assert_close(got, reference(moving[-1]))
-        del got
-    assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3)
-    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
-    assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
-
-
-def test_a_stacks_steady_gradient_stays_copied(fake_cuda):
-    """A stack of layers sharing one function, its top gradient one buffer of the caller's
-    at every step: a graph reading it in place would be a second graph of the top layer,
-    its outputs a second copy, for every program so called at many places (a
-    parallelized Llama's layers reached the pools' memory limit so and ran the
-    interpreter). One backward graph per layer; values are PyTorch's."""
-    layers = 3
-    function = _mlp()[0].as_autograd_function()
-    mine, ref, _, _ = _two_stacks(layers)
-    x = _randn(T, H, seed=3).requires_grad_()
-    dy = torch.empty(T, H, dtype=torch.float64)
-    for step in range(STEADY_CALLS + 5):
-        dy.copy_(_randn(T, H, seed=30 + step))
-        h, r = x, x
-        for (w1, w2), (r1, r2) in zip(mine, ref):
-            h = function([h, w1, w2])[0]
-            r = _torch_mlp(r, r1, r2)
-        got = torch.autograd.grad(h, [x, *mine[-1]], dy)
-        torch.testing.assert_close(got, torch.autograd.grad(r, [x, *ref[-1]], dy))
-        del got
-    _, backward = _runners(function)
-    assert _graphs(backward) == layers
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):
