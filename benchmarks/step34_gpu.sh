@@ -5,6 +5,10 @@
 #                                              # through parallelize, one rank
 #   bash benchmarks/step34_gpu.sh OUT layers   # the GPT layer's step, small and medium (~1-2 min
 #                                              # on 2026-12-03, 50-65 s of timing)
+#   bash benchmarks/step34_gpu.sh OUT perstep  # the small layer per step of a block of 10:
+#                                              # autograd, capture_step, hand-written (~1 min)
+#   bash benchmarks/step34_gpu.sh OUT first    # one step from an idle GPU, host time part by
+#                                              # part (benchmarks.first_step, ~1 min)
 #   bash benchmarks/step34_gpu.sh OUT big      # the 12288-wide layer (not timed before)
 #   bash benchmarks/step34_gpu.sh OUT llama    # Llama-3.2-1B-shaped step: eager, compile,
 #                                              # meshfuse (~3-4 min on 2026-12-03)
@@ -51,6 +55,19 @@ case $part in
       tests/test_capture_model_zoo.py tests/test_capture_in_place.py tests/test_pipeline_hf.py \
       tests/test_capture_torchtitan.py tests/test_moe_torchtitan.py > "$out/models.txt" 2>&1
     echo "models: rc=$? $(tail -1 "$out/models.txt")" ;;
+  perstep)
+    mkdir -p "$out/perstep"
+    timeout 300 python3 -m benchmarks.training_step --sizes small --per-step --rounds 9 \
+      --variants meshfuse_autograd,meshfuse_hand_written,meshfuse_captured \
+      --out "$out/perstep" > "$out/perstep/training_step.log" 2>&1
+    echo "training_step --per-step: rc=$?"
+    grep -h "per step of a block" "$out/perstep/training_step.md" ;;
+  first)
+    mkdir -p "$out/first"
+    timeout 200 python3 -m benchmarks.first_step --rounds 20 --out "$out/first" \
+      > "$out/first/first_step.log" 2>&1
+    echo "first_step: rc=$?"
+    cat "$out/first/first_step.txt" ;;
   layers|big)
     sizes=small,medium
     [ "$part" = big ] && sizes=big
@@ -88,6 +105,6 @@ case $part in
     echo "training_step opcount: rc=$?"
     grep -h -E '^## |^\| meshfuse|^\| torch' "$out/opcount/training_step.md" ;;
   *)
-    echo "unknown part $part: tests, models, layers, big, llama, steps, timeline or opcount" >&2
+    echo "unknown part $part: tests, models, perstep, first, layers, big, llama, steps, timeline or opcount" >&2
     exit 2 ;;
 esac
