@@ -26,7 +26,9 @@ from meshfuse.runtime.comm.collectives import record_communications
 from meshfuse.testing.utils import current_device
 
 E, HIDDEN, LAYERS = 8, 10, 16  # HIDDEN shards unevenly over 3 and 4 ranks
-CALLS: collections.Counter = collections.Counter()  # Block.forward calls, by layer index
+# the blocks whose forward ran, in order (by object: a forward computing with its layer_idx
+# would make every layer trace itself, a copy's trace being the template's)
+CALLED: list = []
 
 
 class Block(torch.nn.Module):
@@ -41,7 +43,7 @@ class Block(torch.nn.Module):
         self.register_buffer("shift", torch.full((E,), 0.1 * index))
 
     def forward(self, x, table, *, gain=None):
-        CALLS[self.layer_idx] += 1
+        CALLED.append(self)
         h = F.silu(self.up(self.norm(x + self.shift) * table)) * self.scale
         return x + self.down(h) * gain, None  # a non-tensor output rides along
 
@@ -59,6 +61,11 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             x, _ = layer(x, self.table, gain=gain)
         return (x * x).mean(), x
+
+
+def _calls(model: Stack) -> collections.Counter:
+    """Forward calls since ``CALLED`` was cleared, by layer index."""
+    return collections.Counter(list(model.layers).index(b) for b in CALLED)
 
 
 PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
@@ -82,12 +89,12 @@ def test_identical_layers_run_their_python_once_and_give_the_whole_graph(odd):
     traced = [0] if odd is None else [0, odd]  # the layer that differs traces itself
     assert repeated_layers(model) == {
         "layers.0": [f"layers.{i}" for i in range(LAYERS) if i not in traced]}
-    CALLS.clear()
+    CALLED.clear()
     captured = capture(model, (x,), {})
-    assert CALLS == dict.fromkeys(traced, 1)
-    CALLS.clear()
+    assert _calls(model) == dict.fromkeys(traced, 1)
+    CALLED.clear()
     whole = _from_exported(torch.export.export(model, (x,), strict=False))
-    assert len(CALLS) == LAYERS
+    assert len(_calls(model)) == LAYERS
     # The copies are the layers' own: same ops, module paths (layers.7.up) and shapes.
     assert _signature(captured.graph) == _signature(whole.graph)
     read = {a.name for n in captured.graph.nodes if n.op == "call_function"
@@ -101,6 +108,64 @@ def test_a_layer_with_another_shape_or_a_hook_is_not_a_copy():
     blocks = [Block(i) for i in range(4)]
     blocks[1].up.register_forward_hook(lambda *a: None)
     assert repeated_layers(Stack(blocks)) == {"layers.0": ["layers.2", "layers.3"]}
+
+
+class ScaledByIndex(Block):
+    """A block whose forward computes with its layer index (as ImageGPT's attention divides
+    by ``layer_idx + 1``): its copies would take the template's index."""
+
+    def forward(self, x, table, *, gain=None):
+        y, extra = super().forward(x, table, gain=gain)
+        return y / float(self.layer_idx + 1), extra
+
+
+def test_a_forward_computing_with_its_layer_index_traces_every_layer():
+    """The layers group as copies (only their index differs), but the template's forward
+    reads the index: the capture traces every layer, and computes the module's values."""
+    torch.manual_seed(0)
+    model = Stack([ScaledByIndex(i) for i in range(4)])
+    assert repeated_layers(model) == {"layers.0": ["layers.1", "layers.2", "layers.3"]}
+    x = torch.randn(2, 3, E)
+    CALLED.clear()
+    capture(model, (x,), {})
+    # the template once in the attempt, then every layer
+    assert _calls(model) == {0: 2, 1: 1, 2: 1, 3: 1}
+    assert all(type(b.layer_idx) is int for b in model.layers)  # given back as they were
+    torch.manual_seed(0)
+    reference = Stack([ScaledByIndex(i) for i in range(4)])
+    parallel = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh([0]), {})
+    torch.testing.assert_close(parallel(x)[1], reference(x)[1])
+
+
+@pytest.mark.parametrize("by_index", [False, True])
+def test_imagegpt_traces_its_layers_once_unless_it_scales_by_their_index(monkeypatch, by_index):
+    """ImageGPT's forward writes in place (its functional pass traces the exported program
+    again, reading the templates' records: done inside ``traced_once``) and, with
+    ``scale_attn_by_inverse_layer_idx``, divides its attention by ``layer_idx + 1``: then
+    each layer traces itself. Logits and gradients are the module's either way."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ImageGPTConfig(
+        vocab_size=33, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=by_index)
+    torch.manual_seed(0)
+    reference = transformers.ImageGPTForCausalImageModeling(config)
+    block = type(reference.transformer.h[0])
+    calls = []
+    forward = block.forward
+    monkeypatch.setattr(block, "forward", lambda self, *a, **k: calls.append(self)
+                        or forward(self, *a, **k))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh([0]), {})
+        calls.clear()
+        logits = model(input_ids=ids, use_cache=False).logits
+    assert len(calls) == (1 + 3 if by_index else 1)  # (the template in the attempt, then all)
+    expected = reference(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    logits.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    check_gradients(model, reference)
 
 
 @pytest.mark.mpi

@@ -8,15 +8,19 @@ their place, reading the layer's own parameters and buffers:
 1. :func:`repeated_layers`: the children of a top-level ``ModuleList``/``ModuleDict`` (the
    numbered blocks, ``model.layers.3``) grouped by structure: class, every submodule's class,
    parameters and buffers (names, shapes, dtypes), and every plain attribute (an attribute
-   holding the layer's own index, ``layer_idx``, is allowed to differ). A layer whose
-   ``layer_types`` entry, sliding window or any other attribute differs is traced itself.
+   holding the layer's own index, ``layer_idx``, is allowed to differ, where the forward
+   does not compute with it: see 2). A layer whose ``layer_types`` entry, sliding window or
+   any other attribute differs is traced itself.
 2. :func:`traced_once`: during the trace, the template's call is wrapped in two marker ops
    (``enter``/``exit``, identities), and each other layer's forward is replaced by one
    ``repeat`` op whose outputs have the template's shapes, where its inputs have the
    template's structure, shapes and non-tensor values (else the layer runs its own forward,
-   which fails, and the caller traces the module whole). The other layers' parameters and
-   buffers are hidden from the trace (the tracer would lift each as a placeholder and make
-   a fake tensor of it: a cost per layer).
+   which fails, and the caller traces the module whole). The template's index attributes
+   are watched meanwhile (:class:`_WatchedIndex`): a forward that computes with its index
+   (ImageGPT's attention divides by ``layer_idx + 1``), which its copies would take as the
+   template's, stops the trace, and the caller traces the module whole. The other layers'
+   parameters and buffers are hidden from the trace (the tracer would lift each as a
+   placeholder and make a fake tensor of it: a cost per layer).
 3. :func:`expand_repeats`: on the traced graph, each ``repeat`` node becomes a copy of the
    template's nodes between its markers, with the layer's parameters and buffers (new
    placeholders, like the template's) and its module paths (so that plans, fusions per
@@ -163,15 +167,78 @@ def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> 
     return True
 
 
+class IndexReadError(RuntimeError):
+    """A template's forward read the layer index its copies hold otherwise (its trace is
+    not theirs: the caller traces every layer)."""
+
+
+class _WatchedIndex(int):
+    """A template's layer index while its forward is traced (:func:`traced_once`): the same
+    int, which notes any use of its value (arithmetic, comparison, hashing, formatting,
+    conversion) in :data:`_INDEX_READS`. Copies of a layer may hold another index
+    (``layer_idx``) only where the forward never computes with it: ImageGPT's attention
+    divides by ``layer_idx + 1``, which a copy traced as the template would take as the
+    template's."""
+
+    path: str
+
+
+_INDEX_READS: set[str] = set()  # templates whose forward used their watched index
+
+
+def _watching(name: str):
+    method = getattr(int, name)
+
+    def watched(self, *args):
+        _INDEX_READS.add(self.path)
+        return method(self, *args)
+    return watched
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+              "__rmod__", "__pow__", "__rpow__", "__neg__", "__pos__", "__abs__", "__invert__",
+              "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
+              "__rlshift__", "__rshift__", "__rrshift__", "__eq__", "__ne__", "__lt__",
+              "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__index__", "__int__",
+              "__float__", "__str__", "__repr__", "__format__", "__round__", "__trunc__",
+              "__floor__", "__ceil__", "__divmod__", "__rdivmod__"):
+    setattr(_WatchedIndex, _name, _watching(_name))
+
+
+def _watched(index: int, path: str) -> _WatchedIndex:
+    value = _WatchedIndex(index)
+    value.path = path
+    return value
+
+
+def _index_attributes(module: torch.nn.Module, template: str, copy: str) -> list:
+    """(submodule, attribute name) of the template layer's int attributes that hold its
+    index where the copy's hold the copy's (what :func:`_same_attributes` lets differ)."""
+    i, j = int(template.rsplit(".", 1)[-1]), int(copy.rsplit(".", 1)[-1])
+    theirs = dict(module.get_submodule(copy).named_modules())
+    found = []
+    for name, m in module.get_submodule(template).named_modules():
+        other = vars(theirs[name])
+        found += [(m, key) for key, value in vars(m).items()
+                  if type(value) is int and value == i and type(other.get(key)) is int
+                  and other[key] == j]
+    return found
+
+
 @contextlib.contextmanager
 def traced_once(module: torch.nn.Module, groups: Mapping[str, list[str]]) -> Iterator[None]:
-    """During a trace of ``module``: templates marked, their copies stood in (module doc)."""
-    patched, hidden = [], []
+    """During a trace of ``module``: templates marked, their copies stood in, the templates'
+    layer indices watched (module doc)."""
+    patched, hidden, indices = [], [], []
     try:
         for template, copies in groups.items():
             layer = module.get_submodule(template)
             layer.forward = _marked(layer.forward, template)
             patched.append(layer)
+            for m, key in _index_attributes(module, template, copies[0]):
+                indices.append((m, key, vars(m)[key]))
+                vars(m)[key] = _watched(vars(m)[key], template)
             for path in copies:
                 copy = module.get_submodule(path)
                 copy.forward = _stand_in(copy.forward, template, path)
@@ -181,6 +248,8 @@ def traced_once(module: torch.nn.Module, groups: Mapping[str, list[str]]) -> Ite
                     m._parameters, m._buffers = {}, {}
         yield
     finally:
+        for m, key, value in indices:
+            vars(m)[key] = value
         for m, parameters, buffers in hidden:
             m._parameters, m._buffers = parameters, buffers
         for layer in patched:
@@ -194,7 +263,11 @@ def _marked(forward, path: str):
         flat, spec = pytree.tree_flatten((args, kwargs))
         flat = _through(torch.ops.meshfuse_capture.enter, flat, path)
         args, kwargs = pytree.tree_unflatten(flat, spec)
+        _INDEX_READS.discard(path)
         out = forward(*args, **kwargs)
+        if path in _INDEX_READS:
+            raise IndexReadError(f"{path}'s forward computes with its layer index: each "
+                                 "layer is traced itself")
         out_flat, out_spec = pytree.tree_flatten(out)
         _RECORDS[path] = _Record(
             spec, [_meta(x) for x in flat], out_spec,

@@ -76,9 +76,11 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> 
     """
     groups = repeated_layers(module)
     if groups:
-        with contextlib.suppress(Exception):  # traced layer by layer below, which says why
-            with traced_once(module, groups):
-                exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+        # Any failure: traced layer by layer below, which says why. The records of the
+        # templates' calls are read again by the functional pass's trace of the exported
+        # program (a forward writing in place, ImageGPT's): it runs inside traced_once.
+        with contextlib.suppress(Exception), traced_once(module, groups):
+            exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
             return _collected(_from_exported(exported))
     try:
         exported = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
