@@ -98,6 +98,9 @@ class FusionFunction:
         self._ranks: tuple[int, ...] | None = None  # see _agreeing_ranks
         self._extents: FusionRunner | None = None  # binds symbolic extents: see _bound
         self._symbolic: bool | None = None  # whether the fusion has symbolic extents
+        # requires_grad flags -> derivation, where this rank's flags alone decide it (see
+        # _compiled_for: no agreement with other ranks, no symbolic extents)
+        self._by_flags: dict[tuple[bool, ...], _Compiled] | None = None
 
     def derivation(self, requires_grad: Sequence[bool],
                    extents: Mapping[IterDomain, int] | None = None) -> _Compiled:
@@ -174,10 +177,10 @@ class FusionFunction:
         backward, whose collectives the other ranks run with it: an empty leaf that
         requires grad makes its outputs require grad, so its backward runs."""
         anchor = None
-        if torch.is_grad_enabled() and any(i is not None for i in compiled.derivation.gradients) \
-                and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
-            anchor = torch.empty(0, requires_grad=True)
         if torch.is_grad_enabled():
+            if compiled.has_gradients and not any(
+                    isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+                anchor = torch.empty(0, requires_grad=True)
             run_backward_here()
             if not _SOLE:
                 _calibrate()
@@ -194,12 +197,19 @@ class FusionFunction:
         if not torch.is_grad_enabled():
             return self.derivation([False] * len(inputs), extents)
         flags = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
+        if self._by_flags is not None:  # (found once per set of flags)
+            compiled = self._by_flags.get(key := tuple(flags))
+            if compiled is None:
+                compiled = self._by_flags[key] = self.derivation(flags, extents)
+            return compiled
         ranks = self._agreeing_ranks()
         if Communicator.instance().rank not in ranks:
             flags = [isinstance(v, TensorView) and v.dtype.is_floating
                      for v in self.fusion.inputs()]
         elif self._inputs_not_everywhere():
             flags = _agreed(flags, ranks)
+        elif extents is None:  # this rank's flags alone decide, from now on
+            self._by_flags = {}
         return self.derivation(flags, extents)
 
     def _agreeing_ranks(self) -> tuple[int, ...]:
@@ -275,6 +285,7 @@ class _Compiled:
         # the node's outputs that are no residual (a 0-d one of them is copied)
         saved = {r.index for r in d.residuals if r.kind == "output"}
         self.unsaved = tuple(j for j in range(d.num_outputs) if j not in saved)
+        self.has_gradients = any(i is not None for i in d.gradients)
 
     def backward_lines(self) -> list[str]:
         """explain's lines on the derived backward: per signature it ran, see
