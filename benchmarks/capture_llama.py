@@ -180,6 +180,9 @@ def main() -> None:
                                                trace)
             if variant.startswith("meshfuse"):
                 results[variant]["calls"] = _calls(model)
+                # graphs refused for memory: later calls ran the interpreter (a regression
+                # of 2026-12-06 showed only so)
+                results[variant]["graph_pools_full"] = _pools_full(model)
             if trace is not None:
                 results[variant]["calls"] += trace.report()
             if args.interleaved:
@@ -220,6 +223,15 @@ def _calls(model) -> list[str]:
     for n, (_, function) in enumerate(program.built.values()):
         lines += [f"function {n}:", *(f"  {x}" for x in function.call_lines())]
     return lines
+
+
+def _pools_full(model) -> bool:
+    """Whether some program of the parallelized model was refused a capture because the
+    automatic graphs' pools held their share of the device's memory."""
+    return any(replay.capped
+               for function in model._meshfuse.last.built.values()
+               for compiled in function[1]._derivations.values()
+               for runner in compiled.runners() for replay in runner._replays.values())
 
 
 def _record(results: dict, path: Path | None) -> None:
