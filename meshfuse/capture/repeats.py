@@ -155,7 +155,7 @@ def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> 
         return False
     for key, x in va.items():
         y = vb[key]
-        if type(x) is int and type(y) is int and (x, y) == (i, j):
+        if _holds_index(x, y, i, j):
             continue  # the layer's index (layer_idx)
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             return False
@@ -165,6 +165,13 @@ def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> 
         except Exception:  # noqa: BLE001 - an object whose == is not a truth value
             return False
     return True
+
+
+def _holds_index(x: Any, y: Any, i: int, j: int) -> bool:
+    """Whether attribute values ``x`` of layer ``i`` and ``y`` of layer ``j`` are the
+    layers' own indices (``layer_idx``): the one attribute copies may differ in, watched
+    while the template is traced (:func:`traced_once`)."""
+    return type(x) is int and type(y) is int and (x, y) == (i, j)
 
 
 class IndexReadError(RuntimeError):
@@ -221,8 +228,7 @@ def _index_attributes(module: torch.nn.Module, template: str, copy: str) -> list
     for name, m in module.get_submodule(template).named_modules():
         other = vars(theirs[name])
         found += [(m, key) for key, value in vars(m).items()
-                  if type(value) is int and value == i and type(other.get(key)) is int
-                  and other[key] == j]
+                  if _holds_index(value, other.get(key), i, j)]
     return found
 
 
