@@ -25,8 +25,9 @@ from benchmarks.replay_trace import ReplayTrace
 from meshfuse import DataType, FusionDefinition, FusionModule
 from meshfuse.engine import runner as runner_module
 from meshfuse.engine.runner import FusionRunner
-from meshfuse.runtime.replay import pools
-from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, AutoReplay
+from meshfuse.examples.gpt import GptBlock, GptBlockWithBackward, init_parameters
+from meshfuse.runtime.replay import automatic, pools
+from meshfuse.runtime.replay.automatic import BUFFERS, MAX_CHAIN, STEADY_CALLS, AutoReplay
 from meshfuse.runtime.replay.graphs import into_inputs
 
 T, H, FFN = 6, 4, 8
@@ -320,6 +321,104 @@ def test_a_cotangent_someone_keeps_is_not_overwritten(fake_cuda):
     _, backward = _runners(function)
     graphs = _captured(backward)
     assert graphs and not any(g._views for g in graphs)
+
+
+def _mlp_case():
+    """(autograd function, leaves, reference(leaves, dy) -> gradients) of the MLP."""
+    x, w1, w2 = _randn(T, H, seed=1), _randn(FFN, H, seed=2), _randn(H, FFN, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    return (_mlp()[0].as_autograd_function(), leaves,
+            lambda dy: torch.autograd.grad(_torch_mlp(*leaves), leaves, dy))
+
+
+def _gpt_case():
+    """The same for a small GPT block (its attention's residuals include the random
+    state's seeds, read in place as graph outputs), against its hand-written backward run
+    by the interpreter; enough tokens that ``dy`` is not small next to the gradients."""
+    b, s, heads, e = 2, 64, 2, 16
+    params = init_parameters(e, dtype=torch.float64)
+    x = _randn(b, s, e, seed=1)
+    leaves = [t.clone().requires_grad_() for t in (x, *params.values())]
+    hand = GptBlockWithBackward(b, s, e, heads, DataType.Double).define()
+    return (GptBlock(b, s, e, heads, DataType.Double).define().as_autograd_function(),
+            leaves, lambda dy: hand.execute([x, dy, *params.values()], cuda_graph=False)[1:])
+
+
+def _steps_with_one_dy(function, leaves, reference, steps: int) -> None:
+    """``steps`` calls of ``torch.autograd.grad(function(leaves), leaves, dy)`` with one ``dy``
+    buffer (new values each step), checked against ``reference``."""
+    dy = torch.empty_like(leaves[0]).detach()
+    for step in range(steps):
+        dy.copy_(_randn(*dy.shape, seed=20 + step))
+        got = torch.autograd.grad(function(leaves)[0], leaves, dy)
+        torch.testing.assert_close(got, reference(dy))
+        del got  # (held into the next step, the graph would be busy: a second one)
+
+
+@pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "gpt_block"])
+def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, case):
+    """``torch.autograd.grad(out, leaves, dy)`` with one ``dy`` buffer at every step (its
+    values new each step): after STEADY_CALLS replays of the copying graph, a graph that
+    reads ``dy`` where it lies (no buffer, no copy) is captured and replays from then on;
+    a gradient at a new address each step stays copied. Values are the reference's at
+    every step."""
+    function, leaves, reference = case()
+    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 6)
+    _, backward = _runners(function)
+    (replay,) = backward._replays.values()
+    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
+    before = AddressGraph.replays
+    moving = []  # gradients kept alive: each step's at a new address
+    for step in range(STEADY_CALLS + 3):
+        moving.append(_randn(*leaves[0].shape, seed=40 + step))
+        got = torch.autograd.grad(function(leaves)[0], leaves, moving[-1])
+        torch.testing.assert_close(got, reference(moving[-1]))
+        del got
+    assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3)
+    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
+    assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
+
+
+def test_a_steady_gradient_small_next_to_the_outputs_stays_copied(fake_cuda, monkeypatch):
+    """A second graph reading a steady gradient in place holds a second set of outputs: not
+    where they take more than STEADY_OUTPUT_RATIO times the gradient's bytes (the MLP's
+    gradients take 3.7 times ``dy``'s: at a ratio of 2, ``dy`` stays copied), nor where they
+    would not fit under the pools' limit. One graph, copying, at every step; values are
+    PyTorch's."""
+    monkeypatch.setattr(automatic, "STEADY_OUTPUT_RATIO", 2)
+    function, leaves, reference = _mlp_case()
+    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4)
+    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1]
+    monkeypatch.setattr(automatic, "STEADY_OUTPUT_RATIO", 8)
+    monkeypatch.setattr(AddressCuda, "memory_limit", staticmethod(lambda device: 100),
+                        raising=False)
+    function, leaves, reference = _mlp_case()
+    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4)
+    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1]
+
+
+def test_a_stacks_steady_gradient_stays_copied(fake_cuda):
+    """A stack of layers sharing one function, its top gradient one buffer of the caller's
+    at every step: a graph reading it in place would be a second graph of the top layer,
+    its outputs a second copy, for every program so called at many places (a
+    parallelized Llama's layers reached the pools' memory limit so and ran the
+    interpreter). One backward graph per layer; values are PyTorch's."""
+    layers = 3
+    function = _mlp()[0].as_autograd_function()
+    mine, ref, _, _ = _two_stacks(layers)
+    x = _randn(T, H, seed=3).requires_grad_()
+    dy = torch.empty(T, H, dtype=torch.float64)
+    for step in range(STEADY_CALLS + 5):
+        dy.copy_(_randn(T, H, seed=30 + step))
+        h, r = x, x
+        for (w1, w2), (r1, r2) in zip(mine, ref):
+            h = function([h, w1, w2])[0]
+            r = _torch_mlp(r, r1, r2)
+        got = torch.autograd.grad(h, [x, *mine[-1]], dy)
+        torch.testing.assert_close(got, torch.autograd.grad(r, [x, *ref[-1]], dy))
+        del got
+    _, backward = _runners(function)
+    assert _graphs(backward) == layers
 
 
 def test_a_loop_feeding_a_program_its_own_output_captures_few_graphs(fake_cuda):

@@ -142,6 +142,12 @@ BUFFERS = 2  # graphs (sets of output memory) per set of input addresses
 # graphs of one program chained on its own outputs with the same other inputs, keyed on
 # their addresses (see AutoReplay._looped)
 MAX_CHAIN = 8
+# replays of one copying graph with its copied inputs at the same addresses after which a
+# graph reading them in place is captured (see AutoReplay._steady_or)
+STEADY_CALLS = 3
+# the most bytes of outputs per byte read in place that such a graph may add (see
+# AutoReplay._worth_reading_in_place)
+STEADY_OUTPUT_RATIO = 8
 MAX_SEEN = 256  # sets of input addresses remembered until their second call
 MAX_ADDRESSES = 8192  # their tensors' addresses remembered (see AutoReplay._settled)
 MAX_FUSION_GRAPHS = 256  # graphs captured per fusion, over all its signatures
@@ -401,6 +407,11 @@ class AutoReplay:
         # inputs a replay reads on the host, not part of a graph's key
         self._unkeyed = seed_inputs(program) if self.reason is None else frozenset()
         self._staged: dict = {}  # see _staging
+        # copied inputs' addresses that a graph reads in place, and for each copying key the
+        # addresses of its copied inputs at its last call, with their count (_steady_or)
+        self._steady: set[int] = set()
+        self._streaks: dict[tuple, tuple[tuple, int]] = {}
+        self._copying_kept: set[tuple] = set()  # copying keys found not worth a second graph
         self._unkeyed_of: dict[frozenset[int], frozenset[int]] = {}  # see _keyed
         self._graphs: dict[tuple, list[_Graph]] = {}
         self._seen: set[tuple] = set()  # sets of input addresses run once, not captured
@@ -468,28 +479,71 @@ class AutoReplay:
         """``(key, copied, unkeyed, graphs)`` of this call: its graphs' key, the positions a
         replay copies into its graph's buffers, those left out of the key, and the graphs
         captured for it (None: none yet). The copied inputs are ``staged`` and the small
-        integer ones (:meth:`_staging`), but those that lie at a live graph's output (a
-        backward's cotangent that the next layer's replayed backward made, a residual's
-        random seed: at the same address at every step): each of these is read where it
-        lies, keyed on its address, with no buffer nor copy; unless the call's graphs were
-        captured with it copied (before the graph making it was), which are kept."""
+        integer ones (:meth:`_staging`), but those that stay in place: each of these is
+        read where it lies, keyed on its address, with no buffer nor copy; unless the
+        call's graphs were captured with it copied, which are kept. An input stays in place
+        where it lies at a live graph's output (a backward's cotangent that the next
+        layer's replayed backward made, a residual's random seed: at the same address at
+        every step), or at an address that a graph reads in place because a copying graph
+        found it there call after call (:meth:`_steady_or`)."""
         copied = self._staging(staged, inputs)
         # (the staged set itself where nothing is looped: a set made at every call would be
         # hashed again at every lookup)
         looped = self._looped(inputs, copied) if self._chain_ends else None
         with_looped = copied | looped if looped else copied
-        settled = [i for i in copied if inputs[i].data_ptr() in _GRAPH_OUTPUTS] \
-            if copied else ()
+        settled = [i for i in copied if (a := inputs[i].data_ptr()) in _GRAPH_OUTPUTS
+                   or a in self._steady and i not in overwrite] if copied else ()
         if not settled:
-            return self._keyed(inputs, with_looped, overwrite)
-        still_copied = copied.difference(settled)
-        in_place = self._keyed(inputs, still_copied | looped if looped else still_copied,
-                               overwrite)
-        if in_place[3] is None:  # no graph reads them in place: one may copy them
-            copying = self._keyed(inputs, with_looped, overwrite)
-            if copying[3] is not None:
-                return copying
-        return in_place
+            found = self._keyed(inputs, with_looped, overwrite)
+        else:
+            still_copied = copied.difference(settled)
+            found = self._keyed(inputs, still_copied | looped if looped else still_copied,
+                                overwrite)
+            if found[3] is None:  # no graph reads them in place: one may copy them
+                copying = self._keyed(inputs, with_looped, overwrite)
+                if copying[3] is not None:
+                    found = copying
+        return self._steady_or(found, inputs, staged, overwrite) if staged else found
+
+    def _steady_or(self, found: tuple, inputs: Sequence[Any], staged: Collection[int],
+                   overwrite: Collection[int]) -> tuple:
+        """``found`` (a copying key's answer, see :meth:`_find`), or, once its graphs have
+        found their copied ``staged`` inputs at the same addresses :data:`STEADY_CALLS`
+        calls in a row, the answer for those inputs read in place, with an empty list of
+        graphs: one is captured now. A gradient that the caller passes at every step
+        (``out.backward(grad)`` with one ``grad``) is so read where it lies, with no copy;
+        one that moves from call to call stays copied. Inputs in ``overwrite`` (autograd's
+        own cotangents, handed over) are left as they are: their memory takes a result;
+        and the small integer inputs (a batch's token ids), whose copy costs less than a
+        graph of their own.
+
+        The graph reading in place is a second graph of the call (the copying one stays,
+        for a gradient that moves again), its outputs' memory a second copy: so only where
+        that memory is worth the copy it saves (:meth:`_worth_reading_in_place`), for a
+        program that runs at one place (one set of input addresses captured: not a stack's
+        layers, whose graphs together are most of the memory the pools may hold; a
+        parallelized Llama-3.2-1B captured a second graph per layer, reached that limit and
+        ran the interpreter), and while another capture is allowed."""
+        key, copied, _, graphs = found
+        if graphs is None or len(self._graphs) != 1 or key in self._copying_kept:
+            return found
+        steady = tuple(i for i in staged if i in copied and i not in overwrite)
+        if not steady:
+            return found
+        addresses = tuple(inputs[i].data_ptr() for i in steady)
+        last = self._streaks.get(key)
+        calls = last[1] + 1 if last is not None and last[0] == addresses else 1
+        self._streaks[key] = (addresses, calls)
+        if calls < STEADY_CALLS or any(a in _GRAPH_OUTPUTS for a in addresses) \
+                or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 or self._memory_spent():
+            return found
+        if not self._worth_reading_in_place(graphs[0], [inputs[i] for i in steady]):
+            self._copying_kept.add(key)
+            del self._streaks[key]
+            return found
+        self._steady.update(addresses)
+        in_place = self._keyed(inputs, copied.difference(steady), overwrite)
+        return in_place if in_place[3] is not None else (*in_place[:3], [])
 
     def _looped(self, inputs: Sequence[Any], copied: frozenset[int]) -> frozenset[int]:
         """The positions of tensor inputs that lie at the output of a graph of this program
@@ -587,6 +641,19 @@ class AutoReplay:
         rest = _outside_graphs(addresses)
         chained = len(rest) < len(addresses)
         return chained and bool(rest) and rest not in self._rests and rest <= self._addresses
+
+    def _worth_reading_in_place(self, copying: _Graph, steady: list[torch.Tensor]) -> bool:
+        """Whether a second graph that reads ``steady`` in place is worth its memory next to
+        ``copying``, the graph that copies them: its outputs (a second set, as large as the
+        copying graph's) take at most :data:`STEADY_OUTPUT_RATIO` times the bytes copied at
+        each replay, and fit beside the pools' memory under their limit. A loss's 0-d
+        cotangent, copied beside an LM head whose weight gradient is half a GiB, stays
+        copied; the GPT layer's ``dy`` (8 MiB, outputs of 33 MiB) is read in place."""
+        outputs = copying.output_bytes()
+        if outputs > STEADY_OUTPUT_RATIO * sum(x.nbytes for x in steady):
+            return False
+        limit = getattr(self._cuda, "memory_limit", None)
+        return limit is None or held_bytes() + outputs <= limit(self._device)
 
     def _memory_spent(self) -> bool:
         """Whether the automatic graphs' pools hold their limit already (the next capture's
@@ -702,14 +769,18 @@ class _Graph:
 
     def unheld(self) -> bool:
         """Whether nothing outside holds the previous outputs' memory."""
-        return all(torch._C._storage_Use_Count(s) == n
-                   for s, n in zip(self._storages, self._baseline))
+        # (a list compared with a list: no Python frame per storage)
+        return list(map(torch._C._storage_Use_Count, self._storages)) == self._baseline
 
     def output_ranges(self) -> list[tuple[int, int]]:
         """The device memory of its outputs (their storages, those of inputs aside)."""
         return sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
                        for s in (t.untyped_storage() for t in self._outputs if t is not None)
                        if s._cdata in self._own})
+
+    def output_bytes(self) -> int:
+        """The bytes of its outputs' memory (see :meth:`output_ranges`)."""
+        return sum(end - start for start, end in self.output_ranges())
 
     def replay(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs of a replay on ``inputs`` (at the captured addresses), its dropout
