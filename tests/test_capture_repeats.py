@@ -132,7 +132,8 @@ def test_a_forward_computing_with_its_layer_index_traces_every_layer():
     assert _calls(model) == {0: 2, 1: 1, 2: 1, 3: 1}
     assert all(type(b.layer_idx) is int for b in model.layers)  # given back as they were
     torch.manual_seed(0)
-    reference = Stack([ScaledByIndex(i) for i in range(4)])
+    reference = Stack([ScaledByIndex(i) for i in range(4)]).to(current_device())
+    x = x.to(current_device())
     parallel = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh([0]), {})
     torch.testing.assert_close(parallel(x)[1], reference(x)[1])
 
@@ -148,13 +149,14 @@ def test_imagegpt_traces_its_layers_once_unless_it_scales_by_their_index(monkeyp
         vocab_size=33, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=by_index)
     torch.manual_seed(0)
-    reference = transformers.ImageGPTForCausalImageModeling(config)
+    reference = transformers.ImageGPTForCausalImageModeling(config).to(current_device())
     block = type(reference.transformer.h[0])
     calls = []
     forward = block.forward
     monkeypatch.setattr(block, "forward", lambda self, *a, **k: calls.append(self)
                         or forward(self, *a, **k))
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(current_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)
         model = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh([0]), {})
