@@ -110,6 +110,37 @@ def test_a_layer_with_another_shape_or_a_hook_is_not_a_copy():
     assert repeated_layers(Stack(blocks)) == {"layers.0": ["layers.2", "layers.3"]}
 
 
+class PrivatelyScaled(Block):
+    """A block whose forward reads a private attribute set per layer (``self._gain``)."""
+
+    def __init__(self, index: int, gain: float):
+        super().__init__(index)
+        self._gain = gain
+
+    def forward(self, x, table, *, gain=None):
+        y, extra = super().forward(x, table, gain=gain)
+        return y * self._gain, extra
+
+
+def test_layers_differing_in_a_private_attribute_are_not_copies():
+    """Private attributes count as public ones do (a copy traced as the template would take
+    the template's ``_gain``): the layers that differ trace themselves, and the parallelized
+    module computes the module's values; those alike still group, and so do helper modules
+    held in a private dict (Llama's ``_kernel_funcs``: one instance per layer, no state)."""
+    torch.manual_seed(0)
+    reference = Stack([PrivatelyScaled(i, 2.0 if i == 2 else 1.0) for i in range(4)])
+    assert repeated_layers(reference) == {"layers.0": ["layers.1", "layers.3"]}
+    for block in reference.layers:
+        block._helpers = {"silu": torch.nn.SiLU()}
+    assert repeated_layers(reference) == {"layers.0": ["layers.1", "layers.3"]}
+    reference.layers[3]._helpers = {"silu": torch.nn.GELU()}
+    assert repeated_layers(reference) == {"layers.0": ["layers.1"]}
+    reference = reference.to(current_device())
+    x = torch.randn(2, 3, E).to(current_device())
+    parallel = meshfuse.parallelize(copy.deepcopy(reference), DeviceMesh([0]), {})
+    torch.testing.assert_close(parallel(x)[1], reference(x)[1])
+
+
 class ScaledByIndex(Block):
     """A block whose forward computes with its layer index (as ImageGPT's attention divides
     by ``layer_idx + 1``): its copies would take the template's index."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -117,8 +118,9 @@ def repeated_layers(module: torch.nn.Module) -> dict[str, list[str]]:
     return {t: copies for t, copies in groups.items() if copies}
 
 
-def _same(a: torch.nn.Module, i: int, b: torch.nn.Module, j: int) -> bool:
-    """``a`` (layer ``i``) and ``b`` (layer ``j``) trace alike."""
+def _same(a: torch.nn.Module, i: int, b: torch.nn.Module, j: int, depth: int = 0) -> bool:
+    """``a`` (layer ``i``) and ``b`` (layer ``j``) trace alike (``depth``: how deep in the
+    attributes of the layers compared, see :func:`_same_value`)."""
     mods_a, mods_b = dict(a.named_modules()), dict(b.named_modules())
     if mods_a.keys() != mods_b.keys():
         return False
@@ -131,7 +133,7 @@ def _same(a: torch.nn.Module, i: int, b: torch.nn.Module, j: int) -> bool:
         if not _same_tensors(m._parameters, n._parameters) or \
                 not _same_tensors(m._buffers, n._buffers):
             return False
-        if not _same_attributes(m, i, n, j):
+        if not _same_attributes(m, i, n, j, depth):
             return False
         if any(getattr(m, h) or getattr(n, h) for h in _HOOKS):
             return False
@@ -148,23 +150,47 @@ def _same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
             and a[k].requires_grad == b[k].requires_grad)) for k in a)
 
 
-def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int) -> bool:
-    va = {k: v for k, v in vars(m).items() if not k.startswith("_")}
-    vb = {k: v for k, v in vars(n).items() if not k.startswith("_")}
-    if va.keys() != vb.keys():
+# what every module holds of its own (parameters, buffers, submodules, hooks): compared by
+# _same itself, not as attributes
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+_MAX_DEPTH = 4  # containers and helper modules within the layers' attributes compared
+
+
+def _same_attributes(m: torch.nn.Module, i: int, n: torch.nn.Module, j: int,
+                     depth: int = 0) -> bool:
+    """Whether modules ``m`` (of layer ``i``) and ``n`` (of layer ``j``) hold the same
+    attributes, private ones included (a forward reading ``self._gain`` would take the
+    template's in a copy), but the layers' own indices (:func:`_holds_index`)."""
+    va = {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
+    vb = {k: v for k, v in vars(n).items() if k not in _MODULE_STATE}
+    return va.keys() == vb.keys() and all(
+        _holds_index(x, vb[key], i, j) or _same_value(x, vb[key], depth)
+        for key, x in va.items())
+
+
+def _same_value(x: Any, y: Any, depth: int) -> bool:
+    """Whether attribute values ``x`` and ``y`` of two layers let one's trace stand for the
+    other's: the same object or equal values of one type; lists, tuples and dicts item by
+    item, and helper modules without tensors held outside the module tree (a dict of
+    function modules, one instance per layer: Llama's ``_kernel_funcs``) as layers are;
+    never tensors (a copy would read the template's), nor values deeper than
+    :data:`_MAX_DEPTH` or that cannot be compared."""
+    if x is y:
+        return True
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or type(x) is not type(y) \
+            or depth >= _MAX_DEPTH:
         return False
-    for key, x in va.items():
-        y = vb[key]
-        if _holds_index(x, y, i, j):
-            continue  # the layer's index (layer_idx)
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return False
-        try:
-            if not (x is y or bool(x == y)):
-                return False
-        except Exception:  # noqa: BLE001 - an object whose == is not a truth value
-            return False
-    return True
+    if isinstance(x, torch.nn.Module):
+        held = itertools.chain(x.parameters(), x.buffers(), y.parameters(), y.buffers())
+        return next(held, None) is None and _same(x, -1, y, -1, depth + 1)
+    if isinstance(x, list | tuple):
+        return len(x) == len(y) and all(_same_value(a, b, depth + 1) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_value(x[k], y[k], depth + 1) for k in x)
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - an object whose == is not a truth value
+        return False
 
 
 def _holds_index(x: Any, y: Any, i: int, j: int) -> bool:
