@@ -366,7 +366,9 @@ def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, 
     _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 6)
     _, backward = _runners(function)
     (replay,) = backward._replays.values()
-    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
+    # the copying graph, whose outputs nothing held, was dropped for the one reading dy
+    assert [len(g._buffers) for g in _captured(backward)] == [0]
+    assert (replay.graphs, replay.replaced) == (2, 1)
     before = AddressGraph.replays
     moving = []  # gradients kept alive: each step's at a new address
     for step in range(STEADY_CALLS + 3):
@@ -374,8 +376,10 @@ def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, 
         got = torch.autograd.grad(function(leaves)[0], leaves, moving[-1])
         torch.testing.assert_close(got, reference(moving[-1]))
         del got
-    assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3)
-    assert [len(g._buffers) for g in _captured(backward)] == [1, 0]
+    # a gradient at a new address at each step: one copying graph again, after a call of
+    # the interpreter (its set of addresses met once), then replays
+    assert AddressGraph.replays - before == 2 * (STEADY_CALLS + 3) - 1
+    assert sorted(len(g._buffers) for g in _captured(backward)) == [0, 1]
     assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
 
 

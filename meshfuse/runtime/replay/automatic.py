@@ -425,6 +425,7 @@ class AutoReplay:
         self._chained: dict[int, tuple[int, frozenset]] = {}
         self._chain_ends: dict[int, frozenset] = {}
         self.graphs = 0  # captured, over all sets of input addresses
+        self.replaced = 0  # of those, dropped for one reading steady inputs in place
         self.pool_bytes = 0  # the device memory they hold
         self._streams = ""  # explain's words on the dropout streams a replay seeds
         self._device = device
@@ -542,6 +543,7 @@ class AutoReplay:
             del self._streaks[key]
             return found
         self._steady.update(addresses)
+        self._drop_unheld(key, graphs)
         in_place = self._keyed(inputs, copied.difference(steady), overwrite)
         return in_place if in_place[3] is not None else (*in_place[:3], [])
 
@@ -642,6 +644,21 @@ class AutoReplay:
         chained = len(rest) < len(addresses)
         return chained and bool(rest) and rest not in self._rests and rest <= self._addresses
 
+    def _drop_unheld(self, key: tuple, graphs: list[_Graph]) -> None:
+        """Drops the graphs of ``key`` (copying inputs that now stay in place) where nothing
+        holds their outputs: the graph reading those inputs in place, captured next into the
+        same shared pool, then takes their memory rather than a second copy of it, and the
+        runner keeps one graph per set of addresses (another is captured if the inputs move
+        again). Graphs whose outputs are held stay (dropped, their memory would stay taken)."""
+        if not all(graph.unheld() for graph in graphs):
+            return
+        del self._graphs[key]
+        self.replaced += len(graphs)
+        for graph in graphs:
+            for address in {t.data_ptr() for t in graph._outputs if t is not None}:
+                self._chained.pop(address, None)
+                self._chain_ends.pop(address, None)
+
     def _worth_reading_in_place(self, copying: _Graph, steady: list[torch.Tensor]) -> bool:
         """Whether a second graph that reads ``steady`` in place is worth its memory next to
         ``copying``, the graph that copies them: its outputs (a second set, as large as the
@@ -676,6 +693,9 @@ class AutoReplay:
         if self.waits:
             spent += (f"; {self.waits} calls found a graph waiting for a later graph's "
                       "outputs, held, in memory its replay writes")
+        if self.replaced:
+            spent += (f"; {self.replaced} dropped for a graph reading inputs in place that "
+                      "stay at one address (a gradient the caller passes at every step)")
         copying = [len(g._buffers) for gs in self._graphs.values() for g in gs if g._buffers]
         if copying:  # inputs that lie at new addresses each call (see _find)
             spent += ("; inputs copied in at each replay (cotangents or batches at new "
