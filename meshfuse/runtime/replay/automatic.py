@@ -518,10 +518,10 @@ class AutoReplay:
         and the small integer inputs (a batch's token ids), whose copy costs less than a
         graph of their own.
 
-        The graph reading in place is a second graph of the call (the copying one stays,
-        for a gradient that moves again), its outputs' memory a second copy: so only where
-        that memory is worth the copy it saves (:meth:`_worth_reading_in_place`), for a
-        program that runs at one place (one set of input addresses captured: not a stack's
+        The copying graph is dropped where nothing holds its outputs
+        (:meth:`_drop_unheld`); else it stays beside the new one, whose outputs are a
+        second copy of its memory: so only where that memory is worth the copy it saves
+        (:meth:`_worth_reading_in_place`), for a program that runs at one place (one set of input addresses captured: not a stack's
         layers, whose graphs together are most of the memory the pools may hold; a
         parallelized Llama-3.2-1B captured a second graph per layer, reached that limit and
         ran the interpreter), and while another capture is allowed."""
@@ -579,7 +579,7 @@ class AutoReplay:
                     before = self._chained.get(x.data_ptr())
                     if before is not None and before[1] == rest:
                         place = max(place, before[0] + 1)
-        for address in {t.data_ptr() for t in graph._outputs if t is not None}:
+        for address in graph.output_addresses():
             self._chained[address] = (place, rest)
             if place >= MAX_CHAIN - 1:
                 self._chain_ends[address] = rest
@@ -655,7 +655,7 @@ class AutoReplay:
         del self._graphs[key]
         self.replaced += len(graphs)
         for graph in graphs:
-            for address in {t.data_ptr() for t in graph._outputs if t is not None}:
+            for address in graph.output_addresses():
                 self._chained.pop(address, None)
                 self._chain_ends.pop(address, None)
 
@@ -797,6 +797,10 @@ class _Graph:
         return sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
                        for s in (t.untyped_storage() for t in self._outputs if t is not None)
                        if s._cdata in self._own})
+
+    def output_addresses(self) -> set[int]:
+        """Where its outputs start (those that are no view of an input)."""
+        return {t.data_ptr() for t in self._outputs if t is not None}
 
     def output_bytes(self) -> int:
         """The bytes of its outputs' memory (see :meth:`output_ranges`)."""
