@@ -28,12 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("CUDA only: it times a step from an idle GPU", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    setups = training_step.variants(training_step.SIZES["small"], device, torch.bfloat16,
-                                    "inductor")
+    setups = training_step.cuda_variants("small", None, "it times a step from an idle GPU")
     names = list(setups)
     steps = {n: setups[n]()[0] for n in names}
     timed = ["meshfuse_autograd", "meshfuse_hand_written"]
@@ -67,7 +62,7 @@ def main(argv=None) -> int:
             for c, (before, threads_before, threads_step) in cases.items():
                 block(before, threads_before)
                 records[f"{v} {c}"].append(first(v, threads_step))
-    lines = [(f"# {torch.cuda.get_device_name(device)} ({torch.__version__}), small layer, "
+    lines = [(f"# {torch.cuda.get_device_name()} ({torch.__version__}), small layer, "
              f"first step of a block after another block (us, medians of {args.rounds}): "
              "host call, GPU step (events)")]
     for k, rs in records.items():

@@ -44,13 +44,9 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="small")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("CUDA only: it times the GPU's kernels of replayed steps", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
     names = args.variants.split(",")
-    setups = training_step.variants(training_step.SIZES[args.size], device, torch.bfloat16,
-                                    "inductor", names)
+    setups = training_step.cuda_variants(args.size, names,
+                                         "it times the GPU's kernels of replayed steps")
     per_variant = {}
     for name in names:
         step = setups[name]()[0]
@@ -62,7 +58,7 @@ def main(argv=None) -> int:
     base = names[-1]
     rows = sorted(kernels, key=lambda k: -abs(per_variant[names[0]].get(k, 0.0)
                                                 - per_variant[base].get(k, 0.0)))
-    lines = [(f"# {torch.cuda.get_device_name(device)} ({torch.__version__}), {args.size} "
+    lines = [(f"# {torch.cuda.get_device_name()} ({torch.__version__}), {args.size} "
              f"layer, GPU us per step over {args.steps} replayed steps"),
              "total: " + ", ".join(f"{n} {sum(per_variant[n].values()):.1f}" for n in names),
              " | ".join(names) + " | kernel"]

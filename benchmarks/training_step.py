@@ -311,6 +311,16 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         if (name in chosen if chosen is not None else name not in OPT_IN)}
 
 
+def cuda_variants(label: str, chosen, purpose: str) -> dict[str, Callable]:
+    """:func:`variants` of the layer at size ``label`` in bf16 on the GPU, Inductor for
+    torch.compile's (``chosen``: their names, None: all); without a GPU, says that the
+    caller (doing ``purpose``) needs one and exits with 2."""
+    if not torch.cuda.is_available():
+        print(f"CUDA only: {purpose}", file=sys.stderr)
+        raise SystemExit(2)
+    return variants(SIZES[label], torch.device("cuda"), torch.bfloat16, "inductor", chosen)
+
+
 class Skipped(Exception):
     """A variant that cannot run here (a CUDA-only one on the CPU)."""
 
