@@ -36,6 +36,11 @@ default settings:
   (x_hat recomputed from the residual sum, its casts and the saved statistics) is written
   in float32 by its row kernel and read back by the weight gradient's column sum, 32 MiB
   per norm at the small size. Not run by default: they show what the setting is worth.
+- ``meshfuse_autograd_multi_kernel``, ``meshfuse_hand_written_multi_kernel``: segments that
+  reduce along rows compiled with Inductor's ``triton.multi_kernel`` (a persistent and a
+  looped kernel per reduction, the faster kept at the first run; meshfuse's setting until
+  2026-12-06) rather than persistent kernels for rows of up to 4096
+  (:mod:`meshfuse.runtime.interpreter.persistent_rows`). Not run by default.
 
 Each block of timed steps starts with autograd's device threads on (torch's default, which
 the torch variants keep; a meshfuse call turns them off for its thread:
@@ -91,7 +96,11 @@ TINY = (1, 16, 2, 32)  # --quick: b, s, heads, embed
 TOL = 5e-2
 BASELINES = ("torch_compile", "torch_compile_ro", "meshfuse_hand_written")
 # variants run only when named (--variants)
-OPT_IN = ("meshfuse_autograd_opcount30", "meshfuse_hand_written_opcount30")
+OPT_IN = ("meshfuse_autograd_opcount30", "meshfuse_hand_written_opcount30",
+          "meshfuse_autograd_multi_kernel", "meshfuse_hand_written_multi_kernel")
+# the ``*_multi_kernel`` variants' settings of segments that reduce along rows, on GPUs (until
+# 2026-12-06: Inductor's persistent and looped kernels both, the faster kept at the first run)
+MULTI_KERNEL = {"triton.multi_kernel": 1}
 # Issue 34's targets for meshfuse_autograd: (baseline, bound at small, bound at the others)
 TARGETS = (("meshfuse_hand_written", 1.02, 1.02), ("torch_compile", 0.5, 0.97),
            ("torch_compile_ro", 1.0, 1.0))
@@ -264,10 +273,12 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         inputs = [x, dy, *params.values()]
         return (lambda: fd.execute(inputs)), fd
 
-    def with_inductor(setup, **settings):
+    def with_inductor(setup, along_rows=None, **settings):
         """``setup``'s variant, its segments compiled (at its first step, which the first
         call's time counts) with ``settings`` over meshfuse's Inductor settings, on every
-        device (kept apart in the compiled segments' cache, whose key holds them)."""
+        device, and with ``along_rows`` (if given) for meshfuse's settings of segments that
+        reduce along rows on GPUs (kept apart in the compiled segments' cache, whose key
+        holds them)."""
         def patched():
             step, owner = setup()
             compiled = []
@@ -277,8 +288,10 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
                     return step()
                 compiled.append(True)
                 on_cuda = {k: v for k, v in settings.items() if k in fused.INDUCTOR_ON_CUDA}
+                rows = fused.INDUCTOR_ALONG_ROWS_ON_CUDA if along_rows is None else along_rows
                 with mock.patch.dict(fused.INDUCTOR, settings), \
-                        mock.patch.dict(fused.INDUCTOR_ON_CUDA, on_cuda):
+                        mock.patch.dict(fused.INDUCTOR_ON_CUDA, on_cuda), \
+                        mock.patch.dict(fused.INDUCTOR_ALONG_ROWS_ON_CUDA, rows, clear=True):
                     return step()
             return run, owner
         return patched
@@ -307,7 +320,9 @@ def variants(size, device, dtype, backend: str, chosen=None) -> dict[str, Callab
         ("meshfuse_hand_written", hand_written),
         ("meshfuse_autograd_opcount30", with_inductor(derived, realize_opcount_threshold=30)),
         ("meshfuse_hand_written_opcount30",
-         with_inductor(hand_written, realize_opcount_threshold=30)))
+         with_inductor(hand_written, realize_opcount_threshold=30)),
+        ("meshfuse_autograd_multi_kernel", with_inductor(derived, MULTI_KERNEL)),
+        ("meshfuse_hand_written_multi_kernel", with_inductor(hand_written, MULTI_KERNEL)))
         if (name in chosen if chosen is not None else name not in OPT_IN)}
 
 

@@ -288,7 +288,9 @@ class _Compiled:
         shared = SHARED.key(graph, tensors, self._backend, patches)
         compiled = SHARED.get(shared)
         if compiled is None:
-            with torch._inductor.config.patch(patches) if patches else contextlib.nullcontext():
+            heuristics, settings = _heuristics(patches)
+            with torch._inductor.config.patch(settings) if settings else contextlib.nullcontext(), \
+                    heuristics:
                 compiled = torch._dynamo.lookup_backend(self._backend)(graph, tensors)
             SHARED.put(shared, compiled)
         else:
@@ -320,16 +322,14 @@ INDUCTOR = {"emulate_precision_casts": True}
 # 40), the step 0.885 ms instead of 0.915; the medium layer's 0.6% less, the big one's 0.3% more,
 # within its rounds' spread (``benchmarks/results/2026-12-05-1612-*``, ``-1614-*``).
 INDUCTOR_ON_CUDA = {"realize_opcount_threshold": 40}
-# And on GPUs, for a segment that reduces along rows (``segment_reductions``),
-# ``triton.multi_kernel``: each reduction is generated both as a persistent kernel (a row held
-# whole, read once) and as a looped one, and the faster is picked when the segment first runs
-# (before any CUDA-graph capture). Inductor keeps rows longer than 1024 looped otherwise;
-# softmax over rows of 4096 (bf16, 8192 rows per H200) ran in 80.5 us looped, 38.7 us
-# persistent (a copy of its bytes: 34.9). A segment whose reductions all run across rows (a
-# bias's gradient) keeps Inductor's own choice: there the first-run pick took the slower
-# kernel of both stages of a split sum over 4096 tokens (19.2 and 6.0 us per step where the
-# other kernels take 8.5 and 2.4; H200, 2026-12-05).
-INDUCTOR_ALONG_ROWS_ON_CUDA = {"triton.multi_kernel": 1}
+# And on GPUs, for a segment that reduces along rows (``segment_reductions``), Inductor's
+# heuristics with persistent kernels for rows of up to 4096 elements
+# (:mod:`~meshfuse.runtime.interpreter.persistent_rows`, named here: imported where a
+# segment is compiled). Inductor's own bound, 1024, loops over longer rows, reading them more
+# than once (softmax over rows of 4096, bf16, 8192 rows per H200: 80.5 us looped, 38.7 us
+# persistent, 34.9 for a copy of its bytes). A segment whose reductions all run across rows
+# (a bias's gradient) keeps Inductor's own heuristics.
+INDUCTOR_ALONG_ROWS_ON_CUDA = {"inductor_choices_class": "meshfuse.PersistentRows"}
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
@@ -370,6 +370,16 @@ def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphMo
         copied[node] = graph.node_copy(node, lambda n: fixed[n] if n in fixed else copied[n])
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _heuristics(patches: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(context, settings)`` that compile a segment with Inductor's ``patches``: where they
+    name meshfuse's heuristics (:data:`INDUCTOR_ALONG_ROWS_ON_CUDA`), the context applies
+    them (:func:`~meshfuse.runtime.interpreter.persistent_rows.compiling`)."""
+    if "inductor_choices_class" not in patches:
+        return contextlib.nullcontext(), patches
+    from meshfuse.runtime.interpreter import persistent_rows  # (Inductor's modules: slow)
+    return persistent_rows.compiling(patches)
 
 
 def _unpacked(result: tuple) -> Any:

@@ -1,0 +1,85 @@
+"""meshfuse's Inductor heuristics for segments that reduce along rows on GPUs
+(``meshfuse.runtime.interpreter.persistent_rows``): persistent kernels for rows of up to
+4096 elements, Inductor's own choice otherwise; applied only where a segment's settings
+name them. The kernels themselves are timed on GPUs (``benchmarks/kernel_diff.py``)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import sympy
+import torch
+from torch._inductor.choices import InductorChoices
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.sizevars import SizeVarAllocator
+from torch._inductor.virtualized import V
+
+from meshfuse.runtime.interpreter import fused, persistent_rows
+from meshfuse.runtime.interpreter.persistent_rows import PERSISTENT_ROW, PersistentRows
+
+
+class _Features:
+    """What the heuristic reads of a kernel: its reduction's extent and hint."""
+
+    def __init__(self, extent: int, hint: ReductionHint):
+        self.reduction_numel = sympy.Integer(extent)
+        self.hint = hint
+
+    def get_reduction_hint(self) -> ReductionHint:
+        return self.hint
+
+
+@pytest.mark.parametrize("extent", [64, 1024, 2048, PERSISTENT_ROW, 2 * PERSISTENT_ROW])
+@pytest.mark.parametrize("hint", [ReductionHint.INNER, ReductionHint.OUTER,
+                                  ReductionHint.DEFAULT])
+def test_rows_up_to_the_bound_are_persistent_else_inductors_choice(extent, hint):
+    """Along rows (Inductor's INNER hint) of up to PERSISTENT_ROW elements: persistent;
+    longer rows, and reductions across rows, as Inductor decides; none where Inductor's
+    persistent reductions are off."""
+    with V.set_graph_handler(types.SimpleNamespace(sizevars=SizeVarAllocator())):
+        features = _Features(extent, hint)
+        inductors = InductorChoices.should_use_persistent_reduction(features, False)
+        ours = PersistentRows.should_use_persistent_reduction(features, False)
+        assert ours == (inductors or hint == ReductionHint.INNER and extent <= PERSISTENT_ROW)
+        assert inductors == (extent <= (1024 if hint == ReductionHint.INNER else 64))
+        with torch._inductor.config.patch({"triton.persistent_reductions": False}):
+            assert not PersistentRows.should_use_persistent_reduction(features, False)
+
+
+def test_the_heuristics_apply_only_where_a_segments_settings_name_them():
+    """The segment settings on GPUs name the heuristics by persistent_rows.NAME; compiling
+    with them makes PersistentRows Inductor's handler for that compilation only, and puts
+    the class among the settings only where this torch has ``inductor_choices_class`` (its
+    cache key); other settings compile as they are."""
+    assert fused.INDUCTOR_ALONG_ROWS_ON_CUDA["inductor_choices_class"] == persistent_rows.NAME
+    plain = {"emulate_precision_casts": True}
+    context, settings = persistent_rows.compiling(plain)
+    assert settings is plain
+    before = V.choices
+    context, settings = persistent_rows.compiling(
+        {**plain, **fused.INDUCTOR_ALONG_ROWS_ON_CUDA})
+    expected = {**plain, "inductor_choices_class": PersistentRows} \
+        if hasattr(torch._inductor.config, "inductor_choices_class") else plain
+    assert settings == expected
+    with context:
+        assert isinstance(V.choices, PersistentRows)
+    assert type(V.choices) is type(before)
+    assert PersistentRows().uuid() == f"meshfuse.PersistentRows({PERSISTENT_ROW})"
+
+
+def test_a_segment_compiled_with_the_heuristics_computes_the_same(monkeypatch):
+    """A softmax and a norm over rows, compiled by Inductor (C++ on this CPU) with the
+    heuristics' settings: the values of the uncompiled graph."""
+    def rows(x, w):
+        y = torch.softmax(x, dim=-1)
+        mean = x.mean(-1, keepdim=True)
+        return y * w, (x - mean) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-5)
+
+    graph = torch.fx.symbolic_trace(rows)
+    x, w = torch.randn(16, 2048), torch.randn(2048)
+    context, settings = persistent_rows.compiling(dict(fused.INDUCTOR_ALONG_ROWS_ON_CUDA))
+    with torch._inductor.config.patch(settings), context:
+        compiled = torch._dynamo.lookup_backend("inductor")(graph, [x, w])
+    for got, expected in zip(compiled(x, w), rows(x, w)):
+        torch.testing.assert_close(got, expected)
