@@ -1,6 +1,6 @@
 """meshfuse's Inductor heuristics for segments that reduce along rows on GPUs
 (``meshfuse.runtime.interpreter.persistent_rows``): persistent kernels for rows of up to
-4096 elements, Inductor's own choice otherwise; applied only where a segment's settings
+16384 elements, Inductor's own choice otherwise; applied only where a segment's settings
 name them. The kernels themselves are timed on GPUs (``benchmarks/kernel_diff.py``)."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from torch._inductor.sizevars import SizeVarAllocator
 from torch._inductor.virtualized import V
 
 from meshfuse.runtime.interpreter import fused, persistent_rows
-from meshfuse.runtime.interpreter.persistent_rows import PERSISTENT_ROW, PersistentRows
+from meshfuse.runtime.interpreter.persistent_rows import PERSISTENT_ROW, choices_class
+
+PersistentRows = choices_class()
 
 
 class _Features:

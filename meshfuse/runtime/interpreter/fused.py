@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from meshfuse.ops.registry import REGISTRY, lookup
+from meshfuse.runtime.interpreter import persistent_rows
 from meshfuse.runtime.interpreter.executor import RESHARD, Program, Slot, Step
 from meshfuse.runtime.interpreter.recompute import recomputed_in_readers
 from meshfuse.runtime.interpreter.segment_cache import SHARED
@@ -288,7 +289,7 @@ class _Compiled:
         shared = SHARED.key(graph, tensors, self._backend, patches)
         compiled = SHARED.get(shared)
         if compiled is None:
-            heuristics, settings = _heuristics(patches)
+            heuristics, settings = persistent_rows.compiling(patches)
             with torch._inductor.config.patch(settings) if settings else contextlib.nullcontext(), \
                     heuristics:
                 compiled = torch._dynamo.lookup_backend(self._backend)(graph, tensors)
@@ -323,13 +324,12 @@ INDUCTOR = {"emulate_precision_casts": True}
 # within its rounds' spread (``benchmarks/results/2026-12-05-1612-*``, ``-1614-*``).
 INDUCTOR_ON_CUDA = {"realize_opcount_threshold": 40}
 # And on GPUs, for a segment that reduces along rows (``segment_reductions``), Inductor's
-# heuristics with persistent kernels for rows of up to 4096 elements
-# (:mod:`~meshfuse.runtime.interpreter.persistent_rows`, named here: imported where a
-# segment is compiled). Inductor's own bound, 1024, loops over longer rows, reading them more
-# than once (softmax over rows of 4096, bf16, 8192 rows per H200: 80.5 us looped, 38.7 us
-# persistent, 34.9 for a copy of its bytes). A segment whose reductions all run across rows
-# (a bias's gradient) keeps Inductor's own heuristics.
-INDUCTOR_ALONG_ROWS_ON_CUDA = {"inductor_choices_class": "meshfuse.PersistentRows"}
+# heuristics with persistent kernels for rows of up to 16384 elements
+# (:mod:`~meshfuse.runtime.interpreter.persistent_rows`). Inductor's own bound, 1024, loops
+# over longer rows, reading them more than once (softmax over rows of 4096, bf16, 8192 rows
+# per H200: 80.5 us looped, 38.7 us persistent, 34.9 for a copy of its bytes). A segment
+# whose reductions all run across rows (a bias's gradient) keeps Inductor's own heuristics.
+INDUCTOR_ALONG_ROWS_ON_CUDA = {"inductor_choices_class": persistent_rows.NAME}
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],
@@ -370,16 +370,6 @@ def _with_constants(gm: fx.GraphModule, constants: dict[int, Any]) -> fx.GraphMo
         copied[node] = graph.node_copy(node, lambda n: fixed[n] if n in fixed else copied[n])
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _heuristics(patches: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(context, settings)`` that compile a segment with Inductor's ``patches``: where they
-    name meshfuse's heuristics (:data:`INDUCTOR_ALONG_ROWS_ON_CUDA`), the context applies
-    them (:func:`~meshfuse.runtime.interpreter.persistent_rows.compiling`)."""
-    if "inductor_choices_class" not in patches:
-        return contextlib.nullcontext(), patches
-    from meshfuse.runtime.interpreter import persistent_rows  # (Inductor's modules: slow)
-    return persistent_rows.compiling(patches)
 
 
 def _unpacked(result: tuple) -> Any:

@@ -1,4 +1,4 @@
-"""Persistent kernels for reductions along rows of up to 4096 elements, on GPUs.
+"""Persistent kernels for reductions along rows of up to 16384 elements, on GPUs.
 
 A segment that reduces along rows (:mod:`~meshfuse.runtime.interpreter.segment_reductions`:
 a norm's or a softmax's statistics over the features) is compiled by Inductor with
@@ -6,14 +6,17 @@ a norm's or a softmax's statistics over the features) is compiled by Inductor wi
 :data:`PERSISTENT_ROW` elements becomes a *persistent* kernel, each row held whole in
 registers and read once. Inductor's own bound (1024) loops over longer rows and reads them
 more than once: softmax over rows of 4096 (bf16, 8192 rows per H200) took 80.5 us looped
-and 38.7 us persistent, where a copy of its bytes takes 34.9. Its ``triton.multi_kernel``
-setting, which generates both kernels and keeps the faster at the first run, keeps the
-buffers of both as well: a layer norm's derived backward wrote a float32 ``[tokens,
-features]`` product that only the looped kernel reads (64 MiB per step at the medium GPT
-layer, 2 x 4096 tokens of 4096 features).
+and 38.7 us persistent, where a copy of its bytes takes 34.9; the big GPT layer's derived
+layer-norm backward over rows of 12288 (2048 tokens, bf16, H100) 294 us looped and 220
+persistent, its forward 131 and 117. Inductor's ``triton.multi_kernel`` setting, which
+generates both kernels and keeps the faster at the first run (meshfuse's setting until
+2026-12-06), keeps the buffers of both as well: that backward wrote a float32 ``[tokens,
+features]`` product that only the looped kernel reads (its row kernel 233 us at the big
+layer; 84.5 against 66.8 at the medium one, 2 x 2048 tokens of 4096 features:
+``benchmarks/results/2026-12-06-114*-h100-1gpu-kernel-diff-*``).
 
-Imported where a segment is compiled for a GPU, not with meshfuse (Inductor's modules take
-a second to import).
+The class subclasses Inductor's ``InductorChoices``, whose modules take a second to import:
+it is made at its first use (:func:`choices_class`), not when meshfuse is imported.
 """
 
 from __future__ import annotations
@@ -22,47 +25,65 @@ import contextlib
 from typing import Any
 
 import torch
-from torch._inductor.choices import InductorChoices
-from torch._inductor.runtime.hints import ReductionHint
-from torch._inductor.virtualized import V
 
 # the longest rows (elements) reduced by a persistent kernel
-PERSISTENT_ROW = 4096
-
-
-class PersistentRows(InductorChoices):
-    """Inductor's heuristics, but a reduction along rows of at most :data:`PERSISTENT_ROW`
-    elements is persistent (see the module doc)."""
-
-    @staticmethod
-    def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
-        if (torch._inductor.config.triton.persistent_reductions and not cooperative_reduction
-                and features.get_reduction_hint() == ReductionHint.INNER
-                and V.graph.sizevars.statically_known_leq(features.reduction_numel,
-                                                          PERSISTENT_ROW)):
-            return True
-        return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
-
-    def uuid(self) -> str:
-        """Its part of Inductor's cache key (as torch's ``inductor_choices_class``)."""
-        return f"meshfuse.PersistentRows({PERSISTENT_ROW})"
-
-
-# how :func:`~meshfuse.runtime.interpreter.fused.inductor_patches` names :class:`PersistentRows`
-# among a segment's Inductor settings, as ``inductor_choices_class`` (a name: the settings are
-# made without importing this module)
+PERSISTENT_ROW = 16384
+# how :func:`~meshfuse.runtime.interpreter.fused.inductor_patches` names the heuristics among
+# a segment's Inductor settings, as ``inductor_choices_class``
 NAME = "meshfuse.PersistentRows"
+
+_CLASS: list[type] = []  # PersistentRows, once made
+
+
+def choices_class() -> type:
+    """``PersistentRows``: Inductor's heuristics (a subclass of its ``InductorChoices``), but
+    a reduction along rows of at most :data:`PERSISTENT_ROW` elements is persistent (see the
+    module doc). Made at the first call."""
+    if not _CLASS:
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.runtime.hints import ReductionHint
+        from torch._inductor.virtualized import V
+
+        class PersistentRows(InductorChoices):
+            @staticmethod
+            def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+                if (torch._inductor.config.triton.persistent_reductions
+                        and not cooperative_reduction
+                        and features.get_reduction_hint() == ReductionHint.INNER
+                        and V.graph.sizevars.statically_known_leq(features.reduction_numel,
+                                                                  PERSISTENT_ROW)):
+                    return True
+                return InductorChoices.should_use_persistent_reduction(
+                    features, cooperative_reduction)
+
+            def uuid(self) -> str:
+                """Its part of Inductor's cache key (as torch's ``inductor_choices_class``)."""
+                return f"{NAME}({PERSISTENT_ROW})"
+
+        PersistentRows.__qualname__ = "PersistentRows"  # found by name: see __getattr__
+        _CLASS.append(PersistentRows)
+    return _CLASS[0]
+
+
+def __getattr__(name: str) -> Any:
+    """``PersistentRows`` as an attribute of this module (so that pickling the class, as
+    Inductor's cache key may, finds it by its name)."""
+    if name == "PersistentRows":
+        return choices_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compiling(patches: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """``(context, settings)`` to compile a segment with Inductor's ``patches``: where their
-    ``inductor_choices_class`` is :data:`NAME`, the context makes :class:`PersistentRows`
+    ``inductor_choices_class`` is :data:`NAME`, the context makes ``PersistentRows``
     Inductor's heuristics, and the settings hold the class there where this torch has that
     setting (part of Inductor's cache key, so that kernels compiled with other heuristics
     are not reused), none elsewhere."""
     if patches.get("inductor_choices_class") != NAME:
         return contextlib.nullcontext(), patches
+    from torch._inductor.virtualized import V
+
     settings = {k: v for k, v in patches.items() if k != "inductor_choices_class"}
     if hasattr(torch._inductor.config, "inductor_choices_class"):
-        settings["inductor_choices_class"] = PersistentRows
-    return V.set_choices_handler(PersistentRows()), settings
+        settings["inductor_choices_class"] = choices_class()
+    return V.set_choices_handler(choices_class()()), settings

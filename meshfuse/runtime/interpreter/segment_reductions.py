@@ -8,11 +8,11 @@ norm's statistics over the features. One *across rows* keeps that axis and reduc
 neighbouring output elements read neighbouring input elements.
 
 The answer decides how Inductor compiles the segment on a GPU
-(:func:`~meshfuse.runtime.interpreter.fused.inductor_patches`): reductions along long rows
-get a persistent and a looped kernel, the faster kept on the first run (Inductor's
-``triton.multi_kernel``); where every reduction runs across rows, Inductor's own choice
-(looped over more than 64 rows, persistent below) is kept, as that first-run pick measured
-kernels of a few microseconds unreliably (see docs/fusion.md).
+(:func:`~meshfuse.runtime.interpreter.fused.inductor_patches`): reductions along rows of up
+to 16384 elements get persistent kernels
+(:mod:`~meshfuse.runtime.interpreter.persistent_rows`); where every reduction runs across
+rows, Inductor's own heuristics are kept (looped over more than 64 rows, persistent below;
+see docs/fusion.md).
 """
 
 from __future__ import annotations
