@@ -344,19 +344,16 @@ def _gpt_case():
             leaves, lambda dy: hand.execute([x, dy, *params.values()], cuda_graph=False)[1:])
 
 
-def _steps_with_one_dy(function, leaves, reference, steps: int, hold: bool = False) -> None:
+def _steps_with_one_dy(function, leaves, reference, steps: int) -> None:
     """``steps`` calls of ``torch.autograd.grad(function(leaves), leaves, dy)`` with one ``dy``
-    buffer (new values each step), checked against ``reference``. ``hold``: each step's
-    gradients are held into the next step (as a caller that keeps the last ones)."""
+    buffer (new values each step), checked against ``reference``."""
     dy = torch.empty_like(leaves[0]).detach()
-    held = None
     for step in range(steps):
         dy.copy_(_randn(*dy.shape, seed=20 + step))
         got = torch.autograd.grad(function(leaves)[0], leaves, dy)
         torch.testing.assert_close(got, reference(dy))
-        held = got if hold else None
         del got  # (held into the next step, the graph would be busy: a second one)
-    del held
+
 
 @pytest.mark.parametrize("case", [_mlp_case, _gpt_case], ids=["mlp", "gpt_block"])
 def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, case):
@@ -386,27 +383,22 @@ def test_a_gradient_the_caller_passes_at_every_step_is_read_in_place(fake_cuda, 
     assert replay.describe().endswith("at new addresses): 1, by 1 graphs")
 
 
-def test_a_steady_gradient_small_next_to_held_outputs_stays_copied(fake_cuda, monkeypatch):
-    """A second graph reading a steady gradient in place, beside a copying graph whose
-    outputs the caller holds, holds a second set of outputs: not where they take more than
-    STEADY_OUTPUT_RATIO times the gradient's bytes (the MLP's gradients take 3.7 times
-    ``dy``'s: at a ratio of 2, ``dy`` stays copied), nor where they would not fit under the
-    pools' limit. Two copying graphs (each step's outputs held while the next runs); values
-    are PyTorch's. Where nothing holds them, the copying graph is dropped for the one
-    reading ``dy`` in place, whatever the ratio."""
+def test_a_steady_gradient_small_next_to_the_outputs_stays_copied(fake_cuda, monkeypatch):
+    """A second graph reading a steady gradient in place holds a second set of outputs: not
+    where they take more than STEADY_OUTPUT_RATIO times the gradient's bytes (the MLP's
+    gradients take 3.7 times ``dy``'s: at a ratio of 2, ``dy`` stays copied), nor where they
+    would not fit under the pools' limit. One graph, copying, at every step; values are
+    PyTorch's."""
     monkeypatch.setattr(automatic, "STEADY_OUTPUT_RATIO", 2)
     function, leaves, reference = _mlp_case()
-    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4, hold=True)
-    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1, 1]
-    function, leaves, reference = _mlp_case()
     _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4)
-    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [0]
+    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1]
     monkeypatch.setattr(automatic, "STEADY_OUTPUT_RATIO", 8)
     monkeypatch.setattr(AddressCuda, "memory_limit", staticmethod(lambda device: 100),
                         raising=False)
     function, leaves, reference = _mlp_case()
-    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4, hold=True)
-    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1, 1]
+    _steps_with_one_dy(function, leaves, reference, STEADY_CALLS + 4)
+    assert [len(g._buffers) for g in _captured(_runners(function)[1])] == [1]
 
 
 def test_a_stacks_steady_gradient_stays_copied(fake_cuda):

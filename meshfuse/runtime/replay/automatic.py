@@ -518,16 +518,13 @@ class AutoReplay:
         and the small integer inputs (a batch's token ids), whose copy costs less than a
         graph of their own.
 
-        Only for a program that runs at one place (one set of input addresses captured: not
-        a stack's layers, whose graphs together are most of the memory the pools may hold; a
+        The copying graph is dropped where nothing holds its outputs
+        (:meth:`_drop_unheld`); else it stays beside the new one, whose outputs are a
+        second copy of its memory: so only where that memory is worth the copy it saves
+        (:meth:`_worth_reading_in_place`), for a program that runs at one place (one set of input addresses captured: not a stack's
+        layers, whose graphs together are most of the memory the pools may hold; a
         parallelized Llama-3.2-1B captured a second graph per layer, reached that limit and
-        ran the interpreter), and while another capture is allowed. The copying graph is
-        dropped where nothing holds its outputs (:meth:`_drop`): the new one, captured into
-        the same shared pool, takes their memory, whatever their size (the medium GPT
-        layer's 32 MiB ``dy`` beside 400 MiB of gradients: a 23 us copy per step saved).
-        Else it stays beside the new one, whose outputs are a second copy of its memory: so
-        only where that memory is worth the copy it saves
-        (:meth:`_worth_reading_in_place`)."""
+        ran the interpreter), and while another capture is allowed."""
         key, copied, _, graphs = found
         if graphs is None or len(self._graphs) != 1 or key in self._copying_kept:
             return found
@@ -541,15 +538,12 @@ class AutoReplay:
         if calls < STEADY_CALLS or any(a in _GRAPH_OUTPUTS for a in addresses) \
                 or self.graphs >= MAX_GRAPHS or self._budget.left <= 0 or self._memory_spent():
             return found
-        droppable = all(graph.unheld() for graph in graphs)
-        if not droppable and not self._worth_reading_in_place(
-                graphs[0], [inputs[i] for i in steady]):
+        if not self._worth_reading_in_place(graphs[0], [inputs[i] for i in steady]):
             self._copying_kept.add(key)
             del self._streaks[key]
             return found
         self._steady.update(addresses)
-        if droppable:
-            self._drop(key, graphs)
+        self._drop_unheld(key, graphs)
         in_place = self._keyed(inputs, copied.difference(steady), overwrite)
         return in_place if in_place[3] is not None else (*in_place[:3], [])
 
@@ -650,12 +644,14 @@ class AutoReplay:
         chained = len(rest) < len(addresses)
         return chained and bool(rest) and rest not in self._rests and rest <= self._addresses
 
-    def _drop(self, key: tuple, graphs: list[_Graph]) -> None:
-        """Drops the graphs of ``key`` (copying inputs that now stay in place), whose outputs
-        nothing holds: the graph reading those inputs in place, captured next into the same
-        shared pool, then takes their memory rather than a second copy of it, and the runner
-        keeps one graph per set of addresses (another is captured if the inputs move again).
-        Graphs whose outputs are held stay (dropped, their memory would stay taken)."""
+    def _drop_unheld(self, key: tuple, graphs: list[_Graph]) -> None:
+        """Drops the graphs of ``key`` (copying inputs that now stay in place) where nothing
+        holds their outputs: the graph reading those inputs in place, captured next into the
+        same shared pool, then takes their memory rather than a second copy of it, and the
+        runner keeps one graph per set of addresses (another is captured if the inputs move
+        again). Graphs whose outputs are held stay (dropped, their memory would stay taken)."""
+        if not all(graph.unheld() for graph in graphs):
+            return
         del self._graphs[key]
         self.replaced += len(graphs)
         for graph in graphs:
