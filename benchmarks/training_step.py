@@ -39,7 +39,7 @@ default settings:
 - ``meshfuse_autograd_multi_kernel``, ``meshfuse_hand_written_multi_kernel``: segments that
   reduce along rows compiled with Inductor's ``triton.multi_kernel`` (a persistent and a
   looped kernel per reduction, the faster kept at the first run; meshfuse's setting until
-  2026-12-06) rather than persistent kernels for rows of up to 4096
+  2026-12-06) rather than persistent kernels for rows of up to 16384
   (:mod:`meshfuse.runtime.interpreter.persistent_rows`). Not run by default.
 
 Each block of timed steps starts with autograd's device threads on (torch's default, which

@@ -42,32 +42,30 @@ def test_rows_up_to_the_bound_are_persistent_else_inductors_choice(extent, hint)
     with V.set_graph_handler(types.SimpleNamespace(sizevars=SizeVarAllocator())):
         features = _Features(extent, hint)
         inductors = InductorChoices.should_use_persistent_reduction(features, False)
-        ours = PersistentRows.should_use_persistent_reduction(features, False)
+        ours = PersistentRows().should_use_persistent_reduction(features, False)
         assert ours == (inductors or hint == ReductionHint.INNER and extent <= PERSISTENT_ROW)
         assert inductors == (extent <= (1024 if hint == ReductionHint.INNER else 64))
         with torch._inductor.config.patch({"triton.persistent_reductions": False}):
-            assert not PersistentRows.should_use_persistent_reduction(features, False)
+            assert not PersistentRows().should_use_persistent_reduction(features, False)
+        assert PersistentRows(extent).should_use_persistent_reduction(features, False) == (
+            inductors or hint == ReductionHint.INNER)
 
 
 def test_the_heuristics_apply_only_where_a_segments_settings_name_them():
-    """The segment settings on GPUs name the heuristics by persistent_rows.NAME; compiling
-    with them makes PersistentRows Inductor's handler for that compilation only, and puts
-    the class among the settings only where this torch has ``inductor_choices_class`` (its
-    cache key); other settings compile as they are."""
-    assert fused.INDUCTOR_ALONG_ROWS_ON_CUDA["inductor_choices_class"] == persistent_rows.NAME
+    """The segment settings on GPUs name the heuristics (persistent_rows.SETTING, its value
+    the bound); compiling with them makes PersistentRows of that bound Inductor's handler
+    for that compilation only, and gives Inductor's config the other settings; settings
+    without it compile as they are."""
+    assert fused.INDUCTOR_ALONG_ROWS_ON_CUDA == {persistent_rows.SETTING: PERSISTENT_ROW}
     plain = {"emulate_precision_casts": True}
     context, settings = persistent_rows.compiling(plain)
     assert settings is plain
     before = V.choices
-    context, settings = persistent_rows.compiling(
-        {**plain, **fused.INDUCTOR_ALONG_ROWS_ON_CUDA})
-    expected = {**plain, "inductor_choices_class": PersistentRows} \
-        if hasattr(torch._inductor.config, "inductor_choices_class") else plain
-    assert settings == expected
+    context, settings = persistent_rows.compiling({**plain, persistent_rows.SETTING: 2048})
+    assert settings == plain
     with context:
-        assert isinstance(V.choices, PersistentRows)
+        assert isinstance(V.choices, PersistentRows) and V.choices.row == 2048
     assert type(V.choices) is type(before)
-    assert PersistentRows().uuid() == f"meshfuse.PersistentRows({PERSISTENT_ROW})"
 
 
 def test_a_segment_compiled_with_the_heuristics_computes_the_same(monkeypatch):

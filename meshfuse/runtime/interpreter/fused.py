@@ -329,7 +329,7 @@ INDUCTOR_ON_CUDA = {"realize_opcount_threshold": 40}
 # over longer rows, reading them more than once (softmax over rows of 4096, bf16, 8192 rows
 # per H200: 80.5 us looped, 38.7 us persistent, 34.9 for a copy of its bytes). A segment
 # whose reductions all run across rows (a bias's gradient) keeps Inductor's own heuristics.
-INDUCTOR_ALONG_ROWS_ON_CUDA = {"inductor_choices_class": persistent_rows.NAME}
+INDUCTOR_ALONG_ROWS_ON_CUDA = {persistent_rows.SETTING: persistent_rows.PERSISTENT_ROW}
 
 
 def inductor_patches(backend: str, tensors: Sequence[torch.Tensor],

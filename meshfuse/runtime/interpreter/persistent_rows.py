@@ -2,7 +2,7 @@
 
 A segment that reduces along rows (:mod:`~meshfuse.runtime.interpreter.segment_reductions`:
 a norm's or a softmax's statistics over the features) is compiled by Inductor with
-:class:`PersistentRows` as its heuristics: a reduction along rows of at most
+``PersistentRows`` (:func:`choices_class`) as its heuristics: a reduction along rows of at most
 :data:`PERSISTENT_ROW` elements becomes a *persistent* kernel, each row held whole in
 registers and read once. Inductor's own bound (1024) loops over longer rows and reads them
 more than once: softmax over rows of 4096 (bf16, 8192 rows per H200) took 80.5 us looped
@@ -15,8 +15,15 @@ features]`` product that only the looped kernel reads (its row kernel 233 us at 
 layer; 84.5 against 66.8 at the medium one, 2 x 2048 tokens of 4096 features:
 ``benchmarks/results/2026-12-06-114*-h100-1gpu-kernel-diff-*``).
 
-The class subclasses Inductor's ``InductorChoices``, whose modules take a second to import:
-it is made at its first use (:func:`choices_class`), not when meshfuse is imported.
+The heuristics are given to Inductor through its choices handler
+(``V.set_choices_handler``) for the segment's compilation only. A segment's settings name
+them (:data:`SETTING`, its value the bound): meshfuse's own key, never given to Inductor's
+config, which keeps the compiled segments' cache (its key holds the settings) apart per
+bound. Inductor's FX graph cache is not involved: meshfuse hands it the graph without Dynamo
+(no shape environment, which that cache bypasses); its kernel caches are keyed by the
+generated source. The class subclasses Inductor's ``InductorChoices``, whose modules take a
+second to import: it is made at its first use (:func:`choices_class`), not when meshfuse is
+imported.
 """
 
 from __future__ import annotations
@@ -28,62 +35,50 @@ import torch
 
 # the longest rows (elements) reduced by a persistent kernel
 PERSISTENT_ROW = 16384
-# how :func:`~meshfuse.runtime.interpreter.fused.inductor_patches` names the heuristics among
-# a segment's Inductor settings, as ``inductor_choices_class``
-NAME = "meshfuse.PersistentRows"
+# the key of a segment's settings that names these heuristics (its value: the bound)
+SETTING = "meshfuse.persistent_rows"
 
 _CLASS: list[type] = []  # PersistentRows, once made
 
 
 def choices_class() -> type:
-    """``PersistentRows``: Inductor's heuristics (a subclass of its ``InductorChoices``), but
-    a reduction along rows of at most :data:`PERSISTENT_ROW` elements is persistent (see the
-    module doc). Made at the first call."""
+    """``PersistentRows(row)``: Inductor's heuristics (a subclass of its
+    ``InductorChoices``), but a reduction along rows of at most ``row`` elements is
+    persistent (see the module doc). Made at the first call."""
     if not _CLASS:
         from torch._inductor.choices import InductorChoices
         from torch._inductor.runtime.hints import ReductionHint
         from torch._inductor.virtualized import V
 
         class PersistentRows(InductorChoices):
-            @staticmethod
-            def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+            def __init__(self, row: int = PERSISTENT_ROW) -> None:
+                super().__init__()
+                self.row = row
+
+            def should_use_persistent_reduction(self, features,
+                                                cooperative_reduction: bool) -> bool:
                 if (torch._inductor.config.triton.persistent_reductions
                         and not cooperative_reduction
                         and features.get_reduction_hint() == ReductionHint.INNER
                         and V.graph.sizevars.statically_known_leq(features.reduction_numel,
-                                                                  PERSISTENT_ROW)):
+                                                                  self.row)):
                     return True
                 return InductorChoices.should_use_persistent_reduction(
                     features, cooperative_reduction)
 
-            def uuid(self) -> str:
-                """Its part of Inductor's cache key (as torch's ``inductor_choices_class``)."""
-                return f"{NAME}({PERSISTENT_ROW})"
-
-        PersistentRows.__qualname__ = "PersistentRows"  # found by name: see __getattr__
         _CLASS.append(PersistentRows)
     return _CLASS[0]
 
 
-def __getattr__(name: str) -> Any:
-    """``PersistentRows`` as an attribute of this module (so that pickling the class, as
-    Inductor's cache key may, finds it by its name)."""
-    if name == "PersistentRows":
-        return choices_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def compiling(patches: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(context, settings)`` to compile a segment with Inductor's ``patches``: where their
-    ``inductor_choices_class`` is :data:`NAME`, the context makes ``PersistentRows``
-    Inductor's heuristics, and the settings hold the class there where this torch has that
-    setting (part of Inductor's cache key, so that kernels compiled with other heuristics
-    are not reused), none elsewhere."""
-    if patches.get("inductor_choices_class") != NAME:
+    """``(context, settings)`` to compile a segment with ``patches`` (see
+    :func:`~meshfuse.runtime.interpreter.fused.inductor_patches`): where they hold
+    :data:`SETTING`, the context makes ``PersistentRows`` of that bound Inductor's
+    heuristics, and the settings (Inductor's config) are the others."""
+    row = patches.get(SETTING)
+    if row is None:
         return contextlib.nullcontext(), patches
     from torch._inductor.virtualized import V
 
-    settings = {k: v for k, v in patches.items() if k != "inductor_choices_class"}
-    if hasattr(torch._inductor.config, "inductor_choices_class"):
-        settings["inductor_choices_class"] = choices_class()
-    return V.set_choices_handler(choices_class()()), settings
+    settings = {k: v for k, v in patches.items() if k != SETTING}
+    return V.set_choices_handler(choices_class()(row)), settings
