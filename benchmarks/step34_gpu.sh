@@ -43,7 +43,7 @@ case $part in
     timeout 420 python3 -m pytest -q -p no:cacheprovider -rfs --world-sizes 1 \
       tests/test_autograd_replay.py tests/test_auto_replay.py tests/test_capture_step.py \
       tests/test_compile_default.py tests/test_host_time.py tests/test_cuda_graph.py \
-      tests/test_engine_thread.py tests/test_recompute_segments.py \
+      tests/test_engine_thread.py tests/test_recompute_segments.py tests/test_persistent_rows.py \
       > "$out/tests.txt" 2>&1
     echo "tests: rc=$? $(tail -1 "$out/tests.txt")"
     timeout 130 python3 -m benchmarks.replay_phases > "$out/replay_phases.log" 2>&1

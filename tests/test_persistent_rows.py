@@ -83,3 +83,34 @@ def test_a_segment_compiled_with_the_heuristics_computes_the_same(monkeypatch):
         compiled = torch._dynamo.lookup_backend("inductor")(graph, [x, w])
     for got, expected in zip(compiled(x, w), rows(x, w)):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels: CUDA only")
+@pytest.mark.parametrize("features", [4096, 12288])
+def test_a_norm_over_long_rows_compiles_to_one_persistent_kernel_on_a_gpu(features):
+    """A segment normalizing rows of 4096 and 12288 features (bf16), compiled as meshfuse
+    compiles segments on a GPU: its reduction is a persistent kernel (Inductor alone loops
+    over rows longer than 1024), and the values are the uncompiled graph's."""
+    from torch._inductor.utils import run_and_get_code
+
+    def norm(x, w):
+        x = x.float()
+        y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-5)
+        return (y * w).to(torch.bfloat16)
+
+    graph = torch.fx.symbolic_trace(norm)
+    x = torch.randn(256, features, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(features, device="cuda")
+    patches = fused.inductor_patches("inductor", [x, w], graph)
+    assert patches[persistent_rows.SETTING] == PERSISTENT_ROW
+    context, settings = persistent_rows.compiling(patches)
+
+    def compile_and_run():
+        with torch._inductor.config.patch(settings), context:
+            compiled = torch._dynamo.lookup_backend("inductor")(graph, [x, w])
+        return compiled(x, w)
+
+    (got,), codes = run_and_get_code(compile_and_run)
+    code = "\n".join(codes)
+    assert "persistent_reduction" in code and "@triton_heuristics.reduction(" not in code
+    torch.testing.assert_close(got.float(), norm(x, w).float(), atol=2e-2, rtol=2e-2)
