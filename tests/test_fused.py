@@ -336,10 +336,10 @@ class _Like:
 def test_inductor_segments_on_gpus_get_persistent_kernels_for_rows(monkeypatch):
     """Inductor on CUDA tensors recomputes pointwise values of up to 40 operations in each
     reader (realize_opcount_threshold) and, where the segment reduces along rows, compiles
-    its reductions with meshfuse's heuristics (persistent kernels for rows of up to 4096:
-    ``persistent_rows``, named by its own setting); a segment whose
-    reductions all run across rows keeps Inductor's own heuristics; Inductor everywhere
-    rounds at casts to half precision; other backends get no settings."""
+    its reductions with meshfuse's heuristics (persistent kernels for rows of up to 16384:
+    ``persistent_rows``, named by its own setting); a segment whose reductions all run
+    across rows keeps Inductor's own heuristics; Inductor everywhere rounds at casts to
+    half precision; other backends get no settings."""
     on_cuda = {**INDUCTOR, **INDUCTOR_ON_CUDA}
     along_rows_on_cuda = {**on_cuda, **INDUCTOR_ALONG_ROWS_ON_CUDA}
     assert inductor_patches("inductor", [_Like(False), _Like(True)]) == along_rows_on_cuda
