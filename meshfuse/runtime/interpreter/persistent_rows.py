@@ -29,6 +29,7 @@ imported.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -38,36 +39,33 @@ PERSISTENT_ROW = 16384
 # the key of a segment's settings that names these heuristics (its value: the bound)
 SETTING = "meshfuse.persistent_rows"
 
-_CLASS: list[type] = []  # PersistentRows, once made
 
-
+@functools.cache
 def choices_class() -> type:
     """``PersistentRows(row)``: Inductor's heuristics (a subclass of its
     ``InductorChoices``), but a reduction along rows of at most ``row`` elements is
     persistent (see the module doc). Made at the first call."""
-    if not _CLASS:
-        from torch._inductor.choices import InductorChoices
-        from torch._inductor.runtime.hints import ReductionHint
-        from torch._inductor.virtualized import V
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
 
-        class PersistentRows(InductorChoices):
-            def __init__(self, row: int = PERSISTENT_ROW) -> None:
-                super().__init__()
-                self.row = row
+    class PersistentRows(InductorChoices):
+        def __init__(self, row: int = PERSISTENT_ROW) -> None:
+            super().__init__()
+            self.row = row
 
-            def should_use_persistent_reduction(self, features,
-                                                cooperative_reduction: bool) -> bool:
-                if (torch._inductor.config.triton.persistent_reductions
-                        and not cooperative_reduction
-                        and features.get_reduction_hint() == ReductionHint.INNER
-                        and V.graph.sizevars.statically_known_leq(features.reduction_numel,
-                                                                  self.row)):
-                    return True
-                return InductorChoices.should_use_persistent_reduction(
-                    features, cooperative_reduction)
+        def should_use_persistent_reduction(self, features,
+                                            cooperative_reduction: bool) -> bool:
+            if (torch._inductor.config.triton.persistent_reductions
+                    and not cooperative_reduction
+                    and features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel,
+                                                              self.row)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(
+                features, cooperative_reduction)
 
-        _CLASS.append(PersistentRows)
-    return _CLASS[0]
+    return PersistentRows
 
 
 def compiling(patches: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

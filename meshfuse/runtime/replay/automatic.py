@@ -521,10 +521,11 @@ class AutoReplay:
         The copying graph is dropped where nothing holds its outputs
         (:meth:`_drop_unheld`); else it stays beside the new one, whose outputs are a
         second copy of its memory: so only where that memory is worth the copy it saves
-        (:meth:`_worth_reading_in_place`), for a program that runs at one place (one set of input addresses captured: not a stack's
-        layers, whose graphs together are most of the memory the pools may hold; a
-        parallelized Llama-3.2-1B captured a second graph per layer, reached that limit and
-        ran the interpreter), and while another capture is allowed."""
+        (:meth:`_worth_reading_in_place`), for a program that runs at one place (one set of
+        input addresses captured: not a stack's layers, whose graphs together are most of
+        the memory the pools may hold; a parallelized Llama-3.2-1B captured a second graph
+        per layer, reached that limit and ran the interpreter), and while another capture
+        is allowed."""
         key, copied, _, graphs = found
         if graphs is None or len(self._graphs) != 1 or key in self._copying_kept:
             return found
